@@ -1,0 +1,56 @@
+"""aiokv: an asyncio offload engine for paged GPU KV caches."""
+
+from .config import EngineConfig, StoreConfig, load_config
+from .engine import EngineState, OffloadEngine, open_engine
+from .errors import (
+    AiokvError,
+    ConfigError,
+    EngineClosed,
+    InvalidRequest,
+    Overloaded,
+    RequestTimeout,
+    StoreError,
+    StoreFull,
+)
+from .requests import LoadResult, Lookup, OffloadResult
+from .stats import EngineStats
+from .stores.base import Store, TaskResult, TaskStatus
+from .stores.local import LocalStore
+
+
+def __getattr__(name: str) -> object:
+    # FlexKVStore is imported lazily: `import aiokv` must work without flexkv.
+    if name == "FlexKVStore":
+        from .stores.flexkv import FlexKVStore
+
+        return FlexKVStore
+    raise AttributeError(f"module 'aiokv' has no attribute {name!r}")
+
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AiokvError",
+    "ConfigError",
+    "EngineClosed",
+    "EngineConfig",
+    "EngineState",
+    "EngineStats",
+    "FlexKVStore",
+    "InvalidRequest",
+    "LoadResult",
+    "LocalStore",
+    "Lookup",
+    "OffloadEngine",
+    "OffloadResult",
+    "Overloaded",
+    "RequestTimeout",
+    "Store",
+    "StoreConfig",
+    "StoreError",
+    "StoreFull",
+    "TaskResult",
+    "TaskStatus",
+    "load_config",
+    "open_engine",
+]

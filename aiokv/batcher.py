@@ -1,0 +1,163 @@
+"""The event-loop coroutine that turns awaited calls into batched store rounds.
+
+A window opens at the first queued request and closes ``window_us`` later, or at once
+when the queue reaches ``max_batch_requests`` or ``max_batch_tokens`` (``window_us == 0``:
+on the next loop iteration). At close, the whole queue is planned into batches by
+:func:`plan_batches`, a pure function, and each batch is dispatched: its page ids fused
+and copied to the host once (:mod:`aiokv.slots`) and the batch handed to the store thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .config import EngineConfig
+from .requests import Kind, Request, Stage
+from .slots import FusedPages, fuse_page_ids
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Requests of one kind dispatched together, with their fused page ids if any."""
+
+    kind: Kind
+    requests: tuple[Request, ...]
+    pages: FusedPages | None = None
+
+
+def plan_batches(
+    requests: Iterable[Request], max_requests: int, max_tokens: int
+) -> list[tuple[Kind, list[Request]]]:
+    """Partition queued requests into batches: by kind (GET kinds before PUT), in arrival
+    order, each within ``max_requests`` and ``max_tokens``. A request larger than
+    ``max_tokens`` forms a batch of its own. Pure: no loop, no GPU, no store."""
+    by_kind: dict[Kind, list[Request]] = {kind: [] for kind in Kind}
+    for request in requests:
+        by_kind[request.kind].append(request)
+    plan: list[tuple[Kind, list[Request]]] = []
+    for kind in sorted(Kind):
+        current: list[Request] = []
+        tokens = 0
+        for request in by_kind[kind]:
+            if current and (
+                len(current) >= max_requests or tokens + request.num_tokens > max_tokens
+            ):
+                plan.append((kind, current))
+                current, tokens = [], 0
+            current.append(request)
+            tokens += request.num_tokens
+        if current:
+            plan.append((kind, current))
+    return plan
+
+
+class Batcher:
+    """Owns the queue of accepted requests and the ``aiokv-batcher`` task."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        submit: Callable[[Batch], None],
+        on_dropped: Callable[[Request], None],
+        on_batch: Callable[[Batch], None],
+        copy_stream: Any = None,
+    ) -> None:
+        self._config = config
+        self._submit = submit  # hands a batch to the store thread
+        self._on_dropped = on_dropped  # a request whose caller left before dispatch
+        self._on_batch = on_batch  # stats
+        self._copy_stream = copy_stream  # torch.cuda.Stream for the fused copy, or None
+        self._queue: deque[Request] = deque()
+        self._queued_tokens = 0
+        self._nonempty = asyncio.Event()
+        self._window: asyncio.Future[None] | None = None
+        self._draining = False
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def enqueue(self, request: Request) -> None:
+        self._queue.append(request)
+        self._queued_tokens += request.num_tokens
+        self._nonempty.set()
+        if self._full():
+            self.flush()
+
+    def _full(self) -> bool:
+        return (
+            len(self._queue) >= self._config.max_batch_requests
+            or self._queued_tokens >= self._config.max_batch_tokens
+        )
+
+    def flush(self) -> None:
+        """Close the current window now (a limit was reached)."""
+        if self._window is not None and not self._window.done():
+            self._window.set_result(None)
+
+    def drain(self) -> None:
+        """From now on, dispatch without waiting for windows (the engine is closing)."""
+        self._draining = True
+        self.flush()
+
+    def take_queued(self) -> list[Request]:
+        """Empty the queue without dispatching (engine closing without drain)."""
+        taken = list(self._queue)
+        self._queue.clear()
+        self._queued_tokens = 0
+        self._nonempty.clear()
+        return taken
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        window_s = self._config.window_us / 1e6
+        while True:
+            await self._nonempty.wait()
+            if self._draining or self._full():
+                pass  # a limit was reached before this window opened: no wait
+            elif window_s > 0:
+                self._window = loop.create_future()
+                timer = loop.call_at(loop.time() + window_s, self.flush)
+                try:
+                    await self._window
+                finally:
+                    timer.cancel()
+                    self._window = None
+            else:
+                await asyncio.sleep(0)  # one loop iteration: let ready callers enqueue
+            self._dispatch_queue()
+
+    def _dispatch_queue(self) -> None:
+        live: list[Request] = []
+        for request in self.take_queued():
+            # A caller cancelled (or timed out) before dispatch is dropped here: its
+            # match is never made.
+            if request.future.done():
+                self._on_dropped(request)
+            else:
+                live.append(request)
+        plan = plan_batches(
+            live, self._config.max_batch_requests, self._config.max_batch_tokens
+        )
+        for kind, requests in plan:
+            pages = None
+            if kind is not Kind.LOOKUP:
+                if self._copy_stream is not None:
+                    # The page ids were written on the callers' streams: order the fused
+                    # copy after them on the GPU, without blocking this thread.
+                    for request in requests:
+                        if request.ready_event is not None:
+                            self._copy_stream.wait_event(request.ready_event)
+                pages = fuse_page_ids(
+                    [r.page_ids for r in requests if r.page_ids is not None],
+                    [r.pages_used for r in requests],
+                    self._copy_stream,
+                )
+            for request in requests:
+                request.stage = Stage.DISPATCHED
+            batch = Batch(kind, tuple(requests), pages)
+            self._on_batch(batch)
+            self._submit(batch)

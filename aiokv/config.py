@@ -1,0 +1,155 @@
+"""EngineConfig, StoreConfig, and loading them from YAML.
+
+The YAML file has an ``engine:`` and a ``store:`` section whose keys are exactly the
+keyword arguments of :class:`EngineConfig` and :class:`StoreConfig`. Unknown keys, wrong
+types and out-of-range values raise :class:`~aiokv.errors.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import ConfigError
+
+OverloadPolicy = Literal["reject", "wait"]
+Backend = Literal["local", "flexkv"]
+
+
+def _check_int(key: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {value}")
+
+
+def _check_number(key: str, value: object, minimum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(key, f"must be a number, got {value!r}")
+    if not math.isfinite(value) or value < minimum:
+        raise ConfigError(key, f"must be a finite number >= {minimum}, got {value}")
+
+
+def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches, admits and times out requests.
+
+    window_us: how long a batch window stays open after its first request (0: flush on
+        the next event-loop iteration).
+    max_batch_requests / max_batch_tokens: a window flushes early when its queue reaches
+        either; a batch never holds more (except one request larger than max_batch_tokens,
+        which forms a batch of its own).
+    max_pending: accepted requests not yet resolved; beyond it ``overload`` decides:
+        ``reject`` raises Overloaded at once, ``wait`` waits for room (bounded by
+        request_timeout_ms).
+    request_timeout_ms: a request not resolved by then fails with RequestTimeout (0: never).
+    lookup_ttl_ms: a Lookup's reservation not used by ``load`` is released after this.
+    poll_interval_us: how often the store thread polls outstanding tasks.
+    """
+
+    window_us: int = 200
+    max_batch_requests: int = 256
+    max_batch_tokens: int = 1 << 20
+    max_pending: int = 4096
+    overload: OverloadPolicy = "reject"
+    request_timeout_ms: int = 30_000
+    lookup_ttl_ms: int = 10_000
+    poll_interval_us: int = 50
+
+    def __post_init__(self) -> None:
+        _check_int("engine.window_us", self.window_us, 0)
+        _check_int("engine.max_batch_requests", self.max_batch_requests, 1)
+        _check_int("engine.max_batch_tokens", self.max_batch_tokens, 1)
+        _check_int("engine.max_pending", self.max_pending, 1)
+        _check_choice("engine.overload", self.overload, ("reject", "wait"))
+        _check_int("engine.request_timeout_ms", self.request_timeout_ms, 0)
+        _check_int("engine.lookup_ttl_ms", self.lookup_ttl_ms, 1)
+        _check_int("engine.poll_interval_us", self.poll_interval_us, 1)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Which store to use and how large it is.
+
+    backend: ``local`` (aiokv's embedded store) or ``flexkv``.
+    page_size: tokens per page; None takes it from the caches, a value must match them.
+    cpu_cache_gb: host memory for KV blocks, in GiB.
+    ssd_cache_gb / ssd_cache_dir: SSD tier (FlexKV only; the local store has none yet).
+    flexkv: FlexKV's own user-config keys, passed through its loaders.
+    """
+
+    backend: Backend = "local"
+    page_size: int | None = None
+    cpu_cache_gb: float = 1.0
+    ssd_cache_gb: float = 0.0
+    ssd_cache_dir: str | None = None
+    flexkv: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_choice("store.backend", self.backend, ("local", "flexkv"))
+        if self.page_size is not None:
+            _check_int("store.page_size", self.page_size, 1)
+        _check_number("store.cpu_cache_gb", self.cpu_cache_gb, 0.0)
+        if self.cpu_cache_gb <= 0:
+            raise ConfigError("store.cpu_cache_gb", f"must be > 0, got {self.cpu_cache_gb}")
+        _check_number("store.ssd_cache_gb", self.ssd_cache_gb, 0.0)
+        if self.ssd_cache_gb > 0 and not self.ssd_cache_dir:
+            raise ConfigError("store.ssd_cache_dir", "is required when ssd_cache_gb > 0")
+        if self.ssd_cache_gb > 0 and self.backend == "local":
+            raise ConfigError(
+                "store.ssd_cache_gb", "the local backend has no SSD tier; use backend: flexkv"
+            )
+        if not isinstance(self.flexkv, Mapping):
+            raise ConfigError("store.flexkv", f"must be a mapping, got {self.flexkv!r}")
+
+
+def _build(cls: type[Any], section: str, raw: object) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(section, f"must be a mapping, got {type(raw).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(
+                f"{section}.{key}", f"unknown key (known: {', '.join(sorted(known))})"
+            )
+    return cls(**raw)
+
+
+def parse_config(document: object) -> tuple[EngineConfig, StoreConfig]:
+    """Build both configs from a parsed YAML document (a mapping with two sections)."""
+    if document is None:
+        document = {}
+    if not isinstance(document, Mapping):
+        raise ConfigError("<root>", f"must be a mapping, got {type(document).__name__}")
+    for key in document:
+        if key not in ("engine", "store"):
+            raise ConfigError(str(key), "unknown section (known: engine, store)")
+    engine = _build(EngineConfig, "engine", document.get("engine"))
+    store = _build(StoreConfig, "store", document.get("store"))
+    return engine, store
+
+
+def load_config(path: str | Path) -> tuple[EngineConfig, StoreConfig]:
+    """Read a YAML config file. Raises ConfigError for a missing file or bad content."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError("path", f"cannot read config file {str(path)!r}: {exc}") from exc
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("path", f"{str(path)!r} is not valid YAML: {exc}") from exc
+    return parse_config(document)

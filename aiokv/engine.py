@@ -1,0 +1,545 @@
+"""OffloadEngine: the public async API, its lifecycle, admission control and deadlines.
+
+One offload, end to end (read on in batcher.py, slots.py, worker.py):
+
+1. ``offload`` validates from shapes and dtypes only (GPU values are never read on the
+   loop), records a CUDA event on the caller's stream when the caches are on a GPU,
+   admits the request against ``max_pending`` and queues it with a future and a deadline.
+2. The batcher closes a window, fuses the batch's page ids into one host copy and hands
+   the batch to the store thread.
+3. The store thread matches, cancels or launches, polls until terminal, and posts the
+   outcomes back; :meth:`OffloadEngine._resolve` is the one place a future is resolved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+from collections.abc import Hashable, Sequence
+from functools import partial
+from types import TracebackType
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from .batcher import Batch, Batcher
+from .config import EngineConfig
+from .errors import (
+    ConfigError,
+    EngineClosed,
+    InvalidRequest,
+    Overloaded,
+    RequestTimeout,
+)
+from .requests import (
+    Kind,
+    LoadResult,
+    Lookup,
+    LookupGrant,
+    OffloadResult,
+    Request,
+    default_token_ids,
+)
+from .stats import EngineStats, StatsRecorder
+from .stores.base import Int64Array, Store
+from .worker import StoreWorker
+
+log = logging.getLogger("aiokv")
+T = TypeVar("T")
+
+_RESOLVE_CHUNK = 512  # outcomes resolved per loop callback, to keep the loop responsive
+
+
+class EngineState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+def _check_caches(kv_caches: Sequence[torch.Tensor]) -> tuple[int, int, torch.device, int]:
+    """(num_pages, page_size, device, bytes per token over all layers) of valid caches."""
+    if not isinstance(kv_caches, Sequence) or len(kv_caches) == 0:
+        raise ConfigError("kv_caches", "must be a non-empty list of per-layer tensors")
+    first = kv_caches[0]
+    for layer, cache in enumerate(kv_caches):
+        if not isinstance(cache, torch.Tensor):
+            raise ConfigError(f"kv_caches[{layer}]", f"must be a tensor, got {type(cache)}")
+        if cache.dim() != 5 or cache.shape[1] != 2:
+            raise ConfigError(
+                f"kv_caches[{layer}]",
+                f"must be shaped [pages, 2, page_size, heads, head_dim], got {list(cache.shape)}",
+            )
+        if (cache.shape, cache.dtype, cache.device) != (first.shape, first.dtype, first.device):
+            raise ConfigError(f"kv_caches[{layer}]", "differs in shape, dtype or device")
+        if not cache.is_contiguous():
+            raise ConfigError(f"kv_caches[{layer}]", "must be contiguous")
+    num_pages, _, page_size = first.shape[:3]
+    bytes_per_token = first[0, :, 0].numel() * first.element_size() * len(kv_caches)
+    return int(num_pages), int(page_size), first.device, int(bytes_per_token)
+
+
+class OffloadEngine:
+    """Batches awaited offload/lookup/load calls into store rounds.
+
+    Use ``async with engine:`` or ``await engine.start()`` / ``await engine.aclose()``.
+    Every call raises EngineClosed unless the engine is running; the store is owned by the
+    engine from construction and closed by ``aclose``.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        kv_caches: Sequence[torch.Tensor],
+        config: EngineConfig | None = None,
+    ) -> None:
+        self._num_pages, self._page_size, self._device, self._bytes_per_token = _check_caches(
+            kv_caches
+        )
+        if store.page_size and store.page_size != self._page_size:
+            raise ConfigError(
+                "store.page_size",
+                f"{store.page_size} does not match the caches' page size {self._page_size}",
+            )
+        self._store = store
+        self._kv_caches = list(kv_caches)
+        self._config = config or EngineConfig()
+        self._on_gpu = self._device.type == "cuda"
+        self._state = EngineState.NEW
+        self._stats = StatsRecorder()
+        self._live: set[Request] = set()  # accepted and not yet resolved
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._worker: StoreWorker | None = None
+        self._batcher: Batcher | None = None
+        self._batcher_task: asyncio.Task[None] | None = None
+        self._room: asyncio.Semaphore | None = None
+        self._idle: asyncio.Event | None = None
+        self._closing: asyncio.Future[None] | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    async def start(self) -> None:
+        """Register the caches with the store (on the store thread) and start batching.
+        Raises EngineClosed if the engine was closed, and the store's error if
+        registration fails (then the engine is closed)."""
+        if self._state is EngineState.RUNNING:
+            return
+        if self._state is not EngineState.NEW:
+            raise EngineClosed(f"engine is {self._state.value}; it cannot be restarted")
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._room = asyncio.Semaphore(self._config.max_pending)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        registered: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._worker = StoreWorker(
+            self._store,
+            loop,
+            self._deliver,
+            self._num_pages,
+            self._config.poll_interval_us,
+            self._kv_caches,
+            registered,
+        )
+        copy_stream = (
+            torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+            if self._on_gpu
+            else None
+        )
+        self._batcher = Batcher(
+            self._config,
+            self._worker.submit,
+            self._on_dropped,
+            self._on_batch,
+            copy_stream,
+        )
+        self._state = EngineState.RUNNING
+        self._worker.start()
+        try:
+            await asyncio.wrap_future(registered)
+        except BaseException:
+            self._state = EngineState.CLOSED
+            self._worker.stop()
+            await asyncio.to_thread(self._worker.join)
+            raise
+        self._batcher_task = loop.create_task(self._batcher.run(), name="aiokv-batcher")
+
+    async def aclose(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Stop accepting calls and shut down. Idempotent; concurrent calls share one close.
+
+        drain=True: everything accepted is dispatched and resolved, up to ``timeout``
+        seconds; then the close escalates as with drain=False and fails what is still
+        unresolved with EngineClosed. drain=False: queued (undispatched) requests fail
+        with EngineClosed at once. Launched transfers are never cancelled: the store
+        thread waits for them before it closes the store.
+        """
+        if self._state is EngineState.NEW:
+            self._state = EngineState.CLOSED
+            await asyncio.to_thread(self._store.close)
+            return
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close(drain, timeout))
+        # Shielded: a caller cancelled while closing must not leave the engine half-closed.
+        await asyncio.shield(self._closing)
+
+    async def _close(self, drain: bool, timeout: float) -> None:
+        assert self._batcher is not None and self._worker is not None and self._idle
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        self._state = EngineState.DRAINING
+        if drain:
+            self._batcher.drain()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except TimeoutError:
+                log.warning("aiokv: drain timed out after %.1fs; closing now", timeout)
+                drain = False
+        for request in self._batcher.take_queued():
+            self._resolve(request, EngineClosed("engine closed before this request ran"))
+        if self._batcher_task is not None:
+            self._batcher_task.cancel()
+            # return_exceptions: the batcher's own CancelledError comes back as a value,
+            # while a cancellation of this task still propagates.
+            await asyncio.gather(self._batcher_task, return_exceptions=True)
+        self._worker.stop()
+        remaining = max(deadline - loop.time(), 1.0)
+        if not await asyncio.to_thread(self._worker.join, remaining):
+            log.warning("aiokv: store thread still busy after %.1fs; abandoning it", remaining)
+        await asyncio.sleep(0)  # let outcomes posted before the join resolve first
+        for request in list(self._live):
+            self._resolve(request, EngineClosed("engine closed before this request finished"))
+        self._state = EngineState.CLOSED
+
+    async def __aenter__(self) -> OffloadEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def stats(self) -> EngineStats:
+        open_tasks = self._worker.tasks_open if self._worker is not None else 0
+        return self._stats.snapshot(open_tasks, self._bytes_per_token)
+
+    # ---- public calls ------------------------------------------------------------------
+
+    async def offload(
+        self,
+        user_id: Hashable,
+        page_ids: torch.Tensor,
+        num_tokens: int,
+        *,
+        token_ids: Any = None,
+        namespace: Sequence[str] | None = None,
+    ) -> OffloadResult:
+        """Store the full pages of a user's first ``num_tokens`` tokens, held in
+        ``page_ids`` (in order). Pages already stored under the same key are skipped.
+
+        Raises InvalidRequest (bad argument, names it), Overloaded, EngineClosed,
+        StoreError / StoreFull (the store failed it) or RequestTimeout.
+        """
+        self._check_running()
+        pages = self._check_page_ids(page_ids)
+        num_tokens = self._check_num_tokens(num_tokens)
+        if num_tokens > len(pages) * self._page_size:
+            raise InvalidRequest(
+                "num_tokens",
+                f"{num_tokens} tokens do not fit in {len(pages)} pages of {self._page_size}",
+            )
+        pages_used = num_tokens // self._page_size  # only full pages are stored
+        self._check_host_page_range(pages, pages_used)
+        request = self._new_request(
+            Kind.OFFLOAD, user_id, num_tokens, token_ids, namespace, pages, pages_used
+        )
+        result: OffloadResult = await self._submit(request)
+        return result
+
+    async def lookup(
+        self,
+        user_id: Hashable,
+        num_tokens: int,
+        *,
+        token_ids: Any = None,
+        namespace: Sequence[str] | None = None,
+    ) -> Lookup:
+        """How much of this key's first ``num_tokens`` tokens the store holds; the hit is
+        reserved for ``load`` until released or ``lookup_ttl_ms`` passes."""
+        self._check_running()
+        num_tokens = self._check_num_tokens(num_tokens)
+        request = self._new_request(Kind.LOOKUP, user_id, num_tokens, token_ids, namespace)
+        result: Lookup = await self._submit(request)
+        return result
+
+    async def load(self, hit: Lookup, page_ids: torch.Tensor) -> LoadResult:
+        """Copy a Lookup's cached prefix into ``page_ids`` (in order). Consumes ``hit``.
+        When the returned future resolves, the data is in the caches."""
+        self._check_running()
+        if not isinstance(hit, Lookup) or hit._release_task != self._release_reservation:
+            raise InvalidRequest("hit", "must be a Lookup returned by this engine's lookup()")
+        pages = self._check_page_ids(page_ids)
+        if hit.cached_tokens == 0:
+            return LoadResult(hit.user_id, 0)
+        needed = hit._pages_needed(self._page_size)
+        if len(pages) < needed:
+            raise InvalidRequest(
+                "page_ids", f"has {len(pages)} pages; this hit needs at least {needed}"
+            )
+        self._check_host_page_range(pages, needed)
+        task_id, mask = hit._consume()
+        request = self._new_request(
+            Kind.LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed
+        )
+        request.lookup, request.task_id, request.mask = hit, task_id, mask
+        result: LoadResult = await self._submit(request)
+        return result
+
+    # ---- validation (shapes and dtypes only: never reads GPU values) -------------------
+
+    def _check_running(self) -> None:
+        if self._state is not EngineState.RUNNING:
+            raise EngineClosed(f"engine is {self._state.value}")
+
+    def _check_num_tokens(self, num_tokens: object) -> int:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise InvalidRequest("num_tokens", f"must be an int, got {type(num_tokens).__name__}")
+        if num_tokens < 0:
+            raise InvalidRequest("num_tokens", f"must be >= 0, got {num_tokens}")
+        return int(num_tokens)
+
+    def _check_page_ids(self, page_ids: object) -> torch.Tensor:
+        if isinstance(page_ids, np.ndarray):
+            page_ids = torch.from_numpy(page_ids)
+        if not isinstance(page_ids, torch.Tensor):
+            raise InvalidRequest("page_ids", f"must be a tensor, got {type(page_ids).__name__}")
+        if page_ids.dim() != 1:
+            raise InvalidRequest("page_ids", f"must be 1-D, got shape {list(page_ids.shape)}")
+        if page_ids.dtype not in (torch.int32, torch.int64):
+            raise InvalidRequest("page_ids", f"must be int32 or int64, got {page_ids.dtype}")
+        if page_ids.device.type != "cpu" and page_ids.device != self._device:
+            raise InvalidRequest(
+                "page_ids", f"is on {page_ids.device}; use the CPU or the caches' {self._device}"
+            )
+        return page_ids
+
+    def _check_host_page_range(self, pages: torch.Tensor, used: int) -> None:
+        """Host page ids are checked now; device ones after the batch's one copy."""
+        if pages.device.type == "cpu" and used > 0:
+            head = pages[:used]
+            low, high = int(head.min()), int(head.max())
+            if low < 0 or high >= self._num_pages:
+                bad = low if low < 0 else high
+                raise InvalidRequest(
+                    "page_ids", f"holds page id {bad}, outside [0, {self._num_pages})"
+                )
+
+    def _check_token_ids(self, token_ids: Any, num_tokens: int) -> Int64Array:
+        if token_ids is None:
+            return default_token_ids(num_tokens)
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.device.type != "cpu":
+                raise InvalidRequest("token_ids", "must be on the CPU (or a numpy array)")
+            token_ids = token_ids.numpy()
+        if not isinstance(token_ids, np.ndarray) or token_ids.dtype != np.int64:
+            raise InvalidRequest("token_ids", "must be an int64 numpy array or CPU tensor")
+        if token_ids.shape != (num_tokens,):
+            raise InvalidRequest(
+                "token_ids", f"must have shape ({num_tokens},), got {token_ids.shape}"
+            )
+        return token_ids
+
+    def _check_namespace(self, namespace: Any, user_id: Hashable) -> tuple[str, ...]:
+        if namespace is None:
+            return (f"uid:{user_id}",)
+        if isinstance(namespace, str) or not all(isinstance(n, str) for n in namespace):
+            raise InvalidRequest("namespace", "must be a list of str")
+        return tuple(namespace)
+
+    def _new_request(
+        self,
+        kind: Kind,
+        user_id: Hashable,
+        num_tokens: int,
+        token_ids: Any,
+        namespace: Sequence[str] | None,
+        pages: torch.Tensor | None = None,
+        pages_used: int = 0,
+    ) -> Request:
+        try:
+            hash(user_id)
+        except TypeError as exc:
+            raise InvalidRequest(
+                "user_id", f"must be hashable, got {type(user_id).__name__}"
+            ) from exc
+        assert self._loop is not None
+        tokens = None if kind is Kind.LOAD else self._check_token_ids(token_ids, num_tokens)
+        request = Request(
+            kind=kind,
+            user_id=user_id,
+            future=self._loop.create_future(),
+            num_tokens=num_tokens,
+            token_ids=tokens,
+            namespace=() if kind is Kind.LOAD else self._check_namespace(namespace, user_id),
+            page_ids=pages,
+            pages_used=pages_used,
+        )
+        if self._on_gpu and pages is not None:
+            # The KV (and GPU page ids) are written on the caller's stream: remember how
+            # far it got, so the copy starts after it (waited on the GPU and the worker).
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(self._device))
+            request.ready_event = event
+        return request
+
+    # ---- admission, deadlines, resolution ----------------------------------------------
+
+    async def _submit(self, request: Request) -> Any:
+        assert self._room is not None and self._batcher is not None and self._loop
+        try:
+            if self._room.locked():
+                if self._config.overload == "reject":
+                    self._stats.rejected += 1
+                    raise Overloaded(
+                        f"{self._config.max_pending} requests pending (engine.max_pending)"
+                    )
+                await self._wait_for_room()
+            else:
+                await self._room.acquire()  # free: does not yield
+        except BaseException:
+            if request.lookup is not None:
+                self._release_reservation(request.task_id)  # type: ignore[arg-type]
+            raise
+        if self._state is not EngineState.RUNNING:  # closed while we waited for room
+            self._room.release()
+            raise EngineClosed(f"engine is {self._state.value}")
+        loop = self._loop
+        request.submitted_at = loop.time()
+        self._stats.submitted += 1
+        self._live.add(request)
+        self._idle.clear()  # type: ignore[union-attr]
+        timer = None
+        if self._config.request_timeout_ms:
+            timer = loop.call_at(
+                request.submitted_at + self._config.request_timeout_ms / 1e3,
+                self._expire,
+                request,
+            )
+        request.future.add_done_callback(partial(self._finished, request, timer))
+        self._batcher.enqueue(request)
+        return await request.future
+
+    async def _wait_for_room(self) -> None:
+        assert self._room is not None
+        timeout_ms = self._config.request_timeout_ms
+        try:
+            await asyncio.wait_for(self._room.acquire(), timeout_ms / 1e3 if timeout_ms else None)
+        except TimeoutError:
+            self._stats.rejected += 1
+            raise RequestTimeout(
+                f"no room among {self._config.max_pending} pending requests within "
+                f"engine.request_timeout_ms={timeout_ms}"
+            ) from None
+
+    def _expire(self, request: Request) -> None:
+        self._resolve(
+            request,
+            RequestTimeout(
+                f"{request.kind.name.lower()} not done within "
+                f"engine.request_timeout_ms={self._config.request_timeout_ms}"
+            ),
+        )
+
+    def _resolve(self, request: Request, outcome: object) -> None:
+        """The one place futures are resolved. A future already done (caller cancelled,
+        timed out) is left alone; an orphaned reservation is given back."""
+        future = request.future
+        if future.done():
+            if isinstance(outcome, LookupGrant) and outcome.task_id is not None:
+                self._release_reservation(outcome.task_id)
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        elif isinstance(outcome, LookupGrant):
+            lookup = Lookup(request.user_id, outcome, self._release_reservation)
+            if lookup.held:
+                assert self._loop is not None
+                lookup._set_ttl(
+                    self._loop.call_later(self._config.lookup_ttl_ms / 1e3, lookup._expire)
+                )
+            future.set_result(lookup)
+        else:
+            future.set_result(outcome)
+
+    def _finished(
+        self, request: Request, timer: asyncio.TimerHandle | None, future: asyncio.Future[Any]
+    ) -> None:
+        """Done-callback of every accepted future: the one place outcome counts change."""
+        request.detached = True  # the store thread stops caring about it from now on
+        if timer is not None:
+            timer.cancel()
+        self._live.discard(request)
+        assert self._room is not None and self._loop is not None and self._idle is not None
+        self._room.release()
+        stats = self._stats
+        if future.cancelled():
+            stats.cancelled += 1
+        elif (error := future.exception()) is not None:  # also marks it retrieved
+            if isinstance(error, RequestTimeout):
+                stats.timed_out += 1
+            else:
+                stats.failed += 1
+        else:
+            stats.completed += 1
+            stats.record_latency(self._loop.time() - request.submitted_at)
+            result = future.result()
+            if isinstance(result, OffloadResult):
+                stats.offloaded_tokens += result.stored_tokens
+            elif isinstance(result, LoadResult):
+                stats.loaded_tokens += result.loaded_tokens
+        if not self._live:
+            self._idle.set()
+
+    def _deliver(self, pairs: list[tuple[Request, object]]) -> None:
+        """Called on the loop by the store thread, once per drained set."""
+        for request, outcome in pairs[:_RESOLVE_CHUNK]:
+            self._resolve(request, outcome)
+        if len(pairs) > _RESOLVE_CHUNK and self._loop is not None:
+            self._loop.call_soon(self._deliver, pairs[_RESOLVE_CHUNK:])
+
+    def _release_reservation(self, task_id: int) -> None:
+        if self._worker is not None:
+            self._worker.release([task_id])
+
+    def _on_dropped(self, request: Request) -> None:
+        """A request whose caller left before dispatch: give back what it holds."""
+        if request.kind is Kind.LOAD and request.task_id is not None:
+            self._release_reservation(request.task_id)
+
+    def _on_batch(self, batch: Batch) -> None:
+        copies = batch.pages.d2h_copies if batch.pages is not None else 0
+        self._stats.record_batch(len(batch.requests), copies)
+
+
+def open_engine(path: str, kv_caches: Sequence[torch.Tensor]) -> OffloadEngine:
+    """An engine over the store and settings of the YAML file at ``path``. Not started:
+    use ``async with`` or ``await engine.start()``. Raises ConfigError."""
+    from .config import load_config
+    from .stores import make_store
+
+    engine_config, store_config = load_config(path)
+    return OffloadEngine(make_store(store_config), kv_caches=kv_caches, config=engine_config)

@@ -1,0 +1,58 @@
+"""aiokv's exceptions, grouped by whose fault they are.
+
+::
+
+    AiokvError
+    ├── InvalidRequest (ValueError)   the caller's request is malformed; fails alone, at submit
+    ├── ConfigError (ValueError)      the configuration is invalid (names the key)
+    ├── Overloaded                    max_pending reached with ``overload: reject``
+    ├── EngineClosed                  the engine is not running (not started, draining, closed)
+    ├── StoreError                    the store failed a request (raised from the store's error)
+    │   └── StoreFull                 nothing could be reserved for new pages
+    └── RequestTimeout (TimeoutError) request_timeout_ms passed before the request resolved
+
+Every message names the field or key at fault and the value that was rejected.
+"""
+
+from __future__ import annotations
+
+
+class AiokvError(Exception):
+    """Base of every error aiokv raises on purpose."""
+
+
+class InvalidRequest(AiokvError, ValueError):
+    """A request argument is malformed. ``field`` names the argument."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ConfigError(AiokvError, ValueError):
+    """A configuration value or key is invalid. ``key`` names it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class Overloaded(AiokvError):
+    """The engine holds ``max_pending`` unresolved requests and ``overload`` is ``reject``."""
+
+
+class EngineClosed(AiokvError):
+    """The engine is not accepting requests (not started, draining or closed)."""
+
+
+class StoreError(AiokvError):
+    """The store failed this request; ``__cause__`` holds the store's own error if any."""
+
+
+class StoreFull(StoreError):
+    """The store could not reserve space for new pages (full, and nothing evictable)."""
+
+
+class RequestTimeout(AiokvError, TimeoutError):
+    """``request_timeout_ms`` passed before the request resolved. A launched transfer
+    keeps running; the caller only stops waiting for it."""

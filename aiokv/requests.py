@@ -1,0 +1,174 @@
+"""Request and result types.
+
+Public: :class:`OffloadResult`, :class:`Lookup`, :class:`LoadResult`. Internal:
+:class:`Request`, one per awaited call, which carries its stage from submit to the
+store's terminal answer; the loop thread and the store thread hand it back and forth but
+never write the same field (see the comments on each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import InvalidRequest
+from .stores.base import BoolArray, Int64Array
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    """``stored_tokens``: tokens newly written by this call; ``cached_tokens``: the
+    page-aligned prefix of this key that is now in the store."""
+
+    user_id: Hashable
+    stored_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """``loaded_tokens``: tokens copied into the caller's pages (the Lookup's prefix)."""
+
+    user_id: Hashable
+    loaded_tokens: int
+
+
+class Kind(enum.IntEnum):
+    """Request kinds, in dispatch order: GET batches go before PUT batches."""
+
+    LOOKUP = 0
+    LOAD = 1
+    OFFLOAD = 2
+
+
+class Stage(enum.Enum):
+    QUEUED = "queued"  # in the batcher's queue
+    DISPATCHED = "dispatched"  # handed to the store thread
+    MATCHED = "matched"  # holds a store task id, not launched (lookup reservations)
+    LAUNCHED = "launched"  # its transfer runs; only detaching is possible now
+    TERMINAL = "terminal"
+
+
+@dataclass(eq=False)
+class Request:
+    """One awaited call. Written by the loop until dispatch, by the store thread after,
+    except ``detached``, which only the loop sets (the caller stopped waiting)."""
+
+    kind: Kind
+    user_id: Hashable
+    future: asyncio.Future[Any]
+    num_tokens: int
+    token_ids: Int64Array | None
+    namespace: tuple[str, ...]
+    page_ids: torch.Tensor | None
+    pages_used: int  # leading entries of page_ids this request moves (known from shapes)
+    ready_event: Any = None  # torch.cuda.Event recorded on the caller's stream, or None
+    lookup: Lookup | None = None  # the reservation a LOAD consumes
+    stage: Stage = Stage.QUEUED
+    detached: bool = False
+    task_id: int | None = None
+    mask: BoolArray | None = None
+    submitted_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class LookupGrant:
+    """What the store thread answers for a lookup; the loop turns it into a Lookup."""
+
+    task_id: int | None
+    mask: BoolArray | None
+    cached_tokens: int
+
+
+class Lookup:
+    """A lookup's answer: ``cached_tokens`` of the key are in the store and reserved
+    for a ``load``. Release it (``release()`` or ``async with``) if you will not load;
+    an unused reservation is released after ``lookup_ttl_ms`` anyway. A Lookup is
+    consumed by one ``load``; using it twice raises InvalidRequest."""
+
+    def __init__(
+        self,
+        user_id: Hashable,
+        grant: LookupGrant,
+        release_task: Callable[[int], None],
+    ) -> None:
+        self.user_id = user_id
+        self.cached_tokens = grant.cached_tokens
+        self._task_id = grant.task_id
+        self._mask = grant.mask
+        self._release_task = release_task
+        self._state = "held" if grant.task_id is not None else "empty"
+        self._ttl_handle: asyncio.TimerHandle | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Lookup(user_id={self.user_id!r}, cached_tokens={self.cached_tokens}, "
+            f"state={self._state})"
+        )
+
+    @property
+    def held(self) -> bool:
+        """True while the reservation is held (not yet loaded, released or expired)."""
+        return self._state == "held"
+
+    def release(self) -> None:
+        """Give the reservation back. Idempotent; a no-op once loaded."""
+        if self._state == "held":
+            self._state = "released"
+            self._cancel_ttl()
+            if self._task_id is not None:
+                self._release_task(self._task_id)
+
+    def _pages_needed(self, page_size: int) -> int:
+        """Pages a load must be given: up to the page of the last position to load."""
+        if self._mask is None:
+            return 0
+        positions = np.flatnonzero(self._mask)
+        return 0 if len(positions) == 0 else int(positions[-1]) // page_size + 1
+
+    def _consume(self) -> tuple[int, BoolArray]:
+        """Hand the reservation to a load (loop thread only)."""
+        if self._state != "held" or self._task_id is None or self._mask is None:
+            raise InvalidRequest(
+                "lookup", f"reservation is {self._state}; a Lookup can be loaded once, "
+                "before it is released or expires"
+            )
+        self._state = "loading"
+        self._cancel_ttl()
+        return self._task_id, self._mask
+
+    def _set_ttl(self, handle: asyncio.TimerHandle) -> None:
+        self._ttl_handle = handle
+
+    def _cancel_ttl(self) -> None:
+        if self._ttl_handle is not None:
+            self._ttl_handle.cancel()
+            self._ttl_handle = None
+
+    def _expire(self) -> None:
+        if self._state == "held":
+            self.release()
+            self._state = "expired"
+
+    async def __aenter__(self) -> Lookup:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+def default_token_ids(num_tokens: int) -> Int64Array:
+    """Positions 0..num_tokens-1: the recommender case, an append-only history."""
+    return np.arange(num_tokens, dtype=np.int64)

@@ -1,0 +1,84 @@
+"""The Store protocol: what the engine's store thread drives.
+
+The verbs are FlexKV's (``put_match``/``get_match``/``launch``/``cancel``/``try_wait``) so
+that :class:`~aiokv.stores.flexkv.FlexKVStore` stays a thin adapter. Every method is
+called from one thread, the engine's ``aiokv-store`` thread; a store needs no locking
+against the engine, only against threads of its own.
+
+Contract, for any store:
+
+- ``put_match`` / ``get_match`` return ``(task_id, mask)``; ``mask`` is ``np.bool_`` with one
+  entry per token. For a put, True means "must write" (the positions not yet stored); for
+  a get, True means "will load". Masks are page aligned and a trailing partial page is
+  never stored.
+- Every id a match returns is passed to ``launch`` or ``cancel`` exactly once. A matched
+  id that is neither may hold store blocks forever.
+- ``launch`` takes, per task, the int64 slots (``page * page_size + offset``) of exactly
+  the True positions of that task's mask, and must not block on the copy.
+- ``try_wait`` answers only the ids that are terminal, each once; it never blocks.
+- ``put_match`` raises :class:`NoSpace` when there is something new to write and no block
+  can be reserved for it (instead of answering an all-False mask that reads as success).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+BoolArray = npt.NDArray[np.bool_]
+Int64Array = npt.NDArray[np.int64]
+
+
+class TaskStatus(enum.Enum):
+    SUCCESS = "success"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """The terminal answer for one task id.
+
+    ``mask`` is the task's mask as the store reports it (for FlexKV, the mask of the
+    sub-task inside a merged batch); ``error`` says why a FAILED task failed.
+    """
+
+    status: TaskStatus
+    mask: BoolArray | None = None
+    error: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class NoSpace(Exception):
+    """Raised by ``put_match`` when nothing new can be reserved (store full, all locked)."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What the engine drives. See the module docstring for the contract."""
+
+    page_size: int
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None: ...
+
+    def put_match(
+        self, token_ids: Int64Array, namespace: Sequence[str]
+    ) -> tuple[int, BoolArray]: ...
+
+    def get_match(
+        self, token_ids: Int64Array, namespace: Sequence[str]
+    ) -> tuple[int, BoolArray]: ...
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None: ...
+
+    def cancel(self, task_ids: Sequence[int]) -> None: ...
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]: ...
+
+    def close(self) -> None: ...

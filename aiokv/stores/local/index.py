@@ -1,0 +1,99 @@
+"""The prefix index: chained block digests per namespace, and LRU order for eviction.
+
+A block's key is a 128-bit BLAKE2b digest of the namespace and of every token id from
+the start of the sequence to the end of that block, so equal keys mean equal prefixes
+(two users' blocks never share a key unless their namespace and whole prefix match).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..base import Int64Array
+
+DIGEST_BYTES = 16
+
+
+def chain_digests(
+    token_ids: Int64Array, namespace: Sequence[str], page_size: int
+) -> list[bytes]:
+    """One digest per full page: digest ``i`` covers the namespace and tokens
+    ``[0, (i + 1) * page_size)``. A running hash is copied per block, so the cost is
+    linear in the tokens, not quadratic."""
+    full_pages = len(token_ids) // page_size
+    running = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"aiokv-prefix")
+    for part in namespace:
+        encoded = part.encode()
+        # Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+        running.update(len(encoded).to_bytes(8, "little"))
+        running.update(encoded)
+    running.update(b"\x00tokens")
+    data = np.ascontiguousarray(token_ids[: full_pages * page_size], "<i8").tobytes()
+    block_bytes = page_size * 8
+    digests = []
+    for i in range(full_pages):
+        running.update(data[i * block_bytes : (i + 1) * block_bytes])
+        digests.append(running.copy().digest())
+    return digests
+
+
+class BlockIndex:
+    """digest -> host block, and the LRU order of blocks that may be evicted.
+
+    Only READY blocks with no reader are in the LRU; the store moves blocks in and out.
+    """
+
+    def __init__(self) -> None:
+        self._blocks: dict[bytes, int] = {}
+        self._digests: dict[int, bytes] = {}  # the reverse map
+        self._lru: OrderedDict[int, bytes] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, digest: bytes) -> int | None:
+        return self._blocks.get(digest)
+
+    def digest_of(self, block: int) -> bytes:
+        return self._digests[block]
+
+    def insert(self, digest: bytes, block: int) -> None:
+        self._blocks[digest] = block
+        self._digests[block] = digest
+
+    def remove(self, digest: bytes) -> None:
+        block = self._blocks.pop(digest, None)
+        if block is not None:
+            self._digests.pop(block, None)
+
+    @property
+    def evictable(self) -> int:
+        return len(self._lru)
+
+    def make_evictable(self, blocks: Sequence[int], digests: Sequence[bytes]) -> None:
+        """Add (or refresh) blocks as most recently used. Pass a sequence's blocks in
+        order: the first becomes the most recent, so tails are evicted before heads and
+        prefixes survive longest."""
+        for block, digest in zip(reversed(blocks), reversed(digests), strict=True):
+            self._lru[block] = digest
+            self._lru.move_to_end(block)
+
+    def make_unevictable(self, block: int) -> None:
+        self._lru.pop(block, None)
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        for block in reversed(blocks):
+            if block in self._lru:
+                self._lru.move_to_end(block)
+
+    def evict_oldest(self) -> int | None:
+        """Drop the least recently used evictable block from the index; return it."""
+        if not self._lru:
+            return None
+        block, digest = self._lru.popitem(last=False)
+        self.remove(digest)
+        return block

@@ -1,0 +1,54 @@
+"""The host block pool: one block per GPU page, all layers of a page contiguous.
+
+Layout ``[block, layer, k/v, token, head, dim]``: a run of consecutive blocks is one
+contiguous range of host memory, so a batch that lands in a run moves with one large
+copy. The allocator hands out blocks from a rotating cursor, which keeps a batch's
+blocks consecutive when eviction follows allocation order (LRU does, mostly).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..base import Int64Array
+
+
+class HostPool:
+    def __init__(
+        self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+    ) -> None:
+        self.data = torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.num_blocks = num_blocks
+        self._free = np.ones(num_blocks, dtype=bool)
+        self._num_free = num_blocks
+        self._cursor = 0
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def allocate(self, count: int) -> Int64Array:
+        """``count`` free blocks, consecutive where possible. Caller checks num_free."""
+        if count > self._num_free:
+            raise ValueError(f"asked for {count} blocks, {self._num_free} free")
+        # Look just past the cursor first: usually enough, and O(count).
+        window = self._free[self._cursor : self._cursor + count]
+        if len(window) == count and window.all():
+            blocks = np.arange(self._cursor, self._cursor + count, dtype=np.int64)
+        else:
+            free = np.flatnonzero(self._free)
+            after = free[free >= self._cursor]
+            blocks = np.concatenate((after, free[free < self._cursor]))[:count].astype(np.int64)
+        self._free[blocks] = False
+        self._num_free -= count
+        self._cursor = (int(blocks[-1]) + 1) % self.num_blocks if count else self._cursor
+        return blocks
+
+    def release(self, blocks: Int64Array) -> None:
+        if len(blocks) == 0:
+            return
+        if self._free[blocks].any():
+            raise RuntimeError("double free of host blocks")
+        self._free[blocks] = True
+        self._num_free += len(blocks)

@@ -1,0 +1,234 @@
+"""Stores for tests, yours and ours: a fast fake, a contract checker, a fault injector.
+
+Each wraps or implements the Store protocol, so it drops into ``OffloadEngine(store, ...)``
+like any store (the seam httpx's MockTransport gives a client).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+import numpy as np
+import torch
+
+from .stores.base import BoolArray, Int64Array, NoSpace, Store, TaskResult, TaskStatus
+
+
+class FakeStore:
+    """Keeps only how many tokens of each key it holds; moves no data and completes
+    every launched task at the next ``try_wait``. For overhead benchmarks and for tests
+    of engine logic that do not need bytes to move. Keys are (namespace, token bytes)
+    prefixes of whole pages, as in LocalStore."""
+
+    def __init__(self, page_size: int = 0) -> None:
+        self.page_size = page_size
+        self._stored: dict[tuple[str, ...], int] = {}
+        self._tasks: dict[int, tuple[bool, tuple[str, ...], int, BoolArray]] = {}
+        self._launched: list[int] = []
+        self._finished: dict[int, TaskResult] = {}
+        self._next = 0
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        self.page_size = self.page_size or int(kv_caches[0].shape[2])
+
+    def _task(self, is_put: bool, namespace: Sequence[str], end: int, mask: BoolArray) -> int:
+        self._next += 1
+        self._tasks[self._next] = (is_put, tuple(namespace), end, mask)
+        return self._next
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        full = len(token_ids) // self.page_size * self.page_size
+        have = min(self._stored.get(tuple(namespace), 0), full)
+        mask = np.zeros(len(token_ids), dtype=np.bool_)
+        mask[have:full] = True
+        return self._task(True, namespace, full, mask), mask
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        full = len(token_ids) // self.page_size * self.page_size
+        have = min(self._stored.get(tuple(namespace), 0), full)
+        mask = np.zeros(len(token_ids), dtype=np.bool_)
+        mask[:have] = True
+        return self._task(False, namespace, have, mask), mask
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+        for task_id, slots in zip(task_ids, slot_mappings, strict=True):
+            if len(slots) != int(self._tasks[task_id][3].sum()):
+                raise ValueError(f"task {task_id}: wrong number of slots")
+        self._launched.extend(task_ids)
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        for task_id in task_ids:
+            self._tasks.pop(task_id, None)
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        done: dict[int, TaskResult] = {}
+        for task_id in self._launched:
+            is_put, namespace, end, mask = self._tasks.pop(task_id)
+            if is_put:
+                self._stored[namespace] = max(self._stored.get(namespace, 0), end)
+            done[task_id] = TaskResult(TaskStatus.SUCCESS, mask)
+        self._launched.clear()
+        self._finished.update(done)
+        return {t: self._finished.pop(t) for t in task_ids if t in self._finished}
+
+    def close(self) -> None:
+        self._tasks.clear()
+
+
+class CheckingStore:
+    """Wraps a store and records every breach of the engine's side of the contract:
+    a call from a second thread or from the event loop's thread, a matched id launched or
+    cancelled twice (or never, see :meth:`problems`), a launched id cancelled, waited after
+    it was terminal, or never waited to the end."""
+
+    def __init__(self, inner: Store, loop_thread: int | None = None) -> None:
+        self.inner = inner
+        self.loop_thread = loop_thread if loop_thread is not None else threading.get_ident()
+        self.threads: set[int] = set()
+        self.violations: list[str] = []
+        self.matched: set[int] = set()
+        self.launched: set[int] = set()
+        self.cancelled: set[int] = set()
+        self.terminal: set[int] = set()
+        self.calls: dict[str, int] = {}
+
+    @property
+    def page_size(self) -> int:
+        return self.inner.page_size
+
+    def _enter(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        me = threading.get_ident()
+        self.threads.add(me)
+        if me == self.loop_thread:
+            self.violations.append(f"{name} called on the event loop's thread")
+        if len(self.threads) > 1:
+            self.violations.append(f"{name} called from a second thread")
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        self._enter("register")
+        self.inner.register(kv_caches)
+
+    def _matched(self, result: tuple[int, BoolArray]) -> tuple[int, BoolArray]:
+        if result[0] in self.matched:
+            self.violations.append(f"store reused task id {result[0]}")
+        self.matched.add(result[0])
+        return result
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        self._enter("put_match")
+        return self._matched(self.inner.put_match(token_ids, namespace))
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        self._enter("get_match")
+        return self._matched(self.inner.get_match(token_ids, namespace))
+
+    def _ending(self, verb: str, task_ids: Sequence[int]) -> None:
+        for task_id in task_ids:
+            if task_id not in self.matched:
+                self.violations.append(f"{verb} of unmatched id {task_id}")
+            if task_id in self.launched or task_id in self.cancelled:
+                self.violations.append(f"{verb} of id {task_id}, already launched or cancelled")
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+        self._enter("launch")
+        self._ending("launch", task_ids)
+        self.inner.launch(task_ids, slot_mappings)
+        self.launched.update(task_ids)
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        self._enter("cancel")
+        self._ending("cancel", task_ids)
+        self.inner.cancel(task_ids)
+        self.cancelled.update(task_ids)
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        self._enter("try_wait")
+        for task_id in task_ids:
+            if task_id not in self.launched:
+                self.violations.append(f"try_wait of id {task_id} that was never launched")
+            if task_id in self.terminal:
+                self.violations.append(f"try_wait of id {task_id} after its terminal answer")
+        results = self.inner.try_wait(task_ids)
+        self.terminal.update(results)
+        return results
+
+    def close(self) -> None:
+        self._enter("close")
+        self.inner.close()
+
+    def problems(self) -> list[str]:
+        """Violations, plus ids never launched nor cancelled and launched ids never
+        terminal. Call after the engine closed."""
+        found = list(self.violations)
+        for task_id in sorted(self.matched - self.launched - self.cancelled):
+            found.append(f"id {task_id} matched but never launched nor cancelled")
+        for task_id in sorted(self.launched - self.terminal):
+            found.append(f"id {task_id} launched but never waited to a terminal answer")
+        return found
+
+
+class FaultyStore:
+    """Wraps a store and injects faults, one knob each:
+
+    - ``put_match_error`` / ``get_match_error``: raised by the next matches (NoSpace too);
+    - ``fail_tasks``: launched tasks answer FAILED (after the real copy ends);
+    - ``hold``: while this Event is clear, ``try_wait`` answers nothing (slow transfers);
+    - ``launch_error``: raised by launch, before anything is launched.
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.put_match_error: Exception | None = None
+        self.get_match_error: Exception | None = None
+        self.launch_error: Exception | None = None
+        self.fail_tasks = False
+        self.hold = threading.Event()
+        self.hold.set()
+
+    @property
+    def page_size(self) -> int:
+        return self.inner.page_size
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        self.inner.register(kv_caches)
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        if self.put_match_error is not None:
+            raise self.put_match_error
+        return self.inner.put_match(token_ids, namespace)
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        if self.get_match_error is not None:
+            raise self.get_match_error
+        return self.inner.get_match(token_ids, namespace)
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+        if self.launch_error is not None:
+            raise self.launch_error
+        self.inner.launch(task_ids, slot_mappings)
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        self.inner.cancel(task_ids)
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        if not self.hold.is_set():
+            return {}
+        results = self.inner.try_wait(task_ids)
+        if self.fail_tasks:
+            return {
+                t: TaskResult(TaskStatus.FAILED, r.mask, "injected failure")
+                for t, r in results.items()
+            }
+        return results
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def no_space() -> NoSpace:
+    """The exception a store raises when it cannot reserve (for ``put_match_error``)."""
+    return NoSpace("injected: no space")
+
+
+__all__ = ["CheckingStore", "FakeStore", "FaultyStore", "no_space"]

@@ -1,0 +1,346 @@
+"""The store thread, ``aiokv-store``: every Store call happens here.
+
+Loop → worker: :meth:`StoreWorker.submit` puts a batch or a release on an inbox with an
+explicit end (a sentinel); what was accepted before :meth:`StoreWorker.stop` is processed.
+Worker → loop: each drained set of outcomes goes back in one ``call_soon_threadsafe``,
+as (request, outcome) pairs with exceptions as values.
+
+Per batch: wait for the fused copy and the callers' CUDA events, check page ids, expand
+slots once, match per request, cancel the matches with nothing to move, launch the rest in
+one call. Then poll ``try_wait`` on launched ids until each is terminal. Store errors are
+translated here, once, into StoreError raised from the store's exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .batcher import Batch
+from .errors import EngineClosed, InvalidRequest, StoreError, StoreFull
+from .requests import Kind, LoadResult, LookupGrant, OffloadResult, Request, Stage
+from .slots import select_slots
+from .stores.base import NoSpace, Store, TaskResult, TaskStatus
+
+log = logging.getLogger("aiokv")
+
+Deliver = Callable[[list[tuple[Request, object]]], None]
+
+
+class _Release:
+    __slots__ = ("task_ids",)
+
+    def __init__(self, task_ids: Sequence[int]) -> None:
+        self.task_ids = list(task_ids)
+
+
+_STOP = object()
+
+
+class StoreWorker:
+    """Owns the store and the thread that calls it."""
+
+    def __init__(
+        self,
+        store: Store,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Deliver,
+        num_pages: int,
+        poll_interval_us: int,
+        kv_caches: Sequence[torch.Tensor],
+        registered: concurrent.futures.Future[None],
+    ) -> None:
+        self._store = store
+        self._kv_caches = kv_caches
+        self._registered = registered  # resolved once store.register() returned
+        self._loop = loop
+        self._deliver = deliver
+        self._num_pages = num_pages
+        self._poll_interval_s = poll_interval_us / 1e6
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._accepting = True
+        self._accept_lock = threading.Lock()
+        self._launched: dict[int, Request] = {}  # launched ids -> request, until terminal
+        self._reserved: set[int] = set()  # lookup matches held for a load
+        self._outbox: list[tuple[Request, object]] = []
+        self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
+        self.store_calls = 0
+
+    # ---- loop side -------------------------------------------------------------------
+
+    @property
+    def tasks_open(self) -> int:
+        """Ids matched or launched and not yet terminal (read racily from the loop)."""
+        return len(self._launched) + len(self._reserved)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, item: Batch | _Release) -> None:
+        with self._accept_lock:
+            if not self._accepting:
+                raise EngineClosed("the store thread has stopped accepting work")
+            self._inbox.put(item)
+
+    def release(self, task_ids: Sequence[int]) -> None:
+        """Cancel lookup reservations. After stop, the worker cancels them itself."""
+        with self._accept_lock:
+            if self._accepting:
+                self._inbox.put(_Release(task_ids))
+
+    def stop(self) -> None:
+        """End the inbox: work already accepted is processed, launched tasks are waited
+        for, open reservations are cancelled, then the store is closed."""
+        with self._accept_lock:
+            if self._accepting:
+                self._accepting = False
+                self._inbox.put(_STOP)
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- store thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        # The store is registered here, not on the loop: it may take seconds (FlexKV
+        # starts its transfer engine) and every store call belongs to this thread.
+        try:
+            self._store.register(self._kv_caches)
+        except BaseException as exc:
+            self._registered.set_exception(exc)
+            self._close_store()
+            return
+        self._registered.set_result(None)
+        stopping = False
+        try:
+            while not stopping or self._launched:
+                timeout = self._poll_interval_s if self._launched else None
+                item: object = None
+                if stopping:
+                    # Nothing arrives after the sentinel: only launched tasks remain.
+                    time.sleep(self._poll_interval_s)
+                else:
+                    with contextlib.suppress(queue.Empty):
+                        item = self._inbox.get(timeout=timeout)
+                while item is not None:
+                    if item is _STOP:
+                        stopping = True
+                    else:
+                        self._handle(item)
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        item = None
+                if self._launched:
+                    self._poll()
+                self._post()
+            if self._reserved:
+                self._cancel(sorted(self._reserved))
+                self._reserved.clear()
+        except BaseException:  # a bug here must not strand futures: fail what we hold
+            log.exception("aiokv store thread crashed")
+            error = StoreError("the store thread crashed; see the aiokv log")
+            self._outbox.extend((r, error) for r in self._launched.values())
+            self._launched.clear()
+            self._post()
+            raise
+        finally:
+            self._close_store()
+
+    def _close_store(self) -> None:
+        try:
+            self._store.close()
+        except Exception:
+            log.exception("store.close() failed")
+
+    def _handle(self, item: object) -> None:
+        if isinstance(item, _Release):
+            held = [t for t in item.task_ids if t in self._reserved]
+            self._reserved.difference_update(held)
+            if held:
+                self._cancel(held)
+        elif isinstance(item, Batch):
+            try:
+                if item.kind is Kind.LOOKUP:
+                    self._lookup(item)
+                else:
+                    self._move(item)
+            except Exception as exc:  # e.g. a CUDA error while waiting for the copy
+                error = StoreError(f"batch failed before launch: {exc!r}")
+                error.__cause__ = exc
+                self._fail_unanswered(item, error)
+        else:
+            raise TypeError(f"unexpected inbox item {item!r}")
+
+    def _lookup(self, batch: Batch) -> None:
+        empty: list[int] = []
+        for request in batch.requests:
+            if request.detached:
+                continue
+            tokens = request.token_ids
+            assert tokens is not None  # set at submit for lookups
+            try:
+                task_id, mask = self._call(self._store.get_match, tokens, request.namespace)
+            except StoreError as error:
+                self._outbox.append((request, error))
+                continue
+            hit = int(np.count_nonzero(mask))
+            if hit == 0 or request.detached:
+                empty.append(task_id)
+                self._outbox.append((request, LookupGrant(None, None, 0)))
+            else:
+                self._reserved.add(task_id)
+                request.stage = Stage.MATCHED
+                self._outbox.append((request, LookupGrant(task_id, mask, hit)))
+        if empty:
+            self._cancel(empty)
+
+    def _move(self, batch: Batch) -> None:
+        """Offload (put) or load (get) batch: one launch for everything with work."""
+        fused = batch.pages
+        assert fused is not None  # the batcher fuses pages for OFFLOAD and LOAD batches
+        for request in batch.requests:
+            if request.ready_event is not None:
+                request.ready_event.synchronize()  # the KV itself must be written
+        pages = fused.wait()
+        bad = set(fused.bad_requests(pages, self._num_pages).tolist())
+        page_size = self._store.page_size
+        slots = fused.expand(pages, page_size)
+        launch_ids: list[int] = []
+        launch_slots: list[Any] = []
+        launched: list[Request] = []
+        to_cancel: list[int] = []
+        for index, request in enumerate(batch.requests):
+            if index in bad:
+                self._outbox.append((request, InvalidRequest(
+                    "page_ids", f"holds a page id outside [0, {self._num_pages})")))
+                if request.kind is Kind.LOAD and request.task_id is not None:
+                    self._reserved.discard(request.task_id)
+                    to_cancel.append(request.task_id)
+                continue
+            if batch.kind is Kind.OFFLOAD:
+                if request.detached:
+                    continue  # never matched: nothing to roll back
+                matched = self._put_match(request)
+                if matched is None:
+                    continue
+                task_id, mask = matched
+            else:
+                assert request.task_id is not None and request.mask is not None  # the Lookup's
+                task_id, mask = request.task_id, request.mask
+                self._reserved.discard(task_id)  # launched or cancelled below
+            if request.detached:
+                to_cancel.append(task_id)
+                continue
+            if not mask.any():
+                to_cancel.append(task_id)
+                self._outbox.append((request, self._success(request, mask)))
+                continue
+            request_slots = fused.request_slots(slots, index, page_size)
+            launch_ids.append(task_id)
+            launch_slots.append(select_slots(request_slots, mask))
+            launched.append(request)
+            request.task_id, request.mask = task_id, mask
+        if to_cancel:
+            self._cancel(to_cancel)
+        if launch_ids:
+            try:
+                self._call(self._store.launch, launch_ids, launch_slots)
+            except StoreError as error:
+                for request in launched:
+                    self._outbox.append((request, error))
+                return
+            for request in launched:
+                request.stage = Stage.LAUNCHED
+                assert request.task_id is not None
+                self._launched[request.task_id] = request
+
+    def _put_match(self, request: Request) -> tuple[int, Any] | None:
+        assert request.token_ids is not None
+        try:
+            matched: tuple[int, Any] = self._call(
+                self._store.put_match, request.token_ids, request.namespace
+            )
+            return matched
+        except StoreError as error:
+            self._outbox.append((request, error))
+            return None
+
+    def _poll(self) -> None:
+        try:
+            results = self._call(self._store.try_wait, list(self._launched))
+        except StoreError as error:
+            # The store can no longer tell us about these tasks; fail them rather than
+            # poll forever.
+            log.exception("store.try_wait failed; failing %d launched tasks", len(self._launched))
+            self._outbox.extend((r, error) for r in self._launched.values())
+            self._launched.clear()
+            return
+        for task_id, result in results.items():
+            request = self._launched.pop(task_id, None)
+            if request is None:
+                log.warning("store answered unknown task id %s", task_id)
+                continue
+            request.stage = Stage.TERMINAL
+            self._outbox.append((request, self._outcome(request, result)))
+
+    def _outcome(self, request: Request, result: TaskResult) -> object:
+        if result.status is TaskStatus.SUCCESS:
+            mask = request.mask if result.mask is None else result.mask
+            assert mask is not None
+            return self._success(request, mask)
+        if result.status is TaskStatus.CANCELLED:
+            return StoreError(f"the store cancelled task {request.task_id}: {result.error}")
+        return StoreError(f"task {request.task_id} failed in the store: {result.error}")
+
+    def _success(self, request: Request, mask: Any) -> object:
+        moved = int(np.count_nonzero(mask))
+        if request.kind is Kind.OFFLOAD:
+            page_size = self._store.page_size
+            cached = request.num_tokens // page_size * page_size
+            return OffloadResult(request.user_id, moved, cached)
+        return LoadResult(request.user_id, moved)
+
+    def _cancel(self, task_ids: list[int]) -> None:
+        try:
+            self._call(self._store.cancel, task_ids)
+        except StoreError:
+            log.exception("store.cancel(%s) failed", task_ids)
+
+    def _call(self, method: Callable[..., Any], *args: Any) -> Any:
+        """Call the store; translate its errors, once, into StoreError."""
+        self.store_calls += 1
+        try:
+            return method(*args)
+        except NoSpace as exc:
+            raise StoreFull(f"store has no space: {exc}") from exc
+        except Exception as exc:
+            name = getattr(method, "__name__", "call")
+            raise StoreError(f"store.{name} failed: {exc!r}") from exc
+
+    def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
+        answered = {id(r) for r, _ in self._outbox}
+        for request in batch.requests:
+            if id(request) not in answered and request.task_id not in self._launched:
+                self._outbox.append((request, error))
+
+    def _post(self) -> None:
+        if not self._outbox:
+            return
+        drained, self._outbox = self._outbox, []
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, drained)
+        except RuntimeError:
+            # The loop is closed: nobody is left to resolve these futures.
+            log.warning("event loop closed; dropped %d outcomes", len(drained))

@@ -1,0 +1,39 @@
+"""Shared fixtures. Every async test runs under the default loop and under uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import uvloop
+
+import aiokv
+
+
+def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], Any]]:
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+LAYERS, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 2, 256, 4, 2, 8
+
+
+def make_caches(
+    pages: int = PAGES, page_size: int = PAGE_SIZE, layers: int = LAYERS, seed: int = 0
+) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(pages, 2, page_size, HEADS, HEAD_DIM, generator=generator)
+        for _ in range(layers)
+    ]
+
+
+@pytest.fixture
+def caches() -> list[torch.Tensor]:
+    return make_caches()
+
+
+def small_store(cpu_cache_gb: float = 0.01) -> aiokv.LocalStore:
+    return aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb))

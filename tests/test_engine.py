@@ -1,0 +1,177 @@
+"""The engine end to end on the embedded store: batching, dedup, round trips, growth."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import PAGE_SIZE, make_caches, small_store
+
+import aiokv
+from aiokv.testing import CheckingStore
+
+
+def checked_engine(
+    caches: list[torch.Tensor], **config: int | str
+) -> tuple[aiokv.OffloadEngine, CheckingStore]:
+    store = CheckingStore(small_store(), loop_thread=threading.get_ident())
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(**config))  # type: ignore[arg-type]
+    return engine, store
+
+
+@pytest.mark.asyncio
+async def test_one_window_is_one_batch_with_one_launch(caches: list[torch.Tensor]) -> None:
+    engine, store = checked_engine(caches, window_us=50_000)
+    async with engine:
+        results = await asyncio.gather(
+            *(engine.offload(u, torch.arange(4 * u, 4 * u + 4), 16) for u in range(8))
+        )
+        stats = engine.stats()
+    assert [r.stored_tokens for r in results] == [16] * 8
+    assert stats.batches == 1
+    assert store.calls["put_match"] == 8
+    assert store.calls["launch"] == 1
+    assert stats.d2h_copies == 0  # CPU page ids need no device copy
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_max_batch_requests_splits_and_flushes_early(caches: list[torch.Tensor]) -> None:
+    # A window of 10 s: only the request limit can flush it before the test times out.
+    engine, store = checked_engine(caches, window_us=10_000_000, max_batch_requests=4)
+    async with engine:
+        await asyncio.wait_for(
+            asyncio.gather(*(engine.offload(u, torch.arange(4 * u, 4 * u + 4), 16) for u in range(8))),
+            timeout=5,
+        )
+        assert engine.stats().batches == 2
+    assert store.calls["launch"] == 2
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_max_batch_tokens_bounds_each_batch(caches: list[torch.Tensor]) -> None:
+    engine, store = checked_engine(caches, window_us=10_000_000, max_batch_tokens=32)
+    async with engine:
+        await asyncio.wait_for(
+            asyncio.gather(*(engine.offload(u, torch.arange(4 * u, 4 * u + 4), 16) for u in range(4))),
+            timeout=5,
+        )
+        assert engine.stats().batches == 2  # 16 + 16 tokens per batch
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_window_zero_flushes_on_next_iteration(caches: list[torch.Tensor]) -> None:
+    engine, store = checked_engine(caches, window_us=0)
+    async with engine:
+        result = await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)
+    assert result.stored_tokens == 16
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_stored_prefix_is_deduplicated(caches: list[torch.Tensor]) -> None:
+    engine, store = checked_engine(caches)
+    async with engine:
+        first = await engine.offload("u", torch.arange(4), 16)
+        again = await engine.offload("u", torch.arange(4), 16)
+        launches = store.calls["launch"]
+    assert (first.stored_tokens, first.cached_tokens) == (16, 16)
+    assert (again.stored_tokens, again.cached_tokens) == (0, 16)
+    assert launches == 1  # the second offload was cancelled, not launched
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_history_growth_writes_only_new_full_pages(caches: list[torch.Tensor]) -> None:
+    engine, store = checked_engine(caches)
+    pages = torch.arange(10)
+    async with engine:
+        a = await engine.offload("u", pages, 2 * PAGE_SIZE + 1)  # 2 full pages + 1 token
+        b = await engine.offload("u", pages, 5 * PAGE_SIZE)
+        c = await engine.offload("u", pages, 5 * PAGE_SIZE + 3)
+        hit = await engine.lookup("u", 10 * PAGE_SIZE)
+        hit.release()
+    assert (a.stored_tokens, a.cached_tokens) == (2 * PAGE_SIZE, 2 * PAGE_SIZE)
+    assert (b.stored_tokens, b.cached_tokens) == (3 * PAGE_SIZE, 5 * PAGE_SIZE)
+    assert (c.stored_tokens, c.cached_tokens) == (0, 5 * PAGE_SIZE)
+    assert hit.cached_tokens == 5 * PAGE_SIZE
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_round_trip_many_ragged_users_is_bit_exact() -> None:
+    caches = make_caches(pages=512)
+    original = [c.clone() for c in caches]
+    rng = np.random.default_rng(7)
+    users = 40
+    lengths = rng.integers(1, 6 * PAGE_SIZE, size=users)  # ragged, many with partial pages
+    source = rng.permutation(256)[: users * 6].reshape(users, 6)  # scattered source pages
+    engine, store = checked_engine(caches, window_us=1000)
+    async with engine:
+        offloads = await asyncio.gather(
+            *(engine.offload(u, torch.from_numpy(source[u]), int(lengths[u])) for u in range(users))
+        )
+        hits = await asyncio.gather(*(engine.lookup(u, int(lengths[u])) for u in range(users)))
+        targets = [torch.arange(256 + 6 * u, 256 + 6 * u + 6) for u in range(users)]
+        loads = await asyncio.gather(*(engine.load(h, t) for h, t in zip(hits, targets)))
+        stats = engine.stats()
+    for u in range(users):
+        full = int(lengths[u]) // PAGE_SIZE
+        assert offloads[u].stored_tokens == full * PAGE_SIZE
+        assert hits[u].cached_tokens == full * PAGE_SIZE
+        assert loads[u].loaded_tokens == full * PAGE_SIZE
+        for layer in range(len(caches)):
+            got = caches[layer][targets[u][:full]]
+            want = original[layer][torch.from_numpy(source[u][:full])]
+            assert torch.equal(got, want), f"user {u} layer {layer}"
+    assert stats.pending == 0 and stats.store_tasks_open == 0
+    # A load of an empty hit returns at once, without a store round.
+    with_pages = int((lengths >= PAGE_SIZE).sum())
+    assert stats.completed == 2 * users + with_pages
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_namespaces_and_token_ids_separate_keys(caches: list[torch.Tensor]) -> None:
+    engine, store = checked_engine(caches)
+    tokens = np.arange(100, 116, dtype=np.int64)
+    async with engine:
+        await engine.offload("a", torch.arange(4), 16, token_ids=tokens, namespace=["tenant1"])
+        same = await engine.lookup("b", 16, token_ids=tokens, namespace=["tenant1"])
+        other_ns = await engine.lookup("b", 16, token_ids=tokens, namespace=["tenant2"])
+        other_tokens = await engine.lookup("a", 16, namespace=["tenant1"])  # positions
+        for hit in (same, other_ns, other_tokens):
+            hit.release()
+    assert same.cached_tokens == 16
+    assert other_ns.cached_tokens == 0
+    assert other_tokens.cached_tokens == 0
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_gets_dispatch_before_puts_in_a_window(caches: list[torch.Tensor]) -> None:
+    engine, store = checked_engine(caches, window_us=50_000)
+    order: list[str] = []
+    inner_put, inner_get = store.put_match, store.get_match
+
+    def put_match(*args: object) -> object:
+        order.append("put")
+        return inner_put(*args)  # type: ignore[arg-type]
+
+    def get_match(*args: object) -> object:
+        order.append("get")
+        return inner_get(*args)  # type: ignore[arg-type]
+
+    store.put_match, store.get_match = put_match, get_match  # type: ignore[method-assign,assignment]
+    async with engine:
+        offload = asyncio.ensure_future(engine.offload("u", torch.arange(4), 16))
+        await asyncio.sleep(0)
+        lookup = asyncio.ensure_future(engine.lookup("v", 16))
+        await asyncio.gather(offload, lookup)
+        (await lookup).release()
+    assert order == ["get", "put"]
