@@ -175,6 +175,8 @@ class FaultyStore:
     - ``fail_tasks``: launched tasks answer FAILED (after the real copy ends);
     - ``hold``: while this Event is clear, ``try_wait`` answers nothing (slow transfers);
     - ``launch_error``: raised by launch, before anything is launched.
+
+    ``launched`` is an Event set by each successful launch.
     """
 
     def __init__(self, inner: Store) -> None:
@@ -185,6 +187,7 @@ class FaultyStore:
         self.fail_tasks = False
         self.hold = threading.Event()
         self.hold.set()
+        self.launched = threading.Event()  # set by every launch, for tests to wait on
 
     @property
     def page_size(self) -> int:
@@ -207,6 +210,7 @@ class FaultyStore:
         if self.launch_error is not None:
             raise self.launch_error
         self.inner.launch(task_ids, slot_mappings)
+        self.launched.set()
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         self.inner.cancel(task_ids)

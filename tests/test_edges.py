@@ -1,0 +1,301 @@
+"""Behaviour at the edges: cancellation, bad input, overload, timeouts, TTL, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import PAGE_SIZE, small_store
+
+import aiokv
+from aiokv.testing import CheckingStore, FaultyStore, no_space
+
+
+class Rig:
+    """An engine over CheckingStore(FaultyStore(LocalStore)), and the loop's errors."""
+
+    def __init__(self, caches: list[torch.Tensor], **config: Any) -> None:
+        self.faulty = FaultyStore(small_store())
+        self.checked = CheckingStore(self.faulty, loop_thread=threading.get_ident())
+        self.engine = aiokv.OffloadEngine(self.checked, caches, aiokv.EngineConfig(**config))
+        self.loop_errors: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, context: self.loop_errors.append(context)
+        )
+
+    async def launched(self) -> None:
+        """Wait (bounded) until the store launched something."""
+        assert await asyncio.to_thread(self.faulty.launched.wait, 10)
+        self.faulty.launched.clear()
+
+    def assert_clean(self) -> None:
+        assert self.checked.problems() == []
+        assert self.loop_errors == []
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll a condition that another thread or a timer makes true; bounded."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.002)
+
+
+def pages(start: int, count: int = 4) -> torch.Tensor:
+    return torch.arange(start, start + count)
+
+
+@pytest.mark.asyncio
+async def test_caller_cancelled_before_dispatch_is_never_matched(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=10_000_000, max_batch_requests=2)
+    async with rig.engine:
+        doomed = asyncio.ensure_future(rig.engine.offload("gone", pages(0), 16))
+        await asyncio.sleep(0)  # queued in the open window
+        doomed.cancel()
+        kept = await asyncio.wait_for(rig.engine.offload("kept", pages(4), 16), 5)
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        stats = rig.engine.stats()
+    assert kept.stored_tokens == 16
+    assert rig.checked.calls["put_match"] == 1
+    assert stats.cancelled == 1 and stats.completed == 1
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_caller_cancelled_after_launch_only_detaches(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0)
+    rig.faulty.hold.clear()  # transfers do not finish until released
+    async with rig.engine:
+        task = asyncio.ensure_future(rig.engine.offload("u", pages(0), 16))
+        await rig.launched()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert rig.engine.stats().store_tasks_open == 1  # the transfer still runs
+        rig.faulty.hold.set()
+        await eventually(lambda: rig.engine.stats().store_tasks_open == 0)
+        # The data landed even though nobody waited: the key is stored.
+        hit = await rig.engine.lookup("u", 16)
+        hit.release()
+    assert hit.cached_tokens == 16
+    assert rig.checked.cancelled.isdisjoint(rig.checked.launched)
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("field", "call"),
+    [
+        ("page_ids", lambda e: e.offload("u", torch.zeros(4), 16)),  # float dtype
+        ("page_ids", lambda e: e.offload("u", torch.zeros(2, 2, dtype=torch.long), 4)),
+        ("page_ids", lambda e: e.offload("u", torch.tensor([0, 1, 9999]), 12)),
+        ("page_ids", lambda e: e.offload("u", torch.tensor([0, -1]), 8)),
+        ("num_tokens", lambda e: e.offload("u", pages(0, 2), 9)),
+        ("num_tokens", lambda e: e.offload("u", pages(0, 2), -1)),
+        ("num_tokens", lambda e: e.lookup("u", 2.5)),
+        ("token_ids", lambda e: e.offload("u", pages(0), 16, token_ids=np.arange(3))),
+        ("token_ids", lambda e: e.offload("u", pages(0), 4, token_ids=np.zeros(4, np.int32))),
+        ("namespace", lambda e: e.lookup("u", 4, namespace="not-a-list")),
+        ("user_id", lambda e: e.lookup(["unhashable"], 4)),
+        ("hit", lambda e: e.load("not a lookup", pages(0))),
+    ],
+)
+async def test_bad_request_fails_alone_naming_the_field(
+    caches: list[torch.Tensor], field: str, call: Callable[[aiokv.OffloadEngine], Any]
+) -> None:
+    rig = Rig(caches, window_us=20_000)
+    async with rig.engine:
+        good = asyncio.ensure_future(rig.engine.offload("good", pages(8), 16))
+        with pytest.raises(aiokv.InvalidRequest) as caught:
+            await call(rig.engine)
+        assert (await good).stored_tokens == 16  # same window, unaffected
+    assert caught.value.field == field and field in str(caught.value)
+    assert isinstance(caught.value, ValueError)
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_load_needs_enough_pages_and_a_fresh_lookup(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        await rig.engine.offload("u", pages(0), 16)
+        hit = await rig.engine.lookup("u", 16)
+        with pytest.raises(aiokv.InvalidRequest, match="page_ids"):
+            await rig.engine.load(hit, pages(20, 3))
+        assert (await rig.engine.load(hit, pages(20))).loaded_tokens == 16
+        with pytest.raises(aiokv.InvalidRequest, match="lookup"):
+            await rig.engine.load(hit, pages(20))  # consumed
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_overload_reject_answers_at_once(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0, max_pending=2, overload="reject")
+    rig.faulty.hold.clear()
+    async with rig.engine:
+        held = [asyncio.ensure_future(rig.engine.offload(u, pages(4 * u), 16)) for u in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(aiokv.Overloaded):
+            await rig.engine.offload("third", pages(40), 16)
+        assert rig.engine.stats().rejected == 1
+        rig.faulty.hold.set()
+        assert [r.stored_tokens for r in await asyncio.gather(*held)] == [16, 16]
+        # Room again once they resolved.
+        assert (await rig.engine.offload("third", pages(40), 16)).stored_tokens == 16
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_overload_wait_admits_when_room_frees(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0, max_pending=1, overload="wait")
+    rig.faulty.hold.clear()
+    async with rig.engine:
+        first = asyncio.ensure_future(rig.engine.offload("a", pages(0), 16))
+        second = asyncio.ensure_future(rig.engine.offload("b", pages(4), 16))
+        await rig.launched()
+        assert not second.done() and rig.engine.stats().submitted == 1
+        rig.faulty.hold.set()
+        results = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert [r.stored_tokens for r in results] == [16, 16]
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_request_timeout_fires_from_a_timer(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0, request_timeout_ms=30)
+    rig.faulty.hold.clear()  # nothing would ever flush or complete
+    async with rig.engine:
+        with pytest.raises(aiokv.RequestTimeout) as caught:
+            await asyncio.wait_for(rig.engine.offload("u", pages(0), 16), 10)
+        assert isinstance(caught.value, TimeoutError)
+        assert rig.engine.stats().timed_out == 1
+        assert rig.engine.stats().store_tasks_open == 1  # launched: still waited for
+        rig.faulty.hold.set()
+    assert rig.engine.stats().store_tasks_open == 0
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_unused_lookup_is_released_after_ttl(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0, lookup_ttl_ms=20)
+    async with rig.engine:
+        await rig.engine.offload("u", pages(0), 16)
+        hit = await rig.engine.lookup("u", 16)
+        assert hit.held and rig.engine.stats().store_tasks_open == 1
+        await eventually(lambda: rig.engine.stats().store_tasks_open == 0)
+        assert not hit.held
+        with pytest.raises(aiokv.InvalidRequest, match="expired"):
+            await rig.engine.load(hit, pages(20))
+    assert len(rig.checked.cancelled) >= 1
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_lookup_context_manager_releases(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        await rig.engine.offload("u", pages(0), 16)
+        async with await rig.engine.lookup("u", 16) as hit:
+            assert hit.cached_tokens == 16
+        await eventually(lambda: rig.engine.stats().store_tasks_open == 0)
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_drain_close_resolves_everything_accepted(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=10_000_000)
+    await rig.engine.start()
+    tasks = [asyncio.ensure_future(rig.engine.offload(u, pages(4 * u), 16)) for u in range(20)]
+    await asyncio.sleep(0)
+    await rig.engine.aclose(drain=True)
+    assert [t.result().stored_tokens for t in tasks] == [16] * 20
+    stats = rig.engine.stats()
+    assert stats.pending == 0 and stats.completed == 20
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_close_without_drain_fails_queued_and_waits_for_launched(
+    caches: list[torch.Tensor],
+) -> None:
+    # 16 tokens fill a batch at once; 4 tokens wait for a 10 s window.
+    rig = Rig(caches, window_us=10_000_000, max_batch_tokens=16)
+    rig.faulty.hold.clear()
+    await rig.engine.start()
+    launched = asyncio.ensure_future(rig.engine.offload("a", pages(0), 16))
+    await rig.launched()
+    queued = asyncio.ensure_future(rig.engine.offload("b", pages(4, 1), 4))
+    await asyncio.sleep(0)  # accepted, not dispatched
+    closing = asyncio.ensure_future(rig.engine.aclose(drain=False))
+    with pytest.raises(aiokv.EngineClosed):
+        await queued
+    assert not closing.done()  # still waiting for the launched transfer
+    rig.faulty.hold.set()
+    await asyncio.wait_for(closing, 10)
+    assert (await launched).stored_tokens == 16
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_every_call_after_close_raises_engine_closed(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches)
+    async with rig.engine:
+        await rig.engine.offload("u", pages(0), 16)
+        hit = await rig.engine.lookup("u", 16)
+    await rig.engine.aclose()  # idempotent
+    with pytest.raises(aiokv.EngineClosed):
+        await rig.engine.offload("u", pages(0), 16)
+    with pytest.raises(aiokv.EngineClosed):
+        await rig.engine.lookup("u", 16)
+    with pytest.raises(aiokv.EngineClosed):
+        await rig.engine.load(hit, pages(0))
+    with pytest.raises(aiokv.EngineClosed):
+        await rig.engine.start()
+    assert rig.engine.stats().store_tasks_open == 0  # the reservation was cancelled
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_store_errors_fail_their_requests_typed(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        rig.faulty.put_match_error = no_space()
+        with pytest.raises(aiokv.StoreFull) as full:
+            await rig.engine.offload("u", pages(0), 16)
+        assert isinstance(full.value.__cause__, aiokv.stores.NoSpace)
+        rig.faulty.put_match_error = RuntimeError("disk on fire")
+        with pytest.raises(aiokv.StoreError, match="disk on fire"):
+            await rig.engine.offload("u", pages(0), 16)
+        rig.faulty.put_match_error = None
+        rig.faulty.fail_tasks = True
+        with pytest.raises(aiokv.StoreError, match="injected failure"):
+            await rig.engine.offload("u", pages(0), 16)
+        rig.faulty.fail_tasks = False
+        assert rig.engine.stats().failed == 3
+        # The engine goes on serving after store errors.
+        assert (await rig.engine.offload("v", pages(8), 16)).stored_tokens == 16
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_full_store_reports_no_space(caches: list[torch.Tensor]) -> None:
+    block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=8 * block_bytes / (1 << 30)))
+    checked = CheckingStore(store, loop_thread=threading.get_ident())
+    engine = aiokv.OffloadEngine(checked, caches, aiokv.EngineConfig(window_us=0))
+    async with engine:
+        await engine.offload("a", pages(0, 8), 8 * PAGE_SIZE)
+        hit = await engine.lookup("a", 8 * PAGE_SIZE)  # holds all 8 blocks: none evictable
+        with pytest.raises(aiokv.StoreFull):
+            await engine.offload("b", pages(8), 16)
+        hit.release()
+        # Released blocks are evictable again: the put succeeds by evicting.
+        assert (await engine.offload("b", pages(8), 16)).stored_tokens == 16
+    assert checked.problems() == []
