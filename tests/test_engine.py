@@ -118,7 +118,7 @@ async def test_round_trip_many_ragged_users_is_bit_exact() -> None:
         )
         hits = await asyncio.gather(*(engine.lookup(u, int(lengths[u])) for u in range(users)))
         targets = [torch.arange(256 + 6 * u, 256 + 6 * u + 6) for u in range(users)]
-        loads = await asyncio.gather(*(engine.load(h, t) for h, t in zip(hits, targets)))
+        loads = await asyncio.gather(*(engine.load(h, t) for h, t in zip(hits, targets, strict=False)))
         stats = engine.stats()
     for u in range(users):
         full = int(lengths[u]) // PAGE_SIZE

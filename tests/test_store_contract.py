@@ -1,0 +1,180 @@
+"""The Store contract, run against every store available here.
+
+LocalStore runs everywhere (CPU caches, and CUDA caches where a GPU is present);
+FlexKVStore runs where flexkv imports and CUDA is present, and is skipped with the reason
+otherwise. The engine end to end runs on top of each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import aiokv
+from aiokv.stores.flexkv import flexkv_available
+
+PAGE = 16
+LAYERS, PAGES, HEADS, DIM = 2, 128, 2, 64
+
+
+def _params() -> list[object]:
+    cuda = torch.cuda.is_available()
+    flexkv_reason = flexkv_available()
+    return [
+        pytest.param(("local", "cpu"), id="local-cpu"),
+        pytest.param(
+            ("local", "cuda"),
+            id="local-cuda",
+            marks=pytest.mark.skipif(not cuda, reason="no CUDA device"),
+        ),
+        pytest.param(
+            ("flexkv", "cuda"),
+            id="flexkv",
+            marks=pytest.mark.skipif(
+                flexkv_reason is not None, reason=f"FlexKV not usable: {flexkv_reason}"
+            ),
+        ),
+    ]
+
+
+class Bench:
+    def __init__(self, backend: str, device: str) -> None:
+        generator = torch.Generator(device=device).manual_seed(1)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        self.caches = [
+            torch.randn(PAGES, 2, PAGE, HEADS, DIM, generator=generator, device=device).to(dtype)
+            for _ in range(LAYERS)
+        ]
+        self.original = [c.clone() for c in self.caches]
+        config = aiokv.StoreConfig(backend=backend, page_size=PAGE, cpu_cache_gb=0.25)  # type: ignore[arg-type]
+        self.store = aiokv.stores.make_store(config)
+
+    def slots(self, pages: list[int], mask: np.ndarray) -> np.ndarray:
+        all_slots = (np.asarray(pages)[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
+        return all_slots[: len(mask)][mask[: len(all_slots)]].astype(np.int64)
+
+    def wait(self, ids: list[int], timeout_s: float = 60) -> dict[int, aiokv.TaskResult]:
+        results: dict[int, aiokv.TaskResult] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(results) < len(ids):
+            assert time.monotonic() < deadline, f"tasks {ids} not terminal in {timeout_s}s"
+            results.update(self.store.try_wait([i for i in ids if i not in results]))
+            time.sleep(0.0005)
+        return results
+
+    def put(self, namespace: str, pages: list[int], tokens: int) -> np.ndarray:
+        task, mask = self.store.put_match(np.arange(tokens, dtype=np.int64), [namespace])
+        if mask.any():
+            self.store.launch([task], [self.slots(pages, mask)])
+            assert self.wait([task])[task].status is aiokv.TaskStatus.SUCCESS
+        else:
+            self.store.cancel([task])
+        return mask
+
+
+@pytest.fixture(params=_params())
+def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
+    backend, device = request.param
+    b = Bench(backend, device)
+    b.store.register(b.caches)
+    yield b
+    b.store.close()
+
+
+def test_put_mask_covers_full_pages_only_then_dedups(bench: Bench) -> None:
+    tokens = 3 * PAGE + 5
+    mask = bench.put("a", [0, 1, 2, 3], tokens)
+    assert mask.shape == (tokens,) and mask[: 3 * PAGE].all() and not mask[3 * PAGE :].any()
+    task, again = bench.store.put_match(np.arange(tokens, dtype=np.int64), ["a"])
+    assert not again.any()
+    bench.store.cancel([task])
+
+
+def test_growth_marks_only_the_new_suffix(bench: Bench) -> None:
+    bench.put("g", [0, 1], 2 * PAGE)
+    mask = bench.put("g", [0, 1, 2, 3], 4 * PAGE)
+    assert not mask[: 2 * PAGE].any() and mask[2 * PAGE :].all()
+
+
+def test_round_trip_is_bit_exact(bench: Bench) -> None:
+    bench.put("r", [5, 9, 2], 3 * PAGE)
+    task, mask = bench.store.get_match(np.arange(3 * PAGE, dtype=np.int64), ["r"])
+    assert mask.all()
+    bench.store.launch([task], [bench.slots([100, 101, 102], mask)])
+    assert bench.wait([task])[task].status is aiokv.TaskStatus.SUCCESS
+    for cache, original in zip(bench.caches, bench.original, strict=False):
+        assert torch.equal(cache[100:103], original[[5, 9, 2]])
+
+
+def test_get_of_unknown_key_matches_nothing(bench: Bench) -> None:
+    task, mask = bench.store.get_match(np.arange(2 * PAGE, dtype=np.int64), ["nobody"])
+    assert not mask.any()
+    bench.store.cancel([task])
+
+
+def test_cancel_rolls_a_put_back(bench: Bench) -> None:
+    tokens = np.arange(2 * PAGE, dtype=np.int64)
+    task, _mask = bench.store.put_match(tokens, ["c"])
+    bench.store.cancel([task])
+    get_task, hit = bench.store.get_match(tokens, ["c"])
+    assert not hit.any()
+    bench.store.cancel([get_task])
+    task, again = bench.store.put_match(tokens, ["c"])
+    assert again.all()  # still to be written
+    bench.store.cancel([task])
+
+
+def test_one_launch_of_several_tasks_answers_each_id_once(bench: Bench) -> None:
+    ids, slots = [], []
+    for user in range(3):
+        task, mask = bench.store.put_match(np.arange(2 * PAGE, dtype=np.int64), [f"b{user}"])
+        ids.append(task)
+        slots.append(bench.slots([2 * user, 2 * user + 1], mask))
+    bench.store.launch(ids, slots)
+    results = bench.wait(ids)
+    assert set(results) == set(ids)
+    for task in ids:
+        assert results[task].status is aiokv.TaskStatus.SUCCESS
+        assert results[task].mask is None or results[task].mask.sum() == 2 * PAGE
+    assert bench.store.try_wait(ids) == {}  # each answered once
+    for user in range(3):
+        task, hit = bench.store.get_match(np.arange(2 * PAGE, dtype=np.int64), [f"b{user}"])
+        assert hit.all()
+        bench.store.cancel([task])
+
+
+@pytest.fixture(params=_params())
+def unregistered(request: pytest.FixtureRequest) -> Bench:
+    backend, device = request.param
+    return Bench(backend, device)
+
+
+@pytest.mark.asyncio
+async def test_engine_end_to_end_on_this_store(unregistered: Bench) -> None:
+    bench = unregistered
+    engine = aiokv.OffloadEngine(bench.store, bench.caches, aiokv.EngineConfig(window_us=500))
+    users = 8
+    async with engine:  # registers the store on the store thread, closes it on exit
+        device = bench.caches[0].device
+        sources = [torch.arange(4 * u, 4 * u + 4, device=device) for u in range(users)]
+        stored = await asyncio.gather(
+            *(engine.offload(u, sources[u], 4 * PAGE - 3) for u in range(users))
+        )
+        hits = await asyncio.gather(*(engine.lookup(u, 4 * PAGE) for u in range(users)))
+        targets = [torch.arange(64 + 4 * u, 68 + 4 * u, device=device) for u in range(users)]
+        loaded = await asyncio.gather(*(engine.load(h, t) for h, t in zip(hits, targets, strict=False)))
+        stats = engine.stats()
+    assert [r.stored_tokens for r in stored] == [3 * PAGE] * users
+    assert [r.loaded_tokens for r in loaded] == [3 * PAGE] * users
+    for u in range(users):
+        for cache, original in zip(bench.caches, bench.original, strict=False):
+            assert torch.equal(cache[targets[u][:3]], original[sources[u][:3]])
+    assert stats.pending == 0 and stats.store_tasks_open == 0 and stats.failed == 0
+    if device.type == "cuda":
+        # One copy per offload or load batch; lookup batches copy nothing.
+        assert 2 <= stats.d2h_copies < stats.batches
