@@ -1,0 +1,386 @@
+"""FlexKVStore: the Store protocol as a thin adapter over ``flexkv.kvmanager.KVManager``.
+
+FlexKV is imported lazily, inside functions: ``import aiokv.stores.flexkv`` must work
+where FlexKV is not installed, and FlexKV reads its environment (``GLOBAL_CONFIG_FROM_ENV``)
+once, when ``flexkv.common.config`` is first imported, so the variables we set have to be
+in place before that import.
+
+What this adapter owns (FlexKV sharp edges, see ``.flexkv/NOTES.md`` and DESIGN.md):
+
+- ``launch(as_batch=True)`` merges only 2+ tasks of one kind and then answers under a new
+  batch id with one mask per sub-task; the sub-task ids become unknown to FlexKV. We split
+  a mixed launch per kind, keep the batch id, and fan its answer back out to the ids the
+  matches gave. Only tasks with a non-empty mask go into a batch: FlexKV drops empty
+  sub-tasks from the batch's mask list, which would misalign the fan-out.
+- FlexKV forgets a task on its first terminal answer, so answers are cached here, keyed by
+  the original id, and handed out once.
+- An all-False put mask also means "no space": ``put_match`` tells that apart from
+  "already stored" with a ``get_match`` on the same tokens and raises ``NoSpace``.
+- A launched task is never cancelled (FlexKV would forget it while its copy runs on).
+
+FlexKV starts a TransferManager with the ``spawn`` start method: the program's main module
+must be import-safe (``if __name__ == "__main__":``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import StoreConfig
+from ..errors import StoreError
+from .base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus
+
+# Environment FlexKV must see before its first import. MPS: FlexKV would otherwise try to
+# start the MPS daemon (absent on most hosts). setdefault: a user's own choice wins.
+_ENV_DEFAULTS = {"FLEXKV_ENABLE_MPS": "0"}
+_instance_counter = itertools.count()
+_POLL_S = 0.001
+
+
+def _set_env() -> None:
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def flexkv_available() -> str | None:
+    """None if FlexKVStore can run here, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        _set_env()
+        import flexkv.kvmanager  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as exc:  # incl. c_ext failing to load
+        return f"flexkv is not importable: {exc!r}"
+    return None
+
+
+class FlexKVStore:
+    """Store over one FlexKV KVManager (direct mode, one GPU, CPU tier + optional SSD)."""
+
+    def __init__(self, config: StoreConfig, *, ready_timeout_s: float = 60.0) -> None:
+        self._config = config
+        self._ready_timeout_s = ready_timeout_s
+        self.page_size: int = config.page_size or 0  # fixed by register()
+        self._manager: Any = None
+        self._tp_client: Any = None  # keeps the registration sockets alive
+        self._caches: list[torch.Tensor] = []  # FlexKV maps these by IPC: keep them alive
+        # Unique per process and instance: two stores on one host must not share sockets.
+        base = os.path.join(
+            tempfile.gettempdir(), f"aiokv_flexkv_{os.getpid()}_{next(_instance_counter)}"
+        )
+        self._endpoint = f"ipc://{base}"
+        self._socket_files = [base, f"{base}_gpu_register", f"{base}_gpu_register_control"]
+        self._kind: dict[int, str] = {}  # matched, not launched: id -> "put" | "get"
+        self._mask: dict[int, BoolArray] = {}  # match masks of open ids (fallback answer)
+        self._members: dict[int, list[int]] = {}  # launched FlexKV id -> original ids
+        self._owner: dict[int, int] = {}  # launched original id -> FlexKV id to poll
+        self._done: dict[int, TaskResult] = {}  # terminal answers not yet handed out
+        self._closed = False
+
+    # ---- setup -----------------------------------------------------------------------
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        if self._manager is not None:
+            raise RuntimeError("FlexKVStore.register() was already called")
+        caches = list(kv_caches)
+        first = caches[0] if caches else None
+        if first is None or first.dim() != 5 or first.shape[1] != 2 or not first.is_cuda:
+            raise ValueError("kv_caches: need CUDA tensors [pages, 2, page_size, heads, head_dim]")
+        if any(
+            c.shape != first.shape
+            or c.dtype != first.dtype
+            or c.device != first.device
+            or not c.is_contiguous()
+            for c in caches
+        ):
+            raise ValueError("kv_caches: all layers need one shape, dtype, device, contiguous")
+        num_pages, _, page_size, heads, head_dim = (int(x) for x in first.shape)
+        if self._config.page_size is not None and self._config.page_size != page_size:
+            raise ValueError(f"page_size {self._config.page_size} != caches' {page_size}")
+        _set_env()
+        from flexkv.common.config import (
+            CacheConfig,
+            ModelConfig,
+            RankInfo,
+            update_default_config_from_user_config,
+        )
+        from flexkv.common.storage import KVCacheLayout, KVCacheLayoutType
+        from flexkv.kvmanager import KVManager
+        from flexkv.server.client import KVTPClient
+
+        model_config = ModelConfig(
+            num_layers=len(caches),
+            num_kv_heads=heads,
+            head_size=head_dim,
+            kv_dim=2,
+            dtype=first.dtype,
+        )
+        cache_config = CacheConfig(tokens_per_block=page_size, enable_cpu=True)
+        user_config = self._user_config()
+        # FlexKV's own loader turns GiB into explicit block counts (its default
+        # num_cpu_blocks would allocate a million blocks) and applies override_* keys.
+        update_default_config_from_user_config(
+            RankInfo(model_config=model_config), cache_config, user_config
+        )
+        # Those overrides patch this process's GLOBAL_CONFIG_FROM_ENV only; FlexKV's
+        # spawned TransferManager re-reads the environment. Mirror them as FLEXKV_<KEY>,
+        # the name FlexKV's override log gives them (a few env names differ; see NOTES).
+        for key, value in vars(user_config).items():
+            if key.startswith("override_"):
+                text = str(int(value)) if isinstance(value, bool) else str(value)
+                os.environ[f"FLEXKV_{key[len('override_') :].upper()}"] = text
+        if cache_config.num_cpu_blocks < 1:
+            raise ValueError(
+                f"cpu_cache_gb={self._config.cpu_cache_gb} holds no block "
+                f"of {len(caches)}x2x{page_size}x{heads}x{head_dim} {first.dtype}"
+            )
+        manager = KVManager(
+            model_config,
+            cache_config,
+            server_recv_port=self._endpoint,
+            gpu_register_port=f"{self._endpoint}_gpu_register",
+        )
+        manager.start()
+        self._manager, self._caches, self.page_size = manager, caches, page_size
+        try:
+            # LAYERBLOCK = one tensor per layer shaped [block, kv, token, head, dim].
+            layout = KVCacheLayout(
+                type=KVCacheLayoutType.LAYERBLOCK,
+                num_layer=len(caches),
+                num_block=num_pages,
+                tokens_per_block=page_size,
+                num_head=heads,
+                head_size=head_dim,
+                kv_dim=2,
+                num_kv_heads=heads,
+            )
+            self._tp_client = KVTPClient(
+                f"{self._endpoint}_gpu_register", dp_client_id=0, device_id=first.device.index or 0
+            )
+            self._tp_client.register_to_server(caches, layout)
+            deadline = time.monotonic() + self._ready_timeout_s
+            while not manager.is_ready():
+                if time.monotonic() > deadline:
+                    raise StoreError(
+                        f"FlexKV not ready {self._ready_timeout_s:.0f}s after GPU registration "
+                        f"(endpoint {self._endpoint}); see FlexKV's log for the TransferManager"
+                    )
+                time.sleep(0.01)
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def _user_config(self) -> Any:
+        from flexkv.common.config import (
+            UserConfig,
+            load_user_config_from_file,
+            parse_path_list,
+        )
+
+        known = {f.name for f in fields(UserConfig)}
+        cfg = self._config
+        path = cfg.flexkv.get("user_config_file")
+        values: dict[str, Any] = {}
+        overrides: dict[str, Any] = {}
+        if path is not None:  # FlexKV's own loader: its key checks and path parsing
+            loaded = load_user_config_from_file(str(path))
+            values = {f.name: getattr(loaded, f.name) for f in fields(UserConfig)}
+            overrides = {k: v for k, v in vars(loaded).items() if k.startswith("override_")}
+        for key, value in cfg.flexkv.items():
+            if key == "user_config_file":
+                continue
+            if key in known:
+                values[key] = value
+            else:  # the file loader's convention; applied by update_default_config_...
+                overrides[f"override_{key}"] = value
+        # StoreConfig's own fields are authoritative over the flexkv mapping.
+        values["cpu_cache_gb"] = cfg.cpu_cache_gb
+        values["ssd_cache_gb"] = cfg.ssd_cache_gb
+        ssd_dir = cfg.ssd_cache_dir or values.get("ssd_cache_dir") or "./flexkv_ssd"
+        values["ssd_cache_dir"] = (
+            parse_path_list(ssd_dir) if isinstance(ssd_dir, str) else list(ssd_dir)
+        )
+        user_config = UserConfig(**values)  # runs FlexKV's validation
+        for key, value in overrides.items():
+            setattr(user_config, key, value)
+        return user_config
+
+    # ---- Store protocol --------------------------------------------------------------
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        manager = self._live()
+        tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
+        task_id, raw = manager.put_match(tokens, namespace=list(namespace))
+        mask = np.array(raw, dtype=np.bool_)  # a copy: FlexKV keeps (and may edit) its own
+        full = len(tokens) // self.page_size * self.page_size
+        if full and not mask.any():
+            # All-False means "already stored" or "no block could be reserved". Ask the
+            # index; cancelling the probe releases the locks its match took.
+            probe_id, probe = manager.get_match(tokens, namespace=list(namespace))
+            manager.cancel([probe_id])
+            if int(np.count_nonzero(probe)) < full:
+                manager.cancel([task_id])
+                raise NoSpace(
+                    f"FlexKV reserved no block for {full - int(np.count_nonzero(probe))} "
+                    f"new tokens (cpu cache full or all blocks locked)"
+                )
+        self._kind[task_id], self._mask[task_id] = "put", mask
+        return task_id, mask
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        manager = self._live()
+        tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
+        task_id, raw = manager.get_match(tokens, namespace=list(namespace))
+        mask = np.array(raw, dtype=np.bool_)
+        self._kind[task_id], self._mask[task_id] = "get", mask
+        return task_id, mask
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+        manager = self._live()
+        if len(task_ids) != len(slot_mappings):
+            raise ValueError(f"{len(task_ids)} task ids but {len(slot_mappings)} slot mappings")
+        # Check everything first: a launch that fails half-way would leave running tasks
+        # nobody waits on.
+        groups: dict[str, list[tuple[int, Int64Array]]] = {"get": [], "put": []}
+        empty: list[int] = []
+        for task_id, slots in zip(task_ids, slot_mappings, strict=True):
+            if task_id not in self._kind:
+                raise ValueError(f"task {task_id} is not a matched, unlaunched task")
+            slots = np.ascontiguousarray(slots, dtype=np.int64)
+            want = int(np.count_nonzero(self._mask[task_id]))
+            if slots.shape != (want,):
+                raise ValueError(
+                    f"task {task_id}: {slots.shape[0]} slots for {want} True positions"
+                )
+            if want == 0:
+                empty.append(task_id)
+            else:
+                groups[self._kind[task_id]].append((task_id, slots))
+        if len(set(task_ids)) != len(task_ids):
+            raise ValueError("launch: duplicate task ids")
+        for task_id in empty:  # nothing to move: FlexKV already finished it; release it
+            del self._kind[task_id]
+            manager.cancel([task_id])
+            self._done[task_id] = TaskResult(TaskStatus.SUCCESS, self._mask.pop(task_id))
+        for kind in ("get", "put"):  # loads first, as the engine orders them
+            group = groups[kind]
+            if not group:
+                continue
+            ids = [t for t, _ in group]
+            for t in ids:
+                del self._kind[t]
+            launched = manager.launch(ids, [s for _, s in group], as_batch=len(ids) > 1)
+            if len(ids) > 1:
+                (batch_id,) = launched  # sub-task ids are gone inside FlexKV now
+                self._members[batch_id] = ids
+                self._owner.update((t, batch_id) for t in ids)
+            else:
+                self._members[ids[0]] = ids
+                self._owner[ids[0]] = ids[0]
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        manager = self._live()
+        running = [t for t in task_ids if t in self._owner or t in self._done]
+        if running:  # FlexKV would forget them while their copies run on
+            raise ValueError(f"cannot cancel launched tasks {running}")
+        known = [t for t in task_ids if t in self._kind]
+        for t in known:
+            del self._kind[t]
+            self._mask.pop(t, None)
+        if known:
+            manager.cancel(known)  # rolls back the match: unlocks, frees reserved blocks
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        if self._manager is not None and not self._closed:
+            self._poll({self._owner[t] for t in task_ids if t in self._owner})
+        out: dict[int, TaskResult] = {}
+        for t in task_ids:
+            if t in self._done:
+                out[t] = self._done.pop(t)  # handed out once
+            elif t not in self._owner and t not in self._kind:
+                out[t] = TaskResult(
+                    TaskStatus.FAILED,
+                    None,
+                    f"unknown task id {t} (never matched, cancelled, or already answered)",
+                )
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._manager is not None:
+                if self._kind:  # open matches: roll them back before shutdown
+                    self._manager.cancel(list(self._kind))
+                    self._kind.clear()
+                # Launched copies write into the caller's GPU pages: wait them out.
+                deadline = time.monotonic() + max(60.0, self._ready_timeout_s)
+                while self._members and time.monotonic() < deadline:
+                    self._poll(set(self._members))
+                    time.sleep(_POLL_S)
+        finally:
+            self._closed = True
+            self._shutdown()
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _live(self) -> Any:
+        if self._closed or self._manager is None:
+            raise RuntimeError("FlexKVStore is closed or not registered")
+        return self._manager
+
+    def _poll(self, flexkv_ids: set[int]) -> None:
+        """One non-blocking FlexKV try_wait; cache terminal answers per original id."""
+        if not flexkv_ids:
+            return
+        from flexkv.common.request import KVResponseStatus
+
+        responses = self._manager.try_wait(sorted(flexkv_ids))
+        for fid, response in responses.items():
+            members = self._members.pop(fid, None)
+            if members is None:
+                continue
+            status = _STATUS.get(response.status.value, TaskStatus.FAILED)
+            error = "" if status is TaskStatus.SUCCESS else f"FlexKV status {response.status.value}"
+            if response.status is KVResponseStatus.NOTFOUND:
+                error = f"FlexKV lost task {fid} (NOTFOUND)"
+            masks = response.return_mask
+            for index, t in enumerate(members):
+                self._owner.pop(t, None)
+                mask = self._mask.pop(t)
+                if isinstance(masks, list) and len(masks) == len(members):
+                    mask = np.asarray(masks[index], dtype=np.bool_)
+                elif isinstance(masks, np.ndarray) and len(members) == 1:
+                    mask = masks.astype(np.bool_, copy=False)
+                extra: dict[str, object] = {"flexkv_id": fid}
+                self._done[t] = TaskResult(status, mask, error, extra)
+
+    def _shutdown(self) -> None:
+        manager, self._manager = self._manager, None
+        try:
+            if manager is not None:
+                manager.shutdown()
+        finally:
+            self._caches = []
+            for path in self._socket_files:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
+# FlexKV's KVResponseStatus values -> ours. NOTFOUND/UNREADY/TIMEOUT on a launched task
+# mean FlexKV lost track of it: FAILED.
+_STATUS = {
+    "success": TaskStatus.SUCCESS,
+    "cancelled": TaskStatus.CANCELLED,
+    "failed": TaskStatus.FAILED,
+}
