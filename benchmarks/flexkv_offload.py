@@ -1,0 +1,213 @@
+"""Offload throughput on real FlexKV: today's synchronous serving loop vs the aiokv engine.
+
+(a) sync: the recommender-serving style of today, one batch at a time: page ids on the GPU
+    copied to the host once per user, slots built per user, ``put_match`` per user, one
+    ``launch(as_batch=True)``, then a blocking ``wait``.
+(b) aiokv: the same requests through ``OffloadEngine`` on the same FlexKV instance, each
+    batch's users calling ``await engine.offload`` concurrently; "(b) pipelined" issues all
+    rounds at once, so the engine overlaps one batch's matching with the previous copy.
+While (b) runs, a ticker task measures the event loop's stalls.
+
+Every round writes fresh keys (new namespaces), so every page is copied. Needs flexkv and a
+CUDA GPU; run as ``python benchmarks/flexkv_offload.py [--json out.json]``. FlexKV starts
+its transfer engine with multiprocessing "spawn": keep the ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import aiokv
+from aiokv.stores.base import BoolArray, Int64Array, Store, TaskResult
+from aiokv.stores.flexkv import FlexKVStore, flexkv_available
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32
+
+
+class Registered:
+    """The already-registered store, handed to the engine (FlexKV registers once)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.page_size = inner.page_size
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def put_match(self, t: Int64Array, ns: Sequence[str]) -> tuple[int, BoolArray]:
+        return self.inner.put_match(t, ns)
+
+    def get_match(self, t: Int64Array, ns: Sequence[str]) -> tuple[int, BoolArray]:
+        return self.inner.get_match(t, ns)
+
+    def launch(self, ids: Sequence[int], slots: Sequence[Int64Array]) -> None:
+        self.inner.launch(ids, slots)
+
+    def cancel(self, ids: Sequence[int]) -> None:
+        self.inner.cancel(ids)
+
+    def try_wait(self, ids: Sequence[int]) -> dict[int, TaskResult]:
+        return self.inner.try_wait(ids)
+
+    def close(self) -> None:
+        pass  # closed by the benchmark, after both sides ran
+
+
+def sync_round(manager: Any, page_ids: list[torch.Tensor], tokens: int, tag: str) -> int:
+    """One batch the synchronous way; returns tokens written."""
+    ids, slot_mappings, written = [], [], 0
+    offsets = np.arange(PAGE, dtype=np.int64)
+    for user, pages in enumerate(page_ids):
+        host_pages = pages.cpu().numpy().astype(np.int64)  # one D2H copy per user
+        token_ids = np.arange(tokens, dtype=np.int64)
+        task_id, mask = manager.put_match(token_ids, namespace=[f"{tag}-u{user}"])
+        slots = (host_pages[:, None] * PAGE + offsets).reshape(-1)[: len(mask)][mask]
+        ids.append(task_id)
+        slot_mappings.append(slots)
+        written += int(mask.sum())
+    launched = manager.launch(ids, slot_mappings, as_batch=len(ids) > 1)
+    responses = manager.wait(launched, timeout=60.0)
+    for response in responses.values():
+        if "SUCCESS" not in str(response.status):
+            raise RuntimeError(f"FlexKV answered {response.status}")
+    return written
+
+
+async def engine_rounds(
+    engine: aiokv.OffloadEngine,
+    page_ids: list[torch.Tensor],
+    tokens: int,
+    tags: list[str],
+    pipelined: bool,
+) -> int:
+    async def one_round(tag: str) -> int:
+        results = await asyncio.gather(
+            *(
+                engine.offload(u, pages, tokens, namespace=[f"{tag}-u{u}"])
+                for u, pages in enumerate(page_ids)
+            )
+        )
+        return sum(r.stored_tokens for r in results)
+
+    if pipelined:
+        return sum(await asyncio.gather(*(one_round(tag) for tag in tags)))
+    return sum([await one_round(tag) for tag in tags])
+
+
+async def ticker(lateness_s: list[float], stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        due = loop.time() + 100e-6
+        await asyncio.sleep(100e-6)
+        lateness_s.append(max(0.0, loop.time() - due))
+
+
+async def run_engine(
+    store: Store, caches: list[torch.Tensor], page_ids: list[torch.Tensor], tokens: int,
+    tags: list[str], pipelined: bool,
+) -> tuple[int, float, list[float]]:
+    config = aiokv.EngineConfig(window_us=2000, max_batch_requests=len(page_ids),
+                                max_batch_tokens=1 << 30, poll_interval_us=50)
+    engine = aiokv.OffloadEngine(Registered(store), caches, config)
+    lateness: list[float] = []
+    stop = asyncio.Event()
+    async with engine:
+        await engine_rounds(engine, page_ids, tokens, ["warm-" + t for t in tags[:1]], False)
+        tick = asyncio.ensure_future(ticker(lateness, stop))
+        await asyncio.sleep(0.01)
+        lateness.clear()
+        start = time.perf_counter()
+        written = await engine_rounds(engine, page_ids, tokens, tags, pipelined)
+        elapsed = time.perf_counter() - start
+        stop.set()
+        await tick
+    return written, elapsed, lateness
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--users", default="8,32")
+    parser.add_argument("--tokens", default="1024,2048")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--cpu-cache-gb", type=float, default=16.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    reason = flexkv_available()
+    if reason is not None:
+        print(f"skipped: FlexKV not usable here ({reason})")
+        return 0
+    import uvloop
+
+    users_list = [int(x) for x in args.users.split(",")]
+    tokens_list = [int(x) for x in args.tokens.split(",")]
+    pages_needed = max(users_list) * max(tokens_list) // PAGE
+    caches = [
+        torch.randn(pages_needed * 2, 2, PAGE, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+    bytes_per_token = LAYERS * 2 * HEADS * HEAD_DIM * 2
+    store = FlexKVStore(aiokv.StoreConfig(backend="flexkv", page_size=PAGE,
+                                          cpu_cache_gb=args.cpu_cache_gb))
+    t0 = time.perf_counter()
+    store.register(caches)
+    print(f"FlexKV ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    manager = store._manager  # the raw KVManager, for the synchronous baseline
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for users in users_list:
+            for tokens in tokens_list:
+                n_pages = tokens // PAGE
+                perm = torch.randperm(pages_needed * 2, generator=generator)[: users * n_pages]
+                page_ids = [p.cuda() for p in perm.view(users, n_pages)]
+                tag = f"{users}x{tokens}"
+                sync_round(manager, page_ids, tokens, f"warm-sync-{tag}")
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                written = sum(
+                    sync_round(manager, page_ids, tokens, f"sync-{tag}-{r}")
+                    for r in range(args.rounds)
+                )
+                sync_s = time.perf_counter() - start
+                result: dict[str, Any] = {"users": users, "tokens": tokens,
+                                          "sync_gib_s": written * bytes_per_token / sync_s / 2**30}
+                for mode, pipelined in (("engine", False), ("pipelined", True)):
+                    tags = [f"{mode}-{tag}-{r}" for r in range(args.rounds)]
+                    written_e, elapsed, lateness = uvloop.run(
+                        run_engine(store, caches, page_ids, tokens, tags, pipelined)
+                    )
+                    lat = np.asarray(lateness) * 1e3 if lateness else np.zeros(1)
+                    result[f"{mode}_gib_s"] = written_e * bytes_per_token / elapsed / 2**30
+                    result[f"{mode}_lag_max_ms"] = float(lat.max())
+                    result[f"{mode}_lag_p99_ms"] = float(np.percentile(lat, 99))
+                rows.append(result)
+                print(json.dumps(result), flush=True)
+    finally:
+        store.close()
+    print(f"\n{'users':>5} {'tokens':>6} | {'sync GiB/s':>10} {'aiokv':>8} {'ratio':>6} "
+          f"{'pipelined':>9} {'ratio':>6} | {'lag p99 ms':>10} {'lag max ms':>10}")
+    for r in rows:
+        print(f"{r['users']:>5} {r['tokens']:>6} | {r['sync_gib_s']:>10.1f} "
+              f"{r['engine_gib_s']:>8.1f} {r['engine_gib_s'] / r['sync_gib_s']:>6.2f} "
+              f"{r['pipelined_gib_s']:>9.1f} {r['pipelined_gib_s'] / r['sync_gib_s']:>6.2f} | "
+              f"{max(r['engine_lag_p99_ms'], r['pipelined_lag_p99_ms']):>10.3f} "
+              f"{max(r['engine_lag_max_ms'], r['pipelined_lag_max_ms']):>10.3f}")
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "cuda": torch.version.cuda, "argv": sys.argv, "rounds": args.rounds}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
