@@ -31,6 +31,7 @@ from aiokv.stores.base import BoolArray, Int64Array, Store, TaskResult
 from aiokv.stores.flexkv import FlexKVStore, flexkv_available
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32
+WINDOW_US, POLL_US = 300, 50
 
 
 class Registered:
@@ -115,8 +116,8 @@ async def run_engine(
     store: Store, caches: list[torch.Tensor], page_ids: list[torch.Tensor], tokens: int,
     tags: list[str], pipelined: bool,
 ) -> tuple[int, float, list[float]]:
-    config = aiokv.EngineConfig(window_us=2000, max_batch_requests=len(page_ids),
-                                max_batch_tokens=1 << 30, poll_interval_us=50)
+    config = aiokv.EngineConfig(window_us=WINDOW_US, max_batch_requests=len(page_ids),
+                                max_batch_tokens=1 << 30, poll_interval_us=POLL_US)
     engine = aiokv.OffloadEngine(Registered(store), caches, config)
     lateness: list[float] = []
     stop = asyncio.Event()
@@ -140,7 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--cpu-cache-gb", type=float, default=16.0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--window-us", type=int, default=300)
+    parser.add_argument("--poll-us", type=int, default=200)
+    parser.add_argument(
+        "--switch-interval-us", type=int, default=0,
+        help="sys.setswitchinterval for this process (0: leave Python's 5 ms default)",
+    )
     args = parser.parse_args(argv)
+    global WINDOW_US, POLL_US
+    WINDOW_US, POLL_US = args.window_us, args.poll_us
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
     reason = flexkv_available()
     if reason is not None:
         print(f"skipped: FlexKV not usable here ({reason})")
@@ -203,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{max(r['engine_lag_max_ms'], r['pipelined_lag_max_ms']):>10.3f}")
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "cuda": torch.version.cuda, "argv": sys.argv, "rounds": args.rounds}
+                "cuda": torch.version.cuda, "argv": sys.argv, "rounds": args.rounds,
+                "window_us": WINDOW_US, "poll_interval_us": POLL_US,
+                "switch_interval_s": sys.getswitchinterval()}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
     return 0

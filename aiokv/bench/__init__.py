@@ -1,0 +1,47 @@
+"""``python -m aiokv.bench {engine,slots,bandwidth,lag}`` (also ``aiokv bench ...``).
+
+Each subcommand is one module with ``NAME``, ``HELP``, ``add_arguments(parser)`` and
+``run(args) -> int`` (the exit status); they share :mod:`aiokv.bench.common`. Every
+subcommand takes ``--json PATH``, ``--plot PATH`` and ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from . import bandwidth, engine, lag, slots
+from .common import common_parent
+
+SUBCOMMANDS = (engine, slots, bandwidth, lag)
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m aiokv.bench",
+        description="aiokv benchmarks. Each prints a table; --json and --plot save results.",
+    )
+    commands = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    parent = common_parent()
+    for module in SUBCOMMANDS:
+        sub = commands.add_parser(
+            module.NAME,
+            help=module.HELP,
+            description=module.__doc__,
+            parents=[parent],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Parse ``argv`` (default: sys.argv[1:]) and run one benchmark; its exit status."""
+    args = build_parser(prog).parse_args(argv)
+    args.bench_argv = list(argv) if argv is not None else None
+    status: int = args.run(args)
+    return status
+
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]

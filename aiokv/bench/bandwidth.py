@@ -1,0 +1,311 @@
+"""Effective bandwidth of offload (device pages -> host) and load (host -> device pages)
+through the engine on LocalStore, next to the raw copy bandwidth of one large
+contiguous pinned buffer measured in the same run.
+
+For each (users, tokens): every repeat places each user's pages at random in the caches
+and offloads fresh histories (new namespaces) with concurrent ``offload`` calls, timed
+from submit to all resolved; then looks them all up (untimed) and times the concurrent
+``load``s into freshly scattered pages. One engine per user count, with a window long
+enough and ``max_batch_requests`` = users, so each timed batch is one window; the engines
+share one LocalStore (registered once: its pinned pool is the expensive part).
+Targets: >= 95% of raw for 32+ users of 2048+ tokens, >= 90% for 8 users.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import EngineConfig, StoreConfig
+from ..engine import OffloadEngine
+from ..stores.base import BoolArray, Int64Array, Store, TaskResult
+from ..stores.local import LocalStore
+from . import common
+
+NAME = "bandwidth"
+HELP = "offload/load GiB/s through the engine vs raw pinned copy bandwidth"
+
+GIB = float(1 << 30)
+TARGET_LARGE = 0.95  # of raw, at >= 32 users of >= 2048 tokens
+TARGET_SMALL = 0.90  # of raw, at 8 users
+
+
+@dataclass(frozen=True)
+class Settings:
+    users: tuple[int, ...] = (8, 16, 32, 64)
+    tokens: tuple[int, ...] = (1024, 2048, 4096)
+    layers: int = 8
+    heads: int = 4
+    head_dim: int = 256
+    page_size: int = 32
+    dtype: str = "bf16"
+    repeats: int = 3
+    warmup: int = 1
+    cpu_cache_gb: float = 0.0
+    raw_gib: float = 2.0
+    device: str = "auto"
+
+
+QUICK: dict[str, object] = {
+    "users": (8, 16),
+    "tokens": (64, 128),
+    "layers": 2,
+    "heads": 2,
+    "head_dim": 64,
+    "page_size": 16,
+    "repeats": 2,
+    "raw_gib": 0.0625,
+}
+HELPS = {
+    "users": "concurrent users per batch",
+    "tokens": "tokens per user",
+    "repeats": "timed batches per row (median reported)",
+    "warmup": "untimed batches per row first",
+    "cpu_cache_gb": "LocalStore size in GiB (0: one and a half of the largest batch)",
+    "raw_gib": "size of the raw contiguous copy, GiB",
+    "device": "where the caches live",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_settings_arguments(parser, Settings, QUICK, HELPS)
+
+
+class SharedStore:
+    """Lets several engines in turn drive one store: registers it once and leaves the
+    closing to its owner (each engine closes its store on aclose)."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        self.inner = inner
+        self.page_size = inner.page_size
+        self._registered = False
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        if not self._registered:
+            self.inner.register(kv_caches)
+            self._registered = True
+            self.page_size = self.inner.page_size
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        return self.inner.put_match(token_ids, namespace)
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        return self.inner.get_match(token_ids, namespace)
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+        self.inner.launch(task_ids, slot_mappings)
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        self.inner.cancel(task_ids)
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        return self.inner.try_wait(task_ids)
+
+    def close(self) -> None:
+        """Left to the owner: see :meth:`close_inner`."""
+
+    def close_inner(self) -> None:
+        self.inner.close()
+
+
+def raw_copy_gib_s(
+    gib: float, device: torch.device, repeats: int
+) -> tuple[float, float]:
+    """(device->host, host->device) GiB/s of one contiguous buffer, pinned host memory;
+    on the CPU, a host memcpy both ways. Median of ``repeats``."""
+    count = int(gib * GIB)
+    host = torch.empty(count, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    other = torch.empty(count, dtype=torch.uint8, device=device)
+    host.fill_(1)
+    other.fill_(2)
+
+    def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first warms up
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return count / GIB / statistics.median(times[1:])
+
+    d2h = timed(host, other)
+    h2d = timed(other, host)
+    return d2h, h2d
+
+
+async def _row(
+    engine: OffloadEngine,
+    caches_pages: int,
+    users: int,
+    tokens: int,
+    settings: Settings,
+    device: torch.device,
+    names: itertools.count[int],
+    bar: Any,
+) -> dict[str, Any]:
+    page_size = settings.page_size
+    pages_each = -(-tokens // page_size)
+    per_token = common.bytes_per_token(
+        settings.layers, settings.heads, settings.head_dim, common.DTYPES[settings.dtype]
+    )
+    offload_s, load_s = [], []
+    batches = 0
+    for repeat in range(settings.warmup + settings.repeats):
+
+        def scatter() -> list[torch.Tensor]:
+            order = torch.randperm(caches_pages, device=device)[: users * pages_each]
+            return list(order.view(users, pages_each))
+
+        spaces = [[f"bw{next(names)}"] for _ in range(users)]
+        pages = scatter()
+        before = engine.stats().batches
+        start = time.perf_counter()
+        stored = await asyncio.gather(
+            *(engine.offload(u, pages[u], tokens, namespace=spaces[u]) for u in range(users))
+        )
+        elapsed_offload = time.perf_counter() - start
+        if any(r.stored_tokens != tokens // page_size * page_size for r in stored):
+            raise RuntimeError("bandwidth: an offload of fresh tokens stored less than asked")
+        hits = await asyncio.gather(
+            *(engine.lookup(u, tokens, namespace=spaces[u]) for u in range(users))
+        )
+        pages = scatter()
+        start = time.perf_counter()
+        loaded = await asyncio.gather(*(engine.load(h, pages[u]) for u, h in enumerate(hits)))
+        elapsed_load = time.perf_counter() - start
+        batches += engine.stats().batches - before
+        if repeat >= settings.warmup:
+            offload_s.append(
+                sum(r.stored_tokens for r in stored) * per_token / GIB / elapsed_offload
+            )
+            load_s.append(sum(r.loaded_tokens for r in loaded) * per_token / GIB / elapsed_load)
+        bar.update()
+    return {
+        "users": users,
+        "tokens": tokens,
+        "batch_gib": users * (tokens // page_size * page_size) * per_token / GIB,
+        "offload_gib_s": statistics.median(offload_s),
+        "load_gib_s": statistics.median(load_s),
+        # 3 expected per repeat (offload, lookup, load): more means a batch was split.
+        "batches_per_repeat": batches / (settings.warmup + settings.repeats),
+    }
+
+
+async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]]:
+    dtype = common.DTYPES[settings.dtype]
+    page_size = settings.page_size
+    most_pages = max(settings.users) * -(-max(settings.tokens) // page_size)
+    # Slack, so random placement scatters pages instead of filling the caches in order.
+    caches_pages = most_pages + most_pages // 4 + 1
+    caches = common.make_caches(
+        settings.layers, caches_pages, page_size, settings.heads, settings.head_dim, dtype, device
+    )
+    for cache in caches:
+        cache.normal_()
+    batch_bytes = most_pages * page_size * common.bytes_per_token(
+        settings.layers, settings.heads, settings.head_dim, dtype
+    )
+    store_gib = settings.cpu_cache_gb or 1.5 * batch_bytes / GIB
+    shared = SharedStore(LocalStore(StoreConfig(cpu_cache_gb=store_gib)))
+    rows = []
+    names = itertools.count()
+    total = len(settings.users) * len(settings.tokens) * (settings.warmup + settings.repeats)
+    try:
+        with common.progress(total, "bandwidth bench", "batch") as bar:
+            for users in settings.users:
+                config = EngineConfig(
+                    window_us=10_000_000,  # never the trigger: max_batch_requests is
+                    max_batch_requests=users,
+                    max_batch_tokens=max(users * max(settings.tokens), 1),
+                    max_pending=max(4 * users, EngineConfig.max_pending),
+                )
+                store: Store = shared
+                async with OffloadEngine(store, caches, config) as engine:
+                    for tokens in settings.tokens:
+                        rows.append(
+                            await _row(
+                                engine, caches_pages, users, tokens, settings, device, names, bar
+                            )
+                        )
+    finally:
+        await asyncio.to_thread(shared.close_inner)
+    return rows
+
+
+def _target(users: int, tokens: int) -> float | None:
+    if users >= 32 and tokens >= 2048:
+        return TARGET_LARGE
+    if users == 8:
+        return TARGET_SMALL
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = common.settings_from_args(Settings, args, QUICK)
+    device = common.pick_device(settings.device)
+    raw_d2h, raw_h2d = raw_copy_gib_s(settings.raw_gib, device, max(settings.repeats, 3))
+    rows = common.run_uvloop(_main(settings, device))
+    for row in rows:
+        row["offload_of_raw"] = row["offload_gib_s"] / raw_d2h
+        row["load_of_raw"] = row["load_gib_s"] / raw_h2d
+        goal = _target(row["users"], row["tokens"])
+        row["target"] = goal
+        row["pass"] = (
+            None if goal is None else min(row["offload_of_raw"], row["load_of_raw"]) >= goal
+        )
+        row["target_applies"] = device.type == "cuda"  # the targets are for a GPU's copies
+    common.print_table(
+        f"engine bandwidth on {device} ({settings.layers} layers, {settings.heads} heads x "
+        f"{settings.head_dim}, {settings.dtype}, page {settings.page_size}); raw copy "
+        f"{settings.raw_gib:g} GiB: D2H {raw_d2h:.1f} GiB/s, H2D {raw_h2d:.1f} GiB/s",
+        ["users", "tokens", "batch GiB", "offload GiB/s", "of raw", "load GiB/s", "of raw",
+         "target", "verdict"],
+        [
+            [r["users"], r["tokens"], r["batch_gib"], r["offload_gib_s"],
+             f"{r['offload_of_raw']:.0%}", r["load_gib_s"], f"{r['load_of_raw']:.0%}",
+             "-" if r["target"] is None else f">={r['target']:.0%}",
+             "-" if r["pass"] is None else
+             common.verdict(r["pass"]) if r["target_applies"] else "n/a (CPU)"]
+            for r in rows
+        ],
+    )
+    if device.type != "cuda":
+        print("  (CPU: the raw copy is a host memcpy; targets apply to a GPU)")
+    results = {"raw": {"d2h_gib_s": raw_d2h, "h2d_gib_s": raw_h2d}, "rows": rows}
+    if args.json:
+        common.write_json(args.json, NAME, settings, device, args.bench_argv, results)
+    if args.plot:
+        _plot(args.plot, rows, raw_d2h, raw_h2d, device)
+    return 0
+
+
+def _plot(
+    path: str, rows: list[dict[str, Any]], raw_d2h: float, raw_h2d: float, device: torch.device
+) -> None:
+    def draw(axes: Any) -> None:
+        labels = [f"{r['users']}x{r['tokens']}" for r in rows]
+        x = range(len(rows))
+        axes.plot(x, [r["offload_gib_s"] for r in rows], "o-", label="offload (to host)")
+        axes.plot(x, [r["load_gib_s"] for r in rows], "s-", label="load (to device)")
+        axes.axhline(raw_d2h, linestyle="--", color="C0", label="raw D2H")
+        axes.axhline(raw_h2d, linestyle=":", color="C1", label="raw H2D")
+        axes.set_xticks(list(x), labels, rotation=45, ha="right")
+        axes.set_xlabel("users x tokens")
+        axes.set_ylabel("GiB/s")
+        axes.legend()
+
+    common.save_plot(path, f"aiokv engine bandwidth ({device})", draw)
+
+
+__all__ = ["HELP", "NAME", "Settings", "SharedStore", "add_arguments", "raw_copy_gib_s", "run"]

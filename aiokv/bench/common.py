@@ -1,0 +1,270 @@
+"""Helpers every benchmark shares: settings from flags, the loop, tables, JSON, plots.
+
+A benchmark describes its settings once, as a frozen dataclass whose field defaults are
+the full-size run; :func:`add_settings_arguments` turns the fields into flags (default
+None, so "not given" is visible) and :func:`settings_from_args` fills what was not given
+from ``--quick``'s overrides or the field default. The JSON a run writes carries the
+environment (device, torch, CUDA, Python, argv, timestamp) next to settings and results,
+so a number can always be traced back to the machine and command that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+S = TypeVar("S")
+T = TypeVar("T")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ---- flags and settings ----------------------------------------------------------------
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"1,8,64"`` -> ``(1, 8, 64)``; for argparse ``type=``."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def common_parent() -> argparse.ArgumentParser:
+    """The flags every subcommand takes, as an argparse parent parser."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--json", metavar="PATH", help="write settings, environment and results")
+    parent.add_argument("--plot", metavar="PATH", help="draw the results into a PNG (matplotlib)")
+    parent.add_argument(
+        "--quick", action="store_true", help="CPU-sized run (under a minute on two cores)"
+    )
+    return parent
+
+
+def add_settings_arguments(
+    parser: argparse.ArgumentParser,
+    settings: type[Any],
+    quick: Mapping[str, object],
+    helps: Mapping[str, str],
+) -> None:
+    """One ``--field-name`` flag per dataclass field, typed from its default; help shows
+    the full and the ``--quick`` default."""
+    for field in dataclasses.fields(settings):
+        default = field.default
+        if isinstance(default, tuple):
+            kind: Callable[[str], object] = int_list
+            shown = ",".join(str(v) for v in default)
+        else:
+            kind = type(default)
+            shown = str(default)
+        help_text = f"{helps.get(field.name, '')} (default {shown}"
+        if field.name in quick:
+            value = quick[field.name]
+            quick_shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            help_text += f"; --quick {quick_shown}"
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text + ")"
+            )
+            continue
+        choices = sorted(DTYPES) if field.name == "dtype" else None
+        if field.name == "device":
+            choices = ["auto", "cpu", "cuda"]
+        parser.add_argument(flag, type=kind, default=None, choices=choices, help=help_text + ")")
+
+
+def settings_from_args(
+    settings: type[S], args: argparse.Namespace, quick: Mapping[str, object]
+) -> S:
+    """Given flags win, then ``--quick`` overrides, then the dataclass defaults."""
+    values: dict[str, object] = {}
+    for field in dataclasses.fields(settings):  # type: ignore[arg-type]
+        given = getattr(args, field.name, None)
+        if given is not None:
+            values[field.name] = given
+        elif args.quick and field.name in quick:
+            values[field.name] = quick[field.name]
+    return settings(**values)
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` is the GPU when there is one. Raises SystemExit for ``cuda`` without one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def make_caches(
+    layers: int,
+    pages: int,
+    page_size: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Per-layer paged caches ``[page, k/v, token, head, dim]``, uninitialized: the
+    benchmarks that check data write it first, and the rest only move bytes."""
+    shape = (pages, 2, page_size, heads, head_dim)
+    return [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+
+
+def bytes_per_token(layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return layers * 2 * heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+# ---- running -----------------------------------------------------------------------------
+
+
+def run_uvloop(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` under uvloop, the loop serving stacks use (asyncio's where uvloop is
+    not installed, e.g. on Windows)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    result: T = uvloop.run(main)
+    return result
+
+
+def progress(total: float, desc: str, unit: str = "it") -> tqdm:
+    """A progress bar on stderr; tqdm turns it off when stderr is not a terminal, so
+    logs and tests stay clean."""
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False)
+
+
+def percentiles_ms(samples_s: Sequence[float] | np.ndarray, points: Sequence[float]) -> list[float]:
+    """Percentiles of second-valued samples, in ms (zeros when there are none)."""
+    if len(samples_s) == 0:
+        return [0.0 for _ in points]
+    return [float(v) for v in np.percentile(np.asarray(samples_s, dtype=float), points) * 1e3]
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+# ---- output ------------------------------------------------------------------------------
+
+
+def format_cell(value: object) -> str:
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        magnitude = abs(value)
+        if magnitude >= 1000:
+            return f"{value:,.0f}"
+        if magnitude >= 10:
+            return f"{value:.1f}"
+        return f"{value:.3g}" if magnitude < 0.01 else f"{value:.2f}"
+    return str(value)
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A right-aligned plain-text table under ``title``, on stdout."""
+    cells = [[format_cell(v) for v in row] for row in rows]
+    widths = [
+        max(len(header), *(len(row[i]) for row in cells)) if cells else len(header)
+        for i, header in enumerate(headers)
+    ]
+    print(title)
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    print()
+
+
+def cpu_name() -> str:
+    """The host CPU's model name (Linux: /proc/cpuinfo), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def environment(device: torch.device) -> dict[str, object]:
+    """What a reader needs to reproduce or judge a number."""
+    host_cpu = cpu_name()
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else host_cpu
+    try:
+        uvloop_version: str | None = importlib.metadata.version("uvloop")
+    except importlib.metadata.PackageNotFoundError:
+        uvloop_version = None
+    return {
+        "device": str(device),
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "uvloop": uvloop_version,
+        "platform": platform.platform(),
+        "host_cpu": host_cpu,
+        "cpu_count": os.cpu_count(),
+        "argv": list(sys.argv),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(
+    path: str,
+    bench: str,
+    settings: object,
+    device: torch.device,
+    bench_argv: Sequence[str] | None,
+    results: Mapping[str, object],
+) -> None:
+    """One JSON document: bench name, environment, settings and ``results``."""
+    document = {
+        "bench": bench,
+        "environment": {**environment(device), "bench_argv": list(bench_argv or sys.argv[1:])},
+        "settings": dataclasses.asdict(settings),  # type: ignore[call-overload]
+        **results,
+    }
+    Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n")
+
+
+def save_plot(path: str, title: str, draw: Callable[[Any], None]) -> None:
+    """Draw into a new figure (``draw(axes)``) and save it as a PNG. matplotlib is
+    imported here, with the Agg backend, so the benchmarks run without it or a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    try:
+        draw(axes)
+        axes.set_title(title)
+        axes.grid(True, alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+    finally:
+        plt.close(figure)

@@ -1,0 +1,373 @@
+"""Requests/s of the aiokv engine against a naive per-request integration, on the CPU.
+
+For each count of concurrent users, back to back on a fresh LocalStore of the same
+geometry each, every user offloads a fresh history (a new namespace per request, so
+every page is written) as fast as its awaits return:
+
+  baseline  each request is one job on a single-thread ThreadPoolExecutor, awaited with
+            loop.run_in_executor: its own put_match, launch, then try_wait polled every
+            poll interval (the engine's) until terminal. One thread, because a store is
+            driven from one thread.
+  engine    await engine.offload(...): windows, one launch per batch, one poller.
+
+Then the engine's own cost: 64 users on aiokv.testing.FakeStore (no data moves) with
+max_batch_requests 64; process CPU time (every thread) over N requests, divided by N.
+Targets (the issue): engine >= 5x baseline at 256 users; < 20 us of CPU per request at
+batch 64. Everything runs under uvloop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import EngineConfig, StoreConfig
+from ..engine import OffloadEngine
+from ..stores.base import Int64Array, Store, TaskStatus
+from ..stores.local import LocalStore
+from ..testing import FakeStore
+from . import common
+
+NAME = "engine"
+HELP = "engine vs per-request baseline requests/s; engine CPU per request"
+
+TARGET_RATIO = 5.0  # engine / baseline at 256 users
+TARGET_RATIO_USERS = 256
+TARGET_CPU_US = 20.0  # engine CPU per request at batch 64
+
+
+@dataclass(frozen=True)
+class Settings:
+    users: tuple[int, ...] = (1, 8, 64, 256)
+    seconds: float = 2.0
+    warmup_s: float = 0.3
+    pages: int = 4
+    layers: int = 4
+    page_size: int = 16
+    heads: int = 2
+    head_dim: int = 64
+    dtype: str = "bf16"
+    cpu_cache_gb: float = 0.25
+    window_us: int = EngineConfig.window_us
+    poll_interval_us: int = EngineConfig.poll_interval_us
+    cpu_users: int = 64
+    cpu_requests: int = 20_000
+
+
+QUICK: dict[str, object] = {"seconds": 0.5, "warmup_s": 0.1, "cpu_requests": 5_000}
+HELPS = {
+    "users": "concurrent users per row",
+    "seconds": "measured seconds per side per row",
+    "warmup_s": "unmeasured seconds before each measurement",
+    "pages": "pages per request (each a fresh history)",
+    "cpu_cache_gb": "LocalStore size, GiB",
+    "window_us": "engine batch window",
+    "poll_interval_us": "store polling interval, both sides",
+    "cpu_users": "users of the FakeStore CPU-cost run (also its max_batch_requests)",
+    "cpu_requests": "requests measured in the FakeStore CPU-cost run",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_settings_arguments(parser, Settings, QUICK, HELPS)
+
+
+@dataclass(frozen=True)
+class Sample:
+    requests: int
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def per_second(self) -> float:
+        return self.requests / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def cpu_us(self) -> float:
+        return self.cpu_s / self.requests * 1e6 if self.requests else 0.0
+
+
+async def drive(
+    users: int,
+    one_request: Callable[[int], Awaitable[None]],
+    warmup_s: float,
+    *,
+    seconds: float | None = None,
+    requests: int | None = None,
+) -> Sample:
+    """Run ``users`` closed-loop users of ``one_request(user)``; after ``warmup_s``,
+    measure for ``seconds`` or until ``requests`` more completed. The users finish their
+    request in flight before this returns; its errors propagate."""
+    loop = asyncio.get_running_loop()
+    done = 0
+    stop = False
+    goal: int | None = None
+    reached: asyncio.Future[None] = loop.create_future()
+
+    async def user(index: int) -> None:
+        nonlocal done
+        while not stop:
+            await one_request(index)
+            done += 1
+            if goal is not None and done >= goal and not reached.done():
+                reached.set_result(None)
+
+    tasks = [asyncio.create_task(user(i), name=f"bench-user-{i}") for i in range(users)]
+    try:
+        await asyncio.sleep(warmup_s)
+        start_done, start_wall, start_cpu = done, time.perf_counter(), time.process_time()
+        if requests is not None:
+            goal = start_done + requests
+            await asyncio.wait([reached, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        else:
+            # Returns early only if a user failed.
+            await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
+        sample = Sample(
+            done - start_done,
+            time.perf_counter() - start_wall,
+            time.process_time() - start_cpu,
+        )
+    finally:
+        stop = True
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return sample
+
+
+class PerRequestClient:
+    """The baseline: what a naive integration of the Store API looks like."""
+
+    def __init__(self, store: Store, poll_interval_s: float) -> None:
+        self._store = store
+        self._poll_interval_s = poll_interval_s
+        # One thread: every store call must come from the same thread.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "baseline-store")
+
+    async def start(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._store.register, kv_caches)
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._store.close)
+        self._executor.shutdown()
+
+    async def offload(self, pages: Int64Array, num_tokens: int, namespace: list[str]) -> int:
+        loop = asyncio.get_running_loop()
+        stored: int = await loop.run_in_executor(
+            self._executor, self._offload, pages, num_tokens, namespace
+        )
+        return stored
+
+    def _offload(self, pages: Int64Array, num_tokens: int, namespace: list[str]) -> int:
+        store = self._store
+        page_size = store.page_size
+        task_id, mask = store.put_match(np.arange(num_tokens, dtype=np.int64), namespace)
+        if not mask.any():
+            store.cancel([task_id])
+            return 0
+        slots = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:num_tokens]
+        store.launch([task_id], [slots[mask]])
+        while (result := store.try_wait([task_id]).get(task_id)) is None:
+            time.sleep(self._poll_interval_s)
+        if result.status is not TaskStatus.SUCCESS:
+            raise RuntimeError(f"baseline task {task_id}: {result.status} {result.error}")
+        return int(mask.sum())
+
+
+def _caches(settings: Settings, users: int) -> list[torch.Tensor]:
+    # Zeros, not random: the bytes moved are what is measured, not their values.
+    return [
+        t.zero_()
+        for t in common.make_caches(
+            settings.layers,
+            users * settings.pages,
+            settings.page_size,
+            settings.heads,
+            settings.head_dim,
+            common.DTYPES[settings.dtype],
+            torch.device("cpu"),
+        )
+    ]
+
+
+def _local_store(settings: Settings) -> LocalStore:
+    return LocalStore(StoreConfig(cpu_cache_gb=settings.cpu_cache_gb))
+
+
+async def _baseline(settings: Settings, users: int) -> Sample:
+    caches = _caches(settings, users)
+    pages = np.arange(users * settings.pages, dtype=np.int64).reshape(users, settings.pages)
+    tokens = settings.pages * settings.page_size
+    client = PerRequestClient(_local_store(settings), settings.poll_interval_us / 1e6)
+    names = itertools.count()
+    await client.start(caches)
+
+    async def one(user: int) -> None:
+        stored = await client.offload(pages[user], tokens, [f"r{next(names)}"])
+        if stored != tokens:
+            raise RuntimeError(f"baseline stored {stored} of {tokens} fresh tokens")
+
+    try:
+        return await drive(users, one, settings.warmup_s, seconds=settings.seconds)
+    finally:
+        await client.close()
+
+
+async def _engine(
+    settings: Settings, users: int, store: Store, max_batch: int, requests: int | None = None
+) -> tuple[Sample, Any]:
+    caches = _caches(settings, users)
+    pages = torch.arange(users * settings.pages).view(users, settings.pages)
+    tokens = settings.pages * settings.page_size
+    config = EngineConfig(
+        window_us=settings.window_us,
+        max_batch_requests=max_batch,
+        poll_interval_us=settings.poll_interval_us,
+    )
+    names = itertools.count()
+    async with OffloadEngine(store, caches, config) as engine:
+
+        async def one(user: int) -> None:
+            result = await engine.offload(user, pages[user], tokens, namespace=[f"r{next(names)}"])
+            if result.stored_tokens != tokens:
+                raise RuntimeError(f"engine stored {result.stored_tokens} of {tokens} fresh tokens")
+
+        if requests is None:
+            sample = await drive(users, one, settings.warmup_s, seconds=settings.seconds)
+        else:
+            sample = await drive(users, one, settings.warmup_s, requests=requests)
+        stats = engine.stats()
+    return sample, stats
+
+
+async def _main(settings: Settings) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    bar = common.progress(2 * len(settings.users) + 1, "engine bench", "run")
+    with bar:
+        for users in settings.users:
+            base = await _baseline(settings, users)
+            bar.update()
+            mine, stats = await _engine(
+                settings, users, _local_store(settings), EngineConfig.max_batch_requests
+            )
+            bar.update()
+            rows.append(
+                {
+                    "users": users,
+                    "baseline_rps": base.per_second,
+                    "engine_rps": mine.per_second,
+                    "ratio": mine.per_second / base.per_second if base.per_second else 0.0,
+                    "engine_mean_batch": stats.mean_batch_requests,
+                    "baseline_cpu_us": base.cpu_us,
+                    "engine_cpu_us": mine.cpu_us,
+                    "engine_p50_ms": stats.latency_p50_ms,
+                    "engine_p99_ms": stats.latency_p99_ms,
+                }
+            )
+        fake = FakeStore(settings.page_size)
+        cpu, cpu_stats = await _engine(
+            settings, settings.cpu_users, fake, settings.cpu_users, settings.cpu_requests
+        )
+        bar.update()
+    return {
+        "rows": rows,
+        "cpu": {
+            "users": settings.cpu_users,
+            "requests": cpu.requests,
+            "cpu_us_per_request": cpu.cpu_us,
+            "requests_per_s": cpu.per_second,
+            "mean_batch": cpu_stats.mean_batch_requests,
+        },
+    }
+
+
+def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    at = [r for r in results["rows"] if r["users"] == TARGET_RATIO_USERS]
+    targets = []
+    if at:
+        targets.append(
+            {
+                "name": f"engine/baseline at {TARGET_RATIO_USERS} users",
+                "goal": f">= {TARGET_RATIO:g}x",
+                "measured": at[0]["ratio"],
+                "pass": at[0]["ratio"] >= TARGET_RATIO,
+            }
+        )
+    cpu_us = results["cpu"]["cpu_us_per_request"]
+    targets.append(
+        {
+            "name": f"engine CPU per request at batch {results['cpu']['users']}",
+            "goal": f"< {TARGET_CPU_US:g} us",
+            "measured": cpu_us,
+            "pass": cpu_us < TARGET_CPU_US,
+        }
+    )
+    return targets
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = common.settings_from_args(Settings, args, QUICK)
+    results = common.run_uvloop(_main(settings))
+    results["targets"] = _targets(results)
+    geometry = (
+        f"{settings.layers} layers, page {settings.page_size}, {settings.heads} heads x "
+        f"{settings.head_dim}, {settings.dtype}, {settings.pages} pages/request, CPU"
+    )
+    common.print_table(
+        f"offload requests/s: per-request baseline vs engine ({geometry})",
+        ["users", "baseline/s", "engine/s", "engine/base", "batch", "base us/req",
+         "eng us/req", "eng p50 ms", "eng p99 ms"],
+        [
+            [r["users"], r["baseline_rps"], r["engine_rps"], f"{r['ratio']:.2f}x",
+             r["engine_mean_batch"], r["baseline_cpu_us"], r["engine_cpu_us"],
+             r["engine_p50_ms"], r["engine_p99_ms"]]
+            for r in results["rows"]
+        ],
+    )
+    # uvloop's loop.time() is libuv's millisecond clock, which EngineStats' latencies use.
+    print("  (engine p50/p99: engine.stats(), whose loop clock moves in 1 ms steps under uvloop)")
+    cpu = results["cpu"]
+    print(
+        f"engine CPU per request on FakeStore: {cpu['cpu_us_per_request']:.1f} us "
+        f"({cpu['users']} users, mean batch {cpu['mean_batch']:.1f}, "
+        f"{cpu['requests']} requests, {cpu['requests_per_s']:,.0f} req/s)"
+    )
+    for target in results["targets"]:
+        measured = target["measured"]
+        shown = f"{measured:.2f}x" if "baseline" in target["name"] else f"{measured:.1f} us"
+        print(f"  target {target['name']} {target['goal']}: {shown}  "
+              f"{common.verdict(target['pass'])}")
+    if args.json:
+        common.write_json(args.json, NAME, settings, torch.device("cpu"), args.bench_argv, results)
+    if args.plot:
+        _plot(args.plot, results["rows"])
+    return 0
+
+
+def _plot(path: str, rows: list[dict[str, Any]]) -> None:
+    def draw(axes: Any) -> None:
+        users = [r["users"] for r in rows]
+        axes.plot(users, [r["baseline_rps"] for r in rows], "o-", label="per-request baseline")
+        axes.plot(users, [r["engine_rps"] for r in rows], "s-", label="aiokv engine")
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xlabel("concurrent users")
+        axes.set_ylabel("offload requests/s")
+        axes.legend()
+
+    common.save_plot(path, "aiokv engine vs per-request baseline (CPU, LocalStore)", draw)
+
+
+__all__ = ["HELP", "NAME", "Settings", "add_arguments", "drive", "run"]

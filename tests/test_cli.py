@@ -1,0 +1,107 @@
+"""CPU smoke tests of ``aiokv demo`` and ``python -m aiokv.bench <each> --quick``, with the
+smallest sizes: each proves the command runs end to end, exits 0, and writes a JSON
+with its environment and positive numbers, and a PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiokv.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Flags that shrink each --quick run further, so the whole file stays well under a minute.
+SMALL = {
+    "engine": ["--users", "1,8", "--seconds", "0.2", "--warmup-s", "0.05",
+               "--cpu-users", "16", "--cpu-requests", "500"],
+    "slots": ["--users", "8,64", "--repeats", "3", "--min-tokens", "64", "--max-tokens", "256"],
+    "bandwidth": ["--users", "4", "--tokens", "32,64", "--repeats", "1", "--raw-gib", "0.01"],
+    "lag": ["--seconds", "0.3", "--idle-seconds", "0.1", "--users", "4", "--tokens", "64"],
+}
+ENVIRONMENT_KEYS = {"device", "device_name", "torch", "cuda", "python", "argv", "timestamp"}
+
+
+def test_demo_runs_and_verifies(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["demo", "--seconds", "1", "--users", "8", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "0 mismatches" in out
+    verified = int(out.split("verified")[1].split()[0])
+    assert verified > 0, out
+
+
+def test_demo_reads_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "aiokv.yml"
+    config.write_text("engine:\n  window_us: 0\nstore:\n  backend: local\n  cpu_cache_gb: 0.05\n")
+    status = main(["demo", "--seconds", "0.5", "--users", "4", "--device", "cpu",
+                   "--config", str(config)])
+    assert status == 0, capsys.readouterr().out
+
+
+def _positive_numbers(rows: list[dict[str, Any]], keys: list[str]) -> None:
+    assert rows
+    for row in rows:
+        for key in keys:
+            assert isinstance(row[key], (int, float)) and row[key] > 0, (key, row)
+
+
+def _run_bench(name: str, tmp_path: Path) -> dict[str, Any]:
+    out_json, out_png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
+    command = [sys.executable, "-m", "aiokv.bench", name, "--quick", "--json", str(out_json),
+               "--plot", str(out_png), *SMALL[name]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert out_png.stat().st_size > 0
+    document: dict[str, Any] = json.loads(out_json.read_text())
+    assert document["bench"] == name
+    assert set(document["environment"]) >= ENVIRONMENT_KEYS
+    assert document["environment"]["argv"][1:] == command[3:]  # the exact command line
+    return document
+
+
+def test_bench_engine(tmp_path: Path) -> None:
+    document = _run_bench("engine", tmp_path)
+    _positive_numbers(document["rows"], ["users", "baseline_rps", "engine_rps", "ratio"])
+    assert document["cpu"]["cpu_us_per_request"] > 0
+    assert document["cpu"]["mean_batch"] > 0
+    assert {t["name"] for t in document["targets"]}
+
+
+def test_bench_slots(tmp_path: Path) -> None:
+    document = _run_bench("slots", tmp_path)
+    _positive_numbers(document["rows"], ["fused_ms", "per_user_ms", "csr_loop_ms",
+                                         "speedup_vs_per_user", "speedup_vs_csr_loop"])
+
+
+def test_bench_bandwidth(tmp_path: Path) -> None:
+    document = _run_bench("bandwidth", tmp_path)
+    assert document["raw"]["d2h_gib_s"] > 0 and document["raw"]["h2d_gib_s"] > 0
+    _positive_numbers(document["rows"], ["offload_gib_s", "load_gib_s", "offload_of_raw",
+                                         "load_of_raw", "batch_gib"])
+
+
+def test_bench_lag(tmp_path: Path) -> None:
+    document = _run_bench("lag", tmp_path)
+    phases = {row["phase"]: row for row in document["rows"]}
+    assert set(phases) == {"idle", "loaded"}
+    _positive_numbers([phases["loaded"]], ["ticks", "requests_per_s", "gib_per_s"])
+    assert {t["name"] for t in document["targets"]} == {"p99 lateness", "max lateness"}
+
+
+def test_aiokv_bench_delegates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "slots.json"
+    status = main(["bench", "slots", "--quick", "--json", str(out_json), *SMALL["slots"],
+                   "--device", "cpu"])
+    assert status == 0
+    assert "fused ms" in capsys.readouterr().out
+    document = json.loads(out_json.read_text())
+    assert document["environment"]["bench_argv"][:2] == ["slots", "--quick"]
