@@ -52,6 +52,7 @@ class Settings:
     cpu_cache_gb: float = 0.0
     raw_gib: float = 2.0
     device: str = "auto"
+    batch_requests: int = 0
 
 
 QUICK: dict[str, object] = {
@@ -70,6 +71,8 @@ HELPS = {
     "repeats": "timed batches per row (median reported)",
     "warmup": "untimed batches per row first",
     "cpu_cache_gb": "LocalStore size in GiB (0: one and a half of the largest batch)",
+    "batch_requests": "engine max_batch_requests (0: all users in one store round; smaller "
+    "splits the users into rounds whose matching overlaps the previous round's copy)",
     "raw_gib": "size of the raw contiguous copy, GiB",
     "device": "where the caches live",
 }
@@ -224,9 +227,12 @@ async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]
     try:
         with common.progress(total, "bandwidth bench", "batch") as bar:
             for users in settings.users:
+                per_round = min(settings.batch_requests or users, users)
                 config = EngineConfig(
-                    window_us=10_000_000,  # never the trigger: max_batch_requests is
-                    max_batch_requests=users,
+                    # With one round per batch the window never triggers (the request count
+                    # does); with several, a short window flushes a remainder.
+                    window_us=10_000_000 if per_round == users else 1_000,
+                    max_batch_requests=per_round,
                     max_batch_tokens=max(users * max(settings.tokens), 1),
                     max_pending=max(4 * users, EngineConfig.max_pending),
                 )

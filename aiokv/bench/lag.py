@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import gc
 import itertools
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ class Settings:
     window_us: int = EngineConfig.window_us
     cpu_cache_gb: float = 0.0
     gc_freeze: bool = False
+    switch_interval_us: int = 0
     device: str = "auto"
 
 
@@ -75,6 +77,8 @@ HELPS = {
     "window_us": "engine batch window",
     "cpu_cache_gb": "LocalStore size in GiB (0: four times the users' data)",
     "gc_freeze": "gc.freeze() before the loaded phase",
+    "switch_interval_us": "sys.setswitchinterval for the loaded phase (0: Python's 5 ms); "
+    "how long another thread may hold the GIL while the loop waits for it",
     "device": "where the caches live",
 }
 
@@ -156,6 +160,9 @@ async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]
             moved_tokens += stored.stored_tokens + loaded.loaded_tokens
             requests += 3
 
+    previous_switch = sys.getswitchinterval()
+    if settings.switch_interval_us:
+        sys.setswitchinterval(settings.switch_interval_us / 1e6)
     async with engine:
         if settings.gc_freeze:
             gc.collect()
@@ -177,6 +184,7 @@ async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]
             outcomes = await asyncio.gather(*users, return_exceptions=True)
             if settings.gc_freeze:
                 gc.unfreeze()
+            sys.setswitchinterval(previous_switch)
         stats = engine.stats()
     for outcome in outcomes:
         if isinstance(outcome, BaseException):

@@ -9,7 +9,6 @@ caller's thread (the engine's store thread); the copy thread only moves bytes an
 from __future__ import annotations
 
 import collections
-import enum
 import itertools
 import threading
 from collections.abc import Sequence
@@ -25,11 +24,9 @@ from .index import BlockIndex, chain_digests
 from .pool import HostPool
 from .transfer import CopyJob, Transfer
 
-
-class _BlockState(enum.IntEnum):
-    FREE = 0
-    WRITING = 1
-    READY = 2
+# Block states, plain ints: compared against numpy elements on the hot path, where an
+# IntEnum costs a few microseconds a comparison.
+FREE, WRITING, READY = 0, 1, 2
 
 
 @dataclass
@@ -111,7 +108,7 @@ class LocalStore:
         blocks = np.empty(0, dtype=np.int64)
         if missing:
             # Keep this key's stored pages from being evicted to make room for its new ones.
-            kept = [b for b in present if b is not None and self._state[b] == _BlockState.READY]
+            kept = [b for b in present if b is not None and self._state[b] == READY]
             self._add_readers(kept)
             try:
                 blocks = self._reserve(len(missing))
@@ -120,7 +117,7 @@ class LocalStore:
             new_digests = [digests[i] for i in missing]
             for digest, block in zip(new_digests, blocks.tolist(), strict=True):
                 self._index.insert(digest, block)
-            self._state[blocks] = _BlockState.WRITING
+            self._state[blocks] = WRITING
             pages = mask[: len(digests) * self.page_size].reshape(len(digests), self.page_size)
             pages[missing] = True
         else:
@@ -135,7 +132,7 @@ class LocalStore:
         blocks: list[int] = []
         for digest in digests:
             block = self._index.get(digest)
-            if block is None or self._state[block] != _BlockState.READY:
+            if block is None or self._state[block] != READY:
                 break
             blocks.append(block)
         self._index.touch(blocks)
@@ -217,12 +214,12 @@ class LocalStore:
         """A task is over: publish or roll back its blocks."""
         if task.is_put:
             if success:
-                self._state[task.blocks] = _BlockState.READY
+                self._state[task.blocks] = READY
                 self._index.make_evictable(task.blocks.tolist(), task.digests)
             else:
                 for digest in task.digests:
                     self._index.remove(digest)
-                self._state[task.blocks] = _BlockState.FREE
+                self._state[task.blocks] = FREE
                 self._require_pool().release(task.blocks)
         else:
             self._drop_readers(task.blocks.tolist(), task.digests)
@@ -237,7 +234,7 @@ class LocalStore:
         back_digests: list[bytes] = []
         for i, block in enumerate(blocks):
             self._readers[block] -= 1
-            if self._readers[block] == 0 and self._state[block] == _BlockState.READY:
+            if self._readers[block] == 0 and self._state[block] == READY:
                 back.append(block)
                 back_digests.append(digests[i] if digests else self._index.digest_of(block))
         if back:
@@ -250,11 +247,15 @@ class LocalStore:
                 f"need {count} blocks; {pool.num_free} free, {self._index.evictable} "
                 f"evictable of {pool.num_blocks}"
             )
-        while pool.num_free < count:
+        evicted: list[int] = []
+        while pool.num_free + len(evicted) < count:
             block = self._index.evict_oldest()
             assert block is not None  # counted above
-            self._state[block] = _BlockState.FREE
-            pool.release(np.array([block], dtype=np.int64))
+            evicted.append(block)
+        if evicted:
+            blocks = np.asarray(evicted, dtype=np.int64)
+            self._state[blocks] = FREE
+            pool.release(blocks)
         return pool.allocate(count)
 
     def _job_done(self, job: CopyJob) -> None:  # copy thread
