@@ -65,8 +65,10 @@ class Batcher:
         on_dropped: Callable[[Request], None],
         on_batch: Callable[[Batch], None],
         copy_stream: Any = None,
+        page_size: int = 0,
     ) -> None:
         self._config = config
+        self._page_size = page_size  # lets the fused copy bring back slots, not pages
         self._submit = submit  # hands a batch to the store thread
         self._on_dropped = on_dropped  # a request whose caller left before dispatch
         self._on_batch = on_batch  # stats
@@ -155,6 +157,7 @@ class Batcher:
                     [r.page_ids for r in requests if r.page_ids is not None],
                     [r.pages_used for r in requests],
                     self._copy_stream,
+                    self._page_size,
                 )
             for request in requests:
                 request.stage = Stage.DISPATCHED

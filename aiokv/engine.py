@@ -164,6 +164,7 @@ class OffloadEngine:
             self._on_dropped,
             self._on_batch,
             copy_stream,
+            self._page_size,
         )
         self._state = EngineState.RUNNING
         self._worker.start()

@@ -79,6 +79,7 @@ def fuse_page_ids(
     page_ids: Sequence[torch.Tensor],
     pages_used: Sequence[int],
     stream: Any = None,
+    page_size: int = 0,
 ) -> FusedPages:
     """Concatenate the leading ``pages_used[i]`` of each ``page_ids[i]`` and bring them to
     the host with at most one device-to-host copy.
@@ -86,7 +87,9 @@ def fuse_page_ids(
     Device tensors are concatenated on ``stream`` (a torch.cuda.Stream the caller made
     wait for the requests' events) and copied into pinned memory without blocking; CPU
     tensors are concatenated on the host. The result lists device-resident requests
-    first, so ``starts`` is not in request order.
+    first, so ``starts`` is not in request order. Given ``page_size``, a batch held on
+    the device is also expanded to slots there (one tiny kernel instead of a host pass
+    over every slot), and the slots are what the one copy brings back.
     """
     counts = np.asarray(pages_used, dtype=np.int64)
     on_device = [i for i, t in enumerate(page_ids) if t.device.type != "cpu"]
@@ -102,15 +105,23 @@ def fuse_page_ids(
     if on_device:
         device_parts = [_head(page_ids[i], pages_used[i]) for i in on_device]
         total = int(counts[on_device].sum())
-        pinned = torch.empty(total, dtype=torch.int64, pin_memory=True)
+        expand_here = page_size > 0 and not on_host
+        pinned = torch.empty(
+            total * page_size if expand_here else total, dtype=torch.int64, pin_memory=True
+        )
         with torch.cuda.stream(stream):
             fused = torch.cat(device_parts).to(torch.int64)
+            if expand_here:
+                offsets = torch.arange(page_size, dtype=torch.int64, device=fused.device)
+                fused = (fused[:, None] * page_size + offsets).reshape(-1)
             pinned.copy_(fused, non_blocking=True)
             copy_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copy_done.record()
             # `fused` was allocated on `stream` and is only used there, so the caching
             # allocator will not reuse it before the copy ends. The callers' page_ids
             # stay referenced by their requests until those resolve.
+        if expand_here:
+            return _DeviceExpanded(pinned, starts, counts, copy_done, 1, page_size)
         parts.append(pinned)
         d2h_copies = 1
     if on_host:
@@ -130,6 +141,32 @@ def fuse_page_ids(
 def _head(pages: torch.Tensor, used: int) -> torch.Tensor:
     """The first ``used`` page ids; no slice op (a few µs each) when all are used."""
     return pages if used == pages.shape[0] else pages[:used]
+
+
+class _DeviceExpanded(FusedPages):
+    """A batch whose slots were expanded on the device; ``host`` holds slots."""
+
+    def __init__(
+        self,
+        host: torch.Tensor,
+        starts: Int64Array,
+        counts: Int64Array,
+        copy_done: Any,
+        d2h_copies: int,
+        page_size: int,
+    ) -> None:
+        super().__init__(host, starts, counts, copy_done, d2h_copies)
+        self._page_size = page_size
+
+    def wait(self) -> Int64Array:
+        slots = super().wait()
+        return slots[:: self._page_size] // self._page_size  # the pages, for range checks
+
+    def expand(self, pages: Int64Array, page_size: int) -> Int64Array:
+        if page_size != self._page_size:
+            raise ValueError(f"expanded for page size {self._page_size}, not {page_size}")
+        slots: Int64Array = self.host.numpy()
+        return slots
 
 
 class _MixedFusedPages(FusedPages):

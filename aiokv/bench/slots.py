@@ -111,7 +111,7 @@ def fused(batch: Batch) -> list[Int64Array]:
     if batch.stream is not None:
         # As the engine does with the callers' events: the copy follows their writes.
         batch.stream.wait_stream(torch.cuda.current_stream())
-    pages = fuse_page_ids(batch.page_ids, batch.pages_used, batch.stream)
+    pages = fuse_page_ids(batch.page_ids, batch.pages_used, batch.stream, batch.page_size)
     host = pages.wait()
     slots = pages.expand(host, batch.page_size)
     return [
