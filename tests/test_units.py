@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
@@ -157,11 +158,14 @@ def test_chain_digests_depend_on_namespace_and_whole_prefix() -> None:
 
 
 def _wait(store: aiokv.LocalStore, ids: list[int]) -> dict[int, aiokv.TaskResult]:
+    """Poll until terminal, bounded by time (the copy thread needs the GIL to finish)."""
     results: dict[int, aiokv.TaskResult] = {}
-    for _ in range(100_000):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
         results.update(store.try_wait([i for i in ids if i not in results]))
         if len(results) == len(ids):
             return results
+        time.sleep(0.0005)
     raise AssertionError("tasks did not finish")
 
 

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import itertools
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class Settings:
     raw_gib: float = 2.0
     device: str = "auto"
     batch_requests: int = 0
+    switch_interval_us: int = 0
 
 
 QUICK: dict[str, object] = {
@@ -71,6 +73,8 @@ HELPS = {
     "repeats": "timed batches per row (median reported)",
     "warmup": "untimed batches per row first",
     "cpu_cache_gb": "LocalStore size in GiB (0: one and a half of the largest batch)",
+    "switch_interval_us": "sys.setswitchinterval while measuring (0: Python's 5 ms); the "
+    "copy thread re-takes the GIL after every torch call, so this bounds its waits",
     "batch_requests": "engine max_batch_requests (0: all users in one store round; smaller "
     "splits the users into rounds whose matching overlaps the previous round's copy)",
     "raw_gib": "size of the raw contiguous copy, GiB",
@@ -261,7 +265,13 @@ def run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
     device = common.pick_device(settings.device)
     raw_d2h, raw_h2d = raw_copy_gib_s(settings.raw_gib, device, max(settings.repeats, 3))
-    rows = common.run_uvloop(_main(settings, device))
+    previous_switch = sys.getswitchinterval()
+    if settings.switch_interval_us:
+        sys.setswitchinterval(settings.switch_interval_us / 1e6)
+    try:
+        rows = common.run_uvloop(_main(settings, device))
+    finally:
+        sys.setswitchinterval(previous_switch)
     for row in rows:
         row["offload_of_raw"] = row["offload_gib_s"] / raw_d2h
         row["load_of_raw"] = row["load_gib_s"] / raw_h2d

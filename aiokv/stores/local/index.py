@@ -62,9 +62,12 @@ class BlockIndex:
     def digest_of(self, block: int) -> bytes:
         return self._digests[block]
 
-    def insert(self, digest: bytes, block: int) -> None:
-        self._blocks[digest] = block
-        self._digests[block] = digest
+    def insert(self, digests: Sequence[bytes], blocks: Sequence[int]) -> None:
+        self._blocks.update(zip(digests, blocks, strict=True))
+        self._digests.update(zip(blocks, digests, strict=True))
+
+    def lookup(self, digests: Sequence[bytes]) -> list[int | None]:
+        return list(map(self._blocks.get, digests))
 
     def remove(self, digest: bytes) -> None:
         block = self._blocks.pop(digest, None)
@@ -79,9 +82,9 @@ class BlockIndex:
         """Add (or refresh) blocks as most recently used. Pass a sequence's blocks in
         order: the first becomes the most recent, so tails are evicted before heads and
         prefixes survive longest."""
-        for block, digest in zip(reversed(blocks), reversed(digests), strict=True):
-            self._lru[block] = digest
-            self._lru.move_to_end(block)
+        # The blocks are not in the LRU (new, or just unpinned): appending in reverse
+        # order makes the first block the most recent.
+        self._lru.update(zip(reversed(blocks), reversed(digests), strict=True))
 
     def make_unevictable(self, block: int) -> None:
         self._lru.pop(block, None)
@@ -91,10 +94,13 @@ class BlockIndex:
             if block in self._lru:
                 self._lru.move_to_end(block)
 
-    def evict_oldest(self) -> int | None:
-        """Drop the least recently used evictable block from the index; return it."""
-        if not self._lru:
-            return None
-        block, digest = self._lru.popitem(last=False)
-        self.remove(digest)
-        return block
+    def evict(self, count: int) -> list[int]:
+        """Drop the ``count`` least recently used evictable blocks from the index."""
+        lru, blocks, digests = self._lru, self._blocks, self._digests
+        evicted = []
+        for _ in range(min(count, len(lru))):
+            block, digest = lru.popitem(last=False)
+            del blocks[digest]
+            del digests[block]
+            evicted.append(block)
+        return evicted

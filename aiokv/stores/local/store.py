@@ -101,7 +101,7 @@ class LocalStore:
         NoSpace when some page is new and the pool cannot take all new pages."""
         self._require_pool()
         digests = chain_digests(token_ids, namespace, self.page_size)
-        present = [self._index.get(d) for d in digests]
+        present = self._index.lookup(digests)
         missing = [i for i, block in enumerate(present) if block is None]
         self._index.touch([b for b in present if b is not None])
         mask = np.zeros(len(token_ids), dtype=np.bool_)
@@ -115,8 +115,7 @@ class LocalStore:
             finally:
                 self._drop_readers(kept)
             new_digests = [digests[i] for i in missing]
-            for digest, block in zip(new_digests, blocks.tolist(), strict=True):
-                self._index.insert(digest, block)
+            self._index.insert(new_digests, blocks.tolist())
             self._state[blocks] = WRITING
             pages = mask[: len(digests) * self.page_size].reshape(len(digests), self.page_size)
             pages[missing] = True
@@ -247,11 +246,7 @@ class LocalStore:
                 f"need {count} blocks; {pool.num_free} free, {self._index.evictable} "
                 f"evictable of {pool.num_blocks}"
             )
-        evicted: list[int] = []
-        while pool.num_free + len(evicted) < count:
-            block = self._index.evict_oldest()
-            assert block is not None  # counted above
-            evicted.append(block)
+        evicted = self._index.evict(count - pool.num_free)
         if evicted:
             blocks = np.asarray(evicted, dtype=np.int64)
             self._state[blocks] = FREE

@@ -24,7 +24,7 @@ from .pool import HostPool
 
 log = logging.getLogger("aiokv")
 
-STAGING_BYTES = 64 << 20  # per staging buffer; two are allocated on the GPU
+STAGING_BYTES = 128 << 20  # per staging buffer; two are allocated on the GPU
 
 
 @dataclass
