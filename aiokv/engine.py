@@ -18,7 +18,8 @@ import concurrent.futures
 import enum
 import logging
 import time
-from collections.abc import Hashable, Sequence
+from collections import deque
+from collections.abc import Awaitable, Hashable, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
@@ -116,7 +117,7 @@ class OffloadEngine:
         self._worker: StoreWorker | None = None
         self._batcher: Batcher | None = None
         self._batcher_task: asyncio.Task[None] | None = None
-        self._room: asyncio.Semaphore | None = None
+        self._room_waiters: deque[asyncio.Future[None]] = deque()  # overload: wait
         self._idle: asyncio.Event | None = None
         self._closing: asyncio.Future[None] | None = None
 
@@ -140,7 +141,6 @@ class OffloadEngine:
             raise EngineClosed(f"engine is {self._state.value}; it cannot be restarted")
         loop = asyncio.get_running_loop()
         self._loop = loop
-        self._room = asyncio.Semaphore(self._config.max_pending)
         self._idle = asyncio.Event()
         self._idle.set()
         registered: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -259,10 +259,10 @@ class OffloadEngine:
         self._check_running()
         pages = self._check_page_ids(page_ids)
         num_tokens = self._check_num_tokens(num_tokens)
-        if num_tokens > len(pages) * self._page_size:
+        if num_tokens > pages.shape[0] * self._page_size:
             raise InvalidRequest(
                 "num_tokens",
-                f"{num_tokens} tokens do not fit in {len(pages)} pages of {self._page_size}",
+                f"{num_tokens} tokens do not fit in {pages.shape[0]} pages of {self._page_size}",
             )
         pages_used = num_tokens // self._page_size  # only full pages are stored
         # Page id *values* are checked for the whole batch at once after its one copy
@@ -300,9 +300,9 @@ class OffloadEngine:
         if hit.cached_tokens == 0:
             return LoadResult(hit.user_id, 0)
         needed = hit._pages_needed(self._page_size)
-        if len(pages) < needed:
+        if pages.shape[0] < needed:
             raise InvalidRequest(
-                "page_ids", f"has {len(pages)} pages; this hit needs at least {needed}"
+                "page_ids", f"has {pages.shape[0]} pages; this hit needs at least {needed}"
             )
         task_id, mask = hit._consume()
         request = self._new_request(
@@ -400,52 +400,74 @@ class OffloadEngine:
 
     # ---- admission, deadlines, resolution ----------------------------------------------
 
-    async def _submit(self, request: Request) -> Any:
-        assert self._room is not None and self._batcher is not None and self._loop
-        try:
-            if self._room.locked():
-                if self._config.overload == "reject":
-                    self._stats.rejected += 1
-                    raise Overloaded(
-                        f"{self._config.max_pending} requests pending (engine.max_pending)"
-                    )
-                await self._wait_for_room()
-            else:
-                await self._room.acquire()  # free: does not yield
-        except BaseException:
-            if request.lookup is not None:
-                self._release_reservation(request.task_id)  # type: ignore[arg-type]
-            raise
-        if self._state is not EngineState.RUNNING:  # closed while we waited for room
-            self._room.release()
-            raise EngineClosed(f"engine is {self._state.value}")
-        loop = self._loop
-        request.submitted_at = time.perf_counter()  # latency; deadlines use loop.time()
+    def _submit(self, request: Request) -> Awaitable[Any]:
+        """Admit a request: at once when there is room (no extra coroutine on this, the
+        common path), else per ``overload``."""
+        if len(self._live) < self._config.max_pending:
+            return self._accept(request)
+        return self._submit_when_room(request)
+
+    def _accept(self, request: Request) -> asyncio.Future[Any]:
+        assert self._batcher is not None and self._loop is not None and self._idle
+        request.submitted_at = time.perf_counter()  # latency; deadlines use the loop clock
         self._stats.submitted += 1
         self._live.add(request)
-        self._idle.clear()  # type: ignore[union-attr]
+        self._idle.clear()
         timer = None
         if self._config.request_timeout_ms:
-            timer = loop.call_later(
-                self._config.request_timeout_ms / 1e3,
-                self._expire,
-                request,
+            timer = self._loop.call_later(
+                self._config.request_timeout_ms / 1e3, self._expire, request
             )
         request.future.add_done_callback(partial(self._finished, request, timer))
         self._batcher.enqueue(request)
-        return await request.future
+        return request.future
+
+    async def _submit_when_room(self, request: Request) -> Any:
+        try:
+            if self._config.overload == "reject":
+                self._stats.rejected += 1
+                raise Overloaded(
+                    f"{self._config.max_pending} requests pending (engine.max_pending)"
+                )
+            await self._wait_for_room()
+            if self._state is not EngineState.RUNNING:  # closed while we waited
+                raise EngineClosed(f"engine is {self._state.value}")
+        except BaseException:
+            if request.lookup is not None and request.task_id is not None:
+                self._release_reservation(request.task_id)  # the load never ran
+            raise
+        return await self._accept(request)
 
     async def _wait_for_room(self) -> None:
-        assert self._room is not None
+        """Wait (FIFO) until fewer than max_pending requests are live, at most
+        request_timeout_ms. Raises RequestTimeout."""
+        assert self._loop is not None
+        loop = self._loop
         timeout_ms = self._config.request_timeout_ms
-        try:
-            await asyncio.wait_for(self._room.acquire(), timeout_ms / 1e3 if timeout_ms else None)
-        except TimeoutError:
-            self._stats.rejected += 1
-            raise RequestTimeout(
-                f"no room among {self._config.max_pending} pending requests within "
-                f"engine.request_timeout_ms={timeout_ms}"
-            ) from None
+        deadline = loop.time() + timeout_ms / 1e3 if timeout_ms else None
+        while len(self._live) >= self._config.max_pending and self._state is EngineState.RUNNING:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._room_waiters.append(waiter)
+            try:
+                remaining = None if deadline is None else max(deadline - loop.time(), 0.0)
+                await asyncio.wait_for(waiter, remaining)
+            except TimeoutError:
+                self._stats.rejected += 1
+                raise RequestTimeout(
+                    f"no room among {self._config.max_pending} pending requests within "
+                    f"engine.request_timeout_ms={timeout_ms}"
+                ) from None
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # we were woken but leave: pass the room on
+                raise
+
+    def _wake_one(self) -> None:
+        while self._room_waiters:
+            waiter = self._room_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     def _expire(self, request: Request) -> None:
         self._resolve(
@@ -485,8 +507,9 @@ class OffloadEngine:
         if timer is not None:
             timer.cancel()
         self._live.discard(request)
-        assert self._room is not None and self._loop is not None and self._idle is not None
-        self._room.release()
+        assert self._loop is not None and self._idle is not None
+        if self._room_waiters:
+            self._wake_one()
         stats = self._stats
         if future.cancelled():
             stats.cancelled += 1

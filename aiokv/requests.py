@@ -75,6 +75,7 @@ class Request:
     detached: bool = False
     task_id: int | None = None
     mask: BoolArray | None = None
+    moved: int = 0  # True positions of the mask: tokens this request moves
     submitted_at: float = 0.0
 
 
@@ -169,6 +170,15 @@ class Lookup:
         self.release()
 
 
+_positions: Int64Array = np.arange(0, dtype=np.int64)
+
+
 def default_token_ids(num_tokens: int) -> Int64Array:
-    """Positions 0..num_tokens-1: the recommender case, an append-only history."""
-    return np.arange(num_tokens, dtype=np.int64)
+    """Positions 0..num_tokens-1: the recommender case, an append-only history. A
+    read-only view of one shared array (grown as needed), not a new array per call."""
+    global _positions
+    if num_tokens > len(_positions):
+        grown = np.arange(max(num_tokens, 2 * len(_positions), 4096), dtype=np.int64)
+        grown.flags.writeable = False
+        _positions = grown
+    return _positions[:num_tokens]

@@ -57,15 +57,18 @@ class FusedPages:
         return slots[start : start + int(self.counts[index]) * page_size]
 
 
-def select_slots(request_slots: Int64Array, mask: BoolArray) -> Int64Array:
+def select_slots(
+    request_slots: Int64Array, mask: BoolArray, count: int | None = None
+) -> Int64Array:
     """The slots of exactly the True positions of ``mask`` (a view when they are one
     contiguous run, as store masks are: a suffix for puts, a prefix for gets)."""
-    first = int(mask.argmax())  # argmax + one count: cheaper than flatnonzero per request
+    first = int(mask.argmax())  # argmax + counts: cheaper than flatnonzero per request
     if not mask[first]:
         return request_slots[:0]
-    count = int(np.count_nonzero(mask))
+    if count is None:
+        count = int(np.count_nonzero(mask))
     end = first + count
-    if end <= len(mask) and mask[first:end].all():
+    if end <= len(mask) and np.count_nonzero(mask[first:end]) == count:
         if end > len(request_slots):
             raise IndexError(f"mask position {end - 1} is past the {len(request_slots)} slots")
         return request_slots[first:end]

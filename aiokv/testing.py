@@ -53,7 +53,7 @@ class FakeStore:
 
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
         for task_id, slots in zip(task_ids, slot_mappings, strict=True):
-            if len(slots) != int(self._tasks[task_id][3].sum()):
+            if len(slots) != np.count_nonzero(self._tasks[task_id][3]):
                 raise ValueError(f"task {task_id}: wrong number of slots")
         self._launched.extend(task_ids)
 

@@ -243,13 +243,15 @@ class StoreWorker:
             if request.detached:
                 to_cancel.append(task_id)
                 continue
-            if not mask.any():
+            moved = int(np.count_nonzero(mask))  # counted once; reductions cost µs each
+            if moved == 0:
                 to_cancel.append(task_id)
-                self._outbox.append((request, self._success(request, mask)))
+                self._outbox.append((request, self._success(request, 0)))
                 continue
             request_slots = fused.request_slots(slots, index, page_size)
             launch_ids.append(task_id)
-            launch_slots.append(select_slots(request_slots, mask))
+            launch_slots.append(select_slots(request_slots, mask, moved))
+            request.moved = moved
             launched.append(request)
             request.task_id, request.mask = task_id, mask
         if to_cancel:
@@ -297,15 +299,14 @@ class StoreWorker:
 
     def _outcome(self, request: Request, result: TaskResult) -> object:
         if result.status is TaskStatus.SUCCESS:
-            mask = request.mask if result.mask is None else result.mask
-            assert mask is not None
-            return self._success(request, mask)
+            # A store may report the moved positions itself (FlexKV's per-sub-task masks).
+            moved = request.moved if result.mask is None else int(np.count_nonzero(result.mask))
+            return self._success(request, moved)
         if result.status is TaskStatus.CANCELLED:
             return StoreError(f"the store cancelled task {request.task_id}: {result.error}")
         return StoreError(f"task {request.task_id} failed in the store: {result.error}")
 
-    def _success(self, request: Request, mask: Any) -> object:
-        moved = int(np.count_nonzero(mask))
+    def _success(self, request: Request, moved: int) -> object:
         if request.kind is Kind.OFFLOAD:
             page_size = self._store.page_size
             cached = request.num_tokens // page_size * page_size
