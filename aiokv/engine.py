@@ -24,9 +24,9 @@ from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
+from . import validate
 from .batcher import Batch, Batcher
 from .config import EngineConfig
 from .errors import (
@@ -43,10 +43,9 @@ from .requests import (
     LookupGrant,
     OffloadResult,
     Request,
-    default_token_ids,
 )
 from .stats import EngineStats, StatsRecorder
-from .stores.base import Int64Array, Store
+from .stores.base import Store
 from .worker import StoreWorker
 
 log = logging.getLogger("aiokv")
@@ -60,28 +59,6 @@ class EngineState(enum.Enum):
     RUNNING = "running"
     DRAINING = "draining"
     CLOSED = "closed"
-
-
-def _check_caches(kv_caches: Sequence[torch.Tensor]) -> tuple[int, int, torch.device, int]:
-    """(num_pages, page_size, device, bytes per token over all layers) of valid caches."""
-    if not isinstance(kv_caches, Sequence) or len(kv_caches) == 0:
-        raise ConfigError("kv_caches", "must be a non-empty list of per-layer tensors")
-    first = kv_caches[0]
-    for layer, cache in enumerate(kv_caches):
-        if not isinstance(cache, torch.Tensor):
-            raise ConfigError(f"kv_caches[{layer}]", f"must be a tensor, got {type(cache)}")
-        if cache.dim() != 5 or cache.shape[1] != 2:
-            raise ConfigError(
-                f"kv_caches[{layer}]",
-                f"must be shaped [pages, 2, page_size, heads, head_dim], got {list(cache.shape)}",
-            )
-        if (cache.shape, cache.dtype, cache.device) != (first.shape, first.dtype, first.device):
-            raise ConfigError(f"kv_caches[{layer}]", "differs in shape, dtype or device")
-        if not cache.is_contiguous():
-            raise ConfigError(f"kv_caches[{layer}]", "must be contiguous")
-    num_pages, _, page_size = first.shape[:3]
-    bytes_per_token = first[0, :, 0].numel() * first.element_size() * len(kv_caches)
-    return int(num_pages), int(page_size), first.device, int(bytes_per_token)
 
 
 class OffloadEngine:
@@ -98,7 +75,7 @@ class OffloadEngine:
         kv_caches: Sequence[torch.Tensor],
         config: EngineConfig | None = None,
     ) -> None:
-        self._num_pages, self._page_size, self._device, self._bytes_per_token = _check_caches(
+        self._num_pages, self._page_size, self._device, self._bytes_per_token = validate.kv_caches(
             kv_caches
         )
         if store.page_size and store.page_size != self._page_size:
@@ -257,8 +234,8 @@ class OffloadEngine:
         StoreError / StoreFull (the store failed it) or RequestTimeout.
         """
         self._check_running()
-        pages = self._check_page_ids(page_ids)
-        num_tokens = self._check_num_tokens(num_tokens)
+        pages = validate.page_ids(page_ids, self._device)
+        num_tokens = validate.num_tokens(num_tokens)
         if num_tokens > pages.shape[0] * self._page_size:
             raise InvalidRequest(
                 "num_tokens",
@@ -285,7 +262,7 @@ class OffloadEngine:
         """How much of this key's first ``num_tokens`` tokens the store holds; the hit is
         reserved for ``load`` until released or ``lookup_ttl_ms`` passes."""
         self._check_running()
-        num_tokens = self._check_num_tokens(num_tokens)
+        num_tokens = validate.num_tokens(num_tokens)
         request = self._new_request(Kind.LOOKUP, user_id, num_tokens, token_ids, namespace)
         result: Lookup = await self._submit(request)
         return result
@@ -296,7 +273,7 @@ class OffloadEngine:
         self._check_running()
         if not isinstance(hit, Lookup) or hit._release_task != self._release_reservation:
             raise InvalidRequest("hit", "must be a Lookup returned by this engine's lookup()")
-        pages = self._check_page_ids(page_ids)
+        pages = validate.page_ids(page_ids, self._device)
         if hit.cached_tokens == 0:
             return LoadResult(hit.user_id, 0)
         needed = hit._pages_needed(self._page_size)
@@ -318,50 +295,6 @@ class OffloadEngine:
         if self._state is not EngineState.RUNNING:
             raise EngineClosed(f"engine is {self._state.value}")
 
-    def _check_num_tokens(self, num_tokens: object) -> int:
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
-            raise InvalidRequest("num_tokens", f"must be an int, got {type(num_tokens).__name__}")
-        if num_tokens < 0:
-            raise InvalidRequest("num_tokens", f"must be >= 0, got {num_tokens}")
-        return int(num_tokens)
-
-    def _check_page_ids(self, page_ids: object) -> torch.Tensor:
-        if isinstance(page_ids, np.ndarray):
-            page_ids = torch.from_numpy(page_ids)
-        if not isinstance(page_ids, torch.Tensor):
-            raise InvalidRequest("page_ids", f"must be a tensor, got {type(page_ids).__name__}")
-        if page_ids.dim() != 1:
-            raise InvalidRequest("page_ids", f"must be 1-D, got shape {list(page_ids.shape)}")
-        if page_ids.dtype not in (torch.int32, torch.int64):
-            raise InvalidRequest("page_ids", f"must be int32 or int64, got {page_ids.dtype}")
-        if page_ids.device.type != "cpu" and page_ids.device != self._device:
-            raise InvalidRequest(
-                "page_ids", f"is on {page_ids.device}; use the CPU or the caches' {self._device}"
-            )
-        return page_ids
-
-    def _check_token_ids(self, token_ids: Any, num_tokens: int) -> Int64Array:
-        if token_ids is None:
-            return default_token_ids(num_tokens)
-        if isinstance(token_ids, torch.Tensor):
-            if token_ids.device.type != "cpu":
-                raise InvalidRequest("token_ids", "must be on the CPU (or a numpy array)")
-            token_ids = token_ids.numpy()
-        if not isinstance(token_ids, np.ndarray) or token_ids.dtype != np.int64:
-            raise InvalidRequest("token_ids", "must be an int64 numpy array or CPU tensor")
-        if token_ids.shape != (num_tokens,):
-            raise InvalidRequest(
-                "token_ids", f"must have shape ({num_tokens},), got {token_ids.shape}"
-            )
-        return token_ids
-
-    def _check_namespace(self, namespace: Any, user_id: Hashable) -> tuple[str, ...]:
-        if namespace is None:
-            return (f"uid:{user_id}",)
-        if isinstance(namespace, str) or not all(isinstance(n, str) for n in namespace):
-            raise InvalidRequest("namespace", "must be a list of str")
-        return tuple(namespace)
-
     def _new_request(
         self,
         kind: Kind,
@@ -379,14 +312,14 @@ class OffloadEngine:
                 "user_id", f"must be hashable, got {type(user_id).__name__}"
             ) from exc
         assert self._loop is not None
-        tokens = None if kind is Kind.LOAD else self._check_token_ids(token_ids, num_tokens)
+        tokens = None if kind is Kind.LOAD else validate.token_ids(token_ids, num_tokens)
         request = Request(
             kind=kind,
             user_id=user_id,
             future=self._loop.create_future(),
             num_tokens=num_tokens,
             token_ids=tokens,
-            namespace=() if kind is Kind.LOAD else self._check_namespace(namespace, user_id),
+            namespace=() if kind is Kind.LOAD else validate.namespace(namespace, user_id),
             page_ids=pages,
             pages_used=pages_used,
         )

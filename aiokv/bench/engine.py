@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         ],
     )
     # uvloop's loop.time() is libuv's millisecond clock, which EngineStats' latencies use.
-    print("  (engine p50/p99: engine.stats(), whose loop clock moves in 1 ms steps under uvloop)")
+    print("  (engine p50/p99: engine.stats(), submit to resolve, perf_counter)")
     cpu = results["cpu"]
     print(
         f"engine CPU per request on FakeStore: {cpu['cpu_us_per_request']:.1f} us "

@@ -1,0 +1,82 @@
+"""Checks at the API boundary: shapes, dtypes and types only (GPU values are never read
+here). Each raises InvalidRequest (or ConfigError for the caches) naming the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, InvalidRequest
+from .requests import default_token_ids
+from .stores.base import Int64Array
+
+
+def kv_caches(kv_caches: Sequence[torch.Tensor]) -> tuple[int, int, torch.device, int]:
+    """(num_pages, page_size, device, bytes per token over all layers) of valid caches."""
+    if not isinstance(kv_caches, Sequence) or len(kv_caches) == 0:
+        raise ConfigError("kv_caches", "must be a non-empty list of per-layer tensors")
+    first = kv_caches[0]
+    for layer, cache in enumerate(kv_caches):
+        if not isinstance(cache, torch.Tensor):
+            raise ConfigError(f"kv_caches[{layer}]", f"must be a tensor, got {type(cache)}")
+        if cache.dim() != 5 or cache.shape[1] != 2:
+            raise ConfigError(
+                f"kv_caches[{layer}]",
+                f"must be shaped [pages, 2, page_size, heads, head_dim], got {list(cache.shape)}",
+            )
+        if (cache.shape, cache.dtype, cache.device) != (first.shape, first.dtype, first.device):
+            raise ConfigError(f"kv_caches[{layer}]", "differs in shape, dtype or device")
+        if not cache.is_contiguous():
+            raise ConfigError(f"kv_caches[{layer}]", "must be contiguous")
+    num_pages, _, page_size = first.shape[:3]
+    bytes_per_token = first[0, :, 0].numel() * first.element_size() * len(kv_caches)
+    return int(num_pages), int(page_size), first.device, int(bytes_per_token)
+
+
+def num_tokens(num_tokens: object) -> int:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+        raise InvalidRequest("num_tokens", f"must be an int, got {type(num_tokens).__name__}")
+    if num_tokens < 0:
+        raise InvalidRequest("num_tokens", f"must be >= 0, got {num_tokens}")
+    return int(num_tokens)
+
+
+def page_ids(page_ids: object, device: torch.device) -> torch.Tensor:
+    if isinstance(page_ids, np.ndarray):
+        page_ids = torch.from_numpy(page_ids)
+    if not isinstance(page_ids, torch.Tensor):
+        raise InvalidRequest("page_ids", f"must be a tensor, got {type(page_ids).__name__}")
+    if page_ids.dim() != 1:
+        raise InvalidRequest("page_ids", f"must be 1-D, got shape {list(page_ids.shape)}")
+    if page_ids.dtype not in (torch.int32, torch.int64):
+        raise InvalidRequest("page_ids", f"must be int32 or int64, got {page_ids.dtype}")
+    if page_ids.device.type != "cpu" and page_ids.device != device:
+        raise InvalidRequest(
+            "page_ids", f"is on {page_ids.device}; use the CPU or the caches' {device}"
+        )
+    return page_ids
+
+
+def token_ids(token_ids: Any, num_tokens: int) -> Int64Array:
+    if token_ids is None:
+        return default_token_ids(num_tokens)
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.device.type != "cpu":
+            raise InvalidRequest("token_ids", "must be on the CPU (or a numpy array)")
+        token_ids = token_ids.numpy()
+    if not isinstance(token_ids, np.ndarray) or token_ids.dtype != np.int64:
+        raise InvalidRequest("token_ids", "must be an int64 numpy array or CPU tensor")
+    if token_ids.shape != (num_tokens,):
+        raise InvalidRequest("token_ids", f"must have shape ({num_tokens},), got {token_ids.shape}")
+    return token_ids
+
+
+def namespace(namespace: Any, user_id: Hashable) -> tuple[str, ...]:
+    if namespace is None:
+        return (f"uid:{user_id}",)
+    if isinstance(namespace, str) or not all(isinstance(n, str) for n in namespace):
+        raise InvalidRequest("namespace", "must be a list of str")
+    return tuple(namespace)
