@@ -299,3 +299,44 @@ async def test_full_store_reports_no_space(caches: list[torch.Tensor]) -> None:
         # Released blocks are evictable again: the put succeeds by evicting.
         assert (await engine.offload("b", pages(8), 16)).stored_tokens == 16
     assert checked.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_overload_wait_skips_callers_who_left(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0, max_pending=1, overload="wait")
+    rig.faulty.hold.clear()
+    async with rig.engine:
+        first = asyncio.ensure_future(rig.engine.offload("a", pages(0), 16))
+        await rig.launched()
+        leaver = asyncio.ensure_future(rig.engine.offload("b", pages(4), 16))
+        stayer = asyncio.ensure_future(rig.engine.offload("c", pages(8), 16))
+        await asyncio.sleep(0)
+        leaver.cancel()  # waiting for room, never accepted
+        rig.faulty.hold.set()
+        results = await asyncio.wait_for(asyncio.gather(first, stayer), 10)
+        with pytest.raises(asyncio.CancelledError):
+            await leaver
+        stats = rig.engine.stats()
+    assert [r.stored_tokens for r in results] == [16, 16]
+    assert stats.submitted == 2 and stats.cancelled == 0  # the leaver was never accepted
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_overload_wait_times_out_with_request_timeout(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0, max_pending=1, overload="wait", request_timeout_ms=50)
+    rig.faulty.hold.clear()
+    async with rig.engine:
+        first = asyncio.ensure_future(rig.engine.offload("a", pages(0), 16))
+        await rig.launched()
+        # b waits for room; a's deadline frees it first, then b's own deadline passes
+        # while the store still holds everything: either way b gets RequestTimeout, and
+        # waiting for room does not extend a request's time budget forever.
+        with pytest.raises(aiokv.RequestTimeout):
+            await asyncio.wait_for(rig.engine.offload("b", pages(4), 16), 10)
+        with pytest.raises(aiokv.RequestTimeout):
+            await first
+        stats = rig.engine.stats()
+        rig.faulty.hold.set()
+    assert stats.timed_out + stats.rejected == 2
+    rig.assert_clean()
