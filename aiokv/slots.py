@@ -30,12 +30,19 @@ class FusedPages:
     counts: Int64Array
     copy_done: Any  # torch.cuda.Event, or None when no device copy was needed
     d2h_copies: int
+    expanded_page_size: int = 0  # > 0: `host` holds slots expanded on the device
+    host_tail: torch.Tensor | None = None  # CPU-held page ids that follow the copied ones
 
     def wait(self) -> Int64Array:
         """Block (store thread only) until the copy landed; return the pages as numpy."""
         if self.copy_done is not None:
             self.copy_done.synchronize()
-        return self.host.numpy()
+        host: Int64Array = self.host.numpy()
+        if self.expanded_page_size:
+            return host[:: self.expanded_page_size] // self.expanded_page_size
+        if self.host_tail is not None:
+            return np.concatenate((host, self.host_tail.numpy()))
+        return host
 
     def bad_requests(self, pages: Int64Array, num_pages: int) -> Int64Array:
         """Indexes of requests holding a page id < 0 or >= num_pages (vectorized)."""
@@ -48,6 +55,11 @@ class FusedPages:
 
     def expand(self, pages: Int64Array, page_size: int) -> Int64Array:
         """Slots of every page: ``page * page_size + offset``, one op for the batch."""
+        if self.expanded_page_size:
+            if page_size != self.expanded_page_size:
+                raise ValueError(f"slots were expanded for page size {self.expanded_page_size}")
+            slots: Int64Array = self.host.numpy()
+            return slots
         offsets = np.arange(page_size, dtype=np.int64)
         return (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
 
@@ -124,7 +136,7 @@ def fuse_page_ids(
             # allocator will not reuse it before the copy ends. The callers' page_ids
             # stay referenced by their requests until those resolve.
         if expand_here:
-            return _DeviceExpanded(pinned, starts, counts, copy_done, 1, page_size)
+            return FusedPages(pinned, starts, counts, copy_done, 1, expanded_page_size=page_size)
         parts.append(pinned)
         d2h_copies = 1
     if on_host:
@@ -135,58 +147,12 @@ def fuse_page_ids(
     elif len(parts) == 1:
         host = parts[0]
     else:
-        # Host-only concatenation; the device part becomes valid when copy_done fires,
-        # so the store thread joins the two after waiting (see FusedPages.wait).
-        return _MixedFusedPages(parts[0], starts, counts, copy_done, d2h_copies, parts[1])
+        # The device part becomes valid when copy_done fires, so the store thread joins
+        # the two after waiting (see FusedPages.wait).
+        return FusedPages(parts[0], starts, counts, copy_done, d2h_copies, host_tail=parts[1])
     return FusedPages(host, starts, counts, copy_done, d2h_copies)
 
 
 def _head(pages: torch.Tensor, used: int) -> torch.Tensor:
     """The first ``used`` page ids; no slice op (a few µs each) when all are used."""
     return pages if used == pages.shape[0] else pages[:used]
-
-
-class _DeviceExpanded(FusedPages):
-    """A batch whose slots were expanded on the device; ``host`` holds slots."""
-
-    def __init__(
-        self,
-        host: torch.Tensor,
-        starts: Int64Array,
-        counts: Int64Array,
-        copy_done: Any,
-        d2h_copies: int,
-        page_size: int,
-    ) -> None:
-        super().__init__(host, starts, counts, copy_done, d2h_copies)
-        self._page_size = page_size
-
-    def wait(self) -> Int64Array:
-        slots = super().wait()
-        return slots[:: self._page_size] // self._page_size  # the pages, for range checks
-
-    def expand(self, pages: Int64Array, page_size: int) -> Int64Array:
-        if page_size != self._page_size:
-            raise ValueError(f"expanded for page size {self._page_size}, not {page_size}")
-        slots: Int64Array = self.host.numpy()
-        return slots
-
-
-class _MixedFusedPages(FusedPages):
-    """A batch with page ids on both the GPU and the CPU: joined after the copy."""
-
-    def __init__(
-        self,
-        host: torch.Tensor,
-        starts: Int64Array,
-        counts: Int64Array,
-        copy_done: Any,
-        d2h_copies: int,
-        host_part: torch.Tensor,
-    ) -> None:
-        super().__init__(host, starts, counts, copy_done, d2h_copies)
-        self._host_part = host_part
-
-    def wait(self) -> Int64Array:
-        device_part = super().wait()
-        return np.concatenate((device_part, self._host_part.numpy()))

@@ -236,4 +236,44 @@ def no_space() -> NoSpace:
     return NoSpace("injected: no space")
 
 
-__all__ = ["CheckingStore", "FakeStore", "FaultyStore", "no_space"]
+class SharedStore:
+    """Wraps a store so that several engines, one after another, can drive it (or an engine
+    and code of your own, as the benchmarks do): it registers the inner store once and
+    leaves closing it to its owner (``close_inner``)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self._registered = False
+
+    @property
+    def page_size(self) -> int:
+        return self.inner.page_size
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        if not self._registered:
+            self.inner.register(kv_caches)
+            self._registered = True
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        return self.inner.put_match(token_ids, namespace)
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        return self.inner.get_match(token_ids, namespace)
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+        self.inner.launch(task_ids, slot_mappings)
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        self.inner.cancel(task_ids)
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        return self.inner.try_wait(task_ids)
+
+    def close(self) -> None:
+        """Left to the owner: see :meth:`close_inner`."""
+
+    def close_inner(self) -> None:
+        self.inner.close()
+
+
+__all__ = ["CheckingStore", "FakeStore", "FaultyStore", "SharedStore", "no_space"]

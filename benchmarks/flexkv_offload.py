@@ -22,47 +22,18 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 import aiokv
-from aiokv.stores.base import BoolArray, Int64Array, Store, TaskResult
+from aiokv.stores.base import Store
 from aiokv.stores.flexkv import FlexKVStore, flexkv_available
+from aiokv.testing import SharedStore
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32
 WINDOW_US, POLL_US = 300, 50
-
-
-class Registered:
-    """The already-registered store, handed to the engine (FlexKV registers once)."""
-
-    def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.page_size = inner.page_size
-
-    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        pass
-
-    def put_match(self, t: Int64Array, ns: Sequence[str]) -> tuple[int, BoolArray]:
-        return self.inner.put_match(t, ns)
-
-    def get_match(self, t: Int64Array, ns: Sequence[str]) -> tuple[int, BoolArray]:
-        return self.inner.get_match(t, ns)
-
-    def launch(self, ids: Sequence[int], slots: Sequence[Int64Array]) -> None:
-        self.inner.launch(ids, slots)
-
-    def cancel(self, ids: Sequence[int]) -> None:
-        self.inner.cancel(ids)
-
-    def try_wait(self, ids: Sequence[int]) -> dict[int, TaskResult]:
-        return self.inner.try_wait(ids)
-
-    def close(self) -> None:
-        pass  # closed by the benchmark, after both sides ran
 
 
 def sync_round(manager: Any, page_ids: list[torch.Tensor], tokens: int, tag: str) -> int:
@@ -122,7 +93,7 @@ async def run_engine(
 ) -> tuple[int, float, list[float]]:
     config = aiokv.EngineConfig(window_us=WINDOW_US, max_batch_requests=len(page_ids),
                                 max_batch_tokens=1 << 30, poll_interval_us=POLL_US)
-    engine = aiokv.OffloadEngine(Registered(store), caches, config)
+    engine = aiokv.OffloadEngine(SharedStore(store), caches, config)
     lateness: list[float] = []
     stop = asyncio.Event()
     async with engine:

@@ -4,6 +4,7 @@ with its environment and positive numbers, and a PNG."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -105,3 +106,11 @@ def test_aiokv_bench_delegates(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "fused ms" in capsys.readouterr().out
     document = json.loads(out_json.read_text())
     assert document["environment"]["bench_argv"][:2] == ["slots", "--quick"]
+
+
+def test_quickstart_example_runs_and_verifies() -> None:
+    import runpy
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    module = runpy.run_path(str(example))
+    assert asyncio.run(module["main"](str(module["CONFIG"]))) == 0

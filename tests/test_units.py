@@ -207,3 +207,18 @@ def test_local_store_rolls_back_cancel_and_failed_copies() -> None:
     assert not mask.any()  # nothing readable was left behind
     store.cancel([task])
     store.close()
+
+
+def test_fused_pages_from_device_slots_or_with_a_host_tail() -> None:
+    from aiokv.slots import FusedPages
+
+    starts, counts = np.array([0, 2]), np.array([2, 1])
+    slots = torch.tensor([12, 13, 14, 15, 4, 5, 6, 7, 36, 37, 38, 39])  # pages 3, 1, 9
+    expanded = FusedPages(slots, starts, counts, None, 1, expanded_page_size=4)
+    pages = expanded.wait()
+    assert pages.tolist() == [3, 1, 9]
+    assert expanded.expand(pages, 4).tolist() == slots.tolist()
+    with pytest.raises(ValueError, match="page size"):
+        expanded.expand(pages, 8)
+    mixed = FusedPages(torch.tensor([3, 1]), starts, counts, None, 1, host_tail=torch.tensor([9]))
+    assert mixed.wait().tolist() == [3, 1, 9]

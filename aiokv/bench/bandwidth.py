@@ -19,7 +19,6 @@ import itertools
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +26,9 @@ import torch
 
 from ..config import EngineConfig, StoreConfig
 from ..engine import OffloadEngine
-from ..stores.base import BoolArray, Int64Array, Store, TaskResult
+from ..stores.base import Store
 from ..stores.local import LocalStore
+from ..testing import SharedStore
 from . import common
 
 NAME = "bandwidth"
@@ -84,43 +84,6 @@ HELPS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_settings_arguments(parser, Settings, QUICK, HELPS)
-
-
-class SharedStore:
-    """Lets several engines in turn drive one store: registers it once and leaves the
-    closing to its owner (each engine closes its store on aclose)."""
-
-    def __init__(self, inner: LocalStore) -> None:
-        self.inner = inner
-        self.page_size = inner.page_size
-        self._registered = False
-
-    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        if not self._registered:
-            self.inner.register(kv_caches)
-            self._registered = True
-            self.page_size = self.inner.page_size
-
-    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
-        return self.inner.put_match(token_ids, namespace)
-
-    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
-        return self.inner.get_match(token_ids, namespace)
-
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
-        self.inner.launch(task_ids, slot_mappings)
-
-    def cancel(self, task_ids: Sequence[int]) -> None:
-        self.inner.cancel(task_ids)
-
-    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
-        return self.inner.try_wait(task_ids)
-
-    def close(self) -> None:
-        """Left to the owner: see :meth:`close_inner`."""
-
-    def close_inner(self) -> None:
-        self.inner.close()
 
 
 def raw_copy_gib_s(
@@ -324,4 +287,4 @@ def _plot(
     common.save_plot(path, f"aiokv engine bandwidth ({device})", draw)
 
 
-__all__ = ["HELP", "NAME", "Settings", "SharedStore", "add_arguments", "raw_copy_gib_s", "run"]
+__all__ = ["HELP", "NAME", "Settings", "add_arguments", "raw_copy_gib_s", "run"]

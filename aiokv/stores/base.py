@@ -63,7 +63,10 @@ class NoSpace(Exception):
 class Store(Protocol):
     """What the engine drives. See the module docstring for the contract."""
 
-    page_size: int
+    @property
+    def page_size(self) -> int:
+        """Tokens per page; may be 0 until ``register`` takes it from the caches."""
+        ...
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None: ...
 
