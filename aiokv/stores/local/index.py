@@ -32,7 +32,10 @@ def chain_digests(
         running.update(len(encoded).to_bytes(8, "little"))
         running.update(encoded)
     running.update(b"\x00tokens")
-    data = memoryview(np.ascontiguousarray(token_ids[: full_pages * page_size], "<i8").tobytes())
+    head = token_ids[: full_pages * page_size]
+    if head.dtype != np.int64 or not head.flags.c_contiguous:
+        head = np.ascontiguousarray(head, dtype=np.int64)
+    data = memoryview(head.data).cast("B")  # no copy: update() reads the array buffer
     block_bytes = page_size * 8
     update, copy = running.update, running.copy  # bound once: this loop is the store's hot spot
     digests = []

@@ -21,7 +21,7 @@ from ...config import StoreConfig
 from ...errors import ConfigError
 from ..base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus
 from .index import BlockIndex, chain_digests
-from .pool import HostPool
+from .pool import HostPool, as_index
 from .transfer import CopyJob, Transfer
 
 # Block states, plain ints: compared against numpy elements on the hot path, where an
@@ -116,9 +116,12 @@ class LocalStore:
                 self._drop_readers(kept)
             new_digests = [digests[i] for i in missing]
             self._index.insert(new_digests, blocks.tolist())
-            self._state[blocks] = WRITING
-            pages = mask[: len(digests) * self.page_size].reshape(len(digests), self.page_size)
-            pages[missing] = True
+            self._state[as_index(blocks)] = WRITING
+            if missing[-1] - missing[0] == len(missing) - 1:  # the usual suffix
+                mask[missing[0] * self.page_size : (missing[-1] + 1) * self.page_size] = True
+            else:
+                pages = mask[: len(digests) * self.page_size].reshape(-1, self.page_size)
+                pages[missing] = True
         else:
             new_digests = []
         return self._new_task(_Task(True, mask, blocks, new_digests)), mask
@@ -213,12 +216,12 @@ class LocalStore:
         """A task is over: publish or roll back its blocks."""
         if task.is_put:
             if success:
-                self._state[task.blocks] = READY
+                self._state[as_index(task.blocks)] = READY
                 self._index.make_evictable(task.blocks.tolist(), task.digests)
             else:
                 for digest in task.digests:
                     self._index.remove(digest)
-                self._state[task.blocks] = FREE
+                self._state[as_index(task.blocks)] = FREE
                 self._require_pool().release(task.blocks)
         else:
             self._drop_readers(task.blocks.tolist(), task.digests)
