@@ -19,7 +19,6 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +44,7 @@ class _Release:
 
 
 _STOP = object()
+_WAKE = object()  # a task may have ended: poll the store
 
 
 class StoreWorker:
@@ -121,22 +121,27 @@ class StoreWorker:
             self._registered.set_exception(exc)
             self._close_store()
             return
+        # A store that can say when a task may have ended (LocalStore's copy thread)
+        # wakes this thread through the inbox; others are polled every poll_interval_us.
+        set_notify = getattr(self._store, "set_notify", None)
+        notified = callable(set_notify)
+        if notified:
+            set_notify(lambda: self._inbox.put(_WAKE))  # type: ignore[misc]
         self._registered.set_result(None)
         stopping = False
         try:
             while not stopping or self._launched:
-                timeout = self._poll_interval_s if self._launched else None
-                item: object = None
+                timeout = self._poll_interval_s if self._launched and not notified else None
                 if stopping:
-                    # Nothing arrives after the sentinel: only launched tasks remain.
-                    time.sleep(self._poll_interval_s)
-                else:
-                    with contextlib.suppress(queue.Empty):
-                        item = self._inbox.get(timeout=timeout)
+                    # After the sentinel only wake-ups arrive; poll as a fallback.
+                    timeout = self._poll_interval_s
+                item: object = None
+                with contextlib.suppress(queue.Empty):
+                    item = self._inbox.get(timeout=timeout)
                 while item is not None:
                     if item is _STOP:
                         stopping = True
-                    else:
+                    elif item is not _WAKE:
                         self._handle(item)
                     try:
                         item = self._inbox.get_nowait()

@@ -222,3 +222,18 @@ def test_fused_pages_from_device_slots_or_with_a_host_tail() -> None:
         expanded.expand(pages, 8)
     mixed = FusedPages(torch.tensor([3, 1]), starts, counts, None, 1, host_tail=torch.tensor([9]))
     assert mixed.wait().tolist() == [3, 1, 9]
+
+
+def test_local_store_notifies_when_tasks_end() -> None:
+    import threading
+
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register(make_caches(pages=16))
+    woke = threading.Event()
+    store.set_notify(woke.set)
+    task, mask = store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["n"])
+    assert not woke.is_set()
+    store.launch([task], [np.arange(int(mask.sum()), dtype=np.int64)])
+    assert woke.wait(10)  # called by the copy thread once the job ended
+    assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
+    store.close()

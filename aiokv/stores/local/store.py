@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +61,7 @@ class LocalStore:
         self._done_jobs: collections.deque[CopyJob] = collections.deque()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards _done_jobs against the copy thread
+        self._notify: Callable[[], None] | None = None
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -256,9 +257,16 @@ class LocalStore:
             pool.release(blocks)
         return pool.allocate(count)
 
+    def set_notify(self, callback: Callable[[], None]) -> None:
+        """Optional Store extension: ``callback`` is called (from the copy thread) each time
+        tasks may have become terminal, so the engine need not poll ``try_wait``."""
+        self._notify = callback
+
     def _job_done(self, job: CopyJob) -> None:  # copy thread
         with self._lock:
             self._done_jobs.append(job)
+        if self._notify is not None:
+            self._notify()
 
     def _require_pool(self) -> HostPool:
         if self._pool is None:
