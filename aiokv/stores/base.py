@@ -18,6 +18,10 @@ Contract, for any store:
 - ``try_wait`` answers only the ids that are terminal, each once; it never blocks.
 - ``put_match`` raises :class:`NoSpace` when there is something new to write and no block
   can be reserved for it (instead of answering an all-False mask that reads as success).
+
+Optional: a store with ``set_notify(callback)`` calls ``callback()`` from any thread
+whenever tasks may have become terminal; the engine then waits for that instead of
+polling ``try_wait`` every ``poll_interval_us`` (LocalStore does; FlexKV is polled).
 """
 
 from __future__ import annotations
