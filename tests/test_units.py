@@ -237,3 +237,81 @@ def test_local_store_notifies_when_tasks_end() -> None:
     assert woke.wait(10)  # called by the copy thread once the job ended
     assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
     store.close()
+
+
+def test_local_store_keeps_every_surviving_key_intact_under_churn() -> None:
+    """Random puts, loads and evictions on a small pool: whatever get_match still finds
+    must load back bit-exact. (Caught a release of the wrong blocks when eviction
+    order, which is LRU order, was taken for block order.)"""
+    rng = np.random.default_rng(3)
+    caches = make_caches(pages=64)
+    original = [c.clone() for c in caches]
+    block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=12 * block_bytes / (1 << 30)))
+    store.register(caches)
+    sources: dict[str, np.ndarray] = {}
+    for step in range(300):
+        key = f"k{int(rng.integers(0, 10))}"
+        pages = sources.setdefault(key, rng.choice(32, size=3, replace=False))
+        tokens = np.arange(int(rng.integers(1, 4)) * PAGE_SIZE, dtype=np.int64)
+        if rng.random() < 0.6:
+            try:
+                task, mask = store.put_match(tokens, [key])
+            except aiokv.stores.NoSpace:
+                continue
+            slots = (pages[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).reshape(-1)
+            if mask.any():
+                store.launch([task], [slots[: len(mask)][mask].astype(np.int64)])
+                assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
+            else:
+                store.cancel([task])
+        else:
+            task, mask = store.get_match(tokens, [key])
+            hit = int(mask.sum()) // PAGE_SIZE
+            if hit == 0:
+                store.cancel([task])
+                continue
+            target = np.arange(32 + 3 * (step % 10), 32 + 3 * (step % 10) + hit)
+            slots = (target[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).reshape(-1)
+            store.launch([task], [slots.astype(np.int64)])
+            assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
+            for cache, before in zip(caches, original, strict=True):
+                assert torch.equal(cache[torch.from_numpy(target)], before[pages[:hit]]), step
+    store.close()
+
+
+def test_local_store_evicts_exactly_the_lru_blocks_whatever_their_order() -> None:
+    """LRU order [1, 5, 3] spans three block ids like a run [1, 2, 3]; evicting it must
+    free blocks 1, 3 and 5 and leave the key in block 2 intact."""
+    caches = make_caches(pages=16)
+    original = [c.clone() for c in caches]
+    block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=6 * block_bytes / (1 << 30)))
+    store.register(caches)
+    one_page = np.arange(PAGE_SIZE, dtype=np.int64)
+
+    def slots(page: int) -> np.ndarray:
+        return np.arange(page * PAGE_SIZE, (page + 1) * PAGE_SIZE, dtype=np.int64)
+
+    for key in range(6):  # key k lands in host block k, from GPU page k
+        task, _ = store.put_match(one_page, [f"k{key}"])
+        store.launch([task], [slots(key)])
+        _wait(store, [task])
+    for key in (0, 2, 3, 4, 0, 2):  # LRU, oldest first, becomes [1, 5, 3, 4, 0, 2]
+        task, _ = store.get_match(one_page, [f"k{key}"])
+        store.cancel([task])
+    three_pages = np.arange(3 * PAGE_SIZE, dtype=np.int64)
+    task, mask = store.put_match(three_pages, ["new"])  # evicts keys 1, 5 and 3
+    store.launch([task], [np.concatenate([slots(p) for p in (10, 11, 12)])])
+    _wait(store, [task])
+    for key, survives in ((1, False), (5, False), (3, False), (2, True), (0, True), (4, True)):
+        task, mask = store.get_match(one_page, [f"k{key}"])
+        assert bool(mask.any()) is survives, key
+        if survives:
+            store.launch([task], [slots(15)])
+            _wait(store, [task])
+            for cache, before in zip(caches, original, strict=True):
+                assert torch.equal(cache[15], before[key]), key
+        else:
+            store.cancel([task])
+    store.close()

@@ -17,7 +17,10 @@ from ..base import Int64Array
 def as_index(blocks: Int64Array) -> slice | Int64Array:
     """A slice when ``blocks`` is one ascending run (as the allocator usually hands out),
     else the array: numpy slice assignment is several times cheaper than fancy indexing.
-    Valid for the allocator's arrays, which are unique and ascending but for one wrap."""
+
+    Precondition: ``blocks`` is unique and ascending, or ascending with one wrap (the
+    allocator's order), so that ``last - first == n - 1`` means one run. Sort anything
+    else first: for [4, 10, 6] the test would pass and name the wrong blocks."""
     n = len(blocks)
     if n and int(blocks[-1]) - int(blocks[0]) == n - 1:
         return slice(int(blocks[0]), int(blocks[0]) + n)

@@ -252,7 +252,8 @@ class LocalStore:
             )
         evicted = self._index.evict(count - pool.num_free)
         if evicted:
-            blocks = np.asarray(evicted, dtype=np.int64)
+            # LRU order is not block order; as_index (in release) needs them sorted.
+            blocks = np.sort(np.asarray(evicted, dtype=np.int64))
             self._state[blocks] = FREE
             pool.release(blocks)
         return pool.allocate(count)
