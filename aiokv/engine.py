@@ -18,7 +18,6 @@ import concurrent.futures
 import enum
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Hashable, Sequence
 from functools import partial
 from types import TracebackType
@@ -27,13 +26,13 @@ from typing import Any, TypeVar
 import torch
 
 from . import validate
+from .admission import Admission
 from .batcher import Batch, Batcher
 from .config import EngineConfig
 from .errors import (
     ConfigError,
     EngineClosed,
     InvalidRequest,
-    Overloaded,
     RequestTimeout,
 )
 from .requests import (
@@ -89,12 +88,11 @@ class OffloadEngine:
         self._on_gpu = self._device.type == "cuda"
         self._state = EngineState.NEW
         self._stats = StatsRecorder()
-        self._live: set[Request] = set()  # accepted and not yet resolved
+        self._admission = Admission(self._config, self._stats)  # max_pending, overload
         self._loop: asyncio.AbstractEventLoop | None = None
         self._worker: StoreWorker | None = None
         self._batcher: Batcher | None = None
         self._batcher_task: asyncio.Task[None] | None = None
-        self._room_waiters: deque[asyncio.Future[None]] = deque()  # overload: wait
         self._idle: asyncio.Event | None = None
         self._closing: asyncio.Future[None] | None = None
 
@@ -196,7 +194,7 @@ class OffloadEngine:
         if not await asyncio.to_thread(self._worker.join, remaining):
             log.warning("aiokv: store thread still busy after %.1fs; abandoning it", remaining)
         await asyncio.sleep(0)  # let outcomes posted before the join resolve first
-        for request in list(self._live):
+        for request in list(self._admission.live):
             self._resolve(request, EngineClosed("engine closed before this request finished"))
         self._state = EngineState.CLOSED
 
@@ -335,8 +333,8 @@ class OffloadEngine:
 
     def _submit(self, request: Request) -> Awaitable[Any]:
         """Admit a request: at once when there is room (no extra coroutine on this, the
-        common path), else per ``overload``."""
-        if len(self._live) < self._config.max_pending:
+        common path), else per ``overload`` (admission.py)."""
+        if self._admission.has_room():
             return self._accept(request)
         return self._submit_when_room(request)
 
@@ -344,7 +342,7 @@ class OffloadEngine:
         assert self._batcher is not None and self._loop is not None and self._idle
         request.submitted_at = time.perf_counter()  # latency; deadlines use the loop clock
         self._stats.submitted += 1
-        self._live.add(request)
+        self._admission.admit(request)
         self._idle.clear()
         timer = None
         if self._config.request_timeout_ms:
@@ -357,12 +355,7 @@ class OffloadEngine:
 
     async def _submit_when_room(self, request: Request) -> Any:
         try:
-            if self._config.overload == "reject":
-                self._stats.rejected += 1
-                raise Overloaded(
-                    f"{self._config.max_pending} requests pending (engine.max_pending)"
-                )
-            await self._wait_for_room()
+            await self._admission.wait_for_room(lambda: self._state is EngineState.RUNNING)
             if self._state is not EngineState.RUNNING:  # closed while we waited
                 raise EngineClosed(f"engine is {self._state.value}")
         except BaseException:
@@ -370,37 +363,6 @@ class OffloadEngine:
                 self._release_reservation(request.task_id)  # the load never ran
             raise
         return await self._accept(request)
-
-    async def _wait_for_room(self) -> None:
-        """Wait (FIFO) until fewer than max_pending requests are live, at most
-        request_timeout_ms. Raises RequestTimeout."""
-        assert self._loop is not None
-        loop = self._loop
-        timeout_ms = self._config.request_timeout_ms
-        deadline = loop.time() + timeout_ms / 1e3 if timeout_ms else None
-        while len(self._live) >= self._config.max_pending and self._state is EngineState.RUNNING:
-            waiter: asyncio.Future[None] = loop.create_future()
-            self._room_waiters.append(waiter)
-            try:
-                remaining = None if deadline is None else max(deadline - loop.time(), 0.0)
-                await asyncio.wait_for(waiter, remaining)
-            except TimeoutError:
-                self._stats.rejected += 1
-                raise RequestTimeout(
-                    f"no room among {self._config.max_pending} pending requests within "
-                    f"engine.request_timeout_ms={timeout_ms}"
-                ) from None
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake_one()  # we were woken but leave: pass the room on
-                raise
-
-    def _wake_one(self) -> None:
-        while self._room_waiters:
-            waiter = self._room_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
 
     def _expire(self, request: Request) -> None:
         self._resolve(
@@ -439,10 +401,8 @@ class OffloadEngine:
         request.detached = True  # the store thread stops caring about it from now on
         if timer is not None:
             timer.cancel()
-        self._live.discard(request)
+        self._admission.leave(request)
         assert self._loop is not None and self._idle is not None
-        if self._room_waiters:
-            self._wake_one()
         stats = self._stats
         if future.cancelled():
             stats.cancelled += 1
@@ -459,7 +419,7 @@ class OffloadEngine:
                 stats.offloaded_tokens += result.stored_tokens
             elif isinstance(result, LoadResult):
                 stats.loaded_tokens += result.loaded_tokens
-        if not self._live:
+        if not self._admission.live:
             self._idle.set()
 
     def _deliver(self, pairs: list[tuple[Request, object]]) -> None:
