@@ -74,7 +74,6 @@ class StoreWorker:
         self._reserved: set[int] = set()  # lookup matches held for a load
         self._outbox: list[tuple[Request, object]] = []
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
-        self.store_calls = 0
 
     # ---- loop side -------------------------------------------------------------------
 
@@ -326,7 +325,6 @@ class StoreWorker:
 
     def _call(self, method: Callable[..., Any], *args: Any) -> Any:
         """Call the store; translate its errors, once, into StoreError."""
-        self.store_calls += 1
         try:
             return method(*args)
         except NoSpace as exc:
