@@ -18,8 +18,7 @@ import concurrent.futures
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Hashable, Sequence
-from functools import partial
+from collections.abc import Hashable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -29,6 +28,7 @@ from . import validate
 from .admission import Admission
 from .batcher import Batch, Batcher
 from .config import EngineConfig
+from .deadlines import Deadlines
 from .errors import (
     ConfigError,
     EngineClosed,
@@ -94,6 +94,7 @@ class OffloadEngine:
         self._batcher: Batcher | None = None
         self._batcher_task: asyncio.Task[None] | None = None
         self._idle: asyncio.Event | None = None
+        self._deadlines: Deadlines | None = None  # request_timeout_ms, when set
         self._closing: asyncio.Future[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -118,6 +119,8 @@ class OffloadEngine:
         self._loop = loop
         self._idle = asyncio.Event()
         self._idle.set()
+        if self._config.request_timeout_ms:
+            self._deadlines = Deadlines(loop, self._config.request_timeout_ms / 1e3, self._expire)
         registered: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._worker = StoreWorker(
             self._store,
@@ -196,6 +199,8 @@ class OffloadEngine:
         await asyncio.sleep(0)  # let outcomes posted before the join resolve first
         for request in list(self._admission.live):
             self._resolve(request, EngineClosed("engine closed before this request finished"))
+        if self._deadlines is not None:
+            self._deadlines.close()
         self._state = EngineState.CLOSED
 
     async def __aenter__(self) -> OffloadEngine:
@@ -246,7 +251,7 @@ class OffloadEngine:
         request = self._new_request(
             Kind.OFFLOAD, user_id, num_tokens, token_ids, namespace, pages, pages_used
         )
-        result: OffloadResult = await self._submit(request)
+        result: OffloadResult = await self._run(request)
         return result
 
     async def lookup(
@@ -262,7 +267,7 @@ class OffloadEngine:
         self._check_running()
         num_tokens = validate.num_tokens(num_tokens)
         request = self._new_request(Kind.LOOKUP, user_id, num_tokens, token_ids, namespace)
-        result: Lookup = await self._submit(request)
+        result: Lookup = await self._run(request)
         return result
 
     async def load(self, hit: Lookup, page_ids: torch.Tensor) -> LoadResult:
@@ -284,7 +289,7 @@ class OffloadEngine:
             Kind.LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed
         )
         request.lookup, request.task_id, request.mask = hit, task_id, mask
-        result: LoadResult = await self._submit(request)
+        result: LoadResult = await self._run(request)
         return result
 
     # ---- validation (shapes and dtypes only: never reads GPU values) -------------------
@@ -331,25 +336,27 @@ class OffloadEngine:
 
     # ---- admission, deadlines, resolution ----------------------------------------------
 
-    def _submit(self, request: Request) -> Awaitable[Any]:
-        """Admit a request: at once when there is room (no extra coroutine on this, the
-        common path), else per ``overload`` (admission.py)."""
-        if self._admission.has_room():
-            return self._accept(request)
-        return self._submit_when_room(request)
+    async def _run(self, request: Request) -> Any:
+        """Admit a request and await its outcome: at once when there is room, else per
+        ``overload`` (admission.py). Every outcome is counted by :meth:`_resolve`, except
+        a caller's cancellation, which cancels the future and is counted here."""
+        try:
+            if self._admission.has_room():
+                return await self._accept(request)
+            return await self._submit_when_room(request)
+        except asyncio.CancelledError:
+            if request.future.cancelled():
+                self._finished(request, None)
+            raise
 
     def _accept(self, request: Request) -> asyncio.Future[Any]:
-        assert self._batcher is not None and self._loop is not None and self._idle
+        assert self._batcher is not None and self._idle is not None
         request.submitted_at = time.perf_counter()  # latency; deadlines use the loop clock
         self._stats.submitted += 1
         self._admission.admit(request)
         self._idle.clear()
-        timer = None
-        if self._config.request_timeout_ms:
-            timer = self._loop.call_later(
-                self._config.request_timeout_ms / 1e3, self._expire, request
-            )
-        request.future.add_done_callback(partial(self._finished, request, timer))
+        if self._deadlines is not None:
+            self._deadlines.add(request)
         self._batcher.enqueue(request)
         return request.future
 
@@ -393,33 +400,33 @@ class OffloadEngine:
             future.set_result(lookup)
         else:
             future.set_result(outcome)
+        self._finished(request, outcome)
 
-    def _finished(
-        self, request: Request, timer: asyncio.TimerHandle | None, future: asyncio.Future[Any]
-    ) -> None:
-        """Done-callback of every accepted future: the one place outcome counts change."""
+    def _finished(self, request: Request, outcome: object) -> None:
+        """A request's future is done (``outcome`` None: the caller cancelled it): the one
+        place outcome counts change. Called once per accepted request, by _resolve or by
+        _run on cancellation; not a done-callback, which would cost a loop callback."""
         request.detached = True  # the store thread stops caring about it from now on
-        if timer is not None:
-            timer.cancel()
         self._admission.leave(request)
-        assert self._loop is not None and self._idle is not None
         stats = self._stats
-        if future.cancelled():
+        if outcome is None:
             stats.cancelled += 1
-        elif (error := future.exception()) is not None:  # also marks it retrieved
-            if isinstance(error, RequestTimeout):
+        elif isinstance(outcome, OffloadResult):
+            stats.completed += 1
+            stats.record_latency(time.perf_counter() - request.submitted_at)
+            stats.offloaded_tokens += outcome.stored_tokens
+        elif isinstance(outcome, BaseException):
+            if isinstance(outcome, RequestTimeout):
                 stats.timed_out += 1
             else:
                 stats.failed += 1
         else:
             stats.completed += 1
             stats.record_latency(time.perf_counter() - request.submitted_at)
-            result = future.result()
-            if isinstance(result, OffloadResult):
-                stats.offloaded_tokens += result.stored_tokens
-            elif isinstance(result, LoadResult):
-                stats.loaded_tokens += result.loaded_tokens
+            if isinstance(outcome, LoadResult):
+                stats.loaded_tokens += outcome.loaded_tokens
         if not self._admission.live:
+            assert self._idle is not None
             self._idle.set()
 
     def _deliver(self, pairs: list[tuple[Request, object]]) -> None:

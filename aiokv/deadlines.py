@@ -1,0 +1,76 @@
+"""Request deadlines (``request_timeout_ms``) with one timer for the whole engine.
+
+Every request gets the same timeout, so deadlines come due in the order requests were
+accepted: a FIFO with one loop timer, armed for its oldest entry, enforces them all. A
+timer per request (``call_later`` then ``cancel``) costs about 4 µs under uvloop; an
+append costs about 0.1 µs. Resolved requests are not removed when they resolve (that
+would need a search); they leave from the head, which in the usual first-in,
+first-out traffic is resolved already, and by a compaction when one slow request at the
+head holds many resolved ones behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from .requests import Request
+
+_MIN_COMPACT = 1024
+
+
+class Deadlines:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        timeout_s: float,
+        expire: Callable[[Request], None],
+    ) -> None:
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self._expire = expire  # resolves a request that is still pending at its deadline
+        self._queue: deque[tuple[float, Request]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._compact_at = _MIN_COMPACT
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, request: Request) -> None:
+        queue = self._queue
+        while queue and queue[0][1].future.done():
+            queue.popleft()
+        deadline = self._loop.time() + self._timeout_s
+        queue.append((deadline, request))
+        if self._timer is None:
+            self._timer = self._loop.call_at(deadline, self._fire)
+        elif len(queue) > self._compact_at:
+            self._compact()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._queue.clear()
+
+    def _fire(self) -> None:
+        self._timer = None
+        queue = self._queue
+        now = self._loop.time()
+        while queue:
+            deadline, request = queue[0]
+            if request.future.done():
+                queue.popleft()
+            elif deadline <= now:
+                queue.popleft()
+                self._expire(request)
+            else:
+                break
+        if queue:
+            self._timer = self._loop.call_at(queue[0][0], self._fire)
+
+    def _compact(self) -> None:
+        """Drop resolved entries; O(n), run after n/2 appends at least, so O(1) each."""
+        self._queue = deque(entry for entry in self._queue if not entry[1].future.done())
+        self._compact_at = max(_MIN_COMPACT, 2 * len(self._queue))
