@@ -45,15 +45,18 @@ def num_tokens(num_tokens: object) -> int:
 
 
 def page_ids(page_ids: object, device: torch.device) -> torch.Tensor:
+    # On every submit: attribute reads chosen for speed (device.type builds an object;
+    # dtypes are singletons, so identity is enough).
     if isinstance(page_ids, np.ndarray):
         page_ids = torch.from_numpy(page_ids)
     if not isinstance(page_ids, torch.Tensor):
         raise InvalidRequest("page_ids", f"must be a tensor, got {type(page_ids).__name__}")
-    if page_ids.dim() != 1:
+    if page_ids.ndim != 1:
         raise InvalidRequest("page_ids", f"must be 1-D, got shape {list(page_ids.shape)}")
-    if page_ids.dtype not in (torch.int32, torch.int64):
-        raise InvalidRequest("page_ids", f"must be int32 or int64, got {page_ids.dtype}")
-    if page_ids.device.type != "cpu" and page_ids.device != device:
+    dtype = page_ids.dtype
+    if dtype is not torch.int64 and dtype is not torch.int32:
+        raise InvalidRequest("page_ids", f"must be int32 or int64, got {dtype}")
+    if not page_ids.is_cpu and page_ids.device != device:
         raise InvalidRequest(
             "page_ids", f"is on {page_ids.device}; use the CPU or the caches' {device}"
         )

@@ -221,6 +221,9 @@ class StoreWorker:
         bad = set(fused.bad_requests(pages, self._num_pages).tolist())
         page_size = self._store.page_size
         slots = fused.expand(pages, page_size)
+        # Each request's slots as plain-int bounds, computed once (numpy scalars are slow).
+        slot_starts = (fused.starts * page_size).tolist()
+        slot_ends = ((fused.starts + fused.counts) * page_size).tolist()
         launch_ids: list[int] = []
         launch_slots: list[Any] = []
         launched: list[Request] = []
@@ -252,7 +255,7 @@ class StoreWorker:
                 to_cancel.append(task_id)
                 self._outbox.append((request, self._success(request, 0)))
                 continue
-            request_slots = fused.request_slots(slots, index, page_size)
+            request_slots = slots[slot_starts[index] : slot_ends[index]]
             launch_ids.append(task_id)
             launch_slots.append(select_slots(request_slots, mask, moved))
             request.moved = moved
@@ -304,7 +307,12 @@ class StoreWorker:
     def _outcome(self, request: Request, result: TaskResult) -> object:
         if result.status is TaskStatus.SUCCESS:
             # A store may report the moved positions itself (FlexKV's per-sub-task masks).
-            moved = request.moved if result.mask is None else int(np.count_nonzero(result.mask))
+            mask = result.mask
+            moved = (
+                request.moved
+                if mask is None or mask is request.mask
+                else int(np.count_nonzero(mask))
+            )
             return self._success(request, moved)
         if result.status is TaskStatus.CANCELLED:
             return StoreError(f"the store cancelled task {request.task_id}: {result.error}")
