@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig
-from .requests import Kind, Request, Stage
+from .requests import Kind, Request, Stage, latest_ready_events
 from .slots import FusedPages, fuse_page_ids
 
 
@@ -150,9 +150,8 @@ class Batcher:
                 if self._copy_stream is not None:
                     # The page ids were written on the callers' streams: order the fused
                     # copy after them on the GPU, without blocking this thread.
-                    for request in requests:
-                        if request.ready_event is not None:
-                            self._copy_stream.wait_event(request.ready_event)
+                    for event in latest_ready_events(requests):
+                        self._copy_stream.wait_event(event)
                 pages = fuse_page_ids(
                     [r.page_ids for r in requests if r.page_ids is not None],
                     [r.pages_used for r in requests],

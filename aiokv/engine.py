@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import itertools
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -95,6 +96,7 @@ class OffloadEngine:
         self._batcher_task: asyncio.Task[None] | None = None
         self._idle: asyncio.Event | None = None
         self._deadlines: Deadlines | None = None  # request_timeout_ms, when set
+        self._ready_order = itertools.count(1)  # orders the callers' CUDA events
         self._closing: asyncio.Future[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -329,9 +331,12 @@ class OffloadEngine:
         if self._on_gpu and pages is not None:
             # The KV (and GPU page ids) are written on the caller's stream: remember how
             # far it got, so the copy starts after it (waited on the GPU and the worker).
+            stream = torch.cuda.current_stream(self._device)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(self._device))
+            event.record(stream)
             request.ready_event = event
+            request.ready_stream = stream.cuda_stream
+            request.ready_order = next(self._ready_order)
         return request
 
     # ---- admission, deadlines, resolution ----------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -70,6 +70,8 @@ class Request:
     page_ids: torch.Tensor | None
     pages_used: int  # leading entries of page_ids this request moves (known from shapes)
     ready_event: Any = None  # torch.cuda.Event recorded on the caller's stream, or None
+    ready_stream: int = 0  # that stream's handle
+    ready_order: int = 0  # when the event was recorded (an engine-wide count)
     lookup: Lookup | None = None  # the reservation a LOAD consumes
     stage: Stage = Stage.QUEUED
     detached: bool = False
@@ -77,6 +79,20 @@ class Request:
     mask: BoolArray | None = None
     moved: int = 0  # True positions of the mask: tokens this request moves
     submitted_at: float = 0.0
+
+
+def latest_ready_events(requests: Iterable[Request]) -> list[Any]:
+    """The most recently recorded ready event of each caller stream among ``requests``:
+    a stream runs in order, so waiting for it covers the earlier ones on that stream.
+    By recording order, not list order: a request that waited for room under
+    ``overload: wait`` recorded its event before it was queued."""
+    latest: dict[int, tuple[int, Any]] = {}
+    for request in requests:
+        if request.ready_event is not None:
+            seen = latest.get(request.ready_stream)
+            if seen is None or seen[0] < request.ready_order:
+                latest[request.ready_stream] = (request.ready_order, request.ready_event)
+    return [event for _, event in latest.values()]
 
 
 @dataclass(frozen=True)

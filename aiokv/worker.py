@@ -27,7 +27,15 @@ import torch
 
 from .batcher import Batch
 from .errors import EngineClosed, InvalidRequest, StoreError, StoreFull
-from .requests import Kind, LoadResult, LookupGrant, OffloadResult, Request, Stage
+from .requests import (
+    Kind,
+    LoadResult,
+    LookupGrant,
+    OffloadResult,
+    Request,
+    Stage,
+    latest_ready_events,
+)
 from .slots import select_slots
 from .stores.base import NoSpace, Store, TaskResult, TaskStatus
 
@@ -214,9 +222,8 @@ class StoreWorker:
         """Offload (put) or load (get) batch: one launch for everything with work."""
         fused = batch.pages
         assert fused is not None  # the batcher fuses pages for OFFLOAD and LOAD batches
-        for request in batch.requests:
-            if request.ready_event is not None:
-                request.ready_event.synchronize()  # the KV itself must be written
+        for event in latest_ready_events(batch.requests):
+            event.synchronize()  # the KV itself must be written
         pages = fused.wait()
         bad = set(fused.bad_requests(pages, self._num_pages).tolist())
         page_size = self._store.page_size
