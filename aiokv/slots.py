@@ -6,12 +6,17 @@ host memory; offsets come from shapes, so nothing waits for the GPU. The store t
 then waits for the copy (:meth:`FusedPages.wait`), checks every page id at once
 (:meth:`FusedPages.bad_requests`) and expands pages to slots once
 (:meth:`FusedPages.expand`); :func:`select_slots` picks one request's positions.
+:meth:`FusedPages.split` and :meth:`FusedPages.select` give every request's slots, or
+its masked positions' slots, as views for a whole batch with a fixed number of numpy
+calls; :meth:`FusedPages.wait_request_slots` makes those views while the copy is still
+in flight, for callers that need no page-id check.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -23,7 +28,8 @@ from .stores.base import BoolArray, Int64Array
 @dataclass
 class FusedPages:
     """Page ids of one batch on the host; request ``i`` owns
-    ``pages[starts[i]:starts[i] + counts[i]]``."""
+    ``pages[starts[i]:starts[i] + counts[i]]`` (pages between requests, if any, belong
+    to none)."""
 
     host: torch.Tensor  # int64, CPU (pinned when it came from a GPU)
     starts: Int64Array
@@ -43,6 +49,18 @@ class FusedPages:
         if self.host_tail is not None:
             return np.concatenate((host, self.host_tail.numpy()))
         return host
+
+    def wait_slots(self, page_size: int) -> Int64Array:
+        """Block until the copy landed; return every page's slots (:meth:`expand`) without
+        recovering page ids first when the device already expanded them."""
+        if not self.expanded_page_size:
+            return self.expand(self.wait(), page_size)
+        if page_size != self.expanded_page_size:
+            raise ValueError(f"slots were expanded for page size {self.expanded_page_size}")
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+        slots: Int64Array = self.host.numpy()
+        return slots
 
     def bad_requests(self, pages: Int64Array, num_pages: int) -> Int64Array:
         """Indexes of requests holding a page id < 0 or >= num_pages (vectorized)."""
@@ -68,12 +86,109 @@ class FusedPages:
         start = int(self.starts[index]) * page_size
         return slots[start : start + int(self.counts[index]) * page_size]
 
+    def split(self, slots: Int64Array, page_size: int) -> list[Int64Array]:
+        """Every request's slots in request order, views into ``slots`` (what
+        :meth:`request_slots` gives for each index, without a numpy call per request)."""
+        begins = (self.starts * page_size).tolist()
+        ends = ((self.starts + self.counts) * page_size).tolist()
+        return [slots[begin:end] for begin, end in zip(begins, ends, strict=True)]
+
+    def select(
+        self, slots: Int64Array, masks: Sequence[BoolArray], page_size: int
+    ) -> list[Int64Array]:
+        """``select_slots(request_slots(slots, i, page_size), masks[i])`` for every
+        request, with a fixed number of numpy calls for the batch.
+
+        The masks are joined once, with a False between requests, and every run of True
+        is found from the places where the value changes. A request whose True positions
+        form one run (store masks do: a suffix for puts, a prefix for gets) gets a view;
+        one with holes falls back to :func:`select_slots`; one with none, an empty view.
+        """
+        out, holes = self._select_views(slots, masks, page_size)
+        for index in holes:
+            out[index] = select_slots(self.request_slots(slots, index, page_size), masks[index])
+        return out
+
+    def wait_request_slots(
+        self, page_size: int, masks: Sequence[BoolArray] | None = None
+    ) -> list[Int64Array]:
+        """Block until the copy landed; return :meth:`split` (every request's slots) or,
+        given ``masks``, :meth:`select` (their masked positions'). When the device
+        expanded the slots, the views are made while the copy is still in flight: only
+        their bounds are computed before the wait, no slot is read."""
+        if self.expanded_page_size != page_size or self.copy_done is None:
+            slots = self.wait_slots(page_size)
+            return self.split(slots, page_size) if masks is None else self.select(
+                slots, masks, page_size
+            )
+        slots = self.host.numpy()
+        if masks is None:
+            out = self.split(slots, page_size)
+            self.copy_done.synchronize()
+            return out
+        out, holes = self._select_views(slots, masks, page_size)
+        self.copy_done.synchronize()
+        for index in holes:  # fancy indexing reads slots: after the wait
+            out[index] = select_slots(self.request_slots(slots, index, page_size), masks[index])
+        return out
+
+    def _select_views(
+        self, slots: Int64Array, masks: Sequence[BoolArray], page_size: int
+    ) -> tuple[list[Int64Array], list[int]]:
+        """:meth:`select`'s views, reading no slot; the indexes of requests whose masks
+        have holes come back unfilled, for :func:`select_slots`."""
+        n = len(masks)
+        if n != len(self.starts):
+            raise ValueError(f"{n} masks for {len(self.starts)} requests")
+        if n == 0:
+            return [], []
+        parts: list[BoolArray] = [_FALSE] * (2 * n + 1)
+        parts[1::2] = masks
+        joined = np.concatenate(parts).astype(np.bool_, copy=False)
+        edges = np.flatnonzero(joined[1:] != joined[:-1]) + 1
+        rises, falls = edges[0::2], edges[1::2]  # each run of True is [rise, fall)
+        lengths = np.array([len(m) for m in masks], dtype=np.int64)
+        mask_ends = np.cumsum(lengths + 1)  # where the False after each mask is
+        mask_begins = mask_ends - lengths
+        if len(rises) == n and (rises >= mask_begins).all() and (falls <= mask_ends).all():
+            owners: Int64Array | None = None  # run i is request i's only run: the usual
+            begins, have = mask_begins, self.counts * page_size
+            shift = self.starts * page_size - mask_begins
+        else:
+            owners = np.searchsorted(mask_begins, rises, side="right") - 1
+            runs_per_request = np.bincount(owners, minlength=n)
+            single = runs_per_request[owners] == 1
+            owners, rises, falls = owners[single], rises[single], falls[single]
+            begins = mask_begins[owners]
+            have = self.counts[owners] * page_size
+            shift = self.starts[owners] * page_size - begins
+        past = falls - begins > have
+        if past.any():
+            first = int(np.argmax(past))
+            raise IndexError(
+                f"mask position {int(falls[first] - begins[first]) - 1} "
+                f"is past the {int(have[first])} slots"
+            )
+        firsts, lasts = (rises + shift).tolist(), (falls + shift).tolist()
+        views = [slots[a:b] for a, b in zip(firsts, lasts, strict=True)]
+        if owners is None:
+            return views, []
+        out = [slots[:0]] * n
+        for owner, view in zip(owners.tolist(), views, strict=True):
+            out[owner] = view
+        return out, np.flatnonzero(runs_per_request > 1).tolist()
+
+
+_FALSE: BoolArray = np.zeros(1, dtype=np.bool_)
+
 
 def select_slots(
     request_slots: Int64Array, mask: BoolArray, count: int | None = None
 ) -> Int64Array:
     """The slots of exactly the True positions of ``mask`` (a view when they are one
     contiguous run, as store masks are: a suffix for puts, a prefix for gets)."""
+    if not mask.size:
+        return request_slots[:0]
     first = int(mask.argmax())  # argmax + counts: cheaper than flatnonzero per request
     if not mask[first]:
         return request_slots[:0]
@@ -90,67 +205,134 @@ def select_slots(
     return request_slots[positions]
 
 
+_OFFSETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _device_offsets(device: torch.device, page_size: int) -> torch.Tensor:
+    """``arange(page_size)`` on ``device``, made once (a kernel launch saved per batch)."""
+    offsets = _OFFSETS.get((device, page_size))
+    if offsets is None:
+        offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+        # Later batches use it from other streams: let the one fill land first.
+        torch.cuda.current_stream(device).synchronize()
+        _OFFSETS[(device, page_size)] = offsets
+    return offsets
+
+
 def fuse_page_ids(
     page_ids: Sequence[torch.Tensor],
     pages_used: Sequence[int],
     stream: Any = None,
     page_size: int = 0,
 ) -> FusedPages:
-    """Concatenate the leading ``pages_used[i]`` of each ``page_ids[i]`` and bring them to
-    the host with at most one device-to-host copy.
+    """Bring the leading ``pages_used[i]`` of each ``page_ids[i]`` to the host with at
+    most one device-to-host copy.
 
     Device tensors are concatenated on ``stream`` (a torch.cuda.Stream the caller made
-    wait for the requests' events) and copied into pinned memory without blocking; CPU
-    tensors are concatenated on the host. The result lists device-resident requests
-    first, so ``starts`` is not in request order. Given ``page_size``, a batch held on
-    the device is also expanded to slots there (one tiny kernel instead of a host pass
-    over every slot), and the slots are what the one copy brings back.
+    wait for the requests' events; None: the current stream) and copied into pinned
+    memory without blocking; CPU tensors are concatenated on the host. The result lists
+    device-resident requests first, so ``starts`` is not in request order. Given
+    ``page_size``, a batch held on the device is also expanded to slots there (one tiny
+    kernel instead of a host pass over every slot), and the slots are what the one copy
+    brings back. When the device tensors hold few pages past the used ones, they are
+    concatenated whole (a slice op per request costs more than copying a short unused
+    tail), so the host copy may hold pages no request owns between requests.
     """
-    counts = np.asarray(pages_used, dtype=np.int64)
-    on_device = [i for i, t in enumerate(page_ids) if t.device.type != "cpu"]
-    on_host = [i for i, t in enumerate(page_ids) if t.device.type == "cpu"]
-    order = on_device + on_host
-    starts = np.zeros(len(page_ids), dtype=np.int64)
-    ordered_counts = counts[order]
-    starts[order] = np.concatenate(([0], np.cumsum(ordered_counts)[:-1])) if order else []
-
-    parts: list[torch.Tensor] = []
-    copy_done = None
-    d2h_copies = 0
-    if on_device:
-        device_parts = [_head(page_ids[i], pages_used[i]) for i in on_device]
-        total = int(counts[on_device].sum())
-        expand_here = page_size > 0 and not on_host
-        pinned = torch.empty(
-            total * page_size if expand_here else total, dtype=torch.int64, pin_memory=True
+    counts = np.array(pages_used, dtype=np.int64)
+    if not any(t.is_cpu for t in page_ids):  # all on the device, the usual case
+        if not page_ids:
+            return FusedPages(torch.empty(0, dtype=torch.int64), counts, counts.copy(), None, 0)
+        pinned, copy_done, starts = _fuse_on_device(
+            page_ids, pages_used, counts, stream, page_size
         )
-        with torch.cuda.stream(stream):
-            fused = torch.cat(device_parts).to(torch.int64)
-            if expand_here:
-                offsets = torch.arange(page_size, dtype=torch.int64, device=fused.device)
-                fused = (fused[:, None] * page_size + offsets).reshape(-1)
-            pinned.copy_(fused, non_blocking=True)
-            copy_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            copy_done.record()
-            # `fused` was allocated on `stream` and is only used there, so the caching
-            # allocator will not reuse it before the copy ends. The callers' page_ids
-            # stay referenced by their requests until those resolve.
-        if expand_here:
-            return FusedPages(pinned, starts, counts, copy_done, 1, expanded_page_size=page_size)
-        parts.append(pinned)
-        d2h_copies = 1
-    if on_host:
-        host_parts = [_head(page_ids[i], pages_used[i]) for i in on_host]
-        parts.append(torch.cat(host_parts).to(torch.int64))
-    if not parts:
-        host = torch.empty(0, dtype=torch.int64)
-    elif len(parts) == 1:
-        host = parts[0]
+        return FusedPages(pinned, starts, counts, copy_done, 1, expanded_page_size=page_size)
+    on_host = [i for i, t in enumerate(page_ids) if t.is_cpu]
+    on_device = [i for i, t in enumerate(page_ids) if not t.is_cpu]
+    starts = np.empty(len(page_ids), dtype=np.int64)
+    host_part = torch.cat([_head(page_ids[i], pages_used[i]) for i in on_host])  # a copy
+    if host_part.dtype != torch.int64:
+        host_part = host_part.to(torch.int64)
+    host_counts = counts[on_host]
+    starts[on_host] = np.cumsum(host_counts) - host_counts
+    if not on_device:
+        return FusedPages(host_part, starts, counts, None, 0)
+    pinned, copy_done, device_starts = _fuse_on_device(
+        [page_ids[i] for i in on_device],
+        [pages_used[i] for i in on_device],
+        counts[on_device],
+        stream,
+        0,
+    )
+    starts[on_device] = device_starts
+    starts[on_host] += pinned.shape[0]
+    # The device part becomes valid when copy_done fires, so the store thread joins the
+    # two after waiting (see FusedPages.wait).
+    return FusedPages(pinned, starts, counts, copy_done, 1, host_tail=host_part)
+
+
+# Concatenate device tensors whole while their unused tails add at most this many slots
+# per request to the copy: a slice op costs about as much as copying 2048 slots.
+_TAIL_SLOTS_PER_REQUEST = 2048
+
+
+def _fuse_on_device(
+    page_ids: Sequence[torch.Tensor],
+    pages_used: Sequence[int],
+    counts: Int64Array,
+    stream: Any,
+    page_size: int,
+) -> tuple[torch.Tensor, Any, Int64Array]:
+    """One concat (and expansion, given ``page_size``) on ``stream`` and one copy to
+    pinned memory; returns the pinned tensor, its copy's event and each request's start
+    (in pages) in it."""
+    parts, starts, total = _device_parts(page_ids, pages_used, counts, page_size)
+    pinned = torch.empty(
+        total * page_size if page_size > 0 else total, dtype=torch.int64, pin_memory=True
+    )
+    if stream is None:
+        copy_done = _cat_expand_copy(parts, page_size, pinned)
     else:
-        # The device part becomes valid when copy_done fires, so the store thread joins
-        # the two after waiting (see FusedPages.wait).
-        return FusedPages(parts[0], starts, counts, copy_done, d2h_copies, host_tail=parts[1])
-    return FusedPages(host, starts, counts, copy_done, d2h_copies)
+        with torch.cuda.stream(stream):
+            copy_done = _cat_expand_copy(parts, page_size, pinned)
+    return pinned, copy_done, starts
+
+
+def _device_parts(
+    page_ids: Sequence[torch.Tensor],
+    pages_used: Sequence[int],
+    counts: Int64Array,
+    page_size: int,
+) -> tuple[list[torch.Tensor], Int64Array, int]:
+    """The (1-D) tensors to concatenate, where each request starts in the result and its
+    length in pages: whole tensors while their unused tails are short, else only the
+    used pages (a slice op each)."""
+    lengths = [t.numel() for t in page_ids]  # cheaper than shape[0]
+    ends = list(accumulate(lengths))
+    used = int(counts.sum())
+    if (ends[-1] - used) * max(page_size, 1) <= _TAIL_SLOTS_PER_REQUEST * len(lengths):
+        ends[-1:] = []
+        return list(page_ids), np.array([0, *ends], dtype=np.int64), sum(lengths)
+    parts = [_head(t, n) for t, n in zip(page_ids, pages_used, strict=True)]
+    return parts, np.cumsum(counts) - counts, used
+
+
+def _cat_expand_copy(parts: list[torch.Tensor], page_size: int, pinned: torch.Tensor) -> Any:
+    """On the current stream: concatenate, expand to slots given ``page_size``, start
+    the copy into ``pinned``; return the event that marks the copy's end."""
+    fused = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if fused.dtype != torch.int64:
+        fused = fused.to(torch.int64)
+    if page_size > 0:
+        # offsets + page_size * pages, broadcast: one kernel for every slot.
+        offsets = _device_offsets(fused.device, page_size)
+        fused = torch.add(offsets, fused.reshape(-1, 1), alpha=page_size).view(-1)
+    pinned.copy_(fused, non_blocking=True)
+    copy_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    copy_done.record()
+    # `fused` was allocated on this stream and is only used here, so the caching
+    # allocator will not reuse it before the copy ends. The callers' page_ids stay
+    # referenced by their requests until those resolve.
+    return copy_done
 
 
 def _head(pages: torch.Tensor, used: int) -> torch.Tensor:
