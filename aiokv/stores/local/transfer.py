@@ -1,11 +1,14 @@
-"""The copy thread, ``aiokv-copy``: moves pages between the GPU caches and the host pool.
+"""The copy threads: move pages between the GPU caches and the host pool.
 
-``launch`` only queues a :class:`CopyJob`; this thread runs it and reports completion.
-On a GPU, a job is cut into chunks of consecutive host blocks; each chunk is gathered
-from the scattered GPU pages into a staging buffer on one stream, and moved with one
-large copy on a second stream, two buffers deep, so gathers overlap copies and the copy
-engine sees few, large transfers. Loads run the same pipeline in reverse (copy in,
-then scatter). On the CPU the same chunks are gathered and scattered with torch ops.
+``launch`` only queues a :class:`CopyJob`; the copy thread, ``aiokv-copy``, runs it and
+reports completion. On a GPU, a job is cut into chunks of consecutive host blocks; each
+chunk is gathered from the scattered GPU pages into a staging buffer on one stream, and
+moved with one large copy on a second stream, two buffers deep, so gathers overlap copies
+and the copy engine sees few, large transfers. Loads run the same pipeline in reverse
+(copy in, then scatter). The copy thread only enqueues: a second thread,
+``aiokv-copy-done``, waits for each job's last event in order and reports it, so the next
+job's chunks are already queued on the GPU when one job ends (no drain between jobs). On
+the CPU the same chunks are gathered and scattered with torch ops, on the copy thread.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,36 +71,60 @@ class Transfer:
         block_bytes = pool.data[0].numel() * pool.data.element_size()
         self._chunk_blocks = max(1, STAGING_BYTES // block_bytes)
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name="aiokv-copy", daemon=True)]
         if self._device.type == "cuda":
             shape = (self._chunk_blocks, *pool.data.shape[1:])
             self._staging = [
                 torch.empty(shape, dtype=pool.data.dtype, device=self._device) for _ in range(2)
             ]
+            # Stage i is free again once free_after[i] (recorded by its last user) fires;
+            # kept across jobs, so one job's first chunk can follow the previous job's last.
+            self._free_after: list[torch.cuda.Event | None] = [None, None]
+            self._next_stage = 0
             # Gathers/scatters on one stream, host <-> device copies on the other.
             self._gpu_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
             self._copy_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
-        self._thread = threading.Thread(target=self._run, name="aiokv-copy", daemon=True)
-        self._thread.start()
+            self._in_flight: queue.SimpleQueue[_InFlight | None] = queue.SimpleQueue()
+            self._threads.append(
+                threading.Thread(target=self._complete, name="aiokv-copy-done", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: CopyJob) -> None:
         self._jobs.put(job)
 
     def close(self) -> None:
-        """Finish the queued jobs, then stop the thread."""
+        """Finish the queued jobs, then stop the threads."""
         self._jobs.put(None)
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if self._device.type == "cuda":
+                self._in_flight.put(self._enqueue_cuda(job))
+                continue
             try:
-                if self._device.type == "cuda":
-                    self._run_cuda(job)
-                else:
-                    self._run_cpu(job)
+                self._run_cpu(job)
             except Exception as exc:  # reported as a FAILED task, never lost
                 log.exception("aiokv copy job failed")
                 job.error = repr(exc)
             self._on_done(job)
+        if self._device.type == "cuda":
+            self._in_flight.put(None)
+
+    def _complete(self) -> None:
+        """Report CUDA jobs in the order they were queued, each once its last op ran."""
+        while (item := self._in_flight.get()) is not None:
+            try:
+                if item.done is not None:
+                    item.done.synchronize()  # releases the GIL while it waits
+            except Exception as exc:
+                log.exception("aiokv copy job failed on the GPU")
+                item.job.error = repr(exc)
+            del item.keep_alive
+            self._on_done(item.job)
 
     def _run_cpu(self, job: CopyJob) -> None:
         pool = self._pool.data
@@ -111,23 +139,40 @@ class Transfer:
                 else:
                     cache.index_copy_(0, run_pages, host[:, layer])
 
-    def _run_cuda(self, job: CopyJob) -> None:
+    def _enqueue_cuda(self, job: CopyJob) -> _InFlight:
+        """Queue every chunk of ``job`` on the two streams without waiting for the GPU;
+        the returned event fires when the job's last op has run."""
+        try:
+            return self._enqueue_chunks(job)
+        except Exception as exc:
+            log.exception("aiokv copy job failed")
+            job.error = repr(exc)
+            # Whatever was queued may still use the staging buffers: let it finish.
+            self._copy_stream.synchronize()
+            self._gpu_stream.synchronize()
+            self._free_after = [None, None]
+            return _InFlight(job, None, None)
+
+    def _enqueue_chunks(self, job: CopyJob) -> _InFlight:
         pool = self._pool.data
-        pages = torch.from_numpy(job.gpu_pages).to(self._device)
         gpu, copy = self._gpu_stream, self._copy_stream
-        # Stage i is free again once this event (recorded by its last user) fires.
-        free: list[torch.cuda.Event | None] = [None, None]
-        gpu.wait_stream(torch.cuda.current_stream(self._device))  # `pages` H2D copy
-        for i, (start, end) in enumerate(contiguous_runs(job.host_blocks, self._chunk_blocks)):
-            stage = self._staging[i % 2][: end - start]
+        with torch.cuda.stream(gpu):
+            # Allocated on (and only used on) the gather stream, so the caching allocator
+            # cannot hand this memory out again before those kernels ran.
+            pages = torch.from_numpy(job.gpu_pages).to(self._device, non_blocking=True)
+        for start, end in contiguous_runs(job.host_blocks, self._chunk_blocks):
+            which = self._next_stage
+            self._next_stage ^= 1
+            stage = self._staging[which][: end - start]
             first = int(job.host_blocks[start])
             host = pool[first : first + end - start]
             run_pages = pages[start:end]
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            previous = self._free_after[which]
             if job.to_host:
                 with torch.cuda.stream(gpu):
-                    if (previous := free[i % 2]) is not None:
+                    if previous is not None:
                         gpu.wait_event(previous)
                     for layer, cache in enumerate(self._caches):
                         torch.index_select(cache, 0, run_pages, out=stage[:, layer])
@@ -138,7 +183,7 @@ class Transfer:
                     done.record(copy)
             else:
                 with torch.cuda.stream(copy):
-                    if (previous := free[i % 2]) is not None:
+                    if previous is not None:
                         copy.wait_event(previous)
                     stage.copy_(host, non_blocking=True)
                     ready.record(copy)
@@ -147,6 +192,18 @@ class Transfer:
                     for layer, cache in enumerate(self._caches):
                         cache.index_copy_(0, run_pages, stage[:, layer])
                     done.record(gpu)
-            free[i % 2] = done
-        copy.synchronize()
-        gpu.synchronize()
+            self._free_after[which] = done
+        # Offloads end on the copy stream, loads on the gather stream; each stream runs
+        # in order, so one event on it covers the whole job.
+        last = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        last.record(copy if job.to_host else gpu)
+        return _InFlight(job, last, pages)
+
+
+@dataclass
+class _InFlight:
+    """A CUDA job queued on the streams: ``done`` fires after its last op."""
+
+    job: CopyJob
+    done: Any  # torch.cuda.Event, or None when nothing was queued (the job failed)
+    keep_alive: Any  # the job's device page ids, held until its kernels ran
