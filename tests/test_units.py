@@ -15,7 +15,7 @@ import aiokv
 from aiokv.batcher import plan_batches
 from aiokv.config import parse_config
 from aiokv.requests import Kind, Request
-from aiokv.slots import fuse_page_ids, select_slots
+from aiokv.slots import FusedPages, fuse_page_ids, select_slots
 from aiokv.stores.local.index import chain_digests
 from aiokv.stores.local.transfer import contiguous_runs
 
@@ -134,6 +134,133 @@ def test_select_slots_takes_exactly_the_true_positions() -> None:
     assert select_slots(slots, np.zeros(12, bool)).tolist() == []
 
 
+def _gapped_pages() -> tuple[FusedPages, np.ndarray]:
+    """Four requests laid out out of order with unowned pages between them, as a
+    device batch concatenated whole (or a mixed host/device batch) leaves them."""
+    # host pages: 0..11; request 0 -> pages 5..7, 1 -> 0..1, 2 -> 9..9, 3 -> nothing
+    starts, counts = np.array([5, 0, 9, 3]), np.array([3, 2, 1, 0])
+    fused = FusedPages(torch.arange(100, 112), starts, counts, None, 0)
+    return fused, fused.wait_slots(4)
+
+
+def test_fused_split_gives_each_request_its_slots_as_views() -> None:
+    fused, slots = _gapped_pages()
+    assert slots.tolist() == (np.arange(100, 112)[:, None] * 4 + np.arange(4)).ravel().tolist()
+    parts = fused.split(slots, 4)
+    assert len(parts) == 4
+    for index, part in enumerate(parts):
+        assert part.tolist() == fused.request_slots(slots, index, 4).tolist()
+        assert part.size == 0 or np.shares_memory(part, slots)  # views, no copies
+    assert parts[0].tolist() == list(range(420, 432)) and parts[3].tolist() == []
+
+
+def test_fused_select_matches_select_slots_per_request() -> None:
+    rng = np.random.default_rng(7)
+    fused, slots = _gapped_pages()
+    first_three = FusedPages(fused.host, fused.starts[:3], fused.counts[:3], None, 0)
+    lengths = [12, 8, 4, 0]
+    for trial in range(300):
+        masks = []
+        for length in lengths:
+            # Mask lengths may be shorter than the request's slots (a partial last page).
+            n = int(rng.integers(0, length + 1)) if trial % 3 == 0 else length
+            kind = rng.integers(0, 5)
+            mask = np.zeros(n, dtype=bool)
+            if n and kind == 0:  # a put's suffix
+                mask[int(rng.integers(0, n)) :] = True
+            elif n and kind == 1:  # a get's prefix
+                mask[: int(rng.integers(0, n + 1))] = True
+            elif n and kind == 2:  # holes
+                mask = rng.random(n) < 0.5
+            elif kind == 3:
+                mask[:] = True
+            masks.append(mask)
+        # All four (request 3 owns no slots), and the first three, whose masks often
+        # hold one run each (select's fast path).
+        for batch, batch_masks in ((fused, masks), (first_three, masks[:3])):
+            got = batch.select(slots, batch_masks, 4)
+            want = [select_slots(batch.request_slots(slots, i, 4), m)
+                    for i, m in enumerate(batch_masks)]
+            assert all(w.size == 0 for w, m in zip(want, batch_masks, strict=True) if not m.size)
+            assert [g.tolist() for g in got] == [w.tolist() for w in want], batch_masks
+            for g, m in zip(got, batch_masks, strict=True):
+                padded = np.concatenate(([0], m.astype(np.int8), [0]))
+                runs = np.count_nonzero(np.diff(padded) == 1)
+                if g.size:
+                    assert np.shares_memory(g, slots) == (runs == 1)  # one run: a view
+
+
+def test_fused_select_takes_the_one_run_fast_path_and_checks_bounds() -> None:
+    fused, slots = _gapped_pages()
+    full = [np.ones(12, bool), np.ones(8, bool), np.ones(4, bool), np.zeros(0, bool)]
+    got = fused.select(slots, full, 4)
+    assert [g.tolist() for g in got[:3]] == [fused.request_slots(slots, i, 4).tolist()
+                                             for i in range(3)]
+    assert got[3].tolist() == []
+    fused3 = FusedPages(fused.host, fused.starts[:3], fused.counts[:3], None, 0)
+    # Every request has exactly one run (the fast path); request 1's runs past its slots.
+    with pytest.raises(IndexError, match="mask position 9 is past the 8 slots"):
+        fused3.select(slots, [np.ones(12, bool), np.ones(10, bool), np.ones(4, bool)], 4)
+    # Same fault with another request empty (the general path).
+    with pytest.raises(IndexError, match="mask position 9 is past the 8 slots"):
+        fused3.select(slots, [np.zeros(12, bool), np.ones(10, bool), np.ones(4, bool)], 4)
+    with pytest.raises(ValueError, match="2 masks for 3 requests"):
+        fused3.select(slots, full[:2], 4)
+
+
+def test_fused_wait_request_slots_reads_slots_only_after_the_copy_lands() -> None:
+    expected = torch.arange(40, 64)  # slots of 6 pages of 4, as the device expanded them
+
+    class Copy:  # stands in for the copy's CUDA event: the data lands on synchronize
+        def __init__(self, host: torch.Tensor) -> None:
+            self.host, self.waits = host, 0
+
+        def synchronize(self) -> None:
+            self.waits += 1
+            self.host.copy_(expected)
+
+    def in_flight() -> FusedPages:
+        host = torch.zeros(24, dtype=torch.int64)
+        return FusedPages(host, np.array([3, 0]), np.array([2, 3]), Copy(host), 1,
+                          expanded_page_size=4)
+
+    fused = in_flight()
+    parts = fused.wait_request_slots(4)
+    assert fused.copy_done.waits == 1
+    assert [p.tolist() for p in parts] == [list(range(52, 60)), list(range(40, 52))]
+    holes = np.zeros(12, bool)
+    holes[[1, 5]] = True  # request 1: two runs, a copy made after the wait
+    suffix = np.zeros(8, bool)
+    suffix[4:] = True
+    fused = in_flight()
+    parts = fused.wait_request_slots(4, [suffix, holes])
+    assert fused.copy_done.waits == 1
+    assert [p.tolist() for p in parts] == [[56, 57, 58, 59], [41, 45]]
+    plain = fuse_page_ids([torch.tensor([3, 1]), torch.tensor([9])], [1, 1])  # no copy
+    assert [p.tolist() for p in plain.wait_request_slots(2)] == [[6, 7], [18, 19]]
+
+
+def test_fused_wait_slots_and_whole_device_tensors() -> None:
+    from aiokv.slots import _device_parts
+
+    fused = fuse_page_ids([torch.tensor([3, 1]), torch.tensor([9], dtype=torch.int32)], [2, 1])
+    assert fused.wait_slots(2).tolist() == [6, 7, 2, 3, 18, 19]
+    expanded = FusedPages(torch.tensor([6, 7, 2, 3]), np.array([0]), np.array([2]), None, 1,
+                          expanded_page_size=2)
+    assert expanded.wait_slots(2).tolist() == [6, 7, 2, 3]
+    with pytest.raises(ValueError, match="page size"):
+        expanded.wait_slots(4)
+    # Short unused tails travel whole (no slice op per request); long ones are sliced.
+    ids = [torch.arange(10), torch.arange(5), torch.arange(3)]
+    parts, starts, total = _device_parts(ids, [9, 5, 1], np.array([9, 5, 1]), 32)
+    assert starts.tolist() == [0, 10, 15] and total == 18
+    assert all(part is whole for part, whole in zip(parts, ids, strict=True))
+    # Three unused pages of 8192 slots: only the used pages are concatenated.
+    parts, starts, total = _device_parts(ids, [9, 5, 1], np.array([9, 5, 1]), 8192)
+    assert starts.tolist() == [0, 9, 14] and total == 15
+    assert [p.tolist() for p in parts] == [list(range(9)), list(range(5)), [0]]
+
+
 def test_contiguous_runs_split_at_gaps_and_chunk_size() -> None:
     blocks = np.array([5, 6, 7, 8, 20, 21, 3])
     assert contiguous_runs(blocks, max_len=3) == [(0, 3), (3, 4), (4, 6), (6, 7)]
@@ -142,16 +269,34 @@ def test_contiguous_runs_split_at_gaps_and_chunk_size() -> None:
 # ---- index --------------------------------------------------------------------------
 
 
-def test_chain_digests_depend_on_namespace_and_whole_prefix() -> None:
+def test_chain_digests_depend_on_the_whole_prefix_and_namespaces_stay_apart() -> None:
     tokens = np.arange(16, dtype=np.int64)
-    a = chain_digests(tokens, ["uid:1"], 4)
+    a = chain_digests(tokens, 4)
     assert len(a) == 4 and len(set(a)) == 4 and all(len(d) == 16 for d in a)
-    assert chain_digests(tokens[:10], ["uid:1"], 4) == a[:2]  # prefixes share digests
-    assert chain_digests(tokens, ["uid:2"], 4)[0] != a[0]
-    assert chain_digests(tokens, ["uid:", "1"], 4)[0] != a[0]  # no ambiguity in joining
+    assert chain_digests(tokens[:10], 4) == a[:2]  # prefixes share digests
     changed = tokens.copy()
     changed[0] = 99
-    assert all(x != y for x, y in zip(chain_digests(changed, ["uid:1"], 4), a, strict=False))
+    assert all(x != y for x, y in zip(chain_digests(changed, 4), a, strict=False))
+    changed = tokens.copy()
+    changed[9] = 99  # the third page changes: so do it and every later digest
+    same = [x == y for x, y in zip(chain_digests(changed, 4), a, strict=True)]
+    assert same == [True, True, False, False]
+    # Namespaces are separate tables of the store, not part of the digest: the same
+    # tokens stored under one namespace are invisible under another.
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register(make_caches(pages=16))
+    tokens = np.arange(2 * PAGE_SIZE, dtype=np.int64)
+    task, mask = store.put_match(tokens, ["uid:1"])
+    store.launch([task], [np.arange(int(mask.sum()), dtype=np.int64)])
+    _wait(store, [task])
+    for namespace, hit in ((["uid:1"], True), (["uid:2"], False), (["uid:", "1"], False)):
+        task, mask = store.get_match(tokens, namespace)
+        assert bool(mask.all()) is hit and bool(mask.any()) is hit, namespace
+        store.cancel([task])
+        task, mask = store.put_match(tokens, namespace)
+        assert bool(mask.any()) is not hit, namespace  # the other namespaces write anew
+        store.cancel([task])
+    store.close()
 
 
 # ---- LocalStore directly ------------------------------------------------------------
@@ -314,4 +459,128 @@ def test_local_store_evicts_exactly_the_lru_blocks_whatever_their_order() -> Non
                 assert torch.equal(cache[15], before[key]), key
         else:
             store.cancel([task])
+    store.close()
+
+
+def test_position_digests_are_cached_and_equal_to_hashing() -> None:
+    """Token ids 0..n-1 are recognised by content (any dtype or layout) and answered from
+    a cache; the cache holds exactly what hashing the tokens gives."""
+    for page_size, pages in ((4, 3), (4, 2000), (16, 7), (3, 1)):
+        positions = np.arange(pages * page_size + 2, dtype=np.int64)  # + a partial page
+        cached = chain_digests(positions, page_size)
+        assert len(cached) == pages
+        hashed = positions.copy()
+        hashed[pages * page_size - 1] = -1  # not positions: hashed, last page differs
+        digests = chain_digests(hashed, page_size)
+        assert digests[:-1] == cached[:-1] and digests[-1] != cached[-1]
+        assert chain_digests(positions.astype(np.int32), page_size) == cached
+        assert chain_digests(np.repeat(positions, 2)[::2], page_size) == cached
+        assert chain_digests(positions[: page_size - 1], page_size) == []
+
+
+def test_block_index_lru_matches_a_reference_model() -> None:
+    """Random moves in and out of the segment LRU, against an OrderedDict model."""
+    from collections import OrderedDict
+
+    from aiokv.stores.local.index import BlockIndex
+
+    rng = np.random.default_rng(7)
+    n = 200
+    index = BlockIndex(n)
+    model: OrderedDict[int, None] = OrderedDict()  # oldest first
+    tables = {b: (f"n{b % 3}",) for b in range(n)}
+    version = {b: 0 for b in range(n)}
+
+    def store(blocks: list[int]) -> None:  # (re)insert blocks under fresh digests
+        for b in blocks:
+            version[b] += 1
+            index.insert(tables[b], [f"{b}/{version[b]}".encode()], np.array([b]))
+
+    def add(sequence: list[int]) -> None:
+        for b in reversed(sequence):
+            model[b] = None
+
+    store(list(range(n)))
+    for step in range(3000):
+        op = rng.integers(0, 5)
+        outside = [b for b in rng.permutation(n).tolist() if b not in model]
+        if op == 0 and outside:
+            sequence = outside[: int(rng.integers(1, 40))]
+            index.make_evictable(np.array(sequence, dtype=np.int64))
+            add(sequence)
+        elif op == 1 and outside:
+            cuts = sorted(rng.integers(0, len(outside), size=3).tolist())
+            parts = [outside[:cuts[0]], outside[cuts[0]:cuts[1]], outside[cuts[1]:cuts[2]]]
+            if rng.random() < 0.5:
+                index.make_evictable_many([np.array(p, dtype=np.int64) for p in parts])
+            else:  # the same, as runs of equal size
+                size = int(rng.integers(1, 5))
+                whole = outside[: len(outside) // size * size]
+                parts = [whole[i : i + size] for i in range(0, len(whole), size)]
+                index.make_evictable_runs(np.array(whole, dtype=np.int64), size)
+            for part in parts:
+                add(part)
+        elif op == 2:
+            chosen = rng.permutation(n)[: int(rng.integers(0, 60))].astype(np.int64)
+            removed = index.make_unevictable(chosen)
+            expected = [b for b in chosen.tolist() if b in model]
+            assert removed.tolist() == expected, step
+            for b in expected:
+                del model[b]
+        elif op == 3:
+            chosen = rng.permutation(n)[: int(rng.integers(0, 60))].astype(np.int64)
+            index.touch(chosen)
+            listed = [b for b in chosen.tolist() if b in model]
+            for b in listed:
+                del model[b]
+            add(listed)
+        else:
+            count = int(rng.integers(0, 50))
+            evicted = index.evict(count).tolist()
+            expected = [model.popitem(last=False)[0] for _ in range(min(count, len(model)))]
+            assert evicted == expected, step
+            assert all(index.lookup(tables[b], [f"{b}/{version[b]}".encode()]) == [None]
+                       for b in evicted)
+            store(evicted)
+        assert index.evictable == len(model) and len(index) == n, step
+        assert len(index._segments) <= len(model)  # no segment without a listed block
+
+
+def test_local_store_loads_sharing_blocks_in_one_launch_release_them_once() -> None:
+    """Two loads of one key in one launch read the same blocks: each ends once, and the
+    blocks are evictable again only when both have ended (and then are)."""
+    caches = make_caches(pages=16)
+    block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=4 * block_bytes / (1 << 30)))
+    store.register(caches)
+    tokens = np.arange(2 * PAGE_SIZE, dtype=np.int64)
+    slots = np.arange(2 * PAGE_SIZE, dtype=np.int64)
+    task, _ = store.put_match(tokens, ["a"])
+    store.launch([task], [slots])
+    _wait(store, [task])
+    first, _ = store.get_match(tokens, ["a"])
+    second, mask = store.get_match(tokens, ["a"])
+    assert mask.all()
+    with pytest.raises(aiokv.stores.NoSpace):  # a's two blocks are held
+        store.put_match(np.arange(3 * PAGE_SIZE, dtype=np.int64), ["b"])
+    store.launch([first, second], [slots + 8 * PAGE_SIZE, slots + 10 * PAGE_SIZE])
+    results = _wait(store, [first, second])
+    assert all(r.status is aiokv.TaskStatus.SUCCESS for r in results.values())
+    held, _ = store.get_match(tokens, ["a"])  # held again, by one reader
+    with pytest.raises(aiokv.stores.NoSpace):
+        store.put_match(np.arange(3 * PAGE_SIZE, dtype=np.int64), ["b"])
+    later, _ = store.get_match(tokens, ["a"])  # a second reader, ending first, alone
+    store.launch([later], [slots + 8 * PAGE_SIZE])
+    _wait(store, [later])
+    with pytest.raises(aiokv.stores.NoSpace):  # still held by the first
+        store.put_match(np.arange(3 * PAGE_SIZE, dtype=np.int64), ["b"])
+    store.cancel([held])
+    task, mask = store.put_match(np.arange(4 * PAGE_SIZE, dtype=np.int64), ["b"])
+    assert mask.all()  # a's blocks were evicted to make room
+    assert store._index.space(("a",)) is None  # and its emptied table dropped
+    store.cancel([task])
+    assert store._index.space(("b",)) is None and len(store._index) == 0
+    task, mask = store.get_match(tokens, ["a"])
+    assert not mask.any()
+    store.cancel([task])
     store.close()

@@ -1,14 +1,22 @@
-"""The prefix index: chained block digests per namespace, and LRU order for eviction.
+"""The prefix index: chained block digests, one table per namespace, and the LRU order
+of the blocks that may be evicted.
 
-A block's key is a 128-bit BLAKE2b digest of the namespace and of every token id from
-the start of the sequence to the end of that block, so equal keys mean equal prefixes
-(two users' blocks never share a key unless their namespace and whole prefix match).
+A block's key is a 128-bit BLAKE2b digest of every token id from the start of the
+sequence to the end of that block, so equal keys mean equal prefixes. Namespaces are
+kept apart by structure, not by hashing: each namespace has its own table (digest ->
+block), so two users can never read each other's blocks, whatever their tokens. As the
+digests depend on the tokens only, the chain of the default token ids (positions
+``0..n-1``, the recommender case) is computed once per page size and reused.
+
+Everything here works on arrays of blocks at a time: per block, only C-level dict
+operations (``update(zip(...))``, ``map(d.get, ...)``) and numpy indexing.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+import itertools
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,92 +25,310 @@ from ..base import Int64Array
 
 DIGEST_BYTES = 16
 # Keyed once; each key starts from a copy (cheaper than constructing with parameters).
-_SEED = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"aiokv-prefix")
+_SEED = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"aiokv-tokens")
 
 
-def chain_digests(
-    token_ids: Int64Array, namespace: Sequence[str], page_size: int
-) -> list[bytes]:
-    """One digest per full page: digest ``i`` covers the namespace and tokens
-    ``[0, (i + 1) * page_size)``. A running hash is copied per block, so the cost is
-    linear in the tokens, not quadratic."""
-    full_pages = len(token_ids) // page_size
-    running = _SEED.copy()
-    encoded = [part.encode() for part in namespace]
-    # Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
-    running.update(b"".join(len(e).to_bytes(8, "little") + e for e in encoded) + b"\x00tokens")
-    head = token_ids[: full_pages * page_size]
-    if head.dtype != np.int64 or not head.flags.c_contiguous:
-        head = np.ascontiguousarray(head, dtype=np.int64)
-    data = memoryview(head.data).cast("B")  # no copy: update() reads the array buffer
-    block_bytes = page_size * 8
-    update, copy = running.update, running.copy  # bound once: this loop is the store's hot spot
-    digests = []
-    for start in range(0, full_pages * block_bytes, block_bytes):
+def _hash_chain(
+    running: hashlib.blake2b, data: memoryview, block_bytes: int, digests: list[bytes]
+) -> None:
+    update, copy = running.update, running.copy  # bound once: the hot loop of hashing
+    append = digests.append
+    for start in range(0, len(data), block_bytes):
         update(data[start : start + block_bytes])
-        digests.append(copy().digest())
+        append(copy().digest())
+
+
+def _as_int64(tokens: Int64Array) -> Int64Array:
+    if tokens.dtype != np.int64 or not tokens.flags.c_contiguous:
+        return np.ascontiguousarray(tokens, dtype=np.int64)
+    return tokens
+
+
+class _PositionChain:
+    """The digests of positions ``0..n-1`` for one page size, grown on demand. Replaced,
+    never mutated, so readers on other threads always see a consistent pair."""
+
+    __slots__ = ("digests", "running")
+
+    def __init__(self, digests: list[bytes], running: hashlib.blake2b) -> None:
+        self.digests = digests
+        self.running = running  # the state after the last digest; copied, never updated
+
+
+_position_chains: dict[int, _PositionChain] = {}
+_position_bytes = b""  # positions 0..m-1 as native int64 bytes, grown on demand
+
+
+def _position_digests(page_size: int, pages: int) -> list[bytes]:
+    chain = _position_chains.get(page_size)
+    if chain is None or len(chain.digests) < pages:
+        have = chain.digests if chain is not None else []
+        want = max(pages, 2 * len(have), 4096 // page_size + 1)
+        running = chain.running.copy() if chain is not None else _SEED.copy()
+        tail = np.arange(len(have) * page_size, want * page_size, dtype=np.int64)
+        grown = list(have)
+        _hash_chain(running, memoryview(tail.data).cast("B"), page_size * 8, grown)
+        chain = _PositionChain(grown, running)
+        _position_chains[page_size] = chain
+    return chain.digests[:pages]
+
+
+def _are_positions(head: Int64Array) -> bool:
+    """True when ``head`` is ``0..len(head)-1``, by content: two element checks reject
+    other token ids at once, then one comparison of the raw bytes."""
+    global _position_bytes
+    n = len(head)
+    if int(head[0]) != 0 or int(head[-1]) != n - 1:
+        return False
+    if n * 8 > len(_position_bytes):
+        _position_bytes = np.arange(max(n, len(_position_bytes) // 4, 1 << 16)).astype(
+            np.int64
+        ).tobytes()
+    head = _as_int64(head)
+    return _position_bytes.startswith(head)  # type: ignore[arg-type]  # buffer protocol
+
+
+def chain_digests(token_ids: Int64Array, page_size: int) -> list[bytes]:
+    """One digest per full page: digest ``i`` covers tokens ``[0, (i + 1) * page_size)``
+    (not the namespace: see the module docstring). A running hash is copied per block,
+    so the cost is linear in the tokens, not quadratic; the default token ids (positions)
+    are recognised by content and answered from a cache."""
+    full_pages = len(token_ids) // page_size
+    if full_pages == 0:
+        return []
+    head = token_ids[: full_pages * page_size]
+    if _are_positions(head):
+        return _position_digests(page_size, full_pages)
+    head = _as_int64(head)
+    digests: list[bytes] = []
+    _hash_chain(_SEED.copy(), memoryview(head.data).cast("B"), page_size * 8, digests)
     return digests
 
 
+class Space(dict[bytes, int]):
+    """One namespace's table: digest -> host block. Hashed and compared by identity (a
+    table is one object), so that a set of tables costs no Python call per element."""
+
+    __slots__ = ("key",)
+    __hash__ = object.__hash__  # type: ignore[assignment]
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+
+    def __init__(self, key: tuple[str, ...]) -> None:
+        super().__init__()
+        self.key = key
+
+
+class _Segment:
+    """Blocks made evictable together. A block in it is still in the LRU while
+    ``owner[block]`` is this segment's key; ``live`` counts those.
+
+    ``blocks`` is cut in runs of ``width`` blocks, each run a sequence's blocks in order
+    (first = most recent): the oldest-first order is each run reversed, runs in order.
+    It is put in that order (``width`` 1) only when eviction or compaction needs it, so
+    that making blocks evictable copies nothing. ``head`` then skips the positions that
+    eviction already consumed."""
+
+    __slots__ = ("blocks", "head", "live", "width")
+
+    def __init__(self, blocks: Int64Array, width: int) -> None:
+        self.blocks = blocks
+        self.width = width
+        self.head = 0
+        self.live = len(blocks)
+
+    def oldest_first(self) -> Int64Array:
+        """The blocks not consumed yet, oldest first."""
+        if self.width != 1:
+            self.blocks = self.blocks.reshape(-1, self.width)[:, ::-1].reshape(-1)
+            self.width = 1
+        return self.blocks[self.head :]
+
+
 class BlockIndex:
-    """digest -> host block, and the LRU order of blocks that may be evicted.
+    """Per-namespace tables (digest -> host block), and the LRU order of the blocks that
+    may be evicted.
 
     Only READY blocks with no reader are in the LRU; the store moves blocks in and out.
+    The LRU is a queue of segments (one per ``make_evictable`` call, i.e. per task or per
+    batch of tasks) plus a per-block array that says which segment, if any (0: none),
+    holds a block now: moving a whole task in or out costs a few numpy operations, not a
+    dict operation per block. Eviction walks the segments oldest first and is exact LRU.
     """
 
-    def __init__(self) -> None:
-        self._blocks: dict[bytes, int] = {}
-        self._digests: dict[int, bytes] = {}  # the reverse map
-        self._lru: OrderedDict[int, bytes] = OrderedDict()  # oldest first
+    def __init__(self, num_blocks: int = 0) -> None:
+        self._spaces: dict[tuple[str, ...], Space] = {}
+        self._count = 0
+        # Reverse map, block -> (digest, table); stale for blocks not in the index.
+        self._digest: list[bytes | None] = [None] * num_blocks
+        self._space: list[Space | None] = [None] * num_blocks
+        self._owner = np.zeros(num_blocks, dtype=np.int64)  # segment key; 0: not listed
+        self._segments: OrderedDict[int, _Segment] = OrderedDict()  # oldest first
+        self._next_segment = 1
+        self._evictable = 0
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return self._count
 
-    def get(self, digest: bytes) -> int | None:
-        return self._blocks.get(digest)
+    # ---- tables --------------------------------------------------------------------
+
+    def space(self, namespace: tuple[str, ...]) -> Space | None:
+        return self._spaces.get(namespace)
+
+    def lookup(self, namespace: tuple[str, ...], digests: Sequence[bytes]) -> list[int | None]:
+        space = self._spaces.get(namespace)
+        if space is None:
+            return [None] * len(digests)
+        return list(map(space.get, digests))
 
     def digest_of(self, block: int) -> bytes:
-        return self._digests[block]
+        digest = self._digest[block]
+        space = self._space[block]
+        if digest is None or space is None or space.get(digest) != block:
+            raise KeyError(block)
+        return digest
 
-    def insert(self, digests: Sequence[bytes], blocks: Sequence[int]) -> None:
-        self._blocks.update(zip(digests, blocks, strict=True))
-        self._digests.update(zip(blocks, digests, strict=True))
+    def insert(
+        self, namespace: tuple[str, ...], digests: Sequence[bytes], blocks: Int64Array
+    ) -> Space:
+        """Add new digests (not in the table) for these blocks; returns the table.
+        ``blocks`` as the pool hands them out: unique and ascending, or ascending with one
+        wrap, so that ``last - first == n - 1`` means one run (see ``pool.as_index``)."""
+        space = self._spaces.get(namespace)
+        if space is None:
+            space = self._spaces[namespace] = Space(namespace)
+        block_list = blocks.tolist()
+        space.update(zip(digests, block_list, strict=True))
+        self._count += len(block_list)
+        n = len(block_list)
+        if n and block_list[-1] - block_list[0] == n - 1:  # one ascending run
+            first = block_list[0]
+            self._digest[first : first + n] = digests
+            self._space[first : first + n] = itertools.repeat(space, n)
+        else:
+            deque(map(self._digest.__setitem__, block_list, digests), maxlen=0)
+            deque(map(self._space.__setitem__, block_list, itertools.repeat(space)), maxlen=0)
+        return space
 
-    def lookup(self, digests: Sequence[bytes]) -> list[int | None]:
-        return list(map(self._blocks.get, digests))
+    def remove(self, space: Space, digests: Sequence[bytes]) -> None:
+        """Drop digests that are not in the LRU (a rolled back reservation)."""
+        before = len(space)
+        deque(map(space.pop, digests, itertools.repeat(None)), maxlen=0)
+        self._count -= before - len(space)
+        if not space and self._spaces.get(space.key) is space:
+            del self._spaces[space.key]
 
-    def remove(self, digest: bytes) -> None:
-        block = self._blocks.pop(digest, None)
-        if block is not None:
-            self._digests.pop(block, None)
+    # ---- LRU -----------------------------------------------------------------------
 
     @property
     def evictable(self) -> int:
-        return len(self._lru)
+        return self._evictable
 
-    def make_evictable(self, blocks: Sequence[int], digests: Sequence[bytes]) -> None:
-        """Add (or refresh) blocks as most recently used. Pass a sequence's blocks in
-        order: the first becomes the most recent, so tails are evicted before heads and
-        prefixes survive longest."""
-        # The blocks are not in the LRU (new, or just unpinned): appending in reverse
-        # order makes the first block the most recent.
-        self._lru.update(zip(reversed(blocks), reversed(digests), strict=True))
+    def make_evictable(self, blocks: Int64Array) -> None:
+        """Add blocks (not in the LRU, unique) as most recently used. Pass a sequence's
+        blocks in order: the first becomes the most recent, so tails are evicted before
+        heads and prefixes survive longest."""
+        self._append(blocks, len(blocks))
 
-    def make_unevictable(self, block: int) -> None:
-        self._lru.pop(block, None)
+    def make_evictable_many(self, sequences: Sequence[Int64Array]) -> None:
+        """``make_evictable`` of each sequence in turn (later ones more recent), in one
+        segment. The blocks must be unique across all sequences."""
+        if len(sequences) == 1:
+            self._append(sequences[0], len(sequences[0]))
+        elif sequences:
+            self._append(np.concatenate([s[::-1] for s in sequences]), 1)
 
-    def touch(self, blocks: Sequence[int]) -> None:
-        for block in reversed(blocks):
-            if block in self._lru:
-                self._lru.move_to_end(block)
+    def make_evictable_runs(self, blocks: Int64Array, size: int) -> None:
+        """``make_evictable_many`` of ``blocks`` cut in sequences of ``size`` blocks."""
+        if len(blocks) == 0:
+            return
+        if size <= 0 or len(blocks) % size:
+            raise ValueError(f"{len(blocks)} blocks are not runs of {size}")
+        self._append(blocks, size)
 
-    def evict(self, count: int) -> list[int]:
-        """Drop the ``count`` least recently used evictable blocks from the index."""
-        lru, blocks, digests = self._lru, self._blocks, self._digests
-        evicted = []
-        for _ in range(min(count, len(lru))):
-            block, digest = lru.popitem(last=False)
-            del blocks[digest]
-            del digests[block]
-            evicted.append(block)
+    def make_unevictable(self, blocks: Int64Array) -> Int64Array:
+        """Take blocks (unique) out of the LRU; returns those that were in it, in order."""
+        if len(blocks) == 0:
+            return blocks
+        owners = self._owner[blocks]
+        if not owners.all():
+            listed = owners != 0
+            blocks, owners = blocks[listed], owners[listed]
+            if len(blocks) == 0:
+                return blocks
+        self._owner[blocks] = 0
+        self._evictable -= len(blocks)
+        first = int(owners[0])
+        if first == int(owners[-1]) and (owners == first).all():  # usual: one segment
+            self._drop_live(first, len(blocks))
+        else:
+            cuts = (np.flatnonzero(owners[1:] != owners[:-1]) + 1).tolist()
+            for start, end in zip([0, *cuts], [*cuts, len(blocks)], strict=True):
+                self._drop_live(int(owners[start]), end - start)
+        return blocks
+
+    def touch(self, blocks: Int64Array) -> None:
+        """Make the evictable ones among ``blocks`` (unique) the most recently used, the
+        first the most recent; the others are left as they are."""
+        self.make_evictable(self.make_unevictable(blocks))
+
+    def evict(self, count: int) -> Int64Array:
+        """Drop the ``count`` least recently used evictable blocks from the index; returns
+        them, oldest first."""
+        need = min(count, self._evictable)
+        taken: list[Int64Array] = []
+        segments, owner = self._segments, self._owner
+        while need > 0:
+            key, segment = next(iter(segments.items()))
+            part = segment.oldest_first()
+            # None: all still listed, the common case.
+            positions = None if segment.live == len(part) else np.flatnonzero(owner[part] == key)
+            if segment.live <= need:
+                taken.append(part if positions is None else part[positions])
+                need -= segment.live
+                del segments[key]
+                continue
+            if positions is None:
+                taken.append(part[:need])
+                segment.head += need
+            else:
+                taken.append(part[positions[:need]])
+                segment.head += int(positions[need - 1]) + 1
+            segment.live -= need
+            need = 0
+        if not taken:
+            return np.empty(0, dtype=np.int64)
+        evicted = taken[0] if len(taken) == 1 else np.concatenate(taken)
+        owner[evicted] = 0
+        self._evictable -= len(evicted)
+        self._count -= len(evicted)
+        block_list = evicted.tolist()
+        spaces = list(map(self._space.__getitem__, block_list))
+        digests = map(self._digest.__getitem__, block_list)
+        deque(map(dict.pop, spaces, digests), maxlen=0)  # type: ignore[arg-type]
+        if not all(spaces):  # some namespace lost its last block
+            for space in set(spaces):
+                if space is not None and not space and self._spaces.get(space.key) is space:
+                    del self._spaces[space.key]
         return evicted
+
+    def _append(self, blocks: Int64Array, width: int) -> None:
+        if len(blocks) == 0:
+            return
+        key = self._next_segment
+        self._next_segment += 1
+        self._owner[blocks] = key
+        self._segments[key] = _Segment(blocks, width)
+        self._evictable += len(blocks)
+
+    def _drop_live(self, key: int, count: int) -> None:
+        segment = self._segments[key]
+        segment.live -= count
+        if segment.live == 0:
+            del self._segments[key]
+            return
+        left = len(segment.blocks) - segment.head
+        if left > 16 and segment.live * 4 < left:
+            # Bound a segment's garbage (its blocks no longer listed in it).
+            part = segment.oldest_first()
+            segment.blocks, segment.head = part[self._owner[part] == key], 0

@@ -46,13 +46,16 @@ class HostPool:
         if count > self._num_free:
             raise ValueError(f"asked for {count} blocks, {self._num_free} free")
         # Look just past the cursor first: usually enough, and O(count).
-        window = self._free[self._cursor : self._cursor + count]
+        cursor = self._cursor
+        window = self._free[cursor : cursor + count]
         if len(window) == count and window.all():
-            blocks = np.arange(self._cursor, self._cursor + count, dtype=np.int64)
-        else:
-            free = np.flatnonzero(self._free)
-            after = free[free >= self._cursor]
-            blocks = np.concatenate((after, free[free < self._cursor]))[:count].astype(np.int64)
+            window[:] = False  # a view: marks the run taken
+            self._num_free -= count
+            self._cursor = (cursor + count) % self.num_blocks if count else cursor
+            return np.arange(cursor, cursor + count, dtype=np.int64)
+        free = np.flatnonzero(self._free)
+        after = free[free >= cursor]
+        blocks = np.concatenate((after, free[free < cursor]))[:count].astype(np.int64)
         self._free[as_index(blocks)] = False
         self._num_free -= count
         self._cursor = (int(blocks[-1]) + 1) % self.num_blocks if count else self._cursor

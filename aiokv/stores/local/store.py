@@ -4,13 +4,15 @@ Block life: FREE -> WRITING (reserved by put_match, in the index but not readabl
 READY (copy done; readable by get_match; evictable while no load reads it) -> FREE
 (evicted, or rolled back by cancel or a failed copy). All metadata is touched only on the
 caller's thread (the engine's store thread); the copy thread only moves bytes and reports.
+That thread holds the GIL for all of it, so the bookkeeping is done per task or per copy
+job with numpy over arrays of blocks and C-level dict operations, never a Python loop per
+block.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
-import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +22,7 @@ import torch
 from ...config import StoreConfig
 from ...errors import ConfigError
 from ..base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus
-from .index import BlockIndex, chain_digests
+from .index import BlockIndex, Space, chain_digests
 from .pool import HostPool, as_index
 from .transfer import CopyJob, Transfer
 
@@ -29,13 +31,23 @@ from .transfer import CopyJob, Transfer
 FREE, WRITING, READY = 0, 1, 2
 
 
-@dataclass
+@dataclass(slots=True)
 class _Task:
     is_put: bool
     mask: BoolArray
     blocks: Int64Array  # host blocks of the mask's True pages, in order
-    digests: list[bytes]  # their digests
-    launched: bool = False
+    digests: list[bytes]  # a put's new digests (of ``blocks``), for a roll back
+    space: Space | None  # a put's namespace table
+    task_id: int = 0  # set at launch
+    shared: bool = False  # a get that found some of its blocks read by another get
+
+
+def _concat(arrays: list[Int64Array]) -> Int64Array:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+_NO_BLOCKS: Int64Array = np.empty(0, dtype=np.int64)
+_NO_BLOCKS.flags.writeable = False
 
 
 class LocalStore:
@@ -56,11 +68,15 @@ class LocalStore:
         self._index = BlockIndex()
         self._state: np.ndarray = np.zeros(0, dtype=np.int8)
         self._readers: np.ndarray = np.zeros(0, dtype=np.int32)
+        # Open get tasks that found a block already read by another; while none is
+        # open, every read block has exactly one reader.
+        self._shared_gets = 0
         self._tasks: dict[int, _Task] = {}
         self._finished: dict[int, TaskResult] = {}
-        self._done_jobs: collections.deque[CopyJob] = collections.deque()
+        self._done_jobs: deque[CopyJob] = deque()
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # guards _done_jobs against the copy thread
+        # id(CopyJob) -> its tasks, and their common block count (0: they differ)
+        self._launched: dict[int, tuple[list[_Task], int]] = {}
         self._notify: Callable[[], None] | None = None
 
     # ---- set-up --------------------------------------------------------------------
@@ -85,6 +101,7 @@ class LocalStore:
         self._pool = HostPool(num_blocks, block_shape, first.dtype, pin)
         self._state = np.zeros(num_blocks, dtype=np.int8)
         self._readers = np.zeros(num_blocks, dtype=np.int32)
+        self._index = BlockIndex(num_blocks)
         self._transfer = Transfer(kv_caches, self._pool, self._job_done)
 
     @property
@@ -101,103 +118,138 @@ class LocalStore:
         """Reserve blocks for the pages not yet stored; mask True = must write. Raises
         NoSpace when some page is new and the pool cannot take all new pages."""
         self._require_pool()
-        digests = chain_digests(token_ids, namespace, self.page_size)
-        present = self._index.lookup(digests)
-        missing = [i for i, block in enumerate(present) if block is None]
-        self._index.touch([b for b in present if b is not None])
-        mask = np.zeros(len(token_ids), dtype=np.bool_)
-        blocks = np.empty(0, dtype=np.int64)
-        if missing:
-            # Keep this key's stored pages from being evicted to make room for its new ones.
-            kept = [b for b in present if b is not None and self._state[b] == READY]
-            self._add_readers(kept)
-            try:
-                blocks = self._reserve(len(missing))
-            finally:
-                self._drop_readers(kept)
-            new_digests = [digests[i] for i in missing]
-            self._index.insert(new_digests, blocks.tolist())
-            self._state[as_index(blocks)] = WRITING
-            if missing[-1] - missing[0] == len(missing) - 1:  # the usual suffix
-                mask[missing[0] * self.page_size : (missing[-1] + 1) * self.page_size] = True
+        page_size = self.page_size
+        key = tuple(namespace)
+        digests = chain_digests(token_ids, page_size)
+        n = len(digests)
+        space = self._index.space(key)
+        present = list(map(space.get, digests)) if space is not None else None
+        missing_count = n if present is None else present.count(None)
+        if present is not None and missing_count < n:
+            # Stored (or being written) pages become the most recent; while new blocks are
+            # reserved, they are out of the LRU so that eviction cannot take them.
+            if missing_count == 0:
+                held = np.array(present, dtype=np.int64)
             else:
-                pages = mask[: len(digests) * self.page_size].reshape(-1, self.page_size)
-                pages[missing] = True
+                held = np.array([b for b in present if b is not None], dtype=np.int64)
+            listed = self._index.make_unevictable(held)
         else:
-            new_digests = []
-        return self._new_task(_Task(True, mask, blocks, new_digests)), mask
+            listed = None
+        mask = np.zeros(len(token_ids), dtype=np.bool_)
+        blocks = _NO_BLOCKS
+        new_digests: list[bytes] = []
+        owner = space
+        if missing_count:
+            try:
+                blocks = self._reserve(missing_count)
+            finally:
+                if listed is not None:
+                    self._index.make_evictable(listed)
+            if present is None or missing_count == n:
+                first, new_digests = 0, digests
+            else:
+                first = present.index(None)
+                new_digests = [d for d, b in zip(digests, present, strict=True) if b is None]
+            owner = self._index.insert(key, new_digests, blocks)
+            self._state[as_index(blocks)] = WRITING
+            if n - first == missing_count:  # the usual: a suffix
+                mask[first * page_size : n * page_size] = True
+            else:
+                pages = mask[: n * page_size].reshape(-1, page_size)
+                assert present is not None
+                pages[[i for i, b in enumerate(present) if b is None]] = True
+        elif listed is not None:
+            self._index.make_evictable(listed)
+        return self._new_task(_Task(True, mask, blocks, new_digests, owner)), mask
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         """The longest READY prefix; its blocks are held (not evictable) until the task
         ends or is cancelled. mask True = will load."""
         self._require_pool()
-        digests = chain_digests(token_ids, namespace, self.page_size)
-        blocks: list[int] = []
-        for digest in digests:
-            block = self._index.get(digest)
-            if block is None or self._state[block] != READY:
-                break
-            blocks.append(block)
-        self._index.touch(blocks)
-        self._add_readers(blocks)
+        space = self._index.space(tuple(namespace))
         mask = np.zeros(len(token_ids), dtype=np.bool_)
-        mask[: len(blocks) * self.page_size] = True
-        hit = np.asarray(blocks, dtype=np.int64)
-        return self._new_task(_Task(False, mask, hit, digests[: len(blocks)])), mask
+        hit = _NO_BLOCKS
+        if space is not None:
+            found = list(map(space.get, chain_digests(token_ids, self.page_size)))
+            if None in found:
+                found = found[: found.index(None)]
+            if found:
+                hit = np.fromiter(found, dtype=np.int64, count=len(found))
+                not_ready = self._state[hit] != READY
+                if np.count_nonzero(not_ready):  # cheaper than argmax when none
+                    hit = hit[: int(np.argmax(not_ready))]
+                if len(hit):
+                    self._readers[hit] += 1  # unique: one block per page of one key
+                    # READY and not in the LRU means read by another get.
+                    shared = len(self._index.make_unevictable(hit)) != len(hit)
+                    self._shared_gets += shared
+                    mask[: len(hit) * self.page_size] = True
+                    task = _Task(False, mask, hit, [], None, shared=shared)
+                    return self._new_task(task), mask
+        return self._new_task(_Task(False, mask, hit, [], None)), mask
 
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
         """Queue the copies of these matched tasks; never blocks on them."""
         if len(task_ids) != len(slot_mappings):
             raise ValueError("launch: one slot mapping per task id")
+        if len(set(task_ids)) != len(task_ids):
+            raise ValueError("launch: a task id is given twice")
         transfer = self._require_transfer()
-        plans = []
+        page_size = self.page_size
+        gets: list[tuple[_Task, Int64Array]] = []
+        puts: list[tuple[_Task, Int64Array]] = []
         for task_id, slots in zip(task_ids, slot_mappings, strict=True):
             task = self._tasks.get(task_id)
-            if task is None or task.launched:
+            if task is None:
                 raise ValueError(f"launch: task {task_id} is not a matched, unlaunched task")
-            if len(slots) != int(task.mask.sum()):
-                raise ValueError(
-                    f"launch: task {task_id} needs {int(task.mask.sum())} slots, got {len(slots)}"
-                )
-            plans.append((task_id, task, np.asarray(slots, dtype=np.int64)[:: self.page_size]))
-        for is_put in (False, True):  # loads first, as the engine orders them
-            chosen = [p for p in plans if p[1].is_put is is_put]
+            needed = len(task.blocks) * page_size  # the mask's True positions
+            if len(slots) != needed:
+                raise ValueError(f"launch: task {task_id} needs {needed} slots, got {len(slots)}")
+            task.task_id = task_id
+            (puts if task.is_put else gets).append((task, np.asarray(slots)[::page_size]))
+        # From here on the tasks belong to their job (cancel ignores them, as it does ids
+        # it does not know), and try_wait finds them through it.
+        deque(map(self._tasks.pop, task_ids), maxlen=0)
+        for is_put, chosen in ((False, gets), (True, puts)):  # loads first, as the engine
             if not chosen:
                 continue
-            for _, task, _ in chosen:
-                task.launched = True
+            tasks = [task for task, _ in chosen]
+            firsts = [first for _, first in chosen]
+            size = len(tasks[0].blocks)  # the tasks' common block count, or 0
+            if any(len(task.blocks) != size for task in tasks):
+                size = 0
             job = CopyJob(
-                task_ids=[task_id for task_id, _, _ in chosen],
+                task_ids=[task.task_id for task in tasks],
                 to_host=is_put,
-                gpu_pages=np.concatenate([first // self.page_size for _, _, first in chosen]),
-                host_blocks=np.concatenate([task.blocks for _, task, _ in chosen]),
+                gpu_pages=np.asarray(_concat(firsts), dtype=np.int64) // page_size,
+                host_blocks=_concat([task.blocks for task in tasks]),
             )
+            self._launched[id(job)] = (tasks, size)
             transfer.submit(job)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are
         ignored (they may have finished already)."""
         for task_id in task_ids:
-            task = self._tasks.get(task_id)
-            if task is None or task.launched:
-                continue
-            del self._tasks[task_id]
-            self._end(task, success=False)
+            task = self._tasks.pop(task_id, None)
+            if task is not None:
+                self._end_job([task], success=False)
 
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
         """Terminal answers among ``task_ids``, each given once; never blocks."""
-        with self._lock:
-            jobs = list(self._done_jobs)
-            self._done_jobs.clear()
-        for job in jobs:
-            for task_id in job.task_ids:
-                task = self._tasks.pop(task_id)
-                self._end(task, success=job.error is None)
-                if job.error is None:
-                    self._finished[task_id] = TaskResult(TaskStatus.SUCCESS, task.mask)
-                else:
-                    self._finished[task_id] = TaskResult(TaskStatus.FAILED, task.mask, job.error)
-        return {t: self._finished.pop(t) for t in task_ids if t in self._finished}
+        done, finished = self._done_jobs, self._finished
+        while done:
+            job = done.popleft()
+            tasks, size = self._launched.pop(id(job))
+            self._end_job(tasks, job.error is None, job.host_blocks, size)
+            if job.error is None:
+                results = [TaskResult(TaskStatus.SUCCESS, task.mask) for task in tasks]
+            else:
+                results = [TaskResult(TaskStatus.FAILED, t.mask, job.error) for t in tasks]
+            finished.update(zip(job.task_ids, results, strict=True))
+        if not finished:
+            return {}
+        return {t: finished.pop(t) for t in task_ids if t in finished}
 
     def close(self) -> None:
         """Finish queued copies, then release the pool."""
@@ -213,35 +265,55 @@ class LocalStore:
         self._tasks[task_id] = task
         return task_id
 
-    def _end(self, task: _Task, success: bool) -> None:
-        """A task is over: publish or roll back its blocks."""
-        if task.is_put:
-            if success:
-                self._state[as_index(task.blocks)] = READY
-                self._index.make_evictable(task.blocks.tolist(), task.digests)
-            else:
-                for digest in task.digests:
-                    self._index.remove(digest)
+    def _end_job(
+        self,
+        tasks: list[_Task],
+        success: bool,
+        blocks: Int64Array | None = None,
+        size: int = 0,
+    ) -> None:
+        """Tasks of one job (all puts or all gets) are over, in this order: publish or roll
+        back their blocks, with a few array operations for the whole job. ``blocks``: all
+        their blocks in task order, when the caller has them; ``size``: the tasks' common
+        block count, when known (0: unknown, or they differ)."""
+        if not tasks:
+            return
+        if tasks[0].is_put and not success:
+            pool = self._require_pool()
+            for task in tasks:
+                if task.space is not None:
+                    self._index.remove(task.space, task.digests)
                 self._state[as_index(task.blocks)] = FREE
-                self._require_pool().release(task.blocks)
+                pool.release(task.blocks)
+            return
+        if blocks is None:
+            blocks = _concat([task.blocks for task in tasks])
+            size = len(blocks) if len(tasks) == 1 else 0
+        if len(blocks) == 0:
+            return
+        if tasks[0].is_put:
+            self._state[blocks] = READY
+        elif not self._shared_gets:
+            # No open get shares a block with another: every block has this one reader.
+            self._readers[blocks] = 0
         else:
-            self._drop_readers(task.blocks.tolist(), task.digests)
+            for task in tasks:  # exactly as one task after another
+                self._drop_readers(task.blocks)
+                self._shared_gets -= task.shared
+            return
+        # As make_evictable for each task in turn: tails first, later tasks more recent.
+        if size:
+            self._index.make_evictable_runs(blocks, size)
+        else:
+            self._index.make_evictable_many([task.blocks for task in tasks])
 
-    def _add_readers(self, blocks: list[int]) -> None:
-        for block in blocks:
-            self._readers[block] += 1
-            self._index.make_unevictable(block)
-
-    def _drop_readers(self, blocks: list[int], digests: Sequence[bytes] | None = None) -> None:
-        back: list[int] = []
-        back_digests: list[bytes] = []
-        for i, block in enumerate(blocks):
-            self._readers[block] -= 1
-            if self._readers[block] == 0 and self._state[block] == READY:
-                back.append(block)
-                back_digests.append(digests[i] if digests else self._index.digest_of(block))
-        if back:
-            self._index.make_evictable(back, back_digests)
+    def _drop_readers(self, blocks: Int64Array) -> None:
+        """One get task's blocks (unique) lose a reader; the unread go back to the LRU."""
+        left = self._readers[blocks] - 1
+        self._readers[blocks] = left
+        back = blocks[(left == 0) & (self._state[blocks] == READY)]
+        if len(back):
+            self._index.make_evictable(back)
 
     def _reserve(self, count: int) -> Int64Array:
         pool = self._require_pool()
@@ -250,10 +322,9 @@ class LocalStore:
                 f"need {count} blocks; {pool.num_free} free, {self._index.evictable} "
                 f"evictable of {pool.num_blocks}"
             )
-        evicted = self._index.evict(count - pool.num_free)
-        if evicted:
+        if count > pool.num_free:
             # LRU order is not block order; as_index (in release) needs them sorted.
-            blocks = np.sort(np.asarray(evicted, dtype=np.int64))
+            blocks = np.sort(self._index.evict(count - pool.num_free))
             self._state[blocks] = FREE
             pool.release(blocks)
         return pool.allocate(count)
@@ -264,8 +335,7 @@ class LocalStore:
         self._notify = callback
 
     def _job_done(self, job: CopyJob) -> None:  # copy thread
-        with self._lock:
-            self._done_jobs.append(job)
+        self._done_jobs.append(job)  # deque append and popleft are atomic: no lock
         if self._notify is not None:
             self._notify()
 
