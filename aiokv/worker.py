@@ -36,7 +36,6 @@ from .requests import (
     Stage,
     latest_ready_events,
 )
-from .slots import select_slots
 from .stores.base import NoSpace, Store, TaskResult, TaskStatus
 
 log = logging.getLogger("aiokv")
@@ -52,6 +51,7 @@ class _Release:
 
 
 _STOP = object()
+_NO_MASK = np.zeros(0, dtype=np.bool_)  # select()'s placeholder for a request not launched
 _WAKE = object()  # a task may have ended: poll the store
 
 
@@ -228,14 +228,12 @@ class StoreWorker:
         bad = set(fused.bad_requests(pages, self._num_pages).tolist())
         page_size = self._store.page_size
         slots = fused.expand(pages, page_size)
-        # Each request's slots as plain-int bounds, computed once (numpy scalars are slow).
-        slot_starts = (fused.starts * page_size).tolist()
-        slot_ends = ((fused.starts + fused.counts) * page_size).tolist()
-        launch_ids: list[int] = []
-        launch_slots: list[Any] = []
-        launched: list[Request] = []
+        matched: list[tuple[Request, int, Any] | None] = []  # per request, None: skipped
+        masks: list[Any] = []  # per request; an empty mask where nothing is matched
         to_cancel: list[int] = []
         for index, request in enumerate(batch.requests):
+            matched.append(None)
+            masks.append(_NO_MASK)
             if index in bad:
                 self._outbox.append((request, InvalidRequest(
                     "page_ids", f"holds a page id outside [0, {self._num_pages})")))
@@ -246,10 +244,10 @@ class StoreWorker:
             if batch.kind is Kind.OFFLOAD:
                 if request.detached:
                     continue  # never matched: nothing to roll back
-                matched = self._put_match(request)
-                if matched is None:
+                match = self._put_match(request)
+                if match is None:
                     continue
-                task_id, mask = matched
+                task_id, mask = match
             else:
                 assert request.task_id is not None and request.mask is not None  # the Lookup's
                 task_id, mask = request.task_id, request.mask
@@ -257,14 +255,25 @@ class StoreWorker:
             if request.detached:
                 to_cancel.append(task_id)
                 continue
-            moved = int(np.count_nonzero(mask))  # counted once; reductions cost µs each
+            matched[index] = (request, task_id, mask)
+            masks[index] = mask
+        # Every request's slots of exactly its mask's True positions, for the whole batch
+        # at once (views: store masks are one run each).
+        selected = fused.select(slots, masks, page_size)
+        launch_ids: list[int] = []
+        launch_slots: list[Any] = []
+        launched: list[Request] = []
+        for entry, request_slots in zip(matched, selected, strict=True):
+            if entry is None:
+                continue
+            request, task_id, mask = entry
+            moved = len(request_slots)  # the mask's True positions
             if moved == 0:
                 to_cancel.append(task_id)
                 self._outbox.append((request, self._success(request, 0)))
                 continue
-            request_slots = slots[slot_starts[index] : slot_ends[index]]
             launch_ids.append(task_id)
-            launch_slots.append(select_slots(request_slots, mask, moved))
+            launch_slots.append(request_slots)
             request.moved = moved
             launched.append(request)
             request.task_id, request.mask = task_id, mask
