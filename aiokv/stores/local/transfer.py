@@ -7,12 +7,13 @@ moved with one large copy on a second stream, two buffers deep, so gathers overl
 and the copy engine sees few, large transfers. Loads run the same pipeline in reverse
 (copy in, then scatter). The copy thread only enqueues: a second thread,
 ``aiokv-copy-done``, waits for each job's last event in order and reports it, so the next
-job's chunks are already queued on the GPU when one job ends (no drain between jobs). On
-the CPU the same chunks are gathered and scattered with torch ops, on the copy thread.
+job's chunks are already queued on the GPU when one job ends (no drain between jobs),
+at most ``MAX_CHUNKS_IN_FLIGHT`` chunks ahead of the copy engine. On the CPU the same chunks are gathered and scattered with torch ops, on the copy thread.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -29,6 +30,10 @@ from .pool import HostPool
 log = logging.getLogger("aiokv")
 
 STAGING_BYTES = 128 << 20  # per staging buffer; two are allocated on the GPU
+# Chunks queued on the GPU ahead of the copy engine (about 10 ms of copies at 50 GiB/s).
+# Unbounded, a burst of jobs fills the device's launch queue, and then any thread's
+# kernel launch (the event loop's fused page-id copy included) blocks until it drains.
+MAX_CHUNKS_IN_FLIGHT = 4
 
 
 @dataclass
@@ -80,6 +85,7 @@ class Transfer:
             # Stage i is free again once free_after[i] (recorded by its last user) fires;
             # kept across jobs, so one job's first chunk can follow the previous job's last.
             self._free_after: list[torch.cuda.Event | None] = [None, None]
+            self._chunks_in_flight: collections.deque[torch.cuda.Event] = collections.deque()
             self._next_stage = 0
             # Gathers/scatters on one stream, host <-> device copies on the other.
             self._gpu_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
@@ -151,6 +157,7 @@ class Transfer:
             self._copy_stream.synchronize()
             self._gpu_stream.synchronize()
             self._free_after = [None, None]
+            self._chunks_in_flight.clear()
             return _InFlight(job, None, None)
 
     def _enqueue_chunks(self, job: CopyJob) -> _InFlight:
@@ -167,8 +174,10 @@ class Transfer:
             first = int(job.host_blocks[start])
             host = pool[first : first + end - start]
             run_pages = pages[start:end]
+            while len(self._chunks_in_flight) >= MAX_CHUNKS_IN_FLIGHT:
+                self._chunks_in_flight.popleft().synchronize()  # sleeps, without the GIL
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             previous = self._free_after[which]
             if job.to_host:
                 with torch.cuda.stream(gpu):
@@ -193,9 +202,10 @@ class Transfer:
                         cache.index_copy_(0, run_pages, stage[:, layer])
                     done.record(gpu)
             self._free_after[which] = done
+            self._chunks_in_flight.append(done)
         # Offloads end on the copy stream, loads on the gather stream; each stream runs
         # in order, so one event on it covers the whole job.
-        last = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        last = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         last.record(copy if job.to_host else gpu)
         return _InFlight(job, last, pages)
 
