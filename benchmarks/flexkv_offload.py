@@ -93,7 +93,7 @@ async def run_engine(
 ) -> tuple[int, float, list[float]]:
     config = aiokv.EngineConfig(window_us=WINDOW_US, max_batch_requests=len(page_ids),
                                 max_batch_tokens=1 << 30, poll_interval_us=POLL_US)
-    engine = aiokv.OffloadEngine(SharedStore(store), caches, config)
+    engine = aiokv.OffloadEngine(store, caches, config)
     lateness: list[float] = []
     stop = asyncio.Event()
     async with engine:
@@ -146,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     bytes_per_token = LAYERS * 2 * HEADS * HEAD_DIM * 2
     store = FlexKVStore(aiokv.StoreConfig(backend="flexkv", page_size=PAGE,
                                           cpu_cache_gb=args.cpu_cache_gb))
+    # One wrapper for every engine: it registers FlexKV once (here) and leaves it open.
+    shared = SharedStore(store)
     t0 = time.perf_counter()
-    store.register(caches)
+    shared.register(caches)
     print(f"FlexKV ready in {time.perf_counter() - t0:.1f}s", flush=True)
     manager = store._manager  # the raw KVManager, for the synchronous baseline
     rows = []
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 ):
                     tags = [f"{mode}-{tag}-{r}" for r in range(args.rounds)]
                     written_e, elapsed, lateness = uvloop.run(
-                        run_engine(store, caches, page_ids, tokens, tags, pipelined, watch)
+                        run_engine(shared, caches, page_ids, tokens, tags, pipelined, watch)
                     )
                     result[f"{mode}_gib_s"] = written_e * bytes_per_token / elapsed / 2**30
                     if watch:
