@@ -8,7 +8,8 @@ and the copy engine sees few, large transfers. Loads run the same pipeline in re
 (copy in, then scatter). The copy thread only enqueues: a second thread,
 ``aiokv-copy-done``, waits for each job's last event in order and reports it, so the next
 job's chunks are already queued on the GPU when one job ends (no drain between jobs),
-at most ``MAX_CHUNKS_IN_FLIGHT`` chunks ahead of the copy engine. On the CPU the same chunks are gathered and scattered with torch ops, on the copy thread.
+at most ``MAX_CHUNKS_IN_FLIGHT`` chunks ahead of the copy engine. On the CPU the same
+chunks are gathered and scattered with torch ops, on the copy thread.
 """
 
 from __future__ import annotations
