@@ -44,6 +44,7 @@ from .requests import (
     OffloadResult,
     Request,
 )
+from .slots import warm_up
 from .stats import EngineStats, StatsRecorder
 from .stores.base import Store
 from .worker import StoreWorker
@@ -149,6 +150,10 @@ class OffloadEngine:
         self._state = EngineState.RUNNING
         self._worker.start()
         try:
+            if copy_stream is not None:
+                # Load the fused path's kernels now, off the loop and while the store
+                # registers, not lazily inside the first batches.
+                await asyncio.to_thread(warm_up, self._device, self._page_size, copy_stream)
             await asyncio.wrap_future(registered)
         except BaseException:
             self._state = EngineState.CLOSED
