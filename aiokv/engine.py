@@ -418,23 +418,7 @@ class OffloadEngine:
         _run on cancellation; not a done-callback, which would cost a loop callback."""
         request.detached = True  # the store thread stops caring about it from now on
         self._admission.leave(request)
-        stats = self._stats
-        if outcome is None:
-            stats.cancelled += 1
-        elif isinstance(outcome, OffloadResult):
-            stats.completed += 1
-            stats.record_latency(time.perf_counter() - request.submitted_at)
-            stats.offloaded_tokens += outcome.stored_tokens
-        elif isinstance(outcome, BaseException):
-            if isinstance(outcome, RequestTimeout):
-                stats.timed_out += 1
-            else:
-                stats.failed += 1
-        else:
-            stats.completed += 1
-            stats.record_latency(time.perf_counter() - request.submitted_at)
-            if isinstance(outcome, LoadResult):
-                stats.loaded_tokens += outcome.loaded_tokens
+        self._stats.record_outcome(outcome, time.perf_counter() - request.submitted_at)
         if not self._admission.live:
             assert self._idle is not None
             self._idle.set()

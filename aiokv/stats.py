@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import RequestTimeout
+from .requests import LoadResult, OffloadResult
+
 _SAMPLES = 65_536  # recent latencies and batch sizes kept for percentiles
 
 
@@ -66,8 +69,23 @@ class StatsRecorder:
         self.d2h_copies += d2h_copies
         self._batch_sizes.append(size)
 
-    def record_latency(self, seconds: float) -> None:
-        self._latencies_s.append(seconds)
+    def record_outcome(self, outcome: object, latency_s: float) -> None:
+        """Count one resolved request: ``outcome`` is its result, its exception, or None
+        when its caller cancelled it; ``latency_s`` counts for completed ones only."""
+        if outcome is None:
+            self.cancelled += 1
+        elif isinstance(outcome, BaseException):
+            if isinstance(outcome, RequestTimeout):
+                self.timed_out += 1
+            else:
+                self.failed += 1
+        else:
+            self.completed += 1
+            self._latencies_s.append(latency_s)
+            if isinstance(outcome, OffloadResult):
+                self.offloaded_tokens += outcome.stored_tokens
+            elif isinstance(outcome, LoadResult):
+                self.loaded_tokens += outcome.loaded_tokens
 
     def snapshot(self, store_tasks_open: int, bytes_per_token: int) -> EngineStats:
         if self._latencies_s:
