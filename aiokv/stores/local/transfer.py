@@ -31,9 +31,10 @@ from .pool import HostPool
 log = logging.getLogger("aiokv")
 
 STAGING_BYTES = 128 << 20  # per staging buffer; two are allocated on the GPU
-# Chunks queued on the GPU ahead of the copy engine (about 10 ms of copies at 50 GiB/s).
-# Unbounded, a burst of jobs fills the device's launch queue, and then any thread's
-# kernel launch (the event loop's fused page-id copy included) blocks until it drains.
+# Chunks queued on the GPU ahead of the copy engine (about 10 ms of copies at 50 GiB/s):
+# enough to keep it busy while this thread waits for the GIL, and a bound on queued work.
+# Unbounded, a burst of jobs would all sit in the device's launch queue, which is finite
+# (when it is full, every kernel launch in the process blocks, the event loop's included).
 MAX_CHUNKS_IN_FLIGHT = 4
 
 
