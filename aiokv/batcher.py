@@ -20,7 +20,7 @@ from .requests import Kind, Request, Stage, latest_ready_events
 from .slots import FusedPages, fuse_page_ids
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Batch:
     """Requests of one kind dispatched together, with their fused page ids if any."""
 

@@ -22,7 +22,7 @@ from .errors import InvalidRequest
 from .stores.base import BoolArray, Int64Array
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OffloadResult:
     """``stored_tokens``: tokens newly written by this call; ``cached_tokens``: the
     page-aligned prefix of this key that is now in the store."""
@@ -32,7 +32,7 @@ class OffloadResult:
     cached_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LoadResult:
     """``loaded_tokens``: tokens copied into the caller's pages (the Lookup's prefix)."""
 
@@ -56,7 +56,7 @@ class Stage(enum.Enum):
     TERMINAL = "terminal"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One awaited call. Written by the loop until dispatch, by the store thread after,
     except ``detached``, which only the loop sets (the caller stopped waiting)."""
@@ -95,7 +95,7 @@ def latest_ready_events(requests: Iterable[Request]) -> list[Any]:
     return [event for _, event in latest.values()]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LookupGrant:
     """What the store thread answers for a lookup; the loop turns it into a Lookup."""
 

@@ -25,7 +25,7 @@ import torch
 from .stores.base import BoolArray, Int64Array
 
 
-@dataclass
+@dataclass(slots=True)
 class FusedPages:
     """Page ids of one batch on the host; request ``i`` owns
     ``pages[starts[i]:starts[i] + counts[i]]`` (pages between requests, if any, belong

@@ -45,7 +45,7 @@ class TaskStatus(enum.Enum):
     CANCELLED = "cancelled"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TaskResult:
     """The terminal answer for one task id.
 

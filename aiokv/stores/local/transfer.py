@@ -38,7 +38,7 @@ STAGING_BYTES = 128 << 20  # per staging buffer; two are allocated on the GPU
 MAX_CHUNKS_IN_FLIGHT = 4
 
 
-@dataclass
+@dataclass(slots=True)
 class CopyJob:
     """Pages to move: ``gpu_pages[i]`` <-> ``host_blocks[i]``. ``to_host``: an offload."""
 
@@ -212,7 +212,7 @@ class Transfer:
         return _InFlight(job, last, pages)
 
 
-@dataclass
+@dataclass(slots=True)
 class _InFlight:
     """A CUDA job queued on the streams: ``done`` fires after its last op."""
 
