@@ -283,6 +283,9 @@ class StoreWorker:
             try:
                 self._call(self._store.launch, launch_ids, launch_slots)
             except StoreError as error:
+                # A launch that raised took none of them (the Store contract): they are
+                # still matched, and would hold their blocks forever unless given back.
+                self._cancel(launch_ids)
                 for request in launched:
                     self._outbox.append((request, error))
                 return

@@ -285,6 +285,22 @@ async def test_store_errors_fail_their_requests_typed(caches: list[torch.Tensor]
 
 
 @pytest.mark.asyncio
+async def test_a_refused_launch_fails_its_requests_and_gives_their_matches_back(
+    caches: list[torch.Tensor],
+) -> None:
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        rig.faulty.launch_error = ValueError("launch refused")
+        with pytest.raises(aiokv.StoreError, match="launch refused"):
+            await rig.engine.offload("u", pages(0), 16)
+        rig.faulty.launch_error = None
+        # Still matched after the refusal, the pages would read as stored (or held) now.
+        assert (await rig.engine.offload("u", pages(0), 16)).stored_tokens == 16
+    assert len(rig.checked.cancelled) == 1
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
 async def test_full_store_reports_no_space(caches: list[torch.Tensor]) -> None:
     block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=8 * block_bytes / (1 << 30)))

@@ -14,7 +14,9 @@ Contract, for any store:
 - Every id a match returns is passed to ``launch`` or ``cancel`` exactly once. A matched
   id that is neither may hold store blocks forever.
 - ``launch`` takes, per task, the int64 slots (``page * page_size + offset``) of exactly
-  the True positions of that task's mask, and must not block on the copy.
+  the True positions of that task's mask, and must not block on the copy. It is all or
+  nothing: a launch that raises has launched none of its ids, which stay matched (the
+  engine then cancels them).
 - ``try_wait`` answers only the ids that are terminal, each once; it never blocks.
 - ``put_match`` raises :class:`NoSpace` when there is something new to write and no block
   can be reserved for it (instead of answering an all-False mask that reads as success).
