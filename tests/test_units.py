@@ -343,9 +343,15 @@ def test_local_store_rolls_back_cancel_and_failed_copies() -> None:
     assert store.free_blocks == free
     task, again = store.put_match(tokens, ["u"])
     assert again.all()
-    store.launch([task], [np.array([10**9 + i for i in range(2 * PAGE_SIZE)], dtype=np.int64)])
+
+    def broken_copy(job: object) -> None:
+        raise RuntimeError("injected copy failure")
+
+    store._transfer._run_cpu = broken_copy  # type: ignore[union-attr,method-assign]
+    store.launch([task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
     result = _wait(store, [task])[task]
-    assert result.status is aiokv.TaskStatus.FAILED  # page id out of range in the copy
+    assert result.status is aiokv.TaskStatus.FAILED
+    assert "injected copy failure" in result.error
     assert store.try_wait([task]) == {}  # answered once
     assert store.free_blocks == free
     task, mask = store.get_match(tokens, ["u"])
@@ -583,4 +589,32 @@ def test_local_store_loads_sharing_blocks_in_one_launch_release_them_once() -> N
     task, mask = store.get_match(tokens, ["a"])
     assert not mask.any()
     store.cancel([task])
+    store.close()
+
+
+def test_local_store_launch_rejects_slots_that_are_not_whole_pages_in_range() -> None:
+    caches = make_caches(pages=16)
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register(caches)
+    with pytest.raises(RuntimeError, match="already"):
+        store.register(caches)
+    tokens = np.arange(2 * PAGE_SIZE, dtype=np.int64)
+    good = np.arange(2 * PAGE_SIZE, dtype=np.int64) + 3 * PAGE_SIZE  # pages 3 and 4
+    bad_slots = {
+        "shifted": good + 1,  # not page-aligned
+        "reordered": good[::-1].copy(),  # whole pages, wrong order inside them
+        "past the caches": good + 16 * PAGE_SIZE,  # pages 19 and 20 of 16
+        "negative": good - 4 * PAGE_SIZE,  # page -1
+    }
+    for name, slots in bad_slots.items():
+        task, mask = store.put_match(tokens, [name])
+        assert mask.all()
+        with pytest.raises(ValueError, match=f"task {task}'s slots"):
+            store.launch([task], [slots])
+        store.cancel([task])  # refused, so still matched: rolled back here
+    free = store.free_blocks
+    task, _ = store.put_match(tokens, ["fine"])
+    store.launch([task], [good])
+    assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
+    assert store.free_blocks == free - 2
     store.close()

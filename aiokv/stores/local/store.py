@@ -65,6 +65,7 @@ class LocalStore:
         self.page_size = self._config.page_size or 0
         self._pool: HostPool | None = None
         self._transfer: Transfer | None = None
+        self._gpu_pages = 0  # pages per cache table, known at register
         self._index = BlockIndex()
         self._state: np.ndarray = np.zeros(0, dtype=np.int8)
         self._readers: np.ndarray = np.zeros(0, dtype=np.int32)
@@ -82,6 +83,9 @@ class LocalStore:
     # ---- set-up --------------------------------------------------------------------
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        if self._transfer is not None:
+            # A second copy thread and pool would orphan every task of the first.
+            raise RuntimeError("LocalStore.register() was already called")
         first = kv_caches[0]
         page_size = int(first.shape[2])
         if self.page_size and self.page_size != page_size:
@@ -102,6 +106,7 @@ class LocalStore:
         self._state = np.zeros(num_blocks, dtype=np.int8)
         self._readers = np.zeros(num_blocks, dtype=np.int32)
         self._index = BlockIndex(num_blocks)
+        self._gpu_pages = int(first.shape[0])
         self._transfer = Transfer(kv_caches, self._pool, self._job_done)
 
     @property
@@ -205,8 +210,9 @@ class LocalStore:
             needed = len(task.blocks) * page_size  # the mask's True positions
             if len(slots) != needed:
                 raise ValueError(f"launch: task {task_id} needs {needed} slots, got {len(slots)}")
+            starts = self._page_starts(task_id, np.asarray(slots), page_size)
             task.task_id = task_id
-            (puts if task.is_put else gets).append((task, np.asarray(slots)[::page_size]))
+            (puts if task.is_put else gets).append((task, starts))
         # From here on the tasks belong to their job (cancel ignores them, as it does ids
         # it does not know), and try_wait finds them through it.
         deque(map(self._tasks.pop, task_ids), maxlen=0)
@@ -226,6 +232,24 @@ class LocalStore:
             )
             self._launched[id(job)] = (tasks, size)
             transfer.submit(job)
+
+    def _page_starts(self, task_id: int, slots: Int64Array, page_size: int) -> Int64Array:
+        """The first slot of each page of ``slots``, which must be whole pages in order
+        (``page * page_size + 0..page_size-1``) of pages that exist: the copy moves whole
+        pages, and an index past the caches would fault the device."""
+        rows = slots.reshape(-1, page_size)
+        firsts = rows[:, 0]
+        if len(firsts) and (
+            (firsts % page_size).any()
+            or int(firsts.min()) < 0
+            or int(firsts.max()) >= self._gpu_pages * page_size
+            or ((rows - firsts[:, None]) != np.arange(page_size)).any()
+        ):
+            raise ValueError(
+                f"launch: task {task_id}'s slots are not whole pages in order "
+                f"(page * {page_size} + 0..{page_size - 1}) of pages in [0, {self._gpu_pages})"
+            )
+        return firsts
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are
