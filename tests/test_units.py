@@ -602,7 +602,7 @@ def test_local_store_launch_rejects_slots_that_are_not_whole_pages_in_range() ->
     good = np.arange(2 * PAGE_SIZE, dtype=np.int64) + 3 * PAGE_SIZE  # pages 3 and 4
     bad_slots = {
         "shifted": good + 1,  # not page-aligned
-        "reordered": good[::-1].copy(),  # whole pages, wrong order inside them
+        "reversed": good[::-1].copy(),  # whole pages, backwards
         "past the caches": good + 16 * PAGE_SIZE,  # pages 19 and 20 of 16
         "negative": good - 4 * PAGE_SIZE,  # page -1
     }
