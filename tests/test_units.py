@@ -593,12 +593,12 @@ def test_local_store_loads_sharing_blocks_in_one_launch_release_them_once() -> N
 
 
 def test_local_store_launch_rejects_slots_that_are_not_whole_pages_in_range() -> None:
-    caches = make_caches(pages=16)
+    caches = make_caches(pages=16)  # 16 pages: slots in [0, 16 * PAGE_SIZE) exist
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     store.register(caches)
     with pytest.raises(RuntimeError, match="already"):
-        store.register(caches)
-    tokens = np.arange(2 * PAGE_SIZE, dtype=np.int64)
+        store.register(caches)  # a second pool and copy thread would orphan the first's
+    tokens = np.arange(2 * PAGE_SIZE, dtype=np.int64)  # two pages per key
     good = np.arange(2 * PAGE_SIZE, dtype=np.int64) + 3 * PAGE_SIZE  # pages 3 and 4
     bad_slots = {
         "shifted": good + 1,  # not page-aligned
