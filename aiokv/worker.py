@@ -222,8 +222,12 @@ class StoreWorker:
         """Offload (put) or load (get) batch: one launch for everything with work."""
         fused = batch.pages
         assert fused is not None  # the batcher fuses pages for OFFLOAD and LOAD batches
-        for event in latest_ready_events(batch.requests):
-            event.synchronize()  # the KV itself must be written
+        if fused.copy_done is None:
+            # The KV itself must be written before it is copied. With a device copy there
+            # is no need: the batcher made that copy wait for these events, so its own
+            # event (waited on by fused.wait) fires after them.
+            for event in latest_ready_events(batch.requests):
+                event.synchronize()
         pages = fused.wait()
         bad = set(fused.bad_requests(pages, self._num_pages).tolist())
         page_size = self._store.page_size
@@ -259,7 +263,12 @@ class StoreWorker:
             masks[index] = mask
         # Every request's slots of exactly its mask's True positions, for the whole batch
         # at once (views: store masks are one run each).
-        selected = fused.select(slots, masks, page_size)
+        try:
+            selected = fused.select(slots, masks, page_size)
+        except Exception:
+            # The batch fails (see _handle); what it matched must not stay matched.
+            self._cancel([entry[1] for entry in matched if entry is not None] + to_cancel)
+            raise
         launch_ids: list[int] = []
         launch_slots: list[Any] = []
         launched: list[Request] = []

@@ -301,6 +301,32 @@ async def test_a_refused_launch_fails_its_requests_and_gives_their_matches_back(
 
 
 @pytest.mark.asyncio
+async def test_a_batch_failing_after_its_matches_gives_them_back(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiokv.slots import FusedPages
+
+    select = FusedPages.select
+    calls = {"n": 0}
+
+    def failing_once(self: FusedPages, *args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("select broke")
+        return select(self, *args)
+
+    monkeypatch.setattr(FusedPages, "select", failing_once)
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        with pytest.raises(aiokv.StoreError, match="select broke"):
+            await rig.engine.offload("u", pages(0), 16)
+        # Left matched, the pages would read as stored (being written) and not be written.
+        assert (await rig.engine.offload("u", pages(0), 16)).stored_tokens == 16
+    assert len(rig.checked.cancelled) == 1
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
 async def test_full_store_reports_no_space(caches: list[torch.Tensor]) -> None:
     block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=8 * block_bytes / (1 << 30)))
