@@ -181,13 +181,6 @@ class BlockIndex:
             return [None] * len(digests)
         return list(map(space.get, digests))
 
-    def digest_of(self, block: int) -> bytes:
-        digest = self._digest[block]
-        space = self._space[block]
-        if digest is None or space is None or space.get(digest) != block:
-            raise KeyError(block)
-        return digest
-
     def insert(
         self, namespace: tuple[str, ...], digests: Sequence[bytes], blocks: Int64Array
     ) -> Space:
