@@ -343,6 +343,8 @@ def warm_up(device: torch.device, page_size: int, stream: Any = None) -> None:
     for dtype in (torch.int64, torch.int32):
         for requests in (1, 3, 64):
             ids = [torch.zeros(4, dtype=dtype, device=device) for _ in range(requests)]
+            if stream is not None:  # as the batcher does: the copy follows the writes
+                stream.wait_stream(torch.cuda.current_stream(device))
             for used in (4, 2):  # whole tensors, and the used heads only
                 fused = fuse_page_ids(ids, [used] * requests, stream, page_size)
                 fused.wait_slots(page_size)
