@@ -76,14 +76,47 @@ class FakeStore:
         self._tasks.clear()
 
 
-class CheckingStore:
+class StoreWrapper:
+    """Forwards every Store call to ``inner``; subclass it and override what you wrap
+    (the wrappers below, and your own: tracing, timing, faults)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    @property
+    def page_size(self) -> int:
+        return self.inner.page_size
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        self.inner.register(kv_caches)
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        return self.inner.put_match(token_ids, namespace)
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        return self.inner.get_match(token_ids, namespace)
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+        self.inner.launch(task_ids, slot_mappings)
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        self.inner.cancel(task_ids)
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        return self.inner.try_wait(task_ids)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class CheckingStore(StoreWrapper):
     """Wraps a store and records every breach of the engine's side of the contract:
     a call from a second thread or from the event loop's thread, a matched id launched or
     cancelled twice (or never, see :meth:`problems`), a launched id cancelled, waited after
     it was terminal, or never waited to the end."""
 
     def __init__(self, inner: Store, loop_thread: int | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.loop_thread = loop_thread if loop_thread is not None else threading.get_ident()
         self.threads: set[int] = set()
         self.violations: list[str] = []
@@ -92,10 +125,6 @@ class CheckingStore:
         self.cancelled: set[int] = set()
         self.terminal: set[int] = set()
         self.calls: dict[str, int] = {}
-
-    @property
-    def page_size(self) -> int:
-        return self.inner.page_size
 
     def _enter(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
@@ -169,7 +198,7 @@ class CheckingStore:
         return found
 
 
-class FaultyStore:
+class FaultyStore(StoreWrapper):
     """Wraps a store and injects faults, one knob each:
 
     - ``put_match_error`` / ``get_match_error``: raised by the next matches (NoSpace too);
@@ -181,7 +210,7 @@ class FaultyStore:
     """
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.put_match_error: Exception | None = None
         self.get_match_error: Exception | None = None
         self.launch_error: Exception | None = None
@@ -189,13 +218,6 @@ class FaultyStore:
         self.hold = threading.Event()
         self.hold.set()
         self.launched = threading.Event()  # set by every launch, for tests to wait on
-
-    @property
-    def page_size(self) -> int:
-        return self.inner.page_size
-
-    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        self.inner.register(kv_caches)
 
     def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         if self.put_match_error is not None:
@@ -213,9 +235,6 @@ class FaultyStore:
         self.inner.launch(task_ids, slot_mappings)
         self.launched.set()
 
-    def cancel(self, task_ids: Sequence[int]) -> None:
-        self.inner.cancel(task_ids)
-
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
         if not self.hold.is_set():
             return {}
@@ -227,47 +246,25 @@ class FaultyStore:
             }
         return results
 
-    def close(self) -> None:
-        self.inner.close()
-
 
 def no_space() -> NoSpace:
     """The exception a store raises when it cannot reserve (for ``put_match_error``)."""
     return NoSpace("injected: no space")
 
 
-class SharedStore:
+class SharedStore(StoreWrapper):
     """Wraps a store so that several engines, one after another, can drive it (or an engine
     and code of your own, as the benchmarks do): it registers the inner store once and
     leaves closing it to its owner (``close_inner``)."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._registered = False
-
-    @property
-    def page_size(self) -> int:
-        return self.inner.page_size
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
         if not self._registered:
             self.inner.register(kv_caches)
             self._registered = True
-
-    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
-        return self.inner.put_match(token_ids, namespace)
-
-    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
-        return self.inner.get_match(token_ids, namespace)
-
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
-        self.inner.launch(task_ids, slot_mappings)
-
-    def cancel(self, task_ids: Sequence[int]) -> None:
-        self.inner.cancel(task_ids)
-
-    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
-        return self.inner.try_wait(task_ids)
 
     def close(self) -> None:
         """Left to the owner: see :meth:`close_inner`."""
@@ -276,4 +273,11 @@ class SharedStore:
         self.inner.close()
 
 
-__all__ = ["CheckingStore", "FakeStore", "FaultyStore", "SharedStore", "no_space"]
+__all__ = [
+    "CheckingStore",
+    "FakeStore",
+    "FaultyStore",
+    "SharedStore",
+    "StoreWrapper",
+    "no_space",
+]

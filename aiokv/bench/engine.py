@@ -43,7 +43,7 @@ from ..config import EngineConfig, StoreConfig
 from ..engine import OffloadEngine
 from ..stores.base import Int64Array, Store, TaskStatus
 from ..stores.local import LocalStore
-from ..testing import FakeStore
+from ..testing import FakeStore, StoreWrapper
 from . import common
 
 NAME = "engine"
@@ -90,16 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_settings_arguments(parser, Settings, QUICK, HELPS)
 
 
-class TimedStore:
+class TimedStore(StoreWrapper):
     """Wraps a store; adds up the CPU time (thread_time) spent inside its methods."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.cpu_s = 0.0
-
-    @property
-    def page_size(self) -> int:
-        return self.inner.page_size
 
     def _timed(self, method: Callable[..., Any], *args: Any) -> Any:
         start = time.thread_time()
@@ -107,9 +103,6 @@ class TimedStore:
             return method(*args)
         finally:
             self.cpu_s += time.thread_time() - start
-
-    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        self.inner.register(kv_caches)
 
     def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> Any:
         return self._timed(self.inner.put_match, token_ids, namespace)
@@ -125,9 +118,6 @@ class TimedStore:
 
     def try_wait(self, task_ids: Sequence[int]) -> Any:
         return self._timed(self.inner.try_wait, task_ids)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @dataclass(frozen=True)
