@@ -224,16 +224,10 @@ class DemoUser:
                 self.tally.errors.append(f"user {self.index}: {exc!r}")
 
 
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("aiokv demo: --device cuda, but no CUDA device is available")
-    return torch.device(name)
-
-
 def _build(args: argparse.Namespace) -> tuple[OffloadEngine, Workload, int]:
-    device = _pick_device(args.device)
+    from .bench.common import pick_device  # the benchmarks' rule: auto = GPU if any
+
+    device = pick_device(args.device)
     dtype = torch.bfloat16
     for name in ("users", "layers", "page_size", "heads", "head_dim"):
         if getattr(args, name) < 1:
