@@ -7,7 +7,8 @@ like any store (the seam httpx's MockTransport gives a client).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -78,10 +79,22 @@ class FakeStore:
 
 class StoreWrapper:
     """Forwards every Store call to ``inner``; subclass it and override what you wrap
-    (the wrappers below, and your own: tracing, timing, faults)."""
+    (the wrappers below, and your own: tracing, timing, faults).
+
+    The optional ``set_notify`` is forwarded too when ``inner`` has it, so a wrapped
+    LocalStore still wakes the store thread when a copy ends instead of being polled
+    every ``poll_interval_us``. A wrapper that can hold back a finished task's answer
+    (FaultyStore's ``hold``) sets ``forward_notify = False``: the store thread then polls
+    it, and sees the answer once the wrapper lets it through.
+    """
+
+    forward_notify: ClassVar[bool] = True
+    set_notify: Callable[[Callable[[], None]], None] | None
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
+        notify = getattr(inner, "set_notify", None)
+        self.set_notify = notify if self.forward_notify and callable(notify) else None
 
     @property
     def page_size(self) -> int:
@@ -208,6 +221,8 @@ class FaultyStore(StoreWrapper):
 
     ``launched`` is an Event set by each successful launch.
     """
+
+    forward_notify = False  # answers held back by ``hold`` must be polled for
 
     def __init__(self, inner: Store) -> None:
         super().__init__(inner)

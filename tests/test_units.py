@@ -390,6 +390,19 @@ def test_local_store_notifies_when_tasks_end() -> None:
     store.close()
 
 
+def test_wrappers_forward_notify_unless_they_hold_answers_back() -> None:
+    from aiokv.testing import CheckingStore, FakeStore, FaultyStore, SharedStore
+
+    local = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    for wrapper in (SharedStore(local), CheckingStore(local)):
+        assert wrapper.set_notify == local.set_notify  # the copy thread wakes the worker
+    # FaultyStore's hold hides finished tasks: the worker must poll it, not wait for a
+    # wake-up that came while the answer was held back.
+    assert FaultyStore(local).set_notify is None
+    assert SharedStore(FakeStore(PAGE_SIZE)).set_notify is None  # nothing to forward
+    local.close()
+
+
 def test_local_store_keeps_every_surviving_key_intact_under_churn() -> None:
     """Random puts, loads and evictions on a small pool: whatever get_match still finds
     must load back bit-exact. (Caught a release of the wrong blocks when eviction
