@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 import aiokv
 from aiokv.stores.base import Store
@@ -125,7 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         "--switch-interval-us", type=int, default=0,
         help="sys.setswitchinterval for this process (0: leave Python's 5 ms default)",
     )
+    parser.add_argument(
+        "--flexkv", action="append", default=[], metavar="KEY=VALUE",
+        help="a store.flexkv setting, repeatable; e.g. server_client_mode=1 runs FlexKV's "
+        "index in a process of its own (FlexKV's server-client mode)",
+    )
     args = parser.parse_args(argv)
+    flexkv_settings: dict[str, Any] = {}
+    for item in args.flexkv:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--flexkv takes KEY=VALUE, got {item!r}")
+        flexkv_settings[key] = yaml.safe_load(value)
     global WINDOW_US, POLL_US
     WINDOW_US, POLL_US = args.window_us, args.poll_us
     if args.switch_interval_us:
@@ -145,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     bytes_per_token = LAYERS * 2 * HEADS * HEAD_DIM * 2
     store = FlexKVStore(aiokv.StoreConfig(backend="flexkv", page_size=PAGE,
-                                          cpu_cache_gb=args.cpu_cache_gb))
+                                          cpu_cache_gb=args.cpu_cache_gb,
+                                          flexkv=flexkv_settings))
     # One wrapper for every engine: it registers FlexKV once (here) and leaves it open.
     shared = SharedStore(store)
     t0 = time.perf_counter()
@@ -207,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "cuda": torch.version.cuda, "argv": sys.argv, "rounds": args.rounds,
                 "window_us": WINDOW_US, "poll_interval_us": POLL_US,
-                "switch_interval_s": sys.getswitchinterval()}
+                "switch_interval_s": sys.getswitchinterval(), "flexkv": flexkv_settings}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
     return 0
