@@ -1,17 +1,22 @@
 """The event-loop coroutine that turns awaited calls into batched store rounds.
 
-A window opens at the first queued request and closes ``window_us`` later, or at once
-when the queue reaches ``max_batch_requests`` or ``max_batch_tokens`` (``window_us == 0``:
-on the next loop iteration). At close, the whole queue is planned into batches by
+A window opens at the first queued request and closes ``window_us`` later
+(``window_us == 0``: on the next loop iteration). A queue that reaches
+``max_batch_requests`` or ``max_batch_tokens`` is dispatched at once, from the
+``enqueue`` that filled it, not by waking the batcher task: in a burst of submits the
+task would run only after every other submit already scheduled, and the store thread
+would sit idle meanwhile. At dispatch, the whole queue is planned into batches by
 :func:`plan_batches`, a pure function, and each batch is dispatched: its page ids fused
-and copied to the host once (:mod:`aiokv.slots`) and the batch handed to the store thread.
+and copied to the host once (:mod:`aiokv.slots`) and the batch handed to the store
+thread. A batch whose dispatch fails is failed alone (``on_failed``); the batcher
+carries on.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +69,7 @@ class Batcher:
         submit: Callable[[Batch], None],
         on_dropped: Callable[[Request], None],
         on_batch: Callable[[Batch], None],
+        on_failed: Callable[[Sequence[Request], Exception], None],
         copy_stream: Any = None,
         page_size: int = 0,
     ) -> None:
@@ -72,9 +78,12 @@ class Batcher:
         self._submit = submit  # hands a batch to the store thread
         self._on_dropped = on_dropped  # a request whose caller left before dispatch
         self._on_batch = on_batch  # stats
+        self._on_failed = on_failed  # a batch that could not be dispatched
         self._copy_stream = copy_stream  # torch.cuda.Stream for the fused copy, or None
         self._queue: deque[Request] = deque()
         self._queued_tokens = 0
+        self._head_since = 0.0  # loop time at which the queue's first request came
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._nonempty = asyncio.Event()
         self._window: asyncio.Future[None] | None = None
         self._draining = False
@@ -83,11 +92,15 @@ class Batcher:
         return len(self._queue)
 
     def enqueue(self, request: Request) -> None:
+        if not self._queue:
+            loop = self._loop or asyncio.get_running_loop()
+            self._head_since = loop.time()  # the window runs from the first request
         self._queue.append(request)
         self._queued_tokens += request.num_tokens
         self._nonempty.set()
         if self._full():
-            self.flush()
+            self._dispatch_queue()  # at once: see the module docstring
+            self.flush()  # the batcher's window was for requests that just left
 
     def _full(self) -> bool:
         return (
@@ -114,21 +127,25 @@ class Batcher:
         return taken
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         window_s = self._config.window_us / 1e6
         while True:
             await self._nonempty.wait()
-            if self._draining or self._full():
-                pass  # a limit was reached before this window opened: no wait
-            elif window_s > 0:
+            if not self._queue:  # it filled up and went out from enqueue
+                self._nonempty.clear()
+                continue
+            if not self._draining and window_s > 0:
+                head = self._queue[0]
                 self._window = loop.create_future()
-                timer = loop.call_at(loop.time() + window_s, self.flush)
+                timer = loop.call_at(self._head_since + window_s, self.flush)
                 try:
                     await self._window
                 finally:
                     timer.cancel()
                     self._window = None
-            else:
+                if not self._draining and self._queue and self._queue[0] is not head:
+                    continue  # this window's requests left full; the newer ones get theirs
+            elif not self._draining:
                 await asyncio.sleep(0)  # one loop iteration: let ready callers enqueue
             self._dispatch_queue()
 
@@ -145,21 +162,27 @@ class Batcher:
             live, self._config.max_batch_requests, self._config.max_batch_tokens
         )
         for kind, requests in plan:
-            pages = None
-            if kind is not Kind.LOOKUP:
-                if self._copy_stream is not None:
-                    # The page ids were written on the callers' streams: order the fused
-                    # copy after them on the GPU, without blocking this thread.
-                    for event in latest_ready_events(requests):
-                        self._copy_stream.wait_event(event)
-                pages = fuse_page_ids(
-                    [r.page_ids for r in requests if r.page_ids is not None],
-                    [r.pages_used for r in requests],
-                    self._copy_stream,
-                    self._page_size,
-                )
-            for request in requests:
-                request.stage = Stage.DISPATCHED
-            batch = Batch(kind, tuple(requests), pages)
-            self._on_batch(batch)
-            self._submit(batch)
+            try:
+                self._dispatch(kind, requests)
+            except Exception as exc:  # e.g. a CUDA error in the fused copy, a closed worker
+                self._on_failed(requests, exc)
+
+    def _dispatch(self, kind: Kind, requests: list[Request]) -> None:
+        pages = None
+        if kind is not Kind.LOOKUP:
+            if self._copy_stream is not None:
+                # The page ids were written on the callers' streams: order the fused
+                # copy after them on the GPU, without blocking this thread.
+                for event in latest_ready_events(requests):
+                    self._copy_stream.wait_event(event)
+            pages = fuse_page_ids(
+                [r.page_ids for r in requests if r.page_ids is not None],
+                [r.pages_used for r in requests],
+                self._copy_stream,
+                self._page_size,
+            )
+        batch = Batch(kind, tuple(requests), pages)
+        for request in requests:  # before submit: from then on the store thread writes it
+            request.stage = Stage.DISPATCHED
+        self._on_batch(batch)
+        self._submit(batch)  # last: once the store thread has the batch, nothing may fail it here

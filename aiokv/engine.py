@@ -35,6 +35,7 @@ from .errors import (
     EngineClosed,
     InvalidRequest,
     RequestTimeout,
+    StoreError,
 )
 from .requests import (
     Kind,
@@ -144,6 +145,7 @@ class OffloadEngine:
             self._worker.submit,
             self._on_dropped,
             self._on_batch,
+            self._on_dispatch_failed,
             copy_stream,
             self._page_size,
         )
@@ -438,6 +440,18 @@ class OffloadEngine:
         """A request whose caller left before dispatch: give back what it holds."""
         if request.kind is Kind.LOAD and request.task_id is not None:
             self._release_reservation(request.task_id)
+
+    def _on_dispatch_failed(self, requests: Sequence[Request], exc: Exception) -> None:
+        """A batch the batcher could not hand to the store thread: it fails alone."""
+        if isinstance(exc, EngineClosed):
+            error: Exception = exc
+        else:
+            log.error("aiokv: dispatching a batch of %d failed", len(requests), exc_info=exc)
+            error = StoreError(f"batch failed before reaching the store: {exc!r}")
+            error.__cause__ = exc
+        for request in requests:
+            self._on_dropped(request)  # a load's reservation was never handed over
+            self._resolve(request, error)
 
     def _on_batch(self, batch: Batch) -> None:
         copies = batch.pages.d2h_copies if batch.pages is not None else 0

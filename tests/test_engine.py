@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -175,3 +176,82 @@ async def test_gets_dispatch_before_puts_in_a_window(caches: list[torch.Tensor])
         await asyncio.gather(offload, lookup)
         (await lookup).release()
     assert order == ["get", "put"]
+
+
+def _batcher_rig(**config: int) -> tuple[Any, list[Any], list[Any]]:
+    from aiokv.batcher import Batcher
+
+    submitted: list[Any] = []
+    failed: list[Any] = []
+    batcher = Batcher(
+        aiokv.EngineConfig(**config),  # type: ignore[arg-type]
+        submitted.append,
+        lambda request: None,
+        lambda batch: None,
+        lambda requests, exc: failed.append((list(requests), exc)),
+    )
+    return batcher, submitted, failed
+
+
+def _lookup_request(user: int) -> Any:
+    from aiokv.requests import Kind, Request
+
+    loop = asyncio.get_running_loop()
+    return Request(Kind.LOOKUP, user, loop.create_future(), 16, None, (f"n{user}",), None, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_full_queue_goes_to_the_store_from_the_enqueue_that_filled_it() -> None:
+    batcher, submitted, _ = _batcher_rig(window_us=10_000_000, max_batch_requests=4)
+    for user in range(4):
+        batcher.enqueue(_lookup_request(user))
+    # No loop iteration has run: waking the batcher task would put it behind every
+    # submit already scheduled.
+    assert [len(batch.requests) for batch in submitted] == [4]
+    assert len(batcher) == 0
+
+
+@pytest.mark.asyncio
+async def test_requests_after_a_full_batch_wait_for_their_own_window() -> None:
+    batcher, submitted, _ = _batcher_rig(window_us=200_000, max_batch_requests=4)
+    task = asyncio.ensure_future(batcher.run())
+    try:
+        for user in range(5):
+            batcher.enqueue(_lookup_request(user))
+        await asyncio.sleep(0.02)
+        # The fifth did not leave with the full batch's window: it waits for its own.
+        assert [len(batch.requests) for batch in submitted] == [4]
+        for _ in range(200):
+            if len(submitted) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [len(batch.requests) for batch in submitted] == [4, 1]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.asyncio
+async def test_a_batch_that_cannot_be_dispatched_fails_alone(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiokv import batcher as batcher_module
+
+    fuse = batcher_module.fuse_page_ids
+    calls = {"n": 0}
+
+    def failing_once(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("fused copy broke")
+        return fuse(*args)
+
+    monkeypatch.setattr(batcher_module, "fuse_page_ids", failing_once)
+    engine, store = checked_engine(caches, window_us=0)
+    async with engine:
+        with pytest.raises(aiokv.StoreError, match="fused copy broke"):
+            await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)
+        # The batcher lives on: the next batch goes through.
+        result = await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)
+    assert result.stored_tokens == 16
+    assert store.problems() == []
