@@ -15,9 +15,10 @@ max_batch_requests 64; process CPU time (every thread) over N requests, divided 
 and split in three, each measured in the same run:
 
   store    CPU time inside the store's methods (thread_time around each call);
-  callers  the same closed-loop users awaiting a call that does nothing but resolve a
-           future on the next loop iteration (what any awaited API costs its caller:
-           the task switch, the coroutines, the future);
+  callers  the same closed-loop users, building the same arguments (a page-id view, a
+           namespace) and awaiting a call that does nothing but resolve a future with a
+           result on the next loop iteration (what any awaited API costs its caller:
+           the arguments, the task switch, the coroutines, the future);
   engine   the rest: validation, admission, deadlines, batching, the fused copy, the
            store thread's own work, resolution.
 
@@ -41,6 +42,7 @@ import torch
 
 from ..config import EngineConfig, StoreConfig
 from ..engine import OffloadEngine
+from ..requests import OffloadResult
 from ..stores.base import Int64Array, Store, TaskStatus
 from ..stores.local import LocalStore
 from ..testing import FakeStore, StoreWrapper
@@ -233,13 +235,29 @@ class PerRequestClient:
 
 
 async def _callers_only(settings: Settings) -> Sample:
-    """The harness alone: each request awaits a future resolved on the next iteration."""
+    """The harness alone: each request builds the same arguments as an engine user and
+    awaits a future resolved on the next iteration with a result it checks."""
     loop = asyncio.get_running_loop()
+    pages = torch.arange(settings.cpu_users * settings.pages).view(
+        settings.cpu_users, settings.pages
+    )
+    tokens = settings.pages * settings.page_size
+    names = itertools.count()
+    result = OffloadResult(0, tokens, tokens)
 
-    async def one(user: int) -> None:
-        future: asyncio.Future[None] = loop.create_future()
-        loop.call_soon(future.set_result, None)
-        await future
+    async def resolved_next_iteration(
+        user: int, page_ids: torch.Tensor, num_tokens: int, *, namespace: list[str]
+    ) -> OffloadResult:  # engine.offload's shape, without the engine
+        future: asyncio.Future[OffloadResult] = loop.create_future()
+        loop.call_soon(future.set_result, result)
+        return await future
+
+    async def one(user: int) -> None:  # as _engine's users do, call for call
+        got = await resolved_next_iteration(
+            user, pages[user], tokens, namespace=[f"r{next(names)}"]
+        )
+        if got.stored_tokens != tokens:
+            raise RuntimeError(f"stored {got.stored_tokens} of {tokens} tokens")
 
     return await drive(
         settings.cpu_users, one, settings.warmup_s, requests=settings.cpu_requests
@@ -336,31 +354,34 @@ async def _main(settings: Settings) -> dict[str, Any]:
                     "engine_p99_ms": stats.latency_p99_ms,
                 }
             )
-        fake = TimedStore(FakeStore(settings.page_size))
-        cpu, cpu_stats = await _engine(
-            settings, settings.cpu_users, fake, settings.cpu_users, settings.cpu_requests
-        )
-        # Store CPU per completed request (warm-up included on both sides of the ratio).
-        store_us = fake.cpu_s / max(cpu_stats.completed, 1) * 1e6
-        callers = await _callers_only(settings)
+        cpu = await _cpu_split(settings)
         bar.update()
+    return {"rows": rows, "cpu": cpu}
+
+
+async def _cpu_split(settings: Settings) -> dict[str, Any]:
+    """Process CPU per request on FakeStore, split into engine, store calls and callers."""
+    fake = TimedStore(FakeStore(settings.page_size))
+    cpu, cpu_stats = await _engine(
+        settings, settings.cpu_users, fake, settings.cpu_users, settings.cpu_requests
+    )
+    # Store CPU per completed request (warm-up included on both sides of the ratio).
+    store_us = fake.cpu_s / max(cpu_stats.completed, 1) * 1e6
+    callers = await _callers_only(settings)
     return {
-        "rows": rows,
-        "cpu": {
-            "users": settings.cpu_users,
-            "requests": cpu.requests,
-            "cpu_us_per_request": cpu.cpu_us,
-            "store_us_per_request": store_us,
-            "callers_us_per_request": callers.cpu_us,
-            "engine_us_per_request": cpu.cpu_us - store_us - callers.cpu_us,
-            # The same split by thread: the loop's share, the rest (store thread, copy).
-            "engine_loop_us_per_request": cpu.loop_cpu_us - callers.loop_cpu_us,
-            "engine_other_threads_us_per_request": (
-                cpu.cpu_us - cpu.loop_cpu_us - store_us - (callers.cpu_us - callers.loop_cpu_us)
-            ),
-            "requests_per_s": cpu.per_second,
-            "mean_batch": cpu_stats.mean_batch_requests,
-        },
+        "users": settings.cpu_users,
+        "requests": cpu.requests,
+        "cpu_us_per_request": cpu.cpu_us,
+        "store_us_per_request": store_us,
+        "callers_us_per_request": callers.cpu_us,
+        "engine_us_per_request": cpu.cpu_us - store_us - callers.cpu_us,
+        # The same split by thread: the loop's share, the rest (store thread, copy).
+        "engine_loop_us_per_request": cpu.loop_cpu_us - callers.loop_cpu_us,
+        "engine_other_threads_us_per_request": (
+            cpu.cpu_us - cpu.loop_cpu_us - store_us - (callers.cpu_us - callers.loop_cpu_us)
+        ),
+        "requests_per_s": cpu.per_second,
+        "mean_batch": cpu_stats.mean_batch_requests,
     }
 
 
