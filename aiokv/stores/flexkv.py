@@ -168,17 +168,44 @@ class FlexKVStore:
                 f"{self._endpoint}_gpu_register", dp_client_id=0, device_id=first.device.index or 0
             )
             self._tp_client.register_to_server(caches, layout)
-            deadline = time.monotonic() + self._ready_timeout_s
-            while not manager.is_ready():
+            self._wait_ready(manager)
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def _wait_ready(self, manager: Any) -> None:
+        deadline = time.monotonic() + self._ready_timeout_s
+        # In FlexKV's server-client mode is_ready() is a round trip to the server process,
+        # and a reply that never comes (the server died at start-up, e.g. on an import
+        # error) would block forever: bound each wait, and check that the server lives.
+        reply_socket = getattr(getattr(manager, "dp_client", None), "recv_from_server", None)
+        if reply_socket is not None:
+            import zmq
+
+            reply_socket.setsockopt(zmq.RCVTIMEO, 1000)
+        try:
+            while True:
+                exit_code = _server_exit_code(manager)
+                if exit_code is not None:
+                    raise StoreError(
+                        f"FlexKV's server process exited with code {exit_code} before it was "
+                        "ready; see its output above (server-client mode)"
+                    )
+                try:
+                    if manager.is_ready():
+                        return
+                except Exception as exc:  # zmq.Again: no reply within the bound
+                    if reply_socket is None or type(exc).__name__ != "Again":
+                        raise
                 if time.monotonic() > deadline:
                     raise StoreError(
                         f"FlexKV not ready {self._ready_timeout_s:.0f}s after GPU registration "
                         f"(endpoint {self._endpoint}); see FlexKV's log for the TransferManager"
                     )
                 time.sleep(0.01)
-        except BaseException:
-            self._shutdown()
-            raise
+        finally:
+            if reply_socket is not None:
+                reply_socket.setsockopt(zmq.RCVTIMEO, -1)  # FlexKV's own: calls wait
 
     def _user_config(self) -> Any:
         from flexkv.common.config import (
@@ -375,6 +402,18 @@ class FlexKVStore:
             for path in self._socket_files:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+
+
+def _server_exit_code(manager: Any) -> int | None:
+    """The exit code of FlexKV's server process (server-client mode), None while it runs
+    or when there is none (direct mode)."""
+    process = getattr(getattr(manager, "server_handle", None), "process", None)
+    if process is None:
+        return None
+    if hasattr(process, "poll"):  # subprocess.Popen
+        code: int | None = process.poll()
+        return code
+    return None if process.is_alive() else process.exitcode
 
 
 # FlexKV's KVResponseStatus values -> ours. NOTFOUND/UNREADY/TIMEOUT on a launched task
