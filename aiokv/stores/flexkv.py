@@ -178,11 +178,15 @@ class FlexKVStore:
         # In FlexKV's server-client mode is_ready() is a round trip to the server process,
         # and a reply that never comes (the server died at start-up, e.g. on an import
         # error) would block forever: bound each wait, and check that the server lives.
-        reply_socket = getattr(getattr(manager, "dp_client", None), "recv_from_server", None)
+        reply_socket: Any = getattr(getattr(manager, "dp_client", None), "recv_from_server", None)
         if reply_socket is not None:
             import zmq
 
             reply_socket.setsockopt(zmq.RCVTIMEO, 1000)
+        # A request whose reply did not come within the bound is still answered later:
+        # take that reply before asking again, or every later call would read the reply
+        # meant for the call before it (the channel is a plain PUSH/PULL pair).
+        awaiting_reply = False
         try:
             while True:
                 exit_code = _server_exit_code(manager)
@@ -192,7 +196,13 @@ class FlexKVStore:
                         "ready; see its output above (server-client mode)"
                     )
                 try:
-                    if manager.is_ready():
+                    if awaiting_reply:
+                        ready = bool(reply_socket.recv_pyobj().is_ready)
+                    else:
+                        awaiting_reply = reply_socket is not None
+                        ready = bool(manager.is_ready())
+                    awaiting_reply = False
+                    if ready:
                         return
                 except Exception as exc:  # zmq.Again: no reply within the bound
                     if reply_socket is None or type(exc).__name__ != "Again":
