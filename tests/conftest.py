@@ -37,3 +37,18 @@ def caches() -> list[torch.Tensor]:
 
 def small_store(cpu_cache_gb: float = 0.01) -> aiokv.LocalStore:
     return aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb))
+
+
+def failing_first_call(function: Callable[..., Any], message: str) -> Callable[..., Any]:
+    """``function``, except that its first call raises RuntimeError(message): for
+    monkeypatching one step of the engine into failing once."""
+    calls = 0
+
+    def wrapped(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError(message)
+        return function(*args)
+
+    return wrapped

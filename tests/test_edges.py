@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import PAGE_SIZE, small_store
+from conftest import PAGE_SIZE, failing_first_call, small_store
 
 import aiokv
 from aiokv.testing import CheckingStore, FaultyStore, no_space
@@ -306,16 +306,9 @@ async def test_a_batch_failing_after_its_matches_gives_them_back(
 ) -> None:
     from aiokv.slots import FusedPages
 
-    select = FusedPages.select
-    calls = {"n": 0}
-
-    def failing_once(self: FusedPages, *args: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("select broke")
-        return select(self, *args)
-
-    monkeypatch.setattr(FusedPages, "select", failing_once)
+    monkeypatch.setattr(
+        FusedPages, "select", failing_first_call(FusedPages.select, "select broke")
+    )
     rig = Rig(caches, window_us=0)
     async with rig.engine:
         with pytest.raises(aiokv.StoreError, match="select broke"):

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import PAGE_SIZE, make_caches, small_store
+from conftest import PAGE_SIZE, failing_first_call, make_caches, small_store
 
 import aiokv
 from aiokv.testing import CheckingStore
@@ -237,16 +237,11 @@ async def test_a_batch_that_cannot_be_dispatched_fails_alone(
 ) -> None:
     from aiokv import batcher as batcher_module
 
-    fuse = batcher_module.fuse_page_ids
-    calls = {"n": 0}
-
-    def failing_once(*args: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("fused copy broke")
-        return fuse(*args)
-
-    monkeypatch.setattr(batcher_module, "fuse_page_ids", failing_once)
+    monkeypatch.setattr(
+        batcher_module,
+        "fuse_page_ids",
+        failing_first_call(batcher_module.fuse_page_ids, "fused copy broke"),
+    )
     engine, store = checked_engine(caches, window_us=0)
     async with engine:
         with pytest.raises(aiokv.StoreError, match="fused copy broke"):
