@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig
-from .requests import Kind, Request, Stage, latest_ready_events
+from .requests import Kind, Request, latest_ready_events
 from .slots import FusedPages, fuse_page_ids
 
 
@@ -182,7 +182,5 @@ class Batcher:
                 self._page_size,
             )
         batch = Batch(kind, tuple(requests), pages)
-        for request in requests:  # before submit: from then on the store thread writes it
-            request.stage = Stage.DISPATCHED
         self._on_batch(batch)
         self._submit(batch)  # last: once the store thread has the batch, nothing may fail it here

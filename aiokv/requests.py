@@ -1,7 +1,7 @@
 """Request and result types.
 
 Public: :class:`OffloadResult`, :class:`Lookup`, :class:`LoadResult`. Internal:
-:class:`Request`, one per awaited call, which carries its stage from submit to the
+:class:`Request`, one per awaited call, which carries a call from submit to the
 store's terminal answer; the loop thread and the store thread hand it back and forth but
 never write the same field (see the comments on each).
 """
@@ -48,14 +48,6 @@ class Kind(enum.IntEnum):
     OFFLOAD = 2
 
 
-class Stage(enum.Enum):
-    QUEUED = "queued"  # in the batcher's queue
-    DISPATCHED = "dispatched"  # handed to the store thread
-    MATCHED = "matched"  # holds a store task id, not launched (lookup reservations)
-    LAUNCHED = "launched"  # its transfer runs; only detaching is possible now
-    TERMINAL = "terminal"
-
-
 @dataclass(eq=False, slots=True)
 class Request:
     """One awaited call. Written by the loop until dispatch, by the store thread after,
@@ -73,7 +65,6 @@ class Request:
     ready_stream: int = 0  # that stream's handle
     ready_order: int = 0  # when the event was recorded (an engine-wide count)
     lookup: Lookup | None = None  # the reservation a LOAD consumes
-    stage: Stage = Stage.QUEUED
     detached: bool = False
     task_id: int | None = None
     mask: BoolArray | None = None

@@ -33,7 +33,6 @@ from .requests import (
     LookupGrant,
     OffloadResult,
     Request,
-    Stage,
     latest_ready_events,
 )
 from .stores.base import NoSpace, Store, TaskResult, TaskStatus
@@ -213,7 +212,6 @@ class StoreWorker:
                 self._outbox.append((request, LookupGrant(None, None, 0)))
             else:
                 self._reserved.add(task_id)
-                request.stage = Stage.MATCHED
                 self._outbox.append((request, LookupGrant(task_id, mask, hit)))
         if empty:
             self._cancel(empty)
@@ -299,7 +297,6 @@ class StoreWorker:
                     self._outbox.append((request, error))
                 return
             for request in launched:
-                request.stage = Stage.LAUNCHED
                 assert request.task_id is not None
                 self._launched[request.task_id] = request
 
@@ -329,7 +326,6 @@ class StoreWorker:
             if request is None:
                 log.warning("store answered unknown task id %s", task_id)
                 continue
-            request.stage = Stage.TERMINAL
             self._outbox.append((request, self._outcome(request, result)))
 
     def _outcome(self, request: Request, result: TaskResult) -> object:

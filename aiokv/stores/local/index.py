@@ -260,11 +260,6 @@ class BlockIndex:
                 self._drop_live(int(owners[start]), end - start)
         return blocks
 
-    def touch(self, blocks: Int64Array) -> None:
-        """Make the evictable ones among ``blocks`` (unique) the most recently used, the
-        first the most recent; the others are left as they are."""
-        self.make_evictable(self.make_unevictable(blocks))
-
     def evict(self, count: int) -> Int64Array:
         """Drop the ``count`` least recently used evictable blocks from the index; returns
         them, oldest first."""
