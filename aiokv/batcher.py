@@ -2,14 +2,18 @@
 
 A window opens at the first queued request and closes ``window_us`` later
 (``window_us == 0``: on the next loop iteration). A queue that reaches
-``max_batch_requests`` or ``max_batch_tokens`` is dispatched at once, from the
-``enqueue`` that filled it, not by waking the batcher task: in a burst of submits the
-task would run only after every other submit already scheduled, and the store thread
-would sit idle meanwhile. At dispatch, the whole queue is planned into batches by
-:func:`plan_batches`, a pure function, and each batch is dispatched: its page ids fused
-and copied to the host once (:mod:`aiokv.slots`) and the batch handed to the store
-thread. A batch whose dispatch fails is failed alone (``on_failed``); the batcher
-carries on.
+``max_batch_requests`` or ``max_batch_tokens`` closes its window at once. When a window
+closes, the queue is planned into batches by :func:`plan_batches`, a pure function, and
+each batch is dispatched: its page ids fused and copied to the host once
+(:mod:`aiokv.slots`) and the batch handed to the store thread. A batch whose dispatch
+fails is failed alone (``on_failed``); the batcher carries on.
+
+At most one batch is dispatched per loop iteration. A burst of submits (many callers made
+ready at once) runs in one iteration; dispatching every batch it fills there would add
+each batch's fused copy to that one stall. So the first full batch goes out from the
+``enqueue`` that filled it (the store thread starts on it while the burst goes on,
+instead of after every submit already scheduled), and the batcher task sends the rest,
+one per iteration, letting other callbacks run in between.
 """
 
 from __future__ import annotations
@@ -80,16 +84,19 @@ class Batcher:
         self._on_batch = on_batch  # stats
         self._on_failed = on_failed  # a batch that could not be dispatched
         self._copy_stream = copy_stream  # torch.cuda.Stream for the fused copy, or None
-        self._queue: deque[Request] = deque()
+        self._queue: deque[Request] = deque()  # accepted, in the current window
         self._queued_tokens = 0
+        self._planned: deque[tuple[Kind, list[Request]]] = deque()  # window closed, not sent
         self._head_since = 0.0  # loop time at which the queue's first request came
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._nonempty = asyncio.Event()
+        self._work = asyncio.Event()  # set while anything is queued or planned
         self._window: asyncio.Future[None] | None = None
         self._draining = False
+        self._sent_this_iteration = False  # one dispatch per loop iteration
 
     def __len__(self) -> int:
-        return len(self._queue)
+        """Requests accepted and not yet dispatched."""
+        return len(self._queue) + sum(len(requests) for _, requests in self._planned)
 
     def enqueue(self, request: Request) -> None:
         if not self._queue:
@@ -97,10 +104,12 @@ class Batcher:
             self._head_since = loop.time()  # the window runs from the first request
         self._queue.append(request)
         self._queued_tokens += request.num_tokens
-        self._nonempty.set()
+        self._work.set()
         if self._full():
-            self._dispatch_queue()  # at once: see the module docstring
-            self.flush()  # the batcher's window was for requests that just left
+            self.flush()  # the batcher's window was for requests that leave now
+            self._plan_queue()
+            if not self._sent_this_iteration:
+                self._dispatch_next()  # at once: see the module docstring
 
     def _full(self) -> bool:
         return (
@@ -119,20 +128,30 @@ class Batcher:
         self.flush()
 
     def take_queued(self) -> list[Request]:
-        """Empty the queue without dispatching (engine closing without drain)."""
-        taken = list(self._queue)
+        """Everything not yet dispatched, planned first, without dispatching it (the
+        engine closing without drain)."""
+        taken = [request for _, requests in self._planned for request in requests]
+        taken.extend(self._queue)
+        self._planned.clear()
         self._queue.clear()
         self._queued_tokens = 0
-        self._nonempty.clear()
+        self._work.clear()
         return taken
 
     async def run(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
         window_s = self._config.window_us / 1e6
         while True:
-            await self._nonempty.wait()
-            if not self._queue:  # it filled up and went out from enqueue
-                self._nonempty.clear()
+            if self._planned:
+                if self._sent_this_iteration:
+                    await asyncio.sleep(0)  # the next iteration: other callbacks go first
+                else:
+                    self._dispatch_next()
+                continue
+            await self._work.wait()
+            if not self._queue:  # it filled up and was planned from enqueue
+                if not self._planned:
+                    self._work.clear()
                 continue
             if not self._draining and window_s > 0:
                 head = self._queue[0]
@@ -147,25 +166,40 @@ class Batcher:
                     continue  # this window's requests left full; the newer ones get theirs
             elif not self._draining:
                 await asyncio.sleep(0)  # one loop iteration: let ready callers enqueue
-            self._dispatch_queue()
+            self._plan_queue()
 
-    def _dispatch_queue(self) -> None:
+    def _plan_queue(self) -> None:
+        """Close the window: its requests become planned batches."""
+        requests = list(self._queue)
+        self._queue.clear()
+        self._queued_tokens = 0
+        self._planned.extend(
+            plan_batches(requests, self._config.max_batch_requests, self._config.max_batch_tokens)
+        )
+
+    def _dispatch_next(self) -> None:
+        kind, planned = self._planned.popleft()
+        if not self._planned and not self._queue:
+            self._work.clear()
         live: list[Request] = []
-        for request in self.take_queued():
+        for request in planned:
             # A caller cancelled (or timed out) before dispatch is dropped here: its
             # match is never made.
             if request.future.done():
                 self._on_dropped(request)
             else:
                 live.append(request)
-        plan = plan_batches(
-            live, self._config.max_batch_requests, self._config.max_batch_tokens
-        )
-        for kind, requests in plan:
-            try:
-                self._dispatch(kind, requests)
-            except Exception as exc:  # e.g. a CUDA error in the fused copy, a closed worker
-                self._on_failed(requests, exc)
+        if not live:
+            return
+        self._sent_this_iteration = True
+        (self._loop or asyncio.get_running_loop()).call_soon(self._next_iteration)
+        try:
+            self._dispatch(kind, live)
+        except Exception as exc:  # e.g. a CUDA error in the fused copy, a closed worker
+            self._on_failed(live, exc)
+
+    def _next_iteration(self) -> None:
+        self._sent_this_iteration = False
 
     def _dispatch(self, kind: Kind, requests: list[Request]) -> None:
         pages = None

@@ -212,6 +212,46 @@ async def test_a_full_queue_goes_to_the_store_from_the_enqueue_that_filled_it() 
 
 
 @pytest.mark.asyncio
+async def test_a_burst_of_full_batches_goes_out_one_per_loop_iteration() -> None:
+    dropped: list[Any] = []
+    batcher, submitted, _ = _batcher_rig(window_us=10_000_000, max_batch_requests=4)
+    batcher._on_dropped = dropped.append
+    task = asyncio.ensure_future(batcher.run())
+    try:
+        burst = [_lookup_request(user) for user in range(12)]
+        for request in burst:
+            batcher.enqueue(request)
+        # One loop iteration's burst: only the first full batch left during it.
+        assert [len(batch.requests) for batch in submitted] == [4]
+        assert len(batcher) == 8
+        burst[9].future.cancel()  # its caller leaves before its batch is sent
+        sent_per_iteration = []
+        for _ in range(6):
+            before = len(submitted)
+            await asyncio.sleep(0)
+            sent_per_iteration.append(len(submitted) - before)
+        assert max(sent_per_iteration) == 1
+        assert [len(batch.requests) for batch in submitted] == [4, 4, 3]
+        assert dropped == [burst[9]]
+        assert len(batcher) == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.asyncio
+async def test_take_queued_returns_planned_batches_first() -> None:
+    batcher, submitted, _ = _batcher_rig(window_us=10_000_000, max_batch_requests=4)
+    burst = [_lookup_request(user) for user in range(10)]
+    for request in burst:
+        batcher.enqueue(request)
+    assert len(submitted) == 1
+    # Planned (4..7) before the open window's (8, 9): arrival order, nothing lost.
+    assert batcher.take_queued() == burst[4:]
+    assert len(batcher) == 0
+
+
+@pytest.mark.asyncio
 async def test_requests_after_a_full_batch_wait_for_their_own_window() -> None:
     batcher, submitted, _ = _batcher_rig(window_us=200_000, max_batch_requests=4)
     task = asyncio.ensure_future(batcher.run())
