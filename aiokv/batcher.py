@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig
-from .requests import Kind, Request, latest_ready_events
+from .requests import Kind, Request, ready_events
 from .slots import FusedPages, fuse_page_ids
 
 
@@ -93,6 +93,7 @@ class Batcher:
         self._window: asyncio.Future[None] | None = None
         self._draining = False
         self._sent_this_iteration = False  # one dispatch per loop iteration
+        self._windows_closed = 0
 
     def __len__(self) -> int:
         """Requests accepted and not yet dispatched."""
@@ -168,8 +169,13 @@ class Batcher:
                 await asyncio.sleep(0)  # one loop iteration: let ready callers enqueue
             self._plan_queue()
 
+    def windows_closed(self) -> int:
+        """How many windows have closed so far (the callers' CUDA events are per window)."""
+        return self._windows_closed
+
     def _plan_queue(self) -> None:
         """Close the window: its requests become planned batches."""
+        self._windows_closed += 1
         requests = list(self._queue)
         self._queue.clear()
         self._queued_tokens = 0
@@ -207,7 +213,7 @@ class Batcher:
             if self._copy_stream is not None:
                 # The page ids were written on the callers' streams: order the fused
                 # copy after them on the GPU, without blocking this thread.
-                for event in latest_ready_events(requests):
+                for event in ready_events(requests):
                     self._copy_stream.wait_event(event)
             pages = fuse_page_ids(
                 [r.page_ids for r in requests if r.page_ids is not None],

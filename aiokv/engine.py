@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
-import itertools
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -43,6 +42,7 @@ from .requests import (
     Lookup,
     LookupGrant,
     OffloadResult,
+    ReadyMarks,
     Request,
 )
 from .slots import warm_up
@@ -98,7 +98,7 @@ class OffloadEngine:
         self._batcher_task: asyncio.Task[None] | None = None
         self._idle: asyncio.Event | None = None
         self._deadlines: Deadlines | None = None  # request_timeout_ms, when set
-        self._ready_order = itertools.count(1)  # orders the callers' CUDA events
+        self._ready_marks: ReadyMarks | None = None  # the callers' CUDA events, on a GPU
         self._closing: asyncio.Future[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -149,6 +149,8 @@ class OffloadEngine:
             copy_stream,
             self._page_size,
         )
+        if self._on_gpu:
+            self._ready_marks = ReadyMarks(self._device, self._batcher.windows_closed)
         self._state = EngineState.RUNNING
         self._worker.start()
         try:
@@ -335,15 +337,10 @@ class OffloadEngine:
             page_ids=pages,
             pages_used=pages_used,
         )
-        if self._on_gpu and pages is not None:
-            # The KV (and GPU page ids) are written on the caller's stream: remember how
-            # far it got, so the copy starts after it (waited on the GPU and the worker).
-            stream = torch.cuda.current_stream(self._device)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-            request.ready_event = event
-            request.ready_stream = stream.cuda_stream
-            request.ready_order = next(self._ready_order)
+        if self._ready_marks is not None and pages is not None:
+            # The copy starts after the caller's stream gets this far (waited on the GPU
+            # and the worker).
+            self._ready_marks.mark(request)
         return request
 
     # ---- admission, deadlines, resolution ----------------------------------------------

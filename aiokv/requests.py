@@ -61,9 +61,7 @@ class Request:
     namespace: tuple[str, ...]
     page_ids: torch.Tensor | None
     pages_used: int  # leading entries of page_ids this request moves (known from shapes)
-    ready_event: Any = None  # torch.cuda.Event recorded on the caller's stream, or None
-    ready_stream: int = 0  # that stream's handle
-    ready_order: int = 0  # when the event was recorded (an engine-wide count)
+    ready_event: Any = None  # torch.cuda.Event on the caller's stream (ReadyMarks), or None
     lookup: Lookup | None = None  # the reservation a LOAD consumes
     detached: bool = False
     task_id: int | None = None
@@ -72,18 +70,51 @@ class Request:
     submitted_at: float = 0.0
 
 
-def latest_ready_events(requests: Iterable[Request]) -> list[Any]:
-    """The most recently recorded ready event of each caller stream among ``requests``:
-    a stream runs in order, so waiting for it covers the earlier ones on that stream.
-    By recording order, not list order: a request that waited for room under
-    ``overload: wait`` recorded its event before it was queued."""
-    latest: dict[int, tuple[int, Any]] = {}
+def ready_events(requests: Iterable[Request]) -> list[Any]:
+    """The distinct ready events of ``requests``, for a batch to wait for before its copy
+    (usually one per caller stream; see :class:`ReadyMarks`)."""
+    events: dict[int, Any] = {}
     for request in requests:
         if request.ready_event is not None:
-            seen = latest.get(request.ready_stream)
-            if seen is None or seen[0] < request.ready_order:
-                latest[request.ready_stream] = (request.ready_order, request.ready_event)
-    return [event for _, event in latest.values()]
+            events.setdefault(id(request.ready_event), request.ready_event)
+    return list(events.values())
+
+
+class ReadyMarks:
+    """Marks how far each caller's stream got at submit: the KV (and GPU page ids) are
+    written there, and the copy must start after them.
+
+    One CUDA event per caller stream per batch window, re-recorded at each submit on that
+    stream: a stream runs in order, so the event's latest record covers every earlier
+    submit of the window, and a batch waits for it alone. That saves creating (and
+    destroying) an event per request, the larger part of a submit's CUDA cost. A new
+    window gets new events, so a batch never waits for a later window's submits (the
+    callers' next kernels, say). ``windows_closed`` counts the batcher's closed windows."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        windows_closed: Callable[[], int],
+        new_event: Callable[[], Any] = torch.cuda.Event,
+        current_stream: Callable[[torch.device], Any] = torch.cuda.current_stream,
+    ) -> None:
+        self._device = device
+        self._windows_closed = windows_closed
+        self._new_event = new_event
+        self._current_stream = current_stream
+        self._window = -1
+        self._events: dict[int, Any] = {}  # stream handle -> this window's event
+
+    def mark(self, request: Request) -> None:
+        window = self._windows_closed()
+        if window != self._window:
+            self._window, self._events = window, {}
+        stream = self._current_stream(self._device)
+        event = self._events.get(stream.cuda_stream)
+        if event is None:
+            event = self._events[stream.cuda_stream] = self._new_event()
+        event.record(stream)
+        request.ready_event = event
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from .requests import (
     LookupGrant,
     OffloadResult,
     Request,
-    latest_ready_events,
+    ready_events,
 )
 from .stores.base import NoSpace, Store, TaskResult, TaskStatus
 
@@ -224,7 +224,7 @@ class StoreWorker:
             # The KV itself must be written before it is copied. With a device copy there
             # is no need: the batcher made that copy wait for these events, so its own
             # event (waited on by fused.wait) fires after them.
-            for event in latest_ready_events(batch.requests):
+            for event in ready_events(batch.requests):
                 event.synchronize()
         pages = fused.wait()
         bad = set(fused.bad_requests(pages, self._num_pages).tolist())
