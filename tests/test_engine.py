@@ -212,7 +212,12 @@ async def test_a_full_queue_goes_to_the_store_from_the_enqueue_that_filled_it() 
 
 
 @pytest.mark.asyncio
-async def test_a_burst_of_full_batches_goes_out_one_per_loop_iteration() -> None:
+async def test_a_burst_of_full_batches_goes_out_one_per_loop_iteration_past_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiokv import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "DISPATCH_BUDGET_S", 0.0)  # every dispatch is over
     dropped: list[Any] = []
     batcher, submitted, _ = _batcher_rig(window_us=10_000_000, max_batch_requests=4)
     batcher._on_dropped = dropped.append
@@ -240,7 +245,26 @@ async def test_a_burst_of_full_batches_goes_out_one_per_loop_iteration() -> None
 
 
 @pytest.mark.asyncio
-async def test_take_queued_returns_planned_batches_first() -> None:
+async def test_cheap_batches_of_a_burst_all_go_out_within_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiokv import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "DISPATCH_BUDGET_S", 60.0)
+    batcher, submitted, _ = _batcher_rig(window_us=10_000_000, max_batch_requests=4)
+    for user in range(12):
+        batcher.enqueue(_lookup_request(user))
+    assert [len(batch.requests) for batch in submitted] == [4, 4, 4]
+    assert len(batcher) == 0
+
+
+@pytest.mark.asyncio
+async def test_take_queued_returns_planned_batches_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiokv import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "DISPATCH_BUDGET_S", 0.0)
     batcher, submitted, _ = _batcher_rig(window_us=10_000_000, max_batch_requests=4)
     burst = [_lookup_request(user) for user in range(10)]
     for request in burst:
