@@ -193,6 +193,12 @@ def _batcher_rig(**config: int) -> tuple[Any, list[Any], list[Any]]:
     return batcher, submitted, failed
 
 
+def _dispatch_budget(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    from aiokv import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "DISPATCH_BUDGET_S", seconds)
+
+
 def _lookup_request(user: int) -> Any:
     from aiokv.requests import Kind, Request
 
@@ -215,9 +221,7 @@ async def test_a_full_queue_goes_to_the_store_from_the_enqueue_that_filled_it() 
 async def test_a_burst_of_full_batches_goes_out_one_per_loop_iteration_past_the_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aiokv import batcher as batcher_module
-
-    monkeypatch.setattr(batcher_module, "DISPATCH_BUDGET_S", 0.0)  # every dispatch is over
+    _dispatch_budget(monkeypatch, 0.0)  # every dispatch is over it
     dropped: list[Any] = []
     batcher, submitted, _ = _batcher_rig(window_us=10_000_000, max_batch_requests=4)
     batcher._on_dropped = dropped.append
@@ -248,9 +252,7 @@ async def test_a_burst_of_full_batches_goes_out_one_per_loop_iteration_past_the_
 async def test_cheap_batches_of_a_burst_all_go_out_within_the_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aiokv import batcher as batcher_module
-
-    monkeypatch.setattr(batcher_module, "DISPATCH_BUDGET_S", 60.0)
+    _dispatch_budget(monkeypatch, 60.0)
     batcher, submitted, _ = _batcher_rig(window_us=10_000_000, max_batch_requests=4)
     for user in range(12):
         batcher.enqueue(_lookup_request(user))
@@ -262,9 +264,7 @@ async def test_cheap_batches_of_a_burst_all_go_out_within_the_budget(
 async def test_take_queued_returns_planned_batches_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aiokv import batcher as batcher_module
-
-    monkeypatch.setattr(batcher_module, "DISPATCH_BUDGET_S", 0.0)
+    _dispatch_budget(monkeypatch, 0.0)
     batcher, submitted, _ = _batcher_rig(window_us=10_000_000, max_batch_requests=4)
     burst = [_lookup_request(user) for user in range(10)]
     for request in burst:
