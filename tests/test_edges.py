@@ -33,6 +33,13 @@ class Rig:
         assert await asyncio.to_thread(self.faulty.launched.wait, 10)
         self.faulty.launched.clear()
 
+    async def held_offload(self, user_id: str, page_ids: torch.Tensor) -> asyncio.Future[Any]:
+        """Hold transfers, offload 16 tokens, and return once the store launched them."""
+        self.faulty.hold.clear()
+        call = asyncio.ensure_future(self.engine.offload(user_id, page_ids, 16))
+        await self.launched()
+        return call
+
     def assert_clean(self) -> None:
         assert self.checked.problems() == []
         assert self.loop_errors == []
@@ -227,10 +234,8 @@ async def test_close_without_drain_fails_queued_and_waits_for_launched(
 ) -> None:
     # 16 tokens fill a batch at once; 4 tokens wait for a 10 s window.
     rig = Rig(caches, window_us=10_000_000, max_batch_tokens=16)
-    rig.faulty.hold.clear()
     await rig.engine.start()
-    launched = asyncio.ensure_future(rig.engine.offload("a", pages(0), 16))
-    await rig.launched()
+    launched = await rig.held_offload("a", pages(0))
     queued = asyncio.ensure_future(rig.engine.offload("b", pages(4, 1), 4))
     await asyncio.sleep(0)  # accepted, not dispatched
     closing = asyncio.ensure_future(rig.engine.aclose(drain=False))
@@ -339,10 +344,8 @@ async def test_full_store_reports_no_space(caches: list[torch.Tensor]) -> None:
 @pytest.mark.asyncio
 async def test_overload_wait_skips_callers_who_left(caches: list[torch.Tensor]) -> None:
     rig = Rig(caches, window_us=0, max_pending=1, overload="wait")
-    rig.faulty.hold.clear()
     async with rig.engine:
-        first = asyncio.ensure_future(rig.engine.offload("a", pages(0), 16))
-        await rig.launched()
+        first = await rig.held_offload("a", pages(0))
         leaver = asyncio.ensure_future(rig.engine.offload("b", pages(4), 16))
         stayer = asyncio.ensure_future(rig.engine.offload("c", pages(8), 16))
         await asyncio.sleep(0)
@@ -360,10 +363,8 @@ async def test_overload_wait_skips_callers_who_left(caches: list[torch.Tensor]) 
 @pytest.mark.asyncio
 async def test_overload_wait_times_out_with_request_timeout(caches: list[torch.Tensor]) -> None:
     rig = Rig(caches, window_us=0, max_pending=1, overload="wait", request_timeout_ms=50)
-    rig.faulty.hold.clear()
     async with rig.engine:
-        first = asyncio.ensure_future(rig.engine.offload("a", pages(0), 16))
-        await rig.launched()
+        first = await rig.held_offload("a", pages(0))
         # b waits for room; a's deadline frees it first, then b's own deadline passes
         # while the store still holds everything: either way b gets RequestTimeout, and
         # waiting for room does not extend a request's time budget forever.
