@@ -182,9 +182,7 @@ class FusedPages:
 _FALSE: BoolArray = np.zeros(1, dtype=np.bool_)
 
 
-def select_slots(
-    request_slots: Int64Array, mask: BoolArray, count: int | None = None
-) -> Int64Array:
+def select_slots(request_slots: Int64Array, mask: BoolArray) -> Int64Array:
     """The slots of exactly the True positions of ``mask`` (a view when they are one
     contiguous run, as store masks are: a suffix for puts, a prefix for gets)."""
     if not mask.size:
@@ -192,8 +190,7 @@ def select_slots(
     first = int(mask.argmax())  # argmax + counts: cheaper than flatnonzero per request
     if not mask[first]:
         return request_slots[:0]
-    if count is None:
-        count = int(np.count_nonzero(mask))
+    count = int(np.count_nonzero(mask))
     end = first + count
     if end <= len(mask) and np.count_nonzero(mask[first:end]) == count:
         if end > len(request_slots):
