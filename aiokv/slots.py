@@ -3,9 +3,10 @@
 The batcher calls :func:`fuse_page_ids` on the event loop: it concatenates the page ids of
 every request in a batch on their device and starts one non-blocking copy into pinned
 host memory; offsets come from shapes, so nothing waits for the GPU. The store thread
-then waits for the copy (:meth:`FusedPages.wait`), checks every page id at once
-(:meth:`FusedPages.bad_requests`) and expands pages to slots once
-(:meth:`FusedPages.expand`); :func:`select_slots` picks one request's positions.
+then waits for the copy and has every page's slots (:meth:`FusedPages.wait_slots`,
+expanding pages to slots once where the device did not), and checks every page id at
+once (:meth:`FusedPages.bad_requests`); :func:`select_slots` picks one request's
+positions.
 :meth:`FusedPages.split` and :meth:`FusedPages.select` give every request's slots, or
 its masked positions' slots, as views for a whole batch with a fixed number of numpy
 calls; :meth:`FusedPages.wait_request_slots` makes those views while the copy is still
@@ -62,9 +63,15 @@ class FusedPages:
         slots: Int64Array = self.host.numpy()
         return slots
 
-    def bad_requests(self, pages: Int64Array, num_pages: int) -> Int64Array:
-        """Indexes of requests holding a page id < 0 or >= num_pages (vectorized)."""
-        bad = (pages < 0) | (pages >= num_pages)
+    def bad_requests(self, slots: Int64Array, num_pages: int, page_size: int) -> Int64Array:
+        """Indexes of requests holding a page id < 0 or >= num_pages (vectorized), read
+        from each page's first slot (``page * page_size``): the slots are what the batch
+        needs anyway, and dividing them back into page ids would cost more than this."""
+        # One strided gather (a cache line per page), then one unsigned compare: a
+        # negative id wraps to >= 2**63, past any limit. Comparing the strided view twice
+        # costs twice the gather.
+        firsts = np.ascontiguousarray(slots[::page_size]).view(np.uint64)
+        bad = firsts >= num_pages * page_size
         if not bad.any():
             return np.empty(0, dtype=np.int64)
         running = np.concatenate(([0], np.cumsum(bad, dtype=np.int64)))

@@ -226,10 +226,9 @@ class StoreWorker:
             # event (waited on by fused.wait) fires after them.
             for event in ready_events(batch.requests):
                 event.synchronize()
-        pages = fused.wait()
-        bad = set(fused.bad_requests(pages, self._num_pages).tolist())
         page_size = self._store.page_size
-        slots = fused.expand(pages, page_size)
+        slots = fused.wait_slots(page_size)
+        bad = set(fused.bad_requests(slots, self._num_pages, page_size).tolist())
         matched: list[tuple[Request, int, Any] | None] = []  # per request, None: skipped
         masks: list[Any] = []  # per request; an empty mask where nothing is matched
         to_cancel: list[int] = []

@@ -116,8 +116,8 @@ def test_fused_pages_expand_split_and_flag_bad_requests() -> None:
     fused = fuse_page_ids(page_ids, [3, 1, 2])
     pages = fused.wait()
     assert fused.d2h_copies == 0 and pages.tolist() == [3, 1, 2, 7, 0, 99]
-    assert fused.bad_requests(pages, num_pages=50).tolist() == [2]
     slots = fused.expand(pages, 4)
+    assert fused.bad_requests(slots, num_pages=50, page_size=4).tolist() == [2]
     assert fused.request_slots(slots, 1, 4).tolist() == [28, 29, 30, 31]
     first = fused.request_slots(slots, 0, 4)
     assert first.tolist() == [12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
@@ -371,6 +371,11 @@ def test_fused_pages_from_device_slots_or_with_a_host_tail() -> None:
     assert expanded.expand(pages, 4).tolist() == slots.tolist()
     with pytest.raises(ValueError, match="page size"):
         expanded.expand(pages, 8)
+    # Page ids are checked on the device-expanded slots, without recovering the pages.
+    assert expanded.bad_requests(slots.numpy(), num_pages=9, page_size=4).tolist() == [1]
+    assert expanded.bad_requests(slots.numpy(), num_pages=10, page_size=4).tolist() == []
+    negative = FusedPages(torch.tensor([-4, -3, -2, -1]), starts[:1], counts[:1] // 2, None, 0)
+    assert negative.bad_requests(negative.host.numpy(), num_pages=10, page_size=4).tolist() == [0]
     mixed = FusedPages(torch.tensor([3, 1]), starts, counts, None, 1, host_tail=torch.tensor([9]))
     assert mixed.wait().tolist() == [3, 1, 9]
 
