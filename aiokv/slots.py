@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -398,10 +399,19 @@ _WRITES_HOST: dict[torch.device, bool] = {}
 def _writes_host(device: torch.device) -> bool:
     """Whether kernels on ``device`` can write pinned memory through
     :func:`as_device_tensor`, tried once per device: a kernel writes a pattern there and
-    the host reads it back. Where not (or on any error), copies are used instead."""
+    the host reads it back. Where not (or on any error), copies are used instead.
+
+    Torch's default pinned allocator uses ``cudaHostAlloc``, whose memory every device
+    with unified addressing reaches at its host address (CUDA programming guide,
+    "Unified Virtual Address Space")."""
     known = _WRITES_HOST.get(device)
     if known is not None:
         return known
+    if "pinned_use_cuda_host_register" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        # Pinned memory is then malloc'd and registered, which maps it into the device's
+        # address space only when asked to: a kernel's write could fault the context.
+        _WRITES_HOST[device] = False
+        return False
     try:
         host = torch.zeros(1024, dtype=torch.int64, pin_memory=True)
         pattern = torch.arange(7, 7 + 1024, dtype=torch.int64, device=device)
