@@ -83,6 +83,7 @@ class Batcher:
         on_failed: Callable[[Sequence[Request], Exception], None],
         copy_stream: Any = None,
         page_size: int = 0,
+        on_window_closed: Callable[[], None] | None = None,
     ) -> None:
         self._config = config
         self._page_size = page_size  # lets the fused copy bring back slots, not pages
@@ -100,7 +101,9 @@ class Batcher:
         self._window: asyncio.Future[None] | None = None
         self._draining = False
         self._spent_this_iteration: float | None = None  # dispatching, s; None: none yet
-        self._windows_closed = 0
+        # Called as each window closes, before its batches are fused (the callers' CUDA
+        # events are recorded there: requests.ReadyMarks).
+        self._on_window_closed = on_window_closed
 
     def __len__(self) -> int:
         """Requests accepted and not yet dispatched."""
@@ -176,13 +179,10 @@ class Batcher:
                 await asyncio.sleep(0)  # one loop iteration: let ready callers enqueue
             self._plan_queue()
 
-    def windows_closed(self) -> int:
-        """How many windows have closed so far (the callers' CUDA events are per window)."""
-        return self._windows_closed
-
     def _plan_queue(self) -> None:
         """Close the window: its requests become planned batches."""
-        self._windows_closed += 1
+        if self._on_window_closed is not None:
+            self._on_window_closed()
         requests = list(self._queue)
         self._queue.clear()
         self._queued_tokens = 0

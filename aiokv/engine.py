@@ -3,10 +3,11 @@
 One offload, end to end (read on in batcher.py, slots.py, worker.py):
 
 1. ``offload`` validates from shapes and dtypes only (GPU values are never read on the
-   loop), records a CUDA event on the caller's stream when the caches are on a GPU,
-   admits the request against ``max_pending`` and queues it with a future and a deadline.
-2. The batcher closes a window, fuses the batch's page ids into one host copy and hands
-   the batch to the store thread.
+   loop), notes the caller's stream when the caches are on a GPU (its CUDA event is
+   recorded once per loop iteration or window), admits the request against
+   ``max_pending`` and queues it with a future and a deadline.
+2. The batcher closes a window (recording the window's CUDA events), fuses the batch's
+   page ids into one host copy and hands the batch to the store thread.
 3. The store thread matches, cancels or launches, polls until terminal, and posts the
    outcomes back; :meth:`OffloadEngine._resolve` is the one place a future is resolved.
 """
@@ -140,6 +141,8 @@ class OffloadEngine:
             if self._on_gpu
             else None
         )
+        if self._on_gpu:
+            self._ready_marks = ReadyMarks(self._device, loop.call_soon)
         self._batcher = Batcher(
             self._config,
             self._worker.submit,
@@ -148,9 +151,8 @@ class OffloadEngine:
             self._on_dispatch_failed,
             copy_stream,
             self._page_size,
+            self._ready_marks.close_window if self._ready_marks is not None else None,
         )
-        if self._on_gpu:
-            self._ready_marks = ReadyMarks(self._device, self._batcher.windows_closed)
         self._state = EngineState.RUNNING
         self._worker.start()
         try:
@@ -338,8 +340,8 @@ class OffloadEngine:
             pages_used=pages_used,
         )
         if self._ready_marks is not None and pages is not None:
-            # The copy starts after the caller's stream gets this far (waited on the GPU
-            # and the worker).
+            # The copy starts after the caller's stream gets at least this far (waited
+            # on by the fused copy on the GPU, or by the worker).
             self._ready_marks.mark(request)
         return request
 

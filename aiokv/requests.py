@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
@@ -20,6 +21,8 @@ import torch
 
 from .errors import InvalidRequest
 from .stores.base import BoolArray, Int64Array
+
+log = logging.getLogger("aiokv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,37 +87,70 @@ class ReadyMarks:
     """Marks how far each caller's stream got at submit: the KV (and GPU page ids) are
     written there, and the copy must start after them.
 
-    One CUDA event per caller stream per batch window, re-recorded at each submit on that
-    stream: a stream runs in order, so the event's latest record covers every earlier
-    submit of the window, and a batch waits for it alone. That saves creating (and
-    destroying) an event per request, the larger part of a submit's CUDA cost. A new
-    window gets new events, so a batch never waits for a later window's submits (the
-    callers' next kernels, say). ``windows_closed`` counts the batcher's closed windows."""
+    One CUDA event per caller stream per batch window: a stream runs in order, so one
+    record of the event after a window's last submit on that stream covers every submit
+    of the window, and a batch waits for it alone. That saves creating (and destroying)
+    an event per request. A new window gets new events, so a batch never waits for a
+    later window's submits (the callers' next kernels, say).
+
+    A submit records nothing: it notes its stream, and the events are recorded once per
+    loop iteration (a callback scheduled by the iteration's first submit) and when the
+    batcher closes a window (:meth:`close_window`), which comes before any of that
+    window's batches is fused. Recording later than the submit only waits for more of
+    the caller's work, never less. Recording at every submit cost a CUDA call each, and
+    torch releases the GIL around it: in a burst of submits, each one was a chance for
+    the store thread to take the GIL and keep it for milliseconds (inside FlexKV's C
+    code, Python cannot take it back), stalling the loop in the middle of the burst."""
 
     def __init__(
         self,
         device: torch.device,
-        windows_closed: Callable[[], int],
+        call_soon: Callable[[Callable[[], None]], object],
         new_event: Callable[[], Any] = torch.cuda.Event,
         current_stream: Callable[[torch.device], Any] = torch.cuda.current_stream,
+        synchronize: Callable[[torch.device], None] = torch.cuda.synchronize,
     ) -> None:
         self._device = device
-        self._windows_closed = windows_closed
+        self._call_soon = call_soon  # the loop's call_soon
         self._new_event = new_event
         self._current_stream = current_stream
-        self._window = -1
+        self._synchronize = synchronize
         self._events: dict[int, Any] = {}  # stream handle -> this window's event
+        self._unrecorded: dict[int, tuple[Any, Any]] = {}  # handle -> (stream, event)
 
     def mark(self, request: Request) -> None:
-        window = self._windows_closed()
-        if window != self._window:
-            self._window, self._events = window, {}
         stream = self._current_stream(self._device)
-        event = self._events.get(stream.cuda_stream)
+        handle = stream.cuda_stream
+        event = self._events.get(handle)
         if event is None:
-            event = self._events[stream.cuda_stream] = self._new_event()
-        event.record(stream)
+            event = self._events[handle] = self._new_event()
+        if not self._unrecorded:
+            self._call_soon(self.record)
+        self._unrecorded[handle] = (stream, event)
         request.ready_event = event
+
+    def close_window(self) -> None:
+        """The batcher closed a window: record its events before any of its batches is
+        fused; later submits get new events."""
+        self.record()
+        self._events = {}
+
+    def record(self) -> None:
+        """Record each noted stream's event after what the stream has queued so far."""
+        unrecorded, self._unrecorded = self._unrecorded, {}
+        for stream, event in unrecorded.values():
+            try:
+                event.record(stream)
+            except Exception:
+                # The stream is gone (an external stream destroyed right after its
+                # submit, say): wait for the whole device, so that no batch copies
+                # before the caller's writes. If even that fails, the batch's own CUDA
+                # calls fail next, and the batch with them.
+                log.exception("aiokv: recording a caller's CUDA event failed")
+                try:
+                    self._synchronize(self._device)
+                except Exception:
+                    log.exception("aiokv: synchronizing %s failed", self._device)
 
 
 @dataclass(frozen=True, slots=True)

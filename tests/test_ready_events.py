@@ -1,13 +1,17 @@
-"""Which CUDA events the callers' submits record, and which a batch waits for
-(aiokv.requests.ReadyMarks and ready_events), with fake streams and events."""
+"""Which CUDA events the callers' submits get, when they are recorded, and which a batch
+waits for (aiokv.requests.ReadyMarks and ready_events), with fake streams and events."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
+from aiokv.batcher import Batcher
+from aiokv.config import EngineConfig
 from aiokv.requests import Kind, ReadyMarks, Request, ready_events
 
 
@@ -27,23 +31,36 @@ class FakeStream:
 @dataclass
 class FakeEvent:
     records: list[int] = field(default_factory=list)  # the streams it was recorded on
+    fail: bool = False
 
     def record(self, stream: FakeStream) -> None:
+        if self.fail:
+            raise RuntimeError("invalid resource handle")
         self.records.append(stream.cuda_stream)
 
 
 class Rig:
+    """ReadyMarks with fakes; ``soon`` holds the callbacks it scheduled on the 'loop'."""
+
     def __init__(self) -> None:
-        self.windows = 0
         self.stream = FakeStream(1)
         self.created: list[FakeEvent] = []
+        self.soon: list[Callable[[], None]] = []
+        self.synchronized = 0
         self.marks = ReadyMarks(
-            torch.device("cpu"), lambda: self.windows, self._new_event, lambda device: self.stream
+            torch.device("cpu"),
+            self.soon.append,
+            self._new_event,
+            lambda device: self.stream,
+            self._synchronize,
         )
 
     def _new_event(self) -> FakeEvent:
         self.created.append(FakeEvent())
         return self.created[-1]
+
+    def _synchronize(self, device: torch.device) -> None:
+        self.synchronized += 1
 
     def submit(self, stream: int) -> Request:
         self.stream = FakeStream(stream)
@@ -51,28 +68,72 @@ class Rig:
         self.marks.mark(r)
         return r
 
+    def next_iteration(self) -> None:
+        callbacks, self.soon[:] = list(self.soon), []
+        for callback in callbacks:
+            callback()
 
-def test_one_event_per_stream_per_window_recorded_at_every_submit() -> None:
+
+def test_submits_record_nothing_until_the_iteration_ends_then_one_per_stream() -> None:
     rig = Rig()
     window = [rig.submit(1), rig.submit(2), rig.submit(1), rig.submit(1)]
     assert len(rig.created) == 2  # streams 1 and 2, not one per request
-    on_one = rig.created[0]
-    assert on_one.records == [1, 1, 1]  # its latest record covers every submit before it
+    assert all(not e.records for e in rig.created)  # no CUDA call (nor GIL release) yet
+    assert len(rig.soon) == 1  # one callback for the iteration, not one per submit
+    rig.next_iteration()
+    on_one, on_two = rig.created
+    assert on_one.records == [1] and on_two.records == [2]  # once each, after all submits
     assert all(r.ready_event is on_one for r in (window[0], window[2], window[3]))
-    assert ready_events(window) == [on_one, rig.created[1]]
+    assert ready_events(window) == [on_one, on_two]
+    # The next iteration's submits on the same window re-record the same event.
+    later = rig.submit(1)
+    rig.next_iteration()
+    assert later.ready_event is on_one and on_one.records == [1, 1]
 
 
-def test_a_new_window_gets_new_events() -> None:
+def test_closing_a_window_records_its_events_and_the_next_window_gets_new_ones() -> None:
     rig = Rig()
     first = rig.submit(1)
-    rig.windows += 1  # the batcher closed the window: its batch may not be dispatched yet
+    rig.marks.close_window()  # before the iteration's callback: the batch is fused now
+    assert first.ready_event.records == [1]
     second = rig.submit(1)
     # The first batch must not wait for the second window's submits (the callers' next
     # kernels may run between them).
     assert first.ready_event is not second.ready_event
+    rig.next_iteration()
     assert first.ready_event.records == [1]
+    assert second.ready_event.records == [1]
     assert ready_events([first, second]) == [first.ready_event, second.ready_event]
+
+
+def test_a_failed_record_synchronizes_the_device_instead() -> None:
+    rig = Rig()
+    gone = rig.submit(7)
+    gone.ready_event.fail = True
+    fine = rig.submit(1)
+    rig.next_iteration()  # must not raise into the loop
+    assert rig.synchronized == 1
+    assert fine.ready_event.records == [1]
 
 
 def test_no_events_without_a_gpu() -> None:
     assert ready_events([request(), request()]) == []
+
+
+@pytest.mark.asyncio
+async def test_the_batcher_closes_the_window_before_it_fuses_a_batch() -> None:
+    order: list[str] = []
+    batcher = Batcher(
+        EngineConfig(window_us=0, max_batch_requests=2),
+        submit=lambda batch: order.append(f"submit {len(batch.requests)}"),
+        on_dropped=lambda r: None,
+        on_batch=lambda batch: order.append("fused"),
+        on_failed=lambda requests, exc: order.append(f"failed {exc!r}"),
+        on_window_closed=lambda: order.append("window closed"),
+    )
+    loop = asyncio.get_running_loop()
+    for _ in range(2):  # fills the batch: planned and dispatched from enqueue
+        batcher.enqueue(
+            Request(Kind.LOOKUP, "u", loop.create_future(), 16, None, ("u",), None, 0)
+        )
+    assert order == ["window closed", "fused", "submit 2"]
