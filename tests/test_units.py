@@ -637,3 +637,27 @@ def test_local_store_launch_rejects_slots_that_are_not_whole_pages_in_range() ->
     assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
     assert store.free_blocks == free - 2
     store.close()
+
+
+def test_pinned_buffers_written_by_kernels_are_held_until_their_event_fired() -> None:
+    from aiokv.slots import _HeldUntilDone
+
+    class FakeEvent:
+        def __init__(self) -> None:
+            self.fired = False
+
+        def query(self) -> bool:
+            return self.fired
+
+    held = _HeldUntilDone()
+    first, second = FakeEvent(), FakeEvent()
+    buffers = [torch.empty(4), torch.empty(4), torch.empty(4)]
+    held.hold(first, buffers[0])
+    held.hold(second, buffers[1])
+    second.fired = True  # out of order: the older one still pins both in place
+    held.hold(FakeEvent(), buffers[2])
+    assert [memory for _, memory in held._held] == buffers
+    first.fired = True
+    held.hold(FakeEvent(), torch.empty(4))
+    kept = [memory for _, memory in held._held]
+    assert len(kept) == 2 and kept[0] is buffers[2]  # the fired ones were let go
