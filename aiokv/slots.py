@@ -93,6 +93,7 @@ class FusedPages:
             slots: Int64Array = self.host.numpy()
             return slots
         offsets = np.arange(page_size, dtype=np.int64)
+        pages = np.clip(pages, -1, _largest_page(page_size))  # see _largest_page
         return (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
 
     def request_slots(self, slots: Int64Array, index: int, page_size: int) -> Int64Array:
@@ -214,6 +215,15 @@ def select_slots(request_slots: Int64Array, mask: BoolArray) -> Int64Array:
     if positions[-1] >= len(request_slots):
         raise IndexError(f"mask position {positions[-1]} is past the {len(request_slots)} slots")
     return request_slots[positions]
+
+
+def _largest_page(page_size: int) -> int:
+    """The largest page id whose slots fit in int64. Ids are clamped to
+    ``[-1, _largest_page]`` before they become slots: ``page * page_size`` wraps around
+    in int64, and a huge id could wrap into a valid slot and pass the range check
+    (:meth:`FusedPages.bad_requests`), moving another page. A clamped id is still out of
+    range (no cache has that many pages), so it is still caught."""
+    return int((2**63 - 1) // max(page_size, 1))
 
 
 _OFFSETS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -348,6 +358,8 @@ def _cat_expand_copy(parts: list[torch.Tensor], page_size: int, pinned: torch.Te
         # promotes int32 ids to int64), writing the host where it can.
         offsets = _device_offsets(device, page_size)
         out = None if target is None else target.view(-1, page_size)
+        if fused.dtype == torch.int64:  # int32 ids cannot wrap; see _largest_page
+            fused = fused.clamp(-1, _largest_page(page_size))
         fused = torch.add(offsets, fused.reshape(-1, 1), alpha=page_size, out=out).view(-1)
     elif target is not None:
         torch.add(fused, 0, out=target)  # one kernel: the write and the cast to int64

@@ -104,6 +104,8 @@ async def test_caller_cancelled_after_launch_only_detaches(caches: list[torch.Te
         ("page_ids", lambda e: e.offload("u", torch.zeros(2, 2, dtype=torch.long), 4)),
         ("page_ids", lambda e: e.offload("u", torch.tensor([0, 1, 9999]), 12)),
         ("page_ids", lambda e: e.offload("u", torch.tensor([0, -1]), 8)),
+        # page * PAGE_SIZE wraps around to 4 in int64: must not pass as page 1.
+        ("page_ids", lambda e: e.offload("u", torch.tensor([2**64 // PAGE_SIZE + 1]), 4)),
         ("num_tokens", lambda e: e.offload("u", pages(0, 2), 9)),
         ("num_tokens", lambda e: e.offload("u", pages(0, 2), -1)),
         ("num_tokens", lambda e: e.lookup("u", 2.5)),
