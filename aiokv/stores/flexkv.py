@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import tempfile
 import time
@@ -39,6 +40,8 @@ import torch
 from ..config import StoreConfig
 from ..errors import StoreError
 from .base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus
+
+log = logging.getLogger("aiokv")
 
 # Environment FlexKV must see before its first import. MPS: FlexKV would otherwise try to
 # start the MPS daemon (absent on most hosts). setdefault: a user's own choice wins.
@@ -306,18 +309,25 @@ class FlexKVStore:
                 groups[self._kind[task_id]].append((task_id, slots))
         if len(set(task_ids)) != len(task_ids):
             raise ValueError("launch: duplicate task ids")
-        for task_id in empty:  # nothing to move: FlexKV already finished it; release it
-            del self._kind[task_id]
-            manager.cancel([task_id])
-            self._done[task_id] = TaskResult(TaskStatus.SUCCESS, self._mask.pop(task_id))
+        launched_any = False
         for kind in ("get", "put"):  # loads first, as the engine orders them
             group = groups[kind]
             if not group:
                 continue
             ids = [t for t, _ in group]
-            for t in ids:
+            try:
+                launched = manager.launch(ids, [s for _, s in group], as_batch=len(ids) > 1)
+            except Exception as exc:
+                if not launched_any:
+                    raise  # nothing launched: every id is still matched (the contract)
+                # The loads already run, so this launch cannot raise: the offloads fail
+                # alone, through try_wait, and their matches are rolled back.
+                log.exception("aiokv: FlexKV launch of %d %s tasks failed", len(ids), kind)
+                self._fail_matched(ids, f"FlexKV launch failed: {exc!r}")
+                continue
+            launched_any = True
+            for t in ids:  # launched: no longer matched (only now, if launch raised above)
                 del self._kind[t]
-            launched = manager.launch(ids, [s for _, s in group], as_batch=len(ids) > 1)
             if len(ids) > 1:
                 (batch_id,) = launched  # sub-task ids are gone inside FlexKV now
                 self._members[batch_id] = ids
@@ -325,6 +335,22 @@ class FlexKVStore:
             else:
                 self._members[ids[0]] = ids
                 self._owner[ids[0]] = ids[0]
+        for task_id in empty:  # nothing to move: FlexKV already finished it; release it
+            del self._kind[task_id]
+            manager.cancel([task_id])
+            self._done[task_id] = TaskResult(TaskStatus.SUCCESS, self._mask.pop(task_id))
+
+    def _fail_matched(self, task_ids: list[int], error: str) -> None:
+        """Roll back matched ids and answer them FAILED through try_wait."""
+        for t in task_ids:
+            del self._kind[t]
+            self._mask.pop(t, None)
+        try:
+            self._live().cancel(task_ids)
+        except Exception:
+            log.exception("aiokv: FlexKV cancel of %s failed", task_ids)
+        for t in task_ids:
+            self._done[t] = TaskResult(TaskStatus.FAILED, None, error)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         manager = self._live()
