@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from pathlib import Path
 
@@ -661,3 +662,24 @@ def test_pinned_buffers_written_by_kernels_are_held_until_their_event_fired() ->
     held.hold(FakeEvent(), torch.empty(4))
     kept = [memory for _, memory in held._held]
     assert len(kept) == 2 and kept[0] is buffers[2]  # the fired ones were let go
+
+
+def test_a_cuda_copy_job_that_fails_with_a_broken_context_is_reported_not_fatal() -> None:
+    import types
+
+    from aiokv.stores.local.transfer import CopyJob, Transfer
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    transfer = Transfer.__new__(Transfer)  # the CUDA path's state, without a GPU
+    transfer._copy_stream = types.SimpleNamespace(synchronize=broken)
+    transfer._gpu_stream = types.SimpleNamespace(synchronize=broken)
+    transfer._free_after = [object(), object()]
+    transfer._chunks_in_flight = collections.deque([object()])
+    transfer._enqueue_chunks = lambda job: broken()  # type: ignore[method-assign]
+    job = CopyJob([7], True, np.arange(2), np.arange(2))
+    in_flight = transfer._enqueue_cuda(job)  # must not raise: the thread would die
+    assert in_flight.job is job and in_flight.done is None
+    assert job.error is not None and "illegal memory access" in job.error
+    assert transfer._free_after == [None, None] and not transfer._chunks_in_flight

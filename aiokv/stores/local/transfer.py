@@ -109,18 +109,20 @@ class Transfer:
             thread.join()
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        try:
+            while (job := self._jobs.get()) is not None:
+                if self._device.type == "cuda":
+                    self._in_flight.put(self._enqueue_cuda(job))
+                    continue
+                try:
+                    self._run_cpu(job)
+                except Exception as exc:  # reported as a FAILED task, never lost
+                    log.exception("aiokv copy job failed")
+                    job.error = repr(exc)
+                self._on_done(job)
+        finally:
             if self._device.type == "cuda":
-                self._in_flight.put(self._enqueue_cuda(job))
-                continue
-            try:
-                self._run_cpu(job)
-            except Exception as exc:  # reported as a FAILED task, never lost
-                log.exception("aiokv copy job failed")
-                job.error = repr(exc)
-            self._on_done(job)
-        if self._device.type == "cuda":
-            self._in_flight.put(None)
+                self._in_flight.put(None)  # whatever happened, the done thread ends
 
     def _complete(self) -> None:
         """Report CUDA jobs in the order they were queued, each once its last op ran."""
@@ -155,9 +157,14 @@ class Transfer:
         except Exception as exc:
             log.exception("aiokv copy job failed")
             job.error = repr(exc)
-            # Whatever was queued may still use the staging buffers: let it finish.
-            self._copy_stream.synchronize()
-            self._gpu_stream.synchronize()
+            # Whatever was queued may still use the staging buffers: let it finish. A
+            # broken context fails these too; then the next jobs fail in turn, each
+            # reported, and this thread lives on to answer them.
+            try:
+                self._copy_stream.synchronize()
+                self._gpu_stream.synchronize()
+            except Exception:
+                log.exception("aiokv: synchronizing the copy streams failed")
             self._free_after = [None, None]
             self._chunks_in_flight.clear()
             return _InFlight(job, None, None)
