@@ -177,7 +177,8 @@ class Batcher:
                     continue  # this window's requests left full; the newer ones get theirs
             elif not self._draining:
                 await asyncio.sleep(0)  # one loop iteration: let ready callers enqueue
-            self._plan_queue()
+            if self._queue:  # enqueue may have planned it all meanwhile
+                self._plan_queue()
 
     def _plan_queue(self) -> None:
         """Close the window: its requests become planned batches."""

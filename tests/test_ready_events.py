@@ -4,6 +4,7 @@ waits for (aiokv.requests.ReadyMarks and ready_events), with fake streams and ev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -137,3 +138,27 @@ async def test_the_batcher_closes_the_window_before_it_fuses_a_batch() -> None:
             Request(Kind.LOOKUP, "u", loop.create_future(), 16, None, ("u",), None, 0)
         )
     assert order == ["window closed", "fused", "submit 2"]
+
+
+@pytest.mark.asyncio
+async def test_a_window_emptied_by_a_full_batch_is_not_closed_again() -> None:
+    closed: list[int] = []
+    batcher = Batcher(
+        EngineConfig(window_us=0, max_batch_requests=2),
+        submit=lambda batch: None,
+        on_dropped=lambda r: None,
+        on_batch=lambda batch: None,
+        on_failed=lambda requests, exc: None,
+        on_window_closed=lambda: closed.append(1),
+    )
+    task = asyncio.get_running_loop().create_task(batcher.run())
+    loop = asyncio.get_running_loop()
+    batcher.enqueue(Request(Kind.LOOKUP, "u", loop.create_future(), 16, None, ("u",), None, 0))
+    await asyncio.sleep(0)  # the batcher wakes and waits one iteration for more
+    batcher.enqueue(Request(Kind.LOOKUP, "u", loop.create_future(), 16, None, ("u",), None, 0))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert len(closed) == 1  # the full batch's window, once (the events map kept)
