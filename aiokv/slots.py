@@ -63,10 +63,14 @@ class FusedPages:
         recovering page ids first when the device already expanded them."""
         if not self.expanded_page_size:
             return self.expand(self.wait(), page_size)
-        if page_size != self.expanded_page_size:
-            raise ValueError(f"slots were expanded for page size {self.expanded_page_size}")
         if self.copy_done is not None:
             self.copy_done.synchronize()
+        return self._device_slots(page_size)
+
+    def _device_slots(self, page_size: int) -> Int64Array:
+        """The slots the device expanded (valid once the copy landed)."""
+        if page_size != self.expanded_page_size:
+            raise ValueError(f"slots were expanded for page size {self.expanded_page_size}")
         slots: Int64Array = self.host.numpy()
         return slots
 
@@ -88,10 +92,7 @@ class FusedPages:
     def expand(self, pages: Int64Array, page_size: int) -> Int64Array:
         """Slots of every page: ``page * page_size + offset``, one op for the batch."""
         if self.expanded_page_size:
-            if page_size != self.expanded_page_size:
-                raise ValueError(f"slots were expanded for page size {self.expanded_page_size}")
-            slots: Int64Array = self.host.numpy()
-            return slots
+            return self._device_slots(page_size)
         offsets = np.arange(page_size, dtype=np.int64)
         pages = np.clip(pages, -1, _largest_page(page_size))  # see _largest_page
         return (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
@@ -264,7 +265,7 @@ def fuse_page_ids(
         if not page_ids:
             return FusedPages(torch.empty(0, dtype=torch.int64), counts, counts.copy(), None, 0)
         pinned, copy_done, starts = _fuse_on_device(
-            page_ids, pages_used, counts, stream, page_size
+            page_ids, pages_used, counts, stream, page_size, expand=page_size > 0
         )
         return FusedPages(pinned, starts, counts, copy_done, 1, expanded_page_size=page_size)
     on_host = [i for i, t in enumerate(page_ids) if t.is_cpu]
@@ -282,7 +283,8 @@ def fuse_page_ids(
         [pages_used[i] for i in on_device],
         counts[on_device],
         stream,
-        0,
+        page_size,
+        expand=False,  # the host part holds pages: the store thread expands both
     )
     starts[on_device] = device_starts
     starts[on_host] += pinned.shape[0]
@@ -302,19 +304,22 @@ def _fuse_on_device(
     counts: Int64Array,
     stream: Any,
     page_size: int,
+    expand: bool,
 ) -> tuple[torch.Tensor, Any, Int64Array]:
-    """One concat (and expansion, given ``page_size``) on ``stream`` and one copy to
-    pinned memory; returns the pinned tensor, its copy's event and each request's start
-    (in pages) in it."""
+    """One concat (and expansion to slots of ``page_size``, if ``expand``) on ``stream``
+    and one copy to pinned memory; returns the pinned tensor, its copy's event and each
+    request's start (in pages) in it."""
+    # Unused tails are weighed in slots either way: unexpanded, the host expands them.
     parts, starts, total = _device_parts(page_ids, pages_used, counts, page_size)
+    expand_to = page_size if expand else 0
     pinned = torch.empty(
-        total * page_size if page_size > 0 else total, dtype=torch.int64, pin_memory=True
+        total * expand_to if expand_to else total, dtype=torch.int64, pin_memory=True
     )
     if stream is None:
-        copy_done = _cat_expand_copy(parts, page_size, pinned)
+        copy_done = _cat_expand_copy(parts, expand_to, pinned)
     else:
         with torch.cuda.stream(stream):
-            copy_done = _cat_expand_copy(parts, page_size, pinned)
+            copy_done = _cat_expand_copy(parts, expand_to, pinned)
     return pinned, copy_done, starts
 
 
