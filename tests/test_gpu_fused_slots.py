@@ -34,6 +34,9 @@ def test_fused_slots_arrive_while_a_bulk_copy_to_the_host_runs() -> None:
     device = torch.device("cuda")
     if not slots_module._writes_host(device):
         pytest.skip("this device cannot write pinned memory from kernels (copy fallback)")
+    # Load the fused path's kernels first: lazy loading takes 20-30 ms on an H200, about
+    # as long as the bulk copy, and would make this a race.
+    slots_module.warm_up(device, PAGE_SIZE)
     bulk = torch.ones(1 << 30, dtype=torch.uint8, device=device)  # ~20 ms at 50 GiB/s
     bulk_host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     page_ids = [torch.randint(0, 10_000, (64,), device=device) for _ in range(64)]

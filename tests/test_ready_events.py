@@ -117,7 +117,13 @@ def test_a_failed_record_synchronizes_the_device_instead() -> None:
     assert fine.ready_event.records == [1]
 
 
-def test_no_events_without_a_gpu() -> None:
+def test_a_batch_waits_for_each_distinct_event_once_and_none_without_a_gpu() -> None:
+    rig = Rig()
+    on_one, on_two, again, plain = rig.submit(1), rig.submit(2), rig.submit(1), request()
+    assert ready_events([on_one, plain, again, on_two]) == [
+        on_one.ready_event,
+        on_two.ready_event,
+    ]  # first-seen order, one wait per event, none for a request without one
     assert ready_events([request(), request()]) == []
 
 
