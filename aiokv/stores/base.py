@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -58,7 +58,6 @@ class TaskResult:
     status: TaskStatus
     mask: BoolArray | None = None
     error: str = ""
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 class NoSpace(Exception):

@@ -426,8 +426,7 @@ class FlexKVStore:
                     mask = np.asarray(masks[index], dtype=np.bool_)
                 elif isinstance(masks, np.ndarray) and len(members) == 1:
                     mask = masks.astype(np.bool_, copy=False)
-                extra: dict[str, object] = {"flexkv_id": fid}
-                self._done[t] = TaskResult(status, mask, error, extra)
+                self._done[t] = TaskResult(status, mask, error)
 
     def _shutdown(self) -> None:
         manager, self._manager = self._manager, None
