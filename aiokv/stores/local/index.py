@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..base import Int64Array
+from .pool import as_index
 
 DIGEST_BYTES = 16
 # Keyed once; each key starts from a copy (cheaper than constructing with parameters).
@@ -192,12 +193,12 @@ class BlockIndex:
             space = self._spaces[namespace] = Space(namespace)
         block_list = blocks.tolist()
         space.update(zip(digests, block_list, strict=True))
-        self._count += len(block_list)
         n = len(block_list)
-        if n and block_list[-1] - block_list[0] == n - 1:  # one ascending run
-            first = block_list[0]
-            self._digest[first : first + n] = digests
-            self._space[first : first + n] = itertools.repeat(space, n)
+        self._count += n
+        run = as_index(blocks)
+        if isinstance(run, slice):  # one ascending run
+            self._digest[run] = digests
+            self._space[run] = itertools.repeat(space, n)
         else:
             deque(map(self._digest.__setitem__, block_list, digests), maxlen=0)
             deque(map(self._space.__setitem__, block_list, itertools.repeat(space)), maxlen=0)
