@@ -8,7 +8,8 @@ and the copy engine sees few, large transfers. Loads run the same pipeline in re
 (copy in, then scatter). The copy thread only enqueues: a second thread,
 ``aiokv-copy-done``, waits for each job's last event in order and reports it, so the next
 job's chunks are already queued on the GPU when one job ends (no drain between jobs),
-at most ``MAX_CHUNKS_IN_FLIGHT`` chunks ahead of the copy engine. On the CPU the same
+at most ``MAX_CHUNKS_IN_FLIGHT`` chunks ahead of the copy engine. A full chunk's per-layer
+gathers (or scatters) are one CUDA graph replay (:class:`LayerGraphs`). On the CPU the same
 chunks are gathered and scattered with torch ops, on the copy thread.
 """
 
@@ -70,6 +71,7 @@ class Transfer:
         kv_caches: Sequence[torch.Tensor],
         pool: HostPool,
         on_done: Callable[[CopyJob], None],
+        layer_graphs: bool = True,
     ) -> None:
         self._caches = list(kv_caches)
         self._pool = pool
@@ -93,6 +95,11 @@ class Transfer:
             self._gpu_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
             self._copy_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
             self._in_flight: queue.SimpleQueue[_InFlight | None] = queue.SimpleQueue()
+            self._graphs = (
+                LayerGraphs.capture(self._caches, self._staging, self._gpu_stream)
+                if layer_graphs
+                else None
+            )
             self._threads.append(
                 threading.Thread(target=self._complete, name="aiokv-copy-done", daemon=True)
             )
@@ -192,8 +199,11 @@ class Transfer:
                 with torch.cuda.stream(gpu):
                     if previous is not None:
                         gpu.wait_event(previous)
-                    for layer, cache in enumerate(self._caches):
-                        torch.index_select(cache, 0, run_pages, out=stage[:, layer])
+                    if self._graphs is not None and end - start == self._chunk_blocks:
+                        self._graphs.gather(which, run_pages)
+                    else:
+                        for layer, cache in enumerate(self._caches):
+                            torch.index_select(cache, 0, run_pages, out=stage[:, layer])
                     ready.record(gpu)
                 with torch.cuda.stream(copy):
                     copy.wait_event(ready)
@@ -207,8 +217,11 @@ class Transfer:
                     ready.record(copy)
                 with torch.cuda.stream(gpu):
                     gpu.wait_event(ready)
-                    for layer, cache in enumerate(self._caches):
-                        cache.index_copy_(0, run_pages, stage[:, layer])
+                    if self._graphs is not None and end - start == self._chunk_blocks:
+                        self._graphs.scatter(which, run_pages)
+                    else:
+                        for layer, cache in enumerate(self._caches):
+                            cache.index_copy_(0, run_pages, stage[:, layer])
                     done.record(gpu)
             self._free_after[which] = done
             self._chunks_in_flight.append(done)
@@ -217,6 +230,113 @@ class Transfer:
         last = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         last.record(copy if job.to_host else gpu)
         return _InFlight(job, last, pages)
+
+
+class LayerGraphs:
+    """CUDA graphs of one full chunk's per-layer gathers (offload) and scatters (load),
+    one of each per staging buffer, so that a chunk costs the copy thread two torch calls
+    (its page ids into a fixed index buffer, one replay) instead of one per layer.
+
+    Why: every torch call gives the GIL away and takes it back, and while the loop or the
+    store thread runs Python, each take can wait up to a switch interval (5 ms by
+    default). With one ``index_select`` per layer, a chunk of an 8-layer cache was 13
+    such calls, and the copy engine went idle while the copy thread queued for the GIL.
+
+    Captured once, at construction (before any job), from fixed buffers: ``index[s]``,
+    which a replay reads the chunk's page ids from, and staging buffer ``s``. Replays run
+    on the gather stream like the eager ops they replace, in the same order; partial
+    chunks (a run's tail) still run the eager ops.
+    """
+
+    def __init__(
+        self,
+        index: list[torch.Tensor],
+        gathers: list[Any],
+        scatters: list[Any],
+    ) -> None:
+        self._index = index
+        self._gathers = gathers
+        self._scatters = scatters
+
+    @classmethod
+    def capture(
+        cls,
+        caches: Sequence[torch.Tensor],
+        staging: Sequence[torch.Tensor],
+        stream: Any,
+    ) -> LayerGraphs | None:
+        """The graphs, or None (with a warning) where capture fails: the eager ops then
+        run every chunk, correct and slower."""
+        device = caches[0].device
+        chunk_blocks = staging[0].shape[0]
+        stages = range(len(staging))
+        try:
+            with torch.cuda.stream(stream):
+                index = [
+                    torch.zeros(chunk_blocks, dtype=torch.int64, device=device) for _ in staging
+                ]
+                # Capture records kernels without running them, and cannot load them: run
+                # each op once first. Gathers read page 0 into staging; scatters go to a
+                # scratch page, never into the caches (their pages may be live).
+                scratch = torch.empty(
+                    (1, *caches[0].shape[1:]), dtype=caches[0].dtype, device=device
+                )
+                for layer, cache in enumerate(caches):
+                    torch.index_select(cache, 0, index[0], out=staging[0][:, layer])
+                    scratch.index_copy_(0, index[0][:1], staging[0][:1, layer])
+                stream.synchronize()
+                gathers = [_capture(_gather_ops(caches, index[s], staging[s])) for s in stages]
+                scatters = [_capture(_scatter_ops(caches, index[s], staging[s])) for s in stages]
+        except Exception:
+            log.warning(
+                "aiokv: capturing the per-layer copy graphs failed; each chunk runs one "
+                "op per layer instead (slower under GIL contention)",
+                exc_info=True,
+            )
+            return None
+        return cls(index, gathers, scatters)
+
+    def gather(self, stage: int, pages: torch.Tensor) -> None:
+        """Enqueue, on the current stream, staging[stage][i, layer] = cache[layer][pages[i]]."""
+        self._index[stage].copy_(pages, non_blocking=True)
+        self._gathers[stage].replay()
+
+    def scatter(self, stage: int, pages: torch.Tensor) -> None:
+        """Enqueue, on the current stream, cache[layer][pages[i]] = staging[stage][i, layer]."""
+        self._index[stage].copy_(pages, non_blocking=True)
+        self._scatters[stage].replay()
+
+
+def _gather_ops(
+    caches: Sequence[torch.Tensor], index: torch.Tensor, stage: torch.Tensor
+) -> Callable[[], None]:
+    def gather() -> None:
+        for layer, cache in enumerate(caches):
+            torch.index_select(cache, 0, index, out=stage[:, layer])
+
+    return gather
+
+
+def _scatter_ops(
+    caches: Sequence[torch.Tensor], index: torch.Tensor, stage: torch.Tensor
+) -> Callable[[], None]:
+    def scatter() -> None:
+        for layer, cache in enumerate(caches):
+            cache.index_copy_(0, index, stage[:, layer])
+
+    return scatter
+
+
+def _capture(ops: Callable[[], None]) -> Any:
+    """A CUDA graph of ``ops`` captured on the current stream. Thread-local mode: other
+    threads (the event loop's kernels, the store thread) may use CUDA meanwhile."""
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(capture_error_mode="thread_local")
+    try:
+        ops()
+    finally:
+        graph.capture_end()
+    return graph
 
 
 @dataclass(slots=True)
