@@ -51,6 +51,16 @@ def plan_batches(
     """Partition queued requests into batches: by kind (GET kinds before PUT), in arrival
     order, each within ``max_requests`` and ``max_tokens``. A request larger than
     ``max_tokens`` forms a batch of its own. Pure: no loop, no GPU, no store."""
+    requests = list(requests)
+    if requests:  # the usual window: one kind, within both limits, so one batch
+        kind, tokens = requests[0].kind, 0
+        for request in requests:
+            if request.kind is not kind:
+                break
+            tokens += request.num_tokens
+        else:
+            if len(requests) <= max_requests and tokens <= max_tokens:
+                return [(kind, requests)]
     by_kind: dict[Kind, list[Request]] = {kind: [] for kind in Kind}
     for request in requests:
         by_kind[request.kind].append(request)

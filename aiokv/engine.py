@@ -55,6 +55,9 @@ log = logging.getLogger("aiokv")
 T = TypeVar("T")
 
 _RESOLVE_CHUNK = 512  # outcomes resolved per loop callback, to keep the loop responsive
+# Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-call paths
+# read them from here.
+_OFFLOAD, _LOAD = Kind.OFFLOAD, Kind.LOAD
 
 
 class EngineState(enum.Enum):
@@ -62,6 +65,9 @@ class EngineState(enum.Enum):
     RUNNING = "running"
     DRAINING = "draining"
     CLOSED = "closed"
+
+
+_RUNNING = EngineState.RUNNING  # read per call: see _OFFLOAD
 
 
 class OffloadEngine:
@@ -252,7 +258,7 @@ class OffloadEngine:
         self._check_running()
         pages = validate.page_ids(page_ids, self._device)
         num_tokens = validate.num_tokens(num_tokens)
-        if num_tokens > pages.shape[0] * self._page_size:
+        if num_tokens > pages.numel() * self._page_size:  # 1-D: numel() is shape[0]
             raise InvalidRequest(
                 "num_tokens",
                 f"{num_tokens} tokens do not fit in {pages.shape[0]} pages of {self._page_size}",
@@ -262,7 +268,7 @@ class OffloadEngine:
         # (slots.FusedPages.bad_requests): GPU values cannot be read here, and a per-call
         # min/max would cost more than the rest of the submit path.
         request = self._new_request(
-            Kind.OFFLOAD, user_id, num_tokens, token_ids, namespace, pages, pages_used
+            _OFFLOAD, user_id, num_tokens, token_ids, namespace, pages, pages_used
         )
         result: OffloadResult = await self._run(request)
         return result
@@ -299,7 +305,7 @@ class OffloadEngine:
             )
         task_id, mask = hit._consume()
         request = self._new_request(
-            Kind.LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed
+            _LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed
         )
         request.lookup, request.task_id, request.mask = hit, task_id, mask
         result: LoadResult = await self._run(request)
@@ -308,7 +314,7 @@ class OffloadEngine:
     # ---- validation (shapes and dtypes only: never reads GPU values) -------------------
 
     def _check_running(self) -> None:
-        if self._state is not EngineState.RUNNING:
+        if self._state is not _RUNNING:
             raise EngineClosed(f"engine is {self._state.value}")
 
     def _new_request(
@@ -328,16 +334,13 @@ class OffloadEngine:
                 "user_id", f"must be hashable, got {type(user_id).__name__}"
             ) from exc
         assert self._loop is not None
-        tokens = None if kind is Kind.LOAD else validate.token_ids(token_ids, num_tokens)
-        request = Request(
-            kind=kind,
-            user_id=user_id,
-            future=self._loop.create_future(),
-            num_tokens=num_tokens,
-            token_ids=tokens,
-            namespace=() if kind is Kind.LOAD else validate.namespace(namespace, user_id),
-            page_ids=pages,
-            pages_used=pages_used,
+        names: tuple[str, ...] = ()
+        tokens = None
+        if kind is not _LOAD:
+            tokens = validate.token_ids(token_ids, num_tokens)
+            names = validate.namespace(namespace, user_id)
+        request = Request(  # positional: keywords cost 0.3 us more per call
+            kind, user_id, self._loop.create_future(), num_tokens, tokens, names, pages, pages_used
         )
         if self._ready_marks is not None and pages is not None:
             # The copy starts after the caller's stream gets at least this far (waited

@@ -261,15 +261,21 @@ def fuse_page_ids(
     tail), so the host copy may hold pages no request owns between requests.
     """
     counts = np.array(pages_used, dtype=np.int64)
-    if not any(t.is_cpu for t in page_ids):  # all on the device, the usual case
+    is_cpu = [t.is_cpu for t in page_ids]
+    if not any(is_cpu):  # all on the device, the usual case
         if not page_ids:
             return FusedPages(torch.empty(0, dtype=torch.int64), counts, counts.copy(), None, 0)
         pinned, copy_done, starts = _fuse_on_device(
             page_ids, pages_used, counts, stream, page_size, expand=page_size > 0
         )
         return FusedPages(pinned, starts, counts, copy_done, 1, expanded_page_size=page_size)
-    on_host = [i for i, t in enumerate(page_ids) if t.is_cpu]
-    on_device = [i for i, t in enumerate(page_ids) if not t.is_cpu]
+    if all(is_cpu):  # all on the host: the general case below, without its indexing
+        host = torch.cat([_head(t, n) for t, n in zip(page_ids, pages_used, strict=True)])  # a copy
+        if host.dtype != torch.int64:
+            host = host.to(torch.int64)
+        return FusedPages(host, np.cumsum(counts) - counts, counts, None, 0)
+    on_host = [i for i, cpu in enumerate(is_cpu) if cpu]
+    on_device = [i for i, cpu in enumerate(is_cpu) if not cpu]
     starts = np.empty(len(page_ids), dtype=np.int64)
     host_part = torch.cat([_head(page_ids[i], pages_used[i]) for i in on_host])  # a copy
     if host_part.dtype != torch.int64:
@@ -480,4 +486,4 @@ def warm_up(device: torch.device, page_size: int, stream: Any = None) -> None:
 
 def _head(pages: torch.Tensor, used: int) -> torch.Tensor:
     """The first ``used`` page ids; no slice op (a few µs each) when all are used."""
-    return pages if used == pages.shape[0] else pages[:used]
+    return pages if used == pages.numel() else pages[:used]  # 1-D: numel() is shape[0]
