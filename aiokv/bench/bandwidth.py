@@ -86,7 +86,9 @@ HELPS = {
     "tokens": "tokens per user",
     "repeats": "timed batches per row (median reported)",
     "warmup": "untimed batches per row first",
-    "cpu_cache_gb": "LocalStore size in GiB (0: one and a half of the largest batch)",
+    "cpu_cache_gb": "LocalStore size in GiB (0: room for a stream of the largest batch, "
+    "(stream_batches + 0.5) x its size; a stream's batches are all stored before they are "
+    "loaded back, so a smaller store fails with StoreFull)",
     "switch_interval_us": "sys.setswitchinterval while measuring (0: Python's 5 ms); the "
     "copy thread re-takes the GIL after every torch call, so this bounds its waits",
     "batch_requests": "engine max_batch_requests (0: all users in one store round; smaller "
