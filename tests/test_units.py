@@ -17,8 +17,9 @@ from aiokv.batcher import plan_batches
 from aiokv.config import parse_config
 from aiokv.requests import Kind, Request
 from aiokv.slots import FusedPages, fuse_page_ids, select_slots
+from aiokv.stores.local import transfer
 from aiokv.stores.local.index import chain_digests
-from aiokv.stores.local.transfer import contiguous_runs
+from aiokv.stores.local.transfer import contiguous_runs, in_host_order
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -267,6 +268,19 @@ def test_contiguous_runs_split_at_gaps_and_chunk_size() -> None:
     assert contiguous_runs(blocks, max_len=3) == [(0, 3), (3, 4), (4, 6), (6, 7)]
 
 
+def test_in_host_order_joins_descending_pieces_and_keeps_the_pairs() -> None:
+    pages = np.array([10, 11, 12, 13, 20, 21, 22, 23], dtype=np.int64)
+    blocks = np.array([4, 5, 6, 7, 0, 1, 2, 3], dtype=np.int64)
+    sorted_pages, sorted_blocks = in_host_order(pages, blocks)
+    assert sorted_blocks.tolist() == list(range(8))
+    assert dict(zip(sorted_blocks.tolist(), sorted_pages.tolist(), strict=True)) == dict(
+        zip(blocks.tolist(), pages.tolist(), strict=True)
+    )
+    assert contiguous_runs(sorted_blocks, max_len=8) == [(0, 8)]
+    ascending = np.arange(5, dtype=np.int64)
+    assert in_host_order(pages[:5], ascending)[1] is ascending  # already in order: as is
+
+
 # ---- index --------------------------------------------------------------------------
 
 
@@ -329,6 +343,46 @@ def test_local_store_evicts_least_recent_tails_first() -> None:
     task, mask = store.get_match(tokens, ["a"])
     assert mask.sum() == 2 * PAGE_SIZE
     store.cancel([task])
+    store.close()
+
+
+def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The LRU gives each short request the next piece of the old sequence, tail first,
+    # so the batch's blocks descend request by request; the copy must see one run.
+    caches = make_caches(pages=64)
+    block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=8 * block_bytes / (1 << 30)))
+    store.register(caches)
+    long = np.arange(8 * PAGE_SIZE, dtype=np.int64)
+    task, mask = store.put_match(long, ["old"])
+    store.launch([task], [np.arange(mask.sum(), dtype=np.int64)])
+    _wait(store, [task])
+    runs: list[list[tuple[int, int]]] = []
+
+    def recording_runs(host_blocks: np.ndarray, max_len: int) -> list[tuple[int, int]]:
+        runs.append(contiguous_runs(host_blocks, max_len))
+        return runs[-1]
+
+    monkeypatch.setattr(transfer, "contiguous_runs", recording_runs)
+    short = np.arange(4 * PAGE_SIZE, dtype=np.int64)
+    ids, slots = [], []
+    for user, first_page in (("a", 16), ("b", 32)):
+        task, mask = store.put_match(short, [user])
+        ids.append(task)
+        slots.append(np.arange(first_page * PAGE_SIZE, (first_page + 4) * PAGE_SIZE))
+    store.launch(ids, slots)
+    assert all(r.status is aiokv.TaskStatus.SUCCESS for r in _wait(store, ids).values())
+    assert runs == [[(0, 8)]]
+    for user, first_page in (("a", 16), ("b", 32)):  # each request's pages, not swapped
+        task, mask = store.get_match(short, [user])
+        assert mask.all()
+        target = np.arange(40 * PAGE_SIZE, 44 * PAGE_SIZE)
+        store.launch([task], [target])
+        _wait(store, [task])
+        for cache in caches:
+            assert torch.equal(cache[40:44], cache[first_page : first_page + 4])
     store.close()
 
 
