@@ -110,6 +110,31 @@ def test_plan_puts_gets_first_and_respects_limits() -> None:
     assert plan[2][1] == [queue[0], queue[2]]  # arrival order kept
 
 
+@pytest.mark.parametrize(
+    ("count", "tokens", "expected"),
+    [
+        (0, 10, []),
+        (3, 10, [[10, 10, 10]]),  # exactly at max_requests: one batch (the fast path)
+        (2, 15, [[15, 15]]),  # exactly at max_tokens: one batch
+        (4, 10, [[10, 10, 10], [10]]),  # over max_requests
+        (3, 11, [[11, 11], [11]]),  # over max_tokens
+        (1, 31, [[31]]),  # one request over max_tokens: a batch of its own
+    ],
+)
+def test_plan_of_one_kind_at_and_over_the_limits(
+    count: int, tokens: int, expected: list[list[int]]
+) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        queue = [_request(Kind.OFFLOAD, tokens, loop) for _ in range(count)]
+        plan = plan_batches(queue, max_requests=3, max_tokens=30)
+    finally:
+        loop.close()
+    assert [[r.num_tokens for r in rs] for _, rs in plan] == expected
+    assert all(kind is Kind.OFFLOAD for kind, _ in plan)
+    assert [r for _, rs in plan for r in rs] == queue  # arrival order, nothing lost
+
+
 # ---- slots --------------------------------------------------------------------------
 
 
@@ -281,6 +306,21 @@ def test_in_host_order_joins_descending_pieces_and_keeps_the_pairs() -> None:
     assert in_host_order(pages[:5], ascending)[1] is ascending  # already in order: as is
 
 
+def test_in_host_order_keeps_repeated_blocks_in_whole_passes() -> None:
+    # Two loads of one shared prefix, each handed out in two descending pieces: one pass
+    # per load, not [5, 5, 6, 6, ...], which would be a run per block.
+    blocks = np.array([7, 8, 5, 6, 7, 8, 5, 6], dtype=np.int64)
+    pages = np.arange(8, dtype=np.int64)
+    sorted_pages, sorted_blocks = in_host_order(pages, blocks)
+    assert sorted_blocks.tolist() == [5, 6, 7, 8, 5, 6, 7, 8]
+    assert sorted(zip(sorted_blocks.tolist(), sorted_pages.tolist(), strict=True)) == sorted(
+        zip(blocks.tolist(), pages.tolist(), strict=True)
+    )
+    assert len(contiguous_runs(sorted_blocks, max_len=8)) == 2
+    shared = np.array([5, 6, 7, 5, 6, 7], dtype=np.int64)
+    assert in_host_order(pages[:6], shared)[1].tolist() == shared.tolist()
+
+
 # ---- index --------------------------------------------------------------------------
 
 
@@ -375,6 +415,19 @@ def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run
     store.launch(ids, slots)
     assert all(r.status is aiokv.TaskStatus.SUCCESS for r in _wait(store, ids).values())
     assert runs == [[(0, 8)]]
+    # Three loads of one stored prefix in one launch share its blocks: one run each.
+    runs.clear()
+    ids, slots = [], []
+    for target in (40, 48, 56):
+        task, mask = store.get_match(short, ["a"])
+        ids.append(task)
+        slots.append(np.arange(target * PAGE_SIZE, (target + 4) * PAGE_SIZE))
+    store.launch(ids, slots)
+    assert all(r.status is aiokv.TaskStatus.SUCCESS for r in _wait(store, ids).values())
+    assert len(runs) == 1 and len(runs[0]) == 3, runs
+    for cache in caches:
+        for target in (40, 48, 56):
+            assert torch.equal(cache[target : target + 4], cache[16:20])
     for user, first_page in (("a", 16), ("b", 32)):  # each request's pages, not swapped
         task, mask = store.get_match(short, [user])
         assert mask.all()

@@ -9,8 +9,9 @@ and the copy engine sees few, large transfers. Loads run the same pipeline in re
 ``aiokv-copy-done``, waits for each job's last event in order and reports it, so the next
 job's chunks are already queued on the GPU when one job ends (no drain between jobs),
 at most ``MAX_CHUNKS_IN_FLIGHT`` chunks ahead of the copy engine. A full chunk's per-layer
-gathers (or scatters) are one CUDA graph replay (:class:`LayerGraphs`). On the CPU the same
-chunks are gathered and scattered with torch ops, on the copy thread.
+gathers (or scatters) are one CUDA graph replay (:class:`LayerGraphs`) where capture
+succeeded, and a job's pages go in host-block order (:func:`in_host_order`). On the CPU
+the same chunks are gathered and scattered with torch ops, on the copy thread.
 """
 
 from __future__ import annotations
@@ -51,23 +52,34 @@ class CopyJob:
 
 
 def in_host_order(gpu_pages: Int64Array, host_blocks: Int64Array) -> tuple[Int64Array, Int64Array]:
-    """The (gpu page, host block) pairs sorted by host block.
+    """The (gpu page, host block) pairs in host-block order, repeated blocks (loads of
+    one shared prefix into several requests' pages) as one ascending pass per repeat.
 
-    Pairs are independent, so any order moves the same bytes. In host order, the blocks a
-    batch took in pieces become one run again: when the LRU frees an old, longer
-    sequence for shorter requests, it gives each request the next piece of that
-    sequence from its tail (tails are evicted first), so in request order a batch's blocks
-    descend piece by piece, one run per request; sorted, they ascend as one. Fewer runs
-    mean fewer, larger copies, and full chunks for the graph path."""
+    Pairs are independent (a job never writes one GPU page or one host block twice), so
+    any order moves the same bytes. In host order, the blocks a batch took in pieces
+    become one run again: when the LRU frees an old, longer sequence for shorter
+    requests, it gives each request the next piece of that sequence from its tail (tails
+    are evicted first), so in request order a batch's blocks descend piece by piece, one
+    run per request; sorted, they ascend as one. Fewer runs mean fewer, larger copies,
+    and full chunks for the graph path."""
     if len(host_blocks) < 2 or not (host_blocks[1:] < host_blocks[:-1]).any():
         return gpu_pages, host_blocks
     order = np.argsort(host_blocks, kind="stable")
+    ordered = host_blocks[order]
+    first = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    if len(first) < len(ordered):
+        # Repeats: sorting by block alone would interleave them ([5, 5, 6, 6]) and cut
+        # every run to one block. Sort by (occurrence, block) instead: [5, 6, 5, 6].
+        sizes = np.diff(np.concatenate((first, [len(ordered)])))
+        occurrence = np.empty(len(ordered), dtype=np.int64)
+        occurrence[order] = np.arange(len(ordered)) - np.repeat(first, sizes)
+        order = np.lexsort((host_blocks, occurrence))
     return gpu_pages[order], host_blocks[order]
 
 
 def contiguous_runs(host_blocks: Int64Array, max_len: int) -> list[tuple[int, int]]:
     """Split positions ``[0, n)`` into (start, end) ranges whose host blocks are
-    consecutive and at most ``max_len`` long. ``host_blocks`` must be in job order."""
+    consecutive and at most ``max_len`` long, in the order given (the copy order)."""
     n = len(host_blocks)
     if n == 0:
         return []
