@@ -16,7 +16,7 @@ from aiokv.stores.local.transfer import CopyJob, Transfer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-LAYERS, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 3, 64, 16, 2, 64
+LAYERS, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 3, 128, 16, 2, 64
 BLOCK_SHAPE = (LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM)
 CHUNK_BLOCKS = 4
 
@@ -27,9 +27,23 @@ def run(transfer_: Transfer, done: queue.SimpleQueue[CopyJob], job: CopyJob) -> 
     assert finished is job and job.error is None, job.error
 
 
+def runs_and_tails() -> np.ndarray:
+    # Blocks 3..13 are one run: chunks of 4, 4, then a tail of 3; blocks 20..22 and 25
+    # are a second and third run, tails only.
+    return np.concatenate([np.arange(3, 14), np.arange(20, 23), [25]])
+
+
+def descending_pieces() -> np.ndarray:
+    # As the LRU hands out an old sequence's pieces, tail first: 40 blocks that copy in
+    # host order as ten full chunks, more than MAX_CHUNKS_IN_FLIGHT, so each stage's
+    # index buffer is rewritten while earlier replays may still be queued.
+    return np.concatenate([np.arange(start, start + 4) for start in range(36, -1, -4)])
+
+
+@pytest.mark.parametrize("blocks", [runs_and_tails(), descending_pieces()], ids=["runs", "pieces"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_full_chunks_and_tails_move_every_page_whole(
-    monkeypatch: pytest.MonkeyPatch, graphs: bool
+def test_chunks_move_every_page_whole(
+    monkeypatch: pytest.MonkeyPatch, graphs: bool, blocks: np.ndarray
 ) -> None:
     device = torch.device("cuda")
     block_bytes = int(np.prod(BLOCK_SHAPE)) * 2
@@ -41,30 +55,33 @@ def test_full_chunks_and_tails_move_every_page_whole(
         )
         for _ in range(LAYERS)
     ]
-    pool = HostPool(32, BLOCK_SHAPE, torch.bfloat16, pin=True)
+    pristine = [cache.clone() for cache in caches]
+    pool = HostPool(48, BLOCK_SHAPE, torch.bfloat16, pin=True)
     done: queue.SimpleQueue[CopyJob] = queue.SimpleQueue()
     copier = Transfer(caches, pool, done.put, layer_graphs=graphs)
     try:
         assert (copier._graphs is not None) is graphs, "graph capture failed (see the log)"
+        torch.cuda.synchronize()
+        assert all(torch.equal(c, p) for c, p in zip(caches, pristine, strict=True)), (
+            "building the copier (its warm-up and capture) wrote into the caches"
+        )
         order = np.random.default_rng(3).permutation(PAGES)
-        sources, targets = order[:11], order[11:22]
-        # Blocks 3..13 are one run: chunks of 4, 4, then a tail of 3; blocks 20..22 and
-        # 25 are a second and third run, tails only.
-        blocks = np.concatenate([np.arange(3, 14), np.arange(20, 23), [25]])
-        sources = np.concatenate([sources, order[22:26]])
-        targets = np.concatenate([targets, order[26:30]])
-        run(copier, done, CopyJob([1], True, sources.astype(np.int64), blocks.astype(np.int64)))
+        n = len(blocks)
+        sources, targets = order[:n], order[n : 2 * n]
+        blocks = blocks.astype(np.int64)
+        run(copier, done, CopyJob([1], True, sources.astype(np.int64), blocks))
         for page, block in zip(sources.tolist(), blocks.tolist(), strict=True):
             for layer, cache in enumerate(caches):
                 assert torch.equal(pool.data[block, layer], cache[page].cpu()), (page, layer)
 
         before = [cache.clone() for cache in caches]
-        run(copier, done, CopyJob([2], False, targets.astype(np.int64), blocks.astype(np.int64)))
+        run(copier, done, CopyJob([2], False, targets.astype(np.int64), blocks))
+        on_device = {name: torch.from_numpy(ids).to(device) for name, ids in
+                     (("sources", sources), ("targets", targets))}
         untouched = torch.ones(PAGES, dtype=torch.bool, device=device)
-        untouched[torch.from_numpy(targets).to(device)] = False
+        untouched[on_device["targets"]] = False
         for layer, cache in enumerate(caches):
-            assert torch.equal(cache[torch.from_numpy(targets).to(device)],
-                               before[layer][torch.from_numpy(sources).to(device)])
+            assert torch.equal(cache[on_device["targets"]], before[layer][on_device["sources"]])
             assert torch.equal(cache[untouched], before[layer][untouched])
     finally:
         copier.close()
