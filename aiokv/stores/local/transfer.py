@@ -208,10 +208,16 @@ class Transfer:
         pool = self._pool.data
         gpu, copy = self._gpu_stream, self._copy_stream
         gpu_pages, host_blocks = in_host_order(job.gpu_pages, job.host_blocks)
+        # Pinned first: to stage a copy from pageable memory, the driver may synchronize
+        # with the stream (CUDA's "API synchronization behavior"), and the gather stream
+        # holds the previous job's queued chunks: this thread would wait for them to
+        # drain, and the GPU would idle at the job boundary. From pinned memory the copy
+        # is queued like the rest (torch's pinned allocator keeps the buffer until it ran).
+        host_pages = torch.from_numpy(gpu_pages).pin_memory()
         with torch.cuda.stream(gpu):
             # Allocated on (and only used on) the gather stream, so the caching allocator
             # cannot hand this memory out again before those kernels ran.
-            pages = torch.from_numpy(gpu_pages).to(self._device, non_blocking=True)
+            pages = host_pages.to(self._device, non_blocking=True)
         for start, end in contiguous_runs(host_blocks, self._chunk_blocks):
             which = self._next_stage
             self._next_stage ^= 1
