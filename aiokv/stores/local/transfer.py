@@ -17,6 +17,7 @@ the same chunks are gathered and scattered with torch ops, on the copy thread.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import queue
 import threading
@@ -178,11 +179,10 @@ class Transfer:
             first = int(host_blocks[start])
             host = pool[first : first + end - start]
             run_pages = pages[start:end]
-            for layer, cache in enumerate(self._caches):
-                if job.to_host:
-                    torch.index_select(cache, 0, run_pages, out=host[:, layer])
-                else:
-                    cache.index_copy_(0, run_pages, host[:, layer])
+            if job.to_host:
+                gather_layers(self._caches, run_pages, host)
+            else:
+                scatter_layers(self._caches, run_pages, host)
 
     def _enqueue_cuda(self, job: CopyJob) -> _InFlight:
         """Queue every chunk of ``job`` on the two streams without waiting for the GPU;
@@ -237,8 +237,7 @@ class Transfer:
                     if self._graphs is not None and end - start == self._chunk_blocks:
                         self._graphs.gather(which, run_pages)
                     else:
-                        for layer, cache in enumerate(self._caches):
-                            torch.index_select(cache, 0, run_pages, out=stage[:, layer])
+                        gather_layers(self._caches, run_pages, stage)
                     ready.record(gpu)
                 with torch.cuda.stream(copy):
                     copy.wait_event(ready)
@@ -255,8 +254,7 @@ class Transfer:
                     if self._graphs is not None and end - start == self._chunk_blocks:
                         self._graphs.scatter(which, run_pages)
                     else:
-                        for layer, cache in enumerate(self._caches):
-                            cache.index_copy_(0, run_pages, stage[:, layer])
+                        scatter_layers(self._caches, run_pages, stage)
                     done.record(gpu)
             self._free_after[which] = done
             self._chunks_in_flight.append(done)
@@ -316,12 +314,17 @@ class LayerGraphs:
                 scratch = torch.empty(
                     (1, *caches[0].shape[1:]), dtype=caches[0].dtype, device=device
                 )
-                for layer, cache in enumerate(caches):
-                    torch.index_select(cache, 0, index[0], out=staging[0][:, layer])
-                    scratch.index_copy_(0, index[0][:1], staging[0][:1, layer])
+                gather_layers(caches, index[0], staging[0])
+                scatter_layers([scratch] * len(caches), index[0][:1], staging[0][:1])
                 stream.synchronize()
-                gathers = [_capture(_gather_ops(caches, index[s], staging[s])) for s in stages]
-                scatters = [_capture(_scatter_ops(caches, index[s], staging[s])) for s in stages]
+                gathers = [
+                    _capture(functools.partial(gather_layers, caches, index[s], staging[s]))
+                    for s in stages
+                ]
+                scatters = [
+                    _capture(functools.partial(scatter_layers, caches, index[s], staging[s]))
+                    for s in stages
+                ]
         except Exception:
             log.warning(
                 "aiokv: capturing the per-layer copy graphs failed; each chunk runs one "
@@ -342,24 +345,20 @@ class LayerGraphs:
         self._scatters[stage].replay()
 
 
-def _gather_ops(
-    caches: Sequence[torch.Tensor], index: torch.Tensor, stage: torch.Tensor
-) -> Callable[[], None]:
-    def gather() -> None:
-        for layer, cache in enumerate(caches):
-            torch.index_select(cache, 0, index, out=stage[:, layer])
-
-    return gather
+def gather_layers(
+    caches: Sequence[torch.Tensor], pages: torch.Tensor, blocks: torch.Tensor
+) -> None:
+    """``blocks[i, layer] = caches[layer][pages[i]]``: one op per layer."""
+    for layer, cache in enumerate(caches):
+        torch.index_select(cache, 0, pages, out=blocks[:, layer])
 
 
-def _scatter_ops(
-    caches: Sequence[torch.Tensor], index: torch.Tensor, stage: torch.Tensor
-) -> Callable[[], None]:
-    def scatter() -> None:
-        for layer, cache in enumerate(caches):
-            cache.index_copy_(0, index, stage[:, layer])
-
-    return scatter
+def scatter_layers(
+    caches: Sequence[torch.Tensor], pages: torch.Tensor, blocks: torch.Tensor
+) -> None:
+    """``caches[layer][pages[i]] = blocks[i, layer]``: one op per layer."""
+    for layer, cache in enumerate(caches):
+        cache.index_copy_(0, pages, blocks[:, layer])
 
 
 def _capture(ops: Callable[[], None]) -> Any:
