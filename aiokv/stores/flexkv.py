@@ -335,18 +335,16 @@ class FlexKVStore:
             else:
                 self._members[ids[0]] = ids
                 self._owner[ids[0]] = ids[0]
-        for task_id in empty:  # nothing to move: FlexKV already finished it; release it
+        if empty:  # nothing to move: FlexKV already finished them; release them
+            manager.cancel(empty)
+        for task_id in empty:
             del self._kind[task_id]
-            manager.cancel([task_id])
             self._done[task_id] = TaskResult(TaskStatus.SUCCESS, self._mask.pop(task_id))
 
     def _fail_matched(self, task_ids: list[int], error: str) -> None:
         """Roll back matched ids and answer them FAILED through try_wait."""
-        for t in task_ids:
-            del self._kind[t]
-            self._mask.pop(t, None)
         try:
-            self._live().cancel(task_ids)
+            self.cancel(task_ids)
         except Exception:
             log.exception("aiokv: FlexKV cancel of %s failed", task_ids)
         for t in task_ids:
