@@ -54,7 +54,7 @@ _NO_MASK = np.zeros(0, dtype=np.bool_)  # select()'s placeholder for a request n
 _WAKE = object()  # a task may have ended: poll the store
 # Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-request
 # paths read them from here.
-_OFFLOAD, _LOAD, _SUCCESS = Kind.OFFLOAD, Kind.LOAD, TaskStatus.SUCCESS
+_OFFLOAD, _SUCCESS = Kind.OFFLOAD, TaskStatus.SUCCESS
 
 
 class StoreWorker:
@@ -76,6 +76,7 @@ class StoreWorker:
         self._loop = loop
         self._deliver = deliver
         self._num_pages = num_pages
+        self._page_size = 0  # the store's, read once it is registered
         self._poll_interval_s = poll_interval_us / 1e6
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._accepting = True
@@ -130,6 +131,7 @@ class StoreWorker:
             self._registered.set_exception(exc)
             self._close_store()
             return
+        self._page_size = self._store.page_size
         # A store that can say when a task may have ended (LocalStore's copy thread)
         # wakes this thread through the inbox; others are polled every poll_interval_us.
         set_notify = getattr(self._store, "set_notify", None)
@@ -229,7 +231,7 @@ class StoreWorker:
             # event (waited on by fused.wait) fires after them.
             for event in ready_events(batch.requests):
                 event.synchronize()
-        page_size = self._store.page_size
+        page_size = self._page_size
         slots = fused.wait_slots(page_size)
         bad = set(fused.bad_requests(slots, self._num_pages, page_size).tolist())
         requests = batch.requests
@@ -242,7 +244,7 @@ class StoreWorker:
             if index in bad:
                 self._outbox.append((request, InvalidRequest(
                     "page_ids", f"holds a page id outside [0, {self._num_pages})")))
-                if request.kind is _LOAD and request.task_id is not None:
+                if not offload and request.task_id is not None:
                     self._reserved.discard(request.task_id)
                     to_cancel.append(request.task_id)
                 continue
@@ -280,7 +282,7 @@ class StoreWorker:
             moved = len(request_slots)  # the mask's True positions
             if moved == 0:
                 to_cancel.append(task_id)
-                self._outbox.append((request, self._success(request, 0, page_size)))
+                self._outbox.append((request, self._success(request, 0)))
                 continue
             launch_ids.append(task_id)
             launch_slots.append(request_slots)
@@ -325,15 +327,15 @@ class StoreWorker:
             self._outbox.extend((r, error) for r in self._launched.values())
             self._launched.clear()
             return
-        launched, page_size = self._launched, self._store.page_size
+        launched = self._launched
         for task_id, result in results.items():
             request = launched.pop(task_id, None)
             if request is None:
                 log.warning("store answered unknown task id %s", task_id)
                 continue
-            self._outbox.append((request, self._outcome(request, result, page_size)))
+            self._outbox.append((request, self._outcome(request, result)))
 
-    def _outcome(self, request: Request, result: TaskResult, page_size: int) -> object:
+    def _outcome(self, request: Request, result: TaskResult) -> object:
         if result.status is _SUCCESS:
             # A store may report the moved positions itself (FlexKV's per-sub-task masks).
             mask = result.mask
@@ -342,13 +344,14 @@ class StoreWorker:
                 if mask is None or mask is request.mask
                 else int(np.count_nonzero(mask))
             )
-            return self._success(request, moved, page_size)
+            return self._success(request, moved)
         if result.status is TaskStatus.CANCELLED:
             return StoreError(f"the store cancelled task {request.task_id}: {result.error}")
         return StoreError(f"task {request.task_id} failed in the store: {result.error}")
 
-    def _success(self, request: Request, moved: int, page_size: int) -> object:
+    def _success(self, request: Request, moved: int) -> object:
         if request.kind is _OFFLOAD:
+            page_size = self._page_size
             cached = request.num_tokens // page_size * page_size
             return OffloadResult(request.user_id, moved, cached)
         return LoadResult(request.user_id, moved)
