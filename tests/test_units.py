@@ -319,6 +319,8 @@ def test_in_host_order_keeps_repeated_blocks_in_whole_passes() -> None:
     assert len(contiguous_runs(sorted_blocks, max_len=8)) == 2
     shared = np.array([5, 6, 7, 5, 6, 7], dtype=np.int64)
     assert in_host_order(pages[:6], shared)[1].tolist() == shared.tolist()
+    sorted_repeats = np.array([5, 5, 6, 6], dtype=np.int64)  # ascending, not strictly
+    assert in_host_order(pages[:4], sorted_repeats)[1].tolist() == [5, 6, 5, 6]
 
 
 # ---- index --------------------------------------------------------------------------

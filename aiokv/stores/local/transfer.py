@@ -63,7 +63,7 @@ def in_host_order(gpu_pages: Int64Array, host_blocks: Int64Array) -> tuple[Int64
     are evicted first), so in request order a batch's blocks descend piece by piece, one
     run per request; sorted, they ascend as one. Fewer runs mean fewer, larger copies,
     and full chunks for the graph path."""
-    if len(host_blocks) < 2 or not (host_blocks[1:] < host_blocks[:-1]).any():
+    if len(host_blocks) < 2 or (host_blocks[1:] > host_blocks[:-1]).all():  # ascending
         return gpu_pages, host_blocks
     order = np.argsort(host_blocks, kind="stable")
     ordered = host_blocks[order]
@@ -230,12 +230,13 @@ class Transfer:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             previous = self._free_after[which]
+            graphs = self._graphs if end - start == self._chunk_blocks else None
             if job.to_host:
                 with torch.cuda.stream(gpu):
                     if previous is not None:
                         gpu.wait_event(previous)
-                    if self._graphs is not None and end - start == self._chunk_blocks:
-                        self._graphs.gather(which, run_pages)
+                    if graphs is not None:
+                        graphs.gather(which, run_pages)
                     else:
                         gather_layers(self._caches, run_pages, stage)
                     ready.record(gpu)
@@ -251,8 +252,8 @@ class Transfer:
                     ready.record(copy)
                 with torch.cuda.stream(gpu):
                     gpu.wait_event(ready)
-                    if self._graphs is not None and end - start == self._chunk_blocks:
-                        self._graphs.scatter(which, run_pages)
+                    if graphs is not None:
+                        graphs.scatter(which, run_pages)
                     else:
                         scatter_layers(self._caches, run_pages, stage)
                     done.record(gpu)
