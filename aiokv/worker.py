@@ -52,6 +52,7 @@ class _Release:
 _STOP = object()
 _NO_MASK = np.zeros(0, dtype=np.bool_)  # select()'s placeholder for a request not launched
 _WAKE = object()  # a task may have ended: poll the store
+_NOTIFIED_POLL_S = 0.01  # fallback poll of a store that notifies (set_notify)
 # Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-request
 # paths read them from here.
 _OFFLOAD, _SUCCESS = Kind.OFFLOAD, TaskStatus.SUCCESS
@@ -142,7 +143,12 @@ class StoreWorker:
         stopping = False
         try:
             while not stopping or self._launched:
-                timeout = self._poll_interval_s if self._launched and not notified else None
+                timeout = None
+                if self._launched:
+                    # A notifying store is still polled now and then: a wake-up that came
+                    # before the answer was ready (a wrapper holding it back, say) must
+                    # cost latency, not a hang.
+                    timeout = _NOTIFIED_POLL_S if notified else self._poll_interval_s
                 if stopping:
                     # After the sentinel only wake-ups arrive; poll as a fallback.
                     timeout = self._poll_interval_s

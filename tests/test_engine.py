@@ -314,3 +314,33 @@ async def test_a_batch_that_cannot_be_dispatched_fails_alone(
         result = await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)
     assert result.stored_tokens == 16
     assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_a_notifying_store_whose_answer_comes_after_the_wake_up_is_still_polled(
+    caches: list[torch.Tensor],
+) -> None:
+    from aiokv.testing import StoreWrapper
+
+    class LateAnswers(StoreWrapper):
+        """Forwards LocalStore's wake-ups but withholds each task's first answer: the
+        wake-up then finds nothing, and no other wake-up comes."""
+
+        def __init__(self, inner: aiokv.LocalStore) -> None:
+            super().__init__(inner)
+            self.held: dict[int, aiokv.TaskResult] = {}
+            self.withheld = 0
+
+        def try_wait(self, task_ids: Any) -> dict[int, aiokv.TaskResult]:
+            answered = {t: self.held.pop(t) for t in task_ids if t in self.held}
+            for task_id, result in self.inner.try_wait(task_ids).items():
+                self.held[task_id] = result  # given out at the next poll
+                self.withheld += 1
+            return answered
+
+    store = LateAnswers(small_store())
+    assert store.set_notify is not None  # the worker relies on wake-ups, not polls
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))
+    async with engine:
+        result = await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), 10)
+    assert result.stored_tokens == 16 and store.withheld == 1
