@@ -269,21 +269,16 @@ def fuse_page_ids(
             page_ids, pages_used, counts, stream, page_size, expand=page_size > 0
         )
         return FusedPages(pinned, starts, counts, copy_done, 1, expanded_page_size=page_size)
-    if all(is_cpu):  # all on the host: the general case below, without its indexing
-        host = torch.cat([_head(t, n) for t, n in zip(page_ids, pages_used, strict=True)])  # a copy
-        if host.dtype != torch.int64:
-            host = host.to(torch.int64)
-        return FusedPages(host, np.cumsum(counts) - counts, counts, None, 0)
     on_host = [i for i, cpu in enumerate(is_cpu) if cpu]
-    on_device = [i for i, cpu in enumerate(is_cpu) if not cpu]
-    starts = np.empty(len(page_ids), dtype=np.int64)
     host_part = torch.cat([_head(page_ids[i], pages_used[i]) for i in on_host])  # a copy
     if host_part.dtype != torch.int64:
         host_part = host_part.to(torch.int64)
+    if len(on_host) == len(page_ids):  # all on the host: in request order
+        return FusedPages(host_part, np.cumsum(counts) - counts, counts, None, 0)
+    on_device = [i for i, cpu in enumerate(is_cpu) if not cpu]
+    starts = np.empty(len(page_ids), dtype=np.int64)
     host_counts = counts[on_host]
     starts[on_host] = np.cumsum(host_counts) - host_counts
-    if not on_device:
-        return FusedPages(host_part, starts, counts, None, 0)
     pinned, copy_done, device_starts = _fuse_on_device(
         [page_ids[i] for i in on_device],
         [pages_used[i] for i in on_device],
