@@ -308,8 +308,9 @@ def _fuse_on_device(
     expand: bool,
 ) -> tuple[torch.Tensor, Any, Int64Array]:
     """One concat (and expansion to slots of ``page_size``, if ``expand``) on ``stream``
-    and one copy to pinned memory; returns the pinned tensor, its copy's event and each
-    request's start (in pages) in it."""
+    and one device-to-host transfer into pinned memory (the expanding kernel writes it
+    there, or one copy does where kernels cannot write pinned memory); returns the pinned
+    tensor, the transfer's event and each request's start (in pages) in it."""
     # Unused tails are weighed in slots either way: unexpanded, the host expands them.
     parts, starts, total = _device_parts(page_ids, pages_used, counts, page_size)
     expand_to = page_size if expand else 0
