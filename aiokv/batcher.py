@@ -4,19 +4,22 @@ A window opens at the first queued request and closes ``window_us`` later
 (``window_us == 0``: on the next loop iteration). A queue that reaches
 ``max_batch_requests`` or ``max_batch_tokens`` closes its window at once. When a window
 closes, the queue is planned into batches by :func:`plan_batches`, a pure function, and
-each batch is dispatched: its page ids fused and copied to the host once
-(:mod:`aiokv.slots`) and the batch handed to the store thread. A batch whose dispatch
-fails is failed alone (``on_failed``); the batcher carries on.
+each batch is dispatched: handed to the store thread, which fuses its page ids into one
+host copy (:mod:`aiokv.slots`) before it matches. A batch whose dispatch fails is failed
+alone (``on_failed``); the batcher carries on.
+
+Dispatching makes no CUDA call. It used to fuse the batch here, on the loop: about eight
+torch calls, each of which gives the GIL away, and winning it back from a store thread
+inside FlexKV's matching took up to Python's switch interval (on an H200 host, 6 batches
+of 32 users added 8.5 ms to one loop iteration). On the store thread the same calls cost
+the loop nothing, and the GPU's part overlaps the previous batch's matching.
 
 At most about half a millisecond of dispatching runs in one loop iteration (always at
 least one batch). A burst of submits (many callers made ready at once) runs in one
-iteration; dispatching every batch it filled there would add each batch's fused copy to
-that one stall (on an H200 host, 6 batches of 32 users added 8.5 ms). So full batches go
-out from the ``enqueue`` that filled them while the iteration's budget lasts (the store
-thread starts on them while the burst goes on, instead of after every submit already
-scheduled), and the batcher task sends the rest in later iterations, letting other
-callbacks run in between. Small batches, whose dispatch is cheap, still all go out at
-once: deferring them cost a stream of 8-user batches 3-5 points of bandwidth.
+iteration. Full batches go out from the ``enqueue`` that filled them while the
+iteration's budget lasts (the store thread starts on them while the burst goes on,
+instead of after every submit already scheduled), and the batcher task sends the rest in
+later iterations, letting other callbacks run in between.
 """
 
 from __future__ import annotations
@@ -26,11 +29,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .config import EngineConfig
-from .requests import Kind, Request, ready_events
-from .slots import FusedPages, fuse_page_ids
+from .requests import Kind, Request
 
 # Dispatching in one loop iteration beyond this waits for the next (see the docstring).
 DISPATCH_BUDGET_S = 0.0005
@@ -38,11 +39,10 @@ DISPATCH_BUDGET_S = 0.0005
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """Requests of one kind dispatched together, with their fused page ids if any."""
+    """Requests of one kind dispatched together."""
 
     kind: Kind
     requests: tuple[Request, ...]
-    pages: FusedPages | None = None
 
 
 def plan_batches(
@@ -91,17 +91,13 @@ class Batcher:
         on_dropped: Callable[[Request], None],
         on_batch: Callable[[Batch], None],
         on_failed: Callable[[Sequence[Request], Exception], None],
-        copy_stream: Any = None,
-        page_size: int = 0,
         on_window_closed: Callable[[], None] | None = None,
     ) -> None:
         self._config = config
-        self._page_size = page_size  # lets the fused copy bring back slots, not pages
         self._submit = submit  # hands a batch to the store thread
         self._on_dropped = on_dropped  # a request whose caller left before dispatch
         self._on_batch = on_batch  # stats
         self._on_failed = on_failed  # a batch that could not be dispatched
-        self._copy_stream = copy_stream  # torch.cuda.Stream for the fused copy, or None
         self._queue: deque[Request] = deque()  # accepted, in the current window
         self._queued_tokens = 0
         self._planned: deque[tuple[Kind, list[Request]]] = deque()  # window closed, not sent
@@ -111,8 +107,8 @@ class Batcher:
         self._window: asyncio.Future[None] | None = None
         self._draining = False
         self._spent_this_iteration: float | None = None  # dispatching, s; None: none yet
-        # Called as each window closes, before its batches are fused (the callers' CUDA
-        # events are recorded there: requests.ReadyMarks).
+        # Called as each window closes, before its batches go to the store thread (the
+        # callers' CUDA events are recorded there: requests.ReadyMarks).
         self._on_window_closed = on_window_closed
 
     def __len__(self) -> int:
@@ -221,7 +217,7 @@ class Batcher:
         start = time.perf_counter()
         try:
             self._dispatch(kind, live)
-        except Exception as exc:  # e.g. a CUDA error in the fused copy, a closed worker
+        except Exception as exc:  # e.g. a closed worker
             self._on_failed(live, exc)
         finally:
             self._spent_this_iteration += time.perf_counter() - start
@@ -235,19 +231,6 @@ class Batcher:
         self._spent_this_iteration = None
 
     def _dispatch(self, kind: Kind, requests: list[Request]) -> None:
-        pages = None
-        if kind is not Kind.LOOKUP:
-            if self._copy_stream is not None:
-                # The page ids were written on the callers' streams: order the fused
-                # copy after them on the GPU, without blocking this thread.
-                for event in ready_events(requests):
-                    self._copy_stream.wait_event(event)
-            pages = fuse_page_ids(
-                [r.page_ids for r in requests if r.page_ids is not None],
-                [r.pages_used for r in requests],
-                self._copy_stream,
-                self._page_size,
-            )
-        batch = Batch(kind, tuple(requests), pages)
+        batch = Batch(kind, tuple(requests))
         self._on_batch(batch)
         self._submit(batch)  # last: once the store thread has the batch, nothing may fail it here

@@ -6,10 +6,11 @@ One offload, end to end (read on in batcher.py, slots.py, worker.py):
    loop), notes the caller's stream when the caches are on a GPU (its CUDA event is
    recorded once per loop iteration or window), admits the request against
    ``max_pending`` and queues it with a future and a deadline.
-2. The batcher closes a window (recording the window's CUDA events), fuses the batch's
-   page ids into one host copy and hands the batch to the store thread.
-3. The store thread matches, cancels or launches, polls until terminal, and posts the
-   outcomes back; :meth:`OffloadEngine._resolve` is the one place a future is resolved.
+2. The batcher closes a window (recording the window's CUDA events) and hands the batch
+   to the store thread; nothing on the loop calls CUDA for it.
+3. The store thread fuses the batch's page ids into one host copy, matches, cancels or
+   launches, polls until terminal, and posts the outcomes back;
+   :meth:`OffloadEngine._resolve` is the one place a future is resolved.
 """
 
 from __future__ import annotations
@@ -133,6 +134,11 @@ class OffloadEngine:
         if self._config.request_timeout_ms:
             self._deadlines = Deadlines(loop, self._config.request_timeout_ms / 1e3, self._expire)
         registered: concurrent.futures.Future[None] = concurrent.futures.Future()
+        copy_stream = (
+            torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+            if self._on_gpu
+            else None
+        )
         self._worker = StoreWorker(
             self._store,
             loop,
@@ -141,11 +147,7 @@ class OffloadEngine:
             self._config.poll_interval_us,
             self._kv_caches,
             registered,
-        )
-        copy_stream = (
-            torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
-            if self._on_gpu
-            else None
+            copy_stream,
         )
         if self._on_gpu:
             self._ready_marks = ReadyMarks(self._device, loop.call_soon)
@@ -155,8 +157,6 @@ class OffloadEngine:
             self._on_dropped,
             self._on_batch,
             self._on_dispatch_failed,
-            copy_stream,
-            self._page_size,
             self._ready_marks.close_window if self._ready_marks is not None else None,
         )
         self._state = EngineState.RUNNING
@@ -456,7 +456,12 @@ class OffloadEngine:
             self._resolve(request, error)
 
     def _on_batch(self, batch: Batch) -> None:
-        copies = batch.pages.d2h_copies if batch.pages is not None else 0
+        # The store thread fuses the batch with one device-to-host copy when any of its
+        # page ids are on the device (slots.fuse_page_ids), none otherwise.
+        copies = 0
+        if self._on_gpu and batch.kind is not Kind.LOOKUP:
+            on_device = (r.page_ids is not None and not r.page_ids.is_cpu for r in batch.requests)
+            copies = int(any(on_device))
         self._stats.record_batch(len(batch.requests), copies)
 
 

@@ -452,7 +452,7 @@ class _HeldUntilDone:
 
     def __init__(self) -> None:
         self._held: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
-        self._lock = threading.Lock()  # the loop and a warm-up thread may both hold
+        self._lock = threading.Lock()  # the store thread and a warm-up thread may both hold
 
     def hold(self, event: Any, memory: torch.Tensor) -> None:
         with self._lock:

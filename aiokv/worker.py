@@ -5,10 +5,14 @@ explicit end (a sentinel); what was accepted before :meth:`StoreWorker.stop` is 
 Worker → loop: each drained set of outcomes goes back in one ``call_soon_threadsafe``,
 as (request, outcome) pairs with exceptions as values.
 
-Per batch: wait for the fused copy and the callers' CUDA events, check page ids, expand
-slots once, match per request, cancel the matches with nothing to move, launch the rest in
-one call. Then poll ``try_wait`` on launched ids until each is terminal. Store errors are
-translated here, once, into StoreError raised from the store's exception.
+Per batch: fuse its page ids into one host copy (:func:`aiokv.slots.fuse_page_ids`, on
+the copy stream, after the callers' CUDA events), wait for it, check page ids, match per
+request, cancel the matches with nothing to move, launch the rest in one call. Then poll
+``try_wait`` on launched ids until each is terminal. Store errors are translated here,
+once, into StoreError raised from the store's exception.
+
+Batches waiting in the inbox are fused as soon as they are taken from it, before the
+batch ahead of them is matched: their GPU work runs while the store is called.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +40,7 @@ from .requests import (
     Request,
     ready_events,
 )
+from .slots import FusedPages, fuse_page_ids
 from .stores.base import NoSpace, Store, TaskResult, TaskStatus
 
 log = logging.getLogger("aiokv")
@@ -47,6 +53,16 @@ class _Release:
 
     def __init__(self, task_ids: Sequence[int]) -> None:
         self.task_ids = list(task_ids)
+
+
+class _Move:
+    """An offload or load batch taken from the inbox, with its fused page ids (or the
+    error fusing them raised, failed in the batch's turn)."""
+
+    __slots__ = ("batch", "error", "fused")
+
+    def __init__(self, batch: Batch, fused: FusedPages | None, error: Exception | None) -> None:
+        self.batch, self.fused, self.error = batch, fused, error
 
 
 _STOP = object()
@@ -70,8 +86,10 @@ class StoreWorker:
         poll_interval_us: int,
         kv_caches: Sequence[torch.Tensor],
         registered: concurrent.futures.Future[None],
+        copy_stream: Any = None,
     ) -> None:
         self._store = store
+        self._copy_stream = copy_stream  # torch.cuda.Stream for the fused copy, or None
         self._kv_caches = kv_caches
         self._registered = registered  # resolved once store.register() returned
         self._loop = loop
@@ -80,6 +98,7 @@ class StoreWorker:
         self._page_size = 0  # the store's, read once it is registered
         self._poll_interval_s = poll_interval_us / 1e6
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._taken: deque[object] = deque()  # off the inbox, in order; batches fused
         self._accepting = True
         self._accept_lock = threading.Lock()
         self._launched: dict[int, Request] = {}  # launched ids -> request, until terminal
@@ -152,18 +171,15 @@ class StoreWorker:
                 if stopping:
                     # After the sentinel only wake-ups arrive; poll as a fallback.
                     timeout = self._poll_interval_s
-                item: object = None
                 with contextlib.suppress(queue.Empty):
-                    item = self._inbox.get(timeout=timeout)
-                while item is not None:
+                    self._take(self._inbox.get(timeout=timeout))
+                while self._taken:
+                    self._take_waiting()  # fused before the batch ahead is matched
+                    item = self._taken.popleft()
                     if item is _STOP:
                         stopping = True
                     elif item is not _WAKE:
                         self._handle(item)
-                    try:
-                        item = self._inbox.get_nowait()
-                    except queue.Empty:
-                        item = None
                 if self._launched:
                     self._poll()
                 self._post()
@@ -186,22 +202,60 @@ class StoreWorker:
         except Exception:
             log.exception("store.close() failed")
 
+    def _take_waiting(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._take(item)
+
+    def _take(self, item: object) -> None:
+        if isinstance(item, Batch) and item.kind is not Kind.LOOKUP:
+            try:
+                self._taken.append(_Move(item, self._fuse(item), None))
+            except Exception as exc:  # e.g. a CUDA error: the batch fails in its turn
+                self._taken.append(_Move(item, None, exc))
+            return
+        self._taken.append(item)
+
+    def _fuse(self, batch: Batch) -> FusedPages:
+        """Start the batch's page ids on their way to the host: one concat (and slot
+        expansion) on the copy stream and one transfer, without waiting for them."""
+        requests = batch.requests
+        stream = self._copy_stream
+        if stream is not None:
+            # The page ids were written on the callers' streams: order the fused copy
+            # after them on the GPU, without blocking this thread.
+            for event in ready_events(requests):
+                stream.wait_event(event)
+        return fuse_page_ids(
+            [r.page_ids for r in requests if r.page_ids is not None],
+            [r.pages_used for r in requests],
+            stream,
+            self._page_size,
+        )
+
     def _handle(self, item: object) -> None:
         if isinstance(item, _Release):
             held = [t for t in item.task_ids if t in self._reserved]
             self._reserved.difference_update(held)
             if held:
                 self._cancel(held)
-        elif isinstance(item, Batch):
+        elif isinstance(item, (Batch, _Move)):
+            batch = item if isinstance(item, Batch) else item.batch
             try:
-                if item.kind is Kind.LOOKUP:
+                if isinstance(item, Batch):
                     self._lookup(item)
+                elif item.error is not None:
+                    raise item.error
                 else:
-                    self._move(item)
-            except Exception as exc:  # e.g. a CUDA error while waiting for the copy
+                    assert item.fused is not None
+                    self._move(batch, item.fused)
+            except Exception as exc:  # e.g. a CUDA error in the fused copy or its wait
                 error = StoreError(f"batch failed before launch: {exc!r}")
                 error.__cause__ = exc
-                self._fail_unanswered(item, error)
+                self._fail_unanswered(batch, error)
         else:
             raise TypeError(f"unexpected inbox item {item!r}")
 
@@ -227,14 +281,12 @@ class StoreWorker:
         if empty:
             self._cancel(empty)
 
-    def _move(self, batch: Batch) -> None:
+    def _move(self, batch: Batch, fused: FusedPages) -> None:
         """Offload (put) or load (get) batch: one launch for everything with work."""
-        fused = batch.pages
-        assert fused is not None  # the batcher fuses pages for OFFLOAD and LOAD batches
         if fused.copy_done is None:
             # The KV itself must be written before it is copied. With a device copy there
-            # is no need: the batcher made that copy wait for these events, so its own
-            # event (waited on by fused.wait) fires after them.
+            # is no need: _fuse made that copy wait for these events, so its own event
+            # (waited on by fused.wait) fires after them.
             for event in ready_events(batch.requests):
                 event.synchronize()
         page_size = self._page_size

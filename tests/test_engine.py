@@ -296,23 +296,80 @@ async def test_requests_after_a_full_batch_wait_for_their_own_window() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_batch_that_cannot_be_dispatched_fails_alone(
+async def test_a_batch_whose_fused_copy_fails_fails_alone(
     caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiokv import batcher as batcher_module
+    from aiokv import worker as worker_module
 
     monkeypatch.setattr(
-        batcher_module,
+        worker_module,
         "fuse_page_ids",
-        failing_first_call(batcher_module.fuse_page_ids, "fused copy broke"),
+        failing_first_call(worker_module.fuse_page_ids, "fused copy broke"),
     )
     engine, store = checked_engine(caches, window_us=0)
     async with engine:
         with pytest.raises(aiokv.StoreError, match="fused copy broke"):
             await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)
-        # The batcher lives on: the next batch goes through.
+        # The store thread lives on: the next batch goes through.
         result = await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)
     assert result.stored_tokens == 16
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_batches_are_fused_on_the_store_thread_before_the_batch_ahead_is_matched(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop makes no CUDA call for a batch (each would give the GIL away), and a
+    batch waiting behind another has its page ids on their way before that one's
+    matching starts."""
+    from aiokv import worker as worker_module
+
+    order: list[str] = []
+    fuse = worker_module.fuse_page_ids
+
+    def recording_fuse(page_ids: list[torch.Tensor], *args: Any) -> Any:
+        order.append(f"fuse {len(page_ids)} on {threading.current_thread().name}")
+        return fuse(page_ids, *args)
+
+    monkeypatch.setattr(worker_module, "fuse_page_ids", recording_fuse)
+    engine, store = checked_engine(caches, window_us=0, max_batch_requests=2)
+    inner_put, inner_get = store.put_match, store.get_match
+    matching = threading.Event()
+    go_on = threading.Event()
+
+    def put_match(*args: object) -> object:
+        order.append("put")
+        return inner_put(*args)  # type: ignore[arg-type]
+
+    def get_match(*args: object) -> object:
+        order.append("get")
+        matching.set()
+        go_on.wait(10)  # hold the store thread while two offload batches queue behind
+        return inner_get(*args)  # type: ignore[arg-type]
+
+    store.put_match, store.get_match = put_match, get_match  # type: ignore[method-assign,assignment]
+    async with engine:
+        lookup = asyncio.ensure_future(engine.lookup("v", 16))
+        await asyncio.to_thread(matching.wait, 10)
+        offloads = [
+            asyncio.ensure_future(engine.offload(u, torch.arange(4 * u, 4 * u + 4), 16))
+            for u in range(3)
+        ]
+        for _ in range(5):
+            await asyncio.sleep(0)  # both batches (2 and 1 requests) reach the inbox
+        go_on.set()
+        results = await asyncio.wait_for(asyncio.gather(*offloads), 10)
+        (await lookup).release()
+    assert [r.stored_tokens for r in results] == [16, 16, 16]
+    assert order == [
+        "get",
+        "fuse 2 on aiokv-store",
+        "fuse 1 on aiokv-store",
+        "put",
+        "put",
+        "put",
+    ]
     assert store.problems() == []
 
 
