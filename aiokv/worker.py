@@ -11,8 +11,9 @@ request, cancel the matches with nothing to move, launch the rest in one call. T
 ``try_wait`` on launched ids until each is terminal. Store errors are translated here,
 once, into StoreError raised from the store's exception.
 
-Batches waiting in the inbox are fused as soon as they are taken from it, before the
-batch ahead of them is matched: their GPU work runs while the store is called.
+A batch is fused in its turn, not ahead of the batch before it: fusing ahead would put
+its CPU work (a dozen torch calls) in front of that batch's launch, and the GPU part it
+would hide is a few microseconds of kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import contextlib
 import logging
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,16 +53,6 @@ class _Release:
 
     def __init__(self, task_ids: Sequence[int]) -> None:
         self.task_ids = list(task_ids)
-
-
-class _Move:
-    """An offload or load batch taken from the inbox, with its fused page ids (or the
-    error fusing them raised, failed in the batch's turn)."""
-
-    __slots__ = ("batch", "error", "fused")
-
-    def __init__(self, batch: Batch, fused: FusedPages | None, error: Exception | None) -> None:
-        self.batch, self.fused, self.error = batch, fused, error
 
 
 _STOP = object()
@@ -98,7 +88,6 @@ class StoreWorker:
         self._page_size = 0  # the store's, read once it is registered
         self._poll_interval_s = poll_interval_us / 1e6
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._taken: deque[object] = deque()  # off the inbox, in order; batches fused
         self._accepting = True
         self._accept_lock = threading.Lock()
         self._launched: dict[int, Request] = {}  # launched ids -> request, until terminal
@@ -171,15 +160,18 @@ class StoreWorker:
                 if stopping:
                     # After the sentinel only wake-ups arrive; poll as a fallback.
                     timeout = self._poll_interval_s
+                item: object = None
                 with contextlib.suppress(queue.Empty):
-                    self._take(self._inbox.get(timeout=timeout))
-                while self._taken:
-                    self._take_waiting()  # fused before the batch ahead is matched
-                    item = self._taken.popleft()
+                    item = self._inbox.get(timeout=timeout)
+                while item is not None:
                     if item is _STOP:
                         stopping = True
                     elif item is not _WAKE:
                         self._handle(item)
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        item = None
                 if self._launched:
                     self._poll()
                 self._post()
@@ -202,26 +194,12 @@ class StoreWorker:
         except Exception:
             log.exception("store.close() failed")
 
-    def _take_waiting(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            self._take(item)
-
-    def _take(self, item: object) -> None:
-        if isinstance(item, Batch) and item.kind is not Kind.LOOKUP:
-            try:
-                self._taken.append(_Move(item, self._fuse(item), None))
-            except Exception as exc:  # e.g. a CUDA error: the batch fails in its turn
-                self._taken.append(_Move(item, None, exc))
-            return
-        self._taken.append(item)
-
     def _fuse(self, batch: Batch) -> FusedPages:
         """Start the batch's page ids on their way to the host: one concat (and slot
-        expansion) on the copy stream and one transfer, without waiting for them."""
+        expansion) on the copy stream and one transfer, without waiting for them. Here,
+        not on the loop: each torch call gives the GIL away, and on the loop winning it
+        back from this thread (inside FlexKV's matching, say) took up to Python's switch
+        interval."""
         requests = batch.requests
         stream = self._copy_stream
         if stream is not None:
@@ -242,20 +220,16 @@ class StoreWorker:
             self._reserved.difference_update(held)
             if held:
                 self._cancel(held)
-        elif isinstance(item, (Batch, _Move)):
-            batch = item if isinstance(item, Batch) else item.batch
+        elif isinstance(item, Batch):
             try:
-                if isinstance(item, Batch):
+                if item.kind is Kind.LOOKUP:
                     self._lookup(item)
-                elif item.error is not None:
-                    raise item.error
                 else:
-                    assert item.fused is not None
-                    self._move(batch, item.fused)
+                    self._move(item)
             except Exception as exc:  # e.g. a CUDA error in the fused copy or its wait
                 error = StoreError(f"batch failed before launch: {exc!r}")
                 error.__cause__ = exc
-                self._fail_unanswered(batch, error)
+                self._fail_unanswered(item, error)
         else:
             raise TypeError(f"unexpected inbox item {item!r}")
 
@@ -281,8 +255,9 @@ class StoreWorker:
         if empty:
             self._cancel(empty)
 
-    def _move(self, batch: Batch, fused: FusedPages) -> None:
+    def _move(self, batch: Batch) -> None:
         """Offload (put) or load (get) batch: one launch for everything with work."""
+        fused = self._fuse(batch)
         if fused.copy_done is None:
             # The KV itself must be written before it is copied. With a device copy there
             # is no need: _fuse made that copy wait for these events, so its own event

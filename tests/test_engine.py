@@ -317,12 +317,12 @@ async def test_a_batch_whose_fused_copy_fails_fails_alone(
 
 
 @pytest.mark.asyncio
-async def test_batches_are_fused_on_the_store_thread_before_the_batch_ahead_is_matched(
+async def test_batches_are_fused_on_the_store_thread_each_in_its_turn(
     caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The loop makes no CUDA call for a batch (each would give the GIL away), and a
-    batch waiting behind another has its page ids on their way before that one's
-    matching starts."""
+    batch waiting behind another is fused after that one is launched, not in front of
+    it."""
     from aiokv import worker as worker_module
 
     order: list[str] = []
@@ -365,9 +365,9 @@ async def test_batches_are_fused_on_the_store_thread_before_the_batch_ahead_is_m
     assert order == [
         "get",
         "fuse 2 on aiokv-store",
+        "put",
+        "put",
         "fuse 1 on aiokv-store",
-        "put",
-        "put",
         "put",
     ]
     assert store.problems() == []
