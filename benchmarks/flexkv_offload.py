@@ -6,8 +6,15 @@
 (b) aiokv: the same requests through ``OffloadEngine`` on the same FlexKV instance, all
     issued concurrently (``await engine.offload`` per user); the engine forms batches of the
     same size and overlaps one batch's matching with the previous one's copy. "One round"
-    is the engine driven like (a), one batch at a time. A third pass repeats (b) with a
-    100 µs ticker task that measures the event loop's stalls.
+    is the engine driven like (a), one batch at a time.
+
+The event loop's stalls are measured by a 100 µs ticker task in two more passes:
+- "paced": the rounds arrive one after another, each round's users at once, at 1.25x the
+  rate (b) sustained (so the engine never runs dry). This is serving traffic at full load,
+  and the pass the stall target is judged on, with its own throughput.
+- "burst": (b) again, every round's callers made ready in one loop iteration. asyncio runs
+  them all in that iteration, so its stall grows with their number whatever they await;
+  "floor" is that iteration's stall when the same callers await a no-op.
 
 Every round writes fresh keys (new namespaces), so every page is copied. Needs flexkv and a
 CUDA GPU; run as ``python benchmarks/flexkv_offload.py [--json out.json]``. FlexKV starts
@@ -63,7 +70,11 @@ async def engine_rounds(
     tokens: int,
     tags: list[str],
     pipelined: bool,
+    pacing_s: float = 0.0,
 ) -> int:
+    """Offload ``tags`` rounds of every user's pages: one round at a time, all at once
+    (``pipelined``), or one round every ``pacing_s`` seconds."""
+
     async def one_round(tag: str) -> int:
         results = await asyncio.gather(
             *(
@@ -73,6 +84,16 @@ async def engine_rounds(
         )
         return sum(r.stored_tokens for r in results)
 
+    if pacing_s:
+        start = time.perf_counter()
+
+        async def round_at(index: int, tag: str) -> int:
+            delay = start + index * pacing_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return await one_round(tag)
+
+        return sum(await asyncio.gather(*(round_at(i, tag) for i, tag in enumerate(tags))))
     if pipelined:
         return sum(await asyncio.gather(*(one_round(tag) for tag in tags)))
     return sum([await one_round(tag) for tag in tags])
@@ -121,7 +142,7 @@ async def burst_floor(users: int, rounds: int, repeats: int = 5) -> float:
 
 async def run_engine(
     store: Store, caches: list[torch.Tensor], page_ids: list[torch.Tensor], tokens: int,
-    tags: list[str], pipelined: bool, watch: bool,
+    tags: list[str], pipelined: bool, watch: bool, pacing_s: float = 0.0,
 ) -> tuple[int, float, list[float]]:
     config = aiokv.EngineConfig(window_us=WINDOW_US, max_batch_requests=len(page_ids),
                                 max_batch_tokens=1 << 30, poll_interval_us=POLL_US)
@@ -136,7 +157,7 @@ async def run_engine(
         await asyncio.sleep(0.01)
         lateness.clear()
         start = time.perf_counter()
-        written = await engine_rounds(engine, page_ids, tokens, tags, pipelined)
+        written = await engine_rounds(engine, page_ids, tokens, tags, pipelined, pacing_s)
         elapsed = time.perf_counter() - start
         stop.set()
         if tick is not None:
@@ -216,23 +237,33 @@ def main(argv: list[str] | None = None) -> int:
                 result: dict[str, Any] = {"users": users, "tokens": tokens,
                                           "sync_gib_s": written * bytes_per_token / sync_s / 2**30}
                 # "engine": one round at a time, like (a). "concurrent": all rounds' requests
-                # at once, as serving traffic arrives; "watched": the same with the 100 µs
-                # ticker measuring loop stalls (it spins the loop, so it gets its own pass).
+                # at once. "paced" and "watched" (the burst) run with the 100 µs ticker
+                # measuring loop stalls (it spins the loop, so they get passes of their own).
+                pacing_s = 0.0
                 for mode, pipelined, watch in (
                     ("engine", False, False),
                     ("concurrent", True, False),
+                    ("paced", True, True),
                     ("watched", True, True),
                 ):
                     tags = [f"{mode}-{tag}-{r}" for r in range(args.rounds)]
                     written_e, elapsed, lateness = uvloop.run(
-                        run_engine(shared, caches, page_ids, tokens, tags, pipelined, watch)
+                        run_engine(shared, caches, page_ids, tokens, tags, pipelined, watch,
+                                   pacing_s if mode == "paced" else 0.0)
                     )
                     result[f"{mode}_gib_s"] = written_e * bytes_per_token / elapsed / 2**30
+                    if mode == "concurrent":
+                        # Arrivals at 1.25x the rate (b) sustained: the engine never waits
+                        # for work, and each round's callers still arrive together.
+                        pacing_s = elapsed / args.rounds / 1.25
+                        result["pacing_ms"] = pacing_s * 1e3
                     if watch:
                         lat = np.asarray(lateness) * 1e3 if lateness else np.zeros(1)
-                        result["lag_max_ms"] = float(lat.max())
-                        result["lag_p99_ms"] = float(np.percentile(lat, 99))
-                        result["ticks"] = len(lateness)
+                        prefix = "paced_" if mode == "paced" else ""
+                        result[f"{prefix}lag_max_ms"] = float(lat.max())
+                        result[f"{prefix}lag_p99_ms"] = float(np.percentile(lat, 99))
+                        result[f"{prefix}ticks"] = len(lateness)
+                    if mode == "watched":
                         result["burst_floor_max_ms"] = 1e3 * uvloop.run(
                             burst_floor(users, args.rounds)
                         )
@@ -241,18 +272,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         store.close()
     print(f"\n{'users':>5} {'tokens':>6} | {'(a) sync':>8} | {'(b) aiokv':>9} {'b/a':>5} | "
-          f"{'one round':>9} {'/a':>5} | {'watched':>7} {'lag p99':>7} {'lag max':>7} "
-          f"{'floor':>7}")
+          f"{'one round':>9} {'/a':>5} | {'paced':>6} {'/a':>5} {'lag p99':>7} {'lag max':>7} | "
+          f"{'burst':>6} {'lag max':>7} {'floor':>6} | verdict")
     print(f"{'':>5} {'':>6} | {'GiB/s':>8} | {'GiB/s':>9} {'':>5} | {'GiB/s':>9} {'':>5} | "
-          f"{'GiB/s':>7} {'ms':>7} {'ms':>7} {'ms':>7}")
+          f"{'GiB/s':>6} {'':>5} {'ms':>7} {'ms':>7} | {'GiB/s':>6} {'ms':>7} {'ms':>6} |")
     for r in rows:
         a = r["sync_gib_s"]
+        # Judged on the paced pass: its own throughput and its loop's worst stall.
+        met = r["paced_gib_s"] / a >= 1.2 and r["paced_lag_max_ms"] < 1.0
         print(f"{r['users']:>5} {r['tokens']:>6} | {a:>8.1f} | {r['concurrent_gib_s']:>9.1f} "
               f"{r['concurrent_gib_s'] / a:>5.2f} | {r['engine_gib_s']:>9.1f} "
-              f"{r['engine_gib_s'] / a:>5.2f} | {r['watched_gib_s']:>7.1f} "
-              f"{r['lag_p99_ms']:>7.3f} {r['lag_max_ms']:>7.3f} {r['burst_floor_max_ms']:>7.3f}")
-    print("  lag: a 100 µs ticker during (b); floor: its worst lateness when the same burst of "
-          "callers (rounds x users made ready at once) awaits a no-op instead of the engine")
+              f"{r['engine_gib_s'] / a:>5.2f} | {r['paced_gib_s']:>6.1f} "
+              f"{r['paced_gib_s'] / a:>5.2f} {r['paced_lag_p99_ms']:>7.3f} "
+              f"{r['paced_lag_max_ms']:>7.3f} | {r['watched_gib_s']:>6.1f} "
+              f"{r['lag_max_ms']:>7.3f} {r['burst_floor_max_ms']:>6.3f} | "
+              f"{'PASS' if met else 'MISS'}")
+    print("  paced: each round's users at once, rounds at 1.25x the rate (b) sustained, with a "
+          "100 µs ticker; verdict: paced/a >= 1.2 and its worst stall < 1 ms.\n"
+          "  burst: every round's callers made ready in one iteration; floor: that burst's "
+          "stall when the callers await a no-op instead of the engine")
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "cuda": torch.version.cuda, "argv": sys.argv, "rounds": args.rounds,
