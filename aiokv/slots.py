@@ -1,10 +1,11 @@
 """Fused slot mapping: one concat, one device-to-host transfer, one vectorized expansion.
 
-The batcher calls :func:`fuse_page_ids` on the event loop: it concatenates the page ids of
-every request in a batch on their device and has them written into pinned host memory
-without blocking (by the expanding kernel itself where the device can write pinned
-memory, else by one copy); offsets come from shapes, so nothing waits for the GPU. The store thread
-then waits for the copy and has every page's slots (:meth:`FusedPages.wait_slots`,
+The store thread calls :func:`fuse_page_ids` as it takes a batch (never the event loop:
+each torch call gives the GIL away). It concatenates the page ids of every request in the
+batch on their device and has them written into pinned host memory without blocking (by
+the expanding kernel itself where the device can write pinned memory, else by one copy);
+offsets come from shapes, so nothing waits for the GPU there. It then waits for the copy
+and has every page's slots (:meth:`FusedPages.wait_slots`,
 expanding pages to slots once where the device did not), and checks every page id at
 once (:meth:`FusedPages.bad_requests`); :func:`select_slots` picks one request's
 positions.
@@ -468,12 +469,12 @@ _HOST_WRITES = _HeldUntilDone()
 def warm_up(device: torch.device, page_size: int, stream: Any = None) -> None:
     """Run the fused path once for the shapes batches take (one request, a few, many;
     int32 and int64 ids), so that CUDA's lazy module loading happens here, at start-up,
-    and not in the event loop's first batches: on an H200 it stalled the loop for 20-30
-    ms. Blocks until done: call it before serving."""
+    and not in the first batches: on an H200 it cost them 20-30 ms. Blocks until done:
+    call it before serving."""
     for dtype in (torch.int64, torch.int32):
         for requests in (1, 3, 64):
             ids = [torch.zeros(4, dtype=dtype, device=device) for _ in range(requests)]
-            if stream is not None:  # as the batcher does: the copy follows the writes
+            if stream is not None:  # as the store thread does: the copy follows the writes
                 stream.wait_stream(torch.cuda.current_stream(device))
             for used in (4, 2):  # whole tensors, and the used heads only
                 fused = fuse_page_ids(ids, [used] * requests, stream, page_size)

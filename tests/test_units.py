@@ -801,3 +801,26 @@ def test_a_bandwidth_figure_that_could_not_be_measured_fails_its_target() -> Non
     assert passes((0.96, 0.97), 0.95)
     assert not passes((0.96, 0.94), 0.95)
     assert not passes((0.97, nan), 0.95) and not passes((nan, 0.97), 0.95)
+
+
+def test_a_bandwidth_stream_holds_at_least_stream_gib() -> None:
+    from aiokv.bench.bandwidth import Settings, stream_length
+
+    settings = Settings()  # 8 layers, 4 heads x 256, bf16: 32 KiB per token
+    assert stream_length(settings, 8, 1024) == 8  # 0.25 GiB a batch: 8 make 2 GiB
+    assert stream_length(settings, 8, 2048) == 4  # 0.5 GiB: 4, as stream_batches
+    assert stream_length(settings, 64, 4096) == 4  # 8 GiB: never fewer than stream_batches
+    assert stream_length(Settings(stream_gib=0.0), 8, 1024) == 4
+    assert stream_length(Settings(stream_batches=1), 8, 1024) == 1  # no stream at all
+
+
+def test_the_engine_bench_times_its_store_wrapper_overhead() -> None:
+    from aiokv.bench.engine import TimedStore, timing_overhead_s
+    from aiokv.testing import FakeStore
+
+    store = TimedStore(FakeStore(16))
+    store.cancel([])
+    store.cancel([1])
+    assert store.calls == 2 and store.cpu_s >= 0
+    overhead = timing_overhead_s(2_000)
+    assert 0.0 <= overhead < 1e-4  # a few clock reads and frames, never a tenth of a ms
