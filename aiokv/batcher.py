@@ -12,7 +12,7 @@ Dispatching makes no CUDA call. It used to fuse the batch here, on the loop: abo
 torch calls, each of which gives the GIL away, and winning it back from a store thread
 inside FlexKV's matching took up to Python's switch interval (on an H200 host, 6 batches
 of 32 users added 8.5 ms to one loop iteration). On the store thread the same calls cost
-the loop nothing, and the GPU's part overlaps the previous batch's matching.
+the loop nothing.
 
 At most about half a millisecond of dispatching runs in one loop iteration (always at
 least one batch). A burst of submits (many callers made ready at once) runs in one

@@ -317,6 +317,39 @@ async def test_a_batch_whose_fused_copy_fails_fails_alone(
 
 
 @pytest.mark.asyncio
+async def test_a_load_whose_fused_copy_fails_gives_its_reservation_back(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiokv import worker as worker_module
+
+    fuse = worker_module.fuse_page_ids
+    calls = 0
+
+    def second_call_fails(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the offload's fuse passes; the load's fails
+            raise RuntimeError("fused copy broke")
+        return fuse(*args)
+
+    monkeypatch.setattr(worker_module, "fuse_page_ids", second_call_fails)
+    engine, store = checked_engine(caches, window_us=0)
+    async with engine:
+        await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)
+        hit = await asyncio.wait_for(engine.lookup("u", 16), timeout=5)
+        with pytest.raises(aiokv.StoreError, match="fused copy broke"):
+            await asyncio.wait_for(engine.load(hit, torch.arange(4, 8)), timeout=5)
+        for _ in range(100):  # the store thread cancels it after posting the failure
+            if not store.matched - store.launched - store.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        # Given back by the failure itself, before the caller releases the lookup.
+        assert store.matched - store.launched - store.cancelled == set()
+        hit.release()
+    assert store.problems() == []  # and the release does not cancel it twice
+
+
+@pytest.mark.asyncio
 async def test_batches_are_fused_on_the_store_thread_each_in_its_turn(
     caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
