@@ -230,13 +230,6 @@ class StoreWorker:
                 error = StoreError(f"batch failed before launch: {exc!r}")
                 error.__cause__ = exc
                 self._fail_unanswered(item, error)
-                if item.kind is Kind.LOAD:
-                    # A load consumes its reservation, launched or not: give back what
-                    # the failure left held, rather than wait for the caller's release.
-                    held = [r.task_id for r in item.requests if r.task_id in self._reserved]
-                    if held:
-                        self._reserved.difference_update(held)
-                        self._cancel([t for t in held if t is not None])
         else:
             raise TypeError(f"unexpected inbox item {item!r}")
 
@@ -410,10 +403,20 @@ class StoreWorker:
             raise _store_error(method, exc) from exc
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
+        """Fail the batch's requests that have no outcome yet. A load among them still
+        holds its lookup's reservation: it is consumed with the load, launched or not,
+        so it is given back here rather than at the caller's release."""
         answered = {id(r) for r, _ in self._outbox}
+        held: list[int] = []
         for request in batch.requests:
-            if id(request) not in answered and request.task_id not in self._launched:
+            task_id = request.task_id
+            if id(request) not in answered and task_id not in self._launched:
                 self._outbox.append((request, error))
+                if task_id is not None and task_id in self._reserved:
+                    held.append(task_id)
+        if held:
+            self._reserved.difference_update(held)
+            self._cancel(held)
 
     def _post(self) -> None:
         if not self._outbox:
