@@ -38,6 +38,7 @@ import torch
 import yaml
 
 import aiokv
+from aiokv.bench.common import verdict
 from aiokv.stores.base import Store
 from aiokv.stores.flexkv import FlexKVStore, flexkv_available
 from aiokv.testing import SharedStore
@@ -115,7 +116,10 @@ async def burst_floor(users: int, rounds: int, repeats: int = 5) -> float:
     """The worst ticker lateness of the watched pass's burst shape (``rounds`` x ``users``
     callers made ready at once) when each caller awaits a no-op instead of the engine:
     what the callers' own coroutines cost the loop in that one iteration, the floor under
-    the engine's worst stall."""
+    the engine's worst stall. It is the worst over ``repeats`` passes, where the engine's
+    burst is one pass, so it errs high: read it as an upper bound of the callers' share.
+    (``lag_max_ms`` and ``lag_p99_ms`` in the JSON are this burst pass, as they were when
+    it was the only watched pass; the paced pass's are ``paced_*``.)"""
     loop = asyncio.get_running_loop()
 
     async def no_op() -> None:
@@ -270,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
                         result["burst_floor_max_ms"] = 1e3 * uvloop.run(
                             burst_floor(users, args.rounds)
                         )
+                # b/a from (b), unwatched; the worst stall from the paced pass.
+                result["pass"] = (
+                    result["concurrent_gib_s"] / result["sync_gib_s"] >= 1.2
+                    and result["paced_lag_max_ms"] < 1.0
+                )
                 rows.append(result)
                 print(json.dumps(result), flush=True)
     finally:
@@ -281,19 +290,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{'GiB/s':>6} {'':>5} {'ms':>7} {'ms':>7} | {'GiB/s':>6} {'ms':>7} {'ms':>6} |")
     for r in rows:
         a = r["sync_gib_s"]
-        # b/a from (b), unwatched; the worst stall from the paced pass.
-        met = r["concurrent_gib_s"] / a >= 1.2 and r["paced_lag_max_ms"] < 1.0
+        met = r["pass"]
         print(f"{r['users']:>5} {r['tokens']:>6} | {a:>8.1f} | {r['concurrent_gib_s']:>9.1f} "
               f"{r['concurrent_gib_s'] / a:>5.2f} | {r['engine_gib_s']:>9.1f} "
               f"{r['engine_gib_s'] / a:>5.2f} | {r['paced_gib_s']:>6.1f} "
               f"{r['paced_gib_s'] / a:>5.2f} {r['paced_lag_p99_ms']:>7.3f} "
               f"{r['paced_lag_max_ms']:>7.3f} | {r['watched_gib_s']:>6.1f} "
               f"{r['lag_max_ms']:>7.3f} {r['burst_floor_max_ms']:>6.3f} | "
-              f"{'PASS' if met else 'MISS'}")
+              f"{verdict(met)}")
     print("  paced: each round's users at once, rounds at twice the rate (b) sustained, with a "
           "100 µs ticker; verdict: b/a >= 1.2 and the paced pass's worst stall < 1 ms.\n"
           "  burst: every round's callers made ready in one iteration; floor: that burst's "
-          "stall when the callers await a no-op instead of the engine")
+          "worst stall over 5 passes when the callers await a no-op instead of the engine")
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "cuda": torch.version.cuda, "argv": sys.argv, "rounds": args.rounds,

@@ -812,6 +812,7 @@ def test_a_bandwidth_stream_holds_at_least_stream_gib() -> None:
     assert stream_length(settings, 64, 4096) == 4  # 8 GiB: never fewer than stream_batches
     assert stream_length(Settings(stream_gib=0.0), 8, 1024) == 4
     assert stream_length(Settings(stream_batches=1), 8, 1024) == 1  # no stream at all
+    assert stream_length(settings, 1, 32) == 64  # a tiny row: capped, not ~65,000 batches
 
 
 def test_the_engine_bench_times_its_store_wrapper_overhead() -> None:
