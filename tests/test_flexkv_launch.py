@@ -82,3 +82,27 @@ def test_offloads_whose_launch_fails_after_the_loads_went_out_fail_alone() -> No
     assert "transfer engine gone" in answers[put_ids[0]].error
     with pytest.raises(ValueError, match="cannot cancel launched"):
         flexkv.cancel([get_id])  # the load is running: it is waited for, not cancelled
+
+
+def test_a_failed_release_of_empty_tasks_after_a_launch_does_not_fail_the_launch() -> None:
+    class EmptiesCannotBeCancelled(Manager):
+        def _match(self, kind: str, tokens: np.ndarray) -> tuple[int, np.ndarray]:
+            task_id, mask = super()._match(kind, tokens)
+            return task_id, mask if len(tokens) > PAGE else np.zeros_like(mask)
+
+        def cancel(self, ids: Sequence[int]) -> None:
+            raise RuntimeError("cancel broke")
+
+    manager = EmptiesCannotBeCancelled(fail_kind=None)
+    flexkv = store(manager)
+    moving = flexkv.put_match(np.arange(2 * PAGE), ["u"])[0]
+    empty = flexkv.put_match(np.arange(PAGE - 1), ["v"])[0]  # under a page: nothing to write
+    flexkv.launch([moving, empty], [slots(2), slots(0)])  # must not raise: moving runs
+    assert manager.launched == [[moving]]
+    assert flexkv.try_wait([empty])[empty].status is TaskStatus.SUCCESS
+    with pytest.raises(ValueError, match="cannot cancel launched"):
+        flexkv.cancel([moving])  # launched, and known to be: it is waited for
+    # With nothing launched, the failed release still raises (every id stays matched).
+    lone = flexkv.put_match(np.arange(PAGE - 1), ["w"])[0]
+    with pytest.raises(RuntimeError, match="cancel broke"):
+        flexkv.launch([lone], [slots(0)])
