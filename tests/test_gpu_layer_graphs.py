@@ -58,7 +58,9 @@ def test_chunks_move_every_page_whole(
     pristine = [cache.clone() for cache in caches]
     pool = HostPool(48, BLOCK_SHAPE, torch.bfloat16, pin=True)
     done: queue.SimpleQueue[CopyJob] = queue.SimpleQueue()
-    copier = Transfer(caches, pool, done.put, layer_graphs=graphs)
+    if not graphs:  # as where capture fails: every chunk runs the eager ops
+        monkeypatch.setattr(transfer.LayerGraphs, "capture", lambda *args: None)
+    copier = Transfer(caches, pool, done.put)
     try:
         assert (copier._graphs is not None) is graphs, "graph capture failed (see the log)"
         torch.cuda.synchronize()

@@ -99,7 +99,6 @@ class Transfer:
         kv_caches: Sequence[torch.Tensor],
         pool: HostPool,
         on_done: Callable[[CopyJob], None],
-        layer_graphs: bool = True,
     ) -> None:
         self._caches = list(kv_caches)
         self._pool = pool
@@ -122,12 +121,13 @@ class Transfer:
             # Gathers/scatters on one stream, host <-> device copies on the other.
             self._gpu_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
             self._copy_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+            # The staging buffers were allocated on the current stream, maybe in memory
+            # that kernels still queued there were using: both streams start after them.
+            current = torch.cuda.current_stream(self._device)
+            self._gpu_stream.wait_stream(current)
+            self._copy_stream.wait_stream(current)
             self._in_flight: queue.SimpleQueue[_InFlight | None] = queue.SimpleQueue()
-            self._graphs = (
-                LayerGraphs.capture(self._caches, self._staging, self._gpu_stream)
-                if layer_graphs
-                else None
-            )
+            self._graphs = LayerGraphs.capture(self._caches, self._staging, self._gpu_stream)
             self._threads.append(
                 threading.Thread(target=self._complete, name="aiokv-copy-done", daemon=True)
             )
@@ -337,13 +337,15 @@ class LayerGraphs:
 
     def gather(self, stage: int, pages: torch.Tensor) -> None:
         """Enqueue, on the current stream, staging[stage][i, layer] = cache[layer][pages[i]]."""
-        self._index[stage].copy_(pages, non_blocking=True)
-        self._gathers[stage].replay()
+        self._replay(self._gathers, stage, pages)
 
     def scatter(self, stage: int, pages: torch.Tensor) -> None:
         """Enqueue, on the current stream, cache[layer][pages[i]] = staging[stage][i, layer]."""
+        self._replay(self._scatters, stage, pages)
+
+    def _replay(self, graphs: list[Any], stage: int, pages: torch.Tensor) -> None:
         self._index[stage].copy_(pages, non_blocking=True)
-        self._scatters[stage].replay()
+        graphs[stage].replay()
 
 
 def gather_layers(
