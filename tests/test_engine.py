@@ -260,6 +260,70 @@ async def test_cheap_batches_of_a_burst_all_go_out_within_the_budget(
     assert len(batcher) == 0
 
 
+def _resolve_budget(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    from aiokv import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "RESOLVE_BUDGET_S", seconds)
+
+
+def _admitted_offloads(engine: aiokv.OffloadEngine, count: int) -> list[Any]:
+    """Offload requests the engine counts as live, without queueing them: the test posts
+    their outcomes itself, as the store thread would."""
+    from aiokv.requests import Kind
+
+    requests = []
+    for user in range(count):
+        request = engine._new_request(Kind.OFFLOAD, user, 16, None, None, torch.arange(4), 4)
+        engine._accept(request)
+        requests.append(request)
+    engine._batcher.take_queued()  # type: ignore[union-attr]
+    return requests
+
+
+@pytest.mark.asyncio
+async def test_outcomes_past_the_budget_resolve_in_order_over_later_iterations(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _resolve_budget(monkeypatch, 0.0)  # every outcome is over it: one per callback
+    async with aiokv.OffloadEngine(small_store(), caches) as engine:
+        requests = _admitted_offloads(engine, 6)
+        outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
+        engine._deliver(list(zip(requests[:4], outcomes[:4], strict=True)))
+        engine._deliver(list(zip(requests[4:], outcomes[4:], strict=True)))  # waits its turn
+        resolved_per_iteration = [sum(r.future.done() for r in requests)]
+        while resolved_per_iteration[-1] < len(requests):
+            await asyncio.sleep(0)
+            resolved_per_iteration.append(sum(r.future.done() for r in requests))
+        assert resolved_per_iteration == [1, 2, 3, 4, 5, 6]
+        assert [await r.future for r in requests] == outcomes
+        assert engine.stats().completed == 6
+
+
+@pytest.mark.asyncio
+async def test_outcomes_still_queued_at_close_resolve_with_their_own_results(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _resolve_budget(monkeypatch, 0.0)
+    engine = aiokv.OffloadEngine(small_store(), caches)
+    await engine.start()
+    requests = _admitted_offloads(engine, 50)
+    outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
+    loop = asyncio.get_running_loop()
+    worker = engine._worker
+    assert worker is not None
+    join = worker.join
+
+    def join_then_post(timeout: float | None = None) -> bool:
+        finished = join(timeout)
+        # The store thread's last post, as it ends: finished before the close gave up.
+        loop.call_soon_threadsafe(engine._deliver, list(zip(requests, outcomes, strict=True)))
+        return finished
+
+    monkeypatch.setattr(worker, "join", join_then_post)
+    await engine.aclose(drain=False)
+    assert [r.future.result() for r in requests] == outcomes
+
+
 @pytest.mark.asyncio
 async def test_take_queued_returns_planned_batches_first(
     monkeypatch: pytest.MonkeyPatch,
