@@ -83,6 +83,44 @@ def ready_events(requests: Iterable[Request]) -> list[Any]:
     return list(events.values())
 
 
+class CurrentStreams:
+    """``torch.cuda.current_stream(device)``, for a call on every submit.
+
+    torch builds a new Stream object per call: about 3 µs on an H200 host, half of a
+    submit's cost on the loop. The stream's identity is a (stream id, device index,
+    device type) triple that torch reads in about 0.1 µs; a Stream is nothing but that
+    triple, so the object built for a triple is kept and handed out again. Where torch
+    lacks the private getter (``torch._C._cuda_getCurrentStream``), it falls back to
+    ``torch.cuda.current_stream``."""
+
+    _MAX_STREAMS = 1024  # past this many distinct streams, build objects per call again
+
+    def __init__(
+        self,
+        get_current: Callable[[int], tuple[int, int, int]] | None = None,
+        new_stream: Callable[..., Any] = torch.cuda.Stream,
+    ) -> None:
+        self._get_current = get_current or getattr(torch._C, "_cuda_getCurrentStream", None)
+        self._new_stream = new_stream
+        self._streams: dict[tuple[int, int, int], Any] = {}
+
+    def __call__(self, device: torch.device) -> Any:
+        get_current = self._get_current
+        index = device.index
+        if get_current is None or index is None:
+            return torch.cuda.current_stream(device)
+        key = get_current(index)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream_id, device_index, device_type = key
+            stream = self._new_stream(
+                stream_id=stream_id, device_index=device_index, device_type=device_type
+            )
+            if len(self._streams) < self._MAX_STREAMS:
+                self._streams[key] = stream
+        return stream
+
+
 class ReadyMarks:
     """Marks how far each caller's stream got at submit: the KV (and GPU page ids) are
     written there, and the copy must start after them.
@@ -109,13 +147,13 @@ class ReadyMarks:
         device: torch.device,
         call_soon: Callable[[Callable[[], None]], object],
         new_event: Callable[[], Any] = torch.cuda.Event,
-        current_stream: Callable[[torch.device], Any] = torch.cuda.current_stream,
+        current_stream: Callable[[torch.device], Any] | None = None,
         synchronize: Callable[[torch.device], None] = torch.cuda.synchronize,
     ) -> None:
         self._device = device
         self._call_soon = call_soon  # the loop's call_soon
         self._new_event = new_event
-        self._current_stream = current_stream
+        self._current_stream = current_stream or CurrentStreams()
         self._synchronize = synchronize
         self._events: dict[int, Any] = {}  # stream handle -> this window's event
         self._unrecorded: dict[int, tuple[Any, Any]] = {}  # handle -> (stream, event)

@@ -168,3 +168,50 @@ async def test_a_window_emptied_by_a_full_batch_is_not_closed_again() -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert len(closed) == 1  # the full batch's window, once (the events map kept)
+
+
+def test_current_streams_builds_one_object_per_stream_and_asks_torch_each_time() -> None:
+    from aiokv.requests import CurrentStreams
+
+    current = [(11, 0, 1)]
+    built: list[dict[str, int]] = []
+    streams = CurrentStreams(lambda index: current[0], lambda **key: built.append(key) or key)
+    cuda0 = torch.device("cuda", 0)
+    first = streams(cuda0)
+    assert streams(cuda0) is first  # the same stream: the object is handed out again
+    current[0] = (12, 0, 1)  # the caller switched streams (torch.cuda.stream(...))
+    second = streams(cuda0)
+    assert second == {"stream_id": 12, "device_index": 0, "device_type": 1}
+    current[0] = (11, 0, 1)
+    assert streams(cuda0) is first
+    assert built == [first, second]
+
+
+def test_current_streams_stops_keeping_objects_past_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiokv.requests import CurrentStreams
+
+    monkeypatch.setattr(CurrentStreams, "_MAX_STREAMS", 2)
+    current = [(0, 0, 1)]
+    streams = CurrentStreams(lambda index: current[0], lambda **key: dict(key))
+    for stream_id in range(5):
+        current[0] = (stream_id, 0, 1)
+        streams(torch.device("cuda", 0))
+    assert len(streams._streams) == 2
+    kept = streams(torch.device("cuda", 0))  # stream 4: built again, not kept
+    assert kept is not streams(torch.device("cuda", 0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_current_streams_matches_torch_on_every_stream() -> None:
+    from aiokv.requests import CurrentStreams
+
+    streams = CurrentStreams()
+    device = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    assert streams(device) == torch.cuda.current_stream(device)
+    with torch.cuda.stream(side):
+        assert streams(device) == side == torch.cuda.current_stream(device)
+        assert streams(device).cuda_stream == side.cuda_stream
+    assert streams(device) == torch.cuda.default_stream(device)
