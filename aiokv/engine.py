@@ -451,15 +451,19 @@ class OffloadEngine:
         outcomes = self._outcomes
         resolve = self._resolve
         deadline = time.perf_counter() + (RESOLVE_BUDGET_S if budget_s is None else budget_s)
-        while outcomes:
-            request, outcome = outcomes.popleft()
-            resolve(request, outcome)
-            if time.perf_counter() >= deadline:
-                break
-        self._resolving_later = bool(outcomes)
-        if outcomes:
-            assert self._loop is not None
-            self._loop.call_soon(self._resolve_outcomes)
+        try:
+            while outcomes:
+                request, outcome = outcomes.popleft()
+                resolve(request, outcome)
+                if time.perf_counter() >= deadline:
+                    break
+        finally:
+            # Even if one resolution raised (the loop's exception handler logs it), the
+            # rest must not wait for a callback that was never scheduled.
+            self._resolving_later = bool(outcomes)
+            if outcomes:
+                assert self._loop is not None
+                self._loop.call_soon(self._resolve_outcomes)
 
     def _release_reservation(self, task_id: int) -> None:
         if self._worker is not None:

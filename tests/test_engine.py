@@ -300,6 +300,37 @@ async def test_outcomes_past_the_budget_resolve_in_order_over_later_iterations(
 
 
 @pytest.mark.asyncio
+async def test_a_resolution_that_raises_does_not_strand_the_outcomes_after_it(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _resolve_budget(monkeypatch, 0.0)
+    loop = asyncio.get_running_loop()
+    errors: list[Any] = []
+    loop.set_exception_handler(lambda loop, context: errors.append(context["exception"]))
+    async with aiokv.OffloadEngine(small_store(), caches) as engine:
+        requests = _admitted_offloads(engine, 4)
+        outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
+        resolve = engine._resolve
+
+        def resolve_but_fail_the_second(request: Any, outcome: object) -> None:
+            if request is requests[1]:
+                raise RuntimeError("a bug in resolving")
+            resolve(request, outcome)
+
+        monkeypatch.setattr(engine, "_resolve", resolve_but_fail_the_second)
+        engine._deliver(list(zip(requests[:2], outcomes[:2], strict=True)))
+        for _ in range(3):
+            await asyncio.sleep(0)  # the second raises in a callback of its own
+        engine._deliver(list(zip(requests[2:], outcomes[2:], strict=True)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert [r.future.done() for r in requests] == [True, False, True, True]
+        assert [type(e) for e in errors] == [RuntimeError]
+        requests[1].future.cancel()  # let the engine close without waiting for it
+        engine._finished(requests[1], None)
+
+
+@pytest.mark.asyncio
 async def test_outcomes_still_queued_at_close_resolve_with_their_own_results(
     caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
