@@ -13,7 +13,8 @@ The event loop's stalls are measured by a 100 µs ticker task in two more passes
   rate (b) sustained (so the engine never runs dry). This is serving traffic at full load,
   and the pass the stall target is judged on. Its throughput is printed but not judged:
   the spinning ticker competes for the GIL with the store thread, which bounds the rows
-  where matching is the bottleneck (32 x 1024 on FlexKV).
+  where matching is the bottleneck (32 x 1024 on FlexKV). Its three worst ticks are
+  split into the loop thread's CPU time and the rest (waiting for the GIL, mostly).
 - "burst": (b) again, every round's callers made ready in one loop iteration. asyncio runs
   them all in that iteration, so its stall grows with their number whatever they await;
   "floor" is that iteration's stall when the same callers await a no-op.
@@ -102,14 +103,38 @@ async def engine_rounds(
     return sum([await one_round(tag) for tag in tags])
 
 
-async def ticker(lateness_s: list[float], stop: asyncio.Event) -> None:
+async def ticker(
+    lateness_s: list[float], stop: asyncio.Event, loop_cpu_s: list[float] | None = None
+) -> None:
     """Asks to wake every 100 µs and records how late it woke (perf_counter: uvloop's
     loop.time() moves in 1 ms steps). Under uvloop a sleep this short wakes on the next
-    loop iteration, so the ticker spins and the worst lateness is the loop's worst stall."""
+    loop iteration, so the ticker spins and the worst lateness is the loop's worst stall.
+    ``loop_cpu_s`` gets the loop thread's CPU time over each tick: what of a stall was
+    the loop's own work, and what was waiting (for the GIL, mostly)."""
     while not stop.is_set():
+        cpu = time.thread_time()
         due = time.perf_counter() + 100e-6
         await asyncio.sleep(100e-6)
         lateness_s.append(max(0.0, time.perf_counter() - due))
+        if loop_cpu_s is not None:
+            loop_cpu_s.append(time.thread_time() - cpu)
+
+
+def worst_ticks(
+    lateness_s: list[float], loop_cpu_s: list[float], count: int = 3
+) -> list[dict[str, float]]:
+    """The ``count`` latest ticks, ms: lateness; the loop thread's CPU time over the tick;
+    and the rest of the tick's span (lateness + 100 µs), when the loop thread ran no
+    code: waiting for the GIL, off the CPU, or idle in the ticker's own sleep."""
+    latest = sorted(range(len(lateness_s)), key=lateness_s.__getitem__, reverse=True)
+    return [
+        {
+            "lateness_ms": lateness_s[i] * 1e3,
+            "loop_cpu_ms": loop_cpu_s[i] * 1e3,
+            "rest_ms": max(0.0, lateness_s[i] + 100e-6 - loop_cpu_s[i]) * 1e3,
+        }
+        for i in latest[:count]
+    ]
 
 
 async def burst_floor(users: int, rounds: int, repeats: int = 5) -> float:
@@ -149,6 +174,7 @@ async def burst_floor(users: int, rounds: int, repeats: int = 5) -> float:
 async def run_engine(
     store: Store, caches: list[torch.Tensor], page_ids: list[torch.Tensor], tokens: int,
     tags: list[str], pipelined: bool, watch: bool, pacing_s: float = 0.0,
+    loop_cpu_s: list[float] | None = None,
 ) -> tuple[int, float, list[float]]:
     config = aiokv.EngineConfig(window_us=WINDOW_US, max_batch_requests=len(page_ids),
                                 max_batch_tokens=1 << 30, poll_interval_us=POLL_US)
@@ -159,9 +185,11 @@ async def run_engine(
         await engine_rounds(engine, page_ids, tokens, ["warm-" + t for t in tags[:1]], False)
         gc.collect()
         gc.freeze()  # what a serving process does after start-up: no full GC of old objects
-        tick = asyncio.ensure_future(ticker(lateness, stop)) if watch else None
+        tick = asyncio.ensure_future(ticker(lateness, stop, loop_cpu_s)) if watch else None
         await asyncio.sleep(0.01)
         lateness.clear()
+        if loop_cpu_s is not None:
+            loop_cpu_s.clear()
         start = time.perf_counter()
         written = await engine_rounds(engine, page_ids, tokens, tags, pipelined, pacing_s)
         elapsed = time.perf_counter() - start
@@ -253,9 +281,10 @@ def main(argv: list[str] | None = None) -> int:
                     ("watched", True, True),
                 ):
                     tags = [f"{mode}-{tag}-{r}" for r in range(args.rounds)]
+                    loop_cpu: list[float] = []
                     written_e, elapsed, lateness = uvloop.run(
                         run_engine(shared, caches, page_ids, tokens, tags, pipelined, watch,
-                                   pacing_s if mode == "paced" else 0.0)
+                                   pacing_s if mode == "paced" else 0.0, loop_cpu)
                     )
                     result[f"{mode}_gib_s"] = written_e * bytes_per_token / elapsed / 2**30
                     if mode == "concurrent":
@@ -270,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                         result[f"{prefix}lag_max_ms"] = float(lat.max())
                         result[f"{prefix}lag_p99_ms"] = float(np.percentile(lat, 99))
                         result[f"{prefix}ticks"] = len(lateness)
+                        result[f"{prefix}worst_ticks"] = worst_ticks(lateness, loop_cpu)
                     if mode == "watched":
                         result["burst_floor_max_ms"] = 1e3 * uvloop.run(
                             burst_floor(users, args.rounds)
@@ -298,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['paced_lag_max_ms']:>7.3f} | {r['watched_gib_s']:>6.1f} "
               f"{r['lag_max_ms']:>7.3f} {r['burst_floor_max_ms']:>6.3f} | "
               f"{verdict(met)}")
+    for r in rows:
+        ticks = ", ".join(
+            f"{t['lateness_ms']:.2f} ({t['loop_cpu_ms']:.2f} + {t['rest_ms']:.2f})"
+            for t in r["paced_worst_ticks"]
+        )
+        print(f"  {r['users']} x {r['tokens']} paced, worst ticks, ms (loop CPU + rest): {ticks}")
     print("  paced: each round's users at once, rounds at twice the rate (b) sustained, with a "
           "100 µs ticker; verdict: b/a >= 1.2 and the paced pass's worst stall < 1 ms.\n"
           "  burst: every round's callers made ready in one iteration; floor: that burst's "
