@@ -2,7 +2,10 @@
 
 The live set holds every accepted, unresolved request; it is the one count of
 "pending". With ``overload: wait``, callers queue FIFO for room, bounded by
-``request_timeout_ms``; a woken caller that leaves passes its turn on.
+``request_timeout_ms``. A request that leaves wakes the first waiter and promises it the
+room: until that waiter runs, the room is not free to anyone else (a caller arriving in
+between queues behind it). A woken caller that leaves instead (cancelled, timed out in
+the same iteration) passes its turn on.
 """
 
 from __future__ import annotations
@@ -17,15 +20,30 @@ from .requests import Request
 from .stats import StatsRecorder
 
 
+class _NoRoomInTime(Exception):
+    """Set on a waiter whose request_timeout_ms passed (never leaves this module)."""
+
+
+def _time_out(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_exception(_NoRoomInTime())
+
+
 class Admission:
     def __init__(self, config: EngineConfig, stats: StatsRecorder) -> None:
         self._config = config
         self._stats = stats
         self.live: set[Request] = set()  # accepted and not yet resolved
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        # Each waiter resolves True when it is promised a room, False when woken only to
+        # look again (the engine is closing).
+        self._waiters: deque[asyncio.Future[bool]] = deque()
+        self._promised = 0  # rooms promised to woken waiters that have not run yet
 
     def has_room(self) -> bool:
-        return len(self.live) < self._config.max_pending
+        return len(self.live) + self._promised < self._config.max_pending
+
+    def has_waiters(self) -> bool:
+        return bool(self._waiters)
 
     def admit(self, request: Request) -> None:
         self.live.add(request)
@@ -35,9 +53,22 @@ class Admission:
         if self._waiters:
             self._wake_one()
 
+    def wake_all(self) -> None:
+        """Wake every waiter without a promise: they look at ``running()`` again and
+        leave (the engine is closing)."""
+        waiters, self._waiters = self._waiters, deque()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(False)
+
     async def wait_for_room(self, running: Callable[[], bool]) -> None:
         """Return once there is room (or ``running()`` turned false). Raises Overloaded
-        under ``overload: reject``, RequestTimeout when ``request_timeout_ms`` passes."""
+        under ``overload: reject``, RequestTimeout when ``request_timeout_ms`` passes.
+
+        Not ``asyncio.wait_for``: on Python 3.11 it returns the waiter's result when the
+        caller is cancelled just after the waiter was woken (the cancellation is lost),
+        and on 3.12 a waiter woken as its timeout fires raises TimeoutError, and the room
+        it was promised would be lost with it."""
         if self._config.overload == "reject":
             self._stats.rejected += 1
             raise Overloaded(f"{self._config.max_pending} requests pending (engine.max_pending)")
@@ -45,25 +76,35 @@ class Admission:
         timeout_ms = self._config.request_timeout_ms
         deadline = loop.time() + timeout_ms / 1e3 if timeout_ms else None
         while not self.has_room() and running():
-            waiter: asyncio.Future[None] = loop.create_future()
+            waiter: asyncio.Future[bool] = loop.create_future()
             self._waiters.append(waiter)
+            timer = loop.call_at(deadline, _time_out, waiter) if deadline is not None else None
             try:
-                remaining = None if deadline is None else max(deadline - loop.time(), 0.0)
-                await asyncio.wait_for(waiter, remaining)
-            except TimeoutError:
+                promised = await waiter
+            except _NoRoomInTime:
                 self._stats.rejected += 1
                 raise RequestTimeout(
                     f"no room among {self._config.max_pending} pending requests within "
                     f"engine.request_timeout_ms={timeout_ms}"
                 ) from None
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake_one()  # we were woken but leave: pass the room on
+            except BaseException:  # cancelled: re-raised, never swallowed
+                if not waiter.done():
+                    waiter.cancel()
+                # exception() also marks a timeout that lost the race as retrieved.
+                elif not waiter.cancelled() and waiter.exception() is None and waiter.result():
+                    self._promised -= 1  # woken with a room, then cancelled: pass it on
+                    self._wake_one()
                 raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            if promised:
+                self._promised -= 1  # the room is this caller's: has_room() now sees it
 
     def _wake_one(self) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)
+                self._promised += 1
+                waiter.set_result(True)
                 return

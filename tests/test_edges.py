@@ -378,3 +378,55 @@ async def test_overload_wait_times_out_with_request_timeout(caches: list[torch.T
         rig.faulty.hold.set()
     assert stats.timed_out + stats.rejected == 2
     rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_a_caller_cancelled_just_after_it_was_given_room_stays_cancelled(
+    caches: list[torch.Tensor],
+) -> None:
+    rig = Rig(caches, window_us=0, max_pending=1, overload="wait", request_timeout_ms=60_000)
+    async with rig.engine:
+        first = await rig.held_offload("a", pages(0))
+        second = asyncio.ensure_future(rig.engine.offload("b", pages(4), 16))
+        third = asyncio.ensure_future(rig.engine.offload("c", pages(8), 16))
+        await asyncio.sleep(0.01)
+        # In one callback: a's outcome arrives (its room goes to the second caller's
+        # waiter), then the second caller is cancelled (an outer timeout, say).
+        (accepted,) = rig.engine._admission.live
+        rig.engine._deliver([(accepted, aiokv.OffloadResult("a", 16, 16))])
+        second.cancel()
+        rig.faulty.hold.set()
+        await first
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(second, 10)
+        # The room it was given went on to the next caller.
+        assert (await asyncio.wait_for(third, 10)).stored_tokens == 16
+        stats = rig.engine.stats()
+    assert stats.submitted == 2  # a and c; b never ran
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_a_newcomer_does_not_take_the_room_given_to_a_waiter(
+    caches: list[torch.Tensor],
+) -> None:
+    rig = Rig(caches, window_us=0, max_pending=1, overload="wait", request_timeout_ms=0)
+    async with rig.engine:
+        first = await rig.held_offload("a", pages(0))
+        waiter = asyncio.ensure_future(rig.engine.offload("b", pages(4), 16))
+        await asyncio.sleep(0.01)
+        rig.faulty.hold.clear()
+        # The newcomer's first step is scheduled before the waiter is woken, so it runs
+        # first: the room has just been given to the waiter, and FIFO puts it behind.
+        newcomer = asyncio.ensure_future(rig.engine.offload("c", pages(8), 16))
+        (accepted,) = rig.engine._admission.live
+        rig.engine._deliver([(accepted, aiokv.OffloadResult("a", 16, 16))])
+        await rig.launched()
+        assert not newcomer.done() and rig.engine.stats().submitted == 2
+        (running,) = rig.engine._admission.live
+        assert running.user_id == "b"
+        rig.faulty.hold.set()
+        await first
+        results = await asyncio.wait_for(asyncio.gather(waiter, newcomer), 10)
+    assert [r.user_id for r in results] == ["b", "c"]
+    rig.assert_clean()
