@@ -169,6 +169,7 @@ class OffloadEngine:
             self._on_dispatch_failed,
             self._ready_marks.close_window if self._ready_marks is not None else None,
         )
+        # Calls are accepted from here on: they queue until the batcher task starts.
         self._state = EngineState.RUNNING
         self._worker.start()
         try:
@@ -177,11 +178,14 @@ class OffloadEngine:
                 # registers, not lazily inside the first batches.
                 await asyncio.to_thread(warm_up, self._device, self._page_size, copy_stream)
             await asyncio.wrap_future(registered)
-        except BaseException:
+        except BaseException as exc:
             self._state = EngineState.CLOSED
             self._worker.stop()
             await asyncio.to_thread(self._worker.join)
+            self._fail_accepted(EngineClosed(f"engine failed to start: {exc!r}"))
             raise
+        if self._state is not EngineState.RUNNING:  # aclose() came while we registered
+            raise EngineClosed("engine was closed while it started")
         self._batcher_task = loop.create_task(self._batcher.run(), name="aiokv-batcher")
 
     async def aclose(self, drain: bool = True, timeout: float = 30.0) -> None:
@@ -207,6 +211,9 @@ class OffloadEngine:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         self._state = EngineState.DRAINING
+        self._admission.wake_all()  # callers waiting for room see the state and leave
+        if self._batcher_task is None:
+            drain = False  # closed while starting: nothing dispatches what is queued
         if drain:
             self._batcher.drain()
             try:
@@ -232,6 +239,18 @@ class OffloadEngine:
         if self._deadlines is not None:
             self._deadlines.close()
         self._state = EngineState.CLOSED
+
+    def _fail_accepted(self, error: Exception) -> None:
+        """Resolve with ``error`` every request accepted and not resolved, and send the
+        callers waiting for room away (a start that failed: no store thread is left)."""
+        assert self._batcher is not None
+        for request in self._batcher.take_queued():
+            self._resolve(request, error)
+        for request in list(self._admission.live):
+            self._resolve(request, error)
+        self._admission.wake_all()
+        if self._deadlines is not None:
+            self._deadlines.close()
 
     async def __aenter__(self) -> OffloadEngine:
         await self.start()

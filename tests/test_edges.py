@@ -430,3 +430,83 @@ async def test_a_newcomer_does_not_take_the_room_given_to_a_waiter(
         results = await asyncio.wait_for(asyncio.gather(waiter, newcomer), 10)
     assert [r.user_id for r in results] == ["b", "c"]
     rig.assert_clean()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("drain", [True, False])
+async def test_close_sends_every_caller_waiting_for_room_away(
+    caches: list[torch.Tensor], drain: bool
+) -> None:
+    # Two waiters for one room: each request that finishes wakes one waiter only, so the
+    # close itself must wake them all.
+    rig = Rig(caches, window_us=0, max_pending=1, overload="wait", request_timeout_ms=0)
+    await rig.engine.start()
+    first = await rig.held_offload("a", pages(0))
+    waiters = [asyncio.ensure_future(rig.engine.offload(u, pages(4 * i + 4), 16))
+               for i, u in enumerate("bc")]
+    await asyncio.sleep(0.01)
+    assert not any(w.done() for w in waiters)
+    rig.faulty.hold.set()
+    await asyncio.wait_for(rig.engine.aclose(drain=drain), 10)
+    _, pending = await asyncio.wait([first, *waiters], timeout=2)
+    for call in pending:
+        call.cancel()
+    assert not pending, f"{len(pending)} caller(s) still waiting after aclose returned"
+    for waiter in waiters:
+        with pytest.raises(aiokv.EngineClosed):
+            waiter.result()
+    rig.assert_clean()
+
+
+class FailingRegister(aiokv.testing.StoreWrapper):
+    """Registers only when ``go`` is set, then fails (or, with ``fail=False``, not)."""
+
+    def __init__(self, inner: Any, fail: bool) -> None:
+        super().__init__(inner)
+        self.go = threading.Event()
+        self.fail = fail
+
+    def register(self, kv_caches: Any) -> None:
+        assert self.go.wait(10)
+        if self.fail:
+            raise RuntimeError("registration failed")
+        self.inner.register(kv_caches)
+
+
+@pytest.mark.asyncio
+async def test_calls_accepted_while_a_start_fails_are_failed_with_it(
+    caches: list[torch.Tensor],
+) -> None:
+    store = FailingRegister(small_store(), fail=True)
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(request_timeout_ms=0))
+    starting = asyncio.ensure_future(engine.start())
+    await asyncio.sleep(0.01)
+    call = asyncio.ensure_future(engine.offload("u", pages(0), 16))  # queued until started
+    await asyncio.sleep(0)
+    assert engine.stats().submitted == 1
+    store.go.set()
+    with pytest.raises(RuntimeError, match="registration failed"):
+        await starting
+    with pytest.raises(aiokv.EngineClosed, match="failed to start"):
+        await asyncio.wait_for(call, 2)
+    assert engine.state is aiokv.EngineState.CLOSED
+
+
+@pytest.mark.asyncio
+async def test_a_close_during_start_ends_both_without_a_batcher_left_running(
+    caches: list[torch.Tensor],
+) -> None:
+    store = FailingRegister(small_store(), fail=False)
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(request_timeout_ms=0))
+    starting = asyncio.ensure_future(engine.start())
+    await asyncio.sleep(0.01)
+    call = asyncio.ensure_future(engine.offload("u", pages(0), 16))
+    closing = asyncio.ensure_future(engine.aclose(drain=True, timeout=30))
+    await asyncio.sleep(0.01)
+    store.go.set()
+    with pytest.raises(aiokv.EngineClosed, match="closed while it started"):
+        await asyncio.wait_for(starting, 5)
+    await asyncio.wait_for(closing, 5)  # no drain wait: nothing could dispatch the call
+    with pytest.raises(aiokv.EngineClosed):
+        await asyncio.wait_for(call, 2)
+    assert engine._batcher_task is None and engine.state is aiokv.EngineState.CLOSED
