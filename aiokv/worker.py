@@ -93,6 +93,7 @@ class StoreWorker:
         self._launched: dict[int, Request] = {}  # launched ids -> request, until terminal
         self._reserved: set[int] = set()  # lookup matches held for a load
         self._outbox: list[tuple[Request, object]] = []
+        self._in_hand: Batch | None = None  # the batch being matched or launched
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
 
     # ---- loop side -------------------------------------------------------------------
@@ -180,13 +181,32 @@ class StoreWorker:
                 self._reserved.clear()
         except BaseException:  # a bug here must not strand futures: fail what we hold
             log.exception("aiokv store thread crashed")
-            error = StoreError("the store thread crashed; see the aiokv log")
-            self._outbox.extend((r, error) for r in self._launched.values())
-            self._launched.clear()
-            self._post()
+            self._fail_everything(StoreError("the store thread crashed; see the aiokv log"))
             raise
         finally:
             self._close_store()
+
+    def _fail_everything(self, error: StoreError) -> None:
+        """After a crash: stop accepting (later batches fail at dispatch, with
+        EngineClosed), and fail the batch in hand, what was launched, and every batch
+        still in the inbox."""
+        with self._accept_lock:
+            self._accepting = False
+        if self._in_hand is not None:
+            held = self._in_hand
+            self._in_hand = None
+            with contextlib.suppress(Exception):  # it cancels in the store, which may fail
+                self._fail_unanswered(held, error)
+        self._outbox.extend((r, error) for r in self._launched.values())
+        self._launched.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Batch):
+                self._outbox.extend((r, error) for r in item.requests)
+        self._post()
 
     def _close_store(self) -> None:
         try:
@@ -221,6 +241,7 @@ class StoreWorker:
             if held:
                 self._cancel(held)
         elif isinstance(item, Batch):
+            self._in_hand = item  # for _fail_everything, should this thread crash
             try:
                 if item.kind is Kind.LOOKUP:
                     self._lookup(item)
@@ -230,6 +251,7 @@ class StoreWorker:
                 error = StoreError(f"batch failed before launch: {exc!r}")
                 error.__cause__ = exc
                 self._fail_unanswered(item, error)
+            self._in_hand = None
         else:
             raise TypeError(f"unexpected inbox item {item!r}")
 
@@ -362,11 +384,13 @@ class StoreWorker:
             return
         launched = self._launched
         for task_id, result in results.items():
-            request = launched.pop(task_id, None)
+            request = launched.get(task_id)
             if request is None:
                 log.warning("store answered unknown task id %s", task_id)
                 continue
-            self._outbox.append((request, self._outcome(request, result)))
+            outcome = self._outcome(request, result)  # should it raise, it is still held
+            del launched[task_id]
+            self._outbox.append((request, outcome))
 
     def _outcome(self, request: Request, result: TaskResult) -> object:
         if result.status is _SUCCESS:

@@ -510,3 +510,44 @@ async def test_a_close_during_start_ends_both_without_a_batcher_left_running(
     with pytest.raises(aiokv.EngineClosed):
         await asyncio.wait_for(call, 2)
     assert engine._batcher_task is None and engine.state is aiokv.EngineState.CLOSED
+
+
+class CrashingStore(aiokv.testing.StoreWrapper):
+    """``crash_put`` makes the next put_match raise a BaseException (a bug escaping every
+    handler); ``garble`` makes the next try_wait answer something that is not a dict."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.crash_put = False
+        self.garble = False
+
+    def put_match(self, token_ids: Any, namespace: Any) -> Any:
+        if self.crash_put:
+            self.crash_put = False
+            raise KeyboardInterrupt("a bug")
+        return self.inner.put_match(token_ids, namespace)
+
+    def try_wait(self, task_ids: Any) -> Any:
+        if self.garble:
+            self.garble = False
+            return [(task_id, None) for task_id in task_ids]
+        return self.inner.try_wait(task_ids)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fault", ["crash_put", "garble"])
+async def test_a_crashed_store_thread_fails_what_it_held_and_every_later_call(
+    caches: list[torch.Tensor], fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = CrashingStore(small_store())
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(request_timeout_ms=0))
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: None)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's own crash
+    await engine.start()
+    setattr(store, fault, True)
+    crashed = asyncio.ensure_future(engine.offload("a", pages(0), 16))
+    with pytest.raises(aiokv.StoreError, match="crashed"):
+        await asyncio.wait_for(crashed, 5)
+    with pytest.raises(aiokv.EngineClosed):
+        await asyncio.wait_for(engine.offload("b", pages(4), 16), 5)
+    await asyncio.wait_for(engine.aclose(drain=False, timeout=1), 5)
