@@ -82,3 +82,78 @@ async def test_soak_books_balance_and_loads_stay_bit_exact() -> None:
     assert verified > 0 and stats.completed > 0
     assert checked.problems() == []
     assert loop_errors == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("drain", [True, False])
+@pytest.mark.parametrize("timeout_ms", [0, 5])
+async def test_a_close_under_load_resolves_every_call_once(
+    seed: int, drain: bool, timeout_ms: int
+) -> None:
+    """Users offload, look up and load with few rooms (``overload: wait``), short
+    timeouts, cancellations (queued, waiting for room, launched) and failing tasks, and
+    the engine is closed in the middle of it. Every call must end (no caller left
+    waiting), the books must balance, and no room may stay promised."""
+    rng = random.Random(seed)
+    caches = make_caches(pages=USERS * HISTORY_PAGES)
+    faulty = FaultyStore(aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01)))
+    checked = CheckingStore(faulty, loop_thread=threading.get_ident())
+    loop_errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, ctx: loop_errors.append(ctx))
+    config = aiokv.EngineConfig(
+        window_us=rng.choice([0, 200, 1000]), max_batch_requests=rng.choice([2, 4, 8]),
+        max_pending=rng.choice([1, 3, 6]), overload="wait",
+        request_timeout_ms=timeout_ms, lookup_ttl_ms=20,
+    )
+    engine = aiokv.OffloadEngine(checked, caches, config)
+    expected = (aiokv.EngineClosed, aiokv.StoreError, aiokv.RequestTimeout, aiokv.InvalidRequest)
+    ends: list[str] = []
+
+    async def one_call(index: int, call_rng: random.Random) -> None:
+        own = torch.arange(index * HISTORY_PAGES, (index + 1) * HISTORY_PAGES)
+        tokens = call_rng.randint(1, HISTORY_PAGES * PAGE_SIZE)
+        if call_rng.random() < 0.6:
+            await engine.offload(index, own, tokens)
+        else:
+            hit = await engine.lookup(index, tokens)
+            if hit.cached_tokens:
+                await engine.load(hit, own)
+
+    async def user(index: int) -> None:
+        user_rng = random.Random(seed * 1000 + index)
+        for _ in range(ROUNDS):
+            call = asyncio.ensure_future(one_call(index, user_rng))
+            if user_rng.random() < 0.2:
+                for _ in range(user_rng.randint(0, 3)):
+                    await asyncio.sleep(0)
+                call.cancel()
+            faulty.fail_tasks = user_rng.random() < 0.1
+            try:
+                await call
+                ends.append("done")
+            except asyncio.CancelledError:
+                ends.append("cancelled")
+            except expected as error:
+                ends.append(type(error).__name__)
+                if isinstance(error, aiokv.EngineClosed):
+                    return
+
+    await engine.start()
+    users = [asyncio.ensure_future(user(u)) for u in range(USERS)]
+    await asyncio.sleep(rng.uniform(0.005, 0.05))
+    await asyncio.wait_for(engine.aclose(drain=drain, timeout=5), 20)
+    # Every caller ends at the close: none may be left to a request timeout (or none).
+    _, stuck = await asyncio.wait(users, timeout=1)
+    for task in stuck:
+        task.cancel()
+    assert not stuck, f"{len(stuck)} users still waiting after the close"
+    for task in users:
+        task.result()  # nothing unexpected escaped
+    stats = engine.stats()
+    resolved = stats.completed + stats.failed + stats.cancelled + stats.timed_out
+    assert stats.submitted == resolved and stats.pending == 0
+    assert engine._admission._promised == 0 and not engine._admission.has_waiters()
+    assert "EngineClosed" in ends  # the close came while users were still calling
+    assert checked.problems() == []
+    assert loop_errors == []
