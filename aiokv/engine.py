@@ -181,8 +181,10 @@ class OffloadEngine:
         except BaseException as exc:
             self._state = EngineState.CLOSED
             self._worker.stop()
-            await asyncio.to_thread(self._worker.join)
+            # Nothing dispatched them (no batcher task yet): fail them now, not after the
+            # join, which waits for the registration and which a second cancel may skip.
             self._fail_accepted(EngineClosed(f"engine failed to start: {exc!r}"))
+            await asyncio.to_thread(self._worker.join)
             raise
         if self._state is not EngineState.RUNNING:  # aclose() came while we registered
             raise EngineClosed("engine was closed while it started")

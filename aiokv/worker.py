@@ -138,7 +138,9 @@ class StoreWorker:
         try:
             self._store.register(self._kv_caches)
         except BaseException as exc:
-            self._registered.set_exception(exc)
+            # A start() that was cancelled cancelled this future: nobody is told then.
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                self._registered.set_exception(exc)
             self._close_store()
             return
         self._page_size = self._store.page_size
@@ -148,7 +150,8 @@ class StoreWorker:
         notified = callable(set_notify)
         if notified:
             set_notify(lambda: self._inbox.put(_WAKE))  # type: ignore[misc]
-        self._registered.set_result(None)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
+            self._registered.set_result(None)
         stopping = False
         try:
             while not stopping or self._launched:

@@ -465,6 +465,11 @@ class FailingRegister(aiokv.testing.StoreWrapper):
         super().__init__(inner)
         self.go = threading.Event()
         self.fail = fail
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+        self.inner.close()
 
     def register(self, kv_caches: Any) -> None:
         assert self.go.wait(10)
@@ -510,6 +515,27 @@ async def test_a_close_during_start_ends_both_without_a_batcher_left_running(
     with pytest.raises(aiokv.EngineClosed):
         await asyncio.wait_for(call, 2)
     assert engine._batcher_task is None and engine.state is aiokv.EngineState.CLOSED
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_start_fails_its_calls_at_once_and_still_closes_the_store(
+    caches: list[torch.Tensor],
+) -> None:
+    store = FailingRegister(small_store(), fail=False)
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(request_timeout_ms=0))
+    starting = asyncio.ensure_future(engine.start())
+    await asyncio.sleep(0.01)
+    call = asyncio.ensure_future(engine.offload("u", pages(0), 16))
+    await asyncio.sleep(0)
+    starting.cancel()  # e.g. asyncio.wait_for(engine.start(), ...) timing out
+    # The call fails while the registration still runs: it need not wait for it.
+    with pytest.raises(aiokv.EngineClosed, match="failed to start"):
+        await asyncio.wait_for(call, 2)
+    store.go.set()  # the registration ends after start() gave up on it
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert store.closed == 1  # the store thread was not killed by the cancelled future
+    assert engine.state is aiokv.EngineState.CLOSED
 
 
 class CrashingStore(aiokv.testing.StoreWrapper):
