@@ -4,8 +4,9 @@ The live set holds every accepted, unresolved request; it is the one count of
 "pending". With ``overload: wait``, callers queue FIFO for room, bounded by
 ``request_timeout_ms``. A request that leaves wakes the first waiter and promises it the
 room: until that waiter runs, the room is not free to anyone else (a caller arriving in
-between queues behind it). A woken caller that leaves instead (cancelled, timed out in
-the same iteration) passes its turn on.
+between queues behind it). A woken caller cancelled before it runs passes the room on;
+a waiter whose timeout fires before it is woken is skipped, and one woken before its
+timeout fires keeps the room.
 """
 
 from __future__ import annotations

@@ -577,3 +577,70 @@ async def test_a_crashed_store_thread_fails_what_it_held_and_every_later_call(
     with pytest.raises(aiokv.EngineClosed):
         await asyncio.wait_for(engine.offload("b", pages(4), 16), 5)
     await asyncio.wait_for(engine.aclose(drain=False, timeout=1), 5)
+
+
+class GatedCrashingStore(CrashingStore):
+    """``crash_put`` waits for ``go`` before it crashes (so batches pile up in the
+    inbox); ``bad_result`` answers results whose ``status`` raises."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.in_put = threading.Event()
+        self.go = threading.Event()
+        self.bad_result = False
+
+    def put_match(self, token_ids: Any, namespace: Any) -> Any:
+        if self.crash_put:
+            self.in_put.set()
+            assert self.go.wait(10)
+        return super().put_match(token_ids, namespace)
+
+    def try_wait(self, task_ids: Any) -> Any:
+        results = self.inner.try_wait(task_ids)
+        if self.bad_result:
+
+            class Garbled:
+                @property
+                def status(self) -> Any:
+                    raise RuntimeError("garbled result")
+
+            return {task_id: Garbled() for task_id in results}
+        return results
+
+
+@pytest.mark.asyncio
+async def test_batches_waiting_in_the_inbox_fail_with_a_crash(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = GatedCrashingStore(small_store())
+    engine = aiokv.OffloadEngine(
+        store, caches, aiokv.EngineConfig(window_us=0, request_timeout_ms=0)
+    )
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: None)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    await engine.start()
+    store.crash_put = True
+    crashing = asyncio.ensure_future(engine.offload("a", pages(0), 16))
+    assert await asyncio.to_thread(store.in_put.wait, 5)
+    waiting = asyncio.ensure_future(engine.offload("b", pages(4), 16))  # into the inbox
+    await asyncio.sleep(0.02)
+    store.go.set()
+    for call in (crashing, waiting):
+        with pytest.raises(aiokv.StoreError, match="crashed"):
+            await asyncio.wait_for(call, 5)
+    await asyncio.wait_for(engine.aclose(drain=False, timeout=1), 5)
+
+
+@pytest.mark.asyncio
+async def test_a_launched_request_whose_outcome_raises_is_failed_not_lost(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = GatedCrashingStore(small_store())
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(request_timeout_ms=0))
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: None)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    await engine.start()
+    store.bad_result = True
+    with pytest.raises(aiokv.StoreError, match="crashed"):
+        await asyncio.wait_for(engine.offload("a", pages(0), 16), 5)
+    await asyncio.wait_for(engine.aclose(drain=False, timeout=1), 5)
