@@ -40,6 +40,12 @@ class Rig:
         await self.launched()
         return call
 
+    def finish_the_accepted_one(self) -> None:
+        """Resolve the one accepted request now, as its store outcome would (in this
+        callback: the room it frees goes to the first caller waiting for one)."""
+        (accepted,) = self.engine._admission.live
+        self.engine._deliver([(accepted, aiokv.OffloadResult(accepted.user_id, 16, 16))])
+
     def assert_clean(self) -> None:
         assert self.checked.problems() == []
         assert self.loop_errors == []
@@ -392,8 +398,7 @@ async def test_a_caller_cancelled_just_after_it_was_given_room_stays_cancelled(
         await asyncio.sleep(0.01)
         # In one callback: a's outcome arrives (its room goes to the second caller's
         # waiter), then the second caller is cancelled (an outer timeout, say).
-        (accepted,) = rig.engine._admission.live
-        rig.engine._deliver([(accepted, aiokv.OffloadResult("a", 16, 16))])
+        rig.finish_the_accepted_one()
         second.cancel()
         rig.faulty.hold.set()
         await first
@@ -419,8 +424,7 @@ async def test_a_newcomer_does_not_take_the_room_given_to_a_waiter(
         # The newcomer's first step is scheduled before the waiter is woken, so it runs
         # first: the room has just been given to the waiter, and FIFO puts it behind.
         newcomer = asyncio.ensure_future(rig.engine.offload("c", pages(8), 16))
-        (accepted,) = rig.engine._admission.live
-        rig.engine._deliver([(accepted, aiokv.OffloadResult("a", 16, 16))])
+        rig.finish_the_accepted_one()
         await rig.launched()
         assert not newcomer.done() and rig.engine.stats().submitted == 2
         (running,) = rig.engine._admission.live
@@ -478,64 +482,69 @@ class FailingRegister(aiokv.testing.StoreWrapper):
         self.inner.register(kv_caches)
 
 
+class Starting:
+    """An engine whose start() is under way (registration held until ``store.go``) and
+    one offload accepted meanwhile."""
+
+    def __init__(self, store: FailingRegister, engine: aiokv.OffloadEngine) -> None:
+        self.store, self.engine = store, engine
+        self.starting: asyncio.Future[None] = asyncio.ensure_future(engine.start())
+        self.call: asyncio.Future[Any] | None = None
+
+    @classmethod
+    async def begin(cls, caches: list[torch.Tensor], fail: bool) -> Starting:
+        store = FailingRegister(small_store(), fail=fail)
+        rig = cls(store, aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(request_timeout_ms=0)))
+        await asyncio.sleep(0.01)
+        rig.call = asyncio.ensure_future(rig.engine.offload("u", pages(0), 16))
+        await asyncio.sleep(0)
+        assert rig.engine.stats().submitted == 1  # accepted, queued until started
+        return rig
+
+
 @pytest.mark.asyncio
 async def test_calls_accepted_while_a_start_fails_are_failed_with_it(
     caches: list[torch.Tensor],
 ) -> None:
-    store = FailingRegister(small_store(), fail=True)
-    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(request_timeout_ms=0))
-    starting = asyncio.ensure_future(engine.start())
-    await asyncio.sleep(0.01)
-    call = asyncio.ensure_future(engine.offload("u", pages(0), 16))  # queued until started
-    await asyncio.sleep(0)
-    assert engine.stats().submitted == 1
-    store.go.set()
+    rig = await Starting.begin(caches, fail=True)
+    rig.store.go.set()
     with pytest.raises(RuntimeError, match="registration failed"):
-        await starting
+        await rig.starting
     with pytest.raises(aiokv.EngineClosed, match="failed to start"):
-        await asyncio.wait_for(call, 2)
-    assert engine.state is aiokv.EngineState.CLOSED
+        await asyncio.wait_for(rig.call, 2)
+    assert rig.engine.state is aiokv.EngineState.CLOSED
 
 
 @pytest.mark.asyncio
 async def test_a_close_during_start_ends_both_without_a_batcher_left_running(
     caches: list[torch.Tensor],
 ) -> None:
-    store = FailingRegister(small_store(), fail=False)
-    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(request_timeout_ms=0))
-    starting = asyncio.ensure_future(engine.start())
+    rig = await Starting.begin(caches, fail=False)
+    closing = asyncio.ensure_future(rig.engine.aclose(drain=True, timeout=30))
     await asyncio.sleep(0.01)
-    call = asyncio.ensure_future(engine.offload("u", pages(0), 16))
-    closing = asyncio.ensure_future(engine.aclose(drain=True, timeout=30))
-    await asyncio.sleep(0.01)
-    store.go.set()
+    rig.store.go.set()
     with pytest.raises(aiokv.EngineClosed, match="closed while it started"):
-        await asyncio.wait_for(starting, 5)
+        await asyncio.wait_for(rig.starting, 5)
     await asyncio.wait_for(closing, 5)  # no drain wait: nothing could dispatch the call
     with pytest.raises(aiokv.EngineClosed):
-        await asyncio.wait_for(call, 2)
-    assert engine._batcher_task is None and engine.state is aiokv.EngineState.CLOSED
+        await asyncio.wait_for(rig.call, 2)
+    assert rig.engine._batcher_task is None and rig.engine.state is aiokv.EngineState.CLOSED
 
 
 @pytest.mark.asyncio
 async def test_a_cancelled_start_fails_its_calls_at_once_and_still_closes_the_store(
     caches: list[torch.Tensor],
 ) -> None:
-    store = FailingRegister(small_store(), fail=False)
-    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(request_timeout_ms=0))
-    starting = asyncio.ensure_future(engine.start())
-    await asyncio.sleep(0.01)
-    call = asyncio.ensure_future(engine.offload("u", pages(0), 16))
-    await asyncio.sleep(0)
-    starting.cancel()  # e.g. asyncio.wait_for(engine.start(), ...) timing out
+    rig = await Starting.begin(caches, fail=False)
+    rig.starting.cancel()  # e.g. asyncio.wait_for(engine.start(), ...) timing out
     # The call fails while the registration still runs: it need not wait for it.
     with pytest.raises(aiokv.EngineClosed, match="failed to start"):
-        await asyncio.wait_for(call, 2)
-    store.go.set()  # the registration ends after start() gave up on it
+        await asyncio.wait_for(rig.call, 2)
+    rig.store.go.set()  # the registration ends after start() gave up on it
     with pytest.raises(asyncio.CancelledError):
-        await starting
-    assert store.closed == 1  # the store thread was not killed by the cancelled future
-    assert engine.state is aiokv.EngineState.CLOSED
+        await rig.starting
+    assert rig.store.closed == 1  # the store thread was not killed by the cancelled future
+    assert rig.engine.state is aiokv.EngineState.CLOSED
 
 
 class CrashingStore(aiokv.testing.StoreWrapper):
