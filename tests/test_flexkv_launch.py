@@ -1,7 +1,12 @@
-"""FlexKVStore.launch when FlexKV's launch raises, against a fake manager, so it runs
-without FlexKV: a launch that raises has launched nothing and every id stays matched
-(the engine then cancels them); when loads already went out and the offloads' launch
-fails, the offloads fail alone through try_wait and their matches are rolled back."""
+"""FlexKVStore against fake managers, so it runs without FlexKV.
+
+- launch when FlexKV's launch raises: a launch that raises has launched nothing and every
+  id stays matched (the engine then cancels them); when loads already went out and the
+  offloads' launch fails, the offloads fail alone through try_wait and their matches are
+  rolled back.
+- put_match of a key whose blocks are still being written: FlexKV's put counts them as
+  present (an all-False mask) while its get does not; that is "already stored", not
+  "no space"."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import numpy as np
 import pytest
 
 import aiokv
-from aiokv.stores.base import TaskStatus
+from aiokv.stores.base import NoSpace, TaskStatus
 from aiokv.stores.flexkv import FlexKVStore
 
 PAGE = 4
@@ -60,7 +65,7 @@ def slots(count: int) -> np.ndarray:
 def test_a_launch_that_raises_leaves_every_id_matched_for_the_engine_to_cancel() -> None:
     manager = Manager(fail_kind="put")
     flexkv = store(manager)
-    ids = [flexkv.put_match(np.arange(2 * PAGE), ["u"])[0] for _ in range(2)]
+    ids = [flexkv.put_match(np.arange(2 * PAGE), [f"u{i}"])[0] for i in range(2)]
     with pytest.raises(RuntimeError, match="transfer engine gone"):
         flexkv.launch(ids, [slots(2), slots(2)])
     flexkv.cancel(ids)  # what the engine does next: must roll both back in FlexKV
@@ -73,7 +78,7 @@ def test_offloads_whose_launch_fails_after_the_loads_went_out_fail_alone() -> No
     manager = Manager(fail_kind="put")
     flexkv = store(manager)
     get_id = flexkv.get_match(np.arange(PAGE), ["u"])[0]
-    put_ids = [flexkv.put_match(np.arange(PAGE), ["v"])[0] for _ in range(2)]
+    put_ids = [flexkv.put_match(np.arange(PAGE), [f"v{i}"])[0] for i in range(2)]
     flexkv.launch([get_id, *put_ids], [slots(1)] * 3)  # does not raise: the load runs
     assert manager.launched == [[get_id]]
     assert manager.cancelled == put_ids  # their matches were rolled back in FlexKV
@@ -106,3 +111,121 @@ def test_a_failed_release_of_empty_tasks_after_a_launch_does_not_fail_the_launch
     lone = flexkv.put_match(np.arange(PAGE - 1), ["w"])[0]
     with pytest.raises(RuntimeError, match="cancel broke"):
         flexkv.launch([lone], [slots(0)])
+
+
+class IndexManager:
+    """FlexKV's matching rules, from flexkv/cache/cache_engine.py: a put matches every
+    block on its path, ready or not (_put_impl_local, num_matched_blocks), inserts its
+    new blocks not ready, and answers all-False when all are matched or when it cannot
+    take a block for each new one; a get matches ready blocks only
+    (num_ready_matched_blocks). A launched put's blocks turn ready when try_wait answers."""
+
+    def __init__(self, capacity: int) -> None:
+        self.free = capacity
+        self.ready: dict[tuple[str, bytes], bool] = {}  # block key -> ready
+        self.tasks: dict[int, list[tuple[str, bytes]]] = {}  # put id -> blocks it inserted
+        self.running: list[int] = []
+        self._next = 0
+
+    def _blocks(self, tokens: np.ndarray, namespace: list[str]) -> list[tuple[str, bytes]]:
+        return [
+            (namespace[0], tokens[: (i + 1) * PAGE].tobytes())
+            for i in range(len(tokens) // PAGE)
+        ]
+
+    def put_match(self, tokens: np.ndarray, namespace: list[str]) -> tuple[int, np.ndarray]:
+        blocks = self._blocks(tokens, namespace)
+        matched = 0
+        while matched < len(blocks) and blocks[matched] in self.ready:
+            matched += 1
+        new = blocks[matched:]
+        self._next += 1
+        mask = np.zeros(len(tokens), dtype=np.bool_)
+        if new and len(new) <= self.free:
+            self.free -= len(new)
+            self.ready.update(dict.fromkeys(new, False))
+            mask[matched * PAGE : len(blocks) * PAGE] = True
+            self.tasks[self._next] = new
+        return self._next, mask
+
+    def get_match(self, tokens: np.ndarray, namespace: list[str]) -> tuple[int, np.ndarray]:
+        blocks = self._blocks(tokens, namespace)
+        hit = 0
+        while hit < len(blocks) and self.ready.get(blocks[hit]):
+            hit += 1
+        self._next += 1
+        mask = np.zeros(len(tokens), dtype=np.bool_)
+        mask[: hit * PAGE] = True
+        return self._next, mask
+
+    def cancel(self, ids: Sequence[int]) -> None:
+        for task_id in ids:
+            for block in self.tasks.pop(task_id, []):
+                del self.ready[block]
+                self.free += 1
+
+    def launch(self, ids: Sequence[int], slots: Sequence[np.ndarray], as_batch: bool) -> list[int]:
+        assert not as_batch and len(ids) == 1  # one put at a time here
+        self.running.extend(ids)
+        return list(ids)
+
+    def try_wait(self, ids: Sequence[int]) -> dict[int, object]:
+        from types import SimpleNamespace
+
+        answers: dict[int, object] = {}
+        for task_id in ids:
+            if task_id in self.running:
+                self.running.remove(task_id)
+                for block in self.tasks.pop(task_id, []):
+                    self.ready[block] = True
+                status = SimpleNamespace(value="success")
+                answers[task_id] = SimpleNamespace(status=status, return_mask=None)
+        return answers
+
+
+@pytest.fixture
+def flexkv_statuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlexKVStore._poll imports FlexKV's status enum; give it a stand-in."""
+    import sys
+    import types
+
+    request = types.ModuleType("flexkv.common.request")
+    request.KVResponseStatus = types.SimpleNamespace(NOTFOUND=object())  # type: ignore[attr-defined]
+    for name in ("flexkv", "flexkv.common"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flexkv.common.request", request)
+
+
+def test_a_repeat_put_while_the_first_is_written_is_already_stored_not_no_space(
+    flexkv_statuses: None,
+) -> None:
+    flexkv = store(IndexManager(capacity=8))  # type: ignore[arg-type]
+    tokens = np.arange(2 * PAGE, dtype=np.int64)
+    first, mask = flexkv.put_match(tokens, ["u"])
+    assert mask.all()
+    # Matched, not launched; then launched, not answered: FlexKV answers all-False both
+    # times, and its get sees no ready block.
+    repeat = flexkv.put_match(tokens, ["u"])[1]
+    assert not repeat.any()
+    shorter = flexkv.put_match(tokens[:PAGE], ["u"])[1]  # a prefix of the one in flight
+    assert not shorter.any()
+    flexkv.launch([first], [slots(2)])
+    after_launch = flexkv.put_match(tokens, ["u"])[1]
+    assert not after_launch.any()
+    assert flexkv.try_wait([first])[first].status is TaskStatus.SUCCESS
+    assert not flexkv.put_match(tokens, ["u"])[1].any()  # now ready: the probe sees it
+    # Not the same key: another namespace, or a longer history, still needs blocks.
+    assert flexkv.put_match(tokens, ["v"])[1].all()
+
+
+def test_a_put_that_finds_no_block_is_still_no_space(flexkv_statuses: None) -> None:
+    flexkv = store(IndexManager(capacity=1))  # type: ignore[arg-type]
+    tokens = np.arange(2 * PAGE, dtype=np.int64)
+    with pytest.raises(NoSpace, match="8 new tokens"):
+        flexkv.put_match(tokens, ["u"])
+    first = flexkv.put_match(tokens[:PAGE], ["u"])[0]  # one block: fits
+    # The longer history's second block finds no room, though its first is being
+    # written: no space, not "already stored".
+    with pytest.raises(NoSpace):
+        flexkv.put_match(tokens, ["u"])
+    flexkv.cancel([first])

@@ -95,6 +95,21 @@ def test_put_mask_covers_full_pages_only_then_dedups(bench: Bench) -> None:
     bench.store.cancel([task])
 
 
+def test_a_repeat_put_while_the_first_is_written_writes_nothing(bench: Bench) -> None:
+    # The same key offloaded twice before the first copy ends: the second has nothing
+    # to write, and the store is not full (FlexKV answers all-False for both cases).
+    tokens = np.arange(2 * PAGE, dtype=np.int64)
+    first, mask = bench.store.put_match(tokens, ["twice"])
+    assert mask.all()
+    repeat, again = bench.store.put_match(tokens, ["twice"])
+    assert not again.any()
+    bench.store.launch([first], [bench.slots([3, 4], mask)])
+    while_running, still = bench.store.put_match(tokens, ["twice"])
+    assert not still.any()
+    assert bench.wait([first])[first].status is aiokv.TaskStatus.SUCCESS
+    bench.store.cancel([repeat, while_running])
+
+
 def test_growth_marks_only_the_new_suffix(bench: Bench) -> None:
     bench.put("g", [0, 1], 2 * PAGE)
     mask = bench.put("g", [0, 1, 2, 3], 4 * PAGE)

@@ -88,6 +88,9 @@ class FlexKVStore:
         self._members: dict[int, list[int]] = {}  # launched FlexKV id -> original ids
         self._owner: dict[int, int] = {}  # launched original id -> FlexKV id to poll
         self._done: dict[int, TaskResult] = {}  # terminal answers not yet handed out
+        # Puts that write something, from match to their terminal answer: FlexKV's put
+        # counts their blocks as present while its get does not (see put_match).
+        self._writing: dict[int, tuple[tuple[str, ...], Int64Array]] = {}
         self._closed = False
 
     # ---- setup -----------------------------------------------------------------------
@@ -264,19 +267,40 @@ class FlexKVStore:
         task_id, raw = manager.put_match(tokens, namespace=list(namespace))
         mask = np.array(raw, dtype=np.bool_)  # a copy: FlexKV keeps (and may edit) its own
         full = len(tokens) // self.page_size * self.page_size
+        names = tuple(namespace)
         if full and not mask.any():
-            # All-False means "already stored" or "no block could be reserved". Ask the
-            # index; cancelling the probe releases the locks its match took.
+            # All-False means "already stored", "being written by a put not finished"
+            # (FlexKV's put matches blocks that are not ready yet) or "no block could be
+            # reserved". Its get matches ready blocks only: ask it, then our own puts in
+            # flight. Cancelling the probe releases the locks its match took.
             probe_id, probe = manager.get_match(tokens, namespace=list(namespace))
             manager.cancel([probe_id])
-            if int(np.count_nonzero(probe)) < full:
+            ready = int(np.count_nonzero(probe))
+            if ready < full and not self._being_written(names, tokens[:full]):
                 manager.cancel([task_id])
                 raise NoSpace(
-                    f"FlexKV reserved no block for {full - int(np.count_nonzero(probe))} "
-                    f"new tokens (cpu cache full or all blocks locked)"
+                    f"FlexKV reserved no block for {full - ready} new tokens "
+                    f"(cpu cache full or all blocks locked)"
                 )
         self._kind[task_id], self._mask[task_id] = "put", mask
+        if mask.any():
+            self._writing[task_id] = (names, tokens)
         return task_id, mask
+
+    def _being_written(self, names: tuple[str, ...], prefix: Int64Array) -> bool:
+        """Whether a put of this store, matched and not yet answered, writes every block
+        of ``prefix`` (a put's blocks cover its whole path, so one such put is enough).
+        Puts of other FlexKV clients are not known here: a duplicate of theirs still in
+        flight reads as no space."""
+        length = len(prefix)
+        for other_names, tokens in self._writing.values():
+            if (
+                other_names == names
+                and len(tokens) >= length
+                and np.array_equal(tokens[:length], prefix)
+            ):
+                return True
+        return False
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         manager = self._live()
@@ -366,6 +390,7 @@ class FlexKVStore:
         for t in known:
             del self._kind[t]
             self._mask.pop(t, None)
+            self._writing.pop(t, None)
         if known:
             manager.cancel(known)  # rolls back the match: unlocks, frees reserved blocks
 
@@ -426,6 +451,7 @@ class FlexKVStore:
             masks = response.return_mask
             for index, t in enumerate(members):
                 self._owner.pop(t, None)
+                self._writing.pop(t, None)
                 mask = self._mask.pop(t)
                 if isinstance(masks, list) and len(masks) == len(members):
                     mask = np.asarray(masks[index], dtype=np.bool_)
