@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -307,8 +308,8 @@ def demo(args: argparse.Namespace) -> int:
     """Run the demo workload and print its summary; 1 on any mismatch or failure."""
     from .bench.common import run_uvloop
 
-    if args.seconds <= 0:
-        raise SystemExit("aiokv demo: --seconds must be > 0")
+    if not math.isfinite(args.seconds) or args.seconds <= 0:
+        raise SystemExit("aiokv demo: --seconds must be a finite number > 0")
     try:
         result = run_uvloop(_run_demo(args))
     except ConfigError as exc:  # a bad --config, or one whose page size differs

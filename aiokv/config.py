@@ -32,7 +32,11 @@ def _check_int(key: str, value: object, minimum: int) -> None:
 def _check_number(key: str, value: object, minimum: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(key, f"must be a number, got {value!r}")
-    if not math.isfinite(value) or value < minimum:
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite or value < minimum:
         raise ConfigError(key, f"must be a finite number >= {minimum}, got {value}")
 
 
@@ -104,11 +108,21 @@ class StoreConfig:
         if self.cpu_cache_gb <= 0:
             raise ConfigError("store.cpu_cache_gb", f"must be > 0, got {self.cpu_cache_gb}")
         _check_number("store.ssd_cache_gb", self.ssd_cache_gb, 0.0)
+        if self.ssd_cache_dir is not None and not isinstance(self.ssd_cache_dir, str):
+            raise ConfigError(
+                "store.ssd_cache_dir", f"must be a path (a string), got {self.ssd_cache_dir!r}"
+            )
         if self.ssd_cache_gb > 0 and not self.ssd_cache_dir:
             raise ConfigError("store.ssd_cache_dir", "is required when ssd_cache_gb > 0")
         if self.ssd_cache_gb > 0 and self.backend == "local":
             raise ConfigError(
                 "store.ssd_cache_gb", "the local backend has no SSD tier; use backend: flexkv"
+            )
+        if 0 < self.ssd_cache_gb <= self.cpu_cache_gb:  # FlexKV's own rule, checked early
+            raise ConfigError(
+                "store.ssd_cache_gb",
+                f"must be 0 or larger than cpu_cache_gb ({self.cpu_cache_gb}); "
+                f"got {self.ssd_cache_gb}",
             )
         if not isinstance(self.flexkv, Mapping):
             raise ConfigError("store.flexkv", f"must be a mapping, got {self.flexkv!r}")
@@ -145,8 +159,8 @@ def parse_config(document: object) -> tuple[EngineConfig, StoreConfig]:
 def load_config(path: str | Path) -> tuple[EngineConfig, StoreConfig]:
     """Read a YAML config file. Raises ConfigError for a missing file or bad content."""
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("path", f"cannot read config file {str(path)!r}: {exc}") from exc
     try:
         document = yaml.safe_load(text)

@@ -31,6 +31,8 @@ def kv_caches(kv_caches: Sequence[torch.Tensor]) -> tuple[int, int, torch.device
             raise ConfigError(f"kv_caches[{layer}]", "differs in shape, dtype or device")
         if not cache.is_contiguous():
             raise ConfigError(f"kv_caches[{layer}]", "must be contiguous")
+    if first.numel() == 0:
+        raise ConfigError("kv_caches[0]", f"has an empty dimension: {list(first.shape)}")
     num_pages, _, page_size = first.shape[:3]
     bytes_per_token = first[0, :, 0].numel() * first.element_size() * len(kv_caches)
     return int(num_pages), int(page_size), first.device, int(bytes_per_token)
@@ -52,7 +54,12 @@ def page_ids(page_ids: object, device: torch.device) -> torch.Tensor:
     if not isinstance(page_ids, torch.Tensor):
         if not isinstance(page_ids, np.ndarray):
             raise InvalidRequest("page_ids", f"must be a tensor, got {type(page_ids).__name__}")
-        page_ids = torch.from_numpy(page_ids)
+        if page_ids.dtype.kind != "i" or page_ids.dtype.itemsize not in (4, 8):
+            raise InvalidRequest("page_ids", f"must be int32 or int64, got {page_ids.dtype}")
+        # torch takes neither negative strides nor a foreign byte order.
+        page_ids = torch.from_numpy(
+            np.ascontiguousarray(page_ids, dtype=page_ids.dtype.newbyteorder("="))
+        )
     if page_ids.ndim != 1:
         raise InvalidRequest("page_ids", f"must be 1-D, got shape {list(page_ids.shape)}")
     dtype = page_ids.dtype
@@ -71,6 +78,8 @@ def token_ids(token_ids: Any, num_tokens: int) -> Int64Array:
     if isinstance(token_ids, torch.Tensor):
         if token_ids.device.type != "cpu":
             raise InvalidRequest("token_ids", "must be on the CPU (or a numpy array)")
+        if token_ids.dtype is not torch.int64:
+            raise InvalidRequest("token_ids", f"must be int64, got {token_ids.dtype}")
         token_ids = token_ids.numpy()
     if not isinstance(token_ids, np.ndarray) or token_ids.dtype != np.int64:
         raise InvalidRequest("token_ids", "must be an int64 numpy array or CPU tensor")

@@ -46,6 +46,12 @@ def test_demo_reads_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert status == 0, capsys.readouterr().out
 
 
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan", "inf"])
+def test_demo_refuses_a_duration_that_is_not_a_finite_positive_number(seconds: str) -> None:
+    with pytest.raises(SystemExit, match="--seconds"):
+        main(["demo", "--seconds", seconds, "--device", "cpu"])
+
+
 def _positive_numbers(rows: list[dict[str, Any]], keys: list[str]) -> None:
     assert rows
     for row in rows:

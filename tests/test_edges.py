@@ -112,11 +112,17 @@ async def test_caller_cancelled_after_launch_only_detaches(caches: list[torch.Te
         ("page_ids", lambda e: e.offload("u", torch.tensor([0, -1]), 8)),
         # page * PAGE_SIZE wraps around to 4 in int64: must not pass as page 1.
         ("page_ids", lambda e: e.offload("u", torch.tensor([2**64 // PAGE_SIZE + 1]), 4)),
+        ("page_ids", lambda e: e.offload("u", np.array([0, 1], dtype=object), 8)),
+        ("page_ids", lambda e: e.offload("u", np.array([0.0, 1.0]), 8)),
         ("num_tokens", lambda e: e.offload("u", pages(0, 2), 9)),
         ("num_tokens", lambda e: e.offload("u", pages(0, 2), -1)),
         ("num_tokens", lambda e: e.lookup("u", 2.5)),
         ("token_ids", lambda e: e.offload("u", pages(0), 16, token_ids=np.arange(3))),
         ("token_ids", lambda e: e.offload("u", pages(0), 4, token_ids=np.zeros(4, np.int32))),
+        (
+            "token_ids",
+            lambda e: e.offload("u", pages(0), 4, token_ids=torch.zeros(4, dtype=torch.bfloat16)),
+        ),
         ("namespace", lambda e: e.lookup("u", 4, namespace="not-a-list")),
         ("user_id", lambda e: e.lookup(["unhashable"], 4)),
         ("hit", lambda e: e.load("not a lookup", pages(0))),
@@ -653,3 +659,21 @@ async def test_a_launched_request_whose_outcome_raises_is_failed_not_lost(
     with pytest.raises(aiokv.StoreError, match="crashed"):
         await asyncio.wait_for(engine.offload("a", pages(0), 16), 5)
     await asyncio.wait_for(engine.aclose(drain=False, timeout=1), 5)
+
+
+
+@pytest.mark.asyncio
+async def test_numpy_page_ids_of_any_layout_are_taken_as_their_values(
+    caches: list[torch.Tensor],
+) -> None:
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        reversed_view = np.arange(8, dtype=np.int64)[::-1][:4]  # a negative stride: 7..4
+        swapped = np.arange(8, 12, dtype=np.dtype(">i4"))  # big-endian int32: 8..11
+        assert (await rig.engine.offload("r", reversed_view, 16)).stored_tokens == 16
+        assert (await rig.engine.offload("s", swapped, 16)).stored_tokens == 16
+        hit = await rig.engine.lookup("r", 16)
+        await rig.engine.load(hit, pages(40))
+    for cache in caches:  # page 7 was first in "r": it is what page 40 holds now
+        assert torch.equal(cache[40], cache[7])
+    rig.assert_clean()

@@ -42,6 +42,13 @@ def test_default_config_file_loads() -> None:
         ({"engine": {"overload": "drop"}}, "engine.overload"),
         ({"store": {"cpu_cache_gb": -1}}, "store.cpu_cache_gb"),
         ({"store": {"ssd_cache_gb": 4}}, "store.ssd_cache_dir"),
+        ({"store": {"ssd_cache_dir": 5}}, "store.ssd_cache_dir"),
+        ({"store": {"cpu_cache_gb": 10**400}}, "store.cpu_cache_gb"),
+        (
+            {"store": {"backend": "flexkv", "cpu_cache_gb": 4, "ssd_cache_gb": 2,
+                       "ssd_cache_dir": "/tmp"}},
+            "store.ssd_cache_gb",
+        ),
         ({"stor": {}}, "stor"),
     ],
 )
@@ -72,9 +79,20 @@ def test_flexkv_backend_without_flexkv_says_how_to_install() -> None:
         aiokv.stores.make_store(aiokv.StoreConfig(backend="flexkv"))
 
 
+def test_a_config_file_that_is_not_utf8_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yml"
+    path.write_bytes("engine:\n  window_us: 7 # café\n".encode("latin-1"))
+    with pytest.raises(aiokv.ConfigError, match="cannot read") as caught:
+        aiokv.load_config(path)
+    assert caught.value.key == "path"
+
+
 def test_caches_are_validated() -> None:
     with pytest.raises(aiokv.ConfigError, match="kv_caches"):
         aiokv.OffloadEngine(aiokv.LocalStore(), [torch.zeros(4, 3, 2)])
+    for empty in ((0, 2, 4, 2, 8), (4, 2, 0, 2, 8), (4, 2, 4, 0, 8)):
+        with pytest.raises(aiokv.ConfigError, match="empty dimension"):
+            aiokv.OffloadEngine(aiokv.LocalStore(), [torch.zeros(empty)])
     with pytest.raises(aiokv.ConfigError, match="page_size"):
         aiokv.OffloadEngine(aiokv.LocalStore(aiokv.StoreConfig(page_size=8)), make_caches())
 

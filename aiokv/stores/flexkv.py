@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..config import StoreConfig
-from ..errors import StoreError
+from ..errors import ConfigError, StoreError
 from .base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus
 
 log = logging.getLogger("aiokv")
@@ -112,7 +112,10 @@ class FlexKVStore:
             raise ValueError("kv_caches: all layers need one shape, dtype, device, contiguous")
         num_pages, _, page_size, heads, head_dim = (int(x) for x in first.shape)
         if self._config.page_size is not None and self._config.page_size != page_size:
-            raise ValueError(f"page_size {self._config.page_size} != caches' {page_size}")
+            raise ConfigError(
+                "store.page_size",
+                f"{self._config.page_size} does not match the caches' page size {page_size}",
+            )
         _set_env()
         from flexkv.common.config import (
             CacheConfig,
