@@ -62,10 +62,13 @@ def test_fused_slots_arrive_while_a_bulk_copy_to_the_host_runs() -> None:
 def test_fused_slots_are_right_for_every_batch_shape(
     direct: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    device = torch.device("cuda")
+    # With its index: the flag is looked up by the tensors' device, which has one (a key
+    # of plain "cuda" left the copy variant running the kernel path).
+    device = torch.device("cuda", torch.cuda.current_device())
     if direct and not slots_module._writes_host(device):
         pytest.skip("this device cannot write pinned memory from kernels (copy fallback)")
     monkeypatch.setitem(slots_module._WRITES_HOST, device, direct)
+    assert slots_module._writes_host(torch.empty(1, device=device).device) is direct
     generator = torch.Generator().manual_seed(5)
 
     def ids(count: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
