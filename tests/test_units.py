@@ -488,6 +488,23 @@ def test_local_store_rolls_back_cancel_and_failed_copies() -> None:
     store.close()
 
 
+def test_local_store_answers_tasks_that_ended_before_close_after_it() -> None:
+    caches = make_caches(pages=16)
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register(caches)
+    failing, _ = store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["u"])
+
+    def broken_copy(job: object) -> None:
+        raise RuntimeError("injected copy failure")
+
+    store._transfer._run_cpu = broken_copy  # type: ignore[union-attr,method-assign]
+    store.launch([failing], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
+    store.close()  # waits for the copy: the task ended, unanswered, before the close
+    answer = store.try_wait([failing])  # the pool is gone: answered all the same
+    assert answer[failing].status is aiokv.TaskStatus.FAILED
+    assert store.try_wait([failing]) == {}
+
+
 def test_fused_pages_from_device_slots_or_with_a_host_tail() -> None:
     from aiokv.slots import FusedPages
 

@@ -283,7 +283,8 @@ class LocalStore:
         while done:
             job = done.popleft()
             tasks, size = self._launched.pop(id(job))
-            self._end_job(tasks, job.error is None, job.host_blocks, size)
+            if self._pool is not None:  # after close() the blocks went with the pool
+                self._end_job(tasks, job.error is None, job.host_blocks, size)
             if job.error is None:
                 results = [TaskResult(TaskStatus.SUCCESS, task.mask) for task in tasks]
             else:
