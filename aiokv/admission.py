@@ -43,9 +43,6 @@ class Admission:
     def has_room(self) -> bool:
         return len(self.live) + self._promised < self._config.max_pending
 
-    def has_waiters(self) -> bool:
-        return bool(self._waiters)
-
     def admit(self, request: Request) -> None:
         self.live.add(request)
 

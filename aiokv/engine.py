@@ -115,9 +115,9 @@ class OffloadEngine:
         self._deadlines: Deadlines | None = None  # request_timeout_ms, when set
         self._ready_marks: ReadyMarks | None = None  # the callers' CUDA events, on a GPU
         self._closing: asyncio.Future[None] | None = None
-        # Outcomes posted by the store thread, not resolved yet (RESOLVE_BUDGET_S).
+        # Outcomes posted by the store thread, not resolved yet (RESOLVE_BUDGET_S). While
+        # it holds any, a _resolve_outcomes callback is scheduled for them.
         self._outcomes: deque[tuple[Request, object]] = deque()
-        self._resolving_later = False  # a _resolve_outcomes callback is scheduled
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -461,8 +461,9 @@ class OffloadEngine:
 
     def _deliver(self, pairs: list[tuple[Request, object]]) -> None:
         """Called on the loop by the store thread, once per drained set."""
+        queued = bool(self._outcomes)  # then a callback is due for them: wait your turn
         self._outcomes.extend(pairs)
-        if not self._resolving_later:  # else they wait their turn, in order
+        if not queued:
             self._resolve_outcomes()
 
     def _resolve_outcomes(self, budget_s: float | None = None) -> None:
@@ -481,7 +482,6 @@ class OffloadEngine:
         finally:
             # Even if one resolution raised (the loop's exception handler logs it), the
             # rest must not wait for a callback that was never scheduled.
-            self._resolving_later = bool(outcomes)
             if outcomes:
                 assert self._loop is not None
                 self._loop.call_soon(self._resolve_outcomes)

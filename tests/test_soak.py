@@ -153,7 +153,7 @@ async def test_a_close_under_load_resolves_every_call_once(
     stats = engine.stats()
     resolved = stats.completed + stats.failed + stats.cancelled + stats.timed_out
     assert stats.submitted == resolved and stats.pending == 0
-    assert engine._admission._promised == 0 and not engine._admission.has_waiters()
+    assert engine._admission._promised == 0 and not engine._admission._waiters
     assert "EngineClosed" in ends  # the close came while users were still calling
     assert checked.problems() == []
     assert loop_errors == []
