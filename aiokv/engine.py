@@ -49,7 +49,7 @@ from .requests import (
     ReadyMarks,
     Request,
 )
-from .slots import warm_up
+from .slots import d2h_copies, warm_up
 from .stats import EngineStats, StatsRecorder
 from .stores.base import Store
 from .worker import StoreWorker
@@ -508,12 +508,9 @@ class OffloadEngine:
             self._resolve(request, error)
 
     def _on_batch(self, batch: Batch) -> None:
-        # The store thread fuses the batch with one device-to-host copy when any of its
-        # page ids are on the device (slots.fuse_page_ids), none otherwise.
         copies = 0
-        if self._on_gpu and batch.kind is not Kind.LOOKUP:
-            on_device = (r.page_ids is not None and not r.page_ids.is_cpu for r in batch.requests)
-            copies = int(any(on_device))
+        if self._on_gpu and batch.kind is not Kind.LOOKUP:  # the store thread fuses it
+            copies = d2h_copies(r.page_ids for r in batch.requests)
         self._stats.record_batch(len(batch.requests), copies)
 
 

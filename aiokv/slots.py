@@ -21,7 +21,7 @@ import collections
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -240,6 +240,13 @@ def _device_offsets(device: torch.device, page_size: int) -> torch.Tensor:
         torch.cuda.current_stream(device).synchronize()
         _OFFSETS[(device, page_size)] = offsets
     return offsets
+
+
+def d2h_copies(page_ids: Iterable[torch.Tensor | None]) -> int:
+    """The device-to-host copies :func:`fuse_page_ids` makes for these page ids: one when
+    any of them is on a device, none when all are on the host. For the stats, which are
+    counted on the loop while the store thread fuses."""
+    return int(any(t is not None and not t.is_cpu for t in page_ids))
 
 
 def fuse_page_ids(

@@ -16,7 +16,7 @@ import aiokv
 from aiokv.batcher import plan_batches
 from aiokv.config import parse_config
 from aiokv.requests import Kind, Request
-from aiokv.slots import FusedPages, fuse_page_ids, select_slots
+from aiokv.slots import FusedPages, d2h_copies, fuse_page_ids, select_slots
 from aiokv.stores.local import transfer
 from aiokv.stores.local.index import chain_digests
 from aiokv.stores.local.transfer import contiguous_runs, in_host_order
@@ -161,6 +161,7 @@ def test_fused_pages_expand_split_and_flag_bad_requests() -> None:
     fused = fuse_page_ids(page_ids, [3, 1, 2])
     pages = fused.wait()
     assert fused.d2h_copies == 0 and pages.tolist() == [3, 1, 2, 7, 0, 99]
+    assert d2h_copies(page_ids) == fused.d2h_copies  # the engine's count, for its stats
     slots = fused.expand(pages, 4)
     assert fused.bad_requests(slots, num_pages=50, page_size=4).tolist() == [2]
     assert fused.request_slots(slots, 1, 4).tolist() == [28, 29, 30, 31]
