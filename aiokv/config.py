@@ -60,6 +60,12 @@ class EngineConfig:
     request_timeout_ms: a request not resolved by then fails with RequestTimeout (0: never).
     lookup_ttl_ms: a Lookup's reservation not used by ``load`` is released after this.
     poll_interval_us: how often the store thread polls outstanding tasks.
+    store_slice_us: once the store thread has run this long without waiting, it sleeps
+        about 0.1 ms at its next pause between store calls, so that an event loop waiting
+        for the GIL gets it (0: never). For a store made of many Python-heavy calls: it
+        bounds the loop's stalls behind them, at some store-thread time. It does not
+        split one long call (FlexKV's longest hold the GIL 0.5-1.5 ms each), and on
+        fast stores the pauses cost throughput; see the README.
     """
 
     window_us: int = 200
@@ -70,6 +76,7 @@ class EngineConfig:
     request_timeout_ms: int = 30_000
     lookup_ttl_ms: int = 10_000
     poll_interval_us: int = 50
+    store_slice_us: int = 0
 
     def __post_init__(self) -> None:
         _check_int("engine.window_us", self.window_us, 0)
@@ -80,6 +87,7 @@ class EngineConfig:
         _check_int("engine.request_timeout_ms", self.request_timeout_ms, 0)
         _check_int("engine.lookup_ttl_ms", self.lookup_ttl_ms, 1)
         _check_int("engine.poll_interval_us", self.poll_interval_us, 1)
+        _check_int("engine.store_slice_us", self.store_slice_us, 0)
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,7 @@ class OffloadEngine:
             self._kv_caches,
             registered,
             copy_stream,
+            self._config.store_slice_us,
         )
         if self._on_gpu:
             self._ready_marks = ReadyMarks(self._device, loop.call_soon)
@@ -522,3 +523,4 @@ def open_engine(path: str, kv_caches: Sequence[torch.Tensor]) -> OffloadEngine:
 
     engine_config, store_config = load_config(path)
     return OffloadEngine(make_store(store_config), kv_caches=kv_caches, config=engine_config)
+

@@ -5,6 +5,14 @@ explicit end (a sentinel); what was accepted before :meth:`StoreWorker.stop` is 
 Worker → loop: each drained set of outcomes goes back in one ``call_soon_threadsafe``,
 as (request, outcome) pairs with exceptions as values.
 
+The store thread holds the GIL while it runs Python (FlexKV's matching, answer
+processing), and the event loop needs it for every callback. A thread that releases the
+GIL for a moment (a syscall) takes it straight back before a waiting thread wakes, so on
+its own this thread would hold the loop off for as long as it has work. Once it has run
+``store_slice_us`` since it last waited, it sleeps ``_HANDOFF_S`` at the next point
+between store calls: long enough for a waiting loop to take the GIL and run (see
+:meth:`StoreWorker._yield_gil`).
+
 Per batch: fuse its page ids into one host copy (:func:`aiokv.slots.fuse_page_ids`, on
 the copy stream, after the callers' CUDA events), wait for it, check page ids, match per
 request, cancel the matches with nothing to move, launch the rest in one call. Then poll
@@ -24,6 +32,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +68,9 @@ _STOP = object()
 _NO_MASK = np.zeros(0, dtype=np.bool_)  # select()'s placeholder for a request not launched
 _WAKE = object()  # a task may have ended: poll the store
 _NOTIFIED_POLL_S = 0.01  # fallback poll of a store that notifies (set_notify)
+# The sleep that hands the GIL to a waiting loop: longer than a thread's wake-up (a few
+# to tens of µs), short next to a batch's copy. Linux adds its 50 µs timer slack.
+_HANDOFF_S = 50e-6
 # Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-request
 # paths read them from here.
 _OFFLOAD, _SUCCESS = Kind.OFFLOAD, TaskStatus.SUCCESS
@@ -77,6 +89,7 @@ class StoreWorker:
         kv_caches: Sequence[torch.Tensor],
         registered: concurrent.futures.Future[None],
         copy_stream: Any = None,
+        store_slice_us: int = 0,
     ) -> None:
         self._store = store
         self._copy_stream = copy_stream  # torch.cuda.Stream for the fused copy, or None
@@ -87,6 +100,8 @@ class StoreWorker:
         self._num_pages = num_pages
         self._page_size = 0  # the store's, read once it is registered
         self._poll_interval_s = poll_interval_us / 1e6
+        self._slice_s = store_slice_us / 1e6  # 0: never hand the GIL over
+        self._running_since = 0.0  # perf_counter when this thread last waited
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._accepting = True
         self._accept_lock = threading.Lock()
@@ -167,10 +182,14 @@ class StoreWorker:
                 item: object = None
                 with contextlib.suppress(queue.Empty):
                     item = self._inbox.get(timeout=timeout)
+                self._running_since = time.perf_counter()
                 while item is not None:
                     if item is _STOP:
                         stopping = True
                     elif item is not _WAKE:
+                        if self._slice_used():
+                            self._post()  # the batches before this one are answered
+                            self._yield_gil()
                         self._handle(item)
                     try:
                         item = self._inbox.get_nowait()
@@ -265,6 +284,8 @@ class StoreWorker:
                 continue
             tokens = request.token_ids
             assert tokens is not None  # set at submit for lookups
+            if self._slice_used():
+                self._yield_gil()
             try:
                 task_id, mask = self._call(self._store.get_match, tokens, request.namespace)
             except StoreError as error:
@@ -309,6 +330,8 @@ class StoreWorker:
             if offload:
                 if request.detached:
                     continue  # never matched: nothing to roll back
+                if self._slice_used():
+                    self._yield_gil()
                 match = self._put_match(request)
                 if match is None:
                     continue
@@ -350,6 +373,8 @@ class StoreWorker:
         if to_cancel:
             self._cancel(to_cancel)
         if launch_ids:
+            if self._slice_used():
+                self._yield_gil()
             try:
                 self._call(self._store.launch, launch_ids, launch_slots)
             except StoreError as error:
@@ -387,6 +412,9 @@ class StoreWorker:
             return
         launched = self._launched
         for task_id, result in results.items():
+            if self._slice_used():
+                self._post()  # answers are independent: these callers go on now
+                self._yield_gil()
             request = launched.get(task_id)
             if request is None:
                 log.warning("store answered unknown task id %s", task_id)
@@ -394,6 +422,17 @@ class StoreWorker:
             outcome = self._outcome(request, result)  # should it raise, it is still held
             del launched[task_id]
             self._outbox.append((request, outcome))
+
+    def _slice_used(self) -> bool:
+        """Whether this thread has run a slice since it last waited."""
+        return bool(self._slice_s) and time.perf_counter() - self._running_since > self._slice_s
+
+    def _yield_gil(self) -> None:
+        """Sleep so that an event loop waiting for the GIL takes it. A release without a
+        wait would not do: this thread would take the GIL back before the loop woke.
+        Called between store calls (or answers) once :meth:`_slice_used`."""
+        time.sleep(_HANDOFF_S)
+        self._running_since = time.perf_counter()
 
     def _outcome(self, request: Request, result: TaskResult) -> object:
         if result.status is _SUCCESS:

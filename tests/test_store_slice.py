@@ -1,0 +1,236 @@
+"""EngineConfig.store_slice_us: the store thread hands the GIL to the loop between store
+calls once it has run a slice. Deterministic: the worker's clock and sleep are faked
+(``aiokv.worker.time``), so no assertion depends on how fast this machine is."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import PAGE_SIZE, small_store
+
+import aiokv
+import aiokv.worker
+from aiokv.batcher import Batch
+from aiokv.config import parse_config
+from aiokv.stores.base import BoolArray, Int64Array, Store
+from aiokv.testing import FakeStore, StoreWrapper
+
+ROOT = Path(__file__).resolve().parent.parent
+SLICE_US = 100
+MATCH_US = 60  # on the fake clock: two matches use up a slice, one does not
+
+
+class FakeTime:
+    """Stands in for the worker's ``time`` module. The clock moves when a store call says
+    so (``advance``) and, with ``tick_us``, at every read; ``sleep`` only records."""
+
+    def __init__(self, tick_us: int = 0) -> None:
+        self.now_us = 0
+        self.tick_us = tick_us
+        self.log: list[str] = []  # store calls and sleeps, in order
+        self.slept: list[float] = []
+        self.on_sleep = lambda: None
+
+    def perf_counter(self) -> float:
+        self.now_us += self.tick_us
+        return self.now_us / 1e6
+
+    def advance(self, us: int) -> None:
+        self.now_us += us
+
+    def sleep(self, seconds: float) -> None:
+        self.log.append("sleep")
+        self.slept.append(seconds)
+        self.on_sleep()
+
+
+class SlowMatches(StoreWrapper):
+    """Each match takes MATCH_US on the fake clock."""
+
+    def __init__(self, inner: Store, clock: FakeTime) -> None:
+        super().__init__(inner)
+        self.clock = clock
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        self.clock.log.append("put")
+        self.clock.advance(MATCH_US)
+        return super().put_match(token_ids, namespace)
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        self.clock.log.append("get")
+        self.clock.advance(MATCH_US)
+        return super().get_match(token_ids, namespace)
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+        self.clock.log.append("launch")
+        super().launch(task_ids, slot_mappings)
+
+
+# ---- config and its resolution -----------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [-1, True, "200", 1.5])
+def test_a_bad_store_slice_names_its_key(value: object) -> None:
+    with pytest.raises(aiokv.ConfigError) as caught:
+        parse_config({"engine": {"store_slice_us": value}})
+    assert caught.value.key == "engine.store_slice_us"
+
+
+def test_store_slice_defaults_to_off_and_accepts_zero() -> None:
+    assert aiokv.EngineConfig().store_slice_us == 0
+    assert parse_config({"engine": {"store_slice_us": 0}})[0] == aiokv.EngineConfig()
+    assert parse_config({"engine": {"store_slice_us": 200}})[0].store_slice_us == 200
+    engine, _ = aiokv.load_config(ROOT / "configs" / "default.yml")
+    assert engine == aiokv.EngineConfig()
+
+
+# ---- the store thread --------------------------------------------------------------
+
+USERS = 4
+# Matches of 60 µs against a slice of 100 µs: a sleep once two matches ran since the
+# thread woke or last slept (so before the launch too), never after each single match.
+OFFLOADS_WITH_SLICE = ["put", "put", "sleep", "put", "put", "sleep", "launch"]
+LOOKUPS_WITH_SLICE = ["get", "get", "sleep", "get", "get"]
+WITH_SLICE = [*OFFLOADS_WITH_SLICE, *LOOKUPS_WITH_SLICE]
+NEVER = ["put"] * USERS + ["launch"] + ["get"] * USERS
+
+
+async def offload_users(engine: aiokv.OffloadEngine) -> list[aiokv.OffloadResult]:
+    """USERS offloads of two pages each, submitted together (one batch, with
+    max_batch_requests=USERS)."""
+    calls = (engine.offload(u, torch.arange(2 * u, 2 * u + 2), 2 * PAGE_SIZE) for u in range(USERS))
+    return await asyncio.wait_for(asyncio.gather(*calls), timeout=10)
+
+
+def record_deliveries(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeTime
+) -> tuple[list[Any], list[int]]:
+    """Make each sleep of the store thread a real hand-over: it waits until the loop has
+    run what was posted before it. Returns the requests in the order the loop received
+    their outcomes, and how many had been received at each sleep."""
+    delivered: list[Any] = []
+    delivered_at_sleep: list[int] = []
+    deliver = aiokv.OffloadEngine._deliver
+    loop = asyncio.get_running_loop()
+
+    def recording_deliver(self: aiokv.OffloadEngine, pairs: list[tuple[Any, object]]) -> None:
+        delivered.extend(request for request, _ in pairs)
+        deliver(self, pairs)
+
+    def let_the_loop_run() -> None:
+        caught_up = threading.Event()
+        loop.call_soon_threadsafe(caught_up.set)  # runs after any deliver posted before it
+        assert caught_up.wait(10)
+        delivered_at_sleep.append(len(delivered))
+
+    monkeypatch.setattr(aiokv.OffloadEngine, "_deliver", recording_deliver)
+    clock.on_sleep = let_the_loop_run
+    return delivered, delivered_at_sleep
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("config_slice_us", "expected"),
+    [(SLICE_US, WITH_SLICE), (0, NEVER)],
+    ids=["on", "off"],
+)
+async def test_the_store_thread_sleeps_between_store_calls_once_its_slice_is_used(
+    monkeypatch: pytest.MonkeyPatch,
+    caches: list[torch.Tensor],
+    config_slice_us: int,
+    expected: list[str],
+) -> None:
+    clock = FakeTime()
+    monkeypatch.setattr(aiokv.worker, "time", clock)
+    store = SlowMatches(small_store(), clock)
+    # One batch of USERS offloads, then one of USERS lookups.
+    config = aiokv.EngineConfig(
+        window_us=10_000_000, max_batch_requests=USERS, store_slice_us=config_slice_us
+    )
+    async with aiokv.OffloadEngine(store, caches, config) as engine:
+        offloads = await offload_users(engine)
+        hits = await asyncio.wait_for(
+            asyncio.gather(*(engine.lookup(u, 2 * PAGE_SIZE) for u in range(USERS))), timeout=10
+        )
+        for hit in hits:
+            hit.release()
+    assert clock.log == expected
+    assert clock.slept == [aiokv.worker._HANDOFF_S] * expected.count("sleep")
+    # The pauses change nothing in the outcomes.
+    assert [r.stored_tokens for r in offloads] == [2 * PAGE_SIZE] * USERS
+    assert [h.cached_tokens for h in hits] == [2 * PAGE_SIZE] * USERS
+
+
+@pytest.mark.asyncio
+async def test_answers_gathered_before_a_hand_over_reach_their_callers_first(
+    monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor]
+) -> None:
+    # Every clock read is past the slice: the thread hands over at every point, among
+    # them between each two of the answers that one try_wait gives (FakeStore answers a
+    # whole launch at once).
+    clock = FakeTime(tick_us=2 * SLICE_US)
+    monkeypatch.setattr(aiokv.worker, "time", clock)
+    delivered, delivered_at_sleep = record_deliveries(monkeypatch, clock)
+    config = aiokv.EngineConfig(
+        window_us=10_000_000, max_batch_requests=USERS, store_slice_us=SLICE_US
+    )
+    async with aiokv.OffloadEngine(FakeStore(), caches, config) as engine:
+        results = await offload_users(engine)
+    # Before the thread took the last answer, the loop had the other USERS - 1.
+    assert max(delivered_at_sleep) == USERS - 1
+    # Early delivery loses and repeats nothing: each request arrived once.
+    assert len(delivered) == USERS and len({id(r) for r in delivered}) == USERS
+    assert [r.stored_tokens for r in results] == [2 * PAGE_SIZE] * USERS
+
+
+class HeldFirstMatch(StoreWrapper):
+    """The first get_match takes 2 slices and returns only once a second batch has been
+    handed to the store thread, so that batch waits in the inbox behind the first."""
+
+    def __init__(self, inner: Store, clock: FakeTime, second_batch_in: threading.Event) -> None:
+        super().__init__(inner)
+        self.clock = clock
+        self.second_batch_in = second_batch_in
+        self.matches = 0
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        self.matches += 1
+        if self.matches == 1:
+            assert self.second_batch_in.wait(10)
+            self.clock.advance(2 * SLICE_US)
+        return super().get_match(token_ids, namespace)
+
+
+@pytest.mark.asyncio
+async def test_a_batch_finished_before_a_hand_over_between_batches_is_answered_first(
+    monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor]
+) -> None:
+    clock = FakeTime()
+    monkeypatch.setattr(aiokv.worker, "time", clock)
+    delivered, delivered_at_sleep = record_deliveries(monkeypatch, clock)
+    second_batch_in = threading.Event()
+    submit = aiokv.worker.StoreWorker.submit
+
+    def submit_and_note_the_second(self: aiokv.worker.StoreWorker, item: Any) -> None:
+        submit(self, item)
+        if isinstance(item, Batch) and item.requests[0].user_id == "second":
+            second_batch_in.set()
+
+    monkeypatch.setattr(aiokv.worker.StoreWorker, "submit", submit_and_note_the_second)
+    store = HeldFirstMatch(FakeStore(), clock, second_batch_in)
+    config = aiokv.EngineConfig(max_batch_requests=1, store_slice_us=SLICE_US)  # a batch each
+    async with aiokv.OffloadEngine(store, caches, config) as engine:
+        first, second = await asyncio.wait_for(
+            asyncio.gather(engine.lookup("first", PAGE_SIZE), engine.lookup("second", PAGE_SIZE)),
+            timeout=10,
+        )
+    # One hand-over, between the two batches, with the first one's answer already out.
+    assert delivered_at_sleep == [1]
+    assert [r.user_id for r in delivered] == ["first", "second"]
+    assert first.cached_tokens == second.cached_tokens == 0
