@@ -46,6 +46,7 @@ from aiokv.testing import SharedStore
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32
 WINDOW_US, POLL_US = 300, 50
+STORE_SLICE_US = 0  # EngineConfig.store_slice_us
 
 
 def sync_round(manager: Any, page_ids: list[torch.Tensor], tokens: int, tag: str) -> int:
@@ -177,7 +178,8 @@ async def run_engine(
     loop_cpu_s: list[float] | None = None,
 ) -> tuple[int, float, list[float]]:
     config = aiokv.EngineConfig(window_us=WINDOW_US, max_batch_requests=len(page_ids),
-                                max_batch_tokens=1 << 30, poll_interval_us=POLL_US)
+                                max_batch_tokens=1 << 30, poll_interval_us=POLL_US,
+                                store_slice_us=STORE_SLICE_US)
     engine = aiokv.OffloadEngine(store, caches, config)
     lateness: list[float] = []
     stop = asyncio.Event()
@@ -209,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-us", type=int, default=300)
     parser.add_argument("--poll-us", type=int, default=200)
     parser.add_argument(
+        "--store-slice-us", type=int, default=0,
+        help="EngineConfig.store_slice_us: the store thread hands the GIL to the loop "
+        "after this much work (default 0: never)",
+    )
+    parser.add_argument(
         "--switch-interval-us", type=int, default=0,
         help="sys.setswitchinterval for this process (0: leave Python's 5 ms default)",
     )
@@ -224,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not key:
             parser.error(f"--flexkv takes KEY=VALUE, got {item!r}")
         flexkv_settings[key] = yaml.safe_load(value)
-    global WINDOW_US, POLL_US
-    WINDOW_US, POLL_US = args.window_us, args.poll_us
+    global WINDOW_US, POLL_US, STORE_SLICE_US
+    WINDOW_US, POLL_US, STORE_SLICE_US = args.window_us, args.poll_us, args.store_slice_us
     if args.switch_interval_us:
         sys.setswitchinterval(args.switch_interval_us / 1e6)
     reason = flexkv_available()
@@ -342,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "cuda": torch.version.cuda, "argv": sys.argv, "rounds": args.rounds,
                 "window_us": WINDOW_US, "poll_interval_us": POLL_US,
+                "store_slice_us": STORE_SLICE_US,
                 "switch_interval_s": sys.getswitchinterval(), "flexkv": flexkv_settings}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)

@@ -123,3 +123,15 @@ def test_quickstart_example_runs_and_verifies() -> None:
     example = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
     module = runpy.run_path(str(example))
     assert asyncio.run(module["main"](str(module["CONFIG"]))) == 0
+
+
+def test_store_slice_benchmark_runs_both_settings(tmp_path: Path) -> None:
+    out_json = tmp_path / "store_slice.json"
+    command = [sys.executable, "benchmarks/store_slice.py", "--passes", "1", "--rounds", "2",
+               "--users", "4", "--match-us", "50", "--json", str(out_json)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    document = json.loads(out_json.read_text())
+    assert [row["slice_us"] for row in document["rows"]] == [0, 200]
+    _positive_numbers(document["rows"], ["lag_max_ms", "requests_per_s"])
+    assert set(document["on_over_off"]) == {"lag_max_ms", "lag_p99_ms", "requests_per_s"}
