@@ -71,6 +71,7 @@ _NOTIFIED_POLL_S = 0.01  # fallback poll of a store that notifies (set_notify)
 # The sleep that hands the GIL to a waiting loop: longer than a thread's wake-up (a few
 # to tens of µs), short next to a batch's copy. Linux adds its 50 µs timer slack.
 _HANDOFF_S = 50e-6
+_WAITED_S = 10e-6  # an inbox get that took longer blocked (an item in hand takes ~1 µs)
 # Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-request
 # paths read them from here.
 _OFFLOAD, _SUCCESS = Kind.OFFLOAD, TaskStatus.SUCCESS
@@ -180,9 +181,12 @@ class StoreWorker:
                     # After the sentinel only wake-ups arrive; poll as a fallback.
                     timeout = self._poll_interval_s
                 item: object = None
+                before = time.perf_counter()
                 with contextlib.suppress(queue.Empty):
                     item = self._inbox.get(timeout=timeout)
-                self._running_since = time.perf_counter()
+                after = time.perf_counter()
+                if after - before > _WAITED_S:  # it blocked: a waiting loop had its turn
+                    self._running_since = after
                 while item is not None:
                     if item is _STOP:
                         stopping = True

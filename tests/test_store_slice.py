@@ -5,7 +5,9 @@ calls once it has run a slice. Deterministic: the worker's clock and sleep are f
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,19 @@ class FakeTime:
         self.log.append("sleep")
         self.slept.append(seconds)
         self.on_sleep()
+
+
+def inbox_that_moves(clock: FakeTime) -> types.SimpleNamespace:
+    """A stand-in for the worker's ``queue`` module whose inbox moves the fake clock when
+    a get finds it empty (the store thread blocks there, as it would for real)."""
+
+    class Inbox(queue.SimpleQueue):  # type: ignore[type-arg]
+        def get(self, block: bool = True, timeout: float | None = None) -> Any:
+            if self.empty():
+                clock.advance(1000)
+            return super().get(block, timeout)
+
+    return types.SimpleNamespace(SimpleQueue=Inbox, Empty=queue.Empty)
 
 
 class SlowMatches(StoreWrapper):
@@ -148,6 +163,7 @@ async def test_the_store_thread_sleeps_between_store_calls_once_its_slice_is_use
 ) -> None:
     clock = FakeTime()
     monkeypatch.setattr(aiokv.worker, "time", clock)
+    monkeypatch.setattr(aiokv.worker, "queue", inbox_that_moves(clock))
     store = SlowMatches(small_store(), clock)
     # One batch of USERS offloads, then one of USERS lookups.
     config = aiokv.EngineConfig(
