@@ -90,11 +90,14 @@ class StoreWrapper:
 
     forward_notify: ClassVar[bool] = True
     set_notify: Callable[[Callable[[], None]], None] | None
+    set_yield: Callable[[Callable[[], None]], None] | None
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         notify = getattr(inner, "set_notify", None)
         self.set_notify = notify if self.forward_notify and callable(notify) else None
+        set_yield = getattr(inner, "set_yield", None)
+        self.set_yield = set_yield if callable(set_yield) else None
 
     @property
     def page_size(self) -> int:

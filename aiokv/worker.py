@@ -166,6 +166,11 @@ class StoreWorker:
         notified = callable(set_notify)
         if notified:
             set_notify(lambda: self._inbox.put(_WAKE))  # type: ignore[misc]
+        # A store with points of its own where the GIL may go to the loop (set_yield).
+        # Passed even with no slice: it replaces an earlier engine's on a shared store.
+        set_yield = getattr(self._store, "set_yield", None)
+        if callable(set_yield):
+            set_yield(self._yield_if_slice_used)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
         stopping = False
@@ -430,6 +435,12 @@ class StoreWorker:
     def _slice_used(self) -> bool:
         """Whether this thread has run a slice since it last waited."""
         return bool(self._slice_s) and time.perf_counter() - self._running_since > self._slice_s
+
+    def _yield_if_slice_used(self) -> None:
+        """The store's yield point (set_yield). Posts nothing: it may come in the middle
+        of a batch, whose answers must all go out after it is handled."""
+        if self._slice_used():
+            self._yield_gil()
 
     def _yield_gil(self) -> None:
         """Sleep so that an event loop waiting for the GIL takes it. A release without a

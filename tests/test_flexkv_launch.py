@@ -229,3 +229,31 @@ def test_a_put_that_finds_no_block_is_still_no_space(flexkv_statuses: None) -> N
     with pytest.raises(NoSpace):
         flexkv.put_match(tokens, ["u"])
     flexkv.cancel([first])
+
+
+class SlowIndexManager(IndexManager):
+    """Answers nothing on the first poll of a task, as FlexKV while the copy runs."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.polled: set[int] = set()
+
+    def try_wait(self, ids: Sequence[int]) -> dict[int, object]:
+        first = [t for t in ids if t not in self.polled]
+        self.polled.update(ids)
+        return {} if first else super().try_wait(ids)
+
+
+def test_the_yield_point_comes_after_flexkvs_answers_and_before_their_fan_out(
+    flexkv_statuses: None,
+) -> None:
+    flexkv = store(SlowIndexManager(capacity=8))  # type: ignore[arg-type]
+    answered_at_yield: list[int] = []
+    flexkv.set_yield(lambda: answered_at_yield.append(len(flexkv._done)))
+    task = flexkv.put_match(np.arange(2 * PAGE, dtype=np.int64), ["u"])[0]
+    flexkv.launch([task], [slots(2)])
+    assert flexkv.try_wait([task]) == {}  # still copying: no answer, so no yield
+    assert answered_at_yield == []
+    assert flexkv.try_wait([task])[task].status is TaskStatus.SUCCESS
+    # Once, with FlexKV's answer in hand and none of ours built yet.
+    assert answered_at_yield == [0]

@@ -21,7 +21,7 @@ import aiokv.worker
 from aiokv.batcher import Batch
 from aiokv.config import parse_config
 from aiokv.stores.base import BoolArray, Int64Array, Store
-from aiokv.testing import FakeStore, StoreWrapper
+from aiokv.testing import FakeStore, SharedStore, StoreWrapper
 
 ROOT = Path(__file__).resolve().parent.parent
 SLICE_US = 100
@@ -250,3 +250,52 @@ async def test_a_batch_finished_before_a_hand_over_between_batches_is_answered_f
     assert delivered_at_sleep == [1]
     assert [r.user_id for r in delivered] == ["first", "second"]
     assert first.cached_tokens == second.cached_tokens == 0
+
+
+class YieldsInsideTryWait(StoreWrapper):
+    """A store with a yield point of its own (set_yield) inside try_wait, after two
+    slices of someone else's Python, as FlexKVStore has after FlexKV's answers."""
+
+    def __init__(self, inner: Store, clock: FakeTime) -> None:
+        super().__init__(inner)
+        self.clock = clock
+        self.yield_point: Any = None
+        self.set_yield = self.take_yield_point
+
+    def take_yield_point(self, callback: Any) -> None:
+        self.yield_point = callback
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, Any]:
+        answers = super().try_wait(task_ids)
+        if answers:
+            self.clock.advance(2 * SLICE_US)
+            self.clock.log.append("answers")
+            self.yield_point()
+        return answers
+
+
+@pytest.mark.asyncio
+async def test_a_store_yield_point_hands_over_only_while_a_slice_is_set(
+    monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor]
+) -> None:
+    clock = FakeTime()
+    monkeypatch.setattr(aiokv.worker, "time", clock)
+    monkeypatch.setattr(aiokv.worker, "queue", inbox_that_moves(clock))
+    store = SharedStore(YieldsInsideTryWait(FakeStore(), clock))
+    for slice_us in (SLICE_US, 0):  # two engines, one after the other, on one store
+        clock.log.clear()
+        config = aiokv.EngineConfig(
+            window_us=10_000_000, max_batch_requests=USERS, store_slice_us=slice_us
+        )
+        async with aiokv.OffloadEngine(store, caches, config) as engine:
+            fresh = (  # new keys, so that each engine's offloads move something
+                engine.offload(u, torch.arange(2 * u, 2 * u + 2), 2 * PAGE_SIZE,
+                               namespace=[f"slice{slice_us}-u{u}"])
+                for u in range(USERS)
+            )
+            await asyncio.wait_for(asyncio.gather(*fresh), timeout=10)
+        answers = clock.log.index("answers")
+        if slice_us:  # the yield point handed over, inside the store's try_wait
+            assert clock.log[answers + 1] == "sleep"
+        else:  # the second engine's worker replaced the first's yield point
+            assert "sleep" not in clock.log

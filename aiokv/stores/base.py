@@ -24,6 +24,12 @@ Contract, for any store:
 Optional: a store with ``set_notify(callback)`` calls ``callback()`` from any thread
 whenever tasks may have become terminal; the engine then waits for that instead of
 polling ``try_wait`` every ``poll_interval_us`` (LocalStore does; FlexKV is polled).
+
+Optional: a store with ``set_yield(callback)`` calls ``callback()`` at points inside its
+own calls where the store thread may hand the GIL to the event loop (between a long
+stretch of someone else's Python and its own, say), and the callback does so when
+``EngineConfig.store_slice_us`` is set and used up (FlexKVStore calls it between
+FlexKV's answers and its own fan-out of them).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -91,6 +91,7 @@ class FlexKVStore:
         # Puts that write something, from match to their terminal answer: FlexKV's put
         # counts their blocks as present while its get does not (see put_match).
         self._writing: dict[int, tuple[tuple[str, ...], Int64Array]] = {}
+        self._yield: Callable[[], None] = _no_yield  # the engine's (set_yield)
         self._closed = False
 
     # ---- setup -----------------------------------------------------------------------
@@ -263,6 +264,11 @@ class FlexKVStore:
         return user_config
 
     # ---- Store protocol --------------------------------------------------------------
+
+    def set_yield(self, callback: Callable[[], None]) -> None:
+        """Where the store thread may hand the GIL to the loop: after FlexKV's answers
+        (which hold it up to about a millisecond) and before our fan-out of them."""
+        self._yield = callback
 
     def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         manager = self._live()
@@ -443,6 +449,8 @@ class FlexKVStore:
         from flexkv.common.request import KVResponseStatus
 
         responses = self._manager.try_wait(sorted(flexkv_ids))
+        if responses:
+            self._yield()
         for fid, response in responses.items():
             members = self._members.pop(fid, None)
             if members is None:
@@ -472,6 +480,10 @@ class FlexKVStore:
             for path in self._socket_files:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+
+
+def _no_yield() -> None:
+    pass
 
 
 def _server_exit_code(manager: Any) -> int | None:
