@@ -61,11 +61,12 @@ class EngineConfig:
     lookup_ttl_ms: a Lookup's reservation not used by ``load`` is released after this.
     poll_interval_us: how often the store thread polls outstanding tasks.
     store_slice_us: once the store thread has run this long without waiting, it sleeps
-        about 0.1 ms at its next pause between store calls, so that an event loop waiting
-        for the GIL gets it (0: never). For a store made of many Python-heavy calls: it
-        bounds the loop's stalls behind them, at some store-thread time. It does not
-        split one long call (FlexKV's longest hold the GIL 0.5-1.5 ms each), and on
-        fast stores the pauses cost throughput; see the README.
+        about 0.1 ms at its next pause between (or, with ``set_yield``, inside) store
+        calls, so that an event loop waiting for the GIL gets it (0: never). It bounds the
+        loop's stalls behind a Python-heavy store at some throughput; it cannot split one
+        long call. None: the store's advice (``Store.store_slice_us``: 200 for FlexKV;
+        0 for stores without one, such as the local store, whose calls are short and for
+        which the pauses would only cost throughput). See the README.
     """
 
     window_us: int = 200
@@ -76,7 +77,7 @@ class EngineConfig:
     request_timeout_ms: int = 30_000
     lookup_ttl_ms: int = 10_000
     poll_interval_us: int = 50
-    store_slice_us: int = 0
+    store_slice_us: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("engine.window_us", self.window_us, 0)
@@ -87,7 +88,8 @@ class EngineConfig:
         _check_int("engine.request_timeout_ms", self.request_timeout_ms, 0)
         _check_int("engine.lookup_ttl_ms", self.lookup_ttl_ms, 1)
         _check_int("engine.poll_interval_us", self.poll_interval_us, 1)
-        _check_int("engine.store_slice_us", self.store_slice_us, 0)
+        if self.store_slice_us is not None:
+            _check_int("engine.store_slice_us", self.store_slice_us, 0)
 
 
 @dataclass(frozen=True)

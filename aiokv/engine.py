@@ -103,6 +103,7 @@ class OffloadEngine:
         self._store = store
         self._kv_caches = list(kv_caches)
         self._config = config or EngineConfig()
+        self._store_slice_us = _store_slice_us(self._config, store)
         self._on_gpu = self._device.type == "cuda"
         self._state = EngineState.NEW
         self._stats = StatsRecorder()
@@ -158,7 +159,7 @@ class OffloadEngine:
             self._kv_caches,
             registered,
             copy_stream,
-            self._config.store_slice_us,
+            self._store_slice_us,
         )
         if self._on_gpu:
             self._ready_marks = ReadyMarks(self._device, loop.call_soon)
@@ -524,3 +525,13 @@ def open_engine(path: str, kv_caches: Sequence[torch.Tensor]) -> OffloadEngine:
     engine_config, store_config = load_config(path)
     return OffloadEngine(make_store(store_config), kv_caches=kv_caches, config=engine_config)
 
+
+def _store_slice_us(config: EngineConfig, store: Store) -> int:
+    """The store thread's GIL slice (EngineConfig.store_slice_us): the config's, else the
+    store's advice, else 0."""
+    if config.store_slice_us is not None:
+        return config.store_slice_us
+    advice = getattr(store, "store_slice_us", 0)
+    if isinstance(advice, bool) or not isinstance(advice, int) or advice < 0:
+        raise ConfigError("store.store_slice_us", f"the store advises {advice!r}; want an int >= 0")
+    return advice

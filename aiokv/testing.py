@@ -103,6 +103,12 @@ class StoreWrapper:
     def page_size(self) -> int:
         return self.inner.page_size
 
+    @property
+    def store_slice_us(self) -> int:
+        """The inner store's advice for EngineConfig.store_slice_us (0 without one)."""
+        advice: int = getattr(self.inner, "store_slice_us", 0)
+        return advice
+
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
         self.inner.register(kv_caches)
 

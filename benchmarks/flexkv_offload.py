@@ -46,7 +46,7 @@ from aiokv.testing import SharedStore
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32
 WINDOW_US, POLL_US = 300, 50
-STORE_SLICE_US = 0  # EngineConfig.store_slice_us
+STORE_SLICE_US: int | None = None  # EngineConfig.store_slice_us; None: the store's advice
 
 
 def sync_round(manager: Any, page_ids: list[torch.Tensor], tokens: int, tag: str) -> int:
@@ -211,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-us", type=int, default=300)
     parser.add_argument("--poll-us", type=int, default=200)
     parser.add_argument(
-        "--store-slice-us", type=int, default=0,
+        "--store-slice-us", type=int, default=None,
         help="EngineConfig.store_slice_us: the store thread hands the GIL to the loop "
-        "after this much work (default 0: never)",
+        "after this much work (default: the store's advice, 200 for FlexKV; 0: never)",
     )
     parser.add_argument(
         "--switch-interval-us", type=int, default=0,
@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "cuda": torch.version.cuda, "argv": sys.argv, "rounds": args.rounds,
                 "window_us": WINDOW_US, "poll_interval_us": POLL_US,
-                "store_slice_us": STORE_SLICE_US,
+                "store_slice_us": STORE_SLICE_US
+                if STORE_SLICE_US is not None else FlexKVStore.store_slice_us,
                 "switch_interval_s": sys.getswitchinterval(), "flexkv": flexkv_settings}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)

@@ -20,7 +20,9 @@ import aiokv
 import aiokv.worker
 from aiokv.batcher import Batch
 from aiokv.config import parse_config
+from aiokv.engine import _store_slice_us
 from aiokv.stores.base import BoolArray, Int64Array, Store
+from aiokv.stores.flexkv import FlexKVStore
 from aiokv.testing import FakeStore, SharedStore, StoreWrapper
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +68,9 @@ def inbox_that_moves(clock: FakeTime) -> types.SimpleNamespace:
 
 
 class SlowMatches(StoreWrapper):
-    """Each match takes MATCH_US on the fake clock."""
+    """Each match takes MATCH_US on the fake clock; advises a slice of SLICE_US."""
+
+    store_slice_us = SLICE_US  # type: ignore[assignment]
 
     def __init__(self, inner: Store, clock: FakeTime) -> None:
         super().__init__(inner)
@@ -97,12 +101,40 @@ def test_a_bad_store_slice_names_its_key(value: object) -> None:
     assert caught.value.key == "engine.store_slice_us"
 
 
-def test_store_slice_defaults_to_off_and_accepts_zero() -> None:
-    assert aiokv.EngineConfig().store_slice_us == 0
-    assert parse_config({"engine": {"store_slice_us": 0}})[0] == aiokv.EngineConfig()
-    assert parse_config({"engine": {"store_slice_us": 200}})[0].store_slice_us == 200
+def test_store_slice_defaults_to_the_stores_advice_and_accepts_zero() -> None:
+    assert aiokv.EngineConfig().store_slice_us is None
+    assert parse_config({"engine": {"store_slice_us": 0}})[0].store_slice_us == 0
+    assert parse_config({"engine": {"store_slice_us": None}})[0] == aiokv.EngineConfig()
     engine, _ = aiokv.load_config(ROOT / "configs" / "default.yml")
     assert engine == aiokv.EngineConfig()
+
+
+def advising(slice_us: object) -> FakeStore:
+    store = FakeStore(PAGE_SIZE)
+    store.store_slice_us = slice_us  # type: ignore[attr-defined]
+    return store
+
+
+def test_the_slice_is_the_configs_else_the_stores_advice_else_zero() -> None:
+    default = aiokv.EngineConfig()
+    assert _store_slice_us(default, advising(250)) == 250
+    assert _store_slice_us(aiokv.EngineConfig(store_slice_us=7), advising(250)) == 7
+    assert _store_slice_us(aiokv.EngineConfig(store_slice_us=0), advising(250)) == 0  # 0 is set
+    assert _store_slice_us(default, FakeStore(PAGE_SIZE)) == 0  # no advice
+    assert _store_slice_us(default, small_store()) == 0  # the local store's calls are short
+    assert FlexKVStore.store_slice_us == 200
+    # Wrappers pass the inner store's advice on, or its absence.
+    assert _store_slice_us(default, SharedStore(advising(250))) == 250
+    assert _store_slice_us(default, StoreWrapper(FakeStore(PAGE_SIZE))) == 0
+
+
+@pytest.mark.parametrize("advice", [-1, True, "200", 1.5])
+def test_a_bad_advice_from_the_store_fails_engine_construction(
+    advice: object, caches: list[torch.Tensor]
+) -> None:
+    with pytest.raises(aiokv.ConfigError) as caught:
+        aiokv.OffloadEngine(advising(advice), caches)
+    assert caught.value.key == "store.store_slice_us"
 
 
 # ---- the store thread --------------------------------------------------------------
@@ -152,13 +184,13 @@ def record_deliveries(
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("config_slice_us", "expected"),
-    [(SLICE_US, WITH_SLICE), (0, NEVER)],
-    ids=["on", "off"],
+    [(SLICE_US, WITH_SLICE), (None, WITH_SLICE), (0, NEVER)],
+    ids=["on", "advised", "off"],  # None: the store's advice (SLICE_US); 0 overrides it
 )
 async def test_the_store_thread_sleeps_between_store_calls_once_its_slice_is_used(
     monkeypatch: pytest.MonkeyPatch,
     caches: list[torch.Tensor],
-    config_slice_us: int,
+    config_slice_us: int | None,
     expected: list[str],
 ) -> None:
     clock = FakeTime()

@@ -25,6 +25,11 @@ Optional: a store with ``set_notify(callback)`` calls ``callback()`` from any th
 whenever tasks may have become terminal; the engine then waits for that instead of
 polling ``try_wait`` every ``poll_interval_us`` (LocalStore does; FlexKV is polled).
 
+Optional: ``store_slice_us``, a store's advice for ``EngineConfig.store_slice_us`` (used
+when the config leaves it None): how long the store thread may run, holding the GIL,
+before it hands it to a waiting event loop. For stores whose calls run Python for long
+(FlexKV: 200); without it, 0.
+
 Optional: a store with ``set_yield(callback)`` calls ``callback()`` at points inside its
 own calls where the store thread may hand the GIL to the event loop (between a long
 stretch of someone else's Python and its own, say), and the callback does so when

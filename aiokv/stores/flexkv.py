@@ -70,6 +70,12 @@ def flexkv_available() -> str | None:
 class FlexKVStore:
     """Store over one FlexKV KVManager (direct mode, one GPU, CPU tier + optional SSD)."""
 
+    # FlexKV runs Python on the store thread for up to about 1 ms per call at 32 tasks (a
+    # batch's launch, a finished batch's answers), holding the GIL: the store thread
+    # hands it to a waiting loop between (and inside, set_yield) calls past 0.2 ms
+    # (EngineConfig.store_slice_us; the README's FlexKV results).
+    store_slice_us = 200
+
     def __init__(self, config: StoreConfig, *, ready_timeout_s: float = 60.0) -> None:
         self._config = config
         self._ready_timeout_s = ready_timeout_s
