@@ -55,13 +55,14 @@ class FakeTime:
 
 
 def inbox_that_moves(clock: FakeTime) -> types.SimpleNamespace:
-    """A stand-in for the worker's ``queue`` module whose inbox moves the fake clock when
-    a get finds it empty (the store thread blocks there, as it would for real)."""
+    """A stand-in for the worker's ``queue`` module whose inbox moves the fake clock on
+    every blocking get, as if the store thread always waited there. (Whether it really
+    blocks depends on when the loop's next item arrives; the counts below must not.)
+    The non-blocking ``get_nowait`` between queued items leaves the clock alone."""
 
     class Inbox(queue.SimpleQueue):  # type: ignore[type-arg]
         def get(self, block: bool = True, timeout: float | None = None) -> Any:
-            if self.empty():
-                clock.advance(1000)
+            clock.advance(1000)
             return super().get(block, timeout)
 
     return types.SimpleNamespace(SimpleQueue=Inbox, Empty=queue.Empty)
