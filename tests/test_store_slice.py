@@ -54,6 +54,14 @@ class FakeTime:
         self.on_sleep()
 
 
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    """The worker's clock and sleep, faked for one test."""
+    fake = FakeTime()
+    monkeypatch.setattr(aiokv.worker, "time", fake)
+    return fake
+
+
 def inbox_that_moves(clock: FakeTime) -> types.SimpleNamespace:
     """A stand-in for the worker's ``queue`` module whose inbox moves the fake clock on
     every blocking get, as if the store thread always waited there. (Whether it really
@@ -191,11 +199,10 @@ def record_deliveries(
 async def test_the_store_thread_sleeps_between_store_calls_once_its_slice_is_used(
     monkeypatch: pytest.MonkeyPatch,
     caches: list[torch.Tensor],
+    clock: FakeTime,
     config_slice_us: int | None,
     expected: list[str],
 ) -> None:
-    clock = FakeTime()
-    monkeypatch.setattr(aiokv.worker, "time", clock)
     monkeypatch.setattr(aiokv.worker, "queue", inbox_that_moves(clock))
     store = SlowMatches(small_store(), clock)
     # One batch of USERS offloads, then one of USERS lookups.
@@ -218,13 +225,12 @@ async def test_the_store_thread_sleeps_between_store_calls_once_its_slice_is_use
 
 @pytest.mark.asyncio
 async def test_answers_gathered_before_a_hand_over_reach_their_callers_first(
-    monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor]
+    monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor], clock: FakeTime
 ) -> None:
     # Every clock read is past the slice: the thread hands over at every point, among
     # them between each two of the answers that one try_wait gives (FakeStore answers a
     # whole launch at once).
-    clock = FakeTime(tick_us=2 * SLICE_US)
-    monkeypatch.setattr(aiokv.worker, "time", clock)
+    clock.tick_us = 2 * SLICE_US
     delivered, delivered_at_sleep = record_deliveries(monkeypatch, clock)
     config = aiokv.EngineConfig(
         window_us=10_000_000, max_batch_requests=USERS, store_slice_us=SLICE_US
@@ -258,10 +264,8 @@ class HeldFirstMatch(StoreWrapper):
 
 @pytest.mark.asyncio
 async def test_a_batch_finished_before_a_hand_over_between_batches_is_answered_first(
-    monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor]
+    monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor], clock: FakeTime
 ) -> None:
-    clock = FakeTime()
-    monkeypatch.setattr(aiokv.worker, "time", clock)
     delivered, delivered_at_sleep = record_deliveries(monkeypatch, clock)
     second_batch_in = threading.Event()
     submit = aiokv.worker.StoreWorker.submit
@@ -309,10 +313,8 @@ class YieldsInsideTryWait(StoreWrapper):
 
 @pytest.mark.asyncio
 async def test_a_store_yield_point_hands_over_only_while_a_slice_is_set(
-    monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor]
+    monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor], clock: FakeTime
 ) -> None:
-    clock = FakeTime()
-    monkeypatch.setattr(aiokv.worker, "time", clock)
     monkeypatch.setattr(aiokv.worker, "queue", inbox_that_moves(clock))
     store = SharedStore(YieldsInsideTryWait(FakeStore(), clock))
     for slice_us in (SLICE_US, 0):  # two engines, one after the other, on one store
