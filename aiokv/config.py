@@ -22,11 +22,18 @@ OverloadPolicy = Literal["reject", "wait"]
 Backend = Literal["local", "flexkv"]
 
 
+# Past this, times in µs or ms stop converting to seconds (a float) and counts stop
+# meaning anything; a typed error beats an OverflowError deep in start().
+MAX_INT = 10**12
+
+
 def _check_int(key: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(key, f"must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(key, f"must be >= {minimum}, got {value}")
+    if value > MAX_INT:
+        raise ConfigError(key, f"must be <= 10**12, got an integer of {len(str(value))} digits")
 
 
 def _check_number(key: str, value: object, minimum: float) -> None:
@@ -60,13 +67,14 @@ class EngineConfig:
     request_timeout_ms: a request not resolved by then fails with RequestTimeout (0: never).
     lookup_ttl_ms: a Lookup's reservation not used by ``load`` is released after this.
     poll_interval_us: how often the store thread polls outstanding tasks.
-    store_slice_us: once the store thread has run this long without waiting, it sleeps
-        about 0.1 ms at its next pause between (or, with ``set_yield``, inside) store
-        calls, so that an event loop waiting for the GIL gets it (0: never). It bounds the
-        loop's stalls behind a Python-heavy store at some throughput; it cannot split one
-        long call. None: the store's advice (``Store.store_slice_us``: 200 for FlexKV;
-        0 for stores without one, such as the local store, whose calls are short and for
-        which the pauses would only cost throughput). See the README.
+    store_slice_us: once the store thread has run this long since it last blocked on its
+        inbox or handed over, it sleeps about 0.1 ms at its next pause between (or, with
+        ``set_yield``, inside) store calls, so that an event loop waiting for the GIL
+        gets it (0: never). It bounds the loop's stalls behind a Python-heavy store at
+        some throughput; it cannot split one long call. None: the store's advice
+        (``Store.store_slice_us``: 200 for FlexKV; 0 for stores without one, such as the
+        local store, whose calls are short and for which the pauses would only cost
+        throughput). See the README.
     """
 
     window_us: int = 200

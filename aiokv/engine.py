@@ -31,7 +31,7 @@ import torch
 from . import validate
 from .admission import Admission
 from .batcher import Batch, Batcher
-from .config import EngineConfig
+from .config import MAX_INT, EngineConfig
 from .deadlines import Deadlines
 from .errors import (
     ConfigError,
@@ -531,7 +531,13 @@ def _store_slice_us(config: EngineConfig, store: Store) -> int:
     store's advice, else 0."""
     if config.store_slice_us is not None:
         return config.store_slice_us
-    advice = getattr(store, "store_slice_us", 0)
-    if isinstance(advice, bool) or not isinstance(advice, int) or advice < 0:
-        raise ConfigError("store.store_slice_us", f"the store advises {advice!r}; want an int >= 0")
+    advice = getattr(store, "store_slice_us", None)
+    if advice is None:
+        return 0
+    if isinstance(advice, bool) or not isinstance(advice, int) or not 0 <= advice <= MAX_INT:
+        raise ConfigError(
+            "engine.store_slice_us",
+            f"is None, so {type(store).__name__}'s advice applies, and it advises "
+            f"{str(advice)[:40]!r} (want an int in [0, 10**12]); set it to override",
+        )
     return advice

@@ -96,8 +96,9 @@ class StoreWrapper:
         self.inner = inner
         notify = getattr(inner, "set_notify", None)
         self.set_notify = notify if self.forward_notify and callable(notify) else None
-        set_yield = getattr(inner, "set_yield", None)
-        self.set_yield = set_yield if callable(set_yield) else None
+        if getattr(type(self), "set_yield", None) is None:  # a subclass may define its own
+            set_yield = getattr(inner, "set_yield", None)
+            self.set_yield = set_yield if callable(set_yield) else None
 
     @property
     def page_size(self) -> int:

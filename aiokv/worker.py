@@ -9,8 +9,9 @@ The store thread holds the GIL while it runs Python (FlexKV's matching, answer
 processing), and the event loop needs it for every callback. A thread that releases the
 GIL for a moment (a syscall) takes it straight back before a waiting thread wakes, so on
 its own this thread would hold the loop off for as long as it has work. Once it has run
-``store_slice_us`` since it last waited, it sleeps ``_HANDOFF_S`` at the next point
-between store calls: long enough for a waiting loop to take the GIL and run (see
+``store_slice_us`` since it last blocked on its inbox or handed over, it sleeps
+``_HANDOFF_S`` at the next point between store calls (or at a store's own yield point,
+``set_yield``): long enough for a waiting loop to take the GIL and run (see
 :meth:`StoreWorker._yield_gil`).
 
 Per batch: fuse its page ids into one host copy (:func:`aiokv.slots.fuse_page_ids`, on
@@ -102,7 +103,8 @@ class StoreWorker:
         self._page_size = 0  # the store's, read once it is registered
         self._poll_interval_s = poll_interval_us / 1e6
         self._slice_s = store_slice_us / 1e6  # 0: never hand the GIL over
-        self._running_since = 0.0  # perf_counter when this thread last waited
+        # perf_counter when this thread last blocked on its inbox or handed over
+        self._running_since = 0.0
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._accepting = True
         self._accept_lock = threading.Lock()
@@ -167,12 +169,14 @@ class StoreWorker:
         if notified:
             set_notify(lambda: self._inbox.put(_WAKE))  # type: ignore[misc]
         # A store with points of its own where the GIL may go to the loop (set_yield).
-        # Passed even with no slice: it replaces an earlier engine's on a shared store.
+        # Passed even with no slice (it replaces an earlier engine's on a shared store),
+        # and taken back when this thread ends (finally, below).
         set_yield = getattr(self._store, "set_yield", None)
         if callable(set_yield):
             set_yield(self._yield_if_slice_used)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
+        self._running_since = time.perf_counter()  # registering is not this thread's work
         stopping = False
         try:
             while not stopping or self._launched:
@@ -196,15 +200,14 @@ class StoreWorker:
                     if item is _STOP:
                         stopping = True
                     elif item is not _WAKE:
-                        if self._slice_used():
-                            self._post()  # the batches before this one are answered
-                            self._yield_gil()
                         self._handle(item)
                     try:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         item = None
                 if self._launched:
+                    # Out first: the store may hand the GIL over inside try_wait.
+                    self._post()
                     self._poll()
                 self._post()
             if self._reserved:
@@ -216,6 +219,8 @@ class StoreWorker:
             raise
         finally:
             self._close_store()
+            if callable(set_yield):  # the store outlives this thread: take ours back
+                set_yield(_no_yield)
 
     def _fail_everything(self, error: StoreError) -> None:
         """After a crash: stop accepting (later batches fail at dispatch, with
@@ -274,6 +279,9 @@ class StoreWorker:
         elif isinstance(item, Batch):
             self._in_hand = item  # for _fail_everything, should this thread crash
             try:
+                if self._slice_used():
+                    self._post()  # the batches before this one are answered
+                    self._yield_gil()
                 if item.kind is Kind.LOOKUP:
                     self._lookup(item)
                 else:
@@ -508,6 +516,10 @@ class StoreWorker:
         except RuntimeError:
             # The loop is closed: nobody is left to resolve these futures.
             log.warning("event loop closed; dropped %d outcomes", len(drained))
+
+
+def _no_yield() -> None:
+    """A store's yield point once no store thread is behind it."""
 
 
 def _store_error(method: Callable[..., Any], exc: Exception) -> StoreError:

@@ -114,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=3, help="passes per setting, alternated")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if args.slice_us <= 0 or args.passes <= 0:
-        parser.error("--slice-us and --passes must be positive")
+    for name in ("slice_us", "passes", "users", "rounds"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("match_us", "answer_us"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
     rows = []
     for number in range(args.passes):
         for slice_us in (0, args.slice_us):

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import PAGE_SIZE, small_store
@@ -103,7 +104,7 @@ class SlowMatches(StoreWrapper):
 # ---- config and its resolution -----------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [-1, True, "200", 1.5])
+@pytest.mark.parametrize("value", [-1, True, "200", 1.5, 10**400])
 def test_a_bad_store_slice_names_its_key(value: object) -> None:
     with pytest.raises(aiokv.ConfigError) as caught:
         parse_config({"engine": {"store_slice_us": value}})
@@ -130,6 +131,7 @@ def test_the_slice_is_the_configs_else_the_stores_advice_else_zero() -> None:
     assert _store_slice_us(aiokv.EngineConfig(store_slice_us=7), advising(250)) == 7
     assert _store_slice_us(aiokv.EngineConfig(store_slice_us=0), advising(250)) == 0  # 0 is set
     assert _store_slice_us(default, FakeStore(PAGE_SIZE)) == 0  # no advice
+    assert _store_slice_us(default, advising(None)) == 0  # None: no advice either
     assert _store_slice_us(default, small_store()) == 0  # the local store's calls are short
     assert FlexKVStore.store_slice_us == 200
     # Wrappers pass the inner store's advice on, or its absence.
@@ -137,13 +139,15 @@ def test_the_slice_is_the_configs_else_the_stores_advice_else_zero() -> None:
     assert _store_slice_us(default, StoreWrapper(FakeStore(PAGE_SIZE))) == 0
 
 
-@pytest.mark.parametrize("advice", [-1, True, "200", 1.5])
+@pytest.mark.parametrize("advice", [-1, True, "200", 1.5, 10**400])
 def test_a_bad_advice_from_the_store_fails_engine_construction(
     advice: object, caches: list[torch.Tensor]
 ) -> None:
     with pytest.raises(aiokv.ConfigError) as caught:
         aiokv.OffloadEngine(advising(advice), caches)
-    assert caught.value.key == "store.store_slice_us"
+    # The key a user sets to override the advice, and the store that gave it.
+    assert caught.value.key == "engine.store_slice_us"
+    assert "FakeStore" in str(caught.value)
 
 
 # ---- the store thread --------------------------------------------------------------
@@ -297,9 +301,8 @@ class YieldsInsideTryWait(StoreWrapper):
         super().__init__(inner)
         self.clock = clock
         self.yield_point: Any = None
-        self.set_yield = self.take_yield_point
 
-    def take_yield_point(self, callback: Any) -> None:
+    def set_yield(self, callback: Any) -> None:  # type: ignore[override]
         self.yield_point = callback
 
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, Any]:
@@ -317,7 +320,7 @@ async def test_a_store_yield_point_hands_over_only_while_a_slice_is_set(
 ) -> None:
     monkeypatch.setattr(aiokv.worker, "queue", inbox_that_moves(clock))
     store = SharedStore(YieldsInsideTryWait(FakeStore(), clock))
-    for slice_us in (SLICE_US, 0):  # two engines, one after the other, on one store
+    for slice_us in (0, SLICE_US):  # two engines, one after the other, on one store
         clock.log.clear()
         config = aiokv.EngineConfig(
             window_us=10_000_000, max_batch_requests=USERS, store_slice_us=slice_us
@@ -330,7 +333,93 @@ async def test_a_store_yield_point_hands_over_only_while_a_slice_is_set(
             )
             await asyncio.wait_for(asyncio.gather(*fresh), timeout=10)
         answers = clock.log.index("answers")
-        if slice_us:  # the yield point handed over, inside the store's try_wait
+        if slice_us:  # the second engine's yield point replaced the first's, and handed over
             assert clock.log[answers + 1] == "sleep"
-        else:  # the second engine's worker replaced the first's yield point
+        else:
             assert "sleep" not in clock.log
+    # Closed, the engine took its callback back: the store's later calls (its own close,
+    # on any thread) do not sleep on a dead engine's behalf.
+    clock.log.clear()
+    clock.advance(2 * SLICE_US)
+    store.inner.yield_point()
+    assert clock.log == []
+
+
+@pytest.mark.asyncio
+async def test_a_get_that_did_not_block_does_not_restart_the_slice(
+    caches: list[torch.Tensor], clock: FakeTime
+) -> None:
+    # The fake clock stands still while the store thread waits on its (real) inbox, so
+    # to the worker no get ever blocked: the slice runs on across batches, and the third
+    # lookup's 60 µs match is the one that goes past it.
+    store = SlowMatches(small_store(), clock)
+    config = aiokv.EngineConfig(max_batch_requests=1, store_slice_us=SLICE_US)  # a batch each
+    async with aiokv.OffloadEngine(store, caches, config) as engine:
+        for user in range(3):
+            hit = await asyncio.wait_for(engine.lookup(user, PAGE_SIZE), timeout=10)
+            assert hit.cached_tokens == 0
+    assert clock.log == ["get", "get", "sleep", "get"]
+
+
+class YieldsInsidePutMatch(StoreWrapper):
+    """The first put_match fails; the second runs past the slice, calls the yield point,
+    and answers a mask the batch cannot use, so the whole batch fails after it."""
+
+    def __init__(self, inner: Store, clock: FakeTime) -> None:
+        super().__init__(inner)
+        self.clock = clock
+        self.yield_point: Any = None
+        self.matches = 0
+
+    def set_yield(self, callback: Any) -> None:  # type: ignore[override]
+        self.yield_point = callback
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        self.matches += 1
+        if self.matches == 1:
+            raise RuntimeError("this one fails alone")
+        task_id, _ = super().put_match(token_ids, namespace)
+        self.clock.advance(2 * SLICE_US)
+        self.yield_point()
+        return task_id, np.array(True)  # 0-d: the batch's slot selection raises
+
+
+@pytest.mark.asyncio
+async def test_a_yield_point_inside_a_batch_posts_nothing(
+    monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor], clock: FakeTime
+) -> None:
+    # Posting the first request's error at the yield point would take it out of the
+    # batch's outbox, and the batch's failure would then answer it a second time.
+    delivered, delivered_at_sleep = record_deliveries(monkeypatch, clock)
+    store = YieldsInsidePutMatch(small_store(), clock)
+    config = aiokv.EngineConfig(
+        window_us=10_000_000, max_batch_requests=2, store_slice_us=SLICE_US
+    )
+    async with aiokv.OffloadEngine(store, caches, config) as engine:
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(engine.offload(u, torch.arange(2 * u, 2 * u + 2), 2 * PAGE_SIZE)
+                  for u in range(2)),
+                return_exceptions=True,
+            ),
+            timeout=10,
+        )
+    assert delivered_at_sleep == [0]  # the hand-over happened, with nothing sent
+    assert all(isinstance(r, aiokv.StoreError) for r in results)
+    assert len(delivered) == 2 and len({id(r) for r in delivered}) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_hand_over_that_fails_fails_its_batch_not_strands_it(
+    caches: list[torch.Tensor], clock: FakeTime
+) -> None:
+    clock.tick_us = 2 * SLICE_US  # every point is past the slice
+
+    def broken_sleep() -> None:
+        raise RuntimeError("sleep broke")
+
+    clock.on_sleep = broken_sleep
+    config = aiokv.EngineConfig(max_batch_requests=1, store_slice_us=SLICE_US)
+    async with aiokv.OffloadEngine(FakeStore(), caches, config) as engine:
+        with pytest.raises(aiokv.StoreError, match="sleep broke"):
+            await asyncio.wait_for(engine.lookup("u", PAGE_SIZE), timeout=10)

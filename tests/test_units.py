@@ -44,6 +44,8 @@ def test_default_config_file_loads() -> None:
         ({"store": {"ssd_cache_gb": 4}}, "store.ssd_cache_dir"),
         ({"store": {"ssd_cache_dir": 5}}, "store.ssd_cache_dir"),
         ({"store": {"cpu_cache_gb": 10**400}}, "store.cpu_cache_gb"),
+        ({"engine": {"poll_interval_us": 10**400}}, "engine.poll_interval_us"),  # not OverflowError
+        ({"engine": {"window_us": 10**13}}, "engine.window_us"),
         (
             {"store": {"backend": "flexkv", "cpu_cache_gb": 4, "ssd_cache_gb": 2,
                        "ssd_cache_dir": "/tmp"}},

@@ -28,13 +28,15 @@ polling ``try_wait`` every ``poll_interval_us`` (LocalStore does; FlexKV is poll
 Optional: ``store_slice_us``, a store's advice for ``EngineConfig.store_slice_us`` (used
 when the config leaves it None): how long the store thread may run, holding the GIL,
 before it hands it to a waiting event loop. For stores whose calls run Python for long
-(FlexKV: 200); without it, 0.
+(FlexKV: 200); without it (or None), 0.
 
 Optional: a store with ``set_yield(callback)`` calls ``callback()`` at points inside its
 own calls where the store thread may hand the GIL to the event loop (between a long
 stretch of someone else's Python and its own, say), and the callback does so when
 ``EngineConfig.store_slice_us`` is set and used up (FlexKVStore calls it between
-FlexKV's answers and its own fan-out of them).
+FlexKV's answers and its own fan-out of them). The callback is for the store thread
+only, inside the store's calls: each engine passes its own when its store thread
+starts and a no-op when it ends.
 """
 
 from __future__ import annotations

@@ -439,6 +439,7 @@ class FlexKVStore:
                     time.sleep(_POLL_S)
         finally:
             self._closed = True
+            self._yield = _no_yield
             self._shutdown()
 
     # ---- internals -------------------------------------------------------------------
