@@ -64,6 +64,11 @@ def pages(start: int, count: int = 4) -> torch.Tensor:
     return torch.arange(start, start + count)
 
 
+def one_room_rig(caches: list[torch.Tensor], **config: Any) -> Rig:
+    """A rig whose engine has room for one request; later callers wait for room."""
+    return Rig(caches, window_us=0, max_pending=1, overload="wait", **config)
+
+
 @pytest.mark.asyncio
 async def test_caller_cancelled_before_dispatch_is_never_matched(caches: list[torch.Tensor]) -> None:
     rig = Rig(caches, window_us=10_000_000, max_batch_requests=2)
@@ -175,7 +180,7 @@ async def test_overload_reject_answers_at_once(caches: list[torch.Tensor]) -> No
 
 @pytest.mark.asyncio
 async def test_overload_wait_admits_when_room_frees(caches: list[torch.Tensor]) -> None:
-    rig = Rig(caches, window_us=0, max_pending=1, overload="wait")
+    rig = one_room_rig(caches)
     rig.faulty.hold.clear()
     async with rig.engine:
         first = asyncio.ensure_future(rig.engine.offload("a", pages(0), 16))
@@ -357,7 +362,7 @@ async def test_full_store_reports_no_space(caches: list[torch.Tensor]) -> None:
 
 @pytest.mark.asyncio
 async def test_overload_wait_skips_callers_who_left(caches: list[torch.Tensor]) -> None:
-    rig = Rig(caches, window_us=0, max_pending=1, overload="wait")
+    rig = one_room_rig(caches)
     async with rig.engine:
         first = await rig.held_offload("a", pages(0))
         leaver = asyncio.ensure_future(rig.engine.offload("b", pages(4), 16))
@@ -376,7 +381,7 @@ async def test_overload_wait_skips_callers_who_left(caches: list[torch.Tensor]) 
 
 @pytest.mark.asyncio
 async def test_overload_wait_times_out_with_request_timeout(caches: list[torch.Tensor]) -> None:
-    rig = Rig(caches, window_us=0, max_pending=1, overload="wait", request_timeout_ms=50)
+    rig = one_room_rig(caches, request_timeout_ms=50)
     async with rig.engine:
         first = await rig.held_offload("a", pages(0))
         # b waits for room; a's deadline frees it first, then b's own deadline passes
@@ -396,7 +401,7 @@ async def test_overload_wait_times_out_with_request_timeout(caches: list[torch.T
 async def test_a_caller_cancelled_just_after_it_was_given_room_stays_cancelled(
     caches: list[torch.Tensor],
 ) -> None:
-    rig = Rig(caches, window_us=0, max_pending=1, overload="wait", request_timeout_ms=60_000)
+    rig = one_room_rig(caches, request_timeout_ms=60_000)
     async with rig.engine:
         first = await rig.held_offload("a", pages(0))
         second = asyncio.ensure_future(rig.engine.offload("b", pages(4), 16))
@@ -421,7 +426,7 @@ async def test_a_caller_cancelled_just_after_it_was_given_room_stays_cancelled(
 async def test_a_newcomer_does_not_take_the_room_given_to_a_waiter(
     caches: list[torch.Tensor],
 ) -> None:
-    rig = Rig(caches, window_us=0, max_pending=1, overload="wait", request_timeout_ms=0)
+    rig = one_room_rig(caches, request_timeout_ms=0)
     async with rig.engine:
         first = await rig.held_offload("a", pages(0))
         waiter = asyncio.ensure_future(rig.engine.offload("b", pages(4), 16))
@@ -449,7 +454,7 @@ async def test_close_sends_every_caller_waiting_for_room_away(
 ) -> None:
     # Two waiters for one room: each request that finishes wakes one waiter only, so the
     # close itself must wake them all.
-    rig = Rig(caches, window_us=0, max_pending=1, overload="wait", request_timeout_ms=0)
+    rig = one_room_rig(caches, request_timeout_ms=0)
     await rig.engine.start()
     first = await rig.held_offload("a", pages(0))
     waiters = [asyncio.ensure_future(rig.engine.offload(u, pages(4 * i + 4), 16))
