@@ -33,7 +33,24 @@ def _check_int(key: str, value: object, minimum: int) -> None:
     if value < minimum:
         raise ConfigError(key, f"must be >= {minimum}, got {value}")
     if value > MAX_INT:
-        raise ConfigError(key, f"must be <= 10**12, got an integer of {len(str(value))} digits")
+        raise ConfigError(key, f"must be <= {MAX_INT}, got an integer of {len(str(value))} digits")
+
+
+def store_slice_from_advice(advice: object, store_name: str) -> int:
+    """``EngineConfig.store_slice_us`` when the config leaves it None: the store's advice
+    (its ``store_slice_us``; None or absent: 0), held to the config's own rule."""
+    if advice is None:
+        return 0
+    try:
+        _check_int("engine.store_slice_us", advice, 0)
+    except ConfigError as exc:
+        raise ConfigError(
+            "engine.store_slice_us",
+            f"is None, so {store_name}'s advice applies, and it is bad ({exc}); "
+            "set engine.store_slice_us to override it",
+        ) from None
+    assert isinstance(advice, int)
+    return advice
 
 
 def _check_number(key: str, value: object, minimum: float) -> None:

@@ -31,7 +31,7 @@ import torch
 from . import validate
 from .admission import Admission
 from .batcher import Batch, Batcher
-from .config import MAX_INT, EngineConfig
+from .config import EngineConfig, store_slice_from_advice
 from .deadlines import Deadlines
 from .errors import (
     ConfigError,
@@ -531,13 +531,4 @@ def _store_slice_us(config: EngineConfig, store: Store) -> int:
     store's advice, else 0."""
     if config.store_slice_us is not None:
         return config.store_slice_us
-    advice = getattr(store, "store_slice_us", None)
-    if advice is None:
-        return 0
-    if isinstance(advice, bool) or not isinstance(advice, int) or not 0 <= advice <= MAX_INT:
-        raise ConfigError(
-            "engine.store_slice_us",
-            f"is None, so {type(store).__name__}'s advice applies, and it advises "
-            f"{str(advice)[:40]!r} (want an int in [0, 10**12]); set it to override",
-        )
-    return advice
+    return store_slice_from_advice(getattr(store, "store_slice_us", None), type(store).__name__)

@@ -51,7 +51,7 @@ from .requests import (
     ready_events,
 )
 from .slots import FusedPages, fuse_page_ids
-from .stores.base import NoSpace, Store, TaskResult, TaskStatus
+from .stores.base import NoSpace, Store, TaskResult, TaskStatus, no_yield
 
 log = logging.getLogger("aiokv")
 
@@ -220,7 +220,7 @@ class StoreWorker:
         finally:
             self._close_store()
             if callable(set_yield):  # the store outlives this thread: take ours back
-                set_yield(_no_yield)
+                set_yield(no_yield)
 
     def _fail_everything(self, error: StoreError) -> None:
         """After a crash: stop accepting (later batches fail at dispatch, with
@@ -441,7 +441,8 @@ class StoreWorker:
             self._outbox.append((request, outcome))
 
     def _slice_used(self) -> bool:
-        """Whether this thread has run a slice since it last waited."""
+        """Whether this thread has run a slice since it last blocked on its inbox or
+        handed over."""
         return bool(self._slice_s) and time.perf_counter() - self._running_since > self._slice_s
 
     def _yield_if_slice_used(self) -> None:
@@ -516,10 +517,6 @@ class StoreWorker:
         except RuntimeError:
             # The loop is closed: nobody is left to resolve these futures.
             log.warning("event loop closed; dropped %d outcomes", len(drained))
-
-
-def _no_yield() -> None:
-    """A store's yield point once no store thread is behind it."""
 
 
 def _store_error(method: Callable[..., Any], exc: Exception) -> StoreError:

@@ -73,6 +73,10 @@ class TaskResult:
     error: str = ""
 
 
+def no_yield() -> None:
+    """A store's yield point (set_yield) when no store thread is behind it."""
+
+
 class NoSpace(Exception):
     """Raised by ``put_match`` when nothing new can be reserved (store full, all locked)."""
 

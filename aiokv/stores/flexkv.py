@@ -39,7 +39,7 @@ import torch
 
 from ..config import StoreConfig
 from ..errors import ConfigError, StoreError
-from .base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus
+from .base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus, no_yield
 
 log = logging.getLogger("aiokv")
 
@@ -97,7 +97,7 @@ class FlexKVStore:
         # Puts that write something, from match to their terminal answer: FlexKV's put
         # counts their blocks as present while its get does not (see put_match).
         self._writing: dict[int, tuple[tuple[str, ...], Int64Array]] = {}
-        self._yield: Callable[[], None] = _no_yield  # the engine's (set_yield)
+        self._yield: Callable[[], None] = no_yield  # the engine's (set_yield)
         self._closed = False
 
     # ---- setup -----------------------------------------------------------------------
@@ -439,7 +439,7 @@ class FlexKVStore:
                     time.sleep(_POLL_S)
         finally:
             self._closed = True
-            self._yield = _no_yield
+            self._yield = no_yield
             self._shutdown()
 
     # ---- internals -------------------------------------------------------------------
@@ -487,10 +487,6 @@ class FlexKVStore:
             for path in self._socket_files:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-
-
-def _no_yield() -> None:
-    pass
 
 
 def _server_exit_code(manager: Any) -> int | None:
