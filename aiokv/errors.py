@@ -27,6 +27,11 @@ class InvalidRequest(AiokvError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self._message = message
+
+    def __reduce__(self) -> tuple[type[InvalidRequest], tuple[str, str]]:
+        # Rebuilt from both arguments (a store's error crosses from its process).
+        return type(self), (self.field, self._message)
 
 
 class ConfigError(AiokvError, ValueError):
@@ -35,6 +40,11 @@ class ConfigError(AiokvError, ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key = key
+        self._message = message
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
+        # Rebuilt from both arguments (a store's error crosses from its process).
+        return type(self), (self.key, self._message)
 
 
 class Overloaded(AiokvError):
