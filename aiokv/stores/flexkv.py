@@ -31,7 +31,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,66 @@ def flexkv_available() -> str | None:
     except (ImportError, OSError, RuntimeError) as exc:  # incl. c_ext failing to load
         return f"flexkv is not importable: {exc!r}"
     return None
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What FlexKV needs to know of the caches to start, without the caches themselves
+    (a process that does not own them starts it: ProcessStore's child)."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device_index: int
+
+    @classmethod
+    def of(cls, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry:
+        """The geometry of per-layer CUDA caches [pages, 2, page_size, heads, head_dim]."""
+        caches = list(kv_caches)
+        first = caches[0] if caches else None
+        if first is None or first.dim() != 5 or first.shape[1] != 2 or not first.is_cuda:
+            raise ValueError("kv_caches: need CUDA tensors [pages, 2, page_size, heads, head_dim]")
+        if any(
+            c.shape != first.shape
+            or c.dtype != first.dtype
+            or c.device != first.device
+            or not c.is_contiguous()
+            for c in caches
+        ):
+            raise ValueError("kv_caches: all layers need one shape, dtype, device, contiguous")
+        num_pages, _, page_size, heads, head_dim = (int(x) for x in first.shape)
+        return cls(
+            len(caches), num_pages, page_size, heads, head_dim, first.dtype,
+            first.device.index or 0,
+        )
+
+
+def attach_caches(gpu_register_endpoint: str, kv_caches: Sequence[torch.Tensor]) -> Any:
+    """Register the caches with a started FlexKV (``FlexKVStore.gpu_register_endpoint``),
+    from the process that owns them: FlexKV maps them by CUDA IPC. Returns FlexKV's
+    KVTPClient, which must live (with the caches) as long as that FlexKV."""
+    geometry = CacheGeometry.of(kv_caches)
+    _set_env()
+    from flexkv.common.storage import KVCacheLayout, KVCacheLayoutType
+    from flexkv.server.client import KVTPClient
+
+    # LAYERBLOCK = one tensor per layer shaped [block, kv, token, head, dim].
+    layout = KVCacheLayout(
+        type=KVCacheLayoutType.LAYERBLOCK,
+        num_layer=geometry.num_layers,
+        num_block=geometry.num_pages,
+        tokens_per_block=geometry.page_size,
+        num_head=geometry.heads,
+        head_size=geometry.head_dim,
+        kv_dim=2,
+        num_kv_heads=geometry.heads,
+    )
+    client = KVTPClient(gpu_register_endpoint, dp_client_id=0, device_id=geometry.device_index)
+    client.register_to_server(list(kv_caches), layout)
+    return client
 
 
 class FlexKVStore:
@@ -103,25 +163,30 @@ class FlexKVStore:
     # ---- setup -----------------------------------------------------------------------
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Start FlexKV for these caches, register them from this process, wait for ready."""
+        caches = list(kv_caches)
+        geometry = CacheGeometry.of(caches)
+        self.start(geometry)
+        try:
+            self._tp_client = attach_caches(self.gpu_register_endpoint, caches)
+            self._caches = caches
+            self.wait_attached()
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def start(self, geometry: CacheGeometry) -> None:
+        """Start FlexKV's KVManager for caches of this geometry, without the caches: they
+        are registered at ``gpu_register_endpoint`` by whichever process owns them
+        (:func:`attach_caches`), then :meth:`wait_attached`. ProcessStore runs this in its
+        child; :meth:`register` does all three in one process."""
         if self._manager is not None:
             raise RuntimeError("FlexKVStore.register() was already called")
-        caches = list(kv_caches)
-        first = caches[0] if caches else None
-        if first is None or first.dim() != 5 or first.shape[1] != 2 or not first.is_cuda:
-            raise ValueError("kv_caches: need CUDA tensors [pages, 2, page_size, heads, head_dim]")
-        if any(
-            c.shape != first.shape
-            or c.dtype != first.dtype
-            or c.device != first.device
-            or not c.is_contiguous()
-            for c in caches
-        ):
-            raise ValueError("kv_caches: all layers need one shape, dtype, device, contiguous")
-        num_pages, _, page_size, heads, head_dim = (int(x) for x in first.shape)
-        if self._config.page_size is not None and self._config.page_size != page_size:
+        if self._config.page_size is not None and self._config.page_size != geometry.page_size:
             raise ConfigError(
                 "store.page_size",
-                f"{self._config.page_size} does not match the caches' page size {page_size}",
+                f"{self._config.page_size} does not match the caches' page size "
+                f"{geometry.page_size}",
             )
         _set_env()
         from flexkv.common.config import (
@@ -130,18 +195,16 @@ class FlexKVStore:
             RankInfo,
             update_default_config_from_user_config,
         )
-        from flexkv.common.storage import KVCacheLayout, KVCacheLayoutType
         from flexkv.kvmanager import KVManager
-        from flexkv.server.client import KVTPClient
 
         model_config = ModelConfig(
-            num_layers=len(caches),
-            num_kv_heads=heads,
-            head_size=head_dim,
+            num_layers=geometry.num_layers,
+            num_kv_heads=geometry.heads,
+            head_size=geometry.head_dim,
             kv_dim=2,
-            dtype=first.dtype,
+            dtype=geometry.dtype,
         )
-        cache_config = CacheConfig(tokens_per_block=page_size, enable_cpu=True)
+        cache_config = CacheConfig(tokens_per_block=geometry.page_size, enable_cpu=True)
         user_config = self._user_config()
         # FlexKV's own loader turns GiB into explicit block counts (its default
         # num_cpu_blocks would allocate a million blocks) and applies override_* keys.
@@ -157,37 +220,37 @@ class FlexKVStore:
                 os.environ[f"FLEXKV_{key[len('override_') :].upper()}"] = text
         if cache_config.num_cpu_blocks < 1:
             raise ValueError(
-                f"cpu_cache_gb={self._config.cpu_cache_gb} holds no block "
-                f"of {len(caches)}x2x{page_size}x{heads}x{head_dim} {first.dtype}"
+                f"cpu_cache_gb={self._config.cpu_cache_gb} holds no block of "
+                f"{geometry.num_layers}x2x{geometry.page_size}x{geometry.heads}x"
+                f"{geometry.head_dim} {geometry.dtype}"
             )
         manager = KVManager(
             model_config,
             cache_config,
             server_recv_port=self._endpoint,
-            gpu_register_port=f"{self._endpoint}_gpu_register",
+            gpu_register_port=self.gpu_register_endpoint,
         )
         manager.start()
-        self._manager, self._caches, self.page_size = manager, caches, page_size
+        self._manager, self.page_size = manager, geometry.page_size
+
+    def wait_attached(self) -> None:
+        """Wait (ready_timeout_s) until FlexKV has the caches and is ready; shut it down
+        and raise StoreError if it does not get there."""
         try:
-            # LAYERBLOCK = one tensor per layer shaped [block, kv, token, head, dim].
-            layout = KVCacheLayout(
-                type=KVCacheLayoutType.LAYERBLOCK,
-                num_layer=len(caches),
-                num_block=num_pages,
-                tokens_per_block=page_size,
-                num_head=heads,
-                head_size=head_dim,
-                kv_dim=2,
-                num_kv_heads=heads,
-            )
-            self._tp_client = KVTPClient(
-                f"{self._endpoint}_gpu_register", dp_client_id=0, device_id=first.device.index or 0
-            )
-            self._tp_client.register_to_server(caches, layout)
-            self._wait_ready(manager)
+            self._wait_ready(self._live())
         except BaseException:
             self._shutdown()
             raise
+
+    @property
+    def gpu_register_endpoint(self) -> str:
+        """Where :func:`attach_caches` registers the caches with this store's FlexKV."""
+        return f"{self._endpoint}_gpu_register"
+
+    @property
+    def socket_files(self) -> list[str]:
+        """The IPC socket files this store's FlexKV creates (removed at close)."""
+        return list(self._socket_files)
 
     def _wait_ready(self, manager: Any) -> None:
         deadline = time.monotonic() + self._ready_timeout_s
