@@ -16,6 +16,7 @@ from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
 from .stores.base import Store, TaskResult, TaskStatus
 from .stores.local import LocalStore
+from .stores.process import ProcessStore
 
 
 def __getattr__(name: str) -> object:
@@ -44,6 +45,7 @@ __all__ = [
     "OffloadEngine",
     "OffloadResult",
     "Overloaded",
+    "ProcessStore",
     "RequestTimeout",
     "Store",
     "StoreConfig",

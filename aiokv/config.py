@@ -126,6 +126,11 @@ class StoreConfig:
     cpu_cache_gb: host memory for KV blocks, in GiB.
     ssd_cache_gb / ssd_cache_dir: SSD tier (FlexKV only; the local store has none yet).
     flexkv: FlexKV's own user-config keys, passed through its loaders.
+    own_process: run the store in a child process of its own (:class:`ProcessStore`), so
+        that its Python never holds this process's GIL against the event loop; the caches
+        stay here and reach it by CUDA IPC (or shared memory). Each store call becomes a
+        round trip. Off by default: on the H200 with FlexKV it turned the loop's worst
+        waits into the loop's own work, but its throughput varied more (README).
     """
 
     backend: Backend = "local"
@@ -134,6 +139,7 @@ class StoreConfig:
     ssd_cache_gb: float = 0.0
     ssd_cache_dir: str | None = None
     flexkv: Mapping[str, Any] = field(default_factory=dict)
+    own_process: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("store.backend", self.backend, ("local", "flexkv"))
@@ -161,6 +167,10 @@ class StoreConfig:
             )
         if not isinstance(self.flexkv, Mapping):
             raise ConfigError("store.flexkv", f"must be a mapping, got {self.flexkv!r}")
+        if not isinstance(self.own_process, bool):
+            raise ConfigError(
+                "store.own_process", f"must be true or false, got {self.own_process!r}"
+            )
 
 
 def _build(cls: type[Any], section: str, raw: object) -> Any:

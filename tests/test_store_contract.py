@@ -23,27 +23,26 @@ LAYERS, PAGES, HEADS, DIM = 2, 128, 2, 64
 
 
 def _params() -> list[object]:
+    """(backend, device, own_process): each store in this process and in a child of its
+    own (ProcessStore)."""
     cuda = torch.cuda.is_available()
     flexkv_reason = flexkv_available()
+    no_cuda = pytest.mark.skipif(not cuda, reason="no CUDA device")
+    no_flexkv = pytest.mark.skipif(
+        flexkv_reason is not None, reason=f"FlexKV not usable: {flexkv_reason}"
+    )
     return [
-        pytest.param(("local", "cpu"), id="local-cpu"),
-        pytest.param(
-            ("local", "cuda"),
-            id="local-cuda",
-            marks=pytest.mark.skipif(not cuda, reason="no CUDA device"),
-        ),
-        pytest.param(
-            ("flexkv", "cuda"),
-            id="flexkv",
-            marks=pytest.mark.skipif(
-                flexkv_reason is not None, reason=f"FlexKV not usable: {flexkv_reason}"
-            ),
-        ),
+        pytest.param(("local", "cpu", False), id="local-cpu"),
+        pytest.param(("local", "cpu", True), id="local-cpu-process"),
+        pytest.param(("local", "cuda", False), id="local-cuda", marks=no_cuda),
+        pytest.param(("local", "cuda", True), id="local-cuda-process", marks=no_cuda),
+        pytest.param(("flexkv", "cuda", False), id="flexkv", marks=no_flexkv),
+        pytest.param(("flexkv", "cuda", True), id="flexkv-process", marks=no_flexkv),
     ]
 
 
 class Bench:
-    def __init__(self, backend: str, device: str) -> None:
+    def __init__(self, backend: str, device: str, own_process: bool) -> None:
         generator = torch.Generator(device=device).manual_seed(1)
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         self.caches = [
@@ -51,7 +50,12 @@ class Bench:
             for _ in range(LAYERS)
         ]
         self.original = [c.clone() for c in self.caches]
-        config = aiokv.StoreConfig(backend=backend, page_size=PAGE, cpu_cache_gb=0.25)  # type: ignore[arg-type]
+        config = aiokv.StoreConfig(
+            backend=backend,  # type: ignore[arg-type]
+            page_size=PAGE,
+            cpu_cache_gb=0.25,
+            own_process=own_process,
+        )
         self.store = aiokv.stores.make_store(config)
 
     def slots(self, pages: list[int], mask: np.ndarray) -> np.ndarray:
@@ -79,8 +83,7 @@ class Bench:
 
 @pytest.fixture(params=_params())
 def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
-    backend, device = request.param
-    b = Bench(backend, device)
+    b = Bench(*request.param)
     b.store.register(b.caches)
     yield b
     b.store.close()
@@ -168,8 +171,7 @@ def test_one_launch_of_several_tasks_answers_each_id_once(bench: Bench) -> None:
 
 @pytest.fixture(params=_params())
 def unregistered(request: pytest.FixtureRequest) -> Bench:
-    backend, device = request.param
-    return Bench(backend, device)
+    return Bench(*request.param)
 
 
 @pytest.mark.asyncio

@@ -52,6 +52,7 @@ def test_default_config_file_loads() -> None:
             "store.ssd_cache_gb",
         ),
         ({"stor": {}}, "stor"),
+        ({"store": {"own_process": "yes"}}, "store.own_process"),
     ],
 )
 def test_bad_config_names_the_key(document: object, key: str) -> None:

@@ -6,13 +6,25 @@ from ..config import StoreConfig
 from ..errors import ConfigError
 from .base import NoSpace, Store, TaskResult, TaskStatus
 from .local import LocalStore
+from .process import ProcessStore
 
 
 def make_store(config: StoreConfig) -> Store:
-    """The store ``config.backend`` names. FlexKV is imported only when asked for."""
+    """The store ``config.backend`` names, in a child process of its own where
+    ``config.own_process`` says so. FlexKV is imported only when asked for."""
+    if config.backend == "flexkv":
+        _check_flexkv()
+    if config.own_process:
+        return ProcessStore(config)
     if config.backend == "local":
         return LocalStore(config)
-    from .flexkv import FlexKVStore, flexkv_available
+    from .flexkv import FlexKVStore
+
+    return FlexKVStore(config)
+
+
+def _check_flexkv() -> None:
+    from .flexkv import flexkv_available
 
     reason = flexkv_available()
     if reason is not None:
@@ -22,7 +34,14 @@ def make_store(config: StoreConfig) -> Store:
             "source (github.com/taco-project/FlexKV, needs nvcc and a CUDA GPU) and "
             "`pip install` it into this environment, or use backend: local",
         )
-    return FlexKVStore(config)
 
 
-__all__ = ["LocalStore", "NoSpace", "Store", "TaskResult", "TaskStatus", "make_store"]
+__all__ = [
+    "LocalStore",
+    "NoSpace",
+    "ProcessStore",
+    "Store",
+    "TaskResult",
+    "TaskStatus",
+    "make_store",
+]

@@ -1,0 +1,308 @@
+"""ProcessStore: any store, run in a child process of its own and called over a socket.
+
+Why: FlexKV runs Python for up to a millisecond per call at 32 tasks (a finished batch's
+answers, a batch's launch; its first eviction, about 50 ms), holding the GIL of the process
+it runs in. In the event loop's process each such call is a stall of the loop, which no
+hand-over between calls can split (the README's FlexKV results). In a child, that Python
+holds the child's GIL. This process keeps the store thread's part of each call: one
+message out, one back, and the wait between them without the GIL.
+
+How:
+
+- The child is ``python -m aiokv.stores.child`` (:mod:`aiokv.stores.child`), a plain
+  subprocess: it does not re-import the program's ``__main__`` (as multiprocessing's spawn
+  would), and no exit hook of multiprocessing waits for it. It builds the store from the
+  same :class:`StoreConfig`, with ``own_process=False``.
+- The caches stay in this process. FlexKV's are registered from here (their owner) by
+  CUDA IPC once the child has started FlexKV (:func:`~aiokv.stores.flexkv.attach_caches`);
+  other stores get them as tensors through torch's multiprocessing reductions (shared
+  memory for CPU tensors, CUDA IPC for GPU ones).
+- Each call is one request and one reply, in order, on one socket. Terminal answers
+  travel packed (one array for all masks), so that unpacking a batch's 32 answers here
+  costs microseconds rather than 32 unpicklings of a dataclass and an array.
+- A store's exception travels back and is raised here as itself (with a note naming
+  the child) where it pickles, else as StoreError naming it. If the child dies, this call
+  and every later one raise StoreError with its exit code: the engine fails what it had
+  launched, as after a crash of its store thread. If this process dies, the child sees
+  the socket close and closes its store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing  # registers tensor reductions for Connection.send
+
+from ..config import StoreConfig
+from ..errors import StoreError
+from .base import BoolArray, Int64Array, TaskResult, TaskStatus
+
+log = logging.getLogger("aiokv")
+
+_ALIVE_CHECK_MS = 1000  # while a reply is awaited, check this often that the child lives
+_CLOSE_TIMEOUT_S = 180.0  # the child's close waits for launched copies (FlexKV: 60 s+)
+_EXIT_TIMEOUT_S = 10.0  # after its close, the child exits in this time or is killed
+_STATUSES = tuple(TaskStatus)
+_STATUS_INDEX = {status: index for index, status in enumerate(_STATUSES)}
+_NO_MASKS: BoolArray = np.zeros(0, dtype=np.bool_)
+
+# What crosses the socket: (ids, status indices, errors, all masks joined, mask lengths
+# with -1 for None).
+PackedResults = tuple[list[int], list[int], list[str], BoolArray, list[int]]
+
+
+def pack_results(results: dict[int, TaskResult]) -> PackedResults:
+    answers = list(results.values())
+    masks = [r.mask for r in answers if r.mask is not None]
+    return (
+        list(results),
+        [_STATUS_INDEX[r.status] for r in answers],
+        [r.error for r in answers],
+        np.concatenate(masks) if masks else _NO_MASKS,
+        [-1 if r.mask is None else len(r.mask) for r in answers],
+    )
+
+
+def unpack_results(packed: PackedResults) -> dict[int, TaskResult]:
+    ids, statuses, errors, masks, lengths = packed
+    out: dict[int, TaskResult] = {}
+    start = 0
+    for task_id, status, error, length in zip(ids, statuses, errors, lengths, strict=True):
+        mask = None
+        if length >= 0:
+            mask = masks[start : start + length]
+            start += length
+        out[task_id] = TaskResult(_STATUSES[status], mask, error)
+    return out
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a StoreError that names it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return StoreError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+class ProcessStore:
+    """The store ``config`` names (``own_process`` aside), run in a child process.
+
+    ``ProcessStore(StoreConfig(backend="flexkv", ...))``; :func:`~aiokv.stores.make_store`
+    returns one where ``StoreConfig.own_process`` says so (by default for FlexKV). The
+    child starts in ``register`` and ends in ``close``.
+    """
+
+    def __init__(self, config: StoreConfig, *, start_timeout_s: float = 300.0) -> None:
+        self._config = replace(config, own_process=False)  # what the child builds
+        self._start_timeout_s = start_timeout_s
+        self.page_size: int = config.page_size or 0  # the child's, once registered
+        self._process: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._poller = select.poll()
+        # The caches, and FlexKV's registration client: alive as long as the child maps them.
+        self._keep: list[Any] = []
+        self._socket_files: list[str] = []  # FlexKV's, removed here should the child die
+        self._broken: str | None = None  # why the child can no longer be called
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before register)."""
+        return None if self._process is None else self._process.pid
+
+    # ---- setup -----------------------------------------------------------------------
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        if self._process is not None or self._closed:
+            raise RuntimeError("ProcessStore.register() was already called")
+        caches = list(kv_caches)
+        flexkv = self._config.backend == "flexkv"
+        payload: object = caches
+        if flexkv:  # FlexKV maps the caches itself, registered from here (attach below)
+            from .flexkv import CacheGeometry, attach_caches
+
+            payload = CacheGeometry.of(caches)
+        conn = self._spawn()
+        try:
+            # The child unpickles shared CPU tensors through this process's resource
+            # sharer, which admits processes with its key only.
+            conn.send_bytes(bytes(multiprocessing.current_process().authkey))
+            conn.send((self._config, payload))
+            deadline = time.monotonic() + self._start_timeout_s
+            while True:
+                kind, value = self._receive(deadline)
+                if kind == "attach" and flexkv:
+                    endpoint, self._socket_files = value
+                    try:
+                        self._keep.append(attach_caches(endpoint, caches))
+                    except Exception as exc:
+                        with contextlib.suppress(OSError):
+                            conn.send((False, portable(exc)))
+                        raise
+                    conn.send((True, None))
+                elif kind == "ready":
+                    self.page_size = int(value)
+                    break
+                elif kind == "failed":
+                    raise self._from_child(value)
+                else:
+                    raise StoreError(f"the store process sent {kind!r} during registration")
+            self._keep.append(caches)
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def _spawn(self) -> Connection:
+        here, theirs = socket.socketpair()
+        # The child imports aiokv as this process does, wherever that came from.
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [package_root, *filter(None, [env.get("PYTHONPATH")])]
+        )
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "aiokv.stores.child", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                env=env,
+            )
+        finally:
+            theirs.close()
+        self._conn = Connection(here.detach())
+        self._poller.register(self._conn.fileno(), select.POLLIN)
+        return self._conn
+
+    # ---- Store protocol --------------------------------------------------------------
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
+        matched: tuple[int, BoolArray] = self._call("put_match", (tokens, tuple(namespace)))
+        return matched
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
+        matched: tuple[int, BoolArray] = self._call("get_match", (tokens, tuple(namespace)))
+        return matched
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+        if len(task_ids) != len(slot_mappings):
+            raise ValueError(f"{len(task_ids)} task ids but {len(slot_mappings)} slot mappings")
+        arrays = [np.ascontiguousarray(s, dtype=np.int64) for s in slot_mappings]
+        for index, array in enumerate(arrays):
+            if array.ndim != 1:
+                raise ValueError(f"slot_mappings[{index}]: need 1-D, got shape {array.shape}")
+        # One array on the wire (the child splits it back into views).
+        joined = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        self._call("launch", (list(task_ids), [len(a) for a in arrays], joined))
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        self._call("cancel", list(task_ids))
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        if not task_ids:
+            return {}
+        packed: PackedResults = self._call("try_wait", list(task_ids))
+        return unpack_results(packed)
+
+    def close(self) -> None:
+        """Close the child's store (it waits for launched copies), then end the child."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._conn is not None and self._broken is None:
+                try:
+                    self._conn.send(("close", None))
+                    ok, value = self._receive(time.monotonic() + _CLOSE_TIMEOUT_S)
+                    if not ok:
+                        log.error("aiokv: the store process failed to close its store: %r", value)
+                except (OSError, StoreError):
+                    log.exception("aiokv: the store process did not close cleanly")
+        finally:
+            self._shutdown()
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _call(self, op: str, args: object) -> Any:
+        conn = self._conn
+        if conn is None or self._closed:
+            raise RuntimeError("ProcessStore is closed or not registered")
+        if self._broken is not None:
+            raise StoreError(self._broken)
+        try:
+            conn.send((op, args))
+        except OSError as exc:  # the child is gone
+            raise self._lost() from exc
+        ok, value = self._receive(None)
+        if ok:
+            return value
+        raise self._from_child(value)
+
+    def _receive(self, deadline: float | None) -> Any:
+        """The child's next message. Waits without the GIL (one poll syscall), checking
+        now and then that the child lives."""
+        conn, process = self._conn, self._process
+        assert conn is not None and process is not None
+        while not self._poller.poll(_ALIVE_CHECK_MS):
+            if process.poll() is not None:
+                raise self._lost()
+            if deadline is not None and time.monotonic() > deadline:
+                self._broken = f"the store process (pid {process.pid}) did not answer in time"
+                raise StoreError(self._broken)
+        try:
+            return conn.recv()
+        except (EOFError, OSError) as exc:
+            raise self._lost() from exc
+
+    def _lost(self) -> StoreError:
+        """The child is gone (or going): this and every later call fail with its code."""
+        assert self._process is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=1.0)
+        code = self._process.returncode
+        how = "is not answering" if code is None else f"exited with code {code}"
+        self._broken = f"the store process (pid {self._process.pid}) {how}"
+        return StoreError(self._broken)
+
+    def _from_child(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, BaseException):
+            exc.add_note(f"raised in the store process (pid {self.pid})")
+            return exc
+        return StoreError(f"the store process answered {exc!r}")
+
+    def _shutdown(self) -> None:
+        """End the child (closing the socket ends one that is still serving), then drop
+        what it mapped."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._poller.unregister(conn.fileno())
+            conn.close()
+        process = self._process
+        if process is not None and process.poll() is None:
+            try:
+                process.wait(timeout=_EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.error("aiokv: the store process (pid %d) did not exit; killing it", process.pid)
+                process.kill()
+                process.wait()
+        for path in self._socket_files:  # left behind by a child that died
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._keep.clear()

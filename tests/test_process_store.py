@@ -1,0 +1,165 @@
+"""ProcessStore: a store in a child process of its own, what crosses the socket, and what
+happens when either side dies. (The Store contract itself runs on it in
+test_store_contract.py, as local-cpu-process here and flexkv-process on a GPU.)"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import PAGE_SIZE, make_caches
+
+import aiokv
+from aiokv.stores import NoSpace, ProcessStore, make_store
+from aiokv.stores.process import pack_results, portable, unpack_results
+
+# LocalStore blocks of conftest's caches: 2 layers x 2 x 4 tokens x 2 heads x 8 float32.
+BLOCK_BYTES = 2 * 2 * PAGE_SIZE * 2 * 8 * 4
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie not yet reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_answers_cross_packed_and_come_back_equal() -> None:
+    results = {
+        7: aiokv.TaskResult(aiokv.TaskStatus.SUCCESS, np.array([True, False, True])),
+        3: aiokv.TaskResult(aiokv.TaskStatus.FAILED, None, "copy failed"),
+        9: aiokv.TaskResult(aiokv.TaskStatus.CANCELLED, np.zeros(0, dtype=np.bool_)),
+        4: aiokv.TaskResult(aiokv.TaskStatus.SUCCESS, np.array([False, True])),
+    }
+    back = unpack_results(pickle.loads(pickle.dumps(pack_results(results))))
+    assert list(back) == list(results)
+    for task_id, result in results.items():
+        got = back[task_id]
+        assert (got.status, got.error) == (result.status, result.error)
+        if result.mask is None:
+            assert got.mask is None
+        else:
+            assert got.mask is not None and got.mask.tolist() == result.mask.tolist()
+    assert unpack_results(pack_results({})) == {}
+
+
+def test_an_error_that_does_not_pickle_crosses_as_a_store_error_naming_it() -> None:
+    class Unpicklable(Exception):
+        def __init__(self) -> None:
+            super().__init__("the store broke")
+            self.lock = __import__("threading").Lock()
+
+    crossed = portable(Unpicklable())
+    assert isinstance(crossed, aiokv.StoreError)
+    assert "Unpicklable" in str(crossed) and "the store broke" in str(crossed)
+    kept = ValueError("bad slots")
+    assert portable(kept) is kept
+
+
+def test_aiokv_errors_keep_their_field_across_processes() -> None:
+    config_error = pickle.loads(pickle.dumps(aiokv.ConfigError("store.page_size", "8 != 4")))
+    assert config_error.key == "store.page_size" and str(config_error) == "store.page_size: 8 != 4"
+    invalid = pickle.loads(pickle.dumps(aiokv.InvalidRequest("page_ids", "too short")))
+    assert invalid.field == "page_ids" and str(invalid) == "page_ids: too short"
+
+
+def test_launch_arguments_are_checked_before_they_travel() -> None:
+    store = ProcessStore(aiokv.StoreConfig())  # not registered: no child
+    with pytest.raises(ValueError, match="2 task ids but 1 slot mappings"):
+        store.launch([1, 2], [np.arange(4)])
+    with pytest.raises(ValueError, match=r"slot_mappings\[0\]: need 1-D"):
+        store.launch([1], [np.zeros((2, 2), dtype=np.int64)])
+    with pytest.raises(RuntimeError, match="closed or not registered"):  # well-formed: sent
+        store.launch([1], [np.arange(4)])
+
+
+def test_make_store_runs_the_configured_store_in_its_own_process_when_asked() -> None:
+    assert isinstance(make_store(aiokv.StoreConfig(own_process=True)), ProcessStore)
+    assert isinstance(make_store(aiokv.StoreConfig()), aiokv.LocalStore)
+
+
+def test_the_child_store_errors_come_back_as_themselves() -> None:
+    caches = make_caches()
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=2 * BLOCK_BYTES / 2**30))
+    store.register(caches)
+    pid = store.pid
+    assert pid is not None and pid != os.getpid() and store.page_size == PAGE_SIZE
+    tokens = np.arange(3 * PAGE_SIZE, dtype=np.int64)
+    with pytest.raises(NoSpace) as full:  # 3 new pages, 2 blocks
+        store.put_match(tokens, ["big"])
+    assert f"raised in the store process (pid {pid})" in full.value.__notes__
+    with pytest.raises(ValueError, match="not a matched"):
+        store.launch([12345], [np.arange(PAGE_SIZE, dtype=np.int64)])
+    # The child still serves after its errors.
+    task, mask = store.put_match(tokens[: 2 * PAGE_SIZE], ["fits"])
+    assert mask.all()
+    store.cancel([task])
+    store.close()
+    store.close()  # twice is fine
+    assert _gone(pid)
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put_match(tokens, ["late"])
+    with pytest.raises(RuntimeError, match="already called"):
+        store.register(caches)
+
+
+def test_a_child_that_cannot_register_raises_its_error_here_and_exits() -> None:
+    store = ProcessStore(aiokv.StoreConfig(page_size=2 * PAGE_SIZE))
+    with pytest.raises(aiokv.ConfigError) as caught:
+        store.register(make_caches())
+    assert caught.value.key == "store.page_size"
+    assert store.pid is not None and _gone(store.pid)
+    store.close()
+
+
+@pytest.mark.asyncio
+async def test_when_the_child_dies_callers_get_its_exit_code_not_a_hang() -> None:
+    caches = make_caches()
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))
+    async with engine:
+        stored = await engine.offload("a", torch.arange(4), 4 * PAGE_SIZE)
+        assert stored.stored_tokens == 4 * PAGE_SIZE
+        assert store.pid is not None
+        os.kill(store.pid, signal.SIGKILL)
+        for user in ("b", "c"):  # the first call finds it dead; the next is told at once
+            with pytest.raises(aiokv.StoreError, match="exited with code -9"):
+                await engine.offload(user, torch.arange(4, 8), 4 * PAGE_SIZE)
+        assert engine.stats().pending == 0
+    assert engine.stats().failed == 2
+
+
+def test_the_child_closes_its_store_and_exits_when_this_process_dies(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import aiokv
+        from conftest import make_caches
+        store = aiokv.ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+        store.register(make_caches())
+        with open({str(pid_file)!r}, "w") as f:
+            f.write(str(store.pid))
+        os._exit(0)  # no close, no exit hooks: as a crash
+        """
+    )
+    # No pipes: the store's child inherits this script's stdout, and a pipe would make
+    # run() wait for the child too.
+    subprocess.run([sys.executable, "-c", script], timeout=120, check=True)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 60
+    while not _gone(child):
+        assert time.monotonic() < deadline, f"store process {child} outlived its parent"
+        time.sleep(0.05)
