@@ -98,7 +98,8 @@ def test_the_child_store_errors_come_back_as_themselves() -> None:
     tokens = np.arange(3 * PAGE_SIZE, dtype=np.int64)
     with pytest.raises(NoSpace) as full:  # 3 new pages, 2 blocks
         store.put_match(tokens, ["big"])
-    assert f"raised in the store process (pid {pid})" in full.value.__notes__
+    if sys.version_info >= (3, 11):  # exception notes
+        assert f"raised in the store process (pid {pid})" in full.value.__notes__
     with pytest.raises(ValueError, match="not a matched"):
         store.launch([12345], [np.arange(PAGE_SIZE, dtype=np.int64)])
     # The child still serves after its errors.
@@ -163,3 +164,31 @@ def test_the_child_closes_its_store_and_exits_when_this_process_dies(tmp_path: P
     while not _gone(child):
         assert time.monotonic() < deadline, f"store process {child} outlived its parent"
         time.sleep(0.05)
+
+
+def test_the_child_imports_this_aiokv_not_one_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if sys.version_info < (3, 11):
+        pytest.skip("python -P (no working directory on sys.path) is 3.11+")
+    impostor = tmp_path / "aiokv"
+    impostor.mkdir()
+    (impostor / "__init__.py").write_text("raise ImportError('the impostor was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register(make_caches())
+    store.close()
+
+
+def test_the_child_finds_aiokv_where_this_process_did(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokv.stores import process
+
+    root = os.path.realpath(os.path.dirname(os.path.dirname(aiokv.__file__)))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    # A checkout: its root goes first on the child's path.
+    monkeypatch.setattr(process.site, "getsitepackages", lambda: ["/nowhere"])
+    assert process._child_env()["PYTHONPATH"] == os.pathsep.join([root, "/elsewhere"])
+    # An installed aiokv: the child's interpreter finds it; PYTHONPATH stays as it was
+    # (a site directory there would come before the standard library).
+    monkeypatch.setattr(process.site, "getsitepackages", lambda: [root])
+    assert process._child_env()["PYTHONPATH"] == "/elsewhere"

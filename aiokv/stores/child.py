@@ -1,7 +1,7 @@
 """The child side of :class:`~aiokv.stores.process.ProcessStore`.
 
 ``python -m aiokv.stores.child FD``: FD is this end of the socket. The parent sends its
-multiprocessing key (raw bytes), then ``(StoreConfig, caches or CacheGeometry)``. The child
+multiprocessing key (bytes), then ``(StoreConfig, caches or CacheGeometry)``. The child
 builds the store, registers it (FlexKV: starts it, asks the parent to attach the caches,
 waits for ready) and answers ``("ready", page_size)`` or ``("failed", exception)``. Then
 it serves ``(op, args)`` requests one at a time, answering ``(True, value)`` or ``(False,
@@ -66,7 +66,7 @@ def _register(store: Store, payload: Any, conn: Connection) -> None:
 
 
 def serve(conn: Connection) -> int:
-    multiprocessing.current_process().authkey = conn.recv_bytes()
+    multiprocessing.current_process().authkey = conn.recv()
     config, payload = conn.recv()
     store = make_store(config)
     try:

@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import pickle
 import select
+import site
 import socket
 import subprocess
 import sys
@@ -91,6 +92,23 @@ def unpack_results(packed: PackedResults) -> dict[int, TaskResult]:
     return out
 
 
+# -P (3.11+): the child's sys.path does not start with the working directory, where a
+# checkout of another aiokv (or of anything else) would shadow this one.
+_SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with aiokv's root on PYTHONPATH where the child would not find
+    it by itself (a checkout on sys.path). Not where it is a site directory: entries of
+    PYTHONPATH come before the standard library, which a site directory must not."""
+    env = dict(os.environ)
+    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    site_dirs = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root not in site_dirs:
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def portable(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling, else a StoreError that names it."""
     try:
@@ -142,8 +160,8 @@ class ProcessStore:
         try:
             # The child unpickles shared CPU tensors through this process's resource
             # sharer, which admits processes with its key only.
-            conn.send_bytes(bytes(multiprocessing.current_process().authkey))
-            conn.send((self._config, payload))
+            self._send(bytes(multiprocessing.current_process().authkey))
+            self._send((self._config, payload))
             deadline = time.monotonic() + self._start_timeout_s
             while True:
                 kind, value = self._receive(deadline)
@@ -155,7 +173,7 @@ class ProcessStore:
                         with contextlib.suppress(OSError):
                             conn.send((False, portable(exc)))
                         raise
-                    conn.send((True, None))
+                    self._send((True, None))
                 elif kind == "ready":
                     self.page_size = int(value)
                     break
@@ -170,17 +188,11 @@ class ProcessStore:
 
     def _spawn(self) -> Connection:
         here, theirs = socket.socketpair()
-        # The child imports aiokv as this process does, wherever that came from.
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [package_root, *filter(None, [env.get("PYTHONPATH")])]
-        )
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "aiokv.stores.child", str(theirs.fileno())],
+                [sys.executable, *_SAFE_PATH, "-m", "aiokv.stores.child", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
-                env=env,
+                env=_child_env(),
             )
         finally:
             theirs.close()
@@ -228,7 +240,7 @@ class ProcessStore:
         try:
             if self._conn is not None and self._broken is None:
                 try:
-                    self._conn.send(("close", None))
+                    self._send(("close", None))
                     ok, value = self._receive(time.monotonic() + _CLOSE_TIMEOUT_S)
                     if not ok:
                         log.error("aiokv: the store process failed to close its store: %r", value)
@@ -245,14 +257,19 @@ class ProcessStore:
             raise RuntimeError("ProcessStore is closed or not registered")
         if self._broken is not None:
             raise StoreError(self._broken)
-        try:
-            conn.send((op, args))
-        except OSError as exc:  # the child is gone
-            raise self._lost() from exc
+        self._send((op, args))
         ok, value = self._receive(None)
         if ok:
             return value
         raise self._from_child(value)
+
+    def _send(self, message: object) -> None:
+        conn = self._conn
+        assert conn is not None
+        try:
+            conn.send(message)
+        except OSError as exc:  # the child is gone
+            raise self._lost() from exc
 
     def _receive(self, deadline: float | None) -> Any:
         """The child's next message. Waits without the GIL (one poll syscall), checking
@@ -282,7 +299,9 @@ class ProcessStore:
 
     def _from_child(self, exc: BaseException) -> BaseException:
         if isinstance(exc, BaseException):
-            exc.add_note(f"raised in the store process (pid {self.pid})")
+            add_note = getattr(exc, "add_note", None)  # Python 3.11+
+            if add_note is not None:
+                add_note(f"raised in the store process (pid {self.pid})")
             return exc
         return StoreError(f"the store process answered {exc!r}")
 
