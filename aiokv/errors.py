@@ -29,9 +29,10 @@ class InvalidRequest(AiokvError, ValueError):
         self.field = field
         self._message = message
 
-    def __reduce__(self) -> tuple[type[InvalidRequest], tuple[str, str]]:
-        # Rebuilt from both arguments (a store's error crosses from its process).
-        return type(self), (self.field, self._message)
+    def __reduce__(self) -> tuple[type[InvalidRequest], tuple[str, str], dict[str, object]]:
+        # Rebuilt from both arguments (a store's error crosses from its process), with
+        # its attributes (exception notes among them).
+        return type(self), (self.field, self._message), self.__dict__
 
 
 class ConfigError(AiokvError, ValueError):
@@ -42,9 +43,10 @@ class ConfigError(AiokvError, ValueError):
         self.key = key
         self._message = message
 
-    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
-        # Rebuilt from both arguments (a store's error crosses from its process).
-        return type(self), (self.key, self._message)
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str], dict[str, object]]:
+        # Rebuilt from both arguments (a store's error crosses from its process), with
+        # its attributes (exception notes among them).
+        return type(self), (self.key, self._message), self.__dict__
 
 
 class Overloaded(AiokvError):

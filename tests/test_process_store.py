@@ -72,6 +72,9 @@ def test_aiokv_errors_keep_their_field_across_processes() -> None:
     assert config_error.key == "store.page_size" and str(config_error) == "store.page_size: 8 != 4"
     invalid = pickle.loads(pickle.dumps(aiokv.InvalidRequest("page_ids", "too short")))
     assert invalid.field == "page_ids" and str(invalid) == "page_ids: too short"
+    noted = aiokv.ConfigError("store.backend", "no")
+    noted.where = "the store process"  # type: ignore[attr-defined]
+    assert pickle.loads(pickle.dumps(noted)).where == "the store process"
 
 
 def test_launch_arguments_are_checked_before_they_travel() -> None:
@@ -192,3 +195,114 @@ def test_the_child_finds_aiokv_where_this_process_did(monkeypatch: pytest.Monkey
     # (a site directory there would come before the standard library).
     monkeypatch.setattr(process.site, "getsitepackages", lambda: [root])
     assert process._child_env()["PYTHONPATH"] == "/elsewhere"
+
+
+def test_the_child_has_a_session_of_its_own_so_ctrl_c_here_does_not_end_it() -> None:
+    # A Ctrl-C goes to the terminal's whole process group; the engine drains through
+    # the child after it, so the child must not be in that group.
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register(make_caches())
+    try:
+        assert store.pid is not None and os.getpgid(store.pid) != os.getpgid(0)
+    finally:
+        store.close()
+
+
+def test_an_interrupted_call_breaks_the_store_rather_than_shift_every_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register(make_caches())
+    real_receive = store._receive
+
+    def interrupted(deadline: float | None) -> object:
+        raise KeyboardInterrupt  # after the request went out, before its answer is read
+
+    monkeypatch.setattr(store, "_receive", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["put"])
+    monkeypatch.setattr(store, "_receive", real_receive)
+    # The put's answer is still on the socket: a get must not take it for its own.
+    with pytest.raises(aiokv.StoreError, match="interrupted"):
+        store.get_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["nothing here"])
+    store.close()
+    assert store.pid is not None and _gone(store.pid)
+
+
+def test_a_child_that_cannot_build_its_store_says_why() -> None:
+    store = ProcessStore(aiokv.StoreConfig())
+    # Past StoreConfig's own checks, as a config only the child's store rejects.
+    object.__setattr__(store._config, "ssd_cache_gb", 1.0)
+    with pytest.raises(aiokv.ConfigError) as caught:
+        store.register(make_caches())
+    assert caught.value.key == "store.ssd_cache_gb"
+    store.close()
+
+
+def test_close_from_another_thread_waits_for_the_call_in_flight() -> None:
+    import threading
+
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register(make_caches())
+    assert store.pid is not None
+    answers: list[object] = []
+    os.kill(store.pid, signal.SIGSTOP)  # the call below waits for its answer
+    try:
+        caller = threading.Thread(
+            target=lambda: answers.append(
+                store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["in flight"])
+            )
+        )
+        caller.start()
+        time.sleep(0.2)
+        closer = threading.Thread(target=store.close)
+        closer.start()
+        time.sleep(0.2)
+        assert closer.is_alive()  # waiting for the call, not reading its answer
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    caller.join(30)
+    closer.join(60)
+    assert not caller.is_alive() and not closer.is_alive()
+    assert len(answers) == 1
+    task_id, mask = answers[0]  # type: ignore[misc]
+    assert isinstance(task_id, int) and mask.all()
+    assert _gone(store.pid)
+
+
+def test_a_forked_process_neither_uses_the_store_nor_keeps_the_child_alive(
+    tmp_path: Path,
+) -> None:
+    seen = tmp_path / "seen"
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import aiokv
+        from conftest import make_caches
+        store = aiokv.ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+        store.register(make_caches())
+        pid = store.pid
+        if os.fork() == 0:  # a worker forked by the program, say; outlives its parent
+            try:
+                store.cancel([])
+                said = "served"
+            except Exception as exc:
+                said = repr(exc)
+            with open({str(seen)!r}, "w") as f:
+                f.write(f"{{pid}}\\n{{said}}")
+            time.sleep(25)  # longer than the wait for the store process below
+            os._exit(0)
+        deadline = time.monotonic() + 60
+        while not os.path.exists({str(seen)!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os._exit(0)  # the parent dies; the fork lives on
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], timeout=120, check=True)
+    child, said = seen.read_text().split("\n", 1)
+    assert said.startswith("StoreError") and "forked child" in said
+    deadline = time.monotonic() + 20
+    while not _gone(int(child)):
+        assert time.monotonic() < deadline, "the store process outlived its parent"
+        time.sleep(0.05)

@@ -67,22 +67,27 @@ def _register(store: Store, payload: Any, conn: Connection) -> None:
 
 def serve(conn: Connection) -> int:
     multiprocessing.current_process().authkey = conn.recv()
-    config, payload = conn.recv()
-    store = make_store(config)
+    store: Store | None = None
     try:
+        config, payload = conn.recv()  # tensors: may fail to map here
+        store = make_store(config)  # e.g. FlexKV not importable from this process
         _register(store, payload, conn)
     except Exception as exc:
-        store.close()
+        if store is not None:
+            store.close()
         with contextlib.suppress(OSError):
             conn.send(("failed", portable(exc)))
         return 1
-    conn.send(("ready", store.page_size))
     reply: tuple[bool, Any] = (True, None)
     try:
+        try:
+            conn.send(("ready", store.page_size))
+        except OSError:  # the parent gave up or died meanwhile
+            return 0
         while True:
             try:
                 op, args = conn.recv()
-            except EOFError:  # the parent is gone: nobody waits for an answer
+            except (EOFError, OSError):  # the parent is gone: nobody waits for an answer
                 return 0
             if op == "close":
                 break

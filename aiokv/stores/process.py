@@ -35,11 +35,14 @@ import multiprocessing
 import os
 import pickle
 import select
+import signal
 import site
 import socket
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -121,9 +124,11 @@ def portable(exc: BaseException) -> BaseException:
 class ProcessStore:
     """The store ``config`` names (``own_process`` aside), run in a child process.
 
-    ``ProcessStore(StoreConfig(backend="flexkv", ...))``; :func:`~aiokv.stores.make_store`
-    returns one where ``StoreConfig.own_process`` says so (by default for FlexKV). The
-    child starts in ``register`` and ends in ``close``.
+    ``ProcessStore(StoreConfig(backend="flexkv", ..., own_process=True))``, or
+    :func:`~aiokv.stores.make_store` with such a config. The child starts in ``register``
+    and ends in ``close``. CPU caches are moved into shared memory at ``register`` (torch's
+    ``share_memory_``, in place: their ``data_ptr`` changes, and views taken before no
+    longer alias them); CUDA caches stay where they are.
     """
 
     def __init__(self, config: StoreConfig, *, start_timeout_s: float = 300.0) -> None:
@@ -138,6 +143,9 @@ class ProcessStore:
         self._socket_files: list[str] = []  # FlexKV's, removed here should the child die
         self._broken: str | None = None  # why the child can no longer be called
         self._closed = False
+        # One call on the socket at a time: the engine calls from its store thread only,
+        # but close() may come from another thread (a store shared by several engines).
+        self._calling = threading.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -193,10 +201,18 @@ class ProcessStore:
                 [sys.executable, *_SAFE_PATH, "-m", "aiokv.stores.child", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 env=_child_env(),
+                # Its own session: a Ctrl-C for this process group does not end it (and
+                # FlexKV's processes under it) while this process still drains through
+                # it; close() ends it. And its whole group can be killed (_shutdown).
+                start_new_session=True,
             )
+        except BaseException:
+            here.close()
+            raise
         finally:
             theirs.close()
         self._conn = Connection(here.detach())
+        _LIVE.add(self)
         self._poller.register(self._conn.fileno(), select.POLLIN)
         return self._conn
 
@@ -234,31 +250,42 @@ class ProcessStore:
 
     def close(self) -> None:
         """Close the child's store (it waits for launched copies), then end the child."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._conn is not None and self._broken is None:
-                try:
-                    self._send(("close", None))
-                    ok, value = self._receive(time.monotonic() + _CLOSE_TIMEOUT_S)
-                    if not ok:
-                        log.error("aiokv: the store process failed to close its store: %r", value)
-                except (OSError, StoreError):
-                    log.exception("aiokv: the store process did not close cleanly")
-        finally:
-            self._shutdown()
+        with self._calling:  # after a call in flight (from another thread) has its answer
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._close_child()
+            finally:
+                self._shutdown()
+
+    def _close_child(self) -> None:
+        if self._conn is not None and self._broken is None:
+            try:
+                self._send(("close", None))
+                ok, value = self._receive(time.monotonic() + _CLOSE_TIMEOUT_S)
+                if not ok:
+                    log.error("aiokv: the store process failed to close its store: %r", value)
+            except (OSError, StoreError):
+                log.exception("aiokv: the store process did not close cleanly")
 
     # ---- internals -------------------------------------------------------------------
 
     def _call(self, op: str, args: object) -> Any:
-        conn = self._conn
-        if conn is None or self._closed:
-            raise RuntimeError("ProcessStore is closed or not registered")
-        if self._broken is not None:
-            raise StoreError(self._broken)
-        self._send((op, args))
-        ok, value = self._receive(None)
+        with self._calling:
+            if self._closed or (self._conn is None and self._broken is None):
+                raise RuntimeError("ProcessStore is closed or not registered")
+            if self._broken is not None:
+                raise StoreError(self._broken)
+            self._send((op, args))
+            try:
+                ok, value = self._receive(None)
+            except BaseException:
+                # Interrupted (KeyboardInterrupt in a main-thread caller, say) with the
+                # answer unread: a later call would read this one's answer as its own.
+                if self._broken is None:
+                    self._broken = f"a call to the store process (pid {self.pid}) was interrupted"
+                raise
         if ok:
             return value
         raise self._from_child(value)
@@ -277,7 +304,7 @@ class ProcessStore:
         conn, process = self._conn, self._process
         assert conn is not None and process is not None
         while not self._poller.poll(_ALIVE_CHECK_MS):
-            if process.poll() is not None:
+            if process.poll() is not None and not self._poller.poll(0):  # nothing left to read
                 raise self._lost()
             if deadline is not None and time.monotonic() > deadline:
                 self._broken = f"the store process (pid {process.pid}) did not answer in time"
@@ -321,7 +348,31 @@ class ProcessStore:
                 log.error("aiokv: the store process (pid %d) did not exit; killing it", process.pid)
                 process.kill()
                 process.wait()
+        if process is not None:  # what FlexKV started under it, should it have died first
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL)
         for path in self._socket_files:  # left behind by a child that died
             with contextlib.suppress(OSError):
                 os.unlink(path)
         self._keep.clear()
+
+    def _forget_in_fork(self) -> None:
+        """In a forked child of this process: let go of the socket without a word, so
+        that the store process still sees its parent's death."""
+        conn, self._conn, self._process = self._conn, None, None
+        self._broken = "ProcessStore is not usable in a forked child"
+        self._calling = threading.Lock()  # another thread may have held it at the fork
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.close()  # this process's copy only
+
+
+_LIVE: weakref.WeakSet[ProcessStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_LIVE):
+        store._forget_in_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
