@@ -35,6 +35,31 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _run_with_a_store(body: str) -> None:
+    """Run ``body`` in a fresh Python process after it has registered a ProcessStore,
+    ``store``. No pipes: the store's child inherits the process's stdout, and a pipe
+    would make run() wait for the child too."""
+    preamble = textwrap.dedent(
+        f"""
+        import os, sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import aiokv
+        from conftest import make_caches
+        store = aiokv.ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+        store.register(make_caches())
+        """
+    )
+    script = preamble + textwrap.dedent(body)
+    subprocess.run([sys.executable, "-c", script], timeout=120, check=True)
+
+
+def _wait_gone(pid: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not _gone(pid):
+        assert time.monotonic() < deadline, f"store process {pid} outlived its parent"
+        time.sleep(0.05)
+
+
 def test_answers_cross_packed_and_come_back_equal() -> None:
     results = {
         7: aiokv.TaskResult(aiokv.TaskStatus.SUCCESS, np.array([True, False, True])),
@@ -146,27 +171,14 @@ async def test_when_the_child_dies_callers_get_its_exit_code_not_a_hang() -> Non
 
 def test_the_child_closes_its_store_and_exits_when_this_process_dies(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
-    script = textwrap.dedent(
+    _run_with_a_store(
         f"""
-        import os, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        import aiokv
-        from conftest import make_caches
-        store = aiokv.ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
-        store.register(make_caches())
         with open({str(pid_file)!r}, "w") as f:
             f.write(str(store.pid))
         os._exit(0)  # no close, no exit hooks: as a crash
         """
     )
-    # No pipes: the store's child inherits this script's stdout, and a pipe would make
-    # run() wait for the child too.
-    subprocess.run([sys.executable, "-c", script], timeout=120, check=True)
-    child = int(pid_file.read_text())
-    deadline = time.monotonic() + 60
-    while not _gone(child):
-        assert time.monotonic() < deadline, f"store process {child} outlived its parent"
-        time.sleep(0.05)
+    _wait_gone(int(pid_file.read_text()), 60)
 
 
 def test_the_child_imports_this_aiokv_not_one_in_the_working_directory(
@@ -274,14 +286,8 @@ def test_a_forked_process_neither_uses_the_store_nor_keeps_the_child_alive(
     tmp_path: Path,
 ) -> None:
     seen = tmp_path / "seen"
-    script = textwrap.dedent(
+    _run_with_a_store(
         f"""
-        import os, sys, time
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        import aiokv
-        from conftest import make_caches
-        store = aiokv.ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
-        store.register(make_caches())
         pid = store.pid
         if os.fork() == 0:  # a worker forked by the program, say; outlives its parent
             try:
@@ -299,10 +305,6 @@ def test_a_forked_process_neither_uses_the_store_nor_keeps_the_child_alive(
         os._exit(0)  # the parent dies; the fork lives on
         """
     )
-    subprocess.run([sys.executable, "-c", script], timeout=120, check=True)
     child, said = seen.read_text().split("\n", 1)
     assert said.startswith("StoreError") and "forked child" in said
-    deadline = time.monotonic() + 20
-    while not _gone(int(child)):
-        assert time.monotonic() < deadline, "the store process outlived its parent"
-        time.sleep(0.05)
+    _wait_gone(int(child), 20)
