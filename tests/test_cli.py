@@ -135,3 +135,16 @@ def test_store_slice_benchmark_runs_both_settings(tmp_path: Path) -> None:
     assert [row["slice_us"] for row in document["rows"]] == [0, 200]
     _positive_numbers(document["rows"], ["lag_max_ms", "requests_per_s"])
     assert set(document["on_over_off"]) == {"lag_max_ms", "lag_p99_ms", "requests_per_s"}
+
+
+def test_process_round_trip_benchmark_measures_both_sides(tmp_path: Path) -> None:
+    out_json = tmp_path / "round_trip.json"
+    command = [sys.executable, "benchmarks/process_round_trip.py", "--calls", "20",
+               "--tokens", "64", "--json", str(out_json)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [row["verb"] for row in rows] == [
+        "cancel([])", "put_match(64) + cancel", "try_wait([unknown id])"
+    ]
+    _positive_numbers(rows, ["here_wall_us", "child_wall_us", "child_cpu_us"])
