@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -91,6 +91,7 @@ class StoreWrapper:
     forward_notify: ClassVar[bool] = True
     set_notify: Callable[[Callable[[], None]], None] | None
     set_yield: Callable[[Callable[[], None]], None] | None
+    put_match_many: Callable[..., list[Any]] | None
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
@@ -99,6 +100,12 @@ class StoreWrapper:
         if getattr(type(self), "set_yield", None) is None:  # a subclass may define its own
             set_yield = getattr(inner, "set_yield", None)
             self.set_yield = set_yield if callable(set_yield) else None
+        # The inner store's put_match_many, unless this wrapper wraps put_match (each
+        # match must then go through it) or defines put_match_many itself.
+        if getattr(type(self), "put_match_many", None) is None:
+            many = getattr(inner, "put_match_many", None)
+            wraps_put = type(self).put_match is not StoreWrapper.put_match
+            self.put_match_many = many if callable(many) and not wraps_put else None
 
     @property
     def page_size(self) -> int:

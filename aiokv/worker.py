@@ -112,6 +112,10 @@ class StoreWorker:
         self._reserved: set[int] = set()  # lookup matches held for a load
         self._outbox: list[tuple[Request, object]] = []
         self._in_hand: Batch | None = None  # the batch being matched or launched
+        # The store's put_match_many (optional, see stores/base.py), or None.
+        self._put_match_many: Callable[..., list[Any]] | None = getattr(
+            store, "put_match_many", None
+        )
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
 
     # ---- loop side -------------------------------------------------------------------
@@ -336,6 +340,13 @@ class StoreWorker:
         masks: list[Any] = [_NO_MASK] * len(requests)
         to_cancel: list[int] = []
         offload = batch.kind is _OFFLOAD
+        # A store that matches many in one call (put_match_many: one round trip to a
+        # store process) is asked once for the whole batch, here.
+        matched_at_once: dict[int, tuple[int, Any] | None] | None = None
+        if offload and self._put_match_many is not None:
+            matched_at_once = self._put_matches(
+                {i: r for i, r in enumerate(requests) if i not in bad and not r.detached}
+            )
         for index, request in enumerate(requests):
             if index in bad:
                 self._outbox.append((request, InvalidRequest(
@@ -345,11 +356,16 @@ class StoreWorker:
                     to_cancel.append(request.task_id)
                 continue
             if offload:
-                if request.detached:
-                    continue  # never matched: nothing to roll back
-                if self._slice_used():
-                    self._yield_gil()
-                match = self._put_match(request)
+                if matched_at_once is not None:
+                    if index not in matched_at_once:
+                        continue  # detached before matching: nothing to roll back
+                    match = matched_at_once[index]  # detached since: cancelled below
+                else:
+                    if request.detached:
+                        continue  # never matched: nothing to roll back
+                    if self._slice_used():
+                        self._yield_gil()
+                    match = self._put_match(request)
                 if match is None:
                     continue
                 task_id, mask = match
@@ -404,6 +420,32 @@ class StoreWorker:
             for request in launched:
                 assert request.task_id is not None
                 self._launched[request.task_id] = request
+
+    def _put_matches(self, wanted: dict[int, Request]) -> dict[int, tuple[int, Any] | None]:
+        """put_match_many for these requests (by batch index): each one's match, or None
+        with its error in the outbox. A call that fails as a whole fails each of them."""
+        if not wanted:
+            return {}
+        assert self._put_match_many is not None
+        put_match = self._store.put_match  # the errors name the verb, as one by one
+        try:
+            answers: list[Any] = self._put_match_many(
+                [(r.token_ids, r.namespace) for r in wanted.values()]
+            )
+            if len(answers) != len(wanted):
+                raise RuntimeError(f"{len(answers)} answers to {len(wanted)} put_matches")
+        except Exception as exc:
+            answers = [exc] * len(wanted)
+        out: dict[int, tuple[int, Any] | None] = {}
+        for (index, request), answer in zip(wanted.items(), answers, strict=True):
+            if isinstance(answer, Exception):
+                error = _store_error(put_match, answer)
+                error.__cause__ = answer
+                self._outbox.append((request, error))
+                out[index] = None
+            else:
+                out[index] = answer
+        return out
 
     def _put_match(self, request: Request) -> tuple[int, Any] | None:
         assert request.token_ids is not None

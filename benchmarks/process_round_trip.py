@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiokv
+from aiokv.stores import ProcessStore
 from aiokv.stores.base import Store
 
 PAGE = 16
@@ -56,21 +57,44 @@ def measure(store: Store, calls: int, tokens: int) -> dict[str, tuple[float, flo
     }
 
 
+def measure_batch(
+    store: ProcessStore, calls: int, args: argparse.Namespace
+) -> dict[str, tuple[float, float]]:
+    token_ids = np.arange(args.tokens, dtype=np.int64)
+
+    def one_by_one(i: int) -> None:
+        tasks = [store.put_match(token_ids, [f"b{i}-{u}"])[0] for u in range(args.batch)]
+        store.cancel(tasks)
+
+    def at_once(i: int) -> None:
+        answers = store.put_match_many(
+            [(token_ids, [f"m{i}-{u}"]) for u in range(args.batch)]
+        )
+        store.cancel([a[0] for a in answers if not isinstance(a, Exception)])
+
+    return {"one call each": per_call(one_by_one, calls),
+            "put_match_many": per_call(at_once, calls)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     pages = args.tokens // PAGE + 1
     caches = [torch.zeros(pages, 2, PAGE, 2, 16) for _ in range(2)]
     results: dict[str, dict[str, tuple[float, float]]] = {}
+    batch: dict[str, tuple[float, float]] = {}
     for name, own_process in (("here", False), ("child", True)):
         store = aiokv.stores.make_store(aiokv.StoreConfig(cpu_cache_gb=0.05,
                                                           own_process=own_process))
         store.register(caches)
         try:
             results[name] = measure(store, args.calls, args.tokens)
+            if isinstance(store, ProcessStore):
+                batch = measure_batch(store, max(1, args.calls // args.batch), args)
         finally:
             store.close()
     print(f"{'verb':<30} | {'wall µs, here':>13} {'child':>8} {'ratio':>6} | "
@@ -84,9 +108,16 @@ def main(argv: list[str] | None = None) -> int:
               f"| {here_cpu:>12.1f} {child_cpu:>8.1f} {child_cpu / here_cpu:>6.1f}")
     print("  CPU: this thread's, user and kernel, an upper bound of a call's hold on this "
           "process's GIL; the child's own work is not in it")
+    each_wall, each_cpu = batch["one call each"]
+    many_wall, many_cpu = batch["put_match_many"]
+    print(f"\na batch of {args.batch} put_matches of {args.tokens} tokens in the child, per "
+          f"batch: one call each {each_wall:.0f} µs wall / {each_cpu:.0f} µs CPU; "
+          f"put_match_many {many_wall:.0f} / {many_cpu:.0f} µs "
+          f"(ratio {many_wall / each_wall:.2f} / {many_cpu / each_cpu:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"calls": args.calls, "tokens": args.tokens,
-                                               "rows": rows}, indent=2))
+                                               "rows": rows, "batch": args.batch,
+                                               "batch_us": batch}, indent=2))
     return 0
 
 

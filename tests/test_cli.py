@@ -140,10 +140,13 @@ def test_store_slice_benchmark_runs_both_settings(tmp_path: Path) -> None:
 def test_process_round_trip_benchmark_measures_both_sides(tmp_path: Path) -> None:
     out_json = tmp_path / "round_trip.json"
     command = [sys.executable, "benchmarks/process_round_trip.py", "--calls", "20",
-               "--tokens", "64", "--json", str(out_json)]
+               "--tokens", "64", "--batch", "4", "--json", str(out_json)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(out_json.read_text())["rows"]
+    document = json.loads(out_json.read_text())
+    assert set(document["batch_us"]) == {"one call each", "put_match_many"}
+    assert all(wall > 0 and cpu > 0 for wall, cpu in document["batch_us"].values())
+    rows = document["rows"]
     assert [row["verb"] for row in rows] == [
         "cancel([])", "put_match(64) + cancel", "try_wait([unknown id])"
     ]

@@ -4,6 +4,7 @@ test_store_contract.py, as local-cpu-process here and flexkv-process on a GPU.)"
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import signal
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ import torch
 from conftest import PAGE_SIZE, make_caches
 
 import aiokv
+import aiokv.testing
 from aiokv.stores import NoSpace, ProcessStore, make_store
 from aiokv.stores.process import pack_results, portable, unpack_results
 
@@ -308,3 +311,86 @@ def test_a_forked_process_neither_uses_the_store_nor_keeps_the_child_alive(
     child, said = seen.read_text().split("\n", 1)
     assert said.startswith("StoreError") and "forked child" in said
     _wait_gone(int(child), 20)
+
+
+# ---- put_match_many: a batch's matches in one call (one round trip to the child) ----
+
+
+def test_put_match_many_answers_as_put_match_would_one_by_one() -> None:
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=2 * BLOCK_BYTES / 2**30))
+    store.register(make_caches())
+    two_pages = np.arange(2 * PAGE_SIZE, dtype=np.int64)
+    answers = store.put_match_many(
+        [
+            (two_pages, ["a"]),  # 2 new pages, 2 free blocks: reserved
+            (np.arange(3 * PAGE_SIZE, dtype=np.int64), ["b"]),  # 3 new pages: no space
+            (two_pages, ["a"]),  # the first one's pages: nothing new to write
+        ]
+    )
+    first, full, repeat = answers
+    assert not isinstance(first, Exception) and first[1].all()
+    assert isinstance(full, NoSpace)
+    if sys.version_info >= (3, 11):
+        assert f"raised in the store process (pid {store.pid})" in full.__notes__
+    assert not isinstance(repeat, Exception) and not repeat[1].any()
+    store.cancel([first[0], repeat[0]])
+    store.close()
+
+
+class MatchesAtOnce(aiokv.testing.StoreWrapper):
+    """FakeStore with put_match_many, recording its calls; ``refuse`` names namespaces
+    whose match raises NoSpace, ``broken`` fails the whole call."""
+
+    def __init__(self) -> None:
+        super().__init__(aiokv.testing.FakeStore())
+        self.calls: list[list[str]] = []
+        self.single_calls = 0
+        self.refuse: set[str] = set()
+        self.broken = False
+
+    def put_match(self, token_ids: Any, namespace: Any) -> Any:
+        self.single_calls += 1
+        return super().put_match(token_ids, namespace)
+
+    def put_match_many(self, requests: Any) -> list[Any]:
+        self.calls.append([n[0] for _, n in requests])
+        if self.broken:
+            raise RuntimeError("the store process is gone")
+        return [
+            NoSpace("full") if names[0] in self.refuse else self.inner.put_match(tokens, names)
+            for tokens, names in requests
+        ]
+
+
+@pytest.mark.asyncio
+async def test_the_store_thread_matches_an_offload_batch_in_one_call() -> None:
+    store = MatchesAtOnce()
+    store.refuse = {"u1"}
+    engine = aiokv.OffloadEngine(
+        store, make_caches(), aiokv.EngineConfig(window_us=50_000, max_batch_requests=3)
+    )
+    async with engine:
+        outcomes = await asyncio.gather(
+            *(engine.offload(u, torch.arange(4 * u, 4 * u + 4), 4 * PAGE_SIZE,
+                             namespace=[f"u{u}"]) for u in range(3)),
+            return_exceptions=True,
+        )
+        assert store.calls == [["u0", "u1", "u2"]] and store.single_calls == 0
+        assert isinstance(outcomes[1], aiokv.StoreFull)  # its own answer fails it alone
+        assert [o.stored_tokens for o in (outcomes[0], outcomes[2])] == [4 * PAGE_SIZE] * 2
+        store.broken = True  # the whole call fails: each of its requests, once
+        failed = await asyncio.gather(
+            *(engine.offload(u, torch.arange(4), 4 * PAGE_SIZE, namespace=[f"v{u}"])
+              for u in range(2)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(f, aiokv.StoreError) for f in failed)
+        assert all(str(f).startswith("store.put_match failed") and "gone" in str(f) for f in failed)
+        assert engine.stats().pending == 0
+
+
+def test_a_wrapper_forwards_put_match_many_unless_it_wraps_put_match() -> None:
+    inner = MatchesAtOnce()
+    assert aiokv.testing.SharedStore(inner).put_match_many == inner.put_match_many
+    assert aiokv.testing.CheckingStore(inner).put_match_many is None  # sees each match
+    assert aiokv.testing.StoreWrapper(aiokv.testing.FakeStore()).put_match_many is None

@@ -25,6 +25,11 @@ Optional: a store with ``set_notify(callback)`` calls ``callback()`` from any th
 whenever tasks may have become terminal; the engine then waits for that instead of
 polling ``try_wait`` every ``poll_interval_us`` (LocalStore does; FlexKV is polled).
 
+Optional: ``put_match_many(requests)``, ``put_match`` for each ``(token_ids, namespace)``
+in order, answering each one's ``(task_id, mask)`` or the exception its ``put_match``
+raised (an exception of the whole call fails them all). The store thread then matches an
+offload batch in one call (ProcessStore: one round trip instead of one per request).
+
 Optional: ``store_slice_us``, a store's advice for ``EngineConfig.store_slice_us`` (used
 when the config leaves it None): how long the store thread may run, holding the GIL,
 before it hands it to a waiting event loop. For stores whose calls run Python for long

@@ -37,8 +37,22 @@ def _launch(store: Store, args: Any) -> None:
     store.launch(task_ids, np.split(joined, np.cumsum(lengths)[:-1]) if lengths else [])
 
 
+def _put_match_many(store: Store, args: Any) -> list[Any]:
+    """Each put_match's answer, or the exception it raised, in order."""
+    answers: list[Any] = []
+    for token_ids, namespace in args:
+        try:
+            answers.append(store.put_match(token_ids, namespace))
+        except Exception as exc:
+            if not isinstance(exc, (NoSpace, ValueError)):  # the contract's own errors
+                log.warning("aiokv store process: put_match failed", exc_info=True)
+            answers.append(portable(exc))
+    return answers
+
+
 _CALLS: dict[str, Callable[[Store, Any], Any]] = {
     "put_match": lambda store, args: store.put_match(*args),
+    "put_match_many": _put_match_many,
     "get_match": lambda store, args: store.get_match(*args),
     "launch": _launch,
     "cancel": lambda store, args: store.cancel(args),

@@ -223,6 +223,20 @@ class ProcessStore:
         matched: tuple[int, BoolArray] = self._call("put_match", (tokens, tuple(namespace)))
         return matched
 
+    def put_match_many(
+        self, requests: Sequence[tuple[Int64Array, Sequence[str]]]
+    ) -> list[tuple[int, BoolArray] | Exception]:
+        """put_match for each (token_ids, namespace), in order, in one round trip: each
+        answer or the exception its put_match raised (the worker asks once per batch)."""
+        answers: list[tuple[int, BoolArray] | Exception] = self._call(
+            "put_match_many",
+            [(np.ascontiguousarray(t, dtype=np.int64), tuple(n)) for t, n in requests],
+        )
+        for answer in answers:
+            if isinstance(answer, Exception):
+                self._note_child(answer)
+        return answers
+
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
         matched: tuple[int, BoolArray] = self._call("get_match", (tokens, tuple(namespace)))
@@ -326,11 +340,14 @@ class ProcessStore:
 
     def _from_child(self, exc: BaseException) -> BaseException:
         if isinstance(exc, BaseException):
-            add_note = getattr(exc, "add_note", None)  # Python 3.11+
-            if add_note is not None:
-                add_note(f"raised in the store process (pid {self.pid})")
+            self._note_child(exc)
             return exc
         return StoreError(f"the store process answered {exc!r}")
+
+    def _note_child(self, exc: BaseException) -> None:
+        add_note = getattr(exc, "add_note", None)  # Python 3.11+
+        if add_note is not None:
+            add_note(f"raised in the store process (pid {self.pid})")
 
     def _shutdown(self) -> None:
         """End the child (closing the socket ends one that is still serving), then drop
