@@ -394,3 +394,54 @@ def test_a_wrapper_forwards_put_match_many_unless_it_wraps_put_match() -> None:
     assert aiokv.testing.SharedStore(inner).put_match_many == inner.put_match_many
     assert aiokv.testing.CheckingStore(inner).put_match_many is None  # sees each match
     assert aiokv.testing.StoreWrapper(aiokv.testing.FakeStore()).put_match_many is None
+
+
+# ---- notices of ended tasks: the child polls, this process asks when told -------------
+
+
+def test_the_child_polls_a_store_that_does_not_notify_and_tells_once_answers_wait() -> None:
+    import socket
+
+    from aiokv.stores.child import _Ends
+
+    store = aiokv.testing.FakeStore(PAGE_SIZE)  # answers at its next try_wait, no notices
+    here, theirs = socket.socketpair()
+    ends = _Ends(store, theirs)
+    assert not ends.store_notifies and not ends.polling
+    task, _ = store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["p"])
+    store.launch([task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
+    ends.launched([task])
+    assert ends.polling
+    ends.poll()
+    assert not ends.polling
+    here.settimeout(5)
+    assert here.recv(16) == b"!"  # told
+    answers = ends.take([task])
+    assert answers[task].status is aiokv.TaskStatus.SUCCESS
+    again = ends.take([task]).get(task)  # handed out once: nothing, or not a success
+    assert again is None or again.status is not aiokv.TaskStatus.SUCCESS
+    here.close()
+    theirs.close()
+
+
+def test_this_process_hears_of_ended_tasks_from_the_child() -> None:
+    import threading
+
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register(make_caches())
+    told = threading.Event()
+    store.set_notify(told.set)
+    task, _ = store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["n"])
+    store.launch([task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
+    assert told.wait(30)  # no try_wait asked: the child said so by itself
+    deadline = time.monotonic() + 30
+    answers: dict[int, aiokv.TaskResult] = {}
+    while task not in answers:
+        assert time.monotonic() < deadline
+        answers.update(store.try_wait([task]))
+    assert answers[task].status is aiokv.TaskStatus.SUCCESS
+    reader = store._end_reader
+    store.close()
+    assert reader is not None
+    reader.join(10)
+    assert not reader.is_alive()  # close ends the reader thread

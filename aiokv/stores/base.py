@@ -23,7 +23,8 @@ Contract, for any store:
 
 Optional: a store with ``set_notify(callback)`` calls ``callback()`` from any thread
 whenever tasks may have become terminal; the engine then waits for that instead of
-polling ``try_wait`` every ``poll_interval_us`` (LocalStore does; FlexKV is polled).
+polling ``try_wait`` every ``poll_interval_us`` (LocalStore and ProcessStore do; FlexKV
+is polled).
 
 Optional: ``put_match_many(requests)``, ``put_match`` for each ``(token_ids, namespace)``
 in order, answering each one's ``(task_id, mask)`` or the exception its ``put_match``

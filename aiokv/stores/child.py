@@ -1,12 +1,19 @@
 """The child side of :class:`~aiokv.stores.process.ProcessStore`.
 
-``python -m aiokv.stores.child FD``: FD is this end of the socket. The parent sends its
+``python -m aiokv.stores.child FD ENDS_FD``: FD is this end of the socket, ENDS_FD that of
+the channel on which the child tells the parent that tasks have ended. The parent sends its
 multiprocessing key (bytes), then ``(StoreConfig, caches or CacheGeometry)``. The child
 builds the store, registers it (FlexKV: starts it, asks the parent to attach the caches,
 waits for ready) and answers ``("ready", page_size)`` or ``("failed", exception)``. Then
 it serves ``(op, args)`` requests one at a time, answering ``(True, value)`` or ``(False,
 exception)``, until ``("close", None)`` or until the socket closes (the parent is gone);
 either way it closes its store before it exits.
+
+Launched tasks are watched here (:class:`_Ends`): a store that notifies (LocalStore) says
+when a task may have ended; others (FlexKV) are polled here every ``_POLL_S`` while the
+child waits for a request. Either way the child sends a byte on ENDS_FD, and the parent
+asks ``try_wait`` then, instead of every poll interval of its own: the polling costs the
+child's CPU, not the GIL of the parent's event loop.
 
 FlexKV starts its transfer engine with multiprocessing "spawn", which imports this
 module again as its main module: everything runs under the ``__main__`` guard.
@@ -17,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -26,15 +34,63 @@ import numpy as np
 import torch.multiprocessing  # noqa: F401  (registers tensor reductions for Connection.recv)
 
 from . import make_store
-from .base import NoSpace, Store
+from .base import NoSpace, Store, TaskResult
 from .process import pack_results, portable
 
 log = logging.getLogger("aiokv")
 
+_POLL_S = 100e-6  # how often a store that does not notify is polled for launched tasks
 
-def _launch(store: Store, args: Any) -> None:
+
+class _Ends:
+    """The launched tasks of the store, and the notices to the parent that some ended."""
+
+    def __init__(self, store: Store, ends: socket.socket) -> None:
+        self._store = store
+        self._ends = ends
+        ends.setblocking(False)  # a notice never waits: one not read yet says as much
+        self._open: set[int] = set()  # launched, not yet answered by the store
+        self._answered: dict[int, TaskResult] = {}  # answered, not yet taken by the parent
+        set_notify = getattr(store, "set_notify", None)
+        self.store_notifies = callable(set_notify)
+        if self.store_notifies:
+            set_notify(self.tell)  # type: ignore[misc]
+
+    @property
+    def polling(self) -> bool:
+        """Whether launched tasks wait for this process to poll the store."""
+        return bool(self._open) and not self.store_notifies
+
+    def launched(self, task_ids: Sequence[int]) -> None:
+        self._open.update(task_ids)
+
+    def poll(self) -> None:
+        answers = self._store.try_wait(list(self._open))
+        if answers:
+            self._open.difference_update(answers)
+            self._answered.update(answers)
+            self.tell()
+
+    def take(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        """try_wait for the parent: what polling found, then the store for the rest."""
+        out = {t: self._answered.pop(t) for t in task_ids if t in self._answered}
+        rest = [t for t in task_ids if t not in out]
+        if rest:
+            fresh = self._store.try_wait(rest)
+            self._open.difference_update(fresh)
+            out.update(fresh)
+        return out
+
+    def tell(self) -> None:
+        """Tell the parent that tasks may have ended (from any thread)."""
+        with contextlib.suppress(OSError):  # full: the parent has notices to read already
+            self._ends.send(b"!")
+
+
+def _launch(store: Store, ends: _Ends, args: Any) -> None:
     task_ids, lengths, joined = args  # the slots, one array (ProcessStore.launch)
     store.launch(task_ids, np.split(joined, np.cumsum(lengths)[:-1]) if lengths else [])
+    ends.launched(task_ids)  # all of them: a launch that raises launched none
 
 
 def _put_match_many(store: Store, args: Any) -> list[Any]:
@@ -50,13 +106,13 @@ def _put_match_many(store: Store, args: Any) -> list[Any]:
     return answers
 
 
-_CALLS: dict[str, Callable[[Store, Any], Any]] = {
-    "put_match": lambda store, args: store.put_match(*args),
-    "put_match_many": _put_match_many,
-    "get_match": lambda store, args: store.get_match(*args),
+_CALLS: dict[str, Callable[[Store, _Ends, Any], Any]] = {
+    "put_match": lambda store, ends, args: store.put_match(*args),
+    "put_match_many": lambda store, ends, args: _put_match_many(store, args),
+    "get_match": lambda store, ends, args: store.get_match(*args),
     "launch": _launch,
-    "cancel": lambda store, args: store.cancel(args),
-    "try_wait": lambda store, args: pack_results(store.try_wait(args)),
+    "cancel": lambda store, ends, args: store.cancel(args),
+    "try_wait": lambda store, ends, args: pack_results(ends.take(args)),
 }
 
 
@@ -79,7 +135,7 @@ def _register(store: Store, payload: Any, conn: Connection) -> None:
     store.wait_attached()
 
 
-def serve(conn: Connection) -> int:
+def serve(conn: Connection, ends_socket: socket.socket) -> int:
     multiprocessing.current_process().authkey = conn.recv()
     store: Store | None = None
     try:
@@ -93,12 +149,16 @@ def serve(conn: Connection) -> int:
             conn.send(("failed", portable(exc)))
         return 1
     reply: tuple[bool, Any] = (True, None)
+    ends = _Ends(store, ends_socket)
     try:
         try:
             conn.send(("ready", store.page_size))
         except OSError:  # the parent gave up or died meanwhile
             return 0
         while True:
+            if ends.polling and not conn.poll(_POLL_S):
+                ends.poll()  # no request meanwhile: look at the launched tasks
+                continue
             try:
                 op, args = conn.recv()
             except (EOFError, OSError):  # the parent is gone: nobody waits for an answer
@@ -106,7 +166,7 @@ def serve(conn: Connection) -> int:
             if op == "close":
                 break
             try:
-                reply = (True, _CALLS[op](store, args))
+                reply = (True, _CALLS[op](store, ends, args))
             except Exception as exc:
                 if not isinstance(exc, (NoSpace, ValueError)):  # the contract's own errors
                     log.warning("aiokv store process: %s failed", op, exc_info=True)
@@ -129,8 +189,8 @@ def serve(conn: Connection) -> int:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(format="%(asctime)s %(name)s[child]: %(message)s")
-    with Connection(int(argv[1])) as conn:
-        return serve(conn)
+    with Connection(int(argv[1])) as conn, socket.socket(fileno=int(argv[2])) as ends:
+        return serve(conn, ends)
 
 
 if __name__ == "__main__":

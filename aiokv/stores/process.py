@@ -20,6 +20,10 @@ How:
 - Each call is one request and one reply, in order, on one socket. Terminal answers
   travel packed (one array for all masks), so that unpacking a batch's 32 answers here
   costs microseconds rather than 32 unpicklings of a dataclass and an array.
+- Launched tasks are watched in the child (polled there, for a store such as FlexKV
+  that does not notify), which sends a byte on a second socket when answers wait; a
+  reader thread here passes that on (``set_notify``). So this process asks ``try_wait``
+  when there is something to take, not every poll interval: a poll costs a round trip.
 - A store's exception travels back and is raised here as itself (with a note naming
   the child) where it pickles, else as StoreError naming it. If the child dies, this call
   and every later one raise StoreError with its exit code: the engine fails what it had
@@ -43,7 +47,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
@@ -112,6 +116,10 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def no_notify() -> None:
+    """ProcessStore's notice of ended tasks before set_notify, and after close."""
+
+
 def portable(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling, else a StoreError that names it."""
     try:
@@ -146,6 +154,12 @@ class ProcessStore:
         # One call on the socket at a time: the engine calls from its store thread only,
         # but close() may come from another thread (a store shared by several engines).
         self._calling = threading.Lock()
+        # Task ends: the child polls its store and sends a byte here when answers are
+        # waiting; a reader thread passes that on (set_notify), so that this process
+        # asks try_wait when there is something to take rather than every poll interval.
+        self._ends: socket.socket | None = None
+        self._on_end: Callable[[], None] = no_notify
+        self._end_reader: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -196,10 +210,12 @@ class ProcessStore:
 
     def _spawn(self) -> Connection:
         here, theirs = socket.socketpair()
+        ends_here, ends_theirs = socket.socketpair()
+        fds = (theirs.fileno(), ends_theirs.fileno())
         try:
             self._process = subprocess.Popen(
-                [sys.executable, *_SAFE_PATH, "-m", "aiokv.stores.child", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
+                [sys.executable, *_SAFE_PATH, "-m", "aiokv.stores.child", *map(str, fds)],
+                pass_fds=fds,
                 env=_child_env(),
                 # Its own session: a Ctrl-C for this process group does not end it (and
                 # FlexKV's processes under it) while this process still drains through
@@ -208,13 +224,36 @@ class ProcessStore:
             )
         except BaseException:
             here.close()
+            ends_here.close()
             raise
         finally:
             theirs.close()
+            ends_theirs.close()
         self._conn = Connection(here.detach())
+        self._ends = ends_here
         _LIVE.add(self)
         self._poller.register(self._conn.fileno(), select.POLLIN)
         return self._conn
+
+    def set_notify(self, callback: Callable[[], None]) -> None:
+        """``callback()`` (from a thread of this store's) whenever tasks may have ended."""
+        self._on_end = callback
+        if self._end_reader is None and self._ends is not None:
+            self._end_reader = threading.Thread(
+                target=self._read_ends, args=(self._ends,), name="aiokv-store-ends", daemon=True
+            )
+            self._end_reader.start()
+
+    def _read_ends(self, ends: socket.socket) -> None:
+        # Blocks without the GIL; one wake-up for every burst of notices.
+        while True:
+            try:
+                notices = ends.recv(4096)
+            except OSError:
+                return
+            if not notices:  # the child is gone, or _shutdown
+                return
+            self._on_end()
 
     # ---- Store protocol --------------------------------------------------------------
 
@@ -357,6 +396,12 @@ class ProcessStore:
             with contextlib.suppress(KeyError, ValueError):
                 self._poller.unregister(conn.fileno())
             conn.close()
+        ends, self._ends = self._ends, None
+        if ends is not None:
+            with contextlib.suppress(OSError):
+                ends.shutdown(socket.SHUT_RDWR)  # wakes the reader (close alone would not)
+            ends.close()
+        self._on_end = no_notify
         process = self._process
         if process is not None and process.poll() is None:
             try:
@@ -377,11 +422,14 @@ class ProcessStore:
         """In a forked child of this process: let go of the socket without a word, so
         that the store process still sees its parent's death."""
         conn, self._conn, self._process = self._conn, None, None
+        ends, self._ends, self._end_reader = self._ends, None, None  # no reader thread here
         self._broken = "ProcessStore is not usable in a forked child"
         self._calling = threading.Lock()  # another thread may have held it at the fork
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.close()  # this process's copy only
+        self._on_end = no_notify
+        for copy in (conn, ends):
+            if copy is not None:
+                with contextlib.suppress(OSError):
+                    copy.close()  # this process's copies only
 
 
 _LIVE: weakref.WeakSet[ProcessStore] = weakref.WeakSet()
