@@ -151,3 +151,17 @@ def test_process_round_trip_benchmark_measures_both_sides(tmp_path: Path) -> Non
         "cancel([])", "put_match(64) + cancel", "try_wait([unknown id])"
     ]
     _positive_numbers(rows, ["here_wall_us", "child_wall_us", "child_cpu_us"])
+
+
+def test_demo_verifies_its_loads_with_the_store_in_a_process_of_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A store small enough to evict: offloads, lookups and loads cross to the child.
+    config = tmp_path / "aiokv.yml"
+    config.write_text("store:\n  cpu_cache_gb: 0.01\n  own_process: true\n")
+    status = main(["demo", "--seconds", "2", "--users", "8", "--device", "cpu",
+                   "--config", str(config)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "0 mismatches" in out and int(out.split("verified")[1].split()[0]) > 0, out
+    assert float(out.split("store ")[1].split("x its size offloaded")[0].split(", ")[1]) > 1, out
