@@ -9,10 +9,11 @@ message out, one back, and the wait between them without the GIL.
 
 How:
 
-- The child is ``python -m aiokv.stores.child`` (:mod:`aiokv.stores.child`), a plain
-  subprocess: it does not re-import the program's ``__main__`` (as multiprocessing's spawn
-  would), and no exit hook of multiprocessing waits for it. It builds the store from the
-  same :class:`StoreConfig`, with ``own_process=False``.
+- The child is ``python -P -m aiokv.stores.child`` (:mod:`aiokv.stores.child`), a plain
+  subprocess in a session of its own: it does not re-import the program's ``__main__``
+  (as multiprocessing's spawn would), no exit hook of multiprocessing waits for it, and a
+  Ctrl-C to the terminal does not reach it. It builds the store from the same
+  :class:`StoreConfig`, with ``own_process=False``.
 - The caches stay in this process. FlexKV's are registered from here (their owner) by
   CUDA IPC once the child has started FlexKV (:func:`~aiokv.stores.flexkv.attach_caches`);
   other stores get them as tensors through torch's multiprocessing reductions (shared
