@@ -432,7 +432,8 @@ class StoreWorker:
             answers: list[Any] = self._put_match_many(
                 [(r.token_ids, r.namespace) for r in wanted.values()]
             )
-            if len(answers) != len(wanted):
+            if len(answers) != len(wanted):  # a broken store: give back what it matched
+                self._cancel([a[0] for a in answers if not isinstance(a, Exception)])
                 raise RuntimeError(f"{len(answers)} answers to {len(wanted)} put_matches")
         except Exception as exc:
             answers = [exc] * len(wanted)

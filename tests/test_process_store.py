@@ -347,6 +347,7 @@ class MatchesAtOnce(aiokv.testing.StoreWrapper):
         self.single_calls = 0
         self.refuse: set[str] = set()
         self.broken = False
+        self.answers_short = False
 
     def put_match(self, token_ids: Any, namespace: Any) -> Any:
         self.single_calls += 1
@@ -356,10 +357,11 @@ class MatchesAtOnce(aiokv.testing.StoreWrapper):
         self.calls.append([n[0] for _, n in requests])
         if self.broken:
             raise RuntimeError("the store process is gone")
-        return [
+        answers = [
             NoSpace("full") if names[0] in self.refuse else self.inner.put_match(tokens, names)
             for tokens, names in requests
         ]
+        return answers[:-1] if self.answers_short else answers
 
 
 @pytest.mark.asyncio
@@ -386,6 +388,16 @@ async def test_the_store_thread_matches_an_offload_batch_in_one_call() -> None:
         )
         assert all(isinstance(f, aiokv.StoreError) for f in failed)
         assert all(str(f).startswith("store.put_match failed") and "gone" in str(f) for f in failed)
+        store.broken, store.answers_short = False, True  # one answer short: none is used,
+        short = await asyncio.gather(  # and what was matched is given back
+            *(engine.offload(u, torch.arange(4), 4 * PAGE_SIZE, namespace=[f"w{u}"])
+              for u in range(2)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(f, aiokv.StoreError) and "1 answers to 2" in str(f) for f in short)
+        # w0's match, answered, was cancelled; w1's answer never came, so it stays.
+        held = store.inner._tasks.values()  # type: ignore[attr-defined]
+        assert [names for _, names, _, _ in held] == [("w1",)]
         assert engine.stats().pending == 0
 
 
@@ -445,3 +457,134 @@ def test_this_process_hears_of_ended_tasks_from_the_child() -> None:
     assert reader is not None
     reader.join(10)
     assert not reader.is_alive()  # close ends the reader thread
+
+
+class Unnotifying(aiokv.testing.FakeStore):
+    """No set_notify (as FlexKV): its tasks end while not ``held``; counts try_wait calls;
+    the next one raises while ``failing``."""
+
+    def __init__(self) -> None:
+        super().__init__(PAGE_SIZE)
+        self.waits = 0
+        self.held = False
+        self.failing = False
+
+    def try_wait(self, task_ids: Any) -> dict[int, aiokv.TaskResult]:
+        self.waits += 1
+        if self.failing:
+            self.failing = False
+            raise RuntimeError("transient try_wait failure")
+        return {} if self.held else super().try_wait(task_ids)
+
+
+def _serve_in_thread(monkeypatch: pytest.MonkeyPatch, store: Any) -> tuple[Any, Any, Any]:
+    """aiokv.stores.child.serve on ``store``, in a thread: (its conn, its ends, thread)."""
+    import multiprocessing
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    import aiokv.stores.child as child
+
+    monkeypatch.setattr(child, "make_store", lambda config: store)
+    monkeypatch.setattr(child, "_register", lambda store, payload, conn: None)
+    here, theirs = socket.socketpair()
+    ends_here, ends_theirs = socket.socketpair()
+    conn = Connection(here.detach())
+    thread = threading.Thread(
+        target=child.serve, args=(Connection(theirs.detach()), ends_theirs), daemon=True
+    )
+    thread.start()
+    conn.send(bytes(multiprocessing.current_process().authkey))  # serve sets it: keep ours
+    conn.send((None, None))
+    assert conn.recv() == ("ready", PAGE_SIZE)
+    ends_here.settimeout(10)
+    return conn, ends_here, thread
+
+
+def _launch_one(conn: Any) -> int:
+    tokens = np.arange(2 * PAGE_SIZE, dtype=np.int64)
+    conn.send(("put_match", (tokens, ("n",))))
+    ok, (task, _) = conn.recv()
+    assert ok
+    conn.send(("launch", ([task], [len(tokens)], tokens)))
+    assert conn.recv() == (True, None)
+    return int(task)
+
+
+def _try_wait(conn: Any, task: int) -> dict[int, aiokv.TaskResult]:
+    conn.send(("try_wait", [task]))
+    ok, packed = conn.recv()
+    assert ok, packed
+    return unpack_results(packed)
+
+
+def test_the_child_loop_polls_a_store_that_does_not_notify_and_tells(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aiokv.stores.child as child
+
+    waits: list[float] = []
+    real_request_within = child._request_within
+
+    def request_within(conn: Any, seconds: float) -> bool:
+        waits.append(seconds)
+        return real_request_within(conn, seconds)
+
+    monkeypatch.setattr(child, "_request_within", request_within)
+    store = Unnotifying()
+    store.held = True
+    conn, ends, thread = _serve_in_thread(monkeypatch, store)
+    task = _launch_one(conn)
+    deadline = time.monotonic() + 10
+    while store.waits < 3:  # polled again and again while its task runs
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert set(waits) == {child._POLL_S}
+    store.held = False
+    assert ends.recv(16).startswith(b"!")
+    assert _try_wait(conn, task)[task].status is aiokv.TaskStatus.SUCCESS
+    conn.send(("close", None))
+    assert conn.recv() == (True, None)
+    thread.join(10)
+
+
+def test_the_child_waits_for_requests_with_microsecond_resolution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # conn.poll's poll(2) takes milliseconds: 100 µs would become 1 ms between polls.
+    import select
+    import socket
+    from multiprocessing.connection import Connection
+
+    from aiokv.stores.child import _request_within
+
+    timeouts: list[float] = []
+    real_select = select.select
+
+    def recording_select(r: Any, w: Any, x: Any, timeout: float) -> Any:
+        timeouts.append(timeout)
+        return real_select(r, w, x, timeout)
+
+    monkeypatch.setattr(select, "select", recording_select)
+    here, theirs = socket.socketpair()
+    with Connection(here.detach()) as conn, Connection(theirs.detach()) as other:
+        assert not _request_within(conn, 100e-6)
+        other.send("request")
+        assert _request_within(conn, 100e-6)
+    assert timeouts == [100e-6, 100e-6]
+
+
+def test_a_failed_poll_in_the_child_is_not_the_end_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = Unnotifying()
+    store.failing = True  # the child's own poll raises, once
+    conn, ends, thread = _serve_in_thread(monkeypatch, store)
+    task = _launch_one(conn)
+    assert ends.recv(16).startswith(b"!")  # told: the parent asks and sees for itself
+    assert thread.is_alive()
+    assert _try_wait(conn, task)[task].status is aiokv.TaskStatus.SUCCESS
+    conn.send(("close", None))
+    assert conn.recv() == (True, None)
+    thread.join(10)

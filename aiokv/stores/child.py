@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import select
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -51,6 +52,9 @@ class _Ends:
         ends.setblocking(False)  # a notice never waits: one not read yet says as much
         self._open: set[int] = set()  # launched, not yet answered by the store
         self._answered: dict[int, TaskResult] = {}  # answered, not yet taken by the parent
+        # A poll's try_wait raised: the parent is told, and its own try_wait (take) says
+        # why; no polling until then (a store that keeps failing would fail every 100 µs).
+        self._stalled = False
         set_notify = getattr(store, "set_notify", None)
         self.store_notifies = callable(set_notify)
         if self.store_notifies:
@@ -59,13 +63,19 @@ class _Ends:
     @property
     def polling(self) -> bool:
         """Whether launched tasks wait for this process to poll the store."""
-        return bool(self._open) and not self.store_notifies
+        return bool(self._open) and not self.store_notifies and not self._stalled
 
     def launched(self, task_ids: Sequence[int]) -> None:
         self._open.update(task_ids)
 
     def poll(self) -> None:
-        answers = self._store.try_wait(list(self._open))
+        try:
+            answers = self._store.try_wait(list(self._open))
+        except Exception:  # not the end of the child: the parent's try_wait will raise it
+            log.warning("aiokv store process: try_wait failed while polling", exc_info=True)
+            self._stalled = True
+            self.tell()
+            return
         if answers:
             self._open.difference_update(answers)
             self._answered.update(answers)
@@ -73,10 +83,16 @@ class _Ends:
 
     def take(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
         """try_wait for the parent: what polling found, then the store for the rest."""
+        self._stalled = False
         out = {t: self._answered.pop(t) for t in task_ids if t in self._answered}
         rest = [t for t in task_ids if t not in out]
         if rest:
-            fresh = self._store.try_wait(rest)
+            try:
+                fresh = self._store.try_wait(rest)
+            except Exception:
+                # The parent fails the tasks it asked for and asks no more about them.
+                self._open.difference_update(rest)
+                raise
             self._open.difference_update(fresh)
             out.update(fresh)
         return out
@@ -85,6 +101,15 @@ class _Ends:
         """Tell the parent that tasks may have ended (from any thread)."""
         with contextlib.suppress(OSError):  # full: the parent has notices to read already
             self._ends.send(b"!")
+
+
+def _request_within(conn: Connection, seconds: float) -> bool:
+    """Whether a request comes within ``seconds``. select, not conn.poll: poll(2) rounds
+    100 µs up to a millisecond (select cannot take a descriptor past FD_SETSIZE, though)."""
+    fd = conn.fileno()
+    if fd < 1024:
+        return bool(select.select([fd], [], [], seconds)[0])
+    return conn.poll(seconds)
 
 
 def _launch(store: Store, ends: _Ends, args: Any) -> None:
@@ -156,7 +181,7 @@ def serve(conn: Connection, ends_socket: socket.socket) -> int:
         except OSError:  # the parent gave up or died meanwhile
             return 0
         while True:
-            if ends.polling and not conn.poll(_POLL_S):
+            if ends.polling and not _request_within(conn, _POLL_S):
                 ends.poll()  # no request meanwhile: look at the launched tasks
                 continue
             try:

@@ -205,6 +205,7 @@ class ProcessStore:
                 else:
                     raise StoreError(f"the store process sent {kind!r} during registration")
             self._keep.append(caches)
+            self._start_reader()  # set_notify may have come before register
         except BaseException:
             self._shutdown()
             raise
@@ -239,7 +240,11 @@ class ProcessStore:
     def set_notify(self, callback: Callable[[], None]) -> None:
         """``callback()`` (from a thread of this store's) whenever tasks may have ended."""
         self._on_end = callback
-        if self._end_reader is None and self._ends is not None:
+        self._start_reader()
+
+    def _start_reader(self) -> None:
+        """The reader thread, once there is both a channel and a callback."""
+        if self._end_reader is None and self._ends is not None and self._on_end is not no_notify:
             self._end_reader = threading.Thread(
                 target=self._read_ends, args=(self._ends,), name="aiokv-store-ends", daemon=True
             )
@@ -251,10 +256,10 @@ class ProcessStore:
             try:
                 notices = ends.recv(4096)
             except OSError:
+                notices = b""
+            self._on_end()  # b"": the child is gone (the store thread finds out now), or closed
+            if not notices:
                 return
-            if not notices:  # the child is gone, or _shutdown
-                return
-            self._on_end()
 
     # ---- Store protocol --------------------------------------------------------------
 
@@ -398,11 +403,11 @@ class ProcessStore:
                 self._poller.unregister(conn.fileno())
             conn.close()
         ends, self._ends = self._ends, None
+        self._on_end = no_notify  # before the reader wakes: it calls no stale callback
         if ends is not None:
             with contextlib.suppress(OSError):
                 ends.shutdown(socket.SHUT_RDWR)  # wakes the reader (close alone would not)
             ends.close()
-        self._on_end = no_notify
         process = self._process
         if process is not None and process.poll() is None:
             try:
