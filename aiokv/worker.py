@@ -440,9 +440,7 @@ class StoreWorker:
         out: dict[int, tuple[int, Any] | None] = {}
         for (index, request), answer in zip(wanted.items(), answers, strict=True):
             if isinstance(answer, Exception):
-                error = _store_error(put_match, answer)
-                error.__cause__ = answer
-                self._outbox.append((request, error))
+                self._match_failed(request, put_match, answer)
                 out[index] = None
             else:
                 out[index] = answer
@@ -455,10 +453,16 @@ class StoreWorker:
             matched: tuple[int, Any] = put_match(request.token_ids, request.namespace)
             return matched
         except Exception as exc:
-            error = _store_error(put_match, exc)
-            error.__cause__ = exc  # as `raise error from exc` does
-            self._outbox.append((request, error))
+            self._match_failed(request, put_match, exc)
             return None
+
+    def _match_failed(
+        self, request: Request, put_match: Callable[..., Any], exc: Exception
+    ) -> None:
+        """The request's outcome when its put_match raised ``exc``."""
+        error = _store_error(put_match, exc)
+        error.__cause__ = exc  # as `raise error from exc` does
+        self._outbox.append((request, error))
 
     def _poll(self) -> None:
         try:

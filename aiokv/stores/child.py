@@ -125,10 +125,16 @@ def _put_match_many(store: Store, args: Any) -> list[Any]:
         try:
             answers.append(store.put_match(token_ids, namespace))
         except Exception as exc:
-            if not isinstance(exc, (NoSpace, ValueError)):  # the contract's own errors
-                log.warning("aiokv store process: put_match failed", exc_info=True)
-            answers.append(portable(exc))
+            answers.append(_for_the_parent("put_match", exc))
     return answers
+
+
+def _for_the_parent(op: str, exc: Exception) -> BaseException:
+    """A store's exception as it crosses to the parent; logged here unless it is one of
+    the contract's own (NoSpace, ValueError), which the parent reports itself."""
+    if not isinstance(exc, (NoSpace, ValueError)):
+        log.warning("aiokv store process: %s failed", op, exc_info=True)
+    return portable(exc)
 
 
 _CALLS: dict[str, Callable[[Store, _Ends, Any], Any]] = {
@@ -193,9 +199,7 @@ def serve(conn: Connection, ends_socket: socket.socket) -> int:
             try:
                 reply = (True, _CALLS[op](store, ends, args))
             except Exception as exc:
-                if not isinstance(exc, (NoSpace, ValueError)):  # the contract's own errors
-                    log.warning("aiokv store process: %s failed", op, exc_info=True)
-                reply = (False, portable(exc))
+                reply = (False, _for_the_parent(op, exc))
             try:
                 conn.send(reply)
             except OSError:  # the parent is gone

@@ -102,11 +102,13 @@ class CacheGeometry:
         )
 
 
-def attach_caches(gpu_register_endpoint: str, kv_caches: Sequence[torch.Tensor]) -> Any:
-    """Register the caches with a started FlexKV (``FlexKVStore.gpu_register_endpoint``),
-    from the process that owns them: FlexKV maps them by CUDA IPC. Returns FlexKV's
-    KVTPClient, which must live (with the caches) as long as that FlexKV."""
-    geometry = CacheGeometry.of(kv_caches)
+def attach_caches(
+    gpu_register_endpoint: str, kv_caches: Sequence[torch.Tensor], geometry: CacheGeometry
+) -> Any:
+    """Register the caches (of ``geometry``, ``CacheGeometry.of(kv_caches)``) with a
+    started FlexKV (``FlexKVStore.gpu_register_endpoint``), from the process that owns
+    them: FlexKV maps them by CUDA IPC. Returns FlexKV's KVTPClient, which must live (with
+    the caches) as long as that FlexKV."""
     _set_env()
     from flexkv.common.storage import KVCacheLayout, KVCacheLayoutType
     from flexkv.server.client import KVTPClient
@@ -168,7 +170,7 @@ class FlexKVStore:
         geometry = CacheGeometry.of(caches)
         self.start(geometry)
         try:
-            self._tp_client = attach_caches(self.gpu_register_endpoint, caches)
+            self._tp_client = attach_caches(self.gpu_register_endpoint, caches, geometry)
             self._caches = caches
             self.wait_attached()
         except BaseException:

@@ -178,7 +178,8 @@ class ProcessStore:
         if flexkv:  # FlexKV maps the caches itself, registered from here (attach below)
             from .flexkv import CacheGeometry, attach_caches
 
-            payload = CacheGeometry.of(caches)
+            geometry = CacheGeometry.of(caches)
+            payload = geometry
         conn = self._spawn()
         try:
             # The child unpickles shared CPU tensors through this process's resource
@@ -191,7 +192,7 @@ class ProcessStore:
                 if kind == "attach" and flexkv:
                     endpoint, self._socket_files = value
                     try:
-                        self._keep.append(attach_caches(endpoint, caches))
+                        self._keep.append(attach_caches(endpoint, caches, geometry))
                     except Exception as exc:
                         with contextlib.suppress(OSError):
                             conn.send((False, portable(exc)))
