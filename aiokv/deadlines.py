@@ -38,15 +38,23 @@ class Deadlines:
         return len(self._queue)
 
     def add(self, request: Request) -> None:
+        self.prune()
         queue = self._queue
-        while queue and queue[0][1].future.done():
-            queue.popleft()
         deadline = self._loop.time() + self._timeout_s
         queue.append((deadline, request))
         if self._timer is None:
             self._timer = self._loop.call_at(deadline, self._fire)
         elif len(queue) > self._compact_at:
             self._compact()
+
+    def prune(self) -> None:
+        """Drop the resolved entries at the head. Called as outcomes are resolved, so a
+        resolved request is not kept alive by its entry until the next submit (which
+        then paid for freeing the previous round's requests, and the garbage collector
+        counted them as young survivors in the meantime)."""
+        queue = self._queue
+        while queue and queue[0][1].future.done():
+            queue.popleft()
 
     def close(self) -> None:
         if self._timer is not None:

@@ -482,6 +482,8 @@ class OffloadEngine:
                 if time.perf_counter() >= deadline:
                     break
         finally:
+            if self._deadlines is not None:
+                self._deadlines.prune()
             # Even if one resolution raised (the loop's exception handler logs it), the
             # rest must not wait for a callback that was never scheduled.
             if outcomes:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
+import torch
 
+import aiokv
 from aiokv.deadlines import _MIN_COMPACT, Deadlines
 from aiokv.requests import Kind, Request
+from aiokv.testing import FakeStore
 
 
 def request(loop: asyncio.AbstractEventLoop, name: str) -> Request:
@@ -67,3 +71,40 @@ async def test_resolved_heads_leave_as_new_requests_arrive() -> None:
         r.future.set_result(None)
     assert len(deadlines) == 1  # first-in, first-out traffic keeps the queue short
     deadlines.close()
+
+
+@pytest.mark.asyncio
+async def test_prune_drops_resolved_heads_only() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = Deadlines(loop, 60.0, lambda r: r.future.cancel())
+    first, second, third = (request(loop, name) for name in ("first", "second", "third"))
+    for r in (first, second, third):
+        deadlines.add(r)
+    first.future.set_result(None)
+    third.future.set_result(None)
+    deadlines.prune()
+    assert len(deadlines) == 2  # "second" is pending and holds "third" behind it
+    second.future.set_result(None)
+    deadlines.prune()
+    assert len(deadlines) == 0
+    deadlines.close()
+
+
+@pytest.mark.asyncio
+async def test_the_engine_keeps_no_resolved_request_alive() -> None:
+    """A round's requests are freed with their callers, not at the next submit: their
+    deadline entries leave as their outcomes are resolved. (Held until the next submit,
+    that submit paid for freeing the whole previous round, in the middle of a burst.)"""
+    caches = [torch.zeros(64, 2, 4, 2, 8)]
+    engine = aiokv.OffloadEngine(FakeStore(4), caches, aiokv.EngineConfig(window_us=0))
+    marker = object()
+    async with engine:
+        results = await asyncio.gather(
+            *(engine.offload((marker, u), torch.arange(u * 2, u * 2 + 2), 8) for u in range(8))
+        )
+        assert [r.stored_tokens for r in results] == [8] * 8
+        alive = [
+            o for o in gc.get_objects()
+            if type(o) is Request and isinstance(o.user_id, tuple) and o.user_id[0] is marker
+        ]
+        assert alive == []
