@@ -128,9 +128,8 @@ class StoreConfig:
     flexkv: FlexKV's own user-config keys, passed through its loaders.
     own_process: run the store in a child process of its own (:class:`ProcessStore`), so
         that its Python never holds this process's GIL against the event loop; the caches
-        stay here and reach it by CUDA IPC (or shared memory). Each store call becomes a
-        round trip. Off by default: on the H200 with FlexKV it turned the loop's worst
-        waits into the loop's own work, but its throughput varied more (README).
+        stay here and reach it by CUDA IPC (or shared memory). None (the default): the
+        backend decides, :meth:`in_own_process`.
     """
 
     backend: Backend = "local"
@@ -139,7 +138,18 @@ class StoreConfig:
     ssd_cache_gb: float = 0.0
     ssd_cache_dir: str | None = None
     flexkv: Mapping[str, Any] = field(default_factory=dict)
-    own_process: bool = False
+    own_process: bool | None = None
+
+    def in_own_process(self) -> bool:
+        """Whether the store runs in a child process: ``own_process`` when set, else
+        True for FlexKV and False for the local store. FlexKV's Python (its answers for a
+        finished batch, a batch's launch) holds the GIL for up to about 1 ms a call, and
+        in this process the loop waits for it; in a child only a round trip per call is
+        left here (the README's FlexKV results). The local store is cheap to call and
+        stays here."""
+        if self.own_process is not None:
+            return self.own_process
+        return self.backend == "flexkv"
 
     def __post_init__(self) -> None:
         _check_choice("store.backend", self.backend, ("local", "flexkv"))
@@ -167,9 +177,10 @@ class StoreConfig:
             )
         if not isinstance(self.flexkv, Mapping):
             raise ConfigError("store.flexkv", f"must be a mapping, got {self.flexkv!r}")
-        if not isinstance(self.own_process, bool):
+        if self.own_process is not None and not isinstance(self.own_process, bool):
             raise ConfigError(
-                "store.own_process", f"must be true or false, got {self.own_process!r}"
+                "store.own_process",
+                f"must be true, false or null (the backend decides), got {self.own_process!r}",
             )
 
 

@@ -243,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         "after this much work (default: the store's advice, 200 for FlexKV; 0: never)",
     )
     parser.add_argument(
-        "--own-process", choices=("0", "1"), default="0",
+        "--own-process", choices=("auto", "0", "1"), default="auto",
         help="StoreConfig.own_process for (b): 1 runs FlexKV in a child process "
-        "(ProcessStore), 0 (the default) in this one. (a) always runs FlexKV in this "
-        "process, as serving code calls it today",
+        "(ProcessStore), 0 in this one, auto (the default) as the config's default does "
+        "(a child, for FlexKV). (a) always runs FlexKV in this process, as serving code "
+        "calls it today",
     )
     parser.add_argument(
         "--switch-interval-us", type=int, default=0,
@@ -285,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     bytes_per_token = LAYERS * 2 * HEADS * HEAD_DIM * 2
     config = aiokv.StoreConfig(backend="flexkv", page_size=PAGE, cpu_cache_gb=args.cpu_cache_gb,
                                flexkv=flexkv_settings,
-                               own_process=args.own_process == "1")
+                               own_process={"auto": None, "0": False, "1": True}[
+                                   args.own_process])
     generator = torch.Generator().manual_seed(0)
     shapes = [(users, tokens) for users in users_list for tokens in tokens_list]
     page_ids_of = {}
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         sync_store.close()
         raise
     store: Store = sync_store
-    if config.own_process:
+    if config.in_own_process():
         sync_store.close()
         store = aiokv.stores.make_store(config)
         shared = SharedStore(store)

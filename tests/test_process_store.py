@@ -22,7 +22,9 @@ from conftest import PAGE_SIZE, make_caches
 
 import aiokv
 import aiokv.testing
+from aiokv.engine import _store_slice_us
 from aiokv.stores import NoSpace, ProcessStore, make_store
+from aiokv.stores.flexkv import FlexKVStore
 from aiokv.stores.process import pack_results, portable, unpack_results
 
 # LocalStore blocks of conftest's caches: 2 layers x 2 x 4 tokens x 2 heads x 8 float32.
@@ -118,6 +120,26 @@ def test_launch_arguments_are_checked_before_they_travel() -> None:
 def test_make_store_runs_the_configured_store_in_its_own_process_when_asked() -> None:
     assert isinstance(make_store(aiokv.StoreConfig(own_process=True)), ProcessStore)
     assert isinstance(make_store(aiokv.StoreConfig()), aiokv.LocalStore)
+    assert isinstance(make_store(aiokv.StoreConfig(own_process=False)), aiokv.LocalStore)
+
+
+def test_by_default_flexkv_runs_in_a_child_and_the_local_store_here() -> None:
+    assert aiokv.StoreConfig().own_process is None
+    assert not aiokv.StoreConfig().in_own_process()
+    assert aiokv.StoreConfig(backend="flexkv").in_own_process()
+    assert not aiokv.StoreConfig(backend="flexkv", own_process=False).in_own_process()
+    assert aiokv.StoreConfig(own_process=True).in_own_process()
+
+
+def test_a_store_in_a_child_gives_the_advice_of_the_store_it_runs() -> None:
+    # The hand-over FlexKV advises stays on with FlexKV in a child (as measured); the
+    # local store advises none, in a child or not. Neither starts a child here.
+    flexkv_child = ProcessStore(aiokv.StoreConfig(backend="flexkv"))
+    assert flexkv_child.store_slice_us == FlexKVStore.store_slice_us == 200
+    assert _store_slice_us(aiokv.EngineConfig(), flexkv_child) == 200
+    assert _store_slice_us(aiokv.EngineConfig(store_slice_us=0), flexkv_child) == 0
+    local_child = ProcessStore(aiokv.StoreConfig())
+    assert _store_slice_us(aiokv.EngineConfig(), local_child) == 0
 
 
 def test_the_child_store_errors_come_back_as_themselves() -> None:

@@ -11,10 +11,11 @@ from .process import ProcessStore
 
 def make_store(config: StoreConfig) -> Store:
     """The store ``config.backend`` names, in a child process of its own where
-    ``config.own_process`` says so. FlexKV is imported only when asked for."""
+    ``config.in_own_process()`` says so (by default, FlexKV). FlexKV is imported only
+    when asked for."""
     if config.backend == "flexkv":
         _check_flexkv()
-    if config.own_process:
+    if config.in_own_process():
         return ProcessStore(config)
     if config.backend == "local":
         return LocalStore(config)
