@@ -3,10 +3,12 @@
 (a) sync: the recommender-serving style of today, one batch at a time: page ids on the GPU
     copied to the host once per user, slots built per user, ``put_match`` per user, one
     ``launch(as_batch=True)``, then a blocking ``wait``.
-(b) aiokv: the same requests through ``OffloadEngine`` on the same FlexKV instance, all
-    issued concurrently (``await engine.offload`` per user); the engine forms batches of the
-    same size and overlaps one batch's matching with the previous one's copy. "One round"
-    is the engine driven like (a), one batch at a time.
+(b) aiokv: the same requests through ``OffloadEngine`` on FlexKV with the same settings,
+    all issued concurrently (``await engine.offload`` per user); the engine forms batches of
+    the same size and overlaps one batch's matching with the previous one's copy. "One
+    round" is the engine driven like (a), one batch at a time. By default (b)'s FlexKV runs
+    in a child process, as ``make_store`` runs it (``--own-process``); (a)'s runs in this
+    process, as serving code calls it today, and is closed before (b) starts.
 
 The event loop's stalls are measured by a 100 µs ticker task in two more passes:
 - "paced": the rounds arrive one after another, each round's users at once, at twice the

@@ -5,7 +5,8 @@ answers, a batch's launch; its first eviction, about 50 ms), holding the GIL of 
 it runs in. In the event loop's process each such call is a stall of the loop, which no
 hand-over between calls can split (the README's FlexKV results). In a child, that Python
 holds the child's GIL. This process keeps the store thread's part of each call: one
-message out, one back, and the wait between them without the GIL.
+message out, one back, and the wait between them without the GIL. :func:`make_store`
+uses it for FlexKV unless ``StoreConfig.own_process`` is false.
 
 How:
 
