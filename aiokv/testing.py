@@ -112,9 +112,9 @@ class StoreWrapper:
         return self.inner.page_size
 
     @property
-    def store_slice_us(self) -> int:
-        """The inner store's advice for EngineConfig.store_slice_us (0 without one)."""
-        advice: int = getattr(self.inner, "store_slice_us", 0)
+    def store_slice_us(self) -> int | None:
+        """The inner store's advice for EngineConfig.store_slice_us (None without one)."""
+        advice: int | None = getattr(self.inner, "store_slice_us", None)
         return advice
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:

@@ -305,8 +305,7 @@ class StoreWorker:
                 continue
             tokens = request.token_ids
             assert tokens is not None  # set at submit for lookups
-            if self._slice_used():
-                self._yield_gil()
+            self._yield_if_slice_used()
             try:
                 task_id, mask = self._call(self._store.get_match, tokens, request.namespace)
             except StoreError as error:
@@ -363,8 +362,7 @@ class StoreWorker:
                 else:
                     if request.detached:
                         continue  # never matched: nothing to roll back
-                    if self._slice_used():
-                        self._yield_gil()
+                    self._yield_if_slice_used()
                     match = self._put_match(request)
                 if match is None:
                     continue
@@ -406,8 +404,7 @@ class StoreWorker:
         if to_cancel:
             self._cancel(to_cancel)
         if launch_ids:
-            if self._slice_used():
-                self._yield_gil()
+            self._yield_if_slice_used()
             try:
                 self._call(self._store.launch, launch_ids, launch_slots)
             except StoreError as error:
@@ -493,8 +490,9 @@ class StoreWorker:
         return bool(self._slice_s) and time.perf_counter() - self._running_since > self._slice_s
 
     def _yield_if_slice_used(self) -> None:
-        """The store's yield point (set_yield). Posts nothing: it may come in the middle
-        of a batch, whose answers must all go out after it is handled."""
+        """Hand the GIL over if the slice is used: between store calls, and as the
+        store's yield point (set_yield). Posts nothing: it may come in the middle of a
+        batch, whose answers must all go out after it is handled."""
         if self._slice_used():
             self._yield_gil()
 

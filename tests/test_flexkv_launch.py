@@ -14,10 +14,12 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+import torch
 
 import aiokv
+from aiokv import validate
 from aiokv.stores.base import NoSpace, TaskStatus
-from aiokv.stores.flexkv import FlexKVStore
+from aiokv.stores.flexkv import CacheGeometry, FlexKVStore
 
 PAGE = 4
 
@@ -257,3 +259,22 @@ def test_the_yield_point_comes_after_flexkvs_answers_and_before_their_fan_out(
     assert flexkv.try_wait([task])[task].status is TaskStatus.SUCCESS
     # Once, with FlexKV's answer in hand and none of ours built yet.
     assert answered_at_yield == [0]
+
+
+def test_cache_geometry_checks_the_caches_as_the_engine_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layers = [torch.zeros(6, 2, PAGE, 3, 8, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(aiokv.ConfigError, match="kv_caches: FlexKV needs CUDA caches"):
+        CacheGeometry.of(layers)
+    with pytest.raises(aiokv.ConfigError, match=r"kv_caches\[1\]: differs"):
+        CacheGeometry.of([layers[0], torch.zeros(6, 2, PAGE, 3, 4, dtype=torch.bfloat16)])
+    # The shapes it reads, as if the caches were on the second GPU.
+    checked = validate.kv_caches(layers)
+    monkeypatch.setattr(
+        validate, "kv_caches", lambda caches: (*checked[:2], torch.device("cuda", 1), checked[3])
+    )
+    assert CacheGeometry.of(layers) == CacheGeometry(
+        num_layers=2, num_pages=6, page_size=PAGE, heads=3, head_dim=8,
+        dtype=torch.bfloat16, device_index=1,
+    )

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import validate
 from ..config import StoreConfig
 from ..errors import ConfigError, StoreError
 from .base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus, no_yield
@@ -82,23 +83,15 @@ class CacheGeometry:
 
     @classmethod
     def of(cls, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry:
-        """The geometry of per-layer CUDA caches [pages, 2, page_size, heads, head_dim]."""
-        caches = list(kv_caches)
-        first = caches[0] if caches else None
-        if first is None or first.dim() != 5 or first.shape[1] != 2 or not first.is_cuda:
-            raise ValueError("kv_caches: need CUDA tensors [pages, 2, page_size, heads, head_dim]")
-        if any(
-            c.shape != first.shape
-            or c.dtype != first.dtype
-            or c.device != first.device
-            or not c.is_contiguous()
-            for c in caches
-        ):
-            raise ValueError("kv_caches: all layers need one shape, dtype, device, contiguous")
-        num_pages, _, page_size, heads, head_dim = (int(x) for x in first.shape)
+        """The geometry of per-layer CUDA caches [pages, 2, page_size, heads, head_dim],
+        checked as the engine checks them (ConfigError naming the layer)."""
+        num_pages, page_size, device, _ = validate.kv_caches(kv_caches)
+        if device.type != "cuda":
+            raise ConfigError("kv_caches", f"FlexKV needs CUDA caches, got {device}")
+        first = kv_caches[0]
         return cls(
-            len(caches), num_pages, page_size, heads, head_dim, first.dtype,
-            first.device.index or 0,
+            len(kv_caches), num_pages, page_size, int(first.shape[3]), int(first.shape[4]),
+            first.dtype, device.index or 0,
         )
 
 
