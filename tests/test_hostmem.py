@@ -1,0 +1,105 @@
+"""The host tier's memory, pinned in chunks: bounds, the ready watermark, partial pins."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+
+import pytest
+import torch
+
+from aiokv.errors import ConfigError
+from aiokv.stores.local.hostmem import HostMemory, chunk_bounds
+
+
+def test_chunk_bounds_grow_cover_everything_and_keep_pages_whole() -> None:
+    block_bytes = 3 * 1024  # three blocks do not fill a page; four fill three pages
+    bounds = chunk_bounds(2_000_001, block_bytes, chunk_bytes=1 << 30)  # about 6 GiB
+    assert bounds[0] == 0 and bounds[-1] == 2_000_001
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert all(s > 0 for s in sizes)
+    assert sizes[0] * 8 <= sizes[-2]  # the first chunks are the small ones
+    assert max(sizes) * block_bytes <= 1 << 30
+    for start in bounds[:-1]:
+        assert start * block_bytes % mmap.PAGESIZE == 0
+
+
+def test_unpinned_memory_is_ready_at_once() -> None:
+    memory = HostMemory(8, (2, 4), torch.float16, pin=False)
+    assert memory.ready_blocks == 8
+    assert memory.data.shape == (8, 2, 4) and memory.data.dtype == torch.float16
+    memory.data[3] = 1.5  # backed by the mapping, writable
+    assert float(memory.data[3].sum()) == 12.0
+    memory.wait_first(0)
+    assert memory.wait_all(0)
+
+
+def test_pinned_chunks_register_in_order_and_unregister_on_close() -> None:
+    registered: list[tuple[int, int]] = []
+    unregistered: list[int] = []
+    memory = HostMemory(
+        4096, (1024,), torch.uint8, pin=True, threads=3, chunk_bytes=1 << 20,
+        register=lambda a, n: registered.append((a, n)), unregister=unregistered.append,
+    )
+    assert memory.ready_blocks == 0
+    memory.start()
+    memory.wait_first(10)
+    assert memory.ready_blocks > 0
+    assert memory.wait_all(10)
+    assert memory.ready_blocks == 4096 and memory.error is None
+    base = memory.data.data_ptr()
+    assert registered[0][0] == base
+    assert sum(n for _, n in registered) == 4096 * 1024
+    for (a, n), (b, _) in zip(registered, registered[1:]):
+        assert a + n == b  # contiguous, in order, no page registered twice
+    memory.close()
+    assert unregistered == [a for a, _ in registered]
+
+
+def test_a_failed_chunk_stops_at_what_was_pinned() -> None:
+    calls = 0
+
+    def register(address: int, size: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("out of pinnable memory")
+
+    memory = HostMemory(4096, (1024,), torch.uint8, pin=True, chunk_bytes=1 << 20,
+                        register=register, unregister=lambda a: None)
+    memory.start()
+    assert memory.wait_all(10)
+    bounds = chunk_bounds(4096, 1024, 1 << 20)
+    assert memory.ready_blocks == bounds[2]  # two chunks pinned, then it stopped
+    assert isinstance(memory.error, RuntimeError)
+    memory.wait_first(0)  # something was pinned: no error
+    memory.close()
+
+
+def test_no_chunk_pinned_is_a_config_error_naming_the_key() -> None:
+    def register(address: int, size: int) -> None:
+        raise RuntimeError("no")
+
+    memory = HostMemory(64, (1024,), torch.uint8, pin=True, register=register,
+                        unregister=lambda a: None)
+    memory.start()
+    with pytest.raises(ConfigError, match="cpu_cache_gb"):
+        memory.wait_first(10)
+    memory.close()
+
+
+def test_close_while_pinning_stops_it() -> None:
+    gate = threading.Event()
+
+    def register(address: int, size: int) -> None:
+        gate.wait(10)
+
+    memory = HostMemory(4096, (1024,), torch.uint8, pin=True, chunk_bytes=1 << 20,
+                        register=register, unregister=lambda a: None)
+    memory.start()
+    closer = threading.Thread(target=memory.close)
+    closer.start()
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert memory.ready_blocks < 4096
