@@ -37,21 +37,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from .batcher import Batch
-from .errors import EngineClosed, InvalidRequest, StoreError, StoreFull
-from .requests import (
-    Kind,
-    LoadResult,
-    LookupGrant,
-    OffloadResult,
-    Request,
-    ready_events,
-)
+from .errors import EngineClosed, StoreError, StoreFull
+from .plans import Answer, Round, plan_load, plan_lookup, plan_offload, to_match
+from .plans import outcome as outcome_of
+from .requests import Kind, Request, ready_events
 from .slots import FusedPages, fuse_page_ids
-from .stores.base import NoSpace, Store, TaskResult, TaskStatus, no_yield
+from .stores.base import Capabilities, NoSpace, Store, no_yield
 
 log = logging.getLogger("aiokv")
 
@@ -66,16 +60,13 @@ class _Release:
 
 
 _STOP = object()
-_NO_MASK = np.zeros(0, dtype=np.bool_)  # select()'s placeholder for a request not launched
 _WAKE = object()  # a task may have ended: poll the store
 _NOTIFIED_POLL_S = 0.01  # fallback poll of a store that notifies (set_notify)
 # The sleep that hands the GIL to a waiting loop: longer than a thread's wake-up (a few
 # to tens of µs), short next to a batch's copy. Linux adds its 50 µs timer slack.
 _HANDOFF_S = 50e-6
 _WAITED_S = 10e-6  # an inbox get that took longer blocked (an item in hand takes ~1 µs)
-# Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-request
-# paths read them from here.
-_OFFLOAD, _SUCCESS = Kind.OFFLOAD, TaskStatus.SUCCESS
+_OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
 
 
 class StoreWorker:
@@ -112,10 +103,10 @@ class StoreWorker:
         self._reserved: set[int] = set()  # lookup matches held for a load
         self._outbox: list[tuple[Request, object]] = []
         self._in_hand: Batch | None = None  # the batch being matched or launched
-        # The store's put_match_many (optional, see stores/base.py), or None.
-        self._put_match_many: Callable[..., list[Any]] | None = getattr(
-            store, "put_match_many", None
-        )
+        self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
+        # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
+        # here, read racily by the loop's stats.
+        self.d2h_copies = 0
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
 
     # ---- loop side -------------------------------------------------------------------
@@ -168,15 +159,15 @@ class StoreWorker:
         self._page_size = self._store.page_size
         # A store that can say when a task may have ended (LocalStore's copy thread)
         # wakes this thread through the inbox; others are polled every poll_interval_us.
-        set_notify = getattr(self._store, "set_notify", None)
-        notified = callable(set_notify)
-        if notified:
-            set_notify(lambda: self._inbox.put(_WAKE))  # type: ignore[misc]
+        set_notify = self._caps.set_notify
+        notified = set_notify is not None
+        if set_notify is not None:
+            set_notify(lambda: self._inbox.put(_WAKE))
         # A store with points of its own where the GIL may go to the loop (set_yield).
         # Passed even with no slice (it replaces an earlier engine's on a shared store),
         # and taken back when this thread ends (finally, below).
-        set_yield = getattr(self._store, "set_yield", None)
-        if callable(set_yield):
+        set_yield = self._caps.set_yield
+        if set_yield is not None:
             set_yield(self._yield_if_slice_used)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
@@ -223,7 +214,7 @@ class StoreWorker:
             raise
         finally:
             self._close_store()
-            if callable(set_yield):  # the store outlives this thread: take ours back
+            if set_yield is not None:  # the store outlives this thread: take ours back
                 set_yield(no_yield)
 
     def _fail_everything(self, error: StoreError) -> None:
@@ -299,31 +290,19 @@ class StoreWorker:
             raise TypeError(f"unexpected inbox item {item!r}")
 
     def _lookup(self, batch: Batch) -> None:
-        empty: list[int] = []
-        for request in batch.requests:
-            if request.detached:
-                continue
-            tokens = request.token_ids
-            assert tokens is not None  # set at submit for lookups
-            self._yield_if_slice_used()
-            try:
-                task_id, mask = self._call(self._store.get_match, tokens, request.namespace)
-            except StoreError as error:
-                self._outbox.append((request, error))
-                continue
-            hit = int(np.count_nonzero(mask))
-            if hit == 0 or request.detached:
-                empty.append(task_id)
-                self._outbox.append((request, LookupGrant(None, None, 0)))
-            else:
-                self._reserved.add(task_id)
-                self._outbox.append((request, LookupGrant(task_id, mask, hit)))
-        if empty:
-            self._cancel(empty)
+        requests = batch.requests
+        wanted = [i for i, r in enumerate(requests) if not r.detached]
+        answers = self._match(self._store.get_match, self._caps.get_match_many, requests, wanted)
+        outcomes, cancel, reserved = plan_lookup(requests, answers)
+        self._outbox.extend(outcomes)
+        self._reserved.update(reserved)
+        if cancel:
+            self._cancel(cancel)
 
     def _move(self, batch: Batch) -> None:
         """Offload (put) or load (get) batch: one launch for everything with work."""
         fused = self._fuse(batch)
+        self.d2h_copies += fused.d2h_copies
         if fused.copy_done is None:
             # The KV itself must be written before it is copied. With a device copy there
             # is no need: _fuse made that copy wait for these events, so its own event
@@ -334,132 +313,85 @@ class StoreWorker:
         slots = fused.wait_slots(page_size)
         bad = set(fused.bad_requests(slots, self._num_pages, page_size).tolist())
         requests = batch.requests
-        # Per request: None where skipped; an empty mask where nothing is matched.
-        matched: list[tuple[Request, int, Any] | None] = [None] * len(requests)
-        masks: list[Any] = [_NO_MASK] * len(requests)
-        to_cancel: list[int] = []
-        offload = batch.kind is _OFFLOAD
-        # A store that matches many in one call (put_match_many: one round trip to a
-        # store process) is asked once for the whole batch, here.
-        matched_at_once: dict[int, tuple[int, Any] | None] | None = None
-        if offload and self._put_match_many is not None:
-            matched_at_once = self._put_matches(
-                {i: r for i, r in enumerate(requests) if i not in bad and not r.detached}
+
+        def select(masks: Sequence[Any]) -> list[Any]:
+            return fused.select(slots, masks, page_size)
+
+        if batch.kind is _OFFLOAD:
+            answers = self._match(
+                self._store.put_match, self._caps.put_match_many, requests,
+                to_match(requests, bad),
             )
-        for index, request in enumerate(requests):
-            if index in bad:
-                self._outbox.append((request, InvalidRequest(
-                    "page_ids", f"holds a page id outside [0, {self._num_pages})")))
-                if not offload and request.task_id is not None:
-                    self._reserved.discard(request.task_id)
-                    to_cancel.append(request.task_id)
-                continue
-            if offload:
-                if matched_at_once is not None:
-                    if index not in matched_at_once:
-                        continue  # detached before matching: nothing to roll back
-                    match = matched_at_once[index]  # detached since: cancelled below
-                else:
-                    if request.detached:
-                        continue  # never matched: nothing to roll back
-                    self._yield_if_slice_used()
-                    match = self._put_match(request)
-                if match is None:
-                    continue
-                task_id, mask = match
-            else:
-                assert request.task_id is not None and request.mask is not None  # the Lookup's
-                task_id, mask = request.task_id, request.mask
-                self._reserved.discard(task_id)  # launched or cancelled below
-            if request.detached:
-                to_cancel.append(task_id)
-                continue
-            matched[index] = (request, task_id, mask)
-            masks[index] = mask
-        # Every request's slots of exactly its mask's True positions, for the whole batch
-        # at once (views: store masks are one run each).
+            plan = plan_offload(requests, bad, answers, self._num_pages, page_size, select)
+        else:
+            # Every load consumes its reservation here: launched or cancelled below.
+            self._reserved.difference_update([r.task_id for r in requests])
+            plan = plan_load(requests, bad, self._num_pages, page_size, select)
+        self._execute(plan)
+
+    def _execute(self, plan: Round) -> None:
+        """Act on a planned round: its outcomes, its cancels, then its one launch."""
+        self._outbox.extend(plan.outcomes)
+        if plan.cancel:
+            self._cancel(plan.cancel)
+        if plan.failed is not None:
+            raise plan.failed  # the batch fails (see _handle)
+        if not plan.launch:
+            return
+        launch_ids = plan.launch_ids
+        self._yield_if_slice_used()
         try:
-            selected = fused.select(slots, masks, page_size)
-        except Exception:
-            # The batch fails (see _handle); what it matched must not stay matched.
-            self._cancel([entry[1] for entry in matched if entry is not None] + to_cancel)
-            raise
-        launch_ids: list[int] = []
-        launch_slots: list[Any] = []
-        launched: list[Request] = []
-        for entry, request_slots in zip(matched, selected, strict=True):
-            if entry is None:
-                continue
-            request, task_id, mask = entry
-            moved = len(request_slots)  # the mask's True positions
-            if moved == 0:
-                to_cancel.append(task_id)
-                self._outbox.append((request, self._success(request, 0)))
-                continue
-            launch_ids.append(task_id)
-            launch_slots.append(request_slots)
-            request.moved = moved
-            launched.append(request)
-            request.task_id, request.mask = task_id, mask
-        if to_cancel:
-            self._cancel(to_cancel)
-        if launch_ids:
-            self._yield_if_slice_used()
+            self._call(self._store.launch, launch_ids, plan.slots)
+        except StoreError as error:
+            # A launch that raised took none of them (the Store contract): they are
+            # still matched, and would hold their blocks forever unless given back.
+            self._cancel(launch_ids)
+            self._outbox.extend((entry[0], error) for entry in plan.launch)
+            return
+        launched = self._launched
+        for request, task_id, mask, moved in plan.launch:
+            request.task_id, request.mask, request.moved = task_id, mask, moved
+            launched[task_id] = request
+
+    def _match(
+        self,
+        match: Callable[..., Any],
+        match_many: Callable[..., list[Any]] | None,
+        requests: Sequence[Request],
+        wanted: list[int],
+    ) -> list[Answer]:
+        """Each request's answer (by batch index) to ``match`` (put_match or get_match),
+        asked for the ``wanted`` indexes only: in one call where the store matches many
+        at once (one round trip to a store process), else one by one, handing the GIL
+        over between calls once the slice is used. A failed match is its StoreError."""
+        answers: list[Answer] = [None] * len(requests)
+        if match_many is not None:
+            if not wanted:
+                return answers
             try:
-                self._call(self._store.launch, launch_ids, launch_slots)
-            except StoreError as error:
-                # A launch that raised took none of them (the Store contract): they are
-                # still matched, and would hold their blocks forever unless given back.
-                self._cancel(launch_ids)
-                for request in launched:
-                    self._outbox.append((request, error))
-                return
-            for request in launched:
-                assert request.task_id is not None
-                self._launched[request.task_id] = request
-
-    def _put_matches(self, wanted: dict[int, Request]) -> dict[int, tuple[int, Any] | None]:
-        """put_match_many for these requests (by batch index): each one's match, or None
-        with its error in the outbox. A call that fails as a whole fails each of them."""
-        if not wanted:
-            return {}
-        assert self._put_match_many is not None
-        put_match = self._store.put_match  # the errors name the verb, as one by one
-        try:
-            answers: list[Any] = self._put_match_many(
-                [(r.token_ids, r.namespace) for r in wanted.values()]
-            )
-            if len(answers) != len(wanted):  # a broken store: give back what it matched
-                self._cancel([a[0] for a in answers if not isinstance(a, Exception)])
-                raise RuntimeError(f"{len(answers)} answers to {len(wanted)} put_matches")
-        except Exception as exc:
-            answers = [exc] * len(wanted)
-        out: dict[int, tuple[int, Any] | None] = {}
-        for (index, request), answer in zip(wanted.items(), answers, strict=True):
-            if isinstance(answer, Exception):
-                self._match_failed(request, put_match, answer)
-                out[index] = None
-            else:
-                out[index] = answer
-        return out
-
-    def _put_match(self, request: Request) -> tuple[int, Any] | None:
-        assert request.token_ids is not None
-        put_match = self._store.put_match
-        try:  # as _call, without its frame: once per request
-            matched: tuple[int, Any] = put_match(request.token_ids, request.namespace)
-            return matched
-        except Exception as exc:
-            self._match_failed(request, put_match, exc)
-            return None
-
-    def _match_failed(
-        self, request: Request, put_match: Callable[..., Any], exc: Exception
-    ) -> None:
-        """The request's outcome when its put_match raised ``exc``."""
-        error = _store_error(put_match, exc)
-        error.__cause__ = exc  # as `raise error from exc` does
-        self._outbox.append((request, error))
+                many: list[Any] = match_many(
+                    [(requests[i].token_ids, requests[i].namespace) for i in wanted]
+                )
+                if len(many) != len(wanted):  # a broken store: give back what it matched
+                    self._cancel([a[0] for a in many if not isinstance(a, Exception)])
+                    raise RuntimeError(f"{len(many)} answers to {len(wanted)} matches")
+            except Exception as exc:
+                many = [exc] * len(wanted)
+            for index, answer in zip(wanted, many, strict=True):
+                answers[index] = (
+                    _translated(match, answer) if isinstance(answer, Exception) else answer
+                )
+            return answers
+        for index in wanted:
+            request = requests[index]
+            if request.detached:
+                continue  # left since: never matched, nothing to roll back
+            self._yield_if_slice_used()
+            try:  # as _call, without its frame: once per request
+                answers[index] = match(request.token_ids, request.namespace)
+            except Exception as exc:
+                answers[index] = _translated(match, exc)
+        return answers
 
     def _poll(self) -> None:
         try:
@@ -471,7 +403,7 @@ class StoreWorker:
             self._outbox.extend((r, error) for r in self._launched.values())
             self._launched.clear()
             return
-        launched = self._launched
+        launched, page_size = self._launched, self._page_size
         for task_id, result in results.items():
             if self._slice_used():
                 self._post()  # answers are independent: these callers go on now
@@ -480,7 +412,7 @@ class StoreWorker:
             if request is None:
                 log.warning("store answered unknown task id %s", task_id)
                 continue
-            outcome = self._outcome(request, result)  # should it raise, it is still held
+            outcome = outcome_of(request, result, page_size)  # should it raise, it is still held
             del launched[task_id]
             self._outbox.append((request, outcome))
 
@@ -502,27 +434,6 @@ class StoreWorker:
         Called between store calls (or answers) once :meth:`_slice_used`."""
         time.sleep(_HANDOFF_S)
         self._running_since = time.perf_counter()
-
-    def _outcome(self, request: Request, result: TaskResult) -> object:
-        if result.status is _SUCCESS:
-            # A store may report the moved positions itself (FlexKV's per-sub-task masks).
-            mask = result.mask
-            moved = (
-                request.moved
-                if mask is None or mask is request.mask
-                else int(np.count_nonzero(mask))
-            )
-            return self._success(request, moved)
-        if result.status is TaskStatus.CANCELLED:
-            return StoreError(f"the store cancelled task {request.task_id}: {result.error}")
-        return StoreError(f"task {request.task_id} failed in the store: {result.error}")
-
-    def _success(self, request: Request, moved: int) -> object:
-        if request.kind is _OFFLOAD:
-            page_size = self._page_size
-            cached = request.num_tokens // page_size * page_size
-            return OffloadResult(request.user_id, moved, cached)
-        return LoadResult(request.user_id, moved)
 
     def _cancel(self, task_ids: list[int]) -> None:
         try:
@@ -562,6 +473,13 @@ class StoreWorker:
         except RuntimeError:
             # The loop is closed: nobody is left to resolve these futures.
             log.warning("event loop closed; dropped %d outcomes", len(drained))
+
+
+def _translated(method: Callable[..., Any], exc: Exception) -> StoreError:
+    """``exc``, raised by the store's ``method``, as the StoreError raised from it."""
+    error = _store_error(method, exc)
+    error.__cause__ = exc  # as `raise error from exc` does
+    return error
 
 
 def _store_error(method: Callable[..., Any], exc: Exception) -> StoreError:
