@@ -108,7 +108,7 @@ class Batcher:
         self._draining = False
         self._spent_this_iteration: float | None = None  # dispatching, s; None: none yet
         # Called as each window closes, before its batches go to the store thread (the
-        # callers' CUDA events are recorded there: requests.ReadyMarks).
+        # callers' CUDA events are recorded there: cuda.ReadyMarks).
         self._on_window_closed = on_window_closed
 
     def __len__(self) -> int:

@@ -32,6 +32,7 @@ from . import validate
 from .admission import Admission
 from .batcher import Batch, Batcher
 from .config import EngineConfig, store_slice_from_advice
+from .cuda import ReadyMarks, warm_up
 from .deadlines import Deadlines
 from .errors import (
     ConfigError,
@@ -46,10 +47,8 @@ from .requests import (
     Lookup,
     LookupGrant,
     OffloadResult,
-    ReadyMarks,
     Request,
 )
-from .slots import d2h_copies, warm_up
 from .stats import EngineStats, StatsRecorder
 from .stores.base import Store
 from .worker import StoreWorker
@@ -58,10 +57,10 @@ log = logging.getLogger("aiokv")
 T = TypeVar("T")
 
 # Resolving outcomes runs at most about this long per loop callback (always at least one
-# outcome); the rest waits for the next iteration. On an H200 host an outcome costs 3-4 µs
-# to resolve and its caller 2-4 µs to resume (in the iteration after), so a store thread
-# posting hundreds at once (large batches, or several drained together) would otherwise
-# hold the loop for milliseconds in one or two iterations.
+# outcome); the rest waits for the next iteration. Each outcome costs a resolution and its
+# caller's resumption (in the iteration after), so a store thread posting hundreds at once
+# (large batches, or several drained together) would otherwise hold the loop for
+# milliseconds in one or two iterations.
 RESOLVE_BUDGET_S = 0.0001
 # Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-call paths
 # read them from here.
@@ -269,8 +268,10 @@ class OffloadEngine:
         await self.aclose()
 
     def stats(self) -> EngineStats:
-        open_tasks = self._worker.tasks_open if self._worker is not None else 0
-        return self._stats.snapshot(open_tasks, self._bytes_per_token)
+        worker = self._worker
+        if worker is None:
+            return self._stats.snapshot(0, 0, self._bytes_per_token)
+        return self._stats.snapshot(worker.tasks_open, worker.d2h_copies, self._bytes_per_token)
 
     # ---- public calls ------------------------------------------------------------------
 
@@ -512,10 +513,7 @@ class OffloadEngine:
             self._resolve(request, error)
 
     def _on_batch(self, batch: Batch) -> None:
-        copies = 0
-        if self._on_gpu and batch.kind is not Kind.LOOKUP:  # the store thread fuses it
-            copies = d2h_copies(r.page_ids for r in batch.requests)
-        self._stats.record_batch(len(batch.requests), copies)
+        self._stats.record_batch(len(batch.requests))
 
 
 def open_engine(path: str, kv_caches: Sequence[torch.Tensor]) -> OffloadEngine:

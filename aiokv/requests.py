@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -71,126 +71,6 @@ class Request:
     mask: BoolArray | None = None
     moved: int = 0  # True positions of the mask: tokens this request moves
     submitted_at: float = 0.0
-
-
-def ready_events(requests: Iterable[Request]) -> list[Any]:
-    """The distinct ready events of ``requests``, for a batch to wait for before its copy
-    (usually one per caller stream; see :class:`ReadyMarks`)."""
-    events: dict[int, Any] = {}
-    for request in requests:
-        if request.ready_event is not None:
-            events.setdefault(id(request.ready_event), request.ready_event)
-    return list(events.values())
-
-
-class CurrentStreams:
-    """``torch.cuda.current_stream(device)``, for a call on every submit.
-
-    torch builds a new Stream object per call: about 3 µs on an H200 host, half of a
-    submit's cost on the loop. The stream's identity is a (stream id, device index,
-    device type) triple that torch reads in about 0.1 µs; a Stream is nothing but that
-    triple, so the object built for a triple is kept and handed out again. Where torch
-    lacks the private getter (``torch._C._cuda_getCurrentStream``), it falls back to
-    ``torch.cuda.current_stream``."""
-
-    _MAX_STREAMS = 1024  # past this many distinct streams, build objects per call again
-
-    def __init__(
-        self,
-        get_current: Callable[[int], tuple[int, int, int]] | None = None,
-        new_stream: Callable[..., Any] = torch.cuda.Stream,
-    ) -> None:
-        self._get_current = get_current or getattr(torch._C, "_cuda_getCurrentStream", None)
-        self._new_stream = new_stream
-        self._streams: dict[tuple[int, int, int], Any] = {}
-
-    def __call__(self, device: torch.device) -> Any:
-        get_current = self._get_current
-        index = device.index
-        if get_current is None or index is None:
-            return torch.cuda.current_stream(device)
-        key = get_current(index)
-        stream = self._streams.get(key)
-        if stream is None:
-            stream_id, device_index, device_type = key
-            stream = self._new_stream(
-                stream_id=stream_id, device_index=device_index, device_type=device_type
-            )
-            if len(self._streams) < self._MAX_STREAMS:
-                self._streams[key] = stream
-        return stream
-
-
-class ReadyMarks:
-    """Marks how far each caller's stream got at submit: the KV (and GPU page ids) are
-    written there, and the copy must start after them.
-
-    One CUDA event per caller stream per batch window: a stream runs in order, so one
-    record of the event after a window's last submit on that stream covers every submit
-    of the window, and a batch waits for it alone. That saves creating (and destroying)
-    an event per request. A new window gets new events, so a batch never waits for a
-    later window's submits (the callers' next kernels, say).
-
-    A submit records nothing: it notes its stream, and the events are recorded once per
-    loop iteration (a callback scheduled by the iteration's first submit) and when the
-    batcher closes a window (:meth:`close_window`), which comes before any of that
-    window's batches is fused. Recording later than the submit only waits for more work,
-    never less: on a stream shared by several callers, it may include kernels the others
-    queued later in the same iteration (re-recording at every submit of a window did the
-    same, up to the window's last submit). Recording at every submit cost a CUDA call, and
-    torch releases the GIL around it: in a burst of submits, each one was a chance for
-    the store thread to take the GIL and keep it for milliseconds (inside FlexKV's C
-    code, Python cannot take it back), stalling the loop in the middle of the burst."""
-
-    def __init__(
-        self,
-        device: torch.device,
-        call_soon: Callable[[Callable[[], None]], object],
-        new_event: Callable[[], Any] = torch.cuda.Event,
-        current_stream: Callable[[torch.device], Any] | None = None,
-        synchronize: Callable[[torch.device], None] = torch.cuda.synchronize,
-    ) -> None:
-        self._device = device
-        self._call_soon = call_soon  # the loop's call_soon
-        self._new_event = new_event
-        self._current_stream = current_stream or CurrentStreams()
-        self._synchronize = synchronize
-        self._events: dict[int, Any] = {}  # stream handle -> this window's event
-        self._unrecorded: dict[int, tuple[Any, Any]] = {}  # handle -> (stream, event)
-
-    def mark(self, request: Request) -> None:
-        stream = self._current_stream(self._device)
-        handle = stream.cuda_stream
-        event = self._events.get(handle)
-        if event is None:
-            event = self._events[handle] = self._new_event()
-        if not self._unrecorded:
-            self._call_soon(self.record)
-        self._unrecorded[handle] = (stream, event)
-        request.ready_event = event
-
-    def close_window(self) -> None:
-        """The batcher closed a window: record its events before any of its batches is
-        fused; later submits get new events."""
-        self.record()
-        self._events = {}
-
-    def record(self) -> None:
-        """Record each noted stream's event after what the stream has queued so far."""
-        unrecorded, self._unrecorded = self._unrecorded, {}
-        for stream, event in unrecorded.values():
-            try:
-                event.record(stream)
-            except Exception:
-                # The stream is gone (an external stream destroyed right after its
-                # submit, say): wait for the whole device, so that no batch copies
-                # before the caller's writes. If even that fails, the batch's own CUDA
-                # calls fail next, and the batch with them.
-                log.exception("aiokv: recording a caller's CUDA event failed")
-                try:
-                    self._synchronize(self._device)
-                except Exception:
-                    log.exception("aiokv: synchronizing %s failed", self._device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,27 +162,3 @@ class Lookup:
         tb: TracebackType | None,
     ) -> None:
         self.release()
-
-
-_positions: Int64Array = np.arange(0, dtype=np.int64)
-_views: dict[int, Int64Array] = {}  # num_tokens -> its view, for the first lengths asked
-_MAX_VIEWS = 4096
-
-
-def default_token_ids(num_tokens: int) -> Int64Array:
-    """Positions 0..num_tokens-1: the recommender case, an append-only history. A
-    read-only view of one shared array (grown as needed), not a new array per call;
-    the views themselves are kept for the first lengths asked (a lookup costs less than
-    slicing)."""
-    global _positions
-    view = _views.get(num_tokens)
-    if view is not None:
-        return view
-    if num_tokens > len(_positions):
-        grown = np.arange(max(num_tokens, 2 * len(_positions), 4096), dtype=np.int64)
-        grown.flags.writeable = False
-        _positions = grown
-    view = _positions[:num_tokens]
-    if len(_views) < _MAX_VIEWS:
-        _views[num_tokens] = view
-    return view

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, InvalidRequest
-from .requests import default_token_ids
 from .stores.base import Int64Array
 
 
@@ -101,3 +100,27 @@ def namespace(namespace: Any, user_id: Hashable) -> tuple[str, ...]:
         if not isinstance(part, str):
             raise InvalidRequest("namespace", "must be a list of str")
     return tuple(namespace)
+
+
+_positions: Int64Array = np.arange(0, dtype=np.int64)
+_views: dict[int, Int64Array] = {}  # num_tokens -> its view, for the first lengths asked
+_MAX_VIEWS = 4096
+
+
+def default_token_ids(num_tokens: int) -> Int64Array:
+    """Positions 0..num_tokens-1: the recommender case, an append-only history. A
+    read-only view of one shared array (grown as needed), not a new array per call;
+    the views themselves are kept for the first lengths asked (a lookup costs less than
+    slicing)."""
+    global _positions
+    view = _views.get(num_tokens)
+    if view is not None:
+        return view
+    if num_tokens > len(_positions):
+        grown = np.arange(max(num_tokens, 2 * len(_positions), 4096), dtype=np.int64)
+        grown.flags.writeable = False
+        _positions = grown
+    view = _positions[:num_tokens]
+    if len(_views) < _MAX_VIEWS:
+        _views[num_tokens] = view
+    return view

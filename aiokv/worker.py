@@ -14,7 +14,7 @@ its own this thread would hold the loop off for as long as it has work. Once it 
 ``set_yield``): long enough for a waiting loop to take the GIL and run (see
 :meth:`StoreWorker._yield_gil`).
 
-Per batch: fuse its page ids into one host copy (:func:`aiokv.slots.fuse_page_ids`, on
+Per batch: fuse its page ids into one host copy (:func:`aiokv.cuda.fuse_page_ids`, on
 the copy stream, after the callers' CUDA events), wait for it, check page ids, match per
 request, cancel the matches with nothing to move, launch the rest in one call. Then poll
 ``try_wait`` on launched ids until each is terminal. Store errors are translated here,
@@ -40,11 +40,12 @@ from typing import Any
 import torch
 
 from .batcher import Batch
+from .cuda import fuse_page_ids, ready_events
 from .errors import EngineClosed, StoreError, StoreFull
 from .plans import Answer, Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
-from .requests import Kind, Request, ready_events
-from .slots import FusedPages, fuse_page_ids
+from .requests import Kind, Request
+from .slots import FusedPages
 from .stores.base import Capabilities, NoSpace, Store, no_yield
 
 log = logging.getLogger("aiokv")

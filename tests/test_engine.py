@@ -529,3 +529,32 @@ async def test_a_notifying_store_whose_answer_comes_after_the_wake_up_is_still_p
     async with engine:
         result = await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), 10)
     assert result.stored_tokens == 16 and store.withheld == 1
+
+
+@pytest.mark.asyncio
+async def test_d2h_copies_counts_the_copies_the_fused_batches_made(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stat is the fused batches' own count, so a path that made an extra copy shows:
+    here every fused batch reports one copy more than it made."""
+    from dataclasses import replace
+
+    from aiokv import worker as worker_module
+
+    fuse = worker_module.fuse_page_ids
+    made: list[int] = []
+
+    def one_copy_too_many(*args: Any) -> Any:
+        fused = fuse(*args)
+        made.append(fused.d2h_copies)
+        return replace(fused, d2h_copies=fused.d2h_copies + 1)
+
+    monkeypatch.setattr(worker_module, "fuse_page_ids", one_copy_too_many)
+    engine, _ = checked_engine(caches, window_us=0)
+    async with engine:
+        await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)
+        hit = await asyncio.wait_for(engine.lookup("u", 16), timeout=5)
+        await asyncio.wait_for(engine.load(hit, torch.arange(4, 8)), timeout=5)
+        stats = engine.stats()
+    assert made == [0, 0]  # CPU page ids: no copy, for the offload and the load
+    assert stats.d2h_copies == 2

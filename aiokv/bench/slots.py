@@ -4,7 +4,7 @@ Each user holds 1024-4096 tokens (random) in random pages of ``page_size``. The 
 is the issue's definition: a batch must end as host int64 slots (``page * page_size +
 offset``) of every used page of every user, one array (a view is fine) per user.
 
-  fused     aiokv.slots: fuse_page_ids (one concat and one expansion on the device, one
+  fused     aiokv.cuda: fuse_page_ids (one concat and one expansion on the device, one
             copy to pinned memory), then FusedPages.wait_request_slots: the per-user
             views (FusedPages.split) are made while the copy is in flight, then the
             wait. On the current stream, like (a) and (b); the engine's batcher runs it
@@ -50,7 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..slots import fuse_page_ids, select_slots
+from ..cuda import fuse_page_ids
+from ..slots import select_slots
 from ..stores.base import BoolArray, Int64Array
 from . import common
 
