@@ -1,4 +1,5 @@
-"""OffloadEngine: the public async API, its lifecycle, admission control and deadlines.
+"""OffloadEngine: the public async API and its lifecycle (admission, deadlines and
+resolution have modules of their own).
 
 One offload, end to end (read on in batcher.py, slots.py, worker.py):
 
@@ -10,7 +11,7 @@ One offload, end to end (read on in batcher.py, slots.py, worker.py):
    to the store thread; nothing on the loop calls CUDA for it.
 3. The store thread fuses the batch's page ids into one host copy, matches, cancels or
    launches, polls until terminal, and posts the outcomes back;
-   :meth:`OffloadEngine._resolve` is the one place a future is resolved.
+   :meth:`aiokv.resolution.Resolver.resolve` is the one place a future is resolved.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import enum
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Hashable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -45,10 +45,10 @@ from .requests import (
     Kind,
     LoadResult,
     Lookup,
-    LookupGrant,
     OffloadResult,
     Request,
 )
+from .resolution import Resolver
 from .stats import EngineStats, StatsRecorder
 from .stores.base import Store
 from .worker import StoreWorker
@@ -56,12 +56,6 @@ from .worker import StoreWorker
 log = logging.getLogger("aiokv")
 T = TypeVar("T")
 
-# Resolving outcomes runs at most about this long per loop callback (always at least one
-# outcome); the rest waits for the next iteration. Each outcome costs a resolution and its
-# caller's resumption (in the iteration after), so a store thread posting hundreds at once
-# (large batches, or several drained together) would otherwise hold the loop for
-# milliseconds in one or two iterations.
-RESOLVE_BUDGET_S = 0.0001
 # Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-call paths
 # read them from here.
 _OFFLOAD, _LOAD = Kind.OFFLOAD, Kind.LOAD
@@ -115,9 +109,7 @@ class OffloadEngine:
         self._deadlines: Deadlines | None = None  # request_timeout_ms, when set
         self._ready_marks: ReadyMarks | None = None  # the callers' CUDA events, on a GPU
         self._closing: asyncio.Future[None] | None = None
-        # Outcomes posted by the store thread, not resolved yet (RESOLVE_BUDGET_S). While
-        # it holds any, a _resolve_outcomes callback is scheduled for them.
-        self._outcomes: deque[tuple[Request, object]] = deque()
+        self._resolver: Resolver | None = None  # resolves every future, once started
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -141,8 +133,17 @@ class OffloadEngine:
         self._loop = loop
         self._idle = asyncio.Event()
         self._idle.set()
+        resolver = self._resolver = Resolver(
+            loop,
+            self._stats,
+            self._admission,
+            self._idle,
+            self._release_reservation,
+            self._config.lookup_ttl_ms / 1e3,
+        )
         if self._config.request_timeout_ms:
             self._deadlines = Deadlines(loop, self._config.request_timeout_ms / 1e3, self._expire)
+            resolver.deadlines = self._deadlines
         registered: concurrent.futures.Future[None] = concurrent.futures.Future()
         copy_stream = (
             torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
@@ -152,7 +153,7 @@ class OffloadEngine:
         self._worker = StoreWorker(
             self._store,
             loop,
-            self._deliver,
+            resolver.deliver,
             self._num_pages,
             self._config.poll_interval_us,
             self._kv_caches,
@@ -211,6 +212,7 @@ class OffloadEngine:
 
     async def _close(self, drain: bool, timeout: float) -> None:
         assert self._batcher is not None and self._worker is not None and self._idle
+        assert self._resolver is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         self._state = EngineState.DRAINING
@@ -236,7 +238,7 @@ class OffloadEngine:
         if not await asyncio.to_thread(self._worker.join, remaining):
             log.warning("aiokv: store thread still busy after %.1fs; abandoning it", remaining)
         await asyncio.sleep(0)  # let outcomes posted before the join arrive
-        self._resolve_outcomes(budget_s=math.inf)  # and resolve them, before failing the rest
+        self._resolver.resolve_outcomes(budget_s=math.inf)  # and resolve them, then fail the rest
         for request in list(self._admission.live):
             self._resolve(request, EngineClosed("engine closed before this request finished"))
         if self._deadlines is not None:
@@ -395,7 +397,8 @@ class OffloadEngine:
             return await self._submit_when_room(request)
         except asyncio.CancelledError:
             if request.future.cancelled():
-                self._finished(request, None)
+                assert self._resolver is not None
+                self._resolver.finished(request, None)
             raise
 
     def _accept(self, request: Request) -> asyncio.Future[Any]:
@@ -430,66 +433,8 @@ class OffloadEngine:
         )
 
     def _resolve(self, request: Request, outcome: object) -> None:
-        """The one place futures are resolved. A future already done (caller cancelled,
-        timed out) is left alone; an orphaned reservation is given back."""
-        future = request.future
-        if future.done():
-            if isinstance(outcome, LookupGrant) and outcome.task_id is not None:
-                self._release_reservation(outcome.task_id)
-            return
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        elif isinstance(outcome, LookupGrant):
-            lookup = Lookup(request.user_id, outcome, self._release_reservation)
-            if lookup.held:
-                assert self._loop is not None
-                lookup._set_ttl(
-                    self._loop.call_later(self._config.lookup_ttl_ms / 1e3, lookup._expire)
-                )
-            future.set_result(lookup)
-        else:
-            future.set_result(outcome)
-        self._finished(request, outcome)
-
-    def _finished(self, request: Request, outcome: object) -> None:
-        """A request's future is done (``outcome`` None: the caller cancelled it): the one
-        place outcome counts change. Called once per accepted request, by _resolve or by
-        _run on cancellation; not a done-callback, which would cost a loop callback."""
-        request.detached = True  # the store thread stops caring about it from now on
-        self._admission.leave(request)
-        self._stats.record_outcome(outcome, time.perf_counter() - request.submitted_at)
-        if not self._admission.live:
-            assert self._idle is not None
-            self._idle.set()
-
-    def _deliver(self, pairs: list[tuple[Request, object]]) -> None:
-        """Called on the loop by the store thread, once per drained set."""
-        queued = bool(self._outcomes)  # then a callback is due for them: wait your turn
-        self._outcomes.extend(pairs)
-        if not queued:
-            self._resolve_outcomes()
-
-    def _resolve_outcomes(self, budget_s: float | None = None) -> None:
-        """Resolve queued outcomes in order for about ``budget_s`` (default
-        RESOLVE_BUDGET_S; at least one), and leave the rest to a callback in the next loop
-        iteration."""
-        outcomes = self._outcomes
-        resolve = self._resolve
-        deadline = time.perf_counter() + (RESOLVE_BUDGET_S if budget_s is None else budget_s)
-        try:
-            while outcomes:
-                request, outcome = outcomes.popleft()
-                resolve(request, outcome)
-                if time.perf_counter() >= deadline:
-                    break
-        finally:
-            if self._deadlines is not None:
-                self._deadlines.prune()
-            # Even if one resolution raised (the loop's exception handler logs it), the
-            # rest must not wait for a callback that was never scheduled.
-            if outcomes:
-                assert self._loop is not None
-                self._loop.call_soon(self._resolve_outcomes)
+        assert self._resolver is not None  # every request is accepted after start()
+        self._resolver.resolve(request, outcome)
 
     def _release_reservation(self, task_id: int) -> None:
         if self._worker is not None:

@@ -93,6 +93,8 @@ class Lookup:
         user_id: Hashable,
         grant: LookupGrant,
         release_task: Callable[[int], None],
+        call_later: Callable[[float, Callable[[], None]], asyncio.TimerHandle] | None = None,
+        ttl_s: float = 0.0,
     ) -> None:
         self.user_id = user_id
         self.cached_tokens = grant.cached_tokens
@@ -100,7 +102,11 @@ class Lookup:
         self._mask = grant.mask
         self._release_task = release_task
         self._state = "held" if grant.task_id is not None else "empty"
+        # The reservation's TTL: armed here (the loop's call_later), cancelled as it is
+        # released or consumed.
         self._ttl_handle: asyncio.TimerHandle | None = None
+        if self._state == "held" and call_later is not None:
+            self._ttl_handle = call_later(ttl_s, self._expire)
 
     def __repr__(self) -> str:
         return (
@@ -138,9 +144,6 @@ class Lookup:
         self._state = "loading"
         self._cancel_ttl()
         return self._task_id, self._mask
-
-    def _set_ttl(self, handle: asyncio.TimerHandle) -> None:
-        self._ttl_handle = handle
 
     def _cancel_ttl(self) -> None:
         if self._ttl_handle is not None:

@@ -261,9 +261,9 @@ async def test_cheap_batches_of_a_burst_all_go_out_within_the_budget(
 
 
 def _resolve_budget(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    from aiokv import engine as engine_module
+    from aiokv import resolution
 
-    monkeypatch.setattr(engine_module, "RESOLVE_BUDGET_S", seconds)
+    monkeypatch.setattr(resolution, "RESOLVE_BUDGET_S", seconds)
 
 
 def _admitted_offloads(engine: aiokv.OffloadEngine, count: int) -> list[Any]:
@@ -288,8 +288,8 @@ async def test_outcomes_past_the_budget_resolve_in_order_over_later_iterations(
     async with aiokv.OffloadEngine(small_store(), caches) as engine:
         requests = _admitted_offloads(engine, 6)
         outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
-        engine._deliver(list(zip(requests[:4], outcomes[:4], strict=True)))
-        engine._deliver(list(zip(requests[4:], outcomes[4:], strict=True)))  # waits its turn
+        engine._resolver.deliver(list(zip(requests[:4], outcomes[:4], strict=True)))
+        engine._resolver.deliver(list(zip(requests[4:], outcomes[4:], strict=True)))  # waits its turn
         resolved_per_iteration = [sum(r.future.done() for r in requests)]
         while resolved_per_iteration[-1] < len(requests):
             await asyncio.sleep(0)
@@ -310,24 +310,26 @@ async def test_a_resolution_that_raises_does_not_strand_the_outcomes_after_it(
     async with aiokv.OffloadEngine(small_store(), caches) as engine:
         requests = _admitted_offloads(engine, 4)
         outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
-        resolve = engine._resolve
+        resolver = engine._resolver
+        assert resolver is not None
+        resolve = resolver.resolve
 
         def resolve_but_fail_the_second(request: Any, outcome: object) -> None:
             if request is requests[1]:
                 raise RuntimeError("a bug in resolving")
             resolve(request, outcome)
 
-        monkeypatch.setattr(engine, "_resolve", resolve_but_fail_the_second)
-        engine._deliver(list(zip(requests[:2], outcomes[:2], strict=True)))
+        monkeypatch.setattr(resolver, "resolve", resolve_but_fail_the_second)
+        resolver.deliver(list(zip(requests[:2], outcomes[:2], strict=True)))
         for _ in range(3):
             await asyncio.sleep(0)  # the second raises in a callback of its own
-        engine._deliver(list(zip(requests[2:], outcomes[2:], strict=True)))
+        resolver.deliver(list(zip(requests[2:], outcomes[2:], strict=True)))
         for _ in range(5):
             await asyncio.sleep(0)
         assert [r.future.done() for r in requests] == [True, False, True, True]
         assert [type(e) for e in errors] == [RuntimeError]
         requests[1].future.cancel()  # let the engine close without waiting for it
-        engine._finished(requests[1], None)
+        resolver.finished(requests[1], None)
 
 
 @pytest.mark.asyncio
@@ -347,7 +349,7 @@ async def test_outcomes_still_queued_at_close_resolve_with_their_own_results(
     def join_then_post(timeout: float | None = None) -> bool:
         finished = join(timeout)
         # The store thread's last post, as it ends: finished before the close gave up.
-        loop.call_soon_threadsafe(engine._deliver, list(zip(requests, outcomes, strict=True)))
+        loop.call_soon_threadsafe(engine._resolver.deliver, list(zip(requests, outcomes, strict=True)))
         return finished
 
     monkeypatch.setattr(worker, "join", join_then_post)

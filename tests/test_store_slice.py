@@ -22,6 +22,7 @@ import aiokv.worker
 from aiokv.batcher import Batch
 from aiokv.config import parse_config
 from aiokv.engine import _store_slice_us
+from aiokv.resolution import Resolver
 from aiokv.stores.base import BoolArray, Int64Array, Store
 from aiokv.stores.flexkv import FlexKVStore
 from aiokv.testing import FakeStore, SharedStore, StoreWrapper
@@ -176,10 +177,10 @@ def record_deliveries(
     their outcomes, and how many had been received at each sleep."""
     delivered: list[Any] = []
     delivered_at_sleep: list[int] = []
-    deliver = aiokv.OffloadEngine._deliver
+    deliver = Resolver.deliver
     loop = asyncio.get_running_loop()
 
-    def recording_deliver(self: aiokv.OffloadEngine, pairs: list[tuple[Any, object]]) -> None:
+    def recording_deliver(self: Resolver, pairs: list[tuple[Any, object]]) -> None:
         delivered.extend(request for request, _ in pairs)
         deliver(self, pairs)
 
@@ -189,7 +190,7 @@ def record_deliveries(
         assert caught_up.wait(10)
         delivered_at_sleep.append(len(delivered))
 
-    monkeypatch.setattr(aiokv.OffloadEngine, "_deliver", recording_deliver)
+    monkeypatch.setattr(Resolver, "deliver", recording_deliver)
     clock.on_sleep = let_the_loop_run
     return delivered, delivered_at_sleep
 
