@@ -15,14 +15,11 @@ its own this thread would hold the loop off for as long as it has work. Once it 
 :meth:`StoreWorker._yield_gil`).
 
 Per batch: fuse its page ids into one host copy (:func:`aiokv.cuda.fuse_page_ids`, on
-the copy stream, after the callers' CUDA events), wait for it, check page ids, match per
-request, cancel the matches with nothing to move, launch the rest in one call. Then poll
-``try_wait`` on launched ids until each is terminal. Store errors are translated here,
-once, into StoreError raised from the store's exception.
-
-A batch is fused in its turn, not ahead of the batch before it: fusing ahead would put
-its CPU work (about eight torch calls) in front of that batch's launch, and the GPU part it
-would hide is a few microseconds of kernel.
+the copy stream, after the callers' CUDA events), wait for it, check page ids, ask the
+store for its matches (:class:`aiokv.calls.StoreCalls`), plan the round
+(:mod:`aiokv.plans`) and execute it: cancels, then one launch. Then poll ``try_wait`` on
+launched ids until each is terminal. A batch is fused in its turn, not ahead of the
+batch before it: that would put its CPU work in front of the earlier batch's launch.
 """
 
 from __future__ import annotations
@@ -40,13 +37,14 @@ from typing import Any
 import torch
 
 from .batcher import Batch
+from .calls import StoreCalls
 from .cuda import fuse_page_ids, ready_events
-from .errors import EngineClosed, StoreError, StoreFull
-from .plans import Answer, Round, plan_load, plan_lookup, plan_offload, to_match
+from .errors import EngineClosed, StoreError
+from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
 from .requests import Kind, Request
 from .slots import FusedPages
-from .stores.base import Capabilities, NoSpace, Store, no_yield
+from .stores.base import Capabilities, Store, no_yield
 
 log = logging.getLogger("aiokv")
 
@@ -105,6 +103,7 @@ class StoreWorker:
         self._outbox: list[tuple[Request, object]] = []
         self._in_hand: Batch | None = None  # the batch being matched or launched
         self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
+        self._calls = StoreCalls(store, self._yield_if_slice_used)
         # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
         # here, read racily by the loop's stats.
         self.d2h_copies = 0
@@ -207,7 +206,7 @@ class StoreWorker:
                     self._poll()
                 self._post()
             if self._reserved:
-                self._cancel(sorted(self._reserved))
+                self._calls.cancel(sorted(self._reserved))
                 self._reserved.clear()
         except BaseException:  # a bug here must not strand futures: fail what we hold
             log.exception("aiokv store thread crashed")
@@ -271,7 +270,7 @@ class StoreWorker:
             held = [t for t in item.task_ids if t in self._reserved]
             self._reserved.difference_update(held)
             if held:
-                self._cancel(held)
+                self._calls.cancel(held)
         elif isinstance(item, Batch):
             self._in_hand = item  # for _fail_everything, should this thread crash
             try:
@@ -293,12 +292,14 @@ class StoreWorker:
     def _lookup(self, batch: Batch) -> None:
         requests = batch.requests
         wanted = [i for i, r in enumerate(requests) if not r.detached]
-        answers = self._match(self._store.get_match, self._caps.get_match_many, requests, wanted)
+        answers = self._calls.match(
+            self._store.get_match, self._caps.get_match_many, requests, wanted
+        )
         outcomes, cancel, reserved = plan_lookup(requests, answers)
         self._outbox.extend(outcomes)
         self._reserved.update(reserved)
         if cancel:
-            self._cancel(cancel)
+            self._calls.cancel(cancel)
 
     def _move(self, batch: Batch) -> None:
         """Offload (put) or load (get) batch: one launch for everything with work."""
@@ -319,7 +320,7 @@ class StoreWorker:
             return fused.select(slots, masks, page_size)
 
         if batch.kind is _OFFLOAD:
-            answers = self._match(
+            answers = self._calls.match(
                 self._store.put_match, self._caps.put_match_many, requests,
                 to_match(requests, bad),
             )
@@ -334,7 +335,7 @@ class StoreWorker:
         """Act on a planned round: its outcomes, its cancels, then its one launch."""
         self._outbox.extend(plan.outcomes)
         if plan.cancel:
-            self._cancel(plan.cancel)
+            self._calls.cancel(plan.cancel)
         if plan.failed is not None:
             raise plan.failed  # the batch fails (see _handle)
         if not plan.launch:
@@ -342,11 +343,11 @@ class StoreWorker:
         launch_ids = plan.launch_ids
         self._yield_if_slice_used()
         try:
-            self._call(self._store.launch, launch_ids, plan.slots)
+            self._calls.call(self._store.launch, launch_ids, plan.slots)
         except StoreError as error:
             # A launch that raised took none of them (the Store contract): they are
             # still matched, and would hold their blocks forever unless given back.
-            self._cancel(launch_ids)
+            self._calls.cancel(launch_ids)
             self._outbox.extend((entry[0], error) for entry in plan.launch)
             return
         launched = self._launched
@@ -354,49 +355,9 @@ class StoreWorker:
             request.task_id, request.mask, request.moved = task_id, mask, moved
             launched[task_id] = request
 
-    def _match(
-        self,
-        match: Callable[..., Any],
-        match_many: Callable[..., list[Any]] | None,
-        requests: Sequence[Request],
-        wanted: list[int],
-    ) -> list[Answer]:
-        """Each request's answer (by batch index) to ``match`` (put_match or get_match),
-        asked for the ``wanted`` indexes only: in one call where the store matches many
-        at once (one round trip to a store process), else one by one, handing the GIL
-        over between calls once the slice is used. A failed match is its StoreError."""
-        answers: list[Answer] = [None] * len(requests)
-        if match_many is not None:
-            if not wanted:
-                return answers
-            try:
-                many: list[Any] = match_many(
-                    [(requests[i].token_ids, requests[i].namespace) for i in wanted]
-                )
-                if len(many) != len(wanted):  # a broken store: give back what it matched
-                    self._cancel([a[0] for a in many if not isinstance(a, Exception)])
-                    raise RuntimeError(f"{len(many)} answers to {len(wanted)} matches")
-            except Exception as exc:
-                many = [exc] * len(wanted)
-            for index, answer in zip(wanted, many, strict=True):
-                answers[index] = (
-                    _translated(match, answer) if isinstance(answer, Exception) else answer
-                )
-            return answers
-        for index in wanted:
-            request = requests[index]
-            if request.detached:
-                continue  # left since: never matched, nothing to roll back
-            self._yield_if_slice_used()
-            try:  # as _call, without its frame: once per request
-                answers[index] = match(request.token_ids, request.namespace)
-            except Exception as exc:
-                answers[index] = _translated(match, exc)
-        return answers
-
     def _poll(self) -> None:
         try:
-            results = self._call(self._store.try_wait, list(self._launched))
+            results = self._calls.call(self._store.try_wait, list(self._launched))
         except StoreError as error:
             # The store can no longer tell us about these tasks; fail them rather than
             # poll forever.
@@ -436,19 +397,6 @@ class StoreWorker:
         time.sleep(_HANDOFF_S)
         self._running_since = time.perf_counter()
 
-    def _cancel(self, task_ids: list[int]) -> None:
-        try:
-            self._call(self._store.cancel, task_ids)
-        except StoreError:
-            log.exception("store.cancel(%s) failed", task_ids)
-
-    def _call(self, method: Callable[..., Any], *args: Any) -> Any:
-        """Call the store; translate its errors, once, into StoreError."""
-        try:
-            return method(*args)
-        except Exception as exc:
-            raise _store_error(method, exc) from exc
-
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
         """Fail the batch's requests that have no outcome yet. A load among them still
         holds its lookup's reservation: it is consumed with the load, launched or not,
@@ -463,7 +411,7 @@ class StoreWorker:
                     held.append(task_id)
         if held:
             self._reserved.difference_update(held)
-            self._cancel(held)
+            self._calls.cancel(held)
 
     def _post(self) -> None:
         if not self._outbox:
@@ -474,18 +422,3 @@ class StoreWorker:
         except RuntimeError:
             # The loop is closed: nobody is left to resolve these futures.
             log.warning("event loop closed; dropped %d outcomes", len(drained))
-
-
-def _translated(method: Callable[..., Any], exc: Exception) -> StoreError:
-    """``exc``, raised by the store's ``method``, as the StoreError raised from it."""
-    error = _store_error(method, exc)
-    error.__cause__ = exc  # as `raise error from exc` does
-    return error
-
-
-def _store_error(method: Callable[..., Any], exc: Exception) -> StoreError:
-    """The StoreError that stands for ``exc``, raised by the store's ``method``."""
-    if isinstance(exc, NoSpace):
-        return StoreFull(f"store has no space: {exc}")
-    name = getattr(method, "__name__", "call")
-    return StoreError(f"store.{name} failed: {exc!r}")
