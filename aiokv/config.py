@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from .backends import BACKENDS
 from .errors import ConfigError
 
 OverloadPolicy = Literal["reject", "wait"]
@@ -141,18 +142,14 @@ class StoreConfig:
     own_process: bool | None = None
 
     def in_own_process(self) -> bool:
-        """Whether the store runs in a child process: ``own_process`` when set, else
-        True for FlexKV and False for the local store. FlexKV's Python (its answers for a
-        finished batch, a batch's launch) holds the GIL for up to about 1 ms a call, and
-        in this process the loop waits for it; in a child only a round trip per call is
-        left here (the README's FlexKV results). The local store is cheap to call and
-        stays here."""
+        """Whether the store runs in a child process: ``own_process`` when set, else the
+        backend's default (:data:`aiokv.backends.BACKENDS`: FlexKV yes, local no)."""
         if self.own_process is not None:
             return self.own_process
-        return self.backend == "flexkv"
+        return BACKENDS[self.backend].own_process
 
     def __post_init__(self) -> None:
-        _check_choice("store.backend", self.backend, ("local", "flexkv"))
+        _check_choice("store.backend", self.backend, tuple(BACKENDS))
         if self.page_size is not None:
             _check_int("store.page_size", self.page_size, 1)
         _check_number("store.cpu_cache_gb", self.cpu_cache_gb, 0.0)

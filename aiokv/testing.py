@@ -7,13 +7,21 @@ like any store (the seam httpx's MockTransport gives a client).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from .stores.base import BoolArray, Int64Array, NoSpace, Store, TaskResult, TaskStatus
+from .stores.base import (
+    OPTIONAL_METHODS,
+    BoolArray,
+    Int64Array,
+    NoSpace,
+    Store,
+    TaskResult,
+    TaskStatus,
+)
 
 
 class FakeStore:
@@ -81,9 +89,9 @@ class StoreWrapper:
     """Forwards every Store call to ``inner``; subclass it and override what you wrap
     (the wrappers below, and your own: tracing, timing, faults).
 
-    The optional ``set_notify`` is forwarded too when ``inner`` has it, so a wrapped
-    LocalStore still wakes the store thread when a copy ends instead of being polled
-    every ``poll_interval_us``. A wrapper that can hold back a finished task's answer
+    The optional capabilities are forwarded too when ``inner`` has them: ``set_notify``,
+    so a wrapped LocalStore still wakes the store thread when a copy ends instead of being
+    polled every ``poll_interval_us``. A wrapper that can hold back a finished task's answer
     (FaultyStore's ``hold``) sets ``forward_notify = False``: the store thread then polls
     it, and sees the answer once the wrapper lets it through.
     """
@@ -92,20 +100,27 @@ class StoreWrapper:
     set_notify: Callable[[Callable[[], None]], None] | None
     set_yield: Callable[[Callable[[], None]], None] | None
     put_match_many: Callable[..., list[Any]] | None
+    get_match_many: Callable[..., list[Any]] | None
+    evict: Callable[[Sequence[str]], int] | None
+    clear: Callable[[], int] | None
+    store_stats: Callable[[], Mapping[str, int | float]] | None
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
-        notify = getattr(inner, "set_notify", None)
-        self.set_notify = notify if self.forward_notify and callable(notify) else None
-        if getattr(type(self), "set_yield", None) is None:  # a subclass may define its own
-            set_yield = getattr(inner, "set_yield", None)
-            self.set_yield = set_yield if callable(set_yield) else None
-        # The inner store's put_match_many, unless this wrapper wraps put_match (each
-        # match must then go through it) or defines put_match_many itself.
-        if getattr(type(self), "put_match_many", None) is None:
-            many = getattr(inner, "put_match_many", None)
-            wraps_put = type(self).put_match is not StoreWrapper.put_match
-            self.put_match_many = many if callable(many) and not wraps_put else None
+        # Each optional capability (stores/base.py) is the inner store's, or None where it
+        # has none, unless this wrapper defines its own. A match of many is forwarded only
+        # while the wrapper leaves the one-by-one verb alone (each match must go through
+        # a wrapped put_match/get_match); a notice, unless forward_notify is off.
+        own = type(self)
+        for name in OPTIONAL_METHODS:
+            if getattr(own, name, None) is not None:
+                continue
+            method = getattr(inner, name, None)
+            verb = name.removesuffix("_many")
+            wraps_verb = verb != name and getattr(own, verb) is not getattr(StoreWrapper, verb)
+            if (name == "set_notify" and not self.forward_notify) or wraps_verb:
+                method = None
+            setattr(self, name, method if callable(method) else None)
 
     @property
     def page_size(self) -> int:

@@ -7,10 +7,12 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from .errors import ConfigError, InvalidRequest
-from .stores.base import Int64Array
+
+Int64Array = npt.NDArray[np.int64]  # as stores.base names it; validate imports no layer above
 
 
 def kv_caches(kv_caches: Sequence[torch.Tensor]) -> tuple[int, int, torch.device, int]:

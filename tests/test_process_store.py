@@ -25,7 +25,7 @@ import aiokv.testing
 from aiokv.engine import _store_slice_us
 from aiokv.stores import NoSpace, ProcessStore, make_store
 from aiokv.stores.flexkv import FlexKVStore
-from aiokv.stores.process import pack_results, portable, unpack_results
+from aiokv.stores.wire import pack_results, portable, unpack_results
 
 # LocalStore blocks of conftest's caches: 2 layers x 2 x 4 tokens x 2 heads x 8 float32.
 BLOCK_BYTES = 2 * 2 * PAGE_SIZE * 2 * 8 * 4
@@ -509,7 +509,7 @@ def _serve_in_thread(monkeypatch: pytest.MonkeyPatch, store: Any) -> tuple[Any, 
     import aiokv.stores.child as child
 
     monkeypatch.setattr(child, "make_store", lambda config: store)
-    monkeypatch.setattr(child, "_register", lambda store, payload, conn: None)
+    monkeypatch.setattr(child, "_register", lambda *args: None)
     here, theirs = socket.socketpair()
     ends_here, ends_theirs = socket.socketpair()
     conn = Connection(here.detach())
