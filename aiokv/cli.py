@@ -226,7 +226,7 @@ class DemoUser:
 
 
 def _build(args: argparse.Namespace) -> tuple[OffloadEngine, Workload, int]:
-    from .bench.common import pick_device  # the benchmarks' rule: auto = GPU if any
+    from .running import pick_device  # auto = GPU if any
 
     device = pick_device(args.device)
     dtype = torch.bfloat16
@@ -306,7 +306,7 @@ async def _run_demo(args: argparse.Namespace) -> DemoRun:
 
 def demo(args: argparse.Namespace) -> int:
     """Run the demo workload and print its summary; 1 on any mismatch or failure."""
-    from .bench.common import run_uvloop
+    from .running import run_uvloop
 
     if not math.isfinite(args.seconds) or args.seconds <= 0:
         raise SystemExit("aiokv demo: --seconds must be a finite number > 0")
