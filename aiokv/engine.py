@@ -38,8 +38,6 @@ from .errors import (
     ConfigError,
     EngineClosed,
     InvalidRequest,
-    RequestTimeout,
-    StoreError,
 )
 from .requests import (
     Kind,
@@ -138,11 +136,13 @@ class OffloadEngine:
             self._stats,
             self._admission,
             self._idle,
-            self._release_reservation,
             self._config.lookup_ttl_ms / 1e3,
+            self._config.request_timeout_ms,
         )
         if self._config.request_timeout_ms:
-            self._deadlines = Deadlines(loop, self._config.request_timeout_ms / 1e3, self._expire)
+            self._deadlines = Deadlines(
+                loop, self._config.request_timeout_ms / 1e3, resolver.expire
+            )
             resolver.deadlines = self._deadlines
         registered: concurrent.futures.Future[None] = concurrent.futures.Future()
         copy_stream = (
@@ -166,9 +166,9 @@ class OffloadEngine:
         self._batcher = Batcher(
             self._config,
             self._worker.submit,
-            self._on_dropped,
+            resolver.dropped,
             self._on_batch,
-            self._on_dispatch_failed,
+            resolver.dispatch_failed,
             self._ready_marks.close_window if self._ready_marks is not None else None,
         )
         # Calls are accepted from here on: they queue until the batcher task starts.
@@ -330,7 +330,7 @@ class OffloadEngine:
         """Copy a Lookup's cached prefix into ``page_ids`` (in order). Consumes ``hit``.
         When the returned future resolves, the data is in the caches."""
         self._check_running()
-        if not isinstance(hit, Lookup) or hit._release_task != self._release_reservation:
+        if not isinstance(hit, Lookup) or hit._owner is not self._resolver:
             raise InvalidRequest("hit", "must be a Lookup returned by this engine's lookup()")
         pages = validate.page_ids(page_ids, self._device)
         if hit.cached_tokens == 0:
@@ -340,11 +340,12 @@ class OffloadEngine:
             raise InvalidRequest(
                 "page_ids", f"has {pages.shape[0]} pages; this hit needs at least {needed}"
             )
-        task_id, mask = hit._consume()
+        reservation = hit._consume()
         request = self._new_request(
             _LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed
         )
-        request.lookup, request.task_id, request.mask = hit, task_id, mask
+        request.reservation = reservation
+        request.task_id, request.mask = reservation.task_id, reservation.mask
         result: LoadResult = await self._run(request)
         return result
 
@@ -418,44 +419,14 @@ class OffloadEngine:
             if self._state is not EngineState.RUNNING:  # closed while we waited
                 raise EngineClosed(f"engine is {self._state.value}")
         except BaseException:
-            if request.lookup is not None and request.task_id is not None:
-                self._release_reservation(request.task_id)  # the load never ran
+            if request.reservation is not None:
+                request.reservation.release()  # the load never ran
             raise
         return await self._accept(request)
-
-    def _expire(self, request: Request) -> None:
-        self._resolve(
-            request,
-            RequestTimeout(
-                f"{request.kind.name.lower()} not done within "
-                f"engine.request_timeout_ms={self._config.request_timeout_ms}"
-            ),
-        )
 
     def _resolve(self, request: Request, outcome: object) -> None:
         assert self._resolver is not None  # every request is accepted after start()
         self._resolver.resolve(request, outcome)
-
-    def _release_reservation(self, task_id: int) -> None:
-        if self._worker is not None:
-            self._worker.release([task_id])
-
-    def _on_dropped(self, request: Request) -> None:
-        """A request whose caller left before dispatch: give back what it holds."""
-        if request.kind is Kind.LOAD and request.task_id is not None:
-            self._release_reservation(request.task_id)
-
-    def _on_dispatch_failed(self, requests: Sequence[Request], exc: Exception) -> None:
-        """A batch the batcher could not hand to the store thread: it fails alone."""
-        if isinstance(exc, EngineClosed):
-            error: Exception = exc
-        else:
-            log.error("aiokv: dispatching a batch of %d failed", len(requests), exc_info=exc)
-            error = StoreError(f"batch failed before reaching the store: {exc!r}")
-            error.__cause__ = exc
-        for request in requests:
-            self._on_dropped(request)  # a load's reservation was never handed over
-            self._resolve(request, error)
 
     def _on_batch(self, batch: Batch) -> None:
         self._stats.record_batch(len(batch.requests))

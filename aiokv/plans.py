@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import InvalidRequest, StoreError
-from .requests import Kind, LoadResult, LookupGrant, OffloadResult, Request
+from .requests import Kind, LoadResult, LookupGrant, OffloadResult, Request, Reservation
 from .stores.base import BoolArray, Int64Array, TaskResult, TaskStatus
 
 # A request's match as the store answered it: (task id, mask), its translated error, or
@@ -32,6 +32,7 @@ Answer = tuple[int, BoolArray] | StoreError | None
 Select = Callable[[Sequence[BoolArray]], list[Int64Array]]
 
 NO_MASK: BoolArray = np.zeros(0, dtype=np.bool_)  # the mask of a request not launched
+_MISS = LookupGrant(None, 0)
 _OFFLOAD, _SUCCESS, _CANCELLED = Kind.OFFLOAD, TaskStatus.SUCCESS, TaskStatus.CANCELLED
 
 
@@ -108,11 +109,14 @@ def plan_load(
 
 
 def plan_lookup(
-    requests: Sequence[Request], answers: Sequence[tuple[int, BoolArray] | StoreError | None]
+    requests: Sequence[Request],
+    answers: Sequence[tuple[int, BoolArray] | StoreError | None],
+    give_back: Callable[[int], None],
 ) -> tuple[list[tuple[Request, object]], list[int], list[int]]:
     """(outcomes, ids to cancel, ids now reserved) of a lookup batch, from each request's
     ``get_match`` answer (None: the caller left before it was asked). A hit is reserved
-    for a load; a miss, or a hit whose caller left meanwhile, is cancelled."""
+    for a load (a :class:`Reservation` that ``give_back`` returns to the store when
+    released); a miss, or a hit whose caller left meanwhile, is cancelled."""
     outcomes: list[tuple[Request, object]] = []
     cancel: list[int] = []
     reserved: list[int] = []
@@ -126,10 +130,10 @@ def plan_lookup(
         hit = int(np.count_nonzero(mask))
         if hit == 0 or request.detached:
             cancel.append(task_id)
-            outcomes.append((request, LookupGrant(None, None, 0)))
+            outcomes.append((request, _MISS))
         else:
             reserved.append(task_id)
-            outcomes.append((request, LookupGrant(task_id, mask, hit)))
+            outcomes.append((request, LookupGrant(Reservation(task_id, mask, give_back), hit)))
     return outcomes, cancel, reserved
 
 

@@ -65,7 +65,7 @@ class Request:
     page_ids: torch.Tensor | None
     pages_used: int  # leading entries of page_ids this request moves (known from shapes)
     ready_event: Any = None  # torch.cuda.Event on the caller's stream (ReadyMarks), or None
-    lookup: Lookup | None = None  # the reservation a LOAD consumes
+    reservation: Reservation | None = None  # the lookup's, which a LOAD consumes
     detached: bool = False
     task_id: int | None = None
     mask: BoolArray | None = None
@@ -73,12 +73,30 @@ class Request:
     submitted_at: float = 0.0
 
 
+class Reservation:
+    """A lookup's match, held in the store for a load: its task id and mask. Made on the
+    store side when the lookup hits, held by the :class:`Lookup`, and handed to the load
+    that consumes it (the store thread then launches or cancels it). Until then,
+    :meth:`release` gives it back to the store; only the first call does (loop thread)."""
+
+    __slots__ = ("_give_back", "mask", "task_id")
+
+    def __init__(self, task_id: int, mask: BoolArray, give_back: Callable[[int], None]) -> None:
+        self.task_id = task_id
+        self.mask = mask
+        self._give_back: Callable[[int], None] | None = give_back
+
+    def release(self) -> None:
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back(self.task_id)
+
+
 @dataclass(frozen=True, slots=True)
 class LookupGrant:
     """What the store thread answers for a lookup; the loop turns it into a Lookup."""
 
-    task_id: int | None
-    mask: BoolArray | None
+    reservation: Reservation | None
     cached_tokens: int
 
 
@@ -92,16 +110,15 @@ class Lookup:
         self,
         user_id: Hashable,
         grant: LookupGrant,
-        release_task: Callable[[int], None],
+        owner: object,
         call_later: Callable[[float, Callable[[], None]], asyncio.TimerHandle] | None = None,
         ttl_s: float = 0.0,
     ) -> None:
         self.user_id = user_id
         self.cached_tokens = grant.cached_tokens
-        self._task_id = grant.task_id
-        self._mask = grant.mask
-        self._release_task = release_task
-        self._state = "held" if grant.task_id is not None else "empty"
+        self._reservation = grant.reservation
+        self._owner = owner  # what answered it: a load through another engine is refused
+        self._state = "held" if grant.reservation is not None else "empty"
         # The reservation's TTL: armed here (the loop's call_later), cancelled as it is
         # released or consumed.
         self._ttl_handle: asyncio.TimerHandle | None = None
@@ -124,26 +141,26 @@ class Lookup:
         if self._state == "held":
             self._state = "released"
             self._cancel_ttl()
-            if self._task_id is not None:
-                self._release_task(self._task_id)
+            if self._reservation is not None:
+                self._reservation.release()
 
     def _pages_needed(self, page_size: int) -> int:
         """Pages a load must be given: up to the page of the last position to load."""
-        if self._mask is None:
+        if self._reservation is None:
             return 0
-        positions = np.flatnonzero(self._mask)
+        positions = np.flatnonzero(self._reservation.mask)
         return 0 if len(positions) == 0 else int(positions[-1]) // page_size + 1
 
-    def _consume(self) -> tuple[int, BoolArray]:
+    def _consume(self) -> Reservation:
         """Hand the reservation to a load (loop thread only)."""
-        if self._state != "held" or self._task_id is None or self._mask is None:
+        if self._state != "held" or self._reservation is None:
             raise InvalidRequest(
                 "lookup", f"reservation is {self._state}; a Lookup can be loaded once, "
                 "before it is released or expires"
             )
         self._state = "loading"
         self._cancel_ttl()
-        return self._task_id, self._mask
+        return self._reservation
 
     def _cancel_ttl(self) -> None:
         if self._ttl_handle is not None:

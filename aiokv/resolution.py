@@ -11,14 +11,18 @@ the one place outcome counts change.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 
 from .admission import Admission
 from .deadlines import Deadlines
+from .errors import EngineClosed, RequestTimeout, StoreError
 from .requests import Lookup, LookupGrant, Request
 from .stats import StatsRecorder
+
+log = logging.getLogger("aiokv")
 
 # Resolving outcomes runs at most about this long per loop callback (always at least one
 # outcome); the rest waits for the next iteration. Each outcome costs a resolution and its
@@ -37,15 +41,15 @@ class Resolver:
         stats: StatsRecorder,
         admission: Admission,
         idle: asyncio.Event,
-        release_task: Callable[[int], None],
         lookup_ttl_s: float,
+        request_timeout_ms: int,
     ) -> None:
         self._loop = loop
         self._stats = stats
         self._admission = admission
         self._idle = idle  # set while no accepted request is unresolved
-        self._release_task = release_task  # gives a lookup's reservation back
         self._lookup_ttl_s = lookup_ttl_s
+        self._request_timeout_ms = request_timeout_ms
         self.deadlines: Deadlines | None = None  # pruned as outcomes resolve, when set
         # Outcomes posted by the store thread, not resolved yet (RESOLVE_BUDGET_S). While
         # it holds any, a resolve_outcomes callback is scheduled for them.
@@ -84,8 +88,8 @@ class Resolver:
         timed out) is left alone; an orphaned reservation is given back."""
         future = request.future
         if future.done():
-            if isinstance(outcome, LookupGrant) and outcome.task_id is not None:
-                self._release_task(outcome.task_id)
+            if isinstance(outcome, LookupGrant) and outcome.reservation is not None:
+                outcome.reservation.release()  # nobody holds it
             return
         if isinstance(outcome, BaseException):
             future.set_exception(outcome)
@@ -94,7 +98,7 @@ class Resolver:
                 Lookup(
                     request.user_id,
                     outcome,
-                    self._release_task,
+                    self,
                     self._loop.call_later,
                     self._lookup_ttl_s,
                 )
@@ -102,6 +106,34 @@ class Resolver:
         else:
             future.set_result(outcome)
         self.finished(request, outcome)
+
+    def expire(self, request: Request) -> None:
+        """A request past its deadline (engine.request_timeout_ms) times out."""
+        self.resolve(
+            request,
+            RequestTimeout(
+                f"{request.kind.name.lower()} not done within "
+                f"engine.request_timeout_ms={self._request_timeout_ms}"
+            ),
+        )
+
+    def dropped(self, request: Request) -> None:
+        """A request that never reached the store thread: a load gives back the
+        reservation it consumed."""
+        if request.reservation is not None:
+            request.reservation.release()
+
+    def dispatch_failed(self, requests: Sequence[Request], exc: Exception) -> None:
+        """A batch the batcher could not hand to the store thread: it fails alone."""
+        if isinstance(exc, EngineClosed):
+            error: Exception = exc
+        else:
+            log.error("aiokv: dispatching a batch of %d failed", len(requests), exc_info=exc)
+            error = StoreError(f"batch failed before reaching the store: {exc!r}")
+            error.__cause__ = exc
+        for request in requests:
+            self.dropped(request)
+            self.resolve(request, error)
 
     def finished(self, request: Request, outcome: object) -> None:
         """A request's future is done (``outcome`` None: the caller cancelled it): the one

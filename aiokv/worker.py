@@ -125,6 +125,10 @@ class StoreWorker:
                 raise EngineClosed("the store thread has stopped accepting work")
             self._inbox.put(item)
 
+    def release_one(self, task_id: int) -> None:
+        """A Reservation's way back to the store (loop thread): see :meth:`release`."""
+        self.release((task_id,))
+
     def release(self, task_ids: Sequence[int]) -> None:
         """Cancel lookup reservations. After stop, the worker cancels them itself."""
         with self._accept_lock:
@@ -295,7 +299,7 @@ class StoreWorker:
         answers = self._calls.match(
             self._store.get_match, self._caps.get_match_many, requests, wanted
         )
-        outcomes, cancel, reserved = plan_lookup(requests, answers)
+        outcomes, cancel, reserved = plan_lookup(requests, answers, self.release_one)
         self._outbox.extend(outcomes)
         self._reserved.update(reserved)
         if cancel:

@@ -123,9 +123,15 @@ def test_a_lookup_round_reserves_hits_and_cancels_misses() -> None:
     requests[2].detached = True  # a hit whose caller left since
     hit = ~_suffix(2, 1)
     answers: list[Any] = [(1, hit), (2, _suffix(2, 0)), (3, hit), None, aiokv.StoreError("x")]
-    outcomes, cancel, reserved = plan_lookup(requests, answers)
+    given_back: list[int] = []
+    outcomes, cancel, reserved = plan_lookup(requests, answers, given_back.append)
     assert reserved == [1] and sorted(cancel) == [2, 3]
     grants = [o for _, o in outcomes]
-    assert grants[0] == LookupGrant(1, hit, PAGE)
-    assert grants[1] == grants[2] == LookupGrant(None, None, 0)
+    assert isinstance(grants[0], LookupGrant) and grants[0].cached_tokens == PAGE
+    reservation = grants[0].reservation
+    assert reservation is not None and reservation.task_id == 1 and reservation.mask is hit
+    assert grants[1] == grants[2] == LookupGrant(None, 0)
     assert isinstance(grants[3], aiokv.StoreError) and len(outcomes) == 4
+    reservation.release()
+    reservation.release()  # idempotent: the store hears of it once
+    assert given_back == [1]
