@@ -19,8 +19,10 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from .config import StoreConfig
-    from .stores.base import Store
+# A Store and a StoreConfig (aiokv.stores.base, aiokv.config): named here by role only, so
+# that this module stays below both.
+Store = Any
+StoreConfig = Any
 
 
 class CacheHandover(Protocol):

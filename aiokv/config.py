@@ -92,7 +92,7 @@ class EngineConfig:
         some throughput; it cannot split one long call. None: the store's advice
         (``Store.store_slice_us``: 200 for FlexKV; 0 for stores without one, such as the
         local store, whose calls are short and for which the pauses would only cost
-        throughput). See the README.
+        throughput).
     """
 
     window_us: int = 200

@@ -405,5 +405,5 @@ def warm_up(device: torch.device, page_size: int, stream: Any = None) -> None:
 
 
 def _head(pages: torch.Tensor, used: int) -> torch.Tensor:
-    """The first ``used`` page ids; no slice op (a few µs each) when all are used."""
+    """The first ``used`` page ids; no slice op (a costly torch call) when all are used."""
     return pages if used == pages.numel() else pages[:used]  # 1-D: numel() is shape[0]

@@ -1,17 +1,11 @@
 """OffloadEngine: the public async API and its lifecycle (admission, deadlines and
 resolution have modules of their own).
 
-One offload, end to end (read on in batcher.py, slots.py, worker.py):
-
-1. ``offload`` validates from shapes and dtypes only (GPU values are never read on the
-   loop), notes the caller's stream when the caches are on a GPU (its CUDA event is
-   recorded once per loop iteration or window), admits the request against
-   ``max_pending`` and queues it with a future and a deadline.
-2. The batcher closes a window (recording the window's CUDA events) and hands the batch
-   to the store thread; nothing on the loop calls CUDA for it.
-3. The store thread fuses the batch's page ids into one host copy, matches, cancels or
-   launches, polls until terminal, and posts the outcomes back;
-   :meth:`aiokv.resolution.Resolver.resolve` is the one place a future is resolved.
+One offload: ``offload`` validates from shapes and dtypes only (GPU values are never
+read on the loop), notes the caller's stream (cuda.py), admits the request against
+``max_pending`` and queues it with a future; the batcher (batcher.py) hands a window's
+batch to the store thread (worker.py), which fuses, plans (plans.py) and executes the
+round, and posts outcomes to resolution.py, the one place a future is resolved.
 """
 
 from __future__ import annotations
@@ -54,8 +48,8 @@ from .worker import StoreWorker
 log = logging.getLogger("aiokv")
 T = TypeVar("T")
 
-# Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-call paths
-# read them from here.
+# Enum members read as class attributes cost an attribute lookup each; per-call paths read
+# them from here.
 _OFFLOAD, _LOAD = Kind.OFFLOAD, Kind.LOAD
 
 
@@ -377,7 +371,7 @@ class OffloadEngine:
         if kind is not _LOAD:
             tokens = validate.token_ids(token_ids, num_tokens)
             names = validate.namespace(namespace, user_id)
-        request = Request(  # positional: keywords cost 0.3 us more per call
+        request = Request(  # positional: keywords cost more, on every call
             kind, user_id, self._loop.create_future(), num_tokens, tokens, names, pages, pages_used
         )
         if self._ready_marks is not None and pages is not None:

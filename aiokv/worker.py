@@ -64,7 +64,7 @@ _NOTIFIED_POLL_S = 0.01  # fallback poll of a store that notifies (set_notify)
 # The sleep that hands the GIL to a waiting loop: longer than a thread's wake-up (a few
 # to tens of µs), short next to a batch's copy. Linux adds its 50 µs timer slack.
 _HANDOFF_S = 50e-6
-_WAITED_S = 10e-6  # an inbox get that took longer blocked (an item in hand takes ~1 µs)
+_WAITED_S = 10e-6  # an inbox get that took longer blocked (an item in hand is far quicker)
 _OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
 
 

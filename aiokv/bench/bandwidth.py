@@ -35,7 +35,6 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +45,7 @@ from ..stores.base import Store
 from ..stores.local import LocalStore
 from ..testing import SharedStore
 from . import common
-from .rounds import GIB, _batch_gib, _round, stream_length
+from .rounds import GIB, Settings, _batch_gib, _round, stream_length
 
 NAME = "bandwidth"
 HELP = "offload/load GiB/s through the engine vs raw pinned copy bandwidth"
@@ -55,24 +54,6 @@ TARGET_LARGE = 0.95  # of raw, at >= 32 users of >= 2048 tokens
 TARGET_SMALL = 0.90  # of raw, at 8 users
 
 
-@dataclass(frozen=True)
-class Settings:
-    users: tuple[int, ...] = (8, 16, 32, 64)
-    tokens: tuple[int, ...] = (1024, 2048, 4096)
-    layers: int = 8
-    heads: int = 4
-    head_dim: int = 256
-    page_size: int = 32
-    dtype: str = "bf16"
-    repeats: int = 3
-    warmup: int = 1
-    cpu_cache_gb: float = 0.0
-    raw_gib: float = 2.0
-    device: str = "auto"
-    batch_requests: int = 0
-    switch_interval_us: int = 0
-    stream_batches: int = 4
-    stream_gib: float = 2.0
 
 
 QUICK: dict[str, object] = {

@@ -11,17 +11,34 @@ import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from ..config import EngineConfig
 from ..requests import OffloadResult
 from ..stores.base import Int64Array, Store, TaskStatus
 from ..testing import FakeStore, StoreWrapper
 
-if TYPE_CHECKING:
-    from .engine import Settings
+
+@dataclass(frozen=True)
+class Settings:
+    users: tuple[int, ...] = (1, 8, 64, 256)
+    seconds: float = 2.0
+    warmup_s: float = 0.3
+    pages: int = 4
+    layers: int = 4
+    page_size: int = 16
+    heads: int = 2
+    head_dim: int = 64
+    dtype: str = "bf16"
+    cpu_cache_gb: float = 0.25
+    window_us: int = EngineConfig.window_us
+    poll_interval_us: int = EngineConfig.poll_interval_us
+    cpu_users: int = 64
+    cpu_requests: int = 20_000
+
 
 
 class TimedStore(StoreWrapper):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,7 +41,15 @@ from ..stores.base import Store
 from ..stores.local import LocalStore
 from ..testing import FakeStore
 from . import common
-from .drive import PerRequestClient, Sample, TimedStore, _callers_only, drive, timing_overhead_s
+from .drive import (
+    PerRequestClient,
+    Sample,
+    Settings,
+    TimedStore,
+    _callers_only,
+    drive,
+    timing_overhead_s,
+)
 
 NAME = "engine"
 HELP = "engine vs per-request baseline requests/s; engine CPU per request"
@@ -52,22 +59,6 @@ TARGET_RATIO_USERS = 256
 TARGET_CPU_US = 20.0  # engine CPU per request at batch 64
 
 
-@dataclass(frozen=True)
-class Settings:
-    users: tuple[int, ...] = (1, 8, 64, 256)
-    seconds: float = 2.0
-    warmup_s: float = 0.3
-    pages: int = 4
-    layers: int = 4
-    page_size: int = 16
-    heads: int = 2
-    head_dim: int = 64
-    dtype: str = "bf16"
-    cpu_cache_gb: float = 0.25
-    window_us: int = EngineConfig.window_us
-    poll_interval_us: int = EngineConfig.poll_interval_us
-    cpu_users: int = 64
-    cpu_requests: int = 20_000
 
 
 QUICK: dict[str, object] = {"seconds": 0.5, "warmup_s": 0.1, "cpu_requests": 5_000}

@@ -8,15 +8,33 @@ import asyncio
 import itertools
 import math
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from ..engine import OffloadEngine
 from . import common
 
-if TYPE_CHECKING:
-    from .bandwidth import Settings
+
+@dataclass(frozen=True)
+class Settings:
+    users: tuple[int, ...] = (8, 16, 32, 64)
+    tokens: tuple[int, ...] = (1024, 2048, 4096)
+    layers: int = 8
+    heads: int = 4
+    head_dim: int = 256
+    page_size: int = 32
+    dtype: str = "bf16"
+    repeats: int = 3
+    warmup: int = 1
+    cpu_cache_gb: float = 0.0
+    raw_gib: float = 2.0
+    device: str = "auto"
+    batch_requests: int = 0
+    switch_interval_us: int = 0
+    stream_batches: int = 4
+    stream_gib: float = 2.0
+
 
 GIB = float(1 << 30)
 MAX_STREAM_BATCHES = 64  # stream_gib adds batches up to this many

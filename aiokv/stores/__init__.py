@@ -17,7 +17,8 @@ def make_store(config: StoreConfig) -> Store:
     entry.check_usable()
     if config.in_own_process():
         return ProcessStore(config)
-    return entry.store_class()(config)
+    store: Store = entry.store_class()(config)
+    return store
 
 
 __all__ = [

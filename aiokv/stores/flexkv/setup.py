@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ... import validate
 from ...config import StoreConfig
 from ...errors import ConfigError, StoreError
-
-if TYPE_CHECKING:
-    from ..base import Store
 
 # Environment FlexKV must see before its first import. MPS: FlexKV would otherwise try to
 # start the MPS daemon (absent on most hosts). setdefault: a user's own choice wins.
@@ -249,33 +246,3 @@ def server_exit_code(manager: Any) -> int | None:
         return code
     return None if process.is_alive() else process.exitcode
 
-
-class FlexKVHandover:
-    """How FlexKV in ProcessStore's child gets the caches (aiokv.backends): the child
-    starts FlexKV from the caches' geometry, the parent (their owner) registers them by
-    CUDA IPC (:func:`attach_caches`), then the child waits until FlexKV is ready."""
-
-    def payload(self, kv_caches: Sequence[torch.Tensor]) -> object:
-        return CacheGeometry.of(kv_caches)
-
-    def attach(
-        self, value: Any, kv_caches: Sequence[torch.Tensor], payload: Any
-    ) -> tuple[object, list[str]]:
-        endpoint, socket_files = value
-        return attach_caches(endpoint, kv_caches, payload), list(socket_files)
-
-    def register(self, store: Store, payload: Any, ask_parent: Callable[[object], None]) -> None:
-        from .store import FlexKVStore
-
-        if not isinstance(store, FlexKVStore) or not isinstance(payload, CacheGeometry):
-            raise TypeError(f"FlexKV's handover got {type(store).__name__}, {payload!r}")
-        store.start(payload)
-        try:
-            ask_parent((store.gpu_register_endpoint, store.socket_files))
-        except BaseException:
-            store.close()
-            raise
-        store.wait_attached()
-
-
-HANDOVER = FlexKVHandover()

@@ -113,10 +113,13 @@ class FlexKVStore:
         """Wait (ready_timeout_s) until FlexKV has the caches and is ready; shut it down
         and raise StoreError if it does not get there."""
         try:
-            wait_ready(self._live(), self._ready_timeout_s, self._endpoint)
+            self._wait_ready(self._live())
         except BaseException:
             self._shutdown()
             raise
+
+    def _wait_ready(self, manager: Any) -> None:
+        wait_ready(manager, self._ready_timeout_s, self._endpoint)
 
     @property
     def gpu_register_endpoint(self) -> str:
