@@ -92,14 +92,10 @@ class ReadyMarks:
 
     A submit records nothing: it notes its stream, and the events are recorded once per
     loop iteration (a callback scheduled by the iteration's first submit) and when the
-    batcher closes a window (:meth:`close_window`), which comes before any of that
-    window's batches is fused. Recording later than the submit only waits for more work,
-    never less: on a stream shared by several callers, it may include kernels the others
-    queued later in the same iteration (re-recording at every submit of a window did the
-    same, up to the window's last submit). Recording at every submit cost a CUDA call, and
-    torch releases the GIL around it: in a burst of submits, each one was a chance for
-    the store thread to take the GIL and keep it for milliseconds (inside FlexKV's C
-    code, Python cannot take it back), stalling the loop in the middle of the burst."""
+    batcher closes a window (:meth:`close_window`), before any of its batches is fused.
+    Recording later than the submit only waits for more work, never less. Recording at
+    every submit would be a CUDA call each, around which torch releases the GIL: in a
+    burst of submits, each a chance for the store thread to take it and keep it."""
 
     def __init__(
         self,

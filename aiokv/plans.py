@@ -81,7 +81,10 @@ def plan_offload(
         if isinstance(answer, StoreError):
             plan.outcomes.append((request, answer))
             continue
-        _take(plan, matched, index, request, answer[0], answer[1])
+        if request.detached:  # left since its match: given back, not launched
+            plan.cancel.append(answer[0])
+        else:
+            matched[index] = (request, answer[0], answer[1])
     return _launch_plan(plan, matched, page_size, select)
 
 
@@ -104,7 +107,10 @@ def plan_load(
             plan.outcomes.append((request, _bad_pages(num_pages)))
             plan.cancel.append(task_id)
             continue
-        _take(plan, matched, index, request, task_id, mask)
+        if request.detached:  # the caller left: the reservation goes back
+            plan.cancel.append(task_id)
+        else:
+            matched[index] = (request, task_id, mask)
     return _launch_plan(plan, matched, page_size, select)
 
 
@@ -161,21 +167,6 @@ def outcome(request: Request, result: TaskResult, page_size: int) -> object:
 
 def _bad_pages(num_pages: int) -> InvalidRequest:
     return InvalidRequest("page_ids", f"holds a page id outside [0, {num_pages})")
-
-
-def _take(
-    plan: Round,
-    matched: list[tuple[Request, int, BoolArray] | None],
-    index: int,
-    request: Request,
-    task_id: int,
-    mask: BoolArray,
-) -> None:
-    """A matched request: cancelled if its caller left, else a candidate for the launch."""
-    if request.detached:
-        plan.cancel.append(task_id)
-    else:
-        matched[index] = (request, task_id, mask)
 
 
 def _launch_plan(

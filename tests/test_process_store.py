@@ -221,7 +221,7 @@ def test_the_child_imports_this_aiokv_not_one_in_the_working_directory(
 
 
 def test_the_child_finds_aiokv_where_this_process_did(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.stores import process
+    from aiokv.stores import spawn as process  # where the child's environment is made
 
     root = os.path.realpath(os.path.dirname(os.path.dirname(aiokv.__file__)))
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")

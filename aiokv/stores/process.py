@@ -39,10 +39,8 @@ import multiprocessing
 import os
 import select
 import signal
-import site
 import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -58,6 +56,7 @@ from ..backends import backend
 from ..config import StoreConfig
 from ..errors import StoreError
 from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from .spawn import spawn_child
 from .wire import FORWARDED, Op, PackedResults, launch_args, portable, query, unpack_results
 
 log = logging.getLogger("aiokv")
@@ -65,23 +64,6 @@ log = logging.getLogger("aiokv")
 _ALIVE_CHECK_MS = 1000  # while a reply is awaited, check this often that the child lives
 _CLOSE_TIMEOUT_S = 180.0  # the child's close waits for launched copies (FlexKV: 60 s+)
 _EXIT_TIMEOUT_S = 10.0  # after its close, the child exits in this time or is killed
-# -P (3.11+): the child's sys.path does not start with the working directory, where a
-# checkout of another aiokv (or of anything else) would shadow this one.
-_SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
-
-
-def _child_env() -> dict[str, str]:
-    """This environment, with aiokv's root on PYTHONPATH where the child would not find
-    it by itself (a checkout on sys.path). Not where it is a site directory: entries of
-    PYTHONPATH come before the standard library, which a site directory must not."""
-    env = dict(os.environ)
-    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    site_dirs = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
-    if root not in site_dirs:
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
 def no_notify() -> None:
     """ProcessStore's notice of ended tasks before set_notify, and after close."""
 
@@ -176,28 +158,7 @@ class ProcessStore:
             raise
 
     def _spawn(self) -> Connection:
-        here, theirs = socket.socketpair()
-        ends_here, ends_theirs = socket.socketpair()
-        fds = (theirs.fileno(), ends_theirs.fileno())
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, *_SAFE_PATH, "-m", "aiokv.stores.child", *map(str, fds)],
-                pass_fds=fds,
-                env=_child_env(),
-                # Its own session: a Ctrl-C for this process group does not end it (and
-                # FlexKV's processes under it) while this process still drains through
-                # it; close() ends it. And its whole group can be killed (_shutdown).
-                start_new_session=True,
-            )
-        except BaseException:
-            here.close()
-            ends_here.close()
-            raise
-        finally:
-            theirs.close()
-            ends_theirs.close()
-        self._conn = Connection(here.detach())
-        self._ends = ends_here
+        self._process, self._conn, self._ends = spawn_child()
         _LIVE.add(self)
         self._poller.register(self._conn.fileno(), select.POLLIN)
         return self._conn
