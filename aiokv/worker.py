@@ -5,14 +5,8 @@ explicit end (a sentinel); what was accepted before :meth:`StoreWorker.stop` is 
 Worker → loop: each drained set of outcomes goes back in one ``call_soon_threadsafe``,
 as (request, outcome) pairs with exceptions as values.
 
-The store thread holds the GIL while it runs Python (FlexKV's matching, answer
-processing), and the event loop needs it for every callback. A thread that releases the
-GIL for a moment (a syscall) takes it straight back before a waiting thread wakes, so on
-its own this thread would hold the loop off for as long as it has work. Once it has run
-``store_slice_us`` since it last blocked on its inbox or handed over, it sleeps
-``_HANDOFF_S`` at the next point between store calls (or at a store's own yield point,
-``set_yield``): long enough for a waiting loop to take the GIL and run (see
-:meth:`StoreWorker._yield_gil`).
+The store thread holds the GIL while it runs Python; once it has run ``store_slice_us``
+it hands the GIL to a waiting event loop between store calls (:mod:`aiokv.handoff`).
 
 Per batch: fuse its page ids into one host copy (:func:`aiokv.cuda.fuse_page_ids`, on
 the copy stream, after the callers' CUDA events), wait for it, check page ids, ask the
@@ -40,6 +34,7 @@ from .batcher import Batch
 from .calls import StoreCalls
 from .cuda import fuse_page_ids, ready_events
 from .errors import EngineClosed, StoreError
+from .handoff import GilSlice
 from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
 from .requests import Kind, Request
@@ -61,10 +56,6 @@ class _Release:
 _STOP = object()
 _WAKE = object()  # a task may have ended: poll the store
 _NOTIFIED_POLL_S = 0.01  # fallback poll of a store that notifies (set_notify)
-# The sleep that hands the GIL to a waiting loop: longer than a thread's wake-up (a few
-# to tens of µs), short next to a batch's copy. Linux adds its 50 µs timer slack.
-_HANDOFF_S = 50e-6
-_WAITED_S = 10e-6  # an inbox get that took longer blocked (an item in hand is far quicker)
 _OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
 
 
@@ -92,9 +83,7 @@ class StoreWorker:
         self._num_pages = num_pages
         self._page_size = 0  # the store's, read once it is registered
         self._poll_interval_s = poll_interval_us / 1e6
-        self._slice_s = store_slice_us / 1e6  # 0: never hand the GIL over
-        # perf_counter when this thread last blocked on its inbox or handed over
-        self._running_since = 0.0
+        self._slice = GilSlice(store_slice_us)  # when to hand the GIL to the loop
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._accepting = True
         self._accept_lock = threading.Lock()
@@ -103,7 +92,7 @@ class StoreWorker:
         self._outbox: list[tuple[Request, object]] = []
         self._in_hand: Batch | None = None  # the batch being matched or launched
         self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
-        self._calls = StoreCalls(store, self._yield_if_slice_used)
+        self._calls = StoreCalls(store, self._slice.yield_if_used)
         # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
         # here, read racily by the loop's stats.
         self.d2h_copies = 0
@@ -172,10 +161,10 @@ class StoreWorker:
         # and taken back when this thread ends (finally, below).
         set_yield = self._caps.set_yield
         if set_yield is not None:
-            set_yield(self._yield_if_slice_used)
+            set_yield(self._slice.yield_if_used)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
-        self._running_since = time.perf_counter()  # registering is not this thread's work
+        self._slice.restart()  # registering is not this thread's work
         stopping = False
         try:
             while not stopping or self._launched:
@@ -193,8 +182,7 @@ class StoreWorker:
                 with contextlib.suppress(queue.Empty):
                     item = self._inbox.get(timeout=timeout)
                 after = time.perf_counter()
-                if after - before > _WAITED_S:  # it blocked: a waiting loop had its turn
-                    self._running_since = after
+                self._slice.waited(after - before, after)
                 while item is not None:
                     if item is _STOP:
                         stopping = True
@@ -278,9 +266,9 @@ class StoreWorker:
         elif isinstance(item, Batch):
             self._in_hand = item  # for _fail_everything, should this thread crash
             try:
-                if self._slice_used():
+                if self._slice.used():
                     self._post()  # the batches before this one are answered
-                    self._yield_gil()
+                    self._slice.hand_over()
                 if item.kind is Kind.LOOKUP:
                     self._lookup(item)
                 else:
@@ -345,7 +333,7 @@ class StoreWorker:
         if not plan.launch:
             return
         launch_ids = plan.launch_ids
-        self._yield_if_slice_used()
+        self._slice.yield_if_used()
         try:
             self._calls.call(self._store.launch, launch_ids, plan.slots)
         except StoreError as error:
@@ -371,9 +359,9 @@ class StoreWorker:
             return
         launched, page_size = self._launched, self._page_size
         for task_id, result in results.items():
-            if self._slice_used():
+            if self._slice.used():
                 self._post()  # answers are independent: these callers go on now
-                self._yield_gil()
+                self._slice.hand_over()
             request = launched.get(task_id)
             if request is None:
                 log.warning("store answered unknown task id %s", task_id)
@@ -381,25 +369,6 @@ class StoreWorker:
             outcome = outcome_of(request, result, page_size)  # should it raise, it is still held
             del launched[task_id]
             self._outbox.append((request, outcome))
-
-    def _slice_used(self) -> bool:
-        """Whether this thread has run a slice since it last blocked on its inbox or
-        handed over."""
-        return bool(self._slice_s) and time.perf_counter() - self._running_since > self._slice_s
-
-    def _yield_if_slice_used(self) -> None:
-        """Hand the GIL over if the slice is used: between store calls, and as the
-        store's yield point (set_yield). Posts nothing: it may come in the middle of a
-        batch, whose answers must all go out after it is handled."""
-        if self._slice_used():
-            self._yield_gil()
-
-    def _yield_gil(self) -> None:
-        """Sleep so that an event loop waiting for the GIL takes it. A release without a
-        wait would not do: this thread would take the GIL back before the loop woke.
-        Called between store calls (or answers) once :meth:`_slice_used`."""
-        time.sleep(_HANDOFF_S)
-        self._running_since = time.perf_counter()
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
         """Fail the batch's requests that have no outcome yet. A load among them still

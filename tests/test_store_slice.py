@@ -18,6 +18,7 @@ import torch
 from conftest import PAGE_SIZE, small_store
 
 import aiokv
+import aiokv.handoff
 import aiokv.worker
 from aiokv.batcher import Batch
 from aiokv.config import parse_config
@@ -61,6 +62,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     """The worker's clock and sleep, faked for one test."""
     fake = FakeTime()
     monkeypatch.setattr(aiokv.worker, "time", fake)
+    monkeypatch.setattr(aiokv.handoff, "time", fake)
     return fake
 
 
@@ -222,7 +224,7 @@ async def test_the_store_thread_sleeps_between_store_calls_once_its_slice_is_use
         for hit in hits:
             hit.release()
     assert clock.log == expected
-    assert clock.slept == [aiokv.worker._HANDOFF_S] * expected.count("sleep")
+    assert clock.slept == [aiokv.handoff._HANDOFF_S] * expected.count("sleep")
     # The pauses change nothing in the outcomes.
     assert [r.stored_tokens for r in offloads] == [2 * PAGE_SIZE] * USERS
     assert [h.cached_tokens for h in hits] == [2 * PAGE_SIZE] * USERS
