@@ -25,7 +25,7 @@ import torch
 from . import validate
 from .admission import Admission
 from .batcher import Batch, Batcher
-from .config import EngineConfig, store_slice_from_advice
+from .config import EngineConfig
 from .cuda import ReadyMarks, warm_up
 from .deadlines import Deadlines
 from .errors import (
@@ -33,12 +33,14 @@ from .errors import (
     EngineClosed,
     InvalidRequest,
 )
+from .handoff import store_slice_us
 from .requests import (
     Kind,
     LoadResult,
     Lookup,
     OffloadResult,
     Request,
+    new_request,
 )
 from .resolution import Resolver
 from .stats import EngineStats, StatsRecorder
@@ -88,7 +90,7 @@ class OffloadEngine:
         self._store = store
         self._kv_caches = list(kv_caches)
         self._config = config or EngineConfig()
-        self._store_slice_us = _store_slice_us(self._config, store)
+        self._store_slice_us = store_slice_us(self._config, store)
         self._on_gpu = self._device.type == "cuda"
         self._state = EngineState.NEW
         self._stats = StatsRecorder()
@@ -359,20 +361,10 @@ class OffloadEngine:
         pages: torch.Tensor | None = None,
         pages_used: int = 0,
     ) -> Request:
-        try:
-            hash(user_id)
-        except TypeError as exc:
-            raise InvalidRequest(
-                "user_id", f"must be hashable, got {type(user_id).__name__}"
-            ) from exc
         assert self._loop is not None
-        names: tuple[str, ...] = ()
-        tokens = None
-        if kind is not _LOAD:
-            tokens = validate.token_ids(token_ids, num_tokens)
-            names = validate.namespace(namespace, user_id)
-        request = Request(  # positional: keywords cost more, on every call
-            kind, user_id, self._loop.create_future(), num_tokens, tokens, names, pages, pages_used
+        request = new_request(
+            kind, user_id, self._loop.create_future(), num_tokens, token_ids, namespace,
+            pages, pages_used,
         )
         if self._ready_marks is not None and pages is not None:
             # The copy starts after the caller's stream gets at least this far (waited
@@ -434,11 +426,3 @@ def open_engine(path: str, kv_caches: Sequence[torch.Tensor]) -> OffloadEngine:
 
     engine_config, store_config = load_config(path)
     return OffloadEngine(make_store(store_config), kv_caches=kv_caches, config=engine_config)
-
-
-def _store_slice_us(config: EngineConfig, store: Store) -> int:
-    """The store thread's GIL slice (EngineConfig.store_slice_us): the config's, else the
-    store's advice, else 0."""
-    if config.store_slice_us is not None:
-        return config.store_slice_us
-    return store_slice_from_advice(getattr(store, "store_slice_us", None), type(store).__name__)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 
+from .config import EngineConfig, store_slice_from_advice
+
 # The sleep that hands the GIL to a waiting loop: longer than a thread's wake-up, short
 # next to a batch's copy (Linux adds its 50 µs timer slack).
 _HANDOFF_S = 50e-6
@@ -54,3 +56,11 @@ class GilSlice:
         wait would not do: this thread would take the GIL back before the loop woke."""
         time.sleep(_HANDOFF_S)
         self._running_since = time.perf_counter()
+
+
+def store_slice_us(config: EngineConfig, store: object) -> int:
+    """The store thread's slice (EngineConfig.store_slice_us): the config's, else the
+    store's advice (its ``store_slice_us``), else 0."""
+    if config.store_slice_us is not None:
+        return config.store_slice_us
+    return store_slice_from_advice(getattr(store, "store_slice_us", None), type(store).__name__)

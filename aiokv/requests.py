@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import validate
 from .errors import InvalidRequest
 from .stores.base import BoolArray, Int64Array
 
@@ -51,6 +52,9 @@ class Kind(enum.IntEnum):
     OFFLOAD = 2
 
 
+_LOAD = Kind.LOAD  # a module global: read per call
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """One awaited call. Written by the loop until dispatch, by the store thread after,
@@ -71,6 +75,31 @@ class Request:
     mask: BoolArray | None = None
     moved: int = 0  # True positions of the mask: tokens this request moves
     submitted_at: float = 0.0
+
+
+def new_request(
+    kind: Kind,
+    user_id: Hashable,
+    future: asyncio.Future[Any],
+    num_tokens: int,
+    token_ids: Any,
+    namespace: Sequence[str] | None,
+    pages: torch.Tensor | None,
+    pages_used: int,
+) -> Request:
+    """A call's Request, its arguments checked (InvalidRequest naming the bad one); a
+    LOAD's key is its Lookup's, so it takes no token ids or namespace."""
+    try:
+        hash(user_id)
+    except TypeError as exc:
+        raise InvalidRequest("user_id", f"must be hashable, got {type(user_id).__name__}") from exc
+    names: tuple[str, ...] = ()
+    tokens = None
+    if kind is not _LOAD:
+        tokens = validate.token_ids(token_ids, num_tokens)
+        names = validate.namespace(namespace, user_id)
+    # positional: keywords cost more, on every call
+    return Request(kind, user_id, future, num_tokens, tokens, names, pages, pages_used)
 
 
 class Reservation:

@@ -22,7 +22,7 @@ from conftest import PAGE_SIZE, make_caches
 
 import aiokv
 import aiokv.testing
-from aiokv.engine import _store_slice_us
+from aiokv.handoff import store_slice_us as _store_slice_us
 from aiokv.stores import NoSpace, ProcessStore, make_store
 from aiokv.stores.flexkv import FlexKVStore
 from aiokv.stores.wire import pack_results, portable, unpack_results

@@ -22,7 +22,7 @@ import aiokv.handoff
 import aiokv.worker
 from aiokv.batcher import Batch
 from aiokv.config import parse_config
-from aiokv.engine import _store_slice_us
+from aiokv.handoff import store_slice_us as _store_slice_us
 from aiokv.resolution import Resolver
 from aiokv.stores.base import BoolArray, Int64Array, Store
 from aiokv.stores.flexkv import FlexKVStore

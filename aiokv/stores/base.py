@@ -186,8 +186,10 @@ OPTIONAL_METHODS = (
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """A store's optional features, read once (:meth:`of`): each bound method, or None
-    where the store lacks it (a wrapper may hold None for what its inner store lacks)."""
+    """A store's optional methods, read once (:meth:`of`): each bound method, or None
+    where the store lacks it (a wrapper may hold None for what its inner store lacks).
+    The slice advice (:class:`AdvisesSlice`) is read with the config, by
+    :func:`aiokv.handoff.store_slice_us`."""
 
     set_notify: Callable[[Callable[[], None]], None] | None = None
     set_yield: Callable[[Callable[[], None]], None] | None = None
@@ -196,7 +198,6 @@ class Capabilities:
     evict: Callable[[Sequence[str]], int] | None = None
     clear: Callable[[], int] | None = None
     store_stats: Callable[[], Mapping[str, int | float]] | None = None
-    store_slice_us: int | None = None
 
     @classmethod
     def of(cls, store: object) -> Capabilities:
@@ -205,5 +206,4 @@ class Capabilities:
             method = getattr(store, name, None)
             if callable(method):
                 found[name] = method
-        advice = getattr(store, "store_slice_us", None)
-        return cls(**found, store_slice_us=advice if isinstance(advice, int) else None)
+        return cls(**found)
