@@ -37,6 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
+# Run from a checkout without installing: the repository root holds the package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import aiokv
 from aiokv.testing import VERBS, CheckingStore, FaultyStore
 
