@@ -71,6 +71,10 @@ class Suspensions:
             return stop.value
 
 
+def peak_rss_mb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def percentile(values: list[float], q: float, scale: float) -> float:
     return round(float(np.percentile(values, q)) * scale, 3) if values else 0.0
 
@@ -174,6 +178,7 @@ class Run:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
+        "peak_rss_mb_at_start": peak_rss_mb(),
         "max_pending": args.max_pending,
         "timeout_ms": args.timeout_ms,
         "memory_bound": f"the engine holds at most max_pending={args.max_pending} accepted "
@@ -195,10 +200,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "overload": under,
             "after": after,
             "rate_after_over_before": round(after["rps"] / max(before["rps"], 1), 3),
+            "peak_rss_mb_so_far": peak_rss_mb(),
             "engine_pending_at_close": stats.pending,
             "store_tasks_open_at_close": stats.store_tasks_open,
         }
-    report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    report["peak_rss_mb"] = peak_rss_mb()
     return report
 
 
