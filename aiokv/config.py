@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,25 @@ def _check_number(key: str, value: object, minimum: float) -> None:
         finite = False
     if not finite or value < minimum:
         raise ConfigError(key, f"must be a finite number >= {minimum}, got {value}")
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        pages, page_bytes = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no such name here (Windows, macOS)
+        return None
+    return pages * page_bytes if pages > 0 and page_bytes > 0 else None
+
+
+def _check_fits_in_memory(key: str, gib: float) -> None:
+    """A host tier larger than the machine's memory cannot be allocated: say so here,
+    naming the key, rather than let torch fail with a raw RuntimeError at start."""
+    memory = machine_memory_bytes()
+    if memory is not None and gib * (1 << 30) > memory:
+        raise ConfigError(
+            key, f"{gib} GiB does not fit in this machine's {memory / (1 << 30):.1f} GiB of memory"
+        )
 
 
 def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
@@ -155,6 +175,7 @@ class StoreConfig:
         _check_number("store.cpu_cache_gb", self.cpu_cache_gb, 0.0)
         if self.cpu_cache_gb <= 0:
             raise ConfigError("store.cpu_cache_gb", f"must be > 0, got {self.cpu_cache_gb}")
+        _check_fits_in_memory("store.cpu_cache_gb", self.cpu_cache_gb)
         _check_number("store.ssd_cache_gb", self.ssd_cache_gb, 0.0)
         if self.ssd_cache_dir is not None and not isinstance(self.ssd_cache_dir, str):
             raise ConfigError(

@@ -3,6 +3,7 @@ here). Each raises InvalidRequest (or ConfigError for the caches) naming the arg
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -89,9 +90,35 @@ def token_ids(token_ids: Any, num_tokens: int) -> Int64Array:
     return token_ids
 
 
+def default_namespace(user_id: Hashable) -> tuple[str, ...]:
+    """The key's namespace when the call gives none: ``uid:<n>`` for an int (the name
+    recsys-examples gives its users, so a FlexKV cache stays shared with it) and
+    ``uid:str:<s>`` for a str, so that ``1`` and ``"1"`` never share a key. bool (an int
+    to Python) and every other type are refused: their str() is no stable, distinct name
+    (a tuple's repr, an object's address), so the caller must name the key itself."""
+    kind = type(user_id)
+    if kind is int:  # the usual cases first, without isinstance
+        return (f"uid:{user_id}",)
+    if kind is str:
+        return (f"uid:str:{user_id}",)
+    if isinstance(user_id, (bool, np.bool_)):
+        raise InvalidRequest(
+            "user_id", f"must be an int or a str, got bool {user_id!r}; or pass namespace="
+        )
+    if isinstance(user_id, (int, np.integer)):  # an IntEnum, a numpy integer: its value
+        return (f"uid:{int(user_id)}",)
+    if isinstance(user_id, str):  # a str subclass (a StrEnum): its characters
+        return ("uid:str:" + str.__str__(user_id),)
+    raise InvalidRequest(
+        "user_id",
+        f"must be an int or a str to name a key, got {kind.__name__} {reprlib.repr(user_id)}; "
+        "pass namespace= (a list of str) to name the key yourself",
+    )
+
+
 def namespace(namespace: Any, user_id: Hashable) -> tuple[str, ...]:
     if namespace is None:
-        return (f"uid:{user_id}",)
+        return default_namespace(user_id)
     kind = type(namespace)
     # list and tuple first: the Sequence check is an ABC lookup, slow on every submit.
     if kind is not list and kind is not tuple and (
