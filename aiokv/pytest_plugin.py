@@ -22,23 +22,23 @@ variant made by :func:`engine_fixture`::
     @pytest.mark.asyncio(loop_scope="module")
     async def test_one(shared_engine): ...
 
-aiokv is imported only when a fixture runs, so the plugin costs nothing to a pytest run
-that does not use it. The async fixtures need pytest-asyncio (strict mode is fine).
+The async fixtures need pytest-asyncio (strict mode is fine); without it the plugin
+still loads, and ``aiokv_engine`` fails the tests that use it, saying so. Loading it
+imports aiokv (and torch); ``pytest -p no:aiokv`` turns it off.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import pytest
+import torch
 
-if TYPE_CHECKING:
-    import torch
-
-    from .config import EngineConfig, StoreConfig
-    from .engine import OffloadEngine
-    from .stats import EngineStats
+from .config import EngineConfig, StoreConfig
+from .engine import OffloadEngine
+from .stats import EngineStats
+from .stores import make_store
 
 Scope = Literal["function", "class", "module", "package", "session"]
 
@@ -57,16 +57,12 @@ def make_kv_caches(
 ) -> list[torch.Tensor]:
     """CPU caches, one ``[page, 2, page_size, heads, head_dim]`` float32 table per layer,
     random from ``seed`` (distinct pages, so a load from the wrong page shows)."""
-    import torch
-
     generator = torch.Generator().manual_seed(seed)
     shape = (pages, 2, page_size, heads, head_dim)
     return [torch.randn(shape, generator=generator) for _ in range(layers)]
 
 
 def default_store_config() -> StoreConfig:
-    from .config import StoreConfig
-
     return StoreConfig(backend="local", cpu_cache_gb=DEFAULT_CPU_CACHE_GB)
 
 
@@ -85,9 +81,6 @@ async def started_engine(
 ) -> AsyncIterator[OffloadEngine]:
     """The body of every engine fixture: start on the running loop, yield, close, and
     fail the test if anything leaked."""
-    from .engine import OffloadEngine
-    from .stores import make_store
-
     engine = OffloadEngine(make_store(store_config), kv_caches, engine_config)
     async with engine:
         yield engine
@@ -108,8 +101,6 @@ def aiokv_store_config() -> StoreConfig:
 
 @pytest.fixture
 def aiokv_engine_config() -> EngineConfig:
-    from .config import EngineConfig
-
     return EngineConfig()
 
 
@@ -136,8 +127,6 @@ def engine_fixture(
         raise RuntimeError("aiokv.pytest_plugin.engine_fixture needs pytest-asyncio")
 
     async def engine() -> AsyncIterator[OffloadEngine]:
-        from .config import EngineConfig
-
         config = engine_config() if engine_config is not None else EngineConfig()
         async for started in started_engine(kv_caches(), store_config(), config):
             yield started
