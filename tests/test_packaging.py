@@ -80,6 +80,12 @@ def test_version_from_the_cli_and_python_m(capsys: pytest.CaptureFixture[str]) -
         capture_output=True, text=True, timeout=120, env=_env(),
     )
     assert (result.returncode, result.stdout.strip()) == (0, f"aiokv {aiokv.__version__}")
+    script = Path(sys.executable).with_name("aiokv")  # the console script, where installed
+    if script.exists():
+        result = subprocess.run(
+            [str(script), "--version"], capture_output=True, text=True, timeout=120, env=_env()
+        )
+        assert (result.returncode, result.stdout.strip()) == (0, f"aiokv {aiokv.__version__}")
 
 
 def test_the_license_file_is_the_apache_2_text() -> None:

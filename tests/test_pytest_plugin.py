@@ -88,10 +88,35 @@ async def test_overridden_geometry_and_config(aiokv_engine):
 '''
 
 
-def run_user_suite(tmp_path: Path, files: dict[str, str]) -> subprocess.CompletedProcess[str]:
+USER_MODULE_LOOP = '''
+import asyncio
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+loops = []
+
+
+async def test_first(aiokv_engine):
+    assert aiokv_engine._loop is asyncio.get_running_loop()
+    loops.append(asyncio.get_running_loop())
+    assert (await aiokv_engine.offload(1, torch.arange(0, 1), 4)).stored_tokens == 4
+
+
+async def test_second_a_fresh_engine_on_the_same_loop(aiokv_engine):
+    assert aiokv_engine._loop is asyncio.get_running_loop() is loops[0]
+    async with await aiokv_engine.lookup(1, 4) as hit:
+        assert hit.cached_tokens == 0
+'''
+
+
+def run_user_suite(
+    tmp_path: Path, files: dict[str, str], ini: str = ""
+) -> subprocess.CompletedProcess[str]:
     for name, text in files.items():
         (tmp_path / name).write_text(textwrap.dedent(text))
-    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = strict\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = strict\n" + ini)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     # Where the entry point is installed (a fresh `make setup`), pytest loads the plugin by
     # itself, as it would for a user; an older install of this checkout needs -p.
@@ -108,6 +133,18 @@ def test_a_users_suite_runs_on_the_fixtures(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "5 passed" in result.stdout
+
+
+def test_the_engine_fixture_follows_the_default_fixture_loop_scope(tmp_path: Path) -> None:
+    # A suite whose tests share a module's loop sets pytest-asyncio's default fixture
+    # loop scope to match; aiokv_engine then starts on that loop, once per test.
+    result = run_user_suite(
+        tmp_path,
+        {"test_module_loop.py": USER_MODULE_LOOP},
+        ini="asyncio_default_fixture_loop_scope = module\n",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
 
 
 def test_pyproject_declares_the_entry_point() -> None:
