@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import __version__
 from .config import EngineConfig, StoreConfig, load_config
 from .engine import OffloadEngine
 from .errors import AiokvError, ConfigError
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aiokv", description="aiokv: an asyncio offload engine for paged GPU KV caches."
     )
+    parser.add_argument("--version", action="version", version=f"aiokv {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo",

@@ -417,12 +417,3 @@ class OffloadEngine:
     def _on_batch(self, batch: Batch) -> None:
         self._stats.record_batch(len(batch.requests))
 
-
-def open_engine(path: str, kv_caches: Sequence[torch.Tensor]) -> OffloadEngine:
-    """An engine over the store and settings of the YAML file at ``path``. Not started:
-    use ``async with`` or ``await engine.start()``. Raises ConfigError."""
-    from .config import load_config
-    from .stores import make_store
-
-    engine_config, store_config = load_config(path)
-    return OffloadEngine(make_store(store_config), kv_caches=kv_caches, config=engine_config)

@@ -282,54 +282,54 @@ def _admitted_offloads(engine: aiokv.OffloadEngine, count: int) -> list[Any]:
 
 @pytest.mark.asyncio
 async def test_outcomes_past_the_budget_resolve_in_order_over_later_iterations(
-    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    aiokv_engine: aiokv.OffloadEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _resolve_budget(monkeypatch, 0.0)  # every outcome is over it: one per callback
-    async with aiokv.OffloadEngine(small_store(), caches) as engine:
-        requests = _admitted_offloads(engine, 6)
-        outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
-        engine._resolver.deliver(list(zip(requests[:4], outcomes[:4], strict=True)))
-        engine._resolver.deliver(list(zip(requests[4:], outcomes[4:], strict=True)))  # waits its turn
-        resolved_per_iteration = [sum(r.future.done() for r in requests)]
-        while resolved_per_iteration[-1] < len(requests):
-            await asyncio.sleep(0)
-            resolved_per_iteration.append(sum(r.future.done() for r in requests))
-        assert resolved_per_iteration == [1, 2, 3, 4, 5, 6]
-        assert [await r.future for r in requests] == outcomes
-        assert engine.stats().completed == 6
+    engine = aiokv_engine  # the plugin's: closed after the test, which fails if it leaked
+    requests = _admitted_offloads(engine, 6)
+    outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
+    engine._resolver.deliver(list(zip(requests[:4], outcomes[:4], strict=True)))
+    engine._resolver.deliver(list(zip(requests[4:], outcomes[4:], strict=True)))  # waits its turn
+    resolved_per_iteration = [sum(r.future.done() for r in requests)]
+    while resolved_per_iteration[-1] < len(requests):
+        await asyncio.sleep(0)
+        resolved_per_iteration.append(sum(r.future.done() for r in requests))
+    assert resolved_per_iteration == [1, 2, 3, 4, 5, 6]
+    assert [await r.future for r in requests] == outcomes
+    assert engine.stats().completed == 6
 
 
 @pytest.mark.asyncio
 async def test_a_resolution_that_raises_does_not_strand_the_outcomes_after_it(
-    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    aiokv_engine: aiokv.OffloadEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _resolve_budget(monkeypatch, 0.0)
     loop = asyncio.get_running_loop()
     errors: list[Any] = []
     loop.set_exception_handler(lambda loop, context: errors.append(context["exception"]))
-    async with aiokv.OffloadEngine(small_store(), caches) as engine:
-        requests = _admitted_offloads(engine, 4)
-        outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
-        resolver = engine._resolver
-        assert resolver is not None
-        resolve = resolver.resolve
+    engine = aiokv_engine  # closed after the test; a leak fails it
+    requests = _admitted_offloads(engine, 4)
+    outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
+    resolver = engine._resolver
+    assert resolver is not None
+    resolve = resolver.resolve
 
-        def resolve_but_fail_the_second(request: Any, outcome: object) -> None:
-            if request is requests[1]:
-                raise RuntimeError("a bug in resolving")
-            resolve(request, outcome)
+    def resolve_but_fail_the_second(request: Any, outcome: object) -> None:
+        if request is requests[1]:
+            raise RuntimeError("a bug in resolving")
+        resolve(request, outcome)
 
-        monkeypatch.setattr(resolver, "resolve", resolve_but_fail_the_second)
-        resolver.deliver(list(zip(requests[:2], outcomes[:2], strict=True)))
-        for _ in range(3):
-            await asyncio.sleep(0)  # the second raises in a callback of its own
-        resolver.deliver(list(zip(requests[2:], outcomes[2:], strict=True)))
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert [r.future.done() for r in requests] == [True, False, True, True]
-        assert [type(e) for e in errors] == [RuntimeError]
-        requests[1].future.cancel()  # let the engine close without waiting for it
-        resolver.finished(requests[1], None)
+    monkeypatch.setattr(resolver, "resolve", resolve_but_fail_the_second)
+    resolver.deliver(list(zip(requests[:2], outcomes[:2], strict=True)))
+    for _ in range(3):
+        await asyncio.sleep(0)  # the second raises in a callback of its own
+    resolver.deliver(list(zip(requests[2:], outcomes[2:], strict=True)))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert [r.future.done() for r in requests] == [True, False, True, True]
+    assert [type(e) for e in errors] == [RuntimeError]
+    requests[1].future.cancel()  # let the engine close without waiting for it
+    resolver.finished(requests[1], None)
 
 
 @pytest.mark.asyncio
