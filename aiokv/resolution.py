@@ -59,6 +59,10 @@ class Resolver:
         """Called on the loop by the store thread, once per drained set."""
         queued = bool(self._outcomes)  # then a callback is due for them: wait your turn
         self._outcomes.extend(pairs)
+        # The list is ours now. The store thread may still be inside
+        # call_soon_threadsafe with it as a local: emptied, it keeps no request alive
+        # after its caller has been answered.
+        pairs.clear()
         if not queued:
             self.resolve_outcomes()
 
