@@ -11,7 +11,8 @@ $(BIN)/aiokv: pyproject.toml
 	# The CPU build of torch that this project's machines keep on disk; without the pin
 	# pip would fetch a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	# web: the FastAPI and aiohttp examples, which the tests run.
+	$(BIN)/python -m pip install -q -e '.[dev,bench,web]'
 	touch $@
 
 setup: $(BIN)/aiokv

@@ -1,9 +1,10 @@
 """aiokv: an asyncio offload engine for paged GPU KV caches."""
 
 from .config import EngineConfig, StoreConfig, load_config
-from .engine import EngineState, OffloadEngine, open_engine
+from .engine import EngineState, OffloadEngine
 from .errors import (
     AiokvError,
+    BlockingCallOnLoop,
     ConfigError,
     EngineClosed,
     InvalidRequest,
@@ -12,11 +13,13 @@ from .errors import (
     StoreError,
     StoreFull,
 )
+from .open import open_engine
 from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
 from .stores.base import Store, TaskResult, TaskStatus
 from .stores.local import LocalStore
 from .stores.process import ProcessStore
+from .sync import BackgroundEngine, BackgroundLookup, run_in_background
 
 
 def __getattr__(name: str) -> object:
@@ -32,6 +35,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AiokvError",
+    "BackgroundEngine",
+    "BackgroundLookup",
+    "BlockingCallOnLoop",
     "ConfigError",
     "EngineClosed",
     "EngineConfig",
@@ -55,4 +61,5 @@ __all__ = [
     "TaskStatus",
     "load_config",
     "open_engine",
+    "run_in_background",
 ]

@@ -5,14 +5,12 @@ A window opens at the first queued request and closes ``window_us`` later
 ``max_batch_requests`` or ``max_batch_tokens`` closes its window at once. When a window
 closes, the queue is planned into batches by :func:`plan_batches`, a pure function, and
 each batch is dispatched: handed to the store thread, which fuses its page ids into one
-host copy (:mod:`aiokv.slots`) before it matches. A batch whose dispatch fails is failed
-alone (``on_failed``); the batcher carries on.
+host copy (:func:`aiokv.cuda.fuse_page_ids`) before it matches. A batch whose dispatch
+fails is failed alone (``on_failed``); the batcher carries on.
 
-Dispatching makes no CUDA call. It used to fuse the batch here, on the loop: about eight
-torch calls, each of which gives the GIL away, and winning it back from a store thread
-inside FlexKV's matching took up to Python's switch interval (on an H200 host, 6 batches
-of 32 users added 8.5 ms to one loop iteration). On the store thread the same calls cost
-the loop nothing.
+Dispatching makes no CUDA call: each torch call gives the GIL away, and winning it back
+from a store thread inside a store's Python can take up to Python's switch interval. On
+the store thread the same calls cost the loop nothing.
 
 At most about half a millisecond of dispatching runs in one loop iteration (always at
 least one batch). A burst of submits (many callers made ready at once) runs in one
@@ -108,7 +106,7 @@ class Batcher:
         self._draining = False
         self._spent_this_iteration: float | None = None  # dispatching, s; None: none yet
         # Called as each window closes, before its batches go to the store thread (the
-        # callers' CUDA events are recorded there: requests.ReadyMarks).
+        # callers' CUDA events are recorded there: cuda.ReadyMarks).
         self._on_window_closed = on_window_closed
 
     def __len__(self) -> int:

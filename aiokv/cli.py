@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import __version__
 from .config import EngineConfig, StoreConfig, load_config
 from .engine import OffloadEngine
 from .errors import AiokvError, ConfigError
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aiokv", description="aiokv: an asyncio offload engine for paged GPU KV caches."
     )
+    parser.add_argument("--version", action="version", version=f"aiokv {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
@@ -226,7 +228,7 @@ class DemoUser:
 
 
 def _build(args: argparse.Namespace) -> tuple[OffloadEngine, Workload, int]:
-    from .bench.common import pick_device  # the benchmarks' rule: auto = GPU if any
+    from .running import pick_device  # auto = GPU if any
 
     device = pick_device(args.device)
     dtype = torch.bfloat16
@@ -306,7 +308,7 @@ async def _run_demo(args: argparse.Namespace) -> DemoRun:
 
 def demo(args: argparse.Namespace) -> int:
     """Run the demo workload and print its summary; 1 on any mismatch or failure."""
-    from .bench.common import run_uvloop
+    from .running import run_uvloop
 
     if not math.isfinite(args.seconds) or args.seconds <= 0:
         raise SystemExit("aiokv demo: --seconds must be a finite number > 0")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from .backends import BACKENDS
 from .errors import ConfigError
 
 OverloadPolicy = Literal["reject", "wait"]
@@ -64,6 +66,25 @@ def _check_number(key: str, value: object, minimum: float) -> None:
         raise ConfigError(key, f"must be a finite number >= {minimum}, got {value}")
 
 
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        pages, page_bytes = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no such name here (Windows, macOS)
+        return None
+    return pages * page_bytes if pages > 0 and page_bytes > 0 else None
+
+
+def _check_fits_in_memory(key: str, gib: float) -> None:
+    """A host tier larger than the machine's memory cannot be allocated: say so here,
+    naming the key, rather than let torch fail with a raw RuntimeError at start."""
+    memory = machine_memory_bytes()
+    if memory is not None and gib * (1 << 30) > memory:
+        raise ConfigError(
+            key, f"{gib} GiB does not fit in this machine's {memory / (1 << 30):.1f} GiB of memory"
+        )
+
+
 def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}")
@@ -91,7 +112,7 @@ class EngineConfig:
         some throughput; it cannot split one long call. None: the store's advice
         (``Store.store_slice_us``: 200 for FlexKV; 0 for stores without one, such as the
         local store, whose calls are short and for which the pauses would only cost
-        throughput). See the README.
+        throughput).
     """
 
     window_us: int = 200
@@ -141,23 +162,20 @@ class StoreConfig:
     own_process: bool | None = None
 
     def in_own_process(self) -> bool:
-        """Whether the store runs in a child process: ``own_process`` when set, else
-        True for FlexKV and False for the local store. FlexKV's Python (its answers for a
-        finished batch, a batch's launch) holds the GIL for up to about 1 ms a call, and
-        in this process the loop waits for it; in a child only a round trip per call is
-        left here (the README's FlexKV results). The local store is cheap to call and
-        stays here."""
+        """Whether the store runs in a child process: ``own_process`` when set, else the
+        backend's default (:data:`aiokv.backends.BACKENDS`: FlexKV yes, local no)."""
         if self.own_process is not None:
             return self.own_process
-        return self.backend == "flexkv"
+        return BACKENDS[self.backend].own_process
 
     def __post_init__(self) -> None:
-        _check_choice("store.backend", self.backend, ("local", "flexkv"))
+        _check_choice("store.backend", self.backend, tuple(BACKENDS))
         if self.page_size is not None:
             _check_int("store.page_size", self.page_size, 1)
         _check_number("store.cpu_cache_gb", self.cpu_cache_gb, 0.0)
         if self.cpu_cache_gb <= 0:
             raise ConfigError("store.cpu_cache_gb", f"must be > 0, got {self.cpu_cache_gb}")
+        _check_fits_in_memory("store.cpu_cache_gb", self.cpu_cache_gb)
         _check_number("store.ssd_cache_gb", self.ssd_cache_gb, 0.0)
         if self.ssd_cache_dir is not None and not isinstance(self.ssd_cache_dir, str):
             raise ConfigError(

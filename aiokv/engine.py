@@ -1,16 +1,11 @@
-"""OffloadEngine: the public async API, its lifecycle, admission control and deadlines.
+"""OffloadEngine: the public async API and its lifecycle (admission, deadlines and
+resolution have modules of their own).
 
-One offload, end to end (read on in batcher.py, slots.py, worker.py):
-
-1. ``offload`` validates from shapes and dtypes only (GPU values are never read on the
-   loop), notes the caller's stream when the caches are on a GPU (its CUDA event is
-   recorded once per loop iteration or window), admits the request against
-   ``max_pending`` and queues it with a future and a deadline.
-2. The batcher closes a window (recording the window's CUDA events) and hands the batch
-   to the store thread; nothing on the loop calls CUDA for it.
-3. The store thread fuses the batch's page ids into one host copy, matches, cancels or
-   launches, polls until terminal, and posts the outcomes back;
-   :meth:`OffloadEngine._resolve` is the one place a future is resolved.
+One offload: ``offload`` validates from shapes and dtypes only (GPU values are never
+read on the loop), notes the caller's stream (cuda.py), admits the request against
+``max_pending`` and queues it with a future; the batcher (batcher.py) hands a window's
+batch to the store thread (worker.py), which fuses, plans (plans.py) and executes the
+round, and posts outcomes to resolution.py, the one place a future is resolved.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ import enum
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Hashable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -31,25 +25,24 @@ import torch
 from . import validate
 from .admission import Admission
 from .batcher import Batch, Batcher
-from .config import EngineConfig, store_slice_from_advice
+from .config import EngineConfig
+from .cuda import ReadyMarks, warm_up
 from .deadlines import Deadlines
 from .errors import (
     ConfigError,
     EngineClosed,
     InvalidRequest,
-    RequestTimeout,
-    StoreError,
 )
+from .handoff import store_slice_us
 from .requests import (
     Kind,
     LoadResult,
     Lookup,
-    LookupGrant,
     OffloadResult,
-    ReadyMarks,
     Request,
+    new_request,
 )
-from .slots import d2h_copies, warm_up
+from .resolution import Resolver
 from .stats import EngineStats, StatsRecorder
 from .stores.base import Store
 from .worker import StoreWorker
@@ -57,14 +50,8 @@ from .worker import StoreWorker
 log = logging.getLogger("aiokv")
 T = TypeVar("T")
 
-# Resolving outcomes runs at most about this long per loop callback (always at least one
-# outcome); the rest waits for the next iteration. On an H200 host an outcome costs 3-4 µs
-# to resolve and its caller 2-4 µs to resume (in the iteration after), so a store thread
-# posting hundreds at once (large batches, or several drained together) would otherwise
-# hold the loop for milliseconds in one or two iterations.
-RESOLVE_BUDGET_S = 0.0001
-# Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-call paths
-# read them from here.
+# Enum members read as class attributes cost an attribute lookup each; per-call paths read
+# them from here.
 _OFFLOAD, _LOAD = Kind.OFFLOAD, Kind.LOAD
 
 
@@ -103,7 +90,7 @@ class OffloadEngine:
         self._store = store
         self._kv_caches = list(kv_caches)
         self._config = config or EngineConfig()
-        self._store_slice_us = _store_slice_us(self._config, store)
+        self._store_slice_us = store_slice_us(self._config, store)
         self._on_gpu = self._device.type == "cuda"
         self._state = EngineState.NEW
         self._stats = StatsRecorder()
@@ -116,9 +103,7 @@ class OffloadEngine:
         self._deadlines: Deadlines | None = None  # request_timeout_ms, when set
         self._ready_marks: ReadyMarks | None = None  # the callers' CUDA events, on a GPU
         self._closing: asyncio.Future[None] | None = None
-        # Outcomes posted by the store thread, not resolved yet (RESOLVE_BUDGET_S). While
-        # it holds any, a _resolve_outcomes callback is scheduled for them.
-        self._outcomes: deque[tuple[Request, object]] = deque()
+        self._resolver: Resolver | None = None  # resolves every future, once started
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -142,8 +127,19 @@ class OffloadEngine:
         self._loop = loop
         self._idle = asyncio.Event()
         self._idle.set()
+        resolver = self._resolver = Resolver(
+            loop,
+            self._stats,
+            self._admission,
+            self._idle,
+            self._config.lookup_ttl_ms / 1e3,
+            self._config.request_timeout_ms,
+        )
         if self._config.request_timeout_ms:
-            self._deadlines = Deadlines(loop, self._config.request_timeout_ms / 1e3, self._expire)
+            self._deadlines = Deadlines(
+                loop, self._config.request_timeout_ms / 1e3, resolver.expire
+            )
+            resolver.deadlines = self._deadlines
         registered: concurrent.futures.Future[None] = concurrent.futures.Future()
         copy_stream = (
             torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
@@ -153,7 +149,7 @@ class OffloadEngine:
         self._worker = StoreWorker(
             self._store,
             loop,
-            self._deliver,
+            resolver.deliver,
             self._num_pages,
             self._config.poll_interval_us,
             self._kv_caches,
@@ -166,9 +162,9 @@ class OffloadEngine:
         self._batcher = Batcher(
             self._config,
             self._worker.submit,
-            self._on_dropped,
+            resolver.dropped,
             self._on_batch,
-            self._on_dispatch_failed,
+            resolver.dispatch_failed,
             self._ready_marks.close_window if self._ready_marks is not None else None,
         )
         # Calls are accepted from here on: they queue until the batcher task starts.
@@ -212,6 +208,7 @@ class OffloadEngine:
 
     async def _close(self, drain: bool, timeout: float) -> None:
         assert self._batcher is not None and self._worker is not None and self._idle
+        assert self._resolver is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         self._state = EngineState.DRAINING
@@ -237,7 +234,7 @@ class OffloadEngine:
         if not await asyncio.to_thread(self._worker.join, remaining):
             log.warning("aiokv: store thread still busy after %.1fs; abandoning it", remaining)
         await asyncio.sleep(0)  # let outcomes posted before the join arrive
-        self._resolve_outcomes(budget_s=math.inf)  # and resolve them, before failing the rest
+        self._resolver.resolve_outcomes(budget_s=math.inf)  # and resolve them, then fail the rest
         for request in list(self._admission.live):
             self._resolve(request, EngineClosed("engine closed before this request finished"))
         if self._deadlines is not None:
@@ -269,8 +266,10 @@ class OffloadEngine:
         await self.aclose()
 
     def stats(self) -> EngineStats:
-        open_tasks = self._worker.tasks_open if self._worker is not None else 0
-        return self._stats.snapshot(open_tasks, self._bytes_per_token)
+        worker = self._worker
+        if worker is None:
+            return self._stats.snapshot(0, 0, self._bytes_per_token)
+        return self._stats.snapshot(worker.tasks_open, worker.d2h_copies, self._bytes_per_token)
 
     # ---- public calls ------------------------------------------------------------------
 
@@ -327,7 +326,7 @@ class OffloadEngine:
         """Copy a Lookup's cached prefix into ``page_ids`` (in order). Consumes ``hit``.
         When the returned future resolves, the data is in the caches."""
         self._check_running()
-        if not isinstance(hit, Lookup) or hit._release_task != self._release_reservation:
+        if not isinstance(hit, Lookup) or hit._owner is not self._resolver:
             raise InvalidRequest("hit", "must be a Lookup returned by this engine's lookup()")
         pages = validate.page_ids(page_ids, self._device)
         if hit.cached_tokens == 0:
@@ -337,11 +336,12 @@ class OffloadEngine:
             raise InvalidRequest(
                 "page_ids", f"has {pages.shape[0]} pages; this hit needs at least {needed}"
             )
-        task_id, mask = hit._consume()
+        reservation = hit._consume()
         request = self._new_request(
             _LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed
         )
-        request.lookup, request.task_id, request.mask = hit, task_id, mask
+        request.reservation = reservation
+        request.task_id, request.mask = reservation.task_id, reservation.mask
         result: LoadResult = await self._run(request)
         return result
 
@@ -361,20 +361,10 @@ class OffloadEngine:
         pages: torch.Tensor | None = None,
         pages_used: int = 0,
     ) -> Request:
-        try:
-            hash(user_id)
-        except TypeError as exc:
-            raise InvalidRequest(
-                "user_id", f"must be hashable, got {type(user_id).__name__}"
-            ) from exc
         assert self._loop is not None
-        names: tuple[str, ...] = ()
-        tokens = None
-        if kind is not _LOAD:
-            tokens = validate.token_ids(token_ids, num_tokens)
-            names = validate.namespace(namespace, user_id)
-        request = Request(  # positional: keywords cost 0.3 us more per call
-            kind, user_id, self._loop.create_future(), num_tokens, tokens, names, pages, pages_used
+        request = new_request(
+            kind, user_id, self._loop.create_future(), num_tokens, token_ids, namespace,
+            pages, pages_used,
         )
         if self._ready_marks is not None and pages is not None:
             # The copy starts after the caller's stream gets at least this far (waited
@@ -394,7 +384,8 @@ class OffloadEngine:
             return await self._submit_when_room(request)
         except asyncio.CancelledError:
             if request.future.cancelled():
-                self._finished(request, None)
+                assert self._resolver is not None
+                self._resolver.finished(request, None)
             raise
 
     def _accept(self, request: Request) -> asyncio.Future[Any]:
@@ -414,123 +405,15 @@ class OffloadEngine:
             if self._state is not EngineState.RUNNING:  # closed while we waited
                 raise EngineClosed(f"engine is {self._state.value}")
         except BaseException:
-            if request.lookup is not None and request.task_id is not None:
-                self._release_reservation(request.task_id)  # the load never ran
+            if request.reservation is not None:
+                request.reservation.release()  # the load never ran
             raise
         return await self._accept(request)
 
-    def _expire(self, request: Request) -> None:
-        self._resolve(
-            request,
-            RequestTimeout(
-                f"{request.kind.name.lower()} not done within "
-                f"engine.request_timeout_ms={self._config.request_timeout_ms}"
-            ),
-        )
-
     def _resolve(self, request: Request, outcome: object) -> None:
-        """The one place futures are resolved. A future already done (caller cancelled,
-        timed out) is left alone; an orphaned reservation is given back."""
-        future = request.future
-        if future.done():
-            if isinstance(outcome, LookupGrant) and outcome.task_id is not None:
-                self._release_reservation(outcome.task_id)
-            return
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        elif isinstance(outcome, LookupGrant):
-            lookup = Lookup(request.user_id, outcome, self._release_reservation)
-            if lookup.held:
-                assert self._loop is not None
-                lookup._set_ttl(
-                    self._loop.call_later(self._config.lookup_ttl_ms / 1e3, lookup._expire)
-                )
-            future.set_result(lookup)
-        else:
-            future.set_result(outcome)
-        self._finished(request, outcome)
-
-    def _finished(self, request: Request, outcome: object) -> None:
-        """A request's future is done (``outcome`` None: the caller cancelled it): the one
-        place outcome counts change. Called once per accepted request, by _resolve or by
-        _run on cancellation; not a done-callback, which would cost a loop callback."""
-        request.detached = True  # the store thread stops caring about it from now on
-        self._admission.leave(request)
-        self._stats.record_outcome(outcome, time.perf_counter() - request.submitted_at)
-        if not self._admission.live:
-            assert self._idle is not None
-            self._idle.set()
-
-    def _deliver(self, pairs: list[tuple[Request, object]]) -> None:
-        """Called on the loop by the store thread, once per drained set."""
-        queued = bool(self._outcomes)  # then a callback is due for them: wait your turn
-        self._outcomes.extend(pairs)
-        if not queued:
-            self._resolve_outcomes()
-
-    def _resolve_outcomes(self, budget_s: float | None = None) -> None:
-        """Resolve queued outcomes in order for about ``budget_s`` (default
-        RESOLVE_BUDGET_S; at least one), and leave the rest to a callback in the next loop
-        iteration."""
-        outcomes = self._outcomes
-        resolve = self._resolve
-        deadline = time.perf_counter() + (RESOLVE_BUDGET_S if budget_s is None else budget_s)
-        try:
-            while outcomes:
-                request, outcome = outcomes.popleft()
-                resolve(request, outcome)
-                if time.perf_counter() >= deadline:
-                    break
-        finally:
-            if self._deadlines is not None:
-                self._deadlines.prune()
-            # Even if one resolution raised (the loop's exception handler logs it), the
-            # rest must not wait for a callback that was never scheduled.
-            if outcomes:
-                assert self._loop is not None
-                self._loop.call_soon(self._resolve_outcomes)
-
-    def _release_reservation(self, task_id: int) -> None:
-        if self._worker is not None:
-            self._worker.release([task_id])
-
-    def _on_dropped(self, request: Request) -> None:
-        """A request whose caller left before dispatch: give back what it holds."""
-        if request.kind is Kind.LOAD and request.task_id is not None:
-            self._release_reservation(request.task_id)
-
-    def _on_dispatch_failed(self, requests: Sequence[Request], exc: Exception) -> None:
-        """A batch the batcher could not hand to the store thread: it fails alone."""
-        if isinstance(exc, EngineClosed):
-            error: Exception = exc
-        else:
-            log.error("aiokv: dispatching a batch of %d failed", len(requests), exc_info=exc)
-            error = StoreError(f"batch failed before reaching the store: {exc!r}")
-            error.__cause__ = exc
-        for request in requests:
-            self._on_dropped(request)  # a load's reservation was never handed over
-            self._resolve(request, error)
+        assert self._resolver is not None  # every request is accepted after start()
+        self._resolver.resolve(request, outcome)
 
     def _on_batch(self, batch: Batch) -> None:
-        copies = 0
-        if self._on_gpu and batch.kind is not Kind.LOOKUP:  # the store thread fuses it
-            copies = d2h_copies(r.page_ids for r in batch.requests)
-        self._stats.record_batch(len(batch.requests), copies)
+        self._stats.record_batch(len(batch.requests))
 
-
-def open_engine(path: str, kv_caches: Sequence[torch.Tensor]) -> OffloadEngine:
-    """An engine over the store and settings of the YAML file at ``path``. Not started:
-    use ``async with`` or ``await engine.start()``. Raises ConfigError."""
-    from .config import load_config
-    from .stores import make_store
-
-    engine_config, store_config = load_config(path)
-    return OffloadEngine(make_store(store_config), kv_caches=kv_caches, config=engine_config)
-
-
-def _store_slice_us(config: EngineConfig, store: Store) -> int:
-    """The store thread's GIL slice (EngineConfig.store_slice_us): the config's, else the
-    store's advice, else 0."""
-    if config.store_slice_us is not None:
-        return config.store_slice_us
-    return store_slice_from_advice(getattr(store, "store_slice_us", None), type(store).__name__)

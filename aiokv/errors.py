@@ -9,7 +9,9 @@
     ├── EngineClosed                  the engine is not running (not started, draining, closed)
     ├── StoreError                    the store failed a request (raised from the store's error)
     │   └── StoreFull                 nothing could be reserved for new pages
-    └── RequestTimeout (TimeoutError) request_timeout_ms passed before the request resolved
+    ├── RequestTimeout (TimeoutError) request_timeout_ms passed before the request resolved
+    └── BlockingCallOnLoop (RuntimeError)  a blocking call (aiokv.run_in_background) made
+                                      on the engine's own loop thread, which would deadlock
 
 Every message names the field or key at fault and the value that was rejected.
 """
@@ -68,3 +70,9 @@ class StoreFull(StoreError):
 class RequestTimeout(AiokvError, TimeoutError):
     """``request_timeout_ms`` passed before the request resolved. A launched transfer
     keeps running; the caller only stops waiting for it."""
+
+
+class BlockingCallOnLoop(AiokvError, RuntimeError):
+    """A blocking method of :func:`aiokv.run_in_background`'s handle was called on the
+    engine's own loop thread, where waiting for the loop would wait forever. Code on that
+    loop awaits the engine directly."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import validate
 from .errors import InvalidRequest
 from .stores.base import BoolArray, Int64Array
 
@@ -51,6 +52,9 @@ class Kind(enum.IntEnum):
     OFFLOAD = 2
 
 
+_LOAD = Kind.LOAD  # a module global: read per call
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """One awaited call. Written by the loop until dispatch, by the store thread after,
@@ -65,7 +69,7 @@ class Request:
     page_ids: torch.Tensor | None
     pages_used: int  # leading entries of page_ids this request moves (known from shapes)
     ready_event: Any = None  # torch.cuda.Event on the caller's stream (ReadyMarks), or None
-    lookup: Lookup | None = None  # the reservation a LOAD consumes
+    reservation: Reservation | None = None  # the lookup's, which a LOAD consumes
     detached: bool = False
     task_id: int | None = None
     mask: BoolArray | None = None
@@ -73,132 +77,55 @@ class Request:
     submitted_at: float = 0.0
 
 
-def ready_events(requests: Iterable[Request]) -> list[Any]:
-    """The distinct ready events of ``requests``, for a batch to wait for before its copy
-    (usually one per caller stream; see :class:`ReadyMarks`)."""
-    events: dict[int, Any] = {}
-    for request in requests:
-        if request.ready_event is not None:
-            events.setdefault(id(request.ready_event), request.ready_event)
-    return list(events.values())
+def new_request(
+    kind: Kind,
+    user_id: Hashable,
+    future: asyncio.Future[Any],
+    num_tokens: int,
+    token_ids: Any,
+    namespace: Sequence[str] | None,
+    pages: torch.Tensor | None,
+    pages_used: int,
+) -> Request:
+    """A call's Request, its arguments checked (InvalidRequest naming the bad one); a
+    LOAD's key is its Lookup's, so it takes no token ids or namespace."""
+    try:
+        hash(user_id)
+    except TypeError as exc:
+        raise InvalidRequest("user_id", f"must be hashable, got {type(user_id).__name__}") from exc
+    names: tuple[str, ...] = ()
+    tokens = None
+    if kind is not _LOAD:
+        tokens = validate.token_ids(token_ids, num_tokens)
+        names = validate.namespace(namespace, user_id)
+    # positional: keywords cost more, on every call
+    return Request(kind, user_id, future, num_tokens, tokens, names, pages, pages_used)
 
 
-class CurrentStreams:
-    """``torch.cuda.current_stream(device)``, for a call on every submit.
+class Reservation:
+    """A lookup's match, held in the store for a load: its task id and mask. Made on the
+    store side when the lookup hits, held by the :class:`Lookup`, and handed to the load
+    that consumes it (the store thread then launches or cancels it). Until then,
+    :meth:`release` gives it back to the store; only the first call does (loop thread)."""
 
-    torch builds a new Stream object per call: about 3 µs on an H200 host, half of a
-    submit's cost on the loop. The stream's identity is a (stream id, device index,
-    device type) triple that torch reads in about 0.1 µs; a Stream is nothing but that
-    triple, so the object built for a triple is kept and handed out again. Where torch
-    lacks the private getter (``torch._C._cuda_getCurrentStream``), it falls back to
-    ``torch.cuda.current_stream``."""
+    __slots__ = ("_give_back", "mask", "task_id")
 
-    _MAX_STREAMS = 1024  # past this many distinct streams, build objects per call again
+    def __init__(self, task_id: int, mask: BoolArray, give_back: Callable[[int], None]) -> None:
+        self.task_id = task_id
+        self.mask = mask
+        self._give_back: Callable[[int], None] | None = give_back
 
-    def __init__(
-        self,
-        get_current: Callable[[int], tuple[int, int, int]] | None = None,
-        new_stream: Callable[..., Any] = torch.cuda.Stream,
-    ) -> None:
-        self._get_current = get_current or getattr(torch._C, "_cuda_getCurrentStream", None)
-        self._new_stream = new_stream
-        self._streams: dict[tuple[int, int, int], Any] = {}
-
-    def __call__(self, device: torch.device) -> Any:
-        get_current = self._get_current
-        index = device.index
-        if get_current is None or index is None:
-            return torch.cuda.current_stream(device)
-        key = get_current(index)
-        stream = self._streams.get(key)
-        if stream is None:
-            stream_id, device_index, device_type = key
-            stream = self._new_stream(
-                stream_id=stream_id, device_index=device_index, device_type=device_type
-            )
-            if len(self._streams) < self._MAX_STREAMS:
-                self._streams[key] = stream
-        return stream
-
-
-class ReadyMarks:
-    """Marks how far each caller's stream got at submit: the KV (and GPU page ids) are
-    written there, and the copy must start after them.
-
-    One CUDA event per caller stream per batch window: a stream runs in order, so one
-    record of the event after a window's last submit on that stream covers every submit
-    of the window, and a batch waits for it alone. That saves creating (and destroying)
-    an event per request. A new window gets new events, so a batch never waits for a
-    later window's submits (the callers' next kernels, say).
-
-    A submit records nothing: it notes its stream, and the events are recorded once per
-    loop iteration (a callback scheduled by the iteration's first submit) and when the
-    batcher closes a window (:meth:`close_window`), which comes before any of that
-    window's batches is fused. Recording later than the submit only waits for more work,
-    never less: on a stream shared by several callers, it may include kernels the others
-    queued later in the same iteration (re-recording at every submit of a window did the
-    same, up to the window's last submit). Recording at every submit cost a CUDA call, and
-    torch releases the GIL around it: in a burst of submits, each one was a chance for
-    the store thread to take the GIL and keep it for milliseconds (inside FlexKV's C
-    code, Python cannot take it back), stalling the loop in the middle of the burst."""
-
-    def __init__(
-        self,
-        device: torch.device,
-        call_soon: Callable[[Callable[[], None]], object],
-        new_event: Callable[[], Any] = torch.cuda.Event,
-        current_stream: Callable[[torch.device], Any] | None = None,
-        synchronize: Callable[[torch.device], None] = torch.cuda.synchronize,
-    ) -> None:
-        self._device = device
-        self._call_soon = call_soon  # the loop's call_soon
-        self._new_event = new_event
-        self._current_stream = current_stream or CurrentStreams()
-        self._synchronize = synchronize
-        self._events: dict[int, Any] = {}  # stream handle -> this window's event
-        self._unrecorded: dict[int, tuple[Any, Any]] = {}  # handle -> (stream, event)
-
-    def mark(self, request: Request) -> None:
-        stream = self._current_stream(self._device)
-        handle = stream.cuda_stream
-        event = self._events.get(handle)
-        if event is None:
-            event = self._events[handle] = self._new_event()
-        if not self._unrecorded:
-            self._call_soon(self.record)
-        self._unrecorded[handle] = (stream, event)
-        request.ready_event = event
-
-    def close_window(self) -> None:
-        """The batcher closed a window: record its events before any of its batches is
-        fused; later submits get new events."""
-        self.record()
-        self._events = {}
-
-    def record(self) -> None:
-        """Record each noted stream's event after what the stream has queued so far."""
-        unrecorded, self._unrecorded = self._unrecorded, {}
-        for stream, event in unrecorded.values():
-            try:
-                event.record(stream)
-            except Exception:
-                # The stream is gone (an external stream destroyed right after its
-                # submit, say): wait for the whole device, so that no batch copies
-                # before the caller's writes. If even that fails, the batch's own CUDA
-                # calls fail next, and the batch with them.
-                log.exception("aiokv: recording a caller's CUDA event failed")
-                try:
-                    self._synchronize(self._device)
-                except Exception:
-                    log.exception("aiokv: synchronizing %s failed", self._device)
+    def release(self) -> None:
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back(self.task_id)
 
 
 @dataclass(frozen=True, slots=True)
 class LookupGrant:
     """What the store thread answers for a lookup; the loop turns it into a Lookup."""
 
-    task_id: int | None
-    mask: BoolArray | None
+    reservation: Reservation | None
     cached_tokens: int
 
 
@@ -212,15 +139,20 @@ class Lookup:
         self,
         user_id: Hashable,
         grant: LookupGrant,
-        release_task: Callable[[int], None],
+        owner: object,
+        call_later: Callable[[float, Callable[[], None]], asyncio.TimerHandle] | None = None,
+        ttl_s: float = 0.0,
     ) -> None:
         self.user_id = user_id
         self.cached_tokens = grant.cached_tokens
-        self._task_id = grant.task_id
-        self._mask = grant.mask
-        self._release_task = release_task
-        self._state = "held" if grant.task_id is not None else "empty"
+        self._reservation = grant.reservation
+        self._owner = owner  # what answered it: a load through another engine is refused
+        self._state = "held" if grant.reservation is not None else "empty"
+        # The reservation's TTL: armed here (the loop's call_later), cancelled as it is
+        # released or consumed.
         self._ttl_handle: asyncio.TimerHandle | None = None
+        if self._state == "held" and call_later is not None:
+            self._ttl_handle = call_later(ttl_s, self._expire)
 
     def __repr__(self) -> str:
         return (
@@ -238,29 +170,26 @@ class Lookup:
         if self._state == "held":
             self._state = "released"
             self._cancel_ttl()
-            if self._task_id is not None:
-                self._release_task(self._task_id)
+            if self._reservation is not None:
+                self._reservation.release()
 
     def _pages_needed(self, page_size: int) -> int:
         """Pages a load must be given: up to the page of the last position to load."""
-        if self._mask is None:
+        if self._reservation is None:
             return 0
-        positions = np.flatnonzero(self._mask)
+        positions = np.flatnonzero(self._reservation.mask)
         return 0 if len(positions) == 0 else int(positions[-1]) // page_size + 1
 
-    def _consume(self) -> tuple[int, BoolArray]:
+    def _consume(self) -> Reservation:
         """Hand the reservation to a load (loop thread only)."""
-        if self._state != "held" or self._task_id is None or self._mask is None:
+        if self._state != "held" or self._reservation is None:
             raise InvalidRequest(
                 "lookup", f"reservation is {self._state}; a Lookup can be loaded once, "
                 "before it is released or expires"
             )
         self._state = "loading"
         self._cancel_ttl()
-        return self._task_id, self._mask
-
-    def _set_ttl(self, handle: asyncio.TimerHandle) -> None:
-        self._ttl_handle = handle
+        return self._reservation
 
     def _cancel_ttl(self) -> None:
         if self._ttl_handle is not None:
@@ -282,27 +211,3 @@ class Lookup:
         tb: TracebackType | None,
     ) -> None:
         self.release()
-
-
-_positions: Int64Array = np.arange(0, dtype=np.int64)
-_views: dict[int, Int64Array] = {}  # num_tokens -> its view, for the first lengths asked
-_MAX_VIEWS = 4096
-
-
-def default_token_ids(num_tokens: int) -> Int64Array:
-    """Positions 0..num_tokens-1: the recommender case, an append-only history. A
-    read-only view of one shared array (grown as needed), not a new array per call;
-    the views themselves are kept for the first lengths asked (a lookup costs less than
-    slicing)."""
-    global _positions
-    view = _views.get(num_tokens)
-    if view is not None:
-        return view
-    if num_tokens > len(_positions):
-        grown = np.arange(max(num_tokens, 2 * len(_positions), 4096), dtype=np.int64)
-        grown.flags.writeable = False
-        _positions = grown
-    view = _positions[:num_tokens]
-    if len(_views) < _MAX_VIEWS:
-        _views[num_tokens] = view
-    return view

@@ -1,8 +1,9 @@
 """Counters and latency/batch-size samples; :class:`EngineStats` is their snapshot.
 
 All counters are changed on the event loop, in one place each: ``submitted`` at accept,
-the outcome counters when a request's future completes, ``batches``/``d2h_copies`` at
-dispatch. ``pending`` is derived from them, never counted separately.
+the outcome counters when a request's future completes, ``batches`` at dispatch.
+``pending`` is derived from them, never counted separately. ``d2h_copies`` is the store
+thread's count of the copies its fused batches made, read at the snapshot.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ class StatsRecorder:
         self.rejected = 0
         self.timed_out = 0
         self.batches = 0
-        self.d2h_copies = 0
         self.offloaded_tokens = 0
         self.loaded_tokens = 0
         self._latencies_s: deque[float] = deque(maxlen=_SAMPLES)
@@ -64,9 +64,8 @@ class StatsRecorder:
     def resolved(self) -> int:
         return self.completed + self.failed + self.cancelled + self.timed_out
 
-    def record_batch(self, size: int, d2h_copies: int) -> None:
+    def record_batch(self, size: int) -> None:
         self.batches += 1
-        self.d2h_copies += d2h_copies
         self._batch_sizes.append(size)
 
     def record_outcome(self, outcome: object, latency_s: float) -> None:
@@ -87,7 +86,11 @@ class StatsRecorder:
             elif isinstance(outcome, LoadResult):
                 self.loaded_tokens += outcome.loaded_tokens
 
-    def snapshot(self, store_tasks_open: int, bytes_per_token: int) -> EngineStats:
+    def snapshot(
+        self, store_tasks_open: int, d2h_copies: int, bytes_per_token: int
+    ) -> EngineStats:
+        """The counters now, with the store thread's: its open task ids and the
+        device-to-host copies its fused batches made."""
         if self._latencies_s:
             p50, p99 = np.percentile(np.fromiter(self._latencies_s, float), [50, 99]) * 1e3
         else:
@@ -101,7 +104,7 @@ class StatsRecorder:
             rejected=self.rejected,
             timed_out=self.timed_out,
             batches=self.batches,
-            d2h_copies=self.d2h_copies,
+            d2h_copies=d2h_copies,
             pending=self.submitted - self.resolved,
             store_tasks_open=store_tasks_open,
             offloaded_tokens=self.offloaded_tokens,

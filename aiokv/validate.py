@@ -3,15 +3,17 @@ here). Each raises InvalidRequest (or ConfigError for the caches) naming the arg
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from .errors import ConfigError, InvalidRequest
-from .requests import default_token_ids
-from .stores.base import Int64Array
+
+Int64Array = npt.NDArray[np.int64]  # as stores.base names it; validate imports no layer above
 
 
 def kv_caches(kv_caches: Sequence[torch.Tensor]) -> tuple[int, int, torch.device, int]:
@@ -88,16 +90,66 @@ def token_ids(token_ids: Any, num_tokens: int) -> Int64Array:
     return token_ids
 
 
+def default_namespace(user_id: Hashable) -> tuple[str, ...]:
+    """The key's namespace when the call gives none: ``uid:<n>`` for an int (the name
+    recsys-examples gives its users, so a FlexKV cache stays shared with it) and
+    ``uid:str:<s>`` for a str, so that ``1`` and ``"1"`` never share a key. bool (an int
+    to Python) and every other type are refused: their str() is no stable, distinct name
+    (a tuple's repr, an object's address), so the caller must name the key itself."""
+    kind = type(user_id)
+    if kind is int:  # the usual cases first, without isinstance
+        return (f"uid:{user_id}",)
+    if kind is str:
+        return (f"uid:str:{user_id}",)
+    if isinstance(user_id, (bool, np.bool_)):
+        raise InvalidRequest(
+            "user_id", f"must be an int or a str, got bool {user_id!r}; or pass namespace="
+        )
+    if isinstance(user_id, (int, np.integer)):  # an IntEnum, a numpy integer: its value
+        return (f"uid:{int(user_id)}",)
+    if isinstance(user_id, str):  # a str subclass (a StrEnum): its characters
+        return ("uid:str:" + str.__str__(user_id),)
+    raise InvalidRequest(
+        "user_id",
+        f"must be an int or a str to name a key, got {kind.__name__} {reprlib.repr(user_id)}; "
+        "pass namespace= (a list of str) to name the key yourself",
+    )
+
+
 def namespace(namespace: Any, user_id: Hashable) -> tuple[str, ...]:
     if namespace is None:
-        return (f"uid:{user_id}",)
+        return default_namespace(user_id)
     kind = type(namespace)
     # list and tuple first: the Sequence check is an ABC lookup, slow on every submit.
     if kind is not list and kind is not tuple and (
         isinstance(namespace, str) or not isinstance(namespace, Sequence)
     ):
         raise InvalidRequest("namespace", "must be a list of str")
-    for part in namespace:  # a plain loop: a generator in all() costs ~1 µs more
+    for part in namespace:  # a plain loop: a generator in all() costs a frame more
         if not isinstance(part, str):
             raise InvalidRequest("namespace", "must be a list of str")
     return tuple(namespace)
+
+
+_positions: Int64Array = np.arange(0, dtype=np.int64)
+_views: dict[int, Int64Array] = {}  # num_tokens -> its view, for the first lengths asked
+_MAX_VIEWS = 4096
+
+
+def default_token_ids(num_tokens: int) -> Int64Array:
+    """Positions 0..num_tokens-1: the recommender case, an append-only history. A
+    read-only view of one shared array (grown as needed), not a new array per call;
+    the views themselves are kept for the first lengths asked (a lookup costs less than
+    slicing)."""
+    global _positions
+    view = _views.get(num_tokens)
+    if view is not None:
+        return view
+    if num_tokens > len(_positions):
+        grown = np.arange(max(num_tokens, 2 * len(_positions), 4096), dtype=np.int64)
+        grown.flags.writeable = False
+        _positions = grown
+    view = _positions[:num_tokens]
+    if len(_views) < _MAX_VIEWS:
+        _views[num_tokens] = view
+    return view

@@ -5,24 +5,15 @@ explicit end (a sentinel); what was accepted before :meth:`StoreWorker.stop` is 
 Worker → loop: each drained set of outcomes goes back in one ``call_soon_threadsafe``,
 as (request, outcome) pairs with exceptions as values.
 
-The store thread holds the GIL while it runs Python (FlexKV's matching, answer
-processing), and the event loop needs it for every callback. A thread that releases the
-GIL for a moment (a syscall) takes it straight back before a waiting thread wakes, so on
-its own this thread would hold the loop off for as long as it has work. Once it has run
-``store_slice_us`` since it last blocked on its inbox or handed over, it sleeps
-``_HANDOFF_S`` at the next point between store calls (or at a store's own yield point,
-``set_yield``): long enough for a waiting loop to take the GIL and run (see
-:meth:`StoreWorker._yield_gil`).
+The store thread holds the GIL while it runs Python; once it has run ``store_slice_us``
+it hands the GIL to a waiting event loop between store calls (:mod:`aiokv.handoff`).
 
-Per batch: fuse its page ids into one host copy (:func:`aiokv.slots.fuse_page_ids`, on
-the copy stream, after the callers' CUDA events), wait for it, check page ids, match per
-request, cancel the matches with nothing to move, launch the rest in one call. Then poll
-``try_wait`` on launched ids until each is terminal. Store errors are translated here,
-once, into StoreError raised from the store's exception.
-
-A batch is fused in its turn, not ahead of the batch before it: fusing ahead would put
-its CPU work (about eight torch calls) in front of that batch's launch, and the GPU part it
-would hide is a few microseconds of kernel.
+Per batch: fuse its page ids into one host copy (:func:`aiokv.cuda.fuse_page_ids`, on
+the copy stream, after the callers' CUDA events), wait for it, check page ids, ask the
+store for its matches (:class:`aiokv.calls.StoreCalls`), plan the round
+(:mod:`aiokv.plans`) and execute it: cancels, then one launch. Then poll ``try_wait`` on
+launched ids until each is terminal. A batch is fused in its turn, not ahead of the
+batch before it: that would put its CPU work in front of the earlier batch's launch.
 """
 
 from __future__ import annotations
@@ -37,21 +28,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from .batcher import Batch
-from .errors import EngineClosed, InvalidRequest, StoreError, StoreFull
-from .requests import (
-    Kind,
-    LoadResult,
-    LookupGrant,
-    OffloadResult,
-    Request,
-    ready_events,
-)
-from .slots import FusedPages, fuse_page_ids
-from .stores.base import NoSpace, Store, TaskResult, TaskStatus, no_yield
+from .calls import StoreCalls
+from .cuda import fuse_page_ids, ready_events
+from .errors import EngineClosed, StoreError
+from .handoff import GilSlice
+from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
+from .plans import outcome as outcome_of
+from .requests import Kind, Request
+from .slots import FusedPages
+from .stores.base import Capabilities, Store, no_yield
 
 log = logging.getLogger("aiokv")
 
@@ -66,16 +54,9 @@ class _Release:
 
 
 _STOP = object()
-_NO_MASK = np.zeros(0, dtype=np.bool_)  # select()'s placeholder for a request not launched
 _WAKE = object()  # a task may have ended: poll the store
 _NOTIFIED_POLL_S = 0.01  # fallback poll of a store that notifies (set_notify)
-# The sleep that hands the GIL to a waiting loop: longer than a thread's wake-up (a few
-# to tens of µs), short next to a batch's copy. Linux adds its 50 µs timer slack.
-_HANDOFF_S = 50e-6
-_WAITED_S = 10e-6  # an inbox get that took longer blocked (an item in hand takes ~1 µs)
-# Enum members read as class attributes cost ~0.1 us each on Python 3.11; per-request
-# paths read them from here.
-_OFFLOAD, _SUCCESS = Kind.OFFLOAD, TaskStatus.SUCCESS
+_OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
 
 
 class StoreWorker:
@@ -102,9 +83,7 @@ class StoreWorker:
         self._num_pages = num_pages
         self._page_size = 0  # the store's, read once it is registered
         self._poll_interval_s = poll_interval_us / 1e6
-        self._slice_s = store_slice_us / 1e6  # 0: never hand the GIL over
-        # perf_counter when this thread last blocked on its inbox or handed over
-        self._running_since = 0.0
+        self._slice = GilSlice(store_slice_us)  # when to hand the GIL to the loop
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._accepting = True
         self._accept_lock = threading.Lock()
@@ -112,10 +91,11 @@ class StoreWorker:
         self._reserved: set[int] = set()  # lookup matches held for a load
         self._outbox: list[tuple[Request, object]] = []
         self._in_hand: Batch | None = None  # the batch being matched or launched
-        # The store's put_match_many (optional, see stores/base.py), or None.
-        self._put_match_many: Callable[..., list[Any]] | None = getattr(
-            store, "put_match_many", None
-        )
+        self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
+        self._calls = StoreCalls(store, self._slice.yield_if_used)
+        # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
+        # here, read racily by the loop's stats.
+        self.d2h_copies = 0
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
 
     # ---- loop side -------------------------------------------------------------------
@@ -133,6 +113,10 @@ class StoreWorker:
             if not self._accepting:
                 raise EngineClosed("the store thread has stopped accepting work")
             self._inbox.put(item)
+
+    def release_one(self, task_id: int) -> None:
+        """A Reservation's way back to the store (loop thread): see :meth:`release`."""
+        self.release((task_id,))
 
     def release(self, task_ids: Sequence[int]) -> None:
         """Cancel lookup reservations. After stop, the worker cancels them itself."""
@@ -168,19 +152,19 @@ class StoreWorker:
         self._page_size = self._store.page_size
         # A store that can say when a task may have ended (LocalStore's copy thread)
         # wakes this thread through the inbox; others are polled every poll_interval_us.
-        set_notify = getattr(self._store, "set_notify", None)
-        notified = callable(set_notify)
-        if notified:
-            set_notify(lambda: self._inbox.put(_WAKE))  # type: ignore[misc]
+        set_notify = self._caps.set_notify
+        notified = set_notify is not None
+        if set_notify is not None:
+            set_notify(lambda: self._inbox.put(_WAKE))
         # A store with points of its own where the GIL may go to the loop (set_yield).
         # Passed even with no slice (it replaces an earlier engine's on a shared store),
         # and taken back when this thread ends (finally, below).
-        set_yield = getattr(self._store, "set_yield", None)
-        if callable(set_yield):
-            set_yield(self._yield_if_slice_used)
+        set_yield = self._caps.set_yield
+        if set_yield is not None:
+            set_yield(self._slice.yield_if_used)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
-        self._running_since = time.perf_counter()  # registering is not this thread's work
+        self._slice.restart()  # registering is not this thread's work
         stopping = False
         try:
             while not stopping or self._launched:
@@ -198,8 +182,7 @@ class StoreWorker:
                 with contextlib.suppress(queue.Empty):
                     item = self._inbox.get(timeout=timeout)
                 after = time.perf_counter()
-                if after - before > _WAITED_S:  # it blocked: a waiting loop had its turn
-                    self._running_since = after
+                self._slice.waited(after - before, after)
                 while item is not None:
                     if item is _STOP:
                         stopping = True
@@ -215,7 +198,7 @@ class StoreWorker:
                     self._poll()
                 self._post()
             if self._reserved:
-                self._cancel(sorted(self._reserved))
+                self._calls.cancel(sorted(self._reserved))
                 self._reserved.clear()
         except BaseException:  # a bug here must not strand futures: fail what we hold
             log.exception("aiokv store thread crashed")
@@ -223,7 +206,7 @@ class StoreWorker:
             raise
         finally:
             self._close_store()
-            if callable(set_yield):  # the store outlives this thread: take ours back
+            if set_yield is not None:  # the store outlives this thread: take ours back
                 set_yield(no_yield)
 
     def _fail_everything(self, error: StoreError) -> None:
@@ -279,13 +262,13 @@ class StoreWorker:
             held = [t for t in item.task_ids if t in self._reserved]
             self._reserved.difference_update(held)
             if held:
-                self._cancel(held)
+                self._calls.cancel(held)
         elif isinstance(item, Batch):
             self._in_hand = item  # for _fail_everything, should this thread crash
             try:
-                if self._slice_used():
+                if self._slice.used():
                     self._post()  # the batches before this one are answered
-                    self._yield_gil()
+                    self._slice.hand_over()
                 if item.kind is Kind.LOOKUP:
                     self._lookup(item)
                 else:
@@ -299,31 +282,21 @@ class StoreWorker:
             raise TypeError(f"unexpected inbox item {item!r}")
 
     def _lookup(self, batch: Batch) -> None:
-        empty: list[int] = []
-        for request in batch.requests:
-            if request.detached:
-                continue
-            tokens = request.token_ids
-            assert tokens is not None  # set at submit for lookups
-            self._yield_if_slice_used()
-            try:
-                task_id, mask = self._call(self._store.get_match, tokens, request.namespace)
-            except StoreError as error:
-                self._outbox.append((request, error))
-                continue
-            hit = int(np.count_nonzero(mask))
-            if hit == 0 or request.detached:
-                empty.append(task_id)
-                self._outbox.append((request, LookupGrant(None, None, 0)))
-            else:
-                self._reserved.add(task_id)
-                self._outbox.append((request, LookupGrant(task_id, mask, hit)))
-        if empty:
-            self._cancel(empty)
+        requests = batch.requests
+        wanted = [i for i, r in enumerate(requests) if not r.detached]
+        answers = self._calls.match(
+            self._store.get_match, self._caps.get_match_many, requests, wanted
+        )
+        outcomes, cancel, reserved = plan_lookup(requests, answers, self.release_one)
+        self._outbox.extend(outcomes)
+        self._reserved.update(reserved)
+        if cancel:
+            self._calls.cancel(cancel)
 
     def _move(self, batch: Batch) -> None:
         """Offload (put) or load (get) batch: one launch for everything with work."""
         fused = self._fuse(batch)
+        self.d2h_copies += fused.d2h_copies
         if fused.copy_done is None:
             # The KV itself must be written before it is copied. With a device copy there
             # is no need: _fuse made that copy wait for these events, so its own event
@@ -334,136 +307,49 @@ class StoreWorker:
         slots = fused.wait_slots(page_size)
         bad = set(fused.bad_requests(slots, self._num_pages, page_size).tolist())
         requests = batch.requests
-        # Per request: None where skipped; an empty mask where nothing is matched.
-        matched: list[tuple[Request, int, Any] | None] = [None] * len(requests)
-        masks: list[Any] = [_NO_MASK] * len(requests)
-        to_cancel: list[int] = []
-        offload = batch.kind is _OFFLOAD
-        # A store that matches many in one call (put_match_many: one round trip to a
-        # store process) is asked once for the whole batch, here.
-        matched_at_once: dict[int, tuple[int, Any] | None] | None = None
-        if offload and self._put_match_many is not None:
-            matched_at_once = self._put_matches(
-                {i: r for i, r in enumerate(requests) if i not in bad and not r.detached}
+
+        def select(masks: Sequence[Any]) -> list[Any]:
+            return fused.select(slots, masks, page_size)
+
+        if batch.kind is _OFFLOAD:
+            answers = self._calls.match(
+                self._store.put_match, self._caps.put_match_many, requests,
+                to_match(requests, bad),
             )
-        for index, request in enumerate(requests):
-            if index in bad:
-                self._outbox.append((request, InvalidRequest(
-                    "page_ids", f"holds a page id outside [0, {self._num_pages})")))
-                if not offload and request.task_id is not None:
-                    self._reserved.discard(request.task_id)
-                    to_cancel.append(request.task_id)
-                continue
-            if offload:
-                if matched_at_once is not None:
-                    if index not in matched_at_once:
-                        continue  # detached before matching: nothing to roll back
-                    match = matched_at_once[index]  # detached since: cancelled below
-                else:
-                    if request.detached:
-                        continue  # never matched: nothing to roll back
-                    self._yield_if_slice_used()
-                    match = self._put_match(request)
-                if match is None:
-                    continue
-                task_id, mask = match
-            else:
-                assert request.task_id is not None and request.mask is not None  # the Lookup's
-                task_id, mask = request.task_id, request.mask
-                self._reserved.discard(task_id)  # launched or cancelled below
-            if request.detached:
-                to_cancel.append(task_id)
-                continue
-            matched[index] = (request, task_id, mask)
-            masks[index] = mask
-        # Every request's slots of exactly its mask's True positions, for the whole batch
-        # at once (views: store masks are one run each).
+            plan = plan_offload(requests, bad, answers, self._num_pages, page_size, select)
+        else:
+            # Every load consumes its reservation here: launched or cancelled below.
+            self._reserved.difference_update([r.task_id for r in requests])
+            plan = plan_load(requests, bad, self._num_pages, page_size, select)
+        self._execute(plan)
+
+    def _execute(self, plan: Round) -> None:
+        """Act on a planned round: its outcomes, its cancels, then its one launch."""
+        self._outbox.extend(plan.outcomes)
+        if plan.cancel:
+            self._calls.cancel(plan.cancel)
+        if plan.failed is not None:
+            raise plan.failed  # the batch fails (see _handle)
+        if not plan.launch:
+            return
+        launch_ids = plan.launch_ids
+        self._slice.yield_if_used()
         try:
-            selected = fused.select(slots, masks, page_size)
-        except Exception:
-            # The batch fails (see _handle); what it matched must not stay matched.
-            self._cancel([entry[1] for entry in matched if entry is not None] + to_cancel)
-            raise
-        launch_ids: list[int] = []
-        launch_slots: list[Any] = []
-        launched: list[Request] = []
-        for entry, request_slots in zip(matched, selected, strict=True):
-            if entry is None:
-                continue
-            request, task_id, mask = entry
-            moved = len(request_slots)  # the mask's True positions
-            if moved == 0:
-                to_cancel.append(task_id)
-                self._outbox.append((request, self._success(request, 0)))
-                continue
-            launch_ids.append(task_id)
-            launch_slots.append(request_slots)
-            request.moved = moved
-            launched.append(request)
-            request.task_id, request.mask = task_id, mask
-        if to_cancel:
-            self._cancel(to_cancel)
-        if launch_ids:
-            self._yield_if_slice_used()
-            try:
-                self._call(self._store.launch, launch_ids, launch_slots)
-            except StoreError as error:
-                # A launch that raised took none of them (the Store contract): they are
-                # still matched, and would hold their blocks forever unless given back.
-                self._cancel(launch_ids)
-                for request in launched:
-                    self._outbox.append((request, error))
-                return
-            for request in launched:
-                assert request.task_id is not None
-                self._launched[request.task_id] = request
-
-    def _put_matches(self, wanted: dict[int, Request]) -> dict[int, tuple[int, Any] | None]:
-        """put_match_many for these requests (by batch index): each one's match, or None
-        with its error in the outbox. A call that fails as a whole fails each of them."""
-        if not wanted:
-            return {}
-        assert self._put_match_many is not None
-        put_match = self._store.put_match  # the errors name the verb, as one by one
-        try:
-            answers: list[Any] = self._put_match_many(
-                [(r.token_ids, r.namespace) for r in wanted.values()]
-            )
-            if len(answers) != len(wanted):  # a broken store: give back what it matched
-                self._cancel([a[0] for a in answers if not isinstance(a, Exception)])
-                raise RuntimeError(f"{len(answers)} answers to {len(wanted)} put_matches")
-        except Exception as exc:
-            answers = [exc] * len(wanted)
-        out: dict[int, tuple[int, Any] | None] = {}
-        for (index, request), answer in zip(wanted.items(), answers, strict=True):
-            if isinstance(answer, Exception):
-                self._match_failed(request, put_match, answer)
-                out[index] = None
-            else:
-                out[index] = answer
-        return out
-
-    def _put_match(self, request: Request) -> tuple[int, Any] | None:
-        assert request.token_ids is not None
-        put_match = self._store.put_match
-        try:  # as _call, without its frame: once per request
-            matched: tuple[int, Any] = put_match(request.token_ids, request.namespace)
-            return matched
-        except Exception as exc:
-            self._match_failed(request, put_match, exc)
-            return None
-
-    def _match_failed(
-        self, request: Request, put_match: Callable[..., Any], exc: Exception
-    ) -> None:
-        """The request's outcome when its put_match raised ``exc``."""
-        error = _store_error(put_match, exc)
-        error.__cause__ = exc  # as `raise error from exc` does
-        self._outbox.append((request, error))
+            self._calls.call(self._store.launch, launch_ids, plan.slots)
+        except StoreError as error:
+            # A launch that raised took none of them (the Store contract): they are
+            # still matched, and would hold their blocks forever unless given back.
+            self._calls.cancel(launch_ids)
+            self._outbox.extend((entry[0], error) for entry in plan.launch)
+            return
+        launched = self._launched
+        for request, task_id, mask, moved in plan.launch:
+            request.task_id, request.mask, request.moved = task_id, mask, moved
+            launched[task_id] = request
 
     def _poll(self) -> None:
         try:
-            results = self._call(self._store.try_wait, list(self._launched))
+            results = self._calls.call(self._store.try_wait, list(self._launched))
         except StoreError as error:
             # The store can no longer tell us about these tasks; fail them rather than
             # poll forever.
@@ -471,71 +357,18 @@ class StoreWorker:
             self._outbox.extend((r, error) for r in self._launched.values())
             self._launched.clear()
             return
-        launched = self._launched
+        launched, page_size = self._launched, self._page_size
         for task_id, result in results.items():
-            if self._slice_used():
+            if self._slice.used():
                 self._post()  # answers are independent: these callers go on now
-                self._yield_gil()
+                self._slice.hand_over()
             request = launched.get(task_id)
             if request is None:
                 log.warning("store answered unknown task id %s", task_id)
                 continue
-            outcome = self._outcome(request, result)  # should it raise, it is still held
+            outcome = outcome_of(request, result, page_size)  # should it raise, it is still held
             del launched[task_id]
             self._outbox.append((request, outcome))
-
-    def _slice_used(self) -> bool:
-        """Whether this thread has run a slice since it last blocked on its inbox or
-        handed over."""
-        return bool(self._slice_s) and time.perf_counter() - self._running_since > self._slice_s
-
-    def _yield_if_slice_used(self) -> None:
-        """Hand the GIL over if the slice is used: between store calls, and as the
-        store's yield point (set_yield). Posts nothing: it may come in the middle of a
-        batch, whose answers must all go out after it is handled."""
-        if self._slice_used():
-            self._yield_gil()
-
-    def _yield_gil(self) -> None:
-        """Sleep so that an event loop waiting for the GIL takes it. A release without a
-        wait would not do: this thread would take the GIL back before the loop woke.
-        Called between store calls (or answers) once :meth:`_slice_used`."""
-        time.sleep(_HANDOFF_S)
-        self._running_since = time.perf_counter()
-
-    def _outcome(self, request: Request, result: TaskResult) -> object:
-        if result.status is _SUCCESS:
-            # A store may report the moved positions itself (FlexKV's per-sub-task masks).
-            mask = result.mask
-            moved = (
-                request.moved
-                if mask is None or mask is request.mask
-                else int(np.count_nonzero(mask))
-            )
-            return self._success(request, moved)
-        if result.status is TaskStatus.CANCELLED:
-            return StoreError(f"the store cancelled task {request.task_id}: {result.error}")
-        return StoreError(f"task {request.task_id} failed in the store: {result.error}")
-
-    def _success(self, request: Request, moved: int) -> object:
-        if request.kind is _OFFLOAD:
-            page_size = self._page_size
-            cached = request.num_tokens // page_size * page_size
-            return OffloadResult(request.user_id, moved, cached)
-        return LoadResult(request.user_id, moved)
-
-    def _cancel(self, task_ids: list[int]) -> None:
-        try:
-            self._call(self._store.cancel, task_ids)
-        except StoreError:
-            log.exception("store.cancel(%s) failed", task_ids)
-
-    def _call(self, method: Callable[..., Any], *args: Any) -> Any:
-        """Call the store; translate its errors, once, into StoreError."""
-        try:
-            return method(*args)
-        except Exception as exc:
-            raise _store_error(method, exc) from exc
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
         """Fail the batch's requests that have no outcome yet. A load among them still
@@ -551,7 +384,7 @@ class StoreWorker:
                     held.append(task_id)
         if held:
             self._reserved.difference_update(held)
-            self._cancel(held)
+            self._calls.cancel(held)
 
     def _post(self) -> None:
         if not self._outbox:
@@ -562,11 +395,3 @@ class StoreWorker:
         except RuntimeError:
             # The loop is closed: nobody is left to resolve these futures.
             log.warning("event loop closed; dropped %d outcomes", len(drained))
-
-
-def _store_error(method: Callable[..., Any], exc: Exception) -> StoreError:
-    """The StoreError that stands for ``exc``, raised by the store's ``method``."""
-    if isinstance(exc, NoSpace):
-        return StoreFull(f"store has no space: {exc}")
-    name = getattr(method, "__name__", "call")
-    return StoreError(f"store.{name} failed: {exc!r}")

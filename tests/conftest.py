@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
@@ -11,6 +12,12 @@ import torch
 import uvloop
 
 import aiokv
+
+# The plugin's fixtures (aiokv_engine, ...). An install made before its pytest11 entry
+# point existed does not load it by itself.
+PLUGIN_INSTALLED = any(ep.value == "aiokv.pytest_plugin" for ep in entry_points(group="pytest11"))
+if not PLUGIN_INSTALLED:
+    pytest_plugins = ["aiokv.pytest_plugin"]
 
 
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], Any]]:

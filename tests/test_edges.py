@@ -44,7 +44,8 @@ class Rig:
         """Resolve the one accepted request now, as its store outcome would (in this
         callback: the room it frees goes to the first caller waiting for one)."""
         (accepted,) = self.engine._admission.live
-        self.engine._deliver([(accepted, aiokv.OffloadResult(accepted.user_id, 16, 16))])
+        self.engine._resolver.deliver(  # type: ignore[union-attr]
+            [(accepted, aiokv.OffloadResult(accepted.user_id, 16, 16))])
 
     def assert_clean(self) -> None:
         assert self.checked.problems() == []

@@ -261,9 +261,9 @@ async def test_cheap_batches_of_a_burst_all_go_out_within_the_budget(
 
 
 def _resolve_budget(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    from aiokv import engine as engine_module
+    from aiokv import resolution
 
-    monkeypatch.setattr(engine_module, "RESOLVE_BUDGET_S", seconds)
+    monkeypatch.setattr(resolution, "RESOLVE_BUDGET_S", seconds)
 
 
 def _admitted_offloads(engine: aiokv.OffloadEngine, count: int) -> list[Any]:
@@ -282,52 +282,54 @@ def _admitted_offloads(engine: aiokv.OffloadEngine, count: int) -> list[Any]:
 
 @pytest.mark.asyncio
 async def test_outcomes_past_the_budget_resolve_in_order_over_later_iterations(
-    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    aiokv_engine: aiokv.OffloadEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _resolve_budget(monkeypatch, 0.0)  # every outcome is over it: one per callback
-    async with aiokv.OffloadEngine(small_store(), caches) as engine:
-        requests = _admitted_offloads(engine, 6)
-        outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
-        engine._deliver(list(zip(requests[:4], outcomes[:4], strict=True)))
-        engine._deliver(list(zip(requests[4:], outcomes[4:], strict=True)))  # waits its turn
-        resolved_per_iteration = [sum(r.future.done() for r in requests)]
-        while resolved_per_iteration[-1] < len(requests):
-            await asyncio.sleep(0)
-            resolved_per_iteration.append(sum(r.future.done() for r in requests))
-        assert resolved_per_iteration == [1, 2, 3, 4, 5, 6]
-        assert [await r.future for r in requests] == outcomes
-        assert engine.stats().completed == 6
+    engine = aiokv_engine  # the plugin's: closed after the test, which fails if it leaked
+    requests = _admitted_offloads(engine, 6)
+    outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
+    engine._resolver.deliver(list(zip(requests[:4], outcomes[:4], strict=True)))
+    engine._resolver.deliver(list(zip(requests[4:], outcomes[4:], strict=True)))  # waits its turn
+    resolved_per_iteration = [sum(r.future.done() for r in requests)]
+    while resolved_per_iteration[-1] < len(requests):
+        await asyncio.sleep(0)
+        resolved_per_iteration.append(sum(r.future.done() for r in requests))
+    assert resolved_per_iteration == [1, 2, 3, 4, 5, 6]
+    assert [await r.future for r in requests] == outcomes
+    assert engine.stats().completed == 6
 
 
 @pytest.mark.asyncio
 async def test_a_resolution_that_raises_does_not_strand_the_outcomes_after_it(
-    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    aiokv_engine: aiokv.OffloadEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _resolve_budget(monkeypatch, 0.0)
     loop = asyncio.get_running_loop()
     errors: list[Any] = []
     loop.set_exception_handler(lambda loop, context: errors.append(context["exception"]))
-    async with aiokv.OffloadEngine(small_store(), caches) as engine:
-        requests = _admitted_offloads(engine, 4)
-        outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
-        resolve = engine._resolve
+    engine = aiokv_engine  # closed after the test; a leak fails it
+    requests = _admitted_offloads(engine, 4)
+    outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
+    resolver = engine._resolver
+    assert resolver is not None
+    resolve = resolver.resolve
 
-        def resolve_but_fail_the_second(request: Any, outcome: object) -> None:
-            if request is requests[1]:
-                raise RuntimeError("a bug in resolving")
-            resolve(request, outcome)
+    def resolve_but_fail_the_second(request: Any, outcome: object) -> None:
+        if request is requests[1]:
+            raise RuntimeError("a bug in resolving")
+        resolve(request, outcome)
 
-        monkeypatch.setattr(engine, "_resolve", resolve_but_fail_the_second)
-        engine._deliver(list(zip(requests[:2], outcomes[:2], strict=True)))
-        for _ in range(3):
-            await asyncio.sleep(0)  # the second raises in a callback of its own
-        engine._deliver(list(zip(requests[2:], outcomes[2:], strict=True)))
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert [r.future.done() for r in requests] == [True, False, True, True]
-        assert [type(e) for e in errors] == [RuntimeError]
-        requests[1].future.cancel()  # let the engine close without waiting for it
-        engine._finished(requests[1], None)
+    monkeypatch.setattr(resolver, "resolve", resolve_but_fail_the_second)
+    resolver.deliver(list(zip(requests[:2], outcomes[:2], strict=True)))
+    for _ in range(3):
+        await asyncio.sleep(0)  # the second raises in a callback of its own
+    resolver.deliver(list(zip(requests[2:], outcomes[2:], strict=True)))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert [r.future.done() for r in requests] == [True, False, True, True]
+    assert [type(e) for e in errors] == [RuntimeError]
+    requests[1].future.cancel()  # let the engine close without waiting for it
+    resolver.finished(requests[1], None)
 
 
 @pytest.mark.asyncio
@@ -347,7 +349,7 @@ async def test_outcomes_still_queued_at_close_resolve_with_their_own_results(
     def join_then_post(timeout: float | None = None) -> bool:
         finished = join(timeout)
         # The store thread's last post, as it ends: finished before the close gave up.
-        loop.call_soon_threadsafe(engine._deliver, list(zip(requests, outcomes, strict=True)))
+        loop.call_soon_threadsafe(engine._resolver.deliver, list(zip(requests, outcomes, strict=True)))
         return finished
 
     monkeypatch.setattr(worker, "join", join_then_post)
@@ -529,3 +531,32 @@ async def test_a_notifying_store_whose_answer_comes_after_the_wake_up_is_still_p
     async with engine:
         result = await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), 10)
     assert result.stored_tokens == 16 and store.withheld == 1
+
+
+@pytest.mark.asyncio
+async def test_d2h_copies_counts_the_copies_the_fused_batches_made(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stat is the fused batches' own count, so a path that made an extra copy shows:
+    here every fused batch reports one copy more than it made."""
+    from dataclasses import replace
+
+    from aiokv import worker as worker_module
+
+    fuse = worker_module.fuse_page_ids
+    made: list[int] = []
+
+    def one_copy_too_many(*args: Any) -> Any:
+        fused = fuse(*args)
+        made.append(fused.d2h_copies)
+        return replace(fused, d2h_copies=fused.d2h_copies + 1)
+
+    monkeypatch.setattr(worker_module, "fuse_page_ids", one_copy_too_many)
+    engine, _ = checked_engine(caches, window_us=0)
+    async with engine:
+        await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)
+        hit = await asyncio.wait_for(engine.lookup("u", 16), timeout=5)
+        await asyncio.wait_for(engine.load(hit, torch.arange(4, 8)), timeout=5)
+        stats = engine.stats()
+    assert made == [0, 0]  # CPU page ids: no copy, for the offload and the load
+    assert stats.d2h_copies == 2

@@ -22,10 +22,10 @@ from conftest import PAGE_SIZE, make_caches
 
 import aiokv
 import aiokv.testing
-from aiokv.engine import _store_slice_us
+from aiokv.handoff import store_slice_us as _store_slice_us
 from aiokv.stores import NoSpace, ProcessStore, make_store
 from aiokv.stores.flexkv import FlexKVStore
-from aiokv.stores.process import pack_results, portable, unpack_results
+from aiokv.stores.wire import pack_results, portable, unpack_results
 
 # LocalStore blocks of conftest's caches: 2 layers x 2 x 4 tokens x 2 heads x 8 float32.
 BLOCK_BYTES = 2 * 2 * PAGE_SIZE * 2 * 8 * 4
@@ -221,7 +221,7 @@ def test_the_child_imports_this_aiokv_not_one_in_the_working_directory(
 
 
 def test_the_child_finds_aiokv_where_this_process_did(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.stores import process
+    from aiokv.stores import spawn as process  # where the child's environment is made
 
     root = os.path.realpath(os.path.dirname(os.path.dirname(aiokv.__file__)))
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
@@ -509,7 +509,7 @@ def _serve_in_thread(monkeypatch: pytest.MonkeyPatch, store: Any) -> tuple[Any, 
     import aiokv.stores.child as child
 
     monkeypatch.setattr(child, "make_store", lambda config: store)
-    monkeypatch.setattr(child, "_register", lambda store, payload, conn: None)
+    monkeypatch.setattr(child, "_register", lambda *args: None)
     here, theirs = socket.socketpair()
     ends_here, ends_theirs = socket.socketpair()
     conn = Connection(here.detach())

@@ -1,5 +1,5 @@
 """Which CUDA events the callers' submits get, when they are recorded, and which a batch
-waits for (aiokv.requests.ReadyMarks and ready_events), with fake streams and events."""
+waits for (aiokv.cuda.ReadyMarks and ready_events), with fake streams and events."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 
 from aiokv.batcher import Batcher
 from aiokv.config import EngineConfig
-from aiokv.requests import Kind, ReadyMarks, Request, ready_events
+from aiokv.cuda import ReadyMarks, ready_events
+from aiokv.requests import Kind, Request
 
 
 def request() -> Request:
@@ -171,7 +172,7 @@ async def test_a_window_emptied_by_a_full_batch_is_not_closed_again() -> None:
 
 
 def test_current_streams_builds_one_object_per_stream_and_asks_torch_each_time() -> None:
-    from aiokv.requests import CurrentStreams
+    from aiokv.cuda import CurrentStreams
 
     current = [(11, 0, 1)]
     built: list[dict[str, int]] = []
@@ -190,7 +191,7 @@ def test_current_streams_builds_one_object_per_stream_and_asks_torch_each_time()
 def test_current_streams_stops_keeping_objects_past_its_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aiokv.requests import CurrentStreams
+    from aiokv.cuda import CurrentStreams
 
     monkeypatch.setattr(CurrentStreams, "_MAX_STREAMS", 2)
     current = [(0, 0, 1)]
@@ -205,7 +206,7 @@ def test_current_streams_stops_keeping_objects_past_its_bound(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_current_streams_matches_torch_on_every_stream() -> None:
-    from aiokv.requests import CurrentStreams
+    from aiokv.cuda import CurrentStreams
 
     streams = CurrentStreams()
     device = torch.device("cuda", torch.cuda.current_device())

@@ -18,10 +18,12 @@ import torch
 from conftest import PAGE_SIZE, small_store
 
 import aiokv
+import aiokv.handoff
 import aiokv.worker
 from aiokv.batcher import Batch
 from aiokv.config import parse_config
-from aiokv.engine import _store_slice_us
+from aiokv.handoff import store_slice_us as _store_slice_us
+from aiokv.resolution import Resolver
 from aiokv.stores.base import BoolArray, Int64Array, Store
 from aiokv.stores.flexkv import FlexKVStore
 from aiokv.testing import FakeStore, SharedStore, StoreWrapper
@@ -60,6 +62,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     """The worker's clock and sleep, faked for one test."""
     fake = FakeTime()
     monkeypatch.setattr(aiokv.worker, "time", fake)
+    monkeypatch.setattr(aiokv.handoff, "time", fake)
     return fake
 
 
@@ -176,10 +179,10 @@ def record_deliveries(
     their outcomes, and how many had been received at each sleep."""
     delivered: list[Any] = []
     delivered_at_sleep: list[int] = []
-    deliver = aiokv.OffloadEngine._deliver
+    deliver = Resolver.deliver
     loop = asyncio.get_running_loop()
 
-    def recording_deliver(self: aiokv.OffloadEngine, pairs: list[tuple[Any, object]]) -> None:
+    def recording_deliver(self: Resolver, pairs: list[tuple[Any, object]]) -> None:
         delivered.extend(request for request, _ in pairs)
         deliver(self, pairs)
 
@@ -189,7 +192,7 @@ def record_deliveries(
         assert caught_up.wait(10)
         delivered_at_sleep.append(len(delivered))
 
-    monkeypatch.setattr(aiokv.OffloadEngine, "_deliver", recording_deliver)
+    monkeypatch.setattr(Resolver, "deliver", recording_deliver)
     clock.on_sleep = let_the_loop_run
     return delivered, delivered_at_sleep
 
@@ -221,7 +224,7 @@ async def test_the_store_thread_sleeps_between_store_calls_once_its_slice_is_use
         for hit in hits:
             hit.release()
     assert clock.log == expected
-    assert clock.slept == [aiokv.worker._HANDOFF_S] * expected.count("sleep")
+    assert clock.slept == [aiokv.handoff._HANDOFF_S] * expected.count("sleep")
     # The pauses change nothing in the outcomes.
     assert [r.stored_tokens for r in offloads] == [2 * PAGE_SIZE] * USERS
     assert [h.cached_tokens for h in hits] == [2 * PAGE_SIZE] * USERS

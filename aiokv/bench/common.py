@@ -11,7 +11,6 @@ so a number can always be traced back to the machine and command that produced i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import datetime
 import importlib.metadata
@@ -19,13 +18,16 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from ..running import pick_device as pick_device
+from ..running import run_uvloop as run_uvloop
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -107,13 +109,6 @@ def settings_from_args(
     return settings(**values)
 
 
-def pick_device(name: str) -> torch.device:
-    """``auto`` is the GPU when there is one. Raises SystemExit for ``cuda`` without one."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    return torch.device(name)
 
 
 def make_caches(
@@ -138,15 +133,6 @@ def bytes_per_token(layers: int, heads: int, head_dim: int, dtype: torch.dtype) 
 # ---- running -----------------------------------------------------------------------------
 
 
-def run_uvloop(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main`` under uvloop, the loop serving stacks use (asyncio's where uvloop is
-    not installed, e.g. on Windows)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    result: T = uvloop.run(main)
-    return result
 
 
 def progress(total: float, desc: str, unit: str = "it") -> tqdm:

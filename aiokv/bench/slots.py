@@ -4,12 +4,12 @@ Each user holds 1024-4096 tokens (random) in random pages of ``page_size``. The 
 is the issue's definition: a batch must end as host int64 slots (``page * page_size +
 offset``) of every used page of every user, one array (a view is fine) per user.
 
-  fused     aiokv.slots: fuse_page_ids (one concat and one expansion on the device, one
-            copy to pinned memory), then FusedPages.wait_request_slots: the per-user
-            views (FusedPages.split) are made while the copy is in flight, then the
-            wait. On the current stream, like (a) and (b); the engine's batcher runs it
-            on a copy stream made to wait for each request's event, a few more CUDA
-            calls per batch that are not timed here.
+  fused     the store thread's path: aiokv.cuda.fuse_page_ids (one concat and one
+            expansion on the device, one write into pinned memory), the wait for it
+            (FusedPages.wait_slots), the check of every page id (bad_requests), then
+            the per-user views (FusedPages.split). On the current stream, like (a) and
+            (b); the store thread runs it on a copy stream made to wait for each
+            request's event, a few more CUDA calls per batch that are not timed here.
   per-user  (a) one device-to-host copy per user, as NVIDIA's recommender examples did
             when the issue's 3.3 ms anchor was measured (recsys-examples,
             FlexKVStorageManager._build_slot_mappings before its "slot_mapping D2H"
@@ -50,7 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..slots import fuse_page_ids, select_slots
+from ..cuda import fuse_page_ids
+from ..slots import FusedPages, select_slots
 from ..stores.base import BoolArray, Int64Array
 from . import common
 
@@ -103,6 +104,7 @@ class Batch:
     indptr: torch.Tensor  # the same offsets on csr's device, as serving code holds them
     page_size: int
     arange: Int64Array  # 0..page_size-1 for the baselines' expansion, made once
+    num_pages: int  # page ids are below this (the fused path checks them, as the worker)
 
 
 def make_batch(
@@ -125,7 +127,9 @@ def make_batch(
     offsets = np.concatenate(([0], np.cumsum(pages_used))).tolist()
     arange = np.arange(page_size, dtype=np.int64)
     indptr = torch.tensor(offsets, dtype=torch.int64, device=device)
-    return Batch(page_ids, pages_used, masks, csr, offsets, indptr, page_size, arange)
+    return Batch(
+        page_ids, pages_used, masks, csr, offsets, indptr, page_size, arange, len(pool)
+    )
 
 
 def _expand(pages: Int64Array, batch: Batch) -> Int64Array:
@@ -135,9 +139,18 @@ def _expand(pages: Int64Array, batch: Batch) -> Int64Array:
 # ---- headline: every used page's slots, per user ------------------------------------
 
 
-def fused(batch: Batch) -> list[Int64Array]:
+def _fused_slots(batch: Batch) -> tuple[FusedPages, Int64Array]:
+    """As the store thread takes a batch: fuse, wait for the slots, check every page id."""
     pages = fuse_page_ids(batch.page_ids, batch.pages_used, None, batch.page_size)
-    return pages.wait_request_slots(batch.page_size)
+    slots = pages.wait_slots(batch.page_size)
+    if len(pages.bad_requests(slots, batch.num_pages, batch.page_size)):
+        raise RuntimeError("the fused path found a page id out of range")
+    return pages, slots
+
+
+def fused(batch: Batch) -> list[Int64Array]:
+    pages, slots = _fused_slots(batch)
+    return pages.split(slots, batch.page_size)
 
 
 def per_user_copy(batch: Batch) -> list[Int64Array]:
@@ -183,8 +196,8 @@ def csr_loop_np(batch: Batch) -> list[Int64Array]:
 
 
 def fused_mask(batch: Batch) -> list[Int64Array]:
-    pages = fuse_page_ids(batch.page_ids, batch.pages_used, None, batch.page_size)
-    return pages.wait_request_slots(batch.page_size, batch.masks)
+    pages, slots = _fused_slots(batch)  # then FusedPages.select, as the worker launches
+    return pages.select(slots, batch.masks, batch.page_size)
 
 
 def per_user_copy_mask(batch: Batch) -> list[Int64Array]:

@@ -21,36 +21,19 @@ Contract, for any store:
 - ``put_match`` raises :class:`NoSpace` when there is something new to write and no block
   can be reserved for it (instead of answering an all-False mask that reads as success).
 
-Optional: a store with ``set_notify(callback)`` calls ``callback()`` from any thread
-whenever tasks may have become terminal; the engine then waits for that instead of
-polling ``try_wait`` every ``poll_interval_us`` (LocalStore and ProcessStore do; FlexKV
-is polled).
-
-Optional: ``put_match_many(requests)``, ``put_match`` for each ``(token_ids, namespace)``
-in order, answering each one's ``(task_id, mask)`` or the exception its ``put_match``
-raised (an exception of the whole call fails them all). The store thread then matches an
-offload batch in one call (ProcessStore: one round trip instead of one per request).
-
-Optional: ``store_slice_us``, a store's advice for ``EngineConfig.store_slice_us`` (used
-when the config leaves it None): how long the store thread may run, holding the GIL,
-before it hands it to a waiting event loop. For stores whose calls run Python for long
-(FlexKV: 200); without it (or None), 0.
-
-Optional: a store with ``set_yield(callback)`` calls ``callback()`` at points inside its
-own calls where the store thread may hand the GIL to the event loop (between a long
-stretch of someone else's Python and its own, say), and the callback does so when
-``EngineConfig.store_slice_us`` is set and used up (FlexKVStore calls it between
-FlexKV's answers and its own fan-out of them). The callback is for the store thread
-only, inside the store's calls: each engine passes its own when its store thread
-starts and a no-op when it ends.
+Optional features are declared below, one Protocol each (:class:`Notifies`,
+:class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`, :class:`Clears`,
+:class:`ReportsStats`, :class:`AdvisesSlice`); a store implements any subset, and a
+wrapper forwards what its inner store has. The engine reads them once, into
+:class:`Capabilities`, when it builds its store thread.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -113,3 +96,114 @@ class Store(Protocol):
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]: ...
 
     def close(self) -> None: ...
+
+
+# What a match of many answers: per query, its (task_id, mask) or the exception its
+# one-by-one match would have raised (an exception of the whole call fails them all).
+MatchAnswers = list[tuple[int, BoolArray] | Exception]
+Queries = Sequence[tuple[Int64Array, Sequence[str]]]
+
+
+@runtime_checkable
+class Notifies(Protocol):
+    """Calls ``callback()`` from any thread whenever tasks may have become terminal; the
+    engine then waits for that instead of polling ``try_wait`` every
+    ``poll_interval_us`` (LocalStore and ProcessStore do; FlexKV is polled)."""
+
+    def set_notify(self, callback: Callable[[], None]) -> None: ...
+
+
+@runtime_checkable
+class Yields(Protocol):
+    """Calls ``callback()`` at points inside its own calls where the store thread may
+    hand the GIL to the event loop (FlexKVStore: between FlexKV's answers and its own
+    fan-out of them); the callback does so when ``EngineConfig.store_slice_us`` is set
+    and used up. For the store thread only, inside the store's calls: each engine passes
+    its own when its store thread starts and :func:`no_yield` when it ends."""
+
+    def set_yield(self, callback: Callable[[], None]) -> None: ...
+
+
+@runtime_checkable
+class PutMatchesMany(Protocol):
+    """``put_match`` for each ``(token_ids, namespace)`` in order, in one call
+    (ProcessStore: one round trip instead of one per request)."""
+
+    def put_match_many(self, queries: Queries) -> MatchAnswers: ...
+
+
+@runtime_checkable
+class GetMatchesMany(Protocol):
+    """``get_match`` for each ``(token_ids, namespace)`` in order, in one call."""
+
+    def get_match_many(self, queries: Queries) -> MatchAnswers: ...
+
+
+@runtime_checkable
+class Evicts(Protocol):
+    """Drops every block stored under exactly ``namespace``; returns the tokens dropped
+    (blocks * page_size)."""
+
+    def evict(self, namespace: Sequence[str]) -> int: ...
+
+
+@runtime_checkable
+class Clears(Protocol):
+    """Drops everything; returns the tokens dropped."""
+
+    def clear(self) -> int: ...
+
+
+@runtime_checkable
+class ReportsStats(Protocol):
+    """Tier occupancy and byte counters, keys from: host_blocks_used, host_blocks_total,
+    ssd_blocks_used, ssd_blocks_total, bytes_d2h, bytes_h2d, bytes_ssd_written,
+    bytes_ssd_read, checksum_failures, ssd_write_errors (the keys the store has)."""
+
+    def store_stats(self) -> Mapping[str, int | float]: ...
+
+
+class AdvisesSlice(Protocol):
+    """``store_slice_us``: the store's advice for ``EngineConfig.store_slice_us`` (used
+    when the config leaves it None): how long the store thread may run, holding the
+    GIL, before it hands it to a waiting event loop. For stores whose calls run Python
+    for long (FlexKV: 200); without it (or None), 0."""
+
+    store_slice_us: int | None
+
+
+# The optional methods by name, as Capabilities holds them.
+OPTIONAL_METHODS = (
+    "set_notify",
+    "set_yield",
+    "put_match_many",
+    "get_match_many",
+    "evict",
+    "clear",
+    "store_stats",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """A store's optional methods, read once (:meth:`of`): each bound method, or None
+    where the store lacks it (a wrapper may hold None for what its inner store lacks).
+    The slice advice (:class:`AdvisesSlice`) is read with the config, by
+    :func:`aiokv.handoff.store_slice_us`."""
+
+    set_notify: Callable[[Callable[[], None]], None] | None = None
+    set_yield: Callable[[Callable[[], None]], None] | None = None
+    put_match_many: Callable[[Queries], MatchAnswers] | None = None
+    get_match_many: Callable[[Queries], MatchAnswers] | None = None
+    evict: Callable[[Sequence[str]], int] | None = None
+    clear: Callable[[], int] | None = None
+    store_stats: Callable[[], Mapping[str, int | float]] | None = None
+
+    @classmethod
+    def of(cls, store: object) -> Capabilities:
+        found: dict[str, Any] = {}
+        for name in OPTIONAL_METHODS:
+            method = getattr(store, name, None)
+            if callable(method):
+                found[name] = method
+        return cls(**found)

@@ -2,9 +2,10 @@
 
 ``python -m aiokv.stores.child FD ENDS_FD``: FD is this end of the socket, ENDS_FD that of
 the channel on which the child tells the parent that tasks have ended. The parent sends its
-multiprocessing key (bytes), then ``(StoreConfig, caches or CacheGeometry)``. The child
-builds the store, registers it (FlexKV: starts it, asks the parent to attach the caches,
-waits for ready) and answers ``("ready", page_size)`` or ``("failed", exception)``. Then
+multiprocessing key (bytes), then ``(StoreConfig, payload)`` (:mod:`.wire`). The child
+builds the store, registers it as its backend's cache handover says (which may ask the
+parent to attach the caches) and answers ``("ready", page_size)`` or ``("failed",
+exception)``. Then
 it serves ``(op, args)`` requests one at a time, answering ``(True, value)`` or ``(False,
 exception)``, until ``("close", None)`` or until the socket closes (the parent is gone);
 either way it closes its store before it exits.
@@ -31,12 +32,12 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 import torch.multiprocessing  # noqa: F401  (registers tensor reductions for Connection.recv)
 
+from ..backends import backend
 from . import make_store
 from .base import NoSpace, Store, TaskResult
-from .process import pack_results, portable
+from .wire import launch_slots, pack_results, portable
 
 log = logging.getLogger("aiokv")
 
@@ -113,19 +114,26 @@ def _request_within(conn: Connection, seconds: float) -> bool:
 
 
 def _launch(store: Store, ends: _Ends, args: Any) -> None:
-    task_ids, lengths, joined = args  # the slots, one array (ProcessStore.launch)
-    store.launch(task_ids, np.split(joined, np.cumsum(lengths)[:-1]) if lengths else [])
+    task_ids, slots = launch_slots(args)  # the slots came as one array
+    store.launch(task_ids, slots)
     ends.launched(task_ids)  # all of them: a launch that raises launched none
 
 
-def _put_match_many(store: Store, args: Any) -> list[Any]:
-    """Each put_match's answer, or the exception it raised, in order."""
+def _match_many(store: Store, op: str, args: Any) -> list[Any]:
+    """Each match's answer (``op``: put_match or get_match), or the exception it raised,
+    in order: the store's own match of many where it has one, else one by one."""
+    many = getattr(store, f"{op}_many", None)
+    if callable(many):
+        return [
+            _for_the_parent(op, a) if isinstance(a, Exception) else a for a in many(args)
+        ]
+    match = getattr(store, op)
     answers: list[Any] = []
     for token_ids, namespace in args:
         try:
-            answers.append(store.put_match(token_ids, namespace))
+            answers.append(match(token_ids, namespace))
         except Exception as exc:
-            answers.append(_for_the_parent("put_match", exc))
+            answers.append(_for_the_parent(op, exc))
     return answers
 
 
@@ -139,31 +147,28 @@ def _for_the_parent(op: str, exc: Exception) -> BaseException:
 
 _CALLS: dict[str, Callable[[Store, _Ends, Any], Any]] = {
     "put_match": lambda store, ends, args: store.put_match(*args),
-    "put_match_many": lambda store, ends, args: _put_match_many(store, args),
+    "put_match_many": lambda store, ends, args: _match_many(store, "put_match", args),
     "get_match": lambda store, ends, args: store.get_match(*args),
+    "get_match_many": lambda store, ends, args: _match_many(store, "get_match", args),
+    "evict": lambda store, ends, args: store.evict(args),  # type: ignore[attr-defined]
+    "clear": lambda store, ends, args: store.clear(),  # type: ignore[attr-defined]
+    "store_stats": lambda store, ends, args: dict(store.store_stats()),  # type: ignore[attr-defined]
     "launch": _launch,
     "cancel": lambda store, ends, args: store.cancel(args),
     "try_wait": lambda store, ends, args: pack_results(ends.take(args)),
 }
 
 
-def _register(store: Store, payload: Any, conn: Connection) -> None:
-    from .flexkv import CacheGeometry, FlexKVStore
+def _register(store: Store, config: Any, payload: Any, conn: Connection) -> None:
+    """Register the store as its backend's handover says, answering the parent's attach."""
 
-    if not isinstance(payload, CacheGeometry):
-        store.register(payload)
-        return
-    assert isinstance(store, FlexKVStore)
-    store.start(payload)
-    try:
-        conn.send(("attach", (store.gpu_register_endpoint, store.socket_files)))
+    def ask_parent(value: object) -> None:
+        conn.send(("attach", value))
         attached, error = conn.recv()
         if not attached:
             raise error
-    except BaseException:
-        store.close()
-        raise
-    store.wait_attached()
+
+    backend(config.backend).cache_handover().register(store, payload, ask_parent)
 
 
 def serve(conn: Connection, ends_socket: socket.socket) -> int:
@@ -172,7 +177,7 @@ def serve(conn: Connection, ends_socket: socket.socket) -> int:
     try:
         config, payload = conn.recv()  # tensors: may fail to map here
         store = make_store(config)  # e.g. FlexKV not importable from this process
-        _register(store, payload, conn)
+        _register(store, config, payload, conn)
     except Exception as exc:
         if store is not None:
             store.close()

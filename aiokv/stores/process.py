@@ -1,12 +1,12 @@
 """ProcessStore: any store, run in a child process of its own and called over a socket.
 
-Why: FlexKV runs Python for up to a millisecond per call at 32 tasks (a finished batch's
-answers, a batch's launch; its first eviction, about 50 ms), holding the GIL of the process
-it runs in. In the event loop's process each such call is a stall of the loop, which no
-hand-over between calls can split (the README's FlexKV results). In a child, that Python
-holds the child's GIL. This process keeps the store thread's part of each call: one
-message out, one back, and the wait between them without the GIL. :func:`make_store`
-uses it for FlexKV unless ``StoreConfig.own_process`` is false.
+Why: a store whose calls run Python for long stretches (FlexKV: a finished batch's
+answers, a batch's launch, an eviction) holds the GIL of the process it runs in. In the
+event loop's process each such call is a stall of the loop, which no hand-over between
+calls can split. In a child, that Python holds the child's GIL. This process keeps the
+store thread's part of each call: one message out, one back, and the wait between them
+without the GIL. :func:`make_store` uses it where the backend's entry says so
+(:data:`aiokv.backends.BACKENDS`) unless ``StoreConfig.own_process`` is false.
 
 How:
 
@@ -15,13 +15,11 @@ How:
   (as multiprocessing's spawn would), no exit hook of multiprocessing waits for it, and a
   Ctrl-C to the terminal does not reach it. It builds the store from the same
   :class:`StoreConfig`, with ``own_process=False``.
-- The caches stay in this process. FlexKV's are registered from here (their owner) by
-  CUDA IPC once the child has started FlexKV (:func:`~aiokv.stores.flexkv.attach_caches`);
-  other stores get them as tensors through torch's multiprocessing reductions (shared
-  memory for CPU tensors, CUDA IPC for GPU ones).
-- Each call is one request and one reply, in order, on one socket. Terminal answers
-  travel packed (one array for all masks), so that unpacking a batch's 32 answers here
-  costs microseconds rather than 32 unpicklings of a dataclass and an array.
+- The caches stay in this process and reach the child's store as the backend's
+  :class:`~aiokv.backends.CacheHandover` says: as tensors through torch's
+  multiprocessing reductions (shared memory for CPU tensors, CUDA IPC for GPU ones), or
+  (FlexKV) registered from here, their owner, once the child has started the store.
+- Each call is one request and one reply, in order, on one socket (:mod:`.wire`).
 - Launched tasks are watched in the child (polled there, for a store such as FlexKV
   that does not notify), which sends a byte on a second socket when answers wait; a
   reader thread here passes that on (``set_notify``). So this process asks ``try_wait``
@@ -39,96 +37,35 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import pickle
 import select
 import signal
-import site
 import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 import torch
 import torch.multiprocessing  # registers tensor reductions for Connection.send
 
+from ..backends import backend
 from ..config import StoreConfig
 from ..errors import StoreError
-from .base import BoolArray, Int64Array, TaskResult, TaskStatus
+from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from .spawn import spawn_child
+from .wire import FORWARDED, Op, PackedResults, launch_args, portable, query, unpack_results
 
 log = logging.getLogger("aiokv")
 
 _ALIVE_CHECK_MS = 1000  # while a reply is awaited, check this often that the child lives
 _CLOSE_TIMEOUT_S = 180.0  # the child's close waits for launched copies (FlexKV: 60 s+)
 _EXIT_TIMEOUT_S = 10.0  # after its close, the child exits in this time or is killed
-_STATUSES = tuple(TaskStatus)
-_STATUS_INDEX = {status: index for index, status in enumerate(_STATUSES)}
-_NO_MASKS: BoolArray = np.zeros(0, dtype=np.bool_)
-
-# What crosses the socket: (ids, status indices, errors, all masks joined, mask lengths
-# with -1 for None).
-PackedResults = tuple[list[int], list[int], list[str], BoolArray, list[int]]
-
-
-def pack_results(results: dict[int, TaskResult]) -> PackedResults:
-    answers = list(results.values())
-    masks = [r.mask for r in answers if r.mask is not None]
-    return (
-        list(results),
-        [_STATUS_INDEX[r.status] for r in answers],
-        [r.error for r in answers],
-        np.concatenate(masks) if masks else _NO_MASKS,
-        [-1 if r.mask is None else len(r.mask) for r in answers],
-    )
-
-
-def unpack_results(packed: PackedResults) -> dict[int, TaskResult]:
-    ids, statuses, errors, masks, lengths = packed
-    out: dict[int, TaskResult] = {}
-    start = 0
-    for task_id, status, error, length in zip(ids, statuses, errors, lengths, strict=True):
-        mask = None
-        if length >= 0:
-            mask = masks[start : start + length]
-            start += length
-        out[task_id] = TaskResult(_STATUSES[status], mask, error)
-    return out
-
-
-# -P (3.11+): the child's sys.path does not start with the working directory, where a
-# checkout of another aiokv (or of anything else) would shadow this one.
-_SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
-
-
-def _child_env() -> dict[str, str]:
-    """This environment, with aiokv's root on PYTHONPATH where the child would not find
-    it by itself (a checkout on sys.path). Not where it is a site directory: entries of
-    PYTHONPATH come before the standard library, which a site directory must not."""
-    env = dict(os.environ)
-    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    site_dirs = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
-    if root not in site_dirs:
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
 def no_notify() -> None:
     """ProcessStore's notice of ended tasks before set_notify, and after close."""
-
-
-def portable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling, else a StoreError that names it."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return StoreError(f"{type(exc).__name__}: {exc}")
-    return exc
 
 
 class ProcessStore:
@@ -143,14 +80,18 @@ class ProcessStore:
 
     def __init__(self, config: StoreConfig, *, start_timeout_s: float = 300.0) -> None:
         self._config = replace(config, own_process=False)  # what the child builds
+        inner = backend(config.backend).store_class()
+        for name in FORWARDED:  # what the child's store lacks, this one lacks too
+            if not callable(getattr(inner, name, None)):
+                setattr(self, name, None)
         self._start_timeout_s = start_timeout_s
         self.page_size: int = config.page_size or 0  # the child's, once registered
         self._process: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._poller = select.poll()
-        # The caches, and FlexKV's registration client: alive as long as the child maps them.
+        # The caches, and what the handover attached: alive as long as the child maps them.
         self._keep: list[Any] = []
-        self._socket_files: list[str] = []  # FlexKV's, removed here should the child die
+        self._socket_files: list[str] = []  # the handover's, removed should the child die
         self._broken: str | None = None  # why the child can no longer be called
         self._closed = False
         # One call on the socket at a time: the engine calls from its store thread only,
@@ -165,15 +106,12 @@ class ProcessStore:
 
     @property
     def store_slice_us(self) -> int | None:
-        """The advice for EngineConfig.store_slice_us of the store the child runs.
-        Kept in a child, as measured on the H200: this process's store thread still
-        fuses each batch's page ids, packs and unpacks the messages, and fans the answers
-        out (FlexKV's 200 µs; none for the local store)."""
-        if self._config.backend == "flexkv":
-            from .flexkv import FlexKVStore
-
-            return FlexKVStore.store_slice_us
-        return None
+        """The advice for EngineConfig.store_slice_us of the store the child runs: this
+        process's store thread still fuses each batch's page ids, packs and unpacks the
+        messages, and fans the answers out."""
+        advice: int | None = getattr(backend(self._config.backend).store_class(),
+                                     "store_slice_us", None)
+        return advice
 
     @property
     def pid(self) -> int | None:
@@ -186,13 +124,8 @@ class ProcessStore:
         if self._process is not None or self._closed:
             raise RuntimeError("ProcessStore.register() was already called")
         caches = list(kv_caches)
-        flexkv = self._config.backend == "flexkv"
-        payload: object = caches
-        if flexkv:  # FlexKV maps the caches itself, registered from here (attach below)
-            from .flexkv import CacheGeometry, attach_caches
-
-            geometry = CacheGeometry.of(caches)
-            payload = geometry
+        handover = backend(self._config.backend).cache_handover()
+        payload = handover.payload(caches)
         conn = self._spawn()
         try:
             # The child unpickles shared CPU tensors through this process's resource
@@ -202,14 +135,14 @@ class ProcessStore:
             deadline = time.monotonic() + self._start_timeout_s
             while True:
                 kind, value = self._receive(deadline)
-                if kind == "attach" and flexkv:
-                    endpoint, self._socket_files = value
+                if kind == "attach":
                     try:
-                        self._keep.append(attach_caches(endpoint, caches, geometry))
+                        kept, self._socket_files = handover.attach(value, caches, payload)
                     except Exception as exc:
                         with contextlib.suppress(OSError):
                             conn.send((False, portable(exc)))
                         raise
+                    self._keep.append(kept)
                     self._send((True, None))
                 elif kind == "ready":
                     self.page_size = int(value)
@@ -225,28 +158,7 @@ class ProcessStore:
             raise
 
     def _spawn(self) -> Connection:
-        here, theirs = socket.socketpair()
-        ends_here, ends_theirs = socket.socketpair()
-        fds = (theirs.fileno(), ends_theirs.fileno())
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, *_SAFE_PATH, "-m", "aiokv.stores.child", *map(str, fds)],
-                pass_fds=fds,
-                env=_child_env(),
-                # Its own session: a Ctrl-C for this process group does not end it (and
-                # FlexKV's processes under it) while this process still drains through
-                # it; close() ends it. And its whole group can be killed (_shutdown).
-                start_new_session=True,
-            )
-        except BaseException:
-            here.close()
-            ends_here.close()
-            raise
-        finally:
-            theirs.close()
-            ends_theirs.close()
-        self._conn = Connection(here.detach())
-        self._ends = ends_here
+        self._process, self._conn, self._ends = spawn_child()
         _LIVE.add(self)
         self._poller.register(self._conn.fileno(), select.POLLIN)
         return self._conn
@@ -278,39 +190,24 @@ class ProcessStore:
     # ---- Store protocol --------------------------------------------------------------
 
     def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
-        tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
-        matched: tuple[int, BoolArray] = self._call("put_match", (tokens, tuple(namespace)))
+        matched: tuple[int, BoolArray] = self._call("put_match", query(token_ids, namespace))
         return matched
 
-    def put_match_many(
-        self, requests: Sequence[tuple[Int64Array, Sequence[str]]]
-    ) -> list[tuple[int, BoolArray] | Exception]:
+    def put_match_many(self, queries: Queries) -> MatchAnswers:
         """put_match for each (token_ids, namespace), in order, in one round trip: each
         answer or the exception its put_match raised (the worker asks once per batch)."""
-        answers: list[tuple[int, BoolArray] | Exception] = self._call(
-            "put_match_many",
-            [(np.ascontiguousarray(t, dtype=np.int64), tuple(n)) for t, n in requests],
-        )
-        for answer in answers:
-            if isinstance(answer, Exception):
-                self._note_child(answer)
-        return answers
+        return self._match_many("put_match_many", queries)
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
-        tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
-        matched: tuple[int, BoolArray] = self._call("get_match", (tokens, tuple(namespace)))
+        matched: tuple[int, BoolArray] = self._call("get_match", query(token_ids, namespace))
         return matched
 
+    def get_match_many(self, queries: Queries) -> MatchAnswers:
+        """get_match for each (token_ids, namespace), in order, in one round trip."""
+        return self._match_many("get_match_many", queries)
+
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
-        if len(task_ids) != len(slot_mappings):
-            raise ValueError(f"{len(task_ids)} task ids but {len(slot_mappings)} slot mappings")
-        arrays = [np.ascontiguousarray(s, dtype=np.int64) for s in slot_mappings]
-        for index, array in enumerate(arrays):
-            if array.ndim != 1:
-                raise ValueError(f"slot_mappings[{index}]: need 1-D, got shape {array.shape}")
-        # One array on the wire (the child splits it back into views).
-        joined = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
-        self._call("launch", (list(task_ids), [len(a) for a in arrays], joined))
+        self._call("launch", launch_args(task_ids, slot_mappings))
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         self._call("cancel", list(task_ids))
@@ -320,6 +217,18 @@ class ProcessStore:
             return {}
         packed: PackedResults = self._call("try_wait", list(task_ids))
         return unpack_results(packed)
+
+    def evict(self, namespace: Sequence[str]) -> int:
+        dropped: int = self._call("evict", tuple(namespace))
+        return dropped
+
+    def clear(self) -> int:
+        dropped: int = self._call("clear", None)
+        return dropped
+
+    def store_stats(self) -> Mapping[str, int | float]:
+        stats: Mapping[str, int | float] = self._call("store_stats", None)
+        return stats
 
     def close(self) -> None:
         """Close the child's store (it waits for launched copies), then end the child."""
@@ -344,7 +253,14 @@ class ProcessStore:
 
     # ---- internals -------------------------------------------------------------------
 
-    def _call(self, op: str, args: object) -> Any:
+    def _match_many(self, op: Op, queries: Queries) -> MatchAnswers:
+        answers: MatchAnswers = self._call(op, [query(t, n) for t, n in queries])
+        for answer in answers:
+            if isinstance(answer, Exception):
+                self._note_child(answer)
+        return answers
+
+    def _call(self, op: Op, args: object) -> Any:
         with self._calling:
             if self._closed or (self._conn is None and self._broken is None):
                 raise RuntimeError("ProcessStore is closed or not registered")

@@ -1,11 +1,7 @@
-"""FlexKVStore: the Store protocol as a thin adapter over ``flexkv.kvmanager.KVManager``.
+"""FlexKVStore: the Store protocol as a thin adapter over ``flexkv.kvmanager.KVManager``
+(started by :mod:`aiokv.stores.flexkv.setup`).
 
-FlexKV is imported lazily, inside functions: ``import aiokv.stores.flexkv`` must work
-where FlexKV is not installed, and FlexKV reads its environment (``GLOBAL_CONFIG_FROM_ENV``)
-once, when ``flexkv.common.config`` is first imported, so the variables we set have to be
-in place before that import.
-
-What this adapter owns (FlexKV sharp edges, see ``.flexkv/NOTES.md`` and DESIGN.md):
+What this adapter owns (FlexKV's sharp edges, see DESIGN.md):
 
 - ``launch(as_batch=True)`` merges only 2+ tasks of one kind and then answers under a new
   batch id with one mask per sub-task; the sub-task ids become unknown to FlexKV. We split
@@ -31,104 +27,29 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 import torch
 
-from .. import validate
-from ..config import StoreConfig
-from ..errors import ConfigError, StoreError
-from .base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus, no_yield
+from ...config import StoreConfig
+from ...errors import ConfigError
+from ..base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus, no_yield
+from .setup import CacheGeometry, attach_caches, start_manager, wait_ready
 
 log = logging.getLogger("aiokv")
 
-# Environment FlexKV must see before its first import. MPS: FlexKV would otherwise try to
-# start the MPS daemon (absent on most hosts). setdefault: a user's own choice wins.
-_ENV_DEFAULTS = {"FLEXKV_ENABLE_MPS": "0"}
 _instance_counter = itertools.count()
 _POLL_S = 0.001
-
-
-def _set_env() -> None:
-    for key, value in _ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-
-
-def flexkv_available() -> str | None:
-    """None if FlexKVStore can run here, else why not."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        _set_env()
-        import flexkv.kvmanager  # noqa: F401
-    except (ImportError, OSError, RuntimeError) as exc:  # incl. c_ext failing to load
-        return f"flexkv is not importable: {exc!r}"
-    return None
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """What FlexKV needs to know of the caches to start, without the caches themselves
-    (a process that does not own them starts it: ProcessStore's child)."""
-
-    num_layers: int
-    num_pages: int
-    page_size: int
-    heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device_index: int
-
-    @classmethod
-    def of(cls, kv_caches: Sequence[torch.Tensor]) -> CacheGeometry:
-        """The geometry of per-layer CUDA caches [pages, 2, page_size, heads, head_dim],
-        checked as the engine checks them (ConfigError naming the layer)."""
-        num_pages, page_size, device, _ = validate.kv_caches(kv_caches)
-        if device.type != "cuda":
-            raise ConfigError("kv_caches", f"FlexKV needs CUDA caches, got {device}")
-        first = kv_caches[0]
-        return cls(
-            len(kv_caches), num_pages, page_size, int(first.shape[3]), int(first.shape[4]),
-            first.dtype, device.index or 0,
-        )
-
-
-def attach_caches(
-    gpu_register_endpoint: str, kv_caches: Sequence[torch.Tensor], geometry: CacheGeometry
-) -> Any:
-    """Register the caches (of ``geometry``, ``CacheGeometry.of(kv_caches)``) with a
-    started FlexKV (``FlexKVStore.gpu_register_endpoint``), from the process that owns
-    them: FlexKV maps them by CUDA IPC. Returns FlexKV's KVTPClient, which must live (with
-    the caches) as long as that FlexKV."""
-    _set_env()
-    from flexkv.common.storage import KVCacheLayout, KVCacheLayoutType
-    from flexkv.server.client import KVTPClient
-
-    # LAYERBLOCK = one tensor per layer shaped [block, kv, token, head, dim].
-    layout = KVCacheLayout(
-        type=KVCacheLayoutType.LAYERBLOCK,
-        num_layer=geometry.num_layers,
-        num_block=geometry.num_pages,
-        tokens_per_block=geometry.page_size,
-        num_head=geometry.heads,
-        head_size=geometry.head_dim,
-        kv_dim=2,
-        num_kv_heads=geometry.heads,
-    )
-    client = KVTPClient(gpu_register_endpoint, dp_client_id=0, device_id=geometry.device_index)
-    client.register_to_server(list(kv_caches), layout)
-    return client
 
 
 class FlexKVStore:
     """Store over one FlexKV KVManager (direct mode, one GPU, CPU tier + optional SSD)."""
 
-    # FlexKV runs Python on the store thread for up to about 1 ms per call at 32 tasks (a
-    # batch's launch, a finished batch's answers), holding the GIL: the store thread
-    # hands it to a waiting loop between (and inside, set_yield) calls past 0.2 ms
-    # (EngineConfig.store_slice_us; the README's FlexKV results).
+    # FlexKV runs Python on the store thread for long stretches per call (a batch's
+    # launch, a finished batch's answers), holding the GIL: the store thread hands it to a
+    # waiting loop between (and inside, set_yield) calls past this slice
+    # (EngineConfig.store_slice_us).
     store_slice_us = 200
 
     def __init__(self, config: StoreConfig, *, ready_timeout_s: float = 60.0) -> None:
@@ -183,50 +104,10 @@ class FlexKVStore:
                 f"{self._config.page_size} does not match the caches' page size "
                 f"{geometry.page_size}",
             )
-        _set_env()
-        from flexkv.common.config import (
-            CacheConfig,
-            ModelConfig,
-            RankInfo,
-            update_default_config_from_user_config,
+        self._manager = start_manager(
+            self._config, geometry, self._endpoint, self.gpu_register_endpoint
         )
-        from flexkv.kvmanager import KVManager
-
-        model_config = ModelConfig(
-            num_layers=geometry.num_layers,
-            num_kv_heads=geometry.heads,
-            head_size=geometry.head_dim,
-            kv_dim=2,
-            dtype=geometry.dtype,
-        )
-        cache_config = CacheConfig(tokens_per_block=geometry.page_size, enable_cpu=True)
-        user_config = self._user_config()
-        # FlexKV's own loader turns GiB into explicit block counts (its default
-        # num_cpu_blocks would allocate a million blocks) and applies override_* keys.
-        update_default_config_from_user_config(
-            RankInfo(model_config=model_config), cache_config, user_config
-        )
-        # Those overrides patch this process's GLOBAL_CONFIG_FROM_ENV only; FlexKV's
-        # spawned TransferManager re-reads the environment. Mirror them as FLEXKV_<KEY>,
-        # the name FlexKV's override log gives them (a few env names differ; see NOTES).
-        for key, value in vars(user_config).items():
-            if key.startswith("override_"):
-                text = str(int(value)) if isinstance(value, bool) else str(value)
-                os.environ[f"FLEXKV_{key[len('override_') :].upper()}"] = text
-        if cache_config.num_cpu_blocks < 1:
-            raise ValueError(
-                f"cpu_cache_gb={self._config.cpu_cache_gb} holds no block of "
-                f"{geometry.num_layers}x2x{geometry.page_size}x{geometry.heads}x"
-                f"{geometry.head_dim} {geometry.dtype}"
-            )
-        manager = KVManager(
-            model_config,
-            cache_config,
-            server_recv_port=self._endpoint,
-            gpu_register_port=self.gpu_register_endpoint,
-        )
-        manager.start()
-        self._manager, self.page_size = manager, geometry.page_size
+        self.page_size = geometry.page_size
 
     def wait_attached(self) -> None:
         """Wait (ready_timeout_s) until FlexKV has the caches and is ready; shut it down
@@ -237,6 +118,9 @@ class FlexKVStore:
             self._shutdown()
             raise
 
+    def _wait_ready(self, manager: Any) -> None:
+        wait_ready(manager, self._ready_timeout_s, self._endpoint)
+
     @property
     def gpu_register_endpoint(self) -> str:
         """Where :func:`attach_caches` registers the caches with this store's FlexKV."""
@@ -246,86 +130,6 @@ class FlexKVStore:
     def socket_files(self) -> list[str]:
         """The IPC socket files this store's FlexKV creates (removed at close)."""
         return list(self._socket_files)
-
-    def _wait_ready(self, manager: Any) -> None:
-        deadline = time.monotonic() + self._ready_timeout_s
-        # In FlexKV's server-client mode is_ready() is a round trip to the server process,
-        # and a reply that never comes (the server died at start-up, e.g. on an import
-        # error) would block forever: bound each wait, and check that the server lives.
-        reply_socket: Any = getattr(getattr(manager, "dp_client", None), "recv_from_server", None)
-        no_reply: tuple[type[Exception], ...] = ()  # direct mode: nothing to time out
-        if reply_socket is not None:
-            import zmq
-
-            reply_socket.setsockopt(zmq.RCVTIMEO, 1000)
-            no_reply = (zmq.Again,)
-        # A request whose reply did not come within the bound is still answered later:
-        # take that reply before asking again, or every later call would read the reply
-        # meant for the call before it (the channel is a plain PUSH/PULL pair).
-        awaiting_reply = False
-        try:
-            while True:
-                exit_code = _server_exit_code(manager)
-                if exit_code is not None:
-                    raise StoreError(
-                        f"FlexKV's server process exited with code {exit_code} before it was "
-                        "ready; see its output above (server-client mode)"
-                    )
-                try:
-                    if awaiting_reply:
-                        ready = bool(reply_socket.recv_pyobj().is_ready)
-                    else:
-                        awaiting_reply = reply_socket is not None
-                        ready = bool(manager.is_ready())
-                    awaiting_reply = False
-                    if ready:
-                        return
-                except no_reply:
-                    pass  # checked again: the server's exit, the deadline
-                if time.monotonic() > deadline:
-                    raise StoreError(
-                        f"FlexKV not ready {self._ready_timeout_s:.0f}s after GPU registration "
-                        f"(endpoint {self._endpoint}); see FlexKV's log for the TransferManager"
-                    )
-                time.sleep(0.01)
-        finally:
-            if reply_socket is not None:
-                reply_socket.setsockopt(zmq.RCVTIMEO, -1)  # FlexKV's own: calls wait
-
-    def _user_config(self) -> Any:
-        from flexkv.common.config import (
-            UserConfig,
-            load_user_config_from_file,
-            parse_path_list,
-        )
-
-        known = {f.name for f in fields(UserConfig)}
-        cfg = self._config
-        path = cfg.flexkv.get("user_config_file")
-        values: dict[str, Any] = {}
-        overrides: dict[str, Any] = {}
-        if path is not None:  # FlexKV's own loader: its key checks and path parsing
-            loaded = load_user_config_from_file(str(path))
-            values = {f.name: getattr(loaded, f.name) for f in fields(UserConfig)}
-            overrides = {k: v for k, v in vars(loaded).items() if k.startswith("override_")}
-        for key, value in cfg.flexkv.items():
-            if key == "user_config_file":
-                continue
-            if key in known:
-                values[key] = value
-            else:  # the file loader's convention; applied by update_default_config_...
-                overrides[f"override_{key}"] = value
-        # StoreConfig's own fields are authoritative over the flexkv mapping.
-        values["cpu_cache_gb"] = cfg.cpu_cache_gb
-        values["ssd_cache_gb"] = cfg.ssd_cache_gb
-        ssd_dir = cfg.ssd_cache_dir or values.get("ssd_cache_dir") or "./flexkv_ssd"
-        values["ssd_cache_dir"] = (
-            parse_path_list(ssd_dir) if isinstance(ssd_dir, str) else list(ssd_dir)
-        )
-        user_config = UserConfig(**values)  # runs FlexKV's validation
-        for key, value in overrides.items():
-            setattr(user_config, key, value)
-        return user_config
 
     # ---- Store protocol --------------------------------------------------------------
 
@@ -545,18 +349,6 @@ class FlexKVStore:
             for path in self._socket_files:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-
-
-def _server_exit_code(manager: Any) -> int | None:
-    """The exit code of FlexKV's server process (server-client mode), None while it runs
-    or when there is none (direct mode)."""
-    process = getattr(getattr(manager, "server_handle", None), "process", None)
-    if process is None:
-        return None
-    if hasattr(process, "poll"):  # subprocess.Popen
-        code: int | None = process.poll()
-        return code
-    return None if process.is_alive() else process.exitcode
 
 
 # FlexKV's KVResponseStatus values -> ours. NOTFOUND/UNREADY/TIMEOUT on a launched task

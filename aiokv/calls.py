@@ -1,0 +1,95 @@
+"""The store thread's calls into the store: each store error translated, once, into a
+StoreError raised from it (StoreFull for NoSpace), and a batch's matches asked in one call
+where the store matches many at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .errors import StoreError, StoreFull
+from .plans import Answer
+from .requests import Request
+from .stores.base import NoSpace, Store
+
+log = logging.getLogger("aiokv")
+
+
+class StoreCalls:
+    """Calls ``store`` for the store thread; ``yield_point`` is where that thread may hand
+    the GIL over between calls (it does so once its slice is used)."""
+
+    def __init__(self, store: Store, yield_point: Callable[[], None]) -> None:
+        self._store = store
+        self._yield_point = yield_point
+
+    def cancel(self, task_ids: list[int]) -> None:
+        try:
+            self.call(self._store.cancel, task_ids)
+        except StoreError:
+            log.exception("store.cancel(%s) failed", task_ids)
+
+    def call(self, method: Callable[..., Any], *args: Any) -> Any:
+        """Call the store; translate its errors, once, into StoreError."""
+        try:
+            return method(*args)
+        except Exception as exc:
+            raise _store_error(method, exc) from exc
+
+
+    def match(
+        self,
+        match: Callable[..., Any],
+        match_many: Callable[..., list[Any]] | None,
+        requests: Sequence[Request],
+        wanted: list[int],
+    ) -> list[Answer]:
+        """Each request's answer (by batch index) to ``match`` (put_match or get_match),
+        asked for the ``wanted`` indexes only: in one call where the store matches many
+        at once (one round trip to a store process), else one by one, handing the GIL
+        over between calls once the slice is used. A failed match is its StoreError."""
+        answers: list[Answer] = [None] * len(requests)
+        if match_many is not None:
+            if not wanted:
+                return answers
+            try:
+                many: list[Any] = match_many(
+                    [(requests[i].token_ids, requests[i].namespace) for i in wanted]
+                )
+                if len(many) != len(wanted):  # a broken store: give back what it matched
+                    self.cancel([a[0] for a in many if not isinstance(a, Exception)])
+                    raise RuntimeError(f"{len(many)} answers to {len(wanted)} matches")
+            except Exception as exc:
+                many = [exc] * len(wanted)
+            for index, answer in zip(wanted, many, strict=True):
+                answers[index] = (
+                    _translated(match, answer) if isinstance(answer, Exception) else answer
+                )
+            return answers
+        for index in wanted:
+            request = requests[index]
+            if request.detached:
+                continue  # left since: never matched, nothing to roll back
+            self._yield_point()
+            try:  # as _call, without its frame: once per request
+                answers[index] = match(request.token_ids, request.namespace)
+            except Exception as exc:
+                answers[index] = _translated(match, exc)
+        return answers
+
+
+def _translated(method: Callable[..., Any], exc: Exception) -> StoreError:
+    """``exc``, raised by the store's ``method``, as the StoreError raised from it."""
+    error = _store_error(method, exc)
+    error.__cause__ = exc  # as `raise error from exc` does
+    return error
+
+
+def _store_error(method: Callable[..., Any], exc: Exception) -> StoreError:
+    """The StoreError that stands for ``exc``, raised by the store's ``method``."""
+    if isinstance(exc, NoSpace):
+        return StoreFull(f"store has no space: {exc}")
+    name = getattr(method, "__name__", "call")
+    return StoreError(f"store.{name} failed: {exc!r}")

@@ -1,0 +1,151 @@
+"""Resolution: the one place an accepted request's future is resolved, on the loop.
+
+The store thread posts each drained set of (request, outcome) pairs with one
+``call_soon_threadsafe`` (:meth:`Resolver.deliver`); the engine resolves its own failures
+(closed, timed out, dispatch failed) through :meth:`Resolver.resolve` too. A future that
+is already done (its caller cancelled, or it timed out) is left alone, and a lookup's
+reservation that nobody will hold any more is given back. :meth:`Resolver.finished` is
+the one place outcome counts change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from .admission import Admission
+from .deadlines import Deadlines
+from .errors import EngineClosed, RequestTimeout, StoreError
+from .requests import Lookup, LookupGrant, Request
+from .stats import StatsRecorder
+
+log = logging.getLogger("aiokv")
+
+# Resolving outcomes runs at most about this long per loop callback (always at least one
+# outcome); the rest waits for the next iteration. Each outcome costs a resolution and its
+# caller's resumption (in the iteration after), so a store thread posting hundreds at once
+# (large batches, or several drained together) would otherwise hold the loop for
+# milliseconds in one or two iterations.
+RESOLVE_BUDGET_S = 0.0001
+
+
+class Resolver:
+    """Resolves requests' futures for one running engine (loop thread only)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        stats: StatsRecorder,
+        admission: Admission,
+        idle: asyncio.Event,
+        lookup_ttl_s: float,
+        request_timeout_ms: int,
+    ) -> None:
+        self._loop = loop
+        self._stats = stats
+        self._admission = admission
+        self._idle = idle  # set while no accepted request is unresolved
+        self._lookup_ttl_s = lookup_ttl_s
+        self._request_timeout_ms = request_timeout_ms
+        self.deadlines: Deadlines | None = None  # pruned as outcomes resolve, when set
+        # Outcomes posted by the store thread, not resolved yet (RESOLVE_BUDGET_S). While
+        # it holds any, a resolve_outcomes callback is scheduled for them.
+        self._outcomes: deque[tuple[Request, object]] = deque()
+
+    def deliver(self, pairs: list[tuple[Request, object]]) -> None:
+        """Called on the loop by the store thread, once per drained set."""
+        queued = bool(self._outcomes)  # then a callback is due for them: wait your turn
+        self._outcomes.extend(pairs)
+        # The list is ours now. The store thread may still be inside
+        # call_soon_threadsafe with it as a local: emptied, it keeps no request alive
+        # after its caller has been answered.
+        pairs.clear()
+        if not queued:
+            self.resolve_outcomes()
+
+    def resolve_outcomes(self, budget_s: float | None = None) -> None:
+        """Resolve queued outcomes in order for about ``budget_s`` (default
+        RESOLVE_BUDGET_S; at least one), and leave the rest to a callback in the next loop
+        iteration."""
+        outcomes = self._outcomes
+        resolve = self.resolve
+        deadline = time.perf_counter() + (RESOLVE_BUDGET_S if budget_s is None else budget_s)
+        try:
+            while outcomes:
+                request, outcome = outcomes.popleft()
+                resolve(request, outcome)
+                if time.perf_counter() >= deadline:
+                    break
+        finally:
+            if self.deadlines is not None:
+                self.deadlines.prune()
+            # Even if one resolution raised (the loop's exception handler logs it), the
+            # rest must not wait for a callback that was never scheduled.
+            if outcomes:
+                self._loop.call_soon(self.resolve_outcomes)
+
+    def resolve(self, request: Request, outcome: object) -> None:
+        """The one place futures are resolved. A future already done (caller cancelled,
+        timed out) is left alone; an orphaned reservation is given back."""
+        future = request.future
+        if future.done():
+            if isinstance(outcome, LookupGrant) and outcome.reservation is not None:
+                outcome.reservation.release()  # nobody holds it
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        elif isinstance(outcome, LookupGrant):
+            future.set_result(
+                Lookup(
+                    request.user_id,
+                    outcome,
+                    self,
+                    self._loop.call_later,
+                    self._lookup_ttl_s,
+                )
+            )
+        else:
+            future.set_result(outcome)
+        self.finished(request, outcome)
+
+    def expire(self, request: Request) -> None:
+        """A request past its deadline (engine.request_timeout_ms) times out."""
+        self.resolve(
+            request,
+            RequestTimeout(
+                f"{request.kind.name.lower()} not done within "
+                f"engine.request_timeout_ms={self._request_timeout_ms}"
+            ),
+        )
+
+    def dropped(self, request: Request) -> None:
+        """A request that never reached the store thread: a load gives back the
+        reservation it consumed."""
+        if request.reservation is not None:
+            request.reservation.release()
+
+    def dispatch_failed(self, requests: Sequence[Request], exc: Exception) -> None:
+        """A batch the batcher could not hand to the store thread: it fails alone."""
+        if isinstance(exc, EngineClosed):
+            error: Exception = exc
+        else:
+            log.error("aiokv: dispatching a batch of %d failed", len(requests), exc_info=exc)
+            error = StoreError(f"batch failed before reaching the store: {exc!r}")
+            error.__cause__ = exc
+        for request in requests:
+            self.dropped(request)
+            self.resolve(request, error)
+
+    def finished(self, request: Request, outcome: object) -> None:
+        """A request's future is done (``outcome`` None: the caller cancelled it): the one
+        place outcome counts change. Called once per accepted request, by resolve or by
+        the engine on cancellation; not a done-callback, which would cost a loop
+        callback."""
+        request.detached = True  # the store thread stops caring about it from now on
+        self._admission.leave(request)
+        self._stats.record_outcome(outcome, time.perf_counter() - request.submitted_at)
+        if not self._admission.live:
+            self._idle.set()

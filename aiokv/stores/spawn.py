@@ -1,0 +1,57 @@
+"""Starting ProcessStore's child: ``python -P -m aiokv.stores.child FD ENDS_FD`` as a
+plain subprocess in a session of its own, with the two sockets it talks on.
+
+A plain subprocess, not multiprocessing: it does not re-import the program's
+``__main__`` (as multiprocessing's spawn would), no exit hook of multiprocessing waits
+for it, and its own session keeps a Ctrl-C to the terminal from reaching it.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+
+# -P (3.11+): the child's sys.path does not start with the working directory, where a
+# checkout of another aiokv (or of anything else) would shadow this one.
+_SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with aiokv's root on PYTHONPATH where the child would not find
+    it by itself (a checkout on sys.path). Not where it is a site directory: entries of
+    PYTHONPATH come before the standard library, which a site directory must not."""
+    env = dict(os.environ)
+    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    site_dirs = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root not in site_dirs:
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def spawn_child() -> tuple[subprocess.Popen[bytes], Connection, socket.socket]:
+    """(the child, the call socket, the socket on which it says that tasks ended)."""
+    here, theirs = socket.socketpair()
+    ends_here, ends_theirs = socket.socketpair()
+    fds = (theirs.fileno(), ends_theirs.fileno())
+    try:
+        process = subprocess.Popen(
+            [sys.executable, *_SAFE_PATH, "-m", "aiokv.stores.child", *map(str, fds)],
+            pass_fds=fds,
+            env=_child_env(),
+            # Its own session: a Ctrl-C for this process group does not end it (and the
+            # processes its store starts) while the parent still drains through it; the
+            # parent's close ends it. And its whole group can be killed.
+            start_new_session=True,
+        )
+    except BaseException:
+        here.close()
+        ends_here.close()
+        raise
+    finally:
+        theirs.close()
+        ends_theirs.close()
+    return process, Connection(here.detach()), ends_here

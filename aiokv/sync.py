@@ -1,0 +1,337 @@
+"""The engine for threaded callers: ``aiokv.run_in_background(engine)``.
+
+The engine runs on an event loop of its own, in a thread named ``aiokv-loop`` (uvloop
+where it is installed). The handle's blocking methods may be called from any other
+thread; each is the async call scheduled on that loop with
+``asyncio.run_coroutine_threadsafe`` and waited for, so there is one implementation of
+every call (anyio's blocking portal). ``submit_*`` return a
+:class:`concurrent.futures.Future` instead of waiting. A blocking call from the loop's
+own thread would wait for itself forever; it raises :class:`BlockingCallOnLoop` instead.
+
+::
+
+    with aiokv.run_in_background(engine) as kv:       # starts the engine
+        kv.offload(user_id, page_ids, num_tokens)
+        with kv.lookup(user_id, num_tokens) as hit:   # a BackgroundLookup
+            kv.load(hit, other_pages)
+    # closed here: drained, loop stopped, thread joined
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable, Coroutine, Hashable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+
+from .engine import EngineState, OffloadEngine
+from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
+from .requests import LoadResult, Lookup, OffloadResult
+from .stats import EngineStats
+
+T = TypeVar("T")
+
+THREAD_NAME = "aiokv-loop"
+
+
+def default_loop_factory() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where uvloop is installed (the loop serving stacks use), else
+    asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+class BackgroundLookup:
+    """A :class:`~aiokv.Lookup` handed to a thread. ``release()`` may be called from any
+    thread: the release runs on the engine's loop, which owns the reservation, and in
+    order with the calls submitted before it. Usable as ``with``."""
+
+    def __init__(self, lookup: Lookup, loop: asyncio.AbstractEventLoop) -> None:
+        self.lookup = lookup
+        self._loop = loop
+
+    @property
+    def user_id(self) -> Hashable:
+        return self.lookup.user_id
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.lookup.cached_tokens
+
+    @property
+    def held(self) -> bool:
+        """True while the reservation is held (not yet loaded, released or expired)."""
+        return self.lookup.held
+
+    def __repr__(self) -> str:
+        return f"Background{self.lookup!r}"
+
+    def release(self) -> None:
+        """Give the reservation back; does not wait. Idempotent; a no-op once loaded,
+        and once the engine's loop has stopped (closing the engine released it)."""
+        if _on_thread_of(self._loop):
+            self.lookup.release()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed, and so is the engine
+            self._loop.call_soon_threadsafe(self.lookup.release)
+
+    def __enter__(self) -> BackgroundLookup:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+def _on_thread_of(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+class BackgroundEngine:
+    """A started engine on a loop thread of its own; see :func:`run_in_background`.
+
+    Blocking methods raise what the engine's async methods raise (InvalidRequest,
+    Overloaded, EngineClosed, StoreError, RequestTimeout), and BlockingCallOnLoop when
+    called from the loop's own thread (code there should await the engine directly).
+    After ``close`` every call raises EngineClosed.
+    """
+
+    def __init__(
+        self,
+        engine: OffloadEngine,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    ) -> None:
+        if engine.state is not EngineState.NEW:
+            raise InvalidRequest(
+                "engine",
+                f"is {engine.state.value}; run_in_background starts the engine on a loop "
+                "of its own, so it needs one that was never started",
+            )
+        self.engine = engine
+        self.loop = (loop_factory or default_loop_factory)()
+        self._lock = threading.Lock()  # orders submits against close
+        self._closing: concurrent.futures.Future[None] | None = None
+        self._stop_sent = False
+        self._thread = threading.Thread(target=self._run_loop, name=THREAD_NAME, daemon=True)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            # Whatever is still scheduled (nothing, after a clean close) is cancelled, so
+            # no caller's future is left unresolved when the loop goes.
+            leftovers = asyncio.all_tasks(self.loop)
+            for task in leftovers:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def _start(self) -> None:
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self.engine.start(), self.loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _stop_loop(self) -> None:
+        with self._lock:
+            if self._closing is None:  # a failed start: no close was scheduled
+                self._closing = concurrent.futures.Future()
+                self._closing.set_result(None)
+            # One stop only: a second one, run by the thread's final run_until_complete,
+            # would stop that too.
+            stop, self._stop_sent = not self._stop_sent, True
+        if stop:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+
+    def close(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Close the engine (``aclose(drain, timeout)``), stop the loop and join its
+        thread. Idempotent; concurrent calls wait for the same close."""
+        self._refuse_on_loop("close")
+        with self._lock:
+            if self._closing is None:
+                self._closing = asyncio.run_coroutine_threadsafe(
+                    self.engine.aclose(drain=drain, timeout=timeout), self.loop
+                )
+            closing = self._closing
+        try:
+            closing.result()
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> BackgroundEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ---- the bridge --------------------------------------------------------------------
+
+    def _refuse_on_loop(self, name: str) -> None:
+        if threading.current_thread() is self._thread:
+            raise BlockingCallOnLoop(
+                f"{name}() blocks until the engine's loop answers, and was called on that "
+                f"loop's own thread ({THREAD_NAME}), which would wait for itself forever; "
+                f"on the loop, await engine.{name}(...) instead"
+            )
+
+    def _submit(self, call: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+        # Under the lock, so that nothing is scheduled once close has been: it would run
+        # after the engine closed (and fail there with EngineClosed) or not at all.
+        with self._lock:
+            if self._closing is not None:
+                raise EngineClosed("the background engine is closed")
+            return asyncio.run_coroutine_threadsafe(call(), self.loop)
+
+    def _wait(self, name: str, call: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        self._refuse_on_loop(name)
+        return self._submit(call).result()
+
+    # ---- calls -------------------------------------------------------------------------
+
+    def submit_offload(
+        self,
+        user_id: Hashable,
+        page_ids: torch.Tensor,
+        num_tokens: int,
+        *,
+        token_ids: Any = None,
+        namespace: Sequence[str] | None = None,
+    ) -> concurrent.futures.Future[OffloadResult]:
+        """``engine.offload(...)`` on the engine's loop; does not wait."""
+        return self._submit(
+            lambda: self.engine.offload(
+                user_id, page_ids, num_tokens, token_ids=token_ids, namespace=namespace
+            )
+        )
+
+    def submit_lookup(
+        self,
+        user_id: Hashable,
+        num_tokens: int,
+        *,
+        token_ids: Any = None,
+        namespace: Sequence[str] | None = None,
+    ) -> concurrent.futures.Future[BackgroundLookup]:
+        """``engine.lookup(...)`` on the engine's loop; does not wait. The Lookup comes
+        wrapped so that any thread can release it."""
+
+        async def lookup() -> BackgroundLookup:
+            hit = await self.engine.lookup(
+                user_id, num_tokens, token_ids=token_ids, namespace=namespace
+            )
+            return BackgroundLookup(hit, self.loop)
+
+        return self._submit(lookup)
+
+    def submit_load(
+        self, hit: BackgroundLookup | Lookup, page_ids: torch.Tensor
+    ) -> concurrent.futures.Future[LoadResult]:
+        """``engine.load(...)`` on the engine's loop; does not wait. When the future's
+        result is set, the data is in the caches."""
+        lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
+        return self._submit(lambda: self.engine.load(lookup, page_ids))
+
+    def offload(
+        self,
+        user_id: Hashable,
+        page_ids: torch.Tensor,
+        num_tokens: int,
+        *,
+        token_ids: Any = None,
+        namespace: Sequence[str] | None = None,
+    ) -> OffloadResult:
+        """``await engine.offload(...)``, blocking this thread."""
+        self._refuse_on_loop("offload")
+        return self.submit_offload(
+            user_id, page_ids, num_tokens, token_ids=token_ids, namespace=namespace
+        ).result()
+
+    def lookup(
+        self,
+        user_id: Hashable,
+        num_tokens: int,
+        *,
+        token_ids: Any = None,
+        namespace: Sequence[str] | None = None,
+    ) -> BackgroundLookup:
+        """``await engine.lookup(...)``, blocking this thread."""
+        self._refuse_on_loop("lookup")
+        return self.submit_lookup(
+            user_id, num_tokens, token_ids=token_ids, namespace=namespace
+        ).result()
+
+    def load(self, hit: BackgroundLookup | Lookup, page_ids: torch.Tensor) -> LoadResult:
+        """``await engine.load(...)``, blocking this thread."""
+        self._refuse_on_loop("load")
+        return self.submit_load(hit, page_ids).result()
+
+    def evict(self, user_id: Hashable, *, namespace: Sequence[str] | None = None) -> int:
+        """``await engine.evict(...)``, blocking this thread: tokens dropped."""
+        tokens: int = self._wait(
+            "evict",
+            lambda: self.engine.evict(user_id, namespace=namespace),  # type: ignore[attr-defined]
+        )
+        return tokens
+
+    def clear(self) -> int:
+        """``await engine.clear()``, blocking this thread: tokens dropped."""
+        tokens: int = self._wait("clear", lambda: self.engine.clear())  # type: ignore[attr-defined]
+        return tokens
+
+    def stats(self) -> EngineStats:
+        """``engine.stats()``, read on the engine's loop (its counters change there)."""
+
+        async def stats() -> EngineStats:
+            return self.engine.stats()
+
+        return self._wait("stats", stats)
+
+
+def run_in_background(
+    engine: OffloadEngine,
+    *,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+) -> BackgroundEngine:
+    """Start ``engine`` on a new event loop in a thread of its own (``aiokv-loop``) and
+    return a :class:`BackgroundEngine` for blocking or future-returning calls from any
+    thread. ``loop_factory`` makes the loop (default: uvloop's where installed).
+
+    Close it with ``close()`` or a ``with`` block; the thread is a daemon, so a handle
+    never closed does not hold the interpreter at exit, but its engine is not drained.
+    Raises InvalidRequest for an engine already started or closed, and what
+    ``engine.start()`` raises (the thread is stopped then).
+    """
+    handle = BackgroundEngine(engine, loop_factory)
+    handle._start()
+    return handle
+
+
+__all__ = ["BackgroundEngine", "BackgroundLookup", "default_loop_factory", "run_in_background"]

@@ -1,0 +1,91 @@
+"""Keys: int and str user ids never share one; other types must name their key."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import PAGE_SIZE, small_store
+
+import aiokv
+from aiokv import validate
+
+TOKENS = 4 * PAGE_SIZE
+
+
+class Color(enum.IntEnum):
+    RED = 7
+
+
+def engine_over(caches: list[torch.Tensor]) -> aiokv.OffloadEngine:
+    return aiokv.OffloadEngine(small_store(), caches, aiokv.EngineConfig(window_us=0))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("stored", "asked"), [(1, "1"), ("1", 1), (0, "0"), (-3, "-3")])
+async def test_an_int_and_a_str_user_id_never_share_a_key(
+    caches: list[torch.Tensor], stored: Any, asked: Any
+) -> None:
+    async with engine_over(caches) as engine:
+        assert (await engine.offload(stored, torch.arange(4), TOKENS)).stored_tokens == TOKENS
+        async with await engine.lookup(asked, TOKENS) as other:
+            assert other.cached_tokens == 0
+        async with await engine.lookup(stored, TOKENS) as same:
+            assert same.cached_tokens == TOKENS
+
+
+@pytest.mark.asyncio
+async def test_each_of_two_colliding_ids_loads_its_own_kv(caches: list[torch.Tensor]) -> None:
+    """Stored under both 5 and "5", each key loads back the pages it was given."""
+    original = [c.clone() for c in caches]
+    async with engine_over(caches) as engine:
+        await engine.offload(5, torch.arange(0, 4), TOKENS)
+        await engine.offload("5", torch.arange(4, 8), TOKENS)
+        for user, source, target in ((5, 0, 16), ("5", 4, 20)):
+            hit = await engine.lookup(user, TOKENS)
+            assert (await engine.load(hit, torch.arange(target, target + 4))).loaded_tokens
+            for cache, before in zip(caches, original, strict=True):
+                assert torch.equal(cache[target : target + 4], before[source : source + 4])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("user_id", [True, False, np.bool_(True), 1.0, (1, 2), b"1", None])
+async def test_other_user_id_types_need_a_namespace(
+    caches: list[torch.Tensor], user_id: Any
+) -> None:
+    async with engine_over(caches) as engine:
+        with pytest.raises(aiokv.InvalidRequest) as caught:
+            await engine.offload(user_id, torch.arange(4), TOKENS)
+        assert caught.value.field == "user_id" and type(user_id).__name__ in str(caught.value)
+        with pytest.raises(aiokv.InvalidRequest, match="user_id"):
+            await engine.lookup(user_id, TOKENS)
+        # Named explicitly, any hashable id is fine (and the key is the namespace).
+        named = await engine.offload(user_id, torch.arange(4), TOKENS, namespace=["mine"])
+        assert named.stored_tokens == TOKENS and named.user_id == user_id
+        async with await engine.lookup("other", TOKENS, namespace=["mine"]) as hit:
+            assert hit.cached_tokens == TOKENS
+        assert engine.stats().pending == 0
+
+
+@pytest.mark.asyncio
+async def test_a_bool_does_not_reach_the_key_of_its_int(caches: list[torch.Tensor]) -> None:
+    async with engine_over(caches) as engine:
+        await engine.offload(1, torch.arange(4), TOKENS)
+        with pytest.raises(aiokv.InvalidRequest, match="bool"):
+            await engine.lookup(True, TOKENS)
+
+
+def test_int_keys_keep_the_recsys_examples_name_and_strs_get_their_own() -> None:
+    # uid:<n> is the name recsys-examples' FlexKV backend gives user n: a cache shared
+    # with it must keep it.
+    assert validate.default_namespace(12) == ("uid:12",)
+    assert validate.default_namespace(np.int64(12)) == ("uid:12",)
+    assert validate.default_namespace(Color.RED) == ("uid:7",)
+    assert validate.default_namespace("12") == ("uid:str:12",)
+    # No str id can produce an int's name, nor an int a str's.
+    assert validate.default_namespace("str:12") != validate.default_namespace(12)
+    assert validate.namespace(None, "a") == ("uid:str:a",)
+    assert validate.namespace(["x", "y"], (1, 2)) == ("x", "y")

@@ -1,0 +1,281 @@
+"""Misuse that must fail clearly (issue 19, items 3 and 4), through the public API only.
+
+Each test is the behaviour a user expects and fails today: it is marked
+``xfail(strict=True)`` until the engine-side fixes land (phase 2), which then remove the
+mark. A test that starts passing before then fails the suite, so the marks stay honest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import uvloop
+from conftest import PAGE_SIZE, make_caches, small_store
+
+import aiokv
+from aiokv.testing import CheckingStore, FaultyStore
+
+TOKENS = 4 * PAGE_SIZE
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
+
+
+def pages(start: int, count: int = 4) -> torch.Tensor:
+    return torch.arange(start, start + count)
+
+
+class Rig:
+    """An engine over CheckingStore(FaultyStore(LocalStore))."""
+
+    def __init__(self, caches: list[torch.Tensor], **config: Any) -> None:
+        self.faulty = FaultyStore(small_store())
+        self.checked = CheckingStore(self.faulty, loop_thread=threading.get_ident())
+        self.engine = aiokv.OffloadEngine(self.checked, caches, aiokv.EngineConfig(**config))
+
+
+# ---- loop binding (item 3) ---------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="phase 2: a call from a second event loop (the "
+                   "first one closed) raises a raw RuntimeError and leaves pending=1")
+@pytest.mark.parametrize("loop_kind", list(LOOPS))
+def test_a_call_after_the_starting_loop_closed_fails_typed_and_leaves_nothing_pending(
+    caches: list[torch.Tensor], loop_kind: str
+) -> None:
+    engine = aiokv.OffloadEngine(small_store(), caches, aiokv.EngineConfig(window_us=0))
+    with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner:
+        runner.run(engine.start())
+    try:
+        with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner, pytest.raises(
+            aiokv.AiokvError, match="loop"
+        ):
+            runner.run(engine.offload(1, pages(0), TOKENS))
+        stats = engine.stats()
+        assert stats.pending == 0 and stats.submitted == 0
+    finally:
+        # Best effort, bounded: the loop the engine belongs to is gone.
+        with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner, contextlib.suppress(
+            Exception
+        ):
+            runner.run(asyncio.wait_for(engine.aclose(drain=False), 0.5))
+
+
+@pytest.mark.xfail(strict=True, reason="phase 2: a call from a second loop raises a raw "
+                   "RuntimeError and its offload still runs later on the engine's loop")
+@pytest.mark.parametrize("loop_kind", list(LOOPS))
+def test_a_call_from_a_second_loop_fails_typed_and_never_runs(
+    caches: list[torch.Tensor], loop_kind: str
+) -> None:
+    engine = aiokv.OffloadEngine(small_store(), caches, aiokv.EngineConfig(window_us=0))
+    home = LOOPS[loop_kind]()
+    try:
+        home.run_until_complete(engine.start())
+        with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner, pytest.raises(
+            aiokv.AiokvError, match="loop"
+        ):
+            runner.run(engine.offload(1, pages(0), TOKENS))
+        assert engine.stats().pending == 0
+
+        async def after() -> int:
+            await engine.offload(2, pages(4), TOKENS)  # a round on the engine's own loop
+            async with await engine.lookup(1, TOKENS) as hit:
+                return hit.cached_tokens
+
+        assert home.run_until_complete(after()) == 0  # the foreign offload never ran
+    finally:
+        home.run_until_complete(asyncio.wait_for(engine.aclose(), 10))
+        home.close()
+
+
+def in_a_thread_with_its_own_loop(work: Callable[[], Any]) -> tuple[BaseException | None, float]:
+    """Run ``work()`` (which runs a loop of its own) on a new thread: (what it raised,
+    seconds it took)."""
+    begun = time.monotonic()
+    try:
+        work()
+    except Exception as error:
+        return error, time.monotonic() - begun
+    return None, time.monotonic() - begun
+
+
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="phase 2: a call from another running loop raises "
+                   "'attached to a different loop' (not an AiokvError) yet still runs")
+async def test_a_call_from_another_running_loop_fails_at_once_and_never_runs(
+    caches: list[torch.Tensor],
+) -> None:
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        error, _ = await asyncio.wait_for(asyncio.to_thread(
+            in_a_thread_with_its_own_loop,
+            lambda: asyncio.run(rig.engine.offload(7, pages(0), TOKENS)),
+        ), 10)
+        assert isinstance(error, aiokv.AiokvError) and "loop" in str(error), error
+        assert rig.engine.stats().pending == 0
+        await rig.engine.offload(8, pages(4), TOKENS)
+        async with await rig.engine.lookup(7, TOKENS) as hit:
+            assert hit.cached_tokens == 0  # never ran
+    assert rig.checked.problems() == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="phase 2: aclose() from another loop hangs (30 s by "
+                   "default) and leaves the engine DRAINING with its threads alive")
+async def test_aclose_from_another_loop_fails_at_once_and_the_engine_serves_on(
+    caches: list[torch.Tensor],
+) -> None:
+    rig = Rig(caches, window_us=0)
+    await rig.engine.start()
+    try:
+        error, took_s = await asyncio.to_thread(
+            in_a_thread_with_its_own_loop,
+            lambda: asyncio.run(asyncio.wait_for(rig.engine.aclose(), 2.0)),
+        )
+        assert isinstance(error, aiokv.AiokvError) and "loop" in str(error), error
+        assert took_s < 1.0  # at once, not after a drain
+        assert rig.engine.state is aiokv.EngineState.RUNNING
+        assert (await rig.engine.offload("u", pages(0), TOKENS)).stored_tokens == TOKENS
+    finally:
+        await asyncio.wait_for(rig.engine.aclose(), 10)
+
+
+# ---- edges (item 4) ----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="phase 2: duplicate page ids in a load are accepted "
+                   "(two positions written to one page)")
+async def test_duplicate_page_ids_in_a_load_fail_that_load_alone(
+    caches: list[torch.Tensor],
+) -> None:
+    original = [c.clone() for c in caches]
+    rig = Rig(caches, window_us=20_000)
+    async with rig.engine:
+        await rig.engine.offload("a", pages(0), TOKENS)
+        await rig.engine.offload("b", pages(4), TOKENS)
+        hit_a = await rig.engine.lookup("a", TOKENS)
+        hit_b = await rig.engine.lookup("b", TOKENS)
+        bad = asyncio.ensure_future(rig.engine.load(hit_a, torch.tensor([37, 37, 38, 39])))
+        good = asyncio.ensure_future(rig.engine.load(hit_b, pages(40)))  # the same window
+        with pytest.raises(aiokv.InvalidRequest) as caught:
+            await bad
+        assert caught.value.field == "page_ids" and "37" in str(caught.value)
+        assert (await good).loaded_tokens == TOKENS
+        for cache, before in zip(caches, original, strict=True):
+            assert torch.equal(cache[40:44], before[4:8])
+    assert rig.checked.problems() == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="phase 2: a load that fails leaves its Lookup "
+                   "reading 'loading'")
+@pytest.mark.parametrize("failure", ["launch", "page_range"])
+async def test_a_failed_load_releases_its_lookup(
+    caches: list[torch.Tensor], failure: str
+) -> None:
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        await rig.engine.offload("u", pages(0), TOKENS)
+        hit = await rig.engine.lookup("u", TOKENS)
+        target = pages(8)
+        if failure == "launch":
+            rig.faulty.launch_error = RuntimeError("injected: launch refused")
+        else:
+            target = torch.tensor([8, 9, 10, 10_000])
+        with pytest.raises((aiokv.StoreError, aiokv.InvalidRequest)):
+            await rig.engine.load(hit, target)
+        assert not hit.held and "released" in repr(hit), repr(hit)
+    assert rig.engine.stats().store_tasks_open == 0
+    assert rig.checked.problems() == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="phase 2: aclose(timeout=0.5) with a stuck store "
+                   "takes 1.5 s (it joins the store thread for at least 1 s more)")
+async def test_aclose_returns_within_its_timeout_whatever_the_store_does(
+    caches: list[torch.Tensor],
+) -> None:
+    rig = Rig(caches, window_us=0)
+    await rig.engine.start()
+    rig.faulty.hold.clear()  # launched transfers never answer
+    call = asyncio.ensure_future(rig.engine.offload("u", pages(0), TOKENS))
+    assert await asyncio.to_thread(rig.faulty.launched.wait, 10)
+    loop = asyncio.get_running_loop()
+    try:
+        begun = loop.time()
+        await rig.engine.aclose(drain=True, timeout=0.5)
+        took_s = loop.time() - begun
+    finally:
+        rig.faulty.hold.set()  # let the abandoned store thread end
+    with pytest.raises(aiokv.EngineClosed):
+        await call
+    # The spec itself (timeout + 0.2 s): the one timed assertion of these tests.
+    assert took_s < 0.7, took_s
+
+
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="phase 2: the page-id range error does not say which "
+                   "value is wrong")
+@pytest.mark.parametrize("bad", [9_999, -1])
+async def test_the_page_id_range_error_names_the_bad_value(
+    caches: list[torch.Tensor], bad: int
+) -> None:
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        with pytest.raises(aiokv.InvalidRequest) as caught:
+            await rig.engine.offload("u", torch.tensor([0, 1, bad]), 3 * PAGE_SIZE)
+    assert caught.value.field == "page_ids" and str(bad) in str(caught.value)
+    assert rig.checked.problems() == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="phase 2: a store handed to a second engine fails "
+                   "with a raw RuntimeError at start (and closes the first engine's store)")
+async def test_one_store_handed_to_two_engines_is_refused(caches: list[torch.Tensor]) -> None:
+    store = small_store()
+    first = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))
+    await first.start()
+    try:
+        with pytest.raises(aiokv.AiokvError):
+            second = aiokv.OffloadEngine(store, make_caches(seed=1))
+            await second.start()
+        # The first engine keeps its store.
+        assert (await first.offload("u", pages(0), TOKENS)).stored_tokens == TOKENS
+    finally:
+        await asyncio.wait_for(first.aclose(), 10)
+
+
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="phase 2: before start() the message is 'engine is "
+                   "new', which does not say what to do")
+async def test_a_call_before_start_says_to_call_start(caches: list[torch.Tensor]) -> None:
+    engine = aiokv.OffloadEngine(small_store(), caches)
+    try:
+        with pytest.raises(aiokv.EngineClosed) as caught:
+            await engine.offload("u", pages(0), TOKENS)
+        assert "start()" in str(caught.value)
+    finally:
+        await engine.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="phase 2: a Lookup still reads held after the close "
+                   "cancelled its reservation (found by tests/test_shutdown_load.py)")
+async def test_a_lookup_left_at_close_reads_released(caches: list[torch.Tensor]) -> None:
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        await rig.engine.offload("u", pages(0), TOKENS)
+        hit = await rig.engine.lookup("u", TOKENS)
+        assert hit.held
+    assert rig.engine.stats().store_tasks_open == 0  # the close cancelled it in the store
+    assert rig.checked.problems() == []
+    assert not hit.held and "released" in repr(hit), repr(hit)
