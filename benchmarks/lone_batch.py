@@ -1,0 +1,200 @@
+"""Where a lone batch's time goes, first submit to last result, on the embedded store.
+
+    python benchmarks/lone_batch.py [--shapes 8x1024,32x2048] [--repeats 5] [--json FILE]
+
+Wraps the engine's stage functions with timestamps (no change to the code under test),
+runs lone offload and load batches, and prints the median time of each stage from the
+first submit: the batch reaching the store thread, its slots on the host, the matches,
+the launch, the copy thread queueing the job, its completion, the answers posted and
+resolved, next to the GPU's own span of the job (CUDA events around its queued work)
+and a raw pinned copy of the same bytes measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import aiokv
+from aiokv import calls, resolution, slots, worker
+from aiokv.running import pick_device, run_uvloop
+from aiokv.stores.local import store as local_store
+from aiokv.stores.local import transfer as local_transfer
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32
+STAGES = ("store_thread", "slots", "matched", "launched", "queued", "copied", "posted",
+          "resolved")
+
+
+class Marks:
+    """First time each stage was reached in the current batch (perf_counter seconds)."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}
+        self.gpu_ms: list[float] = []
+        self.pending_gpu: Callable[[], None] | None = None  # reads the last job's span
+
+    def mark(self, stage: str) -> None:
+        self.at.setdefault(stage, time.perf_counter())
+
+
+def _wrap(owner: Any, name: str, before: str | None, after: str | None, marks: Marks) -> None:
+    original: Callable[..., Any] = getattr(owner, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if before:
+            marks.mark(before)
+        result = original(*args, **kwargs)
+        if after:
+            marks.mark(after)
+        return result
+
+    setattr(owner, name, wrapped)
+
+
+def instrument(marks: Marks) -> None:
+    _wrap(worker.StoreWorker, "_handle", "store_thread", None, marks)
+    _wrap(slots.FusedPages, "wait_slots", None, "slots", marks)
+    _wrap(local_store.LocalStore, "launch", None, "launched", marks)
+    _wrap(local_store.LocalStore, "_job_done", "copied", None, marks)
+    _wrap(resolution.Resolver, "deliver", "resolved", None, marks)
+    original_post = worker.StoreWorker._post
+
+    def post(self: Any) -> None:
+        if self._outbox:
+            marks.mark("posted")
+        original_post(self)
+
+    worker.StoreWorker._post = post  # type: ignore[method-assign]
+    _wrap(calls.StoreCalls, "match", None, "matched", marks)
+    enqueue = getattr(local_transfer.Transfer, "_enqueue_chunks", None)
+    if enqueue is not None:
+
+        def timed_enqueue(self: Any, job: Any) -> Any:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self._copy_stream if not job.to_host else self._gpu_stream)
+            in_flight = enqueue(self, job)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self._copy_stream if job.to_host else self._gpu_stream)
+            marks.mark("queued")
+            marks.gpu_ms.append(0.0)
+            index = len(marks.gpu_ms) - 1
+
+            def measure() -> None:
+                end.synchronize()
+                marks.gpu_ms[index] = start.elapsed_time(end)
+
+            marks.pending_gpu = measure
+            return in_flight
+
+        local_transfer.Transfer._enqueue_chunks = timed_enqueue  # type: ignore[method-assign]
+
+
+def _raw_copy_ms(nbytes: int, device: torch.device) -> tuple[float, float]:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    times = []
+    for to_host in (True, False):
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            if to_host:
+                host.copy_(src, non_blocking=True)
+            else:
+                src.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - t) * 1e3)
+        times.append(best)
+    return times[0], times[1]
+
+
+async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,
+                    device: torch.device) -> dict[str, Any]:
+    pages = tokens // PAGE
+    num_pages = users * pages * 2
+    caches = [torch.randn(num_pages, 2, PAGE, HEADS, HEAD_DIM, device=device,
+                          dtype=torch.bfloat16) for _ in range(LAYERS)]
+    nbytes = users * pages * LAYERS * 2 * PAGE * HEADS * HEAD_DIM * 2
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=nbytes * (repeats + 3) / 2**30))
+    config = aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=users)
+    rows: dict[str, list[dict[str, float]]] = {"offload": [], "load": []}
+    async with aiokv.OffloadEngine(store, caches, config) as engine:
+        for repeat in range(repeats + 1):  # repeat 0 warms up
+            base = repeat * users
+            page_ids = [torch.arange(u * pages, (u + 1) * pages, device=device)
+                        for u in range(users)]
+            for kind in ("offload", "load"):
+                lookups = []
+                if kind == "load":
+                    lookups = await asyncio.gather(
+                        *(engine.lookup(base + u, tokens) for u in range(users)))
+                    targets = [torch.arange(num_pages // 2 + u * pages,
+                                            num_pages // 2 + (u + 1) * pages, device=device)
+                               for u in range(users)]
+                torch.cuda.synchronize()
+                marks.at.clear()
+                start = time.perf_counter()
+                if kind == "offload":
+                    await asyncio.gather(*(engine.offload(base + u, page_ids[u], tokens)
+                                           for u in range(users)))
+                else:
+                    await asyncio.gather(*(engine.load(lookups[u], targets[u])
+                                           for u in range(users)))
+                end = time.perf_counter()
+                gpu = 0.0
+                if marks.pending_gpu is not None:
+                    marks.pending_gpu()
+                    marks.pending_gpu = None
+                    gpu = marks.gpu_ms[-1]
+                row = {s: (marks.at[s] - start) * 1e3 for s in STAGES if s in marks.at}
+                row["total"] = (end - start) * 1e3
+                row["gpu_span"] = gpu
+                if repeat:
+                    rows[kind].append(row)
+    d2h, h2d = _raw_copy_ms(nbytes, device)
+    out: dict[str, Any] = {"users": users, "tokens": tokens, "bytes": nbytes,
+                           "raw_d2h_ms": d2h, "raw_h2d_ms": h2d}
+    for kind, kind_rows in rows.items():
+        keys = kind_rows[0].keys()
+        out[kind] = {k: statistics.median(r[k] for r in kind_rows) for k in keys}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8x1024,32x2048")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = pick_device("cuda")
+    marks = Marks()
+    instrument(marks)
+    results = []
+    for shape in args.shapes.split(","):
+        users, tokens = (int(x) for x in shape.split("x"))
+        result = run_uvloop(run_shape(users, tokens, args.repeats, marks, device))
+        results.append(result)
+        for kind, raw in (("offload", result["raw_d2h_ms"]), ("load", result["raw_h2d_ms"])):
+            row = result[kind]
+            stages = " ".join(f"{s} {row[s]:.2f}" for s in STAGES if s in row)
+            print(f"{users}x{tokens} {kind}: total {row['total']:.2f} ms, raw {raw:.2f} ms "
+                  f"({raw / row['total']:.0%} of raw), gpu span {row['gpu_span']:.2f} | "
+                  f"ms from first submit: {stages}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
