@@ -315,6 +315,14 @@ def test_contiguous_runs_split_at_gaps_and_chunk_size() -> None:
     assert contiguous_runs(blocks, max_len=3) == [(0, 3), (3, 4), (4, 6), (6, 7)]
 
 
+
+def test_contiguous_runs_never_cross_a_pinned_chunk_of_the_pool() -> None:
+    blocks = np.arange(10, 30, dtype=np.int64)
+    starts = np.array([0, 16, 24], dtype=np.int64)  # chunks [0, 16), [16, 24), [24, ...)
+    runs = contiguous_runs(blocks, max_len=100, chunk_starts=starts)
+    assert runs == [(0, 6), (6, 14), (14, 20)]  # blocks 10-15 | 16-23 | 24-29
+    assert contiguous_runs(blocks, max_len=100) == [(0, 20)]
+
 def test_in_host_order_joins_descending_pieces_and_keeps_the_pairs() -> None:
     pages = np.array([10, 11, 12, 13, 20, 21, 22, 23], dtype=np.int64)
     blocks = np.array([4, 5, 6, 7, 0, 1, 2, 3], dtype=np.int64)
@@ -425,8 +433,10 @@ def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run
     _wait(store, [task])
     runs: list[list[tuple[int, int]]] = []
 
-    def recording_runs(host_blocks: np.ndarray, max_len: int) -> list[tuple[int, int]]:
-        runs.append(contiguous_runs(host_blocks, max_len))
+    def recording_runs(
+        host_blocks: np.ndarray, max_len: int, chunk_starts: np.ndarray | None = None
+    ) -> list[tuple[int, int]]:
+        runs.append(contiguous_runs(host_blocks, max_len, chunk_starts))
         return runs[-1]
 
     monkeypatch.setattr(transfer, "contiguous_runs", recording_runs)

@@ -78,13 +78,21 @@ def in_host_order(gpu_pages: Int64Array, host_blocks: Int64Array) -> tuple[Int64
     return gpu_pages[order], host_blocks[order]
 
 
-def contiguous_runs(host_blocks: Int64Array, max_len: int) -> list[tuple[int, int]]:
+def contiguous_runs(
+    host_blocks: Int64Array, max_len: int, chunk_starts: Int64Array | None = None
+) -> list[tuple[int, int]]:
     """Split positions ``[0, n)`` into (start, end) ranges whose host blocks are
-    consecutive and at most ``max_len`` long, in the order given (the copy order)."""
+    consecutive and at most ``max_len`` long, in the order given (the copy order).
+
+    ``chunk_starts``: host blocks that begin a separately pinned chunk of the pool. A run
+    never crosses one: CUDA refuses a copy whose host range spans two registrations."""
     n = len(host_blocks)
     if n == 0:
         return []
-    breaks = np.flatnonzero(np.diff(host_blocks) != 1) + 1
+    step = np.diff(host_blocks) != 1
+    if chunk_starts is not None and len(chunk_starts):
+        step |= np.isin(host_blocks[1:], chunk_starts)
+    breaks = np.flatnonzero(step) + 1
     bounds = np.concatenate(([0], breaks, [n]))
     runs = []
     for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
@@ -99,15 +107,18 @@ class Transfer:
         kv_caches: Sequence[torch.Tensor],
         pool: HostPool,
         on_done: Callable[[CopyJob], None],
+        name: str = "aiokv-copy",
+        chunk_starts: Int64Array | None = None,
     ) -> None:
         self._caches = list(kv_caches)
+        self._chunk_starts = chunk_starts  # see contiguous_runs
         self._pool = pool
         self._on_done = on_done
         self._device = self._caches[0].device
         block_bytes = pool.data[0].numel() * pool.data.element_size()
         self._chunk_blocks = max(1, STAGING_BYTES // block_bytes)
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._run, name="aiokv-copy", daemon=True)]
+        self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._device.type == "cuda":
             shape = (self._chunk_blocks, *pool.data.shape[1:])
             self._staging = [
@@ -129,7 +140,7 @@ class Transfer:
             self._in_flight: queue.SimpleQueue[_InFlight | None] = queue.SimpleQueue()
             self._graphs = LayerGraphs.capture(self._caches, self._staging, self._gpu_stream)
             self._threads.append(
-                threading.Thread(target=self._complete, name="aiokv-copy-done", daemon=True)
+                threading.Thread(target=self._complete, name=f"{name}-done", daemon=True)
             )
         for thread in self._threads:
             thread.start()
@@ -175,7 +186,7 @@ class Transfer:
         pool = self._pool.data
         gpu_pages, host_blocks = in_host_order(job.gpu_pages, job.host_blocks)
         pages = torch.from_numpy(gpu_pages)
-        for start, end in contiguous_runs(host_blocks, self._chunk_blocks):
+        for start, end in contiguous_runs(host_blocks, self._chunk_blocks, self._chunk_starts):
             first = int(host_blocks[start])
             host = pool[first : first + end - start]
             run_pages = pages[start:end]
@@ -218,7 +229,7 @@ class Transfer:
             # Allocated on (and only used on) the gather stream, so the caching allocator
             # cannot hand this memory out again before those kernels ran.
             pages = host_pages.to(self._device, non_blocking=True)
-        for start, end in contiguous_runs(host_blocks, self._chunk_blocks):
+        for start, end in contiguous_runs(host_blocks, self._chunk_blocks, self._chunk_starts):
             which = self._next_stage
             self._next_stage ^= 1
             stage = self._staging[which][: end - start]
