@@ -100,7 +100,7 @@ class TierLink:
         self._copy, self._end = copy, end
         self._page_size = page_size
         self._chunk_jobs: dict[int, Load] = {}
-        self._cleaning = 0  # write_back: blocks being copied ahead of eviction
+        self._copying = 0  # host blocks held by their SSD copies (room on its way)
         self._waiting: list[Load] = []  # loads waiting for host room, oldest first
 
     # ---- puts and demotion ---------------------------------------------------------
@@ -133,7 +133,9 @@ class TierLink:
         request = self.ssd.write(blocks, spaces, digests, _FLUSH)
         if request is None:
             host.drop_readers(blocks)
-        elif len(request.host_blocks) != len(blocks):
+            return
+        self._copying += len(request.host_blocks)
+        if len(request.host_blocks) != len(blocks):
             host.drop_readers(blocks[~np.isin(blocks, request.host_blocks)])
 
     def _demote(self, blocks: Int64Array, spaces: list[Space], digests: list[bytes]) -> Int64Array:
@@ -157,7 +159,7 @@ class TierLink:
         if request is None:
             return NO_BLOCKS
         self.host.readers[request.host_blocks] += 1
-        self._cleaning += len(request.host_blocks)
+        self._copying += len(request.host_blocks)
         return request.host_blocks
 
     def _keep_room(self) -> None:
@@ -166,7 +168,7 @@ class TierLink:
         # An eighth of the tier, or the largest reservation seen (a burst of such puts
         # would otherwise evict blocks not yet copied): room for the next one.
         target = max(1, min(host.num_blocks // 2, max(host.num_blocks // 8, host.largest)))
-        if host.alloc.num_free + self._cleaning >= target or not host.index.evictable:
+        if host.alloc.num_free + self._copying >= target or not host.index.evictable:
             return
         oldest = host.index.oldest(target)
         dirty = oldest[~host.clean[oldest]]
@@ -197,7 +199,7 @@ class TierLink:
         rest = digests[hits:]
         slots = self.ssd.ready_prefix(key, rest)
         # More than the host tier could ever stage at once is not promised.
-        count = min(len(slots), host.available() + self._cleaning)
+        count = min(len(slots), host.available() + self._copying)
         space = host.index.space(key)
         if space is not None:  # stop where the host has (or is writing) the page
             count = next((i for i, d in enumerate(rest[:count]) if d in space), count)
@@ -226,7 +228,7 @@ class TierLink:
                 blocks = host.reserve(want)
                 break
             except NoSpace:
-                if self._cleaning:
+                if self._copying:
                     return False  # room is on its way
         staged = 0 if blocks is None else len(blocks)
         if staged < len(load.slots):
@@ -339,10 +341,10 @@ class TierLink:
             # Copied, or given up on after a write error (counted): either way eviction
             # may now drop the block without trying to copy it again.
             host.clean[blocks] = True
+            self._copying -= len(blocks)
             if request.owner == _FLUSH:
                 host.drop_readers(blocks)
             else:
-                self._cleaning -= len(blocks)
                 self._back_to_oldest(blocks)
         if not self.write_through:
             self._keep_room()
