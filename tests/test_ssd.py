@@ -67,6 +67,26 @@ def same(caches: list[torch.Tensor], original: list[torch.Tensor], got: torch.Te
 TARGET = torch.arange(PAGES - USER_PAGES, PAGES)  # load destination, never a source
 
 
+def engine_on(
+    directory: Any, **keys: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor], aiokv.LocalStore, aiokv.OffloadEngine]:
+    """Fresh caches, a copy of them, and an engine on an SSD-tiered store in directory."""
+    caches = caches_for()
+    store = aiokv.LocalStore(ssd_config(directory, **keys))
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig())
+    return caches, [c.clone() for c in caches], store, engine
+
+
+async def check_loads(
+    engine: aiokv.OffloadEngine, users: Any, caches: list[torch.Tensor],
+    original: list[torch.Tensor],
+) -> None:
+    """Every user loads back whole and bit-exact."""
+    for user in users:
+        assert await load_back(engine, user, TARGET) == USER_PAGES * PAGE, user
+        assert same(caches, original, TARGET, source_pages(user)), user
+
+
 async def write_users(directory: Any, users: int, seed: int = 0, **keys: Any) -> dict[str, Any]:
     caches = caches_for(seed)
     store = aiokv.LocalStore(ssd_config(directory, **keys))
@@ -79,16 +99,12 @@ async def write_users(directory: Any, users: int, seed: int = 0, **keys: Any) ->
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 async def test_round_trip_through_ssd_after_host_eviction(tmp_path: Path, policy: str) -> None:
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    store = aiokv.LocalStore(ssd_config(tmp_path, ssd_write_policy=policy))
+    caches, original, store, engine = engine_on(tmp_path, ssd_write_policy=policy)
     users = 6  # three times the host tier
-    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+    async with engine:
         for user in range(users):
             await offload(engine, user)
-        for user in range(users):
-            assert await load_back(engine, user, TARGET) == USER_PAGES * PAGE, user
-            assert same(caches, original, TARGET, source_pages(user)), user
+        await check_loads(engine, range(users), caches, original)
     stats = store.store_stats()
     assert stats["bytes_ssd_read"] >= (users - 2) * USER_PAGES * BLOCK  # evicted, read back
     assert stats["bytes_ssd_written"] >= (users - 2) * USER_PAGES * BLOCK

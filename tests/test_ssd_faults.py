@@ -18,6 +18,8 @@ from test_ssd import (
     TARGET,
     USER_PAGES,
     caches_for,
+    check_loads,
+    engine_on,
     load_back,
     offload,
     same,
@@ -41,17 +43,13 @@ def _failing(code: int) -> Any:
 async def test_a_full_disk_fails_no_offload_and_the_host_tier_serves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    store = aiokv.LocalStore(ssd_config(tmp_path))
-    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+    caches, original, store, engine = engine_on(tmp_path)
+    async with engine:
         monkeypatch.setattr(os, "pwritev", _failing(errno.ENOSPC))
         for user in range(4):  # twice the host tier: the SSD copies all fail
             result = await offload(engine, user)
             assert result.stored_tokens == USER_PAGES * PAGE
-        for user in (2, 3):  # the latest are on the host
-            assert await load_back(engine, user, TARGET) == USER_PAGES * PAGE
-            assert same(caches, original, TARGET, source_pages(user))
+        await check_loads(engine, (2, 3), caches, original)  # the latest, on the host
         assert await load_back(engine, 0, TARGET) == 0  # evicted, never on SSD: a miss
         monkeypatch.undo()
         await offload(engine, 5)  # the disk has room again
@@ -64,10 +62,8 @@ async def test_a_full_disk_fails_no_offload_and_the_host_tier_serves(
 async def test_a_failing_read_fails_only_that_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    store = aiokv.LocalStore(ssd_config(tmp_path))
-    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+    caches, original, _, engine = engine_on(tmp_path)
+    async with engine:
         for user in range(3):
             await offload(engine, user)
         monkeypatch.setattr(os, "preadv", _failing(errno.EIO))
@@ -121,16 +117,12 @@ def test_a_host_tier_full_of_blocks_in_flight_frees_itself(tmp_path: Path) -> No
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 async def test_a_burst_several_times_the_host_tier_round_trips(tmp_path: Path, policy: str) -> None:
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    store = aiokv.LocalStore(ssd_config(tmp_path, ssd_write_policy=policy))
+    caches, original, _, engine = engine_on(tmp_path, ssd_write_policy=policy)
     users = 8  # four times the host tier, all at once
-    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+    async with engine:
         results = await asyncio.gather(*(offload(engine, user) for user in range(users)))
         assert [r.stored_tokens for r in results] == [USER_PAGES * PAGE] * users
-        for user in range(users):
-            assert await load_back(engine, user, TARGET) == USER_PAGES * PAGE, user
-            assert same(caches, original, TARGET, source_pages(user)), user
+        await check_loads(engine, range(users), caches, original)
 
 
 def test_evict_and_clear_drop_both_tiers_and_stay_dropped(tmp_path: Path) -> None:
@@ -187,14 +179,10 @@ async def test_without_o_direct_the_tier_uses_buffered_io(
         return real_open(path, flags, mode)
 
     monkeypatch.setattr(os, "open", no_direct)
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    store = aiokv.LocalStore(ssd_config(tmp_path))
-    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+    caches, original, store, engine = engine_on(tmp_path)
+    async with engine:
         assert store._link is not None and not store._link.ssd.files.direct
         for user in range(4):
             await offload(engine, user)
-        for user in range(4):
-            assert await load_back(engine, user, TARGET) == USER_PAGES * PAGE
-            assert same(caches, original, TARGET, source_pages(user))
+        await check_loads(engine, range(4), caches, original)
     assert ssd_io.open_data_file(tmp_path / "probe", direct=True)[1] is False
