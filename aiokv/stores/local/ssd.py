@@ -38,7 +38,7 @@ from .ssd_io import SsdFiles
 
 log = logging.getLogger("aiokv")
 
-READ_CHUNK_BYTES = 16 << 20  # per read request: large for the disk, small for the pipeline
+READ_CHUNK_BYTES = 32 << 20  # per read request: large for the disk, small for the pipeline
 
 
 @dataclass(slots=True, eq=False)
@@ -216,6 +216,7 @@ class SsdTier:
         ``drain`` with ``ok`` per block."""
         ns = encode_namespace(namespace) or b""
         per = max(1, READ_CHUNK_BYTES // self.slot_bytes)
+        per = -(-len(slots) // -(-len(slots) // per))  # even chunks: 16 slots are 8 + 8
         requests = []
         for start in range(0, len(slots), per):
             end = min(start + per, len(slots))

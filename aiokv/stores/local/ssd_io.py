@@ -4,9 +4,11 @@ One preallocated data file per directory (``<dir>/aiokv-ssd/blocks.dat``, mode 0
 0700 directory, next to its meta file). Slots are striped across the files one block at a
 time (slot ``s`` is slot ``s // n`` of file ``s % n``), so a run of slots is one
 contiguous range in each file and several directories (disks) share every large request.
-Each file has one I/O thread, ``aiokv-ssd-<i>``, which runs the tier's requests in order,
-reads before writes (a load waits for the disk, an SSD copy of write_through does not);
-one thread per file also keeps a slot's invalidation ahead of its reuse.
+Each file has one write thread, ``aiokv-ssd-<i>-write``, which runs writes in the order
+they were queued (so a slot's invalidation stays ahead of its reuse), and a few read
+threads, ``aiokv-ssd-<i>-read``, so that several reads are in flight (a load waits for
+the disk; a write_through copy does not). A read never races a write of its slot: a slot
+being read is held, and one being written is not readable.
 
 Requests are ``os.preadv``/``os.pwritev`` of whole slot runs. The files are opened with
 O_DIRECT when the filesystem takes it and the host blocks are whole 4 KiB pages (the host
@@ -34,6 +36,10 @@ log = logging.getLogger("aiokv")
 
 SUBDIR = "aiokv-ssd"
 IOV_MAX = 1024  # os.sysconf("SC_IOV_MAX") on Linux
+# Reads in flight per file: one O_DIRECT request at a time leaves a disk idle between
+# requests, and loads wait on reads. Writes keep one thread per file, which also keeps a
+# slot's invalidation ahead of its reuse (the order they were queued in).
+READ_THREADS = 8
 _DIRECT = getattr(os, "O_DIRECT", 0)
 
 Op = Callable[[], None]
@@ -84,12 +90,18 @@ class SsdFiles:
             for fd in self.fds:
                 os.close(fd)
             raise
+        # Per file: one lock; reads and writes queued apart, each kind with its threads.
         self._queues = [(collections.deque[Op](), collections.deque[Op]()) for _ in dirs]
-        self._cond = [threading.Condition() for _ in dirs]
+        locks = [threading.Lock() for _ in dirs]
+        self._cond = [(threading.Condition(lock), threading.Condition(lock)) for lock in locks]
         self._closed = False
         self._threads = [
-            threading.Thread(target=self._run, args=(k,), name=f"aiokv-ssd-{k}", daemon=True)
+            threading.Thread(
+                target=self._run, args=(k, kind), name=f"aiokv-ssd-{k}-{name}", daemon=True
+            )
             for k in range(self.count)
+            for kind, name, threads in ((0, "read", READ_THREADS), (1, "write", 1))
+            for _ in range(threads)
         ]
         for thread in self._threads:
             thread.start()
@@ -189,11 +201,13 @@ class SsdFiles:
     # ---- I/O -----------------------------------------------------------------------
 
     def submit(self, k: int, op: Op, *, read: bool) -> None:
-        with self._cond[k]:
+        kind = 0 if read else 1
+        cond = self._cond[k][kind]
+        with cond:
             if self._closed:
                 raise RuntimeError("the SSD tier is closed")
-            self._queues[k][0 if read else 1].append(op)
-            self._cond[k].notify()
+            self._queues[k][kind].append(op)
+            cond.notify()
 
     def write(self, k: int, offset: int, buffers: Sequence[Any]) -> None:
         """``os.pwritev`` of ``buffers`` at ``offset`` of file ``k`` (I/O thread)."""
@@ -214,27 +228,24 @@ class SsdFiles:
                 raise OSError(errno.EIO, f"{call.__name__}: {done} of {want} bytes")
             offset += want
 
-    def _run(self, k: int) -> None:
-        reads, writes = self._queues[k]
-        cond = self._cond[k]
+    def _run(self, k: int, kind: int) -> None:
+        queue, cond = self._queues[k][kind], self._cond[k][kind]
         while True:
             with cond:
-                while not reads and not writes and not self._closed:
+                while not queue and not self._closed:
                     cond.wait()
-                if reads:
-                    op = reads.popleft()
-                elif writes:
-                    op = writes.popleft()
-                else:
+                if not queue:
                     return  # closed and drained
+                op = queue.popleft()
             op()  # each op reports its own errors
 
     def close(self) -> None:
         """Finish the queued requests, then stop the threads and close the files."""
-        for cond in self._cond:
-            with cond:
+        for pair in self._cond:
+            with pair[0]:
                 self._closed = True
-                cond.notify_all()
+                for cond in pair:
+                    cond.notify_all()
         for thread in self._threads:
             thread.join()
         for fd in self.fds:
