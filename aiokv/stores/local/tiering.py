@@ -102,6 +102,7 @@ class TierLink:
         self._chunk_jobs: dict[int, Load] = {}
         self._copying = 0  # host blocks held by their SSD copies (room on its way)
         self._waiting: list[Load] = []  # loads waiting for host room, oldest first
+        self._closed = False
 
     # ---- puts and demotion ---------------------------------------------------------
 
@@ -336,7 +337,8 @@ class TierLink:
         for request in self.ssd.drain():
             blocks = request.host_blocks
             if not request.is_write:
-                self._advance(request.owner)
+                if not self._closed:  # at close, the copy thread is gone: loads end unheard
+                    self._advance(request.owner)
                 continue
             # Copied, or given up on after a write error (counted): either way eviction
             # may now drop the block without trying to copy it again.
@@ -346,6 +348,8 @@ class TierLink:
                 host.drop_readers(blocks)
             else:
                 self._back_to_oldest(blocks)
+        if self._closed:
+            return
         if not self.write_through:
             self._keep_room()
         while self._waiting and self._stage(self._waiting[0]):
@@ -383,5 +387,6 @@ class TierLink:
     def close(self) -> None:
         """Finish the queued SSD requests (write_through copies become durable), then
         apply them, so that the stats count them."""
+        self._closed = True
         self.ssd.close()
         self.drain()
