@@ -40,8 +40,10 @@ CHUNK = 16 << 20  # plain I/O request size
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", help="directory on the disk to measure (default: a temp dir)")
-    parser.add_argument("--gb", type=float, help="volume in GiB (default 4; --quick 0.5)")
-    parser.add_argument("--host-gb", type=float, default=0.25, help="host tier, GiB")
+    parser.add_argument("--gb", type=float, help="volume in GiB (default 4; --quick 1)")
+    parser.add_argument(
+        "--host-gb", type=float, default=1.0, help="host tier, GiB (at most a quarter of --gb)"
+    )
     parser.add_argument(
         "--rounds", type=int, default=2,
         help="alternate plain and store this many times; the best of each is reported",
@@ -120,7 +122,8 @@ def _store_round(
     store = _store(directory, caches, host_gb, gb)
     open_s = time.perf_counter() - start
     driver = _Driver(store)
-    in_flight = max(1, store.num_blocks // (2 * USER_PAGES))  # loads staged at once
+    # Loads staged at once: three quarters of the host tier (the staging area).
+    in_flight = max(1, 3 * store.num_blocks // (4 * USER_PAGES))
     start = time.perf_counter()
     for user in range(users):
         task, mask = store.get_match(tokens, [f"u{user}"])
@@ -185,7 +188,7 @@ def _checksum_gbps() -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    gb = args.gb if args.gb is not None else (0.5 if args.quick else 4.0)
+    gb = args.gb if args.gb is not None else (1.0 if args.quick else 4.0)
     host_gb = min(args.host_gb, gb / 4)
     owned = args.dir is None
     base = Path(tempfile.mkdtemp(prefix="aiokv-bench-ssd-") if owned else args.dir)
