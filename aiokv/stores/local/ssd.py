@@ -2,7 +2,7 @@
 
 The tier below the host pool (see :mod:`.blocks` for the states and :mod:`.ssd_format`
 for the format and why it is self-describing). The store calls it on its own thread:
-``write`` copies host blocks out (write_through after a put, or write_back demotion),
+``write`` copies host blocks out (write_through after a put; write_back ahead of eviction),
 ``read`` copies slots into host blocks (a load's SSD part, one request per chunk), and
 ``drain`` applies finished requests to the index and hands them back to the store. The
 I/O threads (:mod:`.ssd_io`) move bytes, compute and verify checksums, and report; they

@@ -4,14 +4,17 @@
   copy follows, holding them as a reader, and they join the host LRU when it is written,
   so that host eviction only drops blocks the SSD has.
 - write_back: only blocks about to be evicted are written. While less than an eighth of
-  the host tier is free, the oldest eighth of its LRU is copied to SSD (held as readers,
-  still readable on the host), and each copied block goes back to the LRU's old end, so
-  that eviction then frees it at no cost and a lookup never finds it in neither tier.
-- either way, eviction (the demotion hook) keeps a block that has no SSD copy yet (an
-  SSD write failed, or eviction outran the copies) and copies it first, readable all
-  along: a put that needed its room gets NoSpace until then (and retries).
+  the host tier (or the largest reservation seen) is free, that many of its LRU's oldest
+  blocks are copied to SSD (held as readers, still readable on the host), and each goes
+  back to the LRU's old end, so that eviction then frees it at no cost and a lookup
+  never finds it in neither tier.
+- either way, eviction (the demotion hook) keeps a block that has no SSD copy yet
+  (eviction outran the copies, or the SSD tier had no free slot then) and copies it
+  first, readable all along: a put that needed its room gets NoSpace until then. A block
+  whose SSD write failed (counted) is given up: eviction drops it.
 - loads: a get's pages after its host prefix that the SSD has are read into host blocks
-  from the match on (a lookup's reservation prefetches), one request per chunk; once
+  from the match on (a lookup's reservation prefetches), or as soon as the host tier has
+  room when copies in flight are making it; one request per chunk; once
   launched, each verified chunk is queued for its host -> GPU copy while the next chunk
   is read. The task ends with the copy job of its last chunk. A block that fails its
   checksum ends the load there: the task succeeds with the mask of what was loaded. A
