@@ -117,10 +117,19 @@ async def test_write_back_writes_only_what_the_host_evicts(tmp_path: Path) -> No
     back, through = tmp_path / "back", tmp_path / "through"
     back.mkdir()
     through.mkdir()
-    stats = await write_users(back, 1, ssd_write_policy="write_back")
-    assert stats["bytes_ssd_written"] == 0  # one user fits the host tier
-    stats = await write_users(back, 3, ssd_write_policy="write_back")
-    assert stats["bytes_ssd_written"] >= USER_PAGES * BLOCK  # the host tier evicted some
+    caches, original, store, engine = engine_on(back, ssd_write_policy="write_back")
+    async with engine:
+        await offload(engine, 0)
+        await check_loads(engine, [0], caches, original)
+        assert store.store_stats()["bytes_ssd_written"] == 0  # one user fits the host tier
+    # Closing copies what only the host held, so that a reopen finds it.
+    assert store.store_stats()["bytes_ssd_written"] == USER_PAGES * BLOCK
+    caches, _, store, engine = engine_on(back, ssd_write_policy="write_back")
+    async with engine:
+        await check_loads(engine, [0], caches, original)
+    (tmp_path / "back3").mkdir()
+    stats = await write_users(tmp_path / "back3", 3, ssd_write_policy="write_back")
+    assert stats["bytes_ssd_written"] == 3 * USER_PAGES * BLOCK  # each block once
     stats = await write_users(through, 1)  # write_through: copied at once
     assert stats["bytes_ssd_written"] == USER_PAGES * BLOCK
 

@@ -388,8 +388,17 @@ class TierLink:
                 **self.ssd.stats}
 
     def close(self) -> None:
-        """Finish the queued SSD requests (write_through copies become durable), then
-        apply them, so that the stats count them."""
+        """write_back: copy the host tier's idle blocks the SSD lacks, so that a reopen
+        finds them. Then finish the queued SSD requests (every copy becomes durable) and
+        apply them, so that the stats count them. Runs after the copy thread ended."""
+        host = self.host
+        if not self.write_through and host.index.evictable:
+            idle = host.index.oldest(host.index.evictable)
+            dirty = idle[~host.clean[idle]]
+            if len(dirty):
+                host.index.make_unevictable(dirty)
+                keys = list(map(host.index.key_of, dirty.tolist()))
+                self._copy_down(dirty, [k[0] for k in keys], [k[1] for k in keys])  # type: ignore[misc]
         self._closed = True
         self.ssd.close()
         self.drain()
