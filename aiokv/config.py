@@ -133,7 +133,7 @@ class StoreConfig:
         must exist and be writable; required when ssd_cache_gb > 0.
     ssd_write_policy: ``write_through`` (the default: a put completes once on the host
         and its SSD copy follows in the background) or ``write_back`` (only blocks the
-        host tier evicts are written to SSD).
+        host tier evicts are written to SSD, and at close what only the host holds).
     ssd_reset_on_mismatch: a directory written with another geometry (layers, heads,
         head_dim, dtype, page size, directories) is a ConfigError saying what differs;
         true discards its contents instead.
