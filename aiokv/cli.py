@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(demo)
     # Listed for --help only: main() hands everything after "bench" to aiokv.bench.
     commands.add_parser(
-        "bench", help="benchmarks: aiokv bench {engine,slots,bandwidth,lag} --help", add_help=False
+        "bench", help="benchmarks: aiokv bench {engine,slots,bandwidth,lag,ssd} --help",
+        add_help=False,
     )
     return parser
 
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``aiokv`` console script; returns the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:2] == ["bench", "ssd"]:
+        from .bench.ssd import main as ssd_main
+
+        return ssd_main(args_list[2:], prog="aiokv bench ssd")
     if args_list[:1] == ["bench"]:
         from .bench import main as bench_main
 

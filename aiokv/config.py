@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +22,7 @@ from .errors import ConfigError
 
 OverloadPolicy = Literal["reject", "wait"]
 Backend = Literal["local", "flexkv"]
+WritePolicy = Literal["write_through", "write_back"]
 
 
 # Past this, times in µs or ms stop converting to seconds (a float) and counts stop
@@ -145,7 +146,17 @@ class StoreConfig:
     backend: ``local`` (aiokv's embedded store) or ``flexkv``.
     page_size: tokens per page; None takes it from the caches, a value must match them.
     cpu_cache_gb: host memory for KV blocks, in GiB.
-    ssd_cache_gb / ssd_cache_dir: SSD tier (FlexKV only; the local store has none yet).
+    ssd_cache_gb: the SSD tier's size in GiB, spread evenly over the directories (0: no
+        SSD tier). Checked against the free space at open.
+    ssd_cache_dir: where the SSD tier lives: one directory, a list of them, or FlexKV's
+        ``;``-separated string; several directories (disks) share every request. Each
+        must exist and be writable; required when ssd_cache_gb > 0.
+    ssd_write_policy: ``write_through`` (the default: a put completes once on the host
+        and its SSD copy follows in the background) or ``write_back`` (only blocks the
+        host tier evicts are written to SSD, and at close what only the host holds).
+    ssd_reset_on_mismatch: a directory written with another geometry (layers, heads,
+        head_dim, dtype, page size, directories) is a ConfigError saying what differs;
+        true discards its contents instead.
     flexkv: FlexKV's own user-config keys, passed through its loaders.
     own_process: run the store in a child process of its own (:class:`ProcessStore`), so
         that its Python never holds this process's GIL against the event loop; the caches
@@ -157,9 +168,19 @@ class StoreConfig:
     page_size: int | None = None
     cpu_cache_gb: float = 1.0
     ssd_cache_gb: float = 0.0
-    ssd_cache_dir: str | None = None
+    ssd_cache_dir: str | Sequence[str] | None = None
+    ssd_write_policy: WritePolicy = "write_through"
+    ssd_reset_on_mismatch: bool = False
     flexkv: Mapping[str, Any] = field(default_factory=dict)
     own_process: bool | None = None
+
+    def ssd_dirs(self) -> tuple[str, ...]:
+        """``ssd_cache_dir`` as a tuple of directories (empty when None)."""
+        value = self.ssd_cache_dir
+        if value is None:
+            return ()
+        parts = value.split(";") if isinstance(value, str) else list(value)
+        return tuple(p.strip() for p in parts if p.strip())
 
     def in_own_process(self) -> bool:
         """Whether the store runs in a child process: ``own_process`` when set, else the
@@ -167,6 +188,19 @@ class StoreConfig:
         if self.own_process is not None:
             return self.own_process
         return BACKENDS[self.backend].own_process
+
+    def _check_ssd_dir(self) -> None:
+        value: object = self.ssd_cache_dir
+        if isinstance(value, os.PathLike):
+            object.__setattr__(self, "ssd_cache_dir", os.fspath(value))
+        elif value is not None and not isinstance(value, str):
+            paths = (str, os.PathLike)
+            if not isinstance(value, Sequence) or not all(isinstance(v, paths) for v in value):
+                raise _ssd_dir_error(value)
+            # A list (from YAML) becomes a tuple: the config stays frozen and hashable.
+            object.__setattr__(self, "ssd_cache_dir", tuple(map(os.fspath, value)))
+        if len(set(self.ssd_dirs())) != len(self.ssd_dirs()):
+            raise ConfigError("store.ssd_cache_dir", f"names a directory twice: {value!r}")
 
     def __post_init__(self) -> None:
         _check_choice("store.backend", self.backend, tuple(BACKENDS))
@@ -177,15 +211,16 @@ class StoreConfig:
             raise ConfigError("store.cpu_cache_gb", f"must be > 0, got {self.cpu_cache_gb}")
         _check_fits_in_memory("store.cpu_cache_gb", self.cpu_cache_gb)
         _check_number("store.ssd_cache_gb", self.ssd_cache_gb, 0.0)
-        if self.ssd_cache_dir is not None and not isinstance(self.ssd_cache_dir, str):
-            raise ConfigError(
-                "store.ssd_cache_dir", f"must be a path (a string), got {self.ssd_cache_dir!r}"
-            )
-        if self.ssd_cache_gb > 0 and not self.ssd_cache_dir:
+        self._check_ssd_dir()
+        if self.ssd_cache_gb > 0 and not self.ssd_dirs():
             raise ConfigError("store.ssd_cache_dir", "is required when ssd_cache_gb > 0")
-        if self.ssd_cache_gb > 0 and self.backend == "local":
+        _check_choice(
+            "store.ssd_write_policy", self.ssd_write_policy, ("write_through", "write_back")
+        )
+        if not isinstance(self.ssd_reset_on_mismatch, bool):
             raise ConfigError(
-                "store.ssd_cache_gb", "the local backend has no SSD tier; use backend: flexkv"
+                "store.ssd_reset_on_mismatch",
+                f"must be true or false, got {self.ssd_reset_on_mismatch!r}",
             )
         if 0 < self.ssd_cache_gb <= self.cpu_cache_gb:  # FlexKV's own rule, checked early
             raise ConfigError(
@@ -200,6 +235,14 @@ class StoreConfig:
                 "store.own_process",
                 f"must be true, false or null (the backend decides), got {self.own_process!r}",
             )
+
+
+def _ssd_dir_error(value: object) -> ConfigError:
+    return ConfigError(
+        "store.ssd_cache_dir",
+        f"must be a directory, a list of directories or a ';'-separated string, "
+        f"got {value!r}",
+    )
 
 
 def _build(cls: type[Any], section: str, raw: object) -> Any:

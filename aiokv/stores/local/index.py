@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -150,14 +150,22 @@ class BlockIndex:
     """Per-namespace tables (digest -> host block), and the LRU order of the blocks that
     may be evicted.
 
-    Only READY blocks with no reader are in the LRU; the store moves blocks in and out.
+    Only READY blocks with no reader are in the LRU; the tier moves blocks in and out.
+    ``on_evict(blocks, spaces, digests)``, when given, sees the blocks eviction takes out
+    of the LRU, with their keys, and answers those the index must keep (the tier's
+    demotion hook: they are being copied to the tier below); it forgets the rest.
     The LRU is a queue of segments (one per ``make_evictable`` call, i.e. per task or per
     batch of tasks) plus a per-block array that says which segment, if any (0: none),
     holds a block now: moving a whole task in or out costs a few numpy operations, not a
     dict operation per block. Eviction walks the segments oldest first and is exact LRU.
     """
 
-    def __init__(self, num_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int = 0,
+        on_evict: Callable[[Int64Array, list[Space], list[bytes]], Int64Array] | None = None,
+    ) -> None:
+        self._on_evict = on_evict
         self._spaces: dict[tuple[str, ...], Space] = {}
         self._count = 0
         # Reverse map, block -> (digest, table); stale for blocks not in the index.
@@ -175,6 +183,27 @@ class BlockIndex:
 
     def space(self, namespace: tuple[str, ...]) -> Space | None:
         return self._spaces.get(namespace)
+
+    def spaces(self) -> list[Space]:
+        return list(self._spaces.values())
+
+    def key_of(self, block: int) -> tuple[Space | None, bytes | None]:
+        """The (table, digest) of a block in the index (stale for others)."""
+        return self._space[block], self._digest[block]
+
+    def drop_idle(self, blocks: Int64Array) -> Int64Array:
+        """Forget those of ``blocks`` (unique, in the index) that are in the LRU, as if
+        evicted but without the hook; returns them. Blocks in use stay."""
+        idle = self.make_unevictable(blocks)
+        block_list = idle.tolist()
+        spaces = list(map(self._space.__getitem__, block_list))
+        digests = map(self._digest.__getitem__, block_list)
+        deque(map(dict.pop, spaces, digests), maxlen=0)  # type: ignore[arg-type]
+        self._count -= len(block_list)
+        for space in set(spaces):
+            if space is not None and not space and self._spaces.get(space.key) is space:
+                del self._spaces[space.key]
+        return idle
 
     def lookup(self, namespace: tuple[str, ...], digests: Sequence[bytes]) -> list[int | None]:
         space = self._spaces.get(namespace)
@@ -290,16 +319,42 @@ class BlockIndex:
         evicted = taken[0] if len(taken) == 1 else np.concatenate(taken)
         owner[evicted] = 0
         self._evictable -= len(evicted)
-        self._count -= len(evicted)
         block_list = evicted.tolist()
         spaces = list(map(self._space.__getitem__, block_list))
-        digests = map(self._digest.__getitem__, block_list)
-        deque(map(dict.pop, spaces, digests), maxlen=0)  # type: ignore[arg-type]
+        digest_list = list(map(self._digest.__getitem__, block_list))
+        if self._on_evict is not None:
+            kept = self._on_evict(evicted, spaces, digest_list)  # type: ignore[arg-type]
+            if len(kept):  # out of the LRU, still in the index
+                gone = ~np.isin(evicted, kept)
+                evicted = evicted[gone]
+                spaces = [s for s, g in zip(spaces, gone, strict=True) if g]
+                digest_list = [d for d, g in zip(digest_list, gone, strict=True) if g]
+        self._count -= len(evicted)
+        deque(map(dict.pop, spaces, digest_list), maxlen=0)  # type: ignore[arg-type]
         if not all(spaces):  # some namespace lost its last block
             for space in set(spaces):
                 if space is not None and not space and self._spaces.get(space.key) is space:
                     del self._spaces[space.key]
         return evicted
+
+    def make_evictable_oldest(self, blocks: Int64Array) -> None:
+        """Add blocks (not in the LRU, unique) as the least recently used: next to go."""
+        if len(blocks):
+            self._append(blocks, len(blocks))
+            self._segments.move_to_end(self._next_segment - 1, last=False)
+
+    def oldest(self, count: int) -> Int64Array:
+        """The ``count`` least recently used evictable blocks, oldest first, left listed."""
+        taken: list[Int64Array] = []
+        need = count
+        for key, segment in self._segments.items():
+            if need <= 0:
+                break
+            part = segment.oldest_first()
+            listed = part if segment.live == len(part) else part[self._owner[part] == key]
+            taken.append(listed[:need])
+            need -= len(taken[-1])
+        return np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
 
     def _append(self, blocks: Int64Array, width: int) -> None:
         if len(blocks) == 0:

@@ -1,17 +1,25 @@
-"""The host block pool: one block per GPU page, all layers of a page contiguous.
+"""Block allocation: a free bitmap with a rotating cursor (any tier), and the host pool
+(one block per GPU page, all layers of a page contiguous).
 
-Layout ``[block, layer, k/v, token, head, dim]``: a run of consecutive blocks is one
+Host layout ``[block, layer, k/v, token, head, dim]``: a run of consecutive blocks is one
 contiguous range of host memory, so a batch that lands in a run moves with one large
 copy. The allocator hands out blocks from a rotating cursor, which keeps a batch's
-blocks consecutive when eviction follows allocation order (LRU does, mostly).
+blocks consecutive when eviction follows allocation order (LRU does, mostly). The pool
+starts on a 4 KiB boundary, so that the SSD tier can move a block with O_DIRECT without
+a bounce buffer whenever a block is a whole number of 4 KiB pages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
+from ...errors import ConfigError
 from ..base import Int64Array
+
+ALIGN = 4096  # O_DIRECT's buffer and length alignment on the filesystems we meet
 
 
 def as_index(blocks: Int64Array) -> slice | Int64Array:
@@ -27,11 +35,10 @@ def as_index(blocks: Int64Array) -> slice | Int64Array:
     return blocks
 
 
-class HostPool:
-    def __init__(
-        self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool
-    ) -> None:
-        self.data = torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+class BlockAllocator:
+    """Which of ``num_blocks`` block numbers are free; hands them out from a cursor."""
+
+    def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free = np.ones(num_blocks, dtype=bool)
         self._num_free = num_blocks
@@ -61,11 +68,53 @@ class HostPool:
         self._cursor = (int(blocks[-1]) + 1) % self.num_blocks if count else self._cursor
         return blocks
 
+    def take(self, blocks: Int64Array) -> None:
+        """Mark these (free, unique) blocks used: recovered ones, at open."""
+        if self._free[blocks].sum() != len(blocks):
+            raise RuntimeError("taking blocks that are not free")
+        self._free[blocks] = False
+        self._num_free -= len(blocks)
+
     def release(self, blocks: Int64Array) -> None:
         if len(blocks) == 0:
             return
         index = as_index(blocks)
         if self._free[index].any():
-            raise RuntimeError("double free of host blocks")
+            raise RuntimeError("double free of blocks")
         self._free[index] = True
         self._num_free += len(blocks)
+
+
+class HostPool(BlockAllocator):
+    def __init__(
+        self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+    ) -> None:
+        super().__init__(num_blocks)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = num_blocks * int(np.prod(block_shape)) * itemsize
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+        skip = -raw.data_ptr() % ALIGN
+        flat = raw[skip : skip + nbytes]
+        self.data = flat.view(dtype).view(num_blocks, *block_shape)
+        self.block_bytes = nbytes // num_blocks if num_blocks else 0
+        # The same memory as bytes, for the SSD tier's I/O threads (no copy).
+        self.bytes = memoryview(flat.numpy())  # type: ignore[arg-type]  # numpy buffer
+
+    @classmethod
+    def for_caches(cls, kv_caches: Sequence[torch.Tensor], cpu_cache_gb: float) -> HostPool:
+        """The pool of ``cpu_cache_gb`` GiB for these caches (pinned when they are on a
+        GPU); ConfigError when that holds no block."""
+        first = kv_caches[0]
+        block_shape = (len(kv_caches), *first.shape[1:])
+        block_bytes = int(np.prod(block_shape)) * first.element_size()
+        num_blocks = int(cpu_cache_gb * (1 << 30) // block_bytes)
+        if num_blocks < 1:
+            raise ConfigError(
+                "store.cpu_cache_gb", f"{cpu_cache_gb} GiB holds no block of {block_bytes} bytes"
+            )
+        return cls(num_blocks, block_shape, first.dtype, first.device.type == "cuda")
+
+    def block_view(self, block: int) -> memoryview:
+        """Block ``block``'s bytes, writable."""
+        size = self.block_bytes
+        return self.bytes[block * size : (block + 1) * size]

@@ -1,0 +1,369 @@
+"""The SSD tier: slots on disk under one prefix index, written and read in runs.
+
+The tier below the host pool (see :mod:`.blocks` for the states and :mod:`.ssd_format`
+for the format and why it is self-describing). The store calls it on its own thread:
+``write`` copies host blocks out (write_through after a put; write_back ahead of eviction),
+``read`` copies slots into host blocks (a load's SSD part, one request per chunk), and
+``drain`` applies finished requests to the index and hands them back to the store. The
+I/O threads (:mod:`.ssd_io`) move bytes, compute and verify checksums, and report; they
+touch no metadata. A failed write leaves the block where it was (the host tier keeps it);
+a failed read fails the load that asked for it; a block whose checksum (or header) does
+not match is dropped from the tier, counted, and never reaches the host pool.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import mmap
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..base import BoolArray, Int64Array, NoSpace
+from .blocks import NO_BLOCKS, READY, Tier
+from .index import Space
+from .pool import ALIGN, BlockAllocator, HostPool
+from .ssd_format import (
+    HEADER_BYTES,
+    checksum,
+    encode_namespace,
+    pack_header,
+    unpack_header,
+)
+from .ssd_io import SsdFiles
+
+log = logging.getLogger("aiokv")
+
+READ_CHUNK_BYTES = 32 << 20  # per read request: large for the disk, small for the pipeline
+
+
+@dataclass(slots=True, eq=False)
+class SsdRequest:
+    """One write or read of a run of slots; ``ops`` file requests, ``arrived`` done."""
+
+    is_write: bool
+    slots: Int64Array
+    host_blocks: Int64Array
+    digests: list[bytes]
+    namespaces: list[bytes]  # encoded, per block
+    owner: Any = None  # the store's bookkeeping (a flush, a load)
+    ok: BoolArray = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    error: str | None = None
+    ops: int = 0
+    arrived: int = 0
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class SsdTier:
+    def __init__(
+        self,
+        dirs: Sequence[str],
+        capacity_bytes: float,
+        pool: HostPool,
+        geometry: dict[str, Any],
+        *,
+        reset_on_mismatch: bool,
+        notify: Callable[[], None],
+    ) -> None:
+        from ...errors import ConfigError
+
+        self._pool = pool
+        self.block_bytes = pool.block_bytes
+        self.slot_bytes = HEADER_BYTES + _round_up(self.block_bytes, ALIGN)
+        count = len(dirs)
+        total = int(capacity_bytes // self.slot_bytes) // count * count
+        if total < 1:
+            raise ConfigError(
+                "store.ssd_cache_gb",
+                f"{capacity_bytes / (1 << 30)} GiB holds no slot of {self.slot_bytes} bytes "
+                f"in each of {count} directories",
+            )
+        geometry = {**geometry, "slot_bytes": self.slot_bytes}
+        direct = self.block_bytes % ALIGN == 0
+        self.files = SsdFiles(
+            dirs, total, geometry, direct=direct, reset_on_mismatch=reset_on_mismatch
+        )
+        if not self.files.direct:
+            log.info(
+                "aiokv: SSD tier in %s uses buffered I/O with fdatasync (%s)",
+                ", ".join(map(str, self.files.paths)),
+                "a block is not a whole number of 4 KiB pages"
+                if not direct
+                else "the filesystem refuses O_DIRECT",
+            )
+        self.tier = Tier("ssd", BlockAllocator(total))
+        self._pad = bytes(self.slot_bytes - HEADER_BYTES - self.block_bytes)
+        self._zero_page = mmap.mmap(-1, HEADER_BYTES)  # aligned zeros, to void a header
+        self._done: deque[SsdRequest] = deque()
+        self._notify = notify
+        self._generation = 1
+        self._failures_logged = False
+        self.stats = {"bytes_ssd_written": 0, "bytes_ssd_read": 0, "checksum_failures": 0,
+                      "ssd_write_errors": 0}
+        try:
+            self._recover()
+        except BaseException:
+            self.files.close()
+            raise
+
+    # ---- open ----------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuild the index from the headers: the newest header of each key wins."""
+        files = self.files
+        best: dict[tuple[tuple[str, ...], bytes], tuple[int, int]] = {}
+        for k in range(files.count):
+            epoch = files.metas[k].epoch
+            for j, raw in enumerate(files.scan_headers(k)):
+                header = unpack_header(raw)
+                if header is None or header.epoch != epoch:
+                    continue
+                key = (header.namespace, header.digest)
+                slot = j * files.count + k
+                if key not in best or best[key][0] < header.generation:
+                    best[key] = (header.generation, slot)
+                self._generation = max(self._generation, header.generation + 1)
+        if not best:
+            return
+        by_space: dict[tuple[str, ...], list[tuple[int, bytes]]] = {}
+        for (namespace, digest), (_, slot) in best.items():
+            by_space.setdefault(namespace, []).append((slot, digest))
+        tier = self.tier
+        for namespace, entries in by_space.items():
+            entries.sort()
+            slots = np.array([s for s, _ in entries], dtype=np.int64)
+            tier.index.insert(namespace, [d for _, d in entries], slots)
+            tier.alloc.take(slots)
+            tier.state[slots] = READY
+        newest_first = sorted(best.values(), reverse=True)
+        tier.index.make_evictable(np.array([s for _, s in newest_first], dtype=np.int64))
+        log.info("aiokv: SSD tier recovered %d blocks from %s", len(best), files.paths)
+
+    # ---- lookups -------------------------------------------------------------------
+
+    def ready_prefix(self, namespace: tuple[str, ...], digests: Sequence[bytes]) -> Int64Array:
+        """The slots of the longest READY prefix of ``digests`` on SSD."""
+        space = self.tier.index.space(namespace)
+        if space is None or not digests:
+            return NO_BLOCKS
+        found = list(map(space.get, digests))
+        if None in found:
+            found = found[: found.index(None)]
+        slots = np.fromiter(found, dtype=np.int64, count=len(found))
+        not_ready = self.tier.state[slots] != READY
+        if not_ready.any():
+            slots = slots[: int(np.argmax(not_ready))]
+        return slots
+
+    def has(self, namespace: tuple[str, ...], digests: Sequence[bytes]) -> list[bool]:
+        """Whether each digest is on SSD (or being written there)."""
+        space = self.tier.index.space(namespace)
+        if space is None:
+            return [False] * len(digests)
+        return [d in space for d in digests]
+
+    # ---- requests ------------------------------------------------------------------
+
+    def write(
+        self, host_blocks: Int64Array, spaces: Sequence[Space], digests: Sequence[bytes],
+        owner: Any,
+    ) -> SsdRequest | None:
+        """Start copying host blocks (held by the caller until it is done) to SSD. Blocks
+        already there, or whose namespace does not fit a header, are left out; None when
+        nothing is written (then nothing will be reported)."""
+        tier = self.tier
+        keep = []
+        encoded: dict[int, bytes | None] = {}
+        for i, (space, digest) in enumerate(zip(spaces, digests, strict=True)):
+            ns = encoded.get(id(space), b"")
+            if ns == b"":
+                ns = encoded[id(space)] = encode_namespace(space.key)
+            sspace = tier.index.space(space.key)
+            if ns is not None and (sspace is None or digest not in sspace):
+                keep.append(i)
+        if not keep:
+            return None
+        if len(keep) != len(digests):
+            host_blocks = host_blocks[keep]
+            spaces = [spaces[i] for i in keep]
+            digests = [digests[i] for i in keep]
+        try:
+            slots = tier.reserve(len(keep))
+        except NoSpace:
+            return None  # SSD full of blocks being written or read: host-only for now
+        # One table insert per namespace (usually one).
+        starts = [0] + [i for i in range(1, len(spaces)) if spaces[i] is not spaces[i - 1]]
+        for start, end in zip(starts, [*starts[1:], len(spaces)], strict=True):
+            tier.index.insert(spaces[start].key, digests[start:end], slots[start:end])
+        namespaces = [encoded[id(s)] or b"" for s in spaces]
+        request = SsdRequest(True, slots, host_blocks, list(digests), namespaces, owner)
+        self._submit(request)
+        return request
+
+    def read(
+        self, slots: Int64Array, host_blocks: Int64Array, namespace: tuple[str, ...],
+        digests: Sequence[bytes], owner: Any,
+    ) -> list[SsdRequest]:
+        """Start reading READY slots (held by the caller with ``tier.hold``; ``drain``
+        drops that hold) into host blocks, in chunks in order; each chunk is reported by
+        ``drain`` with ``ok`` per block."""
+        ns = encode_namespace(namespace) or b""
+        per = max(1, READ_CHUNK_BYTES // self.slot_bytes)
+        per = -(-len(slots) // -(-len(slots) // per))  # even chunks: 16 slots are 8 + 8
+        requests = []
+        for start in range(0, len(slots), per):
+            end = min(start + per, len(slots))
+            request = SsdRequest(
+                False, slots[start:end], host_blocks[start:end], list(digests[start:end]),
+                [ns] * (end - start), owner,
+            )
+            requests.append(request)
+            self._submit(request)
+        return requests
+
+    def _submit(self, request: SsdRequest) -> None:
+        count = self.files.count
+        n = len(request.slots)
+        request.ok = np.zeros(n, dtype=np.bool_)
+        by_file = request.slots % count
+        groups = [np.flatnonzero(by_file == k) for k in range(count)] if count > 1 else [
+            np.arange(n)
+        ]
+        groups = [g for g in groups if len(g)]
+        request.ops = len(groups)
+        generation = self._generation
+        self._generation += n
+        for positions in groups:
+            k = int(request.slots[positions[0]] % count)
+            op = functools.partial(self._run, request, k, positions, generation)
+            self.files.submit(k, op, read=not request.is_write)
+
+    def _run(self, request: SsdRequest, k: int, positions: Int64Array, generation: int) -> None:
+        """One file's share of a request (I/O thread): consecutive slots go in one
+        request each; checksums are made before a write and checked after a read."""
+        files, pool = self.files, self._pool
+        try:
+            slots = request.slots[positions] // files.count
+            cuts = np.flatnonzero(np.diff(slots) != 1) + 1
+            for run in np.split(np.arange(len(positions)), cuts):
+                idx = positions[run]
+                headers = mmap.mmap(-1, HEADER_BYTES * len(idx))
+                views = memoryview(headers)
+                buffers: list[Any] = []
+                for j, i in enumerate(idx.tolist()):
+                    head = views[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
+                    data = pool.block_view(int(request.host_blocks[i]))
+                    if request.is_write:
+                        epoch = files.metas[k].epoch
+                        pack_header(head, epoch, generation + i, checksum(data),
+                                    request.digests[i], request.namespaces[i])
+                    buffers += (head, data, self._pad) if self._pad else (head, data)
+                offset = int(slots[run[0]]) * files.slot_bytes
+                if request.is_write:
+                    files.write(k, offset, buffers)
+                    request.ok[idx] = True
+                else:
+                    files.read(k, offset, buffers)
+                    for j, i in enumerate(idx.tolist()):
+                        raw = views[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
+                        request.ok[i] = self._intact(request, i, raw)
+                # ``headers`` is left to the collector: the slices of it in ``buffers``
+                # keep it exported, and closing it would raise.
+        except Exception as exc:  # reported: the request fails, the thread lives on
+            log.warning("aiokv: SSD %s failed in %s: %r",
+                        "write" if request.is_write else "read", files.paths[k], exc)
+            request.error = f"SSD {'write' if request.is_write else 'read'} failed: {exc!r}"
+        self._done.append(request)  # deque append is atomic
+        self._notify()
+
+    def _intact(self, request: SsdRequest, i: int, raw: memoryview) -> bool:
+        """Whether block ``i`` of a read came back as written: its header names it and
+        its bytes match the header's checksum."""
+        head = unpack_header(raw)
+        return (
+            head is not None
+            and head.digest == request.digests[i]
+            and encode_namespace(head.namespace) == request.namespaces[i]
+            and head.data_sum == checksum(self._pool.block_view(int(request.host_blocks[i])))
+        )
+
+    # ---- completion (store thread) -------------------------------------------------
+
+    def drain(self) -> list[SsdRequest]:
+        """Finished requests, SSD side applied: written slots READY (or rolled back),
+        read slots released, slots that failed their checks dropped."""
+        out = []
+        done, tier, stats = self._done, self.tier, self.stats
+        while done:
+            request = done.popleft()
+            request.arrived += 1
+            if request.arrived < request.ops:
+                continue
+            slots = request.slots
+            if request.is_write:
+                if request.error is None:
+                    tier.state[slots] = READY
+                    tier.index.make_evictable(slots)
+                    stats["bytes_ssd_written"] += len(slots) * self.block_bytes
+                else:
+                    stats["ssd_write_errors"] += 1
+                    for i, slot in enumerate(slots.tolist()):
+                        space, _ = tier.index.key_of(slot)
+                        tier.roll_back(space, [request.digests[i]], slots[i : i + 1])
+            else:
+                tier.drop_readers(slots)
+                if request.error is not None:
+                    request.ok[:] = False
+                else:
+                    stats["bytes_ssd_read"] += len(slots) * self.block_bytes
+                    bad = slots[~request.ok]
+                    if len(bad):
+                        self._checksum_failures(request, len(bad))
+                        self.void(tier.drop_idle(np.sort(bad)))
+            out.append(request)
+        return out
+
+    def _checksum_failures(self, request: SsdRequest, count: int) -> None:
+        self.stats["checksum_failures"] += count
+        if not self._failures_logged:
+            self._failures_logged = True
+            log.warning(
+                "aiokv: %d SSD block(s) in %s failed their checksum; they are misses "
+                "(counted in store_stats()['checksum_failures'], logged once)",
+                count, self.files.paths,
+            )
+
+    # ---- invalidation --------------------------------------------------------------
+
+    def drop_namespace(self, namespace: tuple[str, ...] | None) -> None:
+        """Forget idle slots of one namespace (None: all) and void them on disk."""
+        dropped = self.tier.drop_namespace(namespace)
+        if namespace is None:
+            self.files.set_epoch(max(m.epoch for m in self.files.metas) + 1)
+        else:
+            self.void(dropped)
+
+    def void(self, slots: Int64Array) -> None:
+        """Zero these slots' headers, queued behind the file's earlier writes."""
+        files = self.files
+        for slot in slots.tolist():
+            k, offset = slot % files.count, slot // files.count * files.slot_bytes
+            files.submit(k, functools.partial(self._void_one, k, offset), read=False)
+
+    def _void_one(self, k: int, offset: int) -> None:
+        try:
+            self.files.write(k, offset, [self._zero_page])
+        except OSError as exc:
+            log.warning("aiokv: voiding an SSD slot failed: %r", exc)
+
+    def close(self) -> None:
+        self.files.close()
+        self._zero_page.close()
+

@@ -1,0 +1,260 @@
+"""The SSD tier's files and I/O threads.
+
+One preallocated data file per directory (``<dir>/aiokv-ssd/blocks.dat``, mode 0600 in a
+0700 directory, next to its meta file). Slots are striped across the files one block at a
+time (slot ``s`` is slot ``s // n`` of file ``s % n``), so a run of slots is one
+contiguous range in each file and several directories (disks) share every large request.
+Each file has one write thread, ``aiokv-ssd-<i>-write``, which runs writes in the order
+they were queued (so a slot's invalidation stays ahead of its reuse), and a few read
+threads, ``aiokv-ssd-<i>-read``, so that several reads are in flight (a load waits for
+the disk; a write_through copy does not). A read never races a write of its slot: a slot
+being read is held, and one being written is not readable.
+
+Requests are ``os.preadv``/``os.pwritev`` of whole slot runs. The files are opened with
+O_DIRECT when the filesystem takes it and the host blocks are whole 4 KiB pages (the host
+pool is 4 KiB aligned); otherwise (tmpfs refuses O_DIRECT) with buffered I/O and an
+``fdatasync`` per write request, which the tier logs once at open.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import mmap
+import os
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ...errors import ConfigError
+from .ssd_format import DATA_NAME, HEADER_BYTES, Meta, geometry_difference, read_meta, write_meta
+
+log = logging.getLogger("aiokv")
+
+SUBDIR = "aiokv-ssd"
+IOV_MAX = 1024  # os.sysconf("SC_IOV_MAX") on Linux
+# Reads in flight per file: one O_DIRECT request at a time leaves a disk idle between
+# requests, and loads wait on reads. Writes keep one thread per file, which also keeps a
+# slot's invalidation ahead of its reuse (the order they were queued in).
+READ_THREADS = 8
+_DIRECT = getattr(os, "O_DIRECT", 0)
+
+Op = Callable[[], None]
+
+
+def open_data_file(path: Path, direct: bool) -> tuple[int, bool]:
+    """``path`` opened read-write (created 0600), with O_DIRECT where asked and the
+    filesystem takes it; returns (fd, whether O_DIRECT is on)."""
+    flags = os.O_RDWR | os.O_CREAT
+    if direct and _DIRECT:
+        try:
+            return os.open(path, flags | _DIRECT, 0o600), True
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+    return os.open(path, flags, 0o600), False
+
+
+class SsdFiles:
+    """The data files of every directory, their meta files and their I/O threads."""
+
+    def __init__(
+        self,
+        dirs: Sequence[str],
+        total_slots: int,
+        geometry: dict[str, Any],
+        *,
+        direct: bool,
+        reset_on_mismatch: bool,
+    ) -> None:
+        self.count = len(dirs)
+        self.slot_bytes = int(geometry["slot_bytes"])
+        self.slots_per_file = total_slots // self.count
+        self.paths = [self._prepare(d) for d in dirs]
+        self.metas: list[Meta] = []
+        self.fds: list[int] = []
+        self.direct = True
+        try:
+            for k, path in enumerate(self.paths):
+                self.metas.append(self._check_meta(path, k, geometry, reset_on_mismatch))
+            self._check_space()
+            for path in self.paths:
+                fd, on = open_data_file(path / DATA_NAME, direct)
+                self.fds.append(fd)
+                self.direct &= on
+                self._preallocate(fd, path)
+        except BaseException:
+            for fd in self.fds:
+                os.close(fd)
+            raise
+        # Per file: one lock; reads and writes queued apart, each kind with its threads.
+        self._queues = [(collections.deque[Op](), collections.deque[Op]()) for _ in dirs]
+        locks = [threading.Lock() for _ in dirs]
+        self._cond = [(threading.Condition(lock), threading.Condition(lock)) for lock in locks]
+        self._closed = False
+        self._threads = [
+            threading.Thread(
+                target=self._run, args=(k, kind), name=f"aiokv-ssd-{k}-{name}", daemon=True
+            )
+            for k in range(self.count)
+            for kind, name, threads in ((0, "read", READ_THREADS), (1, "write", 1))
+            for _ in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- open ----------------------------------------------------------------------
+
+    @staticmethod
+    def _prepare(directory: str) -> Path:
+        base = Path(directory)
+        if not base.is_dir():
+            raise ConfigError("store.ssd_cache_dir", f"{directory!r} is not a directory")
+        path = base / SUBDIR
+        try:
+            path.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(path, 0o700)
+            probe = path / ".probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                "store.ssd_cache_dir", f"{directory!r} is not writable: {exc}"
+            ) from exc
+        return path
+
+    def _check_meta(
+        self, path: Path, k: int, geometry: dict[str, Any], reset: bool
+    ) -> Meta:
+        wanted = Meta(geometry, (k, self.count), self.slots_per_file, 0)
+        try:
+            stored = read_meta(path)
+            difference = "" if stored is None else geometry_difference(stored, wanted)
+        except ConfigError as exc:
+            if not reset:
+                raise
+            stored, difference = None, str(exc)
+        if stored is not None and not difference:
+            wanted = Meta(geometry, (k, self.count), self.slots_per_file, stored.epoch)
+        elif difference:
+            if not reset:
+                raise ConfigError(
+                    "store.ssd_cache_dir",
+                    f"{str(path)!r} was written with another geometry ({difference}); "
+                    "use another directory, or set ssd_reset_on_mismatch: true to discard it",
+                )
+            log.warning("aiokv: discarding the SSD cache in %s (%s)", path, difference)
+            data = path / DATA_NAME
+            if data.exists():
+                os.truncate(data, 0)  # every old header goes with it
+        write_meta(path, wanted)  # also records a new size
+        return wanted
+
+    def _check_space(self) -> None:
+        need: dict[int, int] = {}  # st_dev -> bytes still to allocate there
+        free: dict[int, int] = {}
+        size = self.slots_per_file * self.slot_bytes
+        for path in self.paths:
+            data = path / DATA_NAME
+            have = data.stat().st_blocks * 512 if data.exists() else 0
+            dev = os.stat(path).st_dev
+            need[dev] = need.get(dev, 0) + max(0, size - have)
+            free[dev] = shutil.disk_usage(path).free
+        for dev, bytes_needed in need.items():
+            if bytes_needed > free[dev]:
+                raise ConfigError(
+                    "store.ssd_cache_gb",
+                    f"needs {bytes_needed / (1 << 30):.2f} GiB more on the filesystem of "
+                    f"{', '.join(str(p) for p in self.paths)}, which has "
+                    f"{free[dev] / (1 << 30):.2f} GiB free",
+                )
+
+    def _preallocate(self, fd: int, path: Path) -> None:
+        size = self.slots_per_file * self.slot_bytes
+        try:
+            if os.fstat(fd).st_size > size:
+                os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise ConfigError(
+                    "store.ssd_cache_gb", f"no room for {size} bytes in {str(path)!r}"
+                ) from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, size)  # sparse: the filesystem cannot preallocate
+
+    def scan_headers(self, k: int) -> list[bytes]:
+        """Every slot header of file ``k``, in slot order (runs at open)."""
+        buf = mmap.mmap(-1, HEADER_BYTES)  # page aligned, as O_DIRECT wants
+        fd, out = self.fds[k], []
+        for slot in range(self.slots_per_file):
+            if os.preadv(fd, [buf], slot * self.slot_bytes) != HEADER_BYTES:
+                raise OSError(errno.EIO, f"short header read in {self.paths[k]}")
+            out.append(bytes(buf))
+        buf.close()
+        return out
+
+    # ---- I/O -----------------------------------------------------------------------
+
+    def submit(self, k: int, op: Op, *, read: bool) -> None:
+        kind = 0 if read else 1
+        cond = self._cond[k][kind]
+        with cond:
+            if self._closed:
+                raise RuntimeError("the SSD tier is closed")
+            self._queues[k][kind].append(op)
+            cond.notify()
+
+    def write(self, k: int, offset: int, buffers: Sequence[Any]) -> None:
+        """``os.pwritev`` of ``buffers`` at ``offset`` of file ``k`` (I/O thread)."""
+        self._io(os.pwritev, k, offset, buffers)
+        if not self.direct:
+            os.fdatasync(self.fds[k])
+
+    def read(self, k: int, offset: int, buffers: Sequence[Any]) -> None:
+        self._io(os.preadv, k, offset, buffers)
+
+    def _io(self, call: Callable[..., int], k: int, offset: int, buffers: Sequence[Any]) -> None:
+        fd = self.fds[k]
+        for start in range(0, len(buffers), IOV_MAX):
+            part = buffers[start : start + IOV_MAX]
+            want = sum(len(b) for b in part)
+            done = call(fd, part, offset)
+            if done != want:
+                raise OSError(errno.EIO, f"{call.__name__}: {done} of {want} bytes")
+            offset += want
+
+    def _run(self, k: int, kind: int) -> None:
+        queue, cond = self._queues[k][kind], self._cond[k][kind]
+        while True:
+            with cond:
+                while not queue and not self._closed:
+                    cond.wait()
+                if not queue:
+                    return  # closed and drained
+                op = queue.popleft()
+            op()  # each op reports its own errors
+
+    def close(self) -> None:
+        """Finish the queued requests, then stop the threads and close the files."""
+        for pair in self._cond:
+            with pair[0]:
+                self._closed = True
+                for cond in pair:
+                    cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def set_epoch(self, epoch: int) -> None:
+        """Void every header written before (clear): a new epoch in each meta file."""
+        for k, path in enumerate(self.paths):
+            meta = self.metas[k]
+            self.metas[k] = Meta(meta.geometry, meta.stripe, meta.slots, epoch)
+            write_meta(path, self.metas[k])

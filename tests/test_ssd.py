@@ -1,0 +1,289 @@
+"""The embedded store's SSD tier, through the engine where it can be: round trips after
+host eviction, persistence, integrity, several directories, errors and backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import aiokv
+from aiokv.stores.local import ssd_format, ssd_io
+
+LAYERS, PAGES, PAGE, HEADS, DIM = 2, 160, 16, 2, 16
+BLOCK = LAYERS * 2 * PAGE * HEADS * DIM * 4  # float32: 8 KiB, a whole number of 4 KiB pages
+SLOT = ssd_format.HEADER_BYTES + BLOCK
+USER_PAGES = 8  # pages per user
+HOST_BLOCKS = 16  # two users
+
+
+def caches_for(seed: int = 0, layers: int = LAYERS) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(PAGES, 2, PAGE, HEADS, DIM, generator=generator) for _ in range(layers)]
+
+
+def ssd_config(directory: Any, slots: int = 128, **keys: Any) -> aiokv.StoreConfig:
+    return aiokv.StoreConfig(
+        cpu_cache_gb=HOST_BLOCKS * BLOCK / (1 << 30),
+        ssd_cache_gb=slots * SLOT / (1 << 30),
+        ssd_cache_dir=directory,
+        **keys,
+    )
+
+
+def source_pages(user: int) -> torch.Tensor:
+    return torch.arange(USER_PAGES * user, USER_PAGES * (user + 1))
+
+
+async def offload(engine: aiokv.OffloadEngine, user: int) -> aiokv.OffloadResult:
+    """One user's offload, retried while the host tier is full of blocks in flight to SSD
+    (the store frees them itself; the engine does not retry yet)."""
+    for _ in range(10_000):
+        try:
+            return await engine.offload(user, source_pages(user), USER_PAGES * PAGE)
+        except aiokv.StoreFull:
+            await asyncio.sleep(0.002)
+    raise AssertionError(f"user {user}: the host tier never made room")
+
+
+async def load_back(engine: aiokv.OffloadEngine, user: int, target: torch.Tensor) -> int:
+    hit = await engine.lookup(user, USER_PAGES * PAGE)
+    if hit.cached_tokens == 0:
+        hit.release()
+        return 0
+    return (await engine.load(hit, target[: hit.cached_tokens // PAGE])).loaded_tokens
+
+
+def same(caches: list[torch.Tensor], original: list[torch.Tensor], got: torch.Tensor,
+         want: torch.Tensor) -> bool:
+    return all(torch.equal(c[got], o[want]) for c, o in zip(caches, original, strict=True))
+
+
+TARGET = torch.arange(PAGES - USER_PAGES, PAGES)  # load destination, never a source
+
+
+def engine_on(
+    directory: Any, **keys: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor], aiokv.LocalStore, aiokv.OffloadEngine]:
+    """Fresh caches, a copy of them, and an engine on an SSD-tiered store in directory."""
+    caches = caches_for()
+    store = aiokv.LocalStore(ssd_config(directory, **keys))
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig())
+    return caches, [c.clone() for c in caches], store, engine
+
+
+async def check_loads(
+    engine: aiokv.OffloadEngine, users: Any, caches: list[torch.Tensor],
+    original: list[torch.Tensor],
+) -> None:
+    """Every user loads back whole and bit-exact."""
+    for user in users:
+        assert await load_back(engine, user, TARGET) == USER_PAGES * PAGE, user
+        assert same(caches, original, TARGET, source_pages(user)), user
+
+
+async def write_users(directory: Any, users: int, seed: int = 0, **keys: Any) -> dict[str, Any]:
+    caches = caches_for(seed)
+    store = aiokv.LocalStore(ssd_config(directory, **keys))
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        for user in range(users):
+            assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+    return dict(store.store_stats())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+async def test_round_trip_through_ssd_after_host_eviction(tmp_path: Path, policy: str) -> None:
+    caches, original, store, engine = engine_on(tmp_path, ssd_write_policy=policy)
+    users = 6  # three times the host tier
+    async with engine:
+        for user in range(users):
+            await offload(engine, user)
+        await check_loads(engine, range(users), caches, original)
+    stats = store.store_stats()
+    assert stats["bytes_ssd_read"] >= (users - 2) * USER_PAGES * BLOCK  # evicted, read back
+    assert stats["bytes_ssd_written"] >= (users - 2) * USER_PAGES * BLOCK
+    assert stats["checksum_failures"] == 0 and stats["ssd_write_errors"] == 0
+    assert stats["host_blocks_total"] == HOST_BLOCKS
+
+
+@pytest.mark.asyncio
+async def test_write_back_writes_only_what_the_host_evicts(tmp_path: Path) -> None:
+    back, through = tmp_path / "back", tmp_path / "through"
+    back.mkdir()
+    through.mkdir()
+    caches, original, store, engine = engine_on(back, ssd_write_policy="write_back")
+    async with engine:
+        await offload(engine, 0)
+        await check_loads(engine, [0], caches, original)
+        assert store.store_stats()["bytes_ssd_written"] == 0  # one user fits the host tier
+    # Closing copies what only the host held, so that a reopen finds it.
+    assert store.store_stats()["bytes_ssd_written"] == USER_PAGES * BLOCK
+    caches, _, store, engine = engine_on(back, ssd_write_policy="write_back")
+    async with engine:
+        await check_loads(engine, [0], caches, original)
+    (tmp_path / "back3").mkdir()
+    stats = await write_users(tmp_path / "back3", 3, ssd_write_policy="write_back")
+    assert stats["bytes_ssd_written"] == 3 * USER_PAGES * BLOCK  # each block once
+    stats = await write_users(through, 1)  # write_through: copied at once
+    assert stats["bytes_ssd_written"] == USER_PAGES * BLOCK
+
+
+@pytest.mark.asyncio
+async def test_reopen_serves_what_was_cached_before(tmp_path: Path) -> None:
+    original = caches_for()
+    await write_users(tmp_path, 4)
+    caches = [torch.zeros_like(c) for c in original]  # a fresh process: nothing on the GPU
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        assert store.store_stats()["ssd_blocks_used"] == 4 * USER_PAGES
+        for user in range(4):
+            assert await load_back(engine, user, TARGET) == USER_PAGES * PAGE, user
+            assert same(caches, original, TARGET, source_pages(user)), user
+        assert await load_back(engine, 4, TARGET) == 0  # never stored
+
+
+def slot_of(directory: Path, user: int, page: int, count: int = 1) -> tuple[Path, int]:
+    """The data file and offset of a user's page on disk (as the engine names users)."""
+    from aiokv.stores.local.index import chain_digests
+
+    digest = chain_digests(np.arange((page + 1) * PAGE, dtype=np.int64), PAGE)[page]
+    for k in range(count):
+        path = directory / f"{k}" / ssd_io.SUBDIR / ssd_format.DATA_NAME if count > 1 else (
+            directory / ssd_io.SUBDIR / ssd_format.DATA_NAME
+        )
+        data = path.read_bytes()
+        for offset in range(0, len(data), SLOT):
+            header = ssd_format.unpack_header(data[offset : offset + ssd_format.HEADER_BYTES])
+            if header and header.digest == digest and header.namespace == (f"uid:{user}",):
+                return path, offset
+    raise AssertionError(f"user {user} page {page} is not on disk")
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.asyncio
+async def test_a_flipped_byte_is_a_miss_not_garbage(tmp_path: Path) -> None:
+    original = caches_for()
+    await write_users(tmp_path, 1)
+    path, offset = slot_of(tmp_path, 0, page=5)
+    flip_byte(path, offset + ssd_format.HEADER_BYTES + BLOCK // 2)  # mid page 5's data
+    caches = [torch.zeros_like(c) for c in original]
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        loaded = await load_back(engine, 0, TARGET)
+        assert loaded == 5 * PAGE  # pages 0..4; the damaged page and all after it missed
+        assert same(caches, original, TARGET[:5], source_pages(0)[:5])
+        assert all(not c[TARGET[5:]].any() for c in caches)  # nothing else written
+        assert store.store_stats()["checksum_failures"] == 1
+        hit = await engine.lookup(0, USER_PAGES * PAGE)
+        assert hit.cached_tokens == 5 * PAGE  # the damaged block is gone from the index
+        hit.release()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("form", ["list", "semicolons"])
+async def test_several_directories_share_the_blocks(tmp_path: Path, form: str) -> None:
+    dirs = [tmp_path / str(k) for k in range(3)]
+    for d in dirs:
+        d.mkdir()
+    value: Any = [str(d) for d in dirs] if form == "list" else ";".join(map(str, dirs))
+    original = caches_for()
+    await write_users(value, 3, slots=129)
+    for d in dirs:  # every directory holds a third of them
+        data = (d / ssd_io.SUBDIR / ssd_format.DATA_NAME).read_bytes()
+        headers = [ssd_format.unpack_header(data[o : o + ssd_format.HEADER_BYTES])
+                   for o in range(0, len(data), SLOT)]
+        assert sum(h is not None for h in headers) == USER_PAGES
+        assert os.stat(d / ssd_io.SUBDIR).st_mode & 0o777 == 0o700
+        assert os.stat(d / ssd_io.SUBDIR / ssd_format.DATA_NAME).st_mode & 0o777 == 0o600
+    caches = [torch.zeros_like(c) for c in original]
+    store = aiokv.LocalStore(ssd_config(value, slots=129))
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        for user in range(3):
+            assert await load_back(engine, user, TARGET) == USER_PAGES * PAGE
+            assert same(caches, original, TARGET, source_pages(user))
+
+
+def test_a_directory_of_another_geometry_is_refused(tmp_path: Path) -> None:
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    store.register(caches_for())
+    store.close()
+    other = aiokv.LocalStore(ssd_config(tmp_path))
+    with pytest.raises(aiokv.ConfigError, match=r"layers 2 != 3") as caught:
+        other.register(caches_for(layers=3))
+    assert caught.value.key == "store.ssd_cache_dir"
+    half = [c.half() for c in caches_for()]
+    with pytest.raises(aiokv.ConfigError, match=r"dtype 'float32' != 'float16'"):
+        aiokv.LocalStore(ssd_config(tmp_path)).register(half)
+    reset = aiokv.LocalStore(ssd_config(tmp_path, ssd_reset_on_mismatch=True))
+    reset.register(caches_for(layers=3))
+    assert reset.store_stats()["ssd_blocks_used"] == 0
+    reset.close()
+
+
+def test_missing_unwritable_and_too_large(tmp_path: Path) -> None:
+    with pytest.raises(aiokv.ConfigError, match="not a directory") as caught:
+        aiokv.LocalStore(ssd_config(tmp_path / "missing")).register(caches_for())
+    assert caught.value.key == "store.ssd_cache_dir"
+    if os.geteuid() == 0:
+        unwritable = Path("/proc")  # root writes anywhere a filesystem lets it
+    else:
+        unwritable = tmp_path / "ro"
+        unwritable.mkdir(mode=0o500)
+    with pytest.raises(aiokv.ConfigError, match="not writable") as caught:
+        aiokv.LocalStore(ssd_config(unwritable)).register(caches_for())
+    assert caught.value.key == "store.ssd_cache_dir"
+    huge = aiokv.StoreConfig(cpu_cache_gb=0.001, ssd_cache_gb=1e9, ssd_cache_dir=str(tmp_path))
+    with pytest.raises(aiokv.ConfigError, match="GiB free") as caught:
+        aiokv.LocalStore(huge).register(caches_for())
+    assert caught.value.key == "store.ssd_cache_gb"
+
+
+@pytest.mark.parametrize("backend", ["local", "flexkv"])
+def test_configs_ssd_yml_is_valid_for_both_backends(backend: str) -> None:
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    document = yaml.safe_load((root / "configs" / "ssd.yml").read_text())
+    document["store"]["backend"] = backend
+    _, store = aiokv.config.parse_config(document)
+    assert store.ssd_cache_gb > store.cpu_cache_gb > 0
+    assert store.ssd_dirs() and store.ssd_write_policy == "write_through"
+
+
+@pytest.mark.parametrize(
+    ("value", "dirs"),
+    [("/a", ("/a",)), ("/a;/b", ("/a", "/b")), (["/a", "/b"], ("/a", "/b")), (None, ())],
+)
+def test_ssd_cache_dir_forms(value: Any, dirs: tuple[str, ...]) -> None:
+    config = aiokv.StoreConfig(ssd_cache_dir=value)
+    assert config.ssd_dirs() == dirs
+    assert not isinstance(config.ssd_cache_dir, list)  # a list became a tuple: frozen
+
+
+@pytest.mark.parametrize(
+    ("keys", "key"),
+    [
+        ({"ssd_write_policy": "sometimes"}, "store.ssd_write_policy"),
+        ({"ssd_reset_on_mismatch": "yes"}, "store.ssd_reset_on_mismatch"),
+        ({"ssd_cache_dir": ["/a", 3]}, "store.ssd_cache_dir"),
+        ({"ssd_cache_dir": "/a;/a"}, "store.ssd_cache_dir"),
+        ({"ssd_cache_gb": 2.0, "ssd_cache_dir": ";"}, "store.ssd_cache_dir"),
+    ],
+)
+def test_bad_ssd_keys_name_the_key(keys: dict[str, Any], key: str) -> None:
+    with pytest.raises(aiokv.ConfigError) as caught:
+        aiokv.StoreConfig(**keys)
+    assert caught.value.key == key

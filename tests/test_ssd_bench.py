@@ -1,0 +1,27 @@
+"""CI smoke test of ``aiokv bench ssd --quick``: it runs end to end and prints its table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from aiokv.cli import main
+
+
+def test_bench_ssd_quick_prints_store_and_plain_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "ssd.json"
+    # Smaller than --quick's volume: CI checks that it runs, the table shape, the JSON.
+    status = main(["bench", "ssd", "--quick", "--gb", "0.0625", "--rounds", "1",
+                   "--dir", str(tmp_path), "--json", str(out)])
+    assert status == 0
+    printed = capsys.readouterr().out
+    for row in ("plain write + fsync", "store SSD write", "plain read", "store SSD read",
+                "xxh3-64 checksum"):
+        assert row in printed
+    results = json.loads(out.read_text())
+    assert results["store_write_gibps"] > 0 and results["plain_read_gibps"] > 0
+    assert not (tmp_path / "aiokv-bench-ssd").exists()  # it cleans up after itself

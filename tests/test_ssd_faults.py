@@ -1,0 +1,202 @@
+"""The SSD tier under faults and pressure: a full or failing disk, bursts larger than
+the host tier, invalidation, and a filesystem that refuses O_DIRECT."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_ssd import (
+    BLOCK,
+    HOST_BLOCKS,
+    PAGE,
+    TARGET,
+    USER_PAGES,
+    caches_for,
+    check_loads,
+    engine_on,
+    load_back,
+    offload,
+    same,
+    source_pages,
+    ssd_config,
+    write_users,
+)
+
+import aiokv
+from aiokv.stores.local import ssd_io
+
+
+def _failing(code: int) -> Any:
+    def call(*args: Any) -> int:
+        raise OSError(code, os.strerror(code))
+
+    return call
+
+
+@pytest.mark.asyncio
+async def test_a_full_disk_fails_no_offload_and_the_host_tier_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches, original, store, engine = engine_on(tmp_path)
+    async with engine:
+        monkeypatch.setattr(os, "pwritev", _failing(errno.ENOSPC))
+        for user in range(4):  # twice the host tier: the SSD copies all fail
+            result = await offload(engine, user)
+            assert result.stored_tokens == USER_PAGES * PAGE
+        await check_loads(engine, (2, 3), caches, original)  # the latest, on the host
+        assert await load_back(engine, 0, TARGET) == 0  # evicted, never on SSD: a miss
+        monkeypatch.undo()
+        await offload(engine, 5)  # the disk has room again
+    stats = store.store_stats()
+    assert stats["ssd_write_errors"] >= 4
+    assert stats["bytes_ssd_written"] == USER_PAGES * BLOCK  # user 5 only
+
+
+@pytest.mark.asyncio
+async def test_a_failing_read_fails_only_that_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches, original, _, engine = engine_on(tmp_path)
+    async with engine:
+        for user in range(3):
+            await offload(engine, user)
+        monkeypatch.setattr(os, "preadv", _failing(errno.EIO))
+        hit = await engine.lookup(0, USER_PAGES * PAGE)  # on SSD only
+        assert hit.cached_tokens == USER_PAGES * PAGE
+        with pytest.raises(aiokv.StoreError, match="SSD read failed"):
+            await engine.load(hit, TARGET)
+        assert await load_back(engine, 2, TARGET) == USER_PAGES * PAGE  # on the host
+        assert same(caches, original, TARGET, source_pages(2))
+        monkeypatch.undo()
+        assert await load_back(engine, 0, TARGET) == USER_PAGES * PAGE  # the disk is back
+        assert same(caches, original, TARGET, source_pages(0))
+
+
+def _wait(store: aiokv.LocalStore, ids: list[int]) -> dict[int, aiokv.TaskResult]:
+    results: dict[int, aiokv.TaskResult] = {}
+    for _ in range(100_000):
+        results.update(store.try_wait([i for i in ids if i not in results]))
+        if len(results) == len(ids):
+            return results
+        os.sched_yield()
+    raise AssertionError(f"tasks {ids} never ended")
+
+
+def test_a_host_tier_full_of_blocks_in_flight_frees_itself(tmp_path: Path) -> None:
+    """What the store side of backpressure gives: NoSpace while the host tier is full of
+    blocks whose SSD copies run, and room once they are written, with no other call
+    than the ones that poll (the engine's retry in a later window rests on this)."""
+    caches = caches_for()
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    store.register(caches)
+    tokens = np.arange(USER_PAGES * PAGE, dtype=np.int64)
+    slots = (np.arange(USER_PAGES * PAGE)).astype(np.int64)
+    for user in range(6):  # three times the host tier, as fast as the store answers
+        while True:
+            try:
+                task, mask = store.put_match(tokens, [f"u{user}"])
+                break
+            except aiokv.stores.NoSpace as exc:
+                assert "being copied" in str(exc) or "evictable" in str(exc)
+                store.try_wait([])  # what a later window's match also does first
+                os.sched_yield()
+        store.launch([task], [slots[mask] + USER_PAGES * PAGE * user])
+        assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
+    stats = store.store_stats()
+    assert stats["host_blocks_used"] <= HOST_BLOCKS
+    store.close()
+    assert store.store_stats()["bytes_ssd_written"] == 6 * USER_PAGES * BLOCK
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+async def test_a_burst_several_times_the_host_tier_round_trips(tmp_path: Path, policy: str) -> None:
+    caches, original, _, engine = engine_on(tmp_path, ssd_write_policy=policy)
+    users = 8  # four times the host tier, all at once
+    async with engine:
+        results = await asyncio.gather(*(offload(engine, user) for user in range(users)))
+        assert [r.stored_tokens for r in results] == [USER_PAGES * PAGE] * users
+        await check_loads(engine, range(users), caches, original)
+
+
+def test_evict_and_clear_drop_both_tiers_and_stay_dropped(tmp_path: Path) -> None:
+    asyncio.run(write_users(tmp_path, 4))  # users 0, 1 on SSD only; 2, 3 on both
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    store.register(caches_for())
+    tokens = np.arange(USER_PAGES * PAGE, dtype=np.int64)
+    assert store.evict(["uid:0"]) == USER_PAGES * PAGE
+    assert store.evict(["uid:0"]) == 0
+    assert store.evict(["nobody"]) == 0
+    task, mask = store.get_match(tokens, ["uid:0"])
+    assert not mask.any()
+    store.cancel([task])
+    task, mask = store.get_match(tokens, ["uid:1"])
+    assert mask.all()  # others stay
+    store.cancel([task])
+    store.close()
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    store.register(caches_for())
+    assert store.store_stats()["ssd_blocks_used"] == 3 * USER_PAGES  # the eviction held
+    assert store.clear() == 3 * USER_PAGES * PAGE
+    assert store.store_stats()["ssd_blocks_used"] == 0
+    store.close()
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    store.register(caches_for())
+    assert store.store_stats()["ssd_blocks_used"] == 0  # and so did the clear
+    store.close()
+
+
+def test_evict_and_clear_without_an_ssd_tier() -> None:
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=HOST_BLOCKS * BLOCK / (1 << 30)))
+    store.register(caches_for())
+    tokens = np.arange(2 * PAGE, dtype=np.int64)
+    for user in ("a", "b"):
+        task, _ = store.put_match(tokens, [user])
+        store.launch([task], [np.arange(2 * PAGE, dtype=np.int64)])
+        _wait(store, [task])
+    assert store.evict(["a"]) == 2 * PAGE
+    assert store.store_stats()["host_blocks_used"] == 2
+    assert store.clear() == 2 * PAGE
+    assert store.store_stats()["host_blocks_used"] == 0
+    store.close()
+
+
+@pytest.mark.asyncio
+async def test_without_o_direct_the_tier_uses_buffered_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+
+    def no_direct(path: Any, flags: int, mode: int = 0o777) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "O_DIRECT refused (as tmpfs does)")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    caches, original, store, engine = engine_on(tmp_path)
+    async with engine:
+        assert store._link is not None and not store._link.ssd.files.direct
+        for user in range(4):
+            await offload(engine, user)
+        await check_loads(engine, range(4), caches, original)
+    assert ssd_io.open_data_file(tmp_path / "probe", direct=True)[1] is False
+
+
+def test_close_with_loads_in_flight_or_waiting(tmp_path: Path) -> None:
+    asyncio.run(write_users(tmp_path, 4))
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    store.register(caches_for())
+    tokens = np.arange(USER_PAGES * PAGE, dtype=np.int64)
+    masks = [store.get_match(tokens, [f"uid:{user}"])[1] for user in range(4)]
+    # Two users fill the host tier with blocks being read; no room is on its way for the
+    # others, so nothing is promised to them.
+    assert [bool(mask.all()) for mask in masks] == [True, True, False, False]
+    assert not masks[2].any() and not masks[3].any()
+    store.close()  # neither launched nor cancelled: close still ends cleanly
+    assert store.store_stats()["checksum_failures"] == 0
