@@ -91,10 +91,11 @@ class HostMemory:
             # Fewer page faults on the first touch; where THP is off this is a no-op.
             with contextlib.suppress(OSError):
                 self._map.madvise(mmap.MADV_HUGEPAGE)
-        raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.data = raw.view(dtype).view(num_blocks, *block_shape)
+        self.raw = torch.frombuffer(self._map, dtype=torch.uint8)  # the mapping as bytes
+        self.data = self.raw.view(dtype).view(num_blocks, *block_shape)
         self._base = self.data.data_ptr()
         self._bounds = chunk_bounds(num_blocks, self.block_bytes, chunk_bytes)
+        self.chunk_starts = self._bounds[:-1]  # the block each pinned chunk starts at
         self.pinned = pin
         self.ready_blocks = 0 if pin else num_blocks
         self.error: BaseException | None = None  # why pinning stopped short, if it did

@@ -18,6 +18,7 @@ import torch
 
 from ...errors import ConfigError
 from ..base import Int64Array
+from .hostmem import HostMemory
 
 ALIGN = 4096  # O_DIRECT's buffer and length alignment on the filesystems we meet
 
@@ -86,19 +87,49 @@ class BlockAllocator:
 
 
 class HostPool(BlockAllocator):
+    """The host tier's blocks, in a :class:`~.hostmem.HostMemory` mapping. When pinned,
+    blocks join the allocator chunk by chunk as the mapping's background threads pin
+    them (:meth:`grow`, on the store thread), so a store serves from the first chunk."""
+
     def __init__(
         self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool
     ) -> None:
         super().__init__(num_blocks)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        nbytes = num_blocks * int(np.prod(block_shape)) * itemsize
-        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-        skip = -raw.data_ptr() % ALIGN
-        flat = raw[skip : skip + nbytes]
-        self.data = flat.view(dtype).view(num_blocks, *block_shape)
-        self.block_bytes = nbytes // num_blocks if num_blocks else 0
+        # A mapping starts on a page boundary, which O_DIRECT's alignment divides.
+        self.memory = HostMemory(num_blocks, block_shape, dtype, pin)
+        self.data = self.memory.data
+        self.block_bytes = self.memory.block_bytes
+        # Where separately pinned chunks begin: no copy may cross one (see transfer.py).
+        self.chunk_starts: Int64Array | None = (
+            np.asarray(self.memory.chunk_starts, dtype=np.int64) if pin else None
+        )
         # The same memory as bytes, for the SSD tier's I/O threads (no copy).
-        self.bytes = memoryview(flat.numpy())  # type: ignore[arg-type]  # numpy buffer
+        self.bytes = memoryview(self.memory.raw.numpy())  # type: ignore[arg-type]
+        self._usable = self.memory.ready_blocks
+        self._free[self._usable :] = False  # not pinned yet
+        self._num_free = self._usable
+        self.memory.start()
+
+    def grow(self) -> None:
+        """Take in the blocks pinned since the last call (store thread only)."""
+        ready = self.memory.ready_blocks
+        if ready > self._usable:
+            self._free[self._usable : ready] = True
+            self._num_free += ready - self._usable
+            self._usable = ready
+
+    @property
+    def num_free(self) -> int:
+        self.grow()
+        return self._num_free
+
+    def allocate(self, count: int) -> Int64Array:
+        self.grow()
+        return super().allocate(count)
+
+    def close(self) -> None:
+        """Unregister the pinned chunks (after the last copy that uses them)."""
+        self.memory.close()
 
     @classmethod
     def for_caches(cls, kv_caches: Sequence[torch.Tensor], cpu_cache_gb: float) -> HostPool:

@@ -66,7 +66,8 @@ class LocalStore:
             )
         self.page_size = self._config.page_size or 0
         self._pool: HostPool | None = None
-        self._transfer: Transfer | None = None
+        self._transfer: Transfer | None = None  # offloads, and on the CPU loads too
+        self._load_transfer: Transfer | None = None  # loads, on a GPU
         self._host: Tier | None = None
         self._link: TierLink | None = None
         self._gpu_pages = 0  # pages per cache table, known at register
@@ -94,6 +95,11 @@ class LocalStore:
             )
         self.page_size = page_size
         pool = HostPool.for_caches(kv_caches, self._config.cpu_cache_gb)
+        try:
+            pool.memory.wait_first()  # the rest is pinned while the store serves
+        except BaseException:
+            pool.close()
+            raise
         link = None
         if self._config.ssd_cache_gb > 0:
             link = TierLink(
@@ -104,10 +110,25 @@ class LocalStore:
         self._pool, self._link = pool, link
         self._gpu_pages = int(first.shape[0])
         try:
-            self._transfer = Transfer(kv_caches, pool, self._job_done)
+            if first.device.type == "cuda":
+                # A copier per direction: a GPU copies both ways at once (a copy engine
+                # each), so offloads and loads in flight together do not queue behind
+                # each other.
+                self._transfer = Transfer(
+                    kv_caches, pool, self._job_done, "aiokv-copy-out", pool.chunk_starts
+                )
+                self._load_transfer = Transfer(
+                    kv_caches, pool, self._job_done, "aiokv-copy-in", pool.chunk_starts
+                )
+            else:
+                self._transfer = Transfer(kv_caches, pool, self._job_done)
         except BaseException:
+            if self._transfer is not None:
+                self._transfer.close()
+                self._transfer = None
             if link is not None:
                 link.close()
+            pool.close()
             raise
 
     @property
@@ -270,7 +291,10 @@ class LocalStore:
             host_blocks=host_blocks,
         )
         self._launched[id(job)] = (tasks, size)
-        self._require_transfer().submit(job)
+        transfer = self._require_transfer()
+        if not to_host and self._load_transfer is not None:
+            transfer = self._load_transfer
+        transfer.submit(job)
         return job
 
     def cancel(self, task_ids: Sequence[int]) -> None:
@@ -317,13 +341,16 @@ class LocalStore:
 
     def close(self) -> None:
         """Finish queued copies (and SSD writes), then release the pool."""
-        if self._transfer is not None:
-            self._transfer.close()
-            self._transfer = None
+        for transfer in (self._transfer, self._load_transfer):
+            if transfer is not None:
+                transfer.close()
+        self._transfer = self._load_transfer = None
         if self._link is not None:
             self._link.close()
             self._ssd_stats = self._link.stats()  # what it did stays readable
             self._link = None
+        if self._pool is not None:
+            self._pool.close()  # unpinned once nothing copies from it
         self._pool = None
 
     # ---- optional capabilities -----------------------------------------------------
@@ -352,6 +379,8 @@ class LocalStore:
         stats: dict[str, int | float] = {
             "host_blocks_used": host.used if host is not None else 0,
             "host_blocks_total": host.num_blocks if host is not None else 0,
+            # Pinned so far (the pool grows into its size after start); all when unpinned.
+            "host_blocks_ready": self._pool.memory.ready_blocks if self._pool is not None else 0,
             **self._bytes,
         }
         stats.update(self._link.stats() if self._link is not None else self._ssd_stats)
