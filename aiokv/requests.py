@@ -10,11 +10,12 @@ so that thread, which takes it off the inbox, sees every earlier write (the queu
 put/get orders them). The store thread then writes the launch fields and ``stage =
 LAUNCHED``; it posts every outcome back with ``call_soon_threadsafe``, which orders its
 writes before the loop's resolution of it. The loop writes ``stage = TERMINAL`` once the
-future is done (resolution.py): the store thread reads it as "the caller left" and skips
-the request. The one write the two threads may race on: a caller that leaves while its
-batch launches can have its TERMINAL overwritten by LAUNCHED; the launched request's
-outcome, resolved on the loop after that write, makes it TERMINAL again
-(:meth:`aiokv.resolution.Resolver.resolve`).
+future is done (resolution.py): the store thread reads it, unordered, as "the caller
+left" and skips the request; a caller that leaves just after the read costs a match or a
+copy, never a wrong answer (its outcome finds the future done). The one write the two
+threads may race on: a caller that leaves while its batch launches can have its TERMINAL
+overwritten by LAUNCHED; the launched request's outcome, resolved on the loop after that
+write, makes it TERMINAL again (:meth:`aiokv.resolution.Resolver.resolve`).
 """
 
 from __future__ import annotations
