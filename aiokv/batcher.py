@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .config import EngineConfig
-from .requests import Kind, Request
+from .requests import DISPATCHED, Kind, Request
 
 # Dispatching in one loop iteration beyond this waits for the next (see the docstring).
 DISPATCH_BUDGET_S = 0.0005
@@ -206,6 +206,8 @@ class Batcher:
             if request.future.done():
                 self._on_dropped(request)
             else:
+                # Before the batch goes on the store thread's inbox (requests.py: threads).
+                request.stage = DISPATCHED
                 live.append(request)
         if not live:
             return

@@ -11,7 +11,7 @@ from typing import Any
 
 from .errors import StoreError, StoreFull
 from .plans import Answer
-from .requests import Request
+from .requests import TERMINAL, Request
 from .stores.base import NoSpace, Store
 
 log = logging.getLogger("aiokv")
@@ -70,7 +70,7 @@ class StoreCalls:
             return answers
         for index in wanted:
             request = requests[index]
-            if request.detached:
+            if request.stage is TERMINAL:
                 continue  # left since: never matched, nothing to roll back
             self._yield_point()
             try:  # as _call, without its frame: once per request

@@ -48,9 +48,8 @@ class CurrentStreams:
     torch builds a new Stream object per call, a large part of a submit's cost on the
     loop. The stream's identity is a (stream id, device index, device type) triple that
     torch reads cheaply; a Stream is nothing but that triple, so the object built for a
-    triple is kept and handed out again. Where torch
-    lacks the private getter (``torch._C._cuda_getCurrentStream``), it falls back to
-    ``torch.cuda.current_stream``."""
+    triple is kept and handed out again. Where torch lacks the private getter
+    (``torch._C._cuda_getCurrentStream``), it falls back to ``torch.cuda.current_stream``."""
 
     _MAX_STREAMS = 1024  # past this many distinct streams, build objects per call again
 
@@ -168,19 +167,16 @@ def fuse_page_ids(
     stream: Any = None,
     page_size: int = 0,
 ) -> FusedPages:
-    """Bring the leading ``pages_used[i]`` of each ``page_ids[i]`` to the host with at
-    most one device-to-host copy.
-
-    Device tensors are concatenated on ``stream`` (a torch.cuda.Stream the caller made
-    wait for the requests' events; None: the current stream) and copied into pinned
-    memory without blocking; CPU tensors are concatenated on the host. The result lists
-    device-resident requests first, so ``starts`` is not in request order. Given
+    """Bring the leading ``pages_used[i]`` of each ``page_ids[i]`` to the host with at most one
+    device-to-host copy. Device tensors are concatenated on ``stream`` (a torch.cuda.Stream
+    the caller made wait for the requests' events; None: the current stream) and copied into
+    pinned memory without blocking; CPU tensors are concatenated on the host. The result
+    lists device-resident requests first, so ``starts`` is not in request order. Given
     ``page_size``, a batch held on the device is also expanded to slots there (one tiny
     kernel instead of a host pass over every slot), and the slots are what the one copy
     brings back. When the device tensors hold few pages past the used ones, they are
-    concatenated whole (a slice op per request costs more than copying a short unused
-    tail), so the host copy may hold pages no request owns between requests.
-    """
+    concatenated whole (a slice op per request costs more than copying a short unused tail),
+    so the host copy may hold pages no request owns between requests."""
     counts = np.array(pages_used, dtype=np.int64)
     is_cpu = [t.is_cpu for t in page_ids]
     if not any(is_cpu):  # all on the device, the usual case
@@ -201,11 +197,8 @@ def fuse_page_ids(
     host_counts = counts[on_host]
     starts[on_host] = np.cumsum(host_counts) - host_counts
     pinned, copy_done, device_starts = _fuse_on_device(
-        [page_ids[i] for i in on_device],
-        [pages_used[i] for i in on_device],
-        counts[on_device],
-        stream,
-        page_size,
+        [page_ids[i] for i in on_device], [pages_used[i] for i in on_device],
+        counts[on_device], stream, page_size,
         expand=False,  # the host part holds pages: the store thread expands both
     )
     starts[on_device] = device_starts
@@ -273,9 +266,7 @@ def _cat_expand_copy(parts: list[torch.Tensor], page_size: int, pinned: torch.Te
     kernel writes its result there, with no copy at all. A copy would go through the
     device's copy engines, which run device-to-host copies one after another: behind a
     large offload copy, a batch's slots would land only after it, and the store thread
-    could not match the batch until then. A kernel's writes into pinned memory do not
-    queue behind the copy engines.
-    """
+    could not match the batch until then. A kernel's writes do not queue behind them."""
     device = parts[0].device
     direct = pinned.numel() > 0 and _writes_host(device)
     target = as_device_tensor(pinned, device) if direct else None
@@ -388,8 +379,7 @@ _HOST_WRITES = _HeldUntilDone()
 def warm_up(device: torch.device, page_size: int, stream: Any = None) -> None:
     """Run the fused path once for the shapes batches take (one request, a few, many;
     int32 and int64 ids), so that CUDA's lazy module loading happens here, at start-up,
-    and not in the first batches, which it would delay by milliseconds. Blocks until done:
-    call it before serving."""
+    and not in the first batches, which it would delay. Blocks: call it before serving."""
     for dtype in (torch.int64, torch.int32):
         for requests in (1, 3, 64):
             ids = [torch.zeros(4, dtype=dtype, device=device) for _ in range(requests)]

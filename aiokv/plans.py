@@ -10,7 +10,7 @@ match gave is either in ``cancel`` or in ``launch``, never both, never twice.
   reservation, which the load consumes whether it launches or not.
 - A request with a bad page id fails with InvalidRequest; a load's reservation is then
   cancelled (an offload with a bad page id was never matched).
-- A caller that left (``detached``) after its match is cancelled, not launched.
+- A caller that left (its request TERMINAL) after its match is cancelled, not launched.
 - A match with nothing to move is cancelled and succeeds at once with 0 tokens.
 """
 
@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import InvalidRequest, StoreError
-from .requests import Kind, LoadResult, LookupGrant, OffloadResult, Request, Reservation
+from .requests import (
+    TERMINAL,
+    Kind,
+    LoadResult,
+    LookupGrant,
+    OffloadResult,
+    Request,
+    Reservation,
+)
 from .stores.base import BoolArray, Int64Array, TaskResult, TaskStatus
 
 # A request's match as the store answered it: (task id, mask), its translated error, or
@@ -56,7 +64,7 @@ class Round:
 
 def to_match(requests: Sequence[Request], bad: Collection[int]) -> list[int]:
     """Indexes of the offloads to ask ``put_match`` for: page ids valid, caller waiting."""
-    return [i for i, r in enumerate(requests) if i not in bad and not r.detached]
+    return [i for i, r in enumerate(requests) if i not in bad and r.stage is not TERMINAL]
 
 
 def plan_offload(
@@ -81,7 +89,7 @@ def plan_offload(
         if isinstance(answer, StoreError):
             plan.outcomes.append((request, answer))
             continue
-        if request.detached:  # left since its match: given back, not launched
+        if request.stage is TERMINAL:  # left since its match: given back, not launched
             plan.cancel.append(answer[0])
         else:
             matched[index] = (request, answer[0], answer[1])
@@ -107,7 +115,7 @@ def plan_load(
             plan.outcomes.append((request, _bad_pages(num_pages)))
             plan.cancel.append(task_id)
             continue
-        if request.detached:  # the caller left: the reservation goes back
+        if request.stage is TERMINAL:  # the caller left: the reservation goes back
             plan.cancel.append(task_id)
         else:
             matched[index] = (request, task_id, mask)
@@ -134,7 +142,7 @@ def plan_lookup(
             continue
         task_id, mask = answer
         hit = int(np.count_nonzero(mask))
-        if hit == 0 or request.detached:
+        if hit == 0 or request.stage is TERMINAL:
             cancel.append(task_id)
             outcomes.append((request, _MISS))
         else:

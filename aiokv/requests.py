@@ -2,8 +2,20 @@
 
 Public: :class:`OffloadResult`, :class:`Lookup`, :class:`LoadResult`. Internal:
 :class:`Request`, one per awaited call, which carries a call from submit to the
-store's terminal answer; the loop thread and the store thread hand it back and forth but
-never write the same field (see the comments on each).
+store's terminal answer, and its :class:`Stage`.
+
+Threads and stages. The loop writes a request until the batcher dispatches it; the
+batcher writes ``stage = DISPATCHED`` before the batch goes on the store thread's inbox,
+so that thread, which takes it off the inbox, sees every earlier write (the queue's
+put/get orders them). The store thread then writes the launch fields and ``stage =
+LAUNCHED``; it posts every outcome back with ``call_soon_threadsafe``, which orders its
+writes before the loop's resolution of it. The loop writes ``stage = TERMINAL`` once the
+future is done (resolution.py): the store thread reads it, unordered, as "the caller
+left" and skips the request; a caller that leaves just after the read costs a match or a
+copy, never a wrong answer (its outcome finds the future done). The one write the two
+threads may race on: a caller that leaves while its batch launches can have its TERMINAL
+overwritten by LAUNCHED; the launched request's outcome, resolved on the loop after that
+write, makes it TERMINAL again (:meth:`aiokv.resolution.Resolver.resolve`).
 """
 
 from __future__ import annotations
@@ -55,10 +67,25 @@ class Kind(enum.IntEnum):
 _LOAD = Kind.LOAD  # a module global: read per call
 
 
+class Stage(enum.IntEnum):
+    """Where a request is: made (and accepted, or waiting for room), handed to the store
+    thread, launched in the store, or done (its future resolved or cancelled). Each
+    transition is written in one place: the batcher, the worker's launch, resolution."""
+
+    QUEUED = 0
+    DISPATCHED = 1
+    LAUNCHED = 2
+    TERMINAL = 3
+
+
+# Read per request on hot paths: module globals, not a class attribute lookup each.
+QUEUED, DISPATCHED, LAUNCHED, TERMINAL = Stage  # in value order
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """One awaited call. Written by the loop until dispatch, by the store thread after,
-    except ``detached``, which only the loop sets (the caller stopped waiting)."""
+    except ``stage = TERMINAL``, which the loop writes (the module docstring)."""
 
     kind: Kind
     user_id: Hashable
@@ -70,7 +97,7 @@ class Request:
     pages_used: int  # leading entries of page_ids this request moves (known from shapes)
     ready_event: Any = None  # torch.cuda.Event on the caller's stream (ReadyMarks), or None
     reservation: Reservation | None = None  # the lookup's, which a LOAD consumes
-    detached: bool = False
+    stage: Stage = QUEUED
     task_id: int | None = None
     mask: BoolArray | None = None
     moved: int = 0  # True positions of the mask: tokens this request moves

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from .admission import Admission
 from .deadlines import Deadlines
 from .errors import EngineClosed, RequestTimeout, StoreError
-from .requests import Lookup, LookupGrant, Request
+from .requests import TERMINAL, Lookup, LookupGrant, Request
 from .stats import StatsRecorder
 
 log = logging.getLogger("aiokv")
@@ -92,6 +92,9 @@ class Resolver:
         timed out) is left alone; an orphaned reservation is given back."""
         future = request.future
         if future.done():
+            # Terminal already; the store thread may have written LAUNCHED since (a caller
+            # that left as its batch launched): this outcome is its last word.
+            request.stage = TERMINAL
             if isinstance(outcome, LookupGrant) and outcome.reservation is not None:
                 outcome.reservation.release()  # nobody holds it
             return
@@ -144,7 +147,7 @@ class Resolver:
         place outcome counts change. Called once per accepted request, by resolve or by
         the engine on cancellation; not a done-callback, which would cost a loop
         callback."""
-        request.detached = True  # the store thread stops caring about it from now on
+        request.stage = TERMINAL  # the store thread stops caring about it from now on
         self._admission.leave(request)
         self._stats.record_outcome(outcome, time.perf_counter() - request.submitted_at)
         if not self._admission.live:

@@ -113,29 +113,6 @@ class FusedPages:
             out[index] = select_slots(self.request_slots(slots, index, page_size), masks[index])
         return out
 
-    def wait_request_slots(
-        self, page_size: int, masks: Sequence[BoolArray] | None = None
-    ) -> list[Int64Array]:
-        """Block until the copy landed; return :meth:`split` (every request's slots) or,
-        given ``masks``, :meth:`select` (their masked positions'). When the device
-        expanded the slots, the views are made while the copy is still in flight: only
-        their bounds are computed before the wait, no slot is read."""
-        if self.expanded_page_size != page_size or self.copy_done is None:
-            slots = self.wait_slots(page_size)
-            return self.split(slots, page_size) if masks is None else self.select(
-                slots, masks, page_size
-            )
-        slots = self.host.numpy()
-        if masks is None:
-            out = self.split(slots, page_size)
-            self.copy_done.synchronize()
-            return out
-        out, holes = self._select_views(slots, masks, page_size)
-        self.copy_done.synchronize()
-        for index in holes:  # fancy indexing reads slots: after the wait
-            out[index] = select_slots(self.request_slots(slots, index, page_size), masks[index])
-        return out
-
     def _select_views(
         self, slots: Int64Array, masks: Sequence[BoolArray], page_size: int
     ) -> tuple[list[Int64Array], list[int]]:

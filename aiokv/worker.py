@@ -37,7 +37,7 @@ from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
 from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
-from .requests import Kind, Request
+from .requests import LAUNCHED, TERMINAL, Kind, Request
 from .slots import FusedPages
 from .stores.base import Capabilities, Store, no_yield
 
@@ -283,7 +283,7 @@ class StoreWorker:
 
     def _lookup(self, batch: Batch) -> None:
         requests = batch.requests
-        wanted = [i for i, r in enumerate(requests) if not r.detached]
+        wanted = [i for i, r in enumerate(requests) if r.stage is not TERMINAL]
         answers = self._calls.match(
             self._store.get_match, self._caps.get_match_many, requests, wanted
         )
@@ -345,6 +345,7 @@ class StoreWorker:
         launched = self._launched
         for request, task_id, mask, moved in plan.launch:
             request.task_id, request.mask, request.moved = task_id, mask, moved
+            request.stage = LAUNCHED
             launched[task_id] = request
 
     def _poll(self) -> None:

@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from targets import verdict  # benchmarks/targets.py: the project's verdicts
 
 import aiokv
-from aiokv.bench.common import verdict
 from aiokv.stores.base import Store
 from aiokv.stores.flexkv import FlexKVStore, flexkv_available
 from aiokv.testing import SharedStore

@@ -11,20 +11,21 @@ import pytest
 
 import aiokv
 from aiokv.plans import Round, plan_load, plan_lookup, plan_offload, to_match
-from aiokv.requests import Kind, LookupGrant, Request
+from aiokv.requests import Kind, LookupGrant, Request, Stage
 from aiokv.stores.base import BoolArray, Int64Array
 
 PAGE = 4
 NUM_PAGES = 100
 
 
-def _request(kind: Kind, pages: int, *, detached: bool = False, task_id: int | None = None,
+def _request(kind: Kind, pages: int, *, left: bool = False, task_id: int | None = None,
              mask: BoolArray | None = None) -> Request:
     request = Request(
         kind, f"u{id(object())}", concurrent.futures.Future(), pages * PAGE,
         np.arange(pages * PAGE, dtype=np.int64), ("ns",), None, pages,
     )
-    request.detached, request.task_id, request.mask = detached, task_id, mask
+    request.task_id, request.mask = task_id, mask
+    request.stage = Stage.TERMINAL if left else Stage.DISPATCHED
     return request
 
 
@@ -57,7 +58,7 @@ def _ids_once(plan: Round, matched: set[int]) -> None:
 
 def test_an_offload_round_launches_new_pages_and_cancels_the_rest() -> None:
     requests = [_request(Kind.OFFLOAD, 2) for _ in range(4)]
-    requests[2].detached = True  # left after its match
+    requests[2].stage = Stage.TERMINAL  # left after its match
     answers: list[Any] = [(10, _suffix(2, 1)), (11, _suffix(2, 0)), (12, _suffix(2, 2)),
                           aiokv.StoreError("no")]
     plan = plan_offload(requests, set(), answers, NUM_PAGES, PAGE, _select(requests))
@@ -74,7 +75,7 @@ def test_an_offload_round_launches_new_pages_and_cancels_the_rest() -> None:
 
 def test_an_offload_with_a_bad_page_is_never_matched_and_fails_alone() -> None:
     requests = [_request(Kind.OFFLOAD, 1) for _ in range(3)]
-    requests[2].detached = True  # left before its match
+    requests[2].stage = Stage.TERMINAL  # left before its match
     wanted = to_match(requests, {1})
     assert wanted == [0]
     answers: list[Any] = [(7, _suffix(1, 1)), None, None]
@@ -89,7 +90,7 @@ def test_a_load_round_consumes_every_reservation_once() -> None:
     requests = [
         _request(Kind.LOAD, 2, task_id=20, mask=~_suffix(2, 0)),
         _request(Kind.LOAD, 2, task_id=21, mask=~_suffix(2, 0)),  # bad pages
-        _request(Kind.LOAD, 2, task_id=22, mask=~_suffix(2, 0), detached=True),
+        _request(Kind.LOAD, 2, task_id=22, mask=~_suffix(2, 0), left=True),
     ]
     plan = plan_load(requests, {1}, NUM_PAGES, PAGE, _select(requests))
     _ids_once(plan, {20, 21, 22})
@@ -106,7 +107,7 @@ def test_a_load_without_a_reservation_is_a_bug_not_a_launch() -> None:
 
 def test_a_round_whose_slots_cannot_be_selected_cancels_all_it_matched() -> None:
     requests = [_request(Kind.OFFLOAD, 1) for _ in range(3)]
-    requests[1].detached = True
+    requests[1].stage = Stage.TERMINAL
 
     def broken(masks: Sequence[BoolArray]) -> list[Int64Array]:
         raise IndexError("mask position past the slots")
@@ -120,7 +121,7 @@ def test_a_round_whose_slots_cannot_be_selected_cancels_all_it_matched() -> None
 
 def test_a_lookup_round_reserves_hits_and_cancels_misses() -> None:
     requests = [_request(Kind.LOOKUP, 2) for _ in range(5)]
-    requests[2].detached = True  # a hit whose caller left since
+    requests[2].stage = Stage.TERMINAL  # a hit whose caller left since
     hit = ~_suffix(2, 1)
     answers: list[Any] = [(1, hit), (2, _suffix(2, 0)), (3, hit), None, aiokv.StoreError("x")]
     given_back: list[int] = []

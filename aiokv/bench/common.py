@@ -148,10 +148,6 @@ def percentiles_ms(samples_s: Sequence[float] | np.ndarray, points: Sequence[flo
     return [float(v) for v in np.percentile(np.asarray(samples_s, dtype=float), points) * 1e3]
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 # ---- output ------------------------------------------------------------------------------
 
 
