@@ -42,7 +42,7 @@ from ..engine import OffloadEngine
 from ..stores.base import Store
 from ..stores.local import LocalStore
 from ..testing import SharedStore
-from . import common
+from . import common, mixed
 from .rounds import GIB, Settings, _batch_gib, _round, stream_length
 
 NAME = "bandwidth"
@@ -84,6 +84,11 @@ HELPS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_settings_arguments(parser, Settings, QUICK, HELPS)
+    parser.add_argument(
+        "--mixed", action="store_true",
+        help="offloads and loads in flight together (the first --users and --tokens each "
+        "way), next to the raw duplex copy: see aiokv.bench.mixed",
+    )
 
 
 def raw_copy_gib_s(
@@ -244,6 +249,8 @@ async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]
 def run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
     device = common.pick_device(settings.device)
+    if args.mixed:
+        return mixed.run(settings, device, args.quick, args.json)
     raw_d2h, raw_h2d = raw_copy_gib_s(settings.raw_gib, device, max(settings.repeats, 3))
     previous_switch = sys.getswitchinterval()
     if settings.switch_interval_us:

@@ -14,9 +14,11 @@ one-direction raw copy beside them.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,6 +137,23 @@ async def measure(settings: MixedSettings, device: torch.device) -> dict[str, An
         "engine_mixed_gib_s": engine_gib_s, "raw_one_way_gib_s": one_way,
         "raw_duplex_gib_s": duplex, "of_raw_duplex": engine_gib_s / duplex,
     }
+
+
+def run(settings: Any, device: torch.device, quick: bool, json_path: str | None) -> int:
+    """``aiokv bench bandwidth --mixed``: the bandwidth bench's geometry, its first
+    ``users`` and ``tokens`` each way."""
+    mixed = QUICK if quick and device.type == "cpu" else MixedSettings(
+        users=settings.users[0], tokens=settings.tokens[0], layers=settings.layers,
+        heads=settings.heads, head_dim=settings.head_dim, page_size=settings.page_size,
+        dtype=settings.dtype, repeats=max(settings.repeats, 2),
+    )
+    result = common.run_uvloop(measure(mixed, device))
+    report(result)
+    if json_path:
+        document = {"bench": "bandwidth --mixed", "environment": common.environment(device),
+                    "result": result}
+        Path(json_path).write_text(json.dumps(document, indent=1))
+    return 0
 
 
 def report(result: dict[str, Any]) -> None:
