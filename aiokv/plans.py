@@ -80,10 +80,12 @@ def plan_offload(
     plan = Round()
     matched: list[tuple[Request, int, BoolArray] | None] = [None] * len(requests)
     for index, request in enumerate(requests):
+        answer = answers[index]
         if index in bad:
             plan.outcomes.append((request, _bad_pages(num_pages)))
+            if answer is not None and not isinstance(answer, StoreError):
+                plan.cancel.append(answer[0])  # matched before its page ids were read
             continue
-        answer = answers[index]
         if answer is None:
             continue  # never matched: nothing to give back
         if isinstance(answer, StoreError):

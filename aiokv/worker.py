@@ -304,18 +304,28 @@ class StoreWorker:
             for event in ready_events(batch.requests):
                 event.synchronize()
         page_size = self._page_size
-        slots = fused.wait_slots(page_size)
-        bad = set(fused.bad_requests(slots, self._num_pages, page_size).tolist())
         requests = batch.requests
+        offload = batch.kind is _OFFLOAD
+        if offload:
+            # Matched while the slots are on their way to the host: the matches need only
+            # token ids, and a lone batch's copy starts that much sooner. A request whose
+            # page ids turn out bad gives its match back (plan_offload).
+            answers = self._calls.match(
+                self._store.put_match, self._caps.put_match_many, requests,
+                to_match(requests, ()),
+            )
+        try:
+            slots = fused.wait_slots(page_size)
+        except BaseException:
+            if offload:  # the batch fails (see _handle): what it matched goes back
+                self._calls.cancel([a[0] for a in answers if isinstance(a, tuple)])
+            raise
+        bad = set(fused.bad_requests(slots, self._num_pages, page_size).tolist())
 
         def select(masks: Sequence[Any]) -> list[Any]:
             return fused.select(slots, masks, page_size)
 
-        if batch.kind is _OFFLOAD:
-            answers = self._calls.match(
-                self._store.put_match, self._caps.put_match_many, requests,
-                to_match(requests, bad),
-            )
+        if offload:
             plan = plan_offload(requests, bad, answers, self._num_pages, page_size, select)
         else:
             # Every load consumes its reservation here: launched or cancelled below.

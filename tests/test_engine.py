@@ -560,3 +560,49 @@ async def test_d2h_copies_counts_the_copies_the_fused_batches_made(
         stats = engine.stats()
     assert made == [0, 0]  # CPU page ids: no copy, for the offload and the load
     assert stats.d2h_copies == 2
+
+
+@pytest.mark.asyncio
+async def test_a_bad_page_found_after_matching_gives_its_match_back(
+    caches: list[torch.Tensor],
+) -> None:
+    """Offloads are matched while their slots copy to the host; one whose page ids turn
+    out out of range fails alone, and its match goes back to the store."""
+    engine, store = checked_engine(caches, window_us=50_000)
+    num_pages = caches[0].shape[0]
+    async with engine:
+        good, bad = await asyncio.gather(
+            engine.offload(1, torch.arange(0, 4), 16),
+            engine.offload(2, torch.tensor([0, 1, 2, num_pages]), 16),
+            return_exceptions=True,
+        )
+        stats = engine.stats()
+    assert isinstance(good, aiokv.OffloadResult) and good.stored_tokens == 16
+    assert isinstance(bad, aiokv.InvalidRequest) and "page_ids" in str(bad)
+    assert store.calls["put_match"] == 2  # both matched before the page check
+    assert stats.store_tasks_open == 0
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_a_failed_slot_copy_after_matching_gives_every_match_back(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiokv import slots
+
+    engine, store = checked_engine(caches, window_us=50_000)
+
+    def broken(self: Any, page_size: int) -> Any:
+        raise RuntimeError("CUDA error: the slots never arrived")
+
+    monkeypatch.setattr(slots.FusedPages, "wait_slots", broken)
+    async with engine:
+        results = await asyncio.gather(
+            *(engine.offload(u, torch.arange(4 * u, 4 * u + 4), 16) for u in range(3)),
+            return_exceptions=True,
+        )
+        stats = engine.stats()
+    assert all(isinstance(r, aiokv.StoreError) for r in results), results
+    assert store.calls["put_match"] == 3 and store.calls.get("launch", 0) == 0
+    assert stats.store_tasks_open == 0
+    assert store.problems() == []  # every match was cancelled

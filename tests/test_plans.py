@@ -86,6 +86,18 @@ def test_an_offload_with_a_bad_page_is_never_matched_and_fails_alone() -> None:
     assert "page_ids" in str(error)
 
 
+def test_an_offload_matched_before_its_bad_pages_were_read_gives_its_match_back() -> None:
+    requests = [_request(Kind.OFFLOAD, 1) for _ in range(2)]
+    # The worker matches while the slots copy in flight, before it knows request 1's
+    # page ids are out of range.
+    answers: list[Any] = [(7, _suffix(1, 1)), (8, _suffix(1, 1))]
+    plan = plan_offload(requests, {1}, answers, NUM_PAGES, PAGE, _select(requests))
+    _ids_once(plan, {7, 8})
+    assert plan.launch_ids == [7] and plan.cancel == [8]
+    [(failed, error)] = plan.outcomes
+    assert failed is requests[1] and isinstance(error, aiokv.InvalidRequest)
+
+
 def test_a_load_round_consumes_every_reservation_once() -> None:
     requests = [
         _request(Kind.LOAD, 2, task_id=20, mask=~_suffix(2, 0)),
