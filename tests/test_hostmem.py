@@ -103,3 +103,25 @@ def test_close_while_pinning_stops_it() -> None:
     closer.join(10)
     assert not closer.is_alive()
     assert memory.ready_blocks < 4096
+
+
+def test_a_reserve_beyond_the_pinned_part_waits_for_the_pool_to_grow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At start-up a store that needs more blocks than are pinned yet waits for the next
+    chunks (milliseconds) instead of answering "no space"."""
+    import time
+
+    from aiokv.stores.local import hostmem
+    from aiokv.stores.local.blocks import Tier
+    from aiokv.stores.local.pool import HostPool
+
+    monkeypatch.setattr(hostmem, "_cuda_register", lambda address, size: time.sleep(0.02))
+    monkeypatch.setattr(hostmem, "_cuda_unregister", lambda address: None)
+    pool = HostPool(12288, (16 << 10,), torch.uint8, pin=True)  # chunks of 64, 128 MiB
+    tier = Tier("host", pool)
+    first_chunk = chunk_bounds(12288, 16 << 10)[1]
+    assert first_chunk < 12288
+    blocks = tier.reserve(12288)  # the whole pool: waits until all of it is pinned
+    assert len(blocks) == 12288 and pool.memory.ready_blocks == 12288
+    pool.close()

@@ -75,6 +75,10 @@ class Tier:
         they cannot all be had now; it may have started copies down that make room."""
         alloc = self.alloc
         self.largest = max(self.largest, count)
+        if count > alloc.num_free:
+            # A pool still being pinned grows within moments: wait for it rather than
+            # evicting what was just stored or answering "no space" at start-up.
+            alloc.wait_for_free(count)
         if count > self.available():
             raise NoSpace(
                 f"{self.name}: need {count} blocks; {alloc.num_free} free, "

@@ -107,6 +107,7 @@ class HostMemory:
         self._unregister = unregister or _cuda_unregister
         self._first = threading.Event()
         self._done = threading.Event()
+        self._grew = threading.Condition()  # notified at each chunk and at the end
         self._stop = False
         self._thread: threading.Thread | None = None
         if not pin:
@@ -129,6 +130,13 @@ class HostMemory:
             raise ConfigError(
                 "store.cpu_cache_gb", f"could not pin any host memory: {self.error!r}"
             ) from self.error
+
+    def wait_grown(self, than: int, timeout: float | None = None) -> bool:
+        """Block until more than ``than`` blocks are ready; False once pinning has ended
+        without that (nothing more will come)."""
+        with self._grew:
+            self._grew.wait_for(lambda: self.ready_blocks > than or self._done.is_set(), timeout)
+        return self.ready_blocks > than
 
     def wait_all(self, timeout: float | None = None) -> bool:
         """Block until pinning ended (all of it, or where it stopped); whether it did."""
@@ -177,7 +185,9 @@ class HostMemory:
                     )
                     break
                 self._registered.append(address)
-                self.ready_blocks = end  # one writer; readers take an int
+                with self._grew:
+                    self.ready_blocks = end  # one writer; readers take an int
+                    self._grew.notify_all()
                 if i == 0:
                     self.seconds_to_first = time.perf_counter() - started
                     self._first.set()
@@ -185,7 +195,9 @@ class HostMemory:
                 part.cancel()
         self.seconds_to_all = time.perf_counter() - started
         self._first.set()
-        self._done.set()
+        with self._grew:
+            self._done.set()
+            self._grew.notify_all()
 
     def _touch(self, start: int, end: int, pool: ThreadPoolExecutor) -> list[Future[object]]:
         """Start faulting blocks [start, end) in, split among the pool's threads. memset

@@ -49,6 +49,10 @@ class BlockAllocator:
     def num_free(self) -> int:
         return self._num_free
 
+    def wait_for_free(self, count: int) -> None:
+        """Block until ``count`` blocks are free or no more will come without a release
+        (a fixed allocator: at once)."""
+
     def allocate(self, count: int) -> Int64Array:
         """``count`` free blocks, consecutive where possible. Caller checks num_free."""
         if count > self._num_free:
@@ -122,6 +126,12 @@ class HostPool(BlockAllocator):
     def num_free(self) -> int:
         self.grow()
         return self._num_free
+
+    def wait_for_free(self, count: int) -> None:
+        """Block (store thread) while the pool is still being pinned and fewer than
+        ``count`` blocks are free; pinning a chunk takes milliseconds."""
+        while self.num_free < count and self.memory.wait_grown(self._usable):
+            pass
 
     def allocate(self, count: int) -> Int64Array:
         self.grow()
