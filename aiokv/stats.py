@@ -1,22 +1,21 @@
 """Counters, fixed-bucket histograms and recent samples; :class:`EngineStats` is their
 snapshot and :class:`Reading` the raw copy a Prometheus scrape (aiokv.metrics) reads.
 
-One writer per piece of state, so nothing here takes a lock:
+One writer per piece of state, so nothing here takes a lock: the event loop writes
+:class:`StatsRecorder` (``record_submit`` at accept, ``record_rejected`` when admission
+turns a call away, ``record_batch`` at dispatch, ``record_outcome`` once per accepted
+request when its future is done, ``record_call`` per evict or clear); the store thread
+writes :class:`StoreSideStats` (``posted``, as it posts outcomes) and answers
+:class:`StoreStatsQuery` (``store_stats()`` belongs to it).
 
-- the event loop writes :class:`StatsRecorder`: ``record_submit`` at accept,
-  ``record_rejected`` when admission turns a call away, ``record_batch`` at dispatch,
-  ``record_outcome`` once per accepted request when its future is done;
-- the store thread writes :class:`StoreSideStats` (``posted``, as it posts a drained set
-  of outcomes) and answers :class:`StoreStatsQuery` (``store_stats()`` belongs to it).
-
-Counters and buckets are preallocated Python lists, never resized: an increment of a
-list item costs about half that of an ``array`` or numpy item, and it runs several times
-per request. Readers on other threads copy each list with one ``list.copy()``, a single C
-call made under the GIL, so no list is read half-written. Every counter lives in one
-list: the counts of one reading agree with each other (a histogram copied a moment later
-may be a few observations ahead). ``pending`` and ``queued`` are derived from those counters,
-never counted separately. ``d2h_copies`` is the store thread's count of the copies its
-fused batches made, read at the snapshot.
+Counters and buckets are preallocated Python lists, never resized: a list item is
+incremented without the conversions to and from a C integer of an ``array`` or numpy
+item, several times per request. Readers on other threads copy each list with one
+``list.copy()``, a single C call made under the GIL, so no list is read half-written.
+Every counter lives in one list: the counts of one reading agree with each other (a
+histogram copied a moment later may be a few observations ahead). ``pending`` and
+``queued`` are derived from them, never counted separately. ``d2h_copies`` is the store
+thread's count of the copies its fused batches made, read at the snapshot.
 """
 
 from __future__ import annotations
@@ -54,6 +53,9 @@ _ROW = [0] * (max(Kind) + 1)
 for _kind in Kind:
     _ROW[_kind] = KINDS.index(_kind.name.lower())
 _LOOKUP_ROW = KINDS.index("lookup")
+# The rows of calls made as Requests: what ``submitted`` and EngineStats' outcome counts
+# cover. The other kinds (evict, clear) come through record_call.
+_REQUEST_ROWS = tuple(sorted(set(_ROW)))
 
 # The counters after the kinds x outcomes table.
 _TABLE = len(KINDS) * _WIDTH
@@ -129,8 +131,9 @@ class Reading:
         return self.counts[KINDS.index(kind) * _WIDTH + OUTCOMES.index(outcome)]
 
     def outcome_total(self, outcome: str) -> int:
+        """Calls made as Requests (offload, lookup, load) that ended with ``outcome``."""
         column = OUTCOMES.index(outcome)
-        return sum(self.counts[column:_TABLE:_WIDTH])
+        return sum(self.counts[row * _WIDTH + column] for row in _REQUEST_ROWS)
 
     @property
     def submitted(self) -> int:
@@ -178,7 +181,8 @@ class EngineStats:
     dispatched to the store thread. ``store_tasks_open``: store ids matched or launched
     and not yet terminal. Latencies are submit-to-resolve, in ms, over the most recent
     completed requests; bytes count KV moved by completed requests. ``lookup_tokens``:
-    tokens asked by completed lookups, ``lookup_hit_tokens``: found for them."""
+    tokens asked by completed lookups, ``lookup_hit_tokens``: found for them. The outcome
+    counts are of offloads, lookups and loads (evicts and clears: aiokv.metrics only)."""
 
     submitted: int
     completed: int
@@ -281,6 +285,21 @@ class StatsRecorder:
         latency = self.latency  # inlined Histogram.observe: this runs per request
         latency.counts[kind_row * latency.width + bisect_left(latency.bounds, latency_s)] += 1
         latency.sums[kind_row] += latency_s
+
+    def record_call(self, kind: str, outcome: object, latency_s: float) -> None:
+        """Count one call of a kind that is not batched as a Request (``evict``,
+        ``clear``): ``outcome`` is its result, its exception, or None when its caller
+        cancelled it; ``latency_s`` is observed as for record_outcome."""
+        row = KINDS.index(kind)
+        if outcome is None:
+            column = _CANCELLED
+        elif isinstance(outcome, BaseException):
+            column = _TIMED_OUT if isinstance(outcome, RequestTimeout) else _FAILED
+        else:
+            column = _OK
+        self._counts[row * _WIDTH + column] += 1
+        if column != _CANCELLED:
+            self.latency.observe(latency_s, row)
 
     def read(self) -> Reading:
         """A copy of the counters and histograms (safe from any thread)."""

@@ -164,6 +164,22 @@ def test_record_outcome_counts_by_kind_and_outcome_and_derives_pending_and_queue
     assert recorder.read().loaded_tokens == 16
 
 
+def test_calls_outside_requests_count_by_their_kind() -> None:
+    recorder = StatsRecorder()
+    recorder.record_call("evict", 64, 0.002)
+    recorder.record_call("evict", None, 5.0)
+    recorder.record_call("clear", aiokv.StoreError("cannot clear"), 0.5)
+    reading = recorder.read()
+    assert [reading.requests("evict", o) for o in ("ok", "cancelled")] == [1, 1]
+    assert reading.requests("clear", "failed") == 1
+    evict, clear = KINDS.index("evict"), KINDS.index("clear")
+    assert (reading.latency.count(evict), reading.latency.sums[evict]) == (1, 0.002)
+    assert reading.latency.count(clear) == 1
+    assert reading.pending == 0  # never submitted as requests
+    with pytest.raises(ValueError):
+        recorder.record_call("compact", 0, 0.0)
+
+
 def test_the_store_side_observes_each_posted_outcome_from_its_dispatch() -> None:
     side = StoreSideStats()
     posted = [request(Kind.OFFLOAD) for _ in range(3)]
