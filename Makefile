@@ -11,8 +11,9 @@ $(BIN)/aiokv: pyproject.toml
 	# The CPU build of torch that this project's machines keep on disk; without the pin
 	# pip would fetch a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	# web: the FastAPI and aiohttp examples, which the tests run.
-	$(BIN)/python -m pip install -q -e '.[dev,bench,web]'
+	# web: the FastAPI and aiohttp examples, which the tests run; metrics: the tests
+	# scrape aiokv.metrics' collector.
+	$(BIN)/python -m pip install -q -e '.[dev,bench,web,metrics]'
 	touch $@
 
 setup: $(BIN)/aiokv

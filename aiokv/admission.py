@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from .config import EngineConfig
 from .errors import Overloaded, RequestTimeout
-from .requests import Request
+from .requests import Kind, Request
 from .stats import StatsRecorder
 
 
@@ -59,16 +59,17 @@ class Admission:
             if not waiter.done():
                 waiter.set_result(False)
 
-    async def wait_for_room(self, running: Callable[[], bool]) -> None:
+    async def wait_for_room(self, running: Callable[[], bool], kind: Kind) -> None:
         """Return once there is room (or ``running()`` turned false). Raises Overloaded
-        under ``overload: reject``, RequestTimeout when ``request_timeout_ms`` passes.
+        under ``overload: reject``, RequestTimeout when ``request_timeout_ms`` passes
+        (both counted as rejected calls of ``kind``).
 
         Not ``asyncio.wait_for``: on Python 3.11 it returns the waiter's result when the
         caller is cancelled just after the waiter was woken (the cancellation is lost),
         and on 3.12 a waiter woken as its timeout fires raises TimeoutError, and the room
         it was promised would be lost with it."""
         if self._config.overload == "reject":
-            self._stats.rejected += 1
+            self._stats.record_rejected(kind)
             raise Overloaded(f"{self._config.max_pending} requests pending (engine.max_pending)")
         loop = asyncio.get_running_loop()
         timeout_ms = self._config.request_timeout_ms
@@ -80,7 +81,7 @@ class Admission:
             try:
                 promised = await waiter
             except _NoRoomInTime:
-                self._stats.rejected += 1
+                self._stats.record_rejected(kind)
                 raise RequestTimeout(
                     f"no room among {self._config.max_pending} pending requests within "
                     f"engine.request_timeout_ms={timeout_ms}"

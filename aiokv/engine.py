@@ -93,7 +93,7 @@ class OffloadEngine:
         self._store_slice_us = store_slice_us(self._config, store)
         self._on_gpu = self._device.type == "cuda"
         self._state = EngineState.NEW
-        self._stats = StatsRecorder()
+        self._stats = StatsRecorder(self._page_size * self._bytes_per_token)
         self._admission = Admission(self._config, self._stats)  # max_pending, overload
         self._loop: asyncio.AbstractEventLoop | None = None
         self._worker: StoreWorker | None = None
@@ -391,7 +391,7 @@ class OffloadEngine:
     def _accept(self, request: Request) -> asyncio.Future[Any]:
         assert self._batcher is not None and self._idle is not None
         request.submitted_at = time.perf_counter()  # latency; deadlines use the loop clock
-        self._stats.submitted += 1
+        self._stats.record_submit()
         self._admission.admit(request)
         self._idle.clear()
         if self._deadlines is not None:
@@ -401,7 +401,9 @@ class OffloadEngine:
 
     async def _submit_when_room(self, request: Request) -> Any:
         try:
-            await self._admission.wait_for_room(lambda: self._state is EngineState.RUNNING)
+            await self._admission.wait_for_room(
+                lambda: self._state is EngineState.RUNNING, request.kind
+            )
             if self._state is not EngineState.RUNNING:  # closed while we waited
                 raise EngineClosed(f"engine is {self._state.value}")
         except BaseException:
@@ -415,5 +417,5 @@ class OffloadEngine:
         self._resolver.resolve(request, outcome)
 
     def _on_batch(self, batch: Batch) -> None:
-        self._stats.record_batch(len(batch.requests))
+        self._stats.record_batch(batch)
 

@@ -102,6 +102,7 @@ class Request:
     mask: BoolArray | None = None
     moved: int = 0  # True positions of the mask: tokens this request moves
     submitted_at: float = 0.0
+    dispatched_at: float = 0.0  # perf_counter; 0.0 until dispatched (stats.py)
 
 
 def new_request(

@@ -149,6 +149,6 @@ class Resolver:
         callback."""
         request.stage = TERMINAL  # the store thread stops caring about it from now on
         self._admission.leave(request)
-        self._stats.record_outcome(outcome, time.perf_counter() - request.submitted_at)
+        self._stats.record_outcome(request, outcome)
         if not self._admission.live:
             self._idle.set()

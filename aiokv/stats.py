@@ -1,29 +1,188 @@
-"""Counters and latency/batch-size samples; :class:`EngineStats` is their snapshot.
+"""Counters, fixed-bucket histograms and recent samples; :class:`EngineStats` is their
+snapshot and :class:`Reading` the raw copy a Prometheus scrape (aiokv.metrics) reads.
 
-All counters are changed on the event loop, in one place each: ``submitted`` at accept,
-the outcome counters when a request's future completes, ``batches`` at dispatch.
-``pending`` is derived from them, never counted separately. ``d2h_copies`` is the store
+One writer per piece of state, so nothing here takes a lock: the event loop writes
+:class:`StatsRecorder` (``record_submit`` at accept, ``record_rejected`` when admission
+turns a call away, ``record_batch`` at dispatch, ``record_outcome`` once per accepted
+request when its future is done, ``record_call`` per evict or clear); the store thread
+writes :class:`StoreSideStats` (``posted``, as it posts outcomes) and answers
+:class:`StoreStatsQuery` (``store_stats()`` belongs to it).
+
+Counters and buckets are preallocated Python lists, never resized: a list item is
+incremented without the conversions to and from a C integer of an ``array`` or numpy
+item, several times per request. Readers on other threads copy each list with one
+``list.copy()``, a single C call made under the GIL, so no list is read half-written.
+Every counter lives in one list: the counts of one reading agree with each other (a
+histogram copied a moment later may be a few observations ahead). ``pending`` and
+``queued`` are derived from them, never counted separately. ``d2h_copies`` is the store
 thread's count of the copies its fused batches made, read at the snapshot.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import RequestTimeout
-from .requests import LoadResult, OffloadResult
+from .requests import Kind, LoadResult, LookupGrant, OffloadResult, Request
 
-_SAMPLES = 65_536  # recent latencies and batch sizes kept for percentiles
+if TYPE_CHECKING:
+    from .batcher import Batch
+
+log = logging.getLogger("aiokv")
+
+_SAMPLES = 65_536  # recent latencies and batch sizes kept for EngineStats' percentiles
+
+# Label values of aiokv_requests_total, in the order of the counts table.
+KINDS = ("offload", "lookup", "load", "evict", "clear")
+OUTCOMES = ("ok", "failed", "cancelled", "rejected", "timed_out")
+_OK, _FAILED, _CANCELLED, _REJECTED, _TIMED_OUT = range(len(OUTCOMES))
+_WIDTH = len(OUTCOMES)
+# A request's row by its Kind's value (a list indexed by the IntEnum: no hashing on the
+# hot path). A Kind whose name is not in KINDS fails here, at import, not at a scrape.
+_ROW = [0] * (max(Kind) + 1)
+for _kind in Kind:
+    _ROW[_kind] = KINDS.index(_kind.name.lower())
+_LOOKUP_ROW = KINDS.index("lookup")
+# The rows of calls made as Requests: what ``submitted`` and EngineStats' outcome counts
+# cover. The other kinds (evict, clear) come through record_call.
+_REQUEST_ROWS = tuple(sorted(set(_ROW)))
+
+# The counters after the kinds x outcomes table.
+_TABLE = len(KINDS) * _WIDTH
+(
+    _SUBMITTED,
+    _DISPATCHED,  # requests handed to the store thread in batches
+    _RESOLVED_QUEUED,  # resolved before dispatch (cancelled, timed out, closed)
+    _BATCHES,
+    _OFFLOADED_TOKENS,
+    _LOADED_TOKENS,
+    _LOOKUP_TOKENS,  # asked by completed lookups
+    _LOOKUP_HIT_TOKENS,  # found for them
+) = range(_TABLE, _TABLE + 8)
+_COUNTERS = _TABLE + 8
+
+# Histogram upper bounds ("le"); an observation above the last goes to +Inf.
+LATENCY_BOUNDS_S = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+BATCH_REQUEST_BOUNDS = tuple(float(2**i) for i in range(13))  # 1 .. 4096
+BATCH_BYTE_BOUNDS = tuple(float(4**i) for i in range(6, 19))  # 4 KiB .. 64 GiB
+
+
+class Histogram:
+    """Counts per fixed bucket, one row per label value; written by one thread only.
+    ``counts`` holds each row's buckets (the last is +Inf) back to back."""
+
+    __slots__ = ("bounds", "counts", "sums", "width")
+
+    def __init__(self, bounds: Sequence[float], rows: int = 1) -> None:
+        self.bounds = tuple(bounds)
+        self.width = len(self.bounds) + 1
+        self.counts = [0] * (rows * self.width)
+        self.sums = [0.0] * rows
+
+    def observe(self, value: float, row: int = 0) -> None:
+        # bisect_left: a value equal to a bound counts in that bound's bucket (le).
+        self.counts[row * self.width + bisect_left(self.bounds, value)] += 1
+        self.sums[row] += value
+
+    def read(self) -> HistogramReading:
+        return HistogramReading(self.bounds, self.counts.copy(), self.sums.copy())
+
+
+@dataclass(frozen=True)
+class HistogramReading:
+    bounds: tuple[float, ...]
+    counts: list[int]  # per bucket, not cumulative
+    sums: list[float]  # per row
+
+    def cumulative(self, row: int = 0) -> list[int]:
+        """Row ``row``'s buckets as Prometheus counts them: observations <= each bound,
+        then the total (+Inf)."""
+        width = len(self.bounds) + 1
+        return list(accumulate(self.counts[row * width : (row + 1) * width]))
+
+    def count(self, row: int = 0) -> int:
+        return self.cumulative(row)[-1]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One copy of the loop's counters and histograms (any thread may take it)."""
+
+    counts: list[int]
+    latency: HistogramReading  # submit -> resolved, one row per KINDS
+    window: HistogramReading  # submit -> dispatched
+    batch_requests: HistogramReading  # per dispatched batch, one row per KINDS
+    batch_bytes: HistogramReading  # per offload / load batch, one row per KINDS
+
+    def requests(self, kind: str, outcome: str) -> int:
+        return self.counts[KINDS.index(kind) * _WIDTH + OUTCOMES.index(outcome)]
+
+    def outcome_total(self, outcome: str) -> int:
+        """Calls made as Requests (offload, lookup, load) that ended with ``outcome``."""
+        column = OUTCOMES.index(outcome)
+        return sum(self.counts[row * _WIDTH + column] for row in _REQUEST_ROWS)
+
+    @property
+    def submitted(self) -> int:
+        return self.counts[_SUBMITTED]
+
+    @property
+    def resolved(self) -> int:
+        """Accepted requests whose future is done (rejected ones were never accepted)."""
+        return sum(self.outcome_total(o) for o in ("ok", "failed", "cancelled", "timed_out"))
+
+    @property
+    def pending(self) -> int:
+        return self.counts[_SUBMITTED] - self.resolved
+
+    @property
+    def queued(self) -> int:
+        """Accepted, not yet dispatched and not yet resolved."""
+        counts = self.counts
+        return counts[_SUBMITTED] - counts[_DISPATCHED] - counts[_RESOLVED_QUEUED]
+
+    @property
+    def batches(self) -> int:
+        return self.counts[_BATCHES]
+
+    @property
+    def offloaded_tokens(self) -> int:
+        return self.counts[_OFFLOADED_TOKENS]
+
+    @property
+    def loaded_tokens(self) -> int:
+        return self.counts[_LOADED_TOKENS]
+
+    @property
+    def lookup_tokens(self) -> int:
+        return self.counts[_LOOKUP_TOKENS]
+
+    @property
+    def lookup_hit_tokens(self) -> int:
+        return self.counts[_LOOKUP_HIT_TOKENS]
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot. ``pending``: accepted, not yet resolved. ``store_tasks_open``: store ids
-    matched or launched and not yet terminal. Latencies are submit-to-resolve, in ms, over
-    the most recent requests; bytes count KV moved by completed requests."""
+    """A snapshot. ``pending``: accepted, not yet resolved; ``queued``: of those, not yet
+    dispatched to the store thread. ``store_tasks_open``: store ids matched or launched
+    and not yet terminal. Latencies are submit-to-resolve, in ms, over the most recent
+    completed requests; bytes count KV moved by completed requests. ``lookup_tokens``:
+    tokens asked by completed lookups, ``lookup_hit_tokens``: found for them. The outcome
+    counts are of offloads, lookups and loads (evicts and clears: aiokv.metrics only)."""
 
     submitted: int
     completed: int
@@ -42,76 +201,200 @@ class EngineStats:
     mean_batch_requests: float
     latency_p50_ms: float
     latency_p99_ms: float
+    queued: int
+    lookup_tokens: int
+    lookup_hit_tokens: int
+
+    @property
+    def hit_ratio(self) -> float:
+        """lookup_hit_tokens / lookup_tokens (0.0 before any lookup completed)."""
+        return self.lookup_hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
 
 class StatsRecorder:
-    """The engine's counters. Loop thread only."""
+    """The engine's counters and histograms. Written on the loop thread only."""
 
-    def __init__(self) -> None:
-        self.submitted = 0
-        self.completed = 0
-        self.failed = 0
-        self.cancelled = 0
-        self.rejected = 0
-        self.timed_out = 0
-        self.batches = 0
-        self.offloaded_tokens = 0
-        self.loaded_tokens = 0
+    def __init__(self, bytes_per_page: int = 0) -> None:
+        self._bytes_per_page = bytes_per_page  # a batch's bytes: its pages times this
+        self._counts = [0] * _COUNTERS
+        self.latency = Histogram(LATENCY_BOUNDS_S, len(KINDS))
+        self.window = Histogram(LATENCY_BOUNDS_S)
+        self.batch_requests = Histogram(BATCH_REQUEST_BOUNDS, len(KINDS))
+        self.batch_bytes = Histogram(BATCH_BYTE_BOUNDS, len(KINDS))
         self._latencies_s: deque[float] = deque(maxlen=_SAMPLES)
         self._batch_sizes: deque[int] = deque(maxlen=_SAMPLES)
 
-    @property
-    def resolved(self) -> int:
-        return self.completed + self.failed + self.cancelled + self.timed_out
+    def record_submit(self) -> None:
+        self._counts[_SUBMITTED] += 1
 
-    def record_batch(self, size: int) -> None:
-        self.batches += 1
+    def record_rejected(self, kind: Kind) -> None:
+        """A call admission turned away (never accepted: no latency, not submitted)."""
+        self._counts[_ROW[kind] * _WIDTH + _REJECTED] += 1
+
+    def record_batch(self, batch: Batch) -> None:
+        """A batch dispatched now: its requests' window wait, its size in requests and,
+        for offloads and loads, the bytes its pages hold (what it asks to move; pages
+        already stored are skipped later, so it may move fewer)."""
+        now = time.perf_counter()
+        requests = batch.requests
+        window = self.window
+        counts, bounds = window.counts, window.bounds
+        waited = 0.0
+        pages = 0
+        for request in requests:  # inlined Histogram.observe: this runs per request
+            request.dispatched_at = now
+            wait = now - request.submitted_at
+            counts[bisect_left(bounds, wait)] += 1
+            waited += wait
+            pages += request.pages_used
+        window.sums[0] += waited
+        row = _ROW[batch.kind]
+        size = len(requests)
+        self.batch_requests.observe(size, row)
+        if row != _LOOKUP_ROW:
+            self.batch_bytes.observe(pages * self._bytes_per_page, row)
+        self._counts[_BATCHES] += 1
+        self._counts[_DISPATCHED] += size
         self._batch_sizes.append(size)
 
-    def record_outcome(self, outcome: object, latency_s: float) -> None:
-        """Count one resolved request: ``outcome`` is its result, its exception, or None
-        when its caller cancelled it; ``latency_s`` counts for completed ones only."""
+    def record_outcome(self, request: Request, outcome: object) -> None:
+        """Count one accepted request whose future is done: ``outcome`` is its result,
+        its exception, or None when its caller cancelled it. The end-to-end latency is
+        observed for every outcome but a cancellation (the caller's time, not ours)."""
+        counts = self._counts
+        kind_row = _ROW[request.kind]
+        row = kind_row * _WIDTH  # the request's row in the counts table
+        if request.dispatched_at == 0.0:
+            counts[_RESOLVED_QUEUED] += 1
         if outcome is None:
-            self.cancelled += 1
-        elif isinstance(outcome, BaseException):
-            if isinstance(outcome, RequestTimeout):
-                self.timed_out += 1
-            else:
-                self.failed += 1
+            counts[row + _CANCELLED] += 1
+            return
+        latency_s = time.perf_counter() - request.submitted_at
+        if isinstance(outcome, BaseException):
+            counts[row + (_TIMED_OUT if isinstance(outcome, RequestTimeout) else _FAILED)] += 1
         else:
-            self.completed += 1
+            counts[row] += 1  # _OK
             self._latencies_s.append(latency_s)
             if isinstance(outcome, OffloadResult):
-                self.offloaded_tokens += outcome.stored_tokens
+                counts[_OFFLOADED_TOKENS] += outcome.stored_tokens
             elif isinstance(outcome, LoadResult):
-                self.loaded_tokens += outcome.loaded_tokens
+                counts[_LOADED_TOKENS] += outcome.loaded_tokens
+            elif isinstance(outcome, LookupGrant):
+                counts[_LOOKUP_TOKENS] += request.num_tokens
+                counts[_LOOKUP_HIT_TOKENS] += outcome.cached_tokens
+        latency = self.latency  # inlined Histogram.observe: this runs per request
+        latency.counts[kind_row * latency.width + bisect_left(latency.bounds, latency_s)] += 1
+        latency.sums[kind_row] += latency_s
+
+    def record_call(self, kind: str, outcome: object, latency_s: float) -> None:
+        """Count one call of a kind that is not batched as a Request (``evict``,
+        ``clear``): ``outcome`` is its result, its exception, or None when its caller
+        cancelled it; ``latency_s`` is observed as for record_outcome."""
+        row = KINDS.index(kind)
+        if outcome is None:
+            column = _CANCELLED
+        elif isinstance(outcome, BaseException):
+            column = _TIMED_OUT if isinstance(outcome, RequestTimeout) else _FAILED
+        else:
+            column = _OK
+        self._counts[row * _WIDTH + column] += 1
+        if column != _CANCELLED:
+            self.latency.observe(latency_s, row)
+
+    def read(self) -> Reading:
+        """A copy of the counters and histograms (safe from any thread)."""
+        return Reading(
+            self._counts.copy(),
+            self.latency.read(),
+            self.window.read(),
+            self.batch_requests.read(),
+            self.batch_bytes.read(),
+        )
 
     def snapshot(
         self, store_tasks_open: int, d2h_copies: int, bytes_per_token: int
     ) -> EngineStats:
         """The counters now, with the store thread's: its open task ids and the
-        device-to-host copies its fused batches made."""
+        device-to-host copies its fused batches made (loop thread: the samples are
+        read here)."""
         if self._latencies_s:
             p50, p99 = np.percentile(np.fromiter(self._latencies_s, float), [50, 99]) * 1e3
         else:
             p50 = p99 = 0.0
         mean_batch = float(np.mean(self._batch_sizes)) if self._batch_sizes else 0.0
+        now = self.read()
         return EngineStats(
-            submitted=self.submitted,
-            completed=self.completed,
-            failed=self.failed,
-            cancelled=self.cancelled,
-            rejected=self.rejected,
-            timed_out=self.timed_out,
-            batches=self.batches,
+            submitted=now.submitted,
+            completed=now.outcome_total("ok"),
+            failed=now.outcome_total("failed"),
+            cancelled=now.outcome_total("cancelled"),
+            rejected=now.outcome_total("rejected"),
+            timed_out=now.outcome_total("timed_out"),
+            batches=now.batches,
             d2h_copies=d2h_copies,
-            pending=self.submitted - self.resolved,
+            pending=now.pending,
             store_tasks_open=store_tasks_open,
-            offloaded_tokens=self.offloaded_tokens,
-            loaded_tokens=self.loaded_tokens,
-            bytes_offloaded=self.offloaded_tokens * bytes_per_token,
-            bytes_loaded=self.loaded_tokens * bytes_per_token,
+            offloaded_tokens=now.offloaded_tokens,
+            loaded_tokens=now.loaded_tokens,
+            bytes_offloaded=now.offloaded_tokens * bytes_per_token,
+            bytes_loaded=now.loaded_tokens * bytes_per_token,
             mean_batch_requests=mean_batch,
             latency_p50_ms=float(p50),
             latency_p99_ms=float(p99),
+            queued=now.queued,
+            lookup_tokens=now.lookup_tokens,
+            lookup_hit_tokens=now.lookup_hit_tokens,
         )
+
+
+class StoreSideStats:
+    """The store thread's histogram: dispatch to outcome posted (store time). Written on
+    the store thread only."""
+
+    def __init__(self) -> None:
+        self.store = Histogram(LATENCY_BOUNDS_S)
+
+    def posted(self, pairs: Iterable[tuple[Request, object]]) -> None:
+        """Outcomes about to be posted to the loop, now."""
+        now = time.perf_counter()
+        store = self.store
+        counts, bounds = store.counts, store.bounds
+        total = 0.0
+        for request, _ in pairs:  # inlined Histogram.observe: this runs per request
+            spent = now - request.dispatched_at
+            counts[bisect_left(bounds, spent)] += 1
+            total += spent
+        store.sums[0] += total
+
+
+StoreStatsAnswer = Mapping[str, "int | float"]
+
+
+class StoreStatsQuery:
+    """A scrape's request for ``store_stats()``, run by the store thread (the store is
+    that thread's alone) and waited for by the scraping thread. ``on_answer`` is called
+    on the store thread with what the store reported (``{}`` for a store without
+    ``store_stats``), or not at all when it raised (logged)."""
+
+    __slots__ = ("_answered", "_on_answer")
+
+    def __init__(self, on_answer: Callable[[StoreStatsAnswer], None]) -> None:
+        self._answered = threading.Event()
+        self._on_answer = on_answer
+
+    def run(self, store_stats: Callable[[], StoreStatsAnswer] | None) -> None:
+        """Store thread."""
+        try:
+            self._on_answer(dict(store_stats()) if store_stats is not None else {})
+        except Exception:
+            log.exception("aiokv: store_stats() failed; the scrape keeps its last answer")
+        finally:
+            self._answered.set()
+
+    @property
+    def answered(self) -> bool:
+        return self._answered.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for the store thread; True once it ran the query."""
+        return self._answered.wait(timeout_s)

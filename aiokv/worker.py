@@ -39,6 +39,7 @@ from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
 from .requests import LAUNCHED, TERMINAL, Kind, Request
 from .slots import FusedPages
+from .stats import StoreSideStats, StoreStatsQuery
 from .stores.base import Capabilities, Store, no_yield
 
 log = logging.getLogger("aiokv")
@@ -96,6 +97,7 @@ class StoreWorker:
         # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
         # here, read racily by the loop's stats.
         self.d2h_copies = 0
+        self.stats = StoreSideStats()  # store latency; written here, read by scrapes
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
 
     # ---- loop side -------------------------------------------------------------------
@@ -108,7 +110,7 @@ class StoreWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, item: Batch | _Release) -> None:
+    def submit(self, item: Batch | _Release | StoreStatsQuery) -> None:
         with self._accept_lock:
             if not self._accepting:
                 raise EngineClosed("the store thread has stopped accepting work")
@@ -263,6 +265,8 @@ class StoreWorker:
             self._reserved.difference_update(held)
             if held:
                 self._calls.cancel(held)
+        elif isinstance(item, StoreStatsQuery):  # a scrape (aiokv.metrics)
+            item.run(self._caps.store_stats)
         elif isinstance(item, Batch):
             self._in_hand = item  # for _fail_everything, should this thread crash
             try:
@@ -401,6 +405,7 @@ class StoreWorker:
         if not self._outbox:
             return
         drained, self._outbox = self._outbox, []
+        self.stats.posted(drained)
         try:
             self._loop.call_soon_threadsafe(self._deliver, drained)
         except RuntimeError:

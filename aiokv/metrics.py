@@ -1,0 +1,245 @@
+"""Prometheus metrics of one engine: :func:`register` adds an :class:`EngineCollector` to
+a ``prometheus_client`` registry (pip install 'aiokv[metrics]').
+
+Nothing is counted at scrape time: the engine's loop and store thread record into
+fixed-bucket arrays as they work (aiokv.stats), and a scrape copies them. The store's own
+``store_stats()`` (occupancy, byte counters) is asked of the store thread, to which every
+store call belongs: the scrape queues a query on its inbox and waits up to
+``store_timeout_s`` for the answer; a scrape made on a thread running an event loop (a
+``/metrics`` route served by the engine's own loop, say) does not wait, and reports the
+answer to an earlier query. Until the first answer the store families are empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+try:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
+    )
+    from prometheus_client.registry import REGISTRY, CollectorRegistry
+    from prometheus_client.utils import floatToGoString
+except ImportError as exc:  # the extra is optional: say which one to install
+    raise ImportError(
+        "aiokv.metrics needs prometheus-client: pip install 'aiokv[metrics]'"
+    ) from exc
+
+from .errors import EngineClosed
+from .requests import Kind
+from .stats import (
+    KINDS,
+    OUTCOMES,
+    HistogramReading,
+    Reading,
+    StatsRecorder,
+    StoreSideStats,
+    StoreStatsAnswer,
+    StoreStatsQuery,
+)
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+__all__ = ["EngineCollector", "register"]
+
+# aiokv_bytes_total{direction, tier}: the store_stats() key of each series. Where the
+# store reports no bytes_d2h / bytes_h2d, the host series are the tokens completed
+# offloads stored / loads loaded times the caches' bytes per token; the SSD series
+# appear only where the store reports them.
+_BYTES_KEYS = (
+    ("d2h", "host", "bytes_d2h"),
+    ("h2d", "host", "bytes_h2d"),
+    ("d2h", "ssd", "bytes_ssd_written"),
+    ("h2d", "ssd", "bytes_ssd_read"),
+)
+_BLOCK_KEYS = (
+    ("host", "used", "host_blocks_used"),
+    ("host", "total", "host_blocks_total"),
+    ("ssd", "used", "ssd_blocks_used"),
+    ("ssd", "total", "ssd_blocks_total"),
+)
+_ERROR_KEYS = (("checksum", "checksum_failures"), ("ssd_write", "ssd_write_errors"))
+# Batches are of a request Kind; lookups move no KV.
+_BATCHED_KINDS = tuple(kind.name.lower() for kind in Kind)
+_BATCH_BYTE_KINDS = tuple(kind for kind in _BATCHED_KINDS if kind != "lookup")
+_Submit = Callable[[StoreStatsQuery], None]  # StoreWorker.submit
+
+
+def register(
+    engine: OffloadEngine,
+    registry: CollectorRegistry | None = None,
+    *,
+    store_timeout_s: float = 0.25,
+) -> EngineCollector:
+    """Add a collector of ``engine``'s metrics to ``registry`` (prometheus_client's
+    default REGISTRY when None) and return it (``registry.unregister(it)`` removes it).
+    Any time in the engine's life: before ``start()`` the counts are zero, after
+    ``aclose()`` they stay at their last values. One engine per registry: a second
+    registration of the same names raises ValueError (prometheus_client's)."""
+    collector = EngineCollector(engine, store_timeout_s)
+    (REGISTRY if registry is None else registry).register(collector)
+    return collector
+
+
+class EngineCollector:
+    """prometheus_client's Collector protocol: ``collect()`` yields the engine's metric
+    families, at each scrape, from any thread."""
+
+    def __init__(self, engine: OffloadEngine, store_timeout_s: float = 0.25) -> None:
+        self._engine = engine
+        self._store_timeout_s = store_timeout_s
+        self._store_stats: StoreStatsAnswer | None = None  # the latest answer
+        self._asked: StoreStatsQuery | None = None  # the latest query sent
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples: the registry checks names with them, without
+        a scrape."""
+        empty = StatsRecorder().read()
+        return _families(empty, StoreSideStats().store.read(), {}, 0, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine
+        # The engine's parts, read here so that the engine needs no metrics code: the
+        # recorder (loop), the worker (store thread; None before start), the geometry.
+        reading = engine._stats.read()
+        worker = engine._worker
+        store_latency = (worker.stats if worker is not None else StoreSideStats()).store.read()
+        tasks_open = worker.tasks_open if worker is not None else 0
+        if worker is not None:
+            self._ask_store(worker.submit)
+        return _families(
+            reading, store_latency, self._store_stats or {}, engine._bytes_per_token, tasks_open
+        )
+
+    def _ask_store(self, submit: _Submit) -> None:
+        """Queue a store_stats() query for the store thread (unless the last one is still
+        waiting there) and wait for it, except on a thread running an event loop."""
+        query = self._asked
+        if query is None or query.answered:
+            query = StoreStatsQuery(self._keep)
+            try:
+                submit(query)
+            except EngineClosed:  # stopped: the last answer stands
+                return
+            self._asked = query
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop here: this thread may block
+            query.wait(self._store_timeout_s)
+
+    def _keep(self, answer: StoreStatsAnswer) -> None:
+        self._store_stats = answer  # store thread: one reference assignment
+
+
+def _histogram(
+    family: HistogramMetricFamily, labels: list[str], reading: HistogramReading, row: int
+) -> None:
+    # "le" spelled as prometheus_client's own histograms spell it ("+Inf" last).
+    bounds = [floatToGoString(b) for b in (*reading.bounds, math.inf)]  # type: ignore[no-untyped-call]
+    cumulative = reading.cumulative(row)
+    buckets = [(b, float(c)) for b, c in zip(bounds, cumulative, strict=True)]
+    family.add_metric(labels, buckets, reading.sums[row])
+
+
+def _families(
+    reading: Reading,
+    store_latency: HistogramReading,
+    store: Mapping[str, int | float],
+    bytes_per_token: int,
+    tasks_open: int,
+) -> Iterator[Metric]:
+    requests = CounterMetricFamily(
+        "aiokv_requests",
+        "Calls by kind and outcome (rejected: turned away by admission, never accepted).",
+        labels=["kind", "outcome"],
+    )
+    for kind in KINDS:
+        for outcome in OUTCOMES:
+            requests.add_metric([kind, outcome], reading.requests(kind, outcome))
+    yield requests
+    yield CounterMetricFamily("aiokv_batches", "Batches dispatched.", reading.batches)
+    yield GaugeMetricFamily("aiokv_pending", "Accepted calls not yet resolved.", reading.pending)
+    yield GaugeMetricFamily(
+        "aiokv_queued", "Accepted calls not yet dispatched to the store thread.", reading.queued
+    )
+    yield GaugeMetricFamily(
+        "aiokv_store_tasks_open", "Store task ids matched or launched, not terminal.", tasks_open
+    )
+
+    batch_requests = HistogramMetricFamily(
+        "aiokv_batch_requests", "Requests per dispatched batch.", labels=["kind"]
+    )
+    batch_bytes = HistogramMetricFamily(
+        "aiokv_batch_bytes",
+        "KV bytes in the pages of each dispatched offload or load batch.",
+        labels=["kind"],
+    )
+    latency = HistogramMetricFamily(
+        "aiokv_latency_seconds",
+        "Submit to resolved, per call (cancelled calls not observed).",
+        labels=["kind"],
+    )
+    for row, kind in enumerate(KINDS):
+        if kind in _BATCHED_KINDS:
+            _histogram(batch_requests, [kind], reading.batch_requests, row)
+        if kind in _BATCH_BYTE_KINDS:
+            _histogram(batch_bytes, [kind], reading.batch_bytes, row)
+        _histogram(latency, [kind], reading.latency, row)
+    window = HistogramMetricFamily(
+        "aiokv_latency_window_seconds", "Submit to dispatched (the batching window), per call."
+    )
+    _histogram(window, [], reading.window, 0)
+    store_time = HistogramMetricFamily(
+        "aiokv_latency_store_seconds",
+        "Dispatched to outcome posted by the store thread, per call.",
+    )
+    _histogram(store_time, [], store_latency, 0)
+    yield from (batch_requests, batch_bytes, window, store_time, latency)
+
+    moved = CounterMetricFamily(
+        "aiokv_bytes", "KV bytes moved, by direction and tier.", labels=["direction", "tier"]
+    )
+    computed = {
+        "bytes_d2h": reading.offloaded_tokens * bytes_per_token,
+        "bytes_h2d": reading.loaded_tokens * bytes_per_token,
+    }
+    for direction, tier, key in _BYTES_KEYS:
+        value = store.get(key, computed.get(key))
+        if value is not None:
+            moved.add_metric([direction, tier], value)
+    yield moved
+
+    yield CounterMetricFamily(
+        "aiokv_lookup_tokens", "Tokens asked by completed lookups.", reading.lookup_tokens
+    )
+    yield CounterMetricFamily(
+        "aiokv_lookup_hit_tokens", "Tokens found for completed lookups.", reading.lookup_hit_tokens
+    )
+    asked = reading.lookup_tokens
+    yield GaugeMetricFamily(
+        "aiokv_hit_ratio",
+        "aiokv_lookup_hit_tokens / aiokv_lookup_tokens since start (0 before any lookup).",
+        reading.lookup_hit_tokens / asked if asked else 0.0,
+    )
+
+    blocks = GaugeMetricFamily(
+        "aiokv_store_blocks", "Store blocks by tier, used and total.", labels=["tier", "state"]
+    )
+    for tier, state, key in _BLOCK_KEYS:
+        if key in store:
+            blocks.add_metric([tier, state], store[key])
+    yield blocks
+    errors = CounterMetricFamily(
+        "aiokv_store_errors", "Errors the store counted, by kind.", labels=["error"]
+    )
+    for error, key in _ERROR_KEYS:
+        if key in store:
+            errors.add_metric([error], store[key])
+    yield errors
