@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import threading
 
@@ -16,7 +17,7 @@ def test_chunk_bounds_grow_cover_everything_and_keep_pages_whole() -> None:
     block_bytes = 3 * 1024  # three blocks do not fill a page; four fill three pages
     bounds = chunk_bounds(2_000_001, block_bytes, chunk_bytes=1 << 30)  # about 6 GiB
     assert bounds[0] == 0 and bounds[-1] == 2_000_001
-    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
     assert all(s > 0 for s in sizes)
     assert sizes[0] * 8 <= sizes[-2]  # the first chunks are the small ones
     assert max(sizes) * block_bytes <= 1 << 30
@@ -50,7 +51,7 @@ def test_pinned_chunks_register_in_order_and_unregister_on_close() -> None:
     base = memory.data.data_ptr()
     assert registered[0][0] == base
     assert sum(n for _, n in registered) == 4096 * 1024
-    for (a, n), (b, _) in zip(registered, registered[1:]):
+    for (a, n), (b, _) in itertools.pairwise(registered):
         assert a + n == b  # contiguous, in order, no page registered twice
     memory.close()
     assert unregistered == [a for a, _ in registered]

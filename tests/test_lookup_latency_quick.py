@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import lookup_latency  # noqa: E402
+import lookup_latency
 
 
 @pytest.mark.parametrize("own_process", ["0", "1"])
