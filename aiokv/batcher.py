@@ -121,10 +121,26 @@ class Batcher:
         self._queued_tokens += request.num_tokens
         self._work.set()
         if self._full():
-            self.flush()  # the batcher's window was for requests that leave now
-            self._plan_queue()
-            while self._planned and self._may_dispatch():
-                self._dispatch_next()  # at once: see the module docstring
+            self._send_full()
+
+    def requeue(self, requests: Sequence[Request]) -> None:
+        """Put dispatched requests back, at the head of the queue, in order: offloads that
+        found no room go before newer ones (:mod:`aiokv.space`)."""
+        if not requests:
+            return
+        if not self._queue:
+            self._head_since = (self._loop or asyncio.get_running_loop()).time()
+        self._queue.extendleft(reversed(requests))
+        self._queued_tokens += sum(request.num_tokens for request in requests)
+        self._work.set()
+        if self._full():
+            self._send_full()
+
+    def _send_full(self) -> None:
+        self.flush()  # the batcher's window was for requests that leave now
+        self._plan_queue()
+        while self._planned and self._may_dispatch():
+            self._dispatch_next()  # at once: see the module docstring
 
     def _full(self) -> bool:
         return (

@@ -1,7 +1,8 @@
 """Counters and latency/batch-size samples; :class:`EngineStats` is their snapshot.
 
 All counters are changed on the event loop, in one place each: ``submitted`` at accept,
-the outcome counters when a request's future completes, ``batches`` at dispatch.
+the outcome counters when a request's future completes, ``batches`` at dispatch, the
+``space_*`` ones by :class:`aiokv.space.SpaceWaits`.
 ``pending`` is derived from them, never counted separately. ``d2h_copies`` is the store
 thread's count of the copies its fused batches made, read at the snapshot.
 """
@@ -42,6 +43,10 @@ class EngineStats:
     mean_batch_requests: float
     latency_p50_ms: float
     latency_p99_ms: float
+    # Backpressure (space.py): no-space answers after which an offload waited to match
+    # again, and the time offloads spent waiting so, in ms, summed over them.
+    space_waits: int = 0
+    space_wait_ms: float = 0.0
 
 
 class StatsRecorder:
@@ -57,6 +62,8 @@ class StatsRecorder:
         self.batches = 0
         self.offloaded_tokens = 0
         self.loaded_tokens = 0
+        self.space_waits = 0  # changed by SpaceWaits alone, as space_wait_s
+        self.space_wait_s = 0.0
         self._latencies_s: deque[float] = deque(maxlen=_SAMPLES)
         self._batch_sizes: deque[int] = deque(maxlen=_SAMPLES)
 
@@ -114,4 +121,6 @@ class StatsRecorder:
             mean_batch_requests=mean_batch,
             latency_p50_ms=float(p50),
             latency_p99_ms=float(p99),
+            space_waits=self.space_waits,
+            space_wait_ms=self.space_wait_s * 1e3,
         )
