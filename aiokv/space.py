@@ -14,7 +14,9 @@ offload is held here and matched again in a later window:
 Nothing spins: every new match follows a store event or a timer. The offload gives up at
 its deadline, ``request_timeout_ms`` after it was accepted (with ``request_timeout_ms: 0``,
 :data:`NO_TIMEOUT_WAIT_S` after its first no-space answer): then, and only then, its caller
-gets StoreFull, "no room even after waiting".
+gets StoreFull, "no room even after waiting". A close that drains lets waiting offloads
+go on trying (up to the drain's timeout); a close without drain fails them with
+EngineClosed at once.
 
 Held on the loop and re-queued into the batcher, not kept on the store thread: a retry is
 an offload like any other (fused into its batch's one host copy, matched with the batch,
