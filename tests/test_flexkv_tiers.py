@@ -139,9 +139,9 @@ def test_directories_must_exist_be_writable_and_have_room(
 
 
 def test_the_adapter_refuses_write_back_when_it_is_built() -> None:
-    config = types.SimpleNamespace(
-        **dataclasses.asdict(aiokv.StoreConfig(backend="flexkv")), ssd_write_policy="write_back"
-    )
+    keys = {**dataclasses.asdict(aiokv.StoreConfig(backend="flexkv")),
+            "ssd_write_policy": "write_back"}  # a valid policy for the local store
+    config = types.SimpleNamespace(**keys)
     with pytest.raises(aiokv.ConfigError) as error:
         FlexKVStore(config)  # type: ignore[arg-type]
     assert error.value.key == "store.ssd_write_policy"
