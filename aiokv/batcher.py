@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .config import EngineConfig
-from .requests import DISPATCHED, Kind, Request
+from .requests import DISPATCHED, QUEUED, TERMINAL, Kind, Request
 
 # Dispatching in one loop iteration beyond this waits for the next (see the docstring).
 DISPATCH_BUDGET_S = 0.0005
@@ -121,10 +121,29 @@ class Batcher:
         self._queued_tokens += request.num_tokens
         self._work.set()
         if self._full():
-            self.flush()  # the batcher's window was for requests that leave now
-            self._plan_queue()
-            while self._planned and self._may_dispatch():
-                self._dispatch_next()  # at once: see the module docstring
+            self._send_full()
+
+    def requeue(self, requests: Sequence[Request]) -> None:
+        """Put dispatched requests back, at the head of the queue, in order: offloads that
+        found no room go before newer ones (:mod:`aiokv.space`)."""
+        if not requests:
+            return
+        if not self._queue:
+            self._head_since = (self._loop or asyncio.get_running_loop()).time()
+        for request in requests:
+            if request.stage is not TERMINAL:  # a caller that left stays gone
+                request.stage = QUEUED  # dispatched again from here
+        self._queue.extendleft(reversed(requests))
+        self._queued_tokens += sum(request.num_tokens for request in requests)
+        self._work.set()
+        if self._full():
+            self._send_full()
+
+    def _send_full(self) -> None:
+        self.flush()  # the batcher's window was for requests that leave now
+        self._plan_queue()
+        while self._planned and self._may_dispatch():
+            self._dispatch_next()  # at once: see the module docstring
 
     def _full(self) -> bool:
         return (

@@ -104,6 +104,9 @@ class EngineConfig:
         ``reject`` raises Overloaded at once, ``wait`` waits for room (bounded by
         request_timeout_ms).
     request_timeout_ms: a request not resolved by then fails with RequestTimeout (0: never).
+        An offload that finds the store full of blocks it cannot evict yet (being
+        written, read or held) waits for room and matches again until then
+        (:mod:`aiokv.space`), and then fails with StoreFull; with 0 it waits 30 s at most.
     lookup_ttl_ms: a Lookup's reservation not used by ``load`` is released after this.
     poll_interval_us: how often the store thread polls outstanding tasks.
     store_slice_us: once the store thread has run this long since it last blocked on its

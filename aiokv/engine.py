@@ -43,6 +43,7 @@ from .requests import (
     new_request,
 )
 from .resolution import Resolver
+from .space import SpaceWaits
 from .stats import EngineStats, StatsRecorder
 from .stores.base import Store
 from .worker import StoreWorker
@@ -104,6 +105,7 @@ class OffloadEngine:
         self._ready_marks: ReadyMarks | None = None  # the callers' CUDA events, on a GPU
         self._closing: asyncio.Future[None] | None = None
         self._resolver: Resolver | None = None  # resolves every future, once started
+        self._space: SpaceWaits | None = None  # offloads waiting for room, once started
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -167,6 +169,13 @@ class OffloadEngine:
             resolver.dispatch_failed,
             self._ready_marks.close_window if self._ready_marks is not None else None,
         )
+        resolver.space = self._space = SpaceWaits(
+            loop,
+            self._config.request_timeout_ms,
+            self._stats,
+            self._batcher.requeue,
+            resolver.resolve,
+        )
         # Calls are accepted from here on: they queue until the batcher task starts.
         self._state = EngineState.RUNNING
         self._worker.start()
@@ -222,7 +231,8 @@ class OffloadEngine:
             except TimeoutError:
                 log.warning("aiokv: drain timed out after %.1fs; closing now", timeout)
                 drain = False
-        for request in self._batcher.take_queued():
+        assert self._space is not None
+        for request in [*self._space.close(), *self._batcher.take_queued()]:
             self._resolve(request, EngineClosed("engine closed before this request ran"))
         if self._batcher_task is not None:
             self._batcher_task.cancel()

@@ -5,7 +5,8 @@ The store thread posts each drained set of (request, outcome) pairs with one
 (closed, timed out, dispatch failed) through :meth:`Resolver.resolve` too. A future that
 is already done (its caller cancelled, or it timed out) is left alone, and a lookup's
 reservation that nobody will hold any more is given back. :meth:`Resolver.finished` is
-the one place outcome counts change.
+the one place outcome counts change. An offload whose match found no room (StoreFull) is
+not resolved but held for a later try (:mod:`aiokv.space`), until its deadline.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from collections.abc import Sequence
 
 from .admission import Admission
 from .deadlines import Deadlines
-from .errors import EngineClosed, RequestTimeout, StoreError
-from .requests import TERMINAL, Lookup, LookupGrant, Request
+from .errors import EngineClosed, RequestTimeout, StoreError, StoreFull
+from .requests import TERMINAL, Kind, Lookup, LookupGrant, Request
+from .space import SpaceWaits
 from .stats import StatsRecorder
 
 log = logging.getLogger("aiokv")
@@ -30,6 +32,7 @@ log = logging.getLogger("aiokv")
 # (large batches, or several drained together) would otherwise hold the loop for
 # milliseconds in one or two iterations.
 RESOLVE_BUDGET_S = 0.0001
+_OFFLOAD = Kind.OFFLOAD  # a module global: read per outcome
 
 
 class Resolver:
@@ -51,6 +54,7 @@ class Resolver:
         self._lookup_ttl_s = lookup_ttl_s
         self._request_timeout_ms = request_timeout_ms
         self.deadlines: Deadlines | None = None  # pruned as outcomes resolve, when set
+        self.space: SpaceWaits | None = None  # offloads waiting for room, once started
         # Outcomes posted by the store thread, not resolved yet (RESOLVE_BUDGET_S). While
         # it holds any, a resolve_outcomes callback is scheduled for them.
         self._outcomes: deque[tuple[Request, object]] = deque()
@@ -72,14 +76,25 @@ class Resolver:
         iteration."""
         outcomes = self._outcomes
         resolve = self.resolve
+        space = self.space
+        ended = False  # a store task ended: room may have freed for offloads that wait
         deadline = time.perf_counter() + (RESOLVE_BUDGET_S if budget_s is None else budget_s)
         try:
             while outcomes:
                 request, outcome = outcomes.popleft()
+                if space is not None:
+                    if isinstance(outcome, StoreFull) and request.kind is _OFFLOAD:
+                        outcome = space.hold(request, outcome)
+                        if outcome is None:
+                            continue  # held: it matches again in a later window
+                    elif request.task_id is not None:  # launched (or a load's reservation)
+                        ended = True
                 resolve(request, outcome)
                 if time.perf_counter() >= deadline:
                     break
         finally:
+            if ended and space is not None:
+                space.room_may_have_freed()
             if self.deadlines is not None:
                 self.deadlines.prune()
             # Even if one resolution raised (the loop's exception handler logs it), the
@@ -115,7 +130,12 @@ class Resolver:
         self.finished(request, outcome)
 
     def expire(self, request: Request) -> None:
-        """A request past its deadline (engine.request_timeout_ms) times out."""
+        """A request past its deadline (engine.request_timeout_ms) times out; an offload
+        that was waiting for room fails with StoreFull: no room even after waiting."""
+        space = self.space
+        if space is not None and space.waited(request):
+            self.resolve(request, space.give_up(request))
+            return
         self.resolve(
             request,
             RequestTimeout(
@@ -148,6 +168,9 @@ class Resolver:
         the engine on cancellation; not a done-callback, which would cost a loop
         callback."""
         request.stage = TERMINAL  # the store thread stops caring about it from now on
+        space = self.space
+        if space is not None and space.waits:
+            space.forget(request)
         self._admission.leave(request)
         self._stats.record_outcome(request, outcome)
         if not self._admission.live:

@@ -14,8 +14,9 @@ item, several times per request. Readers on other threads copy each list with on
 ``list.copy()``, a single C call made under the GIL, so no list is read half-written.
 Every counter lives in one list: the counts of one reading agree with each other (a
 histogram copied a moment later may be a few observations ahead). ``pending`` and
-``queued`` are derived from them, never counted separately. ``d2h_copies`` is the store
-thread's count of the copies its fused batches made, read at the snapshot.
+``queued`` are derived from them, never counted separately; the ``space_*`` counters are
+changed by :class:`aiokv.space.SpaceWaits` alone. ``d2h_copies`` is the store thread's
+count of the copies its fused batches made, read at the snapshot.
 """
 
 from __future__ import annotations
@@ -204,6 +205,10 @@ class EngineStats:
     queued: int
     lookup_tokens: int
     lookup_hit_tokens: int
+    # Backpressure (space.py): no-space answers after which an offload waited to match
+    # again, and the time offloads spent waiting so, in ms, summed over them.
+    space_waits: int = 0
+    space_wait_ms: float = 0.0
 
     @property
     def hit_ratio(self) -> float:
@@ -221,6 +226,8 @@ class StatsRecorder:
         self.window = Histogram(LATENCY_BOUNDS_S)
         self.batch_requests = Histogram(BATCH_REQUEST_BOUNDS, len(KINDS))
         self.batch_bytes = Histogram(BATCH_BYTE_BOUNDS, len(KINDS))
+        self.space_waits = 0  # changed by SpaceWaits alone, as space_wait_s
+        self.space_wait_s = 0.0
         self._latencies_s: deque[float] = deque(maxlen=_SAMPLES)
         self._batch_sizes: deque[int] = deque(maxlen=_SAMPLES)
 
@@ -344,6 +351,8 @@ class StatsRecorder:
             queued=now.queued,
             lookup_tokens=now.lookup_tokens,
             lookup_hit_tokens=now.lookup_hit_tokens,
+            space_waits=self.space_waits,
+            space_wait_ms=self.space_wait_s * 1e3,
         )
 
 

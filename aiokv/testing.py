@@ -257,6 +257,8 @@ class FaultyStore(StoreWrapper):
     """Wraps a store and injects faults, one knob each:
 
     - ``put_match_error`` / ``get_match_error``: raised by the next matches (NoSpace too);
+    - ``no_space_for``: the next this many put_matches raise NoSpace (a store full for a
+      while: each later match counts one down), counted as ``injected["no_space"]``;
     - ``fail_tasks``: launched tasks answer FAILED (after the real copy ends);
     - ``hold``: while this Event is clear, ``try_wait`` answers nothing (slow transfers);
     - ``launch_error``: raised by launch, before anything is launched.
@@ -296,6 +298,7 @@ class FaultyStore(StoreWrapper):
         if unknown:
             raise ValueError(f"error_verbs: unknown verbs {sorted(unknown)}; known: {VERBS}")
         self.put_match_error: Exception | None = None
+        self.no_space_for = 0
         self.get_match_error: Exception | None = None
         self.launch_error: Exception | None = None
         self.fail_tasks = False
@@ -327,6 +330,10 @@ class FaultyStore(StoreWrapper):
         self._enter("put_match")
         if self.put_match_error is not None:
             raise self.put_match_error
+        if self.no_space_for > 0:
+            self.no_space_for -= 1
+            self._count("no_space")
+            raise no_space()
         return self.inner.put_match(token_ids, namespace)
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:

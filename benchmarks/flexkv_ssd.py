@@ -4,10 +4,13 @@ every round back.
 Through the public API only (``aiokv.open_engine`` on a YAML config, ``backend: flexkv``,
 FlexKV in its default child process): ``--rounds`` rounds of ``--users`` users x
 ``--tokens`` tokens (8 layers, 4 heads x 256, bf16, page 32: 2 GiB a round at 32 x 2048),
-each round's offloads awaited together; a caller that gets StoreFull retries it after
-``--retry-ms``. Then, round by round, every user's key is looked up and its hit loaded
-into a second page range, and the loaded pages are compared bit for bit with what was
-offloaded (each round's data is regenerated from its seed on the GPU).
+each round's offloads awaited together. A caller offloads once and does not retry: an
+offload that finds the CPU tier full of blocks still being written to SSD waits for room
+inside the engine (backpressure, aiokv/space.py), so ``store_full_seen`` (callers that got
+StoreFull) should stay 0, while ``space_waits`` / ``space_wait_ms`` (EngineStats, per
+round) count the waits. Then, round by round, every user's key is looked up and its hit
+loaded into a second page range, and the loaded pages are compared bit for bit with what
+was offloaded (each round's data is regenerated from its seed on the GPU).
 
 Prints one JSON line per round and writes them all with ``--json FILE``. Needs flexkv
 and a CUDA GPU: ``python benchmarks/flexkv_ssd.py --ssd-cache-dir /tmp/flexkv_ssd``.
@@ -58,22 +61,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-async def offload_retrying(
+async def offload_once(
     engine: aiokv.OffloadEngine, user: int, pages: torch.Tensor, tokens: int,
-    retry_s: float, max_retries: int, full_seen: list[int],
+    full_seen: list[int],
 ) -> tuple[int, int, str]:
-    """One caller: offload, retrying StoreFull after ``retry_s``.
-    (tokens written, tokens of the key now stored, error)."""
-    for _ in range(max_retries + 1):
-        try:
-            result = await engine.offload(user, pages, tokens)
-            return result.stored_tokens, result.cached_tokens, ""
-        except aiokv.StoreFull:
-            full_seen[0] += 1
-            await asyncio.sleep(retry_s)
-        except aiokv.AiokvError as exc:
-            return 0, 0, f"{type(exc).__name__}: {exc}"
-    return 0, 0, f"StoreFull {max_retries + 1} times"
+    """One caller, one offload, no retry. (tokens written, tokens of the key now stored,
+    error); a StoreFull is counted in ``full_seen``."""
+    try:
+        result = await engine.offload(user, pages, tokens)
+        return result.stored_tokens, result.cached_tokens, ""
+    except aiokv.StoreFull as exc:
+        full_seen[0] += 1
+        return 0, 0, f"StoreFull: {exc}"
+    except aiokv.AiokvError as exc:
+        return 0, 0, f"{type(exc).__name__}: {exc}"
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -106,13 +107,14 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             fill_round(caches, slice(0, region), r)
             sync(args.device)
             full_seen = [0]
+            before = engine.stats()
             start = time.perf_counter()
             results = await asyncio.gather(*(
-                offload_retrying(engine, r * users + u, out_pages[u], tokens,
-                                 args.retry_ms / 1e3, args.max_retries, full_seen)
+                offload_once(engine, r * users + u, out_pages[u], tokens, full_seen)
                 for u in range(users)
             ))
             elapsed = time.perf_counter() - start
+            after = engine.stats()
             stored = sum(s for s, _, _ in results)
             errors = sorted({e for _, _, e in results if e})
             rows[r].update({
@@ -120,6 +122,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "offload_gib_s": round(stored * BYTES_PER_TOKEN / elapsed / 2**30, 3),
                 "offloaded_tokens": stored, "cached_tokens": sum(c for _, c, _ in results),
                 "store_full_seen": full_seen[0], "failed_users": sum(1 for *_, e in results if e),
+                "space_waits": after.space_waits - before.space_waits,
+                "space_wait_ms": round(after.space_wait_ms - before.space_wait_ms, 1),
                 "offload_errors": errors[:3],
             })
             print(json.dumps(rows[r]), flush=True)
@@ -169,8 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ssd-cache-gb", type=float, default=16.0)
     parser.add_argument("--ssd-cache-dir", default=os.path.join(tempfile.gettempdir(),
                                                                 "aiokv_flexkv_ssd"))
-    parser.add_argument("--retry-ms", type=float, default=100.0)
-    parser.add_argument("--max-retries", type=int, default=300)
     parser.add_argument("--timeout-ms", type=int, default=120_000)
     parser.add_argument("--settle-s", type=float, default=0.0,
                         help="seconds to wait between the last offload and the lookups")
@@ -183,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         print("skipped: no CUDA device")
         return 0
     rows = asyncio.run(run(args))
-    print(f"\n{'round':>5} | {'GiB/s':>6} {'StoreFull':>9} | {'hit/asked tokens':>17} | exact")
+    print(f"\n{'round':>5} | {'GiB/s':>6} {'StoreFull':>9} {'waits':>6} {'wait ms':>9} | "
+          f"{'hit/asked tokens':>17} | exact")
     for row in rows:
-        print(f"{row['round']:>5} | {row['offload_gib_s']:>6.2f} {row['store_full_seen']:>9} | "
+        print(f"{row['round']:>5} | {row['offload_gib_s']:>6.2f} {row['store_full_seen']:>9} "
+              f"{row['space_waits']:>6} {row['space_wait_ms']:>9.1f} | "
               f"{row['hit_tokens']:>8}/{row['asked_tokens']:<8} | "
               f"{row['loads_bit_exact']}/{row['users_hit']}")
     if args.json:

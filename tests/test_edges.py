@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import PAGE_SIZE, failing_first_call, small_store
+from test_space import Holds
 
 import aiokv
 from aiokv.testing import CheckingStore, FaultyStore, no_space
@@ -289,12 +290,14 @@ async def test_every_call_after_close_raises_engine_closed(caches: list[torch.Te
 
 @pytest.mark.asyncio
 async def test_store_errors_fail_their_requests_typed(caches: list[torch.Tensor]) -> None:
-    rig = Rig(caches, window_us=0)
+    # A short deadline: a store with no room at all fails the offload once it passed.
+    rig = Rig(caches, window_us=0, request_timeout_ms=100)
     async with rig.engine:
         rig.faulty.put_match_error = no_space()
         with pytest.raises(aiokv.StoreFull) as full:
             await rig.engine.offload("u", pages(0), 16)
         assert isinstance(full.value.__cause__, aiokv.stores.NoSpace)
+        assert rig.engine.stats().space_waits >= 1  # it waited for room first
         rig.faulty.put_match_error = RuntimeError("disk on fire")
         with pytest.raises(aiokv.StoreError, match="disk on fire"):
             await rig.engine.offload("u", pages(0), 16)
@@ -345,19 +348,26 @@ async def test_a_batch_failing_after_its_matches_gives_them_back(
 
 
 @pytest.mark.asyncio
-async def test_full_store_reports_no_space(caches: list[torch.Tensor]) -> None:
+async def test_full_store_reports_no_space(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    holds = Holds(monkeypatch)
     block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=8 * block_bytes / (1 << 30)))
     checked = CheckingStore(store, loop_thread=threading.get_ident())
-    engine = aiokv.OffloadEngine(checked, caches, aiokv.EngineConfig(window_us=0))
+    config = aiokv.EngineConfig(window_us=0, request_timeout_ms=500)
+    engine = aiokv.OffloadEngine(checked, caches, config)
     async with engine:
         await engine.offload("a", pages(0, 8), 8 * PAGE_SIZE)
         hit = await engine.lookup("a", 8 * PAGE_SIZE)  # holds all 8 blocks: none evictable
-        with pytest.raises(aiokv.StoreFull):
-            await engine.offload("b", pages(8), 16)
+        with pytest.raises(aiokv.StoreFull, match="no room after"):
+            await engine.offload("b", pages(8), 16)  # it waited, up to its deadline
+        assert engine.stats().space_waits >= 2
+        waiting = asyncio.ensure_future(engine.offload("b", pages(8), 16))
+        await holds.reach(holds.count + 1)  # no room: it waits
         hit.release()
-        # Released blocks are evictable again: the put succeeds by evicting.
-        assert (await engine.offload("b", pages(8), 16)).stored_tokens == 16
+        # Released blocks are evictable again: the put that waited succeeds by evicting.
+        assert (await waiting).stored_tokens == 16
     assert checked.problems() == []
 
 

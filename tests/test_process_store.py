@@ -390,16 +390,17 @@ class MatchesAtOnce(aiokv.testing.StoreWrapper):
 async def test_the_store_thread_matches_an_offload_batch_in_one_call() -> None:
     store = MatchesAtOnce()
     store.refuse = {"u1"}
-    engine = aiokv.OffloadEngine(
-        store, make_caches(), aiokv.EngineConfig(window_us=50_000, max_batch_requests=3)
-    )
+    config = aiokv.EngineConfig(window_us=50_000, max_batch_requests=3, request_timeout_ms=300)
+    engine = aiokv.OffloadEngine(store, make_caches(), config)
     async with engine:
         outcomes = await asyncio.gather(
             *(engine.offload(u, torch.arange(4 * u, 4 * u + 4), 4 * PAGE_SIZE,
                              namespace=[f"u{u}"]) for u in range(3)),
             return_exceptions=True,
         )
-        assert store.calls == [["u0", "u1", "u2"]] and store.single_calls == 0
+        assert store.calls[0] == ["u0", "u1", "u2"] and store.single_calls == 0
+        # The refused one waits for room, matched again alone, until its deadline.
+        assert len(store.calls) > 1 and all(call == ["u1"] for call in store.calls[1:])
         assert isinstance(outcomes[1], aiokv.StoreFull)  # its own answer fails it alone
         assert [o.stored_tokens for o in (outcomes[0], outcomes[2])] == [4 * PAGE_SIZE] * 2
         store.broken = True  # the whole call fails: each of its requests, once

@@ -21,6 +21,7 @@ import torch
 from ... import validate
 from ...config import StoreConfig
 from ...errors import ConfigError, StoreError
+from .tiers import check_ssd_dirs, tier_values
 
 # Environment FlexKV must see before its first import. MPS: FlexKV would otherwise try to
 # start the MPS daemon (absent on most hosts). setdefault: a user's own choice wins.
@@ -122,6 +123,8 @@ def start_manager(
     )
     cache_config = CacheConfig(tokens_per_block=geometry.page_size, enable_cpu=True)
     user_config = flexkv_user_config(config)
+    if user_config.ssd_cache_gb > 0:
+        check_ssd_dirs(user_config.ssd_cache_dir, user_config.ssd_cache_gb)
     # FlexKV's own loader turns GiB into explicit block counts (its default
     # num_cpu_blocks would allocate a million blocks) and applies override_* keys.
     update_default_config_from_user_config(
@@ -200,11 +203,7 @@ def wait_ready(manager: Any, timeout_s: float, endpoint: str) -> None:
 def flexkv_user_config(config: StoreConfig) -> Any:
     """FlexKV's UserConfig for ``config``: its ``flexkv`` mapping (and user_config_file)
     under the StoreConfig's own tier fields, which win."""
-    from flexkv.common.config import (
-        UserConfig,
-        load_user_config_from_file,
-        parse_path_list,
-    )
+    from flexkv.common.config import UserConfig, load_user_config_from_file
 
     known = {f.name for f in fields(UserConfig)}
     cfg = config
@@ -222,13 +221,8 @@ def flexkv_user_config(config: StoreConfig) -> Any:
             values[key] = value
         else:  # the file loader's convention; applied by update_default_config_...
             overrides[f"override_{key}"] = value
-    # StoreConfig's own fields are authoritative over the flexkv mapping.
-    values["cpu_cache_gb"] = cfg.cpu_cache_gb
-    values["ssd_cache_gb"] = cfg.ssd_cache_gb
-    ssd_dir = cfg.ssd_cache_dir or values.get("ssd_cache_dir") or "./flexkv_ssd"
-    values["ssd_cache_dir"] = (
-        parse_path_list(ssd_dir) if isinstance(ssd_dir, str) else list(ssd_dir)
-    )
+    # StoreConfig's own tier keys are authoritative over the flexkv mapping (tiers.py).
+    values.update(tier_values(cfg, values.get("ssd_cache_dir")))
     user_config = UserConfig(**values)  # runs FlexKV's validation
     for key, value in overrides.items():
         setattr(user_config, key, value)

@@ -13,6 +13,14 @@ What this adapter owns (FlexKV's sharp edges, see DESIGN.md):
 - An all-False put mask also means "no space": ``put_match`` tells that apart from
   "already stored" with a ``get_match`` on the same tokens and raises ``NoSpace``.
 - A launched task is never cancelled (FlexKV would forget it while its copy runs on).
+- With an SSD tier, FlexKV writes every put through to SSD and keeps the put's CPU blocks
+  locked until that write ends; its ``try_wait`` (``completely=False``) answers once the
+  GPU copy is done. A caller told then would find the CPU tier full of locked blocks (its
+  next puts get NoSpace, its lookups of SSD blocks miss: they stage through CPU blocks).
+  So with an SSD tier a task is polled with ``wait(ids, timeout=0.0, completely=True)``,
+  which answers a task only once all of it, SSD write included, is done, answers the
+  others TIMEOUT and keeps them (they are asked again later): an offload resolves when
+  its CPU blocks are free again.
 
 FlexKV starts a TransferManager with the ``spawn`` start method: the program's main module
 must be import-safe (``if __name__ == "__main__":``).
@@ -36,6 +44,7 @@ from ...config import StoreConfig
 from ...errors import ConfigError
 from ..base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus, no_yield
 from .setup import CacheGeometry, attach_caches, start_manager, wait_ready
+from .tiers import quiet_wait_timeouts, tier_values
 
 log = logging.getLogger("aiokv")
 
@@ -53,6 +62,7 @@ class FlexKVStore:
     store_slice_us = 200
 
     def __init__(self, config: StoreConfig, *, ready_timeout_s: float = 60.0) -> None:
+        tier_values(config, config.flexkv.get("ssd_cache_dir"))  # ConfigError: say it now
         self._config = config
         self._ready_timeout_s = ready_timeout_s
         self.page_size: int = config.page_size or 0  # fixed by register()
@@ -75,6 +85,8 @@ class FlexKVStore:
         self._writing: dict[int, tuple[tuple[str, ...], Int64Array]] = {}
         self._yield: Callable[[], None] = no_yield  # the engine's (set_yield)
         self._closed = False
+        # With an SSD tier, a task is answered only once its SSD writes are done too.
+        self._completely = config.ssd_cache_gb > 0
 
     # ---- setup -----------------------------------------------------------------------
 
@@ -107,6 +119,8 @@ class FlexKVStore:
         self._manager = start_manager(
             self._config, geometry, self._endpoint, self.gpu_register_endpoint
         )
+        if self._completely and getattr(self._manager, "server_client_mode", False):
+            quiet_wait_timeouts()
         self.page_size = geometry.page_size
 
     def wait_attached(self) -> None:
@@ -317,7 +331,14 @@ class FlexKVStore:
             return
         from flexkv.common.request import KVResponseStatus
 
-        responses = self._manager.try_wait(sorted(flexkv_ids))
+        ids = sorted(flexkv_ids)
+        if self._completely:
+            # Non-blocking (timeout 0.0); a task not done answers TIMEOUT and is kept.
+            answers = self._manager.wait(ids, timeout=0.0, completely=True) or {}
+            pending = KVResponseStatus.TIMEOUT
+            responses = {f: r for f, r in answers.items() if r.status is not pending}
+        else:
+            responses = self._manager.try_wait(ids)
         if responses:
             self._yield()
         for fid, response in responses.items():

@@ -1,0 +1,335 @@
+"""Backpressure (aiokv/space.py): an offload that finds no room waits and matches again.
+
+The retry decision as pure functions; SpaceWaits on a fake clock and timer; and the
+engine end to end over a FaultyStore that has no room for a while (``no_space_for``)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import PAGE_SIZE, small_store
+
+import aiokv
+from aiokv import space
+from aiokv.errors import StoreFull
+from aiokv.requests import Kind, Request
+from aiokv.space import SpaceWaits, give_up_at, next_try_at
+from aiokv.stats import StatsRecorder
+from aiokv.stores.base import NoSpace
+from aiokv.testing import CheckingStore, FaultyStore
+
+MIN, MAX = space.BACKOFF_MIN_S, space.BACKOFF_MAX_S
+
+# ---- the decision ------------------------------------------------------------------------
+
+
+def test_the_backoff_starts_small_doubles_and_is_capped() -> None:
+    delays = [next_try_at(100.0, 1e9, tries) for tries in range(1, 40)]
+    steps = [d - 100.0 for d in delays if d is not None]
+    assert steps[0] == pytest.approx(MIN)
+    assert steps[1] == pytest.approx(2 * MIN) and steps[2] == pytest.approx(4 * MIN)
+    assert all(b >= a for a, b in itertools.pairwise(steps))  # never shrinks
+    assert max(steps) == pytest.approx(MAX) and steps[-1] == pytest.approx(MAX)
+    assert MIN < MAX <= 0.1  # "a few ms, growing": a wait never hides room for long
+
+
+def test_no_try_is_due_past_the_deadline_and_the_last_is_at_it() -> None:
+    assert next_try_at(10.0, 10.0 + MIN / 2, 1) == pytest.approx(10.0 + MIN / 2)
+    assert next_try_at(10.0, 10.0, 1) is None  # reached: give up (StoreFull)
+    assert next_try_at(11.0, 10.0, 5) is None
+
+
+def test_the_deadline_is_the_request_timeout_or_a_bound_without_one() -> None:
+    assert give_up_at(5.0, 7.0, 1500) == pytest.approx(6.5)  # from accept, not first wait
+    assert give_up_at(5.0, 7.0, 0) == pytest.approx(7.0 + space.NO_TIMEOUT_WAIT_S)
+
+
+# ---- SpaceWaits on a fake clock --------------------------------------------------------
+
+
+class FakeTimers:
+    """The loop's call_later, run by hand; and the clock SpaceWaits reads."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.timers: list[list[Any]] = []  # [when, callback, cancelled]
+
+    def clock(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Any:
+        entry = [self.now + delay, callback, False]
+        self.timers.append(entry)
+
+        class Handle:
+            def cancel(self) -> None:
+                entry[2] = True
+
+        return Handle()
+
+    def armed(self) -> list[float]:
+        return [when for when, _, cancelled in self.timers if not cancelled]
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        for entry in list(self.timers):
+            if not entry[2] and entry[0] <= self.now:
+                entry[2] = True
+                entry[1]()
+
+
+def offload(submitted_at: float = 0.0) -> Request:
+    request = Request(
+        Kind.OFFLOAD, "u", concurrent.futures.Future(), PAGE_SIZE,
+        np.arange(PAGE_SIZE, dtype=np.int64), ("ns",), None, 1,
+    )
+    request.submitted_at = submitted_at
+    return request
+
+
+def full() -> StoreFull:
+    error = StoreFull("store has no space: full")
+    error.__cause__ = NoSpace("full")
+    return error
+
+
+class Rig:
+    def __init__(self, timeout_ms: int = 1000) -> None:
+        self.timers = FakeTimers()
+        self.stats = StatsRecorder()
+        self.requeued: list[list[Request]] = []
+        self.waits = SpaceWaits(
+            self.timers, timeout_ms, self.stats, self.requeue, self.resolve,  # type: ignore[arg-type]
+            clock=self.timers.clock,
+        )
+
+    def requeue(self, requests: Sequence[Request]) -> None:
+        self.requeued.append(list(requests))
+
+    def resolve(self, request: Request, outcome: object) -> None:
+        raise AssertionError("SpaceWaits hands its errors back; it resolves nothing itself")
+
+
+def test_a_held_offload_is_requeued_after_its_backoff_and_not_before() -> None:
+    rig = Rig()
+    request = offload()
+    assert rig.waits.hold(request, full()) is None
+    assert rig.timers.armed() == [pytest.approx(MIN)]
+    rig.timers.advance(MIN / 4)
+    assert rig.requeued == []  # no spin: nothing before the backoff
+    rig.timers.advance(MIN)
+    assert rig.requeued == [[request]]
+    assert rig.stats.space_waits == 1 and rig.stats.space_wait_s == pytest.approx(1.25 * MIN)
+    assert rig.waits.hold(request, full()) is None  # no room again: twice the backoff
+    assert rig.timers.armed() == [pytest.approx(rig.timers.now + 2 * MIN)]
+
+
+def test_a_terminal_task_requeues_every_held_offload_at_once_in_order() -> None:
+    rig = Rig()
+    first, second = offload(), offload()
+    rig.waits.hold(first, full())
+    rig.timers.advance(MIN / 2)
+    rig.waits.hold(second, full())
+    rig.waits.room_may_have_freed()
+    assert rig.requeued == [[first, second]]
+    assert rig.timers.armed() == []  # nothing left to wake up for
+    rig.waits.room_may_have_freed()  # nothing held: nothing requeued twice
+    assert rig.requeued == [[first, second]]
+
+
+def test_an_offload_gives_up_at_its_deadline_with_the_stores_cause() -> None:
+    rig = Rig(timeout_ms=10)
+    request = offload(submitted_at=0.0)
+    tries = 0
+    final: StoreFull | None = None
+    while final is None:
+        final = rig.waits.hold(request, full())
+        tries += 1
+        if final is None:
+            rig.timers.advance(1.0)  # past every backoff: the timer fires, it matches again
+    assert isinstance(final.__cause__, NoSpace)
+    assert "no room after" in str(final) and "request_timeout_ms=10" in str(final)
+    assert tries >= 2 and rig.timers.now >= 0.01
+    assert not rig.waits.waited(request)  # forgotten once it gave up
+
+
+def test_the_deadline_gives_storefull_to_an_offload_that_waited() -> None:
+    rig = Rig()
+    request = offload()
+    rig.waits.hold(request, full())
+    assert rig.waits.waited(request)
+    error = rig.waits.give_up(request)
+    assert isinstance(error, StoreFull) and not rig.waits.waited(request)
+    rig.timers.advance(1.0)
+    assert rig.requeued == []  # its timer entry is skipped
+
+
+def test_a_caller_who_left_is_neither_held_nor_requeued() -> None:
+    rig = Rig()
+    left, stays = offload(), offload()
+    left.future.cancel()
+    error = full()
+    assert rig.waits.hold(left, error) is error and not rig.waits.waited(left)
+    rig.waits.hold(stays, full())
+    other = offload()
+    rig.waits.hold(other, full())
+    other.future.cancel()  # left while held
+    rig.waits.room_may_have_freed()
+    assert rig.requeued == [[stays]] and not rig.waits.waited(other)
+
+
+def test_close_returns_the_held_offloads_and_holds_no_more() -> None:
+    rig = Rig()
+    held = offload()
+    rig.waits.hold(held, full())
+    assert rig.waits.close() == [held]
+    assert rig.timers.armed() == []
+    assert isinstance(rig.waits.hold(offload(), full()), StoreFull)
+
+
+# ---- the engine, end to end -------------------------------------------------------------
+
+
+class Holds:
+    """Counts the offloads SpaceWaits put on hold, and lets a test wait for a count."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        self._changed = asyncio.Event()
+        real = SpaceWaits.hold
+
+        def hold(waits: SpaceWaits, request: Request, error: StoreFull) -> StoreFull | None:
+            outcome = real(waits, request, error)
+            if outcome is None:
+                self.count += 1
+                self._changed.set()
+            return outcome
+
+        monkeypatch.setattr(SpaceWaits, "hold", hold)
+
+    async def reach(self, count: int) -> None:
+        while self.count < count:
+            self._changed.clear()
+            await asyncio.wait_for(self._changed.wait(), 10)
+
+
+def engine_over(caches: list[torch.Tensor], **config: Any) -> tuple[
+    FaultyStore, aiokv.OffloadEngine, CheckingStore
+]:
+    faulty = FaultyStore(small_store())
+    checked = CheckingStore(faulty, loop_thread=threading.get_ident())
+    engine = aiokv.OffloadEngine(checked, caches, aiokv.EngineConfig(window_us=0, **config))
+    return faulty, engine, checked
+
+
+def hour_long_backoffs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a store event (or the deadline) can end a wait now."""
+    monkeypatch.setattr(space, "BACKOFF_MIN_S", 3600.0)
+    monkeypatch.setattr(space, "BACKOFF_MAX_S", 3600.0)
+
+
+def pages(start: int, count: int = 4) -> torch.Tensor:
+    return torch.arange(start, start + count)
+
+
+@pytest.mark.asyncio
+async def test_offloads_wait_out_a_store_with_no_room_for_a_while(
+    caches: list[torch.Tensor],
+) -> None:
+    faulty, engine, checked = engine_over(caches)
+    async with engine:
+        faulty.no_space_for = 6
+        results = await asyncio.gather(
+            *(engine.offload(u, pages(4 * u), 4 * PAGE_SIZE) for u in range(3))
+        )
+        assert [r.stored_tokens for r in results] == [4 * PAGE_SIZE] * 3  # no StoreFull
+        stats = engine.stats()
+        assert faulty.injected["no_space"] == 6 and stats.space_waits == 6
+        assert stats.space_wait_ms > 0 and stats.failed == 0 and stats.completed == 3
+        hit = await engine.lookup(1, 4 * PAGE_SIZE)  # what waited was stored whole
+        assert hit.cached_tokens == 4 * PAGE_SIZE
+        hit.release()
+    assert checked.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_a_terminal_task_wakes_an_offload_that_waits_for_room(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hour_long_backoffs(monkeypatch)  # only the store's "a task ended" can bring the retry
+    holds = Holds(monkeypatch)
+    faulty, engine, checked = engine_over(caches, request_timeout_ms=0)
+    async with engine:
+        faulty.hold.clear()  # the first offload's answer is held back
+        first = asyncio.ensure_future(engine.offload("a", pages(0), 4 * PAGE_SIZE))
+        assert await asyncio.to_thread(faulty.launched.wait, 10)
+        faulty.no_space_for = 1
+        second = asyncio.ensure_future(engine.offload("b", pages(4), 4 * PAGE_SIZE))
+        await holds.reach(1)  # b found no room and is held
+        assert not second.done()
+        faulty.hold.set()  # a's task ends: b matches again at once
+        done = await asyncio.wait_for(asyncio.gather(first, second), 30)
+        assert [r.stored_tokens for r in done] == [4 * PAGE_SIZE] * 2
+    assert checked.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_with_no_timeout_the_wait_for_room_is_still_bounded(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(space, "NO_TIMEOUT_WAIT_S", 0.05)
+    faulty, engine, checked = engine_over(caches, request_timeout_ms=0)
+    async with engine:
+        faulty.put_match_error = aiokv.testing.no_space()  # never any room
+        with pytest.raises(aiokv.StoreFull, match="no room after") as error:
+            await engine.offload("u", pages(0), 4 * PAGE_SIZE)
+        assert isinstance(error.value.__cause__, NoSpace)
+        assert engine.stats().space_waits >= 1 and engine.stats().timed_out == 0
+    assert checked.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_the_request_deadline_fails_an_offload_that_waits_with_storefull(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hour_long_backoffs(monkeypatch)  # held when the deadline comes
+    faulty, engine, checked = engine_over(caches, request_timeout_ms=50)
+    async with engine:
+        faulty.no_space_for = 1
+        with pytest.raises(aiokv.StoreFull, match="no room after 1 tries"):
+            await engine.offload("u", pages(0), 4 * PAGE_SIZE)
+        stats = engine.stats()
+        assert stats.timed_out == 0 and stats.failed == 1 and stats.space_waits == 1
+    assert checked.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_callers_who_leave_or_a_close_end_the_wait(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hour_long_backoffs(monkeypatch)
+    holds = Holds(monkeypatch)
+    faulty, engine, checked = engine_over(caches, request_timeout_ms=0)
+    await engine.start()
+    faulty.no_space_for = 2
+    leaver = asyncio.ensure_future(engine.offload("a", pages(0), 4 * PAGE_SIZE))
+    stayer = asyncio.ensure_future(engine.offload("b", pages(4), 4 * PAGE_SIZE))
+    await holds.reach(2)
+    leaver.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    await engine.aclose(drain=False)
+    with pytest.raises(aiokv.EngineClosed):
+        await stayer
+    stats = engine.stats()
+    assert stats.pending == 0 and stats.cancelled == 1 and stats.failed == 1
+    assert stats.space_wait_ms > 0
+    assert checked.problems() == []
