@@ -6,11 +6,13 @@ where the store matches many at once.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import StoreError, StoreFull
 from .plans import Answer
+from .recovery import OwedCancels
 from .requests import Request
 from .stores.base import NoSpace, Store
 
@@ -24,12 +26,15 @@ class StoreCalls:
     def __init__(self, store: Store, yield_point: Callable[[], None]) -> None:
         self._store = store
         self._yield_point = yield_point
+        # Ids whose cancel raised: retried (recovery.py) until one succeeds.
+        self.owed = OwedCancels(lambda ids: self.call(self._store.cancel, ids))
 
     def cancel(self, task_ids: list[int]) -> None:
         try:
             self.call(self._store.cancel, task_ids)
         except StoreError:
-            log.exception("store.cancel(%s) failed", task_ids)
+            log.warning("store.cancel of %d ids failed; retrying", len(task_ids), exc_info=True)
+            self.owed.owe(task_ids, time.monotonic())
 
     def call(self, method: Callable[..., Any], *args: Any) -> Any:
         """Call the store; translate its errors, once, into StoreError."""
@@ -37,7 +42,6 @@ class StoreCalls:
             return method(*args)
         except Exception as exc:
             raise _store_error(method, exc) from exc
-
 
     def match(
         self,

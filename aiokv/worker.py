@@ -37,6 +37,7 @@ from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
 from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
+from .recovery import PollFailures
 from .requests import Kind, Request
 from .slots import FusedPages
 from .stores.base import Capabilities, Store, no_yield
@@ -93,6 +94,7 @@ class StoreWorker:
         self._in_hand: Batch | None = None  # the batch being matched or launched
         self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
         self._calls = StoreCalls(store, self._slice.yield_if_used)
+        self._polls = PollFailures()  # try_wait failures in a row, and the next poll's due
         # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
         # here, read racily by the loop's stats.
         self.d2h_copies = 0
@@ -103,7 +105,7 @@ class StoreWorker:
     @property
     def tasks_open(self) -> int:
         """Ids matched or launched and not yet terminal (read racily from the loop)."""
-        return len(self._launched) + len(self._reserved)
+        return len(self._launched) + len(self._reserved) + len(self._calls.owed)
 
     def start(self) -> None:
         self._thread.start()
@@ -177,6 +179,7 @@ class StoreWorker:
                 if stopping:
                     # After the sentinel only wake-ups arrive; poll as a fallback.
                     timeout = self._poll_interval_s
+                timeout = self._retry_timeout(timeout)
                 item: object = None
                 before = time.perf_counter()
                 with contextlib.suppress(queue.Empty):
@@ -192,14 +195,16 @@ class StoreWorker:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         item = None
-                if self._launched:
+                if self._launched and self._polls.due(time.monotonic()):
                     # Out first: the store may hand the GIL over inside try_wait.
                     self._post()
                     self._poll()
+                self._calls.owed.retry(time.monotonic())
                 self._post()
             if self._reserved:
                 self._calls.cancel(sorted(self._reserved))
                 self._reserved.clear()
+            self._calls.owed.retry(time.monotonic(), final=True)  # the store closes next
         except BaseException:  # a bug here must not strand futures: fail what we hold
             log.exception("aiokv store thread crashed")
             self._fail_everything(StoreError("the store thread crashed; see the aiokv log"))
@@ -208,6 +213,15 @@ class StoreWorker:
             self._close_store()
             if set_yield is not None:  # the store outlives this thread: take ours back
                 set_yield(no_yield)
+
+    def _retry_timeout(self, timeout: float | None) -> float | None:
+        """``timeout``, shortened to when an owed cancel or a failed poll is retried."""
+        now = time.monotonic()
+        waits = [self._calls.owed.wait_s(now), timeout]
+        if self._launched:
+            waits.append(self._polls.wait_s(now))
+        due = [wait for wait in waits if wait is not None]
+        return min(due) if due else None
 
     def _fail_everything(self, error: StoreError) -> None:
         """After a crash: stop accepting (later batches fail at dispatch, with
@@ -351,12 +365,16 @@ class StoreWorker:
         try:
             results = self._calls.call(self._store.try_wait, list(self._launched))
         except StoreError as error:
-            # The store can no longer tell us about these tasks; fail them rather than
-            # poll forever.
+            if not self._polls.failed(time.monotonic()):
+                log.warning("store.try_wait failed; polling again", exc_info=True)
+                return
+            # Failed again and again: the store can no longer tell us about these tasks;
+            # fail them rather than poll forever.
             log.exception("store.try_wait failed; failing %d launched tasks", len(self._launched))
             self._outbox.extend((r, error) for r in self._launched.values())
             self._launched.clear()
             return
+        self._polls.answered()
         launched, page_size = self._launched, self._page_size
         for task_id, result in results.items():
             if self._slice.used():
