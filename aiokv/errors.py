@@ -7,6 +7,7 @@
     ├── ConfigError (ValueError)      the configuration is invalid (names the key)
     ├── Overloaded                    max_pending reached with ``overload: reject``
     ├── EngineClosed                  the engine is not running (not started, draining, closed)
+    ├── WrongLoop                     called from a loop or thread other than the engine's
     ├── StoreError                    the store failed a request (raised from the store's error)
     │   └── StoreFull                 nothing could be reserved for new pages
     ├── RequestTimeout (TimeoutError) request_timeout_ms passed before the request resolved
@@ -57,6 +58,12 @@ class Overloaded(AiokvError):
 
 class EngineClosed(AiokvError):
     """The engine is not accepting requests (not started, draining or closed)."""
+
+
+class WrongLoop(AiokvError):
+    """A call made from an event loop (or thread) other than the one that started the
+    engine. It fails at once and nothing of it runs; other threads reach the engine
+    through :func:`aiokv.run_in_background`."""
 
 
 class StoreError(AiokvError):

@@ -319,7 +319,8 @@ class StoreWorker:
                 event.synchronize()
         page_size = self._page_size
         slots = fused.wait_slots(page_size)
-        bad = set(fused.bad_requests(slots, self._num_pages, page_size).tolist())
+        # Ids out of range, or (a load) a page twice: those requests fail alone.
+        bad = fused.page_errors(slots, self._num_pages, page_size, batch.kind is not _OFFLOAD)
         requests = batch.requests
 
         def select(masks: Sequence[Any]) -> list[Any]:

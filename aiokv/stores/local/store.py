@@ -102,7 +102,14 @@ class LocalStore:
                 f"{self._config.cpu_cache_gb} GiB holds no block of {block_bytes} bytes",
             )
         pin = first.device.type == "cuda"
-        self._pool = HostPool(num_blocks, block_shape, first.dtype, pin)
+        try:
+            self._pool = HostPool(num_blocks, block_shape, first.dtype, pin)
+        except (RuntimeError, MemoryError) as exc:  # torch's allocation (or pinning) failed
+            raise ConfigError(
+                "store.cpu_cache_gb",
+                f"{self._config.cpu_cache_gb} GiB ({num_blocks} blocks of {block_bytes} "
+                f"bytes{', pinned' if pin else ''}) could not be allocated: {exc}",
+            ) from exc
         self._state = np.zeros(num_blocks, dtype=np.int8)
         self._readers = np.zeros(num_blocks, dtype=np.int32)
         self._index = BlockIndex(num_blocks)
