@@ -6,7 +6,6 @@ where the store matches many at once.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +33,7 @@ class StoreCalls:
             self.call(self._store.cancel, task_ids)
         except StoreError:
             log.warning("store.cancel of %d ids failed; retrying", len(task_ids), exc_info=True)
-            self.owed.owe(task_ids, time.monotonic())
+            self.owed.owe(task_ids)
 
     def call(self, method: Callable[..., Any], *args: Any) -> Any:
         """Call the store; translate its errors, once, into StoreError."""

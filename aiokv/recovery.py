@@ -9,12 +9,13 @@ retry with capped backoff, and lose nothing meanwhile.
   :data:`POLL_ATTEMPTS` failures in a row (no answer in between) fail the launched
   requests, because then the store can no longer tell about them.
 
-Clock: ``time.monotonic`` (store thread), passed in as ``now``.
+Clock: ``time.perf_counter``, read here (store thread only).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 log = logging.getLogger("aiokv")
@@ -40,19 +41,23 @@ class OwedCancels:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def owe(self, task_ids: Iterable[int], now: float) -> None:
+    def owe(self, task_ids: Iterable[int]) -> None:
+        now = time.perf_counter()
         if not self._ids:
             self._due = now + self._backoff_s
         self._ids.update(dict.fromkeys(task_ids))
 
-    def wait_s(self, now: float) -> float | None:
+    def wait_s(self) -> float | None:
         """Seconds until the next retry is due; None when nothing is owed."""
-        return max(self._due - now, 0.0) if self._ids else None
+        return max(self._due - time.perf_counter(), 0.0) if self._ids else None
 
-    def retry(self, now: float, final: bool = False) -> None:
+    def retry(self, final: bool = False) -> None:
         """Cancel every owed id once the backoff has passed (``final``: now, the store is
         about to close; what still fails is then logged and given up)."""
-        if not self._ids or (now < self._due and not final):
+        if not self._ids:
+            return
+        now = time.perf_counter()
+        if now < self._due and not final:
             return
         ids = list(self._ids)
         try:
@@ -79,20 +84,24 @@ class PollFailures:
         self._backoff_s = FIRST_BACKOFF_S
         self._due = 0.0
 
-    def due(self, now: float) -> bool:
-        return now >= self._due
+    @property
+    def backing_off(self) -> bool:
+        return self._failures > 0
 
-    def wait_s(self, now: float) -> float:
-        return max(self._due - now, 0.0)
+    def due(self) -> bool:
+        return not self._failures or time.perf_counter() >= self._due
 
-    def failed(self, now: float) -> bool:
+    def wait_s(self) -> float:
+        return max(self._due - time.perf_counter(), 0.0)
+
+    def failed(self) -> bool:
         """A poll raised: True when the launched requests must fail now (too many in a
         row), else the next poll waits for a backoff."""
         self._failures += 1
         if self._failures >= POLL_ATTEMPTS:
             self.answered()
             return True
-        self._due = now + self._backoff_s
+        self._due = time.perf_counter() + self._backoff_s
         self._backoff_s = _next_backoff(self._backoff_s)
         return False
 

@@ -195,16 +195,16 @@ class StoreWorker:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         item = None
-                if self._launched and self._polls.due(time.monotonic()):
+                if self._launched and self._polls.due():
                     # Out first: the store may hand the GIL over inside try_wait.
                     self._post()
                     self._poll()
-                self._calls.owed.retry(time.monotonic())
+                self._calls.owed.retry()
                 self._post()
             if self._reserved:
                 self._calls.cancel(sorted(self._reserved))
                 self._reserved.clear()
-            self._calls.owed.retry(time.monotonic(), final=True)  # the store closes next
+            self._calls.owed.retry(final=True)  # the store closes next
         except BaseException:  # a bug here must not strand futures: fail what we hold
             log.exception("aiokv store thread crashed")
             self._fail_everything(StoreError("the store thread crashed; see the aiokv log"))
@@ -216,10 +216,12 @@ class StoreWorker:
 
     def _retry_timeout(self, timeout: float | None) -> float | None:
         """``timeout``, shortened to when an owed cancel or a failed poll is retried."""
-        now = time.monotonic()
-        waits = [self._calls.owed.wait_s(now), timeout]
-        if self._launched:
-            waits.append(self._polls.wait_s(now))
+        backing_off = self._launched and self._polls.backing_off
+        if not self._calls.owed and not backing_off:
+            return timeout  # the usual case: nothing to retry
+        waits = [self._calls.owed.wait_s(), timeout]
+        if backing_off:
+            waits.append(self._polls.wait_s())
         due = [wait for wait in waits if wait is not None]
         return min(due) if due else None
 
@@ -366,7 +368,7 @@ class StoreWorker:
         try:
             results = self._calls.call(self._store.try_wait, list(self._launched))
         except StoreError as error:
-            if not self._polls.failed(time.monotonic()):
+            if not self._polls.failed():
                 log.warning("store.try_wait failed; polling again", exc_info=True)
                 return
             # Failed again and again: the store can no longer tell us about these tasks;
