@@ -5,7 +5,8 @@
     AiokvError
     ├── InvalidRequest (ValueError)   the caller's request is malformed; fails alone, at submit
     ├── ConfigError (ValueError)      the configuration is invalid (names the key)
-    ├── Overloaded                    max_pending reached with ``overload: reject``
+    ├── Overloaded                    max_pending reached with ``overload: reject`` (or
+    │                                 the most callers ``wait`` allows already wait)
     ├── EngineClosed                  the engine is not running (not started, draining, closed)
     ├── WrongLoop                     called from a loop or thread other than the engine's
     ├── StoreError                    the store failed a request (raised from the store's error)
@@ -53,7 +54,9 @@ class ConfigError(AiokvError, ValueError):
 
 
 class Overloaded(AiokvError):
-    """The engine holds ``max_pending`` unresolved requests and ``overload`` is ``reject``."""
+    """The engine holds ``max_pending`` unresolved requests and ``overload`` is
+    ``reject``, or is ``wait`` and the most callers it lets wait for room already do
+    (:func:`aiokv.admission.max_waiting`). Raised at the call, which never suspends."""
 
 
 class EngineClosed(AiokvError):
