@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 log = logging.getLogger("aiokv")
 
@@ -109,3 +109,18 @@ class PollFailures:
         self._failures = 0
         self._backoff_s = FIRST_BACKOFF_S
         self._due = 0.0
+
+
+def retry_timeout(
+    timeout: float | None, owed: OwedCancels, polls: PollFailures, launched: Collection[int]
+) -> float | None:
+    """The store thread's wait for its inbox (``timeout``), shortened to when an owed
+    cancel or, while tasks are ``launched``, a failed poll is retried."""
+    backing_off = bool(launched) and polls.backing_off
+    if not owed and not backing_off:
+        return timeout  # the usual case: nothing to retry
+    waits = [owed.wait_s(), timeout]
+    if backing_off:
+        waits.append(polls.wait_s())
+    due = [wait for wait in waits if wait is not None]
+    return min(due) if due else None

@@ -37,7 +37,7 @@ from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
 from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
-from .recovery import PollFailures
+from .recovery import PollFailures, retry_timeout
 from .requests import Kind, Request
 from .slots import FusedPages
 from .stores.base import Capabilities, Store, no_yield
@@ -179,7 +179,7 @@ class StoreWorker:
                 if stopping:
                     # After the sentinel only wake-ups arrive; poll as a fallback.
                     timeout = self._poll_interval_s
-                timeout = self._retry_timeout(timeout)
+                timeout = retry_timeout(timeout, self._calls.owed, self._polls, self._launched)
                 item: object = None
                 before = time.perf_counter()
                 with contextlib.suppress(queue.Empty):
@@ -213,17 +213,6 @@ class StoreWorker:
             self._close_store()
             if set_yield is not None:  # the store outlives this thread: take ours back
                 set_yield(no_yield)
-
-    def _retry_timeout(self, timeout: float | None) -> float | None:
-        """``timeout``, shortened to when an owed cancel or a failed poll is retried."""
-        backing_off = self._launched and self._polls.backing_off
-        if not self._calls.owed and not backing_off:
-            return timeout  # the usual case: nothing to retry
-        waits = [self._calls.owed.wait_s(), timeout]
-        if backing_off:
-            waits.append(self._polls.wait_s())
-        due = [wait for wait in waits if wait is not None]
-        return min(due) if due else None
 
     def _fail_everything(self, error: StoreError) -> None:
         """After a crash: stop accepting (later batches fail at dispatch, with
