@@ -181,7 +181,9 @@ class OffloadEngine:
     async def aclose(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting calls and shut down, within ``timeout`` seconds (plus the loop's
         own latency) whatever the store does. Idempotent; concurrent calls share one
-        close. Raises WrongLoop, leaving the engine untouched, off the engine's loop.
+        close. Raises WrongLoop, leaving the engine untouched, off the engine's loop
+        (once that loop is closed, any loop may close the engine: its store thread stops
+        and the store closes; the futures died with their loop).
 
         drain=True: everything accepted is dispatched and resolved, up to ``timeout``
         seconds; then the close escalates as with drain=False. drain=False: queued
@@ -196,9 +198,13 @@ class OffloadEngine:
             if not lifecycle.store_in_use(self._store):  # else another engine's store
                 await asyncio.to_thread(self._store.close)
             return
+        if self._state is EngineState.CLOSED and self._closing is None:
+            return  # its start failed and closed it
+        if self._loop is not None and self._loop.is_closed():
+            if self._state is not EngineState.CLOSED:
+                await lifecycle.close_orphaned(self, timeout)
+            return
         if self._closing is None:
-            if self._state is EngineState.CLOSED:
-                return  # its start failed and closed it
             lifecycle.check_loop(self._loop)
             self._closing = asyncio.ensure_future(lifecycle.close(self, drain, timeout))
         elif not self._closing.done():

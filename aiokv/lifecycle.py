@@ -140,6 +140,18 @@ async def close(engine: OffloadEngine, drain: bool, timeout: float) -> int:
     return len(unfinished)
 
 
+async def close_orphaned(engine: OffloadEngine, timeout: float) -> None:
+    """Close an engine whose loop was closed without closing it (from any loop): its
+    futures died with that loop, so nothing is left to resolve. The store thread stops,
+    waits for launched transfers and closes the store."""
+    assert engine._worker is not None
+    engine._state = EngineState.CLOSED
+    engine._worker.stop()
+    if not await asyncio.to_thread(engine._worker.join, timeout):
+        log.warning("aiokv: store thread still busy after %.1fs; left to end on its own", timeout)
+    release_store(engine._store)
+
+
 def fail_accepted(engine: OffloadEngine, error: Exception) -> None:
     """Resolve with ``error`` every request accepted and not resolved, and send the
     callers waiting for room away (a start that failed: no store thread is left)."""

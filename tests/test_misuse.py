@@ -19,7 +19,7 @@ import uvloop
 from conftest import PAGE_SIZE, make_caches, small_store
 
 import aiokv
-from aiokv.testing import CheckingStore, FaultyStore
+from aiokv.testing import CheckingStore, FaultyStore, StoreWrapper
 
 TOKENS = 4 * PAGE_SIZE
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
@@ -256,3 +256,33 @@ async def test_a_lookup_left_at_close_reads_released(caches: list[torch.Tensor])
     assert rig.engine.stats().store_tasks_open == 0  # the close cancelled it in the store
     assert rig.checked.problems() == []
     assert not hit.held and "released" in repr(hit), repr(hit)
+
+
+class RecordsClose(StoreWrapper):
+    def __init__(self, inner: aiokv.Store) -> None:
+        super().__init__(inner)
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        self.inner.close()
+        self.closed.set()
+
+
+@pytest.mark.parametrize("loop_kind", list(LOOPS))
+def test_an_engine_whose_loop_closed_can_be_closed_from_another_loop(
+    caches: list[torch.Tensor], loop_kind: str
+) -> None:
+    store = RecordsClose(small_store())
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))
+    with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner:
+        runner.run(engine.start())
+        runner.run(engine.offload(1, pages(0), TOKENS))
+    with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner:
+        runner.run(asyncio.wait_for(engine.aclose(), 10))
+        runner.run(engine.aclose())  # idempotent
+    assert engine.state is aiokv.EngineState.CLOSED
+    assert store.closed.is_set()  # the store thread stopped and closed its store
+    with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner, pytest.raises(
+        aiokv.EngineClosed
+    ):
+        runner.run(engine.offload(2, pages(4), TOKENS))
