@@ -12,6 +12,7 @@ from .errors import (
     RequestTimeout,
     StoreError,
     StoreFull,
+    WrongLoop,
 )
 from .open import open_engine
 from .requests import LoadResult, Lookup, OffloadResult
@@ -59,6 +60,7 @@ __all__ = [
     "StoreFull",
     "TaskResult",
     "TaskStatus",
+    "WrongLoop",
     "load_config",
     "open_engine",
     "run_in_background",

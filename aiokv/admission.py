@@ -1,8 +1,11 @@
 """Admission control: ``max_pending`` and the ``overload`` policy.
 
 The live set holds every accepted, unresolved request; it is the one count of
-"pending". With ``overload: wait``, callers queue FIFO for room, bounded by
-``request_timeout_ms``. A request that leaves wakes the first waiter and promises it the
+"pending". With ``overload: wait``, callers queue FIFO for room, at most
+:func:`max_waiting` of them (one more is refused with Overloaded at once, so at most
+``max_pending + max_waiting(max_pending)`` requests exist whatever the arrival rate),
+each until its ``request_timeout_ms``, which runs from the call: the request keeps that
+deadline once accepted. A request that leaves wakes the first waiter and promises it the
 room: until that waiter runs, the room is not free to anyone else (a caller arriving in
 between queues behind it). A woken caller cancelled before it runs passes the room on;
 a waiter whose timeout fires before it is woken is skipped, and one woken before its
@@ -19,6 +22,20 @@ from .config import EngineConfig
 from .errors import Overloaded, RequestTimeout
 from .requests import Kind, Request
 from .stats import StatsRecorder
+
+# Callers that may wait for room: WAITERS_PER_ROOM per room (max_pending), and at least
+# MIN_WAITERS. A caller behind W others waits for W + 1 requests to finish; past a few
+# rounds of max_pending it would more likely time out than be served, and an unbounded
+# queue of waiters is unbounded memory (a waiter holds a Request, its future and the
+# caller's suspended coroutine: a few KiB). The floor keeps a small max_pending from
+# refusing a modest burst.
+WAITERS_PER_ROOM = 4
+MIN_WAITERS = 64
+
+
+def max_waiting(max_pending: int) -> int:
+    """How many callers may wait for room under ``overload: wait``."""
+    return max(WAITERS_PER_ROOM * max_pending, MIN_WAITERS)
 
 
 class _NoRoomInTime(Exception):
@@ -39,6 +56,8 @@ class Admission:
         # look again (the engine is closing).
         self._waiters: deque[asyncio.Future[bool]] = deque()
         self._promised = 0  # rooms promised to woken waiters that have not run yet
+        self._waiting = 0  # callers inside wait_for_room, at most _max_waiting
+        self._max_waiting = max_waiting(config.max_pending)
 
     def has_room(self) -> bool:
         return len(self.live) + self._promised < self._config.max_pending
@@ -59,10 +78,12 @@ class Admission:
             if not waiter.done():
                 waiter.set_result(False)
 
-    async def wait_for_room(self, running: Callable[[], bool], kind: Kind) -> None:
-        """Return once there is room (or ``running()`` turned false). Raises Overloaded
-        under ``overload: reject``, RequestTimeout when ``request_timeout_ms`` passes
-        (both counted as rejected calls of ``kind``).
+    async def wait_for_room(self, running: Callable[[], bool], kind: Kind) -> float | None:
+        """Return once there is room (or ``running()`` turned false): the request's
+        deadline (loop time, from this call; None without request_timeout_ms). Raises
+        Overloaded under ``overload: reject`` or when ``max_pending`` callers wait
+        already, RequestTimeout when ``request_timeout_ms`` passes (each counted as a
+        rejected call of ``kind``).
 
         Not ``asyncio.wait_for``: on Python 3.11 it returns the waiter's result when the
         caller is cancelled just after the waiter was woken (the cancellation is lost),
@@ -71,9 +92,30 @@ class Admission:
         if self._config.overload == "reject":
             self._stats.record_rejected(kind)
             raise Overloaded(f"{self._config.max_pending} requests pending (engine.max_pending)")
+        if self._waiting >= self._max_waiting:
+            self._stats.record_rejected(kind)
+            raise Overloaded(
+                f"{self._config.max_pending} requests pending (engine.max_pending) and "
+                f"{self._waiting} callers waiting for room, the most that may wait"
+            )
         loop = asyncio.get_running_loop()
         timeout_ms = self._config.request_timeout_ms
         deadline = loop.time() + timeout_ms / 1e3 if timeout_ms else None
+        self._waiting += 1
+        try:
+            await self._wait(loop, deadline, running, kind)
+        finally:
+            self._waiting -= 1
+        return deadline
+
+    async def _wait(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        deadline: float | None,
+        running: Callable[[], bool],
+        kind: Kind,
+    ) -> None:
+        timeout_ms = self._config.request_timeout_ms
         while not self.has_room() and running():
             waiter: asyncio.Future[bool] = loop.create_future()
             self._waiters.append(waiter)

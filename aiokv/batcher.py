@@ -183,8 +183,10 @@ class Batcher:
                     await asyncio.sleep(0)  # the next iteration: other callbacks go first
                 continue
             await self._work.wait()
-            if not self._queue:  # it filled up and was planned from enqueue
-                if not self._planned:
+            if self._planned or not self._queue:
+                # Full batches planned (from enqueue) beyond the dispatch budget go out
+                # before any window opens for a partial batch queued behind them.
+                if not self._planned and not self._queue:
                     self._work.clear()
                 continue
             if not self._draining and window_s > 0:

@@ -11,6 +11,7 @@ from typing import Any
 
 from .errors import StoreError, StoreFull
 from .plans import Answer
+from .recovery import OwedCancels
 from .requests import TERMINAL, Request
 from .stores.base import NoSpace, Store
 
@@ -24,12 +25,15 @@ class StoreCalls:
     def __init__(self, store: Store, yield_point: Callable[[], None]) -> None:
         self._store = store
         self._yield_point = yield_point
+        # Ids whose cancel raised: retried (recovery.py) until one succeeds.
+        self.owed = OwedCancels(lambda ids: self.call(self._store.cancel, ids))
 
     def cancel(self, task_ids: list[int]) -> None:
         try:
             self.call(self._store.cancel, task_ids)
         except StoreError:
-            log.exception("store.cancel(%s) failed", task_ids)
+            log.warning("store.cancel of %d ids failed; retrying", len(task_ids), exc_info=True)
+            self.owed.owe(task_ids)
 
     def call(self, method: Callable[..., Any], *args: Any) -> Any:
         """Call the store; translate its errors, once, into StoreError."""
@@ -37,7 +41,6 @@ class StoreCalls:
             return method(*args)
         except Exception as exc:
             raise _store_error(method, exc) from exc
-
 
     def match(
         self,

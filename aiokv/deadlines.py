@@ -37,10 +37,18 @@ class Deadlines:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, deadline: float | None = None) -> None:
+        """Enforce ``request``'s deadline: ``deadline`` (loop time) when it was set at the
+        call (a caller that waited for room), else the timeout from now."""
         self.prune()
         queue = self._queue
-        deadline = self._loop.time() + self._timeout_s
+        if deadline is None:
+            deadline = self._loop.time() + self._timeout_s
+        elif queue and deadline < queue[-1][0]:
+            # Earlier than the FIFO's tail (it waited for room while later callers were
+            # accepted): a timer of its own keeps the FIFO in deadline order.
+            self._loop.call_at(deadline, self._expire, request)
+            return
         queue.append((deadline, request))
         if self._timer is None:
             self._timer = self._loop.call_at(deadline, self._fire)

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import enum
-import logging
-import math
 import time
 from collections.abc import Hashable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from . import validate
+from . import lifecycle, validate
 from .admission import Admission
 from .batcher import Batch, Batcher
 from .config import EngineConfig
@@ -34,6 +31,7 @@ from .errors import (
     InvalidRequest,
 )
 from .handoff import store_slice_us
+from .lifecycle import EngineState as EngineState  # public as aiokv.engine.EngineState
 from .requests import (
     Kind,
     LoadResult,
@@ -48,19 +46,9 @@ from .stats import EngineStats, StatsRecorder
 from .stores.base import Store
 from .worker import StoreWorker
 
-log = logging.getLogger("aiokv")
-T = TypeVar("T")
-
 # Enum members read as class attributes cost an attribute lookup each; per-call paths read
 # them from here.
 _OFFLOAD, _LOAD = Kind.OFFLOAD, Kind.LOAD
-
-
-class EngineState(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    DRAINING = "draining"
-    CLOSED = "closed"
 
 
 _RUNNING = EngineState.RUNNING  # read per call: see _OFFLOAD
@@ -103,7 +91,7 @@ class OffloadEngine:
         self._idle: asyncio.Event | None = None
         self._deadlines: Deadlines | None = None  # request_timeout_ms, when set
         self._ready_marks: ReadyMarks | None = None  # the callers' CUDA events, on a GPU
-        self._closing: asyncio.Future[None] | None = None
+        self._closing: asyncio.Future[int] | None = None  # int: requests abandoned
         self._resolver: Resolver | None = None  # resolves every future, once started
         self._space: SpaceWaits | None = None  # offloads waiting for room, once started
 
@@ -125,6 +113,7 @@ class OffloadEngine:
             return
         if self._state is not EngineState.NEW:
             raise EngineClosed(f"engine is {self._state.value}; it cannot be restarted")
+        lifecycle.claim_store(self._store)  # refused (ConfigError) if another engine has it
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._idle = asyncio.Event()
@@ -190,78 +179,47 @@ class OffloadEngine:
             self._worker.stop()
             # Nothing dispatched them (no batcher task yet): fail them now, not after the
             # join, which waits for the registration and which a second cancel may skip.
-            self._fail_accepted(EngineClosed(f"engine failed to start: {exc!r}"))
+            lifecycle.fail_accepted(self, EngineClosed(f"engine failed to start: {exc!r}"))
             await asyncio.to_thread(self._worker.join)
+            lifecycle.release_store(self._store)
             raise
         if self._state is not EngineState.RUNNING:  # aclose() came while we registered
             raise EngineClosed("engine was closed while it started")
         self._batcher_task = loop.create_task(self._batcher.run(), name="aiokv-batcher")
 
     async def aclose(self, drain: bool = True, timeout: float = 30.0) -> None:
-        """Stop accepting calls and shut down. Idempotent; concurrent calls share one close.
+        """Stop accepting calls and shut down, within ``timeout`` seconds (plus the loop's
+        own latency) whatever the store does. Idempotent; concurrent calls share one
+        close. Raises WrongLoop, leaving the engine untouched, off the engine's loop
+        (once that loop is closed, any loop may close the engine: its store thread stops
+        and the store closes; the futures died with their loop).
 
         drain=True: everything accepted is dispatched and resolved, up to ``timeout``
-        seconds; then the close escalates as with drain=False and fails what is still
-        unresolved with EngineClosed. drain=False: queued (undispatched) requests fail
-        with EngineClosed at once. Launched transfers are never cancelled: the store
-        thread waits for them before it closes the store.
+        seconds; then the close escalates as with drain=False. drain=False: queued
+        (undispatched) requests fail with EngineClosed at once. Launched transfers are
+        never cancelled: the store thread waits for them before it closes the store; if
+        it is still busy at the deadline, it is left to end on its own and the requests
+        still unresolved fail with EngineClosed naming their count (logged as a warning).
+        Lookups still held read released: the store thread cancels their reservations.
         """
         if self._state is EngineState.NEW:
             self._state = EngineState.CLOSED
-            await asyncio.to_thread(self._store.close)
+            if not lifecycle.store_in_use(self._store):  # else another engine's store
+                await asyncio.to_thread(self._store.close)
+            return
+        if self._state is EngineState.CLOSED and self._closing is None:
+            return  # its start failed and closed it
+        if self._loop is not None and self._loop.is_closed():
+            if self._state is not EngineState.CLOSED:
+                await lifecycle.close_orphaned(self, timeout)
             return
         if self._closing is None:
-            self._closing = asyncio.ensure_future(self._close(drain, timeout))
+            lifecycle.check_loop(self._loop)
+            self._closing = asyncio.ensure_future(lifecycle.close(self, drain, timeout))
+        elif not self._closing.done():
+            lifecycle.check_loop(self._loop)
         # Shielded: a caller cancelled while closing must not leave the engine half-closed.
         await asyncio.shield(self._closing)
-
-    async def _close(self, drain: bool, timeout: float) -> None:
-        assert self._batcher is not None and self._worker is not None and self._idle
-        assert self._resolver is not None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        self._state = EngineState.DRAINING
-        self._admission.wake_all()  # callers waiting for room see the state and leave
-        if self._batcher_task is None:
-            drain = False  # closed while starting: nothing dispatches what is queued
-        if drain:
-            self._batcher.drain()
-            try:
-                await asyncio.wait_for(self._idle.wait(), timeout)
-            except TimeoutError:
-                log.warning("aiokv: drain timed out after %.1fs; closing now", timeout)
-                drain = False
-        assert self._space is not None
-        for request in [*self._space.close(), *self._batcher.take_queued()]:
-            self._resolve(request, EngineClosed("engine closed before this request ran"))
-        if self._batcher_task is not None:
-            self._batcher_task.cancel()
-            # return_exceptions: the batcher's own CancelledError comes back as a value,
-            # while a cancellation of this task still propagates.
-            await asyncio.gather(self._batcher_task, return_exceptions=True)
-        self._worker.stop()
-        remaining = max(deadline - loop.time(), 1.0)
-        if not await asyncio.to_thread(self._worker.join, remaining):
-            log.warning("aiokv: store thread still busy after %.1fs; abandoning it", remaining)
-        await asyncio.sleep(0)  # let outcomes posted before the join arrive
-        self._resolver.resolve_outcomes(budget_s=math.inf)  # and resolve them, then fail the rest
-        for request in list(self._admission.live):
-            self._resolve(request, EngineClosed("engine closed before this request finished"))
-        if self._deadlines is not None:
-            self._deadlines.close()
-        self._state = EngineState.CLOSED
-
-    def _fail_accepted(self, error: Exception) -> None:
-        """Resolve with ``error`` every request accepted and not resolved, and send the
-        callers waiting for room away (a start that failed: no store thread is left)."""
-        assert self._batcher is not None
-        for request in self._batcher.take_queued():
-            self._resolve(request, error)
-        for request in list(self._admission.live):
-            self._resolve(request, error)
-        self._admission.wake_all()
-        if self._deadlines is not None:
-            self._deadlines.close()
 
     async def __aenter__(self) -> OffloadEngine:
         await self.start()
@@ -352,14 +310,26 @@ class OffloadEngine:
         )
         request.reservation = reservation
         request.task_id, request.mask = reservation.task_id, reservation.mask
-        result: LoadResult = await self._run(request)
+        try:
+            result: LoadResult = await self._run(request)
+        except BaseException:
+            hit._settle(loaded=False)  # the store thread gave its reservation back
+            raise
+        hit._settle(loaded=True)
         return result
 
     # ---- validation (shapes and dtypes only: never reads GPU values) -------------------
 
     def _check_running(self) -> None:
+        """Every public call that changes the engine starts here (evict and clear too)."""
         if self._state is not _RUNNING:
+            if self._state is EngineState.NEW:
+                raise EngineClosed(
+                    "engine is not started: call `await engine.start()` first, or use "
+                    "`async with engine:`"
+                )
             raise EngineClosed(f"engine is {self._state.value}")
+        lifecycle.check_loop(self._loop)
 
     def _new_request(
         self,
@@ -398,20 +368,21 @@ class OffloadEngine:
                 self._resolver.finished(request, None)
             raise
 
-    def _accept(self, request: Request) -> asyncio.Future[Any]:
+    def _accept(self, request: Request, deadline: float | None = None) -> asyncio.Future[Any]:
         assert self._batcher is not None and self._idle is not None
         request.submitted_at = time.perf_counter()  # latency; deadlines use the loop clock
         self._stats.record_submit()
         self._admission.admit(request)
         self._idle.clear()
         if self._deadlines is not None:
-            self._deadlines.add(request)
+            self._deadlines.add(request, deadline)
         self._batcher.enqueue(request)
         return request.future
 
     async def _submit_when_room(self, request: Request) -> Any:
         try:
-            await self._admission.wait_for_room(
+            # The deadline runs from the call, the wait for room included.
+            deadline = await self._admission.wait_for_room(
                 lambda: self._state is EngineState.RUNNING, request.kind
             )
             if self._state is not EngineState.RUNNING:  # closed while we waited
@@ -420,11 +391,7 @@ class OffloadEngine:
             if request.reservation is not None:
                 request.reservation.release()  # the load never ran
             raise
-        return await self._accept(request)
-
-    def _resolve(self, request: Request, outcome: object) -> None:
-        assert self._resolver is not None  # every request is accepted after start()
-        self._resolver.resolve(request, outcome)
+        return await self._accept(request, deadline)
 
     def _on_batch(self, batch: Batch) -> None:
         self._stats.record_batch(batch)

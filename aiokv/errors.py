@@ -5,8 +5,10 @@
     AiokvError
     ├── InvalidRequest (ValueError)   the caller's request is malformed; fails alone, at submit
     ├── ConfigError (ValueError)      the configuration is invalid (names the key)
-    ├── Overloaded                    max_pending reached with ``overload: reject``
+    ├── Overloaded                    max_pending reached with ``overload: reject`` (or
+    │                                 the most callers ``wait`` allows already wait)
     ├── EngineClosed                  the engine is not running (not started, draining, closed)
+    ├── WrongLoop                     called from a loop or thread other than the engine's
     ├── StoreError                    the store failed a request (raised from the store's error)
     │   └── StoreFull                 nothing could be reserved for new pages
     ├── RequestTimeout (TimeoutError) request_timeout_ms passed before the request resolved
@@ -52,11 +54,19 @@ class ConfigError(AiokvError, ValueError):
 
 
 class Overloaded(AiokvError):
-    """The engine holds ``max_pending`` unresolved requests and ``overload`` is ``reject``."""
+    """The engine holds ``max_pending`` unresolved requests and ``overload`` is
+    ``reject``, or is ``wait`` and the most callers it lets wait for room already do
+    (:func:`aiokv.admission.max_waiting`). Raised at the call, which never suspends."""
 
 
 class EngineClosed(AiokvError):
     """The engine is not accepting requests (not started, draining or closed)."""
+
+
+class WrongLoop(AiokvError):
+    """A call made from an event loop (or thread) other than the one that started the
+    engine. It fails at once and nothing of it runs; other threads reach the engine
+    through :func:`aiokv.run_in_background`."""
 
 
 class StoreError(AiokvError):

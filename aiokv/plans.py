@@ -16,7 +16,7 @@ match gave is either in ``cancel`` or in ``launch``, never both, never twice.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,7 +82,7 @@ def plan_offload(
     for index, request in enumerate(requests):
         answer = answers[index]
         if index in bad:
-            plan.outcomes.append((request, _bad_pages(num_pages)))
+            plan.outcomes.append((request, _bad_pages(bad, index, num_pages)))
             if answer is not None and not isinstance(answer, StoreError):
                 plan.cancel.append(answer[0])  # matched before its page ids were read
             continue
@@ -114,7 +114,7 @@ def plan_load(
         if task_id is None or mask is None:
             raise ValueError(f"load request {index} holds no reservation")
         if index in bad:
-            plan.outcomes.append((request, _bad_pages(num_pages)))
+            plan.outcomes.append((request, _bad_pages(bad, index, num_pages)))
             plan.cancel.append(task_id)
             continue
         if request.stage is TERMINAL:  # the caller left: the reservation goes back
@@ -175,7 +175,12 @@ def outcome(request: Request, result: TaskResult, page_size: int) -> object:
     return StoreError(f"task {request.task_id} failed in the store: {result.error}")
 
 
-def _bad_pages(num_pages: int) -> InvalidRequest:
+def _bad_pages(bad: Collection[int], index: int, num_pages: int) -> Exception:
+    """Request ``index``'s error: its own when ``bad`` maps indexes to errors (they name
+    the bad value: FusedPages.page_errors)."""
+    if isinstance(bad, Mapping):
+        error: Exception = bad[index]
+        return error
     return InvalidRequest("page_ids", f"holds a page id outside [0, {num_pages})")
 
 

@@ -219,6 +219,12 @@ class Lookup:
         self._cancel_ttl()
         return self._reservation
 
+    def _settle(self, loaded: bool) -> None:
+        """The load that consumed it ended (loop thread): loaded, or failed or cancelled,
+        in which case the store thread gave the reservation back."""
+        if self._state == "loading":
+            self._state = "loaded" if loaded else "released"
+
     def _cancel_ttl(self) -> None:
         if self._ttl_handle is not None:
             self._ttl_handle.cancel()

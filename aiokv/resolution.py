@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 
@@ -58,6 +59,8 @@ class Resolver:
         # Outcomes posted by the store thread, not resolved yet (RESOLVE_BUDGET_S). While
         # it holds any, a resolve_outcomes callback is scheduled for them.
         self._outcomes: deque[tuple[Request, object]] = deque()
+        # Every Lookup answered, while its caller keeps it: release_lookups at the close.
+        self._lookups: weakref.WeakSet[Lookup] = weakref.WeakSet()
 
     def deliver(self, pairs: list[tuple[Request, object]]) -> None:
         """Called on the loop by the store thread, once per drained set."""
@@ -116,18 +119,22 @@ class Resolver:
         if isinstance(outcome, BaseException):
             future.set_exception(outcome)
         elif isinstance(outcome, LookupGrant):
-            future.set_result(
-                Lookup(
-                    request.user_id,
-                    outcome,
-                    self,
-                    self._loop.call_later,
-                    self._lookup_ttl_s,
-                )
+            lookup = Lookup(
+                request.user_id, outcome, self, self._loop.call_later, self._lookup_ttl_s
             )
+            if lookup.held:
+                self._lookups.add(lookup)
+            future.set_result(lookup)
         else:
             future.set_result(outcome)
         self.finished(request, outcome)
+
+    def release_lookups(self) -> None:
+        """The engine closed (its store thread cancelled every reservation): each Lookup
+        still held reads released."""
+        for lookup in list(self._lookups):
+            lookup.release()
+        self._lookups.clear()
 
     def expire(self, request: Request) -> None:
         """A request past its deadline (engine.request_timeout_ms) times out; an offload

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import InvalidRequest
 from .stores.base import BoolArray, Int64Array
 
 
@@ -76,6 +77,47 @@ class FusedPages:
         running = np.concatenate(([0], np.cumsum(bad, dtype=np.int64)))
         per_request = running[self.starts + self.counts] - running[self.starts]
         return np.flatnonzero(per_request)
+
+    def page_errors(
+        self, slots: Int64Array, num_pages: int, page_size: int, unique: bool
+    ) -> dict[int, InvalidRequest]:
+        """{request index: its InvalidRequest} for requests holding a page id outside
+        ``[0, num_pages)`` (naming the first such id) or, with ``unique`` (a load, which
+        writes its pages), a page id twice. Vectorized over the batch; only requests at
+        fault cost a numpy call each."""
+        errors: dict[int, InvalidRequest] = {}
+        for index in self.bad_requests(slots, num_pages, page_size).tolist():
+            pages = self.request_slots(slots, index, page_size)[::page_size] // page_size
+            first = int(pages[np.argmax((pages < 0) | (pages >= num_pages))])
+            errors[index] = InvalidRequest(
+                "page_ids", f"holds {first}, outside [0, {num_pages})"
+            )
+        if unique:
+            for index, page in self._duplicates(slots, num_pages, page_size, errors).items():
+                errors[index] = InvalidRequest(
+                    "page_ids", f"holds {page} twice; a load writes each page once"
+                )
+        return errors
+
+    def _duplicates(
+        self, slots: Int64Array, num_pages: int, page_size: int, skip: dict[int, Any]
+    ) -> dict[int, int]:
+        """{request index: a page id it holds twice}, from one sort of (request, page)
+        keys over the batch; requests in ``skip`` (ids out of range) are left out."""
+        pages = slots[::page_size] // page_size
+        if len(pages) < 2:
+            return {}
+        positions = np.arange(len(pages), dtype=np.int64)
+        owners = np.searchsorted(self.starts, positions, side="right") - 1
+        owned = (owners >= 0) & (positions < (self.starts + self.counts)[owners])
+        if skip:
+            owned &= ~np.isin(owners, list(skip))
+        keys = np.sort(owners[owned] * num_pages + pages[owned])
+        twice = keys[1:][keys[1:] == keys[:-1]]
+        found: dict[int, int] = {}
+        for key in twice.tolist():
+            found.setdefault(key // num_pages, key % num_pages)
+        return found
 
     def expand(self, pages: Int64Array, page_size: int) -> Int64Array:
         """Slots of every page: ``page * page_size + offset``, one op for the batch."""

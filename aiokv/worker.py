@@ -37,6 +37,7 @@ from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
 from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
+from .recovery import PollFailures, retry_timeout
 from .requests import LAUNCHED, TERMINAL, Kind, Request
 from .slots import FusedPages
 from .stats import StoreSideStats, StoreStatsQuery
@@ -94,6 +95,7 @@ class StoreWorker:
         self._in_hand: Batch | None = None  # the batch being matched or launched
         self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
         self._calls = StoreCalls(store, self._slice.yield_if_used)
+        self._polls = PollFailures()  # try_wait failures in a row, and the next poll's due
         # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
         # here, read racily by the loop's stats.
         self.d2h_copies = 0
@@ -105,7 +107,7 @@ class StoreWorker:
     @property
     def tasks_open(self) -> int:
         """Ids matched or launched and not yet terminal (read racily from the loop)."""
-        return len(self._launched) + len(self._reserved)
+        return len(self._launched) + len(self._reserved) + len(self._calls.owed)
 
     def start(self) -> None:
         self._thread.start()
@@ -179,6 +181,7 @@ class StoreWorker:
                 if stopping:
                     # After the sentinel only wake-ups arrive; poll as a fallback.
                     timeout = self._poll_interval_s
+                timeout = retry_timeout(timeout, self._calls.owed, self._polls, self._launched)
                 item: object = None
                 before = time.perf_counter()
                 with contextlib.suppress(queue.Empty):
@@ -194,14 +197,16 @@ class StoreWorker:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         item = None
-                if self._launched:
+                if self._launched and self._polls.due():
                     # Out first: the store may hand the GIL over inside try_wait.
                     self._post()
                     self._poll()
+                self._calls.owed.retry()
                 self._post()
             if self._reserved:
                 self._calls.cancel(sorted(self._reserved))
                 self._reserved.clear()
+            self._calls.owed.retry(final=True)  # the store closes next
         except BaseException:  # a bug here must not strand futures: fail what we hold
             log.exception("aiokv store thread crashed")
             self._fail_everything(StoreError("the store thread crashed; see the aiokv log"))
@@ -324,7 +329,8 @@ class StoreWorker:
             if offload:  # the batch fails (see _handle): what it matched goes back
                 self._calls.cancel([a[0] for a in answers if isinstance(a, tuple)])
             raise
-        bad = set(fused.bad_requests(slots, self._num_pages, page_size).tolist())
+        # Ids out of range, or (a load) a page twice: those requests fail alone.
+        bad = fused.page_errors(slots, self._num_pages, page_size, not offload)
 
         def select(masks: Sequence[Any]) -> list[Any]:
             return fused.select(slots, masks, page_size)
@@ -366,12 +372,16 @@ class StoreWorker:
         try:
             results = self._calls.call(self._store.try_wait, list(self._launched))
         except StoreError as error:
-            # The store can no longer tell us about these tasks; fail them rather than
-            # poll forever.
+            if not self._polls.failed():
+                log.warning("store.try_wait failed; polling again", exc_info=True)
+                return
+            # Failed again and again: the store can no longer tell us about these tasks;
+            # fail them rather than poll forever.
             log.exception("store.try_wait failed; failing %d launched tasks", len(self._launched))
             self._outbox.extend((r, error) for r in self._launched.values())
             self._launched.clear()
             return
+        self._polls.answered()
         launched, page_size = self._launched, self._page_size
         for task_id, result in results.items():
             if self._slice.used():

@@ -10,12 +10,18 @@ answer time. In one run:
    caller every 1/rate s, whatever became of the earlier ones), then the closed loop
    again (the rate that comes back afterwards).
 
-The engine holds at most ``max_pending`` accepted requests (its memory bound); under
-``wait`` the callers waiting for room are at most arrival rate x request_timeout_ms.
+Memory bound: the engine holds at most ``max_pending`` accepted requests; under ``wait``
+at most ``max_waiting(max_pending) = max(4 x max_pending, 64)`` more callers wait for
+room (aiokv/admission.py; the next one is refused with Overloaded at submit), so at most
+``max_pending + max_waiting(max_pending)`` requests exist whatever the arrival rate (320
+for the default --max-pending 64). Every request's ``request_timeout_ms`` runs from its
+call, the wait for room included.
 Printed (and written with --json): the rates, per policy the outcomes, the latency of a
 rejection and whether any rejection came after the call had suspended (it must be raised
-at submit), the largest ``pending`` seen, accepted calls later than their deadline, calls
-never resolved, and the peak RSS.
+at submit), the largest ``pending``, caller tasks alive and callers inside their call seen, calls
+that succeeded later than their deadline as the caller measured it (it includes the
+loop's lag in resuming callers: at 10x the rate the loop runs behind its arrivals),
+calls never resolved, and the peak RSS.
 
     python benchmarks/overload.py            # 10 s per policy
     python benchmarks/overload.py --quick    # about 1 s per policy, for CI
@@ -42,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiokv
+from aiokv.admission import max_waiting
 from aiokv.testing import FakeStore, FaultyStore
 
 PAGE_SIZE = 16
@@ -118,12 +125,14 @@ class Run:
         late = rejected_after_suspending = 0
         deadline_s = self.args.timeout_ms / 1e3
         calls: set[asyncio.Future[None]] = set()
-        max_pending_seen = 0
+        max_pending_seen = max_in_flight_seen = max_started_seen = 0
+        started = 0  # callers inside their call: accepted, waiting, or resolved not resumed
 
         async def caller() -> None:
-            nonlocal late, rejected_after_suspending
+            nonlocal late, rejected_after_suspending, started
             begun = time.perf_counter()
             call = Suspensions(self.offload())
+            started += 1
             try:
                 await call
             except aiokv.Overloaded:
@@ -134,6 +143,8 @@ class Run:
             except aiokv.AiokvError as error:
                 outcomes[type(error).__name__] += 1
                 return
+            finally:
+                started -= 1
             took = time.perf_counter() - begun
             ok_s.append(took)
             late += took > deadline_s
@@ -151,6 +162,8 @@ class Run:
             sent += due
             if now >= next_sample:  # stats() costs a percentile: sample, not per arrival
                 max_pending_seen = max(max_pending_seen, self.engine.stats().pending)
+                max_in_flight_seen = max(max_in_flight_seen, len(calls))
+                max_started_seen = max(max_started_seen, started)
                 next_sample = now + 0.02
             await asyncio.sleep(0.001)
         offered_s = loop.time() - begun
@@ -173,6 +186,10 @@ class Run:
             "ok_max_ms": round(max(ok_s, default=0.0) * 1e3, 3),
             "late": late,  # succeeded after request_timeout_ms (counted from the call)
             "max_pending_seen": max_pending_seen,
+            # Caller tasks alive (most not yet run: the loop lags behind the arrivals).
+            "max_in_flight_seen": max_in_flight_seen,
+            # Inside their call: accepted, waiting for room, or answered and not resumed.
+            "max_started_seen": max_started_seen,
         }
 
 
@@ -182,8 +199,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "max_pending": args.max_pending,
         "timeout_ms": args.timeout_ms,
         "memory_bound": f"the engine holds at most max_pending={args.max_pending} accepted "
-        "requests; under wait, callers waiting for room are at most arrival rate x "
-        f"request_timeout_ms ({args.timeout_ms} ms)",
+        f"requests; under wait at most max_waiting={max_waiting(args.max_pending)} more "
+        "callers wait for room (the next is refused with Overloaded at submit): at most "
+        f"{args.max_pending + max_waiting(args.max_pending)} requests in all",
+        "requests_bound": args.max_pending + max_waiting(args.max_pending),
     }
     for overload in ("reject", "wait"):
         run = Run(args, overload)

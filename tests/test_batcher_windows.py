@@ -1,6 +1,6 @@
 """Full batches go out at once, whatever window a later partial batch waits for. Found by
-tests/test_shutdown_load.py; marked xfail until phase 2 fixes it (in batcher.py, which
-this phase does not touch)."""
+tests/test_shutdown_load.py (a strict-xfail reproducer until batcher.run checked for
+planned batches after each wake-up)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,6 @@ async def eventually(condition: object, timeout_s: float) -> bool:
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: after a burst, the batcher task wakes to a "
-                   "partial batch in the queue and opens its window (window_us) before it "
-                   "sends the full batches the burst planned beyond the dispatch budget")
 async def test_full_batches_of_a_burst_do_not_wait_for_the_window_of_its_tail() -> None:
     caches = [torch.zeros(8, 2, PAGE_SIZE, 2, 8)]
     config = aiokv.EngineConfig(window_us=30_000_000, max_batch_requests=BATCH,

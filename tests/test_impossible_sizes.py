@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import aiokv
 from aiokv import config as config_module
@@ -71,3 +72,23 @@ def test_without_a_memory_size_from_the_os_the_bound_is_not_checked(
     monkeypatch.setattr(config_module.os, "sysconf", no_sysconf)
     assert machine_memory_bytes() is None
     assert aiokv.StoreConfig(cpu_cache_gb=10**9).cpu_cache_gb == 10**9
+
+
+@pytest.mark.asyncio
+async def test_a_host_tier_the_allocator_refuses_at_start_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The size passed the memory check, yet the (pinned) allocation fails at start: on a
+    # GPU host, pinned memory is limited well below the machine's memory.
+    from aiokv.stores.local import store as local_store
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: out of memory (pinned)")
+
+    monkeypatch.setattr(local_store, "HostPool", refuse)
+    caches = [torch.zeros(8, 2, 4, 2, 8)]
+    engine = aiokv.OffloadEngine(aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01)), caches)
+    with pytest.raises(aiokv.ConfigError) as caught:
+        await engine.start()
+    assert caught.value.key == "store.cpu_cache_gb" and "0.01" in str(caught.value)
+    assert engine.state is aiokv.EngineState.CLOSED

@@ -1,8 +1,7 @@
 """Misuse that must fail clearly (issue 19, items 3 and 4), through the public API only.
 
-Each test is the behaviour a user expects and fails today: it is marked
-``xfail(strict=True)`` until the engine-side fixes land (phase 2), which then remove the
-mark. A test that starts passing before then fails the suite, so the marks stay honest.
+Each test is the behaviour a user expects; each was a strict-xfail reproducer of the bug
+until the engine-side fix (phase 2) made it pass.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import uvloop
 from conftest import PAGE_SIZE, make_caches, small_store
 
 import aiokv
-from aiokv.testing import CheckingStore, FaultyStore
+from aiokv.testing import CheckingStore, FaultyStore, StoreWrapper
 
 TOKENS = 4 * PAGE_SIZE
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
@@ -45,8 +44,6 @@ class Rig:
 # ---- loop binding (item 3) ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: a call from a second event loop (the "
-                   "first one closed) raises a raw RuntimeError and leaves pending=1")
 @pytest.mark.parametrize("loop_kind", list(LOOPS))
 def test_a_call_after_the_starting_loop_closed_fails_typed_and_leaves_nothing_pending(
     caches: list[torch.Tensor], loop_kind: str
@@ -69,8 +66,6 @@ def test_a_call_after_the_starting_loop_closed_fails_typed_and_leaves_nothing_pe
             runner.run(asyncio.wait_for(engine.aclose(drain=False), 0.5))
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: a call from a second loop raises a raw "
-                   "RuntimeError and its offload still runs later on the engine's loop")
 @pytest.mark.parametrize("loop_kind", list(LOOPS))
 def test_a_call_from_a_second_loop_fails_typed_and_never_runs(
     caches: list[torch.Tensor], loop_kind: str
@@ -108,8 +103,6 @@ def in_a_thread_with_its_own_loop(work: Callable[[], Any]) -> tuple[BaseExceptio
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: a call from another running loop raises "
-                   "'attached to a different loop' (not an AiokvError) yet still runs")
 async def test_a_call_from_another_running_loop_fails_at_once_and_never_runs(
     caches: list[torch.Tensor],
 ) -> None:
@@ -128,8 +121,6 @@ async def test_a_call_from_another_running_loop_fails_at_once_and_never_runs(
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: aclose() from another loop hangs (30 s by "
-                   "default) and leaves the engine DRAINING with its threads alive")
 async def test_aclose_from_another_loop_fails_at_once_and_the_engine_serves_on(
     caches: list[torch.Tensor],
 ) -> None:
@@ -152,8 +143,6 @@ async def test_aclose_from_another_loop_fails_at_once_and_the_engine_serves_on(
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: duplicate page ids in a load are accepted "
-                   "(two positions written to one page)")
 async def test_duplicate_page_ids_in_a_load_fail_that_load_alone(
     caches: list[torch.Tensor],
 ) -> None:
@@ -176,8 +165,6 @@ async def test_duplicate_page_ids_in_a_load_fail_that_load_alone(
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: a load that fails leaves its Lookup "
-                   "reading 'loading'")
 @pytest.mark.parametrize("failure", ["launch", "page_range"])
 async def test_a_failed_load_releases_its_lookup(
     caches: list[torch.Tensor], failure: str
@@ -199,8 +186,6 @@ async def test_a_failed_load_releases_its_lookup(
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: aclose(timeout=0.5) with a stuck store "
-                   "takes 1.5 s (it joins the store thread for at least 1 s more)")
 async def test_aclose_returns_within_its_timeout_whatever_the_store_does(
     caches: list[torch.Tensor],
 ) -> None:
@@ -223,8 +208,6 @@ async def test_aclose_returns_within_its_timeout_whatever_the_store_does(
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: the page-id range error does not say which "
-                   "value is wrong")
 @pytest.mark.parametrize("bad", [9_999, -1])
 async def test_the_page_id_range_error_names_the_bad_value(
     caches: list[torch.Tensor], bad: int
@@ -238,8 +221,6 @@ async def test_the_page_id_range_error_names_the_bad_value(
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: a store handed to a second engine fails "
-                   "with a raw RuntimeError at start (and closes the first engine's store)")
 async def test_one_store_handed_to_two_engines_is_refused(caches: list[torch.Tensor]) -> None:
     store = small_store()
     first = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))
@@ -255,8 +236,6 @@ async def test_one_store_handed_to_two_engines_is_refused(caches: list[torch.Ten
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: before start() the message is 'engine is "
-                   "new', which does not say what to do")
 async def test_a_call_before_start_says_to_call_start(caches: list[torch.Tensor]) -> None:
     engine = aiokv.OffloadEngine(small_store(), caches)
     try:
@@ -268,8 +247,6 @@ async def test_a_call_before_start_says_to_call_start(caches: list[torch.Tensor]
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: a Lookup still reads held after the close "
-                   "cancelled its reservation (found by tests/test_shutdown_load.py)")
 async def test_a_lookup_left_at_close_reads_released(caches: list[torch.Tensor]) -> None:
     rig = Rig(caches, window_us=0)
     async with rig.engine:
@@ -279,3 +256,33 @@ async def test_a_lookup_left_at_close_reads_released(caches: list[torch.Tensor])
     assert rig.engine.stats().store_tasks_open == 0  # the close cancelled it in the store
     assert rig.checked.problems() == []
     assert not hit.held and "released" in repr(hit), repr(hit)
+
+
+class RecordsClose(StoreWrapper):
+    def __init__(self, inner: aiokv.Store) -> None:
+        super().__init__(inner)
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        self.inner.close()
+        self.closed.set()
+
+
+@pytest.mark.parametrize("loop_kind", list(LOOPS))
+def test_an_engine_whose_loop_closed_can_be_closed_from_another_loop(
+    caches: list[torch.Tensor], loop_kind: str
+) -> None:
+    store = RecordsClose(small_store())
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))
+    with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner:
+        runner.run(engine.start())
+        runner.run(engine.offload(1, pages(0), TOKENS))
+    with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner:
+        runner.run(asyncio.wait_for(engine.aclose(), 10))
+        runner.run(engine.aclose())  # idempotent
+    assert engine.state is aiokv.EngineState.CLOSED
+    assert store.closed.is_set()  # the store thread stopped and closed its store
+    with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner, pytest.raises(
+        aiokv.EngineClosed
+    ):
+        runner.run(engine.offload(2, pages(4), TOKENS))

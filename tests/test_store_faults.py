@@ -1,8 +1,8 @@
 """A store verb that raises once (a transient fault) must cost the engine nothing but the
 requests it concerned: found by the soak (benchmarks/soak.py, ``--error-verbs cancel`` or
-``try_wait``), reduced here to one fault each. Marked xfail until the engine recovers
-(phase 2 of issue 19); the verbs whose failure the engine survives are in the soak's CI
-run (tests/test_soak_quick.py)."""
+``try_wait``), reduced here to one fault each (strict-xfail reproducers until the store thread retried
+them: aiokv/recovery.py). Every verb's failure is in the soak's CI run
+(tests/test_soak_quick.py)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,6 @@ def rig(caches: list[torch.Tensor], verb: str) -> tuple[FailsOnce, CheckingStore
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: a cancel that raises is logged and dropped; "
-                   "its ids stay matched in the store forever (worker._cancel never retries)")
 async def test_a_cancel_that_raises_once_is_retried(caches: list[torch.Tensor]) -> None:
     faulty, checked, engine = rig(caches, "cancel")
     async with engine:
@@ -65,8 +63,6 @@ async def test_a_cancel_that_raises_once_is_retried(caches: list[torch.Tensor]) 
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="phase 2: a try_wait that raises fails every launched "
-                   "request and never waits on their ids again: they stay open in the store")
 async def test_a_try_wait_that_raises_once_loses_no_task(caches: list[torch.Tensor]) -> None:
     faulty, checked, engine = rig(caches, "try_wait")
     async with engine:

@@ -172,6 +172,19 @@ def test_fused_pages_expand_split_and_flag_bad_requests() -> None:
     assert first.tolist() == [12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
+def test_page_errors_name_the_bad_value_and_a_page_held_twice() -> None:
+    page_ids = [torch.tensor([5, 6, 5]), torch.tensor([7, 7]), torch.tensor([2, 70, -1]),
+                torch.tensor([5, 6])]
+    fused = fuse_page_ids(page_ids, [3, 1, 3, 2])  # request 1 moves its first page only
+    slots = fused.expand(fused.wait(), 4)
+    errors = fused.page_errors(slots, num_pages=64, page_size=4, unique=True)
+    # Request 3 shares pages with request 0: each request is checked on its own pages.
+    assert sorted(errors) == [0, 2]
+    assert errors[0].field == "page_ids" and "holds 5 twice" in str(errors[0])
+    assert "holds 70, outside [0, 64)" in str(errors[2])
+    assert sorted(fused.page_errors(slots, num_pages=64, page_size=4, unique=False)) == [2]
+
+
 def test_select_slots_takes_exactly_the_true_positions() -> None:
     slots = np.arange(100, 112)
     suffix = np.zeros(12, bool)

@@ -1,0 +1,165 @@
+"""The engine's lifecycle around its public calls: the loop it belongs to, the stores that
+running engines hold, and the close (drain, escalation, a store thread left behind).
+
+An engine belongs to the loop that started it: its futures, timers and batcher task live
+there, so a call from any other loop or thread fails at once with :class:`WrongLoop`,
+before it touches anything (nothing is counted, queued or run). A store drives one
+engine at a time: a second engine's ``start()`` is refused while the first holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import threading
+from typing import TYPE_CHECKING
+
+from .errors import ConfigError, EngineClosed, WrongLoop
+from .requests import Request
+from .stores.base import Store
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+log = logging.getLogger("aiokv")
+
+
+
+class EngineState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+_running_loop = asyncio.events._get_running_loop  # None off a loop; no exception to catch
+
+# id(store) -> store, for every store a started engine holds (any loop, any thread).
+_in_use: dict[int, Store] = {}
+_in_use_lock = threading.Lock()
+
+
+def check_loop(owner: asyncio.AbstractEventLoop | None) -> None:
+    """Raise WrongLoop unless this runs on ``owner``, the engine's loop (the one place
+    the binding is checked: every public call that changes the engine calls it)."""
+    running = _running_loop()
+    if running is not owner:
+        raise wrong_loop(owner, running)
+
+
+def wrong_loop(
+    owner: asyncio.AbstractEventLoop | None, running: asyncio.AbstractEventLoop | None
+) -> WrongLoop:
+    closed = " (now closed)" if owner is not None and owner.is_closed() else ""
+    here = "no running loop" if running is None else f"loop {running!r}"
+    return WrongLoop(
+        f"this engine belongs to the event loop that started it, {owner!r}{closed}; the "
+        f"call came from {here} on thread {threading.current_thread().name!r}. Await the "
+        "engine on its own loop; from other threads, use aiokv.run_in_background()"
+    )
+
+
+def claim_store(store: Store) -> None:
+    """Note that an engine starts on ``store``; ConfigError if another engine holds it."""
+    with _in_use_lock:
+        if _in_use.get(id(store)) is store:
+            raise ConfigError(
+                "store",
+                f"{type(store).__name__} at {id(store):#x} is already registered with a "
+                "running engine; give each engine a store of its own (or close the "
+                "first engine before starting the next on it)",
+            )
+        _in_use[id(store)] = store
+
+
+def release_store(store: Store) -> None:
+    with _in_use_lock:
+        if _in_use.get(id(store)) is store:
+            del _in_use[id(store)]
+
+
+def store_in_use(store: Store) -> bool:
+    with _in_use_lock:
+        return _in_use.get(id(store)) is store
+
+
+async def close(engine: OffloadEngine, drain: bool, timeout: float) -> int:
+    """Close a started engine (OffloadEngine.aclose), within ``timeout`` seconds whatever
+    the store does: returns how many requests were abandoned (failed with EngineClosed
+    at the deadline, their transfers, if launched, left to the store thread)."""
+    batcher, worker, idle = engine._batcher, engine._worker, engine._idle
+    resolver, admission = engine._resolver, engine._admission
+    assert batcher is not None and worker is not None and idle is not None
+    assert resolver is not None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    engine._state = EngineState.DRAINING
+    admission.wake_all()  # callers waiting for room see the state and leave
+    if engine._batcher_task is None:
+        drain = False  # closed while starting: nothing dispatches what is queued
+    if drain:
+        batcher.drain()
+        try:
+            await asyncio.wait_for(idle.wait(), timeout)
+        except TimeoutError:
+            log.warning("aiokv: drain timed out after %.1fs; closing now", timeout)
+    space = engine._space  # offloads waiting for room (aiokv.space) go with the queue
+    queued = [*(space.close() if space is not None else ()), *batcher.take_queued()]
+    for request in queued:
+        resolver.resolve(request, EngineClosed("engine closed before this request ran"))
+    if engine._batcher_task is not None:
+        engine._batcher_task.cancel()
+        # return_exceptions: the batcher's own CancelledError comes back as a value,
+        # while a cancellation of this task still propagates.
+        await asyncio.gather(engine._batcher_task, return_exceptions=True)
+    worker.stop()
+    left_s = max(deadline - loop.time(), 0.0)
+    stuck = not await asyncio.to_thread(worker.join, left_s)
+    await asyncio.sleep(0)  # let outcomes posted before the join arrive
+    resolver.resolve_outcomes(budget_s=math.inf)  # and resolve them, then fail the rest
+    unfinished = list(admission.live)
+    if unfinished or stuck:
+        log.warning(
+            "aiokv: closed with %d requests unfinished (failed with EngineClosed)%s",
+            len(unfinished),
+            "; the store thread is still busy and is left to end on its own" if stuck else "",
+        )
+    abandoned = EngineClosed(
+        f"engine closed before this request finished ({len(unfinished)} requests "
+        f"abandoned at the close's timeout={timeout}s)"
+    )
+    for request in unfinished:
+        resolver.resolve(request, abandoned)
+    # The store thread cancels what they reserved; the Lookups say so.
+    resolver.release_lookups()
+    if engine._deadlines is not None:
+        engine._deadlines.close()
+    engine._state = EngineState.CLOSED
+    release_store(engine._store)
+    return len(unfinished)
+
+
+async def close_orphaned(engine: OffloadEngine, timeout: float) -> None:
+    """Close an engine whose loop was closed without closing it (from any loop): its
+    futures died with that loop, so nothing is left to resolve. The store thread stops,
+    waits for launched transfers and closes the store."""
+    assert engine._worker is not None
+    engine._state = EngineState.CLOSED
+    engine._worker.stop()
+    if not await asyncio.to_thread(engine._worker.join, timeout):
+        log.warning("aiokv: store thread still busy after %.1fs; left to end on its own", timeout)
+    release_store(engine._store)
+
+
+def fail_accepted(engine: OffloadEngine, error: Exception) -> None:
+    """Resolve with ``error`` every request accepted and not resolved, and send the
+    callers waiting for room away (a start that failed: no store thread is left)."""
+    assert engine._batcher is not None and engine._resolver is not None
+    taken: list[Request] = engine._batcher.take_queued()
+    for request in [*taken, *engine._admission.live]:
+        engine._resolver.resolve(request, error)
+    engine._admission.wake_all()
+    if engine._deadlines is not None:
+        engine._deadlines.close()
