@@ -80,12 +80,12 @@ async def test_a_host_tier_the_allocator_refuses_at_start_is_a_config_error(
 ) -> None:
     # The size passed the memory check, yet the (pinned) allocation fails at start: on a
     # GPU host, pinned memory is limited well below the machine's memory.
-    from aiokv.stores.local import store as local_store
+    from aiokv.stores.local import pool
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError("CUDA error: out of memory (pinned)")
 
-    monkeypatch.setattr(local_store, "HostPool", refuse)
+    monkeypatch.setattr(pool, "HostMemory", refuse)
     caches = [torch.zeros(8, 2, 4, 2, 8)]
     engine = aiokv.OffloadEngine(aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01)), caches)
     with pytest.raises(aiokv.ConfigError) as caught:

@@ -153,7 +153,15 @@ class HostPool(BlockAllocator):
             raise ConfigError(
                 "store.cpu_cache_gb", f"{cpu_cache_gb} GiB holds no block of {block_bytes} bytes"
             )
-        return cls(num_blocks, block_shape, first.dtype, first.device.type == "cuda")
+        pin = first.device.type == "cuda"
+        try:
+            return cls(num_blocks, block_shape, first.dtype, pin)
+        except (RuntimeError, MemoryError, OSError) as exc:  # the mapping (or pinning) failed
+            raise ConfigError(
+                "store.cpu_cache_gb",
+                f"{cpu_cache_gb} GiB ({num_blocks} blocks of {block_bytes} bytes"
+                f"{', pinned' if pin else ''}) could not be allocated: {exc}",
+            ) from exc
 
     def block_view(self, block: int) -> memoryview:
         """Block ``block``'s bytes, writable."""
