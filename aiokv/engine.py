@@ -34,6 +34,7 @@ from .errors import (
     InvalidRequest,
 )
 from .handoff import store_slice_us
+from .invalidation import Invalidations
 from .requests import (
     Kind,
     LoadResult,
@@ -44,7 +45,7 @@ from .requests import (
 )
 from .resolution import Resolver
 from .stats import EngineStats, StatsRecorder
-from .stores.base import Store
+from .stores.base import Store, store_restarts
 from .worker import StoreWorker
 
 log = logging.getLogger("aiokv")
@@ -104,6 +105,7 @@ class OffloadEngine:
         self._ready_marks: ReadyMarks | None = None  # the callers' CUDA events, on a GPU
         self._closing: asyncio.Future[None] | None = None
         self._resolver: Resolver | None = None  # resolves every future, once started
+        self._invalidations: Invalidations | None = None  # evict and clear, once started
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -166,6 +168,9 @@ class OffloadEngine:
             self._on_batch,
             resolver.dispatch_failed,
             self._ready_marks.close_window if self._ready_marks is not None else None,
+        )
+        self._invalidations = Invalidations(
+            self._store, loop, self._batcher.dispatch_all, self._worker.submit
         )
         # Calls are accepted from here on: they queue until the batcher task starts.
         self._state = EngineState.RUNNING
@@ -234,6 +239,8 @@ class OffloadEngine:
         if not await asyncio.to_thread(self._worker.join, remaining):
             log.warning("aiokv: store thread still busy after %.1fs; abandoning it", remaining)
         await asyncio.sleep(0)  # let outcomes posted before the join arrive
+        if self._invalidations is not None:
+            self._invalidations.close()  # an evict the store thread never answered
         self._resolver.resolve_outcomes(budget_s=math.inf)  # and resolve them, then fail the rest
         for request in list(self._admission.live):
             self._resolve(request, EngineClosed("engine closed before this request finished"))
@@ -252,6 +259,8 @@ class OffloadEngine:
         self._admission.wake_all()
         if self._deadlines is not None:
             self._deadlines.close()
+        if self._invalidations is not None:
+            self._invalidations.close()
 
     async def __aenter__(self) -> OffloadEngine:
         await self.start()
@@ -267,9 +276,12 @@ class OffloadEngine:
 
     def stats(self) -> EngineStats:
         worker = self._worker
+        restarts = store_restarts(self._store)
         if worker is None:
-            return self._stats.snapshot(0, 0, self._bytes_per_token)
-        return self._stats.snapshot(worker.tasks_open, worker.d2h_copies, self._bytes_per_token)
+            return self._stats.snapshot(0, 0, self._bytes_per_token, restarts)
+        return self._stats.snapshot(
+            worker.tasks_open, worker.d2h_copies, self._bytes_per_token, restarts
+        )
 
     # ---- public calls ------------------------------------------------------------------
 
@@ -344,6 +356,28 @@ class OffloadEngine:
         request.task_id, request.mask = reservation.task_id, reservation.mask
         result: LoadResult = await self._run(request)
         return result
+
+    async def evict(self, user_id: Hashable, *, namespace: Sequence[str] | None = None) -> int:
+        """Drop every block stored under this key (the one ``offload(user_id, ...,
+        namespace=namespace)`` writes); returns the tokens dropped, 0 if none. Runs after
+        every call the engine accepted before it: a load of the key already dispatched
+        finishes first; lookup reservations held on the key are given back first (their
+        loads then load 0 tokens). See :mod:`aiokv.invalidation`.
+
+        Raises InvalidRequest (``user_id`` / ``namespace``, as offload does), StoreError
+        (the store cannot evict, or failed to), EngineClosed."""
+        self._check_running()
+        names = validate.namespace(namespace, user_id)
+        assert self._invalidations is not None  # made in start()
+        return await self._invalidations.run(names)
+
+    async def clear(self) -> int:
+        """Drop everything the store holds; returns the tokens dropped. Ordered as
+        :meth:`evict`; every lookup reservation is given back first. Raises StoreError
+        (the store cannot clear, or failed to), EngineClosed."""
+        self._check_running()
+        assert self._invalidations is not None
+        return await self._invalidations.run(None)
 
     # ---- validation (shapes and dtypes only: never reads GPU values) -------------------
 

@@ -42,6 +42,7 @@ class EngineStats:
     mean_batch_requests: float
     latency_p50_ms: float
     latency_p99_ms: float
+    store_restarts: int = 0  # the store's backend started again after it died (own_process)
 
 
 class StatsRecorder:
@@ -87,7 +88,7 @@ class StatsRecorder:
                 self.loaded_tokens += outcome.loaded_tokens
 
     def snapshot(
-        self, store_tasks_open: int, d2h_copies: int, bytes_per_token: int
+        self, store_tasks_open: int, d2h_copies: int, bytes_per_token: int, store_restarts: int = 0
     ) -> EngineStats:
         """The counters now, with the store thread's: its open task ids and the
         device-to-host copies its fused batches made."""
@@ -114,4 +115,5 @@ class StatsRecorder:
             mean_batch_requests=mean_batch,
             latency_p50_ms=float(p50),
             latency_p99_ms=float(p99),
+            store_restarts=store_restarts,
         )
