@@ -151,6 +151,8 @@ class StoreConfig:
         that its Python never holds this process's GIL against the event loop; the caches
         stay here and reach it by CUDA IPC (or shared memory). None (the default): the
         backend decides, :meth:`in_own_process`.
+    store_restarts: with ``own_process``, how many times a child that died is started
+        again (with backoff) over the store's life; then every call fails with StoreError.
     """
 
     backend: Backend = "local"
@@ -160,6 +162,7 @@ class StoreConfig:
     ssd_cache_dir: str | None = None
     flexkv: Mapping[str, Any] = field(default_factory=dict)
     own_process: bool | None = None
+    store_restarts: int = 3
 
     def in_own_process(self) -> bool:
         """Whether the store runs in a child process: ``own_process`` when set, else the
@@ -200,6 +203,7 @@ class StoreConfig:
                 "store.own_process",
                 f"must be true, false or null (the backend decides), got {self.own_process!r}",
             )
+        _check_int("store.store_restarts", self.store_restarts, 0)
 
 
 def _build(cls: type[Any], section: str, raw: object) -> Any:
