@@ -611,3 +611,23 @@ def test_a_failed_poll_in_the_child_is_not_the_end_of_it(
     conn.send(("close", None))
     assert conn.recv() == (True, None)
     thread.join(10)
+
+
+def test_evict_and_clear_cross_to_the_child_and_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = aiokv.testing.FakeStore(PAGE_SIZE)
+    conn, _, thread = _serve_in_thread(monkeypatch, store)
+    for key in ("n", "m"):
+        tokens = np.arange(2 * PAGE_SIZE, dtype=np.int64)
+        conn.send(("put_match", (tokens, (key,))))
+        ok, (task, _) = conn.recv()
+        assert ok
+        conn.send(("launch", ([task], [len(tokens)], tokens)))
+        assert conn.recv() == (True, None)
+        assert _try_wait(conn, task)[task].status is aiokv.TaskStatus.SUCCESS
+    conn.send(("evict", ("n",)))
+    assert conn.recv() == (True, 2 * PAGE_SIZE)
+    conn.send(("clear", None))
+    assert conn.recv() == (True, 2 * PAGE_SIZE)
+    conn.send(("close", None))
+    assert conn.recv() == (True, None)
+    thread.join(10)
