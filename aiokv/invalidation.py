@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from .calls import StoreCalls
 from .errors import EngineClosed, StoreError
 from .requests import LookupGrant, Request
 from .resolution import settle
@@ -90,6 +92,34 @@ class HeldKeys:
         for task_id in taken:
             del self._keys[task_id]
         return taken
+
+
+def invalidate(
+    item: Invalidation,
+    caps: Capabilities,
+    calls: StoreCalls,
+    reserved: set[int],
+    held_keys: HeldKeys,
+) -> None:
+    """Steps 3 and 4 of the module docstring, on the store thread once nothing launched
+    before ``item`` is open: give back the key's reservations (removed from
+    ``reserved``), ask the store, answer the caller."""
+    held = held_keys.take(reserved, item.namespace)
+    if held:
+        reserved.difference_update(held)
+        calls.cancel(held)
+    namespace = item.namespace
+    method: Callable[..., Any] | None = caps.clear if namespace is None else caps.evict
+    args = () if namespace is None else (namespace,)
+    outcome: int | BaseException = StoreError(f"the store cannot {item.verb}")
+    if method is not None:  # else refused at the call already (Invalidations.run)
+        try:
+            outcome = int(calls.call(method, *args))
+        except StoreError as error:
+            outcome = error
+        except (TypeError, ValueError) as exc:  # an answer that is not a count
+            outcome = StoreError(f"store.{item.verb} answered no token count: {exc!r}")
+    item.answer(outcome)
 
 
 class Invalidations:

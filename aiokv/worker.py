@@ -35,7 +35,7 @@ from .calls import StoreCalls
 from .cuda import fuse_page_ids, ready_events
 from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
-from .invalidation import HeldKeys, Invalidation
+from .invalidation import HeldKeys, Invalidation, invalidate
 from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
 from .requests import Kind, Request
@@ -381,31 +381,15 @@ class StoreWorker:
             self._outbox.append((request, outcome))
 
     def _invalidate(self, item: Invalidation) -> None:
-        """An evict or clear, in inbox order (aiokv.invalidation): wait until what was
-        launched before it is terminal, give back the reservations of its key, then ask
-        the store."""
+        """An evict or clear, in inbox order: once what was launched before it is
+        terminal (and answered), :func:`aiokv.invalidation.invalidate`."""
         while self._launched:
             self._post()
             self._poll()
             if self._launched:
                 time.sleep(self._poll_interval_s)
-        held = self._held_keys.take(self._reserved, item.namespace)
-        if held:
-            self._reserved.difference_update(held)
-            self._calls.cancel(held)
-        self._post()  # the loads it waited for are answered before it
-        caps, namespace = self._caps, item.namespace
-        method: Callable[..., Any] | None = caps.clear if namespace is None else caps.evict
-        args = () if namespace is None else (namespace,)
-        outcome: int | BaseException = StoreError(f"the store cannot {item.verb}")
-        if method is not None:  # else refused at the call already (Invalidations.run)
-            try:
-                outcome = int(self._calls.call(method, *args))
-            except StoreError as error:
-                outcome = error
-            except (TypeError, ValueError) as exc:  # an answer that is not a count
-                outcome = StoreError(f"store.{item.verb} answered no token count: {exc!r}")
-        item.answer(outcome)
+        self._post()
+        invalidate(item, self._caps, self._calls, self._reserved, self._held_keys)
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
         """Fail the batch's requests that have no outcome yet. A load among them still

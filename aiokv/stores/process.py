@@ -26,14 +26,9 @@ How:
   when there is something to take, not every poll interval: a poll costs a round trip.
 - A store's exception travels back and is raised here as itself (with a note naming
   the child) where it pickles, else as StoreError naming it.
-- If the child dies, the call in flight raises StoreError naming its exit code or signal
-  (the engine fails what it had launched with it). The next call starts a new child
-  (``StoreConfig.store_restarts`` times over the store's life, with backoff:
-  :mod:`.restarts`), which registers the caches again and starts empty; ids of the
-  dead child's tasks still held by the engine answer FAILED with how it ended. With no
-  restart left, every later call raises StoreError. A child that is alive but does not
-  answer is not restarted. If this process dies, the child sees the socket close and
-  closes its store.
+- If the child dies, the calls in flight fail naming its exit; the next call starts a
+  new, empty child (:mod:`.restarts`). If this process dies, the child sees the socket
+  close and closes its store.
 """
 
 from __future__ import annotations
@@ -59,7 +54,7 @@ import torch.multiprocessing  # registers tensor reductions for Connection.send
 from ..backends import backend
 from ..config import StoreConfig
 from ..errors import StoreError
-from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult, TaskStatus
+from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .restarts import Restarts, how_it_ended
 from .spawn import end_child, spawn_child
 from .wire import FORWARDED, Op, PackedResults, launch_args, portable, query, unpack_results
@@ -211,7 +206,6 @@ class ProcessStore:
     # ---- Store protocol --------------------------------------------------------------
 
     def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
-        self._revive()
         matched: tuple[int, BoolArray] = self._call("put_match", query(token_ids, namespace))
         return self._ids.match(matched)
 
@@ -221,7 +215,6 @@ class ProcessStore:
         return self._match_many("put_match_many", queries)
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
-        self._revive()
         matched: tuple[int, BoolArray] = self._call("get_match", query(token_ids, namespace))
         return self._ids.match(matched)
 
@@ -255,24 +248,19 @@ class ProcessStore:
             except StoreError as error:
                 if self._ended is None:  # not a death this store recovers from
                     raise
-                # Its tasks died with it: each is answered, FAILED, saying how.
-                died = TaskResult(TaskStatus.FAILED, None, str(error))
-                return {**dict.fromkeys(task_ids, died), **self._ids.results({}, old)}
+                return self._ids.died(task_ids, old, str(error))  # its tasks died with it
             fresh = unpack_results(packed)
         return self._ids.results(fresh, old)
 
     def evict(self, namespace: Sequence[str]) -> int:
-        self._revive()
         dropped: int = self._call("evict", tuple(namespace))
         return dropped
 
     def clear(self) -> int:
-        self._revive()
         dropped: int = self._call("clear", None)
         return dropped
 
     def store_stats(self) -> Mapping[str, int | float]:
-        self._revive()
         stats: Mapping[str, int | float] = self._call("store_stats", None)
         return stats
 
@@ -300,7 +288,6 @@ class ProcessStore:
     # ---- internals -------------------------------------------------------------------
 
     def _match_many(self, op: Op, queries: Queries) -> MatchAnswers:
-        self._revive()
         answers: MatchAnswers = self._call(op, [query(t, n) for t, n in queries])
         for answer in answers:
             if isinstance(answer, Exception):
@@ -336,6 +323,7 @@ class ProcessStore:
         self._start_child(self._caches)
 
     def _call(self, op: Op, args: object) -> Any:
+        self._revive()  # before the lock: it takes it
         with self._calling:
             if self._closed or (self._conn is None and self._broken is None):
                 raise RuntimeError("ProcessStore is closed or not registered")

@@ -8,6 +8,12 @@ child's generation: generation ``g``'s ids are its store's plus ``g * STRIDE``. 
 an older generation is never passed to the new child: its ``try_wait`` answers FAILED
 with how its child ended, its ``cancel`` is a no-op (the child took its blocks with it),
 its ``launch`` raises StoreError. The first child's ids go through unchanged.
+
+When: a call finds the child dead (it fails, naming the exit code or signal: the engine
+fails what it had launched), or the notice channel closes with it; the next call starts
+the new child, which registers the caches again and starts empty. ``store_restarts``
+attempts over the store's life, with backoff; then every call raises StoreError. A child
+that is alive but does not answer is not restarted.
 """
 
 from __future__ import annotations
@@ -76,6 +82,11 @@ class Generations:
 
     def match(self, answer: tuple[int, BoolArray]) -> tuple[int, BoolArray]:
         return answer[0] + self.base, answer[1]
+
+    def died(self, task_ids: Sequence[int], old: Sequence[int], why: str) -> dict[int, TaskResult]:
+        """try_wait's answers when the current child died during it: all FAILED."""
+        died = TaskResult(TaskStatus.FAILED, None, why)
+        return {**dict.fromkeys(task_ids, died), **self.results({}, old)}
 
     def results(
         self, fresh: dict[int, TaskResult], old: Sequence[int]
