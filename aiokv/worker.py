@@ -383,12 +383,16 @@ class StoreWorker:
     def _invalidate(self, item: Invalidation) -> None:
         """An evict or clear, in inbox order: once what was launched before it is
         terminal (and answered), :func:`aiokv.invalidation.invalidate`."""
-        while self._launched:
+        try:
+            while self._launched:
+                self._post()
+                self._poll()
+                if self._launched:
+                    time.sleep(self._poll_interval_s)
             self._post()
-            self._poll()
-            if self._launched:
-                time.sleep(self._poll_interval_s)
-        self._post()
+        except BaseException:  # a crash of this thread (_run): its caller is told too
+            item.answer(StoreError("the store thread crashed; see the aiokv log"))
+            raise
         invalidate(item, self._caps, self._calls, self._reserved, self._held_keys)
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
