@@ -161,6 +161,15 @@ class Batcher:
         self._draining = True
         self.flush()
 
+    def dispatch_all(self) -> None:
+        """Hand everything accepted to the store thread now, in order, whatever the window
+        and the iteration's budget (an evict or clear must follow the requests accepted
+        before it: aiokv.invalidation)."""
+        if self._queue:
+            self._plan_queue()
+        while self._planned:
+            self._dispatch_next()
+
     def take_queued(self) -> list[Request]:
         """Everything not yet dispatched, planned first, without dispatching it (the
         engine closing without drain)."""

@@ -165,6 +165,8 @@ class StoreConfig:
         that its Python never holds this process's GIL against the event loop; the caches
         stay here and reach it by CUDA IPC (or shared memory). None (the default): the
         backend decides, :meth:`in_own_process`.
+    store_restarts: with ``own_process``, how many times a child that died is started
+        again (with backoff) over the store's life; then every call fails with StoreError.
     """
 
     backend: Backend = "local"
@@ -176,6 +178,7 @@ class StoreConfig:
     ssd_reset_on_mismatch: bool = False
     flexkv: Mapping[str, Any] = field(default_factory=dict)
     own_process: bool | None = None
+    store_restarts: int = 3
 
     def ssd_dirs(self) -> tuple[str, ...]:
         """``ssd_cache_dir`` as a tuple of directories (empty when None)."""
@@ -238,6 +241,7 @@ class StoreConfig:
                 "store.own_process",
                 f"must be true, false or null (the backend decides), got {self.own_process!r}",
             )
+        _check_int("store.store_restarts", self.store_restarts, 0)
 
 
 def _ssd_dir_error(value: object) -> ConfigError:

@@ -31,6 +31,7 @@ from .errors import (
     InvalidRequest,
 )
 from .handoff import store_slice_us
+from .invalidation import Invalidations
 from .lifecycle import EngineState as EngineState  # public as aiokv.engine.EngineState
 from .requests import (
     Kind,
@@ -43,7 +44,7 @@ from .requests import (
 from .resolution import Resolver
 from .space import SpaceWaits
 from .stats import EngineStats, StatsRecorder
-from .stores.base import Store
+from .stores.base import Store, store_restarts
 from .worker import StoreWorker
 
 # Enum members read as class attributes cost an attribute lookup each; per-call paths read
@@ -94,6 +95,7 @@ class OffloadEngine:
         self._closing: asyncio.Future[int] | None = None  # int: requests abandoned
         self._resolver: Resolver | None = None  # resolves every future, once started
         self._space: SpaceWaits | None = None  # offloads waiting for room, once started
+        self._invalidations: Invalidations | None = None  # evict and clear, once started
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -165,6 +167,9 @@ class OffloadEngine:
             self._batcher.requeue,
             resolver.resolve,
         )
+        self._invalidations = Invalidations(
+            self._store, loop, self._batcher.dispatch_all, self._worker.submit
+        )
         # Calls are accepted from here on: they queue until the batcher task starts.
         self._state = EngineState.RUNNING
         self._worker.start()
@@ -235,9 +240,12 @@ class OffloadEngine:
 
     def stats(self) -> EngineStats:
         worker = self._worker
+        restarts = store_restarts(self._store)
         if worker is None:
-            return self._stats.snapshot(0, 0, self._bytes_per_token)
-        return self._stats.snapshot(worker.tasks_open, worker.d2h_copies, self._bytes_per_token)
+            return self._stats.snapshot(0, 0, self._bytes_per_token, restarts)
+        return self._stats.snapshot(
+            worker.tasks_open, worker.d2h_copies, self._bytes_per_token, restarts
+        )
 
     # ---- public calls ------------------------------------------------------------------
 
@@ -317,6 +325,28 @@ class OffloadEngine:
             raise
         hit._settle(loaded=True)
         return result
+
+    async def evict(self, user_id: Hashable, *, namespace: Sequence[str] | None = None) -> int:
+        """Drop every block stored under this key (the one ``offload(user_id, ...,
+        namespace=namespace)`` writes); returns the tokens dropped, 0 if none. Runs after
+        every call the engine accepted before it: a load of the key already dispatched
+        finishes first; lookup reservations held on the key are given back first (their
+        loads then load 0 tokens). See :mod:`aiokv.invalidation`.
+
+        Raises InvalidRequest (``user_id`` / ``namespace``, as offload does), StoreError
+        (the store cannot evict, or failed to), EngineClosed."""
+        self._check_running()
+        names = validate.namespace(namespace, user_id)
+        assert self._invalidations is not None  # made in start()
+        return await self._invalidations.run(names)
+
+    async def clear(self) -> int:
+        """Drop everything the store holds; returns the tokens dropped. Ordered as
+        :meth:`evict`; every lookup reservation is given back first. Raises StoreError
+        (the store cannot clear, or failed to), EngineClosed."""
+        self._check_running()
+        assert self._invalidations is not None
+        return await self._invalidations.run(None)
 
     # ---- validation (shapes and dtypes only: never reads GPU values) -------------------
 

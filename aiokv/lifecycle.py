@@ -118,6 +118,8 @@ async def close(engine: OffloadEngine, drain: bool, timeout: float) -> int:
     left_s = max(deadline - loop.time(), 0.0)
     stuck = not await asyncio.to_thread(worker.join, left_s)
     await asyncio.sleep(0)  # let outcomes posted before the join arrive
+    if engine._invalidations is not None:
+        engine._invalidations.close()  # an evict the store thread never answered
     resolver.resolve_outcomes(budget_s=math.inf)  # and resolve them, then fail the rest
     unfinished = list(admission.live)
     if unfinished or stuck:
@@ -163,3 +165,5 @@ def fail_accepted(engine: OffloadEngine, error: Exception) -> None:
     engine._admission.wake_all()
     if engine._deadlines is not None:
         engine._deadlines.close()
+    if engine._invalidations is not None:
+        engine._invalidations.close()

@@ -104,15 +104,21 @@ def plan_load(
     num_pages: int,
     page_size: int,
     select: Select,
+    gone: Collection[int] = (),
 ) -> Round:
     """The round of a load batch: each request launches its Lookup's reservation
-    (``request.task_id``, ``request.mask``) into its pages, or gives it back."""
+    (``request.task_id``, ``request.mask``) into its pages, or gives it back. ``gone``:
+    indexes whose reservation an evict or clear already gave back (aiokv.invalidation):
+    they load nothing, at once."""
     plan = Round()
     matched: list[tuple[Request, int, BoolArray] | None] = [None] * len(requests)
     for index, request in enumerate(requests):
         task_id, mask = request.task_id, request.mask
         if task_id is None or mask is None:
             raise ValueError(f"load request {index} holds no reservation")
+        if index in gone:  # nothing of it is in the store any more: a miss
+            plan.outcomes.append((request, success(request, 0, page_size)))
+            continue
         if index in bad:
             plan.outcomes.append((request, _bad_pages(bad, index, num_pages)))
             plan.cancel.append(task_id)

@@ -17,6 +17,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from .admission import Admission
 from .deadlines import Deadlines
@@ -182,3 +183,15 @@ class Resolver:
         self._stats.record_outcome(request, outcome)
         if not self._admission.live:
             self._idle.set()
+
+
+def settle(future: asyncio.Future[Any], outcome: object) -> None:
+    """Resolve a future that is not a request's (an evict or clear: nothing is counted),
+    on the loop, unless it is already done (its caller cancelled it, or it failed at
+    close). The other half of :meth:`Resolver.resolve`, the one place futures resolve."""
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

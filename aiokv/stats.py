@@ -209,6 +209,7 @@ class EngineStats:
     # again, and the time offloads spent waiting so, in ms, summed over them.
     space_waits: int = 0
     space_wait_ms: float = 0.0
+    store_restarts: int = 0  # the store's backend started again after it died (own_process)
 
     @property
     def hit_ratio(self) -> float:
@@ -319,7 +320,7 @@ class StatsRecorder:
         )
 
     def snapshot(
-        self, store_tasks_open: int, d2h_copies: int, bytes_per_token: int
+        self, store_tasks_open: int, d2h_copies: int, bytes_per_token: int, store_restarts: int = 0
     ) -> EngineStats:
         """The counters now, with the store thread's: its open task ids and the
         device-to-host copies its fused batches made (loop thread: the samples are
@@ -353,6 +354,7 @@ class StatsRecorder:
             lookup_hit_tokens=now.lookup_hit_tokens,
             space_waits=self.space_waits,
             space_wait_ms=self.space_wait_s * 1e3,
+            store_restarts=store_restarts,
         )
 
 

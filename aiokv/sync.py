@@ -297,13 +297,13 @@ class BackgroundEngine:
         """``await engine.evict(...)``, blocking this thread: tokens dropped."""
         tokens: int = self._wait(
             "evict",
-            lambda: self.engine.evict(user_id, namespace=namespace),  # type: ignore[attr-defined]
+            lambda: self.engine.evict(user_id, namespace=namespace),
         )
         return tokens
 
     def clear(self) -> int:
         """``await engine.clear()``, blocking this thread: tokens dropped."""
-        tokens: int = self._wait("clear", lambda: self.engine.clear())  # type: ignore[attr-defined]
+        tokens: int = self._wait("clear", lambda: self.engine.clear())
         return tokens
 
     def stats(self) -> EngineStats:

@@ -23,6 +23,7 @@ from .stores.base import (
     Store,
     TaskResult,
     TaskStatus,
+    store_restarts,
 )
 
 
@@ -83,6 +84,16 @@ class FakeStore:
         self._finished.update(done)
         return {t: self._finished.pop(t) for t in task_ids if t in self._finished}
 
+    def evict(self, namespace: Sequence[str]) -> int:
+        """Forget the key's tokens; returns how many it held."""
+        return self._stored.pop(tuple(namespace), 0)
+
+    def clear(self) -> int:
+        """Forget every key; returns the tokens they held."""
+        dropped = sum(self._stored.values())
+        self._stored.clear()
+        return dropped
+
     def close(self) -> None:
         self._tasks.clear()
 
@@ -127,6 +138,11 @@ class StoreWrapper:
     @property
     def page_size(self) -> int:
         return self.inner.page_size
+
+    @property
+    def restarts(self) -> int:
+        """The inner store's restarts (stores/base.py: Restarts), 0 without any."""
+        return store_restarts(self.inner)
 
     @property
     def store_slice_us(self) -> int | None:

@@ -35,6 +35,7 @@ from .calls import StoreCalls
 from .cuda import fuse_page_ids, ready_events
 from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
+from .invalidation import HeldKeys, Invalidation, invalidate
 from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
 from .recovery import PollFailures, retry_timeout
@@ -91,6 +92,7 @@ class StoreWorker:
         self._accept_lock = threading.Lock()
         self._launched: dict[int, Request] = {}  # launched ids -> request, until terminal
         self._reserved: set[int] = set()  # lookup matches held for a load
+        self._held_keys = HeldKeys()  # their keys, for an evict
         self._outbox: list[tuple[Request, object]] = []
         self._in_hand: Batch | None = None  # the batch being matched or launched
         self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
@@ -112,7 +114,7 @@ class StoreWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, item: Batch | _Release | StoreStatsQuery) -> None:
+    def submit(self, item: Batch | _Release | StoreStatsQuery | Invalidation) -> None:
         with self._accept_lock:
             if not self._accepting:
                 raise EngineClosed("the store thread has stopped accepting work")
@@ -236,6 +238,8 @@ class StoreWorker:
                 break
             if isinstance(item, Batch):
                 self._outbox.extend((r, error) for r in item.requests)
+            elif isinstance(item, Invalidation):
+                item.answer(error)
         self._post()
 
     def _close_store(self) -> None:
@@ -287,6 +291,8 @@ class StoreWorker:
                 error.__cause__ = exc
                 self._fail_unanswered(item, error)
             self._in_hand = None
+        elif isinstance(item, Invalidation):
+            self._invalidate(item)
         else:
             raise TypeError(f"unexpected inbox item {item!r}")
 
@@ -299,6 +305,7 @@ class StoreWorker:
         outcomes, cancel, reserved = plan_lookup(requests, answers, self.release_one)
         self._outbox.extend(outcomes)
         self._reserved.update(reserved)
+        self._held_keys.note(outcomes, self._reserved)
         if cancel:
             self._calls.cancel(cancel)
 
@@ -338,9 +345,12 @@ class StoreWorker:
         if offload:
             plan = plan_offload(requests, bad, answers, self._num_pages, page_size, select)
         else:
-            # Every load consumes its reservation here: launched or cancelled below.
-            self._reserved.difference_update([r.task_id for r in requests])
-            plan = plan_load(requests, bad, self._num_pages, page_size, select)
+            # Every load consumes its reservation here: launched or cancelled below,
+            # unless an evict or clear gave it back already.
+            reserved = self._reserved
+            gone = [i for i, r in enumerate(requests) if r.task_id not in reserved]
+            reserved.difference_update([r.task_id for r in requests])
+            plan = plan_load(requests, bad, self._num_pages, page_size, select, gone)
         self._execute(plan)
 
     def _execute(self, plan: Round) -> None:
@@ -394,6 +404,21 @@ class StoreWorker:
             outcome = outcome_of(request, result, page_size)  # should it raise, it is still held
             del launched[task_id]
             self._outbox.append((request, outcome))
+
+    def _invalidate(self, item: Invalidation) -> None:
+        """An evict or clear, in inbox order: once what was launched before it is
+        terminal (and answered), :func:`aiokv.invalidation.invalidate`."""
+        try:
+            while self._launched:
+                self._post()
+                self._poll()
+                if self._launched:
+                    time.sleep(self._poll_interval_s)
+            self._post()
+        except BaseException:  # a crash of this thread (_run): its caller is told too
+            item.answer(StoreError("the store thread crashed; see the aiokv log"))
+            raise
+        invalidate(item, self._caps, self._calls, self._reserved, self._held_keys)
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
         """Fail the batch's requests that have no outcome yet. A load among them still

@@ -1,22 +1,26 @@
 """A soak with faults that must lose nothing.
 
-Thousands of simulated users send mixed offload / lookup / load requests through
+Thousands of simulated users send mixed offload / lookup / load / evict requests through
 ``CheckingStore(FaultyStore(LocalStore))`` on CPU caches: 5% of launched tasks fail, 1%
 of the calls of every store verb raise, answers come back after random delays, and 30%
 of the calls are cancelled at a random moment (queued, waiting for room, matched or in
-flight). Every user's KV is a function of (user, position), with distinct values for the
-int user ``n`` and the str user ``"n"``, so any load that succeeds is checked bit for bit
-against what that key must hold.
+flight). Every user's KV is a function of (user, epoch, position), with distinct values
+for the int user ``n`` and the str user ``"n"``, so any load that succeeds is checked bit
+for bit against what that key may hold. A user's epoch goes up at each of its evicts, and
+its offloads from then on write the new epoch's KV: a load must give, page by page, the KV
+of an epoch no older than that of the user's last evict that returned (an evict that was
+cancelled or failed may or may not have run), or miss.
 
 It prints, and writes as JSON with ``--json PATH``: requests, resolved, failed_as_injected,
 cancelled, lost (started and never resolved), leaked_tasks (store ids left open),
-violations (CheckingStore), mismatches (loads not bit-exact), peak RSS and p50/p99 latency.
+violations (CheckingStore), mismatches (loads not bit-exact), evicts (that returned) and
+evicted_tokens, peak RSS and p50/p99 latency. A store without evict (stores/base.py:
+Evicts) fails every evict with StoreError, filed under ``other_outcomes``.
 
     python benchmarks/soak.py                # 100,000 requests
     python benchmarks/soak.py --quick        # about 5,000, for CI
 
-A request kind is a coroutine in ``KINDS`` (with its weight in ``WEIGHTS``): an ``evict``
-kind is one more function of a few lines, calling ``soak.call("evict", ...)``.
+A request kind is a coroutine in ``KINDS``, with its weight in ``WEIGHTS``.
 """
 
 from __future__ import annotations
@@ -60,12 +64,26 @@ def user_code(user: int | str) -> int:
     return 2 * int(user) + isinstance(user, str)
 
 
-def kv_of(user: int | str, pages: int, layer: int) -> torch.Tensor:
-    """The KV a user's first ``pages`` pages hold in ``layer``: [pages, 2, page, heads, dim]."""
+def kv_of(user: int | str, pages: int, layer: int, epoch: int = 0) -> torch.Tensor:
+    """The KV a user's first ``pages`` pages hold in ``layer`` in ``epoch`` (its evicts so
+    far): [pages, 2, page, heads, dim]."""
     position = torch.arange(pages * PAGE_SIZE, dtype=torch.int64).view(pages, 1, PAGE_SIZE, 1, 1)
     element = torch.arange(2 * HEADS * HEAD_DIM, dtype=torch.int64).view(1, 2, 1, HEADS, HEAD_DIM)
-    value = user_code(user) * 1_000_003 + position * 1_009 + layer * 97 + element
+    value = user_code(user) * 1_000_003 + epoch * 7_919 + position * 1_009 + layer * 97 + element
     return (value % _EXACT).to(torch.float32)
+
+
+def pages_of_epochs(
+    got: torch.Tensor, user: int | str, layer: int, epochs: range
+) -> torch.Tensor:
+    """Per page of ``got`` (a load's pages of ``layer``): whether it holds the KV of one of
+    ``epochs``."""
+    pages = got.shape[0]
+    match = torch.zeros(pages, dtype=torch.bool)
+    for epoch in epochs:
+        same = got == kv_of(user, pages, layer, epoch)
+        match |= same.view(pages, -1).all(dim=1)
+    return match
 
 
 class Soak:
@@ -104,6 +122,10 @@ class Soak:
         self.outcomes: Counter[str] = Counter()
         self.latencies_s: list[float] = []
         self.loads_checked = 0
+        # Per user: (the epoch of its last evict that returned, its epoch now).
+        self.epochs: dict[int | str, tuple[int, int]] = {}
+        self.evicts = 0
+        self.evicted_tokens = 0
         self.mismatches: list[str] = []
         self.loop_errors: list[str] = []
 
@@ -165,8 +187,9 @@ class Soak:
 
         async def use(slot: int) -> None:
             target = self.pages(slot, pages)
+            epoch = self.epochs.get(user, (0, 0))[1]
             for layer, cache in enumerate(self.caches):
-                cache[target] = kv_of(user, pages, layer)
+                cache[target] = kv_of(user, pages, layer, epoch)
             await self.call("offload", lambda: self.engine.offload(user, target, tokens))
 
         await self.with_slot(use)
@@ -190,14 +213,31 @@ class Soak:
             except BudgetSpent:
                 hit.release()
                 raise
+            if got.loaded_tokens == 0:
+                return  # a miss: its reservation was given back to an evict
             if got.loaded_tokens != hit.cached_tokens:
                 self.mismatches.append(f"{user!r}: {got.loaded_tokens} of {hit.cached_tokens}")
+            floor, epoch = self.epochs.get(user, (0, 0))
             for layer, cache in enumerate(self.caches):
-                if not torch.equal(cache[target], kv_of(user, pages, layer)):
-                    self.mismatches.append(f"{user!r}: layer {layer} of {pages} pages differs")
+                if not pages_of_epochs(cache[target], user, layer, range(floor, epoch + 1)).all():
+                    self.mismatches.append(
+                        f"{user!r}: layer {layer} of {pages} pages differs from epochs "
+                        f"{floor}..{epoch}"
+                    )
             self.loads_checked += 1
 
         await self.with_slot(use)
+
+    async def evict(self, user: int | str) -> None:
+        """Evict the user's key: its offloads from now on write the next epoch's KV; once
+        the evict returns, no older epoch may be loaded."""
+        floor, epoch = self.epochs.get(user, (0, 0))
+        self.epochs[user] = (floor, epoch + 1)
+        dropped = await self.call("evict", lambda: self.engine.evict(user))
+        floor, now = self.epochs[user]
+        self.epochs[user] = (max(floor, epoch + 1), now)
+        self.evicts += 1
+        self.evicted_tokens += dropped
 
     async def user(self, index: int) -> None:
         user: int | str = index // 2 if index % 2 == 0 else str(index // 2)
@@ -278,6 +318,8 @@ class Soak:
             "mismatches": len(self.mismatches),
             "mismatch_examples": self.mismatches[:10],
             "loads_checked": self.loads_checked,
+            "evicts": self.evicts,
+            "evicted_tokens": self.evicted_tokens,
             "loop_errors": self.loop_errors[:10],
             "injected": dict(self.faulty.injected),
             "engine": {k: getattr(stats, k) for k in (
@@ -296,8 +338,9 @@ KINDS: dict[str, Callable[[Soak, int | str], Awaitable[None]]] = {
     "offload": Soak.offload,
     "lookup": Soak.lookup,
     "load": Soak.load,
+    "evict": Soak.evict,
 }
-WEIGHTS = [0.4, 0.2, 0.4]
+WEIGHTS = [0.38, 0.19, 0.38, 0.05]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

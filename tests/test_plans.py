@@ -112,6 +112,16 @@ def test_a_load_round_consumes_every_reservation_once() -> None:
     assert failed is requests[1] and isinstance(error, aiokv.InvalidRequest)
 
 
+def test_a_load_whose_reservation_an_evict_took_loads_nothing() -> None:
+    requests = [
+        _request(Kind.LOAD, 2, task_id=30, mask=~_suffix(2, 0)),
+        _request(Kind.LOAD, 2, task_id=31, mask=~_suffix(2, 0)),  # its key was evicted
+    ]
+    plan = plan_load(requests, set(), NUM_PAGES, PAGE, _select(requests), gone={1})
+    _ids_once(plan, {30})  # 31 is the store's no longer: neither launched nor cancelled
+    assert plan.outcomes == [(requests[1], aiokv.LoadResult(requests[1].user_id, 0))]
+
+
 def test_a_load_without_a_reservation_is_a_bug_not_a_launch() -> None:
     with pytest.raises(ValueError, match="reservation"):
         plan_load([_request(Kind.LOAD, 1)], set(), NUM_PAGES, PAGE, lambda masks: [])

@@ -13,7 +13,7 @@ import uvloop
 from conftest import PAGE_SIZE, make_caches, small_store
 
 import aiokv
-from aiokv.testing import CheckingStore, StoreWrapper
+from aiokv.testing import CheckingStore, FakeStore, StoreWrapper
 
 
 def background(
@@ -177,15 +177,9 @@ def test_concurrent_closes_share_one_close() -> None:
     assert loop_threads() == []
 
 
-# engine.evict / engine.clear land with the reliability work; until then these are skipped.
-needs_evict = pytest.mark.skipif(
-    not hasattr(aiokv.OffloadEngine, "evict"), reason="OffloadEngine.evict/clear not merged yet"
-)
-
-
-@needs_evict
 def test_evict_and_clear_through_the_facade() -> None:
-    with background(make_caches()) as kv:
+    # FakeStore: the facade is under test here (the stores' own evict has tests of its own).
+    with background(make_caches(), FakeStore()) as kv:
         for u in range(3):
             kv.offload(u, torch.arange(4 * u, 4 * u + 4), 16)
         assert kv.evict(0) == 16

@@ -22,10 +22,10 @@ Contract, for any store:
   can be reserved for it (instead of answering an all-False mask that reads as success).
 
 Optional features are declared below, one Protocol each (:class:`Notifies`,
-:class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`, :class:`Clears`,
-:class:`ReportsStats`, :class:`AdvisesSlice`); a store implements any subset, and a
-wrapper forwards what its inner store has. The engine reads them once, into
-:class:`Capabilities`, when it builds its store thread.
+:class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`,
+:class:`Clears`, :class:`ReportsStats`, :class:`AdvisesSlice`, :class:`Restarts`); a store
+implements any subset, and a wrapper forwards what its inner store has. The engine reads
+them once, into :class:`Capabilities`, when it builds its store thread.
 """
 
 from __future__ import annotations
@@ -170,6 +170,20 @@ class AdvisesSlice(Protocol):
     for long (FlexKV: 200); without it (or None), 0."""
 
     store_slice_us: int | None
+
+
+class Restarts(Protocol):
+    """``restarts``: how many times the store started its backend again after it died
+    (ProcessStore: new child processes after the first; ``StoreConfig.store_restarts``
+    bounds it). Read racily by ``engine.stats()``; wrappers forward it."""
+
+    restarts: int
+
+
+def store_restarts(store: object) -> int:
+    """The store's :class:`Restarts` count, 0 for a store that never restarts."""
+    count: int = getattr(store, "restarts", 0)
+    return count
 
 
 # The optional methods by name, as Capabilities holds them.

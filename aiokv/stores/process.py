@@ -25,10 +25,10 @@ How:
   reader thread here passes that on (``set_notify``). So this process asks ``try_wait``
   when there is something to take, not every poll interval: a poll costs a round trip.
 - A store's exception travels back and is raised here as itself (with a note naming
-  the child) where it pickles, else as StoreError naming it. If the child dies, this call
-  and every later one raise StoreError with its exit code: the engine fails what it had
-  launched, as after a crash of its store thread. If this process dies, the child sees
-  the socket close and closes its store.
+  the child) where it pickles, else as StoreError naming it.
+- If the child dies, the calls in flight fail naming its exit; the next call starts a
+  new, empty child (:mod:`.restarts`). If this process dies, the child sees the socket
+  close and closes its store.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import logging
 import multiprocessing
 import os
 import select
-import signal
 import socket
 import subprocess
 import threading
@@ -56,7 +55,8 @@ from ..backends import backend
 from ..config import StoreConfig
 from ..errors import StoreError
 from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
-from .spawn import spawn_child
+from .restarts import Restarts, how_it_ended
+from .spawn import end_child, spawn_child
 from .wire import FORWARDED, Op, PackedResults, launch_args, portable, query, unpack_results
 
 log = logging.getLogger("aiokv")
@@ -93,6 +93,11 @@ class ProcessStore:
         self._keep: list[Any] = []
         self._socket_files: list[str] = []  # the handover's, removed should the child die
         self._broken: str | None = None  # why the child can no longer be called
+        self._ended: str | None = None  # how a served child died: restart at the next call
+        self._ends_closed = False  # the child's end of the notice channel closed: dead?
+        self._caches: list[torch.Tensor] = []  # registered, for a new child
+        self._restarts = Restarts(config.store_restarts)
+        self._ids = self._restarts.ids  # the engine's ids across children
         self._closed = False
         # One call on the socket at a time: the engine calls from its store thread only,
         # but close() may come from another thread (a store shared by several engines).
@@ -114,6 +119,11 @@ class ProcessStore:
         return advice
 
     @property
+    def restarts(self) -> int:
+        """New children started after one died (stores/base.py: Restarts)."""
+        return self._restarts.count
+
+    @property
     def pid(self) -> int | None:
         """The child's process id (None before register)."""
         return None if self._process is None else self._process.pid
@@ -124,38 +134,42 @@ class ProcessStore:
         if self._process is not None or self._closed:
             raise RuntimeError("ProcessStore.register() was already called")
         caches = list(kv_caches)
-        handover = backend(self._config.backend).cache_handover()
-        payload = handover.payload(caches)
-        conn = self._spawn()
         try:
-            # The child unpickles shared CPU tensors through this process's resource
-            # sharer, which admits processes with its key only.
-            self._send(bytes(multiprocessing.current_process().authkey))
-            self._send((self._config, payload))
-            deadline = time.monotonic() + self._start_timeout_s
-            while True:
-                kind, value = self._receive(deadline)
-                if kind == "attach":
-                    try:
-                        kept, self._socket_files = handover.attach(value, caches, payload)
-                    except Exception as exc:
-                        with contextlib.suppress(OSError):
-                            conn.send((False, portable(exc)))
-                        raise
-                    self._keep.append(kept)
-                    self._send((True, None))
-                elif kind == "ready":
-                    self.page_size = int(value)
-                    break
-                elif kind == "failed":
-                    raise self._from_child(value)
-                else:
-                    raise StoreError(f"the store process sent {kind!r} during registration")
-            self._keep.append(caches)
-            self._start_reader()  # set_notify may have come before register
+            self._start_child(caches)
         except BaseException:
             self._shutdown()
             raise
+        self._caches = caches
+
+    def _start_child(self, caches: list[torch.Tensor]) -> None:
+        """Spawn a child, hand it the caches and wait until its store is ready."""
+        handover = backend(self._config.backend).cache_handover()
+        payload = handover.payload(caches)
+        conn = self._spawn()
+        # The child unpickles shared CPU tensors through this process's resource
+        # sharer, which admits processes with its key only.
+        self._send(bytes(multiprocessing.current_process().authkey))
+        self._send((self._config, payload))
+        deadline = time.monotonic() + self._start_timeout_s
+        while True:
+            kind, value = self._receive(deadline)
+            if kind == "ready":
+                self.page_size = int(value)
+                break
+            if kind == "failed":
+                raise self._from_child(value)
+            if kind != "attach":
+                raise StoreError(f"the store process sent {kind!r} during registration")
+            try:
+                kept, self._socket_files = handover.attach(value, caches, payload)
+            except Exception as exc:
+                with contextlib.suppress(OSError):
+                    conn.send((False, portable(exc)))
+                raise
+            self._keep.append(kept)
+            self._send((True, None))
+        self._keep.append(caches)
+        self._start_reader()  # set_notify may have come before register
 
     def _spawn(self) -> Connection:
         self._process, self._conn, self._ends = spawn_child()
@@ -183,6 +197,8 @@ class ProcessStore:
                 notices = ends.recv(4096)
             except OSError:
                 notices = b""
+            if not notices and ends is self._ends:  # not one _shutdown closed
+                self._ends_closed = True  # the next call looks whether the child died
             self._on_end()  # b"": the child is gone (the store thread finds out now), or closed
             if not notices:
                 return
@@ -191,7 +207,7 @@ class ProcessStore:
 
     def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         matched: tuple[int, BoolArray] = self._call("put_match", query(token_ids, namespace))
-        return matched
+        return self._ids.match(matched)
 
     def put_match_many(self, queries: Queries) -> MatchAnswers:
         """put_match for each (token_ids, namespace), in order, in one round trip: each
@@ -200,23 +216,41 @@ class ProcessStore:
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         matched: tuple[int, BoolArray] = self._call("get_match", query(token_ids, namespace))
-        return matched
+        return self._ids.match(matched)
 
     def get_match_many(self, queries: Queries) -> MatchAnswers:
         """get_match for each (token_ids, namespace), in order, in one round trip."""
         return self._match_many("get_match_many", queries)
 
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
-        self._call("launch", launch_args(task_ids, slot_mappings))
+        self._revive()
+        ids, old = self._ids.split(task_ids)
+        if old:  # all or nothing: none of them is launched
+            raise StoreError(f"task {old[0]} was matched by a store process that ended: "
+                             f"{self._ids.why(old[0])}")
+        self._call("launch", launch_args(ids, slot_mappings))
 
     def cancel(self, task_ids: Sequence[int]) -> None:
-        self._call("cancel", list(task_ids))
+        self._revive()
+        ids, old = self._ids.split(task_ids)  # the old ones' blocks died with their child
+        if ids or not old:
+            self._call("cancel", ids)
 
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
         if not task_ids:
             return {}
-        packed: PackedResults = self._call("try_wait", list(task_ids))
-        return unpack_results(packed)
+        self._revive()
+        ids, old = self._ids.split(task_ids)
+        fresh: dict[int, TaskResult] = {}
+        if ids:
+            try:
+                packed: PackedResults = self._call("try_wait", ids)
+            except StoreError as error:
+                if self._ended is None:  # not a death this store recovers from
+                    raise
+                return self._ids.died(task_ids, old, str(error))  # its tasks died with it
+            fresh = unpack_results(packed)
+        return self._ids.results(fresh, old)
 
     def evict(self, namespace: Sequence[str]) -> int:
         dropped: int = self._call("evict", tuple(namespace))
@@ -258,9 +292,38 @@ class ProcessStore:
         for answer in answers:
             if isinstance(answer, Exception):
                 self._note_child(answer)
-        return answers
+        return self._ids.matches(answers)
+
+    def _revive(self) -> None:
+        """Start a new child if the one that served died (module docstring): found by a
+        call, or by the notice channel closing (then no call goes to a dead child)."""
+        if self._ended is None and not self._ends_closed:
+            return
+        with self._calling:
+            process = self._process
+            if self._closed or process is None:
+                return
+            if self._ended is None and self._broken is None and process.poll() is not None:
+                self._lost()
+            if self._ended is not None:
+                self._restart(self._ended)
+
+    def _restart(self, why: str) -> None:
+        try:
+            self._restarts.run(why, self._start_again)
+        except StoreError as error:
+            self._shutdown(restarting=True)
+            self._ended, self._broken = None, str(error)  # for good
+            raise
+        self._ended = self._broken = None
+        log.warning("aiokv: %s; a new store process (pid %s) serves", why, self.pid)
+
+    def _start_again(self) -> None:
+        self._shutdown(restarting=True)
+        self._start_child(self._caches)
 
     def _call(self, op: Op, args: object) -> Any:
+        self._revive()  # before the lock: it takes it
         with self._calling:
             if self._closed or (self._conn is None and self._broken is None):
                 raise RuntimeError("ProcessStore is closed or not registered")
@@ -308,9 +371,9 @@ class ProcessStore:
         assert self._process is not None
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(timeout=1.0)
-        code = self._process.returncode
-        how = "is not answering" if code is None else f"exited with code {code}"
-        self._broken = f"the store process (pid {self._process.pid}) {how}"
+        self._broken = how_it_ended(self._process.pid, self._process.returncode)
+        if self._caches and self._process.returncode is not None:  # it served: restart it
+            self._ended = self._broken
         return StoreError(self._broken)
 
     def _from_child(self, exc: BaseException) -> BaseException:
@@ -324,9 +387,11 @@ class ProcessStore:
         if add_note is not None:
             add_note(f"raised in the store process (pid {self.pid})")
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, restarting: bool = False) -> None:
         """End the child (closing the socket ends one that is still serving), then drop
-        what it mapped."""
+        what it mapped. ``restarting``: a new child follows, for the same engine (its
+        notice callback stays; a child still alive is killed at once)."""
+        on_end = self._on_end
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(KeyError, ValueError):
@@ -338,21 +403,13 @@ class ProcessStore:
             with contextlib.suppress(OSError):
                 ends.shutdown(socket.SHUT_RDWR)  # wakes the reader (close alone would not)
             ends.close()
-        process = self._process
-        if process is not None and process.poll() is None:
-            try:
-                process.wait(timeout=_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                log.error("aiokv: the store process (pid %d) did not exit; killing it", process.pid)
-                process.kill()
-                process.wait()
-        if process is not None:  # what FlexKV started under it, should it have died first
-            with contextlib.suppress(OSError):
-                os.killpg(process.pid, signal.SIGKILL)
-        for path in self._socket_files:  # left behind by a child that died
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        if self._process is not None:
+            end_child(self._process, self._socket_files, 0.0 if restarting else _EXIT_TIMEOUT_S)
+        self._socket_files = []
         self._keep.clear()
+        if restarting:
+            self._on_end, self._end_reader = on_end, None  # the next child's reader
+            self._ends_closed = False
 
     def _forget_in_fork(self) -> None:
         """In a forked child of this process: let go of the socket without a word, so

@@ -1,5 +1,5 @@
 """Starting ProcessStore's child: ``python -P -m aiokv.stores.child FD ENDS_FD`` as a
-plain subprocess in a session of its own, with the two sockets it talks on.
+plain subprocess in a session of its own, with the two sockets it talks on; and ending it.
 
 A plain subprocess, not multiprocessing: it does not re-import the program's
 ``__main__`` (as multiprocessing's spawn would), no exit hook of multiprocessing waits
@@ -8,12 +8,17 @@ for it, and its own session keeps a Ctrl-C to the terminal from reaching it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import site
 import socket
 import subprocess
 import sys
 from multiprocessing.connection import Connection
+
+log = logging.getLogger("aiokv")
 
 # -P (3.11+): the child's sys.path does not start with the working directory, where a
 # checkout of another aiokv (or of anything else) would shadow this one.
@@ -55,3 +60,24 @@ def spawn_child() -> tuple[subprocess.Popen[bytes], Connection, socket.socket]:
         theirs.close()
         ends_theirs.close()
     return process, Connection(here.detach()), ends_here
+
+
+def end_child(process: subprocess.Popen[bytes], socket_files: list[str], wait_s: float) -> None:
+    """Wait up to ``wait_s`` for the child to exit (its socket closed: a serving child
+    closes its store and exits), kill it after that, then kill what it started in its
+    session (FlexKV's processes, should the child have died first) and remove the socket
+    files it left."""
+    if process.poll() is None:
+        try:
+            process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            if wait_s:
+                log.error("aiokv: the store process (pid %d) did not exit; killing it",
+                          process.pid)
+            process.kill()
+            process.wait()
+    with contextlib.suppress(OSError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for path in socket_files:
+        with contextlib.suppress(OSError):
+            os.unlink(path)

@@ -21,6 +21,10 @@ What this adapter owns (FlexKV's sharp edges, see DESIGN.md):
   which answers a task only once all of it, SSD write included, is done, answers the
   others TIMEOUT and keeps them (they are asked again later): an offload resolves when
   its CPU blocks are free again.
+- Invalidation: ``clear`` waits until no task of this adapter is in flight and resets
+  FlexKV (``KVManager.reset``); ``evict`` has no FlexKV API and moves the key to a new
+  generation of its namespace instead (:mod:`.keys` says what that cannot do). Both
+  count the tokens from this adapter's records of what its puts wrote.
 
 FlexKV starts a TransferManager with the ``spawn`` start method: the program's main module
 must be import-safe (``if __name__ == "__main__":``).
@@ -43,6 +47,7 @@ import torch
 from ...config import StoreConfig
 from ...errors import ConfigError
 from ..base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus, no_yield
+from .keys import KeyGenerations
 from .setup import CacheGeometry, attach_caches, start_manager, wait_ready
 from .tiers import quiet_wait_timeouts, tier_values
 
@@ -84,6 +89,7 @@ class FlexKVStore:
         # counts their blocks as present while its get does not (see put_match).
         self._writing: dict[int, tuple[tuple[str, ...], Int64Array]] = {}
         self._yield: Callable[[], None] = no_yield  # the engine's (set_yield)
+        self._keys = KeyGenerations()  # evicted keys' namespaces, tokens written per key
         self._closed = False
         # With an SSD tier, a task is answered only once its SSD writes are done too.
         self._completely = config.ssd_cache_gb > 0
@@ -154,6 +160,7 @@ class FlexKVStore:
 
     def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         manager = self._live()
+        key, namespace = namespace, self._keys.namespace(namespace)  # its generation's
         tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
         task_id, raw = manager.put_match(tokens, namespace=list(namespace))
         mask = np.array(raw, dtype=np.bool_)  # a copy: FlexKV keeps (and may edit) its own
@@ -176,6 +183,7 @@ class FlexKVStore:
         self._kind[task_id], self._mask[task_id] = "put", mask
         if mask.any():
             self._writing[task_id] = (names, tokens)
+            self._keys.put_matched(task_id, key, int(np.count_nonzero(mask)))
         return task_id, mask
 
     def _being_written(self, names: tuple[str, ...], prefix: Int64Array) -> bool:
@@ -195,6 +203,7 @@ class FlexKVStore:
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         manager = self._live()
+        namespace = self._keys.namespace(namespace)
         tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
         task_id, raw = manager.get_match(tokens, namespace=list(namespace))
         mask = np.array(raw, dtype=np.bool_)
@@ -282,6 +291,7 @@ class FlexKVStore:
             del self._kind[t]
             self._mask.pop(t, None)
             self._writing.pop(t, None)
+        self._keys.forget(known)
         if known:
             manager.cancel(known)  # rolls back the match: unlocks, frees reserved blocks
 
@@ -309,16 +319,42 @@ class FlexKVStore:
                     self._manager.cancel(list(self._kind))
                     self._kind.clear()
                 # Launched copies write into the caller's GPU pages: wait them out.
-                deadline = time.monotonic() + max(60.0, self._ready_timeout_s)
-                while self._members and time.monotonic() < deadline:
-                    self._poll(set(self._members))
-                    time.sleep(_POLL_S)
+                self._wait_launched()
         finally:
             self._closed = True
             self._yield = no_yield
             self._shutdown()
 
+    def evict(self, namespace: Sequence[str]) -> int:
+        """Stop matching the key's blocks (a new generation of its namespace, :mod:`.keys`:
+        the blocks stay until FlexKV's LRU takes them); returns the tokens this adapter's
+        puts wrote under it since its last evict or clear."""
+        self._live()
+        return self._keys.evict(namespace)
+
+    def clear(self) -> int:
+        """Drop everything FlexKV holds, on every tier (``KVManager.reset``), once no task
+        of this adapter is in flight: open matches are rolled back, launched tasks waited
+        for (their answers still come through try_wait). Returns the tokens this
+        adapter's puts wrote since the last clear. Raises RuntimeError (a StoreError to
+        the engine's caller) if launched tasks do not end in time; nothing is reset then."""
+        manager = self._live()
+        if self._kind:  # the engine gives its reservations back first: a direct caller's
+            self.cancel(list(self._kind))
+        if not self._wait_launched():
+            raise RuntimeError(f"FlexKV tasks {sorted(self._members)} still running: not cleared")
+        manager.reset()  # FlexKV only warns if transfers run: none of ours does now
+        return self._keys.clear()
+
     # ---- internals -------------------------------------------------------------------
+
+    def _wait_launched(self) -> bool:
+        """Poll until no launched task is unanswered (or a minute passes); whether none is."""
+        deadline = time.monotonic() + max(60.0, self._ready_timeout_s)
+        while self._members and time.monotonic() < deadline:
+            self._poll(set(self._members))
+            time.sleep(_POLL_S)
+        return not self._members
 
     def _live(self) -> Any:
         if self._closed or self._manager is None:
@@ -353,6 +389,7 @@ class FlexKVStore:
             for index, t in enumerate(members):
                 self._owner.pop(t, None)
                 self._writing.pop(t, None)
+                self._keys.put_ended(t, status is TaskStatus.SUCCESS)
                 mask = self._mask.pop(t)
                 if isinstance(masks, list) and len(masks) == len(members):
                     mask = np.asarray(masks[index], dtype=np.bool_)

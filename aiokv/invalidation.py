@@ -1,0 +1,165 @@
+"""Invalidation: ``engine.evict`` and ``engine.clear`` on their way to the store.
+
+Order. An evict or clear is an item on the store thread's inbox, like a batch:
+
+1. The loop first hands every request the engine accepted before the call to the store
+   thread (:meth:`aiokv.batcher.Batcher.dispatch_all`), so the item comes after their
+   batches on the inbox, and the requests accepted after it come after it.
+2. On the store thread the item waits until every task launched before it is terminal:
+   a load of the key already dispatched finishes first (with the KV as it was), and an
+   offload already dispatched is stored and then dropped.
+3. Lookup reservations held on the key (every held reservation, for a clear) are given
+   back to the store first: a reservation holds its blocks, which the store could not
+   drop. The Lookup that held one stays usable: its load then loads nothing
+   (``loaded_tokens == 0``, a miss), never the dropped KV.
+4. Then the store's own ``evict(namespace)`` or ``clear()`` runs, and its answer (tokens
+   dropped) or its error (a StoreError) goes back to the caller.
+
+An evict whose caller is cancelled may still take effect: it cannot be taken back once
+the store thread has it. A store without the capability (:class:`~aiokv.stores.base.Evicts`,
+:class:`~aiokv.stores.base.Clears`) is refused at the call, with a StoreError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .calls import StoreCalls
+from .errors import EngineClosed, StoreError
+from .requests import LookupGrant, Request
+from .resolution import settle
+from .stores.base import Capabilities, Store
+
+# A held-keys map may grow to this many times the open reservations (plus a floor) before
+# it is pruned to them: amortized O(1) per lookup.
+_PRUNE_FACTOR, _PRUNE_FLOOR = 2, 1024
+
+
+class Invalidation:
+    """An evict (``namespace``) or a clear (``namespace`` None), as the store thread's
+    inbox carries it. :meth:`answer` may be called from any thread, once."""
+
+    __slots__ = ("_future", "_loop", "namespace")
+
+    def __init__(
+        self,
+        namespace: tuple[str, ...] | None,
+        future: asyncio.Future[int],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.namespace = namespace
+        self._future = future
+        self._loop = loop
+
+    @property
+    def verb(self) -> str:
+        return "clear" if self.namespace is None else "evict"
+
+    def answer(self, outcome: int | BaseException) -> None:
+        """Hand the outcome to the loop, which resolves the caller's future unless it is
+        already done (cancelled, or failed at close)."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+            self._loop.call_soon_threadsafe(settle, self._future, outcome)
+
+
+class HeldKeys:
+    """The key of each lookup reservation the store thread holds (store thread only), so
+    that an evict can give back the reservations of its key and no others."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, tuple[str, ...]] = {}
+
+    def note(self, outcomes: Sequence[tuple[Request, object]], held: set[int]) -> None:
+        """Record the reservations a lookup batch's outcomes grant; ``held``: every
+        reservation still open (entries for the others are pruned now and then)."""
+        keys = self._keys
+        for request, outcome in outcomes:
+            if isinstance(outcome, LookupGrant) and outcome.reservation is not None:
+                keys[outcome.reservation.task_id] = request.namespace
+        if len(keys) > _PRUNE_FACTOR * len(held) + _PRUNE_FLOOR:
+            self._keys = {t: k for t, k in keys.items() if t in held}
+
+    def take(self, held: set[int], namespace: tuple[str, ...] | None) -> list[int]:
+        """The open reservations of ``namespace`` (None: all of them), forgotten here."""
+        if namespace is None:
+            taken = sorted(held)
+            self._keys.clear()
+            return taken
+        taken = sorted(t for t in held if self._keys.get(t) == namespace)
+        for task_id in taken:
+            del self._keys[task_id]
+        return taken
+
+
+def invalidate(
+    item: Invalidation,
+    caps: Capabilities,
+    calls: StoreCalls,
+    reserved: set[int],
+    held_keys: HeldKeys,
+) -> None:
+    """Steps 3 and 4 of the module docstring, on the store thread once nothing launched
+    before ``item`` is open: give back the key's reservations (removed from
+    ``reserved``), ask the store, answer the caller."""
+    held = held_keys.take(reserved, item.namespace)
+    if held:
+        reserved.difference_update(held)
+        calls.cancel(held)
+    namespace = item.namespace
+    method: Callable[..., Any] | None = caps.clear if namespace is None else caps.evict
+    args = () if namespace is None else (namespace,)
+    outcome: int | BaseException = StoreError(f"the store cannot {item.verb}")
+    if method is not None:  # else refused at the call already (Invalidations.run)
+        try:
+            outcome = int(calls.call(method, *args))
+        except StoreError as error:
+            outcome = error
+        except (TypeError, ValueError) as exc:  # an answer that is not a count
+            outcome = StoreError(f"store.{item.verb} answered no token count: {exc!r}")
+    item.answer(outcome)
+
+
+class Invalidations:
+    """The loop side: sends evicts and clears to the store thread in order and fails
+    those still open when the engine closes (loop thread only)."""
+
+    def __init__(
+        self,
+        store: Store,
+        loop: asyncio.AbstractEventLoop,
+        dispatch_all: Callable[[], None],
+        submit: Callable[[Invalidation], None],
+    ) -> None:
+        caps = Capabilities.of(store)
+        self._can = {"evict": caps.evict is not None, "clear": caps.clear is not None}
+        self._store_name = type(store).__name__
+        self._loop = loop
+        self._dispatch_all = dispatch_all
+        self._submit = submit
+        self._open: set[asyncio.Future[int]] = set()
+
+    async def run(self, namespace: tuple[str, ...] | None) -> int:
+        """Tokens the store dropped under ``namespace`` (None: everything)."""
+        future: asyncio.Future[int] = self._loop.create_future()
+        item = Invalidation(namespace, future, self._loop)
+        if not self._can[item.verb]:
+            raise StoreError(
+                f"this store ({self._store_name}) cannot {item.verb}: it has no "
+                f"{item.verb}() method"
+            )
+        self._dispatch_all()  # what was accepted before goes first (module docstring)
+        self._submit(item)  # EngineClosed once the store thread stopped accepting
+        self._open.add(future)
+        try:
+            return await future
+        finally:
+            self._open.discard(future)
+
+    def close(self) -> None:
+        """Fail what the store thread never answered (it was abandoned, or crashed)."""
+        for future in list(self._open):
+            settle(future, EngineClosed("engine closed before this evict or clear finished"))
+        self._open.clear()

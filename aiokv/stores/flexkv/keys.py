@@ -1,0 +1,91 @@
+"""Evict for FlexKV, which has no such API: key generations and the adapter's own records.
+
+FlexKV hashes a request's namespace into its block-hash chain and offers no way to drop
+the blocks of one namespace. So :class:`KeyGenerations` remaps an evicted key: from the
+evict on, the adapter asks FlexKV for the key's namespace with a generation suffix
+(``aiokv-gen:<instance>:<n>``), whose hashes match none of the old blocks. The old
+blocks are never matched again and age out by FlexKV's LRU. The tokens an evict
+reports come from the adapter's records: what its puts of the key wrote successfully
+since the key's last evict (or the last clear).
+
+What that cannot do:
+
+- Free space: the old blocks stay in FlexKV's CPU (and SSD) tiers until its LRU takes
+  them; until then they take room from new puts.
+- Count exactly: the count is what this adapter wrote, including blocks FlexKV's LRU
+  has already dropped, and none that another FlexKV client (or an earlier process)
+  wrote under the same namespace.
+- Outlive the process: the generation map lives in this adapter's memory. A new adapter
+  (a restart of the serving process or of aiokv's store process) maps every key back to
+  its plain namespace: had FlexKV's cache outlived the adapter (a FlexKV shared with
+  another process), KV evicted under the plain namespace would be matched again. Each
+  instance's suffixes are its own (a random instance tag), so no other generation comes
+  back.
+- Reach other clients: a FlexKV client that is not this adapter (recsys-examples'
+  backend on the same FlexKV) still matches the old blocks under the plain namespace,
+  and no longer shares the evicted key's new blocks with this adapter.
+- Take back a match made before the evict: a lookup reservation (get_match) of the old
+  generation still loads the old KV if launched (the engine gives such reservations back
+  before it evicts), and a put of the old generation in flight completes into it.
+
+The map keeps one entry per key ever evicted (until a clear, which resets FlexKV and so
+lets every key go back to its plain namespace).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Iterable, Sequence
+
+Key = tuple[str, ...]
+
+
+class KeyGenerations:
+    """Per key: its generation suffix (after an evict) and the tokens its puts wrote."""
+
+    def __init__(self) -> None:
+        self._tag = secrets.token_hex(4)  # this instance's: no other instance reuses a suffix
+        self._counter = itertools.count(1)
+        self._suffix: dict[Key, str] = {}  # evicted keys -> their current generation
+        self._written: dict[Key, int] = {}  # tokens written by successful puts, per key
+        self._puts: dict[int, tuple[Key, str | None, int]] = {}  # put id -> key, suffix, tokens
+
+    def namespace(self, namespace: Sequence[str]) -> list[str]:
+        """The namespace to ask FlexKV for: the key's, with its generation suffix."""
+        suffix = self._suffix.get(tuple(namespace))
+        return list(namespace) if suffix is None else [*namespace, suffix]
+
+    def put_matched(self, task_id: int, namespace: Sequence[str], tokens: int) -> None:
+        """A put of the key that will write ``tokens`` tokens if it succeeds."""
+        key = tuple(namespace)
+        self._puts[task_id] = (key, self._suffix.get(key), tokens)
+
+    def put_ended(self, task_id: int, succeeded: bool) -> None:
+        """A put's terminal answer: its tokens count for its key unless it failed or was
+        written into a generation that an evict has left since."""
+        put = self._puts.pop(task_id, None)
+        if put is None or not succeeded:
+            return
+        key, suffix, tokens = put
+        if self._suffix.get(key) == suffix:
+            self._written[key] = self._written.get(key, 0) + tokens
+
+    def forget(self, task_ids: Iterable[int]) -> None:
+        """Puts rolled back (cancelled) before they wrote anything."""
+        for task_id in task_ids:
+            self._puts.pop(task_id, None)
+
+    def evict(self, namespace: Sequence[str]) -> int:
+        """Move the key to a new generation; the tokens recorded for it."""
+        key = tuple(namespace)
+        self._suffix[key] = f"aiokv-gen:{self._tag}:{next(self._counter)}"
+        return self._written.pop(key, 0)
+
+    def clear(self) -> int:
+        """After FlexKV dropped everything: every key back to its plain namespace; the
+        tokens recorded for all of them."""
+        dropped = sum(self._written.values())
+        self._written.clear()
+        self._suffix.clear()
+        return dropped

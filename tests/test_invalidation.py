@@ -1,0 +1,177 @@
+"""engine.evict / engine.clear: validated like offload, ordered on the store thread after
+what was accepted before them, lookup reservations of the key given back first, a store
+without the capability refused at the call, and nothing left open at close."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+import torch
+from conftest import PAGE_SIZE, make_caches
+
+import aiokv
+from aiokv.testing import CheckingStore, FakeStore, FaultyStore, StoreWrapper
+
+TOKENS = 4 * PAGE_SIZE
+
+
+def engine_over(store: aiokv.Store, **config: int) -> aiokv.OffloadEngine:
+    return aiokv.OffloadEngine(store, make_caches(), aiokv.EngineConfig(**config))
+
+
+@pytest.mark.asyncio
+async def test_evict_drops_one_key_and_clear_drops_the_rest() -> None:
+    async with engine_over(FakeStore()) as engine:
+        for user in (1, "1", 2):
+            await engine.offload(user, torch.arange(4), TOKENS)
+        await engine.offload(3, torch.arange(4), TOKENS, namespace=["tenant", "3"])
+        assert await engine.evict("1") == TOKENS  # the str id: its own key
+        assert await engine.evict("1") == 0  # nothing left
+        async with await engine.lookup(1, TOKENS) as kept:
+            assert kept.cached_tokens == TOKENS  # the int id's key is untouched
+        assert await engine.evict(99, namespace=["tenant", "3"]) == TOKENS
+        assert await engine.clear() == 2 * TOKENS
+        assert await engine.clear() == 0
+        for user in (1, 2):
+            async with await engine.lookup(user, TOKENS) as gone:
+                assert gone.cached_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_evict_comes_after_the_offloads_accepted_before_it() -> None:
+    # A long window: the offload is still queued in the batcher when evict is called.
+    async with engine_over(FakeStore(), window_us=1_000_000) as engine:
+        offload = asyncio.ensure_future(engine.offload(5, torch.arange(4), TOKENS))
+        await asyncio.sleep(0)  # accepted, not dispatched
+        assert engine.stats().batches == 0
+        assert await engine.evict(5) == TOKENS  # the offload went first, then the evict
+        assert (await offload).stored_tokens == TOKENS
+        async with await engine.lookup(5, TOKENS) as hit:
+            assert hit.cached_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_a_load_already_dispatched_finishes_before_the_evict() -> None:
+    store = FaultyStore(FakeStore())
+    async with engine_over(store) as engine:
+        await engine.offload(1, torch.arange(4), TOKENS)
+        hit = await engine.lookup(1, TOKENS)
+        store.hold.clear()  # the load's copy "runs" until hold is set
+        store.launched.clear()
+        load = asyncio.ensure_future(engine.load(hit, torch.arange(8, 12)))
+        await asyncio.to_thread(store.launched.wait)  # launched in the store
+        evict = asyncio.ensure_future(engine.evict(1))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not evict.done() and not load.done()  # the evict waits for the load
+        store.hold.set()
+        assert (await load).loaded_tokens == TOKENS  # loaded the KV as it was
+        assert await evict == TOKENS
+
+
+@pytest.mark.asyncio
+async def test_a_held_reservation_of_the_key_is_given_back_and_its_load_misses() -> None:
+    store = CheckingStore(FakeStore())
+    async with engine_over(store) as engine:
+        for user in (1, 2):
+            await engine.offload(user, torch.arange(4), TOKENS)
+        evicted = await engine.lookup(1, TOKENS)
+        other = await engine.lookup(2, TOKENS)
+        assert await engine.evict(1) == TOKENS
+        assert (await engine.load(evicted, torch.arange(8, 12))).loaded_tokens == 0
+        assert (await engine.load(other, torch.arange(8, 12))).loaded_tokens == TOKENS
+        evicted.release()  # consumed already: a no-op
+        third = await engine.lookup(2, TOKENS)
+        assert await engine.clear() == TOKENS  # gives back every reservation
+        assert (await engine.load(third, torch.arange(8, 12))).loaded_tokens == 0
+        assert engine.stats().store_tasks_open == 0
+    assert store.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_a_reservation_that_expires_after_an_evict_is_not_given_back_twice() -> None:
+    store = CheckingStore(FakeStore())
+    async with engine_over(store, lookup_ttl_ms=1) as engine:
+        await engine.offload(1, torch.arange(4), TOKENS)
+        hit = await engine.lookup(1, TOKENS)
+        assert await engine.evict(1) == TOKENS
+        hit.release()  # the store thread gave it back already: ignored there
+        await engine.offload(2, torch.arange(4), TOKENS)  # a round trip after the release
+    assert store.problems() == []
+
+
+class CannotInvalidate(StoreWrapper):
+    def __init__(self, inner: aiokv.Store) -> None:
+        super().__init__(inner)
+        self.evict = None
+        self.clear = None
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_cannot_evict_is_refused_at_the_call() -> None:
+    async with engine_over(CannotInvalidate(FakeStore())) as engine:
+        with pytest.raises(aiokv.StoreError, match=r"CannotInvalidate\) cannot evict"):
+            await engine.evict(1)
+        with pytest.raises(aiokv.StoreError, match="cannot clear"):
+            await engine.clear()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("user_id", "namespace", "field"),
+    [(1.5, None, "user_id"), (True, None, "user_id"), (1, "uid:1", "namespace"),
+     (1, [1], "namespace")],
+)
+async def test_evict_validates_its_key_as_offload_does(
+    user_id: object, namespace: object, field: str
+) -> None:
+    async with engine_over(FakeStore()) as engine:
+        with pytest.raises(aiokv.InvalidRequest) as raised:
+            await engine.evict(user_id, namespace=namespace)  # type: ignore[arg-type]
+        assert raised.value.field == field
+
+
+@pytest.mark.asyncio
+async def test_evict_and_clear_need_a_running_engine() -> None:
+    engine = engine_over(FakeStore())
+    with pytest.raises(aiokv.EngineClosed, match="new"):
+        await engine.evict(1)
+    async with engine:
+        pass
+    with pytest.raises(aiokv.EngineClosed):
+        await engine.clear()
+
+
+class FailingEvict(StoreWrapper):
+    def evict(self, namespace: Sequence[str]) -> int:
+        raise RuntimeError("disk gone")
+
+
+@pytest.mark.asyncio
+async def test_a_store_error_in_evict_reaches_the_caller_and_the_engine_goes_on() -> None:
+    async with engine_over(FailingEvict(FakeStore())) as engine:
+        with pytest.raises(aiokv.StoreError, match="disk gone"):
+            await engine.evict(1)
+        assert (await engine.offload(1, torch.arange(4), TOKENS)).stored_tokens == TOKENS
+
+
+@pytest.mark.asyncio
+async def test_an_evict_the_store_thread_never_answers_fails_at_close() -> None:
+    store = FaultyStore(FakeStore())
+    engine = engine_over(store)
+    await engine.start()
+    await engine.offload(1, torch.arange(4), TOKENS)
+    store.hold.clear()  # the next offload never ends while hold is clear
+    store.launched.clear()
+    offload = asyncio.ensure_future(engine.offload(2, torch.arange(4), TOKENS))
+    await asyncio.to_thread(store.launched.wait)
+    evict = asyncio.ensure_future(engine.evict(1))  # waits behind the stuck offload
+    await engine.aclose(drain=False, timeout=0.1)
+    with pytest.raises(aiokv.EngineClosed):
+        await evict
+    with pytest.raises(aiokv.EngineClosed):
+        await offload
+    store.hold.set()  # let the abandoned store thread finish
+    await asyncio.to_thread(engine._worker.join)  # type: ignore[union-attr]

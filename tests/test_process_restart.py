@@ -1,0 +1,162 @@
+"""ProcessStore restarts a child that died (store.store_restarts): what was in flight fails
+with a StoreError naming the exit, later calls are served by a new child (empty, caches
+registered again), restarts are counted and bounded, and no future or store task is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+
+import pytest
+import torch
+from conftest import PAGE_SIZE, make_caches
+
+import aiokv
+from aiokv.stores import ProcessStore
+from aiokv.stores.base import TaskResult, TaskStatus
+from aiokv.stores.restarts import STRIDE, Generations, how_it_ended, restart_delay_s
+from aiokv.testing import CheckingStore, FaultyStore
+
+TOKENS = 4 * PAGE_SIZE
+KILLED = r"killed by signal 9 \(SIGKILL\)"
+
+
+def child_store(restarts: int = 3) -> ProcessStore:
+    return ProcessStore(
+        aiokv.StoreConfig(cpu_cache_gb=0.01, own_process=True, store_restarts=restarts)
+    )
+
+
+async def kill(store: ProcessStore) -> int:
+    """SIGKILL the child and wait until it has exited; its pid."""
+    pid = store.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    process = store._process
+    assert process is not None
+    await asyncio.to_thread(process.wait)
+    return pid
+
+
+def pages(user: int) -> torch.Tensor:
+    return torch.arange(4 * user, 4 * user + 4)
+
+
+@pytest.mark.asyncio
+async def test_a_killed_child_fails_what_was_in_flight_and_a_new_child_serves() -> None:
+    caches = make_caches()
+    child = child_store()
+    faulty = FaultyStore(child)  # hold: the answers of launched tasks wait in this process
+    checking = CheckingStore(faulty)
+    engine = aiokv.OffloadEngine(checking, caches, aiokv.EngineConfig(window_us=0))
+    async with engine:
+        assert (await engine.offload(0, pages(0), TOKENS)).stored_tokens == TOKENS
+        faulty.hold.clear()
+        faulty.launched.clear()
+        in_flight = [asyncio.ensure_future(engine.offload(u, pages(u), TOKENS)) for u in (1, 2)]
+        await asyncio.to_thread(faulty.launched.wait)
+        first = await kill(child)
+        faulty.hold.set()
+        outcomes = await asyncio.gather(*in_flight, return_exceptions=True)
+        for outcome in outcomes:  # each in flight failed, naming the child and its end
+            assert isinstance(outcome, aiokv.StoreError)
+            assert f"pid {first}" in str(outcome)
+            assert re.search(KILLED, str(outcome)), outcome
+        # Later calls: a new child, empty, with the caches registered again.
+        assert (await engine.offload(3, pages(3), TOKENS)).stored_tokens == TOKENS
+        assert child.pid not in (None, first)
+        async with await engine.lookup(0, TOKENS) as before:
+            assert before.cached_tokens == 0  # stored in the dead child only
+        hit = await engine.lookup(3, TOKENS)
+        assert (await engine.load(hit, torch.arange(100, 104))).loaded_tokens == TOKENS
+        assert all(torch.equal(c[100:104], c[12:16]) for c in caches)
+        stats = engine.stats()
+        assert (stats.store_restarts, stats.pending, stats.store_tasks_open) == (1, 0, 0)
+    assert checking.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_restarts_are_bounded_then_every_call_fails_for_good() -> None:
+    child = child_store(restarts=1)
+    async with aiokv.OffloadEngine(child, make_caches()) as engine:
+        await kill(child)
+        # Killed while idle: the notice channel closed with it, so the next call starts a
+        # new child first and does not fail (restart 1 of 1).
+        assert (await engine.offload(0, pages(0), TOKENS)).stored_tokens == TOKENS
+        assert engine.stats().failed == 0
+        await kill(child)
+        for user in (1, 2):
+            with pytest.raises(aiokv.StoreError, match=r"no restart left \(store.store_restarts=1\)"):
+                await engine.offload(user, pages(user), TOKENS)
+        assert engine.stats().store_restarts == 1
+
+
+@pytest.mark.asyncio
+async def test_a_child_killed_under_load_loses_no_future_and_leaks_no_task() -> None:
+    caches = make_caches()
+    child = child_store()
+    checking = CheckingStore(child)
+    engine = aiokv.OffloadEngine(checking, caches, aiokv.EngineConfig(window_us=0))
+    users = range(1, 40)
+    rng = random.Random(7)
+    outcomes: list[object] = []
+    busy = asyncio.Event()  # set once the load has been running for a while
+
+    async def user_loop(user: int, rounds: int) -> None:
+        for _ in range(rounds):
+            for call in ("offload", "lookup"):
+                try:
+                    if call == "offload":
+                        outcomes.append(await engine.offload(user, pages(user), TOKENS))
+                    else:
+                        hit = await engine.lookup(user, TOKENS)
+                        target = torch.arange(200 + 4 * (user % 8), 204 + 4 * (user % 8))
+                        outcomes.append(await engine.load(hit, target))
+                except aiokv.StoreError as error:
+                    outcomes.append(error)
+                if len(outcomes) >= 200:
+                    busy.set()
+            await asyncio.sleep(rng.random() * 1e-3)
+
+    async with engine:
+        load = [asyncio.ensure_future(user_loop(u, 30)) for u in users]
+        await busy.wait()
+        await kill(child)
+        await asyncio.gather(*load)
+        # Served again afterwards, by one new child.
+        await asyncio.gather(*(user_loop(u, 1) for u in users))
+        assert engine.stats().store_restarts == 1
+        assert engine.stats().pending == 0
+        assert engine.stats().store_tasks_open == 0
+    assert len(outcomes) == len(users) * 31 * 2  # every call came back
+    errors = [o for o in outcomes if isinstance(o, aiokv.StoreError)]
+    for error in errors:
+        assert "killed by signal 9 (SIGKILL)" in str(error), error
+    assert all(not isinstance(o, aiokv.StoreError) for o in outcomes[-len(users) * 2 :])
+    assert checking.problems() == []
+
+
+def test_ids_of_a_dead_child_answer_failed_saying_how_it_ended() -> None:
+    ids = Generations()
+    assert ids.split([1, 2]) == ([1, 2], [])
+    ids.retire("the store process (pid 9) was killed by signal 9 (SIGKILL)")
+    assert ids.match((1, None)) == (STRIDE + 1, None)  # type: ignore[arg-type]
+    assert ids.split([2, STRIDE + 1]) == ([1], [2])
+    answers = ids.results({1: TaskResult(TaskStatus.SUCCESS)}, [2])
+    assert answers[STRIDE + 1].status is TaskStatus.SUCCESS
+    assert answers[2].status is TaskStatus.FAILED and "pid 9" in answers[2].error
+
+
+def test_exits_are_named_and_restarts_back_off() -> None:
+    assert how_it_ended(5, -9) == "the store process (pid 5) was killed by signal 9 (SIGKILL)"
+    assert how_it_ended(5, 3) == "the store process (pid 5) exited with code 3"
+    assert [restart_delay_s(n) for n in (1, 2, 3, 10)] == [0.1, 0.2, 0.4, 5.0]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_store_restarts_must_be_a_count(bad: object) -> None:
+    with pytest.raises(aiokv.ConfigError, match=r"store\.store_restarts"):
+        aiokv.StoreConfig(store_restarts=bad)  # type: ignore[arg-type]
