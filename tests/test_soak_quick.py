@@ -28,6 +28,7 @@ def test_quick_soak_loses_nothing_and_loads_bit_exact(tmp_path: Path) -> None:
     assert figures["lost"] == figures["leaked_tasks"] == figures["violations"] == 0, figures
     assert figures["mismatches"] == 0 and figures["loop_errors"] == []
     assert figures["loads_checked"] > 0  # loads were checked, bit for bit
+    assert figures["evicts"] > 0  # and evictions ran among them
     assert figures["requests"] >= 4_500 and figures["resolved"] == figures["requests"]
     # The faults and cancellations really happened, and were told apart.
     assert figures["failed_as_injected"] > 0 and figures["cancelled"] > 0
