@@ -136,7 +136,7 @@ async def test_evict_validates_its_key_as_offload_does(
 @pytest.mark.asyncio
 async def test_evict_and_clear_need_a_running_engine() -> None:
     engine = engine_over(FakeStore())
-    with pytest.raises(aiokv.EngineClosed, match="new"):
+    with pytest.raises(aiokv.EngineClosed, match="not started"):
         await engine.evict(1)
     async with engine:
         pass
