@@ -1,11 +1,11 @@
-"""OffloadEngine: the public async API and its lifecycle (admission, deadlines and
+"""OffloadEngine: the public async API (its lifecycle, admission, deadlines and
 resolution have modules of their own).
 
 One offload: ``offload`` validates from shapes and dtypes only (GPU values are never
 read on the loop), notes the caller's stream (cuda.py), admits the request against
 ``max_pending`` and queues it with a future; the batcher (batcher.py) hands a window's
 batch to the store thread (worker.py), which fuses, plans (plans.py) and executes the
-round, and posts outcomes to resolution.py, the one place a future is resolved.
+round (rounds.py), and posts outcomes to resolution.py, the one place a future is resolved.
 """
 
 from __future__ import annotations
