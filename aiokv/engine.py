@@ -1,17 +1,16 @@
-"""OffloadEngine: the public async API and its lifecycle (admission, deadlines and
+"""OffloadEngine: the public async API (its lifecycle, admission, deadlines and
 resolution have modules of their own).
 
 One offload: ``offload`` validates from shapes and dtypes only (GPU values are never
 read on the loop), notes the caller's stream (cuda.py), admits the request against
 ``max_pending`` and queues it with a future; the batcher (batcher.py) hands a window's
 batch to the store thread (worker.py), which fuses, plans (plans.py) and executes the
-round, and posts outcomes to resolution.py, the one place a future is resolved.
+round (rounds.py), and posts outcomes to resolution.py, the one place a future is resolved.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections.abc import Hashable, Sequence
 from types import TracebackType
@@ -23,7 +22,7 @@ from . import lifecycle, validate
 from .admission import Admission
 from .batcher import Batch, Batcher
 from .config import EngineConfig
-from .cuda import ReadyMarks, warm_up
+from .cuda import ReadyMarks
 from .deadlines import Deadlines
 from .errors import (
     ConfigError,
@@ -111,86 +110,7 @@ class OffloadEngine:
         """Register the caches with the store (on the store thread) and start batching.
         Raises EngineClosed if the engine was closed, and the store's error if
         registration fails (then the engine is closed)."""
-        if self._state is EngineState.RUNNING:
-            return
-        if self._state is not EngineState.NEW:
-            raise EngineClosed(f"engine is {self._state.value}; it cannot be restarted")
-        lifecycle.claim_store(self._store)  # refused (ConfigError) if another engine has it
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        self._idle = asyncio.Event()
-        self._idle.set()
-        resolver = self._resolver = Resolver(
-            loop,
-            self._stats,
-            self._admission,
-            self._idle,
-            self._config.lookup_ttl_ms / 1e3,
-            self._config.request_timeout_ms,
-        )
-        if self._config.request_timeout_ms:
-            self._deadlines = Deadlines(
-                loop, self._config.request_timeout_ms / 1e3, resolver.expire
-            )
-            resolver.deadlines = self._deadlines
-        registered: concurrent.futures.Future[None] = concurrent.futures.Future()
-        copy_stream = (
-            torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
-            if self._on_gpu
-            else None
-        )
-        self._worker = StoreWorker(
-            self._store,
-            loop,
-            resolver.deliver,
-            self._num_pages,
-            self._config.poll_interval_us,
-            self._kv_caches,
-            registered,
-            copy_stream,
-            self._store_slice_us,
-        )
-        if self._on_gpu:
-            self._ready_marks = ReadyMarks(self._device, loop.call_soon)
-        self._batcher = Batcher(
-            self._config,
-            self._worker.submit,
-            resolver.dropped,
-            self._on_batch,
-            resolver.dispatch_failed,
-            self._ready_marks.close_window if self._ready_marks is not None else None,
-        )
-        resolver.space = self._space = SpaceWaits(
-            loop,
-            self._config.request_timeout_ms,
-            self._stats,
-            self._batcher.requeue,
-            resolver.resolve,
-        )
-        self._invalidations = Invalidations(
-            self._store, loop, self._batcher.dispatch_all, self._worker.submit
-        )
-        # Calls are accepted from here on: they queue until the batcher task starts.
-        self._state = EngineState.RUNNING
-        self._worker.start()
-        try:
-            if copy_stream is not None:
-                # Load the fused path's kernels now, off the loop and while the store
-                # registers, not lazily inside the first batches.
-                await asyncio.to_thread(warm_up, self._device, self._page_size, copy_stream)
-            await asyncio.wrap_future(registered)
-        except BaseException as exc:
-            self._state = EngineState.CLOSED
-            self._worker.stop()
-            # Nothing dispatched them (no batcher task yet): fail them now, not after the
-            # join, which waits for the registration and which a second cancel may skip.
-            lifecycle.fail_accepted(self, EngineClosed(f"engine failed to start: {exc!r}"))
-            await asyncio.to_thread(self._worker.join)
-            lifecycle.release_store(self._store)
-            raise
-        if self._state is not EngineState.RUNNING:  # aclose() came while we registered
-            raise EngineClosed("engine was closed while it started")
-        self._batcher_task = loop.create_task(self._batcher.run(), name="aiokv-batcher")
+        await lifecycle.start(self)
 
     async def aclose(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting calls and shut down, within ``timeout`` seconds (plus the loop's

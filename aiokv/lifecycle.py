@@ -1,5 +1,6 @@
 """The engine's lifecycle around its public calls: the loop it belongs to, the stores that
-running engines hold, and the close (drain, escalation, a store thread left behind).
+running engines hold, the start (its running parts wired, the store registered) and the
+close (drain, escalation, a store thread left behind).
 
 An engine belongs to the loop that started it: its futures, timers and batcher task live
 there, so a call from any other loop or thread fails at once with :class:`WrongLoop`,
@@ -10,15 +11,25 @@ engine at a time: a second engine's ``start()`` is refused while the first holds
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import logging
 import math
 import threading
 from typing import TYPE_CHECKING
 
+import torch
+
+from .batcher import Batcher
+from .cuda import ReadyMarks, warm_up
+from .deadlines import Deadlines
 from .errors import ConfigError, EngineClosed, WrongLoop
+from .invalidation import Invalidations
 from .requests import Request
+from .resolution import Resolver
+from .space import SpaceWaits
 from .stores.base import Store
+from .worker import StoreWorker
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
@@ -83,6 +94,93 @@ def release_store(store: Store) -> None:
 def store_in_use(store: Store) -> bool:
     with _in_use_lock:
         return _in_use.get(id(store)) is store
+
+
+async def start(engine: OffloadEngine) -> None:
+    """Start an engine (OffloadEngine.start): build its running parts (resolver,
+    deadlines, store thread, batcher, space waits, invalidations), then register the
+    caches on the store thread and start the batcher task. A registration that fails (or
+    is cancelled) fails what was accepted meanwhile and closes the engine."""
+    if engine._state is EngineState.RUNNING:
+        return
+    if engine._state is not EngineState.NEW:
+        raise EngineClosed(f"engine is {engine._state.value}; it cannot be restarted")
+    claim_store(engine._store)  # refused (ConfigError) if another engine has it
+    loop = asyncio.get_running_loop()
+    engine._loop = loop
+    engine._idle = asyncio.Event()
+    engine._idle.set()
+    resolver = engine._resolver = Resolver(
+        loop,
+        engine._stats,
+        engine._admission,
+        engine._idle,
+        engine._config.lookup_ttl_ms / 1e3,
+        engine._config.request_timeout_ms,
+    )
+    if engine._config.request_timeout_ms:
+        engine._deadlines = Deadlines(
+            loop, engine._config.request_timeout_ms / 1e3, resolver.expire
+        )
+        resolver.deadlines = engine._deadlines
+    registered: concurrent.futures.Future[None] = concurrent.futures.Future()
+    copy_stream = (
+        torch.cuda.Stream(engine._device)  # type: ignore[no-untyped-call]
+        if engine._on_gpu
+        else None
+    )
+    engine._worker = StoreWorker(
+        engine._store,
+        loop,
+        resolver.deliver,
+        engine._num_pages,
+        engine._config.poll_interval_us,
+        engine._kv_caches,
+        registered,
+        copy_stream,
+        engine._store_slice_us,
+    )
+    if engine._on_gpu:
+        engine._ready_marks = ReadyMarks(engine._device, loop.call_soon)
+    engine._batcher = Batcher(
+        engine._config,
+        engine._worker.submit,
+        resolver.dropped,
+        engine._on_batch,
+        resolver.dispatch_failed,
+        engine._ready_marks.close_window if engine._ready_marks is not None else None,
+    )
+    resolver.space = engine._space = SpaceWaits(
+        loop,
+        engine._config.request_timeout_ms,
+        engine._stats,
+        engine._batcher.requeue,
+        resolver.resolve,
+    )
+    engine._invalidations = Invalidations(
+        engine._store, loop, engine._batcher.dispatch_all, engine._worker.submit
+    )
+    # Calls are accepted from here on: they queue until the batcher task starts.
+    engine._state = EngineState.RUNNING
+    engine._worker.start()
+    try:
+        if copy_stream is not None:
+            # Load the fused path's kernels now, off the loop and while the store
+            # registers, not lazily inside the first batches.
+            await asyncio.to_thread(warm_up, engine._device, engine._page_size, copy_stream)
+        await asyncio.wrap_future(registered)
+    except BaseException as exc:
+        engine._state = EngineState.CLOSED
+        engine._worker.stop()
+        # Nothing dispatched them (no batcher task yet): fail them now, not after the
+        # join, which waits for the registration and which a second cancel may skip.
+        fail_accepted(engine, EngineClosed(f"engine failed to start: {exc!r}"))
+        await asyncio.to_thread(engine._worker.join)
+        release_store(engine._store)
+        raise
+    if engine._state is not EngineState.RUNNING:  # aclose() came while we registered
+        raise EngineClosed("engine was closed while it started")
+    engine._batcher_task = loop.create_task(engine._batcher.run(), name="aiokv-batcher")
 
 
 async def close(engine: OffloadEngine, drain: bool, timeout: float) -> int:

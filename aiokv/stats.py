@@ -1,5 +1,6 @@
-"""Counters, fixed-bucket histograms and recent samples; :class:`EngineStats` is their
-snapshot and :class:`Reading` the raw copy a Prometheus scrape (aiokv.metrics) reads.
+"""Counters, fixed-bucket histograms (:mod:`aiokv.histograms`) and recent samples;
+:class:`EngineStats` is their snapshot and :class:`Reading` the raw copy a Prometheus
+scrape (aiokv.metrics) reads.
 
 One writer per piece of state, so nothing here takes a lock: the event loop writes
 :class:`StatsRecorder` (``record_submit`` at accept, ``record_rejected`` when admission
@@ -26,14 +27,15 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import RequestTimeout
+from .histograms import Histogram as Histogram  # public here too, as before
+from .histograms import HistogramReading as HistogramReading
 from .requests import Kind, LoadResult, LookupGrant, OffloadResult, Request
 
 if TYPE_CHECKING:
@@ -79,43 +81,6 @@ LATENCY_BOUNDS_S = (
 )  # fmt: skip
 BATCH_REQUEST_BOUNDS = tuple(float(2**i) for i in range(13))  # 1 .. 4096
 BATCH_BYTE_BOUNDS = tuple(float(4**i) for i in range(6, 19))  # 4 KiB .. 64 GiB
-
-
-class Histogram:
-    """Counts per fixed bucket, one row per label value; written by one thread only.
-    ``counts`` holds each row's buckets (the last is +Inf) back to back."""
-
-    __slots__ = ("bounds", "counts", "sums", "width")
-
-    def __init__(self, bounds: Sequence[float], rows: int = 1) -> None:
-        self.bounds = tuple(bounds)
-        self.width = len(self.bounds) + 1
-        self.counts = [0] * (rows * self.width)
-        self.sums = [0.0] * rows
-
-    def observe(self, value: float, row: int = 0) -> None:
-        # bisect_left: a value equal to a bound counts in that bound's bucket (le).
-        self.counts[row * self.width + bisect_left(self.bounds, value)] += 1
-        self.sums[row] += value
-
-    def read(self) -> HistogramReading:
-        return HistogramReading(self.bounds, self.counts.copy(), self.sums.copy())
-
-
-@dataclass(frozen=True)
-class HistogramReading:
-    bounds: tuple[float, ...]
-    counts: list[int]  # per bucket, not cumulative
-    sums: list[float]  # per row
-
-    def cumulative(self, row: int = 0) -> list[int]:
-        """Row ``row``'s buckets as Prometheus counts them: observations <= each bound,
-        then the total (+Inf)."""
-        width = len(self.bounds) + 1
-        return list(accumulate(self.counts[row * width : (row + 1) * width]))
-
-    def count(self, row: int = 0) -> int:
-        return self.cumulative(row)[-1]
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,10 @@ as (request, outcome) pairs with exceptions as values.
 The store thread holds the GIL while it runs Python; once it has run ``store_slice_us``
 it hands the GIL to a waiting event loop between store calls (:mod:`aiokv.handoff`).
 
-Per batch: fuse its page ids into one host copy (:func:`aiokv.cuda.fuse_page_ids`, on
-the copy stream, after the callers' CUDA events), wait for it, check page ids, ask the
-store for its matches (:class:`aiokv.calls.StoreCalls`), plan the round
-(:mod:`aiokv.plans`) and execute it: cancels, then one launch. Then poll ``try_wait`` on
-launched ids until each is terminal. A batch is fused in its turn, not ahead of the
-batch before it: that would put its CPU work in front of the earlier batch's launch.
+Per batch: its store round (:mod:`aiokv.rounds`: fuse, match, plan, execute: cancels,
+then one launch). Then poll ``try_wait`` on launched ids until each is terminal. A batch
+is fused in its turn, not ahead of the batch before it: that would put its CPU work in
+front of the earlier batch's launch.
 """
 
 from __future__ import annotations
@@ -32,15 +30,13 @@ import torch
 
 from .batcher import Batch
 from .calls import StoreCalls
-from .cuda import fuse_page_ids, ready_events
 from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
 from .invalidation import HeldKeys, Invalidation, invalidate
-from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .plans import outcome as outcome_of
 from .recovery import PollFailures, retry_timeout
-from .requests import LAUNCHED, TERMINAL, Kind, Request
-from .slots import FusedPages
+from .requests import Kind, Request
+from .rounds import Rounds
 from .stats import StoreSideStats, StoreStatsQuery
 from .stores.base import Capabilities, Store, no_yield
 
@@ -59,7 +55,6 @@ class _Release:
 _STOP = object()
 _WAKE = object()  # a task may have ended: poll the store
 _NOTIFIED_POLL_S = 0.01  # fallback poll of a store that notifies (set_notify)
-_OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
 
 
 class StoreWorker:
@@ -78,12 +73,10 @@ class StoreWorker:
         store_slice_us: int = 0,
     ) -> None:
         self._store = store
-        self._copy_stream = copy_stream  # torch.cuda.Stream for the fused copy, or None
         self._kv_caches = kv_caches
         self._registered = registered  # resolved once store.register() returned
         self._loop = loop
         self._deliver = deliver
-        self._num_pages = num_pages
         self._page_size = 0  # the store's, read once it is registered
         self._poll_interval_s = poll_interval_us / 1e6
         self._slice = GilSlice(store_slice_us)  # when to hand the GIL to the loop
@@ -98,9 +91,10 @@ class StoreWorker:
         self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
         self._calls = StoreCalls(store, self._slice.yield_if_used)
         self._polls = PollFailures()  # try_wait failures in a row, and the next poll's due
-        # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
-        # here, read racily by the loop's stats.
-        self.d2h_copies = 0
+        self._rounds = Rounds(  # each batch's store round (aiokv.rounds)
+            store, self._caps, self._calls, self._slice, num_pages, copy_stream,
+            self._launched, self._reserved, self._held_keys, self.release_one,
+        )
         self.stats = StoreSideStats()  # store latency; written here, read by scrapes
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
 
@@ -110,6 +104,11 @@ class StoreWorker:
     def tasks_open(self) -> int:
         """Ids matched or launched and not yet terminal (read racily from the loop)."""
         return len(self._launched) + len(self._reserved) + len(self._calls.owed)
+
+    @property
+    def d2h_copies(self) -> int:
+        """Device-to-host copies the fused page ids took (read racily from the loop)."""
+        return self._rounds.d2h_copies
 
     def start(self) -> None:
         self._thread.start()
@@ -155,7 +154,7 @@ class StoreWorker:
                 self._registered.set_exception(exc)
             self._close_store()
             return
-        self._page_size = self._store.page_size
+        self._page_size = self._rounds.page_size = self._store.page_size
         # A store that can say when a task may have ended (LocalStore's copy thread)
         # wakes this thread through the inbox; others are polled every poll_interval_us.
         set_notify = self._caps.set_notify
@@ -248,26 +247,6 @@ class StoreWorker:
         except Exception:
             log.exception("store.close() failed")
 
-    def _fuse(self, batch: Batch) -> FusedPages:
-        """Start the batch's page ids on their way to the host: one concat (and slot
-        expansion) on the copy stream and one transfer, without waiting for them. Here,
-        not on the loop: each torch call gives the GIL away, and on the loop winning it
-        back from this thread (inside FlexKV's matching, say) took up to Python's switch
-        interval."""
-        requests = batch.requests
-        stream = self._copy_stream
-        if stream is not None:
-            # The page ids were written on the callers' streams: order the fused copy
-            # after them on the GPU, without blocking this thread.
-            for event in ready_events(requests):
-                stream.wait_event(event)
-        return fuse_page_ids(
-            [r.page_ids for r in requests if r.page_ids is not None],
-            [r.pages_used for r in requests],
-            stream,
-            self._page_size,
-        )
-
     def _handle(self, item: object) -> None:
         if isinstance(item, _Release):
             held = [t for t in item.task_ids if t in self._reserved]
@@ -283,9 +262,9 @@ class StoreWorker:
                     self._post()  # the batches before this one are answered
                     self._slice.hand_over()
                 if item.kind is Kind.LOOKUP:
-                    self._lookup(item)
+                    self._rounds.lookup(item, self._outbox)
                 else:
-                    self._move(item)
+                    self._rounds.move(item, self._outbox)
             except Exception as exc:  # e.g. a CUDA error in the fused copy or its wait
                 error = StoreError(f"batch failed before launch: {exc!r}")
                 error.__cause__ = exc
@@ -295,88 +274,6 @@ class StoreWorker:
             self._invalidate(item)
         else:
             raise TypeError(f"unexpected inbox item {item!r}")
-
-    def _lookup(self, batch: Batch) -> None:
-        requests = batch.requests
-        wanted = [i for i, r in enumerate(requests) if r.stage is not TERMINAL]
-        answers = self._calls.match(
-            self._store.get_match, self._caps.get_match_many, requests, wanted
-        )
-        outcomes, cancel, reserved = plan_lookup(requests, answers, self.release_one)
-        self._outbox.extend(outcomes)
-        self._reserved.update(reserved)
-        self._held_keys.note(outcomes, self._reserved)
-        if cancel:
-            self._calls.cancel(cancel)
-
-    def _move(self, batch: Batch) -> None:
-        """Offload (put) or load (get) batch: one launch for everything with work."""
-        fused = self._fuse(batch)
-        self.d2h_copies += fused.d2h_copies
-        if fused.copy_done is None:
-            # The KV itself must be written before it is copied. With a device copy there
-            # is no need: _fuse made that copy wait for these events, so its own event
-            # (waited on by fused.wait) fires after them.
-            for event in ready_events(batch.requests):
-                event.synchronize()
-        page_size = self._page_size
-        requests = batch.requests
-        offload = batch.kind is _OFFLOAD
-        if offload:
-            # Matched while the slots are on their way to the host: the matches need only
-            # token ids, and a lone batch's copy starts that much sooner. A request whose
-            # page ids turn out bad gives its match back (plan_offload).
-            answers = self._calls.match(
-                self._store.put_match, self._caps.put_match_many, requests,
-                to_match(requests, ()),
-            )
-        try:
-            slots = fused.wait_slots(page_size)
-        except BaseException:
-            if offload:  # the batch fails (see _handle): what it matched goes back
-                self._calls.cancel([a[0] for a in answers if isinstance(a, tuple)])
-            raise
-        # Ids out of range, or (a load) a page twice: those requests fail alone.
-        bad = fused.page_errors(slots, self._num_pages, page_size, not offload)
-
-        def select(masks: Sequence[Any]) -> list[Any]:
-            return fused.select(slots, masks, page_size)
-
-        if offload:
-            plan = plan_offload(requests, bad, answers, self._num_pages, page_size, select)
-        else:
-            # Every load consumes its reservation here: launched or cancelled below,
-            # unless an evict or clear gave it back already.
-            reserved = self._reserved
-            gone = [i for i, r in enumerate(requests) if r.task_id not in reserved]
-            reserved.difference_update([r.task_id for r in requests])
-            plan = plan_load(requests, bad, self._num_pages, page_size, select, gone)
-        self._execute(plan)
-
-    def _execute(self, plan: Round) -> None:
-        """Act on a planned round: its outcomes, its cancels, then its one launch."""
-        self._outbox.extend(plan.outcomes)
-        if plan.cancel:
-            self._calls.cancel(plan.cancel)
-        if plan.failed is not None:
-            raise plan.failed  # the batch fails (see _handle)
-        if not plan.launch:
-            return
-        launch_ids = plan.launch_ids
-        self._slice.yield_if_used()
-        try:
-            self._calls.call(self._store.launch, launch_ids, plan.slots)
-        except StoreError as error:
-            # A launch that raised took none of them (the Store contract): they are
-            # still matched, and would hold their blocks forever unless given back.
-            self._calls.cancel(launch_ids)
-            self._outbox.extend((entry[0], error) for entry in plan.launch)
-            return
-        launched = self._launched
-        for request, task_id, mask, moved in plan.launch:
-            request.task_id, request.mask, request.moved = task_id, mask, moved
-            request.stage = LAUNCHED
-            launched[task_id] = request
 
     def _poll(self) -> None:
         try:

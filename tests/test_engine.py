@@ -396,12 +396,12 @@ async def test_requests_after_a_full_batch_wait_for_their_own_window() -> None:
 async def test_a_batch_whose_fused_copy_fails_fails_alone(
     caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiokv import worker as worker_module
+    from aiokv import rounds as rounds_module
 
     monkeypatch.setattr(
-        worker_module,
+        rounds_module,
         "fuse_page_ids",
-        failing_first_call(worker_module.fuse_page_ids, "fused copy broke"),
+        failing_first_call(rounds_module.fuse_page_ids, "fused copy broke"),
     )
     engine, store = checked_engine(caches, window_us=0)
     async with engine:
@@ -417,9 +417,9 @@ async def test_a_batch_whose_fused_copy_fails_fails_alone(
 async def test_a_load_whose_fused_copy_fails_gives_its_reservation_back(
     caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiokv import worker as worker_module
+    from aiokv import rounds as rounds_module
 
-    fuse = worker_module.fuse_page_ids
+    fuse = rounds_module.fuse_page_ids
     calls = 0
 
     def second_call_fails(*args: Any) -> Any:
@@ -429,7 +429,7 @@ async def test_a_load_whose_fused_copy_fails_gives_its_reservation_back(
             raise RuntimeError("fused copy broke")
         return fuse(*args)
 
-    monkeypatch.setattr(worker_module, "fuse_page_ids", second_call_fails)
+    monkeypatch.setattr(rounds_module, "fuse_page_ids", second_call_fails)
     engine, store = checked_engine(caches, window_us=0)
     async with engine:
         await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)
@@ -453,16 +453,16 @@ async def test_batches_are_fused_on_the_store_thread_each_in_its_turn(
     """The loop makes no CUDA call for a batch (each would give the GIL away), and a
     batch waiting behind another is fused after that one is launched, not in front of
     it."""
-    from aiokv import worker as worker_module
+    from aiokv import rounds as rounds_module
 
     order: list[str] = []
-    fuse = worker_module.fuse_page_ids
+    fuse = rounds_module.fuse_page_ids
 
     def recording_fuse(page_ids: list[torch.Tensor], *args: Any) -> Any:
         order.append(f"fuse {len(page_ids)} on {threading.current_thread().name}")
         return fuse(page_ids, *args)
 
-    monkeypatch.setattr(worker_module, "fuse_page_ids", recording_fuse)
+    monkeypatch.setattr(rounds_module, "fuse_page_ids", recording_fuse)
     engine, store = checked_engine(caches, window_us=0, max_batch_requests=2)
     inner_put, inner_get = store.put_match, store.get_match
     matching = threading.Event()
@@ -541,9 +541,9 @@ async def test_d2h_copies_counts_the_copies_the_fused_batches_made(
     here every fused batch reports one copy more than it made."""
     from dataclasses import replace
 
-    from aiokv import worker as worker_module
+    from aiokv import rounds as rounds_module
 
-    fuse = worker_module.fuse_page_ids
+    fuse = rounds_module.fuse_page_ids
     made: list[int] = []
 
     def one_copy_too_many(*args: Any) -> Any:
@@ -551,7 +551,7 @@ async def test_d2h_copies_counts_the_copies_the_fused_batches_made(
         made.append(fused.d2h_copies)
         return replace(fused, d2h_copies=fused.d2h_copies + 1)
 
-    monkeypatch.setattr(worker_module, "fuse_page_ids", one_copy_too_many)
+    monkeypatch.setattr(rounds_module, "fuse_page_ids", one_copy_too_many)
     engine, _ = checked_engine(caches, window_us=0)
     async with engine:
         await asyncio.wait_for(engine.offload("u", torch.arange(4), 16), timeout=5)

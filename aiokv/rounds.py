@@ -1,0 +1,167 @@
+"""One batch's store round, on the store thread (:mod:`aiokv.worker` runs it in inbox order).
+
+An offload or load: fuse the batch's page ids into one host copy
+(:func:`aiokv.cuda.fuse_page_ids`, on the copy stream, after the callers' CUDA events),
+wait for it, check page ids, ask the store for its matches (:class:`aiokv.calls.StoreCalls`),
+plan the round (:mod:`aiokv.plans`) and execute it: cancels, then one launch. A lookup:
+its matches, planned into outcomes and the reservations it keeps. The worker then polls
+the launched ids until each is terminal.
+
+:class:`Rounds` shares its containers with the worker (the same objects, never replaced):
+``launched`` (launched ids -> request, until terminal) and ``reserved`` (lookup matches
+held for a load). Outcomes go to the outbox the worker passes in, which it posts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .batcher import Batch
+from .calls import StoreCalls
+from .cuda import fuse_page_ids, ready_events
+from .errors import StoreError
+from .handoff import GilSlice
+from .invalidation import HeldKeys
+from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
+from .requests import LAUNCHED, TERMINAL, Kind, Request
+from .slots import FusedPages
+from .stores.base import Capabilities, Store
+
+_OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
+
+Outbox = list[tuple[Request, object]]
+
+
+class Rounds:
+    """Runs batches' store rounds (store thread only)."""
+
+    def __init__(
+        self,
+        store: Store,
+        caps: Capabilities,
+        calls: StoreCalls,
+        gil_slice: GilSlice,
+        num_pages: int,
+        copy_stream: Any,
+        launched: dict[int, Request],
+        reserved: set[int],
+        held_keys: HeldKeys,
+        release_one: Callable[[int], None],
+    ) -> None:
+        self._store = store
+        self._caps = caps
+        self._calls = calls
+        self._slice = gil_slice
+        self._num_pages = num_pages
+        self._copy_stream = copy_stream  # torch.cuda.Stream for the fused copy, or None
+        self._launched = launched
+        self._reserved = reserved
+        self._held_keys = held_keys  # the reservations' keys, for an evict
+        self._release_one = release_one  # a Reservation's way back (StoreWorker.release_one)
+        self.page_size = 0  # the store's, set by the worker once it is registered
+        # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
+        # here, read racily by the loop's stats.
+        self.d2h_copies = 0
+
+    def _fuse(self, batch: Batch) -> FusedPages:
+        """Start the batch's page ids on their way to the host: one concat (and slot
+        expansion) on the copy stream and one transfer, without waiting for them. Here,
+        not on the loop: each torch call gives the GIL away, and on the loop winning it
+        back from this thread (inside FlexKV's matching, say) took up to Python's switch
+        interval."""
+        requests = batch.requests
+        stream = self._copy_stream
+        if stream is not None:
+            # The page ids were written on the callers' streams: order the fused copy
+            # after them on the GPU, without blocking this thread.
+            for event in ready_events(requests):
+                stream.wait_event(event)
+        return fuse_page_ids(
+            [r.page_ids for r in requests if r.page_ids is not None],
+            [r.pages_used for r in requests],
+            stream,
+            self.page_size,
+        )
+
+    def lookup(self, batch: Batch, outbox: Outbox) -> None:
+        requests = batch.requests
+        wanted = [i for i, r in enumerate(requests) if r.stage is not TERMINAL]
+        answers = self._calls.match(
+            self._store.get_match, self._caps.get_match_many, requests, wanted
+        )
+        outcomes, cancel, reserved = plan_lookup(requests, answers, self._release_one)
+        outbox.extend(outcomes)
+        self._reserved.update(reserved)
+        self._held_keys.note(outcomes, self._reserved)
+        if cancel:
+            self._calls.cancel(cancel)
+
+    def move(self, batch: Batch, outbox: Outbox) -> None:
+        """Offload (put) or load (get) batch: one launch for everything with work."""
+        fused = self._fuse(batch)
+        self.d2h_copies += fused.d2h_copies
+        if fused.copy_done is None:
+            # The KV itself must be written before it is copied. With a device copy there
+            # is no need: _fuse made that copy wait for these events, so its own event
+            # (waited on by fused.wait) fires after them.
+            for event in ready_events(batch.requests):
+                event.synchronize()
+        page_size = self.page_size
+        requests = batch.requests
+        offload = batch.kind is _OFFLOAD
+        if offload:
+            # Matched while the slots are on their way to the host: the matches need only
+            # token ids, and a lone batch's copy starts that much sooner. A request whose
+            # page ids turn out bad gives its match back (plan_offload).
+            answers = self._calls.match(
+                self._store.put_match, self._caps.put_match_many, requests,
+                to_match(requests, ()),
+            )
+        try:
+            slots = fused.wait_slots(page_size)
+        except BaseException:
+            if offload:  # the batch fails (see StoreWorker._handle): its matches go back
+                self._calls.cancel([a[0] for a in answers if isinstance(a, tuple)])
+            raise
+        # Ids out of range, or (a load) a page twice: those requests fail alone.
+        bad = fused.page_errors(slots, self._num_pages, page_size, not offload)
+
+        def select(masks: Sequence[Any]) -> list[Any]:
+            return fused.select(slots, masks, page_size)
+
+        if offload:
+            plan = plan_offload(requests, bad, answers, self._num_pages, page_size, select)
+        else:
+            # Every load consumes its reservation here: launched or cancelled below,
+            # unless an evict or clear gave it back already.
+            reserved = self._reserved
+            gone = [i for i, r in enumerate(requests) if r.task_id not in reserved]
+            reserved.difference_update([r.task_id for r in requests])
+            plan = plan_load(requests, bad, self._num_pages, page_size, select, gone)
+        self._execute(plan, outbox)
+
+    def _execute(self, plan: Round, outbox: Outbox) -> None:
+        """Act on a planned round: its outcomes, its cancels, then its one launch."""
+        outbox.extend(plan.outcomes)
+        if plan.cancel:
+            self._calls.cancel(plan.cancel)
+        if plan.failed is not None:
+            raise plan.failed  # the batch fails (see StoreWorker._handle)
+        if not plan.launch:
+            return
+        launch_ids = plan.launch_ids
+        self._slice.yield_if_used()
+        try:
+            self._calls.call(self._store.launch, launch_ids, plan.slots)
+        except StoreError as error:
+            # A launch that raised took none of them (the Store contract): they are
+            # still matched, and would hold their blocks forever unless given back.
+            self._calls.cancel(launch_ids)
+            outbox.extend((entry[0], error) for entry in plan.launch)
+            return
+        launched = self._launched
+        for request, task_id, mask, moved in plan.launch:
+            request.task_id, request.mask, request.moved = task_id, mask, moved
+            request.stage = LAUNCHED
+            launched[task_id] = request
