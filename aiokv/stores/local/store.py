@@ -26,8 +26,9 @@ from ..base import BoolArray, Int64Array, TaskResult, TaskStatus
 from .blocks import NO_BLOCKS, READY, Tier
 from .checks import check_pages
 from .index import BlockIndex, Space, chain_digests
+from .loads import Load
 from .pool import HostPool
-from .tiering import Load, TierLink
+from .tiering import TierLink
 from .transfer import CopyJob, Transfer
 
 
