@@ -1,13 +1,14 @@
 """LocalStore: aiokv's embedded store, host blocks under a prefix index, with an
 optional SSD tier below (``ssd_cache_gb``).
 
-This module owns the Store protocol's tasks and copy jobs; block states, readers and
-eviction are a tier's (:mod:`.blocks`), the GPU <-> host copies the copy threads'
-(:mod:`.transfer`), and moving blocks between the host and the SSD tier the link's
-(:mod:`.tiering`). All metadata is touched only on the caller's thread (the engine's
-store thread); the copy and I/O threads only move bytes and report. That thread holds
-the GIL for all of it, so the bookkeeping is done per task or per copy job with numpy
-over arrays of blocks and C-level dict operations, never a Python loop per block.
+This module owns the Store protocol's tasks and copy jobs; how a job's end ends its
+tasks is :mod:`.completion`'s, block states, readers and eviction are a tier's
+(:mod:`.blocks`), the GPU <-> host copies the copy threads' (:mod:`.transfer`), and
+moving blocks between the host and the SSD tier the link's (:mod:`.tiering`). All
+metadata is touched only on the caller's thread (the engine's store thread); the copy
+and I/O threads only move bytes and report. That thread holds the GIL for all of it, so
+the bookkeeping is done per task or per copy job with numpy over arrays of blocks and
+C-level dict operations, never a Python loop per block.
 """
 
 from __future__ import annotations
@@ -15,39 +16,23 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ...config import StoreConfig
 from ...errors import ConfigError
-from ..base import BoolArray, Int64Array, TaskResult, TaskStatus
+from ..base import BoolArray, Int64Array, TaskResult
 from .blocks import NO_BLOCKS, READY, Tier
 from .checks import check_pages
-from .index import BlockIndex, Space, chain_digests
+from .completion import Task, TaskEnds, concat
+from .index import BlockIndex, chain_digests
 from .pool import HostPool
-from .tiering import Load, TierLink
+from .tiering import TierLink
 from .transfer import CopyJob, Transfer
 
 
-@dataclass(slots=True)
-class _Task:
-    is_put: bool
-    mask: BoolArray
-    blocks: Int64Array  # host blocks of the mask's True pages, in order
-    digests: list[bytes]  # a put's new digests (of ``blocks``), for a roll back
-    space: Space | None  # a put's namespace table
-    task_id: int = 0  # set at launch
-    shared: bool = False  # a get that found some of its blocks read by another get
-    load: Load | None = None  # a get's part that comes from the SSD tier
-
-
-def _concat(arrays: list[Int64Array]) -> Int64Array:
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-
-class LocalStore:
+class LocalStore(TaskEnds):
     """The embedded store. ``LocalStore(StoreConfig(cpu_cache_gb=..., ssd_cache_gb=...,
     ssd_cache_dir=...))``.
 
@@ -71,12 +56,12 @@ class LocalStore:
         self._host: Tier | None = None
         self._link: TierLink | None = None
         self._gpu_pages = 0  # pages per cache table, known at register
-        self._tasks: dict[int, _Task] = {}
+        self._tasks: dict[int, Task] = {}
         self._finished: dict[int, TaskResult] = {}
         self._done_jobs: deque[CopyJob] = deque()
         self._ids = itertools.count(1)
         # id(CopyJob) -> its tasks, and their common block count (0: they differ)
-        self._launched: dict[int, tuple[list[_Task], int]] = {}
+        self._launched: dict[int, tuple[list[Task], int]] = {}
         self._notify: Callable[[], None] | None = None
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
         self._ssd_stats: dict[str, int | float] = {}
@@ -195,7 +180,7 @@ class LocalStore:
                 pages[[i for i, b in enumerate(present) if b is None]] = True
         elif listed is not None:
             host.index.make_evictable(listed)
-        return self._new_task(_Task(True, mask, blocks, new_digests, owner)), mask
+        return self._new_task(Task(True, mask, blocks, new_digests, owner)), mask
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         """The longest READY prefix, host pages first, then pages the SSD tier has (read
@@ -224,7 +209,7 @@ class LocalStore:
                     hit = hit[: int(np.argmax(not_ready))]
         shared = bool(len(hit)) and host.hold(hit)  # unique: one block per page of a key
         host.shared_gets += shared
-        task = _Task(False, mask, hit, [], None, shared=shared)
+        task = Task(False, mask, hit, [], None, shared=shared)
         if link is not None and (len(hit) == len(found)):
             if digests is None:
                 digests = chain_digests(token_ids, self.page_size)
@@ -241,9 +226,9 @@ class LocalStore:
             raise ValueError("launch: a task id is given twice")
         self._require_transfer()
         page_size = self.page_size
-        gets: list[tuple[_Task, Int64Array]] = []  # (task, the first slot of each page)
-        puts: list[tuple[_Task, Int64Array]] = []
-        loads: list[tuple[_Task, Int64Array]] = []  # gets with an SSD part
+        gets: list[tuple[Task, Int64Array]] = []  # (task, the first slot of each page)
+        puts: list[tuple[Task, Int64Array]] = []
+        loads: list[tuple[Task, Int64Array]] = []  # gets with an SSD part
         firsts: list[Int64Array] = []  # per task, in task_ids order: checked at once
         lasts: list[Int64Array] = []  # the last slot of each page
         for task_id, slots in zip(task_ids, slot_mappings, strict=True):
@@ -272,15 +257,15 @@ class LocalStore:
             size = len(tasks[0].blocks)  # the tasks' common block count, or 0
             if any(len(task.blocks) != size for task in tasks):
                 size = 0
-            slots = np.asarray(_concat([first for _, first in chosen]), dtype=np.int64)
-            blocks = _concat([task.blocks for task in tasks])
+            slots = np.asarray(concat([first for _, first in chosen]), dtype=np.int64)
+            blocks = concat([task.blocks for task in tasks])
             self._copy(tasks, is_put, slots // page_size, blocks, size)
         for task, first in loads:
             assert task.load is not None and self._link is not None
             self._link.launch_load(task.load, np.asarray(first, dtype=np.int64) // page_size)
 
     def _copy(
-        self, tasks: list[_Task], to_host: bool, gpu_pages: Int64Array,
+        self, tasks: list[Task], to_host: bool, gpu_pages: Int64Array,
         host_blocks: Int64Array, size: int = 0,
     ) -> CopyJob:
         """Queue one copy job; ``tasks`` (maybe none: a load's chunk) end with it."""
@@ -308,36 +293,6 @@ class LocalStore:
                 self._link.cancel_load(task.load)  # ends the task once its reads are in
             else:
                 self.end_tasks([task], success=False)
-
-    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
-        """Terminal answers among ``task_ids``, each given once; never blocks."""
-        if self._link is not None and self._host is not None:
-            self._link.drain()
-        done, finished = self._done_jobs, self._finished
-        while done:
-            job = done.popleft()
-            tasks, size = self._launched.pop(id(job))
-            moved = len(job.host_blocks) * (self._pool.block_bytes if self._pool else 0)
-            self._bytes["bytes_d2h" if job.to_host else "bytes_h2d"] += moved
-            if self._link is not None and self._host is not None:
-                self._link.job_done(job)
-            if not tasks:
-                continue  # a load's chunk: its task ends with the load's last job
-            error = job.error
-            loads = [task.load for task in tasks if task.load is not None]
-            if loads:
-                error = error or loads[0].error
-            if self._pool is not None:  # after close() the blocks went with the pool
-                blocks = None if loads else job.host_blocks
-                self.end_tasks(tasks, error is None, blocks, size)
-            if error is None:
-                results = [TaskResult(TaskStatus.SUCCESS, task.mask) for task in tasks]
-            else:
-                results = [TaskResult(TaskStatus.FAILED, t.mask, error) for t in tasks]
-            finished.update(zip(job.task_ids, results, strict=True))
-        if not finished:
-            return {}
-        return {t: finished.pop(t) for t in task_ids if t in finished}
 
     def close(self) -> None:
         """Finish queued copies (and SSD writes), then release the pool."""
@@ -394,52 +349,10 @@ class LocalStore:
 
     # ---- internals -----------------------------------------------------------------
 
-    def _new_task(self, task: _Task) -> int:
+    def _new_task(self, task: Task) -> int:
         task_id = next(self._ids)
         self._tasks[task_id] = task
         return task_id
-
-    def end_tasks(
-        self,
-        tasks: Sequence[_Task],
-        success: bool,
-        blocks: Int64Array | None = None,
-        size: int = 0,
-    ) -> None:
-        """Tasks of one job (all puts or all gets) are over, in this order: publish or roll
-        back their blocks, with a few array operations for the whole job. ``blocks``: all
-        their blocks in task order, when the caller has them; ``size``: the tasks' common
-        block count, when known (0: unknown, or they differ)."""
-        if not tasks:
-            return
-        host = self._require_host()
-        if tasks[0].is_put and not success:
-            for task in tasks:
-                host.roll_back(task.space, task.digests, task.blocks)
-            return
-        if blocks is None:
-            blocks = _concat([task.blocks for task in tasks])
-            size = len(blocks) if len(tasks) == 1 else 0
-        if len(blocks) == 0:
-            return
-        per_task = [task.blocks for task in tasks]
-        if not tasks[0].is_put:
-            host.end_reads(per_task, [task.shared for task in tasks], blocks, size)
-        elif self._link is not None and self._link.write_through:
-            host.state[blocks] = READY
-            # The SSD copies hold their blocks (as readers) until they are written.
-            self._link.write_through_puts(tasks, blocks)
-        else:
-            host.publish(per_task, blocks, size)
-
-    def _wake(self) -> None:  # any thread
-        if self._notify is not None:
-            self._notify()
-
-    def _job_done(self, job: CopyJob) -> None:  # copy thread
-        self._done_jobs.append(job)  # deque append and popleft are atomic: no lock
-        if self._notify is not None:
-            self._notify()
 
     def _require_host(self) -> Tier:
         if self._host is None or self._pool is None:
