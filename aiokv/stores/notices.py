@@ -51,8 +51,7 @@ class Notices:
                 return
 
     def close(self) -> Callable[[], None]:
-        """Close the channel and wake its reader, which calls no stale callback; returns
-        the callback, for :meth:`resume`."""
+        """Close the channel and wake its reader; returns the callback, for :meth:`resume`."""
         callback = self.callback
         ends, self.socket = self.socket, None
         self.callback = no_notify  # before the reader wakes: it calls no stale callback

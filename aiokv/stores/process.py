@@ -54,7 +54,7 @@ from ..config import StoreConfig
 from ..errors import StoreError
 from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .notices import Notices
-from .notices import no_notify as no_notify  # where it was defined before notices.py
+from .notices import no_notify as no_notify  # a public name of this module too
 from .restarts import Restarts, how_it_ended
 from .spawn import end_child, forget_in_forks, spawn_child
 from .wire import FORWARDED, Op, PackedResults, launch_args, noted, portable, query, unpack_results
