@@ -476,7 +476,7 @@ def test_this_process_hears_of_ended_tasks_from_the_child() -> None:
         assert time.monotonic() < deadline
         answers.update(store.try_wait([task]))
     assert answers[task].status is aiokv.TaskStatus.SUCCESS
-    reader = store._end_reader
+    reader = store._notices.reader
     store.close()
     assert reader is not None
     reader.join(10)

@@ -22,8 +22,9 @@ How:
 - Each call is one request and one reply, in order, on one socket (:mod:`.wire`).
 - Launched tasks are watched in the child (polled there, for a store such as FlexKV
   that does not notify), which sends a byte on a second socket when answers wait; a
-  reader thread here passes that on (``set_notify``). So this process asks ``try_wait``
-  when there is something to take, not every poll interval: a poll costs a round trip.
+  reader thread here passes that on (``set_notify``, :mod:`.notices`). So this process
+  asks ``try_wait`` when there is something to take, not every poll interval: a poll
+  costs a round trip.
 - A store's exception travels back and is raised here as itself (with a note naming
   the child) where it pickles, else as StoreError naming it.
 - If the child dies, the calls in flight fail naming its exit; the next call starts a
@@ -36,13 +37,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import os
 import select
-import socket
 import subprocess
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -55,17 +53,17 @@ from ..backends import backend
 from ..config import StoreConfig
 from ..errors import StoreError
 from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from .notices import Notices
+from .notices import no_notify as no_notify  # a public name of this module too
 from .restarts import Restarts, how_it_ended
-from .spawn import end_child, spawn_child
-from .wire import FORWARDED, Op, PackedResults, launch_args, portable, query, unpack_results
+from .spawn import end_child, forget_in_forks, spawn_child
+from .wire import FORWARDED, Op, PackedResults, launch_args, noted, portable, query, unpack_results
 
 log = logging.getLogger("aiokv")
 
 _ALIVE_CHECK_MS = 1000  # while a reply is awaited, check this often that the child lives
 _CLOSE_TIMEOUT_S = 180.0  # the child's close waits for launched copies (FlexKV: 60 s+)
 _EXIT_TIMEOUT_S = 10.0  # after its close, the child exits in this time or is killed
-def no_notify() -> None:
-    """ProcessStore's notice of ended tasks before set_notify, and after close."""
 
 
 class ProcessStore:
@@ -94,7 +92,6 @@ class ProcessStore:
         self._socket_files: list[str] = []  # the handover's, removed should the child die
         self._broken: str | None = None  # why the child can no longer be called
         self._ended: str | None = None  # how a served child died: restart at the next call
-        self._ends_closed = False  # the child's end of the notice channel closed: dead?
         self._caches: list[torch.Tensor] = []  # registered, for a new child
         self._restarts = Restarts(config.store_restarts)
         self._ids = self._restarts.ids  # the engine's ids across children
@@ -105,9 +102,7 @@ class ProcessStore:
         # Task ends: the child polls its store and sends a byte here when answers are
         # waiting; a reader thread passes that on (set_notify), so that this process
         # asks try_wait when there is something to take rather than every poll interval.
-        self._ends: socket.socket | None = None
-        self._on_end: Callable[[], None] = no_notify
-        self._end_reader: threading.Thread | None = None
+        self._notices = Notices()
 
     @property
     def store_slice_us(self) -> int | None:
@@ -157,7 +152,7 @@ class ProcessStore:
                 self.page_size = int(value)
                 break
             if kind == "failed":
-                raise self._from_child(value)
+                raise noted(value, self.pid)
             if kind != "attach":
                 raise StoreError(f"the store process sent {kind!r} during registration")
             try:
@@ -169,39 +164,18 @@ class ProcessStore:
             self._keep.append(kept)
             self._send((True, None))
         self._keep.append(caches)
-        self._start_reader()  # set_notify may have come before register
+        self._notices.start()  # set_notify may have come before register
 
     def _spawn(self) -> Connection:
-        self._process, self._conn, self._ends = spawn_child()
-        _LIVE.add(self)
+        self._process, self._conn, self._notices.socket = spawn_child()
+        forget_in_forks(self)
         self._poller.register(self._conn.fileno(), select.POLLIN)
         return self._conn
 
     def set_notify(self, callback: Callable[[], None]) -> None:
         """``callback()`` (from a thread of this store's) whenever tasks may have ended."""
-        self._on_end = callback
-        self._start_reader()
-
-    def _start_reader(self) -> None:
-        """The reader thread, once there is both a channel and a callback."""
-        if self._end_reader is None and self._ends is not None and self._on_end is not no_notify:
-            self._end_reader = threading.Thread(
-                target=self._read_ends, args=(self._ends,), name="aiokv-store-ends", daemon=True
-            )
-            self._end_reader.start()
-
-    def _read_ends(self, ends: socket.socket) -> None:
-        # Blocks without the GIL; one wake-up for every burst of notices.
-        while True:
-            try:
-                notices = ends.recv(4096)
-            except OSError:
-                notices = b""
-            if not notices and ends is self._ends:  # not one _shutdown closed
-                self._ends_closed = True  # the next call looks whether the child died
-            self._on_end()  # b"": the child is gone (the store thread finds out now), or closed
-            if not notices:
-                return
+        self._notices.callback = callback
+        self._notices.start()
 
     # ---- Store protocol --------------------------------------------------------------
 
@@ -291,13 +265,13 @@ class ProcessStore:
         answers: MatchAnswers = self._call(op, [query(t, n) for t, n in queries])
         for answer in answers:
             if isinstance(answer, Exception):
-                self._note_child(answer)
+                noted(answer, self.pid)
         return self._ids.matches(answers)
 
     def _revive(self) -> None:
         """Start a new child if the one that served died (module docstring): found by a
         call, or by the notice channel closing (then no call goes to a dead child)."""
-        if self._ended is None and not self._ends_closed:
+        if self._ended is None and not self._notices.closed:
             return
         with self._calling:
             process = self._process
@@ -340,7 +314,7 @@ class ProcessStore:
                 raise
         if ok:
             return value
-        raise self._from_child(value)
+        raise noted(value, self.pid)
 
     def _send(self, message: object) -> None:
         conn = self._conn
@@ -376,61 +350,32 @@ class ProcessStore:
             self._ended = self._broken
         return StoreError(self._broken)
 
-    def _from_child(self, exc: BaseException) -> BaseException:
-        if isinstance(exc, BaseException):
-            self._note_child(exc)
-            return exc
-        return StoreError(f"the store process answered {exc!r}")
-
-    def _note_child(self, exc: BaseException) -> None:
-        add_note = getattr(exc, "add_note", None)  # Python 3.11+
-        if add_note is not None:
-            add_note(f"raised in the store process (pid {self.pid})")
-
     def _shutdown(self, restarting: bool = False) -> None:
         """End the child (closing the socket ends one that is still serving), then drop
         what it mapped. ``restarting``: a new child follows, for the same engine (its
         notice callback stays; a child still alive is killed at once)."""
-        on_end = self._on_end
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._poller.unregister(conn.fileno())
             conn.close()
-        ends, self._ends = self._ends, None
-        self._on_end = no_notify  # before the reader wakes: it calls no stale callback
-        if ends is not None:
-            with contextlib.suppress(OSError):
-                ends.shutdown(socket.SHUT_RDWR)  # wakes the reader (close alone would not)
-            ends.close()
+        on_end = self._notices.close()
         if self._process is not None:
             end_child(self._process, self._socket_files, 0.0 if restarting else _EXIT_TIMEOUT_S)
         self._socket_files = []
         self._keep.clear()
         if restarting:
-            self._on_end, self._end_reader = on_end, None  # the next child's reader
-            self._ends_closed = False
+            self._notices.resume(on_end)
 
     def _forget_in_fork(self) -> None:
         """In a forked child of this process: let go of the socket without a word, so
         that the store process still sees its parent's death."""
         conn, self._conn, self._process = self._conn, None, None
-        ends, self._ends, self._end_reader = self._ends, None, None  # no reader thread here
+        ends = self._notices.forget()  # no reader thread here
         self._broken = "ProcessStore is not usable in a forked child"
         self._calling = threading.Lock()  # another thread may have held it at the fork
-        self._on_end = no_notify
         for copy in (conn, ends):
             if copy is not None:
                 with contextlib.suppress(OSError):
                     copy.close()  # this process's copies only
 
-
-_LIVE: weakref.WeakSet[ProcessStore] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_LIVE):
-        store._forget_in_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

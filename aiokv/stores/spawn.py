@@ -16,7 +16,9 @@ import site
 import socket
 import subprocess
 import sys
+import weakref
 from multiprocessing.connection import Connection
+from typing import Protocol
 
 log = logging.getLogger("aiokv")
 
@@ -81,3 +83,24 @@ def end_child(process: subprocess.Popen[bytes], socket_files: list[str], wait_s:
     for path in socket_files:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+class Forgetful(Protocol):
+    def _forget_in_fork(self) -> None: ...
+
+
+_LIVE: weakref.WeakSet[Forgetful] = weakref.WeakSet()
+
+
+def forget_in_forks(owner: Forgetful) -> None:
+    """Have ``owner._forget_in_fork()`` called in every forked child of this process,
+    while ``owner`` lives: a fork's copy of a child's socket must not keep it open."""
+    _LIVE.add(owner)
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_LIVE):
+        store._forget_in_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -102,3 +102,14 @@ def portable(exc: BaseException) -> BaseException:
     except Exception:
         return StoreError(f"{type(exc).__name__}: {exc}")
     return exc
+
+
+def noted(exc: BaseException, pid: int | None) -> BaseException:
+    """What to raise for the exception a reply carried (``portable`` made it pickle):
+    itself, with a note naming the child ``pid``; StoreError should it be none."""
+    if isinstance(exc, BaseException):
+        add_note = getattr(exc, "add_note", None)  # Python 3.11+
+        if add_note is not None:
+            add_note(f"raised in the store process (pid {pid})")
+        return exc
+    return StoreError(f"the store process answered {exc!r}")

@@ -5,9 +5,9 @@ What this adapter owns (FlexKV's sharp edges, see DESIGN.md):
 
 - ``launch(as_batch=True)`` merges only 2+ tasks of one kind and then answers under a new
   batch id with one mask per sub-task; the sub-task ids become unknown to FlexKV. We split
-  a mixed launch per kind, keep the batch id, and fan its answer back out to the ids the
-  matches gave. Only tasks with a non-empty mask go into a batch: FlexKV drops empty
-  sub-tasks from the batch's mask list, which would misalign the fan-out.
+  a mixed launch per kind (:mod:`.tasks`), keep the batch id, and fan its answer back out
+  to the ids the matches gave. Only tasks with a non-empty mask go into a batch: FlexKV
+  drops empty sub-tasks from the batch's mask list, which would misalign the fan-out.
 - FlexKV forgets a task on its first terminal answer, so answers are cached here, keyed by
   the original id, and handed out once.
 - An all-False put mask also means "no space": ``put_match`` tells that apart from
@@ -49,6 +49,7 @@ from ...errors import ConfigError
 from ..base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus, no_yield
 from .keys import KeyGenerations
 from .setup import CacheGeometry, attach_caches, start_manager, wait_ready
+from .tasks import STATUS, group_launch, unknown_task
 from .tiers import quiet_wait_timeouts, tier_values
 
 log = logging.getLogger("aiokv")
@@ -212,27 +213,9 @@ class FlexKVStore:
 
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
         manager = self._live()
-        if len(task_ids) != len(slot_mappings):
-            raise ValueError(f"{len(task_ids)} task ids but {len(slot_mappings)} slot mappings")
         # Check everything first: a launch that fails half-way would leave running tasks
         # nobody waits on.
-        groups: dict[str, list[tuple[int, Int64Array]]] = {"get": [], "put": []}
-        empty: list[int] = []
-        for task_id, slots in zip(task_ids, slot_mappings, strict=True):
-            if task_id not in self._kind:
-                raise ValueError(f"task {task_id} is not a matched, unlaunched task")
-            slots = np.ascontiguousarray(slots, dtype=np.int64)
-            want = int(np.count_nonzero(self._mask[task_id]))
-            if slots.shape != (want,):
-                raise ValueError(
-                    f"task {task_id}: {slots.shape[0]} slots for {want} True positions"
-                )
-            if want == 0:
-                empty.append(task_id)
-            else:
-                groups[self._kind[task_id]].append((task_id, slots))
-        if len(set(task_ids)) != len(task_ids):
-            raise ValueError("launch: duplicate task ids")
+        groups, empty = group_launch(task_ids, slot_mappings, self._kind, self._mask)
         launched_any = False
         for kind in ("get", "put"):  # loads first, as the engine orders them
             group = groups[kind]
@@ -303,11 +286,7 @@ class FlexKVStore:
             if t in self._done:
                 out[t] = self._done.pop(t)  # handed out once
             elif t not in self._owner and t not in self._kind:
-                out[t] = TaskResult(
-                    TaskStatus.FAILED,
-                    None,
-                    f"unknown task id {t} (never matched, cancelled, or already answered)",
-                )
+                out[t] = unknown_task(t)
         return out
 
     def close(self) -> None:
@@ -381,7 +360,7 @@ class FlexKVStore:
             members = self._members.pop(fid, None)
             if members is None:
                 continue
-            status = _STATUS.get(response.status.value, TaskStatus.FAILED)
+            status = STATUS.get(response.status.value, TaskStatus.FAILED)
             error = "" if status is TaskStatus.SUCCESS else f"FlexKV status {response.status.value}"
             if response.status is KVResponseStatus.NOTFOUND:
                 error = f"FlexKV lost task {fid} (NOTFOUND)"
@@ -408,11 +387,3 @@ class FlexKVStore:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
 
-
-# FlexKV's KVResponseStatus values -> ours. NOTFOUND/UNREADY/TIMEOUT on a launched task
-# mean FlexKV lost track of it: FAILED.
-_STATUS = {
-    "success": TaskStatus.SUCCESS,
-    "cancelled": TaskStatus.CANCELLED,
-    "failed": TaskStatus.FAILED,
-}
