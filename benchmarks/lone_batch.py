@@ -131,6 +131,7 @@ async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,
     config = aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=users)
     rows: dict[str, list[dict[str, float]]] = {"offload": [], "load": []}
     async with aiokv.OffloadEngine(store, caches, config) as engine:
+        await asyncio.to_thread(store.wait_pinned)  # a lone batch, not start-up
         for repeat in range(repeats + 1):  # repeat 0 warms up
             base = repeat * users
             page_ids = [torch.arange(u * pages, (u + 1) * pages, device=device)

@@ -57,6 +57,9 @@ def test_chunks_move_every_page_whole(
     ]
     pristine = [cache.clone() for cache in caches]
     pool = HostPool(48, BLOCK_SHAPE, torch.bfloat16, pin=True)
+    # The test copies into blocks it picks, not ones the allocator handed out: they
+    # must all be pinned first (a copy racing their registration fails it).
+    assert pool.memory.wait_all(60) and pool.memory.ready_blocks == 48, pool.memory.error
     done: queue.SimpleQueue[CopyJob] = queue.SimpleQueue()
     if not graphs:  # as where capture fails: every chunk runs the eager ops
         monkeypatch.setattr(transfer.LayerGraphs, "capture", lambda *args: None)

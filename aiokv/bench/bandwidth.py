@@ -209,7 +209,8 @@ async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]
     store_gib = settings.cpu_cache_gb or max(
         (n + 0.5) * _batch_gib(settings, *row) for row, n in in_flight.items()
     )
-    shared = SharedStore(LocalStore(StoreConfig(cpu_cache_gb=store_gib)))
+    local = LocalStore(StoreConfig(cpu_cache_gb=store_gib))
+    shared = SharedStore(local)
     rows = []
     names = itertools.count()
     total = (
@@ -235,6 +236,8 @@ async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]
                 )
                 store: Store = shared
                 async with OffloadEngine(store, caches, config) as engine:
+                    # Copies, not start-up: the host tier is pinned whole before timing.
+                    await asyncio.to_thread(local.wait_pinned)
                     for tokens in settings.tokens:
                         rows.append(
                             await _row(

@@ -128,6 +128,14 @@ class LocalStore(TaskEnds):
     def free_blocks(self) -> int:
         return self._pool.num_free if self._pool is not None else 0
 
+    def wait_pinned(self, timeout: float | None = None) -> bool:
+        """Block until the host tier is pinned whole (it grows in chunks after register;
+        at once where nothing is pinned); whether it is. Any thread: it only waits on
+        the pinning threads, and touches none of the store's state. For benchmarks that
+        measure steady copies rather than start-up."""
+        pool = self._pool
+        return pool is not None and pool.memory.wait_all(timeout)
+
     # ---- Store protocol ------------------------------------------------------------
 
     def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
