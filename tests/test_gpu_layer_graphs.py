@@ -90,3 +90,4 @@ def test_chunks_move_every_page_whole(
             assert torch.equal(cache[untouched], before[layer][untouched])
     finally:
         copier.close()
+        pool.close()

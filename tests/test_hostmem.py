@@ -126,3 +126,19 @@ def test_a_reserve_beyond_the_pinned_part_waits_for_the_pool_to_grow(
     blocks = tier.reserve(12288)  # the whole pool: waits until all of it is pinned
     assert len(blocks) == 12288 and pool.memory.ready_blocks == 12288
     pool.close()
+
+
+def test_memory_collected_unclosed_unregisters_before_the_mapping_goes() -> None:
+    """A range unmapped while registered would stay in the driver's table, and a later
+    mapping at that address could not be registered."""
+    import gc
+
+    unregistered: list[int] = []
+    memory = HostMemory(1024, (1024,), torch.uint8, pin=True,
+                        register=lambda a, n: None, unregister=unregistered.append)
+    memory.start()
+    assert memory.wait_all(10)
+    base = memory.data.data_ptr()
+    del memory
+    gc.collect()
+    assert unregistered and unregistered[0] == base

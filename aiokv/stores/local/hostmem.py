@@ -26,6 +26,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -105,6 +106,13 @@ class HostMemory:
         self._threads = max(1, threads or min(16, os.cpu_count() or 1))
         self._register = register or _cuda_register
         self._unregister = unregister or _cuda_unregister
+        # Unregistered before the mapping can go: memory unmapped while registered leaves
+        # the driver a stale range, and a later mapping at that address fails to register
+        # (cudaErrorHostMemoryAlreadyRegistered). Runs at close(), or when this object is
+        # collected unclosed (the pinning thread holds it alive until it ends).
+        self._release = weakref.finalize(
+            self, _unregister_all, self._map, self._registered, self._unregister
+        )
         self._first = threading.Event()
         self._done = threading.Event()
         self._grew = threading.Condition()  # notified at each chunk and at the end
@@ -148,12 +156,7 @@ class HostMemory:
         self._stop = True
         if self._thread is not None:
             self._thread.join()
-        for address in self._registered:
-            try:
-                self._unregister(address)
-            except Exception:
-                log.exception("cudaHostUnregister failed")
-        self._registered.clear()
+        self._release()
 
     # ---- the pinning thread ------------------------------------------------------------
 
@@ -208,6 +211,18 @@ class HostMemory:
             pool.submit(ctypes.memset, a, 0, min(_TOUCH_BYTES, last - a))
             for a in range(first, last, _TOUCH_BYTES)
         ]
+
+
+def _unregister_all(
+    mapping: mmap.mmap, registered: list[int], unregister: Callable[[int], None]
+) -> None:
+    """Unregister every chunk; ``mapping`` is only held so that it outlives them."""
+    for address in registered:
+        try:
+            unregister(address)
+        except Exception:
+            log.exception("cudaHostUnregister failed")
+    registered.clear()
 
 
 def _cuda_register(address: int, size: int) -> None:
