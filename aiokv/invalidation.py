@@ -108,6 +108,13 @@ def invalidate(
     if held:
         reserved.difference_update(held)
         calls.cancel(held)
+    if not calls.owed.settle():
+        item.answer(StoreError(
+            f"store.cancel keeps failing: {len(calls.owed)} matched ids are still held, "
+            f"and {item.verb} would leave the blocks they hold to be found; nothing was "
+            "dropped"
+        ))
+        return
     namespace = item.namespace
     method: Callable[..., Any] | None = caps.clear if namespace is None else caps.evict
     args = () if namespace is None else (namespace,)

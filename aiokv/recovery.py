@@ -76,6 +76,24 @@ class OwedCancels:
         self._backoff_s = FIRST_BACKOFF_S
 
 
+    def settle(self, attempts: int = 5, pause_s: float = 0.001) -> bool:
+        """Cancel every owed id now, retrying a few times with a short, growing pause;
+        whether none is owed afterwards. For an evict or clear: the store keeps blocks
+        that a match still holds, so dropping a key while its cancel is owed would leave
+        old KV to be found."""
+        for attempt in range(attempts):
+            if not self._ids:
+                return True
+            try:
+                self._cancel(list(self._ids))
+            except Exception:
+                time.sleep(pause_s * 2**attempt)
+                continue
+            self._ids.clear()
+            self._backoff_s = FIRST_BACKOFF_S
+        return not self._ids
+
+
 class PollFailures:
     """Consecutive ``try_wait`` failures and when the next poll is due."""
 

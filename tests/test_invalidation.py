@@ -175,3 +175,45 @@ async def test_an_evict_the_store_thread_never_answers_fails_at_close() -> None:
         await offload
     store.hold.set()  # let the abandoned store thread finish
     await asyncio.to_thread(engine._worker.join)  # type: ignore[union-attr]
+
+
+class CancelFails(StoreWrapper):
+    """A store whose cancel raises its first ``failures`` times (then works)."""
+
+    def __init__(self, inner: aiokv.Store, failures: int) -> None:
+        super().__init__(inner)
+        self.failures = failures
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("cancel failed")
+        self.inner.cancel(task_ids)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("failures, dropped", [(2, True), (50, False)])
+async def test_an_evict_whose_give_back_fails_never_leaves_old_kv_to_be_found(
+    failures: int, dropped: bool
+) -> None:
+    """The key's reservation is given back first; when that cancel raises, the store still
+    holds the blocks and could not drop them. The evict cancels again before it drops
+    (then the old KV is gone), or, when the store keeps failing, says so and drops
+    nothing, rather than report the key evicted while its blocks stay findable."""
+    from conftest import small_store
+
+    store = CancelFails(small_store(), failures=0)
+    async with engine_over(store) as engine:
+        await engine.offload(1, torch.arange(4), TOKENS)
+        held = await engine.lookup(1, TOKENS)
+        assert held.cached_tokens == TOKENS
+        store.failures = failures
+        if dropped:
+            assert await engine.evict(1) == TOKENS
+        else:
+            with pytest.raises(aiokv.StoreError, match="nothing was dropped"):
+                await engine.evict(1)
+            store.failures = 0
+        async with await engine.lookup(1, TOKENS) as after:
+            assert after.cached_tokens == (0 if dropped else TOKENS)
+        held.release()
