@@ -114,9 +114,10 @@ class EngineConfig:
         ``set_yield``, inside) store calls, so that an event loop waiting for the GIL
         gets it (0: never). It bounds the loop's stalls behind a Python-heavy store at
         some throughput; it cannot split one long call. None: the store's advice
-        (``Store.store_slice_us``: 200 for FlexKV; 0 for stores without one, such as the
-        local store, whose calls are short and for which the pauses would only cost
-        throughput).
+        (``Store.store_slice_us``: 200 for FlexKV in this process; 0 for a store in a
+        child process, whose Python holds the child's GIL, and for stores without one,
+        such as the local store, whose calls are short and for which the pauses would
+        only cost throughput).
     """
 
     window_us: int = 200

@@ -105,13 +105,13 @@ class ProcessStore:
         self._notices = Notices()
 
     @property
-    def store_slice_us(self) -> int | None:
-        """The advice for EngineConfig.store_slice_us of the store the child runs: this
-        process's store thread still fuses each batch's page ids, packs and unpacks the
-        messages, and fans the answers out."""
-        advice: int | None = getattr(backend(self._config.backend).store_class(),
-                                     "store_slice_us", None)
-        return advice
+    def store_slice_us(self) -> int:
+        """The advice for EngineConfig.store_slice_us: none. The hand-over exists for a
+        store whose Python holds this process's GIL; in a child it holds the child's, and
+        this process's store thread only packs messages. With FlexKV in a child, a
+        200 µs hand-over (its advice in this process) made neither the loop's worst
+        stall nor the throughput better on the H200 (benchmarks/RESULTS.md)."""
+        return 0
 
     @property
     def restarts(self) -> int:
