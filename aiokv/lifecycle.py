@@ -16,11 +16,13 @@ import enum
 import logging
 import math
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from .batcher import Batcher
+from .admission import Admission
+from .batcher import Batch, Batcher
+from .config import EngineConfig
 from .cuda import ReadyMarks, warm_up
 from .deadlines import Deadlines
 from .errors import ConfigError, EngineClosed, WrongLoop
@@ -28,14 +30,11 @@ from .invalidation import Invalidations
 from .requests import Request
 from .resolution import Resolver
 from .space import SpaceWaits
+from .stats import StatsRecorder
 from .stores.base import Store
 from .worker import StoreWorker
 
-if TYPE_CHECKING:
-    from .engine import OffloadEngine
-
 log = logging.getLogger("aiokv")
-
 
 
 class EngineState(enum.Enum):
@@ -43,6 +42,39 @@ class EngineState(enum.Enum):
     RUNNING = "running"
     DRAINING = "draining"
     CLOSED = "closed"
+
+
+class EngineParts(Protocol):
+    """The engine's parts its lifecycle works on: OffloadEngine satisfies this
+    structurally, so the lifecycle is typed without importing the engine (which imports
+    the lifecycle). The attributes are settable, hence invariant: each type is exactly
+    OffloadEngine's."""
+
+    # Read: built by OffloadEngine.__init__.
+    _config: EngineConfig
+    _store: Store
+    _kv_caches: list[torch.Tensor]
+    _num_pages: int
+    _page_size: int
+    _device: torch.device
+    _on_gpu: bool
+    _store_slice_us: int
+    _stats: StatsRecorder
+    _admission: Admission
+    # Set by start() and close().
+    _state: EngineState
+    _loop: asyncio.AbstractEventLoop | None
+    _worker: StoreWorker | None
+    _batcher: Batcher | None
+    _batcher_task: asyncio.Task[None] | None
+    _idle: asyncio.Event | None
+    _deadlines: Deadlines | None
+    _ready_marks: ReadyMarks | None
+    _resolver: Resolver | None
+    _space: SpaceWaits | None
+    _invalidations: Invalidations | None
+
+    def _on_batch(self, batch: Batch) -> None: ...
 
 
 _running_loop = asyncio.events._get_running_loop  # None off a loop; no exception to catch
@@ -96,7 +128,7 @@ def store_in_use(store: Store) -> bool:
         return _in_use.get(id(store)) is store
 
 
-async def start(engine: OffloadEngine) -> None:
+async def start(engine: EngineParts) -> None:
     """Start an engine (OffloadEngine.start): build its running parts (resolver,
     deadlines, store thread, batcher, space waits, invalidations), then register the
     caches on the store thread and start the batcher task. A registration that fails (or
@@ -183,7 +215,7 @@ async def start(engine: OffloadEngine) -> None:
     engine._batcher_task = loop.create_task(engine._batcher.run(), name="aiokv-batcher")
 
 
-async def close(engine: OffloadEngine, drain: bool, timeout: float) -> int:
+async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     """Close a started engine (OffloadEngine.aclose), within ``timeout`` seconds whatever
     the store does: returns how many requests were abandoned (failed with EngineClosed
     at the deadline, their transfers, if launched, left to the store thread)."""
@@ -241,7 +273,7 @@ async def close(engine: OffloadEngine, drain: bool, timeout: float) -> int:
     return len(unfinished)
 
 
-async def close_orphaned(engine: OffloadEngine, timeout: float) -> None:
+async def close_orphaned(engine: EngineParts, timeout: float) -> None:
     """Close an engine whose loop was closed without closing it (from any loop): its
     futures died with that loop, so nothing is left to resolve. The store thread stops,
     waits for launched transfers and closes the store."""
@@ -253,7 +285,7 @@ async def close_orphaned(engine: OffloadEngine, timeout: float) -> None:
     release_store(engine._store)
 
 
-def fail_accepted(engine: OffloadEngine, error: Exception) -> None:
+def fail_accepted(engine: EngineParts, error: Exception) -> None:
     """Resolve with ``error`` every request accepted and not resolved, and send the
     callers waiting for room away (a start that failed: no store thread is left)."""
     assert engine._batcher is not None and engine._resolver is not None
