@@ -472,8 +472,17 @@ async def test_close_sends_every_caller_waiting_for_room_away(
                for i, u in enumerate("bc")]
     await asyncio.sleep(0.01)
     assert not any(w.done() for w in waiters)
+    # The close begins (DRAINING, waiters woken) before the held offload may end: were it
+    # to end first, its room would let a waiter in before the close, and that waiter
+    # would rightly succeed.
+    closing = asyncio.ensure_future(rig.engine.aclose(drain=drain))
+    for _ in range(100):
+        if rig.engine.state is not aiokv.EngineState.RUNNING:
+            break
+        await asyncio.sleep(0)
+    assert rig.engine.state is aiokv.EngineState.DRAINING
     rig.faulty.hold.set()
-    await asyncio.wait_for(rig.engine.aclose(drain=drain), 10)
+    await asyncio.wait_for(closing, 10)
     _, pending = await asyncio.wait([first, *waiters], timeout=2)
     for call in pending:
         call.cancel()
