@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiokv
 from aiokv import calls, resolution, slots, worker
+from aiokv.bench.bandwidth import raw_copy_gib_s
 from aiokv.running import pick_device, run_uvloop
 from aiokv.stores.local import store as local_store
 from aiokv.stores.local import transfer as local_transfer
@@ -102,22 +103,9 @@ def instrument(marks: Marks) -> None:
 
 
 def _raw_copy_ms(nbytes: int, device: torch.device) -> tuple[float, float]:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    times = []
-    for to_host in (True, False):
-        best = float("inf")
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            if to_host:
-                host.copy_(src, non_blocking=True)
-            else:
-                src.copy_(host, non_blocking=True)
-            torch.cuda.synchronize()
-            best = min(best, (time.perf_counter() - t) * 1e3)
-        times.append(best)
-    return times[0], times[1]
+    """(device->host, host->device) ms of one pinned copy of ``nbytes``."""
+    d2h, h2d = raw_copy_gib_s(nbytes / (1 << 30), device, 3)
+    return nbytes / (1 << 30) / d2h * 1e3, nbytes / (1 << 30) / h2d * 1e3
 
 
 async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,

@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
     device = common.pick_device(settings.device)
     if args.mixed:
-        return mixed.run(settings, device, args.quick, args.json)
+        return mixed.run(settings, device, args.json)
     raw_d2h, raw_h2d = raw_copy_gib_s(settings.raw_gib, device, max(settings.repeats, 3))
     previous_switch = sys.getswitchinterval()
     if settings.switch_interval_us:

@@ -17,7 +17,6 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +26,9 @@ from ..config import EngineConfig, StoreConfig
 from ..engine import OffloadEngine
 from ..stores.local import LocalStore
 from . import common
+from .rounds import Settings
 
 GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class MixedSettings:
-    users: int = 32
-    tokens: int = 2048
-    layers: int = 8
-    heads: int = 4
-    head_dim: int = 256
-    page_size: int = 32
-    dtype: str = "bf16"
-    repeats: int = 3
-
-
-QUICK = MixedSettings(users=8, tokens=512, layers=2, heads=2, head_dim=64, page_size=16,
-                      dtype="fp32", repeats=2)
 
 
 def raw_duplex_gib_s(nbytes: int, device: torch.device, repeats: int) -> tuple[float, float]:
@@ -85,24 +69,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def measure(settings: MixedSettings, device: torch.device) -> dict[str, Any]:
-    """The engine's mixed figure: GiB/s moved in total, median of the repeats."""
+async def measure(settings: Settings, device: torch.device) -> dict[str, Any]:
+    """The engine's mixed figure, ``settings.users[0]`` users of ``settings.tokens[0]``
+    tokens each way: GiB/s moved in total, median of the repeats."""
     dtype = common.DTYPES[settings.dtype]
-    pages_each = settings.tokens // settings.page_size
+    users = settings.users[0]
+    pages_each = settings.tokens[0] // settings.page_size
     # Per repeat: the loaded users' source pages, their target pages, the offloaded
     # users' pages; all disjoint.
-    num_pages = 3 * settings.users * pages_each
+    num_pages = 3 * users * pages_each
     caches = common.make_caches(settings.layers, num_pages, settings.page_size,
                                 settings.heads, settings.head_dim, dtype, device)
     per_token = common.bytes_per_token(settings.layers, settings.heads, settings.head_dim, dtype)
-    each_way = settings.users * pages_each * settings.page_size * per_token
+    each_way = users * pages_each * settings.page_size * per_token
     gib = each_way * 2 * (settings.repeats + 2) / GIB  # every repeat stores two user sets
     store = LocalStore(StoreConfig(cpu_cache_gb=gib, page_size=settings.page_size))
     # The timed calls fill one batch per kind at once (max_batch_requests); the untimed
     # set-up calls are fewer, and a short window sends them.
-    config = EngineConfig(window_us=1_000, max_batch_requests=2 * settings.users,
-                          max_pending=4 * settings.users)
-    users = settings.users
+    config = EngineConfig(window_us=1_000, max_batch_requests=2 * users,
+                          max_pending=4 * users)
     tokens = pages_each * settings.page_size
 
     def pages(group: int, user: int) -> torch.Tensor:
@@ -142,15 +127,10 @@ async def measure(settings: MixedSettings, device: torch.device) -> dict[str, An
     }
 
 
-def run(settings: Any, device: torch.device, quick: bool, json_path: str | None) -> int:
-    """``aiokv bench bandwidth --mixed``: the bandwidth bench's geometry, its first
-    ``users`` and ``tokens`` each way."""
-    mixed = QUICK if quick and device.type == "cpu" else MixedSettings(
-        users=settings.users[0], tokens=settings.tokens[0], layers=settings.layers,
-        heads=settings.heads, head_dim=settings.head_dim, page_size=settings.page_size,
-        dtype=settings.dtype, repeats=max(settings.repeats, 2),
-    )
-    result = common.run_uvloop(measure(mixed, device))
+def run(settings: Settings, device: torch.device, json_path: str | None) -> int:
+    """``aiokv bench bandwidth --mixed``: the bandwidth bench's settings (``--quick``
+    included), its first ``users`` and ``tokens`` each way."""
+    result = common.run_uvloop(measure(settings, device))
     report(result)
     if json_path:
         document = {"bench": "bandwidth --mixed", "environment": common.environment(device),
