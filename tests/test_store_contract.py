@@ -8,6 +8,8 @@ otherwise. The engine end to end runs on top of each.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -198,3 +200,68 @@ async def test_engine_end_to_end_on_this_store(unregistered: Bench) -> None:
     if device.type == "cuda":
         # One copy per offload or load batch; lookup batches copy nothing.
         assert 2 <= stats.d2h_copies < stats.batches
+
+
+@pytest.mark.asyncio
+async def test_evict_drops_one_key_and_clear_drops_every_key_on_this_store(
+    unregistered: Bench,
+) -> None:
+    bench = unregistered
+    engine = aiokv.OffloadEngine(bench.store, bench.caches, aiokv.EngineConfig(window_us=500))
+    tokens = 3 * PAGE
+    async with engine:
+        device = bench.caches[0].device
+
+        def pages(first: int) -> torch.Tensor:
+            return torch.arange(first, first + 3, device=device)
+
+        for user in range(4):
+            assert (await engine.offload(user, pages(3 * user), tokens)).stored_tokens == tokens
+        assert await engine.evict(0) == tokens
+        assert await engine.evict(0) == 0  # nothing left of it
+        async with await engine.lookup(0, tokens) as gone:
+            assert gone.cached_tokens == 0
+        async with await engine.lookup(1, tokens) as kept:
+            assert kept.cached_tokens == tokens
+        # User 0's history was rewritten: its new KV is stored, not skipped as stored.
+        assert (await engine.offload(0, pages(30), tokens)).stored_tokens == tokens
+        hit = await engine.lookup(0, tokens)
+        assert (await engine.load(hit, pages(60))).loaded_tokens == tokens
+        for cache, original in zip(bench.caches, bench.original, strict=False):
+            assert torch.equal(cache[60:63], original[30:33])
+        assert await engine.clear() >= 0
+        for user in range(4):
+            async with await engine.lookup(user, tokens) as after:
+                assert after.cached_tokens == 0, user
+        stats = engine.stats()
+    assert stats.pending == 0 and stats.store_tasks_open == 0 and stats.failed == 0
+
+
+@pytest.mark.asyncio
+async def test_a_killed_store_process_is_restarted_and_serves_on(unregistered: Bench) -> None:
+    bench = unregistered
+    if not isinstance(bench.store, aiokv.stores.ProcessStore):
+        pytest.skip("the store runs in this process")
+    engine = aiokv.OffloadEngine(bench.store, bench.caches, aiokv.EngineConfig(window_us=500))
+    tokens = 3 * PAGE
+    async with engine:
+        device = bench.caches[0].device
+        assert (await engine.offload(0, torch.arange(0, 3, device=device), tokens)).stored_tokens
+        first = bench.store.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        process = bench.store._process
+        assert process is not None
+        await asyncio.to_thread(process.wait)
+        # Killed while idle: the next call starts a new child (empty, caches registered).
+        stored = await engine.offload(1, torch.arange(3, 6, device=device), tokens)
+        assert stored.stored_tokens == tokens
+        assert bench.store.pid not in (None, first)
+        async with await engine.lookup(0, tokens) as lost:
+            assert lost.cached_tokens == 0  # it lived in the dead child
+        hit = await engine.lookup(1, tokens)
+        assert (await engine.load(hit, torch.arange(60, 63, device=device))).loaded_tokens == tokens
+        for cache, original in zip(bench.caches, bench.original, strict=False):
+            assert torch.equal(cache[60:63], original[3:6])
+        stats = engine.stats()
+    assert stats.store_restarts == 1 and stats.pending == 0 and stats.store_tasks_open == 0
