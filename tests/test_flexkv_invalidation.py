@@ -114,3 +114,27 @@ def test_clear_waits_for_launched_tasks_then_resets_flexkv() -> None:
     assert (cached(flexkv, "a"), cached(flexkv, "b")) == (0, 0)
     assert manager.namespaces[-1] == ["b"]  # back to its plain namespace
     assert flexkv.clear() == 0
+
+
+class BrokenResetManager(GenerationManager):
+    """reset() raises before dropping anything, as FlexKV 34ab141's does with the
+    expiring-dict it pins (two int entries in its task table)."""
+
+    def reset(self) -> None:
+        raise AttributeError("'int' object has no attribute 'is_completed'")
+
+
+def test_a_clear_whose_reset_fails_moves_every_key_past_its_blocks() -> None:
+    manager = BrokenResetManager(capacity=16)
+    flexkv = store(manager)  # type: ignore[arg-type]
+    for key in ("a", "b"):
+        done = put(flexkv, key)
+        assert flexkv.try_wait([done])[done].status is TaskStatus.SUCCESS
+    assert flexkv.clear() == 2 * TOKENS
+    assert (cached(flexkv, "a"), cached(flexkv, "b")) == (0, 0)  # the old blocks, unmatched
+    assert manager.namespaces[-1][0] == "b" and len(manager.namespaces[-1]) == 2
+    again = put(flexkv, "a")  # stored afresh under the new generation, and counted
+    assert flexkv.try_wait([again])[again].status is TaskStatus.SUCCESS
+    assert cached(flexkv, "a") == TOKENS
+    assert flexkv.evict(["a"]) == TOKENS and cached(flexkv, "a") == 0
+    assert flexkv.clear() == 0

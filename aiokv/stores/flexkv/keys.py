@@ -30,6 +30,13 @@ What that cannot do:
 
 The map keeps one entry per key ever evicted (until a clear, which resets FlexKV and so
 lets every key go back to its plain namespace).
+
+A clear whose reset failed (FlexKV 34ab141's ``reset_cache`` raises before it drops
+anything: its task table is an ``expiring_dict.ExpiringDict`` built with keyword
+arguments that the version FlexKV pins, expiring-dict 1.1.2, stores as two entries, and
+counting in-flight tasks trips on them) moves every key at once to a new generation
+instead (:meth:`KeyGenerations.clear` with ``reset=False``): the old KV is never matched
+again, as after an evict, and keeps its space until FlexKV's LRU takes it.
 """
 
 from __future__ import annotations
@@ -48,18 +55,19 @@ class KeyGenerations:
         self._tag = secrets.token_hex(4)  # this instance's: no other instance reuses a suffix
         self._counter = itertools.count(1)
         self._suffix: dict[Key, str] = {}  # evicted keys -> their current generation
+        self._every_key: str | None = None  # every other key's, after a clear without reset
         self._written: dict[Key, int] = {}  # tokens written by successful puts, per key
         self._puts: dict[int, tuple[Key, str | None, int]] = {}  # put id -> key, suffix, tokens
 
     def namespace(self, namespace: Sequence[str]) -> list[str]:
         """The namespace to ask FlexKV for: the key's, with its generation suffix."""
-        suffix = self._suffix.get(tuple(namespace))
+        suffix = self._suffix.get(tuple(namespace), self._every_key)
         return list(namespace) if suffix is None else [*namespace, suffix]
 
     def put_matched(self, task_id: int, namespace: Sequence[str], tokens: int) -> None:
         """A put of the key that will write ``tokens`` tokens if it succeeds."""
         key = tuple(namespace)
-        self._puts[task_id] = (key, self._suffix.get(key), tokens)
+        self._puts[task_id] = (key, self._suffix.get(key, self._every_key), tokens)
 
     def put_ended(self, task_id: int, succeeded: bool) -> None:
         """A put's terminal answer: its tokens count for its key unless it failed or was
@@ -68,7 +76,7 @@ class KeyGenerations:
         if put is None or not succeeded:
             return
         key, suffix, tokens = put
-        if self._suffix.get(key) == suffix:
+        if self._suffix.get(key, self._every_key) == suffix:
             self._written[key] = self._written.get(key, 0) + tokens
 
     def forget(self, task_ids: Iterable[int]) -> None:
@@ -79,13 +87,18 @@ class KeyGenerations:
     def evict(self, namespace: Sequence[str]) -> int:
         """Move the key to a new generation; the tokens recorded for it."""
         key = tuple(namespace)
-        self._suffix[key] = f"aiokv-gen:{self._tag}:{next(self._counter)}"
+        self._suffix[key] = self._new_generation()
         return self._written.pop(key, 0)
 
-    def clear(self) -> int:
-        """After FlexKV dropped everything: every key back to its plain namespace; the
-        tokens recorded for all of them."""
+    def clear(self, reset: bool = True) -> int:
+        """The tokens recorded for every key. ``reset``: FlexKV dropped everything, so
+        every key goes back to its plain namespace; otherwise every key moves to one new
+        generation (the old blocks are still there, and must not be matched)."""
         dropped = sum(self._written.values())
         self._written.clear()
         self._suffix.clear()
+        self._every_key = None if reset else self._new_generation()
         return dropped
+
+    def _new_generation(self) -> str:
+        return f"aiokv-gen:{self._tag}:{next(self._counter)}"

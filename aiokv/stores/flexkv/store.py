@@ -22,9 +22,11 @@ What this adapter owns (FlexKV's sharp edges, see DESIGN.md):
   others TIMEOUT and keeps them (they are asked again later): an offload resolves when
   its CPU blocks are free again.
 - Invalidation: ``clear`` waits until no task of this adapter is in flight and resets
-  FlexKV (``KVManager.reset``); ``evict`` has no FlexKV API and moves the key to a new
-  generation of its namespace instead (:mod:`.keys` says what that cannot do). Both
-  count the tokens from this adapter's records of what its puts wrote.
+  FlexKV (``KVManager.reset``); where that fails (it does on FlexKV 34ab141 with the
+  expiring-dict it pins, :mod:`.keys`), every key moves to a new generation instead.
+  ``evict`` has no FlexKV API and moves the key to a new generation of its namespace
+  (:mod:`.keys` says what that cannot do). Both count the tokens from this adapter's
+  records of what its puts wrote.
 
 FlexKV starts a TransferManager with the ``spawn`` start method: the program's main module
 must be import-safe (``if __name__ == "__main__":``).
@@ -322,7 +324,17 @@ class FlexKVStore:
             self.cancel(list(self._kind))
         if not self._wait_launched():
             raise RuntimeError(f"FlexKV tasks {sorted(self._members)} still running: not cleared")
-        manager.reset()  # FlexKV only warns if transfers run: none of ours does now
+        try:
+            manager.reset()  # FlexKV only warns if transfers run: none of ours does now
+        except Exception:
+            # Whatever reset dropped or not, a new generation for every key means no old
+            # block is matched again (see .keys for the known failure).
+            log.warning(
+                "aiokv: FlexKV's reset() failed; every key moves to a new namespace "
+                "generation instead (the old blocks keep their space until FlexKV's LRU "
+                "takes them)", exc_info=True,
+            )
+            return self._keys.clear(reset=False)
         return self._keys.clear()
 
     # ---- internals -------------------------------------------------------------------
