@@ -1,6 +1,7 @@
 """Where a lone batch's time goes, first submit to last result, on the embedded store.
 
     python benchmarks/lone_batch.py [--shapes 8x1024,32x2048] [--repeats 5] [--json FILE]
+                                    [--trace DIR]
 
 Wraps the engine's stage functions with timestamps (no change to the code under test),
 runs lone offload and load batches, and prints the median time of each stage from the
@@ -8,6 +9,10 @@ first submit: the batch reaching the store thread, its slots on the host, the ma
 the launch, the copy thread queueing the job, its completion, the answers posted and
 resolved, next to the GPU's own span of the job (CUDA events around its queued work)
 and a raw pinned copy of the same bytes measured in the same run.
+
+``--trace DIR``: one more offload and load batch of each shape under ``torch.profiler``
+(CUDA runtime calls of every thread, the GPU's kernels and copies), each written as a
+Chrome trace and summarised as a timeline from the batch's first submit.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from aiokv.stores.local import transfer as local_transfer
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32
 STAGES = ("store_thread", "slots", "matched", "launched", "queued", "copied", "posted",
           "resolved")
+# With --fine: more stages, printed in the order they were reached.
+FINE = ("fused", "match_start", "slots_wait", "checked", "planned", "launching",
+        "copy_thread", "ordered", "first_graph", "polled")
 
 
 class Marks:
@@ -62,6 +70,23 @@ def _wrap(owner: Any, name: str, before: str | None, after: str | None, marks: M
         return result
 
     setattr(owner, name, wrapped)
+
+
+def instrument_fine(marks: Marks) -> None:
+    """More stages (--fine): each costs a wrapper call (about a microsecond)."""
+    from aiokv import rounds
+    from aiokv.stores.local import graphs
+    _wrap(rounds.Rounds, "_fuse", None, "fused", marks)
+    _wrap(calls.StoreCalls, "match", "match_start", None, marks)
+    _wrap(slots.FusedPages, "wait_slots", "slots_wait", None, marks)
+    _wrap(slots.FusedPages, "page_errors", None, "checked", marks)
+    _wrap(rounds.Rounds, "_execute", "planned", None, marks)
+    _wrap(local_store.LocalStore, "launch", "launching", None, marks)
+    _wrap(local_transfer.Transfer, "_enqueue_cuda", "copy_thread", None, marks)
+    _wrap(local_transfer, "in_host_order", None, "ordered", marks)
+    _wrap(graphs.LayerGraphs, "gather", "first_graph", None, marks)
+    _wrap(graphs.LayerGraphs, "scatter", "first_graph", None, marks)
+    _wrap(worker.StoreWorker, "_poll", "polled", None, marks)
 
 
 def instrument(marks: Marks) -> None:
@@ -102,14 +127,51 @@ def instrument(marks: Marks) -> None:
         local_transfer.Transfer._enqueue_chunks = timed_enqueue  # type: ignore[method-assign]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _raw_copy_ms(nbytes: int, device: torch.device) -> tuple[float, float]:
     """(device->host, host->device) ms of one pinned copy of ``nbytes``."""
     d2h, h2d = raw_copy_gib_s(nbytes / (1 << 30), device, 3)
     return nbytes / (1 << 30) / d2h * 1e3, nbytes / (1 << 30) / h2d * 1e3
 
 
+def summarise_trace(path: Path, label: str) -> list[str]:
+    """The traced batch as lines: each GPU op and each CUDA runtime call (ms from the
+    batch's start, duration, thread), merging runs of the same call on one thread."""
+    events = json.loads(path.read_text())["traceEvents"]
+    marker = [e for e in events if e.get("name") == label and e.get("ph") == "X"]
+    if not marker:
+        return [f"{label}: marker not in the trace"]
+    t0, t1 = marker[0]["ts"], marker[0]["ts"] + marker[0]["dur"]
+    rows = []
+    for e in events:
+        if e.get("ph") != "X" or not t0 <= e.get("ts", -1) <= t1:
+            continue
+        cat = e.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver",
+                   "cpu_op"):
+            where = "GPU" if cat.startswith(("kernel", "gpu")) else f"t{e.get('tid')}"
+            rows.append(((e["ts"] - t0) / 1e3, e.get("dur", 0) / 1e3, where, e["name"][:60]))
+    rows.sort()
+    lines, last = [], None
+    for start, dur, where, name in rows:
+        if last and last[2] == where and last[3] == name and where != "GPU":
+            last[1] += 1
+            last[4] = start + dur
+            continue
+        if last:
+            lines.append(last)
+        last = [start, 1, where, name, start + dur]
+    if last:
+        lines.append(last)
+    return [f"  {a:8.3f} -> {e:8.3f} ms  {w:>9} x{n:<3} {name}" for a, n, w, name, e in lines]
+
+
 async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,
-                    device: torch.device) -> dict[str, Any]:
+                    device: torch.device, trace: Path | None = None) -> dict[str, Any]:
     pages = tokens // PAGE
     num_pages = users * pages * 2
     caches = [torch.randn(num_pages, 2, PAGE, HEADS, HEAD_DIM, device=device,
@@ -120,7 +182,7 @@ async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,
     rows: dict[str, list[dict[str, float]]] = {"offload": [], "load": []}
     async with aiokv.OffloadEngine(store, caches, config) as engine:
         await asyncio.to_thread(store.wait_pinned)  # a lone batch, not start-up
-        for repeat in range(repeats + 1):  # repeat 0 warms up
+        for repeat in range(repeats + 1 + (trace is not None)):  # 0 warms up
             base = repeat * users
             page_ids = [torch.arange(u * pages, (u + 1) * pages, device=device)
                         for u in range(users)]
@@ -132,7 +194,17 @@ async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,
                     targets = [torch.arange(num_pages // 2 + u * pages,
                                             num_pages // 2 + (u + 1) * pages, device=device)
                                for u in range(users)]
-                torch.cuda.synchronize()
+                _sync(device)
+                traced = trace is not None and repeat == repeats + 1
+                profiler = None
+                if traced:
+                    from torch.profiler import ProfilerActivity, profile, record_function
+                    profiler = profile(activities=[ProfilerActivity.CPU,
+                                                   ProfilerActivity.CUDA])
+                    profiler.__enter__()
+                    label = f"lone-{kind}-{users}x{tokens}"
+                    span = record_function(label)
+                    span.__enter__()
                 marks.at.clear()
                 start = time.perf_counter()
                 if kind == "offload":
@@ -142,12 +214,22 @@ async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,
                     await asyncio.gather(*(engine.load(lookups[u], targets[u])
                                            for u in range(users)))
                 end = time.perf_counter()
+                if profiler is not None and trace is not None:
+                    span.__exit__(None, None, None)
+                    _sync(device)
+                    profiler.__exit__(None, None, None)
+                    out = trace / f"{label}.json"
+                    profiler.export_chrome_trace(str(out))
+                    print(f"{label}: {(end - start) * 1e3:.2f} ms traced")
+                    summary = summarise_trace(out, label)
+                    out.with_suffix(".txt").write_text("\n".join(summary) + "\n")
+                    continue
                 gpu = 0.0
                 if marks.pending_gpu is not None:
                     marks.pending_gpu()
                     marks.pending_gpu = None
                     gpu = marks.gpu_ms[-1]
-                row = {s: (marks.at[s] - start) * 1e3 for s in STAGES if s in marks.at}
+                row = {s: (at - start) * 1e3 for s, at in marks.at.items()}
                 row["total"] = (end - start) * 1e3
                 row["gpu_span"] = gpu
                 if repeat:
@@ -156,8 +238,9 @@ async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,
     out: dict[str, Any] = {"users": users, "tokens": tokens, "bytes": nbytes,
                            "raw_d2h_ms": d2h, "raw_h2d_ms": h2d}
     for kind, kind_rows in rows.items():
-        keys = kind_rows[0].keys()
-        out[kind] = {k: statistics.median(r[k] for r in kind_rows) for k in keys}
+        keys = set.intersection(*(set(r) for r in kind_rows))
+        medians = {k: statistics.median(r[k] for r in kind_rows) for k in keys}
+        out[kind] = dict(sorted(medians.items(), key=lambda item: item[1]))
     return out
 
 
@@ -166,18 +249,27 @@ def main() -> None:
     parser.add_argument("--shapes", default="8x1024,32x2048")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--trace", type=Path, default=None)
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    parser.add_argument("--fine", action="store_true", help="more stages (see FINE)")
     args = parser.parse_args()
-    device = pick_device("cuda")
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
+    device = pick_device(args.device)
     marks = Marks()
+    if args.fine:
+        instrument_fine(marks)
     instrument(marks)
     results = []
     for shape in args.shapes.split(","):
         users, tokens = (int(x) for x in shape.split("x"))
-        result = run_uvloop(run_shape(users, tokens, args.repeats, marks, device))
+        result = run_uvloop(run_shape(users, tokens, args.repeats, marks, device,
+                                       args.trace))
         results.append(result)
         for kind, raw in (("offload", result["raw_d2h_ms"]), ("load", result["raw_h2d_ms"])):
             row = result[kind]
-            stages = " ".join(f"{s} {row[s]:.2f}" for s in STAGES if s in row)
+            stages = " ".join(f"{s} {t:.2f}" for s, t in row.items()
+                              if s not in ("total", "gpu_span"))
             print(f"{users}x{tokens} {kind}: total {row['total']:.2f} ms, raw {raw:.2f} ms "
                   f"({raw / row['total']:.0%} of raw), gpu span {row['gpu_span']:.2f} | "
                   f"ms from first submit: {stages}")
