@@ -7,6 +7,10 @@ append costs about 0.1 µs. Resolved requests are not removed when they resolve 
 would need a search); they leave from the head, which in the usual first-in,
 first-out traffic is resolved already, and by a compaction when one slow request at the
 head holds many resolved ones behind it.
+
+The timer fails the requests that have no answer by their deadline. An answer that comes
+after the deadline but before the timer runs is failed where it is resolved
+(:meth:`aiokv.resolution.Resolver.resolve`, from ``Request.deadline``).
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ class Deadlines:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def add(self, request: Request, deadline: float | None = None) -> None:
+    def add(self, request: Request, deadline: float | None = None) -> float:
         """Enforce ``request``'s deadline: ``deadline`` (loop time) when it was set at the
-        call (a caller that waited for room), else the timeout from now."""
+        call (a caller that waited for room), else the timeout from now. Returns the
+        deadline enforced."""
         self.prune()
         queue = self._queue
         if deadline is None:
@@ -48,12 +53,13 @@ class Deadlines:
             # Earlier than the FIFO's tail (it waited for room while later callers were
             # accepted): a timer of its own keeps the FIFO in deadline order.
             self._loop.call_at(deadline, self._expire, request)
-            return
+            return deadline
         queue.append((deadline, request))
         if self._timer is None:
             self._timer = self._loop.call_at(deadline, self._fire)
         elif len(queue) > self._compact_at:
             self._compact()
+        return deadline
 
     def prune(self) -> None:
         """Drop the resolved entries at the head. Called as outcomes are resolved, so a

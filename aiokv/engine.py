@@ -325,7 +325,9 @@ class OffloadEngine:
         self._admission.admit(request)
         self._idle.clear()
         if self._deadlines is not None:
-            self._deadlines.add(request, deadline)
+            # Kept on the request too: an answer that comes after it, before the timer
+            # runs, fails it all the same (resolution.py).
+            request.deadline = self._deadlines.add(request, deadline)
         self._batcher.enqueue(request)
         return request.future
 

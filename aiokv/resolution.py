@@ -6,7 +6,9 @@ The store thread posts each drained set of (request, outcome) pairs with one
 is already done (its caller cancelled, or it timed out) is left alone, and a lookup's
 reservation that nobody will hold any more is given back. :meth:`Resolver.finished` is
 the one place outcome counts change. An offload whose match found no room (StoreFull) is
-not resolved but held for a later try (:mod:`aiokv.space`), until its deadline.
+not resolved but held for a later try (:mod:`aiokv.space`), until its deadline. An answer
+that comes after its request's deadline fails as the deadline's timer would have failed
+it (:meth:`Resolver._late`): a caller gets its result by the deadline, or an error.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Resolver:
         request_timeout_ms: int,
     ) -> None:
         self._loop = loop
+        self._now = loop.time  # bound once: read per resolve of a request with a deadline
         self._stats = stats
         self._admission = admission
         self._idle = idle  # set while no accepted request is unresolved
@@ -108,7 +111,8 @@ class Resolver:
 
     def resolve(self, request: Request, outcome: object) -> None:
         """The one place futures are resolved. A future already done (caller cancelled,
-        timed out) is left alone; an orphaned reservation is given back."""
+        timed out) is left alone; an orphaned reservation is given back. An answer after
+        the request's deadline fails it (:meth:`_late`); an error is resolved as it is."""
         future = request.future
         if future.done():
             # Terminal already; the store thread may have written LAUNCHED since (a caller
@@ -118,6 +122,9 @@ class Resolver:
                 outcome.reservation.release()  # nobody holds it
             return
         if isinstance(outcome, BaseException):
+            future.set_exception(outcome)  # an error stays that error, however late
+        elif (deadline := request.deadline) is not None and self._now() >= deadline:
+            outcome = self._late(request, outcome)  # counted below as what it became
             future.set_exception(outcome)
         elif isinstance(outcome, LookupGrant):
             lookup = Lookup(
@@ -138,18 +145,34 @@ class Resolver:
         self._lookups.clear()
 
     def expire(self, request: Request) -> None:
-        """A request past its deadline (engine.request_timeout_ms) times out; an offload
-        that was waiting for room fails with StoreFull: no room even after waiting."""
+        """A request with no answer by its deadline (engine.request_timeout_ms) fails with
+        :meth:`_past_deadline`'s error."""
+        self.resolve(request, self._past_deadline(request))
+
+    def _late(self, request: Request, outcome: object) -> StoreError | RequestTimeout:
+        """The error for an answer (not an error) that came after its request's deadline,
+        before the deadline's timer ran: both loops run the callbacks that are ready
+        before the timers that came due meanwhile, and a loop that lags (under overload)
+        finds the two ready at once. The answer is late whoever is to blame (the store,
+        the loop), and the caller was promised its result by the deadline or an error:
+        it gets what :meth:`expire` would have given it had its timer run first, and a
+        lookup's reservation goes back to the store (nobody will hold it). The store may
+        keep what an offload wrote anyway, as with any RequestTimeout of a launched
+        request."""
+        if isinstance(outcome, LookupGrant) and outcome.reservation is not None:
+            outcome.reservation.release()
+        return self._past_deadline(request)
+
+    def _past_deadline(self, request: Request) -> StoreError | RequestTimeout:
+        """What a request past its deadline fails with, whichever comes first, its timer
+        or a late answer: RequestTimeout, or StoreFull for an offload that waited for
+        room (no room even after waiting: :mod:`aiokv.space`)."""
         space = self.space
         if space is not None and space.waited(request):
-            self.resolve(request, space.give_up(request))
-            return
-        self.resolve(
-            request,
-            RequestTimeout(
-                f"{request.kind.name.lower()} not done within "
-                f"engine.request_timeout_ms={self._request_timeout_ms}"
-            ),
+            return space.give_up(request)
+        return RequestTimeout(
+            f"{request.kind.name.lower()} not done within "
+            f"engine.request_timeout_ms={self._request_timeout_ms}"
         )
 
     def dropped(self, request: Request) -> None:
