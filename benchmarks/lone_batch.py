@@ -75,7 +75,6 @@ def _wrap(owner: Any, name: str, before: str | None, after: str | None, marks: M
 def instrument_fine(marks: Marks) -> None:
     """More stages (--fine): each costs a wrapper call (about a microsecond)."""
     from aiokv import rounds
-    from aiokv.stores.local import graphs
     _wrap(rounds.Rounds, "_fuse", None, "fused", marks)
     _wrap(calls.StoreCalls, "match", "match_start", None, marks)
     _wrap(slots.FusedPages, "wait_slots", "slots_wait", None, marks)
@@ -84,8 +83,8 @@ def instrument_fine(marks: Marks) -> None:
     _wrap(local_store.LocalStore, "launch", "launching", None, marks)
     _wrap(local_transfer.Transfer, "_enqueue_cuda", "copy_thread", None, marks)
     _wrap(local_transfer, "in_host_order", None, "ordered", marks)
-    _wrap(graphs.LayerGraphs, "gather", "first_graph", None, marks)
-    _wrap(graphs.LayerGraphs, "scatter", "first_graph", None, marks)
+    _wrap(local_transfer.LayerGraphs, "gather", "first_graph", None, marks)
+    _wrap(local_transfer.LayerGraphs, "scatter", "first_graph", None, marks)
     _wrap(worker.StoreWorker, "_poll", "polled", None, marks)
 
 
