@@ -329,11 +329,9 @@ class FlexKVStore:
         except Exception:
             # Whatever reset dropped or not, a new generation for every key means no old
             # block is matched again (see .keys for the known failure).
-            log.warning(
-                "aiokv: FlexKV's reset() failed; every key moves to a new namespace "
-                "generation instead (the old blocks keep their space until FlexKV's LRU "
-                "takes them)", exc_info=True,
-            )
+            log.warning("aiokv: FlexKV's reset() failed; every key moves to a new namespace "
+                        "generation (old blocks stay until FlexKV's LRU takes them)",
+                        exc_info=True)
             return self._keys.clear(reset=False)
         return self._keys.clear()
 
