@@ -61,13 +61,13 @@ class KeyGenerations:
 
     def namespace(self, namespace: Sequence[str]) -> list[str]:
         """The namespace to ask FlexKV for: the key's, with its generation suffix."""
-        suffix = self._suffix.get(tuple(namespace), self._every_key)
+        suffix = self._generation(tuple(namespace))
         return list(namespace) if suffix is None else [*namespace, suffix]
 
     def put_matched(self, task_id: int, namespace: Sequence[str], tokens: int) -> None:
         """A put of the key that will write ``tokens`` tokens if it succeeds."""
         key = tuple(namespace)
-        self._puts[task_id] = (key, self._suffix.get(key, self._every_key), tokens)
+        self._puts[task_id] = (key, self._generation(key), tokens)
 
     def put_ended(self, task_id: int, succeeded: bool) -> None:
         """A put's terminal answer: its tokens count for its key unless it failed or was
@@ -76,7 +76,7 @@ class KeyGenerations:
         if put is None or not succeeded:
             return
         key, suffix, tokens = put
-        if self._suffix.get(key, self._every_key) == suffix:
+        if self._generation(key) == suffix:
             self._written[key] = self._written.get(key, 0) + tokens
 
     def forget(self, task_ids: Iterable[int]) -> None:
@@ -99,6 +99,10 @@ class KeyGenerations:
         self._suffix.clear()
         self._every_key = None if reset else self._new_generation()
         return dropped
+
+    def _generation(self, key: Key) -> str | None:
+        """The key's current generation suffix (None: its plain namespace)."""
+        return self._suffix.get(key, self._every_key)
 
     def _new_generation(self) -> str:
         return f"aiokv-gen:{self._tag}:{next(self._counter)}"
