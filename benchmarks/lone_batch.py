@@ -39,11 +39,6 @@ from aiokv.stores.local import store as local_store
 from aiokv.stores.local import transfer as local_transfer
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32
-STAGES = ("store_thread", "slots", "matched", "launched", "queued", "copied", "posted",
-          "resolved")
-# With --fine: more stages, printed in the order they were reached.
-FINE = ("fused", "match_start", "slots_wait", "checked", "planned", "launching",
-        "copy_thread", "ordered", "first_graph", "polled")
 
 
 class Marks:
@@ -250,7 +245,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--trace", type=Path, default=None)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
-    parser.add_argument("--fine", action="store_true", help="more stages (see FINE)")
+    parser.add_argument("--fine", action="store_true", help="more stages (instrument_fine)")
     args = parser.parse_args()
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
