@@ -9,7 +9,7 @@ and the copy engine sees few, large transfers. Loads run the same pipeline in re
 ``aiokv-copy-done``, waits for each job's last event in order and reports it, so the next
 job's chunks are already queued on the GPU when one job ends (no drain between jobs),
 at most ``MAX_CHUNKS_IN_FLIGHT`` chunks ahead of the copy engine. A full chunk's per-layer
-gathers (or scatters) are one CUDA graph replay (:class:`LayerGraphs`) where capture
+gathers (or scatters) are one CUDA graph replay (:class:`.graphs.LayerGraphs`) where capture
 succeeded, and a job's pages go in host-block order (:func:`in_host_order`). On the CPU
 the same chunks are gathered and scattered with torch ops, on the copy thread.
 """
@@ -17,7 +17,6 @@ the same chunks are gathered and scattered with torch ops, on the copy thread.
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import queue
 import threading
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from ..base import Int64Array
+from .graphs import LayerGraphs, gather_layers, scatter_layers
 from .pool import HostPool
 
 log = logging.getLogger("aiokv")
@@ -39,6 +39,9 @@ STAGING_BYTES = 128 << 20  # per staging buffer; two are allocated on the GPU
 # Unbounded, a burst of jobs would all sit in the device's launch queue, which is finite
 # (when it is full, every kernel launch in the process blocks, the event loop's included).
 MAX_CHUNKS_IN_FLIGHT = 4
+# How long Transfer.wait_queued waits at most: a bound, not an expected wait (queueing a
+# job takes well under a millisecond), so that a stuck copy thread cannot hold a caller.
+_QUEUED_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -50,6 +53,10 @@ class CopyJob:
     gpu_pages: Int64Array
     host_blocks: Int64Array
     error: str | None = field(default=None)
+    # Set once the copy thread has queued every copy of the job on the device (or
+    # queued all it can before waiting for the device: it needs the GIL no more until
+    # then), has run it (on the CPU), or has given up on it (Transfer.wait_queued).
+    queued: threading.Event = field(default_factory=threading.Event)
 
 
 def in_host_order(gpu_pages: Int64Array, host_blocks: Int64Array) -> tuple[Int64Array, Int64Array]:
@@ -118,6 +125,7 @@ class Transfer:
         block_bytes = pool.data[0].numel() * pool.data.element_size()
         self._chunk_blocks = max(1, STAGING_BYTES // block_bytes)
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
+        self._last: CopyJob | None = None  # the last job submitted (wait_queued)
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._device.type == "cuda":
             shape = (self._chunk_blocks, *pool.data.shape[1:])
@@ -146,7 +154,16 @@ class Transfer:
             thread.start()
 
     def submit(self, job: CopyJob) -> None:
+        self._last = job
         self._jobs.put(job)
+
+    def wait_queued(self, timeout: float = _QUEUED_WAIT_S) -> bool:
+        """Block until the last job submitted is queued on the device (CopyJob.queued);
+        whether it is. The caller's thread sleeps meanwhile, so the copy thread has the
+        GIL to itself while it queues the copies (any other Python thread would take the
+        GIL back at each torch call this thread makes, for up to a switch interval)."""
+        last = self._last
+        return last is None or last.queued.wait(timeout)
 
     def close(self) -> None:
         """Finish the queued jobs, then stop the threads."""
@@ -155,11 +172,17 @@ class Transfer:
             thread.join()
 
     def _run(self) -> None:
+        if self._device.type == "cuda":
+            # This thread's ops run on the gather stream unless they switch (a stream
+            # context manager per chunk costs several times as much as a switch).
+            torch.cuda.set_stream(self._gpu_stream)
         try:
             while (job := self._jobs.get()) is not None:
                 if self._device.type == "cuda":
                     self._in_flight.put(self._enqueue_cuda(job))
+                    job.queued.set()
                     continue
+                job.queued.set()  # no device queue: the copy runs now, on this thread
                 try:
                     self._run_cpu(job)
                 except Exception as exc:  # reported as a FAILED task, never lost
@@ -216,6 +239,8 @@ class Transfer:
             return _InFlight(job, None, None)
 
     def _enqueue_chunks(self, job: CopyJob) -> _InFlight:
+        """Queue the job's chunks. This thread's current stream is the gather stream
+        (_run); the host <-> device copies switch to the copy stream and back."""
         pool = self._pool.data
         gpu, copy = self._gpu_stream, self._copy_stream
         gpu_pages, host_blocks = in_host_order(job.gpu_pages, job.host_blocks)
@@ -224,11 +249,9 @@ class Transfer:
         # holds the previous job's queued chunks: this thread would wait for them to
         # drain, and the GPU would idle at the job boundary. From pinned memory the copy
         # is queued like the rest (torch's pinned allocator keeps the buffer until it ran).
-        host_pages = torch.from_numpy(gpu_pages).pin_memory()
-        with torch.cuda.stream(gpu):
-            # Allocated on (and only used on) the gather stream, so the caching allocator
-            # cannot hand this memory out again before those kernels ran.
-            pages = host_pages.to(self._device, non_blocking=True)
+        # On (and only used on) the gather stream, so the caching allocator cannot hand
+        # this memory out again before those kernels ran.
+        pages = torch.from_numpy(gpu_pages).pin_memory().to(self._device, non_blocking=True)
         for start, end in contiguous_runs(host_blocks, self._chunk_blocks, self._chunk_starts):
             which = self._next_stage
             self._next_stage ^= 1
@@ -237,37 +260,39 @@ class Transfer:
             host = pool[first : first + end - start]
             run_pages = pages[start:end]
             while len(self._chunks_in_flight) >= MAX_CHUNKS_IN_FLIGHT:
-                self._chunks_in_flight.popleft().synchronize()  # sleeps, without the GIL
+                oldest = self._chunks_in_flight.popleft()
+                if not oldest.query():  # type: ignore[no-untyped-call]
+                    # Enough is queued to keep the device busy while this thread sleeps
+                    # (without the GIL). Only then: a caller woken while this thread still
+                    # queues would take the GIL back at its every torch call.
+                    job.queued.set()
+                    oldest.synchronize()
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             previous = self._free_after[which]
             graphs = self._graphs if end - start == self._chunk_blocks else None
             if job.to_host:
-                with torch.cuda.stream(gpu):
-                    if previous is not None:
-                        gpu.wait_event(previous)
-                    if graphs is not None:
-                        graphs.gather(which, run_pages)
-                    else:
-                        gather_layers(self._caches, run_pages, stage)
-                    ready.record(gpu)
-                with torch.cuda.stream(copy):
-                    copy.wait_event(ready)
-                    host.copy_(stage, non_blocking=True)
-                    done.record(copy)
+                if previous is not None:
+                    gpu.wait_event(previous)
+                if graphs is not None:
+                    graphs.gather(which, run_pages)
+                else:
+                    gather_layers(self._caches, run_pages, stage)
+                ready.record(gpu)
+                copy.wait_event(ready)
+                _on_stream(copy, gpu, host.copy_, stage)
+                done.record(copy)
             else:
-                with torch.cuda.stream(copy):
-                    if previous is not None:
-                        copy.wait_event(previous)
-                    stage.copy_(host, non_blocking=True)
-                    ready.record(copy)
-                with torch.cuda.stream(gpu):
-                    gpu.wait_event(ready)
-                    if graphs is not None:
-                        graphs.scatter(which, run_pages)
-                    else:
-                        scatter_layers(self._caches, run_pages, stage)
-                    done.record(gpu)
+                if previous is not None:
+                    copy.wait_event(previous)
+                _on_stream(copy, gpu, stage.copy_, host)
+                ready.record(copy)
+                gpu.wait_event(ready)
+                if graphs is not None:
+                    graphs.scatter(which, run_pages)
+                else:
+                    scatter_layers(self._caches, run_pages, stage)
+                done.record(gpu)
             self._free_after[which] = done
             self._chunks_in_flight.append(done)
         # Offloads end on the copy stream, loads on the gather stream; each stream runs
@@ -277,114 +302,14 @@ class Transfer:
         return _InFlight(job, last, pages)
 
 
-class LayerGraphs:
-    """CUDA graphs of one full chunk's per-layer gathers (offload) and scatters (load),
-    one of each per staging buffer, so that a chunk costs the copy thread two torch calls
-    (its page ids into a fixed index buffer, one replay) instead of one per layer.
-
-    Why: every torch call gives the GIL away and takes it back, and while the loop or the
-    store thread runs Python, each take can wait up to a switch interval (5 ms by
-    default). With one ``index_select`` per layer, a chunk of an 8-layer cache was 13
-    such calls, and the copy engine went idle while the copy thread queued for the GIL.
-
-    Captured once, at construction (before any job), from fixed buffers: ``index[s]``,
-    which a replay reads the chunk's page ids from, and staging buffer ``s``. Replays run
-    on the gather stream like the eager ops they replace, in the same order; partial
-    chunks (a run's tail) still run the eager ops.
-    """
-
-    def __init__(
-        self,
-        index: list[torch.Tensor],
-        gathers: list[Any],
-        scatters: list[Any],
-    ) -> None:
-        self._index = index
-        self._gathers = gathers
-        self._scatters = scatters
-
-    @classmethod
-    def capture(
-        cls,
-        caches: Sequence[torch.Tensor],
-        staging: Sequence[torch.Tensor],
-        stream: Any,
-    ) -> LayerGraphs | None:
-        """The graphs, or None (with a warning) where capture fails: the eager ops then
-        run every chunk, correct and slower."""
-        device = caches[0].device
-        chunk_blocks = staging[0].shape[0]
-        stages = range(len(staging))
-        try:
-            with torch.cuda.stream(stream):
-                index = [
-                    torch.zeros(chunk_blocks, dtype=torch.int64, device=device) for _ in staging
-                ]
-                # Capture records kernels without running them, and cannot load them: run
-                # each op once first. Gathers read page 0 into staging; scatters go to a
-                # scratch page, never into the caches (their pages may be live).
-                scratch = torch.empty(
-                    (1, *caches[0].shape[1:]), dtype=caches[0].dtype, device=device
-                )
-                gather_layers(caches, index[0], staging[0])
-                scatter_layers([scratch] * len(caches), index[0][:1], staging[0][:1])
-                stream.synchronize()
-                gathers = [
-                    _capture(functools.partial(gather_layers, caches, index[s], staging[s]))
-                    for s in stages
-                ]
-                scatters = [
-                    _capture(functools.partial(scatter_layers, caches, index[s], staging[s]))
-                    for s in stages
-                ]
-        except Exception:
-            log.warning(
-                "aiokv: capturing the per-layer copy graphs failed; each chunk runs one "
-                "op per layer instead (slower under GIL contention)",
-                exc_info=True,
-            )
-            return None
-        return cls(index, gathers, scatters)
-
-    def gather(self, stage: int, pages: torch.Tensor) -> None:
-        """Enqueue, on the current stream, staging[stage][i, layer] = cache[layer][pages[i]]."""
-        self._replay(self._gathers, stage, pages)
-
-    def scatter(self, stage: int, pages: torch.Tensor) -> None:
-        """Enqueue, on the current stream, cache[layer][pages[i]] = staging[stage][i, layer]."""
-        self._replay(self._scatters, stage, pages)
-
-    def _replay(self, graphs: list[Any], stage: int, pages: torch.Tensor) -> None:
-        self._index[stage].copy_(pages, non_blocking=True)
-        graphs[stage].replay()
-
-
-def gather_layers(
-    caches: Sequence[torch.Tensor], pages: torch.Tensor, blocks: torch.Tensor
-) -> None:
-    """``blocks[i, layer] = caches[layer][pages[i]]``: one op per layer."""
-    for layer, cache in enumerate(caches):
-        torch.index_select(cache, 0, pages, out=blocks[:, layer])
-
-
-def scatter_layers(
-    caches: Sequence[torch.Tensor], pages: torch.Tensor, blocks: torch.Tensor
-) -> None:
-    """``caches[layer][pages[i]] = blocks[i, layer]``: one op per layer."""
-    for layer, cache in enumerate(caches):
-        cache.index_copy_(0, pages, blocks[:, layer])
-
-
-def _capture(ops: Callable[[], None]) -> Any:
-    """A CUDA graph of ``ops`` captured on the current stream. Thread-local mode: other
-    threads (the event loop's kernels, the store thread) may use CUDA meanwhile."""
-    graph = torch.cuda.CUDAGraph()
-    graph.capture_begin(capture_error_mode="thread_local")
+def _on_stream(stream: Any, back: Any, copy: Callable[..., Any], source: torch.Tensor) -> None:
+    """``copy(source, non_blocking=True)`` queued on ``stream``; then ``back`` is this
+    thread's current stream again."""
+    torch.cuda.set_stream(stream)
     try:
-        ops()
+        copy(source, non_blocking=True)
     finally:
-        graph.capture_end()
-    return graph
+        torch.cuda.set_stream(back)
 
 
 @dataclass(slots=True)
