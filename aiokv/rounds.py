@@ -3,7 +3,9 @@
 An offload or load: fuse the batch's page ids into one host copy
 (:func:`aiokv.cuda.fuse_page_ids`, on the copy stream, after the callers' CUDA events),
 wait for it, check page ids, ask the store for its matches (:class:`aiokv.calls.StoreCalls`),
-plan the round (:mod:`aiokv.plans`) and execute it: cancels, then one launch. A lookup:
+plan the round (:mod:`aiokv.plans`) and execute it: cancels, then one launch (a large
+offload batch on a store that queues copies at once: its first requests' round, then
+the rest's, so copying starts before the last match). A lookup:
 its matches, planned into outcomes and the reservations it keeps. The worker then polls
 the launched ids until each is terminal.
 
@@ -29,6 +31,8 @@ from .slots import FusedPages
 from .stores.base import Capabilities, Store
 
 _OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
+# Offload batches of at least this many requests launch their first ones early (_head).
+_SPLIT_FROM = 16
 
 Outbox = list[tuple[Request, object]]
 
@@ -98,7 +102,8 @@ class Rounds:
             self._calls.cancel(cancel)
 
     def move(self, batch: Batch, outbox: Outbox) -> None:
-        """Offload (put) or load (get) batch: one launch for everything with work."""
+        """Offload (put) or load (get) batch: one launch for everything with work (two
+        for a large offload batch on a store that queues copies at once, see _head)."""
         fused = self._fuse(batch)
         self.d2h_copies += fused.d2h_copies
         if fused.copy_done is None:
@@ -114,10 +119,9 @@ class Rounds:
             # Matched while the slots are on their way to the host: the matches need only
             # token ids, and a lone batch's copy starts that much sooner. A request whose
             # page ids turn out bad gives its match back (plan_offload).
-            answers = self._calls.match(
-                self._store.put_match, self._caps.put_match_many, requests,
-                to_match(requests, ()),
-            )
+            wanted = to_match(requests, ())
+            head = self._head(wanted)
+            answers = self._match_puts(requests, wanted[:head] if head else wanted)
         try:
             slots = fused.wait_slots(page_size)
         except BaseException:
@@ -130,6 +134,18 @@ class Rounds:
         def select(masks: Sequence[Any]) -> list[Any]:
             return fused.select(slots, masks, page_size)
 
+        if offload and head:
+            # The first requests' copies start now; the rest are matched while they run.
+            split = wanted[head]  # batch indexes below it are the head's
+            ahead = {i: e for i, e in bad.items() if i < split}
+            self._execute(
+                plan_offload(requests, ahead, answers, self._num_pages, page_size, select),
+                outbox,
+            )
+            assert self._caps.wait_queued is not None
+            self._calls.call(self._caps.wait_queued)
+            bad = {i: e for i, e in bad.items() if i >= split}
+            answers = self._match_puts(requests, [i for i in wanted[head:] if i not in bad])
         if offload:
             plan = plan_offload(requests, bad, answers, self._num_pages, page_size, select)
         else:
@@ -140,6 +156,30 @@ class Rounds:
             reserved.difference_update([r.task_id for r in requests])
             plan = plan_load(requests, bad, self._num_pages, page_size, select, gone)
         self._execute(plan, outbox)
+
+    def _head(self, wanted: Sequence[int]) -> int:
+        """How many of an offload batch's ``wanted`` requests to match and launch before
+        the rest are matched: 0 (all at once) unless the store queues copies at once
+        (``wait_queued``) and matches one request per call, nothing this engine
+        launched is still in flight (a lone batch), and the batch is large
+        enough that matching the rest takes longer than starting the first copies; then
+        an eighth of them, at least two (their copies must outlast the rest's matching
+        and launch, or the device would wait between the two launches). Not below
+        _SPLIT_FROM: a short head is a partial copy chunk, whose per-layer ops cost
+        more than the few matches the split saves."""
+        if self._caps.wait_queued is None or self._caps.put_match_many is not None:
+            return 0
+        if len(wanted) < _SPLIT_FROM or self._launched:
+            # With copies in flight the device is busy anyway, and waiting for the copy
+            # thread to reach the head could keep this thread from the inbox for as long
+            # as those copies take.
+            return 0
+        return max(2, len(wanted) // 8)
+
+    def _match_puts(self, requests: Sequence[Request], wanted: list[int]) -> list[Any]:
+        return self._calls.match(
+            self._store.put_match, self._caps.put_match_many, requests, wanted
+        )
 
     def _execute(self, plan: Round, outbox: Outbox) -> None:
         """Act on a planned round: its outcomes, its cancels, then its one launch."""

@@ -140,6 +140,19 @@ class GetMatchesMany(Protocol):
 
 
 @runtime_checkable
+class QueuesCopies(Protocol):
+    """Blocks until the copies of every launch so far are queued on the device, ready to
+    run (LocalStore: its copy thread has enqueued them, or is waiting for the device to
+    take more). A store with it starts copying a launch at once and matches one request
+    per call, so the engine launches a large offload batch's first requests before it
+    matches the rest (:meth:`aiokv.rounds.Rounds.move`), and waits here in between so
+    that its matching does not hold the GIL while the copy thread queues the first
+    copies."""
+
+    def wait_queued(self) -> None: ...
+
+
+@runtime_checkable
 class Evicts(Protocol):
     """Drops every block stored under exactly ``namespace``; returns the tokens dropped
     (blocks * page_size)."""
@@ -192,6 +205,7 @@ OPTIONAL_METHODS = (
     "set_yield",
     "put_match_many",
     "get_match_many",
+    "wait_queued",
     "evict",
     "clear",
     "store_stats",
@@ -209,6 +223,7 @@ class Capabilities:
     set_yield: Callable[[Callable[[], None]], None] | None = None
     put_match_many: Callable[[Queries], MatchAnswers] | None = None
     get_match_many: Callable[[Queries], MatchAnswers] | None = None
+    wait_queued: Callable[[], None] | None = None
     evict: Callable[[Sequence[str]], int] | None = None
     clear: Callable[[], int] | None = None
     store_stats: Callable[[], Mapping[str, int | float]] | None = None

@@ -29,6 +29,7 @@ class StoreWrapper:
     set_yield: Callable[[Callable[[], None]], None] | None
     put_match_many: Callable[..., list[Any]] | None
     get_match_many: Callable[..., list[Any]] | None
+    wait_queued: Callable[[], None] | None
     evict: Callable[[Sequence[str]], int] | None
     clear: Callable[[], int] | None
     store_stats: Callable[[], Mapping[str, int | float]] | None
