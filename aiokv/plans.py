@@ -105,17 +105,14 @@ def plan_load(
     page_size: int,
     select: Select,
     gone: Collection[int] = (),
-    part: range | None = None,
 ) -> Round:
     """The round of a load batch: each request launches its Lookup's reservation
     (``request.task_id``, ``request.mask``) into its pages, or gives it back. ``gone``:
     indexes whose reservation an evict or clear already gave back (aiokv.invalidation):
-    they load nothing, at once. ``part``: the indexes this round covers (the others are
-    another round's: the first requests of a lone batch launch on their own)."""
+    they load nothing, at once."""
     plan = Round()
     matched: list[tuple[Request, int, BoolArray] | None] = [None] * len(requests)
-    for index in range(len(requests)) if part is None else part:
-        request = requests[index]
+    for index, request in enumerate(requests):
         task_id, mask = request.task_id, request.mask
         if task_id is None or mask is None:
             raise ValueError(f"load request {index} holds no reservation")

@@ -4,8 +4,8 @@ An offload or load: fuse the batch's page ids into one host copy
 (:func:`aiokv.cuda.fuse_page_ids`, on the copy stream, after the callers' CUDA events),
 wait for it, check page ids, ask the store for its matches (:class:`aiokv.calls.StoreCalls`),
 plan the round (:mod:`aiokv.plans`) and execute it: cancels, then one launch (a large
-lone batch on a store that queues copies at once: its first requests' round, then the
-rest's, so copying starts before the last match and plan). A lookup:
+offload batch on a store that queues copies at once: its first requests' round, then
+the rest's, so copying starts before the last match). A lookup:
 its matches, planned into outcomes and the reservations it keeps. The worker then polls
 the launched ids until each is terminal.
 
@@ -31,7 +31,7 @@ from .slots import FusedPages
 from .stores.base import Capabilities, Store
 
 _OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
-# Lone batches of at least this many requests launch their first ones early (_head).
+# Offload batches of at least this many requests launch their first ones early (_head).
 _SPLIT_FROM = 16
 
 Outbox = list[tuple[Request, object]]
@@ -103,7 +103,7 @@ class Rounds:
 
     def move(self, batch: Batch, outbox: Outbox) -> None:
         """Offload (put) or load (get) batch: one launch for everything with work (two
-        for a large lone batch on a store that queues copies at once, see _head)."""
+        for a large offload batch on a store that queues copies at once, see _head)."""
         fused = self._fuse(batch)
         self.d2h_copies += fused.d2h_copies
         if fused.copy_done is None:
@@ -115,16 +115,12 @@ class Rounds:
         page_size = self.page_size
         requests = batch.requests
         offload = batch.kind is _OFFLOAD
-        wanted = to_match(requests, ()) if offload else range(len(requests))
-        head = self._head(wanted, offload)
-        # The batch indexes of the first launch's part, and of the rest's.
-        split = wanted[head] if head else len(requests)
-        parts = [range(split), range(split, len(requests))] if head else [range(split)]
-        answers: list[Any] = []
         if offload:
             # Matched while the slots are on their way to the host: the matches need only
             # token ids, and a lone batch's copy starts that much sooner. A request whose
             # page ids turn out bad gives its match back (plan_offload).
+            wanted = to_match(requests, ())
+            head = self._head(wanted)
             answers = self._match_puts(requests, wanted[:head] if head else wanted)
         try:
             slots = fused.wait_slots(page_size)
@@ -138,47 +134,41 @@ class Rounds:
         def select(masks: Sequence[Any]) -> list[Any]:
             return fused.select(slots, masks, page_size)
 
-        for number, part in enumerate(parts):
-            if number:
-                # The first part's copies are starting; the rest is planned (and an
-                # offload's matched) while they run.
-                assert self._caps.wait_queued is not None
-                self._calls.call(self._caps.wait_queued)
-                if offload:
-                    rest = [i for i in wanted[head:] if i not in bad]
-                    answers = self._match_puts(requests, rest)
-            ours = {i: e for i, e in bad.items() if i in part}
-            if offload:
-                plan = plan_offload(
-                    requests, ours, answers, self._num_pages, page_size, select
-                )
-            else:
-                # Every load consumes its reservation here: launched or cancelled below,
-                # unless an evict or clear gave it back already. Part by part: should
-                # the batch fail before a part's round, that part's are still reserved,
-                # and its failure gives them back (StoreWorker._fail_unanswered).
-                reserved = self._reserved
-                gone = [i for i in part if requests[i].task_id not in reserved]
-                reserved.difference_update([requests[i].task_id for i in part])
-                plan = plan_load(
-                    requests, ours, self._num_pages, page_size, select, gone, part
-                )
-            self._execute(plan, outbox)
+        if offload and head:
+            # The first requests' copies start now; the rest are matched while they run.
+            split = wanted[head]  # batch indexes below it are the head's
+            ahead = {i: e for i, e in bad.items() if i < split}
+            self._execute(
+                plan_offload(requests, ahead, answers, self._num_pages, page_size, select),
+                outbox,
+            )
+            assert self._caps.wait_queued is not None
+            self._calls.call(self._caps.wait_queued)
+            bad = {i: e for i, e in bad.items() if i >= split}
+            answers = self._match_puts(requests, [i for i in wanted[head:] if i not in bad])
+        if offload:
+            plan = plan_offload(requests, bad, answers, self._num_pages, page_size, select)
+        else:
+            # Every load consumes its reservation here: launched or cancelled below,
+            # unless an evict or clear gave it back already.
+            reserved = self._reserved
+            gone = [i for i, r in enumerate(requests) if r.task_id not in reserved]
+            reserved.difference_update([r.task_id for r in requests])
+            plan = plan_load(requests, bad, self._num_pages, page_size, select, gone)
+        self._execute(plan, outbox)
 
-    def _head(self, wanted: Sequence[int], offload: bool) -> int:
-        """How many of a batch's ``wanted`` requests (an offload's to match, every load)
-        to launch before the rest are matched and planned: 0 (all at once) unless the
-        store queues copies at once (``wait_queued``; for offloads, matching one request
-        per call), nothing this engine launched is still in flight (a lone batch), and
-        the batch is large enough that planning the rest takes longer than starting the
-        first copies; then an eighth of them, at least two (their copies must outlast
-        the rest's matching and launch, or the device would wait between the two
-        launches). Not below _SPLIT_FROM: a short head is a partial copy chunk, whose
-        per-layer ops cost more than the split saves."""
-        if self._caps.wait_queued is None:
+    def _head(self, wanted: Sequence[int]) -> int:
+        """How many of an offload batch's ``wanted`` requests to match and launch before
+        the rest are matched: 0 (all at once) unless the store queues copies at once
+        (``wait_queued``) and matches one request per call, nothing this engine
+        launched is still in flight (a lone batch), and the batch is large
+        enough that matching the rest takes longer than starting the first copies; then
+        an eighth of them, at least two (their copies must outlast the rest's matching
+        and launch, or the device would wait between the two launches). Not below
+        _SPLIT_FROM: a short head is a partial copy chunk, whose per-layer ops cost
+        more than the few matches the split saves."""
+        if self._caps.wait_queued is None or self._caps.put_match_many is not None:
             return 0
-        if offload and self._caps.put_match_many is not None:
-            return 0  # one round trip for the batch's matches would become two
         if len(wanted) < _SPLIT_FROM or self._launched:
             # With copies in flight the device is busy anyway, and waiting for the copy
             # thread to reach the head could keep this thread from the inbox for as long
@@ -186,9 +176,9 @@ class Rounds:
             return 0
         return max(2, len(wanted) // 8)
 
-    def _match_puts(self, requests: Sequence[Request], wanted: Sequence[int]) -> list[Any]:
+    def _match_puts(self, requests: Sequence[Request], wanted: list[int]) -> list[Any]:
         return self._calls.match(
-            self._store.put_match, self._caps.put_match_many, requests, list(wanted)
+            self._store.put_match, self._caps.put_match_many, requests, wanted
         )
 
     def _execute(self, plan: Round, outbox: Outbox) -> None:

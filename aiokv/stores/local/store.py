@@ -291,12 +291,11 @@ class LocalStore(TaskEnds):
         return job
 
     def wait_queued(self) -> None:
-        """Block until the copies of every launch so far are queued on the device
-        (base.QueuesCopies): the engine's store thread sleeps here between a large lone
-        batch's first launch and the rest's matches and plan."""
-        for transfer in (self._transfer, self._load_transfer):
-            if transfer is not None:
-                transfer.wait_queued()
+        """Block until the copies of every offload launched so far are queued on the
+        device (base.QueuesCopies): the engine's store thread sleeps here between a
+        large batch's first launch and its remaining matches."""
+        if self._transfer is not None:
+            self._transfer.wait_queued()
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are
