@@ -58,6 +58,13 @@ def put(flexkv: FlexKVStore, key: str) -> int:
     return task_id
 
 
+def store_all(flexkv: FlexKVStore, *keys: str) -> None:
+    """A put of TOKENS under each key, each waited to SUCCESS."""
+    for key in keys:
+        task_id = put(flexkv, key)
+        assert flexkv.try_wait([task_id])[task_id].status is TaskStatus.SUCCESS
+
+
 def cached(flexkv: FlexKVStore, key: str) -> int:
     task_id, mask = flexkv.get_match(np.arange(TOKENS, dtype=np.int64), [key])
     flexkv.cancel([task_id])
@@ -67,9 +74,7 @@ def cached(flexkv: FlexKVStore, key: str) -> int:
 def test_evict_moves_the_key_past_its_blocks_and_counts_what_its_puts_wrote() -> None:
     manager = GenerationManager(capacity=16)
     flexkv = store(manager)  # type: ignore[arg-type]
-    for key in ("a", "b"):
-        task_id = put(flexkv, key)
-        assert flexkv.try_wait([task_id])[task_id].status is TaskStatus.SUCCESS
+    store_all(flexkv, "a", "b")
     assert (cached(flexkv, "a"), cached(flexkv, "b")) == (TOKENS, TOKENS)
     assert flexkv.evict(["a"]) == TOKENS
     assert (cached(flexkv, "a"), cached(flexkv, "b")) == (0, TOKENS)
@@ -127,9 +132,7 @@ class BrokenResetManager(GenerationManager):
 def test_a_clear_whose_reset_fails_moves_every_key_past_its_blocks() -> None:
     manager = BrokenResetManager(capacity=16)
     flexkv = store(manager)  # type: ignore[arg-type]
-    for key in ("a", "b"):
-        done = put(flexkv, key)
-        assert flexkv.try_wait([done])[done].status is TaskStatus.SUCCESS
+    store_all(flexkv, "a", "b")
     assert flexkv.clear() == 2 * TOKENS
     assert (cached(flexkv, "a"), cached(flexkv, "b")) == (0, 0)  # the old blocks, unmatched
     assert manager.namespaces[-1][0] == "b" and len(manager.namespaces[-1]) == 2
