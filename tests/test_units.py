@@ -338,6 +338,27 @@ def test_contiguous_runs_never_cross_a_pinned_chunk_of_the_pool() -> None:
     assert runs == [(0, 6), (6, 14), (14, 20)]  # blocks 10-15 | 16-23 | 24-29
     assert contiguous_runs(blocks, max_len=100) == [(0, 20)]
 
+
+def test_contiguous_runs_agree_with_a_block_by_block_walk() -> None:
+    starts = np.array([0, 7, 16, 40], dtype=np.int64)
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        blocks = np.sort(rng.choice(48, size=int(rng.integers(1, 30)), replace=False))
+        if rng.random() < 0.3:
+            blocks = blocks[::-1].copy()  # descending: every block a run of its own
+        expected: list[tuple[int, int]] = []
+        begin = 0
+        for i in range(1, len(blocks) + 1):
+            if (
+                i == len(blocks)
+                or blocks[i] != blocks[i - 1] + 1
+                or blocks[i] in starts
+                or i - begin == 5
+            ):
+                expected.append((begin, i))
+                begin = i
+        assert contiguous_runs(blocks, max_len=5, chunk_starts=starts) == expected
+
 def test_in_host_order_joins_descending_pieces_and_keeps_the_pairs() -> None:
     pages = np.array([10, 11, 12, 13, 20, 21, 22, 23], dtype=np.int64)
     blocks = np.array([4, 5, 6, 7, 0, 1, 2, 3], dtype=np.int64)

@@ -91,14 +91,17 @@ def contiguous_runs(
     """Split positions ``[0, n)`` into (start, end) ranges whose host blocks are
     consecutive and at most ``max_len`` long, in the order given (the copy order).
 
-    ``chunk_starts``: host blocks that begin a separately pinned chunk of the pool. A run
-    never crosses one: CUDA refuses a copy whose host range spans two registrations."""
+    ``chunk_starts``: host blocks that begin a separately pinned chunk of the pool, in
+    ascending order. A run never crosses one: CUDA refuses a copy whose host range spans
+    two registrations. (Each block's chunk comes from one binary search against the few
+    starts, several times cheaper than ``np.isin``: this runs before a job's first copy.)"""
     n = len(host_blocks)
     if n == 0:
         return []
     step = np.diff(host_blocks) != 1
     if chunk_starts is not None and len(chunk_starts):
-        step |= np.isin(host_blocks[1:], chunk_starts)
+        pinned_chunk = np.searchsorted(chunk_starts, host_blocks, side="right")
+        step |= pinned_chunk[1:] != pinned_chunk[:-1]
     breaks = np.flatnonzero(step) + 1
     bounds = np.concatenate(([0], breaks, [n]))
     runs = []
@@ -244,21 +247,18 @@ class Transfer:
         pool = self._pool.data
         gpu, copy = self._gpu_stream, self._copy_stream
         gpu_pages, host_blocks = in_host_order(job.gpu_pages, job.host_blocks)
-        # Pinned first: to stage a copy from pageable memory, the driver may synchronize
-        # with the stream (CUDA's "API synchronization behavior"), and the gather stream
-        # holds the previous job's queued chunks: this thread would wait for them to
-        # drain, and the GPU would idle at the job boundary. From pinned memory the copy
-        # is queued like the rest (torch's pinned allocator keeps the buffer until it ran).
-        # On (and only used on) the gather stream, so the caching allocator cannot hand
-        # this memory out again before those kernels ran.
-        pages = torch.from_numpy(gpu_pages).pin_memory().to(self._device, non_blocking=True)
+        # The device's page ids (_to_device). A load needs them only for its first
+        # scatter: its first copy in is queued before them, so the copy engine starts
+        # while this thread uploads them.
+        pages: torch.Tensor | None = None
+        if job.to_host:
+            pages = _to_device(gpu_pages, self._device)
         for start, end in contiguous_runs(host_blocks, self._chunk_blocks, self._chunk_starts):
             which = self._next_stage
             self._next_stage ^= 1
             stage = self._staging[which][: end - start]
             first = int(host_blocks[start])
             host = pool[first : first + end - start]
-            run_pages = pages[start:end]
             while len(self._chunks_in_flight) >= MAX_CHUNKS_IN_FLIGHT:
                 oldest = self._chunks_in_flight.popleft()
                 if not oldest.query():  # type: ignore[no-untyped-call]
@@ -272,6 +272,8 @@ class Transfer:
             previous = self._free_after[which]
             graphs = self._graphs if end - start == self._chunk_blocks else None
             if job.to_host:
+                assert pages is not None
+                run_pages = pages[start:end]
                 if previous is not None:
                     gpu.wait_event(previous)
                 if graphs is not None:
@@ -287,6 +289,9 @@ class Transfer:
                     copy.wait_event(previous)
                 _on_stream(copy, gpu, stage.copy_, host)
                 ready.record(copy)
+                if pages is None:
+                    pages = _to_device(gpu_pages, self._device)
+                run_pages = pages[start:end]
                 gpu.wait_event(ready)
                 if graphs is not None:
                     graphs.scatter(which, run_pages)
@@ -300,6 +305,19 @@ class Transfer:
         last = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         last.record(copy if job.to_host else gpu)
         return _InFlight(job, last, pages)
+
+
+def _to_device(pages: Int64Array, device: torch.device) -> torch.Tensor:
+    """``pages`` on ``device``, queued on the current stream (the gather stream).
+
+    Pinned first: to stage a copy from pageable memory, the driver may synchronize with
+    the stream (CUDA's "API synchronization behavior"), and the gather stream holds the
+    previous job's queued chunks: the copy thread would wait for them to drain, and the
+    GPU would idle at the job boundary. From pinned memory the copy is queued like the
+    rest (torch's pinned allocator keeps the buffer until it ran). On (and only used on)
+    the gather stream, so the caching allocator cannot hand this memory out again before
+    those kernels ran."""
+    return torch.from_numpy(pages).pin_memory().to(device, non_blocking=True)
 
 
 def _on_stream(stream: Any, back: Any, copy: Callable[..., Any], source: torch.Tensor) -> None:
