@@ -129,7 +129,7 @@ class Rounds:
                 self._calls.cancel([a[0] for a in answers if isinstance(a, tuple)])
             raise
         # Ids out of range, or (a load) a page twice: those requests fail alone.
-        bad = fused.page_errors(slots, self._num_pages, page_size, not offload)
+        bad = fused.page_errors(slots, self._num_pages, page_size, not offload, _own_id(requests))
 
         def select(masks: Sequence[Any]) -> list[Any]:
             return fused.select(slots, masks, page_size)
@@ -169,10 +169,13 @@ class Rounds:
         more than the few matches the split saves."""
         if self._caps.wait_queued is None or self._caps.put_match_many is not None:
             return 0
-        if len(wanted) < _SPLIT_FROM or self._launched:
-            # With copies in flight the device is busy anyway, and waiting for the copy
-            # thread to reach the head could keep this thread from the inbox for as long
-            # as those copies take.
+        if len(wanted) < _SPLIT_FROM or any(
+            request.kind is _OFFLOAD for request in self._launched.values()
+        ):
+            # With offloads in flight the device's copies out are busy anyway, and
+            # waiting for the copy thread to reach the head could keep this thread from
+            # the inbox for as long as those copies take. Loads in flight use the copies
+            # in, and the copy thread out is idle: it queues the head at once.
             return 0
         return max(2, len(wanted) // 8)
 
@@ -205,3 +208,15 @@ class Rounds:
             request.task_id, request.mask, request.moved = task_id, mask, moved
             request.stage = LAUNCHED
             launched[task_id] = request
+
+
+def _own_id(requests: Sequence[Request]) -> Callable[[int, int], int]:
+    """A request's own page id at a position (for an error message only: it may read a
+    device tensor, which waits for it)."""
+
+    def own_id(index: int, position: int) -> int:
+        page_ids = requests[index].page_ids
+        assert page_ids is not None  # every offload and load has its page ids
+        return int(page_ids.reshape(-1)[position])
+
+    return own_id

@@ -11,7 +11,7 @@ whole batch (:meth:`FusedPages.select`; :func:`select_slots` for one request).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,16 +79,26 @@ class FusedPages:
         return np.flatnonzero(per_request)
 
     def page_errors(
-        self, slots: Int64Array, num_pages: int, page_size: int, unique: bool
+        self,
+        slots: Int64Array,
+        num_pages: int,
+        page_size: int,
+        unique: bool,
+        own_id: Callable[[int, int], int] | None = None,
     ) -> dict[int, InvalidRequest]:
         """{request index: its InvalidRequest} for requests holding a page id outside
         ``[0, num_pages)`` (naming the first such id) or, with ``unique`` (a load, which
         writes its pages), a page id twice. Vectorized over the batch; only requests at
-        fault cost a numpy call each."""
+        fault cost a numpy call each.
+
+        ``own_id(request, position)``: the caller's own id there. The slots hold ids
+        clamped to ``[-1, largest_page]`` (:func:`largest_page`), so without it an id
+        beyond those bounds is named as the bound."""
         errors: dict[int, InvalidRequest] = {}
         for index in self.bad_requests(slots, num_pages, page_size).tolist():
             pages = self.request_slots(slots, index, page_size)[::page_size] // page_size
-            first = int(pages[np.argmax((pages < 0) | (pages >= num_pages))])
+            position = int(np.argmax((pages < 0) | (pages >= num_pages)))
+            first = int(pages[position]) if own_id is None else own_id(index, position)
             errors[index] = InvalidRequest(
                 "page_ids", f"holds {first}, outside [0, {num_pages})"
             )

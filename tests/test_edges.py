@@ -150,6 +150,21 @@ async def test_bad_request_fails_alone_naming_the_field(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("bad_id", [-1, -5, 9999, 2**64 // PAGE_SIZE + 1])
+async def test_an_id_out_of_range_is_named_as_the_caller_gave_it(
+    caches: list[torch.Tensor], bad_id: int
+) -> None:
+    """The slots hold ids clamped to [-1, largest_page]; the message names the caller's."""
+    rig = Rig(caches, window_us=0)
+    async with rig.engine:
+        with pytest.raises(aiokv.InvalidRequest, match=rf"holds {bad_id}, outside"):
+            await rig.engine.offload("u", torch.tensor([0, 1, bad_id]), 12)
+        hit = await rig.engine.lookup("v", 12)
+        hit.release()
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
 async def test_load_needs_enough_pages_and_a_fresh_lookup(caches: list[torch.Tensor]) -> None:
     rig = Rig(caches, window_us=0)
     async with rig.engine:
