@@ -160,8 +160,9 @@ class Rounds:
     def _head(self, wanted: Sequence[int]) -> int:
         """How many of an offload batch's ``wanted`` requests to match and launch before
         the rest are matched: 0 (all at once) unless the store queues copies at once
-        (``wait_queued``) and matches one request per call, nothing this engine
-        launched is still in flight (a lone batch), and the batch is large
+        (``wait_queued``) and matches one request per call, no offload this engine
+        launched is still in flight (a lone batch, or one behind loads: they copy the
+        other way), and the batch is large
         enough that matching the rest takes longer than starting the first copies; then
         an eighth of them, at least two (their copies must outlast the rest's matching
         and launch, or the device would wait between the two launches). Not below

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 from conftest import PAGE_SIZE, small_store
 
 import aiokv
+from aiokv.requests import Kind
 from aiokv.stores.base import BoolArray, Int64Array, MatchAnswers, Queries, Store
 from aiokv.testing import CheckingStore, FakeStore, StoreWrapper
 
@@ -171,7 +173,9 @@ def test_the_head_is_an_eighth_of_a_lone_batch_of_sixteen_or_more() -> None:
         256, None, launched, set(), None, lambda task_id: None,  # type: ignore[arg-type]
     )
     assert [rounds._head(range(n)) for n in (1, 15, 16, 23, 24, 64)] == [0, 0, 2, 2, 3, 8]
-    launched[7] = object()  # a copy in flight: the device is busy, no split
+    launched[6] = SimpleNamespace(kind=Kind.LOAD)  # loads copy the other way: a split
+    assert rounds._head(range(64)) == 8
+    launched[7] = SimpleNamespace(kind=Kind.OFFLOAD)  # copies out busy: no split
     assert rounds._head(range(64)) == 0
     many = Capabilities(wait_queued=lambda: None, put_match_many=lambda queries: [])
     launched.clear()
