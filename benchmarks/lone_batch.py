@@ -8,7 +8,8 @@ runs lone offload and load batches, and prints the median time of each stage fro
 first submit: the batch reaching the store thread, its slots on the host, the matches,
 the launch, the copy thread queueing the job, its completion, the answers posted and
 resolved, next to the GPU's own span of the job (CUDA events around its queued work)
-and a raw pinned copy of the same bytes measured in the same run.
+and a raw pinned copy of the same bytes measured in the same run: back to back (the
+ratio's base) and alone after a pause, as a lone batch meets the device.
 
 ``--trace DIR``: one more offload and load batch of each shape under ``torch.profiler``
 (CUDA runtime calls of every thread, the GPU's kernels and copies), each written as a
@@ -132,6 +133,36 @@ def _raw_copy_ms(nbytes: int, device: torch.device) -> tuple[float, float]:
     return nbytes / (1 << 30) / d2h * 1e3, nbytes / (1 << 30) / h2d * 1e3
 
 
+def _lone_copy_ms(nbytes: int, device: torch.device, repeats: int,
+                  pause_s: float = 0.01) -> dict[str, float]:
+    """The raw copies again, each alone after a pause, as a lone batch meets the device:
+    per direction, ms from issuing the copy to its synchronize returning ("wall") and the
+    GPU's own span of it (CUDA events), median of ``repeats``. Context for the ratios,
+    which stay against the back-to-back figure."""
+    if device.type != "cuda":
+        return {}
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out: dict[str, float] = {}
+    for name, copy in (("d2h", lambda: host.copy_(gpu, non_blocking=True)),
+                       ("h2d", lambda: gpu.copy_(host, non_blocking=True))):
+        walls, spans = [], []
+        for _ in range(repeats + 1):  # the first warms up
+            _sync(device)
+            time.sleep(pause_s)
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start = time.perf_counter()
+            begin.record()
+            copy()
+            end.record()
+            end.synchronize()
+            walls.append((time.perf_counter() - start) * 1e3)
+            spans.append(begin.elapsed_time(end))
+        out[f"raw_lone_{name}_wall_ms"] = statistics.median(walls[1:])
+        out[f"raw_lone_{name}_span_ms"] = statistics.median(spans[1:])
+    return out
+
+
 def summarise_trace(path: Path, label: str) -> list[str]:
     """The traced batch as lines: each GPU op and each CUDA runtime call (ms from the
     batch's start, duration, thread), merging runs of the same call on one thread."""
@@ -230,7 +261,8 @@ async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,
                     rows[kind].append(row)
     d2h, h2d = _raw_copy_ms(nbytes, device)
     out: dict[str, Any] = {"users": users, "tokens": tokens, "bytes": nbytes,
-                           "raw_d2h_ms": d2h, "raw_h2d_ms": h2d}
+                           "raw_d2h_ms": d2h, "raw_h2d_ms": h2d,
+                           **_lone_copy_ms(nbytes, device, repeats)}
     for kind, kind_rows in rows.items():
         keys = set.intersection(*(set(r) for r in kind_rows))
         medians = {k: statistics.median(r[k] for r in kind_rows) for k in keys}
@@ -260,12 +292,16 @@ def main() -> None:
         result = run_uvloop(run_shape(users, tokens, args.repeats, marks, device,
                                        args.trace))
         results.append(result)
-        for kind, raw in (("offload", result["raw_d2h_ms"]), ("load", result["raw_h2d_ms"])):
-            row = result[kind]
+        for kind, way in (("offload", "d2h"), ("load", "h2d")):
+            row, raw = result[kind], result[f"raw_{way}_ms"]
             stages = " ".join(f"{s} {t:.2f}" for s, t in row.items()
                               if s not in ("total", "gpu_span"))
+            lone = ""
+            if f"raw_lone_{way}_wall_ms" in result:
+                lone = (f", raw alone after a pause {result[f'raw_lone_{way}_wall_ms']:.2f} "
+                        f"(gpu {result[f'raw_lone_{way}_span_ms']:.2f})")
             print(f"{users}x{tokens} {kind}: total {row['total']:.2f} ms, raw {raw:.2f} ms "
-                  f"({raw / row['total']:.0%} of raw), gpu span {row['gpu_span']:.2f} | "
+                  f"({raw / row['total']:.0%} of raw){lone}, gpu span {row['gpu_span']:.2f} | "
                   f"ms from first submit: {stages}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
