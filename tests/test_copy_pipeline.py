@@ -1,0 +1,164 @@
+"""The local store's CUDA copy pipeline (Transfer._enqueue_chunks) run on the CPU: its
+streams and events replaced by ones that log what is queued where, its copies and
+per-layer ops real. CPU ops run at once, so the bytes check the chunking (runs, pinned
+chunk boundaries, host order, the two staging buffers) and the log checks the order the
+GPU would see: what each stream waits for before each copy, gather and scatter."""
+
+from __future__ import annotations
+
+import collections
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aiokv.stores.local import transfer as transfer_module
+from aiokv.stores.local.transfer import CopyJob, Transfer
+
+LAYERS, PAGE_SHAPE = 3, (2, 4, 2, 8)  # per layer: [page, k/v, token, head, dim]
+PAGES, BLOCKS, CHUNK = 40, 48, 4
+
+
+class Log(list[tuple[str, ...]]):
+    current = "default"  # the copy thread's current stream (torch.cuda.set_stream)
+
+
+class FakeStream:
+    def __init__(self, name: str, log: Log) -> None:
+        self.name, self.log = name, log
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.log.append((self.name, "wait", event.name))
+
+
+class FakeEvent:
+    made = 0
+    log: Log
+
+    def __init__(self, blocking: bool = False) -> None:
+        FakeEvent.made += 1
+        self.name = f"e{FakeEvent.made}"
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        self.log.append((stream.name if stream else self.log.current, "record", self.name))
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def pipeline(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Transfer, Log]]:
+    log = Log()
+    FakeEvent.log = log
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+
+    def set_stream(stream: FakeStream) -> None:
+        log.current = stream.name
+
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    original_on_stream = transfer_module._on_stream
+
+    def on_stream(stream: FakeStream, back: FakeStream, copy: Any, source: torch.Tensor) -> None:
+        original_on_stream(stream, back, copy, source)
+        log.append((stream.name, "copy"))
+        assert log.current == back.name  # switched back for what follows
+
+    monkeypatch.setattr(transfer_module, "_on_stream", on_stream)
+
+    def to_device(pages: np.ndarray, device: torch.device) -> torch.Tensor:
+        log.append((log.current, "upload"))
+        return torch.from_numpy(pages)
+
+    monkeypatch.setattr(transfer_module, "_to_device", to_device)
+    for name in ("gather_layers", "scatter_layers"):
+        original = getattr(transfer_module, name)
+
+        def logged(*args: Any, _original: Any = original, _name: str = name) -> None:
+            log.append((log.current, _name.split("_")[0]))
+            _original(*args)
+
+        monkeypatch.setattr(transfer_module, name, logged)
+
+    torch.manual_seed(0)
+    transfer = Transfer.__new__(Transfer)  # the CUDA path's state, on the CPU
+    transfer._caches = [torch.randn(PAGES, *PAGE_SHAPE) for _ in range(LAYERS)]
+    transfer._pool = types.SimpleNamespace(data=torch.zeros(BLOCKS, LAYERS, *PAGE_SHAPE))
+    transfer._chunk_blocks = CHUNK
+    transfer._chunk_starts = np.array([0, 30], dtype=np.int64)  # a second pinned chunk
+    transfer._staging = [torch.empty(CHUNK, LAYERS, *PAGE_SHAPE) for _ in range(2)]
+    transfer._free_after = [None, None]
+    transfer._chunks_in_flight = collections.deque()
+    transfer._next_stage = 0
+    transfer._gpu_stream = FakeStream("gather", log)
+    transfer._copy_stream = FakeStream("copy", log)
+    transfer._graphs = None
+    transfer._device = torch.device("cpu")
+    log.current = "gather"  # as _run sets it
+    yield transfer, log
+
+
+def block_of(transfer: Transfer, block: int) -> torch.Tensor:
+    data: torch.Tensor = transfer._pool.data
+    return data[block]
+
+
+def page_of(transfer: Transfer, page: int) -> torch.Tensor:
+    return torch.stack([cache[page] for cache in transfer._caches])
+
+
+# Blocks 27..34 cross the pinned chunk at 30; 10..12 and 40 are runs of their own. In
+# host order, chunks of at most 4: 10-12 | 27-29 | 30-33 | 34 | 40 (without the pinned
+# chunk it would be 10-12 | 27-30 | 31-34 | 40).
+HOST_BLOCKS = np.array([27, 28, 29, 30, 31, 32, 33, 34, 12, 11, 10, 40], dtype=np.int64)
+GPU_PAGES = np.array([5, 9, 1, 0, 33, 2, 7, 8, 20, 21, 22, 39], dtype=np.int64)
+
+
+def test_an_offload_moves_every_page_to_its_block_across_chunks(
+    pipeline: tuple[Transfer, Log],
+) -> None:
+    transfer, log = pipeline
+    in_flight = transfer._enqueue_chunks(CopyJob([1], True, GPU_PAGES, HOST_BLOCKS))
+    for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
+        assert torch.equal(block_of(transfer, block), page_of(transfer, page)), (page, block)
+    assert log[0] == ("gather", "upload")  # the gathers read the page ids on the device
+    gathers = [i for i, entry in enumerate(log) if entry[1:] == ("gather",)]
+    copies = [i for i, entry in enumerate(log) if entry == ("copy", "copy")]
+    assert len(gathers) == len(copies) == 5  # each chunk gathered, then copied
+
+    for gather, copy in zip(gathers, copies, strict=True):
+        ready = log[gather + 1]
+        assert ready[:2] == ("gather", "record")
+        assert log[gather + 2] == ("copy", "wait", ready[2])  # the copy after its gather
+        assert gather < copy
+    # The third chunk reuses the first's staging buffer: its gather waits for that copy.
+    first_done = log[copies[0] + 1]
+    assert first_done[:2] == ("copy", "record")
+    assert log[gathers[2] - 1] == ("gather", "wait", first_done[2])
+    assert in_flight.done is not None and log[-1] == ("copy", "record", in_flight.done.name)
+
+
+def test_a_load_queues_its_first_copy_in_before_its_page_ids_go_up(
+    pipeline: tuple[Transfer, Log],
+) -> None:
+    transfer, log = pipeline
+    data = transfer._pool.data
+    data.copy_(torch.randn_like(data))
+    expected = {int(b): data[int(b)].clone() for b in HOST_BLOCKS}
+    in_flight = transfer._enqueue_chunks(CopyJob([2], False, GPU_PAGES, HOST_BLOCKS))
+    for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
+        assert torch.equal(page_of(transfer, page), expected[block]), (page, block)
+    assert log[0] == ("copy", "copy")  # the copy engine starts before the upload
+    assert log.index(("gather", "upload")) < log.index(("gather", "scatter"))
+    assert log.count(("gather", "upload")) == 1
+    scatters = [i for i, entry in enumerate(log) if entry == ("gather", "scatter")]
+    assert len(scatters) == 5
+    for scatter in scatters:
+        ready = [e for e in log[:scatter] if e[:2] == ("copy", "record")][-1]
+        assert ("gather", "wait", ready[2]) in log[:scatter]  # after its own copy in
+    assert in_flight.done is not None and log[-1] == ("gather", "record", in_flight.done.name)
