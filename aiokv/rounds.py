@@ -211,13 +211,18 @@ class Rounds:
             launched[task_id] = request
 
 
-def _own_id(requests: Sequence[Request]) -> Callable[[int, int], int]:
-    """A request's own page id at a position (for an error message only: it may read a
-    device tensor, which waits for it)."""
+def _own_id(requests: Sequence[Request]) -> Callable[[int, int], int | None]:
+    """A request's own page id at a position, for an error message only (it may read a
+    device tensor, which waits for it); None where that read fails (a broken device
+    context): the message then names the clamped id, and the request still fails alone."""
 
-    def own_id(index: int, position: int) -> int:
+    def own_id(index: int, position: int) -> int | None:
         page_ids = requests[index].page_ids
-        assert page_ids is not None  # every offload and load has its page ids
-        return int(page_ids.reshape(-1)[position])
+        if page_ids is None:
+            return None
+        try:
+            return int(page_ids.reshape(-1)[position])
+        except Exception:
+            return None
 
     return own_id

@@ -84,21 +84,22 @@ class FusedPages:
         num_pages: int,
         page_size: int,
         unique: bool,
-        own_id: Callable[[int, int], int] | None = None,
+        own_id: Callable[[int, int], int | None] | None = None,
     ) -> dict[int, InvalidRequest]:
         """{request index: its InvalidRequest} for requests holding a page id outside
         ``[0, num_pages)`` (naming the first such id) or, with ``unique`` (a load, which
         writes its pages), a page id twice. Vectorized over the batch; only requests at
         fault cost a numpy call each.
 
-        ``own_id(request, position)``: the caller's own id there. The slots hold ids
-        clamped to ``[-1, largest_page]`` (:func:`largest_page`), so without it an id
-        beyond those bounds is named as the bound."""
+        ``own_id(request, position)``: the caller's own id there (None: unknown). The
+        slots hold ids clamped to ``[-1, largest_page]`` (:func:`largest_page`), so
+        without it an id beyond those bounds is named as the bound."""
         errors: dict[int, InvalidRequest] = {}
         for index in self.bad_requests(slots, num_pages, page_size).tolist():
             pages = self.request_slots(slots, index, page_size)[::page_size] // page_size
             position = int(np.argmax((pages < 0) | (pages >= num_pages)))
-            first = int(pages[position]) if own_id is None else own_id(index, position)
+            own = None if own_id is None else own_id(index, position)
+            first = int(pages[position]) if own is None else own
             errors[index] = InvalidRequest(
                 "page_ids", f"holds {first}, outside [0, {num_pages})"
             )

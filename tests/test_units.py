@@ -185,6 +185,24 @@ def test_page_errors_name_the_bad_value_and_a_page_held_twice() -> None:
     assert sorted(fused.page_errors(slots, num_pages=64, page_size=4, unique=False)) == [2]
 
 
+def test_page_errors_name_the_callers_own_id_where_the_slots_hold_it_clamped() -> None:
+    page_ids = [torch.tensor([1, -7]), torch.tensor([2, 3])]
+    fused = fuse_page_ids(page_ids, [2, 2])
+    slots = fused.expand(fused.wait(), 4)  # -7 clamped to -1
+    clamped = fused.page_errors(slots, num_pages=64, page_size=4, unique=False)
+    assert "holds -1," in str(clamped[0])
+
+    def own(index: int, position: int) -> int:
+        return int(page_ids[index][position])
+
+    named = fused.page_errors(slots, num_pages=64, page_size=4, unique=False, own_id=own)
+    assert sorted(named) == [0] and "holds -7, outside [0, 64)" in str(named[0])
+    unknown = fused.page_errors(
+        slots, num_pages=64, page_size=4, unique=False, own_id=lambda index, position: None
+    )
+    assert "holds -1," in str(unknown[0])  # the read failed: the clamped id, still failed
+
+
 def test_select_slots_takes_exactly_the_true_positions() -> None:
     slots = np.arange(100, 112)
     suffix = np.zeros(12, bool)
