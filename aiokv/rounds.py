@@ -161,8 +161,8 @@ class Rounds:
         """How many of an offload batch's ``wanted`` requests to match and launch before
         the rest are matched: 0 (all at once) unless the store queues copies at once
         (``wait_queued``) and matches one request per call, no offload this engine
-        launched is still in flight (a lone batch, or one behind loads: they copy the
-        other way), and the batch is large
+        launched is still in flight (a lone batch, or, on GPU caches, one behind loads:
+        they copy the other way), and the batch is large
         enough that matching the rest takes longer than starting the first copies; then
         an eighth of them, at least two (their copies must outlast the rest's matching
         and launch, or the device would wait between the two launches). Not below
@@ -170,13 +170,16 @@ class Rounds:
         more than the few matches the split saves."""
         if self._caps.wait_queued is None or self._caps.put_match_many is not None:
             return 0
+        # With copies in flight that the head would queue behind, the device is busy
+        # anyway, and waiting for the copy thread to reach the head could keep this
+        # thread from the inbox for as long as those copies take. On GPU caches the
+        # local store copies each direction on a thread of its own: loads in flight
+        # leave the copy thread out idle, and it queues the head at once. On CPU caches
+        # one thread runs both, so any copy in flight counts.
+        one_copier = self._copy_stream is None
         if len(wanted) < _SPLIT_FROM or any(
-            request.kind is _OFFLOAD for request in self._launched.values()
+            one_copier or request.kind is _OFFLOAD for request in self._launched.values()
         ):
-            # With offloads in flight the device's copies out are busy anyway, and
-            # waiting for the copy thread to reach the head could keep this thread from
-            # the inbox for as long as those copies take. Loads in flight use the copies
-            # in, and the copy thread out is idle: it queues the head at once.
             return 0
         return max(2, len(wanted) // 8)
 

@@ -173,10 +173,13 @@ def test_the_head_is_an_eighth_of_a_lone_batch_of_sixteen_or_more() -> None:
         256, None, launched, set(), None, lambda task_id: None,  # type: ignore[arg-type]
     )
     assert [rounds._head(range(n)) for n in (1, 15, 16, 23, 24, 64)] == [0, 0, 2, 2, 3, 8]
-    launched[6] = SimpleNamespace(kind=Kind.LOAD)  # loads copy the other way: a split
+    launched[6] = SimpleNamespace(kind=Kind.LOAD)
+    assert rounds._head(range(64)) == 0  # CPU caches: one copy thread, busy with the load
+    rounds._copy_stream = object()  # GPU caches: loads copy the other way, on their own
     assert rounds._head(range(64)) == 8
     launched[7] = SimpleNamespace(kind=Kind.OFFLOAD)  # copies out busy: no split
     assert rounds._head(range(64)) == 0
+    rounds._copy_stream = None
     many = Capabilities(wait_queued=lambda: None, put_match_many=lambda queries: [])
     launched.clear()
     rounds._caps = many
