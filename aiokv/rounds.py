@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from .batcher import Batch
 from .calls import StoreCalls
 from .cuda import fuse_page_ids, ready_events
@@ -129,7 +131,8 @@ class Rounds:
                 self._calls.cancel([a[0] for a in answers if isinstance(a, tuple)])
             raise
         # Ids out of range, or (a load) a page twice: those requests fail alone.
-        bad = fused.page_errors(slots, self._num_pages, page_size, not offload, _own_id(requests))
+        own_id = _own_id(requests, self._copy_stream)
+        bad = fused.page_errors(slots, self._num_pages, page_size, not offload, own_id)
 
         def select(masks: Sequence[Any]) -> list[Any]:
             return fused.select(slots, masks, page_size)
@@ -214,17 +217,26 @@ class Rounds:
             launched[task_id] = request
 
 
-def _own_id(requests: Sequence[Request]) -> Callable[[int, int], int | None]:
-    """A request's own page id at a position, for an error message only (it may read a
-    device tensor, which waits for it); None where that read fails (a broken device
-    context): the message then names the clamped id, and the request still fails alone."""
+def _own_id(requests: Sequence[Request], stream: Any) -> Callable[[int, int], int | None]:
+    """A request's own page id at a position, for an error message only; None where the
+    read fails (a broken device context): the message then names the clamped id, and the
+    request still fails alone. A device tensor is read on ``stream`` (the fused copy's,
+    which already waited for the callers' events), not the store thread's default
+    stream: there the read would also wait for whatever the model queued since."""
 
     def own_id(index: int, position: int) -> int | None:
         page_ids = requests[index].page_ids
         if page_ids is None:
             return None
         try:
-            return int(page_ids.reshape(-1)[position])
+            if stream is None or page_ids.is_cpu:
+                return int(page_ids.reshape(-1)[position])
+            previous = torch.cuda.current_stream(stream.device)
+            torch.cuda.set_stream(stream)
+            try:
+                return int(page_ids.reshape(-1)[position])
+            finally:
+                torch.cuda.set_stream(previous)
         except Exception:
             return None
 

@@ -98,8 +98,10 @@ class FusedPages:
         for index in self.bad_requests(slots, num_pages, page_size).tolist():
             pages = self.request_slots(slots, index, page_size)[::page_size] // page_size
             position = int(np.argmax((pages < 0) | (pages >= num_pages)))
-            own = None if own_id is None else own_id(index, position)
-            first = int(pages[position]) if own is None else own
+            first = int(pages[position])
+            if own_id is not None and first in (-1, largest_page(page_size)):
+                own = own_id(index, position)  # only a bound may stand for another id
+                first = first if own is None else own
             errors[index] = InvalidRequest(
                 "page_ids", f"holds {first}, outside [0, {num_pages})"
             )
