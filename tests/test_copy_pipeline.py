@@ -161,4 +161,10 @@ def test_a_load_queues_its_first_copy_in_before_its_page_ids_go_up(
     for scatter in scatters:
         ready = [e for e in log[:scatter] if e[:2] == ("copy", "record")][-1]
         assert ("gather", "wait", ready[2]) in log[:scatter]  # after its own copy in
+    # The third chunk's copy in reuses the first's staging buffer: it waits for that
+    # chunk's scatter (its done event, on the gather stream) before it overwrites it.
+    copies = [i for i, entry in enumerate(log) if entry == ("copy", "copy")]
+    first_done = log[scatters[0] + 1]
+    assert first_done[:2] == ("gather", "record")
+    assert log[copies[2] - 1] == ("copy", "wait", first_done[2])
     assert in_flight.done is not None and log[-1] == ("gather", "record", in_flight.done.name)
