@@ -276,10 +276,7 @@ class Transfer:
                 run_pages = pages[start:end]
                 if previous is not None:
                     gpu.wait_event(previous)
-                if graphs is not None:
-                    graphs.gather(which, run_pages)
-                else:
-                    gather_layers(self._caches, run_pages, stage)
+                self._per_layer(True, graphs, which, run_pages, stage)
                 ready.record(gpu)
                 copy.wait_event(ready)
                 _on_stream(copy, gpu, host.copy_, stage)
@@ -293,10 +290,7 @@ class Transfer:
                     pages = _to_device(gpu_pages, self._device)
                 run_pages = pages[start:end]
                 gpu.wait_event(ready)
-                if graphs is not None:
-                    graphs.scatter(which, run_pages)
-                else:
-                    scatter_layers(self._caches, run_pages, stage)
+                self._per_layer(False, graphs, which, run_pages, stage)
                 done.record(gpu)
             self._free_after[which] = done
             self._chunks_in_flight.append(done)
@@ -305,6 +299,21 @@ class Transfer:
         last = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         last.record(copy if job.to_host else gpu)
         return _InFlight(job, last, pages)
+
+    def _per_layer(
+        self,
+        to_host: bool,
+        graphs: LayerGraphs | None,
+        which: int,
+        pages: torch.Tensor,
+        stage: torch.Tensor,
+    ) -> None:
+        """A chunk's per-layer gathers (offload) or scatters (load) on the current
+        stream: one graph replay for a full chunk, else one op per layer."""
+        if graphs is not None:
+            (graphs.gather if to_host else graphs.scatter)(which, pages)
+        else:
+            (gather_layers if to_host else scatter_layers)(self._caches, pages, stage)
 
 
 def _to_device(pages: Int64Array, device: torch.device) -> torch.Tensor:
