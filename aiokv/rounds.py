@@ -179,10 +179,13 @@ class Rounds:
         # local store copies each direction on a thread of its own: loads in flight
         # leave the copy thread out idle, and it queues the head at once. On CPU caches
         # one thread runs both, so any copy in flight counts.
-        one_copier = self._copy_stream is None
-        if len(wanted) < _SPLIT_FROM or any(
-            one_copier or request.kind is _OFFLOAD for request in self._launched.values()
-        ):
+        if len(wanted) < _SPLIT_FROM:
+            return 0
+        if self._copy_stream is None:  # CPU caches
+            busy = bool(self._launched)
+        else:
+            busy = any(request.kind is _OFFLOAD for request in self._launched.values())
+        if busy:
             return 0
         return max(2, len(wanted) // 8)
 
@@ -229,14 +232,8 @@ def _own_id(requests: Sequence[Request], stream: Any) -> Callable[[int, int], in
         if page_ids is None:
             return None
         try:
-            if stream is None or page_ids.is_cpu:
+            with torch.cuda.stream(None if page_ids.is_cpu else stream):  # None: no switch
                 return int(page_ids.reshape(-1)[position])
-            previous = torch.cuda.current_stream(stream.device)
-            torch.cuda.set_stream(stream)
-            try:
-                return int(page_ids.reshape(-1)[position])
-            finally:
-                torch.cuda.set_stream(previous)
         except Exception:
             return None
 
