@@ -20,7 +20,7 @@ from aiokv.requests import Kind, Request
 from aiokv.slots import FusedPages, select_slots
 from aiokv.stores.local import transfer
 from aiokv.stores.local.index import chain_digests
-from aiokv.stores.local.transfer import contiguous_runs, in_host_order
+from aiokv.stores.local.order import contiguous_runs, in_host_order
 
 ROOT = Path(__file__).resolve().parents[1]
 
