@@ -17,6 +17,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def measure(settings: Settings, device: torch.device) -> dict[str, Any]:
+async def measure(
+    settings: Settings, device: torch.device, observe: Callable[[str, int], None] | None = None
+) -> dict[str, Any]:
     """The engine's mixed figure, ``settings.users[0]`` users of ``settings.tokens[0]``
-    tokens each way: GiB/s moved in total, median of the repeats."""
+    tokens each way: GiB/s moved in total, median of the repeats. ``observe(point,
+    repeat)``, if given, is called just before each timed round's first submit ("start")
+    and just after its last result ("end"); repeat 0 warms up."""
     dtype = common.DTYPES[settings.dtype]
     users = settings.users[0]
     pages_each = settings.tokens[0] // settings.page_size
@@ -106,14 +111,23 @@ async def measure(settings: Settings, device: torch.device) -> dict[str, Any]:
                                    for u in range(users)))
             hits = await asyncio.gather(*(engine.lookup(u, tokens, namespace=loaded[u])
                                           for u in range(users)))
+            # The pages are the caller's, made before the clock starts (as a server's
+            # block table has them); made inside the timed gather, their creation (a
+            # kernel launch each) would count as the engine's.
+            targets = [pages(1, u) for u in range(users)]
+            sources = [pages(2, u) for u in range(users)]
             _sync(device)
+            if observe is not None:
+                observe("start", repeat)
             start = time.perf_counter()
             results = await asyncio.gather(
-                *(engine.load(hits[u], pages(1, u)) for u in range(users)),
-                *(engine.offload(u, pages(2, u), tokens, namespace=offloaded[u])
+                *(engine.load(hits[u], targets[u]) for u in range(users)),
+                *(engine.offload(u, sources[u], tokens, namespace=offloaded[u])
                   for u in range(users)),
             )
             elapsed = time.perf_counter() - start
+            if observe is not None:
+                observe("end", repeat)
             moved = sum(getattr(r, "loaded_tokens", 0) + getattr(r, "stored_tokens", 0)
                         for r in results)
             if moved != 2 * users * tokens:
