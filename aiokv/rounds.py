@@ -1,6 +1,7 @@
 """One batch's store round, on the store thread (:mod:`aiokv.worker` runs it in inbox order).
 
-An offload or load: fuse the batch's page ids into one host copy
+An offload or load: (a load, on a store that prestages: name its reservations, so the
+store starts the first copy early) fuse the batch's page ids into one host copy
 (:func:`aiokv.cuda.fuse_page_ids`, on the copy stream, after the callers' CUDA events),
 wait for it, check page ids, ask the store for its matches (:class:`aiokv.calls.StoreCalls`),
 plan the round (:mod:`aiokv.plans`) and execute it: cancels, then one launch (a large
@@ -16,6 +17,7 @@ held for a load). Outcomes go to the outbox the worker passes in, which it posts
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,9 +34,12 @@ from .requests import LAUNCHED, TERMINAL, Kind, Request
 from .slots import FusedPages
 from .stores.base import Capabilities, Store
 
-_OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
+_OFFLOAD = Kind.OFFLOAD  # module globals: read per batch
+_LOAD = Kind.LOAD
 # Offload batches of at least this many requests launch their first ones early (_head).
 _SPLIT_FROM = 16
+
+log = logging.getLogger("aiokv")
 
 Outbox = list[tuple[Request, object]]
 
@@ -106,6 +111,9 @@ class Rounds:
     def move(self, batch: Batch, outbox: Outbox) -> None:
         """Offload (put) or load (get) batch: one launch for everything with work (two
         for a large offload batch on a store that queues copies at once, see _head)."""
+        prestage = self._caps.prestage
+        if batch.kind is _LOAD and prestage is not None:
+            _prestage(prestage, batch.requests, self._reserved)
         fused = self._fuse(batch)
         self.d2h_copies += fused.d2h_copies
         if fused.copy_done is None:
@@ -218,6 +226,22 @@ class Rounds:
             request.task_id, request.mask, request.moved = task_id, mask, moved
             request.stage = LAUNCHED
             launched[task_id] = request
+
+
+def _prestage(
+    prestage: Callable[[Sequence[int]], None], requests: Sequence[Request], reserved: set[int]
+) -> None:
+    """Tell the store which reservations a load batch launches, in launch order
+    (base.Prestages), before its page ids are fused: the store can start the first copy
+    while they land and are checked. A hint: if it fails, the launch copies everything
+    itself, so its error is logged, not raised."""
+    ids = [r.task_id for r in requests if r.task_id in reserved and r.stage is not TERMINAL]
+    if not ids:
+        return
+    try:
+        prestage(ids)
+    except Exception:
+        log.warning("aiokv: store.prestage failed; the launch copies all", exc_info=True)
 
 
 def _own_id(requests: Sequence[Request], stream: Any) -> Callable[[int, int], int | None]:

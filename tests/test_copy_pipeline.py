@@ -1,4 +1,5 @@
-"""The local store's CUDA copy pipeline (Transfer._enqueue_chunks) run on the CPU: its
+"""The local store's CUDA copy pipeline (Transfer._enqueue_chunks, and a load's first chunk
+copied in ahead, Transfer._copy_in_ahead) run on the CPU: its
 streams and events replaced by ones that log what is queued where, its copies and
 per-layer ops real. CPU ops run at once, so the bytes check the chunking (runs, pinned
 chunk boundaries, host order, the two staging buffers) and the log checks the order the
@@ -95,6 +96,7 @@ def pipeline(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Transfer, Log]]:
     transfer._free_after = [None, None]
     transfer._chunks_in_flight = collections.deque()
     transfer._next_stage = 0
+    transfer._prestaged = None
     transfer._gpu_stream = FakeStream("gather", log)
     transfer._copy_stream = FakeStream("copy", log)
     transfer._graphs = None
@@ -147,9 +149,7 @@ def test_a_load_queues_its_first_copy_in_before_its_page_ids_go_up(
     pipeline: tuple[Transfer, Log],
 ) -> None:
     transfer, log = pipeline
-    data = transfer._pool.data
-    data.copy_(torch.randn_like(data))
-    expected = {int(b): data[int(b)].clone() for b in HOST_BLOCKS}
+    expected = refill_pool(transfer)
     in_flight = transfer._enqueue_chunks(CopyJob([2], False, GPU_PAGES, HOST_BLOCKS))
     for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
         assert torch.equal(page_of(transfer, page), expected[block]), (page, block)
@@ -168,3 +168,77 @@ def test_a_load_queues_its_first_copy_in_before_its_page_ids_go_up(
     assert first_done[:2] == ("gather", "record")
     assert log[copies[2] - 1] == ("copy", "wait", first_done[2])
     assert in_flight.done is not None and log[-1] == ("gather", "record", in_flight.done.name)
+
+
+def refill_pool(transfer: Transfer) -> dict[int, torch.Tensor]:
+    """New random contents for the pool; what HOST_BLOCKS now hold."""
+    data: torch.Tensor = transfer._pool.data
+    data.copy_(torch.randn_like(data))
+    return {int(b): data[int(b)].clone() for b in HOST_BLOCKS}
+
+
+def first_chunk() -> list[int]:
+    """The host blocks of HOST_BLOCKS' first chunk in host order (10-12)."""
+    return [10, 11, 12]
+
+
+def test_a_prestaged_load_scatters_its_first_chunk_from_the_copy_made_ahead(
+    pipeline: tuple[Transfer, Log],
+) -> None:
+    transfer, log = pipeline
+    before = refill_pool(transfer)
+    transfer._copy_in_ahead(HOST_BLOCKS)
+    assert log[:2] == [("copy", "copy"), ("copy", "record", log[1][2])]
+    ahead_event = log[1][2]
+    # The blocks change after the copy ahead (they never do while a match holds them):
+    # what lands for the first chunk shows whether the job used that copy or made its own.
+    after = refill_pool(transfer)
+    del log[:]
+    in_flight = transfer._enqueue_chunks(
+        CopyJob([2], False, GPU_PAGES, HOST_BLOCKS, prestaged=True)
+    )
+    for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
+        expected = before[block] if block in first_chunk() else after[block]
+        assert torch.equal(page_of(transfer, page), expected), (page, block)
+    assert log.count(("copy", "copy")) == 4  # five chunks, the first copied ahead
+    assert log[0] == ("gather", "upload")  # nothing to copy in before the page ids
+    first_scatter = log.index(("gather", "scatter"))
+    assert ("gather", "wait", ahead_event) in log[:first_scatter]  # after the copy ahead
+    assert transfer._prestaged is None  # used once
+    assert in_flight.done is not None
+
+
+@pytest.mark.parametrize("case", ["not marked", "other blocks"])
+def test_a_load_that_the_copy_ahead_was_not_for_copies_everything_itself(
+    pipeline: tuple[Transfer, Log], case: str,
+) -> None:
+    transfer, log = pipeline
+    transfer._copy_in_ahead(HOST_BLOCKS if case == "not marked" else np.array([27, 28]))
+    ahead_event = log[1][2]
+    after = refill_pool(transfer)
+    del log[:]
+    transfer._enqueue_chunks(
+        CopyJob([2], False, GPU_PAGES, HOST_BLOCKS, prestaged=case == "other blocks")
+    )
+    for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
+        assert torch.equal(page_of(transfer, page), after[block]), (page, block)
+    copies = [i for i, entry in enumerate(log) if entry == ("copy", "copy")]
+    assert len(copies) == 5
+    # The copy ahead took staging buffer 0; the job's second chunk is the next to use it
+    # and must not overwrite it before that copy ended.
+    assert log[copies[1] - 1] == ("copy", "wait", ahead_event)
+    assert transfer._prestaged is None
+
+
+def test_a_copy_ahead_waits_for_the_last_user_of_its_staging_buffer(
+    pipeline: tuple[Transfer, Log],
+) -> None:
+    transfer, log = pipeline
+    transfer._enqueue_chunks(CopyJob([1], True, GPU_PAGES[:2], HOST_BLOCKS[:2]))
+    last_done = transfer._free_after[0].name  # type: ignore[union-attr]
+    del log[:]
+    # The offload used buffer 0; buffer 1 is next, unused: no wait. Then buffer 0 again.
+    transfer._copy_in_ahead(HOST_BLOCKS)
+    assert log[0] == ("copy", "copy")
+    transfer._copy_in_ahead(HOST_BLOCKS)
+    assert log[2] == ("copy", "wait", last_done)

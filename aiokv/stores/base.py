@@ -153,6 +153,20 @@ class QueuesCopies(Protocol):
 
 
 @runtime_checkable
+class Prestages(Protocol):
+    """A hint, before a load batch's page ids are on the host: these matched get tasks
+    are launched next, in this order. The store may start moving their data toward the
+    device at once (LocalStore: the first chunk's copy into a device staging buffer,
+    which the launch's scatter then uses), so a load's copy overlaps its batch's slot
+    copy, checks and plan. A hint only: no task changes state, a launch of other tasks
+    (a request failed meanwhile) or none at all just wastes the copy, ids it does not
+    know are ignored, and what it moved early is used only by the launch of exactly
+    these tasks, whose blocks their match holds unchanged until then."""
+
+    def prestage(self, task_ids: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
 class Evicts(Protocol):
     """Drops every block stored under exactly ``namespace``; returns the tokens dropped
     (blocks * page_size)."""
@@ -206,6 +220,7 @@ OPTIONAL_METHODS = (
     "put_match_many",
     "get_match_many",
     "wait_queued",
+    "prestage",
     "evict",
     "clear",
     "store_stats",
@@ -224,6 +239,7 @@ class Capabilities:
     put_match_many: Callable[[Queries], MatchAnswers] | None = None
     get_match_many: Callable[[Queries], MatchAnswers] | None = None
     wait_queued: Callable[[], None] | None = None
+    prestage: Callable[[Sequence[int]], None] | None = None
     evict: Callable[[Sequence[str]], int] | None = None
     clear: Callable[[], int] | None = None
     store_stats: Callable[[], Mapping[str, int | float]] | None = None

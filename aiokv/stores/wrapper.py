@@ -30,6 +30,7 @@ class StoreWrapper:
     put_match_many: Callable[..., list[Any]] | None
     get_match_many: Callable[..., list[Any]] | None
     wait_queued: Callable[[], None] | None
+    prestage: Callable[[Sequence[int]], None] | None
     evict: Callable[[Sequence[str]], int] | None
     clear: Callable[[], int] | None
     store_stats: Callable[[], Mapping[str, int | float]] | None

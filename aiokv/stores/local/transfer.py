@@ -53,6 +53,8 @@ class CopyJob:
     gpu_pages: Int64Array
     host_blocks: Int64Array
     error: str | None = field(default=None)
+    # Its first chunk was copied in ahead, by the prestage just before it (a load).
+    prestaged: bool = False
     # Set once the copy thread has queued every copy of the job on the device (or
     # queued all it can before waiting for the device: it needs the GIL no more until
     # then), has run it (on the CPU), or has given up on it (Transfer.wait_queued).
@@ -75,7 +77,7 @@ class Transfer:
         self._device = self._caches[0].device
         block_bytes = pool.data[0].numel() * pool.data.element_size()
         self._chunk_blocks = max(1, STAGING_BYTES // block_bytes)
-        self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[CopyJob | _Prestage | None] = queue.SimpleQueue()
         self._last: CopyJob | None = None  # the last job submitted (wait_queued)
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._device.type == "cuda":
@@ -88,6 +90,9 @@ class Transfer:
             self._free_after: list[torch.cuda.Event | None] = [None, None]
             self._chunks_in_flight: collections.deque[torch.cuda.Event] = collections.deque()
             self._next_stage = 0
+            # A prestage's first chunk, copied in: (staging buffer, its copy's event, its
+            # first host block, its length in blocks).
+            self._prestaged: tuple[int, torch.cuda.Event, int, int] | None = None
             # Gathers/scatters on one stream, host <-> device copies on the other.
             self._gpu_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
             self._copy_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
@@ -107,6 +112,12 @@ class Transfer:
     def submit(self, job: CopyJob) -> None:
         self._last = job
         self._jobs.put(job)
+
+    def prestage(self, host_blocks: Int64Array) -> None:
+        """Copy in, ahead of its job, the first chunk of a load of ``host_blocks``
+        (LocalStore.prestage); the next job uses it if it is marked ``prestaged``."""
+        if self._device.type == "cuda":
+            self._jobs.put(_Prestage(host_blocks))
 
     def wait_queued(self, timeout: float = _QUEUED_WAIT_S) -> bool:
         """Block until the last job submitted is queued on the device (CopyJob.queued);
@@ -129,6 +140,9 @@ class Transfer:
             torch.cuda.set_stream(self._gpu_stream)
         try:
             while (job := self._jobs.get()) is not None:
+                if isinstance(job, _Prestage):
+                    self._copy_in_ahead(job.host_blocks)
+                    continue
                 if self._device.type == "cuda":
                     self._in_flight.put(self._enqueue_cuda(job))
                     job.queued.set()
@@ -201,9 +215,20 @@ class Transfer:
         pages: torch.Tensor | None = None
         if job.to_host:
             pages = _to_device(gpu_pages, self._device)
+        # A prestage's chunk serves this job's first chunk only if it was meant for it (the
+        # same blocks, hence the same first chunk); else it is dropped unused.
+        ahead, self._prestaged = self._prestaged, None
         for start, end in contiguous_runs(host_blocks, self._chunk_blocks, self._chunk_starts):
-            which = self._next_stage
-            self._next_stage ^= 1
+            if (
+                ahead is not None
+                and job.prestaged
+                and start == 0
+                and ahead[2:] == (int(host_blocks[0]), end)
+            ):
+                which, copied_in = ahead[:2]  # its buffer, already taken from the rotation
+            else:
+                which, copied_in = self._next_stage, None
+                self._next_stage ^= 1
             stage = self._staging[which][: end - start]
             first = int(host_blocks[start])
             host = pool[first : first + end - start]
@@ -230,10 +255,13 @@ class Transfer:
                 _on_stream(copy, gpu, host.copy_, stage)
                 done.record(copy)
             else:
-                if previous is not None:
-                    copy.wait_event(previous)
-                _on_stream(copy, gpu, stage.copy_, host)
-                ready.record(copy)
+                if copied_in is not None:
+                    ready = copied_in
+                else:
+                    if previous is not None:
+                        copy.wait_event(previous)
+                    _on_stream(copy, gpu, stage.copy_, host)
+                    ready.record(copy)
                 if pages is None:
                     pages = _to_device(gpu_pages, self._device)
                 run_pages = pages[start:end]
@@ -247,6 +275,33 @@ class Transfer:
         last = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         last.record(copy if job.to_host else gpu)
         return _InFlight(job, last, pages)
+
+    def _copy_in_ahead(self, host_blocks: Int64Array) -> None:
+        """Queue the copy in of the first chunk of a load of ``host_blocks`` into the next
+        staging buffer (Transfer.prestage). Until a job uses it, the buffer is busy until
+        that copy ends: a job that does not use it (its ``free_after``) waits for it."""
+        try:
+            _, ordered = in_host_order(host_blocks, host_blocks)
+            runs = contiguous_runs(ordered, self._chunk_blocks, self._chunk_starts)
+            if not runs:
+                return
+            end = runs[0][1]
+            which = self._next_stage
+            self._next_stage ^= 1
+            previous = self._free_after[which]
+            if previous is not None:
+                self._copy_stream.wait_event(previous)
+            first = int(ordered[0])
+            source = self._pool.data[first : first + end]
+            _on_stream(self._copy_stream, self._gpu_stream, self._staging[which][:end].copy_,
+                       source)
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(self._copy_stream)
+            self._free_after[which] = copied
+            self._prestaged = (which, copied, first, end)
+        except Exception:  # a hint: the job copies its first chunk itself
+            log.warning("aiokv: copying a load's first chunk ahead failed", exc_info=True)
+            self._prestaged = None
 
     def _per_layer(
         self,
@@ -285,6 +340,13 @@ def _on_stream(stream: Any, back: Any, copy: Callable[..., Any], source: torch.T
         copy(source, non_blocking=True)
     finally:
         torch.cuda.set_stream(back)
+
+
+@dataclass(slots=True)
+class _Prestage:
+    """The copy thread's order to copy in the first chunk of a load of these blocks."""
+
+    host_blocks: Int64Array
 
 
 @dataclass(slots=True)

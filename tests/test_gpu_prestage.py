@@ -1,0 +1,72 @@
+"""On a GPU: a load batch's first chunk, copied in ahead (LocalStore.prestage), lands bit
+for bit where the launch puts it, across several chunks; a batch whose launch differs
+from its prestage (a request with a bad page id) copies everything itself. Skipped
+without CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+import aiokv
+from aiokv.stores.local import transfer as transfer_module
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+LAYERS, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 2, 256, 16, 2, 64
+PAGES_EACH, USERS = 6, 4  # 24 pages a batch: six chunks of four
+TOKENS = PAGES_EACH * PAGE_SIZE
+
+
+@pytest.mark.asyncio
+async def test_prestaged_loads_land_bit_exact_and_a_changed_launch_copies_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    device = torch.device("cuda")
+    block_bytes = LAYERS * 2 * PAGE_SIZE * HEADS * HEAD_DIM * 4
+    monkeypatch.setattr(transfer_module, "STAGING_BYTES", 4 * block_bytes)
+    jobs: list[tuple[bool, bool]] = []  # (prestaged, a copy ahead was waiting)
+    enqueue = transfer_module.Transfer._enqueue_chunks
+
+    def recording(self: Any, job: Any) -> Any:
+        if not job.to_host:
+            jobs.append((job.prestaged, self._prestaged is not None))
+        return enqueue(self, job)
+
+    monkeypatch.setattr(transfer_module.Transfer, "_enqueue_chunks", recording)
+    caches = [torch.randn(PAGES, 2, PAGE_SIZE, HEADS, HEAD_DIM, device=device)
+              for _ in range(LAYERS)]
+    original = [c.clone() for c in caches]
+    config = aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=USERS)
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.05))
+    async with aiokv.OffloadEngine(store, caches, config) as engine:
+        # Descending source pages: the pool's blocks are then in another order than the
+        # pages, as in serving.
+        sources = [torch.arange(PAGES_EACH * (u + 1) - 1, PAGES_EACH * u - 1, -1, device=device)
+                   for u in range(USERS)]
+        await asyncio.gather(*(engine.offload(u, sources[u], TOKENS) for u in range(USERS)))
+        for round_, bad_user in enumerate((None, 2)):
+            hits = await asyncio.gather(*(engine.lookup(u, TOKENS) for u in range(USERS)))
+            first = 100 + 40 * round_
+            targets = [torch.arange(first + PAGES_EACH * u, first + PAGES_EACH * (u + 1),
+                                    device=device) for u in range(USERS)]
+            if bad_user is not None:
+                targets[bad_user] = targets[bad_user].clone()
+                targets[bad_user][-1] = PAGES + 7
+            results = await asyncio.gather(
+                *(engine.load(h, t) for h, t in zip(hits, targets, strict=True)),
+                return_exceptions=True,
+            )
+            for u in range(USERS):
+                if u == bad_user:
+                    assert isinstance(results[u], aiokv.InvalidRequest)
+                    continue
+                for layer, cache in enumerate(caches):
+                    assert torch.equal(cache[targets[u]], original[layer][sources[u]]), (u, layer)
+        assert engine.stats().store_tasks_open == 0
+    # The first load job used its copy ahead; the second, launched without the bad
+    # request, found one waiting and was not the one it was meant for.
+    assert jobs == [(True, True), (False, True)]
