@@ -8,6 +8,7 @@ GPU would see: what each stream waits for before each copy, gather and scatter."
 from __future__ import annotations
 
 import collections
+import queue
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -242,3 +243,17 @@ def test_a_copy_ahead_waits_for_the_last_user_of_its_staging_buffer(
     assert log[0] == ("copy", "copy")
     transfer._copy_in_ahead(HOST_BLOCKS)
     assert log[2] == ("copy", "wait", last_done)
+
+
+def test_close_waits_for_a_copy_ahead_that_no_job_used(
+    pipeline: tuple[Transfer, Log], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    transfer, log = pipeline
+    waited: list[str] = []
+    monkeypatch.setattr(FakeEvent, "synchronize", lambda self: waited.append(self.name))
+    transfer._copy_in_ahead(HOST_BLOCKS)
+    ahead_event = log[1][2]
+    transfer._jobs = queue.SimpleQueue()
+    transfer._threads = []
+    transfer.close()  # the pool is unpinned next: the copy must have ended
+    assert waited == [ahead_event]

@@ -79,6 +79,9 @@ class Transfer:
         self._chunk_blocks = max(1, STAGING_BYTES // block_bytes)
         self._jobs: queue.SimpleQueue[CopyJob | _Prestage | None] = queue.SimpleQueue()
         self._last: CopyJob | None = None  # the last job submitted (wait_queued)
+        # A prestage's first chunk, copied in (CUDA only): (staging buffer, its copy's
+        # event, its first host block, its length in blocks).
+        self._prestaged: tuple[int, torch.cuda.Event, int, int] | None = None
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._device.type == "cuda":
             shape = (self._chunk_blocks, *pool.data.shape[1:])
@@ -90,9 +93,6 @@ class Transfer:
             self._free_after: list[torch.cuda.Event | None] = [None, None]
             self._chunks_in_flight: collections.deque[torch.cuda.Event] = collections.deque()
             self._next_stage = 0
-            # A prestage's first chunk, copied in: (staging buffer, its copy's event, its
-            # first host block, its length in blocks).
-            self._prestaged: tuple[int, torch.cuda.Event, int, int] | None = None
             # Gathers/scatters on one stream, host <-> device copies on the other.
             self._gpu_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
             self._copy_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
@@ -132,6 +132,10 @@ class Transfer:
         self._jobs.put(None)
         for thread in self._threads:
             thread.join()
+        if self._prestaged is not None:
+            # A copy ahead that no job used: no thread waits for it, and the pool it reads
+            # is unpinned next (LocalStore.close).
+            self._prestaged[1].synchronize()
 
     def _run(self) -> None:
         if self._device.type == "cuda":
