@@ -74,6 +74,7 @@ class Rounds:
         # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
         # here, read racily by the loop's stats.
         self.d2h_copies = 0
+        self._prestage_failures = 0  # the first is logged with its traceback, the rest not
 
     def _fuse(self, batch: Batch) -> FusedPages:
         """Start the batch's page ids on their way to the host: one concat (and slot
@@ -113,7 +114,7 @@ class Rounds:
         for a large offload batch on a store that queues copies at once, see _head)."""
         prestage = self._caps.prestage
         if batch.kind is _LOAD and prestage is not None:
-            _prestage(prestage, batch.requests, self._reserved)
+            self._prestage(prestage, batch.requests)
         fused = self._fuse(batch)
         self.d2h_copies += fused.d2h_copies
         if fused.copy_done is None:
@@ -167,6 +168,27 @@ class Rounds:
             reserved.difference_update([r.task_id for r in requests])
             plan = plan_load(requests, bad, self._num_pages, page_size, select, gone)
         self._execute(plan, outbox)
+
+    def _prestage(
+        self, prestage: Callable[[Sequence[int]], None], requests: Sequence[Request]
+    ) -> None:
+        """Tell the store which reservations a load batch launches, in launch order
+        (base.Prestages), before its page ids are fused: the store can start the first
+        copy while they land and are checked. A hint: if it fails, the launch copies
+        everything itself, so its error is logged, not raised."""
+        reserved = self._reserved
+        ids = [r.task_id for r in requests if r.task_id in reserved and r.stage is not TERMINAL]
+        if not ids:
+            return
+        try:
+            prestage(ids)
+        except Exception:
+            self._prestage_failures += 1
+            first = self._prestage_failures == 1
+            (log.warning if first else log.debug)(
+                "aiokv: store.prestage failed (%d times); the launch copies all",
+                self._prestage_failures, exc_info=first,
+            )
 
     def _head(self, wanted: Sequence[int]) -> int:
         """How many of an offload batch's ``wanted`` requests to match and launch before
@@ -226,22 +248,6 @@ class Rounds:
             request.task_id, request.mask, request.moved = task_id, mask, moved
             request.stage = LAUNCHED
             launched[task_id] = request
-
-
-def _prestage(
-    prestage: Callable[[Sequence[int]], None], requests: Sequence[Request], reserved: set[int]
-) -> None:
-    """Tell the store which reservations a load batch launches, in launch order
-    (base.Prestages), before its page ids are fused: the store can start the first copy
-    while they land and are checked. A hint: if it fails, the launch copies everything
-    itself, so its error is logged, not raised."""
-    ids = [r.task_id for r in requests if r.task_id in reserved and r.stage is not TERMINAL]
-    if not ids:
-        return
-    try:
-        prestage(ids)
-    except Exception:
-        log.warning("aiokv: store.prestage failed; the launch copies all", exc_info=True)
 
 
 def _own_id(requests: Sequence[Request], stream: Any) -> Callable[[int, int], int | None]:

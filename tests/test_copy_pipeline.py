@@ -188,7 +188,7 @@ def test_a_prestaged_load_scatters_its_first_chunk_from_the_copy_made_ahead(
 ) -> None:
     transfer, log = pipeline
     before = refill_pool(transfer)
-    transfer._copy_in_ahead(HOST_BLOCKS)
+    transfer._copy_in_ahead(HOST_BLOCKS, 7)
     assert log[:2] == [("copy", "copy"), ("copy", "record", log[1][2])]
     ahead_event = log[1][2]
     # The blocks change after the copy ahead (they never do while a match holds them):
@@ -196,7 +196,7 @@ def test_a_prestaged_load_scatters_its_first_chunk_from_the_copy_made_ahead(
     after = refill_pool(transfer)
     del log[:]
     in_flight = transfer._enqueue_chunks(
-        CopyJob([2], False, GPU_PAGES, HOST_BLOCKS, prestaged=True)
+        CopyJob([2], False, GPU_PAGES, HOST_BLOCKS, prestaged=7)
     )
     for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
         expected = before[block] if block in first_chunk() else after[block]
@@ -205,22 +205,27 @@ def test_a_prestaged_load_scatters_its_first_chunk_from_the_copy_made_ahead(
     assert log[0] == ("gather", "upload")  # nothing to copy in before the page ids
     first_scatter = log.index(("gather", "scatter"))
     assert ("gather", "wait", ahead_event) in log[:first_scatter]  # after the copy ahead
+    # The third chunk's copy in reuses the copy ahead's buffer: it waits for the first
+    # chunk's scatter from it (not merely for the copy ahead) before it overwrites it.
+    first_done = log[first_scatter + 1]
+    assert first_done[:2] == ("gather", "record")
+    copies = [i for i, entry in enumerate(log) if entry == ("copy", "copy")]
+    assert log[copies[1] - 1] == ("copy", "wait", first_done[2])
     assert transfer._prestaged is None  # used once
     assert in_flight.done is not None
 
 
-@pytest.mark.parametrize("case", ["not marked", "other blocks"])
+@pytest.mark.parametrize("case", ["not marked", "another prestage's", "other blocks"])
 def test_a_load_that_the_copy_ahead_was_not_for_copies_everything_itself(
     pipeline: tuple[Transfer, Log], case: str,
 ) -> None:
     transfer, log = pipeline
-    transfer._copy_in_ahead(HOST_BLOCKS if case == "not marked" else np.array([27, 28]))
+    transfer._copy_in_ahead(HOST_BLOCKS if case != "other blocks" else np.array([27, 28]), 7)
     ahead_event = log[1][2]
     after = refill_pool(transfer)
     del log[:]
-    transfer._enqueue_chunks(
-        CopyJob([2], False, GPU_PAGES, HOST_BLOCKS, prestaged=case == "other blocks")
-    )
+    tag = {"not marked": 0, "another prestage's": 6, "other blocks": 7}[case]
+    transfer._enqueue_chunks(CopyJob([2], False, GPU_PAGES, HOST_BLOCKS, prestaged=tag))
     for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
         assert torch.equal(page_of(transfer, page), after[block]), (page, block)
     copies = [i for i, entry in enumerate(log) if entry == ("copy", "copy")]
@@ -239,9 +244,9 @@ def test_a_copy_ahead_waits_for_the_last_user_of_its_staging_buffer(
     last_done = transfer._free_after[0].name  # type: ignore[union-attr]
     del log[:]
     # The offload used buffer 0; buffer 1 is next, unused: no wait. Then buffer 0 again.
-    transfer._copy_in_ahead(HOST_BLOCKS)
+    transfer._copy_in_ahead(HOST_BLOCKS, 7)
     assert log[0] == ("copy", "copy")
-    transfer._copy_in_ahead(HOST_BLOCKS)
+    transfer._copy_in_ahead(HOST_BLOCKS, 7)
     assert log[2] == ("copy", "wait", last_done)
 
 
@@ -251,7 +256,7 @@ def test_close_waits_for_a_copy_ahead_that_no_job_used(
     transfer, log = pipeline
     waited: list[str] = []
     monkeypatch.setattr(FakeEvent, "synchronize", lambda self: waited.append(self.name))
-    transfer._copy_in_ahead(HOST_BLOCKS)
+    transfer._copy_in_ahead(HOST_BLOCKS, 7)
     ahead_event = log[1][2]
     transfer._jobs = queue.SimpleQueue()
     transfer._threads = []

@@ -33,7 +33,7 @@ async def test_prestaged_loads_land_bit_exact_and_a_changed_launch_copies_itself
 
     def recording(self: Any, job: Any) -> Any:
         if not job.to_host:
-            jobs.append((job.prestaged, self._prestaged is not None))
+            jobs.append((job.prestaged > 0, self._prestaged is not None))
         return enqueue(self, job)
 
     monkeypatch.setattr(transfer_module.Transfer, "_enqueue_chunks", recording)

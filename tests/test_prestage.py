@@ -96,17 +96,21 @@ async def test_a_bad_load_is_named_to_prestage_but_not_launched(
 
 
 @pytest.mark.asyncio
-async def test_a_failing_prestage_is_only_logged(
+async def test_a_failing_prestage_is_only_logged_and_warned_of_once(
     caches: list[torch.Tensor], caplog: pytest.LogCaptureFixture,
 ) -> None:
     store = Recording(small_store())
     store.raise_in_prestage = True
     async with aiokv.OffloadEngine(store, caches, one_batch(2)) as engine:
-        hits = await offload_then_lookup(engine, 2)
-        loads = await asyncio.gather(engine.load(hits[0], torch.arange(100, 104)),
-                                     engine.load(hits[1], torch.arange(110, 114)))
-    assert [r.loaded_tokens for r in loads] == [TOKENS] * 2
-    assert "store.prestage failed" in caplog.text
+        for _ in range(2):
+            hits = await offload_then_lookup(engine, 2)
+            loads = await asyncio.gather(engine.load(hits[0], torch.arange(100, 104)),
+                                         engine.load(hits[1], torch.arange(110, 114)))
+            assert [r.loaded_tokens for r in loads] == [TOKENS] * 2
+    warnings = [r for r in caplog.records if "store.prestage failed" in r.getMessage()
+                and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].exc_info is not None
+    assert [verb for verb, _ in store.log].count("prestage") == 2
 
 
 @pytest.mark.asyncio
@@ -123,12 +127,15 @@ async def test_stores_without_prestage_are_not_asked(caches: list[torch.Tensor])
 class FakeCopier:
     """Stands in for the local store's load copier: records what it is handed."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: bool = False) -> None:
         self.prestaged: list[list[int]] = []
         self.jobs: list[CopyJob] = []
+        self.fail = fail
 
-    def prestage(self, host_blocks: Int64Array) -> None:
-        self.prestaged.append(host_blocks.tolist())
+    def prestage(self, host_blocks: Int64Array, tag: int) -> None:
+        if self.fail:
+            raise RuntimeError("the copier is gone")
+        self.prestaged.append([tag, *host_blocks.tolist()])
 
     def submit(self, job: CopyJob) -> None:
         self.jobs.append(job)
@@ -151,7 +158,7 @@ def stored_gets(store: aiokv.LocalStore, users: int) -> list[tuple[int, Any]]:
     return [store.get_match(np.arange(TOKENS, dtype=np.int64), [f"k{u}"]) for u in range(users)]
 
 
-@pytest.mark.parametrize("launched", ["same", "fewer", "reordered"])
+@pytest.mark.parametrize("launched", ["same", "fewer", "reordered", "copier failed"])
 def test_the_local_store_marks_only_the_prestaged_launch(
     caches: list[torch.Tensor], launched: str,
 ) -> None:
@@ -160,18 +167,23 @@ def test_the_local_store_marks_only_the_prestaged_launch(
     try:
         gets = stored_gets(store, 3)
         ids = [task_id for task_id, _ in gets]
-        copier = FakeCopier()
+        copier = FakeCopier(fail=launched == "copier failed")
         store._load_transfer = copier  # type: ignore[assignment]
-        store.prestage([*ids, 10_000])  # an id it does not know is ignored
         blocks = [store._tasks[t].blocks.tolist() for t in ids]
-        assert copier.prestaged == [blocks[0] + blocks[1] + blocks[2]]
-        chosen = {"same": ids, "fewer": ids[:2], "reordered": ids[::-1]}[launched]
+        if launched == "copier failed":
+            with pytest.raises(RuntimeError):
+                store.prestage(ids)
+        else:
+            store.prestage([*ids, 10_000])  # an id it does not know is ignored
+            (tag, *prestaged), = copier.prestaged
+            assert tag > 0 and prestaged == blocks[0] + blocks[1] + blocks[2]
+        chosen = {"fewer": ids[:2], "reordered": ids[::-1]}.get(launched, ids)
         slots = [np.arange(TOKENS, dtype=np.int64) + (40 + 4 * i) * PAGE_SIZE
                  for i in range(len(chosen))]
         store.launch(chosen, slots)
         (job,) = copier.jobs
-        assert job.prestaged == (launched == "same")
-        assert store._prestaged == []  # a launch consumes it, whatever it launched
+        assert job.prestaged == (tag if launched == "same" else 0)
+        assert store._prestaged == (0, [])  # a launch consumes it, whatever it launched
         store.cancel([t for t in ids if t not in chosen])
     finally:
         store._load_transfer = None

@@ -62,7 +62,9 @@ class LocalStore(TaskEnds):
         self._ids = itertools.count(1)
         # id(CopyJob) -> its tasks, and their common block count (0: they differ)
         self._launched: dict[int, tuple[list[Task], int]] = {}
-        self._prestaged: list[int] = []  # the get task ids of the last prestage
+        # The last prestage: its tag (0: none) and its get task ids, in order.
+        self._prestaged: tuple[int, list[int]] = (0, [])
+        self._prestage_tags = itertools.count(1)
         self._notify: Callable[[], None] | None = None
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
         self._ssd_stats: dict[str, int | float] = {}
@@ -256,7 +258,7 @@ class LocalStore(TaskEnds):
             chosen = loads if task.load is not None else gets if not task.is_put else puts
             chosen.append((task, first))
         check_pages(task_ids, firsts, lasts, page_size, self._gpu_pages)
-        prestaged, self._prestaged = self._prestaged, []
+        (tag, prestaged), self._prestaged = self._prestaged, (0, [])
         # From here on the tasks belong to their job (cancel ignores them, as it does ids
         # it does not know), and try_wait finds them through it.
         deque(map(self._tasks.pop, task_ids), maxlen=0)
@@ -269,7 +271,7 @@ class LocalStore(TaskEnds):
                 size = 0
             slots = np.asarray(concat([first for _, first in chosen]), dtype=np.int64)
             blocks = concat([task.blocks for task in tasks])
-            early = not is_put and [task.task_id for task in tasks] == prestaged
+            early = tag if not is_put and [t.task_id for t in tasks] == prestaged else 0
             self._copy(tasks, is_put, slots // page_size, blocks, size, early)
         for task, first in loads:
             assert task.load is not None and self._link is not None
@@ -277,10 +279,10 @@ class LocalStore(TaskEnds):
 
     def _copy(
         self, tasks: list[Task], to_host: bool, gpu_pages: Int64Array,
-        host_blocks: Int64Array, size: int = 0, prestaged: bool = False,
+        host_blocks: Int64Array, size: int = 0, prestaged: int = 0,
     ) -> CopyJob:
         """Queue one copy job; ``tasks`` (maybe none: a load's chunk) end with it.
-        ``prestaged``: the job's blocks are those of the last prestage, in its order."""
+        ``prestaged``: the tag of the prestage of exactly these blocks, in order (or 0)."""
         job = CopyJob(
             task_ids=[task.task_id for task in tasks],
             to_host=to_host,
@@ -303,15 +305,15 @@ class LocalStore(TaskEnds):
             self._transfer.wait_queued()
 
     def prestage(self, task_ids: Sequence[int]) -> None:
-        """Queue the copy in of the first chunk that a launch of these get tasks (those
-        held in host blocks, in this order) would copy first (base.Prestages). Only on
-        a GPU: there, the load copier moves it into a staging buffer, and the launch of
-        exactly these tasks, next, scatters it from there."""
+        """On a GPU, copy in ahead the first chunk of a launch of these get tasks (those
+        in host blocks, in order; base.Prestages): the launch of exactly them uses it."""
         tasks = [(task_id, self._tasks.get(task_id)) for task_id in task_ids]
         held = [(i, t) for i, t in tasks if t is not None and not t.is_put and t.load is None]
-        self._prestaged = [task_id for task_id, _ in held]
+        self._prestaged = (0, [])
         if self._load_transfer is not None and held:
-            self._load_transfer.prestage(concat([task.blocks for _, task in held]))
+            tag = next(self._prestage_tags)
+            self._load_transfer.prestage(concat([task.blocks for _, task in held]), tag)
+            self._prestaged = (tag, [task_id for task_id, _ in held])  # once it is queued
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are

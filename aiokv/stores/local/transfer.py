@@ -53,8 +53,8 @@ class CopyJob:
     gpu_pages: Int64Array
     host_blocks: Int64Array
     error: str | None = field(default=None)
-    # Its first chunk was copied in ahead, by the prestage just before it (a load).
-    prestaged: bool = False
+    # The tag of the prestage that copied its first chunk in ahead (a load); 0: none.
+    prestaged: int = 0
     # Set once the copy thread has queued every copy of the job on the device (or
     # queued all it can before waiting for the device: it needs the GIL no more until
     # then), has run it (on the CPU), or has given up on it (Transfer.wait_queued).
@@ -80,8 +80,8 @@ class Transfer:
         self._jobs: queue.SimpleQueue[CopyJob | _Prestage | None] = queue.SimpleQueue()
         self._last: CopyJob | None = None  # the last job submitted (wait_queued)
         # A prestage's first chunk, copied in (CUDA only): (staging buffer, its copy's
-        # event, its first host block, its length in blocks).
-        self._prestaged: tuple[int, torch.cuda.Event, int, int] | None = None
+        # event, its first host block, its length in blocks, the prestage's tag).
+        self._prestaged: tuple[int, torch.cuda.Event, int, int, int] | None = None
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._device.type == "cuda":
             shape = (self._chunk_blocks, *pool.data.shape[1:])
@@ -113,11 +113,11 @@ class Transfer:
         self._last = job
         self._jobs.put(job)
 
-    def prestage(self, host_blocks: Int64Array) -> None:
+    def prestage(self, host_blocks: Int64Array, tag: int) -> None:
         """Copy in, ahead of its job, the first chunk of a load of ``host_blocks``
-        (LocalStore.prestage); the next job uses it if it is marked ``prestaged``."""
+        (LocalStore.prestage); the next job uses it if it carries ``tag`` (> 0)."""
         if self._device.type == "cuda":
-            self._jobs.put(_Prestage(host_blocks))
+            self._jobs.put(_Prestage(host_blocks, tag))
 
     def wait_queued(self, timeout: float = _QUEUED_WAIT_S) -> bool:
         """Block until the last job submitted is queued on the device (CopyJob.queued);
@@ -134,8 +134,11 @@ class Transfer:
             thread.join()
         if self._prestaged is not None:
             # A copy ahead that no job used: no thread waits for it, and the pool it reads
-            # is unpinned next (LocalStore.close).
-            self._prestaged[1].synchronize()
+            # is unpinned next (LocalStore.close), which must happen whatever this raises.
+            try:
+                self._prestaged[1].synchronize()
+            except Exception:
+                log.exception("aiokv: waiting for a copy ahead at close failed")
 
     def _run(self) -> None:
         if self._device.type == "cuda":
@@ -145,7 +148,7 @@ class Transfer:
         try:
             while (job := self._jobs.get()) is not None:
                 if isinstance(job, _Prestage):
-                    self._copy_in_ahead(job.host_blocks)
+                    self._copy_in_ahead(job.host_blocks, job.tag)
                     continue
                 if self._device.type == "cuda":
                     self._in_flight.put(self._enqueue_cuda(job))
@@ -225,9 +228,9 @@ class Transfer:
         for start, end in contiguous_runs(host_blocks, self._chunk_blocks, self._chunk_starts):
             if (
                 ahead is not None
-                and job.prestaged
+                and job.prestaged == ahead[4]
                 and start == 0
-                and ahead[2:] == (int(host_blocks[0]), end)
+                and ahead[2:4] == (int(host_blocks[0]), end)
             ):
                 which, copied_in = ahead[:2]  # its buffer, already taken from the rotation
             else:
@@ -280,10 +283,11 @@ class Transfer:
         last.record(copy if job.to_host else gpu)
         return _InFlight(job, last, pages)
 
-    def _copy_in_ahead(self, host_blocks: Int64Array) -> None:
+    def _copy_in_ahead(self, host_blocks: Int64Array, tag: int) -> None:
         """Queue the copy in of the first chunk of a load of ``host_blocks`` into the next
         staging buffer (Transfer.prestage). Until a job uses it, the buffer is busy until
         that copy ends: a job that does not use it (its ``free_after``) waits for it."""
+        self._prestaged = None  # an older copy ahead is dropped, used or not
         try:
             _, ordered = in_host_order(host_blocks, host_blocks)
             runs = contiguous_runs(ordered, self._chunk_blocks, self._chunk_starts)
@@ -302,10 +306,14 @@ class Transfer:
             copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record(self._copy_stream)
             self._free_after[which] = copied
-            self._prestaged = (which, copied, first, end)
+            self._prestaged = (which, copied, first, end, tag)
         except Exception:  # a hint: the job copies its first chunk itself
             log.warning("aiokv: copying a load's first chunk ahead failed", exc_info=True)
             self._prestaged = None
+            try:  # a copy queued before the failure may still write a staging buffer
+                self._copy_stream.synchronize()
+            except Exception:
+                log.exception("aiokv: synchronizing the copy stream failed")
 
     def _per_layer(
         self,
@@ -351,6 +359,7 @@ class _Prestage:
     """The copy thread's order to copy in the first chunk of a load of these blocks."""
 
     host_blocks: Int64Array
+    tag: int  # LocalStore's, carried by the job it is for (CopyJob.prestaged)
 
 
 @dataclass(slots=True)
