@@ -178,9 +178,7 @@ def refill_pool(transfer: Transfer) -> dict[int, torch.Tensor]:
     return {int(b): data[int(b)].clone() for b in HOST_BLOCKS}
 
 
-def first_chunk() -> list[int]:
-    """The host blocks of HOST_BLOCKS' first chunk in host order (10-12)."""
-    return [10, 11, 12]
+FIRST_CHUNK = [10, 11, 12]  # HOST_BLOCKS' first chunk in host order
 
 
 def test_a_prestaged_load_scatters_its_first_chunk_from_the_copy_made_ahead(
@@ -199,7 +197,7 @@ def test_a_prestaged_load_scatters_its_first_chunk_from_the_copy_made_ahead(
         CopyJob([2], False, GPU_PAGES, HOST_BLOCKS, prestaged=7)
     )
     for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
-        expected = before[block] if block in first_chunk() else after[block]
+        expected = before[block] if block in FIRST_CHUNK else after[block]
         assert torch.equal(page_of(transfer, page), expected), (page, block)
     assert log.count(("copy", "copy")) == 4  # five chunks, the first copied ahead
     assert log[0] == ("gather", "upload")  # nothing to copy in before the page ids

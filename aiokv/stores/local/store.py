@@ -307,8 +307,8 @@ class LocalStore(TaskEnds):
     def prestage(self, task_ids: Sequence[int]) -> None:
         """On a GPU, copy in ahead the first chunk of a launch of these get tasks (those
         in host blocks, in order; base.Prestages): the launch of exactly them uses it."""
-        tasks = [(task_id, self._tasks.get(task_id)) for task_id in task_ids]
-        held = [(i, t) for i, t in tasks if t is not None and not t.is_put and t.load is None]
+        held = [(task_id, task) for task_id in task_ids
+                if (task := self._tasks.get(task_id)) and not task.is_put and task.load is None]
         self._prestaged = (0, [])
         if self._load_transfer is not None and held:
             tag = next(self._prestage_tags)

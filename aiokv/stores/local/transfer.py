@@ -79,9 +79,7 @@ class Transfer:
         self._chunk_blocks = max(1, STAGING_BYTES // block_bytes)
         self._jobs: queue.SimpleQueue[CopyJob | _Prestage | None] = queue.SimpleQueue()
         self._last: CopyJob | None = None  # the last job submitted (wait_queued)
-        # A prestage's first chunk, copied in (CUDA only): (staging buffer, its copy's
-        # event, its first host block, its length in blocks, the prestage's tag).
-        self._prestaged: tuple[int, torch.cuda.Event, int, int, int] | None = None
+        self._prestaged: _CopiedAhead | None = None  # a prestage's first chunk (CUDA only)
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._device.type == "cuda":
             shape = (self._chunk_blocks, *pool.data.shape[1:])
@@ -136,7 +134,7 @@ class Transfer:
             # A copy ahead that no job used: no thread waits for it, and the pool it reads
             # is unpinned next (LocalStore.close), which must happen whatever this raises.
             try:
-                self._prestaged[1].synchronize()
+                self._prestaged.copied.synchronize()
             except Exception:
                 log.exception("aiokv: waiting for a copy ahead at close failed")
 
@@ -228,11 +226,11 @@ class Transfer:
         for start, end in contiguous_runs(host_blocks, self._chunk_blocks, self._chunk_starts):
             if (
                 ahead is not None
-                and job.prestaged == ahead[4]
+                and job.prestaged == ahead.tag
                 and start == 0
-                and ahead[2:4] == (int(host_blocks[0]), end)
+                and (ahead.first, ahead.count) == (int(host_blocks[0]), end)
             ):
-                which, copied_in = ahead[:2]  # its buffer, already taken from the rotation
+                which, copied_in = ahead.stage, ahead.copied  # already out of the rotation
             else:
                 which, copied_in = self._next_stage, None
                 self._next_stage ^= 1
@@ -306,7 +304,7 @@ class Transfer:
             copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record(self._copy_stream)
             self._free_after[which] = copied
-            self._prestaged = (which, copied, first, end, tag)
+            self._prestaged = _CopiedAhead(which, copied, first, end, tag)
         except Exception:  # a hint: the job copies its first chunk itself
             log.warning("aiokv: copying a load's first chunk ahead failed", exc_info=True)
             self._prestaged = None
@@ -360,6 +358,18 @@ class _Prestage:
 
     host_blocks: Int64Array
     tag: int  # LocalStore's, carried by the job it is for (CopyJob.prestaged)
+
+
+@dataclass(slots=True, frozen=True)
+class _CopiedAhead:
+    """A prestage's first chunk: in staging buffer ``stage`` once ``copied`` fired; host
+    blocks ``first`` to ``first + count``; for the job that carries ``tag``."""
+
+    stage: int
+    copied: Any  # torch.cuda.Event
+    first: int
+    count: int
+    tag: int
 
 
 @dataclass(slots=True)
