@@ -95,6 +95,18 @@ async def test_restarts_are_bounded_then_every_call_fails_for_good() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_child_dead_while_idle_is_restarted_before_the_next_call_even_unnoticed() -> None:
+    """The notice channel's reader thread may not have seen the child's end when the next
+    call comes: the child's exit status alone must start a new one first."""
+    child = child_store()
+    async with aiokv.OffloadEngine(child, make_caches()) as engine:
+        await kill(child)
+        child._notices.closed = False  # as if its reader thread had not run yet
+        assert (await engine.offload(0, pages(0), TOKENS)).stored_tokens == TOKENS
+        assert engine.stats().failed == 0 and engine.stats().store_restarts == 1
+
+
+@pytest.mark.asyncio
 async def test_a_child_killed_under_load_loses_no_future_and_leaks_no_task() -> None:
     caches = make_caches()
     child = child_store()

@@ -270,8 +270,15 @@ class ProcessStore:
 
     def _revive(self) -> None:
         """Start a new child if the one that served died (module docstring): found by a
-        call, or by the notice channel closing (then no call goes to a dead child)."""
-        if self._ended is None and not self._notices.closed:
+        call, by the notice channel closing, or by its exit status (then no call goes to
+        a child known to be dead). The status too: the notice channel's reader thread
+        may not have seen the close yet when the next call comes."""
+        process = self._process
+        if (
+            self._ended is None
+            and not self._notices.closed
+            and (process is None or process.poll() is None)
+        ):
             return
         with self._calling:
             process = self._process
