@@ -1,7 +1,8 @@
 """One batch's store round, on the store thread (:mod:`aiokv.worker` runs it in inbox order).
 
-An offload or load: (a load, on a store that prestages: name its reservations, so the
-store starts the first copy early) fuse the batch's page ids into one host copy
+An offload or load: (on a store that prestages: name a load's reservations, or match an
+offload's first requests and name them with their device page ids, so the store starts
+the first copy early) fuse the batch's page ids into one host copy
 (:func:`aiokv.cuda.fuse_page_ids`, on the copy stream, after the callers' CUDA events),
 wait for it, check page ids, ask the store for its matches (:class:`aiokv.calls.StoreCalls`),
 plan the round (:mod:`aiokv.plans`) and execute it: cancels, then one launch (a large
@@ -21,6 +22,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .batcher import Batch
@@ -112,28 +114,37 @@ class Rounds:
     def move(self, batch: Batch, outbox: Outbox) -> None:
         """Offload (put) or load (get) batch: one launch for everything with work (two
         for a large offload batch on a store that queues copies at once, see _head)."""
-        prestage = self._caps.prestage
-        if batch.kind is _LOAD and prestage is not None:
-            self._prestage(prestage, batch.requests)
-        fused = self._fuse(batch)
-        self.d2h_copies += fused.d2h_copies
-        if fused.copy_done is None:
-            # The KV itself must be written before it is copied. With a device copy there
-            # is no need: _fuse made that copy wait for these events, so its own event
-            # (waited on by fused.wait) fires after them.
-            for event in ready_events(batch.requests):
-                event.synchronize()
-        page_size = self.page_size
-        requests = batch.requests
+        caps, requests, page_size = self._caps, batch.requests, self.page_size
         offload = batch.kind is _OFFLOAD
-        if offload:
-            # Matched while the slots are on their way to the host: the matches need only
-            # token ids, and a lone batch's copy starts that much sooner. A request whose
-            # page ids turn out bad gives its match back (plan_offload).
-            wanted = to_match(requests, ())
-            head = self._head(wanted)
-            answers = self._match_puts(requests, wanted[:head] if head else wanted)
+        if not offload and caps.prestage is not None:
+            self._prestage(caps.prestage, requests)
+        # Offloads are matched before or while their slots travel to the host: the
+        # matches need only token ids. A request whose page ids turn out bad gives its
+        # match back (plan_offload).
+        answers: list[Any] = []
+        wanted: list[int] = []
+        head = 0
+        early = offload and self._prestages_puts(requests)
         try:
+            if early:
+                # Before: the store starts copying from the callers' device page ids at
+                # once, while they are fused and checked (base.PrestagesPuts).
+                wanted = to_match(requests, ())
+                head = self._head(wanted, early=True)
+                answers = self._match_puts(requests, wanted[:head] if head else wanted)
+                self._prestage_puts(requests, answers)
+            fused = self._fuse(batch)
+            self.d2h_copies += fused.d2h_copies
+            if fused.copy_done is None:
+                # The KV itself must be written before it is copied. With a device copy
+                # there is no need: _fuse made that copy wait for these events, so its own
+                # event (waited on by fused.wait) fires after them.
+                for event in ready_events(requests):
+                    event.synchronize()
+            if offload and not early:  # while the slots are on their way
+                wanted = to_match(requests, ())
+                head = self._head(wanted)
+                answers = self._match_puts(requests, wanted[:head] if head else wanted)
             slots = fused.wait_slots(page_size)
         except BaseException:
             if offload:  # the batch fails (see StoreWorker._handle): its matches go back
@@ -178,10 +189,63 @@ class Rounds:
         everything itself, so its error is logged, not raised."""
         reserved = self._reserved
         ids = [r.task_id for r in requests if r.task_id in reserved and r.stage is not TERMINAL]
-        if not ids:
-            return
+        if ids:
+            self._hint(prestage, ids)
+
+    def _prestages_puts(self, requests: Sequence[Request]) -> bool:
+        """Whether an offload batch is matched and named before its fuse: on a store that
+        prestages puts, with GPU caches, page ids all on the device (else nothing could
+        be named, and the matches had better overlap the slot copy, as without), and a
+        copier that is idle (behind offloads in flight the device is busy anyway, and
+        the wait for the copy ahead would keep this thread from the inbox for as long
+        as those take to queue)."""
+        return (
+            self._caps.prestage_puts is not None
+            and self._copy_stream is not None
+            and all(r.page_ids is not None and not r.page_ids.is_cpu for r in requests)
+            and not self._copier_busy()
+        )
+
+    def _prestage_puts(self, requests: Sequence[Request], answers: Sequence[Any]) -> None:
+        """Name the matched offloads that launch next, with their new pages' device page
+        ids (views of the callers' tensors) and the events those and the KV are ready
+        after (base.PrestagesPuts). Only a batch held on the device whose new pages are
+        one run per request: else the launch could not be the one named, and nothing
+        is named. A hint: if it fails, the launch copies everything itself."""
+        prestage = self._caps.prestage_puts
+        assert prestage is not None
+        page_size = self.page_size
+        ids: list[int] = []
+        pages: list[torch.Tensor] = []
+        named: list[Request] = []
+        for request, answer in zip(requests, answers, strict=True):
+            if not isinstance(answer, tuple):
+                continue  # not matched: not launched
+            page_ids = request.page_ids
+            if page_ids is None or page_ids.is_cpu:
+                return
+            new = np.flatnonzero(answer[1][::page_size])
+            if request.stage is TERMINAL or not len(new):
+                continue  # cancelled by the plan, not launched
+            first, end = int(new[0]), int(new[-1]) + 1
+            if end - first != len(new):
+                return
+            ids.append(answer[0])
+            pages.append(page_ids[first:end])
+            named.append(request)
+        if ids:
+            self._hint(prestage, ids, pages, ready_events(named))
+            if self._caps.wait_queued is not None:
+                # Until the store's copy thread has queued that first chunk: the fuse's
+                # torch calls, next on this thread, would take turns with its calls for
+                # the GIL and delay both.
+                self._hint(self._caps.wait_queued)
+
+    def _hint(self, prestage: Callable[..., None], *args: Any) -> None:
+        """Call a prestage; a failure is logged (the first with its traceback, once as a
+        warning), never raised: the launch then copies everything itself."""
         try:
-            prestage(ids)
+            prestage(*args)
         except Exception:
             self._prestage_failures += 1
             first = self._prestage_failures == 1
@@ -190,7 +254,7 @@ class Rounds:
                 self._prestage_failures, exc_info=first,
             )
 
-    def _head(self, wanted: Sequence[int]) -> int:
+    def _head(self, wanted: Sequence[int], early: bool = False) -> int:
         """How many of an offload batch's ``wanted`` requests to match and launch before
         the rest are matched: 0 (all at once) unless the store queues copies at once
         (``wait_queued``) and matches one request per call, no offload this engine
@@ -198,26 +262,28 @@ class Rounds:
         they copy the other way), and the batch is large
         enough that matching the rest takes longer than starting the first copies; then
         an eighth of them, at least two (their copies must outlast the rest's matching
-        and launch, or the device would wait between the two launches). Not below
+        and launch, or the device would wait between the two launches). A quarter when
+        ``early`` (the head is prestaged): its first copy then starts before the batch
+        is fused, checked and planned, so its copies must outlast those too. Not below
         _SPLIT_FROM: a short head is a partial copy chunk, whose per-layer ops cost
         more than the few matches the split saves."""
         if self._caps.wait_queued is None or self._caps.put_match_many is not None:
             return 0
-        # With copies in flight that the head would queue behind, the device is busy
-        # anyway, and waiting for the copy thread to reach the head could keep this
-        # thread from the inbox for as long as those copies take. On GPU caches the
-        # local store copies each direction on a thread of its own: loads in flight
-        # leave the copy thread out idle, and it queues the head at once. On CPU caches
-        # one thread runs both, so any copy in flight counts.
-        if len(wanted) < _SPLIT_FROM:
+        # With copies in flight that the head would queue behind (_copier_busy), the
+        # device is busy anyway, and waiting for the copy thread to reach the head could
+        # keep this thread from the inbox for as long as those copies take.
+        if len(wanted) < _SPLIT_FROM or self._copier_busy():
             return 0
-        if self._copy_stream is None:  # CPU caches
-            busy = bool(self._launched)
-        else:
-            busy = any(request.kind is _OFFLOAD for request in self._launched.values())
-        if busy:
-            return 0
-        return max(2, len(wanted) // 8)
+        return max(2, len(wanted) // (4 if early else 8))
+
+    def _copier_busy(self) -> bool:
+        """Whether copies this engine launched are in flight that a new offload's would
+        queue behind: on GPU caches offloads (the local store copies each direction on a
+        thread of its own, so loads in flight leave the copy thread out idle), on CPU
+        caches any (one thread runs both)."""
+        if self._copy_stream is None:
+            return bool(self._launched)
+        return any(request.kind is _OFFLOAD for request in self._launched.values())
 
     def _match_puts(self, requests: Sequence[Request], wanted: list[int]) -> list[Any]:
         return self._calls.match(

@@ -101,18 +101,19 @@ def instrument(timeline: Timeline) -> None:
         return original_deliver(self, *args, **kwargs)
 
     resolution.Resolver.deliver = deliver  # type: ignore[method-assign]
-    copy_in_ahead = getattr(local_transfer.Transfer, "_copy_in_ahead", None)  # if the code has it
-    if copy_in_ahead is None:
+    copy_ahead = getattr(local_transfer.Transfer, "_copy_ahead", None)  # if the code has it
+    if copy_ahead is None:
         return
 
-    def timed_copy_in_ahead(self: Any, host_blocks: Any) -> None:
-        timeline.mark("load:prestage")
+    def timed_copy_ahead(self: Any, order: Any) -> None:
+        offload = order.gpu_pages is not None
+        timeline.mark("offload:prestage" if offload else "load:prestage")
         start = torch.cuda.Event(enable_timing=True)
-        start.record(self._copy_stream)
-        copy_in_ahead(self, host_blocks)
-        timeline.gpu.append((False, start, start))  # a load's first GPU op, if it comes first
+        start.record(self._gpu_stream if offload else self._copy_stream)
+        copy_ahead(self, order)
+        timeline.gpu.append((offload, start, start))  # its first GPU op, if it comes first
 
-    local_transfer.Transfer._copy_in_ahead = timed_copy_in_ahead  # type: ignore[attr-defined]
+    local_transfer.Transfer._copy_ahead = timed_copy_ahead  # type: ignore[method-assign]
 
 
 def observe_rounds(timeline: Timeline, rows: list[dict[str, float]]) -> Callable[[str, int], None]:

@@ -1,5 +1,5 @@
 """The local store's CUDA copy pipeline (Transfer._enqueue_chunks, and a load's first chunk
-copied in ahead, Transfer._copy_in_ahead) run on the CPU: its
+moved ahead, CopiesAhead._copy_ahead) run on the CPU: its
 streams and events replaced by ones that log what is queued where, its copies and
 per-layer ops real. CPU ops run at once, so the bytes check the chunking (runs, pinned
 chunk boundaries, host order, the two staging buffers) and the log checks the order the
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import queue
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from aiokv.stores.local import streams as streams_module
 from aiokv.stores.local import transfer as transfer_module
+from aiokv.stores.local.ahead import Prestage
 from aiokv.stores.local.transfer import CopyJob, Transfer
 
 LAYERS, PAGE_SHAPE = 3, (2, 4, 2, 8)  # per layer: [page, k/v, token, head, dim]
@@ -64,20 +67,20 @@ def pipeline(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Transfer, Log]]:
         log.current = stream.name
 
     monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
-    original_on_stream = transfer_module._on_stream
+    original_on_stream = streams_module.on_stream
 
     def on_stream(stream: FakeStream, back: FakeStream, copy: Any, source: torch.Tensor) -> None:
         original_on_stream(stream, back, copy, source)
         log.append((stream.name, "copy"))
         assert log.current == back.name  # switched back for what follows
 
-    monkeypatch.setattr(transfer_module, "_on_stream", on_stream)
+    monkeypatch.setattr(streams_module, "on_stream", on_stream)
 
     def to_device(pages: np.ndarray, device: torch.device) -> torch.Tensor:
         log.append((log.current, "upload"))
         return torch.from_numpy(pages)
 
-    monkeypatch.setattr(transfer_module, "_to_device", to_device)
+    monkeypatch.setattr(streams_module, "to_device", to_device)
     for name in ("gather_layers", "scatter_layers"):
         original = getattr(transfer_module, name)
 
@@ -98,6 +101,10 @@ def pipeline(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Transfer, Log]]:
     transfer._chunks_in_flight = collections.deque()
     transfer._next_stage = 0
     transfer._prestaged = None
+    transfer._last_prestage = None
+    transfer._ahead_done = None
+    transfer._last_queued = None
+    transfer._threads = [threading.current_thread()]  # a live "copy thread"
     transfer._gpu_stream = FakeStream("gather", log)
     transfer._copy_stream = FakeStream("copy", log)
     transfer._graphs = None
@@ -186,7 +193,7 @@ def test_a_prestaged_load_scatters_its_first_chunk_from_the_copy_made_ahead(
 ) -> None:
     transfer, log = pipeline
     before = refill_pool(transfer)
-    transfer._copy_in_ahead(HOST_BLOCKS, 7)
+    transfer._copy_ahead(Prestage(HOST_BLOCKS, 7))
     assert log[:2] == [("copy", "copy"), ("copy", "record", log[1][2])]
     ahead_event = log[1][2]
     # The blocks change after the copy ahead (they never do while a match holds them):
@@ -218,7 +225,7 @@ def test_a_load_that_the_copy_ahead_was_not_for_copies_everything_itself(
     pipeline: tuple[Transfer, Log], case: str,
 ) -> None:
     transfer, log = pipeline
-    transfer._copy_in_ahead(HOST_BLOCKS if case != "other blocks" else np.array([27, 28]), 7)
+    transfer._copy_ahead(Prestage(HOST_BLOCKS if case != "other blocks" else np.array([27, 28]), 7))
     ahead_event = log[1][2]
     after = refill_pool(transfer)
     del log[:]
@@ -242,9 +249,9 @@ def test_a_copy_ahead_waits_for_the_last_user_of_its_staging_buffer(
     last_done = transfer._free_after[0].name  # type: ignore[union-attr]
     del log[:]
     # The offload used buffer 0; buffer 1 is next, unused: no wait. Then buffer 0 again.
-    transfer._copy_in_ahead(HOST_BLOCKS, 7)
+    transfer._copy_ahead(Prestage(HOST_BLOCKS, 7))
     assert log[0] == ("copy", "copy")
-    transfer._copy_in_ahead(HOST_BLOCKS, 7)
+    transfer._copy_ahead(Prestage(HOST_BLOCKS, 7))
     assert log[2] == ("copy", "wait", last_done)
 
 
@@ -254,9 +261,153 @@ def test_close_waits_for_a_copy_ahead_that_no_job_used(
     transfer, log = pipeline
     waited: list[str] = []
     monkeypatch.setattr(FakeEvent, "synchronize", lambda self: waited.append(self.name))
-    transfer._copy_in_ahead(HOST_BLOCKS, 7)
+    transfer._copy_ahead(Prestage(HOST_BLOCKS, 7))
     ahead_event = log[1][2]
     transfer._jobs = queue.SimpleQueue()
     transfer._threads = []
     transfer.close()  # the pool is unpinned next: the copy must have ended
     assert waited == [ahead_event]
+
+
+# An offload's copy ahead: the first chunk in host order (blocks 10-12, at positions
+# 10, 9, 8 of the job) gathered from the callers' device page ids, per task.
+def offload_prestage(tag: int = 7) -> Prestage:
+    pages = torch.from_numpy(GPU_PAGES).to(torch.int32)  # callers may hold int32 ids
+    return Prestage(HOST_BLOCKS, tag, [pages[:8], pages[8:]], [FakeEvent(), FakeEvent()])
+
+
+def new_caches(transfer: Transfer) -> None:
+    """New KV in every page (never while its callers wait; here it tells which copy of a
+    page landed in a block: the copy ahead's or the job's own)."""
+    for cache in transfer._caches:
+        cache.copy_(torch.randn_like(cache))
+
+
+def test_a_prestaged_offload_gathers_its_first_chunk_ahead_and_its_job_skips_it(
+    pipeline: tuple[Transfer, Log],
+) -> None:
+    transfer, log = pipeline
+    order = offload_prestage()
+    transfer._copy_ahead(order)
+    assert order.handled.is_set()
+    ready = [event.name for event in order.ready]
+    gather = log.index(("gather", "gather"))
+    assert [e for e in log[:gather] if e[1] == "wait"] == [("gather", "wait", r) for r in ready]
+    assert ("gather", "upload") in log[:gather]  # host order is not task order here
+    copied = log[-1]
+    assert copied[:2] == ("copy", "record") and log[-2] == ("copy", "copy")
+    before = {page: page_of(transfer, page).clone() for page in GPU_PAGES.tolist()}
+    for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
+        if block in FIRST_CHUNK:  # copied ahead; the rest not yet
+            assert torch.equal(block_of(transfer, block), before[page]), (page, block)
+        else:
+            assert not block_of(transfer, block).any(), block
+    new_caches(transfer)
+    del log[:]
+    in_flight = transfer._enqueue_chunks(
+        CopyJob([1, 2], True, GPU_PAGES, HOST_BLOCKS, prestaged=7)
+    )
+    for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
+        expected = before[page] if block in FIRST_CHUNK else page_of(transfer, page)
+        assert torch.equal(block_of(transfer, block), expected), (page, block)
+    gathers = [i for i, entry in enumerate(log) if entry == ("gather", "gather")]
+    assert len(gathers) == log.count(("copy", "copy")) == 4  # five chunks, one ahead
+    # The job's second chunk takes the other buffer; its third the copy ahead's, after
+    # that buffer's copy out ended.
+    assert ("gather", "wait", copied[2]) not in log[: gathers[0]]
+    assert log[gathers[1] - 1] == ("gather", "wait", copied[2])
+    assert transfer._prestaged is None
+    assert in_flight.done is not None and log[-1] == ("copy", "record", in_flight.done.name)
+
+
+def test_an_offload_copy_ahead_clamps_unchecked_page_ids_into_the_caches(
+    pipeline: tuple[Transfer, Log],
+) -> None:
+    transfer, log = pipeline
+    blocks = np.array([27, 28, 29], dtype=np.int64)  # ascending: pages in task order
+    pages = torch.tensor([PAGES + 500, -3, 6])
+    transfer._copy_ahead(Prestage(blocks, 7, [pages[:1], pages[1:]]))
+    assert ("gather", "upload") not in log
+    for block, page in zip(blocks.tolist(), [PAGES - 1, 0, 6], strict=True):
+        assert torch.equal(block_of(transfer, block), page_of(transfer, page)), block
+
+
+@pytest.mark.parametrize("case", ["not marked", "another prestage's"])
+def test_an_offload_that_the_copy_ahead_was_not_for_copies_everything_itself(
+    pipeline: tuple[Transfer, Log], case: str,
+) -> None:
+    transfer, log = pipeline
+    transfer._copy_ahead(offload_prestage())
+    new_caches(transfer)
+    del log[:]
+    tag = {"not marked": 0, "another prestage's": 6}[case]
+    transfer._enqueue_chunks(CopyJob([1, 2], True, GPU_PAGES, HOST_BLOCKS, prestaged=tag))
+    for page, block in zip(GPU_PAGES.tolist(), HOST_BLOCKS.tolist(), strict=True):
+        assert torch.equal(block_of(transfer, block), page_of(transfer, page)), (page, block)
+    assert log.count(("gather", "gather")) == log.count(("copy", "copy")) == 5
+    assert transfer._prestaged is None
+
+
+def test_settle_ahead_and_wait_queued_return_once_the_copy_ahead_was_queued(
+    pipeline: tuple[Transfer, Log], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    transfer, log = pipeline
+    waited: list[str] = []
+    monkeypatch.setattr(FakeEvent, "synchronize", lambda self: waited.append(self.name))
+    transfer.settle_ahead()  # none queued: nothing to wait for
+    monkeypatch.setattr(transfer, "_device", torch.device("cuda"))  # prestage queues it
+    transfer._jobs = queue.SimpleQueue()
+    pages = offload_prestage().gpu_pages
+    assert pages is not None
+    transfer.prestage(HOST_BLOCKS, 7, pages)
+    order = transfer._jobs.get_nowait()
+    assert not transfer.wait_queued(timeout=0)  # an engine waits for it before its fuse
+    copier = threading.Timer(0.05, transfer._copy_ahead, [order])
+    copier.start()
+    transfer.settle_ahead()  # waits for the copy thread, then for the device
+    assert order.handled.is_set() and transfer.wait_queued(timeout=0)
+    assert waited == [log[-1][2]]  # the copy out's event
+    copier.join()
+
+
+def log_stream_waits(transfer: Transfer, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the streams ``synchronize``d from now on, in order."""
+    synchronized: list[str] = []
+    for stream in (transfer._gpu_stream, transfer._copy_stream):
+        monkeypatch.setattr(stream, "synchronize", lambda s=stream: synchronized.append(s.name),
+                            raising=False)
+    return synchronized
+
+
+def test_a_failing_copy_ahead_is_dropped_and_still_handled(
+    pipeline: tuple[Transfer, Log], monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    transfer, _ = pipeline
+    synchronized = log_stream_waits(transfer, monkeypatch)
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("gather failed")
+
+    monkeypatch.setattr(transfer, "_per_layer", broken)
+    order = offload_prestage()
+    transfer._copy_ahead(order)
+    assert order.handled.is_set() and transfer._prestaged is None
+    assert sorted(synchronized) == ["copy", "gather"]
+    assert "copying a first chunk ahead failed" in caplog.text
+
+
+def test_settle_ahead_does_not_wait_forever_for_a_dead_copy_thread(
+    pipeline: tuple[Transfer, Log], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    transfer, _ = pipeline
+    synchronized = log_stream_waits(transfer, monkeypatch)
+    monkeypatch.setattr(transfer, "_device", torch.device("cuda"))
+    transfer._jobs = queue.SimpleQueue()
+    transfer.prestage(HOST_BLOCKS, 7, [torch.from_numpy(GPU_PAGES)])  # never handled
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    transfer._threads = [dead]
+    transfer.settle_ahead()  # returns: what the thread queued before it died is waited for
+    assert sorted(synchronized) == ["copy", "gather"]

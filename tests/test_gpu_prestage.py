@@ -1,7 +1,7 @@
-"""On a GPU: a load batch's first chunk, copied in ahead (LocalStore.prestage), lands bit
-for bit where the launch puts it, across several chunks; a batch whose launch differs
-from its prestage (a request with a bad page id) copies everything itself. Skipped
-without CUDA."""
+"""On a GPU: a load batch's first chunk, copied in ahead (LocalStore.prestage), and an
+offload batch's, gathered ahead (LocalStore.prestage_puts), land bit for bit where the
+launch puts them, across several chunks; a batch whose launch differs from its prestage
+(a request with a bad page id) copies everything itself. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -70,3 +70,65 @@ async def test_prestaged_loads_land_bit_exact_and_a_changed_launch_copies_itself
     # The first load job used its copy ahead; the second, launched without the bad
     # request, found one waiting and was not the one it was meant for.
     assert jobs == [(True, True), (False, True)]
+
+
+@pytest.mark.asyncio
+async def test_prestaged_offloads_land_bit_exact_and_a_bad_page_fails_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Offload rounds whose first chunk is gathered ahead from the callers' device page
+    ids (LocalStore.prestage_puts), loaded back and compared: all good (int32 ids); one
+    request with a page id out of range (it fails alone, its blocks given back after the
+    copy ahead that wrote them, clamped); and a batch of 16, whose head is named."""
+    device = torch.device("cuda")
+    block_bytes = LAYERS * 2 * PAGE_SIZE * HEADS * HEAD_DIM * 4
+    monkeypatch.setattr(transfer_module, "STAGING_BYTES", 4 * block_bytes)
+    jobs: list[tuple[int, bool]] = []  # (tasks, prestaged)
+    enqueue = transfer_module.Transfer._enqueue_chunks
+
+    def recording(self: Any, job: Any) -> Any:
+        if job.to_host:
+            jobs.append((len(job.task_ids), job.prestaged > 0))
+        return enqueue(self, job)
+
+    monkeypatch.setattr(transfer_module.Transfer, "_enqueue_chunks", recording)
+    caches = [torch.randn(PAGES, 2, PAGE_SIZE, HEADS, HEAD_DIM, device=device)
+              for _ in range(LAYERS)]
+    # Each round's calls come in one loop iteration, well inside the window; a batch of
+    # 16 is dispatched full at once.
+    config = aiokv.EngineConfig(window_us=2000, max_batch_requests=16)
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.05))
+    rounds = [(USERS, PAGES_EACH, None, torch.int32), (USERS, PAGES_EACH, 1, torch.int64),
+              (16, 2, None, torch.int64)]
+    async with aiokv.OffloadEngine(store, caches, config) as engine:
+        for number, (users, pages_each, bad_user, dtype) in enumerate(rounds):
+            tokens = pages_each * PAGE_SIZE
+            keys = [f"r{number}u{u}" for u in range(users)]
+            sources = [torch.arange(pages_each * (u + 1) - 1, pages_each * u - 1, -1,
+                                    device=device, dtype=dtype) for u in range(users)]
+            if bad_user is not None:
+                sources[bad_user][1] = PAGES + 7
+            results = await asyncio.gather(
+                *(engine.offload(key, pages, tokens) for key, pages in zip(keys, sources,
+                                                                          strict=True)),
+                return_exceptions=True,
+            )
+            targets = [torch.arange(160 + pages_each * u, 160 + pages_each * (u + 1),
+                                    device=device) for u in range(users)]
+            for u in range(users):
+                if u == bad_user:
+                    assert isinstance(results[u], aiokv.InvalidRequest)
+                    assert (await engine.lookup(keys[u], tokens)).cached_tokens == 0
+                    continue
+                hit = await engine.lookup(keys[u], tokens)
+                loaded = await engine.load(hit, targets[u])
+                assert loaded.loaded_tokens == tokens
+                for layer, cache in enumerate(caches):
+                    assert torch.equal(cache[targets[u]], cache[sources[u].long()]), (u, layer)
+            stats = engine.stats()
+            assert stats.store_tasks_open == 0
+        used = store.num_blocks - store.free_blocks  # every request answered: at rest
+    assert used == (USERS + USERS - 1) * PAGES_EACH + 16 * 2  # the bad request's given back
+    # Round 1: one job, prestaged. Round 2: the launch lacks the bad request, so its job
+    # copies everything itself. Round 3: the head (a quarter) prestaged, then the rest.
+    assert jobs == [(USERS, True), (USERS - 1, False), (4, True), (12, False)]

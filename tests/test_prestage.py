@@ -7,8 +7,9 @@ nothing but the head start."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -125,17 +126,28 @@ async def test_stores_without_prestage_are_not_asked(caches: list[torch.Tensor])
 
 
 class FakeCopier:
-    """Stands in for the local store's load copier: records what it is handed."""
+    """Stands in for one of the local store's copiers: records what it is handed."""
 
     def __init__(self, fail: bool = False) -> None:
         self.prestaged: list[list[int]] = []
+        self.pages: list[Sequence[torch.Tensor] | None] = []
         self.jobs: list[CopyJob] = []
         self.fail = fail
+        self.settled: list[int] = []  # the store's free blocks at each settle_ahead
+        self.store: aiokv.LocalStore | None = None
 
-    def prestage(self, host_blocks: Int64Array, tag: int) -> None:
+    def prestage(
+        self, host_blocks: Int64Array, tag: int,
+        gpu_pages: Sequence[torch.Tensor] | None = None, ready: Sequence[Any] = (),
+    ) -> None:
         if self.fail:
             raise RuntimeError("the copier is gone")
         self.prestaged.append([tag, *host_blocks.tolist()])
+        self.pages.append(gpu_pages)
+
+    def settle_ahead(self) -> None:
+        assert self.store is not None
+        self.settled.append(self.store.free_blocks)
 
     def submit(self, job: CopyJob) -> None:
         self.jobs.append(job)
@@ -188,3 +200,206 @@ def test_the_local_store_marks_only_the_prestaged_launch(
     finally:
         store._load_transfer = None
         store.close()
+
+
+@contextlib.contextmanager
+def store_with_fake_copiers(
+    caches: list[torch.Tensor], gpu: bool = True,
+) -> Iterator[tuple[aiokv.LocalStore, FakeCopier]]:
+    """A registered local store whose offload copier is a FakeCopier (and, as on a GPU,
+    a load copier of its own, unless not ``gpu``)."""
+    store = small_store()
+    store.register(caches)
+    real = store._transfer
+    copier = FakeCopier()
+    copier.store = store
+    try:
+        store._transfer = copier  # type: ignore[assignment]
+        store._load_transfer = FakeCopier() if gpu else None  # type: ignore[assignment]
+        yield store, copier
+    finally:
+        store._transfer, store._load_transfer = real, None
+        store.close()
+
+
+@pytest.mark.parametrize("launched", ["same", "fewer", "pages mismatch", "no GPU"])
+def test_the_local_store_marks_only_the_prestaged_put_launch_and_settles_its_cancels(
+    caches: list[torch.Tensor], launched: str,
+) -> None:
+    with store_with_fake_copiers(caches, gpu=launched != "no GPU") as (store, copier):
+        puts = [store.put_match(np.arange(TOKENS, dtype=np.int64) + u, [f"p{u}"])
+                for u in range(3)]
+        ids = [task_id for task_id, _ in puts]
+        pages = [torch.arange(4 * u, 4 * u + 4) for u in range(3)]
+        if launched == "pages mismatch":
+            pages[1] = pages[1][:3]
+        store.prestage_puts(ids, pages, [])
+        if launched in ("pages mismatch", "no GPU"):
+            assert copier.prestaged == [] and store._prestaged_puts == (0, [])
+        else:
+            (tag, *prestaged), = copier.prestaged
+            assert prestaged == np.concatenate([store._tasks[t].blocks for t in ids]).tolist()
+            assert copier.pages == [pages]
+        chosen = ids[:2] if launched == "fewer" else ids
+        store.launch(chosen, [np.arange(TOKENS, dtype=np.int64) + 4 * PAGE_SIZE * i
+                              for i in range(len(chosen))])
+        (job,) = copier.jobs
+        assert job.prestaged == (tag if launched == "same" else 0)
+        free = store.free_blocks
+        store.cancel(ids[2:] if launched != "same" else [])
+        if launched == "fewer":
+            # The copy ahead may still write the cancelled task's blocks: settled first.
+            assert copier.settled == [free] and store.free_blocks == free + 4
+        else:
+            assert copier.settled == []
+
+
+def rounds_with(prestage_puts: Any, wait_queued: Any = None) -> Any:
+    from aiokv.rounds import Rounds
+
+    caps = Capabilities(prestage_puts=prestage_puts, wait_queued=wait_queued)
+    rounds = Rounds(
+        FakeStore(PAGE_SIZE), caps, None, None,  # type: ignore[arg-type]
+        256, None, {}, set(), None, lambda task_id: None,  # type: ignore[arg-type]
+    )
+    rounds.page_size = PAGE_SIZE
+    return rounds
+
+
+def offload_request(pages: torch.Tensor, event: object = None) -> Any:
+    from aiokv.requests import Kind, Request
+
+    future: Any = None
+    return Request(Kind.OFFLOAD, 0, future, TOKENS, None, (), pages, 4, event)
+
+
+def page_mask(*new: int) -> Any:
+    mask = np.zeros(TOKENS, dtype=np.bool_)
+    for page in new:
+        mask[page * PAGE_SIZE : (page + 1) * PAGE_SIZE] = True
+    return mask
+
+
+def test_an_offload_round_names_each_launch_with_its_new_pages_device_ids() -> None:
+    from aiokv.requests import TERMINAL
+
+    named: list[tuple[Any, ...]] = []
+    rounds = rounds_with(lambda *args: named.append(args), lambda: named.append(("queued",)))
+    device = [torch.arange(10 * u, 10 * u + 6, device="meta") for u in range(5)]
+    events = [object(), object()]
+    requests = [offload_request(device[u], events[u % 2]) for u in range(5)]
+    requests[3].stage = TERMINAL  # left since its match: the plan cancels it
+    answers = [(11, page_mask(2, 3)), None, (13, page_mask(0, 1, 2, 3)), (14, page_mask(1)),
+               (15, page_mask())]  # 1: not matched; 15: nothing new, cancelled
+    rounds._prestage_puts(requests, answers)
+    (ids, pages, ready), queued = named  # then waits for the store to queue the copy
+    assert queued == ("queued",)
+    assert ids == [11, 13]
+    # Views of the callers' own tensors, at their new pages: no copy, no kernel.
+    assert [(p.storage_offset(), len(p)) for p in pages] == [(2, 2), (0, 4)]
+    assert ready == [events[0]]  # both named requests' (one caller stream)
+
+
+@pytest.mark.parametrize("case", ["a hole", "pages on the host", "nothing new"])
+def test_an_offload_round_the_launch_could_not_match_is_not_named(case: str) -> None:
+    named: list[tuple[Any, ...]] = []
+    rounds = rounds_with(lambda *args: named.append(args), lambda: named.append(("queued",)))
+    requests = [offload_request(torch.arange(6, device="meta")) for _ in range(2)]
+    answers: list[Any] = [(11, page_mask(0, 1)), (12, page_mask(0, 2) if case == "a hole"
+                                                  else page_mask(1))]
+    if case == "pages on the host":
+        requests[1].page_ids = torch.arange(6)
+    if case == "nothing new":
+        answers = [(11, page_mask()), None]
+    rounds._prestage_puts(requests, answers)
+    assert named == []
+
+
+def test_a_failing_offload_prestage_is_only_logged(caplog: pytest.LogCaptureFixture) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("prestage broke")
+
+    rounds = rounds_with(broken)
+    requests = [offload_request(torch.arange(6, device="meta"))]
+    for _ in range(2):
+        rounds._prestage_puts(requests, [(11, page_mask(0))])
+    assert [r.levelname for r in caplog.records if "prestage failed" in r.getMessage()] == [
+        "WARNING"]
+
+
+def test_an_offload_round_is_named_early_only_on_gpu_caches_with_the_copier_idle() -> None:
+    from types import SimpleNamespace
+
+    from aiokv.requests import Kind
+
+    rounds = rounds_with(lambda *args: None)
+    requests = [offload_request(torch.arange(6, device="meta")) for _ in range(2)]
+    assert not rounds._prestages_puts(requests)  # CPU caches: nothing to gather ahead
+    rounds._copy_stream = object()  # GPU caches
+    assert rounds._prestages_puts(requests)
+    assert not rounds._prestages_puts([*requests, offload_request(torch.arange(6))])
+    rounds._launched[5] = SimpleNamespace(kind=Kind.LOAD)  # loads copy the other way
+    assert rounds._prestages_puts(requests)
+    rounds._launched[6] = SimpleNamespace(kind=Kind.OFFLOAD)  # it would queue behind
+    assert not rounds._prestages_puts(requests)
+    rounds._caps = Capabilities()
+    rounds._launched.clear()
+    assert not rounds._prestages_puts(requests)  # a store without it
+
+
+def test_a_fuse_that_fails_after_an_early_match_gives_every_match_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiokv.batcher import Batch
+    from aiokv.calls import StoreCalls
+    from aiokv.requests import Kind
+
+    store = Recording(CheckingStore(FakeStore(PAGE_SIZE)))
+    cancelled: list[int] = []
+    monkeypatch.setattr(store, "cancel", lambda ids: cancelled.extend(ids), raising=False)
+    named: list[Any] = []
+    rounds = rounds_with(lambda *args: named.append(args))
+    rounds._store, rounds._calls = store, StoreCalls(store, lambda: None)
+    rounds._copy_stream = object()
+
+    def broken(batch: Any) -> None:
+        raise RuntimeError("the slot copy failed")
+
+    monkeypatch.setattr(rounds, "_fuse", broken)
+    requests = [offload_request(torch.arange(6, device="meta")) for _ in range(3)]
+    for u, request in enumerate(requests):
+        request.token_ids = np.arange(TOKENS, dtype=np.int64) + 1000 * u
+    with pytest.raises(RuntimeError, match="slot copy"):
+        rounds.move(Batch(Kind.OFFLOAD, tuple(requests)), [])
+    ((ids, _, _),) = named  # matched and named before the fuse
+    assert len(ids) == 3 and sorted(cancelled) == sorted(ids)
+
+
+def test_a_put_named_by_an_older_prestage_still_waits_for_it_when_cancelled(
+    caches: list[torch.Tensor],
+) -> None:
+    with store_with_fake_copiers(caches) as (store, copier):
+        ids = [store.put_match(np.arange(TOKENS, dtype=np.int64) + u, [f"p{u}"])[0]
+               for u in range(3)]
+        pages = [torch.arange(4 * u, 4 * u + 4) for u in range(3)]
+        store.prestage_puts(ids[:1], pages[:1], [])
+        store.prestage_puts(ids[1:], pages[1:], [])  # the newer one replaces the tag only
+        store.launch(ids[1:], [np.arange(TOKENS, dtype=np.int64) + 4 * PAGE_SIZE * i
+                               for i in range(2)])
+        assert copier.jobs[0].prestaged == copier.prestaged[1][0]
+        fail = [True]
+
+        def settle() -> None:
+            copier.settled.append(store.free_blocks)
+            if fail.pop(0) if fail else False:
+                raise RuntimeError("the device is gone")
+
+        copier.settle_ahead = settle  # type: ignore[method-assign]
+        free = store.free_blocks
+        with pytest.raises(RuntimeError):
+            store.cancel(ids[:1])  # a failed wait frees nothing...
+        assert store.free_blocks == free
+        store.cancel(ids[:1])  # ...and its retry waits again
+        assert copier.settled == [free, free] and store.free_blocks == free + 4
+        store.cancel(ids[:1])  # gone: nothing to wait for
+        assert len(copier.settled) == 2

@@ -141,13 +141,13 @@ class GetMatchesMany(Protocol):
 
 @runtime_checkable
 class QueuesCopies(Protocol):
-    """Blocks until the copies of every launch so far are queued on the device, ready to
-    run (LocalStore: its copy thread has enqueued them, or is waiting for the device to
-    take more). A store with it starts copying a launch at once and matches one request
-    per call, so the engine launches a large offload batch's first requests before it
-    matches the rest (:meth:`aiokv.rounds.Rounds.move`), and waits here in between so
-    that its matching does not hold the GIL while the copy thread queues the first
-    copies."""
+    """Blocks until the copies of every launch (and offload prestage) so far are queued
+    on the device, ready to run (LocalStore: its copy thread has enqueued them, or is
+    waiting for the device to take more). A store with it starts copying a launch at
+    once and matches one request per call, so the engine launches a large offload
+    batch's first requests before it matches the rest (:meth:`aiokv.rounds.Rounds.move`),
+    and waits here in between so that its matching does not hold the GIL while the copy
+    thread queues the first copies."""
 
     def wait_queued(self) -> None: ...
 
@@ -164,6 +164,26 @@ class Prestages(Protocol):
     these tasks, whose blocks their match holds unchanged until then."""
 
     def prestage(self, task_ids: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class PrestagesPuts(Protocol):
+    """The same hint for an offload batch, before its page ids are on the host (GPU
+    caches only): these matched put tasks are launched next, in this order;
+    ``gpu_pages[i]`` holds task i's new pages' GPU page ids (a view of its caller's
+    device tensor: one id per True page of its mask, in order, not yet checked), to be
+    read only after the ``ready`` CUDA events. The store may start copying them out at
+    once (LocalStore: the first chunk, page ids clamped into the caches), so an
+    offload's copy overlaps its batch's slot copy, checks and plan. As with
+    :class:`Prestages`, no task changes state and only the launch of exactly these
+    tasks may count on it; a store must not free a block that such a copy may still
+    write (a cancel of one of them waits for it). On a store that also
+    :class:`QueuesCopies`, the engine waits for that first copy to be queued before it
+    fuses the batch's page ids."""
+
+    def prestage_puts(
+        self, task_ids: Sequence[int], gpu_pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None: ...
 
 
 @runtime_checkable
@@ -221,6 +241,7 @@ OPTIONAL_METHODS = (
     "get_match_many",
     "wait_queued",
     "prestage",
+    "prestage_puts",
     "evict",
     "clear",
     "store_stats",
@@ -240,6 +261,9 @@ class Capabilities:
     get_match_many: Callable[[Queries], MatchAnswers] | None = None
     wait_queued: Callable[[], None] | None = None
     prestage: Callable[[Sequence[int]], None] | None = None
+    prestage_puts: Callable[[Sequence[int], Sequence[torch.Tensor], Sequence[Any]], None] | None = (
+        None
+    )
     evict: Callable[[Sequence[str]], int] | None = None
     clear: Callable[[], int] | None = None
     store_stats: Callable[[], Mapping[str, int | float]] | None = None

@@ -31,6 +31,7 @@ class StoreWrapper:
     get_match_many: Callable[..., list[Any]] | None
     wait_queued: Callable[[], None] | None
     prestage: Callable[[Sequence[int]], None] | None
+    prestage_puts: Callable[[Sequence[int], Sequence[torch.Tensor], Sequence[Any]], None] | None
     evict: Callable[[Sequence[str]], int] | None
     clear: Callable[[], int] | None
     store_stats: Callable[[], Mapping[str, int | float]] | None

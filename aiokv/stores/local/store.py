@@ -2,9 +2,10 @@
 optional SSD tier below (``ssd_cache_gb``).
 
 This module owns the Store protocol's tasks and copy jobs; how a job's end ends its
-tasks is :mod:`.completion`'s, block states, readers and eviction are a tier's
-(:mod:`.blocks`), the GPU <-> host copies the copy threads' (:mod:`.transfer`), and
-moving blocks between the host and the SSD tier the link's (:mod:`.tiering`). All
+tasks is :mod:`.completion`'s, which launch a copy ahead is for :mod:`.prestaging`'s,
+block states, readers and eviction are a tier's (:mod:`.blocks`), the GPU <-> host
+copies the copy threads' (:mod:`.transfer`), and moving blocks between the host and
+the SSD tier the link's (:mod:`.tiering`). All
 metadata is touched only on the caller's thread (the engine's store thread); the copy
 and I/O threads only move bytes and report. That thread holds the GIL for all of it, so
 the bookkeeping is done per task or per copy job with numpy over arrays of blocks and
@@ -28,11 +29,12 @@ from .checks import check_pages
 from .completion import Task, TaskEnds, concat
 from .index import BlockIndex, chain_digests
 from .pool import HostPool
+from .prestaging import Prestaging
 from .tiering import TierLink
 from .transfer import CopyJob, Transfer
 
 
-class LocalStore(TaskEnds):
+class LocalStore(TaskEnds, Prestaging):
     """The embedded store. ``LocalStore(StoreConfig(cpu_cache_gb=..., ssd_cache_gb=...,
     ssd_cache_dir=...))``.
 
@@ -62,9 +64,7 @@ class LocalStore(TaskEnds):
         self._ids = itertools.count(1)
         # id(CopyJob) -> its tasks, and their common block count (0: they differ)
         self._launched: dict[int, tuple[list[Task], int]] = {}
-        # The last prestage: its tag (0: none) and its get task ids, in order.
-        self._prestaged: tuple[int, list[int]] = (0, [])
-        self._prestage_tags = itertools.count(1)
+        self._start_prestaging()
         self._notify: Callable[[], None] | None = None
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
         self._ssd_stats: dict[str, int | float] = {}
@@ -258,11 +258,12 @@ class LocalStore(TaskEnds):
             chosen = loads if task.load is not None else gets if not task.is_put else puts
             chosen.append((task, first))
         check_pages(task_ids, firsts, lasts, page_size, self._gpu_pages)
-        (tag, prestaged), self._prestaged = self._prestaged, (0, [])
+        tags = self._launch_tags([t.task_id for t, _ in gets], [t.task_id for t, _ in puts])
         # From here on the tasks belong to their job (cancel ignores them, as it does ids
         # it does not know), and try_wait finds them through it.
         deque(map(self._tasks.pop, task_ids), maxlen=0)
-        for is_put, chosen in ((False, gets), (True, puts)):  # loads first, as the engine
+        # Loads first, as the engine; each job with the tag of its copy ahead (or 0).
+        for is_put, chosen, early in ((False, gets, tags[0]), (True, puts, tags[1])):
             if not chosen:
                 continue
             tasks = [task for task, _ in chosen]
@@ -271,7 +272,6 @@ class LocalStore(TaskEnds):
                 size = 0
             slots = np.asarray(concat([first for _, first in chosen]), dtype=np.int64)
             blocks = concat([task.blocks for task in tasks])
-            early = tag if not is_put and [t.task_id for t in tasks] == prestaged else 0
             self._copy(tasks, is_put, slots // page_size, blocks, size, early)
         for task, first in loads:
             assert task.load is not None and self._link is not None
@@ -298,26 +298,16 @@ class LocalStore(TaskEnds):
         return job
 
     def wait_queued(self) -> None:
-        """Block until the copies of every offload launched so far are queued on the
-        device (base.QueuesCopies): the engine's store thread sleeps here between a
-        large batch's first launch and its remaining matches."""
+        """Block until the copies of every offload launched (or prestaged) so far are
+        queued on the device (base.QueuesCopies): the engine's store thread sleeps here
+        between a large batch's first launch and its remaining matches."""
         if self._transfer is not None:
             self._transfer.wait_queued()
-
-    def prestage(self, task_ids: Sequence[int]) -> None:
-        """On a GPU, copy in ahead the first chunk of a launch of these get tasks (those
-        in host blocks, in order; base.Prestages): the launch of exactly them uses it."""
-        held = [(task_id, task) for task_id in task_ids
-                if (task := self._tasks.get(task_id)) and not task.is_put and task.load is None]
-        self._prestaged = (0, [])
-        if self._load_transfer is not None and held:
-            tag = next(self._prestage_tags)
-            self._load_transfer.prestage(concat([task.blocks for _, task in held]), tag)
-            self._prestaged = (tag, [task_id for task_id, _ in held])  # once it is queued
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are
         ignored (they may have finished already)."""
+        self._settle_puts(task_ids)
         for task_id in task_ids:
             task = self._tasks.pop(task_id, None)
             if task is None:

@@ -10,8 +10,9 @@ and the copy engine sees few, large transfers. Loads run the same pipeline in re
 job's chunks are already queued on the GPU when one job ends (no drain between jobs),
 at most ``MAX_CHUNKS_IN_FLIGHT`` chunks ahead of the copy engine. A full chunk's per-layer
 gathers (or scatters) are one CUDA graph replay (:class:`.graphs.LayerGraphs`) where capture
-succeeded, and a job's pages go in host-block order (:func:`.order.in_host_order`). On the CPU
-the same chunks are gathered and scattered with torch ops, on the copy thread.
+succeeded, and a job's pages go in host-block order (:func:`.order.in_host_order`). A job's
+first chunk may have been moved ahead of its launch (:mod:`.ahead`). On the CPU the same
+chunks are gathered and scattered with torch ops, on the copy thread.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 
 from ..base import Int64Array
+from . import streams
+from .ahead import CopiedAhead, CopiesAhead, Prestage
 from .graphs import LayerGraphs, gather_layers, scatter_layers
 from .order import contiguous_runs, in_host_order
 from .pool import HostPool
@@ -53,7 +56,7 @@ class CopyJob:
     gpu_pages: Int64Array
     host_blocks: Int64Array
     error: str | None = field(default=None)
-    # The tag of the prestage that copied its first chunk in ahead (a load); 0: none.
+    # The tag of the prestage that moved its first chunk ahead (:mod:`.ahead`); 0: none.
     prestaged: int = 0
     # Set once the copy thread has queued every copy of the job on the device (or
     # queued all it can before waiting for the device: it needs the GIL no more until
@@ -61,7 +64,7 @@ class CopyJob:
     queued: threading.Event = field(default_factory=threading.Event)
 
 
-class Transfer:
+class Transfer(CopiesAhead):
     def __init__(
         self,
         kv_caches: Sequence[torch.Tensor],
@@ -77,9 +80,12 @@ class Transfer:
         self._device = self._caches[0].device
         block_bytes = pool.data[0].numel() * pool.data.element_size()
         self._chunk_blocks = max(1, STAGING_BYTES // block_bytes)
-        self._jobs: queue.SimpleQueue[CopyJob | _Prestage | None] = queue.SimpleQueue()
-        self._last: CopyJob | None = None  # the last job submitted (wait_queued)
-        self._prestaged: _CopiedAhead | None = None  # a prestage's first chunk (CUDA only)
+        self._jobs: queue.SimpleQueue[CopyJob | Prestage | None] = queue.SimpleQueue()
+        # Set once the last job submitted, or copy ahead, is queued (wait_queued).
+        self._last_queued: threading.Event | None = None
+        self._prestaged: CopiedAhead | None = None  # a prestage's first chunk (CUDA only)
+        self._last_prestage: Prestage | None = None
+        self._ahead_done: Any = None
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._device.type == "cuda":
             shape = (self._chunk_blocks, *pool.data.shape[1:])
@@ -108,22 +114,17 @@ class Transfer:
             thread.start()
 
     def submit(self, job: CopyJob) -> None:
-        self._last = job
+        self._last_queued = job.queued
         self._jobs.put(job)
 
-    def prestage(self, host_blocks: Int64Array, tag: int) -> None:
-        """Copy in, ahead of its job, the first chunk of a load of ``host_blocks``
-        (LocalStore.prestage); the next job uses it if it carries ``tag`` (> 0)."""
-        if self._device.type == "cuda":
-            self._jobs.put(_Prestage(host_blocks, tag))
-
     def wait_queued(self, timeout: float = _QUEUED_WAIT_S) -> bool:
-        """Block until the last job submitted is queued on the device (CopyJob.queued);
-        whether it is. The caller's thread sleeps meanwhile, so the copy thread has the
-        GIL to itself while it queues the copies (any other Python thread would take the
-        GIL back at each torch call this thread makes, for up to a switch interval)."""
-        last = self._last
-        return last is None or last.queued.wait(timeout)
+        """Block until the last job submitted (CopyJob.queued), or the last first chunk
+        moved ahead (Prestage.handled), is queued on the device; whether it is. The
+        caller's thread sleeps meanwhile, so the copy thread has the GIL to itself while
+        it queues the copies (any other Python thread would take the GIL back at each
+        torch call this thread makes, for up to a switch interval)."""
+        last = self._last_queued
+        return last is None or last.wait(timeout)
 
     def close(self) -> None:
         """Finish the queued jobs, then stop the threads."""
@@ -145,8 +146,8 @@ class Transfer:
             torch.cuda.set_stream(self._gpu_stream)
         try:
             while (job := self._jobs.get()) is not None:
-                if isinstance(job, _Prestage):
-                    self._copy_in_ahead(job.host_blocks, job.tag)
+                if isinstance(job, Prestage):
+                    self._copy_ahead(job)
                     continue
                 if self._device.type == "cuda":
                     self._in_flight.put(self._enqueue_cuda(job))
@@ -214,14 +215,16 @@ class Transfer:
         pool = self._pool.data
         gpu, copy = self._gpu_stream, self._copy_stream
         gpu_pages, host_blocks = in_host_order(job.gpu_pages, job.host_blocks)
-        # The device's page ids (_to_device). A load needs them only for its first
+        # The device's page ids (streams.to_device). A load needs them only for its first
         # scatter: its first copy in is queued before them, so the copy engine starts
         # while this thread uploads them.
         pages: torch.Tensor | None = None
         if job.to_host:
-            pages = _to_device(gpu_pages, self._device)
+            pages = streams.to_device(gpu_pages, self._device)
         # A prestage's chunk serves this job's first chunk only if it was meant for it (the
-        # same blocks, hence the same first chunk); else it is dropped unused.
+        # same tasks, hence the same blocks and pages); else it is dropped unused (a job
+        # queued after it on these streams runs after it, so an offload's blocks it wrote
+        # are written again where this job owns them).
         ahead, self._prestaged = self._prestaged, None
         for start, end in contiguous_runs(host_blocks, self._chunk_blocks, self._chunk_starts):
             if (
@@ -249,7 +252,9 @@ class Transfer:
             done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             previous = self._free_after[which]
             graphs = self._graphs if end - start == self._chunk_blocks else None
-            if job.to_host:
+            if job.to_host and copied_in is not None:
+                done = copied_in  # gathered and copied out ahead, into these blocks
+            elif job.to_host:
                 assert pages is not None
                 run_pages = pages[start:end]
                 if previous is not None:
@@ -257,7 +262,7 @@ class Transfer:
                 self._per_layer(True, graphs, which, run_pages, stage)
                 ready.record(gpu)
                 copy.wait_event(ready)
-                _on_stream(copy, gpu, host.copy_, stage)
+                streams.on_stream(copy, gpu, host.copy_, stage)
                 done.record(copy)
             else:
                 if copied_in is not None:
@@ -265,10 +270,10 @@ class Transfer:
                 else:
                     if previous is not None:
                         copy.wait_event(previous)
-                    _on_stream(copy, gpu, stage.copy_, host)
+                    streams.on_stream(copy, gpu, stage.copy_, host)
                     ready.record(copy)
                 if pages is None:
-                    pages = _to_device(gpu_pages, self._device)
+                    pages = streams.to_device(gpu_pages, self._device)
                 run_pages = pages[start:end]
                 gpu.wait_event(ready)
                 self._per_layer(False, graphs, which, run_pages, stage)
@@ -280,38 +285,6 @@ class Transfer:
         last = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         last.record(copy if job.to_host else gpu)
         return _InFlight(job, last, pages)
-
-    def _copy_in_ahead(self, host_blocks: Int64Array, tag: int) -> None:
-        """Queue the copy in of the first chunk of a load of ``host_blocks`` into the next
-        staging buffer (Transfer.prestage). Until a job uses it, the buffer is busy until
-        that copy ends: a job that does not use it (its ``free_after``) waits for it."""
-        self._prestaged = None  # an older copy ahead is dropped, used or not
-        try:
-            _, ordered = in_host_order(host_blocks, host_blocks)
-            runs = contiguous_runs(ordered, self._chunk_blocks, self._chunk_starts)
-            if not runs:
-                return
-            end = runs[0][1]
-            which = self._next_stage
-            self._next_stage ^= 1
-            previous = self._free_after[which]
-            if previous is not None:
-                self._copy_stream.wait_event(previous)
-            first = int(ordered[0])
-            source = self._pool.data[first : first + end]
-            _on_stream(self._copy_stream, self._gpu_stream, self._staging[which][:end].copy_,
-                       source)
-            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            copied.record(self._copy_stream)
-            self._free_after[which] = copied
-            self._prestaged = _CopiedAhead(which, copied, first, end, tag)
-        except Exception:  # a hint: the job copies its first chunk itself
-            log.warning("aiokv: copying a load's first chunk ahead failed", exc_info=True)
-            self._prestaged = None
-            try:  # a copy queued before the failure may still write a staging buffer
-                self._copy_stream.synchronize()
-            except Exception:
-                log.exception("aiokv: synchronizing the copy stream failed")
 
     def _per_layer(
         self,
@@ -327,49 +300,6 @@ class Transfer:
             (graphs.gather if to_host else graphs.scatter)(which, pages)
         else:
             (gather_layers if to_host else scatter_layers)(self._caches, pages, stage)
-
-
-def _to_device(pages: Int64Array, device: torch.device) -> torch.Tensor:
-    """``pages`` on ``device``, queued on the current stream (the gather stream).
-
-    Pinned first: to stage a copy from pageable memory, the driver may synchronize with
-    the stream (CUDA's "API synchronization behavior"), and the gather stream holds the
-    previous job's queued chunks: the copy thread would wait for them to drain, and the
-    GPU would idle at the job boundary. From pinned memory the copy is queued like the
-    rest (torch's pinned allocator keeps the buffer until it ran). On (and only used on)
-    the gather stream, so the caching allocator cannot hand this memory out again before
-    those kernels ran."""
-    return torch.from_numpy(pages).pin_memory().to(device, non_blocking=True)
-
-
-def _on_stream(stream: Any, back: Any, copy: Callable[..., Any], source: torch.Tensor) -> None:
-    """``copy(source, non_blocking=True)`` queued on ``stream``; then ``back`` is this
-    thread's current stream again."""
-    torch.cuda.set_stream(stream)
-    try:
-        copy(source, non_blocking=True)
-    finally:
-        torch.cuda.set_stream(back)
-
-
-@dataclass(slots=True)
-class _Prestage:
-    """The copy thread's order to copy in the first chunk of a load of these blocks."""
-
-    host_blocks: Int64Array
-    tag: int  # LocalStore's, carried by the job it is for (CopyJob.prestaged)
-
-
-@dataclass(slots=True, frozen=True)
-class _CopiedAhead:
-    """A prestage's first chunk: in staging buffer ``stage`` once ``copied`` fired; host
-    blocks ``first`` to ``first + count``; for the job that carries ``tag``."""
-
-    stage: int
-    copied: Any  # torch.cuda.Event
-    first: int
-    count: int
-    tag: int
 
 
 @dataclass(slots=True)
