@@ -130,7 +130,7 @@ class Rounds:
                 # Before: the store starts copying from the callers' device page ids at
                 # once, while they are fused and checked (base.PrestagesPuts).
                 wanted = to_match(requests, ())
-                head = self._head(wanted, early=True)
+                head = self._head(wanted)
                 answers = self._match_puts(requests, wanted[:head] if head else wanted)
                 self._prestage_puts(requests, answers)
             fused = self._fuse(batch)
@@ -254,19 +254,18 @@ class Rounds:
                 self._prestage_failures, exc_info=first,
             )
 
-    def _head(self, wanted: Sequence[int], early: bool = False) -> int:
+    def _head(self, wanted: Sequence[int]) -> int:
         """How many of an offload batch's ``wanted`` requests to match and launch before
         the rest are matched: 0 (all at once) unless the store queues copies at once
         (``wait_queued``) and matches one request per call, no offload this engine
         launched is still in flight (a lone batch, or, on GPU caches, one behind loads:
-        they copy the other way), and the batch is large
-        enough that matching the rest takes longer than starting the first copies; then
-        an eighth of them, at least two (their copies must outlast the rest's matching
-        and launch, or the device would wait between the two launches). A quarter when
-        ``early`` (the head is prestaged): its first copy then starts before the batch
-        is fused, checked and planned, so its copies must outlast those too. Not below
-        _SPLIT_FROM: a short head is a partial copy chunk, whose per-layer ops cost
-        more than the few matches the split saves."""
+        they copy the other way), and the batch is large enough that matching the rest
+        takes longer than starting the first copies; then an eighth of them, at least
+        two (their copies must outlast the rest's matching and launch, or the device
+        would wait between the two launches). Prestaged heads too: a quarter, tried for
+        them, starved the batch's later copies beside loads in flight (benchmarks/
+        RESULTS.md). Not below _SPLIT_FROM: a short head is a partial copy chunk, whose
+        per-layer ops cost more than the few matches the split saves."""
         if self._caps.wait_queued is None or self._caps.put_match_many is not None:
             return 0
         # With copies in flight that the head would queue behind (_copier_busy), the
@@ -274,7 +273,7 @@ class Rounds:
         # keep this thread from the inbox for as long as those copies take.
         if len(wanted) < _SPLIT_FROM or self._copier_busy():
             return 0
-        return max(2, len(wanted) // (4 if early else 8))
+        return max(2, len(wanted) // 8)
 
     def _copier_busy(self) -> bool:
         """Whether copies this engine launched are in flight that a new offload's would

@@ -173,8 +173,6 @@ def test_the_head_is_an_eighth_of_a_lone_batch_of_sixteen_or_more() -> None:
         256, None, launched, set(), None, lambda task_id: None,  # type: ignore[arg-type]
     )
     assert [rounds._head(range(n)) for n in (1, 15, 16, 23, 24, 64)] == [0, 0, 2, 2, 3, 8]
-    # Prestaged: its first copy starts before the fuse, so a quarter.
-    assert [rounds._head(range(n), early=True) for n in (15, 16, 23, 64)] == [0, 4, 5, 16]
     launched[6] = SimpleNamespace(kind=Kind.LOAD)
     assert rounds._head(range(64)) == 0  # CPU caches: one copy thread, busy with the load
     rounds._copy_stream = object()  # GPU caches: loads copy the other way, on their own

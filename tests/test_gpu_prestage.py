@@ -130,5 +130,5 @@ async def test_prestaged_offloads_land_bit_exact_and_a_bad_page_fails_alone(
         used = store.num_blocks - store.free_blocks  # every request answered: at rest
     assert used == (USERS + USERS - 1) * PAGES_EACH + 16 * 2  # the bad request's given back
     # Round 1: one job, prestaged. Round 2: the launch lacks the bad request, so its job
-    # copies everything itself. Round 3: the head (a quarter) prestaged, then the rest.
-    assert jobs == [(USERS, True), (USERS - 1, False), (4, True), (12, False)]
+    # copies everything itself. Round 3: the head (two requests) prestaged, then the rest.
+    assert jobs == [(USERS, True), (USERS - 1, False), (2, True), (14, False)]
