@@ -7,7 +7,8 @@ Wraps the engine's stage functions with timestamps (no change to the code under 
 runs lone offload and load batches, and prints the median time of each stage from the
 first submit: the batch reaching the store thread, its slots on the host, the matches,
 the launch, the copy thread queueing the job, its completion, the answers posted and
-resolved, next to the GPU's own span of the job (CUDA events around its queued work)
+resolved, next to the GPU's own span of the job (CUDA events around its queued work;
+not around a first chunk moved ahead of the job, which runs before them)
 and a raw pinned copy of the same bytes measured in the same run: back to back (the
 ratio's base) and alone after a pause, as a lone batch meets the device.
 
