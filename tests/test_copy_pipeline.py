@@ -102,7 +102,6 @@ def pipeline(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Transfer, Log]]:
     transfer._next_stage = 0
     transfer._prestaged = None
     transfer._last_prestage = None
-    transfer._ahead_done = None
     transfer._last_queued = None
     transfer._threads = [threading.current_thread()]  # a live "copy thread"
     transfer._gpu_stream = FakeStream("gather", log)

@@ -57,6 +57,8 @@ class Prestage:
     gpu_pages: Sequence[torch.Tensor] | None = None
     ready: Sequence[Any] = ()
     handled: threading.Event = field(default_factory=threading.Event)  # by the copy thread
+    # An offload's copy out, once queued (the copy thread sets it before ``handled``).
+    copied: Any = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,7 +93,6 @@ class CopiesAhead:
     _last_prestage: Prestage | None  # the last order queued (settle_ahead)
     _last_queued: threading.Event | None  # Transfer.wait_queued's
     _threads: list[threading.Thread]  # the copy thread first
-    _ahead_done: Any  # the last offload copy ahead's event (copy thread writes)
 
     if TYPE_CHECKING:
 
@@ -129,9 +130,10 @@ class CopiesAhead:
                 self._copy_stream.synchronize()  # queued before is on these streams
                 self._gpu_stream.synchronize()
                 return
-        done = self._ahead_done  # the copy thread's write happened before handled was set
-        if done is not None:
-            done.synchronize()
+        # The last copy ahead ran after every older one (the same streams); a failed one
+        # synchronized the streams instead (an offload's order always has blocks).
+        if order.copied is not None:
+            order.copied.synchronize()
 
     def _copy_ahead(self, order: Prestage) -> None:
         """Queue a prestage's first chunk (copy thread). A newer copy ahead drops an
@@ -187,7 +189,7 @@ class CopiesAhead:
             streams.on_stream(copy, gpu, host.copy_, stage)
             copied = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             copied.record(copy)
-            self._ahead_done = copied
+            order.copied = copied
         self._free_after[which] = copied
         return CopiedAhead(which, copied, first, end, order.tag)
 

@@ -85,7 +85,6 @@ class Transfer(CopiesAhead):
         self._last_queued: threading.Event | None = None
         self._prestaged: CopiedAhead | None = None  # a prestage's first chunk (CUDA only)
         self._last_prestage: Prestage | None = None
-        self._ahead_done: Any = None
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._device.type == "cuda":
             shape = (self._chunk_blocks, *pool.data.shape[1:])
