@@ -129,9 +129,7 @@ class Rounds:
             if early:
                 # Before: the store starts copying from the callers' device page ids at
                 # once, while they are fused and checked (base.PrestagesPuts).
-                wanted = to_match(requests, ())
-                head = self._head(wanted)
-                answers = self._match_puts(requests, wanted[:head] if head else wanted)
+                wanted, head, answers = self._match_head(requests)
                 self._prestage_puts(requests, answers)
             fused = self._fuse(batch)
             self.d2h_copies += fused.d2h_copies
@@ -142,9 +140,7 @@ class Rounds:
                 for event in ready_events(requests):
                     event.synchronize()
             if offload and not early:  # while the slots are on their way
-                wanted = to_match(requests, ())
-                head = self._head(wanted)
-                answers = self._match_puts(requests, wanted[:head] if head else wanted)
+                wanted, head, answers = self._match_head(requests)
             slots = fused.wait_slots(page_size)
         except BaseException:
             if offload:  # the batch fails (see StoreWorker._handle): its matches go back
@@ -223,7 +219,7 @@ class Rounds:
                 continue  # not matched: not launched
             page_ids = request.page_ids
             if page_ids is None or page_ids.is_cpu:
-                return
+                return  # its slots come from the host copy only
             new = np.flatnonzero(answer[1][::page_size])
             if request.stage is TERMINAL or not len(new):
                 continue  # cancelled by the plan, not launched
@@ -283,6 +279,14 @@ class Rounds:
         if self._copy_stream is None:
             return bool(self._launched)
         return any(request.kind is _OFFLOAD for request in self._launched.values())
+
+    def _match_head(self, requests: Sequence[Request]) -> tuple[list[int], int, list[Any]]:
+        """An offload batch's requests to match (``wanted``), how many of them form its
+        head (_head: 0 for none), and the answers of the head's matches (all of them
+        without a head)."""
+        wanted = to_match(requests, ())
+        head = self._head(wanted)
+        return wanted, head, self._match_puts(requests, wanted[:head] if head else wanted)
 
     def _match_puts(self, requests: Sequence[Request], wanted: list[int]) -> list[Any]:
         return self._calls.match(
