@@ -42,6 +42,11 @@ def caches() -> list[torch.Tensor]:
     return make_caches()
 
 
+def one_batch(users: int) -> aiokv.EngineConfig:
+    """An engine config whose batches wait for ``users`` requests (or a 10 s window)."""
+    return aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=users)
+
+
 def small_store(cpu_cache_gb: float = 0.01) -> aiokv.LocalStore:
     return aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb))
 

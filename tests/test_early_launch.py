@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import PAGE_SIZE, small_store
+from conftest import PAGE_SIZE, one_batch, small_store
 
 import aiokv
 from aiokv.requests import Kind
@@ -54,10 +54,6 @@ class MatchesMany(Recording):
     def put_match_many(self, queries: Queries) -> MatchAnswers:
         self.log.append(f"put_many:{len(queries)}")
         return [self.inner.put_match(tokens, namespace) for tokens, namespace in queries]
-
-
-def one_batch(users: int) -> aiokv.EngineConfig:
-    return aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=users)
 
 
 def user_pages(user: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import PAGE_SIZE, small_store
+from conftest import PAGE_SIZE, one_batch, small_store
 
 import aiokv
 from aiokv.stores.base import Capabilities, Int64Array, Store
@@ -43,10 +43,6 @@ class Recording(StoreWrapper):
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
         self.log.append(("launch", list(task_ids)))
         super().launch(task_ids, slot_mappings)
-
-
-def one_batch(users: int) -> aiokv.EngineConfig:
-    return aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=users)
 
 
 async def offload_then_lookup(engine: aiokv.OffloadEngine, users: int) -> list[aiokv.Lookup]:
