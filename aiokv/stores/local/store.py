@@ -23,6 +23,8 @@ import torch
 
 from ...config import StoreConfig
 from ...errors import ConfigError
+from ...remote.config import RemoteConfig
+from ...remote.link import RemoteLink
 from ..base import BoolArray, Int64Array, TaskResult
 from .blocks import NO_BLOCKS, READY, Tier
 from .checks import check_pages
@@ -68,6 +70,8 @@ class LocalStore(TaskEnds, Prestaging):
         self._notify: Callable[[], None] | None = None
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
         self._ssd_stats: dict[str, int | float] = {}
+        self._remote: RemoteLink | None = None  # store.remote: Mooncake, below all
+        self._remote_stats: dict[str, int | float] = {}
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -110,6 +114,10 @@ class LocalStore(TaskEnds, Prestaging):
                 )
             else:
                 self._transfer = Transfer(kv_caches, pool, self._job_done)
+            if self._config.remote is not None:  # last: nothing after it can fail
+                remote = RemoteConfig.from_mapping(self._config.remote)
+                self._remote = RemoteLink(remote, self._host, pool, first.dtype, page_size,
+                                          self._wake)
         except BaseException:
             if self._transfer is not None:
                 self._transfer.close()
@@ -149,6 +157,8 @@ class LocalStore(TaskEnds, Prestaging):
         link = self._link
         if link is not None:
             link.drain()
+        if self._remote is not None:
+            self._remote.drain()
         page_size = self.page_size
         key = tuple(namespace)
         digests = chain_digests(token_ids, page_size)
@@ -203,6 +213,9 @@ class LocalStore(TaskEnds, Prestaging):
         if link is not None:
             link.drain()
         key = tuple(namespace)
+        if self._remote is not None:  # a host miss asks Mooncake first
+            self._remote.drain()
+            self._remote.fill(key, token_ids, link.ssd.has if link is not None else None)
         space = host.index.space(key)
         mask = np.zeros(len(token_ids), dtype=np.bool_)
         hit = NO_BLOCKS
@@ -323,6 +336,10 @@ class LocalStore(TaskEnds, Prestaging):
             if transfer is not None:
                 transfer.close()
         self._transfer = self._load_transfer = None
+        if self._remote is not None:
+            self._remote.close()  # before the pool: its memory is registered with Mooncake
+            self._remote_stats = self._remote.stats()
+            self._remote = None
         if self._link is not None:
             self._link.close()
             self._ssd_stats = self._link.stats()  # what it did stays readable
@@ -345,6 +362,8 @@ class LocalStore(TaskEnds, Prestaging):
 
     def _drop(self, namespace: tuple[str, ...] | None) -> int:
         host = self._require_host()
+        if self._remote is not None:
+            self._remote.invalidate(namespace)
         link = self._link
         if link is not None:
             link.drain()
@@ -362,6 +381,7 @@ class LocalStore(TaskEnds, Prestaging):
             **self._bytes,
         }
         stats.update(self._link.stats() if self._link is not None else self._ssd_stats)
+        stats.update(self._remote.stats() if self._remote is not None else self._remote_stats)
         return stats
 
     def set_notify(self, callback: Callable[[], None]) -> None:
