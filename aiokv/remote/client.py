@@ -125,16 +125,21 @@ class RemoteIO:
         """The set-up client, or None (resting, or setup failed now)."""
         if self._client is not None:
             return self._client
-        if self.resting():
-            return None
-        with self._connect_lock:
+        if self.resting() or not self._connect_lock.acquire(blocking=False):
+            return None  # resting, or another thread is connecting: not worth a wait
+        try:
             if self._client is None:
                 self._client = self._connect()
+        finally:
+            self._connect_lock.release()
         return self._client
 
     def _connect(self) -> Any:
         config = self.config
         try:
+            # Mooncake's setup retries an absent master for 90 s; a plain TCP connect
+            # says within the timeout whether one listens.
+            socket.create_connection(config.master_address, config.timeout_ms / 1000).close()
             client = import_store().MooncakeDistributedStore()
             rc = client.setup(
                 _local_hostname(config), config.metadata, 0, config.local_buffer_mb << 20,

@@ -8,7 +8,6 @@ than ignore the section.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -65,6 +64,8 @@ class RemoteConfig:
     def __post_init__(self) -> None:
         if self.backend != "mooncake":
             raise ConfigError(f"{_SECTION}.backend", f"must be mooncake, got {self.backend!r}")
+        if self.master == "":
+            raise ConfigError(f"{_SECTION}.master", 'is required ("host:port" of the master)')
         _host_port(f"{_SECTION}.master", self.master)
         metadata = self.metadata
         if not isinstance(metadata, str) or not (metadata == P2P or "://" in metadata):
@@ -91,8 +92,12 @@ class RemoteConfig:
                                   f"got {value!r}")
 
     @property
+    def master_address(self) -> tuple[str, int]:
+        return _host_port(f"{_SECTION}.master", self.master)
+
+    @property
     def master_host(self) -> str:
-        return _host_port(f"{_SECTION}.master", self.master)[0]
+        return self.master_address[0]
 
     def on_loopback(self) -> bool:
         host = self.master_host
@@ -110,7 +115,5 @@ class RemoteConfig:
             return raw
         from ..config import build_section  # it imports this module
 
-        if isinstance(raw, Mapping) and "master" not in raw:
-            raise ConfigError(f"{_SECTION}.master", 'is required ("host:port" of the master)')
         built: RemoteConfig = build_section(cls, _SECTION, raw)
         return built
