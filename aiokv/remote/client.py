@@ -41,6 +41,7 @@ NO_SPACE = -200  # Mooncake: no segment can take the value now
 _DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
 _MAX_REST_S = 30.0
 _WRITE_BATCH = 64  # blocks per batch_put call
+_MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
 CHECKSUM_BYTES = 8
 
 
@@ -92,7 +93,7 @@ class RemoteIO:
         # One writer each: counts of the writer thread and of the reader thread.
         self.write_stats = {"remote_blocks_written": 0, "remote_bytes_written": 0,
                             "remote_dropped_full": 0, "remote_dropped_down": 0,
-                            "remote_write_errors": 0}
+                            "remote_write_errors": 0, "remote_write_seconds": 0.0}
         self.read_stats = {"remote_checksum_failures": 0, "remote_read_errors": 0}
         self._queue: deque[WriteJob] = deque()
         self._queued = 0  # blocks in _queue
@@ -100,6 +101,8 @@ class RemoteIO:
         self._cond = threading.Condition()
         self._closed = False
         self._finished: deque[Int64Array] = deque()  # written (or dropped): to give back
+        # Writer thread: namespace -> when its markers need asking again before a write.
+        self._checked: dict[str, float] = {}
         self._writer = threading.Thread(target=self._write_loop, name="aiokv-remote-write",
                                         daemon=True)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="aiokv-remote-read")
@@ -120,6 +123,11 @@ class RemoteIO:
 
     def _succeeded(self) -> None:
         self._rest_s = self.config.timeout_ms / 1000
+
+    def client(self) -> Any:
+        """The Mooncake client these calls use (None while not connected): for a
+        benchmark's raw calls side by side with the tier's."""
+        return self._ready()
 
     def _ready(self) -> Any:
         """The set-up client, or None (resting, or setup failed now)."""
@@ -238,6 +246,36 @@ class RemoteIO:
         client.remove_by_regex(pattern, True)  # best effort: the marker already hides them
         return rc == 0
 
+    def _refresh(self, client: Any, namespaces: set[str]) -> bool:
+        """Move past the markers of these namespaces (and of the epoch) that other hosts
+        published, so that a write never lands under a key already invalidated (a new
+        host would otherwise write under epoch 0 after a clear); whether Mooncake
+        answered."""
+        keys, names = self.keys, sorted(namespaces)
+        for _ in range(8):
+            current = [keys.current(ns) for ns in names]
+            epoch = current[0][0]
+            probes = [keys.cleared(epoch + i) for i in range(PROBE)]
+            for ns, (_, generation) in zip(names, current, strict=True):
+                probes += [keys.evicted(ns, generation + i) for i in range(PROBE)]
+            found = client.batch_is_exist(probes)
+            if not self._codes("batch_is_exist", found):
+                return False
+            cleared = _leading_ones(found[:PROBE])
+            moved = bool(cleared)
+            for i, (ns, (_, generation)) in enumerate(zip(names, current, strict=True)):
+                evicted = _leading_ones(found[PROBE * (i + 1) : PROBE * (i + 2)])
+                keys.advance(ns, epoch + cleared, generation + evicted)
+                moved = moved or bool(evicted)
+            if not moved:
+                break
+        # A marker published meanwhile costs at most this long of writes nobody reads.
+        until = time.monotonic() + _MARKERS_FRESH_S
+        if len(self._checked) > 65536:
+            self._checked.clear()
+        self._checked.update(dict.fromkeys(names, until))
+        return True
+
     def _checksum(self, key: str, block: int) -> int:
         digest = xxhash.xxh3_64(key.encode())
         digest.update(self._view(block))
@@ -292,12 +330,14 @@ class RemoteIO:
                     count += len(jobs[-1].blocks)
                 self._queued -= count
                 self._writing = True
+            began = time.monotonic()
             try:
                 self._write(jobs)
             except Exception as exc:  # a bug or the client's: count it, keep the thread
                 self.write_stats["remote_write_errors"] += count
                 log.exception("aiokv: remote tier: a write failed: %s", exc)
             finally:
+                self.write_stats["remote_write_seconds"] += time.monotonic() - began
                 self._finished.extend(job.blocks for job in jobs)
                 with self._cond:
                     self._writing = False
@@ -309,6 +349,11 @@ class RemoteIO:
         count = sum(len(job.blocks) for job in jobs)
         client = self._ready()
         if client is None:
+            stats["remote_dropped_down"] += count
+            return
+        now = time.monotonic()
+        stale = {job.ns for job in jobs if self._checked.get(job.ns, 0.0) < now}
+        if stale and not self._refresh(client, stale):
             stats["remote_dropped_down"] += count
             return
         keys: list[str] = []
