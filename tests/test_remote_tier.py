@@ -156,7 +156,7 @@ def test_a_host_with_another_geometry_never_matches(mooncake: MooncakeServers) -
 def test_a_corrupted_value_is_a_miss_from_there_on(mooncake: MooncakeServers) -> None:
     a = LocalHost(mooncake.master)
     assert a.offload(21) == TOKENS
-    a.close()
+    assert a.close()["remote_blocks_written"] == USER_PAGES
     # Damage the third block's value in place (upsert replaces a value; put keeps it).
     block_shape = (LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM)
     keys = Keys(geometry_tag(block_shape, torch.float32, PAGE_SIZE))

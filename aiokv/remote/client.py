@@ -40,6 +40,7 @@ log = logging.getLogger("aiokv")
 NO_SPACE = -200  # Mooncake: no segment can take the value now
 _DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
 _MAX_REST_S = 30.0
+_CONNECT_WAIT_S = 10.0
 _WRITE_BATCH = 64  # blocks per batch_put call
 _MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
 CHECKSUM_BYTES = 8
@@ -133,8 +134,10 @@ class RemoteIO:
         """The set-up client, or None (resting, or setup failed now)."""
         if self._client is not None:
             return self._client
-        if self.resting() or not self._connect_lock.acquire(blocking=False):
-            return None  # resting, or another thread is connecting: not worth a wait
+        # Another thread may be connecting: wait for it (a connect is bounded by the
+        # probe below, but Mooncake's own setup is not: do not wait for ever).
+        if self.resting() or not self._connect_lock.acquire(timeout=_CONNECT_WAIT_S):
+            return None
         try:
             if self._client is None:
                 self._client = self._connect()

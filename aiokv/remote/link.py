@@ -75,7 +75,8 @@ class RemoteLink:
         self.stats_ = {
             "remote_lookups": 0, "remote_hits": 0, "remote_misses": 0,
             "remote_blocks_read": 0, "remote_bytes_read": 0, "remote_timeouts": 0,
-            "remote_dropped_queue": 0, "remote_invalidation_errors": 0,
+            "remote_dropped_queue": 0, "remote_dropped_resting": 0,
+            "remote_invalidation_errors": 0, "remote_call_errors": 0,
             "remote_lookup_seconds_total": 0.0, "remote_lookup_seconds_max": 0.0,
         }
 
@@ -99,7 +100,7 @@ class RemoteLink:
             if not len(blocks) or space is None:
                 continue
             if io.resting():
-                io.write_stats["remote_dropped_down"] += len(blocks)
+                self.stats_["remote_dropped_resting"] += len(blocks)
                 continue
             # Held first: once queued, the writer may read them at any moment.
             host.readers[blocks] += 1
@@ -187,9 +188,9 @@ class RemoteLink:
             self.stats_["remote_timeouts"] += 1
             self._busy = future
             return None
-        except Exception:  # the client raised: counted, a miss
-            self.io.read_stats["remote_read_errors"] += 1
-            self.io.rest("a read", "an exception")
+        except Exception as exc:  # the client raised: counted, a miss
+            self.stats_["remote_call_errors"] += 1
+            self.io.rest("a call", exc)
             return None
 
     # ---- invalidation ---------------------------------------------------------------
@@ -222,12 +223,13 @@ class RemoteLink:
         stats: dict[str, int | float] = {**self.stats_, **io.write_stats, **io.read_stats}
         stats["remote_write_queue_blocks"] = io.queued_blocks
         stats["remote_dropped_writes"] = (
-            stats["remote_dropped_queue"] + stats["remote_dropped_full"]
-            + stats["remote_dropped_down"]
+            stats["remote_dropped_queue"] + stats["remote_dropped_resting"]
+            + stats["remote_dropped_full"] + stats["remote_dropped_down"]
         )
         stats["remote_errors"] = (
             stats["remote_read_errors"] + stats["remote_write_errors"]
             + stats["remote_timeouts"] + stats["remote_invalidation_errors"]
+            + stats["remote_call_errors"]
         )
         return stats
 
