@@ -159,15 +159,14 @@ class RemoteLink:
         if io.resting() or (self._busy is not None and not self._busy.done()):
             return 0
         ns = self._tag(namespace)
-        keys: list[str] | None = self._wait(io.submit_read(io.leading, ns, wanted))
-        count = min(len(keys or ()), host.available())
+        keys: list[str] = self._wait(io.submit_read(io.leading, ns, wanted)) or []
+        count = min(len(keys), host.available())
         if not count:
             return 0
         try:
             blocks = host.reserve(count)
         except NoSpace:
             return 0
-        assert keys is not None
         future = io.submit_read(io.fetch, keys[:count], blocks.tolist())
         arrived: int | None = self._wait(future)
         if arrived is None:  # it may still write into them: free once it returns
@@ -222,6 +221,7 @@ class RemoteLink:
         io = self.io
         stats: dict[str, int | float] = {**self.stats_, **io.write_stats, **io.read_stats}
         stats["remote_write_queue_blocks"] = io.queued_blocks
+        stats["remote_blocks_held"] = self._held  # host blocks waiting for their write
         stats["remote_dropped_writes"] = (
             stats["remote_dropped_queue"] + stats["remote_dropped_resting"]
             + stats["remote_dropped_full"] + stats["remote_dropped_down"]
