@@ -231,6 +231,28 @@ def test_the_master_going_away_turns_lookups_into_misses(tmp_path: Path) -> None
             b.close()
 
 
+def test_a_store_that_stops_answering_turns_lookups_into_misses(
+    mooncake: MooncakeServers,
+) -> None:
+    a = LocalHost(mooncake.master)
+    assert a.offload(51) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    b = LocalHost(mooncake.master, timeout_ms=300)
+    try:
+        mooncake.pause_store()
+        try:
+            began = time.monotonic()
+            assert b.load(51)[0] == 0  # the values do not come: a miss
+            assert b.load(51)[0] == 0  # and the next one does not queue behind it
+            assert time.monotonic() - began < 5
+        finally:
+            mooncake.pause_store(False)
+        _until(lambda: b.load(51) == (TOKENS, True))
+        assert b.stats()["remote_timeouts"] >= 1
+    finally:
+        b.close()
+
+
 def test_an_engine_starts_and_serves_with_no_master_at_all() -> None:
     host = LocalHost(f"127.0.0.1:{free_port()}", timeout_ms=100)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -82,6 +83,12 @@ class MooncakeServers:
             self._master.kill()
             self._master.wait()
             self._master = None
+
+    def pause_store(self, paused: bool = True) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the store process: a Mooncake that is up
+        but does not answer, as a stalled or swapping host would be."""
+        if self._store is not None:
+            self._store.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
 
     def wait_store_mounted(self, timeout_s: float = 30.0) -> None:
         """Block until the store process's memory takes a put (after a start, or after
