@@ -141,6 +141,25 @@ def test_hosts_share_blocks_and_an_evict_reaches_every_host(mooncake: MooncakeSe
         a.close()
 
 
+def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(mooncake: MooncakeServers) -> None:
+    users = range(61, 69)
+    a = LocalHost(mooncake.master)
+    for user in users:
+        assert a.offload(user) == TOKENS
+    assert a.close()["remote_blocks_written"] == len(users) * USER_PAGES
+    b = LocalHost(mooncake.master)
+    try:
+        hits = [f.result() for f in [b.kv.submit_lookup(user, TOKENS) for user in users]]
+        assert [hit.cached_tokens for hit in hits] == [TOKENS] * len(users)
+        target = torch.arange(PAGES - USER_PAGES, PAGES)
+        for user, hit in zip(users, hits, strict=True):
+            assert b.kv.load(hit, target).loaded_tokens == TOKENS
+            assert all(torch.equal(cache[target], kv)
+                       for cache, kv in zip(b.caches, b.kv_of(user), strict=True))
+    finally:
+        b.close()
+
+
 def test_a_host_with_another_geometry_never_matches(mooncake: MooncakeServers) -> None:
     a = LocalHost(mooncake.master)
     assert a.offload(11) == TOKENS

@@ -21,19 +21,17 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from ..stores.base import Int64Array
 from .config import RemoteConfig
 from .keys import PROBE, Keys
 from .native import import_store
+from .queue import WriteJob, WriteQueue
 
 log = logging.getLogger("aiokv")
 
@@ -55,13 +53,6 @@ def _local_hostname(config: RemoteConfig) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((config.master_host, 9))
         return str(probe.getsockname()[0])
-
-
-@dataclass(slots=True)
-class WriteJob:
-    ns: str
-    digests: list[bytes]
-    blocks: Int64Array
 
 
 class RemoteIO:
@@ -96,12 +87,7 @@ class RemoteIO:
                             "remote_dropped_full": 0, "remote_dropped_down": 0,
                             "remote_write_errors": 0, "remote_write_seconds": 0.0}
         self.read_stats = {"remote_checksum_failures": 0, "remote_read_errors": 0}
-        self._queue: deque[WriteJob] = deque()
-        self._queued = 0  # blocks in _queue
-        self._writing = False
-        self._cond = threading.Condition()
-        self._closed = False
-        self._finished: deque[Int64Array] = deque()  # written (or dropped): to give back
+        self.queue = WriteQueue(config.write_queue_blocks)
         # Writer thread: namespace -> when its markers need asking again before a write.
         self._checked: dict[str, float] = {}
         self._writer = threading.Thread(target=self._write_loop, name="aiokv-remote-write",
@@ -183,36 +169,57 @@ class RemoteIO:
     def submit_read(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
         return self._reader.submit(function, *args)
 
-    def leading(self, ns: str, digests: list[bytes]) -> list[str]:
-        """Keys of the leading blocks Mooncake has for these digests, under the newest
-        epoch and generation of the namespace (learned from the markers on the way)."""
+    def leading(self, items: Sequence[tuple[str, list[bytes]]]) -> list[list[str]]:
+        """Per (namespace, digests): the keys of the leading blocks Mooncake has, under
+        the newest epoch and generation (learned from the markers on the way); all in
+        one ``batch_is_exist``. Empty lists where Mooncake cannot be asked."""
         client = self._ready()
-        if client is None:
-            return []
+        found = None if client is None else self._past_markers(client, items)
+        return found if found is not None else [[] for _ in items]
+
+    def _past_markers(
+        self, client: Any, items: Sequence[tuple[str, list[bytes]]]
+    ) -> list[list[str]] | None:
+        """Ask for the markers past what this host knows of the epoch and of each
+        namespace's generation, and for the items' blocks, in one call; move past the
+        markers found and ask again (rarely). Per item, its leading present keys; None
+        when Mooncake did not answer."""
         keys = self.keys
+        names = sorted({ns for ns, _ in items})
         for _ in range(8):  # each pass moves past at least one marker
-            epoch, generation = keys.current(ns)
-            block_keys = keys.blocks(ns, epoch, generation, digests)
-            found = client.batch_is_exist(keys.probes(ns, epoch, generation) + block_keys)
+            current = {ns: keys.current(ns) for ns in names}
+            epoch = keys.current("")[0]
+            probes = [keys.cleared(epoch + i) for i in range(PROBE)]
+            for ns in names:
+                probes += [keys.evicted(ns, current[ns][1] + i) for i in range(PROBE)]
+            asked = [keys.blocks(ns, epoch, current[ns][1], digests) for ns, digests in items]
+            found = client.batch_is_exist(probes + [key for group in asked for key in group])
             if not self._codes("batch_is_exist", found):
-                return []
+                return None
             if any(code < 0 for code in found):
                 self.read_stats["remote_read_errors"] += 1
-                return []
+                return None
             cleared = _leading_ones(found[:PROBE])
-            evicted = _leading_ones(found[PROBE : 2 * PROBE])
-            if cleared or evicted:
-                keys.advance(ns, epoch + cleared, generation + evicted)
+            moved = bool(cleared)
+            for i, ns in enumerate(names, start=1):
+                evicted = _leading_ones(found[PROBE * i : PROBE * (i + 1)])
+                keys.advance(ns, epoch + cleared, current[ns][1] + evicted)
+                moved = moved or bool(evicted)
+            if moved:
                 continue
-            return block_keys[: _leading_ones(found[2 * PROBE :])]
-        return []
+            answers, at = [], len(probes)
+            for group in asked:
+                answers.append(group[: _leading_ones(found[at : at + len(group)])])
+                at += len(group)
+            return answers
+        return None
 
-    def fetch(self, block_keys: list[str], blocks: list[int]) -> int:
-        """Read the values into these host blocks; how many leading ones arrived whole and
-        passed their checksum."""
+    def fetch(self, block_keys: list[str], blocks: list[int]) -> list[bool]:
+        """Read the values into these host blocks; per key, whether it arrived whole and
+        passed its checksum."""
         client = self._ready()
         if client is None:
-            return 0
+            return [False] * len(blocks)
         size, sums = self.block_bytes, self._sums_base
         got = client.batch_get_into_multi_buffers(
             block_keys,
@@ -220,17 +227,15 @@ class RemoteIO:
             [[size, CHECKSUM_BYTES]] * len(blocks),
         )
         if not self._codes("batch_get_into", got):
-            return 0
+            return [False] * len(blocks)
         whole = size + CHECKSUM_BYTES
-        for i, (key, block, count) in enumerate(zip(block_keys, blocks, got, strict=True)):
-            if count != whole:
-                if count >= 0:  # the wrong size: not ours
-                    self.read_stats["remote_checksum_failures"] += 1
-                return i
-            if self._checksum(key, block) != int(self._sums[block]):
+        ok: list[bool] = []
+        for key, block, count in zip(block_keys, blocks, got, strict=True):
+            good = count == whole and self._checksum(key, block) == int(self._sums[block])
+            if not good and count >= 0:  # damaged, or the wrong size: not ours
                 self.read_stats["remote_checksum_failures"] += 1
-                return i
-        return len(blocks)
+            ok.append(good)
+        return ok
 
     def invalidate(self, ns: str | None, epoch: int, generation: int) -> bool:
         """Publish the marker of the epoch (``ns`` None) or the namespace's generation that
@@ -254,29 +259,13 @@ class RemoteIO:
         published, so that a write never lands under a key already invalidated (a new
         host would otherwise write under epoch 0 after a clear); whether Mooncake
         answered."""
-        keys, names = self.keys, sorted(namespaces)
-        for _ in range(8):
-            current = [keys.current(ns) for ns in names]
-            epoch = current[0][0]
-            probes = [keys.cleared(epoch + i) for i in range(PROBE)]
-            for ns, (_, generation) in zip(names, current, strict=True):
-                probes += [keys.evicted(ns, generation + i) for i in range(PROBE)]
-            found = client.batch_is_exist(probes)
-            if not self._codes("batch_is_exist", found):
-                return False
-            cleared = _leading_ones(found[:PROBE])
-            moved = bool(cleared)
-            for i, (ns, (_, generation)) in enumerate(zip(names, current, strict=True)):
-                evicted = _leading_ones(found[PROBE * (i + 1) : PROBE * (i + 2)])
-                keys.advance(ns, epoch + cleared, generation + evicted)
-                moved = moved or bool(evicted)
-            if not moved:
-                break
+        if self._past_markers(client, [(ns, []) for ns in namespaces]) is None:
+            return False
         # A marker published meanwhile costs at most this long of writes nobody reads.
         until = time.monotonic() + _MARKERS_FRESH_S
         if len(self._checked) > 65536:
             self._checked.clear()
-        self._checked.update(dict.fromkeys(names, until))
+        self._checked.update(dict.fromkeys(namespaces, until))
         return True
 
     def _checksum(self, key: str, block: int) -> int:
@@ -286,65 +275,18 @@ class RemoteIO:
 
     # ---- writes --------------------------------------------------------------------
 
-    def submit_write(self, job: WriteJob) -> bool:
-        """Queue a write; False (nothing queued) when the queue is full or closed."""
-        with self._cond:
-            if self._closed or self._queued + len(job.blocks) > self.config.write_queue_blocks:
-                return False
-            self._queue.append(job)
-            self._queued += len(job.blocks)
-            self._cond.notify()
-        return True
-
-    def cancel_writes(self, ns: str | None) -> list[Int64Array]:
-        """Take the queued writes of a namespace (None: all) back; their blocks."""
-        with self._cond:
-            kept = deque(j for j in self._queue if ns is not None and j.ns != ns)
-            taken = [j.blocks for j in self._queue if ns is None or j.ns == ns]
-            self._queue = kept
-            self._queued = sum(len(j.blocks) for j in kept)
-        return taken
-
-    def wait_writes(self, timeout_s: float) -> bool:
-        """Block until the writer is idle with nothing queued (or the timeout)."""
-        with self._cond:
-            return bool(self._cond.wait_for(lambda: not self._queue and not self._writing,
-                                            timeout_s))
-
-    @property
-    def queued_blocks(self) -> int:
-        return self._queued
-
-    def finished(self) -> list[Int64Array]:
-        """Blocks whose writes ended (written or dropped), each given once."""
-        done = self._finished
-        return [done.popleft() for _ in range(len(done))]
-
     def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
-                if not self._queue:
-                    return
-                jobs: list[WriteJob] = []
-                count = 0
-                while self._queue and count < _WRITE_BATCH:
-                    jobs.append(self._queue.popleft())
-                    count += len(jobs[-1].blocks)
-                self._queued -= count
-                self._writing = True
+        queue = self.queue
+        while (jobs := queue.next_batch(_WRITE_BATCH)) is not None:
             began = time.monotonic()
             try:
                 self._write(jobs)
             except Exception as exc:  # a bug or the client's: count it, keep the thread
-                self.write_stats["remote_write_errors"] += count
+                self.write_stats["remote_write_errors"] += sum(len(j.blocks) for j in jobs)
                 log.exception("aiokv: remote tier: a write failed: %s", exc)
             finally:
                 self.write_stats["remote_write_seconds"] += time.monotonic() - began
-                self._finished.extend(job.blocks for job in jobs)
-                with self._cond:
-                    self._writing = False
-                    self._cond.notify_all()
+                queue.done(jobs)
                 self._wake()
 
     def _write(self, jobs: list[WriteJob]) -> None:
@@ -388,13 +330,13 @@ class RemoteIO:
     def close(self, flush_timeout_s: float) -> None:
         """Finish the queued writes (up to ``flush_timeout_s``; the rest are dropped),
         stop both threads, and let go of Mooncake."""
-        self.wait_writes(flush_timeout_s)
-        dropped = self.cancel_writes(None)
+        queue = self.queue
+        queue.wait_idle(flush_timeout_s)
+        dropped = queue.cancel(None)
         self.write_stats["remote_dropped_down"] += sum(map(len, dropped))
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        queue.close()
         self._writer.join()
+        queue.done([WriteJob("", [], blocks) for blocks in dropped])  # to be given back
         self._reader.shutdown(wait=True)
         client, self._client = self._client, None
         if client is not None:

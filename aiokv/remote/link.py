@@ -30,11 +30,13 @@ from ..stores.base import Int64Array, NoSpace
 from ..stores.local.blocks import Tier
 from ..stores.local.index import chain_digests
 from ..stores.local.pool import HostPool
-from .client import RemoteIO, WriteJob
+from .client import RemoteIO
 from .config import RemoteConfig
 from .keys import Keys, geometry_tag, namespace_tag
 from .native import unavailable
+from .queue import WriteJob
 
+Below = Callable[[tuple[str, ...], list[bytes]], list[bool]] | None
 _CLOSE_FLUSH_S = 10.0  # close() finishes queued writes for this long at most
 
 
@@ -72,6 +74,7 @@ class RemoteLink:
         self._late: list[tuple[Future[Any], Int64Array]] = []  # fetches past their wait
         self._busy: Future[Any] | None = None  # the reader's call that outlived its wait
         self._held = 0  # host blocks held by writes
+        self._asked: set[tuple[str, ...]] = set()  # namespaces asked in this batch
         self.stats_ = {
             "remote_lookups": 0, "remote_hits": 0, "remote_misses": 0,
             "remote_blocks_read": 0, "remote_bytes_read": 0, "remote_timeouts": 0,
@@ -105,7 +108,7 @@ class RemoteLink:
             # Held first: once queued, the writer may read them at any moment.
             host.readers[blocks] += 1
             host.index.make_unevictable(blocks)
-            if io.submit_write(WriteJob(self._tag(space.key), list(task.digests), blocks)):
+            if io.queue.put(WriteJob(self._tag(space.key), list(task.digests), blocks)):
                 self._held += len(blocks)
             else:
                 host.drop_readers(blocks)
@@ -113,7 +116,7 @@ class RemoteLink:
 
     def drain(self) -> None:
         """Give back the blocks of finished writes and of late fetches that returned."""
-        for blocks in self.io.finished():
+        for blocks in self.io.queue.finished():
             self._give_back(blocks)
         if self._late:
             done = [(f, b) for f, b in self._late if f.done()]
@@ -128,56 +131,94 @@ class RemoteLink:
 
     # ---- reads ---------------------------------------------------------------------
 
-    def fill(self, namespace: tuple[str, ...], token_ids: Int64Array,
-             below: Callable[[tuple[str, ...], list[bytes]], list[bool]] | None = None) -> None:
-        """Bring the pages the host tier lacks, from the first one on, into host blocks
-        where Mooncake has them. ``below``: the SSD tier's ``has``; when it holds the
-        first missing page, the SSD path serves the lookup and Mooncake is not asked."""
-        digests = chain_digests(token_ids, self._page_size)
-        space = self._host.index.space(namespace)
-        found = list(map(space.get, digests)) if space is not None else [None] * len(digests)
-        if None not in found:
-            return
-        start = found.index(None)
-        end = next((i for i in range(start, len(found)) if found[i] is not None), len(found))
-        wanted = digests[start:end]
-        if below is not None and below(namespace, wanted[:1])[0]:
+    def fill(self, queries: Sequence[tuple[Int64Array, Sequence[str]]], below: Below = None,
+             batch: bool = False) -> None:
+        """Bring the pages the host tier lacks, from each query's first missing one on,
+        into host blocks where Mooncake has them: one existence call and one read for
+        all the queries. ``below``: the SSD tier's ``has``; a query whose first missing
+        page it holds is left to the SSD path. ``batch``: the queries of a batch of
+        lookups, whose namespaces are then not asked again until :meth:`forget`."""
+        wanted: list[tuple[tuple[str, ...], list[bytes]]] = []
+        for token_ids, namespace in queries:
+            key = tuple(namespace)
+            if key in self._asked:
+                continue
+            if batch:
+                self._asked.add(key)
+            digests = self._missing(key, token_ids)
+            if digests and (below is None or not below(key, digests[:1])[0]):
+                wanted.append((key, digests))
+        if not wanted:
             return
         began = time.monotonic()
-        stats = self.stats_
-        stats["remote_lookups"] += 1
-        arrived = self._fill(namespace, wanted)
+        arrived = self._fill(wanted)
         spent = time.monotonic() - began
+        stats = self.stats_
+        stats["remote_lookups"] += len(wanted)
         stats["remote_lookup_seconds_total"] += spent
         stats["remote_lookup_seconds_max"] = max(stats["remote_lookup_seconds_max"], spent)
-        stats["remote_hits" if arrived else "remote_misses"] += 1
-        stats["remote_blocks_read"] += arrived
-        stats["remote_bytes_read"] += arrived * self.io.block_bytes
+        hits = sum(map(bool, arrived))
+        stats["remote_hits"] += hits
+        stats["remote_misses"] += len(wanted) - hits
+        stats["remote_blocks_read"] += sum(arrived)
+        stats["remote_bytes_read"] += sum(arrived) * self.io.block_bytes
 
-    def _fill(self, namespace: tuple[str, ...], wanted: list[bytes]) -> int:
+    def forget(self) -> None:
+        self._asked.clear()
+
+    def _missing(self, key: tuple[str, ...], token_ids: Int64Array) -> list[bytes]:
+        """The digests of the host tier's first gap in this query's pages."""
+        digests = chain_digests(token_ids, self._page_size)
+        space = self._host.index.space(key)
+        if space is None:
+            return digests
+        found = list(map(space.get, digests))
+        if None not in found:
+            return []
+        start = found.index(None)
+        end = next((i for i in range(start, len(found)) if found[i] is not None), len(found))
+        return digests[start:end]
+
+    def _fill(self, wanted: list[tuple[tuple[str, ...], list[bytes]]]) -> list[int]:
+        """Blocks that arrived, per wanted range."""
         io, host = self.io, self._host
+        none = [0] * len(wanted)
         if io.resting() or (self._busy is not None and not self._busy.done()):
-            return 0
-        ns = self._tag(namespace)
-        keys: list[str] = self._wait(io.submit_read(io.leading, ns, wanted)) or []
-        count = min(len(keys), host.available())
-        if not count:
-            return 0
+            return none
+        asked = [(self._tag(key), digests) for key, digests in wanted]
+        present: list[list[str]] = self._wait(io.submit_read(io.leading, asked)) or [
+            [] for _ in wanted
+        ]
+        # Earlier queries first, as far as the host tier has room.
+        room = host.available()
+        counts = []
+        for keys in present:
+            counts.append(min(len(keys), room))
+            room -= counts[-1]
+        total = sum(counts)
+        if not total:
+            return none
         try:
-            blocks = host.reserve(count)
+            blocks = host.reserve(total)
         except NoSpace:
-            return 0
-        future = io.submit_read(io.fetch, keys[:count], blocks.tolist())
-        arrived: int | None = self._wait(future)
-        if arrived is None:  # it may still write into them: free once it returns
+            return none
+        keys = [key for group, count in zip(present, counts, strict=True) for key in group[:count]]
+        future = io.submit_read(io.fetch, keys, blocks.tolist())
+        ok: list[bool] | None = self._wait(future)
+        if ok is None:  # it may still write into them: free once it returns
             self._late.append((future, blocks))
-            return 0
-        if arrived:
-            kept = blocks[:arrived]
-            host.index.insert(namespace, wanted[:arrived], kept)
-            host.publish([kept], kept, arrived)
-        if arrived < count:
-            host.free(np.sort(blocks[arrived:]))
+            return none
+        arrived, unused, at = [], [], 0
+        for (key, digests), count in zip(wanted, counts, strict=True):
+            mine, good = blocks[at : at + count], ok[at : at + count]
+            at += count
+            n = good.index(False) if False in good else count  # a damaged one ends it
+            if n:
+                host.index.insert(key, digests[:n], mine[:n])
+                host.publish([mine[:n]], mine[:n], n)
+            unused.append(mine[n:])
+            arrived.append(n)
+        host.free(np.sort(np.concatenate(unused)))
         return arrived
 
     def _wait(self, future: Future[Any]) -> Any:
@@ -200,9 +241,9 @@ class RemoteLink:
         dropped), this host moves to a new generation (or epoch) at once, and the marker
         that tells the other hosts, plus a best-effort remove, follow on the reader."""
         io = self.io
-        for blocks in io.cancel_writes(None if namespace is None else self._tag(namespace)):
+        for blocks in io.queue.cancel(None if namespace is None else self._tag(namespace)):
             self._give_back(blocks)
-        if not io.wait_writes(self._timeout_s):
+        if not io.queue.wait_idle(self._timeout_s):
             self.stats_["remote_invalidation_errors"] += 1
         self.drain()
         ns = None if namespace is None else self._tag(namespace)
@@ -220,7 +261,7 @@ class RemoteLink:
     def stats(self) -> dict[str, int | float]:
         io = self.io
         stats: dict[str, int | float] = {**self.stats_, **io.write_stats, **io.read_stats}
-        stats["remote_write_queue_blocks"] = io.queued_blocks
+        stats["remote_write_queue_blocks"] = io.queue.queued_blocks
         stats["remote_blocks_held"] = self._held  # host blocks waiting for their write
         stats["remote_dropped_writes"] = (
             stats["remote_dropped_queue"] + stats["remote_dropped_resting"]

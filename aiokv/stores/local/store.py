@@ -25,7 +25,7 @@ from ...config import StoreConfig
 from ...errors import ConfigError
 from ...remote.config import RemoteConfig
 from ...remote.link import RemoteLink
-from ..base import BoolArray, Int64Array, TaskResult
+from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .blocks import NO_BLOCKS, READY, Tier
 from .checks import check_pages
 from .completion import Task, TaskEnds, concat
@@ -215,7 +215,7 @@ class LocalStore(TaskEnds, Prestaging):
         key = tuple(namespace)
         if self._remote is not None:  # a host miss asks Mooncake first
             self._remote.drain()
-            self._remote.fill(key, token_ids, link.ssd.has if link is not None else None)
+            self._remote.fill([(token_ids, key)], link.ssd.has if link is not None else None)
         space = host.index.space(key)
         mask = np.zeros(len(token_ids), dtype=np.bool_)
         hit = NO_BLOCKS
@@ -241,6 +241,25 @@ class LocalStore(TaskEnds, Prestaging):
         pages = task.load.match_pages if task.load is not None else len(hit)
         mask[: pages * self.page_size] = True
         return self._new_task(task), mask
+
+    def get_match_many(self, queries: Queries) -> MatchAnswers:
+        """``get_match`` of each query in order (an answer or the exception it raised);
+        with a remote tier, Mooncake is asked once for all their host misses."""
+        remote, link = self._remote, self._link
+        if remote is not None:
+            remote.drain()
+            remote.fill(queries, link.ssd.has if link is not None else None, batch=True)
+        answers: MatchAnswers = []
+        try:
+            for token_ids, namespace in queries:
+                try:
+                    answers.append(self.get_match(token_ids, namespace))
+                except Exception as exc:  # that query's answer, as one by one
+                    answers.append(exc)
+        finally:
+            if remote is not None:
+                remote.forget()
+        return answers
 
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
         """Queue the copies of these matched tasks; never blocks on them."""
