@@ -242,9 +242,14 @@ class LocalStore(TaskEnds, Prestaging):
         mask[: pages * self.page_size] = True
         return self._new_task(task), mask
 
-    def get_match_many(self, queries: Queries) -> MatchAnswers:
-        """``get_match`` of each query in order (an answer or the exception it raised);
-        with a remote tier, Mooncake is asked once for all their host misses."""
+    @property
+    def get_match_many(self) -> Callable[[Queries], MatchAnswers] | None:
+        """Offered with a remote tier only (elsewhere None: the engine matches one by
+        one): ``get_match`` of each query in order (an answer or the exception it
+        raised), Mooncake asked once for all their host misses."""
+        return self._get_match_many if self._config.remote is not None else None
+
+    def _get_match_many(self, queries: Queries) -> MatchAnswers:
         remote, link = self._remote, self._link
         if remote is not None:
             remote.drain()
