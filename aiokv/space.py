@@ -200,4 +200,5 @@ class SpaceWaits:
         if self._held:
             self._arm(self._held[0][0], now)
         if out:
+            self._stats.record_requeue(out)  # queued again: EngineStats.queued counts them
             self._requeue(out)

@@ -27,7 +27,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,15 +64,16 @@ _REQUEST_ROWS = tuple(sorted(set(_ROW)))
 _TABLE = len(KINDS) * _WIDTH
 (
     _SUBMITTED,
-    _DISPATCHED,  # requests handed to the store thread in batches
-    _RESOLVED_QUEUED,  # resolved before dispatch (cancelled, timed out, closed)
+    _DISPATCHED,  # requests handed to the store thread in batches (a retry each time)
+    _REQUEUED,  # offloads put back in the queue to match again (space.py)
+    _RESOLVED_QUEUED,  # resolved while queued (cancelled, timed out, closed)
     _BATCHES,
     _OFFLOADED_TOKENS,
     _LOADED_TOKENS,
     _LOOKUP_TOKENS,  # asked by completed lookups
     _LOOKUP_HIT_TOKENS,  # found for them
-) = range(_TABLE, _TABLE + 8)
-_COUNTERS = _TABLE + 8
+) = range(_TABLE, _TABLE + 9)
+_COUNTERS = _TABLE + 9
 
 # Histogram upper bounds ("le"); an observation above the last goes to +Inf.
 LATENCY_BOUNDS_S = (
@@ -116,9 +117,14 @@ class Reading:
 
     @property
     def queued(self) -> int:
-        """Accepted, not yet dispatched and not yet resolved."""
+        """Accepted, in the queue and not yet resolved: every request enters it once at
+        submit and an offload that waited for room once more per retry (requeued); each
+        entry ends in one dispatch or one resolution while queued."""
         counts = self.counts
-        return counts[_SUBMITTED] - counts[_DISPATCHED] - counts[_RESOLVED_QUEUED]
+        return (
+            counts[_SUBMITTED] + counts[_REQUEUED]
+            - counts[_DISPATCHED] - counts[_RESOLVED_QUEUED]
+        )
 
     @property
     def batches(self) -> int:
@@ -230,6 +236,13 @@ class StatsRecorder:
         self._counts[_DISPATCHED] += size
         self._batch_sizes.append(size)
 
+    def record_requeue(self, requests: Sequence[Request]) -> None:
+        """Offloads that found no room go back in the queue to match again: queued once
+        more, until record_batch dispatches them again (or they resolve there)."""
+        for request in requests:
+            request.dispatched_at = 0.0
+        self._counts[_REQUEUED] += len(requests)
+
     def record_outcome(self, request: Request, outcome: object) -> None:
         """Count one accepted request whose future is done: ``outcome`` is its result,
         its exception, or None when its caller cancelled it. The end-to-end latency is
@@ -237,7 +250,7 @@ class StatsRecorder:
         counts = self._counts
         kind_row = _ROW[request.kind]
         row = kind_row * _WIDTH  # the request's row in the counts table
-        if request.dispatched_at == 0.0:
+        if request.dispatched_at == 0.0:  # in the queue (record_batch, record_requeue)
             counts[_RESOLVED_QUEUED] += 1
         if outcome is None:
             counts[row + _CANCELLED] += 1

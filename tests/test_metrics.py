@@ -164,6 +164,24 @@ def test_record_outcome_counts_by_kind_and_outcome_and_derives_pending_and_queue
     assert recorder.read().loaded_tokens == 16
 
 
+def test_an_offload_requeued_to_wait_for_room_is_queued_once_more_each_time() -> None:
+    recorder = StatsRecorder()
+    waits, stays = request(Kind.OFFLOAD), request(Kind.OFFLOAD)
+    recorder.record_submit()
+    recorder.record_submit()
+    for _ in range(3):  # no room, three times: dispatched, held, requeued
+        recorder.record_batch(Batch(Kind.OFFLOAD, (waits, stays)))
+        assert (recorder.read().queued, recorder.read().pending) == (0, 2)
+        recorder.record_requeue([waits, stays])
+        assert recorder.read().queued == 2
+    recorder.record_outcome(stays, aiokv.RequestTimeout("no room by its deadline"))
+    assert (recorder.read().queued, recorder.read().pending) == (1, 1)  # resolved in the queue
+    recorder.record_batch(Batch(Kind.OFFLOAD, (waits,)))
+    recorder.record_outcome(waits, OffloadResult(1, 8, 8))
+    stats = recorder.snapshot(0, 0, bytes_per_token=10)
+    assert (stats.queued, stats.pending, stats.batches, stats.completed) == (0, 0, 4, 1)
+
+
 def test_calls_outside_requests_count_by_their_kind() -> None:
     recorder = StatsRecorder()
     recorder.record_call("evict", 64, 0.002)
