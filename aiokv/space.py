@@ -117,6 +117,7 @@ class SpaceWaits:
         if due is None:
             return self._give_up(request, wait)
         self._stats.space_waits += 1
+        self._stats.record_requeue((request,))  # queued again: EngineStats.queued counts it
         wait.held_since = now
         heapq.heappush(self._held, (due, next(self._seq), request))
         self._arm(due, now)
@@ -200,5 +201,4 @@ class SpaceWaits:
         if self._held:
             self._arm(self._held[0][0], now)
         if out:
-            self._stats.record_requeue(out)  # queued again: EngineStats.queued counts them
             self._requeue(out)

@@ -64,7 +64,7 @@ _TABLE = len(KINDS) * _WIDTH
 (
     _SUBMITTED,
     _DISPATCHED,  # requests handed to the store thread in batches (a retry each time)
-    _REQUEUED,  # offloads put back in the queue to match again (space.py)
+    _REQUEUED,  # offloads held to match again after no room (space.py)
     _RESOLVED_QUEUED,  # resolved while queued (cancelled, timed out, closed)
     _BATCHES,
     _OFFLOADED_TOKENS,
@@ -118,9 +118,10 @@ class Reading:
 
     @property
     def queued(self) -> int:
-        """Accepted, in the queue and not yet resolved: every request enters it once at
-        submit and an offload that waited for room once more per retry (requeued); each
-        entry ends in one dispatch or one resolution while queued."""
+        """Accepted, not resolved and not at the store thread: in the batcher's queue, or
+        held to match again after no room. Every request enters once at submit, an offload
+        once more per no-room answer (record_requeue); each entry ends in one dispatch or
+        one resolution while queued."""
         counts = self.counts
         return (
             counts[_SUBMITTED] + counts[_REQUEUED]
@@ -269,8 +270,8 @@ class StatsRecorder:
         self._batch_sizes.append(size)
 
     def record_requeue(self, requests: Sequence[Request]) -> None:
-        """Offloads that found no room go back in the queue to match again: queued once
-        more, until record_batch dispatches them again (or they resolve there)."""
+        """Offloads that found no room are held on the loop to match again: queued once
+        more, until record_batch dispatches them again (or they resolve first)."""
         for request in requests:
             request.dispatched_at = 0.0
         self._counts[_REQUEUED] += len(requests)

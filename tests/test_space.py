@@ -323,6 +323,8 @@ async def test_callers_who_leave_or_a_close_end_the_wait(
     leaver = asyncio.ensure_future(engine.offload("a", pages(0), 4 * PAGE_SIZE))
     stayer = asyncio.ensure_future(engine.offload("b", pages(4), 4 * PAGE_SIZE))
     await holds.reach(2)
+    held = engine.stats()  # waiting for room: pending, and queued (not at the store)
+    assert (held.queued, held.pending, held.store_tasks_open) == (2, 2, 0)
     leaver.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leaver
@@ -331,7 +333,7 @@ async def test_callers_who_leave_or_a_close_end_the_wait(
         await stayer
     stats = engine.stats()
     assert stats.pending == 0 and stats.cancelled == 1 and stats.failed == 1
-    assert stats.space_wait_ms > 0
+    assert stats.queued == 0 and stats.space_wait_ms > 0
     assert checked.problems() == []
 
 
