@@ -159,12 +159,18 @@ class OffloadEngine:
         await self.aclose()
 
     def stats(self) -> EngineStats:
+        """The counters now (README: the field reference). Any time in the engine's life,
+        from its loop or, once it is closed, from any thread: before ``start()`` all 0,
+        after ``aclose()`` the final figures. The store's own figures (tier hits, SSD
+        bytes, occupancy) are at most ``aiokv.store_figures.REFRESH_S`` old while it
+        works."""
         worker = self._worker
         restarts = store_restarts(self._store)
         if worker is None:
             return self._stats.snapshot(0, 0, self._bytes_per_token, restarts)
         return self._stats.snapshot(
-            worker.tasks_open, worker.d2h_copies, self._bytes_per_token, restarts
+            worker.tasks_open, worker.d2h_copies, self._bytes_per_token, restarts,
+            worker.figures.latest,
         )
 
     # ---- public calls ------------------------------------------------------------------
@@ -226,6 +232,7 @@ class OffloadEngine:
             raise InvalidRequest("hit", "must be a Lookup returned by this engine's lookup()")
         pages = validate.page_ids(page_ids, self._device)
         if hit.cached_tokens == 0:
+            self._stats.record_empty_load()  # nothing to move: answered here
             return LoadResult(hit.user_id, 0)
         needed = hit._pages_needed(self._page_size)
         if pages.shape[0] < needed:

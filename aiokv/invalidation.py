@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from .calls import StoreCalls
 from .errors import EngineClosed, StoreError
 from .requests import LookupGrant, Request
 from .resolution import settle
+from .stats import StatsRecorder
 from .stores.base import Capabilities, Store
 
 # A held-keys map may grow to this many times the open reservations (plus a floor) before
@@ -139,6 +141,7 @@ class Invalidations:
         loop: asyncio.AbstractEventLoop,
         dispatch_all: Callable[[], None],
         submit: Callable[[Invalidation], None],
+        stats: StatsRecorder,
     ) -> None:
         caps = Capabilities.of(store)
         self._can = {"evict": caps.evict is not None, "clear": caps.clear is not None}
@@ -146,24 +149,38 @@ class Invalidations:
         self._loop = loop
         self._dispatch_all = dispatch_all
         self._submit = submit
+        self._stats = stats  # aiokv_requests_total{kind="evict"|"clear"}, EngineStats.evicts...
         self._open: set[asyncio.Future[int]] = set()
 
     async def run(self, namespace: tuple[str, ...] | None) -> int:
-        """Tokens the store dropped under ``namespace`` (None: everything)."""
+        """Tokens the store dropped under ``namespace`` (None: everything). Counted once
+        sent (a store that cannot, refused here, fails it too): its answer, error or the
+        caller's cancellation."""
+        started = time.perf_counter()
         future: asyncio.Future[int] = self._loop.create_future()
         item = Invalidation(namespace, future, self._loop)
         if not self._can[item.verb]:
-            raise StoreError(
+            error = StoreError(
                 f"this store ({self._store_name}) cannot {item.verb}: it has no "
                 f"{item.verb}() method"
             )
+            self._stats.record_call(item.verb, error, time.perf_counter() - started)
+            raise error
         self._dispatch_all()  # what was accepted before goes first (module docstring)
         self._submit(item)  # EngineClosed once the store thread stopped accepting
         self._open.add(future)
+        outcome: object = None  # None: the caller cancelled it
         try:
-            return await future
+            dropped = await future
+        except Exception as exc:  # not CancelledError: that is the caller's, counted as None
+            outcome = exc
+            raise
+        else:
+            outcome = dropped
+            return dropped
         finally:
             self._open.discard(future)
+            self._stats.record_call(item.verb, outcome, time.perf_counter() - started)
 
     def close(self) -> None:
         """Fail what the store thread never answered (it was abandoned, or crashed)."""

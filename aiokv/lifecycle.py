@@ -190,7 +190,7 @@ async def start(engine: EngineParts) -> None:
         resolver.resolve,
     )
     engine._invalidations = Invalidations(
-        engine._store, loop, engine._batcher.dispatch_all, engine._worker.submit
+        engine._store, loop, engine._batcher.dispatch_all, engine._worker.submit, engine._stats
     )
     # Calls are accepted from here on: they queue until the batcher task starts.
     engine._state = EngineState.RUNNING

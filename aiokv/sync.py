@@ -307,12 +307,23 @@ class BackgroundEngine:
         return tokens
 
     def stats(self) -> EngineStats:
-        """``engine.stats()``, read on the engine's loop (its counters change there)."""
+        """``engine.stats()``: read on the engine's loop while it runs (its counters change
+        there); once ``close`` began, after the close: the final figures, read on this
+        thread (no counter changes any more)."""
 
         async def stats() -> EngineStats:
             return self.engine.stats()
 
-        return self._wait("stats", stats)
+        self._refuse_on_loop("stats")
+        try:
+            return self._submit(stats).result()
+        except EngineClosed:  # _submit's: the close began
+            pass
+        with self._lock:
+            closing = self._closing
+        assert closing is not None  # set, under the lock, before _submit refuses
+        concurrent.futures.wait([closing])  # its outcome is close()'s to raise
+        return self.engine.stats()
 
 
 def run_in_background(

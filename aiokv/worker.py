@@ -37,7 +37,8 @@ from .plans import outcome as outcome_of
 from .recovery import PollFailures, retry_timeout
 from .requests import Kind, Request
 from .rounds import Rounds
-from .stats import StoreSideStats, StoreStatsQuery
+from .stats import StoreSideStats
+from .store_figures import StoreFigures, StoreStatsQuery
 from .stores.base import Capabilities, Store, no_yield
 
 log = logging.getLogger("aiokv")
@@ -96,6 +97,7 @@ class StoreWorker:
             self._launched, self._reserved, self._held_keys, self.release_one,
         )
         self.stats = StoreSideStats()  # store latency; written here, read by scrapes
+        self.figures = StoreFigures(self._caps.store_stats)  # written here, read anywhere
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
 
     # ---- loop side -------------------------------------------------------------------
@@ -183,12 +185,14 @@ class StoreWorker:
                     # After the sentinel only wake-ups arrive; poll as a fallback.
                     timeout = self._poll_interval_s
                 timeout = retry_timeout(timeout, self._calls.owed, self._polls, self._launched)
+                timeout = self.figures.timeout(timeout)  # wake to read figures work moved
                 item: object = None
                 before = time.perf_counter()
                 with contextlib.suppress(queue.Empty):
                     item = self._inbox.get(timeout=timeout)
                 after = time.perf_counter()
                 self._slice.waited(after - before, after)
+                worked = item is not None
                 while item is not None:
                     if item is _STOP:
                         stopping = True
@@ -202,12 +206,17 @@ class StoreWorker:
                     # Out first: the store may hand the GIL over inside try_wait.
                     self._post()
                     self._poll()
+                    worked = True
                 self._calls.owed.retry()
                 self._post()
+                if worked:
+                    self.figures.changed()
+                self.figures.refresh()
             if self._reserved:
                 self._calls.cancel(sorted(self._reserved))
                 self._reserved.clear()
             self._calls.owed.retry(final=True)  # the store closes next
+            self.figures.refresh(now=True)  # what a store gone after its close (a child) did
         except BaseException:  # a bug here must not strand futures: fail what we hold
             log.exception("aiokv store thread crashed")
             self._fail_everything(StoreError("the store thread crashed; see the aiokv log"))
@@ -216,6 +225,7 @@ class StoreWorker:
             self._close_store()
             if set_yield is not None:  # the store outlives this thread: take ours back
                 set_yield(no_yield)
+        self.figures.after_close()  # final: what the close finished counts too
 
     def _fail_everything(self, error: StoreError) -> None:
         """After a crash: stop accepting (later batches fail at dispatch, with
@@ -254,7 +264,7 @@ class StoreWorker:
             if held:
                 self._calls.cancel(held)
         elif isinstance(item, StoreStatsQuery):  # a scrape (aiokv.metrics)
-            item.run(self._caps.store_stats)
+            item.run(self.figures.ask)
         elif isinstance(item, Batch):
             self._in_hand = item  # for _fail_everything, should this thread crash
             try:

@@ -203,9 +203,13 @@ class Clears(Protocol):
 
 @runtime_checkable
 class ReportsStats(Protocol):
-    """Tier occupancy and byte counters, keys from: host_blocks_used, host_blocks_total,
-    ssd_blocks_used, ssd_blocks_total, bytes_d2h, bytes_h2d, bytes_ssd_written,
-    bytes_ssd_read, checksum_failures, ssd_write_errors (the keys the store has)."""
+    """Tier occupancy and counters, keys from: host_blocks_used, host_blocks_total,
+    ssd_blocks_used, ssd_blocks_total, host_hit_tokens, ssd_hit_tokens (tokens get_match
+    found on the host tier / only on SSD), bytes_d2h, bytes_h2d, bytes_ssd_written,
+    bytes_ssd_read, checksum_failures, ssd_write_errors (the keys the store has; the
+    engine reads them into EngineStats, aiokv.store_figures). Asked by the store thread
+    now and then while it works, and once more after ``close()``: a closed store may
+    answer (what its close finished counts then) or raise (its last answer stands)."""
 
     def store_stats(self) -> Mapping[str, int | float]: ...
 

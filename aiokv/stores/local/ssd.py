@@ -336,7 +336,8 @@ class SsdTier:
             self._failures_logged = True
             log.warning(
                 "aiokv: %d SSD block(s) in %s failed their checksum; they are misses "
-                "(counted in store_stats()['checksum_failures'], logged once)",
+                "(counted in engine.stats().checksum_failures and the metric "
+                "aiokv_store_errors_total{error=\"checksum\"}; logged once)",
                 count, self.files.paths,
             )
 

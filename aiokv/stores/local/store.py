@@ -67,6 +67,8 @@ class LocalStore(TaskEnds, Prestaging):
         self._start_prestaging()
         self._notify: Callable[[], None] | None = None
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
+        # Tokens get_match found on the host tier / only on SSD (EngineStats' tier hits).
+        self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
         self._ssd_stats: dict[str, int | float] = {}
 
     # ---- set-up --------------------------------------------------------------------
@@ -227,6 +229,8 @@ class LocalStore(TaskEnds, Prestaging):
             task.load = link.start_load(key, digests, len(hit), task)
         pages = task.load.match_pages if task.load is not None else len(hit)
         mask[: pages * self.page_size] = True
+        self._hits["host_hit_tokens"] += len(hit) * self.page_size
+        self._hits["ssd_hit_tokens"] += (pages - len(hit)) * self.page_size
         return self._new_task(task), mask
 
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
@@ -352,7 +356,8 @@ class LocalStore(TaskEnds, Prestaging):
         return len(host.drop_namespace(namespace)) * self.page_size
 
     def store_stats(self) -> Mapping[str, int | float]:
-        """Tier occupancy (blocks) and byte counters since the store was opened."""
+        """Tier occupancy (blocks), tier hits (tokens) and byte counters since the store
+        was opened."""
         host = self._host
         stats: dict[str, int | float] = {
             "host_blocks_used": host.used if host is not None else 0,
@@ -360,6 +365,7 @@ class LocalStore(TaskEnds, Prestaging):
             # Pinned so far (the pool grows into its size after start); all when unpinned.
             "host_blocks_ready": self._pool.memory.ready_blocks if self._pool is not None else 0,
             **self._bytes,
+            **self._hits,
         }
         stats.update(self._link.stats() if self._link is not None else self._ssd_stats)
         return stats
