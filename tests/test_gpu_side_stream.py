@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import aiokv
-from aiokv.integrations.recsys_core import RecsysCore
 
 pytestmark = [
     pytest.mark.gpu,
@@ -92,6 +91,9 @@ def test_background_load_lands_after_what_the_callers_side_stream_queued(rig: Ri
 
 
 def test_recsys_core_offload_and_onboard_follow_the_callers_side_stream(rig: Rig) -> None:
+    # Imported here: the tests above also run on code that predates the integration.
+    from aiokv.integrations.recsys_core import RecsysCore
+
     core = RecsysCore.open(CONFIG, rig.caches)
     try:
         with torch.cuda.stream(rig.side):

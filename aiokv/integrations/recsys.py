@@ -277,7 +277,9 @@ def _storage_class() -> type:
     base = _recsys().HostKVStorageBase
 
     def body(namespace: dict[str, Any]) -> None:
-        namespace.update(__module__=__name__, __qualname__="AiokvHostStorage")
+        namespace.update(
+            __module__=__name__, __qualname__="AiokvHostStorage", __doc__=_HostStorage.__doc__
+        )
 
     return types.new_class("AiokvHostStorage", (_HostStorage, base), exec_body=body)
 
