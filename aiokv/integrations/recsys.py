@@ -78,12 +78,15 @@ class _HostStorage:
     registers its GPU cache tables, each ``[pages, 2, page_size, heads, head_dim]``.
     ``close()`` drains and stops it.
 
-    ``backend_name`` is ``"flexkv"``: ``DefaultKVCacheBackend`` dispatches on it in
-    three places, and only for ``"flexkv"`` does it hand over the whole sequence of each
-    user (``acquire_offload_pages(..., always_offload=True)``, with the batch's
-    ``kvcache_metadata``), poll offloads through ``offload_kvcache_wait``, let
-    ``onboard_try_wait`` wait, and apply ``host_kvstorage_fail_policy`` to failed onboards
-    (task handles say ``backend="flexkv"`` for that). What differs from FlexKVStorage:
+    ``backend_name`` is ``"flexkv"``, because ``DefaultKVCacheBackend`` dispatches on it
+    in three places and only that name fits aiokv: ``offload_launch`` hands over each
+    user's whole sequence (``acquire_offload_pages(..., always_offload=True)``, with the
+    batch's ``kvcache_metadata``; ``"native"`` would hand over chunks past an offloaded
+    length instead), ``onboard_try_wait`` waits (other names than ``"native"`` raise
+    NotImplementedError), and ``onboard_wait`` applies ``host_kvstorage_fail_policy`` to a
+    failed onboard (for a handle whose ``backend`` is ``"flexkv"``, as these are).
+
+    What differs from FlexKVStorage:
     ``evict`` / ``evict_all`` drop the users' KV (FlexKVStorage's are no-ops); lookups
     reserve their hits, and a hit not onboarded is given back by the onboard launch (or
     after ``engine.lookup_ttl_ms``); a failed lookup reads as a miss (logged); an
