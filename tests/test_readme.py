@@ -44,9 +44,9 @@ def test_the_configuration_reference_names_every_key() -> None:
 
 
 def test_the_readme_stays_a_guide_and_links_the_results() -> None:
-    # A guide, not a history (that is benchmarks/RESULTS.md); the field references of the
-    # results and EngineStats (issue 29) took it past the 300 lines of before.
-    assert len(README.splitlines()) <= 360
+    # A guide, not a history (that is benchmarks/RESULTS.md): the field references, the
+    # recsys-examples section and the tiers' sections (issues 29, 30, 32) took it past 300.
+    assert len(README.splitlines()) <= 500
     assert README.startswith("# aiokv\n\n```bash\nmake demo")
     assert "(benchmarks/RESULTS.md)" in README and (ROOT / "benchmarks" / "RESULTS.md").exists()
 
