@@ -47,18 +47,8 @@ from copy_movers import (
 from copy_plans import LAYOUTS, Geometry
 
 from aiokv.bench import common, standin
-from aiokv.bench.standin import (
-    GIB,
-    Beside,
-    Rates,
-    ReferenceCopier,
-    Side,
-    StandIn,
-    Unit,
-    depth_name,
-    measure_copier,
-    parse_depths,
-)
+from aiokv.bench.beside import Beside, Rates, ReferenceCopier, Side, Unit, measure_copier
+from aiokv.bench.standin import GIB, StandIn, depth_name, parse_depths
 
 
 @dataclass(frozen=True)
@@ -162,7 +152,7 @@ def _differing(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 class MechanismCopier:
-    """A mechanism as a copier for :class:`aiokv.bench.standin.Beside`: checked once,
+    """A mechanism as a copier for :class:`aiokv.bench.beside.Beside`: checked once,
     then a batch out and back per unit."""
 
     def __init__(self, mechanism: Mechanism, batch: Batch) -> None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from aiokv.bench import main as bench_main
-from aiokv.bench.standin import ALL, Beside, StandIn, Unit, measure_copier, parse_depths
+from aiokv.bench.beside import Beside, Unit, measure_copier
+from aiokv.bench.standin import ALL, StandIn, parse_depths
 
 
 def test_model_bench_prints_its_table_and_figures_for_both_copiers(

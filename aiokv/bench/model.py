@@ -39,20 +39,9 @@ from ..engine import OffloadEngine
 from ..open import read_config
 from ..stores import make_store
 from . import common, standin
+from .beside import Beside, Rates, ReferenceCopier, Side, Unit, measure_copier
 from .rounds import _round
-from .standin import (
-    GIB,
-    Beside,
-    Rates,
-    ReferenceCopier,
-    Side,
-    StandIn,
-    Unit,
-    depth_name,
-    measure_copier,
-    parse_depths,
-    smoke_run,
-)
+from .standin import GIB, StandIn, depth_name, parse_depths, smoke_run
 
 NAME = "model"
 HELP = "a model stand-in's slowdown beside the engine's offloads and loads, vs plain copies"
@@ -108,6 +97,8 @@ class EngineCopier:
         )
         for cache in self._caches:
             cache.normal_()
+        if device.type == "cuda":  # filled on this thread's stream, used on the copier's
+            torch.cuda.synchronize(device)
         self._names = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine: OffloadEngine | None = None
