@@ -229,7 +229,7 @@ def _pair(values: dict[str, float], fmt: str = "{:.1f}") -> str:
 
 
 def _print(rows: list[dict[str, Any]], depths: tuple[int, ...], s: Settings,
-           batch: Batch, device: torch.device, steps: int) -> None:
+           batch: Batch, device: torch.device, model: str) -> None:
     headers = ["mechanism", "copies out / in", "alone GiB/s out / in"]
     for depth in depths:
         headers += [f"beside({depth_name(depth)}) GiB/s", f"slowdown({depth_name(depth)})"]
@@ -250,8 +250,7 @@ def _print(rows: list[dict[str, Any]], depths: tuple[int, ...], s: Settings,
         f"data-plane mechanisms on {device}: {s.users} users x {s.tokens} tokens, {s.layers} "
         f"layers, {s.heads} heads x {s.head_dim} bf16, page {s.page_size} "
         f"({g.page_bytes >> 10} KiB a page a layer; {batch.nbytes / GIB:.3g} GiB each way); "
-        f"placement {s.placement}, host layout {s.host_layout}; model {s.matrix}x{s.matrix} "
-        f"bf16 matmuls, {steps} per run",
+        f"placement {s.placement}, host layout {s.host_layout}; model: {model}",
         headers, table,
     )
     print("  (slowdown: the model's time beside / alone; depth all: every step queued at "
@@ -267,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cpu = standin.smoke_run(args.device)
     args.quick = args.quick or cpu
-    s = common.settings_from_args(Settings, args, CPU if cpu else QUICK)
+    with standin.one_thread(cpu):
+        return _run(args, argv, common.settings_from_args(Settings, args, CPU if cpu else QUICK))
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None, s: Settings) -> int:
     if s.host_layout not in LAYOUTS:
         raise SystemExit(f"--host-layout must be one of {LAYOUTS}, got {s.host_layout!r}")
     try:
@@ -276,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--{exc}") from None
     device = common.pick_device(s.device)
     batch = Batch(s, device)
-    model = StandIn(device, s.matrix, torch.bfloat16)
+    model = StandIn(device, s.matrix)
     steps = model.steps_for(s.model_s)
     rows = []
     if _wanted(s, "reference"):
@@ -290,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         copier = MechanismCopier(mechanism, batch)
         rows.append(_row(mechanism.name, copier, model, steps, depths, s))
-    _print(rows, depths, s, batch, device, steps)
+    _print(rows, depths, s, batch, device, model.describe(steps))
     if args.json:
         common.write_json(args.json, "copy_mechanisms", s, device, argv,
                           {"steps": steps, "batch_gib": batch.nbytes / GIB, "rows": rows})

@@ -10,9 +10,10 @@ Every one is set up, moved and finished on one thread (the copier's, never the m
                 adjacent pages and blocks
   c-bindings    the same copies through cuda.bindings' ``cudaMemcpyAsync``, one call each
   d-batch       the same copies in one ``cuMemcpyBatchAsync`` call (the driver entry of
-                ``cudaMemcpyBatchAsync``, CUDA 12.8+), found through cuda.bindings'
-                ``cuGetProcAddress`` and called through ctypes with numpy arrays (no
-                per-copy Python; ctypes releases the GIL during the call)
+                ``cudaMemcpyBatchAsync``, CUDA 12.8+), found with the driver's
+                ``cuGetProcAddress`` and called through ctypes with numpy arrays: no
+                per-copy Python (cuda.bindings' wrapper would convert every element),
+                and ctypes releases the GIL during the call
   e-kernel-N    a copy kernel (cupy ``RawKernel``) with N thread blocks reading or writing
                 the pinned pool through its device address (zero-copy), from a table of
                 the same copies uploaded per batch
@@ -123,14 +124,14 @@ def _requires_cuda(mechanism: Mechanism) -> str | None:
     return None if mechanism.cuda else "needs a CUDA device"
 
 
-def _bindings() -> tuple[Any, Any]:
-    """cuda.bindings' (runtime, driver) modules; ImportError names the package."""
+def _runtime() -> Any:
+    """cuda.bindings' runtime module; ImportError names the package."""
     try:
-        from cuda.bindings import driver, runtime
+        from cuda.bindings import runtime
     except ImportError as exc:
         raise ImportError(f"cuda.bindings is not importable ({exc}); pip install "
                           "cuda-bindings matching the driver") from exc
-    return runtime, driver
+    return runtime
 
 
 class Gather(Mechanism):
@@ -258,14 +259,14 @@ class BindingsRuns(Mechanism):
         if not self.cuda:
             return _requires_cuda(self)
         try:
-            _bindings()
+            _runtime()
         except ImportError as exc:
             return str(exc)
         return None
 
     def setup(self) -> None:
         super().setup()
-        self.rt = _bindings()[0]
+        self.rt = _runtime()
         self.kind = self.rt.cudaMemcpyKind.cudaMemcpyDefault
         self.ok = self.rt.cudaError_t.cudaSuccess
 
@@ -301,22 +302,39 @@ _BATCH_SIGNATURE = ctypes.CFUNCTYPE(
 )
 
 
+def _libcuda() -> Any:
+    """The CUDA driver library, through ctypes (always there where a GPU is)."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _driver_call(name: str, *args: Any) -> None:
+    """Call a driver function through ctypes; RuntimeError with the error's name if it
+    fails."""
+    lib = _libcuda()
+    err = getattr(lib, name)(*args)
+    if err:
+        text = ctypes.c_char_p()
+        lib.cuGetErrorName(err, ctypes.byref(text))
+        raise RuntimeError(f"{name} failed: {(text.value or b'?').decode()} ({err})")
+
+
 def _batch_entry() -> tuple[Any, str | None]:
-    """(cuMemcpyBatchAsync as a ctypes function, None), or (None, why not)."""
+    """(cuMemcpyBatchAsync as a ctypes function, None), or (None, why not). Found with
+    the driver's cuGetProcAddress, asking for the 12.8 signature."""
     try:
-        driver = _bindings()[1]
-    except ImportError as exc:
-        return None, str(exc)
-    try:
-        found = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", 12080, 0)
-    except Exception as exc:  # an older binding without the call, or another signature
-        return None, f"cuGetProcAddress(cuMemcpyBatchAsync) raised {exc!r}"
-    err, address = found[0], int(found[1])
-    if err != driver.CUresult.CUDA_SUCCESS or not address:
-        status = f", symbol status {found[2]!r}" if len(found) > 2 else ""
-        return None, (f"cuMemcpyBatchAsync is not available from this driver (it needs CUDA "
-                      f"12.8+): {err!r}{status}")
-    return _BATCH_SIGNATURE(address), None
+        version = ctypes.c_int(0)
+        _driver_call("cuDriverGetVersion", ctypes.byref(version))
+        if version.value < 12080:
+            return None, (f"the driver is CUDA {version.value // 1000}.{version.value % 1000 // 10}"
+                          "; cuMemcpyBatchAsync needs 12.8+")
+        address, status = ctypes.c_void_p(0), ctypes.c_int(0)
+        _driver_call("cuGetProcAddress_v2", b"cuMemcpyBatchAsync", ctypes.byref(address),
+                     ctypes.c_int(12080), ctypes.c_uint64(0), ctypes.byref(status))
+    except (OSError, AttributeError, RuntimeError) as exc:
+        return None, f"cuMemcpyBatchAsync not found: {exc}"
+    if not address.value:
+        return None, f"cuMemcpyBatchAsync not found (symbol status {status.value})"
+    return _BATCH_SIGNATURE(address.value), None
 
 
 class BatchCopy(Mechanism):
@@ -351,19 +369,12 @@ class BatchCopy(Mechanism):
         return len(p)
 
 
-def _device_address(host_pointer: int) -> tuple[int, str]:
-    """The pinned pool's address on the device, and how it was found."""
-    try:
-        runtime = _bindings()[0]
-        err, address = runtime.cudaHostGetDevicePointer(host_pointer, 0)
-        if err == runtime.cudaError_t.cudaSuccess:
-            return int(address), "cudaHostGetDevicePointer"
-        raise RuntimeError(f"cudaHostGetDevicePointer failed: {err!r}")
-    except ImportError:
-        pass
-    import cupy
-
-    return int(cupy.cuda.runtime.hostGetDevicePointer(host_pointer, 0)), "cupy"
+def _device_address(host_pointer: int) -> int:
+    """The pinned pool's address on the device (cuMemHostGetDevicePointer)."""
+    address = ctypes.c_uint64(0)
+    _driver_call("cuMemHostGetDevicePointer_v2", ctypes.byref(address),
+                 ctypes.c_void_p(host_pointer), ctypes.c_uint(0))
+    return address.value
 
 
 class Kernel(Mechanism):
@@ -388,7 +399,7 @@ class Kernel(Mechanism):
         cupy.cuda.Device(self.p.device.index or 0).use()
         self.kernel = cupy.RawKernel(KERNEL, "copy_segments")
         self.cupy_stream = cupy.cuda.ExternalStream(self.stream.cuda_stream)
-        self.host_base, self.found_by = _device_address(self.p.pool.data_ptr())
+        self.host_base = _device_address(self.p.pool.data_ptr())
         most = 3 * self.p.geometry.layers * self.p.geometry.num_blocks
         self.table_host = torch.empty(most, dtype=torch.int64, pin_memory=True)
         self.table = torch.empty(most, dtype=torch.int64, device=self.p.device)

@@ -20,9 +20,11 @@ def test_model_bench_prints_its_table_and_figures_for_both_copiers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "model.json"
+    threads = torch.get_num_threads()
     status = bench_main(["model", "--device", "cpu", "--quick", "--json", str(out)])
     printed = capsys.readouterr().out
     assert status == 0
+    assert torch.get_num_threads() == threads  # the smoke run's one thread is given back
     assert "model stand-in on cpu" in printed and "slowdown" in printed
     document = json.loads(out.read_text())
     rows = document["rows"]
@@ -38,6 +40,21 @@ def test_model_bench_prints_its_table_and_figures_for_both_copiers(
     for copier in ("reference", "engine"):
         assert all(document["alone"][copier][k] > 0 for k in ("offload", "load"))
     assert document["settings"]["depth"] == "all,4"
+
+
+def test_model_bench_runs_the_store_of_its_config_in_a_process_of_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "own.yml"
+    config.write_text("store:\n  cpu_cache_gb: 0.02\n  page_size: 32\n  own_process: true\n")
+    out = tmp_path / "model.json"
+    argv = ["model", "--device", "cpu", "--depth", "4", "--config", str(config), "--json", str(out)]
+    assert bench_main(argv) == 0
+    assert "on the local store in its own process" in capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert document["model"]["page_size"] == 32  # the config's, not the bench's default
+    (engine,) = [r for r in document["rows"] if r["copier"] == "engine"]
+    assert engine["offload_units"] >= 1 and engine["load_gib_s"] > 0
 
 
 def test_a_bad_depth_is_refused_naming_it() -> None:

@@ -22,7 +22,7 @@ import torch
 from .standin import GIB, StandIn
 
 _WAIT_S = 600.0  # a bound on waiting for a copier's unit: it is stuck past this
-_MORE_RUNS = 20  # at most this many more model runs (or sleeps) for a slow copier's unit
+_MORE_S = 120.0  # how long the model runs on (or the copier alone) for a slow copier's unit
 
 
 class Unit(NamedTuple):
@@ -198,8 +198,8 @@ def measure_side(
         beside.append(model.run(steps, depth))
         # A slow copier may not finish a unit within one run: the model runs on (untimed)
         # until it has, so that its rate is always measured beside the model.
-        for _ in range(_MORE_RUNS):
-            if copier.covered(start_s, time.perf_counter()):
+        while not copier.covered(start_s, now := time.perf_counter()):
+            if now - start_s > _MORE_S:
                 break
             model.run(steps, depth)
         windows.append((start_s, time.perf_counter()))
@@ -218,10 +218,10 @@ def measure_alone(copier: Beside, seconds: float) -> Rates:
     copier.resume()
     start_s = time.perf_counter()
     time.sleep(seconds)
-    for _ in range(_MORE_RUNS):  # at least one whole unit
-        if copier.covered(start_s, time.perf_counter()):
+    while not copier.covered(start_s, now := time.perf_counter()):  # a whole unit at least
+        if now - start_s > _MORE_S:
             break
-        time.sleep(seconds)
+        time.sleep(min(seconds, 0.05))
     end_s = time.perf_counter()
     copier.pause()
     return copier.rates(start_s, end_s)

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from ..stores import make_store
 from . import common, standin
 from .beside import Beside, Rates, ReferenceCopier, Side, Unit, measure_copier
 from .rounds import _round
-from .standin import GIB, StandIn, depth_name, parse_depths, smoke_run
+from .standin import GIB, StandIn, depth_name, one_thread, parse_depths, smoke_run
 
 NAME = "model"
 HELP = "a model stand-in's slowdown beside the engine's offloads and loads, vs plain copies"
@@ -174,8 +175,13 @@ def _store_name(store_config: StoreConfig) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if smoke_run(args.device):
-        args.quick = True  # a smoke run: the full sizes are a GPU's
+    smoke = smoke_run(args.device)
+    args.quick = args.quick or smoke  # a smoke run: the full sizes are a GPU's
+    with one_thread(smoke):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
     device = common.pick_device(settings.device)
     try:
@@ -183,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"--{exc}") from None
     engine_config, store_config, page_size = _configs(settings)
-    model = StandIn(device, settings.matrix, torch.bfloat16)
+    model = StandIn(device, settings.matrix)
     steps = model.steps_for(settings.model_s)
     copiers = {
         "reference": Beside(ReferenceCopier(device, settings.ref_mib << 20), "aiokv-bench-ref"),
@@ -197,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         for name, c in copiers.items()
     }
     results = _results(measured, depths)
-    _print(results, settings, device, steps, store_config, page_size)
+    _print(results, settings, device, model.describe(steps), store_config, page_size)
     if args.json:
         results["model"] = {"steps": steps, "matrix": settings.matrix, "page_size": page_size,
                             "store": _store_name(store_config)}
@@ -243,11 +249,18 @@ def _results(
     return {"alone": alone, "rows": rows}
 
 
+def _or_dash(value: float, fmt: str | None = None) -> str:
+    """A figure, or '-' where none was measured (no unit done inside the window)."""
+    if math.isnan(value):
+        return "-"
+    return common.format_cell(value) if fmt is None else fmt.format(value)
+
+
 def _print(
     results: dict[str, Any],
     settings: Settings,
     device: torch.device,
-    steps: int,
+    model: str,
     store_config: StoreConfig,
     page_size: int,
 ) -> None:
@@ -265,21 +278,22 @@ def _print(
                "offload GiB/s", "load GiB/s", "of reference (offload / load)"]
     table = [
         [r["depth"], r["copier"], r["model_alone_s"], r["model_beside_s"],
-         f"{r['slowdown']:.3f}x", r["offload_gib_s"], r["load_gib_s"],
-         f"{r['offload_of_reference']:.0%} / {r['load_of_reference']:.0%}"]
+         f"{r['slowdown']:.3f}x", _or_dash(r["offload_gib_s"]), _or_dash(r["load_gib_s"]),
+         f"{_or_dash(r['offload_of_reference'], '{:.0%}')} / "
+         f"{_or_dash(r['load_of_reference'], '{:.0%}')}"]
         for r in results["rows"]
     ]
     common.print_table(
-        f"model stand-in on {device}: bf16 {s.matrix}x{s.matrix} matmuls, {steps} per "
-        f"run; engine rounds of {s.users} users x {s.tokens} tokens "
-        f"({s.users * s.tokens * per_token / GIB:.3g} GiB each way; {s.layers} layers, "
+        f"model stand-in on {device}: {model}; engine rounds of {s.users} users x {s.tokens} "
+        f"tokens ({s.users * s.tokens * per_token / GIB:.3g} GiB each way; {s.layers} layers, "
         f"{s.heads} heads x {s.head_dim}, page {page_size}) on the "
         f"{_store_name(store_config)}; reference: {s.ref_mib} MiB copies",
         headers,
         table,
     )
     print("  (slowdown: the model's time beside the copier / alone; depth all: every step "
-          "queued at once, N: N steps then a host sync)")
+          "queued at once, N: N steps then a host sync; GiB/s: the units done wholly while "
+          "the model ran)")
 
 
 __all__ = ["HELP", "NAME", "EngineCopier", "Settings", "add_arguments", "run"]

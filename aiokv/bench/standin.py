@@ -11,8 +11,10 @@ slower: what is measured is the stand-in's time beside a copier over its time al
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +75,20 @@ def smoke_run(device: str | None) -> bool:
     return device == "cpu" or (device in (None, "auto") and not torch.cuda.is_available())
 
 
+@contextlib.contextmanager
+def one_thread(smoke: bool) -> Iterator[None]:
+    """In a smoke run, torch keeps to one intra-op thread meanwhile: with more, each of
+    the stand-in's CPU matmuls waits at an OpenMP barrier whenever a copier thread holds
+    a core, and its time swings a hundredfold."""
+    before = torch.get_num_threads()
+    if smoke:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def parse_depths(text: str) -> tuple[int, ...]:
     """``"all,4"`` -> ``(0, 4)``: ``all`` (or 0) queues every step at once."""
     depths = []
@@ -100,9 +116,12 @@ def depth_name(depth: int) -> str:
 
 class StandIn:
     """``size`` x ``size`` matmuls of ``dtype`` on ``device``, into a fixed output (no
-    allocation per step)."""
+    allocation per step). The default dtype is bf16 on a GPU, float32 on a CPU (whose
+    bf16 matmuls are slow and erratic, too much so for a smoke run)."""
 
-    def __init__(self, device: torch.device, size: int, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, size: int, dtype: torch.dtype | None = None) -> None:
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.device = device
         self.size = size
         self.dtype = dtype
@@ -110,6 +129,10 @@ class StandIn:
         self._a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
         self._b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
         self._out = torch.empty(size, size, device=device, dtype=dtype)
+
+    def describe(self, steps: int) -> str:
+        kind = str(self.dtype).removeprefix("torch.")
+        return f"{kind} {self.size}x{self.size} matmuls, {steps} per run"
 
     def _sync(self) -> None:
         # The model's own stream only: a device-wide sync would also wait for the copies.
@@ -132,10 +155,10 @@ class StandIn:
         self.run(3, ALL)
         probe = 10
         took = self.run(probe, ALL)
-        while took < 0.05 and probe < 1 << 20:  # tiny matmuls: time enough of them
+        while took < max(0.05, seconds / 4) and probe < 1 << 20:  # time enough of them
             probe *= 4
             took = self.run(probe, ALL)
-        took = min(took, self.run(probe, ALL), self.run(probe, ALL))  # the first runs warm up
+        took = min(took, self.run(probe, ALL))  # the first runs warm up
         return max(1, math.ceil(seconds * probe / took))
 
 
@@ -147,6 +170,7 @@ __all__ = [
     "BesideSettings",
     "StandIn",
     "depth_name",
+    "one_thread",
     "parse_depths",
     "smoke_run",
 ]
