@@ -30,6 +30,7 @@ import ctypes
 from collections.abc import Iterator
 from typing import Any
 
+import copy_driver
 import numpy as np
 import torch
 from copy_plans import Geometry, Plan, check_aligned, plan, runs
@@ -38,8 +39,6 @@ from aiokv.stores.local.graphs import gather_layers, scatter_layers
 
 STAGING_BYTES = 128 << 20  # per staging buffer, as aiokv/stores/local/transfer.py today
 KERNEL_THREADS = 1024
-CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
-CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # a hint: keep the copies off the SMs
 
 KERNEL = r"""
 extern "C" __global__ void copy_segments(const unsigned long long* table, long long count) {
@@ -97,6 +96,9 @@ class Mechanism:
         if self.cuda:
             self.stream = torch.cuda.Stream(self.p.device)
             torch.cuda.set_stream(self.stream)
+            # A runtime call on this thread makes the device's context current here, as
+            # the driver calls of d and e (copy_driver) need.
+            self.stream.synchronize()
             self._ids = torch.empty(self.p.geometry.num_blocks, dtype=torch.int64, pin_memory=True)
 
     def move(self, to_host: bool, pages: torch.Tensor) -> int:
@@ -122,16 +124,6 @@ class Mechanism:
 
 def _requires_cuda(mechanism: Mechanism) -> str | None:
     return None if mechanism.cuda else "needs a CUDA device"
-
-
-def _runtime() -> Any:
-    """cuda.bindings' runtime module; ImportError names the package."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError as exc:
-        raise ImportError(f"cuda.bindings is not importable ({exc}); pip install "
-                          "cuda-bindings matching the driver") from exc
-    return runtime
 
 
 class Gather(Mechanism):
@@ -259,14 +251,14 @@ class BindingsRuns(Mechanism):
         if not self.cuda:
             return _requires_cuda(self)
         try:
-            _runtime()
+            copy_driver.runtime()
         except ImportError as exc:
             return str(exc)
         return None
 
     def setup(self) -> None:
         super().setup()
-        self.rt = _runtime()
+        self.rt = copy_driver.runtime()
         self.kind = self.rt.cudaMemcpyKind.cudaMemcpyDefault
         self.ok = self.rt.cudaError_t.cudaSuccess
 
@@ -284,74 +276,22 @@ class BindingsRuns(Mechanism):
         return len(p)
 
 
-class _MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes (cuda.h, 12.8+)
-    _fields_ = [("srcAccessOrder", ctypes.c_uint), ("srcLocHint", _MemLocation),
-                ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
-
-
-# cuMemcpyBatchAsync as of CUDA 12.8 (asked for by that version, so a CUDA 13 driver hands
-# out this signature, with failIdx): dsts, srcs, sizes, count, attrs, attrsIdxs,
-# numAttrs, failIdx, stream.
-_BATCH_SIGNATURE = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
-)
-
-
-def _libcuda() -> Any:
-    """The CUDA driver library, through ctypes (always there where a GPU is)."""
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _driver_call(name: str, *args: Any) -> None:
-    """Call a driver function through ctypes; RuntimeError with the error's name if it
-    fails."""
-    lib = _libcuda()
-    err = getattr(lib, name)(*args)
-    if err:
-        text = ctypes.c_char_p()
-        lib.cuGetErrorName(err, ctypes.byref(text))
-        raise RuntimeError(f"{name} failed: {(text.value or b'?').decode()} ({err})")
-
-
-def _batch_entry() -> tuple[Any, str | None]:
-    """(cuMemcpyBatchAsync as a ctypes function, None), or (None, why not). Found with
-    the driver's cuGetProcAddress, asking for the 12.8 signature."""
-    try:
-        version = ctypes.c_int(0)
-        _driver_call("cuDriverGetVersion", ctypes.byref(version))
-        if version.value < 12080:
-            return None, (f"the driver is CUDA {version.value // 1000}.{version.value % 1000 // 10}"
-                          "; cuMemcpyBatchAsync needs 12.8+")
-        address, status = ctypes.c_void_p(0), ctypes.c_int(0)
-        _driver_call("cuGetProcAddress_v2", b"cuMemcpyBatchAsync", ctypes.byref(address),
-                     ctypes.c_int(12080), ctypes.c_uint64(0), ctypes.byref(status))
-    except (OSError, AttributeError, RuntimeError) as exc:
-        return None, f"cuMemcpyBatchAsync not found: {exc}"
-    if not address.value:
-        return None, f"cuMemcpyBatchAsync not found (symbol status {status.value})"
-    return _BATCH_SIGNATURE(address.value), None
-
-
 class BatchCopy(Mechanism):
     name = "d-batch"
 
     def why_not(self) -> str | None:
         if not self.cuda:
             return _requires_cuda(self)
-        return _batch_entry()[1]
+        return copy_driver.batch_entry()[1]
 
     def setup(self) -> None:
         super().setup()
-        self.call, why = _batch_entry()
+        self.call, why = copy_driver.batch_entry()
         if why:
             raise RuntimeError(why)
-        self.attrs = _MemcpyAttributes(srcAccessOrder=CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                                       flags=CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+        self.attrs = copy_driver.MemcpyAttributes(
+            srcAccessOrder=copy_driver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            flags=copy_driver.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
         self.attr_index = ctypes.c_size_t(0)
         self.fail_index = ctypes.c_size_t(0)
         self.keep: Plan | None = None
@@ -367,14 +307,6 @@ class BatchCopy(Mechanism):
             raise RuntimeError(f"cuMemcpyBatchAsync of {len(p)} copies failed: CUresult {err}, "
                                f"failIdx {self.fail_index.value}")
         return len(p)
-
-
-def _device_address(host_pointer: int) -> int:
-    """The pinned pool's address on the device (cuMemHostGetDevicePointer)."""
-    address = ctypes.c_uint64(0)
-    _driver_call("cuMemHostGetDevicePointer_v2", ctypes.byref(address),
-                 ctypes.c_void_p(host_pointer), ctypes.c_uint(0))
-    return address.value
 
 
 class Kernel(Mechanism):
@@ -399,7 +331,7 @@ class Kernel(Mechanism):
         cupy.cuda.Device(self.p.device.index or 0).use()
         self.kernel = cupy.RawKernel(KERNEL, "copy_segments")
         self.cupy_stream = cupy.cuda.ExternalStream(self.stream.cuda_stream)
-        self.host_base = _device_address(self.p.pool.data_ptr())
+        self.host_base = copy_driver.device_address(self.p.pool.data_ptr())
         most = 3 * self.p.geometry.layers * self.p.geometry.num_blocks
         self.table_host = torch.empty(most, dtype=torch.int64, pin_memory=True)
         self.table = torch.empty(most, dtype=torch.int64, device=self.p.device)

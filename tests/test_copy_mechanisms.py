@@ -102,3 +102,18 @@ def test_a_mechanism_that_misplaces_a_page_fails_its_check_and_reports_no_number
     assert "host blocks [0]" in row["status"]
     assert "alone" not in row and "sides" not in row
     assert "b-torch" in capsys.readouterr().out
+
+
+def test_adjacent_pages_into_a_layer_major_pool_coalesce_into_a_copy_per_user_and_layer(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "runs.json"
+    argv = ["--device", "cpu", "--only", "a,b", "--placement", "user", "--host-layout", "layer",
+            "--depth", "4", "--json", str(out)]
+    assert copy_mechanisms.main(argv) == 0
+    rows = {r["mechanism"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"a-gather", "b-torch"}
+    assert all(r["status"] == "ok (bytes checked)" for r in rows.values())
+    users, layers = 4, 2  # the smoke run's
+    assert rows["b-torch"]["copies"] == {"offload": users * layers, "load": users * layers}
+    assert rows["a-gather"]["copies"] == {"offload": layers, "load": layers}  # one chunk
