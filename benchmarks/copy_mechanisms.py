@@ -10,7 +10,9 @@ mechanisms are described in ``copy_movers.py``: a (today's gather + staging copy
 b (one torch copy per run), c (the same through cuda.bindings), d (one
 ``cuMemcpyBatchAsync``), e (a copy kernel with 4, 8, 16 blocks over the pinned pool's
 device address); ``reference`` is plain 256 MiB copies of one buffer, the copy engines'
-rate. Every mechanism runs on a thread of its own, never the model's.
+rate. Every mechanism runs on a thread of its own, never the model's, on streams of its
+own (``--high-priority``: high-priority streams, whose kernels' blocks go ahead of the
+model's queued ones).
 
 Before it is timed, each mechanism moves the batch out and back once and the bytes are
 checked: the pool holds exactly the source pages, the target pages exactly their bytes,
@@ -58,6 +60,7 @@ class Settings(standin.BesideSettings):
     host_layout: str = "block"
     kernel_blocks: tuple[int, ...] = (4, 8, 16)
     only: str = ""
+    high_priority: bool = False
     seed: int = 0
 
 
@@ -71,6 +74,8 @@ HELPS = {
     "host_layout": f"host pool layout, one of {LAYOUTS} (block: aiokv's today)",
     "kernel_blocks": "thread blocks of the copy kernels (one mechanism each)",
     "only": "comma-separated mechanism names or prefixes to run (e.g. ref,a,d,e-kernel-8)",
+    "high_priority": "the mechanisms' streams at high priority (their kernels' blocks go "
+    "ahead of the model's queued ones)",
     "device": "cpu: a smoke run at tiny sizes (mechanisms a and b only)",
 }
 
@@ -189,8 +194,11 @@ def _wanted(s: Settings, name: str) -> bool:
 
 def _mechanisms(s: Settings, batch: Batch) -> list[Mechanism]:
     p = batch.pages
-    found: list[Mechanism] = [Gather(p), TorchRuns(p), BindingsRuns(p), BatchCopy(p)]
-    found += [Kernel(p, blocks) for blocks in s.kernel_blocks]
+    priority = -1 if s.high_priority else 0
+    found: list[Mechanism] = [
+        kind(p, priority) for kind in (Gather, TorchRuns, BindingsRuns, BatchCopy)
+    ]
+    found += [Kernel(p, blocks, priority) for blocks in s.kernel_blocks]
     return [m for m in found if _wanted(s, m.name)]
 
 
@@ -250,7 +258,8 @@ def _print(rows: list[dict[str, Any]], depths: tuple[int, ...], s: Settings,
         f"data-plane mechanisms on {device}: {s.users} users x {s.tokens} tokens, {s.layers} "
         f"layers, {s.heads} heads x {s.head_dim} bf16, page {s.page_size} "
         f"({g.page_bytes >> 10} KiB a page a layer; {batch.nbytes / GIB:.3g} GiB each way); "
-        f"placement {s.placement}, host layout {s.host_layout}; model: {model}",
+        f"placement {s.placement}, host layout {s.host_layout}"
+        f"{', high-priority streams' if s.high_priority else ''}; model: {model}",
         headers, table,
     )
     print("  (slowdown: the model's time beside / alone; depth all: every step queued at "

@@ -82,8 +82,9 @@ class Mechanism:
 
     name = ""
 
-    def __init__(self, pages: Pages) -> None:
+    def __init__(self, pages: Pages, priority: int = 0) -> None:
         self.p = pages
+        self.priority = priority  # of its streams: 0, or -1 (high: ahead of the model's)
         self.cuda = pages.device.type == "cuda"
         self.stream: Any = None
         self._ids: torch.Tensor | None = None
@@ -94,7 +95,7 @@ class Mechanism:
 
     def setup(self) -> None:
         if self.cuda:
-            self.stream = torch.cuda.Stream(self.p.device)
+            self.stream = torch.cuda.Stream(self.p.device, priority=self.priority)
             torch.cuda.set_stream(self.stream)
             # A runtime call on this thread makes the device's context current here, as
             # the driver calls of d and e (copy_driver) need.
@@ -138,7 +139,8 @@ class Gather(Mechanism):
         shape = ((self.chunk, g.layers) if g.layout == "block" else (g.layers, self.chunk))
         self.staging = [torch.empty(shape + page_shape, dtype=self.p.caches[0].dtype,
                                     device=self.p.device) for _ in range(2)]
-        self.copy_stream = torch.cuda.Stream(self.p.device) if self.cuda else None
+        self.copy_stream = (torch.cuda.Stream(self.p.device, priority=self.priority)
+                            if self.cuda else None)
         self.free: list[Any] = [None, None]  # stage i is free once free[i] fired
         self.next = 0
 
@@ -310,8 +312,8 @@ class BatchCopy(Mechanism):
 
 
 class Kernel(Mechanism):
-    def __init__(self, pages: Pages, blocks: int) -> None:
-        super().__init__(pages)
+    def __init__(self, pages: Pages, blocks: int, priority: int = 0) -> None:
+        super().__init__(pages, priority)
         self.blocks = blocks
         self.name = f"e-kernel-{blocks}"
 
