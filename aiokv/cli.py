@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(demo)
     # Listed for --help only: main() hands everything after "bench" to aiokv.bench.
     commands.add_parser(
-        "bench", help="benchmarks: aiokv bench {engine,slots,bandwidth,lag,ssd,startup} --help",
+        "bench",
+        help="benchmarks: aiokv bench {engine,slots,bandwidth,lag,ssd,startup,model} --help",
         add_help=False,
     )
     return parser
