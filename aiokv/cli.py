@@ -58,10 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``aiokv`` console script; returns the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:2] == ["bench", "ssd"]:
-        from .bench.ssd import main as ssd_main
-
-        return ssd_main(args_list[2:], prog="aiokv bench ssd")
     if args_list[:1] == ["bench"]:
         from .bench import main as bench_main
 
