@@ -357,5 +357,6 @@ def _summary(args: argparse.Namespace, run: DemoRun) -> None:
     print(f"  verified       {tally.verified} loads bit-exact, {tally.mismatches} mismatches")
     failed = stats.failed + stats.timed_out + stats.rejected
     print(f"  failed         {failed} requests ({tally.failures} errors seen by users)")
-    for error in tally.errors[:5]:
+    for error in tally.errors:
         print(f"    {error}")
+    sys.stdout.flush()  # now, not at the interpreter's exit: it may tear torch down slowly

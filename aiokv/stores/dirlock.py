@@ -92,5 +92,5 @@ def _holder(recorded: bytes) -> str:
         return "a process that has not yet written its pid into the lock file"
     pid, host = int(fields[0]), fields[1]
     if pid == os.getpid() and host == socket.gethostname():
-        return f"another store of this process, pid {pid} on host {host}"
+        return f"this process, pid {pid} on host {host}"
     return f"pid {pid} on host {host}"
