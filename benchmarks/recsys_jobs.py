@@ -200,7 +200,8 @@ def failure(exc: BaseException, test_file: Path | None = None) -> dict[str, Any]
     ours = [f for f in frames if test_file is not None and Path(f.filename) == test_file]
     frame = (ours or frames or [None])[-1]
     where = f"{Path(frame.filename).name}:{frame.lineno}" if frame else "?"
-    return {"error": f"{type(exc).__name__}: {exc}"[:400], "where": where,
+    inner = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+    return {"error": f"{type(exc).__name__}: {exc}"[:400], "where": where, "raised_at": inner,
             "line": (frame.line or "") if frame else "", "lineno": frame.lineno if frame else 0}
 
 
@@ -346,6 +347,7 @@ def run_steps(storage: str, recsys: Path, batch: int, length: int, rounds: int,
     config = kvcache_config(batch, 8192, pages, HOST_PAGES)  # 8192: its --max-seq-len
     result.update(pages=pages, host_pages=HOST_PAGES, rounds=[],
                   bytes=LAYERS * batch * length * PAGE_BYTES_PER_LAYER // PAGE)
+    result["raw_copy_ms"] = raw_copy_ms(result["bytes"])  # first: there even if a round fails
     for number in range(rounds + 1):  # round 0 warms up (CUDA, allocators, FlexKV's start)
         manager, notes = make_manager(storage, config, f"r{number}", aiokv_config)
         result.update(notes)
@@ -361,7 +363,6 @@ def run_steps(storage: str, recsys: Path, batch: int, length: int, rounds: int,
             print(text.getvalue(), end="")
             close_manager(manager)
         result["rounds"].append(parse_nvtx(text.getvalue()))
-    result["raw_copy_ms"] = raw_copy_ms(result["bytes"])
 
 
 def run_job(storage: str, job: str, recsys: Path, build_dir: Path, batch: int,

@@ -62,6 +62,8 @@ def phase_lines(jobs: dict[str, Any], storages: list[str]) -> list[str]:
             lines.append(f"    phase {number}: FAILED at {phase['where']}: {phase['error']}")
             if phase.get("line"):
                 lines.append(f"      `{phase['line']}`")
+            if phase.get("raised_at", "").rsplit("/", 1)[-1] not in ("", phase["where"]):
+                lines.append(f"      raised in {phase['raised_at']}")
             if phase.get("note"):
                 lines.append(f"      ({phase['note']})")
         lines += [f"    {note}" for note in notes(job)]
