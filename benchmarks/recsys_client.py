@@ -3,7 +3,8 @@ recsys storage and on recsys's own FlexKVStorage over FlexKV, side by side with 
 H100 figures recsys-examples publishes.
 
     python benchmarks/recsys_client.py --recsys PATH [--flexkv on|off] [--cases 1024,2048,4096]
-                                       [--batch 8] [--rounds 3] [--build-dir DIR]
+                                       [--batch 8] [--rounds 5] [--warmup 2] [--build-dir DIR]
+                                       [--aiokv-config YAML] [--flexkv-as-batch 0|1]
                                        [--budget-s S] [--json FILE]
 
 ``--recsys`` is a snapshot of github.com/NVIDIA/recsys-examples (written against
@@ -21,14 +22,20 @@ costs that job only, and FlexKV's IPC endpoints and pinned memory go with the pr
   other users keep theirs, and new content offloaded under the same keys reloads as the
   new content, nothing stale.
 - ``steps:L``: ``test/breakdown_1/test_flexkv_profiler.py``'s ``run_step_1_offload``,
-  ``run_step_2_evict_gpu`` and ``run_step_3_onboard`` at ``--batch`` x L, on one warm-up
-  manager and then ``--rounds`` fresh managers (medians reported); the step times are the
-  profiler's own ``[NVTX]`` lines. Then a raw pinned host-to-device copy of the same bytes.
+  ``run_step_2_evict_gpu`` and ``run_step_3_onboard`` at ``--batch`` x L on one manager:
+  ``--warmup`` rounds, then ``--rounds`` measured (medians reported), the users dropped
+  from GPU and host between rounds; the step times are the profiler's own ``[NVTX]``
+  lines. Before them, a raw pinned host-to-device copy of the same bytes.
 
-The FlexKVStorage side needs FlexKV importable. recsys 43465aea targets FlexKV 0a73205;
-on a later FlexKV (34ab141) whose ``KVCacheLayout`` has ``kv_dim`` instead of ``is_mla``,
-this harness replaces recsys's ``FlexKVCacheLayout`` at run time (in its own process
-only) by FlexKV's ``LAYERBLOCK`` layout of the same per-layer tensors, and says so.
+aiokv runs with its defaults and a host tier of the recsys config's size
+(``host_capacity_per_layer`` x layers), or ``--aiokv-config``. The FlexKVStorage side
+needs FlexKV importable. recsys 43465aea targets FlexKV 0a73205; on FlexKV 34ab141 two
+things differ, and the harness says what it did about each: ``KVCacheLayout`` has
+``kv_dim`` instead of ``is_mla`` (recsys's ``FlexKVCacheLayout`` is replaced at run time,
+in the child only, by FlexKV's ``LAYERBLOCK`` layout of the same per-layer tensors), and
+``launch(as_batch=True)`` answers under a new batch id that FlexKVStorage does not wait
+on, so its batched offloads never complete (``--flexkv-as-batch 0``, the default here,
+keeps it on its per-user path).
 """
 
 from __future__ import annotations
@@ -51,8 +58,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recsys_jobs import JOB_KINDS, build_extensions, run_job
+from recsys_jobs import JOB_KINDS, JobOptions, run_job
 from recsys_report import format_report
+from recsys_setup import build_extensions
 
 STORAGES = ("aiokv", "flexkv")
 
@@ -96,7 +104,9 @@ def run_child(args: argparse.Namespace, storage: str, job: str, timeout_s: float
     cmd = [
         sys.executable, str(Path(__file__).resolve()), "--recsys", str(args.recsys),
         "--build-dir", str(args.build_dir), "--batch", str(args.batch),
-        "--rounds", str(args.rounds), "--job", f"{storage}:{job}", "--job-out", str(out),
+        "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+        "--flexkv-as-batch", str(args.flexkv_as_batch),
+        "--job", f"{storage}:{job}", "--job-out", str(out),
     ]
     if args.aiokv_config:
         cmd += ["--aiokv-config", args.aiokv_config]
@@ -144,7 +154,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--aiokv-config", default=None,
                         help="aiokv's YAML (default: its defaults, host tier of recsys's size)")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3, help="measured managers per case")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per case")
+    parser.add_argument("--warmup", type=int, default=2, help="rounds before them, not counted")
+    parser.add_argument("--flexkv-as-batch", type=int, default=0, choices=(0, 1),
+                        help="FlexKVStorage's flexkv_as_batch (1 fails on FlexKV 34ab141)")
     parser.add_argument("--build-dir", default=None, help="default: build/ in the snapshot")
     parser.add_argument("--job-timeout-s", type=float, default=150.0)
     parser.add_argument("--budget-s", type=float, default=None,
@@ -158,8 +171,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     recsys = Path(args.recsys)
     if not (recsys / "corelib" / "recsys_kvcache_manager").is_dir():
         raise SystemExit(f"--recsys {recsys}: no corelib/recsys_kvcache_manager in it")
-    if args.batch <= 0 or args.rounds <= 0:
-        raise SystemExit(f"--batch and --rounds must be positive, got {args.batch}, {args.rounds}")
+    if args.batch <= 0 or args.rounds <= 0 or args.warmup < 0:
+        raise SystemExit(f"--batch, --rounds (> 0), --warmup (>= 0): got {args.batch}, "
+                         f"{args.rounds}, {args.warmup}")
     args.build_dir = str(Path(args.build_dir or recsys / "build").resolve())
     require_cuda()
     Path(args.build_dir).mkdir(parents=True, exist_ok=True)
@@ -167,8 +181,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         storage, _, job = args.job.partition(":")
         if storage not in STORAGES or job.split(":")[0] not in JOB_KINDS:
             raise SystemExit(f"--job: unknown {args.job!r}")
-        result = run_job(storage, job, recsys, Path(args.build_dir), args.batch, args.rounds,
-                         args.aiokv_config)
+        options = JobOptions(recsys, Path(args.build_dir), args.batch, args.rounds,
+                             args.warmup, args.aiokv_config, args.flexkv_as_batch)
+        result = run_job(storage, job, options)
         Path(args.job_out).write_text(json.dumps(result))
         return result
     build_only(args)
@@ -177,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "batch": args.batch, "rounds": args.rounds, "cases": args.cases, "jobs": {},
+        "batch": args.batch, "rounds": args.rounds, "warmup": args.warmup,
+        "flexkv_as_batch": args.flexkv_as_batch, "cases": args.cases, "jobs": {},
     }
     for storage, job in job_list(args.cases, args.flexkv == "on"):
         left = None if deadline is None else deadline - time.monotonic()

@@ -33,8 +33,8 @@ GIB = float(1 << 30)
 
 
 def measured(job: dict[str, Any]) -> list[dict[str, float]]:
-    """The measured rounds of a steps job (round 0 warmed up)."""
-    return list(job.get("rounds", [])[1:])
+    """The measured rounds of a steps job (after its warm-up rounds)."""
+    return list(job.get("rounds", [])[job.get("warmup", 1):])
 
 
 def median_of(rounds: list[dict[str, float]], names: tuple[str, ...] | list[str]) -> float | None:
@@ -77,7 +77,8 @@ def notes(job: dict[str, Any]) -> list[str]:
         found.append(f"aiokv config: {job['aiokv_config']}")
     if job.get("layout_patch"):
         found.append(f"FlexKV layout: {job['layout_patch']}")
-        found.append(f"FLEXKV_LOG_LEVEL={job.get('flexkv_log_level')}")
+        found.append(f"FLEXKV_LOG_LEVEL={job.get('flexkv_log_level')}, "
+                     f"flexkv_as_batch={job.get('flexkv_as_batch')}")
     return found
 
 
