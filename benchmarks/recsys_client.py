@@ -146,7 +146,9 @@ def build_only(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recsys", required=True, help="a recsys-examples snapshot (root)")
+    parser.add_argument("--recsys", help="a recsys-examples snapshot (root)")
+    parser.add_argument("--report", default=None,
+                        help="print the report of a --json file of an earlier run, and stop")
     parser.add_argument("--flexkv", default="on", choices=("on", "off"),
                         help="also run recsys's own FlexKVStorage (needs FlexKV importable)")
     parser.add_argument("--cases", type=parse_cases, default=[1024, 2048, 4096],
@@ -168,6 +170,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--job", default=None, help=argparse.SUPPRESS)  # a child's job
     parser.add_argument("--job-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.report is not None:  # no GPU needed
+        results: dict[str, Any] = json.loads(Path(args.report).read_text())
+        print(format_report(results, flexkv=any(k.startswith("flexkv") for k in results["jobs"])))
+        return results
+    if args.recsys is None:
+        parser.error("--recsys is required (or --report)")
     recsys = Path(args.recsys)
     if not (recsys / "corelib" / "recsys_kvcache_manager").is_dir():
         raise SystemExit(f"--recsys {recsys}: no corelib/recsys_kvcache_manager in it")
@@ -190,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.build_only:
         return {}
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
-    results: dict[str, Any] = {
+    results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "batch": args.batch, "rounds": args.rounds, "warmup": args.warmup,
         "flexkv_as_batch": args.flexkv_as_batch, "cases": args.cases, "jobs": {},

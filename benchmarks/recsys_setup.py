@@ -161,13 +161,22 @@ def make_manager(storage: str, config: Any, tag: str,
 def invalidate(manager: Any) -> None:
     """Between rounds: the batch's users gone from the GPU and the host, so that step 1
     starts from nothing again (it asserts so). FlexKVStorage's evict_all is a no-op: its
-    FlexKV's own ``reset()`` drops the host tier instead."""
+    FlexKV's own invalidation drops the host tier instead."""
     manager.evict_all(for_gpu=True)
     client = getattr(manager.host_kvstorage_manager, "_client", None)
-    if client is not None:
-        client.reset()
-    else:
+    if client is None:
         manager.evict_all(for_host=True)
+        return
+    try:
+        client.reset()
+    except AttributeError:
+        # FlexKV 34ab141 builds its task table as ExpiringDict(max_age_seconds=...,
+        # max_len=...), the `expiringdict` package's signature, but imports the
+        # `expiring-dict` package it pins (1.1.2), which stores those two keywords as
+        # entries; reset() then calls is_completed() on the int 1800 (H200 run of
+        # 2026-12-04). What reset() goes on to do for a CPU-only cache, with no transfer
+        # in flight between rounds, is this: drop the CPU tier's index and mempool.
+        client._clear_cpu_cache()
 
 
 def close_manager(manager: Any) -> None:

@@ -3,8 +3,10 @@ order and choice of its jobs, and the report's ratios and verdicts."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -65,12 +67,13 @@ def test_report_gives_ratios_against_flexkv_and_the_raw_copy() -> None:
         },
     }
     text = recsys_report.format_report(results)
-    # offload 5 vs 10 ms, onboard 2.5 vs 20 ms
-    assert "aiokv/FlexKVStorage 0.50 (target <= 0.7: met)" in text
-    assert "aiokv/FlexKVStorage 0.12 (target <= 0.7: met)" in text
+    # the medians: offload 5 vs 10 ms, onboard 2.5 vs 20 ms
+    assert "offload launch+wait, median: aiokv/FlexKVStorage 0.50 (target <= 0.7: met)" in text
+    assert "onboard launch+wait, median: aiokv/FlexKVStorage 0.12 (target <= 0.7: met)" in text
+    # the first rounds: 101 ms each
+    assert "offload launch+wait, first: aiokv/FlexKVStorage 1.00 (target <= 0.7: NOT met)" in text
     # 96 MiB in 2.5 ms = 37.5 GiB/s against 46.9 raw: 80%
-    assert "aiokv 37.5 (80% of raw)" in text
-    assert "aiokv onboard at 80% of raw (target >= 80%: met)" in text
+    assert "onboard aiokv median: 37.5 GiB/s, 80% of raw (target >= 80%: met)" in text
     assert "phase 5: FAILED at test_flexkv.py:722" in text
     assert "(after the host evict)" in text
     assert "could not run: ImportError: no flexkv" in text
@@ -84,5 +87,19 @@ def test_report_says_when_a_target_is_missed() -> None:
         "flexkv:steps:4096": {**steps, "rounds": [{}, _round(9.0, 39.0)]},
     }}
     text = recsys_report.format_report(results)
-    assert "aiokv/FlexKVStorage 1.00 (target <= 0.7: NOT met)" in text
-    assert "aiokv onboard at 50% of raw (target >= 80%: NOT met)" in text
+    assert "offload launch+wait, median: aiokv/FlexKVStorage 1.00 (target <= 0.7: NOT met)" in text
+    assert "onboard aiokv median: 25.0 GiB/s, 50% of raw (target >= 80%: NOT met)" in text
+    assert "first: aiokv" not in text  # round 0 has no steps: no ratio of the first rounds
+
+
+def test_report_of_an_earlier_run_needs_no_gpu(tmp_path: Path, capsys: Any) -> None:
+    steps = {"bytes": 1 << 30, "pages": 1024, "host_pages": 4096, "raw_copy_ms": 20.0}
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"batch": 8, "cases": [4096], "jobs": {
+        "aiokv:steps:4096": {**steps, "warmup": 2,
+                             "rounds": [_round(50, 50), _round(50, 50), _round(4.0, 9.0)]},
+    }}))
+    recsys_client.main(["--report", str(saved)])
+    out = capsys.readouterr().out
+    assert "onboard aiokv median: 100.0 GiB/s, 200% of raw" in out  # 1 GiB in 10 ms
+    assert "FlexKVStorage" not in out.split("==", 1)[1].split("\n", 1)[0]
