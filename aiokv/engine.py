@@ -43,7 +43,7 @@ from .requests import (
 from .resolution import Resolver
 from .space import SpaceWaits
 from .stats import EngineStats, StatsRecorder
-from .stores.base import Store, store_restarts
+from .stores.base import Store, store_restarts, store_stage_waits
 from .worker import StoreWorker
 
 # Enum members read as class attributes cost an attribute lookup each; per-call paths read
@@ -161,10 +161,11 @@ class OffloadEngine:
     def stats(self) -> EngineStats:
         worker = self._worker
         restarts = store_restarts(self._store)
+        waits = store_stage_waits(self._store)
         if worker is None:
-            return self._stats.snapshot(0, 0, self._bytes_per_token, restarts)
+            return self._stats.snapshot(0, 0, self._bytes_per_token, restarts, waits)
         return self._stats.snapshot(
-            worker.tasks_open, worker.d2h_copies, self._bytes_per_token, restarts
+            worker.tasks_open, worker.d2h_copies, self._bytes_per_token, restarts, waits
         )
 
     # ---- public calls ------------------------------------------------------------------

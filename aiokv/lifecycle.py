@@ -171,6 +171,7 @@ async def start(engine: EngineParts) -> None:
         registered,
         copy_stream,
         engine._store_slice_us,
+        engine._config.request_timeout_ms / 1e3 or None,
     )
     if engine._on_gpu:
         engine._ready_marks = ReadyMarks(engine._device, loop.call_soon)

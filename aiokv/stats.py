@@ -175,6 +175,9 @@ class EngineStats:
     space_waits: int = 0
     space_wait_ms: float = 0.0
     store_restarts: int = 0  # the store's backend started again after it died (own_process)
+    # Loads whose SSD pages found no host room at launch and waited for it (stores/base.py:
+    # CountsStageWaits; 0 for a store without).
+    stage_waits: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -285,7 +288,8 @@ class StatsRecorder:
         )
 
     def snapshot(
-        self, store_tasks_open: int, d2h_copies: int, bytes_per_token: int, store_restarts: int = 0
+        self, store_tasks_open: int, d2h_copies: int, bytes_per_token: int, store_restarts: int = 0,
+        stage_waits: int = 0,
     ) -> EngineStats:
         """The counters now, with the store thread's: its open task ids and the
         device-to-host copies its fused batches made (loop thread: the samples are
@@ -320,6 +324,7 @@ class StatsRecorder:
             space_waits=self.space_waits,
             space_wait_ms=self.space_wait_s * 1e3,
             store_restarts=store_restarts,
+            stage_waits=stage_waits,
         )
 
 

@@ -71,8 +71,10 @@ class StoreWorker:
         registered: concurrent.futures.Future[None],
         copy_stream: Any = None,
         store_slice_us: int = 0,
+        wait_timeout_s: float | None = None,
     ) -> None:
         self._store = store
+        self._wait_timeout_s = wait_timeout_s  # request_timeout_ms, for BoundsWaits
         self._kv_caches = kv_caches
         self._registered = registered  # resolved once store.register() returned
         self._loop = loop
@@ -167,6 +169,8 @@ class StoreWorker:
         set_yield = self._caps.set_yield
         if set_yield is not None:
             set_yield(self._slice.yield_if_used)
+        if self._caps.set_wait_timeout is not None:  # a store that waits for room inside
+            self._caps.set_wait_timeout(self._wait_timeout_s)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
         self._slice.restart()  # registering is not this thread's work

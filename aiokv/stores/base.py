@@ -23,9 +23,10 @@ Contract, for any store:
 
 Optional features are declared below, one Protocol each (:class:`Notifies`,
 :class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`,
-:class:`Clears`, :class:`ReportsStats`, :class:`AdvisesSlice`, :class:`Restarts`); a store
-implements any subset, and a wrapper forwards what its inner store has. The engine reads
-them once, into :class:`Capabilities`, when it builds its store thread.
+:class:`Clears`, :class:`ReportsStats`, :class:`AdvisesSlice`, :class:`Restarts`,
+:class:`BoundsWaits`, :class:`CountsStageWaits`); a store implements any subset, and a
+wrapper forwards what its inner store has. The engine reads them once, into
+:class:`Capabilities`, when it builds its store thread.
 """
 
 from __future__ import annotations
@@ -205,7 +206,8 @@ class Clears(Protocol):
 class ReportsStats(Protocol):
     """Tier occupancy and byte counters, keys from: host_blocks_used, host_blocks_total,
     ssd_blocks_used, ssd_blocks_total, bytes_d2h, bytes_h2d, bytes_ssd_written,
-    bytes_ssd_read, checksum_failures, ssd_write_errors (the keys the store has)."""
+    bytes_ssd_read, checksum_failures, ssd_write_errors, stage_waits (the keys the store
+    has)."""
 
     def store_stats(self) -> Mapping[str, int | float]: ...
 
@@ -233,10 +235,36 @@ def store_restarts(store: object) -> int:
     return count
 
 
+@runtime_checkable
+class BoundsWaits(Protocol):
+    """Gives up, after ``timeout_s`` (None: never), a launched task that waits inside the
+    store for room (LocalStore: a load whose SSD pages wait for host room to stage them);
+    it then fails without moving anything more. The engine passes its
+    ``request_timeout_ms`` when its store thread starts, so that a load its caller no
+    longer waits for never copies into the caller's pages late."""
+
+    def set_wait_timeout(self, timeout_s: float | None) -> None: ...
+
+
+class CountsStageWaits(Protocol):
+    """``stage_waits``: loads launched before the host tier had room to stage the pages
+    their match found on a lower tier, which then waited for it (LocalStore with an SSD
+    tier). Read racily by ``engine.stats()``; wrappers forward it."""
+
+    stage_waits: int
+
+
+def store_stage_waits(store: object) -> int:
+    """The store's :class:`CountsStageWaits` count, 0 for a store without one."""
+    count: int = getattr(store, "stage_waits", 0)
+    return count
+
+
 # The optional methods by name, as Capabilities holds them.
 OPTIONAL_METHODS = (
     "set_notify",
     "set_yield",
+    "set_wait_timeout",
     "put_match_many",
     "get_match_many",
     "wait_queued",
@@ -257,6 +285,7 @@ class Capabilities:
 
     set_notify: Callable[[Callable[[], None]], None] | None = None
     set_yield: Callable[[Callable[[], None]], None] | None = None
+    set_wait_timeout: Callable[[float | None], None] | None = None
     put_match_many: Callable[[Queries], MatchAnswers] | None = None
     get_match_many: Callable[[Queries], MatchAnswers] | None = None
     wait_queued: Callable[[], None] | None = None

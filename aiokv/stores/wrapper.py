@@ -10,7 +10,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from .base import OPTIONAL_METHODS, BoolArray, Int64Array, Store, TaskResult, store_restarts
+from .base import (
+    OPTIONAL_METHODS,
+    BoolArray,
+    Int64Array,
+    Store,
+    TaskResult,
+    store_restarts,
+    store_stage_waits,
+)
 
 
 class StoreWrapper:
@@ -27,6 +35,7 @@ class StoreWrapper:
     forward_notify: ClassVar[bool] = True
     set_notify: Callable[[Callable[[], None]], None] | None
     set_yield: Callable[[Callable[[], None]], None] | None
+    set_wait_timeout: Callable[[float | None], None] | None
     put_match_many: Callable[..., list[Any]] | None
     get_match_many: Callable[..., list[Any]] | None
     wait_queued: Callable[[], None] | None
@@ -61,6 +70,11 @@ class StoreWrapper:
     def restarts(self) -> int:
         """The inner store's restarts (stores/base.py: Restarts), 0 without any."""
         return store_restarts(self.inner)
+
+    @property
+    def stage_waits(self) -> int:
+        """The inner store's stage waits (stores/base.py: CountsStageWaits), 0 without."""
+        return store_stage_waits(self.inner)
 
     @property
     def store_slice_us(self) -> int | None:

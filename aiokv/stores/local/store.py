@@ -23,7 +23,7 @@ import torch
 
 from ...config import StoreConfig
 from ...errors import ConfigError
-from ..base import BoolArray, Int64Array, TaskResult
+from ..base import BoolArray, Int64Array, NoSpace, TaskResult
 from .blocks import NO_BLOCKS, READY, Tier
 from .checks import check_pages
 from .completion import Task, TaskEnds, concat
@@ -66,6 +66,7 @@ class LocalStore(TaskEnds, Prestaging):
         self._launched: dict[int, tuple[list[Task], int]] = {}
         self._start_prestaging()
         self._notify: Callable[[], None] | None = None
+        self._wait_timeout_s: float | None = None  # set_wait_timeout
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
         self._ssd_stats: dict[str, int | float] = {}
 
@@ -94,6 +95,7 @@ class LocalStore(TaskEnds, Prestaging):
                 self._config, pool, first.dtype, page_size, self._wake, self._copy,
                 self.end_tasks,
             )
+            link.wait_timeout_s = self._wait_timeout_s
         self._host = link.host if link is not None else Tier("host", pool)
         self._pool, self._link = pool, link
         self._gpu_pages = int(first.shape[0])
@@ -126,6 +128,14 @@ class LocalStore(TaskEnds, Prestaging):
     @property
     def _index(self) -> BlockIndex:  # the host tier's, for tests that look inside
         return self._require_host().index
+
+    @property
+    def stage_waits(self) -> int:
+        """Loads that waited for host room to stage their SSD pages (base.CountsStageWaits);
+        read from any thread (a plain int)."""
+        if self._link is not None:
+            return self._link.stage_waits
+        return int(self._ssd_stats.get("stage_waits", 0))
 
     @property
     def free_blocks(self) -> int:
@@ -173,6 +183,12 @@ class LocalStore(TaskEnds, Prestaging):
         owner = space
         if missing_count:
             try:
+                if link is not None and missing_count + link.owed() > host.available():
+                    # Loads launched before it wait for that room (tiering: owed).
+                    raise NoSpace(
+                        f"host: need {missing_count} blocks; loads waiting for room are "
+                        f"owed {link.owed()} of the {host.available()} free or evictable"
+                    )
                 blocks = host.reserve(missing_count)
             finally:
                 if listed is not None:
@@ -316,6 +332,8 @@ class LocalStore(TaskEnds, Prestaging):
                 self._link.cancel_load(task.load)  # ends the task once its reads are in
             else:
                 self.end_tasks([task], success=False)
+        if self._link is not None:
+            self._link.stage_waiting()  # what the cancelled tasks held is room now
 
     def close(self) -> None:
         """Finish queued copies (and SSD writes), then release the pool."""
@@ -369,6 +387,14 @@ class LocalStore(TaskEnds, Prestaging):
         threads) each time tasks may have become terminal, so the engine need not poll
         ``try_wait``."""
         self._notify = callback
+
+    def set_wait_timeout(self, timeout_s: float | None) -> None:
+        """Optional Store extension (base.BoundsWaits): a launched load whose SSD pages
+        found no host room fails after ``timeout_s`` without copying (None: it waits
+        until there is room)."""
+        self._wait_timeout_s = timeout_s
+        if self._link is not None:
+            self._link.wait_timeout_s = timeout_s
 
     # ---- internals -----------------------------------------------------------------
 
