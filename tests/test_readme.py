@@ -44,6 +44,6 @@ def test_the_configuration_reference_names_every_key() -> None:
 
 
 def test_the_readme_stays_a_guide_and_links_the_results() -> None:
-    assert len(README.splitlines()) <= 300
+    assert len(README.splitlines()) <= 310  # 300, and the Lookup promise (issue 29)
     assert README.startswith("# aiokv\n\n```bash\nmake demo")
     assert "(benchmarks/RESULTS.md)" in README and (ROOT / "benchmarks" / "RESULTS.md").exists()
