@@ -32,7 +32,7 @@ from .batcher import Batch
 from .calls import StoreCalls
 from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
-from .invalidation import HeldKeys, Invalidation, invalidate
+from .invalidation import HeldKeys, Invalidation, give_back, invalidate
 from .plans import outcome as outcome_of
 from .recovery import PollFailures, retry_timeout
 from .requests import Kind, Request
@@ -307,9 +307,11 @@ class StoreWorker:
             self._outbox.append((request, outcome))
 
     def _invalidate(self, item: Invalidation) -> None:
-        """An evict or clear, in inbox order: once what was launched before it is
-        terminal (and answered), :func:`aiokv.invalidation.invalidate`."""
+        """An evict or clear, in inbox order: its reservations given back, then once what
+        was launched before it is terminal (and answered),
+        :func:`aiokv.invalidation.invalidate`."""
         try:
+            give_back(item, self._calls, self._reserved, self._held_keys)
             while self._launched:
                 self._post()
                 self._poll()
@@ -319,7 +321,7 @@ class StoreWorker:
         except BaseException:  # a crash of this thread (_run): its caller is told too
             item.answer(StoreError("the store thread crashed; see the aiokv log"))
             raise
-        invalidate(item, self._caps, self._calls, self._reserved, self._held_keys)
+        invalidate(item, self._caps, self._calls)
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
         """Fail the batch's requests that have no outcome yet. A load among them still

@@ -155,3 +155,21 @@ async def test_a_load_waits_for_room_no_longer_than_request_timeout_ms(tmp_path:
     stats = engine.stats()
     assert stats.stage_waits == 1 and stats.store_tasks_open == 0
     assert all(c[destination(0)].isnan().all() for c in caches)
+
+
+@pytest.mark.asyncio
+async def test_a_clear_gives_back_the_room_a_waiting_load_needs(tmp_path: Path) -> None:
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=5_000)
+    async with engine:
+        for user in range(4):
+            await engine.offload(user, source(user), HISTORY)
+        holders = [await engine.lookup(user, HISTORY) for user in (2, 3)]  # all the room
+        hit = await engine.lookup(0, HISTORY)
+        forget_loads(caches)
+        # The load goes first and waits for room; the clear gives the holders' back, so
+        # the load finishes (with the KV as it was) and then everything is dropped.
+        loaded, dropped = await asyncio.gather(engine.load(hit, destination(0)), engine.clear())
+        assert loaded.loaded_tokens == HISTORY and loaded_intact(caches, 0, HISTORY)
+        assert dropped >= 4 * HISTORY
+        assert [(await engine.load(h, destination(2))).loaded_tokens for h in holders] == [0, 0]
+        assert (await engine.lookup(0, HISTORY)).cached_tokens == 0

@@ -240,8 +240,9 @@ class BoundsWaits(Protocol):
     """Gives up, after ``timeout_s`` (None: never), a launched task that waits inside the
     store for room (LocalStore: a load whose SSD pages wait for host room to stage them);
     it then fails without moving anything more. The engine passes its
-    ``request_timeout_ms`` when its store thread starts, so that a load its caller no
-    longer waits for never copies into the caller's pages late."""
+    ``request_timeout_ms`` (30 s when that is 0, as offloads wait for room:
+    :mod:`aiokv.space`) when its store thread starts, so that a load its caller no longer
+    waits for never copies into the caller's pages late."""
 
     def set_wait_timeout(self, timeout_s: float | None) -> None: ...
 
