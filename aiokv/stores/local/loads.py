@@ -14,9 +14,9 @@ ends a load short. Staging (host blocks reserved, reads started) happens:
   first come, first served, before any prefetch, and puts get NoSpace rather than the
   room they wait for (``owed``). Each launch that has to wait counts one ``stage_waits``.
 
-Room comes back as copies end: a launched load's host prefix and each of its chunks go back
-to the host LRU as soon as their GPU copy is done, so loads waiting for room never wait
-for each other's prefixes. A match promises at most what the tier could ever stage beside
+Room comes back as tasks end; and the host prefix of a launched load that waits for room
+goes back as soon as its GPU copy is done, so loads waiting for room never wait for each
+other's prefixes. A match promises at most what the tier could ever stage beside
 its own host prefix, and nothing of a key while another load of that key is still to be
 staged (its pages would reach the host under that load, not this one: a miss, not a short
 load). One request per chunk; once launched, each verified chunk is queued for its host ->
@@ -69,6 +69,7 @@ class Load:
     staged: bool = False  # host blocks reserved and reads started
     prefetched: int = 0  # host blocks staged before launch, counted in _prefetched
     give_up_at: float | None = None  # launched and waiting for room: time.monotonic()
+    prefix_released: bool = False  # the host prefix went back once copied (job_done)
     cancelled: bool = False
     finished: bool = False
     error: str | None = None
@@ -82,7 +83,7 @@ class LoadStaging:
     _copy: Copy
     _end: End
     _page_size: int
-    _chunk_jobs: dict[int, tuple[Load, Int64Array]]  # a chunk's job -> its blocks
+    _chunk_jobs: dict[int, tuple[Load, bool]]  # a chunk's job -> its load, is it the prefix
     _copying: int  # host blocks held by their SSD copies (room on its way)
     _waiting: list[Load]  # matched, not launched, not staged: oldest first
     _owed: list[Load]  # launched, not staged: oldest launch first
@@ -190,7 +191,7 @@ class LoadStaging:
             self._copy([task], False, gpu_pages[: len(task.blocks)], task.blocks)
             return
         if load.hits:
-            self._chunk(load, gpu_pages[: load.hits], task.blocks[: load.hits])
+            self._chunk(load, gpu_pages[: load.hits], task.blocks[: load.hits], prefix=True)
         if not load.staged:
             self._waiting.remove(load)
             self._owed.append(load)
@@ -259,10 +260,11 @@ class LoadStaging:
                         load.host_blocks[lo:hi])
             load.submitted = hi
 
-    def _chunk(self, load: Load, gpu_pages: Int64Array, blocks: Int64Array) -> None:
-        """A copy job of part of a launched load; its blocks go back when it is done."""
+    def _chunk(
+        self, load: Load, gpu_pages: Int64Array, blocks: Int64Array, prefix: bool = False
+    ) -> None:
         job = self._copy([], False, gpu_pages, blocks)
-        self._chunk_jobs[id(job)] = (load, blocks)
+        self._chunk_jobs[id(job)] = (load, prefix)
 
     def _finish(self, load: Load) -> None:
         """Every read is settled (or there was none): the task's last copy job, which
@@ -270,26 +272,33 @@ class LoadStaging:
         load.finished = True
         task = load.task
         loaded = load.hits + load.good
-        if loaded < load.match_pages:  # a checksum failure or a read error only
+        if loaded < load.match_pages:  # a checksum failure, a read error, or it gave up
             task.mask = task.mask.copy()  # a new mask: the worker counts what moved
             task.mask[loaded * self._page_size :] = False
+        # The blocks the task holds till it ends: its prefix (unless it went back early),
+        # then what was staged and verified.
+        prefix = task.blocks[: 0 if load.prefix_released else load.hits]
+        task.blocks = np.concatenate((prefix, load.host_blocks[: load.good]))
         if load.gpu_pages is None:  # not launched: launch copies it all in one job
-            task.blocks = np.concatenate((task.blocks[: load.hits], load.host_blocks[: load.good]))
             if load.cancelled:
                 self._end([task], False)
             return
         lo, hi = load.submitted, load.good
-        # The prefix and the chunks before went back as their copies ended.
-        task.blocks = load.host_blocks[lo:hi]
-        self._copy([task], False, load.gpu_pages[load.hits + lo : load.hits + hi], task.blocks)
+        self._copy([task], False, load.gpu_pages[load.hits + lo : load.hits + hi],
+                   load.host_blocks[lo:hi])
         load.submitted = hi
 
     def job_done(self, job: CopyJob) -> None:
-        """A load's chunk was copied (or failed): its host blocks are free to go."""
+        """A load's chunk was copied (or failed). A prefix copied while its load still
+        waits for room goes back now: loads waiting for room must not wait for each
+        other's prefixes. (Otherwise a task's blocks go back together when it ends, in
+        order, so that its head stays the most recent.)"""
         chunk = self._chunk_jobs.pop(id(job), None)
         if chunk is None:
             return
-        load, blocks = chunk
+        load, prefix = chunk
         if job.error is not None:
             load.error = load.error or job.error
-        self.host.drop_readers(blocks)
+        if prefix and not load.staged and not load.finished:
+            load.prefix_released = True
+            self.host.drop_readers(load.task.blocks[: load.hits])

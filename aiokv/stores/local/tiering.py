@@ -72,7 +72,7 @@ class TierLink(LoadStaging):
         self.write_through = config.ssd_write_policy == "write_through"
         self._copy, self._end = copy, end
         self._page_size = page_size
-        self._chunk_jobs: dict[int, tuple[Load, Int64Array]] = {}
+        self._chunk_jobs: dict[int, tuple[Load, bool]] = {}
         self._copying = 0  # host blocks held by their SSD copies (room on its way)
         # Loads not staged yet (loads.py): matched, and launched (owed room first).
         self._waiting: list[Load] = []
