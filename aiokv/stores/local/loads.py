@@ -3,22 +3,25 @@ blocks and queued for their host -> GPU copies.
 
 What a match found is what the load brings (the Lookup's promise): the SSD slots are held
 from the match on, whether or not the host tier has room to stage them then, so they can
-be neither evicted nor overwritten; only a block that fails its checksum (or a read error)
-ends a load short. Staging (host blocks reserved, reads started) happens:
+be neither evicted nor overwritten. Only a block that fails its checksum ends a load short
+(the task succeeds with the mask of what was loaded); a read error fails the task.
+Staging (host blocks reserved, reads started) happens:
 
 - at the match, as a prefetch, when the host tier has room at once, no launched load is
   waiting for room, and prefetched loads not yet launched hold at most half the tier (a
   Lookup its caller keeps while it waits for something else must not hold the room the
   loads of others need);
-- otherwise at launch, waiting for room as long as it takes: launched loads are staged
-  first come, first served, before any prefetch, and puts get NoSpace rather than the
-  room they wait for (``owed``). Each launch that has to wait counts one ``stage_waits``.
+- otherwise at launch, waiting for room: launched loads are staged first come, first
+  served, before any prefetch, and puts get NoSpace rather than the room they wait for
+  (``leave_owed``). Each launch that has to wait counts one ``stage_waits``; one still
+  waiting after ``wait_timeout_s`` (the engine's request_timeout_ms) fails, moving nothing
+  more.
 
 Room comes back as tasks end; and the host prefix of a launched load that waits for room
 goes back as soon as its GPU copy is done, so loads waiting for room never wait for each
-other's prefixes. A match promises at most what the tier could ever stage beside
-its own host prefix, and nothing of a key while another load of that key is still to be
-staged (its pages would reach the host under that load, not this one: a miss, not a short
+other's prefixes. A match promises at most what the tier could ever stage beside its own
+host prefix, and nothing of a key while another load of that key is still to be staged
+(its pages would reach the host under that load, not this one: a miss, not a short
 load). One request per chunk; once launched, each verified chunk is queued for its host ->
 GPU copy while the next chunk is read. The task ends with the copy job of its last chunk.
 
@@ -118,9 +121,16 @@ class LoadStaging:
         self.stage_waiting()
         return load
 
-    def owed(self) -> int:
-        """Host blocks that launched loads wait for: puts must leave them."""
-        return sum(len(load.slots) for load in self._owed)
+    def leave_owed(self, count: int) -> None:
+        """Raises NoSpace when a put of ``count`` new blocks would take host room that
+        launched loads wait for (they go first)."""
+        if self._owed:
+            owed = sum(len(load.slots) for load in self._owed)
+            if count + owed > self.host.available():
+                raise NoSpace(
+                    f"host: need {count} blocks; loads waiting for room are owed {owed} "
+                    f"of the {self.host.available()} free or evictable"
+                )
 
     def stage_waiting(self) -> None:
         """Stage what room allows: launched loads first, in launch order, then prefetches

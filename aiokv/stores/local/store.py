@@ -23,7 +23,7 @@ import torch
 
 from ...config import StoreConfig
 from ...errors import ConfigError
-from ..base import BoolArray, Int64Array, NoSpace, TaskResult
+from ..base import BoolArray, Int64Array, TaskResult
 from .blocks import NO_BLOCKS, READY, Tier
 from .checks import check_pages
 from .completion import Task, TaskEnds, concat
@@ -130,9 +130,7 @@ class LocalStore(TaskEnds, Prestaging):
         return self._require_host().index
 
     @property
-    def stage_waits(self) -> int:
-        """Loads that waited for host room to stage their SSD pages (base.CountsStageWaits);
-        read from any thread (a plain int)."""
+    def stage_waits(self) -> int:  # base.CountsStageWaits: read from any thread
         if self._link is not None:
             return self._link.stage_waits
         return int(self._ssd_stats.get("stage_waits", 0))
@@ -183,12 +181,8 @@ class LocalStore(TaskEnds, Prestaging):
         owner = space
         if missing_count:
             try:
-                if link is not None and missing_count + link.owed() > host.available():
-                    # Loads launched before it wait for that room (tiering: owed).
-                    raise NoSpace(
-                        f"host: need {missing_count} blocks; loads waiting for room are "
-                        f"owed {link.owed()} of the {host.available()} free or evictable"
-                    )
+                if link is not None:
+                    link.leave_owed(missing_count)  # loads launched before it wait for room
                 blocks = host.reserve(missing_count)
             finally:
                 if listed is not None:
