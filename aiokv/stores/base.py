@@ -241,8 +241,9 @@ class BoundsWaits(Protocol):
     store for room (LocalStore: a load whose SSD pages wait for host room to stage them);
     it then fails without moving anything more. The engine passes its
     ``request_timeout_ms`` (30 s when that is 0, as offloads wait for room:
-    :mod:`aiokv.space`) when its store thread starts, so that a load its caller no longer
-    waits for never copies into the caller's pages late."""
+    :mod:`aiokv.space`) plus 0.5 s when its store thread starts, so that a load its caller
+    no longer waits for never copies into the caller's pages late, and the caller hears
+    its own RequestTimeout first. ProcessStore passes it on to its child."""
 
     def set_wait_timeout(self, timeout_s: float | None) -> None: ...
 
