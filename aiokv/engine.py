@@ -234,9 +234,12 @@ class OffloadEngine:
         self, hit: Lookup, page_ids: torch.Tensor, *, _ready_event: Any = None
     ) -> LoadResult:
         """Copy a Lookup's cached prefix into ``page_ids`` (in order). Consumes ``hit``.
-        When the returned future resolves, the data is in the caches. On a GPU the copy
-        starts after what the current CUDA stream has queued by now (``_ready_event``:
-        as for :meth:`offload`)."""
+        When the returned future resolves, the data is in the caches: ``loaded_tokens``
+        is ``hit.cached_tokens`` (0 after an evict or clear of the key; fewer only where
+        a block read from SSD failed its checksum). Pages on SSD may wait for host room
+        to stage them (``EngineStats.stage_waits``), up to ``request_timeout_ms``: then
+        RequestTimeout. On a GPU the copy starts after what the current CUDA stream has
+        queued by now (``_ready_event``: as for :meth:`offload`)."""
         self._check_running()
         if not isinstance(hit, Lookup) or hit._owner is not self._resolver:
             raise InvalidRequest("hit", "must be a Lookup returned by this engine's lookup()")

@@ -5,13 +5,16 @@ Order. An evict or clear is an item on the store thread's inbox, like a batch:
 1. The loop first hands every request the engine accepted before the call to the store
    thread (:meth:`aiokv.batcher.Batcher.dispatch_all`), so the item comes after their
    batches on the inbox, and the requests accepted after it come after it.
-2. On the store thread the item waits until every task launched before it is terminal:
-   a load of the key already dispatched finishes first (with the KV as it was), and an
-   offload already dispatched is stored and then dropped.
-3. Lookup reservations held on the key (every held reservation, for a clear) are given
-   back to the store first: a reservation holds its blocks, which the store could not
-   drop. The Lookup that held one stays usable: its load then loads nothing
-   (``loaded_tokens == 0``, a miss), never the dropped KV.
+2. On the store thread, lookup reservations held on the key (every held reservation,
+   for a clear) are given back to the store: a reservation holds its blocks, which the
+   store could not drop. The Lookup that held one stays usable: its load then loads
+   nothing (``loaded_tokens == 0``, a miss), never the dropped KV. Given back before the
+   wait below, not after: no load of them was dispatched before the item (those consumed
+   their reservations), so the order changes no answer, and a load that waits for the
+   room they hold (a LocalStore load staging SSD pages) is not left waiting on them.
+3. The item waits until every task launched before it is terminal: a load of the key
+   already dispatched finishes first (with the KV as it was), and an offload already
+   dispatched is stored and then dropped.
 4. Then the store's own ``evict(namespace)`` or ``clear()`` runs, and its answer (tokens
    dropped) or its error (a StoreError) goes back to the caller.
 
@@ -96,20 +99,21 @@ class HeldKeys:
         return taken
 
 
-def invalidate(
-    item: Invalidation,
-    caps: Capabilities,
-    calls: StoreCalls,
-    reserved: set[int],
-    held_keys: HeldKeys,
+def give_back(
+    item: Invalidation, calls: StoreCalls, reserved: set[int], held_keys: HeldKeys
 ) -> None:
-    """Steps 3 and 4 of the module docstring, on the store thread once nothing launched
-    before ``item`` is open: give back the key's reservations (removed from
-    ``reserved``), ask the store, answer the caller."""
+    """Step 2 of the module docstring, on the store thread: give back the key's
+    reservations (removed from ``reserved``)."""
     held = held_keys.take(reserved, item.namespace)
     if held:
         reserved.difference_update(held)
         calls.cancel(held)
+
+
+def invalidate(item: Invalidation, caps: Capabilities, calls: StoreCalls) -> None:
+    """Step 4 of the module docstring, on the store thread once the key's reservations
+    were given back and nothing launched before ``item`` is open: ask the store, answer
+    the caller."""
     if not calls.owed.settle():
         item.answer(StoreError(
             f"store.cancel keeps failing: {len(calls.owed)} matched ids are still held, "

@@ -214,6 +214,8 @@ class EngineStats:
     host_blocks_total: int = 0
     ssd_blocks_used: int = 0
     ssd_blocks_total: int = 0
+    # Loads whose SSD pages found no host room at launch and waited for it.
+    stage_waits: int = 0
 
     @property
     def hit_ratio(self) -> float:

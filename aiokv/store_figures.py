@@ -38,6 +38,7 @@ FIELDS = (
     "host_blocks_total",
     "ssd_blocks_used",
     "ssd_blocks_total",
+    "stage_waits",  # loads that waited for host room to stage their SSD pages
 )
 
 

@@ -32,7 +32,7 @@ from .batcher import Batch
 from .calls import StoreCalls
 from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
-from .invalidation import HeldKeys, Invalidation, invalidate
+from .invalidation import HeldKeys, Invalidation, give_back, invalidate
 from .plans import outcome as outcome_of
 from .recovery import PollFailures, retry_timeout
 from .requests import Kind, Request
@@ -72,8 +72,10 @@ class StoreWorker:
         registered: concurrent.futures.Future[None],
         copy_stream: Any = None,
         store_slice_us: int = 0,
+        wait_timeout_s: float | None = None,
     ) -> None:
         self._store = store
+        self._wait_timeout_s = wait_timeout_s  # request_timeout_ms, for BoundsWaits
         self._kv_caches = kv_caches
         self._registered = registered  # resolved once store.register() returned
         self._loop = loop
@@ -169,6 +171,8 @@ class StoreWorker:
         set_yield = self._caps.set_yield
         if set_yield is not None:
             set_yield(self._slice.yield_if_used)
+        if self._caps.set_wait_timeout is not None:  # a store that waits for room inside
+            self._caps.set_wait_timeout(self._wait_timeout_s)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
         self._slice.restart()  # registering is not this thread's work
@@ -313,9 +317,11 @@ class StoreWorker:
             self._outbox.append((request, outcome))
 
     def _invalidate(self, item: Invalidation) -> None:
-        """An evict or clear, in inbox order: once what was launched before it is
-        terminal (and answered), :func:`aiokv.invalidation.invalidate`."""
+        """An evict or clear, in inbox order: its reservations given back, then once what
+        was launched before it is terminal (and answered),
+        :func:`aiokv.invalidation.invalidate`."""
         try:
+            give_back(item, self._calls, self._reserved, self._held_keys)
             while self._launched:
                 self._post()
                 self._poll()
@@ -325,7 +331,7 @@ class StoreWorker:
         except BaseException:  # a crash of this thread (_run): its caller is told too
             item.answer(StoreError("the store thread crashed; see the aiokv log"))
             raise
-        invalidate(item, self._caps, self._calls, self._reserved, self._held_keys)
+        invalidate(item, self._caps, self._calls)
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
         """Fail the batch's requests that have no outcome yet. A load among them still

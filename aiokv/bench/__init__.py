@@ -1,4 +1,5 @@
-"""``python -m aiokv.bench {engine,slots,bandwidth,lag,ssd,startup,model}`` (also ``aiokv bench ...``).
+"""``python -m aiokv.bench {engine,slots,bandwidth,lag,ssd,startup,model}``
+(also ``aiokv bench ...``).
 
 Each subcommand is one module with ``NAME``, ``HELP``, ``add_arguments(parser)`` and
 ``run(args) -> int`` (the exit status); they share :mod:`aiokv.bench.common`. Every

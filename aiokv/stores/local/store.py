@@ -66,6 +66,7 @@ class LocalStore(TaskEnds, Prestaging):
         self._launched: dict[int, tuple[list[Task], int]] = {}
         self._start_prestaging()
         self._notify: Callable[[], None] | None = None
+        self._wait_timeout_s: float | None = None  # set_wait_timeout
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
         # Tokens get_match found on the host tier / only on SSD (EngineStats' tier hits).
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
@@ -96,6 +97,7 @@ class LocalStore(TaskEnds, Prestaging):
                 self._config, pool, first.dtype, page_size, self._wake, self._copy,
                 self.end_tasks,
             )
+            link.wait_timeout_s = self._wait_timeout_s
         self._host = link.host if link is not None else Tier("host", pool)
         self._pool, self._link = pool, link
         self._gpu_pages = int(first.shape[0])
@@ -128,6 +130,7 @@ class LocalStore(TaskEnds, Prestaging):
     @property
     def _index(self) -> BlockIndex:  # the host tier's, for tests that look inside
         return self._require_host().index
+
 
     @property
     def free_blocks(self) -> int:
@@ -175,6 +178,8 @@ class LocalStore(TaskEnds, Prestaging):
         owner = space
         if missing_count:
             try:
+                if link is not None:
+                    link.leave_owed(missing_count)  # loads launched before it wait for room
                 blocks = host.reserve(missing_count)
             finally:
                 if listed is not None:
@@ -320,6 +325,8 @@ class LocalStore(TaskEnds, Prestaging):
                 self._link.cancel_load(task.load)  # ends the task once its reads are in
             else:
                 self.end_tasks([task], success=False)
+        if self._link is not None:
+            self._link.stage_waiting()  # what the cancelled tasks held is room now
 
     def close(self) -> None:
         """Finish queued copies (and SSD writes), then release the pool."""
@@ -375,6 +382,14 @@ class LocalStore(TaskEnds, Prestaging):
         threads) each time tasks may have become terminal, so the engine need not poll
         ``try_wait``."""
         self._notify = callback
+
+    def set_wait_timeout(self, timeout_s: float | None) -> None:
+        """Optional Store extension (base.BoundsWaits): a launched load whose SSD pages
+        found no host room fails after ``timeout_s`` without copying (None: it waits
+        until there is room)."""
+        self._wait_timeout_s = timeout_s
+        if self._link is not None:
+            self._link.wait_timeout_s = timeout_s
 
     # ---- internals -----------------------------------------------------------------
 
