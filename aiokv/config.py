@@ -167,7 +167,8 @@ class StoreConfig:
     flexkv: FlexKV's own user-config keys, passed through its loaders, and ``log_level``
         (one of FLEXKV_LOG_LEVELS, any case): how much FlexKV's own logger says, in this
         process and the ones FlexKV starts. Unset: FlexKV's ``FLEXKV_LOG_LEVEL`` where the
-        environment sets it, else WARNING (FlexKV's INFO is a line per operation).
+        environment sets it, else ERROR (FlexKV's INFO is a line per operation, and its
+        WARNING a line per cancelled lookup).
     own_process: run the store in a child process of its own (:class:`ProcessStore`), so
         that its Python never holds this process's GIL against the event loop; the caches
         stay here and reach it by CUDA IPC (or shared memory). None (the default): the

@@ -1,4 +1,4 @@
-"""FlexKV's own logging follows aiokv's (CPU, without FlexKV): quiet (WARNING) unless
+"""FlexKV's own logging follows aiokv's (CPU, without FlexKV): quiet (ERROR) unless
 ``store.flexkv.log_level`` or the user's FLEXKV_LOG_LEVEL says otherwise, in this process
 and in the processes started from it, and a bad level is a ConfigError naming the key."""
 
@@ -36,7 +36,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_flexkv_is_quiet_by_default() -> None:
     set_env(flexkv_config())
-    assert child_level() == "WARNING"
+    assert child_level() == "ERROR"
 
 
 def test_the_config_key_turns_it_up_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

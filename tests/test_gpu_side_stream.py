@@ -6,7 +6,8 @@ thread's current one, not the engine loop thread's. Skipped without CUDA."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -49,6 +50,16 @@ class Rig:
         for layer, cache in enumerate(self.caches):
             cache[pages] = data if isinstance(data, float) else data[layer]
 
+    def warm_up(self, offload: Callable[..., Any], lookup: Callable[..., Any],
+                load: Callable[..., Any]) -> None:
+        """One synchronized round trip of another user first: the first calls allocate
+        (pinned pools, device buffers), and an allocation can synchronize the whole
+        device, which would hide a missing wait on the caller's stream."""
+        warm, back = torch.arange(20, 24, device=self.device), torch.arange(30, 34, device=self.device)
+        offload(warm)
+        load(lookup(), back)
+        torch.cuda.synchronize(self.device)
+
     def assert_target_holds_first(self) -> None:
         torch.cuda.synchronize(self.device)  # whatever is still queued has landed
         for cache, data in zip(self.caches, self.first, strict=True):
@@ -61,9 +72,18 @@ def rig() -> Iterator[Rig]:
     torch.cuda.synchronize()
 
 
+def background_warm_up(rig: Rig, kv: aiokv.BackgroundEngine) -> None:
+    def lookup() -> Any:
+        return kv.lookup("warm", TOKENS)
+
+    rig.warm_up(lambda pages: kv.offload("warm", pages, TOKENS), lookup,
+                lambda hit, pages: kv.load(hit, pages))
+
+
 def test_background_offload_copies_what_the_callers_side_stream_wrote(rig: Rig) -> None:
     engine = aiokv.open_engine(CONFIG, kv_caches=rig.caches)
     with aiokv.run_in_background(engine) as kv:
+        background_warm_up(rig, kv)
         with torch.cuda.stream(rig.side):
             rig.write_late(rig.source, rig.first)
             stored = kv.offload("u", rig.source, TOKENS)  # no synchronize before it
@@ -77,6 +97,7 @@ def test_background_offload_copies_what_the_callers_side_stream_wrote(rig: Rig) 
 def test_background_load_lands_after_what_the_callers_side_stream_queued(rig: Rig) -> None:
     engine = aiokv.open_engine(CONFIG, kv_caches=rig.caches)
     with aiokv.run_in_background(engine) as kv:
+        background_warm_up(rig, kv)
         for cache, data in zip(rig.caches, rig.first, strict=True):
             cache[rig.source] = data
         torch.cuda.synchronize(rig.device)
@@ -96,6 +117,11 @@ def test_recsys_core_offload_and_onboard_follow_the_callers_side_stream(rig: Rig
 
     core = RecsysCore.open(CONFIG, rig.caches)
     try:
+        rig.warm_up(
+            lambda pages: core.offload([9], [pages], [TOKENS]).outcomes(),
+            lambda: core.lookup([9], [TOKENS])[0],
+            lambda hit, pages: core.load([hit], [pages]).outcomes(),
+        )
         with torch.cuda.stream(rig.side):
             rig.write_late(rig.source, rig.first)
             pages = rig.source.to(torch.int32)  # recsys's page ids, passed as they are

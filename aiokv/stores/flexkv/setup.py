@@ -30,12 +30,14 @@ _ENV_DEFAULTS = {"FLEXKV_ENABLE_MPS": "0"}
 
 # FlexKV's logger says a line per operation at INFO, its default (34ab141): a serving
 # process is quiet unless asked, as aiokv's own logger is.
-DEFAULT_LOG_LEVEL = "WARNING"
+# ERROR, not WARNING: 34ab141 logs every cancelled get task at WARNING, and aiokv cancels
+# one for each released Lookup (a line per lookup in a serving process).
+DEFAULT_LOG_LEVEL = "ERROR"
 
 
 def log_level(config: StoreConfig | None) -> str:
     """FlexKV's log level: ``store.flexkv.log_level``, else the environment's
-    ``FLEXKV_LOG_LEVEL``, else WARNING."""
+    ``FLEXKV_LOG_LEVEL``, else ERROR."""
     configured = None if config is None else config.flexkv.get("log_level")
     if configured is not None:
         return str(configured).upper()
