@@ -1,48 +1,13 @@
-"""The ``aiokv`` command: ``aiokv demo`` and ``aiokv bench ...``.
-
-``aiokv demo`` runs a simulated serving workload on the embedded store (or the store a
-``--config`` file names) under uvloop: user coroutines grow append-only histories, each
-append writing fresh random KV into that user's own pages and offloading it, and now
-and then look their history up and load it into scratch pages, which must equal their
-own pages bit for bit (history pages never change once written, so they are the
-reference). A user whose history reaches its page budget restarts under a fresh
-namespace. The exit status is 1 when any load mismatched or any request failed.
-
-``aiokv bench ...`` is ``python -m aiokv.bench ...``.
-"""
+"""The ``aiokv`` command: ``aiokv demo`` (:mod:`aiokv.demo`) and ``aiokv bench ...``
+(``python -m aiokv.bench ...``)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import math
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
-import torch
 
 from . import __version__
-from .config import EngineConfig, StoreConfig, load_config
-from .engine import OffloadEngine
-from .errors import AiokvError, ConfigError
-from .stats import EngineStats
-from .stores import make_store
-from .stores.base import Store
-
-GIB = float(1 << 30)
-VERIFY_SHARE = 0.25  # of a user's steps that look up + load + check instead of appending
-MAX_APPEND_PAGES = 3  # an append adds up to this many pages of tokens
-# The store holds users x budget pages: every user has at most one request in flight, and
-# it pins at most its budget (pages being written, or a looked-up history being loaded),
-# so a match can always evict enough and no request finds the store full. Live
-# histories average half their budget, so the rest of the store fills with the garbage
-# of restarted histories, which eviction clears; lookups almost always hit in full.
-STORE_PAGES_PER_USER_BUDGET = 1.0
-CACHES_BYTES_CAP = 256 << 20  # the default history budget keeps caches under this
-NOISE_BYTES = 16 << 20  # pool of random KV that appends copy from
 
 
 def _demo_parser(parser: argparse.ArgumentParser) -> None:
@@ -77,13 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated serving workload with bit-exact load checks",
         description="A simulated serving workload on the embedded store (or --config's), "
         "under uvloop: users grow append-only histories, offload each append, and now and "
-        "then load their history back and check it bit for bit. Exits 1 on any mismatch "
-        "or failed request.",
+        "then load their history back and check it bit for bit. Ctrl-C or SIGTERM ends it "
+        "early with its summary. Exits 1 on any mismatch or failed request, else 128 + "
+        "the signal's number when one ended it.",
     )
     _demo_parser(demo)
     # Listed for --help only: main() hands everything after "bench" to aiokv.bench.
     commands.add_parser(
-        "bench", help="benchmarks: aiokv bench {engine,slots,bandwidth,lag,ssd,startup} --help",
+        "bench",
+        help="benchmarks: aiokv bench {engine,slots,bandwidth,lag,ssd,startup,model} --help",
         add_help=False,
     )
     return parser
@@ -92,272 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``aiokv`` console script; returns the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:2] == ["bench", "ssd"]:
-        from .bench.ssd import main as ssd_main
-
-        return ssd_main(args_list[2:], prog="aiokv bench ssd")
     if args_list[:1] == ["bench"]:
         from .bench import main as bench_main
 
         return bench_main(args_list[1:], prog="aiokv bench")
     args = build_parser().parse_args(args_list)
     if args.command == "demo":
+        from .demo import demo
+
         return demo(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse requires one
-
-
-# ---- the demo ---------------------------------------------------------------------------
-
-
-@dataclass
-class Tally:
-    """What the users did, counted on the loop."""
-
-    offloads: int = 0
-    lookups: int = 0
-    loads: int = 0
-    full_hits: int = 0
-    partial_hits: int = 0
-    misses: int = 0
-    restored_pages: int = 0  # pages offloaded again because the store had evicted them
-    restarts: int = 0
-    verified: int = 0
-    mismatches: int = 0
-    errors: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Workload:
-    caches: list[torch.Tensor]
-    own: list[torch.Tensor]  # each user's history pages, in order, on the caches' device
-    scratch: list[torch.Tensor]  # each user's load target pages
-    page_size: int
-    budget_pages: int
-    noise: torch.Tensor  # random pages; appends copy windows of it (see random_pages)
-    rng: np.random.Generator
-
-    def random_pages(self, count: int) -> torch.Tensor:
-        """``count`` pages of random KV: a window of the noise pool at a random element
-        offset, so every append writes different data for the cost of a copy (drawing
-        fresh normals on the CPU would cost the loop hundreds of microseconds)."""
-        page_numel = self.caches[0][0].numel()
-        start = int(self.rng.integers(0, len(self.noise) - count * page_numel + 1))
-        window = self.noise[start : start + count * page_numel]
-        return window.view(count, *self.caches[0].shape[1:])
-
-
-class DemoUser:
-    """One user: an append-only history in its own pages, offloaded after every append,
-    sometimes looked up and loaded into scratch pages and compared with its own."""
-
-    def __init__(self, index: int, work: Workload, engine: OffloadEngine, tally: Tally) -> None:
-        self.index = index
-        self.work = work
-        self.engine = engine
-        self.tally = tally
-        self.generation = 0
-        self.tokens = 0
-        self.stored_pages = 0  # pages the store held after our last offload
-
-    @property
-    def namespace(self) -> list[str]:
-        return [f"demo:{self.index}:{self.generation}"]
-
-    async def step(self) -> None:
-        work = self.work
-        if self.stored_pages and work.rng.random() < VERIFY_SHARE:
-            await self.verify()
-        else:
-            await self.append()
-
-    async def append(self) -> None:
-        work = self.work
-        page_size = work.page_size
-        grow = int(work.rng.integers(1, MAX_APPEND_PAGES * page_size + 1))
-        if self.tokens + grow > work.budget_pages * page_size:
-            self.generation += 1  # a fresh namespace: the old history is garbage now
-            self.tokens = self.stored_pages = 0
-            self.tally.restarts += 1
-        first = self.tokens // page_size  # never a stored page: only full pages are stored
-        self.tokens += grow
-        last = -(-self.tokens // page_size)
-        pages = work.own[self.index][first:last]
-        for cache in work.caches:
-            cache.index_copy_(0, pages, work.random_pages(len(pages)))
-        result = await self.engine.offload(
-            self.index, self.work.own[self.index][:last], self.tokens, namespace=self.namespace
-        )
-        self.tally.offloads += 1
-        new_pages = result.cached_tokens // page_size - self.stored_pages
-        self.tally.restored_pages += max(result.stored_tokens // page_size - new_pages, 0)
-        self.stored_pages = result.cached_tokens // page_size
-
-    async def verify(self) -> None:
-        work = self.work
-        page_size = work.page_size
-        hit = await self.engine.lookup(self.index, self.tokens, namespace=self.namespace)
-        self.tally.lookups += 1
-        async with hit:
-            hit_pages = hit.cached_tokens // page_size
-            if hit_pages == 0:
-                self.tally.misses += 1
-                return
-            if hit_pages == self.stored_pages:
-                self.tally.full_hits += 1
-            else:
-                self.tally.partial_hits += 1  # part of the history was evicted
-            scratch = work.scratch[self.index][:hit_pages]
-            for cache in work.caches:
-                cache.index_fill_(0, scratch, float("nan"))  # a load that writes nothing fails
-            loaded = await self.engine.load(hit, scratch)
-        self.tally.loads += 1
-        pages = loaded.loaded_tokens // page_size
-        # Bit-exact: compare the raw 16-bit patterns (NaN payloads included).
-        same = all(
-            torch.equal(
-                cache.index_select(0, scratch[:pages]).view(torch.int16),
-                cache.index_select(0, work.own[self.index][:pages]).view(torch.int16),
-            )
-            for cache in work.caches
-        )
-        self.tally.verified += 1
-        if not same or pages != hit_pages:
-            self.tally.mismatches += 1
-
-    async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await self.step()
-            except AiokvError as exc:  # counted, and the user carries on
-                self.tally.errors.append(f"user {self.index}: {exc!r}")
-
-
-def _build(args: argparse.Namespace) -> tuple[OffloadEngine, Workload, int]:
-    from .running import pick_device  # auto = GPU if any
-
-    device = pick_device(args.device)
-    dtype = torch.bfloat16
-    for name in ("users", "layers", "page_size", "heads", "head_dim"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"aiokv demo: --{name.replace('_', '-')} must be >= 1")
-    if args.history_pages and args.history_pages < MAX_APPEND_PAGES:
-        # One append adds up to MAX_APPEND_PAGES pages; a smaller budget could not hold it.
-        raise SystemExit(f"aiokv demo: --history-pages must be >= {MAX_APPEND_PAGES}")
-    page_bytes = args.layers * 2 * args.page_size * args.heads * args.head_dim * dtype.itemsize
-    budget = args.history_pages or max(
-        MAX_APPEND_PAGES, min(32, CACHES_BYTES_CAP // (2 * args.users * page_bytes))
-    )
-    num_pages = 2 * args.users * budget
-    caches = [
-        torch.zeros(num_pages, 2, args.page_size, args.heads, args.head_dim, dtype=dtype,
-                    device=device)
-        for _ in range(args.layers)
-    ]
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    # Scattered pages, so transfers gather and scatter as they would in a real cache.
-    order = torch.randperm(num_pages, generator=generator, device=device)
-    own = list(order[: args.users * budget].view(args.users, budget))
-    scratch = list(order[args.users * budget :].view(args.users, budget))
-    if args.config:
-        engine_config, store_config = load_config(args.config)
-    else:
-        engine_config = EngineConfig()
-        store_bytes = STORE_PAGES_PER_USER_BUDGET * args.users * budget * page_bytes
-        store_config = StoreConfig(cpu_cache_gb=store_bytes / GIB)
-    store: Store = make_store(store_config)
-    engine = OffloadEngine(store, caches, engine_config)
-    page_numel = page_bytes // args.layers // dtype.itemsize
-    noise_numel = max(NOISE_BYTES // dtype.itemsize, 4 * MAX_APPEND_PAGES * page_numel)
-    noise = torch.randn(noise_numel, generator=generator, device=device).to(dtype)
-    work = Workload(
-        caches, own, scratch, args.page_size, budget, noise, np.random.default_rng(args.seed)
-    )
-    store_bytes_real = int(store_config.cpu_cache_gb * GIB)
-    return engine, work, store_bytes_real
-
-
-@dataclass
-class DemoRun:
-    tally: Tally
-    elapsed_s: float
-    store_bytes: int
-    stats: EngineStats
-
-
-async def _run_demo(args: argparse.Namespace) -> DemoRun:
-    from tqdm import tqdm
-
-    engine, work, store_bytes = _build(args)
-    tally = Tally()
-    stop = asyncio.Event()
-    users = [DemoUser(i, work, engine, tally) for i in range(args.users)]
-    async with engine:
-        tasks = [asyncio.create_task(u.run(stop), name=f"demo-user-{u.index}") for u in users]
-        start = time.perf_counter()
-        bar_format = "{l_bar}{bar}| {n:.1f}/{total:.0f}s {postfix}"
-        with tqdm(total=args.seconds, desc="aiokv demo", file=sys.stderr, disable=None,
-                  leave=False, bar_format=bar_format) as bar:
-            while (elapsed := time.perf_counter() - start) < args.seconds:
-                await asyncio.sleep(min(0.25, args.seconds - elapsed))
-                elapsed = time.perf_counter() - start
-                bar.n = min(elapsed, args.seconds)
-                done = tally.offloads + tally.lookups + tally.loads
-                bar.set_postfix_str(f"{done / elapsed:,.0f} req/s")
-        stop.set()
-        # Users finish the request in flight; leaving the block drains the engine.
-        await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
-        stats = engine.stats()
-    return DemoRun(tally, elapsed, store_bytes, stats)
-
-
-def demo(args: argparse.Namespace) -> int:
-    """Run the demo workload and print its summary; 1 on any mismatch or failure."""
-    from .running import run_uvloop
-
-    if not math.isfinite(args.seconds) or args.seconds <= 0:
-        raise SystemExit("aiokv demo: --seconds must be a finite number > 0")
-    try:
-        result = run_uvloop(_run_demo(args))
-    except ConfigError as exc:  # a bad --config, or one whose page size differs
-        print(f"aiokv demo: {exc}", file=sys.stderr)
-        return 2
-    _summary(args, result)
-    stats, tally = result.stats, result.tally
-    failed = stats.failed + stats.timed_out + stats.rejected + len(tally.errors)
-    return 1 if tally.mismatches or failed else 0
-
-
-def _summary(args: argparse.Namespace, run: DemoRun) -> None:
-    tally, stats, elapsed = run.tally, run.stats, run.elapsed_s
-    total = tally.offloads + tally.lookups + tally.loads
-    print(
-        f"aiokv demo: {args.users} users for {elapsed:.2f} s; store {run.store_bytes / 2**20:.0f}"
-        f" MiB, {stats.bytes_offloaded / max(run.store_bytes, 1):.1f}x its size offloaded"
-    )
-    print(
-        f"  requests/s     {total / elapsed:,.0f}: offload {tally.offloads / elapsed:,.0f}, "
-        f"lookup {tally.lookups / elapsed:,.0f}, load {tally.loads / elapsed:,.0f}"
-    )
-    print(
-        f"  batches        {stats.batches:,}, mean {stats.mean_batch_requests:.1f} requests; "
-        f"latency p50 {stats.latency_p50_ms:.2f} ms, p99 {stats.latency_p99_ms:.2f} ms"
-    )
-    print(
-        f"  moved          offload {stats.bytes_offloaded / GIB:.3f} GiB "
-        f"({stats.bytes_offloaded / GIB / elapsed:.3f} GiB/s), load "
-        f"{stats.bytes_loaded / GIB:.3f} GiB ({stats.bytes_loaded / GIB / elapsed:.3f} GiB/s)"
-    )
-    print(
-        f"  lookups        {tally.full_hits} full hits, {tally.partial_hits} partial "
-        f"(evicted tail), {tally.misses} misses; {tally.restored_pages} evicted pages "
-        f"offloaded again; {tally.restarts} history restarts"
-    )
-    print(f"  verified       {tally.verified} loads bit-exact, {tally.mismatches} mismatches")
-    failed = stats.failed + stats.timed_out + stats.rejected
-    print(f"  failed         {failed} requests ({len(tally.errors)} errors seen by users)")
-    for error in tally.errors[:5]:
-        print(f"    {error}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ Backend = Literal["local", "flexkv"]
 WritePolicy = Literal["write_through", "write_back"]
 
 
+# What FlexKV's logger takes (FLEXKV_LOG_LEVEL; flexkv.common.debug.FlexkvLogger).
+FLEXKV_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "OFF")
+
 # Past this, times in µs or ms stop converting to seconds (a float) and counts stop
 # meaning anything; a typed error beats an OverflowError deep in start().
 MAX_INT = 10**12
@@ -162,7 +165,11 @@ class StoreConfig:
     ssd_reset_on_mismatch: a directory written with another geometry (layers, heads,
         head_dim, dtype, page size, directories) is a ConfigError saying what differs;
         true discards its contents instead.
-    flexkv: FlexKV's own user-config keys, passed through its loaders.
+    flexkv: FlexKV's own user-config keys, passed through its loaders, and ``log_level``
+        (one of FLEXKV_LOG_LEVELS, any case): how much FlexKV's own logger says, in this
+        process and the ones FlexKV starts. Unset: FlexKV's ``FLEXKV_LOG_LEVEL`` where the
+        environment sets it, else ERROR (FlexKV's INFO is a line per operation, and its
+        WARNING a line per cancelled lookup).
     own_process: run the store in a child process of its own (:class:`ProcessStore`), so
         that its Python never holds this process's GIL against the event loop; the caches
         stay here and reach it by CUDA IPC (or shared memory). None (the default): the
@@ -242,6 +249,14 @@ class StoreConfig:
             )
         if not isinstance(self.flexkv, Mapping):
             raise ConfigError("store.flexkv", f"must be a mapping, got {self.flexkv!r}")
+        level = self.flexkv.get("log_level")
+        if level is not None and (
+            not isinstance(level, str) or level.upper() not in FLEXKV_LOG_LEVELS
+        ):
+            raise ConfigError(
+                "store.flexkv.log_level",
+                f"must be one of {', '.join(FLEXKV_LOG_LEVELS)} (any case), got {level!r}",
+            )
         if self.own_process is not None and not isinstance(self.own_process, bool):
             raise ConfigError(
                 "store.own_process",

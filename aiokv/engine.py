@@ -159,12 +159,18 @@ class OffloadEngine:
         await self.aclose()
 
     def stats(self) -> EngineStats:
+        """The counters now (README: the field reference). Any time in the engine's life,
+        from its loop or, once it is closed, from any thread: before ``start()`` all 0,
+        after ``aclose()`` the final figures. The store's own figures (tier hits, SSD
+        bytes, occupancy) are at most ``aiokv.store_figures.REFRESH_S`` old while it
+        works."""
         worker = self._worker
         restarts = store_restarts(self._store)
         if worker is None:
             return self._stats.snapshot(0, 0, self._bytes_per_token, restarts)
         return self._stats.snapshot(
-            worker.tasks_open, worker.d2h_copies, self._bytes_per_token, restarts
+            worker.tasks_open, worker.d2h_copies, self._bytes_per_token, restarts,
+            worker.figures.latest,
         )
 
     # ---- public calls ------------------------------------------------------------------
@@ -177,12 +183,18 @@ class OffloadEngine:
         *,
         token_ids: Any = None,
         namespace: Sequence[str] | None = None,
+        _ready_event: Any = None,
     ) -> OffloadResult:
         """Store the full pages of a user's first ``num_tokens`` tokens, held in
         ``page_ids`` (in order). Pages already stored under the same key are skipped.
+        On a GPU the copy starts after what the current CUDA stream has queued by now.
 
         Raises InvalidRequest (bad argument, names it), Overloaded, EngineClosed,
         StoreError / StoreFull (the store failed it) or RequestTimeout.
+
+        ``_ready_event`` is internal (run_in_background, aiokv.integrations): a CUDA event
+        that the calling thread recorded after its writes (:meth:`_caller_event`), waited
+        for instead of this thread's current stream.
         """
         self._check_running()
         pages = validate.page_ids(page_ids, self._device)
@@ -197,7 +209,7 @@ class OffloadEngine:
         # (slots.FusedPages.bad_requests): GPU values cannot be read here, and a per-call
         # min/max would cost more than the rest of the submit path.
         request = self._new_request(
-            _OFFLOAD, user_id, num_tokens, token_ids, namespace, pages, pages_used
+            _OFFLOAD, user_id, num_tokens, token_ids, namespace, pages, pages_used, _ready_event
         )
         result: OffloadResult = await self._run(request)
         return result
@@ -218,14 +230,22 @@ class OffloadEngine:
         result: Lookup = await self._run(request)
         return result
 
-    async def load(self, hit: Lookup, page_ids: torch.Tensor) -> LoadResult:
+    async def load(
+        self, hit: Lookup, page_ids: torch.Tensor, *, _ready_event: Any = None
+    ) -> LoadResult:
         """Copy a Lookup's cached prefix into ``page_ids`` (in order). Consumes ``hit``.
-        When the returned future resolves, the data is in the caches."""
+        When the returned future resolves, the data is in the caches: ``loaded_tokens``
+        is ``hit.cached_tokens`` (0 after an evict or clear of the key; fewer only where
+        a block read from SSD failed its checksum). Pages on SSD may wait for host room
+        to stage them (``EngineStats.stage_waits``), up to ``request_timeout_ms``: then
+        RequestTimeout. On a GPU the copy starts after what the current CUDA stream has
+        queued by now (``_ready_event``: as for :meth:`offload`)."""
         self._check_running()
         if not isinstance(hit, Lookup) or hit._owner is not self._resolver:
             raise InvalidRequest("hit", "must be a Lookup returned by this engine's lookup()")
         pages = validate.page_ids(page_ids, self._device)
         if hit.cached_tokens == 0:
+            self._stats.record_empty_load()  # nothing to move: answered here
             return LoadResult(hit.user_id, 0)
         needed = hit._pages_needed(self._page_size)
         if pages.shape[0] < needed:
@@ -234,7 +254,7 @@ class OffloadEngine:
             )
         reservation = hit._consume()
         request = self._new_request(
-            _LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed
+            _LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed, _ready_event
         )
         request.reservation = reservation
         request.task_id, request.mask = reservation.task_id, reservation.mask
@@ -290,17 +310,32 @@ class OffloadEngine:
         namespace: Sequence[str] | None,
         pages: torch.Tensor | None = None,
         pages_used: int = 0,
+        ready_event: Any = None,
     ) -> Request:
         assert self._loop is not None
         request = new_request(
             kind, user_id, self._loop.create_future(), num_tokens, token_ids, namespace,
             pages, pages_used,
         )
-        if self._ready_marks is not None and pages is not None:
+        if ready_event is not None:
+            request.ready_event = ready_event  # recorded by the caller's own thread
+        elif self._ready_marks is not None and pages is not None:
             # The copy starts after the caller's stream gets at least this far (waited
             # on by the fused copy on the GPU, or by the worker).
             self._ready_marks.mark(request)
         return request
+
+    def _caller_event(self) -> Any:
+        """A CUDA event recorded now on the calling thread's current stream (None for CPU
+        caches), for a call that another thread submits (``_ready_event``). CUDA's current
+        stream is per thread: on the loop's thread, :class:`ReadyMarks` would note the
+        loop thread's stream, not the one the caller wrote its pages on (a side stream, a
+        CUDA graph's), and the copy could read them before they are written."""
+        if not self._on_gpu:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self._device))
+        return event
 
     # ---- admission, deadlines, resolution ----------------------------------------------
 

@@ -5,13 +5,16 @@ Order. An evict or clear is an item on the store thread's inbox, like a batch:
 1. The loop first hands every request the engine accepted before the call to the store
    thread (:meth:`aiokv.batcher.Batcher.dispatch_all`), so the item comes after their
    batches on the inbox, and the requests accepted after it come after it.
-2. On the store thread the item waits until every task launched before it is terminal:
-   a load of the key already dispatched finishes first (with the KV as it was), and an
-   offload already dispatched is stored and then dropped.
-3. Lookup reservations held on the key (every held reservation, for a clear) are given
-   back to the store first: a reservation holds its blocks, which the store could not
-   drop. The Lookup that held one stays usable: its load then loads nothing
-   (``loaded_tokens == 0``, a miss), never the dropped KV.
+2. On the store thread, lookup reservations held on the key (every held reservation,
+   for a clear) are given back to the store: a reservation holds its blocks, which the
+   store could not drop. The Lookup that held one stays usable: its load then loads
+   nothing (``loaded_tokens == 0``, a miss), never the dropped KV. Given back before the
+   wait below, not after: no load of them was dispatched before the item (those consumed
+   their reservations), so the order changes no answer, and a load that waits for the
+   room they hold (a LocalStore load staging SSD pages) is not left waiting on them.
+3. The item waits until every task launched before it is terminal: a load of the key
+   already dispatched finishes first (with the KV as it was), and an offload already
+   dispatched is stored and then dropped.
 4. Then the store's own ``evict(namespace)`` or ``clear()`` runs, and its answer (tokens
    dropped) or its error (a StoreError) goes back to the caller.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +35,7 @@ from .calls import StoreCalls
 from .errors import EngineClosed, StoreError
 from .requests import LookupGrant, Request
 from .resolution import settle
+from .stats import StatsRecorder
 from .stores.base import Capabilities, Store
 
 # A held-keys map may grow to this many times the open reservations (plus a floor) before
@@ -94,20 +99,21 @@ class HeldKeys:
         return taken
 
 
-def invalidate(
-    item: Invalidation,
-    caps: Capabilities,
-    calls: StoreCalls,
-    reserved: set[int],
-    held_keys: HeldKeys,
+def give_back(
+    item: Invalidation, calls: StoreCalls, reserved: set[int], held_keys: HeldKeys
 ) -> None:
-    """Steps 3 and 4 of the module docstring, on the store thread once nothing launched
-    before ``item`` is open: give back the key's reservations (removed from
-    ``reserved``), ask the store, answer the caller."""
+    """Step 2 of the module docstring, on the store thread: give back the key's
+    reservations (removed from ``reserved``)."""
     held = held_keys.take(reserved, item.namespace)
     if held:
         reserved.difference_update(held)
         calls.cancel(held)
+
+
+def invalidate(item: Invalidation, caps: Capabilities, calls: StoreCalls) -> None:
+    """Step 4 of the module docstring, on the store thread once the key's reservations
+    were given back and nothing launched before ``item`` is open: ask the store, answer
+    the caller."""
     if not calls.owed.settle():
         item.answer(StoreError(
             f"store.cancel keeps failing: {len(calls.owed)} matched ids are still held, "
@@ -139,6 +145,7 @@ class Invalidations:
         loop: asyncio.AbstractEventLoop,
         dispatch_all: Callable[[], None],
         submit: Callable[[Invalidation], None],
+        stats: StatsRecorder,
     ) -> None:
         caps = Capabilities.of(store)
         self._can = {"evict": caps.evict is not None, "clear": caps.clear is not None}
@@ -146,24 +153,38 @@ class Invalidations:
         self._loop = loop
         self._dispatch_all = dispatch_all
         self._submit = submit
+        self._stats = stats  # aiokv_requests_total{kind="evict"|"clear"}, EngineStats.evicts...
         self._open: set[asyncio.Future[int]] = set()
 
     async def run(self, namespace: tuple[str, ...] | None) -> int:
-        """Tokens the store dropped under ``namespace`` (None: everything)."""
+        """Tokens the store dropped under ``namespace`` (None: everything). Counted once
+        sent (a store that cannot, refused here, fails it too): its answer, error or the
+        caller's cancellation."""
+        started = time.perf_counter()
         future: asyncio.Future[int] = self._loop.create_future()
         item = Invalidation(namespace, future, self._loop)
         if not self._can[item.verb]:
-            raise StoreError(
+            error = StoreError(
                 f"this store ({self._store_name}) cannot {item.verb}: it has no "
                 f"{item.verb}() method"
             )
+            self._stats.record_call(item.verb, error, time.perf_counter() - started)
+            raise error
         self._dispatch_all()  # what was accepted before goes first (module docstring)
         self._submit(item)  # EngineClosed once the store thread stopped accepting
         self._open.add(future)
+        outcome: object = None  # None: the caller cancelled it
         try:
-            return await future
+            dropped = await future
+        except Exception as exc:  # not CancelledError: that is the caller's, counted as None
+            outcome = exc
+            raise
+        else:
+            outcome = dropped
+            return dropped
         finally:
             self._open.discard(future)
+            self._stats.record_call(item.verb, outcome, time.perf_counter() - started)
 
     def close(self) -> None:
         """Fail what the store thread never answered (it was abandoned, or crashed)."""

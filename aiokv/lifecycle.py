@@ -29,10 +29,12 @@ from .errors import ConfigError, EngineClosed, WrongLoop
 from .invalidation import Invalidations
 from .requests import Request
 from .resolution import Resolver
-from .space import SpaceWaits
+from .space import NO_TIMEOUT_WAIT_S, SpaceWaits
 from .stats import StatsRecorder
 from .stores.base import Store
 from .worker import StoreWorker
+
+_STORE_WAIT_SLACK_S = 0.5  # how much later than a caller's deadline the store gives up a wait
 
 log = logging.getLogger("aiokv")
 
@@ -171,6 +173,9 @@ async def start(engine: EngineParts) -> None:
         registered,
         copy_stream,
         engine._store_slice_us,
+        # Loads wait for room in the store as offloads do on the loop (space.py), a little
+        # past the caller's deadline: the caller hears its own RequestTimeout first.
+        (engine._config.request_timeout_ms / 1e3 or NO_TIMEOUT_WAIT_S) + _STORE_WAIT_SLACK_S,
     )
     if engine._on_gpu:
         engine._ready_marks = ReadyMarks(engine._device, loop.call_soon)
@@ -190,7 +195,7 @@ async def start(engine: EngineParts) -> None:
         resolver.resolve,
     )
     engine._invalidations = Invalidations(
-        engine._store, loop, engine._batcher.dispatch_all, engine._worker.submit
+        engine._store, loop, engine._batcher.dispatch_all, engine._worker.submit, engine._stats
     )
     # Calls are accepted from here on: they queue until the batcher task starts.
     engine._state = EngineState.RUNNING

@@ -3,11 +3,13 @@ a ``prometheus_client`` registry (pip install 'aiokv[metrics]').
 
 Nothing is counted at scrape time: the engine's loop and store thread record into
 fixed-bucket arrays as they work (aiokv.stats), and a scrape copies them. The store's own
-``store_stats()`` (occupancy, byte counters) is asked of the store thread, to which every
-store call belongs: the scrape queues a query on its inbox and waits up to
+``store_stats()`` (occupancy, tier hits, byte counters) is asked of the store thread, to
+which every store call belongs: the scrape queues a query on its inbox and waits up to
 ``store_timeout_s`` for the answer; a scrape made on a thread running an event loop (a
 ``/metrics`` route served by the engine's own loop, say) does not wait, and reports the
-answer to an earlier query. Until the first answer the store families are empty.
+store thread's latest answer (:mod:`aiokv.store_figures`, at most REFRESH_S old while
+the store works; final after the close). Until the first answer the store families are
+empty.
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ from .stats import (
     Reading,
     StatsRecorder,
     StoreSideStats,
-    StoreStatsAnswer,
-    StoreStatsQuery,
 )
+from .store_figures import StoreStatsQuery
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
@@ -66,6 +67,7 @@ _BLOCK_KEYS = (
     ("ssd", "total", "ssd_blocks_total"),
 )
 _ERROR_KEYS = (("checksum", "checksum_failures"), ("ssd_write", "ssd_write_errors"))
+_HIT_KEYS = (("host", "host_hit_tokens"), ("ssd", "ssd_hit_tokens"))
 # Batches are of a request Kind; lookups move no KV.
 _BATCHED_KINDS = tuple(kind.name.lower() for kind in Kind)
 _BATCH_BYTE_KINDS = tuple(kind for kind in _BATCHED_KINDS if kind != "lookup")
@@ -95,7 +97,6 @@ class EngineCollector:
     def __init__(self, engine: OffloadEngine, store_timeout_s: float = 0.25) -> None:
         self._engine = engine
         self._store_timeout_s = store_timeout_s
-        self._store_stats: StoreStatsAnswer | None = None  # the latest answer
         self._asked: StoreStatsQuery | None = None  # the latest query sent
 
     def describe(self) -> Iterator[Metric]:
@@ -114,16 +115,15 @@ class EngineCollector:
         tasks_open = worker.tasks_open if worker is not None else 0
         if worker is not None:
             self._ask_store(worker.submit)
-        return _families(
-            reading, store_latency, self._store_stats or {}, engine._bytes_per_token, tasks_open
-        )
+        store = worker.figures.latest if worker is not None else {}  # the answer, or the latest
+        return _families(reading, store_latency, store, engine._bytes_per_token, tasks_open)
 
     def _ask_store(self, submit: _Submit) -> None:
         """Queue a store_stats() query for the store thread (unless the last one is still
         waiting there) and wait for it, except on a thread running an event loop."""
         query = self._asked
         if query is None or query.answered:
-            query = StoreStatsQuery(self._keep)
+            query = StoreStatsQuery()  # the answer is kept by the worker's StoreFigures
             try:
                 submit(query)
             except EngineClosed:  # stopped: the last answer stands
@@ -133,9 +133,6 @@ class EngineCollector:
             asyncio.get_running_loop()
         except RuntimeError:  # no loop here: this thread may block
             query.wait(self._store_timeout_s)
-
-    def _keep(self, answer: StoreStatsAnswer) -> None:
-        self._store_stats = answer  # store thread: one reference assignment
 
 
 def _histogram(
@@ -223,6 +220,23 @@ def _families(
         "aiokv_lookup_hit_tokens", "Tokens found for completed lookups.", reading.lookup_hit_tokens
     )
     asked = reading.lookup_tokens
+    hits = CounterMetricFamily(
+        "aiokv_tier_hit_tokens",
+        "Tokens lookups found, by the tier the store found them on (the store's count).",
+        labels=["tier"],
+    )
+    for tier, key in _HIT_KEYS:
+        if key in store:
+            hits.add_metric([tier], store[key])
+    yield hits
+    yield CounterMetricFamily(
+        "aiokv_empty_loads",
+        "Loads of a Lookup that found nothing, answered at once (in aiokv_requests_total too).",
+        reading.empty_loads,
+    )
+    yield CounterMetricFamily(
+        "aiokv_dropped_tokens", "Tokens dropped by evicts and clears.", reading.dropped_tokens
+    )
     yield GaugeMetricFamily(
         "aiokv_hit_ratio",
         "aiokv_lookup_hit_tokens / aiokv_lookup_tokens since start (0 before any lookup).",

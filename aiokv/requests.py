@@ -102,7 +102,7 @@ class Request:
     mask: BoolArray | None = None
     moved: int = 0  # True positions of the mask: tokens this request moves
     submitted_at: float = 0.0
-    dispatched_at: float = 0.0  # perf_counter; 0.0 until dispatched (stats.py)
+    dispatched_at: float = 0.0  # perf_counter; 0.0 while queued (again once held: stats.py)
     # Loop time by which it must resolve (request_timeout_ms from the call, a wait for
     # room included), set as it is accepted; None without a timeout. An answer that
     # comes later fails it as its timer would have (resolution.py: a RequestTimeout).

@@ -117,6 +117,7 @@ class SpaceWaits:
         if due is None:
             return self._give_up(request, wait)
         self._stats.space_waits += 1
+        self._stats.record_requeue((request,))  # queued again: EngineStats.queued counts it
         wait.held_since = now
         heapq.heappush(self._held, (due, next(self._seq), request))
         self._arm(due, now)

@@ -5,9 +5,9 @@ scrape (aiokv.metrics) reads.
 One writer per piece of state, so nothing here takes a lock: the event loop writes
 :class:`StatsRecorder` (``record_submit`` at accept, ``record_rejected`` when admission
 turns a call away, ``record_batch`` at dispatch, ``record_outcome`` once per accepted
-request when its future is done, ``record_call`` per evict or clear); the store thread
-writes :class:`StoreSideStats` (``posted``, as it posts outcomes) and answers
-:class:`StoreStatsQuery` (``store_stats()`` belongs to it).
+request when its future is done, ``record_call`` per evict or clear,
+``record_empty_load``); the store thread writes :class:`StoreSideStats` (``posted``, as
+it posts outcomes) and keeps the store's own figures (:mod:`aiokv.store_figures`).
 
 Counters and buckets are preallocated Python lists, never resized: a list item is
 incremented without the conversions to and from a C integer of an ``array`` or numpy
@@ -22,12 +22,10 @@ count of the copies its fused batches made, read at the snapshot.
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,11 +35,12 @@ from .errors import RequestTimeout
 from .histograms import Histogram as Histogram  # public here too, as before
 from .histograms import HistogramReading as HistogramReading
 from .requests import Kind, LoadResult, LookupGrant, OffloadResult, Request
+from .store_figures import StoreStatsAnswer as StoreStatsAnswer  # public here too, as before
+from .store_figures import StoreStatsQuery as StoreStatsQuery
+from .store_figures import engine_fields
 
 if TYPE_CHECKING:
     from .batcher import Batch
-
-log = logging.getLogger("aiokv")
 
 _SAMPLES = 65_536  # recent latencies and batch sizes kept for EngineStats' percentiles
 
@@ -64,15 +63,18 @@ _REQUEST_ROWS = tuple(sorted(set(_ROW)))
 _TABLE = len(KINDS) * _WIDTH
 (
     _SUBMITTED,
-    _DISPATCHED,  # requests handed to the store thread in batches
-    _RESOLVED_QUEUED,  # resolved before dispatch (cancelled, timed out, closed)
+    _DISPATCHED,  # requests handed to the store thread in batches (a retry each time)
+    _REQUEUED,  # offloads held to match again after no room (space.py)
+    _RESOLVED_QUEUED,  # resolved while queued (cancelled, timed out, closed)
     _BATCHES,
     _OFFLOADED_TOKENS,
     _LOADED_TOKENS,
     _LOOKUP_TOKENS,  # asked by completed lookups
     _LOOKUP_HIT_TOKENS,  # found for them
-) = range(_TABLE, _TABLE + 8)
-_COUNTERS = _TABLE + 8
+    _DROPPED_TOKENS,  # dropped by evicts and clears (record_call)
+    _EMPTY_LOADS,  # loads of a Lookup that found nothing (record_empty_load)
+) = range(_TABLE, _TABLE + 11)
+_COUNTERS = _TABLE + 11
 
 # Histogram upper bounds ("le"); an observation above the last goes to +Inf.
 LATENCY_BOUNDS_S = (
@@ -116,9 +118,15 @@ class Reading:
 
     @property
     def queued(self) -> int:
-        """Accepted, not yet dispatched and not yet resolved."""
+        """Accepted, not resolved and not at the store thread: in the batcher's queue, or
+        held to match again after no room. Every request enters once at submit, an offload
+        once more per no-room answer (record_requeue); each entry ends in one dispatch or
+        one resolution while queued."""
         counts = self.counts
-        return counts[_SUBMITTED] - counts[_DISPATCHED] - counts[_RESOLVED_QUEUED]
+        return (
+            counts[_SUBMITTED] + counts[_REQUEUED]
+            - counts[_DISPATCHED] - counts[_RESOLVED_QUEUED]
+        )
 
     @property
     def batches(self) -> int:
@@ -140,6 +148,14 @@ class Reading:
     def lookup_hit_tokens(self) -> int:
         return self.counts[_LOOKUP_HIT_TOKENS]
 
+    @property
+    def dropped_tokens(self) -> int:
+        return self.counts[_DROPPED_TOKENS]
+
+    @property
+    def empty_loads(self) -> int:
+        return self.counts[_EMPTY_LOADS]
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -148,7 +164,8 @@ class EngineStats:
     and not yet terminal. Latencies are submit-to-resolve, in ms, over the most recent
     completed requests; bytes count KV moved by completed requests. ``lookup_tokens``:
     tokens asked by completed lookups, ``lookup_hit_tokens``: found for them. The outcome
-    counts are of offloads, lookups and loads (evicts and clears: aiokv.metrics only)."""
+    counts are of offloads, lookups and loads; evicts and clears have fields of their
+    own. Every field, its unit and meaning: the README's field reference."""
 
     submitted: int
     completed: int
@@ -175,6 +192,30 @@ class EngineStats:
     space_waits: int = 0
     space_wait_ms: float = 0.0
     store_restarts: int = 0  # the store's backend started again after it died (own_process)
+    # ---- evicts, clears, empty loads; the store's tiers (store_figures.py) ----
+    # Calls answered (failures: aiokv_requests_total), and the tokens they dropped.
+    evicts: int = 0
+    clears: int = 0
+    dropped_tokens: int = 0
+    # Loads of a Lookup with cached_tokens == 0: answered at once, without the store
+    # (counted in submitted and completed too, but not in the latencies).
+    empty_loads: int = 0
+    # The store's own figures (0 where it reports none, as FlexKV): at most
+    # store_figures.REFRESH_S old while it works, final after close. Tokens lookups found
+    # on the host tier / only on SSD; bytes SSD <-> host; SSD blocks that failed their
+    # checksum (misses) and SSD writes that failed; blocks used and total per tier.
+    host_hit_tokens: int = 0
+    ssd_hit_tokens: int = 0
+    bytes_ssd_written: int = 0
+    bytes_ssd_read: int = 0
+    checksum_failures: int = 0
+    ssd_write_errors: int = 0
+    host_blocks_used: int = 0
+    host_blocks_total: int = 0
+    ssd_blocks_used: int = 0
+    ssd_blocks_total: int = 0
+    # Loads whose SSD pages found no host room at launch and waited for it.
+    stage_waits: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -230,6 +271,13 @@ class StatsRecorder:
         self._counts[_DISPATCHED] += size
         self._batch_sizes.append(size)
 
+    def record_requeue(self, requests: Sequence[Request]) -> None:
+        """Offloads that found no room are held on the loop to match again: queued once
+        more, until record_batch dispatches them again (or they resolve first)."""
+        for request in requests:
+            request.dispatched_at = 0.0
+        self._counts[_REQUEUED] += len(requests)
+
     def record_outcome(self, request: Request, outcome: object) -> None:
         """Count one accepted request whose future is done: ``outcome`` is its result,
         its exception, or None when its caller cancelled it. The end-to-end latency is
@@ -237,7 +285,7 @@ class StatsRecorder:
         counts = self._counts
         kind_row = _ROW[request.kind]
         row = kind_row * _WIDTH  # the request's row in the counts table
-        if request.dispatched_at == 0.0:
+        if request.dispatched_at == 0.0:  # in the queue (record_batch, record_requeue)
             counts[_RESOLVED_QUEUED] += 1
         if outcome is None:
             counts[row + _CANCELLED] += 1
@@ -271,8 +319,20 @@ class StatsRecorder:
         else:
             column = _OK
         self._counts[row * _WIDTH + column] += 1
+        if column == _OK and isinstance(outcome, int):
+            self._counts[_DROPPED_TOKENS] += outcome
         if column != _CANCELLED:
             self.latency.observe(latency_s, row)
+
+    def record_empty_load(self) -> None:
+        """A load of a Lookup that found nothing, answered at once: submitted and
+        completed, never queued (resolved before any dispatch); no latency observed (it
+        never waits for anything, and would only pull the loads' percentiles down)."""
+        counts = self._counts
+        counts[_SUBMITTED] += 1
+        counts[_RESOLVED_QUEUED] += 1
+        counts[_ROW[Kind.LOAD] * _WIDTH + _OK] += 1
+        counts[_EMPTY_LOADS] += 1
 
     def read(self) -> Reading:
         """A copy of the counters and histograms (safe from any thread)."""
@@ -285,11 +345,16 @@ class StatsRecorder:
         )
 
     def snapshot(
-        self, store_tasks_open: int, d2h_copies: int, bytes_per_token: int, store_restarts: int = 0
+        self,
+        store_tasks_open: int,
+        d2h_copies: int,
+        bytes_per_token: int,
+        store_restarts: int = 0,
+        store: StoreStatsAnswer | None = None,
     ) -> EngineStats:
-        """The counters now, with the store thread's: its open task ids and the
-        device-to-host copies its fused batches made (loop thread: the samples are
-        read here)."""
+        """The counters now, with the store thread's: its open task ids, the
+        device-to-host copies its fused batches made and the store's latest
+        ``store_stats()`` answer (loop thread: the samples are read here)."""
         if self._latencies_s:
             p50, p99 = np.percentile(np.fromiter(self._latencies_s, float), [50, 99]) * 1e3
         else:
@@ -320,6 +385,11 @@ class StatsRecorder:
             space_waits=self.space_waits,
             space_wait_ms=self.space_wait_s * 1e3,
             store_restarts=store_restarts,
+            evicts=now.requests("evict", "ok"),
+            clears=now.requests("clear", "ok"),
+            dropped_tokens=now.dropped_tokens,
+            empty_loads=now.empty_loads,
+            **engine_fields(store or {}),
         )
 
 
@@ -341,36 +411,3 @@ class StoreSideStats:
             counts[bisect_left(bounds, spent)] += 1
             total += spent
         store.sums[0] += total
-
-
-StoreStatsAnswer = Mapping[str, "int | float"]
-
-
-class StoreStatsQuery:
-    """A scrape's request for ``store_stats()``, run by the store thread (the store is
-    that thread's alone) and waited for by the scraping thread. ``on_answer`` is called
-    on the store thread with what the store reported (``{}`` for a store without
-    ``store_stats``), or not at all when it raised (logged)."""
-
-    __slots__ = ("_answered", "_on_answer")
-
-    def __init__(self, on_answer: Callable[[StoreStatsAnswer], None]) -> None:
-        self._answered = threading.Event()
-        self._on_answer = on_answer
-
-    def run(self, store_stats: Callable[[], StoreStatsAnswer] | None) -> None:
-        """Store thread."""
-        try:
-            self._on_answer(dict(store_stats()) if store_stats is not None else {})
-        except Exception:
-            log.exception("aiokv: store_stats() failed; the scrape keeps its last answer")
-        finally:
-            self._answered.set()
-
-    @property
-    def answered(self) -> bool:
-        return self._answered.is_set()
-
-    def wait(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` for the store thread; True once it ran the query."""
-        return self._answered.wait(timeout_s)

@@ -215,6 +215,10 @@ class BackgroundEngine:
         return self._submit(call).result()
 
     # ---- calls -------------------------------------------------------------------------
+    #
+    # Offloads and loads record their CUDA ready event here, in the calling thread, on its
+    # current stream (``engine._caller_event``): the one the caller wrote its pages on.
+    # On the loop's thread the engine would see that thread's stream instead.
 
     def submit_offload(
         self,
@@ -225,10 +229,13 @@ class BackgroundEngine:
         token_ids: Any = None,
         namespace: Sequence[str] | None = None,
     ) -> concurrent.futures.Future[OffloadResult]:
-        """``engine.offload(...)`` on the engine's loop; does not wait."""
+        """``engine.offload(...)`` on the engine's loop; does not wait. On a GPU the copy
+        starts after what this thread's current CUDA stream has queued by now."""
+        ready = self.engine._caller_event()  # here: CUDA's current stream is per thread
         return self._submit(
             lambda: self.engine.offload(
-                user_id, page_ids, num_tokens, token_ids=token_ids, namespace=namespace
+                user_id, page_ids, num_tokens, token_ids=token_ids, namespace=namespace,
+                _ready_event=ready,
             )
         )
 
@@ -255,9 +262,11 @@ class BackgroundEngine:
         self, hit: BackgroundLookup | Lookup, page_ids: torch.Tensor
     ) -> concurrent.futures.Future[LoadResult]:
         """``engine.load(...)`` on the engine's loop; does not wait. When the future's
-        result is set, the data is in the caches."""
+        result is set, the data is in the caches. On a GPU the copy starts after what
+        this thread's current CUDA stream has queued by now."""
         lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
-        return self._submit(lambda: self.engine.load(lookup, page_ids))
+        ready = self.engine._caller_event()
+        return self._submit(lambda: self.engine.load(lookup, page_ids, _ready_event=ready))
 
     def offload(
         self,
@@ -307,12 +316,23 @@ class BackgroundEngine:
         return tokens
 
     def stats(self) -> EngineStats:
-        """``engine.stats()``, read on the engine's loop (its counters change there)."""
+        """``engine.stats()``: read on the engine's loop while it runs (its counters change
+        there); once ``close`` began, after the close: the final figures, read on this
+        thread (no counter changes any more)."""
 
         async def stats() -> EngineStats:
             return self.engine.stats()
 
-        return self._wait("stats", stats)
+        self._refuse_on_loop("stats")
+        try:
+            return self._submit(stats).result()
+        except EngineClosed:  # _submit's: the close began
+            pass
+        with self._lock:
+            closing = self._closing
+        assert closing is not None  # set, under the lock, before _submit refuses
+        concurrent.futures.wait([closing])  # its outcome is close()'s to raise
+        return self.engine.stats()
 
 
 def run_in_background(

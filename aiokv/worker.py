@@ -32,12 +32,13 @@ from .batcher import Batch
 from .calls import StoreCalls
 from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
-from .invalidation import HeldKeys, Invalidation, invalidate
+from .invalidation import HeldKeys, Invalidation, give_back, invalidate
 from .plans import outcome as outcome_of
 from .recovery import PollFailures, retry_timeout
 from .requests import Kind, Request
 from .rounds import Rounds
-from .stats import StoreSideStats, StoreStatsQuery
+from .stats import StoreSideStats
+from .store_figures import StoreFigures, StoreStatsQuery
 from .stores.base import Capabilities, Store, no_yield
 
 log = logging.getLogger("aiokv")
@@ -71,8 +72,10 @@ class StoreWorker:
         registered: concurrent.futures.Future[None],
         copy_stream: Any = None,
         store_slice_us: int = 0,
+        wait_timeout_s: float | None = None,
     ) -> None:
         self._store = store
+        self._wait_timeout_s = wait_timeout_s  # request_timeout_ms, for BoundsWaits
         self._kv_caches = kv_caches
         self._registered = registered  # resolved once store.register() returned
         self._loop = loop
@@ -96,6 +99,7 @@ class StoreWorker:
             self._launched, self._reserved, self._held_keys, self.release_one,
         )
         self.stats = StoreSideStats()  # store latency; written here, read by scrapes
+        self.figures = StoreFigures(self._caps.store_stats)  # written here, read anywhere
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
 
     # ---- loop side -------------------------------------------------------------------
@@ -167,6 +171,8 @@ class StoreWorker:
         set_yield = self._caps.set_yield
         if set_yield is not None:
             set_yield(self._slice.yield_if_used)
+        if self._caps.set_wait_timeout is not None:  # a store that waits for room inside
+            self._caps.set_wait_timeout(self._wait_timeout_s)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
         self._slice.restart()  # registering is not this thread's work
@@ -183,12 +189,14 @@ class StoreWorker:
                     # After the sentinel only wake-ups arrive; poll as a fallback.
                     timeout = self._poll_interval_s
                 timeout = retry_timeout(timeout, self._calls.owed, self._polls, self._launched)
+                timeout = self.figures.timeout(timeout)  # wake to read figures work moved
                 item: object = None
                 before = time.perf_counter()
                 with contextlib.suppress(queue.Empty):
                     item = self._inbox.get(timeout=timeout)
                 after = time.perf_counter()
                 self._slice.waited(after - before, after)
+                worked = item is not None
                 while item is not None:
                     if item is _STOP:
                         stopping = True
@@ -202,12 +210,17 @@ class StoreWorker:
                     # Out first: the store may hand the GIL over inside try_wait.
                     self._post()
                     self._poll()
+                    worked = True
                 self._calls.owed.retry()
                 self._post()
+                if worked:
+                    self.figures.changed()
+                self.figures.refresh()
             if self._reserved:
                 self._calls.cancel(sorted(self._reserved))
                 self._reserved.clear()
             self._calls.owed.retry(final=True)  # the store closes next
+            self.figures.refresh(now=True)  # what a store gone after its close (a child) did
         except BaseException:  # a bug here must not strand futures: fail what we hold
             log.exception("aiokv store thread crashed")
             self._fail_everything(StoreError("the store thread crashed; see the aiokv log"))
@@ -216,6 +229,7 @@ class StoreWorker:
             self._close_store()
             if set_yield is not None:  # the store outlives this thread: take ours back
                 set_yield(no_yield)
+        self.figures.after_close()  # final: what the close finished counts too
 
     def _fail_everything(self, error: StoreError) -> None:
         """After a crash: stop accepting (later batches fail at dispatch, with
@@ -254,7 +268,7 @@ class StoreWorker:
             if held:
                 self._calls.cancel(held)
         elif isinstance(item, StoreStatsQuery):  # a scrape (aiokv.metrics)
-            item.run(self._caps.store_stats)
+            item.run(self.figures.ask)
         elif isinstance(item, Batch):
             self._in_hand = item  # for _fail_everything, should this thread crash
             try:
@@ -303,9 +317,11 @@ class StoreWorker:
             self._outbox.append((request, outcome))
 
     def _invalidate(self, item: Invalidation) -> None:
-        """An evict or clear, in inbox order: once what was launched before it is
-        terminal (and answered), :func:`aiokv.invalidation.invalidate`."""
+        """An evict or clear, in inbox order: its reservations given back, then once what
+        was launched before it is terminal (and answered),
+        :func:`aiokv.invalidation.invalidate`."""
         try:
+            give_back(item, self._calls, self._reserved, self._held_keys)
             while self._launched:
                 self._post()
                 self._poll()
@@ -315,7 +331,7 @@ class StoreWorker:
         except BaseException:  # a crash of this thread (_run): its caller is told too
             item.answer(StoreError("the store thread crashed; see the aiokv log"))
             raise
-        invalidate(item, self._caps, self._calls, self._reserved, self._held_keys)
+        invalidate(item, self._caps, self._calls)
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
         """Fail the batch's requests that have no outcome yet. A load among them still

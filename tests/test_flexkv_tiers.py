@@ -107,9 +107,13 @@ def test_directories_must_exist_be_writable_and_have_room(
 ) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
-    with pytest.raises(aiokv.ConfigError, match="is not a directory") as missing:
+    with pytest.raises(aiokv.ConfigError, match="b' does not exist") as missing:
         check_ssd_dirs([str(a), str(b)], 1.0)
     assert missing.value.key == "store.ssd_cache_dir"
+    b.write_bytes(b"")
+    with pytest.raises(aiokv.ConfigError, match="b' is not a directory"):
+        check_ssd_dirs([str(a), str(b)], 1.0)
+    b.unlink()
     b.mkdir()
     check_ssd_dirs([str(a), str(b)], 0.001)
     real_access = os.access

@@ -323,6 +323,8 @@ async def test_callers_who_leave_or_a_close_end_the_wait(
     leaver = asyncio.ensure_future(engine.offload("a", pages(0), 4 * PAGE_SIZE))
     stayer = asyncio.ensure_future(engine.offload("b", pages(4), 4 * PAGE_SIZE))
     await holds.reach(2)
+    held = engine.stats()  # waiting for room: pending, and queued (not at the store)
+    assert (held.queued, held.pending, held.store_tasks_open) == (2, 2, 0)
     leaver.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leaver
@@ -331,5 +333,47 @@ async def test_callers_who_leave_or_a_close_end_the_wait(
         await stayer
     stats = engine.stats()
     assert stats.pending == 0 and stats.cancelled == 1 and stats.failed == 1
-    assert stats.space_wait_ms > 0
+    assert stats.queued == 0 and stats.space_wait_ms > 0
     assert checked.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_queued_never_goes_negative_while_offloads_wait_for_room(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny host tier held whole by a lookup: offloads find no room, wait, match again
+    (each wait a dispatch more) and finally store once the lookup lets go. ``queued``
+    (accepted, not dispatched) stays within 0..pending all along and ends at 0."""
+    holds = Holds(monkeypatch)
+    block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=8 * block_bytes / (1 << 30)))
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))
+    seen: list[tuple[int, int]] = []  # (queued, pending), every loop iteration
+    watching = True
+
+    async def watch() -> None:
+        while watching:
+            stats = engine.stats()
+            seen.append((stats.queued, stats.pending))
+            await asyncio.sleep(0)  # the next loop iteration, not a wall-clock wait
+
+    async with engine:
+        await engine.offload("a", pages(0, 8), 8 * PAGE_SIZE)
+        hit = await engine.lookup("a", 8 * PAGE_SIZE)  # holds all 8 blocks
+        watcher = asyncio.ensure_future(watch())
+        waiting = [
+            asyncio.ensure_future(engine.offload(u, pages(8 + 2 * u, 2), 2 * PAGE_SIZE))
+            for u in range(4)
+        ]
+        await holds.reach(12)  # each found no room, several times
+        hit.release()  # room: they store
+        results = await asyncio.wait_for(asyncio.gather(*waiting), 30)
+        watching = False
+        await watcher
+        stats = engine.stats()
+    assert [r.stored_tokens for r in results] == [2 * PAGE_SIZE] * 4
+    assert stats.space_waits >= 12
+    assert min(queued for queued, _ in seen) >= 0
+    assert all(queued <= pending for queued, pending in seen)
+    assert (stats.queued, stats.pending) == (0, 0)
+    assert (engine.stats().queued, engine.stats().pending) == (0, 0)

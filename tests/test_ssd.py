@@ -142,6 +142,23 @@ async def test_reopen_serves_what_was_cached_before(tmp_path: Path) -> None:
         assert await load_back(engine, 4, TARGET) == 0  # never stored
 
 
+@pytest.mark.asyncio
+async def test_a_block_of_no_whole_number_of_4_kib_pages_comes_back_from_ssd(
+    tmp_path: Path,
+) -> None:
+    """Such a block's slot ends in padding (buffered I/O): its reads fill that too."""
+    original = [c.half() for c in caches_for(layers=1)]  # 2 KiB blocks
+    caches = [c.clone() for c in original]
+    async with aiokv.OffloadEngine(aiokv.LocalStore(ssd_config(tmp_path)), caches) as engine:
+        for user in range(4):
+            assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+    caches = [torch.zeros_like(c) for c in original]  # reopened: only the SSD has them
+    async with aiokv.OffloadEngine(aiokv.LocalStore(ssd_config(tmp_path)), caches) as engine:
+        for user in range(4):
+            assert await load_back(engine, user, TARGET) == USER_PAGES * PAGE, user
+            assert same(caches, original, TARGET, source_pages(user)), user
+
+
 def slot_of(directory: Path, user: int, page: int, count: int = 1) -> tuple[Path, int]:
     """The data file and offset of a user's page on disk (as the engine names users)."""
     from aiokv.stores.local.index import chain_digests
@@ -228,8 +245,12 @@ def test_a_directory_of_another_geometry_is_refused(tmp_path: Path) -> None:
 
 
 def test_missing_unwritable_and_too_large(tmp_path: Path) -> None:
-    with pytest.raises(aiokv.ConfigError, match="not a directory") as caught:
+    with pytest.raises(aiokv.ConfigError, match="missing' does not exist") as caught:
         aiokv.LocalStore(ssd_config(tmp_path / "missing")).register(caches_for())
+    assert caught.value.key == "store.ssd_cache_dir"
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(aiokv.ConfigError, match="file' is not a directory") as caught:
+        aiokv.LocalStore(ssd_config(tmp_path / "file")).register(caches_for())
     assert caught.value.key == "store.ssd_cache_dir"
     if os.geteuid() == 0:
         unwritable = Path("/proc")  # root writes anywhere a filesystem lets it

@@ -194,9 +194,8 @@ def test_close_with_loads_in_flight_or_waiting(tmp_path: Path) -> None:
     store.register(caches_for())
     tokens = np.arange(USER_PAGES * PAGE, dtype=np.int64)
     masks = [store.get_match(tokens, [f"uid:{user}"])[1] for user in range(4)]
-    # Two users fill the host tier with blocks being read; no room is on its way for the
-    # others, so nothing is promised to them.
-    assert [bool(mask.all()) for mask in masks] == [True, True, False, False]
-    assert not masks[2].any() and not masks[3].any()
+    # Each is promised whole (its SSD slots are held); the first is read into the host
+    # tier at once, the others wait for room (a prefetch takes at most half the tier).
+    assert all(mask.all() for mask in masks)
     store.close()  # neither launched nor cancelled: close still ends cleanly
     assert store.store_stats()["checksum_failures"] == 0

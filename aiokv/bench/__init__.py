@@ -1,4 +1,5 @@
-"""``python -m aiokv.bench {engine,slots,bandwidth,lag,startup}`` (also ``aiokv bench ...``).
+"""``python -m aiokv.bench {engine,slots,bandwidth,lag,ssd,startup,model}``
+(also ``aiokv bench ...``).
 
 Each subcommand is one module with ``NAME``, ``HELP``, ``add_arguments(parser)`` and
 ``run(args) -> int`` (the exit status); they share :mod:`aiokv.bench.common`. Every
@@ -10,10 +11,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import bandwidth, engine, lag, slots, startup
+from . import bandwidth, engine, lag, model, slots, ssd, startup
 from .common import common_parent
 
-SUBCOMMANDS = (engine, slots, bandwidth, lag, startup)
+SUBCOMMANDS = (engine, slots, bandwidth, lag, ssd, startup, model)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:

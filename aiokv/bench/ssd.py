@@ -19,8 +19,8 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ import xxhash
 from ..config import StoreConfig
 from ..stores.base import NoSpace, TaskStatus
 from ..stores.local import LocalStore
+from . import common
 
 NAME = "ssd"
 HELP = "the SSD tier's write/read bandwidth against plain sequential I/O on the same disk"
@@ -49,8 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="alternate plain and store this many times; the best of each is reported",
     )
     parser.add_argument("--device", default="cpu", help="where the caches live (cpu, cuda)")
-    parser.add_argument("--quick", action="store_true", help="a run of under a minute")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
 
 class _Driver:
@@ -238,13 +237,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"bench": NAME, "gib": gib, **rows,
                                                "open_s": store["open_s"]}, indent=1))
+    if args.plot:
+        _plot(args.plot, rows, gib, device)
     return 0
 
 
-def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog or "aiokv bench ssd", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+def _plot(path: str, rows: dict[str, float], gib: float, device: torch.device) -> None:
+    kinds = ["write", "read"]
+
+    def draw(axes: Any) -> None:
+        x = np.arange(len(kinds))
+        axes.bar(x - 0.2, [rows[f"plain_{k}_gibps"] for k in kinds], 0.4, label="plain file I/O")
+        axes.bar(x + 0.2, [rows[f"store_{k}_gibps"] for k in kinds], 0.4, label="store SSD tier")
+        axes.set_xticks(x, ["write", f"read (to {device.type})"])
+        axes.set_ylabel("GiB/s")
+        axes.legend()
+
+    common.save_plot(path, f"aiokv SSD tier vs plain I/O, {gib:.2f} GiB", draw)
 
 
-__all__ = ["HELP", "NAME", "add_arguments", "main", "run"]
+__all__ = ["HELP", "NAME", "add_arguments", "run"]

@@ -23,9 +23,10 @@ Contract, for any store:
 
 Optional features are declared below, one Protocol each (:class:`Notifies`,
 :class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`,
-:class:`Clears`, :class:`ReportsStats`, :class:`AdvisesSlice`, :class:`Restarts`); a store
-implements any subset, and a wrapper forwards what its inner store has. The engine reads
-them once, into :class:`Capabilities`, when it builds its store thread.
+:class:`Clears`, :class:`ReportsStats`, :class:`AdvisesSlice`, :class:`Restarts`,
+:class:`BoundsWaits`); a store implements any subset, and a
+wrapper forwards what its inner store has. The engine reads them once, into
+:class:`Capabilities`, when it builds its store thread.
 """
 
 from __future__ import annotations
@@ -203,9 +204,14 @@ class Clears(Protocol):
 
 @runtime_checkable
 class ReportsStats(Protocol):
-    """Tier occupancy and byte counters, keys from: host_blocks_used, host_blocks_total,
-    ssd_blocks_used, ssd_blocks_total, bytes_d2h, bytes_h2d, bytes_ssd_written,
-    bytes_ssd_read, checksum_failures, ssd_write_errors (the keys the store has)."""
+    """Tier occupancy and counters, keys from: host_blocks_used, host_blocks_total,
+    ssd_blocks_used, ssd_blocks_total, host_hit_tokens, ssd_hit_tokens (tokens get_match
+    found on the host tier / only on SSD), bytes_d2h, bytes_h2d, bytes_ssd_written,
+    bytes_ssd_read, checksum_failures, ssd_write_errors, stage_waits (loads that waited for
+    host room to stage their SSD pages; the keys the store has; the
+    engine reads them into EngineStats, aiokv.store_figures). Asked by the store thread
+    now and then while it works, and once more after ``close()``: a closed store may
+    answer (what its close finished counts then) or raise (its last answer stands)."""
 
     def store_stats(self) -> Mapping[str, int | float]: ...
 
@@ -233,10 +239,25 @@ def store_restarts(store: object) -> int:
     return count
 
 
+@runtime_checkable
+class BoundsWaits(Protocol):
+    """Gives up, after ``timeout_s`` (None: never), a launched task that waits inside the
+    store for room (LocalStore: a load whose SSD pages wait for host room to stage them);
+    it then fails without moving anything more. The engine passes its
+    ``request_timeout_ms`` (30 s when that is 0, as offloads wait for room:
+    :mod:`aiokv.space`) plus 0.5 s when its store thread starts, so that a load its caller
+    no longer waits for never copies into the caller's pages late, and the caller hears
+    its own RequestTimeout first. ProcessStore passes it on to its child."""
+
+    def set_wait_timeout(self, timeout_s: float | None) -> None: ...
+
+
+
 # The optional methods by name, as Capabilities holds them.
 OPTIONAL_METHODS = (
     "set_notify",
     "set_yield",
+    "set_wait_timeout",
     "put_match_many",
     "get_match_many",
     "wait_queued",
@@ -257,6 +278,7 @@ class Capabilities:
 
     set_notify: Callable[[Callable[[], None]], None] | None = None
     set_yield: Callable[[Callable[[], None]], None] | None = None
+    set_wait_timeout: Callable[[float | None], None] | None = None
     put_match_many: Callable[[Queries], MatchAnswers] | None = None
     get_match_many: Callable[[Queries], MatchAnswers] | None = None
     wait_queued: Callable[[], None] | None = None

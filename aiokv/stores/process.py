@@ -96,6 +96,7 @@ class ProcessStore:
         self._restarts = Restarts(config.store_restarts)
         self._ids = self._restarts.ids  # the engine's ids across children
         self._closed = False
+        self._wait_timeout_s: float | None = None  # set_wait_timeout, for a new child too
         # One call on the socket at a time: the engine calls from its store thread only,
         # but close() may come from another thread (a store shared by several engines).
         self._calling = threading.Lock()
@@ -164,6 +165,11 @@ class ProcessStore:
             self._keep.append(kept)
             self._send((True, None))
         self._keep.append(caches)
+        if self._wait_timeout_s is not None:  # a new child: what the engine set before
+            self._send(("set_wait_timeout", self._wait_timeout_s))
+            ok, value = self._receive(deadline)
+            if not ok:
+                raise noted(value, self.pid)
         self._notices.start()  # set_notify may have come before register
 
     def _spawn(self) -> Connection:
@@ -237,6 +243,11 @@ class ProcessStore:
     def store_stats(self) -> Mapping[str, int | float]:
         stats: Mapping[str, int | float] = self._call("store_stats", None)
         return stats
+
+    def set_wait_timeout(self, timeout_s: float | None) -> None:
+        """base.BoundsWaits, passed on to the child (and to each new one)."""
+        self._wait_timeout_s = timeout_s
+        self._call("set_wait_timeout", timeout_s)
 
     def close(self) -> None:
         """Close the child's store (it waits for launched copies), then end the child."""

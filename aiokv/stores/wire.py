@@ -26,11 +26,11 @@ from .base import BoolArray, Int64Array, TaskResult, TaskStatus
 
 Op = Literal[
     "put_match", "put_match_many", "get_match", "get_match_many", "launch", "cancel",
-    "try_wait", "evict", "clear", "store_stats", "close",
+    "try_wait", "evict", "clear", "store_stats", "set_wait_timeout", "close",
 ]
 # Optional Store methods that cross to the child as calls of their own, where the child's
 # store class has them (ProcessStore offers the others itself).
-FORWARDED = ("evict", "clear", "store_stats")
+FORWARDED = ("evict", "clear", "store_stats", "set_wait_timeout")
 Call = tuple[Op, Any]
 Reply = tuple[bool, Any]  # (True, value) or (False, the exception raised)
 Start = tuple[StoreConfig, object]  # the config (own_process=False), the handover's payload

@@ -10,7 +10,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from .base import OPTIONAL_METHODS, BoolArray, Int64Array, Store, TaskResult, store_restarts
+from .base import (
+    OPTIONAL_METHODS,
+    BoolArray,
+    Int64Array,
+    Store,
+    TaskResult,
+    store_restarts,
+)
 
 
 class StoreWrapper:
@@ -27,6 +34,7 @@ class StoreWrapper:
     forward_notify: ClassVar[bool] = True
     set_notify: Callable[[Callable[[], None]], None] | None
     set_yield: Callable[[Callable[[], None]], None] | None
+    set_wait_timeout: Callable[[float | None], None] | None
     put_match_many: Callable[..., list[Any]] | None
     get_match_many: Callable[..., list[Any]] | None
     wait_queued: Callable[[], None] | None

@@ -11,6 +11,7 @@ be in place before that import.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -27,10 +28,36 @@ from .tiers import check_ssd_dirs, tier_values
 # start the MPS daemon (absent on most hosts). setdefault: a user's own choice wins.
 _ENV_DEFAULTS = {"FLEXKV_ENABLE_MPS": "0"}
 
+# FlexKV's logger says a line per operation at INFO, its default (34ab141): a serving
+# process is quiet unless asked, as aiokv's own logger is.
+# ERROR, not WARNING: 34ab141 logs every cancelled get task at WARNING, and aiokv cancels
+# one for each released Lookup (a line per lookup in a serving process).
+DEFAULT_LOG_LEVEL = "ERROR"
 
-def set_env() -> None:
+
+def log_level(config: StoreConfig | None) -> str:
+    """FlexKV's log level: ``store.flexkv.log_level``, else the environment's
+    ``FLEXKV_LOG_LEVEL``, else ERROR."""
+    configured = None if config is None else config.flexkv.get("log_level")
+    if configured is not None:
+        return str(configured).upper()
+    return os.environ.get("FLEXKV_LOG_LEVEL", DEFAULT_LOG_LEVEL)
+
+
+def set_env(config: StoreConfig | None = None) -> None:
+    """FlexKV's environment, before it is imported, and its log level: ``config``'s, or
+    the one already set. FlexKV reads ``FLEXKV_LOG_LEVEL`` as it is imported, in this
+    process and in each it starts (which inherit the environment, as aiokv's store
+    process does); where this process imported it before the config was known
+    (``flexkv_available``), its logger is set here too."""
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    level = log_level(config)
+    os.environ["FLEXKV_LOG_LEVEL"] = level
+    debug = sys.modules.get("flexkv.common.debug")
+    logger = getattr(debug, "flexkv_logger", None)
+    if logger is not None:
+        logger.set_level(level)
 
 
 def flexkv_available() -> str | None:
@@ -105,7 +132,7 @@ def start_manager(
     """Start FlexKV's KVManager for caches of ``geometry``, without the caches: they are
     registered at ``gpu_register_endpoint`` by whichever process owns them
     (:func:`attach_caches`)."""
-    set_env()
+    set_env(config)
     from flexkv.common.config import (
         CacheConfig,
         ModelConfig,
@@ -215,7 +242,7 @@ def flexkv_user_config(config: StoreConfig) -> Any:
         values = {f.name: getattr(loaded, f.name) for f in fields(UserConfig)}
         overrides = {k: v for k, v in vars(loaded).items() if k.startswith("override_")}
     for key, value in cfg.flexkv.items():
-        if key == "user_config_file":
+        if key in ("user_config_file", "log_level"):  # aiokv's: the file's, set_env's
             continue
         if key in known:
             values[key] = value

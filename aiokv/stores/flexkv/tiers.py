@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import ConfigError
+from ..dirlock import require_directory
 
 _GIB = 1 << 30
 _FILES = "flexkv_ssd_cache_*.bin"  # FlexKV's SSD files (storage/allocator.py)
@@ -77,8 +78,7 @@ def check_ssd_dirs(dirs: Sequence[str], ssd_cache_gb: float) -> None:
     need: dict[int, float] = {}  # st_dev -> bytes
     free: dict[int, float] = {}
     for directory in dirs:
-        if not os.path.isdir(directory):
-            raise ConfigError("store.ssd_cache_dir", f"{directory!r} is not a directory")
+        require_directory(directory, "store.ssd_cache_dir")
         if not os.access(directory, os.W_OK | os.X_OK):
             raise ConfigError("store.ssd_cache_dir", f"{directory!r} is not writable")
         device = os.stat(directory).st_dev

@@ -92,6 +92,8 @@ class TaskEnds:
             else:
                 results = [TaskResult(TaskStatus.FAILED, t.mask, error) for t in tasks]
             finished.update(zip(job.task_ids, results, strict=True))
+        if self._link is not None and self._pool is not None:
+            self._link.stage_waiting()  # what the jobs that ended held is room now
         if not finished:
             return {}
         return {t: finished.pop(t) for t in task_ids if t in finished}

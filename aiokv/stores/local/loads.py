@@ -1,12 +1,29 @@
 """Loads: a get's pages after its host prefix that the SSD tier has, read into host
 blocks and queued for their host -> GPU copies.
 
-The pages are read from the match on (a lookup's reservation prefetches), or as soon as
-the host tier has room when copies in flight are making it; one request per chunk; once
-launched, each verified chunk is queued for its host -> GPU copy while the next chunk is
-read. The task ends with the copy job of its last chunk. A block that fails its checksum
-ends the load there: the task succeeds with the mask of what was loaded. A read error
-fails the task.
+What a match found is what the load brings (the Lookup's promise): the SSD slots are held
+from the match on, whether or not the host tier has room to stage them then, so they can
+be neither evicted nor overwritten. Only a block that fails its checksum ends a load short
+(the task succeeds with the mask of what was loaded); a read error fails the task.
+Staging (host blocks reserved, reads started) happens:
+
+- at the match, as a prefetch, when the host tier has room at once, no launched load is
+  waiting for room, and prefetched loads not yet launched hold at most half the tier (a
+  Lookup its caller keeps while it waits for something else must not hold the room the
+  loads of others need);
+- otherwise at launch, waiting for room: launched loads are staged first come, first
+  served, before any prefetch, and puts get NoSpace rather than the room they wait for
+  (``leave_owed``). Each launch that has to wait counts one ``stage_waits``; one still
+  waiting after ``wait_timeout_s`` (the engine's request_timeout_ms) fails, moving nothing
+  more.
+
+Room comes back as tasks end; and the host prefix of a launched load that waits for room
+goes back as soon as its GPU copy is done, so loads waiting for room never wait for each
+other's prefixes. A match promises at most what the tier could ever stage beside its own
+host prefix, and nothing of a key while another load of that key is still to be staged
+(its pages would reach the host under that load, not this one: a miss, not a short
+load). One request per chunk; once launched, each verified chunk is queued for its host ->
+GPU copy while the next chunk is read. The task ends with the copy job of its last chunk.
 
 :class:`LoadStaging` is the link's (:class:`~.tiering.TierLink`) part that does it: a
 base class, so that these run as the link's own methods, with no call in between; the
@@ -16,6 +33,7 @@ on the store thread.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +69,10 @@ class Load:
     truncated: bool = False
     submitted: int = 0  # SSD-part pages queued for their GPU copy
     gpu_pages: Int64Array | None = None  # set at launch
+    staged: bool = False  # host blocks reserved and reads started
+    prefetched: int = 0  # host blocks staged before launch, counted in _prefetched
+    give_up_at: float | None = None  # launched and waiting for room: time.monotonic()
+    prefix_released: bool = False  # the host prefix went back once copied (job_done)
     cancelled: bool = False
     finished: bool = False
     error: str | None = None
@@ -64,83 +86,143 @@ class LoadStaging:
     _copy: Copy
     _end: End
     _page_size: int
-    _chunk_jobs: dict[int, Load]
+    _chunk_jobs: dict[int, tuple[Load, bool]]  # a chunk's job -> its load, is it the prefix
     _copying: int  # host blocks held by their SSD copies (room on its way)
-    _waiting: list[Load]  # loads waiting for host room, oldest first
+    _waiting: list[Load]  # matched, not launched, not staged: oldest first
+    _owed: list[Load]  # launched, not staged: oldest launch first
+    _unstaged: dict[tuple[str, ...], int]  # loads of each key in _waiting or _owed
+    _prefetched: int  # host blocks staged for loads not launched yet
+    stage_waits: int  # launches that found no room to stage their SSD pages
+    wait_timeout_s: float | None  # how long they wait (None: until there is room)
 
     def start_load(
         self, key: tuple[str, ...], digests: list[bytes], hits: int, task: Any
     ) -> Load | None:
         """The SSD pages after a get's host prefix (``hits`` pages, already held): held on
-        SSD now, read into host blocks as soon as the host tier has room for them (at
-        once, or when blocks it is copying to SSD are done); None when there are none."""
+        SSD now, and prefetched into host blocks when there is room (see the module
+        docstring); None when there are none."""
+        if self._unstaged.get(key):
+            return None  # another load of this key stages first: those pages go to it
         host = self.host
         rest = digests[hits:]
         slots = self.ssd.ready_prefix(key, rest)
-        # More than the host tier could ever stage at once is not promised.
-        count = min(len(slots), host.available() + self._copying)
+        # What the tier could ever stage beside the prefix this task holds.
+        count = min(len(slots), host.num_blocks - hits)
         space = host.index.space(key)
         if space is not None:  # stop where the host has (or is writing) the page
             count = next((i for i, d in enumerate(rest[:count]) if d in space), count)
-        if count == 0:
+        if count <= 0:
             return None
         slots = slots[:count]
         self.ssd.tier.hold(slots)
         load = Load(task, hits + count, hits, key, rest[:count], slots)
-        if not self._stage(load):
-            self._waiting.append(load)
+        self._unstaged[key] = self._unstaged.get(key, 0) + 1
+        self._waiting.append(load)
+        self.stage_waiting()
         return load
 
+    def leave_owed(self, count: int) -> None:
+        """Raises NoSpace when a put of ``count`` new blocks would take host room that
+        launched loads wait for (they go first)."""
+        if self._owed:
+            owed = sum(len(load.slots) for load in self._owed)
+            if count + owed > self.host.available():
+                raise NoSpace(
+                    f"host: need {count} blocks; loads waiting for room are owed {owed} "
+                    f"of the {self.host.available()} free or evictable"
+                )
+
+    def stage_waiting(self) -> None:
+        """Stage what room allows: launched loads first, in launch order, then prefetches
+        in match order (none while a launched load waits). Called whenever room may have
+        come back."""
+        owed, waiting = self._owed, self._waiting
+        if owed and owed[0].give_up_at is not None:
+            now = time.monotonic()
+            while owed and owed[0].give_up_at is not None and owed[0].give_up_at <= now:
+                self._give_up(owed.pop(0))
+        while owed and self._stage(owed[0]):
+            owed.pop(0)
+        if owed:
+            return
+        limit = self.host.num_blocks // 2
+        while waiting and self._prefetched + len(waiting[0].slots) <= limit:
+            load = waiting[0]
+            if not self._stage(load):
+                break
+            waiting.pop(0)
+            load.prefetched = len(load.host_blocks)
+            self._prefetched += load.prefetched
+
     def _stage(self, load: Load) -> bool:
-        """Reserve the load's host blocks and start its reads; False: wait for room.
-        Where the host will have no room, the load ends with what it has."""
+        """Reserve the load's host blocks and start its reads; False: no room yet."""
         host = self.host
-        count = len(load.slots)
-        space = host.index.space(load.key)
-        if space is not None:  # another get began staging some page meanwhile
-            count = next((i for i, d in enumerate(load.digests) if d in space), count)
-        blocks = None
-        for want in (count, min(count, host.available())):
-            if want == 0:
-                break
-            try:
-                blocks = host.reserve(want)
-                break
-            except NoSpace:
-                if self._copying:
-                    return False  # room is on its way
-        staged = 0 if blocks is None else len(blocks)
-        if staged < len(load.slots):
-            self.ssd.tier.drop_readers(load.slots[staged:])
-            load.slots, load.digests = load.slots[:staged], load.digests[:staged]
-        if blocks is None:
-            self._finish(load)
-            return True
+        try:
+            blocks = host.reserve(len(load.slots))
+        except NoSpace:
+            return False  # room comes back as copies and tasks end
+        load.staged = True
+        self._count_out(load.key)
         load.space = host.index.insert(load.key, load.digests, blocks)  # WRITING
         host.readers[blocks] = 1  # this task's
         load.host_blocks = blocks
         load.reads = self.ssd.read(load.slots, blocks, load.key, load.digests, load)
         return True
 
+    def _count_out(self, key: tuple[str, ...]) -> None:
+        """A load of ``key`` is staged, or will never be."""
+        self._unstaged[key] -= 1
+        if not self._unstaged[key]:
+            del self._unstaged[key]
+
+    def _unstage(self, load: Load) -> None:
+        """A load that will never be staged gives its SSD slots back."""
+        self._count_out(load.key)
+        self.ssd.tier.drop_readers(load.slots)
+        load.slots, load.digests = NO_BLOCKS, []
+
+    def _give_up(self, load: Load) -> None:
+        """A launched load found no room within wait_timeout_s: it fails, moving nothing
+        more (its host prefix was copied at launch; its caller timed out already)."""
+        pages = len(load.slots)
+        self._unstage(load)
+        load.error = (
+            f"no host room to stage {pages} SSD pages within {self.wait_timeout_s} s "
+            "(engine.request_timeout_ms)"
+        )
+        self._finish(load)
+
     def launch_load(self, load: Load, gpu_pages: Int64Array) -> None:
         load.gpu_pages = gpu_pages
+        self._prefetched -= load.prefetched
+        load.prefetched = 0
+        task = load.task
         if load.finished:
-            task = load.task
             self._copy([task], False, gpu_pages[: len(task.blocks)], task.blocks)
             return
         if load.hits:
-            self._chunk(load, gpu_pages[: load.hits], load.task.blocks[: load.hits])
+            self._chunk(load, gpu_pages[: load.hits], task.blocks[: load.hits], prefix=True)
+        if not load.staged:
+            self._waiting.remove(load)
+            self._owed.append(load)
+            self.stage_waiting()
+            if not load.staged:
+                self.stage_waits += 1
+                if self.wait_timeout_s is not None:
+                    load.give_up_at = time.monotonic() + self.wait_timeout_s
         self._submit_verified(load)
 
     def cancel_load(self, load: Load) -> None:
         load.cancelled = True
-        if load in self._waiting:  # not staged yet: nothing was read
+        self._prefetched -= load.prefetched
+        load.prefetched = 0
+        if not load.staged:  # nothing was read: the SSD slots go back now
             self._waiting.remove(load)
-            self.ssd.tier.drop_readers(load.slots)
-            load.slots, load.digests = NO_BLOCKS, []
+            self._unstage(load)
             self._finish(load)
         elif load.finished:
             self._end([load.task], False)
+        # Otherwise it ends when its reads are in (_finish).
 
     def _advance(self, load: Load) -> None:
         reads = load.reads
@@ -188,26 +270,45 @@ class LoadStaging:
                         load.host_blocks[lo:hi])
             load.submitted = hi
 
-    def _chunk(self, load: Load, gpu_pages: Int64Array, blocks: Int64Array) -> None:
+    def _chunk(
+        self, load: Load, gpu_pages: Int64Array, blocks: Int64Array, prefix: bool = False
+    ) -> None:
         job = self._copy([], False, gpu_pages, blocks)
-        self._chunk_jobs[id(job)] = load
+        self._chunk_jobs[id(job)] = (load, prefix)
 
     def _finish(self, load: Load) -> None:
+        """Every read is settled (or there was none): the task's last copy job, which
+        ends it, takes the verified pages not copied yet."""
         load.finished = True
         task = load.task
-        task.blocks = np.concatenate((task.blocks[: load.hits], load.host_blocks[: load.good]))
-        if len(task.blocks) < load.match_pages:
+        loaded = load.hits + load.good
+        if loaded < load.match_pages:  # a checksum failure, a read error, or it gave up
             task.mask = task.mask.copy()  # a new mask: the worker counts what moved
-            task.mask[len(task.blocks) * self._page_size :] = False
-        if load.cancelled:
-            self._end([task], False)
-        elif load.gpu_pages is not None:
-            lo, hi = load.submitted, load.good
-            self._copy([task], False, load.gpu_pages[load.hits + lo : load.hits + hi],
-                       load.host_blocks[lo:hi])
-            load.submitted = hi
+            task.mask[loaded * self._page_size :] = False
+        # The blocks the task holds till it ends: its prefix (unless it went back early),
+        # then what was staged and verified.
+        prefix = task.blocks[: 0 if load.prefix_released else load.hits]
+        task.blocks = np.concatenate((prefix, load.host_blocks[: load.good]))
+        if load.gpu_pages is None:  # not launched: launch copies it all in one job
+            if load.cancelled:
+                self._end([task], False)
+            return
+        lo, hi = load.submitted, load.good
+        self._copy([task], False, load.gpu_pages[load.hits + lo : load.hits + hi],
+                   load.host_blocks[lo:hi])
+        load.submitted = hi
 
     def job_done(self, job: CopyJob) -> None:
-        load = self._chunk_jobs.pop(id(job), None)
-        if load is not None and job.error is not None:
+        """A load's chunk was copied (or failed). A prefix copied while its load still
+        waits for room goes back now: loads waiting for room must not wait for each
+        other's prefixes. (Otherwise a task's blocks go back together when it ends, in
+        order, so that its head stays the most recent.)"""
+        chunk = self._chunk_jobs.pop(id(job), None)
+        if chunk is None:
+            return
+        load, prefix = chunk
+        if job.error is not None:
             load.error = load.error or job.error
+        if prefix and not load.staged and not load.finished:
+            load.prefix_released = True
+            self.host.drop_readers(load.task.blocks[: load.hits])

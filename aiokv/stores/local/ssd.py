@@ -99,7 +99,11 @@ class SsdTier:
                 else "the filesystem refuses O_DIRECT",
             )
         self.tier = Tier("ssd", BlockAllocator(total))
-        self._pad = bytes(self.slot_bytes - HEADER_BYTES - self.block_bytes)
+        # A slot's tail past its block: zeros to write, and a scratch buffer to read it
+        # into (preadv needs writable buffers; what lands there is never looked at, so
+        # the read threads share one).
+        pad = self.slot_bytes - HEADER_BYTES - self.block_bytes
+        self._pads = (bytes(pad), bytearray(pad)) if pad else None
         self._zero_page = mmap.mmap(-1, HEADER_BYTES)  # aligned zeros, to void a header
         self._done: deque[SsdRequest] = deque()
         self._notify = notify
@@ -264,7 +268,9 @@ class SsdTier:
                         epoch = files.metas[k].epoch
                         pack_header(head, epoch, generation + i, checksum(data),
                                     request.digests[i], request.namespaces[i])
-                    buffers += (head, data, self._pad) if self._pad else (head, data)
+                    buffers += (head, data)
+                    if self._pads is not None:
+                        buffers.append(self._pads[not request.is_write])
                 offset = int(slots[run[0]]) * files.slot_bytes
                 if request.is_write:
                     files.write(k, offset, buffers)
@@ -336,7 +342,8 @@ class SsdTier:
             self._failures_logged = True
             log.warning(
                 "aiokv: %d SSD block(s) in %s failed their checksum; they are misses "
-                "(counted in store_stats()['checksum_failures'], logged once)",
+                "(counted in engine.stats().checksum_failures and the metric "
+                "aiokv_store_errors_total{error=\"checksum\"}; logged once)",
                 count, self.files.paths,
             )
 

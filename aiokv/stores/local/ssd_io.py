@@ -1,7 +1,8 @@
 """The SSD tier's files and I/O threads.
 
 One preallocated data file per directory (``<dir>/aiokv-ssd/blocks.dat``, mode 0600 in a
-0700 directory, next to its meta file). Slots are striped across the files one block at a
+0700 directory, next to its meta file and the lock file that keeps a second store out:
+:mod:`aiokv.stores.dirlock`). Slots are striped across the files one block at a
 time (slot ``s`` is slot ``s // n`` of file ``s % n``), so a run of slots is one
 contiguous range in each file and several directories (disks) share every large request.
 Each file has one write thread, ``aiokv-ssd-<i>-write``, which runs writes in the order
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
+from ..dirlock import DirLock, require_directory
 from .ssd_format import DATA_NAME, HEADER_BYTES, Meta, geometry_difference, read_meta, write_meta
 
 log = logging.getLogger("aiokv")
@@ -73,11 +75,18 @@ class SsdFiles:
         self.count = len(dirs)
         self.slot_bytes = int(geometry["slot_bytes"])
         self.slots_per_file = total_slots // self.count
-        self.paths = [self._prepare(d) for d in dirs]
+        self.paths: list[Path] = []
         self.metas: list[Meta] = []
         self.fds: list[int] = []
+        self._locks: list[DirLock] = []
         self.direct = True
         try:
+            # Every directory locked before any of them is read or changed (the scan,
+            # a reset on mismatch): another store may be using one.
+            for directory in dirs:
+                path = self._prepare(directory)
+                self._locks.append(DirLock(path, "store.ssd_cache_dir", directory))
+                self.paths.append(path)
             for k, path in enumerate(self.paths):
                 self.metas.append(self._check_meta(path, k, geometry, reset_on_mismatch))
             self._check_space()
@@ -89,6 +98,8 @@ class SsdFiles:
         except BaseException:
             for fd in self.fds:
                 os.close(fd)
+            for lock in self._locks:
+                lock.release()
             raise
         # Per file: one lock; reads and writes queued apart, each kind with its threads.
         self._queues = [(collections.deque[Op](), collections.deque[Op]()) for _ in dirs]
@@ -110,16 +121,13 @@ class SsdFiles:
 
     @staticmethod
     def _prepare(directory: str) -> Path:
-        base = Path(directory)
-        if not base.is_dir():
-            raise ConfigError("store.ssd_cache_dir", f"{directory!r} is not a directory")
-        path = base / SUBDIR
+        """``<directory>/aiokv-ssd``, created if missing, mode 0700: the lock file's home
+        (an idempotent change, harmless to a store that may be using it)."""
+        require_directory(directory, "store.ssd_cache_dir")
+        path = Path(directory) / SUBDIR
         try:
             path.mkdir(mode=0o700, exist_ok=True)
             os.chmod(path, 0o700)
-            probe = path / ".probe"
-            probe.write_bytes(b"")
-            probe.unlink()
         except OSError as exc:
             raise ConfigError(
                 "store.ssd_cache_dir", f"{directory!r} is not writable: {exc}"
@@ -251,6 +259,8 @@ class SsdFiles:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+        for lock in self._locks:  # last: nothing of this store touches the files now
+            lock.release()
 
     def set_epoch(self, epoch: int) -> None:
         """Void every header written before (clear): a new epoch in each meta file."""

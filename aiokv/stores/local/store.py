@@ -68,7 +68,10 @@ class LocalStore(TaskEnds, Prestaging):
         self._launched: dict[int, tuple[list[Task], int]] = {}
         self._start_prestaging()
         self._notify: Callable[[], None] | None = None
+        self._wait_timeout_s: float | None = None  # set_wait_timeout
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
+        # Tokens get_match found on the host tier / only on SSD (EngineStats' tier hits).
+        self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
         self._ssd_stats: dict[str, int | float] = {}
         self._remote: RemoteLink | None = None  # store.remote: Mooncake, below all
         self._remote_stats: dict[str, int | float] = {}
@@ -98,6 +101,7 @@ class LocalStore(TaskEnds, Prestaging):
                 self._config, pool, first.dtype, page_size, self._wake, self._copy,
                 self.end_tasks,
             )
+            link.wait_timeout_s = self._wait_timeout_s
         self._host = link.host if link is not None else Tier("host", pool)
         self._pool, self._link = pool, link
         self._gpu_pages = int(first.shape[0])
@@ -134,6 +138,7 @@ class LocalStore(TaskEnds, Prestaging):
     @property
     def _index(self) -> BlockIndex:  # the host tier's, for tests that look inside
         return self._require_host().index
+
 
     @property
     def free_blocks(self) -> int:
@@ -183,6 +188,8 @@ class LocalStore(TaskEnds, Prestaging):
         owner = space
         if missing_count:
             try:
+                if link is not None:
+                    link.leave_owed(missing_count)  # loads launched before it wait for room
                 blocks = host.reserve(missing_count)
             finally:
                 if listed is not None:
@@ -240,6 +247,8 @@ class LocalStore(TaskEnds, Prestaging):
             task.load = link.start_load(key, digests, len(hit), task)
         pages = task.load.match_pages if task.load is not None else len(hit)
         mask[: pages * self.page_size] = True
+        self._hits["host_hit_tokens"] += len(hit) * self.page_size
+        self._hits["ssd_hit_tokens"] += (pages - len(hit)) * self.page_size
         return self._new_task(task), mask
 
     @property
@@ -353,6 +362,8 @@ class LocalStore(TaskEnds, Prestaging):
                 self._link.cancel_load(task.load)  # ends the task once its reads are in
             else:
                 self.end_tasks([task], success=False)
+        if self._link is not None:
+            self._link.stage_waiting()  # what the cancelled tasks held is room now
 
     def close(self) -> None:
         """Finish queued copies (and SSD writes), then release the pool."""
@@ -395,7 +406,8 @@ class LocalStore(TaskEnds, Prestaging):
         return len(host.drop_namespace(namespace)) * self.page_size
 
     def store_stats(self) -> Mapping[str, int | float]:
-        """Tier occupancy (blocks) and byte counters since the store was opened."""
+        """Tier occupancy (blocks), tier hits (tokens) and byte counters since the store
+        was opened."""
         host = self._host
         stats: dict[str, int | float] = {
             "host_blocks_used": host.used if host is not None else 0,
@@ -403,6 +415,7 @@ class LocalStore(TaskEnds, Prestaging):
             # Pinned so far (the pool grows into its size after start); all when unpinned.
             "host_blocks_ready": self._pool.memory.ready_blocks if self._pool is not None else 0,
             **self._bytes,
+            **self._hits,
         }
         stats.update(self._link.stats() if self._link is not None else self._ssd_stats)
         stats.update(self._remote.stats() if self._remote is not None else self._remote_stats)
@@ -413,6 +426,14 @@ class LocalStore(TaskEnds, Prestaging):
         threads) each time tasks may have become terminal, so the engine need not poll
         ``try_wait``."""
         self._notify = callback
+
+    def set_wait_timeout(self, timeout_s: float | None) -> None:
+        """Optional Store extension (base.BoundsWaits): a launched load whose SSD pages
+        found no host room fails after ``timeout_s`` without copying (None: it waits
+        until there is room)."""
+        self._wait_timeout_s = timeout_s
+        if self._link is not None:
+            self._link.wait_timeout_s = timeout_s
 
     # ---- internals -----------------------------------------------------------------
 

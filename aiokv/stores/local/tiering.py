@@ -12,8 +12,9 @@
   (eviction outran the copies, or the SSD tier had no free slot then) and copies it
   first, readable all along: a put that needed its room gets NoSpace until then. A block
   whose SSD write failed (counted) is given up: eviction drops it.
-- loads: a get's pages after its host prefix that the SSD has are read into host blocks
-  and copied on to the GPU chunk by chunk; :mod:`.loads` says how (the link's
+- loads: a get's pages after its host prefix that the SSD has are held there from the
+  match on, read into host blocks when there is room (waiting for it at launch) and
+  copied on to the GPU chunk by chunk; :mod:`.loads` says how (the link's
   :class:`~.loads.LoadStaging` part).
 
 Everything here runs on the store thread, from the store's calls and ``drain``.
@@ -71,9 +72,15 @@ class TierLink(LoadStaging):
         self.write_through = config.ssd_write_policy == "write_through"
         self._copy, self._end = copy, end
         self._page_size = page_size
-        self._chunk_jobs: dict[int, Load] = {}
+        self._chunk_jobs: dict[int, tuple[Load, bool]] = {}
         self._copying = 0  # host blocks held by their SSD copies (room on its way)
-        self._waiting: list[Load] = []  # loads waiting for host room, oldest first
+        # Loads not staged yet (loads.py): matched, and launched (owed room first).
+        self._waiting: list[Load] = []
+        self._owed: list[Load] = []
+        self._unstaged: dict[tuple[str, ...], int] = {}
+        self._prefetched = 0
+        self.stage_waits = 0
+        self.wait_timeout_s: float | None = None  # LocalStore.set_wait_timeout
         self._closed = False
 
     # ---- puts and demotion ---------------------------------------------------------
@@ -183,8 +190,7 @@ class TierLink(LoadStaging):
             return
         if not self.write_through:
             self._keep_room()
-        while self._waiting and self._stage(self._waiting[0]):
-            self._waiting.pop(0)
+        self.stage_waiting()
 
     # ---- invalidation, stats -------------------------------------------------------
 
@@ -208,7 +214,7 @@ class TierLink(LoadStaging):
     def stats(self) -> dict[str, int | float]:
         tier = self.ssd.tier
         return {"ssd_blocks_used": tier.used, "ssd_blocks_total": tier.num_blocks,
-                **self.ssd.stats}
+                "stage_waits": self.stage_waits, **self.ssd.stats}
 
     def close(self) -> None:
         """write_back: copy the host tier's idle blocks the SSD lacks, so that a reopen

@@ -1,0 +1,304 @@
+"""NVIDIA recsys-examples' host KV storage on aiokv: ``AiokvHostStorage``, a
+``HostKVStorageBase`` (``recsys_kvcache_manager``) for its ``KVCacheManager``::
+
+    from recsys_kvcache_manager import DefaultKVCacheBackend, DeviceKVCache, KVCacheManager
+    from aiokv.integrations.recsys import AiokvHostStorage
+
+    gpu = DeviceKVCache(...)
+    manager = KVCacheManager(DefaultKVCacheBackend(gpu, AiokvHostStorage("aiokv.yml")))
+
+This module imports without recsys-examples; ``AiokvHostStorage`` is built on first use
+and raises ImportError where ``recsys_kvcache_manager`` is not importable. The work is
+done by :class:`~aiokv.integrations.recsys_core.RecsysCore` (aiokv, one hop per manager
+call) and :mod:`~aiokv.integrations.recsys_math` (the arithmetic); this class translates
+recsys's types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import InvalidRequest
+from ..open import ConfigSource
+from .recsys_core import PendingCalls, RecsysCore
+from .recsys_math import host_lengths, succeeded, user_pages, users_to_onboard, wait_status
+
+# How long offload_kvcache_wait waits for a task before it answers "launched": the
+# manager polls it in a loop (offload_flush), and a poll that never released the GIL
+# would leave the engine's threads, which finish the task, to Python's 5 ms switch
+# interval at every hand-over.
+POLL_WAIT_S = 100e-6
+
+HITS = "aiokv_hits"  # where a lookup result's extra keeps its hits, for the onboard
+
+
+@functools.cache
+def _recsys() -> types.SimpleNamespace:
+    """recsys-examples' types (ImportError where it is not importable)."""
+    storage = importlib.import_module("recsys_kvcache_manager.host_kvstorage_manager")
+    utils = importlib.import_module("recsys_kvcache_manager.kvcache_utils")
+    return types.SimpleNamespace(
+        HostKVStorageBase=storage.HostKVStorageBase,
+        HostKVTaskHandle=storage.HostKVTaskHandle,
+        HostKVTaskStatus=storage.HostKVTaskStatus,
+        HostKVWaitResult=storage.HostKVWaitResult,
+        KVIndexMeta=utils.KVIndexMeta,
+        KVLookupResult=utils.KVLookupResult,
+    )
+
+
+@dataclass
+class Task:
+    """What a task handle holds: the calls in flight, the users (int64), and the
+    page-aligned lengths the task stores or loads (int32)."""
+
+    pending: PendingCalls
+    user_ids: torch.Tensor
+    lengths: torch.Tensor
+
+
+def _int32(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int32)
+
+
+class _HostStorage:
+    """A recsys-examples host storage on aiokv (its methods: ``HostKVStorageBase``'s).
+
+    ``AiokvHostStorage(config=None, *, loop_factory=None)``: ``config`` is what
+    ``aiokv.open_engine`` takes (a YAML path, a mapping, None for the defaults); the
+    engine starts on a loop thread of its own (``run_in_background``) when the manager
+    registers its GPU cache tables, each ``[pages, 2, page_size, heads, head_dim]``.
+    ``close()`` drains and stops it.
+
+    ``backend_name`` is ``"flexkv"``, because ``DefaultKVCacheBackend`` dispatches on it
+    in three places and only that name fits aiokv: ``offload_launch`` hands over each
+    user's whole sequence (``acquire_offload_pages(..., always_offload=True)``, with the
+    batch's ``kvcache_metadata``; ``"native"`` would hand over chunks past an offloaded
+    length instead), ``onboard_try_wait`` waits (other names than ``"native"`` raise
+    NotImplementedError), and ``onboard_wait`` applies ``host_kvstorage_fail_policy`` to a
+    failed onboard (for a handle whose ``backend`` is ``"flexkv"``, as these are).
+
+    What differs from FlexKVStorage:
+    ``evict`` / ``evict_all`` drop the users' KV (FlexKVStorage's are no-ops); lookups
+    reserve their hits, and a hit not onboarded is given back by the onboard launch (or
+    after ``engine.lookup_ttl_ms``); a failed lookup reads as a miss (logged); an
+    onboard's ``onboard_lengths`` are the tokens it loads (page-aligned), not the
+    sequence length.
+    """
+
+    backend_name = "flexkv"
+
+    def __init__(
+        self,
+        config: ConfigSource = None,
+        *,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    ) -> None:
+        self._config = config
+        self._loop_factory = loop_factory
+        self._core: RecsysCore | None = None
+
+    @property
+    def core(self) -> RecsysCore:
+        """The engine-facing core; InvalidRequest before ``register_gpu_cache_tables``."""
+        if self._core is None:
+            raise InvalidRequest(
+                "cache_table_list", "not registered yet: call register_gpu_cache_tables first"
+            )
+        return self._core
+
+    def close(self) -> None:
+        """Drain and close the engine (idempotent; a no-op before registration)."""
+        if self._core is not None:
+            self._core.close()
+
+    def register_gpu_cache_tables(self, cache_table_list: list[torch.Tensor]) -> None:
+        if self._core is not None:
+            raise InvalidRequest("cache_table_list", "already registered: one set per storage")
+        self._core = RecsysCore.open(self._config, list(cache_table_list), self._loop_factory)
+
+    def build_index_meta(self, user_ids: torch.Tensor, sequence_lengths: torch.Tensor) -> Any:
+        return _recsys().KVIndexMeta(
+            user_ids=user_ids.to(torch.int64), seq_lengths=sequence_lengths.to(torch.int32)
+        )
+
+    def lookup_kvcache(self, index_meta: Any) -> Any:
+        hits = self.core.lookup(index_meta.user_ids.tolist(), index_meta.seq_lengths.tolist())
+        cached = _int32([0 if hit is None else hit.cached_tokens for hit in hits])
+        return _recsys().KVLookupResult(
+            user_ids=index_meta.user_ids,
+            host_cached_start_indices=torch.zeros_like(cached),
+            host_cached_lengths=cached,
+            extra={"backend": "aiokv", HITS: hits},
+        )
+
+    def onboard_kvcache_launch(
+        self, index_meta: Any, lookup_result: Any, kvcache_metadata: Any
+    ) -> Any:
+        recsys, core = _recsys(), self.core
+        hits = lookup_result.extra.get(HITS)
+        if hits is None:
+            raise InvalidRequest("lookup_result", "did not come from this storage's lookup")
+        host = lookup_result.host_cached_lengths.tolist()
+
+        def column(tensor: torch.Tensor | None, default: list[int]) -> list[int]:
+            return default if tensor is None else tensor.tolist()
+
+        # Without the GPU's columns (a lookup result not merged with DeviceKVCache's),
+        # the GPU holds nothing.
+        zeros = [0] * len(host)
+        chosen = users_to_onboard(
+            column(lookup_result.cached_lengths, host),
+            host,
+            column(lookup_result.gpu_cached_start_indices, zeros),
+            column(lookup_result.gpu_cached_lengths, zeros),
+        )
+        chosen = [i for i in chosen if hits[i] is not None]
+        loading = set(chosen)
+        core.release([hit for i, hit in enumerate(hits) if i not in loading])
+        if not chosen:
+            return recsys.HostKVTaskHandle(
+                backend="flexkv", handle=None, status=recsys.HostKVTaskStatus.SKIPPED
+            )
+        lengths = index_meta.seq_lengths.tolist()
+        pages = user_pages(kvcache_metadata.kv_indices, lengths, core.page_size)
+        pending = core.load([hits[i] for i in chosen], [pages[i] for i in chosen])
+        user_ids = index_meta.user_ids[chosen]
+        loaded = _int32([host[i] for i in chosen])
+        return recsys.HostKVTaskHandle(
+            backend="flexkv",
+            user_ids=user_ids,
+            handle=Task(pending, user_ids, loaded),
+            status=recsys.HostKVTaskStatus.LAUNCHED,
+            metadata={"onboard_start_indices": torch.zeros_like(loaded), "onboard_lengths": loaded},
+        )
+
+    def onboard_kvcache_wait(self, task_handle: Any) -> Any:
+        task: Task = task_handle.handle
+        return _wait_result(task, task.pending.outcomes())
+
+    def offload_kvcache_launch(
+        self,
+        offload_user_ids: torch.Tensor,
+        offload_start_indices: torch.Tensor,
+        offload_page_indices_list: list[torch.Tensor],
+        index_meta: Any = None,
+        kvcache_metadata: Any = None,
+    ) -> Any:
+        # The pages come from the batch's kvcache_metadata, as FlexKVStorage takes them:
+        # the page lists of acquire_offload_pages view the GPU manager's own vectors,
+        # which its next allocate may move.
+        if index_meta is None or kvcache_metadata is None:
+            raise InvalidRequest(
+                "index_meta", "offload needs the batch's index_meta and kvcache_metadata"
+            )
+        if not torch.equal(offload_user_ids.cpu(), index_meta.user_ids.cpu()):
+            raise InvalidRequest(
+                "offload_user_ids",
+                f"{offload_user_ids.tolist()} are not the batch's {index_meta.user_ids.tolist()}",
+            )
+        if bool(offload_start_indices.ne(0).any()):
+            raise InvalidRequest(
+                "offload_start_indices",
+                f"must be 0 (whole sequences, backend_name 'flexkv'), got "
+                f"{offload_start_indices.tolist()}",
+            )
+        core = self.core
+        lengths = index_meta.seq_lengths.tolist()
+        pages = user_pages(kvcache_metadata.kv_indices, lengths, core.page_size)
+        pending = core.offload(index_meta.user_ids.tolist(), pages, lengths)
+        recsys = _recsys()
+        stored = _int32(host_lengths(lengths, core.page_size))
+        return recsys.HostKVTaskHandle(
+            backend="flexkv",
+            user_ids=index_meta.user_ids,
+            handle=Task(pending, index_meta.user_ids, stored),
+            status=recsys.HostKVTaskStatus.LAUNCHED,
+        )
+
+    def offload_kvcache_wait(self, task_handle: Any) -> Any:
+        task: Task = task_handle.handle
+        return _wait_result(task, task.pending.poll(POLL_WAIT_S))
+
+    def finish_task(self, task_handle: Any) -> list[int]:
+        task: Task = task_handle.handle
+        return succeeded(task.pending.outcomes())
+
+    def cancel_task(self, task_handle: Any) -> bool:
+        if task_handle is None or task_handle.handle is None:
+            return False
+        task_handle.handle.pending.cancel()
+        task_handle.status = _recsys().HostKVTaskStatus.CANCELLED
+        return True
+
+    def evict(self, user_ids: torch.Tensor) -> None:
+        self.core.evict(user_ids.tolist())
+
+    def evict_all(self) -> None:
+        self.core.clear()
+
+    @staticmethod
+    def get_offload_handle_metadata(
+        task_handle: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(users, start indices (0), the page-aligned lengths the offload stores)."""
+        task: Task = task_handle.handle
+        return task.user_ids, torch.zeros_like(task.lengths), task.lengths
+
+
+def _wait_result(task: Task, outcomes: list[Any] | None) -> Any:
+    recsys = _recsys()
+    user_ids = task.user_ids.tolist()
+    status = wait_status(outcomes, user_ids)
+    if not status.failed:
+        return recsys.HostKVWaitResult(
+            status=recsys.HostKVTaskStatus(status.status), ready=status.ready
+        )
+    failed_mask = torch.zeros(len(user_ids), dtype=torch.bool)
+    failed_mask[status.failed] = True
+    return recsys.HostKVWaitResult(
+        status=recsys.HostKVTaskStatus(status.status),
+        ready=False,
+        message=status.message,
+        failed_mask=failed_mask,
+        failed_user_ids=[user_ids[i] for i in status.failed],
+    )
+
+
+@functools.cache
+def _storage_class() -> type:
+    # HostKVStorageBase is an ABC: _HostStorage comes first, so its methods are the
+    # abstract ones' implementations.
+    base = _recsys().HostKVStorageBase
+
+    def body(namespace: dict[str, Any]) -> None:
+        namespace.update(
+            __module__=__name__, __qualname__="AiokvHostStorage", __doc__=_HostStorage.__doc__
+        )
+
+    return types.new_class("AiokvHostStorage", (_HostStorage, base), exec_body=body)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AiokvHostStorage":
+        try:
+            return _storage_class()
+        except ImportError as exc:
+            raise ImportError(
+                "aiokv.integrations.recsys.AiokvHostStorage needs recsys-examples' "
+                f"recsys_kvcache_manager (corelib/recsys_kvcache_manager): {exc}"
+            ) from exc
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# AiokvHostStorage is left out: `from aiokv.integrations.recsys import *` must work
+# without recsys-examples.
+__all__ = ["HITS", "POLL_WAIT_S", "RecsysCore", "Task"]

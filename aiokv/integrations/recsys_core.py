@@ -1,0 +1,197 @@
+"""The engine-facing core of the recsys-examples storage (:mod:`aiokv.integrations.recsys`):
+aiokv on a loop thread of its own (``run_in_background``), driven from the manager's
+thread with plain ids, lengths and page-id tensors. It imports nothing of recsys.
+
+One hop per manager call: the users of a call go to the engine's loop as one coroutine
+that starts all their calls in the same loop iteration, so they form one batch (one store
+round), not one hop and one window each. On a GPU, a call's copies wait for one CUDA event
+recorded here, in the manager's thread, on its current stream (the stream, or CUDA
+graph, that wrote the pages), after the page ids were copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Callable, Coroutine, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from ..engine import OffloadEngine
+from ..open import ConfigSource, open_engine
+from ..requests import LoadResult, OffloadResult
+from ..sync import BackgroundEngine, BackgroundLookup, run_in_background
+
+log = logging.getLogger("aiokv")
+
+Outcome = Any  # a call's result, or the exception it raised
+Call = Callable[[OffloadEngine], Coroutine[Any, Any, Any]]
+
+
+class PendingCalls:
+    """A manager call's calls in flight on the engine's loop. Their outcomes come in call
+    order, each a result or the exception that call raised (one user's failure is its
+    own); a cancelled batch reads as each call cancelled."""
+
+    def __init__(self, future: concurrent.futures.Future[list[Outcome]], count: int) -> None:
+        self._future = future
+        self._count = count
+
+    def poll(self, wait_s: float) -> list[Outcome] | None:
+        """The outcomes if every call is done within ``wait_s`` seconds, else None. The
+        wait blocks on the future with the GIL released: a caller that polls in a loop
+        must leave the GIL to the engine's threads, which finish the calls."""
+        if not self._future.done():
+            done, _ = concurrent.futures.wait([self._future], timeout=wait_s)
+            if not done:
+                return None
+        return self.outcomes()
+
+    def outcomes(self) -> list[Outcome]:
+        """The outcomes, waiting for them."""
+        if self._future.cancelled():
+            return [concurrent.futures.CancelledError() for _ in range(self._count)]
+        return self._future.result()
+
+    def cancel(self) -> bool:
+        """Stop waiting for the calls: queued ones are dropped, launched copies run to
+        their end (aiokv never cancels a transfer). False once they are done."""
+        return self._future.cancel()
+
+
+class RecsysCore:
+    """aiokv for one recsys-examples manager: lookups, loads, offloads and evictions of a
+    batch of users, each batch one hop onto the engine's loop. Call it from one thread
+    (the manager's); :meth:`close` when done."""
+
+    def __init__(self, kv: BackgroundEngine) -> None:
+        self.kv = kv
+        self.page_size = kv.engine.page_size
+
+    @classmethod
+    def open(
+        cls,
+        config: ConfigSource,
+        kv_caches: Sequence[torch.Tensor],
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    ) -> RecsysCore:
+        """An engine over ``kv_caches`` (``aiokv.open_engine(config, ...)``), started on a
+        loop thread of its own. Raises what ``open_engine`` and ``start`` raise."""
+        engine = open_engine(config, kv_caches=kv_caches)
+        return cls(run_in_background(engine, loop_factory=loop_factory))
+
+    def _hop(self, calls: list[Call]) -> concurrent.futures.Future[list[Outcome]]:
+        engine = self.kv.engine
+
+        async def run_all() -> list[Outcome]:
+            # The calls start here, on the loop, together: gather schedules them all for
+            # the same iteration, so the batcher sees them in one window.
+            return await asyncio.gather(*(call(engine) for call in calls), return_exceptions=True)
+
+        # BackgroundEngine's own submit: it refuses (EngineClosed) once the handle closes,
+        # rather than leave a coroutine on a stopped loop.
+        return self.kv._submit(run_all)
+
+    def lookup(
+        self, user_ids: Sequence[Hashable], num_tokens: Sequence[int]
+    ) -> list[BackgroundLookup | None]:
+        """Each user's hit (its ``cached_tokens`` reserved for :meth:`load`), waiting for
+        them; None where the lookup failed, which is logged and reads as a miss (the
+        manager then recomputes; a cache that fails open)."""
+        calls: list[Call] = [
+            _lookup_call(user, tokens) for user, tokens in zip(user_ids, num_tokens, strict=True)
+        ]
+        outcomes = self._hop(calls).result()
+        hits: list[BackgroundLookup | None] = []
+        for user, outcome in zip(user_ids, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                log.warning("aiokv: lookup of user %r failed, read as a miss: %r", user, outcome)
+                hits.append(None)
+            else:
+                hits.append(BackgroundLookup(outcome, self.kv.loop))
+        return hits
+
+    def load(
+        self, hits: Sequence[BackgroundLookup], page_ids: Sequence[torch.Tensor]
+    ) -> PendingCalls:
+        """Load each hit into its pages (``LoadResult`` outcomes); does not wait. On a GPU
+        the copies start after what this thread's current stream has queued now."""
+        ready = self.kv.engine._caller_event()
+        calls: list[Call] = [
+            _load_call(hit, pages, ready) for hit, pages in zip(hits, page_ids, strict=True)
+        ]
+        return PendingCalls(self._hop(calls), len(calls))
+
+    def offload(
+        self,
+        user_ids: Sequence[Hashable],
+        page_ids: Sequence[torch.Tensor],
+        num_tokens: Sequence[int],
+    ) -> PendingCalls:
+        """Store each user's full pages of its first ``num_tokens`` tokens, held in its
+        ``page_ids`` (``OffloadResult`` outcomes); does not wait. On a GPU the copies
+        start after what this thread's current stream has queued now: the pages must
+        stay as they are until the outcomes are in."""
+        ready = self.kv.engine._caller_event()
+        calls: list[Call] = [
+            _offload_call(user, pages, tokens, ready)
+            for user, pages, tokens in zip(user_ids, page_ids, num_tokens, strict=True)
+        ]
+        return PendingCalls(self._hop(calls), len(calls))
+
+    def release(self, hits: Sequence[BackgroundLookup | None]) -> None:
+        """Give back the reservations of hits that will not be loaded; does not wait."""
+        for hit in hits:
+            if hit is not None:
+                hit.release()
+
+    def evict(self, user_ids: Sequence[Hashable]) -> int:
+        """Drop what the store holds for these users (``engine.evict`` each, one hop);
+        returns the tokens dropped. Raises the first error of a call that failed."""
+        calls: list[Call] = [_evict_call(user) for user in user_ids]
+        outcomes = self._hop(calls).result()
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return sum(outcomes)
+
+    def clear(self) -> int:
+        """Drop everything the store holds; returns the tokens dropped."""
+        return self.kv.clear()
+
+    def close(self) -> None:
+        """Drain and close the engine, stop its loop thread. Idempotent."""
+        self.kv.close()
+
+
+# One closure per call kind: what runs on the loop, given the engine.
+
+
+def _lookup_call(user: Hashable, tokens: int) -> Call:
+    async def call(engine: OffloadEngine) -> Any:
+        return await engine.lookup(user, int(tokens))
+
+    return call
+
+
+def _load_call(hit: BackgroundLookup, pages: torch.Tensor, ready: Any) -> Call:
+    async def call(engine: OffloadEngine) -> LoadResult:
+        return await engine.load(hit.lookup, pages, _ready_event=ready)
+
+    return call
+
+
+def _offload_call(user: Hashable, pages: torch.Tensor, tokens: int, ready: Any) -> Call:
+    async def call(engine: OffloadEngine) -> OffloadResult:
+        return await engine.offload(user, pages, int(tokens), _ready_event=ready)
+
+    return call
+
+
+def _evict_call(user: Hashable) -> Call:
+    async def call(engine: OffloadEngine) -> int:
+        return await engine.evict(user)
+
+    return call

@@ -1,0 +1,137 @@
+"""The store's own figures (its ``store_stats()``: tier hits, SSD bytes, errors,
+occupancy) as the engine reports them, in :class:`~aiokv.stats.EngineStats` and to
+Prometheus scrapes.
+
+Every store call belongs to the store thread, and ``engine.stats()`` runs on the loop,
+which must not wait for that thread. So the store thread keeps :class:`StoreFigures`:
+the latest answer, replaced whole (one reference assignment, read from any thread). It
+asks the store again at most every :data:`REFRESH_S` while the store works, once more
+when the work stops (never while idle: nothing changed), for each scrape
+(:class:`StoreStatsQuery`), and at the close, before and after ``store.close()`` (which
+finishes the SSD writes), so that the figures read after ``aclose()`` are final.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+log = logging.getLogger("aiokv")
+
+REFRESH_S = 0.1  # how old the figures in engine.stats() may be while the store works
+
+StoreStatsAnswer = Mapping[str, "int | float"]
+AskStore = Callable[[], StoreStatsAnswer]
+
+# The store_stats() keys that EngineStats carries, under the same names (0 where the
+# store reports none: FlexKV reports none).
+FIELDS = (
+    "host_hit_tokens",  # tokens lookups found on the host tier (at the match)
+    "ssd_hit_tokens",  # tokens they found only on the SSD tier (read in for the load)
+    "bytes_ssd_written",
+    "bytes_ssd_read",
+    "checksum_failures",
+    "ssd_write_errors",
+    "host_blocks_used",
+    "host_blocks_total",
+    "ssd_blocks_used",
+    "ssd_blocks_total",
+    "stage_waits",  # loads that waited for host room to stage their SSD pages
+)
+
+
+def engine_fields(answer: StoreStatsAnswer) -> dict[str, int]:
+    """EngineStats' store fields from a store_stats() answer."""
+    return {name: int(answer.get(name, 0)) for name in FIELDS}
+
+
+class StoreFigures:
+    """The latest ``store_stats()`` answer (``{}`` before the first, and for a store
+    without the method). Written on the store thread only; ``latest`` may be read from
+    any thread."""
+
+    def __init__(
+        self, store_stats: AskStore | None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._store_stats = store_stats
+        self._clock = clock
+        self.latest: StoreStatsAnswer = {}
+        self._changed = False  # the store worked since the latest answer
+        self._due = 0.0  # no periodic ask before this (clock)
+        self._failed = False  # a periodic ask failed: logged once
+
+    def changed(self) -> None:
+        """The store did something: its figures may have moved."""
+        self._changed = self._store_stats is not None
+
+    def timeout(self, timeout: float | None) -> float | None:
+        """The store thread's wait for work, shortened so that it wakes when an ask is
+        due for work it has done (else as given: no wake-up while nothing changed)."""
+        if not self._changed:
+            return timeout
+        left = max(self._due - self._clock(), 0.0)
+        return left if timeout is None else min(timeout, left)
+
+    def refresh(self, now: bool = False) -> None:
+        """Ask the store if it worked since the last answer and REFRESH_S have passed
+        (``now``: whenever it worked); an error is logged once and the last answer kept."""
+        if self._changed and (now or self._clock() >= self._due):
+            try:
+                self.ask()
+            except Exception:
+                if not self._failed:  # a broken store_stats() logs once, not per refresh
+                    self._failed = True
+                    log.exception("aiokv: store_stats() failed; engine.stats() keeps its last")
+
+    def ask(self) -> StoreStatsAnswer:
+        """Ask the store now and keep its answer (store thread); raises what it raises."""
+        self._changed = False
+        self._due = self._clock() + REFRESH_S
+        if self._store_stats is None:
+            return self.latest
+        answer = dict(self._store_stats())
+        self.latest = answer
+        return answer
+
+    def after_close(self) -> None:
+        """The store closed: ask once more where it still answers (the embedded store
+        counts the SSD writes its close finished); one that is gone (a child process)
+        keeps the answer taken before the close."""
+        try:
+            self.ask()
+        except Exception:  # closed stores may refuse: the answer from before stands
+            log.debug("aiokv: store_stats() after close not answered", exc_info=True)
+
+
+class StoreStatsQuery:
+    """A scrape's request for ``store_stats()``, run by the store thread (the store is
+    that thread's alone) and waited for by the scraping thread. ``on_answer``, if given,
+    is called on the store thread with what the store reported (``{}`` for a store
+    without ``store_stats``), or not at all when it raised (logged)."""
+
+    __slots__ = ("_answered", "_on_answer")
+
+    def __init__(self, on_answer: Callable[[StoreStatsAnswer], None] | None = None) -> None:
+        self._answered = threading.Event()
+        self._on_answer = on_answer
+
+    def run(self, store_stats: AskStore | None) -> None:
+        """Store thread."""
+        try:
+            answer = dict(store_stats()) if store_stats is not None else {}
+            if self._on_answer is not None:
+                self._on_answer(answer)
+        except Exception:
+            log.exception("aiokv: store_stats() failed; the scrape keeps its last answer")
+        finally:
+            self._answered.set()
+
+    @property
+    def answered(self) -> bool:
+        return self._answered.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for the store thread; True once it ran the query."""
+        return self._answered.wait(timeout_s)

@@ -1,0 +1,180 @@
+"""A Lookup holds what it reported (issue 29, items 3 and 4), on the embedded store with a
+host tier of two users over an SSD tier that holds everyone:
+
+- every load brings the tokens its Lookup reported, bit for bit, under both SSD write
+  policies, while every user's Lookup is held at once and offloads compete for the room;
+- pages only the SSD has are a hit even when the host tier has no room to stage them at
+  that moment: the load waits for the room (``EngineStats.stage_waits`` counts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_ssd import BLOCK, DIM, HEADS, HOST_BLOCKS, LAYERS, PAGE, SLOT, USER_PAGES
+
+import aiokv
+
+HISTORY = USER_PAGES * PAGE  # 128 tokens
+USERS = 12  # six times the host tier
+PAGES = 2 * (USERS + 4) * USER_PAGES  # each user's source pages, then its load destination
+
+
+def source(user: int) -> torch.Tensor:
+    return torch.arange(USER_PAGES * user, USER_PAGES * (user + 1))
+
+
+def destination(user: int) -> torch.Tensor:
+    return source(user) + PAGES // 2
+
+
+def engine_on(
+    directory: Path, policy: str, own_process: bool = False, **engine_keys: int
+) -> tuple[list[torch.Tensor], aiokv.OffloadEngine]:
+    generator = torch.Generator().manual_seed(29)
+    caches = [torch.randn(PAGES, 2, PAGE, HEADS, DIM, generator=generator) for _ in range(LAYERS)]
+    config = aiokv.StoreConfig(
+        cpu_cache_gb=HOST_BLOCKS * BLOCK / (1 << 30),
+        ssd_cache_gb=4 * USERS * USER_PAGES * SLOT / (1 << 30),
+        ssd_cache_dir=str(directory),
+        ssd_write_policy=policy,
+    )
+    store: aiokv.Store = aiokv.ProcessStore(config) if own_process else aiokv.LocalStore(config)
+    return caches, aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(**engine_keys))
+
+
+def loaded_intact(caches: list[torch.Tensor], user: int, tokens: int) -> bool:
+    """The first ``tokens`` of the user's pages came back into its destination."""
+    pages = tokens // PAGE
+    return all(torch.equal(c[destination(user)[:pages]], c[source(user)[:pages]]) for c in caches)
+
+
+def forget_loads(caches: list[torch.Tensor]) -> None:
+    for cache in caches:
+        cache[PAGES // 2 :] = float("nan")
+
+
+async def load(engine: aiokv.OffloadEngine, user: int, hit: aiokv.Lookup) -> tuple[int, int]:
+    """(reported, loaded) tokens of a Lookup loaded into the user's destination."""
+    if hit.cached_tokens == 0:
+        hit.release()
+        return 0, 0
+    got = await engine.load(hit, destination(user)[: hit.cached_tokens // PAGE])
+    return hit.cached_tokens, got.loaded_tokens
+
+
+async def serve_everyone(directory: Path, policy: str) -> list[tuple[str, int, int, bool]]:
+    """Twelve users offload; then, three times, every user's Lookup at once (most of them
+    only on SSD), then every load while one more user offloads and competes for the host
+    tier. Per load: (who, tokens reported, tokens loaded, bit for bit)."""
+    caches, engine = engine_on(directory, policy)
+    loads: list[tuple[str, int, int, bool]] = []
+    async with engine:
+        for user in range(USERS):
+            await engine.offload(user, source(user), HISTORY)
+        for step in range(3):
+            forget_loads(caches)
+            hits = await asyncio.gather(*(engine.lookup(u, HISTORY) for u in range(USERS)))
+            newcomer = USERS + step
+            results: list[Any] = await asyncio.gather(
+                *(load(engine, u, hit) for u, hit in enumerate(hits)),
+                engine.offload(newcomer, source(newcomer), HISTORY),
+            )
+            for user, (reported, loaded) in enumerate(results[:USERS]):
+                intact = loaded_intact(caches, user, loaded)
+                loads.append((f"step {step} user {user}", reported, loaded, intact))
+        stats = engine.stats()
+    assert stats.pending == 0 and stats.store_tasks_open == 0
+    return loads
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+async def test_every_load_brings_what_its_lookup_reported(tmp_path: Path, policy: str) -> None:
+    loads = await serve_everyone(tmp_path, policy)
+    short = [f"{who}: lookup said {said}, load gave {gave}" for who, said, gave, _ in loads
+             if gave != said]
+    assert short == []
+    assert [who for who, _, _, intact in loads if not intact] == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+async def test_everyone_on_ssd_is_a_hit_while_the_host_tier_is_busy(
+    tmp_path: Path, policy: str
+) -> None:
+    loads = await serve_everyone(tmp_path, policy)
+    assert [f"{who}: {said}" for who, said, _, _ in loads if said != HISTORY] == []
+
+
+@pytest.mark.asyncio
+async def test_ssd_pages_are_a_hit_when_the_host_tier_has_no_room_now(tmp_path: Path) -> None:
+    caches, engine = engine_on(tmp_path, "write_through")
+    async with engine:
+        for user in range(4):
+            await engine.offload(user, source(user), HISTORY)
+        # Users 2 and 3 are the host tier's two users: their Lookups hold all of it.
+        holders = [await engine.lookup(user, HISTORY) for user in (2, 3)]
+        assert [hit.cached_tokens for hit in holders] == [HISTORY, HISTORY]
+        hit = await engine.lookup(0, HISTORY)  # only on SSD, and no room to stage it now
+        assert hit.cached_tokens == HISTORY
+        forget_loads(caches)
+        # Launched first, user 0's load waits for the room the holders' loads give back.
+        got = await asyncio.gather(
+            engine.load(hit, destination(0)), *(
+                engine.load(h, destination(u)) for u, h in zip((2, 3), holders, strict=True)
+            )
+        )
+        assert [r.loaded_tokens for r in got] == [HISTORY] * 3
+        assert all(loaded_intact(caches, user, HISTORY) for user in (0, 2, 3))
+    stats = engine.stats()  # the store's figures, final once it is closed
+    assert stats.stage_waits >= 1
+    assert stats.lookup_hit_tokens == stats.lookup_tokens == 3 * HISTORY
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("own_process", [False, True], ids=["in process", "own process"])
+async def test_a_load_waits_for_room_no_longer_than_request_timeout_ms(
+    tmp_path: Path, own_process: bool
+) -> None:
+    caches, engine = engine_on(
+        tmp_path, "write_through", own_process, request_timeout_ms=300, lookup_ttl_ms=60_000
+    )
+    async with engine:
+        for user in range(4):
+            await engine.offload(user, source(user), HISTORY)
+        holders = [await engine.lookup(user, HISTORY) for user in (2, 3)]  # all the room
+        hit = await engine.lookup(0, HISTORY)
+        assert hit.cached_tokens == HISTORY
+        forget_loads(caches)
+        with pytest.raises(aiokv.RequestTimeout):
+            await engine.load(hit, destination(0))
+        # Closing waits for the load the store still holds, then gives the holders' room
+        # back: the load gave up at its own deadline and never copied into its pages late.
+        assert [h.cached_tokens for h in holders] == [HISTORY, HISTORY]
+    stats = engine.stats()
+    assert stats.store_tasks_open == 0
+    assert stats.stage_waits == 1  # also from a store in a child (its store_stats())
+    assert all(c[destination(0)].isnan().all() for c in caches)
+
+
+@pytest.mark.asyncio
+async def test_a_clear_gives_back_the_room_a_waiting_load_needs(tmp_path: Path) -> None:
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=5_000)
+    async with engine:
+        for user in range(4):
+            await engine.offload(user, source(user), HISTORY)
+        holders = [await engine.lookup(user, HISTORY) for user in (2, 3)]  # all the room
+        hit = await engine.lookup(0, HISTORY)
+        forget_loads(caches)
+        # The load goes first and waits for room; the clear gives the holders' back, so
+        # the load finishes (with the KV as it was) and then everything is dropped.
+        loaded, dropped = await asyncio.gather(engine.load(hit, destination(0)), engine.clear())
+        assert loaded.loaded_tokens == HISTORY and loaded_intact(caches, 0, HISTORY)
+        assert dropped >= 4 * HISTORY
+        assert [(await engine.load(h, destination(2))).loaded_tokens for h in holders] == [0, 0]
+        assert (await engine.lookup(0, HISTORY)).cached_tokens == 0

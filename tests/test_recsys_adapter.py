@@ -1,0 +1,227 @@
+"""The recsys-examples storage (aiokv.integrations.recsys) on the CPU: its arithmetic and
+status mapping against recsys's own figures, and its engine-facing core on CPU caches
+through aiokv (offload, lookup, onboard, evict, bit for bit). The storage class itself
+needs recsys_kvcache_manager; its test here runs where that is importable."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib.util
+import itertools
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import aiokv
+from aiokv.integrations import recsys
+from aiokv.integrations.recsys_core import RecsysCore
+from aiokv.integrations.recsys_math import (
+    host_lengths,
+    pages_per_user,
+    succeeded,
+    user_pages,
+    users_to_onboard,
+    wait_status,
+)
+
+HAVE_RECSYS = importlib.util.find_spec("recsys_kvcache_manager") is not None
+
+# recsys-examples' test_flexkv.py, phase 1: 8 users' lengths, page size 32, and the
+# kv_indptr that DeviceKVCache.allocate writes for them.
+PHASE1_LENGTHS = [700, 128, 336, 624, 486, 358, 716, 537]
+PHASE1_INDPTR = [0, 22, 26, 37, 57, 73, 85, 108, 125]
+
+PAGES, PAGE_SIZE = 64, 4
+
+
+def i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# ---- arithmetic and statuses -----------------------------------------------------------
+
+
+def test_user_pages_cut_kv_indices_as_recsys_allocate_lays_them_out() -> None:
+    kv_indices = torch.arange(200, dtype=torch.int32) * 3  # longer than used, as a buffer is
+    pages = user_pages(kv_indices, PHASE1_LENGTHS, 32)
+    counts = [b - a for a, b in itertools.pairwise(PHASE1_INDPTR)]
+    assert pages_per_user(PHASE1_LENGTHS, 32) == counts
+    for i, page_ids in enumerate(pages):
+        assert page_ids.dtype is torch.int32
+        assert torch.equal(page_ids, kv_indices[PHASE1_INDPTR[i] : PHASE1_INDPTR[i + 1]])
+    kv_indices.fill_(-1)  # the manager reuses its buffer: the cut pages are a copy
+    assert int(pages[0][0]) == 0
+
+
+def test_user_pages_refuse_kv_indices_too_short_naming_them() -> None:
+    with pytest.raises(aiokv.InvalidRequest, match="kv_indices"):
+        user_pages(torch.arange(124, dtype=torch.int32), PHASE1_LENGTHS, 32)
+
+
+def test_host_lengths_are_the_full_pages_recsys_expects_on_the_host() -> None:
+    # test_flexkv.py: expected_host_lens = [s // 32 * 32 for s in seqlen]
+    assert host_lengths(PHASE1_LENGTHS, 32) == [672, 128, 320, 608, 480, 352, 704, 512]
+
+
+def test_onboard_loads_host_hits_the_gpu_does_not_cover() -> None:
+    # (cached, host, gpu start, gpu length) per user
+    users = [
+        (700, 672, 0, 700),  # the GPU holds it all (phase 2): skipped
+        (640, 640, 0, 0),  # evicted from the GPU, on the host (phase 3): loaded
+        (800, 640, 320, 480),  # the GPU lost a prefix: loaded
+        (640, 640, 0, 320),  # the GPU holds less than the host: loaded
+        (300, 0, 0, 300),  # nothing on the host: skipped
+        (0, 0, 0, 0),  # a new user: skipped
+    ]
+    columns = [list(column) for column in zip(*users, strict=True)]
+    assert users_to_onboard(*columns) == [1, 2, 3]
+
+
+def test_wait_status_maps_outcomes_to_recsys_statuses() -> None:
+    ok = aiokv.OffloadResult(1, 32, 32)
+    assert wait_status(None, [1, 2]).status == "launched"
+    assert wait_status([ok, ok], [1, 2]).ready
+    bad = wait_status([ok, aiokv.InvalidRequest("page_ids", "id 99 out of range")], [1, 2])
+    assert (bad.status, bad.ready, bad.failed) == ("failed", False, [1])
+    assert "user 2" in bad.message and "page_ids" in bad.message
+    cancelled = [asyncio.CancelledError(), concurrent.futures.CancelledError()]
+    assert wait_status(cancelled, [1, 2]).status == "cancelled"
+    assert wait_status([ok, aiokv.RequestTimeout("late")], [1, 2]).status == "timeout"
+    mixed = [aiokv.RequestTimeout("late"), aiokv.StoreError("disk")]
+    assert wait_status(mixed, [1, 2]).status == "failed"
+    assert succeeded([ok, aiokv.StoreError("disk"), ok]) == [1, 0, 1]
+
+
+def test_the_module_imports_without_recsys_and_the_class_says_what_it_needs() -> None:
+    if HAVE_RECSYS:
+        pytest.skip("recsys_kvcache_manager is importable here")
+    with pytest.raises(ImportError, match="recsys_kvcache_manager"):
+        recsys.AiokvHostStorage  # noqa: B018
+
+
+# ---- the core on CPU caches --------------------------------------------------------------
+
+
+def caches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(PAGES, 2, PAGE_SIZE, 2, 8, generator=generator) for _ in range(2)]
+
+
+CONFIG = {"engine": {"window_us": 0}, "store": {"cpu_cache_gb": 0.01}}
+
+
+@pytest.fixture
+def core() -> Iterator[tuple[RecsysCore, list[torch.Tensor]]]:
+    kv_caches = caches()
+    opened = RecsysCore.open(CONFIG, kv_caches)
+    try:
+        yield opened, kv_caches
+    finally:
+        opened.close()
+
+
+def test_core_offloads_looks_up_loads_and_evicts_a_batch_bit_for_bit(
+    core: tuple[RecsysCore, list[torch.Tensor]],
+) -> None:
+    storage, kv_caches = core
+    users, lengths = [7, 8, 9], [14, 16, 9]
+    sources = [i32(0, 1, 2, 3), i32(4, 5, 6, 7), i32(8, 9, 10)]
+    batches = storage.kv.stats().batches
+    offloaded = storage.offload(users, sources, lengths).outcomes()
+    assert [r.stored_tokens for r in offloaded] == [12, 16, 8]
+    assert storage.kv.stats().batches == batches + 1  # one manager call, one batch
+
+    hits = storage.lookup([*users, 10], [*lengths, 8])
+    assert [0 if h is None else h.cached_tokens for h in hits] == [12, 16, 8, 0]
+    targets = [i32(20, 21, 22, 23), i32(24, 25, 26, 27), i32(28, 29, 30)]
+    loaded = storage.load(hits[:3], targets).outcomes()
+    assert [r.loaded_tokens for r in loaded] == [12, 16, 8]
+    for cache in kv_caches:
+        for source, target, tokens in zip(sources, targets, [12, 16, 8], strict=True):
+            pages = tokens // PAGE_SIZE
+            assert torch.equal(cache[target[:pages].long()], cache[source[:pages].long()])
+
+    assert storage.evict([7, 9]) == 12 + 8
+    after = storage.lookup(users, lengths)
+    assert [0 if h is None else h.cached_tokens for h in after] == [0, 16, 0]
+    storage.release(after)
+    assert storage.clear() == 16
+    assert [h.cached_tokens for h in storage.lookup(users, lengths) if h is not None] == [0, 0, 0]
+
+
+def test_core_a_bad_page_id_fails_its_own_user_only(
+    core: tuple[RecsysCore, list[torch.Tensor]],
+) -> None:
+    storage, _ = core
+    pending = storage.offload([1, 2], [i32(0, 1), i32(2, PAGES + 5)], [8, 8])
+    outcomes = pending.outcomes()
+    status = wait_status(outcomes, [1, 2])
+    assert (status.status, status.failed) == ("failed", [1])
+    assert outcomes[0].stored_tokens == 8
+
+
+def test_core_poll_answers_none_while_in_flight_then_the_outcomes(
+    core: tuple[RecsysCore, list[torch.Tensor]],
+) -> None:
+    storage, _ = core
+    pending = storage.offload([1], [i32(0, 1)], [8])
+    outcomes = None
+    while outcomes is None:  # the manager's offload_flush, in short
+        outcomes = pending.poll(recsys.POLL_WAIT_S)
+    assert outcomes[0].stored_tokens == 8
+
+
+# ---- the storage class, where recsys_kvcache_manager is importable ----------------------
+
+
+@pytest.mark.skipif(not HAVE_RECSYS, reason="recsys_kvcache_manager is not importable")
+def test_storage_class_serves_recsys_manager_calls_bit_for_bit() -> None:
+    from recsys_kvcache_manager.host_kvstorage_manager import HostKVStorageBase, HostKVTaskStatus
+    from recsys_kvcache_manager.kvcache_utils import KVLookupResult
+
+    kv_caches = caches()
+    storage: Any = recsys.AiokvHostStorage(CONFIG)
+    assert isinstance(storage, HostKVStorageBase) and storage.backend_name == "flexkv"
+    storage.register_gpu_cache_tables(kv_caches)
+    try:
+        users, lengths = torch.tensor([3, 4]), torch.tensor([10, 8], dtype=torch.int32)
+        meta = storage.build_index_meta(users, lengths)
+        kv_metadata = types.SimpleNamespace(kv_indices=i32(0, 1, 2, 3, 4, 5))  # 3 + 2 pages
+        handle = storage.offload_kvcache_launch(users, i32(0, 0), [], meta, kv_metadata)
+        while not storage.offload_kvcache_wait(handle).ready:
+            pass
+        assert storage.finish_task(handle) == [1, 1]
+        uids, starts, stored = recsys.AiokvHostStorage.get_offload_handle_metadata(handle)
+        assert (uids.tolist(), starts.tolist(), stored.tolist()) == ([3, 4], [0, 0], [8, 8])
+
+        def lookup(gpu_lengths: list[int]) -> Any:
+            gpu = KVLookupResult(
+                user_ids=meta.user_ids,
+                gpu_cached_start_indices=i32(0, 0),
+                gpu_cached_lengths=i32(*gpu_lengths),
+            )
+            return KVLookupResult.merge(gpu, storage.lookup_kvcache(meta))
+
+        covered = lookup([10, 8])  # the GPU holds both: nothing to onboard
+        assert covered.host_cached_lengths.tolist() == [8, 8]
+        skipped = storage.onboard_kvcache_launch(meta, covered, kv_metadata)
+        assert skipped.status == HostKVTaskStatus.SKIPPED
+
+        onboard_pages = types.SimpleNamespace(kv_indices=i32(40, 41, 42, 43, 44))
+        launched = storage.onboard_kvcache_launch(meta, lookup([0, 0]), onboard_pages)
+        assert launched.status == HostKVTaskStatus.LAUNCHED
+        assert storage.onboard_kvcache_wait(launched).ready
+        assert launched.metadata["onboard_lengths"].tolist() == [8, 8]
+        for cache in kv_caches:
+            assert torch.equal(cache[40:42], cache[0:2]) and torch.equal(cache[43:45], cache[3:5])
+
+        storage.evict(torch.tensor([3]))
+        assert storage.lookup_kvcache(meta).host_cached_lengths.tolist() == [0, 8]
+        storage.evict_all()
+        assert storage.lookup_kvcache(meta).host_cached_lengths.tolist() == [0, 0]
+    finally:
+        storage.close()
