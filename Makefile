@@ -2,6 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Mooncake's client links libibverbs (and its libnl) even over TCP: Debian's packages,
+# unpacked here rather than installed system-wide (aiokv.remote.native preloads them).
+MOONCAKE_SYS := $(VENV)/lib/mooncake-sys
+MOONCAKE_DEBS := libibverbs1 libnl-3-200 libnl-route-3-200
 
 .PHONY: setup demo test lint bench-quick clean
 
@@ -13,10 +17,22 @@ $(BIN)/aiokv: pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	# web: the FastAPI and aiohttp examples, which the tests run; metrics: the tests
 	# scrape aiokv.metrics' collector.
-	$(BIN)/python -m pip install -q -e '.[dev,bench,web,metrics]'
+	# remote: Mooncake Store's client and programs, which the remote tier's tests run.
+	$(BIN)/python -m pip install -q -e '.[dev,bench,web,metrics,remote]'
+	touch $@
+
+# Without root apt-get cannot refresh its lists; a machine whose lists are fresh enough
+# still downloads. Where neither works the remote tier's tests skip, saying why.
+$(MOONCAKE_SYS)/.done:
+	rm -rf $(MOONCAKE_SYS) $(MOONCAKE_SYS).debs && mkdir -p $(MOONCAKE_SYS).debs
+	cd $(MOONCAKE_SYS).debs && { apt-get download $(MOONCAKE_DEBS) \
+	  || { apt-get update -qq && apt-get download $(MOONCAKE_DEBS); }; }
+	for deb in $(MOONCAKE_SYS).debs/*.deb; do dpkg -x "$$deb" $(MOONCAKE_SYS); done
+	rm -rf $(MOONCAKE_SYS).debs
 	touch $@
 
 setup: $(BIN)/aiokv
+	-$(MAKE) --no-print-directory $(MOONCAKE_SYS)/.done
 
 demo: setup
 	$(BIN)/aiokv demo

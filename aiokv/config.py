@@ -19,6 +19,7 @@ import yaml
 
 from .backends import BACKENDS
 from .errors import ConfigError
+from .remote.config import FLEXKV_REFUSAL, RemoteConfig
 
 OverloadPolicy = Literal["reject", "wait"]
 Backend = Literal["local", "flexkv"]
@@ -175,6 +176,9 @@ class StoreConfig:
         backend decides, :meth:`in_own_process`.
     store_restarts: with ``own_process``, how many times a child that died is started
         again (with backoff) over the store's life; then every call fails with StoreError.
+    remote: the remote tier below host and SSD, on Mooncake Store (a mapping in the
+        shape of :class:`aiokv.remote.config.RemoteConfig`, or one; None: no remote tier).
+        The embedded store only: with ``backend: flexkv`` it is a ConfigError.
     """
 
     backend: Backend = "local"
@@ -187,6 +191,7 @@ class StoreConfig:
     flexkv: Mapping[str, Any] = field(default_factory=dict)
     own_process: bool | None = None
     store_restarts: int = 3
+    remote: RemoteConfig | Mapping[str, Any] | None = None
 
     def ssd_dirs(self) -> tuple[str, ...]:
         """``ssd_cache_dir`` as a tuple of directories (empty when None)."""
@@ -258,6 +263,10 @@ class StoreConfig:
                 f"must be true, false or null (the backend decides), got {self.own_process!r}",
             )
         _check_int("store.store_restarts", self.store_restarts, 0)
+        if self.remote is not None:
+            if self.backend == "flexkv":
+                raise ConfigError("store.remote", FLEXKV_REFUSAL)
+            object.__setattr__(self, "remote", RemoteConfig.from_mapping(self.remote))
 
 
 def _ssd_dir_error(value: object) -> ConfigError:
@@ -268,7 +277,8 @@ def _ssd_dir_error(value: object) -> ConfigError:
     )
 
 
-def _build(cls: type[Any], section: str, raw: object) -> Any:
+def build_section(cls: type[Any], section: str, raw: object) -> Any:
+    """``cls`` from a YAML section: ConfigError naming an unknown key or a non-mapping."""
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
@@ -291,8 +301,8 @@ def parse_config(document: object) -> tuple[EngineConfig, StoreConfig]:
     for key in document:
         if key not in ("engine", "store"):
             raise ConfigError(str(key), "unknown section (known: engine, store)")
-    engine = _build(EngineConfig, "engine", document.get("engine"))
-    store = _build(StoreConfig, "store", document.get("store"))
+    engine = build_section(EngineConfig, "engine", document.get("engine"))
+    store = build_section(StoreConfig, "store", document.get("store"))
     return engine, store
 
 

@@ -26,6 +26,9 @@ from .pool import HostPool
 from .tiering import TierLink
 from .transfer import CopyJob
 
+if TYPE_CHECKING:
+    from ...remote.link import RemoteLink
+
 
 @dataclass(slots=True)
 class Task:
@@ -55,6 +58,7 @@ class TaskEnds:
     _launched: dict[int, tuple[list[Task], int]]
     _notify: Callable[[], None] | None
     _bytes: dict[str, int]
+    _remote: RemoteLink | None
 
     if TYPE_CHECKING:
 
@@ -64,6 +68,8 @@ class TaskEnds:
         """Terminal answers among ``task_ids``, each given once; never blocks."""
         if self._link is not None and self._host is not None:
             self._link.drain()
+        if self._remote is not None:
+            self._remote.drain()
         done, finished = self._done_jobs, self._finished
         while done:
             job = done.popleft()
@@ -124,6 +130,8 @@ class TaskEnds:
             self._link.write_through_puts(tasks, blocks)
         else:
             host.publish(per_task, blocks, size)
+        if self._remote is not None and tasks[0].is_put:  # to Mooncake, after the host
+            self._remote.offer(tasks)
 
     def _wake(self) -> None:  # any thread
         if self._notify is not None:

@@ -23,7 +23,9 @@ import torch
 
 from ...config import StoreConfig
 from ...errors import ConfigError
-from ..base import BoolArray, Int64Array, TaskResult
+from ...remote.config import RemoteConfig
+from ...remote.link import RemoteLink
+from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .blocks import NO_BLOCKS, READY, Tier
 from .checks import check_pages
 from .completion import Task, TaskEnds, concat
@@ -71,6 +73,8 @@ class LocalStore(TaskEnds, Prestaging):
         # Tokens get_match found on the host tier / only on SSD (EngineStats' tier hits).
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
         self._ssd_stats: dict[str, int | float] = {}
+        self._remote: RemoteLink | None = None  # store.remote: Mooncake, below all
+        self._remote_stats: dict[str, int | float] = {}
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -114,6 +118,10 @@ class LocalStore(TaskEnds, Prestaging):
                 )
             else:
                 self._transfer = Transfer(kv_caches, pool, self._job_done)
+            if self._config.remote is not None:  # last: nothing after it can fail
+                remote = RemoteConfig.from_mapping(self._config.remote)
+                self._remote = RemoteLink(remote, self._host, pool, first.dtype, page_size,
+                                          self._wake)
         except BaseException:
             if self._transfer is not None:
                 self._transfer.close()
@@ -154,6 +162,8 @@ class LocalStore(TaskEnds, Prestaging):
         link = self._link
         if link is not None:
             link.drain()
+        if self._remote is not None:
+            self._remote.drain()
         page_size = self.page_size
         key = tuple(namespace)
         digests = chain_digests(token_ids, page_size)
@@ -210,6 +220,9 @@ class LocalStore(TaskEnds, Prestaging):
         if link is not None:
             link.drain()
         key = tuple(namespace)
+        if self._remote is not None:  # a host miss asks Mooncake first
+            self._remote.drain()
+            self._remote.fill([(token_ids, key)], link.ssd.has if link is not None else None)
         space = host.index.space(key)
         mask = np.zeros(len(token_ids), dtype=np.bool_)
         hit = NO_BLOCKS
@@ -237,6 +250,30 @@ class LocalStore(TaskEnds, Prestaging):
         self._hits["host_hit_tokens"] += len(hit) * self.page_size
         self._hits["ssd_hit_tokens"] += (pages - len(hit)) * self.page_size
         return self._new_task(task), mask
+
+    @property
+    def get_match_many(self) -> Callable[[Queries], MatchAnswers] | None:
+        """Offered with a remote tier only (elsewhere None: the engine matches one by
+        one): ``get_match`` of each query in order (an answer or the exception it
+        raised), Mooncake asked once for all their host misses."""
+        return self._get_match_many if self._config.remote is not None else None
+
+    def _get_match_many(self, queries: Queries) -> MatchAnswers:
+        remote, link = self._remote, self._link
+        if remote is not None:
+            remote.drain()
+            remote.fill(queries, link.ssd.has if link is not None else None, batch=True)
+        answers: MatchAnswers = []
+        try:
+            for token_ids, namespace in queries:
+                try:
+                    answers.append(self.get_match(token_ids, namespace))
+                except Exception as exc:  # that query's answer, as one by one
+                    answers.append(exc)
+        finally:
+            if remote is not None:
+                remote.forget()
+        return answers
 
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
         """Queue the copies of these matched tasks; never blocks on them."""
@@ -334,6 +371,10 @@ class LocalStore(TaskEnds, Prestaging):
             if transfer is not None:
                 transfer.close()
         self._transfer = self._load_transfer = None
+        if self._remote is not None:
+            self._remote.close()  # before the pool: its memory is registered with Mooncake
+            self._remote_stats = self._remote.stats()
+            self._remote = None
         if self._link is not None:
             self._link.close()
             self._ssd_stats = self._link.stats()  # what it did stays readable
@@ -356,6 +397,8 @@ class LocalStore(TaskEnds, Prestaging):
 
     def _drop(self, namespace: tuple[str, ...] | None) -> int:
         host = self._require_host()
+        if self._remote is not None:
+            self._remote.invalidate(namespace)
         link = self._link
         if link is not None:
             link.drain()
@@ -375,6 +418,7 @@ class LocalStore(TaskEnds, Prestaging):
             **self._hits,
         }
         stats.update(self._link.stats() if self._link is not None else self._ssd_stats)
+        stats.update(self._remote.stats() if self._remote is not None else self._remote_stats)
         return stats
 
     def set_notify(self, callback: Callable[[], None]) -> None:

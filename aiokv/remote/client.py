@@ -1,0 +1,352 @@
+"""The remote tier's I/O: one Mooncake Store client, a writer thread behind a bounded
+queue, and a reader thread whose answers the store thread waits for only so long.
+
+Nothing here touches the host tier's bookkeeping: the store thread (:mod:`.link`) hands
+over host block numbers it holds, and gets them back through :meth:`RemoteIO.finished`.
+Values are zero-copy: the host pool's memory and a table of per-block checksums are
+registered with Mooncake, and a value is two pieces, the block's bytes and its 8-byte
+xxh3-64 checksum (of the key and the bytes, so a value under the wrong key fails too).
+
+Connecting (``setup``) happens on the first call, not at open, so a master that is down
+at start costs nothing but misses. A call that fails for want of the master (or raises)
+puts the tier to rest for a while, doubling from ``timeout_ms`` to 30 s: while it rests
+lookups miss and writes are dropped at once, without a call. The client reconnects to a
+master that comes back by itself; the rest only keeps a dead master from costing every
+lookup its full wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .config import RemoteConfig
+from .keys import PROBE, Keys
+from .native import import_store
+from .queue import WriteJob, WriteQueue
+
+log = logging.getLogger("aiokv")
+
+NO_SPACE = -200  # Mooncake: no segment can take the value now
+_DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
+_MAX_REST_S = 30.0
+_CONNECT_WAIT_S = 10.0
+_WRITE_BATCH = 64  # blocks per batch_put call
+_MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
+CHECKSUM_BYTES = 8
+
+
+def _local_hostname(config: RemoteConfig) -> str:
+    if config.local_hostname:
+        return config.local_hostname
+    if config.on_loopback():
+        return "127.0.0.1"
+    # The address this host would use towards the master (a UDP connect sends nothing).
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((config.master_host, 9))
+        return str(probe.getsockname()[0])
+
+
+class RemoteIO:
+    """Mooncake calls for one store. ``memory``: the host pool as one buffer (its address,
+    its size); block ``b`` is at ``address + b * block_bytes``; ``view(b)`` its bytes.
+    ``wake`` is called (from the writer thread) when written blocks can be given back."""
+
+    def __init__(
+        self,
+        config: RemoteConfig,
+        keys: Keys,
+        memory: tuple[int, int],
+        block_bytes: int,
+        num_blocks: int,
+        view: Callable[[int], memoryview],
+        wake: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.keys = keys
+        self._base, self._size = memory
+        self.block_bytes = block_bytes
+        self._view = view
+        self._wake = wake
+        self._sums = np.zeros(num_blocks, dtype=np.uint64)  # per host block, registered
+        self._sums_base = self._sums.ctypes.data
+        self._client: Any = None
+        self._connect_lock = threading.Lock()
+        self._rest_s = config.timeout_ms / 1000
+        self._retry_at = 0.0  # time.monotonic() before which calls are not tried
+        # One writer each: counts of the writer thread and of the reader thread.
+        self.write_stats = {"remote_blocks_written": 0, "remote_bytes_written": 0,
+                            "remote_dropped_full": 0, "remote_dropped_down": 0,
+                            "remote_write_errors": 0, "remote_write_seconds": 0.0}
+        self.read_stats = {"remote_checksum_failures": 0, "remote_read_errors": 0}
+        self.queue = WriteQueue(config.write_queue_blocks)
+        # Writer thread: namespace -> when its markers need asking again before a write.
+        self._checked: dict[str, float] = {}
+        self._writer = threading.Thread(target=self._write_loop, name="aiokv-remote-write",
+                                        daemon=True)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="aiokv-remote-read")
+        self._writer.start()
+        self._reader.submit(self._ready)  # connect now, so the first lookup need not wait
+
+    # ---- connection ----------------------------------------------------------------
+
+    def resting(self) -> bool:
+        return time.monotonic() < self._retry_at
+
+    def rest(self, what: str, detail: object) -> None:
+        if not self.resting():
+            log.warning("aiokv: remote tier: %s failed (%s); resting %.1f s",
+                        what, detail, self._rest_s)
+        self._retry_at = time.monotonic() + self._rest_s
+        self._rest_s = min(_MAX_REST_S, self._rest_s * 2)
+
+    def _succeeded(self) -> None:
+        self._rest_s = self.config.timeout_ms / 1000
+
+    def client(self) -> Any:
+        """The Mooncake client these calls use (None while not connected): for a
+        benchmark's raw calls side by side with the tier's."""
+        return self._ready()
+
+    def _ready(self) -> Any:
+        """The set-up client, or None (resting, or setup failed now)."""
+        if self._client is not None:
+            return self._client
+        # Another thread may be connecting: wait for it (a connect is bounded by the
+        # probe below, but Mooncake's own setup is not: do not wait for ever).
+        if self.resting() or not self._connect_lock.acquire(timeout=_CONNECT_WAIT_S):
+            return None
+        try:
+            if self._client is None:
+                self._client = self._connect()
+        finally:
+            self._connect_lock.release()
+        return self._client
+
+    def _connect(self) -> Any:
+        config = self.config
+        try:
+            # Mooncake's setup retries an absent master for 90 s; a plain TCP connect
+            # says within the timeout whether one listens.
+            socket.create_connection(config.master_address, config.timeout_ms / 1000).close()
+            client = import_store().MooncakeDistributedStore()
+            rc = client.setup(
+                _local_hostname(config), config.metadata, 0, config.local_buffer_mb << 20,
+                config.protocol, config.devices, config.master,
+            )
+            if rc == 0:
+                rc = client.register_buffer(self._base, self._size) or client.register_buffer(
+                    self._sums_base, self._sums.nbytes
+                )
+            if rc != 0:
+                client.close()
+                self.rest("setup", f"code {rc}")
+                return None
+        except (ImportError, RuntimeError, OSError) as exc:
+            self.rest("setup", exc)
+            return None
+        self._succeeded()
+        return client
+
+    def _codes(self, what: str, codes: Sequence[int]) -> bool:
+        """Whether a batch call reached Mooncake (else the tier rests)."""
+        if any(code <= _DOWN for code in codes):
+            self.rest(what, f"code {min(codes)}")
+            return False
+        self._succeeded()
+        return True
+
+    # ---- reads (the reader thread; the store thread waits on the futures) -----------
+
+    def submit_read(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
+        return self._reader.submit(function, *args)
+
+    def leading(self, items: Sequence[tuple[str, list[bytes]]]) -> list[list[str]]:
+        """Per (namespace, digests): the keys of the leading blocks Mooncake has, under
+        the newest epoch and generation (learned from the markers on the way); all in
+        one ``batch_is_exist``. Empty lists where Mooncake cannot be asked."""
+        client = self._ready()
+        found = None if client is None else self._past_markers(client, items)
+        return found if found is not None else [[] for _ in items]
+
+    def _past_markers(
+        self, client: Any, items: Sequence[tuple[str, list[bytes]]]
+    ) -> list[list[str]] | None:
+        """Ask for the markers past what this host knows of the epoch and of each
+        namespace's generation, and for the items' blocks, in one call; move past the
+        markers found and ask again (rarely). Per item, its leading present keys; None
+        when Mooncake did not answer."""
+        keys = self.keys
+        names = sorted({ns for ns, _ in items})
+        for _ in range(8):  # each pass moves past at least one marker
+            current = {ns: keys.current(ns) for ns in names}
+            epoch = keys.current("")[0]
+            probes = [keys.cleared(epoch + i) for i in range(PROBE)]
+            for ns in names:
+                probes += [keys.evicted(ns, current[ns][1] + i) for i in range(PROBE)]
+            asked = [keys.blocks(ns, epoch, current[ns][1], digests) for ns, digests in items]
+            found = client.batch_is_exist(probes + [key for group in asked for key in group])
+            if not self._codes("batch_is_exist", found):
+                return None
+            if any(code < 0 for code in found):
+                self.read_stats["remote_read_errors"] += 1
+                return None
+            cleared = _leading_ones(found[:PROBE])
+            moved = bool(cleared)
+            for i, ns in enumerate(names, start=1):
+                evicted = _leading_ones(found[PROBE * i : PROBE * (i + 1)])
+                keys.advance(ns, epoch + cleared, current[ns][1] + evicted)
+                moved = moved or bool(evicted)
+            if moved:
+                continue
+            answers, at = [], len(probes)
+            for group in asked:
+                answers.append(group[: _leading_ones(found[at : at + len(group)])])
+                at += len(group)
+            return answers
+        return None
+
+    def fetch(self, block_keys: list[str], blocks: list[int]) -> list[bool]:
+        """Read the values into these host blocks; per key, whether it arrived whole and
+        passed its checksum."""
+        client = self._ready()
+        if client is None:
+            return [False] * len(blocks)
+        size, sums = self.block_bytes, self._sums_base
+        got = client.batch_get_into_multi_buffers(
+            block_keys,
+            [[self._base + b * size, sums + b * CHECKSUM_BYTES] for b in blocks],
+            [[size, CHECKSUM_BYTES]] * len(blocks),
+        )
+        if not self._codes("batch_get_into", got):
+            return [False] * len(blocks)
+        whole = size + CHECKSUM_BYTES
+        ok: list[bool] = []
+        for key, block, count in zip(block_keys, blocks, got, strict=True):
+            good = count == whole and self._checksum(key, block) == int(self._sums[block])
+            if not good and count >= 0:  # damaged, or the wrong size: not ours
+                self.read_stats["remote_checksum_failures"] += 1
+            ok.append(good)
+        return ok
+
+    def invalidate(self, ns: str | None, epoch: int, generation: int) -> bool:
+        """Publish the marker of the epoch (``ns`` None) or the namespace's generation that
+        ended, then remove its blocks; whether the marker is in Mooncake."""
+        client = self._ready()
+        if client is None:
+            return False
+        keys = self.keys
+        marker = keys.cleared(epoch) if ns is None else keys.evicted(ns, generation)
+        config = import_store().ReplicateConfig()
+        config.with_hard_pin = True  # a marker must outlive the LRU
+        rc = int(client.put(marker, b"1", config))
+        if not self._codes("put", [rc]):
+            return False
+        pattern = keys.all_pattern() if ns is None else keys.namespace_pattern(ns)
+        client.remove_by_regex(pattern, True)  # best effort: the marker already hides them
+        return rc == 0
+
+    def _refresh(self, client: Any, namespaces: set[str]) -> bool:
+        """Move past the markers of these namespaces (and of the epoch) that other hosts
+        published, so that a write never lands under a key already invalidated (a new
+        host would otherwise write under epoch 0 after a clear); whether Mooncake
+        answered."""
+        if self._past_markers(client, [(ns, []) for ns in namespaces]) is None:
+            return False
+        # A marker published meanwhile costs at most this long of writes nobody reads.
+        until = time.monotonic() + _MARKERS_FRESH_S
+        if len(self._checked) > 65536:
+            self._checked.clear()
+        self._checked.update(dict.fromkeys(namespaces, until))
+        return True
+
+    def _checksum(self, key: str, block: int) -> int:
+        digest = xxhash.xxh3_64(key.encode())
+        digest.update(self._view(block))
+        return digest.intdigest()
+
+    # ---- writes --------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        queue = self.queue
+        while (jobs := queue.next_batch(_WRITE_BATCH)) is not None:
+            began = time.monotonic()
+            try:
+                self._write(jobs)
+            except Exception as exc:  # a bug or the client's: count it, keep the thread
+                self.write_stats["remote_write_errors"] += sum(len(j.blocks) for j in jobs)
+                log.exception("aiokv: remote tier: a write failed: %s", exc)
+            finally:
+                self.write_stats["remote_write_seconds"] += time.monotonic() - began
+                queue.done(jobs)
+                self._wake()
+
+    def _write(self, jobs: list[WriteJob]) -> None:
+        stats = self.write_stats
+        count = sum(len(job.blocks) for job in jobs)
+        client = self._ready()
+        if client is None:
+            stats["remote_dropped_down"] += count
+            return
+        now = time.monotonic()
+        stale = {job.ns for job in jobs if self._checked.get(job.ns, 0.0) < now}
+        if stale and not self._refresh(client, stale):
+            stats["remote_dropped_down"] += count
+            return
+        keys: list[str] = []
+        blocks: list[int] = []
+        for job in jobs:
+            epoch, generation = self.keys.current(job.ns)
+            keys += self.keys.blocks(job.ns, epoch, generation, job.digests)
+            blocks += job.blocks.tolist()
+        size, sums = self.block_bytes, self._sums
+        for key, block in zip(keys, blocks, strict=True):
+            sums[block] = self._checksum(key, block)
+        codes = client.batch_put_from_multi_buffers(
+            keys,
+            [[self._base + b * size, self._sums_base + b * CHECKSUM_BYTES] for b in blocks],
+            [[size, CHECKSUM_BYTES]] * len(blocks),
+        )
+        if not self._codes("batch_put_from", codes):
+            stats["remote_dropped_down"] += count
+            return
+        written = codes.count(0)
+        full = codes.count(NO_SPACE)
+        stats["remote_blocks_written"] += written
+        stats["remote_bytes_written"] += written * size
+        stats["remote_dropped_full"] += full
+        stats["remote_write_errors"] += len(codes) - written - full
+
+    # ---- close ---------------------------------------------------------------------
+
+    def close(self, flush_timeout_s: float) -> None:
+        """Finish the queued writes (up to ``flush_timeout_s``; the rest are dropped),
+        stop both threads, and let go of Mooncake."""
+        queue = self.queue
+        queue.wait_idle(flush_timeout_s)
+        dropped = queue.cancel(None)
+        self.write_stats["remote_dropped_down"] += sum(map(len, dropped))
+        queue.close()
+        self._writer.join()
+        queue.done([WriteJob("", [], blocks) for blocks in dropped])  # to be given back
+        self._reader.shutdown(wait=True)
+        client, self._client = self._client, None
+        if client is not None:
+            client.unregister_buffer(self._base)
+            client.unregister_buffer(self._sums_base)
+            client.close()
+
+
+def _leading_ones(codes: Sequence[int]) -> int:
+    for i, code in enumerate(codes):
+        if code != 1:
+            return i
+    return len(codes)

@@ -1,0 +1,94 @@
+"""Keys that every host computes alike, and the generations that invalidation moves.
+
+A block's key is ``aiokv1/<geometry>/<namespace>/<epoch>.<generation>/<digest>``:
+
+- ``geometry``: a hash of the host block's shape (layers, k/v, page size, heads,
+  head_dim) and dtype: a host with another geometry never finds these blocks;
+- ``namespace``: a hash of the namespace (a list of str), kept apart by structure as in
+  the local index;
+- ``digest``: the local index's chained digest of the token prefix up to the block end
+  (:func:`aiokv.stores.local.index.chain_digests`), so equal keys mean equal prefixes;
+- ``epoch`` (moved by ``clear``) and ``generation`` (moved by ``evict`` of the
+  namespace): a key of an old one never matches again, even where a host's write of it
+  lands after the invalidation.
+
+Hosts learn each other's invalidations from markers in Mooncake itself: the key
+``<root>/cleared/<e>`` exists once epoch ``e`` was cleared, ``<root>/<ns>/evicted/<g>``
+once generation ``g`` of the namespace was evicted. Every lookup asks for a few markers
+past its known epoch and generation in the same ``batch_is_exist`` as its blocks, and
+moves on past the ones it finds. The blocks of old generations are removed by regex
+(best effort) and otherwise age out of Mooncake's LRU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+VERSION = "aiokv1"
+PROBE = 4  # markers asked for past the known epoch and generation, per lookup
+_MAX_NAMESPACES = 1 << 16  # generations remembered; a forgotten one is found again by probes
+
+
+def geometry_tag(block_shape: Sequence[int], dtype: torch.dtype, page_size: int) -> str:
+    text = json.dumps([list(map(int, block_shape)), str(dtype), int(page_size)])
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def namespace_tag(namespace: Sequence[str]) -> str:
+    text = json.dumps(list(namespace), ensure_ascii=False)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+class Keys:
+    """Key names under one geometry, and this host's view of the epoch and generations
+    (any thread: a lock guards the two maps)."""
+
+    def __init__(self, geometry: str) -> None:
+        self.root = f"{VERSION}/{geometry}"
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._generations: OrderedDict[str, int] = OrderedDict()
+
+    def current(self, ns: str) -> tuple[int, int]:
+        with self._lock:
+            return self._epoch, self._generations.get(ns, 0)
+
+    def advance(self, ns: str, epoch: int, generation: int) -> None:
+        """Move to (at least) these; never back."""
+        with self._lock:
+            self._epoch = max(self._epoch, epoch)
+            if generation > self._generations.get(ns, 0):
+                self._generations[ns] = generation
+                self._generations.move_to_end(ns)
+                if len(self._generations) > _MAX_NAMESPACES:
+                    self._generations.popitem(last=False)
+
+    def blocks(self, ns: str, epoch: int, generation: int, digests: Sequence[bytes]) -> list[str]:
+        head = f"{self.root}/{ns}/{epoch}.{generation}/"
+        return [head + d.hex() for d in digests]
+
+    def probes(self, ns: str, epoch: int, generation: int) -> list[str]:
+        """The markers a lookup asks for: PROBE epochs, then PROBE generations."""
+        return [self.cleared(epoch + i) for i in range(PROBE)] + [
+            self.evicted(ns, generation + i) for i in range(PROBE)
+        ]
+
+    def cleared(self, epoch: int) -> str:
+        return f"{self.root}/cleared/{epoch}"
+
+    def evicted(self, ns: str, generation: int) -> str:
+        return f"{self.root}/{ns}/evicted/{generation}"
+
+    def namespace_pattern(self, ns: str) -> str:
+        """Every block of the namespace, all generations (not its markers)."""
+        return f"^{self.root}/{ns}/[0-9]"
+
+    def all_pattern(self) -> str:
+        """Every block under this geometry (not the markers)."""
+        return f"^{self.root}/[0-9a-f]{{32}}/[0-9]"

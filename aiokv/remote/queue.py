@@ -1,0 +1,91 @@
+"""The remote tier's write queue: bounded in blocks, filled by the store thread, emptied
+by the writer thread a batch at a time, with an explicit end (closed: nothing more is
+taken) and a deque of finished writes whose held host blocks the store thread gives back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from ..stores.base import Int64Array
+
+
+@dataclass(slots=True)
+class WriteJob:
+    ns: str  # the namespace's tag (keys.namespace_tag)
+    digests: list[bytes]
+    blocks: Int64Array  # host blocks, held as readers until the job is finished
+
+
+class WriteQueue:
+    def __init__(self, capacity_blocks: int) -> None:
+        self._capacity = capacity_blocks
+        self._jobs: deque[WriteJob] = deque()
+        self._queued = 0  # blocks in _jobs
+        self._writing = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._finished: deque[Int64Array] = deque()  # written or dropped: to give back
+
+    @property
+    def queued_blocks(self) -> int:
+        return self._queued
+
+    def put(self, job: WriteJob) -> bool:
+        """Queue a write (store thread); False (nothing queued) when full or closed."""
+        with self._cond:
+            if self._closed or self._queued + len(job.blocks) > self._capacity:
+                return False
+            self._jobs.append(job)
+            self._queued += len(job.blocks)
+            self._cond.notify()
+        return True
+
+    def cancel(self, ns: str | None) -> list[Int64Array]:
+        """Take the queued writes of a namespace (None: all) back; their blocks."""
+        with self._cond:
+            taken = [j.blocks for j in self._jobs if ns is None or j.ns == ns]
+            self._jobs = deque(j for j in self._jobs if ns is not None and j.ns != ns)
+            self._queued = sum(len(j.blocks) for j in self._jobs)
+        return taken
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block until nothing is queued or being written (or the timeout)."""
+        with self._cond:
+            return bool(self._cond.wait_for(lambda: not self._jobs and not self._writing,
+                                            timeout_s))
+
+    def next_batch(self, max_blocks: int) -> list[WriteJob] | None:
+        """Writer thread: block for the next jobs (about ``max_blocks`` blocks); None once
+        closed with nothing queued."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._jobs or self._closed)
+            if not self._jobs:
+                return None
+            jobs: list[WriteJob] = []
+            count = 0
+            while self._jobs and count < max_blocks:
+                jobs.append(self._jobs.popleft())
+                count += len(jobs[-1].blocks)
+            self._queued -= count
+            self._writing = True
+            return jobs
+
+    def done(self, jobs: list[WriteJob]) -> None:
+        """Writer thread: these jobs ended, written or not."""
+        self._finished.extend(job.blocks for job in jobs)
+        with self._cond:
+            self._writing = False
+            self._cond.notify_all()
+
+    def finished(self) -> list[Int64Array]:
+        """Blocks whose writes ended, each given once (store thread)."""
+        done = self._finished
+        return [done.popleft() for _ in range(len(done))]
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()

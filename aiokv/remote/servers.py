@@ -1,0 +1,127 @@
+"""Mooncake's two services on this machine, for tests, benchmarks and one-host setups:
+``mooncake_master`` and a store process (the wheel's ``mooncake_client``) that holds the
+memory values live in. Engines contribute none: a value lives in the memory of the
+process that put it only where that process offered memory, and an engine's memory goes
+when it closes. Everything listens on 127.0.0.1, on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from .native import import_store, program, program_env
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_port(name: str, port: int, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{name} did not listen on port {port} in {timeout_s} s")
+
+
+class MooncakeServers:
+    """A master and one store process of ``segment_mb`` MiB. ``master`` is the address
+    for ``store.remote.master``; :meth:`stop_master` / :meth:`start_master` take the
+    master away and bring it back on the same port (its contents are lost, as Mooncake's
+    are when a master without HA restarts); :meth:`close` stops both."""
+
+    def __init__(self, segment_mb: int = 256, lease_ms: int = 200,
+                 log_dir: str | os.PathLike[str] | None = None) -> None:
+        import_store()  # the same libraries the programs need; ImportError says how
+        self.segment_mb = segment_mb
+        self.lease_ms = lease_ms
+        self._logs = Path(log_dir or tempfile.mkdtemp(prefix="aiokv-mooncake-"))
+        self._rpc_port = free_port()
+        self._metrics_port = free_port()
+        self.master = f"127.0.0.1:{self._rpc_port}"
+        self._master: subprocess.Popen[bytes] | None = None
+        self._store: subprocess.Popen[bytes] | None = None
+        try:
+            self.start_master()
+            self._store = self._spawn("store", [
+                program("mooncake_client"), "--host=127.0.0.1", f"--port={free_port()}",
+                f"--master_server_address={self.master}", "--metadata_server=P2PHANDSHAKE",
+                f"--global_segment_size={segment_mb}MB", "--protocol=tcp",
+            ])
+            self.wait_store_mounted()
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        with open(self._logs / f"{name}.log", "ab") as log:
+            return subprocess.Popen(argv, env=program_env(), stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def start_master(self) -> None:
+        # A short lease: a get's lease keeps a value from removal (evict) until it ends.
+        self._master = self._spawn("master", [
+            program("mooncake_master"), "--rpc_address=127.0.0.1",
+            f"--rpc_port={self._rpc_port}", "--metrics_host=127.0.0.1",
+            f"--metrics_port={self._metrics_port}", f"--default_kv_lease_ttl={self.lease_ms}",
+        ])
+        _wait_port("mooncake_master", self._rpc_port, self._master, 15.0)
+
+    def stop_master(self) -> None:
+        if self._master is not None:
+            self._master.kill()
+            self._master.wait()
+            self._master = None
+
+    def pause_store(self, paused: bool = True) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the store process: a Mooncake that is up
+        but does not answer, as a stalled or swapping host would be."""
+        if self._store is not None:
+            self._store.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+
+    def wait_store_mounted(self, timeout_s: float = 30.0) -> None:
+        """Block until the store process's memory takes a put (after a start, or after
+        the master came back and the store process mounted its segment again)."""
+        client = import_store().MooncakeDistributedStore()
+        if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", self.master):
+            raise RuntimeError(f"cannot reach the Mooncake master at {self.master}")
+        try:
+            deadline = time.monotonic() + timeout_s
+            while client.put("aiokv-servers-probe", b"1") != 0:
+                if self._store is not None and self._store.poll() is not None:
+                    raise RuntimeError(f"the store process exited with {self._store.returncode}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no store memory mounted at {self.master} "
+                                       f"after {timeout_s} s (logs: {self._logs})")
+                time.sleep(0.05)
+            client.remove("aiokv-servers-probe", True)
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        for process in (self._store, self._master):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self._store = self._master = None
+
+    def __enter__(self) -> MooncakeServers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

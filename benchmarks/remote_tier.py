@@ -1,0 +1,266 @@
+"""The remote tier against Mooncake itself, in one run, on one Mooncake client.
+
+    python benchmarks/remote_tier.py [--users 24] [--pages 16] [--rounds 3] [--quick]
+
+Starts a master and a store process on 127.0.0.1 (aiokv.remote.servers) and prints:
+
+1. offload GiB/s: aiokv's writer (the time its thread spends per batch: marker check,
+   checksums, ``batch_put_from_multi_buffers``) against raw ``batch_put_from`` of the
+   same bytes from the same registered host memory, in the writer's batches of 64
+   blocks, on the same client. Target: at least 90%. Also end to end: from the first
+   offload until every block is in Mooncake (with the host copy, the queue, the engine).
+2. load GiB/s: aiokv's reads (a fresh host's lookups: batch_is_exist, the values into
+   host blocks, checksums) against raw ``batch_get_into`` of the same keys into the same
+   memory, one call per user as aiokv makes. Target: at least 90%. Also end to end:
+   lookup and load, with the copy into the pages.
+3. host-tier load p99 (lookup + load of users already in the host tier) while other
+   users are offloaded, on an engine whose offloads also go to Mooncake in the
+   background against one without a remote tier. Target: at most 5% higher.
+
+Rounds alternate aiokv and raw (and the two engines), and the best round of each is
+compared (the least disturbed by the other tenants of a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import aiokv
+from aiokv.remote.servers import MooncakeServers
+
+GIB = float(1 << 30)
+
+
+def make_caches(pages: int, quick: bool) -> list[torch.Tensor]:
+    layers, heads, head_dim, page = (2, 2, 64, 16) if quick else (8, 8, 128, 16)
+    return [torch.randn(pages, 2, page, heads, head_dim).to(torch.bfloat16)
+            for _ in range(layers)]
+
+
+def store_config(master: str | None, cpu_gb: float) -> aiokv.StoreConfig:
+    remote = {"master": master, "timeout_ms": 5000} if master else None
+    return aiokv.StoreConfig(cpu_cache_gb=cpu_gb, remote=remote)
+
+
+def remote_of(store: aiokv.LocalStore) -> Any:
+    return store._remote  # the benchmark compares against the tier's own client
+
+
+async def until(condition: Any, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the remote tier did not finish in time")
+        await asyncio.sleep(0.001)
+
+
+async def aiokv_offload(store: aiokv.LocalStore, engine: aiokv.OffloadEngine, users: range,
+                        pages: int) -> tuple[float, float]:
+    """Seconds from the first offload until every block is in Mooncake, and seconds the
+    writer spent on them."""
+    page_size = engine.page_size
+    before = store.store_stats()["remote_blocks_written"]
+    spent = store.store_stats()["remote_write_seconds"]
+    began = time.perf_counter()
+    await asyncio.gather(*(engine.offload(u, torch.arange(pages), pages * page_size)
+                           for u in users))
+    want = before + len(users) * pages
+    await until(lambda: store.store_stats()["remote_blocks_written"] >= want)
+    if store.store_stats()["remote_dropped_writes"]:
+        raise RuntimeError("writes were dropped: make the store process larger")
+    return time.perf_counter() - began, store.store_stats()["remote_write_seconds"] - spent
+
+
+def raw_puts(client: Any, io: Any, keys: list[str], blocks: list[int]) -> float:
+    size = io.block_bytes
+    base = io._base  # the registered host pool, as the writer uses it
+    began = time.perf_counter()
+    for i in range(0, len(keys), 64):
+        codes = client.batch_put_from(keys[i : i + 64],
+                                      [base + b * size for b in blocks[i : i + 64]],
+                                      [size] * len(keys[i : i + 64]))
+        if any(code != 0 for code in codes):
+            raise RuntimeError(f"raw batch_put_from failed: {set(codes)}")
+    return time.perf_counter() - began
+
+
+def raw_gets(client: Any, io: Any, keys: list[str], blocks: list[int], per_call: int) -> float:
+    size, base = io.block_bytes, io._base
+    began = time.perf_counter()
+    for i in range(0, len(keys), per_call):
+        got = client.batch_get_into(keys[i : i + per_call],
+                                    [base + b * size for b in blocks[i : i + per_call]],
+                                    [size] * len(keys[i : i + per_call]))
+        if any(count != size for count in got):
+            raise RuntimeError(f"raw batch_get_into failed: {set(got)}")
+    return time.perf_counter() - began
+
+
+async def aiokv_loads(engine: aiokv.OffloadEngine, users: range, pages: int) -> float:
+    page_size = engine.page_size
+    target = torch.arange(pages)
+    began = time.perf_counter()
+    for user in users:  # one at a time: a host's misses, as raw's calls
+        async with await engine.lookup(user, pages * page_size) as hit:
+            got = await engine.load(hit, target)
+        if got.loaded_tokens != pages * page_size:
+            raise RuntimeError(f"user {user}: loaded {got.loaded_tokens} tokens")
+    return time.perf_counter() - began
+
+
+async def bandwidth(args: argparse.Namespace, master: str) -> None:
+    pages = args.pages
+    caches_a = make_caches(pages, args.quick)
+    block_bytes = sum(c[0].numel() * c.element_size() for c in caches_a)
+    total = args.users * pages * block_bytes
+    cpu_gb = max(0.05, 2.5 * total / GIB)
+    print(f"{args.users} users x {pages} blocks of {block_bytes / 1024:.0f} KiB = "
+          f"{total / GIB:.2f} GiB a round")
+    rows: dict[str, list[float]] = {
+        "aiokv offload": [], "raw put": [], "aiokv load": [], "raw get": [],
+        "offload e2e": [], "load e2e": [],
+    }
+    # One engine per host for the whole run. Round -1 warms up.
+    store_a = aiokv.LocalStore(store_config(master, cpu_gb))
+    store_b = aiokv.LocalStore(store_config(master, cpu_gb))
+    async with contextlib.AsyncExitStack() as stack:
+        engine_a = await stack.enter_async_context(
+            aiokv.OffloadEngine(store_a, caches_a, aiokv.EngineConfig()))
+        engine_b = await stack.enter_async_context(
+            aiokv.OffloadEngine(store_b, make_caches(pages, args.quick), aiokv.EngineConfig()))
+        io_a, io_b = remote_of(store_a).io, remote_of(store_b).io
+        for store in (store_a, store_b):
+            # Touch the host pools once, outside the measurement, as pinning does on a
+            # GPU: an unpinned pool's first touch (page faults) would otherwise land on
+            # whichever side writes a block first.
+            store._pool.memory.raw.zero_()  # type: ignore[union-attr]
+        await until(lambda: io_a.client() is not None and io_b.client() is not None)
+        for round_ in range(-1, args.rounds):
+            users = range((round_ + 1) * args.users, (round_ + 2) * args.users)
+            end_to_end, writer = await aiokv_offload(store_a, engine_a, users, pages)
+            keys = [f"raw/{round_}/{i}" for i in range(len(users) * pages)]
+            blocks = [i % store_a.num_blocks for i in range(len(keys))]
+            put_s = await asyncio.to_thread(raw_puts, io_a.client(), io_a, keys, blocks)
+            read_before = store_b.store_stats()["remote_lookup_seconds_total"]
+            load_s = await aiokv_loads(engine_b, users, pages)
+            read_s = store_b.store_stats()["remote_lookup_seconds_total"] - read_before
+            get_s = await asyncio.to_thread(raw_gets, io_b.client(), io_b, keys, blocks, pages)
+            io_b.client().remove_by_regex("^raw/", True)
+            await engine_a.clear()
+            await engine_b.clear()
+            if round_ < 0:
+                continue
+            for name, seconds in (("aiokv offload", writer), ("raw put", put_s),
+                                  ("aiokv load", read_s), ("raw get", get_s),
+                                  ("offload e2e", end_to_end), ("load e2e", load_s)):
+                rows[name].append(total / seconds)
+    print(f"{'GiB/s':<14}" + "".join(f"{'round ' + str(i):>9}" for i in range(args.rounds))
+          + f"{'best':>9}{'median':>9}")
+    for name, values in rows.items():
+        print(f"{name:<14}" + "".join(f"{v / GIB:>9.3f}" for v in values)
+              + f"{max(values) / GIB:>9.3f}{statistics.median(values) / GIB:>9.3f}")
+    for what, ours, raw in (("offload", "aiokv offload", "raw put"),
+                            ("load", "aiokv load", "raw get"),
+                            ("offload end to end", "offload e2e", "raw put"),
+                            ("load end to end", "load e2e", "raw get")):
+        best = max(rows[ours]) / max(rows[raw])
+        paired = statistics.median(o / r for o, r in zip(rows[ours], rows[raw], strict=True))
+        verdict = "" if "end" in what else (
+            f" (target >= 90%: {'met' if best >= 0.9 else 'NOT met'})")
+        print(f"{what}: aiokv / raw = {best:.1%} best vs best, {paired:.1%} median of "
+              f"rounds{verdict}")
+
+
+async def host_latency(engine: aiokv.OffloadEngine, resident: range, pages: int,
+                       writers: range, seconds: float) -> list[float]:
+    """Lookup + load latencies (ms) of host-resident users while ``writers`` offload."""
+    page_size = engine.page_size
+    stop = False
+
+    async def offloads() -> None:
+        user = writers.start
+        while not stop:
+            await engine.offload(user, torch.arange(pages, 2 * pages), pages * page_size)
+            user = writers.start + (user + 1 - writers.start) % len(writers)
+            if user == writers.start:
+                writers_done.append(1)
+
+    writers_done: list[int] = []
+    task = asyncio.create_task(offloads())
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+    target = torch.arange(2 * pages, 3 * pages)
+    while time.perf_counter() < deadline:
+        for user in resident:
+            began = time.perf_counter()
+            async with await engine.lookup(user, pages * page_size) as hit:
+                await engine.load(hit, target)
+            latencies.append((time.perf_counter() - began) * 1000)
+    stop = True
+    await task
+    return latencies
+
+
+async def latency(args: argparse.Namespace, master: str) -> None:
+    pages = args.pages
+    caches = make_caches(3 * pages, args.quick)
+    results: dict[str, list[float]] = {"without remote": [], "with remote writes": []}
+    for round_ in range(args.rounds):
+        for name, remote in (("without remote", None), ("with remote writes", master)):
+            store = aiokv.LocalStore(store_config(remote, 1.0))
+            async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+                store.wait_pinned()
+                resident = range(10_000, 10_004)
+                for user in resident:
+                    await engine.offload(user, torch.arange(pages), pages * engine.page_size)
+                # Fresh content each round: values are immutable, so a known key would
+                # cost Mooncake nothing.
+                writers = range(100_000 * (round_ + 1), 100_000 * (round_ + 1) + 4096)
+                lat = await host_latency(engine, resident, pages, writers, args.seconds)
+                if remote:
+                    stats = store.store_stats()
+                    written = stats["remote_blocks_written"]
+                    print(f"  round {round_}: {written} blocks written to Mooncake meanwhile")
+                    await engine.clear()
+            lat.sort()
+            results[name].append(lat[int(0.99 * (len(lat) - 1))])
+            print(f"  round {round_} {name}: {len(lat)} loads, p50 "
+                  f"{statistics.median(lat):.3f} ms, p99 {results[name][-1]:.3f} ms")
+    best = {name: min(values) for name, values in results.items()}
+    ratio = best["with remote writes"] / best["without remote"]
+    print(f"host-tier load p99 (best round): without {best['without remote']:.3f} ms, with "
+          f"background remote writes {best['with remote writes']:.3f} ms: {ratio - 1:+.1%} "
+          f"(target <= +5%: {'met' if ratio <= 1.05 else 'NOT met'})")
+
+
+async def main(args: argparse.Namespace) -> None:
+    with MooncakeServers(segment_mb=args.segment_mb) as servers:
+        print(f"mooncake master {servers.master}, store process {args.segment_mb} MiB, TCP")
+        await bandwidth(args, servers.master)
+        await latency(args, servers.master)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--users", type=int, default=24)
+    parser.add_argument("--pages", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=3.0, help="per latency round")
+    parser.add_argument("--segment-mb", type=int, default=2048)
+    parser.add_argument("--quick", action="store_true", help="small blocks (a smoke test)")
+    arguments = parser.parse_args()
+    if arguments.quick:
+        arguments.users, arguments.rounds, arguments.seconds = 8, 1, 1.0
+        arguments.segment_mb = 256
+    asyncio.run(main(arguments))

@@ -1,0 +1,284 @@
+"""The remote tier on a real Mooncake Store: a master and a store process on 127.0.0.1
+(started here, stopped at the end), and hosts that share nothing but Mooncake: a child
+process (tests/remote_host.py) and engines in this process, each with a host tier of its
+own. Skips only where Mooncake's client cannot load at all; in CI (``make test``
+installs it) it must run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, user_kv
+
+import aiokv
+from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
+from aiokv.remote.native import import_store, unavailable
+from aiokv.remote.servers import MooncakeServers, free_port
+from aiokv.stores.local.index import chain_digests
+
+WHY_NOT = unavailable()
+if WHY_NOT is not None and os.environ.get("CI"):
+    raise RuntimeError(f"CI must run the remote tier's tests: {WHY_NOT}")
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"Mooncake cannot run: {WHY_NOT}")
+
+USER_PAGES = 8
+TOKENS = USER_PAGES * PAGE_SIZE
+
+
+@pytest.fixture(scope="session")
+def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeServers]:
+    with MooncakeServers(segment_mb=64, log_dir=tmp_path_factory.mktemp("mooncake")) as servers:
+        yield servers
+
+
+class ChildHost:
+    """tests/remote_host.py in a process of its own."""
+
+    def __init__(self, master: str) -> None:
+        script = Path(__file__).parent / "remote_host.py"
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), master], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True,
+        )
+        assert self._answer() == {"ready": True}
+
+    def _answer(self) -> Any:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the child host exited with {self.process.wait()}")
+        return json.loads(line)
+
+    def __call__(self, op: str, **args: Any) -> Any:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def close(self) -> dict[str, Any]:
+        stats: dict[str, Any] = self("close")
+        assert self.process.wait(30) == 0
+        return stats
+
+
+class LocalHost:
+    """An engine in this process, with its own host tier and Mooncake client."""
+
+    def __init__(self, master: str, dtype: torch.dtype = torch.float32,
+                 head_dim: int = HEAD_DIM, **remote: Any) -> None:
+        self.head_dim = head_dim
+        self.caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, dtype=dtype)
+                       for _ in range(LAYERS)]
+        config = aiokv.StoreConfig(cpu_cache_gb=0.01, remote={"master": master, **remote})
+        self.store = aiokv.LocalStore(config)
+        self.kv = aiokv.run_in_background(
+            aiokv.OffloadEngine(self.store, self.caches, aiokv.EngineConfig())
+        )
+
+    def kv_of(self, user: int) -> list[torch.Tensor]:
+        if self.head_dim == HEAD_DIM:
+            return user_kv(user, USER_PAGES)  # as the child host makes them
+        generator = torch.Generator().manual_seed(user)
+        shape = (USER_PAGES, 2, PAGE_SIZE, HEADS, self.head_dim)
+        return [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
+
+    def offload(self, user: int) -> int:
+        for cache, kv in zip(self.caches, self.kv_of(user), strict=True):
+            cache[:USER_PAGES] = kv
+        stored: int = self.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens
+        return stored
+
+    def load(self, user: int) -> tuple[int, bool]:
+        """(tokens loaded, whether they are the user's KV bit for bit)."""
+        target = torch.arange(PAGES - USER_PAGES, PAGES)
+        with self.kv.lookup(user, TOKENS) as hit:
+            loaded: int = self.kv.load(hit, target).loaded_tokens
+        full = loaded // PAGE_SIZE
+        exact = all(
+            torch.equal(cache[PAGES - USER_PAGES : PAGES - USER_PAGES + full], kv[:full])
+            for cache, kv in zip(self.caches, self.kv_of(user), strict=True)
+        )
+        return loaded, exact
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.store.store_stats())
+
+    def close(self) -> dict[str, Any]:
+        self.kv.close()
+        return self.stats()
+
+
+def test_hosts_share_blocks_and_an_evict_reaches_every_host(mooncake: MooncakeServers) -> None:
+    a = ChildHost(mooncake.master)
+    try:
+        assert a("offload", user=1, pages=USER_PAGES) == {"stored": TOKENS}
+        assert a("offload", user=2, pages=USER_PAGES) == {"stored": TOKENS}
+        a("restart")  # finishes the background writes; A's host tier starts empty
+        b = LocalHost(mooncake.master)
+        try:
+            assert b.load(1) == (TOKENS, True)  # remote -> host -> pages, bit for bit
+            assert b.kv.evict(1) == TOKENS
+            assert b.load(1)[0] == 0
+            stats = b.stats()
+        finally:
+            b.close()
+        assert stats["remote_blocks_read"] == USER_PAGES
+        assert stats["remote_bytes_read"] > 0 and stats["remote_errors"] == 0
+        assert a("load", user=1, pages=USER_PAGES)["cached"] == 0  # evicted by B
+        assert a("load", user=2, pages=USER_PAGES) == {
+            "cached": TOKENS, "loaded": TOKENS, "exact": True,
+        }
+    finally:
+        a.close()
+
+
+def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(mooncake: MooncakeServers) -> None:
+    users = range(61, 69)
+    a = LocalHost(mooncake.master)
+    for user in users:
+        assert a.offload(user) == TOKENS
+    assert a.close()["remote_blocks_written"] == len(users) * USER_PAGES
+    b = LocalHost(mooncake.master)
+    try:
+        hits = [f.result() for f in [b.kv.submit_lookup(user, TOKENS) for user in users]]
+        assert [hit.cached_tokens for hit in hits] == [TOKENS] * len(users)
+        target = torch.arange(PAGES - USER_PAGES, PAGES)
+        for user, hit in zip(users, hits, strict=True):
+            assert b.kv.load(hit, target).loaded_tokens == TOKENS
+            assert all(torch.equal(cache[target], kv)
+                       for cache, kv in zip(b.caches, b.kv_of(user), strict=True))
+    finally:
+        b.close()
+
+
+def test_a_host_with_another_geometry_never_matches(mooncake: MooncakeServers) -> None:
+    a = LocalHost(mooncake.master)
+    assert a.offload(11) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    other = LocalHost(mooncake.master, dtype=torch.float64)
+    try:
+        with other.kv.lookup(11, TOKENS) as hit:
+            assert hit.cached_tokens == 0
+    finally:
+        other.close()
+
+
+def test_a_corrupted_value_is_a_miss_from_there_on(mooncake: MooncakeServers) -> None:
+    a = LocalHost(mooncake.master)
+    assert a.offload(21) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    # Damage the third block's value in place (upsert replaces a value; put keeps it).
+    block_shape = (LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM)
+    keys = Keys(geometry_tag(block_shape, torch.float32, PAGE_SIZE))
+    digests = chain_digests(torch.arange(TOKENS).numpy(), PAGE_SIZE)
+    key = keys.blocks(namespace_tag(["uid:21"]), 0, 0, digests)[2]
+    client = import_store().MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", mooncake.master) == 0
+    try:
+        value = bytearray(client.get(key))
+        assert len(value) == a.caches[0][0].numel() * 4 * LAYERS + 8
+        value[100] ^= 0xFF
+        deadline = time.monotonic() + 10  # the get's lease must end first
+        while client.upsert(key, bytes(value)) != 0:
+            assert time.monotonic() < deadline
+    finally:
+        client.close()
+    b = LocalHost(mooncake.master)
+    try:
+        assert b.load(21) == (2 * PAGE_SIZE, True)  # the two blocks before it, exact
+        assert b.stats()["remote_checksum_failures"] == 1
+    finally:
+        b.close()
+
+
+def test_a_full_remote_store_never_fails_a_caller(tmp_path: Path) -> None:
+    users = range(100, 148)
+    with MooncakeServers(segment_mb=16, log_dir=tmp_path) as small:  # Mooncake's least
+        # 64 KiB blocks: 48 users of 512 KiB (24 MiB) for a 16 MiB store.
+        a = LocalHost(small.master, head_dim=512)
+        try:
+            for user in users:
+                assert a.offload(user) == TOKENS
+        finally:
+            stats = a.close()
+        assert stats["remote_dropped_writes"] > 0
+        offered = len(users) * USER_PAGES
+        assert stats["remote_blocks_written"] + stats["remote_dropped_writes"] == offered
+        b = LocalHost(small.master, head_dim=512)
+        try:
+            loaded = [b.load(user) for user in users]
+        finally:
+            b.close()
+        assert all(exact or tokens == 0 for tokens, exact in loaded)
+        assert any(tokens == TOKENS for tokens, _ in loaded)
+
+
+def _until(condition: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_the_master_going_away_turns_lookups_into_misses(tmp_path: Path) -> None:
+    with MooncakeServers(segment_mb=16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master)
+        b = LocalHost(servers.master, timeout_ms=200)
+        try:
+            assert a.offload(31) == TOKENS
+            _until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            servers.stop_master()
+            began = time.monotonic()
+            assert b.load(31)[0] == 0  # a miss, not an error
+            assert time.monotonic() - began < 10  # bounded (the client alone waits longer)
+            assert a.offload(32) == TOKENS  # the write is dropped, the offload is not
+            servers.start_master()
+            servers.wait_store_mounted()
+            assert a.offload(33) == TOKENS
+            _until(lambda: b.load(33) == (TOKENS, True))  # served again
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_store_that_stops_answering_turns_lookups_into_misses(
+    mooncake: MooncakeServers,
+) -> None:
+    a = LocalHost(mooncake.master)
+    assert a.offload(51) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    b = LocalHost(mooncake.master, timeout_ms=300)
+    try:
+        mooncake.pause_store()
+        try:
+            began = time.monotonic()
+            assert b.load(51)[0] == 0  # the values do not come: a miss
+            assert b.load(51)[0] == 0  # and the next one does not queue behind it
+            assert time.monotonic() - began < 5
+        finally:
+            mooncake.pause_store(False)
+        _until(lambda: b.load(51) == (TOKENS, True))
+        assert b.stats()["remote_timeouts"] >= 1
+    finally:
+        b.close()
+
+
+def test_an_engine_starts_and_serves_with_no_master_at_all() -> None:
+    host = LocalHost(f"127.0.0.1:{free_port()}", timeout_ms=100)
+    try:
+        assert host.offload(41) == TOKENS
+        assert host.load(41) == (TOKENS, True)  # from its own host tier
+        with host.kv.lookup(42, TOKENS) as hit:
+            assert hit.cached_tokens == 0
+    finally:
+        stats = host.close()
+    assert stats["remote_blocks_written"] == 0
