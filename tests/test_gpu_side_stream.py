@@ -30,7 +30,7 @@ CONFIG = {"engine": {"window_us": 0}, "store": {"cpu_cache_gb": 0.01}}
 class Rig:
     """CUDA caches of zeros, a first write of random pages, and a side stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, non_blocking: bool) -> None:
         self.device = torch.device("cuda")
         self.caches = [
             torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, HEAD_DIM, device=self.device)
@@ -41,14 +41,20 @@ class Rig:
         ]
         self.source = torch.arange(0, 4, device=self.device)
         self.target = torch.arange(8, 12, device=self.device)
-        self.side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        self.source_pages, self.target_pages = slice(0, 4), slice(8, 12)  # the same pages
+        self.side, self._keep = side_stream(self.device, non_blocking)
         torch.cuda.synchronize(self.device)  # the tensors above are made and filled
 
-    def write_late(self, pages: torch.Tensor, data: list[torch.Tensor] | float) -> None:
-        """Queue, on the current stream, a long busy kernel and then writes to ``pages``."""
+    def write_late(self, pages: slice, data: list[torch.Tensor] | float) -> None:
+        """Queue, on the current stream, a long busy kernel and then writes to ``pages``.
+        Slices, not an index tensor: indexing with a device tensor can wait for the
+        stream on the host, and the race would be gone before aiokv is called."""
         torch.cuda._sleep(BUSY_CYCLES)
         for layer, cache in enumerate(self.caches):
-            cache[pages] = data if isinstance(data, float) else data[layer]
+            if isinstance(data, float):
+                cache[pages].fill_(data)
+            else:
+                cache[pages].copy_(data[layer])
 
     def warm_up(self, offload: Callable[..., Any], lookup: Callable[..., Any],
                 load: Callable[..., Any]) -> None:
@@ -66,9 +72,20 @@ class Rig:
             assert torch.equal(cache[self.target].cpu(), data.cpu())
 
 
-@pytest.fixture
-def rig() -> Iterator[Rig]:
-    yield Rig()
+def side_stream(device: torch.device, non_blocking: bool) -> tuple[Any, Any]:
+    """A torch pool stream, or one made with cudaStreamNonBlocking (through CuPy), as a CUDA
+    graph's capture stream or another library's stream may be: no implicit ordering with
+    the legacy default stream, whose event a caller's thread would otherwise wait on."""
+    if not non_blocking:
+        return torch.cuda.Stream(device), None  # type: ignore[no-untyped-call]
+    cupy = pytest.importorskip("cupy", reason="CuPy makes the non-blocking stream")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    return torch.cuda.ExternalStream(stream.ptr, device=device), stream
+
+
+@pytest.fixture(params=[False, True], ids=["pool-stream", "non-blocking-stream"])
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    yield Rig(request.param)
     torch.cuda.synchronize()
 
 
@@ -85,9 +102,9 @@ def test_background_offload_copies_what_the_callers_side_stream_wrote(rig: Rig) 
     with aiokv.run_in_background(engine) as kv:
         background_warm_up(rig, kv)
         with torch.cuda.stream(rig.side):
-            rig.write_late(rig.source, rig.first)
+            rig.write_late(rig.source_pages, rig.first)
             stored = kv.offload("u", rig.source, TOKENS)  # no synchronize before it
-            rig.write_late(rig.source, -1.0)  # the pages are the caller's again
+            rig.write_late(rig.source_pages, -1.0)  # the pages are the caller's again
         assert stored.stored_tokens == TOKENS
         with kv.lookup("u", TOKENS) as hit:
             assert kv.load(hit, rig.target).loaded_tokens == TOKENS
@@ -105,7 +122,7 @@ def test_background_load_lands_after_what_the_callers_side_stream_queued(rig: Ri
         with torch.cuda.stream(rig.side):
             # The caller still clears its target pages (an old user's, say) when it asks
             # for the load: the load must land after that, not under it.
-            rig.write_late(rig.target, 0.0)
+            rig.write_late(rig.target_pages, 0.0)
             with kv.lookup("u", TOKENS) as hit:
                 assert kv.load(hit, rig.target).loaded_tokens == TOKENS
         rig.assert_target_holds_first()
@@ -123,13 +140,13 @@ def test_recsys_core_offload_and_onboard_follow_the_callers_side_stream(rig: Rig
             lambda hit, pages: core.load([hit], [pages]).outcomes(),
         )
         with torch.cuda.stream(rig.side):
-            rig.write_late(rig.source, rig.first)
+            rig.write_late(rig.source_pages, rig.first)
             pages = rig.source.to(torch.int32)  # recsys's page ids, passed as they are
             outcomes = core.offload([7], [pages], [TOKENS]).outcomes()
-            rig.write_late(rig.source, -1.0)
+            rig.write_late(rig.source_pages, -1.0)
             assert outcomes[0].stored_tokens == TOKENS
             hits = core.lookup([7], [TOKENS])
-            rig.write_late(rig.target, 0.0)
+            rig.write_late(rig.target_pages, 0.0)
             assert hits[0] is not None
             loaded = core.load([hits[0]], [rig.target.to(torch.int32)]).outcomes()
             assert loaded[0].loaded_tokens == TOKENS
