@@ -80,6 +80,7 @@ class OffloadEngine:
         self._kv_caches = list(kv_caches)
         self._config = config or EngineConfig()
         self._store_slice_us = store_slice_us(self._config, store)
+        self._max_lookup_tokens = self._config.max_lookup_tokens  # read per lookup
         self._on_gpu = self._device.type == "cuda"
         self._state = EngineState.NEW
         self._stats = StatsRecorder(self._page_size * self._bytes_per_token)
@@ -181,8 +182,9 @@ class OffloadEngine:
         """Store the full pages of a user's first ``num_tokens`` tokens, held in
         ``page_ids`` (in order). Pages already stored under the same key are skipped.
 
-        Raises InvalidRequest (bad argument, names it), Overloaded, EngineClosed,
-        StoreError / StoreFull (the store failed it) or RequestTimeout.
+        Raises InvalidRequest (bad argument, names it; also more full pages than the
+        store's tiers can ever hold), Overloaded, EngineClosed, StoreError / StoreFull
+        (the store failed it) or RequestTimeout.
         """
         self._check_running()
         pages = validate.page_ids(page_ids, self._device)
@@ -193,6 +195,14 @@ class OffloadEngine:
                 f"{num_tokens} tokens do not fit in {pages.shape[0]} pages of {self._page_size}",
             )
         pages_used = num_tokens // self._page_size  # only full pages are stored
+        assert self._worker is not None  # made in start()
+        capacity = self._worker.capacity_tokens
+        if capacity is not None and pages_used * self._page_size > capacity:
+            raise InvalidRequest(
+                "num_tokens",
+                f"{num_tokens} tokens ({pages_used} full pages) are more than the store can "
+                f"ever hold ({capacity}: its tiers' blocks x page_size {self._page_size})",
+            )
         # Page id *values* are checked for the whole batch at once after its one copy
         # (slots.FusedPages.bad_requests): GPU values cannot be read here, and a per-call
         # min/max would cost more than the rest of the submit path.
@@ -211,9 +221,17 @@ class OffloadEngine:
         namespace: Sequence[str] | None = None,
     ) -> Lookup:
         """How much of this key's first ``num_tokens`` tokens the store holds; the hit is
-        reserved for ``load`` until released or ``lookup_ttl_ms`` passes."""
+        reserved for ``load`` until released or ``lookup_ttl_ms`` passes.
+
+        Raises InvalidRequest (a bad argument, or ``num_tokens`` above
+        ``engine.max_lookup_tokens``), Overloaded, EngineClosed, StoreError or
+        RequestTimeout. The store is asked about no more tokens than it can hold, so a
+        lookup costs what the store holds, not what was asked."""
         self._check_running()
         num_tokens = validate.num_tokens(num_tokens)
+        validate.at_most(
+            "num_tokens", num_tokens, self._max_lookup_tokens, "engine.max_lookup_tokens"
+        )
         request = self._new_request(Kind.LOOKUP, user_id, num_tokens, token_ids, namespace)
         result: Lookup = await self._run(request)
         return result

@@ -272,7 +272,9 @@ async def test_store_families_come_from_store_stats_asked_on_the_store_thread() 
         metrics.register(engine, registry)
         await engine.offload(1, torch.arange(0, 2), 2 * PAGE_SIZE)
         families = by_name(await asyncio.to_thread(lambda: list(registry.collect())))
-    assert store.asked_from == ["aiokv-store"]
+    # Asked at registration too (the store's capacity bounds requests): always there.
+    asked = len(store.asked_from)
+    assert set(store.asked_from) == {"aiokv-store"}
     moved = families["aiokv_bytes"]
     # The store's counters, not the engine's own count of offloaded tokens.
     assert {(s.labels["direction"], s.labels["tier"]): s.value for s in moved.samples} == {
@@ -287,7 +289,7 @@ async def test_store_families_come_from_store_stats_asked_on_the_store_thread() 
     # After the close the store thread is gone: the last answer stands, nothing is asked.
     families = by_name(await asyncio.to_thread(lambda: list(registry.collect())))
     assert value(families["aiokv_store_blocks"], tier="host", state="used") == 3
-    assert store.asked_from == ["aiokv-store"]
+    assert len(store.asked_from) == asked
 
 
 @pytest.mark.asyncio

@@ -186,6 +186,11 @@ class TierLink(LoadStaging):
         while self._waiting and self._stage(self._waiting[0]):
             self._waiting.pop(0)
 
+    def ssd_pages(self, key: tuple[str, ...]) -> int:
+        """How many pages of ``key`` the SSD tier holds (or is writing)."""
+        space = self.ssd.tier.index.space(key)
+        return 0 if space is None else len(space)
+
     # ---- invalidation, stats -------------------------------------------------------
 
     def drop(self, namespace: tuple[str, ...] | None) -> int:
