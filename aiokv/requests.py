@@ -90,7 +90,7 @@ class Request:
     user_id: Hashable
     future: asyncio.Future[Any]
     num_tokens: int
-    token_ids: Int64Array | None
+    token_ids: Int64Array | None  # None: positions, made on the store thread (calls.key_ids)
     namespace: tuple[str, ...]
     page_ids: torch.Tensor | None
     pages_used: int  # leading entries of page_ids this request moves (known from shapes)
