@@ -183,7 +183,7 @@ class OffloadEngine:
         ``page_ids`` (in order). Pages already stored under the same key are skipped.
 
         Raises InvalidRequest (bad argument, names it; also more full pages than the
-        store's tiers can ever hold), Overloaded, EngineClosed, StoreError / StoreFull
+        caches or the store's tiers can ever hold), Overloaded, EngineClosed, StoreError / StoreFull
         (the store failed it) or RequestTimeout.
         """
         self._check_running()
@@ -196,13 +196,10 @@ class OffloadEngine:
             )
         pages_used = num_tokens // self._page_size  # only full pages are stored
         assert self._worker is not None  # made in start()
-        capacity = self._worker.capacity_tokens
-        if capacity is not None and pages_used * self._page_size > capacity:
-            raise InvalidRequest(
-                "num_tokens",
-                f"{num_tokens} tokens ({pages_used} full pages) are more than the store can "
-                f"ever hold ({capacity}: its tiers' blocks x page_size {self._page_size})",
-            )
+        validate.offload_pages(
+            num_tokens, pages_used, self._page_size, self._num_pages,
+            self._worker.capacity_tokens,
+        )
         # Page id *values* are checked for the whole batch at once after its one copy
         # (slots.FusedPages.bad_requests): GPU values cannot be read here, and a per-call
         # min/max would cost more than the rest of the submit path.

@@ -178,6 +178,16 @@ async def test_an_offload_larger_than_every_tier_is_refused_at_once() -> None:
 
 
 @pytest.mark.asyncio
+async def test_an_offload_of_more_pages_than_the_caches_have_is_refused() -> None:
+    async with engine_for() as engine:  # 64 pages of 16
+        got = await answer(engine.offload(1, torch.arange(65) % 64, 65 * PAGE))
+        fits = await engine.offload(1, torch.arange(64), 64 * PAGE)
+    assert isinstance(got, aiokv.InvalidRequest), repr(got)
+    assert got.field == "num_tokens" and str(65 * PAGE) in str(got) and "caches' 64" in str(got)
+    assert fits.stored_tokens == 64 * PAGE
+
+
+@pytest.mark.asyncio
 async def test_a_long_lookup_still_finds_pages_only_the_ssd_holds(tmp_path: Path) -> None:
     # The store is asked about no more than the key's pages: those on SSD count.
     caches, original, _, engine = engine_on(tmp_path)
