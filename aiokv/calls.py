@@ -13,7 +13,8 @@ from .errors import StoreError, StoreFull
 from .plans import Answer
 from .recovery import OwedCancels
 from .requests import TERMINAL, Request
-from .stores.base import NoSpace, Store
+from .stores.base import Int64Array, NoSpace, Store
+from .validate import positions
 
 log = logging.getLogger("aiokv")
 
@@ -48,18 +49,20 @@ class StoreCalls:
         match_many: Callable[..., list[Any]] | None,
         requests: Sequence[Request],
         wanted: list[int],
+        limit: int | None = None,
     ) -> list[Answer]:
         """Each request's answer (by batch index) to ``match`` (put_match or get_match),
         asked for the ``wanted`` indexes only: in one call where the store matches many
         at once (one round trip to a store process), else one by one, handing the GIL
-        over between calls once the slice is used. A failed match is its StoreError."""
+        over between calls once the slice is used. A failed match is its StoreError.
+        Each key is its first ``limit`` tokens at most (:func:`key_ids`)."""
         answers: list[Answer] = [None] * len(requests)
         if match_many is not None:
             if not wanted:
                 return answers
             try:
                 many: list[Any] = match_many(
-                    [(requests[i].token_ids, requests[i].namespace) for i in wanted]
+                    [(key_ids(requests[i], limit), requests[i].namespace) for i in wanted]
                 )
                 if len(many) != len(wanted):  # a broken store: give back what it matched
                     self.cancel([a[0] for a in many if not isinstance(a, Exception)])
@@ -77,10 +80,24 @@ class StoreCalls:
                 continue  # left since: never matched, nothing to roll back
             self._yield_point()
             try:  # as _call, without its frame: once per request
-                answers[index] = match(request.token_ids, request.namespace)
+                answers[index] = match(key_ids(request, limit), request.namespace)
             except Exception as exc:
                 answers[index] = _translated(match, exc)
         return answers
+
+
+def key_ids(request: Request, limit: int | None) -> Int64Array:
+    """The token ids the store is asked about for ``request``: the caller's, or the
+    default positions, made here on the store thread (never on the loop), and no more
+    than ``limit`` of them. A lookup's limit is the most tokens the store can hold: it
+    cannot hold a longer prefix, so the rest could not change its answer, and the work
+    and memory of a match stay bounded by the store whatever the caller asked."""
+    tokens, count = request.token_ids, request.num_tokens
+    if limit is not None and count > limit:
+        count = limit
+    if tokens is None:
+        return positions(count)
+    return tokens if count == len(tokens) else tokens[:count]
 
 
 def _translated(method: Callable[..., Any], exc: Exception) -> StoreError:

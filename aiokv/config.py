@@ -112,6 +112,9 @@ class EngineConfig:
         written, read or held) waits for room and matches again until then
         (:mod:`aiokv.space`), and then fails with StoreFull; with 0 it waits 30 s at most.
     lookup_ttl_ms: a Lookup's reservation not used by ``load`` is released after this.
+    max_lookup_tokens: the largest ``num_tokens`` a ``lookup`` takes; beyond it the call
+        fails at once with InvalidRequest (a history longer than the store can hold is
+        fine up to it: the store is only asked about as many tokens as it can hold).
     poll_interval_us: how often the store thread polls outstanding tasks.
     store_slice_us: once the store thread has run this long since it last blocked on its
         inbox or handed over, it sleeps about 0.1 ms at its next pause between (or, with
@@ -133,6 +136,7 @@ class EngineConfig:
     lookup_ttl_ms: int = 10_000
     poll_interval_us: int = 50
     store_slice_us: int | None = None
+    max_lookup_tokens: int = 1 << 24  # last: positional callers keep their meaning
 
     def __post_init__(self) -> None:
         _check_int("engine.window_us", self.window_us, 0)
@@ -142,6 +146,7 @@ class EngineConfig:
         _check_choice("engine.overload", self.overload, ("reject", "wait"))
         _check_int("engine.request_timeout_ms", self.request_timeout_ms, 0)
         _check_int("engine.lookup_ttl_ms", self.lookup_ttl_ms, 1)
+        _check_int("engine.max_lookup_tokens", self.max_lookup_tokens, 1)
         _check_int("engine.poll_interval_us", self.poll_interval_us, 1)
         if self.store_slice_us is not None:
             _check_int("engine.store_slice_us", self.store_slice_us, 0)

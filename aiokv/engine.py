@@ -80,6 +80,7 @@ class OffloadEngine:
         self._kv_caches = list(kv_caches)
         self._config = config or EngineConfig()
         self._store_slice_us = store_slice_us(self._config, store)
+        self._max_lookup_tokens = self._config.max_lookup_tokens  # read per lookup
         self._on_gpu = self._device.type == "cuda"
         self._state = EngineState.NEW
         self._stats = StatsRecorder(self._page_size * self._bytes_per_token)
@@ -189,8 +190,9 @@ class OffloadEngine:
         ``page_ids`` (in order). Pages already stored under the same key are skipped.
         On a GPU the copy starts after what the current CUDA stream has queued by now.
 
-        Raises InvalidRequest (bad argument, names it), Overloaded, EngineClosed,
-        StoreError / StoreFull (the store failed it) or RequestTimeout.
+        Raises InvalidRequest (bad argument, names it; also more full pages than the
+        caches or the store's tiers can ever hold), Overloaded, EngineClosed, StoreError /
+        StoreFull (the store failed it) or RequestTimeout.
 
         ``_ready_event`` is internal (run_in_background, aiokv.integrations): a CUDA event
         that the calling thread recorded after its writes (:meth:`_caller_event`), waited
@@ -205,6 +207,11 @@ class OffloadEngine:
                 f"{num_tokens} tokens do not fit in {pages.shape[0]} pages of {self._page_size}",
             )
         pages_used = num_tokens // self._page_size  # only full pages are stored
+        assert self._worker is not None  # made in start()
+        validate.offload_pages(
+            num_tokens, pages_used, self._page_size, self._num_pages,
+            self._worker.capacity_tokens,
+        )
         # Page id *values* are checked for the whole batch at once after its one copy
         # (slots.FusedPages.bad_requests): GPU values cannot be read here, and a per-call
         # min/max would cost more than the rest of the submit path.
@@ -223,9 +230,17 @@ class OffloadEngine:
         namespace: Sequence[str] | None = None,
     ) -> Lookup:
         """How much of this key's first ``num_tokens`` tokens the store holds; the hit is
-        reserved for ``load`` until released or ``lookup_ttl_ms`` passes."""
+        reserved for ``load`` until released or ``lookup_ttl_ms`` passes.
+
+        Raises InvalidRequest (a bad argument, or ``num_tokens`` above
+        ``engine.max_lookup_tokens``), Overloaded, EngineClosed, StoreError or
+        RequestTimeout. The store is asked about no more tokens than it can hold, so a
+        lookup costs what the store holds, not what was asked."""
         self._check_running()
         num_tokens = validate.num_tokens(num_tokens)
+        validate.at_most(
+            "num_tokens", num_tokens, self._max_lookup_tokens, "engine.max_lookup_tokens"
+        )
         request = self._new_request(Kind.LOOKUP, user_id, num_tokens, token_ids, namespace)
         result: Lookup = await self._run(request)
         return result

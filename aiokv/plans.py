@@ -155,7 +155,10 @@ def plan_lookup(
             outcomes.append((request, _MISS))
         else:
             reserved.append(task_id)
-            outcomes.append((request, LookupGrant(Reservation(task_id, mask, give_back), hit)))
+            end = len(mask) - int(np.argmax(mask[::-1]))  # past the last True: a load's pages
+            outcomes.append(
+                (request, LookupGrant(Reservation(task_id, mask, give_back, end), hit))
+            )
     return outcomes, cancel, reserved
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import validate
@@ -91,7 +90,7 @@ class Request:
     user_id: Hashable
     future: asyncio.Future[Any]
     num_tokens: int
-    token_ids: Int64Array | None
+    token_ids: Int64Array | None  # None: positions, made on the store thread (calls.key_ids)
     namespace: tuple[str, ...]
     page_ids: torch.Tensor | None
     pages_used: int  # leading entries of page_ids this request moves (known from shapes)
@@ -140,11 +139,14 @@ class Reservation:
     that consumes it (the store thread then launches or cancels it). Until then,
     :meth:`release` gives it back to the store; only the first call does (loop thread)."""
 
-    __slots__ = ("_give_back", "mask", "task_id")
+    __slots__ = ("_give_back", "end", "mask", "task_id")
 
-    def __init__(self, task_id: int, mask: BoolArray, give_back: Callable[[int], None]) -> None:
+    def __init__(
+        self, task_id: int, mask: BoolArray, give_back: Callable[[int], None], end: int
+    ) -> None:
         self.task_id = task_id
         self.mask = mask
+        self.end = end  # one past the mask's last True position, found on the store thread
         self._give_back: Callable[[int], None] | None = give_back
 
     def release(self) -> None:
@@ -206,11 +208,11 @@ class Lookup:
                 self._reservation.release()
 
     def _pages_needed(self, page_size: int) -> int:
-        """Pages a load must be given: up to the page of the last position to load."""
+        """Pages a load must be given: up to the page of the last position to load. O(1)
+        on the loop: the store thread found that position (plans.plan_lookup)."""
         if self._reservation is None:
             return 0
-        positions = np.flatnonzero(self._reservation.mask)
-        return 0 if len(positions) == 0 else int(positions[-1]) // page_size + 1
+        return -(-self._reservation.end // page_size)
 
     def _consume(self) -> Reservation:
         """Hand the reservation to a load (loop thread only)."""

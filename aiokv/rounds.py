@@ -73,6 +73,9 @@ class Rounds:
         self._held_keys = held_keys  # the reservations' keys, for an evict
         self._release_one = release_one  # a Reservation's way back (StoreWorker.release_one)
         self.page_size = 0  # the store's, set by the worker once it is registered
+        # The most tokens the store can hold (stores.base.capacity_tokens), set with
+        # page_size; None: unknown. A lookup's key is cut to it (calls.key_ids).
+        self.capacity_tokens: int | None = None
         # Device-to-host copies the fused page ids took (FusedPages.d2h_copies); written
         # here, read racily by the loop's stats.
         self.d2h_copies = 0
@@ -102,7 +105,8 @@ class Rounds:
         requests = batch.requests
         wanted = [i for i, r in enumerate(requests) if r.stage is not TERMINAL]
         answers = self._calls.match(
-            self._store.get_match, self._caps.get_match_many, requests, wanted
+            self._store.get_match, self._caps.get_match_many, requests, wanted,
+            self.capacity_tokens,
         )
         outcomes, cancel, reserved = plan_lookup(requests, answers, self._release_one)
         outbox.extend(outcomes)

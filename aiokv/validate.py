@@ -74,9 +74,11 @@ def page_ids(page_ids: object, device: torch.device) -> torch.Tensor:
     return page_ids
 
 
-def token_ids(token_ids: Any, num_tokens: int) -> Int64Array:
+def token_ids(token_ids: Any, num_tokens: int) -> Int64Array | None:
+    """The caller's token ids, checked; None for the default (positions, made on the
+    store thread: :func:`positions`)."""
     if token_ids is None:
-        return default_token_ids(num_tokens)
+        return None
     if isinstance(token_ids, torch.Tensor):
         if token_ids.device.type != "cpu":
             raise InvalidRequest("token_ids", "must be on the CPU (or a numpy array)")
@@ -132,24 +134,45 @@ def namespace(namespace: Any, user_id: Hashable) -> tuple[str, ...]:
 
 
 _positions: Int64Array = np.arange(0, dtype=np.int64)
-_views: dict[int, Int64Array] = {}  # num_tokens -> its view, for the first lengths asked
-_MAX_VIEWS = 4096
 
 
-def default_token_ids(num_tokens: int) -> Int64Array:
-    """Positions 0..num_tokens-1: the recommender case, an append-only history. A
-    read-only view of one shared array (grown as needed), not a new array per call;
-    the views themselves are kept for the first lengths asked (a lookup costs less than
-    slicing)."""
+def positions(num_tokens: int) -> Int64Array:
+    """Positions 0..num_tokens-1, the default token ids (the recommender case, an
+    append-only history): a read-only view of one shared array, grown as needed.
+
+    Called on the store thread, as a request is matched, never on the loop, and only with
+    lengths the engine has bounded: a lookup's by what the store can hold (or
+    ``max_lookup_tokens``), an offload's by its page ids. So the array stays within twice
+    the longest key the store could hold (8 bytes a token), whatever a caller asks."""
     global _positions
-    view = _views.get(num_tokens)
-    if view is not None:
-        return view
-    if num_tokens > len(_positions):
-        grown = np.arange(max(num_tokens, 2 * len(_positions), 4096), dtype=np.int64)
-        grown.flags.writeable = False
-        _positions = grown
-    view = _positions[:num_tokens]
-    if len(_views) < _MAX_VIEWS:
-        _views[num_tokens] = view
-    return view
+    have = _positions  # one read: another engine's store thread may swap it meanwhile
+    if num_tokens > len(have):
+        have = np.arange(max(num_tokens, 2 * len(have), 4096), dtype=np.int64)
+        have.flags.writeable = False
+        _positions = have
+    return have[:num_tokens]
+
+
+def at_most(field: str, value: int, bound: int, what: str) -> None:
+    """InvalidRequest naming ``field``, ``value`` and ``bound`` when ``value > bound``."""
+    if value > bound:
+        raise InvalidRequest(field, f"{value} is more than {what} ({bound})")
+
+
+def offload_pages(
+    num_tokens: int, pages: int, page_size: int, num_pages: int, capacity: int | None
+) -> None:
+    """InvalidRequest unless an offload's ``pages`` full pages fit in the caches (more would
+    name a page twice) and, where the store says how much it holds (``capacity``, tokens),
+    in the store's tiers together: such an offload could never be stored."""
+    if pages > num_pages:
+        raise InvalidRequest(
+            "num_tokens",
+            f"{num_tokens} tokens are {pages} full pages, more than the caches' {num_pages}",
+        )
+    if capacity is not None and pages * page_size > capacity:
+        raise InvalidRequest(
+            "num_tokens",
+            f"{num_tokens} tokens ({pages} full pages) are more than the store can ever hold "
+            f"({capacity}: its tiers' blocks x page_size {page_size})",
+        )

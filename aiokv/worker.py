@@ -39,7 +39,7 @@ from .requests import Kind, Request
 from .rounds import Rounds
 from .stats import StoreSideStats
 from .store_figures import StoreFigures, StoreStatsQuery
-from .stores.base import Capabilities, Store, no_yield
+from .stores.base import Capabilities, Store, capacity_tokens, no_yield
 
 log = logging.getLogger("aiokv")
 
@@ -110,6 +110,12 @@ class StoreWorker:
         return len(self._launched) + len(self._reserved) + len(self._calls.owed)
 
     @property
+    def capacity_tokens(self) -> int | None:
+        """The most tokens the store can hold; None until it is registered, or when it
+        does not say (read racily from the loop: set once, before registration ends)."""
+        return self._rounds.capacity_tokens
+
+    @property
     def d2h_copies(self) -> int:
         """Device-to-host copies the fused page ids took (read racily from the loop)."""
         return self._rounds.d2h_copies
@@ -159,6 +165,7 @@ class StoreWorker:
             self._close_store()
             return
         self._page_size = self._rounds.page_size = self._store.page_size
+        self._rounds.capacity_tokens = capacity_tokens(self._caps.store_stats, self._page_size)
         # A store that can say when a task may have ended (LocalStore's copy thread)
         # wakes this thread through the inbox; others are polled every poll_interval_us.
         set_notify = self._caps.set_notify

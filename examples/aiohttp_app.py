@@ -57,7 +57,9 @@ def int_query(request: web.Request, name: str) -> int:
     try:
         return int(request.query[name])
     except (KeyError, ValueError):
-        raise web.HTTPUnprocessableEntity(text=f"{name}: an integer is required") from None
+        # The middleware answers it as aiokv's own: 422 with a JSON body naming the field.
+        raw = request.query.get(name)
+        raise aiokv.InvalidRequest(name, f"an integer is required, got {raw!r}") from None
 
 
 async def step(request: web.Request) -> web.Response:

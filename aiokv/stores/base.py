@@ -252,6 +252,21 @@ class BoundsWaits(Protocol):
     def set_wait_timeout(self, timeout_s: float | None) -> None: ...
 
 
+def capacity_tokens(
+    store_stats: Callable[[], Mapping[str, int | float]] | None, page_size: int
+) -> int | None:
+    """The most tokens a registered store can ever hold: its tiers' blocks (host and SSD,
+    from :class:`ReportsStats`) times ``page_size``; None where it does not say (no
+    ``store_stats``, no ``host_blocks_total``, or the call fails: FlexKV's adapter)."""
+    if store_stats is None or page_size <= 0:
+        return None
+    try:
+        stats = store_stats()
+        blocks = int(stats["host_blocks_total"]) + int(stats.get("ssd_blocks_total", 0))
+    except Exception:  # a store that cannot say is bounded by the engine's config alone
+        return None
+    return blocks * page_size if blocks > 0 else None
+
 
 # The optional methods by name, as Capabilities holds them.
 OPTIONAL_METHODS = (

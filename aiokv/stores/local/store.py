@@ -224,7 +224,13 @@ class LocalStore(TaskEnds, Prestaging):
             self._remote.drain()
             self._remote.fill([(token_ids, key)], link.ssd.has if link is not None else None)
         space = host.index.space(key)
+        # No prefix of the key is longer than the pages its tables hold (host, SSD): hash
+        # no further, so a lookup costs what the key has stored, not what was asked.
+        held = (len(space) if space is not None else 0) + (
+            link.ssd_pages(key) if link is not None else 0
+        )
         mask = np.zeros(len(token_ids), dtype=np.bool_)
+        token_ids = token_ids[: held * self.page_size]
         hit = NO_BLOCKS
         digests: list[bytes] | None = None
         found: list[int | None] = []

@@ -192,6 +192,11 @@ class TierLink(LoadStaging):
             self._keep_room()
         self.stage_waiting()
 
+    def ssd_pages(self, key: tuple[str, ...]) -> int:
+        """How many pages of ``key`` the SSD tier holds (or is writing)."""
+        space = self.ssd.tier.index.space(key)
+        return 0 if space is None else len(space)
+
     # ---- invalidation, stats -------------------------------------------------------
 
     def drop(self, namespace: tuple[str, ...] | None) -> int:
