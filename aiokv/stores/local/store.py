@@ -23,9 +23,9 @@ import torch
 
 from ...config import StoreConfig
 from ...errors import ConfigError
-from ...remote.config import RemoteConfig
 from ...remote.link import RemoteLink
 from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
 from .checks import check_pages
 from .completion import Task, TaskEnds, concat
@@ -72,9 +72,9 @@ class LocalStore(TaskEnds, Prestaging):
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
         # Tokens get_match found on the host tier / only on SSD (EngineStats' tier hits).
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
-        self._ssd_stats: dict[str, int | float] = {}
         self._remote: RemoteLink | None = None  # store.remote: Mooncake, below all
-        self._remote_stats: dict[str, int | float] = {}
+        # The SSD and remote tiers' figures at their close: what they did stays readable.
+        self._closed_stats: dict[str, int | float] = {}
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -89,47 +89,14 @@ class LocalStore(TaskEnds, Prestaging):
                 "store.page_size", f"{self.page_size} does not match the caches' {page_size}"
             )
         self.page_size = page_size
-        pool = HostPool.for_caches(kv_caches, self._config.cpu_cache_gb)
-        try:
-            pool.memory.wait_first()  # the rest is pinned while the store serves
-        except BaseException:
-            pool.close()
-            raise
-        link = None
-        if self._config.ssd_cache_gb > 0:
-            link = TierLink(
-                self._config, pool, first.dtype, page_size, self._wake, self._copy,
-                self.end_tasks,
-            )
-            link.wait_timeout_s = self._wait_timeout_s
-        self._host = link.host if link is not None else Tier("host", pool)
-        self._pool, self._link = pool, link
+        parts = build(
+            self._config, kv_caches, page_size, self._wake, self._copy, self.end_tasks,
+            self._job_done, self._wait_timeout_s,
+        )
+        self._pool, self._host, self._link = parts.pool, parts.host, parts.link
+        self._transfer, self._load_transfer = parts.transfer, parts.load_transfer
+        self._remote = parts.remote
         self._gpu_pages = int(first.shape[0])
-        try:
-            if first.device.type == "cuda":
-                # A copier per direction: a GPU copies both ways at once (a copy engine
-                # each), so offloads and loads in flight together do not queue behind
-                # each other.
-                self._transfer = Transfer(
-                    kv_caches, pool, self._job_done, "aiokv-copy-out", pool.chunk_starts
-                )
-                self._load_transfer = Transfer(
-                    kv_caches, pool, self._job_done, "aiokv-copy-in", pool.chunk_starts
-                )
-            else:
-                self._transfer = Transfer(kv_caches, pool, self._job_done)
-            if self._config.remote is not None:  # last: nothing after it can fail
-                remote = RemoteConfig.from_mapping(self._config.remote)
-                self._remote = RemoteLink(remote, self._host, pool, first.dtype, page_size,
-                                          self._wake)
-        except BaseException:
-            if self._transfer is not None:
-                self._transfer.close()
-                self._transfer = None
-            if link is not None:
-                link.close()
-            pool.close()
-            raise
 
     @property
     def num_blocks(self) -> int:
@@ -379,11 +346,11 @@ class LocalStore(TaskEnds, Prestaging):
         self._transfer = self._load_transfer = None
         if self._remote is not None:
             self._remote.close()  # before the pool: its memory is registered with Mooncake
-            self._remote_stats = self._remote.stats()
+            self._closed_stats.update(self._remote.stats())
             self._remote = None
         if self._link is not None:
             self._link.close()
-            self._ssd_stats = self._link.stats()  # what it did stays readable
+            self._closed_stats.update(self._link.stats())
             self._link = None
         if self._pool is not None:
             self._pool.close()  # unpinned once nothing copies from it
@@ -422,9 +389,11 @@ class LocalStore(TaskEnds, Prestaging):
             "host_blocks_ready": self._pool.memory.ready_blocks if self._pool is not None else 0,
             **self._bytes,
             **self._hits,
+            **self._closed_stats,
         }
-        stats.update(self._link.stats() if self._link is not None else self._ssd_stats)
-        stats.update(self._remote.stats() if self._remote is not None else self._remote_stats)
+        for tier in (self._link, self._remote):
+            if tier is not None:
+                stats.update(tier.stats())
         return stats
 
     def set_notify(self, callback: Callable[[], None]) -> None:
