@@ -1,6 +1,6 @@
 """Fixed-bucket histograms, as Prometheus reads them: :class:`Histogram` is written by one
 thread (the loop's :class:`aiokv.stats.StatsRecorder`, the store thread's
-:class:`aiokv.stats.StoreSideStats`); :class:`HistogramReading` is the copy another thread
+:class:`aiokv.store_figures.StoreSideStats`); :class:`HistogramReading` is the copy another thread
 reads (``read``: one ``list.copy()`` per list, see :mod:`aiokv.stats`).
 
 The hottest writers inline :meth:`Histogram.observe` on ``counts``, ``bounds`` and
@@ -13,6 +13,12 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+
+# Histogram upper bounds ("le"); an observation above the last goes to +Inf.
+LATENCY_BOUNDS_S = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 
 
 class Histogram:

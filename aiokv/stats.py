@@ -6,8 +6,8 @@ One writer per piece of state, so nothing here takes a lock: the event loop writ
 :class:`StatsRecorder` (``record_submit`` at accept, ``record_rejected`` when admission
 turns a call away, ``record_batch`` at dispatch, ``record_outcome`` once per accepted
 request when its future is done, ``record_call`` per evict or clear,
-``record_empty_load``); the store thread writes :class:`StoreSideStats` (``posted``, as
-it posts outcomes) and keeps the store's own figures (:mod:`aiokv.store_figures`).
+``record_empty_load``); the store thread writes its latency histogram and keeps the
+store's own figures (both in :mod:`aiokv.store_figures`).
 
 Counters and buckets are preallocated Python lists, never resized: a list item is
 incremented without the conversions to and from a C integer of an ``array`` or numpy
@@ -25,16 +25,18 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import RequestTimeout
+from .histograms import LATENCY_BOUNDS_S as LATENCY_BOUNDS_S
 from .histograms import Histogram as Histogram  # public here too, as before
 from .histograms import HistogramReading as HistogramReading
 from .requests import Kind, LoadResult, LookupGrant, OffloadResult, Request
+from .store_figures import StoreSideStats as StoreSideStats  # public here too, as before
 from .store_figures import StoreStatsAnswer as StoreStatsAnswer  # public here too, as before
 from .store_figures import StoreStatsQuery as StoreStatsQuery
 from .store_figures import engine_fields
@@ -76,11 +78,6 @@ _TABLE = len(KINDS) * _WIDTH
 ) = range(_TABLE, _TABLE + 11)
 _COUNTERS = _TABLE + 11
 
-# Histogram upper bounds ("le"); an observation above the last goes to +Inf.
-LATENCY_BOUNDS_S = (
-    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
 BATCH_REQUEST_BOUNDS = tuple(float(2**i) for i in range(13))  # 1 .. 4096
 BATCH_BYTE_BOUNDS = tuple(float(4**i) for i in range(6, 19))  # 4 KiB .. 64 GiB
 
@@ -391,23 +388,3 @@ class StatsRecorder:
             empty_loads=now.empty_loads,
             **engine_fields(store or {}),
         )
-
-
-class StoreSideStats:
-    """The store thread's histogram: dispatch to outcome posted (store time). Written on
-    the store thread only."""
-
-    def __init__(self) -> None:
-        self.store = Histogram(LATENCY_BOUNDS_S)
-
-    def posted(self, pairs: Iterable[tuple[Request, object]]) -> None:
-        """Outcomes about to be posted to the loop, now."""
-        now = time.perf_counter()
-        store = self.store
-        counts, bounds = store.counts, store.bounds
-        total = 0.0
-        for request, _ in pairs:  # inlined Histogram.observe: this runs per request
-            spent = now - request.dispatched_at
-            counts[bisect_left(bounds, spent)] += 1
-            total += spent
-        store.sums[0] += total

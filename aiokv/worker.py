@@ -37,8 +37,7 @@ from .plans import outcome as outcome_of
 from .recovery import PollFailures, retry_timeout
 from .requests import Kind, Request
 from .rounds import Rounds
-from .stats import StoreSideStats
-from .store_figures import StoreFigures, StoreStatsQuery
+from .store_figures import StoreFigures, StoreSideStats, StoreStatsQuery
 from .stores.base import Capabilities, Store, capacity_tokens, no_yield
 
 log = logging.getLogger("aiokv")
