@@ -13,10 +13,16 @@ Contract, for any store:
   never stored.
 - Every id a match returns is passed to ``launch`` or ``cancel`` exactly once. A matched
   id that is neither may hold store blocks forever.
-- ``launch`` takes, per task, the int64 slots (``page * page_size + offset``) of exactly
-  the True positions of that task's mask, and must not block on the copy. It is all or
-  nothing: a launch that raises has launched none of its ids, which stay matched (the
-  engine then cancels them).
+- ``launch(task_ids, pages, ready)`` takes, per task, ``pages[i]``: the caller's page ids
+  of exactly the True pages of that task's mask, in order (a 1-D integer tensor as the
+  caller gave it: on the CPU, or a view of a tensor on the caches' device, values not yet
+  checked), and ``ready[i]``: a CUDA event (or None) after which those ids and the KV in
+  those pages are written. Each store makes what it needs of them (FlexKV: host slot
+  mappings, fused for the batch; the embedded store: copy plans). It must not block on the
+  copy. A page id outside the caches (or, for a get, a page twice) fails only its own
+  task, with status INVALID and an error that names the id as the caller gave it. A launch
+  that raises has launched none of its ids, which stay matched (the engine then cancels
+  them).
 - ``try_wait`` answers only the ids that are terminal, each once; it never blocks.
 - ``put_match`` raises :class:`NoSpace` when there is something new to write and no block
   can be reserved for it (instead of answering an all-False mask that reads as success).
@@ -40,6 +46,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ..copy.marks import LayerMarks
+
 BoolArray = npt.NDArray[np.bool_]
 Int64Array = npt.NDArray[np.int64]
 
@@ -48,6 +56,9 @@ class TaskStatus(enum.Enum):
     SUCCESS = "success"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    # The caller's input was bad (a page id outside the caches, a load's page twice):
+    # ``error`` says which value; the engine fails the request with InvalidRequest.
+    INVALID = "invalid"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +101,9 @@ class Store(Protocol):
         self, token_ids: Int64Array, namespace: Sequence[str]
     ) -> tuple[int, BoolArray]: ...
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None: ...
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None: ...
 
     def cancel(self, task_ids: Sequence[int]) -> None: ...
 
@@ -188,6 +201,17 @@ class PrestagesPuts(Protocol):
 
 
 @runtime_checkable
+class MarksLayers(Protocol):
+    """Per-layer completion of a launched get task: ``layer_marks(task_id)``, asked on the
+    store thread right after the launch that took it, gives the task's
+    :class:`~aiokv.copy.marks.LayerMarks` (its layers are copied in order and each marked),
+    or None where this task's layers are only known at its end (then the engine marks them
+    all when the task ends). Stores without it: every load is marked at its end."""
+
+    def layer_marks(self, task_id: int) -> LayerMarks | None: ...
+
+
+@runtime_checkable
 class Evicts(Protocol):
     """Drops every block stored under exactly ``namespace``; returns the tokens dropped
     (blocks * page_size)."""
@@ -208,7 +232,8 @@ class ReportsStats(Protocol):
     ssd_blocks_used, ssd_blocks_total, host_hit_tokens, ssd_hit_tokens (tokens get_match
     found on the host tier / only on SSD), bytes_d2h, bytes_h2d, bytes_ssd_written,
     bytes_ssd_read, checksum_failures, ssd_write_errors, stage_waits (loads that waited for
-    host room to stage their SSD pages; the keys the store has; the
+    host room to stage their SSD pages), d2h_copies (device-to-host copies of page ids
+    the store made for its launches; the keys the store has; the
     engine reads them into EngineStats, aiokv.store_figures). Asked by the store thread
     now and then while it works, and once more after ``close()``: a closed store may
     answer (what its close finished counts then) or raise (its last answer stands)."""
@@ -281,6 +306,7 @@ OPTIONAL_METHODS = (
     "evict",
     "clear",
     "store_stats",
+    "layer_marks",
 )
 
 
@@ -304,6 +330,7 @@ class Capabilities:
     evict: Callable[[Sequence[str]], int] | None = None
     clear: Callable[[], int] | None = None
     store_stats: Callable[[], Mapping[str, int | float]] | None = None
+    layer_marks: Callable[[int], LayerMarks | None] | None = None
 
     @classmethod
     def of(cls, store: object) -> Capabilities:

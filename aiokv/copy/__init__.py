@@ -1,0 +1,1 @@
+"""The embedded store's data plane: moving pages between the GPU caches and host blocks."""

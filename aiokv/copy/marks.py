@@ -1,0 +1,128 @@
+"""Per-layer completion of one launched load (:class:`LayerMarks`), the link between the
+copier that moves a load layer by layer and ``engine.load_layerwise``'s waiters.
+
+The copier is the producer: on a GPU it records one CUDA event per layer and stream when it
+has queued that layer's copies (:meth:`LayerMarks.queued`), on the CPU it reports each
+layer once copied (:meth:`LayerMarks.layer_done`); either way it ends with
+:meth:`LayerMarks.finish` or :meth:`LayerMarks.fail`. Waiters never hang: a failure, or a
+copier that ends without queuing a layer, wakes every waiter with the error.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+
+class LayerFailed(Exception):
+    """The load failed before this layer was in place; the message says why."""
+
+
+class LayerMarks:
+    """``num_layers`` marks of one load. Producer methods from the copier's threads,
+    waiter methods from any thread."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        # GPU: per layer, the events (one per copy stream) after that layer's copies.
+        self._events: list[tuple[Any, ...]] | None = None
+        self._done = 0  # layers in place (CPU), or all once finished
+        self._error: str | None = None
+        self._ended = False
+
+    # ---- producer ------------------------------------------------------------------
+
+    def queued(self, events: Sequence[Sequence[Any]]) -> None:
+        """Every layer's copies are queued on the device: ``events[i]`` fire once layer
+        ``i`` is in place (each on its own copy stream)."""
+        if len(events) != self.num_layers:
+            raise ValueError(f"{len(events)} event sets for {self.num_layers} layers")
+        with self._changed:
+            self._events = [tuple(e) for e in events]
+            self._changed.notify_all()
+
+    def layer_done(self, layer: int) -> None:
+        """Layer ``layer`` (and every one before it) is in place (CPU copies)."""
+        with self._changed:
+            self._done = max(self._done, layer + 1)
+            self._changed.notify_all()
+
+    def finish(self) -> None:
+        """The load ended well: every layer is in place."""
+        with self._changed:
+            self._done = self.num_layers
+            self._ended = True
+            self._changed.notify_all()
+
+    def fail(self, error: str) -> None:
+        """The load failed; layers not yet in place never will be. Their waiters raise
+        :class:`LayerFailed`. Idempotent; after :meth:`finish`, a no-op."""
+        with self._changed:
+            if not self._ended:
+                self._error = error
+                self._ended = True
+            self._changed.notify_all()
+
+    # ---- waiters -------------------------------------------------------------------
+
+    def _check(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} is outside [0, {self.num_layers})")
+
+    def _settled(self, layer: int) -> tuple[Any, ...] | None:
+        """Block until layer ``layer`` is in place (None) or has events to wait on; raise
+        LayerFailed if the load failed first."""
+        with self._changed:
+            while True:
+                if self._done > layer:
+                    return None
+                if self._events is not None and self._error is None:
+                    return self._events[layer]
+                if self._error is not None:
+                    raise LayerFailed(self._error)
+                if self._ended:
+                    return None
+                self._changed.wait()
+
+    def wait(self, layer: int, stream: Any = None) -> None:
+        """Make ``stream`` (a torch.cuda.Stream; None: the current one) wait for layer
+        ``layer`` on the device without blocking this thread beyond the moment its
+        copies are queued; on CPU copies, block until the layer is copied."""
+        self._check(layer)
+        events = self._settled(layer)
+        if events is None:
+            return
+        if stream is None:
+            import torch
+
+            stream = torch.cuda.current_stream()
+        for event in events:
+            stream.wait_event(event)
+
+    def synchronize(self, layer: int) -> None:
+        """Block this thread until layer ``layer`` is in place."""
+        self._check(layer)
+        events = self._settled(layer)
+        for event in events or ():
+            event.synchronize()
+        with self._changed:
+            if self._error is not None and self._done <= layer and events is None:
+                raise LayerFailed(self._error)
+
+    def is_ready(self, layer: int) -> bool:
+        """Whether layer ``layer`` is in place now (never blocks; False after a failure
+        that came first)."""
+        self._check(layer)
+        with self._lock:
+            if self._done > layer:
+                return True
+            events = self._events if self._error is None else None
+        return events is not None and all(event.query() for event in events[layer])
+
+    @property
+    def error(self) -> str | None:
+        with self._lock:
+            return self._error
