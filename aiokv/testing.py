@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,10 +56,14 @@ class FakeStore:
         mask[:have] = True
         return self._task(False, namespace, have, mask), mask
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
-        for task_id, slots in zip(task_ids, slot_mappings, strict=True):
-            if len(slots) != np.count_nonzero(self._tasks[task_id][3]):
-                raise ValueError(f"task {task_id}: wrong number of slots")
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
+        for task_id, page_ids in zip(task_ids, pages, strict=True):
+            if len(page_ids) * self.page_size != np.count_nonzero(self._tasks[task_id][3]):
+                raise ValueError(f"task {task_id}: wrong number of page ids")
+        if len(ready) != len(task_ids):
+            raise ValueError("launch: one ready event per task id")
         self._launched.extend(task_ids)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
@@ -141,10 +146,12 @@ class CheckingStore(StoreWrapper):
             if task_id in self.launched or task_id in self.cancelled:
                 self.violations.append(f"{verb} of id {task_id}, already launched or cancelled")
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
         self._enter("launch")
         self._ending("launch", task_ids)
-        self.inner.launch(task_ids, slot_mappings)
+        self.inner.launch(task_ids, pages, ready)
         self.launched.update(task_ids)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
