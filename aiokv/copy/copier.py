@@ -100,14 +100,15 @@ class Copier:
         pool: torch.Tensor,
         on_done: Callable[[CopyJob], None],
         name: str = "aiokv-copy",
-        streams: int = STREAMS,
+        streams: int | None = None,
     ) -> None:
         self._caches = list(caches)
         self._pool = pool
         self._on_done = on_done
         self._device = self._caches[0].device
         self._gpu_pages = int(self._caches[0].shape[0])
-        self._num_streams = streams
+        # Read here, not bound at import: a benchmark may set STREAMS before register.
+        self._num_streams = streams or STREAMS
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self.d2h_copies = 0  # device-to-host copies of page ids (one per job at most)
         self._cuda = self._device.type == "cuda"
