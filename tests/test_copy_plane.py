@@ -5,6 +5,7 @@ LocalStore failing a task with bad page ids alone (INVALID) and freeing its bloc
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,9 @@ import torch
 from conftest import PAGE_SIZE, make_caches
 
 import aiokv
+from aiokv.copy import copier as copier_module
 from aiokv.copy.copier import Copier, CopyJob
+from aiokv.copy.driver import BatchCopy, DriverError, batch_entry
 from aiokv.copy.marks import LayerFailed, LayerMarks
 from aiokv.copy.plan import Geometry, check_pages, plan, split
 from aiokv.stores.base import TaskResult, TaskStatus
@@ -300,3 +303,47 @@ def test_launch_refuses_a_wrong_page_count_and_launches_none_of_the_tasks(
                      [None, None])
     store.launch([a, b], [torch.tensor([1, 2]), torch.tensor([3, 4])], [None, None])
     assert all(r.status is TaskStatus.SUCCESS for r in wait_all(store, [a, b]).values())
+
+
+# ---- the driver ----------------------------------------------------------------------
+
+
+def test_without_the_batch_call_the_driver_says_why() -> None:
+    call, why = batch_entry()
+    if call is not None:
+        pytest.skip("this driver has cuMemcpyBatchAsync")
+    assert why
+    with pytest.raises(DriverError, match=re.escape(why)):
+        BatchCopy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_without_the_batch_call_torch_copies_move_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def absent() -> None:
+        raise DriverError("cuMemcpyBatchAsync not found (a test)")
+
+    monkeypatch.setattr(copier_module, "BatchCopy", absent)
+    monkeypatch.setattr(copier_module, "_fallback_warned", False)
+    caches = [c.cuda() for c in make_caches(pages=32, layers=LAYERS, seed=4)]
+    pool = pool_for(caches, 16).pin_memory()
+    done = Done()
+    with caplog.at_level("WARNING", logger="aiokv"):
+        copier = Copier(caches, pool, done)
+        try:
+            copier.submit(CopyJob(True, [torch.tensor([3, 9, 4], device="cuda")],
+                                  np.array([7, 0, 12]), names=[1]))
+            done.wait(1)
+            marks = LayerMarks(LAYERS)
+            copier.submit(CopyJob(False, [torch.tensor([20, 21, 22])], np.array([7, 0, 12]),
+                                  names=[2], marks=[marks]))
+            done.wait(2)
+        finally:
+            copier.close()
+    assert [job.error for job in done.jobs] == [None, None]
+    for layer, cache in enumerate(caches):
+        assert torch.equal(pool[[7, 0, 12], layer], cache[[3, 9, 4]].cpu())
+        assert torch.equal(cache[20:23], cache[[3, 9, 4]])
+    assert "a test" in caplog.text
