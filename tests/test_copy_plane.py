@@ -9,6 +9,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from aiokv.copy.copier import Copier, CopyJob
 from aiokv.copy.driver import BatchCopy, DriverError, batch_entry
 from aiokv.copy.marks import LayerFailed, LayerMarks
 from aiokv.copy.plan import Geometry, check_pages, plan, split
-from aiokv.stores.base import TaskResult, TaskStatus
+from aiokv.stores.base import NoSpace, TaskResult, TaskStatus
 
 LAYERS = 3
 
@@ -347,3 +348,45 @@ def test_on_a_gpu_without_the_batch_call_torch_copies_move_the_same_bytes(
         assert torch.equal(pool[[7, 0, 12], layer], cache[[3, 9, 4]].cpu())
         assert torch.equal(cache[20:23], cache[[3, 9, 4]])
     assert "a test" in caplog.text
+
+
+def test_a_load_from_ssd_checks_its_whole_page_list_and_fails_alone(tmp_path: Path) -> None:
+    caches = make_caches(pages=32)
+    block = len(caches) * caches[0][0].numel() * caches[0].element_size()
+    store = aiokv.LocalStore(aiokv.StoreConfig(
+        cpu_cache_gb=4 * block / (1 << 30), ssd_cache_gb=64 * 4096 / (1 << 30),
+        ssd_cache_dir=str(tmp_path), ssd_write_policy="write_through"))
+    store.register(caches)
+    try:
+        tokens = np.arange(4 * PAGE_SIZE, dtype=np.int64)
+        # b's put evicts a's two tail blocks once they are on SSD: a load of a then
+        # copies a host prefix of two pages and two pages staged from SSD, apart.
+        for key, first, count in (("a", 0, 4), ("b", 4, 2)):
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    task, _ = store.put_match(tokens[: count * PAGE_SIZE], [key])
+                    break
+                except NoSpace:
+                    assert time.monotonic() < deadline, "no room came back"
+                    store.try_wait([])
+                    time.sleep(0.01)
+            store.launch([task], [torch.arange(first, first + count)], [None])
+            assert wait_all(store, [task])[task].status is TaskStatus.SUCCESS
+        results, marks = [], []
+        # The first gives page 20 twice, once in each part (neither part alone repeats
+        # a page); the pages it staged from SSD stay on the host for the second.
+        for target in ([20, 21, 22, 20], [24, 25, 26, 27]):
+            task, mask = store.get_match(tokens, ["a"])
+            assert mask.all()
+            store.launch([task], [torch.tensor(target)], [None])
+            marks.append(store.layer_marks(task))
+            results.append(wait_all(store, [task])[task])
+        assert marks[0] is None  # a load with an SSD part: its layers are known at its end
+        bad, good = results
+        assert bad.status is TaskStatus.INVALID and "page id 20 is given twice" in bad.error
+        assert good.status is TaskStatus.SUCCESS, good.error
+        for cache in caches:
+            assert torch.equal(cache[24:28], cache[0:4])
+    finally:
+        store.close()

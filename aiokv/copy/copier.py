@@ -70,8 +70,11 @@ class CopyJob:
     ``blocks`` holds every segment's host blocks, in segment order; ``names[s]`` is the
     task id that segment ``s``'s errors name; ``ready`` the CUDA events (or None) the
     copies wait for; ``marks[s]`` a load segment's per-layer marks (or None). The copier
-    sets ``error`` (the job failed: nothing it moved counts) and ``invalid`` (segment ->
-    why its page ids were refused; nothing of it was copied)."""
+    sets ``error`` (the job failed: nothing it moved counts), ``invalid`` (segment -> why
+    its page ids were refused; nothing of it was copied) and ``copied`` (the pages it
+    moved). ``check_only``: the job only checks its page ids (``blocks`` is empty): a load
+    copied in parts checks its whole page list once, so that no page is given twice.
+    """
 
     to_host: bool
     pages: Sequence[torch.Tensor | Int64Array]
@@ -81,6 +84,8 @@ class CopyJob:
     marks: Sequence[LayerMarks | None] = ()
     error: str | None = None
     invalid: dict[int, str] = field(default_factory=dict)
+    check_only: bool = False
+    copied: int = 0
 
 
 @dataclass(slots=True)
@@ -234,11 +239,13 @@ class Copier:
                 if marks is not None:
                     marks.fail(why)
             at += count
+        if job.check_only:
+            return ids[:0], job.blocks[:0]
         if len(ids) != len(job.blocks):
             raise ValueError(f"{len(ids)} page ids for {len(job.blocks)} host blocks")
-        if keep is None:
-            return ids, job.blocks
-        return ids[keep], job.blocks[keep]
+        pages, blocks = (ids, job.blocks) if keep is None else (ids[keep], job.blocks[keep])
+        job.copied = len(pages)
+        return pages, blocks
 
     def _live_marks(self, job: CopyJob) -> list[LayerMarks]:
         return [m for s, m in enumerate(job.marks) if m is not None and s not in job.invalid]

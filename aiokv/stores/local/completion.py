@@ -83,8 +83,7 @@ class TaskEnds:
         while done:
             job = done.popleft()
             tasks, size = self.launched.pop(id(job))
-            refused = sum(len(job.pages[s]) for s in job.invalid)
-            moved = (len(job.blocks) - refused) * self.block_bytes
+            moved = job.copied * self.block_bytes
             self.bytes["bytes_d2h" if job.to_host else "bytes_h2d"] += moved
             if link is not None and not self.closed:
                 link.job_done(job)

@@ -47,9 +47,10 @@ from .index import Space
 from .ssd import SsdRequest, SsdTier
 
 # The store's copy of a load's pages (``pages``, a slice of the caller's page ids) from
-# host ``blocks``, waiting for the load's ready events, naming its task in errors; the
-# job ends ``tasks`` (none: a chunk, whose task ends with the load's last job).
-Copy = Callable[[list[Any], Any, Int64Array, "Load"], CopyJob]
+# host ``blocks`` (None: only check the pages), waiting for the load's ready events,
+# naming its task in errors; the job ends ``tasks`` (none: a chunk, whose task ends with
+# the load's last job).
+Copy = Callable[[list[Any], Any, "Int64Array | None", "Load"], CopyJob]
 End = Callable[[list[Any], bool], None]
 
 
@@ -205,6 +206,8 @@ class LoadStaging:
         if load.finished:
             self._copy([task], gpu_pages[: len(task.blocks)], task.blocks, load)
             return
+        # Its pages are copied chunk by chunk: checked whole first (no page twice).
+        self._chunk_jobs[id(self._copy([], gpu_pages, None, load))] = (load, False)
         if load.hits:
             self._chunk(load, gpu_pages[: load.hits], task.blocks[: load.hits], prefix=True)
         if not load.staged:

@@ -317,21 +317,23 @@ class LocalStore:
         return [first // size for first in firsts]
 
     def _copy(
-        self, tasks: list[Task], pages: Sequence[Any], blocks: Int64Array,
+        self, tasks: list[Task], pages: Sequence[Any], blocks: Int64Array | None,
         ready: Sequence[Any], load: Load | None = None,
     ) -> CopyJob:
-        """Queue one copy job of ``pages[s]`` (segment ``s``) <-> ``blocks``; ``tasks``
-        (maybe none: a load's chunk) end with it, one segment each."""
+        """Queue one copy job of ``pages[s]`` (segment ``s``) <-> ``blocks`` (None: only
+        check the pages); ``tasks`` (maybe none: a load's chunk) end with it, one segment
+        each."""
         is_put = bool(tasks) and tasks[0].is_put
         names = [task.task_id for task in tasks] or ([load.task.task_id] if load else [0])
         events = {id(e): e for e in ready if e is not None}  # a batch's callers share some
         job = CopyJob(
             to_host=is_put,
             pages=pages,
-            blocks=blocks,
+            blocks=NO_BLOCKS if blocks is None else blocks,
             names=names,
             ready=list(events.values()),
             marks=[task.marks for task in tasks],
+            check_only=blocks is None,
         )
         size = len(tasks[0].blocks) if tasks else 0  # the tasks' common block count, or 0
         if any(len(task.blocks) != size for task in tasks):
@@ -343,7 +345,9 @@ class LocalStore:
         copier.submit(job)
         return job
 
-    def _copy_chunk(self, tasks: list[Any], pages: Any, blocks: Int64Array, load: Load) -> CopyJob:
+    def _copy_chunk(
+        self, tasks: list[Any], pages: Any, blocks: Int64Array | None, load: Load
+    ) -> CopyJob:
         """The SSD link's copy of a load's pages (loads.Copy)."""
         return self._copy(tasks, [pages], blocks, load.ready, load)
 
