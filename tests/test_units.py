@@ -14,6 +14,7 @@ from conftest import PAGE_SIZE, make_caches
 import aiokv
 from aiokv.batcher import plan_batches
 from aiokv.config import parse_config
+from aiokv.copy.copier import Copier
 from aiokv.cuda import fuse_page_ids
 from aiokv.requests import Kind, Request
 from aiokv.slots import FusedPages, select_slots
@@ -447,7 +448,7 @@ def test_short_requests_on_an_evicted_long_sequence_and_shared_loads_copy_their_
     store.close()
 
 
-def test_local_store_rolls_back_cancel_and_failed_copies() -> None:
+def test_local_store_rolls_back_cancel_and_failed_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     caches = make_caches(pages=16)
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     store.register(caches)
@@ -460,10 +461,10 @@ def test_local_store_rolls_back_cancel_and_failed_copies() -> None:
     task, again = store.put_match(tokens, ["u"])
     assert again.all()
 
-    def broken_copy(job: object) -> None:
+    def broken_copy(copier: object, job: object) -> None:
         raise RuntimeError("injected copy failure")
 
-    store._copier._move_cpu = broken_copy  # type: ignore[union-attr,method-assign]
+    monkeypatch.setattr(Copier, "_move_cpu", broken_copy)
     store.launch([task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
     result = _wait(store, [task])[task]
     assert result.status is aiokv.TaskStatus.FAILED
@@ -476,16 +477,18 @@ def test_local_store_rolls_back_cancel_and_failed_copies() -> None:
     store.close()
 
 
-def test_local_store_answers_tasks_that_ended_before_close_after_it() -> None:
+def test_local_store_answers_tasks_that_ended_before_close_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     caches = make_caches(pages=16)
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     store.register(caches)
     failing, _ = store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["u"])
 
-    def broken_copy(job: object) -> None:
+    def broken_copy(copier: object, job: object) -> None:
         raise RuntimeError("injected copy failure")
 
-    store._copier._move_cpu = broken_copy  # type: ignore[union-attr,method-assign]
+    monkeypatch.setattr(Copier, "_move_cpu", broken_copy)
     store.launch([failing], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
     store.close()  # waits for the copy: the task ended, unanswered, before the close
     answer = store.try_wait([failing])  # the pool is gone: answered all the same

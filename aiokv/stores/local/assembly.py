@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from ...config import StoreConfig
-from ...copy.copier import Copier, CopyJob
+from ...copy.copier import Copier
 from ...remote.config import RemoteConfig
 from ...remote.link import RemoteLink
 from .blocks import Tier
-from .loads import Copy, End
+from .completion import TaskEnds
+from .jobs import CopyJobs
 from .pool import HostPool
 from .tiering import TierLink
 
@@ -27,8 +28,7 @@ class Parts:
     pool: HostPool
     host: Tier
     link: TierLink | None  # the SSD tier's, None without one
-    copier: Copier  # offloads, and on the CPU loads too
-    load_copier: Copier | None  # loads, on a GPU
+    jobs: CopyJobs
     remote: RemoteLink | None
 
 
@@ -37,9 +37,7 @@ def build(
     kv_caches: Sequence[torch.Tensor],
     page_size: int,
     wake: Callable[[], None],
-    copy: Copy,
-    end_tasks: End,
-    job_done: Callable[[CopyJob], None],
+    ends: TaskEnds,
     wait_timeout_s: float | None,
 ) -> Parts:
     first = kv_caches[0]
@@ -48,18 +46,20 @@ def build(
     copiers: list[Copier] = []
     try:
         pool.memory.wait_first()  # the rest is pinned while the store serves
-        if config.ssd_cache_gb > 0:
-            link = TierLink(config, pool, first.dtype, page_size, wake, copy, end_tasks)
-            link.wait_timeout_s = wait_timeout_s
-        host = link.host if link is not None else Tier("host", pool)
         if first.device.type == "cuda":
             # A copier per direction: a GPU copies both ways at once (a copy engine
             # each), so offloads and loads in flight together do not queue behind
             # each other.
             for name in ("aiokv-copy-out", "aiokv-copy-in"):
-                copiers.append(Copier(kv_caches, pool.data, job_done, name))
+                copiers.append(Copier(kv_caches, pool.data, ends.job_done, name))
         else:
-            copiers.append(Copier(kv_caches, pool.data, job_done))
+            copiers.append(Copier(kv_caches, pool.data, ends.job_done))
+        jobs = CopyJobs(copiers, ends)
+        if config.ssd_cache_gb > 0:
+            link = TierLink(config, pool, first.dtype, page_size, wake, jobs.chunk,
+                            ends.end_tasks)
+            link.wait_timeout_s = wait_timeout_s
+        host = link.host if link is not None else Tier("host", pool)
         remote = None
         if config.remote is not None:  # last: nothing after it can fail
             remote = RemoteLink(RemoteConfig.from_mapping(config.remote), host, pool,
@@ -71,6 +71,4 @@ def build(
             link.close()
         pool.close()
         raise
-    load_copier = copiers[1] if len(copiers) > 1 else None
-    return Parts(pool, host, link, copiers[0], load_copier, remote)
-
+    return Parts(pool, host, link, jobs, remote)

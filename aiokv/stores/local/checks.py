@@ -1,8 +1,11 @@
-"""The launch's check of its slot mappings, for the whole launch at once."""
+"""The old seam's launch (slot mappings, not page ids), kept until the engine's page-based
+launch merges: its slot mappings checked for the whole launch at once, and turned into
+page ids."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,3 +47,17 @@ def _pages_ok(first: Int64Array, last: Int64Array, page_size: int, gpu_pages: in
         or int(first.max()) >= gpu_pages * page_size
         or (last - first != page_size - 1).any()
     )
+
+
+def pages_of_slots(
+    task_ids: Sequence[int], slot_mappings: Sequence[Any], page_size: int, gpu_pages: int
+) -> list[Int64Array]:
+    """Each task's page ids from its slot mapping; ValueError (the whole launch fails, as
+    with the old seam) for one that is not whole pages in order of pages that exist."""
+    if len(task_ids) != len(slot_mappings):
+        raise ValueError("launch: one slot mapping per task id")
+    slots = [np.asarray(s, dtype=np.int64) for s in slot_mappings]
+    firsts = [s[::page_size] for s in slots]
+    lasts = [s[page_size - 1 :: page_size] for s in slots]
+    check_pages(task_ids, firsts, lasts, page_size, gpu_pages)
+    return [first // page_size for first in firsts]

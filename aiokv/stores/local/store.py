@@ -1,15 +1,15 @@
 """LocalStore: aiokv's embedded store, host blocks under a prefix index, with an
 optional SSD tier below (``ssd_cache_gb``).
 
-This module owns the Store protocol's tasks and copy jobs; how a job's end ends its
-tasks is :mod:`.completion`'s (a :class:`~.completion.TaskEnds` the store holds), block
-states, readers and eviction are a tier's (:mod:`.blocks`), the GPU <-> host copies the
-data plane's (:mod:`aiokv.copy.copier`: the callers' page ids are checked and planned
-there, off this thread), and moving blocks between the host and the SSD tier the link's
-(:mod:`.tiering`). All metadata is touched only on the caller's thread (the engine's
-store thread); the copy and I/O threads only move bytes and report. That thread holds
-the GIL for all of it, so the bookkeeping is done per task or per copy job with numpy
-over arrays of blocks and C-level dict operations, never a Python loop per block.
+This module owns the Store protocol's tasks; how a job's end ends them is
+:mod:`.completion`'s, their copy jobs :mod:`.jobs`' (the data plane, :mod:`aiokv.copy`,
+checks and plans the callers' page ids off this thread), block states, readers and
+eviction a tier's (:mod:`.blocks`), and moving blocks between the host and the SSD tier
+the link's (:mod:`.tiering`). All metadata is touched only on the caller's thread (the
+engine's store thread); the copy and I/O threads only move bytes and report. That
+thread holds the GIL for all of it, so the bookkeeping is done per task or per copy job
+with numpy over arrays of blocks and C-level dict operations, never a Python loop per
+block.
 """
 
 from __future__ import annotations
@@ -22,17 +22,16 @@ import numpy as np
 import torch
 
 from ...config import StoreConfig
-from ...copy.copier import Copier, CopyJob
 from ...copy.marks import LayerMarks
 from ...errors import ConfigError
 from ...remote.link import RemoteLink
 from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
-from .checks import check_pages
+from .checks import pages_of_slots
 from .completion import Task, TaskEnds, concat
 from .index import BlockIndex, chain_digests
-from .loads import Load
+from .jobs import CopyJobs
 from .pool import HostPool
 from .tiering import TierLink
 
@@ -56,8 +55,7 @@ class LocalStore:
             )
         self.page_size = self._config.page_size or 0
         self._pool: HostPool | None = None
-        self._copier: Copier | None = None  # offloads, and on the CPU loads too
-        self._load_copier: Copier | None = None  # loads, on a GPU
+        self._jobs: CopyJobs | None = None  # the copiers, from register to close
         self._host: Tier | None = None
         self._link: TierLink | None = None
         self._num_layers = 0
@@ -74,12 +72,12 @@ class LocalStore:
         self._remote: RemoteLink | None = None  # store.remote: Mooncake, below all
         # The SSD and remote tiers' figures at their close: what they did stays readable.
         self._closed_stats: dict[str, int | float] = {}
-        self._d2h_closed = 0  # the copiers' d2h_copies, once closed
+        self._d2h_closed = 0  # the copiers' d2h_copies at close
 
     # ---- set-up --------------------------------------------------------------------
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        if self._copier is not None:
+        if self._jobs is not None:
             # A second copy thread and pool would orphan every task of the first.
             raise RuntimeError("LocalStore.register() was already called")
         first = kv_caches[0]
@@ -90,12 +88,9 @@ class LocalStore:
             )
         self.page_size = page_size
         ends = self._ends
-        parts = build(
-            self._config, kv_caches, page_size, self._wake, self._copy_chunk, ends.end_tasks,
-            ends.job_done, self._wait_timeout_s,
-        )
+        parts = build(self._config, kv_caches, page_size, self._wake, ends, self._wait_timeout_s)
         self._pool, self._host, self._link = parts.pool, parts.host, parts.link
-        self._copier, self._load_copier = parts.copier, parts.load_copier
+        self._jobs = parts.jobs
         self._remote = parts.remote
         ends.host, ends.link, ends.remote = parts.host, parts.link, parts.remote
         ends.block_bytes = parts.pool.block_bytes
@@ -266,13 +261,13 @@ class LocalStore:
         mask's. Without ``ready``, ``pages`` may be the old seam's slot mappings (numpy:
         whole pages of slots), until the engine's page-based launch has merged."""
         if ready is None:
-            pages = self._pages_of_slots(task_ids, pages)
+            pages = pages_of_slots(task_ids, pages, self.page_size, self._gpu_pages)
             ready = [None] * len(task_ids)
         if not len(task_ids) == len(pages) == len(ready):
             raise ValueError("launch: one page id tensor and one ready event per task id")
         if len(set(task_ids)) != len(task_ids):
             raise ValueError("launch: a task id is given twice")
-        self._require_copier()
+        jobs = self._require_jobs()
         chosen: dict[str, list[tuple[Task, Any, Any]]] = {"get": [], "put": [], "load": []}
         for task_id, task_pages, event in zip(task_ids, pages, ready, strict=True):
             task = self._tasks.get(task_id)
@@ -296,60 +291,12 @@ class LocalStore:
         for kind in ("get", "put"):
             if chosen[kind]:
                 tasks = [task for task, _, _ in chosen[kind]]
-                self._copy(tasks, [p for _, p, _ in chosen[kind]],
-                           concat([task.blocks for task in tasks]),
-                           [e for _, _, e in chosen[kind]])
+                jobs.submit(tasks, [p for _, p, _ in chosen[kind]],
+                            concat([task.blocks for task in tasks]),
+                            [e for _, _, e in chosen[kind]])
         for task, task_pages, event in chosen["load"]:
             assert task.load is not None and self._link is not None
             self._link.launch_load(task.load, task_pages, [event])
-
-    def _pages_of_slots(
-        self, task_ids: Sequence[int], slot_mappings: Sequence[Any]
-    ) -> list[Int64Array]:
-        """The old seam's launch: slot mappings (whole pages of slots, checked) to page
-        ids. A bad slot mapping fails the whole launch, as it did."""
-        if len(task_ids) != len(slot_mappings):
-            raise ValueError("launch: one slot mapping per task id")
-        size = self.page_size
-        slots = [np.asarray(s, dtype=np.int64) for s in slot_mappings]
-        firsts = [s[::size] for s in slots]
-        check_pages(task_ids, firsts, [s[size - 1 :: size] for s in slots], size, self._gpu_pages)
-        return [first // size for first in firsts]
-
-    def _copy(
-        self, tasks: list[Task], pages: Sequence[Any], blocks: Int64Array | None,
-        ready: Sequence[Any], load: Load | None = None,
-    ) -> CopyJob:
-        """Queue one copy job of ``pages[s]`` (segment ``s``) <-> ``blocks`` (None: only
-        check the pages); ``tasks`` (maybe none: a load's chunk) end with it, one segment
-        each."""
-        is_put = bool(tasks) and tasks[0].is_put
-        names = [task.task_id for task in tasks] or ([load.task.task_id] if load else [0])
-        events = {id(e): e for e in ready if e is not None}  # a batch's callers share some
-        job = CopyJob(
-            to_host=is_put,
-            pages=pages,
-            blocks=NO_BLOCKS if blocks is None else blocks,
-            names=names,
-            ready=list(events.values()),
-            marks=[task.marks for task in tasks],
-            check_only=blocks is None,
-        )
-        size = len(tasks[0].blocks) if tasks else 0  # the tasks' common block count, or 0
-        if any(len(task.blocks) != size for task in tasks):
-            size = 0
-        self._ends.launched[id(job)] = (tasks, size)
-        copier = self._require_copier()
-        if not is_put and self._load_copier is not None:
-            copier = self._load_copier
-        copier.submit(job)
-        return job
-
-    def _copy_chunk(
-        self, tasks: list[Any], pages: Any, blocks: Int64Array | None, load: Load
-    ) -> CopyJob:
-        """The SSD link's copy of a load's pages (loads.Copy)."""
-        return self._copy(tasks, [pages], blocks, load.ready, load)
 
     def layer_marks(self, task_id: int) -> LayerMarks | None:
         """The per-layer marks of a get task the last launch took (base.MarksLayers);
@@ -381,11 +328,10 @@ class LocalStore:
 
     def close(self) -> None:
         """Finish queued copies (and SSD writes), then release the pool."""
-        for copier in (self._copier, self._load_copier):
-            if copier is not None:
-                copier.close()
-                self._d2h_closed += copier.d2h_copies
-        self._copier = self._load_copier = None
+        if self._jobs is not None:
+            self._jobs.close()
+            self._d2h_closed = self._jobs.d2h_copies
+        self._jobs = None
         self._ends.closed = True
         if self._remote is not None:
             self._remote.close()  # before the pool: its memory is registered with Mooncake
@@ -431,9 +377,7 @@ class LocalStore:
             # Pinned so far (the pool grows into its size after start); all when unpinned.
             "host_blocks_ready": self._pool.memory.ready_blocks if self._pool is not None else 0,
             **self._ends.bytes,
-            "d2h_copies": self._d2h_closed + sum(
-                c.d2h_copies for c in (self._copier, self._load_copier) if c is not None
-            ),
+            "d2h_copies": self._jobs.d2h_copies if self._jobs else self._d2h_closed,
             **self._hits,
             **self._closed_stats,
         }
@@ -468,10 +412,10 @@ class LocalStore:
             raise RuntimeError("LocalStore is not registered (or already closed)")
         return self._host
 
-    def _require_copier(self) -> Copier:
-        if self._copier is None:
+    def _require_jobs(self) -> CopyJobs:
+        if self._jobs is None:
             raise RuntimeError("LocalStore is not registered (or already closed)")
-        return self._copier
+        return self._jobs
 
     def _wake(self) -> None:  # any thread
         if self._notify is not None:
