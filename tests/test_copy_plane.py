@@ -218,6 +218,31 @@ def test_a_failed_copy_fails_the_job_and_every_layer_waiter() -> None:
         copier.close()
 
 
+def test_a_layer_waiter_gets_that_layers_events_on_its_stream() -> None:
+    """On a GPU a layer is marked by the events recorded after its copies, one per copy
+    stream: a waiter's stream must wait for exactly those (here, named stand-ins)."""
+
+    class Stream:
+        def __init__(self) -> None:
+            self.waited: list[str] = []
+
+        def wait_event(self, event: str) -> None:
+            self.waited.append(event)
+
+    marks, stream = LayerMarks(3), Stream()
+    waiter = threading.Thread(target=marks.wait, args=(1, stream))
+    waiter.start()  # blocks until layer 1 is queued
+    marks.layer_queued(0, ["0a", "0b"])
+    marks.layer_queued(1, ["1a", "1b"])
+    waiter.join(10)
+    assert not waiter.is_alive() and stream.waited == ["1a", "1b"]
+    with pytest.raises(ValueError, match="layer 1 queued after 2 layers"):
+        marks.layer_queued(1, ["again"])  # layers are queued once, in order
+    marks.fail("the copy failed")
+    with pytest.raises(LayerFailed, match="the copy failed"):
+        marks.wait(2, stream)
+
+
 # ---- LocalStore, driven directly -----------------------------------------------------
 
 
