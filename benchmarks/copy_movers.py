@@ -35,9 +35,7 @@ import numpy as np
 import torch
 from copy_plans import Geometry, Plan, check_aligned, plan, runs
 
-from aiokv.stores.local.graphs import gather_layers, scatter_layers
-
-STAGING_BYTES = 128 << 20  # per staging buffer, as aiokv/stores/local/transfer.py today
+STAGING_BYTES = 128 << 20  # per staging buffer, as the embedded store's gathers had
 KERNEL_THREADS = 1024
 
 KERNEL = r"""
@@ -51,6 +49,19 @@ extern "C" __global__ void copy_segments(const unsigned long long* table, long l
     }
 }
 """
+
+
+def gather_layers(caches: list[torch.Tensor], pages: torch.Tensor, blocks: torch.Tensor) -> None:
+    """``blocks[i, layer] = caches[layer][pages[i]]``: one gather kernel per layer (the
+    embedded store's data plane before the copy engines took it over)."""
+    for layer, cache in enumerate(caches):
+        torch.index_select(cache, 0, pages, out=blocks[:, layer])
+
+
+def scatter_layers(caches: list[torch.Tensor], pages: torch.Tensor, blocks: torch.Tensor) -> None:
+    """``caches[layer][pages[i]] = blocks[i, layer]``: one scatter kernel per layer."""
+    for layer, cache in enumerate(caches):
+        cache.index_copy_(0, pages, blocks[:, layer])
 
 
 class Pages:

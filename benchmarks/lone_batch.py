@@ -12,10 +12,6 @@ not around a first chunk moved ahead of the job, which runs before them)
 and a raw pinned copy of the same bytes measured in the same run: back to back (the
 ratio's base) and alone after a pause, as a lone batch meets the device.
 
-``--floor``: the same batches through :class:`lone_floor.FloorPipeline` too, in the same
-run: the least this design's lone batch costs (``benchmarks/lone_floor.py`` says what it
-leaves out), so the engine's gap splits into its own overhead and the design's.
-
 ``--trace DIR``: one more offload and load batch of each shape under ``torch.profiler``
 (CUDA runtime calls of every thread, the GPU's kernels and copies), each written as a
 Chrome trace and summarised as a timeline from the batch's first submit.
@@ -34,16 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lone_floor import FloorPipeline  # benchmarks/lone_floor.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiokv
 from aiokv import calls, resolution, worker
 from aiokv.bench.bandwidth import raw_copy_gib_s
+from aiokv.copy import copier as local_copier
 from aiokv.running import pick_device, run_uvloop
+from aiokv.stores.local import completion as local_completion
 from aiokv.stores.local import store as local_store
-from aiokv.stores.local import transfer as local_transfer
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32
 
@@ -80,17 +76,15 @@ def instrument_fine(marks: Marks) -> None:
     _wrap(calls.StoreCalls, "match", "match_start", None, marks)
     _wrap(rounds.Rounds, "_execute", "planned", None, marks)
     _wrap(local_store.LocalStore, "launch", "launching", None, marks)
-    _wrap(local_transfer.Transfer, "_enqueue_cuda", "copy_thread", None, marks)
-    _wrap(local_transfer, "in_host_order", None, "ordered", marks)
-    _wrap(local_transfer.LayerGraphs, "gather", "first_graph", None, marks)
-    _wrap(local_transfer.LayerGraphs, "scatter", "first_graph", None, marks)
+    _wrap(local_copier.Copier, "_queue_cuda", "copy_thread", None, marks)
+    _wrap(local_copier, "plan", None, "copies_planned", marks)
     _wrap(worker.StoreWorker, "_poll", "polled", None, marks)
 
 
 def instrument(marks: Marks) -> None:
     _wrap(worker.StoreWorker, "_handle", "store_thread", None, marks)
     _wrap(local_store.LocalStore, "launch", None, "launched", marks)
-    _wrap(local_store.LocalStore, "_job_done", "copied", None, marks)
+    _wrap(local_completion.TaskEnds, "job_done", "copied", None, marks)
     _wrap(resolution.Resolver, "deliver", "resolved", None, marks)
     original_post = worker.StoreWorker._post
 
@@ -101,27 +95,29 @@ def instrument(marks: Marks) -> None:
 
     worker.StoreWorker._post = post  # type: ignore[method-assign]
     _wrap(calls.StoreCalls, "match", None, "matched", marks)
-    enqueue = getattr(local_transfer.Transfer, "_enqueue_chunks", None)
-    if enqueue is not None:
+    enqueue = local_copier.Copier._queue_cuda
 
-        def timed_enqueue(self: Any, job: Any) -> Any:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self._copy_stream if not job.to_host else self._gpu_stream)
-            in_flight = enqueue(self, job)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(self._copy_stream if job.to_host else self._gpu_stream)
-            marks.mark("queued")
-            marks.gpu_ms.append(0.0)
-            index = len(marks.gpu_ms) - 1
+    def timed_enqueue(self: Any, job: Any, ids: Any, streams: Any, batch: Any) -> Any:
+        # The GPU's span of the job: from its first stream's start to every stream's end.
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(streams[0])
+        queued = enqueue(self, job, ids, streams, batch)
+        for event in queued.ends:
+            streams[0].wait_event(event)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(streams[0])
+        marks.mark("queued")
+        marks.gpu_ms.append(0.0)
+        index = len(marks.gpu_ms) - 1
 
-            def measure() -> None:
-                end.synchronize()
-                marks.gpu_ms[index] = start.elapsed_time(end)
+        def measure() -> None:
+            end.synchronize()
+            marks.gpu_ms[index] = start.elapsed_time(end)
 
-            marks.pending_gpu = measure
-            return in_flight
+        marks.pending_gpu = measure
+        return queued
 
-        local_transfer.Transfer._enqueue_chunks = timed_enqueue  # type: ignore[method-assign]
+    local_copier.Copier._queue_cuda = timed_enqueue  # type: ignore[method-assign]
 
 
 def _sync(device: torch.device) -> None:
@@ -197,40 +193,8 @@ def summarise_trace(path: Path, label: str) -> list[str]:
     return [f"  {a:8.3f} -> {e:8.3f} ms  {w:>9} x{n:<3} {name}" for a, n, w, name, e in lines]
 
 
-async def floor_rows(caches: list[torch.Tensor], users: int, pages: int, repeats: int,
-                     device: torch.device) -> dict[str, float]:
-    """Median ms of the floor pipeline's lone offload and load batches, each timed like
-    the engine's (first call to last result, after the same page-id set-up and sync)."""
-    floor = FloorPipeline(caches, users * pages)
-    num_pages = caches[0].shape[0]
-    times: dict[str, list[float]] = {"offload": [], "load": []}
-    try:
-        for repeat in range(repeats + 1):  # 0 warms up
-            for kind in ("offload", "load"):
-                first = 0 if kind == "offload" else num_pages // 2
-                page_ids = [torch.arange(first + u * pages, first + (u + 1) * pages,
-                                         device=device) for u in range(users)]
-                _sync(device)
-                batch: list[Any] = []
-                start = time.perf_counter()
-                await asyncio.gather(*(floor.call(batch, users, page_ids[u], kind == "offload")
-                                       for u in range(users)))
-                elapsed = (time.perf_counter() - start) * 1e3
-                if repeat:
-                    times[kind].append(elapsed)
-            if repeat == 0:  # the floor moves the bytes it claims to
-                half = num_pages // 2
-                for cache in caches:
-                    if not torch.equal(cache[: users * pages], cache[half: half + users * pages]):
-                        raise RuntimeError("the floor pipeline's load differs from its offload")
-    finally:
-        floor.close()
-    return {f"floor_{kind}_ms": statistics.median(ms) for kind, ms in times.items()}
-
-
 async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,
-                    device: torch.device, trace: Path | None = None,
-                    floor: bool = False) -> dict[str, Any]:
+                    device: torch.device, trace: Path | None = None) -> dict[str, Any]:
     pages = tokens // PAGE
     num_pages = users * pages * 2
     caches = [torch.randn(num_pages, 2, PAGE, HEADS, HEAD_DIM, device=device,
@@ -297,8 +261,6 @@ async def run_shape(users: int, tokens: int, repeats: int, marks: Marks,
     out: dict[str, Any] = {"users": users, "tokens": tokens, "bytes": nbytes,
                            "raw_d2h_ms": d2h, "raw_h2d_ms": h2d,
                            **_lone_copy_ms(nbytes, device, repeats)}
-    if floor and device.type == "cuda":
-        out.update(await floor_rows(caches, users, pages, repeats, device))
     for kind, kind_rows in rows.items():
         keys = set.intersection(*(set(r) for r in kind_rows))
         medians = {k: statistics.median(r[k] for r in kind_rows) for k in keys}
@@ -314,8 +276,6 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=None)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     parser.add_argument("--fine", action="store_true", help="more stages (instrument_fine)")
-    parser.add_argument("--floor", action="store_true",
-                        help="the floor pipeline's lone batches too (lone_floor.py)")
     args = parser.parse_args()
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
@@ -328,7 +288,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         users, tokens = (int(x) for x in shape.split("x"))
         result = run_uvloop(run_shape(users, tokens, args.repeats, marks, device,
-                                       args.trace, args.floor))
+                                       args.trace))
         results.append(result)
         for kind, way in (("offload", "d2h"), ("load", "h2d")):
             row, raw = result[kind], result[f"raw_{way}_ms"]
@@ -338,9 +298,6 @@ def main() -> None:
             if f"raw_lone_{way}_wall_ms" in result:
                 lone = (f", raw alone after a pause {result[f'raw_lone_{way}_wall_ms']:.2f} "
                         f"(gpu {result[f'raw_lone_{way}_span_ms']:.2f})")
-            if f"floor_{kind}_ms" in result:
-                floor_ms = result[f"floor_{kind}_ms"]
-                lone += f", floor {floor_ms:.2f} ({raw / floor_ms:.0%} of raw)"
             print(f"{users}x{tokens} {kind}: total {row['total']:.2f} ms, raw {raw:.2f} ms "
                   f"({raw / row['total']:.0%} of raw){lone}, gpu span {row['gpu_span']:.2f} | "
                   f"ms from first submit: {stages}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from pathlib import Path
 
@@ -15,11 +14,10 @@ from conftest import PAGE_SIZE, launch_slots, make_caches
 import aiokv
 from aiokv.batcher import plan_batches
 from aiokv.config import parse_config
+from aiokv.copy.copier import Copier
 from aiokv.requests import Kind, Request
 from aiokv.stores.fused import FusedPages, fuse_page_ids
-from aiokv.stores.local import transfer
 from aiokv.stores.local.index import chain_digests
-from aiokv.stores.local.order import contiguous_runs, in_host_order
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -258,70 +256,6 @@ def test_fused_wait_slots_of_host_and_device_expanded_pages() -> None:
         expanded.wait_slots(4)
 
 
-def test_contiguous_runs_split_at_gaps_and_chunk_size() -> None:
-    blocks = np.array([5, 6, 7, 8, 20, 21, 3])
-    assert contiguous_runs(blocks, max_len=3) == [(0, 3), (3, 4), (4, 6), (6, 7)]
-
-
-
-def test_contiguous_runs_never_cross_a_pinned_chunk_of_the_pool() -> None:
-    blocks = np.arange(10, 30, dtype=np.int64)
-    starts = np.array([0, 16, 24], dtype=np.int64)  # chunks [0, 16), [16, 24), [24, ...)
-    runs = contiguous_runs(blocks, max_len=100, chunk_starts=starts)
-    assert runs == [(0, 6), (6, 14), (14, 20)]  # blocks 10-15 | 16-23 | 24-29
-    assert contiguous_runs(blocks, max_len=100) == [(0, 20)]
-
-
-def test_contiguous_runs_agree_with_a_block_by_block_walk() -> None:
-    starts = np.array([0, 7, 16, 40], dtype=np.int64)
-    rng = np.random.default_rng(7)
-    for _ in range(200):
-        blocks = np.sort(rng.choice(48, size=int(rng.integers(1, 30)), replace=False))
-        if rng.random() < 0.3:
-            blocks = blocks[::-1].copy()  # descending: every block a run of its own
-        expected: list[tuple[int, int]] = []
-        begin = 0
-        for i in range(1, len(blocks) + 1):
-            if (
-                i == len(blocks)
-                or blocks[i] != blocks[i - 1] + 1
-                or blocks[i] in starts
-                or i - begin == 5
-            ):
-                expected.append((begin, i))
-                begin = i
-        assert contiguous_runs(blocks, max_len=5, chunk_starts=starts) == expected
-
-def test_in_host_order_joins_descending_pieces_and_keeps_the_pairs() -> None:
-    pages = np.array([10, 11, 12, 13, 20, 21, 22, 23], dtype=np.int64)
-    blocks = np.array([4, 5, 6, 7, 0, 1, 2, 3], dtype=np.int64)
-    sorted_pages, sorted_blocks = in_host_order(pages, blocks)
-    assert sorted_blocks.tolist() == list(range(8))
-    assert dict(zip(sorted_blocks.tolist(), sorted_pages.tolist(), strict=True)) == dict(
-        zip(blocks.tolist(), pages.tolist(), strict=True)
-    )
-    assert contiguous_runs(sorted_blocks, max_len=8) == [(0, 8)]
-    ascending = np.arange(5, dtype=np.int64)
-    assert in_host_order(pages[:5], ascending)[1] is ascending  # already in order: as is
-
-
-def test_in_host_order_keeps_repeated_blocks_in_whole_passes() -> None:
-    # Two loads of one shared prefix, each handed out in two descending pieces: one pass
-    # per load, not [5, 5, 6, 6, ...], which would be a run per block.
-    blocks = np.array([7, 8, 5, 6, 7, 8, 5, 6], dtype=np.int64)
-    pages = np.arange(8, dtype=np.int64)
-    sorted_pages, sorted_blocks = in_host_order(pages, blocks)
-    assert sorted_blocks.tolist() == [5, 6, 7, 8, 5, 6, 7, 8]
-    assert sorted(zip(sorted_blocks.tolist(), sorted_pages.tolist(), strict=True)) == sorted(
-        zip(blocks.tolist(), pages.tolist(), strict=True)
-    )
-    assert len(contiguous_runs(sorted_blocks, max_len=8)) == 2
-    shared = np.array([5, 6, 7, 5, 6, 7], dtype=np.int64)
-    assert in_host_order(pages[:6], shared)[1].tolist() == shared.tolist()
-    sorted_repeats = np.array([5, 5, 6, 6], dtype=np.int64)  # ascending, not strictly
-    assert in_host_order(pages[:4], sorted_repeats)[1].tolist() == [5, 6, 5, 6]
-
-
 # ---- index --------------------------------------------------------------------------
 
 
@@ -387,11 +321,10 @@ def test_local_store_evicts_least_recent_tails_first() -> None:
     store.close()
 
 
-def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run(
-    monkeypatch: pytest.MonkeyPatch,
+def test_short_requests_on_an_evicted_long_sequence_and_shared_loads_copy_their_own_pages(
 ) -> None:
     # The LRU gives each short request the next piece of the old sequence, tail first,
-    # so the batch's blocks descend request by request; the copy must see one run.
+    # so the batch's blocks descend request by request; loads of one prefix share blocks.
     caches = make_caches(pages=64)
     block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=8 * block_bytes / (1 << 30)))
@@ -400,15 +333,6 @@ def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run
     task, mask = store.put_match(long, ["old"])
     launch_slots(store, [task], [np.arange(mask.sum(), dtype=np.int64)])
     _wait(store, [task])
-    runs: list[list[tuple[int, int]]] = []
-
-    def recording_runs(
-        host_blocks: np.ndarray, max_len: int, chunk_starts: np.ndarray | None = None
-    ) -> list[tuple[int, int]]:
-        runs.append(contiguous_runs(host_blocks, max_len, chunk_starts))
-        return runs[-1]
-
-    monkeypatch.setattr(transfer, "contiguous_runs", recording_runs)
     short = np.arange(4 * PAGE_SIZE, dtype=np.int64)
     ids, slots = [], []
     for user, first_page in (("a", 16), ("b", 32)):
@@ -417,9 +341,7 @@ def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run
         slots.append(np.arange(first_page * PAGE_SIZE, (first_page + 4) * PAGE_SIZE))
     launch_slots(store, ids, slots)
     assert all(r.status is aiokv.TaskStatus.SUCCESS for r in _wait(store, ids).values())
-    assert runs == [[(0, 8)]]
-    # Three loads of one stored prefix in one launch share its blocks: one run each.
-    runs.clear()
+    # Three loads of one stored prefix in one launch share its blocks.
     ids, slots = [], []
     for target in (40, 48, 56):
         task, mask = store.get_match(short, ["a"])
@@ -427,7 +349,6 @@ def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run
         slots.append(np.arange(target * PAGE_SIZE, (target + 4) * PAGE_SIZE))
     launch_slots(store, ids, slots)
     assert all(r.status is aiokv.TaskStatus.SUCCESS for r in _wait(store, ids).values())
-    assert len(runs) == 1 and len(runs[0]) == 3, runs
     for cache in caches:
         for target in (40, 48, 56):
             assert torch.equal(cache[target : target + 4], cache[16:20])
@@ -442,7 +363,7 @@ def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run
     store.close()
 
 
-def test_local_store_rolls_back_cancel_and_failed_copies() -> None:
+def test_local_store_rolls_back_cancel_and_failed_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     caches = make_caches(pages=16)
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     store.register(caches)
@@ -455,10 +376,10 @@ def test_local_store_rolls_back_cancel_and_failed_copies() -> None:
     task, again = store.put_match(tokens, ["u"])
     assert again.all()
 
-    def broken_copy(job: object) -> None:
+    def broken_copy(copier: object, job: object) -> None:
         raise RuntimeError("injected copy failure")
 
-    store._transfer._run_cpu = broken_copy  # type: ignore[union-attr,method-assign]
+    monkeypatch.setattr(Copier, "_move_cpu", broken_copy)
     launch_slots(store, [task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
     result = _wait(store, [task])[task]
     assert result.status is aiokv.TaskStatus.FAILED
@@ -471,16 +392,18 @@ def test_local_store_rolls_back_cancel_and_failed_copies() -> None:
     store.close()
 
 
-def test_local_store_answers_tasks_that_ended_before_close_after_it() -> None:
+def test_local_store_answers_tasks_that_ended_before_close_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     caches = make_caches(pages=16)
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     store.register(caches)
     failing, _ = store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["u"])
 
-    def broken_copy(job: object) -> None:
+    def broken_copy(copier: object, job: object) -> None:
         raise RuntimeError("injected copy failure")
 
-    store._transfer._run_cpu = broken_copy  # type: ignore[union-attr,method-assign]
+    monkeypatch.setattr(Copier, "_move_cpu", broken_copy)
     launch_slots(store, [failing], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
     store.close()  # waits for the copy: the task ended, unanswered, before the close
     answer = store.try_wait([failing])  # the pool is gone: answered all the same
@@ -793,27 +716,6 @@ def test_pinned_buffers_written_by_kernels_are_held_until_their_event_fired() ->
     held.hold(FakeEvent(), torch.empty(4))
     kept = [memory for _, memory in held._held]
     assert len(kept) == 2 and kept[0] is buffers[2]  # the fired ones were let go
-
-
-def test_a_cuda_copy_job_that_fails_with_a_broken_context_is_reported_not_fatal() -> None:
-    import types
-
-    from aiokv.stores.local.transfer import CopyJob, Transfer
-
-    def broken() -> None:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    transfer = Transfer.__new__(Transfer)  # the CUDA path's state, without a GPU
-    transfer._copy_stream = types.SimpleNamespace(synchronize=broken)
-    transfer._gpu_stream = types.SimpleNamespace(synchronize=broken)
-    transfer._free_after = [object(), object()]
-    transfer._chunks_in_flight = collections.deque([object()])
-    transfer._enqueue_chunks = lambda job: broken()  # type: ignore[method-assign]
-    job = CopyJob([7], True, np.arange(2), np.arange(2))
-    in_flight = transfer._enqueue_cuda(job)  # must not raise: the thread would die
-    assert in_flight.job is job and in_flight.done is None
-    assert job.error is not None and "illegal memory access" in job.error
-    assert transfer._free_after == [None, None] and not transfer._chunks_in_flight
 
 
 def test_a_bandwidth_stream_holds_at_least_stream_gib() -> None:

@@ -1,9 +1,10 @@
 """Per-layer completion of one launched load (:class:`LayerMarks`), the link between the
 copier that moves a load layer by layer and ``engine.load_layerwise``'s waiters.
 
-The copier is the producer: on a GPU it records one CUDA event per layer and stream when it
-has queued that layer's copies (:meth:`LayerMarks.queued`), on the CPU it reports each
-layer once copied (:meth:`LayerMarks.layer_done`); either way it ends with
+The copier is the producer: on a GPU it records one CUDA event per layer and stream as soon
+as it has queued that layer's copies (:meth:`LayerMarks.layer_queued`, in layer order, so
+a waiter for layer 0 need not wait for the later layers to be queued), on the CPU it
+reports each layer once copied (:meth:`LayerMarks.layer_done`); either way it ends with
 :meth:`LayerMarks.finish` or :meth:`LayerMarks.fail`. Waiters never hang: a failure, or a
 copier that ends without queuing a layer, wakes every waiter with the error.
 """
@@ -27,8 +28,8 @@ class LayerMarks:
         self.num_layers = num_layers
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        # GPU: per layer, the events (one per copy stream) after that layer's copies.
-        self._events: list[tuple[Any, ...]] | None = None
+        # GPU: per layer queued so far, the events (one per copy stream) after its copies.
+        self._events: list[tuple[Any, ...]] = []
         self._done = 0  # layers in place (CPU), or all once finished
         self._error: str | None = None
         self._ended = False
@@ -42,6 +43,15 @@ class LayerMarks:
             raise ValueError(f"{len(events)} event sets for {self.num_layers} layers")
         with self._changed:
             self._events = [tuple(e) for e in events]
+            self._changed.notify_all()
+
+    def layer_queued(self, layer: int, events: Sequence[Any]) -> None:
+        """Layer ``layer``'s copies are queued (after every earlier layer's): ``events``
+        fire once it is in place."""
+        with self._changed:
+            if layer != len(self._events):
+                raise ValueError(f"layer {layer} queued after {len(self._events)} layers")
+            self._events.append(tuple(events))
             self._changed.notify_all()
 
     def layer_done(self, layer: int) -> None:
@@ -79,7 +89,7 @@ class LayerMarks:
             while True:
                 if self._done > layer:
                     return None
-                if self._events is not None and self._error is None:
+                if layer < len(self._events) and self._error is None:
                     return self._events[layer]
                 if self._error is not None:
                     raise LayerFailed(self._error)
@@ -119,8 +129,9 @@ class LayerMarks:
         with self._lock:
             if self._done > layer:
                 return True
-            events = self._events if self._error is None else None
-        return events is not None and all(event.query() for event in events[layer])
+            queued = layer < len(self._events) and self._error is None
+            events = self._events[layer] if queued else None
+        return events is not None and all(event.query() for event in events)
 
     @property
     def error(self) -> str | None:

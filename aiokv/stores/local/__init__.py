@@ -1,5 +1,5 @@
-"""aiokv's embedded store: index (block digests, LRU), pool (host blocks), transfer
-(the copy thread) and store (LocalStore, the Store protocol over them)."""
+"""aiokv's embedded store: index (block digests, LRU), pool (host blocks), tiers, and
+store (LocalStore, the Store protocol over them); its copies are :mod:`aiokv.copy`'s."""
 
 from .store import LocalStore
 

@@ -1,6 +1,7 @@
 """The parts of a registered :class:`~aiokv.stores.local.store.LocalStore`, built from its
 config and the caches: the host pool and tier, the SSD link (``ssd_cache_gb``), a copier
-per direction on a GPU (one on the CPU) and the remote tier (``store.remote``). What was
+(:mod:`aiokv.copy.copier`) per direction on a GPU (one on the CPU) and the remote tier
+(``store.remote``). What was
 built is closed again when a later part fails, so a failed ``register`` leaves nothing
 pinned, locked or running."""
 
@@ -12,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from ...config import StoreConfig
+from ...copy.copier import Copier
 from ...remote.config import RemoteConfig
 from ...remote.link import RemoteLink
 from .blocks import Tier
-from .loads import Copy, End
+from .completion import TaskEnds
+from .jobs import CopyJobs
 from .pool import HostPool
 from .tiering import TierLink
-from .transfer import CopyJob, Transfer
 
 
 @dataclass(slots=True)
@@ -26,8 +28,7 @@ class Parts:
     pool: HostPool
     host: Tier
     link: TierLink | None  # the SSD tier's, None without one
-    transfer: Transfer  # offloads, and on the CPU loads too
-    load_transfer: Transfer | None  # loads, on a GPU
+    jobs: CopyJobs
     remote: RemoteLink | None
 
 
@@ -36,40 +37,38 @@ def build(
     kv_caches: Sequence[torch.Tensor],
     page_size: int,
     wake: Callable[[], None],
-    copy: Copy,
-    end_tasks: End,
-    job_done: Callable[[CopyJob], None],
+    ends: TaskEnds,
     wait_timeout_s: float | None,
 ) -> Parts:
     first = kv_caches[0]
     pool = HostPool.for_caches(kv_caches, config.cpu_cache_gb)
     link: TierLink | None = None
-    transfers: list[Transfer] = []
+    copiers: list[Copier] = []
     try:
         pool.memory.wait_first()  # the rest is pinned while the store serves
-        if config.ssd_cache_gb > 0:
-            link = TierLink(config, pool, first.dtype, page_size, wake, copy, end_tasks)
-            link.wait_timeout_s = wait_timeout_s
-        host = link.host if link is not None else Tier("host", pool)
         if first.device.type == "cuda":
             # A copier per direction: a GPU copies both ways at once (a copy engine
             # each), so offloads and loads in flight together do not queue behind
             # each other.
             for name in ("aiokv-copy-out", "aiokv-copy-in"):
-                transfers.append(Transfer(kv_caches, pool, job_done, name, pool.chunk_starts))
+                copiers.append(Copier(kv_caches, pool.data, ends.job_done, name))
         else:
-            transfers.append(Transfer(kv_caches, pool, job_done))
+            copiers.append(Copier(kv_caches, pool.data, ends.job_done))
+        jobs = CopyJobs(copiers, ends)
+        if config.ssd_cache_gb > 0:
+            link = TierLink(config, pool, first.dtype, page_size, wake, jobs.chunk,
+                            ends.end_tasks)
+            link.wait_timeout_s = wait_timeout_s
+        host = link.host if link is not None else Tier("host", pool)
         remote = None
         if config.remote is not None:  # last: nothing after it can fail
             remote = RemoteLink(RemoteConfig.from_mapping(config.remote), host, pool,
                                 first.dtype, page_size, wake)
     except BaseException:
-        for transfer in transfers:
-            transfer.close()
+        for copier in copiers:
+            copier.close()
         if link is not None:
             link.close()
         pool.close()
         raise
-    load_transfer = transfers[1] if len(transfers) > 1 else None
-    return Parts(pool, host, link, transfers[0], load_transfer, remote)
-
+    return Parts(pool, host, link, jobs, remote)

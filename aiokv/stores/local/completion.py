@@ -1,12 +1,13 @@
-"""How LocalStore's tasks end: a task's record, and its copy jobs' completions turned
-into published (or rolled back) blocks and terminal answers.
+"""How LocalStore's tasks end: a task's record, and its copy jobs' ends turned into
+published (or rolled back) blocks and terminal answers.
 
-The copy threads only append each finished :class:`~.transfer.CopyJob` to a deque and
-wake the engine (``_job_done``); ``try_wait``, on the store thread, takes them in order,
-counts the bytes moved, tells the SSD link (a load's chunk), ends the job's tasks with a
-few array operations for the whole job (``end_tasks``), and keeps their answers until
-they are asked for, each given once. :class:`TaskEnds` is LocalStore's part that does it
-(a base class, so that these run as LocalStore's own methods, with no call in between).
+The copy threads only append each finished :class:`~aiokv.copy.copier.CopyJob` to a deque
+and wake the engine (:meth:`TaskEnds.job_done`); :meth:`TaskEnds.collect`, on the store
+thread, takes them in order, counts the bytes moved, tells the SSD link (a load's chunk),
+ends the job's tasks with a few array operations for the whole job (:meth:`end_tasks`),
+and keeps their answers until they are asked for, each given once. A task whose page ids
+the copier refused ends INVALID with the copier's reason, and its blocks go back as a
+failed task's do (a put's are rolled back, a get's reads end).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...copy.copier import CopyJob
+from ...copy.marks import LayerMarks
 from ..base import BoolArray, Int64Array, TaskResult, TaskStatus
 from .blocks import READY, Tier
 from .index import Space
 from .loads import Load
-from .pool import HostPool
 from .tiering import TierLink
-from .transfer import CopyJob
 
 if TYPE_CHECKING:
     from ...remote.link import RemoteLink
@@ -40,6 +41,7 @@ class Task:
     task_id: int = 0  # set at launch
     shared: bool = False  # a get that found some of its blocks read by another get
     load: Load | None = None  # a get's part that comes from the SSD tier
+    marks: LayerMarks | None = None  # a get's per-layer marks (no SSD part), from launch
 
 
 def concat(arrays: list[Int64Array]) -> Int64Array:
@@ -47,56 +49,72 @@ def concat(arrays: list[Int64Array]) -> Int64Array:
 
 
 class TaskEnds:
-    """LocalStore's completion bookkeeping; the state is LocalStore's (its ``__init__``)."""
+    """LocalStore's completion bookkeeping. ``host``, ``link``, ``remote`` and
+    ``block_bytes`` are set when the store is registered; ``closed`` when it is closed
+    (the blocks went with the pool: jobs that end later only answer)."""
 
-    _pool: HostPool | None
-    _host: Tier | None
-    _link: TierLink | None
-    _finished: dict[int, TaskResult]
-    _done_jobs: deque[CopyJob]
-    # id(CopyJob) -> its tasks, and their common block count (0: they differ)
-    _launched: dict[int, tuple[list[Task], int]]
-    _notify: Callable[[], None] | None
-    _bytes: dict[str, int]
-    _remote: RemoteLink | None
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self.host: Tier | None = None
+        self.link: TierLink | None = None
+        self.remote: RemoteLink | None = None
+        self.block_bytes = 0
+        self.closed = False
+        self._finished: dict[int, TaskResult] = {}
+        self._done_jobs: deque[CopyJob] = deque()
+        # id(CopyJob) -> its tasks, and their common block count (0: they differ)
+        self.launched: dict[int, tuple[list[Task], int]] = {}
+        self.bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
 
-    if TYPE_CHECKING:
+    def job_done(self, job: CopyJob) -> None:  # copy threads
+        self._done_jobs.append(job)  # deque append and popleft are atomic: no lock
+        self._wake()
 
-        def _require_host(self) -> Tier: ...
-
-    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
-        """Terminal answers among ``task_ids``, each given once; never blocks."""
-        if self._link is not None and self._host is not None:
-            self._link.drain()
-        if self._remote is not None:
-            self._remote.drain()
-        done, finished = self._done_jobs, self._finished
-        while done:
-            job = done.popleft()
-            tasks, size = self._launched.pop(id(job))
-            moved = len(job.host_blocks) * (self._pool.block_bytes if self._pool else 0)
-            self._bytes["bytes_d2h" if job.to_host else "bytes_h2d"] += moved
-            if self._link is not None and self._host is not None:
-                self._link.job_done(job)
-            if not tasks:
-                continue  # a load's chunk: its task ends with the load's last job
-            error = job.error
-            loads = [task.load for task in tasks if task.load is not None]
-            if loads:
-                error = error or loads[0].error
-            if self._pool is not None:  # after close() the blocks went with the pool
-                blocks = None if loads else job.host_blocks
-                self.end_tasks(tasks, error is None, blocks, size)
-            if error is None:
-                results = [TaskResult(TaskStatus.SUCCESS, task.mask) for task in tasks]
-            else:
-                results = [TaskResult(TaskStatus.FAILED, t.mask, error) for t in tasks]
-            finished.update(zip(job.task_ids, results, strict=True))
-        if self._link is not None and self._pool is not None:
-            self._link.stage_waiting()  # what the jobs that ended held is room now
+    def answers(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        """The terminal answers among ``task_ids`` (after :meth:`collect`), each once."""
+        finished = self._finished
         if not finished:
             return {}
         return {t: finished.pop(t) for t in task_ids if t in finished}
+
+    def collect(self) -> None:
+        """End the tasks of every job the copiers finished since the last call."""
+        done, link = self._done_jobs, self.link
+        while done:
+            job = done.popleft()
+            tasks, size = self.launched.pop(id(job))
+            moved = job.copied * self.block_bytes
+            self.bytes["bytes_d2h" if job.to_host else "bytes_h2d"] += moved
+            if link is not None and not self.closed:
+                link.job_done(job)
+            if tasks:
+                self._end_job(job, tasks, size)
+        if link is not None and not self.closed:
+            link.stage_waiting()  # what the jobs that ended held is room now
+
+    def _end_job(self, job: CopyJob, tasks: list[Task], size: int) -> None:
+        error = job.error
+        loads = [task.load for task in tasks if task.load is not None]
+        if loads:  # an SSD load's last job: its one task, and what its chunks found
+            error = error or loads[0].error
+            if loads[0].invalid and not job.invalid:
+                job.invalid[0] = loads[0].invalid
+        good = [t for s, t in enumerate(tasks) if s not in job.invalid]
+        if not self.closed:
+            if job.invalid:
+                self.end_tasks([t for s, t in enumerate(tasks) if s in job.invalid], False)
+                self.end_tasks(good, error is None)
+            else:
+                self.end_tasks(tasks, error is None, None if loads else job.blocks, size)
+        for segment, task in enumerate(tasks):
+            why = job.invalid.get(segment)
+            if why is not None:
+                result = TaskResult(TaskStatus.INVALID, task.mask, why)
+            elif error is None:
+                result = TaskResult(TaskStatus.SUCCESS, task.mask)
+            else:
+                result = TaskResult(TaskStatus.FAILED, task.mask, error)
+            self._finished[task.task_id] = result
 
     def end_tasks(
         self,
@@ -111,7 +129,8 @@ class TaskEnds:
         block count, when known (0: unknown, or they differ)."""
         if not tasks:
             return
-        host = self._require_host()
+        host = self.host
+        assert host is not None
         if tasks[0].is_put and not success:
             for task in tasks:
                 host.roll_back(task.space, task.digests, task.blocks)
@@ -124,20 +143,11 @@ class TaskEnds:
         per_task = [task.blocks for task in tasks]
         if not tasks[0].is_put:
             host.end_reads(per_task, [task.shared for task in tasks], blocks, size)
-        elif self._link is not None and self._link.write_through:
+        elif self.link is not None and self.link.write_through:
             host.state[blocks] = READY
             # The SSD copies hold their blocks (as readers) until they are written.
-            self._link.write_through_puts(tasks, blocks)
+            self.link.write_through_puts(tasks, blocks)
         else:
             host.publish(per_task, blocks, size)
-        if self._remote is not None and tasks[0].is_put:  # to Mooncake, after the host
-            self._remote.offer(tasks)
-
-    def _wake(self) -> None:  # any thread
-        if self._notify is not None:
-            self._notify()
-
-    def _job_done(self, job: CopyJob) -> None:  # copy thread
-        self._done_jobs.append(job)  # deque append and popleft are atomic: no lock
-        if self._notify is not None:
-            self._notify()
+        if self.remote is not None and tasks[0].is_put:  # to Mooncake, after the host
+            self.remote.offer(tasks)

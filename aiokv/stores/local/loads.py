@@ -34,19 +34,23 @@ on the store thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ...copy.copier import CopyJob
 from ..base import Int64Array, NoSpace
 from .blocks import NO_BLOCKS, READY, Tier
 from .index import Space
 from .ssd import SsdRequest, SsdTier
-from .transfer import CopyJob
 
-Copy = Callable[[list[Any], bool, Int64Array, Int64Array], CopyJob]
+# The store's copy of a load's pages (``pages``, a slice of the caller's page ids) from
+# host ``blocks`` (None: only check the pages), waiting for the load's ready events,
+# naming its task in errors; the job ends ``tasks`` (none: a chunk, whose task ends with
+# the load's last job).
+Copy = Callable[[list[Any], Any, "Int64Array | None", "Load"], CopyJob]
 End = Callable[[list[Any], bool], None]
 
 
@@ -68,7 +72,9 @@ class Load:
     good: int = 0  # SSD-part pages verified in order (the loadable ones)
     truncated: bool = False
     submitted: int = 0  # SSD-part pages queued for their GPU copy
-    gpu_pages: Int64Array | None = None  # set at launch
+    gpu_pages: Any = None  # the caller's page ids (a tensor), set at launch
+    ready: Sequence[Any] = ()  # the caller's ready events, set at launch
+    invalid: str | None = None  # why the copier refused some of its page ids
     staged: bool = False  # host blocks reserved and reads started
     prefetched: int = 0  # host blocks staged before launch, counted in _prefetched
     give_up_at: float | None = None  # launched and waiting for room: time.monotonic()
@@ -192,14 +198,16 @@ class LoadStaging:
         )
         self._finish(load)
 
-    def launch_load(self, load: Load, gpu_pages: Int64Array) -> None:
-        load.gpu_pages = gpu_pages
+    def launch_load(self, load: Load, gpu_pages: Any, ready: Sequence[Any]) -> None:
+        load.gpu_pages, load.ready = gpu_pages, ready
         self._prefetched -= load.prefetched
         load.prefetched = 0
         task = load.task
         if load.finished:
-            self._copy([task], False, gpu_pages[: len(task.blocks)], task.blocks)
+            self._copy([task], gpu_pages[: len(task.blocks)], task.blocks, load)
             return
+        # Its pages are copied chunk by chunk: checked whole first (no page twice).
+        self._chunk_jobs[id(self._copy([], gpu_pages, None, load))] = (load, False)
         if load.hits:
             self._chunk(load, gpu_pages[: load.hits], task.blocks[: load.hits], prefix=True)
         if not load.staged:
@@ -271,9 +279,9 @@ class LoadStaging:
             load.submitted = hi
 
     def _chunk(
-        self, load: Load, gpu_pages: Int64Array, blocks: Int64Array, prefix: bool = False
+        self, load: Load, gpu_pages: Any, blocks: Int64Array, prefix: bool = False
     ) -> None:
-        job = self._copy([], False, gpu_pages, blocks)
+        job = self._copy([], gpu_pages, blocks, load)
         self._chunk_jobs[id(job)] = (load, prefix)
 
     def _finish(self, load: Load) -> None:
@@ -294,8 +302,8 @@ class LoadStaging:
                 self._end([task], False)
             return
         lo, hi = load.submitted, load.good
-        self._copy([task], False, load.gpu_pages[load.hits + lo : load.hits + hi],
-                   load.host_blocks[lo:hi])
+        self._copy([task], load.gpu_pages[load.hits + lo : load.hits + hi],
+                   load.host_blocks[lo:hi], load)
         load.submitted = hi
 
     def job_done(self, job: CopyJob) -> None:
@@ -309,6 +317,8 @@ class LoadStaging:
         load, prefix = chunk
         if job.error is not None:
             load.error = load.error or job.error
+        if job.invalid and load.invalid is None:  # a chunk's page ids were refused
+            load.invalid = next(iter(job.invalid.values()))
         if prefix and not load.staged and not load.finished:
             load.prefix_released = True
             self.host.drop_readers(load.task.blocks[: load.hits])

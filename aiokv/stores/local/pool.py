@@ -103,10 +103,6 @@ class HostPool(BlockAllocator):
         self.memory = HostMemory(num_blocks, block_shape, dtype, pin)
         self.data = self.memory.data
         self.block_bytes = self.memory.block_bytes
-        # Where separately pinned chunks begin: no copy may cross one (see transfer.py).
-        self.chunk_starts: Int64Array | None = (
-            np.asarray(self.memory.chunk_starts, dtype=np.int64) if pin else None
-        )
         # The same memory as bytes, for the SSD tier's I/O threads (no copy).
         self.bytes = memoryview(self.memory.raw.numpy())  # type: ignore[arg-type]
         self._usable = self.memory.ready_blocks

@@ -1,21 +1,20 @@
 """LocalStore: aiokv's embedded store, host blocks under a prefix index, with an
 optional SSD tier below (``ssd_cache_gb``).
 
-This module owns the Store protocol's tasks and copy jobs; how a job's end ends its
-tasks is :mod:`.completion`'s, which launch a copy ahead is for :mod:`.prestaging`'s,
-block states, readers and eviction are a tier's (:mod:`.blocks`), the GPU <-> host
-copies the copy threads' (:mod:`.transfer`), and moving blocks between the host and
-the SSD tier the link's (:mod:`.tiering`). All
-metadata is touched only on the caller's thread (the engine's store thread); the copy
-and I/O threads only move bytes and report. That thread holds the GIL for all of it, so
-the bookkeeping is done per task or per copy job with numpy over arrays of blocks and
-C-level dict operations, never a Python loop per block.
+This module owns the Store protocol's tasks; how a job's end ends them is
+:mod:`.completion`'s, their copy jobs :mod:`.jobs`' (the data plane, :mod:`aiokv.copy`,
+checks and plans the callers' page ids off this thread), block states, readers and
+eviction a tier's (:mod:`.blocks`), and moving blocks between the host and the SSD tier
+the link's (:mod:`.tiering`). All metadata is touched only on the caller's thread (the
+engine's store thread); the copy and I/O threads only move bytes and report. That
+thread holds the GIL for all of it, so the bookkeeping is done per task or per copy job
+with numpy over arrays of blocks and C-level dict operations, never a Python loop per
+block.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,22 +22,20 @@ import numpy as np
 import torch
 
 from ...config import StoreConfig
+from ...copy.marks import LayerMarks
 from ...errors import ConfigError
 from ...remote.link import RemoteLink
-from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult, TaskStatus
-from ..fused import page_error
+from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
-from .checks import check_pages
 from .completion import Task, TaskEnds, concat
 from .index import BlockIndex, chain_digests
+from .jobs import CopyJobs
 from .pool import HostPool
-from .prestaging import Prestaging
 from .tiering import TierLink
-from .transfer import CopyJob, Transfer
 
 
-class LocalStore(TaskEnds, Prestaging):
+class LocalStore:
     """The embedded store. ``LocalStore(StoreConfig(cpu_cache_gb=..., ssd_cache_gb=...,
     ssd_cache_dir=...))``.
 
@@ -57,31 +54,29 @@ class LocalStore(TaskEnds, Prestaging):
             )
         self.page_size = self._config.page_size or 0
         self._pool: HostPool | None = None
-        self._transfer: Transfer | None = None  # offloads, and on the CPU loads too
-        self._load_transfer: Transfer | None = None  # loads, on a GPU
+        self._jobs: CopyJobs | None = None  # the copiers, from register to close
         self._host: Tier | None = None
         self._link: TierLink | None = None
+        self._num_layers = 0
         self._gpu_pages = 0  # pages per cache table, known at register
         self._tasks: dict[int, Task] = {}
-        self._finished: dict[int, TaskResult] = {}
-        self._done_jobs: deque[CopyJob] = deque()
+        self._ends = TaskEnds(self._wake)
         self._ids = itertools.count(1)
-        # id(CopyJob) -> its tasks, and their common block count (0: they differ)
-        self._launched: dict[int, tuple[list[Task], int]] = {}
-        self._start_prestaging()
+        # The last launch's get tasks' marks, until the engine asks (layer_marks).
+        self._marks: dict[int, LayerMarks] = {}
         self._notify: Callable[[], None] | None = None
         self._wait_timeout_s: float | None = None  # set_wait_timeout
-        self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
         # Tokens get_match found on the host tier / only on SSD (EngineStats' tier hits).
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
         self._remote: RemoteLink | None = None  # store.remote: Mooncake, below all
         # The SSD and remote tiers' figures at their close: what they did stays readable.
         self._closed_stats: dict[str, int | float] = {}
+        self._d2h_closed = 0  # the copiers' d2h_copies at close
 
     # ---- set-up --------------------------------------------------------------------
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        if self._transfer is not None:
+        if self._jobs is not None:
             # A second copy thread and pool would orphan every task of the first.
             raise RuntimeError("LocalStore.register() was already called")
         first = kv_caches[0]
@@ -91,13 +86,14 @@ class LocalStore(TaskEnds, Prestaging):
                 "store.page_size", f"{self.page_size} does not match the caches' {page_size}"
             )
         self.page_size = page_size
-        parts = build(
-            self._config, kv_caches, page_size, self._wake, self._copy, self.end_tasks,
-            self._job_done, self._wait_timeout_s,
-        )
+        ends = self._ends
+        parts = build(self._config, kv_caches, page_size, self._wake, ends, self._wait_timeout_s)
         self._pool, self._host, self._link = parts.pool, parts.host, parts.link
-        self._transfer, self._load_transfer = parts.transfer, parts.load_transfer
+        self._jobs = parts.jobs
         self._remote = parts.remote
+        ends.host, ends.link, ends.remote = parts.host, parts.link, parts.remote
+        ends.block_bytes = parts.pool.block_bytes
+        self._num_layers = len(kv_caches)
         self._gpu_pages = int(first.shape[0])
 
     @property
@@ -251,116 +247,69 @@ class LocalStore(TaskEnds, Prestaging):
         return answers
 
     def launch(
-        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+        self,
+        task_ids: Sequence[int],
+        pages: Sequence[torch.Tensor | Int64Array],
+        ready: Sequence[Any],
     ) -> None:
-        """Queue the copies of these matched tasks (base.Store.launch). A shim over the
-        slot path below: the page ids come to the host after the ready events, a task
-        with a bad one ends INVALID (at the next try_wait), the rest launch as slots."""
+        """Queue the copies of these matched tasks; never blocks on them. ``pages[i]``:
+        task i's page ids, one per True page of its mask (a tensor as the caller gave it:
+        checked by the copier, a bad id fails only its task, INVALID); ``ready[i]``: the
+        CUDA event (or None) its copies wait for. Raises ValueError (launching none of
+        them) for an id that is not a matched task, or a page count that is not the
+        mask's."""
         if not len(task_ids) == len(pages) == len(ready):
             raise ValueError("launch: one page id tensor and one ready event per task id")
-        for event in {id(e): e for e in ready if e is not None}.values():
-            event.synchronize()
-        size, offsets = self.page_size, np.arange(self.page_size, dtype=np.int64)
-        good: list[int] = []
-        slots: list[Int64Array] = []
-        invalid: dict[int, str] = {}
-        for task_id, tensor in zip(task_ids, pages, strict=True):
-            ids = tensor.cpu().numpy().astype(np.int64, copy=False)
-            task = self._tasks.get(task_id)
-            error = page_error(ids, self._gpu_pages, task is not None and not task.is_put)
-            if error is None or task is None:  # an unknown id: the slot path says so
-                good.append(task_id)
-                slots.append((ids[:, None] * size + offsets).reshape(-1))
-            else:
-                invalid[task_id] = error
-        if good:
-            self._launch_slots(good, slots)  # raises before it launches any
-        for task_id, error in invalid.items():
-            mask = self._tasks[task_id].mask
-            self.cancel([task_id])  # its blocks go back; the caller hears why
-            self._finished[task_id] = TaskResult(TaskStatus.INVALID, mask, error)
-        if invalid:
-            self._wake()
-
-    def _launch_slots(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
-        """Queue the copies of these matched tasks; never blocks on them."""
-        if len(task_ids) != len(slot_mappings):
-            raise ValueError("launch: one slot mapping per task id")
         if len(set(task_ids)) != len(task_ids):
             raise ValueError("launch: a task id is given twice")
-        self._require_transfer()
-        page_size = self.page_size
-        gets: list[tuple[Task, Int64Array]] = []  # (task, the first slot of each page)
-        puts: list[tuple[Task, Int64Array]] = []
-        loads: list[tuple[Task, Int64Array]] = []  # gets with an SSD part
-        firsts: list[Int64Array] = []  # per task, in task_ids order: checked at once
-        lasts: list[Int64Array] = []  # the last slot of each page
-        for task_id, slots in zip(task_ids, slot_mappings, strict=True):
+        jobs = self._require_jobs()
+        chosen: dict[str, list[tuple[Task, Any, Any]]] = {"get": [], "put": [], "load": []}
+        for task_id, task_pages, event in zip(task_ids, pages, ready, strict=True):
             task = self._tasks.get(task_id)
             if task is None:
                 raise ValueError(f"launch: task {task_id} is not a matched, unlaunched task")
-            pages = task.load.match_pages if task.load is not None else len(task.blocks)
-            needed = pages * page_size  # the mask's True positions at match
-            if len(slots) != needed:
-                raise ValueError(f"launch: task {task_id} needs {needed} slots, got {len(slots)}")
-            slots = np.asarray(slots)
-            first = slots[::page_size]
-            firsts.append(first)
-            lasts.append(slots[page_size - 1 :: page_size])
+            needed = task.load.match_pages if task.load is not None else len(task.blocks)
+            if len(task_pages) != needed:
+                raise ValueError(f"launch: task {task_id} needs {needed} page ids, "
+                                 f"got {len(task_pages)}")
             task.task_id = task_id
-            chosen = loads if task.load is not None else gets if not task.is_put else puts
-            chosen.append((task, first))
-        check_pages(task_ids, firsts, lasts, page_size, self._gpu_pages)
-        tags = self._launch_tags([t.task_id for t, _ in gets], [t.task_id for t, _ in puts])
+            kind = "load" if task.load is not None else "put" if task.is_put else "get"
+            chosen[kind].append((task, task_pages, event))
         # From here on the tasks belong to their job (cancel ignores them, as it does ids
         # it does not know), and try_wait finds them through it.
-        deque(map(self._tasks.pop, task_ids), maxlen=0)
-        # Loads first, as the engine; each job with the tag of its copy ahead (or 0).
-        for is_put, chosen, early in ((False, gets, tags[0]), (True, puts, tags[1])):
-            if not chosen:
-                continue
-            tasks = [task for task, _ in chosen]
-            size = len(tasks[0].blocks)  # the tasks' common block count, or 0
-            if any(len(task.blocks) != size for task in tasks):
-                size = 0
-            slots = np.asarray(concat([first for _, first in chosen]), dtype=np.int64)
-            blocks = concat([task.blocks for task in tasks])
-            self._copy(tasks, is_put, slots // page_size, blocks, size, early)
-        for task, first in loads:
+        for task_id in task_ids:
+            del self._tasks[task_id]
+        self._marks = {}
+        for task, _, _ in chosen["get"]:
+            task.marks = self._marks[task.task_id] = LayerMarks(self._num_layers)
+        # Loads first, as the engine does.
+        for kind in ("get", "put"):
+            if chosen[kind]:
+                tasks = [task for task, _, _ in chosen[kind]]
+                jobs.submit(tasks, [p for _, p, _ in chosen[kind]],
+                            concat([task.blocks for task in tasks]),
+                            [e for _, _, e in chosen[kind]])
+        for task, task_pages, event in chosen["load"]:
             assert task.load is not None and self._link is not None
-            self._link.launch_load(task.load, np.asarray(first, dtype=np.int64) // page_size)
+            self._link.launch_load(task.load, task_pages, [event])
 
-    def _copy(
-        self, tasks: list[Task], to_host: bool, gpu_pages: Int64Array,
-        host_blocks: Int64Array, size: int = 0, prestaged: int = 0,
-    ) -> CopyJob:
-        """Queue one copy job; ``tasks`` (maybe none: a load's chunk) end with it.
-        ``prestaged``: the tag of the prestage of exactly these blocks, in order (or 0)."""
-        job = CopyJob(
-            task_ids=[task.task_id for task in tasks],
-            to_host=to_host,
-            gpu_pages=gpu_pages,
-            host_blocks=host_blocks,
-            prestaged=prestaged,
-        )
-        self._launched[id(job)] = (tasks, size)
-        transfer = self._require_transfer()
-        if not to_host and self._load_transfer is not None:
-            transfer = self._load_transfer
-        transfer.submit(job)
-        return job
+    def layer_marks(self, task_id: int) -> LayerMarks | None:
+        """The per-layer marks of a get task the last launch took (base.MarksLayers);
+        None for one with an SSD part (its layers are known at its end) or another id."""
+        return self._marks.pop(task_id, None)
 
-    def wait_queued(self) -> None:
-        """Block until the copies of every offload launched (or prestaged) so far are
-        queued on the device (base.QueuesCopies): the engine's store thread sleeps here
-        between a large batch's first launch and its remaining matches."""
-        if self._transfer is not None:
-            self._transfer.wait_queued()
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        """Terminal answers among ``task_ids``, each given once; never blocks."""
+        if self._link is not None:
+            self._link.drain()
+        if self._remote is not None:
+            self._remote.drain()
+        self._ends.collect()
+        return self._ends.answers(task_ids)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are
         ignored (they may have finished already)."""
-        self._settle_puts(task_ids)
         for task_id in task_ids:
             task = self._tasks.pop(task_id, None)
             if task is None:
@@ -368,16 +317,17 @@ class LocalStore(TaskEnds, Prestaging):
             if task.load is not None and self._link is not None:
                 self._link.cancel_load(task.load)  # ends the task once its reads are in
             else:
-                self.end_tasks([task], success=False)
+                self._ends.end_tasks([task], success=False)
         if self._link is not None:
             self._link.stage_waiting()  # what the cancelled tasks held is room now
 
     def close(self) -> None:
         """Finish queued copies (and SSD writes), then release the pool."""
-        for transfer in (self._transfer, self._load_transfer):
-            if transfer is not None:
-                transfer.close()
-        self._transfer = self._load_transfer = None
+        if self._jobs is not None:
+            self._jobs.close()
+            self._d2h_closed = self._jobs.d2h_copies
+        self._jobs = None
+        self._ends.closed = True
         if self._remote is not None:
             self._remote.close()  # before the pool: its memory is registered with Mooncake
             self._closed_stats.update(self._remote.stats())
@@ -421,7 +371,8 @@ class LocalStore(TaskEnds, Prestaging):
             "host_blocks_total": host.num_blocks if host is not None else 0,
             # Pinned so far (the pool grows into its size after start); all when unpinned.
             "host_blocks_ready": self._pool.memory.ready_blocks if self._pool is not None else 0,
-            **self._bytes,
+            **self._ends.bytes,
+            "d2h_copies": self._jobs.d2h_copies if self._jobs else self._d2h_closed,
             **self._hits,
             **self._closed_stats,
         }
@@ -456,8 +407,12 @@ class LocalStore(TaskEnds, Prestaging):
             raise RuntimeError("LocalStore is not registered (or already closed)")
         return self._host
 
-    def _require_transfer(self) -> Transfer:
-        if self._transfer is None:
+    def _require_jobs(self) -> CopyJobs:
+        if self._jobs is None:
             raise RuntimeError("LocalStore is not registered (or already closed)")
-        return self._transfer
+        return self._jobs
+
+    def _wake(self) -> None:  # any thread
+        if self._notify is not None:
+            self._notify()
 

@@ -1,0 +1,334 @@
+"""The copy threads: :class:`CopyJob` in, each job's end reported through a callback.
+
+On a GPU, the copy thread (``aiokv-copy-*``) runs each job as:
+
+1. a small stream of its own (the ids stream) waits for the job's ready events (the
+   callers' page ids and KV are written after them), and every copy stream waits for
+   that point (wait A: nothing is read before the caller's writes);
+2. where page ids are on the device, the job's ids are fused into one pinned buffer with
+   ONE device-to-host copy (``d2h_copies``), and the thread waits for it (wait B: the ids
+   are read on the host only once copied; the wait releases the GIL);
+3. each task's ids are checked (:func:`~.plan.check_pages`): a bad one fails only its
+   own task, which the job reports as invalid and copies nothing of;
+4. the rest is planned (:func:`~.plan.plan`) and queued on ``STREAMS`` streams, one
+   ``cuMemcpyBatchAsync`` per layer and stream, layers in order; for a load, one event
+   per layer and stream marks the layer (wait C: ``LayerMarks.wait(i)`` waits for
+   exactly the events recorded after layer i's copies, on every stream).
+
+A second thread (``...-done``) waits for each job's end events, on every stream (wait D:
+an offload's bytes are on the host, a load's in the caller's pages, before the job is
+reported), in the order the jobs were queued, so the copy thread queues the next job
+meanwhile and the copy engines run jobs back to back. No staging buffer, no kernel but
+the fusion of several tasks' device ids. Where the driver lacks the batch call, each
+(page, layer) is one torch copy instead (slower, the same bytes), said once in the log.
+
+On the CPU the copy thread moves a job with torch index ops per layer, marking each layer
+of a load as it is copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .driver import BatchCopy, DriverError
+from .marks import LayerMarks
+from .plan import Geometry, Int64Array, Plan, check_pages, plan
+
+log = logging.getLogger("aiokv")
+
+# Copy streams per copier. Measured on the H200 (issue 34), a batch split over 4 streams
+# reached 47 GiB/s against 42 on one; the lead measures 4 against 8.
+STREAMS = 4
+# Jobs queued on the device ahead of their end: enough to keep the copy engines busy
+# while the copy thread waits for the GIL, and a bound on what sits in the device's
+# launch queue (when that is full, every launch of the process blocks, the model's too).
+MAX_JOBS_IN_FLIGHT = 8
+
+_fallback_warned = False
+
+
+def _as_numpy(pages: torch.Tensor | Int64Array) -> Int64Array:
+    if isinstance(pages, torch.Tensor):
+        return pages.numpy().astype(np.int64, copy=False)
+    return np.asarray(pages, dtype=np.int64)
+
+
+@dataclass(slots=True, eq=False)
+class CopyJob:
+    """Move ``pages[s][i]`` <-> the matching entry of ``blocks`` for each segment ``s``
+    (a task, or part of one); ``to_host``: an offload.
+
+    ``pages`` are the callers' page ids as given (CPU or device tensors, or numpy);
+    ``blocks`` holds every segment's host blocks, in segment order; ``names[s]`` is the
+    task id that segment ``s``'s errors name; ``ready`` the CUDA events (or None) the
+    copies wait for; ``marks[s]`` a load segment's per-layer marks (or None). The copier
+    sets ``error`` (the job failed: nothing it moved counts), ``invalid`` (segment -> why
+    its page ids were refused; nothing of it was copied) and ``copied`` (the pages it
+    moved). ``check_only``: the job only checks its page ids (``blocks`` is empty): a load
+    copied in parts checks its whole page list once, so that no page is given twice.
+    """
+
+    to_host: bool
+    pages: Sequence[torch.Tensor | Int64Array]
+    blocks: Int64Array
+    names: Sequence[int]
+    ready: Sequence[Any] = ()
+    marks: Sequence[LayerMarks | None] = ()
+    error: str | None = None
+    invalid: dict[int, str] = field(default_factory=dict)
+    check_only: bool = False
+    copied: int = 0
+
+
+@dataclass(slots=True)
+class _Queued:
+    job: CopyJob
+    ends: list[Any]  # CUDA events, one per stream used; empty: nothing to wait for
+    keep: Any  # what the queued copies read from (the plan's arrays), until they ran
+
+
+class Copier:
+    """Moves jobs between ``caches`` and the host pool ``pool`` (``[block, layer, ...]``),
+    in submission order; ``on_done(job)`` from its threads once a job ended."""
+
+    def __init__(
+        self,
+        caches: Sequence[torch.Tensor],
+        pool: torch.Tensor,
+        on_done: Callable[[CopyJob], None],
+        name: str = "aiokv-copy",
+        streams: int | None = None,
+    ) -> None:
+        self._caches = list(caches)
+        self._pool = pool
+        self._on_done = on_done
+        self._device = self._caches[0].device
+        self._gpu_pages = int(self._caches[0].shape[0])
+        # Read here, not bound at import: a benchmark may set STREAMS before register.
+        self._num_streams = streams or STREAMS
+        self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
+        self.d2h_copies = 0  # device-to-host copies of page ids (one per job at most)
+        self._cuda = self._device.type == "cuda"
+        self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
+        if self._cuda:
+            self._geometry = Geometry.of(self._caches, pool)
+            self._queued: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
+            self._slots = threading.Semaphore(MAX_JOBS_IN_FLIGHT)
+            self._threads.append(
+                threading.Thread(target=self._complete, name=f"{name}-done", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job: CopyJob) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        """Finish the queued jobs, then stop the threads."""
+        self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    # ---- the copy thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        if not self._cuda:
+            while (job := self._jobs.get()) is not None:
+                try:
+                    self._move_cpu(job)
+                except Exception as exc:  # reported as a FAILED task, never lost
+                    log.exception("aiokv copy job failed")
+                    job.error = repr(exc)
+                self._end(job)
+            return
+        try:
+            self._run_cuda()
+        finally:
+            self._queued.put(None)  # whatever happened, the done thread ends
+
+    def _run_cuda(self) -> None:
+        torch.cuda.set_device(self._device)
+        streams = [torch.cuda.Stream(self._device) for _ in range(self._num_streams)]  # type: ignore[no-untyped-call]
+        ids_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+        ids_stream.synchronize()  # a runtime call: the context is current for the driver's
+        batch: BatchCopy | None = None
+        try:
+            batch = BatchCopy()
+        except DriverError as exc:
+            global _fallback_warned
+            if not _fallback_warned:
+                _fallback_warned = True
+                log.warning("aiokv: copying page by page with torch copies, slower: %s", exc)
+        ids_buffer = torch.empty(0, dtype=torch.int64)
+        while (job := self._jobs.get()) is not None:
+            self._slots.acquire()  # released by the done thread
+            try:
+                ids, ids_buffer = self._host_ids(job, ids_stream, ids_buffer)
+                queued = self._queue_cuda(job, ids, streams, batch)
+            except Exception as exc:
+                log.exception("aiokv copy job failed")
+                job.error = repr(exc)
+                # What was queued may still read or write blocks that go back once the
+                # job is reported: let it run first. (A broken context fails these too;
+                # the next jobs then fail in turn, each reported.)
+                for stream in (*streams, ids_stream):
+                    try:
+                        stream.synchronize()
+                    except Exception:
+                        log.exception("aiokv: synchronizing a copy stream failed")
+                queued = _Queued(job, [], None)
+            self._queued.put(queued)
+
+    def _host_ids(
+        self, job: CopyJob, ids_stream: Any, buffer: torch.Tensor
+    ) -> tuple[Int64Array, torch.Tensor]:
+        """The job's page ids on the host, after its ready events (waits A and B), and
+        the pinned buffer (grown where needed)."""
+        for event in job.ready:
+            if event is not None:
+                ids_stream.wait_event(event)
+        on_device = [p for p in job.pages if isinstance(p, torch.Tensor) and p.is_cuda]
+        if not on_device:
+            return self._concat([_as_numpy(p) for p in job.pages]), buffer
+        count = sum(len(p) for p in on_device)
+        if len(buffer) < count:
+            buffer = torch.empty(max(count, 2 * len(buffer)), dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(ids_stream):
+            fused = on_device[0] if len(on_device) == 1 else torch.cat(on_device)
+            buffer[:count].copy_(fused, non_blocking=True)
+        self.d2h_copies += 1
+        ids_stream.synchronize()  # releases the GIL while it waits
+        fetched = buffer[:count].numpy()
+        parts, at = [], 0
+        for pages in job.pages:
+            if isinstance(pages, torch.Tensor) and pages.is_cuda:
+                parts.append(fetched[at : at + len(pages)])
+                at += len(pages)
+            else:
+                parts.append(_as_numpy(pages))
+        return self._concat(parts), buffer  # a copy: the buffer is the next job's
+
+    @staticmethod
+    def _concat(parts: list[Int64Array]) -> Int64Array:
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate(parts).astype(np.int64, copy=False)
+
+    def _checked(self, job: CopyJob, ids: Int64Array) -> tuple[Int64Array, Int64Array]:
+        """The job's (pages, blocks) less the segments whose ids are refused (job.invalid,
+        their marks failed)."""
+        keep: np.ndarray | None = None
+        at = 0
+        for segment, name in enumerate(job.names):
+            count = len(job.pages[segment])
+            why = check_pages(name, ids[at : at + count], self._gpu_pages, not job.to_host)
+            if why is not None:
+                job.invalid[segment] = why
+                if keep is None:
+                    keep = np.ones(len(ids), dtype=np.bool_)
+                keep[at : at + count] = False
+                marks = job.marks[segment] if job.marks else None
+                if marks is not None:
+                    marks.fail(why)
+            at += count
+        if job.check_only:
+            return ids[:0], job.blocks[:0]
+        if len(ids) != len(job.blocks):
+            raise ValueError(f"{len(ids)} page ids for {len(job.blocks)} host blocks")
+        pages, blocks = (ids, job.blocks) if keep is None else (ids[keep], job.blocks[keep])
+        job.copied = len(pages)
+        return pages, blocks
+
+    def _live_marks(self, job: CopyJob) -> list[LayerMarks]:
+        return [m for s, m in enumerate(job.marks) if m is not None and s not in job.invalid]
+
+    def _queue_cuda(
+        self, job: CopyJob, ids: Int64Array, streams: list[Any], batch: BatchCopy | None
+    ) -> _Queued:
+        pages, blocks = self._checked(job, ids)
+        copies = plan(self._geometry, pages, blocks, job.to_host, len(streams))
+        used = streams[: copies.streams]
+        marks = self._live_marks(job)
+        for stream in used:  # wait A, for the copy streams
+            for event in job.ready:
+                if event is not None:
+                    stream.wait_event(event)
+        for layer in range(self._geometry.layers):
+            for s, stream in enumerate(used):
+                if batch is not None:
+                    batch(*copies.part(layer, s), stream.cuda_stream)
+                else:
+                    self._torch_copies(job.to_host, pages, blocks, copies, layer, s, stream)
+            if marks:  # wait C's events: this layer, every stream
+                events = [torch.cuda.Event() for _ in used]  # type: ignore[no-untyped-call]
+                for event, stream in zip(events, used, strict=True):
+                    event.record(stream)
+                for m in marks:
+                    m.layer_queued(layer, events)
+        ends = [torch.cuda.Event(blocking=True) for _ in used]  # type: ignore[no-untyped-call]
+        for event, stream in zip(ends, used, strict=True):
+            event.record(stream)
+        return _Queued(job, ends, copies)
+
+    def _torch_copies(
+        self, to_host: bool, pages: Int64Array, blocks: Int64Array, copies: Plan,
+        layer: int, part: int, stream: Any,
+    ) -> None:
+        """The batch call's fallback: one torch copy per (page, layer) of a part."""
+        cache = self._caches[layer]
+        lo, hi = copies.bounds[part], copies.bounds[part + 1]
+        with torch.cuda.stream(stream):
+            for page, block in zip(pages[lo:hi].tolist(), blocks[lo:hi].tolist(), strict=True):
+                if to_host:
+                    self._pool[block, layer].copy_(cache[page], non_blocking=True)
+                else:
+                    cache[page].copy_(self._pool[block, layer], non_blocking=True)
+
+    # ---- the done thread (CUDA) ----------------------------------------------------
+
+    def _complete(self) -> None:
+        """Report jobs in the order they were queued, each once it ran on every stream
+        (wait D)."""
+        while (item := self._queued.get()) is not None:
+            try:
+                for event in item.ends:
+                    event.synchronize()  # releases the GIL while it waits
+            except Exception as exc:
+                log.exception("aiokv copy job failed on the GPU")
+                item.job.error = repr(exc)
+            del item.keep
+            self._slots.release()
+            self._end(item.job)
+
+    def _end(self, job: CopyJob) -> None:
+        for marks in self._live_marks(job):
+            if job.error is None:
+                marks.finish()
+            else:
+                marks.fail(job.error)
+        self._on_done(job)
+
+    # ---- the CPU path --------------------------------------------------------------
+
+    def _move_cpu(self, job: CopyJob) -> None:
+        pages, blocks = self._checked(job, self._concat([_as_numpy(p) for p in job.pages]))
+        marks = self._live_marks(job)
+        # Writable copies where needed: the store's block arrays may be read-only.
+        page_index = torch.from_numpy(np.require(pages, requirements="W"))
+        block_index = torch.from_numpy(np.require(blocks, requirements="W"))
+        for layer, cache in enumerate(self._caches):
+            host = self._pool[:, layer]
+            if job.to_host:
+                host.index_copy_(0, block_index, cache.index_select(0, page_index))
+            else:
+                cache.index_copy_(0, page_index, host.index_select(0, block_index))
+                for m in marks:
+                    m.layer_done(layer)

@@ -1,0 +1,131 @@
+"""The CUDA driver's ``cuMemcpyBatchAsync`` (CUDA 12.8+) through ctypes: many copies, each
+its own (destination, source, size), queued on one stream in one call, run by the copy
+engines (no kernel, no SM of the model's).
+
+Found with the driver's ``cuGetProcAddress`` asking for the 12.8 signature, so that a
+CUDA 13 driver hands out that one too. A ctypes call releases the GIL while the driver
+queues the copies; the arrays it reads are numpy arrays the caller keeps until the call
+returned (the driver copies the descriptors before it returns). :func:`batch_entry`
+answers why not where the driver lacks it; the copier then falls back to one torch copy
+per (page, layer) and says so once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import numpy as np
+
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+# A hint: prefer the copy engines, keep the copies off the SMs the model computes on.
+CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+_MIN_DRIVER = 12080
+_NO_FAILURE = 2**64 - 1  # failIdx's value while no copy failed
+
+
+class MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes (cuda.h, 12.8+)
+    _fields_ = [("srcAccessOrder", ctypes.c_uint), ("srcLocHint", MemLocation),
+                ("dstLocHint", MemLocation), ("flags", ctypes.c_uint)]
+
+
+# dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, stream (the 12.8 ABI).
+_BATCH_SIGNATURE = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
+)
+
+
+class DriverError(RuntimeError):
+    """A driver call failed; the message names the call and the driver's error."""
+
+
+def _libcuda() -> Any:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _error_name(lib: Any, err: int) -> str:
+    text = ctypes.c_char_p()
+    try:
+        lib.cuGetErrorName(err, ctypes.byref(text))
+    except (AttributeError, OSError):
+        return str(err)
+    return f"{(text.value or b'?').decode()} ({err})"
+
+
+def _call(lib: Any, name: str, *args: Any) -> None:
+    err = getattr(lib, name)(*args)
+    if err:
+        raise DriverError(f"{name} failed: {_error_name(lib, err)}")
+
+
+@functools.cache
+def batch_entry() -> tuple[Any, str | None]:
+    """(cuMemcpyBatchAsync as a ctypes function, None), or (None, why it is absent)."""
+    try:
+        lib = _libcuda()
+        version = ctypes.c_int(0)
+        _call(lib, "cuDriverGetVersion", ctypes.byref(version))
+    except (OSError, AttributeError, DriverError) as exc:
+        return None, f"no CUDA driver to ask ({exc})"
+    if version.value < _MIN_DRIVER:
+        major, minor = version.value // 1000, version.value % 1000 // 10
+        return None, f"the driver is CUDA {major}.{minor}; cuMemcpyBatchAsync needs 12.8+"
+    address, status = ctypes.c_void_p(0), ctypes.c_int(0)
+    try:
+        _call(lib, "cuGetProcAddress_v2", b"cuMemcpyBatchAsync", ctypes.byref(address),
+              ctypes.c_int(_MIN_DRIVER), ctypes.c_uint64(0), ctypes.byref(status))
+    except (AttributeError, DriverError) as exc:
+        return None, f"cuGetProcAddress_v2 could not be asked ({exc})"
+    if not address.value:
+        return None, f"cuMemcpyBatchAsync not found (symbol status {status.value})"
+    return _BATCH_SIGNATURE(address.value), None
+
+
+class BatchCopy:
+    """One stream's ``cuMemcpyBatchAsync`` calls. Made on the thread that calls it, after
+    that thread has made the device's context current (any CUDA runtime call does)."""
+
+    def __init__(self) -> None:
+        call, why = batch_entry()
+        if call is None:
+            raise DriverError(why or "cuMemcpyBatchAsync is absent")
+        self._call = call
+        self._lib = _libcuda()
+        # Copies read their source in stream order: after what the stream waited for.
+        self._attrs = MemcpyAttributes(
+            srcAccessOrder=CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            flags=CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+        )
+        self._attr_index = ctypes.c_size_t(0)
+        self._fail_index = ctypes.c_size_t(0)
+
+    def __call__(
+        self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int
+    ) -> None:
+        """Queue ``len(sizes)`` copies on ``stream`` (a CUstream handle); the arrays are
+        contiguous uint64. DriverError names the first copy that failed."""
+        count = len(sizes)
+        if not count:
+            return
+        self._fail_index.value = _NO_FAILURE
+        err = self._call(
+            dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count,
+            ctypes.byref(self._attrs), ctypes.byref(self._attr_index), 1,
+            ctypes.byref(self._fail_index), stream,
+        )
+        if err:
+            failed = self._fail_index.value
+            where = "" if failed == _NO_FAILURE else f", copy {failed}"
+            if failed < count:
+                where += (f": {int(sizes[failed])} bytes from {int(srcs[failed]):#x} to "
+                          f"{int(dsts[failed]):#x}")
+            raise DriverError(
+                f"cuMemcpyBatchAsync of {count} copies failed: "
+                f"{_error_name(self._lib, err)}{where}"
+            )

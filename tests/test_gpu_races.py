@@ -1,0 +1,167 @@
+"""On a GPU: races between the callers' streams and the data plane, caught by the bytes.
+LocalStore is driven directly (register, put_match / get_match, launch with page ids and
+ready events, try_wait). Skipped without CUDA.
+
+Which wait in the copier (aiokv/copy/copier.py's docstring names them A-D) each test
+catches, when removed:
+
+- ``test_an_offload_copies_what_the_caller_wrote_on_a_side_stream_before_it``: the
+  caller writes its pages (and, with ids on the device, its page ids) on a side stream
+  behind a long busy kernel and launches at once. Wait A (every copy stream waits for
+  the ready events): without it the copies read the old bytes. Wait B (the page ids
+  read on the host only after their device-to-host copy, which follows the ready events):
+  without it the ids read are the unwritten ones (out of range: the task ends INVALID).
+- ``test_pages_overwritten_right_after_the_offload_is_reported_do_not_reach_the_store``:
+  wait D (the done thread waits for every stream's end event before the job is
+  reported): without it (or with it on one stream only) the caller's overwrite races
+  the copies still running, and the later load gives some overwritten bytes.
+- ``test_a_layer_read_on_another_stream_right_after_wait_equals_what_was_stored``:
+  wait C (each layer's events are recorded after that layer's copies, on every copy
+  stream): the load's copies are held behind a busy kernel (its ready event), so a
+  reader whose ``LayerMarks.wait(i)`` did not wait for layer i's copies on every stream
+  reads the zeros the pages held before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import aiokv
+from aiokv.stores.base import TaskResult, TaskStatus
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+# 8 layers of 64 KiB pages: a task of 512 pages moves 256 MiB, several ms of copies, so
+# an unordered read or write lands inside them.
+LAYERS, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 8, 1536, 16, 8, 128
+TASK_PAGES = 512
+TOKENS = np.arange(TASK_PAGES * PAGE_SIZE, dtype=np.int64)
+# About 0.1-0.5 s of GPU time on current GPUs: far longer than a launch takes.
+BUSY_CYCLES = 500_000_000
+
+
+@pytest.fixture
+def rig() -> Iterator[tuple[aiokv.LocalStore, list[torch.Tensor]]]:
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    caches = [
+        torch.randn(PAGES, 2, PAGE_SIZE, HEADS, HEAD_DIM, device=device, generator=generator)
+        .to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=1.0))
+    store.register(caches)
+    assert store.wait_pinned(60)
+    torch.cuda.synchronize()
+    yield store, caches
+    store.close()
+
+
+def finish(store: aiokv.LocalStore, task: int) -> TaskResult:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        answer = store.try_wait([task])
+        if answer:
+            return answer[task]
+        time.sleep(0.0002)
+    raise AssertionError(f"task {task} did not end")
+
+
+def load(store: aiokv.LocalStore, key: str, pages: Any, ready: Any = None) -> int:
+    task, mask = store.get_match(TOKENS, [key])
+    assert mask.all()
+    store.launch([task], [pages], [ready])
+    return task
+
+
+def targets(first: int) -> torch.Tensor:
+    return torch.arange(first, first + TASK_PAGES)
+
+
+@pytest.mark.parametrize("ids_on", ["cuda", "cpu"])
+def test_an_offload_copies_what_the_caller_wrote_on_a_side_stream_before_it(
+    rig: tuple[aiokv.LocalStore, list[torch.Tensor]], ids_on: str
+) -> None:
+    store, caches = rig
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    # Ids out of range until the side stream writes them (after the busy kernel).
+    ids = torch.full((TASK_PAGES,), 10**6, dtype=torch.int64, device=ids_on)
+    if ids_on == "cpu":
+        ids = targets(0)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(BUSY_CYCLES)
+        if ids_on == "cuda":  # from the device: a pageable source would sync the stream
+            ids.copy_(torch.arange(TASK_PAGES, device="cuda"))
+        for layer, cache in enumerate(caches):
+            cache[:TASK_PAGES].fill_(float(layer + 1))
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(side)
+    before = store.store_stats()["d2h_copies"]
+    task, _ = store.put_match(TOKENS, ["new"])
+    store.launch([task], [ids], [ready])  # at once: the side stream is still busy
+    result = finish(store, task)
+    assert result.status is TaskStatus.SUCCESS, result.error
+    assert store.store_stats()["d2h_copies"] - before == (1 if ids_on == "cuda" else 0)
+    assert finish(store, load(store, "new", targets(TASK_PAGES))).status is TaskStatus.SUCCESS
+    for layer, cache in enumerate(caches):
+        assert (cache[TASK_PAGES : 2 * TASK_PAGES] == float(layer + 1)).all(), layer
+
+
+def test_pages_overwritten_right_after_the_offload_is_reported_do_not_reach_the_store(
+    rig: tuple[aiokv.LocalStore, list[torch.Tensor]],
+) -> None:
+    store, caches = rig
+    expected = [cache[:TASK_PAGES].clone() for cache in caches]
+    torch.cuda.synchronize()
+    task, _ = store.put_match(TOKENS, ["kept"])
+    store.launch([task], [targets(0).cuda()], [None])
+    assert finish(store, task).status is TaskStatus.SUCCESS
+    for cache in caches:  # at once, on the caller's stream, with no other wait
+        cache[:TASK_PAGES].fill_(-1.0)
+    assert finish(store, load(store, "kept", targets(TASK_PAGES).cuda())).status is (
+        TaskStatus.SUCCESS
+    )
+    for layer, cache in enumerate(caches):
+        assert torch.equal(cache[TASK_PAGES : 2 * TASK_PAGES], expected[layer]), layer
+
+
+def test_a_layer_read_on_another_stream_right_after_wait_equals_what_was_stored(
+    rig: tuple[aiokv.LocalStore, list[torch.Tensor]],
+) -> None:
+    store, caches = rig
+    stored = [cache[:TASK_PAGES].clone() for cache in caches]
+    task, _ = store.put_match(TOKENS, ["layers"])
+    store.launch([task], [targets(0)], [None])
+    assert finish(store, task).status is TaskStatus.SUCCESS
+    for cache in caches:
+        cache[TASK_PAGES : 2 * TASK_PAGES].zero_()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(BUSY_CYCLES)  # the load's copies queue behind this
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(side)
+    # Ids on the host: the copies are queued (and the layers marked) at once.
+    task = load(store, "layers", targets(TASK_PAGES), ready)
+    marks = store.layer_marks(task)
+    assert marks is not None
+    reader = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    seen = []
+    for layer in range(LAYERS):
+        marks.wait(layer, stream=reader)
+        with torch.cuda.stream(reader):
+            seen.append(caches[layer][TASK_PAGES : 2 * TASK_PAGES].clone())
+    reader.synchronize()
+    assert finish(store, task).status is TaskStatus.SUCCESS
+    for layer in range(LAYERS):
+        assert torch.equal(seen[layer], stored[layer]), layer
