@@ -227,7 +227,8 @@ def test_demo_verifies_its_loads_with_the_store_in_a_process_of_its_own(
     # A store small enough to evict: offloads, lookups and loads cross to the child.
     config = tmp_path / "aiokv.yml"
     config.write_text("store:\n  cpu_cache_gb: 0.01\n  own_process: true\n")
-    status = main(["demo", "--seconds", "2", "--users", "8", "--device", "cpu",
+    # Long enough to offload more than the store holds on a loaded 2-core box too.
+    status = main(["demo", "--seconds", "4", "--users", "8", "--device", "cpu",
                    "--config", str(config)])
     out = capsys.readouterr().out
     assert status == 0, out
