@@ -227,9 +227,9 @@ class Copier:
         their marks failed)."""
         keep: np.ndarray | None = None
         at = 0
-        for segment, name in enumerate(job.names):
+        for segment in range(len(job.names)):
             count = len(job.pages[segment])
-            why = check_pages(name, ids[at : at + count], self._gpu_pages, not job.to_host)
+            why = check_pages(ids[at : at + count], self._gpu_pages, not job.to_host)
             if why is not None:
                 job.invalid[segment] = why
                 if keep is None:

@@ -75,25 +75,23 @@ class Geometry:
         )
 
 
-def check_pages(task_id: int, pages: Int64Array, gpu_pages: int, once: bool) -> str | None:
+def check_pages(pages: Int64Array, gpu_pages: int, once: bool) -> str | None:
     """Why a task's page ids (as the caller gave them) cannot be copied, or None: an id
     outside ``[0, gpu_pages)`` (it would fault the device), or, where ``once`` (a load
-    writes its pages), an id given twice."""
+    writes its pages), an id given twice. The messages are the FlexKV store's
+    (:meth:`aiokv.stores.fused.FusedPages.page_errors`)."""
     if not len(pages):
         return None
     outside = (pages < 0) | (pages >= gpu_pages)
     if outside.any():
         at = int(np.argmax(outside))
-        return (f"task {task_id}: page id {int(pages[at])} (position {at}) is outside the "
-                f"caches' pages [0, {gpu_pages})")
+        return f"holds {int(pages[at])}, outside [0, {gpu_pages})"
     if once and len(pages) > 1:
         order = np.argsort(pages, kind="stable")
         ordered = pages[order]
         twice = np.flatnonzero(ordered[1:] == ordered[:-1])
         if len(twice):
-            first, second = int(order[twice[0]]), int(order[twice[0] + 1])
-            return (f"task {task_id}: page id {int(pages[first])} is given twice (positions "
-                    f"{first} and {second}); a load writes each page once")
+            return f"holds {int(ordered[twice[0]])} twice; a load writes each page once"
     return None
 
 

@@ -205,21 +205,6 @@ class FusedPages:
         return [slots[begin:end] for begin, end in zip(begins, ends, strict=True)]
 
 
-def page_error(pages: Int64Array, num_pages: int, unique: bool) -> str | None:
-    """One task's host page ids checked as :meth:`FusedPages.page_errors` checks a
-    batch's (the same messages): the first id outside ``[0, num_pages)``, or with
-    ``unique`` (a load) an id twice; None when they are good."""
-    outside = (pages < 0) | (pages >= num_pages)
-    if outside.any():
-        return f"holds {int(pages[int(outside.argmax())])}, outside [0, {num_pages})"
-    if unique and len(pages) > 1:
-        ordered = np.sort(pages)
-        twice = ordered[1:] == ordered[:-1]
-        if twice.any():
-            return f"holds {int(ordered[1:][twice][0])} twice; a load writes each page once"
-    return None
-
-
 def largest_page(page_size: int) -> int:
     """The largest page id whose slots fit in int64. Ids are clamped to
     ``[-1, _largest_page]`` before they become slots: ``page * page_size`` wraps around
