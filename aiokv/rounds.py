@@ -31,6 +31,7 @@ from .cuda import fuse_page_ids, ready_events
 from .errors import StoreError
 from .handoff import GilSlice
 from .invalidation import HeldKeys
+from .layerwise import note_launches
 from .plans import Round, plan_load, plan_lookup, plan_offload, to_match
 from .requests import LAUNCHED, TERMINAL, Kind, Request
 from .slots import FusedPages
@@ -321,6 +322,8 @@ class Rounds:
             request.task_id, request.mask, request.moved = task_id, mask, moved
             request.stage = LAUNCHED
             launched[task_id] = request
+        # load_layerwise's callers hear of the launch, with the store's layer marks.
+        note_launches((entry[0] for entry in plan.launch), self._caps.layer_marks)
 
 
 def _own_id(requests: Sequence[Request], stream: Any) -> Callable[[int, int], int | None]:
