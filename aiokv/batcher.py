@@ -4,9 +4,9 @@ A window opens at the first queued request and closes ``window_us`` later
 (``window_us == 0``: on the next loop iteration). A queue that reaches
 ``max_batch_requests`` or ``max_batch_tokens`` closes its window at once. When a window
 closes, the queue is planned into batches by :func:`plan_batches`, a pure function, and
-each batch is dispatched: handed to the store thread, which fuses its page ids into one
-host copy (:func:`aiokv.cuda.fuse_page_ids`) before it matches. A batch whose dispatch
-fails is failed alone (``on_failed``); the batcher carries on.
+each batch is dispatched: handed to the store thread, which matches it and launches it
+with its page ids in one call. A batch whose dispatch fails is failed alone
+(``on_failed``); the batcher carries on.
 
 Dispatching makes no CUDA call: each torch call gives the GIL away, and winning it back
 from a store thread inside a store's Python can take up to Python's switch interval. On

@@ -168,9 +168,9 @@ class OffloadEngine:
         worker = self._worker
         restarts = store_restarts(self._store)
         if worker is None:
-            return self._stats.snapshot(0, 0, self._bytes_per_token, restarts)
+            return self._stats.snapshot(0, self._bytes_per_token, restarts)
         return self._stats.snapshot(
-            worker.tasks_open, worker.d2h_copies, self._bytes_per_token, restarts,
+            worker.tasks_open, self._bytes_per_token, restarts,
             worker.figures.latest,
         )
 
@@ -212,9 +212,9 @@ class OffloadEngine:
             num_tokens, pages_used, self._page_size, self._num_pages,
             self._worker.capacity_tokens,
         )
-        # Page id *values* are checked for the whole batch at once after its one copy
-        # (slots.FusedPages.bad_requests): GPU values cannot be read here, and a per-call
-        # min/max would cost more than the rest of the submit path.
+        # Page id *values* are the store's to check, at launch (stores.base.Store.launch):
+        # GPU values cannot be read here, and a per-call min/max would cost more than the
+        # rest of the submit path. A bad one fails this request alone, naming the id.
         request = self._new_request(
             _OFFLOAD, user_id, num_tokens, token_ids, namespace, pages, pages_used, _ready_event
         )

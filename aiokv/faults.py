@@ -9,6 +9,9 @@ import random
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
+
+import torch
 
 from .stores.base import BoolArray, Int64Array, NoSpace, Store, TaskResult, TaskStatus
 from .stores.wrapper import StoreWrapper
@@ -110,11 +113,13 @@ class FaultyStore(StoreWrapper):
             raise self.get_match_error
         return self.inner.get_match(token_ids, namespace)
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
         self._enter("launch")
         if self.launch_error is not None:
             raise self.launch_error
-        self.inner.launch(task_ids, slot_mappings)
+        self.inner.launch(task_ids, pages, ready)
         if self.fail_rate:
             self._doomed.update(t for t in task_ids if self._random.random() < self.fail_rate)
         self.launched.set()

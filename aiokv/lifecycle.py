@@ -23,7 +23,7 @@ import torch
 from .admission import Admission
 from .batcher import Batch, Batcher
 from .config import EngineConfig
-from .cuda import ReadyMarks, warm_up
+from .cuda import ReadyMarks
 from .deadlines import Deadlines
 from .errors import ConfigError, EngineClosed, WrongLoop
 from .invalidation import Invalidations
@@ -158,7 +158,9 @@ async def start(engine: EngineParts) -> None:
         )
         resolver.deadlines = engine._deadlines
     registered: concurrent.futures.Future[None] = concurrent.futures.Future()
-    copy_stream = (
+    # For a page view the worker indexes on the device (a mask with holes): after the
+    # caller's event, never behind what the model queues on its own streams.
+    side_stream = (
         torch.cuda.Stream(engine._device)  # type: ignore[no-untyped-call]
         if engine._on_gpu
         else None
@@ -167,11 +169,10 @@ async def start(engine: EngineParts) -> None:
         engine._store,
         loop,
         resolver.deliver,
-        engine._num_pages,
         engine._config.poll_interval_us,
         engine._kv_caches,
         registered,
-        copy_stream,
+        side_stream,
         engine._store_slice_us,
         # Loads wait for room in the store as offloads do on the loop (space.py), a little
         # past the caller's deadline: the caller hears its own RequestTimeout first.
@@ -201,10 +202,6 @@ async def start(engine: EngineParts) -> None:
     engine._state = EngineState.RUNNING
     engine._worker.start()
     try:
-        if copy_stream is not None:
-            # Load the fused path's kernels now, off the loop and while the store
-            # registers, not lazily inside the first batches.
-            await asyncio.to_thread(warm_up, engine._device, engine._page_size, copy_stream)
         await asyncio.wrap_future(registered)
     except BaseException as exc:
         engine._state = EngineState.CLOSED

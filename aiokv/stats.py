@@ -16,8 +16,8 @@ item, several times per request. Readers on other threads copy each list with on
 Every counter lives in one list: the counts of one reading agree with each other (a
 histogram copied a moment later may be a few observations ahead). ``pending`` and
 ``queued`` are derived from them, never counted separately; the ``space_*`` counters are
-changed by :class:`aiokv.space.SpaceWaits` alone. ``d2h_copies`` is the store thread's
-count of the copies its fused batches made, read at the snapshot.
+changed by :class:`aiokv.space.SpaceWaits` alone. ``d2h_copies`` is the store's own
+(its ``store_stats()``: the copies its launches made of page ids).
 """
 
 from __future__ import annotations
@@ -344,13 +344,11 @@ class StatsRecorder:
     def snapshot(
         self,
         store_tasks_open: int,
-        d2h_copies: int,
         bytes_per_token: int,
         store_restarts: int = 0,
         store: StoreStatsAnswer | None = None,
     ) -> EngineStats:
-        """The counters now, with the store thread's: its open task ids, the
-        device-to-host copies its fused batches made and the store's latest
+        """The counters now, with the store thread's: its open task ids and the store's latest
         ``store_stats()`` answer (loop thread: the samples are read here)."""
         if self._latencies_s:
             p50, p99 = np.percentile(np.fromiter(self._latencies_s, float), [50, 99]) * 1e3
@@ -366,7 +364,6 @@ class StatsRecorder:
             rejected=now.outcome_total("rejected"),
             timed_out=now.outcome_total("timed_out"),
             batches=now.batches,
-            d2h_copies=d2h_copies,
             pending=now.pending,
             store_tasks_open=store_tasks_open,
             offloaded_tokens=now.offloaded_tokens,

@@ -47,6 +47,7 @@ FIELDS = (
     "ssd_blocks_used",
     "ssd_blocks_total",
     "stage_waits",  # loads that waited for host room to stage their SSD pages
+    "d2h_copies",  # device-to-host copies of page ids the store made (FlexKV, a process)
 )
 
 

@@ -58,10 +58,14 @@ class FakeStore:
         mask[:have] = True
         return self._task(False, namespace, have, mask), mask
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
-        for task_id, slots in zip(task_ids, slot_mappings, strict=True):
-            if len(slots) != np.count_nonzero(self._tasks[task_id][3]):
-                raise ValueError(f"task {task_id}: wrong number of slots")
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
+        for task_id, page_ids in zip(task_ids, pages, strict=True):
+            if len(page_ids) * self.page_size != np.count_nonzero(self._tasks[task_id][3]):
+                raise ValueError(f"task {task_id}: wrong number of page ids")
+        if len(ready) != len(task_ids):
+            raise ValueError("launch: one ready event per task id")
         self._launched.extend(task_ids)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
@@ -151,18 +155,18 @@ class LayeredStore:
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         return self._match(False, token_ids, namespace)
 
-    def launch(self, task_ids: Sequence[int], pages: Sequence[Any], ready: Any = None) -> None:
-        """Per task, its page ids (a tensor) or the slots of its True positions (an int64
-        array: ``page * page_size + offset``, as an older engine passes them)."""
-        for index, task_id in enumerate(task_ids):
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
+        for task_id, given, event in zip(task_ids, pages, ready, strict=True):
             is_put, key, _ = self._tasks[task_id]
-            page_ids = self._page_ids(pages[index])
-            event = None if ready is None else ready[index]
             if event is not None:
                 event.synchronize()  # the caller's pages (and ids) are written
+            page_ids = given.reshape(-1).to("cpu", torch.int64)
             bad = page_ids[(page_ids < 0) | (page_ids >= self._caches[0].shape[0])]
             if len(bad):
-                self._end(task_id, TaskResult(TaskStatus.INVALID, error=f"page id {int(bad[0])}"))
+                error = f"holds page id {int(bad[0])}, outside [0, {self._caches[0].shape[0]})"
+                self._end(task_id, TaskResult(TaskStatus.INVALID, error=error))
             elif is_put:
                 new = torch.stack([cache[page_ids].cpu() for cache in self._caches], dim=1)
                 old = self._stored.get(key)
@@ -202,12 +206,6 @@ class LayeredStore:
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join(timeout=10.0)  # a gate left closed must not hang the test
-
-    def _page_ids(self, given: Any) -> torch.Tensor:
-        if isinstance(given, torch.Tensor):
-            return given.reshape(-1).to("cpu", torch.int64)
-        slots = np.asarray(given, dtype=np.int64)
-        return torch.from_numpy(slots[:: self.page_size] // self.page_size)
 
     def _end(self, task_id: int, result: TaskResult) -> None:
         with self._lock:
@@ -288,10 +286,12 @@ class CheckingStore(StoreWrapper):
             if task_id in self.launched or task_id in self.cancelled:
                 self.violations.append(f"{verb} of id {task_id}, already launched or cancelled")
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
         self._enter("launch")
         self._ending("launch", task_ids)
-        self.inner.launch(task_ids, slot_mappings)
+        self.inner.launch(task_ids, pages, ready)
         self.launched.update(task_ids)
 
     def cancel(self, task_ids: Sequence[int]) -> None:

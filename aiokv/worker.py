@@ -8,10 +8,8 @@ as (request, outcome) pairs with exceptions as values.
 The store thread holds the GIL while it runs Python; once it has run ``store_slice_us``
 it hands the GIL to a waiting event loop between store calls (:mod:`aiokv.handoff`).
 
-Per batch: its store round (:mod:`aiokv.rounds`: fuse, match, plan, execute: cancels,
-then one launch). Then poll ``try_wait`` on launched ids until each is terminal. A batch
-is fused in its turn, not ahead of the batch before it: that would put its CPU work in
-front of the earlier batch's launch.
+Per batch: its store round (:mod:`aiokv.rounds`: match, plan, execute: cancels, then one
+launch). Then poll ``try_wait`` on launched ids until each is terminal.
 """
 
 from __future__ import annotations
@@ -65,11 +63,10 @@ class StoreWorker:
         store: Store,
         loop: asyncio.AbstractEventLoop,
         deliver: Deliver,
-        num_pages: int,
         poll_interval_us: int,
         kv_caches: Sequence[torch.Tensor],
         registered: concurrent.futures.Future[None],
-        copy_stream: Any = None,
+        side_stream: Any = None,
         store_slice_us: int = 0,
         wait_timeout_s: float | None = None,
     ) -> None:
@@ -94,7 +91,7 @@ class StoreWorker:
         self._calls = StoreCalls(store, self._slice.yield_if_used)
         self._polls = PollFailures()  # try_wait failures in a row, and the next poll's due
         self._rounds = Rounds(  # each batch's store round (aiokv.rounds)
-            store, self._caps, self._calls, self._slice, num_pages, copy_stream,
+            store, self._caps, self._calls, self._slice, side_stream,
             self._launched, self._reserved, self._held_keys, self.release_one,
         )
         self.stats = StoreSideStats()  # store latency; written here, read by scrapes
@@ -113,11 +110,6 @@ class StoreWorker:
         """The most tokens the store can hold; None until it is registered, or when it
         does not say (read racily from the loop: set once, before registration ends)."""
         return self._rounds.capacity_tokens
-
-    @property
-    def d2h_copies(self) -> int:
-        """Device-to-host copies the fused page ids took (read racily from the loop)."""
-        return self._rounds.d2h_copies
 
     def start(self) -> None:
         self._thread.start()
@@ -285,7 +277,7 @@ class StoreWorker:
                     self._rounds.lookup(item, self._outbox)
                 else:
                     self._rounds.move(item, self._outbox)
-            except Exception as exc:  # e.g. a CUDA error in the fused copy or its wait
+            except Exception as exc:  # e.g. a CUDA error in a page view's index
                 error = StoreError(f"batch failed before launch: {exc!r}")
                 error.__cause__ = exc
                 self._fail_unanswered(item, error)

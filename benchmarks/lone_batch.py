@@ -5,7 +5,7 @@
 
 Wraps the engine's stage functions with timestamps (no change to the code under test),
 runs lone offload and load batches, and prints the median time of each stage from the
-first submit: the batch reaching the store thread, its slots on the host, the matches,
+first submit: the batch reaching the store thread, the matches,
 the launch, the copy thread queueing the job, its completion, the answers posted and
 resolved, next to the GPU's own span of the job (CUDA events around its queued work;
 not around a first chunk moved ahead of the job, which runs before them)
@@ -39,7 +39,7 @@ from lone_floor import FloorPipeline  # benchmarks/lone_floor.py
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiokv
-from aiokv import calls, resolution, slots, worker
+from aiokv import calls, resolution, worker
 from aiokv.bench.bandwidth import raw_copy_gib_s
 from aiokv.running import pick_device, run_uvloop
 from aiokv.stores.local import store as local_store
@@ -77,10 +77,7 @@ def _wrap(owner: Any, name: str, before: str | None, after: str | None, marks: M
 def instrument_fine(marks: Marks) -> None:
     """More stages (--fine): each costs a wrapper call (about a microsecond)."""
     from aiokv import rounds
-    _wrap(rounds.Rounds, "_fuse", None, "fused", marks)
     _wrap(calls.StoreCalls, "match", "match_start", None, marks)
-    _wrap(slots.FusedPages, "wait_slots", "slots_wait", None, marks)
-    _wrap(slots.FusedPages, "page_errors", None, "checked", marks)
     _wrap(rounds.Rounds, "_execute", "planned", None, marks)
     _wrap(local_store.LocalStore, "launch", "launching", None, marks)
     _wrap(local_transfer.Transfer, "_enqueue_cuda", "copy_thread", None, marks)
@@ -92,7 +89,6 @@ def instrument_fine(marks: Marks) -> None:
 
 def instrument(marks: Marks) -> None:
     _wrap(worker.StoreWorker, "_handle", "store_thread", None, marks)
-    _wrap(slots.FusedPages, "wait_slots", None, "slots", marks)
     _wrap(local_store.LocalStore, "launch", None, "launched", marks)
     _wrap(local_store.LocalStore, "_job_done", "copied", None, marks)
     _wrap(resolution.Resolver, "deliver", "resolved", None, marks)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import uvloop
@@ -64,3 +65,11 @@ def failing_first_call(function: Callable[..., Any], message: str) -> Callable[.
         return function(*args)
 
     return wrapped
+
+
+def launch_slots(store: Any, task_ids: Any, slot_mappings: Any) -> None:
+    """``store.launch`` for tests written with slot mappings of whole pages (``page *
+    page_size + 0..page_size-1``): each task's page ids, on the CPU, ready at once."""
+    size = store.page_size
+    pages = [torch.as_tensor(np.asarray(s, dtype=np.int64)[::size] // size) for s in slot_mappings]
+    store.launch(list(task_ids), pages, [None] * len(pages))

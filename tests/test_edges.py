@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import PAGE_SIZE, failing_first_call, small_store
+from conftest import PAGE_SIZE, small_store
 from test_space import Holds
 
 import aiokv
@@ -154,7 +154,8 @@ async def test_bad_request_fails_alone_naming_the_field(
 async def test_an_id_out_of_range_is_named_as_the_caller_gave_it(
     caches: list[torch.Tensor], bad_id: int
 ) -> None:
-    """The slots hold ids clamped to [-1, largest_page]; the message names the caller's."""
+    """The message names the id as the caller gave it (FlexKV's slots hold ids clamped
+    to [-1, largest_page]; the embedded store reads them as given)."""
     rig = Rig(caches, window_us=0)
     async with rig.engine:
         with pytest.raises(aiokv.InvalidRequest, match=rf"holds {bad_id}, outside"):
@@ -338,25 +339,6 @@ async def test_a_refused_launch_fails_its_requests_and_gives_their_matches_back(
             await rig.engine.offload("u", pages(0), 16)
         rig.faulty.launch_error = None
         # Still matched after the refusal, the pages would read as stored (or held) now.
-        assert (await rig.engine.offload("u", pages(0), 16)).stored_tokens == 16
-    assert len(rig.checked.cancelled) == 1
-    rig.assert_clean()
-
-
-@pytest.mark.asyncio
-async def test_a_batch_failing_after_its_matches_gives_them_back(
-    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from aiokv.slots import FusedPages
-
-    monkeypatch.setattr(
-        FusedPages, "select", failing_first_call(FusedPages.select, "select broke")
-    )
-    rig = Rig(caches, window_us=0)
-    async with rig.engine:
-        with pytest.raises(aiokv.StoreError, match="select broke"):
-            await rig.engine.offload("u", pages(0), 16)
-        # Left matched, the pages would read as stored (being written) and not be written.
         assert (await rig.engine.offload("u", pages(0), 16)).stored_tokens == 16
     assert len(rig.checked.cancelled) == 1
     rig.assert_clean()

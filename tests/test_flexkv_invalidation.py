@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from test_flexkv_launch import PAGE, IndexManager, flexkv_statuses, slots, store
+from test_flexkv_launch import PAGE, IndexManager, flexkv_statuses, launch, pages, store
 
 from aiokv.stores.base import TaskStatus
 from aiokv.stores.flexkv import FlexKVStore
@@ -54,7 +54,7 @@ def put(flexkv: FlexKVStore, key: str) -> int:
     """A put of TOKENS under ``key``, launched; its id."""
     task_id, mask = flexkv.put_match(np.arange(TOKENS, dtype=np.int64), [key])
     assert mask.all()
-    flexkv.launch([task_id], [slots(2)])
+    launch(flexkv, [task_id], [pages(2)])
     return task_id
 
 

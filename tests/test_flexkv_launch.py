@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,6 +31,7 @@ class Manager:
         self.kinds: dict[int, str] = {}
         self.launched: list[list[int]] = []
         self.cancelled: list[int] = []
+        self.slots: list[np.ndarray] = []  # what each launched task was given
         self._next = 0
 
     def _match(self, kind: str, tokens: np.ndarray) -> tuple[int, np.ndarray]:
@@ -47,21 +49,30 @@ class Manager:
         if self.kinds[ids[0]] == self.fail_kind:
             raise RuntimeError("transfer engine gone")
         self.launched.append(list(ids))
+        self.slots.extend(np.array(s, dtype=np.int64) for s in slots)
         return [1000 + ids[0]] if as_batch else list(ids)
 
     def cancel(self, ids: Sequence[int]) -> None:
         self.cancelled.extend(ids)
 
 
+PAGES = 64  # the caches' pages, as register() would find them
+
+
 def store(manager: Manager) -> FlexKVStore:
     flexkv = FlexKVStore(aiokv.StoreConfig(backend="flexkv", page_size=PAGE))
     flexkv.page_size = PAGE
     flexkv._manager = manager  # as register() leaves it, without starting FlexKV
+    flexkv._slots.num_pages = PAGES
     return flexkv
 
 
-def slots(count: int) -> np.ndarray:
-    return np.arange(count * PAGE, dtype=np.int64)
+def pages(count: int) -> torch.Tensor:
+    return torch.arange(count)
+
+
+def launch(flexkv: FlexKVStore, ids: Sequence[int], page_ids: Sequence[torch.Tensor]) -> None:
+    flexkv.launch(ids, page_ids, [None] * len(page_ids))
 
 
 def test_a_launch_that_raises_leaves_every_id_matched_for_the_engine_to_cancel() -> None:
@@ -69,11 +80,11 @@ def test_a_launch_that_raises_leaves_every_id_matched_for_the_engine_to_cancel()
     flexkv = store(manager)
     ids = [flexkv.put_match(np.arange(2 * PAGE), [f"u{i}"])[0] for i in range(2)]
     with pytest.raises(RuntimeError, match="transfer engine gone"):
-        flexkv.launch(ids, [slots(2), slots(2)])
+        launch(flexkv, ids, [pages(2), pages(2)])
     flexkv.cancel(ids)  # what the engine does next: must roll both back in FlexKV
     assert manager.cancelled == ids
     with pytest.raises(ValueError, match="not a matched"):
-        flexkv.launch(ids, [slots(2), slots(2)])  # rolled back: nothing left to launch
+        launch(flexkv, ids, [pages(2), pages(2)])  # rolled back: nothing left to launch
 
 
 def test_offloads_whose_launch_fails_after_the_loads_went_out_fail_alone() -> None:
@@ -81,7 +92,7 @@ def test_offloads_whose_launch_fails_after_the_loads_went_out_fail_alone() -> No
     flexkv = store(manager)
     get_id = flexkv.get_match(np.arange(PAGE), ["u"])[0]
     put_ids = [flexkv.put_match(np.arange(PAGE), [f"v{i}"])[0] for i in range(2)]
-    flexkv.launch([get_id, *put_ids], [slots(1)] * 3)  # does not raise: the load runs
+    launch(flexkv, [get_id, *put_ids], [pages(1)] * 3)  # does not raise: the load runs
     assert manager.launched == [[get_id]]
     assert manager.cancelled == put_ids  # their matches were rolled back in FlexKV
     answers = flexkv.try_wait(put_ids)
@@ -104,7 +115,7 @@ def test_a_failed_release_of_empty_tasks_after_a_launch_does_not_fail_the_launch
     flexkv = store(manager)
     moving = flexkv.put_match(np.arange(2 * PAGE), ["u"])[0]
     empty = flexkv.put_match(np.arange(PAGE - 1), ["v"])[0]  # under a page: nothing to write
-    flexkv.launch([moving, empty], [slots(2), slots(0)])  # must not raise: moving runs
+    launch(flexkv, [moving, empty], [pages(2), pages(0)])  # must not raise: moving runs
     assert manager.launched == [[moving]]
     assert flexkv.try_wait([empty])[empty].status is TaskStatus.SUCCESS
     with pytest.raises(ValueError, match="cannot cancel launched"):
@@ -112,7 +123,7 @@ def test_a_failed_release_of_empty_tasks_after_a_launch_does_not_fail_the_launch
     # With nothing launched, the failed release still raises (every id stays matched).
     lone = flexkv.put_match(np.arange(PAGE - 1), ["w"])[0]
     with pytest.raises(RuntimeError, match="cancel broke"):
-        flexkv.launch([lone], [slots(0)])
+        launch(flexkv, [lone], [pages(0)])
 
 
 class IndexManager:
@@ -211,7 +222,7 @@ def test_a_repeat_put_while_the_first_is_written_is_already_stored_not_no_space(
     assert not repeat.any()
     shorter = flexkv.put_match(tokens[:PAGE], ["u"])[1]  # a prefix of the one in flight
     assert not shorter.any()
-    flexkv.launch([first], [slots(2)])
+    launch(flexkv, [first], [pages(2)])
     after_launch = flexkv.put_match(tokens, ["u"])[1]
     assert not after_launch.any()
     assert flexkv.try_wait([first])[first].status is TaskStatus.SUCCESS
@@ -253,7 +264,7 @@ def test_the_yield_point_comes_after_flexkvs_answers_and_before_their_fan_out(
     answered_at_yield: list[int] = []
     flexkv.set_yield(lambda: answered_at_yield.append(len(flexkv._done)))
     task = flexkv.put_match(np.arange(2 * PAGE, dtype=np.int64), ["u"])[0]
-    flexkv.launch([task], [slots(2)])
+    launch(flexkv, [task], [pages(2)])
     assert flexkv.try_wait([task]) == {}  # still copying: no answer, so no yield
     assert answered_at_yield == []
     assert flexkv.try_wait([task])[task].status is TaskStatus.SUCCESS
@@ -278,3 +289,149 @@ def test_cache_geometry_checks_the_caches_as_the_engine_does(
         num_layers=2, num_pages=6, page_size=PAGE, heads=3, head_dim=8,
         dtype=torch.bfloat16, device_index=1,
     )
+
+
+def test_a_bad_page_id_fails_its_task_alone_as_invalid_naming_the_id(
+    flexkv_statuses: None,
+) -> None:
+    manager = Manager(fail_kind=None)
+    flexkv = store(manager)
+    puts = [flexkv.put_match(np.arange(2 * PAGE), [f"u{i}"])[0] for i in range(3)]
+    gets = [flexkv.get_match(np.arange(2 * PAGE), [f"g{i}"])[0] for i in range(2)]
+    launch(flexkv, puts, [torch.tensor([5, 6]), torch.tensor([7, PAGES]), torch.tensor([-9, 1])])
+    launch(flexkv, gets, [torch.tensor([3, 3]), torch.tensor([8, 9], dtype=torch.int32)])
+    # The good ones reach FlexKV with their own slots, each launch as one batch.
+    assert manager.launched == [[puts[0]], [gets[1]]]
+    assert [s.tolist() for s in manager.slots] == [
+        list(range(5 * PAGE, 7 * PAGE)), list(range(8 * PAGE, 10 * PAGE))
+    ]
+    assert sorted(manager.cancelled) == sorted([puts[1], puts[2], gets[0]])  # given back
+    answers = flexkv.try_wait([puts[1], puts[2], gets[0]])
+    assert {t: r.status for t, r in answers.items()} == dict.fromkeys(
+        [puts[1], puts[2], gets[0]], TaskStatus.INVALID
+    )
+    assert answers[puts[1]].error == f"holds {PAGES}, outside [0, {PAGES})"
+    assert answers[puts[2]].error == f"holds -9, outside [0, {PAGES})"
+    assert answers[gets[0]].error == "holds 3 twice; a load writes each page once"
+    assert flexkv.store_stats()["d2h_copies"] == 0  # CPU page ids: nothing to copy
+
+
+class BytesManager:
+    """A FlexKV-shaped manager that moves the bytes its slots name: a put copies the
+    caches' pages at its slots into blocks of its own, a get copies them back, so that
+    what the engine handed over is checked by the bytes that land."""
+
+    def __init__(self, caches: list[torch.Tensor]) -> None:
+        self.caches = caches
+        self.blocks: dict[tuple[str, ...], list[list[torch.Tensor]]] = {}
+        self.tasks: dict[int, tuple[str, tuple[str, ...], np.ndarray]] = {}
+        self.launches: list[list[np.ndarray]] = []  # each launch's slots, per task
+        self.done: dict[int, list[np.ndarray]] = {}
+        self._next = 0
+
+    def _task(self, kind: str, names: list[str], mask: np.ndarray) -> tuple[int, np.ndarray]:
+        self._next += 1
+        self.tasks[self._next] = (kind, tuple(names), mask)
+        return self._next, mask
+
+    def put_match(self, tokens: np.ndarray, namespace: list[str]) -> tuple[int, np.ndarray]:
+        have = len(self.blocks.get(tuple(namespace), [])) * PAGE
+        mask = np.zeros(len(tokens), dtype=np.bool_)
+        mask[have : len(tokens) // PAGE * PAGE] = True
+        return self._task("put", namespace, mask)
+
+    def get_match(self, tokens: np.ndarray, namespace: list[str]) -> tuple[int, np.ndarray]:
+        have = min(len(self.blocks.get(tuple(namespace), [])) * PAGE, len(tokens))
+        mask = np.zeros(len(tokens), dtype=np.bool_)
+        mask[:have] = True
+        return self._task("get", namespace, mask)
+
+    def launch(self, ids: Sequence[int], slots: Sequence[np.ndarray], as_batch: bool) -> list[int]:
+        self.launches.append([np.array(s) for s in slots])
+        for task_id, task_slots in zip(ids, slots, strict=True):
+            kind, names, mask = self.tasks.pop(task_id)
+            page_ids = (np.asarray(task_slots)[::PAGE] // PAGE).tolist()
+            if kind == "put":
+                stored = self.blocks.setdefault(names, [])
+                stored.extend([cache[p].clone() for cache in self.caches] for p in page_ids)
+            else:
+                for block, page in zip(self.blocks[names], page_ids, strict=False):
+                    for cache, layer in zip(self.caches, block, strict=True):
+                        cache[page] = layer
+            self.done.setdefault(1000 + ids[0] if as_batch else task_id, []).append(mask)
+        return [1000 + ids[0]] if as_batch else list(ids)
+
+    def cancel(self, ids: Sequence[int]) -> None:
+        for task_id in ids:
+            self.tasks.pop(task_id, None)
+
+    def shutdown(self) -> None:
+        self.tasks.clear()
+
+    def try_wait(self, ids: Sequence[int]) -> dict[int, object]:
+        from types import SimpleNamespace
+
+        success = SimpleNamespace(value="success")
+        return {
+            fid: SimpleNamespace(status=success, return_mask=self.done.pop(fid))
+            for fid in ids if fid in self.done
+        }
+
+
+class Ready:
+    """Stands in for a caller's CUDA event: the store must wait for it before it reads."""
+
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def synchronize(self) -> None:
+        self.waited += 1
+
+
+@pytest.mark.asyncio
+async def test_a_flexkv_shaped_store_gets_one_launch_per_batch_with_each_page_view(
+    flexkv_statuses: None,
+) -> None:
+    caches = [torch.randn(PAGES, 2, PAGE, 2, 8) for _ in range(2)]
+    original = [c.clone() for c in caches]
+    manager = BytesManager(caches)
+
+    class Fake(FlexKVStore):
+        def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+            self.page_size, self._manager = PAGE, manager  # no FlexKV to start
+            self._slots.num_pages = PAGES
+
+    flexkv = Fake(aiokv.StoreConfig(backend="flexkv", page_size=PAGE, own_process=False))
+    ready = [Ready() for _ in range(3)]
+    engine = aiokv.OffloadEngine(flexkv, caches, aiokv.EngineConfig(window_us=50_000))
+    sources = [torch.arange(10 * u + 10, 10 * u + 13) for u in range(3)]  # 3 pages each
+    targets = [torch.arange(10 * u + 40, 10 * u + 43) for u in range(3)]
+    tokens = 3 * PAGE - 1  # two full pages each
+    async with engine:
+        # Stored before: user 1's first page, user 2's two pages.
+        await asyncio.gather(engine.offload(1, sources[1], PAGE), engine.offload(2, sources[2], 2 * PAGE))
+        stored = await asyncio.gather(*(
+            engine.offload(u, sources[u], tokens, _ready_event=ready[u]) for u in range(3)
+        ))
+        hits = await asyncio.gather(*(engine.lookup(u, tokens) for u in range(3)))
+        loaded = await asyncio.gather(*(
+            engine.load(h, t) for h, t in zip(hits, targets, strict=True)
+        ))
+        stats = engine.stats()
+    assert [r.stored_tokens for r in stored] == [2 * PAGE, PAGE, 0]
+    assert [r.loaded_tokens for r in loaded] == [2 * PAGE] * 3
+    first_pages = [[int(p) for p in s[::PAGE] // PAGE] for s in manager.launches[1]]
+    # One launch for the offload batch, with each request's new pages (a view of its
+    # tensor): user 0's first two, user 1's second (its first was stored), user 2 none.
+    assert first_pages == [[10, 11], [21]]
+    assert all(np.array_equal(s, np.arange(s[0], s[0] + len(s))) for s in manager.launches[1])
+    assert [r.waited for r in ready] == [1, 1, 0]  # read after their events; 2 moved none
+    # One launch for the load batch, into each request's first two pages.
+    assert [[int(p) for p in s[::PAGE] // PAGE] for s in manager.launches[2]] == [
+        [40, 41], [50, 51], [60, 61]
+    ]
+    assert len(manager.launches) == 3
+    for cache, before in zip(caches, original, strict=True):
+        for u in range(3):
+            assert torch.equal(cache[targets[u][:2]], before[sources[u][:2]])
+    assert stats.d2h_copies == 0 and stats.store_tasks_open == 0

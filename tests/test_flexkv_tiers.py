@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import yaml
+from conftest import launch_slots
 
 import aiokv
 from aiokv.stores.base import TaskStatus
@@ -247,6 +248,7 @@ def ssd_store(tmp_path: Path, manager: WriteThroughManager) -> FlexKVStore:
     store = FlexKVStore(config)
     store.page_size = PAGE
     store._manager = manager  # as register() leaves it, without starting FlexKV
+    store._slots.num_pages = 1024  # as register() sets it
     return store
 
 
@@ -256,7 +258,7 @@ def test_with_an_ssd_tier_a_put_is_answered_only_once_its_ssd_write_is_done(
     manager = WriteThroughManager()
     store = ssd_store(tmp_path, manager)
     task = store.put_match(np.arange(2 * PAGE, dtype=np.int64), ["u"])[0]
-    store.launch([task], [np.arange(2 * PAGE, dtype=np.int64)])
+    launch_slots(store, [task], [np.arange(2 * PAGE, dtype=np.int64)])
     assert store.try_wait([task]) == {}  # copying
     manager.tasks[task] = "copied"  # GPU copy done, CPU blocks locked, SSD write runs
     assert store.try_wait([task]) == {}
@@ -274,7 +276,7 @@ def test_a_batch_is_answered_per_member_once_all_of_it_is_written(
     manager = WriteThroughManager()
     store = ssd_store(tmp_path, manager)
     ids = [store.put_match(np.arange(2 * PAGE, dtype=np.int64), [f"u{i}"])[0] for i in range(2)]
-    store.launch(ids, [np.arange(2 * PAGE, dtype=np.int64)] * 2)
+    launch_slots(store, ids, [np.arange(2 * PAGE, dtype=np.int64)] * 2)
     (batch,) = manager.members
     manager.tasks[batch] = "copied"
     assert store.try_wait(ids) == {}
@@ -296,8 +298,9 @@ def test_without_an_ssd_tier_try_wait_answers_after_the_copy(
     store = FlexKVStore(aiokv.StoreConfig(backend="flexkv", page_size=PAGE))
     store.page_size = PAGE
     store._manager = manager
+    store._slots.num_pages = 1024  # as register() sets it
     task = store.put_match(np.arange(2 * PAGE, dtype=np.int64), ["u"])[0]
-    store.launch([task], [np.arange(2 * PAGE, dtype=np.int64)])
+    launch_slots(store, [task], [np.arange(2 * PAGE, dtype=np.int64)])
     manager.tasks[task] = "copied"
     assert store.try_wait([task])[task].status is TaskStatus.SUCCESS
     assert manager.waits == [(0.0, False)]  # through try_wait's completely=False

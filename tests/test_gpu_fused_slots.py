@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv import cuda as slots_module
-from aiokv.cuda import fuse_page_ids
+from aiokv.stores import pinned
+from aiokv.stores.fused import fuse_page_ids, warm_up
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -25,18 +25,19 @@ def expected_slots(page_ids: list[torch.Tensor], used: list[int]) -> list[list[i
 
 
 def request_slots(page_ids: list[torch.Tensor], used: list[int]) -> list[list[int]]:
-    fused = fuse_page_ids(page_ids, used, torch.cuda.current_stream(), PAGE_SIZE)
+    views = [ids[:n] for ids, n in zip(page_ids, used, strict=True)]
+    fused = fuse_page_ids(views, torch.cuda.current_stream(), PAGE_SIZE)
     slots = fused.wait_slots(PAGE_SIZE)
     return [part.tolist() for part in fused.split(slots, PAGE_SIZE)]
 
 
 def test_fused_slots_arrive_while_a_bulk_copy_to_the_host_runs() -> None:
     device = torch.device("cuda")
-    if not slots_module._writes_host(device):
+    if not pinned.writes_host(device):
         pytest.skip("this device cannot write pinned memory from kernels (copy fallback)")
     # Load the fused path's kernels first: lazy loading takes 20-30 ms on an H200, about
     # as long as the bulk copy, and would make this a race.
-    slots_module.warm_up(device, PAGE_SIZE)
+    warm_up(device, PAGE_SIZE)
     bulk = torch.ones(1 << 30, dtype=torch.uint8, device=device)  # ~20 ms at 50 GiB/s
     bulk_host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     page_ids = [torch.randint(0, 10_000, (64,), device=device) for _ in range(64)]
@@ -47,7 +48,7 @@ def test_fused_slots_arrive_while_a_bulk_copy_to_the_host_runs() -> None:
     with torch.cuda.stream(side):
         bulk_host.copy_(bulk, non_blocking=True)
         bulk_done.record()
-    fused = fuse_page_ids(page_ids, used, torch.cuda.current_stream(), PAGE_SIZE)
+    fused = fuse_page_ids(page_ids, torch.cuda.current_stream(), PAGE_SIZE)
     slots = fused.wait_slots(PAGE_SIZE)
     # Through the copy engine, the slots would land only after the bulk copy.
     done_first = bulk_done.query()  # type: ignore[no-untyped-call]
@@ -65,10 +66,10 @@ def test_fused_slots_are_right_for_every_batch_shape(
     # With its index: the flag is looked up by the tensors' device, which has one (a key
     # of plain "cuda" left the copy variant running the kernel path).
     device = torch.device("cuda", torch.cuda.current_device())
-    if direct and not slots_module._writes_host(device):
+    if direct and not pinned.writes_host(device):
         pytest.skip("this device cannot write pinned memory from kernels (copy fallback)")
-    monkeypatch.setitem(slots_module._WRITES_HOST, device, direct)
-    assert slots_module._writes_host(torch.empty(1, device=device).device) is direct
+    monkeypatch.setitem(pinned._WRITES_HOST, device, direct)
+    assert pinned.writes_host(torch.empty(1, device=device).device) is direct
     generator = torch.Generator().manual_seed(5)
 
     def ids(count: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -82,7 +83,8 @@ def test_fused_slots_are_right_for_every_batch_shape(
     assert request_slots(long_tails, [2, 3]) == expected_slots(long_tails, [2, 3])
     # Some ids on the host: the device part is not expanded there, and joins the host's.
     with_host = [ids(4, torch.int32), torch.tensor([9, 8]), ids(2)]
-    fused = fuse_page_ids(with_host, [4, 2, 1], torch.cuda.current_stream(), PAGE_SIZE)
+    with_host[2] = with_host[2][:1]  # a view, as the engine hands them over
+    fused = fuse_page_ids(with_host, torch.cuda.current_stream(), PAGE_SIZE)
     assert fused.d2h_copies == 1
     pages = fused.wait()
     starts = fused.starts.tolist()

@@ -155,7 +155,7 @@ def test_record_outcome_counts_by_kind_and_outcome_and_derives_pending_and_queue
     assert (reading.lookup_tokens, reading.lookup_hit_tokens, reading.offloaded_tokens) == (12, 4, 8)
     # End to end: every outcome but the caller's cancellation is observed.
     assert [reading.latency.count(KINDS.index(k)) for k in ("offload", "lookup", "load")] == [2, 1, 1]
-    stats = recorder.snapshot(0, 0, bytes_per_token=10)
+    stats = recorder.snapshot(0, bytes_per_token=10)
     assert (stats.completed, stats.failed, stats.cancelled, stats.rejected, stats.timed_out) == (
         2, 1, 1, 1, 1,
     )
@@ -178,7 +178,7 @@ def test_an_offload_requeued_to_wait_for_room_is_queued_once_more_each_time() ->
     assert (recorder.read().queued, recorder.read().pending) == (1, 1)  # resolved in the queue
     recorder.record_batch(Batch(Kind.OFFLOAD, (waits,)))
     recorder.record_outcome(waits, OffloadResult(1, 8, 8))
-    stats = recorder.snapshot(0, 0, bytes_per_token=10)
+    stats = recorder.snapshot(0, bytes_per_token=10)
     assert (stats.queued, stats.pending, stats.batches, stats.completed) == (0, 0, 4, 1)
 
 

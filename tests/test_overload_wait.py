@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -34,8 +35,8 @@ class FirstLaunchGate(StoreWrapper):
         self.release_all = threading.Event()
         self._answers: dict[int, TaskResult] = {}
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[object]) -> None:
-        self.inner.launch(task_ids, slot_mappings)  # type: ignore[arg-type]
+    def launch(self, task_ids: Sequence[int], pages: Sequence[Any], ready: Sequence[Any]) -> None:
+        self.inner.launch(task_ids, pages, ready)
         if self.first is None:
             self.first = set(task_ids)
         self.launched.set()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import PAGE_SIZE, make_caches
+from conftest import PAGE_SIZE, launch_slots, make_caches
 
 import aiokv
 import aiokv.testing
@@ -109,12 +109,12 @@ def test_aiokv_errors_keep_their_field_across_processes() -> None:
 
 def test_launch_arguments_are_checked_before_they_travel() -> None:
     store = ProcessStore(aiokv.StoreConfig())  # not registered: no child
-    with pytest.raises(ValueError, match="2 task ids but 1 slot mappings"):
-        store.launch([1, 2], [np.arange(4)])
-    with pytest.raises(ValueError, match=r"slot_mappings\[0\]: need 1-D"):
-        store.launch([1], [np.zeros((2, 2), dtype=np.int64)])
+    with pytest.raises(ValueError, match="2 task ids but 1 page id arrays"):
+        store.launch([1, 2], [torch.arange(4)], [None])
+    with pytest.raises(ValueError, match="1 page id tensors for 2 ready events"):
+        store.launch([1], [torch.arange(4)], [None, None])
     with pytest.raises(RuntimeError, match="closed or not registered"):  # well-formed: sent
-        store.launch([1], [np.arange(4)])
+        store.launch([1], [torch.arange(4)], [None])
 
 
 def test_make_store_runs_the_configured_store_in_its_own_process_when_asked() -> None:
@@ -156,7 +156,7 @@ def test_the_child_store_errors_come_back_as_themselves() -> None:
     if sys.version_info >= (3, 11):  # exception notes
         assert f"raised in the store process (pid {pid})" in full.value.__notes__
     with pytest.raises(ValueError, match="not a matched"):
-        store.launch([12345], [np.arange(PAGE_SIZE, dtype=np.int64)])
+        launch_slots(store, [12345], [np.arange(PAGE_SIZE, dtype=np.int64)])
     # The child still serves after its errors.
     task, mask = store.put_match(tokens[: 2 * PAGE_SIZE], ["fits"])
     assert mask.all()
@@ -447,7 +447,7 @@ def test_the_child_polls_a_store_that_does_not_notify_and_tells_once_answers_wai
     ends = _Ends(store, theirs)
     assert not ends.store_notifies and not ends.polling
     task, _ = store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["p"])
-    store.launch([task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
+    launch_slots(store, [task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
     ends.launched([task])
     assert ends.polling
     ends.poll()
@@ -470,7 +470,7 @@ def test_this_process_hears_of_ended_tasks_from_the_child() -> None:
     told = threading.Event()
     store.set_notify(told.set)
     task, _ = store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["n"])
-    store.launch([task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
+    launch_slots(store, [task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
     assert told.wait(30)  # no try_wait asked: the child said so by itself
     deadline = time.monotonic() + 30
     answers: dict[int, aiokv.TaskResult] = {}
@@ -533,7 +533,8 @@ def _launch_one(conn: Any) -> int:
     conn.send(("put_match", (tokens, ("n",))))
     ok, (task, _) = conn.recv()
     assert ok
-    conn.send(("launch", ([task], [len(tokens)], tokens)))
+    pages = np.arange(2, dtype=np.int64)  # page ids travel, one array for the launch
+    conn.send(("launch", ([task], [len(pages)], pages)))
     assert conn.recv() == (True, None)
     return int(task)
 
@@ -624,7 +625,8 @@ def test_evict_and_clear_cross_to_the_child_and_back(monkeypatch: pytest.MonkeyP
         conn.send(("put_match", (tokens, (key,))))
         ok, (task, _) = conn.recv()
         assert ok
-        conn.send(("launch", ([task], [len(tokens)], tokens)))
+        pages = np.arange(2, dtype=np.int64)  # page ids travel, one array for the launch
+        conn.send(("launch", ([task], [len(pages)], pages)))
         assert conn.recv() == (True, None)
         assert _try_wait(conn, task)[task].status is aiokv.TaskStatus.SUCCESS
     conn.send(("evict", ("n",)))

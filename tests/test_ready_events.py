@@ -1,5 +1,5 @@
 """Which CUDA events the callers' submits get, when they are recorded, and which a batch
-waits for (aiokv.cuda.ReadyMarks and ready_events), with fake streams and events."""
+waits for (aiokv.cuda.ReadyMarks), with fake streams and events."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from aiokv.batcher import Batcher
 from aiokv.config import EngineConfig
-from aiokv.cuda import ReadyMarks, ready_events
+from aiokv.cuda import ReadyMarks
 from aiokv.requests import Kind, Request
 
 
@@ -86,7 +86,6 @@ def test_submits_record_nothing_until_the_iteration_ends_then_one_per_stream() -
     on_one, on_two = rig.created
     assert on_one.records == [1] and on_two.records == [2]  # once each, after all submits
     assert all(r.ready_event is on_one for r in (window[0], window[2], window[3]))
-    assert ready_events(window) == [on_one, on_two]
     # The next iteration's submits on the same window re-record the same event.
     later = rig.submit(1)
     rig.next_iteration()
@@ -105,7 +104,6 @@ def test_closing_a_window_records_its_events_and_the_next_window_gets_new_ones()
     rig.next_iteration()
     assert first.ready_event.records == [1]
     assert second.ready_event.records == [1]
-    assert ready_events([first, second]) == [first.ready_event, second.ready_event]
 
 
 def test_a_failed_record_synchronizes_the_device_instead() -> None:
@@ -118,14 +116,25 @@ def test_a_failed_record_synchronizes_the_device_instead() -> None:
     assert fine.ready_event.records == [1]
 
 
-def test_a_batch_waits_for_each_distinct_event_once_and_none_without_a_gpu() -> None:
+def test_a_launch_waits_for_each_distinct_event_once_and_none_without_a_gpu() -> None:
+    from aiokv.stores.fused import wait_ready
+
     rig = Rig()
     on_one, on_two, again, plain = rig.submit(1), rig.submit(2), rig.submit(1), request()
-    assert ready_events([on_one, plain, again, on_two]) == [
-        on_one.ready_event,
-        on_two.ready_event,
-    ]  # first-seen order, one wait per event, none for a request without one
-    assert ready_events([request(), request()]) == []
+    events = [r.ready_event for r in (on_one, plain, again, on_two)]
+
+    class Stream:
+        def __init__(self) -> None:
+            self.waited: list[object] = []
+
+        def wait_event(self, event: object) -> None:
+            self.waited.append(event)
+
+    stream = Stream()
+    # First-seen order, one wait per event, none for a request without one.
+    assert wait_ready(events, stream) == [on_one.ready_event, on_two.ready_event]
+    assert stream.waited == [on_one.ready_event, on_two.ready_event]
+    assert wait_ready([None, None], stream) == [] and len(stream.waited) == 2
 
 
 @pytest.mark.asyncio

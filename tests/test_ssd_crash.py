@@ -38,7 +38,8 @@ while True:
             break
         except aiokv.stores.NoSpace:
             store.try_wait([])
-    store.launch([task], [np.arange({USER_PAGES * PAGE}, dtype=np.int64)[mask]])
+    new = torch.arange({USER_PAGES})[torch.from_numpy(mask[::{PAGE}])]
+    store.launch([task], [new], [None])
     while not store.try_wait([task]):
         pass
     print(user, flush=True)
@@ -77,7 +78,7 @@ def test_kill_9_during_heavy_writes_then_reopen_serves_only_intact_blocks(
     recovered = store.store_stats()["ssd_blocks_used"]
     assert 0 < recovered <= 48
     tokens = np.arange(USER_PAGES * PAGE, dtype=np.int64)
-    target = np.arange(USER_PAGES * PAGE, 2 * USER_PAGES * PAGE, dtype=np.int64)
+    target = torch.arange(USER_PAGES, 2 * USER_PAGES)
     served = 0
     for user in range(last + 3):
         for cache in caches:
@@ -86,7 +87,7 @@ def test_kill_9_during_heavy_writes_then_reopen_serves_only_intact_blocks(
         if not mask.any():
             store.cancel([task])
             continue
-        store.launch([task], [target[: int(mask.sum())]])
+        store.launch([task], [target[: int(mask.sum()) // PAGE]], [None])
         result: dict[int, aiokv.TaskResult] = {}
         while not result:
             result = store.try_wait([task])

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import launch_slots
 from test_ssd import (
     BLOCK,
     HOST_BLOCKS,
@@ -106,7 +107,7 @@ def test_a_host_tier_full_of_blocks_in_flight_frees_itself(tmp_path: Path) -> No
                 assert "being copied" in str(exc) or "evictable" in str(exc)
                 store.try_wait([])  # what a later window's match also does first
                 os.sched_yield()
-        store.launch([task], [slots[mask] + USER_PAGES * PAGE * user])
+        launch_slots(store, [task], [slots[mask] + USER_PAGES * PAGE * user])
         assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
     stats = store.store_stats()
     assert stats["host_blocks_used"] <= HOST_BLOCKS
@@ -158,7 +159,7 @@ def test_evict_and_clear_without_an_ssd_tier() -> None:
     tokens = np.arange(2 * PAGE, dtype=np.int64)
     for user in ("a", "b"):
         task, _ = store.put_match(tokens, [user])
-        store.launch([task], [np.arange(2 * PAGE, dtype=np.int64)])
+        launch_slots(store, [task], [np.arange(2 * PAGE, dtype=np.int64)])
         _wait(store, [task])
     assert store.evict(["a"]) == 2 * PAGE
     assert store.store_stats()["host_blocks_used"] == 2

@@ -99,9 +99,11 @@ class SlowMatches(StoreWrapper):
         self.clock.advance(MATCH_US)
         return super().get_match(token_ids, namespace)
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
         self.clock.log.append("launch")
-        super().launch(task_ids, slot_mappings)
+        super().launch(task_ids, pages, ready)
 
 
 # ---- config and its resolution -----------------------------------------------------

@@ -10,14 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PAGE_SIZE, make_caches
+from conftest import PAGE_SIZE, launch_slots, make_caches
 
 import aiokv
 from aiokv.batcher import plan_batches
 from aiokv.config import parse_config
-from aiokv.cuda import fuse_page_ids
 from aiokv.requests import Kind, Request
-from aiokv.slots import FusedPages, select_slots
+from aiokv.stores.fused import FusedPages, fuse_page_ids
 from aiokv.stores.local import transfer
 from aiokv.stores.local.index import chain_digests
 from aiokv.stores.local.order import contiguous_runs, in_host_order
@@ -161,8 +160,8 @@ def test_plan_of_one_kind_at_and_over_the_limits(
 
 
 def test_fused_pages_expand_split_and_flag_bad_requests() -> None:
-    page_ids = [torch.tensor([3, 1, 2]), torch.tensor([7, 7], dtype=torch.int32), torch.tensor([0, 99])]
-    fused = fuse_page_ids(page_ids, [3, 1, 2])
+    page_ids = [torch.tensor([3, 1, 2]), torch.tensor([7], dtype=torch.int32), torch.tensor([0, 99])]
+    fused = fuse_page_ids(page_ids)
     pages = fused.wait()
     assert fused.d2h_copies == 0 and pages.tolist() == [3, 1, 2, 7, 0, 99]
     slots = fused.expand(pages, 4)
@@ -173,45 +172,35 @@ def test_fused_pages_expand_split_and_flag_bad_requests() -> None:
 
 
 def test_page_errors_name_the_bad_value_and_a_page_held_twice() -> None:
-    page_ids = [torch.tensor([5, 6, 5]), torch.tensor([7, 7]), torch.tensor([2, 70, -1]),
-                torch.tensor([5, 6])]
-    fused = fuse_page_ids(page_ids, [3, 1, 3, 2])  # request 1 moves its first page only
+    page_ids = [torch.tensor([5, 6, 5]), torch.tensor([7]), torch.tensor([2, 70, -1]),
+                torch.tensor([5, 6]), torch.tensor([8, 8])]
+    fused = fuse_page_ids(page_ids)
     slots = fused.expand(fused.wait(), 4)
-    errors = fused.page_errors(slots, num_pages=64, page_size=4, unique=True)
-    # Request 3 shares pages with request 0: each request is checked on its own pages.
+    # Tasks 0-3 are loads, task 4 (a page twice) a put: only loads must not repeat one.
+    errors = fused.page_errors(slots, num_pages=64, page_size=4, unique=[0, 1, 2, 3])
+    # Task 3 shares pages with task 0: each task is checked on its own pages.
     assert sorted(errors) == [0, 2]
-    assert errors[0].field == "page_ids" and "holds 5 twice" in str(errors[0])
-    assert "holds 70, outside [0, 64)" in str(errors[2])
-    assert sorted(fused.page_errors(slots, num_pages=64, page_size=4, unique=False)) == [2]
+    assert errors[0] == "holds 5 twice; a load writes each page once"
+    assert errors[2] == "holds 70, outside [0, 64)"
+    assert sorted(fused.page_errors(slots, num_pages=64, page_size=4, unique=())) == [2]
 
 
 def test_page_errors_name_the_callers_own_id_where_the_slots_hold_it_clamped() -> None:
     page_ids = [torch.tensor([1, -7]), torch.tensor([2, 3])]
-    fused = fuse_page_ids(page_ids, [2, 2])
+    fused = fuse_page_ids(page_ids)
     slots = fused.expand(fused.wait(), 4)  # -7 clamped to -1
-    clamped = fused.page_errors(slots, num_pages=64, page_size=4, unique=False)
+    clamped = fused.page_errors(slots, num_pages=64, page_size=4, unique=())
     assert "holds -1," in str(clamped[0])
 
     def own(index: int, position: int) -> int:
         return int(page_ids[index][position])
 
-    named = fused.page_errors(slots, num_pages=64, page_size=4, unique=False, own_id=own)
+    named = fused.page_errors(slots, num_pages=64, page_size=4, unique=(), own_id=own)
     assert sorted(named) == [0] and "holds -7, outside [0, 64)" in str(named[0])
     unknown = fused.page_errors(
-        slots, num_pages=64, page_size=4, unique=False, own_id=lambda index, position: None
+        slots, num_pages=64, page_size=4, unique=(), own_id=lambda index, position: None
     )
     assert "holds -1," in str(unknown[0])  # the read failed: the clamped id, still failed
-
-
-def test_select_slots_takes_exactly_the_true_positions() -> None:
-    slots = np.arange(100, 112)
-    suffix = np.zeros(12, bool)
-    suffix[4:] = True
-    assert select_slots(slots, suffix).tolist() == list(range(104, 112))
-    holes = np.zeros(12, bool)
-    holes[[0, 1, 8, 9]] = True
-    assert select_slots(slots, holes).tolist() == [100, 101, 108, 109]
-    assert select_slots(slots, np.zeros(12, bool)).tolist() == []
 
 
 def _gapped_pages() -> tuple[FusedPages, np.ndarray]:
@@ -234,63 +223,8 @@ def test_fused_split_gives_each_request_its_slots_as_views() -> None:
     assert parts[0].tolist() == list(range(420, 432)) and parts[3].tolist() == []
 
 
-def test_fused_select_matches_select_slots_per_request() -> None:
-    rng = np.random.default_rng(7)
-    fused, slots = _gapped_pages()
-    first_three = FusedPages(fused.host, fused.starts[:3], fused.counts[:3], None, 0)
-    lengths = [12, 8, 4, 0]
-    for trial in range(300):
-        masks = []
-        for length in lengths:
-            # Mask lengths may be shorter than the request's slots (a partial last page).
-            n = int(rng.integers(0, length + 1)) if trial % 3 == 0 else length
-            kind = rng.integers(0, 5)
-            mask = np.zeros(n, dtype=bool)
-            if n and kind == 0:  # a put's suffix
-                mask[int(rng.integers(0, n)) :] = True
-            elif n and kind == 1:  # a get's prefix
-                mask[: int(rng.integers(0, n + 1))] = True
-            elif n and kind == 2:  # holes
-                mask = rng.random(n) < 0.5
-            elif kind == 3:
-                mask[:] = True
-            masks.append(mask)
-        # All four (request 3 owns no slots), and the first three, whose masks often
-        # hold one run each (select's fast path).
-        for batch, batch_masks in ((fused, masks), (first_three, masks[:3])):
-            got = batch.select(slots, batch_masks, 4)
-            want = [select_slots(batch.request_slots(slots, i, 4), m)
-                    for i, m in enumerate(batch_masks)]
-            assert all(w.size == 0 for w, m in zip(want, batch_masks, strict=True) if not m.size)
-            assert [g.tolist() for g in got] == [w.tolist() for w in want], batch_masks
-            for g, m in zip(got, batch_masks, strict=True):
-                padded = np.concatenate(([0], m.astype(np.int8), [0]))
-                runs = np.count_nonzero(np.diff(padded) == 1)
-                if g.size:
-                    assert np.shares_memory(g, slots) == (runs == 1)  # one run: a view
-
-
-def test_fused_select_takes_the_one_run_fast_path_and_checks_bounds() -> None:
-    fused, slots = _gapped_pages()
-    full = [np.ones(12, bool), np.ones(8, bool), np.ones(4, bool), np.zeros(0, bool)]
-    got = fused.select(slots, full, 4)
-    assert [g.tolist() for g in got[:3]] == [fused.request_slots(slots, i, 4).tolist()
-                                             for i in range(3)]
-    assert got[3].tolist() == []
-    fused3 = FusedPages(fused.host, fused.starts[:3], fused.counts[:3], None, 0)
-    # Every request has exactly one run (the fast path); request 1's runs past its slots.
-    with pytest.raises(IndexError, match="mask position 9 is past the 8 slots"):
-        fused3.select(slots, [np.ones(12, bool), np.ones(10, bool), np.ones(4, bool)], 4)
-    # Same fault with another request empty (the general path).
-    with pytest.raises(IndexError, match="mask position 9 is past the 8 slots"):
-        fused3.select(slots, [np.zeros(12, bool), np.ones(10, bool), np.ones(4, bool)], 4)
-    with pytest.raises(ValueError, match="2 masks for 3 requests"):
-        fused3.select(slots, full[:2], 4)
-
-
 def test_fused_slots_are_read_only_after_the_copy_lands() -> None:
-    # The store thread's path: wait_slots, then split (every request's slots) or select
-    # (their masked positions').
+    # FlexKV's launch path: wait_slots, then split (every task's slots).
     expected = torch.arange(40, 64)  # slots of 6 pages of 4, as the device expanded them
 
     class Copy:  # stands in for the copy's CUDA event: the data lands on synchronize
@@ -310,37 +244,18 @@ def test_fused_slots_are_read_only_after_the_copy_lands() -> None:
     parts = fused.split(fused.wait_slots(4), 4)
     assert fused.copy_done.waits == 1
     assert [p.tolist() for p in parts] == [list(range(52, 60)), list(range(40, 52))]
-    holes = np.zeros(12, bool)
-    holes[[1, 5]] = True  # request 1: two runs, a copy made after the wait
-    suffix = np.zeros(8, bool)
-    suffix[4:] = True
-    fused = in_flight()
-    parts = fused.select(fused.wait_slots(4), [suffix, holes], 4)
-    assert fused.copy_done.waits == 1
-    assert [p.tolist() for p in parts] == [[56, 57, 58, 59], [41, 45]]
-    plain = fuse_page_ids([torch.tensor([3, 1]), torch.tensor([9])], [1, 1])  # no copy
+    plain = fuse_page_ids([torch.tensor([3]), torch.tensor([9])])  # no copy
     assert [p.tolist() for p in plain.split(plain.wait_slots(2), 2)] == [[6, 7], [18, 19]]
 
 
-def test_fused_wait_slots_and_whole_device_tensors() -> None:
-    from aiokv.cuda import _device_parts
-
-    fused = fuse_page_ids([torch.tensor([3, 1]), torch.tensor([9], dtype=torch.int32)], [2, 1])
+def test_fused_wait_slots_of_host_and_device_expanded_pages() -> None:
+    fused = fuse_page_ids([torch.tensor([3, 1]), torch.tensor([9], dtype=torch.int32)])
     assert fused.wait_slots(2).tolist() == [6, 7, 2, 3, 18, 19]
     expanded = FusedPages(torch.tensor([6, 7, 2, 3]), np.array([0]), np.array([2]), None, 1,
                           expanded_page_size=2)
     assert expanded.wait_slots(2).tolist() == [6, 7, 2, 3]
     with pytest.raises(ValueError, match="page size"):
         expanded.wait_slots(4)
-    # Short unused tails travel whole (no slice op per request); long ones are sliced.
-    ids = [torch.arange(10), torch.arange(5), torch.arange(3)]
-    parts, starts, total = _device_parts(ids, [9, 5, 1], np.array([9, 5, 1]), 32)
-    assert starts.tolist() == [0, 10, 15] and total == 18
-    assert all(part is whole for part, whole in zip(parts, ids, strict=True))
-    # Three unused pages of 8192 slots: only the used pages are concatenated.
-    parts, starts, total = _device_parts(ids, [9, 5, 1], np.array([9, 5, 1]), 8192)
-    assert starts.tolist() == [0, 9, 14] and total == 15
-    assert [p.tolist() for p in parts] == [list(range(9)), list(range(5)), [0]]
 
 
 def test_contiguous_runs_split_at_gaps_and_chunk_size() -> None:
@@ -428,7 +343,7 @@ def test_chain_digests_depend_on_the_whole_prefix_and_namespaces_stay_apart() ->
     store.register(make_caches(pages=16))
     tokens = np.arange(2 * PAGE_SIZE, dtype=np.int64)
     task, mask = store.put_match(tokens, ["uid:1"])
-    store.launch([task], [np.arange(int(mask.sum()), dtype=np.int64)])
+    launch_slots(store, [task], [np.arange(int(mask.sum()), dtype=np.int64)])
     _wait(store, [task])
     for namespace, hit in ((["uid:1"], True), (["uid:2"], False), (["uid:", "1"], False)):
         task, mask = store.get_match(tokens, namespace)
@@ -463,7 +378,7 @@ def test_local_store_evicts_least_recent_tails_first() -> None:
     tokens = np.arange(4 * PAGE_SIZE, dtype=np.int64)
     for user in ("a", "b"):
         task, mask = store.put_match(tokens, [user])
-        store.launch([task], [np.arange(mask.sum(), dtype=np.int64)])
+        launch_slots(store, [task], [np.arange(mask.sum(), dtype=np.int64)])
         _wait(store, [task])
     # 8 blocks wanted, 6 exist: b's put evicted a's two tail blocks, a's head survives.
     task, mask = store.get_match(tokens, ["a"])
@@ -483,7 +398,7 @@ def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run
     store.register(caches)
     long = np.arange(8 * PAGE_SIZE, dtype=np.int64)
     task, mask = store.put_match(long, ["old"])
-    store.launch([task], [np.arange(mask.sum(), dtype=np.int64)])
+    launch_slots(store, [task], [np.arange(mask.sum(), dtype=np.int64)])
     _wait(store, [task])
     runs: list[list[tuple[int, int]]] = []
 
@@ -500,7 +415,7 @@ def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run
         task, mask = store.put_match(short, [user])
         ids.append(task)
         slots.append(np.arange(first_page * PAGE_SIZE, (first_page + 4) * PAGE_SIZE))
-    store.launch(ids, slots)
+    launch_slots(store, ids, slots)
     assert all(r.status is aiokv.TaskStatus.SUCCESS for r in _wait(store, ids).values())
     assert runs == [[(0, 8)]]
     # Three loads of one stored prefix in one launch share its blocks: one run each.
@@ -510,7 +425,7 @@ def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run
         task, mask = store.get_match(short, ["a"])
         ids.append(task)
         slots.append(np.arange(target * PAGE_SIZE, (target + 4) * PAGE_SIZE))
-    store.launch(ids, slots)
+    launch_slots(store, ids, slots)
     assert all(r.status is aiokv.TaskStatus.SUCCESS for r in _wait(store, ids).values())
     assert len(runs) == 1 and len(runs[0]) == 3, runs
     for cache in caches:
@@ -520,7 +435,7 @@ def test_a_batch_of_short_requests_on_an_evicted_long_sequence_copies_as_one_run
         task, mask = store.get_match(short, [user])
         assert mask.all()
         target = np.arange(40 * PAGE_SIZE, 44 * PAGE_SIZE)
-        store.launch([task], [target])
+        launch_slots(store, [task], [target])
         _wait(store, [task])
         for cache in caches:
             assert torch.equal(cache[40:44], cache[first_page : first_page + 4])
@@ -544,7 +459,7 @@ def test_local_store_rolls_back_cancel_and_failed_copies() -> None:
         raise RuntimeError("injected copy failure")
 
     store._transfer._run_cpu = broken_copy  # type: ignore[union-attr,method-assign]
-    store.launch([task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
+    launch_slots(store, [task], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
     result = _wait(store, [task])[task]
     assert result.status is aiokv.TaskStatus.FAILED
     assert "injected copy failure" in result.error
@@ -566,7 +481,7 @@ def test_local_store_answers_tasks_that_ended_before_close_after_it() -> None:
         raise RuntimeError("injected copy failure")
 
     store._transfer._run_cpu = broken_copy  # type: ignore[union-attr,method-assign]
-    store.launch([failing], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
+    launch_slots(store, [failing], [np.arange(2 * PAGE_SIZE, dtype=np.int64)])
     store.close()  # waits for the copy: the task ended, unanswered, before the close
     answer = store.try_wait([failing])  # the pool is gone: answered all the same
     assert answer[failing].status is aiokv.TaskStatus.FAILED
@@ -574,7 +489,6 @@ def test_local_store_answers_tasks_that_ended_before_close_after_it() -> None:
 
 
 def test_fused_pages_from_device_slots_or_with_a_host_tail() -> None:
-    from aiokv.slots import FusedPages
 
     starts, counts = np.array([0, 2]), np.array([2, 1])
     slots = torch.tensor([12, 13, 14, 15, 4, 5, 6, 7, 36, 37, 38, 39])  # pages 3, 1, 9
@@ -602,7 +516,7 @@ def test_local_store_notifies_when_tasks_end() -> None:
     store.set_notify(woke.set)
     task, mask = store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["n"])
     assert not woke.is_set()
-    store.launch([task], [np.arange(int(mask.sum()), dtype=np.int64)])
+    launch_slots(store, [task], [np.arange(int(mask.sum()), dtype=np.int64)])
     assert woke.wait(10)  # called by the copy thread once the job ended
     assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
     store.close()
@@ -643,7 +557,7 @@ def test_local_store_keeps_every_surviving_key_intact_under_churn() -> None:
                 continue
             slots = (pages[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).reshape(-1)
             if mask.any():
-                store.launch([task], [slots[: len(mask)][mask].astype(np.int64)])
+                launch_slots(store, [task], [slots[: len(mask)][mask].astype(np.int64)])
                 assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
             else:
                 store.cancel([task])
@@ -655,7 +569,7 @@ def test_local_store_keeps_every_surviving_key_intact_under_churn() -> None:
                 continue
             target = np.arange(32 + 3 * (step % 10), 32 + 3 * (step % 10) + hit)
             slots = (target[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).reshape(-1)
-            store.launch([task], [slots.astype(np.int64)])
+            launch_slots(store, [task], [slots.astype(np.int64)])
             assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
             for cache, before in zip(caches, original, strict=True):
                 assert torch.equal(cache[torch.from_numpy(target)], before[pages[:hit]]), step
@@ -677,20 +591,20 @@ def test_local_store_evicts_exactly_the_lru_blocks_whatever_their_order() -> Non
 
     for key in range(6):  # key k lands in host block k, from GPU page k
         task, _ = store.put_match(one_page, [f"k{key}"])
-        store.launch([task], [slots(key)])
+        launch_slots(store, [task], [slots(key)])
         _wait(store, [task])
     for key in (0, 2, 3, 4, 0, 2):  # LRU, oldest first, becomes [1, 5, 3, 4, 0, 2]
         task, _ = store.get_match(one_page, [f"k{key}"])
         store.cancel([task])
     three_pages = np.arange(3 * PAGE_SIZE, dtype=np.int64)
     task, mask = store.put_match(three_pages, ["new"])  # evicts keys 1, 5 and 3
-    store.launch([task], [np.concatenate([slots(p) for p in (10, 11, 12)])])
+    launch_slots(store, [task], [np.concatenate([slots(p) for p in (10, 11, 12)])])
     _wait(store, [task])
     for key, survives in ((1, False), (5, False), (3, False), (2, True), (0, True), (4, True)):
         task, mask = store.get_match(one_page, [f"k{key}"])
         assert bool(mask.any()) is survives, key
         if survives:
-            store.launch([task], [slots(15)])
+            launch_slots(store, [task], [slots(15)])
             _wait(store, [task])
             for cache, before in zip(caches, original, strict=True):
                 assert torch.equal(cache[15], before[key]), key
@@ -794,21 +708,21 @@ def test_local_store_loads_sharing_blocks_in_one_launch_release_them_once() -> N
     tokens = np.arange(2 * PAGE_SIZE, dtype=np.int64)
     slots = np.arange(2 * PAGE_SIZE, dtype=np.int64)
     task, _ = store.put_match(tokens, ["a"])
-    store.launch([task], [slots])
+    launch_slots(store, [task], [slots])
     _wait(store, [task])
     first, _ = store.get_match(tokens, ["a"])
     second, mask = store.get_match(tokens, ["a"])
     assert mask.all()
     with pytest.raises(aiokv.stores.NoSpace):  # a's two blocks are held
         store.put_match(np.arange(3 * PAGE_SIZE, dtype=np.int64), ["b"])
-    store.launch([first, second], [slots + 8 * PAGE_SIZE, slots + 10 * PAGE_SIZE])
+    launch_slots(store, [first, second], [slots + 8 * PAGE_SIZE, slots + 10 * PAGE_SIZE])
     results = _wait(store, [first, second])
     assert all(r.status is aiokv.TaskStatus.SUCCESS for r in results.values())
     held, _ = store.get_match(tokens, ["a"])  # held again, by one reader
     with pytest.raises(aiokv.stores.NoSpace):
         store.put_match(np.arange(3 * PAGE_SIZE, dtype=np.int64), ["b"])
     later, _ = store.get_match(tokens, ["a"])  # a second reader, ending first, alone
-    store.launch([later], [slots + 8 * PAGE_SIZE])
+    launch_slots(store, [later], [slots + 8 * PAGE_SIZE])
     _wait(store, [later])
     with pytest.raises(aiokv.stores.NoSpace):  # still held by the first
         store.put_match(np.arange(3 * PAGE_SIZE, dtype=np.int64), ["b"])
@@ -824,36 +738,41 @@ def test_local_store_loads_sharing_blocks_in_one_launch_release_them_once() -> N
     store.close()
 
 
-def test_local_store_launch_rejects_slots_that_are_not_whole_pages_in_range() -> None:
-    caches = make_caches(pages=16)  # 16 pages: slots in [0, 16 * PAGE_SIZE) exist
+def test_local_store_ends_a_task_with_a_bad_page_id_invalid_and_gives_its_blocks_back() -> None:
+    caches = make_caches(pages=16)
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     store.register(caches)
     with pytest.raises(RuntimeError, match="already"):
         store.register(caches)  # a second pool and copy thread would orphan the first's
     tokens = np.arange(2 * PAGE_SIZE, dtype=np.int64)  # two pages per key
-    good = np.arange(2 * PAGE_SIZE, dtype=np.int64) + 3 * PAGE_SIZE  # pages 3 and 4
-    bad_slots = {
-        "shifted": good + 1,  # not page-aligned
-        "reversed": good[::-1].copy(),  # whole pages, backwards
-        "past the caches": good + 16 * PAGE_SIZE,  # pages 19 and 20 of 16
-        "negative": good - 4 * PAGE_SIZE,  # page -1
-    }
-    for name, slots in bad_slots.items():
-        task, mask = store.put_match(tokens, [name])
-        assert mask.all()
-        with pytest.raises(ValueError, match=f"task {task}'s slots"):
-            store.launch([task], [slots])
-        store.cancel([task])  # refused, so still matched: rolled back here
     free = store.free_blocks
-    task, _ = store.put_match(tokens, ["fine"])
-    store.launch([task], [good])
-    assert _wait(store, [task])[task].status is aiokv.TaskStatus.SUCCESS
-    assert store.free_blocks == free - 2
+    bad = {"past the caches": [16, 3], "negative": [-1, 4], "huge": [2**62, 4]}
+    tasks = {name: store.put_match(tokens, [name])[0] for name in bad}
+    good, _ = store.put_match(tokens, ["fine"])
+    ids = [*tasks.values(), good]
+    pages = [torch.tensor(p) for p in bad.values()] + [torch.tensor([3, 4])]
+    store.launch(ids, pages, [None] * len(ids))  # one launch: the bad tasks fail alone
+    answers = _wait(store, ids)
+    for name, task in tasks.items():
+        assert answers[task].status is aiokv.TaskStatus.INVALID
+        assert answers[task].error == f"holds {bad[name][0]}, outside [0, 16)"
+    assert answers[good].status is aiokv.TaskStatus.SUCCESS
+    assert store.free_blocks == free - 2  # the bad tasks' blocks went back
+    # A load that holds a page twice fails alone too; the same pages once load.
+    twice, _ = store.get_match(tokens, ["fine"])
+    once, _ = store.get_match(tokens, ["fine"])
+    store.launch([twice, once], [torch.tensor([5, 5]), torch.tensor([5, 6])], [None, None])
+    answers = _wait(store, [twice, once])
+    assert answers[twice].status is aiokv.TaskStatus.INVALID
+    assert answers[twice].error == "holds 5 twice; a load writes each page once"
+    assert answers[once].status is aiokv.TaskStatus.SUCCESS
+    for layer in caches:
+        assert torch.equal(layer[5:7], layer[3:5])
     store.close()
 
 
 def test_pinned_buffers_written_by_kernels_are_held_until_their_event_fired() -> None:
-    from aiokv.cuda import _HeldUntilDone
+    from aiokv.stores.pinned import _HeldUntilDone
 
     class FakeEvent:
         def __init__(self) -> None:

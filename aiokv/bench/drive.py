@@ -63,8 +63,10 @@ class TimedStore(StoreWrapper):
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> Any:
         return self._timed(self.inner.get_match, token_ids, namespace)
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
-        self._timed(self.inner.launch, task_ids, slot_mappings)
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
+        self._timed(self.inner.launch, task_ids, pages, ready)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         self._timed(self.inner.cancel, task_ids)
@@ -196,8 +198,8 @@ class PerRequestClient:
         if not mask.any():
             store.cancel([task_id])
             return 0
-        slots = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:num_tokens]
-        store.launch([task_id], [slots[mask]])
+        new = mask[::page_size]  # the pages to write
+        store.launch([task_id], [torch.from_numpy(pages[: len(new)][new])], [None])
         while (result := store.try_wait([task_id]).get(task_id)) is None:
             time.sleep(self._poll_interval_s)
         if result.status is not TaskStatus.SUCCESS:

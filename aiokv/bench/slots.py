@@ -5,12 +5,12 @@ Each user holds 1024-4096 tokens (random) in random pages of ``page_size``. A ba
 end as host int64 slots (``page * page_size + offset``) of every used page of every
 user, one array (a view is fine) per user.
 
-  fused     the store thread's path: aiokv.cuda.fuse_page_ids (one concat and one
-            expansion on the device, one write into pinned memory), the wait for it
-            (FusedPages.wait_slots), the check of every page id (bad_requests), then
+  fused     FlexKV's launch path: aiokv.stores.fused.fuse_page_ids (one concat and
+            one expansion on the device, one write into pinned memory), the wait for
+            it (FusedPages.wait_slots), the check of every page id (bad_requests), then
             the per-user views (FusedPages.split). On the current stream; the store
-            thread runs it on a copy stream made to wait for each request's event, a
-            few more CUDA calls per batch that are not timed here.
+            runs it on a copy stream made to wait for each request's event, a few more
+            CUDA calls per launch that are not timed here.
   per-user  (a-np) one .cpu() of each user's used page ids and a numpy expansion.
   CSR loop  (b-np) one bulk copy of every user's used page ids, then a numpy loop.
   copy      one ``.cpu()`` of the batch's page ids, already concatenated on the device:
@@ -18,10 +18,9 @@ user, one array (a view is fine) per user.
             is how close the fused path comes to this machine's limit.
 
 A second, secondary table repeats each method with every user's store mask applied
-(the slots the engine actually launches; here a put's mask, a suffix of whole pages).
-fused+mask selects for the whole batch with FusedPages.select (a fixed number of numpy
-calls, one view per user, bounds computed while the copy is in flight); the others call
-select_slots per user.
+(the slots FlexKV is given; here a put's mask, a suffix of whole pages). fused+mask
+fuses the page views the engine hands the store (each user's masked pages, a slice); the
+others select each user's masked slots on the host.
 
 Page ids are not range-checked by the baselines. Each timing wraps a complete,
 host-visible result (the device is synchronized before it starts); median of repeats;
@@ -42,9 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cuda import fuse_page_ids
-from ..slots import FusedPages, select_slots
 from ..stores.base import BoolArray, Int64Array
+from ..stores.fused import FusedPages, fuse_page_ids
 from . import common
 
 NAME = "slots"
@@ -129,7 +127,8 @@ def _expand(pages: Int64Array, batch: Batch) -> Int64Array:
 
 def _fused_slots(batch: Batch) -> tuple[FusedPages, Int64Array]:
     """As the store thread takes a batch: fuse, wait for the slots, check every page id."""
-    pages = fuse_page_ids(batch.page_ids, batch.pages_used, None, batch.page_size)
+    used = zip(batch.page_ids, batch.pages_used, strict=True)
+    pages = fuse_page_ids([ids[:n] for ids, n in used], None, batch.page_size)
     slots = pages.wait_slots(batch.page_size)
     if len(pages.bad_requests(slots, batch.num_pages, batch.page_size)):
         raise RuntimeError("the fused path found a page id out of range")
@@ -160,13 +159,18 @@ def csr_loop_np(batch: Batch) -> list[Int64Array]:
 
 
 def fused_mask(batch: Batch) -> list[Int64Array]:
-    pages, slots = _fused_slots(batch)  # then FusedPages.select, as the worker launches
-    return pages.select(slots, batch.masks, batch.page_size)
+    size = batch.page_size
+    views = []  # as the engine hands them to the store: each user's masked pages, a slice
+    for ids, used, mask in zip(batch.page_ids, batch.pages_used, batch.masks, strict=True):
+        first = int(mask[::size].argmax())
+        views.append(ids[first:used])
+    pages = fuse_page_ids(views, None, size)
+    return pages.split(pages.wait_slots(size), size)
 
 
 def per_user_copy_mask(batch: Batch) -> list[Int64Array]:
     return [
-        select_slots(_expand(ids[:used].cpu().numpy(), batch), mask)
+        _expand(ids[:used].cpu().numpy(), batch)[mask]
         for ids, used, mask in zip(batch.page_ids, batch.pages_used, batch.masks, strict=True)
     ]
 
@@ -175,7 +179,7 @@ def csr_loop_mask(batch: Batch) -> list[Int64Array]:
     host = batch.csr.cpu().numpy()
     offsets = batch.offsets
     return [
-        select_slots(_expand(host[offsets[i] : offsets[i + 1]], batch), mask)
+        _expand(host[offsets[i] : offsets[i + 1]], batch)[mask]
         for i, mask in enumerate(batch.masks)
     ]
 

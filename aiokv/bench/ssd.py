@@ -64,7 +64,7 @@ class _Driver:
         self._wake.wait(0.05)
         self._wake.clear()
 
-    def put(self, user: int, tokens: np.ndarray, slots: np.ndarray) -> int:
+    def put(self, user: int, tokens: np.ndarray, pages: np.ndarray) -> int:
         while True:
             try:
                 task, mask = self.store.put_match(tokens, [f"u{user}"])
@@ -72,7 +72,7 @@ class _Driver:
             except NoSpace:  # host tier full of blocks still being written: wait
                 self.store.try_wait([])
                 self.wait_any()
-        self.store.launch([task], [slots[mask]])
+        self.store.launch([task], [torch.from_numpy(pages[mask[::PAGE]])], [None])
         return task
 
     def finish(self, tasks: set[int], keep: int) -> None:
@@ -99,7 +99,7 @@ def _store_round(
     directory: Path, caches: list[torch.Tensor], host_gb: float, gb: float, users: int
 ) -> dict[str, float]:
     tokens = np.arange(USER_PAGES * PAGE, dtype=np.int64)
-    slots = np.arange(USER_PAGES * PAGE, dtype=np.int64)
+    pages = np.arange(USER_PAGES, dtype=np.int64)
     store = _store(directory, caches, host_gb, gb)
     driver = _Driver(store)
     volume = users * USER_PAGES * float(caches[0][0].nbytes) * len(caches)
@@ -107,7 +107,7 @@ def _store_round(
     start = time.perf_counter()
     tasks: set[int] = set()
     for user in range(users):
-        tasks.add(driver.put(user, tokens, slots))
+        tasks.add(driver.put(user, tokens, pages))
         driver.finish(tasks, 4)
     driver.finish(tasks, 0)
     while store.store_stats()["bytes_ssd_written"] < volume:
@@ -128,7 +128,7 @@ def _store_round(
         task, mask = store.get_match(tokens, [f"u{user}"])
         if not mask.all():
             raise RuntimeError(f"user {user} is not on SSD after the reopen")
-        store.launch([task], [slots])
+        store.launch([task], [torch.from_numpy(pages)], [None])
         tasks.add(task)
         driver.finish(tasks, in_flight - 1)
     driver.finish(tasks, 0)

@@ -154,53 +154,6 @@ class GetMatchesMany(Protocol):
 
 
 @runtime_checkable
-class QueuesCopies(Protocol):
-    """Blocks until the copies of every launch (and offload prestage) so far are queued
-    on the device, ready to run (LocalStore: its copy thread has enqueued them, or is
-    waiting for the device to take more). A store with it starts copying a launch at
-    once and matches one request per call, so the engine launches a large offload
-    batch's first requests before it matches the rest (:meth:`aiokv.rounds.Rounds.move`),
-    and waits here in between so that its matching does not hold the GIL while the copy
-    thread queues the first copies."""
-
-    def wait_queued(self) -> None: ...
-
-
-@runtime_checkable
-class Prestages(Protocol):
-    """A hint, before a load batch's page ids are on the host: these matched get tasks
-    are launched next, in this order. The store may start moving their data toward the
-    device at once (LocalStore: the first chunk's copy into a device staging buffer,
-    which the launch's scatter then uses), so a load's copy overlaps its batch's slot
-    copy, checks and plan. A hint only: no task changes state, a launch of other tasks
-    (a request failed meanwhile) or none at all just wastes the copy, ids it does not
-    know are ignored, and what it moved early is used only by the launch of exactly
-    these tasks, whose blocks their match holds unchanged until then."""
-
-    def prestage(self, task_ids: Sequence[int]) -> None: ...
-
-
-@runtime_checkable
-class PrestagesPuts(Protocol):
-    """The same hint for an offload batch, before its page ids are on the host (GPU
-    caches only): these matched put tasks are launched next, in this order;
-    ``gpu_pages[i]`` holds task i's new pages' GPU page ids (a view of its caller's
-    device tensor: one id per True page of its mask, in order, not yet checked), to be
-    read only after the ``ready`` CUDA events. The store may start copying them out at
-    once (LocalStore: the first chunk, page ids clamped into the caches), so an
-    offload's copy overlaps its batch's slot copy, checks and plan. As with
-    :class:`Prestages`, no task changes state and only the launch of exactly these
-    tasks may count on it; a store must not free a block that such a copy may still
-    write (a cancel of one of them waits for it). On a store that also
-    :class:`QueuesCopies`, the engine waits for that first copy to be queued before it
-    fuses the batch's page ids."""
-
-    def prestage_puts(
-        self, task_ids: Sequence[int], gpu_pages: Sequence[torch.Tensor], ready: Sequence[Any]
-    ) -> None: ...
-
-
-@runtime_checkable
 class MarksLayers(Protocol):
     """Per-layer completion of a launched get task: ``layer_marks(task_id)``, asked on the
     store thread right after the launch that took it, gives the task's
@@ -233,10 +186,11 @@ class ReportsStats(Protocol):
     found on the host tier / only on SSD), bytes_d2h, bytes_h2d, bytes_ssd_written,
     bytes_ssd_read, checksum_failures, ssd_write_errors, stage_waits (loads that waited for
     host room to stage their SSD pages), d2h_copies (device-to-host copies of page ids
-    the store made for its launches; the keys the store has; the
-    engine reads them into EngineStats, aiokv.store_figures). Asked by the store thread
-    now and then while it works, and once more after ``close()``: a closed store may
-    answer (what its close finished counts then) or raise (its last answer stands)."""
+    the store made for its launches: FlexKV's fused slots, a store process's ids); the
+    keys the store has; the engine reads them into EngineStats, aiokv.store_figures).
+    Asked by the store thread now and then while it works, and once more after
+    ``close()``: a closed store may answer (what its close finished counts then) or raise
+    (its last answer stands)."""
 
     def store_stats(self) -> Mapping[str, int | float]: ...
 
@@ -300,9 +254,6 @@ OPTIONAL_METHODS = (
     "set_wait_timeout",
     "put_match_many",
     "get_match_many",
-    "wait_queued",
-    "prestage",
-    "prestage_puts",
     "evict",
     "clear",
     "store_stats",
@@ -322,11 +273,6 @@ class Capabilities:
     set_wait_timeout: Callable[[float | None], None] | None = None
     put_match_many: Callable[[Queries], MatchAnswers] | None = None
     get_match_many: Callable[[Queries], MatchAnswers] | None = None
-    wait_queued: Callable[[], None] | None = None
-    prestage: Callable[[Sequence[int]], None] | None = None
-    prestage_puts: Callable[[Sequence[int], Sequence[torch.Tensor], Sequence[Any]], None] | None = (
-        None
-    )
     evict: Callable[[Sequence[str]], int] | None = None
     clear: Callable[[], int] | None = None
     store_stats: Callable[[], Mapping[str, int | float]] | None = None

@@ -32,12 +32,13 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-import torch.multiprocessing  # noqa: F401  (registers tensor reductions for Connection.recv)
+import torch
+import torch.multiprocessing  # registers tensor reductions for Connection.recv
 
 from ..backends import backend
 from . import make_store
 from .base import NoSpace, Store, TaskResult
-from .wire import launch_slots, pack_results, portable
+from .wire import launch_pages, pack_results, portable
 
 log = logging.getLogger("aiokv")
 
@@ -114,8 +115,9 @@ def _request_within(conn: Connection, seconds: float) -> bool:
 
 
 def _launch(store: Store, ends: _Ends, args: Any) -> None:
-    task_ids, slots = launch_slots(args)  # the slots came as one array
-    store.launch(task_ids, slots)
+    task_ids, pages = launch_pages(args)  # the page ids came as one array, on the host
+    tensors = [torch.from_numpy(p) for p in pages]
+    store.launch(task_ids, tensors, [None] * len(tensors))  # the parent waited for them
     ends.launched(task_ids)  # all of them: a launch that raises launched none
 
 

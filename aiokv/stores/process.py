@@ -53,6 +53,7 @@ from ..backends import backend
 from ..config import StoreConfig
 from ..errors import StoreError
 from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from .fused import PageCopier
 from .notices import Notices
 from .notices import no_notify as no_notify  # a public name of this module too
 from .restarts import Restarts, how_it_ended
@@ -104,6 +105,7 @@ class ProcessStore:
         # waiting; a reader thread passes that on (set_notify), so that this process
         # asks try_wait when there is something to take rather than every poll interval.
         self._notices = Notices()
+        self._pages = PageCopier()  # launches' page ids to the host, counted
 
     @property
     def store_slice_us(self) -> int:
@@ -202,13 +204,17 @@ class ProcessStore:
         """get_match for each (token_ids, namespace), in order, in one round trip."""
         return self._match_many("get_match_many", queries)
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
+        """The page ids go to the host in one copy after the ready events, and to the
+        child as numpy (its store launches them with no event left to wait for)."""
         self._revive()
         ids, old = self._ids.split(task_ids)
         if old:  # all or nothing: none of them is launched
             raise StoreError(f"task {old[0]} was matched by a store process that ended: "
                              f"{self._ids.why(old[0])}")
-        self._call("launch", launch_args(ids, slot_mappings))
+        self._call("launch", launch_args(ids, self._pages.host_pages(pages, ready)))
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         self._revive()
@@ -241,7 +247,8 @@ class ProcessStore:
         return dropped
 
     def store_stats(self) -> Mapping[str, int | float]:
-        stats: Mapping[str, int | float] = self._call("store_stats", None)
+        stats = dict(self._call("store_stats", None))
+        stats["d2h_copies"] = stats.get("d2h_copies", 0) + self._pages.d2h_copies
         return stats
 
     def set_wait_timeout(self, timeout_s: float | None) -> None:

@@ -38,34 +38,34 @@ Attach = tuple[Literal["attach"], object]  # the handover's request to the paren
 Ready = tuple[Literal["ready"], int]  # the store's page size
 Failed = tuple[Literal["failed"], BaseException]
 Query = tuple[Int64Array, tuple[str, ...]]  # (token_ids, namespace) of one match
-LaunchArgs = tuple[list[int], list[int], Int64Array]  # ids, slot counts, all slots joined
+LaunchArgs = tuple[list[int], list[int], Int64Array]  # ids, page counts, all page ids joined
 # Terminal answers: ids, status indexes, errors, all masks joined, mask lengths (-1: None).
 PackedResults = tuple[list[int], list[int], list[str], BoolArray, list[int]]
 
 _STATUSES = tuple(TaskStatus)
 _STATUS_INDEX = {status: index for index, status in enumerate(_STATUSES)}
 _NO_MASKS: BoolArray = np.zeros(0, dtype=np.bool_)
-_NO_SLOTS: Int64Array = np.zeros(0, dtype=np.int64)
+_NO_PAGES: Int64Array = np.zeros(0, dtype=np.int64)
 
 
 def query(token_ids: Int64Array, namespace: Sequence[str]) -> Query:
     return np.ascontiguousarray(token_ids, dtype=np.int64), tuple(namespace)
 
 
-def launch_args(task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> LaunchArgs:
-    """A launch's arguments as one array of slots (ValueError for what launch refuses)."""
-    if len(task_ids) != len(slot_mappings):
-        raise ValueError(f"{len(task_ids)} task ids but {len(slot_mappings)} slot mappings")
-    arrays = [np.ascontiguousarray(s, dtype=np.int64) for s in slot_mappings]
+def launch_args(task_ids: Sequence[int], pages: Sequence[Int64Array]) -> LaunchArgs:
+    """A launch's arguments as one array of page ids (ValueError for what launch refuses)."""
+    if len(task_ids) != len(pages):
+        raise ValueError(f"{len(task_ids)} task ids but {len(pages)} page id arrays")
+    arrays = [np.ascontiguousarray(p, dtype=np.int64) for p in pages]
     for index, array in enumerate(arrays):
         if array.ndim != 1:
-            raise ValueError(f"slot_mappings[{index}]: need 1-D, got shape {array.shape}")
-    joined = np.concatenate(arrays) if arrays else _NO_SLOTS
+            raise ValueError(f"pages[{index}]: need 1-D, got shape {array.shape}")
+    joined = np.concatenate(arrays) if arrays else _NO_PAGES
     return list(task_ids), [len(a) for a in arrays], joined
 
 
-def launch_slots(args: LaunchArgs) -> tuple[list[int], list[Int64Array]]:
-    """:func:`launch_args` undone: the ids and their slots, as views of the one array."""
+def launch_pages(args: LaunchArgs) -> tuple[list[int], list[Int64Array]]:
+    """:func:`launch_args` undone: the ids and their page ids, as views of the one array."""
     task_ids, lengths, joined = args
     return task_ids, np.split(joined, np.cumsum(lengths)[:-1]) if lengths else []
 

@@ -37,9 +37,6 @@ class StoreWrapper:
     set_wait_timeout: Callable[[float | None], None] | None
     put_match_many: Callable[..., list[Any]] | None
     get_match_many: Callable[..., list[Any]] | None
-    wait_queued: Callable[[], None] | None
-    prestage: Callable[[Sequence[int]], None] | None
-    prestage_puts: Callable[[Sequence[int], Sequence[torch.Tensor], Sequence[Any]], None] | None
     evict: Callable[[Sequence[str]], int] | None
     clear: Callable[[], int] | None
     store_stats: Callable[[], Mapping[str, int | float]] | None
@@ -85,8 +82,10 @@ class StoreWrapper:
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         return self.inner.get_match(token_ids, namespace)
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
-        self.inner.launch(task_ids, slot_mappings)
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
+        self.inner.launch(task_ids, pages, ready)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         self.inner.cancel(task_ids)

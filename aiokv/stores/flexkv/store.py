@@ -21,12 +21,11 @@ What this adapter owns (FlexKV's sharp edges, see DESIGN.md):
   which answers a task only once all of it, SSD write included, is done, answers the
   others TIMEOUT and keeps them (they are asked again later): an offload resolves when
   its CPU blocks are free again.
-- Invalidation: ``clear`` waits until no task of this adapter is in flight and resets
-  FlexKV (``KVManager.reset``); where that fails (it does on FlexKV 34ab141 with the
-  expiring-dict it pins, :mod:`.keys`), every key moves to a new generation instead.
-  ``evict`` has no FlexKV API and moves the key to a new generation of its namespace
-  (:mod:`.keys` says what that cannot do). Both count the tokens from this adapter's
-  records of what its puts wrote.
+- Invalidation: ``clear`` resets FlexKV (``KVManager.reset``) once no task of this
+  adapter is in flight; ``evict`` (no FlexKV API), or a failed reset, moves keys to a new
+  namespace generation (:mod:`.keys`). Both count the tokens this adapter's puts wrote.
+- FlexKV takes host slot mappings: a launch's page ids are fused into them with one
+  device-to-host copy (:mod:`.slots`), and a task with a bad page id ends INVALID.
 
 FlexKV starts a TransferManager with the ``spawn`` start method: the program's main module
 must be import-safe (``if __name__ == "__main__":``).
@@ -51,7 +50,8 @@ from ...errors import ConfigError
 from ..base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus, no_yield
 from .keys import KeyGenerations
 from .setup import CacheGeometry, attach_caches, start_manager, wait_ready
-from .tasks import STATUS, group_launch, unknown_task
+from .slots import SlotMaker
+from .tasks import group_launch, response_results, unknown_task
 from .tiers import quiet_wait_timeouts, tier_values
 
 log = logging.getLogger("aiokv")
@@ -94,6 +94,7 @@ class FlexKVStore:
         self._yield: Callable[[], None] = no_yield  # the engine's (set_yield)
         self._keys = KeyGenerations()  # evicted keys' namespaces, tokens written per key
         self._closed = False
+        self._slots = SlotMaker()  # a launch's page ids -> FlexKV's host slot mappings
         # With an SSD tier, a task is answered only once its SSD writes are done too.
         self._completely = config.ssd_cache_gb > 0
 
@@ -108,6 +109,7 @@ class FlexKVStore:
             self._tp_client = attach_caches(self.gpu_register_endpoint, caches, geometry)
             self._caches = caches
             self.wait_attached()
+            self._slots.warm_up(caches[0].device, self.page_size)
         except BaseException:
             self._shutdown()
             raise
@@ -131,6 +133,7 @@ class FlexKVStore:
         if self._completely and getattr(self._manager, "server_client_mode", False):
             quiet_wait_timeouts()
         self.page_size = geometry.page_size
+        self._slots.num_pages = geometry.num_pages
 
     def wait_attached(self) -> None:
         """Wait (ready_timeout_s) until FlexKV has the caches and is ready; shut it down
@@ -213,11 +216,19 @@ class FlexKVStore:
         self._kind[task_id], self._mask[task_id] = "get", mask
         return task_id, mask
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
         manager = self._live()
+        gets = [self._kind.get(t) == "get" for t in task_ids]
+        # One copy for the launch, every page id checked.
+        slot_mappings, errors = self._slots.slots(pages, ready, gets, self.page_size)
+        good = [i for i in range(len(task_ids)) if i not in errors]
         # Check everything first: a launch that fails half-way would leave running tasks
         # nobody waits on.
-        groups, empty = group_launch(task_ids, slot_mappings, self._kind, self._mask)
+        groups, empty = group_launch(
+            [task_ids[i] for i in good], [slot_mappings[i] for i in good], self._kind, self._mask
+        )
         launched_any = False
         for kind in ("get", "put"):  # loads first, as the engine orders them
             group = groups[kind]
@@ -256,15 +267,19 @@ class FlexKVStore:
         for task_id in empty:
             del self._kind[task_id]
             self._done[task_id] = TaskResult(TaskStatus.SUCCESS, self._mask.pop(task_id))
+        for index, error in errors.items():  # bad page ids: those tasks alone, matched
+            self._fail_matched([task_ids[index]], error, TaskStatus.INVALID)
 
-    def _fail_matched(self, task_ids: list[int], error: str) -> None:
-        """Roll back matched ids and answer them FAILED through try_wait."""
+    def _fail_matched(
+        self, task_ids: list[int], error: str, status: TaskStatus = TaskStatus.FAILED
+    ) -> None:
+        """Roll back matched ids and answer them ``status`` through try_wait."""
         try:
             self.cancel(task_ids)
         except Exception:
             log.exception("aiokv: FlexKV cancel of %s failed", task_ids)
         for t in task_ids:
-            self._done[t] = TaskResult(TaskStatus.FAILED, None, error)
+            self._done[t] = TaskResult(status, None, error)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         manager = self._live()
@@ -305,6 +320,10 @@ class FlexKVStore:
             self._closed = True
             self._yield = no_yield
             self._shutdown()
+
+    def store_stats(self) -> dict[str, int]:
+        """The device-to-host copies its launches' slot mappings took (base.ReportsStats)."""
+        return {"d2h_copies": self._slots.copier.d2h_copies}
 
     def evict(self, namespace: Sequence[str]) -> int:
         """Stop matching the key's blocks (a new generation of its namespace, :mod:`.keys`:
@@ -370,21 +389,13 @@ class FlexKVStore:
             members = self._members.pop(fid, None)
             if members is None:
                 continue
-            status = STATUS.get(response.status.value, TaskStatus.FAILED)
-            error = "" if status is TaskStatus.SUCCESS else f"FlexKV status {response.status.value}"
-            if response.status is KVResponseStatus.NOTFOUND:
-                error = f"FlexKV lost task {fid} (NOTFOUND)"
-            masks = response.return_mask
-            for index, t in enumerate(members):
+            masks = [self._mask.pop(t) for t in members]
+            results = response_results(fid, response, KVResponseStatus.NOTFOUND, masks)
+            for t, result in zip(members, results, strict=True):
                 self._owner.pop(t, None)
                 self._writing.pop(t, None)
-                self._keys.put_ended(t, status is TaskStatus.SUCCESS)
-                mask = self._mask.pop(t)
-                if isinstance(masks, list) and len(masks) == len(members):
-                    mask = np.asarray(masks[index], dtype=np.bool_)
-                elif isinstance(masks, np.ndarray) and len(members) == 1:
-                    mask = masks.astype(np.bool_, copy=False)
-                self._done[t] = TaskResult(status, mask, error)
+                self._keys.put_ended(t, result.status is TaskStatus.SUCCESS)
+                self._done[t] = result
 
     def _shutdown(self) -> None:
         manager, self._manager = self._manager, None

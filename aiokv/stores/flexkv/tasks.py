@@ -6,6 +6,7 @@ kind only, and drops empty ones from the batch's masks), and what its answers me
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +51,27 @@ def group_launch(
     if len(set(task_ids)) != len(task_ids):
         raise ValueError("launch: duplicate task ids")
     return groups, empty
+
+
+def response_results(
+    fid: int, response: Any, notfound: object, masks: Sequence[BoolArray]
+) -> list[TaskResult]:
+    """The terminal answers of the members of launched FlexKV id ``fid`` from its
+    ``response`` (``notfound``: FlexKV's NOTFOUND status); ``masks``: their match masks,
+    kept where the response has no mask per member."""
+    status = STATUS.get(response.status.value, TaskStatus.FAILED)
+    error = "" if status is TaskStatus.SUCCESS else f"FlexKV status {response.status.value}"
+    if response.status is notfound:
+        error = f"FlexKV lost task {fid} (NOTFOUND)"
+    returned = response.return_mask
+    results: list[TaskResult] = []
+    for index, mask in enumerate(masks):
+        if isinstance(returned, list) and len(returned) == len(masks):
+            mask = np.asarray(returned[index], dtype=np.bool_)
+        elif isinstance(returned, np.ndarray) and len(masks) == 1:
+            mask = returned.astype(np.bool_, copy=False)
+        results.append(TaskResult(status, mask, error))
+    return results
 
 
 def unknown_task(task_id: int) -> TaskResult:

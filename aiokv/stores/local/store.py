@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,8 @@ import torch
 from ...config import StoreConfig
 from ...errors import ConfigError
 from ...remote.link import RemoteLink
-from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult, TaskStatus
+from ..fused import page_error
 from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
 from .checks import check_pages
@@ -248,7 +250,39 @@ class LocalStore(TaskEnds, Prestaging):
                 remote.forget()
         return answers
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
+        """Queue the copies of these matched tasks (base.Store.launch). A shim over the
+        slot path below: the page ids come to the host after the ready events, a task
+        with a bad one ends INVALID (at the next try_wait), the rest launch as slots."""
+        if not len(task_ids) == len(pages) == len(ready):
+            raise ValueError("launch: one page id tensor and one ready event per task id")
+        for event in {id(e): e for e in ready if e is not None}.values():
+            event.synchronize()
+        size, offsets = self.page_size, np.arange(self.page_size, dtype=np.int64)
+        good: list[int] = []
+        slots: list[Int64Array] = []
+        invalid: dict[int, str] = {}
+        for task_id, tensor in zip(task_ids, pages, strict=True):
+            ids = tensor.cpu().numpy().astype(np.int64, copy=False)
+            task = self._tasks.get(task_id)
+            error = page_error(ids, self._gpu_pages, task is not None and not task.is_put)
+            if error is None or task is None:  # an unknown id: the slot path says so
+                good.append(task_id)
+                slots.append((ids[:, None] * size + offsets).reshape(-1))
+            else:
+                invalid[task_id] = error
+        if good:
+            self._launch_slots(good, slots)  # raises before it launches any
+        for task_id, error in invalid.items():
+            mask = self._tasks[task_id].mask
+            self.cancel([task_id])  # its blocks go back; the caller hears why
+            self._finished[task_id] = TaskResult(TaskStatus.INVALID, mask, error)
+        if invalid:
+            self._wake()
+
+    def _launch_slots(self, task_ids: Sequence[int], slot_mappings: Sequence[Int64Array]) -> None:
         """Queue the copies of these matched tasks; never blocks on them."""
         if len(task_ids) != len(slot_mappings):
             raise ValueError("launch: one slot mapping per task id")
