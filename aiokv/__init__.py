@@ -8,12 +8,14 @@ from .errors import (
     ConfigError,
     EngineClosed,
     InvalidRequest,
+    NotLoaded,
     Overloaded,
     RequestTimeout,
     StoreError,
     StoreFull,
     WrongLoop,
 )
+from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
 from .open import open_engine
 from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
@@ -37,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AiokvError",
     "BackgroundEngine",
+    "BackgroundLayerwiseLoad",
     "BackgroundLookup",
     "BlockingCallOnLoop",
     "ConfigError",
@@ -46,9 +49,11 @@ __all__ = [
     "EngineStats",
     "FlexKVStore",
     "InvalidRequest",
+    "LayerwiseLoad",
     "LoadResult",
     "LocalStore",
     "Lookup",
+    "NotLoaded",
     "OffloadEngine",
     "OffloadResult",
     "Overloaded",

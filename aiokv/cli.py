@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help only: main() hands everything after "bench" to aiokv.bench.
     commands.add_parser(
         "bench",
-        help="benchmarks: aiokv bench {engine,slots,bandwidth,lag,ssd,startup,model} --help",
+        help="benchmarks: aiokv bench {engine,slots,bandwidth,lag,ssd,startup,model,layers} --help",
         add_help=False,
     )
     return parser

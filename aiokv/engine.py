@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import lifecycle, validate
+from . import layerwise, lifecycle, validate
 from .admission import Admission
 from .batcher import Batch, Batcher
 from .config import EngineConfig
@@ -255,13 +255,31 @@ class OffloadEngine:
         to stage them (``EngineStats.stage_waits``), up to ``request_timeout_ms``: then
         RequestTimeout. On a GPU the copy starts after what the current CUDA stream has
         queued by now (``_ready_event``: as for :meth:`offload`)."""
+        request = self._load_request(hit, page_ids, _ready_event)
+        if request is None:
+            return LoadResult(hit.user_id, 0)
+        return await self._await_load(hit, request)
+
+    async def load_layerwise(
+        self, hit: Lookup, page_ids: torch.Tensor, *, _ready_event: Any = None
+    ) -> layerwise.LayerwiseLoad:
+        """:meth:`load`, returned once launched (or ended, if it never launches) as an
+        :class:`aiokv.LayerwiseLoad` whose layers can be waited for one by one; its later
+        errors come from its waits and ``result()``. Cancelled before it returns, the
+        load is cancelled as ``load`` would be."""
+        request = self._load_request(hit, page_ids, _ready_event)
+        return await layerwise.start(len(self._kv_caches), hit, request, self._await_load)
+
+    def _load_request(self, hit: Lookup, page_ids: torch.Tensor, ready: Any) -> Request | None:
+        """A load's request, checked, not yet submitted; None for an empty hit (counted
+        here: nothing to move)."""
         self._check_running()
         if not isinstance(hit, Lookup) or hit._owner is not self._resolver:
             raise InvalidRequest("hit", "must be a Lookup returned by this engine's lookup()")
         pages = validate.page_ids(page_ids, self._device)
         if hit.cached_tokens == 0:
-            self._stats.record_empty_load()  # nothing to move: answered here
-            return LoadResult(hit.user_id, 0)
+            self._stats.record_empty_load()
+            return None
         needed = hit._pages_needed(self._page_size)
         if pages.shape[0] < needed:
             raise InvalidRequest(
@@ -269,10 +287,13 @@ class OffloadEngine:
             )
         reservation = hit._consume()
         request = self._new_request(
-            _LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed, _ready_event
+            _LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed, ready
         )
         request.reservation = reservation
         request.task_id, request.mask = reservation.task_id, reservation.mask
+        return request
+
+    async def _await_load(self, hit: Lookup, request: Request) -> LoadResult:
         try:
             result: LoadResult = await self._run(request)
         except BaseException:

@@ -12,6 +12,8 @@
     ├── StoreError                    the store failed a request (raised from the store's error)
     │   └── StoreFull                 nothing could be reserved for new pages
     ├── RequestTimeout (TimeoutError) request_timeout_ms passed before the request resolved
+    ├── NotLoaded                     a load_layerwise moved fewer tokens than its Lookup
+    │                                 held (0 after an evict): its layers are not in place
     └── BlockingCallOnLoop (RuntimeError)  a blocking call (aiokv.run_in_background) made
                                       on the engine's own loop thread, which would deadlock
 
@@ -80,6 +82,19 @@ class StoreFull(StoreError):
 class RequestTimeout(AiokvError, TimeoutError):
     """``request_timeout_ms`` passed before the request resolved. A launched transfer
     keeps running; the caller only stops waiting for it."""
+
+
+class NotLoaded(AiokvError):
+    """Raised by a :class:`~aiokv.LayerwiseLoad`'s layer waits when the load ended with
+    fewer tokens in the pages than its Lookup held: 0 when the key was evicted or cleared
+    after the lookup, fewer where a block read from SSD failed its checksum. The pages do
+    not hold the hit, so no layer is reported ready; ``result()`` still gives the
+    LoadResult (as ``load`` would). ``loaded_tokens`` and ``cached_tokens`` say how many."""
+
+    def __init__(self, message: str, loaded_tokens: int, cached_tokens: int) -> None:
+        super().__init__(message)
+        self.loaded_tokens = loaded_tokens
+        self.cached_tokens = cached_tokens
 
 
 class BlockingCallOnLoop(AiokvError, RuntimeError):

@@ -26,13 +26,16 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import validate
 from .errors import InvalidRequest
 from .stores.base import BoolArray, Int64Array
+
+if TYPE_CHECKING:
+    from .layerwise import LayerwiseLoad
 
 log = logging.getLogger("aiokv")
 
@@ -106,6 +109,9 @@ class Request:
     # room included), set as it is accepted; None without a timeout. An answer that
     # comes later fails it as its timer would have (resolution.py: a RequestTimeout).
     deadline: float | None = None
+    # A load_layerwise's: told of the launch, with the store's layer marks, by the store
+    # thread (aiokv.layerwise.note_launches); None for every other request.
+    layers: LayerwiseLoad | None = None
 
 
 def new_request(

@@ -26,6 +26,7 @@ from .calls import StoreCalls
 from .errors import StoreError
 from .handoff import GilSlice
 from .invalidation import HeldKeys
+from .layerwise import note_launches
 from .plans import Move, Round, plan_load, plan_lookup, plan_offload, to_match
 from .requests import LAUNCHED, TERMINAL, Kind, Request
 from .stores.base import Capabilities, Store
@@ -126,6 +127,8 @@ class Rounds:
             request.task_id, request.mask, request.moved = move.task_id, move.mask, move.moved
             request.stage = LAUNCHED
             launched[move.task_id] = request
+        # load_layerwise's callers hear of the launch, with the store's layer marks.
+        note_launches((move.request for move in plan.launch), self._caps.layer_marks)
 
     def _view(self, move: Move) -> tuple[torch.Tensor, Any]:
         """A task's page ids and the event they are ready after: a slice of the caller's

@@ -31,6 +31,7 @@ import torch
 
 from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
+from .layerwise import BackgroundLayerwiseLoad
 from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
 
@@ -268,6 +269,22 @@ class BackgroundEngine:
         ready = self.engine._caller_event()
         return self._submit(lambda: self.engine.load(lookup, page_ids, _ready_event=ready))
 
+    def submit_load_layerwise(
+        self, hit: BackgroundLookup | Lookup, page_ids: torch.Tensor
+    ) -> concurrent.futures.Future[BackgroundLayerwiseLoad]:
+        """``engine.load_layerwise(...)`` on the engine's loop; does not wait. The future's
+        result, set once the load is launched, waits for layers from any thread
+        (``wait_layer`` orders the calling thread's current CUDA stream). The copy starts
+        as for :meth:`submit_load`."""
+        lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
+        ready = self.engine._caller_event()
+
+        async def load_layerwise() -> BackgroundLayerwiseLoad:
+            load = await self.engine.load_layerwise(lookup, page_ids, _ready_event=ready)
+            return BackgroundLayerwiseLoad(load, self.loop)
+
+        return self._submit(load_layerwise)
+
     def offload(
         self,
         user_id: Hashable,
@@ -301,6 +318,13 @@ class BackgroundEngine:
         """``await engine.load(...)``, blocking this thread."""
         self._refuse_on_loop("load")
         return self.submit_load(hit, page_ids).result()
+
+    def load_layerwise(
+        self, hit: BackgroundLookup | Lookup, page_ids: torch.Tensor
+    ) -> BackgroundLayerwiseLoad:
+        """``await engine.load_layerwise(...)``, blocking this thread until launched."""
+        self._refuse_on_loop("load_layerwise")
+        return self.submit_load_layerwise(hit, page_ids).result()
 
     def evict(self, user_id: Hashable, *, namespace: Sequence[str] | None = None) -> int:
         """``await engine.evict(...)``, blocking this thread: tokens dropped."""

@@ -8,13 +8,15 @@ like any store (the seam httpx's MockTransport gives a client). The fault inject
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from .copy.marks import LayerMarks
 from .faults import VERBS, FaultyStore, InjectedFault, no_space
 from .stores.base import BoolArray, Int64Array, Store, TaskResult, TaskStatus
 from .stores.wrapper import StoreWrapper
@@ -93,6 +95,144 @@ class FakeStore:
 
     def close(self) -> None:
         self._tasks.clear()
+
+
+class LayeredStore:
+    """Keeps the bytes of each key (by namespace, as :class:`FakeStore` keys them) and
+    loads them layer by layer on a copy thread of its own, marking each layer as it
+    lands (``layer_marks``, stores.base.MarksLayers): a store for tests and smoke runs of
+    ``engine.load_layerwise``. Offloads are copied at launch, on the store thread.
+
+    ``marks=False``: ``layer_marks`` answers None, as a store that marks a load's layers
+    only at its end. Set ``gate`` to a ``threading.Semaphore``: each layer's copy takes a
+    permit first (a test holds layers back and lets them through one by one). Set
+    ``fail_at_layer``: loads fail there, the layers before it copied. Caches on the CPU,
+    or a GPU (each layer is synchronized before it is marked).
+    """
+
+    def __init__(self, marks: bool = True) -> None:
+        self.page_size = 0
+        self.marks = marks
+        self.gate: threading.Semaphore | None = None
+        self.fail_at_layer: int | None = None
+        self._caches: list[torch.Tensor] = []
+        self._stored: dict[tuple[str, ...], torch.Tensor] = {}  # [page, layer, ...] on the CPU
+        self._tasks: dict[int, tuple[bool, tuple[str, ...], BoolArray]] = {}
+        self._marks: dict[int, LayerMarks] = {}  # launched loads' marks, until asked for
+        self._lock = threading.Lock()  # _finished: written by the copy thread too
+        self._finished: dict[int, TaskResult] = {}
+        self._jobs: queue.SimpleQueue[tuple[int, torch.Tensor, torch.Tensor, LayerMarks] | None]
+        self._jobs = queue.SimpleQueue()
+        self._notify: Callable[[], None] = _nothing
+        self._next = 0
+        self._thread = threading.Thread(target=self._copy_loads, name="aiokv-test-layers")
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        self._caches = list(kv_caches)
+        self.page_size = int(kv_caches[0].shape[2])
+        self._thread.start()
+
+    def set_notify(self, callback: Callable[[], None]) -> None:
+        self._notify = callback
+
+    def _match(
+        self, is_put: bool, token_ids: Int64Array, namespace: Sequence[str]
+    ) -> tuple[int, BoolArray]:
+        key = tuple(namespace)
+        full = len(token_ids) // self.page_size * self.page_size
+        stored = self._stored.get(key)
+        have = min(0 if stored is None else stored.shape[0] * self.page_size, full)
+        mask = np.zeros(len(token_ids), dtype=np.bool_)
+        mask[have:full] = is_put
+        mask[:have] = not is_put
+        self._next += 1
+        self._tasks[self._next] = (is_put, key, mask)
+        return self._next, mask
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        return self._match(True, token_ids, namespace)
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        return self._match(False, token_ids, namespace)
+
+    def launch(
+        self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
+    ) -> None:
+        for task_id, given, event in zip(task_ids, pages, ready, strict=True):
+            is_put, key, _ = self._tasks[task_id]
+            if event is not None:
+                event.synchronize()  # the caller's pages (and ids) are written
+            page_ids = given.reshape(-1).to("cpu", torch.int64)
+            bad = page_ids[(page_ids < 0) | (page_ids >= self._caches[0].shape[0])]
+            if len(bad):
+                error = f"holds page id {int(bad[0])}, outside [0, {self._caches[0].shape[0]})"
+                self._end(task_id, TaskResult(TaskStatus.INVALID, error=error))
+            elif is_put:
+                new = torch.stack([cache[page_ids].cpu() for cache in self._caches], dim=1)
+                old = self._stored.get(key)
+                self._stored[key] = new if old is None else torch.cat([old, new])
+                self._end(task_id, TaskResult(TaskStatus.SUCCESS))
+            else:
+                marks = LayerMarks(len(self._caches))
+                self._marks[task_id] = marks
+                self._jobs.put((task_id, self._stored[key][: len(page_ids)], page_ids, marks))
+
+    def layer_marks(self, task_id: int) -> LayerMarks | None:
+        marks = self._marks.pop(task_id, None)
+        return marks if self.marks else None
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        for task_id in task_ids:
+            self._tasks.pop(task_id, None)
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        with self._lock:
+            done = {t: self._finished.pop(t) for t in task_ids if t in self._finished}
+        for task_id in done:
+            self._tasks.pop(task_id, None)
+            self._marks.pop(task_id, None)  # a plain load's, never asked for
+        return done
+
+    def evict(self, namespace: Sequence[str]) -> int:
+        stored = self._stored.pop(tuple(namespace), None)
+        return 0 if stored is None else stored.shape[0] * self.page_size
+
+    def clear(self) -> int:
+        dropped = sum(stored.shape[0] for stored in self._stored.values()) * self.page_size
+        self._stored.clear()
+        return dropped
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=10.0)  # a gate left closed must not hang the test
+
+    def _end(self, task_id: int, result: TaskResult) -> None:
+        with self._lock:
+            self._finished[task_id] = result
+        self._notify()
+
+    def _copy_loads(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            task_id, data, page_ids, marks = job
+            for layer, cache in enumerate(self._caches):
+                if self.gate is not None:
+                    self.gate.acquire()
+                if layer == self.fail_at_layer:
+                    marks.fail(f"injected failure at layer {layer}")
+                    self._end(task_id, TaskResult(TaskStatus.FAILED, error="injected"))
+                    break
+                cache[page_ids.to(cache.device)] = data[:, layer].to(cache.device)
+                if cache.is_cuda:
+                    torch.cuda.current_stream(cache.device).synchronize()
+                marks.layer_done(layer)
+            else:
+                marks.finish()
+                self._end(task_id, TaskResult(TaskStatus.SUCCESS))
+
+
+def _nothing() -> None:
+    """The notify callback until the engine sets one."""
 
 
 class CheckingStore(StoreWrapper):
@@ -213,6 +353,7 @@ __all__ = [
     "FakeStore",
     "FaultyStore",
     "InjectedFault",
+    "LayeredStore",
     "SharedStore",
     "StoreWrapper",
     "no_space",

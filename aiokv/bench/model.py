@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -147,8 +147,29 @@ class EngineCopier:
             self._loop.close()
 
 
-def _configs(settings: Settings) -> tuple[EngineConfig, StoreConfig, int]:
-    """The engine and store configs for the rounds, and the page size of the caches."""
+class RoundSettings(Protocol):
+    """What :func:`round_configs` reads of a bench's settings (this one's, and
+    ``aiokv bench layers``')."""
+
+    @property
+    def config(self) -> str: ...
+    @property
+    def users(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+
+
+def round_configs(settings: RoundSettings) -> tuple[EngineConfig, StoreConfig, int]:
+    """The engine and store configs for rounds of ``users`` x ``tokens`` (bf16), and the
+    page size of the caches."""
     s = settings
     if s.config:
         engine_config, store_config = read_config(s.config)
@@ -188,7 +209,7 @@ def _run(args: argparse.Namespace) -> int:
         depths = parse_depths(settings.depth)
     except ValueError as exc:
         raise SystemExit(f"--{exc}") from None
-    engine_config, store_config, page_size = _configs(settings)
+    engine_config, store_config, page_size = round_configs(settings)
     model = StandIn(device, settings.matrix)
     steps = model.steps_for(settings.model_s)
     copiers = {
@@ -296,4 +317,7 @@ def _print(
           "the model ran)")
 
 
-__all__ = ["HELP", "NAME", "EngineCopier", "Settings", "add_arguments", "run"]
+__all__ = [
+    "HELP", "NAME", "EngineCopier", "RoundSettings", "Settings", "add_arguments", "round_configs",
+    "run",
+]

@@ -134,21 +134,28 @@ class StandIn:
         kind = str(self.dtype).removeprefix("torch.")
         return f"{kind} {self.size}x{self.size} matmuls, {steps} per run"
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
+        """Wait for what was queued on the current stream."""
         # The model's own stream only: a device-wide sync would also wait for the copies.
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
     def run(self, steps: int, depth: int) -> float:
         """Seconds for ``steps`` matmuls, from the first launch to the last step done."""
-        self._sync()
+        self.sync()
         start = time.perf_counter()
         for step in range(1, steps + 1):
             torch.matmul(self._a, self._b, out=self._out)
             if depth and step % depth == 0:
-                self._sync()
-        self._sync()
+                self.sync()
+        self.sync()
         return time.perf_counter() - start
+
+    def queue(self, steps: int) -> None:
+        """Launch ``steps`` matmuls on the current stream and return without waiting for
+        them (on a CPU: done by then): one layer of a model's forward."""
+        for _ in range(steps):
+            torch.matmul(self._a, self._b, out=self._out)
 
     def steps_for(self, seconds: float) -> int:
         """How many steps take about ``seconds`` alone (after a warm-up)."""

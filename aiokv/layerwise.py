@@ -1,0 +1,328 @@
+"""Per-layer loads: ``engine.load_layerwise`` and the :class:`LayerwiseLoad` it returns
+(:class:`BackgroundLayerwiseLoad` for ``run_in_background``'s threads).
+
+A layerwise load is an ordinary load request (validated, admitted, timed out, counted
+and resolved as ``load``'s) that also hears of its launch. On the store thread, right
+after the launch that took it, :func:`note_launches` asks the store for the task's
+:class:`~aiokv.copy.marks.LayerMarks` (``stores.base.MarksLayers``) and posts them to the
+loop, one ``call_soon_threadsafe`` per round; ``load_layerwise`` returns then, or when
+the load ended if it never launched. Waiters wait on the store's marks, or, where the
+store marks nothing (no ``layer_marks``, or None for this task), on marks of the load's
+own that its end sets all at once.
+
+The load's end reaches every waiter, whichever thread it waits on: an error fails the
+marks (waking waiters blocked in them) and every wait after raises it; a load that moved
+fewer tokens than its Lookup held (0 after an evict of the key) raises
+:class:`~aiokv.errors.NotLoaded` from the waits, so pages a load did not fill are never
+reported ready; a success finishes the marks. A wait that returned before the end stands:
+its layer was in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Hashable, Iterable
+from typing import Any
+
+from .copy.marks import LayerFailed, LayerMarks
+from .errors import BlockingCallOnLoop, InvalidRequest, NotLoaded, StoreError
+from .requests import LoadResult, Lookup, Request
+from .resolution import settle
+
+log = logging.getLogger("aiokv")
+
+LayerMarksOf = Callable[[int], LayerMarks | None]
+
+
+class LayerwiseLoad:
+    """A launched load whose layers can be waited for one by one: ``wait_layer(i)`` from
+    any thread, ``await layer_ready(i)`` on the engine's loop, ``await result()``.
+
+    ``user_id``, ``cached_tokens`` (the Lookup's, what a full load moves) and
+    ``num_layers`` (the caches' tables) are the load's. Made by
+    ``engine.load_layerwise``, never directly."""
+
+    def __init__(self, num_layers: int, hit: Lookup, loop: asyncio.AbstractEventLoop) -> None:
+        self.user_id: Hashable = hit.user_id
+        self.cached_tokens = hit.cached_tokens
+        self.num_layers = num_layers
+        self._loop = loop
+        self._loop_thread = threading.get_ident()  # made on the loop, by load_layerwise
+        # The marks waiters wait on: the load's own until the store's arrive with the
+        # launch notice (before the load is handed out), and for good where none do.
+        self._marks = LayerMarks(num_layers)
+        self._own_marks = True
+        self._launched: asyncio.Future[None] = loop.create_future()
+        self._end: asyncio.Future[LoadResult] = loop.create_future()  # replaced by _follow
+        # Once ended (``_ended``): what every wait raises from then on, None after a full
+        # load. Written on the loop before the marks are finished or failed, whose lock
+        # orders it before what the woken waiters read.
+        self._error: BaseException | None = None
+        self._ended = False
+
+    def __repr__(self) -> str:
+        state = "running" if not self._ended else "failed" if self._error else "loaded"
+        return (
+            f"LayerwiseLoad(user_id={self.user_id!r}, cached_tokens={self.cached_tokens}, "
+            f"num_layers={self.num_layers}, {state})"
+        )
+
+    # ---- waiters ---------------------------------------------------------------------
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        """Order ``stream`` (a ``torch.cuda.Stream``; None: this thread's current one)
+        after layer ``layer``'s copies: the CPU waits only until they are queued (until
+        the load ends, on a store that marks layers at the end). On CPU caches, block
+        until the layer is copied.
+
+        Raises InvalidRequest (``layer`` outside ``[0, num_layers)``), the load's error
+        (StoreError, RequestTimeout, EngineClosed, InvalidRequest for a bad page id...),
+        :class:`concurrent.futures.CancelledError` (the load was cancelled), NotLoaded
+        (it ended with fewer tokens than its Lookup's), and BlockingCallOnLoop on the
+        engine's loop thread where only the loop could end the wait (a store that marks
+        layers at the end): ``await layer_ready(layer)`` there."""
+        self._check(layer)
+        self._raise_if_failed(threads=True)
+        marks = self._marks
+        if self._own_marks and not self._ended and threading.get_ident() == self._loop_thread:
+            raise BlockingCallOnLoop(
+                f"wait_layer({layer}) would wait on the engine's loop thread for the load's "
+                "end, which that loop delivers; await layer_ready() there instead"
+            )
+        try:
+            marks.wait(layer, stream)
+        except LayerFailed as failed:
+            self._raise_if_failed(threads=True)
+            raise StoreError(f"layer {layer} of the load failed in the store: {failed}") from failed
+        self._raise_if_failed(threads=True)
+
+    async def layer_ready(self, layer: int) -> None:
+        """Return once layer ``layer`` is in the pages (on a GPU: its copies done, for
+        any stream and the host); the loop never blocks. Raises what :meth:`wait_layer`
+        raises (asyncio's CancelledError for a cancelled load), except
+        BlockingCallOnLoop."""
+        self._check(layer)
+        marks = self._marks
+        if self._own_marks and not self._ended:
+            await asyncio.wait((self._end,))  # only the end marks these
+        elif not self._ended and not marks.is_ready(layer):
+            # The store's copier marks it; a thread of the default executor waits.
+            failed = await self._loop.run_in_executor(None, _synchronize, marks, layer)
+            if failed is not None and not self._ended:
+                await asyncio.wait((self._end,))  # its typed error comes with the end
+        self._raise_if_failed(threads=False)
+
+    def is_ready(self, layer: int) -> bool:
+        """Whether layer ``layer`` is in the pages now (never blocks; False once the load
+        failed or moved fewer tokens than its Lookup's)."""
+        self._check(layer)
+        if self._ended:
+            return self._error is None
+        return self._marks.is_ready(layer)
+
+    async def result(self) -> LoadResult:
+        """The load's LoadResult once it ended (as ``load`` returns it: ``loaded_tokens``
+        may be 0 after an evict), or its error. Cancelling this await does not cancel the
+        load (:meth:`cancel` does)."""
+        return await asyncio.shield(self._end)
+
+    def cancel(self) -> None:
+        """Stop waiting for the load (engine's loop only): as for a cancelled ``load``, a
+        launched copy still runs to its end into the pages; every wait then raises a
+        CancelledError. A no-op once the load ended."""
+        self._end.cancel()
+
+    # ---- the engine's side (loop thread) ---------------------------------------------
+
+    def _follow(self, end: asyncio.Future[LoadResult]) -> None:
+        self._end = end
+        if end.done():
+            self._on_end(end)  # an empty hit's: ended before it is handed out
+        else:  # runs before the callbacks of result()'s awaits, added later
+            end.add_done_callback(self._on_end)
+
+    def _on_launch(self, marks: LayerMarks | None) -> None:
+        """The launch notice (:func:`note_launches`), before the load is handed out."""
+        if marks is not None and not self._ended:
+            if marks.num_layers == self.num_layers:
+                self._marks, self._own_marks = marks, False
+            else:  # a store bug: the load's own marks still end every wait
+                log.warning(
+                    "aiokv: the store marked %d layers of a load into %d; marking them at "
+                    "its end", marks.num_layers, self.num_layers,
+                )
+        settle(self._launched, None)
+
+    def _on_end(self, end: asyncio.Future[LoadResult]) -> None:
+        error: BaseException | None
+        if end.cancelled():
+            error = asyncio.CancelledError()
+        else:
+            error = end.exception()  # read: a load nobody awaits logs no "never retrieved"
+            if error is None and (loaded := end.result().loaded_tokens) < self.cached_tokens:
+                error = NotLoaded(
+                    f"the load of user {self.user_id!r} moved {loaded} of its Lookup's "
+                    f"{self.cached_tokens} tokens (the key was evicted or cleared after the "
+                    "lookup, or a block failed its checksum): its layers are not in the pages",
+                    loaded, self.cached_tokens,
+                )
+        self._error = error
+        self._ended = True
+        if error is None:
+            self._marks.finish()
+        else:
+            self._marks.fail(f"the load ended with {error!r}")
+        settle(self._launched, None)  # a load that never launched is handed out now
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _check(self, layer: object) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise InvalidRequest("layer", f"must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.num_layers:
+            raise InvalidRequest("layer", f"{layer} is outside [0, {self.num_layers})")
+
+    def _raise_if_failed(self, threads: bool) -> None:
+        error = self._error if self._ended else None
+        if error is None:
+            return
+        if isinstance(error, asyncio.CancelledError):
+            # A thread's waits raise the CancelledError of concurrent futures (an
+            # Exception): asyncio's would read as the cancellation of a task.
+            raise concurrent.futures.CancelledError() if threads else asyncio.CancelledError()
+        raise error
+
+
+def _synchronize(marks: LayerMarks, layer: int) -> LayerFailed | None:
+    """In a thread: wait until ``layer`` is in place; its failure, if it failed."""
+    try:
+        marks.synchronize(layer)
+    except LayerFailed as failed:
+        return failed
+    return None
+
+
+async def start(
+    num_layers: int,
+    hit: Lookup,
+    request: Request | None,
+    run: Callable[[Lookup, Request], Coroutine[Any, Any, LoadResult]],
+) -> LayerwiseLoad:
+    """``load_layerwise``'s body, once ``request`` (None: an empty hit, loaded at once)
+    is made and checked: run it (``run``: the engine's load) and return once it is
+    launched or ended. Cancelled before that, the load is cancelled as ``load`` is."""
+    loop = asyncio.get_running_loop()
+    load = LayerwiseLoad(num_layers, hit, loop)
+    if request is None:
+        done: asyncio.Future[LoadResult] = loop.create_future()
+        settle(done, LoadResult(hit.user_id, 0))
+        load._follow(done)
+        return load
+    request.layers = load
+    load._follow(loop.create_task(run(hit, request), name="aiokv-load-layerwise"))
+    try:
+        await load._launched
+    except asyncio.CancelledError:
+        load.cancel()
+        raise
+    return load
+
+
+def note_launches(requests: Iterable[Request], layer_marks: LayerMarksOf | None) -> None:
+    """Store thread, right after a launch succeeded: tell the launched layerwise loads
+    among ``requests`` (each with its ``task_id``), with the store's marks for each
+    (``layer_marks``, the store's MarksLayers; None: marked at the end)."""
+    notices: list[tuple[LayerwiseLoad, LayerMarks | None]] = []
+    for request in requests:
+        load = request.layers
+        if load is None:
+            continue
+        marks = None
+        if layer_marks is not None and request.task_id is not None:
+            try:
+                marks = layer_marks(request.task_id)
+            except Exception:  # the load still ends, and its end marks every layer
+                log.warning("aiokv: store.layer_marks(%s) failed", request.task_id, exc_info=True)
+        notices.append((load, marks))
+    if notices:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            notices[0][0]._loop.call_soon_threadsafe(_deliver, notices)
+
+
+def _deliver(notices: list[tuple[LayerwiseLoad, LayerMarks | None]]) -> None:
+    for load, marks in notices:
+        load._on_launch(marks)
+
+
+class BackgroundLayerwiseLoad:
+    """A :class:`LayerwiseLoad` handed to a thread by ``run_in_background``'s handle:
+    ``wait_layer`` runs in the calling thread (its current CUDA stream waits), the
+    rest on the engine's loop. The blocking ones raise BlockingCallOnLoop on that loop's
+    own thread; threads see a cancelled load as ``concurrent.futures.CancelledError``."""
+
+    def __init__(self, load: LayerwiseLoad, loop: asyncio.AbstractEventLoop) -> None:
+        self.load = load
+        self._loop = loop
+
+    @property
+    def user_id(self) -> Hashable:
+        return self.load.user_id
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.load.cached_tokens
+
+    @property
+    def num_layers(self) -> int:
+        return self.load.num_layers
+
+    def __repr__(self) -> str:
+        return f"Background{self.load!r}"
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        """:meth:`LayerwiseLoad.wait_layer`, in this thread."""
+        self.load.wait_layer(layer, stream)
+
+    def is_ready(self, layer: int) -> bool:
+        """:meth:`LayerwiseLoad.is_ready` (never blocks)."""
+        return self.load.is_ready(layer)
+
+    def layer_ready(self, layer: int, timeout: float | None = None) -> None:
+        """Block until layer ``layer`` is in the pages (:meth:`LayerwiseLoad.layer_ready`)
+        or ``timeout`` seconds pass (TimeoutError)."""
+        load = self.load
+        if load._ended:  # also once the handle closed and its loop is gone
+            load._check(layer)
+            load._raise_if_failed(threads=True)
+            return
+        self._refuse_on_loop("layer_ready")
+        asyncio.run_coroutine_threadsafe(load.layer_ready(layer), self._loop).result(timeout)
+
+    def result(self, timeout: float | None = None) -> LoadResult:
+        """Block for the load's LoadResult or error (TimeoutError after ``timeout``)."""
+        end = self.load._end
+        if end.done():  # also once the handle closed and its loop is gone
+            if end.cancelled():
+                raise concurrent.futures.CancelledError()
+            return end.result()
+        self._refuse_on_loop("result")
+        return asyncio.run_coroutine_threadsafe(self.load.result(), self._loop).result(timeout)
+
+    def cancel(self) -> None:
+        """:meth:`LayerwiseLoad.cancel`, on the engine's loop; does not wait."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the load ended
+            self._loop.call_soon_threadsafe(self.load.cancel)
+
+    def _refuse_on_loop(self, name: str) -> None:
+        if threading.get_ident() == self.load._loop_thread:
+            raise BlockingCallOnLoop(
+                f"{name}() blocks until the engine's loop answers, and was called on that "
+                f"loop's own thread; await the LayerwiseLoad's {name}() there instead"
+            )
+
+
+__all__ = ["BackgroundLayerwiseLoad", "LayerwiseLoad", "note_launches", "start"]

@@ -1,0 +1,344 @@
+"""engine.load_layerwise on CPU caches: layers ready in order with the bytes in the pages,
+every outcome of a load (failed, invalid, evicted, timed out, closed, cancelled) raised
+from wait_layer, layer_ready and result, never a hang; stores that mark layers only at
+the end; the run_in_background handle."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from conftest import make_caches, small_store
+
+import aiokv
+from aiokv.testing import FaultyStore, LayeredStore
+
+LAYERS, PAGE_SIZE = 4, 4
+TOKENS = 4 * PAGE_SIZE
+SOURCE, TARGET = torch.arange(4), torch.arange(8, 12)
+
+
+def engine_over(store: aiokv.Store, **config: int) -> tuple[aiokv.OffloadEngine, list[torch.Tensor]]:
+    caches = make_caches(layers=LAYERS, page_size=PAGE_SIZE)
+    for cache in caches:
+        cache[TARGET] = 0  # what a layer holds before it is loaded
+    return aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(**config)), caches
+
+
+def loaded(caches: list[torch.Tensor], layer: int) -> bool:
+    return torch.equal(caches[layer][TARGET], caches[layer][SOURCE])
+
+
+def untouched(caches: list[torch.Tensor], layer: int) -> bool:
+    return bool((caches[layer][TARGET] == 0).all())
+
+
+async def hit_of(engine: aiokv.OffloadEngine, user: int = 1) -> aiokv.Lookup:
+    await engine.offload(user, SOURCE, TOKENS)
+    hit = await engine.lookup(user, TOKENS)
+    assert hit.cached_tokens == TOKENS
+    return hit
+
+
+async def held(
+    engine: aiokv.OffloadEngine, store: LayeredStore, fail_at_layer: int | None = None
+) -> aiokv.LayerwiseLoad:
+    """A launched load of user 1's hit whose layers each wait for a permit of
+    ``store.gate`` (none given yet)."""
+    hit = await hit_of(engine)
+    store.gate, store.fail_at_layer = threading.Semaphore(0), fail_at_layer
+    return await engine.load_layerwise(hit, TARGET)
+
+
+async def in_thread(load: aiokv.LayerwiseLoad, layer: int) -> None:
+    await asyncio.to_thread(load.wait_layer, layer)
+
+
+async def on_loop(load: aiokv.LayerwiseLoad, layer: int) -> None:
+    load.wait_layer(layer)  # CPU caches: blocks this (the loop's) thread until copied
+
+
+async def ready(load: aiokv.LayerwiseLoad, layer: int) -> None:
+    await load.layer_ready(layer)
+
+
+WAITS = {"wait_layer in a thread": in_thread, "wait_layer on the loop": on_loop,
+         "layer_ready": ready}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("wait", list(WAITS))
+async def test_layers_become_ready_in_order_with_their_bytes(wait: str) -> None:
+    store = LayeredStore()
+    engine, caches = engine_over(store)
+    async with engine:
+        load = await held(engine, store)
+        for layer in range(LAYERS):
+            assert untouched(caches, layer) and not load.is_ready(layer)
+            store.gate.release()
+            await WAITS[wait](load, layer)
+            assert loaded(caches, layer) and load.is_ready(layer)
+            if layer + 1 < LAYERS:  # still held back: not copied, not ready
+                assert untouched(caches, layer + 1) and not load.is_ready(layer + 1)
+        assert await load.result() == aiokv.LoadResult(1, TOKENS)
+        stats = engine.stats()
+    assert stats.loaded_tokens == TOKENS and stats.completed == 3  # offload, lookup, load
+    assert stats.store_tasks_open == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("store", ["layers marked at the end", "LocalStore"])
+async def test_a_store_without_marks_marks_every_layer_at_the_end(store: str) -> None:
+    inner = LayeredStore(marks=False) if store != "LocalStore" else small_store()
+    engine, caches = engine_over(inner)
+    async with engine:
+        hit = await hit_of(engine)
+        if isinstance(inner, LayeredStore):
+            inner.gate = threading.Semaphore(0)
+        load = await engine.load_layerwise(hit, TARGET)
+        if isinstance(inner, LayeredStore):
+            # Only the load's end marks its layers, and the loop delivers the end.
+            with pytest.raises(aiokv.BlockingCallOnLoop, match="layer_ready"):
+                load.wait_layer(0)
+            inner.gate.release()  # layer 0 copied; not marked on its own
+            assert not load.is_ready(0)
+            inner.gate.release(LAYERS - 1)
+        waiters = [asyncio.to_thread(load.wait_layer, i) for i in range(LAYERS)]
+        await asyncio.gather(*waiters, *(load.layer_ready(i) for i in range(LAYERS)))
+        assert all(loaded(caches, i) for i in range(LAYERS))
+        assert (await load.result()).loaded_tokens == TOKENS
+        load.wait_layer(LAYERS - 1)  # ended: answers on the loop too
+
+
+def raised(function: Callable[..., object], *args: object) -> BaseException | None:
+    """What ``function(*args)`` raised (in a thread, whose errors to_thread would convert)."""
+    try:
+        function(*args)
+    except BaseException as exc:
+        return exc
+    return None
+
+
+async def all_raise(load: aiokv.LayerwiseLoad, error: type[BaseException], layer: int = 0) -> None:
+    with pytest.raises(error):
+        await asyncio.to_thread(load.wait_layer, layer)
+    with pytest.raises(error):
+        load.wait_layer(layer)
+    with pytest.raises(error):
+        await load.layer_ready(layer)
+    assert not load.is_ready(layer)
+
+
+@pytest.mark.asyncio
+async def test_a_layer_that_fails_in_the_store_fails_its_waits_and_the_result() -> None:
+    store = LayeredStore()
+    engine, caches = engine_over(store)
+    async with engine:
+        load = await held(engine, store, fail_at_layer=2)
+        blocked = asyncio.ensure_future(asyncio.to_thread(load.wait_layer, 2))
+        readying = asyncio.ensure_future(load.layer_ready(3))
+        store.gate.release(3)  # layers 0 and 1 copied, then the failure
+        await load.layer_ready(1)
+        assert loaded(caches, 1)
+        with pytest.raises(aiokv.StoreError):
+            await blocked  # woken by the failure, not left waiting
+        with pytest.raises(aiokv.StoreError):
+            await readying
+        with pytest.raises(aiokv.StoreError, match="failed in the store"):
+            await load.result()
+        await all_raise(load, aiokv.StoreError, layer=0)  # the load failed: no layer stands
+
+
+@pytest.mark.asyncio
+async def test_a_failed_launch_and_a_failed_task_reach_every_wait() -> None:
+    store = FaultyStore(LayeredStore())
+    engine, _ = engine_over(store)
+    async with engine:
+        hit = await hit_of(engine, 1)
+        store.launch_error = RuntimeError("launch refused")
+        load = await engine.load_layerwise(hit, TARGET)  # ended, never launched: handed out
+        with pytest.raises(aiokv.StoreError, match="launch refused"):
+            await load.result()
+        await all_raise(load, aiokv.StoreError)
+        store.launch_error = None
+        hit = await hit_of(engine, 2)
+        store.fail_tasks = True
+        load = await engine.load_layerwise(hit, TARGET)
+        with pytest.raises(aiokv.StoreError):
+            await load.result()
+        await all_raise(load, aiokv.StoreError, layer=LAYERS - 1)
+
+
+@pytest.mark.asyncio
+async def test_invalid_page_ids_raise_invalid_request_from_every_wait() -> None:
+    engine, _ = engine_over(LayeredStore())
+    async with engine:
+        hit = await hit_of(engine)
+        load = await engine.load_layerwise(hit, torch.tensor([8, 9, 10, 10_000]))
+        with pytest.raises(aiokv.InvalidRequest, match="10000"):
+            await load.result()
+        await all_raise(load, aiokv.InvalidRequest)
+
+
+@pytest.mark.asyncio
+async def test_an_evicted_key_loads_nothing_and_no_layer_reads_ready() -> None:
+    engine, caches = engine_over(LayeredStore())
+    async with engine:
+        hit = await hit_of(engine)
+        for cache in caches:
+            cache[TARGET] = cache[SOURCE]  # the user's KV from before the evict
+        assert await engine.evict(1) == TOKENS
+        load = await engine.load_layerwise(hit, TARGET)
+        assert await load.result() == aiokv.LoadResult(1, 0)  # as load() answers it
+        await all_raise(load, aiokv.NotLoaded, layer=LAYERS - 1)
+        with pytest.raises(aiokv.NotLoaded) as caught:
+            load.wait_layer(0)
+        assert (caught.value.loaded_tokens, caught.value.cached_tokens) == (0, TOKENS)
+        assert engine.stats().store_tasks_open == 0
+
+
+@pytest.mark.asyncio
+async def test_an_empty_hit_is_loaded_at_once_and_its_layers_are_ready() -> None:
+    engine, _ = engine_over(LayeredStore())
+    async with engine:
+        async with await engine.lookup(7, TOKENS) as miss:
+            load = await engine.load_layerwise(miss, TARGET)
+        assert await load.result() == aiokv.LoadResult(7, 0)
+        load.wait_layer(0)  # nothing was asked for: nothing is missing
+        await load.layer_ready(LAYERS - 1)
+        assert engine.stats().empty_loads == 1
+
+
+@pytest.mark.asyncio
+async def test_a_timeout_and_a_close_fail_waits_blocked_on_held_layers() -> None:
+    store = LayeredStore()
+    engine, _ = engine_over(store, request_timeout_ms=50)
+    async with engine:
+        load = await held(engine, store)  # and never given a permit
+        blocked = asyncio.ensure_future(asyncio.to_thread(load.wait_layer, 0))
+        readying = asyncio.ensure_future(load.layer_ready(0))
+        with pytest.raises(aiokv.RequestTimeout):
+            await load.result()
+        for waiter in (blocked, readying):
+            with pytest.raises(aiokv.RequestTimeout):
+                await waiter
+        await all_raise(load, aiokv.RequestTimeout)
+        store.gate.release(LAYERS)
+    store = LayeredStore()
+    engine, _ = engine_over(store)
+    await engine.start()
+    load = await held(engine, store)
+    blocked = asyncio.ensure_future(asyncio.to_thread(load.wait_layer, 1))
+    await engine.aclose(drain=False, timeout=0.05)  # the launched copy outlives the close
+    with pytest.raises(aiokv.EngineClosed):
+        await blocked
+    with pytest.raises(aiokv.EngineClosed):
+        await load.result()
+    await all_raise(load, aiokv.EngineClosed)
+    store.gate.release(LAYERS)  # the store thread ends, and closes the store
+
+
+@pytest.mark.asyncio
+async def test_cancelling_the_load_reaches_every_wait() -> None:
+    store = LayeredStore()
+    engine, _ = engine_over(store)
+    async with engine:
+        load = await held(engine, store)
+        blocked = asyncio.ensure_future(asyncio.to_thread(raised, load.wait_layer, 0))
+        load.cancel()
+        # A thread's wait raises concurrent.futures' CancelledError, not asyncio's.
+        assert isinstance(await blocked, concurrent.futures.CancelledError)
+        with pytest.raises(asyncio.CancelledError):
+            await load.result()
+        with pytest.raises(asyncio.CancelledError):
+            await load.layer_ready(0)
+        with pytest.raises(concurrent.futures.CancelledError):
+            load.wait_layer(0)
+        store.gate.release(LAYERS)  # a launched copy is never cancelled: it ends
+    assert engine.stats().cancelled == 1
+
+
+@pytest.mark.asyncio
+async def test_a_caller_cancelled_before_the_launch_cancels_the_load() -> None:
+    # Batches of two, or a long window: a lone load is still queued when its caller leaves.
+    engine, caches = engine_over(LayeredStore(), window_us=1_000_000, max_batch_requests=2)
+    async with engine:
+        await asyncio.gather(*(engine.offload(u, SOURCE, TOKENS) for u in (1, 2)))
+        hit, other = await asyncio.gather(*(engine.lookup(u, TOKENS) for u in (1, 2)))
+        other.release()
+        calling = asyncio.ensure_future(engine.load_layerwise(hit, TARGET))
+        for _ in range(10):  # until the load is accepted (queued for the window)
+            if engine.stats().pending:
+                break
+            await asyncio.sleep(0)
+        assert engine.stats().pending == 1
+        calling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await calling
+        stats = engine.stats()
+        assert (stats.cancelled, stats.pending) == (1, 0)
+    assert all(untouched(caches, i) for i in range(LAYERS))  # never matched, never copied
+    assert engine.stats().store_tasks_open == 0  # the reservation went back
+
+
+@pytest.mark.asyncio
+async def test_a_bad_layer_index_or_call_fails_alone_naming_it() -> None:
+    engine, _ = engine_over(LayeredStore())
+    with pytest.raises(aiokv.EngineClosed):
+        await engine.load_layerwise(object(), TARGET)  # type: ignore[arg-type]
+    async with engine:
+        hit = await hit_of(engine)
+        with pytest.raises(aiokv.InvalidRequest) as caught:
+            await engine.load_layerwise(object(), TARGET)  # type: ignore[arg-type]
+        assert caught.value.field == "hit"
+        with pytest.raises(aiokv.InvalidRequest) as caught:
+            await engine.load_layerwise(hit, TARGET[:2])
+        assert caught.value.field == "page_ids"
+        load = await engine.load_layerwise(hit, TARGET)
+        for layer in (-1, LAYERS, True, 1.0):
+            with pytest.raises(aiokv.InvalidRequest) as caught:
+                load.wait_layer(layer)  # type: ignore[arg-type]
+            assert caught.value.field == "layer"
+            assert str(layer) in str(caught.value) or "must be an int" in str(caught.value)
+            with pytest.raises(aiokv.InvalidRequest, match="layer"):
+                await load.layer_ready(layer)  # type: ignore[arg-type]
+        assert (await load.result()).loaded_tokens == TOKENS
+
+
+def test_run_in_background_waits_for_layers_in_the_calling_thread() -> None:
+    store = LayeredStore()
+    engine, caches = engine_over(store)
+    with aiokv.run_in_background(engine) as kv:
+        kv.offload(1, SOURCE, TOKENS)
+        store.gate = threading.Semaphore(0)
+        load = kv.load_layerwise(kv.lookup(1, TOKENS), TARGET)
+        for layer in range(LAYERS):
+            store.gate.release()
+            if layer % 2:
+                load.wait_layer(layer)
+            else:
+                load.layer_ready(layer)
+            assert loaded(caches, layer)
+            if layer + 1 < LAYERS:
+                assert untouched(caches, layer + 1)
+        assert load.result(timeout=10) == aiokv.LoadResult(1, TOKENS)
+        store.gate = None
+        kv.offload(2, SOURCE, TOKENS)
+        hit = kv.lookup(2, TOKENS)
+        assert kv.evict(2) == TOKENS
+        evicted = kv.submit_load_layerwise(hit, TARGET).result(timeout=10)
+        assert evicted.result() == aiokv.LoadResult(2, 0)
+        for wait in (evicted.wait_layer, evicted.layer_ready):
+            with pytest.raises(aiokv.NotLoaded):
+                wait(0)
+
+        async def on_loop() -> aiokv.LoadResult:
+            return evicted.result()  # ended: answered even on the loop's own thread
+
+        ended = asyncio.run_coroutine_threadsafe(on_loop(), kv.loop).result(timeout=10)
+        assert ended == aiokv.LoadResult(2, 0)
+    assert evicted.result() == aiokv.LoadResult(2, 0)  # after the close too
