@@ -193,7 +193,9 @@ async def test_engine_end_to_end_on_this_store(unregistered: Bench) -> None:
         hits = await asyncio.gather(*(engine.lookup(u, 4 * PAGE) for u in range(users)))
         targets = [torch.arange(64 + 4 * u, 68 + 4 * u, device=device) for u in range(users)]
         loaded = await asyncio.gather(*(engine.load(h, t) for h, t in zip(hits, targets, strict=False)))
-        stats = engine.stats()
+    # After close: the store's figures (d2h_copies among them) are final then; while it
+    # runs they are refreshed at most every 0.1 s.
+    stats = engine.stats()
     assert [r.stored_tokens for r in stored] == [3 * PAGE] * users
     assert [r.loaded_tokens for r in loaded] == [3 * PAGE] * users
     for u in range(users):

@@ -25,8 +25,16 @@ from ...errors import ConfigError, StoreError
 from .tiers import check_ssd_dirs, tier_values
 
 # Environment FlexKV must see before its first import. MPS: FlexKV would otherwise try to
-# start the MPS daemon (absent on most hosts). setdefault: a user's own choice wins.
-_ENV_DEFAULTS = {"FLEXKV_ENABLE_MPS": "0"}
+# start the MPS daemon (absent on most hosts). CE transfer: FlexKV's default moves host <->
+# GPU with a copy kernel, which takes SMs from the model beside it (on an H200 it slowed a
+# model stand-in by 55-67%, against 6-8% with the copy engines, for about 12% less speed
+# alone: benchmarks/RESULTS.md); a serving GPU is never idle. setdefault: a user's own
+# choice wins.
+_ENV_DEFAULTS = {
+    "FLEXKV_ENABLE_MPS": "0",
+    "FLEXKV_USE_CE_TRANSFER_H2D": "1",
+    "FLEXKV_USE_CE_TRANSFER_D2H": "1",
+}
 
 # FlexKV's logger says a line per operation at INFO, its default (34ab141): a serving
 # process is quiet unless asked, as aiokv's own logger is.
