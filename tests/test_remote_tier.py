@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, user_kv
 
 import aiokv
+import aiokv.metrics
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.native import import_store, unavailable
 from aiokv.remote.servers import MooncakeServers, free_port
@@ -80,9 +82,8 @@ class LocalHost:
                        for _ in range(LAYERS)]
         config = aiokv.StoreConfig(cpu_cache_gb=0.01, remote={"master": master, **remote})
         self.store = aiokv.LocalStore(config)
-        self.kv = aiokv.run_in_background(
-            aiokv.OffloadEngine(self.store, self.caches, aiokv.EngineConfig())
-        )
+        self.engine = aiokv.OffloadEngine(self.store, self.caches, aiokv.EngineConfig())
+        self.kv = aiokv.run_in_background(self.engine)
 
     def kv_of(self, user: int) -> list[torch.Tensor]:
         if self.head_dim == HEAD_DIM:
@@ -160,6 +161,62 @@ def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(mooncake: MooncakeS
         b.close()
 
 
+def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, ...], float]:
+    """One family's samples, by sample name and label values."""
+    return {(sample.name, *sample.labels.values()): sample.value
+            for family in registry.collect() if family.name == name
+            for sample in family.samples}
+
+
+def test_remote_traffic_shows_in_engine_stats_and_prometheus(mooncake: MooncakeServers) -> None:
+    users = (71, 72)
+    a = LocalHost(mooncake.master)
+    a_metrics = CollectorRegistry()
+    aiokv.metrics.register(a.engine, a_metrics)
+    for user in users:
+        assert a.offload(user) == TOKENS
+    a.close()  # finishes the background writes; the figures are final
+    block_bytes = sum(cache[0].numel() * cache.element_size() for cache in a.caches)
+    written = a.kv.stats()
+    assert written.bytes_remote_written == len(users) * USER_PAGES * block_bytes
+    assert (written.remote_dropped_writes, written.remote_errors) == (0, 0)
+    assert _samples(a_metrics, "aiokv_bytes")[("aiokv_bytes_total", "d2h", "remote")] == (
+        written.bytes_remote_written
+    )
+    batches = _samples(a_metrics, "aiokv_remote_write_seconds")
+    assert batches[("aiokv_remote_write_seconds_count",)] >= 1
+    assert batches[("aiokv_remote_write_seconds_sum",)] > 0
+
+    b = LocalHost(mooncake.master)
+    b_metrics = CollectorRegistry()
+    aiokv.metrics.register(b.engine, b_metrics)
+    try:
+        assert b.load(users[0]) == (TOKENS, True)  # from Mooncake
+        assert b.load(users[0]) == (TOKENS, True)  # now from B's host tier
+        with b.kv.lookup(73, TOKENS) as hit:  # offloaded by nobody: a remote miss
+            assert hit.cached_tokens == 0
+        # A scrape from a thread without a loop waits for the store thread's answer.
+        lookups = _samples(b_metrics, "aiokv_remote_lookups")
+        assert lookups == {("aiokv_remote_lookups_total", "hit"): 1,
+                           ("aiokv_remote_lookups_total", "miss"): 1}
+        tiers = _samples(b_metrics, "aiokv_tier_hit_tokens")
+        assert tiers[("aiokv_tier_hit_tokens_total", "remote")] == TOKENS
+        assert tiers[("aiokv_tier_hit_tokens_total", "host")] == TOKENS  # the second load
+        moved = _samples(b_metrics, "aiokv_bytes")
+        assert moved[("aiokv_bytes_total", "h2d", "remote")] == USER_PAGES * block_bytes
+        waits = _samples(b_metrics, "aiokv_remote_lookup_seconds")
+        assert waits[("aiokv_remote_lookup_seconds_count",)] == 2  # the hit and the miss
+    finally:
+        b.close()
+    read = b.kv.stats()
+    assert (read.remote_hits, read.remote_misses) == (1, 1)
+    assert (read.remote_hit_tokens, read.host_hit_tokens) == (TOKENS, TOKENS)
+    assert read.lookup_hit_tokens == read.remote_hit_tokens + read.host_hit_tokens
+    assert read.bytes_remote_read == USER_PAGES * block_bytes
+    assert 0 < read.remote_lookup_mean_ms <= read.remote_lookup_max_ms
+    assert (read.remote_errors, read.remote_checksum_failures) == (0, 0)
+
+
 def test_a_host_with_another_geometry_never_matches(mooncake: MooncakeServers) -> None:
     a = LocalHost(mooncake.master)
     assert a.offload(11) == TOKENS
@@ -198,6 +255,7 @@ def test_a_corrupted_value_is_a_miss_from_there_on(mooncake: MooncakeServers) ->
         assert b.stats()["remote_checksum_failures"] == 1
     finally:
         b.close()
+    assert b.kv.stats().remote_checksum_failures == 1
 
 
 def test_a_full_remote_store_never_fails_a_caller(tmp_path: Path) -> None:
@@ -211,6 +269,7 @@ def test_a_full_remote_store_never_fails_a_caller(tmp_path: Path) -> None:
         finally:
             stats = a.close()
         assert stats["remote_dropped_writes"] > 0
+        assert a.kv.stats().remote_dropped_writes == stats["remote_dropped_writes"]
         offered = len(users) * USER_PAGES
         assert stats["remote_blocks_written"] + stats["remote_dropped_writes"] == offered
         b = LocalHost(small.master, head_dim=512)

@@ -85,7 +85,8 @@ class RemoteIO:
         # One writer each: counts of the writer thread and of the reader thread.
         self.write_stats = {"remote_blocks_written": 0, "remote_bytes_written": 0,
                             "remote_dropped_full": 0, "remote_dropped_down": 0,
-                            "remote_write_errors": 0, "remote_write_seconds": 0.0}
+                            "remote_write_errors": 0, "remote_write_batches": 0,
+                            "remote_write_seconds": 0.0}
         self.read_stats = {"remote_checksum_failures": 0, "remote_read_errors": 0}
         self.queue = WriteQueue(config.write_queue_blocks)
         # Writer thread: namespace -> when its markers need asking again before a write.
@@ -285,6 +286,7 @@ class RemoteIO:
                 self.write_stats["remote_write_errors"] += sum(len(j.blocks) for j in jobs)
                 log.exception("aiokv: remote tier: a write failed: %s", exc)
             finally:
+                self.write_stats["remote_write_batches"] += 1
                 self.write_stats["remote_write_seconds"] += time.monotonic() - began
                 queue.done(jobs)
                 self._wake()
