@@ -142,13 +142,19 @@ def test_hosts_share_blocks_and_an_evict_reaches_every_host(mooncake: MooncakeSe
         a.close()
 
 
-def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(mooncake: MooncakeServers) -> None:
-    users = range(61, 69)
-    a = LocalHost(mooncake.master)
+# With 128 KiB blocks the eight users' 64 blocks are 8 MiB, past the size at which a
+# batch's checksums are split over threads, on the writer and on the reader alike.
+@pytest.mark.parametrize(("head_dim", "remote"), [(HEAD_DIM, {}),
+                                                  (1024, {"checksum_threads": 3})])
+def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(
+    mooncake: MooncakeServers, head_dim: int, remote: dict[str, Any]
+) -> None:
+    users = range(61, 69) if head_dim == HEAD_DIM else range(81, 89)
+    a = LocalHost(mooncake.master, head_dim=head_dim, **remote)
     for user in users:
         assert a.offload(user) == TOKENS
     assert a.close()["remote_blocks_written"] == len(users) * USER_PAGES
-    b = LocalHost(mooncake.master)
+    b = LocalHost(mooncake.master, head_dim=head_dim, **remote)
     try:
         hits = [f.result() for f in [b.kv.submit_lookup(user, TOKENS) for user in users]]
         assert [hit.cached_tokens for hit in hits] == [TOKENS] * len(users)
@@ -159,6 +165,7 @@ def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(mooncake: MooncakeS
                        for cache, kv in zip(b.caches, b.kv_of(user), strict=True))
     finally:
         b.close()
+    assert b.kv.stats().remote_checksum_failures == 0
 
 
 def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, ...], float]:

@@ -42,6 +42,11 @@ _CONNECT_WAIT_S = 10.0
 _WRITE_BATCH = 64  # blocks per batch_put call
 _MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
 CHECKSUM_BYTES = 8
+# Checksums of a batch are split over config.checksum_threads threads (the calling one
+# included): xxhash lets go of the GIL while it hashes, so they run on free cores beside
+# the loop and the store thread. Below _SPLIT_BYTES a batch is hashed on the calling
+# thread (handing work over would cost more than it saves).
+_SPLIT_BYTES = 4 << 20
 
 
 def _local_hostname(config: RemoteConfig) -> str:
@@ -94,6 +99,11 @@ class RemoteIO:
         self._writer = threading.Thread(target=self._write_loop, name="aiokv-remote-write",
                                         daemon=True)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="aiokv-remote-read")
+        self._sum_threads = config.threads_for_checksums
+        self._summers = (
+            ThreadPoolExecutor(self._sum_threads - 1, thread_name_prefix="aiokv-remote-sum")
+            if self._sum_threads > 1 else None
+        )
         self._writer.start()
         self._reader.submit(self._ready)  # connect now, so the first lookup need not wait
 
@@ -230,9 +240,13 @@ class RemoteIO:
         if not self._codes("batch_get_into", got):
             return [False] * len(blocks)
         whole = size + CHECKSUM_BYTES
+        arrived = [i for i, count in enumerate(got) if count == whole]  # the others fail
+        computed = dict(zip(arrived, self._checksums([block_keys[i] for i in arrived],
+                                                     [blocks[i] for i in arrived]),
+                            strict=True))
         ok: list[bool] = []
-        for key, block, count in zip(block_keys, blocks, got, strict=True):
-            good = count == whole and self._checksum(key, block) == int(self._sums[block])
+        for i, (block, count) in enumerate(zip(blocks, got, strict=True)):
+            good = i in computed and computed[i] == int(self._sums[block])
             if not good and count >= 0:  # damaged, or the wrong size: not ours
                 self.read_stats["remote_checksum_failures"] += 1
             ok.append(good)
@@ -268,6 +282,21 @@ class RemoteIO:
             self._checked.clear()
         self._checked.update(dict.fromkeys(namespaces, until))
         return True
+
+    def _checksums(self, keys: Sequence[str], blocks: Sequence[int]) -> list[int]:
+        """The checksum of each (key, block), on this thread and the summing threads."""
+        summers, share = self._summers, -(-len(blocks) // self._sum_threads)  # rounded up
+        if summers is None or len(blocks) * self.block_bytes < _SPLIT_BYTES:
+            return self._checksum_run(keys, blocks)
+        parts = [summers.submit(self._checksum_run, keys[i : i + share], blocks[i : i + share])
+                 for i in range(share, len(blocks), share)]
+        sums = self._checksum_run(keys[:share], blocks[:share])
+        for part in parts:
+            sums += part.result()
+        return sums
+
+    def _checksum_run(self, keys: Sequence[str], blocks: Sequence[int]) -> list[int]:
+        return [self._checksum(key, block) for key, block in zip(keys, blocks, strict=True)]
 
     def _checksum(self, key: str, block: int) -> int:
         digest = xxhash.xxh3_64(key.encode())
@@ -310,8 +339,7 @@ class RemoteIO:
             keys += self.keys.blocks(job.ns, epoch, generation, job.digests)
             blocks += job.blocks.tolist()
         size, sums = self.block_bytes, self._sums
-        for key, block in zip(keys, blocks, strict=True):
-            sums[block] = self._checksum(key, block)
+        sums[blocks] = np.array(self._checksums(keys, blocks), dtype=np.uint64)
         codes = client.batch_put_from_multi_buffers(
             keys,
             [[self._base + b * size, self._sums_base + b * CHECKSUM_BYTES] for b in blocks],
@@ -340,6 +368,8 @@ class RemoteIO:
         self._writer.join()
         queue.done([WriteJob("", [], blocks) for blocks in dropped])  # to be given back
         self._reader.shutdown(wait=True)
+        if self._summers is not None:
+            self._summers.shutdown(wait=True)
         client, self._client = self._client, None
         if client is not None:
             client.unregister_buffer(self._base)
