@@ -45,6 +45,14 @@ import aiokv
 from aiokv.remote.servers import MooncakeServers
 
 GIB = float(1 << 30)
+# Where the writer's and the reader's time goes (store_stats() keys), printed as shares
+# of remote_write_seconds and remote_lookup_seconds_total.
+WRITE_SPLIT = {"Mooncake's put": "remote_put_seconds",
+               "keys and checksums": "remote_write_checksum_seconds",
+               "marker check": "remote_marker_seconds"}
+READ_SPLIT = {"Mooncake's get": "remote_get_seconds",
+              "existence and marker check": "remote_exist_seconds",
+              "checksums": "remote_read_checksum_seconds"}
 
 
 def make_caches(pages: int, quick: bool) -> list[torch.Tensor]:
@@ -171,9 +179,11 @@ async def bandwidth(args: argparse.Namespace, master: str) -> None:
             summed = [f"rawsum/{round_}/{i}" for i in range(len(keys))]
             put_sum_s = await asyncio.to_thread(raw_puts, io_a.client(), io_a, summed, blocks,
                                                 True)
-            read_before = store_b.store_stats()["remote_lookup_seconds_total"]
+            read_before = dict(store_b.store_stats())
             load_s = await aiokv_loads(engine_b, users, pages)
-            read_s = store_b.store_stats()["remote_lookup_seconds_total"] - read_before
+            read_after = store_b.store_stats()
+            read_s = read_after["remote_lookup_seconds_total"] - read_before[
+                "remote_lookup_seconds_total"]
             get_s = await asyncio.to_thread(raw_gets, io_b.client(), io_b, keys, blocks, pages)
             get_sum_s = await asyncio.to_thread(raw_gets, io_b.client(), io_b, summed, blocks,
                                                 pages, True)
@@ -181,6 +191,8 @@ async def bandwidth(args: argparse.Namespace, master: str) -> None:
             await engine_a.clear()
             await engine_b.clear()
             if round_ < 0:
+                written_before = dict(store_a.store_stats())
+                read_first = read_after
                 continue
             for name, seconds in (("aiokv offload", writer), ("raw put", put_s),
                                   ("raw put+sum", put_sum_s), ("aiokv load", read_s),
@@ -209,6 +221,17 @@ async def bandwidth(args: argparse.Namespace, master: str) -> None:
             f" (target >= 90%: {'met' if best >= 0.9 else 'NOT met'})")
         print(f"{what}: {ours} / {raw} = {best:.1%} best vs best, {paired:.1%} median of "
               f"rounds{verdict}")
+    written_after = store_a.store_stats()  # after the last round's clear: writes are done
+    for what, total_key, split, before, after in (
+        ("writer", "remote_write_seconds", WRITE_SPLIT, written_before, written_after),
+        ("reads", "remote_lookup_seconds_total", READ_SPLIT, read_first, read_after),
+    ):
+        total = after[total_key] - before[total_key]
+        shares = {name: (after[key] - before[key]) / total for name, key in split.items()}
+        rest = 1 - sum(shares.values())
+        print(f"aiokv's {what}, {total:.3f} s in all rounds: " + ", ".join(
+            f"{name} {share:.1%}" for name, share in shares.items())
+            + f", the rest (threads, bookkeeping) {rest:.1%}")
 
 
 async def host_latency(engine: aiokv.OffloadEngine, resident: range, pages: int,

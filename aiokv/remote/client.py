@@ -87,12 +87,20 @@ class RemoteIO:
         self._connect_lock = threading.Lock()
         self._rest_s = config.timeout_ms / 1000
         self._retry_at = 0.0  # time.monotonic() before which calls are not tried
-        # One writer each: counts of the writer thread and of the reader thread.
-        self.write_stats = {"remote_blocks_written": 0, "remote_bytes_written": 0,
-                            "remote_dropped_full": 0, "remote_dropped_down": 0,
-                            "remote_write_errors": 0, "remote_write_batches": 0,
-                            "remote_write_seconds": 0.0}
-        self.read_stats = {"remote_checksum_failures": 0, "remote_read_errors": 0}
+        # One writer each: counts of the writer thread and of the reader thread, and
+        # where their time goes (the marker and existence checks, Mooncake's put and
+        # get, the checksums: remote_tier.py prints the split).
+        self.write_stats: dict[str, float] = {
+            "remote_blocks_written": 0, "remote_bytes_written": 0, "remote_dropped_full": 0,
+            "remote_dropped_down": 0, "remote_write_errors": 0, "remote_write_batches": 0,
+            "remote_write_seconds": 0.0, "remote_marker_seconds": 0.0,
+            "remote_write_checksum_seconds": 0.0, "remote_put_seconds": 0.0,
+        }
+        self.read_stats: dict[str, float] = {
+            "remote_checksum_failures": 0, "remote_read_errors": 0,
+            "remote_exist_seconds": 0.0, "remote_get_seconds": 0.0,
+            "remote_read_checksum_seconds": 0.0,
+        }
         self.queue = WriteQueue(config.write_queue_blocks)
         # Writer thread: namespace -> when its markers need asking again before a write.
         self._checked: dict[str, float] = {}
@@ -185,7 +193,9 @@ class RemoteIO:
         the newest epoch and generation (learned from the markers on the way); all in
         one ``batch_is_exist``. Empty lists where Mooncake cannot be asked."""
         client = self._ready()
+        began = time.monotonic()
         found = None if client is None else self._past_markers(client, items)
+        _spent(self.read_stats, "remote_exist_seconds", began)
         return found if found is not None else [[] for _ in items]
 
     def _past_markers(
@@ -231,12 +241,14 @@ class RemoteIO:
         client = self._ready()
         if client is None:
             return [False] * len(blocks)
-        size, sums = self.block_bytes, self._sums_base
+        size, sums, stats = self.block_bytes, self._sums_base, self.read_stats
+        began = time.monotonic()
         got = client.batch_get_into_multi_buffers(
             block_keys,
             [[self._base + b * size, sums + b * CHECKSUM_BYTES] for b in blocks],
             [[size, CHECKSUM_BYTES]] * len(blocks),
         )
+        began = _spent(stats, "remote_get_seconds", began)
         if not self._codes("batch_get_into", got):
             return [False] * len(blocks)
         whole = size + CHECKSUM_BYTES
@@ -244,6 +256,7 @@ class RemoteIO:
         computed = dict(zip(arrived, self._checksums([block_keys[i] for i in arrived],
                                                      [blocks[i] for i in arrived]),
                             strict=True))
+        _spent(stats, "remote_read_checksum_seconds", began)
         ok: list[bool] = []
         for i, (block, count) in enumerate(zip(blocks, got, strict=True)):
             good = i in computed and computed[i] == int(self._sums[block])
@@ -329,7 +342,9 @@ class RemoteIO:
             return
         now = time.monotonic()
         stale = {job.ns for job in jobs if self._checked.get(job.ns, 0.0) < now}
-        if stale and not self._refresh(client, stale):
+        refreshed = not stale or self._refresh(client, stale)
+        began = _spent(stats, "remote_marker_seconds", now)
+        if not refreshed:
             stats["remote_dropped_down"] += count
             return
         keys: list[str] = []
@@ -340,11 +355,13 @@ class RemoteIO:
             blocks += job.blocks.tolist()
         size, sums = self.block_bytes, self._sums
         sums[blocks] = np.array(self._checksums(keys, blocks), dtype=np.uint64)
+        began = _spent(stats, "remote_write_checksum_seconds", began)
         codes = client.batch_put_from_multi_buffers(
             keys,
             [[self._base + b * size, self._sums_base + b * CHECKSUM_BYTES] for b in blocks],
             [[size, CHECKSUM_BYTES]] * len(blocks),
         )
+        _spent(stats, "remote_put_seconds", began)
         if not self._codes("batch_put_from", codes):
             stats["remote_dropped_down"] += count
             return
@@ -375,6 +392,13 @@ class RemoteIO:
             client.unregister_buffer(self._base)
             client.unregister_buffer(self._sums_base)
             client.close()
+
+
+def _spent(stats: dict[str, float], key: str, began: float) -> float:
+    """Add the time since ``began`` (time.monotonic) to ``stats[key]``; now."""
+    now = time.monotonic()
+    stats[key] += now - began
+    return now
 
 
 def _leading_ones(codes: Sequence[int]) -> int:
