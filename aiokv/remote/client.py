@@ -42,10 +42,8 @@ _CONNECT_WAIT_S = 10.0
 _WRITE_BATCH = 64  # blocks per batch_put call
 _MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
 CHECKSUM_BYTES = 8
-# Checksums of a batch are split over config.checksum_threads threads (the calling one
-# included): xxhash lets go of the GIL while it hashes, so they run on free cores beside
-# the loop and the store thread. Below _SPLIT_BYTES a batch is hashed on the calling
-# thread (handing work over would cost more than it saves).
+# A batch's checksums are split over config.checksum_threads threads (xxhash hashes
+# without the GIL) from this size on; below, a hand-over would cost what it saves.
 _SPLIT_BYTES = 4 << 20
 
 
@@ -90,17 +88,14 @@ class RemoteIO:
         # One writer each: counts of the writer thread and of the reader thread, and
         # where their time goes (the marker and existence checks, Mooncake's put and
         # get, the checksums: remote_tier.py prints the split).
-        self.write_stats: dict[str, float] = {
-            "remote_blocks_written": 0, "remote_bytes_written": 0, "remote_dropped_full": 0,
-            "remote_dropped_down": 0, "remote_write_errors": 0, "remote_write_batches": 0,
-            "remote_write_seconds": 0.0, "remote_marker_seconds": 0.0,
-            "remote_write_checksum_seconds": 0.0, "remote_put_seconds": 0.0,
-        }
-        self.read_stats: dict[str, float] = {
-            "remote_checksum_failures": 0, "remote_read_errors": 0,
-            "remote_exist_seconds": 0.0, "remote_get_seconds": 0.0,
-            "remote_read_checksum_seconds": 0.0,
-        }
+        self.write_stats: dict[str, float] = dict.fromkeys((
+            "remote_blocks_written", "remote_bytes_written", "remote_dropped_full",
+            "remote_dropped_down", "remote_write_errors", "remote_write_batches",
+            "remote_write_seconds", "remote_marker_seconds", "remote_write_checksum_seconds",
+            "remote_put_seconds"), 0)
+        self.read_stats: dict[str, float] = dict.fromkeys((
+            "remote_checksum_failures", "remote_read_errors", "remote_exist_seconds",
+            "remote_get_seconds", "remote_read_checksum_seconds"), 0)
         self.queue = WriteQueue(config.write_queue_blocks)
         # Writer thread: namespace -> when its markers need asking again before a write.
         self._checked: dict[str, float] = {}
