@@ -179,7 +179,7 @@ def test_remote_traffic_shows_in_engine_stats_and_prometheus(mooncake: MooncakeS
     users = (71, 72)
     a = LocalHost(mooncake.master)
     a_metrics = CollectorRegistry()
-    aiokv.metrics.register(a.engine, a_metrics)
+    aiokv.metrics.register(a.engine, a_metrics, store_timeout_s=30)
     for user in users:
         assert a.offload(user) == TOKENS
     a.close()  # finishes the background writes; the figures are final
@@ -196,13 +196,14 @@ def test_remote_traffic_shows_in_engine_stats_and_prometheus(mooncake: MooncakeS
 
     b = LocalHost(mooncake.master)
     b_metrics = CollectorRegistry()
-    aiokv.metrics.register(b.engine, b_metrics)
+    aiokv.metrics.register(b.engine, b_metrics, store_timeout_s=30)
     try:
         assert b.load(users[0]) == (TOKENS, True)  # from Mooncake
         assert b.load(users[0]) == (TOKENS, True)  # now from B's host tier
         with b.kv.lookup(73, TOKENS) as hit:  # offloaded by nobody: a remote miss
             assert hit.cached_tokens == 0
-        # A scrape from a thread without a loop waits for the store thread's answer.
+        # A scrape from a thread without a loop waits for the store thread's answer
+        # (up to store_timeout_s: long, so that a loaded machine cannot make it stale).
         lookups = _samples(b_metrics, "aiokv_remote_lookups")
         assert lookups == {("aiokv_remote_lookups_total", "hit"): 1,
                            ("aiokv_remote_lookups_total", "miss"): 1}
