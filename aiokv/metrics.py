@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 try:
     from prometheus_client.core import (
@@ -25,6 +25,7 @@ try:
         GaugeMetricFamily,
         HistogramMetricFamily,
         Metric,
+        SummaryMetricFamily,
     )
     from prometheus_client.registry import REGISTRY, CollectorRegistry
     from prometheus_client.utils import floatToGoString
@@ -59,19 +60,54 @@ _BYTES_KEYS = (
     ("h2d", "host", "bytes_h2d"),
     ("d2h", "ssd", "bytes_ssd_written"),
     ("h2d", "ssd", "bytes_ssd_read"),
+    ("d2h", "remote", "remote_bytes_written"),
+    ("h2d", "remote", "remote_bytes_read"),
 )
 _BLOCK_KEYS = (
     ("host", "used", "host_blocks_used"),
     ("host", "total", "host_blocks_total"),
     ("ssd", "used", "ssd_blocks_used"),
     ("ssd", "total", "ssd_blocks_total"),
+    ("remote", "queued", "remote_write_queue_blocks"),  # waiting for the writer
+    ("remote", "held", "remote_blocks_held"),  # host blocks held for their write
 )
-_ERROR_KEYS = (("checksum", "checksum_failures"), ("ssd_write", "ssd_write_errors"))
-_HIT_KEYS = (("host", "host_hit_tokens"), ("ssd", "ssd_hit_tokens"))
+_ERROR_KEYS = (
+    ("checksum", "checksum_failures"),
+    ("ssd_write", "ssd_write_errors"),
+    ("remote_checksum", "remote_checksum_failures"),
+    ("remote_read", "remote_read_errors"),
+    ("remote_write", "remote_write_errors"),
+    ("remote_timeout", "remote_timeouts"),
+    ("remote_invalidation", "remote_invalidation_errors"),
+    ("remote_call", "remote_call_errors"),
+)
+_HIT_KEYS = (
+    ("host", "host_hit_tokens"),
+    ("ssd", "ssd_hit_tokens"),
+    ("remote", "remote_hit_tokens"),
+)
+# The remote tier (aiokv.remote.link): lookups that asked Mooncake, by outcome; blocks
+# whose write was dropped, by reason; the waits for it, as (count key, seconds key).
+_REMOTE_LOOKUP_KEYS = (("hit", "remote_hits"), ("miss", "remote_misses"))
+_REMOTE_DROP_KEYS = (
+    ("queue_full", "remote_dropped_queue"),
+    ("resting", "remote_dropped_resting"),
+    ("store_full", "remote_dropped_full"),
+    ("down", "remote_dropped_down"),
+)
+_REMOTE_WAITS = (
+    ("aiokv_remote_lookup_seconds", "The store thread's waits for Mooncake at lookups "
+     "(one per batch of lookups that asked it).",
+     "remote_lookup_waits", "remote_lookup_seconds_total"),
+    ("aiokv_remote_write_seconds", "The writer thread's time per batch of background "
+     "writes (checksums and Mooncake's put).",
+     "remote_write_batches", "remote_write_seconds"),
+)
 # Batches are of a request Kind; lookups move no KV.
 _BATCHED_KINDS = tuple(kind.name.lower() for kind in Kind)
 _BATCH_BYTE_KINDS = tuple(kind for kind in _BATCHED_KINDS if kind != "lookup")
 _Submit = Callable[[StoreStatsQuery], None]  # StoreWorker.submit
+Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily)
 
 
 def register(
@@ -225,10 +261,7 @@ def _families(
         "Tokens lookups found, by the tier the store found them on (the store's count).",
         labels=["tier"],
     )
-    for tier, key in _HIT_KEYS:
-        if key in store:
-            hits.add_metric([tier], store[key])
-    yield hits
+    yield _from_store(hits, _HIT_KEYS, store)
     yield CounterMetricFamily(
         "aiokv_empty_loads",
         "Loads of a Lookup that found nothing, answered at once (in aiokv_requests_total too).",
@@ -246,14 +279,42 @@ def _families(
     blocks = GaugeMetricFamily(
         "aiokv_store_blocks", "Store blocks by tier, used and total.", labels=["tier", "state"]
     )
-    for tier, state, key in _BLOCK_KEYS:
-        if key in store:
-            blocks.add_metric([tier, state], store[key])
-    yield blocks
+    yield _from_store(blocks, _BLOCK_KEYS, store)
     errors = CounterMetricFamily(
         "aiokv_store_errors", "Errors the store counted, by kind.", labels=["error"]
     )
-    for error, key in _ERROR_KEYS:
+    yield _from_store(errors, _ERROR_KEYS, store)
+    yield from _remote_families(store)
+
+
+def _from_store(
+    family: Family, rows: Iterable[tuple[str, ...]], store: Mapping[str, int | float]
+) -> Family:
+    """Per row (its label values, then a store_stats() key): a sample where the store
+    reports the key."""
+    for *labels, key in rows:
         if key in store:
-            errors.add_metric([error], store[key])
-    yield errors
+            family.add_metric(labels, store[key])
+    return family
+
+
+def _remote_families(store: Mapping[str, int | float]) -> Iterator[Metric]:
+    """The remote tier's own families (empty without one)."""
+    lookups = CounterMetricFamily(
+        "aiokv_remote_lookups",
+        "Lookups that missed the host and SSD tiers and asked Mooncake, by outcome (hit: "
+        "at least the first missing block came).",
+        labels=["outcome"],
+    )
+    yield _from_store(lookups, _REMOTE_LOOKUP_KEYS, store)
+    dropped = CounterMetricFamily(
+        "aiokv_remote_dropped_writes",
+        "Blocks whose background write to Mooncake was dropped, by reason.",
+        labels=["reason"],
+    )
+    yield _from_store(dropped, _REMOTE_DROP_KEYS, store)
+    for name, help_text, count_key, seconds_key in _REMOTE_WAITS:
+        waits = SummaryMetricFamily(name, help_text, labels=[])
+        if count_key in store:
+            waits.add_metric([], int(store[count_key]), store.get(seconds_key, 0.0))
+        yield waits

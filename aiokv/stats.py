@@ -213,6 +213,17 @@ class EngineStats:
     ssd_blocks_total: int = 0
     # Loads whose SSD pages found no host room at launch and waited for it.
     stage_waits: int = 0
+    # The remote tier (store.remote; 0 without one): the README's field reference.
+    remote_hits: int = 0
+    remote_misses: int = 0
+    remote_hit_tokens: int = 0
+    bytes_remote_written: int = 0
+    bytes_remote_read: int = 0
+    remote_checksum_failures: int = 0
+    remote_dropped_writes: int = 0
+    remote_errors: int = 0
+    remote_lookup_mean_ms: float = 0.0
+    remote_lookup_max_ms: float = 0.0
 
     @property
     def hit_ratio(self) -> float:

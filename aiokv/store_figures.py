@@ -19,7 +19,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .histograms import LATENCY_BOUNDS_S, Histogram
 
@@ -47,13 +47,34 @@ FIELDS = (
     "ssd_blocks_used",
     "ssd_blocks_total",
     "stage_waits",  # loads that waited for host room to stage their SSD pages
-    "d2h_copies",  # device-to-host copies of page ids the store made (FlexKV, a process)
+    "d2h_copies",  # device-to-host copies of page ids the store made for its launches
+    # The remote tier (aiokv.remote.link; 0 without one).
+    "remote_hits",  # lookups that asked Mooncake and got at least their first block
+    "remote_misses",  # lookups that asked Mooncake and got none
+    "remote_hit_tokens",  # tokens those hits read into the host tier
+    "remote_checksum_failures",
+    "remote_dropped_writes",  # blocks not written: queue full, Mooncake full or down
+    "remote_errors",  # failed or timed-out calls to Mooncake
 )
+# EngineStats field -> the store_stats() key under another name.
+RENAMED = {
+    "bytes_remote_written": "remote_bytes_written",
+    "bytes_remote_read": "remote_bytes_read",
+}
 
 
-def engine_fields(answer: StoreStatsAnswer) -> dict[str, int]:
-    """EngineStats' store fields from a store_stats() answer."""
-    return {name: int(answer.get(name, 0)) for name in FIELDS}
+def engine_fields(answer: StoreStatsAnswer) -> dict[str, Any]:
+    """EngineStats' store fields from a store_stats() answer (ints, and floats for the
+    ``_ms`` fields: Any, as EngineStats' keyword arguments of either type)."""
+    fields: dict[str, Any] = {name: int(answer.get(name, 0)) for name in FIELDS}
+    for name, key in RENAMED.items():
+        fields[name] = int(answer.get(key, 0))
+    # The store thread's waits for Mooncake (one per batch of lookups that asked it).
+    waits = answer.get("remote_lookup_waits", 0)
+    seconds = answer.get("remote_lookup_seconds_total", 0.0)
+    fields["remote_lookup_mean_ms"] = 1e3 * seconds / waits if waits else 0.0
+    fields["remote_lookup_max_ms"] = 1e3 * float(answer.get("remote_lookup_seconds_max", 0.0))
+    return fields
 
 
 class StoreFigures:

@@ -256,7 +256,9 @@ def test_register_describes_every_family_and_refuses_a_second_engine() -> None:
         "aiokv_latency_window_seconds", "aiokv_latency_store_seconds", "aiokv_latency_seconds",
         "aiokv_bytes", "aiokv_lookup_tokens", "aiokv_lookup_hit_tokens", "aiokv_hit_ratio",
         "aiokv_store_blocks", "aiokv_store_errors", "aiokv_tier_hit_tokens",
-        "aiokv_empty_loads", "aiokv_dropped_tokens",
+        "aiokv_empty_loads", "aiokv_dropped_tokens", "aiokv_remote_lookups",
+        "aiokv_remote_dropped_writes", "aiokv_remote_lookup_seconds",
+        "aiokv_remote_write_seconds",
     }  # fmt: skip
     # Before start: zeros, and no store answer yet (the store thread does not exist).
     families = by_name(registry.collect())

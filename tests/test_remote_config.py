@@ -32,6 +32,7 @@ def test_the_yaml_section_needs_only_the_master() -> None:
         ({"master": "h:1", "timeout_ms": 0}, "store.remote.timeout_ms", "0"),
         ({"master": "h:1", "write_queue_blocks": True}, "store.remote.write_queue_blocks",
          "True"),
+        ({"master": "h:1", "checksum_threads": 0}, "store.remote.checksum_threads", "0"),
         ({"master": "h:1", "masters": "h:2"}, "store.remote.masters", "unknown key"),
         ("h:1", "store.remote", "mapping"),
     ],

@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, user_kv
 
 import aiokv
+import aiokv.metrics
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.native import import_store, unavailable
 from aiokv.remote.servers import MooncakeServers, free_port
@@ -80,9 +82,8 @@ class LocalHost:
                        for _ in range(LAYERS)]
         config = aiokv.StoreConfig(cpu_cache_gb=0.01, remote={"master": master, **remote})
         self.store = aiokv.LocalStore(config)
-        self.kv = aiokv.run_in_background(
-            aiokv.OffloadEngine(self.store, self.caches, aiokv.EngineConfig())
-        )
+        self.engine = aiokv.OffloadEngine(self.store, self.caches, aiokv.EngineConfig())
+        self.kv = aiokv.run_in_background(self.engine)
 
     def kv_of(self, user: int) -> list[torch.Tensor]:
         if self.head_dim == HEAD_DIM:
@@ -141,13 +142,19 @@ def test_hosts_share_blocks_and_an_evict_reaches_every_host(mooncake: MooncakeSe
         a.close()
 
 
-def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(mooncake: MooncakeServers) -> None:
-    users = range(61, 69)
-    a = LocalHost(mooncake.master)
+# With 128 KiB blocks the eight users' 64 blocks are 8 MiB, past the size at which a
+# batch's checksums are split over threads, on the writer and on the reader alike.
+@pytest.mark.parametrize(("head_dim", "remote"), [(HEAD_DIM, {}),
+                                                  (1024, {"checksum_threads": 3})])
+def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(
+    mooncake: MooncakeServers, head_dim: int, remote: dict[str, Any]
+) -> None:
+    users = range(61, 69) if head_dim == HEAD_DIM else range(81, 89)
+    a = LocalHost(mooncake.master, head_dim=head_dim, **remote)
     for user in users:
         assert a.offload(user) == TOKENS
     assert a.close()["remote_blocks_written"] == len(users) * USER_PAGES
-    b = LocalHost(mooncake.master)
+    b = LocalHost(mooncake.master, head_dim=head_dim, **remote)
     try:
         hits = [f.result() for f in [b.kv.submit_lookup(user, TOKENS) for user in users]]
         assert [hit.cached_tokens for hit in hits] == [TOKENS] * len(users)
@@ -158,6 +165,64 @@ def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(mooncake: MooncakeS
                        for cache, kv in zip(b.caches, b.kv_of(user), strict=True))
     finally:
         b.close()
+    assert b.kv.stats().remote_checksum_failures == 0
+
+
+def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, ...], float]:
+    """One family's samples, by sample name and label values."""
+    return {(sample.name, *sample.labels.values()): sample.value
+            for family in registry.collect() if family.name == name
+            for sample in family.samples}
+
+
+def test_remote_traffic_shows_in_engine_stats_and_prometheus(mooncake: MooncakeServers) -> None:
+    users = (71, 72)
+    a = LocalHost(mooncake.master)
+    a_metrics = CollectorRegistry()
+    aiokv.metrics.register(a.engine, a_metrics, store_timeout_s=30)
+    for user in users:
+        assert a.offload(user) == TOKENS
+    a.close()  # finishes the background writes; the figures are final
+    block_bytes = sum(cache[0].numel() * cache.element_size() for cache in a.caches)
+    written = a.kv.stats()
+    assert written.bytes_remote_written == len(users) * USER_PAGES * block_bytes
+    assert (written.remote_dropped_writes, written.remote_errors) == (0, 0)
+    assert _samples(a_metrics, "aiokv_bytes")[("aiokv_bytes_total", "d2h", "remote")] == (
+        written.bytes_remote_written
+    )
+    batches = _samples(a_metrics, "aiokv_remote_write_seconds")
+    assert batches[("aiokv_remote_write_seconds_count",)] >= 1
+    assert batches[("aiokv_remote_write_seconds_sum",)] > 0
+
+    b = LocalHost(mooncake.master)
+    b_metrics = CollectorRegistry()
+    aiokv.metrics.register(b.engine, b_metrics, store_timeout_s=30)
+    try:
+        assert b.load(users[0]) == (TOKENS, True)  # from Mooncake
+        assert b.load(users[0]) == (TOKENS, True)  # now from B's host tier
+        with b.kv.lookup(73, TOKENS) as hit:  # offloaded by nobody: a remote miss
+            assert hit.cached_tokens == 0
+        # A scrape from a thread without a loop waits for the store thread's answer
+        # (up to store_timeout_s: long, so that a loaded machine cannot make it stale).
+        lookups = _samples(b_metrics, "aiokv_remote_lookups")
+        assert lookups == {("aiokv_remote_lookups_total", "hit"): 1,
+                           ("aiokv_remote_lookups_total", "miss"): 1}
+        tiers = _samples(b_metrics, "aiokv_tier_hit_tokens")
+        assert tiers[("aiokv_tier_hit_tokens_total", "remote")] == TOKENS
+        assert tiers[("aiokv_tier_hit_tokens_total", "host")] == TOKENS  # the second load
+        moved = _samples(b_metrics, "aiokv_bytes")
+        assert moved[("aiokv_bytes_total", "h2d", "remote")] == USER_PAGES * block_bytes
+        waits = _samples(b_metrics, "aiokv_remote_lookup_seconds")
+        assert waits[("aiokv_remote_lookup_seconds_count",)] == 2  # the hit and the miss
+    finally:
+        b.close()
+    read = b.kv.stats()
+    assert (read.remote_hits, read.remote_misses) == (1, 1)
+    assert (read.remote_hit_tokens, read.host_hit_tokens) == (TOKENS, TOKENS)
+    assert read.lookup_hit_tokens == read.remote_hit_tokens + read.host_hit_tokens
+    assert read.bytes_remote_read == USER_PAGES * block_bytes
+    assert 0 < read.remote_lookup_mean_ms <= read.remote_lookup_max_ms
+    assert (read.remote_errors, read.remote_checksum_failures) == (0, 0)
 
 
 def test_a_host_with_another_geometry_never_matches(mooncake: MooncakeServers) -> None:
@@ -198,6 +263,7 @@ def test_a_corrupted_value_is_a_miss_from_there_on(mooncake: MooncakeServers) ->
         assert b.stats()["remote_checksum_failures"] == 1
     finally:
         b.close()
+    assert b.kv.stats().remote_checksum_failures == 1
 
 
 def test_a_full_remote_store_never_fails_a_caller(tmp_path: Path) -> None:
@@ -211,6 +277,7 @@ def test_a_full_remote_store_never_fails_a_caller(tmp_path: Path) -> None:
         finally:
             stats = a.close()
         assert stats["remote_dropped_writes"] > 0
+        assert a.kv.stats().remote_dropped_writes == stats["remote_dropped_writes"]
         offered = len(users) * USER_PAGES
         assert stats["remote_blocks_written"] + stats["remote_dropped_writes"] == offered
         b = LocalHost(small.master, head_dim=512)

@@ -8,6 +8,7 @@ than ignore the section.
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -49,6 +50,8 @@ class RemoteConfig:
         the pause after a failed call before the tier is tried again (doubling to 30 s).
     write_queue_blocks: background writes waiting at most; beyond, a write is dropped
         (counted) rather than wait.
+    checksum_threads: threads that hash a batch of values (the writer or the reader
+        among them; xxhash runs without the GIL); None: half the cores, at most 4.
     """
 
     backend: str = "mooncake"
@@ -60,6 +63,7 @@ class RemoteConfig:
     local_buffer_mb: int = 16
     timeout_ms: int = 500
     write_queue_blocks: int = 4096
+    checksum_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend != "mooncake":
@@ -85,11 +89,19 @@ class RemoteConfig:
                 f"{self.local_hostname!r}"
             )
         for key, minimum in (("local_buffer_mb", 1), ("timeout_ms", 1),
-                             ("write_queue_blocks", 1)):
+                             ("write_queue_blocks", 1), ("checksum_threads", 1)):
             value = getattr(self, key)
+            if key == "checksum_threads" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"{_SECTION}.{key}", f"must be an integer >= {minimum}, "
                                   f"got {value!r}")
+
+    @property
+    def threads_for_checksums(self) -> int:
+        if self.checksum_threads is not None:
+            return self.checksum_threads
+        return max(1, min(4, (os.cpu_count() or 1) // 2))
 
     @property
     def master_address(self) -> tuple[str, int]:

@@ -76,7 +76,7 @@ class RemoteLink:
         self._held = 0  # host blocks held by writes
         self._asked: set[tuple[str, ...]] = set()  # namespaces asked in this batch
         self.stats_ = {
-            "remote_lookups": 0, "remote_hits": 0, "remote_misses": 0,
+            "remote_lookups": 0, "remote_lookup_waits": 0, "remote_hits": 0, "remote_misses": 0,
             "remote_blocks_read": 0, "remote_bytes_read": 0, "remote_timeouts": 0,
             "remote_dropped_queue": 0, "remote_dropped_resting": 0,
             "remote_invalidation_errors": 0, "remote_call_errors": 0,
@@ -155,6 +155,7 @@ class RemoteLink:
         spent = time.monotonic() - began
         stats = self.stats_
         stats["remote_lookups"] += len(wanted)
+        stats["remote_lookup_waits"] += 1
         stats["remote_lookup_seconds_total"] += spent
         stats["remote_lookup_seconds_max"] = max(stats["remote_lookup_seconds_max"], spent)
         hits = sum(map(bool, arrived))
@@ -263,6 +264,9 @@ class RemoteLink:
         stats: dict[str, int | float] = {**self.stats_, **io.write_stats, **io.read_stats}
         stats["remote_write_queue_blocks"] = io.queue.queued_blocks
         stats["remote_blocks_held"] = self._held  # host blocks waiting for their write
+        # Lookups' tokens read from Mooncake into the host tier (LocalStore.store_stats
+        # takes them out of host_hit_tokens: each hit is counted on one tier).
+        stats["remote_hit_tokens"] = stats["remote_blocks_read"] * self._page_size
         stats["remote_dropped_writes"] = (
             stats["remote_dropped_queue"] + stats["remote_dropped_resting"]
             + stats["remote_dropped_full"] + stats["remote_dropped_down"]

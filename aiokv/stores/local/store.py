@@ -379,6 +379,9 @@ class LocalStore:
         for tier in (self._link, self._remote):
             if tier is not None:
                 stats.update(tier.stats())
+        # Remote hits are read into the host tier before the match: one tier counts each.
+        remote_hits = stats.get("remote_hit_tokens", 0)
+        stats["host_hit_tokens"] = max(0, stats["host_hit_tokens"] - remote_hits)
         return stats
 
     def set_notify(self, callback: Callable[[], None]) -> None:
