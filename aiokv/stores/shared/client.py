@@ -64,7 +64,7 @@ class _Link:
         try:
             sock.connect(path)
             wire.send(sock, {"op": "hello", "geometry": geometry.as_dict()})
-            reply, fds = wire.recv(sock)
+            reply, fds = wire.Channel(sock).recv()
         except BaseException:
             sock.close()
             raise
@@ -78,12 +78,13 @@ class _Link:
             sock.close()
             raise StoreError(f"the store server at {path!r} sent no region")
         self.sock = sock
+        self.channel = wire.Channel(sock)
         self.region = Region(fds[0], int(reply["blocks"]), geometry)
         self.pool = PoolView(self.region, Pinning(self.region) if pin else None)
 
     def call(self, message: Mapping[str, Any]) -> dict[str, Any]:
         wire.send(self.sock, message)
-        reply, fds = wire.recv(self.sock)
+        reply, fds = self.channel.recv()
         for fd in fds:
             wire.close_quietly(fd)
         if not reply.get("ok"):
@@ -123,6 +124,7 @@ class SharedStore:
         self._num_pages = 0
         self._notify: Callable[[], None] | None = None
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
+        self._closed = False
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -143,7 +145,8 @@ class SharedStore:
     def _connect(self) -> _Link:
         if self._link is not None:
             return self._link
-        assert self._geometry is not None
+        if self._closed or self._geometry is None:
+            raise StoreError("the shared store is closed (or not registered)")
         try:
             link = _Link(self._path, self._geometry, self._gpu)
         except (OSError, wire.PeerGone, wire.WireError) as exc:
@@ -187,20 +190,18 @@ class SharedStore:
         return self._matches("get", queries)
 
     def _matches(self, op: str, queries: Queries) -> MatchAnswers:
-        message = {"op": op, "q": [_query(t, ns) for t, ns in queries],
-                   "failed": self._take_release()}
+        message = {"op": op, **wire.pack_queries(queries), "failed": self._take_release()}
         reply = self._call(message)
         answers: MatchAnswers = []
         generation = self._generation
-        for answer in reply["r"]:
-            if "e" in answer:
-                error = str(answer["e"])
-                answers.append(NoSpace(error) if answer.get("full") else StoreError(error))
+        for answer in wire.unpack_answers(reply):
+            if len(answer) == 2:
+                error, full = answer
+                answers.append(NoSpace(error) if full else StoreError(str(error)))
                 continue
+            server_id, mask, blocks = answer
             local = next(self._ids)
-            mask = np.array(answer["m"], dtype=np.bool_)
-            self._tasks[local] = _Task(int(answer["id"]), op == "put", mask,
-                                       np.array(answer["b"], dtype=np.int64), generation)
+            self._tasks[local] = _Task(server_id, op == "put", mask, blocks, generation)
             answers.append((local, mask))
         return answers
 
@@ -374,6 +375,7 @@ class SharedStore:
             with contextlib.suppress(StoreError):
                 self.try_wait([])
         with self._lock:
+            self._closed = True
             if self._link is not None:
                 self._link.close()
                 self._link = None
@@ -384,19 +386,3 @@ def _one(answers: MatchAnswers) -> tuple[int, BoolArray]:
     if isinstance(answer, Exception):
         raise answer
     return answer
-
-
-_positions_bytes = b""
-
-
-def _query(token_ids: Int64Array, namespace: Sequence[str]) -> dict[str, Any]:
-    """A match as it travels: the default token ids (``0..n-1``) as their count."""
-    global _positions_bytes
-    tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
-    n = len(tokens)
-    if n and int(tokens[0]) == 0 and int(tokens[-1]) == n - 1:
-        if len(_positions_bytes) < n * 8:
-            _positions_bytes = np.arange(max(n, 1 << 16), dtype=np.int64).tobytes()
-        if _positions_bytes.startswith(tokens.tobytes()):
-            return {"n": n, "ns": list(namespace)}
-    return {"t": tokens, "ns": list(namespace)}

@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ...config import StoreConfig
 from ...errors import ConfigError
 from ..base import NoSpace
@@ -45,8 +43,6 @@ from .service import Client, Foreign, Service
 log = logging.getLogger("aiokv.server")
 
 SEND_TIMEOUT_S = 5.0  # a peer that does not read its replies for this long is dropped
-MAX_QUERIES = 4096  # matches in one request
-MAX_TOKENS = 1 << 24  # token ids in one match
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _LOCK_NAME = "aiokv-server.lock"
 
@@ -303,24 +299,20 @@ class StoreServer:
 
     def _matches(self, conn: Connection, message: dict[str, Any], is_put: bool
                  ) -> dict[str, Any]:
-        queries = message.get("q")
-        if not isinstance(queries, list) or len(queries) > MAX_QUERIES:
-            raise ProtocolError(f"q must be a list of at most {MAX_QUERIES} queries")
+        queries = wire.unpack_queries(message)
         # Cancels ride along with the next match (one message per batch).
         self.service.finish(conn.client, [], _ids(message.get("failed", [])))
         if self._stopping:
-            return {"r": [{"e": "the store server is shutting down"}] * len(queries)}
+            return wire.pack_answers([("the store server is shutting down", False)]
+                                     * len(queries))
         match = self.service.put_match if is_put else self.service.get_match
-        answers: list[dict[str, Any]] = []
-        for query in queries:
-            tokens, namespace = _query(query)
+        answers: list[wire.Answer] = []
+        for tokens, namespace in queries:
             try:
-                task_id, mask, blocks = match(conn.client, tokens, namespace)
+                answers.append(match(conn.client, tokens, namespace))
             except NoSpace as exc:
-                answers.append({"e": str(exc), "full": True})
-                continue
-            answers.append({"id": task_id, "m": mask, "b": blocks})
-        return {"r": answers}
+                answers.append((str(exc), True))
+        return wire.pack_answers(answers)
 
     def _put(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
         return self._matches(conn, message, True)
@@ -334,7 +326,7 @@ class StoreServer:
         return {}
 
     def _evict(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-        return {"tokens": self.service.evict(_namespace(message.get("ns")))}
+        return {"tokens": self.service.evict(wire.namespace(message.get("ns")))}
 
     def _clear(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
         return {"tokens": self.service.clear()}
@@ -342,36 +334,6 @@ class StoreServer:
     def _stats(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
         clients = [c.client for c in self._connections.values()]
         return {"stats": self.service.stats(clients)}
-
-
-_positions = np.arange(0, dtype=np.int64)
-
-
-def _query(query: Any) -> tuple[Any, tuple[str, ...]]:
-    """A match's (token ids, namespace) from a request: ``t`` the ids, or ``n`` for the
-    positions ``0..n-1`` (the default ids, sent as their count)."""
-    global _positions
-    if not isinstance(query, dict):
-        raise ProtocolError("a query is a mapping")
-    namespace = _namespace(query.get("ns"))
-    count = query.get("n")
-    if count is not None:
-        if type(count) is not int or not 0 <= count <= MAX_TOKENS:
-            raise ProtocolError(f"n must be an int in [0, {MAX_TOKENS}], got {count!r}")
-        if len(_positions) < count:
-            _positions = np.arange(max(count, 2 * len(_positions)), dtype=np.int64)
-        return _positions[:count], namespace
-    tokens = query.get("t")
-    if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int64 or (
-            len(tokens) > MAX_TOKENS):
-        raise ProtocolError("t must be an int64 array of token ids")
-    return tokens, namespace
-
-
-def _namespace(raw: Any) -> tuple[str, ...]:
-    if not isinstance(raw, list) or not all(isinstance(s, str) for s in raw) or len(raw) > 64:
-        raise ProtocolError(f"a namespace is a list of strings, got {raw!r}")
-    return tuple(raw)
 
 
 def _ids(raw: Any) -> list[int]:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 MAX_FRAME = 256 << 20  # a batch of 64 x 64k tokens is 32 MiB of token ids: far below
 MAX_FDS = 1
@@ -124,38 +125,54 @@ def send(sock: socket.socket, message: Mapping[str, Any], fds: Sequence[int] = (
         sock.sendall(frame)
 
 
-def _recv_exactly(sock: socket.socket, size: int, into: bytearray) -> None:
-    view = memoryview(into)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise PeerGone("the peer closed the connection")
-        got += n
+class Channel:
+    """The client's end: one request, then its reply, read with as few calls as the
+    reply's size allows (one ``recvmsg`` for a small one)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = b""
+
+    def recv(self) -> tuple[dict[str, Any], list[int]]:
+        """One message, with the descriptors that came with it. PeerGone when the
+        connection closes, WireError for a frame out of bounds or malformed."""
+        fds: list[int] = []
+        data = bytearray(self._buffer)
+        try:
+            while len(data) < 4:
+                chunk, got, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, MAX_FDS)
+                fds += got
+                if not chunk:
+                    raise PeerGone("the peer closed the connection")
+                data += chunk
+            end = 4 + _length(data)
+            have = len(data)
+            if have < end:  # a large reply: the rest straight into its place
+                data += bytes(end - have)
+                view = memoryview(data)
+                while have < end:
+                    n = self.sock.recv_into(view[have:end])
+                    if n == 0:
+                        raise PeerGone("the peer closed the connection")
+                    have += n
+                view.release()
+        except (ConnectionError, OSError) as exc:
+            for fd in fds:
+                close_quietly(fd)
+            raise PeerGone(f"the connection broke: {exc}") from exc
+        self._buffer = bytes(data[end:])
+        return decode(bytes(data[4:end])), fds
+
+
+def _length(data: bytes | bytearray) -> int:
+    (length,) = struct.unpack_from("<I", data, 0)
+    check_length(length)
+    return int(length)
 
 
 def recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """One message from a blocking socket, with the descriptors that came with it.
-    PeerGone when it closes, WireError for a frame out of bounds or malformed."""
-    try:
-        head, fds, _flags, _addr = socket.recv_fds(sock, 4, MAX_FDS)
-    except (ConnectionError, OSError) as exc:
-        raise PeerGone(f"the connection broke: {exc}") from exc
-    if not head:
-        raise PeerGone("the peer closed the connection")
-    try:
-        rest = bytearray(4 - len(head))
-        if rest:
-            _recv_exactly(sock, len(rest), rest)
-        (length,) = struct.unpack("<I", bytes(head) + bytes(rest))
-        check_length(length)
-        body = bytearray(length)
-        _recv_exactly(sock, length, body)
-    except (ConnectionError, OSError) as exc:
-        for fd in fds:
-            close_quietly(fd)
-        raise PeerGone(f"the connection broke: {exc}") from exc
-    return decode(body), fds
+    """One message from a blocking socket that carries nothing after it."""
+    return Channel(sock).recv()
 
 
 def check_length(length: int) -> None:
@@ -166,3 +183,122 @@ def check_length(length: int) -> None:
 def close_quietly(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
+
+
+# ---- a batch's matches: a few arrays, not a mapping per query --------------------------
+
+MAX_QUERIES = 4096  # matches in one request
+MAX_TOKENS = 1 << 26  # token ids in one request
+MAX_NAMESPACE = 64  # strings in one namespace
+Query = tuple[npt.NDArray[np.int64], tuple[str, ...]]
+# Per query: (task id, mask, blocks), or (error, whether it is "no room now").
+Answer = tuple[int, npt.NDArray[np.bool_], npt.NDArray[np.int64]] | tuple[str, bool]
+_NO_IDS = np.zeros(0, dtype=np.int64)
+_positions_bytes = b""
+_positions = np.arange(0, dtype=np.int64)
+
+
+def pack_queries(queries: Sequence[tuple[Any, Sequence[str]]]) -> dict[str, Any]:
+    """``n``: per query, its count of default token ids (``0..n-1``, recognised by
+    content and sent as the count) or -1; ``t``: the other queries' ids, joined, ``l``
+    their lengths; ``ns``: the namespaces."""
+    global _positions_bytes
+    counts, lengths, explicit = [], [], []
+    for token_ids, _ in queries:
+        tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
+        n = len(tokens)
+        if n and int(tokens[0]) == 0 and int(tokens[-1]) == n - 1:
+            if len(_positions_bytes) < n * 8:
+                _positions_bytes = np.arange(max(n, 1 << 16), dtype=np.int64).tobytes()
+            if _positions_bytes.startswith(tokens.tobytes()):
+                counts.append(n)
+                continue
+        counts.append(-1)
+        lengths.append(n)
+        explicit.append(tokens)
+    return {"n": np.array(counts, dtype=np.int64), "l": np.array(lengths, dtype=np.int64),
+            "t": np.concatenate(explicit) if explicit else _NO_IDS,
+            "ns": [list(space) for _, space in queries]}
+
+
+def unpack_queries(message: Mapping[str, Any]) -> list[Query]:
+    """:func:`pack_queries` undone, every field checked (WireError)."""
+    global _positions
+    counts: Any = message.get("n")
+    lengths: Any = message.get("l")
+    tokens: Any = message.get("t")
+    spaces: Any = message.get("ns")
+    if not (_is_ids(counts) and _is_ids(lengths) and _is_ids(tokens)):
+        raise WireError("n, l and t must be int64 arrays")
+    if not isinstance(spaces, list) or len(spaces) != len(counts) or len(counts) > MAX_QUERIES:
+        raise WireError(f"ns must list one namespace per query (at most {MAX_QUERIES})")
+    if (counts < -1).any() or (counts > MAX_TOKENS).any() or (lengths < 0).any():
+        raise WireError("a query's token count is out of range")
+    if int((counts == -1).sum()) != len(lengths) or int(lengths.sum()) != len(tokens):
+        raise WireError("l and t do not match the queries without a count")
+    largest = int(counts.max(initial=0))
+    if len(_positions) < largest:
+        _positions = np.arange(max(largest, 2 * len(_positions)), dtype=np.int64)
+    queries: list[Query] = []
+    start, explicit = 0, iter(lengths.tolist())
+    for count, space in zip(counts.tolist(), spaces, strict=True):
+        if count >= 0:
+            ids = _positions[:count]
+        else:
+            length = next(explicit)
+            ids, start = tokens[start : start + length], start + length
+        queries.append((ids, namespace(space)))
+    return queries
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype == np.int64 and len(value) <= (
+        MAX_TOKENS)
+
+
+def namespace(raw: Any) -> tuple[str, ...]:
+    """A namespace from a request (WireError unless it is a list of strings)."""
+    if not isinstance(raw, list) or len(raw) > MAX_NAMESPACE or not all(
+            isinstance(s, str) for s in raw):
+        raise WireError(f"a namespace is a list of at most {MAX_NAMESPACE} strings")
+    return tuple(raw)
+
+
+def pack_answers(answers: Sequence[Answer]) -> dict[str, Any]:
+    ids, mask_lengths, masks, block_counts, blocks = [], [], [], [], []
+    errors: dict[str, Any] = {}
+    for index, answer in enumerate(answers):
+        if isinstance(answer[0], str):
+            errors[str(index)] = list(answer)
+            ids.append(0)
+            mask_lengths.append(0)
+            block_counts.append(0)
+            continue
+        task_id, mask, held = answer
+        ids.append(task_id)
+        mask_lengths.append(len(mask))
+        masks.append(mask)
+        block_counts.append(len(held))
+        blocks.append(held)
+    return {"ids": np.array(ids, dtype=np.int64),
+            "ml": np.array(mask_lengths, dtype=np.int64),
+            "m": np.concatenate(masks) if masks else np.zeros(0, dtype=np.bool_),
+            "bl": np.array(block_counts, dtype=np.int64),
+            "b": np.concatenate(blocks) if blocks else _NO_IDS, "e": errors}
+
+
+def unpack_answers(message: Mapping[str, Any]) -> list[Answer]:
+    ids, mask_lengths, masks, block_counts, blocks, errors = (
+        message[k] for k in ("ids", "ml", "m", "bl", "b", "e"))
+    out: list[Answer] = []
+    mask_at = block_at = 0
+    for index, (task_id, m, b) in enumerate(zip(ids.tolist(), mask_lengths.tolist(),
+                                                block_counts.tolist(), strict=True)):
+        error = errors.get(str(index))
+        if error is not None:
+            out.append((str(error[0]), bool(error[1])))
+            continue
+        out.append((task_id, masks[mask_at : mask_at + m].copy(),
+                    blocks[block_at : block_at + b].copy()))
+        mask_at, block_at = mask_at + m, block_at + b
+    return out
