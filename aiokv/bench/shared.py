@@ -7,8 +7,9 @@ other pages; the aggregate GiB/s (all processes' bytes over the span from the fi
 start to the last end) next to the raw copy of the same run, each process copying the
 same pages between its caches and a plain host tensor of blocks with the same torch
 ops, all processes at once. (2) The control round trip of one batch (``--users``
-matches in one message; a batch's end in another), median and p99, from a client in
-this process. (3) The hit ratio of a workload whose users land on a random process at
+matches in one message; a batch's end in another; and an empty message, what the
+socket and the messages cost without the index's work), median and p99, from a client
+in this process. (3) The hit ratio of a workload whose users land on a random process at
 each request (look up the history, load it, offload it grown by a page), with the
 shared store against N private engines (each on its own embedded store with 1/N of the
 server's host memory), in tokens hit over tokens asked.
@@ -242,9 +243,12 @@ def _round_trips(s: Settings, socket_path: str) -> dict[str, list[float]]:
                                 torch.device("cpu"))
     store.register(caches)
     tokens = np.arange(s.tokens, dtype=np.int64)
-    match_s, end_s = [], []
+    match_s, end_s, ping_s = [], [], []
     try:
         for i in range(s.round_trips):
+            t0 = time.perf_counter()
+            store.ping()
+            ping_s.append(time.perf_counter() - t0)
             queries = [(tokens, [f"rt{i}:{u}"]) for u in range(s.users)]
             t0 = time.perf_counter()
             answers = store.put_match_many(queries)
@@ -256,7 +260,7 @@ def _round_trips(s: Settings, socket_path: str) -> dict[str, list[float]]:
         store.clear()
     finally:
         store.close()
-    return {"match": match_s, "end": end_s}
+    return {"empty": ping_s, "match": match_s, "end": end_s}
 
 
 def _hit_ratio(s: Settings, pool: _Pool, kind: str, seed: int) -> float:

@@ -363,6 +363,11 @@ class SharedStore:
             stats["server_up"] = 0
         return stats
 
+    def ping(self) -> None:
+        """One empty round trip to the server (what a batch's control messages cost
+        beyond the server's work for them)."""
+        self._call({"op": "ping"})
+
     def set_notify(self, callback: Callable[[], None]) -> None:
         self._notify = callback
 

@@ -108,6 +108,9 @@ class StoreServer:
         self._numbers = 0
         self._stopping = False
         self._stop_at = 0.0
+        self._handlers: dict[str, Callable[[Connection, dict[str, Any]], dict[str, Any]]] = {
+            "put": self._put, "get": self._get, "end": self._end, "evict": self._evict,
+            "clear": self._clear, "stats": self._stats, "ping": self._ping}
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -274,14 +277,13 @@ class StoreServer:
             return
         if not conn.registered:
             raise ProtocolError(f"{op!r} before hello")
-        handler = self._handlers().get(op)  # type: ignore[arg-type]
+        handler = self._handlers.get(op)  # type: ignore[arg-type]
         if handler is None:
             raise ProtocolError(f"unknown request {op!r}")
         wire.send(conn.sock, {"ok": True, **handler(conn, message)})
 
-    def _handlers(self) -> dict[str, Callable[[Connection, dict[str, Any]], dict[str, Any]]]:
-        return {"put": self._put, "get": self._get, "end": self._end, "evict": self._evict,
-                "clear": self._clear, "stats": self._stats}
+    def _ping(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        return {}
 
     def _hello(self, conn: Connection, message: dict[str, Any]) -> None:
         try:
