@@ -102,28 +102,10 @@ class Region:
         self.bytes = memoryview(self._map)
 
     @classmethod
-    def create(cls, num_blocks: int, geometry: Geometry) -> Region:
-        """A new region (server side): a memfd of ``num_blocks`` blocks, private to the
-        processes it is handed to."""
-        size = num_blocks * geometry.block_bytes
-        fd = os.memfd_create("aiokv-region", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            # The memory itself now, not at each block's first write: a region the host
-            # cannot back would otherwise kill an engine with SIGBUS in the middle of a
-            # copy, and each first write would fault and zero a page inside it. Takes
-            # about 3.5 s per 10 GiB (measured on the 2-core CI box), at the first
-            # engine's registration.
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                raise ConfigError("store.cpu_cache_gb", f"the shared region of "
-                                  f"{size / (1 << 30):.2f} GiB cannot be allocated: {exc}"
-                                  ) from exc
-            return cls(fd, num_blocks, geometry)
-        except BaseException:
-            os.close(fd)
-            raise
+    def create(cls, memory: int, num_blocks: int, geometry: Geometry) -> Region:
+        """The server's region of ``num_blocks`` blocks in ``memory`` (from
+        :func:`allocate`; the region owns it from here)."""
+        return cls(memory, num_blocks, geometry)
 
     def block_view(self, block: int) -> memoryview:
         size = self.block_bytes
@@ -160,6 +142,26 @@ class RegionPool(BlockAllocator):
 
     def close(self) -> None:
         self.region.close()
+
+
+def allocate(cpu_cache_gb: float) -> int:
+    """A memfd of ``cpu_cache_gb`` GiB, its memory allocated (the server's, at start: the
+    geometry, and so the blocks, come later), private to the processes it is handed
+    to. ConfigError when the host cannot back it."""
+    size = int(cpu_cache_gb * (1 << 30)) // mmap.PAGESIZE * mmap.PAGESIZE
+    fd = os.memfd_create("aiokv-region", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        # The memory itself now, not at each block's first write: a region the host
+        # cannot back would otherwise kill an engine with SIGBUS in the middle of a copy,
+        # and each first write would fault and zero a page inside it. About 3.5 s per
+        # 10 GiB (measured on the 2-core CI box), before the server listens.
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError("store.cpu_cache_gb", f"a shared region of {cpu_cache_gb} GiB "
+                          f"cannot be allocated: {exc}") from exc
+    return fd
 
 
 def region_blocks(cpu_cache_gb: float, geometry: Geometry) -> int:

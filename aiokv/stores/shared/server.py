@@ -122,6 +122,7 @@ class StoreServer:
             if os.path.isdir(directory):  # a missing one: the SSD tier says so at register
                 self._locks.append(take_lock(Path(directory) / _LOCK_NAME,
                                              "store.ssd_cache_dir"))
+        self.service.allocate()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # a dead server's: the lock says none is alive
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ from ..local.blocks import NO_BLOCKS, READY, Tier
 from ..local.index import Space, chain_digests
 from ..local.loads import Load
 from ..local.tiering import TierLink
-from .region import Geometry, Region, RegionPool, region_blocks
+from .region import Geometry, Region, RegionPool, allocate, region_blocks
 
 log = logging.getLogger("aiokv.server")
 
@@ -83,6 +84,11 @@ class Service:
         self._owner: dict[int, Client] = {}  # task id -> its connection
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
         self._staged = threading.Event()
+        self._memory: int | None = None  # the region's memfd until the first engine
+
+    def allocate(self) -> None:
+        """The host tier's memory, allocated whole (ConfigError when the host cannot)."""
+        self._memory = allocate(self.config.cpu_cache_gb)
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -98,7 +104,12 @@ class Service:
         if self.config.page_size and self.config.page_size != geometry.page_size:
             raise ConfigError("kv_caches", f"page_size {geometry.page_size} != the server's "
                               f"store.page_size {self.config.page_size}")
-        region = Region.create(region_blocks(self.config.cpu_cache_gb, geometry), geometry)
+        blocks = region_blocks(self.config.cpu_cache_gb, geometry)
+        if self._memory is None:
+            self.allocate()
+        assert self._memory is not None
+        region = Region.create(self._memory, blocks, geometry)
+        self._memory = None
         pool = RegionPool(region)
         try:
             link = None
@@ -334,6 +345,9 @@ class Service:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._memory is not None:
+            os.close(self._memory)
+            self._memory = None
 
     # ---- internals -----------------------------------------------------------------
 
