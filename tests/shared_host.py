@@ -95,6 +95,7 @@ class Host:
                   "engine": {"request_timeout_ms": 20_000}}
         engine = aiokv.open_engine(config, kv_caches=self.caches)
         self.kv = aiokv.run_in_background(engine)
+        self.held: dict[int, Any] = {}
 
     def offload(self, user: int, pages: int, first_page: int = 0) -> dict[str, Any]:
         target = slice(first_page, first_page + pages)
@@ -105,10 +106,19 @@ class Host:
         return {"stored": result.stored_tokens, "cached": result.cached_tokens}
 
     def load(self, user: int, pages: int) -> dict[str, Any]:
+        self.lookup(user, pages)
+        return self.load_held(user, pages)
+
+    def lookup(self, user: int, pages: int) -> dict[str, Any]:
+        """A Lookup kept (its blocks held at the server) until :meth:`load_held`."""
+        self.held[user] = self.kv.lookup(user, pages * PAGE_SIZE)
+        return {"cached": self.held[user].cached_tokens}
+
+    def load_held(self, user: int, pages: int) -> dict[str, Any]:
         first = PAGES - pages
         for cache in self.caches:
             cache[first:] = 0
-        with self.kv.lookup(user, pages * PAGE_SIZE) as hit:
+        with self.held.pop(user) as hit:
             cached = hit.cached_tokens
             loaded = self.kv.load(hit, torch.arange(first, PAGES)).loaded_tokens
         full = loaded // PAGE_SIZE

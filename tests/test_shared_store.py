@@ -84,6 +84,17 @@ def test_evict_and_clear_apply_to_every_process(host) -> None:  # type: ignore[n
     assert second("load", user=1, pages=8)["cached"] == 0  # earlier keys went too
 
 
+def test_a_lookup_holds_its_blocks_at_the_server_against_other_processes(host) -> None:  # type: ignore[no-untyped-def]
+    _, (first, second, third) = host
+    first("offload", user=9, pages=4)
+    assert second("lookup", user=9, pages=4) == {"cached": 16}
+    third("clear")  # host-wide, but what a Lookup holds stays until it is used
+    assert first("load", user=9, pages=4)["cached"] == 16
+    assert second("load_held", user=9, pages=4) == {"cached": 16, "loaded": 16, "exact": True}
+    third("clear")
+    assert first("load", user=9, pages=4)["cached"] == 0
+
+
 def test_a_client_killed_while_holding_blocks_releases_them(host) -> None:  # type: ignore[no-untyped-def]
     server, (first, _, _) = host
     first("offload", user=6, pages=5)

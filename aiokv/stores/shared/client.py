@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import threading
 from collections import deque
@@ -79,7 +80,11 @@ class _Link:
             raise StoreError(f"the store server at {path!r} sent no region")
         self.sock = sock
         self.channel = wire.Channel(sock)
-        self.region = Region(fds[0], int(reply["blocks"]), geometry)
+        try:
+            self.region = Region(fds[0], int(reply["blocks"]), geometry)
+        finally:
+            os.close(fds[0])  # the mapping stays; a reconnect must not leak descriptors
+        self.region.fd = -1
         self.pool = PoolView(self.region, Pinning(self.region) if pin else None)
 
     def call(self, message: Mapping[str, Any]) -> dict[str, Any]:

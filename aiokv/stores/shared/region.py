@@ -96,7 +96,7 @@ class Region:
         size = num_blocks * self.block_bytes
         if os.fstat(fd).st_size < size:
             raise ValueError(f"the region holds {os.fstat(fd).st_size} bytes, not {size}")
-        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)  # outlives the descriptor
         self.raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self.data = self.raw.view(geometry.torch_dtype).view(num_blocks, *geometry.block_shape)
         self.bytes = memoryview(self._map)
