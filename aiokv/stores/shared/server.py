@@ -227,7 +227,7 @@ class StoreServer:
 
     def _readable(self, conn: Connection) -> None:
         try:
-            data = conn.sock.recv(1 << 20)
+            data = conn.sock.recv(1 << 16)  # a large buffer per call costs more than calls
         except (TimeoutError, BlockingIOError):
             return
         except OSError as exc:
