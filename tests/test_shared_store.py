@@ -7,9 +7,10 @@ same socket, are refused naming why."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +21,15 @@ from shared_host import PAGE_SIZE, Process, Server, caches, start_processes, use
 import aiokv
 from aiokv.stores.shared import SharedStore
 
-pytestmark = pytest.mark.skipif(not hasattr(__import__("os"), "memfd_create"),
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
                                 reason="the shared region needs memfd_create (Linux)")
 
 
+Host = tuple[Server, list[Process]]
+
+
 @pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, list[Process]]]:
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
     server = Server(tmp_path_factory.mktemp("shared")).start()
     engines = start_processes(server.socket, 3)
     try:
@@ -45,7 +49,7 @@ def observer(server: Server) -> tuple[SharedStore, list[torch.Tensor]]:
     return store, tables
 
 
-def wait_for(condition, what: str) -> None:  # type: ignore[no-untyped-def]
+def wait_for(condition: Callable[[], object], what: str) -> None:
     """Poll the server until ``condition()`` (its answers change as it handles peers)."""
     give_up = time.monotonic() + 20
     while not condition():
@@ -54,14 +58,14 @@ def wait_for(condition, what: str) -> None:  # type: ignore[no-untyped-def]
         time.sleep(0.02)
 
 
-def test_a_key_offloaded_by_one_process_loads_bit_exact_in_every_other(host) -> None:  # type: ignore[no-untyped-def]
+def test_a_key_offloaded_by_one_process_loads_bit_exact_in_every_other(host: Host) -> None:
     _, (first, second, third) = host
     assert first("offload", user=1, pages=8) == {"stored": 32, "cached": 32}
     for engine in (second, third):
         assert engine("load", user=1, pages=8) == {"cached": 32, "loaded": 32, "exact": True}
 
 
-def test_two_processes_offloading_one_key_at_once_write_it_once(host) -> None:  # type: ignore[no-untyped-def]
+def test_two_processes_offloading_one_key_at_once_write_it_once(host: Host) -> None:
     _, (first, second, third) = host
     second.send("offload", user=2, pages=6, first_page=10)
     third.send("offload", user=2, pages=6, first_page=20)
@@ -71,7 +75,7 @@ def test_two_processes_offloading_one_key_at_once_write_it_once(host) -> None:  
     assert first("load", user=2, pages=6) == {"cached": 24, "loaded": 24, "exact": True}
 
 
-def test_evict_and_clear_apply_to_every_process(host) -> None:  # type: ignore[no-untyped-def]
+def test_evict_and_clear_apply_to_every_process(host: Host) -> None:
     _, (first, second, third) = host
     first("offload", user=3, pages=3)
     assert second("evict", user=3) == {"dropped": 12}
@@ -84,7 +88,7 @@ def test_evict_and_clear_apply_to_every_process(host) -> None:  # type: ignore[n
     assert second("load", user=1, pages=8)["cached"] == 0  # earlier keys went too
 
 
-def test_a_lookup_holds_its_blocks_at_the_server_against_other_processes(host) -> None:  # type: ignore[no-untyped-def]
+def test_a_lookup_holds_its_blocks_at_the_server_against_other_processes(host: Host) -> None:
     _, (first, second, third) = host
     first("offload", user=9, pages=4)
     assert second("lookup", user=9, pages=4) == {"cached": 16}
@@ -95,7 +99,7 @@ def test_a_lookup_holds_its_blocks_at_the_server_against_other_processes(host) -
     assert first("load", user=9, pages=4)["cached"] == 0
 
 
-def test_a_client_killed_while_holding_blocks_releases_them(host) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_killed_while_holding_blocks_releases_them(host: Host) -> None:
     server, (first, _, _) = host
     first("offload", user=6, pages=5)
     figures, _ = observer(server)
@@ -121,14 +125,14 @@ def test_a_client_killed_while_holding_blocks_releases_them(host) -> None:  # ty
         figures.close()
 
 
-def test_caches_of_another_geometry_are_refused_naming_what_differs(host) -> None:  # type: ignore[no-untyped-def]
+def test_caches_of_another_geometry_are_refused_naming_what_differs(host: Host) -> None:
     server, _ = host
     store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(server.socket)))
     with pytest.raises(aiokv.ConfigError, match="head_dim 16 != the server's 8"):
         store.register(caches(head_dim=16))
 
 
-def test_a_second_server_on_the_same_socket_refuses(host, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_second_server_on_the_same_socket_refuses(host: Host, tmp_path: Path) -> None:
     server, _ = host
     second = Server(tmp_path, socket_path=server.socket)
     code, log = second.run_to_end()
@@ -136,7 +140,7 @@ def test_a_second_server_on_the_same_socket_refuses(host, tmp_path: Path) -> Non
     assert f"in use by another aiokv store-server (pid {server.process.pid}" in log  # type: ignore[union-attr]
 
 
-def test_raw_client_copies_bit_exact_through_the_region(host) -> None:  # type: ignore[no-untyped-def]
+def test_raw_client_copies_bit_exact_through_the_region(host: Host) -> None:
     """The seam itself (launch with page ids): what one client puts, another gets."""
     server, _ = host
     (writer, written), (reader, read) = observer(server), observer(server)
