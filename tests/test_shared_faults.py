@@ -75,3 +75,21 @@ def test_a_socket_directory_open_to_others_is_refused(tmp_path: Path, mode: int)
     code, log = Server(tmp_path).run_to_end()
     assert code == 2
     assert f"is open to other users (mode {mode:o})" in log
+
+
+def test_the_shared_backend_needs_a_socket_and_only_it_takes_one() -> None:
+    with pytest.raises(aiokv.ConfigError, match=r"store\.socket"):
+        aiokv.StoreConfig(backend="shared")
+    with pytest.raises(aiokv.ConfigError, match=r"store\.socket.*backend: shared only"):
+        aiokv.StoreConfig(socket="/run/user/1/aiokv/store.sock")
+
+
+def test_store_server_help_says_how_to_run_it_under_systemd(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from aiokv.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["store-server", "--help"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    assert "systemd" in shown and "ExecStart=" in shown and "--socket" in shown
