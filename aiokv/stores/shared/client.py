@@ -86,6 +86,8 @@ class _Link:
             os.close(fds[0])  # the mapping stays; a reconnect must not leak descriptors
         self.region.fd = -1
         self.pool = PoolView(self.region, Pinning(self.region) if pin else None)
+        if not pin:  # pinning maps the pages itself
+            self.region.populate()
 
     def call(self, message: Mapping[str, Any]) -> dict[str, Any]:
         wire.send(self.sock, message)

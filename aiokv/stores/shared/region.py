@@ -17,6 +17,7 @@ copies run from pinned memory without holding its start.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import threading
@@ -107,6 +108,18 @@ class Region:
         :func:`allocate`; the region owns it from here)."""
         return cls(memory, num_blocks, geometry)
 
+    def populate(self) -> threading.Thread:
+        """Fill this process's page tables for the mapping on a background thread
+        (``aiokv-map-region``), data untouched: a first write into a page of the region
+        otherwise faults inside an engine's copy (3.4 against 12.7 GB/s on the 2-core
+        box). Through ctypes, so that the GIL is free meanwhile; where the kernel lacks
+        MADV_POPULATE_WRITE (before 5.14) it stops at once and pages fault as used."""
+        thread = threading.Thread(target=_populate, args=(self.raw, self.num_blocks
+                                                          * self.block_bytes),
+                                  name="aiokv-map-region", daemon=True)
+        thread.start()
+        return thread
+
     def block_view(self, block: int) -> memoryview:
         size = self.block_bytes
         return self.bytes[block * size : (block + 1) * size]
@@ -142,6 +155,19 @@ class RegionPool(BlockAllocator):
 
     def close(self) -> None:
         self.region.close()
+
+
+_MADV_POPULATE_WRITE = 23  # linux/mman.h, 5.14+
+_POPULATE_BYTES = 64 << 20
+
+
+def _populate(raw: torch.Tensor, size: int) -> None:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    base = raw.data_ptr()  # the tensor keeps the mapping alive while this runs
+    for start in range(0, size, _POPULATE_BYTES):
+        if madvise(base + start, min(_POPULATE_BYTES, size - start), _MADV_POPULATE_WRITE):
+            return
 
 
 def allocate(cpu_cache_gb: float) -> int:
