@@ -17,6 +17,7 @@ connection ends, however it ends, its tasks are rolled back (:meth:`Service.drop
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import os
@@ -39,6 +40,9 @@ from .region import Geometry, Region, RegionPool, allocate, region_blocks
 
 log = logging.getLogger("aiokv.server")
 
+# Transitional: the copy-engine data plane (branch plane, issue 34) gives launch_load the
+# ready events too; both shapes are served until it merges.
+_LAUNCH_TAKES_READY = len(inspect.signature(TierLink.launch_load).parameters) > 3
 NO_MASK: BoolArray = np.zeros(0, dtype=np.bool_)
 SSD_STAGE_TIMEOUT_S = 30.0  # a get's SSD reads that take longer make the get a miss
 
@@ -230,8 +234,13 @@ class Service:
             log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s",
                         len(load.slots), SSD_STAGE_TIMEOUT_S)
             return  # its blocks stay held by the reads; the task loads its host prefix
-        # Staged and verified: task.blocks is now prefix + good pages (loads._finish).
-        link.launch_load(load, np.arange(load.match_pages, dtype=np.int64))
+        # Staged and verified: task.blocks is now prefix + good pages (loads._finish);
+        # the launch only settles the link's books (its copy is the engine's, _no_copy).
+        pages = np.arange(load.match_pages, dtype=np.int64)
+        if _LAUNCH_TAKES_READY:
+            link.launch_load(load, pages, ())  # type: ignore[call-arg, unused-ignore]
+        else:
+            link.launch_load(load, pages)  # type: ignore[call-arg, unused-ignore]
 
     def _no_copy(self, tasks: list[Any], to_host: bool, pages: Int64Array,
                  blocks: Int64Array) -> Any:
