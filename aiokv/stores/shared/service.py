@@ -242,8 +242,7 @@ class Service:
         else:
             link.launch_load(load, pages)  # type: ignore[call-arg, unused-ignore]
 
-    def _no_copy(self, tasks: list[Any], to_host: bool, pages: Int64Array,
-                 blocks: Int64Array) -> Any:
+    def _no_copy(self, *job: Any) -> Any:
         """The SSD link's copy to the GPU: the engine's own, after the match."""
         return None
 
