@@ -33,8 +33,9 @@ def user_kv(user: int, pages: int) -> list[torch.Tensor]:
             for _ in range(LAYERS)]
 
 
-def caches(head_dim: int = HEAD_DIM) -> list[torch.Tensor]:
-    return [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim) for _ in range(LAYERS)]
+def caches(head_dim: int = HEAD_DIM, device: str = "cpu") -> list[torch.Tensor]:
+    return [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, device=device)
+            for _ in range(LAYERS)]
 
 
 class Server:
@@ -89,8 +90,8 @@ class Server:
 class Host:
     """One serving process's engine on the shared store (in the child)."""
 
-    def __init__(self, socket_path: str) -> None:
-        self.caches = caches()
+    def __init__(self, socket_path: str, device: str = "cpu") -> None:
+        self.caches = caches(device=device)
         config = {"store": {"backend": "shared", "socket": socket_path},
                   "engine": {"request_timeout_ms": 20_000}}
         engine = aiokv.open_engine(config, kv_caches=self.caches)
@@ -100,7 +101,7 @@ class Host:
     def offload(self, user: int, pages: int, first_page: int = 0) -> dict[str, Any]:
         target = slice(first_page, first_page + pages)
         for cache, kv in zip(self.caches, user_kv(user, pages), strict=True):
-            cache[target] = kv
+            cache[target] = kv.to(cache.device)
         result = self.kv.offload(user, torch.arange(target.start, target.stop),
                                  pages * PAGE_SIZE)
         return {"stored": result.stored_tokens, "cached": result.cached_tokens}
@@ -122,7 +123,7 @@ class Host:
             cached = hit.cached_tokens
             loaded = self.kv.load(hit, torch.arange(first, PAGES)).loaded_tokens
         full = loaded // PAGE_SIZE
-        exact = all(torch.equal(cache[first : first + full], kv[:full])
+        exact = all(torch.equal(cache[first : first + full].cpu(), kv[:full])
                     for cache, kv in zip(self.caches, user_kv(user, pages), strict=True))
         return {"cached": cached, "loaded": loaded, "exact": exact}
 
@@ -152,9 +153,10 @@ class Holder:
         return {"reserved": int(put_mask.sum()), "held": int(get_mask.sum())}
 
 
-def _serve(kind: str, socket_path: str, conn: multiprocessing.connection.Connection) -> None:
+def _serve(kind: str, socket_path: str, device: str,
+           conn: multiprocessing.connection.Connection) -> None:
     try:
-        host: Any = (Host if kind == "engine" else Holder)(socket_path)
+        host: Any = Host(socket_path, device) if kind == "engine" else Holder(socket_path)
     except Exception as exc:
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
         return
@@ -175,9 +177,10 @@ def _serve(kind: str, socket_path: str, conn: multiprocessing.connection.Connect
 class Process:
     """An engine (``kind`` "engine") or a holder in a spawned process."""
 
-    def __init__(self, socket_path: Path, kind: str = "engine") -> None:
+    def __init__(self, socket_path: Path, kind: str = "engine", device: str = "cpu") -> None:
         self.conn, child = _CONTEXT.Pipe()
-        self.process = _CONTEXT.Process(target=_serve, args=(kind, str(socket_path), child),
+        self.process = _CONTEXT.Process(target=_serve,
+                                        args=(kind, str(socket_path), device, child),
                                         daemon=True)
         self.process.start()
         child.close()
@@ -209,9 +212,10 @@ class Process:
             self.process.join()
 
 
-def start_processes(socket_path: Path, count: int, kind: str = "engine") -> list[Process]:
+def start_processes(socket_path: Path, count: int, kind: str = "engine",
+                    device: str = "cpu") -> list[Process]:
     """``count`` processes started together (their imports overlap), each ready."""
-    processes = [Process(socket_path, kind) for _ in range(count)]
+    processes = [Process(socket_path, kind, device) for _ in range(count)]
     for process in processes:
         answer = process.ready()
         if "error" in answer:
