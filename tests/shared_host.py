@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,3 +222,17 @@ def start_processes(socket_path: Path, count: int, kind: str = "engine",
         if "error" in answer:
             raise RuntimeError(answer["error"])
     return processes
+
+
+@contextlib.contextmanager
+def running_host(directory: Path, engines: int, device: str = "cpu"
+                 ) -> Iterator[tuple[Server, list[Process]]]:
+    """A server and ``engines`` engine processes on it, all ended on exit."""
+    server = Server(directory).start()
+    processes = start_processes(server.socket, engines, device=device)
+    try:
+        yield server, processes
+    finally:
+        for process in processes:
+            process.close()
+        server.kill()

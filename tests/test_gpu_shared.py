@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shared_host import Process, Server, start_processes
+from shared_host import Process, Server, running_host
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,14 +19,8 @@ pytestmark = [
 
 @pytest.fixture
 def gpu_host(tmp_path: Path) -> Iterator[tuple[Server, list[Process]]]:
-    server = Server(tmp_path).start()
-    engines = start_processes(server.socket, 2, device="cuda")
-    try:
-        yield server, engines
-    finally:
-        for engine in engines:
-            engine.close()
-        server.kill()
+    with running_host(tmp_path, 2, device="cuda") as host:
+        yield host
 
 
 def test_gpu_engines_share_the_region_bit_exact(gpu_host: tuple[Server, list[Process]]) -> None:

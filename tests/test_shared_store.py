@@ -16,7 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from shared_host import PAGE_SIZE, Process, Server, caches, start_processes, user_kv
+from shared_host import (
+    PAGE_SIZE,
+    Process,
+    Server,
+    caches,
+    running_host,
+    start_processes,
+    user_kv,
+)
 
 import aiokv
 from aiokv.stores.shared import SharedStore
@@ -30,14 +38,8 @@ Host = tuple[Server, list[Process]]
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
-    server = Server(tmp_path_factory.mktemp("shared")).start()
-    engines = start_processes(server.socket, 3)
-    try:
-        yield server, engines
-    finally:
-        for engine in engines:
-            engine.close()
-        server.kill()
+    with running_host(tmp_path_factory.mktemp("shared"), 3) as running:
+        yield running
 
 
 def observer(server: Server) -> tuple[SharedStore, list[torch.Tensor]]:
