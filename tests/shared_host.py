@@ -142,6 +142,7 @@ class Holder:
         self.store = SharedStore(aiokv.StoreConfig(backend="shared", socket=socket_path))
         self.caches = caches()
         self.store.register(self.caches)
+        self.open: tuple[int, int] = (0, 0)
 
     def hold(self, user: int, pages: int) -> dict[str, Any]:
         """A put reserved and launched (its pages copied into the region, its end never
@@ -150,8 +151,18 @@ class Holder:
         tokens = np.arange(pages * PAGE_SIZE, dtype=np.int64)
         put, put_mask = self.store.put_match(tokens, [f"new:{user}"])
         self.store.launch([put], [torch.arange(pages)], [None])
-        _, get_mask = self.store.get_match(tokens, [f"uid:{user}"])
+        get, get_mask = self.store.get_match(tokens, [f"uid:{user}"])
+        self.open = (put, get)
         return {"reserved": int(put_mask.sum()), "held": int(get_mask.sum())}
+
+    def release(self) -> dict[str, Any]:
+        """The held get given back, the put's end reported (it succeeds)."""
+        put, get = self.open
+        self.store.cancel([get])
+        results: dict[int, Any] = {}
+        while not results:
+            results = self.store.try_wait([put])
+        return {"put": results[put].status.value}
 
 
 def _serve(kind: str, socket_path: str, device: str,

@@ -93,3 +93,24 @@ def test_store_server_help_says_how_to_run_it_under_systemd(
     assert exit_.value.code == 0
     shown = capsys.readouterr().out
     assert "systemd" in shown and "ExecStart=" in shown and "--socket" in shown
+
+
+def test_sigterm_lets_open_tasks_end_then_exits_0(tmp_path: Path) -> None:
+    server = Server(tmp_path).start()
+    assert server.process is not None
+    (holder,) = start_processes(server.socket, 1, kind="holder")
+    try:
+        assert holder("hold", user=1, pages=2)["reserved"] == 8
+        server.process.send_signal(signal.SIGTERM)
+        give_up = time.monotonic() + 20
+        while server.socket.exists():  # no new engines from the drain's start on
+            assert time.monotonic() < give_up, "the socket stayed"
+            time.sleep(0.02)
+        assert server.process.poll() is None  # its open tasks may still end
+        assert holder("release") == {"put": "success"}
+        assert server.process.wait(timeout=20) == 0
+        assert "draining (1 engines, 2 tasks open)" in server.text()
+    finally:
+        holder.close()
+        server.kill()
+
