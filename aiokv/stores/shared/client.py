@@ -47,6 +47,8 @@ from .region import Geometry, Pinning, Region
 
 log = logging.getLogger("aiokv")
 
+CALL_TIMEOUT_S = 60.0
+
 
 @dataclass(slots=True, eq=False)
 class _Task:
@@ -62,6 +64,9 @@ class _Link:
 
     def __init__(self, path: str, geometry: Geometry, pin: bool) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # A server that stops answering (stopped, wedged) fails the call in flight after
+        # this long, and the store thread goes on (the server's own waits are shorter).
+        wire.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
         try:
             sock.connect(path)
             wire.send(sock, {"op": "hello", "geometry": geometry.as_dict()})

@@ -218,7 +218,7 @@ class StoreServer:
                         pid, uid, os.getuid())
             sock.close()
             return
-        sock.settimeout(SEND_TIMEOUT_S)
+        wire.kernel_timeouts(sock, send_s=SEND_TIMEOUT_S)
         self._numbers += 1
         conn = Connection(sock, Client(self._numbers, pid))
         self._connections[sock.fileno()] = conn
@@ -228,7 +228,7 @@ class StoreServer:
     def _readable(self, conn: Connection) -> None:
         try:
             data = conn.sock.recv(1 << 16)  # a large buffer per call costs more than calls
-        except (TimeoutError, BlockingIOError):
+        except BlockingIOError:
             return
         except OSError as exc:
             self._drop(conn, f"connection broke: {exc}")

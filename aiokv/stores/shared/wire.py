@@ -302,3 +302,14 @@ def unpack_answers(message: Mapping[str, Any]) -> list[Answer]:
                     blocks[block_at : block_at + b].copy()))
         mask_at, block_at = mask_at + m, block_at + b
     return out
+
+
+def kernel_timeouts(sock: socket.socket, *, send_s: float = 0.0, recv_s: float = 0.0) -> None:
+    """Bound a blocking socket's sends and receives in the kernel (SO_SNDTIMEO,
+    SO_RCVTIMEO; 0: unbounded): an expired one raises BlockingIOError. Python's own
+    ``settimeout`` polls before every call instead, which costs a system call a message."""
+    for option, seconds in ((socket.SO_SNDTIMEO, send_s), (socket.SO_RCVTIMEO, recv_s)):
+        whole = int(seconds)
+        sock.setsockopt(socket.SOL_SOCKET, option,
+                        struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+
