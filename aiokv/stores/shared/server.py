@@ -4,7 +4,8 @@ the SSD tier (:mod:`.service`), serving engines over a UNIX socket.
 One thread, one ``selectors`` loop: each engine's requests are answered in order, one
 reply per request, each in the order they arrive across engines. A request is a batch
 (all of a batch's matches, or all of its finished tasks), so the server sees one message
-per batch each way.
+per batch each way. A get whose pages are only on SSD waits for their reads here (the
+other engines' requests wait meanwhile: a known cost, see :mod:`.service`).
 
 Who may connect: the socket lives in a directory only the server's uid can enter (made
 0700, or refused when it is open to others), the socket itself is 0600, and every

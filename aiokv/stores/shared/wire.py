@@ -10,6 +10,8 @@ and the server then drops that peer alone.
 Messages are mappings with an ``op``; every request gets exactly one reply, in order, on
 the one connection (``{"ok": true, ...}`` or ``{"ok": false, "error": str}``). The first
 reply of the server (to ``hello``) carries the region's file descriptor (SCM_RIGHTS).
+A batch's matches and their answers travel as a few joined arrays
+(:func:`pack_queries`, :func:`pack_answers`), not a mapping per query.
 """
 
 from __future__ import annotations
