@@ -98,6 +98,8 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "local": Backend("local", "aiokv.stores.local:LocalStore"),
+    # The host's `aiokv store-server`: the index and tiers live there, the copies here.
+    "shared": Backend("shared", "aiokv.stores.shared:SharedStore"),
     # FlexKV's Python (a finished batch's answers, a batch's launch) holds the GIL for long
     # stretches, and in the loop's process the loop waits for it: in a child only a round
     # trip per call is left to the loop's process.

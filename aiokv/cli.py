@@ -47,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the signal's number when one ended it.",
     )
     _demo_parser(demo)
+    from .stores.shared.command import DESCRIPTION, add_arguments
+
+    server = commands.add_parser(
+        "store-server",
+        help="one store per host, shared by its serving processes (--help: systemd)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(server)
     # Listed for --help only: main() hands everything after "bench" to aiokv.bench.
     commands.add_parser(
         "bench",
@@ -68,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import demo
 
         return demo(args)
+    if args.command == "store-server":
+        from .stores.shared.command import run
+
+        return run(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse requires one
 
 

@@ -22,7 +22,7 @@ from .errors import ConfigError
 from .remote.config import FLEXKV_REFUSAL, RemoteConfig
 
 OverloadPolicy = Literal["reject", "wait"]
-Backend = Literal["local", "flexkv"]
+Backend = Literal["local", "flexkv", "shared"]
 WritePolicy = Literal["write_through", "write_back"]
 
 
@@ -156,7 +156,8 @@ class EngineConfig:
 class StoreConfig:
     """Which store to use and how large it is.
 
-    backend: ``local`` (aiokv's embedded store) or ``flexkv``.
+    backend: ``local`` (aiokv's embedded store), ``flexkv``, or ``shared`` (the host's
+        ``aiokv store-server``, at ``socket``).
     page_size: tokens per page; None takes it from the caches, a value must match them.
     cpu_cache_gb: host memory for KV blocks, in GiB.
     ssd_cache_gb: the SSD tier's size in GiB, spread evenly over the directories (0: no
@@ -181,6 +182,8 @@ class StoreConfig:
         backend decides, :meth:`in_own_process`.
     store_restarts: with ``own_process``, how many times a child that died is started
         again (with backoff) over the store's life; then every call fails with StoreError.
+    socket: with ``backend: shared``, the UNIX socket of the host's ``aiokv store-server``
+        (required then, and only then); the server's own config sizes the tiers.
     remote: the remote tier below host and SSD, on Mooncake Store (a mapping in the
         shape of :class:`aiokv.remote.config.RemoteConfig`, or one; None: no remote tier).
         The embedded store only: with ``backend: flexkv`` it is a ConfigError.
@@ -197,6 +200,7 @@ class StoreConfig:
     own_process: bool | None = None
     store_restarts: int = 3
     remote: RemoteConfig | Mapping[str, Any] | None = None
+    socket: str | None = None
 
     def ssd_dirs(self) -> tuple[str, ...]:
         """``ssd_cache_dir`` as a tuple of directories (empty when None)."""
@@ -268,6 +272,12 @@ class StoreConfig:
                 f"must be true, false or null (the backend decides), got {self.own_process!r}",
             )
         _check_int("store.store_restarts", self.store_restarts, 0)
+        if self.backend == "shared" and not (isinstance(self.socket, str) and self.socket):
+            raise ConfigError("store.socket", f"must name the store server's socket with "
+                              f"backend: shared, got {self.socket!r}")
+        if self.backend != "shared" and self.socket is not None:
+            raise ConfigError("store.socket", f"is for backend: shared only (backend is "
+                              f"{self.backend!r})")
         if self.remote is not None:
             if self.backend == "flexkv":
                 raise ConfigError("store.remote", FLEXKV_REFUSAL)

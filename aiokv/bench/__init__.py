@@ -1,4 +1,4 @@
-"""``python -m aiokv.bench {engine,slots,bandwidth,lag,ssd,startup,model,layers}``
+"""``python -m aiokv.bench {engine,slots,bandwidth,lag,ssd,startup,model,layers,shared}``
 (also ``aiokv bench ...``).
 
 Each subcommand is one module with ``NAME``, ``HELP``, ``add_arguments(parser)`` and
@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import bandwidth, engine, lag, layers, model, slots, ssd, startup
+from . import bandwidth, engine, lag, layers, model, shared, slots, ssd, startup
 from .common import common_parent
 
-SUBCOMMANDS = (engine, slots, bandwidth, lag, ssd, startup, model, layers)
+SUBCOMMANDS = (engine, slots, bandwidth, lag, ssd, startup, model, layers, shared)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:

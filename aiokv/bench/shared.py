@@ -1,0 +1,345 @@
+"""``aiokv bench shared --processes N``: one ``aiokv store-server`` and N engine processes
+on ``store.backend: shared``, against the same work done without the server.
+
+From one run: (1) bandwidth: every process offloads ``--users`` fresh histories at once
+(concurrent calls, so each process's engine batches them) and then loads them back into
+other pages; the aggregate GiB/s (all processes' bytes over the span from the first
+start to the last end) next to the raw copy of the same run, each process copying the
+same pages between its caches and a plain host tensor of blocks with the same torch
+ops, all processes at once. (2) The control round trip of one batch (``--users``
+matches in one message; a batch's end in another; and an empty message, what the
+socket and the messages cost without the index's work), median and p99, from a client
+in this process. (3) The hit ratio of a workload whose users land on a random process at
+each request (look up the history, load it, offload it grown by a page), with the
+shared store against N private engines (each on its own embedded store with 1/N of the
+server's host memory), in tokens hit over tokens asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import multiprocessing.connection
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from .. import EngineConfig, OffloadEngine, StoreConfig, open_engine, run_in_background
+from ..stores import make_store
+from . import common
+
+NAME = "shared"
+HELP = "N processes on one aiokv store-server: aggregate GiB/s vs raw copy, round trip, hits"
+
+
+@dataclass(frozen=True)
+class Settings:
+    processes: int = 2
+    users: int = 8
+    tokens: int = 1024
+    rounds: int = 3
+    layers: int = 8
+    page_size: int = 16
+    heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bf16"
+    device: str = "auto"
+    hit_users: int = 64
+    hit_requests: int = 8
+    round_trips: int = 300
+
+
+QUICK = {"tokens": 256, "layers": 4, "heads": 2, "head_dim": 64, "rounds": 2,
+         "hit_users": 32, "hit_requests": 6, "round_trips": 200}
+HELPS = {
+    "processes": "engine processes", "users": "concurrent users per process and batch",
+    "tokens": "tokens per user history", "rounds": "bandwidth rounds (best one reported)",
+    "hit_users": "users of the hit-ratio workload", "round_trips": "control round trips timed",
+    "hit_requests": "requests per user in the hit-ratio workload",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_settings_arguments(parser, Settings, QUICK, HELPS)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _block_bytes(s: Settings) -> int:
+    return common.bytes_per_token(s.layers, s.heads, s.head_dim, common.DTYPES[s.dtype]) * (
+        s.page_size)
+
+
+def _server_gb(s: Settings) -> float:
+    """Room for one bandwidth round of every process and the whole hit workload, twice."""
+    pages = s.processes * s.users * s.tokens // s.page_size
+    pages += s.hit_users * (s.tokens // s.page_size + s.hit_requests)
+    return 2 * pages * _block_bytes(s) / (1 << 30)
+
+
+# ---- the engine processes --------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, s: Settings, socket_path: str, index: int) -> None:
+        self.s, self.index = s, index
+        device = _device(s.device)
+        self.pages_per_user = s.tokens // s.page_size
+        grow = s.hit_requests
+        pages = max(2 * s.users * self.pages_per_user, 2 * (self.pages_per_user + grow))
+        dtype = common.DTYPES[s.dtype]
+        self.caches = common.make_caches(s.layers, pages, s.page_size, s.heads, s.head_dim,
+                                         dtype, device)
+        for cache in self.caches:
+            cache.normal_()
+        engine = EngineConfig(window_us=2000, max_batch_requests=s.users,
+                              request_timeout_ms=120_000)
+        self.shared = run_in_background(open_engine(
+            {"store": {"backend": "shared", "socket": socket_path},
+             "engine": asdict(engine)}, kv_caches=self.caches))
+        private = StoreConfig(cpu_cache_gb=_server_gb(s) / s.processes)
+        self.private = run_in_background(OffloadEngine(make_store(private), self.caches,
+                                                       engine))
+        self.block_bytes = _block_bytes(s)
+        blocks = 2 * s.users * self.pages_per_user
+        self.raw_pool = torch.empty((blocks, s.layers, 2, s.page_size, s.heads, s.head_dim),
+                                    dtype=dtype, pin_memory=device.type == "cuda")
+
+    def _user_pages(self, user: int, offset: int) -> torch.Tensor:
+        first = offset * self.s.users * self.pages_per_user + user * self.pages_per_user
+        return torch.arange(first, first + self.pages_per_user)
+
+    def bandwidth(self, round_: int) -> dict[str, float]:
+        kv, s = self.shared, self.s
+        names = [[f"bw{round_}:{self.index}:{u}"] for u in range(s.users)]
+        start = time.monotonic()
+        futures = [kv.submit_offload(u, self._user_pages(u, 0), s.tokens, namespace=names[u])
+                   for u in range(s.users)]
+        stored = sum(f.result().stored_tokens for f in futures)
+        offloaded = time.monotonic()
+        hits = [f.result() for f in
+                [kv.submit_lookup(u, s.tokens, namespace=names[u]) for u in range(s.users)]]
+        looked = time.monotonic()
+        loads = [kv.submit_load(h, self._user_pages(u, 1)) for u, h in enumerate(hits)]
+        loaded = sum(f.result().loaded_tokens for f in loads)
+        end = time.monotonic()
+        for hit in hits:
+            hit.release()
+        return {"offload_start": start, "offload_end": offloaded, "load_start": looked,
+                "load_end": end, "offload_bytes": stored * self.block_bytes / s.page_size,
+                "load_bytes": loaded * self.block_bytes / s.page_size}
+
+    def raw(self, round_: int) -> dict[str, float]:
+        """The same pages through the same torch ops as the shared store's copies, with a
+        plain host tensor of blocks in place of the region."""
+        s = self.s
+        pages = torch.cat([self._user_pages(u, 0) for u in range(s.users)])
+        back = torch.cat([self._user_pages(u, 1) for u in range(s.users)])
+        blocks = torch.arange(len(pages))
+        device = self.caches[0].device
+        start = time.monotonic()
+        stacked = torch.stack([c.index_select(0, pages.to(device)) for c in self.caches], 1)
+        self.raw_pool.index_copy_(0, blocks, stacked.to("cpu"))
+        offloaded = time.monotonic()
+        got = self.raw_pool.index_select(0, blocks)
+        for layer, cache in enumerate(self.caches):
+            cache.index_copy_(0, back.to(device), got[:, layer].to(device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        end = time.monotonic()
+        moved = len(pages) * self.block_bytes
+        return {"offload_start": start, "offload_end": offloaded, "load_start": offloaded,
+                "load_end": end, "offload_bytes": moved, "load_bytes": moved}
+
+    def hits(self, kind: str, users: list[int], grown: list[int]) -> dict[str, float]:
+        """One request of each user: look up its history, load it, offload it grown."""
+        kv = self.shared if kind == "shared" else self.private
+        s = self.s
+        asked = hit = 0
+        for user, extra in zip(users, grown, strict=True):
+            tokens = s.tokens + extra * s.page_size
+            pages = torch.arange(tokens // s.page_size)
+            with kv.lookup(user, tokens, namespace=[f"hit:{user}"]) as found:
+                asked, hit = asked + tokens, hit + found.cached_tokens
+                if found.cached_tokens:
+                    kv.load(found, pages[: found.cached_tokens // s.page_size])
+            kv.offload(user, pages, tokens, namespace=[f"hit:{user}"])
+        return {"asked": asked, "hit": hit}
+
+    def close(self) -> dict[str, float]:
+        self.shared.close()
+        self.private.close()
+        return {}
+
+
+def _serve(s: Settings, socket_path: str, index: int,
+           conn: multiprocessing.connection.Connection) -> None:
+    worker = _Worker(s, socket_path, index)
+    conn.send({})
+    while True:
+        op, args = conn.recv()
+        conn.send(getattr(worker, op)(*args))
+        if op == "close":
+            return
+
+
+class _Pool:
+    def __init__(self, s: Settings, socket_path: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conns = []
+        self.processes = []
+        for index in range(s.processes):
+            parent, child = context.Pipe()
+            process = context.Process(target=_serve, args=(s, socket_path, index, child),
+                                      name=f"aiokv-bench-{index}", daemon=True)
+            process.start()
+            self.conns.append(parent)
+            self.processes.append(process)
+        for conn in self.conns:
+            conn.recv()
+
+    def all(self, op: str, *args: Any) -> list[dict[str, float]]:
+        for conn in self.conns:
+            conn.send((op, args))
+        return [conn.recv() for conn in self.conns]
+
+    def some(self, calls: dict[int, tuple[Any, ...]], op: str) -> list[dict[str, float]]:
+        for index, args in calls.items():
+            self.conns[index].send((op, args))
+        return [self.conns[index].recv() for index in calls]
+
+    def close(self) -> None:
+        self.all("close")
+        for process in self.processes:
+            process.join(30)
+
+
+def _aggregate(parts: list[dict[str, float]], direction: str) -> float:
+    start = min(p[f"{direction}_start"] for p in parts)
+    end = max(p[f"{direction}_end"] for p in parts)
+    return sum(p[f"{direction}_bytes"] for p in parts) / max(end - start, 1e-9) / (1 << 30)
+
+
+def _round_trips(s: Settings, socket_path: str) -> dict[str, list[float]]:
+    """A batch of ``users`` matches in one message, and its end in another, timed."""
+    from ..stores.shared import SharedStore
+
+    store = SharedStore(StoreConfig(backend="shared", socket=socket_path))
+    caches = common.make_caches(s.layers, s.users * (s.tokens // s.page_size), s.page_size,
+                                s.heads, s.head_dim, common.DTYPES[s.dtype],
+                                torch.device("cpu"))
+    store.register(caches)
+    tokens = np.arange(s.tokens, dtype=np.int64)
+    match_s, end_s, ping_s = [], [], []
+    try:
+        for i in range(s.round_trips):
+            t0 = time.perf_counter()
+            store.ping()
+            ping_s.append(time.perf_counter() - t0)
+            queries = [(tokens, [f"rt{i}:{u}"]) for u in range(s.users)]
+            t0 = time.perf_counter()
+            answers = store.put_match_many(queries)
+            match_s.append(time.perf_counter() - t0)
+            ids = [a[0] for a in answers if isinstance(a, tuple)]
+            t0 = time.perf_counter()
+            store.cancel(ids)  # a batch's end, one message
+            end_s.append(time.perf_counter() - t0)
+        store.clear()
+    finally:
+        store.close()
+    return {"empty": ping_s, "match": match_s, "end": end_s}
+
+
+def _hit_ratio(s: Settings, pool: _Pool, kind: str, seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    asked = hit = 0.0
+    for request in range(s.hit_requests):
+        landing = rng.integers(0, s.processes, size=s.hit_users)
+        calls = {p: ([int(u) for u in np.flatnonzero(landing == p)],
+                     [request] * int((landing == p).sum()))
+                 for p in range(s.processes) if (landing == p).any()}
+        for part in pool.some({p: (kind, *args) for p, args in calls.items()}, "hits"):
+            asked, hit = asked + part["asked"], hit + part["hit"]
+    return hit / max(asked, 1)
+
+
+def run(args: argparse.Namespace) -> int:
+    s = common.settings_from_args(Settings, args, QUICK)
+    with tempfile.TemporaryDirectory(prefix="aiokv-bench-shared-") as directory:
+        socket_path = str(Path(directory) / "run" / "store.sock")
+        config = Path(directory) / "server.yml"
+        config.write_text(yaml.safe_dump({"store": {"cpu_cache_gb": _server_gb(s)}}))
+        log = open(Path(directory) / "server.log", "wb")  # noqa: SIM115  # lives with it
+        server = subprocess.Popen(
+            [sys.executable, "-m", "aiokv", "store-server", "--socket", socket_path,
+             "--config", str(config)], stderr=log, env=dict(os.environ))
+        try:
+            while not os.path.exists(socket_path):
+                if server.poll() is not None:
+                    raise RuntimeError((Path(directory) / "server.log").read_text())
+                time.sleep(0.05)
+            results = _measure(s, socket_path)
+        finally:
+            server.terminate()
+            server.wait(60)
+            log.close()
+    _report(s, results)
+    if args.json:
+        common.write_json(args.json, NAME, s, _device(s.device), args.bench_argv, results)
+    return 0
+
+
+def _measure(s: Settings, socket_path: str) -> dict[str, Any]:
+    pool = _Pool(s, socket_path)
+    try:
+        best: dict[str, float] = {}
+        for round_ in range(s.rounds):
+            shared = pool.all("bandwidth", round_)
+            raw = pool.all("raw", round_)
+            for direction in ("offload", "load"):
+                for kind, parts in (("shared", shared), ("raw", raw)):
+                    key = f"{kind}_{direction}_gib_s"
+                    best[key] = max(best.get(key, 0.0), _aggregate(parts, direction))
+        trips = _round_trips(s, socket_path)
+        hits = {kind: _hit_ratio(s, pool, kind, seed=31) for kind in ("shared", "private")}
+    finally:
+        pool.close()
+    return {"bandwidth": best, "round_trips_us": {
+        k: [float(np.percentile(v, p)) * 1e6 for p in (50, 99)] for k, v in trips.items()},
+        "hit_ratio": hits}
+
+
+def _report(s: Settings, results: dict[str, Any]) -> None:
+    bw = results["bandwidth"]
+    rows = [[d, bw[f"shared_{d}_gib_s"], bw[f"raw_{d}_gib_s"],
+             bw[f"shared_{d}_gib_s"] / max(bw[f"raw_{d}_gib_s"], 1e-9)]
+            for d in ("offload", "load")]
+    common.print_table(
+        f"{s.processes} processes x {s.users} users x {s.tokens} tokens "
+        f"({_block_bytes(s) >> 10} KiB a page), best of {s.rounds}",
+        ["direction", "shared GiB/s", "raw GiB/s", "shared/raw"], rows)
+    trips = results["round_trips_us"]
+    common.print_table(f"control round trip, a batch of {s.users} ({s.round_trips} timed)",
+                       ["message", "median us", "p99 us"],
+                       [[k, *v] for k, v in trips.items()])
+    hits = results["hit_ratio"]
+    common.print_table(
+        f"hit ratio, {s.hit_users} users x {s.hit_requests} requests on random processes",
+        ["shared", "private", "private/shared"],
+        [[hits["shared"], hits["private"], hits["private"] / max(hits["shared"], 1e-9)]])
+
+
+__all__ = ["HELP", "NAME", "add_arguments", "run"]

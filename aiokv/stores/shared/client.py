@@ -1,0 +1,393 @@
+"""SharedStore (``store.backend: shared``): an engine's view of ``aiokv store-server``.
+
+The server owns the index, the host tier (the shared region this store maps) and the SSD
+tier; this store owns its copies. A batch costs two messages each way: its matches (the
+server answers masks and region blocks) and, once the copies are done, the tasks' ends
+(the server publishes a put's blocks, or drops a get's hold); a put is reported done
+only after that answer, so a key another engine looks up next is a hit. Cancels, evicts,
+clears and figures are one message each.
+
+Faults: if the server goes away, the call in flight raises StoreError, tasks launched or
+matched under it end FAILED, and every later call tries to reconnect first, failing fast
+with StoreError (naming the socket) while nothing listens there. Once a server is back,
+this store registers again, maps its new region and serves on; the engine is not
+restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...config import StoreConfig
+from ...copy.plan import check_pages
+from ...errors import ConfigError, StoreError
+from ..base import (
+    BoolArray,
+    Int64Array,
+    MatchAnswers,
+    NoSpace,
+    Queries,
+    TaskResult,
+    TaskStatus,
+)
+from . import wire
+from .plane import Job, PoolView, RegionCopier
+from .region import Geometry, Pinning, Region
+
+log = logging.getLogger("aiokv")
+
+CALL_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True, eq=False)
+class _Task:
+    server_id: int
+    is_put: bool
+    mask: BoolArray
+    blocks: Int64Array
+    generation: int  # the connection it was matched on
+
+
+class _Link:
+    """One connection to the server and the region it handed over."""
+
+    def __init__(self, path: str, geometry: Geometry, pin: bool) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # A server that stops answering (stopped, wedged) fails the call in flight after
+        # this long, and the store thread goes on (the server's own waits are shorter).
+        wire.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
+        try:
+            sock.connect(path)
+            wire.send(sock, {"op": "hello", "geometry": geometry.as_dict()})
+            reply, fds = wire.Channel(sock).recv()
+        except BaseException:
+            sock.close()
+            raise
+        if not reply.get("ok"):
+            sock.close()
+            error = str(reply.get("error"))
+            if reply.get("config"):
+                raise ConfigError("store.socket", f"the server at {path!r} refused: {error}")
+            raise StoreError(f"the store server at {path!r} refused: {error}")
+        if len(fds) != 1:
+            sock.close()
+            raise StoreError(f"the store server at {path!r} sent no region")
+        self.sock = sock
+        self.channel = wire.Channel(sock)
+        try:
+            self.region = Region(fds[0], int(reply["blocks"]), geometry)
+        finally:
+            os.close(fds[0])  # the mapping stays; a reconnect must not leak descriptors
+        self.region.fd = -1
+        self.pool = PoolView(self.region, Pinning(self.region) if pin else None)
+        if not pin:  # pinning maps the pages itself
+            self.region.populate()
+
+    def call(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        wire.send(self.sock, message)
+        reply, fds = self.channel.recv()
+        for fd in fds:
+            wire.close_quietly(fd)
+        if not reply.get("ok"):
+            raise StoreError(f"the store server refused {message.get('op')!r}: "
+                             f"{reply.get('error')}")
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.pool.pinning is not None:
+            self.pool.pinning.close()
+        # The region stays mapped while copies still use it; unmapped when they are gone.
+
+
+class SharedStore:
+    """``SharedStore(StoreConfig(backend="shared", socket=PATH))``. ``register`` connects
+    (StoreError when no server listens there; ConfigError, naming what differs, when its
+    caches have another geometry than the server's)."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        if not config.socket:
+            raise ConfigError("store.socket", "is required with backend: shared")
+        self._path = str(config.socket)
+        self.page_size = config.page_size or 0
+        self._geometry: Geometry | None = None
+        self._gpu = False
+        self._link: _Link | None = None
+        self._generation = 0
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._tasks: dict[int, _Task] = {}  # matched, not launched
+        self._launched: dict[int, _Task] = {}
+        self._finished: dict[int, TaskResult] = {}
+        self._release: list[int] = []  # server ids to end as failed with the next message
+        self._done_jobs: deque[Job] = deque()
+        self._copier: RegionCopier | None = None
+        self._num_pages = 0
+        self._notify: Callable[[], None] | None = None
+        self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
+        self._closed = False
+
+    # ---- set-up --------------------------------------------------------------------
+
+    def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        if self._copier is not None:
+            raise RuntimeError("SharedStore.register() was already called")
+        geometry = Geometry.of(kv_caches)
+        if self.page_size and self.page_size != geometry.page_size:
+            raise ConfigError("store.page_size", f"{self.page_size} does not match the "
+                              f"caches' {geometry.page_size}")
+        self.page_size = geometry.page_size
+        self._geometry = geometry
+        self._gpu = kv_caches[0].device.type == "cuda"
+        self._num_pages = int(kv_caches[0].shape[0])
+        self._connect()
+        self._copier = RegionCopier(kv_caches, self._job_done)
+
+    def _connect(self) -> _Link:
+        if self._link is not None:
+            return self._link
+        if self._closed or self._geometry is None:
+            raise StoreError("the shared store is closed (or not registered)")
+        try:
+            link = _Link(self._path, self._geometry, self._gpu)
+        except (OSError, wire.PeerGone, wire.WireError) as exc:
+            raise StoreError(f"the store server at {self._path!r} is not reachable: {exc} "
+                             "(is `aiokv store-server` running?)") from exc
+        self._link = link
+        self._generation += 1
+        if self._generation > 1:
+            log.warning("aiokv: reconnected to the store server at %s", self._path)
+        return link
+
+    def _call(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            link = self._connect()
+            try:
+                return link.call(message)
+            except (OSError, wire.PeerGone, wire.WireError) as exc:
+                self._lost(exc)
+                raise StoreError(f"the store server at {self._path!r} went away: {exc}"
+                                 ) from exc
+
+    def _lost(self, exc: BaseException) -> None:
+        log.warning("aiokv: lost the store server at %s: %s", self._path, exc)
+        link, self._link = self._link, None
+        self._release.clear()  # the server rolled back everything this link held
+        if link is not None:
+            link.close()
+
+    # ---- matches -------------------------------------------------------------------
+
+    def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        return _one(self.put_match_many([(token_ids, namespace)]))
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        return _one(self.get_match_many([(token_ids, namespace)]))
+
+    def put_match_many(self, queries: Queries) -> MatchAnswers:
+        return self._matches("put", queries)
+
+    def get_match_many(self, queries: Queries) -> MatchAnswers:
+        return self._matches("get", queries)
+
+    def _matches(self, op: str, queries: Queries) -> MatchAnswers:
+        message = {"op": op, **wire.pack_queries(queries), "failed": self._take_release()}
+        reply = self._call(message)
+        answers: MatchAnswers = []
+        generation = self._generation
+        for answer in wire.unpack_answers(reply):
+            if len(answer) == 2:
+                error, full = answer
+                answers.append(NoSpace(error) if full else StoreError(str(error)))
+                continue
+            server_id, mask, blocks = answer
+            local = next(self._ids)
+            self._tasks[local] = _Task(server_id, op == "put", mask, blocks, generation)
+            answers.append((local, mask))
+        return answers
+
+    def _take_release(self) -> list[int]:
+        release, self._release = self._release, []
+        return release
+
+    # ---- launch --------------------------------------------------------------------
+
+    def launch(self, task_ids: Sequence[int], pages: Sequence[Any], ready: Sequence[Any] = ()
+               ) -> None:
+        """Queue the copies of these matched tasks (base.Store.launch). A page id outside
+        the caches (or, for a load, a page twice) ends its task INVALID; a task matched on
+        a connection that has since gone ends FAILED."""
+        if len(task_ids) != len(pages):
+            raise ValueError("launch: one page tensor per task id")
+        if len(set(task_ids)) != len(task_ids):
+            raise ValueError("launch: a task id is given twice")
+        for task_id in task_ids:
+            if task_id not in self._tasks:
+                raise ValueError(f"launch: task {task_id} is not a matched, unlaunched task")
+        if self._copier is None:
+            raise RuntimeError("SharedStore is not registered (or already closed)")
+        events = [e for e in (ready or ()) if e is not None]
+        jobs: dict[bool, tuple[list[int], list[Int64Array], list[Int64Array]]] = {
+            True: ([], [], []), False: ([], [], [])}
+        for task_id, page_ids in zip(task_ids, pages, strict=True):
+            task = self._tasks.pop(task_id)
+            ids = self._page_ids(task, page_ids)
+            error = self._check(task, ids)
+            if task.generation != self._generation or self._link is None:
+                self._finished[task_id] = TaskResult(
+                    TaskStatus.FAILED, task.mask,
+                    "the store server restarted after this task's match")
+                continue
+            if error is not None:
+                self._release.append(task.server_id)
+                self._finished[task_id] = TaskResult(TaskStatus.INVALID, task.mask, error)
+                continue
+            self._launched[task_id] = task
+            chosen = jobs[task.is_put]
+            chosen[0].append(task_id)
+            chosen[1].append(ids)
+            chosen[2].append(task.blocks)
+        for is_put, (ids_, page_lists, block_lists) in jobs.items():
+            if not ids_:
+                continue
+            assert self._link is not None
+            self._copier.submit(Job(
+                is_put, self._link.pool,
+                torch.from_numpy(np.concatenate(page_lists)),
+                torch.from_numpy(np.concatenate(block_lists)), ids_, list(events)))
+        if len(self._finished) and self._notify is not None:
+            self._notify()
+
+    def _page_ids(self, task: _Task, page_ids: Any) -> Int64Array:
+        if isinstance(page_ids, torch.Tensor):
+            page_ids = page_ids.cpu().numpy()
+        return np.asarray(page_ids, dtype=np.int64)
+
+    def _check(self, task: _Task, ids: Int64Array) -> str | None:
+        if len(ids) != len(task.blocks):
+            return f"page_ids: {len(ids)} pages given for {len(task.blocks)} matched"
+        return check_pages(ids, self._num_pages, once=not task.is_put)
+
+    def _job_done(self, job: Job) -> None:  # copy thread
+        self._done_jobs.append(job)
+        if self._notify is not None:
+            self._notify()
+
+    # ---- ends ----------------------------------------------------------------------
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        """Terminal answers among ``task_ids``, each once. Tasks whose copies are done are
+        reported to the server first (one message), and succeed once it has them."""
+        done: list[int] = []
+        failed: dict[int, str] = {}
+        block_bytes = self._link.region.block_bytes if self._link is not None else 0
+        while self._done_jobs:
+            job = self._done_jobs.popleft()
+            key = "bytes_d2h" if job.to_region else "bytes_h2d"
+            if job.error is None:
+                self._bytes[key] += len(job.blocks) * block_bytes
+            for task_id in job.task_ids:
+                if job.error is None:
+                    done.append(task_id)
+                else:
+                    failed[task_id] = job.error
+        if done or failed or self._release:
+            self._report(done, failed)
+        if not self._finished:
+            return {}
+        return {t: self._finished.pop(t) for t in task_ids if t in self._finished}
+
+    def _report(self, done: list[int], failed: dict[int, str]) -> None:
+        tasks = {t: self._launched.pop(t) for t in (*done, *failed)}
+        current = {t: task for t, task in tasks.items()
+                   if task.generation == self._generation and self._link is not None}
+        lost = "the store server went away before this task's end was recorded"
+        try:
+            if current or self._release:
+                self._call({
+                    "op": "end",
+                    "done": [current[t].server_id for t in done if t in current],
+                    "failed": [current[t].server_id for t in failed if t in current]
+                    + self._take_release(),
+                })
+        except StoreError as exc:
+            lost = str(exc)
+            current = {}
+        for task_id, task in tasks.items():
+            if task_id in failed:
+                self._finished[task_id] = TaskResult(TaskStatus.FAILED, task.mask,
+                                                     failed[task_id])
+            elif task_id in current:
+                self._finished[task_id] = TaskResult(TaskStatus.SUCCESS, task.mask)
+            else:
+                self._finished[task_id] = TaskResult(TaskStatus.FAILED, task.mask, lost)
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        """Matched tasks given back (their reservations released at the server at once);
+        launched or unknown ids are ignored."""
+        for task_id in task_ids:
+            task = self._tasks.pop(task_id, None)
+            if task is not None and task.generation == self._generation:
+                self._release.append(task.server_id)
+        if self._release and self._link is not None:
+            with contextlib.suppress(StoreError):  # a lost server released them itself
+                self._call({"op": "end", "done": [], "failed": self._take_release()})
+
+    # ---- optional capabilities -----------------------------------------------------
+
+    def evict(self, namespace: Sequence[str]) -> int:
+        return int(self._call({"op": "evict", "ns": list(namespace)})["tokens"])
+
+    def clear(self) -> int:
+        return int(self._call({"op": "clear"})["tokens"])
+
+    def store_stats(self) -> Mapping[str, int | float]:
+        """The server's figures (its tiers, hits and open tasks, every engine's) with this
+        engine's own bytes copied; only the latter while the server is away."""
+        stats: dict[str, int | float] = dict(self._bytes)
+        try:
+            stats.update(self._call({"op": "stats"})["stats"])
+        except StoreError:
+            stats["server_up"] = 0
+        return stats
+
+    def ping(self) -> None:
+        """One empty round trip to the server (what a batch's control messages cost
+        beyond the server's work for them)."""
+        self._call({"op": "ping"})
+
+    def set_notify(self, callback: Callable[[], None]) -> None:
+        self._notify = callback
+
+    def close(self) -> None:
+        """Finish the queued copies, report them, and disconnect (the server rolls back
+        whatever is left matched)."""
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
+            with contextlib.suppress(StoreError):
+                self.try_wait([])
+        with self._lock:
+            self._closed = True
+            if self._link is not None:
+                self._link.close()
+                self._link = None
+
+
+def _one(answers: MatchAnswers) -> tuple[int, BoolArray]:
+    answer = answers[0]
+    if isinstance(answer, Exception):
+        raise answer
+    return answer

@@ -1,0 +1,347 @@
+"""``aiokv store-server``: one process per host that owns the shared region, the index and
+the SSD tier (:mod:`.service`), serving engines over a UNIX socket.
+
+One thread, one ``selectors`` loop: each engine's requests are answered in order, one
+reply per request, each in the order they arrive across engines. A request is a batch
+(all of a batch's matches, or all of its finished tasks), so the server sees one message
+per batch each way. A get whose pages are only on SSD waits for their reads here (the
+other engines' requests wait meanwhile: a known cost, see :mod:`.service`).
+
+Who may connect: the socket lives in a directory only the server's uid can enter (made
+0700, or refused when it is open to others), the socket itself is 0600, and every
+connection's peer credentials (SO_PEERCRED) must name the server's uid. A peer that sends
+a malformed or oversized frame, an unknown request, or names a task it does not hold is
+logged and disconnected; its tasks are rolled back as when it dies, and the others go
+on. SIGTERM (or SIGINT) drains: no new connection or match is taken, the tasks open then
+may end (up to ``drain_timeout_s``), the SSD tier finishes its writes, and the process
+exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import selectors
+import signal
+import socket
+import stat
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...config import StoreConfig
+from ...errors import ConfigError
+from ..base import NoSpace
+from . import wire
+from .region import Geometry
+from .service import Client, Foreign, Service
+
+log = logging.getLogger("aiokv.server")
+
+SEND_TIMEOUT_S = 5.0  # a peer that does not read its replies for this long is dropped
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_LOCK_NAME = "aiokv-server.lock"
+
+
+class ProtocolError(Exception):
+    """A request the server does not take from anyone: the peer is dropped."""
+
+
+@dataclass(slots=True, eq=False)
+class Connection:
+    sock: socket.socket
+    client: Client
+    inbox: bytearray = field(default_factory=bytearray)
+    registered: bool = False
+
+
+def private_directory(path: Path) -> None:
+    """Make ``path`` (the socket's directory) 0700, or refuse one that others may enter
+    or that another uid owns (ConfigError naming it)."""
+    if not path.exists():
+        path.mkdir(mode=0o700, parents=True)
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise ConfigError("--socket", f"{str(path)!r} belongs to uid {info.st_uid}, not "
+                          f"this server's {os.getuid()}: use a directory of your own")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise ConfigError("--socket", f"{str(path)!r} is open to other users "
+                          f"(mode {stat.S_IMODE(info.st_mode):o}): chmod 700 it, or use "
+                          "a directory of its own, such as $XDG_RUNTIME_DIR/aiokv")
+
+
+def take_lock(path: Path, what: str) -> int:
+    """An exclusive flock on ``path`` held for the server's life (the kernel drops it
+    however the process ends); ConfigError naming ``what`` and the holder's pid."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(what, f"{str(path.parent)!r} is in use by another aiokv "
+                          f"store-server (pid {holder}, lock {str(path)!r})") from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class StoreServer:
+    """``StoreServer(socket_path, config).serve()`` until :meth:`stop` (any thread) or
+    SIGTERM; :meth:`start` binds first (ConfigError for a directory in use)."""
+
+    def __init__(self, socket_path: str | Path, config: StoreConfig,
+                 drain_timeout_s: float = 30.0) -> None:
+        self.path = Path(socket_path)
+        self.config = config
+        self.drain_timeout_s = drain_timeout_s
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.service = Service(config, self._wake)
+        self._selector = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._connections: dict[int, Connection] = {}  # fileno -> connection
+        self._locks: list[int] = []
+        self._numbers = 0
+        self._stopping = False
+        self._stop_at = 0.0
+        self._handlers: dict[str, Callable[[Connection, dict[str, Any]], dict[str, Any]]] = {
+            "put": self._put, "get": self._get, "end": self._end, "evict": self._evict,
+            "clear": self._clear, "stats": self._stats, "ping": self._ping}
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        private_directory(self.path.parent)
+        self._locks.append(take_lock(self.path.with_name(self.path.name + ".lock"),
+                                     "--socket"))
+        for directory in self.config.ssd_dirs():
+            if os.path.isdir(directory):  # a missing one: the SSD tier says so at register
+                self._locks.append(take_lock(Path(directory) / _LOCK_NAME,
+                                             "store.ssd_cache_dir"))
+        self.service.allocate()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a dead server's: the lock says none is alive
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, "accept")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        log.info("aiokv store-server: listening on %s (pid %d)", self.path, os.getpid())
+
+    def stop(self) -> None:
+        """Drain and exit :meth:`serve` (any thread, or a signal handler)."""
+        self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
+
+    def serve(self, handle_signals: bool = False) -> None:
+        if self._listener is None:
+            self.start()
+        if handle_signals:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, lambda *_: self.stop())
+        try:
+            while not self._drained():
+                for key, _ in self._selector.select(timeout=0.5):
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                        self.service.poll()
+                    else:
+                        self._readable(key.data)
+                if self._stopping and self._listener is not None:
+                    self._stop_listening()
+        finally:
+            self._close()
+
+    def _stop_listening(self) -> None:
+        assert self._listener is not None
+        self._selector.unregister(self._listener)
+        self._listener.close()
+        self._listener = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._stop_at = time.monotonic() + self.drain_timeout_s
+        log.info("aiokv store-server: draining (%d engines, %d tasks open)",
+                 len(self._connections),
+                 sum(len(c.client.tasks) for c in self._connections.values()))
+
+    def _drained(self) -> bool:
+        if not self._stopping or self._listener is not None:
+            return False
+        clients = [c.client for c in self._connections.values()]
+        if self.service.idle(clients):
+            return True
+        if time.monotonic() >= self._stop_at:
+            log.warning("aiokv store-server: drain timed out with tasks open; rolled back")
+            return True
+        return False
+
+    def _close(self) -> None:
+        for conn in list(self._connections.values()):
+            self._drop(conn, None)
+        if self._listener is not None:
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        self.service.close()
+        self._selector.close()
+        for fd in (*self._locks, self._wake_r, self._wake_w):
+            os.close(fd)
+        self._locks.clear()
+        log.info("aiokv store-server: stopped")
+
+    # ---- connections ---------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        pid, uid, _gid = _CRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        if uid != os.getuid():
+            log.warning("aiokv store-server: refused pid %d of uid %d (serving uid %d only)",
+                        pid, uid, os.getuid())
+            sock.close()
+            return
+        wire.kernel_timeouts(sock, send_s=SEND_TIMEOUT_S)
+        self._numbers += 1
+        conn = Connection(sock, Client(self._numbers, pid))
+        self._connections[sock.fileno()] = conn
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+        log.info("aiokv store-server: engine pid %d connected", pid)
+
+    def _readable(self, conn: Connection) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)  # a large buffer per call costs more than calls
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._drop(conn, f"connection broke: {exc}")
+            return
+        if not data:
+            self._drop(conn, None)
+            return
+        conn.inbox += data
+        try:
+            while len(conn.inbox) >= 4:
+                (length,) = struct.unpack_from("<I", conn.inbox, 0)
+                wire.check_length(length)
+                if len(conn.inbox) < 4 + length:
+                    break
+                frame = bytes(conn.inbox[4 : 4 + length])  # arrays view it: not the inbox
+                del conn.inbox[: 4 + length]
+                self._answer(conn, wire.decode(frame))
+        except (wire.WireError, ProtocolError, Foreign) as exc:
+            self._drop(conn, f"{type(exc).__name__}: {exc}")
+        except OSError as exc:
+            self._drop(conn, f"reply failed: {exc}")
+        except Exception as exc:  # a request the checks missed: that peer goes, not all
+            log.exception("aiokv store-server: request of engine pid %d failed",
+                          conn.client.pid)
+            self._drop(conn, f"{type(exc).__name__}: {exc}")
+
+    def _drop(self, conn: Connection, why: str | None) -> None:
+        if self._connections.pop(conn.sock.fileno(), None) is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
+        rolled = self.service.drop(conn.client)
+        conn.sock.close()
+        if why is not None:
+            log.warning("aiokv store-server: disconnected engine pid %d: %s (%d tasks "
+                        "rolled back)", conn.client.pid, why, rolled)
+        else:
+            log.info("aiokv store-server: engine pid %d disconnected (%d tasks rolled back)",
+                     conn.client.pid, rolled)
+
+    # ---- requests ------------------------------------------------------------------
+
+    def _answer(self, conn: Connection, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        if op == "hello":
+            self._hello(conn, message)
+            return
+        if not conn.registered:
+            raise ProtocolError(f"{op!r} before hello")
+        handler = self._handlers.get(op)  # type: ignore[arg-type]
+        if handler is None:
+            raise ProtocolError(f"unknown request {op!r}")
+        wire.send(conn.sock, {"ok": True, **handler(conn, message)})
+
+    def _ping(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def _hello(self, conn: Connection, message: dict[str, Any]) -> None:
+        try:
+            geometry = Geometry.from_mapping(message.get("geometry"))
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from exc
+        try:
+            region = self.service.register(geometry)
+        except ConfigError as exc:
+            log.warning("aiokv store-server: refused engine pid %d: %s", conn.client.pid, exc)
+            wire.send(conn.sock, {"ok": False, "error": str(exc), "config": True})
+            return
+        conn.registered = True
+        wire.send(conn.sock, {"ok": True, "blocks": region.num_blocks}, [region.fd])
+
+    def _matches(self, conn: Connection, message: dict[str, Any], is_put: bool
+                 ) -> dict[str, Any]:
+        queries = wire.unpack_queries(message)
+        # Cancels ride along with the next match (one message per batch).
+        self.service.finish(conn.client, [], _ids(message.get("failed", [])))
+        if self._stopping:
+            return wire.pack_answers([("the store server is shutting down", False)]
+                                     * len(queries))
+        match = self.service.put_match if is_put else self.service.get_match
+        answers: list[wire.Answer] = []
+        for tokens, namespace in queries:
+            try:
+                answers.append(match(conn.client, tokens, namespace))
+            except NoSpace as exc:
+                answers.append((str(exc), True))
+        return wire.pack_answers(answers)
+
+    def _put(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        return self._matches(conn, message, True)
+
+    def _get(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        return self._matches(conn, message, False)
+
+    def _end(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        done, failed = _ids(message.get("done")), _ids(message.get("failed"))
+        self.service.finish(conn.client, done, failed)
+        return {}
+
+    def _evict(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        return {"tokens": self.service.evict(wire.namespace(message.get("ns")))}
+
+    def _clear(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        return {"tokens": self.service.clear()}
+
+    def _stats(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        clients = [c.client for c in self._connections.values()]
+        return {"stats": self.service.stats(clients)}
+
+
+def _ids(raw: Any) -> list[int]:
+    if not isinstance(raw, list) or not all(type(i) is int for i in raw):
+        raise ProtocolError(f"task ids must be a list of ints, got {raw!r}")
+    return raw
+

@@ -1,0 +1,365 @@
+"""The server's store: the embedded store's index, host tier and SSD tier over the shared
+region, with each engine's tasks held in its name.
+
+What :class:`~aiokv.stores.local.store.LocalStore` does on its store thread, minus the
+copies: a match reserves (puts) or holds (gets) host blocks and answers their numbers,
+the engine copies between its caches and those blocks in the region itself, and then
+reports each task's end (:meth:`Service.finish`): a put's blocks are published (and
+written through to SSD) or rolled back, a get's readers dropped. A get's pages that only
+the SSD tier has are read into host blocks before its match is answered (the SSD link's
+load staging, driven to its end here), so that an engine only ever copies from the host
+tier. Everything runs on the server's one thread.
+
+Every task belongs to the connection that matched it (a :class:`Client`): a task id
+from another connection is a :class:`Foreign` (the server drops that peer), and when a
+connection ends, however it ends, its tasks are rolled back (:meth:`Service.drop`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from ...config import StoreConfig
+from ...errors import ConfigError
+from ..base import BoolArray, Int64Array, NoSpace
+from ..local.blocks import NO_BLOCKS, READY, Tier
+from ..local.index import Space, chain_digests
+from ..local.loads import Load
+from ..local.tiering import TierLink
+from .region import Geometry, Region, RegionPool, allocate, region_blocks
+
+log = logging.getLogger("aiokv.server")
+
+NO_MASK: BoolArray = np.zeros(0, dtype=np.bool_)
+SSD_STAGE_TIMEOUT_S = 30.0  # a get's SSD reads that take longer make the get a miss
+
+
+class Foreign(Exception):
+    """A request that names a task its connection does not hold."""
+
+
+@dataclass(slots=True, eq=False)
+class Task:
+    """One matched task, as the SSD link and the host tier see LocalStore's."""
+
+    client: int
+    is_put: bool
+    mask: BoolArray
+    blocks: Int64Array
+    digests: list[bytes]
+    space: Space | None
+    shared: bool = False
+    load: Load | None = None
+    matching: bool = True  # still inside its match: an SSD part given up is not its end
+
+
+@dataclass(slots=True)
+class Client:
+    """One connection's tasks (id -> task)."""
+
+    number: int
+    pid: int
+    tasks: dict[int, Task] = field(default_factory=dict)
+
+
+class Service:
+    def __init__(self, config: StoreConfig, wake: Callable[[], None]) -> None:
+        self.config = config
+        self._wake = wake
+        self.geometry: Geometry | None = None
+        self.region: Region | None = None
+        self._pool: RegionPool | None = None
+        self._host: Tier | None = None
+        self._link: TierLink | None = None
+        self._ids = itertools.count(1)
+        self._owner: dict[int, Client] = {}  # task id -> its connection
+        self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
+        self._staged = threading.Event()
+        self._memory: int | None = None  # the region's memfd until the first engine
+
+    def allocate(self) -> None:
+        """The host tier's memory, allocated whole (ConfigError when the host cannot)."""
+        self._memory = allocate(self.config.cpu_cache_gb)
+
+    # ---- set-up --------------------------------------------------------------------
+
+    def register(self, geometry: Geometry) -> Region:
+        """The region for an engine of ``geometry``: made for the first one (and the SSD
+        tier opened), the same one after; ConfigError naming what differs."""
+        if self.geometry is not None and self.region is not None:
+            differs = self.geometry.differences(geometry)
+            if differs:
+                raise ConfigError("kv_caches", "differ from the store server's caches: "
+                                  + "; ".join(differs))
+            return self.region
+        if self.config.page_size and self.config.page_size != geometry.page_size:
+            raise ConfigError("kv_caches", f"page_size {geometry.page_size} != the server's "
+                              f"store.page_size {self.config.page_size}")
+        blocks = region_blocks(self.config.cpu_cache_gb, geometry)
+        if self._memory is None:
+            self.allocate()
+        assert self._memory is not None
+        region = Region.create(self._memory, blocks, geometry)
+        self._memory = None
+        pool = RegionPool(region)
+        try:
+            link = None
+            if self.config.ssd_cache_gb > 0:
+                link = TierLink(self.config, cast(Any, pool), geometry.torch_dtype,
+                                geometry.page_size, self._ssd_done, self._no_copy,
+                                self._link_ends)
+        except BaseException:
+            region.close()
+            raise
+        self._link = link
+        self._host = link.host if link is not None else Tier("host", pool)
+        self.geometry, self.region, self._pool = geometry, region, pool
+        log.info("aiokv store-server: region of %d blocks (%d bytes each) for %s",
+                 region.num_blocks, region.block_bytes, geometry)
+        return region
+
+    def _ssd_done(self) -> None:  # SSD I/O threads
+        self._staged.set()
+        self._wake()
+
+    # ---- matches -------------------------------------------------------------------
+
+    def put_match(self, client: Client, token_ids: Int64Array, namespace: tuple[str, ...]
+                  ) -> tuple[int, BoolArray, Int64Array]:
+        """LocalStore.put_match: the pages not stored in either tier get host blocks
+        (WRITING, in the index: a second put of them writes nothing); NoSpace when they
+        cannot all be had now."""
+        host, link = self._require_host(), self._link
+        page_size = self._page_size()
+        if link is not None:
+            link.drain()
+        digests = chain_digests(token_ids, page_size)
+        n = len(digests)
+        space = host.index.space(namespace)
+        present: list[int | None] | None = (
+            list(map(space.get, digests)) if space is not None else None
+        )
+        if link is not None:
+            present = link.mark_stored_below(namespace, digests, present)
+        missing = n if present is None else present.count(None)
+        listed = None
+        if present is not None and missing < n:
+            held = np.array([b for b in present if b is not None and b >= 0], dtype=np.int64)
+            listed = host.index.make_unevictable(held)  # stored pages become the most recent
+        mask = np.zeros(len(token_ids), dtype=np.bool_)
+        blocks, new_digests, owner = NO_BLOCKS, [], space
+        try:
+            if missing:
+                blocks = host.reserve(missing)
+        finally:
+            if listed is not None:
+                host.index.make_evictable(listed)
+        if missing:
+            pages = mask[: n * page_size].reshape(-1, page_size)
+            if present is None:
+                new_digests = digests
+                pages[:] = True
+            else:
+                new_pages = [i for i, b in enumerate(present) if b is None]
+                new_digests = [digests[i] for i in new_pages]
+                pages[new_pages] = True
+            owner = host.index.insert(namespace, new_digests, blocks)
+        return self._hold(client, Task(client.number, True, mask, blocks, new_digests, owner))
+
+    def get_match(self, client: Client, token_ids: Int64Array, namespace: tuple[str, ...]
+                  ) -> tuple[int, BoolArray, Int64Array]:
+        """LocalStore.get_match: the longest READY host prefix, then what the SSD tier has
+        after it, read into host blocks now; all of them held until the task ends."""
+        host, link = self._require_host(), self._link
+        page_size = self._page_size()
+        if link is not None:
+            link.drain()
+        space = host.index.space(namespace)
+        stored = (len(space) if space is not None else 0) + (
+            link.ssd_pages(namespace) if link is not None else 0
+        )
+        asked = len(token_ids)
+        token_ids = token_ids[: stored * page_size]  # a lookup costs what is stored
+        digests = chain_digests(token_ids, page_size)
+        found: list[int | None] = list(map(space.get, digests)) if space is not None else []
+        if None in found:
+            found = found[: found.index(None)]
+        hit = np.fromiter(found, dtype=np.int64, count=len(found))
+        if len(hit):
+            not_ready = host.state[hit] != READY
+            if not_ready.any():
+                hit = hit[: int(np.argmax(not_ready))]
+        shared = bool(len(hit)) and host.hold(hit)
+        host.shared_gets += shared
+        task = Task(client.number, False, NO_MASK, hit, [], None, shared=shared)
+        if link is not None and len(hit) == len(found):
+            self._stage_from_ssd(link, task, namespace, digests)
+        task.mask = np.zeros(asked, dtype=np.bool_)
+        task.mask[: len(task.blocks) * page_size] = True
+        self._hits["host_hit_tokens"] += len(hit) * page_size
+        self._hits["ssd_hit_tokens"] += (len(task.blocks) - len(hit)) * page_size
+        task.matching = False
+        return self._hold(client, task)
+
+    def _stage_from_ssd(self, link: TierLink, task: Task, namespace: tuple[str, ...],
+                        digests: list[bytes]) -> None:
+        """The SSD pages after the host prefix, read into held host blocks (waiting for
+        the reads here); none when there is no host room for them now."""
+        load = link.start_load(namespace, digests, len(task.blocks), task)
+        if load is None:
+            return
+        if not load.staged:
+            link.cancel_load(load)  # no room now: the SSD part is a miss
+            task.blocks = task.blocks[: load.hits]
+            return
+        give_up = time.monotonic() + SSD_STAGE_TIMEOUT_S
+        while not load.finished and time.monotonic() < give_up:
+            self._staged.wait(0.05)
+            self._staged.clear()
+            link.drain()
+        if not load.finished:
+            log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s",
+                        len(load.slots), SSD_STAGE_TIMEOUT_S)
+            return  # its blocks stay held by the reads; the task loads its host prefix
+        # Staged and verified: task.blocks is now prefix + good pages (loads._finish);
+        # the launch only settles the link's books (its copy is the engine's, _no_copy).
+        pages = np.arange(load.match_pages, dtype=np.int64)
+        link.launch_load(load, pages, ())
+
+    def _no_copy(self, *job: Any) -> Any:
+        """The SSD link's copy to the GPU: the engine's own, after the match."""
+        return None
+
+    def _link_ends(self, tasks: list[Any], success: bool) -> None:
+        """The SSD link ends a task whose SSD part was given up at its match: the match
+        goes on with its host prefix."""
+        for task in tasks:
+            if not task.matching:
+                self._end(task, False)
+
+    def _hold(self, client: Client, task: Task) -> tuple[int, BoolArray, Int64Array]:
+        task_id = next(self._ids)
+        client.tasks[task_id] = task
+        return task_id, task.mask, task.blocks
+
+    # ---- ends ----------------------------------------------------------------------
+
+    def finish(self, client: Client, done: Sequence[int], failed: Sequence[int]) -> None:
+        """Tasks whose copies ended (``done``) or that were cancelled or failed
+        (``failed``); Foreign (nothing changed) when one is not this client's."""
+        for task_id in itertools.chain(done, failed):
+            if task_id not in client.tasks:
+                raise Foreign(f"task {task_id} is not held by this connection")
+        if len(set(done) | set(failed)) != len(done) + len(failed):
+            raise Foreign("a task is named twice")
+        for task_id in done:
+            self._end(client.tasks.pop(task_id), True)
+        for task_id in failed:
+            self._end(client.tasks.pop(task_id), False)
+        if self._link is not None:
+            self._link.drain()
+
+    def drop(self, client: Client) -> int:
+        """A connection ended: its tasks are rolled back (half-written blocks freed,
+        reads released); returns how many."""
+        tasks = list(client.tasks.values())
+        client.tasks.clear()
+        for task in tasks:
+            self._end(task, False)
+        return len(tasks)
+
+    def _end(self, task: Task, success: bool) -> None:
+        host = self._host
+        if host is None:
+            return
+        blocks = task.blocks
+        if task.is_put and not success:
+            host.roll_back(task.space, task.digests, blocks)
+        elif not task.is_put:
+            if len(blocks):
+                host.end_reads([blocks], [task.shared], blocks, len(blocks))
+            elif task.shared:
+                host.shared_gets -= 1
+        elif not len(blocks):
+            return
+        elif self._link is not None and self._link.write_through:
+            host.state[blocks] = READY
+            self._link.write_through_puts([task], blocks)
+        else:
+            host.publish([blocks], blocks, len(blocks))
+
+    # ---- invalidation, figures -----------------------------------------------------
+
+    def evict(self, namespace: tuple[str, ...]) -> int:
+        return self._drop_namespace(namespace)
+
+    def clear(self) -> int:
+        return self._drop_namespace(None)
+
+    def _drop_namespace(self, namespace: tuple[str, ...] | None) -> int:
+        host = self._host
+        if host is None:
+            return 0
+        if self._link is not None:
+            self._link.drain()
+            return self._link.drop(namespace) * self._page_size()
+        return len(host.drop_namespace(namespace)) * self._page_size()
+
+    def stats(self, clients: Sequence[Client]) -> dict[str, int | float]:
+        host = self._host
+        tasks = [t for c in clients for t in c.tasks.values()]
+        stats: dict[str, int | float] = {
+            "host_blocks_used": host.used if host is not None else 0,
+            "host_blocks_total": host.num_blocks if host is not None else 0,
+            "server_clients": len(clients),
+            "server_tasks_open": len(tasks),
+            "server_blocks_held": sum(len(t.blocks) for t in tasks),
+            **self._hits,
+        }
+        if self._link is not None:
+            stats.update(self._link.stats())
+        return stats
+
+    def poll(self) -> None:
+        """Apply finished SSD requests (the server calls it when the SSD tier wakes it)."""
+        if self._link is not None:
+            self._link.drain()
+
+    def idle(self, clients: Sequence[Client]) -> bool:
+        return not any(c.tasks for c in clients)
+
+    def close(self) -> None:
+        """Finish the SSD writes (write_back: what only the host holds too), then let the
+        region go."""
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._memory is not None:
+            os.close(self._memory)
+            self._memory = None
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _require_host(self) -> Tier:
+        if self._host is None:
+            raise ConfigError("kv_caches", "no engine has registered with the server yet")
+        return self._host
+
+    def _page_size(self) -> int:
+        assert self.geometry is not None  # _require_host came first
+        return self.geometry.page_size
+
+
+__all__ = ["Client", "Foreign", "NoSpace", "Service", "Task"]

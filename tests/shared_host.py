@@ -1,0 +1,249 @@
+"""The processes of the shared store's tests: ``aiokv store-server`` as a subprocess, and
+engine processes (multiprocessing spawn) on ``store.backend: shared`` driven by commands
+over a pipe, each answered once. Each user's KV is made from the user id, so any process
+(and the test) can check a load bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+import aiokv
+from aiokv.stores.shared import SharedStore
+
+LAYERS, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 2, 64, 4, 2, 8
+_CONTEXT = multiprocessing.get_context("spawn")
+
+
+def user_kv(user: int, pages: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + user)
+    return [torch.randn(pages, 2, PAGE_SIZE, HEADS, HEAD_DIM, generator=generator)
+            for _ in range(LAYERS)]
+
+
+def caches(head_dim: int = HEAD_DIM, device: str = "cpu") -> list[torch.Tensor]:
+    return [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, device=device)
+            for _ in range(LAYERS)]
+
+
+class Server:
+    """``aiokv store-server`` in a subprocess; ``start()`` returns once it listens (or
+    raises with its log when it exits first)."""
+
+    def __init__(self, directory: Path, store: dict[str, Any] | None = None,
+                 socket_path: Path | None = None) -> None:
+        self.socket = socket_path or directory / "run" / "store.sock"
+        self.config = directory / "server.yml"
+        self.config.write_text(yaml.safe_dump({"store": {"cpu_cache_gb": 0.001,
+                                                         **(store or {})}}))
+        self.log = directory / f"server-{time.monotonic_ns()}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Server:
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "aiokv", "store-server", "--socket", str(self.socket),
+                 "--config", str(self.config), "--drain-timeout", "5"],
+                stderr=log, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        while b"listening on" not in self.log.read_bytes():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"store-server exited {self.process.returncode}: "
+                                   + self.log.read_text())
+            time.sleep(0.02)  # waiting for a start-up line, not ordering work
+        return self
+
+    def run_to_end(self) -> tuple[int, str]:
+        """Start it and wait for it to exit (a server that refuses to start)."""
+        with open(self.log, "wb") as log:
+            done = subprocess.run(
+                [sys.executable, "-m", "aiokv", "store-server", "--socket", str(self.socket),
+                 "--config", str(self.config)],
+                stderr=log, timeout=60, check=False)
+        return done.returncode, self.log.read_text()
+
+    def signal(self, signum: int) -> int:
+        assert self.process is not None
+        self.process.send_signal(signum)
+        return self.process.wait(timeout=30)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+
+class Host:
+    """One serving process's engine on the shared store (in the child)."""
+
+    def __init__(self, socket_path: str, device: str = "cpu") -> None:
+        self.caches = caches(device=device)
+        config = {"store": {"backend": "shared", "socket": socket_path},
+                  "engine": {"request_timeout_ms": 20_000}}
+        engine = aiokv.open_engine(config, kv_caches=self.caches)
+        self.kv = aiokv.run_in_background(engine)
+        self.held: dict[int, Any] = {}
+
+    def offload(self, user: int, pages: int, first_page: int = 0) -> dict[str, Any]:
+        target = slice(first_page, first_page + pages)
+        for cache, kv in zip(self.caches, user_kv(user, pages), strict=True):
+            cache[target] = kv.to(cache.device)
+        result = self.kv.offload(user, torch.arange(target.start, target.stop),
+                                 pages * PAGE_SIZE)
+        return {"stored": result.stored_tokens, "cached": result.cached_tokens}
+
+    def load(self, user: int, pages: int) -> dict[str, Any]:
+        self.lookup(user, pages)
+        return self.load_held(user, pages)
+
+    def lookup(self, user: int, pages: int) -> dict[str, Any]:
+        """A Lookup kept (its blocks held at the server) until :meth:`load_held`."""
+        self.held[user] = self.kv.lookup(user, pages * PAGE_SIZE)
+        return {"cached": self.held[user].cached_tokens}
+
+    def load_held(self, user: int, pages: int) -> dict[str, Any]:
+        first = PAGES - pages
+        for cache in self.caches:
+            cache[first:] = 0
+        with self.held.pop(user) as hit:
+            cached = hit.cached_tokens
+            loaded = self.kv.load(hit, torch.arange(first, PAGES)).loaded_tokens
+        full = loaded // PAGE_SIZE
+        exact = all(torch.equal(cache[first : first + full].cpu(), kv[:full])
+                    for cache, kv in zip(self.caches, user_kv(user, pages), strict=True))
+        return {"cached": cached, "loaded": loaded, "exact": exact}
+
+    def evict(self, user: int) -> dict[str, Any]:
+        return {"dropped": self.kv.evict(user)}
+
+    def clear(self) -> dict[str, Any]:
+        return {"dropped": self.kv.clear()}
+
+
+class Holder:
+    """A raw SharedStore that matches and then holds (for kill -9 mid-transfer)."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.store = SharedStore(aiokv.StoreConfig(backend="shared", socket=socket_path))
+        self.caches = caches()
+        self.store.register(self.caches)
+        self.open: tuple[int, int] = (0, 0)
+
+    def hold(self, user: int, pages: int) -> dict[str, Any]:
+        """A put reserved and launched (its pages copied into the region, its end never
+        reported: mid-transfer as the server sees it), and a get holding ``user``'s
+        stored pages."""
+        tokens = np.arange(pages * PAGE_SIZE, dtype=np.int64)
+        put, put_mask = self.store.put_match(tokens, [f"new:{user}"])
+        self.store.launch([put], [torch.arange(pages)], [None])
+        get, get_mask = self.store.get_match(tokens, [f"uid:{user}"])
+        self.open = (put, get)
+        return {"reserved": int(put_mask.sum()), "held": int(get_mask.sum())}
+
+    def release(self) -> dict[str, Any]:
+        """The held get given back, the put's end reported (it succeeds)."""
+        put, get = self.open
+        self.store.cancel([get])
+        results: dict[int, Any] = {}
+        while not results:
+            results = self.store.try_wait([put])
+        return {"put": results[put].status.value}
+
+
+def _serve(kind: str, socket_path: str, device: str,
+           conn: multiprocessing.connection.Connection) -> None:
+    try:
+        host: Any = Host(socket_path, device) if kind == "engine" else Holder(socket_path)
+    except Exception as exc:
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        return
+    conn.send({"ready": True})
+    while True:
+        op, args = conn.recv()
+        if op == "close":
+            if kind == "engine":
+                host.kv.close()
+            conn.send({})
+            return
+        try:
+            conn.send(getattr(host, op)(**args))
+        except Exception as exc:
+            conn.send({"error": f"{type(exc).__name__}: {exc}"})
+
+
+class Process:
+    """An engine (``kind`` "engine") or a holder in a spawned process."""
+
+    def __init__(self, socket_path: Path, kind: str = "engine", device: str = "cpu") -> None:
+        self.conn, child = _CONTEXT.Pipe()
+        self.process = _CONTEXT.Process(target=_serve,
+                                        args=(kind, str(socket_path), device, child),
+                                        daemon=True)
+        self.process.start()
+        child.close()
+
+    def ready(self) -> dict[str, Any]:
+        answer: dict[str, Any] = self.conn.recv()
+        return answer
+
+    def send(self, op: str, **args: Any) -> None:
+        self.conn.send((op, args))
+
+    def answer(self) -> dict[str, Any]:
+        if not self.conn.poll(60):
+            raise TimeoutError("no answer in 60 s")
+        result: dict[str, Any] = self.conn.recv()
+        return result
+
+    def __call__(self, op: str, **args: Any) -> dict[str, Any]:
+        self.send(op, **args)
+        return self.answer()
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError, EOFError, TimeoutError):
+                self("close")
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def start_processes(socket_path: Path, count: int, kind: str = "engine",
+                    device: str = "cpu") -> list[Process]:
+    """``count`` processes started together (their imports overlap), each ready."""
+    processes = [Process(socket_path, kind, device) for _ in range(count)]
+    for process in processes:
+        answer = process.ready()
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+    return processes
+
+
+@contextlib.contextmanager
+def running_host(directory: Path, engines: int, device: str = "cpu"
+                 ) -> Iterator[tuple[Server, list[Process]]]:
+    """A server and ``engines`` engine processes on it, all ended on exit."""
+    server = Server(directory).start()
+    processes = start_processes(server.socket, engines, device=device)
+    try:
+        yield server, processes
+    finally:
+        for process in processes:
+            process.close()
+        server.kill()

@@ -1,0 +1,116 @@
+"""Faults of the shared store (issue 31.4) with a real ``aiokv store-server`` process and
+a spawned engine process: the server killed while a call waits on it fails that call with
+StoreError, later calls fail fast while nothing listens, and the same engine is served
+again (with what the SSD tier kept) once a server is back; a second server on a busy SSD
+directory refuses, naming it."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from shared_host import Server, caches, start_processes
+
+import aiokv
+from aiokv.stores.shared import SharedStore
+
+
+def ssd_server(tmp_path: Path) -> Server:
+    ssd = tmp_path / "ssd"
+    ssd.mkdir(exist_ok=True)
+    return Server(tmp_path, {"ssd_cache_gb": 0.01, "ssd_cache_dir": str(ssd)})
+
+
+def test_server_killed_and_back_the_engine_serves_on_from_ssd(tmp_path: Path) -> None:
+    server = ssd_server(tmp_path).start()
+    (engine,) = start_processes(server.socket, 1)
+    try:
+        assert engine("offload", user=7, pages=5) == {"stored": 20, "cached": 20}
+        figures = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(server.socket)))
+        figures.register(caches())
+        give_up = time.monotonic() + 20
+        while figures.store_stats()["ssd_blocks_used"] < 5:  # written through in the back
+            assert time.monotonic() < give_up, "the SSD copy never came"
+            time.sleep(0.02)
+        figures.close()
+
+        server.process.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        engine.send("load", user=7, pages=5)  # waits on the stopped server
+        server.kill()
+        assert engine.answer()["error"].startswith("StoreError")
+
+        down = engine("load", user=7, pages=5)  # nothing listens: fails at once
+        assert down["error"].startswith("StoreError")
+        assert "not reachable" in down["error"]
+
+        server = ssd_server(tmp_path).start()
+        assert engine("load", user=7, pages=5) == {"cached": 20, "loaded": 20, "exact": True}
+        assert engine("offload", user=8, pages=2) == {"stored": 8, "cached": 8}
+        assert engine("load", user=8, pages=2)["exact"]
+    finally:
+        engine.close()
+        server.kill()
+
+
+def test_a_second_server_on_a_busy_ssd_directory_refuses_naming_it(tmp_path: Path) -> None:
+    first = ssd_server(tmp_path).start()
+    try:
+        second = ssd_server(tmp_path)
+        second.socket = tmp_path / "run2" / "other.sock"
+        code, log = second.run_to_end()
+        assert code == 2
+        assert str(tmp_path / "ssd") in log
+        assert f"in use by another aiokv store-server (pid {first.process.pid}" in log  # type: ignore[union-attr]
+    finally:
+        first.kill()
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o770], ids=["755", "770"])
+def test_a_socket_directory_open_to_others_is_refused(tmp_path: Path, mode: int) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(mode)
+    code, log = Server(tmp_path).run_to_end()
+    assert code == 2
+    assert f"is open to other users (mode {mode:o})" in log
+
+
+def test_the_shared_backend_needs_a_socket_and_only_it_takes_one() -> None:
+    with pytest.raises(aiokv.ConfigError, match=r"store\.socket"):
+        aiokv.StoreConfig(backend="shared")
+    with pytest.raises(aiokv.ConfigError, match=r"store\.socket.*backend: shared only"):
+        aiokv.StoreConfig(socket="/run/user/1/aiokv/store.sock")
+
+
+def test_store_server_help_says_how_to_run_it_under_systemd(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from aiokv.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["store-server", "--help"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    assert "systemd" in shown and "ExecStart=" in shown and "--socket" in shown
+
+
+def test_sigterm_lets_open_tasks_end_then_exits_0(tmp_path: Path) -> None:
+    server = Server(tmp_path).start()
+    assert server.process is not None
+    (holder,) = start_processes(server.socket, 1, kind="holder")
+    try:
+        assert holder("hold", user=1, pages=2)["reserved"] == 8
+        server.process.send_signal(signal.SIGTERM)
+        give_up = time.monotonic() + 20
+        while server.socket.exists():  # no new engines from the drain's start on
+            assert time.monotonic() < give_up, "the socket stayed"
+            time.sleep(0.02)
+        assert server.process.poll() is None  # its open tasks may still end
+        assert holder("release") == {"put": "success"}
+        assert server.process.wait(timeout=20) == 0
+        assert "draining (1 engines, 2 tasks open)" in server.text()
+    finally:
+        holder.close()
+        server.kill()
+

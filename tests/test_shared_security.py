@@ -1,0 +1,165 @@
+"""Who may talk to ``aiokv store-server`` and what a bad peer costs (issue 31.5): random,
+truncated, oversized and malformed messages, and requests naming tasks the peer does
+not hold, each get that peer disconnected and logged; afterwards a well-behaved client
+is still served bit for bit. A peer of another uid is refused at connect."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from shared_host import PAGE_SIZE, Server, caches, user_kv
+
+import aiokv
+from aiokv.stores.shared import SharedStore, wire
+from aiokv.stores.shared import server as server_module
+from aiokv.stores.shared.region import Geometry
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = Server(tmp_path_factory.mktemp("fuzz")).start()
+    yield running
+    running.kill()
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server hung up on ``sock`` (within 10 s), after draining its replies."""
+    sock.settimeout(10)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def connect(server: Server) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(server.socket))
+    return sock
+
+
+def hello(sock: socket.socket) -> None:
+    wire.send(sock, {"op": "hello", "geometry": Geometry.of(caches()).as_dict()})
+    reply, fds = wire.recv(sock)
+    assert reply["ok"], reply
+    for fd in fds:
+        os.close(fd)
+
+
+def frame(header: bytes, body: bytes = b"") -> bytes:
+    return struct.pack("<II", len(header) + len(body) + 4, len(header)) + header + body
+
+
+BAD_FRAMES = {
+    "oversized": struct.pack("<II", wire.MAX_FRAME + 1, 2) + b"{}",
+    "too short": struct.pack("<I", 2) + b"ab",
+    "not json": frame(b"\xff\xfe{not json"),
+    "not a mapping": frame(b"[1,2,3]"),
+    "header past the frame": struct.pack("<II", 8, 1000) + b"{}{}",
+    "unknown op": frame(b'{"op":"format_disk"}'),
+    "array past the bytes": frame(b'{"op":"put","q":[{"t":{"a":["i",0,99]},"ns":["x"]}]}'),
+    "negative count": frame(b'{"op":"put","q":[{"n":-5,"ns":["x"]}]}'),
+    "namespace not strings": frame(b'{"op":"get","q":[{"n":8,"ns":[1,2]}]}'),
+    "foreign task": frame(b'{"op":"end","done":[987654],"failed":[]}'),
+    "ids not ints": frame(b'{"op":"end","done":["1"],"failed":[]}'),
+    "deep nesting": frame(b'{"op":"put","q":' + b"[" * 5000 + b"]" * 5000 + b"}"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FRAMES))
+def test_a_bad_message_after_hello_disconnects_that_peer(server: Server, name: str) -> None:
+    with connect(server) as sock:
+        hello(sock)
+        sock.sendall(BAD_FRAMES[name])
+        assert closed_by_server(sock)
+
+
+def test_requests_before_hello_and_bad_geometry_disconnect(server: Server) -> None:
+    for message in ({"op": "put", "q": []}, {"op": "hello", "geometry": {"layers": -1}}):
+        with connect(server) as sock:
+            wire.send(sock, message)
+            assert closed_by_server(sock)
+
+
+def test_random_and_truncated_messages_then_a_client_is_served_bit_exact(server: Server) -> None:
+    rng = random.Random(31)
+    valid = wire.encode({"op": "put", "q": [{"t": np.arange(16, dtype=np.int64),
+                                              "ns": ["fuzz"]}]})
+    for round_ in range(60):
+        with connect(server) as sock:
+            if round_ % 2:
+                hello(sock)
+            kind = round_ % 3
+            if kind == 0:  # random bytes
+                sock.sendall(rng.randbytes(rng.randrange(1, 4096)))
+            elif kind == 1:  # a valid frame cut short, then the peer goes
+                sock.sendall(valid[: rng.randrange(1, len(valid))])
+                continue
+            else:  # a valid frame with bytes flipped
+                data = bytearray(valid)
+                for _ in range(rng.randrange(1, 8)):
+                    data[rng.randrange(len(data))] = rng.randrange(256)
+                sock.sendall(bytes(data))
+            sock.shutdown(socket.SHUT_WR)
+            closed_by_server(sock)
+    assert "disconnected engine pid" in server.text()
+
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(server.socket)))
+    tables = caches()
+    store.register(tables)
+    try:
+        tokens = np.arange(7, 7 + 5 * PAGE_SIZE, dtype=np.int64)
+        kv = user_kv(77, 5)
+        for cache, data in zip(tables, kv, strict=True):
+            cache[:5] = data
+        put, mask = store.put_match(tokens, ["well-behaved"])
+        store.launch([put], [torch.arange(5)], [None])
+        while not store.try_wait([put]):
+            pass
+        for cache in tables:
+            cache.zero_()
+        get, mask = store.get_match(tokens, ["well-behaved"])
+        assert mask.sum() == 5 * PAGE_SIZE
+        store.launch([get], [torch.arange(10, 15)], [None])
+        results: dict[int, object] = {}
+        while not results:
+            results = store.try_wait([get])
+        for cache, data in zip(tables, kv, strict=True):
+            assert torch.equal(cache[10:15], data)
+    finally:
+        store.close()
+
+
+def test_a_peer_of_another_uid_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The server sees every peer as another uid than its own (SO_PEERCRED): it closes
+    the connection at once and logs the peer."""
+    running = server_module.StoreServer(tmp_path / "run" / "s.sock",
+                                        aiokv.StoreConfig(cpu_cache_gb=0.001))
+    running.start()
+    thread = threading.Thread(target=running.serve, name="test-server")
+    thread.start()
+    try:
+        real_uid = os.getuid()
+        monkeypatch.setattr(server_module.os, "getuid", lambda: real_uid + 4242)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(running.path))
+        with sock:
+            assert closed_by_server(sock)
+        assert f"of uid {real_uid} (serving uid {real_uid + 4242} only)" in caplog.text
+    finally:
+        monkeypatch.undo()
+        running.stop()
+        thread.join()

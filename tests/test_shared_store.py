@@ -1,0 +1,174 @@
+"""``aiokv store-server`` with engine processes on ``store.backend: shared`` (issue 31):
+a real server process and spawned engine processes on CPU caches. What one process
+offloads is a hit, bit for bit, in every other; two offloading one key at once write it
+once; evict and clear act host-wide; a client killed while it holds blocks leaves the
+server's figures as they were; an engine with other caches, and a second server on the
+same socket, are refused naming why."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from shared_host import (
+    PAGE_SIZE,
+    Process,
+    Server,
+    caches,
+    running_host,
+    start_processes,
+    user_kv,
+)
+
+import aiokv
+from aiokv.stores.shared import SharedStore
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                reason="the shared region needs memfd_create (Linux)")
+
+
+Host = tuple[Server, list[Process]]
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    with running_host(tmp_path_factory.mktemp("shared"), 3) as running:
+        yield running
+
+
+def observer(server: Server) -> tuple[SharedStore, list[torch.Tensor]]:
+    """A client of the test's own (and its caches), for the server's figures and raw
+    checks."""
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(server.socket)))
+    tables = caches()
+    store.register(tables)
+    return store, tables
+
+
+def wait_for(condition: Callable[[], object], what: str) -> None:
+    """Poll the server until ``condition()`` (its answers change as it handles peers)."""
+    give_up = time.monotonic() + 20
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"not within 20 s: {what}")
+        time.sleep(0.02)
+
+
+def test_a_key_offloaded_by_one_process_loads_bit_exact_in_every_other(host: Host) -> None:
+    _, (first, second, third) = host
+    assert first("offload", user=1, pages=8) == {"stored": 32, "cached": 32}
+    for engine in (second, third):
+        assert engine("load", user=1, pages=8) == {"cached": 32, "loaded": 32, "exact": True}
+
+
+def test_two_processes_offloading_one_key_at_once_write_it_once(host: Host) -> None:
+    _, (first, second, third) = host
+    second.send("offload", user=2, pages=6, first_page=10)
+    third.send("offload", user=2, pages=6, first_page=20)
+    answers = [second.answer(), third.answer()]
+    assert [a["cached"] for a in answers] == [24, 24]
+    assert sum(a["stored"] for a in answers) == 24  # one wrote it, the other found it
+    assert first("load", user=2, pages=6) == {"cached": 24, "loaded": 24, "exact": True}
+
+
+def test_evict_and_clear_apply_to_every_process(host: Host) -> None:
+    _, (first, second, third) = host
+    first("offload", user=3, pages=3)
+    assert second("evict", user=3) == {"dropped": 12}
+    assert third("load", user=3, pages=3)["cached"] == 0
+    first("offload", user=4, pages=2)
+    third("offload", user=5, pages=2, first_page=30)
+    assert second("clear")["dropped"] >= 16
+    for user in (4, 5):
+        assert first("load", user=user, pages=2)["cached"] == 0
+    assert second("load", user=1, pages=8)["cached"] == 0  # earlier keys went too
+
+
+def test_a_lookup_holds_its_blocks_at_the_server_against_other_processes(host: Host) -> None:
+    _, (first, second, third) = host
+    first("offload", user=9, pages=4)
+    assert second("lookup", user=9, pages=4) == {"cached": 16}
+    third("clear")  # host-wide, but what a Lookup holds stays until it is used
+    assert first("load", user=9, pages=4)["cached"] == 16
+    assert second("load_held", user=9, pages=4) == {"cached": 16, "loaded": 16, "exact": True}
+    third("clear")
+    assert first("load", user=9, pages=4)["cached"] == 0
+
+
+def test_a_client_killed_while_holding_blocks_releases_them(host: Host) -> None:
+    server, (first, _, _) = host
+    first("offload", user=6, pages=5)
+    figures, _ = observer(server)
+    try:
+        idle = figures.store_stats()
+        assert idle["server_tasks_open"] == 0
+        (holder,) = start_processes(server.socket, 1, kind="holder")
+        assert holder("hold", user=6, pages=5) == {"reserved": 20, "held": 20}
+        busy = figures.store_stats()
+        assert busy["server_blocks_held"] == 10
+        assert busy["host_blocks_used"] == idle["host_blocks_used"] + 5
+        holder.process.kill()  # SIGKILL: no goodbye
+        holder.process.join()
+
+        def back_to_idle() -> bool:
+            stats = figures.store_stats()
+            return all(stats[k] == idle[k] for k in
+                       ("server_tasks_open", "server_blocks_held", "host_blocks_used"))
+
+        wait_for(back_to_idle, "the server's figures back to their idle values")
+        assert first("load", user=6, pages=5) == {"cached": 20, "loaded": 20, "exact": True}
+    finally:
+        figures.close()
+
+
+def test_caches_of_another_geometry_are_refused_naming_what_differs(host: Host) -> None:
+    server, _ = host
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(server.socket)))
+    with pytest.raises(aiokv.ConfigError, match="head_dim 16 != the server's 8"):
+        store.register(caches(head_dim=16))
+
+
+def test_a_second_server_on_the_same_socket_refuses(host: Host, tmp_path: Path) -> None:
+    server, _ = host
+    second = Server(tmp_path, socket_path=server.socket)
+    code, log = second.run_to_end()
+    assert code == 2
+    assert f"in use by another aiokv store-server (pid {server.process.pid}" in log  # type: ignore[union-attr]
+
+
+def test_raw_client_copies_bit_exact_through_the_region(host: Host) -> None:
+    """The seam itself (launch with page ids): what one client puts, another gets."""
+    server, _ = host
+    (writer, written), (reader, read) = observer(server), observer(server)
+    try:
+        tokens = np.arange(100, 100 + 6 * PAGE_SIZE, dtype=np.int64)
+        kv = user_kv(40, 6)
+        put, mask = writer.put_match(tokens, ["raw"])
+        assert mask.all()
+        for cache, data in zip(written, kv, strict=True):
+            cache[:6] = data
+        writer.launch([put], [torch.arange(6)], [None])
+        wait_for(lambda: writer.try_wait([put]), "the put's end")
+        get, mask = reader.get_match(tokens, ["raw"])
+        assert mask.sum() == 6 * PAGE_SIZE
+        reader.launch([get], [torch.tensor([9, 3, 7, 1, 5, 0])], [None])
+        wait_for(lambda: reader.try_wait([get]), "the get's end")
+        order = [9, 3, 7, 1, 5, 0]
+        for cache, data in zip(read, kv, strict=True):
+            assert torch.equal(cache[order], data)
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_sigterm_drains_and_exits_0(tmp_path: Path) -> None:
+    server = Server(tmp_path).start()
+    assert server.signal(signal.SIGTERM) == 0
+    assert "stopped" in server.text()
+    assert not server.socket.exists()
