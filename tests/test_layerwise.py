@@ -141,9 +141,10 @@ async def test_a_layer_that_fails_in_the_store_fails_its_waits_and_the_result() 
         load = await held(engine, store, fail_at_layer=2)
         blocked = asyncio.ensure_future(asyncio.to_thread(load.wait_layer, 2))
         readying = asyncio.ensure_future(load.layer_ready(3))
-        store.gate.release(3)  # layers 0 and 1 copied, then the failure
+        store.gate.release(2)  # layers 0 and 1 copied
         await load.layer_ready(1)
         assert loaded(caches, 1)
+        store.gate.release(1)  # then the failure (after it, no layer stands: below)
         with pytest.raises(aiokv.StoreError):
             await blocked  # woken by the failure, not left waiting
         with pytest.raises(aiokv.StoreError):
