@@ -3,9 +3,12 @@ resolution have modules of their own).
 
 One offload: ``offload`` validates from shapes and dtypes only (GPU values are never
 read on the loop), notes the caller's stream (cuda.py), admits the request against
-``max_pending`` and queues it with a future; the batcher (batcher.py) hands a window's
-batch to the store thread (worker.py), which fuses, plans (plans.py) and executes the
-round (rounds.py), and posts outcomes to resolution.py, the one place a future is resolved.
+``max_pending`` and queues it with a future; the batcher (loop/batcher.py) hands a
+window's batch to the store thread (worker/thread.py), which matches, plans
+(worker/plans.py) and executes the round (worker/rounds.py: cancels, one launch with the
+callers' page ids), and posts outcomes to loop/resolution.py, the one place a future is
+resolved. The store makes what it needs of the page ids (stores/; the embedded store's
+copies: copy/).
 """
 
 from __future__ import annotations
@@ -19,19 +22,19 @@ from typing import Any
 import torch
 
 from . import layerwise, lifecycle, validate
-from .admission import Admission
-from .batcher import Batch, Batcher
 from .config import EngineConfig
 from .cuda import ReadyMarks
-from .deadlines import Deadlines
 from .errors import (
     ConfigError,
     EngineClosed,
     InvalidRequest,
 )
-from .handoff import store_slice_us
 from .invalidation import Invalidations
 from .lifecycle import EngineState as EngineState  # public as aiokv.engine.EngineState
+from .loop.admission import Admission
+from .loop.batcher import Batch, Batcher
+from .loop.deadlines import Deadlines
+from .loop.resolution import Resolver
 from .requests import (
     Kind,
     LoadResult,
@@ -40,11 +43,11 @@ from .requests import (
     Request,
     new_request,
 )
-from .resolution import Resolver
 from .space import SpaceWaits
 from .stats import EngineStats, StatsRecorder
 from .stores.base import Store, store_restarts
-from .worker import StoreWorker
+from .worker.handoff import store_slice_us
+from .worker.thread import StoreWorker
 
 # Enum members read as class attributes cost an attribute lookup each; per-call paths read
 # them from here.

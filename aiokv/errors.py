@@ -58,7 +58,7 @@ class ConfigError(AiokvError, ValueError):
 class Overloaded(AiokvError):
     """The engine holds ``max_pending`` unresolved requests and ``overload`` is
     ``reject``, or is ``wait`` and the most callers it lets wait for room already do
-    (:func:`aiokv.admission.max_waiting`). Raised at the call, which never suspends."""
+    (:func:`aiokv.loop.admission.max_waiting`). Raised at the call, which never suspends."""
 
 
 class EngineClosed(AiokvError):

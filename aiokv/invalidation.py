@@ -3,7 +3,7 @@
 Order. An evict or clear is an item on the store thread's inbox, like a batch:
 
 1. The loop first hands every request the engine accepted before the call to the store
-   thread (:meth:`aiokv.batcher.Batcher.dispatch_all`), so the item comes after their
+   thread (:meth:`aiokv.loop.batcher.Batcher.dispatch_all`), so the item comes after their
    batches on the inbox, and the requests accepted after it come after it.
 2. On the store thread, lookup reservations held on the key (every held reservation,
    for a clear) are given back to the store: a reservation holds its blocks, which the
@@ -31,12 +31,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .calls import StoreCalls
 from .errors import EngineClosed, StoreError
+from .loop.resolution import settle
 from .requests import LookupGrant, Request
-from .resolution import settle
 from .stats import StatsRecorder
 from .stores.base import Capabilities, Store
+from .worker.calls import StoreCalls
 
 # A held-keys map may grow to this many times the open reservations (plus a floor) before
 # it is pruned to them: amortized O(1) per lookup.

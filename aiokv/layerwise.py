@@ -30,8 +30,8 @@ from typing import Any
 
 from .copy.marks import LayerFailed, LayerMarks
 from .errors import BlockingCallOnLoop, InvalidRequest, NotLoaded, StoreError
+from .loop.resolution import settle
 from .requests import LoadResult, Lookup, Request
-from .resolution import settle
 
 log = logging.getLogger("aiokv")
 

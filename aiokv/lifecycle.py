@@ -20,19 +20,19 @@ from typing import Protocol
 
 import torch
 
-from .admission import Admission
-from .batcher import Batch, Batcher
 from .config import EngineConfig
 from .cuda import ReadyMarks
-from .deadlines import Deadlines
 from .errors import ConfigError, EngineClosed, WrongLoop
 from .invalidation import Invalidations
+from .loop.admission import Admission
+from .loop.batcher import Batch, Batcher
+from .loop.deadlines import Deadlines
+from .loop.resolution import Resolver
 from .requests import Request
-from .resolution import Resolver
 from .space import NO_TIMEOUT_WAIT_S, SpaceWaits
 from .stats import StatsRecorder
 from .stores.base import Store
-from .worker import StoreWorker
+from .worker.thread import StoreWorker
 
 _STORE_WAIT_SLACK_S = 0.5  # how much later than a caller's deadline the store gives up a wait
 

@@ -15,7 +15,7 @@ left" and skips the request; a caller that leaves just after the read costs a ma
 copy, never a wrong answer (its outcome finds the future done). The one write the two
 threads may race on: a caller that leaves while its batch launches can have its TERMINAL
 overwritten by LAUNCHED; the launched request's outcome, resolved on the loop after that
-write, makes it TERMINAL again (:meth:`aiokv.resolution.Resolver.resolve`).
+write, makes it TERMINAL again (:meth:`aiokv.loop.resolution.Resolver.resolve`).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from .store_figures import StoreStatsQuery as StoreStatsQuery
 from .store_figures import engine_fields
 
 if TYPE_CHECKING:
-    from .batcher import Batch
+    from .loop.batcher import Batch
 
 _SAMPLES = 65_536  # recent latencies and batch sizes kept for EngineStats' percentiles
 

@@ -34,12 +34,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiokv
-from aiokv import calls, resolution, worker
 from aiokv.bench.bandwidth import raw_copy_gib_s
 from aiokv.copy import copier as local_copier
+from aiokv.loop import resolution
 from aiokv.running import pick_device, run_uvloop
 from aiokv.stores.local import completion as local_completion
 from aiokv.stores.local import store as local_store
+from aiokv.worker import calls
+from aiokv.worker import thread as worker
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32
 
@@ -72,7 +74,7 @@ def _wrap(owner: Any, name: str, before: str | None, after: str | None, marks: M
 
 def instrument_fine(marks: Marks) -> None:
     """More stages (--fine): each costs a wrapper call (about a microsecond)."""
-    from aiokv import rounds
+    from aiokv.worker import rounds
     _wrap(calls.StoreCalls, "match", "match_start", None, marks)
     _wrap(rounds.Rounds, "_execute", "planned", None, marks)
     _wrap(local_store.LocalStore, "launch", "launching", None, marks)

@@ -12,7 +12,7 @@ answer time. In one run:
 
 Memory bound: the engine holds at most ``max_pending`` accepted requests; under ``wait``
 at most ``max_waiting(max_pending) = max(4 x max_pending, 64)`` more callers wait for
-room (aiokv/admission.py; the next one is refused with Overloaded at submit), so at most
+room (aiokv/loop/admission.py; the next one is refused with Overloaded at submit), so at most
 ``max_pending + max_waiting(max_pending)`` requests exist whatever the arrival rate (320
 for the default --max-pending 64). Every request's ``request_timeout_ms`` runs from its
 call, the wait for room included.
@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiokv
-from aiokv.admission import max_waiting
+from aiokv.loop.admission import max_waiting
 from aiokv.requests import Request
 from aiokv.testing import FakeStore, FaultyStore
 

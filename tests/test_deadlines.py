@@ -1,4 +1,4 @@
-"""The engine's one-timer deadline queue (aiokv/deadlines.py)."""
+"""The engine's one-timer deadline queue (aiokv/loop/deadlines.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import aiokv
-from aiokv.deadlines import _MIN_COMPACT, Deadlines
+from aiokv.loop.deadlines import _MIN_COMPACT, Deadlines
 from aiokv.requests import Kind, Request
 from aiokv.testing import FakeStore
 

@@ -179,7 +179,7 @@ async def test_gets_dispatch_before_puts_in_a_window(caches: list[torch.Tensor])
 
 
 def _batcher_rig(**config: int) -> tuple[Any, list[Any], list[Any]]:
-    from aiokv.batcher import Batcher
+    from aiokv.loop.batcher import Batcher
 
     submitted: list[Any] = []
     failed: list[Any] = []
@@ -194,7 +194,7 @@ def _batcher_rig(**config: int) -> tuple[Any, list[Any], list[Any]]:
 
 
 def _dispatch_budget(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    from aiokv import batcher as batcher_module
+    from aiokv.loop import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "DISPATCH_BUDGET_S", seconds)
 
@@ -261,7 +261,7 @@ async def test_cheap_batches_of_a_burst_all_go_out_within_the_budget(
 
 
 def _resolve_budget(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    from aiokv import resolution
+    from aiokv.loop import resolution
 
     monkeypatch.setattr(resolution, "RESOLVE_BUDGET_S", seconds)
 

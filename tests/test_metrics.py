@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import aiokv
 from aiokv import metrics
-from aiokv.batcher import Batch
+from aiokv.loop.batcher import Batch
 from aiokv.requests import Kind, LoadResult, LookupGrant, OffloadResult, Request, new_request
 from aiokv.stats import (
     KINDS,

@@ -27,7 +27,7 @@ def test_overload_is_refused_at_submit_or_waited_for_and_nothing_is_lost(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text(encoding="utf-8"))
-    # Under wait, callers beyond the bound on waiters (aiokv.admission.max_waiting) are
+    # Under wait, callers beyond the bound on waiters (aiokv.loop.admission.max_waiting) are
     # refused with Overloaded, at submit like under reject.
     waiting = {"ok", "RequestTimeout", "Overloaded"}
     for policy, allowed in (("reject", {"ok", "Overloaded"}), ("wait", waiting)):

@@ -15,7 +15,7 @@ import torch
 from conftest import PAGE_SIZE, small_store
 
 import aiokv
-from aiokv.admission import max_waiting
+from aiokv.loop.admission import max_waiting
 from aiokv.stores.base import Store, TaskResult
 from aiokv.testing import StoreWrapper
 

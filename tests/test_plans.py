@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import aiokv
-from aiokv.plans import Round, outcome, plan_load, plan_lookup, plan_offload, to_match
 from aiokv.requests import Kind, LookupGrant, Request, Stage
 from aiokv.stores.base import BoolArray, TaskResult, TaskStatus
+from aiokv.worker.plans import Round, outcome, plan_load, plan_lookup, plan_offload, to_match
 
 PAGE = 4
 

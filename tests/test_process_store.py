@@ -22,10 +22,10 @@ from conftest import PAGE_SIZE, launch_slots, make_caches
 
 import aiokv
 import aiokv.testing
-from aiokv.handoff import store_slice_us as _store_slice_us
 from aiokv.stores import NoSpace, ProcessStore, make_store
 from aiokv.stores.flexkv import FlexKVStore
 from aiokv.stores.wire import pack_results, portable, unpack_results
+from aiokv.worker.handoff import store_slice_us as _store_slice_us
 
 # LocalStore blocks of conftest's caches: 2 layers x 2 x 4 tokens x 2 heads x 8 float32.
 BLOCK_BYTES = 2 * 2 * PAGE_SIZE * 2 * 8 * 4

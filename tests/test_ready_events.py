@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from aiokv.batcher import Batcher
 from aiokv.config import EngineConfig
 from aiokv.cuda import ReadyMarks
+from aiokv.loop.batcher import Batcher
 from aiokv.requests import Kind, Request
 
 

@@ -15,7 +15,7 @@ import aiokv
 import aiokv.requests
 from aiokv.requests import Request, Stage
 from aiokv.testing import CheckingStore, FaultyStore
-from aiokv.worker import StoreWorker
+from aiokv.worker.thread import StoreWorker
 
 Q, D, L, T = Stage.QUEUED, Stage.DISPATCHED, Stage.LAUNCHED, Stage.TERMINAL
 

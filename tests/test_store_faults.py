@@ -1,7 +1,7 @@
 """A store verb that raises once (a transient fault) must cost the engine nothing but the
 requests it concerned: found by the soak (benchmarks/soak.py, ``--error-verbs cancel`` or
 ``try_wait``), reduced here to one fault each (strict-xfail reproducers until the store thread retried
-them: aiokv/recovery.py). Every verb's failure is in the soak's CI run
+them: aiokv/worker/recovery.py). Every verb's failure is in the soak's CI run
 (tests/test_soak_quick.py)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """EngineConfig.store_slice_us: the store thread hands the GIL to the loop between store
 calls once it has run a slice. Deterministic: the worker's clock and sleep are faked
-(``aiokv.worker.time``), so no assertion depends on how fast this machine is."""
+(``aiokv.worker.thread.time``), so no assertion depends on how fast this machine is."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ import torch
 from conftest import PAGE_SIZE, small_store
 
 import aiokv
-import aiokv.handoff
-import aiokv.worker
-from aiokv.batcher import Batch
+import aiokv.worker.handoff
+import aiokv.worker.thread
 from aiokv.config import parse_config
-from aiokv.handoff import store_slice_us as _store_slice_us
-from aiokv.resolution import Resolver
+from aiokv.loop.batcher import Batch
+from aiokv.loop.resolution import Resolver
 from aiokv.stores.base import BoolArray, Int64Array, Store
 from aiokv.stores.flexkv import FlexKVStore
 from aiokv.testing import FakeStore, SharedStore, StoreWrapper
+from aiokv.worker.handoff import store_slice_us as _store_slice_us
 
 ROOT = Path(__file__).resolve().parent.parent
 SLICE_US = 100
@@ -61,8 +61,8 @@ class FakeTime:
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     """The worker's clock and sleep, faked for one test."""
     fake = FakeTime()
-    monkeypatch.setattr(aiokv.worker, "time", fake)
-    monkeypatch.setattr(aiokv.handoff, "time", fake)
+    monkeypatch.setattr(aiokv.worker.thread, "time", fake)
+    monkeypatch.setattr(aiokv.worker.handoff, "time", fake)
     return fake
 
 
@@ -212,7 +212,7 @@ async def test_the_store_thread_sleeps_between_store_calls_once_its_slice_is_use
     config_slice_us: int | None,
     expected: list[str],
 ) -> None:
-    monkeypatch.setattr(aiokv.worker, "queue", inbox_that_moves(clock))
+    monkeypatch.setattr(aiokv.worker.thread, "queue", inbox_that_moves(clock))
     store = SlowMatches(small_store(), clock)
     # One batch of USERS offloads, then one of USERS lookups.
     config = aiokv.EngineConfig(
@@ -226,7 +226,7 @@ async def test_the_store_thread_sleeps_between_store_calls_once_its_slice_is_use
         for hit in hits:
             hit.release()
     assert clock.log == expected
-    assert clock.slept == [aiokv.handoff._HANDOFF_S] * expected.count("sleep")
+    assert clock.slept == [aiokv.worker.handoff._HANDOFF_S] * expected.count("sleep")
     # The pauses change nothing in the outcomes.
     assert [r.stored_tokens for r in offloads] == [2 * PAGE_SIZE] * USERS
     assert [h.cached_tokens for h in hits] == [2 * PAGE_SIZE] * USERS
@@ -277,14 +277,14 @@ async def test_a_batch_finished_before_a_hand_over_between_batches_is_answered_f
 ) -> None:
     delivered, delivered_at_sleep = record_deliveries(monkeypatch, clock)
     second_batch_in = threading.Event()
-    submit = aiokv.worker.StoreWorker.submit
+    submit = aiokv.worker.thread.StoreWorker.submit
 
-    def submit_and_note_the_second(self: aiokv.worker.StoreWorker, item: Any) -> None:
+    def submit_and_note_the_second(self: aiokv.worker.thread.StoreWorker, item: Any) -> None:
         submit(self, item)
         if isinstance(item, Batch) and item.requests[0].user_id == "second":
             second_batch_in.set()
 
-    monkeypatch.setattr(aiokv.worker.StoreWorker, "submit", submit_and_note_the_second)
+    monkeypatch.setattr(aiokv.worker.thread.StoreWorker, "submit", submit_and_note_the_second)
     store = HeldFirstMatch(FakeStore(), clock, second_batch_in)
     config = aiokv.EngineConfig(max_batch_requests=1, store_slice_us=SLICE_US)  # a batch each
     async with aiokv.OffloadEngine(store, caches, config) as engine:
@@ -323,7 +323,7 @@ class YieldsInsideTryWait(StoreWrapper):
 async def test_a_store_yield_point_hands_over_only_while_a_slice_is_set(
     monkeypatch: pytest.MonkeyPatch, caches: list[torch.Tensor], clock: FakeTime
 ) -> None:
-    monkeypatch.setattr(aiokv.worker, "queue", inbox_that_moves(clock))
+    monkeypatch.setattr(aiokv.worker.thread, "queue", inbox_that_moves(clock))
     store = SharedStore(YieldsInsideTryWait(FakeStore(), clock))
     for slice_us in (0, SLICE_US):  # two engines, one after the other, on one store
         clock.log.clear()

@@ -12,9 +12,9 @@ import torch
 from conftest import PAGE_SIZE, launch_slots, make_caches
 
 import aiokv
-from aiokv.batcher import plan_batches
 from aiokv.config import parse_config
 from aiokv.copy.copier import Copier
+from aiokv.loop.batcher import plan_batches
 from aiokv.requests import Kind, Request
 from aiokv.stores.fused import FusedPages, fuse_page_ids
 from aiokv.stores.local.index import chain_digests

@@ -266,7 +266,7 @@ class Capabilities:
     """A store's optional methods, read once (:meth:`of`): each bound method, or None
     where the store lacks it (a wrapper may hold None for what its inner store lacks).
     The slice advice (:class:`AdvisesSlice`) is read with the config, by
-    :func:`aiokv.handoff.store_slice_us`."""
+    :func:`aiokv.worker.handoff.store_slice_us`."""
 
     set_notify: Callable[[Callable[[], None]], None] | None = None
     set_yield: Callable[[Callable[[], None]], None] | None = None

@@ -6,9 +6,9 @@ Worker → loop: each drained set of outcomes goes back in one ``call_soon_threa
 as (request, outcome) pairs with exceptions as values.
 
 The store thread holds the GIL while it runs Python; once it has run ``store_slice_us``
-it hands the GIL to a waiting event loop between store calls (:mod:`aiokv.handoff`).
+it hands the GIL to a waiting event loop between store calls (:mod:`aiokv.worker.handoff`).
 
-Per batch: its store round (:mod:`aiokv.rounds`: match, plan, execute: cancels, then one
+Per batch: its store round (:mod:`aiokv.worker.rounds`: match, plan, execute: cancels, then one
 launch). Then poll ``try_wait`` on launched ids until each is terminal.
 """
 
@@ -26,17 +26,17 @@ from typing import Any
 
 import torch
 
-from .batcher import Batch
+from ..errors import EngineClosed, StoreError
+from ..invalidation import HeldKeys, Invalidation, give_back, invalidate
+from ..loop.batcher import Batch
+from ..requests import Kind, Request
+from ..store_figures import StoreFigures, StoreSideStats, StoreStatsQuery
+from ..stores.base import Capabilities, Store, capacity_tokens, no_yield
 from .calls import StoreCalls
-from .errors import EngineClosed, StoreError
 from .handoff import GilSlice
-from .invalidation import HeldKeys, Invalidation, give_back, invalidate
 from .plans import outcome as outcome_of
 from .recovery import PollFailures, retry_timeout
-from .requests import Kind, Request
 from .rounds import Rounds
-from .store_figures import StoreFigures, StoreSideStats, StoreStatsQuery
-from .stores.base import Capabilities, Store, capacity_tokens, no_yield
 
 log = logging.getLogger("aiokv")
 
@@ -90,7 +90,7 @@ class StoreWorker:
         self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
         self._calls = StoreCalls(store, self._slice.yield_if_used)
         self._polls = PollFailures()  # try_wait failures in a row, and the next poll's due
-        self._rounds = Rounds(  # each batch's store round (aiokv.rounds)
+        self._rounds = Rounds(  # each batch's store round (aiokv.worker.rounds)
             store, self._caps, self._calls, self._slice, side_stream,
             self._launched, self._reserved, self._held_keys, self.release_one,
         )

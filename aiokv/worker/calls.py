@@ -9,12 +9,12 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import StoreError, StoreFull
+from ..errors import StoreError, StoreFull
+from ..requests import TERMINAL, Request
+from ..stores.base import Int64Array, NoSpace, Store
+from ..validate import positions
 from .plans import Answer
 from .recovery import OwedCancels
-from .requests import TERMINAL, Request
-from .stores.base import Int64Array, NoSpace, Store
-from .validate import positions
 
 log = logging.getLogger("aiokv")
 

@@ -18,10 +18,10 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from .config import EngineConfig
-from .errors import Overloaded, RequestTimeout
-from .requests import Kind, Request
-from .stats import StatsRecorder
+from ..config import EngineConfig
+from ..errors import Overloaded, RequestTimeout
+from ..requests import Kind, Request
+from ..stats import StatsRecorder
 
 # Callers that may wait for room: WAITERS_PER_ROOM per room (max_pending), and at least
 # MIN_WAITERS. A caller behind W others waits for W + 1 requests to finish; past a few

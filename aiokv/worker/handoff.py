@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from .config import EngineConfig, store_slice_from_advice
+from ..config import EngineConfig, store_slice_from_advice
 
 # The sleep that hands the GIL to a waiting loop: longer than a thread's wake-up, short
 # next to a batch's copy (Linux adds its 50 µs timer slack).

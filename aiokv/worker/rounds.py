@@ -1,8 +1,8 @@
-"""One batch's store round, on the store thread (:mod:`aiokv.worker` runs it in inbox order).
+"""One batch's store round, on the store thread (:mod:`aiokv.worker.thread` runs it in inbox order).
 
 An offload or load: one match call for the batch (an offload's ``put_match``es,
-:class:`aiokv.calls.StoreCalls`; a load's matches are its Lookups' reservations), the
-round planned in one pure pass (:mod:`aiokv.plans`: each request's task id, mask and page
+:class:`aiokv.worker.calls.StoreCalls`; a load's matches are its Lookups' reservations), the
+round planned in one pure pass (:mod:`aiokv.worker.plans`: each request's task id, mask and page
 view), then executed: cancels, then one ``launch(task_ids, pages, ready)`` with each
 request's page view and ready event. The engine never reads page ids: the store makes
 what it needs of them and checks them (a bad one fails its task INVALID). A lookup: its
@@ -21,15 +21,15 @@ from typing import Any
 
 import torch
 
-from .batcher import Batch
+from ..errors import StoreError
+from ..invalidation import HeldKeys
+from ..layerwise import note_launches
+from ..loop.batcher import Batch
+from ..requests import LAUNCHED, TERMINAL, Kind, Request
+from ..stores.base import Capabilities, Store
 from .calls import StoreCalls
-from .errors import StoreError
 from .handoff import GilSlice
-from .invalidation import HeldKeys
-from .layerwise import note_launches
 from .plans import Move, Round, plan_load, plan_lookup, plan_offload, to_match
-from .requests import LAUNCHED, TERMINAL, Kind, Request
-from .stores.base import Capabilities, Store
 
 _OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
 

@@ -28,8 +28,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .config import EngineConfig
-from .requests import DISPATCHED, QUEUED, TERMINAL, Kind, Request
+from ..config import EngineConfig
+from ..requests import DISPATCHED, QUEUED, TERMINAL, Kind, Request
 
 # Dispatching in one loop iteration beyond this waits for the next (see the docstring).
 DISPATCH_BUDGET_S = 0.0005

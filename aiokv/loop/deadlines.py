@@ -10,7 +10,7 @@ head holds many resolved ones behind it.
 
 The timer fails the requests that have no answer by their deadline. An answer that comes
 after the deadline but before the timer runs is failed where it is resolved
-(:meth:`aiokv.resolution.Resolver.resolve`, from ``Request.deadline``).
+(:meth:`aiokv.loop.resolution.Resolver.resolve`, from ``Request.deadline``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from .requests import Request
+from ..requests import Request
 
 _MIN_COMPACT = 1024
 

@@ -1,6 +1,6 @@
 """Store rounds, decided before they are acted on: pure functions, no store call, no thread.
 
-The store thread (:mod:`aiokv.rounds`) asks the store for its match answers, hands them
+The store thread (:mod:`aiokv.worker.rounds`) asks the store for its match answers, hands them
 here with the batch, and executes the :class:`Round` that comes back: post ``outcomes``,
 cancel what ``cancel`` lists, launch ``launch`` in one call, each entry with its page view
 (:class:`Move`). The exactly-once rule of the Store contract lives here, where a unit test
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import InvalidRequest, StoreError
-from .requests import (
+from ..errors import InvalidRequest, StoreError
+from ..requests import (
     TERMINAL,
     Kind,
     LoadResult,
@@ -31,7 +31,7 @@ from .requests import (
     Request,
     Reservation,
 )
-from .stores.base import BoolArray, Int64Array, TaskResult, TaskStatus
+from ..stores.base import BoolArray, Int64Array, TaskResult, TaskStatus
 
 # A request's match as the store answered it: (task id, mask), its translated error, or
 # None where it was not asked (a caller that left before the match).

@@ -21,12 +21,12 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import EngineClosed, RequestTimeout, StoreError, StoreFull
+from ..requests import TERMINAL, Kind, Lookup, LookupGrant, Request
+from ..space import SpaceWaits
+from ..stats import StatsRecorder
 from .admission import Admission
 from .deadlines import Deadlines
-from .errors import EngineClosed, RequestTimeout, StoreError, StoreFull
-from .requests import TERMINAL, Kind, Lookup, LookupGrant, Request
-from .space import SpaceWaits
-from .stats import StatsRecorder
 
 log = logging.getLogger("aiokv")
 

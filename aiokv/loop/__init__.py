@@ -1,0 +1,1 @@
+"""What runs on the event loop: batching, admission, deadlines, resolving callers."""
