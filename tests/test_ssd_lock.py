@@ -184,12 +184,19 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
     store = aiokv.LocalStore(config(tmp_path))
     store.register(caches)
     read_end, write_end = os.pipe()
+    started_read, started_write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: wait until the parent is done, touching nothing
+    if pid == 0:  # the child: say it runs, then wait until the parent is done
         os.close(write_end)
+        os.write(started_write, b"1")  # after fork's handlers ran: the lock is let go
         os.read(read_end, 1)
         os._exit(0)
     os.close(read_end)
+    os.close(started_write)
+    # The child lets go of the lock as it starts; on a loaded box it may not have been
+    # scheduled yet when fork returns here.
+    assert os.read(started_read, 1) == b"1"
+    os.close(started_read)
     try:
         store.close()
         again = aiokv.LocalStore(config(tmp_path))
