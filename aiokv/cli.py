@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help only: main() hands everything after "bench" to aiokv.bench.
     commands.add_parser(
         "bench",
-        help="benchmarks: aiokv bench {engine,slots,bandwidth,lag,ssd,startup,model,layers,shared} --help",
+        help="benchmarks: aiokv bench "
+        "{engine,slots,bandwidth,lag,ssd,startup,model,layers,shared} --help",
         add_help=False,
     )
     return parser
