@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -264,14 +264,21 @@ class OffloadEngine:
         return await self._await_load(hit, request)
 
     async def load_layerwise(
-        self, hit: Lookup, page_ids: torch.Tensor, *, _ready_event: Any = None
+        self,
+        hit: Lookup,
+        page_ids: torch.Tensor,
+        *,
+        _ready_event: Any = None,
+        _on_handed_out: Callable[[layerwise.LayerwiseLoad], None] | None = None,
     ) -> layerwise.LayerwiseLoad:
         """:meth:`load`, returned once launched (or ended, if it never launches) as an
         :class:`aiokv.LayerwiseLoad` whose layers can be waited for one by one; its later
         errors come from its waits and ``result()``. Cancelled before it returns, the
         load is cancelled as ``load`` would be."""
         request = self._load_request(hit, page_ids, _ready_event)
-        return await layerwise.start(len(self._kv_caches), hit, request, self._await_load)
+        return await layerwise.start(
+            len(self._kv_caches), hit, request, self._await_load, _on_handed_out
+        )
 
     def _load_request(self, hit: Lookup, page_ids: torch.Tensor, ready: Any) -> Request | None:
         """A load's request, checked, not yet submitted; None for an empty hit (counted

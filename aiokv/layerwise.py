@@ -57,6 +57,10 @@ class LayerwiseLoad:
         self._marks = LayerMarks(num_layers)
         self._own_marks = True
         self._launched: asyncio.Future[None] = loop.create_future()
+        # Told of the load as it is handed out, on the loop, in the same callback as the
+        # launch notice: run_in_background's callers get their load without waiting for
+        # load_layerwise's task to wake and its result to be chained to their future.
+        self._on_handed_out: Callable[[LayerwiseLoad], None] | None = None
         self._end: asyncio.Future[LoadResult] = loop.create_future()  # replaced by _follow
         # Once ended (``_ended``): what every wait raises from then on, None after a full
         # load. Written on the loop before the marks are finished or failed, whose lock
@@ -155,7 +159,7 @@ class LayerwiseLoad:
                     "aiokv: the store marked %d layers of a load into %d; marking them at "
                     "its end", marks.num_layers, self.num_layers,
                 )
-        settle(self._launched, None)
+        self._hand_out()
 
     def _on_end(self, end: asyncio.Future[LoadResult]) -> None:
         error: BaseException | None
@@ -176,9 +180,15 @@ class LayerwiseLoad:
             self._marks.finish()
         else:
             self._marks.fail(f"the load ended with {error!r}")
-        settle(self._launched, None)  # a load that never launched is handed out now
+        self._hand_out()  # a load that never launched is handed out now
 
     # ---- helpers ---------------------------------------------------------------------
+
+    def _hand_out(self) -> None:
+        settle(self._launched, None)
+        hook, self._on_handed_out = self._on_handed_out, None
+        if hook is not None:
+            hook(self)
 
     def _check(self, layer: object) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int):
@@ -211,12 +221,16 @@ async def start(
     hit: Lookup,
     request: Request | None,
     run: Callable[[Lookup, Request], Coroutine[Any, Any, LoadResult]],
+    on_handed_out: Callable[[LayerwiseLoad], None] | None = None,
 ) -> LayerwiseLoad:
     """``load_layerwise``'s body, once ``request`` (None: an empty hit, loaded at once)
     is made and checked: run it (``run``: the engine's load) and return once it is
-    launched or ended. Cancelled before that, the load is cancelled as ``load`` is."""
+    launched or ended. Cancelled before that, the load is cancelled as ``load`` is.
+    ``on_handed_out(load)``: called on the loop as the load is launched or ended, before
+    this returns."""
     loop = asyncio.get_running_loop()
     load = LayerwiseLoad(num_layers, hit, loop)
+    load._on_handed_out = on_handed_out
     if request is None:
         done: asyncio.Future[LoadResult] = loop.create_future()
         settle(done, LoadResult(hit.user_id, 0))

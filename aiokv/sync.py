@@ -31,7 +31,8 @@ import torch
 
 from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
-from .layerwise import BackgroundLayerwiseLoad
+from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
+from .loop.resolution import settle_thread_future
 from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
 
@@ -95,6 +96,14 @@ class BackgroundLookup:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+def _outcome(done: concurrent.futures.Future[Any]) -> object:
+    """A finished future's result, its exception, or a CancelledError if it was
+    cancelled, as a value."""
+    if done.cancelled():
+        return concurrent.futures.CancelledError()
+    return done.exception() or done.result()
 
 
 def _on_thread_of(loop: asyncio.AbstractEventLoop) -> bool:
@@ -278,12 +287,24 @@ class BackgroundEngine:
         as for :meth:`submit_load`."""
         lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
         ready = self.engine._caller_event()
+        # Resolved on the loop in the callback that brings the launch notice (one hop
+        # from the store thread); the task's own outcome only where it comes first: an
+        # error at submit, a cancellation, a closed engine.
+        handed: concurrent.futures.Future[BackgroundLayerwiseLoad] = concurrent.futures.Future()
+
+        def hand_out(load: LayerwiseLoad) -> None:
+            settle_thread_future(handed, BackgroundLayerwiseLoad(load, self.loop))
 
         async def load_layerwise() -> BackgroundLayerwiseLoad:
-            load = await self.engine.load_layerwise(lookup, page_ids, _ready_event=ready)
+            load = await self.engine.load_layerwise(
+                lookup, page_ids, _ready_event=ready, _on_handed_out=hand_out
+            )
             return BackgroundLayerwiseLoad(load, self.loop)
 
-        return self._submit(load_layerwise)
+        running = self._submit(load_layerwise)
+        running.add_done_callback(lambda done: settle_thread_future(handed, _outcome(done)))
+        handed.add_done_callback(lambda done: done.cancelled() and running.cancel())
+        return handed
 
     def offload(
         self,

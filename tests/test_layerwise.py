@@ -343,3 +343,34 @@ def test_run_in_background_waits_for_layers_in_the_calling_thread() -> None:
         ended = asyncio.run_coroutine_threadsafe(on_loop(), kv.loop).result(timeout=10)
         assert ended == aiokv.LoadResult(2, 0)
     assert evicted.result() == aiokv.LoadResult(2, 0)  # after the close too
+
+
+def test_run_in_background_hands_out_errors_and_cancels_before_the_launch() -> None:
+    # The handle's future is resolved as the launch notice lands; what ends the call before
+    # that (an error at submit, the caller cancelling it) still reaches it.
+    engine, caches = engine_over(LayeredStore(), window_us=1_000_000, max_batch_requests=2)
+    with aiokv.run_in_background(engine) as kv:
+        kv.offload(1, SOURCE, TOKENS)
+        kv.offload(2, SOURCE, TOKENS)  # the window holds a lone load: batches of two
+        hit = kv.lookup(1, TOKENS)
+        with pytest.raises(aiokv.InvalidRequest) as caught:
+            kv.submit_load_layerwise(hit, TARGET[:2]).result(timeout=10)
+        assert caught.value.field == "page_ids"
+        hit = kv.lookup(1, TOKENS)
+        calling = kv.submit_load_layerwise(hit, TARGET)
+        for _ in range(1000):  # until the load is accepted (queued for the window)
+            if kv.stats().pending:
+                break
+        assert kv.stats().pending == 1
+        assert calling.cancel()
+        with pytest.raises(concurrent.futures.CancelledError):
+            calling.result(timeout=10)
+        for _ in range(1000):  # the cancel reaches the loop
+            if kv.stats().cancelled:
+                break
+        stats = kv.stats()
+        assert (stats.cancelled, stats.pending) == (1, 0)
+        load = kv.load_layerwise(kv.lookup(2, TOKENS), TARGET)  # the handle still serves
+        load.wait_layer(LAYERS - 1)
+        assert all(loaded(caches, i) for i in range(LAYERS))
+        assert load.result(timeout=10) == aiokv.LoadResult(2, TOKENS)

@@ -14,6 +14,7 @@ it (:meth:`Resolver._late`): a caller gets its result by the deadline, or an err
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 import weakref
@@ -213,6 +214,21 @@ def settle(future: asyncio.Future[Any], outcome: object) -> None:
     on the loop, unless it is already done (its caller cancelled it, or it failed at
     close). The other half of :meth:`Resolver.resolve`, the one place futures resolve."""
     if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def settle_thread_future(future: concurrent.futures.Future[Any], outcome: object) -> None:
+    """Resolve a thread's future (``run_in_background``'s), from the loop, unless it is
+    done or its caller cancelled it meanwhile (``set_running_or_notify_cancel`` decides
+    that race under the future's lock). A cancellation as ``outcome`` cancels it."""
+    if isinstance(outcome, (asyncio.CancelledError, concurrent.futures.CancelledError)):
+        future.cancel()
+        return
+    if future.done() or not future.set_running_or_notify_cancel():
         return
     if isinstance(outcome, BaseException):
         future.set_exception(outcome)

@@ -1,0 +1,128 @@
+"""Where a layerwise load's first milliseconds go, hop by hop, as a model thread calls it.
+
+    python benchmarks/hops.py [--device cpu|cuda] [--users 4] [--tokens 64] [--repeats 30]
+
+The calls go through ``run_in_background`` (``submit_load_layerwise`` per user, then
+``wait_layer(0)`` on each), the path of ``aiokv bench layers``. Each stage is stamped
+by wrapping the engine's functions (no change to the code under test; a wrapper costs
+about a microsecond) and printed as the median ms from the first call over ``--repeats``
+rounds: the loop takes the calls (enqueue), the store thread takes the batch, the launch
+returns, the copy thread starts the job, layer 0 is marked, the launch notice leaves the
+store thread and reaches the loop, the caller holds its loads, and layer 0 is waited for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import aiokv
+from aiokv import layerwise
+from aiokv.copy import copier
+from aiokv.copy import marks as layer_marks
+from aiokv.loop import batcher
+from aiokv.stores.local import store as local_store
+from aiokv.worker import thread as worker
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
+
+at: dict[str, float] = {}
+
+
+def mark(stage: str) -> None:
+    at.setdefault(stage, time.perf_counter())
+
+
+def wrap(owner: Any, name: str, before: str | None, after: str | None = None) -> None:
+    original: Callable[..., Any] = getattr(owner, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if before:
+            mark(before)
+        result = original(*args, **kwargs)
+        if after:
+            mark(after)
+        return result
+
+    setattr(owner, name, wrapped)
+
+
+def instrument() -> None:
+    wrap(batcher.Batcher, "enqueue", "loop_enqueue")
+    wrap(worker.StoreWorker, "_handle", "store_thread")
+    wrap(local_store.LocalStore, "launch", None, "launched")
+    wrap(copier.Copier, "_move_cpu", "copy_thread")
+    wrap(copier.Copier, "_queue_cuda", "copy_thread")
+    wrap(layer_marks.LayerMarks, "layer_done", None, "layer0_marked")
+    wrap(layer_marks.LayerMarks, "layer_queued", None, "layer0_marked")
+    wrap(layerwise, "note_launches", "notice_sent")
+    wrap(layerwise, "_deliver", "notice_on_loop")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--users", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    pages = args.tokens // PAGE
+    num_pages = 2 * args.users * pages
+    caches = [torch.randn(num_pages, 2, PAGE, HEADS, HEAD_DIM, device=device)
+              for _ in range(LAYERS)]
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.05, page_size=PAGE))
+    config = aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=args.users,
+                                max_batch_tokens=args.users * args.tokens)
+    kv = aiokv.run_in_background(aiokv.OffloadEngine(store, caches, config))
+    sources = [torch.arange(u * pages, (u + 1) * pages, device=device) for u in range(args.users)]
+    targets = [t + num_pages // 2 for t in sources]
+    for future in [kv.submit_offload(u, sources[u], args.tokens) for u in range(args.users)]:
+        future.result()
+    instrument()
+    rows: list[dict[str, float]] = []
+    try:
+        for repeat in range(args.repeats + 1):  # 0 warms up
+            hits = [f.result() for f in [kv.submit_lookup(u, args.tokens)
+                                         for u in range(args.users)]]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            at.clear()
+            start = time.perf_counter()
+            futures = [kv.submit_load_layerwise(hits[u], targets[u]) for u in range(args.users)]
+            loads = [f.result() for f in futures]
+            mark("caller_has_loads")
+            for load in loads:
+                load.wait_layer(0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            mark("layer0_waited")
+            for load in loads:
+                load.result()
+            for layer in caches:
+                for s, t in zip(sources, targets, strict=True):
+                    if not torch.equal(layer[t], layer[s]):
+                        raise RuntimeError("hops: a load's bytes differ from the offload's")
+            if repeat:
+                rows.append({stage: (t - start) * 1e3 for stage, t in at.items()})
+    finally:
+        kv.close()
+    stages = set.intersection(*(set(row) for row in rows))
+    medians = {s: statistics.median(row[s] for row in rows) for s in stages}
+    print(f"{args.users} x {args.tokens} layerwise loads on {device.type}, {LAYERS} layers, "
+          f"median of {args.repeats}, ms from the first call:")
+    for stage, ms in sorted(medians.items(), key=lambda item: item[1]):
+        print(f"  {stage:>18}  {ms:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
