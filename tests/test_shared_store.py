@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from shared_host import (
 )
 
 import aiokv
+from aiokv.stores.base import TaskStatus
 from aiokv.stores.shared import SharedStore
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
@@ -165,6 +167,52 @@ def test_raw_client_copies_bit_exact_through_the_region(host: Host) -> None:
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_bad_page_id_fails_only_its_task_and_loads_mark_their_layers(host: Host) -> None:
+    """The embedded store's data plane under the client: a page id outside the caches
+    ends its own task INVALID with the embedded store's message, its batch-mate is
+    copied; a get offers per-layer marks (base.MarksLayers), each layer ready once in
+    place."""
+    server, _ = host
+    store, tables = observer(server)
+    local = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    local.register(caches())
+    try:
+        good_tokens = np.arange(500, 500 + 2 * PAGE_SIZE, dtype=np.int64)
+        bad_tokens = np.arange(700, 700 + 2 * PAGE_SIZE, dtype=np.int64)
+        good, _ = store.put_match(good_tokens, ["bad-ids"])
+        bad, _ = store.put_match(bad_tokens, ["bad-ids"])
+        local_bad, _ = local.put_match(bad_tokens, ["bad-ids"])
+        kv = user_kv(41, 2)
+        for cache, data in zip(tables, kv, strict=True):
+            cache[:2] = data
+        store.launch([good, bad], [torch.arange(2), torch.tensor([3, 9999])], [None, None])
+        local.launch([local_bad], [torch.tensor([3, 9999])], [None])
+        ends: dict[int, Any] = {}
+        wait_for(lambda: ends.update(store.try_wait([good, bad])) or len(ends) == 2,
+                 "both puts' ends")
+        local_end: dict[int, Any] = {}
+        wait_for(lambda: local_end.update(local.try_wait([local_bad])) or local_end,
+                 "the local put's end")
+        assert ends[good].status is TaskStatus.SUCCESS
+        assert ends[bad].status is TaskStatus.INVALID
+        assert "9999" in str(ends[bad].error)
+        assert ends[bad].error == local_end[local_bad].error
+        for cache in tables:
+            cache.zero_()
+        get, mask = store.get_match(good_tokens, ["bad-ids"])
+        assert mask.sum() == 2 * PAGE_SIZE
+        store.launch([get], [torch.tensor([5, 6])], [None])
+        marks = store.layer_marks(get)
+        assert marks is not None
+        for layer, (cache, data) in enumerate(zip(tables, kv, strict=True)):
+            marks.synchronize(layer)
+            assert torch.equal(cache[5:7], data)
+        wait_for(lambda: store.try_wait([get]), "the get's end")
+    finally:
+        store.close()
+        local.close()
 
 
 def test_sigterm_drains_and_exits_0(tmp_path: Path) -> None:

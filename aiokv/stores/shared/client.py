@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from ...config import StoreConfig
-from ...copy.plan import check_pages
+from ...copy.copier import CopyJob
+from ...copy.marks import LayerMarks
 from ...errors import ConfigError, StoreError
 from ..base import (
     BoolArray,
@@ -43,8 +44,8 @@ from ..base import (
     TaskStatus,
 )
 from . import wire
-from .plane import Job, PoolView, RegionCopier
-from .region import Geometry, Pinning, Region
+from .plane import RegionPlane
+from .region import Geometry, Region
 
 log = logging.getLogger("aiokv")
 
@@ -63,7 +64,8 @@ class _Task:
 class _Link:
     """One connection to the server and the region it handed over."""
 
-    def __init__(self, path: str, geometry: Geometry, pin: bool) -> None:
+    def __init__(self, path: str, caches: Sequence[torch.Tensor], geometry: Geometry,
+                 done: Callable[[CopyJob], None]) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # A server that stops answering (stopped, wedged) fails the call in flight after
         # this long, and the store thread goes on (the server's own waits are shorter).
@@ -91,9 +93,7 @@ class _Link:
         finally:
             os.close(fds[0])  # the mapping stays; a reconnect must not leak descriptors
         self.region.fd = -1
-        self.pool = PoolView(self.region, Pinning(self.region) if pin else None)
-        if not pin:  # pinning maps the pages itself
-            self.region.populate()
+        self.plane = RegionPlane(caches, self.region, done)
 
     def call(self, message: Mapping[str, Any]) -> dict[str, Any]:
         wire.send(self.sock, message)
@@ -106,10 +106,11 @@ class _Link:
         return reply
 
     def close(self) -> None:
+        """Disconnect, then finish the queued copies (their tasks end FAILED: the
+        server rolled them back) and unpin."""
         self.sock.close()
-        if self.pool.pinning is not None:
-            self.pool.pinning.close()
-        # The region stays mapped while copies still use it; unmapped when they are gone.
+        self.plane.close()
+        # The region stays mapped while tensors view it; unmapped when they are gone.
 
 
 class SharedStore:
@@ -123,7 +124,7 @@ class SharedStore:
         self._path = str(config.socket)
         self.page_size = config.page_size or 0
         self._geometry: Geometry | None = None
-        self._gpu = False
+        self._caches: list[torch.Tensor] = []
         self._link: _Link | None = None
         self._generation = 0
         self._lock = threading.Lock()
@@ -132,17 +133,18 @@ class SharedStore:
         self._launched: dict[int, _Task] = {}
         self._finished: dict[int, TaskResult] = {}
         self._release: list[int] = []  # server ids to end as failed with the next message
-        self._done_jobs: deque[Job] = deque()
-        self._copier: RegionCopier | None = None
-        self._num_pages = 0
+        self._done_jobs: deque[CopyJob] = deque()
+        self._marks: dict[int, LayerMarks] = {}  # the last launch's gets', until asked
+        self._d2h_closed = 0  # the d2h_copies of the planes of links gone
         self._notify: Callable[[], None] | None = None
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
+        self._block_bytes = 0
         self._closed = False
 
     # ---- set-up --------------------------------------------------------------------
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        if self._copier is not None:
+        if self._caches:
             raise RuntimeError("SharedStore.register() was already called")
         geometry = Geometry.of(kv_caches)
         if self.page_size and self.page_size != geometry.page_size:
@@ -150,10 +152,9 @@ class SharedStore:
                               f"caches' {geometry.page_size}")
         self.page_size = geometry.page_size
         self._geometry = geometry
-        self._gpu = kv_caches[0].device.type == "cuda"
-        self._num_pages = int(kv_caches[0].shape[0])
+        self._block_bytes = geometry.block_bytes
+        self._caches = list(kv_caches)
         self._connect()
-        self._copier = RegionCopier(kv_caches, self._job_done)
 
     def _connect(self) -> _Link:
         if self._link is not None:
@@ -161,7 +162,7 @@ class SharedStore:
         if self._closed or self._geometry is None:
             raise StoreError("the shared store is closed (or not registered)")
         try:
-            link = _Link(self._path, self._geometry, self._gpu)
+            link = _Link(self._path, self._caches, self._geometry, self._job_done)
         except (OSError, wire.PeerGone, wire.WireError) as exc:
             raise StoreError(f"the store server at {self._path!r} is not reachable: {exc} "
                              "(is `aiokv store-server` running?)") from exc
@@ -187,6 +188,7 @@ class SharedStore:
         self._release.clear()  # the server rolled back everything this link held
         if link is not None:
             link.close()
+            self._d2h_closed += link.plane.d2h_copies
 
     # ---- matches -------------------------------------------------------------------
 
@@ -226,9 +228,10 @@ class SharedStore:
 
     def launch(self, task_ids: Sequence[int], pages: Sequence[Any], ready: Sequence[Any] = ()
                ) -> None:
-        """Queue the copies of these matched tasks (base.Store.launch). A page id outside
-        the caches (or, for a load, a page twice) ends its task INVALID; a task matched on
-        a connection that has since gone ends FAILED."""
+        """Queue the copies of these matched tasks (base.Store.launch) on the data plane.
+        A page id outside the caches (or, for a load, a page twice) ends its task INVALID
+        (the copier checks them, as for the embedded store); a task matched on a
+        connection that has since gone ends FAILED."""
         if len(task_ids) != len(pages):
             raise ValueError("launch: one page tensor per task id")
         if len(set(task_ids)) != len(task_ids):
@@ -236,51 +239,49 @@ class SharedStore:
         for task_id in task_ids:
             if task_id not in self._tasks:
                 raise ValueError(f"launch: task {task_id} is not a matched, unlaunched task")
-        if self._copier is None:
+        if not self._caches or self._closed:
             raise RuntimeError("SharedStore is not registered (or already closed)")
-        events = [e for e in (ready or ()) if e is not None]
-        jobs: dict[bool, tuple[list[int], list[Int64Array], list[Int64Array]]] = {
-            True: ([], [], []), False: ([], [], [])}
+        self._marks = {}
+        chosen: dict[bool, list[tuple[int, Any, _Task]]] = {True: [], False: []}
         for task_id, page_ids in zip(task_ids, pages, strict=True):
             task = self._tasks.pop(task_id)
-            ids = self._page_ids(task, page_ids)
-            error = self._check(task, ids)
             if task.generation != self._generation or self._link is None:
                 self._finished[task_id] = TaskResult(
                     TaskStatus.FAILED, task.mask,
                     "the store server restarted after this task's match")
                 continue
-            if error is not None:
+            why = self._link.plane.unpinned(task.blocks)
+            status = TaskStatus.FAILED
+            if len(page_ids) != len(task.blocks):
+                why = f"page_ids: {len(page_ids)} pages given for {len(task.blocks)} matched"
+                status = TaskStatus.INVALID
+            if why is not None:
                 self._release.append(task.server_id)
-                self._finished[task_id] = TaskResult(TaskStatus.INVALID, task.mask, error)
+                self._finished[task_id] = TaskResult(status, task.mask, why)
                 continue
             self._launched[task_id] = task
-            chosen = jobs[task.is_put]
-            chosen[0].append(task_id)
-            chosen[1].append(ids)
-            chosen[2].append(task.blocks)
-        for is_put, (ids_, page_lists, block_lists) in jobs.items():
-            if not ids_:
+            chosen[task.is_put].append((task_id, page_ids, task))
+        for is_put, tasks in chosen.items():
+            if not tasks:
                 continue
             assert self._link is not None
-            self._copier.submit(Job(
-                is_put, self._link.pool,
-                torch.from_numpy(np.concatenate(page_lists)),
-                torch.from_numpy(np.concatenate(block_lists)), ids_, list(events)))
+            marks = [None if is_put else self._new_marks(t) for t, _, _ in tasks]
+            self._link.plane.submit(
+                is_put, [t for t, _, _ in tasks], [p for _, p, _ in tasks],
+                np.concatenate([task.blocks for _, _, task in tasks]), ready, marks)
         if len(self._finished) and self._notify is not None:
             self._notify()
 
-    def _page_ids(self, task: _Task, page_ids: Any) -> Int64Array:
-        if isinstance(page_ids, torch.Tensor):
-            page_ids = page_ids.cpu().numpy()
-        return np.asarray(page_ids, dtype=np.int64)
+    def _new_marks(self, task_id: int) -> LayerMarks:
+        marks = self._marks[task_id] = LayerMarks(len(self._caches))
+        return marks
 
-    def _check(self, task: _Task, ids: Int64Array) -> str | None:
-        if len(ids) != len(task.blocks):
-            return f"page_ids: {len(ids)} pages given for {len(task.blocks)} matched"
-        return check_pages(ids, self._num_pages, once=not task.is_put)
+    def layer_marks(self, task_id: int) -> LayerMarks | None:
+        """The per-layer marks of a get task the last launch took (base.MarksLayers);
+        None for another id (its layers are marked at its end)."""
+        return self._marks.pop(task_id, None)
 
-    def _job_done(self, job: Job) -> None:  # copy thread
+    def _job_done(self, job: CopyJob) -> None:  # a copier's thread
         self._done_jobs.append(job)
         if self._notify is not None:
             self._notify()
@@ -291,25 +292,29 @@ class SharedStore:
         """Terminal answers among ``task_ids``, each once. Tasks whose copies are done are
         reported to the server first (one message), and succeed once it has them."""
         done: list[int] = []
-        failed: dict[int, str] = {}
-        block_bytes = self._link.region.block_bytes if self._link is not None else 0
+        failed: dict[int, TaskResult] = {}
         while self._done_jobs:
             job = self._done_jobs.popleft()
-            key = "bytes_d2h" if job.to_region else "bytes_h2d"
             if job.error is None:
-                self._bytes[key] += len(job.blocks) * block_bytes
-            for task_id in job.task_ids:
-                if job.error is None:
-                    done.append(task_id)
+                key = "bytes_d2h" if job.to_host else "bytes_h2d"
+                self._bytes[key] += job.copied * self._block_bytes
+            for segment, task_id in enumerate(job.names):
+                mask = self._launched[task_id].mask
+                if job.error is not None:
+                    failed[task_id] = TaskResult(TaskStatus.FAILED, mask,
+                                                 f"copy failed: {job.error}")
+                elif segment in job.invalid:
+                    failed[task_id] = TaskResult(TaskStatus.INVALID, mask,
+                                                 job.invalid[segment])
                 else:
-                    failed[task_id] = job.error
+                    done.append(task_id)
         if done or failed or self._release:
             self._report(done, failed)
         if not self._finished:
             return {}
         return {t: self._finished.pop(t) for t in task_ids if t in self._finished}
 
-    def _report(self, done: list[int], failed: dict[int, str]) -> None:
+    def _report(self, done: list[int], failed: dict[int, TaskResult]) -> None:
         tasks = {t: self._launched.pop(t) for t in (*done, *failed)}
         current = {t: task for t, task in tasks.items()
                    if task.generation == self._generation and self._link is not None}
@@ -327,8 +332,7 @@ class SharedStore:
             current = {}
         for task_id, task in tasks.items():
             if task_id in failed:
-                self._finished[task_id] = TaskResult(TaskStatus.FAILED, task.mask,
-                                                     failed[task_id])
+                self._finished[task_id] = failed[task_id]
             elif task_id in current:
                 self._finished[task_id] = TaskResult(TaskStatus.SUCCESS, task.mask)
             else:
@@ -357,6 +361,8 @@ class SharedStore:
         """The server's figures (its tiers, hits and open tasks, every engine's) with this
         engine's own bytes copied; only the latter while the server is away."""
         stats: dict[str, int | float] = dict(self._bytes)
+        plane = self._link.plane if self._link is not None else None
+        stats["d2h_copies"] = self._d2h_closed + (plane.d2h_copies if plane else 0)
         try:
             stats.update(self._call({"op": "stats"})["stats"])
         except StoreError:
@@ -374,17 +380,18 @@ class SharedStore:
     def close(self) -> None:
         """Finish the queued copies, report them, and disconnect (the server rolls back
         whatever is left matched)."""
-        if self._copier is not None:
-            self._copier.close()
-            self._copier = None
+        with self._lock:
+            link = self._link
+        if link is not None:
+            link.plane.close()  # its copies reported below, while the link is up
             with contextlib.suppress(StoreError):
                 self.try_wait([])
         with self._lock:
             self._closed = True
             if self._link is not None:
                 self._link.close()
+                self._d2h_closed += self._link.plane.d2h_copies
                 self._link = None
-
 
 def _one(answers: MatchAnswers) -> tuple[int, BoolArray]:
     answer = answers[0]

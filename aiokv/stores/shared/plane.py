@@ -1,101 +1,72 @@
-"""An engine's copies between its caches and the shared region, on a thread of its own
-(``aiokv-shared-copy``): a job names cache pages and region blocks; its end (or error)
-is reported through a callback, so the store thread never waits on a copy.
+"""An engine's copies between its caches and the shared region, on the embedded store's
+data plane (:class:`~aiokv.copy.copier.Copier`): on a GPU the copy engines
+(``cuMemcpyBatchAsync``, one copier per direction so that offloads and loads in flight
+together do not queue behind each other), on the CPU torch index ops; the same page-id
+checks (a bad task fails alone, with the embedded store's message) and per-layer marks
+for loads.
 
-CPU caches: torch index ops, one gather and one scatter per job (a put gathers every
-layer's pages into one ``[n, layer, ...]`` tensor and scatters it into the blocks in
-one ``index_copy_``; a load the reverse, layer by layer). GPU caches: the same ops
-through ``.to(device)``, correct but not the data plane the region is for; the
-copy-engine copier (:mod:`aiokv.copy`) plugs in here, over the region's pool-like
-object (:class:`PoolView`: the block tensor and the prefix pinned so far).
+One plane per mapping of the region (a reconnect maps a new one, at another address, so
+it gets a new plane). On a GPU the copy engines must only touch pinned memory: the
+region is pinned in chunks in the background (:class:`~.region.Pinning`), and a job
+waits (on the store thread, as the embedded store's pool waits for its next chunk) until
+its blocks are in the pinned prefix.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from ...copy.copier import Copier, CopyJob
+from ...copy.marks import LayerMarks
+from ..base import Int64Array
 from .region import Pinning, Region
 
-log = logging.getLogger("aiokv")
 
+class RegionPlane:
+    def __init__(self, caches: Sequence[torch.Tensor], region: Region,
+                 done: Callable[[CopyJob], None]) -> None:
+        self.region = region
+        gpu = caches[0].device.type == "cuda"
+        self.pinning = Pinning(region) if gpu else None
+        if not gpu:  # pinning maps the pages itself
+            region.populate()
+        names = ("aiokv-shared-out", "aiokv-shared-in") if gpu else ("aiokv-shared-copy",)
+        self._copiers = [Copier(caches, region.data, done, name=n) for n in names]
+        self._closed = False
 
-@dataclass(frozen=True, slots=True)
-class PoolView:
-    """What a copier needs of the region: ``data`` (``[block, layer, k/v, token, head,
-    dim]``), where separately pinned chunks start (no copy may cross one), and how many
-    leading blocks are pinned (all of them for CPU caches, which need none)."""
+    def unpinned(self, blocks: Int64Array) -> str | None:
+        """Why these blocks cannot be copied (None: they are pinned, or need not be).
+        Waits while the region is still being pinned up to them."""
+        if self.pinning is None or not len(blocks):
+            return None
+        need = int(blocks.max()) + 1
+        if self.pinning.wait_for(need):
+            return None
+        return (f"region block {need - 1} is not pinned (pinning stopped at block "
+                f"{self.pinning.ready_blocks}: {self.pinning.error!r})")
 
-    region: Region
-    pinning: Pinning | None
+    def submit(self, to_region: bool, task_ids: list[int], pages: list[Any],
+               blocks: Int64Array, ready: Sequence[Any],
+               marks: Sequence[LayerMarks | None]) -> None:
+        """One job of these tasks' copies (one segment per task)."""
+        events = {id(e): e for e in ready if e is not None}  # a batch's callers share some
+        job = CopyJob(to_host=to_region, pages=pages, blocks=blocks, names=task_ids,
+                      ready=list(events.values()), marks=marks)
+        (self._copiers[0] if to_region else self._copiers[-1]).submit(job)
 
     @property
-    def data(self) -> torch.Tensor:
-        return self.region.data
-
-    @property
-    def ready_blocks(self) -> int:
-        return self.region.num_blocks if self.pinning is None else self.pinning.ready_blocks
-
-
-@dataclass(slots=True, eq=False)
-class Job:
-    """Copies of one launch's tasks in one direction."""
-
-    to_region: bool
-    pool: PoolView
-    pages: torch.Tensor  # cache page ids (int64, CPU), all tasks' joined
-    blocks: torch.Tensor  # region blocks, one per page
-    task_ids: list[int]
-    ready: list[object] = field(default_factory=list)  # CUDA events to wait for first
-    error: str | None = None
-
-
-class RegionCopier:
-    def __init__(self, kv_caches: Sequence[torch.Tensor], done: Callable[[Job], None]) -> None:
-        self._caches = list(kv_caches)
-        self._done = done
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="aiokv-shared-copy",
-                                        daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        self._jobs.put(job)
+    def d2h_copies(self) -> int:
+        return sum(c.d2h_copies for c in self._copiers)
 
     def close(self) -> None:
-        """Finish the queued jobs, then stop."""
-        self._jobs.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                for event in job.ready:
-                    event.synchronize()  # type: ignore[attr-defined]
-                self._copy(job)
-            except Exception as exc:  # the job's tasks fail with it; the thread goes on
-                log.exception("aiokv: a copy to or from the shared region failed")
-                job.error = f"copy failed: {type(exc).__name__}: {exc}"
-            self._done(job)
-
-    def _copy(self, job: Job) -> None:
-        if not len(job.pages):
+        """Finish the queued copies (each reported), then unpin; once."""
+        if self._closed:
             return
-        data, caches = job.pool.data, self._caches
-        device = caches[0].device
-        pages = job.pages.to(device)
-        if job.to_region:
-            stacked = torch.stack([cache.index_select(0, pages) for cache in caches], dim=1)
-            data.index_copy_(0, job.blocks, stacked.to("cpu"))
-            return
-        got = data.index_select(0, job.blocks)  # layers in order: one gather for all
-        for layer, cache in enumerate(caches):
-            cache.index_copy_(0, pages, got[:, layer].to(device, non_blocking=False))
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+        self._closed = True
+        for copier in self._copiers:
+            copier.close()
+        if self.pinning is not None:
+            self.pinning.close()

@@ -202,7 +202,7 @@ def region_blocks(cpu_cache_gb: float, geometry: Geometry) -> int:
 class Pinning:
     """An engine's mapping registered with CUDA in chunks, on a background thread
     (``aiokv-pin-region``): ``ready_blocks`` is the pinned prefix, for a copier that
-    must not copy from unpinned memory (or copies those blocks another way)."""
+    must not copy from unpinned memory (:meth:`wait_for`)."""
 
     def __init__(self, region: Region) -> None:
         self.region = region
@@ -212,8 +212,17 @@ class Pinning:
         self.error: BaseException | None = None
         self._registered: list[int] = []
         self._stop = False
+        self._ended = False
+        self._grew = threading.Condition()  # notified at each chunk and at the end
         self._thread = threading.Thread(target=self._run, name="aiokv-pin-region", daemon=True)
         self._thread.start()
+
+    def wait_for(self, blocks: int) -> bool:
+        """Block until the first ``blocks`` blocks are pinned; False once pinning has
+        ended short of them (nothing more will come). A chunk takes milliseconds."""
+        with self._grew:
+            self._grew.wait_for(lambda: self.ready_blocks >= blocks or self._ended)
+        return self.ready_blocks >= blocks
 
     def _run(self) -> None:
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
@@ -228,9 +237,15 @@ class Pinning:
                 if int(status) != 0:
                     raise RuntimeError(f"cudaHostRegister failed: {status}")
                 self._registered.append(address)
-                self.ready_blocks = end
-        except Exception as exc:  # the rest stays unpinned: a copier copies it another way
+                with self._grew:
+                    self.ready_blocks = end  # one writer; readers take an int
+                    self._grew.notify_all()
+        except Exception as exc:  # the rest stays unpinned: its tasks fail, naming this
             self.error = exc
+        finally:
+            with self._grew:
+                self._ended = True
+                self._grew.notify_all()
 
     def close(self) -> None:
         self._stop = True
