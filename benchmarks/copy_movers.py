@@ -26,7 +26,6 @@ with the rest), since their copies are planned on the host.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +33,8 @@ import copy_driver
 import numpy as np
 import torch
 from copy_plans import Geometry, Plan, check_aligned, plan, runs
+
+from aiokv.copy import driver
 
 STAGING_BYTES = 128 << 20  # per staging buffer, as the embedded store's gathers had
 KERNEL_THREADS = 1024
@@ -299,26 +300,13 @@ class BatchCopy(Mechanism):
 
     def setup(self) -> None:
         super().setup()
-        self.call, why = copy_driver.batch_entry()
-        if why:
-            raise RuntimeError(why)
-        self.attrs = copy_driver.MemcpyAttributes(
-            srcAccessOrder=copy_driver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            flags=copy_driver.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
-        self.attr_index = ctypes.c_size_t(0)
-        self.fail_index = ctypes.c_size_t(0)
+        self.batch = driver.BatchCopy()  # aiokv's own call, as its copier makes it
         self.keep: Plan | None = None
 
     def move(self, to_host: bool, pages: torch.Tensor) -> int:
         p = self.p.plan(self.host_ids(pages), to_host)
         self.keep = p  # the arrays outlive the call, whatever the driver keeps of them
-        self.fail_index.value = 2**64 - 1
-        err = self.call(p.dsts.ctypes.data, p.srcs.ctypes.data, p.sizes.ctypes.data, len(p),
-                        ctypes.byref(self.attrs), ctypes.byref(self.attr_index), 1,
-                        ctypes.byref(self.fail_index), self.stream.cuda_stream)
-        if err:
-            raise RuntimeError(f"cuMemcpyBatchAsync of {len(p)} copies failed: CUresult {err}, "
-                               f"failIdx {self.fail_index.value}")
+        self.batch(p.dsts, p.srcs, p.sizes, self.stream.cuda_stream)
         return len(p)
 
 

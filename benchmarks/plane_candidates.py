@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, "benchmarks")
-import copy_driver
 
 from aiokv.bench.beside import Beside, ReferenceCopier, Unit, measure_copier
 from aiokv.bench.standin import GIB, StandIn
+from aiokv.copy.driver import BatchCopy
 
 
 def gather_layers(caches: list[torch.Tensor], pages: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -228,13 +228,7 @@ class Batch(Base):
 
     def setup(self):
         super().setup()
-        self.call, why = copy_driver.batch_entry()
-        if why:
-            raise RuntimeError(why)
-        self.attrs = copy_driver.MemcpyAttributes(
-            srcAccessOrder=copy_driver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            flags=copy_driver.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-        )
+        self.batch = BatchCopy()  # aiokv's: the ctypes cuMemcpyBatchAsync the copier uses
         self.ss = [self.c] + [torch.cuda.Stream(dev, priority=self.prio) for _ in range(self.k - 1)]
         bases = np.array([c.data_ptr() for c in caches], dtype=np.uint64)
         hb = pool.data_ptr()
@@ -250,27 +244,13 @@ class Batch(Base):
         self.go, self.ho = plan(self.src_h)
         self.gi, self.hi = plan(self.dst_h)
         self.sizes = np.full(N * L, PB, dtype=np.uint64)
-        self.ai, self.fi = ctypes.c_size_t(0), ctypes.c_size_t(0)
 
     def _do(self, dsts, srcs):
         n = len(dsts)
         per = -(-n // self.k)
         for j, st in enumerate(self.ss):
             a, b = j * per, min(n, (j + 1) * per)
-            d, s, z = dsts[a:b], srcs[a:b], self.sizes[a:b]
-            err = self.call(
-                d.ctypes.data,
-                s.ctypes.data,
-                z.ctypes.data,
-                b - a,
-                ctypes.byref(self.attrs),
-                ctypes.byref(self.ai),
-                1,
-                ctypes.byref(self.fi),
-                st.cuda_stream,
-            )
-            if err:
-                raise RuntimeError(f"batch {err}")
+            self.batch(dsts[a:b], srcs[a:b], self.sizes[a:b], st.cuda_stream)
 
     def off(self):
         self._do(self.ho, self.go)
