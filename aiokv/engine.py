@@ -366,8 +366,9 @@ class OffloadEngine:
         if ready_event is not None:
             request.ready_event = ready_event  # recorded by the caller's own thread
         elif self._ready_marks is not None and pages is not None:
-            # The copy starts after the caller's stream gets at least this far (waited
-            # on by the fused copy on the GPU, or by the worker).
+            # The copy starts after the caller's stream gets at least this far (the
+            # store waits for it: the embedded store's copier on its streams, FlexKV's
+            # and a store process's page-id copy before theirs).
             self._ready_marks.mark(request)
         return request
 

@@ -36,15 +36,6 @@ class LayerMarks:
 
     # ---- producer ------------------------------------------------------------------
 
-    def queued(self, events: Sequence[Sequence[Any]]) -> None:
-        """Every layer's copies are queued on the device: ``events[i]`` fire once layer
-        ``i`` is in place (each on its own copy stream)."""
-        if len(events) != self.num_layers:
-            raise ValueError(f"{len(events)} event sets for {self.num_layers} layers")
-        with self._changed:
-            self._events = [tuple(e) for e in events]
-            self._changed.notify_all()
-
     def layer_queued(self, layer: int, events: Sequence[Any]) -> None:
         """Layer ``layer``'s copies are queued (after every earlier layer's): ``events``
         fire once it is in place."""
