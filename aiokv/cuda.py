@@ -122,3 +122,14 @@ class ReadyMarks:
                     self._synchronize(self._device)
                 except Exception:
                     log.exception("aiokv: synchronizing %s failed", self._device)
+
+
+def caller_event(device: torch.device) -> Any:
+    """A CUDA event recorded now on the calling thread's current stream on ``device``. For
+    a call another thread submits (``run_in_background``, the recsys adapter): CUDA's
+    current stream is per thread, so on the loop's thread :class:`ReadyMarks` would note
+    the loop thread's stream, not the one the caller wrote its pages on (a side stream, a
+    CUDA graph's), and the copy could read them before they are written."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -23,7 +23,7 @@ import torch
 
 from . import layerwise, lifecycle, validate
 from .config import EngineConfig
-from .cuda import ReadyMarks
+from .cuda import ReadyMarks, caller_event
 from .errors import (
     ConfigError,
     EngineClosed,
@@ -373,16 +373,9 @@ class OffloadEngine:
         return request
 
     def _caller_event(self) -> Any:
-        """A CUDA event recorded now on the calling thread's current stream (None for CPU
-        caches), for a call that another thread submits (``_ready_event``). CUDA's current
-        stream is per thread: on the loop's thread, :class:`ReadyMarks` would note the
-        loop thread's stream, not the one the caller wrote its pages on (a side stream, a
-        CUDA graph's), and the copy could read them before they are written."""
-        if not self._on_gpu:
-            return None
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self._device))
-        return event
+        """The calling thread's ready event (:func:`aiokv.cuda.caller_event`; None for CPU
+        caches), for a call that another thread submits (``_ready_event``)."""
+        return caller_event(self._device) if self._on_gpu else None
 
     # ---- admission, deadlines, resolution ----------------------------------------------
 
