@@ -26,8 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import xxhash
 
+from .checksums import Checksums
 from .config import RemoteConfig
 from .keys import PROBE, Keys
 from .native import import_store
@@ -42,9 +42,6 @@ _CONNECT_WAIT_S = 10.0
 _WRITE_BATCH = 64  # blocks per batch_put call
 _MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
 CHECKSUM_BYTES = 8
-# A batch's checksums are split over config.checksum_threads threads (xxhash hashes
-# without the GIL) from this size on; below, a hand-over would cost what it saves.
-_SPLIT_BYTES = 4 << 20
 
 
 def _local_hostname(config: RemoteConfig) -> str:
@@ -77,7 +74,6 @@ class RemoteIO:
         self.keys = keys
         self._base, self._size = memory
         self.block_bytes = block_bytes
-        self._view = view
         self._wake = wake
         self._sums = np.zeros(num_blocks, dtype=np.uint64)  # per host block, registered
         self._sums_base = self._sums.ctypes.data
@@ -102,11 +98,7 @@ class RemoteIO:
         self._writer = threading.Thread(target=self._write_loop, name="aiokv-remote-write",
                                         daemon=True)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="aiokv-remote-read")
-        self._sum_threads = config.threads_for_checksums
-        self._summers = (
-            ThreadPoolExecutor(self._sum_threads - 1, thread_name_prefix="aiokv-remote-sum")
-            if self._sum_threads > 1 else None
-        )
+        self._checksums = Checksums(view, block_bytes, config.threads_for_checksums)
         self._writer.start()
         self._reader.submit(self._ready)  # connect now, so the first lookup need not wait
 
@@ -291,26 +283,6 @@ class RemoteIO:
         self._checked.update(dict.fromkeys(namespaces, until))
         return True
 
-    def _checksums(self, keys: Sequence[str], blocks: Sequence[int]) -> list[int]:
-        """The checksum of each (key, block), on this thread and the summing threads."""
-        summers, share = self._summers, -(-len(blocks) // self._sum_threads)  # rounded up
-        if summers is None or len(blocks) * self.block_bytes < _SPLIT_BYTES:
-            return self._checksum_run(keys, blocks)
-        parts = [summers.submit(self._checksum_run, keys[i : i + share], blocks[i : i + share])
-                 for i in range(share, len(blocks), share)]
-        sums = self._checksum_run(keys[:share], blocks[:share])
-        for part in parts:
-            sums += part.result()
-        return sums
-
-    def _checksum_run(self, keys: Sequence[str], blocks: Sequence[int]) -> list[int]:
-        return [self._checksum(key, block) for key, block in zip(keys, blocks, strict=True)]
-
-    def _checksum(self, key: str, block: int) -> int:
-        digest = xxhash.xxh3_64(key.encode())
-        digest.update(self._view(block))
-        return digest.intdigest()
-
     # ---- writes --------------------------------------------------------------------
 
     def _write_loop(self) -> None:
@@ -380,8 +352,7 @@ class RemoteIO:
         self._writer.join()
         queue.done([WriteJob("", [], blocks) for blocks in dropped])  # to be given back
         self._reader.shutdown(wait=True)
-        if self._summers is not None:
-            self._summers.shutdown(wait=True)
+        self._checksums.close()
         client, self._client = self._client, None
         if client is not None:
             client.unregister_buffer(self._base)
