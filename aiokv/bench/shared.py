@@ -4,9 +4,10 @@ on ``store.backend: shared``, against the same work done without the server.
 From one run: (1) bandwidth: every process offloads ``--users`` fresh histories at once
 (concurrent calls, so each process's engine batches them) and then loads them back into
 other pages; the aggregate GiB/s (all processes' bytes over the span from the first
-start to the last end) next to the raw copy of the same run, each process copying the
+start to the last end) next to the raw copy of the same run, all processes at once:
+on a GPU each process's one pinned copy of the same bytes each way; on the CPU the
 same pages between its caches and a plain host tensor of blocks with the same torch
-ops, all processes at once. (2) The control round trip of one batch (``--users``
+ops. (2) The control round trip of one batch (``--users``
 matches in one message; a batch's end in another; and an empty message, what the
 socket and the messages cost without the index's work), median and p99, from a client
 in this process. (3) The hit ratio of a workload whose users land on a random process at
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 import yaml
 
-from .. import EngineConfig, OffloadEngine, StoreConfig, open_engine, run_in_background
+from .. import EngineConfig, OffloadEngine, StoreConfig, run_in_background
 from ..stores import make_store
 from . import common
 
@@ -107,9 +108,8 @@ class _Worker:
             cache.normal_()
         engine = EngineConfig(window_us=2000, max_batch_requests=s.users,
                               request_timeout_ms=120_000)
-        self.shared = run_in_background(open_engine(
-            {"store": {"backend": "shared", "socket": socket_path},
-             "engine": asdict(engine)}, kv_caches=self.caches))
+        self.shared_store = make_store(StoreConfig(backend="shared", socket=socket_path))
+        self.shared = run_in_background(OffloadEngine(self.shared_store, self.caches, engine))
         private = StoreConfig(cpu_cache_gb=_server_gb(s) / s.processes)
         self.private = run_in_background(OffloadEngine(make_store(private), self.caches,
                                                        engine))
@@ -117,6 +117,10 @@ class _Worker:
         blocks = 2 * s.users * self.pages_per_user
         self.raw_pool = torch.empty((blocks, s.layers, 2, s.page_size, s.heads, s.head_dim),
                                     dtype=dtype, pin_memory=device.type == "cuda")
+        # On a GPU the raw figure is the link's: one contiguous pinned copy of the same
+        # bytes each way (the shared store copies with the copy engines, not torch ops).
+        self.raw_device = (torch.empty(self.raw_pool.nbytes, dtype=torch.uint8, device=device)
+                           if device.type == "cuda" else None)
 
     def _user_pages(self, user: int, offset: int) -> torch.Tensor:
         first = offset * self.s.users * self.pages_per_user + user * self.pages_per_user
@@ -124,6 +128,8 @@ class _Worker:
 
     def bandwidth(self, round_: int) -> dict[str, float]:
         kv, s = self.shared, self.s
+        if round_ == 0:  # copies, not start-up: the region pinned first
+            self.shared_store.wait_pinned()  # type: ignore[attr-defined]
         names = [[f"bw{round_}:{self.index}:{u}"] for u in range(s.users)]
         start = time.monotonic()
         futures = [kv.submit_offload(u, self._user_pages(u, 0), s.tokens, namespace=names[u])
@@ -143,9 +149,12 @@ class _Worker:
                 "load_bytes": loaded * self.block_bytes / s.page_size}
 
     def raw(self, round_: int) -> dict[str, float]:
-        """The same pages through the same torch ops as the shared store's copies, with a
-        plain host tensor of blocks in place of the region."""
+        """On the CPU, the same pages through the same torch ops as the shared store's
+        copies, with a plain host tensor of blocks in place of the region; on a GPU, one
+        pinned copy of the same bytes each way."""
         s = self.s
+        if self.raw_device is not None:
+            return self._raw_link(len(self._user_pages(0, 0)) * s.users * self.block_bytes)
         pages = torch.cat([self._user_pages(u, 0) for u in range(s.users)])
         back = torch.cat([self._user_pages(u, 1) for u in range(s.users)])
         blocks = torch.arange(len(pages))
@@ -161,6 +170,21 @@ class _Worker:
             torch.cuda.synchronize(device)
         end = time.monotonic()
         moved = len(pages) * self.block_bytes
+        return {"offload_start": start, "offload_end": offloaded, "load_start": offloaded,
+                "load_end": end, "offload_bytes": moved, "load_bytes": moved}
+
+    def _raw_link(self, moved: int) -> dict[str, float]:
+        assert self.raw_device is not None
+        host = self.raw_pool.view(-1).view(torch.uint8)[:moved]
+        device = self.raw_device[:moved]
+        torch.cuda.synchronize(device.device)
+        start = time.monotonic()
+        host.copy_(device, non_blocking=True)
+        torch.cuda.synchronize(device.device)
+        offloaded = time.monotonic()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device.device)
+        end = time.monotonic()
         return {"offload_start": start, "offload_end": offloaded, "load_start": offloaded,
                 "load_end": end, "offload_bytes": moved, "load_bytes": moved}
 

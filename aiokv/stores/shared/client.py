@@ -377,6 +377,16 @@ class SharedStore:
     def set_notify(self, callback: Callable[[], None]) -> None:
         self._notify = callback
 
+    def wait_pinned(self, timeout: float | None = None) -> bool:
+        """Block until this engine's mapping of the region is pinned whole (it is pinned
+        in chunks after register, as LocalStore's pool is); whether it is. At once on CPU
+        caches (nothing to pin) or before register. ``timeout`` is not used: a chunk
+        takes milliseconds, and pinning ends (short) on an error."""
+        with self._lock:
+            link = self._link
+        pinning = link.plane.pinning if link is not None else None
+        return pinning is None or pinning.wait_for(link.region.num_blocks)  # type: ignore[union-attr]
+
     def close(self) -> None:
         """Finish the queued copies, report them, and disconnect (the server rolls back
         whatever is left matched)."""
