@@ -66,6 +66,7 @@ def instrument() -> None:
     wrap(layer_marks.LayerMarks, "layer_queued", None, "layer0_marked")
     wrap(layerwise, "note_launches", "notice_sent")
     wrap(layerwise, "_deliver", "notice_on_loop")
+    wrap(copier.Copier, "_end", "job_reported")
 
 
 def main() -> None:
@@ -80,7 +81,11 @@ def main() -> None:
     num_pages = 2 * args.users * pages
     caches = [torch.randn(num_pages, 2, PAGE, HEADS, HEAD_DIM, device=device)
               for _ in range(LAYERS)]
-    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.05, page_size=PAGE))
+    # Room for every user's history twice over: a lookup that lost blocks to eviction
+    # would load fewer pages than were offloaded.
+    history = sum(c[: args.users * pages].nbytes for c in caches)
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=max(0.05, 2 * history / 1e9),
+                                               page_size=PAGE))
     config = aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=args.users,
                                 max_batch_tokens=args.users * args.tokens)
     kv = aiokv.run_in_background(aiokv.OffloadEngine(store, caches, config))
@@ -94,6 +99,9 @@ def main() -> None:
         for repeat in range(args.repeats + 1):  # 0 warms up
             hits = [f.result() for f in [kv.submit_lookup(u, args.tokens)
                                          for u in range(args.users)]]
+            if any(hit.cached_tokens != args.tokens for hit in hits):
+                raise RuntimeError(f"hops: lookups found {[h.cached_tokens for h in hits]} tokens "
+                                   f"of {args.tokens}")
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             at.clear()
@@ -108,6 +116,7 @@ def main() -> None:
             mark("layer0_waited")
             for load in loads:
                 load.result()
+            mark("results_back")
             for layer in caches:
                 for s, t in zip(sources, targets, strict=True):
                     if not torch.equal(layer[t], layer[s]):
