@@ -21,7 +21,7 @@ from aiokv.copy import copier as copier_module
 from aiokv.copy.copier import Copier, CopyJob
 from aiokv.copy.driver import BatchCopy, DriverError, batch_entry
 from aiokv.copy.marks import LayerFailed, LayerMarks
-from aiokv.copy.plan import Geometry, check_pages, plan, split
+from aiokv.copy.plan import MIN_RUN, Geometry, check_pages, find_runs, plan, split
 from aiokv.stores.base import NoSpace, TaskResult, TaskStatus
 
 LAYERS = 3
@@ -32,14 +32,21 @@ def pool_for(caches: list[torch.Tensor], blocks: int) -> torch.Tensor:
 
 
 def memmove_plan(caches: list[torch.Tensor], pool: torch.Tensor, pages: np.ndarray,
-                 blocks: np.ndarray, to_host: bool, streams: int) -> int:
-    """Run a plan's copies with memmove, part by part; the number of copies made."""
-    copies = plan(Geometry.of(caches, pool), pages, blocks, to_host, streams)
+                 blocks: np.ndarray, to_host: bool, streams: int, **options: object) -> int:
+    """Run a plan's copies with memmove, part by part (a 2-D copy row by row); the number
+    of copies made."""
+    copies = plan(Geometry.of(caches, pool), pages, blocks, to_host, streams, **options)  # type: ignore[arg-type]
+    runs = copies.runs
     made = 0
     for layer in range(len(caches)):
         for stream in range(copies.streams):
             for dst, src, size in zip(*copies.part(layer, stream), strict=True):
                 ctypes.memmove(int(dst), int(src), int(size))
+                made += 1
+            for r in runs.on(stream) if runs is not None else []:
+                for row in range(int(runs.heights[r])):
+                    ctypes.memmove(int(runs.dsts[layer, r]) + row * runs.dst_pitch,
+                                   int(runs.srcs[layer, r]) + row * runs.src_pitch, runs.width)
                 made += 1
     return made
 
@@ -63,6 +70,51 @@ def test_a_plan_moves_every_page_of_every_layer_to_its_block_and_back(streams: i
     memmove_plan(caches, pool, targets, blocks, False, streams)
     for cache in caches:
         assert torch.equal(cache[torch.from_numpy(targets)], cache[torch.from_numpy(pages)])
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_runs_of_adjacent_pages_move_the_same_bytes_in_fewer_copies(streams: int) -> None:
+    # Two runs (over a strided table's pages), singles between them, a run one page too
+    # short to count: out and back, every byte where page by page puts it.
+    m = MIN_RUN
+    caches = [c[::2] for c in make_caches(pages=2 * 8 * m, layers=LAYERS, seed=2)]
+    pool = pool_for(caches, 6 * m)
+    pages = np.concatenate([np.arange(10, 10 + m), [2, 4 * m, 5], np.arange(2 * m, 3 * m - 1),
+                            np.arange(3 * m + 10, 4 * m + 18)])
+    blocks = np.concatenate([np.arange(0, m), [5 * m, 5 * m - 5, 5 * m - 10],
+                             np.arange(m + 5, 2 * m + 4), np.arange(3 * m, 4 * m + 8)])
+    made = memmove_plan(caches, pool, pages, blocks, True, streams)
+    singles = 3 + m - 1
+    assert made == (singles + 2) * LAYERS
+    index_p, index_b = torch.from_numpy(pages), torch.from_numpy(blocks)
+    for layer, cache in enumerate(caches):
+        assert torch.equal(pool[index_b, layer], cache[index_p])
+    assert not pool[torch.from_numpy(np.setdiff1d(np.arange(6 * m), blocks))].any()
+    targets = np.setdiff1d(np.arange(8 * m), pages)[: len(pages)]  # runs of their own
+    memmove_plan(caches, pool, targets, blocks, False, streams)
+    for cache in caches:
+        assert torch.equal(cache[torch.from_numpy(targets)], cache[index_p])
+
+
+def test_runs_are_at_least_min_run_long_and_never_cross_a_pinned_chunk() -> None:
+    starts, lengths = find_runs(np.arange(50), np.arange(50), 32)
+    assert starts.tolist() == [0] and lengths.tolist() == [50]
+    # The blocks jump once: two runs, and the short one is not a run.
+    blocks = np.concatenate([np.arange(40), np.arange(100, 110)])
+    starts, lengths = find_runs(np.arange(50), blocks, 8)
+    assert (starts.tolist(), lengths.tolist()) == ([0, 40], [40, 10])
+    assert find_runs(np.arange(50), blocks, 11)[0].tolist() == [0]
+    # A pool pinned in chunks starting at blocks 0, 20 and 64: a run stops at each start.
+    caches = make_caches(pages=80, layers=2)
+    pool = pool_for(caches, 80)
+    copies = plan(Geometry.of(caches, pool), np.arange(70), np.arange(5, 75), True, 2,
+                  min_run=8, chunk_starts=(0, 20, 64))
+    assert copies.runs is not None
+    geometry = Geometry.of(caches, pool)
+    first_blocks = ((copies.runs.dsts[0].astype(np.int64) - geometry.host_base)
+                    // geometry.block_bytes)
+    spans = sorted(zip(first_blocks.tolist(), copies.runs.heights.tolist(), strict=True))
+    assert spans == [(5, 15), (20, 44), (64, 11)]
 
 
 def test_streams_split_the_pages_without_gaps_or_empty_parts() -> None:

@@ -2,8 +2,9 @@
 LocalStore is driven directly (register, put_match / get_match, launch with page ids and
 ready events, try_wait). Skipped without CUDA.
 
-Which wait in the copier (aiokv/copy/copier.py's docstring names them A-D) each test
-catches, when removed:
+Each test runs with its pages in runs (adjacent pages into adjacent blocks: one 2-D copy
+per run and layer) and scattered (one copy per page and layer). Which wait in the copier
+(aiokv/copy/copier.py's docstring names them A-D) each test catches, when removed:
 
 - ``test_an_offload_copies_what_the_caller_wrote_on_a_side_stream_before_it``: the
   caller writes its pages (and, with ids on the device, its page ids) on a side stream
@@ -83,25 +84,35 @@ def load(store: aiokv.LocalStore, key: str, pages: Any, ready: Any = None) -> in
     return task
 
 
-def targets(first: int) -> torch.Tensor:
-    return torch.arange(first, first + TASK_PAGES)
+# Pages in runs (what an allocator hands out fresh: 2-D copies, one per run and layer)
+# or scattered (one copy per page and layer): each test runs both ways.
+PLACEMENTS = ["runs", "scattered"]
+SCATTER = torch.randperm(TASK_PAGES, generator=torch.Generator().manual_seed(1))
 
 
+def targets(first: int, placement: str) -> torch.Tensor:
+    if placement == "runs":
+        return torch.arange(first, first + TASK_PAGES)
+    return first + SCATTER
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("ids_on", ["cuda", "cpu"])
 def test_an_offload_copies_what_the_caller_wrote_on_a_side_stream_before_it(
-    rig: tuple[aiokv.LocalStore, list[torch.Tensor]], ids_on: str
+    rig: tuple[aiokv.LocalStore, list[torch.Tensor]], ids_on: str, placement: str
 ) -> None:
     store, caches = rig
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     # Ids out of range until the side stream writes them (after the busy kernel).
     ids = torch.full((TASK_PAGES,), 10**6, dtype=torch.int64, device=ids_on)
+    written = targets(0, placement).cuda()  # what the side stream writes into ids
     if ids_on == "cpu":
-        ids = targets(0)
+        ids = targets(0, placement)
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         torch.cuda._sleep(BUSY_CYCLES)
         if ids_on == "cuda":  # from the device: a pageable source would sync the stream
-            ids.copy_(torch.arange(TASK_PAGES, device="cuda"))
+            ids.copy_(written)
         for layer, cache in enumerate(caches):
             cache[:TASK_PAGES].fill_(float(layer + 1))
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -112,36 +123,39 @@ def test_an_offload_copies_what_the_caller_wrote_on_a_side_stream_before_it(
     result = finish(store, task)
     assert result.status is TaskStatus.SUCCESS, result.error
     assert store.store_stats()["d2h_copies"] - before == (1 if ids_on == "cuda" else 0)
-    assert finish(store, load(store, "new", targets(TASK_PAGES))).status is TaskStatus.SUCCESS
+    back = targets(TASK_PAGES, placement)
+    assert finish(store, load(store, "new", back)).status is TaskStatus.SUCCESS
     for layer, cache in enumerate(caches):
-        assert (cache[TASK_PAGES : 2 * TASK_PAGES] == float(layer + 1)).all(), layer
+        assert (cache[back.cuda()] == float(layer + 1)).all(), layer
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 def test_pages_overwritten_right_after_the_offload_is_reported_do_not_reach_the_store(
-    rig: tuple[aiokv.LocalStore, list[torch.Tensor]],
+    rig: tuple[aiokv.LocalStore, list[torch.Tensor]], placement: str
 ) -> None:
     store, caches = rig
-    expected = [cache[:TASK_PAGES].clone() for cache in caches]
+    source, back = targets(0, placement).cuda(), targets(TASK_PAGES, placement).cuda()
+    expected = [cache[source].clone() for cache in caches]
     torch.cuda.synchronize()
     task, _ = store.put_match(TOKENS, ["kept"])
-    store.launch([task], [targets(0).cuda()], [None])
+    store.launch([task], [source], [None])
     assert finish(store, task).status is TaskStatus.SUCCESS
     for cache in caches:  # at once, on the caller's stream, with no other wait
         cache[:TASK_PAGES].fill_(-1.0)
-    assert finish(store, load(store, "kept", targets(TASK_PAGES).cuda())).status is (
-        TaskStatus.SUCCESS
-    )
+    assert finish(store, load(store, "kept", back)).status is TaskStatus.SUCCESS
     for layer, cache in enumerate(caches):
-        assert torch.equal(cache[TASK_PAGES : 2 * TASK_PAGES], expected[layer]), layer
+        assert torch.equal(cache[back], expected[layer]), layer
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 def test_a_layer_read_on_another_stream_right_after_wait_equals_what_was_stored(
-    rig: tuple[aiokv.LocalStore, list[torch.Tensor]],
+    rig: tuple[aiokv.LocalStore, list[torch.Tensor]], placement: str
 ) -> None:
     store, caches = rig
-    stored = [cache[:TASK_PAGES].clone() for cache in caches]
+    source, back = targets(0, placement), targets(TASK_PAGES, placement)
+    stored = [cache[source.cuda()].clone() for cache in caches]
     task, _ = store.put_match(TOKENS, ["layers"])
-    store.launch([task], [targets(0)], [None])
+    store.launch([task], [source], [None])
     assert finish(store, task).status is TaskStatus.SUCCESS
     for cache in caches:
         cache[TASK_PAGES : 2 * TASK_PAGES].zero_()
@@ -152,7 +166,7 @@ def test_a_layer_read_on_another_stream_right_after_wait_equals_what_was_stored(
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(side)
     # Ids on the host: the copies are queued (and the layers marked) at once.
-    task = load(store, "layers", targets(TASK_PAGES), ready)
+    task = load(store, "layers", back, ready)
     marks = store.layer_marks(task)
     assert marks is not None
     reader = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -160,7 +174,7 @@ def test_a_layer_read_on_another_stream_right_after_wait_equals_what_was_stored(
     for layer in range(LAYERS):
         marks.wait(layer, stream=reader)
         with torch.cuda.stream(reader):
-            seen.append(caches[layer][TASK_PAGES : 2 * TASK_PAGES].clone())
+            seen.append(caches[layer][back.cuda()].clone())
     reader.synchronize()
     assert finish(store, task).status is TaskStatus.SUCCESS
     for layer in range(LAYERS):

@@ -11,7 +11,8 @@ On a GPU, the copy thread (``aiokv-copy-*``) runs each job as:
 3. each task's ids are checked (:func:`~.plan.check_pages`): a bad one fails only its
    own task, which the job reports as invalid and copies nothing of;
 4. the rest is planned (:func:`~.plan.plan`) and queued on ``STREAMS`` streams, one
-   ``cuMemcpyBatchAsync`` per layer and stream, layers in order; for a load, one event
+   ``cuMemcpyBatchAsync`` per layer and stream (and one strided ``cuMemcpy2DAsync`` per
+   run of adjacent pages and layer), layers in order; for a load, one event
    per layer and stream marks the layer (wait C: ``LayerMarks.wait(i)`` waits for
    exactly the events recorded after layer i's copies, on every stream).
 
@@ -38,9 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .driver import BatchCopy, DriverError
+from .driver import BatchCopy, DriverError, StridedCopy
 from .marks import LayerMarks
-from .plan import Geometry, Int64Array, Plan, check_pages, plan
+from .plan import MIN_RUN, Geometry, Int64Array, Plan, check_pages, plan
 
 log = logging.getLogger("aiokv")
 
@@ -97,7 +98,9 @@ class _Queued:
 
 class Copier:
     """Moves jobs between ``caches`` and the host pool ``pool`` (``[block, layer, ...]``),
-    in submission order; ``on_done(job)`` from its threads once a job ended."""
+    in submission order; ``on_done(job)`` from its threads once a job ended.
+    ``chunk_starts``: the blocks where the pool's separately pinned chunks start, where
+    it was registered with CUDA in parts (no copy may span two)."""
 
     def __init__(
         self,
@@ -106,9 +109,11 @@ class Copier:
         on_done: Callable[[CopyJob], None],
         name: str = "aiokv-copy",
         streams: int | None = None,
+        chunk_starts: Sequence[int] = (0,),
     ) -> None:
         self._caches = list(caches)
         self._pool = pool
+        self._chunk_starts = tuple(chunk_starts)  # the pool's pinned chunks (by block)
         self._on_done = on_done
         self._device = self._caches[0].device
         self._gpu_pages = int(self._caches[0].shape[0])
@@ -160,8 +165,9 @@ class Copier:
         ids_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         ids_stream.synchronize()  # a runtime call: the context is current for the driver's
         batch: BatchCopy | None = None
+        strided: StridedCopy | None = None
         try:
-            batch = BatchCopy()
+            batch, strided = BatchCopy(), StridedCopy()
         except DriverError as exc:
             global _fallback_warned
             if not _fallback_warned:
@@ -172,7 +178,7 @@ class Copier:
             self._slots.acquire()  # released by the done thread
             try:
                 ids, ids_buffer = self._host_ids(job, ids_stream, ids_buffer)
-                queued = self._queue_cuda(job, ids, streams, batch)
+                queued = self._queue_cuda(job, ids, streams, batch, strided)
             except Exception as exc:
                 log.exception("aiokv copy job failed")
                 job.error = repr(exc)
@@ -251,11 +257,16 @@ class Copier:
         return [m for s, m in enumerate(job.marks) if m is not None and s not in job.invalid]
 
     def _queue_cuda(
-        self, job: CopyJob, ids: Int64Array, streams: list[Any], batch: BatchCopy | None
+        self, job: CopyJob, ids: Int64Array, streams: list[Any], batch: BatchCopy | None,
+        strided: StridedCopy | None,
     ) -> _Queued:
         pages, blocks = self._checked(job, ids)
-        copies = plan(self._geometry, pages, blocks, job.to_host, len(streams))
+        # Runs as 2-D copies only with the driver's calls (the torch fallback copies pages).
+        copies = plan(self._geometry, pages, blocks, job.to_host, len(streams),
+                      min_run=MIN_RUN if strided else None, chunk_starts=self._chunk_starts)
         used = streams[: copies.streams]
+        runs = copies.runs
+        runs_on = [runs.on(s) for s in range(len(used))] if runs is not None else []
         marks = self._live_marks(job)
         for stream in used:  # wait A, for the copy streams
             for event in job.ready:
@@ -265,6 +276,11 @@ class Copier:
             for s, stream in enumerate(used):
                 if batch is not None:
                     batch(*copies.part(layer, s), stream.cuda_stream)
+                    if runs is not None and strided is not None:
+                        for r in runs_on[s]:
+                            strided(int(runs.dsts[layer, r]), runs.dst_pitch,
+                                    int(runs.srcs[layer, r]), runs.src_pitch, runs.width,
+                                    int(runs.heights[r]), stream.cuda_stream)
                 else:
                     self._torch_copies(job.to_host, pages, blocks, copies, layer, s, stream)
             if marks:  # wait C's events: this layer, every stream

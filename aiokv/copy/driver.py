@@ -7,7 +7,8 @@ CUDA 13 driver hands out that one too. A ctypes call releases the GIL while the 
 queues the copies; the arrays it reads are numpy arrays the caller keeps until the call
 returned (the driver copies the descriptors before it returns). :func:`batch_entry`
 answers why not where the driver lacks it; the copier then falls back to one torch copy
-per (page, layer) and says so once.
+per (page, layer) and says so once. :class:`StridedCopy` is ``cuMemcpy2DAsync``: one copy
+of rows a pitch apart on each side, for runs of adjacent pages.
 """
 
 from __future__ import annotations
@@ -39,6 +40,25 @@ _BATCH_SIGNATURE = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
 )
+
+
+class Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D (cuda.h)
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_uint), ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_uint), ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
+    ]
+
+
+# Both sides as unified addresses: device memory, and host memory pinned or registered
+# with CUDA (which unified addressing maps), told apart by the driver.
+CU_MEMORYTYPE_UNIFIED = 4
 
 
 class DriverError(RuntimeError):
@@ -128,4 +148,36 @@ class BatchCopy:
             raise DriverError(
                 f"cuMemcpyBatchAsync of {count} copies failed: "
                 f"{_error_name(self._lib, err)}{where}"
+            )
+
+
+class StridedCopy:
+    """One stream's ``cuMemcpy2DAsync`` calls (any CUDA driver). Made on the thread that
+    calls it, after that thread has made the device's context current."""
+
+    def __init__(self) -> None:
+        try:
+            self._lib = _libcuda()
+            self._call = self._lib.cuMemcpy2DAsync_v2
+        except (OSError, AttributeError) as exc:
+            raise DriverError(f"cuMemcpy2DAsync_v2 is absent ({exc})") from exc
+        self._call.argtypes = [ctypes.POINTER(Memcpy2D), ctypes.c_void_p]
+        self._op = Memcpy2D(srcMemoryType=CU_MEMORYTYPE_UNIFIED,
+                            dstMemoryType=CU_MEMORYTYPE_UNIFIED)
+
+    def __call__(
+        self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+        stream: int,
+    ) -> None:
+        """Queue ``height`` rows of ``width`` bytes, ``src + i * src_pitch`` to ``dst + i *
+        dst_pitch``, on ``stream``. DriverError names the copy."""
+        op = self._op
+        op.dstDevice, op.dstPitch, op.srcDevice, op.srcPitch = dst, dst_pitch, src, src_pitch
+        op.WidthInBytes, op.Height = width, height
+        err = self._call(ctypes.byref(op), stream)
+        if err:
+            raise DriverError(
+                f"cuMemcpy2DAsync of {height} rows x {width} bytes from {src:#x} (pitch "
+                f"{src_pitch}) to {dst:#x} (pitch {dst_pitch}) failed: "
+                f"{_error_name(self._lib, err)}"
             )

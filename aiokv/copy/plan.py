@@ -6,12 +6,17 @@ Layouts. The caches are one table per layer, ``[page, 2, page_size, heads, head_
 a page of a layer is ``page_bytes`` contiguous bytes at ``layer_base + page *
 page_stride``. The host pool is ``[block, layer, ...]``: all layers of a block are
 contiguous (the SSD tier moves a block as one range), layer ``l`` of block ``b`` at
-``host_base + b * block_bytes + l * page_bytes``. Copies go page by page (the copy engines
-take thousands of them in one batch call at full speed; no run is coalesced, because a
-block's layers are not adjacent to the next block's).
+``host_base + b * block_bytes + l * page_bytes``. Pages go one copy per (page, layer) in
+one batch call per layer and stream (the copy engines take thousands of them at full
+speed), except runs: ``MIN_RUN`` or more adjacent pages into adjacent blocks (what a
+fresh allocator hands out, on both sides) are, in one layer, rows ``page_stride`` apart
+on the GPU and ``block_bytes`` apart on the host, so one strided 2-D copy per layer moves
+a run, for a fraction of the queueing time (the driver's time per copy is most of a
+job's CPU time).
 
 A plan is layer-major (a load's layer 0 is queued, and can be marked, first) and split
-over the copy streams: stream ``s`` moves pages ``bounds[s]:bounds[s+1]`` of every layer.
+over the copy streams: stream ``s`` moves pages ``bounds[s]:bounds[s+1]`` of the pages
+outside runs, and the runs that :meth:`Runs.on` gives it, of every layer.
 """
 
 from __future__ import annotations
@@ -95,18 +100,49 @@ def check_pages(pages: Int64Array, gpu_pages: int, once: bool) -> str | None:
     return None
 
 
+# Runs of at least this many pages go as 2-D copies. Measured on the H200
+# (benchmarks/copy_runs.py, 64 and 128 KiB pages, jobs back to back): runs of 64 moved at
+# 96-98% of a raw copy against the batch call's 98-99%, for a tenth of its queueing time;
+# runs of 32 at 93-96%, of 8 at 78-87% (a 2-D copy costs the engines microseconds of its
+# own), so shorter runs stay in the batch call.
+MIN_RUN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """Strided copies: run ``r`` of layer ``l`` moves ``heights[r]`` rows of ``width``
+    bytes from ``srcs[l, r]`` (rows ``src_pitch`` apart) to ``dsts[l, r]`` (rows
+    ``dst_pitch`` apart), on stream ``stream_of[r]``."""
+
+    dsts: UInt64Array  # [layers, runs]
+    srcs: UInt64Array  # [layers, runs]
+    heights: Int64Array  # [runs]
+    stream_of: Int64Array  # [runs]
+    width: int
+    src_pitch: int
+    dst_pitch: int
+
+    def on(self, stream: int) -> list[int]:
+        """The runs stream ``stream`` moves."""
+        return np.flatnonzero(self.stream_of == stream).tolist()
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """``sizes[i]`` bytes from ``srcs[l, i]`` to ``dsts[l, i]`` for each layer ``l`` and
-    page position ``i``; stream ``s`` takes positions ``bounds[s]:bounds[s + 1]``."""
+    position ``i`` of the pages outside runs; stream ``s`` takes positions
+    ``bounds[s]:bounds[s + 1]`` (maybe none) and its share of ``runs``."""
 
-    dsts: UInt64Array  # [layers, pages]
-    srcs: UInt64Array  # [layers, pages]
-    sizes: UInt64Array  # [pages]
+    dsts: UInt64Array  # [layers, pages outside runs]
+    srcs: UInt64Array  # [layers, pages outside runs]
+    sizes: UInt64Array  # [pages outside runs]
     bounds: tuple[int, ...]
+    runs: Runs | None = None
 
     def __len__(self) -> int:
-        return int(self.dsts.size)
+        """Copies to queue: one per (page, layer) outside runs, one per (run, layer)."""
+        runs = 0 if self.runs is None else int(self.runs.dsts.size)
+        return int(self.dsts.size) + runs
 
     @property
     def streams(self) -> int:
@@ -125,31 +161,95 @@ def split(count: int, streams: int) -> tuple[int, ...]:
     return tuple(count * s // parts for s in range(parts + 1))
 
 
+def find_runs(pages: Int64Array, blocks: Int64Array, min_run: int) -> tuple[Int64Array, Int64Array]:
+    """(starts, lengths) of the runs of at least ``min_run`` positions where both the page
+    and the block go up by one from each position to the next."""
+    count = len(pages)
+    if count < min_run:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    breaks = (np.diff(pages) != 1) | (np.diff(blocks) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(np.append(starts, count))
+    long = lengths >= min_run
+    return starts[long].astype(np.int64), lengths[long].astype(np.int64)
+
+
 def plan(
-    geometry: Geometry, pages: Int64Array, blocks: Int64Array, to_host: bool, streams: int
+    geometry: Geometry, pages: Int64Array, blocks: Int64Array, to_host: bool, streams: int,
+    min_run: int | None = MIN_RUN, chunk_starts: Sequence[int] = (0,),
 ) -> Plan:
     """The copies that move GPU page ``pages[i]`` to (``to_host``) or from host block
-    ``blocks[i]``, every layer, split over ``streams``. Checked pages only
-    (:func:`check_pages`); blocks are the store's own."""
+    ``blocks[i]``, every layer, split over ``streams``; runs of ``min_run`` or more as
+    2-D copies (None: none, one copy per page and layer). Checked pages only
+    (:func:`check_pages`); blocks are the store's own. ``chunk_starts``: the blocks where
+    the pool's separately pinned chunks start (a run never crosses into another)."""
     if len(pages) != len(blocks):
         raise ValueError(f"{len(pages)} pages but {len(blocks)} blocks")
     g = geometry
+    pages = np.asarray(pages, dtype=np.int64)
     blocks = np.asarray(blocks, dtype=np.int64)
     # Each (page, layer) copy lies inside one block (its layer's range of it); the pool's
     # separately pinned chunks begin on block boundaries (hostmem.chunk_bounds), so no
     # copy crosses one (CUDA refuses a copy that spans two host registrations).
     assert g.layers * g.page_bytes == g.block_bytes
     assert not len(blocks) or (int(blocks.min()) >= 0 and int(blocks.max()) < g.num_blocks)
-    gpu = (np.asarray(g.layer_bases, dtype=np.int64)[:, None]
-           + np.asarray(pages, dtype=np.int64)[None, :] * g.page_stride)
+    runs: Runs | None = None
+    if min_run is not None:
+        starts, lengths = _runs_within_chunks(pages, blocks, min_run, chunk_starts)
+        if len(starts):
+            used = max(1, min(streams, len(pages)))
+            inside = np.zeros(len(pages), dtype=np.bool_)
+            for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
+                inside[start : start + length] = True
+            runs = _strided(g, pages[starts], blocks[starts], lengths, to_host, used)
+            pages, blocks = pages[~inside], blocks[~inside]
+            # The pages outside runs over the streams, then their share of the runs.
+            bounds = tuple(len(pages) * s // used for s in range(used + 1))
+            return Plan(*_addresses(g, pages, blocks, to_host), bounds, runs)
+    return Plan(*_addresses(g, pages, blocks, to_host), split(len(pages), streams))
+
+
+def _addresses(
+    g: Geometry, pages: Int64Array, blocks: Int64Array, to_host: bool
+) -> tuple[UInt64Array, UInt64Array, UInt64Array]:
+    """(dsts, srcs, sizes) of one copy per (page, layer)."""
+    gpu = np.asarray(g.layer_bases, dtype=np.int64)[:, None] + pages[None, :] * g.page_stride
     host = (g.host_base + blocks * g.block_bytes)[None, :] + (
         np.arange(g.layers, dtype=np.int64) * g.page_bytes
     )[:, None]
     dsts, srcs = (host, gpu) if to_host else (gpu, host)
-    sizes = np.full(len(pages), g.page_bytes, dtype=np.uint64)
-    return Plan(
-        np.ascontiguousarray(dsts).view(np.uint64),
-        np.ascontiguousarray(srcs).view(np.uint64),
-        sizes,
-        split(len(pages), streams),
-    )
+    return (np.ascontiguousarray(dsts).view(np.uint64),
+            np.ascontiguousarray(srcs).view(np.uint64),
+            np.full(len(pages), g.page_bytes, dtype=np.uint64))
+
+
+def _runs_within_chunks(
+    pages: Int64Array, blocks: Int64Array, min_run: int, chunk_starts: Sequence[int]
+) -> tuple[Int64Array, Int64Array]:
+    """:func:`find_runs`, with each run cut where its blocks cross into another pinned
+    chunk (CUDA refuses a copy that spans two host registrations)."""
+    if len(chunk_starts) <= 1 or len(pages) < min_run:
+        return find_runs(pages, blocks, min_run)
+    chunk = np.searchsorted(np.asarray(chunk_starts, dtype=np.int64), blocks, side="right")
+    # Where the chunk changes, offset the pages by 2 from there on: the run breaks there.
+    cut = np.concatenate(([0], np.cumsum(np.diff(chunk) != 0)))
+    return find_runs(pages + 2 * cut, blocks, min_run)
+
+
+def _strided(
+    g: Geometry, pages: Int64Array, blocks: Int64Array, heights: Int64Array,
+    to_host: bool, streams: int,
+) -> Runs:
+    """The 2-D copies of runs starting at ``pages[r]`` / ``blocks[r]``, each given to the
+    stream with the fewest rows so far (the single pages are split evenly anyway)."""
+    host, gpu, _ = _addresses(g, pages, blocks, to_host=True)
+    dsts, srcs = (host, gpu) if to_host else (gpu, host)
+    load = np.zeros(streams, dtype=np.int64)
+    stream_of = np.empty(len(heights), dtype=np.int64)
+    for r, height in enumerate(heights.tolist()):
+        stream = int(np.argmin(load))
+        stream_of[r] = stream
+        load[stream] += height
+    src_pitch, dst_pitch = ((g.page_stride, g.block_bytes) if to_host
+                            else (g.block_bytes, g.page_stride))
+    return Runs(dsts, srcs, heights, stream_of, g.page_bytes, src_pitch, dst_pitch)

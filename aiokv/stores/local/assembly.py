@@ -51,7 +51,8 @@ def build(
             # each), so offloads and loads in flight together do not queue behind
             # each other.
             for name in ("aiokv-copy-out", "aiokv-copy-in"):
-                copiers.append(Copier(kv_caches, pool.data, ends.job_done, name))
+                copiers.append(Copier(kv_caches, pool.data, ends.job_done, name,
+                                      chunk_starts=pool.memory.chunk_starts))
         else:
             copiers.append(Copier(kv_caches, pool.data, ends.job_done))
         jobs = CopyJobs(copiers, ends)

@@ -34,7 +34,9 @@ class RegionPlane:
         if not gpu:  # pinning maps the pages itself
             region.populate()
         names = ("aiokv-shared-out", "aiokv-shared-in") if gpu else ("aiokv-shared-copy",)
-        self._copiers = [Copier(caches, region.data, done, name=n) for n in names]
+        starts = self.pinning.chunk_starts.tolist() if self.pinning is not None else [0]
+        self._copiers = [Copier(caches, region.data, done, name=n, chunk_starts=starts)
+                         for n in names]
         self._closed = False
 
     def unpinned(self, blocks: Int64Array) -> str | None:
