@@ -18,7 +18,7 @@ import torch
 
 import aiokv
 from aiokv.integrations import recsys
-from aiokv.integrations.recsys_core import RecsysCore
+from aiokv.integrations.recsys_core import RecsysCore, sets_window
 from aiokv.integrations.recsys_math import (
     host_lengths,
     pages_per_user,
@@ -151,6 +151,33 @@ def test_core_offloads_looks_up_loads_and_evicts_a_batch_bit_for_bit(
     storage.release(after)
     assert storage.clear() == 16
     assert [h.cached_tokens for h in storage.lookup(users, lengths) if h is not None] == [0, 0, 0]
+
+
+def test_sets_window_reads_engine_window_us_from_each_kind_of_config(tmp_path: Any) -> None:
+    path = tmp_path / "aiokv.yml"
+    path.write_text("engine:\n  window_us: 300\nstore:\n  cpu_cache_gb: 0.01\n")
+    bare = tmp_path / "bare.yml"
+    bare.write_text("store:\n  cpu_cache_gb: 0.01\n")
+    assert sets_window(path) and sets_window(str(path)) and sets_window(CONFIG)
+    assert not sets_window(bare)
+    assert not sets_window(None)
+    assert not sets_window({"store": {"cpu_cache_gb": 0.01}})
+    assert not sets_window({"engine": {"max_batch_requests": 4}})
+
+
+def test_a_core_without_a_window_in_its_config_still_batches_each_call_once() -> None:
+    # window_us left unset: the core runs the engine's window at 0, and one manager
+    # call's users still reach the store as one batch.
+    opened = RecsysCore.open({"store": {"cpu_cache_gb": 0.01}}, caches())
+    try:
+        batches = opened.kv.stats().batches
+        users = list(range(6))
+        sources = [i32(2 * u, 2 * u + 1) for u in users]
+        stored = opened.offload(users, sources, [8] * 6).outcomes()
+        assert [r.stored_tokens for r in stored] == [8] * 6
+        assert opened.kv.stats().batches == batches + 1
+    finally:
+        opened.close()
 
 
 def test_core_a_bad_page_id_fails_its_own_user_only(

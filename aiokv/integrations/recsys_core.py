@@ -4,7 +4,9 @@ thread with plain ids, lengths and page-id tensors. It imports nothing of recsys
 
 One hop per manager call: the users of a call go to the engine's loop as one coroutine
 that starts all their calls in the same loop iteration, so they form one batch (one store
-round), not one hop and one window each. On a GPU, a call's copies wait for one CUDA event
+round), not one hop and one window each. So the engine's batch window only delays them:
+the core runs it at 0 (the next loop iteration) unless the config sets
+``engine.window_us``. On a GPU, a call's copies wait for one CUDA event
 recorded here, in the manager's thread, on its current stream (the stream, or CUDA
 graph, that wrote the pages), after the page ids were copied.
 """
@@ -13,15 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
-from collections.abc import Callable, Coroutine, Hashable, Sequence
+import os
+from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
+import yaml
 
 from ..engine import OffloadEngine
-from ..open import ConfigSource, open_engine
+from ..open import ConfigSource, read_config
 from ..requests import LoadResult, OffloadResult
+from ..stores import make_store
 from ..sync import BackgroundEngine, BackgroundLookup, run_in_background
 
 log = logging.getLogger("aiokv")
@@ -77,9 +83,14 @@ class RecsysCore:
         kv_caches: Sequence[torch.Tensor],
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
     ) -> RecsysCore:
-        """An engine over ``kv_caches`` (``aiokv.open_engine(config, ...)``), started on a
-        loop thread of its own. Raises what ``open_engine`` and ``start`` raise."""
-        engine = open_engine(config, kv_caches=kv_caches)
+        """An engine over ``kv_caches`` (``aiokv.open_engine(config, ...)``, with
+        ``window_us`` 0 where ``config`` leaves it unset), started on a loop thread of its
+        own. Raises what ``open_engine`` and ``start`` raise."""
+        engine_config, store_config = read_config(config)
+        if not sets_window(config):
+            engine_config = dataclasses.replace(engine_config, window_us=0)
+        engine = OffloadEngine(make_store(store_config), kv_caches=kv_caches,
+                               config=engine_config)
         return cls(run_in_background(engine, loop_factory=loop_factory))
 
     def _hop(self, calls: list[Call]) -> concurrent.futures.Future[list[Outcome]]:
@@ -195,3 +206,17 @@ def _evict_call(user: Hashable) -> Call:
         return await engine.evict(user)
 
     return call
+
+
+def sets_window(config: ConfigSource) -> bool:
+    """Whether ``config`` (as :func:`aiokv.open_engine` takes it) sets
+    ``engine.window_us``. Read after :func:`~aiokv.open.read_config` accepted it."""
+    if config is None:
+        return False
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, encoding="utf-8") as file:
+            config = yaml.safe_load(file)
+    if not isinstance(config, Mapping):
+        return False
+    engine = config.get("engine")
+    return isinstance(engine, Mapping) and "window_us" in engine
