@@ -79,6 +79,8 @@ HELPS = {
     "where batches are small, so that the one batch subtracted from the stream weighs as "
     "little on small rows as on large ones",
     "device": "where the caches live",
+    "placement": "the users' pages: 'scattered' at random (one copy per page and layer) or "
+    "'runs' (each user's adjacent, as a fresh allocator hands them out: 2-D copies)",
 }
 
 
@@ -155,7 +157,8 @@ async def _row(
         before = engine.stats().batches
         for repeat in range(settings.warmup + settings.repeats):
             round_offload_s, round_load_s, stored, loaded = await _round(
-                engine, caches_pages, batches, users, tokens, settings.page_size, device, names
+                engine, caches_pages, batches, users, tokens, settings.page_size, device, names,
+                settings.placement,
             )
             if stored != loaded or stored * per_token != batches * batch_bytes:
                 raise RuntimeError("bandwidth: a round moved other than every token asked")

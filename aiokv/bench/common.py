@@ -92,6 +92,8 @@ def add_settings_arguments(
         choices = sorted(DTYPES) if field.name == "dtype" else None
         if field.name == "device":
             choices = ["auto", "cpu", "cuda"]
+        if field.name == "placement":
+            choices = ["scattered", "runs"]
         parser.add_argument(flag, type=kind, default=None, choices=choices, help=help_text + ")")
 
 

@@ -34,6 +34,7 @@ class Settings:
     switch_interval_us: int = 0
     stream_batches: int = 4
     stream_gib: float = 2.0
+    placement: str = "scattered"
 
 
 GIB = float(1 << 30)
@@ -49,14 +50,21 @@ async def _round(
     page_size: int,
     device: torch.device,
     names: itertools.count[int],
+    placement: str = "scattered",
 ) -> tuple[float, float, int, int]:
     """Offload ``batches`` x ``users`` fresh histories at once, then load them all back
-    into freshly scattered pages at once. Returns (offload seconds, load seconds,
-    tokens stored, tokens loaded); each timed from the first submit to the last result."""
+    into fresh pages at once: scattered at random, or (``placement`` "runs") each user's
+    pages adjacent, at a random place, as a fresh page allocator hands them out. Returns
+    (offload seconds, load seconds, tokens stored, tokens loaded); each timed from the
+    first submit to the last result."""
     pages_each = -(-tokens // page_size)
     count = batches * users
 
     def scatter() -> list[torch.Tensor]:
+        if placement == "runs":
+            slots = torch.randperm(caches_pages // pages_each, device=device)[:count]
+            steps = torch.arange(pages_each, device=device)
+            return list(slots[:, None] * pages_each + steps)
         order = torch.randperm(caches_pages, device=device)[: count * pages_each]
         return list(order.view(count, pages_each))
 
