@@ -179,3 +179,31 @@ def test_a_layer_read_on_another_stream_right_after_wait_equals_what_was_stored(
     assert finish(store, task).status is TaskStatus.SUCCESS
     for layer in range(LAYERS):
         assert torch.equal(seen[layer], stored[layer]), layer
+
+
+def test_one_launch_with_int32_and_int64_device_ids_moves_each_tasks_own_pages(
+    rig: tuple[aiokv.LocalStore, list[torch.Tensor]],
+) -> None:
+    # The copier brings every task's device ids over in one batch call, each in its own
+    # dtype (recsys hands int32): a mixed launch must read each at its own offset.
+    store, caches = rig
+    half = TASK_PAGES // 2
+    tokens = np.arange(half * PAGE_SIZE, dtype=np.int64)
+    first = (SCATTER[:half]).to(torch.int32).cuda()
+    second = (SCATTER[half:]).cuda()  # int64
+    expected = [[cache[first.long()].clone(), cache[second].clone()] for cache in caches]
+    torch.cuda.synchronize()
+    tasks = [store.put_match(tokens, [name])[0] for name in ("i32", "i64")]
+    store.launch(tasks, [first, second], [None, None])
+    assert all(finish(store, t).status is TaskStatus.SUCCESS for t in tasks)
+    backs = [TASK_PAGES + SCATTER[:half], TASK_PAGES + SCATTER[half:]]
+    loads = []
+    for name in ("i32", "i64"):
+        task, mask = store.get_match(tokens, [name])
+        assert mask.all()
+        loads.append(task)
+    store.launch(loads, [backs[0].to(torch.int32).cuda(), backs[1].cuda()], [None, None])
+    assert all(finish(store, t).status is TaskStatus.SUCCESS for t in loads)
+    for layer, cache in enumerate(caches):
+        for i, back in enumerate(backs):
+            assert torch.equal(cache[back.cuda()], expected[layer][i]), (layer, i)

@@ -52,6 +52,7 @@ HELP = "a model stand-in's slowdown beside the engine's offloads and loads, vs p
 class Settings(standin.BesideSettings):
     warmup: int = 2
     config: str = ""
+    placement: str = "scattered"
 
 
 QUICK: dict[str, object] = {**standin.SMOKE, "warmup": 1}
@@ -61,6 +62,8 @@ HELPS = {
     "warmup": "untimed engine rounds first",
     "config": "YAML config whose store the engine runs on (its engine section too, less the "
     "batching, which the rounds set); default: the embedded store, sized for the rounds",
+    "placement": "the users' pages: 'scattered' at random or 'runs' (each user's adjacent, "
+    "as a fresh allocator hands them out)",
 }
 
 
@@ -129,7 +132,7 @@ class EngineCopier:
         start = time.perf_counter()
         offload_s, load_s, stored, loaded = self._loop.run_until_complete(
             _round(self._engine, self._pages, 1, s.users, s.tokens, self._page_size,
-                   self._device, self._names)
+                   self._device, self._names, s.placement)
         )
         end = time.perf_counter()
         if loaded != stored:

@@ -5,9 +5,9 @@ On a GPU, the copy thread (``aiokv-copy-*``) runs each job as:
 1. a small stream of its own (the ids stream) waits for the job's ready events (the
    callers' page ids and KV are written after them), and every copy stream waits for
    that point (wait A: nothing is read before the caller's writes);
-2. where page ids are on the device, the job's ids are fused into one pinned buffer with
-   ONE device-to-host copy (``d2h_copies``), and the thread waits for it (wait B: the ids
-   are read on the host only once copied; the wait releases the GIL);
+2. where page ids are on the device, the job's ids come into one pinned buffer in ONE
+   batch call of copy-engine copies (``d2h_copies``; no kernel), and the thread waits for
+   it (wait B: the ids are read on the host only once copied; the wait releases the GIL);
 3. each task's ids are checked (:func:`~.plan.check_pages`): a bad one fails only its
    own task, which the job reports as invalid and copies nothing of;
 4. the rest is planned (:func:`~.plan.plan`) and queued on ``STREAMS`` streams, one
@@ -19,9 +19,9 @@ On a GPU, the copy thread (``aiokv-copy-*``) runs each job as:
 A second thread (``...-done``) waits for each job's end events, on every stream (wait D:
 an offload's bytes are on the host, a load's in the caller's pages, before the job is
 reported), in the order the jobs were queued, so the copy thread queues the next job
-meanwhile and the copy engines run jobs back to back. No staging buffer, no kernel but
-the fusion of several tasks' device ids. Where the driver lacks the batch call, each
-(page, layer) is one torch copy instead (slower, the same bytes), said once in the log.
+meanwhile and the copy engines run jobs back to back. No staging buffer, no kernel.
+Where the driver lacks the batch call, each (page, layer) is one torch copy instead
+(slower, the same bytes), said once in the log.
 
 On the CPU the copy thread moves a job with torch index ops per layer, marking each layer
 of a load as it is copied.
@@ -173,11 +173,11 @@ class Copier:
             if not _fallback_warned:
                 _fallback_warned = True
                 log.warning("aiokv: copying page by page with torch copies, slower: %s", exc)
-        ids_buffer = torch.empty(0, dtype=torch.int64)
+        ids_buffer = torch.empty(0, dtype=torch.uint8)
         while (job := self._jobs.get()) is not None:
             self._slots.acquire()  # released by the done thread
             try:
-                ids, ids_buffer = self._host_ids(job, ids_stream, ids_buffer)
+                ids, ids_buffer = self._host_ids(job, ids_stream, ids_buffer, batch)
                 queued = self._queue_cuda(job, ids, streams, batch, strided)
             except Exception as exc:
                 log.exception("aiokv copy job failed")
@@ -194,30 +194,40 @@ class Copier:
             self._queued.put(queued)
 
     def _host_ids(
-        self, job: CopyJob, ids_stream: Any, buffer: torch.Tensor
+        self, job: CopyJob, ids_stream: Any, buffer: torch.Tensor, batch: BatchCopy | None
     ) -> tuple[Int64Array, torch.Tensor]:
         """The job's page ids on the host, after its ready events (waits A and B), and
-        the pinned buffer (grown where needed)."""
+        the pinned buffer (grown where needed). Device ids come over in one batch call
+        of copy-engine copies, one per task, as the caller's dtype: no kernel (a cat or a
+        cast would wait for SMs behind a running model's kernels)."""
         for event in job.ready:
             if event is not None:
                 ids_stream.wait_event(event)
         on_device = [p for p in job.pages if isinstance(p, torch.Tensor) and p.is_cuda]
         if not on_device:
             return self._concat([_as_numpy(p) for p in job.pages]), buffer
-        count = sum(len(p) for p in on_device)
-        if len(buffer) < count:
-            buffer = torch.empty(max(count, 2 * len(buffer)), dtype=torch.int64, pin_memory=True)
-        with torch.cuda.stream(ids_stream):
-            fused = on_device[0] if len(on_device) == 1 else torch.cat(on_device)
-            buffer[:count].copy_(fused, non_blocking=True)
+        sizes = np.array([p.numel() * p.element_size() for p in on_device], dtype=np.uint64)
+        offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.uint64)[:-1]))
+        total = int(sizes.sum())
+        if len(buffer) < total:
+            buffer = torch.empty(max(total, 2 * len(buffer)), dtype=torch.uint8, pin_memory=True)
+        if batch is not None and all(p.is_contiguous() for p in on_device):
+            srcs = np.array([p.data_ptr() for p in on_device], dtype=np.uint64)
+            batch(buffer.data_ptr() + offsets, srcs, sizes, ids_stream.cuda_stream)
+        else:  # an old driver, or strided ids: a torch copy each (the same engines)
+            with torch.cuda.stream(ids_stream):
+                for p, at, size in zip(on_device, offsets.tolist(), sizes.tolist(), strict=True):
+                    buffer[at : at + size].view(p.dtype).copy_(p, non_blocking=True)
         self.d2h_copies += 1
         ids_stream.synchronize()  # releases the GIL while it waits
-        fetched = buffer[:count].numpy()
-        parts, at = [], 0
+        raw = buffer.numpy()
+        parts: list[Int64Array] = []
+        device_ids = iter(zip(on_device, offsets.tolist(), strict=True))
         for pages in job.pages:
             if isinstance(pages, torch.Tensor) and pages.is_cuda:
-                parts.append(fetched[at : at + len(pages)])
-                at += len(pages)
+                p, at = next(device_ids)
+                dtype = np.int32 if p.dtype is torch.int32 else np.int64
+                parts.append(np.frombuffer(raw, dtype=dtype, count=p.numel(), offset=at))
             else:
                 parts.append(_as_numpy(pages))
         return self._concat(parts), buffer  # a copy: the buffer is the next job's
