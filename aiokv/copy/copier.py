@@ -207,13 +207,17 @@ class Copier:
         if not on_device:
             return self._concat([_as_numpy(p) for p in job.pages]), buffer
         sizes = np.array([p.numel() * p.element_size() for p in on_device], dtype=np.uint64)
-        offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.uint64)[:-1]))
-        total = int(sizes.sum())
+        # uint64 throughout (addresses); each task's ids 8-byte aligned in the buffer.
+        offsets = np.zeros(len(sizes), dtype=np.uint64)
+        offsets[1:] = np.cumsum((sizes[:-1] + np.uint64(7)) // np.uint64(8) * np.uint64(8))
+        total = int(offsets[-1] + sizes[-1])
         if len(buffer) < total:
             buffer = torch.empty(max(total, 2 * len(buffer)), dtype=torch.uint8, pin_memory=True)
         if batch is not None and all(p.is_contiguous() for p in on_device):
             srcs = np.array([p.data_ptr() for p in on_device], dtype=np.uint64)
-            batch(buffer.data_ptr() + offsets, srcs, sizes, ids_stream.cuda_stream)
+            some = sizes > 0  # a copy of 0 bytes is not one the driver takes
+            dsts = offsets[some] + np.uint64(buffer.data_ptr())
+            batch(dsts, srcs[some], sizes[some], ids_stream.cuda_stream)
         else:  # an old driver, or strided ids: a torch copy each (the same engines)
             with torch.cuda.stream(ids_stream):
                 for p, at, size in zip(on_device, offsets.tolist(), sizes.tolist(), strict=True):
