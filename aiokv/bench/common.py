@@ -92,8 +92,8 @@ def add_settings_arguments(
         choices = sorted(DTYPES) if field.name == "dtype" else None
         if field.name == "device":
             choices = ["auto", "cpu", "cuda"]
-        if field.name == "placement":
-            choices = ["scattered", "runs"]
+        if "choices" in field.metadata:
+            choices = list(field.metadata["choices"])
         parser.add_argument(flag, type=kind, default=None, choices=choices, help=help_text + ")")
 
 

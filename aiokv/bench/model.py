@@ -30,7 +30,7 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -41,7 +41,7 @@ from ..open import read_config
 from ..stores import make_store
 from . import common, standin
 from .beside import Beside, Rates, ReferenceCopier, Side, Unit, measure_copier
-from .rounds import _round
+from .rounds import PLACEMENTS, _round
 from .standin import GIB, StandIn, depth_name, one_thread, parse_depths, smoke_run
 
 NAME = "model"
@@ -52,7 +52,7 @@ HELP = "a model stand-in's slowdown beside the engine's offloads and loads, vs p
 class Settings(standin.BesideSettings):
     warmup: int = 2
     config: str = ""
-    placement: str = "scattered"
+    placement: str = field(default="scattered", metadata={"choices": PLACEMENTS})
 
 
 QUICK: dict[str, object] = {**standin.SMOKE, "warmup": 1}

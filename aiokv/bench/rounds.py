@@ -8,12 +8,14 @@ import asyncio
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..engine import OffloadEngine
 from . import common
+
+PLACEMENTS = ("scattered", "runs")  # the users' pages: see _round
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class Settings:
     switch_interval_us: int = 0
     stream_batches: int = 4
     stream_gib: float = 2.0
-    placement: str = "scattered"
+    placement: str = field(default="scattered", metadata={"choices": PLACEMENTS})
 
 
 GIB = float(1 << 30)
@@ -50,7 +52,7 @@ async def _round(
     page_size: int,
     device: torch.device,
     names: itertools.count[int],
-    placement: str = "scattered",
+    placement: str = field(default="scattered", metadata={"choices": PLACEMENTS}),
 ) -> tuple[float, float, int, int]:
     """Offload ``batches`` x ``users`` fresh histories at once, then load them all back
     into fresh pages at once: scattered at random, or (``placement`` "runs") each user's
