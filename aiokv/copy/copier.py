@@ -90,18 +90,6 @@ class CopyJob:
 
 
 @dataclass(slots=True)
-class _Tools:
-    """What queueing a job on a GPU uses, made by the copy thread: the copy streams, the
-    ids stream, the driver's calls (None: the torch fallback), the ids' pinned buffer."""
-
-    streams: list[Any]
-    ids_stream: Any
-    batch: BatchCopy | None
-    strided: StridedCopy | None
-    ids_buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
-
-
-@dataclass(slots=True)
 class _Queued:
     job: CopyJob
     ends: list[Any]  # CUDA events, one per stream used; empty: nothing to wait for
@@ -135,15 +123,6 @@ class Copier:
         self.d2h_copies = 0  # device-to-host copies of page ids (one per job at most)
         self._cuda = self._device.type == "cuda"
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
-        # Whose turn it is to queue a job's copies (CUDA): the copy thread, or a submitter
-        # that found nothing ahead of its job (see submit). ``_pending``: jobs handed to
-        # the copy thread and not yet queued; ``_busy``: someone is queueing one.
-        self._turn = threading.Condition()
-        self._pending = 0
-        self._busy = False
-        self._closing = False
-        self._tools: _Tools | None = None  # set by the copy thread once CUDA is set up
-        self._current = threading.local()  # threads that made the device's context current
         if self._cuda:
             self._geometry = Geometry.of(self._caches, pool)
             self._queued: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
@@ -155,49 +134,10 @@ class Copier:
             thread.start()
 
     def submit(self, job: CopyJob) -> None:
-        """Queue ``job``. On a GPU, a job with nothing ahead of it (no job waiting for the
-        copy thread, none being queued, a slot free) has its copies queued here, on the
-        caller's thread (the store thread, which holds the GIL already): handing it to
-        the copy thread cost a lone batch the copy thread's turn at the GIL, 0.3-0.7 ms
-        behind the loop's and the caller's Python. Only where the job's ready events have
-        passed: the ids' copy waits for them, and a store thread blocked behind a model's
-        queued kernels would hold up every other task's answer. Jobs still queue in
-        submission order."""
-        inline = False
-        if self._cuda:
-            ready = all(event is None or event.query() for event in job.ready)
-            with self._turn:
-                inline = (ready and self._tools is not None and not self._busy
-                          and not self._closing and self._pending == 0
-                          and self._slots.acquire(blocking=False))
-                if inline:
-                    self._busy = True
-                else:
-                    self._pending += 1
-        if not inline:
-            self._jobs.put(job)
-            return
-        tools = self._tools
-        assert tools is not None
-        try:
-            try:
-                self._make_current()
-            except Exception as exc:
-                log.exception("aiokv copy job failed")
-                job.error = repr(exc)
-                self._queued.put(_Queued(job, [], None))
-            else:
-                self._queued.put(self._queue_job(job, tools))
-        finally:
-            with self._turn:
-                self._busy = False
-                self._turn.notify_all()
+        self._jobs.put(job)
 
     def close(self) -> None:
         """Finish the queued jobs, then stop the threads."""
-        with self._turn:  # a job being queued by a submitter goes before the end
-            self._closing = True
-            self._turn.wait_for(lambda: not self._busy)
         self._jobs.put(None)
         for thread in self._threads:
             thread.join()
@@ -224,7 +164,6 @@ class Copier:
         streams = [torch.cuda.Stream(self._device) for _ in range(self._num_streams)]  # type: ignore[no-untyped-call]
         ids_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         ids_stream.synchronize()  # a runtime call: the context is current for the driver's
-        self._current.ok = True
         batch: BatchCopy | None = None
         strided: StridedCopy | None = None
         try:
@@ -234,50 +173,25 @@ class Copier:
             if not _fallback_warned:
                 _fallback_warned = True
                 log.warning("aiokv: copying page by page with torch copies, slower: %s", exc)
-        tools = _Tools(streams, ids_stream, batch, strided)
-        with self._turn:
-            self._tools = tools
+        ids_buffer = torch.empty(0, dtype=torch.uint8)
         while (job := self._jobs.get()) is not None:
-            with self._turn:  # after a job a submitter is queueing, which came first
-                self._turn.wait_for(lambda: not self._busy)
-                self._busy = True
+            self._slots.acquire()  # released by the done thread
             try:
-                self._slots.acquire()  # released by the done thread
-                self._queued.put(self._queue_job(job, tools))
-            finally:
-                with self._turn:
-                    self._busy = False
-                    self._pending -= 1
-                    self._turn.notify_all()
-
-    def _make_current(self) -> None:
-        """Make the device's context current on this thread (once per thread): the
-        driver's calls need it, and any runtime call on the thread makes it so."""
-        if not getattr(self._current, "ok", False):
-            torch.cuda.set_device(self._device)
-            assert self._tools is not None
-            self._tools.ids_stream.query()
-            self._current.ok = True
-
-    def _queue_job(self, job: CopyJob, tools: _Tools) -> _Queued:
-        """Queue one job's copies (its slot taken); what the done thread waits for. Only
-        one thread at a time (``_busy``)."""
-        try:
-            ids, tools.ids_buffer = self._host_ids(job, tools.ids_stream, tools.ids_buffer,
-                                                   tools.batch)
-            return self._queue_cuda(job, ids, tools.streams, tools.batch, tools.strided)
-        except Exception as exc:
-            log.exception("aiokv copy job failed")
-            job.error = repr(exc)
-            # What was queued may still read or write blocks that go back once the job
-            # is reported: let it run first. (A broken context fails these too; the next
-            # jobs then fail in turn, each reported.)
-            for stream in (*tools.streams, tools.ids_stream):
-                try:
-                    stream.synchronize()
-                except Exception:
-                    log.exception("aiokv: synchronizing a copy stream failed")
-            return _Queued(job, [], None)
+                ids, ids_buffer = self._host_ids(job, ids_stream, ids_buffer, batch)
+                queued = self._queue_cuda(job, ids, streams, batch, strided)
+            except Exception as exc:
+                log.exception("aiokv copy job failed")
+                job.error = repr(exc)
+                # What was queued may still read or write blocks that go back once the
+                # job is reported: let it run first. (A broken context fails these too;
+                # the next jobs then fail in turn, each reported.)
+                for stream in (*streams, ids_stream):
+                    try:
+                        stream.synchronize()
+                    except Exception:
+                        log.exception("aiokv: synchronizing a copy stream failed")
+                queued = _Queued(job, [], None)
+            self._queued.put(queued)
 
     def _host_ids(
         self, job: CopyJob, ids_stream: Any, buffer: torch.Tensor, batch: BatchCopy | None
