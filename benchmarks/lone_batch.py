@@ -99,11 +99,11 @@ def instrument(marks: Marks) -> None:
     _wrap(calls.StoreCalls, "match", None, "matched", marks)
     enqueue = local_copier.Copier._queue_cuda
 
-    def timed_enqueue(self: Any, job: Any, ids: Any, streams: Any, batch: Any) -> Any:
+    def timed_enqueue(self: Any, job: Any, ids: Any, streams: Any, *calls: Any) -> Any:
         # The GPU's span of the job: from its first stream's start to every stream's end.
         start = torch.cuda.Event(enable_timing=True)
         start.record(streams[0])
-        queued = enqueue(self, job, ids, streams, batch)
+        queued = enqueue(self, job, ids, streams, *calls)  # the driver's calls, as given
         for event in queued.ends:
             streams[0].wait_event(event)
         end = torch.cuda.Event(enable_timing=True)
