@@ -215,6 +215,31 @@ def test_a_bad_page_id_fails_only_its_task_and_loads_mark_their_layers(host: Hos
         local.close()
 
 
+def test_a_batch_answers_each_match_as_if_alone(tmp_path: Path) -> None:
+    """One message of several matches: a key twice in it is written once (the second
+    finds the first's pages), and a batch that cannot have all its blocks at once gives
+    them to its matches in order until one cannot have its own (NoSpace for that one)."""
+    server = Server(tmp_path).start()
+    store, _ = observer(server)
+    try:
+        tokens = np.arange(3 * PAGE_SIZE, dtype=np.int64)
+        answers = store.put_match_many([(tokens, ["twice"]), (tokens, ["twice"]),
+                                        (tokens, ["once"])])
+        masks = [mask.tolist() for _, mask in answers]  # type: ignore[misc]
+        assert masks == [[True] * len(tokens), [False] * len(tokens), [True] * len(tokens)]
+        store.cancel([task for task, _ in answers])  # type: ignore[misc]
+        pages = int(store.store_stats()["host_blocks_total"]) * 6 // 10
+        big = np.arange(pages * PAGE_SIZE, dtype=np.int64)
+        first, second = store.put_match_many([(big, ["big:1"]), (big, ["big:2"])])
+        assert isinstance(second, aiokv.stores.base.NoSpace)
+        assert not isinstance(first, Exception) and first[1].all()
+        store.cancel([first[0]])
+        assert store.store_stats()["host_blocks_used"] == 0
+    finally:
+        store.close()
+        server.kill()
+
+
 def test_sigterm_drains_and_exits_0(tmp_path: Path) -> None:
     server = Server(tmp_path).start()
     assert server.signal(signal.SIGTERM) == 0
