@@ -163,6 +163,7 @@ class Service:
         if link is not None:
             link.drain()
         index = host.index
+        tables: list[Space | None] = []
         presents: list[list[int | None] | None] = []
         held: list[Int64Array] = []  # per query with pages stored: those on the host
         missing = 0
@@ -171,6 +172,7 @@ class Service:
             present = None if table is None else list(map(table.get, digests))
             if link is not None:
                 present = link.mark_stored_below(namespace, digests, present)
+            tables.append(table)
             presents.append(present)
             lacking = len(digests) if present is None else present.count(None)
             missing += lacking
@@ -186,34 +188,30 @@ class Service:
                 if len(listed) != sum(map(len, held)):
                     held = [h[np.isin(h, listed)] for h in held]
                 index.make_evictable_many(held)
-        masks, new_digests = [], []
-        for (_, digests, _), present in zip(queries, presents, strict=True):
-            if present is None:
-                masks.append(_all_true(len(digests)))
-                new_digests.append(digests)
-                continue
-            new_pages = [i for i, b in enumerate(present) if b is None]
-            mask = np.zeros(len(digests), dtype=np.bool_)
-            mask[new_pages] = True
-            masks.append(mask)
-            new_digests.append([digests[i] for i in new_pages])
-        # Only where there is something new: an empty table would outlive its query.
-        writing = [i for i, digests in enumerate(new_digests) if digests]
-        tables: list[Space | None] = [None if present is None else index.space(namespace)
-                                      for (_, _, namespace), present in zip(
-                                          queries, presents, strict=True)]
-        for i, table in zip(writing, index.insert_many(
-                [queries[i][2] for i in writing], [new_digests[i] for i in writing], blocks),
-                strict=True):
-            tables[i] = table
-        answers: list[Answer] = []
+        tasks: list[Task] = []
+        writing: list[Task] = []  # only these enter the index: an empty table would stay
+        keys: list[tuple[str, ...]] = []
         at = 0
-        for mask, digests, table in zip(masks, new_digests, tables, strict=True):
-            mine = blocks[at : at + len(digests)]
-            at += len(digests)
-            answers.append(self._hold(client, Task(client.number, True, mask, mine, digests,
-                                                   table)))
-        return answers
+        for (_, digests, namespace), table, present in zip(queries, tables, presents,
+                                                           strict=True):
+            if present is None:
+                mask, new = _all_true(len(digests)), digests
+            else:
+                new_pages = [i for i, b in enumerate(present) if b is None]
+                mask = np.zeros(len(digests), dtype=np.bool_)
+                mask[new_pages] = True
+                new = [digests[i] for i in new_pages]
+            task = Task(client.number, True, mask, blocks[at : at + len(new)], new, table)
+            at += len(new)
+            tasks.append(task)
+            if new:
+                writing.append(task)
+                keys.append(namespace)
+        if writing:
+            spaces = index.insert_many(keys, [t.digests for t in writing], blocks)
+            for task, space in zip(writing, spaces, strict=True):
+                task.space = space
+        return [self._hold(client, task) for task in tasks]
 
     def get_match(self, client: Client, tokens: int, digests: list[bytes],
                   namespace: tuple[str, ...]) -> Answer:
