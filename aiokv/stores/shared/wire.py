@@ -44,6 +44,7 @@ MAX_QUERIES = 4096  # matches in one request
 MAX_TOKENS = 1 << 26  # tokens of one query
 MAX_NAMESPACE = 64  # strings in one namespace
 MAX_IDS = 1 << 20  # task ids in one request
+_BUFFER = 1 << 16  # a client's receive buffer: a batch's answers fit
 
 JSON, PING, PUT, GET, END, OK, ANSWERS = range(7)
 HEAD = struct.Struct("<II")  # a frame's: length (op + body), op
@@ -312,12 +313,14 @@ class Channel:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._buffer = bytearray(1 << 16)
+        self._buffer = bytearray(_BUFFER)
 
     def call(self, request: bytes) -> tuple[int, memoryview]:
         """Send ``request``; its reply's (op, body). The body views this channel's buffer:
         valid until the next call. PeerGone when the connection closes or breaks,
         WireError for a reply out of bounds."""
+        if len(self._buffer) > _BUFFER:  # the last reply was a large one: not kept
+            self._buffer = bytearray(_BUFFER)
         try:
             self.sock.sendall(request)
             view = memoryview(self._buffer)
