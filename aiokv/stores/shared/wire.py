@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import os
 import socket
@@ -165,11 +166,11 @@ def decode_match(body: memoryview, page_size: int) -> MatchRequest:
     digest_counts = values[released + count : released + 2 * count]
     string_counts = values[released + 2 * count : released + 3 * count]
     string_lengths = values[released + 3 * count :]
-    if count and (min(tokens) < 0 or max(tokens) > MAX_TOKENS or min(string_counts) < 0
-                  or max(string_counts) > MAX_NAMESPACE):
-        raise WireError("a query's token or namespace count is out of range")
-    if sum(digest_counts) != digest_pages or any(
-            d and d != n // page_size for d, n in zip(digest_counts, tokens, strict=True)):
+    if count and (min(tokens) < 0 or max(tokens) > MAX_TOKENS or min(digest_counts) < 0
+                  or min(string_counts) < 0 or max(string_counts) > MAX_NAMESPACE):
+        raise WireError("a query's token, digest or namespace count is out of range")
+    if sum(digest_counts) != digest_pages or (digest_pages and any(
+            d and d != n // page_size for d, n in zip(digest_counts, tokens, strict=True))):
         raise WireError("a query's digests do not match its full pages")
     if sum(string_counts) != strings or (strings and (
             min(string_lengths) < 0 or sum(string_lengths) != name_bytes)):
@@ -178,10 +179,14 @@ def decode_match(body: memoryview, page_size: int) -> MatchRequest:
     digest_blob = bytes(body[at : at + DIGEST_BYTES * digest_pages])
     raw_names = bytes(body[at + DIGEST_BYTES * digest_pages :])
     # ASCII (the usual case): one decode, then cut the text at the byte offsets.
-    names: str | bytes = raw_names.decode("ascii") if raw_names.isascii() else raw_names
+    text = raw_names.decode("ascii") if raw_names.isascii() else None
+    names: str | bytes = raw_names if text is None else text
+    bounds = [0, *itertools.accumulate(string_lengths)]
+    positions = position_digests(page_size, max(
+        (n for n, d in zip(tokens, digest_counts, strict=True) if not d), default=0)
+        // page_size)  # the default token ids' digests, kept by the server
     queries: list[Query] = []
-    lengths = iter(string_lengths)
-    digest_at = name_at = 0
+    digest_at = string_at = 0
     for n, pages, k in zip(tokens, digest_counts, string_counts, strict=True):
         if pages:
             end = digest_at + pages * DIGEST_BYTES
@@ -189,20 +194,24 @@ def decode_match(body: memoryview, page_size: int) -> MatchRequest:
                        for i in range(digest_at, end, DIGEST_BYTES)]
             digest_at = end
         else:
-            digests = position_digests(page_size, n // page_size)
-        parts = []
-        for _ in range(k):
-            length = next(lengths)
-            part = names[name_at : name_at + length]
-            name_at += length
-            if isinstance(part, bytes):
-                try:
-                    part = part.decode()
-                except UnicodeDecodeError as exc:
-                    raise WireError(f"a namespace is not UTF-8: {exc}") from exc
-            parts.append(part)
-        queries.append((n, digests, tuple(parts)))
+            digests = positions[: n // page_size]
+        if text is not None and k == 1:
+            space: tuple[str, ...] = (text[bounds[string_at] : bounds[string_at + 1]],)
+        else:
+            space = tuple(_text(names[bounds[j] : bounds[j + 1]])
+                          for j in range(string_at, string_at + k))
+        string_at += k
+        queries.append((n, digests, space))
     return MatchRequest(queries, list(values[:released]))
+
+
+def _text(part: str | bytes) -> str:
+    if isinstance(part, str):
+        return part
+    try:
+        return part.decode()
+    except UnicodeDecodeError as exc:
+        raise WireError(f"a namespace is not UTF-8: {exc}") from exc
 
 
 # ---- their answers ----------------------------------------------------------------------
@@ -256,7 +265,7 @@ def decode_answers(body: memoryview, tokens: Sequence[int], page_size: int
     mask_counts = values[2 * count : 3 * count].tolist()
     blocks = values[3 * count :]
     page_masks = np.frombuffer(body, dtype=np.bool_, count=mask_total, offset=at)
-    token_masks = np.repeat(page_masks, page_size)  # a new array: views of it are kept
+    token_masks = page_masks.repeat(page_size)  # a new array: views of it are kept
     errors = iter(json.loads(bytes(body[at + mask_total :])) if error_bytes else [])
     out: list[ClientAnswer] = []
     block_at = mask_at = 0
