@@ -55,7 +55,7 @@ _T = TypeVar("_T")
 
 
 def _nothing(body: memoryview) -> None:
-    return None
+    """An empty reply's (OK) decoder."""
 
 
 @dataclass(slots=True, eq=False)
@@ -180,8 +180,8 @@ class SharedStore:
             log.warning("aiokv: reconnected to the store server at %s", self._path)
         return link
 
-    def _call(self, request: bytes, what: str, expect: int = wire.OK,
-              decode: Callable[[memoryview], _T] = _nothing) -> _T:  # type: ignore[assignment]
+    def _call(self, request: bytes, what: str, expect: int,
+              decode: Callable[[memoryview], _T]) -> _T:
         """One request to the server and its reply's body decoded (under the lock: the
         body views the connection's buffer); StoreError when the server is gone or
         refuses."""
@@ -344,7 +344,7 @@ class SharedStore:
                 self._call(wire.encode_end(
                     [current[t].server_id for t in done if t in current],
                     [current[t].server_id for t in failed if t in current]
-                    + self._take_release()), "end")
+                    + self._take_release()), "end", wire.OK, _nothing)
         except StoreError as exc:
             lost = str(exc)
             current = {}
@@ -365,7 +365,8 @@ class SharedStore:
                 self._release.append(task.server_id)
         if self._release and self._link is not None:
             with contextlib.suppress(StoreError):  # a lost server released them itself
-                self._call(wire.encode_end([], self._take_release()), "end")
+                self._call(wire.encode_end([], self._take_release()), "end", wire.OK,
+                           _nothing)
 
     # ---- optional capabilities -----------------------------------------------------
 
@@ -390,7 +391,7 @@ class SharedStore:
     def ping(self) -> None:
         """One empty round trip to the server (what a batch's control messages cost
         beyond the server's work for them)."""
-        self._call(_PING, "ping")
+        self._call(_PING, "ping", wire.OK, _nothing)
 
     def set_notify(self, callback: Callable[[], None]) -> None:
         self._notify = callback
