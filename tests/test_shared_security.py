@@ -51,30 +51,41 @@ def connect(server: Server) -> socket.socket:
 
 
 def hello(sock: socket.socket) -> None:
-    wire.send(sock, {"op": "hello", "geometry": Geometry.of(caches()).as_dict()})
-    reply, fds = wire.recv(sock)
+    wire.send(sock, wire.encode_json({"op": "hello", "geometry": Geometry.of(caches()).as_dict()}))
+    reply, fds = wire.recv_json(sock)
     assert reply["ok"], reply
     for fd in fds:
         os.close(fd)
 
 
-def frame(header: bytes, body: bytes = b"") -> bytes:
-    return struct.pack("<II", len(header) + len(body) + 4, len(header)) + header + body
+def put(counts: tuple[int, ...], ints: tuple[int, ...], tail: bytes = b"") -> bytes:
+    """A PUT frame written by hand: its five counts (queries, released, digests, strings,
+    name bytes), its int64s, then digests and names."""
+    return wire.frame(wire.PUT, struct.pack(f"<5q{len(ints)}q", *counts, *ints) + tail)
+
+
+def one_put(tokens: int, name: bytes = b"x") -> bytes:
+    """A PUT of one query of ``tokens`` default token ids in namespace ``[name]``."""
+    return put((1, 0, 0, 1, len(name)), (tokens, 0, 1, len(name)), name)
 
 
 BAD_FRAMES = {
-    "oversized": struct.pack("<II", wire.MAX_FRAME + 1, 2) + b"{}",
+    "oversized": struct.pack("<II", wire.MAX_FRAME + 1, wire.JSON) + b"{}",
     "too short": struct.pack("<I", 2) + b"ab",
-    "not json": frame(b"\xff\xfe{not json"),
-    "not a mapping": frame(b"[1,2,3]"),
-    "header past the frame": struct.pack("<II", 8, 1000) + b"{}{}",
-    "unknown op": frame(b'{"op":"format_disk"}'),
-    "array past the bytes": frame(b'{"op":"put","q":[{"t":{"a":["i",0,99]},"ns":["x"]}]}'),
-    "negative count": frame(b'{"op":"put","q":[{"n":-5,"ns":["x"]}]}'),
-    "namespace not strings": frame(b'{"op":"get","q":[{"n":8,"ns":[1,2]}]}'),
-    "foreign task": frame(b'{"op":"end","done":[987654],"failed":[]}'),
-    "ids not ints": frame(b'{"op":"end","done":["1"],"failed":[]}'),
-    "deep nesting": frame(b'{"op":"put","q":' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    "not json": wire.frame(wire.JSON, b"\xff\xfe{not json"),
+    "not a mapping": wire.frame(wire.JSON, b"[1,2,3]"),
+    "unknown op": wire.frame(99),
+    "unknown json op": wire.encode_json({"op": "format_disk"}),
+    "counts past the frame": put((5, 0, 0, 5, 5), (8,)),
+    "negative count": one_put(-5),
+    "too many tokens": one_put(wire.MAX_TOKENS + 1),
+    "namespace not utf-8": one_put(8, b"\xff\xfe"),
+    "digests not its pages": put((1, 0, 1, 1, 1), (64, 1, 1, 1), bytes(16) + b"x"),
+    "names past their bytes": put((1, 0, 0, 1, 1), (8, 0, 1, 9), b"x"),
+    "foreign task": wire.encode_end([987654], []),
+    "end past its ids": wire.frame(wire.END, struct.pack("<2q", 3, 0) + bytes(8)),
+    "deep nesting": wire.frame(wire.JSON, b'{"op":"evict","ns":' + b"[" * 5000 + b"]" * 5000
+                               + b"}"),
 }
 
 
@@ -86,17 +97,30 @@ def test_a_bad_message_after_hello_disconnects_that_peer(server: Server, name: s
         assert closed_by_server(sock)
 
 
+def test_a_hand_written_put_after_hello_is_answered(server: Server) -> None:
+    """The frames above are refused for what is wrong in them: the same builder's
+    well-formed request gets its answer (one task of 2 new pages)."""
+    with connect(server) as sock:
+        hello(sock)
+        sock.sendall(one_put(2 * PAGE_SIZE + 1, b"hand-written"))
+        op, body = wire.Channel(sock).call(b"")
+        assert op == wire.ANSWERS
+        ((_task, mask, blocks),) = wire.decode_answers(body, [2 * PAGE_SIZE + 1], PAGE_SIZE)
+        assert mask.tolist() == [True] * (2 * PAGE_SIZE) + [False]
+        assert len(blocks) == 2
+
+
 def test_requests_before_hello_and_bad_geometry_disconnect(server: Server) -> None:
-    for message in ({"op": "put", "q": []}, {"op": "hello", "geometry": {"layers": -1}}):
+    for request in (one_put(8), wire.encode_json({"op": "hello", "geometry": {"layers": -1}})):
         with connect(server) as sock:
-            wire.send(sock, message)
+            wire.send(sock, request)
             assert closed_by_server(sock)
 
 
 def test_random_and_truncated_messages_then_a_client_is_served_bit_exact(server: Server) -> None:
     rng = random.Random(31)
-    valid = wire.encode({"op": "put", "q": [{"t": np.arange(16, dtype=np.int64),
-                                              "ns": ["fuzz"]}]})
+    valid = wire.encode_match(wire.PUT, [(np.arange(7, 7 + 4 * PAGE_SIZE, dtype=np.int64),
+                                          ["fuzz"])], PAGE_SIZE, [])
     for round_ in range(60):
         with connect(server) as sock:
             if round_ % 2:

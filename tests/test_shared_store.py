@@ -215,6 +215,54 @@ def test_a_bad_page_id_fails_only_its_task_and_loads_mark_their_layers(host: Hos
         local.close()
 
 
+def test_namespaces_of_any_text_and_partial_pages_keep_their_keys(host: Host) -> None:
+    """Non-ASCII namespaces, several strings, explicit token ids and a trailing partial
+    page cross the wire as given: the same key hits in another client, a namespace that
+    differs in one string does not, and the partial page is never stored."""
+    server, _ = host
+    (writer, _), (reader, _) = observer(server), observer(server)
+    try:
+        tokens = np.arange(900, 900 + 3 * PAGE_SIZE + 1, dtype=np.int64)
+        key = ["ключ:7", "ü", ""]
+        put, mask = writer.put_match(tokens, key)
+        assert mask.tolist() == [True] * (3 * PAGE_SIZE) + [False]
+        writer.launch([put], [torch.arange(3)], [None])
+        wait_for(lambda: writer.try_wait([put]), "the put's end")
+        for namespace, hit in ((key, 3 * PAGE_SIZE), (["ключ:7", "ü"], 0),
+                               (["ключ:7", "u", ""], 0)):
+            get, mask = reader.get_match(tokens, namespace)
+            assert int(mask.sum()) == hit and len(mask) == len(tokens)
+            reader.cancel([get])
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_batch_answers_each_match_as_if_alone(tmp_path: Path) -> None:
+    """One message of several matches: a key twice in it is written once (the second
+    finds the first's pages), and a batch that cannot have all its blocks at once gives
+    them to its matches in order until one cannot have its own (NoSpace for that one)."""
+    server = Server(tmp_path).start()
+    store, _ = observer(server)
+    try:
+        tokens = np.arange(3 * PAGE_SIZE, dtype=np.int64)
+        answers = store.put_match_many([(tokens, ["twice"]), (tokens, ["twice"]),
+                                        (tokens, ["once"])])
+        masks = [mask.tolist() for _, mask in answers]  # type: ignore[misc]
+        assert masks == [[True] * len(tokens), [False] * len(tokens), [True] * len(tokens)]
+        store.cancel([task for task, _ in answers])  # type: ignore[misc]
+        pages = int(store.store_stats()["host_blocks_total"]) * 6 // 10
+        big = np.arange(pages * PAGE_SIZE, dtype=np.int64)
+        first, second = store.put_match_many([(big, ["big:1"]), (big, ["big:2"])])
+        assert isinstance(second, aiokv.stores.base.NoSpace)
+        assert not isinstance(first, Exception) and first[1].all()
+        store.cancel([first[0]])
+        assert store.store_stats()["host_blocks_used"] == 0
+    finally:
+        store.close()
+        server.kill()
+
+
 def test_sigterm_drains_and_exits_0(tmp_path: Path) -> None:
     server = Server(tmp_path).start()
     assert server.signal(signal.SIGTERM) == 0

@@ -20,7 +20,7 @@ anything to write. Everything runs on the store thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -111,8 +111,16 @@ class Tier:
 
     def roll_back(self, space: Space | None, digests: list[bytes], blocks: Int64Array) -> None:
         """A reservation that will never be READY: out of the index, free again."""
-        if space is not None:
-            self.index.remove(space, digests)
+        self.roll_back_many([(space, digests)], blocks)
+
+    def roll_back_many(
+        self, keys: Sequence[tuple[Space | None, list[bytes]]], blocks: Int64Array
+    ) -> None:
+        """``roll_back`` of several reservations at once: ``keys`` their (table, digests),
+        ``blocks`` all of their blocks (freed with one sort)."""
+        for space, digests in keys:
+            if space is not None:
+                self.index.remove(space, digests)
         self.free(blocks if len(blocks) < 2 else np.sort(blocks))
 
     def hold(self, blocks: Int64Array) -> bool:

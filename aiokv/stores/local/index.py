@@ -60,7 +60,9 @@ _position_chains: dict[int, _PositionChain] = {}
 _position_bytes = b""  # positions 0..m-1 as native int64 bytes, grown on demand
 
 
-def _position_digests(page_size: int, pages: int) -> list[bytes]:
+def position_digests(page_size: int, pages: int) -> list[bytes]:
+    """``chain_digests`` of the default token ids (positions) for ``pages`` pages, from a
+    cache grown on demand (the list is shared: do not mutate it)."""
     chain = _position_chains.get(page_size)
     if chain is None or len(chain.digests) < pages:
         have = chain.digests if chain is not None else []
@@ -74,17 +76,18 @@ def _position_digests(page_size: int, pages: int) -> list[bytes]:
     return chain.digests[:pages]
 
 
-def _are_positions(head: Int64Array) -> bool:
-    """True when ``head`` is ``0..len(head)-1``, by content: two element checks reject
-    other token ids at once, then one comparison of the raw bytes."""
+def are_positions(head: Int64Array) -> bool:
+    """True when ``head`` is ``0..len(head)-1``, by content: one comparison of the raw
+    bytes (memcmp stops at the first difference), after two element checks only where
+    the cached positions must grow first."""
     global _position_bytes
     n = len(head)
-    if int(head[0]) != 0 or int(head[-1]) != n - 1:
-        return False
     if n * 8 > len(_position_bytes):
-        _position_bytes = np.arange(max(n, len(_position_bytes) // 4, 1 << 16)).astype(
-            np.int64
-        ).tobytes()
+        if int(head[0]) != 0 or int(head[-1]) != n - 1:
+            return False
+        _position_bytes = (
+            np.arange(max(n, len(_position_bytes) // 4, 1 << 16)).astype(np.int64).tobytes()
+        )
     head = _as_int64(head)
     return _position_bytes.startswith(head)  # type: ignore[arg-type]  # buffer protocol
 
@@ -98,8 +101,8 @@ def chain_digests(token_ids: Int64Array, page_size: int) -> list[bytes]:
     if full_pages == 0:
         return []
     head = token_ids[: full_pages * page_size]
-    if _are_positions(head):
-        return _position_digests(page_size, full_pages)
+    if are_positions(head):
+        return position_digests(page_size, full_pages)
     head = _as_int64(head)
     digests: list[bytes] = []
     _hash_chain(_SEED.copy(), memoryview(head.data).cast("B"), page_size * 8, digests)
@@ -217,21 +220,41 @@ class BlockIndex:
         """Add new digests (not in the table) for these blocks; returns the table.
         ``blocks`` as the pool hands them out: unique and ascending, or ascending with one
         wrap, so that ``last - first == n - 1`` means one run (see ``pool.as_index``)."""
-        space = self._spaces.get(namespace)
-        if space is None:
-            space = self._spaces[namespace] = Space(namespace)
+        return self.insert_many([namespace], [digests], blocks)[0]
+
+    def insert_many(
+        self,
+        namespaces: Sequence[tuple[str, ...]],
+        digests: Sequence[Sequence[bytes]],
+        blocks: Int64Array,
+    ) -> list[Space]:
+        """``insert`` of each namespace's digests in turn, their blocks one after another
+        in ``blocks`` (one reservation, as ``insert`` takes it); returns the tables."""
+        if sum(map(len, digests)) != len(blocks):
+            raise ValueError(f"{sum(map(len, digests))} digests for {len(blocks)} blocks")
         block_list = blocks.tolist()
-        space.update(zip(digests, block_list, strict=True))
-        n = len(block_list)
-        self._count += n
+        tables: list[Space] = []
+        at = 0
+        for namespace, keys in zip(namespaces, digests, strict=True):
+            space = self._spaces.get(namespace)
+            if space is None:
+                space = self._spaces[namespace] = Space(namespace)
+            space.update(zip(keys, block_list[at : at + len(keys)], strict=True))
+            at += len(keys)
+            tables.append(space)
+        self._count += at
+        every = digests[0] if len(digests) == 1 else list(itertools.chain.from_iterable(digests))
+        owners = itertools.chain.from_iterable(
+            itertools.repeat(space, len(keys)) for space, keys in zip(tables, digests, strict=True)
+        )
         run = as_index(blocks)
         if isinstance(run, slice):  # one ascending run
-            self._digest[run] = digests
-            self._space[run] = itertools.repeat(space, n)
+            self._digest[run] = every
+            self._space[run] = owners
         else:
-            deque(map(self._digest.__setitem__, block_list, digests), maxlen=0)
-            deque(map(self._space.__setitem__, block_list, itertools.repeat(space)), maxlen=0)
-        return space
+            deque(map(self._digest.__setitem__, block_list, every), maxlen=0)
+            deque(map(self._space.__setitem__, block_list, owners), maxlen=0)
+        return tables
 
     def remove(self, space: Space, digests: Sequence[bytes]) -> None:
         """Drop digests that are not in the LRU (a rolled back reservation)."""

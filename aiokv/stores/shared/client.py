@@ -25,7 +25,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +50,12 @@ from .region import Geometry, Region
 log = logging.getLogger("aiokv")
 
 CALL_TIMEOUT_S = 60.0
+_PING = wire.frame(wire.PING)
+_T = TypeVar("_T")
+
+
+def _nothing(body: memoryview) -> None:
+    """An empty reply's (OK) decoder."""
 
 
 @dataclass(slots=True, eq=False)
@@ -72,8 +78,8 @@ class _Link:
         wire.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
         try:
             sock.connect(path)
-            wire.send(sock, {"op": "hello", "geometry": geometry.as_dict()})
-            reply, fds = wire.Channel(sock).recv()
+            wire.send(sock, wire.encode_json({"op": "hello", "geometry": geometry.as_dict()}))
+            reply, fds = wire.recv_json(sock)
         except BaseException:
             sock.close()
             raise
@@ -95,15 +101,17 @@ class _Link:
         self.region.fd = -1
         self.plane = RegionPlane(caches, self.region, done)
 
-    def call(self, message: Mapping[str, Any]) -> dict[str, Any]:
-        wire.send(self.sock, message)
-        reply, fds = self.channel.recv()
-        for fd in fds:
-            wire.close_quietly(fd)
-        if not reply.get("ok"):
-            raise StoreError(f"the store server refused {message.get('op')!r}: "
-                             f"{reply.get('error')}")
-        return reply
+    def call(self, request: bytes, what: str, expect: int) -> memoryview:
+        """One request and its reply's body (valid until the next call), which must be
+        of op ``expect``; StoreError when the server refuses it."""
+        op, body = self.channel.call(request)
+        if op == wire.JSON:
+            reply = wire.decode_json(body)
+            if not reply.get("ok"):
+                raise StoreError(f"the store server refused {what!r}: {reply.get('error')}")
+        if op != expect:
+            raise wire.WireError(f"a reply of op {op} to {what!r} (expected {expect})")
+        return body
 
     def close(self) -> None:
         """Disconnect, then finish the queued copies (their tasks end FAILED: the
@@ -172,15 +180,23 @@ class SharedStore:
             log.warning("aiokv: reconnected to the store server at %s", self._path)
         return link
 
-    def _call(self, message: Mapping[str, Any]) -> dict[str, Any]:
+    def _call(self, request: bytes, what: str, expect: int,
+              decode: Callable[[memoryview], _T]) -> _T:
+        """One request to the server and its reply's body decoded (under the lock: the
+        body views the connection's buffer); StoreError when the server is gone or
+        refuses."""
         with self._lock:
             link = self._connect()
             try:
-                return link.call(message)
+                return decode(link.call(request, what, expect))
             except (OSError, wire.PeerGone, wire.WireError) as exc:
                 self._lost(exc)
                 raise StoreError(f"the store server at {self._path!r} went away: {exc}"
                                  ) from exc
+
+    def _call_json(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        return self._call(wire.encode_json(message), str(message["op"]), wire.JSON,
+                          wire.decode_json)
 
     def _lost(self, exc: BaseException) -> None:
         log.warning("aiokv: lost the store server at %s: %s", self._path, exc)
@@ -205,18 +221,22 @@ class SharedStore:
         return self._matches("get", queries)
 
     def _matches(self, op: str, queries: Queries) -> MatchAnswers:
-        message = {"op": op, **wire.pack_queries(queries), "failed": self._take_release()}
-        reply = self._call(message)
+        page_size = self.page_size
+        request = wire.encode_match(wire.PUT if op == "put" else wire.GET, queries,
+                                    page_size, self._take_release())
+        tokens = [len(token_ids) for token_ids, _ in queries]
+        replies = self._call(request, op, wire.ANSWERS,
+                             lambda body: wire.decode_answers(body, tokens, page_size))
         answers: MatchAnswers = []
-        generation = self._generation
-        for answer in wire.unpack_answers(reply):
+        generation, is_put = self._generation, op == "put"
+        for answer in replies:
             if len(answer) == 2:
                 error, full = answer
                 answers.append(NoSpace(error) if full else StoreError(str(error)))
                 continue
             server_id, mask, blocks = answer
             local = next(self._ids)
-            self._tasks[local] = _Task(server_id, op == "put", mask, blocks, generation)
+            self._tasks[local] = _Task(server_id, is_put, mask, blocks, generation)
             answers.append((local, mask))
         return answers
 
@@ -321,12 +341,10 @@ class SharedStore:
         lost = "the store server went away before this task's end was recorded"
         try:
             if current or self._release:
-                self._call({
-                    "op": "end",
-                    "done": [current[t].server_id for t in done if t in current],
-                    "failed": [current[t].server_id for t in failed if t in current]
-                    + self._take_release(),
-                })
+                self._call(wire.encode_end(
+                    [current[t].server_id for t in done if t in current],
+                    [current[t].server_id for t in failed if t in current]
+                    + self._take_release()), "end", wire.OK, _nothing)
         except StoreError as exc:
             lost = str(exc)
             current = {}
@@ -347,15 +365,16 @@ class SharedStore:
                 self._release.append(task.server_id)
         if self._release and self._link is not None:
             with contextlib.suppress(StoreError):  # a lost server released them itself
-                self._call({"op": "end", "done": [], "failed": self._take_release()})
+                self._call(wire.encode_end([], self._take_release()), "end", wire.OK,
+                           _nothing)
 
     # ---- optional capabilities -----------------------------------------------------
 
     def evict(self, namespace: Sequence[str]) -> int:
-        return int(self._call({"op": "evict", "ns": list(namespace)})["tokens"])
+        return int(self._call_json({"op": "evict", "ns": list(namespace)})["tokens"])
 
     def clear(self) -> int:
-        return int(self._call({"op": "clear"})["tokens"])
+        return int(self._call_json({"op": "clear"})["tokens"])
 
     def store_stats(self) -> Mapping[str, int | float]:
         """The server's figures (its tiers, hits and open tasks, every engine's) with this
@@ -364,7 +383,7 @@ class SharedStore:
         plane = self._link.plane if self._link is not None else None
         stats["d2h_copies"] = self._d2h_closed + (plane.d2h_copies if plane else 0)
         try:
-            stats.update(self._call({"op": "stats"})["stats"])
+            stats.update(self._call_json({"op": "stats"})["stats"])
         except StoreError:
             stats["server_up"] = 0
         return stats
@@ -372,7 +391,7 @@ class SharedStore:
     def ping(self) -> None:
         """One empty round trip to the server (what a batch's control messages cost
         beyond the server's work for them)."""
-        self._call({"op": "ping"})
+        self._call(_PING, "ping", wire.OK, _nothing)
 
     def set_notify(self, callback: Callable[[], None]) -> None:
         self._notify = callback

@@ -36,7 +36,6 @@ from typing import Any
 
 from ...config import StoreConfig
 from ...errors import ConfigError
-from ..base import NoSpace
 from . import wire
 from .region import Geometry
 from .service import Client, Foreign, Service
@@ -45,6 +44,8 @@ log = logging.getLogger("aiokv.server")
 
 SEND_TIMEOUT_S = 5.0  # a peer that does not read its replies for this long is dropped
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_OK = wire.frame(wire.OK)
+_LENGTH = struct.Struct("<I")  # a frame's length word (then its op: wire.HEAD)
 _LOCK_NAME = "aiokv-server.lock"
 
 
@@ -109,9 +110,11 @@ class StoreServer:
         self._numbers = 0
         self._stopping = False
         self._stop_at = 0.0
-        self._handlers: dict[str, Callable[[Connection, dict[str, Any]], dict[str, Any]]] = {
-            "put": self._put, "get": self._get, "end": self._end, "evict": self._evict,
-            "clear": self._clear, "stats": self._stats, "ping": self._ping}
+        self._handlers: dict[int, Callable[[Connection, memoryview], bytes]] = {
+            wire.PUT: self._put, wire.GET: self._get, wire.END: self._end,
+            wire.PING: self._ping, wire.JSON: self._json}
+        self._json_handlers: dict[str, Callable[[Connection, dict[str, Any]], dict[str, Any]]] = {
+            "evict": self._evict, "clear": self._clear, "stats": self._stats}
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -237,16 +240,23 @@ class StoreServer:
         if not data:
             self._drop(conn, None)
             return
-        conn.inbox += data
+        if conn.inbox:  # the rest of a frame that came in pieces
+            conn.inbox += data
+            data = bytes(conn.inbox)  # bytes: the requests' arrays may view it
+            conn.inbox.clear()
+        at = 0
         try:
-            while len(conn.inbox) >= 4:
-                (length,) = struct.unpack_from("<I", conn.inbox, 0)
-                wire.check_length(length)
-                if len(conn.inbox) < 4 + length:
+            while len(data) - at >= 4:
+                (length,) = _LENGTH.unpack_from(data, at)
+                wire.check_length(length)  # at once: a bad length is not waited for
+                end = at + 4 + length
+                if end > len(data):
                     break
-                frame = bytes(conn.inbox[4 : 4 + length])  # arrays view it: not the inbox
-                del conn.inbox[: 4 + length]
-                self._answer(conn, wire.decode(frame))
+                (op,) = _LENGTH.unpack_from(data, at + 4)
+                self._answer(conn, op, memoryview(data)[at + 8 : end])
+                at = end
+            if at < len(data):
+                conn.inbox += data[at:]
         except (wire.WireError, ProtocolError, Foreign) as exc:
             self._drop(conn, f"{type(exc).__name__}: {exc}")
         except OSError as exc:
@@ -272,20 +282,27 @@ class StoreServer:
 
     # ---- requests ------------------------------------------------------------------
 
-    def _answer(self, conn: Connection, message: dict[str, Any]) -> None:
-        op = message.get("op")
-        if op == "hello":
+    def _answer(self, conn: Connection, op: int, body: memoryview) -> None:
+        if not conn.registered:
+            message = wire.decode_json(body) if op == wire.JSON else {}
+            if message.get("op") != "hello":
+                raise ProtocolError(f"op {op} {message.get('op')!r} before hello")
             self._hello(conn, message)
             return
-        if not conn.registered:
-            raise ProtocolError(f"{op!r} before hello")
-        handler = self._handlers.get(op)  # type: ignore[arg-type]
+        handler = self._handlers.get(op)
         if handler is None:
-            raise ProtocolError(f"unknown request {op!r}")
-        wire.send(conn.sock, {"ok": True, **handler(conn, message)})
+            raise ProtocolError(f"unknown request op {op}")
+        conn.sock.sendall(handler(conn, body))
 
-    def _ping(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-        return {}
+    def _json(self, conn: Connection, body: memoryview) -> bytes:
+        message = wire.decode_json(body)
+        handler = self._json_handlers.get(message.get("op"))  # type: ignore[arg-type]
+        if handler is None:
+            raise ProtocolError(f"unknown request {message.get('op')!r}")
+        return wire.encode_json({"ok": True, **handler(conn, message)})
+
+    def _ping(self, conn: Connection, body: memoryview) -> bytes:
+        return _OK
 
     def _hello(self, conn: Connection, message: dict[str, Any]) -> None:
         try:
@@ -296,38 +313,34 @@ class StoreServer:
             region = self.service.register(geometry)
         except ConfigError as exc:
             log.warning("aiokv store-server: refused engine pid %d: %s", conn.client.pid, exc)
-            wire.send(conn.sock, {"ok": False, "error": str(exc), "config": True})
+            wire.send(conn.sock, wire.encode_json({"ok": False, "error": str(exc),
+                                                   "config": True}))
             return
         conn.registered = True
-        wire.send(conn.sock, {"ok": True, "blocks": region.num_blocks}, [region.fd])
+        wire.send(conn.sock, wire.encode_json({"ok": True, "blocks": region.num_blocks}),
+                  [region.fd])
 
-    def _matches(self, conn: Connection, message: dict[str, Any], is_put: bool
-                 ) -> dict[str, Any]:
-        queries = wire.unpack_queries(message)
-        # Cancels ride along with the next match (one message per batch).
-        self.service.finish(conn.client, [], _ids(message.get("failed", [])))
+    def _matches(self, conn: Connection, body: memoryview, is_put: bool) -> bytes:
+        assert self.service.geometry is not None  # registered: the first hello set it
+        request = wire.decode_match(body, self.service.geometry.page_size)
+        if request.released:  # cancels ride along with the next match (one message)
+            self.service.finish(conn.client, [], request.released)
         if self._stopping:
-            return wire.pack_answers([("the store server is shutting down", False)]
-                                     * len(queries))
-        match = self.service.put_match if is_put else self.service.get_match
-        answers: list[wire.Answer] = []
-        for tokens, namespace in queries:
-            try:
-                answers.append(match(conn.client, tokens, namespace))
-            except NoSpace as exc:
-                answers.append((str(exc), True))
-        return wire.pack_answers(answers)
+            return wire.encode_answers([("the store server is shutting down", False)]
+                                       * len(request.queries))
+        return wire.encode_answers(self.service.match_many(conn.client, is_put,
+                                                           request.queries))
 
-    def _put(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-        return self._matches(conn, message, True)
+    def _put(self, conn: Connection, body: memoryview) -> bytes:
+        return self._matches(conn, body, True)
 
-    def _get(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-        return self._matches(conn, message, False)
+    def _get(self, conn: Connection, body: memoryview) -> bytes:
+        return self._matches(conn, body, False)
 
-    def _end(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-        done, failed = _ids(message.get("done")), _ids(message.get("failed"))
+    def _end(self, conn: Connection, body: memoryview) -> bytes:
+        done, failed = wire.decode_end(body)
         self.service.finish(conn.client, done, failed)
-        return {}
+        return _OK
 
     def _evict(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
         return {"tokens": self.service.evict(wire.namespace(message.get("ns")))}
@@ -338,10 +351,3 @@ class StoreServer:
     def _stats(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
         clients = [c.client for c in self._connections.values()]
         return {"stats": self.service.stats(clients)}
-
-
-def _ids(raw: Any) -> list[int]:
-    if not isinstance(raw, list) or not all(type(i) is int for i in raw):
-        raise ProtocolError(f"task ids must be a list of ints, got {raw!r}")
-    return raw
-

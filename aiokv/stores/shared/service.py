@@ -17,6 +17,7 @@ connection ends, however it ends, its tasks are rolled back (:meth:`Service.drop
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -32,10 +33,11 @@ from ...config import StoreConfig
 from ...errors import ConfigError
 from ..base import BoolArray, Int64Array, NoSpace
 from ..local.blocks import NO_BLOCKS, READY, Tier
-from ..local.index import Space, chain_digests
+from ..local.index import Space
 from ..local.loads import Load
 from ..local.tiering import TierLink
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
+from .wire import Answer, Query
 
 log = logging.getLogger("aiokv.server")
 
@@ -133,63 +135,97 @@ class Service:
 
     # ---- matches -------------------------------------------------------------------
 
-    def put_match(self, client: Client, token_ids: Int64Array, namespace: tuple[str, ...]
-                  ) -> tuple[int, BoolArray, Int64Array]:
-        """LocalStore.put_match: the pages not stored in either tier get host blocks
-        (WRITING, in the index: a second put of them writes nothing); NoSpace when they
-        cannot all be had now."""
+    def match_many(self, client: Client, is_put: bool, queries: Sequence[Query]
+                   ) -> list[Answer]:
+        """A batch's matches, each answered as if alone and in order: (task id, one bool
+        per page, blocks), or (why, True) for a put that cannot have its blocks now."""
+        if not is_put:
+            return [self.get_match(client, *query) for query in queries]
+        namespaces = {space for _, _, space in queries}
+        if len(queries) > 1 and len(namespaces) == len(queries):
+            # Distinct namespaces never share a block: every lookup first, then one
+            # reservation for the batch; when it cannot be had whole, one by one.
+            with contextlib.suppress(NoSpace):
+                return self._put_many(client, queries)
+        answers: list[Answer] = []
+        for query in queries:  # a key twice in a batch: its second put sees the first's
+            try:
+                answers += self._put_many(client, [query])
+            except NoSpace as exc:
+                answers.append((str(exc), True))
+        return answers
+
+    def _put_many(self, client: Client, queries: Sequence[Query]) -> list[Answer]:
+        """LocalStore.put_match of each query (distinct namespaces): the pages not stored
+        in either tier get host blocks (WRITING, in the index: a second put of them writes
+        nothing); NoSpace, with nothing reserved, when they cannot all be had now."""
         host, link = self._require_host(), self._link
-        page_size = self._page_size()
         if link is not None:
             link.drain()
-        digests = chain_digests(token_ids, page_size)
-        n = len(digests)
-        space = host.index.space(namespace)
-        present: list[int | None] | None = (
-            list(map(space.get, digests)) if space is not None else None
-        )
-        if link is not None:
-            present = link.mark_stored_below(namespace, digests, present)
-        missing = n if present is None else present.count(None)
-        listed = None
-        if present is not None and missing < n:
-            held = np.array([b for b in present if b is not None and b >= 0], dtype=np.int64)
-            listed = host.index.make_unevictable(held)  # stored pages become the most recent
-        mask = np.zeros(len(token_ids), dtype=np.bool_)
-        blocks, new_digests, owner = NO_BLOCKS, [], space
+        index = host.index
+        tables: list[Space | None] = []
+        presents: list[list[int | None] | None] = []
+        held: list[Int64Array] = []  # per query with pages stored: those on the host
+        missing = 0
+        for _, digests, namespace in queries:
+            table = index.space(namespace)
+            present = None if table is None else list(map(table.get, digests))
+            if link is not None:
+                present = link.mark_stored_below(namespace, digests, present)
+            tables.append(table)
+            presents.append(present)
+            lacking = len(digests) if present is None else present.count(None)
+            missing += lacking
+            if present is not None and lacking < len(present):
+                held.append(np.array([b for b in present if b is not None and b >= 0],
+                                     dtype=np.int64))
+        # Stored pages become the most recent, and are not evicted by this reservation.
+        listed = index.make_unevictable(np.concatenate(held)) if held else NO_BLOCKS
         try:
-            if missing:
-                blocks = host.reserve(missing)
+            blocks = host.reserve(missing) if missing else NO_BLOCKS
         finally:
-            if listed is not None:
-                host.index.make_evictable(listed)
-        if missing:
-            pages = mask[: n * page_size].reshape(-1, page_size)
+            if len(listed):
+                if len(listed) != sum(map(len, held)):
+                    held = [h[np.isin(h, listed)] for h in held]
+                index.make_evictable_many(held)
+        tasks: list[Task] = []
+        writing: list[Task] = []  # only these enter the index: an empty table would stay
+        keys: list[tuple[str, ...]] = []
+        at = 0
+        for (_, digests, namespace), table, present in zip(queries, tables, presents,
+                                                           strict=True):
             if present is None:
-                new_digests = digests
-                pages[:] = True
+                mask, new = _all_true(len(digests)), digests
             else:
                 new_pages = [i for i, b in enumerate(present) if b is None]
-                new_digests = [digests[i] for i in new_pages]
-                pages[new_pages] = True
-            owner = host.index.insert(namespace, new_digests, blocks)
-        return self._hold(client, Task(client.number, True, mask, blocks, new_digests, owner))
+                mask = np.zeros(len(digests), dtype=np.bool_)
+                mask[new_pages] = True
+                new = [digests[i] for i in new_pages]
+            task = Task(client.number, True, mask, blocks[at : at + len(new)], new, table)
+            at += len(new)
+            tasks.append(task)
+            if new:
+                writing.append(task)
+                keys.append(namespace)
+        if writing:
+            spaces = index.insert_many(keys, [t.digests for t in writing], blocks)
+            for task, space in zip(writing, spaces, strict=True):
+                task.space = space
+        return [self._hold(client, task) for task in tasks]
 
-    def get_match(self, client: Client, token_ids: Int64Array, namespace: tuple[str, ...]
-                  ) -> tuple[int, BoolArray, Int64Array]:
+    def get_match(self, client: Client, tokens: int, digests: list[bytes],
+                  namespace: tuple[str, ...]) -> Answer:
         """LocalStore.get_match: the longest READY host prefix, then what the SSD tier has
         after it, read into host blocks now; all of them held until the task ends."""
         host, link = self._require_host(), self._link
-        page_size = self._page_size()
         if link is not None:
             link.drain()
         space = host.index.space(namespace)
         stored = (len(space) if space is not None else 0) + (
             link.ssd_pages(namespace) if link is not None else 0
         )
-        asked = len(token_ids)
-        token_ids = token_ids[: stored * page_size]  # a lookup costs what is stored
-        digests = chain_digests(token_ids, page_size)
+        pages = len(digests)
+        digests = digests[:stored]  # a lookup costs what is stored
         found: list[int | None] = list(map(space.get, digests)) if space is not None else []
         if None in found:
             found = found[: found.index(None)]
@@ -203,8 +239,9 @@ class Service:
         task = Task(client.number, False, NO_MASK, hit, [], None, shared=shared)
         if link is not None and len(hit) == len(found):
             self._stage_from_ssd(link, task, namespace, digests)
-        task.mask = np.zeros(asked, dtype=np.bool_)
-        task.mask[: len(task.blocks) * page_size] = True
+        task.mask = np.zeros(pages, dtype=np.bool_)
+        task.mask[: len(task.blocks)] = True
+        page_size = self._page_size()
         self._hits["host_hit_tokens"] += len(hit) * page_size
         self._hits["ssd_hit_tokens"] += (len(task.blocks) - len(hit)) * page_size
         task.matching = False
@@ -261,10 +298,9 @@ class Service:
                 raise Foreign(f"task {task_id} is not held by this connection")
         if len(set(done) | set(failed)) != len(done) + len(failed):
             raise Foreign("a task is named twice")
-        for task_id in done:
-            self._end(client.tasks.pop(task_id), True)
-        for task_id in failed:
-            self._end(client.tasks.pop(task_id), False)
+        tasks = client.tasks
+        self._end_many([tasks.pop(t) for t in done], True)
+        self._end_many([tasks.pop(t) for t in failed], False)
         if self._link is not None:
             self._link.drain()
 
@@ -273,29 +309,34 @@ class Service:
         reads released); returns how many."""
         tasks = list(client.tasks.values())
         client.tasks.clear()
-        for task in tasks:
-            self._end(task, False)
+        self._end_many(tasks, False)
         return len(tasks)
 
     def _end(self, task: Task, success: bool) -> None:
+        self._end_many([task], success)
+
+    def _end_many(self, tasks: Sequence[Task], success: bool) -> None:
+        """Tasks over, with a few array operations for all of them (as LocalStore's
+        completion does for a job): puts published or rolled back, gets' reads dropped."""
         host = self._host
-        if host is None:
+        if host is None or not tasks:
             return
-        blocks = task.blocks
-        if task.is_put and not success:
-            host.roll_back(task.space, task.digests, blocks)
-        elif not task.is_put:
-            if len(blocks):
-                host.end_reads([blocks], [task.shared], blocks, len(blocks))
-            elif task.shared:
-                host.shared_gets -= 1
-        elif not len(blocks):
-            return
-        elif self._link is not None and self._link.write_through:
-            host.state[blocks] = READY
-            self._link.write_through_puts([task], blocks)
-        else:
-            host.publish([blocks], blocks, len(blocks))
+        puts = [t for t in tasks if t.is_put and len(t.blocks)]
+        gets = [t for t in tasks if not t.is_put]
+        if puts and not success:
+            host.roll_back_many([(t.space, t.digests) for t in puts], _blocks(puts))
+        elif puts:
+            blocks = _blocks(puts)
+            if self._link is not None and self._link.write_through:
+                host.state[blocks] = READY
+                self._link.write_through_puts(puts, blocks)
+            else:
+                host.publish([t.blocks for t in puts], blocks, _common_size(puts))
+        reading = [t for t in gets if len(t.blocks)]
+        if reading:
+            host.end_reads([t.blocks for t in reading], [t.shared for t in reading],
+                           _blocks(reading), _common_size(reading))
+        host.shared_gets -= sum(t.shared for t in gets if not len(t.blocks))
 
     # ---- invalidation, figures -----------------------------------------------------
 
@@ -360,6 +401,28 @@ class Service:
     def _page_size(self) -> int:
         assert self.geometry is not None  # _require_host came first
         return self.geometry.page_size
+
+
+_ALL_TRUE = np.ones(0, dtype=np.bool_)
+
+
+def _all_true(pages: int) -> BoolArray:
+    """A read-only mask of ``pages`` Trues (a view: a put's mask is never written)."""
+    global _ALL_TRUE
+    if len(_ALL_TRUE) < pages:
+        _ALL_TRUE = np.ones(max(pages, 2 * len(_ALL_TRUE), 4096), dtype=np.bool_)
+        _ALL_TRUE.flags.writeable = False
+    return _ALL_TRUE[:pages]
+
+
+def _blocks(tasks: Sequence[Task]) -> Int64Array:
+    return tasks[0].blocks if len(tasks) == 1 else np.concatenate([t.blocks for t in tasks])
+
+
+def _common_size(tasks: Sequence[Task]) -> int:
+    """The tasks' common block count, 0 when they differ (Tier.publish's ``size``)."""
+    size = len(tasks[0].blocks)
+    return size if all(len(t.blocks) == size for t in tasks) else 0
 
 
 __all__ = ["Client", "Foreign", "NoSpace", "Service", "Task"]

@@ -1,37 +1,62 @@
 """What crosses the UNIX socket between ``aiokv store-server`` and its engines.
 
-A frame is ``u32 length | u32 header length | header | arrays``: the header is JSON (a
-decoder that cannot run code, whatever a peer sends), and each array it carries is
-written as ``{"a": [kind, offset, count]}`` into the bytes after it (``kind``: ``i`` int64,
-``b`` bool). Frames are bounded (:data:`MAX_FRAME`): a peer that announces a larger one,
-or sends one that does not decode to what the receiver expects, is a :class:`WireError`,
-and the server then drops that peer alone.
+A frame is ``u32 length | u32 op | body`` (``length`` counts the op and the body, so a
+body starts 8-byte aligned). A batch's messages are binary, so that neither side builds
+a Python object per field: ``PUT``/``GET`` (a batch's matches, :func:`encode_match`),
+``ANSWERS`` (their replies, :func:`encode_answers`), ``END`` (tasks over,
+:func:`encode_end`), ``PING`` and ``OK`` (empty). The rare messages (``hello``, ``evict``,
+``clear``, ``stats``) and every refusal are a ``JSON`` frame holding a mapping (a decoder
+that cannot run code, whatever a peer sends). Frames are bounded (:data:`MAX_FRAME`); a
+peer that announces a larger one, or sends one that does not decode to what the receiver
+expects, is a :class:`WireError`, and the server then drops that peer alone.
 
-Messages are mappings with an ``op``; every request gets exactly one reply, in order, on
-the one connection (``{"ok": true, ...}`` or ``{"ok": false, "error": str}``). The first
-reply of the server (to ``hello``) carries the region's file descriptor (SCM_RIGHTS).
-A batch's matches and their answers travel as a few joined arrays
-(:func:`pack_queries`, :func:`pack_answers`), not a mapping per query.
+Every request gets exactly one reply, in order, on the one connection; the first reply
+of the server (to ``hello``) carries the region's file descriptor (SCM_RIGHTS).
+
+A match request carries, per query, its token count and either its page digests,
+computed by the client (:func:`~aiokv.stores.local.index.chain_digests`: a client is
+trusted with the digests as it is with the bytes it writes under them), or none when its
+token ids are the default positions, whose digests the server keeps; and its namespace
+as UTF-8 strings. An answer carries, per query, the task id, the blocks and one bool per
+page (True: the client copies that page).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import json
 import os
 import socket
 import struct
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-MAX_FRAME = 256 << 20  # a batch of 64 x 64k tokens is 32 MiB of token ids: far below
+from ..local.index import DIGEST_BYTES, are_positions, chain_digests, position_digests
+
+MAX_FRAME = 256 << 20  # a batch of 64 x 64k tokens is 1 MiB of digests: far below
 MAX_FDS = 1
-_HEAD = struct.Struct("<II")
-_KINDS = {"i": np.dtype(np.int64), "b": np.dtype(np.bool_)}
-_KIND_OF = {np.dtype(np.int64): "i", np.dtype(np.bool_): "b"}
+MAX_QUERIES = 4096  # matches in one request
+MAX_TOKENS = 1 << 26  # tokens of one query
+MAX_NAMESPACE = 64  # strings in one namespace
+MAX_IDS = 1 << 20  # task ids in one request
+_BUFFER = 1 << 16  # a client's receive buffer: a batch's answers fit
+
+JSON, PING, PUT, GET, END, OK, ANSWERS = range(7)
+HEAD = struct.Struct("<II")  # a frame's: length (op + body), op
+_MATCH_HEAD = struct.Struct("<5q")  # queries, released, digests, strings, name bytes
+_ANSWER_HEAD = struct.Struct("<4q")  # queries, blocks, mask pages, error bytes
+_END_HEAD = struct.Struct("<2q")  # done, failed
+NO_SPACE, FAILED = -1, -2  # an answer's id when the query got no task
+
+Query = tuple[int, list[bytes], tuple[str, ...]]  # tokens asked, page digests, namespace
+# Server side, per query: (task id, one bool per page, blocks), or (error, "no room now").
+Answer = tuple[int, npt.NDArray[np.bool_], npt.NDArray[np.int64]] | tuple[str, bool]
 
 
 class WireError(Exception):
@@ -42,139 +67,17 @@ class PeerGone(Exception):
     """The connection closed (or broke) before a whole frame came."""
 
 
-def encode(message: Mapping[str, Any]) -> bytes:
-    """One frame. Numpy int64/bool arrays anywhere in ``message`` travel as raw bytes."""
-    blobs: list[bytes] = []
-    offset = 0
-
-    def plain(value: Any) -> Any:
-        nonlocal offset
-        if isinstance(value, np.ndarray):
-            kind = _KIND_OF.get(value.dtype)
-            if kind is None:
-                value = value.astype(np.int64)
-                kind = "i"
-            raw = np.ascontiguousarray(value).tobytes()
-            blobs.append(raw)
-            ref = {"a": [kind, offset, len(value)]}
-            offset += len(raw)
-            return ref
-        if isinstance(value, Mapping):
-            return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [plain(v) for v in value]
-        if isinstance(value, np.integer):
-            return int(value)
-        return value
-
-    header = json.dumps(plain(message), separators=(",", ":")).encode()
-    body = b"".join(blobs)
-    return _HEAD.pack(len(header) + len(body) + 4, len(header)) + header + body
+def frame(op: int, body: bytes = b"") -> bytes:
+    return HEAD.pack(len(body) + 4, op) + body
 
 
-def decode(frame: memoryview | bytes | bytearray) -> dict[str, Any]:
-    """A frame's body (after its length word) back into a message; WireError if it is
-    not one."""
-    frame = memoryview(frame)
-    if len(frame) < 4:
-        raise WireError("frame shorter than its header")
-    (header_len,) = struct.unpack_from("<I", frame, 0)
-    if header_len > len(frame) - 4:
-        raise WireError(f"header of {header_len} bytes in a frame of {len(frame)}")
-    try:
-        header = json.loads(bytes(frame[4 : 4 + header_len]))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise WireError(f"header is not JSON: {exc}") from exc
-    if not isinstance(header, dict):
-        raise WireError(f"a message is a mapping, got {type(header).__name__}")
-    data = frame[4 + header_len :]
-
-    def arrays(value: Any) -> Any:
-        if isinstance(value, dict):
-            ref = value.get("a")
-            if len(value) == 1 and isinstance(ref, list):
-                return _array(ref, data)
-            return {k: arrays(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [arrays(v) for v in value]
-        return value
-
-    try:
-        result: dict[str, Any] = arrays(header)
-    except RecursionError as exc:
-        raise WireError("message nested too deep") from exc
-    return result
+def _pack_ints(values: Sequence[int]) -> bytes:
+    return _ints(len(values)).pack(*values)
 
 
-def _array(ref: list[Any], data: memoryview) -> np.ndarray[Any, Any]:
-    if len(ref) != 3 or ref[0] not in _KINDS or not all(type(x) is int for x in ref[1:]):
-        raise WireError(f"bad array reference {ref!r}")
-    dtype = _KINDS[ref[0]]
-    start, count = ref[1], ref[2]
-    end = start + count * dtype.itemsize
-    if start < 0 or count < 0 or end > len(data):
-        raise WireError(f"array [{start}, {end}) outside the {len(data)} bytes sent")
-    return np.frombuffer(data[start:end], dtype=dtype)
-
-
-def send(sock: socket.socket, message: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
-    frame = encode(message)
-    if fds:
-        sent = socket.send_fds(sock, [frame], list(fds))
-        if sent < len(frame):
-            sock.sendall(frame[sent:])
-    else:
-        sock.sendall(frame)
-
-
-class Channel:
-    """The client's end: one request, then its reply, read with as few calls as the
-    reply's size allows (one ``recvmsg`` for a small one)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buffer = b""
-
-    def recv(self) -> tuple[dict[str, Any], list[int]]:
-        """One message, with the descriptors that came with it. PeerGone when the
-        connection closes, WireError for a frame out of bounds or malformed."""
-        fds: list[int] = []
-        data = bytearray(self._buffer)
-        try:
-            while len(data) < 4:
-                chunk, got, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, MAX_FDS)
-                fds += got
-                if not chunk:
-                    raise PeerGone("the peer closed the connection")
-                data += chunk
-            end = 4 + _length(data)
-            have = len(data)
-            if have < end:  # a large reply: the rest straight into its place
-                data += bytes(end - have)
-                view = memoryview(data)
-                while have < end:
-                    n = self.sock.recv_into(view[have:end])
-                    if n == 0:
-                        raise PeerGone("the peer closed the connection")
-                    have += n
-                view.release()
-        except (ConnectionError, OSError) as exc:
-            for fd in fds:
-                close_quietly(fd)
-            raise PeerGone(f"the connection broke: {exc}") from exc
-        self._buffer = bytes(data[end:])
-        return decode(bytes(data[4:end])), fds
-
-
-def _length(data: bytes | bytearray) -> int:
-    (length,) = struct.unpack_from("<I", data, 0)
-    check_length(length)
-    return int(length)
-
-
-def recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """One message from a blocking socket that carries nothing after it."""
-    return Channel(sock).recv()
+@functools.lru_cache(maxsize=256)
+def _ints(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}q")
 
 
 def check_length(length: int) -> None:
@@ -182,128 +85,309 @@ def check_length(length: int) -> None:
         raise WireError(f"frame of {length} bytes (at most {MAX_FRAME})")
 
 
-def close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
+# ---- the rare messages: JSON ------------------------------------------------------------
 
 
-# ---- a batch's matches: a few arrays, not a mapping per query --------------------------
-
-MAX_QUERIES = 4096  # matches in one request
-MAX_TOKENS = 1 << 26  # token ids in one request
-MAX_NAMESPACE = 64  # strings in one namespace
-Query = tuple[npt.NDArray[np.int64], tuple[str, ...]]
-# Per query: (task id, mask, blocks), or (error, whether it is "no room now").
-Answer = tuple[int, npt.NDArray[np.bool_], npt.NDArray[np.int64]] | tuple[str, bool]
-_NO_IDS = np.zeros(0, dtype=np.int64)
-_positions_bytes = b""
-_positions = np.arange(0, dtype=np.int64)
+def encode_json(message: Mapping[str, Any]) -> bytes:
+    return frame(JSON, json.dumps(message, separators=(",", ":")).encode())
 
 
-def pack_queries(queries: Sequence[tuple[Any, Sequence[str]]]) -> dict[str, Any]:
-    """``n``: per query, its count of default token ids (``0..n-1``, recognised by
-    content and sent as the count) or -1; ``t``: the other queries' ids, joined, ``l``
-    their lengths; ``ns``: the namespaces."""
-    global _positions_bytes
-    counts, lengths, explicit = [], [], []
-    for token_ids, _ in queries:
-        tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
-        n = len(tokens)
-        if n and int(tokens[0]) == 0 and int(tokens[-1]) == n - 1:
-            if len(_positions_bytes) < n * 8:
-                _positions_bytes = np.arange(max(n, 1 << 16), dtype=np.int64).tobytes()
-            if _positions_bytes.startswith(tokens.tobytes()):
-                counts.append(n)
-                continue
-        counts.append(-1)
-        lengths.append(n)
-        explicit.append(tokens)
-    return {"n": np.array(counts, dtype=np.int64), "l": np.array(lengths, dtype=np.int64),
-            "t": np.concatenate(explicit) if explicit else _NO_IDS,
-            "ns": [list(space) for _, space in queries]}
-
-
-def unpack_queries(message: Mapping[str, Any]) -> list[Query]:
-    """:func:`pack_queries` undone, every field checked (WireError)."""
-    global _positions
-    counts: Any = message.get("n")
-    lengths: Any = message.get("l")
-    tokens: Any = message.get("t")
-    spaces: Any = message.get("ns")
-    if not (_is_ids(counts) and _is_ids(lengths) and _is_ids(tokens)):
-        raise WireError("n, l and t must be int64 arrays")
-    if not isinstance(spaces, list) or len(spaces) != len(counts) or len(counts) > MAX_QUERIES:
-        raise WireError(f"ns must list one namespace per query (at most {MAX_QUERIES})")
-    if (counts < -1).any() or (counts > MAX_TOKENS).any() or (lengths < 0).any():
-        raise WireError("a query's token count is out of range")
-    if int((counts == -1).sum()) != len(lengths) or int(lengths.sum()) != len(tokens):
-        raise WireError("l and t do not match the queries without a count")
-    largest = int(counts.max(initial=0))
-    if len(_positions) < largest:
-        _positions = np.arange(max(largest, 2 * len(_positions)), dtype=np.int64)
-    queries: list[Query] = []
-    start, explicit = 0, iter(lengths.tolist())
-    for count, space in zip(counts.tolist(), spaces, strict=True):
-        if count >= 0:
-            ids = _positions[:count]
-        else:
-            length = next(explicit)
-            ids, start = tokens[start : start + length], start + length
-        queries.append((ids, namespace(space)))
-    return queries
-
-
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, np.ndarray) and value.dtype == np.int64 and len(value) <= (
-        MAX_TOKENS)
+def decode_json(body: memoryview | bytes) -> dict[str, Any]:
+    """A JSON frame's body back into a mapping; WireError if it is not one."""
+    try:
+        message = json.loads(bytes(body))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise WireError(f"not JSON: {exc}") from exc
+    if not isinstance(message, dict):
+        raise WireError(f"a message is a mapping, got {type(message).__name__}")
+    return message
 
 
 def namespace(raw: Any) -> tuple[str, ...]:
-    """A namespace from a request (WireError unless it is a list of strings)."""
+    """A namespace from a JSON request (WireError unless it is a list of strings)."""
     if not isinstance(raw, list) or len(raw) > MAX_NAMESPACE or not all(
             isinstance(s, str) for s in raw):
         raise WireError(f"a namespace is a list of at most {MAX_NAMESPACE} strings")
     return tuple(raw)
 
 
-def pack_answers(answers: Sequence[Answer]) -> dict[str, Any]:
-    ids, mask_lengths, masks, block_counts, blocks = [], [], [], [], []
-    errors: dict[str, Any] = {}
-    for index, answer in enumerate(answers):
+# ---- a batch's matches ------------------------------------------------------------------
+
+
+def encode_match(op: int, queries: Sequence[tuple[Any, Sequence[str]]], page_size: int,
+                 released: Sequence[int]) -> bytes:
+    """A ``PUT`` or ``GET`` frame: the queries' (token ids, namespace), and the ids of
+    tasks to end as failed first (cancels riding along with the next batch)."""
+    tokens, digest_counts, string_counts, string_lengths = [], [], [], []
+    digests: list[bytes] = []
+    names: list[bytes] = []
+    for token_ids, space in queries:
+        n = len(token_ids)
+        pages = n // page_size
+        tokens.append(n)
+        if pages and not are_positions(token_ids[: pages * page_size]):
+            digests += chain_digests(np.asarray(token_ids), page_size)
+            digest_counts.append(pages)
+        else:
+            digest_counts.append(0)
+        string_counts.append(len(space))
+        for name in space:
+            raw = name.encode()
+            string_lengths.append(len(raw))
+            names.append(raw)
+    name_bytes = b"".join(names)
+    head = _MATCH_HEAD.pack(len(tokens), len(released), len(digests), len(string_lengths),
+                            len(name_bytes))
+    ints = _pack_ints([*released, *tokens, *digest_counts, *string_counts, *string_lengths])
+    return frame(op, b"".join((head, ints, *digests, name_bytes)))
+
+
+@dataclass(slots=True)
+class MatchRequest:
+    queries: list[Query]
+    released: list[int]
+
+
+def decode_match(body: memoryview, page_size: int) -> MatchRequest:
+    """:func:`encode_match`'s body undone, every field checked (WireError)."""
+    if len(body) < _MATCH_HEAD.size:
+        raise WireError("a match request shorter than its header")
+    count, released, digest_pages, strings, name_bytes = _MATCH_HEAD.unpack_from(body, 0)
+    if not (0 <= count <= MAX_QUERIES and 0 <= released <= MAX_IDS
+            and 0 <= strings <= count * MAX_NAMESPACE and 0 <= digest_pages <= MAX_FRAME
+            and 0 <= name_bytes <= MAX_FRAME):
+        raise WireError("a match request's counts are out of range")
+    ints = released + 3 * count + strings
+    if len(body) != _MATCH_HEAD.size + 8 * ints + DIGEST_BYTES * digest_pages + name_bytes:
+        raise WireError("a match request's length does not match its counts")
+    # Python ints, checked in Python: for a batch's few dozen, cheaper than numpy's calls.
+    values = _ints(ints).unpack_from(body, _MATCH_HEAD.size)
+    tokens = values[released : released + count]
+    digest_counts = values[released + count : released + 2 * count]
+    string_counts = values[released + 2 * count : released + 3 * count]
+    string_lengths = values[released + 3 * count :]
+    if count and (min(tokens) < 0 or max(tokens) > MAX_TOKENS or min(digest_counts) < 0
+                  or min(string_counts) < 0 or max(string_counts) > MAX_NAMESPACE):
+        raise WireError("a query's token, digest or namespace count is out of range")
+    if sum(digest_counts) != digest_pages or (digest_pages and any(
+            d and d != n // page_size for d, n in zip(digest_counts, tokens, strict=True))):
+        raise WireError("a query's digests do not match its full pages")
+    if sum(string_counts) != strings or (strings and (
+            min(string_lengths) < 0 or sum(string_lengths) != name_bytes)):
+        raise WireError("the namespaces' lengths do not match their bytes")
+    at = _MATCH_HEAD.size + 8 * ints
+    digest_blob = bytes(body[at : at + DIGEST_BYTES * digest_pages])
+    raw_names = bytes(body[at + DIGEST_BYTES * digest_pages :])
+    # ASCII (the usual case): one decode, then cut the text at the byte offsets.
+    text = raw_names.decode("ascii") if raw_names.isascii() else None
+    names: str | bytes = raw_names if text is None else text
+    bounds = [0, *itertools.accumulate(string_lengths)]
+    positions = position_digests(page_size, max(
+        (n for n, d in zip(tokens, digest_counts, strict=True) if not d), default=0)
+        // page_size)  # the default token ids' digests, kept by the server
+    queries: list[Query] = []
+    digest_at = string_at = 0
+    for n, pages, k in zip(tokens, digest_counts, string_counts, strict=True):
+        if pages:
+            end = digest_at + pages * DIGEST_BYTES
+            digests = [digest_blob[i : i + DIGEST_BYTES]
+                       for i in range(digest_at, end, DIGEST_BYTES)]
+            digest_at = end
+        else:
+            digests = positions[: n // page_size]
+        if text is not None and k == 1:
+            space: tuple[str, ...] = (text[bounds[string_at] : bounds[string_at + 1]],)
+        else:
+            space = tuple(_text(names[bounds[j] : bounds[j + 1]])
+                          for j in range(string_at, string_at + k))
+        string_at += k
+        queries.append((n, digests, space))
+    return MatchRequest(queries, list(values[:released]))
+
+
+def _text(part: str | bytes) -> str:
+    if isinstance(part, str):
+        return part
+    try:
+        return part.decode()
+    except UnicodeDecodeError as exc:
+        raise WireError(f"a namespace is not UTF-8: {exc}") from exc
+
+
+# ---- their answers ----------------------------------------------------------------------
+
+
+def encode_answers(answers: Sequence[Answer]) -> bytes:
+    """An ``ANSWERS`` frame: per query its task id (or NO_SPACE / FAILED), its blocks and
+    its page mask; the errors' messages as JSON after them."""
+    ids, block_counts, mask_counts = [], [], []
+    blocks: list[bytes] = []
+    masks: list[bytes] = []
+    errors: list[str] = []
+    for answer in answers:
         if isinstance(answer[0], str):
-            errors[str(index)] = list(answer)
-            ids.append(0)
-            mask_lengths.append(0)
+            ids.append(NO_SPACE if answer[1] else FAILED)
             block_counts.append(0)
+            mask_counts.append(0)
+            errors.append(answer[0])
             continue
         task_id, mask, held = answer
         ids.append(task_id)
-        mask_lengths.append(len(mask))
-        masks.append(mask)
         block_counts.append(len(held))
-        blocks.append(held)
-    return {"ids": np.array(ids, dtype=np.int64),
-            "ml": np.array(mask_lengths, dtype=np.int64),
-            "m": np.concatenate(masks) if masks else np.zeros(0, dtype=np.bool_),
-            "bl": np.array(block_counts, dtype=np.int64),
-            "b": np.concatenate(blocks) if blocks else _NO_IDS, "e": errors}
+        mask_counts.append(len(mask))
+        blocks.append(held.tobytes())
+        masks.append(mask.tobytes())
+    error_bytes = json.dumps(errors).encode() if errors else b""
+    head = _ANSWER_HEAD.pack(len(ids), sum(block_counts), sum(mask_counts), len(error_bytes))
+    return frame(ANSWERS, b"".join((head, _pack_ints([*ids, *block_counts, *mask_counts]),
+                                    *blocks, *masks, error_bytes)))
 
 
-def unpack_answers(message: Mapping[str, Any]) -> list[Answer]:
-    ids, mask_lengths, masks, block_counts, blocks, errors = (
-        message[k] for k in ("ids", "ml", "m", "bl", "b", "e"))
-    out: list[Answer] = []
-    mask_at = block_at = 0
-    for index, (task_id, m, b) in enumerate(zip(ids.tolist(), mask_lengths.tolist(),
-                                                block_counts.tolist(), strict=True)):
-        error = errors.get(str(index))
-        if error is not None:
-            out.append((str(error[0]), bool(error[1])))
+# Client side, per query: (server task id, token mask, blocks), or (error, "no room now").
+ClientAnswer = tuple[int, npt.NDArray[np.bool_], npt.NDArray[np.int64]] | tuple[str, bool]
+
+
+def decode_answers(body: memoryview, tokens: Sequence[int], page_size: int
+                   ) -> list[ClientAnswer]:
+    """:func:`encode_answers`'s body, for queries of ``tokens`` tokens each, into token
+    masks (their trailing partial page False) and blocks; copies what it keeps."""
+    if len(body) < _ANSWER_HEAD.size:
+        raise WireError("answers shorter than their header")
+    count, block_total, mask_total, error_bytes = _ANSWER_HEAD.unpack_from(body, 0)
+    if count != len(tokens) or min(block_total, mask_total, error_bytes) < 0:
+        raise WireError(f"{count} answers for {len(tokens)} queries")
+    ints = 3 * count + block_total
+    at = _ANSWER_HEAD.size + 8 * ints
+    if len(body) != at + mask_total + error_bytes:
+        raise WireError("answers' length does not match their counts")
+    values = np.frombuffer(body, dtype=np.int64, count=ints, offset=_ANSWER_HEAD.size).copy()
+    ids, block_counts = values[:count].tolist(), values[count : 2 * count].tolist()
+    mask_counts = values[2 * count : 3 * count].tolist()
+    blocks = values[3 * count :]
+    page_masks = np.frombuffer(body, dtype=np.bool_, count=mask_total, offset=at)
+    token_masks = page_masks.repeat(page_size)  # a new array: views of it are kept
+    errors = iter(json.loads(bytes(body[at + mask_total :])) if error_bytes else [])
+    out: list[ClientAnswer] = []
+    block_at = mask_at = 0
+    for task_id, b, m, n in zip(ids, block_counts, mask_counts, tokens, strict=True):
+        if task_id < 0:
+            out.append((str(next(errors, "")), task_id == NO_SPACE))
             continue
-        out.append((task_id, masks[mask_at : mask_at + m].copy(),
-                    blocks[block_at : block_at + b].copy()))
-        mask_at, block_at = mask_at + m, block_at + b
+        if m != n // page_size:
+            raise WireError(f"a mask of {m} pages for {n} tokens")
+        full = m * page_size
+        if full == n:
+            mask = token_masks[mask_at : mask_at + full]
+        else:
+            mask = np.zeros(n, dtype=np.bool_)
+            mask[:full] = token_masks[mask_at : mask_at + full]
+        out.append((task_id, mask, blocks[block_at : block_at + b]))
+        block_at, mask_at = block_at + b, mask_at + full
     return out
+
+
+# ---- a batch's end ----------------------------------------------------------------------
+
+
+def encode_end(done: Sequence[int], failed: Sequence[int]) -> bytes:
+    return frame(END, _END_HEAD.pack(len(done), len(failed)) + _pack_ints([*done, *failed]))
+
+
+def decode_end(body: memoryview) -> tuple[list[int], list[int]]:
+    if len(body) < _END_HEAD.size:
+        raise WireError("an end shorter than its header")
+    done, failed = _END_HEAD.unpack_from(body, 0)
+    if not (0 <= done <= MAX_IDS and 0 <= failed <= MAX_IDS) or len(body) != (
+            _END_HEAD.size + 8 * (done + failed)):
+        raise WireError("an end's length does not match its counts")
+    ids = np.frombuffer(body, dtype=np.int64, offset=_END_HEAD.size).tolist()
+    return ids[:done], ids[done:]
+
+
+# ---- sockets ----------------------------------------------------------------------------
+
+
+def send(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
+    if fds:
+        sent = socket.send_fds(sock, [data], list(fds))
+        if sent < len(data):
+            sock.sendall(data[sent:])
+    else:
+        sock.sendall(data)
+
+
+class Channel:
+    """The client's end: one request, then its reply, read into one buffer kept for the
+    connection (one ``recv_into`` for a reply that fits)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = bytearray(_BUFFER)
+
+    def call(self, request: bytes) -> tuple[int, memoryview]:
+        """Send ``request``; its reply's (op, body). The body views this channel's buffer:
+        valid until the next call. PeerGone when the connection closes or breaks,
+        WireError for a reply out of bounds."""
+        if len(self._buffer) > _BUFFER:  # the last reply was a large one: not kept
+            self._buffer = bytearray(_BUFFER)
+        try:
+            self.sock.sendall(request)
+            view = memoryview(self._buffer)
+            have = self.sock.recv_into(view)
+            while 0 < have < 8:
+                have += self.sock.recv_into(view[have:])
+            if have == 0:
+                raise PeerGone("the peer closed the connection")
+            length, op = HEAD.unpack_from(view, 0)
+            check_length(length)
+            end = 4 + length
+            if end > len(self._buffer):  # a large reply: a buffer that holds it
+                self._buffer = bytearray(end)
+                self._buffer[:have] = view[:have]
+                view = memoryview(self._buffer)
+            while have < end:
+                n = self.sock.recv_into(view[have:end])
+                if n == 0:
+                    raise PeerGone("the peer closed the connection")
+                have += n
+        except (ConnectionError, OSError) as exc:
+            raise PeerGone(f"the connection broke: {exc}") from exc
+        if have != end:
+            raise WireError(f"{have - end} bytes after a reply")
+        return op, view[8:end]
+
+
+def recv_json(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """One JSON message from a blocking socket that carries nothing after it, with the
+    descriptors that came with it (the answer to ``hello``). PeerGone when the connection
+    closes or breaks, WireError for a frame out of bounds or malformed."""
+    fds: list[int] = []
+    data = bytearray()
+    try:
+        while len(data) < 8 or len(data) < 4 + HEAD.unpack_from(data, 0)[0]:
+            if len(data) >= 8:
+                check_length(HEAD.unpack_from(data, 0)[0])
+            chunk, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, MAX_FDS)
+            fds += got
+            if not chunk:
+                raise PeerGone("the peer closed the connection")
+            data += chunk
+        length, op = HEAD.unpack_from(data, 0)
+        check_length(length)
+        if op != JSON or len(data) != 4 + length:
+            raise WireError(f"expected one JSON reply, got op {op}")
+        return decode_json(memoryview(data)[8:]), fds
+    except BaseException as exc:
+        for fd in fds:
+            close_quietly(fd)
+        if isinstance(exc, OSError):
+            raise PeerGone(f"the connection broke: {exc}") from exc
+        raise
+
+
+def close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def kernel_timeouts(sock: socket.socket, *, send_s: float = 0.0, recv_s: float = 0.0) -> None:
@@ -314,4 +398,3 @@ def kernel_timeouts(sock: socket.socket, *, send_s: float = 0.0, recv_s: float =
         whole = int(seconds)
         sock.setsockopt(socket.SOL_SOCKET, option,
                         struct.pack("ll", whole, int((seconds - whole) * 1e6)))
-
