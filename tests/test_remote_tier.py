@@ -168,6 +168,26 @@ def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(
     assert b.kv.stats().remote_checksum_failures == 0
 
 
+def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
+    mooncake: MooncakeServers,
+) -> None:
+    # 64 KiB blocks: 0.01 GB is about 160 of them, fewer than B's own 24 users' 192.
+    a = LocalHost(mooncake.master, head_dim=1024)
+    assert a.offload(91) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    b = LocalHost(mooncake.master, head_dim=1024)
+    try:
+        for user in range(300, 324):
+            assert b.offload(user) == TOKENS
+        stats = b.stats()  # full: room for A's blocks means evicting some of B's
+        assert stats["host_blocks_used"] == stats["host_blocks_total"] < 24 * USER_PAGES
+        assert b.load(91) == (TOKENS, True)
+        assert b.load(300 + 23) == (TOKENS, True)  # its own newest, still on the host
+    finally:
+        b.close()
+    assert b.kv.stats().remote_hits >= 1
+
+
 def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, ...], float]:
     """One family's samples, by sample name and label values."""
     return {(sample.name, *sample.labels.values()): sample.value

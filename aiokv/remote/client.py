@@ -29,13 +29,14 @@ import numpy as np
 
 from .checksums import Checksums
 from .config import RemoteConfig
-from .keys import PROBE, Keys
+from .keys import Keys, leading_ones
 from .native import import_store
 from .queue import WriteJob, WriteQueue
 
 log = logging.getLogger("aiokv")
 
 NO_SPACE = -200  # Mooncake: no segment can take the value now
+_ABSENT = -704  # OBJECT_NOT_FOUND
 _DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
 _MAX_REST_S = 30.0
 _CONNECT_WAIT_S = 10.0
@@ -77,6 +78,8 @@ class RemoteIO:
         self._wake = wake
         self._sums = np.zeros(num_blocks, dtype=np.uint64)  # per host block, registered
         self._sums_base = self._sums.ctypes.data
+        # Where a read puts the markers it asks for (values of one byte, never read back).
+        self._scratch = np.zeros(1, dtype=np.uint64)
         self._client: Any = None
         self._connect_lock = threading.Lock()
         self._rest_s = config.timeout_ms / 1000
@@ -149,9 +152,9 @@ class RemoteIO:
                 config.protocol, config.devices, config.master,
             )
             if rc == 0:
-                rc = client.register_buffer(self._base, self._size) or client.register_buffer(
-                    self._sums_base, self._sums.nbytes
-                )
+                rc = (client.register_buffer(self._base, self._size)
+                      or client.register_buffer(self._sums_base, self._sums.nbytes)
+                      or client.register_buffer(self._scratch.ctypes.data, 8))
             if rc != 0:
                 client.close()
                 self.rest("setup", f"code {rc}")
@@ -192,58 +195,101 @@ class RemoteIO:
         namespace's generation, and for the items' blocks, in one call; move past the
         markers found and ask again (rarely). Per item, its leading present keys; None
         when Mooncake did not answer."""
-        keys = self.keys
-        names = sorted({ns for ns, _ in items})
         for _ in range(8):  # each pass moves past at least one marker
-            current = {ns: keys.current(ns) for ns in names}
-            epoch = keys.current("")[0]
-            probes = [keys.cleared(epoch + i) for i in range(PROBE)]
-            for ns in names:
-                probes += [keys.evicted(ns, current[ns][1] + i) for i in range(PROBE)]
-            asked = [keys.blocks(ns, epoch, current[ns][1], digests) for ns, digests in items]
+            probes, asked, advance = self.keys.ask(items)
             found = client.batch_is_exist(probes + [key for group in asked for key in group])
             if not self._codes("batch_is_exist", found):
                 return None
             if any(code < 0 for code in found):
                 self.read_stats["remote_read_errors"] += 1
                 return None
-            cleared = _leading_ones(found[:PROBE])
-            moved = bool(cleared)
-            for i, ns in enumerate(names, start=1):
-                evicted = _leading_ones(found[PROBE * i : PROBE * (i + 1)])
-                keys.advance(ns, epoch + cleared, current[ns][1] + evicted)
-                moved = moved or bool(evicted)
-            if moved:
+            if advance(found[: len(probes)]):
                 continue
             answers, at = [], len(probes)
             for group in asked:
-                answers.append(group[: _leading_ones(found[at : at + len(group)])])
+                answers.append(group[: leading_ones(found[at : at + len(group)])])
                 at += len(group)
             return answers
         return None
 
-    def fetch(self, block_keys: list[str], blocks: list[int]) -> list[bool]:
-        """Read the values into these host blocks; per key, whether it arrived whole and
-        passed its checksum."""
+    def read(self, items: Sequence[tuple[str, list[bytes]]], blocks: list[int]) -> list[int]:
+        """Per (namespace, digests), how many of its leading blocks arrived whole and
+        passed their checksums, read into ``blocks`` (one per digest, item after item):
+        the markers and the values in one ``batch_get_into_multi_buffers``, no existence
+        check first (an absent value answers for itself, as cheaply)."""
+        client = self._ready()
+        stats = self.read_stats
+        none = [0] * len(items)
+        if client is None:
+            return none
+        for _ in range(8):  # each pass moves past at least one marker
+            began = time.monotonic()
+            probes, asked, advance = self.keys.ask(items)
+            block_keys = [key for group in asked for key in group]
+            marker = [[self._scratch.ctypes.data]], [[1]]  # a marker is one byte
+            buffers, sizes = self._slices(blocks)
+            got = client.batch_get_into_multi_buffers(
+                probes + block_keys, marker[0] * len(probes) + buffers,
+                marker[1] * len(probes) + sizes)
+            began = _spent(stats, "remote_get_seconds", began)
+            if not self._codes("batch_get_into", got):
+                return none
+            markers = got[: len(probes)]
+            if any(code not in (1, _ABSENT) for code in markers):
+                stats["remote_read_errors"] += 1
+                return none
+            if advance([int(code == 1) for code in markers]):
+                continue
+            # Each item's leading values that arrived whole; their checksums, all at once.
+            whole, at, mine = self.block_bytes + CHECKSUM_BYTES, len(probes), []
+            for group in asked:
+                arrived = leading_ones([int(n == whole) for n in got[at : at + len(group)]])
+                mine.append(range(at - len(probes), at - len(probes) + arrived))
+                at += len(group)
+            chosen = [i for run in mine for i in run]
+            ok = dict(zip(chosen, self._verified([block_keys[i] for i in chosen],
+                                                 [blocks[i] for i in chosen],
+                                                 [whole] * len(chosen)), strict=True))
+            _spent(stats, "remote_read_checksum_seconds", began)
+            return [leading_ones([int(ok[i]) for i in run]) for run in mine]
+        return none
+
+    def _slices(self, blocks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Per host block, a value's two slices: the block in the pool, then its checksum
+        in the table (addresses, sizes)."""
+        size, base, sums = self.block_bytes, self._base, self._sums_base
+        return ([[base + b * size, sums + b * CHECKSUM_BYTES] for b in blocks],
+                [[size, CHECKSUM_BYTES]] * len(blocks))
+
+    def fetch(self, block_keys: list[str], blocks: list[int], counts: list[int]) -> list[int]:
+        """Read the values into these host blocks, ``counts`` of them per range; per
+        range, how many leading ones arrived whole and passed their checksums."""
         client = self._ready()
         if client is None:
-            return [False] * len(blocks)
-        size, sums, stats = self.block_bytes, self._sums_base, self.read_stats
+            return [0] * len(counts)
+        stats = self.read_stats
         began = time.monotonic()
-        got = client.batch_get_into_multi_buffers(
-            block_keys,
-            [[self._base + b * size, sums + b * CHECKSUM_BYTES] for b in blocks],
-            [[size, CHECKSUM_BYTES]] * len(blocks),
-        )
+        got = client.batch_get_into_multi_buffers(block_keys, *self._slices(blocks))
         began = _spent(stats, "remote_get_seconds", began)
         if not self._codes("batch_get_into", got):
-            return [False] * len(blocks)
-        whole = size + CHECKSUM_BYTES
+            return [0] * len(counts)
+        ok = self._verified(block_keys, blocks, got)
+        _spent(stats, "remote_read_checksum_seconds", began)
+        good, at = [], 0
+        for count in counts:
+            good.append(leading_ones([int(x) for x in ok[at : at + count]]))
+            at += count
+        return good
+
+    def _verified(self, block_keys: list[str], blocks: list[int], got: Sequence[int]
+                  ) -> list[bool]:
+        """Per value a get answered (``got``: bytes or a code), whether it arrived whole
+        and its checksum matches; a damaged one is counted."""
+        whole = self.block_bytes + CHECKSUM_BYTES
         arrived = [i for i, count in enumerate(got) if count == whole]  # the others fail
         computed = dict(zip(arrived, self._checksums([block_keys[i] for i in arrived],
                                                      [blocks[i] for i in arrived]),
                             strict=True))
-        _spent(stats, "remote_read_checksum_seconds", began)
         ok: list[bool] = []
         for i, (block, count) in enumerate(zip(blocks, got, strict=True)):
             good = i in computed and computed[i] == int(self._sums[block])
@@ -320,14 +366,10 @@ class RemoteIO:
             epoch, generation = self.keys.current(job.ns)
             keys += self.keys.blocks(job.ns, epoch, generation, job.digests)
             blocks += job.blocks.tolist()
-        size, sums = self.block_bytes, self._sums
-        sums[blocks] = np.array(self._checksums(keys, blocks), dtype=np.uint64)
+        size = self.block_bytes
+        self._sums[blocks] = np.array(self._checksums(keys, blocks), dtype=np.uint64)
         began = _spent(stats, "remote_write_checksum_seconds", began)
-        codes = client.batch_put_from_multi_buffers(
-            keys,
-            [[self._base + b * size, self._sums_base + b * CHECKSUM_BYTES] for b in blocks],
-            [[size, CHECKSUM_BYTES]] * len(blocks),
-        )
+        codes = client.batch_put_from_multi_buffers(keys, *self._slices(blocks))
         _spent(stats, "remote_put_seconds", began)
         if not self._codes("batch_put_from", codes):
             stats["remote_dropped_down"] += count
@@ -357,6 +399,7 @@ class RemoteIO:
         if client is not None:
             client.unregister_buffer(self._base)
             client.unregister_buffer(self._sums_base)
+            client.unregister_buffer(self._scratch.ctypes.data)
             client.close()
 
 
@@ -367,8 +410,3 @@ def _spent(stats: dict[str, float], key: str, began: float) -> float:
     return now
 
 
-def _leading_ones(codes: Sequence[int]) -> int:
-    for i, code in enumerate(codes):
-        if code != 1:
-            return i
-    return len(codes)
