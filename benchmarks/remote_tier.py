@@ -9,9 +9,10 @@ Starts a master and a store process on 127.0.0.1 (aiokv.remote.servers) and prin
    same bytes from the same registered host memory, in the writer's batches of 64
    blocks, on the same client. Target: at least 90%. Also end to end: from the first
    offload until every block is in Mooncake (with the host copy, the queue, the engine).
-2. load GiB/s: aiokv's reads (a fresh host's lookups: batch_is_exist, the values into
-   host blocks, checksums) against raw ``batch_get_into`` of the same keys into the same
-   memory, one call per user as aiokv makes. Target: at least 90%. Also end to end:
+2. load GiB/s: aiokv's reads (a fresh host's lookups: the marker probes and the values
+   into host blocks in one ``batch_get_into_multi_buffers``, checksums) against raw
+   ``batch_get_into`` of the same keys into the same memory, one call per user as aiokv
+   makes. Target: at least 90%. Also end to end:
    lookup and load, with the copy into the pages.
 3. host-tier load p99 (lookup + load of users already in the host tier) while other
    users are offloaded, on an engine whose offloads also go to Mooncake in the
@@ -50,8 +51,8 @@ GIB = float(1 << 30)
 WRITE_SPLIT = {"Mooncake's put": "remote_put_seconds",
                "keys and checksums": "remote_write_checksum_seconds",
                "marker check": "remote_marker_seconds"}
-READ_SPLIT = {"Mooncake's get": "remote_get_seconds",
-              "existence and marker check": "remote_exist_seconds",
+READ_SPLIT = {"Mooncake's get (with the marker probes)": "remote_get_seconds",
+              "existence check (a host tier without free room)": "remote_exist_seconds",
               "checksums": "remote_read_checksum_seconds"}
 
 

@@ -4,8 +4,10 @@ queue, and a reader thread whose answers the store thread waits for only so long
 Nothing here touches the host tier's bookkeeping: the store thread (:mod:`.link`) hands
 over host block numbers it holds, and gets them back through :meth:`RemoteIO.finished`.
 Values are zero-copy: the host pool's memory and a table of per-block checksums are
-registered with Mooncake, and a value is two pieces, the block's bytes and its 8-byte
-xxh3-64 checksum (of the key and the bytes, so a value under the wrong key fails too).
+registered with Mooncake, and a value (block + 8 bytes) is put and read as two slices,
+the block's bytes and their xxh3-64 checksum (of the key and the bytes, so a value under
+the wrong key fails too). Staging a value as one slice costs a copy of the block, and
+Mooncake's put and get sessions did not pay either (benchmarks/remote_value_format.py).
 
 Connecting (``setup``) happens on the first call, not at open, so a master that is down
 at start costs nothing but misses. A call that fails for want of the master (or raises)
