@@ -16,6 +16,11 @@ per rep; it prints the median and quartiles in ms:
 - ``sessions, two slices``: Mooncake's put and get sessions (``batch_*_session_start``,
   ``batch_*_multi_buffer_ranges``, ``*_session_end``), the master asked once;
 - ``exist + two slices``: ``batch_is_exist`` then the get (the tier's reads before).
+
+Then the tier's own reads (``aiokv.remote.client.RemoteIO`` over the same kind of memory,
+values its writer wrote): a lookup as the store thread makes it, alternated per lookup,
+each on fresh values: ``read`` (markers and values in one get: one hand-off to the reader
+thread) against ``leading`` then ``fetch`` (existence check, then the get: two hand-offs).
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aiokv.remote.client import RemoteIO
+from aiokv.remote.config import RemoteConfig
+from aiokv.remote.keys import Keys
 from aiokv.remote.native import import_store
+from aiokv.remote.queue import WriteJob
 from aiokv.remote.servers import MooncakeServers
 
 TRAILER = 8
@@ -70,15 +79,15 @@ class Memory:
                 [[self.block, TRAILER]] * self.count)
 
     def stage_in(self, keys: list[str]) -> None:
-        """Each block into its slot (memmove: a plain memcpy, without the GIL), its
-        checksum (of key and bytes) after it."""
+        """Each block into its slot (memmove: a plain memcpy, without the GIL), then
+        its checksum (of key and the slot's bytes, still in cache) after it."""
         trailers = np.frombuffer(memoryview(self.staging.numpy()), dtype=np.uint8)
         for i, (key, slot, block) in enumerate(zip(keys, self.slots(), self.blocks(),
                                                    strict=True)):
             ctypes.memmove(slot, block, self.block)
-            digest = xxhash.xxh3_64(key.encode())
-            digest.update(memoryview(self.pool.numpy())[i * self.block : (i + 1) * self.block])
             at = i * self.slot + self.block
+            digest = xxhash.xxh3_64(key.encode())
+            digest.update(memoryview(trailers)[at - self.block : at])  # hot in cache
             trailers[at : at + TRAILER] = np.frombuffer(digest.digest(), dtype=np.uint8)
 
     def stage_out(self) -> None:
@@ -150,6 +159,54 @@ def ways(client: Any, m: Memory) -> tuple[dict[str, Any], dict[str, Any]]:
     return puts, gets
 
 
+def tier_reads(args: argparse.Namespace, master: str) -> None:
+    """The tier's lookups, one step (``read``) against two (``leading`` + ``fetch``)."""
+    n, block = args.values, args.block_kib << 10
+    pool = torch.randint(0, 255, (n * block,), dtype=torch.uint8)
+    data = memoryview(pool.numpy())
+    io = RemoteIO(RemoteConfig(master=master, timeout_ms=5000), Keys("probe"),
+                  (pool.data_ptr(), pool.numel()), block, n,
+                  lambda b: data[b * block : (b + 1) * block], lambda: None)
+    blocks = list(range(n))
+    users = [(f"user{u}", [u.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(n)])
+             for u in range(2 * args.reps)]
+    # Written by the tier's writer as an offload's would be, one user at a time: the users
+    # share the pool's blocks, and a batch holds a block once (its checksum's slot).
+    for ns, digests in users:
+        io.queue.put(WriteJob(ns, digests, np.array(blocks, dtype=np.int64)))
+        io.queue.wait_idle(60)
+    written = io.write_stats["remote_blocks_written"]
+    if written != n * len(users):
+        raise RuntimeError(f"the writer wrote {written} of {n * len(users)} values")
+
+    def one_step(item: tuple[str, list[bytes]]) -> int:
+        got: list[int] = io.submit_read(io.read, [item], blocks).result()
+        return got[0]
+
+    def two_steps(item: tuple[str, list[bytes]]) -> int:
+        present: list[list[str]] = io.submit_read(io.leading, [item]).result()
+        got: list[int] = io.submit_read(io.fetch, present[0], blocks[: len(present[0])],
+                                        [len(present[0])]).result()
+        return got[0]
+
+    times: dict[str, list[float]] = {"read (one get)": [], "leading + fetch": []}
+    rng = np.random.default_rng(1)
+    ways = list(zip(times, (one_step, two_steps), strict=True))
+    for rep in range(args.reps):
+        for which, item in zip(rng.permutation(2).tolist(), users[2 * rep : 2 * rep + 2],
+                               strict=True):
+            name, call = ways[which]
+            began = time.perf_counter()
+            if call(item) != n:
+                raise RuntimeError(f"{name}: a lookup missed ({io.read_stats})")
+            times[name].append((time.perf_counter() - began) * 1000)
+    print(f"the tier's lookups of {n} values, fresh values, {args.reps} each, ms:")
+    for name, values in times.items():
+        q = statistics.quantiles(values, n=4)
+        print(f"  {name:<26} median {q[1]:>7.3f}   quartiles {q[0]:.3f} - {q[2]:.3f}")
+    io.close(10.0)
+
+
 def run(args: argparse.Namespace) -> None:
     with MooncakeServers(segment_mb=args.segment_mb, lease_ms=2000) as servers:
         client = import_store().MooncakeDistributedStore()
@@ -176,7 +233,9 @@ def run(args: argparse.Namespace) -> None:
         for name, values in times.items():
             q = statistics.quantiles(values, n=4)
             print(f"  {name:<26} median {q[1]:>7.3f}   quartiles {q[0]:.3f} - {q[2]:.3f}")
+        client.remove_by_regex("^probe/", True)
         client.close()
+        tier_reads(args, servers.master)
 
 
 if __name__ == "__main__":
@@ -184,5 +243,5 @@ if __name__ == "__main__":
     parser.add_argument("--block-kib", type=int, default=512)
     parser.add_argument("--values", type=int, default=16)
     parser.add_argument("--reps", type=int, default=60)
-    parser.add_argument("--segment-mb", type=int, default=1024)
+    parser.add_argument("--segment-mb", type=int, default=2048)
     run(parser.parse_args())
