@@ -3,11 +3,8 @@ queue, and a reader thread whose answers the store thread waits for only so long
 
 Nothing here touches the host tier's bookkeeping: the store thread (:mod:`.link`) hands
 over host block numbers it holds, and gets them back through :meth:`RemoteIO.finished`.
-Values are zero-copy: the host pool's memory and a table of per-block checksums are
-registered with Mooncake, and a value (block + 8 bytes) is put and read as two slices,
-the block's bytes and their xxh3-64 checksum (of the key and the bytes, so a value under
-the wrong key fails too). Staging a value as one slice costs a copy of the block, and
-Mooncake's put and get sessions did not pay either (benchmarks/remote_value_format.py).
+The host pool's memory is registered with Mooncake; :mod:`.values` moves the values (the
+block, then its checksum) in and out of it, one :class:`~.values.Values` per thread.
 
 Connecting (``setup``) happens on the first call, not at open, so a master that is down
 at start costs nothing but misses. A call that fails for want of the master (or raises)
@@ -27,13 +24,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from .checksums import Checksums
 from .config import RemoteConfig
 from .keys import Keys, leading_ones
 from .native import import_store
 from .queue import WriteJob, WriteQueue
+from .values import Values
 
 log = logging.getLogger("aiokv")
 
@@ -44,7 +40,6 @@ _MAX_REST_S = 30.0
 _CONNECT_WAIT_S = 10.0
 _WRITE_BATCH = 64  # blocks per batch_put call
 _MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
-CHECKSUM_BYTES = 8
 
 
 def _local_hostname(config: RemoteConfig) -> str:
@@ -78,10 +73,6 @@ class RemoteIO:
         self._base, self._size = memory
         self.block_bytes = block_bytes
         self._wake = wake
-        self._sums = np.zeros(num_blocks, dtype=np.uint64)  # per host block, registered
-        self._sums_base = self._sums.ctypes.data
-        # Where a read puts the markers it asks for (values of one byte, never read back).
-        self._scratch = np.zeros(1, dtype=np.uint64)
         self._client: Any = None
         self._connect_lock = threading.Lock()
         self._rest_s = config.timeout_ms / 1000
@@ -104,6 +95,12 @@ class RemoteIO:
                                         daemon=True)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="aiokv-remote-read")
         self._checksums = Checksums(view, block_bytes, config.threads_for_checksums)
+        self._writes, self._reads = (
+            Values(self._base, block_bytes, num_blocks, self._checksums, stats, keys)
+            for stats, keys in ((self.write_stats, ("remote_put_seconds",
+                                                    "remote_write_checksum_seconds")),
+                                (self.read_stats, ("remote_get_seconds",
+                                                   "remote_read_checksum_seconds"))))
         self._writer.start()
         self._reader.submit(self._ready)  # connect now, so the first lookup need not wait
 
@@ -154,9 +151,8 @@ class RemoteIO:
                 config.protocol, config.devices, config.master,
             )
             if rc == 0:
-                rc = (client.register_buffer(self._base, self._size)
-                      or client.register_buffer(self._sums_base, self._sums.nbytes)
-                      or client.register_buffer(self._scratch.ctypes.data, 8))
+                for address, size in self._buffers():
+                    rc = rc or client.register_buffer(address, size)
             if rc != 0:
                 client.close()
                 self.rest("setup", f"code {rc}")
@@ -166,6 +162,9 @@ class RemoteIO:
             return None
         self._succeeded()
         return client
+
+    def _buffers(self) -> list[tuple[int, int]]:
+        return [(self._base, self._size), *self._writes.buffers(), *self._reads.buffers()]
 
     def _codes(self, what: str, codes: Sequence[int]) -> bool:
         """Whether a batch call reached Mooncake (else the tier rests)."""
@@ -217,51 +216,23 @@ class RemoteIO:
     def read(self, items: Sequence[tuple[str, list[bytes]]], blocks: list[int]) -> list[int]:
         """Per (namespace, digests), how many of its leading blocks arrived whole and
         passed their checksums, read into ``blocks`` (one per digest, item after item):
-        the markers and the values in one ``batch_get_into_multi_buffers``, no existence
-        check first (an absent value answers for itself, as cheaply)."""
+        the markers and the values in one get, no existence check first (an absent
+        value answers for itself, as cheaply)."""
         client = self._ready()
-        stats = self.read_stats
-        none = [0] * len(items)
         if client is None:
-            return none
+            return [0] * len(items)
         for _ in range(8):  # each pass moves past at least one marker
-            began = time.monotonic()
             probes, asked, advance = self.keys.ask(items)
-            block_keys = [key for group in asked for key in group]
-            marker = [[self._scratch.ctypes.data]], [[1]]  # a marker is one byte
-            buffers, sizes = self._slices(blocks)
-            got = client.batch_get_into_multi_buffers(
-                probes + block_keys, marker[0] * len(probes) + buffers,
-                marker[1] * len(probes) + sizes)
-            began = _spent(stats, "remote_get_seconds", began)
-            if not self._codes("batch_get_into", got):
-                return none
-            markers = got[: len(probes)]
+            markers, got, good = self._reads.get(
+                client, [key for group in asked for key in group], blocks, probes)
+            if not self._codes("batch_get_into", markers + got):
+                break
             if any(code not in (1, _ABSENT) for code in markers):
-                stats["remote_read_errors"] += 1
-                return none
-            if advance([int(code == 1) for code in markers]):
-                continue
-            # Each item's leading values that arrived whole; their checksums, all at once.
-            whole, at, mine = self.block_bytes + CHECKSUM_BYTES, len(probes), []
-            for group in asked:
-                arrived = leading_ones([int(n == whole) for n in got[at : at + len(group)]])
-                mine.append(range(at - len(probes), at - len(probes) + arrived))
-                at += len(group)
-            chosen = [i for run in mine for i in run]
-            ok = dict(zip(chosen, self._verified([block_keys[i] for i in chosen],
-                                                 [blocks[i] for i in chosen],
-                                                 [whole] * len(chosen)), strict=True))
-            _spent(stats, "remote_read_checksum_seconds", began)
-            return [leading_ones([int(ok[i]) for i in run]) for run in mine]
-        return none
-
-    def _slices(self, blocks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """Per host block, a value's two slices: the block in the pool, then its checksum
-        in the table (addresses, sizes)."""
-        size, base, sums = self.block_bytes, self._base, self._sums_base
-        return ([[base + b * size, sums + b * CHECKSUM_BYTES] for b in blocks],
-                [[size, CHECKSUM_BYTES]] * len(blocks))
+                self.read_stats["remote_read_errors"] += 1
+                break
+            if not advance([int(code == 1) for code in markers]):
+                return self._leading(got, good, [len(group) for group in asked])
+        return [0] * len(items)
 
     def fetch(self, block_keys: list[str], blocks: list[int], counts: list[int]) -> list[int]:
         """Read the values into these host blocks, ``counts`` of them per range; per
@@ -269,36 +240,21 @@ class RemoteIO:
         client = self._ready()
         if client is None:
             return [0] * len(counts)
-        stats = self.read_stats
-        began = time.monotonic()
-        got = client.batch_get_into_multi_buffers(block_keys, *self._slices(blocks))
-        began = _spent(stats, "remote_get_seconds", began)
+        _, got, good = self._reads.get(client, block_keys, blocks)
         if not self._codes("batch_get_into", got):
             return [0] * len(counts)
-        ok = self._verified(block_keys, blocks, got)
-        _spent(stats, "remote_read_checksum_seconds", began)
-        good, at = [], 0
-        for count in counts:
-            good.append(leading_ones([int(x) for x in ok[at : at + count]]))
-            at += count
-        return good
+        return self._leading(got, good, counts)
 
-    def _verified(self, block_keys: list[str], blocks: list[int], got: Sequence[int]
-                  ) -> list[bool]:
-        """Per value a get answered (``got``: bytes or a code), whether it arrived whole
-        and its checksum matches; a damaged one is counted."""
-        whole = self.block_bytes + CHECKSUM_BYTES
-        arrived = [i for i, count in enumerate(got) if count == whole]  # the others fail
-        computed = dict(zip(arrived, self._checksums([block_keys[i] for i in arrived],
-                                                     [blocks[i] for i in arrived]),
-                            strict=True))
-        ok: list[bool] = []
-        for i, (block, count) in enumerate(zip(blocks, got, strict=True)):
-            good = i in computed and computed[i] == int(self._sums[block])
-            if not good and count >= 0:  # damaged, or the wrong size: not ours
-                self.read_stats["remote_checksum_failures"] += 1
-            ok.append(good)
-        return ok
+    def _leading(self, got: list[int], good: list[bool], counts: list[int]) -> list[int]:
+        """Per range of ``counts`` values, how many leading ones are good; a value that
+        arrived (``got``: bytes) and is not good was damaged, or not ours: counted."""
+        self.read_stats["remote_checksum_failures"] += sum(
+            n >= 0 and not ok for n, ok in zip(got, good, strict=True))
+        leading, at = [], 0
+        for count in counts:
+            leading.append(leading_ones([int(ok) for ok in good[at : at + count]]))
+            at += count
+        return leading
 
     def invalidate(self, ns: str | None, epoch: int, generation: int) -> bool:
         """Publish the marker of the epoch (``ns`` None) or the namespace's generation that
@@ -358,7 +314,7 @@ class RemoteIO:
         now = time.monotonic()
         stale = {job.ns for job in jobs if self._checked.get(job.ns, 0.0) < now}
         refreshed = not stale or self._refresh(client, stale)
-        began = _spent(stats, "remote_marker_seconds", now)
+        _spent(stats, "remote_marker_seconds", now)
         if not refreshed:
             stats["remote_dropped_down"] += count
             return
@@ -369,10 +325,7 @@ class RemoteIO:
             keys += self.keys.blocks(job.ns, epoch, generation, job.digests)
             blocks += job.blocks.tolist()
         size = self.block_bytes
-        self._sums[blocks] = np.array(self._checksums(keys, blocks), dtype=np.uint64)
-        began = _spent(stats, "remote_write_checksum_seconds", began)
-        codes = client.batch_put_from_multi_buffers(keys, *self._slices(blocks))
-        _spent(stats, "remote_put_seconds", began)
+        codes = self._writes.put(client, keys, blocks)
         if not self._codes("batch_put_from", codes):
             stats["remote_dropped_down"] += count
             return
@@ -399,9 +352,8 @@ class RemoteIO:
         self._checksums.close()
         client, self._client = self._client, None
         if client is not None:
-            client.unregister_buffer(self._base)
-            client.unregister_buffer(self._sums_base)
-            client.unregister_buffer(self._scratch.ctypes.data)
+            for address, _ in self._buffers():
+                client.unregister_buffer(address)
             client.close()
 
 
