@@ -168,7 +168,7 @@ def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(
     assert b.kv.stats().remote_checksum_failures == 0
 
 
-def test_large_blocks_travel_bit_exact_too(mooncake: MooncakeServers) -> None:
+def test_large_blocks_travel_bit_exact_and_are_evicted_too(mooncake: MooncakeServers) -> None:
     # 512 KiB blocks: past the size below which values go through staging slots, so
     # these are put and read as two slices (block, checksum) straight from the pool.
     a = LocalHost(mooncake.master, head_dim=4096)
@@ -181,6 +181,16 @@ def test_large_blocks_travel_bit_exact_too(mooncake: MooncakeServers) -> None:
         b.close()
     read = b.kv.stats()
     assert (read.remote_hits, read.remote_checksum_failures) == (1, 0)
+    b = LocalHost(mooncake.master, head_dim=4096)
+    try:
+        assert b.kv.evict(95) == 0  # nothing on B's host tier; the remote tier moves on
+    finally:
+        b.close()
+    c = LocalHost(mooncake.master, head_dim=4096)  # a host that learns it from the marker
+    try:
+        assert c.load(95)[0] == 0
+    finally:
+        c.close()
 
 
 def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
