@@ -168,6 +168,54 @@ def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(
     assert b.kv.stats().remote_checksum_failures == 0
 
 
+def test_large_blocks_travel_bit_exact_and_are_evicted_too(mooncake: MooncakeServers) -> None:
+    # 512 KiB blocks: past the size below which values go through staging slots, so
+    # these are put and read as two slices (block, checksum) straight from the pool.
+    a = LocalHost(mooncake.master, head_dim=4096)
+    assert a.offload(95) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    b = LocalHost(mooncake.master, head_dim=4096)
+    try:
+        assert b.load(95) == (TOKENS, True)
+    finally:
+        b.close()
+    read = b.kv.stats()
+    assert (read.remote_hits, read.remote_checksum_failures) == (1, 0)
+    b = LocalHost(mooncake.master, head_dim=4096)
+    try:
+        assert b.kv.evict(95) == 0  # nothing on B's host tier; the remote tier moves on
+    finally:
+        b.close()
+    c = LocalHost(mooncake.master, head_dim=4096)  # a host that learns it from the marker
+    try:
+        assert c.load(95)[0] == 0
+    finally:
+        c.close()
+
+
+def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
+    mooncake: MooncakeServers,
+) -> None:
+    # 128 KiB blocks: 0.01 GB is 81 of them, fewer than B's own 24 users' 192.
+    a = LocalHost(mooncake.master, head_dim=1024)
+    assert a.offload(91) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    b = LocalHost(mooncake.master, head_dim=1024)
+    try:
+        for user in range(300, 324):
+            assert b.offload(user) == TOKENS
+        # Until written to Mooncake, B's blocks cannot be evicted (a load then finds less
+        # room: a shorter hit, which is not what this test is about).
+        _until(lambda: b.stats()["remote_blocks_written"] == 24 * USER_PAGES)
+        stats = b.stats()  # full: room for A's blocks means evicting some of B's
+        assert stats["host_blocks_used"] == stats["host_blocks_total"] < 24 * USER_PAGES
+        assert b.load(91) == (TOKENS, True)
+        assert b.load(300 + 23) == (TOKENS, True)  # its own newest, still on the host
+    finally:
+        b.close()
+    assert b.kv.stats().remote_hits >= 1
+
+
 def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, ...], float]:
     """One family's samples, by sample name and label values."""
     return {(sample.name, *sample.labels.values()): sample.value
@@ -237,12 +285,16 @@ def test_a_host_with_another_geometry_never_matches(mooncake: MooncakeServers) -
         other.close()
 
 
-def test_a_corrupted_value_is_a_miss_from_there_on(mooncake: MooncakeServers) -> None:
-    a = LocalHost(mooncake.master)
+# Small blocks' values go through staging slots, large ones as two slices: both checked.
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 4096])
+def test_a_corrupted_value_is_a_miss_from_there_on(
+    mooncake: MooncakeServers, head_dim: int
+) -> None:
+    a = LocalHost(mooncake.master, head_dim=head_dim)
     assert a.offload(21) == TOKENS
     assert a.close()["remote_blocks_written"] == USER_PAGES
     # Damage the third block's value in place (upsert replaces a value; put keeps it).
-    block_shape = (LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM)
+    block_shape = (LAYERS, 2, PAGE_SIZE, HEADS, head_dim)
     keys = Keys(geometry_tag(block_shape, torch.float32, PAGE_SIZE))
     digests = chain_digests(torch.arange(TOKENS).numpy(), PAGE_SIZE)
     key = keys.blocks(namespace_tag(["uid:21"]), 0, 0, digests)[2]
@@ -257,7 +309,7 @@ def test_a_corrupted_value_is_a_miss_from_there_on(mooncake: MooncakeServers) ->
             assert time.monotonic() < deadline
     finally:
         client.close()
-    b = LocalHost(mooncake.master)
+    b = LocalHost(mooncake.master, head_dim=head_dim)
     try:
         assert b.load(21) == (2 * PAGE_SIZE, True)  # the two blocks before it, exact
         assert b.stats()["remote_checksum_failures"] == 1

@@ -17,7 +17,8 @@ _SPLIT_BYTES = 4 << 20
 
 class Checksums:
     """``sums(keys, blocks)``: the checksum of each (key, block); ``view(block)`` gives a
-    block's bytes. ``close()`` stops the summing threads."""
+    block's bytes (``sums.of(keys, views)``: of other bytes, as a staging slot's).
+    ``close()`` stops the summing threads."""
 
     def __init__(self, view: Callable[[int], memoryview], block_bytes: int, threads: int) -> None:
         self._view = view
@@ -29,22 +30,25 @@ class Checksums:
         )
 
     def __call__(self, keys: Sequence[str], blocks: Sequence[int]) -> list[int]:
-        summers, share = self._summers, -(-len(blocks) // self._threads)  # rounded up
-        if summers is None or len(blocks) * self._block_bytes < _SPLIT_BYTES:
-            return self._run(keys, blocks)
-        parts = [summers.submit(self._run, keys[i : i + share], blocks[i : i + share])
-                 for i in range(share, len(blocks), share)]
-        sums = self._run(keys[:share], blocks[:share])
+        return self.of(keys, [self._view(block) for block in blocks])
+
+    def of(self, keys: Sequence[str], views: Sequence[memoryview]) -> list[int]:
+        summers, share = self._summers, -(-len(views) // self._threads)  # rounded up
+        if summers is None or len(views) * self._block_bytes < _SPLIT_BYTES:
+            return self._run(keys, views)
+        parts = [summers.submit(self._run, keys[i : i + share], views[i : i + share])
+                 for i in range(share, len(views), share)]
+        sums = self._run(keys[:share], views[:share])
         for part in parts:
             sums += part.result()
         return sums
 
-    def _run(self, keys: Sequence[str], blocks: Sequence[int]) -> list[int]:
-        view = self._view
+    @staticmethod
+    def _run(keys: Sequence[str], views: Sequence[memoryview]) -> list[int]:
         sums = []
-        for key, block in zip(keys, blocks, strict=True):
+        for key, view in zip(keys, views, strict=True):
             digest = xxhash.xxh3_64(key.encode())
-            digest.update(view(block))
+            digest.update(view)
             sums.append(digest.intdigest())
         return sums
 

@@ -3,9 +3,8 @@ queue, and a reader thread whose answers the store thread waits for only so long
 
 Nothing here touches the host tier's bookkeeping: the store thread (:mod:`.link`) hands
 over host block numbers it holds, and gets them back through :meth:`RemoteIO.finished`.
-Values are zero-copy: the host pool's memory and a table of per-block checksums are
-registered with Mooncake, and a value is two pieces, the block's bytes and its 8-byte
-xxh3-64 checksum (of the key and the bytes, so a value under the wrong key fails too).
+The host pool's memory is registered with Mooncake; :mod:`.values` moves the values (the
+block, then its checksum) in and out of it, one :class:`~.values.Values` per thread.
 
 Connecting (``setup``) happens on the first call, not at open, so a master that is down
 at start costs nothing but misses. A call that fails for want of the master (or raises)
@@ -25,23 +24,22 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from .checksums import Checksums
 from .config import RemoteConfig
-from .keys import PROBE, Keys
+from .keys import Keys, leading_ones
 from .native import import_store
 from .queue import WriteJob, WriteQueue
+from .values import Values
 
 log = logging.getLogger("aiokv")
 
 NO_SPACE = -200  # Mooncake: no segment can take the value now
+_ABSENT = -704  # OBJECT_NOT_FOUND
 _DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
 _MAX_REST_S = 30.0
 _CONNECT_WAIT_S = 10.0
 _WRITE_BATCH = 64  # blocks per batch_put call
 _MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
-CHECKSUM_BYTES = 8
 
 
 def _local_hostname(config: RemoteConfig) -> str:
@@ -75,8 +73,6 @@ class RemoteIO:
         self._base, self._size = memory
         self.block_bytes = block_bytes
         self._wake = wake
-        self._sums = np.zeros(num_blocks, dtype=np.uint64)  # per host block, registered
-        self._sums_base = self._sums.ctypes.data
         self._client: Any = None
         self._connect_lock = threading.Lock()
         self._rest_s = config.timeout_ms / 1000
@@ -99,6 +95,12 @@ class RemoteIO:
                                         daemon=True)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="aiokv-remote-read")
         self._checksums = Checksums(view, block_bytes, config.threads_for_checksums)
+        self._writes, self._reads = (
+            Values(self._base, block_bytes, num_blocks, self._checksums, stats, keys)
+            for stats, keys in ((self.write_stats, ("remote_put_seconds",
+                                                    "remote_write_checksum_seconds")),
+                                (self.read_stats, ("remote_get_seconds",
+                                                   "remote_read_checksum_seconds"))))
         self._writer.start()
         self._reader.submit(self._ready)  # connect now, so the first lookup need not wait
 
@@ -149,9 +151,8 @@ class RemoteIO:
                 config.protocol, config.devices, config.master,
             )
             if rc == 0:
-                rc = client.register_buffer(self._base, self._size) or client.register_buffer(
-                    self._sums_base, self._sums.nbytes
-                )
+                for address, size in self._buffers():
+                    rc = rc or client.register_buffer(address, size)
             if rc != 0:
                 client.close()
                 self.rest("setup", f"code {rc}")
@@ -161,6 +162,9 @@ class RemoteIO:
             return None
         self._succeeded()
         return client
+
+    def _buffers(self) -> list[tuple[int, int]]:
+        return [(self._base, self._size), *self._writes.buffers(), *self._reads.buffers()]
 
     def _codes(self, what: str, codes: Sequence[int]) -> bool:
         """Whether a batch call reached Mooncake (else the tier rests)."""
@@ -192,65 +196,65 @@ class RemoteIO:
         namespace's generation, and for the items' blocks, in one call; move past the
         markers found and ask again (rarely). Per item, its leading present keys; None
         when Mooncake did not answer."""
-        keys = self.keys
-        names = sorted({ns for ns, _ in items})
         for _ in range(8):  # each pass moves past at least one marker
-            current = {ns: keys.current(ns) for ns in names}
-            epoch = keys.current("")[0]
-            probes = [keys.cleared(epoch + i) for i in range(PROBE)]
-            for ns in names:
-                probes += [keys.evicted(ns, current[ns][1] + i) for i in range(PROBE)]
-            asked = [keys.blocks(ns, epoch, current[ns][1], digests) for ns, digests in items]
+            probes, asked, advance = self.keys.ask(items)
             found = client.batch_is_exist(probes + [key for group in asked for key in group])
             if not self._codes("batch_is_exist", found):
                 return None
             if any(code < 0 for code in found):
                 self.read_stats["remote_read_errors"] += 1
                 return None
-            cleared = _leading_ones(found[:PROBE])
-            moved = bool(cleared)
-            for i, ns in enumerate(names, start=1):
-                evicted = _leading_ones(found[PROBE * i : PROBE * (i + 1)])
-                keys.advance(ns, epoch + cleared, current[ns][1] + evicted)
-                moved = moved or bool(evicted)
-            if moved:
+            if advance(found[: len(probes)]):
                 continue
             answers, at = [], len(probes)
             for group in asked:
-                answers.append(group[: _leading_ones(found[at : at + len(group)])])
+                answers.append(group[: leading_ones(found[at : at + len(group)])])
                 at += len(group)
             return answers
         return None
 
-    def fetch(self, block_keys: list[str], blocks: list[int]) -> list[bool]:
-        """Read the values into these host blocks; per key, whether it arrived whole and
-        passed its checksum."""
+    def read(self, items: Sequence[tuple[str, list[bytes]]], blocks: list[int]) -> list[int]:
+        """Per (namespace, digests), how many of its leading blocks arrived whole and
+        passed their checksums, read into ``blocks`` (one per digest, item after item):
+        the markers and the values in one get, no existence check first (an absent
+        value answers for itself, as cheaply)."""
         client = self._ready()
         if client is None:
-            return [False] * len(blocks)
-        size, sums, stats = self.block_bytes, self._sums_base, self.read_stats
-        began = time.monotonic()
-        got = client.batch_get_into_multi_buffers(
-            block_keys,
-            [[self._base + b * size, sums + b * CHECKSUM_BYTES] for b in blocks],
-            [[size, CHECKSUM_BYTES]] * len(blocks),
-        )
-        began = _spent(stats, "remote_get_seconds", began)
+            return [0] * len(items)
+        for _ in range(8):  # each pass moves past at least one marker
+            probes, asked, advance = self.keys.ask(items)
+            markers, got, good = self._reads.get(
+                client, [key for group in asked for key in group], blocks, probes)
+            if not self._codes("batch_get_into", markers + got):
+                break
+            if any(code not in (1, _ABSENT) for code in markers):
+                self.read_stats["remote_read_errors"] += 1
+                break
+            if not advance([int(code == 1) for code in markers]):
+                return self._leading(got, good, [len(group) for group in asked])
+        return [0] * len(items)
+
+    def fetch(self, block_keys: list[str], blocks: list[int], counts: list[int]) -> list[int]:
+        """Read the values into these host blocks, ``counts`` of them per range; per
+        range, how many leading ones arrived whole and passed their checksums."""
+        client = self._ready()
+        if client is None:
+            return [0] * len(counts)
+        _, got, good = self._reads.get(client, block_keys, blocks)
         if not self._codes("batch_get_into", got):
-            return [False] * len(blocks)
-        whole = size + CHECKSUM_BYTES
-        arrived = [i for i, count in enumerate(got) if count == whole]  # the others fail
-        computed = dict(zip(arrived, self._checksums([block_keys[i] for i in arrived],
-                                                     [blocks[i] for i in arrived]),
-                            strict=True))
-        _spent(stats, "remote_read_checksum_seconds", began)
-        ok: list[bool] = []
-        for i, (block, count) in enumerate(zip(blocks, got, strict=True)):
-            good = i in computed and computed[i] == int(self._sums[block])
-            if not good and count >= 0:  # damaged, or the wrong size: not ours
-                self.read_stats["remote_checksum_failures"] += 1
-            ok.append(good)
-        return ok
+            return [0] * len(counts)
+        return self._leading(got, good, counts)
+
+    def _leading(self, got: list[int], good: list[bool], counts: list[int]) -> list[int]:
+        """Per range of ``counts`` values, how many leading ones are good; a value that
+        arrived (``got``: bytes) and is not good was damaged, or not ours: counted."""
+        self.read_stats["remote_checksum_failures"] += sum(
+            n >= 0 and not ok for n, ok in zip(got, good, strict=True))
+        leading, at = [], 0
+        for count in counts:
+            leading.append(leading_ones([int(ok) for ok in good[at : at + count]]))
+            at += count
+        return leading
 
     def invalidate(self, ns: str | None, epoch: int, generation: int) -> bool:
         """Publish the marker of the epoch (``ns`` None) or the namespace's generation that
@@ -310,7 +314,7 @@ class RemoteIO:
         now = time.monotonic()
         stale = {job.ns for job in jobs if self._checked.get(job.ns, 0.0) < now}
         refreshed = not stale or self._refresh(client, stale)
-        began = _spent(stats, "remote_marker_seconds", now)
+        _spent(stats, "remote_marker_seconds", now)
         if not refreshed:
             stats["remote_dropped_down"] += count
             return
@@ -320,15 +324,8 @@ class RemoteIO:
             epoch, generation = self.keys.current(job.ns)
             keys += self.keys.blocks(job.ns, epoch, generation, job.digests)
             blocks += job.blocks.tolist()
-        size, sums = self.block_bytes, self._sums
-        sums[blocks] = np.array(self._checksums(keys, blocks), dtype=np.uint64)
-        began = _spent(stats, "remote_write_checksum_seconds", began)
-        codes = client.batch_put_from_multi_buffers(
-            keys,
-            [[self._base + b * size, self._sums_base + b * CHECKSUM_BYTES] for b in blocks],
-            [[size, CHECKSUM_BYTES]] * len(blocks),
-        )
-        _spent(stats, "remote_put_seconds", began)
+        size = self.block_bytes
+        codes = self._writes.put(client, keys, blocks)
         if not self._codes("batch_put_from", codes):
             stats["remote_dropped_down"] += count
             return
@@ -355,8 +352,8 @@ class RemoteIO:
         self._checksums.close()
         client, self._client = self._client, None
         if client is not None:
-            client.unregister_buffer(self._base)
-            client.unregister_buffer(self._sums_base)
+            for address, _ in self._buffers():
+                client.unregister_buffer(address)
             client.close()
 
 
@@ -367,8 +364,3 @@ def _spent(stats: dict[str, float], key: str, began: float) -> float:
     return now
 
 
-def _leading_ones(codes: Sequence[int]) -> int:
-    for i, code in enumerate(codes):
-        if code != 1:
-            return i
-    return len(codes)

@@ -26,7 +26,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -73,11 +73,31 @@ class Keys:
         head = f"{self.root}/{ns}/{epoch}.{generation}/"
         return [head + d.hex() for d in digests]
 
-    def probes(self, ns: str, epoch: int, generation: int) -> list[str]:
-        """The markers a lookup asks for: PROBE epochs, then PROBE generations."""
-        return [self.cleared(epoch + i) for i in range(PROBE)] + [
-            self.evicted(ns, generation + i) for i in range(PROBE)
-        ]
+    def ask(self, items: Sequence[tuple[str, Sequence[bytes]]]) -> tuple[
+            list[str], list[list[str]], Callable[[Sequence[int]], bool]]:
+        """What a lookup of (namespace, digests) items asks Mooncake: the markers past
+        what this host knows (the epoch's, then each namespace's), the items' block keys
+        under the newest epoch and generation known, and ``advance(answers)``: given
+        whether each marker is there (1) or not, move past the markers found; whether any
+        was (the keys are then stale: ask again)."""
+        names = sorted({ns for ns, _ in items})
+        current = {ns: self.current(ns)[1] for ns in names}
+        epoch = self.current("")[0]
+        probes = [self.cleared(epoch + i) for i in range(PROBE)]
+        for ns in names:
+            probes += [self.evicted(ns, current[ns] + i) for i in range(PROBE)]
+        asked = [self.blocks(ns, epoch, current[ns], digests) for ns, digests in items]
+
+        def advance(found: Sequence[int]) -> bool:
+            cleared = leading_ones(found[:PROBE])
+            moved = bool(cleared)
+            for i, ns in enumerate(names, start=1):
+                evicted = leading_ones(found[PROBE * i : PROBE * (i + 1)])
+                self.advance(ns, epoch + cleared, current[ns] + evicted)
+                moved = moved or bool(evicted)
+            return moved
+
+        return probes, asked, advance
 
     def cleared(self, epoch: int) -> str:
         return f"{self.root}/cleared/{epoch}"
@@ -92,3 +112,11 @@ class Keys:
     def all_pattern(self) -> str:
         """Every block under this geometry (not the markers)."""
         return f"^{self.root}/[0-9a-f]{{32}}/[0-9]"
+
+
+def leading_ones(codes: Sequence[int]) -> int:
+    """How many of the codes lead with 1 (there)."""
+    for i, code in enumerate(codes):
+        if code != 1:
+            return i
+    return len(codes)

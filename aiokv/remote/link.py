@@ -8,10 +8,13 @@ tier asks Mooncake; what arrives whole becomes ordinary host blocks, and the loo
 on as if they had always been there), :meth:`invalidate` from evict and clear, and
 :meth:`drain` whenever it looks at finished work.
 
-A lookup waits ``timeout_ms`` at most for each of its two calls (which blocks Mooncake
-has, then their values); a later answer is dropped, and while the reader thread is still
+Where the host tier has free blocks for every page a batch of lookups misses, they are
+reserved first and one call asks Mooncake for the values themselves (an absent one
+answers for itself); where it would have to evict for them, a first call asks which
+blocks Mooncake has, and only those are reserved and read. A lookup waits ``timeout_ms``
+at most for each call; a later answer is dropped, and while the reader thread is still
 busy with it the next lookups miss at once rather than queue behind it. Host blocks that
-a late fetch still writes into stay reserved until it returns.
+a late read still writes into stay reserved until it returns.
 """
 
 from __future__ import annotations
@@ -187,6 +190,11 @@ class RemoteLink:
         if io.resting() or (self._busy is not None and not self._busy.done()):
             return none
         asked = [(self._tag(key), digests) for key, digests in wanted]
+        total = sum(len(digests) for _, digests in wanted)
+        if total <= host.alloc.num_free:  # room without evicting: one call
+            blocks = host.reserve(total)
+            return self._place(wanted, blocks, [len(d) for _, d in wanted],
+                               io.submit_read(io.read, asked, blocks.tolist()))
         present: list[list[str]] = self._wait(io.submit_read(io.leading, asked)) or [
             [] for _ in wanted
         ]
@@ -204,16 +212,23 @@ class RemoteLink:
         except NoSpace:
             return none
         keys = [key for group, count in zip(present, counts, strict=True) for key in group[:count]]
-        future = io.submit_read(io.fetch, keys, blocks.tolist())
-        ok: list[bool] | None = self._wait(future)
-        if ok is None:  # it may still write into them: free once it returns
+        return self._place(wanted, blocks, counts,
+                           io.submit_read(io.fetch, keys, blocks.tolist(), counts))
+
+    def _place(self, wanted: list[tuple[tuple[str, ...], list[bytes]]], blocks: Int64Array,
+               counts: list[int], future: Future[Any]) -> list[int]:
+        """Wait for a read into ``blocks`` (``counts`` of them per wanted range, in
+        order) that answers, per range, how many leading ones arrived good. Those are
+        indexed and published; the rest is freed. Blocks arrived, per range."""
+        host = self._host
+        good: list[int] | None = self._wait(future)
+        if good is None:  # it may still write into them: free once it returns
             self._late.append((future, blocks))
-            return none
+            return [0] * len(wanted)
         arrived, unused, at = [], [], 0
-        for (key, digests), count in zip(wanted, counts, strict=True):
-            mine, good = blocks[at : at + count], ok[at : at + count]
+        for (key, digests), count, n in zip(wanted, counts, good, strict=True):
+            mine = blocks[at : at + count]
             at += count
-            n = good.index(False) if False in good else count  # a damaged one ends it
             if n:
                 host.index.insert(key, digests[:n], mine[:n])
                 host.publish([mine[:n]], mine[:n], n)
