@@ -216,6 +216,30 @@ def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
     assert b.kv.stats().remote_hits >= 1
 
 
+def test_blocks_held_for_remote_writes_come_back_while_the_engine_is_idle(
+    mooncake: MooncakeServers,
+) -> None:
+    # After the writes end and nothing else happens, the host blocks they held go back
+    # (the scrape's gauge shows none held) without another call to the engine.
+    a = LocalHost(mooncake.master)
+    registry = CollectorRegistry()
+    aiokv.metrics.register(a.engine, registry, store_timeout_s=30)
+    try:
+        for user in (81, 82):
+            assert a.offload(user) == TOKENS
+
+        def held() -> float:
+            blocks = _samples(registry, "aiokv_store_blocks")
+            return blocks[("aiokv_store_blocks", "remote", "held")]
+
+        _until(lambda: held() == 0)
+        blocks = _samples(registry, "aiokv_store_blocks")
+        assert blocks[("aiokv_store_blocks", "host", "used")] == 2 * USER_PAGES
+    finally:
+        written = a.close()["remote_blocks_written"]
+    assert written == 2 * USER_PAGES
+
+
 def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, ...], float]:
     """One family's samples, by sample name and label values."""
     return {(sample.name, *sample.labels.values()): sample.value

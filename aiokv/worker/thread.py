@@ -195,10 +195,13 @@ class StoreWorker:
                 after = time.perf_counter()
                 self._slice.waited(after - before, after)
                 worked = item is not None
+                woke = False
                 while item is not None:
                     if item is _STOP:
                         stopping = True
-                    elif item is not _WAKE:
+                    elif item is _WAKE:
+                        woke = True
+                    else:
                         self._handle(item)
                     try:
                         item = self._inbox.get_nowait()
@@ -209,6 +212,8 @@ class StoreWorker:
                     self._post()
                     self._poll()
                     worked = True
+                elif woke and not self._launched:
+                    self._settle()
                 self._calls.owed.retry()
                 self._post()
                 if worked:
@@ -286,6 +291,15 @@ class StoreWorker:
             self._invalidate(item)
         else:
             raise TypeError(f"unexpected inbox item {item!r}")
+
+    def _settle(self) -> None:
+        """A wake-up with no task in flight: the store's background work ended (a remote
+        write, an SSD write). An empty ``try_wait`` lets it settle that on this thread (give
+        the blocks back, so they count as free and can be evicted); the figures follow."""
+        try:
+            self._calls.call(self._store.try_wait, [])
+        except StoreError:
+            log.warning("store.try_wait([]) failed after a wake-up", exc_info=True)
 
     def _poll(self) -> None:
         try:
