@@ -2,9 +2,10 @@
 on ``store.backend: shared``, against the same work done without the server.
 
 From one run: (1) bandwidth: every process offloads ``--users`` fresh histories at once
-(concurrent calls, so each process's engine batches them) and then loads them back into
-other pages; the aggregate GiB/s (all processes' bytes over the span from the first
-start to the last end) next to the raw copy of the same run, all processes at once:
+(concurrent calls, so each process's engine batches them), looks them up and loads them
+back into other pages, each phase started in all processes together; the aggregate GiB/s
+of each direction (all processes' bytes over the span from the first start to the last
+end) next to the raw copy of the same run, all processes at once:
 on a GPU each process's one pinned copy of the same bytes each way; on the CPU the
 same pages between its caches and a plain host tensor of blocks with the same torch
 ops. (2) The control round trip of one batch (``--users``
@@ -36,6 +37,7 @@ import yaml
 
 from .. import EngineConfig, OffloadEngine, StoreConfig, run_in_background
 from ..stores import make_store
+from ..sync import BackgroundLookup
 from . import common
 
 NAME = "shared"
@@ -114,6 +116,7 @@ class _Worker:
         self.private = run_in_background(OffloadEngine(make_store(private), self.caches,
                                                        engine))
         self.block_bytes = _block_bytes(s)
+        self._hits: list[BackgroundLookup] = []  # a round's lookups, from lookup to load
         blocks = 2 * s.users * self.pages_per_user
         self.raw_pool = torch.empty((blocks, s.layers, 2, s.page_size, s.heads, s.head_dim),
                                     dtype=dtype, pin_memory=device.type == "cuda")
@@ -126,27 +129,42 @@ class _Worker:
         first = offset * self.s.users * self.pages_per_user + user * self.pages_per_user
         return torch.arange(first, first + self.pages_per_user)
 
-    def bandwidth(self, round_: int) -> dict[str, float]:
+    # The bandwidth round in three phases, each started in every process at once (the
+    # pool waits for all before the next): a process that lags in one phase then cannot
+    # stretch the next phase's span, from the first start to the last end.
+
+    def offload(self, round_: int) -> dict[str, float]:
         kv, s = self.shared, self.s
         if round_ == 0:  # copies, not start-up: the region pinned first
             self.shared_store.wait_pinned()  # type: ignore[attr-defined]
-        names = [[f"bw{round_}:{self.index}:{u}"] for u in range(s.users)]
         start = time.monotonic()
-        futures = [kv.submit_offload(u, self._user_pages(u, 0), s.tokens, namespace=names[u])
-                   for u in range(s.users)]
+        futures = [kv.submit_offload(u, self._user_pages(u, 0), s.tokens,
+                                     namespace=self._names(round_, u)) for u in range(s.users)]
         stored = sum(f.result().stored_tokens for f in futures)
-        offloaded = time.monotonic()
-        hits = [f.result() for f in
-                [kv.submit_lookup(u, s.tokens, namespace=names[u]) for u in range(s.users)]]
-        looked = time.monotonic()
-        loads = [kv.submit_load(h, self._user_pages(u, 1)) for u, h in enumerate(hits)]
+        return {"offload_start": start, "offload_end": time.monotonic(),
+                "offload_bytes": stored * self.block_bytes / s.page_size}
+
+    def lookup(self, round_: int) -> dict[str, float]:
+        kv, s = self.shared, self.s
+        self._hits = [f.result() for f in [
+            kv.submit_lookup(u, s.tokens, namespace=self._names(round_, u))
+            for u in range(s.users)]]
+        return {}
+
+    def load(self, round_: int) -> dict[str, float]:
+        kv, s = self.shared, self.s
+        start = time.monotonic()
+        loads = [kv.submit_load(h, self._user_pages(u, 1)) for u, h in enumerate(self._hits)]
         loaded = sum(f.result().loaded_tokens for f in loads)
         end = time.monotonic()
-        for hit in hits:
+        for hit in self._hits:
             hit.release()
-        return {"offload_start": start, "offload_end": offloaded, "load_start": looked,
-                "load_end": end, "offload_bytes": stored * self.block_bytes / s.page_size,
+        self._hits = []
+        return {"load_start": start, "load_end": end,
                 "load_bytes": loaded * self.block_bytes / s.page_size}
+
+    def _names(self, round_: int, user: int) -> list[str]:
+        return [f"bw{round_}:{self.index}:{user}"]
 
     def raw(self, round_: int) -> dict[str, float]:
         """On the CPU, the same pages through the same torch ops as the shared store's
@@ -331,7 +349,10 @@ def _measure(s: Settings, socket_path: str) -> dict[str, Any]:
     try:
         best: dict[str, float] = {}
         for round_ in range(s.rounds):
-            shared = pool.all("bandwidth", round_)
+            offloads = pool.all("offload", round_)
+            pool.all("lookup", round_)
+            loads = pool.all("load", round_)
+            shared = [{**o, **lo} for o, lo in zip(offloads, loads, strict=True)]
             raw = pool.all("raw", round_)
             for direction in ("offload", "load"):
                 for kind, parts in (("shared", shared), ("raw", raw)):
