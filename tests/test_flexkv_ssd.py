@@ -21,7 +21,8 @@ import aiokv
 from aiokv.stores.flexkv import flexkv_available
 
 REASON = flexkv_available()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"FlexKV not usable: {REASON}")
+pytestmark = [pytest.mark.flexkv,
+              pytest.mark.skipif(REASON is not None, reason=f"FlexKV not usable: {REASON}")]
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 4, 256, 32  # 1 MiB per page (bf16, K and V)
 USERS, USER_PAGES = 32, 32  # 1 GiB in all

@@ -39,8 +39,10 @@ def _params() -> list[object]:
         pytest.param(("local", "cpu", True), id="local-cpu-process"),
         pytest.param(("local", "cuda", False), id="local-cuda", marks=no_cuda),
         pytest.param(("local", "cuda", True), id="local-cuda-process", marks=no_cuda),
-        pytest.param(("flexkv", "cuda", False), id="flexkv", marks=no_flexkv),
-        pytest.param(("flexkv", "cuda", True), id="flexkv-process", marks=no_flexkv),
+        pytest.param(("flexkv", "cuda", False), id="flexkv",
+                     marks=[no_flexkv, pytest.mark.flexkv]),
+        pytest.param(("flexkv", "cuda", True), id="flexkv-process",
+                     marks=[no_flexkv, pytest.mark.flexkv]),
     ]
 
 
