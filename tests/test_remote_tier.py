@@ -25,7 +25,7 @@ import aiokv.metrics
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.native import import_store, unavailable
 from aiokv.remote.servers import MooncakeServers, free_port
-from aiokv.stores.local.index import chain_digests
+from aiokv.stores.local.digests import chain_digests
 
 WHY_NOT = unavailable()
 if WHY_NOT is not None and os.environ.get("CI"):

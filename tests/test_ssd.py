@@ -161,7 +161,7 @@ async def test_a_block_of_no_whole_number_of_4_kib_pages_comes_back_from_ssd(
 
 def slot_of(directory: Path, user: int, page: int, count: int = 1) -> tuple[Path, int]:
     """The data file and offset of a user's page on disk (as the engine names users)."""
-    from aiokv.stores.local.index import chain_digests
+    from aiokv.stores.local.digests import chain_digests
 
     digest = chain_digests(np.arange((page + 1) * PAGE, dtype=np.int64), PAGE)[page]
     for k in range(count):

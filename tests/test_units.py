@@ -17,7 +17,7 @@ from aiokv.copy.copier import Copier
 from aiokv.loop.batcher import plan_batches
 from aiokv.requests import Kind, Request
 from aiokv.stores.fused import FusedPages, fuse_page_ids
-from aiokv.stores.local.index import chain_digests
+from aiokv.stores.local.digests import chain_digests
 
 ROOT = Path(__file__).resolve().parents[1]
 

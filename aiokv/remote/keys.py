@@ -7,7 +7,7 @@ A block's key is ``aiokv1/<geometry>/<namespace>/<epoch>.<generation>/<digest>``
 - ``namespace``: a hash of the namespace (a list of str), kept apart by structure as in
   the local index;
 - ``digest``: the local index's chained digest of the token prefix up to the block end
-  (:func:`aiokv.stores.local.index.chain_digests`), so equal keys mean equal prefixes;
+  (:func:`aiokv.stores.local.digests.chain_digests`), so equal keys mean equal prefixes;
 - ``epoch`` (moved by ``clear``) and ``generation`` (moved by ``evict`` of the
   namespace): a key of an old one never matches again, even where a host's write of it
   lands after the invalidation.

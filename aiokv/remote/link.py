@@ -31,7 +31,7 @@ import torch
 from ..errors import ConfigError
 from ..stores.base import Int64Array, NoSpace
 from ..stores.local.blocks import Tier
-from ..stores.local.index import chain_digests
+from ..stores.local.digests import chain_digests
 from ..stores.local.pool import HostPool
 from .client import RemoteIO
 from .config import RemoteConfig

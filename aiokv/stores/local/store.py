@@ -29,7 +29,8 @@ from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
 from .completion import Task, TaskEnds, concat
-from .index import BlockIndex, chain_digests
+from .digests import chain_digests
+from .index import BlockIndex
 from .jobs import CopyJobs
 from .pool import HostPool
 from .tiering import TierLink

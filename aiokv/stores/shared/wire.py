@@ -14,7 +14,7 @@ Every request gets exactly one reply, in order, on the one connection; the first
 of the server (to ``hello``) carries the region's file descriptor (SCM_RIGHTS).
 
 A match request carries, per query, its token count and either its page digests,
-computed by the client (:func:`~aiokv.stores.local.index.chain_digests`: a client is
+computed by the client (:func:`~aiokv.stores.local.digests.chain_digests`: a client is
 trusted with the digests as it is with the bytes it writes under them), or none when its
 token ids are the default positions, whose digests the server keeps; and its namespace
 as UTF-8 strings. An answer carries, per query, the task id, the blocks and one bool per
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..local.index import DIGEST_BYTES, are_positions, chain_digests, position_digests
+from ..local.digests import DIGEST_BYTES, are_positions, chain_digests, position_digests
 
 MAX_FRAME = 256 << 20  # a batch of 64 x 64k tokens is 1 MiB of digests: far below
 MAX_FDS = 1

@@ -1,0 +1,100 @@
+"""Content keys of pages: a block's key is a 128-bit BLAKE2b digest of every token id from
+the start of the sequence to the end of that block, so equal keys mean equal prefixes
+(whatever host or process computed them). The chain of the default token ids (positions
+``0..n-1``, the recommender case) is computed once per page size and reused.
+
+Used by the prefix index (:mod:`.index`), the shared store's client and wire (a client
+hashes, the server keeps the positions' chain) and the remote tier's keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from ..base import Int64Array
+
+DIGEST_BYTES = 16
+# Keyed once; each key starts from a copy (cheaper than constructing with parameters).
+_SEED = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"aiokv-tokens")
+
+
+def _hash_chain(
+    running: hashlib.blake2b, data: memoryview, block_bytes: int, digests: list[bytes]
+) -> None:
+    update, copy = running.update, running.copy  # bound once: the hot loop of hashing
+    append = digests.append
+    for start in range(0, len(data), block_bytes):
+        update(data[start : start + block_bytes])
+        append(copy().digest())
+
+
+def _as_int64(tokens: Int64Array) -> Int64Array:
+    if tokens.dtype != np.int64 or not tokens.flags.c_contiguous:
+        return np.ascontiguousarray(tokens, dtype=np.int64)
+    return tokens
+
+
+class _PositionChain:
+    """The digests of positions ``0..n-1`` for one page size, grown on demand. Replaced,
+    never mutated, so readers on other threads always see a consistent pair."""
+
+    __slots__ = ("digests", "running")
+
+    def __init__(self, digests: list[bytes], running: hashlib.blake2b) -> None:
+        self.digests = digests
+        self.running = running  # the state after the last digest; copied, never updated
+
+
+_position_chains: dict[int, _PositionChain] = {}
+_position_bytes = b""  # positions 0..m-1 as native int64 bytes, grown on demand
+
+
+def position_digests(page_size: int, pages: int) -> list[bytes]:
+    """``chain_digests`` of the default token ids (positions) for ``pages`` pages, from a
+    cache grown on demand (the list is shared: do not mutate it)."""
+    chain = _position_chains.get(page_size)
+    if chain is None or len(chain.digests) < pages:
+        have = chain.digests if chain is not None else []
+        want = max(pages, 2 * len(have), 4096 // page_size + 1)
+        running = chain.running.copy() if chain is not None else _SEED.copy()
+        tail = np.arange(len(have) * page_size, want * page_size, dtype=np.int64)
+        grown = list(have)
+        _hash_chain(running, memoryview(tail.data).cast("B"), page_size * 8, grown)
+        chain = _PositionChain(grown, running)
+        _position_chains[page_size] = chain
+    return chain.digests[:pages]
+
+
+def are_positions(head: Int64Array) -> bool:
+    """True when ``head`` is ``0..len(head)-1``, by content: one comparison of the raw
+    bytes (memcmp stops at the first difference), after two element checks only where
+    the cached positions must grow first."""
+    global _position_bytes
+    n = len(head)
+    if n * 8 > len(_position_bytes):
+        if int(head[0]) != 0 or int(head[-1]) != n - 1:
+            return False
+        _position_bytes = (
+            np.arange(max(n, len(_position_bytes) // 4, 1 << 16)).astype(np.int64).tobytes()
+        )
+    head = _as_int64(head)
+    return _position_bytes.startswith(head)  # type: ignore[arg-type]  # buffer protocol
+
+
+def chain_digests(token_ids: Int64Array, page_size: int) -> list[bytes]:
+    """One digest per full page: digest ``i`` covers tokens ``[0, (i + 1) * page_size)``
+    (not the namespace: see the module docstring). A running hash is copied per block,
+    so the cost is linear in the tokens, not quadratic; the default token ids (positions)
+    are recognised by content and answered from a cache."""
+    full_pages = len(token_ids) // page_size
+    if full_pages == 0:
+        return []
+    head = token_ids[: full_pages * page_size]
+    if are_positions(head):
+        return position_digests(page_size, full_pages)
+    head = _as_int64(head)
+    digests: list[bytes] = []
+    _hash_chain(_SEED.copy(), memoryview(head.data).cast("B"), page_size * 8, digests)
+    return digests
