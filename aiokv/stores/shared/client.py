@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
-import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -44,12 +42,11 @@ from ..base import (
     TaskStatus,
 )
 from . import wire
-from .plane import RegionPlane
-from .region import Geometry, Region
+from .link import Link
+from .region import Geometry
 
 log = logging.getLogger("aiokv")
 
-CALL_TIMEOUT_S = 60.0
 _PING = wire.frame(wire.PING)
 _T = TypeVar("_T")
 
@@ -67,60 +64,6 @@ class _Task:
     generation: int  # the connection it was matched on
 
 
-class _Link:
-    """One connection to the server and the region it handed over."""
-
-    def __init__(self, path: str, caches: Sequence[torch.Tensor], geometry: Geometry,
-                 done: Callable[[CopyJob], None]) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        # A server that stops answering (stopped, wedged) fails the call in flight after
-        # this long, and the store thread goes on (the server's own waits are shorter).
-        wire.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
-        try:
-            sock.connect(path)
-            wire.send(sock, wire.encode_json({"op": "hello", "geometry": geometry.as_dict()}))
-            reply, fds = wire.recv_json(sock)
-        except BaseException:
-            sock.close()
-            raise
-        if not reply.get("ok"):
-            sock.close()
-            error = str(reply.get("error"))
-            if reply.get("config"):
-                raise ConfigError("store.socket", f"the server at {path!r} refused: {error}")
-            raise StoreError(f"the store server at {path!r} refused: {error}")
-        if len(fds) != 1:
-            sock.close()
-            raise StoreError(f"the store server at {path!r} sent no region")
-        self.sock = sock
-        self.channel = wire.Channel(sock)
-        try:
-            self.region = Region(fds[0], int(reply["blocks"]), geometry)
-        finally:
-            os.close(fds[0])  # the mapping stays; a reconnect must not leak descriptors
-        self.region.fd = -1
-        self.plane = RegionPlane(caches, self.region, done)
-
-    def call(self, request: bytes, what: str, expect: int) -> memoryview:
-        """One request and its reply's body (valid until the next call), which must be
-        of op ``expect``; StoreError when the server refuses it."""
-        op, body = self.channel.call(request)
-        if op == wire.JSON:
-            reply = wire.decode_json(body)
-            if not reply.get("ok"):
-                raise StoreError(f"the store server refused {what!r}: {reply.get('error')}")
-        if op != expect:
-            raise wire.WireError(f"a reply of op {op} to {what!r} (expected {expect})")
-        return body
-
-    def close(self) -> None:
-        """Disconnect, then finish the queued copies (their tasks end FAILED: the
-        server rolled them back) and unpin."""
-        self.sock.close()
-        self.plane.close()
-        # The region stays mapped while tensors view it; unmapped when they are gone.
-
-
 class SharedStore:
     """``SharedStore(StoreConfig(backend="shared", socket=PATH))``. ``register`` connects
     (StoreError when no server listens there; ConfigError, naming what differs, when its
@@ -133,7 +76,7 @@ class SharedStore:
         self.page_size = config.page_size or 0
         self._geometry: Geometry | None = None
         self._caches: list[torch.Tensor] = []
-        self._link: _Link | None = None
+        self._link: Link | None = None
         self._generation = 0
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -164,13 +107,13 @@ class SharedStore:
         self._caches = list(kv_caches)
         self._connect()
 
-    def _connect(self) -> _Link:
+    def _connect(self) -> Link:
         if self._link is not None:
             return self._link
         if self._closed or self._geometry is None:
             raise StoreError("the shared store is closed (or not registered)")
         try:
-            link = _Link(self._path, self._caches, self._geometry, self._job_done)
+            link = Link(self._path, self._caches, self._geometry, self._job_done)
         except (OSError, wire.PeerGone, wire.WireError) as exc:
             raise StoreError(f"the store server at {self._path!r} is not reachable: {exc} "
                              "(is `aiokv store-server` running?)") from exc

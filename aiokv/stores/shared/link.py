@@ -1,0 +1,74 @@
+"""An engine's connection to ``aiokv store-server``: the hello that registers the cache
+geometry and receives the shared region (a memfd over the socket), the region's mapping
+and its copy plane, and one call at a time (a request and its reply).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ...copy.copier import CopyJob
+from ...errors import ConfigError, StoreError
+from . import wire
+from .plane import RegionPlane
+from .region import Geometry, Region
+
+CALL_TIMEOUT_S = 60.0
+
+
+class Link:
+    """One connection to the server and the region it handed over."""
+
+    def __init__(self, path: str, caches: Sequence[torch.Tensor], geometry: Geometry,
+                 done: Callable[[CopyJob], None]) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # A server that stops answering (stopped, wedged) fails the call in flight after
+        # this long, and the store thread goes on (the server's own waits are shorter).
+        wire.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
+        try:
+            sock.connect(path)
+            wire.send(sock, wire.encode_json({"op": "hello", "geometry": geometry.as_dict()}))
+            reply, fds = wire.recv_json(sock)
+        except BaseException:
+            sock.close()
+            raise
+        if not reply.get("ok"):
+            sock.close()
+            error = str(reply.get("error"))
+            if reply.get("config"):
+                raise ConfigError("store.socket", f"the server at {path!r} refused: {error}")
+            raise StoreError(f"the store server at {path!r} refused: {error}")
+        if len(fds) != 1:
+            sock.close()
+            raise StoreError(f"the store server at {path!r} sent no region")
+        self.sock = sock
+        self.channel = wire.Channel(sock)
+        try:
+            self.region = Region(fds[0], int(reply["blocks"]), geometry)
+        finally:
+            os.close(fds[0])  # the mapping stays; a reconnect must not leak descriptors
+        self.region.fd = -1
+        self.plane = RegionPlane(caches, self.region, done)
+
+    def call(self, request: bytes, what: str, expect: int) -> memoryview:
+        """One request and its reply's body (valid until the next call), which must be
+        of op ``expect``; StoreError when the server refuses it."""
+        op, body = self.channel.call(request)
+        if op == wire.JSON:
+            reply = wire.decode_json(body)
+            if not reply.get("ok"):
+                raise StoreError(f"the store server refused {what!r}: {reply.get('error')}")
+        if op != expect:
+            raise wire.WireError(f"a reply of op {op} to {what!r} (expected {expect})")
+        return body
+
+    def close(self) -> None:
+        """Disconnect, then finish the queued copies (their tasks end FAILED: the
+        server rolled them back) and unpin."""
+        self.sock.close()
+        self.plane.close()
+        # The region stays mapped while tensors view it; unmapped when they are gone.
