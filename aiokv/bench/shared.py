@@ -135,8 +135,9 @@ class _Worker:
 
     def offload(self, round_: int) -> dict[str, float]:
         kv, s = self.shared, self.s
-        if round_ == 0:  # copies, not start-up: the region pinned first
-            self.shared_store.wait_pinned()  # type: ignore[attr-defined]
+        wait_pinned = getattr(self.shared_store, "wait_pinned", None)
+        if round_ == 0 and wait_pinned is not None:  # copies, not start-up: pinned first
+            wait_pinned()
         start = time.monotonic()
         futures = [kv.submit_offload(u, self._user_pages(u, 0), s.tokens,
                                      namespace=self._names(round_, u)) for u in range(s.users)]

@@ -341,13 +341,13 @@ class SharedStore:
 
     def wait_pinned(self, timeout: float | None = None) -> bool:
         """Block until this engine's mapping of the region is pinned whole (it is pinned
-        in chunks after register, as LocalStore's pool is); whether it is. At once on CPU
-        caches (nothing to pin) or before register. ``timeout`` is not used: a chunk
-        takes milliseconds, and pinning ends (short) on an error."""
+        in chunks after register, as LocalStore's pool is) or ``timeout`` seconds;
+        whether it is. At once on CPU caches (nothing to pin) or before register."""
         with self._lock:
             link = self._link
-        pinning = link.plane.pinning if link is not None else None
-        return pinning is None or pinning.wait_for(link.region.num_blocks)  # type: ignore[union-attr]
+        if link is None or link.plane.pinning is None:
+            return True
+        return link.plane.pinning.wait_for(link.region.num_blocks, timeout)
 
     def close(self) -> None:
         """Finish the queued copies, report them, and disconnect (the server rolls back

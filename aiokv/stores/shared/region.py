@@ -217,11 +217,12 @@ class Pinning:
         self._thread = threading.Thread(target=self._run, name="aiokv-pin-region", daemon=True)
         self._thread.start()
 
-    def wait_for(self, blocks: int) -> bool:
-        """Block until the first ``blocks`` blocks are pinned; False once pinning has
-        ended short of them (nothing more will come). A chunk takes milliseconds."""
+    def wait_for(self, blocks: int, timeout: float | None = None) -> bool:
+        """Block until the first ``blocks`` blocks are pinned (or ``timeout`` seconds);
+        False once pinning has ended short of them (nothing more will come), or on the
+        timeout. A chunk takes milliseconds."""
         with self._grew:
-            self._grew.wait_for(lambda: self.ready_blocks >= blocks or self._ended)
+            self._grew.wait_for(lambda: self.ready_blocks >= blocks or self._ended, timeout)
         return self.ready_blocks >= blocks
 
     def _run(self) -> None:
