@@ -21,9 +21,9 @@ and 4, with the model's slowdown.
     python benchmarks/plane_candidates.py 8x2048
 """
 
-import ctypes
 import json
 import sys
+import threading
 import time
 
 import numpy as np
@@ -33,7 +33,7 @@ sys.path.insert(0, "benchmarks")
 
 from aiokv.bench.beside import Beside, ReferenceCopier, Unit, measure_copier
 from aiokv.bench.standin import GIB, StandIn
-from aiokv.copy.driver import BatchCopy
+from aiokv.copy.driver import BatchCopy, StridedCopy
 
 
 def gather_layers(caches: list[torch.Tensor], pages: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -56,46 +56,13 @@ CP = 4 * N + 64
 caches = [torch.randn(CP, 2, PS, H, D, dtype=torch.bfloat16, device=dev) for _ in range(L)]
 pool = torch.empty(N, L, 2, PS, H, D, dtype=torch.bfloat16, pin_memory=True)
 PB = caches[0][0].numel() * 2
-lib = ctypes.CDLL("libcuda.so.1")
-
-
-class M2D(ctypes.Structure):
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t),
-        ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_uint),
-        ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64),
-        ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t),
-        ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_uint),
-        ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64),
-        ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t),
-        ("Height", ctypes.c_size_t),
-    ]
-
-
-UNIFIED = 4
+_strided = threading.local()  # a StridedCopy per thread (it reuses one descriptor)
 
 
 def copy2d(dst, dpitch, src, spitch, width, height, stream):
-    m = M2D()
-    m.srcMemoryType = UNIFIED
-    m.srcDevice = src
-    m.srcPitch = spitch
-    m.dstMemoryType = UNIFIED
-    m.dstDevice = dst
-    m.dstPitch = dpitch
-    m.WidthInBytes = width
-    m.Height = height
-    err = lib.cuMemcpy2DAsync_v2(ctypes.byref(m), ctypes.c_void_p(stream))
-    if err:
-        raise RuntimeError(f"cuMemcpy2DAsync {err}")
+    if not hasattr(_strided, "copy"):
+        _strided.copy = StridedCopy()
+    _strided.copy(dst, dpitch, src, spitch, width, height, stream)
 
 
 def new_pages():

@@ -161,13 +161,20 @@ def split(count: int, streams: int) -> tuple[int, ...]:
     return tuple(count * s // parts for s in range(parts + 1))
 
 
-def find_runs(pages: Int64Array, blocks: Int64Array, min_run: int) -> tuple[Int64Array, Int64Array]:
+def find_runs(
+    pages: Int64Array, blocks: Int64Array, min_run: int, chunk_starts: Sequence[int] = (0,)
+) -> tuple[Int64Array, Int64Array]:
     """(starts, lengths) of the runs of at least ``min_run`` positions where both the page
-    and the block go up by one from each position to the next."""
+    and the block go up by one from each position to the next, and no block crosses into
+    another pinned chunk (``chunk_starts``: CUDA refuses a copy that spans two host
+    registrations)."""
     count = len(pages)
     if count < min_run:
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
     breaks = (np.diff(pages) != 1) | (np.diff(blocks) != 1)
+    if len(chunk_starts) > 1:
+        chunk = np.searchsorted(np.asarray(chunk_starts, dtype=np.int64), blocks, "right")
+        breaks |= np.diff(chunk) != 0
     starts = np.flatnonzero(np.concatenate(([True], breaks)))
     lengths = np.diff(np.append(starts, count))
     long = lengths >= min_run
@@ -195,7 +202,7 @@ def plan(
     assert not len(blocks) or (int(blocks.min()) >= 0 and int(blocks.max()) < g.num_blocks)
     runs: Runs | None = None
     if min_run is not None:
-        starts, lengths = _runs_within_chunks(pages, blocks, min_run, chunk_starts)
+        starts, lengths = find_runs(pages, blocks, min_run, chunk_starts)
         if len(starts):
             used = max(1, min(streams, len(pages)))
             inside = np.zeros(len(pages), dtype=np.bool_)
@@ -221,19 +228,6 @@ def _addresses(
     return (np.ascontiguousarray(dsts).view(np.uint64),
             np.ascontiguousarray(srcs).view(np.uint64),
             np.full(len(pages), g.page_bytes, dtype=np.uint64))
-
-
-def _runs_within_chunks(
-    pages: Int64Array, blocks: Int64Array, min_run: int, chunk_starts: Sequence[int]
-) -> tuple[Int64Array, Int64Array]:
-    """:func:`find_runs`, with each run cut where its blocks cross into another pinned
-    chunk (CUDA refuses a copy that spans two host registrations)."""
-    if len(chunk_starts) <= 1 or len(pages) < min_run:
-        return find_runs(pages, blocks, min_run)
-    chunk = np.searchsorted(np.asarray(chunk_starts, dtype=np.int64), blocks, side="right")
-    # Where the chunk changes, offset the pages by 2 from there on: the run breaks there.
-    cut = np.concatenate(([0], np.cumsum(np.diff(chunk) != 0)))
-    return find_runs(pages + 2 * cut, blocks, min_run)
 
 
 def _strided(
