@@ -200,7 +200,6 @@ def plan(
     # copy crosses one (CUDA refuses a copy that spans two host registrations).
     assert g.layers * g.page_bytes == g.block_bytes
     assert not len(blocks) or (int(blocks.min()) >= 0 and int(blocks.max()) < g.num_blocks)
-    runs: Runs | None = None
     if min_run is not None:
         starts, lengths = find_runs(pages, blocks, min_run, chunk_starts)
         if len(starts):
@@ -210,7 +209,8 @@ def plan(
                 inside[start : start + length] = True
             runs = _strided(g, pages[starts], blocks[starts], lengths, to_host, used)
             pages, blocks = pages[~inside], blocks[~inside]
-            # The pages outside runs over the streams, then their share of the runs.
+            # The pages outside runs over every stream (some maybe none): each has its
+            # share of the runs too.
             bounds = tuple(len(pages) * s // used for s in range(used + 1))
             return Plan(*_addresses(g, pages, blocks, to_host), bounds, runs)
     return Plan(*_addresses(g, pages, blocks, to_host), split(len(pages), streams))
