@@ -9,7 +9,8 @@ MOONCAKE_DEBS := libibverbs1 libnl-3-200 libnl-route-3-200
 
 .PHONY: setup demo test lint bench-quick clean
 
-$(BIN)/aiokv: pyproject.toml
+# _queue.c: the editable install builds the copy thread's C extension in place; rebuilt when it changes.
+$(BIN)/aiokv: pyproject.toml aiokv/copy/_queue.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU build of torch that this project's machines keep on disk; without the pin

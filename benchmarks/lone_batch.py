@@ -78,7 +78,7 @@ def instrument_fine(marks: Marks) -> None:
     _wrap(calls.StoreCalls, "match", "match_start", None, marks)
     _wrap(rounds.Rounds, "_execute", "planned", None, marks)
     _wrap(local_store.LocalStore, "launch", "launching", None, marks)
-    _wrap(local_copier.Copier, "_queue_cuda", "copy_thread", None, marks)
+    _wrap(local_copier.Copier, "_queue_driver", "copy_thread", None, marks)
     _wrap(local_copier, "plan", None, "copies_planned", marks)
     _wrap(worker.StoreWorker, "_poll", "polled", None, marks)
 
@@ -97,13 +97,14 @@ def instrument(marks: Marks) -> None:
 
     worker.StoreWorker._post = post  # type: ignore[method-assign]
     _wrap(calls.StoreCalls, "match", None, "matched", marks)
-    enqueue = local_copier.Copier._queue_cuda
+    enqueue = local_copier.Copier._queue_driver
 
-    def timed_enqueue(self: Any, job: Any, ids: Any, streams: Any, *calls: Any) -> Any:
+    def timed_enqueue(self: Any, job: Any, ids: Any, ids_stream: Any, streams: Any,
+                      *calls: Any) -> Any:
         # The GPU's span of the job: from its first stream's start to every stream's end.
         start = torch.cuda.Event(enable_timing=True)
         start.record(streams[0])
-        queued = enqueue(self, job, ids, streams, *calls)  # the driver's calls, as given
+        queued = enqueue(self, job, ids, ids_stream, streams, *calls)  # as given
         for event in queued.ends:
             streams[0].wait_event(event)
         end = torch.cuda.Event(enable_timing=True)
@@ -119,7 +120,7 @@ def instrument(marks: Marks) -> None:
         marks.pending_gpu = measure
         return queued
 
-    local_copier.Copier._queue_cuda = timed_enqueue  # type: ignore[method-assign]
+    local_copier.Copier._queue_driver = timed_enqueue  # type: ignore[method-assign]
 
 
 def _sync(device: torch.device) -> None:

@@ -39,9 +39,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .driver import BatchCopy, DriverError, StridedCopy
+from .driver import (
+    CU_EVENT_BLOCKING_SYNC,
+    CU_EVENT_DISABLE_TIMING,
+    BatchCopy,
+    DriverError,
+    DriverEvent,
+    EventPool,
+)
 from .marks import LayerMarks
-from .plan import MIN_RUN, Geometry, Int64Array, Plan, check_pages, plan
+from .plan import Geometry, Int64Array, Plan, check_pages, plan
+from .queueing import Entries, Queuer
 
 log = logging.getLogger("aiokv")
 
@@ -94,6 +102,7 @@ class _Queued:
     job: CopyJob
     ends: list[Any]  # CUDA events, one per stream used; empty: nothing to wait for
     keep: Any  # what the queued copies read from (the plan's arrays), until they ran
+    taken: list[tuple[EventPool, list[DriverEvent]]]  # back to their pools once ended
 
 
 class Copier:
@@ -121,6 +130,7 @@ class Copier:
         self._num_streams = streams or STREAMS
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self.d2h_copies = 0  # device-to-host copies of page ids (one per job at most)
+        self._taken: list[tuple[EventPool, list[DriverEvent]]] = []  # the job's events
         self._cuda = self._device.type == "cuda"
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._cuda:
@@ -165,9 +175,12 @@ class Copier:
         ids_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         ids_stream.synchronize()  # a runtime call: the context is current for the driver's
         batch: BatchCopy | None = None
-        strided: StridedCopy | None = None
+        queuer: Queuer | None = None
         try:
-            batch, strided = BatchCopy(), StridedCopy()
+            batch = BatchCopy()
+            queuer = Queuer(Entries.of_driver(), [s.cuda_stream for s in streams])
+            self._events = EventPool(CU_EVENT_DISABLE_TIMING)
+            self._ends = EventPool(CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC)
         except DriverError as exc:
             global _fallback_warned
             if not _fallback_warned:
@@ -178,7 +191,10 @@ class Copier:
             self._slots.acquire()  # released by the done thread
             try:
                 ids, ids_buffer = self._host_ids(job, ids_stream, ids_buffer, batch)
-                queued = self._queue_cuda(job, ids, streams, batch, strided)
+                if queuer is not None:
+                    queued = self._queue_driver(job, ids, ids_stream, streams, queuer)
+                else:
+                    queued = self._queue_torch(job, ids, streams)
             except Exception as exc:
                 log.exception("aiokv copy job failed")
                 job.error = repr(exc)
@@ -190,7 +206,8 @@ class Copier:
                         stream.synchronize()
                     except Exception:
                         log.exception("aiokv: synchronizing a copy stream failed")
-                queued = _Queued(job, [], None)
+                queued = _Queued(job, [], None, self._taken)
+            self._taken = []
             self._queued.put(queued)
 
     def _host_ids(
@@ -270,17 +287,46 @@ class Copier:
     def _live_marks(self, job: CopyJob) -> list[LayerMarks]:
         return [m for s, m in enumerate(job.marks) if m is not None and s not in job.invalid]
 
-    def _queue_cuda(
-        self, job: CopyJob, ids: Int64Array, streams: list[Any], batch: BatchCopy | None,
-        strided: StridedCopy | None,
+    def _queue_driver(
+        self, job: CopyJob, ids: Int64Array, ids_stream: Any, streams: list[Any],
+        queuer: Queuer,
     ) -> _Queued:
+        """Queue the job with the driver's calls from C (:mod:`.queueing`): a load with
+        marks one call per layer, each layer marked once queued; else one call."""
         pages, blocks = self._checked(job, ids)
-        # Runs as 2-D copies only with the driver's calls (the torch fallback copies pages).
         copies = plan(self._geometry, pages, blocks, job.to_host, len(streams),
-                      min_run=MIN_RUN if strided else None, chunk_starts=self._chunk_starts)
+                      chunk_starts=self._chunk_starts)
+        used, layers = copies.streams, self._geometry.layers
+        marks = self._live_marks(job)
+        ready = 0
+        if any(event is not None for event in job.ready):
+            # wait A for the copy streams: one event on the ids stream, which waited for
+            # the callers' ready events (_host_ids), and which the copy streams wait for.
+            (mark,) = self._take(self._events, 1)
+            mark.record(ids_stream)
+            ready = mark.handle
+        layer_events = self._take(self._events, layers * used) if marks else []
+        ends = self._take(self._ends, used)
+        prepared = queuer.prepare(copies, layers, ready,
+                                  [e.handle for e in layer_events] if marks else None,
+                                  [e.handle for e in ends])
+        if marks:
+            for layer in range(layers):
+                queuer.queue(prepared, layer, layer + 1, wait_ready=layer == 0,
+                             end=layer == layers - 1)
+                events = layer_events[layer * used : (layer + 1) * used]
+                for m in marks:
+                    m.layer_queued(layer, events)
+        else:
+            queuer.queue(prepared, 0, layers, wait_ready=True, end=True)
+        return _Queued(job, ends, prepared, self._taken)
+
+    def _queue_torch(self, job: CopyJob, ids: Int64Array, streams: list[Any]) -> _Queued:
+        """The fallback where the driver lacks the batch call: a torch copy per (page,
+        layer), with torch events."""
+        pages, blocks = self._checked(job, ids)
+        copies = plan(self._geometry, pages, blocks, job.to_host, len(streams), min_run=None)
         used = streams[: copies.streams]
-        runs = copies.runs
-        runs_on = [runs.on(s) for s in range(len(used))] if runs is not None else []
         marks = self._live_marks(job)
         for stream in used:  # wait A, for the copy streams
             for event in job.ready:
@@ -288,15 +334,7 @@ class Copier:
                     stream.wait_event(event)
         for layer in range(self._geometry.layers):
             for s, stream in enumerate(used):
-                if batch is not None:
-                    batch(*copies.part(layer, s), stream.cuda_stream)
-                    if runs is not None and strided is not None:
-                        for r in runs_on[s]:
-                            strided(int(runs.dsts[layer, r]), runs.dst_pitch,
-                                    int(runs.srcs[layer, r]), runs.src_pitch, runs.width,
-                                    int(runs.heights[r]), stream.cuda_stream)
-                else:
-                    self._torch_copies(job.to_host, pages, blocks, copies, layer, s, stream)
+                self._torch_copies(job.to_host, pages, blocks, copies, layer, s, stream)
             if marks:  # wait C's events: this layer, every stream
                 events = [torch.cuda.Event() for _ in used]  # type: ignore[no-untyped-call]
                 for event, stream in zip(events, used, strict=True):
@@ -306,7 +344,12 @@ class Copier:
         ends = [torch.cuda.Event(blocking=True) for _ in used]  # type: ignore[no-untyped-call]
         for event, stream in zip(ends, used, strict=True):
             event.record(stream)
-        return _Queued(job, ends, copies)
+        return _Queued(job, ends, copies, [])
+
+    def _take(self, pool: EventPool, count: int) -> list[DriverEvent]:
+        events = pool.take(count)
+        self._taken.append((pool, events))
+        return events
 
     def _torch_copies(
         self, to_host: bool, pages: Int64Array, blocks: Int64Array, copies: Plan,
@@ -335,6 +378,10 @@ class Copier:
                 log.exception("aiokv copy job failed on the GPU")
                 item.job.error = repr(exc)
             del item.keep
+            if item.job.error is None or not item.ends:
+                # Ended (or the streams were synchronized): every record of them ran.
+                for pool, events in item.taken:
+                    pool.give(events)
             self._slots.release()
             self._end(item.job)
 

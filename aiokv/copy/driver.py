@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,7 @@ class MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes (cuda.h, 12.8+)
 
 
 # dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, stream (the 12.8 ABI).
-_BATCH_SIGNATURE = ctypes.CFUNCTYPE(
+BATCH_SIGNATURE = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
 )
@@ -65,11 +66,11 @@ class DriverError(RuntimeError):
     """A driver call failed; the message names the call and the driver's error."""
 
 
-def _libcuda() -> Any:
+def libcuda() -> Any:
     return ctypes.CDLL("libcuda.so.1")
 
 
-def _error_name(lib: Any, err: int) -> str:
+def error_name(lib: Any, err: int) -> str:
     text = ctypes.c_char_p()
     try:
         lib.cuGetErrorName(err, ctypes.byref(text))
@@ -81,14 +82,14 @@ def _error_name(lib: Any, err: int) -> str:
 def _call(lib: Any, name: str, *args: Any) -> None:
     err = getattr(lib, name)(*args)
     if err:
-        raise DriverError(f"{name} failed: {_error_name(lib, err)}")
+        raise DriverError(f"{name} failed: {error_name(lib, err)}")
 
 
 @functools.cache
 def batch_entry() -> tuple[Any, str | None]:
     """(cuMemcpyBatchAsync as a ctypes function, None), or (None, why it is absent)."""
     try:
-        lib = _libcuda()
+        lib = libcuda()
         version = ctypes.c_int(0)
         _call(lib, "cuDriverGetVersion", ctypes.byref(version))
     except (OSError, AttributeError, DriverError) as exc:
@@ -104,7 +105,7 @@ def batch_entry() -> tuple[Any, str | None]:
         return None, f"cuGetProcAddress_v2 could not be asked ({exc})"
     if not address.value:
         return None, f"cuMemcpyBatchAsync not found (symbol status {status.value})"
-    return _BATCH_SIGNATURE(address.value), None
+    return BATCH_SIGNATURE(address.value), None
 
 
 class BatchCopy:
@@ -116,7 +117,7 @@ class BatchCopy:
         if call is None:
             raise DriverError(why or "cuMemcpyBatchAsync is absent")
         self._call = call
-        self._lib = _libcuda()
+        self._lib = libcuda()
         # Copies read their source in stream order: after what the stream waited for.
         self._attrs = MemcpyAttributes(
             srcAccessOrder=CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
@@ -147,7 +148,7 @@ class BatchCopy:
                           f"{int(dsts[failed]):#x}")
             raise DriverError(
                 f"cuMemcpyBatchAsync of {count} copies failed: "
-                f"{_error_name(self._lib, err)}{where}"
+                f"{error_name(self._lib, err)}{where}"
             )
 
 
@@ -157,7 +158,7 @@ class StridedCopy:
 
     def __init__(self) -> None:
         try:
-            self._lib = _libcuda()
+            self._lib = libcuda()
             self._call = self._lib.cuMemcpy2DAsync_v2
         except (OSError, AttributeError) as exc:
             raise DriverError(f"cuMemcpy2DAsync_v2 is absent ({exc})") from exc
@@ -179,5 +180,71 @@ class StridedCopy:
             raise DriverError(
                 f"cuMemcpy2DAsync of {height} rows x {width} bytes from {src:#x} (pitch "
                 f"{src_pitch}) to {dst:#x} (pitch {dst_pitch}) failed: "
-                f"{_error_name(self._lib, err)}"
+                f"{error_name(self._lib, err)}"
             )
+
+
+CU_EVENT_BLOCKING_SYNC = 0x1  # a synchronize sleeps instead of spinning a core
+CU_EVENT_DISABLE_TIMING = 0x2
+CUDA_ERROR_NOT_READY = 600
+
+
+class DriverEvent:
+    """A CUDA event the copier records from C (``aiokv.copy._queue``), used as torch's
+    are: ``torch.cuda.Stream.wait_event(event)`` calls :meth:`wait`; :meth:`synchronize`
+    and :meth:`query` as ``torch.cuda.Event``'s. Owned by an :class:`EventPool`."""
+
+    __slots__ = ("_lib", "handle")
+
+    def __init__(self, handle: int, lib: Any) -> None:
+        self.handle = handle
+        self._lib = lib
+
+    def wait(self, stream: Any) -> None:
+        """Make ``stream`` (a torch.cuda.Stream) wait for this event's last record."""
+        _call(self._lib, "cuStreamWaitEvent", ctypes.c_void_p(stream.cuda_stream),
+              ctypes.c_void_p(self.handle), ctypes.c_uint(0))
+
+    def record(self, stream: Any) -> None:
+        """Record this event on ``stream`` (a torch.cuda.Stream) now."""
+        _call(self._lib, "cuEventRecord", ctypes.c_void_p(self.handle),
+              ctypes.c_void_p(stream.cuda_stream))
+
+    def synchronize(self) -> None:
+        """Block until the last record ran (a ctypes call: the GIL is released)."""
+        _call(self._lib, "cuEventSynchronize", ctypes.c_void_p(self.handle))
+
+    def query(self) -> bool:
+        err = self._lib.cuEventQuery(ctypes.c_void_p(self.handle))
+        if err == CUDA_ERROR_NOT_READY:
+            return False
+        if err:
+            raise DriverError(f"cuEventQuery failed: {error_name(self._lib, err)}")
+        return True
+
+
+class EventPool:
+    """CUDA events of one kind, reused: a job takes what it records and gives them back
+    once its end events ran (each stream's later records then ran too). A waiter that
+    still holds a given-back event waits at worst for a later record of it: longer,
+    never less than its own layer. Used from the copy thread and its done thread."""
+
+    def __init__(self, flags: int) -> None:
+        self._lib = libcuda()
+        self._flags = flags
+        self._free: list[DriverEvent] = []
+        self._lock = threading.Lock()
+
+    def take(self, count: int) -> list[DriverEvent]:
+        with self._lock:
+            taken = self._free[len(self._free) - count:] if count else []
+            del self._free[len(self._free) - len(taken):]
+        while len(taken) < count:
+            handle = ctypes.c_void_p(0)
+            _call(self._lib, "cuEventCreate", ctypes.byref(handle), ctypes.c_uint(self._flags))
+            taken.append(DriverEvent(int(handle.value or 0), self._lib))
+        return taken
+
+    def give(self, events: list[DriverEvent]) -> None:
+        with self._lock:
+            self._free.extend(events)

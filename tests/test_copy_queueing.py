@@ -1,0 +1,217 @@
+"""Queueing a plan's driver calls (aiokv/copy/queueing.py), in C and in Python, checked on
+the CPU by the bytes: a fake driver whose copy calls are memmoves over CPU tensors, whose
+events snapshot what is in place when they are recorded, whose streams refuse copies
+until they waited for the ready event, and which can fail a chosen call."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_caches
+
+from aiokv.copy.driver import BATCH_SIGNATURE, DriverError, Memcpy2D
+from aiokv.copy.plan import MIN_RUN, Geometry, plan
+from aiokv.copy.queueing import (
+    COPY2D_SIGNATURE,
+    RECORD_SIGNATURE,
+    WAIT_SIGNATURE,
+    Entries,
+    Queuer,
+    native_run,
+)
+
+LAYERS = 3
+STREAMS = [101, 102, 103, 104]  # fake CUstream handles
+READY = 7  # a fake event handle
+INVALID_VALUE = 1  # CUDA_ERROR_INVALID_VALUE
+
+
+@pytest.fixture(params=["native", "python"])
+def native(request: pytest.FixtureRequest) -> bool:
+    if request.param == "native" and native_run() is None:
+        pytest.skip("the extension aiokv.copy._queue is not built (pip install -e .)")
+    return bool(request.param == "native")
+
+
+class FakeDriver:
+    """Copies are memmoves; an event records, per stream, a snapshot of ``watch`` taken
+    when it is recorded. Streams refuse to copy before they waited for READY, where
+    ``ready`` is required. ``fail_batch``: (layer, copy in the call) of a batch call to
+    fail; ``fail_2d``: the number of 2-D copies to make before one fails."""
+
+    def __init__(self, watch: list[torch.Tensor], dst_layer_of: dict[int, int],
+                 ready: bool = False) -> None:
+        self.watch = watch
+        self.dst_layer_of = dst_layer_of  # a destination address -> its layer
+        self.released: set[int] = set() if ready else set(STREAMS)
+        self.snapshots: dict[int, list[torch.Tensor]] = {}
+        self.fail_batch: tuple[int, int] | None = None
+        self.fail_2d: int | None = None
+        self._calls = [BATCH_SIGNATURE(self._batch), COPY2D_SIGNATURE(self._copy2d),
+                       RECORD_SIGNATURE(self._record), WAIT_SIGNATURE(self._wait)]
+
+    @property
+    def entries(self) -> Entries:
+        batch, copy2d, record, wait = (ctypes.cast(c, ctypes.c_void_p).value or 0
+                                       for c in self._calls)
+        return Entries(batch, copy2d, record, wait, name_error=lambda err: f"error {err}")
+
+    def _batch(self, dsts: int, srcs: int, sizes: int, count: int, attrs: int,
+               attr_idxs: int, num_attrs: int, fail_idx: int, stream: int) -> int:
+        if stream not in self.released:
+            return INVALID_VALUE
+        d, s, n = ((ctypes.c_uint64 * count).from_address(a) for a in (dsts, srcs, sizes))
+        for i in range(count):
+            if self.fail_batch == (self.dst_layer_of.get(d[i]), i):
+                ctypes.c_size_t.from_address(fail_idx).value = i
+                return INVALID_VALUE
+            ctypes.memmove(d[i], s[i], n[i])
+        return 0
+
+    def _copy2d(self, op_ptr: ctypes._Pointer[Memcpy2D], stream: int) -> int:
+        if stream not in self.released:
+            return INVALID_VALUE
+        if self.fail_2d is not None:
+            if self.fail_2d == 0:
+                return INVALID_VALUE
+            self.fail_2d -= 1
+        op = op_ptr.contents
+        for row in range(op.Height):
+            ctypes.memmove(op.dstDevice + row * op.dstPitch, op.srcDevice + row * op.srcPitch,
+                           op.WidthInBytes)
+        return 0
+
+    def _record(self, event: int, stream: int) -> int:
+        self.snapshots[event] = [t.clone() for t in self.watch]
+        return 0
+
+    def _wait(self, stream: int, event: int, flags: int) -> int:
+        if event == READY:
+            self.released.add(stream)
+        return 0
+
+
+def setup(placement: str, to_host: bool, seed: int = 0):  # type: ignore[no-untyped-def]
+    """Caches, a pool, (pages, blocks) in runs or scattered, and the plan of the copies."""
+    m = MIN_RUN
+    caches = make_caches(pages=4 * m, layers=LAYERS, seed=seed)
+    pool = torch.zeros(3 * m, LAYERS, *caches[0].shape[1:], dtype=caches[0].dtype)
+    if placement == "runs":  # two runs and a few singles
+        pages = np.concatenate([np.arange(5, 5 + m), [200, 3], np.arange(m + 9, 2 * m + 20)])
+        blocks = np.concatenate([np.arange(0, m), [2 * m + 40, m + 2], np.arange(m + 3, 2 * m + 14)])
+    else:
+        rng = np.random.default_rng(seed)
+        pages = rng.choice(4 * m, size=50, replace=False).astype(np.int64)
+        blocks = rng.choice(3 * m, size=50, replace=False).astype(np.int64)
+    if not to_host:  # a load: the pool holds the pages, the caches are cleared
+        for layer, cache in enumerate(caches):
+            pool[torch.from_numpy(blocks), layer] = cache[torch.from_numpy(pages)]
+        expect = [cache[torch.from_numpy(pages)].clone() for cache in caches]
+        for cache in caches:
+            cache.zero_()
+    else:
+        expect = [cache[torch.from_numpy(pages)].clone() for cache in caches]
+    geometry = Geometry.of(caches, pool)
+    copies = plan(geometry, pages, blocks, to_host, len(STREAMS))
+    return caches, pool, pages, blocks, expect, copies, geometry
+
+
+def moved(caches: list[torch.Tensor], pool: torch.Tensor, pages: np.ndarray,
+          blocks: np.ndarray, to_host: bool, layer: int) -> torch.Tensor:
+    if to_host:
+        return pool[torch.from_numpy(blocks), layer]
+    return caches[layer][torch.from_numpy(pages)]
+
+
+def layer_of(geometry: Geometry, copies_dsts: np.ndarray) -> dict[int, int]:
+    return {int(a): layer for layer in range(copies_dsts.shape[0])
+            for a in copies_dsts[layer].tolist()}
+
+
+@pytest.mark.parametrize("placement", ["runs", "scattered"])
+@pytest.mark.parametrize("to_host", [True, False])
+def test_every_page_of_every_layer_lands_and_each_layer_is_in_place_at_its_event(
+    native: bool, placement: str, to_host: bool
+) -> None:
+    caches, pool, pages, blocks, expect, copies, geometry = setup(placement, to_host)
+    assert (copies.runs is not None) == (placement == "runs")
+    watch = [pool] if to_host else caches
+    fake = FakeDriver(watch, layer_of(geometry, copies.dsts), ready=True)
+    queuer = Queuer(fake.entries, STREAMS, native=native)
+    assert queuer.native == native
+    used = copies.streams
+    layer_events = list(range(1000, 1000 + LAYERS * used))
+    ends = list(range(2000, 2000 + used))
+    prepared = queuer.prepare(copies, LAYERS, READY, layer_events, ends)
+    for layer in range(LAYERS):  # a load's way: one call per layer
+        queuer.queue(prepared, layer, layer + 1, wait_ready=layer == 0, end=layer == LAYERS - 1)
+        # Layer `layer` is in place when its last stream's event is recorded.
+        snapshot = fake.snapshots[layer_events[layer * used + used - 1]]
+        got = (snapshot[0][torch.from_numpy(blocks), layer] if to_host
+               else snapshot[layer][torch.from_numpy(pages)])
+        assert torch.equal(got, expect[layer])
+    for layer in range(LAYERS):
+        assert torch.equal(moved(caches, pool, pages, blocks, to_host, layer), expect[layer])
+    assert set(ends) <= set(fake.snapshots)
+
+
+@pytest.mark.parametrize("placement", ["runs", "scattered"])
+def test_one_call_moves_every_layer(native: bool, placement: str) -> None:
+    caches, pool, pages, blocks, expect, copies, geometry = setup(placement, True, seed=3)
+    fake = FakeDriver([pool], layer_of(geometry, copies.dsts))
+    queuer = Queuer(fake.entries, STREAMS, native=native)
+    prepared = queuer.prepare(copies, LAYERS, end_events=list(range(50, 50 + copies.streams)))
+    queuer.queue(prepared, 0, LAYERS, wait_ready=True, end=True)
+    for layer in range(LAYERS):
+        assert torch.equal(moved(caches, pool, pages, blocks, True, layer), expect[layer])
+    untouched = torch.from_numpy(np.setdiff1d(np.arange(len(pool)), blocks))
+    assert not pool[untouched].any()
+
+
+def test_no_copy_is_made_before_the_streams_waited_for_the_ready_event(native: bool) -> None:
+    caches, pool, pages, blocks, _, copies, geometry = setup("scattered", True, seed=5)
+    fake = FakeDriver([pool], layer_of(geometry, copies.dsts), ready=True)
+    queuer = Queuer(fake.entries, STREAMS, native=native)
+    prepared = queuer.prepare(copies, LAYERS, READY)
+    queuer.queue(prepared, 0, LAYERS, wait_ready=True, end=False)  # waits first: copies land
+    assert torch.equal(moved(caches, pool, pages, blocks, True, 0), caches[0][torch.from_numpy(pages)])
+    # Without the ready event, the fake's streams refuse the first copy.
+    fake2 = FakeDriver([pool], layer_of(geometry, copies.dsts), ready=True)
+    prepared2 = Queuer(fake2.entries, STREAMS, native=native).prepare(copies, LAYERS)
+    with pytest.raises(DriverError, match="cuMemcpyBatchAsync failed"):
+        Queuer(fake2.entries, STREAMS, native=native).queue(prepared2, 0, LAYERS, True, True)
+
+
+def test_a_failed_batch_call_names_the_layer_and_the_copy(native: bool) -> None:
+    caches, pool, pages, blocks, _, copies, geometry = setup("scattered", True, seed=6)
+    fake = FakeDriver([pool], layer_of(geometry, copies.dsts))
+    fake.fail_batch = (1, 2)  # layer 1, the third copy of a call
+    queuer = Queuer(fake.entries, STREAMS, native=native)
+    prepared = queuer.prepare(copies, LAYERS)
+    with pytest.raises(DriverError) as failed:
+        queuer.queue(prepared, 0, LAYERS, wait_ready=True, end=True)
+    dst, src, size = (int(a[2]) for a in copies.part(1, 0))
+    assert str(failed.value) == (
+        f"cuMemcpyBatchAsync failed (layer 1, stream 0, copy 2: {size} bytes from {src:#x} "
+        f"to {dst:#x}): error {INVALID_VALUE}"
+    )
+    # Layer 0 was queued in full before the failure; nothing of layer 2 was.
+    assert torch.equal(pool[torch.from_numpy(blocks), 0], caches[0][torch.from_numpy(pages)])
+    assert not pool[:, 2].any()
+
+
+def test_a_failed_2d_copy_names_its_run(native: bool) -> None:
+    _, pool, _, _, _, copies, geometry = setup("runs", True, seed=7)
+    assert copies.runs is not None
+    fake = FakeDriver([pool], layer_of(geometry, copies.dsts))
+    fake.fail_2d = 0
+    queuer = Queuer(fake.entries, STREAMS, native=native)
+    prepared = queuer.prepare(copies, LAYERS)
+    with pytest.raises(DriverError, match=re.escape("cuMemcpy2DAsync failed (layer 0, stream ")
+                       + r"\d, run \d: " + str(MIN_RUN)) as failed:
+        queuer.queue(prepared, 0, LAYERS, wait_ready=True, end=True)
+    assert str(failed.value).endswith(f"error {INVALID_VALUE}")
