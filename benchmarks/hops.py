@@ -1,6 +1,7 @@
 """Where a layerwise load's first milliseconds go, hop by hop, as a model thread calls it.
 
     python benchmarks/hops.py [--device cpu|cuda] [--users 4] [--tokens 64] [--repeats 30]
+        [--heads 2] [--head-dim 64] [--page 16] [--dtype float32] [--scattered]
 
 The calls go through ``run_in_background`` (``submit_load_layerwise`` per user, then
 ``wait_layer(0)`` on each), the path of ``aiokv bench layers``. Each stage is stamped
@@ -61,7 +62,9 @@ def instrument() -> None:
     wrap(worker.StoreWorker, "_handle", "store_thread")
     wrap(local_store.LocalStore, "launch", None, "launched")
     wrap(copier.Copier, "_move_cpu", "copy_thread")
-    wrap(copier.Copier, "_queue_cuda", "copy_thread")
+    wrap(copier.Copier, "_queue_driver", "copy_thread")
+    wrap(copier.Copier, "_host_ids", None, "ids_on_host")
+    wrap(copier, "plan", None, "planned")
     wrap(layer_marks.LayerMarks, "layer_done", None, "layer0_marked")
     wrap(layer_marks.LayerMarks, "layer_queued", None, "layer0_marked")
     wrap(layerwise, "note_launches", "notice_sent")
@@ -75,22 +78,33 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--heads", type=int, default=HEADS)
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
+    parser.add_argument("--page", type=int, default=PAGE, help="tokens per page")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--scattered", action="store_true",
+                        help="pages at random, as aiokv bench layers places them")
     args = parser.parse_args()
     device = torch.device(args.device)
-    pages = args.tokens // PAGE
+    pages = args.tokens // args.page
     num_pages = 2 * args.users * pages
-    caches = [torch.randn(num_pages, 2, PAGE, HEADS, HEAD_DIM, device=device)
-              for _ in range(LAYERS)]
+    caches = [torch.randn(num_pages, 2, args.page, args.heads, args.head_dim, device=device,
+                          dtype=getattr(torch, args.dtype)) for _ in range(LAYERS)]
     # Room for every user's history twice over: a lookup that lost blocks to eviction
     # would load fewer pages than were offloaded.
     history = sum(c[: args.users * pages].nbytes for c in caches)
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=max(0.05, 2 * history / 1e9),
-                                               page_size=PAGE))
+                                               page_size=args.page))
     config = aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=args.users,
                                 max_batch_tokens=args.users * args.tokens)
     kv = aiokv.run_in_background(aiokv.OffloadEngine(store, caches, config))
     sources = [torch.arange(u * pages, (u + 1) * pages, device=device) for u in range(args.users)]
     targets = [t + num_pages // 2 for t in sources]
+    if args.scattered:
+        order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)).to(device)
+        sources = [order[u * pages : (u + 1) * pages] for u in range(args.users)]
+        targets = [order[(args.users + u) * pages : (args.users + u + 1) * pages]
+                   for u in range(args.users)]
     for future in [kv.submit_offload(u, sources[u], args.tokens) for u in range(args.users)]:
         future.result()
     instrument()
@@ -111,8 +125,8 @@ def main() -> None:
             mark("caller_has_loads")
             for load in loads:
                 load.wait_layer(0)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            if device.type == "cuda":  # this stream only: the later layers may still copy
+                torch.cuda.current_stream(device).synchronize()
             mark("layer0_waited")
             for load in loads:
                 load.result()
