@@ -3,18 +3,19 @@
 On a GPU, the copy thread (``aiokv-copy-*``) runs each job as:
 
 1. a small stream of its own (the ids stream) waits for the job's ready events (the
-   callers' page ids and KV are written after them), and every copy stream waits for
-   that point (wait A: nothing is read before the caller's writes);
+   callers' page ids and KV are written after them); the copy streams wait for an event
+   recorded there (wait A: nothing is read before the caller's writes);
 2. where page ids are on the device, the job's ids come into one pinned buffer in ONE
    batch call of copy-engine copies (``d2h_copies``; no kernel), and the thread waits for
    it (wait B: the ids are read on the host only once copied; the wait releases the GIL);
 3. each task's ids are checked (:func:`~.plan.check_pages`): a bad one fails only its
    own task, which the job reports as invalid and copies nothing of;
-4. the rest is planned (:func:`~.plan.plan`) and queued on ``STREAMS`` streams, one
-   ``cuMemcpyBatchAsync`` per layer and stream (and one strided ``cuMemcpy2DAsync`` per
-   run of adjacent pages and layer), layers in order; for a load, one event
-   per layer and stream marks the layer (wait C: ``LayerMarks.wait(i)`` waits for
-   exactly the events recorded after layer i's copies, on every stream).
+4. the rest is planned (:func:`~.plan.plan`) and queued on ``STREAMS`` streams by
+   :class:`~.queueing.Queuer` from C without the GIL: per layer and stream one
+   ``cuMemcpyBatchAsync`` and a strided ``cuMemcpy2DAsync`` per run of adjacent pages,
+   layers in order; a load with marks goes one call per layer, each layer's events (one
+   per stream, from an :class:`~.driver.EventPool`) handed to its marks once queued (wait
+   C: ``LayerMarks.wait(i)`` waits for exactly the events after layer i's copies).
 
 A second thread (``...-done``) waits for each job's end events, on every stream (wait D:
 an offload's bytes are on the host, a load's in the caller's pages, before the job is
@@ -48,8 +49,8 @@ from .driver import (
     EventPool,
 )
 from .marks import LayerMarks
-from .plan import Geometry, Int64Array, Plan, check_pages, plan
-from .queueing import Entries, Queuer
+from .plan import Geometry, Int64Array, check_pages, plan
+from .queueing import Entries, Queuer, torch_copies
 
 log = logging.getLogger("aiokv")
 
@@ -322,48 +323,17 @@ class Copier:
         return _Queued(job, ends, prepared, self._taken)
 
     def _queue_torch(self, job: CopyJob, ids: Int64Array, streams: list[Any]) -> _Queued:
-        """The fallback where the driver lacks the batch call: a torch copy per (page,
-        layer), with torch events."""
+        """The fallback where the driver lacks the batch call (:func:`.queueing.torch_copies`)."""
         pages, blocks = self._checked(job, ids)
         copies = plan(self._geometry, pages, blocks, job.to_host, len(streams), min_run=None)
-        used = streams[: copies.streams]
-        marks = self._live_marks(job)
-        for stream in used:  # wait A, for the copy streams
-            for event in job.ready:
-                if event is not None:
-                    stream.wait_event(event)
-        for layer in range(self._geometry.layers):
-            for s, stream in enumerate(used):
-                self._torch_copies(job.to_host, pages, blocks, copies, layer, s, stream)
-            if marks:  # wait C's events: this layer, every stream
-                events = [torch.cuda.Event() for _ in used]  # type: ignore[no-untyped-call]
-                for event, stream in zip(events, used, strict=True):
-                    event.record(stream)
-                for m in marks:
-                    m.layer_queued(layer, events)
-        ends = [torch.cuda.Event(blocking=True) for _ in used]  # type: ignore[no-untyped-call]
-        for event, stream in zip(ends, used, strict=True):
-            event.record(stream)
+        ends = torch_copies(self._caches, self._pool, job.to_host, pages, blocks, copies,
+                            streams[: copies.streams], job.ready, self._live_marks(job))
         return _Queued(job, ends, copies, [])
 
     def _take(self, pool: EventPool, count: int) -> list[DriverEvent]:
         events = pool.take(count)
         self._taken.append((pool, events))
         return events
-
-    def _torch_copies(
-        self, to_host: bool, pages: Int64Array, blocks: Int64Array, copies: Plan,
-        layer: int, part: int, stream: Any,
-    ) -> None:
-        """The batch call's fallback: one torch copy per (page, layer) of a part."""
-        cache = self._caches[layer]
-        lo, hi = copies.bounds[part], copies.bounds[part + 1]
-        with torch.cuda.stream(stream):
-            for page, block in zip(pages[lo:hi].tolist(), blocks[lo:hi].tolist(), strict=True):
-                if to_host:
-                    self._pool[block, layer].copy_(cache[page], non_blocking=True)
-                else:
-                    cache[page].copy_(self._pool[block, layer], non_blocking=True)
 
     # ---- the done thread (CUDA) ----------------------------------------------------
 

@@ -8,8 +8,10 @@ waits for the copier's in turn. :class:`Queuer` hands the whole range to the ext
 ``aiokv.copy._queue`` (``_queue.c``), which makes the same driver calls in C with the
 GIL released: a load's layer marked as soon as its copies are queued costs one call per
 layer, an offload one call in all. A marked load's streams also wait for each other's
-previous layer (``_queue.c`` says why), so that its layers land in order. Where the extension was not built (a source tree used
-without ``pip install``), the same loop runs here in Python, said once in the log.
+previous layer (``_queue.c`` says why), so that its layers land in order. Where the
+extension was not built (a source tree used without ``pip install``), the same loop runs
+here in Python, said once in the log; where the driver lacks the batch call,
+:func:`torch_copies` queues a torch copy per page and layer.
 
 The driver's entry points come in :class:`Entries` (addresses), so that the CPU tests can
 hand both loops functions of their own (memmove) and check the bytes.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from .driver import (
     BATCH_SIGNATURE,
@@ -38,7 +41,8 @@ from .driver import (
     error_name,
     libcuda,
 )
-from .plan import Plan
+from .marks import LayerMarks
+from .plan import Int64Array, Plan
 
 log = logging.getLogger("aiokv")
 
@@ -286,3 +290,37 @@ def _queue_python(a: QueueArgs) -> int:
             if err := record(a.end_events[s], stream):
                 return fail(err, 4, a.last_layer, s, 0)
     return 0
+
+
+def torch_copies(
+    caches: Sequence[torch.Tensor], pool: torch.Tensor, to_host: bool, pages: Int64Array,
+    blocks: Int64Array, copies: Plan, streams: Sequence[Any], ready: Sequence[Any],
+    marks: Sequence[LayerMarks],
+) -> list[Any]:
+    """Where the driver lacks the batch call: a torch copy per (page, layer) of ``copies``
+    (a plan without runs) on ``streams``, after the ``ready`` events, each layer's torch
+    events handed to ``marks``; the end events, one per stream."""
+    for stream in streams:  # wait A, for the copy streams
+        for event in ready:
+            if event is not None:
+                stream.wait_event(event)
+    for layer, cache in enumerate(caches):
+        for part, stream in enumerate(streams):
+            lo, hi = copies.bounds[part], copies.bounds[part + 1]
+            with torch.cuda.stream(stream):
+                for page, block in zip(pages[lo:hi].tolist(), blocks[lo:hi].tolist(),
+                                       strict=True):
+                    if to_host:
+                        pool[block, layer].copy_(cache[page], non_blocking=True)
+                    else:
+                        cache[page].copy_(pool[block, layer], non_blocking=True)
+        if marks:  # wait C's events: this layer, every stream
+            events = [torch.cuda.Event() for _ in streams]  # type: ignore[no-untyped-call]
+            for event, stream in zip(events, streams, strict=True):
+                event.record(stream)
+            for m in marks:
+                m.layer_queued(layer, events)
+    ends = [torch.cuda.Event(blocking=True) for _ in streams]  # type: ignore[no-untyped-call]
+    for event, stream in zip(ends, streams, strict=True):
+        event.record(stream)
+    return ends
