@@ -132,6 +132,7 @@ class Copier:
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self.d2h_copies = 0  # device-to-host copies of page ids (one per job at most)
         self._taken: list[tuple[EventPool, list[DriverEvent]]] = []  # the job's events
+        self._pools: list[EventPool] = []  # destroyed by the done thread at its end
         self._cuda = self._device.type == "cuda"
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._cuda:
@@ -182,6 +183,7 @@ class Copier:
             queuer = Queuer(Entries.of_driver(), [s.cuda_stream for s in streams])
             self._events = EventPool(CU_EVENT_DISABLE_TIMING)
             self._ends = EventPool(CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC)
+            self._pools.extend((self._events, self._ends))
         except DriverError as exc:
             global _fallback_warned
             if not _fallback_warned:
@@ -354,6 +356,12 @@ class Copier:
                     pool.give(events)
             self._slots.release()
             self._end(item.job)
+        # Every job ended and gave its events back (a caller's marks no longer use them).
+        for pool in self._pools:
+            try:
+                pool.close()
+            except Exception:  # cleanup at the end: the events are lost, nothing else
+                log.exception("aiokv: destroying the copier's CUDA events failed")
 
     def _end(self, job: CopyJob) -> None:
         for marks in self._live_marks(job):

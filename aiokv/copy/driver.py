@@ -248,3 +248,10 @@ class EventPool:
     def give(self, events: list[DriverEvent]) -> None:
         with self._lock:
             self._free.extend(events)
+
+    def close(self) -> None:
+        """Destroy the events given back (once no job or waiter uses them)."""
+        with self._lock:
+            free, self._free = self._free, []
+        for event in free:
+            _call(self._lib, "cuEventDestroy_v2", ctypes.c_void_p(event.handle))
