@@ -110,6 +110,26 @@ def test_a_hand_written_put_after_hello_is_answered(server: Server) -> None:
         assert len(blocks) == 2
 
 
+def test_a_query_longer_than_the_store_holds_disconnects_and_one_that_fits_is_answered(
+    server: Server,
+) -> None:
+    """A client's engine never asks past what its store holds; a peer that does would make
+    the server compute and keep that many default token ids' digests."""
+    with connect(server) as sock:
+        hello(sock)
+        wire.send(sock, wire.encode_json({"op": "stats"}))
+        reply, _ = wire.recv_json(sock)
+        capacity = int(reply["stats"]["host_blocks_total"]) * PAGE_SIZE
+        assert capacity > 0
+        sock.sendall(one_put(capacity, b"fits"))
+        op, _body = wire.Channel(sock).call(b"")
+        assert op == wire.ANSWERS
+    with connect(server) as sock:
+        hello(sock)
+        sock.sendall(one_put(capacity + 1, b"too long"))
+        assert closed_by_server(sock)
+
+
 def test_requests_before_hello_and_bad_geometry_disconnect(server: Server) -> None:
     for request in (one_put(8), wire.encode_json({"op": "hello", "geometry": {"layers": -1}})):
         with connect(server) as sock:

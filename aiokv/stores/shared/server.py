@@ -322,7 +322,8 @@ class StoreServer:
 
     def _matches(self, conn: Connection, body: memoryview, is_put: bool) -> bytes:
         assert self.service.geometry is not None  # registered: the first hello set it
-        request = wire.decode_match(body, self.service.geometry.page_size)
+        request = wire.decode_match(body, self.service.geometry.page_size,
+                                    self.service.capacity_tokens)
         if request.released:  # cancels ride along with the next match (one message)
             self.service.finish(conn.client, [], request.released)
         if self._stopping:

@@ -79,6 +79,7 @@ class Service:
         self._wake = wake
         self.geometry: Geometry | None = None
         self.region: Region | None = None
+        self.capacity_tokens = 0  # the host and SSD tiers' blocks in tokens, once registered
         self._pool: RegionPool | None = None
         self._host: Tier | None = None
         self._link: TierLink | None = None
@@ -125,6 +126,10 @@ class Service:
         self._link = link
         self._host = link.host if link is not None else Tier("host", pool)
         self.geometry, self.region, self._pool = geometry, region, pool
+        # What a client's engine may ask for: it refuses offloads, and cuts lookups, past
+        # what its store reports holding (stores.base.capacity_tokens): these blocks.
+        ssd = int(link.stats().get("ssd_blocks_total", 0)) if link is not None else 0
+        self.capacity_tokens = (region.num_blocks + ssd) * geometry.page_size
         log.info("aiokv store-server: region of %d blocks (%d bytes each) for %s",
                  region.num_blocks, region.block_bytes, geometry)
         return region

@@ -148,8 +148,11 @@ class MatchRequest:
     released: list[int]
 
 
-def decode_match(body: memoryview, page_size: int) -> MatchRequest:
-    """:func:`encode_match`'s body undone, every field checked (WireError)."""
+def decode_match(body: memoryview, page_size: int, max_tokens: int = MAX_TOKENS) -> MatchRequest:
+    """:func:`encode_match`'s body undone, every field checked (WireError). A query of more
+    than ``max_tokens`` tokens is refused: the server passes what its tiers hold, which a
+    client's engine never asks past, and which bounds the default token ids' digests the
+    server computes and keeps."""
     if len(body) < _MATCH_HEAD.size:
         raise WireError("a match request shorter than its header")
     count, released, digest_pages, strings, name_bytes = _MATCH_HEAD.unpack_from(body, 0)
@@ -169,6 +172,9 @@ def decode_match(body: memoryview, page_size: int) -> MatchRequest:
     if count and (min(tokens) < 0 or max(tokens) > MAX_TOKENS or min(digest_counts) < 0
                   or min(string_counts) < 0 or max(string_counts) > MAX_NAMESPACE):
         raise WireError("a query's token, digest or namespace count is out of range")
+    if count and max(tokens) > max_tokens:
+        raise WireError(f"a query of {max(tokens)} tokens; this store holds at most "
+                        f"{max_tokens}")
     if sum(digest_counts) != digest_pages or (digest_pages and any(
             d and d != n // page_size for d, n in zip(digest_counts, tokens, strict=True))):
         raise WireError("a query's digests do not match its full pages")
