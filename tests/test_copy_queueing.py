@@ -215,3 +215,22 @@ def test_a_failed_2d_copy_names_its_run(native: bool) -> None:
                        + r"\d, run \d: " + str(MIN_RUN)) as failed:
         queuer.queue(prepared, 0, LAYERS, wait_ready=True, end=True)
     assert str(failed.value).endswith(f"error {INVALID_VALUE}")
+
+
+def test_without_the_extension_the_python_loop_moves_the_bytes_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aiokv.copy import queueing
+
+    monkeypatch.setattr(queueing, "native_run", lambda: None)
+    monkeypatch.setattr(queueing, "_python_warned", False)
+    caches, pool, pages, blocks, expect, copies, geometry = setup("runs", True, seed=8)
+    fake = FakeDriver([pool], layer_of(geometry, copies.dsts))
+    with caplog.at_level("WARNING", logger="aiokv"):
+        queuers = [Queuer(fake.entries, STREAMS) for _ in range(2)]
+    assert not any(q.native for q in queuers)
+    warnings = [r.getMessage() for r in caplog.records if "aiokv.copy._queue" in r.getMessage()]
+    assert len(warnings) == 1 and "not built" in warnings[0]
+    queuers[0].queue(queuers[0].prepare(copies, LAYERS), 0, LAYERS, wait_ready=True, end=True)
+    for layer in range(LAYERS):
+        assert torch.equal(moved(caches, pool, pages, blocks, True, layer), expect[layer])
