@@ -131,7 +131,6 @@ class Copier:
         self._num_streams = streams or STREAMS
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self.d2h_copies = 0  # device-to-host copies of page ids (one per job at most)
-        self._taken: list[tuple[EventPool, list[DriverEvent]]] = []  # the job's events
         self._pools: list[EventPool] = []  # destroyed by the done thread at its end
         self._cuda = self._device.type == "cuda"
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
@@ -192,10 +191,11 @@ class Copier:
         ids_buffer = torch.empty(0, dtype=torch.uint8)
         while (job := self._jobs.get()) is not None:
             self._slots.acquire()  # released by the done thread
+            taken: list[tuple[EventPool, list[DriverEvent]]] = []  # the job's events
             try:
                 ids, ids_buffer = self._host_ids(job, ids_stream, ids_buffer, batch)
                 if queuer is not None:
-                    queued = self._queue_driver(job, ids, ids_stream, streams, queuer)
+                    queued = self._queue_driver(job, ids, ids_stream, streams, queuer, taken)
                 else:
                     queued = self._queue_torch(job, ids, streams)
             except Exception as exc:
@@ -209,8 +209,7 @@ class Copier:
                         stream.synchronize()
                     except Exception:
                         log.exception("aiokv: synchronizing a copy stream failed")
-                queued = _Queued(job, [], None, self._taken)
-            self._taken = []
+                queued = _Queued(job, [], None, taken)
             self._queued.put(queued)
 
     def _host_ids(
@@ -292,10 +291,17 @@ class Copier:
 
     def _queue_driver(
         self, job: CopyJob, ids: Int64Array, ids_stream: Any, streams: list[Any],
-        queuer: Queuer,
+        queuer: Queuer, taken: list[tuple[EventPool, list[DriverEvent]]],
     ) -> _Queued:
         """Queue the job with the driver's calls from C (:mod:`.queueing`): a load with
-        marks one call per layer, each layer marked once queued; else one call."""
+        marks one call per layer, each layer marked once queued; else one call. The events
+        it takes go into ``taken`` as they are taken (a failure gives them back too)."""
+
+        def take(pool: EventPool, count: int) -> list[DriverEvent]:
+            events = pool.take(count)
+            taken.append((pool, events))
+            return events
+
         pages, blocks = self._checked(job, ids)
         copies = plan(self._geometry, pages, blocks, job.to_host, len(streams),
                       chunk_starts=self._chunk_starts)
@@ -305,11 +311,11 @@ class Copier:
         if any(event is not None for event in job.ready):
             # wait A for the copy streams: one event on the ids stream, which waited for
             # the callers' ready events (_host_ids), and which the copy streams wait for.
-            (mark,) = self._take(self._events, 1)
+            (mark,) = take(self._events, 1)
             mark.record(ids_stream)
             ready = mark.handle
-        layer_events = self._take(self._events, layers * used) if marks else []
-        ends = self._take(self._ends, used)
+        layer_events = take(self._events, layers * used) if marks else []
+        ends = take(self._ends, used)
         prepared = queuer.prepare(copies, layers, ready,
                                   [e.handle for e in layer_events] if marks else None,
                                   [e.handle for e in ends])
@@ -322,7 +328,7 @@ class Copier:
                     m.layer_queued(layer, events)
         else:
             queuer.queue(prepared, 0, layers, wait_ready=True, end=True)
-        return _Queued(job, ends, prepared, self._taken)
+        return _Queued(job, ends, prepared, taken)
 
     def _queue_torch(self, job: CopyJob, ids: Int64Array, streams: list[Any]) -> _Queued:
         """The fallback where the driver lacks the batch call (:func:`.queueing.torch_copies`)."""
@@ -331,11 +337,6 @@ class Copier:
         ends = torch_copies(self._caches, self._pool, job.to_host, pages, blocks, copies,
                             streams[: copies.streams], job.ready, self._live_marks(job))
         return _Queued(job, ends, copies, [])
-
-    def _take(self, pool: EventPool, count: int) -> list[DriverEvent]:
-        events = pool.take(count)
-        self._taken.append((pool, events))
-        return events
 
     # ---- the done thread (CUDA) ----------------------------------------------------
 
