@@ -108,6 +108,13 @@ def batch_entry() -> tuple[Any, str | None]:
     return BATCH_SIGNATURE(address.value), None
 
 
+def copy_attributes() -> MemcpyAttributes:
+    """The attributes of every batched copy: its source read in stream order (after what
+    the stream waited for), on the copy engines rather than the SMs."""
+    return MemcpyAttributes(srcAccessOrder=CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                            flags=CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+
+
 class BatchCopy:
     """One stream's ``cuMemcpyBatchAsync`` calls. Made on the thread that calls it, after
     that thread has made the device's context current (any CUDA runtime call does)."""
@@ -118,11 +125,7 @@ class BatchCopy:
             raise DriverError(why or "cuMemcpyBatchAsync is absent")
         self._call = call
         self._lib = libcuda()
-        # Copies read their source in stream order: after what the stream waited for.
-        self._attrs = MemcpyAttributes(
-            srcAccessOrder=CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            flags=CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-        )
+        self._attrs = copy_attributes()
         self._attr_index = ctypes.c_size_t(0)
         self._fail_index = ctypes.c_size_t(0)
 

@@ -31,13 +31,11 @@ import torch
 
 from .driver import (
     BATCH_SIGNATURE,
-    CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-    CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
     CU_MEMORYTYPE_UNIFIED,
     DriverError,
     Memcpy2D,
-    MemcpyAttributes,
     batch_entry,
+    copy_attributes,
     error_name,
     libcuda,
 )
@@ -146,11 +144,7 @@ class Queuer:
     def __init__(self, entries: Entries, streams: Sequence[int], native: bool = True) -> None:
         self._entries = entries
         self._streams = np.array(streams, dtype=np.uint64)
-        # Copies read their source in stream order: after what the stream waited for.
-        self._attrs = MemcpyAttributes(
-            srcAccessOrder=CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            flags=CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-        )
+        self._attrs = copy_attributes()
         self._run = native_run() if native else None
         if self._run is None and native:
             global _python_warned
