@@ -31,7 +31,7 @@ import numpy as np
 
 from ...config import StoreConfig
 from ...errors import ConfigError
-from ..base import BoolArray, Int64Array, NoSpace
+from ..base import BoolArray, Int64Array, NoSpace, capacity_tokens
 from ..local.blocks import NO_BLOCKS, READY, Tier
 from ..local.index import Space
 from ..local.loads import Load
@@ -127,9 +127,8 @@ class Service:
         self._host = link.host if link is not None else Tier("host", pool)
         self.geometry, self.region, self._pool = geometry, region, pool
         # What a client's engine may ask for: it refuses offloads, and cuts lookups, past
-        # what its store reports holding (stores.base.capacity_tokens): these blocks.
-        ssd = int(link.stats().get("ssd_blocks_total", 0)) if link is not None else 0
-        self.capacity_tokens = (region.num_blocks + ssd) * geometry.page_size
+        # what its store reports holding, which is these stats.
+        self.capacity_tokens = capacity_tokens(lambda: self.stats([]), geometry.page_size) or 0
         log.info("aiokv store-server: region of %d blocks (%d bytes each) for %s",
                  region.num_blocks, region.block_bytes, geometry)
         return region
