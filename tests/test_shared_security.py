@@ -19,7 +19,7 @@ import torch
 from shared_host import PAGE_SIZE, Server, caches, user_kv
 
 import aiokv
-from aiokv.stores.shared import SharedStore, wire
+from aiokv.stores.shared import SharedStore, sockets, wire
 from aiokv.stores.shared import server as server_module
 from aiokv.stores.shared.region import Geometry
 
@@ -51,8 +51,8 @@ def connect(server: Server) -> socket.socket:
 
 
 def hello(sock: socket.socket) -> None:
-    wire.send(sock, wire.encode_json({"op": "hello", "geometry": Geometry.of(caches()).as_dict()}))
-    reply, fds = wire.recv_json(sock)
+    sockets.send(sock, wire.encode_json({"op": "hello", "geometry": Geometry.of(caches()).as_dict()}))
+    reply, fds = sockets.recv_json(sock)
     assert reply["ok"], reply
     for fd in fds:
         os.close(fd)
@@ -103,7 +103,7 @@ def test_a_hand_written_put_after_hello_is_answered(server: Server) -> None:
     with connect(server) as sock:
         hello(sock)
         sock.sendall(one_put(2 * PAGE_SIZE + 1, b"hand-written"))
-        op, body = wire.Channel(sock).call(b"")
+        op, body = sockets.Channel(sock).call(b"")
         assert op == wire.ANSWERS
         ((_task, mask, blocks),) = wire.decode_answers(body, [2 * PAGE_SIZE + 1], PAGE_SIZE)
         assert mask.tolist() == [True] * (2 * PAGE_SIZE) + [False]
@@ -117,12 +117,12 @@ def test_a_query_longer_than_the_store_holds_disconnects_and_one_that_fits_is_an
     the server compute and keep that many default token ids' digests."""
     with connect(server) as sock:
         hello(sock)
-        wire.send(sock, wire.encode_json({"op": "stats"}))
-        reply, _ = wire.recv_json(sock)
+        sockets.send(sock, wire.encode_json({"op": "stats"}))
+        reply, _ = sockets.recv_json(sock)
         capacity = int(reply["stats"]["host_blocks_total"]) * PAGE_SIZE
         assert capacity > 0
         sock.sendall(one_put(capacity, b"fits"))
-        op, _body = wire.Channel(sock).call(b"")
+        op, _body = sockets.Channel(sock).call(b"")
         assert op == wire.ANSWERS
     with connect(server) as sock:
         hello(sock)
@@ -133,7 +133,7 @@ def test_a_query_longer_than_the_store_holds_disconnects_and_one_that_fits_is_an
 def test_requests_before_hello_and_bad_geometry_disconnect(server: Server) -> None:
     for request in (one_put(8), wire.encode_json({"op": "hello", "geometry": {"layers": -1}})):
         with connect(server) as sock:
-            wire.send(sock, request)
+            sockets.send(sock, request)
             assert closed_by_server(sock)
 
 

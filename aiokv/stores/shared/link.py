@@ -13,7 +13,7 @@ import torch
 
 from ...copy.copier import CopyJob
 from ...errors import ConfigError, StoreError
-from . import wire
+from . import sockets, wire
 from .plane import RegionPlane
 from .region import Geometry, Region
 
@@ -28,11 +28,11 @@ class Link:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # A server that stops answering (stopped, wedged) fails the call in flight after
         # this long, and the store thread goes on (the server's own waits are shorter).
-        wire.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
+        sockets.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
         try:
             sock.connect(path)
-            wire.send(sock, wire.encode_json({"op": "hello", "geometry": geometry.as_dict()}))
-            reply, fds = wire.recv_json(sock)
+            sockets.send(sock, wire.encode_json({"op": "hello", "geometry": geometry.as_dict()}))
+            reply, fds = sockets.recv_json(sock)
         except BaseException:
             sock.close()
             raise
@@ -46,7 +46,7 @@ class Link:
             sock.close()
             raise StoreError(f"the store server at {path!r} sent no region")
         self.sock = sock
-        self.channel = wire.Channel(sock)
+        self.channel = sockets.Channel(sock)
         try:
             self.region = Region(fds[0], int(reply["blocks"]), geometry)
         finally:

@@ -36,7 +36,7 @@ from typing import Any
 
 from ...config import StoreConfig
 from ...errors import ConfigError
-from . import wire
+from . import sockets, wire
 from .region import Geometry
 from .service import Client, Foreign, Service
 
@@ -222,7 +222,7 @@ class StoreServer:
                         pid, uid, os.getuid())
             sock.close()
             return
-        wire.kernel_timeouts(sock, send_s=SEND_TIMEOUT_S)
+        sockets.kernel_timeouts(sock, send_s=SEND_TIMEOUT_S)
         self._numbers += 1
         conn = Connection(sock, Client(self._numbers, pid))
         self._connections[sock.fileno()] = conn
@@ -313,11 +313,11 @@ class StoreServer:
             region = self.service.register(geometry)
         except ConfigError as exc:
             log.warning("aiokv store-server: refused engine pid %d: %s", conn.client.pid, exc)
-            wire.send(conn.sock, wire.encode_json({"ok": False, "error": str(exc),
+            sockets.send(conn.sock, wire.encode_json({"ok": False, "error": str(exc),
                                                    "config": True}))
             return
         conn.registered = True
-        wire.send(conn.sock, wire.encode_json({"ok": True, "blocks": region.num_blocks}),
+        sockets.send(conn.sock, wire.encode_json({"ok": True, "blocks": region.num_blocks}),
                   [region.fd])
 
     def _matches(self, conn: Connection, body: memoryview, is_put: bool) -> bytes:

@@ -23,12 +23,9 @@ page (True: the client copies that page).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import json
-import os
-import socket
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,7 +42,6 @@ MAX_QUERIES = 4096  # matches in one request
 MAX_TOKENS = 1 << 26  # tokens of one query
 MAX_NAMESPACE = 64  # strings in one namespace
 MAX_IDS = 1 << 20  # task ids in one request
-_BUFFER = 1 << 16  # a client's receive buffer: a batch's answers fit
 
 JSON, PING, PUT, GET, END, OK, ANSWERS = range(7)
 HEAD = struct.Struct("<II")  # a frame's: length (op + body), op
@@ -308,99 +304,3 @@ def decode_end(body: memoryview) -> tuple[list[int], list[int]]:
         raise WireError("an end's length does not match its counts")
     ids = np.frombuffer(body, dtype=np.int64, offset=_END_HEAD.size).tolist()
     return ids[:done], ids[done:]
-
-
-# ---- sockets ----------------------------------------------------------------------------
-
-
-def send(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
-    if fds:
-        sent = socket.send_fds(sock, [data], list(fds))
-        if sent < len(data):
-            sock.sendall(data[sent:])
-    else:
-        sock.sendall(data)
-
-
-class Channel:
-    """The client's end: one request, then its reply, read into one buffer kept for the
-    connection (one ``recv_into`` for a reply that fits)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buffer = bytearray(_BUFFER)
-
-    def call(self, request: bytes) -> tuple[int, memoryview]:
-        """Send ``request``; its reply's (op, body). The body views this channel's buffer:
-        valid until the next call. PeerGone when the connection closes or breaks,
-        WireError for a reply out of bounds."""
-        if len(self._buffer) > _BUFFER:  # the last reply was a large one: not kept
-            self._buffer = bytearray(_BUFFER)
-        try:
-            self.sock.sendall(request)
-            view = memoryview(self._buffer)
-            have = self.sock.recv_into(view)
-            while 0 < have < 8:
-                have += self.sock.recv_into(view[have:])
-            if have == 0:
-                raise PeerGone("the peer closed the connection")
-            length, op = HEAD.unpack_from(view, 0)
-            check_length(length)
-            end = 4 + length
-            if end > len(self._buffer):  # a large reply: a buffer that holds it
-                self._buffer = bytearray(end)
-                self._buffer[:have] = view[:have]
-                view = memoryview(self._buffer)
-            while have < end:
-                n = self.sock.recv_into(view[have:end])
-                if n == 0:
-                    raise PeerGone("the peer closed the connection")
-                have += n
-        except (ConnectionError, OSError) as exc:
-            raise PeerGone(f"the connection broke: {exc}") from exc
-        if have != end:
-            raise WireError(f"{have - end} bytes after a reply")
-        return op, view[8:end]
-
-
-def recv_json(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """One JSON message from a blocking socket that carries nothing after it, with the
-    descriptors that came with it (the answer to ``hello``). PeerGone when the connection
-    closes or breaks, WireError for a frame out of bounds or malformed."""
-    fds: list[int] = []
-    data = bytearray()
-    try:
-        while len(data) < 8 or len(data) < 4 + HEAD.unpack_from(data, 0)[0]:
-            if len(data) >= 8:
-                check_length(HEAD.unpack_from(data, 0)[0])
-            chunk, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, MAX_FDS)
-            fds += got
-            if not chunk:
-                raise PeerGone("the peer closed the connection")
-            data += chunk
-        length, op = HEAD.unpack_from(data, 0)
-        check_length(length)
-        if op != JSON or len(data) != 4 + length:
-            raise WireError(f"expected one JSON reply, got op {op}")
-        return decode_json(memoryview(data)[8:]), fds
-    except BaseException as exc:
-        for fd in fds:
-            close_quietly(fd)
-        if isinstance(exc, OSError):
-            raise PeerGone(f"the connection broke: {exc}") from exc
-        raise
-
-
-def close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-def kernel_timeouts(sock: socket.socket, *, send_s: float = 0.0, recv_s: float = 0.0) -> None:
-    """Bound a blocking socket's sends and receives in the kernel (SO_SNDTIMEO,
-    SO_RCVTIMEO; 0: unbounded): an expired one raises BlockingIOError. Python's own
-    ``settimeout`` polls before every call instead, which costs a system call a message."""
-    for option, seconds in ((socket.SO_SNDTIMEO, send_s), (socket.SO_RCVTIMEO, recv_s)):
-        whole = int(seconds)
-        sock.setsockopt(socket.SOL_SOCKET, option,
-                        struct.pack("ll", whole, int((seconds - whole) * 1e6)))
