@@ -8,7 +8,8 @@ per run and layer) and scattered (one copy per page and layer). Which wait in th
 
 - ``test_an_offload_copies_what_the_caller_wrote_on_a_side_stream_before_it``: the
   caller writes its pages (and, with ids on the device, its page ids) on a side stream
-  behind a long busy kernel and launches at once. Wait A (every copy stream waits for
+  behind a long busy kernel and launches at once (also right behind another offload,
+  whose bytes on the copy engines make the ids come by a kernel). Wait A (every copy stream waits for
   the ready events): without it the copies read the old bytes. Wait B (the page ids
   read on the host only after their device-to-host copy, which follows the ready events):
   without it the ids read are the unwritten ones (out of range: the task ends INVALID).
@@ -97,11 +98,18 @@ def targets(first: int, placement: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("ids_on", ["cuda", "cpu"])
+@pytest.mark.parametrize("ids_on", ["cuda", "cpu", "cuda-behind-an-offload"])
 def test_an_offload_copies_what_the_caller_wrote_on_a_side_stream_before_it(
     rig: tuple[aiokv.LocalStore, list[torch.Tensor]], ids_on: str, placement: str
 ) -> None:
     store, caches = rig
+    before = store.store_stats()["d2h_copies"]
+    fetches = 0 if ids_on == "cpu" else 1
+    if ids_on == "cuda-behind-an-offload":
+        # Another offload's bytes on the copy engines: the ids come by a kernel then.
+        ids_on, fetches = "cuda", 2
+        task, _ = store.put_match(TOKENS, ["in flight"])
+        store.launch([task], [targets(2 * TASK_PAGES, placement).cuda()], [None])
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     # Ids out of range until the side stream writes them (after the busy kernel).
     ids = torch.full((TASK_PAGES,), 10**6, dtype=torch.int64, device=ids_on)
@@ -117,12 +125,11 @@ def test_an_offload_copies_what_the_caller_wrote_on_a_side_stream_before_it(
             cache[:TASK_PAGES].fill_(float(layer + 1))
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(side)
-    before = store.store_stats()["d2h_copies"]
     task, _ = store.put_match(TOKENS, ["new"])
     store.launch([task], [ids], [ready])  # at once: the side stream is still busy
     result = finish(store, task)
     assert result.status is TaskStatus.SUCCESS, result.error
-    assert store.store_stats()["d2h_copies"] - before == (1 if ids_on == "cuda" else 0)
+    assert store.store_stats()["d2h_copies"] - before == fetches
     back = targets(TASK_PAGES, placement)
     assert finish(store, load(store, "new", back)).status is TaskStatus.SUCCESS
     for layer, cache in enumerate(caches):

@@ -2,12 +2,14 @@
 
 On a GPU, the copy thread (``aiokv-copy-*``) runs each job as:
 
-1. a small stream of its own (the ids stream) waits for the job's ready events (the
-   callers' page ids and KV are written after them); the copy streams wait for an event
-   recorded there (wait A: nothing is read before the caller's writes);
-2. where page ids are on the device, the job's ids come into one pinned buffer in ONE
-   batch call of copy-engine copies (``d2h_copies``; no kernel), and the thread waits for
-   it (wait B: the ids are read on the host only once copied; the wait releases the GIL);
+1. a high-priority stream of its own (the ids stream) waits for the job's ready events
+   (the callers' page ids and KV are written after them); the copy streams wait for an
+   event recorded there (wait A: nothing is read before the caller's writes);
+2. where page ids are on the device, the job's ids come into one pinned buffer
+   (:class:`~.ids.PageIds`, ``d2h_copies``): by the copy engines, or by a small kernel
+   while offloads are in flight, whose bytes those engines would copy first; the thread
+   waits for them (wait B: the ids are read on the host only once there; the wait
+   releases the GIL);
 3. each task's ids are checked (:func:`~.plan.check_pages`): a bad one fails only its
    own task, which the job reports as invalid and copies nothing of;
 4. the rest is planned (:func:`~.plan.plan`) and queued on ``STREAMS`` streams by
@@ -20,7 +22,8 @@ On a GPU, the copy thread (``aiokv-copy-*``) runs each job as:
 A second thread (``...-done``) waits for each job's end events, on every stream (wait D:
 an offload's bytes are on the host, a load's in the caller's pages, before the job is
 reported), in the order the jobs were queued, so the copy thread queues the next job
-meanwhile and the copy engines run jobs back to back. No staging buffer, no kernel.
+meanwhile and the copy engines run jobs back to back. No staging buffer; no kernel but
+the ids' small one.
 Where the driver lacks the batch call, each (page, layer) is one torch copy instead
 (slower, the same bytes), said once in the log.
 
@@ -48,6 +51,7 @@ from .driver import (
     DriverEvent,
     EventPool,
 )
+from .ids import OffloadsInFlight, PageIds, as_numpy, concat
 from .marks import LayerMarks
 from .plan import Geometry, Int64Array, check_pages, plan
 from .queueing import Entries, Queuer, torch_copies
@@ -63,12 +67,6 @@ STREAMS = 4
 MAX_JOBS_IN_FLIGHT = 8
 
 _fallback_warned = False
-
-
-def _as_numpy(pages: torch.Tensor | Int64Array) -> Int64Array:
-    if isinstance(pages, torch.Tensor):
-        return pages.numpy().astype(np.int64, copy=False)
-    return np.asarray(pages, dtype=np.int64)
 
 
 @dataclass(slots=True, eq=False)
@@ -110,7 +108,8 @@ class Copier:
     """Moves jobs between ``caches`` and the host pool ``pool`` (``[block, layer, ...]``),
     in submission order; ``on_done(job)`` from its threads once a job ended.
     ``chunk_starts``: the blocks where the pool's separately pinned chunks start, where
-    it was registered with CUDA in parts (no copy may span two)."""
+    it was registered with CUDA in parts (no copy may span two). ``offloads``: shared by
+    a store's copiers (one per direction), so that each knows of the other's offloads."""
 
     def __init__(
         self,
@@ -120,6 +119,7 @@ class Copier:
         name: str = "aiokv-copy",
         streams: int | None = None,
         chunk_starts: Sequence[int] = (0,),
+        offloads: OffloadsInFlight | None = None,
     ) -> None:
         self._caches = list(caches)
         self._pool = pool
@@ -130,7 +130,9 @@ class Copier:
         # Read here, not bound at import: a benchmark may set STREAMS before register.
         self._num_streams = streams or STREAMS
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
-        self.d2h_copies = 0  # device-to-host copies of page ids (one per job at most)
+        self._page_ids: PageIds | None = None  # the copy thread's (CUDA)
+        # Shared with the store's other copier: which way a job's ids come (:mod:`.ids`).
+        self._offloads = offloads if offloads is not None else OffloadsInFlight()
         self._pools: list[EventPool] = []  # destroyed by the done thread at its end
         self._cuda = self._device.type == "cuda"
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
@@ -143,6 +145,11 @@ class Copier:
             )
         for thread in self._threads:
             thread.start()
+
+    @property
+    def d2h_copies(self) -> int:
+        """Jobs whose page ids came from the device (one fetch per job at most)."""
+        return self._page_ids.fetches if self._page_ids is not None else 0
 
     def submit(self, job: CopyJob) -> None:
         self._jobs.put(job)
@@ -173,8 +180,7 @@ class Copier:
     def _run_cuda(self) -> None:
         torch.cuda.set_device(self._device)
         streams = [torch.cuda.Stream(self._device) for _ in range(self._num_streams)]  # type: ignore[no-untyped-call]
-        ids_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
-        ids_stream.synchronize()  # a runtime call: the context is current for the driver's
+        streams[0].synchronize()  # a runtime call: the context is current for the driver's
         batch: BatchCopy | None = None
         queuer: Queuer | None = None
         try:
@@ -188,12 +194,13 @@ class Copier:
             if not _fallback_warned:
                 _fallback_warned = True
                 log.warning("aiokv: copying page by page with torch copies, slower: %s", exc)
-        ids_buffer = torch.empty(0, dtype=torch.uint8)
+        self._page_ids = page_ids = PageIds(self._device, batch)
+        ids_stream = page_ids.stream
         while (job := self._jobs.get()) is not None:
             self._slots.acquire()  # released by the done thread
             taken: list[tuple[EventPool, list[DriverEvent]]] = []  # the job's events
             try:
-                ids, ids_buffer = self._host_ids(job, ids_stream, ids_buffer, batch)
+                ids = self._host_ids(job, page_ids)
                 if queuer is not None:
                     queued = self._queue_driver(job, ids, ids_stream, streams, queuer, taken)
                 else:
@@ -210,56 +217,13 @@ class Copier:
                     except Exception:
                         log.exception("aiokv: synchronizing a copy stream failed")
                 queued = _Queued(job, [], None, taken)
+            if job.to_host:
+                self._offloads.add(1)  # taken off by the done thread once it ended
             self._queued.put(queued)
 
-    def _host_ids(
-        self, job: CopyJob, ids_stream: Any, buffer: torch.Tensor, batch: BatchCopy | None
-    ) -> tuple[Int64Array, torch.Tensor]:
-        """The job's page ids on the host, after its ready events (waits A and B), and
-        the pinned buffer (grown where needed). Device ids come over in one batch call
-        of copy-engine copies, one per task, as the caller's dtype: no kernel (a cat or a
-        cast would wait for SMs behind a running model's kernels)."""
-        for event in job.ready:
-            if event is not None:
-                ids_stream.wait_event(event)
-        on_device = [p for p in job.pages if isinstance(p, torch.Tensor) and p.is_cuda]
-        if not on_device:
-            return self._concat([_as_numpy(p) for p in job.pages]), buffer
-        sizes = np.array([p.numel() * p.element_size() for p in on_device], dtype=np.uint64)
-        # uint64 throughout (addresses); each task's ids 8-byte aligned in the buffer.
-        offsets = np.zeros(len(sizes), dtype=np.uint64)
-        offsets[1:] = np.cumsum((sizes[:-1] + np.uint64(7)) // np.uint64(8) * np.uint64(8))
-        total = int(offsets[-1] + sizes[-1])
-        if len(buffer) < total:
-            buffer = torch.empty(max(total, 2 * len(buffer)), dtype=torch.uint8, pin_memory=True)
-        if batch is not None and all(p.is_contiguous() for p in on_device):
-            srcs = np.array([p.data_ptr() for p in on_device], dtype=np.uint64)
-            some = sizes > 0  # a copy of 0 bytes is not one the driver takes
-            dsts = offsets[some] + np.uint64(buffer.data_ptr())
-            batch(dsts, srcs[some], sizes[some], ids_stream.cuda_stream)
-        else:  # an old driver, or strided ids: a torch copy each (the same engines)
-            with torch.cuda.stream(ids_stream):
-                for p, at, size in zip(on_device, offsets.tolist(), sizes.tolist(), strict=True):
-                    buffer[at : at + size].view(p.dtype).copy_(p, non_blocking=True)
-        self.d2h_copies += 1
-        ids_stream.synchronize()  # releases the GIL while it waits
-        raw = buffer.numpy()
-        parts: list[Int64Array] = []
-        device_ids = iter(zip(on_device, offsets.tolist(), strict=True))
-        for pages in job.pages:
-            if isinstance(pages, torch.Tensor) and pages.is_cuda:
-                p, at = next(device_ids)
-                dtype = np.int32 if p.dtype is torch.int32 else np.int64
-                parts.append(np.frombuffer(raw, dtype=dtype, count=p.numel(), offset=at))
-            else:
-                parts.append(_as_numpy(pages))
-        return self._concat(parts), buffer  # a copy: the buffer is the next job's
-
-    @staticmethod
-    def _concat(parts: list[Int64Array]) -> Int64Array:
-        if not parts:
-            return np.empty(0, dtype=np.int64)
-        return np.concatenate(parts).astype(np.int64, copy=False)
+    def _host_ids(self, job: CopyJob, page_ids: PageIds) -> Int64Array:
+        """The job's page ids on the host, after its ready events (waits A and B)."""
+        return page_ids.fetch(job.pages, job.ready, engines_busy=bool(self._offloads))
 
     def _checked(self, job: CopyJob, ids: Int64Array) -> tuple[Int64Array, Int64Array]:
         """The job's (pages, blocks) less the segments whose ids are refused (job.invalid,
@@ -351,6 +315,8 @@ class Copier:
                 log.exception("aiokv copy job failed on the GPU")
                 item.job.error = repr(exc)
             del item.keep
+            if item.job.to_host:
+                self._offloads.add(-1)
             if item.job.error is None or not item.ends:
                 # Ended (or the streams were synchronized): every record of them ran.
                 for pool, events in item.taken:
@@ -375,7 +341,7 @@ class Copier:
     # ---- the CPU path --------------------------------------------------------------
 
     def _move_cpu(self, job: CopyJob) -> None:
-        pages, blocks = self._checked(job, self._concat([_as_numpy(p) for p in job.pages]))
+        pages, blocks = self._checked(job, concat([as_numpy(p) for p in job.pages]))
         marks = self._live_marks(job)
         # Writable copies where needed: the store's block arrays may be read-only.
         page_index = torch.from_numpy(np.require(pages, requirements="W"))

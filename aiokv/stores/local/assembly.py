@@ -14,6 +14,7 @@ import torch
 
 from ...config import StoreConfig
 from ...copy.copier import Copier
+from ...copy.ids import OffloadsInFlight
 from ...remote.config import RemoteConfig
 from ...remote.link import RemoteLink
 from .blocks import Tier
@@ -49,10 +50,12 @@ def build(
         if first.device.type == "cuda":
             # A copier per direction: a GPU copies both ways at once (a copy engine
             # each), so offloads and loads in flight together do not queue behind
-            # each other.
+            # each other; each knows of the other's offloads (how its ids come over).
+            offloads = OffloadsInFlight()
             for name in ("aiokv-copy-out", "aiokv-copy-in"):
                 copiers.append(Copier(kv_caches, pool.data, ends.job_done, name,
-                                      chunk_starts=pool.memory.chunk_starts))
+                                      chunk_starts=pool.memory.chunk_starts,
+                                      offloads=offloads))
         else:
             copiers.append(Copier(kv_caches, pool.data, ends.job_done))
         jobs = CopyJobs(copiers, ends)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ...copy.copier import Copier, CopyJob
+from ...copy.ids import OffloadsInFlight
 from ...copy.marks import LayerMarks
 from ..base import Int64Array
 from .region import Pinning, Region
@@ -35,8 +36,9 @@ class RegionPlane:
             region.populate()
         names = ("aiokv-shared-out", "aiokv-shared-in") if gpu else ("aiokv-shared-copy",)
         starts = self.pinning.chunk_starts.tolist() if self.pinning is not None else [0]
-        self._copiers = [Copier(caches, region.data, done, name=n, chunk_starts=starts)
-                         for n in names]
+        offloads = OffloadsInFlight()  # each copier knows of the other's (copy.ids)
+        self._copiers = [Copier(caches, region.data, done, name=n, chunk_starts=starts,
+                                offloads=offloads) for n in names]
         self._closed = False
 
     def unpinned(self, blocks: Int64Array) -> str | None:
