@@ -466,3 +466,34 @@ def test_a_load_from_ssd_checks_its_whole_page_list_and_fails_alone(tmp_path: Pa
             assert torch.equal(cache[24:28], cache[0:4])
     finally:
         store.close()
+
+
+class _StartsAsIfOnAGpu(Copier):
+    """A copier that takes its CPU caches for a GPU's: its copy thread's start-up fails
+    (``torch.cuda.set_device`` of a CPU device), as it would without a usable device."""
+
+    @property  # type: ignore[override]
+    def _cuda(self) -> bool:
+        return True
+
+    @_cuda.setter
+    def _cuda(self, value: bool) -> None:
+        pass
+
+
+def test_jobs_fail_at_once_naming_why_when_the_copy_thread_cannot_start() -> None:
+    caches = make_caches(pages=8, layers=LAYERS, seed=5)
+    done = Done()
+    copier = _StartsAsIfOnAGpu(caches, pool_for(caches, 4), done)
+    try:
+        marks = LayerMarks(LAYERS)
+        copier.submit(CopyJob(True, [torch.tensor([1, 2])], np.array([0, 1]), names=[1]))
+        copier.submit(CopyJob(False, [torch.tensor([3])], np.array([2]), names=[2],
+                              marks=[marks]))
+        done.wait(2)  # within Done's 10 s, not a caller's timeout
+        for job in done.jobs:
+            assert job.error is not None and "the copy thread stopped" in job.error
+        with pytest.raises(LayerFailed, match="the copy thread stopped"):
+            marks.synchronize(0)
+    finally:
+        copier.close()

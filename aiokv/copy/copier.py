@@ -172,10 +172,20 @@ class Copier:
                     job.error = repr(exc)
                 self._end(job)
             return
+        stopped: Exception | None = None
         try:
             self._run_cuda()
+        except Exception as exc:  # its start-up failed (no device, a broken context)
+            log.exception("aiokv: the copy thread stopped")
+            stopped = exc
         finally:
             self._queued.put(None)  # whatever happened, the done thread ends
+        if stopped is not None:
+            # Every job from now on fails at once, naming why, rather than waiting out
+            # its callers' timeouts.
+            while (job := self._jobs.get()) is not None:
+                job.error = f"the copy thread stopped: {stopped!r}"
+                self._end(job)
 
     def _run_cuda(self) -> None:
         torch.cuda.set_device(self._device)
