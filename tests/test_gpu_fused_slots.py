@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv.stores import pinned
+from aiokv.copy import pinned
 from aiokv.stores.fused import fuse_page_ids, warm_up
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

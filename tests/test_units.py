@@ -695,7 +695,7 @@ def test_local_store_ends_a_task_with_a_bad_page_id_invalid_and_gives_its_blocks
 
 
 def test_pinned_buffers_written_by_kernels_are_held_until_their_event_fired() -> None:
-    from aiokv.stores.pinned import _HeldUntilDone
+    from aiokv.copy.pinned import _HeldUntilDone
 
     class FakeEvent:
         def __init__(self) -> None:

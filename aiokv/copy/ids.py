@@ -18,8 +18,8 @@ after the callers' ready events. Two ways:
   stream the kernel, a thread block or two per task, waits only for thread blocks to end.
 
 The thread then waits for the ids stream (wait B; the wait releases the GIL) and reads
-them. Where the kernel's view of the buffer cannot be made (a device without unified
-addressing) or a job's ids are not all device tensors, the copy engines bring them.
+them. Where kernels cannot write pinned memory (:func:`~.pinned.writes_host`) or a job's
+ids are not all device tensors, the copy engines bring them.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .driver import BatchCopy
+from .pinned import as_device_tensor, writes_host
 from .plan import Int64Array
 
 log = logging.getLogger("aiokv")
@@ -72,18 +73,6 @@ class OffloadsInFlight:
         return self._count > 0
 
 
-class _DeviceView:
-    """What ``torch.as_tensor`` reads to see pinned host memory as a CUDA tensor: the same
-    address under unified addressing. Keeps the pinned tensor alive as long as the view."""
-
-    def __init__(self, pinned: torch.Tensor) -> None:
-        self.pinned = pinned
-        self.__cuda_array_interface__ = {
-            "data": (pinned.data_ptr(), False), "shape": (pinned.numel() // 8,),
-            "typestr": "<i8", "version": 2,
-        }
-
-
 class PageIds:
     """The copy thread's way to the host for page ids (made and used on that thread,
     with the device's context current)."""
@@ -94,7 +83,9 @@ class PageIds:
         self._batch = batch  # None: the driver lacks the batch call, torch copies instead
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._view: torch.Tensor | None = None  # the buffer as the GPU's int64 tensor
-        self._kernel_ok = True  # False once a view could not be made: said once
+        # Where kernels cannot write pinned memory (writes_host says so, once), or a view
+        # of it could not be made (then said once), the copy engines always.
+        self._kernel_ok = writes_host(device)
         self.fetches = 0  # jobs whose ids came from the device
         self.by_kernel = 0  # of them, by the kernel
 
@@ -128,8 +119,9 @@ class PageIds:
         self._grow(8 * count)
         if self._view is None:
             try:
-                with torch.cuda.device(self._device):
-                    self._view = torch.as_tensor(_DeviceView(self._buffer), device=self._device)
+                whole = len(self._buffer) // 8 * 8
+                self._view = as_device_tensor(self._buffer[:whole].view(torch.int64),
+                                              self._device)
             except (RuntimeError, TypeError, ValueError) as exc:
                 self._kernel_ok = False
                 log.warning("aiokv: page ids by the copy engines only (no device view of "

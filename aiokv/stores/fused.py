@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..copy.pinned import HOST_WRITES, as_device_tensor, writes_host
 from .base import Int64Array
-from .pinned import HOST_WRITES, as_device_tensor, writes_host
 
 
 class PageCopier:
