@@ -64,6 +64,17 @@ def test_ids_written_on_a_side_stream_come_back_as_written(engines_busy: bool) -
     assert page_ids.by_kernel == (2 if engines_busy else 0)
 
 
+def test_a_first_job_of_no_ids_leaves_the_kernel_way_working() -> None:
+    device = torch.device("cuda")
+    page_ids = PageIds(device, batch_or_none())
+    empty = page_ids.fetch([torch.empty(0, dtype=torch.int64, device=device)], [None],
+                           engines_busy=True)
+    assert len(empty) == 0
+    ids = page_ids.fetch([torch.tensor([3, 1], device=device)], [None], engines_busy=True)
+    np.testing.assert_array_equal(ids, [3, 1])
+    assert page_ids.by_kernel == 2
+
+
 def test_ids_partly_on_the_host_come_back_in_task_order() -> None:
     device = torch.device("cuda")
     page_ids = PageIds(device, batch_or_none())

@@ -116,7 +116,7 @@ class PageIds:
 
     def _by_kernel(self, pages: list[torch.Tensor]) -> Int64Array | None:
         count = sum(p.numel() for p in pages)
-        self._grow(8 * count)
+        self._grow(max(8 * count, 1))  # pinned even for a job of no ids (its first)
         if self._view is None:
             try:
                 whole = len(self._buffer) // 8 * 8
