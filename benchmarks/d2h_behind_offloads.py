@@ -1,9 +1,10 @@
 """How long a model's own small device-to-host copy takes while aiokv offloads stream out:
 a decode step's sampled tokens (or logits) brought to the host, behind the offloads'
-bytes on the same copy engines.
+bytes on the same copy engines. ``--loads``: the other direction, a model's small
+host-to-device copy (its next inputs) while aiokv loads stream in.
 
     python benchmarks/d2h_behind_offloads.py [--device cuda] [--users 32] [--tokens 2048]
-        [--offloads 6] [--bytes 4096] [--samples 50]
+        [--offloads 6] [--bytes 4096] [--samples 50] [--loads]
 
 The copy engines run the device-to-host copies they were given in order, across streams
 (``benchmarks/ids_wait.py`` saw a copy job's page ids wait for the whole job queued before
@@ -24,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,6 +61,8 @@ def main() -> None:
     parser.add_argument("--bytes", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--loads", action="store_true",
+                        help="time host-to-device copies behind a stream of loads instead")
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -79,6 +83,12 @@ def main() -> None:
            for u in range(args.users)]
     source = torch.randint(0, 255, (args.bytes,), dtype=torch.uint8, device=device)
     target = torch.empty(args.bytes, dtype=torch.uint8, pin_memory=cuda)
+    if args.loads:  # the model's copy goes the other way
+        source, target = target.random_(0, 255), source
+        for future in [kv.submit_offload(f"l{u}", ids[u], args.tokens)
+                       for u in range(args.users)]:
+            future.result()  # what the loads bring back
+    held: list[Any] = []  # the loads' lookups, released at the end
     stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
     alone: list[float] = []
     behind: list[float] = []
@@ -88,10 +98,15 @@ def main() -> None:
         for _ in range(args.repeats):
             alone += small_copies(source, target, stream, args.samples)
             start = time.perf_counter()
-            futures = []
+            futures: list[Any] = []
             for _ in range(args.offloads):
-                futures += [kv.submit_offload(f"u{key + u}", ids[u], args.tokens)
-                            for u in range(args.users)]
+                if args.loads:  # a Lookup loads once: fresh ones per batch
+                    hits = [kv.lookup(f"l{u}", args.tokens) for u in range(args.users)]
+                    held += hits
+                    futures += [kv.submit_load(hits[u], ids[u]) for u in range(args.users)]
+                else:
+                    futures += [kv.submit_offload(f"u{key + u}", ids[u], args.tokens)
+                                for u in range(args.users)]
                 key += args.users
             futures[0].result()
             behind += small_copies(source, target, stream, args.samples)
@@ -99,18 +114,21 @@ def main() -> None:
                 future.result()
             streams.append(time.perf_counter() - start)
     finally:
+        for hit in held:
+            hit.release()
         kv.close()
-    if not torch.equal(target, source.cpu()):
+    if not torch.equal(target.cpu(), source.cpu()):
         raise RuntimeError("d2h_behind_offloads: the small copy's bytes differ")
     ms = 1e3
-    print(f"{args.bytes}-byte device-to-host copies on {device.type}, alone and behind "
-          f"{args.offloads} batches of {args.users} x {args.tokens} offloads ({LAYERS} layers "
+    way, what = ("host-to-device", "loads") if args.loads else ("device-to-host", "offloads")
+    print(f"{args.bytes}-byte {way} copies on {device.type}, alone and behind "
+          f"{args.offloads} batches of {args.users} x {args.tokens} {what} ({LAYERS} layers "
           f"of {HEADS} x {HEAD_DIM}, bf16, page {PAGE}), {args.repeats} x {args.samples}:")
     print(f"  alone            median {statistics.median(alone) * ms:8.3f} ms, "
           f"max {max(alone) * ms:8.3f}")
-    print(f"  behind offloads  median {statistics.median(behind) * ms:8.3f} ms, "
+    print(f"  behind {what:8} median {statistics.median(behind) * ms:8.3f} ms, "
           f"max {max(behind) * ms:8.3f}")
-    print(f"  the offload stream {statistics.median(streams) * ms:8.2f} ms")
+    print(f"  the {what} stream {statistics.median(streams) * ms:8.2f} ms")
 
 
 if __name__ == "__main__":
