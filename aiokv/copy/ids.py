@@ -6,16 +6,16 @@ after the callers' ready events. Two ways:
 
 - **the copy engines** (``cuMemcpyBatchAsync``, one copy per task, no kernel) while no
   offload is in flight: the quickest way then, and it takes no SM from the model (a
-  kernel beside a model that queued all its work waits for its thread blocks to end:
-  ``aiokv bench model`` fell from 75% to 62% of the reference with ids always by kernel);
+  kernel waits for the thread blocks of a model that queued all its work, which costs the
+  copies beside that model: ``aiokv bench model``);
 - **a small kernel** that writes every id, as int64, straight into pinned host memory
   (the GPU sees the pinned buffer through unified addressing) while offloads are in
   flight (:class:`OffloadsInFlight`, shared by a store's copiers): the copy engines run
   the device-to-host copies they were given in order, so ids copied by them would wait
-  for every offload byte queued before them (``benchmarks/ids_wait.py``: an offload's ids
-  waited one whole job, 5 ms at 8 x 1024; ``benchmarks/load_behind_offloads.py``: a new
-  user's load took 3x its time alone, behind a stream of offloads). On a high-priority
-  stream the kernel, a thread block or two per task, waits only for thread blocks to end.
+  for every offload byte queued before them, a whole job or more, and so would the job,
+  a load's too (``benchmarks/ids_wait.py``, ``benchmarks/load_behind_offloads.py``). On
+  a high-priority stream the kernel, a thread block or two per task, waits only for
+  running thread blocks to end.
 
 The thread then waits for the ids stream (wait B; the wait releases the GIL) and reads
 them. Where kernels cannot write pinned memory (:func:`~.pinned.writes_host`) or a job's
