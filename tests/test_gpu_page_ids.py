@@ -46,13 +46,17 @@ def test_ids_written_on_a_side_stream_come_back_as_written(engines_busy: bool) -
     # A strided view as well: every other id of a longer tensor.
     strided_source = torch.full((2 * 50,), 10**6, dtype=torch.int64, device=device)
     strided_wanted = torch.arange(50, dtype=torch.int64) * 7
+    # On the device beforehand: a copy from pageable host memory could wait for the side
+    # stream on the host, and the ids would be written before the fetch began.
+    on_device = [w.to(device) for w in wanted]
+    strided_on_device = strided_wanted.to(device)
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         torch.cuda._sleep(BUSY_CYCLES)
-        for task, want in zip(tasks, wanted, strict=True):
-            task.copy_(want.to(device))
-        strided_source[::2].copy_(strided_wanted.to(device))
+        for task, want in zip(tasks, on_device, strict=True):
+            task.copy_(want)
+        strided_source[::2].copy_(strided_on_device)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(side)
     pages = [*tasks, strided_source[::2]]
