@@ -13,7 +13,7 @@ after the callers' ready events. Two ways:
   flight (:class:`OffloadsInFlight`, shared by a store's copiers): the copy engines run
   the device-to-host copies they were given in order, so ids copied by them would wait
   for every offload byte queued before them, a whole job or more, and so would the job,
-  a load's too (``benchmarks/ids_wait.py``, ``benchmarks/load_behind_offloads.py``). On
+  a load's too (``benchmarks/ids_wait.py``, ``benchmarks/behind_a_stream.py``). On
   a high-priority stream the kernel, a thread block or two per task, waits only for
   running thread blocks to end.
 
