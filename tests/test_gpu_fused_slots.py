@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aiokv.copy import pinned
-from aiokv.stores.fused import fuse_page_ids, warm_up
+from aiokv.copy.fused import fuse_page_ids, warm_up
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

@@ -14,7 +14,6 @@ import torch
 
 from aiokv.copy.driver import BatchCopy, DriverError
 from aiokv.copy.ids import PageIds
-from aiokv.copy.pinned import writes_host
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,8 +65,7 @@ def test_ids_written_on_a_side_stream_come_back_as_written(engines_busy: bool) -
                                   + [strided_wanted.numpy()])
         np.testing.assert_array_equal(ids, expected)
     assert page_ids.fetches == 2
-    # Where kernels cannot write pinned memory the copy engines bring them every time.
-    assert page_ids.by_kernel == (2 if engines_busy and writes_host(device) else 0)
+    assert page_ids.by_kernel == (2 if engines_busy else 0)
 
 
 def test_a_first_job_of_no_ids_leaves_the_kernel_way_working() -> None:
@@ -78,7 +76,7 @@ def test_a_first_job_of_no_ids_leaves_the_kernel_way_working() -> None:
     assert len(empty) == 0
     ids = page_ids.fetch([torch.tensor([3, 1], device=device)], [None], engines_busy=True)
     np.testing.assert_array_equal(ids, [3, 1])
-    assert page_ids.by_kernel == (2 if writes_host(device) else 0)
+    assert page_ids.by_kernel == 2
 
 
 def test_ids_partly_on_the_host_come_back_in_task_order() -> None:

@@ -117,7 +117,7 @@ def test_a_failed_record_synchronizes_the_device_instead() -> None:
 
 
 def test_a_launch_waits_for_each_distinct_event_once_and_none_without_a_gpu() -> None:
-    from aiokv.stores.fused import wait_ready
+    from aiokv.copy.fused import wait_ready
 
     rig = Rig()
     on_one, on_two, again, plain = rig.submit(1), rig.submit(2), rig.submit(1), request()

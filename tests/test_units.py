@@ -14,9 +14,9 @@ from conftest import PAGE_SIZE, launch_slots, make_caches
 import aiokv
 from aiokv.config import parse_config
 from aiokv.copy.copier import Copier
+from aiokv.copy.fused import FusedPages, fuse_page_ids
 from aiokv.loop.batcher import plan_batches
 from aiokv.requests import Kind, Request
-from aiokv.stores.fused import FusedPages, fuse_page_ids
 from aiokv.stores.local.digests import chain_digests
 
 ROOT = Path(__file__).resolve().parents[1]

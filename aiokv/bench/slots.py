@@ -5,7 +5,7 @@ Each user holds 1024-4096 tokens (random) in random pages of ``page_size``. A ba
 end as host int64 slots (``page * page_size + offset``) of every used page of every
 user, one array (a view is fine) per user.
 
-  fused     FlexKV's launch path: aiokv.stores.fused.fuse_page_ids (one concat and
+  fused     FlexKV's launch path: aiokv.copy.fused.fuse_page_ids (one concat and
             one expansion on the device, one write into pinned memory), the wait for
             it (FusedPages.wait_slots), the check of every page id (bad_requests), then
             the per-user views (FusedPages.split). On the current stream; the store
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..copy.fused import FusedPages, fuse_page_ids
 from ..stores.base import BoolArray, Int64Array
-from ..stores.fused import FusedPages, fuse_page_ids
 from . import common
 
 NAME = "slots"

@@ -8,23 +8,22 @@ after the callers' ready events. Two ways:
   offload is in flight: the quickest way then, and it takes no SM from the model (a
   kernel waits for the thread blocks of a model that queued all its work, which costs the
   copies beside that model: ``aiokv bench model``);
-- **a small kernel** that writes every id, as int64, straight into pinned host memory
-  (the GPU sees the pinned buffer through unified addressing) while offloads are in
-  flight (:class:`OffloadsInFlight`, shared by a store's copiers): the copy engines run
-  the device-to-host copies they were given in order, so ids copied by them would wait
-  for every offload byte queued before them, a whole job or more, and so would the job,
-  a load's too (``benchmarks/ids_wait.py``, ``benchmarks/behind_a_stream.py``). On
-  a high-priority stream the kernel, a thread block or two per task, waits only for
-  running thread blocks to end.
+- **a kernel** (:func:`~.fused.fuse_page_ids`, the FlexKV launch's way: one concat and
+  one cast that writes straight into pinned host memory, which the GPU sees through
+  unified addressing) while offloads are in flight (:class:`OffloadsInFlight`, shared by
+  a store's copiers): the copy engines run the device-to-host copies they were given in
+  order, so ids copied by them would wait for every offload byte queued before them, a
+  whole job or more, and so would the job, a load's too (``benchmarks/ids_wait.py``,
+  ``benchmarks/behind_a_stream.py``). On a high-priority stream the kernels, a few thread
+  blocks, wait only for running thread blocks to end.
 
 The thread then waits for the ids stream (wait B; the wait releases the GIL) and reads
-them. Where kernels cannot write pinned memory (:func:`~.pinned.writes_host`) or a job's
-ids are not all device tensors, the copy engines bring them.
+them. Where a job's ids are not all device tensors, the copy engines bring them (and
+:mod:`.fused` copies too where kernels cannot write pinned memory).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -33,10 +32,8 @@ import numpy as np
 import torch
 
 from .driver import BatchCopy
-from .pinned import as_device_tensor, writes_host
+from .fused import fuse_page_ids, warm_up
 from .plan import Int64Array
-
-log = logging.getLogger("aiokv")
 
 # Highest priority torch gives a stream (lower is higher): the kernel's thread blocks go
 # before those of a model's queued kernels.
@@ -79,22 +76,20 @@ class PageIds:
 
     def __init__(self, device: torch.device, batch: BatchCopy | None) -> None:
         self.stream = torch.cuda.Stream(device, priority=_HIGH_PRIORITY)  # type: ignore[no-untyped-call]
-        self._device = device
         self._batch = batch  # None: the driver lacks the batch call, torch copies instead
-        self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._view: torch.Tensor | None = None  # the buffer as the GPU's int64 tensor
-        # Where kernels cannot write pinned memory (writes_host says so, once), or a view
-        # of it could not be made (then said once), the copy engines always.
-        self._kernel_ok = writes_host(device)
+        self._buffer = torch.empty(0, dtype=torch.uint8)  # the copy engines' (pinned)
+        # The kernels' modules loaded now: CUDA loads them lazily, at first use, which
+        # would be a job's, behind a stream of offloads.
+        warm_up(device, 0, self.stream)
         self.fetches = 0  # jobs whose ids came from the device
-        self.by_kernel = 0  # of them, by the kernel
+        self.by_kernel = 0  # of them, by fuse_page_ids (the kernel way)
 
     def fetch(
         self, pages: Sequence[torch.Tensor | Int64Array], ready: Sequence[Any],
         engines_busy: bool,
     ) -> Int64Array:
-        """Every task's ids, in order, as one new int64 array, once the ids stream waited
-        for ``ready``. ``engines_busy``: offloads are in flight."""
+        """Every task's ids, in order, as one int64 array of its own, once the ids stream
+        waited for ``ready``. ``engines_busy``: offloads are in flight."""
         for event in ready:
             if event is not None:
                 self.stream.wait_event(event)
@@ -102,41 +97,14 @@ class PageIds:
         if not on_device:
             return concat([as_numpy(p) for p in pages])
         self.fetches += 1
-        if engines_busy and len(on_device) == len(pages) and self._kernel_ok:
-            ids = self._by_kernel(on_device)
-            if ids is not None:
-                return ids
+        if engines_busy and len(on_device) == len(pages):
+            self.by_kernel += 1
+            # Fresh pinned memory each time (held until the kernel's event fired); the
+            # wait releases the GIL (wait B).
+            ids: Int64Array = fuse_page_ids([p.reshape(-1) for p in on_device],
+                                            self.stream).wait()
+            return ids
         return self._by_engines(pages, on_device)
-
-    def _grow(self, total: int) -> None:
-        if len(self._buffer) < total:
-            self._buffer = torch.empty(max(total, 2 * len(self._buffer), 4096),
-                                       dtype=torch.uint8, pin_memory=True)
-            self._view = None
-
-    def _by_kernel(self, pages: list[torch.Tensor]) -> Int64Array | None:
-        count = sum(p.numel() for p in pages)
-        self._grow(max(8 * count, 1))  # pinned even for a job of no ids (its first)
-        if self._view is None:
-            try:
-                whole = len(self._buffer) // 8 * 8
-                self._view = as_device_tensor(self._buffer[:whole].view(torch.int64),
-                                              self._device)
-            except (RuntimeError, TypeError, ValueError) as exc:
-                self._kernel_ok = False
-                log.warning("aiokv: page ids by the copy engines only (no device view of "
-                            "pinned memory: %s)", exc)
-                return None
-        at = 0
-        with torch.cuda.stream(self.stream):
-            for p in pages:
-                # An elementwise kernel (that casts as it goes), never a copy_: a same-dtype
-                # copy_ is a memcpy, which would go to the copy engines, behind the bytes.
-                torch.add(p.reshape(-1), 0, out=self._view[at : at + p.numel()])
-                at += p.numel()
-        self.stream.synchronize()  # wait B; releases the GIL while it waits
-        self.by_kernel += 1
-        return self._buffer[: 8 * count].numpy().view(np.int64).copy()  # the buffer is reused
 
     def _by_engines(
         self, pages: Sequence[torch.Tensor | Int64Array], on_device: list[torch.Tensor]
@@ -145,7 +113,10 @@ class PageIds:
         sizes = np.array([p.numel() * p.element_size() for p in on_device], dtype=np.uint64)
         offsets = np.zeros(len(sizes), dtype=np.uint64)  # uint64 throughout (addresses)
         offsets[1:] = np.cumsum((sizes[:-1] + np.uint64(7)) // np.uint64(8) * np.uint64(8))
-        self._grow(int(offsets[-1] + sizes[-1]))
+        total = int(offsets[-1] + sizes[-1])
+        if len(self._buffer) < total:
+            self._buffer = torch.empty(max(total, 2 * len(self._buffer)), dtype=torch.uint8,
+                                       pin_memory=True)
         buffer = self._buffer
         if self._batch is not None and all(p.is_contiguous() for p in on_device):
             srcs = np.array([p.data_ptr() for p in on_device], dtype=np.uint64)

@@ -1,9 +1,9 @@
 """Pinned host memory that kernels write: a device view of it (unified addressing), the
 one-time probe of whether a device can write it, and the buffers held until the kernels
 that write them are done (torch's pinned allocator tracks copies, not kernels' writes).
-:mod:`aiokv.stores.fused` writes a launch's page ids there, and :mod:`.ids` a copy job's
-while offloads are in flight, so that they do not queue behind a large device-to-host copy
-in the copy engines.
+:mod:`.fused` writes page ids there (a FlexKV launch's, a store process's, and the copier's
+while offloads are in flight), so that they do not queue behind a large device-to-host
+copy in the copy engines.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def check_pages(pages: Int64Array, gpu_pages: int, once: bool) -> str | None:
     """Why a task's page ids (as the caller gave them) cannot be copied, or None: an id
     outside ``[0, gpu_pages)`` (it would fault the device), or, where ``once`` (a load
     writes its pages), an id given twice. The messages are the FlexKV store's
-    (:meth:`aiokv.stores.fused.FusedPages.page_errors`)."""
+    (:meth:`aiokv.copy.fused.FusedPages.page_errors`)."""
     if not len(pages):
         return None
     outside = (pages < 0) | (pages >= gpu_pages)

@@ -51,9 +51,9 @@ import torch.multiprocessing  # registers tensor reductions for Connection.send
 
 from ..backends import backend
 from ..config import StoreConfig
+from ..copy.fused import PageCopier
 from ..errors import StoreError
 from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
-from .fused import PageCopier
 from .notices import Notices
 from .notices import no_notify as no_notify  # a public name of this module too
 from .restarts import Restarts, how_it_ended

@@ -3,7 +3,7 @@
 One launch, one device-to-host copy: the tasks' page ids (views of the callers' device
 tensors) are concatenated and expanded to slots (``page * page_size + offset``) on a
 stream of this store's after the callers' ready events, and written into pinned host
-memory (:func:`aiokv.stores.fused.fuse_page_ids`). The store thread waits for that copy,
+memory (:func:`aiokv.copy.fused.fuse_page_ids`). The store thread waits for that copy,
 checks every page id at once (out of range; a get's page twice) and cuts the slots per
 task. The copier counts the copies (``store_stats``: ``d2h_copies``).
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from ...copy.fused import PageCopier, warm_up
 from ..base import Int64Array
-from ..fused import PageCopier, warm_up
 
 
 class SlotMaker:

@@ -1,5 +1,6 @@
-"""A batch's page ids brought to the host in one copy, for stores that need them there
-(FlexKV: host slot mappings; a store in a child process: numpy ids to send).
+"""A batch's page ids brought to the host in one copy, where they are needed there
+(FlexKV: host slot mappings; a store in a child process: numpy ids to send; the copier,
+while offloads hold the copy engines: :mod:`.ids`).
 
 :func:`fuse_page_ids` concatenates the launch's device page ids on a stream that waited
 for the callers' ready events (:func:`wait_ready`), expands them to slots there where
@@ -20,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..copy.pinned import HOST_WRITES, as_device_tensor, writes_host
-from .base import Int64Array
+from .pinned import HOST_WRITES, as_device_tensor, writes_host
+from .plan import Int64Array
 
 
 class PageCopier:
