@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import itertools
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class Settings(standin.BesideSettings):
     warmup: int = 2
     config: str = ""
     placement: str = field(default="scattered", metadata={"choices": PLACEMENTS})
+    switch_interval_us: int = 0
 
 
 QUICK: dict[str, object] = {**standin.SMOKE, "warmup": 1}
@@ -64,6 +66,8 @@ HELPS = {
     "batching, which the rounds set); default: the embedded store, sized for the rounds",
     "placement": "the users' pages: 'scattered' at random or 'runs' (each user's adjacent, "
     "as a fresh allocator hands them out)",
+    "switch_interval_us": "sys.setswitchinterval for the whole run (0: Python's 5 ms): how long "
+    "the model's thread may wait for the GIL that an engine thread holds",
 }
 
 
@@ -222,10 +226,16 @@ def _run(args: argparse.Namespace) -> int:
             "aiokv-bench-engine",
         ),
     }
-    measured = {
-        name: measure_copier(c, model, steps, depths, settings.alone_s, settings.repeats)
-        for name, c in copiers.items()
-    }
+    previous_switch = sys.getswitchinterval()
+    if settings.switch_interval_us:
+        sys.setswitchinterval(settings.switch_interval_us / 1e6)
+    try:
+        measured = {
+            name: measure_copier(c, model, steps, depths, settings.alone_s, settings.repeats)
+            for name, c in copiers.items()
+        }
+    finally:
+        sys.setswitchinterval(previous_switch)
     results = _results(measured, depths)
     _print(results, settings, device, model.describe(steps), store_config, page_size)
     if args.json:
