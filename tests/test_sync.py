@@ -189,3 +189,77 @@ def test_evict_and_clear_through_the_facade() -> None:
         for u in (1, 2):
             with kv.lookup(u, 16) as hit:
                 assert hit.cached_tokens == 0
+
+
+def hold_the_loop(kv: aiokv.BackgroundEngine) -> threading.Event:
+    """Block the loop's thread until the returned event is set (the loop then takes
+    nothing submitted meanwhile)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(30)
+
+    kv.loop.call_soon_threadsafe(hold)
+    assert held.wait(30)
+    return release
+
+
+def test_a_call_cancelled_before_the_loop_took_it_never_runs() -> None:
+    with background(make_caches()) as kv:
+        release = hold_the_loop(kv)
+        cancelled = kv.submit_offload(1, torch.arange(0, 2), 8)
+        kept = kv.submit_offload(2, torch.arange(2, 4), 8)
+        assert cancelled.cancel()
+        release.set()
+        assert kept.result(timeout=30).stored_tokens == 8
+        assert cancelled.cancelled()
+        with kv.lookup(1, 8) as hit:
+            assert hit.cached_tokens == 0  # nothing of it reached the store
+        assert kv.stats().completed == 2  # the kept offload and the lookup
+
+
+def test_a_waiting_call_cancelled_by_its_caller_is_cancelled_in_the_engine() -> None:
+    # A 10 s window that 4 requests would flush: the one offload waits in the batcher.
+    with background(make_caches(), window_us=10_000_000, max_batch_requests=4) as kv:
+        waiting = kv.submit_offload(1, torch.arange(0, 2), 8)
+        while kv.stats().queued == 0:  # the loop took it
+            threading.Event().wait(0.001)
+        assert waiting.cancel()
+        while kv.stats().cancelled == 0:
+            threading.Event().wait(0.001)
+        with pytest.raises(concurrent.futures.CancelledError):
+            waiting.result()
+        assert kv.stats().queued == 0
+
+
+def test_submits_racing_a_close_each_end_with_a_result_or_engine_closed() -> None:
+    kv = background(make_caches(pages=256), window_us=200)
+    futures: list[concurrent.futures.Future[aiokv.OffloadResult]] = []
+    start = threading.Barrier(5)
+
+    def submitter(first: int) -> None:
+        start.wait()
+        for u in range(first, first + 200):
+            try:
+                futures.append(kv.submit_offload(u, torch.arange(u % 256, u % 256 + 1), 4))
+            except aiokv.EngineClosed:
+                return
+
+    threads = [threading.Thread(target=submitter, args=(1000 * t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    start.wait()
+    while len(futures) < 40 and any(t.is_alive() for t in threads):
+        threading.Event().wait(0.0001)
+    kv.close()  # with submits still coming from the four threads
+    for t in threads:
+        t.join()
+    assert len(futures) >= 40
+    done, pending = concurrent.futures.wait(futures, timeout=30)
+    assert not pending  # every accepted call ended: none lost on the way to the loop
+    for f in done:
+        error = f.exception()
+        assert error is None or isinstance(error, aiokv.EngineClosed), error
+        if error is None:
+            assert f.result().stored_tokens == 4
