@@ -177,6 +177,7 @@ class Side:
     model_alone_s: float
     model_beside_s: float
     rates: Rates
+    launching: float = math.nan  # of the model's time beside, the share inside launches
 
     @property
     def slowdown(self) -> float:
@@ -188,7 +189,7 @@ def measure_side(
 ) -> Side:
     """The model alone (copier paused), then beside the copier, ``repeats`` times; the
     copier is left paused."""
-    alone, beside = [], []
+    alone, beside, launching = [], [], []
     windows: list[tuple[float, float]] = []
     for _ in range(repeats):
         copier.pause()
@@ -196,6 +197,7 @@ def measure_side(
         copier.resume()
         start_s = time.perf_counter()
         beside.append(model.run(steps, depth))
+        launching.append(model.launching_s / beside[-1])
         # A slow copier may not finish a unit within one run: the model runs on (untimed)
         # until it has, so that its rate is always measured beside the model.
         while not copier.covered(start_s, now := time.perf_counter()):
@@ -210,7 +212,7 @@ def measure_side(
         values = [r.get(kind) for r in per_window if not math.isnan(r.get(kind))]
         merged.gib_s[kind] = _median(values) if values else math.nan
         merged.units[kind] = sum(r.units.get(kind, 0) for r in per_window)
-    return Side(depth, _median(alone), _median(beside), merged)
+    return Side(depth, _median(alone), _median(beside), merged, _median(launching))
 
 
 def measure_alone(copier: Beside, seconds: float) -> Rates:

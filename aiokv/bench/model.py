@@ -273,7 +273,7 @@ def _results(
             row: dict[str, Any] = {
                 "depth": depth_name(depth), "copier": name,
                 "model_alone_s": side.model_alone_s, "model_beside_s": side.model_beside_s,
-                "slowdown": side.slowdown,
+                "slowdown": side.slowdown, "model_in_launches": side.launching,
             }
             for kind in ("offload", "load"):
                 row[f"{kind}_gib_s"] = side.rates.get(kind)
@@ -308,11 +308,12 @@ def _print(
         f"({alone['engine_of_reference']['offload']:.0%} / "
         f"{alone['engine_of_reference']['load']:.0%} of the reference)\n"
     )
-    headers = ["depth", "copier", "model alone s", "beside s", "slowdown",
+    headers = ["depth", "copier", "model alone s", "beside s", "slowdown", "in launches",
                "offload GiB/s", "load GiB/s", "of reference (offload / load)"]
     table = [
         [r["depth"], r["copier"], r["model_alone_s"], r["model_beside_s"],
-         f"{r['slowdown']:.3f}x", _or_dash(r["offload_gib_s"]), _or_dash(r["load_gib_s"]),
+         f"{r['slowdown']:.3f}x", _or_dash(r["model_in_launches"], "{:.0%}"),
+         _or_dash(r["offload_gib_s"]), _or_dash(r["load_gib_s"]),
          f"{_or_dash(r['offload_of_reference'], '{:.0%}')} / "
          f"{_or_dash(r['load_of_reference'], '{:.0%}')}"]
         for r in results["rows"]
@@ -326,8 +327,9 @@ def _print(
         table,
     )
     print("  (slowdown: the model's time beside the copier / alone; depth all: every step "
-          "queued at once, N: N steps then a host sync; GiB/s: the units done wholly while "
-          "the model ran)")
+          "queued at once, N: N steps then a host sync; in launches: of the model's time "
+          "beside, its thread's inside launch calls, which block while its work queue on the "
+          "device is full; GiB/s: the units done wholly while the model ran)")
 
 
 __all__ = [

@@ -129,6 +129,11 @@ class StandIn:
         self._a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
         self._b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
         self._out = torch.empty(size, size, device=device, dtype=dtype)
+        # The last run's seconds inside its launch calls (torch lets the GIL go in them).
+        # A launch blocks while its hardware work queue is full, and streams share those
+        # queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default): a share near 1 says that the
+        # queued steps fill theirs, so copies on a stream that shares it wait behind them.
+        self.launching_s = 0.0
 
     def describe(self, steps: int) -> str:
         kind = str(self.dtype).removeprefix("torch.")
@@ -143,13 +148,18 @@ class StandIn:
     def run(self, steps: int, depth: int) -> float:
         """Seconds for ``steps`` matmuls, from the first launch to the last step done."""
         self.sync()
-        start = time.perf_counter()
+        clock = time.perf_counter
+        launching = 0.0
+        start = clock()
         for step in range(1, steps + 1):
+            before = clock()
             torch.matmul(self._a, self._b, out=self._out)
+            launching += clock() - before
             if depth and step % depth == 0:
                 self.sync()
         self.sync()
-        return time.perf_counter() - start
+        self.launching_s = launching
+        return clock() - start
 
     def queue(self, steps: int) -> None:
         """Launch ``steps`` matmuls on the current stream and return without waiting for
