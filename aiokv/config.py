@@ -275,13 +275,51 @@ class StoreConfig:
         if self.backend == "shared" and not (isinstance(self.socket, str) and self.socket):
             raise ConfigError("store.socket", f"must name the store server's socket with "
                               f"backend: shared, got {self.socket!r}")
+        if self.backend == "flexkv" and self.socket is not None:
+            raise ConfigError("store.socket", FLEXKV_SHARING_REFUSAL)
         if self.backend != "shared" and self.socket is not None:
             raise ConfigError("store.socket", f"is for backend: shared only (backend is "
                               f"{self.backend!r})")
+        if self.backend == "flexkv" and (
+            refused := flexkv_sharing_refused(self.flexkv, os.environ)
+        ) is not None:
+            raise refused
         if self.remote is not None:
             if self.backend == "flexkv":
                 raise ConfigError("store.remote", FLEXKV_REFUSAL)
             object.__setattr__(self, "remote", RemoteConfig.from_mapping(self.remote))
+
+
+# Why aiokv does not run several processes on one FlexKV (issue 31), read in FlexKV 34ab141:
+# its StorageEngine keys a GPU's caches by device id and ignores a second registration
+# for the same id (storage/storage_engine.py, allocate), so a second process on that GPU
+# would have its pages read and written in the first process's caches; and its server
+# takes a fixed set of clients that must all register before it is ready, and frees
+# nothing of one that dies.
+FLEXKV_SHARING_REFUSAL = (
+    "aiokv does not share one FlexKV between processes: FlexKV's server-client mode keeps "
+    "one set of caches per GPU (a second process's registration on the same GPU is dropped "
+    "silently, and its copies would use the first process's caches), takes a fixed set of "
+    "clients that must all start together, and frees nothing of one that dies. To share "
+    "a host tier between processes, use backend: shared (aiokv store-server); else one "
+    "FlexKV per process"
+)
+# FlexKV's ways to ask for it: its environment, or the same keys in store.flexkv (which
+# aiokv hands to FlexKV as overrides of its environment), and the value each must keep.
+_FLEXKV_SHARING_KEYS = {"instance_num": "1", "instance_id": "0", "server_launch_mode": "embedded"}
+
+
+def flexkv_sharing_refused(
+    flexkv: Mapping[str, Any], environ: Mapping[str, str]
+) -> ConfigError | None:
+    """The ConfigError for a FlexKV config (``store.flexkv``, then the environment) that
+    asks for several processes on one FlexKV, naming the key and its value; else None."""
+    for key, alone in _FLEXKV_SHARING_KEYS.items():
+        env = f"FLEXKV_{key.upper()}"
+        for name, value in ((f"store.flexkv.{key}", flexkv.get(key)), (env, environ.get(env))):
+            if value is not None and str(value).strip().lower() != alone:
+                return ConfigError(name, f"is {value!r}; {FLEXKV_SHARING_REFUSAL}")
+    return None
 
 
 def _ssd_dir_error(value: object) -> ConfigError:

@@ -80,6 +80,39 @@ def test_flexkv_backend_without_flexkv_says_how_to_install() -> None:
         aiokv.stores.make_store(aiokv.StoreConfig(backend="flexkv"))
 
 
+@pytest.mark.parametrize(("where", "key", "value"), [
+    ("store", "instance_num", 2),
+    ("store", "instance_id", "1"),
+    ("store", "server_launch_mode", "external"),
+    ("env", "instance_num", "4"),
+    ("env", "server_launch_mode", "EXTERNAL"),
+])
+def test_flexkv_shared_between_processes_is_refused_naming_the_key(
+    monkeypatch: pytest.MonkeyPatch, where: str, key: str, value: object
+) -> None:
+    # FlexKV's server-client mode would put a second process's pages in the first one's
+    # caches (one registration per GPU): refused at the config, whichever way it is asked.
+    name = f"FLEXKV_{key.upper()}"
+    flexkv = {key: value} if where == "store" else {}
+    if where == "env":
+        monkeypatch.setenv(name, str(value))
+    with pytest.raises(aiokv.ConfigError, match="does not share one FlexKV") as refused:
+        aiokv.StoreConfig(backend="flexkv", flexkv=flexkv)
+    assert refused.value.key == (f"store.flexkv.{key}" if where == "store" else name)
+    assert repr(value) in str(refused.value)
+    if where == "env":  # the other backends ignore FlexKV's variables
+        assert aiokv.StoreConfig(backend="local").backend == "local"
+        monkeypatch.setenv(name, "1" if key == "instance_num" else "embedded")
+    # A single process's values pass.
+    aiokv.StoreConfig(backend="flexkv", flexkv={"instance_num": 1, "instance_id": 0,
+                                                "server_launch_mode": "embedded"})
+
+
+def test_a_store_socket_with_flexkv_says_flexkv_cannot_be_shared() -> None:
+    with pytest.raises(aiokv.ConfigError, match=r"store\.socket.*does not share one FlexKV"):
+        aiokv.StoreConfig(backend="flexkv", socket="/run/user/1/aiokv/store.sock")
+
+
 def test_a_config_file_that_is_not_utf8_names_the_path(tmp_path: Path) -> None:
     path = tmp_path / "latin1.yml"
     path.write_bytes("engine:\n  window_us: 7 # café\n".encode("latin-1"))
