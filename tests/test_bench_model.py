@@ -34,6 +34,7 @@ def test_model_bench_prints_its_table_and_figures_for_both_copiers(
     for row in rows:
         assert row["model_alone_s"] > 0 and row["model_beside_s"] > 0
         assert row["slowdown"] == row["model_beside_s"] / row["model_alone_s"]
+        assert 0 < row["model_in_launches"] <= 1  # on a CPU the matmuls run in the call
         for kind in ("offload", "load"):
             assert row[f"{kind}_units"] >= 1  # a whole round (or copy) beside the model
             assert math.isfinite(row[f"{kind}_gib_s"]) and row[f"{kind}_gib_s"] > 0
@@ -48,13 +49,15 @@ def test_model_bench_runs_the_store_of_its_config_in_a_process_of_its_own(
     config = tmp_path / "own.yml"
     config.write_text("store:\n  cpu_cache_gb: 0.02\n  page_size: 32\n  own_process: true\n")
     out = tmp_path / "model.json"
-    argv = ["model", "--device", "cpu", "--depth", "4", "--config", str(config), "--json", str(out)]
+    argv = ["model", "--device", "cpu", "--depth", "4", "--config", str(config), "--json",
+            str(out), "--ids", "host"]
     assert bench_main(argv) == 0
     assert "on the local store in its own process" in capsys.readouterr().out
     document = json.loads(out.read_text())
     assert document["model"]["page_size"] == 32  # the config's, not the bench's default
     (engine,) = [r for r in document["rows"] if r["copier"] == "engine"]
     assert engine["offload_units"] >= 1 and engine["load_gib_s"] > 0
+    assert document["settings"]["ids"] == "host"
 
 
 def test_a_bad_depth_is_refused_naming_it() -> None:

@@ -42,7 +42,7 @@ from ..open import read_config
 from ..stores import make_store
 from . import common, standin
 from .beside import Beside, Rates, ReferenceCopier, Side, Unit, measure_copier
-from .rounds import PLACEMENTS, _round
+from .rounds import IDS, PLACEMENTS, _round
 from .standin import GIB, StandIn, depth_name, one_thread, parse_depths, smoke_run
 
 NAME = "model"
@@ -55,6 +55,7 @@ class Settings(standin.BesideSettings):
     config: str = ""
     placement: str = field(default="scattered", metadata={"choices": PLACEMENTS})
     switch_interval_us: int = 0
+    ids: str = field(default="device", metadata={"choices": IDS})
 
 
 QUICK: dict[str, object] = {**standin.SMOKE, "warmup": 1}
@@ -66,6 +67,8 @@ HELPS = {
     "batching, which the rounds set); default: the embedded store, sized for the rounds",
     "placement": "the users' pages: 'scattered' at random or 'runs' (each user's adjacent, "
     "as a fresh allocator hands them out)",
+    "ids": "where the rounds' page ids are: 'device' tensors, which the store brings to "
+    "the host first, or 'host' (CPU) tensors, as a host-side page allocator has them",
     "switch_interval_us": "sys.setswitchinterval for the whole run (0: Python's 5 ms): how long "
     "the model's thread may wait for the GIL that an engine thread holds",
 }
@@ -136,7 +139,7 @@ class EngineCopier:
         start = time.perf_counter()
         offload_s, load_s, stored, loaded = self._loop.run_until_complete(
             _round(self._engine, self._pages, 1, s.users, s.tokens, self._page_size,
-                   self._device, self._names, s.placement)
+                   self._device, self._names, s.placement, s.ids)
         )
         end = time.perf_counter()
         if loaded != stored:

@@ -15,6 +15,7 @@ import torch
 from ..engine import OffloadEngine
 from . import common
 
+IDS = ("device", "host")  # where the rounds' page ids are: see _round
 PLACEMENTS = ("scattered", "runs")  # the users' pages: see _round
 
 
@@ -53,12 +54,14 @@ async def _round(
     device: torch.device,
     names: itertools.count[int],
     placement: str = field(default="scattered", metadata={"choices": PLACEMENTS}),
+    ids: str = "device",
 ) -> tuple[float, float, int, int]:
     """Offload ``batches`` x ``users`` fresh histories at once, then load them all back
     into fresh pages at once: scattered at random, or (``placement`` "runs") each user's
-    pages adjacent, at a random place, as a fresh page allocator hands them out. Returns
-    (offload seconds, load seconds, tokens stored, tokens loaded); each timed from the
-    first submit to the last result."""
+    pages adjacent, at a random place, as a fresh page allocator hands them out. The page
+    ids are device tensors, or with ``ids`` "host" CPU ones (the store then has no page
+    ids to bring over from the device). Returns (offload seconds, load seconds, tokens
+    stored, tokens loaded); each timed from the first submit to the last result."""
     pages_each = -(-tokens // page_size)
     count = batches * users
 
@@ -70,8 +73,12 @@ async def _round(
         order = torch.randperm(caches_pages, device=device)[: count * pages_each]
         return list(order.view(count, pages_each))
 
+    def placed() -> list[torch.Tensor]:
+        pages = scatter()
+        return pages if ids == "device" else [p.cpu() for p in pages]
+
     spaces = [[f"bw{next(names)}"] for _ in range(count)]
-    pages = scatter()
+    pages = placed()
     start = time.perf_counter()
     stored = await asyncio.gather(
         *(engine.offload(u, pages[u], tokens, namespace=spaces[u]) for u in range(count))
@@ -82,7 +89,7 @@ async def _round(
     hits = await asyncio.gather(
         *(engine.lookup(u, tokens, namespace=spaces[u]) for u in range(count))
     )
-    pages = scatter()
+    pages = placed()
     start = time.perf_counter()
     loaded = await asyncio.gather(*(engine.load(h, pages[u]) for u, h in enumerate(hits)))
     load_s = time.perf_counter() - start
