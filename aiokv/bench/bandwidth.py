@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import itertools
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -258,13 +257,8 @@ def run(args: argparse.Namespace) -> int:
     if args.mixed:
         return mixed.run(settings, device, args.json)
     raw_d2h, raw_h2d = raw_copy_gib_s(settings.raw_gib, device, max(settings.repeats, 3))
-    previous_switch = sys.getswitchinterval()
-    if settings.switch_interval_us:
-        sys.setswitchinterval(settings.switch_interval_us / 1e6)
-    try:
+    with common.switch_interval(settings.switch_interval_us):
         rows = common.run_uvloop(_main(settings, device))
-    finally:
-        sys.setswitchinterval(previous_switch)
     stream = settings.stream_batches > 1
     views = ("", "stream_", "stream_fill_") if stream else ("",)
     for row in rows:

@@ -11,6 +11,7 @@ so a number can always be traced back to the machine and command that produced i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -18,7 +19,7 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -111,6 +112,19 @@ def settings_from_args(
     return settings(**values)
 
 
+
+
+@contextlib.contextmanager
+def switch_interval(us: int) -> Iterator[None]:
+    """``sys.setswitchinterval`` at ``us`` microseconds meanwhile (0: left as it is),
+    restored after: it is process-wide."""
+    previous = sys.getswitchinterval()
+    if us:
+        sys.setswitchinterval(us / 1e6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def make_caches(

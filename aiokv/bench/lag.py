@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import gc
 import itertools
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -157,32 +156,30 @@ async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]
             moved_tokens += stored.stored_tokens + loaded.loaded_tokens
             requests += 3
 
-    previous_switch = sys.getswitchinterval()
-    if settings.switch_interval_us:
-        sys.setswitchinterval(settings.switch_interval_us / 1e6)
-    async with engine:
-        if settings.gc_freeze:
-            gc.collect()
-            gc.freeze()  # what a server would do once warmed up; undone below
-        users = [asyncio.create_task(user(i)) for i in range(settings.users)]
-        try:
-            await asyncio.sleep(0.1)  # let the first windows fill before measuring
-            start, start_tokens, start_requests = time.perf_counter(), moved_tokens, requests
-            with common.progress(settings.seconds, "lag bench", "s") as bar:
-                # Redrawn twice a second: a cost far below the lateness being measured.
-                shown = asyncio.create_task(_show_progress(bar, start, settings.seconds))
-                late = await tick(period_s, start + settings.seconds)
-                shown.cancel()
-                await asyncio.gather(shown, return_exceptions=True)
-            elapsed = time.perf_counter() - start
-            tokens, done = moved_tokens - start_tokens, requests - start_requests
-        finally:
-            stop = True
-            outcomes = await asyncio.gather(*users, return_exceptions=True)
+    # Restored also where the engine fails to start.
+    with common.switch_interval(settings.switch_interval_us):
+        async with engine:
             if settings.gc_freeze:
-                gc.unfreeze()
-            sys.setswitchinterval(previous_switch)
-        stats = engine.stats()
+                gc.collect()
+                gc.freeze()  # what a server would do once warmed up; undone below
+            users = [asyncio.create_task(user(i)) for i in range(settings.users)]
+            try:
+                await asyncio.sleep(0.1)  # let the first windows fill before measuring
+                start, start_tokens, start_requests = time.perf_counter(), moved_tokens, requests
+                with common.progress(settings.seconds, "lag bench", "s") as bar:
+                    # Redrawn twice a second: a cost far below the lateness being measured.
+                    shown = asyncio.create_task(_show_progress(bar, start, settings.seconds))
+                    late = await tick(period_s, start + settings.seconds)
+                    shown.cancel()
+                    await asyncio.gather(shown, return_exceptions=True)
+                elapsed = time.perf_counter() - start
+                tokens, done = moved_tokens - start_tokens, requests - start_requests
+            finally:
+                stop = True
+                outcomes = await asyncio.gather(*users, return_exceptions=True)
+                if settings.gc_freeze:
+                    gc.unfreeze()
+            stats = engine.stats()
     for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise outcome

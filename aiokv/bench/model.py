@@ -28,7 +28,6 @@ import asyncio
 import dataclasses
 import itertools
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -229,16 +228,11 @@ def _run(args: argparse.Namespace) -> int:
             "aiokv-bench-engine",
         ),
     }
-    previous_switch = sys.getswitchinterval()
-    if settings.switch_interval_us:
-        sys.setswitchinterval(settings.switch_interval_us / 1e6)
-    try:
+    with common.switch_interval(settings.switch_interval_us):
         measured = {
             name: measure_copier(c, model, steps, depths, settings.alone_s, settings.repeats)
             for name, c in copiers.items()
         }
-    finally:
-        sys.setswitchinterval(previous_switch)
     results = _results(measured, depths)
     _print(results, settings, device, model.describe(steps), store_config, page_size)
     if args.json:

@@ -65,20 +65,18 @@ async def _round(
     pages_each = -(-tokens // page_size)
     count = batches * users
 
+    where = device if ids == "device" else torch.device("cpu")
+
     def scatter() -> list[torch.Tensor]:
         if placement == "runs":
-            slots = torch.randperm(caches_pages // pages_each, device=device)[:count]
-            steps = torch.arange(pages_each, device=device)
+            slots = torch.randperm(caches_pages // pages_each, device=where)[:count]
+            steps = torch.arange(pages_each, device=where)
             return list(slots[:, None] * pages_each + steps)
-        order = torch.randperm(caches_pages, device=device)[: count * pages_each]
+        order = torch.randperm(caches_pages, device=where)[: count * pages_each]
         return list(order.view(count, pages_each))
 
-    def placed() -> list[torch.Tensor]:
-        pages = scatter()
-        return pages if ids == "device" else [p.cpu() for p in pages]
-
     spaces = [[f"bw{next(names)}"] for _ in range(count)]
-    pages = placed()
+    pages = scatter()
     start = time.perf_counter()
     stored = await asyncio.gather(
         *(engine.offload(u, pages[u], tokens, namespace=spaces[u]) for u in range(count))
@@ -89,7 +87,7 @@ async def _round(
     hits = await asyncio.gather(
         *(engine.lookup(u, tokens, namespace=spaces[u]) for u in range(count))
     )
-    pages = placed()
+    pages = scatter()
     start = time.perf_counter()
     loaded = await asyncio.gather(*(engine.load(h, pages[u]) for u, h in enumerate(hits)))
     load_s = time.perf_counter() - start
