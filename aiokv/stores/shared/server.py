@@ -314,11 +314,11 @@ class StoreServer:
         except ConfigError as exc:
             log.warning("aiokv store-server: refused engine pid %d: %s", conn.client.pid, exc)
             sockets.send(conn.sock, wire.encode_json({"ok": False, "error": str(exc),
-                                                   "config": True}))
+                                                      "config": True}))
             return
         conn.registered = True
         sockets.send(conn.sock, wire.encode_json({"ok": True, "blocks": region.num_blocks}),
-                  [region.fd])
+                     [region.fd])
 
     def _matches(self, conn: Connection, body: memoryview, is_put: bool) -> bytes:
         assert self.service.geometry is not None  # registered: the first hello set it
