@@ -7,10 +7,12 @@ Two parts, both on CPU caches:
    Python echo of 16 bytes over a UNIX socket to a ``selectors`` loop in another process
    (the floor: two process wake-ups), an empty message (``ping``), a batch of ``--batch``
    put matches of ``--tokens`` default token ids each in fresh namespaces (``match``) and
-   that batch's end (``end``: its tasks given back, one message). With ``--compare DIR``
-   (a checkout of other code, e.g. a ``git worktree`` of an older commit) the children
-   alternate between that code and this checkout, ``--rounds`` each, so that the box's
-   load moves both alike.
+   that batch's end (``end``: its tasks given back, one message the server does not
+   answer: the server's work on it overlaps the next iteration, whose ``empty`` may wait
+   for it); ``batch`` is ``match`` + ``end``, what one batch's control costs the engine.
+   With ``--compare DIR`` (a checkout of other code, e.g. a ``git worktree`` of an
+   older commit) the children alternate between that code and this checkout,
+   ``--rounds`` each, so that the box's load moves both alike.
 2. The split of one batch, in this process, on this checkout's code: the client's
    encode, the server's decode, handler and encode of the reply, the client's decode,
    and the server's handler for the batch's end.
@@ -95,7 +97,8 @@ def _child(args: argparse.Namespace) -> None:
         peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         peer.connect(str(echo_path))
         tokens = np.arange(args.tokens, dtype=np.int64)
-        times: dict[str, list[float]] = {"echo": [], "empty": [], "match": [], "end": []}
+        times: dict[str, list[float]] = {"echo": [], "empty": [], "match": [], "end": [],
+                                         "batch": []}
         clock = time.perf_counter
         try:
             for i in range(args.trips + 20):  # the first 20 warm up
@@ -113,8 +116,8 @@ def _child(args: argparse.Namespace) -> None:
                 store.cancel([a[0] for a in answers if isinstance(a, tuple)])
                 t4 = clock()
                 if i >= 20:
-                    for key, took in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3),
-                                         strict=True):
+                    for key, took in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3,
+                                                 t4 - t2), strict=True):
                         times[key].append(took * 1e6)
         finally:
             peer.close()
@@ -144,12 +147,13 @@ def round_trips(args: argparse.Namespace) -> None:
         codes.append(("compare", Path(args.compare).resolve()))
     print(f"round trips, median us of {args.trips} (a batch of {args.batch} x "
           f"{args.tokens} tokens); load average {os.getloadavg()[0]:.2f}")
-    print(f"{'code':8} {'round':>5} {'echo':>8} {'empty':>8} {'match':>8} {'end':>8}")
+    print(f"{'code':8} {'round':>5} {'echo':>8} {'empty':>8} {'match':>8} {'end':>8} "
+          f"{'batch':>8}")
     for round_ in range(args.rounds):
         for name, code in codes:
             r = _run_child(code, args)
             print(f"{name:8} {round_:>5} {r['echo']:8.1f} {r['empty']:8.1f} "
-                  f"{r['match']:8.1f} {r['end']:8.1f}")
+                  f"{r['match']:8.1f} {r['end']:8.1f} {r['batch']:8.1f}")
 
 
 # ---- part 2: the split of one batch, in this process ------------------------------------

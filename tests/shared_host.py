@@ -10,6 +10,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,8 @@ import torch
 import yaml
 
 import aiokv
-from aiokv.stores.shared import SharedStore
+from aiokv.stores.shared import SharedStore, sockets, wire
+from aiokv.stores.shared.region import Geometry
 
 LAYERS, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 2, 64, 4, 2, 8
 _CONTEXT = multiprocessing.get_context("spawn")
@@ -86,6 +88,23 @@ class Server:
 
     def text(self) -> str:
         return self.log.read_text()
+
+
+def connect(server: Server) -> socket.socket:
+    """A raw connection to the server (no hello yet)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(server.socket))
+    return sock
+
+
+def hello(sock: socket.socket) -> None:
+    """Register a raw connection as an engine of :func:`caches`' geometry."""
+    sockets.send(sock, wire.encode_json({"op": "hello", "wire": wire.VERSION,
+                                         "geometry": Geometry.of(caches()).as_dict()}))
+    reply, fds = sockets.recv_json(sock)
+    assert reply["ok"], reply
+    for fd in fds:
+        os.close(fd)
 
 
 class Host:

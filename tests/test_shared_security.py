@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from shared_host import PAGE_SIZE, Server, caches, user_kv
+from shared_host import PAGE_SIZE, Server, caches, connect, hello, user_kv
 
 import aiokv
 from aiokv.stores.shared import SharedStore, sockets, wire
@@ -42,20 +42,6 @@ def closed_by_server(sock: socket.socket) -> bool:
     except TimeoutError:
         return False
     return True
-
-
-def connect(server: Server) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(str(server.socket))
-    return sock
-
-
-def hello(sock: socket.socket) -> None:
-    sockets.send(sock, wire.encode_json({"op": "hello", "geometry": Geometry.of(caches()).as_dict()}))
-    reply, fds = sockets.recv_json(sock)
-    assert reply["ok"], reply
-    for fd in fds:
-        os.close(fd)
 
 
 def put(counts: tuple[int, ...], ints: tuple[int, ...], tail: bytes = b"") -> bytes:
@@ -131,10 +117,58 @@ def test_a_query_longer_than_the_store_holds_disconnects_and_one_that_fits_is_an
 
 
 def test_requests_before_hello_and_bad_geometry_disconnect(server: Server) -> None:
-    for request in (one_put(8), wire.encode_json({"op": "hello", "geometry": {"layers": -1}})):
+    for request in (one_put(8), wire.encode_json({"op": "hello", "wire": wire.VERSION,
+                                                  "geometry": {"layers": -1}})):
         with connect(server) as sock:
             sockets.send(sock, request)
             assert closed_by_server(sock)
+
+
+def test_an_engine_of_another_wire_version_is_told_both_and_disconnected(
+        server: Server) -> None:
+    geometry = Geometry.of(caches()).as_dict()
+    for version in ({}, {"wire": wire.VERSION - 1}, {"wire": "2"}):
+        with connect(server) as sock:
+            sockets.send(sock, wire.encode_json({"op": "hello", "geometry": geometry,
+                                                 **version}))
+            reply, fds = sockets.recv_json(sock)
+            assert fds == []
+            assert reply["ok"] is False and reply["config"] is True
+            assert f"wire version {version.get('wire', 1)!r}" in reply["error"]
+            assert f"this server {wire.VERSION}" in reply["error"]
+            assert closed_by_server(sock)
+
+
+def test_a_server_of_another_wire_version_is_refused_by_the_engine(tmp_path: Path) -> None:
+    """A server that answers hello without this engine's wire version (an older aiokv):
+    register fails with ConfigError naming both, rather than misreading its replies."""
+    path = tmp_path / "old.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def old_server() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            sockets.recv_json(conn)
+            region = os.memfd_create("old-region")
+            try:
+                sockets.send(conn, wire.encode_json({"ok": True, "blocks": 4}), [region])
+            finally:
+                os.close(region)
+            conn.recv(1)  # until the engine hangs up
+
+    thread = threading.Thread(target=old_server)
+    thread.start()
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(path)))
+    try:
+        with pytest.raises(aiokv.ConfigError, match=r"store\.socket.*wire version 1, this "
+                                                     rf"engine {wire.VERSION}"):
+            store.register(caches())
+    finally:
+        thread.join(10)
+        listener.close()
+        store.close()
 
 
 def test_random_and_truncated_messages_then_a_client_is_served_bit_exact(server: Server) -> None:

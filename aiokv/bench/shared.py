@@ -5,16 +5,18 @@ From one run: (1) bandwidth: every process offloads ``--users`` fresh histories 
 (concurrent calls, so each process's engine batches them), looks them up and loads them
 back into other pages, each phase started in all processes together; the aggregate GiB/s
 of each direction (all processes' bytes over the span from the first start to the last
-end) next to the raw copy of the same run, all processes at once:
-on a GPU each process's one pinned copy of the same bytes each way; on the CPU the
-same pages between its caches and a plain host tensor of blocks with the same torch
-ops. (2) The control round trip of one batch (``--users``
-matches in one message; a batch's end in another; and an empty message, what the
-socket and the messages cost without the index's work), median and p99, from a client
-in this process. (3) The hit ratio of a workload whose users land on a random process at
-each request (look up the history, load it, offload it grown by a page), with the
-shared store against N private engines (each on its own embedded store with 1/N of the
-server's host memory), in tokens hit over tokens asked.
+end) next to the raw copy of the same run, all processes at once: on a GPU each
+process's one pinned copy of the same bytes each way; on the CPU the same pages between
+its caches and a plain host tensor of blocks with the same torch ops. (2) The control
+traffic of one batch (``--users`` matches in one message and its answer; the batch's end
+in another, sent without an answer; the two together; and an empty message's round trip,
+what the socket costs without the index's work), median and p99, from a client in this
+process. The server handles an end after the engine has gone on, so the next message may
+wait for it: the empty message, timed right after, carries that. (3) The hit ratio of a
+workload whose users land on a random process at each request (look up the history, load
+it, offload it grown by a page), with the shared store against N private engines (each
+on its own embedded store with 1/N of the server's host memory), in tokens hit over
+tokens asked.
 """
 
 from __future__ import annotations
@@ -277,7 +279,8 @@ def _aggregate(parts: list[dict[str, float]], direction: str) -> float:
 
 
 def _round_trips(s: Settings, socket_path: str) -> dict[str, list[float]]:
-    """A batch of ``users`` matches in one message, and its end in another, timed."""
+    """A batch of ``users`` matches in one message, and its end in another, timed; then
+    the two as one batch's."""
     from ..stores.shared import SharedStore
 
     store = SharedStore(StoreConfig(backend="shared", socket=socket_path))
@@ -303,7 +306,8 @@ def _round_trips(s: Settings, socket_path: str) -> dict[str, list[float]]:
         store.clear()
     finally:
         store.close()
-    return {"empty": ping_s, "match": match_s, "end": end_s}
+    return {"empty": ping_s, "match": match_s, "end": end_s,
+            "batch": [m + e for m, e in zip(match_s, end_s, strict=True)]}
 
 
 def _hit_ratio(s: Settings, pool: _Pool, kind: str, seed: int) -> float:
@@ -378,7 +382,7 @@ def _report(s: Settings, results: dict[str, Any]) -> None:
         f"({_block_bytes(s) >> 10} KiB a page), best of {s.rounds}",
         ["direction", "shared GiB/s", "raw GiB/s", "shared/raw"], rows)
     trips = results["round_trips_us"]
-    common.print_table(f"control round trip, a batch of {s.users} ({s.round_trips} timed)",
+    common.print_table(f"control messages, a batch of {s.users} ({s.round_trips} timed)",
                        ["message", "median us", "p99 us"],
                        [[k, *v] for k, v in trips.items()])
     hits = results["hit_ratio"]

@@ -1,11 +1,13 @@
 """SharedStore (``store.backend: shared``): an engine's view of ``aiokv store-server``.
 
 The server owns the index, the host tier (the shared region this store maps) and the SSD
-tier; this store owns its copies. A batch costs two messages each way: its matches (the
-server answers masks and region blocks) and, once the copies are done, the tasks' ends
-(the server publishes a put's blocks, or drops a get's hold); a put is reported done
-only after that answer, so a key another engine looks up next is a hit. Cancels, evicts,
-clears and figures are one message each.
+tier; this store owns its copies. A batch costs one round trip and one message: its
+matches (the server answers masks and region blocks) and, once the copies are done, the
+tasks' ends (the server publishes a put's blocks, or drops a get's hold), sent without
+waiting for an answer. A put is reported done once its end is sent: the server applies
+every engine's waiting ends before it answers a lookup, so a key another engine looks up
+after that is a hit. Cancels are one message each (or ride along with the next batch);
+evicts, clears and figures a round trip each.
 
 Faults: if the server goes away, the call in flight raises StoreError, tasks launched or
 matched under it end FAILED, and every later call tries to reconnect first, failing fast
@@ -133,6 +135,18 @@ class SharedStore:
             try:
                 return decode(link.call(request, what, expect))
             except (OSError, wire.PeerGone, wire.WireError) as exc:
+                self._lost(exc)
+                raise StoreError(f"the store server at {self._path!r} went away: {exc}"
+                                 ) from exc
+
+    def _send(self, request: bytes) -> None:
+        """A request that gets no answer (a batch's end); StoreError when the server is
+        gone."""
+        with self._lock:
+            link = self._connect()
+            try:
+                link.send(request)
+            except (OSError, wire.PeerGone) as exc:
                 self._lost(exc)
                 raise StoreError(f"the store server at {self._path!r} went away: {exc}"
                                  ) from exc
@@ -284,10 +298,10 @@ class SharedStore:
         lost = "the store server went away before this task's end was recorded"
         try:
             if current or self._release:
-                self._call(wire.encode_end(
+                self._send(wire.encode_end(
                     [current[t].server_id for t in done if t in current],
                     [current[t].server_id for t in failed if t in current]
-                    + self._take_release()), "end", wire.OK, _nothing)
+                    + self._take_release()))
         except StoreError as exc:
             lost = str(exc)
             current = {}
@@ -308,8 +322,7 @@ class SharedStore:
                 self._release.append(task.server_id)
         if self._release and self._link is not None:
             with contextlib.suppress(StoreError):  # a lost server released them itself
-                self._call(wire.encode_end([], self._take_release()), "end", wire.OK,
-                           _nothing)
+                self._send(wire.encode_end([], self._take_release()))
 
     # ---- optional capabilities -----------------------------------------------------
 

@@ -31,7 +31,8 @@ class Link:
         sockets.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
         try:
             sock.connect(path)
-            sockets.send(sock, wire.encode_json({"op": "hello", "geometry": geometry.as_dict()}))
+            sockets.send(sock, wire.encode_json({"op": "hello", "wire": wire.VERSION,
+                                                 "geometry": geometry.as_dict()}))
             reply, fds = sockets.recv_json(sock)
         except BaseException:
             sock.close()
@@ -42,6 +43,13 @@ class Link:
             if reply.get("config"):
                 raise ConfigError("store.socket", f"the server at {path!r} refused: {error}")
             raise StoreError(f"the store server at {path!r} refused: {error}")
+        if reply.get("wire") != wire.VERSION:  # a server of another aiokv version
+            sock.close()
+            for fd in fds:
+                os.close(fd)
+            raise ConfigError("store.socket", f"the server at {path!r} speaks wire version "
+                              f"{reply.get('wire', 1)!r}, this engine {wire.VERSION}: run "
+                              "one aiokv version for the server and its engines")
         if len(fds) != 1:
             sock.close()
             raise StoreError(f"the store server at {path!r} sent no region")
@@ -65,6 +73,10 @@ class Link:
         if op != expect:
             raise wire.WireError(f"a reply of op {op} to {what!r} (expected {expect})")
         return body
+
+    def send(self, request: bytes) -> None:
+        """A request that gets no reply (a batch's end)."""
+        self.channel.send(request)
 
     def close(self) -> None:
         """Disconnect, then finish the queued copies (their tasks end FAILED: the

@@ -2,10 +2,13 @@
 the SSD tier (:mod:`.service`), serving engines over a UNIX socket.
 
 One thread, one ``selectors`` loop: each engine's requests are answered in order, one
-reply per request, each in the order they arrive across engines. A request is a batch
-(all of a batch's matches, or all of its finished tasks), so the server sees one message
-per batch each way. A get whose pages are only on SSD waits for their reads here (the
-other engines' requests wait meanwhile: a known cost, see :mod:`.service`).
+reply per request (none to a batch's end), each in the order they arrive across engines.
+A request is a batch (all of a batch's matches, or all of its finished tasks), so the
+server sees two messages per batch and answers one. Before it answers a lookup (or
+figures), it applies what other engines have waiting (:meth:`StoreServer._absorb`): an
+engine reports a put done once its end is sent, so every lookup after that sees it. A
+get whose pages are only on SSD waits for their reads here (the other engines' requests
+wait meanwhile: a known cost, see :mod:`.service`).
 
 Who may connect: the socket lives in a directory only the server's uid can enter (made
 0700, or refused when it is open to others), the socket itself is 0600, and every
@@ -47,6 +50,8 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _OK = wire.frame(wire.OK)
 _LENGTH = struct.Struct("<I")  # a frame's length word (then its op: wire.HEAD)
 _LOCK_NAME = "aiokv-server.lock"
+_CHUNK = 1 << 16  # read per call: a large buffer per call costs more than calls
+_ABSORB_DEPTH = 16  # lookups met while absorbing absorb too, this deep
 
 
 class ProtocolError(Exception):
@@ -59,6 +64,7 @@ class Connection:
     client: Client
     inbox: bytearray = field(default_factory=bytearray)
     registered: bool = False
+    busy: bool = False  # its frames are being answered: not read again meanwhile
 
 
 def private_directory(path: Path) -> None:
@@ -110,6 +116,7 @@ class StoreServer:
         self._numbers = 0
         self._stopping = False
         self._stop_at = 0.0
+        self._absorbing = 0  # nested _absorb calls
         self._handlers: dict[int, Callable[[Connection, memoryview], bytes]] = {
             wire.PUT: self._put, wire.GET: self._get, wire.END: self._end,
             wire.PING: self._ping, wire.JSON: self._json}
@@ -229,22 +236,26 @@ class StoreServer:
         self._selector.register(sock, selectors.EVENT_READ, conn)
         log.info("aiokv store-server: engine pid %d connected", pid)
 
-    def _readable(self, conn: Connection) -> None:
+    def _readable(self, conn: Connection) -> int:
+        """Read once from ``conn`` and answer its whole frames; the bytes read (0 when
+        there were none, or the peer is gone)."""
         try:
-            data = conn.sock.recv(1 << 16)  # a large buffer per call costs more than calls
+            data = conn.sock.recv(_CHUNK)
         except BlockingIOError:
-            return
+            return 0
         except OSError as exc:
             self._drop(conn, f"connection broke: {exc}")
-            return
+            return 0
         if not data:
             self._drop(conn, None)
-            return
+            return 0
+        received = len(data)
         if conn.inbox:  # the rest of a frame that came in pieces
             conn.inbox += data
             data = bytes(conn.inbox)  # bytes: the requests' arrays may view it
             conn.inbox.clear()
         at = 0
+        conn.busy = True
         try:
             while len(data) - at >= 4:
                 (length,) = _LENGTH.unpack_from(data, at)
@@ -265,6 +276,31 @@ class StoreServer:
             log.exception("aiokv store-server: request of engine pid %d failed",
                           conn.client.pid)
             self._drop(conn, f"{type(exc).__name__}: {exc}")
+        finally:
+            conn.busy = False
+        return received
+
+    def _absorb(self) -> None:
+        """Answer the frames other engines have waiting, before a lookup or figures.
+
+        An engine reports a put done once its end is sent (ends are not answered), and a
+        lookup from any engine after that must find the put. The end is then waiting here
+        already, but the selector's order alone does not put it first: a connection made
+        ready by an older request can be listed before it. One ``select(0)`` when other
+        engines are connected; a connection whose frames are being answered (the asking
+        one, and those that led here) is not read again, so each engine's frames keep
+        their order."""
+        if len(self._connections) < 2 or self._absorbing >= _ABSORB_DEPTH:
+            return
+        self._absorbing += 1
+        try:
+            for key, _ in self._selector.select(0):
+                conn = key.data
+                if isinstance(conn, Connection) and not conn.busy:
+                    while self._readable(conn) == _CHUNK:
+                        pass
+        finally:
+            self._absorbing -= 1
 
     def _drop(self, conn: Connection, why: str | None) -> None:
         if self._connections.pop(conn.sock.fileno(), None) is None:
@@ -292,19 +328,28 @@ class StoreServer:
         handler = self._handlers.get(op)
         if handler is None:
             raise ProtocolError(f"unknown request op {op}")
-        conn.sock.sendall(handler(conn, body))
+        reply = handler(conn, body)
+        if reply:
+            conn.sock.sendall(reply)
 
     def _json(self, conn: Connection, body: memoryview) -> bytes:
         message = wire.decode_json(body)
         handler = self._json_handlers.get(message.get("op"))  # type: ignore[arg-type]
         if handler is None:
             raise ProtocolError(f"unknown request {message.get('op')!r}")
+        self._absorb()
         return wire.encode_json({"ok": True, **handler(conn, message)})
 
     def _ping(self, conn: Connection, body: memoryview) -> bytes:
         return _OK
 
     def _hello(self, conn: Connection, message: dict[str, Any]) -> None:
+        if message.get("wire") != wire.VERSION:  # told why, then dropped (and logged)
+            why = (f"it speaks wire version {message.get('wire', 1)!r}, this server "
+                   f"{wire.VERSION}: run one aiokv version for the server and its engines")
+            sockets.send(conn.sock, wire.encode_json({"ok": False, "error": why,
+                                                      "config": True}))
+            raise ProtocolError(why)
         try:
             geometry = Geometry.from_mapping(message.get("geometry"))
         except ValueError as exc:
@@ -317,8 +362,8 @@ class StoreServer:
                                                       "config": True}))
             return
         conn.registered = True
-        sockets.send(conn.sock, wire.encode_json({"ok": True, "blocks": region.num_blocks}),
-                     [region.fd])
+        sockets.send(conn.sock, wire.encode_json({"ok": True, "blocks": region.num_blocks,
+                                                  "wire": wire.VERSION}), [region.fd])
 
     def _matches(self, conn: Connection, body: memoryview, is_put: bool) -> bytes:
         assert self.service.geometry is not None  # registered: the first hello set it
@@ -336,12 +381,13 @@ class StoreServer:
         return self._matches(conn, body, True)
 
     def _get(self, conn: Connection, body: memoryview) -> bytes:
+        self._absorb()
         return self._matches(conn, body, False)
 
     def _end(self, conn: Connection, body: memoryview) -> bytes:
         done, failed = wire.decode_end(body)
         self.service.finish(conn.client, done, failed)
-        return _OK
+        return b""  # not answered: see wire
 
     def _evict(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
         return {"tokens": self.service.evict(wire.namespace(message.get("ns")))}

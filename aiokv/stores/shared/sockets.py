@@ -29,11 +29,19 @@ def send(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
 
 class Channel:
     """The client's end: one request, then its reply, read into one buffer kept for the
-    connection (one ``recv_into`` for a reply that fits)."""
+    connection (one ``recv_into`` for a reply that fits); or a request that has none."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._buffer = bytearray(_BUFFER)
+
+    def send(self, request: bytes) -> None:
+        """Send a request that gets no reply (``END``); PeerGone when the connection
+        broke."""
+        try:
+            self.sock.sendall(request)
+        except (ConnectionError, OSError) as exc:
+            raise PeerGone(f"the connection broke: {exc}") from exc
 
     def call(self, request: bytes) -> tuple[int, memoryview]:
         """Send ``request``; its reply's (op, body). The body views this channel's buffer:

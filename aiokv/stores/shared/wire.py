@@ -10,8 +10,14 @@ that cannot run code, whatever a peer sends). Frames are bounded (:data:`MAX_FRA
 peer that announces a larger one, or sends one that does not decode to what the receiver
 expects, is a :class:`WireError`, and the server then drops that peer alone.
 
-Every request gets exactly one reply, in order, on the one connection; the first reply
-of the server (to ``hello``) carries the region's file descriptor (SCM_RIGHTS).
+Every request but ``END`` gets exactly one reply, in order, on the one connection; the
+first reply of the server (to ``hello``) carries the region's file descriptor
+(SCM_RIGHTS). ``END`` gets none: a batch's end costs its engine one send, not a round
+trip. What the server owes an engine that reports a put done on that send (a lookup from
+any engine after it sees the put) it keeps by reading every connection's waiting frames
+before it answers a lookup (:meth:`~aiokv.stores.shared.server.StoreServer._absorb`).
+The ``hello`` names the wire's :data:`VERSION` both ways: an engine and a server of
+different versions refuse each other, naming both.
 
 A match request carries, per query, its token count and either its page digests,
 computed by the client (:func:`~aiokv.stores.local.digests.chain_digests`: a client is
@@ -36,6 +42,7 @@ import numpy.typing as npt
 
 from ..local.digests import DIGEST_BYTES, are_positions, chain_digests, position_digests
 
+VERSION = 2  # 2: END is not answered
 MAX_FRAME = 256 << 20  # a batch of 64 x 64k tokens is 1 MiB of digests: far below
 MAX_FDS = 1
 MAX_QUERIES = 4096  # matches in one request
