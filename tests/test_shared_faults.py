@@ -10,10 +10,13 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
-from shared_host import Server, caches, start_processes
+import torch
+from shared_host import PAGE_SIZE, Server, caches, start_processes
 
 import aiokv
+from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.shared import SharedStore
 
 
@@ -114,3 +117,35 @@ def test_sigterm_lets_open_tasks_end_then_exits_0(tmp_path: Path) -> None:
         holder.close()
         server.kill()
 
+
+
+def test_puts_whose_end_finds_the_server_dead_fail_and_the_next_server_misses_them(
+        tmp_path: Path) -> None:
+    """A batch's end gets no answer, so a put is reported done once its end is sent; an
+    end that cannot be sent (the server died after the match) fails its puts instead,
+    and a new server does not claim them."""
+    server = Server(tmp_path).start()
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(server.socket)))
+    tables = caches()
+    store.register(tables)
+    try:
+        tokens = np.arange(4 * PAGE_SIZE, dtype=np.int64)
+        answers = store.put_match_many([(tokens, ["dies:1"]), (tokens, ["dies:2"])])
+        ids = [answer[0] for answer in answers]  # type: ignore[index]
+        store.launch(ids, [torch.arange(4), torch.arange(4, 8)], [None, None])
+        server.kill()
+        results: dict[int, TaskResult] = {}
+        give_up = time.monotonic() + 20
+        while len(results) < 2:
+            assert time.monotonic() < give_up, "the puts never ended"
+            results.update(store.try_wait(ids))
+        assert {r.status for r in results.values()} == {TaskStatus.FAILED}
+        assert all("went away" in (r.error or "") for r in results.values())
+
+        server = Server(tmp_path).start()
+        get, mask = store.get_match(tokens, ["dies:1"])  # reconnects
+        assert not mask.any()
+        store.cancel([get])
+    finally:
+        store.close()
+        server.kill()
