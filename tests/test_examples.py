@@ -42,3 +42,19 @@ def test_web_app_self_test_serves_real_requests(app: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "self-test on port" in result.stdout and ": ok" in result.stdout
     assert "FAILED" not in result.stdout
+
+
+def test_shared_host_workers_hit_what_any_of_them_offloaded() -> None:
+    """Requests of a user on random workers: on one store-server every history page
+    comes back (bit for bit); on private stores only where the user's last request
+    landed on the same worker."""
+    shared = run_example("shared_host.py", "--workers", "3", "--users", "12", "--steps", "4")
+    assert shared.returncode == 0, shared.stdout + shared.stderr
+    assert "72 of 72 history pages came back from the store (100%), 0 mismatched" in (
+        shared.stdout)
+    private = run_example("shared_host.py", "--workers", "3", "--users", "12", "--steps",
+                          "4", "--private")
+    assert private.returncode == 0, private.stdout + private.stderr
+    assert "private stores" in private.stdout and ", 0 mismatched" in private.stdout
+    loaded = int(private.stdout.split(" of 72 history pages")[0].split()[-1])
+    assert 0 < loaded < 72

@@ -30,6 +30,18 @@ def test_default_config_file_loads() -> None:
     assert engine == aiokv.EngineConfig() and store.backend == "local"
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yml")))
+def test_every_shipped_config_loads(name: str) -> None:
+    aiokv.load_config(ROOT / "configs" / name)
+
+
+def test_the_shared_tier_configs_are_a_server_and_its_engines() -> None:
+    _, server = aiokv.load_config(ROOT / "configs" / "store-server.yml")
+    _, engine = aiokv.load_config(ROOT / "configs" / "shared.yml")
+    assert server.backend == "local" and server.cpu_cache_gb > 0  # what store-server runs
+    assert engine.backend == "shared" and str(engine.socket).endswith(".sock")
+
+
 @pytest.mark.parametrize(
     ("document", "key"),
     [
