@@ -277,30 +277,35 @@ def test_a_put_reported_done_is_a_hit_for_a_lookup_made_after_it(tmp_path: Path)
     A lookup from another engine made after that finds it even when the server reads
     that engine's connection first. Here the server is stopped while B's ping, then
     A's end, then B's lookup arrive: on waking it lists B first (B was ready first) and
-    reads the ping and the lookup together."""
+    reads the ping and the lookup together. It then goes on serving the others: A's
+    connection, read before its turn came, does not hold it up when that turn comes."""
     server = Server(tmp_path).start()
     assert server.process is not None
     tokens = np.arange(3 * PAGE_SIZE, dtype=np.int64)
-    with connect(server) as a, connect(server) as b:
-        hello(a)
-        hello(b)
-        a_channel, b_channel = sockets.Channel(a), sockets.Channel(b)
-        op, body = a_channel.call(wire.encode_match(wire.PUT, [(tokens, ["after"])],
-                                                    PAGE_SIZE, []))
-        ((task, mask, _blocks),) = wire.decode_answers(body, [len(tokens)], PAGE_SIZE)
-        assert op == wire.ANSWERS and mask.all()
-        server.process.send_signal(signal.SIGSTOP)
-        try:
-            b.sendall(wire.frame(wire.PING))
-            time.sleep(0.05)  # B's ping is in before A's end (not ordering our own work)
-            a_channel.send(wire.encode_end([task], []))  # A's put is done once sent
-            time.sleep(0.05)
-            b.sendall(wire.encode_match(wire.GET, [(tokens, ["after"])], PAGE_SIZE, []))
-        finally:
-            server.process.send_signal(signal.SIGCONT)
-        assert b_channel.call(b"")[0] == wire.OK
-        op, body = b_channel.call(b"")
-        ((_task, mask, blocks),) = wire.decode_answers(body, [len(tokens)], PAGE_SIZE)
-        assert op == wire.ANSWERS
-        assert mask.tolist() == [True] * len(tokens) and len(blocks) == 3
-    server.kill()
+    try:
+        with connect(server) as a, connect(server) as b, connect(server) as c:
+            for sock in (a, b, c):
+                hello(sock)
+                sock.settimeout(10)
+            a_channel, b_channel = sockets.Channel(a), sockets.Channel(b)
+            op, body = a_channel.call(wire.encode_match(wire.PUT, [(tokens, ["after"])],
+                                                        PAGE_SIZE, []))
+            ((task, mask, _blocks),) = wire.decode_answers(body, [len(tokens)], PAGE_SIZE)
+            assert op == wire.ANSWERS and mask.all()
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                b.sendall(wire.frame(wire.PING))
+                time.sleep(0.05)  # B's ping is in before A's end (not ordering our work)
+                a_channel.send(wire.encode_end([task], []))  # A's put is done once sent
+                time.sleep(0.05)
+                b.sendall(wire.encode_match(wire.GET, [(tokens, ["after"])], PAGE_SIZE, []))
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+            assert b_channel.call(b"")[0] == wire.OK
+            op, body = b_channel.call(b"")
+            ((_task, mask, blocks),) = wire.decode_answers(body, [len(tokens)], PAGE_SIZE)
+            assert op == wire.ANSWERS
+            assert mask.tolist() == [True] * len(tokens) and len(blocks) == 3
+            assert sockets.Channel(c).call(wire.frame(wire.PING))[0] == wire.OK
+    finally:
+        server.kill()

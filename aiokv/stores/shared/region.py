@@ -174,7 +174,7 @@ def allocate(cpu_cache_gb: float) -> int:
     """A memfd of ``cpu_cache_gb`` GiB, its memory allocated (the server's, at start: the
     geometry, and so the blocks, come later), private to the processes it is handed
     to. ConfigError when the host cannot back it."""
-    size = int(cpu_cache_gb * (1 << 30)) // mmap.PAGESIZE * mmap.PAGESIZE
+    size = region_bytes(cpu_cache_gb)
     fd = os.memfd_create("aiokv-region", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
@@ -190,9 +190,15 @@ def allocate(cpu_cache_gb: float) -> int:
     return fd
 
 
+def region_bytes(cpu_cache_gb: float) -> int:
+    """The region's size: ``cpu_cache_gb`` GiB in whole memory pages."""
+    return int(cpu_cache_gb * (1 << 30)) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
 def region_blocks(cpu_cache_gb: float, geometry: Geometry) -> int:
-    """Blocks of ``cpu_cache_gb`` GiB; ConfigError when that holds none."""
-    count = int(cpu_cache_gb * (1 << 30) // geometry.block_bytes)
+    """Blocks of ``cpu_cache_gb`` GiB (as allocated: whole pages); ConfigError when that
+    holds none."""
+    count = region_bytes(cpu_cache_gb) // geometry.block_bytes
     if count < 1:
         raise ConfigError("store.cpu_cache_gb",
                           f"{cpu_cache_gb} GiB holds no block of {geometry.block_bytes} bytes")

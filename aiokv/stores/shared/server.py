@@ -7,8 +7,9 @@ A request is a batch (all of a batch's matches, or all of its finished tasks), s
 server sees two messages per batch and answers one. Before it answers a lookup (or
 figures), it applies what other engines have waiting (:meth:`StoreServer._absorb`): an
 engine reports a put done once its end is sent, so every lookup after that sees it. A
-get whose pages are only on SSD waits for their reads here (the other engines' requests
-wait meanwhile: a known cost, see :mod:`.service`).
+batch of gets whose pages are partly on SSD only is answered once those pages are read
+into host blocks; meanwhile the server answers the other engines (that engine is blocked
+in its call and sends nothing more; what it sends anyway waits for the answer).
 
 Who may connect: the socket lives in a directory only the server's uid can enter (made
 0700, or refused when it is open to others), the socket itself is 0600, and every
@@ -41,7 +42,7 @@ from ...config import StoreConfig
 from ...errors import ConfigError
 from . import sockets, wire
 from .region import Geometry
-from .service import Client, Foreign, Service
+from .service import Client, Entry, Foreign, Service, answers_only
 
 log = logging.getLogger("aiokv.server")
 
@@ -65,6 +66,7 @@ class Connection:
     inbox: bytearray = field(default_factory=bytearray)
     registered: bool = False
     busy: bool = False  # its frames are being answered: not read again meanwhile
+    deferred: list[Entry] | None = None  # a batch of gets waiting for SSD reads
 
 
 def private_directory(path: Path) -> None:
@@ -117,6 +119,7 @@ class StoreServer:
         self._stopping = False
         self._stop_at = 0.0
         self._absorbing = 0  # nested _absorb calls
+        self._deferred: dict[Connection, None] = {}  # deferred batches, oldest first
         self._handlers: dict[int, Callable[[Connection, memoryview], bytes]] = {
             wire.PUT: self._put, wire.GET: self._get, wire.END: self._end,
             wire.PING: self._ping, wire.JSON: self._json}
@@ -172,6 +175,8 @@ class StoreServer:
                         self.service.poll()
                     else:
                         self._readable(key.data)
+                if self._deferred:
+                    self._settle()
                 if self._stopping and self._listener is not None:
                     self._stop_listening()
         finally:
@@ -193,7 +198,7 @@ class StoreServer:
         if not self._stopping or self._listener is not None:
             return False
         clients = [c.client for c in self._connections.values()]
-        if self.service.idle(clients):
+        if self.service.idle(clients) and not self._deferred:
             return True
         if time.monotonic() >= self._stop_at:
             log.warning("aiokv store-server: drain timed out with tasks open; rolled back")
@@ -240,7 +245,9 @@ class StoreServer:
         """Read once from ``conn`` and answer its whole frames; the bytes read (0 when
         there were none, or the peer is gone)."""
         try:
-            data = conn.sock.recv(_CHUNK)
+            # Never blocking: the selector's list can be stale, as _absorb may have read
+            # the connection since (its socket blocks, for sendall's kernel timeout).
+            data = conn.sock.recv(_CHUNK, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return 0
         except OSError as exc:
@@ -249,7 +256,15 @@ class StoreServer:
         if not data:
             self._drop(conn, None)
             return 0
-        received = len(data)
+        if conn.deferred is not None:  # answered after its batch's answer
+            conn.inbox += data
+        else:
+            self._frames(conn, data)
+        return len(data)
+
+    def _frames(self, conn: Connection, data: bytes) -> None:
+        """Answer the whole frames of ``conn``'s inbox and ``data``, in order, up to a
+        batch that is deferred; keep the rest in its inbox."""
         if conn.inbox:  # the rest of a frame that came in pieces
             conn.inbox += data
             data = bytes(conn.inbox)  # bytes: the requests' arrays may view it
@@ -257,7 +272,7 @@ class StoreServer:
         at = 0
         conn.busy = True
         try:
-            while len(data) - at >= 4:
+            while len(data) - at >= 4 and conn.deferred is None:
                 (length,) = _LENGTH.unpack_from(data, at)
                 wire.check_length(length)  # at once: a bad length is not waited for
                 end = at + 4 + length
@@ -278,7 +293,40 @@ class StoreServer:
             self._drop(conn, f"{type(exc).__name__}: {exc}")
         finally:
             conn.busy = False
-        return received
+
+    def _settle(self) -> None:
+        """Answer the deferred batches whose gets are all ready, oldest first, and then
+        the frames each one's engine sent meanwhile; again while one was answered (a get
+        that waited for another's reads may be ready now)."""
+        answered = True
+        while answered:
+            answered = False
+            for conn in list(self._deferred):
+                if conn.deferred is None:  # dropped meanwhile
+                    continue
+                try:
+                    entries, ready = self.service.settle(conn.client, conn.deferred)
+                except Exception as exc:  # a bug: that peer goes (its tasks rolled back)
+                    log.exception("aiokv store-server: gets of engine pid %d failed",
+                                  conn.client.pid)
+                    conn.deferred = None
+                    del self._deferred[conn]
+                    self._drop(conn, f"{type(exc).__name__}: {exc}")
+                    continue
+                conn.deferred = entries
+                answers = answers_only(entries) if ready else None
+                if answers is None:
+                    continue
+                conn.deferred = None
+                del self._deferred[conn]
+                answered = True
+                try:
+                    conn.sock.sendall(wire.encode_answers(answers))
+                except OSError as exc:
+                    self._drop(conn, f"reply failed: {exc}")
+                    continue
+                if conn.inbox:
+                    self._frames(conn, b"")
 
     def _absorb(self) -> None:
         """Answer the frames other engines have waiting, before a lookup or figures.
@@ -307,6 +355,10 @@ class StoreServer:
             return
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.sock)
+        if conn.deferred is not None:
+            self.service.abandon(conn.deferred)
+            conn.deferred = None
+            del self._deferred[conn]
         rolled = self.service.drop(conn.client)
         conn.sock.close()
         if why is not None:
@@ -374,8 +426,13 @@ class StoreServer:
         if self._stopping:
             return wire.encode_answers([("the store server is shutting down", False)]
                                        * len(request.queries))
-        return wire.encode_answers(self.service.match_many(conn.client, is_put,
-                                                           request.queries))
+        entries = self.service.match_many(conn.client, is_put, request.queries)
+        answers = answers_only(entries)
+        if answers is None:  # answered by _settle once its SSD reads are in
+            conn.deferred = list(entries)
+            self._deferred[conn] = None
+            return b""
+        return wire.encode_answers(answers)
 
     def _put(self, conn: Connection, body: memoryview) -> bytes:
         return self._matches(conn, body, True)

@@ -7,8 +7,11 @@ the engine copies between its caches and those blocks in the region itself, and 
 reports each task's end (:meth:`Service.finish`): a put's blocks are published (and
 written through to SSD) or rolled back, a get's readers dropped. A get's pages that only
 the SSD tier has are read into host blocks before its match is answered (the SSD link's
-load staging, driven to its end here), so that an engine only ever copies from the host
-tier. Everything runs on the server's one thread.
+load staging), so that an engine only ever copies from the host tier. Such a get is a
+:class:`PendingGet` until its reads are in: the server answers other requests meanwhile
+and the batch's answer waits (:meth:`Service.settle`); a get of a key whose pages a
+pending get is reading waits for it too (a :class:`Retry`), so that it finds them on the
+host rather than missing them. Everything runs on the server's one thread.
 
 Every task belongs to the connection that matched it (a :class:`Client`): a task id
 from another connection is a :class:`Foreign` (the server drops that peer), and when a
@@ -21,7 +24,6 @@ import contextlib
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +66,31 @@ class Task:
     matching: bool = True  # still inside its match: an SSD part given up is not its end
 
 
+@dataclass(slots=True, eq=False)
+class PendingGet:
+    """A get whose SSD pages are being read into host blocks (held since its match):
+    answered once they are in, or once ``give_up_at`` passes (then with its host prefix)."""
+
+    task: Task
+    load: Load
+    pages: int  # the query's full pages
+    hit: int  # its host prefix, in pages
+    namespace: tuple[str, ...]
+    give_up_at: float
+
+
+@dataclass(slots=True, eq=False)
+class Retry:
+    """A get of a key whose pages a pending get is reading from SSD: matched once that
+    get is answered."""
+
+    query: Query
+
+
+# A batch's entry: its answer, or what it waits for.
+Entry = Answer | PendingGet | Retry
+
+
 @dataclass(slots=True)
 class Client:
     """One connection's tasks (id -> task)."""
@@ -86,7 +113,7 @@ class Service:
         self._ids = itertools.count(1)
         self._owner: dict[int, Client] = {}  # task id -> its connection
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
-        self._staged = threading.Event()
+        self._staging: dict[tuple[str, ...], int] = {}  # pending gets' keys -> how many
         self._memory: int | None = None  # the region's memfd until the first engine
 
     def allocate(self) -> None:
@@ -134,15 +161,15 @@ class Service:
         return region
 
     def _ssd_done(self) -> None:  # SSD I/O threads
-        self._staged.set()
         self._wake()
 
     # ---- matches -------------------------------------------------------------------
 
     def match_many(self, client: Client, is_put: bool, queries: Sequence[Query]
-                   ) -> list[Answer]:
+                   ) -> Sequence[Entry]:
         """A batch's matches, each answered as if alone and in order: (task id, one bool
-        per page, blocks), or (why, True) for a put that cannot have its blocks now."""
+        per page, blocks), or (why, True) for a put that cannot have its blocks now; a
+        get may be a PendingGet or a Retry instead, for :meth:`settle`."""
         if not is_put:
             return [self.get_match(client, *query) for query in queries]
         namespaces = {space for _, _, space in queries}
@@ -218,9 +245,12 @@ class Service:
         return [self._hold(client, task) for task in tasks]
 
     def get_match(self, client: Client, tokens: int, digests: list[bytes],
-                  namespace: tuple[str, ...]) -> Answer:
+                  namespace: tuple[str, ...]) -> Entry:
         """LocalStore.get_match: the longest READY host prefix, then what the SSD tier has
-        after it, read into host blocks now; all of them held until the task ends."""
+        after it, read into host blocks (a PendingGet while the reads run); all of them
+        held until the task ends. A Retry while a pending get reads this key."""
+        if namespace in self._staging:
+            return Retry((tokens, digests, namespace))
         host, link = self._require_host(), self._link
         if link is not None:
             link.drain()
@@ -242,39 +272,75 @@ class Service:
         host.shared_gets += shared
         task = Task(client.number, False, NO_MASK, hit, [], None, shared=shared)
         if link is not None and len(hit) == len(found):
-            self._stage_from_ssd(link, task, namespace, digests)
+            load = link.start_load(namespace, digests, len(task.blocks), task)
+            if load is not None and not load.staged:
+                link.cancel_load(load)  # no room now: the SSD part is a miss
+                task.blocks = task.blocks[: load.hits]
+            elif load is not None and not load.finished:
+                self._staging[namespace] = self._staging.get(namespace, 0) + 1
+                return PendingGet(task, load, pages, len(hit), namespace,
+                                  time.monotonic() + SSD_STAGE_TIMEOUT_S)
+            elif load is not None:
+                self._launch_staged(link, load)
+        return self._answer_get(client, task, pages, len(hit))
+
+    def settle(self, client: Client, entries: Sequence[Entry]) -> tuple[list[Entry], bool]:
+        """A deferred batch's entries again, the ready ones answered: pending gets whose
+        reads are in (or that waited too long), retries whose key no get reads now;
+        whether every entry is an answer."""
+        if self._link is not None:
+            self._link.drain()
+        now = time.monotonic()
+        out: list[Entry] = []
+        for entry in entries:
+            if isinstance(entry, PendingGet) and (entry.load.finished
+                                                  or now >= entry.give_up_at):
+                entry = self._finish_get(client, entry)
+            elif isinstance(entry, Retry) and entry.query[2] not in self._staging:
+                entry = self.get_match(client, *entry.query)
+            out.append(entry)
+        return out, not any(isinstance(e, (PendingGet, Retry)) for e in out)
+
+    def abandon(self, entries: Sequence[Entry]) -> None:
+        """A deferred batch whose connection went: its pending gets' reads end them
+        (their blocks given back once in); its answered tasks are the client's, ended
+        by :meth:`drop`."""
+        for entry in entries:
+            if isinstance(entry, PendingGet):
+                self._staged_out(entry.namespace)
+                entry.task.matching = False  # the link's end of it is its end
+                assert self._link is not None  # a load came from it
+                self._link.cancel_load(entry.load)
+
+    def _finish_get(self, client: Client, pending: PendingGet) -> Answer:
+        self._staged_out(pending.namespace)
+        link, load = self._link, pending.load
+        assert link is not None  # a load came from it
+        if load.finished:
+            self._launch_staged(link, load)
+        else:  # its blocks stay held by the reads; the task loads its host prefix
+            log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s",
+                        len(load.slots), SSD_STAGE_TIMEOUT_S)
+        return self._answer_get(client, pending.task, pending.pages, pending.hit)
+
+    def _staged_out(self, namespace: tuple[str, ...]) -> None:
+        self._staging[namespace] -= 1
+        if not self._staging[namespace]:
+            del self._staging[namespace]
+
+    def _launch_staged(self, link: TierLink, load: Load) -> None:
+        """Staged and verified: task.blocks is now prefix + good pages (loads._finish);
+        the launch only settles the link's books (its copy is the engine's, _no_copy)."""
+        link.launch_load(load, np.arange(load.match_pages, dtype=np.int64), ())
+
+    def _answer_get(self, client: Client, task: Task, pages: int, hit: int) -> Answer:
         task.mask = np.zeros(pages, dtype=np.bool_)
         task.mask[: len(task.blocks)] = True
         page_size = self._page_size()
-        self._hits["host_hit_tokens"] += len(hit) * page_size
-        self._hits["ssd_hit_tokens"] += (len(task.blocks) - len(hit)) * page_size
+        self._hits["host_hit_tokens"] += hit * page_size
+        self._hits["ssd_hit_tokens"] += (len(task.blocks) - hit) * page_size
         task.matching = False
         return self._hold(client, task)
-
-    def _stage_from_ssd(self, link: TierLink, task: Task, namespace: tuple[str, ...],
-                        digests: list[bytes]) -> None:
-        """The SSD pages after the host prefix, read into held host blocks (waiting for
-        the reads here); none when there is no host room for them now."""
-        load = link.start_load(namespace, digests, len(task.blocks), task)
-        if load is None:
-            return
-        if not load.staged:
-            link.cancel_load(load)  # no room now: the SSD part is a miss
-            task.blocks = task.blocks[: load.hits]
-            return
-        give_up = time.monotonic() + SSD_STAGE_TIMEOUT_S
-        while not load.finished and time.monotonic() < give_up:
-            self._staged.wait(0.05)
-            self._staged.clear()
-            link.drain()
-        if not load.finished:
-            log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s",
-                        len(load.slots), SSD_STAGE_TIMEOUT_S)
-            return  # its blocks stay held by the reads; the task loads its host prefix
-        # Staged and verified: task.blocks is now prefix + good pages (loads._finish);
-        # the launch only settles the link's books (its copy is the engine's, _no_copy).
-        pages = np.arange(load.match_pages, dtype=np.int64)
-        link.launch_load(load, pages, ())
 
     def _no_copy(self, *job: Any) -> Any:
         """The SSD link's copy to the GPU: the engine's own, after the match."""
@@ -367,6 +433,7 @@ class Service:
             "host_blocks_total": host.num_blocks if host is not None else 0,
             "server_clients": len(clients),
             "server_tasks_open": len(tasks),
+            "server_gets_staging": sum(self._staging.values()),
             "server_blocks_held": sum(len(t.blocks) for t in tasks),
             **self._hits,
         }
@@ -419,6 +486,12 @@ def _all_true(pages: int) -> BoolArray:
     return _ALL_TRUE[:pages]
 
 
+def answers_only(entries: Sequence[Entry]) -> list[Answer] | None:
+    """A batch's answers, or None while an entry waits (a PendingGet or a Retry)."""
+    answers = [e for e in entries if not isinstance(e, (PendingGet, Retry))]
+    return answers if len(answers) == len(entries) else None
+
+
 def _blocks(tasks: Sequence[Task]) -> Int64Array:
     return tasks[0].blocks if len(tasks) == 1 else np.concatenate([t.blocks for t in tasks])
 
@@ -429,4 +502,5 @@ def _common_size(tasks: Sequence[Task]) -> int:
     return size if all(len(t.blocks) == size for t in tasks) else 0
 
 
-__all__ = ["Client", "Foreign", "NoSpace", "Service", "Task"]
+__all__ = ["Client", "Entry", "Foreign", "NoSpace", "PendingGet", "Retry", "Service", "Task",
+           "answers_only"]
