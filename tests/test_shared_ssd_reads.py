@@ -201,3 +201,34 @@ def test_an_engine_gone_while_its_ssd_reads_wait_leaves_nothing_held(
         gate.set()
         reader.close()
         figures.close()
+
+
+def test_a_drain_answers_a_lookup_still_reading_before_it_exits(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM's drain (``stop``) while a lookup waits for its SSD reads: new matches are
+    refused, the waiting lookup is answered once its reads are in and loads bit for
+    bit, and the server exits once that task has ended."""
+    gate = on_ssd_only(host, 11, monkeypatch)
+    reader, reader_tables = host.engine()
+    other, _ = host.engine()
+    try:
+        lookup = Call(lambda: reader.get_match(TOKENS, ["user:11"]))
+        wait_for(lambda: other.store_stats()["server_gets_staging"] == 1, "the reads started")
+        assert host.server is not None and host.thread is not None
+        host.server.stop()
+        wait_for(lambda: not host.socket.exists(), "the drain's start")
+        with pytest.raises(aiokv.StoreError, match="shutting down"):
+            other.put_match(TOKENS, ["user:12"])
+        other.close()
+        gate.set()
+        task, mask = lookup.outcome()
+        assert mask.sum() == PAGES * PAGE_SIZE
+        assert host.thread.is_alive()  # the task is open: the drain waits for its end
+        assert load_exact(reader, reader_tables, 11, task)
+        reader.close()
+        host.thread.join(20)
+        assert not host.thread.is_alive(), "the server did not exit after its last task"
+    finally:
+        gate.set()
+        reader.close()
+        other.close()

@@ -155,6 +155,8 @@ class StoreServer:
         self._wake()
 
     def _wake(self) -> None:
+        if self._wake_w < 0:  # stopped already: stop() again is a no-op
+            return
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
 
@@ -217,6 +219,7 @@ class StoreServer:
         for fd in (*self._locks, self._wake_r, self._wake_w):
             os.close(fd)
         self._locks.clear()
+        self._wake_r = self._wake_w = -1
         log.info("aiokv store-server: stopped")
 
     # ---- connections ---------------------------------------------------------------
