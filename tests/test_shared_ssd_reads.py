@@ -22,6 +22,7 @@ from shared_host import PAGE_SIZE, caches, user_kv
 import aiokv
 from aiokv.stores.local import ssd as ssd_module
 from aiokv.stores.shared import SharedStore
+from aiokv.stores.shared import service as service_module
 from aiokv.stores.shared.server import StoreServer
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
@@ -232,3 +233,33 @@ def test_a_drain_answers_a_lookup_still_reading_before_it_exits(
         gate.set()
         reader.close()
         other.close()
+
+
+def test_reads_past_the_timeout_answer_the_host_prefix_and_free_everything_later(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup whose SSD reads take longer than the server waits (30 s; 0.3 here) is
+    answered with what the host tier has (nothing here), and so is a lookup of the same
+    key that waited behind it; once the reads are in and both end, nothing is held."""
+    monkeypatch.setattr(service_module, "SSD_STAGE_TIMEOUT_S", 0.3)
+    gate = on_ssd_only(host, 13, monkeypatch)
+    reader, _ = host.engine()
+    twin, _ = host.engine()
+    try:
+        lookup = Call(lambda: reader.get_match(TOKENS, ["user:13"]))
+        wait_for(lambda: twin.store_stats()["server_gets_staging"] == 1, "the reads started")
+        same_key = Call(lambda: twin.get_match(TOKENS, ["user:13"]))
+        task, mask = lookup.outcome()
+        twin_task, twin_mask = same_key.outcome()
+        assert not mask.any() and not twin_mask.any()
+        gate.set()
+        reader.cancel([task])
+        twin.cancel([twin_task])
+        wait_for(lambda: twin.store_stats()["server_blocks_held"] == 0, "the holds' end")
+        stats = twin.store_stats()
+        assert stats["server_gets_staging"] == 0 and stats["server_tasks_open"] == 0
+        wait_for(lambda: twin.clear() >= 0 and twin.store_stats()["host_blocks_used"] == 0,
+                 "every block free after a clear")  # the late reads' blocks held by no one
+    finally:
+        gate.set()
+        reader.close()
+        twin.close()

@@ -318,9 +318,13 @@ class Service:
         assert link is not None  # a load came from it
         if load.finished:
             self._launch_staged(link, load)
-        else:  # its blocks stay held by the reads; the task loads its host prefix
+        else:  # the get answers its host prefix; the reads go on, in a task of their own
             log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s",
                         len(load.slots), SSD_STAGE_TIMEOUT_S)
+            # Ended (their blocks freed) when they are in, apart from the get's own end.
+            load.task = Task(client.number, False, NO_MASK, NO_BLOCKS, [], None,
+                             matching=False)
+            link.cancel_load(load)
         return self._answer_get(client, pending.task, pending.pages, pending.hit)
 
     def _staged_out(self, namespace: tuple[str, ...]) -> None:
