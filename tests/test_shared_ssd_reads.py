@@ -143,6 +143,13 @@ class Call(threading.Thread):
         return self.result
 
 
+def lookup_reading(reader: SharedStore, user: int, figures: SharedStore) -> Call:
+    """``reader``'s lookup of ``user`` on a thread, once the server is reading its pages
+    (as ``figures``, another engine, sees it)."""
+    lookup = Call(lambda: reader.get_match(TOKENS, [f"user:{user}"]))
+    wait_for(lambda: figures.store_stats()["server_gets_staging"] == 1, "the reads started")
+    return lookup
+
 def test_an_engine_waiting_on_ssd_reads_does_not_hold_up_the_others(
         host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = on_ssd_only(host, 7, monkeypatch)
@@ -150,8 +157,7 @@ def test_an_engine_waiting_on_ssd_reads_does_not_hold_up_the_others(
     twin, twin_tables = host.engine()
     other, _ = host.engine()
     try:
-        lookup = Call(lambda: reader.get_match(TOKENS, ["user:7"]))
-        wait_for(lambda: other.store_stats()["server_gets_staging"] == 1, "the reads started")
+        lookup = lookup_reading(reader, 7, other)
         same_key = Call(lambda: twin.get_match(TOKENS, ["user:7"]))
 
         # The other engines are answered while the reads wait.
@@ -182,9 +188,7 @@ def test_an_engine_gone_while_its_ssd_reads_wait_leaves_nothing_held(
     reader, _ = host.engine()
     figures, figures_tables = host.engine()
     try:
-        lookup = Call(lambda: reader.get_match(TOKENS, ["user:9"]))
-        wait_for(lambda: figures.store_stats()["server_gets_staging"] == 1,
-                 "the reads started")
+        lookup = lookup_reading(reader, 9, figures)
         assert reader._link is not None
         reader._link.sock.shutdown(socket.SHUT_RDWR)  # the engine goes, its lookup unanswered
         with pytest.raises(aiokv.StoreError):
@@ -213,8 +217,7 @@ def test_a_drain_answers_a_lookup_still_reading_before_it_exits(
     reader, reader_tables = host.engine()
     other, _ = host.engine()
     try:
-        lookup = Call(lambda: reader.get_match(TOKENS, ["user:11"]))
-        wait_for(lambda: other.store_stats()["server_gets_staging"] == 1, "the reads started")
+        lookup = lookup_reading(reader, 11, other)
         assert host.server is not None and host.thread is not None
         host.server.stop()
         wait_for(lambda: not host.socket.exists(), "the drain's start")
@@ -245,8 +248,7 @@ def test_reads_past_the_timeout_answer_the_host_prefix_and_free_everything_later
     reader, _ = host.engine()
     twin, _ = host.engine()
     try:
-        lookup = Call(lambda: reader.get_match(TOKENS, ["user:13"]))
-        wait_for(lambda: twin.store_stats()["server_gets_staging"] == 1, "the reads started")
+        lookup = lookup_reading(reader, 13, twin)
         same_key = Call(lambda: twin.get_match(TOKENS, ["user:13"]))
         task, mask = lookup.outcome()
         twin_task, twin_mask = same_key.outcome()
