@@ -168,7 +168,8 @@ def split(args: argparse.Namespace) -> None:
     import aiokv
     from aiokv.stores.shared import wire
     from aiokv.stores.shared.region import Geometry
-    from aiokv.stores.shared.service import Client, Service
+    from aiokv.stores.shared.service import Service
+    from aiokv.stores.shared.tasks import Client
 
     service = Service(aiokv.StoreConfig(cpu_cache_gb=0.1), lambda: None)
     service.allocate()

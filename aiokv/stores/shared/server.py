@@ -42,7 +42,8 @@ from ...config import StoreConfig
 from ...errors import ConfigError
 from . import sockets, wire
 from .region import Geometry
-from .service import Client, Entry, Foreign, Service, answers_only
+from .service import Service
+from .tasks import Client, Entry, Foreign, answers_only
 
 log = logging.getLogger("aiokv.server")
 

@@ -26,7 +26,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -39,65 +38,13 @@ from ..local.index import Space
 from ..local.loads import Load
 from ..local.tiering import TierLink
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
+from .tasks import Client, Entry, Foreign, PendingGet, Retry, Task
 from .wire import Answer, Query
 
 log = logging.getLogger("aiokv.server")
 
 NO_MASK: BoolArray = np.zeros(0, dtype=np.bool_)
 SSD_STAGE_TIMEOUT_S = 30.0  # a get's SSD reads that take longer make the get a miss
-
-
-class Foreign(Exception):
-    """A request that names a task its connection does not hold."""
-
-
-@dataclass(slots=True, eq=False)
-class Task:
-    """One matched task, as the SSD link and the host tier see LocalStore's."""
-
-    client: int
-    is_put: bool
-    mask: BoolArray
-    blocks: Int64Array
-    digests: list[bytes]
-    space: Space | None
-    shared: bool = False
-    load: Load | None = None
-    matching: bool = True  # still inside its match: an SSD part given up is not its end
-
-
-@dataclass(slots=True, eq=False)
-class PendingGet:
-    """A get whose SSD pages are being read into host blocks (held since its match):
-    answered once they are in, or once ``give_up_at`` passes (then with its host prefix)."""
-
-    task: Task
-    load: Load
-    pages: int  # the query's full pages
-    hit: int  # its host prefix, in pages
-    namespace: tuple[str, ...]
-    give_up_at: float
-
-
-@dataclass(slots=True, eq=False)
-class Retry:
-    """A get of a key whose pages a pending get is reading from SSD: matched once that
-    get is answered."""
-
-    query: Query
-
-
-# A batch's entry: its answer, or what it waits for.
-Entry = Answer | PendingGet | Retry
-
-
-@dataclass(slots=True)
-class Client:
-    """One connection's tasks (id -> task)."""
-
-    number: int
-    pid: int
-    tasks: dict[int, Task] = field(default_factory=dict)
 
 
 class Service:
@@ -490,12 +437,6 @@ def _all_true(pages: int) -> BoolArray:
     return _ALL_TRUE[:pages]
 
 
-def answers_only(entries: Sequence[Entry]) -> list[Answer] | None:
-    """A batch's answers, or None while an entry waits (a PendingGet or a Retry)."""
-    answers = [e for e in entries if not isinstance(e, (PendingGet, Retry))]
-    return answers if len(answers) == len(entries) else None
-
-
 def _blocks(tasks: Sequence[Task]) -> Int64Array:
     return tasks[0].blocks if len(tasks) == 1 else np.concatenate([t.blocks for t in tasks])
 
@@ -506,5 +447,4 @@ def _common_size(tasks: Sequence[Task]) -> int:
     return size if all(len(t.blocks) == size for t in tasks) else 0
 
 
-__all__ = ["Client", "Entry", "Foreign", "NoSpace", "PendingGet", "Retry", "Service", "Task",
-           "answers_only"]
+__all__ = ["NoSpace", "Service"]
