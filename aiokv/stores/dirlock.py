@@ -36,25 +36,28 @@ def require_directory(directory: str, key: str) -> None:
         raise ConfigError(key, f"{directory!r} is not a directory")
 
 
-class DirLock:
-    """The exclusive lock on ``<path>/lock``; :meth:`release` gives it back (idempotent)."""
+_ONE_EACH = "; give each process its own directory (one per worker)"
 
-    def __init__(self, path: Path, key: str, shown: str) -> None:
-        """Take the lock, or raise ConfigError naming ``key``, ``shown`` (the directory
-        as the user named it) and the holder. ``path`` must exist."""
+
+class DirLock:
+    """The exclusive lock on ``<path>/<name>``; :meth:`release` gives it back
+    (idempotent)."""
+
+    def __init__(self, path: Path, key: str, shown: str, *, name: str = LOCK_NAME,
+                 holder: str = "aiokv store", hint: str = _ONE_EACH) -> None:
+        """Take the lock, or raise ConfigError naming ``key``, ``shown`` (what the user
+        named), the kind of ``holder`` and its pid, then ``hint``. ``path`` must exist."""
         try:
-            fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise ConfigError(key, f"{shown!r} is not writable: {exc}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
-            holder = _holder(os.pread(fd, _HOLDER_BYTES, 0))
+            recorded = _holder(os.pread(fd, _HOLDER_BYTES, 0))
             os.close(fd)
             raise ConfigError(
-                key,
-                f"{shown!r} is in use by another aiokv store ({holder}); give each "
-                "process its own directory (one per worker)",
+                key, f"{shown!r} is in use by another {holder} ({recorded}){hint}"
             ) from exc
         except OSError as exc:
             os.close(fd)

@@ -24,7 +24,6 @@ exits 0.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import selectors
@@ -40,6 +39,7 @@ from typing import Any
 
 from ...config import StoreConfig
 from ...errors import ConfigError
+from ..dirlock import DirLock
 from . import sockets, wire
 from .region import Geometry
 from .service import Service
@@ -51,7 +51,8 @@ SEND_TIMEOUT_S = 5.0  # a peer that does not read its replies for this long is d
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _OK = wire.frame(wire.OK)
 _LENGTH = struct.Struct("<I")  # a frame's length word (then its op: wire.HEAD)
-_LOCK_NAME = "aiokv-server.lock"
+_LOCK_NAME = "aiokv-server.lock"  # in each SSD directory: one server per directory
+_SERVER: dict[str, str] = {"holder": "aiokv store-server", "hint": ""}  # DirLock's words
 _CHUNK = 1 << 16  # read per call: a large buffer per call costs more than calls
 _ABSORB_DEPTH = 16  # lookups met while absorbing absorb too, this deep
 
@@ -85,22 +86,6 @@ def private_directory(path: Path) -> None:
                           "a directory of its own, such as $XDG_RUNTIME_DIR/aiokv")
 
 
-def take_lock(path: Path, what: str) -> int:
-    """An exclusive flock on ``path`` held for the server's life (the kernel drops it
-    however the process ends); ConfigError naming ``what`` and the holder's pid."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ConfigError(what, f"{str(path.parent)!r} is in use by another aiokv "
-                          f"store-server (pid {holder}, lock {str(path)!r})") from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
 class StoreServer:
     """``StoreServer(socket_path, config).serve()`` until :meth:`stop` (any thread) or
     SIGTERM; :meth:`start` binds first (ConfigError for a directory in use)."""
@@ -115,7 +100,7 @@ class StoreServer:
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._connections: dict[int, Connection] = {}  # fileno -> connection
-        self._locks: list[int] = []
+        self._locks: list[DirLock] = []
         self._numbers = 0
         self._stopping = False
         self._stop_at = 0.0
@@ -131,12 +116,12 @@ class StoreServer:
 
     def start(self) -> None:
         private_directory(self.path.parent)
-        self._locks.append(take_lock(self.path.with_name(self.path.name + ".lock"),
-                                     "--socket"))
+        self._locks.append(DirLock(self.path.parent, "--socket", str(self.path),
+                                   name=self.path.name + ".lock", **_SERVER))
         for directory in self.config.ssd_dirs():
             if os.path.isdir(directory):  # a missing one: the SSD tier says so at register
-                self._locks.append(take_lock(Path(directory) / _LOCK_NAME,
-                                             "store.ssd_cache_dir"))
+                self._locks.append(DirLock(Path(directory), "store.ssd_cache_dir",
+                                           directory, name=_LOCK_NAME, **_SERVER))
         self.service.allocate()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # a dead server's: the lock says none is alive
@@ -217,9 +202,11 @@ class StoreServer:
                 self.path.unlink()
         self.service.close()
         self._selector.close()
-        for fd in (*self._locks, self._wake_r, self._wake_w):
-            os.close(fd)
+        for lock in self._locks:
+            lock.release()
         self._locks.clear()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
         self._wake_r = self._wake_w = -1
         log.info("aiokv store-server: stopped")
 
