@@ -105,7 +105,6 @@ class StoreServer:
         self._stopping = False
         self._stop_at = 0.0
         self._absorbing = 0  # nested _absorb calls
-        self._deferred: dict[Connection, None] = {}  # deferred batches, oldest first
         self._handlers: dict[int, Callable[[Connection, memoryview], bytes]] = {
             wire.PUT: self._put, wire.GET: self._get, wire.END: self._end,
             wire.PING: self._ping, wire.JSON: self._json}
@@ -163,7 +162,7 @@ class StoreServer:
                         self.service.poll()
                     else:
                         self._readable(key.data)
-                if self._deferred:
+                if self._waiting():
                     self._settle()
                 if self._stopping and self._listener is not None:
                     self._stop_listening()
@@ -186,7 +185,7 @@ class StoreServer:
         if not self._stopping or self._listener is not None:
             return False
         clients = [c.client for c in self._connections.values()]
-        if self.service.idle(clients) and not self._deferred:
+        if self.service.idle(clients) and not self._waiting():
             return True
         if time.monotonic() >= self._stop_at:
             log.warning("aiokv store-server: drain timed out with tasks open; rolled back")
@@ -285,6 +284,10 @@ class StoreServer:
         finally:
             conn.busy = False
 
+    def _waiting(self) -> list[Connection]:
+        """The connections whose batch of gets waits (:meth:`_settle`)."""
+        return [c for c in self._connections.values() if c.deferred is not None]
+
     def _settle(self) -> None:
         """Answer the deferred batches whose gets are all ready, oldest first, and then
         the frames each one's engine sent meanwhile; again while one was answered (a get
@@ -292,24 +295,22 @@ class StoreServer:
         answered = True
         while answered:
             answered = False
-            for conn in list(self._deferred):
+            for conn in self._waiting():
                 if conn.deferred is None:  # dropped meanwhile
                     continue
                 try:
-                    entries, ready = self.service.settle(conn.client, conn.deferred)
+                    entries = self.service.settle(conn.client, conn.deferred)
                 except Exception as exc:  # a bug: that peer goes (its tasks rolled back)
                     log.exception("aiokv store-server: gets of engine pid %d failed",
                                   conn.client.pid)
                     conn.deferred = None
-                    del self._deferred[conn]
                     self._drop(conn, f"{type(exc).__name__}: {exc}")
                     continue
                 conn.deferred = entries
-                answers = answers_only(entries) if ready else None
+                answers = answers_only(entries)
                 if answers is None:
                     continue
                 conn.deferred = None
-                del self._deferred[conn]
                 answered = True
                 try:
                     conn.sock.sendall(wire.encode_answers(answers))
@@ -349,7 +350,6 @@ class StoreServer:
         if conn.deferred is not None:
             self.service.abandon(conn.deferred)
             conn.deferred = None
-            del self._deferred[conn]
         rolled = self.service.drop(conn.client)
         conn.sock.close()
         if why is not None:
@@ -421,7 +421,6 @@ class StoreServer:
         answers = answers_only(entries)
         if answers is None:  # answered by _settle once its SSD reads are in
             conn.deferred = list(entries)
-            self._deferred[conn] = None
             return b""
         return wire.encode_answers(answers)
 

@@ -231,10 +231,9 @@ class Service:
                 self._launch_staged(link, load)
         return self._answer_get(client, task, pages, len(hit))
 
-    def settle(self, client: Client, entries: Sequence[Entry]) -> tuple[list[Entry], bool]:
+    def settle(self, client: Client, entries: Sequence[Entry]) -> list[Entry]:
         """A deferred batch's entries again, the ready ones answered: pending gets whose
-        reads are in (or that waited too long), retries whose key no get reads now;
-        whether every entry is an answer."""
+        reads are in (or that waited too long), retries whose key no get reads now."""
         if self._link is not None:
             self._link.drain()
         now = time.monotonic()
@@ -246,7 +245,7 @@ class Service:
             elif isinstance(entry, Retry) and entry.query[2] not in self._staging:
                 entry = self.get_match(client, *entry.query)
             out.append(entry)
-        return out, not any(isinstance(e, (PendingGet, Retry)) for e in out)
+        return out
 
     def abandon(self, entries: Sequence[Entry]) -> None:
         """A deferred batch whose connection went: its pending gets' reads end them
