@@ -130,23 +130,21 @@ class SharedStore:
         """One request to the server and its reply's body decoded (under the lock: the
         body views the connection's buffer); StoreError when the server is gone or
         refuses."""
-        with self._lock:
-            link = self._connect()
-            try:
-                return decode(link.call(request, what, expect))
-            except (OSError, wire.PeerGone, wire.WireError) as exc:
-                self._lost(exc)
-                raise StoreError(f"the store server at {self._path!r} went away: {exc}"
-                                 ) from exc
+        return self._on_link(lambda link: decode(link.call(request, what, expect)))
 
     def _send(self, request: bytes) -> None:
         """A request that gets no answer (a batch's end); StoreError when the server is
         gone."""
+        self._on_link(lambda link: link.send(request))
+
+    def _on_link(self, use: Callable[[Link], _T]) -> _T:
+        """``use(link)`` under the lock, connecting first; a broken link is lost (its
+        tasks end FAILED) and raised as StoreError."""
         with self._lock:
             link = self._connect()
             try:
-                link.send(request)
-            except (OSError, wire.PeerGone) as exc:
+                return use(link)
+            except (OSError, wire.PeerGone, wire.WireError) as exc:
                 self._lost(exc)
                 raise StoreError(f"the store server at {self._path!r} went away: {exc}"
                                  ) from exc
