@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,15 @@ from aiokv.stores.shared.region import Geometry
 
 LAYERS, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 2, 64, 4, 2, 8
 _CONTEXT = multiprocessing.get_context("spawn")
+
+
+def wait_for(condition: Callable[[], object], what: str) -> None:
+    """Poll until ``condition()`` (a server's answers change as it handles its peers)."""
+    give_up = time.monotonic() + 20
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"not within 20 s: {what}")
+        time.sleep(0.02)
 
 
 def user_kv(user: int, pages: int) -> list[torch.Tensor]:

@@ -8,147 +8,27 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
-import torch
-from shared_host import PAGE_SIZE, caches, user_kv
+from shared_host import PAGE_SIZE
+from shared_inprocess import (
+    PAGES,
+    TOKENS,
+    Call,
+    Host,
+    host_fixture,  # noqa: F401  (the host fixture)
+    load_exact,
+    lookup_reading,
+    on_ssd_only,
+    wait_for,
+)
 
 import aiokv
-from aiokv.stores.local import ssd as ssd_module
-from aiokv.stores.shared import SharedStore
 from aiokv.stores.shared import service as service_module
-from aiokv.stores.shared.server import StoreServer
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
                                 reason="the shared region needs memfd_create (Linux)")
 
-PAGES = 6
-TOKENS = np.arange(PAGES * PAGE_SIZE, dtype=np.int64)
-
-
-class Host:
-    """A store server in a thread over an SSD directory, restartable on it."""
-
-    def __init__(self, directory: Path) -> None:
-        self.socket = directory / "run" / "store.sock"
-        (directory / "ssd").mkdir()
-        self.config = aiokv.StoreConfig(cpu_cache_gb=0.002, ssd_cache_gb=0.01,
-                                        ssd_cache_dir=str(directory / "ssd"))
-        self.server: StoreServer | None = None
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self.server = StoreServer(self.socket, self.config)
-        self.server.start()
-        self.thread = threading.Thread(target=self.server.serve, name="test-store-server")
-        self.thread.start()
-
-    def stop(self) -> None:
-        if self.server is not None and self.thread is not None:
-            self.server.stop()
-            self.thread.join(30)
-            assert not self.thread.is_alive(), "the server did not stop"
-        self.server = self.thread = None
-
-    def engine(self) -> tuple[SharedStore, list[torch.Tensor]]:
-        store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(self.socket)))
-        tables = caches()
-        store.register(tables)
-        return store, tables
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> Iterator[Host]:
-    running = Host(tmp_path)
-    running.start()
-    yield running
-    running.stop()
-
-
-def wait_for(condition: Callable[[], object], what: str) -> None:
-    give_up = time.monotonic() + 20
-    while not condition():
-        assert time.monotonic() < give_up, f"not within 20 s: {what}"
-        time.sleep(0.01)
-
-
-def offload(store: SharedStore, tables: list[torch.Tensor], user: int) -> None:
-    for cache, kv in zip(tables, user_kv(user, PAGES), strict=True):
-        cache[:PAGES] = kv
-    task, mask = store.put_match(TOKENS, [f"user:{user}"])
-    assert mask.all()
-    store.launch([task], [torch.arange(PAGES)], [None])
-    wait_for(lambda: store.try_wait([task]), "the offload")
-
-
-def load_exact(store: SharedStore, tables: list[torch.Tensor], user: int, task: int) -> bool:
-    first = len(tables[0]) - PAGES
-    for cache in tables:
-        cache.zero_()
-    store.launch([task], [torch.arange(first, first + PAGES)], [None])
-    results: dict[int, Any] = {}
-    wait_for(lambda: results.update(store.try_wait([task])) or results, "the load")
-    return all(torch.equal(cache[first:], kv)
-               for cache, kv in zip(tables, user_kv(user, PAGES), strict=True))
-
-
-def on_ssd_only(host: Host, user: int, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """``user`` offloaded, then on SSD only (the server restarted: the host tier goes with
-    it); the SSD's reads from then on wait for the event returned."""
-    writer, tables = host.engine()
-    offload(writer, tables, user)
-    wait_for(lambda: writer.store_stats()["ssd_blocks_used"] >= PAGES, "the SSD copy")
-    writer.close()
-    host.stop()
-    host.start()
-    gate = threading.Event()
-    real_run = ssd_module.SsdTier._run
-
-    def slow_run(tier: Any, request: Any, *args: Any) -> None:
-        if not request.is_write:
-            gate.wait(30)
-        real_run(tier, request, *args)
-
-    monkeypatch.setattr(ssd_module.SsdTier, "_run", slow_run)
-    return gate
-
-
-class Call(threading.Thread):
-    """A store call on a thread of its own, so that the test can see it wait."""
-
-    def __init__(self, call: Callable[[], Any]) -> None:
-        super().__init__()
-        self._call = call
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.result = self._call()
-        except BaseException as exc:  # the test's thread raises it
-            self.error = exc
-
-    def outcome(self, timeout: float = 20) -> Any:
-        self.join(timeout)
-        assert not self.is_alive(), "the call did not return"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def lookup_reading(reader: SharedStore, user: int, figures: SharedStore) -> Call:
-    """``reader``'s lookup of ``user`` on a thread, once the server is reading its pages
-    (as ``figures``, another engine, sees it)."""
-    lookup = Call(lambda: reader.get_match(TOKENS, [f"user:{user}"]))
-    wait_for(lambda: figures.store_stats()["server_gets_staging"] == 1, "the reads started")
-    return lookup
 
 def test_an_engine_waiting_on_ssd_reads_does_not_hold_up_the_others(
         host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
