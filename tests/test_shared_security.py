@@ -70,6 +70,8 @@ BAD_FRAMES = {
     "names past their bytes": put((1, 0, 0, 1, 1), (8, 0, 1, 9), b"x"),
     "foreign task": wire.encode_end([987654], []),
     "end past its ids": wire.frame(wire.END, struct.pack("<2q", 3, 0) + bytes(8)),
+    "foreign launch": wire.encode_launch([987654]),
+    "launch not ids": wire.frame(wire.LAUNCH, b"abc"),
     "deep nesting": wire.frame(wire.JSON, b'{"op":"evict","ns":' + b"[" * 5000 + b"]" * 5000
                                + b"}"),
 }

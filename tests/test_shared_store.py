@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from shared_host import (
     running_host,
     start_processes,
     user_kv,
+    wait_for,
 )
 
 import aiokv
@@ -53,15 +54,6 @@ def observer(server: Server) -> tuple[SharedStore, list[torch.Tensor]]:
     tables = caches()
     store.register(tables)
     return store, tables
-
-
-def wait_for(condition: Callable[[], object], what: str) -> None:
-    """Poll the server until ``condition()`` (its answers change as it handles peers)."""
-    give_up = time.monotonic() + 20
-    while not condition():
-        if time.monotonic() > give_up:
-            raise AssertionError(f"not within 20 s: {what}")
-        time.sleep(0.02)
 
 
 def test_a_key_offloaded_by_one_process_loads_bit_exact_in_every_other(host: Host) -> None:
@@ -97,12 +89,24 @@ def test_evict_and_clear_apply_to_every_process(host: Host) -> None:
 def test_a_lookup_holds_its_blocks_at_the_server_against_other_processes(host: Host) -> None:
     _, (first, second, third) = host
     first("offload", user=9, pages=4)
+    first("offload", user=19, pages=4, first_page=8)
     assert second("lookup", user=9, pages=4) == {"cached": 16}
-    third("clear")  # host-wide, but what a Lookup holds stays until it is used
-    assert first("load", user=9, pages=4)["cached"] == 16
+    third("evict", user=19)  # another key's evict leaves it alone
     assert second("load_held", user=9, pages=4) == {"cached": 16, "loaded": 16, "exact": True}
-    third("clear")
-    assert first("load", user=9, pages=4)["cached"] == 0
+
+
+def test_a_lookup_held_in_one_process_loads_nothing_after_an_evict_in_another(
+        host: Host) -> None:
+    """As in one engine: the key's KV is gone for every Lookup once the evict returns,
+    those held elsewhere included (0 tokens, never the dropped KV)."""
+    _, (first, second, third) = host
+    for verb in ("evict", "clear"):
+        first("offload", user=8, pages=4)
+        assert second("lookup", user=8, pages=4) == {"cached": 16}
+        assert third(verb, user=8) if verb == "evict" else third(verb)
+        assert second("load_held", user=8, pages=4) == {"cached": 16, "loaded": 0,
+                                                        "exact": True}
+        assert first("load", user=8, pages=4)["cached"] == 0
 
 
 def test_a_client_killed_while_holding_blocks_releases_them(host: Host) -> None:

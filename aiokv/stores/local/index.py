@@ -175,6 +175,12 @@ class BlockIndex:
         if not space and self._spaces.get(space.key) is space:
             del self._spaces[space.key]
 
+    def detach(self, space: Space) -> None:
+        """Take a table out of reach: lookups and inserts of its key find a new one from
+        now on; its blocks stay indexed under it (the tier frees them with drop_idle)."""
+        if self._spaces.get(space.key) is space:
+            del self._spaces[space.key]
+
     # ---- LRU -----------------------------------------------------------------------
 
     @property

@@ -202,12 +202,13 @@ class TierLink(LoadStaging):
     def drop(self, namespace: tuple[str, ...] | None) -> int:
         """Drop idle blocks of a namespace (None: all) in both tiers; returns the number
         of distinct pages no tier holds any more."""
-        before = self._keys(namespace)
+        before = self.keys(namespace)
         self.host.drop_namespace(namespace)
         self.ssd.drop_namespace(namespace)
-        return len(before - self._keys(namespace))
+        return len(before - self.keys(namespace))
 
-    def _keys(self, namespace: tuple[str, ...] | None) -> set[tuple[tuple[str, ...], bytes]]:
+    def keys(self, namespace: tuple[str, ...] | None) -> set[tuple[tuple[str, ...], bytes]]:
+        """The (key, digest) of every page of a namespace (None: all) either tier holds."""
         keys: set[tuple[tuple[str, ...], bytes]] = set()
         for index in (self.host.index, self.ssd.tier.index):
             spaces = index.spaces() if namespace is None else [index.space(namespace)]

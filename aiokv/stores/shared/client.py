@@ -6,8 +6,10 @@ matches (the server answers masks and region blocks) and, once the copies are do
 tasks' ends (the server publishes a put's blocks, or drops a get's hold), sent without
 waiting for an answer. A put is reported done once its end is sent: the server applies
 every engine's waiting ends before it answers a lookup, so a key another engine looks up
-after that is a hit. Cancels are one message each (or ride along with the next batch);
-evicts, clears and figures a round trip each.
+after that is a hit. A batch that loads also announces its gets before it copies them
+(one more unanswered message) and reads its notice word: a get another engine's evict
+took back loads nothing (:mod:`.notice`). Cancels are one message each (or ride along
+with the next batch); evicts, clears and figures a round trip each.
 
 Faults: if the server goes away, the call in flight raises StoreError, tasks launched or
 matched under it end FAILED, and every later call tries to reconnect first, failing fast
@@ -93,6 +95,8 @@ class SharedStore:
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
         self._block_bytes = 0
         self._closed = False
+        self._seen = 0  # the notice word as last asked about
+        self._invalidated: set[int] = set()  # server ids of gets an evict took back
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -121,6 +125,8 @@ class SharedStore:
                              "(is `aiokv store-server` running?)") from exc
         self._link = link
         self._generation += 1
+        self._seen = link.notice.value
+        self._invalidated.clear()
         if self._generation > 1:
             log.warning("aiokv: reconnected to the store server at %s", self._path)
         return link
@@ -157,6 +163,7 @@ class SharedStore:
         log.warning("aiokv: lost the store server at %s: %s", self._path, exc)
         link, self._link = self._link, None
         self._release.clear()  # the server rolled back everything this link held
+        self._invalidated.clear()
         if link is not None:
             link.close()
             self._d2h_closed += link.plane.d2h_copies
@@ -236,6 +243,8 @@ class SharedStore:
                 continue
             self._launched[task_id] = task
             chosen[task.is_put].append((task_id, page_ids, task))
+        if chosen[False]:
+            chosen[False] = self._announce(chosen)
         for is_put, tasks in chosen.items():
             if not tasks:
                 continue
@@ -246,6 +255,45 @@ class SharedStore:
                 np.concatenate([task.blocks for _, _, task in tasks]), ready, marks)
         if len(self._finished) and self._notify is not None:
             self._notify()
+
+    def _announce(self, chosen: dict[bool, list[tuple[int, Any, _Task]]]
+                  ) -> list[tuple[int, Any, _Task]]:
+        """Tell the server that these gets' copies start, then read the notice word: the
+        gets an evict took back load nothing (:mod:`.notice`). The gets left to copy;
+        when the server is gone, none, and every task chosen ends FAILED."""
+        gets = chosen[False]
+        try:
+            self._send(wire.encode_launch([task.server_id for _, _, task in gets]))
+            self._look()
+        except StoreError as exc:
+            for task_id, _, task in itertools.chain(*chosen.values()):
+                self._launched.pop(task_id)
+                self._finished[task_id] = TaskResult(TaskStatus.FAILED, task.mask, str(exc))
+            chosen[True] = []
+            return []
+        if not self._invalidated:
+            return gets
+        left = []
+        for entry in gets:
+            task_id, _, task = entry
+            if task.server_id in self._invalidated:
+                self._launched.pop(task_id)
+                self._invalidated.discard(task.server_id)
+                self._release.append(task.server_id)
+                self._finished[task_id] = _taken_back(task)
+            else:
+                left.append(entry)
+        return left
+
+    def _look(self) -> None:
+        """Ask the server which gets it took back, if the notice word moved since the
+        last time (StoreError when the server is gone)."""
+        link = self._link
+        if link is None or link.notice.value == self._seen:
+            return
+        reply = self._call_json({"op": "invalidated"})
+        self._invalidated.update(int(i) for i in reply["ids"])
+        self._seen = int(reply["seq"])
 
     def _new_marks(self, task_id: int) -> LayerMarks:
         marks = self._marks[task_id] = LayerMarks(len(self._caches))
@@ -283,6 +331,14 @@ class SharedStore:
                                                  job.invalid[segment])
                 else:
                     done.append(task_id)
+        if done and self._link is not None and (
+                self._invalidated or self._link.notice.value != self._seen):
+            with contextlib.suppress(StoreError):  # the server gone: _report fails them
+                self._look()
+            for task_id in [t for t in done if self._launched[t].server_id
+                            in self._invalidated and not self._launched[t].is_put]:
+                done.remove(task_id)
+                failed[task_id] = _taken_back(self._launched[task_id])
         if done or failed or self._release:
             self._report(done, failed)
         if not self._finished:
@@ -291,6 +347,8 @@ class SharedStore:
 
     def _report(self, done: list[int], failed: dict[int, TaskResult]) -> None:
         tasks = {t: self._launched.pop(t) for t in (*done, *failed)}
+        for task in tasks.values():
+            self._invalidated.discard(task.server_id)
         current = {t: task for t, task in tasks.items()
                    if task.generation == self._generation and self._link is not None}
         lost = "the store server went away before this task's end was recorded"
@@ -318,6 +376,7 @@ class SharedStore:
             task = self._tasks.pop(task_id, None)
             if task is not None and task.generation == self._generation:
                 self._release.append(task.server_id)
+                self._invalidated.discard(task.server_id)
         if self._release and self._link is not None:
             with contextlib.suppress(StoreError):  # a lost server released them itself
                 self._send(wire.encode_end([], self._take_release()))
@@ -375,6 +434,11 @@ class SharedStore:
                 self._link.close()
                 self._d2h_closed += self._link.plane.d2h_copies
                 self._link = None
+
+def _taken_back(task: _Task) -> TaskResult:
+    """A get an evict or clear took back: it succeeds, having loaded nothing."""
+    return TaskResult(TaskStatus.SUCCESS, np.zeros_like(task.mask))
+
 
 def _one(answers: MatchAnswers) -> tuple[int, BoolArray]:
     answer = answers[0]

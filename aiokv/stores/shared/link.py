@@ -1,6 +1,7 @@
 """An engine's connection to ``aiokv store-server``: the hello that registers the cache
-geometry and receives the shared region (a memfd over the socket), the region's mapping
-and its copy plane, and one call at a time (a request and its reply).
+geometry and receives the shared region and the connection's notice word (memfds over the
+socket), the region's mapping and its copy plane, and one call at a time (a request and
+its reply).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from ...copy.copier import CopyJob
 from ...errors import ConfigError, StoreError
 from . import sockets, wire
+from .notice import Notice
 from .plane import RegionPlane
 from .region import Geometry, Region
 
@@ -50,16 +52,23 @@ class Link:
             raise ConfigError("store.socket", f"the server at {path!r} speaks wire version "
                               f"{reply.get('wire', 1)!r}, this engine {wire.VERSION}: run "
                               "one aiokv version for the server and its engines")
-        if len(fds) != 1:
+        if len(fds) != 2:
             sock.close()
+            for fd in fds:
+                os.close(fd)
             raise StoreError(f"the store server at {path!r} sent no region")
         self.sock = sock
         self.channel = sockets.Channel(sock)
         try:
             self.region = Region(fds[0], int(reply["blocks"]), geometry)
+            self.notice = Notice(fds[1])
+        except BaseException:
+            sock.close()
+            raise
         finally:
-            os.close(fds[0])  # the mapping stays; a reconnect must not leak descriptors
-        self.region.fd = -1
+            for fd in fds:  # the mappings stay; a reconnect must not leak descriptors
+                os.close(fd)
+        self.region.fd = self.notice.fd = -1
         self.plane = RegionPlane(caches, self.region, done)
 
     def call(self, request: bytes, what: str, expect: int) -> memoryview:

@@ -2,14 +2,17 @@
 the SSD tier (:mod:`.service`), serving engines over a UNIX socket.
 
 One thread, one ``selectors`` loop: each engine's requests are answered in order, one
-reply per request (none to a batch's end), each in the order they arrive across engines.
-A request is a batch (all of a batch's matches, or all of its finished tasks), so the
-server sees two messages per batch and answers one. Before it answers a lookup (or
-figures), it applies what other engines have waiting (:meth:`StoreServer._absorb`): an
-engine reports a put done once its end is sent, so every lookup after that sees it. A
-batch of gets whose pages are partly on SSD only is answered once those pages are read
-into host blocks; meanwhile the server answers the other engines (that engine is blocked
-in its call and sends nothing more; what it sends anyway waits for the answer).
+reply per request (none to a batch's end or to its gets' launch), each in the order they
+arrive across engines. A request is a batch (all of a batch's matches, or all of its
+finished tasks), so the server sees two messages per batch (three when it loads) and
+answers one. Before it answers a lookup, an evict or figures, it applies what other
+engines have waiting (:meth:`StoreServer._absorb`): an engine reports a put done once its
+end is sent, so every lookup (and evict) after that sees it. A batch of gets whose pages
+are partly on SSD only is answered once those pages are read into host blocks; an evict
+or clear once the loads of the key other engines have under way are over
+(:meth:`StoreServer._invalidate`). Meanwhile the server answers the other engines (that
+engine is blocked in its call and sends nothing more; what it sends anyway waits for the
+answer).
 
 Who may connect: the socket lives in a directory only the server's uid can enter (made
 0700, or refused when it is open to others), the socket itself is 0600, and every
@@ -33,7 +36,6 @@ import stat
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +43,11 @@ from ...config import StoreConfig
 from ...errors import ConfigError
 from ..dirlock import DirLock
 from . import sockets, wire
+from .connection import Connection, EvictWait
+from .notice import Notice
 from .region import Geometry
 from .service import Service
-from .tasks import Client, Entry, Foreign, answers_only
+from .tasks import Client, Foreign, PendingGet, answers_only
 
 log = logging.getLogger("aiokv.server")
 
@@ -55,20 +59,11 @@ _LOCK_NAME = "aiokv-server.lock"  # in each SSD directory: one server per direct
 _SERVER: dict[str, str] = {"holder": "aiokv store-server", "hint": ""}  # DirLock's words
 _CHUNK = 1 << 16  # read per call: a large buffer per call costs more than calls
 _ABSORB_DEPTH = 16  # lookups met while absorbing absorb too, this deep
+EVICT_WAIT_S = 30.0  # an evict waits this long for other engines' loads of the key under way
 
 
 class ProtocolError(Exception):
     """A request the server does not take from anyone: the peer is dropped."""
-
-
-@dataclass(slots=True, eq=False)
-class Connection:
-    sock: socket.socket
-    client: Client
-    inbox: bytearray = field(default_factory=bytearray)
-    registered: bool = False
-    busy: bool = False  # its frames are being answered: not read again meanwhile
-    deferred: list[Entry] | None = None  # a batch of gets waiting for SSD reads
 
 
 def private_directory(path: Path) -> None:
@@ -107,9 +102,9 @@ class StoreServer:
         self._absorbing = 0  # nested _absorb calls
         self._handlers: dict[int, Callable[[Connection, memoryview], bytes]] = {
             wire.PUT: self._put, wire.GET: self._get, wire.END: self._end,
-            wire.PING: self._ping, wire.JSON: self._json}
+            wire.PING: self._ping, wire.JSON: self._json, wire.LAUNCH: self._launch}
         self._json_handlers: dict[str, Callable[[Connection, dict[str, Any]], dict[str, Any]]] = {
-            "evict": self._evict, "clear": self._clear, "stats": self._stats}
+            "stats": self._stats, "invalidated": self._invalidated}
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -164,6 +159,8 @@ class StoreServer:
                         self._readable(key.data)
                 if self._waiting():
                     self._settle()
+                if self._evicting():
+                    self._answer_evicts()
                 if self._stopping and self._listener is not None:
                     self._stop_listening()
         finally:
@@ -185,7 +182,7 @@ class StoreServer:
         if not self._stopping or self._listener is not None:
             return False
         clients = [c.client for c in self._connections.values()]
-        if self.service.idle(clients) and not self._waiting():
+        if self.service.idle(clients) and not self._waiting() and not self._evicting():
             return True
         if time.monotonic() >= self._stop_at:
             log.warning("aiokv store-server: drain timed out with tasks open; rolled back")
@@ -246,7 +243,7 @@ class StoreServer:
         if not data:
             self._drop(conn, None)
             return 0
-        if conn.deferred is not None:  # answered after its batch's answer
+        if conn.waits:  # answered after its batch's (or evict's) answer
             conn.inbox += data
         else:
             self._frames(conn, data)
@@ -262,7 +259,7 @@ class StoreServer:
         at = 0
         conn.busy = True
         try:
-            while len(data) - at >= 4 and conn.deferred is None:
+            while len(data) - at >= 4 and not conn.waits:
                 (length,) = _LENGTH.unpack_from(data, at)
                 wire.check_length(length)  # at once: a bad length is not waited for
                 end = at + 4 + length
@@ -377,10 +374,12 @@ class StoreServer:
 
     def _json(self, conn: Connection, body: memoryview) -> bytes:
         message = wire.decode_json(body)
+        if message.get("op") in ("evict", "clear"):
+            namespace = wire.namespace(message.get("ns")) if message["op"] == "evict" else None
+            return self._invalidate(conn, namespace)
         handler = self._json_handlers.get(message.get("op"))  # type: ignore[arg-type]
         if handler is None:
             raise ProtocolError(f"unknown request {message.get('op')!r}")
-        self._absorb()
         return wire.encode_json({"ok": True, **handler(conn, message)})
 
     def _ping(self, conn: Connection, body: memoryview) -> bytes:
@@ -405,8 +404,11 @@ class StoreServer:
                                                       "config": True}))
             return
         conn.registered = True
+        notice = conn.client.notice = Notice.create()
         sockets.send(conn.sock, wire.encode_json({"ok": True, "blocks": region.num_blocks,
-                                                  "wire": wire.VERSION}), [region.fd])
+                                                  "wire": wire.VERSION}),
+                     [region.fd, notice.fd])
+        notice.close_fd()
 
     def _matches(self, conn: Connection, body: memoryview, is_put: bool) -> bytes:
         assert self.service.geometry is not None  # registered: the first hello set it
@@ -436,12 +438,69 @@ class StoreServer:
         self.service.finish(conn.client, done, failed)
         return b""  # not answered: see wire
 
-    def _evict(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-        return {"tokens": self.service.evict(wire.namespace(message.get("ns")))}
+    def _launch(self, conn: Connection, body: memoryview) -> bytes:
+        conn.client.launched(wire.decode_launch(body))
+        return b""  # not answered: see notice
 
-    def _clear(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-        return {"tokens": self.service.clear()}
+    def _invalidated(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        notice = conn.client.notice
+        return {"ids": conn.client.take_invalidated(),
+                "seq": notice.value if notice is not None else 0}
+
+    def _invalidate(self, conn: Connection, namespace: tuple[str, ...] | None) -> bytes:
+        """An evict (or, ``namespace`` None, a clear), as one embedded store would run it
+        for every engine: the key's gets that engines hold and have not started to copy
+        load nothing, and the answer waits for those they are copying (:mod:`.notice`
+        says why this order is enough)."""
+        self._absorb()  # what engines sent before applies first: a put reported done goes
+        clients = [c.client for c in self._connections.values()]
+        for client in clients:
+            if client.notice is not None and client.gets_of(namespace):
+                client.notice.bump()  # before the key goes and before the second read
+        for other in self._waiting():
+            for entry in other.deferred or ():
+                if isinstance(entry, PendingGet) and namespace in (None, entry.namespace):
+                    entry.invalidated = True
+        tokens = self.service.clear() if namespace is None else self.service.evict(namespace)
+        self._absorb()  # LAUNCHes sent before the bump; gets matched now miss the key
+        loads = self.service.invalidate(conn.client, [c.client for c in
+                                                      self._connections.values()], namespace)
+        reply = wire.encode_json({"ok": True, "tokens": tokens})
+        if not loads:
+            return reply
+        conn.evicting = EvictWait(loads, reply, time.monotonic() + EVICT_WAIT_S)
+        return b""
+
+    def _evicting(self) -> list[Connection]:
+        return [c for c in self._connections.values() if c.evicting is not None]
+
+    def _answer_evicts(self) -> None:
+        """Send the evicts' answers whose loads are over; at their deadline, disconnect
+        the engines whose loads are not (their tasks are rolled back) and send them."""
+        now = time.monotonic()
+        for conn in self._evicting():
+            wait = conn.evicting
+            if wait is None or conn.sock.fileno() < 0:  # answered, or dropped, meanwhile
+                continue
+            if not wait.over() and now >= wait.deadline:
+                late = {client.number for client, task_id in wait.loads
+                        if task_id in client.tasks}
+                for other in list(self._connections.values()):
+                    if other.client.number in late:
+                        self._drop(other, f"its loads of an evicted key did not end in "
+                                          f"{EVICT_WAIT_S:.0f} s")
+            if not wait.over():
+                continue
+            conn.evicting = None
+            try:
+                conn.sock.sendall(wait.reply)
+            except OSError as exc:
+                self._drop(conn, f"reply failed: {exc}")
+                continue
+            if conn.inbox:
+                self._frames(conn, b"")
 
     def _stats(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        self._absorb()  # figures after what engines sent before
         clients = [c.client for c in self._connections.values()]
         return {"stats": self.service.stats(clients)}

@@ -16,6 +16,10 @@ host rather than missing them. Everything runs on the server's one thread.
 Every task belongs to the connection that matched it (a :class:`Client`): a task id
 from another connection is a :class:`Foreign` (the server drops that peer), and when a
 connection ends, however it ends, its tasks are rolled back (:meth:`Service.drop`).
+
+An evict or clear drops the key at once from both tiers, what is in use included (out of
+reach, freed once unused: :mod:`.remnants`), and takes back the gets of it that engines
+hold and do not copy yet (:meth:`Service.invalidate`, :mod:`.notice`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from ..local.index import Space
 from ..local.loads import Load
 from ..local.tiering import TierLink
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
+from .remnants import Remnants
 from .tasks import Client, Entry, Foreign, PendingGet, Retry, Task
 from .wire import Answer, Query
 
@@ -59,9 +64,10 @@ class Service:
         self._link: TierLink | None = None
         self._ids = itertools.count(1)
         self._owner: dict[int, Client] = {}  # task id -> its connection
-        self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
+        self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0, "server_gets_invalidated": 0}
         self._staging: dict[tuple[str, ...], int] = {}  # pending gets' keys -> how many
         self._memory: int | None = None  # the region's memfd until the first engine
+        self._remnants = Remnants()  # what evicts could not free yet
 
     def allocate(self) -> None:
         """The host tier's memory, allocated whole (ConfigError when the host cannot)."""
@@ -138,8 +144,7 @@ class Service:
         in either tier get host blocks (WRITING, in the index: a second put of them writes
         nothing); NoSpace, with nothing reserved, when they cannot all be had now."""
         host, link = self._require_host(), self._link
-        if link is not None:
-            link.drain()
+        self._drain()
         index = host.index
         tables: list[Space | None] = []
         presents: list[list[int | None] | None] = []
@@ -199,8 +204,7 @@ class Service:
         if namespace in self._staging:
             return Retry((tokens, digests, namespace))
         host, link = self._require_host(), self._link
-        if link is not None:
-            link.drain()
+        self._drain()
         space = host.index.space(namespace)
         stored = (len(space) if space is not None else 0) + (
             link.ssd_pages(namespace) if link is not None else 0
@@ -217,7 +221,8 @@ class Service:
                 hit = hit[: int(np.argmax(not_ready))]
         shared = bool(len(hit)) and host.hold(hit)
         host.shared_gets += shared
-        task = Task(client.number, False, NO_MASK, hit, [], None, shared=shared)
+        task = Task(client.number, False, NO_MASK, hit, [], None, shared=shared,
+                    namespace=namespace)
         if link is not None and len(hit) == len(found):
             load = link.start_load(namespace, digests, len(task.blocks), task)
             if load is not None and not load.staged:
@@ -234,8 +239,7 @@ class Service:
     def settle(self, client: Client, entries: Sequence[Entry]) -> list[Entry]:
         """A deferred batch's entries again, the ready ones answered: pending gets whose
         reads are in (or that waited too long), retries whose key no get reads now."""
-        if self._link is not None:
-            self._link.drain()
+        self._drain()
         now = time.monotonic()
         out: list[Entry] = []
         for entry in entries:
@@ -271,7 +275,10 @@ class Service:
             load.task = Task(client.number, False, NO_MASK, NO_BLOCKS, [], None,
                              matching=False)
             link.cancel_load(load)
-        return self._answer_get(client, pending.task, pending.pages, pending.hit)
+        answer = self._answer_get(client, pending.task, pending.pages, pending.hit)
+        if pending.invalidated:  # its key was evicted while it read: it loads nothing
+            self._hits["server_gets_invalidated"] += client.take_back([answer[0]])
+        return answer
 
     def _staged_out(self, namespace: tuple[str, ...]) -> None:
         self._staging[namespace] -= 1
@@ -283,7 +290,8 @@ class Service:
         the launch only settles the link's books (its copy is the engine's, _no_copy)."""
         link.launch_load(load, np.arange(load.match_pages, dtype=np.int64), ())
 
-    def _answer_get(self, client: Client, task: Task, pages: int, hit: int) -> Answer:
+    def _answer_get(self, client: Client, task: Task, pages: int, hit: int
+                    ) -> tuple[int, BoolArray, Int64Array]:
         task.mask = np.zeros(pages, dtype=np.bool_)
         task.mask[: len(task.blocks)] = True
         page_size = self._page_size()
@@ -321,8 +329,7 @@ class Service:
         tasks = client.tasks
         self._end_many([tasks.pop(t) for t in done], True)
         self._end_many([tasks.pop(t) for t in failed], False)
-        if self._link is not None:
-            self._link.drain()
+        self._drain()
 
     def drop(self, client: Client) -> int:
         """A connection ended: its tasks are rolled back (half-written blocks freed,
@@ -345,7 +352,14 @@ class Service:
         gets = [t for t in tasks if not t.is_put]
         if puts and not success:
             host.roll_back_many([(t.space, t.digests) for t in puts], _blocks(puts))
-        elif puts:
+            puts = []
+        if puts and self._remnants.buried:
+            gone = [t for t in puts if t.space is None
+                    or host.index.space(t.space.key) is not t.space]
+            if gone:  # a put of a key dropped meanwhile: swept below, never written down
+                host.publish([t.blocks for t in gone], _blocks(gone), _common_size(gone))
+                puts = [t for t in puts if t not in gone]
+        if puts:
             blocks = _blocks(puts)
             if self._link is not None and self._link.write_through:
                 host.state[blocks] = READY
@@ -357,6 +371,27 @@ class Service:
             host.end_reads([t.blocks for t in reading], [t.shared for t in reading],
                            _blocks(reading), _common_size(reading))
         host.shared_gets -= sum(t.shared for t in gets if not len(t.blocks))
+        self._remnants.sweep()
+
+    # ---- gets taken back by an evict or clear -------------------------------------
+
+    def invalidate(self, requester: Client, clients: Sequence[Client],
+                   namespace: tuple[str, ...] | None) -> list[tuple[Client, int]]:
+        """After an evict of ``namespace`` (None: a clear): each get of it that is not
+        under way is taken back (it loads nothing; its client is told, :mod:`.notice`);
+        returns the gets under way in other clients, whose ends the evict's answer
+        waits for. The requester's own gets are all taken back: it waits for the answer,
+        so it cannot end them meanwhile."""
+        under_way: list[tuple[Client, int]] = []
+        for client in clients:
+            taken = []
+            for task_id, task in client.gets_of(namespace):
+                if task.launched and client is not requester:
+                    under_way.append((client, task_id))
+                else:
+                    taken.append(task_id)
+            self._hits["server_gets_invalidated"] += client.take_back(taken)
+        return under_way
 
     # ---- invalidation, figures -----------------------------------------------------
 
@@ -367,13 +402,24 @@ class Service:
         return self._drop_namespace(None)
 
     def _drop_namespace(self, namespace: tuple[str, ...] | None) -> int:
-        host = self._host
+        """Drop a namespace (None: all) from both tiers: its idle blocks freed, and the
+        tables that still hold blocks in use out of reach (:mod:`.remnants`); the
+        distinct pages dropped, in tokens."""
+        host, link = self._host, self._link
         if host is None:
             return 0
-        if self._link is not None:
-            self._link.drain()
-            return self._link.drop(namespace) * self._page_size()
-        return len(host.drop_namespace(namespace)) * self._page_size()
+        self._drain()
+        # Every page of it found now is out of reach after: dropped, or buried.
+        if link is None:
+            spaces = host.index.spaces() if namespace is None else [host.index.space(namespace)]
+            pages = sum(len(space) for space in spaces if space is not None)
+            host.drop_namespace(namespace)
+        else:
+            pages = len(link.keys(namespace))
+            link.drop(namespace)
+            self._remnants.bury(link.ssd, namespace)
+        self._remnants.bury(host, namespace)
+        return pages * self._page_size()
 
     def stats(self, clients: Sequence[Client]) -> dict[str, int | float]:
         host = self._host
@@ -393,8 +439,13 @@ class Service:
 
     def poll(self) -> None:
         """Apply finished SSD requests (the server calls it when the SSD tier wakes it)."""
+        self._drain()
+
+    def _drain(self) -> None:
+        """Apply finished SSD requests; free what an evict left in use and is idle now."""
         if self._link is not None:
             self._link.drain()
+        self._remnants.sweep()
 
     def idle(self, clients: Sequence[Client]) -> bool:
         return not any(c.tasks for c in clients)

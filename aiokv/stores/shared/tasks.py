@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..base import BoolArray, Int64Array
 from ..local.index import Space
 from ..local.loads import Load
+from .notice import Notice
 from .wire import Answer, Query
 
 
@@ -30,6 +31,9 @@ class Task:
     shared: bool = False
     load: Load | None = None
     matching: bool = True  # still inside its match: an SSD part given up is not its end
+    namespace: tuple[str, ...] | None = None  # a get's key (an evict's or clear's test)
+    launched: bool = False  # a get its engine announced it copies (LAUNCH)
+    invalidated: bool = False  # a get an evict or clear took back: it loads nothing
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +47,7 @@ class PendingGet:
     hit: int  # its host prefix, in pages
     namespace: tuple[str, ...]
     give_up_at: float
+    invalidated: bool = False  # its key was evicted meanwhile: answered, then taken back
 
 
 @dataclass(slots=True, eq=False)
@@ -59,11 +64,45 @@ Entry = Answer | PendingGet | Retry
 
 @dataclass(slots=True)
 class Client:
-    """One connection's tasks (id -> task)."""
+    """One connection's tasks (id -> task), its notice word (:mod:`.notice`, from its
+    hello) and the ids of its gets invalidated since it last asked."""
 
     number: int
     pid: int
     tasks: dict[int, Task] = field(default_factory=dict)
+    notice: Notice | None = None
+    invalidated: list[int] = field(default_factory=list)
+
+    def launched(self, ids: Sequence[int]) -> None:
+        """It copies these gets now (LAUNCH); Foreign unless each is a get it holds."""
+        for task_id in ids:
+            task = self.tasks.get(task_id)
+            if task is None or task.is_put:
+                raise Foreign(f"task {task_id} is not a get held by this connection")
+            task.launched = True
+
+    def gets_of(self, namespace: tuple[str, ...] | None) -> list[tuple[int, Task]]:
+        """Its gets of ``namespace`` (None: of every key) not taken back yet."""
+        return [(task_id, task) for task_id, task in self.tasks.items()
+                if not task.is_put and not task.invalidated
+                and (namespace is None or task.namespace == namespace)]
+
+    def take_back(self, ids: Sequence[int]) -> int:
+        """These gets load nothing: listed for its next ``invalidated`` question, and its
+        notice word bumped so that it asks (:mod:`.notice`). How many."""
+        if not ids:
+            return 0
+        for task_id in ids:
+            self.tasks[task_id].invalidated = True
+        self.invalidated += ids
+        if self.notice is not None:
+            self.notice.bump()
+        return len(ids)
+
+    def take_invalidated(self) -> list[int]:
+        """Its gets taken back since it last asked (and still held)."""
+        ids, self.invalidated = self.invalidated, []
+        return [t for t in ids if t in self.tasks]
 
 
 def answers_only(entries: Sequence[Entry]) -> list[Answer] | None:

@@ -4,19 +4,22 @@ A frame is ``u32 length | u32 op | body`` (``length`` counts the op and the body
 body starts 8-byte aligned). A batch's messages are binary, so that neither side builds
 a Python object per field: ``PUT``/``GET`` (a batch's matches, :func:`encode_match`),
 ``ANSWERS`` (their replies, :func:`encode_answers`), ``END`` (tasks over,
-:func:`encode_end`), ``PING`` and ``OK`` (empty). The rare messages (``hello``, ``evict``,
-``clear``, ``stats``) and every refusal are a ``JSON`` frame holding a mapping (a decoder
-that cannot run code, whatever a peer sends). Frames are bounded (:data:`MAX_FRAME`); a
-peer that announces a larger one, or sends one that does not decode to what the receiver
-expects, is a :class:`WireError`, and the server then drops that peer alone.
+:func:`encode_end`), ``LAUNCH`` (gets about to be copied, :func:`encode_launch`),
+``PING`` and ``OK`` (empty). The rare messages (``hello``, ``evict``, ``clear``,
+``stats``, ``invalidated``) and every refusal are a ``JSON`` frame holding a mapping (a
+decoder that cannot run code, whatever a peer sends). Frames are bounded
+(:data:`MAX_FRAME`); a peer that announces a larger one, or sends one that does not
+decode to what the receiver expects, is a :class:`WireError`, and the server then drops
+that peer alone.
 
-Every request but ``END`` gets exactly one reply, in order, on the one connection; the
-first reply of the server (to ``hello``) carries the region's file descriptor
-(SCM_RIGHTS). ``END`` gets none: a batch's end costs its engine one send, not a round
-trip. What the server owes an engine that reports a put done on that send (a lookup from
-any engine after it sees the put) it keeps by reading every connection's waiting frames
-before it answers a lookup (:meth:`~aiokv.stores.shared.server.StoreServer._absorb`).
-The ``hello`` names the wire's :data:`VERSION` both ways: an engine and a server of
+Every request but ``END`` and ``LAUNCH`` gets exactly one reply, in order, on the one
+connection; the first reply of the server (to ``hello``) carries the region's file
+descriptor and the connection's notice word's (SCM_RIGHTS; :mod:`.notice`). ``END`` and
+``LAUNCH`` get none: a batch's end costs its engine one send, not a round trip. What the
+server owes an engine that reports a put done on that send (a lookup from any engine
+after it sees the put) it keeps by reading every connection's waiting frames before it
+answers a lookup (:meth:`~aiokv.stores.shared.server.StoreServer._absorb`). The
+``hello`` names the wire's :data:`VERSION` both ways: an engine and a server of
 different versions refuse each other, naming both.
 
 A match request carries, per query, its token count and either its page digests,
@@ -42,15 +45,15 @@ import numpy.typing as npt
 
 from ..local.digests import DIGEST_BYTES, are_positions, chain_digests, position_digests
 
-VERSION = 2  # 2: END is not answered
+VERSION = 3  # 2: END is not answered; 3: LAUNCH and the notice word
 MAX_FRAME = 256 << 20  # a batch of 64 x 64k tokens is 1 MiB of digests: far below
-MAX_FDS = 1
+MAX_FDS = 2  # the region and the notice word
 MAX_QUERIES = 4096  # matches in one request
 MAX_TOKENS = 1 << 26  # tokens of one query
 MAX_NAMESPACE = 64  # strings in one namespace
 MAX_IDS = 1 << 20  # task ids in one request
 
-JSON, PING, PUT, GET, END, OK, ANSWERS = range(7)
+JSON, PING, PUT, GET, END, OK, ANSWERS, LAUNCH = range(8)
 HEAD = struct.Struct("<II")  # a frame's: length (op + body), op
 _MATCH_HEAD = struct.Struct("<5q")  # queries, released, digests, strings, name bytes
 _ANSWER_HEAD = struct.Struct("<4q")  # queries, blocks, mask pages, error bytes
@@ -311,3 +314,18 @@ def decode_end(body: memoryview) -> tuple[list[int], list[int]]:
         raise WireError("an end's length does not match its counts")
     ids = np.frombuffer(body, dtype=np.int64, offset=_END_HEAD.size).tolist()
     return ids[:done], ids[done:]
+
+
+# ---- gets about to be copied ------------------------------------------------------------
+
+
+def encode_launch(ids: Sequence[int]) -> bytes:
+    """A ``LAUNCH`` frame: the server ids of gets whose copies start now (:mod:`.notice`)."""
+    return frame(LAUNCH, _pack_ints(ids))
+
+
+def decode_launch(body: memoryview) -> list[int]:
+    if len(body) % 8 or len(body) > 8 * MAX_IDS:
+        raise WireError(f"a launch of {len(body)} bytes is not a list of task ids")
+    ids: list[int] = np.frombuffer(body, dtype=np.int64).tolist()
+    return ids

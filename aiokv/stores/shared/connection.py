@@ -1,0 +1,40 @@
+"""What ``aiokv store-server`` keeps for each engine's connection: its socket, the bytes of
+a frame still coming, its tasks (a :class:`~aiokv.stores.shared.tasks.Client`), and the
+reply it waits for while the server answers the others: a batch of gets waiting for SSD
+reads, or an evict waiting for other engines' loads (:class:`EvictWait`)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from .tasks import Client, Entry
+
+
+@dataclass(slots=True, eq=False)
+class Connection:
+    sock: socket.socket
+    client: Client
+    inbox: bytearray = field(default_factory=bytearray)
+    registered: bool = False
+    busy: bool = False  # its frames are being answered: not read again meanwhile
+    deferred: list[Entry] | None = None  # a batch of gets waiting for SSD reads
+    evicting: EvictWait | None = None  # an evict or clear waiting for loads under way
+
+    @property
+    def waits(self) -> bool:
+        """Its reply waits: its later frames are kept until it is sent."""
+        return self.deferred is not None or self.evicting is not None
+
+
+@dataclass(slots=True, eq=False)
+class EvictWait:
+    """An evict's or clear's answer, sent once the gets of the key that other engines
+    had under way (``loads``: client, task id) have ended, or at ``deadline``."""
+
+    loads: list[tuple[Client, int]]
+    reply: bytes
+    deadline: float
+
+    def over(self) -> bool:
+        return all(task_id not in client.tasks for client, task_id in self.loads)

@@ -1,0 +1,175 @@
+"""An evict or clear on ``aiokv store-server`` as one embedded store would run it for
+every engine: a get another engine holds and has not started to copy loads nothing, the
+evict's answer waits for the loads of the key other engines have under way (up to a
+bound, past which that engine is disconnected), no lookup after it finds the key, and
+every block of it is freed once unused, on the host and on SSD, across a restart. Raw
+``SharedStore`` engines on a server in this process (engines on ``open_engine``:
+``test_shared_store.py``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from shared_host import PAGE_SIZE, user_kv
+from shared_inprocess import (
+    PAGES,
+    TOKENS,
+    Call,
+    Host,
+    host_fixture,  # noqa: F401  (the host fixture)
+    lookup_reading,
+    offload,
+    on_ssd_only,
+    wait_for,
+)
+
+from aiokv.stores.base import TaskResult, TaskStatus
+from aiokv.stores.shared import SharedStore
+from aiokv.stores.shared import server as server_module
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                reason="the shared region needs memfd_create (Linux)")
+
+
+def launch_load(store: SharedStore, tables: list[torch.Tensor], task: int) -> None:
+    """The task's load into the last PAGES pages, zeroed first."""
+    for cache in tables:
+        cache.zero_()
+    first = len(tables[0]) - PAGES
+    store.launch([task], [torch.arange(first, first + PAGES)], [None])
+
+
+def result(store: SharedStore, task: int) -> TaskResult:
+    results: dict[int, TaskResult] = {}
+    wait_for(lambda: results.update(store.try_wait([task])) or results, "the task's end")
+    return results[task]
+
+
+def loaded(tables: list[torch.Tensor], user: int) -> tuple[bool, bool]:
+    """(the last PAGES pages hold the user's KV, they are still zero)."""
+    first = len(tables[0]) - PAGES
+    exact = all(torch.equal(cache[first:], kv)
+                for cache, kv in zip(tables, user_kv(user, PAGES), strict=True))
+    return exact, all(not cache[first:].any() for cache in tables)
+
+
+def test_a_get_held_elsewhere_loads_nothing_and_no_lookup_finds_the_key(host: Host) -> None:
+    writer, writer_tables = host.engine()
+    holder, holder_tables = host.engine()
+    try:
+        offload(writer, writer_tables, 1)
+        task, mask = holder.get_match(TOKENS, ["user:1"])
+        assert mask.sum() == PAGES * PAGE_SIZE
+        assert writer.evict(["user:1"]) == PAGES * PAGE_SIZE  # not waiting for the holder
+        assert writer.get_match(TOKENS, ["user:1"])[1].sum() == 0
+        again, again_mask = writer.put_match(TOKENS, ["user:1"])
+        assert again_mask.all()  # written afresh, not found among the held blocks
+        writer.cancel([again])
+        stats = writer.store_stats()
+        assert stats["host_blocks_used"] == PAGES  # the holder's, out of reach
+        assert stats["server_gets_invalidated"] == 1
+
+        launch_load(holder, holder_tables, task)
+        got = result(holder, task)
+        assert got.status is TaskStatus.SUCCESS and got.mask is not None
+        assert not got.mask.any()  # loaded nothing ...
+        assert loaded(holder_tables, 1) == (False, True)  # ... and copied nothing
+        wait_for(lambda: writer.store_stats()["host_blocks_used"] == 0,
+                 "the held blocks freed once given back")
+    finally:
+        writer.close()
+        holder.close()
+
+
+def test_an_evict_waits_for_a_load_of_the_key_under_way_elsewhere(host: Host) -> None:
+    """As one engine runs it: a load already under way finishes first, with the KV as it
+    was, then the evict answers."""
+    writer, writer_tables = host.engine()
+    reader, reader_tables = host.engine()
+    try:
+        offload(writer, writer_tables, 2)
+        task, _ = reader.get_match(TOKENS, ["user:2"])
+        launch_load(reader, reader_tables, task)  # copying; its end not reported yet
+        evict = Call(lambda: writer.clear())
+        evict.join(0.5)
+        assert evict.is_alive(), "the clear answered before a load under way ended"
+        got = result(reader, task)
+        assert got.status is TaskStatus.SUCCESS and got.mask is not None
+        assert got.mask.sum() == PAGES * PAGE_SIZE
+        assert loaded(reader_tables, 2) == (True, False)
+        assert evict.outcome() == PAGES * PAGE_SIZE
+        assert reader.get_match(TOKENS, ["user:2"])[1].sum() == 0
+        assert writer.store_stats()["host_blocks_used"] == 0
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_an_engine_evicting_a_key_it_is_loading_gets_nothing_from_that_load(
+        host: Host) -> None:
+    store, tables = host.engine()
+    try:
+        offload(store, tables, 3)
+        task, _ = store.get_match(TOKENS, ["user:3"])
+        launch_load(store, tables, task)
+        assert store.evict(["user:3"]) == PAGES * PAGE_SIZE  # no wait for its own load
+        got = result(store, task)
+        assert got.status is TaskStatus.SUCCESS and got.mask is not None
+        assert not got.mask.any()
+        wait_for(lambda: store.store_stats()["host_blocks_used"] == 0, "the blocks freed")
+    finally:
+        store.close()
+
+
+def test_an_evict_stops_waiting_for_an_engine_that_never_ends_its_load(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_module, "EVICT_WAIT_S", 0.5)
+    writer, writer_tables = host.engine()
+    stuck, stuck_tables = host.engine()
+    try:
+        offload(writer, writer_tables, 4)
+        task, _ = stuck.get_match(TOKENS, ["user:4"])
+        launch_load(stuck, stuck_tables, task)  # and never asks how it went
+        assert writer.store_stats()["server_clients"] == 2
+        assert Call(lambda: writer.evict(["user:4"])).outcome(10) == PAGES * PAGE_SIZE
+        stats = writer.store_stats()
+        assert stats["server_clients"] == 1  # the stuck engine was disconnected ...
+        assert stats["host_blocks_used"] == 0  # ... and what it held freed
+        assert result(stuck, task).status is TaskStatus.FAILED
+    finally:
+        writer.close()
+        stuck.close()
+
+
+def test_a_lookup_reading_from_ssd_when_its_key_is_evicted_loads_nothing(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its SSD slots, in use at the evict, are voided once read: the key stays gone
+    across a restart of the server."""
+    gate = on_ssd_only(host, 5, monkeypatch)
+    reader, reader_tables = host.engine()
+    other, _ = host.engine()
+    try:
+        lookup = lookup_reading(reader, 5, other)
+        assert other.evict(["user:5"]) == PAGES * PAGE_SIZE
+        assert other.get_match(TOKENS, ["user:5"])[1].sum() == 0
+        gate.set()
+        task, _ = lookup.outcome()
+        launch_load(reader, reader_tables, task)
+        got = result(reader, task)
+        assert got.status is TaskStatus.SUCCESS and got.mask is not None
+        assert not got.mask.any()
+        assert loaded(reader_tables, 5)[1]
+        wait_for(lambda: other.store_stats()["ssd_blocks_used"] == 0, "the SSD slots freed")
+    finally:
+        gate.set()
+        reader.close()
+        other.close()
+    host.stop()
+    host.start()
+    fresh, _ = host.engine()
+    try:
+        assert fresh.get_match(TOKENS, ["user:5"])[1].sum() == 0
+    finally:
+        fresh.close()
