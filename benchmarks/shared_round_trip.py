@@ -9,7 +9,9 @@ Two parts, both on CPU caches:
    put matches of ``--tokens`` default token ids each in fresh namespaces (``match``) and
    that batch's end (``end``: its tasks given back, one message the server does not
    answer: the server's work on it overlaps the next iteration, whose ``empty`` may wait
-   for it); ``batch`` is ``match`` + ``end``, what one batch's control costs the engine.
+   for it); ``batch`` is ``match`` + ``end``, what one batch's control costs the engine;
+   ``load`` is a batch of get matches of keys stored once at the start and its launch
+   (on this code: its gets announced, the notice word read), up to the copies.
    With ``--compare DIR`` (a checkout of other code, e.g. a ``git worktree`` of an
    older commit) the children alternate between that code and this checkout,
    ``--rounds`` each, so that the box's load moves both alike.
@@ -79,6 +81,7 @@ def _start(argv: list[str], ready: Path, log: Path) -> subprocess.Popen[bytes]:
 
 def _child(args: argparse.Namespace) -> None:
     import numpy as np
+    import torch
 
     import aiokv
     from aiokv.stores.shared import SharedStore
@@ -98,8 +101,20 @@ def _child(args: argparse.Namespace) -> None:
         peer.connect(str(echo_path))
         tokens = np.arange(args.tokens, dtype=np.int64)
         times: dict[str, list[float]] = {"echo": [], "empty": [], "match": [], "end": [],
-                                         "batch": []}
+                                         "batch": [], "load": []}
         clock = time.perf_counter
+        per_user = args.tokens // GEOMETRY["page_size"]
+        pages = [torch.arange(u * per_user, (u + 1) * per_user) for u in range(args.batch)]
+
+        def copied(ids: list[int]) -> None:  # untimed: the copies themselves
+            done: dict[int, Any] = {}
+            while len(done) < len(ids):
+                done.update(store.try_wait(ids))
+                time.sleep(0.0002)  # not ordering work: leaves the GIL to the copy thread
+
+        held = store.put_match_many([(tokens, [f"held:{u}"]) for u in range(args.batch)])
+        store.launch([a[0] for a in held if isinstance(a, tuple)], pages, [None] * args.batch)
+        copied([a[0] for a in held if isinstance(a, tuple)])
         try:
             for i in range(args.trips + 20):  # the first 20 warm up
                 t0 = clock()
@@ -115,9 +130,15 @@ def _child(args: argparse.Namespace) -> None:
                 t3 = clock()
                 store.cancel([a[0] for a in answers if isinstance(a, tuple)])
                 t4 = clock()
+                gets = store.get_match_many([(tokens, [f"held:{u}"])
+                                             for u in range(args.batch)])
+                ids = [a[0] for a in gets if isinstance(a, tuple)]
+                store.launch(ids, pages, [None] * args.batch)
+                t5 = clock()
+                copied(ids)
                 if i >= 20:
                     for key, took in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3,
-                                                 t4 - t2), strict=True):
+                                                 t4 - t2, t5 - t4), strict=True):
                         times[key].append(took * 1e6)
         finally:
             peer.close()
@@ -148,12 +169,13 @@ def round_trips(args: argparse.Namespace) -> None:
     print(f"round trips, median us of {args.trips} (a batch of {args.batch} x "
           f"{args.tokens} tokens); load average {os.getloadavg()[0]:.2f}")
     print(f"{'code':8} {'round':>5} {'echo':>8} {'empty':>8} {'match':>8} {'end':>8} "
-          f"{'batch':>8}")
+          f"{'batch':>8} {'load':>8}")
     for round_ in range(args.rounds):
         for name, code in codes:
             r = _run_child(code, args)
             print(f"{name:8} {round_:>5} {r['echo']:8.1f} {r['empty']:8.1f} "
-                  f"{r['match']:8.1f} {r['end']:8.1f} {r['batch']:8.1f}")
+                  f"{r['match']:8.1f} {r['end']:8.1f} {r['batch']:8.1f} "
+                  f"{r.get('load', float('nan')):8.1f}")
 
 
 # ---- part 2: the split of one batch, in this process ------------------------------------
