@@ -3,7 +3,9 @@ host eviction, persistence, integrity, several directories, errors and backpress
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import aiokv
+from aiokv.stores.local import ssd as ssd_module
 from aiokv.stores.local import ssd_format, ssd_io
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 2, 160, 16, 2, 16
@@ -302,3 +305,43 @@ def test_bad_ssd_keys_name_the_key(keys: dict[str, Any], key: str) -> None:
     with pytest.raises(aiokv.ConfigError) as caught:
         aiokv.StoreConfig(**keys)
     assert caught.value.key == key
+
+
+@pytest.mark.asyncio
+async def test_an_evict_while_the_key_is_written_to_ssd_drops_it_for_good(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write_through (the default): an evict right after an offload, its SSD write still
+    running (held back here): the key is gone at once, stays gone once the write lands,
+    and after a reopen; another key's stays."""
+    gate = threading.Event()
+    real_run = ssd_module.SsdTier._run
+
+    def slow_writes(tier: Any, request: Any, *args: Any) -> None:
+        if request.is_write:
+            gate.wait(30)
+        real_run(tier, request, *args)
+
+    monkeypatch.setattr(ssd_module.SsdTier, "_run", slow_writes)
+    _, _, store, engine = engine_on(tmp_path)
+    try:
+        async with engine:
+            for user in (0, 1):
+                assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+            assert await engine.evict(0) == USER_PAGES * PAGE
+            assert await load_back(engine, 0, TARGET) == 0
+            gate.set()
+            for _ in range(250):  # the writes land and are applied
+                if store.store_stats()["ssd_blocks_used"] == USER_PAGES:
+                    break
+                await asyncio.sleep(0.02)
+            assert store.store_stats()["ssd_blocks_used"] == USER_PAGES  # user 1's only
+            assert await load_back(engine, 0, TARGET) == 0
+            assert await load_back(engine, 1, TARGET) == USER_PAGES * PAGE
+    finally:
+        gate.set()
+    monkeypatch.undo()
+    caches, original, _, engine = engine_on(tmp_path)
+    async with engine:
+        assert await load_back(engine, 0, TARGET) == 0
+        assert await load_back(engine, 1, TARGET) == USER_PAGES * PAGE
+        assert same(caches, original, TARGET, source_pages(1))

@@ -43,7 +43,8 @@ def _keep_none(blocks: Int64Array, spaces: list[Space], digests: list[bytes]) ->
 
 
 class Tier:
-    def __init__(self, name: str, alloc: BlockAllocator, demote: Demote | None = None) -> None:
+    def __init__(self, name: str, alloc: BlockAllocator, demote: Demote | None = None,
+                 forget: Callable[[Int64Array], None] | None = None) -> None:
         self.name = name
         self.alloc = alloc
         num_blocks = alloc.num_blocks
@@ -57,6 +58,10 @@ class Tier:
         # every read block of a get has exactly one reader.
         self.shared_gets = 0
         self.largest = 0  # the largest reservation asked for
+        # Tables a drop took out of reach while some of their blocks were in use, and
+        # what to tell of the blocks freed from them later (the SSD tier voids them).
+        self.buried: list[Space] = []
+        self._forget = forget
 
     @property
     def num_blocks(self) -> int:
@@ -75,6 +80,8 @@ class Tier:
         they cannot all be had now; it may have started copies down that make room."""
         alloc = self.alloc
         self.largest = max(self.largest, count)
+        if self.buried:  # never evict (nor copy down) a dropped key's block
+            self.sweep()
         if count > alloc.num_free:
             # A pool still being pinned grows within moments: wait for it rather than
             # evicting what was just stored or answering "no space" at start-up.
@@ -97,6 +104,8 @@ class Tier:
 
     def evict(self, count: int) -> None:
         """Evict up to ``count`` LRU blocks: freed, or kept by the demotion hook."""
+        if self.buried:
+            self.sweep()
         evicted = self.index.evict(count)
         self.free(np.sort(evicted))  # LRU order is not block order (as_index)
 
@@ -134,6 +143,8 @@ class Tier:
         make_evictable for each task in turn: tails first, later tasks more recent."""
         self.state[blocks] = READY
         self._list(per_task, blocks, size)
+        if self.buried:
+            self.sweep()
 
     def end_reads(
         self, per_task: list[Int64Array], shared: list[bool], blocks: Int64Array, size: int
@@ -148,6 +159,8 @@ class Tier:
         # No open get shares a block with another: every block has this one reader.
         self.readers[blocks] = 0
         self._list(per_task, blocks, size)
+        if self.buried:
+            self.sweep()
 
     def _list(self, per_task: list[Int64Array], blocks: Int64Array, size: int) -> None:
         if size:
@@ -162,6 +175,8 @@ class Tier:
         back = blocks[(left == 0) & (self.state[blocks] == READY)]
         if len(back):
             self.index.make_evictable(back)
+        if self.buried:
+            self.sweep()
 
     def drop_idle(self, blocks: Int64Array) -> Int64Array:
         """Forget and free those of ``blocks`` (in the index) that nothing uses."""
@@ -170,11 +185,32 @@ class Tier:
         return idle
 
     def drop_namespace(self, namespace: tuple[str, ...] | None) -> Int64Array:
-        """``drop_idle`` of one namespace's blocks (None: every namespace)."""
+        """Drop one namespace (None: every namespace) at once: ``drop_idle`` of its blocks,
+        and its tables that still hold blocks in use (read, being written, or copied
+        down) out of reach, so that no lookup finds them and a put of the key starts
+        afresh; those blocks are forgotten and freed as they fall idle (:meth:`sweep`).
+        Returns the blocks dropped now."""
         spaces = self.index.spaces() if namespace is None else [self.index.space(namespace)]
         dropped = [
             self.drop_idle(np.fromiter(space.values(), dtype=np.int64, count=len(space)))
             for space in spaces
             if space is not None
         ]
+        for space in spaces:
+            if space is not None and len(space):
+                self.index.detach(space)
+                self.buried.append(space)
         return np.concatenate(dropped) if dropped else NO_BLOCKS
+
+    def sweep(self) -> None:
+        """Forget and free the blocks of dropped tables that nothing uses now (their
+        own calls do it; a caller that lists blocks past them calls it after)."""
+        left = []
+        for space in self.buried:
+            freed = self.drop_idle(np.fromiter(space.values(), dtype=np.int64,
+                                               count=len(space)))
+            if len(freed) and self._forget is not None:
+                self._forget(freed)
+            if len(space):
+                left.append(space)
+        self.buried = left

@@ -98,7 +98,7 @@ class SsdTier:
                 if not direct
                 else "the filesystem refuses O_DIRECT",
             )
-        self.tier = Tier("ssd", BlockAllocator(total))
+        self.tier = Tier("ssd", BlockAllocator(total), forget=self.void)
         # A slot's tail past its block: zeros to write, and a scratch buffer to read it
         # into (preadv needs writable buffers; what lands there is never looked at, so
         # the read threads share one).
@@ -334,6 +334,8 @@ class SsdTier:
                         self._checksum_failures(request, len(bad))
                         self.void(tier.drop_idle(np.sort(bad)))
             out.append(request)
+        if tier.buried:  # written slots of a dropped key: listed above, past the tier
+            tier.sweep()
         return out
 
     def _checksum_failures(self, request: SsdRequest, count: int) -> None:

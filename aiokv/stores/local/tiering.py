@@ -186,6 +186,8 @@ class TierLink(LoadStaging):
                 host.drop_readers(blocks)
             else:
                 self._back_to_oldest(blocks)
+        if host.buried:  # copied down for a key dropped meanwhile: listed past the tier
+            host.sweep()
         if self._closed:
             return
         if not self.write_through:
@@ -200,8 +202,9 @@ class TierLink(LoadStaging):
     # ---- invalidation, stats -------------------------------------------------------
 
     def drop(self, namespace: tuple[str, ...] | None) -> int:
-        """Drop idle blocks of a namespace (None: all) in both tiers; returns the number
-        of distinct pages no tier holds any more."""
+        """Drop a namespace (None: all) in both tiers (Tier.drop_namespace: what is in use
+        goes out of reach, freed once idle); returns the number of distinct pages no tier
+        holds any more."""
         before = self.keys(namespace)
         self.host.drop_namespace(namespace)
         self.ssd.drop_namespace(namespace)

@@ -18,7 +18,7 @@ from another connection is a :class:`Foreign` (the server drops that peer), and 
 connection ends, however it ends, its tasks are rolled back (:meth:`Service.drop`).
 
 An evict or clear drops the key at once from both tiers, what is in use included (out of
-reach, freed once unused: :mod:`.remnants`), and takes back the gets of it that engines
+reach, freed once unused: ``Tier.drop_namespace``), and takes back the gets of it that engines
 hold and do not copy yet (:meth:`Service.invalidate`, :mod:`.notice`).
 """
 
@@ -42,7 +42,6 @@ from ..local.index import Space
 from ..local.loads import Load
 from ..local.tiering import TierLink
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
-from .remnants import Remnants
 from .tasks import Client, Entry, Foreign, PendingGet, Retry, Task
 from .wire import Answer, Query
 
@@ -67,7 +66,6 @@ class Service:
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0, "server_gets_invalidated": 0}
         self._staging: dict[tuple[str, ...], int] = {}  # pending gets' keys -> how many
         self._memory: int | None = None  # the region's memfd until the first engine
-        self._remnants = Remnants()  # what evicts could not free yet
 
     def allocate(self) -> None:
         """The host tier's memory, allocated whole (ConfigError when the host cannot)."""
@@ -353,7 +351,7 @@ class Service:
         if puts and not success:
             host.roll_back_many([(t.space, t.digests) for t in puts], _blocks(puts))
             puts = []
-        if puts and self._remnants.buried:
+        if puts and host.buried:
             gone = [t for t in puts if t.space is None
                     or host.index.space(t.space.key) is not t.space]
             if gone:  # a put of a key dropped meanwhile: swept below, never written down
@@ -371,7 +369,6 @@ class Service:
             host.end_reads([t.blocks for t in reading], [t.shared for t in reading],
                            _blocks(reading), _common_size(reading))
         host.shared_gets -= sum(t.shared for t in gets if not len(t.blocks))
-        self._remnants.sweep()
 
     # ---- gets taken back by an evict or clear -------------------------------------
 
@@ -403,22 +400,18 @@ class Service:
 
     def _drop_namespace(self, namespace: tuple[str, ...] | None) -> int:
         """Drop a namespace (None: all) from both tiers: its idle blocks freed, and the
-        tables that still hold blocks in use out of reach (:mod:`.remnants`); the
+        tables that still hold blocks in use out of reach (Tier.drop_namespace); the
         distinct pages dropped, in tokens."""
         host, link = self._host, self._link
         if host is None:
             return 0
         self._drain()
+        if link is not None:
+            return link.drop(namespace) * self._page_size()
         # Every page of it found now is out of reach after: dropped, or buried.
-        if link is None:
-            spaces = host.index.spaces() if namespace is None else [host.index.space(namespace)]
-            pages = sum(len(space) for space in spaces if space is not None)
-            host.drop_namespace(namespace)
-        else:
-            pages = len(link.keys(namespace))
-            link.drop(namespace)
-            self._remnants.bury(link.ssd, namespace)
-        self._remnants.bury(host, namespace)
+        spaces = host.index.spaces() if namespace is None else [host.index.space(namespace)]
+        pages = sum(len(space) for space in spaces if space is not None)
+        host.drop_namespace(namespace)
         return pages * self._page_size()
 
     def stats(self, clients: Sequence[Client]) -> dict[str, int | float]:
@@ -442,10 +435,9 @@ class Service:
         self._drain()
 
     def _drain(self) -> None:
-        """Apply finished SSD requests; free what an evict left in use and is idle now."""
+        """Apply finished SSD requests."""
         if self._link is not None:
             self._link.drain()
-        self._remnants.sweep()
 
     def idle(self, clients: Sequence[Client]) -> bool:
         return not any(c.tasks for c in clients)
