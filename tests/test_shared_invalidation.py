@@ -9,6 +9,8 @@ every block of it is freed once unused, on the host and on SSD, across a restart
 from __future__ import annotations
 
 import os
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from shared_inprocess import (
 )
 
 from aiokv.stores.base import TaskResult, TaskStatus
+from aiokv.stores.local import ssd as ssd_module
 from aiokv.stores.shared import SharedStore
 from aiokv.stores.shared import server as server_module
 
@@ -171,5 +174,37 @@ def test_a_lookup_reading_from_ssd_when_its_key_is_evicted_loads_nothing(
     fresh, _ = host.engine()
     try:
         assert fresh.get_match(TOKENS, ["user:5"])[1].sum() == 0
+    finally:
+        fresh.close()
+
+
+def test_an_evict_answers_once_its_ssd_voids_are_written(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """So that a server killed right after (kill -9) does not find the key again at its
+    restart: the slots' voided headers are on disk before the evict returns."""
+    writer, tables = host.engine()
+    try:
+        offload(writer, tables, 6)
+        wait_for(lambda: writer.store_stats()["ssd_blocks_used"] == PAGES, "the SSD copy")
+        gate = threading.Event()
+        real_void = ssd_module.SsdTier._void_one
+
+        def held_void(tier: Any, *args: Any) -> None:
+            gate.wait(30)
+            real_void(tier, *args)
+
+        monkeypatch.setattr(ssd_module.SsdTier, "_void_one", held_void)
+        evict = Call(lambda: writer.evict(["user:6"]))
+        evict.join(0.5)
+        assert evict.is_alive(), "the evict answered before its SSD voids were written"
+        gate.set()
+        assert evict.outcome() == PAGES * PAGE_SIZE
+    finally:
+        writer.close()
+    host.stop()
+    host.start()
+    fresh, _ = host.engine()
+    try:
+        assert fresh.get_match(TOKENS, ["user:6"])[1].sum() == 0
     finally:
         fresh.close()

@@ -345,3 +345,30 @@ async def test_an_evict_while_the_key_is_written_to_ssd_drops_it_for_good(
         assert await load_back(engine, 0, TARGET) == 0
         assert await load_back(engine, 1, TARGET) == USER_PAGES * PAGE
         assert same(caches, original, TARGET, source_pages(1))
+
+
+@pytest.mark.asyncio
+async def test_an_evict_returns_once_its_ssd_voids_are_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """So that a process killed right after it (kill -9) does not find the key again:
+    the voided headers are on disk before evict returns."""
+    _, _, store, engine = engine_on(tmp_path)
+    async with engine:
+        assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
+        for _ in range(250):
+            if store.store_stats()["ssd_blocks_used"] == USER_PAGES:
+                break
+            await asyncio.sleep(0.02)
+        gate = threading.Event()
+        real_void = ssd_module.SsdTier._void_one
+
+        def held_void(tier: Any, *args: Any) -> None:
+            gate.wait(30)
+            real_void(tier, *args)
+
+        monkeypatch.setattr(ssd_module.SsdTier, "_void_one", held_void)
+        evict = asyncio.ensure_future(engine.evict(0))
+        done, _ = await asyncio.wait([evict], timeout=0.5)
+        assert not done, "evict returned before its SSD voids were written"
+        gate.set()
+        assert await evict == USER_PAGES * PAGE

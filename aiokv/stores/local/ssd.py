@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import mmap
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..base import BoolArray, Int64Array, NoSpace
-from .blocks import NO_BLOCKS, READY, Tier
+from .blocks import NO_BLOCKS, READY, WRITING, Tier
 from .index import Space
 from .pool import ALIGN, BlockAllocator, HostPool
 from .ssd_format import (
@@ -351,13 +352,43 @@ class SsdTier:
 
     # ---- invalidation --------------------------------------------------------------
 
-    def drop_namespace(self, namespace: tuple[str, ...] | None) -> None:
-        """Forget idle slots of one namespace (None: all) and void them on disk."""
-        dropped = self.tier.drop_namespace(namespace)
+    def drop_namespace(self, namespace: tuple[str, ...] | None) -> threading.Event:
+        """Forget one namespace's slots (None: all; Tier.drop_namespace) and void them on
+        disk: the idle ones now, the ones being written once written (the voids queued
+        behind those writes; their slots are forgotten when the writes end). Returns an
+        event set once all of that is on disk, so that a restart, even after a kill -9,
+        does not find the key again."""
+        tier = self.tier
+        buried = len(tier.buried)
+        dropped = tier.drop_namespace(namespace)
+        writing = [s for space in tier.buried[buried:] for s in space.values()
+                   if tier.state[s] == WRITING]
         if namespace is None:
             self.files.set_epoch(max(m.epoch for m in self.files.metas) + 1)
         else:
             self.void(dropped)
+        if writing:  # a write reads the epoch when it runs: a clear needs these too
+            self.void(np.sort(np.array(writing, dtype=np.int64)))
+        return self.written()
+
+    def written(self) -> threading.Event:
+        """An event set (and the store notified) once every write queued so far has run:
+        one no-op behind each file's queued writes."""
+        files, event = self.files, threading.Event()
+        left = [files.count]
+        lock = threading.Lock()
+
+        def reached() -> None:  # an I/O thread
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            event.set()
+            self._notify()
+
+        for k in range(files.count):
+            files.submit(k, reached, read=False)
+        return event
 
     def void(self, slots: Int64Array) -> None:
         """Zero these slots' headers, queued behind the file's earlier writes."""

@@ -15,6 +15,7 @@ block.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,10 @@ from .index import BlockIndex
 from .jobs import CopyJobs
 from .pool import HostPool
 from .tiering import TierLink
+
+log = logging.getLogger("aiokv")
+
+SSD_VOID_WAIT_S = 30.0  # an evict waits this long for its SSD voids to be written
 
 
 class LocalStore:
@@ -360,7 +365,14 @@ class LocalStore:
         link = self._link
         if link is not None:
             link.drain()
-            return link.drop(namespace) * self.page_size
+            pages, written = link.drop(namespace)
+            # Answered once the SSD holds none of it: a restart, even after a kill -9,
+            # must not bring an evicted key back.
+            if not written.wait(SSD_VOID_WAIT_S):
+                log.warning("aiokv: an evict's SSD voids were not written within %.0f s; "
+                            "a restart before they are may find the key again",
+                            SSD_VOID_WAIT_S)
+            return pages * self.page_size
         return len(host.drop_namespace(namespace)) * self.page_size
 
     def store_stats(self) -> Mapping[str, int | float]:

@@ -22,6 +22,7 @@ Everything here runs on the store thread, from the store's calls and ``drain``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -201,14 +202,15 @@ class TierLink(LoadStaging):
 
     # ---- invalidation, stats -------------------------------------------------------
 
-    def drop(self, namespace: tuple[str, ...] | None) -> int:
+    def drop(self, namespace: tuple[str, ...] | None) -> tuple[int, threading.Event]:
         """Drop a namespace (None: all) in both tiers (Tier.drop_namespace: what is in use
         goes out of reach, freed once idle); returns the number of distinct pages no tier
-        holds any more."""
+        holds any more, and an event set once the SSD holds none of them (its voids are
+        written: SsdTier.drop_namespace)."""
         before = self.keys(namespace)
         self.host.drop_namespace(namespace)
-        self.ssd.drop_namespace(namespace)
-        return len(before - self.keys(namespace))
+        written = self.ssd.drop_namespace(namespace)
+        return len(before - self.keys(namespace)), written
 
     def keys(self, namespace: tuple[str, ...] | None) -> set[tuple[tuple[str, ...], bytes]]:
         """The (key, digest) of every page of a namespace (None: all) either tier holds."""

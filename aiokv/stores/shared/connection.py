@@ -6,6 +6,7 @@ reads, or an evict waiting for other engines' loads (:class:`EvictWait`)."""
 from __future__ import annotations
 
 import socket
+import threading
 from dataclasses import dataclass, field
 
 from .tasks import Client, Entry
@@ -30,11 +31,16 @@ class Connection:
 @dataclass(slots=True, eq=False)
 class EvictWait:
     """An evict's or clear's answer, sent once the gets of the key that other engines
-    had under way (``loads``: client, task id) have ended, or at ``deadline``."""
+    had under way (``loads``: client, task id) have ended and its SSD voids are written,
+    or at ``deadline``."""
 
     loads: list[tuple[Client, int]]
     reply: bytes
     deadline: float
+    written: threading.Event | None = None  # set once its SSD voids are on disk
+
+    def loads_over(self) -> bool:
+        return all(task_id not in client.tasks for client, task_id in self.loads)
 
     def over(self) -> bool:
-        return all(task_id not in client.tasks for client, task_id in self.loads)
+        return self.loads_over() and (self.written is None or self.written.is_set())

@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -392,27 +393,31 @@ class Service:
 
     # ---- invalidation, figures -----------------------------------------------------
 
-    def evict(self, namespace: tuple[str, ...]) -> int:
+    def evict(self, namespace: tuple[str, ...]) -> tuple[int, threading.Event | None]:
+        """The tokens dropped, and an event set once the SSD holds none of them (None
+        without an SSD tier)."""
         return self._drop_namespace(namespace)
 
-    def clear(self) -> int:
+    def clear(self) -> tuple[int, threading.Event | None]:
         return self._drop_namespace(None)
 
-    def _drop_namespace(self, namespace: tuple[str, ...] | None) -> int:
+    def _drop_namespace(self, namespace: tuple[str, ...] | None
+                        ) -> tuple[int, threading.Event | None]:
         """Drop a namespace (None: all) from both tiers: its idle blocks freed, and the
         tables that still hold blocks in use out of reach (Tier.drop_namespace); the
-        distinct pages dropped, in tokens."""
+        distinct pages dropped, in tokens, and the SSD's event (TierLink.drop)."""
         host, link = self._host, self._link
         if host is None:
-            return 0
+            return 0, None
         self._drain()
         if link is not None:
-            return link.drop(namespace) * self._page_size()
+            pages, written = link.drop(namespace)
+            return pages * self._page_size(), written
         # Every page of it found now is out of reach after: dropped, or buried.
         spaces = host.index.spaces() if namespace is None else [host.index.space(namespace)]
         pages = sum(len(space) for space in spaces if space is not None)
         host.drop_namespace(namespace)
-        return pages * self._page_size()
+        return pages * self._page_size(), None
 
     def stats(self, clients: Sequence[Client]) -> dict[str, int | float]:
         host = self._host
