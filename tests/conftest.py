@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
@@ -73,3 +74,19 @@ def launch_slots(store: Any, task_ids: Any, slot_mappings: Any) -> None:
     size = store.page_size
     pages = [torch.as_tensor(np.asarray(s, dtype=np.int64)[::size] // size) for s in slot_mappings]
     store.launch(list(task_ids), pages, [None] * len(pages))
+
+
+def held(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str,
+         when: Callable[..., bool] | None = None) -> threading.Event:
+    """``owner.name`` made to wait for the event returned (30 s at most) before it runs,
+    for the calls ``when(*args)`` picks (all by default): a slow SSD on demand."""
+    gate = threading.Event()
+    real = getattr(owner, name)
+
+    def waiting(*args: Any) -> Any:
+        if when is None or when(*args):
+            gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, waiting)
+    return gate

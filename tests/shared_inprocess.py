@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import held
 from shared_host import PAGE_SIZE, caches, user_kv, wait_for
 
 import aiokv
@@ -83,16 +84,8 @@ def on_ssd_only(host: Host, user: int, monkeypatch: pytest.MonkeyPatch) -> threa
     writer.close()
     host.stop()
     host.start()
-    gate = threading.Event()
-    real_run = ssd_module.SsdTier._run
-
-    def slow_run(tier: Any, request: Any, *args: Any) -> None:
-        if not request.is_write:
-            gate.wait(30)
-        real_run(tier, request, *args)
-
-    monkeypatch.setattr(ssd_module.SsdTier, "_run", slow_run)
-    return gate
+    return held(monkeypatch, ssd_module.SsdTier, "_run",
+                lambda tier, request, *args: not request.is_write)
 
 
 @pytest.fixture(name="host")

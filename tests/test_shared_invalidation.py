@@ -9,11 +9,10 @@ every block of it is freed once unused, on the host and on SSD, across a restart
 from __future__ import annotations
 
 import os
-import threading
-from typing import Any
 
 import pytest
 import torch
+from conftest import held
 from shared_host import PAGE_SIZE, user_kv
 from shared_inprocess import (
     PAGES,
@@ -186,14 +185,7 @@ def test_an_evict_answers_once_its_ssd_voids_are_written(
     try:
         offload(writer, tables, 6)
         wait_for(lambda: writer.store_stats()["ssd_blocks_used"] == PAGES, "the SSD copy")
-        gate = threading.Event()
-        real_void = ssd_module.SsdTier._void_one
-
-        def held_void(tier: Any, *args: Any) -> None:
-            gate.wait(30)
-            real_void(tier, *args)
-
-        monkeypatch.setattr(ssd_module.SsdTier, "_void_one", held_void)
+        gate = held(monkeypatch, ssd_module.SsdTier, "_void_one")
         evict = Call(lambda: writer.evict(["user:6"]))
         evict.join(0.5)
         assert evict.is_alive(), "the evict answered before its SSD voids were written"

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from conftest import held
 
 import aiokv
 from aiokv.stores.local import ssd as ssd_module
@@ -313,15 +313,8 @@ async def test_an_evict_while_the_key_is_written_to_ssd_drops_it_for_good(
     """write_through (the default): an evict right after an offload, its SSD write still
     running (held back here): the key is gone at once, stays gone once the write lands,
     and after a reopen; another key's stays."""
-    gate = threading.Event()
-    real_run = ssd_module.SsdTier._run
-
-    def slow_writes(tier: Any, request: Any, *args: Any) -> None:
-        if request.is_write:
-            gate.wait(30)
-        real_run(tier, request, *args)
-
-    monkeypatch.setattr(ssd_module.SsdTier, "_run", slow_writes)
+    gate = held(monkeypatch, ssd_module.SsdTier, "_run",
+                lambda tier, request, *args: request.is_write)
     _, _, store, engine = engine_on(tmp_path)
     try:
         async with engine:
@@ -359,14 +352,7 @@ async def test_an_evict_returns_once_its_ssd_voids_are_written(
             if store.store_stats()["ssd_blocks_used"] == USER_PAGES:
                 break
             await asyncio.sleep(0.02)
-        gate = threading.Event()
-        real_void = ssd_module.SsdTier._void_one
-
-        def held_void(tier: Any, *args: Any) -> None:
-            gate.wait(30)
-            real_void(tier, *args)
-
-        monkeypatch.setattr(ssd_module.SsdTier, "_void_one", held_void)
+        gate = held(monkeypatch, ssd_module.SsdTier, "_void_one")
         evict = asyncio.ensure_future(engine.evict(0))
         done, _ = await asyncio.wait([evict], timeout=0.5)
         assert not done, "evict returned before its SSD voids were written"
