@@ -348,8 +348,8 @@ async def test_an_evict_returns_once_its_ssd_voids_are_written(
     _, _, store, engine = engine_on(tmp_path)
     async with engine:
         assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
-        for _ in range(250):
-            if store.store_stats()["ssd_blocks_used"] == USER_PAGES:
+        for _ in range(250):  # written, and the write applied: its slots idle
+            if store.store_stats()["bytes_ssd_written"] == USER_PAGES * BLOCK:
                 break
             await asyncio.sleep(0.02)
         gate = held(monkeypatch, ssd_module.SsdTier, "_void_one")
@@ -358,3 +358,62 @@ async def test_an_evict_returns_once_its_ssd_voids_are_written(
         assert not done, "evict returned before its SSD voids were written"
         gate.set()
         assert await evict == USER_PAGES * PAGE
+
+
+@pytest.mark.asyncio
+async def test_an_evict_while_its_ssd_write_runs_waits_for_that_write_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write's header made, its pwrite held: the evict returns once that write and
+    the void right behind it are done (not after the other writes queued), and the key
+    is gone after a reopen."""
+    gate = held(monkeypatch, ssd_io.SsdFiles, "write",
+                lambda files, k, offset, buffers: len(buffers) > 1)  # data, not a void
+    _, _, _, engine = engine_on(tmp_path)
+    try:
+        async with engine:
+            assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
+            evict = asyncio.ensure_future(engine.evict(0))
+            done, _ = await asyncio.wait([evict], timeout=0.5)
+            assert not done, "evict returned while the key's SSD write could still land"
+            gate.set()
+            assert await evict == USER_PAGES * PAGE
+    finally:
+        gate.set()
+    monkeypatch.undo()
+    _, _, _, engine = engine_on(tmp_path)
+    async with engine:
+        assert await load_back(engine, 0, TARGET) == 0
+
+
+def named_on_disk(directory: Path, user: int) -> int:
+    """How many slots' headers on disk name the user's key (what a restart would find)."""
+    data = (directory / ssd_io.SUBDIR / ssd_format.DATA_NAME).read_bytes()
+    heads = (ssd_format.unpack_header(data[o : o + ssd_format.HEADER_BYTES])
+             for o in range(0, len(data), SLOT))
+    return sum(1 for h in heads if h is not None and h.namespace == (f"uid:{user}",))
+
+
+@pytest.mark.asyncio
+async def test_a_write_that_lands_after_its_key_was_evicted_names_nothing_on_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a kill -9 right after that write would leave: no header of the key, even
+    with every later void held back."""
+    writes = held(monkeypatch, ssd_module.SsdTier, "_run",
+                  lambda tier, request, *args: request.is_write)
+    voids = held(monkeypatch, ssd_module.SsdTier, "_void_one")
+    _, _, store, engine = engine_on(tmp_path)
+    try:
+        async with engine:
+            assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
+            assert await engine.evict(0) == USER_PAGES * PAGE  # its write not started
+            writes.set()
+            for _ in range(250):
+                if store.store_stats()["bytes_ssd_written"] == USER_PAGES * BLOCK:
+                    break
+                await asyncio.sleep(0.02)
+            assert store.store_stats()["bytes_ssd_written"] == USER_PAGES * BLOCK
+            assert named_on_disk(tmp_path, 0) == 0
+            voids.set()
+    finally:
+        writes.set()
+        voids.set()

@@ -99,7 +99,7 @@ class SsdTier:
                 if not direct
                 else "the filesystem refuses O_DIRECT",
             )
-        self.tier = Tier("ssd", BlockAllocator(total), forget=self.void)
+        self.tier = Tier("ssd", BlockAllocator(total), forget=self._void_later)
         # A slot's tail past its block: zeros to write, and a scratch buffer to read it
         # into (preadv needs writable buffers; what lands there is never looked at, so
         # the read threads share one).
@@ -107,6 +107,11 @@ class SsdTier:
         self._pads = (bytes(pad), bytearray(pad)) if pad else None
         self._zero_page = mmap.mmap(-1, HEADER_BYTES)  # aligned zeros, to void a header
         self._done: deque[SsdRequest] = deque()
+        # A drop against the write lanes (drop_namespace): slots whose pending write must
+        # land void, and slots whose header is made and whose write is running.
+        self._void_lock = threading.Lock()
+        self._unwritten: set[int] = set()
+        self._packed: set[int] = set()
         self._notify = notify
         self._generation = 1
         self._failures_logged = False
@@ -259,22 +264,23 @@ class SsdTier:
             cuts = np.flatnonzero(np.diff(slots) != 1) + 1
             for run in np.split(np.arange(len(positions)), cuts):
                 idx = positions[run]
-                headers = mmap.mmap(-1, HEADER_BYTES * len(idx))
+                headers = mmap.mmap(-1, HEADER_BYTES * len(idx))  # zeros: a void header
                 views = memoryview(headers)
                 buffers: list[Any] = []
+                if request.is_write:
+                    self._pack(request, k, idx, generation, views)
                 for j, i in enumerate(idx.tolist()):
                     head = views[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
-                    data = pool.block_view(int(request.host_blocks[i]))
-                    if request.is_write:
-                        epoch = files.metas[k].epoch
-                        pack_header(head, epoch, generation + i, checksum(data),
-                                    request.digests[i], request.namespaces[i])
-                    buffers += (head, data)
+                    buffers += (head, pool.block_view(int(request.host_blocks[i])))
                     if self._pads is not None:
                         buffers.append(self._pads[not request.is_write])
                 offset = int(slots[run[0]]) * files.slot_bytes
                 if request.is_write:
-                    files.write(k, offset, buffers)
+                    try:
+                        files.write(k, offset, buffers)
+                    finally:
+                        with self._void_lock:
+                            self._packed.difference_update(request.slots[idx].tolist())
                     request.ok[idx] = True
                 else:
                     files.read(k, offset, buffers)
@@ -289,6 +295,24 @@ class SsdTier:
             request.error = f"SSD {'write' if request.is_write else 'read'} failed: {exc!r}"
         self._done.append(request)  # deque append is atomic
         self._notify()
+
+    def _pack(self, request: SsdRequest, k: int, idx: Int64Array, generation: int,
+              views: memoryview) -> None:
+        """Make the headers of a run of a write (I/O thread), under the lock a drop takes:
+        a slot whose key was dropped before keeps its zero header (the write lands
+        naming nothing); the others are marked as written now (a drop meanwhile voids
+        them right after this write)."""
+        with self._void_lock:
+            for j, i in enumerate(idx.tolist()):
+                slot = int(request.slots[i])
+                if slot in self._unwritten:
+                    self._unwritten.discard(slot)
+                    continue
+                data = self._pool.block_view(int(request.host_blocks[i]))
+                pack_header(views[j * HEADER_BYTES : (j + 1) * HEADER_BYTES],
+                            self.files.metas[k].epoch, generation + i, checksum(data),
+                            request.digests[i], request.namespaces[i])
+                self._packed.add(slot)
 
     def _intact(self, request: SsdRequest, i: int, raw: memoryview) -> bool:
         """Whether block ``i`` of a read came back as written: its header names it and
@@ -321,6 +345,8 @@ class SsdTier:
                     stats["bytes_ssd_written"] += len(slots) * self.block_bytes
                 else:
                     stats["ssd_write_errors"] += 1
+                    with self._void_lock:  # a flag its write never took
+                        self._unwritten.difference_update(slots.tolist())
                     for i, slot in enumerate(slots.tolist()):
                         space, _ = tier.index.key_of(slot)
                         tier.roll_back(space, [request.digests[i]], slots[i : i + 1])
@@ -354,31 +380,42 @@ class SsdTier:
 
     def drop_namespace(self, namespace: tuple[str, ...] | None) -> threading.Event:
         """Forget one namespace's slots (None: all; Tier.drop_namespace) and void them on
-        disk: the idle ones now, the ones being written once written (the voids queued
-        behind those writes; their slots are forgotten when the writes end). Returns an
-        event set once all of that is on disk, so that a restart, even after a kill -9,
-        does not find the key again."""
+        disk. Returns an event set once no slot on disk names the namespace's blocks, so
+        that a restart, even after a kill -9, does not find them again; that takes
+        moments, not the writes queued before (their lanes are not waited for):
+
+        - idle slots: voided ahead of the queued writes;
+        - slots being written whose header is not made yet: the write makes it void
+          (it lands, naming nothing);
+        - slots whose write is running now: voided right after it, ahead of the rest."""
         tier = self.tier
         buried = len(tier.buried)
         dropped = tier.drop_namespace(namespace)
         writing = [s for space in tier.buried[buried:] for s in space.values()
                    if tier.state[s] == WRITING]
-        if namespace is None:
+        with self._void_lock:
+            running = [s for s in writing if s in self._packed]
+            self._unwritten.update(s for s in writing if s not in self._packed)
+        if namespace is None:  # every older header void at once (the meta file, fsync'd)
             self.files.set_epoch(max(m.epoch for m in self.files.metas) + 1)
-        else:
-            self.void(dropped)
-        if writing:  # a write reads the epoch when it runs: a clear needs these too
-            self.void(np.sort(np.array(writing, dtype=np.int64)))
-        return self.written()
+            dropped = NO_BLOCKS
+        return self.void(np.concatenate([dropped, np.array(running, dtype=np.int64)]),
+                         front=True)
 
-    def written(self) -> threading.Event:
-        """An event set (and the store notified) once every write queued so far has run:
-        one no-op behind each file's queued writes."""
+    def void(self, slots: Int64Array, front: bool = False) -> threading.Event:
+        """Zero these slots' headers: behind the file's queued writes, or ``front``:
+        ahead of them. Returns an event set (and the store notified) once they are."""
         files, event = self.files, threading.Event()
-        left = [files.count]
+        by_file: dict[int, list[int]] = {}
+        for slot in slots.tolist():
+            by_file.setdefault(slot % files.count, []).append(slot // files.count)
+        if not by_file:
+            event.set()
+            return event
+        left = [len(by_file)]
         lock = threading.Lock()
 
-        def reached() -> None:  # an I/O thread
+        def reached() -> None:  # an I/O thread, once a file's voids are written
             with lock:
                 left[0] -= 1
                 if left[0]:
@@ -386,16 +423,22 @@ class SsdTier:
             event.set()
             self._notify()
 
-        for k in range(files.count):
-            files.submit(k, reached, read=False)
+        for k, offsets in by_file.items():
+            ops: list[Callable[[], None]] = [
+                functools.partial(self._void_one, k, o * files.slot_bytes) for o in offsets]
+            ops.append(reached)
+            if front:  # each put first in turn: queued in reverse
+                for op in reversed(ops):
+                    files.submit(k, op, read=False, front=True)
+            else:
+                for op in ops:
+                    files.submit(k, op, read=False)
         return event
 
-    def void(self, slots: Int64Array) -> None:
-        """Zero these slots' headers, queued behind the file's earlier writes."""
-        files = self.files
-        for slot in slots.tolist():
-            k, offset = slot % files.count, slot // files.count * files.slot_bytes
-            files.submit(k, functools.partial(self._void_one, k, offset), read=False)
+    def _void_later(self, slots: Int64Array) -> None:
+        """Tier's ``forget``: slots of a dropped key freed once idle, voided behind the
+        queued writes (their drop's event covered them already, or their write did)."""
+        self.void(slots)
 
     def _void_one(self, k: int, offset: int) -> None:
         try:

@@ -208,13 +208,18 @@ class SsdFiles:
 
     # ---- I/O -----------------------------------------------------------------------
 
-    def submit(self, k: int, op: Op, *, read: bool) -> None:
+    def submit(self, k: int, op: Op, *, read: bool, front: bool = False) -> None:
+        """Queue ``op`` on file ``k``'s read or write lane; ``front``: ahead of what is
+        queued there (after the op running now)."""
         kind = 0 if read else 1
         cond = self._cond[k][kind]
         with cond:
             if self._closed:
                 raise RuntimeError("the SSD tier is closed")
-            self._queues[k][kind].append(op)
+            if front:
+                self._queues[k][kind].appendleft(op)
+            else:
+                self._queues[k][kind].append(op)
             cond.notify()
 
     def write(self, k: int, offset: int, buffers: Sequence[Any]) -> None:
