@@ -76,15 +76,24 @@ def launch_slots(store: Any, task_ids: Any, slot_mappings: Any) -> None:
     store.launch(list(task_ids), pages, [None] * len(pages))
 
 
+class Gate(threading.Event):
+    """An event that calls wait at (:func:`held`); ``entered`` is set once one does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+
+
 def held(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str,
-         when: Callable[..., bool] | None = None) -> threading.Event:
-    """``owner.name`` made to wait for the event returned (30 s at most) before it runs,
+         when: Callable[..., bool] | None = None) -> Gate:
+    """``owner.name`` made to wait for the gate returned (30 s at most) before it runs,
     for the calls ``when(*args)`` picks (all by default): a slow SSD on demand."""
-    gate = threading.Event()
+    gate = Gate()
     real = getattr(owner, name)
 
     def waiting(*args: Any) -> Any:
         if when is None or when(*args):
+            gate.entered.set()
             gate.wait(30)
         return real(*args)
 

@@ -307,6 +307,16 @@ def test_bad_ssd_keys_name_the_key(keys: dict[str, Any], key: str) -> None:
     assert caught.value.key == key
 
 
+async def figure(store: aiokv.LocalStore, name: str, value: int) -> None:
+    """Wait (5 s at most) until the store's figure ``name`` is ``value``: SSD writes land
+    on their own threads and are applied on the store thread after."""
+    for _ in range(250):
+        if store.store_stats()[name] == value:
+            return
+        await asyncio.sleep(0.02)
+    assert store.store_stats()[name] == value
+
+
 @pytest.mark.asyncio
 async def test_an_evict_while_the_key_is_written_to_ssd_drops_it_for_good(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -323,11 +333,7 @@ async def test_an_evict_while_the_key_is_written_to_ssd_drops_it_for_good(
             assert await engine.evict(0) == USER_PAGES * PAGE
             assert await load_back(engine, 0, TARGET) == 0
             gate.set()
-            for _ in range(250):  # the writes land and are applied
-                if store.store_stats()["ssd_blocks_used"] == USER_PAGES:
-                    break
-                await asyncio.sleep(0.02)
-            assert store.store_stats()["ssd_blocks_used"] == USER_PAGES  # user 1's only
+            await figure(store, "ssd_blocks_used", USER_PAGES)  # the writes landed: user 1's
             assert await load_back(engine, 0, TARGET) == 0
             assert await load_back(engine, 1, TARGET) == USER_PAGES * PAGE
     finally:
@@ -348,10 +354,7 @@ async def test_an_evict_returns_once_its_ssd_voids_are_written(
     _, _, store, engine = engine_on(tmp_path)
     async with engine:
         assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
-        for _ in range(250):  # written, and the write applied: its slots idle
-            if store.store_stats()["bytes_ssd_written"] == USER_PAGES * BLOCK:
-                break
-            await asyncio.sleep(0.02)
+        await figure(store, "bytes_ssd_written", USER_PAGES * BLOCK)  # its slots idle
         gate = held(monkeypatch, ssd_module.SsdTier, "_void_one")
         evict = asyncio.ensure_future(engine.evict(0))
         done, _ = await asyncio.wait([evict], timeout=0.5)
@@ -372,6 +375,7 @@ async def test_an_evict_while_its_ssd_write_runs_waits_for_that_write_alone(
     try:
         async with engine:
             assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
+            assert await asyncio.to_thread(gate.entered.wait, 10)  # its header made
             evict = asyncio.ensure_future(engine.evict(0))
             done, _ = await asyncio.wait([evict], timeout=0.5)
             assert not done, "evict returned while the key's SSD write could still land"
@@ -407,11 +411,7 @@ async def test_a_write_that_lands_after_its_key_was_evicted_names_nothing_on_dis
             assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
             assert await engine.evict(0) == USER_PAGES * PAGE  # its write not started
             writes.set()
-            for _ in range(250):
-                if store.store_stats()["bytes_ssd_written"] == USER_PAGES * BLOCK:
-                    break
-                await asyncio.sleep(0.02)
-            assert store.store_stats()["bytes_ssd_written"] == USER_PAGES * BLOCK
+            await figure(store, "bytes_ssd_written", USER_PAGES * BLOCK)
             assert named_on_disk(tmp_path, 0) == 0
             voids.set()
     finally:
