@@ -417,3 +417,78 @@ async def test_a_write_that_lands_after_its_key_was_evicted_names_nothing_on_dis
     finally:
         writes.set()
         voids.set()
+
+
+def writes_of(user: int) -> Any:
+    """``held``'s pick: the SSD tier's write requests of one user's key."""
+    name = ssd_format.encode_namespace((f"uid:{user}",))
+    return lambda tier, request, *args: request.is_write and request.namespaces[0] == name
+
+
+@pytest.mark.asyncio
+async def test_an_evict_voids_slots_recycled_for_another_key_before_that_write_lands(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SSD tier of two users' slots: users 2 and 3 take users 0's and 1's slots, whose
+    headers name the old users until the new writes land. Evicting user 1 while user 3's
+    write waits in the lane leaves no header of user 1 (a kill -9 then would not bring
+    it back), and the late writes still land and load bit-exact, also after a reopen."""
+    caches, original, store, engine = engine_on(tmp_path, slots=2 * USER_PAGES)
+    async with engine:
+        for user in (0, 1):
+            assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+        await figure(store, "bytes_ssd_written", 2 * USER_PAGES * BLOCK)
+        assert named_on_disk(tmp_path, 1) == USER_PAGES
+        late = held(monkeypatch, ssd_module.SsdTier, "_run", writes_of(3))
+        first = held(monkeypatch, ssd_module.SsdTier, "_run", writes_of(2))
+        try:
+            for user in (2, 3):
+                assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+            assert await asyncio.to_thread(first.entered.wait, 10)  # user 3's write queued
+            evict = asyncio.ensure_future(engine.evict(1))
+            first.set()
+            assert await asyncio.to_thread(late.entered.wait, 10)  # user 3's write next
+            await asyncio.wait_for(evict, 10)
+            assert named_on_disk(tmp_path, 1) == 0
+            assert named_on_disk(tmp_path, 2) == USER_PAGES
+        finally:
+            first.set()
+            late.set()
+        await figure(store, "bytes_ssd_written", 4 * USER_PAGES * BLOCK)
+        assert named_on_disk(tmp_path, 3) == USER_PAGES
+        assert await load_back(engine, 1, TARGET) == 0
+    monkeypatch.undo()
+    caches, original, _, engine = engine_on(tmp_path, slots=2 * USER_PAGES)
+    async with engine:
+        assert await load_back(engine, 1, TARGET) == 0
+        await check_loads(engine, (2, 3), caches, original)
+
+
+@pytest.mark.asyncio
+async def test_an_evict_voids_the_ssd_slots_a_held_lookup_reads_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Lookup of a user only the SSD tier holds keeps its slots in use; an evict while
+    it is held leaves no header of the user on disk once it returns (before the lookup
+    is let go), the held lookup loads nothing of it, and nothing is counted as damage."""
+    caches, original, store, engine = engine_on(tmp_path)
+    async with engine:
+        for user in (0, 1, 2):  # the host tier holds two users: user 0 only on SSD
+            assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+        await figure(store, "bytes_ssd_written", 3 * USER_PAGES * BLOCK)
+        reads = held(monkeypatch, ssd_module.SsdTier, "_run",
+                     lambda tier, request, *args: not request.is_write)
+        try:
+            hit = await engine.lookup(0, USER_PAGES * PAGE)
+            assert hit.cached_tokens == USER_PAGES * PAGE
+            await engine.evict(0)
+            assert named_on_disk(tmp_path, 0) == 0
+            reads.set()
+            assert (await engine.load(hit, TARGET)).loaded_tokens == 0
+        finally:
+            reads.set()
+        assert await load_back(engine, 0, TARGET) == 0
+        await check_loads(engine, (1, 2), caches, original)
+        assert store.store_stats()["checksum_failures"] == 0
+    monkeypatch.undo()
+    _, _, _, engine = engine_on(tmp_path)
+    async with engine:
+        assert await load_back(engine, 0, TARGET) == 0

@@ -99,7 +99,8 @@ class SsdTier:
                 if not direct
                 else "the filesystem refuses O_DIRECT",
             )
-        self.tier = Tier("ssd", BlockAllocator(total), forget=self._void_later)
+        self.tier = Tier("ssd", BlockAllocator(total), demote=self._recycled,
+                         forget=self._void_later)
         # A slot's tail past its block: zeros to write, and a scratch buffer to read it
         # into (preadv needs writable buffers; what lands there is never looked at, so
         # the read threads share one).
@@ -112,6 +113,14 @@ class SsdTier:
         self._void_lock = threading.Lock()
         self._unwritten: set[int] = set()
         self._packed: set[int] = set()
+        # Slots out of the index whose header on disk still names a key (slot -> key):
+        # taken by LRU eviction for another key's write that has not landed yet, or an
+        # older copy of a key found at recovery. A restart would find that key there, so
+        # a drop of the key voids them too (if still so when the void runs).
+        self._stale: dict[int, tuple[str, ...]] = {}
+        # Slots of dropped keys voided while still in use (a held lookup's, a read's):
+        # their read fails by design, and their void once idle is done.
+        self._voided: set[int] = set()
         self._notify = notify
         self._generation = 1
         self._failures_logged = False
@@ -137,6 +146,9 @@ class SsdTier:
                     continue
                 key = (header.namespace, header.digest)
                 slot = j * files.count + k
+                if key in best:  # the older copy stays on disk, free: stale
+                    older = min(best[key], (header.generation, slot))
+                    self._stale[older[1]] = header.namespace
                 if key not in best or best[key][0] < header.generation:
                     best[key] = (header.generation, slot)
                 self._generation = max(self._generation, header.generation + 1)
@@ -280,7 +292,10 @@ class SsdTier:
                         files.write(k, offset, buffers)
                     finally:
                         with self._void_lock:
-                            self._packed.difference_update(request.slots[idx].tolist())
+                            written = request.slots[idx].tolist()
+                            self._packed.difference_update(written)
+                            for slot in written:
+                                self._stale.pop(slot, None)
                     request.ok[idx] = True
                 else:
                     files.read(k, offset, buffers)
@@ -351,12 +366,15 @@ class SsdTier:
                         space, _ = tier.index.key_of(slot)
                         tier.roll_back(space, [request.digests[i]], slots[i : i + 1])
             else:
+                # Slots a drop voided while they were read fail by design: not damage.
+                # (Known before drop_readers, which may free them and end their record.)
+                voided = np.isin(slots, list(self._voided)) if self._voided else None
                 tier.drop_readers(slots)
                 if request.error is not None:
                     request.ok[:] = False
                 else:
                     stats["bytes_ssd_read"] += len(slots) * self.block_bytes
-                    bad = slots[~request.ok]
+                    bad = slots[~request.ok if voided is None else ~(request.ok | voided)]
                     if len(bad):
                         self._checksum_failures(request, len(bad))
                         self.void(tier.drop_idle(np.sort(bad)))
@@ -384,31 +402,51 @@ class SsdTier:
         that a restart, even after a kill -9, does not find them again; that takes
         moments, not the writes queued before (their lanes are not waited for):
 
-        - idle slots: voided ahead of the queued writes;
+        - idle slots, and slots a held lookup or a read still uses (that read then
+          fails, as a load of a dropped key should): voided ahead of the queued writes;
         - slots being written whose header is not made yet: the write makes it void
           (it lands, naming nothing);
-        - slots whose write is running now: voided right after it, ahead of the rest."""
+        - slots whose write is running now: voided right after it, ahead of the rest;
+        - slots taken for another key whose write has not landed (their old header
+          names this one): voided ahead of that write, unless it landed first."""
         tier = self.tier
         buried = len(tier.buried)
         dropped = tier.drop_namespace(namespace)
-        writing = [s for space in tier.buried[buried:] for s in space.values()
-                   if tier.state[s] == WRITING]
+        in_use = [s for space in tier.buried[buried:] for s in space.values()]
+        writing = [s for s in in_use if tier.state[s] == WRITING]
+        reading = [s for s in in_use if tier.state[s] == READY]
         with self._void_lock:
             running = [s for s in writing if s in self._packed]
             self._unwritten.update(s for s in writing if s not in self._packed)
-        if namespace is None:  # every older header void at once (the meta file, fsync'd)
+            if namespace is None:
+                stale = []
+                self._stale.clear()
+            else:
+                stale = [s for s, key in self._stale.items() if key == namespace]
+        self._voided.update(reading)
+        if namespace is None:  # every older header void at once (the meta file, fsync'd),
+            # those in use too: their voids once idle are not needed either
             self.files.set_epoch(max(m.epoch for m in self.files.metas) + 1)
             dropped = NO_BLOCKS
-        return self.void(np.concatenate([dropped, np.array(running, dtype=np.int64)]),
-                         front=True)
+            reading = []
+        now = np.array([*running, *reading], dtype=np.int64)
+        return self.void(np.concatenate([dropped, now]), front=True,
+                         stale=np.array(stale, dtype=np.int64), namespace=namespace)
 
-    def void(self, slots: Int64Array, front: bool = False) -> threading.Event:
+    def void(self, slots: Int64Array, front: bool = False, stale: Int64Array = NO_BLOCKS,
+             namespace: tuple[str, ...] | None = None) -> threading.Event:
         """Zero these slots' headers: behind the file's queued writes, or ``front``:
-        ahead of them. Returns an event set (and the store notified) once they are."""
+        ahead of them; and those of ``stale`` slots whose header still names
+        ``namespace`` when their turn comes. Returns an event set (and the store
+        notified) once they are."""
         files, event = self.files, threading.Event()
-        by_file: dict[int, list[int]] = {}
+        by_file: dict[int, list[Callable[[], None]]] = {}
         for slot in slots.tolist():
-            by_file.setdefault(slot % files.count, []).append(slot // files.count)
+            by_file.setdefault(slot % files.count, []).append(
+                functools.partial(self._void_one, slot))
+        for slot in stale.tolist():
+            by_file.setdefault(slot % files.count, []).append(
+                functools.partial(self._void_one, slot, namespace))
         if not by_file:
             event.set()
             return event
@@ -423,9 +461,7 @@ class SsdTier:
             event.set()
             self._notify()
 
-        for k, offsets in by_file.items():
-            ops: list[Callable[[], None]] = [
-                functools.partial(self._void_one, k, o * files.slot_bytes) for o in offsets]
+        for k, ops in by_file.items():
             ops.append(reached)
             if front:  # each put first in turn: queued in reverse
                 for op in reversed(ops):
@@ -435,16 +471,41 @@ class SsdTier:
                     files.submit(k, op, read=False)
         return event
 
+    def _recycled(self, slots: Int64Array, spaces: list[Space], digests: list[bytes]) -> Int64Array:
+        """The index's eviction hook: the slots go to other keys' writes, their headers
+        naming these keys until those land (``_stale``). Keeps none."""
+        with self._void_lock:
+            for slot, space in zip(slots.tolist(), spaces, strict=True):
+                self._stale[slot] = space.key
+        return NO_BLOCKS
+
     def _void_later(self, slots: Int64Array) -> None:
         """Tier's ``forget``: slots of a dropped key freed once idle, voided behind the
-        queued writes (their drop's event covered them already, or their write did)."""
+        queued writes (their drop's event covered them already, or their write did),
+        except those voided while in use."""
+        if self._voided:
+            done = np.isin(slots, list(self._voided))
+            self._voided.difference_update(slots[done].tolist())
+            slots = slots[~done]
         self.void(slots)
 
-    def _void_one(self, k: int, offset: int) -> None:
+    def _void_one(self, slot: int, only_if: tuple[str, ...] | None = None) -> None:
+        """Zero one slot's header (I/O thread, its file's write lane); ``only_if``: only
+        while the stale header there names that key (no write has landed on it since:
+        the lane runs one op at a time, so none can land between check and void)."""
+        files = self.files
+        if only_if is not None:
+            with self._void_lock:
+                if self._stale.get(slot) != only_if:
+                    return
         try:
-            self.files.write(k, offset, [self._zero_page])
+            files.write(slot % files.count, slot // files.count * files.slot_bytes,
+                        [self._zero_page])
         except OSError as exc:
             log.warning("aiokv: voiding an SSD slot failed: %r", exc)
+            return
+        with self._void_lock:
+            self._stale.pop(slot, None)
 
     def close(self) -> None:
         self.files.close()
