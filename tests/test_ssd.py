@@ -492,3 +492,28 @@ async def test_an_evict_voids_the_ssd_slots_a_held_lookup_reads_from(
     _, _, _, engine = engine_on(tmp_path)
     async with engine:
         assert await load_back(engine, 0, TARGET) == 0
+
+
+@pytest.mark.asyncio
+async def test_an_evict_voids_an_older_copy_of_the_key_a_restart_left_on_disk(
+        tmp_path: Path) -> None:
+    """Two headers of one block (a crash between a slot's reuse and the write that
+    retires the old copy leaves them): the newer is served, and an evict voids both, so
+    the older cannot come back at the next restart."""
+    await write_users(tmp_path, 1)
+    path = tmp_path / ssd_io.SUBDIR / ssd_format.DATA_NAME
+    data = bytearray(path.read_bytes())
+    head = ssd_format.unpack_header(bytes(data[:ssd_format.HEADER_BYTES]))
+    assert head is not None
+    spare = len(data) - SLOT  # the last slot: free
+    data[spare : spare + SLOT] = data[:SLOT]  # the same block, one generation older
+    ssd_format.pack_header(memoryview(data)[spare : spare + ssd_format.HEADER_BYTES],
+                           head.epoch, head.generation - 1, head.data_sum, head.digest,
+                           ssd_format.encode_namespace(head.namespace) or b"")
+    path.write_bytes(bytes(data))
+    assert named_on_disk(tmp_path, 0) == USER_PAGES + 1
+    caches, original, _, engine = engine_on(tmp_path)
+    async with engine:
+        await check_loads(engine, (0,), caches, original)
+        assert await engine.evict(0) == USER_PAGES * PAGE
+    assert named_on_disk(tmp_path, 0) == 0
