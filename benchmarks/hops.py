@@ -1,7 +1,7 @@
 """Where a layerwise load's first milliseconds go, hop by hop, as a model thread calls it.
 
     python benchmarks/hops.py [--device cpu|cuda] [--users 4] [--tokens 64] [--repeats 30]
-        [--heads 2] [--head-dim 64] [--page 16] [--dtype float32] [--scattered]
+        [--heads 2] [--head-dim 64] [--page 16] [--dtype float32] [--scattered] [--host-ids]
 
 The calls go through ``run_in_background`` (``submit_load_layerwise`` per user, then
 ``wait_layer(0)`` on each), the path of ``aiokv bench layers``. Each stage is stamped
@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--scattered", action="store_true",
                         help="pages at random, as aiokv bench layers places them")
+    parser.add_argument("--host-ids", action="store_true",
+                        help="the loads' page ids as CPU tensors (no copy of them to the host)")
     args = parser.parse_args()
     device = torch.device(args.device)
     pages = args.tokens // args.page
@@ -105,6 +107,8 @@ def main() -> None:
         sources = [order[u * pages : (u + 1) * pages] for u in range(args.users)]
         targets = [order[(args.users + u) * pages : (args.users + u + 1) * pages]
                    for u in range(args.users)]
+    if args.host_ids:
+        targets = [t.cpu() for t in targets]
     for future in [kv.submit_offload(u, sources[u], args.tokens) for u in range(args.users)]:
         future.result()
     instrument()

@@ -17,8 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
+from ..copy.driver import BatchCopy
 from .standin import GIB, StandIn
 
 _WAIT_S = 600.0  # a bound on waiting for a copier's unit: it is stuck past this
@@ -287,11 +289,58 @@ class ReferenceCopier:
             self._stream.synchronize()
 
 
+class ShapedCopier:
+    """The engine's copy shape without the engine: ``pages`` pages of ``page_bytes`` at
+    random in each of ``layers`` device caches (twice that many pages each, as the
+    engine's rounds place theirs), one copy per page and layer to pinned host memory and
+    back, in one ``cuMemcpyBatchAsync`` call each way, on a stream of its own. Beside the
+    reference it says how much of the engine's gap is the shape of its copies (pages, not
+    one buffer) and how much is its own control path. CUDA 12.8+ drivers only."""
+
+    def __init__(self, device: torch.device, layers: int, pages: int, page_bytes: int) -> None:
+        self._device = device
+        self._nbytes = layers * pages * page_bytes
+        self._caches = [torch.ones(2 * pages * page_bytes, dtype=torch.uint8, device=device)
+                        for _ in range(layers)]
+        self._host = torch.ones(self._nbytes, dtype=torch.uint8, pin_memory=True)
+        torch.cuda.synchronize(device)  # filled on this thread's stream, copied on another
+        order = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(0))[:pages]
+        offsets = order.numpy().astype(np.uint64) * np.uint64(page_bytes)
+        self._device_addrs = np.concatenate(
+            [np.uint64(c.data_ptr()) + offsets for c in self._caches])
+        self._host_addrs = (np.uint64(self._host.data_ptr())
+                            + np.arange(layers * pages, dtype=np.uint64) * np.uint64(page_bytes))
+        self._sizes = np.full(layers * pages, page_bytes, dtype=np.uint64)
+        self._stream: torch.cuda.Stream | None = None
+        self._copy: BatchCopy | None = None
+
+    def setup(self) -> None:
+        self._stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+        torch.cuda.set_stream(self._stream)
+        self._copy = BatchCopy()
+
+    def _timed(self, kind: str, dsts: np.ndarray, srcs: np.ndarray) -> Unit:
+        assert self._copy is not None and self._stream is not None
+        start = time.perf_counter()
+        self._copy(dsts, srcs, self._sizes, self._stream.cuda_stream)
+        self._stream.synchronize()
+        return Unit(kind, self._nbytes, start, time.perf_counter())
+
+    def unit(self) -> Sequence[Unit]:
+        return [self._timed("offload", self._host_addrs, self._device_addrs),
+                self._timed("load", self._device_addrs, self._host_addrs)]
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
 __all__ = [
     "Beside",
     "Copier",
     "Rates",
     "ReferenceCopier",
+    "ShapedCopier",
     "Side",
     "Unit",
     "measure_alone",

@@ -7,6 +7,10 @@ thread of its own, a copier runs without pause:
   reference  plain copies of one contiguous buffer (``--ref-mib``), device -> pinned
              host, then back, on a stream of its own: the copy engines' rate, and what
              copies that use no SMs cost the model;
+  shaped     the engine's copy shape without the engine: a round's pages, at random,
+             one copy per page and layer by ``cuMemcpyBatchAsync`` (CUDA 12.8+), to
+             pinned host memory and back: of the engine's gap to the reference, what
+             its copy shape costs (the rest is its control path);
   engine     the aiokv engine on the store of ``--config`` (the embedded store by
              default; ``own_process: true`` or FlexKV through the config) doing rounds of
              ``--users`` x ``--tokens``: every user offloads a fresh history, looks it up
@@ -36,11 +40,12 @@ from typing import Any, Protocol
 import torch
 
 from ..config import EngineConfig, StoreConfig
+from ..copy.driver import batch_entry
 from ..engine import OffloadEngine
 from ..open import read_config
 from ..stores import make_store
 from . import common, standin
-from .beside import Beside, Rates, ReferenceCopier, Side, Unit, measure_copier
+from .beside import Beside, Rates, ReferenceCopier, ShapedCopier, Side, Unit, measure_copier
 from .rounds import IDS, PLACEMENTS, _round
 from .standin import GIB, StandIn, depth_name, one_thread, parse_depths, smoke_run
 
@@ -222,12 +227,17 @@ def _run(args: argparse.Namespace) -> int:
     model = StandIn(device, settings.matrix)
     steps = model.steps_for(settings.model_s)
     copiers = {
-        "reference": Beside(ReferenceCopier(device, settings.ref_mib << 20), "aiokv-bench-ref"),
-        "engine": Beside(
-            EngineCopier(settings, device, engine_config, store_config, page_size),
-            "aiokv-bench-engine",
-        ),
-    }
+        "reference": Beside(ReferenceCopier(device, settings.ref_mib << 20), "aiokv-bench-ref")}
+    if device.type == "cuda" and batch_entry()[0] is not None:
+        page_bytes = common.bytes_per_token(1, settings.heads, settings.head_dim,
+                                            torch.bfloat16) * page_size
+        pages = settings.users * -(-settings.tokens // page_size)
+        copiers["shaped"] = Beside(ShapedCopier(device, settings.layers, pages, page_bytes),
+                                   "aiokv-bench-shaped")
+    copiers["engine"] = Beside(
+        EngineCopier(settings, device, engine_config, store_config, page_size),
+        "aiokv-bench-engine",
+    )
     with common.switch_interval(settings.switch_interval_us):
         measured = {
             name: measure_copier(c, model, steps, depths, settings.alone_s, settings.repeats)
