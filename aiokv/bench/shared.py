@@ -1,8 +1,9 @@
 """``aiokv bench shared --processes N``: one ``aiokv store-server`` and N engine processes
 on ``store.backend: shared``, against the same work done without the server.
 
-From one run: (1) bandwidth: every process offloads ``--users`` fresh histories at once
-(concurrent calls, so each process's engine batches them), looks them up and loads them
+From one run: (1) bandwidth: every process offloads ``--batches`` x ``--users`` fresh
+histories at once (concurrent calls, which each process's engine batches ``--users`` at a
+time, so that several batches stream back to back), looks them up and loads them
 back into other pages, each phase started in all processes together; the aggregate GiB/s
 of each direction (all processes' bytes over the span from the first start to the last
 end) next to the raw copy of the same run, all processes at once: on a GPU each
@@ -50,6 +51,7 @@ HELP = "N processes on one aiokv store-server: aggregate GiB/s vs raw copy, roun
 class Settings:
     processes: int = 2
     users: int = 8
+    batches: int = 1
     tokens: int = 1024
     rounds: int = 3
     layers: int = 8
@@ -67,6 +69,8 @@ QUICK = {"tokens": 256, "layers": 4, "heads": 2, "head_dim": 64, "rounds": 2,
          "hit_users": 32, "hit_requests": 6, "round_trips": 200}
 HELPS = {
     "processes": "engine processes", "users": "concurrent users per process and batch",
+    "batches": "batches each process offloads (and loads) back to back in a round, submitted "
+    "at once: 1 times one batch's latency, more the stream a serving process keeps up",
     "tokens": "tokens per user history", "rounds": "bandwidth rounds (best one reported)",
     "hit_users": "users of the hit-ratio workload", "round_trips": "control round trips timed",
     "hit_requests": "requests per user in the hit-ratio workload",
@@ -90,7 +94,7 @@ def _block_bytes(s: Settings) -> int:
 
 def _server_gb(s: Settings) -> float:
     """Room for one bandwidth round of every process and the whole hit workload, twice."""
-    pages = s.processes * s.users * s.tokens // s.page_size
+    pages = s.processes * s.batches * s.users * s.tokens // s.page_size
     pages += s.hit_users * (s.tokens // s.page_size + s.hit_requests)
     return 2 * pages * _block_bytes(s) / (1 << 30)
 
@@ -104,7 +108,8 @@ class _Worker:
         device = _device(s.device)
         self.pages_per_user = s.tokens // s.page_size
         grow = s.hit_requests
-        pages = max(2 * s.users * self.pages_per_user, 2 * (self.pages_per_user + grow))
+        self.streams = s.batches * s.users  # a round's users, over its batches
+        pages = max(2 * self.streams * self.pages_per_user, 2 * (self.pages_per_user + grow))
         dtype = common.DTYPES[s.dtype]
         self.caches = common.make_caches(s.layers, pages, s.page_size, s.heads, s.head_dim,
                                          dtype, device)
@@ -119,7 +124,7 @@ class _Worker:
                                                        engine))
         self.block_bytes = _block_bytes(s)
         self._hits: list[BackgroundLookup] = []  # a round's lookups, from lookup to load
-        blocks = 2 * s.users * self.pages_per_user
+        blocks = 2 * self.streams * self.pages_per_user
         self.raw_pool = torch.empty((blocks, s.layers, 2, s.page_size, s.heads, s.head_dim),
                                     dtype=dtype, pin_memory=device.type == "cuda")
         # On a GPU the raw figure is the link's: one contiguous pinned copy of the same
@@ -128,7 +133,7 @@ class _Worker:
                            if device.type == "cuda" else None)
 
     def _user_pages(self, user: int, offset: int) -> torch.Tensor:
-        first = offset * self.s.users * self.pages_per_user + user * self.pages_per_user
+        first = offset * self.streams * self.pages_per_user + user * self.pages_per_user
         return torch.arange(first, first + self.pages_per_user)
 
     # The bandwidth round in three phases, each started in every process at once (the
@@ -142,7 +147,8 @@ class _Worker:
             wait_pinned()
         start = time.monotonic()
         futures = [kv.submit_offload(u, self._user_pages(u, 0), s.tokens,
-                                     namespace=self._names(round_, u)) for u in range(s.users)]
+                                     namespace=self._names(round_, u))
+                   for u in range(self.streams)]
         stored = sum(f.result().stored_tokens for f in futures)
         return {"offload_start": start, "offload_end": time.monotonic(),
                 "offload_bytes": stored * self.block_bytes / s.page_size}
@@ -151,7 +157,7 @@ class _Worker:
         kv, s = self.shared, self.s
         self._hits = [f.result() for f in [
             kv.submit_lookup(u, s.tokens, namespace=self._names(round_, u))
-            for u in range(s.users)]]
+            for u in range(self.streams)]]
         return {}
 
     def load(self, round_: int) -> dict[str, float]:
@@ -173,11 +179,10 @@ class _Worker:
         """On the CPU, the same pages through the same torch ops as the shared store's
         copies, with a plain host tensor of blocks in place of the region; on a GPU, one
         pinned copy of the same bytes each way."""
-        s = self.s
         if self.raw_device is not None:
-            return self._raw_link(len(self._user_pages(0, 0)) * s.users * self.block_bytes)
-        pages = torch.cat([self._user_pages(u, 0) for u in range(s.users)])
-        back = torch.cat([self._user_pages(u, 1) for u in range(s.users)])
+            return self._raw_link(self.pages_per_user * self.streams * self.block_bytes)
+        pages = torch.cat([self._user_pages(u, 0) for u in range(self.streams)])
+        back = torch.cat([self._user_pages(u, 1) for u in range(self.streams)])
         blocks = torch.arange(len(pages))
         device = self.caches[0].device
         start = time.monotonic()
@@ -378,7 +383,7 @@ def _report(s: Settings, results: dict[str, Any]) -> None:
              bw[f"shared_{d}_gib_s"] / max(bw[f"raw_{d}_gib_s"], 1e-9)]
             for d in ("offload", "load")]
     common.print_table(
-        f"{s.processes} processes x {s.users} users x {s.tokens} tokens "
+        f"{s.processes} processes x {s.batches} batch(es) x {s.users} users x {s.tokens} tokens "
         f"({_block_bytes(s) >> 10} KiB a page), best of {s.rounds}",
         ["direction", "shared GiB/s", "raw GiB/s", "shared/raw"], rows)
     trips = results["round_trips_us"]
