@@ -198,3 +198,26 @@ def test_an_evict_answers_once_its_ssd_voids_are_written(
         assert fresh.get_match(TOKENS, ["user:6"])[1].sum() == 0
     finally:
         fresh.close()
+
+
+def test_a_put_under_way_when_its_key_is_evicted_is_never_written_to_ssd(host: Host) -> None:
+    """Another engine's put of the key, matched before the evict and ended after it: its
+    blocks are freed, never copied down under the dropped key (write_through), so no
+    lookup after the evict finds the key, on the host or on SSD."""
+    writer, tables = host.engine()
+    other, _ = host.engine()
+    try:
+        for cache, kv in zip(tables, user_kv(9, PAGES), strict=True):
+            cache[:PAGES] = kv
+        task, mask = writer.put_match(TOKENS, ["user:9"])
+        assert mask.all()
+        other.evict(["user:9"])
+        writer.launch([task], [torch.arange(PAGES)], [None])
+        wait_for(lambda: writer.try_wait([task]), "the offload")
+        # The put's blocks stay reserved until its end reaches the server.
+        wait_for(lambda: other.store_stats()["host_blocks_used"] == 0, "the put's end")
+        assert other.store_stats()["ssd_blocks_used"] == 0
+        assert other.get_match(TOKENS, ["user:9"])[1].sum() == 0
+    finally:
+        writer.close()
+        other.close()

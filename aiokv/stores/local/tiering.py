@@ -103,8 +103,22 @@ class TierLink(LoadStaging):
         return present
 
     def write_through_puts(self, tasks: Sequence[Any], blocks: Int64Array) -> None:
-        """Finished puts' blocks (READY): copy them to SSD, held as readers till then."""
+        """Finished puts' blocks (READY): copy them to SSD, held as readers till then. A
+        put whose key was dropped while it ran (its table buried: another engine's evict,
+        on the shared tier) is published instead, so that its blocks are freed as they
+        fall idle and never written down."""
         host = self.host
+        if host.buried:
+            live = [t.space is not None and host.index.space(t.space.key) is t.space
+                    for t in tasks]
+            if not all(live):
+                gone = [t for t, ok in zip(tasks, live, strict=True) if not ok]
+                host.publish([t.blocks for t in gone], np.concatenate([t.blocks for t in gone]),
+                             0)
+                tasks = [t for t, ok in zip(tasks, live, strict=True) if ok]
+                if not tasks:
+                    return
+                blocks = np.concatenate([t.blocks for t in tasks])
         spaces: list[Space] = []
         digests: list[bytes] = []
         for task in tasks:

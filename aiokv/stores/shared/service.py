@@ -352,12 +352,6 @@ class Service:
         if puts and not success:
             host.roll_back_many([(t.space, t.digests) for t in puts], _blocks(puts))
             puts = []
-        if puts and host.buried:
-            gone = [t for t in puts if t.space is None
-                    or host.index.space(t.space.key) is not t.space]
-            if gone:  # a put of a key dropped meanwhile: swept below, never written down
-                host.publish([t.blocks for t in gone], _blocks(gone), _common_size(gone))
-                puts = [t for t in puts if t not in gone]
         if puts:
             blocks = _blocks(puts)
             if self._link is not None and self._link.write_through:
