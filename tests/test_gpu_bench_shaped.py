@@ -35,8 +35,10 @@ def test_a_unit_copies_each_page_out_and_back() -> None:
         host = copier._host.view(LAYERS, PAGES, PAGE_BYTES)
         for layer, cache in enumerate(before):
             pages = cache.view(2 * PAGES, PAGE_BYTES)
+            base = copier._caches[layer].data_ptr()  # where the copies read (``cache``: a copy)
             starts = copier._device_addrs[layer * PAGES : (layer + 1) * PAGES]
-            ids = [(int(a) - cache.data_ptr()) // PAGE_BYTES for a in starts]
+            ids = [(int(a) - base) // PAGE_BYTES for a in starts]
+            assert all(0 <= i < 2 * PAGES for i in ids)
             assert torch.equal(host[layer].cuda(), pages[ids])
         # The load wrote the host's bytes back where they came from: nothing changed.
         assert all(torch.equal(c, b) for c, b in zip(copier._caches, before, strict=True))

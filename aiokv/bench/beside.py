@@ -293,7 +293,9 @@ class ShapedCopier:
     """The engine's copy shape without the engine: ``pages`` pages of ``page_bytes`` at
     random in each of ``layers`` device caches (twice that many pages each, as the
     engine's rounds place theirs), one copy per page and layer to pinned host memory and
-    back, in one ``cuMemcpyBatchAsync`` call each way, on a stream of its own. Beside the
+    back, by ``cuMemcpyBatchAsync`` calls of at most ``PER_CALL`` copies (as the engine's
+    calls, a layer's share of a stream's, are; a call of 16384 failed with
+    CUDA_ERROR_INVALID_VALUE on the H200's driver), on a stream of its own. Beside the
     reference it says how much of the engine's gap is the shape of its copies (pages, not
     one buffer) and how much is its own control path. CUDA 12.8+ drivers only."""
 
@@ -319,10 +321,15 @@ class ShapedCopier:
         torch.cuda.set_stream(self._stream)
         self._copy = BatchCopy()
 
+    PER_CALL = 512
+
     def _timed(self, kind: str, dsts: np.ndarray, srcs: np.ndarray) -> Unit:
         assert self._copy is not None and self._stream is not None
+        stream, step = self._stream.cuda_stream, self.PER_CALL
         start = time.perf_counter()
-        self._copy(dsts, srcs, self._sizes, self._stream.cuda_stream)
+        for at in range(0, len(self._sizes), step):
+            self._copy(dsts[at : at + step], srcs[at : at + step], self._sizes[at : at + step],
+                       stream)
         self._stream.synchronize()
         return Unit(kind, self._nbytes, start, time.perf_counter())
 
