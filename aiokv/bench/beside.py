@@ -294,8 +294,7 @@ class ShapedCopier:
     random in each of ``layers`` device caches (twice that many pages each, as the
     engine's rounds place theirs), one copy per page and layer to pinned host memory and
     back, by ``cuMemcpyBatchAsync`` calls of at most ``PER_CALL`` copies (as the engine's
-    calls, a layer's share of a stream's, are; a call of 16384 failed with
-    CUDA_ERROR_INVALID_VALUE on the H200's driver), on a stream of its own. Beside the
+    calls, a layer's share of a stream's, are), on a stream of its own. Beside the
     reference it says how much of the engine's gap is the shape of its copies (pages, not
     one buffer) and how much is its own control path. CUDA 12.8+ drivers only."""
 
@@ -317,8 +316,10 @@ class ShapedCopier:
         self._copy: BatchCopy | None = None
 
     def setup(self) -> None:
+        torch.cuda.set_device(self._device)
         self._stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         torch.cuda.set_stream(self._stream)
+        self._stream.synchronize()  # a runtime call: the context is current for the driver's
         self._copy = BatchCopy()
 
     PER_CALL = 512
