@@ -13,11 +13,13 @@ import pytest
 import torch
 from conftest import make_caches
 
+from aiokv.copy.copier import MAX_BYTES_AHEAD, paced_layers
 from aiokv.copy.driver import BATCH_SIGNATURE, DriverError, Memcpy2D
 from aiokv.copy.plan import MIN_RUN, Geometry, plan
 from aiokv.copy.queueing import (
     COPY2D_SIGNATURE,
     RECORD_SIGNATURE,
+    SYNC_SIGNATURE,
     WAIT_SIGNATURE,
     Entries,
     Queuer,
@@ -234,3 +236,93 @@ def test_without_the_extension_the_python_loop_moves_the_bytes_and_says_so_once(
     queuers[0].queue(queuers[0].prepare(copies, LAYERS), 0, LAYERS, wait_ready=True, end=True)
     for layer in range(LAYERS):
         assert torch.equal(moved(caches, pool, pages, blocks, True, layer), expect[layer])
+
+
+class PacedDriver(FakeDriver):
+    """The fake driver with a device that runs behind the host: the bytes a stream was
+    given count as waiting on the copy engines until the host synchronized an event
+    recorded after them; ``most_waiting`` is the most that ever waited at once."""
+
+    def __init__(self, watch: list[torch.Tensor], dst_layer_of: dict[int, int]) -> None:
+        super().__init__(watch, dst_layer_of)
+        self.given = dict.fromkeys(STREAMS, 0)
+        self.ran = dict.fromkeys(STREAMS, 0)
+        self.recorded: dict[int, tuple[int, int]] = {}  # event -> (stream, bytes given)
+        self.most_waiting = 0
+        self._calls.append(SYNC_SIGNATURE(self._sync))
+
+    @property
+    def entries(self) -> Entries:
+        batch, copy2d, record, wait, sync = (ctypes.cast(c, ctypes.c_void_p).value or 0
+                                             for c in self._calls)
+        return Entries(batch, copy2d, record, wait, lambda err: f"error {err}", sync)
+
+    def _given(self, stream: int, nbytes: int) -> None:
+        self.given[stream] += nbytes
+        waiting = sum(self.given[s] - self.ran[s] for s in STREAMS)
+        self.most_waiting = max(self.most_waiting, waiting)
+
+    def _batch(self, dsts: int, srcs: int, sizes: int, count: int, attrs: int,
+               attr_idxs: int, num_attrs: int, fail_idx: int, stream: int) -> int:
+        err = super()._batch(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, fail_idx,
+                             stream)
+        if not err:
+            self._given(stream, sum((ctypes.c_uint64 * count).from_address(sizes)))
+        return err
+
+    def _copy2d(self, op_ptr: ctypes._Pointer[Memcpy2D], stream: int) -> int:
+        err = super()._copy2d(op_ptr, stream)
+        if not err:
+            self._given(stream, op_ptr.contents.Height * op_ptr.contents.WidthInBytes)
+        return err
+
+    def _record(self, event: int, stream: int) -> int:
+        self.recorded[event] = (stream, self.given[stream])
+        return super()._record(event, stream)
+
+    def _sync(self, event: int) -> int:
+        if event not in self.recorded:  # the host would not wait for anything
+            return INVALID_VALUE
+        stream, given = self.recorded[event]
+        self.ran[stream] = max(self.ran[stream], given)
+        return 0
+
+
+@pytest.mark.parametrize("placement", ["runs", "scattered"])
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+def test_a_paced_offload_keeps_no_more_than_its_layers_ahead_waiting(
+    native: bool, placement: str, ahead: int
+) -> None:
+    caches, pool, pages, blocks, expect, copies, geometry = setup(placement, True, seed=9)
+    fake = PacedDriver([pool], layer_of(geometry, copies.dsts))
+    queuer = Queuer(fake.entries, STREAMS, native=native)
+    used = copies.streams
+    prepared = queuer.prepare(copies, LAYERS, layer_events=list(range(300, 300 + LAYERS * used)),
+                              end_events=list(range(400, 400 + used)), ahead=ahead)
+    queuer.queue(prepared, 0, LAYERS, wait_ready=True, end=True)
+    for layer in range(LAYERS):
+        assert torch.equal(moved(caches, pool, pages, blocks, True, layer), expect[layer])
+    layer_bytes = len(pages) * geometry.page_bytes
+    assert fake.most_waiting == (ahead or LAYERS) * layer_bytes
+
+
+def test_pacing_needs_layer_events_and_the_sync_call() -> None:
+    _, pool, _, _, _, copies, geometry = setup("scattered", True, seed=10)
+    plain = Queuer(FakeDriver([pool], layer_of(geometry, copies.dsts)).entries, STREAMS)
+    paced = Queuer(PacedDriver([pool], layer_of(geometry, copies.dsts)).entries, STREAMS)
+    with pytest.raises(ValueError, match="layer events"):
+        paced.prepare(copies, LAYERS, ahead=1)
+    with pytest.raises(ValueError, match="cuEventSynchronize"):
+        plain.prepare(copies, LAYERS, layer_events=[1] * LAYERS * copies.streams, ahead=1)
+
+
+@pytest.mark.parametrize(("job_bytes", "layers", "ahead"), [
+    (MAX_BYTES_AHEAD, 8, 0),  # small enough to queue whole
+    (MAX_BYTES_AHEAD + 1, 2, 0),  # two layers: pacing could only stall the engines
+    (2 * MAX_BYTES_AHEAD, 8, 4),  # a layer of MAX/4: four fit
+    (16 * MAX_BYTES_AHEAD, 8, 2),  # a layer of 2 x MAX: still two, never fewer
+    (3 * MAX_BYTES_AHEAD, 3, 2),
+    (MAX_BYTES_AHEAD * 10 // 9, 10, 9),
+])
+def test_an_offload_is_paced_by_its_bytes(job_bytes: int, layers: int, ahead: int) -> None:
+    assert paced_layers(job_bytes, layers) == ahead

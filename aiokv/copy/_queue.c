@@ -39,8 +39,9 @@ typedef int (*batch_fn)(void *dsts, void *srcs, void *sizes, size_t count, void 
 typedef int (*copy2d_fn)(const Memcpy2D *op, void *stream);
 typedef int (*record_fn)(void *event, void *stream);
 typedef int (*wait_fn)(void *stream, void *event, unsigned int flags);
+typedef int (*sync_fn)(void *event);
 
-enum { FAIL_NONE = 0, FAIL_WAIT = 1, FAIL_BATCH = 2, FAIL_2D = 3, FAIL_RECORD = 4 };
+enum { FAIL_NONE = 0, FAIL_WAIT = 1, FAIL_BATCH = 2, FAIL_2D = 3, FAIL_RECORD = 4, FAIL_SYNC = 5 };
 
 typedef struct { /* QueueArgs in queueing.py: keep the two in step */
     batch_fn batch;
@@ -62,6 +63,9 @@ typedef struct { /* QueueArgs in queueing.py: keep the two in step */
     uint64_t width, src_pitch, dst_pitch;
     uint64_t *layer_events; /* [layers, n_streams], recorded after each layer; NULL: none */
     uint64_t *end_events;   /* [n_streams], recorded after last_layer; NULL: none */
+    int64_t barrier;        /* each stream starts a layer once every stream did the one before */
+    sync_fn sync;           /* cuEventSynchronize, for ahead */
+    int64_t ahead;          /* > 0: layer L is queued once layer L - ahead ran (layer_events) */
     /* out: the call that failed */
     int64_t err, fail_kind, fail_layer, fail_stream, fail_index;
     uint64_t fail_copy;
@@ -94,13 +98,23 @@ static int queue_layers(QueueArgs *a) {
     for (int64_t layer = a->first_layer; layer < a->last_layer; layer++) {
         uint64_t *dsts = a->dsts + layer * a->positions;
         uint64_t *srcs = a->srcs + layer * a->positions;
+        /* Paced: the copy engines run one direction's copies in the order given, across
+         * streams and processes, so a model's own small copy to the host waits for every
+         * byte queued before it. Queued no further ahead than `ahead` layers, a job keeps
+         * that wait to a few layers' bytes, not a whole job's (or two). The host waits
+         * here, in C, without the GIL. */
+        for (int64_t s = 0; s < a->n_streams && a->ahead > 0 && layer - a->ahead >= 0; s++) {
+            void *done = (void *)(uintptr_t)a->layer_events[(layer - a->ahead) * a->n_streams + s];
+            int err = a->sync(done);
+            if (err) return fail(a, err, FAIL_SYNC, layer - a->ahead, s, 0);
+        }
         for (int64_t s = 0; s < a->n_streams; s++) {
             void *stream = (void *)(uintptr_t)a->streams[s];
             /* A marked load keeps its layers in order across the streams: each stream
              * starts a layer once every stream has done the one before. Unbarriered, the
              * copy engines drain one stream's layers before another's layer 0 (measured on
              * the H200: layer 0 in place after three quarters of the whole load). */
-            for (int64_t t = 0; t < a->n_streams && a->layer_events && layer > 0; t++) {
+            for (int64_t t = 0; t < a->n_streams && a->barrier && layer > 0; t++) {
                 if (t == s) continue;
                 void *before = (void *)(uintptr_t)a->layer_events[(layer - 1) * a->n_streams + t];
                 int err = a->wait(stream, before, 0);

@@ -17,7 +17,10 @@ On a GPU, the copy thread (``aiokv-copy-*``) runs each job as:
    ``cuMemcpyBatchAsync`` and a strided ``cuMemcpy2DAsync`` per run of adjacent pages,
    layers in order; a load with marks goes one call per layer, each layer's events (one
    per stream, from an :class:`~.driver.EventPool`) handed to its marks once queued (wait
-   C: ``LayerMarks.wait(i)`` waits for exactly the events after layer i's copies).
+   C: ``LayerMarks.wait(i)`` waits for exactly the events after layer i's copies); a
+   large offload paced, no more than ``MAX_BYTES_AHEAD`` of it queued on the copy
+   engines at once (the C loop waits for its earlier layers, without the GIL), so that
+   a model's own small copies to the host wait for little of it.
 
 A second thread (``...-done``) waits for each job's end events, on every stream (wait D:
 an offload's bytes are on the host, a load's in the caller's pages, before the job is
@@ -65,6 +68,13 @@ STREAMS = 4
 # while the copy thread waits for the GIL, and a bound on what sits in the device's
 # launch queue (when that is full, every launch of the process blocks, the model's too).
 MAX_JOBS_IN_FLIGHT = 8
+# An offload's bytes queued on the copy engines ahead of what they are copying, at most
+# (about; at least two layers, so the engines never wait for the host to queue the next):
+# those engines copy to the host in the order given, across streams, so whatever the
+# model's own thread copies to the host (its next tokens, every step) waits for all of
+# it. About 1.3 ms of an H200's link; unpaced, a 32 x 2048 job was 40-50 ms of wait
+# (``benchmarks/behind_a_stream.py --probe copy``).
+MAX_BYTES_AHEAD = 64 << 20
 
 _fallback_warned = False
 
@@ -102,6 +112,15 @@ class _Queued:
     ends: list[Any]  # CUDA events, one per stream used; empty: nothing to wait for
     keep: Any  # what the queued copies read from (the plan's arrays), until they ran
     taken: list[tuple[EventPool, list[DriverEvent]]]  # back to their pools once ended
+
+
+def paced_layers(job_bytes: int, layers: int) -> int:
+    """How many of an offload's layers may wait on the copy engines at once (0: all):
+    ``MAX_BYTES_AHEAD``'s worth, and never fewer than two."""
+    if layers <= 2 or job_bytes <= MAX_BYTES_AHEAD:
+        return 0
+    ahead = max(2, MAX_BYTES_AHEAD * layers // job_bytes)
+    return 0 if ahead >= layers else ahead
 
 
 class Copier:
@@ -209,8 +228,12 @@ class Copier:
         while (job := self._jobs.get()) is not None:
             self._slots.acquire()  # released by the done thread
             taken: list[tuple[EventPool, list[DriverEvent]]] = []  # the job's events
+            counted = False  # in self._offloads (once per offload; the done thread's -1)
             try:
                 ids = self._host_ids(job, page_ids)
+                if job.to_host:  # before its first bytes are queued: a paced job takes long
+                    self._offloads.add(1)
+                    counted = True
                 if queuer is not None:
                     queued = self._queue_driver(job, ids, ids_stream, streams, queuer, taken)
                 else:
@@ -227,7 +250,7 @@ class Copier:
                     except Exception:
                         log.exception("aiokv: synchronizing a copy stream failed")
                 queued = _Queued(job, [], None, taken)
-            if job.to_host:
+            if job.to_host and not counted:
                 self._offloads.add(1)  # taken off by the done thread once it ended
             self._queued.put(queued)
 
@@ -288,11 +311,15 @@ class Copier:
             (mark,) = take(self._events, 1)
             mark.record(ids_stream)
             ready = mark.handle
-        layer_events = take(self._events, layers * used) if marks else []
+        ahead = paced_layers(len(pages) * self._geometry.page_bytes, layers) if job.to_host else 0
+        # A paced offload's host waits for its layers' events (blocking ones: the copy
+        # thread sleeps rather than spins while a layer runs).
+        layer_events = (take(self._events, layers * used) if marks
+                        else take(self._ends, layers * used) if ahead else [])
         ends = take(self._ends, used)
         prepared = queuer.prepare(copies, layers, ready,
-                                  [e.handle for e in layer_events] if marks else None,
-                                  [e.handle for e in ends])
+                                  [e.handle for e in layer_events] if layer_events else None,
+                                  [e.handle for e in ends], barrier=bool(marks), ahead=ahead)
         if marks:
             for layer in range(layers):
                 queuer.queue(prepared, layer, layer + 1, wait_ready=layer == 0,

@@ -8,7 +8,9 @@ waits for the copier's in turn. :class:`Queuer` hands the whole range to the ext
 ``aiokv.copy._queue`` (``_queue.c``), which makes the same driver calls in C with the
 GIL released: a load's layer marked as soon as its copies are queued costs one call per
 layer, an offload one call in all. A marked load's streams also wait for each other's
-previous layer (``_queue.c`` says why), so that its layers land in order. Where the
+previous layer (``_queue.c`` says why), so that its layers land in order; a large
+offload's call waits (``cuEventSynchronize``, in C) for its layer L - ``ahead`` before it
+queues layer L, so that little of it sits ahead of a model's own copies to the host. Where the
 extension was not built (a source tree used without ``pip install``), the same loop runs
 here in Python, said once in the log; where the driver lacks the batch call,
 :func:`torch_copies` queues a torch copy per page and layer.
@@ -48,13 +50,14 @@ _P = ctypes.c_void_p
 COPY2D_SIGNATURE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Memcpy2D), _P)
 RECORD_SIGNATURE = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)
 WAIT_SIGNATURE = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, ctypes.c_uint)
+SYNC_SIGNATURE = ctypes.CFUNCTYPE(ctypes.c_int, _P)
 _NO_FAILURE = 2**64 - 1  # failIdx's value while no copy failed
 _U64 = ctypes.POINTER(ctypes.c_uint64)
 _I64 = ctypes.POINTER(ctypes.c_int64)
 
 # What failed, as _queue.c writes it into QueueArgs.fail_kind.
 _KINDS = {1: "cuStreamWaitEvent", 2: "cuMemcpyBatchAsync", 3: "cuMemcpy2DAsync",
-          4: "cuEventRecord"}
+          4: "cuEventRecord", 5: "cuEventSynchronize"}
 
 
 class QueueArgs(ctypes.Structure):
@@ -73,6 +76,7 @@ class QueueArgs(ctypes.Structure):
         ("width", ctypes.c_uint64), ("src_pitch", ctypes.c_uint64),
         ("dst_pitch", ctypes.c_uint64),
         ("layer_events", _U64), ("end_events", _U64),
+        ("barrier", ctypes.c_int64), ("sync", _P), ("ahead", ctypes.c_int64),
         ("err", ctypes.c_int64), ("fail_kind", ctypes.c_int64), ("fail_layer", ctypes.c_int64),
         ("fail_stream", ctypes.c_int64), ("fail_index", ctypes.c_int64),
         ("fail_copy", ctypes.c_uint64),
@@ -100,6 +104,7 @@ class Entries:
     record: int  # cuEventRecord
     wait: int  # cuStreamWaitEvent
     name_error: Callable[[int], str] = str
+    sync: int = 0  # cuEventSynchronize (0: none, and no pacing)
 
     @classmethod
     def of_driver(cls) -> Entries:
@@ -117,7 +122,7 @@ class Entries:
 
         return cls(int(ctypes.cast(call, _P).value or 0), address("cuMemcpy2DAsync_v2"),
                    address("cuEventRecord"), address("cuStreamWaitEvent"),
-                   lambda err: error_name(lib, err))
+                   lambda err: error_name(lib, err), address("cuEventSynchronize"))
 
 
 def native_run() -> Callable[[int], int] | None:
@@ -161,12 +166,21 @@ class Queuer:
     def prepare(
         self, copies: Plan, layers: int, ready: int = 0,
         layer_events: Sequence[int] | None = None, end_events: Sequence[int] | None = None,
+        barrier: bool = False, ahead: int = 0,
     ) -> Prepared:
         """The arguments that queue ``copies`` on the first ``copies.streams`` streams
         (layers set per call by :meth:`queue`), with the arrays they point into (keep
         them until the queued copies ran). Every stream first waits for event ``ready``
         (0: none); ``layer_events`` ([layer, stream] flattened) are recorded after each
-        layer, ``end_events`` (one per stream) after the last."""
+        layer, ``end_events`` (one per stream) after the last. ``barrier``: each stream
+        starts a layer once every stream did the one before (layer events needed).
+        ``ahead`` > 0: the host queues layer L only once layer L - ``ahead`` ran on every
+        stream (layer events and the entries' ``sync`` needed), so that no more than
+        ``ahead`` layers wait on the copy engines."""
+        if (barrier or ahead) and layer_events is None:
+            raise ValueError("barrier and ahead need layer events")
+        if ahead and not self._entries.sync:
+            raise ValueError("ahead needs the driver's cuEventSynchronize")
         used = copies.streams
         keep: list[Any] = []
 
@@ -197,6 +211,7 @@ class Queuer:
                                                           runs.dst_pitch)
         if layer_events is not None:
             args.layer_events = ptr(np.array(layer_events, dtype=np.uint64), _U64)
+        args.barrier, args.sync, args.ahead = int(barrier), self._entries.sync, ahead
         ends = _U64() if end_events is None else ptr(np.array(end_events, dtype=np.uint64), _U64)
         return Prepared(args, ready, ends, keep)
 
@@ -234,6 +249,7 @@ def _queue_python(a: QueueArgs) -> int:
     batch = BATCH_SIGNATURE(a.batch)
     copy2d, record, wait = (COPY2D_SIGNATURE(a.copy2d), RECORD_SIGNATURE(a.record),
                             WAIT_SIGNATURE(a.wait))
+    sync = SYNC_SIGNATURE(a.sync) if a.ahead > 0 else None
     attr_index, failed = ctypes.c_size_t(0), ctypes.c_size_t(0)
     op = Memcpy2D(srcMemoryType=CU_MEMORYTYPE_UNIFIED, dstMemoryType=CU_MEMORYTYPE_UNIFIED,
                   WidthInBytes=a.width, srcPitch=a.src_pitch, dstPitch=a.dst_pitch)
@@ -254,8 +270,12 @@ def _queue_python(a: QueueArgs) -> int:
                          ctypes.cast(a.sizes, _P).value or 0)
     for layer in range(a.first_layer, a.last_layer):
         row = layer * a.positions
+        if sync is not None and layer >= a.ahead:
+            for s in range(a.n_streams):
+                if err := sync(a.layer_events[(layer - a.ahead) * a.n_streams + s]):
+                    return fail(err, 5, layer - a.ahead, s, 0)
         for s, stream in enumerate(streams):
-            for t in range(a.n_streams) if a.layer_events and layer > 0 else ():
+            for t in range(a.n_streams) if a.barrier and layer > 0 else ():
                 before = a.layer_events[(layer - 1) * a.n_streams + t]
                 if t != s and (err := wait(stream, before, 0)):
                     return fail(err, 1, layer, s, t)
