@@ -43,7 +43,8 @@ pytestmark = [
 ]
 
 # 8 layers of 64 KiB pages: a task of 512 pages moves 256 MiB, several ms of copies, so
-# an unordered read or write lands inside them.
+# an unordered read or write lands inside them. An offload of that size is paced
+# (copier.MAX_BYTES_AHEAD: two layers queued ahead), so these tests cover that path too.
 LAYERS, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 8, 1536, 16, 8, 128
 TASK_PAGES = 512
 TOKENS = np.arange(TASK_PAGES * PAGE_SIZE, dtype=np.int64)
