@@ -99,8 +99,8 @@ static int queue_layers(QueueArgs *a) {
         uint64_t *dsts = a->dsts + layer * a->positions;
         uint64_t *srcs = a->srcs + layer * a->positions;
         /* Paced: the copy engines run one direction's copies in the order given, across
-         * streams and processes, so a model's own small copy to the host waits for every
-         * byte queued before it. Queued no further ahead than `ahead` layers, a job keeps
+         * streams, so a model's own small copy to the host waits for every byte queued
+         * before it. Queued no further ahead than `ahead` layers, a job keeps
          * that wait to a few layers' bytes, not a whole job's (or two). The host waits
          * here, in C, without the GIL. */
         for (int64_t s = 0; s < a->n_streams && a->ahead > 0 && layer - a->ahead >= 0; s++) {
