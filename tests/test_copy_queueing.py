@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import make_caches
 
-from aiokv.copy.copier import MAX_BYTES_AHEAD, paced_layers
+from aiokv.copy.copier import paced_layers
 from aiokv.copy.driver import BATCH_SIGNATURE, DriverError, Memcpy2D
 from aiokv.copy.plan import MIN_RUN, Geometry, plan
 from aiokv.copy.queueing import (
@@ -316,13 +316,22 @@ def test_pacing_needs_layer_events_and_the_sync_call() -> None:
         plain.prepare(copies, LAYERS, layer_events=[1] * LAYERS * copies.streams, ahead=1)
 
 
-@pytest.mark.parametrize(("job_bytes", "layers", "ahead"), [
-    (MAX_BYTES_AHEAD, 8, 0),  # small enough to queue whole
-    (MAX_BYTES_AHEAD + 1, 2, 0),  # two layers: pacing could only stall the engines
-    (2 * MAX_BYTES_AHEAD, 8, 4),  # a layer of MAX/4: four fit
-    (16 * MAX_BYTES_AHEAD, 8, 2),  # a layer of 2 x MAX: still two, never fewer
-    (3 * MAX_BYTES_AHEAD, 3, 2),
-    (MAX_BYTES_AHEAD * 10 // 9, 10, 9),
+PAGE_64K = 64 << 10  # bf16, 4 heads x 128, 32 tokens: one page of one layer
+
+
+def geometry_of(layers: int, page_bytes: int = PAGE_64K) -> Geometry:
+    return Geometry(layer_bases=tuple(range(layers)), page_stride=page_bytes,
+                    page_bytes=page_bytes, gpu_pages=1 << 20, host_base=0, num_blocks=1 << 20)
+
+
+@pytest.mark.parametrize(("pages", "layers", "ahead"), [
+    (128, 8, 0),  # 8 x 8 MiB = MAX: small enough to queue whole
+    (256, 8, 4),  # 8 x 1024 tokens, 8 x 16 MiB: four layers are MAX
+    (2048, 8, 2),  # 32 x 2048 tokens, 8 x 128 MiB: still two, never fewer
+    (4096, 2, 0),  # two layers: pacing could only stall the engines
+    (512, 3, 2),
+    (114, 10, 8),  # 10 x 7.1 MiB: eight fit in MAX
 ])
-def test_an_offload_is_paced_by_its_bytes(job_bytes: int, layers: int, ahead: int) -> None:
-    assert paced_layers(job_bytes, layers) == ahead
+def test_an_offload_is_paced_by_its_whole_bytes(pages: int, layers: int, ahead: int) -> None:
+    """The window counts every layer of the job's pages (not one layer's bytes)."""
+    assert paced_layers(pages, geometry_of(layers)) == ahead

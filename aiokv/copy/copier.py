@@ -114,9 +114,12 @@ class _Queued:
     taken: list[tuple[EventPool, list[DriverEvent]]]  # back to their pools once ended
 
 
-def paced_layers(job_bytes: int, layers: int) -> int:
-    """How many of an offload's layers may wait on the copy engines at once (0: all):
-    ``MAX_BYTES_AHEAD``'s worth, and never fewer than two."""
+def paced_layers(pages: int, geometry: Geometry) -> int:
+    """How many layers of an offload of ``pages`` pages (every layer of each) may wait on
+    the copy engines at once (0: all): ``MAX_BYTES_AHEAD``'s worth, and never fewer than
+    two."""
+    layers = geometry.layers
+    job_bytes = pages * geometry.block_bytes
     if layers <= 2 or job_bytes <= MAX_BYTES_AHEAD:
         return 0
     ahead = max(2, MAX_BYTES_AHEAD * layers // job_bytes)
@@ -311,7 +314,7 @@ class Copier:
             (mark,) = take(self._events, 1)
             mark.record(ids_stream)
             ready = mark.handle
-        ahead = paced_layers(len(pages) * self._geometry.page_bytes, layers) if job.to_host else 0
+        ahead = paced_layers(len(pages), self._geometry) if job.to_host else 0
         # A paced offload's host waits for its layers' events (blocking ones: the copy
         # thread sleeps rather than spins while a layer runs).
         layer_events = (take(self._events, layers * used) if marks
