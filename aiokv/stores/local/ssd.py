@@ -288,14 +288,15 @@ class SsdTier:
                         buffers.append(self._pads[not request.is_write])
                 offset = int(slots[run[0]]) * files.slot_bytes
                 if request.is_write:
+                    written = request.slots[idx].tolist()
                     try:
                         files.write(k, offset, buffers)
                     finally:
                         with self._void_lock:
-                            written = request.slots[idx].tolist()
                             self._packed.difference_update(written)
-                            for slot in written:
-                                self._stale.pop(slot, None)
+                    with self._void_lock:  # landed: no older header there (a failed
+                        for slot in written:  # write may have left one: kept as stale)
+                            self._stale.pop(slot, None)
                     request.ok[idx] = True
                 else:
                     files.read(k, offset, buffers)
