@@ -230,6 +230,20 @@ class StoreConfig:
         if len(set(self.ssd_dirs())) != len(self.ssd_dirs()):
             raise ConfigError("store.ssd_cache_dir", f"names a directory twice: {value!r}")
 
+    def _check_no_tier_keys(self) -> None:
+        """An engine on ``backend: shared`` uses the server's tiers: a key that sizes or
+        shapes them, set here, would be silently ignored, so it is a ConfigError."""
+        defaults = StoreConfig()
+        if self.remote is not None:
+            raise ConfigError("store.remote", SHARED_REMOTE_REFUSAL)
+        for name in _SERVER_KEYS:
+            value = getattr(self, name)
+            if value != getattr(defaults, name):
+                raise ConfigError(
+                    f"store.{name}",
+                    f"is the store server's to set (aiokv store-server --config); an engine "
+                    f"on backend: shared uses the server's tiers, got {value!r}")
+
     def __post_init__(self) -> None:
         _check_choice("store.backend", self.backend, tuple(BACKENDS))
         if self.page_size is not None:
@@ -280,6 +294,8 @@ class StoreConfig:
         if self.backend != "shared" and self.socket is not None:
             raise ConfigError("store.socket", f"is for backend: shared only (backend is "
                               f"{self.backend!r})")
+        if self.backend == "shared":
+            self._check_no_tier_keys()
         if self.backend == "flexkv" and (
             refused := flexkv_sharing_refused(self.flexkv, os.environ)
         ) is not None:
@@ -289,6 +305,14 @@ class StoreConfig:
                 raise ConfigError("store.remote", FLEXKV_REFUSAL)
             object.__setattr__(self, "remote", RemoteConfig.from_mapping(self.remote))
 
+
+# The keys that size or shape the tiers: with backend: shared they are the server's.
+_SERVER_KEYS = ("cpu_cache_gb", "ssd_cache_gb", "ssd_cache_dir", "ssd_write_policy",
+                "ssd_reset_on_mismatch", "flexkv")
+SHARED_REMOTE_REFUSAL = (
+    "the remote tier runs on the embedded store only (backend: local); the shared host "
+    "tier (backend: shared, aiokv store-server) has none yet"
+)
 
 # Why aiokv does not run several processes on one FlexKV (issue 31), read in FlexKV 34ab141:
 # its StorageEngine keys a GPU's caches by device id and ignores a second registration

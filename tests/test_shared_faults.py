@@ -87,6 +87,37 @@ def test_the_shared_backend_needs_a_socket_and_only_it_takes_one() -> None:
         aiokv.StoreConfig(socket="/run/user/1/aiokv/store.sock")
 
 
+@pytest.mark.parametrize(("keys", "named"), [
+    ({"cpu_cache_gb": 4.0}, "cpu_cache_gb"),
+    ({"ssd_cache_gb": 2.0, "ssd_cache_dir": "/tmp"}, "ssd_cache_gb"),
+    ({"ssd_cache_dir": "/tmp"}, "ssd_cache_dir"),
+    ({"ssd_write_policy": "write_back"}, "ssd_write_policy"),
+    ({"ssd_reset_on_mismatch": True}, "ssd_reset_on_mismatch"),
+    ({"flexkv": {"cpu_cache_gb": 1}}, "flexkv"),
+    ({"remote": {"backend": "mooncake", "master": "h:1"}}, "remote"),
+])
+def test_an_engine_on_the_shared_backend_refuses_the_keys_of_the_servers_tiers(
+        keys: dict[str, object], named: str) -> None:
+    """Set on an engine, they would be ignored: the server's config sizes its tiers."""
+    with pytest.raises(aiokv.ConfigError) as caught:
+        aiokv.StoreConfig(backend="shared", socket="/run/user/1/aiokv/store.sock", **keys)
+    assert caught.value.key == f"store.{named}"
+    same = aiokv.StoreConfig(backend="shared", socket="/s", cpu_cache_gb=1.0, own_process=False)
+    assert same.backend == "shared"  # the defaults, spelled out, are fine
+
+
+@pytest.mark.parametrize(("store", "said"), [
+    ({"remote": {"backend": "mooncake", "master": "127.0.0.1:1"}},
+     "store.remote: the remote tier runs on the embedded store only"),
+    ({"backend": "flexkv"}, "store.backend: the server runs the embedded store"),
+])
+def test_a_server_config_it_cannot_honour_is_refused_naming_the_key(
+        tmp_path: Path, store: dict[str, object], said: str) -> None:
+    code, log = Server(tmp_path, store).run_to_end()
+    assert code == 2
+    assert said in log
+
+
 def test_store_server_help_says_how_to_run_it_under_systemd(
         capsys: pytest.CaptureFixture[str]) -> None:
     from aiokv.cli import main

@@ -63,9 +63,6 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("aiokv.server")
     try:
         _, store = load_config(args.config)
-        if store.backend != "local":
-            raise ConfigError("store.backend", f"the server runs the embedded store; "
-                              f"leave backend out or local, got {store.backend!r}")
         server = StoreServer(args.socket, store, drain_timeout_s=args.drain_timeout)
         server.start()
     except ConfigError as exc:

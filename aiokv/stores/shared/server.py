@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...config import StoreConfig
+from ...config import SHARED_REMOTE_REFUSAL, StoreConfig
 from ...errors import ConfigError
 from ..dirlock import DirLock
 from . import sockets, wire
@@ -87,6 +87,11 @@ class StoreServer:
 
     def __init__(self, socket_path: str | Path, config: StoreConfig,
                  drain_timeout_s: float = 30.0) -> None:
+        if config.backend != "local":
+            raise ConfigError("store.backend", f"the server runs the embedded store; "
+                              f"leave backend out or local, got {config.backend!r}")
+        if config.remote is not None:
+            raise ConfigError("store.remote", SHARED_REMOTE_REFUSAL)
         self.path = Path(socket_path)
         self.config = config
         self.drain_timeout_s = drain_timeout_s
