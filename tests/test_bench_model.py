@@ -94,3 +94,21 @@ def test_a_copier_error_reaches_the_caller_and_the_copier_is_closed() -> None:
         measure_copier(Beside(failing, "test-copier"), model, 1, (ALL,), 0.01, 1)
     assert isinstance(raised.value.__cause__, ValueError)
     assert failing.closed
+
+
+def test_a_failing_shaped_copier_is_left_out_and_the_others_are_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shaped copier is a reference of the bench's own (a GPU's): when it fails, the
+    bench says why and still measures the reference and the engine."""
+    from aiokv.bench import model as model_bench
+
+    monkeypatch.setattr(model_bench, "shaped_copier",
+                        lambda *args: Beside(_Failing(), "test-shaped"))
+    out = tmp_path / "model.json"
+    assert bench_main(["model", "--device", "cpu", "--quick", "--depth", "4",
+                       "--json", str(out)]) == 0
+    assert "the shaped copier failed" in capsys.readouterr().err
+    document = json.loads(out.read_text())
+    assert {r["copier"] for r in document["rows"]} == {"reference", "engine"}
+    assert "page 7 is out of range" in document["failed"]["shaped"]
