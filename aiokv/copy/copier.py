@@ -72,8 +72,8 @@ MAX_JOBS_IN_FLIGHT = 8
 # (about; at least two layers, so the engines never wait for the host to queue the next):
 # those engines copy to the host in the order given, across streams, so whatever the
 # model's own thread copies to the host (its next tokens, every step) waits for all of
-# it. About 1.3 ms of an H200's link; unpaced, a 32 x 2048 job was 40-50 ms of wait
-# (``benchmarks/behind_a_stream.py --probe copy``).
+# it: unpaced, a whole job or two; paced, about a millisecond of a PCIe 5 link, or two
+# layers of a job whose layers are larger (``benchmarks/behind_a_stream.py --probe copy``).
 MAX_BYTES_AHEAD = 64 << 20
 
 _fallback_warned = False
