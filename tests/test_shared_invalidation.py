@@ -27,7 +27,7 @@ from shared_inprocess import (
 )
 
 from aiokv.stores.base import TaskResult, TaskStatus
-from aiokv.stores.local import ssd as ssd_module
+from aiokv.stores.local import ssd_voids
 from aiokv.stores.shared import SharedStore
 from aiokv.stores.shared import server as server_module
 
@@ -183,7 +183,7 @@ def test_an_evict_answers_once_its_ssd_voids_are_written(
     try:
         offload(writer, tables, 6)
         wait_for(lambda: writer.store_stats()["bytes_ssd_written"] > 0, "the SSD copy")
-        gate = held(monkeypatch, ssd_module.SsdTier, "_void_one")
+        gate = held(monkeypatch, ssd_voids.HeaderVoids, "_void_one")
         evict = Call(lambda: writer.evict(["user:6"]))
         evict.join(0.5)
         assert evict.is_alive(), "the evict answered before its SSD voids were written"

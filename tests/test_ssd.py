@@ -15,7 +15,7 @@ from conftest import held
 
 import aiokv
 from aiokv.stores.local import ssd as ssd_module
-from aiokv.stores.local import ssd_format, ssd_io
+from aiokv.stores.local import ssd_format, ssd_io, ssd_voids
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 2, 160, 16, 2, 16
 BLOCK = LAYERS * 2 * PAGE * HEADS * DIM * 4  # float32: 8 KiB, a whole number of 4 KiB pages
@@ -355,7 +355,7 @@ async def test_an_evict_returns_once_its_ssd_voids_are_written(
     async with engine:
         assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
         await figure(store, "bytes_ssd_written", USER_PAGES * BLOCK)  # its slots idle
-        gate = held(monkeypatch, ssd_module.SsdTier, "_void_one")
+        gate = held(monkeypatch, ssd_voids.HeaderVoids, "_void_one")
         evict = asyncio.ensure_future(engine.evict(0))
         done, _ = await asyncio.wait([evict], timeout=0.5)
         assert not done, "evict returned before its SSD voids were written"
@@ -404,7 +404,7 @@ async def test_a_write_that_lands_after_its_key_was_evicted_names_nothing_on_dis
     with every later void held back."""
     writes = held(monkeypatch, ssd_module.SsdTier, "_run",
                   lambda tier, request, *args: request.is_write)
-    voids = held(monkeypatch, ssd_module.SsdTier, "_void_one")
+    voids = held(monkeypatch, ssd_voids.HeaderVoids, "_void_one")
     _, _, store, engine = engine_on(tmp_path)
     try:
         async with engine:

@@ -36,6 +36,7 @@ from .ssd_format import (
     unpack_header,
 )
 from .ssd_io import SsdFiles
+from .ssd_voids import HeaderVoids
 
 log = logging.getLogger("aiokv")
 
@@ -99,28 +100,16 @@ class SsdTier:
                 if not direct
                 else "the filesystem refuses O_DIRECT",
             )
-        self.tier = Tier("ssd", BlockAllocator(total), demote=self._recycled,
-                         forget=self._void_later)
+        # What still names a dropped key on disk, and its voids (ssd_voids says why).
+        self.voids = HeaderVoids(self.files, notify)
+        self.tier = Tier("ssd", BlockAllocator(total), demote=self.voids.recycled,
+                         forget=self.voids.void_later)
         # A slot's tail past its block: zeros to write, and a scratch buffer to read it
         # into (preadv needs writable buffers; what lands there is never looked at, so
         # the read threads share one).
         pad = self.slot_bytes - HEADER_BYTES - self.block_bytes
         self._pads = (bytes(pad), bytearray(pad)) if pad else None
-        self._zero_page = mmap.mmap(-1, HEADER_BYTES)  # aligned zeros, to void a header
         self._done: deque[SsdRequest] = deque()
-        # A drop against the write lanes (drop_namespace): slots whose pending write must
-        # land void, and slots whose header is made and whose write is running.
-        self._void_lock = threading.Lock()
-        self._unwritten: set[int] = set()
-        self._packed: set[int] = set()
-        # Slots out of the index whose header on disk still names a key (slot -> key):
-        # taken by LRU eviction for another key's write that has not landed yet, or an
-        # older copy of a key found at recovery. A restart would find that key there, so
-        # a drop of the key voids them too (if still so when the void runs).
-        self._stale: dict[int, tuple[str, ...]] = {}
-        # Slots of dropped keys voided while still in use (a held lookup's, a read's):
-        # their read fails by design, and their void once idle is done.
-        self._voided: set[int] = set()
         self._notify = notify
         self._generation = 1
         self._failures_logged = False
@@ -148,7 +137,7 @@ class SsdTier:
                 slot = j * files.count + k
                 if key in best:  # the older copy stays on disk, free: stale
                     older = min(best[key], (header.generation, slot))
-                    self._stale[older[1]] = header.namespace
+                    self.voids.older_copy(older[1], header.namespace)
                 if key not in best or best[key][0] < header.generation:
                     best[key] = (header.generation, slot)
                 self._generation = max(self._generation, header.generation + 1)
@@ -288,15 +277,12 @@ class SsdTier:
                         buffers.append(self._pads[not request.is_write])
                 offset = int(slots[run[0]]) * files.slot_bytes
                 if request.is_write:
-                    written = request.slots[idx].tolist()
+                    written, landed = request.slots[idx].tolist(), False
                     try:
                         files.write(k, offset, buffers)
+                        landed = True
                     finally:
-                        with self._void_lock:
-                            self._packed.difference_update(written)
-                    with self._void_lock:  # landed: no older header there (a failed
-                        for slot in written:  # write may have left one: kept as stale)
-                            self._stale.pop(slot, None)
+                        self.voids.written(written, landed)
                     request.ok[idx] = True
                 else:
                     files.read(k, offset, buffers)
@@ -314,21 +300,18 @@ class SsdTier:
 
     def _pack(self, request: SsdRequest, k: int, idx: Int64Array, generation: int,
               views: memoryview) -> None:
-        """Make the headers of a run of a write (I/O thread), under the lock a drop takes:
-        a slot whose key was dropped before keeps its zero header (the write lands
-        naming nothing); the others are marked as written now (a drop meanwhile voids
-        them right after this write)."""
-        with self._void_lock:
-            for j, i in enumerate(idx.tolist()):
-                slot = int(request.slots[i])
-                if slot in self._unwritten:
-                    self._unwritten.discard(slot)
-                    continue
+        """Make the headers of a run of a write (I/O thread): a slot whose key was
+        dropped before keeps its zero header (the write lands naming nothing); the
+        others are running from now on (a drop meanwhile voids them right after this
+        write: :meth:`.HeaderVoids.claim`)."""
+        positions = idx.tolist()
+        named = self.voids.claim([int(request.slots[i]) for i in positions])
+        for j, (i, name) in enumerate(zip(positions, named, strict=True)):
+            if name:
                 data = self._pool.block_view(int(request.host_blocks[i]))
                 pack_header(views[j * HEADER_BYTES : (j + 1) * HEADER_BYTES],
                             self.files.metas[k].epoch, generation + i, checksum(data),
                             request.digests[i], request.namespaces[i])
-                self._packed.add(slot)
 
     def _intact(self, request: SsdRequest, i: int, raw: memoryview) -> bool:
         """Whether block ``i`` of a read came back as written: its header names it and
@@ -361,15 +344,14 @@ class SsdTier:
                     stats["bytes_ssd_written"] += len(slots) * self.block_bytes
                 else:
                     stats["ssd_write_errors"] += 1
-                    with self._void_lock:  # a flag its write never took
-                        self._unwritten.difference_update(slots.tolist())
+                    self.voids.never_written(slots.tolist())
                     for i, slot in enumerate(slots.tolist()):
                         space, _ = tier.index.key_of(slot)
                         tier.roll_back(space, [request.digests[i]], slots[i : i + 1])
             else:
                 # Slots a drop voided while they were read fail by design: not damage.
                 # (Known before drop_readers, which may free them and end their record.)
-                voided = np.isin(slots, list(self._voided)) if self._voided else None
+                voided = self.voids.voided_mask(slots)
                 tier.drop_readers(slots)
                 if request.error is not None:
                     request.ok[:] = False
@@ -378,7 +360,7 @@ class SsdTier:
                     bad = slots[~request.ok if voided is None else ~(request.ok | voided)]
                     if len(bad):
                         self._checksum_failures(request, len(bad))
-                        self.void(tier.drop_idle(np.sort(bad)))
+                        self.voids.void(tier.drop_idle(np.sort(bad)))
             out.append(request)
         if tier.buried:  # written slots of a dropped key: listed above, past the tier
             tier.sweep()
@@ -414,101 +396,13 @@ class SsdTier:
         buried = len(tier.buried)
         dropped = tier.drop_namespace(namespace)
         in_use = [s for space in tier.buried[buried:] for s in space.values()]
-        writing = [s for s in in_use if tier.state[s] == WRITING]
-        reading = [s for s in in_use if tier.state[s] == READY]
-        with self._void_lock:
-            running = [s for s in writing if s in self._packed]
-            self._unwritten.update(s for s in writing if s not in self._packed)
-            if namespace is None:
-                stale = []
-                self._stale.clear()
-            else:
-                stale = [s for s, key in self._stale.items() if key == namespace]
-        self._voided.update(reading)
-        if namespace is None:  # every older header void at once (the meta file, fsync'd),
-            # those in use too: their voids once idle are not needed either
+        if namespace is None:  # every older header void at once (the meta file, fsync'd)
             self.files.set_epoch(max(m.epoch for m in self.files.metas) + 1)
-            dropped = NO_BLOCKS
-            reading = []
-        now = np.array([*running, *reading], dtype=np.int64)
-        return self.void(np.concatenate([dropped, now]), front=True,
-                         stale=np.array(stale, dtype=np.int64), namespace=namespace)
-
-    def void(self, slots: Int64Array, front: bool = False, stale: Int64Array = NO_BLOCKS,
-             namespace: tuple[str, ...] | None = None) -> threading.Event:
-        """Zero these slots' headers: behind the file's queued writes, or ``front``:
-        ahead of them; and those of ``stale`` slots whose header still names
-        ``namespace`` when their turn comes. Returns an event set (and the store
-        notified) once they are."""
-        files, event = self.files, threading.Event()
-        by_file: dict[int, list[Callable[[], None]]] = {}
-        for slot in slots.tolist():
-            by_file.setdefault(slot % files.count, []).append(
-                functools.partial(self._void_one, slot))
-        for slot in stale.tolist():
-            by_file.setdefault(slot % files.count, []).append(
-                functools.partial(self._void_one, slot, namespace))
-        if not by_file:
-            event.set()
-            return event
-        left = [len(by_file)]
-        lock = threading.Lock()
-
-        def reached() -> None:  # an I/O thread, once a file's voids are written
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            event.set()
-            self._notify()
-
-        for k, ops in by_file.items():
-            ops.append(reached)
-            if front:  # each put first in turn: queued in reverse
-                for op in reversed(ops):
-                    files.submit(k, op, read=False, front=True)
-            else:
-                for op in ops:
-                    files.submit(k, op, read=False)
-        return event
-
-    def _recycled(self, slots: Int64Array, spaces: list[Space], digests: list[bytes]) -> Int64Array:
-        """The index's eviction hook: the slots go to other keys' writes, their headers
-        naming these keys until those land (``_stale``). Keeps none."""
-        with self._void_lock:
-            for slot, space in zip(slots.tolist(), spaces, strict=True):
-                self._stale[slot] = space.key
-        return NO_BLOCKS
-
-    def _void_later(self, slots: Int64Array) -> None:
-        """Tier's ``forget``: slots of a dropped key freed once idle, voided behind the
-        queued writes (their drop's event covered them already, or their write did),
-        except those voided while in use."""
-        if self._voided:
-            done = np.isin(slots, list(self._voided))
-            self._voided.difference_update(slots[done].tolist())
-            slots = slots[~done]
-        self.void(slots)
-
-    def _void_one(self, slot: int, only_if: tuple[str, ...] | None = None) -> None:
-        """Zero one slot's header (I/O thread, its file's write lane); ``only_if``: only
-        while the stale header there names that key (no write has landed on it since:
-        the lane runs one op at a time, so none can land between check and void)."""
-        files = self.files
-        if only_if is not None:
-            with self._void_lock:
-                if self._stale.get(slot) != only_if:
-                    return
-        try:
-            files.write(slot % files.count, slot // files.count * files.slot_bytes,
-                        [self._zero_page])
-        except OSError as exc:
-            log.warning("aiokv: voiding an SSD slot failed: %r", exc)
-            return
-        with self._void_lock:
-            self._stale.pop(slot, None)
+        return self.voids.drop(namespace, dropped,
+                               [s for s in in_use if tier.state[s] == WRITING],
+                               [s for s in in_use if tier.state[s] == READY])
 
     def close(self) -> None:
         self.files.close()
-        self._zero_page.close()
+        self.voids.close()
 

@@ -1,0 +1,187 @@
+"""Which SSD slot headers still name a dropped key, and voiding them (the SSD tier's
+invalidation, :meth:`.ssd.SsdTier.drop_namespace`).
+
+A restart rebuilds the index from every slot header of the current epoch, so an evict
+is durable only once no header names the key. Besides the slots the index maps to it,
+a header of the key can sit in:
+
+- a slot whose write is queued: flagged, so that the write lands naming nothing;
+- a slot whose write is running (its header made): voided right after that write;
+- a slot still in use (a held lookup's, a read's): voided at once, its read then failing
+  as a dropped key's should (not counted as damage);
+- a slot LRU eviction handed to another key whose write has not landed (stale), or an
+  older copy found at recovery: voided ahead of that write, unless it landed first.
+
+Voids are header writes on the files' write lanes (:mod:`.ssd_io`), one op at a time per
+file: ahead of the queued writes (``front``) or behind them. The store thread, the I/O
+threads and the recovery share this state under one lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import mmap
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..base import BoolArray, Int64Array
+from .blocks import NO_BLOCKS
+from .index import Space
+from .ssd_format import HEADER_BYTES
+from .ssd_io import SsdFiles
+
+log = logging.getLogger("aiokv")
+
+
+class HeaderVoids:
+    def __init__(self, files: SsdFiles, notify: Callable[[], None]) -> None:
+        self._files = files
+        self._notify = notify
+        self._zero_page = mmap.mmap(-1, HEADER_BYTES)  # aligned zeros, to void a header
+        self._lock = threading.Lock()
+        self._unwritten: set[int] = set()  # queued writes that must land void
+        self._packed: set[int] = set()  # writes running, their header made
+        self._stale: dict[int, tuple[str, ...]] = {}  # slot -> the key its header names
+        # Slots of dropped keys voided while in use (store thread only): their void once
+        # idle is done already.
+        self._voided: set[int] = set()
+
+    # ---- what the writes and the index report ----------------------------------------
+
+    def recycled(self, slots: Int64Array, spaces: list[Space], digests: list[bytes]
+                 ) -> Int64Array:
+        """The SSD index's eviction hook: the slots go to other keys' writes, their
+        headers naming these keys until those land. Keeps none."""
+        with self._lock:
+            for slot, space in zip(slots.tolist(), spaces, strict=True):
+                self._stale[slot] = space.key
+        return NO_BLOCKS
+
+    def older_copy(self, slot: int, namespace: tuple[str, ...]) -> None:
+        """Recovery found a newer copy of the block in ``slot``: it stays on disk, free."""
+        self._stale[slot] = namespace
+
+    def claim(self, slots: Sequence[int]) -> list[bool]:
+        """A write is about to make these slots' headers (I/O thread): whether each may
+        name its key (False: its key was dropped first; it lands void). Those that may
+        are running from now on, until :meth:`written`."""
+        with self._lock:
+            named = [slot not in self._unwritten for slot in slots]
+            self._unwritten.difference_update(slots)
+            self._packed.update(s for s, ok in zip(slots, named, strict=True) if ok)
+        return named
+
+    def written(self, slots: Sequence[int], landed: bool) -> None:
+        """A write of these slots ended; ``landed``: no older header is there now (a
+        failed one may have left it: still stale)."""
+        with self._lock:
+            self._packed.difference_update(slots)
+            if landed:
+                for slot in slots:
+                    self._stale.pop(slot, None)
+
+    def never_written(self, slots: Sequence[int]) -> None:
+        """A write failed before it made these headers: a flag it never took."""
+        with self._lock:
+            self._unwritten.difference_update(slots)
+
+    def voided_mask(self, slots: Int64Array) -> BoolArray | None:
+        """Which of a read's slots a drop voided under it (None: none could be)."""
+        return np.isin(slots, list(self._voided)) if self._voided else None
+
+    # ---- a drop -------------------------------------------------------------------
+
+    def drop(self, namespace: tuple[str, ...] | None, dropped: Int64Array,
+             writing: Sequence[int], reading: Sequence[int]) -> threading.Event:
+        """Void what names ``namespace`` (None: a clear, whose epoch bump voided every
+        older header already): ``dropped`` (idle, out of the index), ``writing`` and
+        ``reading`` (its slots still in use). Returns an event set once done."""
+        with self._lock:
+            running = [s for s in writing if s in self._packed]
+            self._unwritten.update(s for s in writing if s not in self._packed)
+            if namespace is None:
+                stale = []
+                self._stale.clear()
+            else:
+                stale = [s for s, key in self._stale.items() if key == namespace]
+        self._voided.update(reading)
+        if namespace is None:
+            dropped, reading = NO_BLOCKS, []
+        now = np.array([*running, *reading], dtype=np.int64)
+        return self.void(np.concatenate([dropped, now]), front=True,
+                         stale=np.array(stale, dtype=np.int64), namespace=namespace)
+
+    def void_later(self, slots: Int64Array) -> None:
+        """The tier's ``forget``: slots of a dropped key freed once idle, voided behind
+        the queued writes (their drop's event covered them already, or their write
+        did), except those voided while in use."""
+        if self._voided:
+            done = np.isin(slots, list(self._voided))
+            self._voided.difference_update(slots[done].tolist())
+            slots = slots[~done]
+        self.void(slots)
+
+    def void(self, slots: Int64Array, front: bool = False, stale: Int64Array = NO_BLOCKS,
+             namespace: tuple[str, ...] | None = None) -> threading.Event:
+        """Zero these slots' headers: behind the file's queued writes, or ``front``:
+        ahead of them; and those of ``stale`` slots whose header still names
+        ``namespace`` when their turn comes. Returns an event set (and the store
+        notified) once they are."""
+        files, event = self._files, threading.Event()
+        by_file: dict[int, list[Callable[[], None]]] = {}
+        for slot in slots.tolist():
+            by_file.setdefault(slot % files.count, []).append(
+                functools.partial(self._void_one, slot))
+        for slot in stale.tolist():
+            by_file.setdefault(slot % files.count, []).append(
+                functools.partial(self._void_one, slot, namespace))
+        if not by_file:
+            event.set()
+            return event
+        left = [len(by_file)]
+        lock = threading.Lock()
+
+        def reached() -> None:  # an I/O thread, once a file's voids are written
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            event.set()
+            self._notify()
+
+        for k, ops in by_file.items():
+            ops.append(reached)
+            if front:  # each put first in turn: queued in reverse
+                for op in reversed(ops):
+                    files.submit(k, op, read=False, front=True)
+            else:
+                for op in ops:
+                    files.submit(k, op, read=False)
+        return event
+
+    def _void_one(self, slot: int, only_if: tuple[str, ...] | None = None) -> None:
+        """Zero one slot's header (I/O thread, its file's write lane); ``only_if``: only
+        while the stale header there names that key (no write has landed on it since:
+        the lane runs one op at a time, so none can land between check and void)."""
+        files = self._files
+        if only_if is not None:
+            with self._lock:
+                if self._stale.get(slot) != only_if:
+                    return
+        try:
+            files.write(slot % files.count, slot // files.count * files.slot_bytes,
+                        [self._zero_page])
+        except OSError as exc:
+            log.warning("aiokv: voiding an SSD slot failed: %r", exc)
+            return
+        with self._lock:
+            self._stale.pop(slot, None)
+
+    def close(self) -> None:
+        self._zero_page.close()
+
+
+__all__ = ["HeaderVoids"]
