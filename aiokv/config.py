@@ -233,14 +233,17 @@ class StoreConfig:
     def _check_no_tier_keys(self) -> None:
         """An engine on ``backend: shared`` uses the server's tiers: a key that sizes or
         shapes them, set here, would be silently ignored, so it is a ConfigError."""
-        defaults = StoreConfig()
         if self.remote is not None:
             raise ConfigError("store.remote", SHARED_REMOTE_REFUSAL)
-        for name in _SERVER_KEYS:
-            value = getattr(self, name)
-            if value != getattr(defaults, name):
+        for spec in dataclasses.fields(self):
+            if spec.name not in _SERVER_KEYS:
+                continue
+            value = getattr(self, spec.name)
+            default = (spec.default if spec.default_factory is dataclasses.MISSING
+                       else spec.default_factory())
+            if value != default:
                 raise ConfigError(
-                    f"store.{name}",
+                    f"store.{spec.name}",
                     f"is the store server's to set (aiokv store-server --config); an engine "
                     f"on backend: shared uses the server's tiers, got {value!r}")
 
