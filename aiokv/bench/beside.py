@@ -299,7 +299,9 @@ class ShapedCopier:
     one buffer) and how much is its own control path. CUDA 12.8+ drivers only."""
 
     def __init__(self, device: torch.device, layers: int, pages: int, page_bytes: int) -> None:
-        self._device = device
+        # set_device on the copier's own thread needs an index: "cuda" alone is refused
+        self._device = (device if device.index is not None
+                        else torch.device(device.type, torch.cuda.current_device()))
         self._nbytes = layers * pages * page_bytes
         self._caches = [torch.ones(2 * pages * page_bytes, dtype=torch.uint8, device=device)
                         for _ in range(layers)]
