@@ -1,7 +1,8 @@
 """The remote tier: blocks below the host and SSD tiers, on Mooncake Store, shared by
 hosts that agree on the cache geometry. ``store.remote`` in the config turns it on
 (:mod:`.config`); :mod:`.keys` says how hosts agree on keys, :mod:`.client` does the I/O
-on threads of its own, :mod:`.link` is the embedded store's side, :mod:`.servers` starts
+on threads of its own, :mod:`.link` is a store's side (the embedded store's or the store
+server's), :mod:`.reads` its lookups' reads and markers, :mod:`.servers` starts
 a master and a store process (tests, benchmarks, one-machine setups). Importing this
 package does not load Mooncake."""
 

@@ -159,6 +159,11 @@ class HostPool(BlockAllocator):
                 f"{', pinned' if pin else ''}) could not be allocated: {exc}",
             ) from exc
 
+    @property
+    def raw(self) -> torch.Tensor:
+        """All blocks as one uint8 buffer (the remote tier registers it with Mooncake)."""
+        return self.memory.raw
+
     def block_view(self, block: int) -> memoryview:
         """Block ``block``'s bytes, writable."""
         size = self.block_bytes

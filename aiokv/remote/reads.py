@@ -1,0 +1,315 @@
+"""The remote tier's calls on the reader thread, as the store thread sees them: lookups'
+reads into host blocks, and invalidations' markers, each call given ``timeout_ms``.
+
+A read is :meth:`Reader.start`, then :meth:`Reader.poll` until it is over: the embedded
+store blocks in :meth:`Reader.wait` (its lookups are answered after it anyway); the
+store server answers other engines meanwhile and polls when ``wake`` says a call
+returned, or at :meth:`Reader.due`. Where the host tier has free blocks for every page a
+batch of lookups misses, they are reserved first and one call asks Mooncake for the
+values themselves (an absent one answers for itself); where it would have to evict for
+them, a first call asks which blocks Mooncake has, and only those are reserved and read.
+A call's later answer is dropped (a miss), and while the reader thread is still busy with
+it the next lookups miss at once rather than queue behind it; host blocks that a late
+read still writes into stay reserved until it returns. A key is read by one read at a
+time (:meth:`Reader.reading`); an evict or clear while it reads discards what it brings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..stores.base import Int64Array, NoSpace
+from ..stores.local.blocks import NO_BLOCKS, Tier
+from .client import RemoteIO
+
+Below = Callable[[tuple[str, ...], list[bytes]], list[bool]] | None
+Wanted = list[tuple[tuple[str, ...], list[bytes]]]  # (key, digests of the pages to read)
+
+
+@dataclass(slots=True, eq=False)
+class RemoteRead:
+    """One read of a batch of lookups' host misses into reserved host blocks: the values
+    at once (``counts`` known), or first which leading blocks exist (``counts`` None
+    until that answer) and then those."""
+
+    wanted: Wanted
+    future: Future[Any]  # the reader thread's current call
+    began: float  # time.monotonic()
+    deadline: float  # the current call's answer is a miss after this
+    # Reserved, ``counts[i]`` of them per wanted range.
+    blocks: Int64Array = field(default_factory=lambda: NO_BLOCKS)
+    counts: list[int] | None = None
+    gone: set[tuple[str, ...]] = field(default_factory=set)  # evicted meanwhile: dropped
+    over: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Published:
+    """An evict's or clear's marker on its way to Mooncake: set once the reader thread
+    has sent it (or failed to), or at ``deadline`` (time.monotonic())."""
+
+    future: Future[Any]
+    deadline: float
+
+    def is_set(self) -> bool:
+        return self.future.done() or time.monotonic() >= self.deadline
+
+
+class Reader:
+    """The reader thread's calls of one store. ``tag``: a namespace's tag in keys;
+    ``wake``: called (from the reader thread) when a call returns."""
+
+    def __init__(self, io: RemoteIO, host: Tier, tag: Callable[[tuple[str, ...]], str],
+                 wake: Callable[[], None]) -> None:
+        self._io = io
+        self._host = host
+        self._tag = tag
+        self._wake = wake
+        self._timeout_s = io.config.timeout_ms / 1000
+        self._reads: list[RemoteRead] = []  # started, not over
+        self._reading: Counter[tuple[str, ...]] = Counter()  # their keys
+        self._publishing: list[Published] = []  # markers not yet accounted for
+        self._late: list[tuple[Future[Any], Int64Array]] = []  # reads past their time
+        self._busy: Future[Any] | None = None  # a call that outlived its time
+        self.stats_ = {
+            "remote_lookups": 0, "remote_lookup_waits": 0, "remote_hits": 0, "remote_misses": 0,
+            "remote_blocks_read": 0, "remote_bytes_read": 0, "remote_timeouts": 0,
+            "remote_invalidation_errors": 0, "remote_call_errors": 0,
+            "remote_lookup_seconds_total": 0.0, "remote_lookup_seconds_max": 0.0,
+        }
+
+    @property
+    def open_reads(self) -> int:
+        return len(self._reads)
+
+    # ---- reads ---------------------------------------------------------------------
+
+    def start(self, queries: Wanted, below: Below = None) -> RemoteRead | None:
+        """Start one read, for all the queries (a key and its pages' digests; a key's
+        first query only, none of a key being read), of the pages from each one's first
+        host miss on. ``below``: the SSD tier's ``has``; a query whose first missing page
+        it holds is left to the SSD path. None where nothing is read (nothing missing,
+        or the tier rests: then counted as misses)."""
+        wanted: Wanted = []
+        for key, digests in queries:
+            if key in self._reading or any(key == k for k, _ in wanted):
+                continue
+            gap = self._missing(key, digests)
+            if gap and (below is None or not below(key, gap[:1])[0]):
+                wanted.append((key, gap))
+        if not wanted:
+            return None
+        io, host = self._io, self._host
+        now = time.monotonic()
+        if io.resting() or (self._busy is not None and not self._busy.done()):
+            self._count(wanted, [0] * len(wanted), 0.0)
+            return None
+        asked = [(self._tag(key), digests) for key, digests in wanted]
+        total = sum(len(digests) for _, digests in wanted)
+        if total <= host.alloc.num_free:  # room without evicting: one call
+            blocks = host.reserve(total)
+            read = RemoteRead(wanted, io.submit_read(io.read, asked, blocks.tolist()), now,
+                              now + self._timeout_s, blocks, [len(d) for _, d in wanted])
+        else:
+            read = RemoteRead(wanted, io.submit_read(io.leading, asked), now,
+                              now + self._timeout_s)
+        self._reads.append(read)
+        self._reading.update(key for key, _ in wanted)
+        read.future.add_done_callback(self._returned)
+        return read
+
+    def wait(self, read: RemoteRead) -> None:
+        """Block until the read is over (its calls' time at most)."""
+        while not read.over:
+            wait_for([read.future], max(0.0, read.deadline - time.monotonic()))
+            self._advance(read, time.monotonic())
+
+    def reading(self, key: tuple[str, ...]) -> bool:
+        """A read of this key is under way."""
+        return key in self._reading
+
+    def poll(self) -> None:
+        """Move the reads on (their calls that returned, or that are past their time)
+        and account for the markers."""
+        now = time.monotonic()
+        for read in list(self._reads):
+            self._advance(read, now)
+        if self._publishing:
+            self._published(now)
+
+    def due(self) -> float | None:
+        """The earliest deadline (time.monotonic()) of a read's call or a marker: when
+        :meth:`poll` has something to end even if nothing returns."""
+        deadlines = [r.deadline for r in self._reads] + [p.deadline for p in self._publishing]
+        return min(deadlines, default=None)
+
+    def drain(self) -> None:
+        """Free the blocks of late reads that returned."""
+        if self._late:
+            done = [(f, b) for f, b in self._late if f.done()]
+            if done:
+                self._late = [(f, b) for f, b in self._late if not f.done()]
+                for _, blocks in done:
+                    self._host.free(np.sort(blocks))
+
+    def _returned(self, future: Future[Any]) -> None:  # the reader thread
+        self._wake()
+
+    def _missing(self, key: tuple[str, ...], digests: list[bytes]) -> list[bytes]:
+        """The digests of the host tier's first gap in this query's pages."""
+        space = self._host.index.space(key)
+        if space is None:
+            return digests
+        found = list(map(space.get, digests))
+        if None not in found:
+            return []
+        start = found.index(None)
+        end = next((i for i in range(start, len(found)) if found[i] is not None), len(found))
+        return digests[start:end]
+
+    def _advance(self, read: RemoteRead, now: float) -> None:
+        if read.over:
+            return
+        future = read.future
+        if not future.done():
+            if now >= read.deadline:  # a miss; its blocks wait for the call to return
+                self.stats_["remote_timeouts"] += 1
+                self._busy = future
+                if len(read.blocks):
+                    self._late.append((future, read.blocks))
+                self._end(read, [0] * len(read.wanted), now)
+            return
+        answer = self._answer(future)
+        if read.counts is None:
+            self._fetch(read, answer)
+        elif answer is None:
+            self._host.free(np.sort(read.blocks))
+            self._end(read, [0] * len(read.wanted), now)
+        else:
+            self._end(read, self._place(read, answer), now)
+
+    def _answer(self, future: Future[Any]) -> Any:
+        """A returned call's answer; None (counted, and the tier rests) if it raised."""
+        try:
+            return future.result(0)
+        except Exception as exc:  # the client raised: counted, a miss
+            self.stats_["remote_call_errors"] += 1
+            self._io.rest("a call", exc)
+            return None
+
+    def _fetch(self, read: RemoteRead, present: list[list[str]] | None) -> None:
+        """Mooncake said which leading blocks it has: reserve room for them (earlier
+        queries first, as far as the host tier has room) and read them."""
+        host, io = self._host, self._io
+        present = present or [[] for _ in read.wanted]
+        room = host.available()
+        counts = []
+        for (key, _), keys in zip(read.wanted, present, strict=True):
+            counts.append(0 if key in read.gone else min(len(keys), room))
+            room -= counts[-1]
+        total = sum(counts)
+        try:
+            blocks = host.reserve(total) if total else None
+        except NoSpace:
+            blocks = None
+        now = time.monotonic()
+        if blocks is None:
+            self._end(read, [0] * len(read.wanted), now)
+            return
+        keys = [key for group, count in zip(present, counts, strict=True) for key in group[:count]]
+        read.blocks, read.counts, read.deadline = blocks, counts, now + self._timeout_s
+        read.future = io.submit_read(io.fetch, keys, blocks.tolist(), counts)
+        read.future.add_done_callback(self._returned)
+
+    def _place(self, read: RemoteRead, good: list[int]) -> list[int]:
+        """Index and publish each range's leading good blocks (``good``: per range, how
+        many arrived whole), but none of a key evicted meanwhile, nor a page that a put
+        of the key reserved meanwhile; free the rest. Blocks placed, per range."""
+        host = self._host
+        assert read.counts is not None  # a values call answered
+        placed, unused, at = [], [], 0
+        for (key, digests), count, n in zip(read.wanted, read.counts, good, strict=True):
+            mine = read.blocks[at : at + count]
+            at += count
+            if key in read.gone:
+                n = 0
+            unused.append(mine[n:])
+            space = host.index.space(key)
+            if space is not None and n:
+                taken = np.fromiter(map(space.__contains__, digests[:n]), dtype=np.bool_,
+                                    count=n)
+                if taken.any():  # rare: a put of the key got there first
+                    unused.append(mine[:n][taken])
+                    digests = [d for d, t in zip(digests[:n], taken.tolist(), strict=True)
+                               if not t]
+                    mine = mine[:n][~taken]
+                    n = len(mine)
+            if n:
+                host.index.insert(key, digests[:n], mine[:n])
+                host.publish([mine[:n]], mine[:n], n)
+            placed.append(n)
+        host.free(np.sort(np.concatenate(unused)))
+        return placed
+
+    def _end(self, read: RemoteRead, arrived: list[int], now: float) -> None:
+        read.over = True
+        self._reads.remove(read)
+        self._reading.subtract(key for key, _ in read.wanted)
+        self._reading = +self._reading  # no key left at 0
+        self._count(read.wanted, arrived, now - read.began)
+
+    def _count(self, wanted: Wanted, arrived: list[int], spent: float) -> None:
+        stats = self.stats_
+        stats["remote_lookups"] += len(wanted)
+        stats["remote_lookup_waits"] += 1
+        stats["remote_lookup_seconds_total"] += spent
+        stats["remote_lookup_seconds_max"] = max(stats["remote_lookup_seconds_max"], spent)
+        hits = sum(map(bool, arrived))
+        stats["remote_hits"] += hits
+        stats["remote_misses"] += len(wanted) - hits
+        stats["remote_blocks_read"] += sum(arrived)
+        stats["remote_bytes_read"] += sum(arrived) * self._io.block_bytes
+
+    # ---- markers -------------------------------------------------------------------
+
+    def invalidated(self, key: tuple[str, ...] | None) -> None:
+        """Reads under way of this key (None: of any) bring nothing."""
+        for read in self._reads:
+            read.gone.update(k for k, _ in read.wanted if key in (None, k))
+
+    def publish(self, ns: str | None, epoch: int, generation: int, wait: bool) -> Published:
+        """Send the marker that the epoch (``ns`` None) or the namespace's generation
+        ended; ``wait``: block until it is out, or its time is up."""
+        io = self._io
+        published = Published(io.submit_read(io.invalidate, ns, epoch, generation),
+                              time.monotonic() + self._timeout_s)
+        published.future.add_done_callback(self._returned)
+        self._publishing.append(published)
+        if wait:
+            wait_for([published.future], self._timeout_s)
+            self._published(time.monotonic())
+        return published
+
+    def _published(self, now: float) -> None:
+        """Count the markers that failed, or that were not out in time (the reader
+        thread is then busy: lookups miss at once until it is not)."""
+        left = []
+        for published in self._publishing:
+            if published.future.done():
+                if not self._answer(published.future):
+                    self.stats_["remote_invalidation_errors"] += 1
+            elif now >= published.deadline:
+                self.stats_["remote_timeouts"] += 1
+                self.stats_["remote_invalidation_errors"] += 1
+                self._busy = published.future
+            else:
+                left.append(published)
+        self._publishing = left
