@@ -24,7 +24,6 @@ hold and do not copy yet (:meth:`Service.invalidate`, :mod:`.notice`).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -39,9 +38,9 @@ from ...config import StoreConfig
 from ...errors import ConfigError
 from ..base import BoolArray, Int64Array, NoSpace, capacity_tokens
 from ..local.blocks import NO_BLOCKS, READY, Tier
-from ..local.index import Space
 from ..local.loads import Load
 from ..local.tiering import TierLink
+from .puts import match_puts
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
 from .tasks import Client, Entry, Foreign, PendingGet, Retry, Task
 from .wire import Answer, Query
@@ -122,78 +121,11 @@ class Service:
         """A batch's matches, each answered as if alone and in order: (task id, one bool
         per page, blocks), or (why, True) for a put that cannot have its blocks now; a
         get may be a PendingGet or a Retry instead, for :meth:`settle`."""
-        if not is_put:
-            return [self.get_match(client, *query) for query in queries]
-        namespaces = {space for _, _, space in queries}
-        if len(queries) > 1 and len(namespaces) == len(queries):
-            # Distinct namespaces never share a block: every lookup first, then one
-            # reservation for the batch; when it cannot be had whole, one by one.
-            with contextlib.suppress(NoSpace):
-                return self._put_many(client, queries)
-        answers: list[Answer] = []
-        for query in queries:  # a key twice in a batch: its second put sees the first's
-            try:
-                answers += self._put_many(client, [query])
-            except NoSpace as exc:
-                answers.append((str(exc), True))
-        return answers
-
-    def _put_many(self, client: Client, queries: Sequence[Query]) -> list[Answer]:
-        """LocalStore.put_match of each query (distinct namespaces): the pages not stored
-        in either tier get host blocks (WRITING, in the index: a second put of them writes
-        nothing); NoSpace, with nothing reserved, when they cannot all be had now."""
-        host, link = self._require_host(), self._link
-        self._drain()
-        index = host.index
-        tables: list[Space | None] = []
-        presents: list[list[int | None] | None] = []
-        held: list[Int64Array] = []  # per query with pages stored: those on the host
-        missing = 0
-        for _, digests, namespace in queries:
-            table = index.space(namespace)
-            present = None if table is None else list(map(table.get, digests))
-            if link is not None:
-                present = link.mark_stored_below(namespace, digests, present)
-            tables.append(table)
-            presents.append(present)
-            lacking = len(digests) if present is None else present.count(None)
-            missing += lacking
-            if present is not None and lacking < len(present):
-                held.append(np.array([b for b in present if b is not None and b >= 0],
-                                     dtype=np.int64))
-        # Stored pages become the most recent, and are not evicted by this reservation.
-        listed = index.make_unevictable(np.concatenate(held)) if held else NO_BLOCKS
-        try:
-            blocks = host.reserve(missing) if missing else NO_BLOCKS
-        finally:
-            if len(listed):
-                if len(listed) != sum(map(len, held)):
-                    held = [h[np.isin(h, listed)] for h in held]
-                index.make_evictable_many(held)
-        tasks: list[Task] = []
-        writing: list[Task] = []  # only these enter the index: an empty table would stay
-        keys: list[tuple[str, ...]] = []
-        at = 0
-        for (_, digests, namespace), table, present in zip(queries, tables, presents,
-                                                           strict=True):
-            if present is None:
-                mask, new = _all_true(len(digests)), digests
-            else:
-                new_pages = [i for i, b in enumerate(present) if b is None]
-                mask = np.zeros(len(digests), dtype=np.bool_)
-                mask[new_pages] = True
-                new = [digests[i] for i in new_pages]
-            task = Task(client.number, True, mask, blocks[at : at + len(new)], new, table)
-            at += len(new)
-            tasks.append(task)
-            if new:
-                writing.append(task)
-                keys.append(namespace)
-        if writing:
-            spaces = index.insert_many(keys, [t.digests for t in writing], blocks)
-            for task, space in zip(writing, spaces, strict=True):
-                task.space = space
-        return [self._hold(client, task) for task in tasks]
+        if is_put:
+            self._drain()
+            matched = match_puts(self._require_host(), self._link, client.number, queries)
+            return [self._hold(client, m) if isinstance(m, Task) else m for m in matched]
+        return [self.get_match(client, *query) for query in queries]
 
     def get_match(self, client: Client, tokens: int, digests: list[bytes],
                   namespace: tuple[str, ...]) -> Entry:
@@ -464,18 +396,6 @@ class Service:
     def _page_size(self) -> int:
         assert self.geometry is not None  # _require_host came first
         return self.geometry.page_size
-
-
-_ALL_TRUE = np.ones(0, dtype=np.bool_)
-
-
-def _all_true(pages: int) -> BoolArray:
-    """A read-only mask of ``pages`` Trues (a view: a put's mask is never written)."""
-    global _ALL_TRUE
-    if len(_ALL_TRUE) < pages:
-        _ALL_TRUE = np.ones(max(pages, 2 * len(_ALL_TRUE), 4096), dtype=np.bool_)
-        _ALL_TRUE.flags.writeable = False
-    return _ALL_TRUE[:pages]
 
 
 def _blocks(tasks: Sequence[Task]) -> Int64Array:
