@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 import uvloop
 
 import aiokv
+from aiokv.remote.native import unavailable
+from aiokv.remote.servers import MooncakeServers
 
 # The plugin's fixtures (aiokv_engine, ...). An install made before its pytest11 entry
 # point existed does not load it by itself.
@@ -99,3 +102,19 @@ def held(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str,
 
     monkeypatch.setattr(owner, name, waiting)
     return gate
+
+
+def needs_mooncake() -> pytest.MarkDecorator:
+    """A module's mark: skip where Mooncake's client cannot load at all; in CI (``make
+    test`` installs it) it must run."""
+    why_not = unavailable()
+    if why_not is not None and os.environ.get("CI"):
+        raise RuntimeError(f"CI must run the remote tier's tests: {why_not}")
+    return pytest.mark.skipif(why_not is not None, reason=f"Mooncake cannot run: {why_not}")
+
+
+@pytest.fixture(scope="session")
+def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeServers]:
+    """A Mooncake master and store process on 127.0.0.1 for the session (64 MiB)."""
+    with MooncakeServers(segment_mb=64, log_dir=tmp_path_factory.mktemp("mooncake")) as servers:
+        yield servers

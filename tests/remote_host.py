@@ -1,13 +1,17 @@
 """One "host" of the remote tier's tests, in a process of its own: an engine on the
 embedded store with ``store.remote`` at the master given in argv[1], driven by JSON
 lines on stdin (one answer line each on stdout). It shares nothing with the test's
-process but Mooncake. Each user's KV is made from the user id, so any host can check a
-load bit for bit."""
+process but Mooncake (:class:`ChildHost` starts it). Each user's KV is made from the user
+id, so any host can check a load bit for bit. The geometry and the KV are those of
+tests/shared_host.py too: a store server's engines and these hosts share keys."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,6 +66,37 @@ class Host:
 
     def stats(self) -> dict[str, Any]:
         return dict(self.store.store_stats())
+
+
+class ChildHost:
+    """tests/remote_host.py in a process of its own."""
+
+    def __init__(self, master: str) -> None:
+        # This process's path: the aiokv under test, wherever it is checked out.
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), master], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        assert self._answer() == {"ready": True}
+
+    def _answer(self) -> Any:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the child host exited with {self.process.wait()}")
+        return json.loads(line)
+
+    def __call__(self, op: str, **args: Any) -> Any:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def close(self) -> dict[str, Any]:
+        stats: dict[str, Any] = self("close")
+        assert self.process.wait(30) == 0
+        return stats
 
 
 def main() -> None:

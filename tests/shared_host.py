@@ -99,6 +99,15 @@ class Server:
         return self.log.read_text()
 
 
+def observer(socket_path: Path) -> tuple[SharedStore, list[torch.Tensor]]:
+    """A client of the test's own (and its caches), for the server's figures and raw
+    checks."""
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(socket_path)))
+    tables = caches()
+    store.register(tables)
+    return store, tables
+
+
 def connect(server: Server) -> socket.socket:
     """A raw connection to the server (no hello yet)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

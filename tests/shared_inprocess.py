@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import held
-from shared_host import PAGE_SIZE, caches, user_kv, wait_for
+from shared_host import PAGE_SIZE, observer, user_kv, wait_for
 
 import aiokv
 from aiokv.stores.local import ssd as ssd_module
@@ -25,13 +25,17 @@ TOKENS = np.arange(PAGES * PAGE_SIZE, dtype=np.int64)
 
 
 class Host:
-    """A store server in a thread over an SSD directory, restartable on it."""
+    """A store server in a thread over an SSD directory (``ssd``), restartable on it;
+    ``remote``: its ``store.remote``."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, ssd: bool = True,
+                 remote: dict[str, Any] | None = None) -> None:
         self.socket = directory / "run" / "store.sock"
-        (directory / "ssd").mkdir()
-        self.config = aiokv.StoreConfig(cpu_cache_gb=0.002, ssd_cache_gb=0.01,
-                                        ssd_cache_dir=str(directory / "ssd"))
+        tiers: dict[str, Any] = {"remote": remote}
+        if ssd:
+            (directory / "ssd").mkdir()
+            tiers.update(ssd_cache_gb=0.01, ssd_cache_dir=str(directory / "ssd"))
+        self.config = aiokv.StoreConfig(cpu_cache_gb=0.002, **tiers)
         self.server: StoreServer | None = None
         self.thread: threading.Thread | None = None
 
@@ -49,13 +53,11 @@ class Host:
         self.server = self.thread = None
 
     def engine(self) -> tuple[SharedStore, list[torch.Tensor]]:
-        store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(self.socket)))
-        tables = caches()
-        store.register(tables)
-        return store, tables
+        return observer(self.socket)
 
 
 def offload(store: SharedStore, tables: list[torch.Tensor], user: int) -> None:
+    """``user``'s pages offloaded under ``user:<user>``."""
     for cache, kv in zip(tables, user_kv(user, PAGES), strict=True):
         cache[:PAGES] = kv
     task, mask = store.put_match(TOKENS, [f"user:{user}"])

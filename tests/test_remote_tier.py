@@ -1,75 +1,32 @@
 """The remote tier on a real Mooncake Store: a master and a store process on 127.0.0.1
-(started here, stopped at the end), and hosts that share nothing but Mooncake: a child
+(conftest's ``mooncake``, for the session), and hosts that share nothing but Mooncake: a child
 process (tests/remote_host.py) and engines in this process, each with a host tier of its
 own. Skips only where Mooncake's client cannot load at all; in CI (``make test``
 installs it) it must run."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import needs_mooncake
 from prometheus_client import CollectorRegistry
-from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, user_kv
+from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, ChildHost, user_kv
 
 import aiokv
 import aiokv.metrics
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
-from aiokv.remote.native import import_store, unavailable
+from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers, free_port
 from aiokv.stores.local.digests import chain_digests
 
-WHY_NOT = unavailable()
-if WHY_NOT is not None and os.environ.get("CI"):
-    raise RuntimeError(f"CI must run the remote tier's tests: {WHY_NOT}")
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"Mooncake cannot run: {WHY_NOT}")
+pytestmark = needs_mooncake()
 
 USER_PAGES = 8
 TOKENS = USER_PAGES * PAGE_SIZE
-
-
-@pytest.fixture(scope="session")
-def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeServers]:
-    with MooncakeServers(segment_mb=64, log_dir=tmp_path_factory.mktemp("mooncake")) as servers:
-        yield servers
-
-
-class ChildHost:
-    """tests/remote_host.py in a process of its own."""
-
-    def __init__(self, master: str) -> None:
-        script = Path(__file__).parent / "remote_host.py"
-        self.process = subprocess.Popen(
-            [sys.executable, str(script), master], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True,
-        )
-        assert self._answer() == {"ready": True}
-
-    def _answer(self) -> Any:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the child host exited with {self.process.wait()}")
-        return json.loads(line)
-
-    def __call__(self, op: str, **args: Any) -> Any:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.process.stdin.flush()
-        return self._answer()
-
-    def close(self) -> dict[str, Any]:
-        stats: dict[str, Any] = self("close")
-        assert self.process.wait(30) == 0
-        return stats
 
 
 class LocalHost:

@@ -25,6 +25,7 @@ from shared_host import (
     caches,
     connect,
     hello,
+    observer,
     running_host,
     start_processes,
     user_kv,
@@ -46,15 +47,6 @@ Host = tuple[Server, list[Process]]
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
     with running_host(tmp_path_factory.mktemp("shared"), 3) as running:
         yield running
-
-
-def observer(server: Server) -> tuple[SharedStore, list[torch.Tensor]]:
-    """A client of the test's own (and its caches), for the server's figures and raw
-    checks."""
-    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(server.socket)))
-    tables = caches()
-    store.register(tables)
-    return store, tables
 
 
 def test_a_key_offloaded_by_one_process_loads_bit_exact_in_every_other(host: Host) -> None:
@@ -113,7 +105,7 @@ def test_a_lookup_held_in_one_process_loads_nothing_after_an_evict_in_another(
 def test_a_client_killed_while_holding_blocks_releases_them(host: Host) -> None:
     server, (first, _, _) = host
     first("offload", user=6, pages=5)
-    figures, _ = observer(server)
+    figures, _ = observer(server.socket)
     try:
         idle = figures.store_stats()
         assert idle["server_tasks_open"] == 0
@@ -154,7 +146,7 @@ def test_a_second_server_on_the_same_socket_refuses(host: Host, tmp_path: Path) 
 def test_raw_client_copies_bit_exact_through_the_region(host: Host) -> None:
     """The seam itself (launch with page ids): what one client puts, another gets."""
     server, _ = host
-    (writer, written), (reader, read) = observer(server), observer(server)
+    (writer, written), (reader, read) = observer(server.socket), observer(server.socket)
     try:
         tokens = np.arange(100, 100 + 6 * PAGE_SIZE, dtype=np.int64)
         kv = user_kv(40, 6)
@@ -182,7 +174,7 @@ def test_a_bad_page_id_fails_only_its_task_and_loads_mark_their_layers(host: Hos
     copied; a get offers per-layer marks (base.MarksLayers), each layer ready once in
     place."""
     server, _ = host
-    store, tables = observer(server)
+    store, tables = observer(server.socket)
     local = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     local.register(caches())
     try:
@@ -227,7 +219,7 @@ def test_namespaces_of_any_text_and_partial_pages_keep_their_keys(host: Host) ->
     page cross the wire as given: the same key hits in another client, a namespace that
     differs in one string does not, and the partial page is never stored."""
     server, _ = host
-    (writer, _), (reader, _) = observer(server), observer(server)
+    (writer, _), (reader, _) = observer(server.socket), observer(server.socket)
     try:
         tokens = np.arange(900, 900 + 3 * PAGE_SIZE + 1, dtype=np.int64)
         key = ["ключ:7", "ü", ""]
@@ -250,7 +242,7 @@ def test_a_batch_answers_each_match_as_if_alone(tmp_path: Path) -> None:
     finds the first's pages), and a batch that cannot have all its blocks at once gives
     them to its matches in order until one cannot have its own (NoSpace for that one)."""
     server = Server(tmp_path).start()
-    store, _ = observer(server)
+    store, _ = observer(server.socket)
     try:
         tokens = np.arange(3 * PAGE_SIZE, dtype=np.int64)
         answers = store.put_match_many([(tokens, ["twice"]), (tokens, ["twice"]),
