@@ -186,7 +186,8 @@ class StoreConfig:
         (required then, and only then); the server's own config sizes the tiers.
     remote: the remote tier below host and SSD, on Mooncake Store (a mapping in the
         shape of :class:`aiokv.remote.config.RemoteConfig`, or one; None: no remote tier).
-        The embedded store only: with ``backend: flexkv`` it is a ConfigError.
+        The embedded store's (and ``aiokv store-server``'s, for its engines): with
+        ``backend: flexkv`` it is a ConfigError, with ``backend: shared`` the server's.
     """
 
     backend: Backend = "local"
@@ -233,8 +234,6 @@ class StoreConfig:
     def _check_no_tier_keys(self) -> None:
         """An engine on ``backend: shared`` uses the server's tiers: a key that sizes or
         shapes them, set here, would be silently ignored, so it is a ConfigError."""
-        if self.remote is not None:
-            raise ConfigError("store.remote", SHARED_REMOTE_REFUSAL)
         for spec in dataclasses.fields(self):
             if spec.name not in _SERVER_KEYS:
                 continue
@@ -311,11 +310,7 @@ class StoreConfig:
 
 # The keys that size or shape the tiers: with backend: shared they are the server's.
 _SERVER_KEYS = ("cpu_cache_gb", "ssd_cache_gb", "ssd_cache_dir", "ssd_write_policy",
-                "ssd_reset_on_mismatch", "flexkv")
-SHARED_REMOTE_REFUSAL = (
-    "the remote tier runs on the embedded store only (backend: local); the shared host "
-    "tier (backend: shared, aiokv store-server) has none yet"
-)
+                "ssd_reset_on_mismatch", "flexkv", "remote")
 
 # Why aiokv does not run several processes on one FlexKV (issue 31), read in FlexKV 34ab141:
 # its StorageEngine keys a GPU's caches by device id and ignores a second registration

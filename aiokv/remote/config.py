@@ -1,8 +1,9 @@
 """``store.remote``: the remote tier's settings, validated where the config is read.
 
-Only the embedded store honours them. FlexKV has a Mooncake mode of its own, but it needs
-RDMA and FlexKV's P2P build; aiokv does not drive it, and says so (a ConfigError) rather
-than ignore the section.
+The embedded store honours them, and so does ``aiokv store-server`` for its engines (an
+engine on ``backend: shared`` leaves them to the server). FlexKV has a Mooncake mode of
+its own, but it needs RDMA and FlexKV's P2P build; aiokv does not drive it, and says so
+(a ConfigError) rather than ignore the section.
 """
 
 from __future__ import annotations

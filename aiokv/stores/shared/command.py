@@ -16,9 +16,11 @@ One store per host, shared by every serving process on it: the server owns the i
 the host tier (one shared memory region the engines map) and the SSD tier; engines
 point at it with `store: {backend: shared, socket: PATH}` and copy their own pages.
 FILE is a YAML config whose `store:` section has the embedded store's keys
-(cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, ssd_write_policy, ...); its `engine:`
-section is ignored. The cache geometry (layers, page size, heads, head_dim, dtype) is
-taken from the first engine that connects; an engine with another one is refused.
+(cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, ssd_write_policy, remote, ...); its
+`engine:` section is ignored. With `remote` (a Mooncake Store tier below host and SSD,
+configs/remote.yml) the server exits 2 at start where Mooncake's client cannot load. The
+cache geometry (layers, page size, heads, head_dim, dtype) is taken from the first
+engine that connects; an engine with another one is refused.
 
 Only processes of this server's uid may connect. The socket's directory must be private
 to that uid (it is created 0700 when missing). SIGTERM drains: no new work is taken,

@@ -9,6 +9,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
+from ...remote.reads import Published
 from .tasks import Client, Entry
 
 
@@ -31,16 +32,18 @@ class Connection:
 @dataclass(slots=True, eq=False)
 class EvictWait:
     """An evict's or clear's answer, sent once the gets of the key that other engines
-    had under way (``loads``: client, task id) have ended and its SSD voids are written,
-    or at ``deadline``."""
+    had under way (``loads``: client, task id) have ended, its SSD voids are written and
+    its remote marker is out (or its own time is up), or at ``deadline``."""
 
     loads: list[tuple[Client, int]]
     reply: bytes
     deadline: float
     written: threading.Event | None = None  # set once its SSD voids are on disk
+    published: Published | None = None  # set once Mooncake has its marker, or at its time
 
     def loads_over(self) -> bool:
         return all(task_id not in client.tasks for client, task_id in self.loads)
 
     def over(self) -> bool:
-        return self.loads_over() and (self.written is None or self.written.is_set())
+        return self.loads_over() and all(done is None or done.is_set()
+                                         for done in (self.written, self.published))

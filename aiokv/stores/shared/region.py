@@ -147,6 +147,7 @@ class RegionPool(BlockAllocator):
         self.region = region
         self.block_bytes = region.block_bytes
         self.data = region.data
+        self.raw = region.raw  # the remote tier registers it with Mooncake
         self.bytes = region.bytes
         self.chunk_starts = None
 

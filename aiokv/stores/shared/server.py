@@ -1,5 +1,5 @@
-"""``aiokv store-server``: one process per host that owns the shared region, the index and
-the SSD tier (:mod:`.service`), serving engines over a UNIX socket.
+"""``aiokv store-server``: one process per host that owns the shared region, the index, the
+SSD tier and the remote tier (:mod:`.service`), serving engines over a UNIX socket.
 
 One thread, one ``selectors`` loop: each engine's requests are answered in order, one
 reply per request (none to a batch's end or to its gets' launch), each in the order they
@@ -8,11 +8,11 @@ finished tasks), so the server sees two messages per batch (three when it loads)
 answers one. Before it answers a lookup, an evict or figures, it applies what other
 engines have waiting (:meth:`StoreServer._absorb`): an engine reports a put done once its
 end is sent, so every lookup (and evict) after that sees it. A batch of gets whose pages
-are partly on SSD only is answered once those pages are read into host blocks; an evict
-or clear once the loads of the key other engines have under way are over
-(:meth:`StoreServer._invalidate`). Meanwhile the server answers the other engines (that
-engine is blocked in its call and sends nothing more; what it sends anyway waits for the
-answer).
+are partly on SSD (or Mooncake) only is answered once those are read into host blocks (or
+Mooncake's ``timeout_ms`` is up); an evict or clear once the loads of the key other
+engines have under way are over (:meth:`StoreServer._invalidate`). Meanwhile the server
+answers the other engines (that engine is blocked in its call and sends nothing more;
+what it sends anyway waits for the answer).
 
 Who may connect: the socket lives in a directory only the server's uid can enter (made
 0700, or refused when it is open to others), the socket itself is 0600, and every
@@ -39,8 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...config import SHARED_REMOTE_REFUSAL, StoreConfig
+from ...config import StoreConfig
 from ...errors import ConfigError
+from ...remote.native import unavailable
 from ..dirlock import DirLock
 from . import sockets, wire
 from .connection import Connection, EvictWait
@@ -90,8 +91,8 @@ class StoreServer:
         if config.backend != "local":
             raise ConfigError("store.backend", f"the server runs the embedded store; "
                               f"leave backend out or local, got {config.backend!r}")
-        if config.remote is not None:
-            raise ConfigError("store.remote", SHARED_REMOTE_REFUSAL)
+        if config.remote is not None and (why := unavailable()) is not None:
+            raise ConfigError("store.remote", why)  # at start, not at the first engine
         self.path = Path(socket_path)
         self.config = config
         self.drain_timeout_s = drain_timeout_s
@@ -153,7 +154,7 @@ class StoreServer:
                 signal.signal(signum, lambda *_: self.stop())
         try:
             while not self._drained():
-                for key, _ in self._selector.select(timeout=0.5):
+                for key, _ in self._selector.select(timeout=self.service.wait_s(0.5)):
                     if key.data == "accept":
                         self._accept()
                     elif key.data == "wake":
@@ -162,6 +163,7 @@ class StoreServer:
                         self.service.poll()
                     else:
                         self._readable(key.data)
+                self.service.expire()
                 if self._waiting():
                     self._settle()
                 if self._evicting():
@@ -456,7 +458,8 @@ class StoreServer:
         """An evict (or, ``namespace`` None, a clear), as one embedded store would run it
         for every engine: the key's gets that engines hold and have not started to copy
         load nothing, and the answer waits for those they are copying (:mod:`.notice`
-        says why this order is enough)."""
+        says why this order is enough), and for the remote tier's marker (at most its
+        ``timeout_ms``), after which no other host finds the key."""
         self._absorb()  # what engines sent before applies first: a put reported done goes
         clients = [c.client for c in self._connections.values()]
         for client in clients:
@@ -466,13 +469,13 @@ class StoreServer:
             for entry in other.deferred or ():
                 if isinstance(entry, PendingGet) and namespace in (None, entry.namespace):
                     entry.invalidated = True
-        tokens, written = (self.service.clear() if namespace is None
-                           else self.service.evict(namespace))
+        tokens, written, published = (self.service.clear() if namespace is None
+                                      else self.service.evict(namespace))
         self._absorb()  # LAUNCHes sent before the bump; gets matched now miss the key
         loads = self.service.invalidate(conn.client, [c.client for c in
                                                       self._connections.values()], namespace)
         reply = wire.encode_json({"ok": True, "tokens": tokens})
-        wait = EvictWait(loads, reply, time.monotonic() + EVICT_WAIT_S, written)
+        wait = EvictWait(loads, reply, time.monotonic() + EVICT_WAIT_S, written, published)
         if wait.over():
             return reply
         conn.evicting = wait  # answered by _answer_evicts (the SSD wakes the loop)

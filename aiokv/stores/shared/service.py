@@ -17,7 +17,13 @@ Every task belongs to the connection that matched it (a :class:`Client`): a task
 from another connection is a :class:`Foreign` (the server drops that peer), and when a
 connection ends, however it ends, its tasks are rolled back (:meth:`Service.drop`).
 
-An evict or clear drops the key at once from both tiers, what is in use included (out of
+With ``store.remote`` the server owns a remote tier on Mooncake below both
+(:mod:`aiokv.remote.link`, as the embedded store does): a put's blocks follow in the
+background once its end is reported, and a batch of gets asks Mooncake, in one read, for
+what neither tier has; the gets of those keys wait for it as for another get's SSD reads
+(a :class:`Retry`), bounded by ``timeout_ms``, while the server answers other requests.
+
+An evict or clear drops the key at once from every tier, what is in use included (out of
 reach, freed once unused: ``Tier.drop_namespace``), and takes back the gets of it that engines
 hold and do not copy yet (:meth:`Service.invalidate`, :mod:`.notice`).
 """
@@ -36,6 +42,9 @@ import numpy as np
 
 from ...config import StoreConfig
 from ...errors import ConfigError
+from ...remote.config import RemoteConfig
+from ...remote.link import RemoteLink
+from ...remote.reads import Published
 from ..base import BoolArray, Int64Array, NoSpace, capacity_tokens
 from ..local.blocks import NO_BLOCKS, READY, Tier
 from ..local.loads import Load
@@ -48,6 +57,8 @@ from .wire import Answer, Query
 log = logging.getLogger("aiokv.server")
 
 NO_MASK: BoolArray = np.zeros(0, dtype=np.bool_)
+# An evict's tokens, its SSD voids' event and its remote marker (each None without the tier).
+Dropped = tuple[int, threading.Event | None, Published | None]
 SSD_STAGE_TIMEOUT_S = 30.0  # a get's SSD reads that take longer make the get a miss
 
 
@@ -61,6 +72,7 @@ class Service:
         self._pool: RegionPool | None = None
         self._host: Tier | None = None
         self._link: TierLink | None = None
+        self._remote: RemoteLink | None = None  # store.remote: Mooncake, below both
         self._ids = itertools.count(1)
         self._owner: dict[int, Client] = {}  # task id -> its connection
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0, "server_gets_invalidated": 0}
@@ -92,17 +104,22 @@ class Service:
         region = Region.create(self._memory, blocks, geometry)
         self._memory = None
         pool = RegionPool(region)
+        link = remote = None
         try:
-            link = None
             if self.config.ssd_cache_gb > 0:
                 link = TierLink(self.config, cast(Any, pool), geometry.torch_dtype,
                                 geometry.page_size, self._ssd_done, self._no_copy,
                                 self._link_ends)
+            host = link.host if link is not None else Tier("host", pool)
+            if self.config.remote is not None:  # last: nothing after it can fail
+                remote = RemoteLink(RemoteConfig.from_mapping(self.config.remote), host, pool,
+                                    geometry.torch_dtype, geometry.page_size, self._wake)
         except BaseException:
+            if link is not None:
+                link.close()
             region.close()
             raise
-        self._link = link
-        self._host = link.host if link is not None else Tier("host", pool)
+        self._link, self._host, self._remote = link, host, remote
         self.geometry, self.region, self._pool = geometry, region, pool
         # What a client's engine may ask for: it refuses offloads, and cuts lookups, past
         # what its store reports holding, which is these stats.
@@ -125,14 +142,32 @@ class Service:
             self._drain()
             matched = match_puts(self._require_host(), self._link, client.number, queries)
             return [self._hold(client, m) if isinstance(m, Task) else m for m in matched]
+        if self._remote is not None:
+            self._ask_remote(queries)
         return [self.get_match(client, *query) for query in queries]
+
+    def _ask_remote(self, queries: Sequence[Query]) -> None:
+        """One read from Mooncake, for a batch of gets, of what neither the host nor the
+        SSD tier has; the gets of its keys wait for it (get_match: a Retry)."""
+        assert self._remote is not None
+        self._drain()
+        link = self._link
+        self._remote.reads.start([(ns, digests) for _, digests, ns in queries
+                                  if ns not in self._staging],
+                                 link.ssd.has if link is not None else None)
+
+    def _reading(self, namespace: tuple[str, ...]) -> bool:
+        """Pages of this key are being read into host blocks, from SSD or Mooncake."""
+        return namespace in self._staging or (
+            self._remote is not None and self._remote.reads.reading(namespace))
 
     def get_match(self, client: Client, tokens: int, digests: list[bytes],
                   namespace: tuple[str, ...]) -> Entry:
         """LocalStore.get_match: the longest READY host prefix, then what the SSD tier has
         after it, read into host blocks (a PendingGet while the reads run); all of them
-        held until the task ends. A Retry while a pending get reads this key."""
-        if namespace in self._staging:
+        held until the task ends. A Retry while a pending get, or a read from Mooncake,
+        reads this key."""
+        if self._reading(namespace):
             return Retry((tokens, digests, namespace))
         host, link = self._require_host(), self._link
         self._drain()
@@ -169,7 +204,7 @@ class Service:
 
     def settle(self, client: Client, entries: Sequence[Entry]) -> list[Entry]:
         """A deferred batch's entries again, the ready ones answered: pending gets whose
-        reads are in (or that waited too long), retries whose key no get reads now."""
+        reads are in (or that waited too long), retries whose key nothing reads now."""
         self._drain()
         now = time.monotonic()
         out: list[Entry] = []
@@ -177,7 +212,7 @@ class Service:
             if isinstance(entry, PendingGet) and (entry.load.finished
                                                   or now >= entry.give_up_at):
                 entry = self._finish_get(client, entry)
-            elif isinstance(entry, Retry) and entry.query[2] not in self._staging:
+            elif isinstance(entry, Retry) and not self._reading(entry.query[2]):
                 entry = self.get_match(client, *entry.query)
             out.append(entry)
         return out
@@ -291,6 +326,8 @@ class Service:
                 self._link.write_through_puts(puts, blocks)
             else:
                 host.publish([t.blocks for t in puts], blocks, _common_size(puts))
+            if self._remote is not None:  # to Mooncake, after the host
+                self._remote.offer(puts)
         reading = [t for t in gets if len(t.blocks)]
         if reading:
             host.end_reads([t.blocks for t in reading], [t.shared for t in reading],
@@ -319,31 +356,36 @@ class Service:
 
     # ---- invalidation, figures -----------------------------------------------------
 
-    def evict(self, namespace: tuple[str, ...]) -> tuple[int, threading.Event | None]:
-        """The tokens dropped, and an event set once the SSD holds none of them (None
-        without an SSD tier)."""
+    def evict(self, namespace: tuple[str, ...]) -> Dropped:
+        """The tokens dropped, an event set once the SSD holds none of them (None
+        without an SSD tier), and one set once Mooncake has the marker that hides them
+        from other hosts, or its ``timeout_ms`` is up (None without a remote tier)."""
         return self._drop_namespace(namespace)
 
-    def clear(self) -> tuple[int, threading.Event | None]:
+    def clear(self) -> Dropped:
         return self._drop_namespace(None)
 
-    def _drop_namespace(self, namespace: tuple[str, ...] | None
-                        ) -> tuple[int, threading.Event | None]:
-        """Drop a namespace (None: all) from both tiers: its idle blocks freed, and the
+    def _drop_namespace(self, namespace: tuple[str, ...] | None) -> Dropped:
+        """Drop a namespace (None: all) from every tier: its idle blocks freed, and the
         tables that still hold blocks in use out of reach (Tier.drop_namespace); the
-        distinct pages dropped, in tokens, and the SSD's event (TierLink.drop)."""
+        distinct pages dropped, in tokens, the SSD's event (TierLink.drop) and the
+        remote marker's (RemoteLink.invalidate: it does not wait, the evict's answer
+        does)."""
         host, link = self._host, self._link
         if host is None:
-            return 0, None
+            return 0, None, None
         self._drain()
+        published = None
+        if self._remote is not None:
+            published = self._remote.invalidate(namespace, wait=False)
         if link is not None:
             pages, written = link.drop(namespace)
-            return pages * self._page_size(), written
+            return pages * self._page_size(), written, published
         # Every page of it found now is out of reach after: dropped, or buried.
         spaces = host.index.spaces() if namespace is None else [host.index.space(namespace)]
         pages = sum(len(space) for space in spaces if space is not None)
         host.drop_namespace(namespace)
-        return pages * self._page_size(), None
+        return pages * self._page_size(), None, published
 
     def stats(self, clients: Sequence[Client]) -> dict[str, int | float]:
         host = self._host
@@ -357,25 +399,47 @@ class Service:
             "server_blocks_held": sum(len(t.blocks) for t in tasks),
             **self._hits,
         }
-        if self._link is not None:
-            stats.update(self._link.stats())
+        for tier in (self._link, self._remote):
+            if tier is not None:
+                stats.update(tier.stats())
+        # Remote hits are read into the host tier before the match: one tier counts each.
+        remote_hits = stats.get("remote_hit_tokens", 0)
+        stats["host_hit_tokens"] = max(0, stats["host_hit_tokens"] - remote_hits)
         return stats
 
     def poll(self) -> None:
-        """Apply finished SSD requests (the server calls it when the SSD tier wakes it)."""
+        """Apply finished SSD requests and remote calls (the server calls it when their
+        threads wake it)."""
         self._drain()
 
+    def wait_s(self, longest_s: float) -> float:
+        """How long the server may wait for a request or a wake: ``longest_s``, or until
+        a remote call is due (:meth:`expire` ends it then)."""
+        due = self._remote.reads.due() if self._remote is not None else None
+        return longest_s if due is None else min(longest_s, max(0.0, due - time.monotonic()))
+
+    def expire(self) -> None:
+        """End the remote calls past their time (a miss), after the server's wait."""
+        if self._remote is not None:
+            self._remote.reads.poll()
+
     def _drain(self) -> None:
-        """Apply finished SSD requests."""
+        """Apply finished SSD requests, finished remote writes and remote calls."""
         if self._link is not None:
             self._link.drain()
+        if self._remote is not None:
+            self._remote.drain()
+            self._remote.reads.poll()
 
     def idle(self, clients: Sequence[Client]) -> bool:
         return not any(c.tasks for c in clients)
 
     def close(self) -> None:
-        """Finish the SSD writes (write_back: what only the host holds too), then let the
-        region go."""
+        """Finish the remote writes (bounded) and the SSD writes (write_back: what only
+        the host holds too), then let the region go."""
+        if self._remote is not None:
+            self._remote.close()  # before the pool: the region is registered with Mooncake
+            self._remote = None
         if self._link is not None:
             self._link.close()
             self._link = None
