@@ -29,7 +29,7 @@ from shared_inprocess import (
 from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.local import ssd_voids
 from aiokv.stores.shared import SharedStore
-from aiokv.stores.shared import server as server_module
+from aiokv.stores.shared import answers as answers_module
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
                                 reason="the shared region needs memfd_create (Linux)")
@@ -127,7 +127,7 @@ def test_an_engine_evicting_a_key_it_is_loading_gets_nothing_from_that_load(
 
 def test_an_evict_stops_waiting_for_an_engine_that_never_ends_its_load(
         host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server_module, "EVICT_WAIT_S", 0.5)
+    monkeypatch.setattr(answers_module, "EVICT_WAIT_S", 0.5)
     writer, writer_tables = host.engine()
     stuck, stuck_tables = host.engine()
     try:

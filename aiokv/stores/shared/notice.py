@@ -11,8 +11,8 @@ unanswered message) and before it copies them, and again before it reports gets 
 when it moved, the engine asks which of its gets were invalidated (one round trip, only
 then) and those load nothing.
 
-Why that is enough (the server's side is :meth:`StoreServer._invalidate
-<aiokv.stores.shared.server.StoreServer._invalidate>`): the server bumps the counter,
+Why that is enough (the server's side is :meth:`Answers._invalidate
+<aiokv.stores.shared.answers.Answers._invalidate>`): the server bumps the counter,
 drops the key, then reads every connection's waiting frames. A get whose ``LAUNCH`` it
 read by then is under way: the evict's answer waits for that get's end. A get whose
 ``LAUNCH`` it had not read was announced after that read, so after the bump (the

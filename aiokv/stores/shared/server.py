@@ -1,16 +1,17 @@
 """``aiokv store-server``: one process per host that owns the shared region, the index, the
 SSD tier and the remote tier (:mod:`.service`), serving engines over a UNIX socket.
 
-One thread, one ``selectors`` loop: each engine's requests are answered in order, one
+One thread, one ``selectors`` loop (here; what each request gets is :mod:`.answers`):
+each engine's requests are answered in order, one
 reply per request (none to a batch's end or to its gets' launch), each in the order they
 arrive across engines. A request is a batch (all of a batch's matches, or all of its
 finished tasks), so the server sees two messages per batch (three when it loads) and
 answers one. Before it answers a lookup, an evict or figures, it applies what other
-engines have waiting (:meth:`StoreServer._absorb`): an engine reports a put done once its
+engines have waiting (:meth:`StoreServer.absorb`): an engine reports a put done once its
 end is sent, so every lookup (and evict) after that sees it. A batch of gets whose pages
 are partly on SSD (or Mooncake) only is answered once those are read into host blocks (or
 Mooncake's ``timeout_ms`` is up); an evict or clear once the loads of the key other
-engines have under way are over (:meth:`StoreServer._invalidate`). Meanwhile the server
+engines have under way are over (:meth:`.answers.Answers._invalidate`). Meanwhile the server
 answers the other engines (that engine is blocked in its call and sends nothing more;
 what it sends anyway waits for the answer).
 
@@ -35,36 +36,27 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from ...config import StoreConfig
 from ...errors import ConfigError
 from ...remote.native import unavailable
 from ..dirlock import DirLock
 from . import sockets, wire
-from .connection import Connection, EvictWait
-from .notice import Notice
-from .region import Geometry
+from .answers import EVICT_WAIT_S, Answers, ProtocolError
+from .connection import Connection
 from .service import Service
-from .tasks import Client, Foreign, PendingGet, answers_only
+from .tasks import Client, Foreign, answers_only
 
 log = logging.getLogger("aiokv.server")
 
 SEND_TIMEOUT_S = 5.0  # a peer that does not read its replies for this long is dropped
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_OK = wire.frame(wire.OK)
 _LENGTH = struct.Struct("<I")  # a frame's length word (then its op: wire.HEAD)
 _LOCK_NAME = "aiokv-server.lock"  # in each SSD directory: one server per directory
 _SERVER: dict[str, str] = {"holder": "aiokv store-server", "hint": ""}  # DirLock's words
 _CHUNK = 1 << 16  # read per call: a large buffer per call costs more than calls
 _ABSORB_DEPTH = 16  # lookups met while absorbing absorb too, this deep
-EVICT_WAIT_S = 30.0  # an evict waits this long for other engines' loads of the key under way
-
-
-class ProtocolError(Exception):
-    """A request the server does not take from anyone: the peer is dropped."""
 
 
 def private_directory(path: Path) -> None:
@@ -105,12 +97,8 @@ class StoreServer:
         self._numbers = 0
         self._stopping = False
         self._stop_at = 0.0
-        self._absorbing = 0  # nested _absorb calls
-        self._handlers: dict[int, Callable[[Connection, memoryview], bytes]] = {
-            wire.PUT: self._put, wire.GET: self._get, wire.END: self._end,
-            wire.PING: self._ping, wire.JSON: self._json, wire.LAUNCH: self._launch}
-        self._json_handlers: dict[str, Callable[[Connection, dict[str, Any]], dict[str, Any]]] = {
-            "stats": self._stats, "invalidated": self._invalidated}
+        self._absorbing = 0  # nested absorb calls
+        self._answers = Answers(self.service, self)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -139,6 +127,13 @@ class StoreServer:
         """Drain and exit :meth:`serve` (any thread, or a signal handler)."""
         self._stopping = True
         self._wake()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def peers(self) -> list[Connection]:
+        return list(self._connections.values())
 
     def _wake(self) -> None:
         if self._wake_w < 0:  # stopped already: stop() again is a no-op
@@ -239,7 +234,7 @@ class StoreServer:
         """Read once from ``conn`` and answer its whole frames; the bytes read (0 when
         there were none, or the peer is gone)."""
         try:
-            # Never blocking: the selector's list can be stale, as _absorb may have read
+            # Never blocking: the selector's list can be stale, as absorb may have read
             # the connection since (its socket blocks, for sendall's kernel timeout).
             data = conn.sock.recv(_CHUNK, socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -273,7 +268,7 @@ class StoreServer:
                 if end > len(data):
                     break
                 (op,) = _LENGTH.unpack_from(data, at + 4)
-                self._answer(conn, op, memoryview(data)[at + 8 : end])
+                self._answers.answer(conn, op, memoryview(data)[at + 8 : end])
                 at = end
             if at < len(data):
                 conn.inbox += data[at:]
@@ -324,7 +319,7 @@ class StoreServer:
                 if conn.inbox:
                     self._frames(conn, b"")
 
-    def _absorb(self) -> None:
+    def absorb(self) -> None:
         """Answer the frames other engines have waiting, before a lookup or figures.
 
         An engine reports a put done once its end is sent (ends are not answered), and a
@@ -363,124 +358,6 @@ class StoreServer:
             log.info("aiokv store-server: engine pid %d disconnected (%d tasks rolled back)",
                      conn.client.pid, rolled)
 
-    # ---- requests ------------------------------------------------------------------
-
-    def _answer(self, conn: Connection, op: int, body: memoryview) -> None:
-        if not conn.registered:
-            message = wire.decode_json(body) if op == wire.JSON else {}
-            if message.get("op") != "hello":
-                raise ProtocolError(f"op {op} {message.get('op')!r} before hello")
-            self._hello(conn, message)
-            return
-        handler = self._handlers.get(op)
-        if handler is None:
-            raise ProtocolError(f"unknown request op {op}")
-        reply = handler(conn, body)
-        if reply:
-            conn.sock.sendall(reply)
-
-    def _json(self, conn: Connection, body: memoryview) -> bytes:
-        message = wire.decode_json(body)
-        if message.get("op") in ("evict", "clear"):
-            namespace = wire.namespace(message.get("ns")) if message["op"] == "evict" else None
-            return self._invalidate(conn, namespace)
-        handler = self._json_handlers.get(message.get("op"))  # type: ignore[arg-type]
-        if handler is None:
-            raise ProtocolError(f"unknown request {message.get('op')!r}")
-        return wire.encode_json({"ok": True, **handler(conn, message)})
-
-    def _ping(self, conn: Connection, body: memoryview) -> bytes:
-        return _OK
-
-    def _hello(self, conn: Connection, message: dict[str, Any]) -> None:
-        if message.get("wire") != wire.VERSION:  # told why, then dropped (and logged)
-            why = (f"it speaks wire version {message.get('wire', 1)!r}, this server "
-                   f"{wire.VERSION}: run one aiokv version for the server and its engines")
-            sockets.send(conn.sock, wire.encode_json({"ok": False, "error": why,
-                                                      "config": True}))
-            raise ProtocolError(why)
-        try:
-            geometry = Geometry.from_mapping(message.get("geometry"))
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from exc
-        try:
-            region = self.service.register(geometry)
-        except ConfigError as exc:
-            log.warning("aiokv store-server: refused engine pid %d: %s", conn.client.pid, exc)
-            sockets.send(conn.sock, wire.encode_json({"ok": False, "error": str(exc),
-                                                      "config": True}))
-            return
-        conn.registered = True
-        notice = conn.client.notice = Notice.create()
-        sockets.send(conn.sock, wire.encode_json({"ok": True, "blocks": region.num_blocks,
-                                                  "wire": wire.VERSION}),
-                     [region.fd, notice.fd])
-        notice.close_fd()
-
-    def _matches(self, conn: Connection, body: memoryview, is_put: bool) -> bytes:
-        assert self.service.geometry is not None  # registered: the first hello set it
-        request = wire.decode_match(body, self.service.geometry.page_size,
-                                    self.service.capacity_tokens)
-        if request.released:  # cancels ride along with the next match (one message)
-            self.service.finish(conn.client, [], request.released)
-        if self._stopping:
-            return wire.encode_answers([("the store server is shutting down", False)]
-                                       * len(request.queries))
-        entries = self.service.match_many(conn.client, is_put, request.queries)
-        answers = answers_only(entries)
-        if answers is None:  # answered by _settle once its SSD reads are in
-            conn.deferred = list(entries)
-            return b""
-        return wire.encode_answers(answers)
-
-    def _put(self, conn: Connection, body: memoryview) -> bytes:
-        return self._matches(conn, body, True)
-
-    def _get(self, conn: Connection, body: memoryview) -> bytes:
-        self._absorb()
-        return self._matches(conn, body, False)
-
-    def _end(self, conn: Connection, body: memoryview) -> bytes:
-        done, failed = wire.decode_end(body)
-        self.service.finish(conn.client, done, failed)
-        return b""  # not answered: see wire
-
-    def _launch(self, conn: Connection, body: memoryview) -> bytes:
-        conn.client.launched(wire.decode_launch(body))
-        return b""  # not answered: see notice
-
-    def _invalidated(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-        notice = conn.client.notice
-        return {"ids": conn.client.take_invalidated(),
-                "seq": notice.value if notice is not None else 0}
-
-    def _invalidate(self, conn: Connection, namespace: tuple[str, ...] | None) -> bytes:
-        """An evict (or, ``namespace`` None, a clear), as one embedded store would run it
-        for every engine: the key's gets that engines hold and have not started to copy
-        load nothing, and the answer waits for those they are copying (:mod:`.notice`
-        says why this order is enough), and for the remote tier's marker (at most its
-        ``timeout_ms``), after which no other host finds the key."""
-        self._absorb()  # what engines sent before applies first: a put reported done goes
-        clients = [c.client for c in self._connections.values()]
-        for client in clients:
-            if client.notice is not None and client.gets_of(namespace):
-                client.notice.bump()  # before the key goes and before the second read
-        for other in self._waiting():
-            for entry in other.deferred or ():
-                if isinstance(entry, PendingGet) and namespace in (None, entry.namespace):
-                    entry.invalidated = True
-        tokens, written, published = (self.service.clear() if namespace is None
-                                      else self.service.evict(namespace))
-        self._absorb()  # LAUNCHes sent before the bump; gets matched now miss the key
-        loads = self.service.invalidate(conn.client, [c.client for c in
-                                                      self._connections.values()], namespace)
-        reply = wire.encode_json({"ok": True, "tokens": tokens})
-        wait = EvictWait(loads, reply, time.monotonic() + EVICT_WAIT_S, written, published)
-        if wait.over():
-            return reply
-        conn.evicting = wait  # answered by _answer_evicts (the SSD wakes the loop)
-        return b""
-
     def _evicting(self) -> list[Connection]:
         return [c for c in self._connections.values() if c.evicting is not None]
 
@@ -515,8 +392,3 @@ class StoreServer:
                 continue
             if conn.inbox:
                 self._frames(conn, b"")
-
-    def _stats(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-        self._absorb()  # figures after what engines sent before
-        clients = [c.client for c in self._connections.values()]
-        return {"stats": self.service.stats(clients)}

@@ -18,7 +18,7 @@ descriptor and the connection's notice word's (SCM_RIGHTS; :mod:`.notice`). ``EN
 ``LAUNCH`` get none: a batch's end costs its engine one send, not a round trip. What the
 server owes an engine that reports a put done on that send (a lookup from any engine
 after it sees the put) it keeps by reading every connection's waiting frames before it
-answers a lookup (:meth:`~aiokv.stores.shared.server.StoreServer._absorb`). The
+answers a lookup (:meth:`~aiokv.stores.shared.server.StoreServer.absorb`). The
 ``hello`` names the wire's :data:`VERSION` both ways: an engine and a server of
 different versions refuse each other, naming both.
 

@@ -1,0 +1,180 @@
+"""What the store server answers each request of an engine, over :class:`.service.Service`:
+hello (the geometry, the region's and the notice's descriptors), a batch's put and get
+matches, its end and its gets' launch (neither answered), an evict or clear, figures.
+
+The socket loop (:mod:`.server`) reads the frames and hands each one here in order; a
+reply is sent at once, or left to the loop where it waits for something (a batch of gets
+for its SSD or Mooncake reads: ``conn.deferred``; an evict for other engines' loads:
+``conn.evicting``). Before a lookup, an evict or figures, what other engines have waiting
+applies first (:meth:`Loop.absorb`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ...errors import ConfigError
+from . import sockets, wire
+from .connection import Connection, EvictWait
+from .notice import Notice
+from .region import Geometry
+from .service import Service
+from .tasks import PendingGet, answers_only
+
+log = logging.getLogger("aiokv.server")
+
+_OK = wire.frame(wire.OK)
+EVICT_WAIT_S = 30.0  # an evict waits this long for other engines' loads of the key under way
+
+
+class ProtocolError(Exception):
+    """A request the server does not take from anyone: the peer is dropped."""
+
+
+class Loop(Protocol):
+    """What the answers need of the socket loop."""
+
+    @property
+    def stopping(self) -> bool: ...  # draining: no new work
+
+    def peers(self) -> list[Connection]: ...  # every connection, this one included
+
+    def absorb(self) -> None: ...  # answer what other engines have waiting first
+
+
+class Answers:
+    """The requests' handlers of one server: ``answer(conn, op, body)`` per frame."""
+
+    def __init__(self, service: Service, loop: Loop) -> None:
+        self.service = service
+        self._loop = loop
+        self._handlers: dict[int, Callable[[Connection, memoryview], bytes]] = {
+            wire.PUT: self._put, wire.GET: self._get, wire.END: self._end,
+            wire.PING: self._ping, wire.JSON: self._json, wire.LAUNCH: self._launch}
+        self._json_handlers: dict[str, Callable[[Connection, dict[str, Any]], dict[str, Any]]] = {
+            "stats": self._stats, "invalidated": self._invalidated}
+
+    def answer(self, conn: Connection, op: int, body: memoryview) -> None:
+        """Answer one request of ``conn`` (an error drops that peer: the loop's)."""
+        if not conn.registered:
+            message = wire.decode_json(body) if op == wire.JSON else {}
+            if message.get("op") != "hello":
+                raise ProtocolError(f"op {op} {message.get('op')!r} before hello")
+            self._hello(conn, message)
+            return
+        handler = self._handlers.get(op)
+        if handler is None:
+            raise ProtocolError(f"unknown request op {op}")
+        reply = handler(conn, body)
+        if reply:
+            conn.sock.sendall(reply)
+
+    def _json(self, conn: Connection, body: memoryview) -> bytes:
+        message = wire.decode_json(body)
+        if message.get("op") in ("evict", "clear"):
+            namespace = wire.namespace(message.get("ns")) if message["op"] == "evict" else None
+            return self._invalidate(conn, namespace)
+        handler = self._json_handlers.get(message.get("op"))  # type: ignore[arg-type]
+        if handler is None:
+            raise ProtocolError(f"unknown request {message.get('op')!r}")
+        return wire.encode_json({"ok": True, **handler(conn, message)})
+
+    def _ping(self, conn: Connection, body: memoryview) -> bytes:
+        return _OK
+
+    def _hello(self, conn: Connection, message: dict[str, Any]) -> None:
+        if message.get("wire") != wire.VERSION:  # told why, then dropped (and logged)
+            why = (f"it speaks wire version {message.get('wire', 1)!r}, this server "
+                   f"{wire.VERSION}: run one aiokv version for the server and its engines")
+            sockets.send(conn.sock, wire.encode_json({"ok": False, "error": why,
+                                                      "config": True}))
+            raise ProtocolError(why)
+        try:
+            geometry = Geometry.from_mapping(message.get("geometry"))
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from exc
+        try:
+            region = self.service.register(geometry)
+        except ConfigError as exc:
+            log.warning("aiokv store-server: refused engine pid %d: %s", conn.client.pid, exc)
+            sockets.send(conn.sock, wire.encode_json({"ok": False, "error": str(exc),
+                                                      "config": True}))
+            return
+        conn.registered = True
+        notice = conn.client.notice = Notice.create()
+        sockets.send(conn.sock, wire.encode_json({"ok": True, "blocks": region.num_blocks,
+                                                  "wire": wire.VERSION}),
+                     [region.fd, notice.fd])
+        notice.close_fd()
+
+    def _matches(self, conn: Connection, body: memoryview, is_put: bool) -> bytes:
+        assert self.service.geometry is not None  # registered: the first hello set it
+        request = wire.decode_match(body, self.service.geometry.page_size,
+                                    self.service.capacity_tokens)
+        if request.released:  # cancels ride along with the next match (one message)
+            self.service.finish(conn.client, [], request.released)
+        if self._loop.stopping:
+            return wire.encode_answers([("the store server is shutting down", False)]
+                                       * len(request.queries))
+        entries = self.service.match_many(conn.client, is_put, request.queries)
+        answers = answers_only(entries)
+        if answers is None:  # answered by _settle once its SSD reads are in
+            conn.deferred = list(entries)
+            return b""
+        return wire.encode_answers(answers)
+
+    def _put(self, conn: Connection, body: memoryview) -> bytes:
+        return self._matches(conn, body, True)
+
+    def _get(self, conn: Connection, body: memoryview) -> bytes:
+        self._loop.absorb()
+        return self._matches(conn, body, False)
+
+    def _end(self, conn: Connection, body: memoryview) -> bytes:
+        done, failed = wire.decode_end(body)
+        self.service.finish(conn.client, done, failed)
+        return b""  # not answered: see wire
+
+    def _launch(self, conn: Connection, body: memoryview) -> bytes:
+        conn.client.launched(wire.decode_launch(body))
+        return b""  # not answered: see notice
+
+    def _invalidated(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        notice = conn.client.notice
+        return {"ids": conn.client.take_invalidated(),
+                "seq": notice.value if notice is not None else 0}
+
+    def _invalidate(self, conn: Connection, namespace: tuple[str, ...] | None) -> bytes:
+        """An evict (or, ``namespace`` None, a clear), as one embedded store would run it
+        for every engine: the key's gets that engines hold and have not started to copy
+        load nothing, and the answer waits for those they are copying (:mod:`.notice`
+        says why this order is enough), and for the remote tier's marker (at most its
+        ``timeout_ms``), after which no other host finds the key."""
+        self._loop.absorb()  # what engines sent before applies first: a put reported done goes
+        clients = [c.client for c in self._loop.peers()]
+        for client in clients:
+            if client.notice is not None and client.gets_of(namespace):
+                client.notice.bump()  # before the key goes and before the second read
+        for other in self._loop.peers():
+            for entry in other.deferred or ():
+                if isinstance(entry, PendingGet) and namespace in (None, entry.namespace):
+                    entry.invalidated = True
+        tokens, written, published = (self.service.clear() if namespace is None
+                                      else self.service.evict(namespace))
+        self._loop.absorb()  # LAUNCHes sent before the bump; gets matched now miss the key
+        loads = self.service.invalidate(conn.client, [c.client for c in
+                                                      self._loop.peers()], namespace)
+        reply = wire.encode_json({"ok": True, "tokens": tokens})
+        wait = EvictWait(loads, reply, time.monotonic() + EVICT_WAIT_S, written, published)
+        if wait.over():
+            return reply
+        conn.evicting = wait  # answered by _answer_evicts (the SSD wakes the loop)
+        return b""
+
+    def _stats(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+        self._loop.absorb()  # figures after what engines sent before
+        clients = [c.client for c in self._loop.peers()]
+        return {"stats": self.service.stats(clients)}
