@@ -14,7 +14,9 @@ the host). An offload and an evict of one user never run at once (an offload rac
 evict may land on either side of it, which the epochs could not tell apart); loads race
 both. With ``--kill-every S`` an engine is killed (SIGKILL) and replaced every S seconds;
 with ``--restart-every S`` the server is: what the SSD tier kept comes back, what an evict
-dropped must not.
+dropped must not. With ``--remote`` the server has a Mooncake tier below its SSD tier (a
+master and a store process started here), which outlives its restarts: a restarted
+server's misses read from it, and an evict must hide the user there too.
 
 It prints, and writes with ``--json PATH``: requests, outcomes by kind, loads checked,
 stale loads (an epoch an evict had dropped), corrupt loads (a page no epoch's KV),
@@ -22,7 +24,7 @@ unanswered requests (not counting those of killed engines), and the server's ope
 once the engines are gone.
 
     python benchmarks/shared_soak.py [--engines 3] [--seconds 60] [--users 32] [--clients 64]
-        [--kill-every 0] [--restart-every 0] [--json PATH]
+        [--kill-every 0] [--restart-every 0] [--remote] [--json PATH]
     python benchmarks/shared_soak.py --quick   # about 20 s with faults, for CI
 """
 
@@ -229,13 +231,16 @@ class Engine:
 
 
 class Server:
-    def __init__(self, root: Path, host_mb: float, ssd_mb: float) -> None:
+    def __init__(self, root: Path, host_mb: float, ssd_mb: float,
+                 remote: str | None = None) -> None:
         self.socket = root / "run" / "store.sock"
         (root / "ssd").mkdir()
         self.config = root / "server.yml"
-        self.config.write_text(json.dumps({"store": {
-            "cpu_cache_gb": host_mb / 1024, "ssd_cache_gb": ssd_mb / 1024,
-            "ssd_cache_dir": str(root / "ssd")}}))
+        store: dict[str, Any] = {"cpu_cache_gb": host_mb / 1024, "ssd_cache_gb": ssd_mb / 1024,
+                                 "ssd_cache_dir": str(root / "ssd")}
+        if remote is not None:
+            store["remote"] = {"master": remote, "timeout_ms": 1000}
+        self.config.write_text(json.dumps({"store": store}))
         self.log = root / "server.log"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -260,10 +265,10 @@ class Server:
 
 
 class Soak:
-    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+    def __init__(self, args: argparse.Namespace, root: Path, remote: str | None = None) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
-        self.server = Server(root, args.host_mb, args.ssd_mb)
+        self.server = Server(root, args.host_mb, args.ssd_mb, remote)
         self.engines: list[Engine] = []
         self.epoch = [0] * args.users  # offloads write this epoch's KV
         self.locks = [asyncio.Lock() for _ in range(args.users)]  # offload vs evict
@@ -398,8 +403,12 @@ class Soak:
             stats = store.store_stats()
         finally:
             store.close()
-        return {k: stats.get(k) for k in ("server_tasks_open", "server_blocks_held",
-                                      "server_gets_invalidated", "host_blocks_used")}
+        keys = ("server_tasks_open", "server_blocks_held", "server_gets_invalidated",
+                "host_blocks_used", "ssd_hit_tokens",
+                # since the server's last start; with --remote only
+                "remote_hit_tokens", "remote_blocks_written", "remote_blocks_read",
+                "remote_dropped_writes", "remote_timeouts")
+        return {k: stats[k] for k in keys if k in stats}
 
 
 def main() -> int:
@@ -415,12 +424,21 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
                         help="15 s, 2 engines, one killed every 6 s, the server every 9 s")
+    parser.add_argument("--remote", action="store_true",
+                        help="the server with a Mooncake tier below (a master and a store "
+                             "process started here): what a restart lost comes back from it")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.quick:
         args.seconds, args.engines, args.kill_every, args.restart_every = 15.0, 2, 6.0, 9.0
-    with tempfile.TemporaryDirectory(prefix="aiokv-shared-soak-") as directory:
-        figures = asyncio.run(Soak(args, Path(directory)).run())
+    with contextlib.ExitStack() as stack:
+        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="aiokv-shared-soak-"))
+        master = None
+        if args.remote:
+            from aiokv.remote.servers import MooncakeServers
+            master = stack.enter_context(MooncakeServers(segment_mb=256)).master
+        figures = asyncio.run(Soak(args, Path(directory), master).run())
+        figures["remote"] = bool(args.remote)
     print(json.dumps(figures, indent=2))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
