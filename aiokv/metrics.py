@@ -96,8 +96,8 @@ _REMOTE_DROP_KEYS = (
     ("down", "remote_dropped_down"),
 )
 _REMOTE_WAITS = (
-    ("aiokv_remote_lookup_seconds", "The store thread's waits for Mooncake at lookups "
-     "(one per batch of lookups that asked it).",
+    ("aiokv_remote_lookup_seconds", "The waits for Mooncake at lookups, the store "
+     "thread's or a store server's (one per batch of lookups that asked it).",
      "remote_lookup_waits", "remote_lookup_seconds_total"),
     ("aiokv_remote_write_seconds", "The writer thread's time per batch of background "
      "writes (checksums and Mooncake's put).",

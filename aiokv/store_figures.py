@@ -69,7 +69,8 @@ def engine_fields(answer: StoreStatsAnswer) -> dict[str, Any]:
     fields: dict[str, Any] = {name: int(answer.get(name, 0)) for name in FIELDS}
     for name, key in RENAMED.items():
         fields[name] = int(answer.get(key, 0))
-    # The store thread's waits for Mooncake (one per batch of lookups that asked it).
+    # The waits for Mooncake, the store thread's or a store server's (one per batch of
+    # lookups that asked it).
     waits = answer.get("remote_lookup_waits", 0)
     seconds = answer.get("remote_lookup_seconds_total", 0.0)
     fields["remote_lookup_mean_ms"] = 1e3 * seconds / waits if waits else 0.0
