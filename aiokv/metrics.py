@@ -94,6 +94,7 @@ _REMOTE_DROP_KEYS = (
     ("resting", "remote_dropped_resting"),
     ("store_full", "remote_dropped_full"),
     ("down", "remote_dropped_down"),
+    ("evicted", "remote_dropped_evicted"),
 )
 _REMOTE_WAITS = (
     ("aiokv_remote_lookup_seconds", "The waits for Mooncake at lookups, the store "

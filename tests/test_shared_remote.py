@@ -9,21 +9,35 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from conftest import needs_mooncake
 from remote_host import ChildHost
 from remote_host import Host as EmbeddedHost
-from shared_host import PAGE_SIZE, Server, caches, observer, start_processes, user_kv, wait_for
+from shared_host import (
+    PAGE_SIZE,
+    Server,
+    caches,
+    hello,
+    observer,
+    start_processes,
+    user_kv,
+    wait_for,
+)
 from shared_host import Host as Engine
 from shared_inprocess import PAGES, TOKENS, Call, Host, load_exact, offload
 
 import aiokv
+from aiokv.remote import client as remote_client
 from aiokv.remote.servers import MooncakeServers
-from aiokv.stores.shared import SharedStore
+from aiokv.stores.shared import SharedStore, wire
+from aiokv.stores.shared.server import StoreServer
 
 pytestmark = [needs_mooncake(),
               pytest.mark.skipif(not hasattr(os, "memfd_create"),
@@ -68,6 +82,33 @@ def _written(figures: SharedStore, blocks: int) -> bool:
     return bool(stats["remote_blocks_written"] >= blocks and stats["remote_blocks_held"] == 0)
 
 
+def _on_mooncake_only(host: Host, user: int) -> None:
+    """``user`` offloaded through the server and written to Mooncake, then the server
+    restarted: its host tier starts empty."""
+    writer, tables = host.engine()
+    offload(writer, tables, user)
+    wait_for(lambda: _written(writer, PAGES), "the remote write")
+    writer.close()
+    host.stop()
+    host.start()
+
+
+def _held(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[threading.Event, threading.Event]:
+    """``RemoteIO.<name>`` held until the second event is set; the first is set once a
+    call is held."""
+    entered, gate = threading.Event(), threading.Event()
+    real = getattr(remote_client.RemoteIO, name)
+
+    def held(self: Any, *args: Any) -> Any:
+        if not gate.is_set():
+            entered.set()
+            gate.wait(20)
+        return real(self, *args)
+
+    monkeypatch.setattr(remote_client.RemoteIO, name, held)
+    return entered, gate
+
+
 def test_a_mooncake_that_stops_answering_costs_one_lookup_its_timeout_and_no_one_else(
         mooncake: MooncakeServers, tmp_path: Path) -> None:
     timeout_s = 2.0
@@ -75,12 +116,7 @@ def test_a_mooncake_that_stops_answering_costs_one_lookup_its_timeout_and_no_one
                                              "timeout_ms": int(timeout_s * 1000)})
     host.start()
     try:
-        writer, tables = host.engine()
-        offload(writer, tables, 601)
-        wait_for(lambda: _written(writer, PAGES), "the remote write")
-        writer.close()
-        host.stop()
-        host.start()  # its host tier starts empty: user 601 is on Mooncake only
+        _on_mooncake_only(host, 601)
         reader, reader_tables = host.engine()
         other, other_tables = host.engine()
         warm, _ = other.get_match(TOKENS, ["user:602"])  # nobody's: the client connects
@@ -181,3 +217,115 @@ async def test_offloads_through_the_server_never_fail_while_the_master_is_down(
             host.stop()
     assert stats["remote_blocks_written"] == 0
     assert stats["remote_blocks_held"] == 0
+
+
+def test_a_write_under_way_when_its_key_is_evicted_stays_hidden_from_every_host(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The writer has taken the put (the evict cannot take it back) and is asking
+    # Mooncake for markers when another engine evicts the key: the write must not land
+    # under the generation that follows the evict, where every host would read it.
+    entered, gate = _held(monkeypatch, "_refresh")
+    host = Host(tmp_path, ssd=False, remote={"master": mooncake.master})
+    host.start()
+    try:
+        engine, tables = host.engine()
+        offload(engine, tables, 901)
+        assert entered.wait(10), "the writer did not take the put"
+        other, _ = host.engine()
+        assert other.evict(["user:901"]) == TOKENS.size
+        gate.set()
+        wait_for(lambda: engine.store_stats()["remote_blocks_held"] == 0, "the write's end")
+        assert engine.store_stats()["remote_blocks_written"] == 0
+        assert engine.store_stats()["remote_dropped_writes"] == PAGES
+        engine.close()
+        other.close()
+        host.stop()
+        host.start()  # an empty host tier: whatever it finds comes from Mooncake
+        reader, _ = host.engine()
+        task, mask = reader.get_match(TOKENS, ["user:901"])
+        reader.cancel([task])
+        assert not mask.any()
+        assert reader.store_stats()["remote_hits"] == 0
+        reader.close()
+    finally:
+        gate.set()
+        host.stop()
+
+
+def test_a_get_that_waited_for_another_gets_read_asks_mooncake_for_its_own_pages(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    host = Host(tmp_path, ssd=False, remote={"master": mooncake.master})
+    host.start()
+    try:
+        _on_mooncake_only(host, 951)
+        entered, gate = _held(monkeypatch, "read")
+        short, _ = host.engine()
+        full, full_tables = host.engine()
+        head = Call(lambda: short.get_match(TOKENS[: 2 * PAGE_SIZE], ["user:951"]))
+        assert entered.wait(10), "the first read did not start"
+        whole = Call(lambda: full.get_match(TOKENS, ["user:951"]))  # waits for that read
+        time.sleep(0.2)  # its GET is in: answered only after the first read
+        assert whole.is_alive()
+        gate.set()
+        task, mask = head.outcome()
+        assert mask.sum() == 2 * PAGE_SIZE
+        short.cancel([task])
+        task, mask = whole.outcome()
+        assert mask.all(), f"{int(mask.sum())} of {TOKENS.size} tokens"
+        assert load_exact(full, full_tables, 951, task)
+        short.close()
+        full.close()
+    finally:
+        host.stop()
+
+
+def test_a_server_stopped_while_mooncake_answers_a_read_stops_cleanly(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The host tier has too few free blocks for the read: it first asks which blocks
+    # exist, and that answer comes while the server is closing.
+    socket_path = tmp_path / "run" / "store.sock"
+    config = aiokv.StoreConfig(cpu_cache_gb=0.002, remote={"master": mooncake.master})
+    errors: list[BaseException] = []
+
+    def serve(server: StoreServer) -> threading.Thread:
+        def run() -> None:
+            try:
+                server.serve()
+            except BaseException as exc:  # what the test looks for
+                errors.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    first = StoreServer(socket_path, config)
+    first.start()
+    thread = serve(first)
+    writer, tables = observer(socket_path)
+    offload(writer, tables, 911)
+    wait_for(lambda: _written(writer, PAGES), "the remote write")
+    writer.close()
+    first.stop()
+    thread.join(30)
+    entered, gate = _held(monkeypatch, "leading")
+    second = StoreServer(socket_path, config, drain_timeout_s=0.5)
+    second.start()
+    thread = serve(second)
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(str(socket_path))
+    hello(raw)
+    host_tier = second.service._host
+    assert host_tier is not None
+    hog = host_tier.reserve(host_tier.alloc.num_free - 2)  # room for 2 of the 6 pages
+    assert len(hog)
+    raw.sendall(wire.encode_match(wire.GET, [(TOKENS, ["user:911"])], PAGE_SIZE, []))
+    assert entered.wait(10), "the read did not ask which blocks exist"
+    raw.close()  # that engine dies
+    second.stop()
+    threading.Timer(0.2, gate.set).start()  # Mooncake answers while the server closes
+    thread.join(30)
+    assert not thread.is_alive() and errors == []
+    again = StoreServer(socket_path, config)  # its locks were let go
+    again.start()
+    again.stop()
+    again.serve()

@@ -82,7 +82,8 @@ class RemoteIO:
         # get, the checksums: remote_tier.py prints the split).
         self.write_stats: dict[str, float] = dict.fromkeys((
             "remote_blocks_written", "remote_bytes_written", "remote_dropped_full",
-            "remote_dropped_down", "remote_write_errors", "remote_write_batches",
+            "remote_dropped_down", "remote_dropped_evicted", "remote_write_errors",
+            "remote_write_batches",
             "remote_write_seconds", "remote_marker_seconds", "remote_write_checksum_seconds",
             "remote_put_seconds"), 0)
         self.read_stats: dict[str, float] = dict.fromkeys((
@@ -321,9 +322,16 @@ class RemoteIO:
         keys: list[str] = []
         blocks: list[int] = []
         for job in jobs:
-            epoch, generation = self.keys.current(job.ns)
-            keys += self.keys.blocks(job.ns, epoch, generation, job.digests)
+            if self.keys.current(job.ns) != (job.epoch, job.generation):
+                # Evicted (here, or on another host: the markers just asked) since the
+                # put was offered: its keys are hidden already, writing them is waste.
+                stats["remote_dropped_evicted"] += len(job.blocks)
+                count -= len(job.blocks)
+                continue
+            keys += self.keys.blocks(job.ns, job.epoch, job.generation, job.digests)
             blocks += job.blocks.tolist()
+        if not keys:
+            return
         size = self.block_bytes
         codes = self._writes.put(client, keys, blocks)
         if not self._codes("batch_put_from", codes):

@@ -110,7 +110,8 @@ class RemoteLink:
             # Held first: once queued, the writer may read them at any moment.
             host.readers[blocks] += 1
             host.index.make_unevictable(blocks)
-            if io.queue.put(WriteJob(self._tag(space.key), list(task.digests), blocks)):
+            tag = self._tag(space.key)
+            if io.queue.put(WriteJob(tag, list(task.digests), blocks, *io.keys.current(tag))):
                 self._held += len(blocks)
             else:
                 host.drop_readers(blocks)
@@ -192,6 +193,7 @@ class RemoteLink:
         stats["remote_dropped_writes"] = (
             stats["remote_dropped_queue"] + stats["remote_dropped_resting"]
             + stats["remote_dropped_full"] + stats["remote_dropped_down"]
+            + stats["remote_dropped_evicted"]
         )
         stats["remote_errors"] = (
             stats["remote_read_errors"] + stats["remote_write_errors"]
@@ -201,8 +203,8 @@ class RemoteLink:
         return stats
 
     def close(self) -> None:
-        """Finish the queued writes (bounded), then stop (the reads under way end as
-        their calls return). Before the pool goes."""
+        """Finish the queued writes (bounded), then stop; the reads under way end as
+        misses. Before the pool goes."""
         self.io.close(_CLOSE_FLUSH_S)
-        self.reads.poll()
+        self.reads.close()
         self.drain()

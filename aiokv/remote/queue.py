@@ -17,6 +17,11 @@ class WriteJob:
     ns: str  # the namespace's tag (keys.namespace_tag)
     digests: list[bytes]
     blocks: Int64Array  # host blocks, held as readers until the job is finished
+    # The epoch and the namespace's generation when the put was offered: its keys', so
+    # that a write under way when its key is evicted lands under the generation the
+    # evict's marker ends (hidden from every host), never under the next one.
+    epoch: int = 0
+    generation: int = 0
 
 
 class WriteQueue:

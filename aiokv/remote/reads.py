@@ -160,6 +160,19 @@ class Reader:
                 for _, blocks in done:
                     self._host.free(np.sort(blocks))
 
+    def close(self) -> None:
+        """Once the reader thread has stopped (every call returned): the reads under way
+        end as misses, their blocks freed, rather than move on (nothing can be asked
+        now); the markers are accounted for."""
+        now = time.monotonic()
+        for read in list(self._reads):
+            if len(read.blocks):
+                self._host.free(np.sort(read.blocks))
+            self._end(read, [0] * len(read.wanted), now)
+        if self._publishing:
+            self._published(now)
+        self.drain()
+
     def _returned(self, future: Future[Any]) -> None:  # the reader thread
         self._wake()
 

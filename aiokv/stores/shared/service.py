@@ -142,19 +142,24 @@ class Service:
             self._drain()
             matched = match_puts(self._require_host(), self._link, client.number, queries)
             return [self._hold(client, m) if isinstance(m, Task) else m for m in matched]
-        if self._remote is not None:
-            self._ask_remote(queries)
-        return [self.get_match(client, *query) for query in queries]
+        asked = self._ask_remote(queries) if self._remote is not None else set()
+        entries = [self.get_match(client, *query) for query in queries]
+        for entry in entries:
+            if isinstance(entry, Retry) and entry.query[2] in asked:
+                entry.asked = True  # it waits for its own pages' read
+        return entries
 
-    def _ask_remote(self, queries: Sequence[Query]) -> None:
+    def _ask_remote(self, queries: Sequence[Query]) -> set[tuple[str, ...]]:
         """One read from Mooncake, for a batch of gets, of what neither the host nor the
-        SSD tier has; the gets of its keys wait for it (get_match: a Retry)."""
+        SSD tier has; the gets of its keys wait for it (get_match: a Retry). The keys it
+        reads."""
         assert self._remote is not None
         self._drain()
         link = self._link
-        self._remote.reads.start([(ns, digests) for _, digests, ns in queries
-                                  if ns not in self._staging],
-                                 link.ssd.has if link is not None else None)
+        read = self._remote.reads.start([(ns, digests) for _, digests, ns in queries
+                                         if ns not in self._staging],
+                                        link.ssd.has if link is not None else None)
+        return set() if read is None else {key for key, _ in read.wanted}
 
     def _reading(self, namespace: tuple[str, ...]) -> bool:
         """Pages of this key are being read into host blocks, from SSD or Mooncake."""
@@ -213,7 +218,13 @@ class Service:
                                                   or now >= entry.give_up_at):
                 entry = self._finish_get(client, entry)
             elif isinstance(entry, Retry) and not self._reading(entry.query[2]):
-                entry = self.get_match(client, *entry.query)
+                if self._remote is not None and not entry.asked:
+                    # It waited for another get's read, which may have brought fewer of
+                    # its pages than it asks for: the rest are asked now, once.
+                    entry.asked = True
+                    self._ask_remote([entry.query])
+                if not self._reading(entry.query[2]):
+                    entry = self.get_match(client, *entry.query)
             out.append(entry)
         return out
 

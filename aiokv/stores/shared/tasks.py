@@ -52,10 +52,12 @@ class PendingGet:
 
 @dataclass(slots=True, eq=False)
 class Retry:
-    """A get of a key whose pages a pending get is reading from SSD: matched once that
-    get is answered."""
+    """A get of a key whose pages a pending get is reading from SSD, or a read from
+    Mooncake is bringing: matched once that is over. ``asked``: it had its own pages
+    asked of Mooncake (else they are asked then, from the host tier's first gap on)."""
 
     query: Query
+    asked: bool = False
 
 
 # A batch's entry: its answer, or what it waits for.
