@@ -4,7 +4,10 @@ host eviction, persistence, integrity, several directories, errors and backpress
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -516,4 +519,93 @@ async def test_an_evict_voids_an_older_copy_of_the_key_a_restart_left_on_disk(
     async with engine:
         await check_loads(engine, (0,), caches, original)
         assert await engine.evict(0) == USER_PAGES * PAGE
+    assert named_on_disk(tmp_path, 0) == 0
+
+
+def snapshot(src: Path, dst: Path) -> Path:
+    """The SSD files as a kill -9 right now would leave them (no lock file)."""
+    (dst / ssd_io.SUBDIR).mkdir(parents=True)
+    for name in (ssd_format.DATA_NAME, ssd_format.META_NAME):
+        shutil.copy(src / ssd_io.SUBDIR / name, dst / ssd_io.SUBDIR / name)
+    return dst
+
+
+@pytest.mark.asyncio
+async def test_an_evict_voids_the_half_of_a_write_that_landed_in_one_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two directories, the second's write lane slow: the first's half of user 0's write
+    # has landed, naming the user, while the write as a whole has not ended.
+    dirs = [tmp_path / "d0", tmp_path / "d1"]
+    for d in dirs:
+        d.mkdir()
+    gate = held(monkeypatch, ssd_module.SsdTier, "_run",
+                lambda tier, request, k, *a: request.is_write and k == 1)
+    _, _, _, engine = engine_on([str(d) for d in dirs], slots=64)
+    try:
+        async with engine:
+            assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
+            assert await asyncio.to_thread(gate.entered.wait, 10)
+            for _ in range(500):
+                if named_on_disk(dirs[0], 0) == USER_PAGES // 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert named_on_disk(dirs[0], 0) == USER_PAGES // 2
+            assert await engine.evict(0) == USER_PAGES * PAGE
+            left = [named_on_disk(d, 0) for d in dirs]
+            for k, d in enumerate(dirs):
+                snapshot(d, tmp_path / f"killed{k}")
+            gate.set()
+    finally:
+        gate.set()
+    assert left == [0, 0]
+    _, _, _, engine = engine_on([str(tmp_path / f"killed{k}") for k in range(2)], slots=64)
+    async with engine:  # a restart from what a kill -9 right after the evict left
+        assert await load_back(engine, 0, TARGET) == 0
+
+
+@pytest.mark.asyncio
+async def test_an_evict_voids_what_a_failed_write_left_on_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The write's first slot lands, then the disk fails it (a short write, as ENOSPC on
+    # a sparse file gives): its slots go back, the landed header naming the user.
+    real = ssd_io.SsdFiles.write
+    fail = [True]
+
+    def write(self: Any, k: int, offset: int, buffers: Any) -> None:
+        if len(buffers) > 2 and fail[0]:  # a write of several slots
+            fail[0] = False
+            real(self, k, offset, buffers[:2])  # the first slot's header and bytes
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, k, offset, buffers)
+
+    monkeypatch.setattr(ssd_io.SsdFiles, "write", write)
+    _, _, store, engine = engine_on(tmp_path)
+    async with engine:
+        assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
+        await figure(store, "ssd_write_errors", 1)
+        assert await engine.evict(0) == USER_PAGES * PAGE
+        assert named_on_disk(tmp_path, 0) == 0
+    monkeypatch.undo()
+    _, _, _, engine = engine_on(tmp_path)
+    async with engine:
+        assert await load_back(engine, 0, TARGET) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_store_closed_right_after_evicting_a_key_being_written_closes_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The key's SSD write is still queued (a slow disk) at the evict; the store closes
+    # before it is applied: applying it voids its slots, after the SSD threads stopped.
+    gate = held(monkeypatch, ssd_module.SsdTier, "_run",
+                lambda tier, request, *a: request.is_write)
+    _, _, store, engine = engine_on(tmp_path)
+    timer = threading.Timer(0.5, gate.set)
+    try:
+        async with engine:
+            assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
+            assert await engine.evict(0) == USER_PAGES * PAGE
+            timer.start()  # the disk catches up while the close waits for it
+    finally:
+        gate.set()
+    assert store._link is None and store._pool is None  # every part of the close ran
     assert named_on_disk(tmp_path, 0) == 0

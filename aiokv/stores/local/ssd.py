@@ -339,12 +339,15 @@ class SsdTier:
             slots = request.slots
             if request.is_write:
                 if request.error is None:
+                    self.voids.applied(slots.tolist())
                     tier.state[slots] = READY
                     tier.index.make_evictable(slots)
                     stats["bytes_ssd_written"] += len(slots) * self.block_bytes
                 else:
                     stats["ssd_write_errors"] += 1
-                    self.voids.never_written(slots.tolist())
+                    # Parts of it may have landed, naming the key: voided before the
+                    # slots go back (a write that reuses one queues behind the void).
+                    self.voids.failed(slots)
                     for i, slot in enumerate(slots.tolist()):
                         space, _ = tier.index.key_of(slot)
                         tier.roll_back(space, [request.digests[i]], slots[i : i + 1])
@@ -401,6 +404,11 @@ class SsdTier:
         return self.voids.drop(namespace, dropped,
                                [s for s in in_use if tier.state[s] == WRITING],
                                [s for s in in_use if tier.state[s] == READY])
+
+    def stop(self) -> None:
+        """Finish the queued requests (:meth:`drain` applies them after); voids queued
+        from now on are written at once, on the caller's thread."""
+        self.files.stop()
 
     def close(self) -> None:
         self.files.close()

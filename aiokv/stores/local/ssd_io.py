@@ -106,6 +106,7 @@ class SsdFiles:
         locks = [threading.Lock() for _ in dirs]
         self._cond = [(threading.Condition(lock), threading.Condition(lock)) for lock in locks]
         self._closed = False
+        self._stopped = False  # every thread has ended (stop)
         self._threads = [
             threading.Thread(
                 target=self._run, args=(k, kind), name=f"aiokv-ssd-{k}-{name}", daemon=True
@@ -210,9 +211,13 @@ class SsdFiles:
 
     def submit(self, k: int, op: Op, *, read: bool, front: bool = False) -> None:
         """Queue ``op`` on file ``k``'s read or write lane; ``front``: ahead of what is
-        queued there (after the op running now)."""
+        queued there (after the op running now). Once :meth:`stop` has finished every
+        lane, ``op`` runs here and now (what applying the last requests still voids)."""
         kind = 0 if read else 1
         cond = self._cond[k][kind]
+        if self._stopped and self.fds:
+            op()
+            return
         with cond:
             if self._closed:
                 raise RuntimeError("the SSD tier is closed")
@@ -252,8 +257,9 @@ class SsdFiles:
                 op = queue.popleft()
             op()  # each op reports its own errors
 
-    def close(self) -> None:
-        """Finish the queued requests, then stop the threads and close the files."""
+    def stop(self) -> None:
+        """Finish the queued requests and stop the threads; the files stay open (ops
+        submitted from now on run on the caller's thread) until :meth:`close`."""
         for pair in self._cond:
             with pair[0]:
                 self._closed = True
@@ -261,6 +267,12 @@ class SsdFiles:
                     cond.notify_all()
         for thread in self._threads:
             thread.join()
+        self._stopped = True
+
+    def close(self) -> None:
+        """:meth:`stop`, then close the files and let go of their locks."""
+        if not self._stopped:
+            self.stop()
         for fd in self.fds:
             os.close(fd)
         self.fds = []

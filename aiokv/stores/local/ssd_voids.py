@@ -6,7 +6,10 @@ is durable only once no header names the key. Besides the slots the index maps t
 a header of the key can sit in:
 
 - a slot whose write is queued: flagged, so that the write lands naming nothing;
-- a slot whose write is running (its header made): voided right after that write;
+- a slot whose write is running or has landed (its header made) while its request, in
+  parts on several lanes or runs, is not applied yet: voided right after that write;
+- a slot of a write that failed (a part of it may have landed): voided before it is
+  reused;
 - a slot still in use (a held lookup's, a read's): voided at once, its read then failing
   as a dropped key's should (not counted as damage);
 - a slot LRU eviction handed to another key whose write has not landed (stale), or an
@@ -44,6 +47,9 @@ class HeaderVoids:
         self._lock = threading.Lock()
         self._unwritten: set[int] = set()  # queued writes that must land void
         self._packed: set[int] = set()  # writes running, their header made
+        # Written, their header naming the key, but their request not applied yet (the
+        # store thread applies a request once all its parts ended).
+        self._landed: set[int] = set()
         self._stale: dict[int, tuple[str, ...]] = {}  # slot -> the key its header names
         # Slots of dropped keys voided while in use (store thread only): their void once
         # idle is done already.
@@ -76,17 +82,29 @@ class HeaderVoids:
 
     def written(self, slots: Sequence[int], landed: bool) -> None:
         """A write of these slots ended; ``landed``: no older header is there now (a
-        failed one may have left it: still stale)."""
+        failed one may have left it: still stale). The headers it made name their key
+        until their request is applied (:meth:`applied`, :meth:`failed`)."""
         with self._lock:
+            self._landed.update(s for s in slots if s in self._packed)
             self._packed.difference_update(slots)
             if landed:
                 for slot in slots:
                     self._stale.pop(slot, None)
 
-    def never_written(self, slots: Sequence[int]) -> None:
-        """A write failed before it made these headers: a flag it never took."""
+    def applied(self, slots: Sequence[int]) -> None:
+        """A write request's slots are in the index now (store thread)."""
         with self._lock:
-            self._unwritten.difference_update(slots)
+            self._landed.difference_update(slots)
+
+    def failed(self, slots: Int64Array) -> None:
+        """A write request failed (store thread): what parts of it made no header never
+        will, and the headers the others made (a part that landed, or a short write) are
+        voided, behind the queued writes, before the slots go back."""
+        listed = slots.tolist()
+        with self._lock:
+            self._unwritten.difference_update(listed)
+            self._landed.difference_update(listed)
+        self.void(slots)
 
     def voided_mask(self, slots: Int64Array) -> BoolArray | None:
         """Which of a read's slots a drop voided under it (None: none could be)."""
@@ -100,8 +118,13 @@ class HeaderVoids:
         older header already): ``dropped`` (idle, out of the index), ``writing`` and
         ``reading`` (its slots still in use). Returns an event set once done."""
         with self._lock:
-            running = [s for s in writing if s in self._packed]
-            self._unwritten.update(s for s in writing if s not in self._packed)
+            # Running, or landed with its request not applied yet: their headers name
+            # the key (voided now, after the op running on their lane); the others
+            # are still queued (flagged: they land naming nothing).
+            made = self._packed | self._landed
+            running = [s for s in writing if s in made]
+            self._unwritten.update(s for s in writing if s not in made)
+            self._landed.difference_update(running)
             if namespace is None:
                 stale = []
                 self._stale.clear()
@@ -175,7 +198,8 @@ class HeaderVoids:
             files.write(slot % files.count, slot // files.count * files.slot_bytes,
                         [self._zero_page])
         except OSError as exc:
-            log.warning("aiokv: voiding an SSD slot failed: %r", exc)
+            log.warning("aiokv: voiding an SSD slot failed (a restart may find the key its "
+                        "header names again): %r", exc)
             return
         with self._lock:
             self._stale.pop(slot, None)

@@ -254,5 +254,6 @@ class TierLink(LoadStaging):
                 keys = list(map(host.index.key_of, dirty.tolist()))
                 self._copy_down(dirty, [k[0] for k in keys], [k[1] for k in keys])  # type: ignore[misc]
         self._closed = True
+        self.ssd.stop()
+        self.drain()  # what it applies may still void headers (written at once now)
         self.ssd.close()
-        self.drain()
