@@ -4,7 +4,9 @@ Order. An evict or clear is an item on the store thread's inbox, like a batch:
 
 1. The loop first hands every request the engine accepted before the call to the store
    thread (:meth:`aiokv.loop.batcher.Batcher.dispatch_all`), so the item comes after their
-   batches on the inbox, and the requests accepted after it come after it.
+   batches on the inbox, and the requests accepted after it come after it. An offload of
+   the key held waiting for room (:mod:`aiokv.space`) ends then with nothing stored
+   (``stored_tokens == cached_tokens == 0``): what it would store, the evict would drop.
 2. On the store thread, lookup reservations held on the key (every held reservation,
    for a clear) are given back to the store: a reservation holds its blocks, which the
    store could not drop. The Lookup that held one stays usable: its load then loads
@@ -143,7 +145,7 @@ class Invalidations:
         self,
         store: Store,
         loop: asyncio.AbstractEventLoop,
-        dispatch_all: Callable[[], None],
+        dispatch_all: Callable[[tuple[str, ...] | None], None],
         submit: Callable[[Invalidation], None],
         stats: StatsRecorder,
     ) -> None:
@@ -170,7 +172,7 @@ class Invalidations:
             )
             self._stats.record_call(item.verb, error, time.perf_counter() - started)
             raise error
-        self._dispatch_all()  # what was accepted before goes first (module docstring)
+        self._dispatch_all(namespace)  # what was accepted before goes first (docstring)
         self._submit(item)  # EngineClosed once the store thread stopped accepting
         self._open.add(future)
         outcome: object = None  # None: the caller cancelled it

@@ -28,7 +28,7 @@ from .loop.admission import Admission
 from .loop.batcher import Batch, Batcher
 from .loop.deadlines import Deadlines
 from .loop.resolution import Resolver
-from .requests import Request
+from .requests import OffloadResult, Request
 from .space import NO_TIMEOUT_WAIT_S, SpaceWaits
 from .stats import StatsRecorder
 from .stores.base import Store
@@ -195,8 +195,15 @@ async def start(engine: EngineParts) -> None:
         engine._batcher.requeue,
         resolver.resolve,
     )
+    space, batcher = engine._space, engine._batcher
+
+    def before_invalidation(namespace: tuple[str, ...] | None) -> None:
+        for request in space.superseded(namespace):
+            resolver.resolve(request, OffloadResult(request.user_id, 0, 0))
+        batcher.dispatch_all()
+
     engine._invalidations = Invalidations(
-        engine._store, loop, engine._batcher.dispatch_all, engine._worker.submit, engine._stats
+        engine._store, loop, before_invalidation, engine._worker.submit, engine._stats
     )
     # Calls are accepted from here on: they queue until the batcher task starts.
     engine._state = EngineState.RUNNING

@@ -32,18 +32,20 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .errors import StoreFull
-from .requests import Request
+from .requests import OffloadResult, Request
 from .stats import StatsRecorder
 
 BACKOFF_MIN_S = 0.002  # the first wait after a no-space answer
 BACKOFF_MAX_S = 0.05  # the backoff doubles up to this
 NO_TIMEOUT_WAIT_S = 30.0  # how long an offload waits for room with request_timeout_ms: 0
 _TIMER_SLACK_S = 0.001
+_FORGET_S = 60.0  # an evict's time is kept this long past the longest wait for room
 
 
 def give_up_at(submitted_s: float, first_wait_s: float, request_timeout_ms: int) -> float:
@@ -100,12 +102,19 @@ class SpaceWaits:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._closed = False
+        # When each key was last evicted, and the store cleared (the clock's time).
+        self._evicted_at: dict[tuple[str, ...], float] = {}
+        self._cleared_at = -math.inf
 
-    def hold(self, request: Request, error: StoreFull) -> StoreFull | None:
-        """An offload's match found no room: hold it for a later try (None), or the
-        error to fail it with now (past its deadline, or closed)."""
+    def hold(self, request: Request, error: StoreFull) -> object | None:
+        """An offload's match found no room: hold it for a later try (None), or what to
+        resolve it with now: the error (past its deadline, or closed), or nothing stored
+        (its key was evicted since it was accepted: :meth:`superseded`)."""
         if request.future.done():
             return error  # its caller left, or it timed out: nothing to wait for
+        if self._dropped_since(request):
+            self.forget(request)
+            return OffloadResult(request.user_id, 0, 0)
         now = self._clock()
         wait = self.waits.get(request)
         if wait is None:
@@ -142,6 +151,38 @@ class SpaceWaits:
         wait = self.waits.pop(request, None)
         if wait is not None and wait.held_since is not None:
             self._stats.space_wait_s += self._clock() - wait.held_since
+
+    def superseded(self, namespace: tuple[str, ...] | None) -> list[Request]:
+        """An evict of ``namespace`` (None: a clear) is about to run, after every call
+        the engine accepted before it: an offload of the key accepted before it that
+        waits for room would store what the evict drops. The held ones are taken off
+        hold and returned, for the engine to resolve with nothing stored; one that comes
+        back without room later (it was on its way to a match) is answered so by
+        :meth:`hold`."""
+        now = self._clock()
+        if namespace is None:
+            self._cleared_at = now
+            self._evicted_at.clear()
+        else:
+            self._evicted_at.pop(namespace, None)  # to the end: the dict is in time order
+            self._evicted_at[namespace] = now
+            # An entry only matters to offloads accepted before it and still pending,
+            # which a timeout (or the wait for room's own bound) ends well before this.
+            horizon = now - (max(self._timeout_ms / 1e3, NO_TIMEOUT_WAIT_S) + _FORGET_S)
+            while self._evicted_at and next(iter(self._evicted_at.values())) < horizon:
+                del self._evicted_at[next(iter(self._evicted_at))]
+        out = [entry[2] for entry in sorted(self._held)
+               if (wait := self.waits.get(entry[2])) is not None
+               and wait.held_since is not None and not entry[2].future.done()
+               and namespace in (None, entry[2].namespace)]
+        for request in out:
+            self.forget(request)  # its heap entry is skipped when it comes due
+        return out
+
+    def _dropped_since(self, request: Request) -> bool:
+        """An evict or clear of the request's key came after it was accepted."""
+        at = max(self._cleared_at, self._evicted_at.get(request.namespace, -math.inf))
+        return request.submitted_at <= at
 
     def close(self) -> list[Request]:
         """Stop: no more tries. Returns the held requests (still pending) for the engine

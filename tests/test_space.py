@@ -377,3 +377,31 @@ async def test_queued_never_goes_negative_while_offloads_wait_for_room(
     assert all(queued <= pending for queued, pending in seen)
     assert (stats.queued, stats.pending) == (0, 0)
     assert (engine.stats().queued, engine.stats().pending) == (0, 0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("verb", ["evict", "clear"])
+async def test_an_offload_waiting_for_room_when_its_key_is_evicted_stores_nothing(
+    caches: list[torch.Tensor], verb: str
+) -> None:
+    # Accepted before the evict, it would store the KV the evict drops once room came:
+    # whether held or on its way to a match when the evict comes, it ends with nothing
+    # stored, and the key stays dropped.
+    for _ in range(20):  # the evict lands at different points of the offload's retries
+        faulty, engine, checked = engine_over(caches)
+        async with engine:
+            faulty.no_space_for = 3
+            offload = asyncio.ensure_future(engine.offload(7, pages(0), 4 * PAGE_SIZE))
+            for _ in range(10_000):  # until its first match found no room
+                if faulty.injected.get("no_space", 0):
+                    break
+                await asyncio.sleep(0.0002)
+            await (engine.evict(7) if verb == "evict" else engine.clear())
+            result = await offload
+            assert (result.stored_tokens, result.cached_tokens) == (0, 0)
+            hit = await engine.lookup(7, 4 * PAGE_SIZE)
+            assert hit.cached_tokens == 0
+            hit.release()
+            other = await engine.offload(8, pages(4), 4 * PAGE_SIZE)  # later calls store
+            assert other.stored_tokens == 4 * PAGE_SIZE
+        assert checked.problems() == []
