@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 from shared_host import PAGE_SIZE, Server, caches, start_processes
+from shared_inprocess import TOKENS, Host, offload
 
 import aiokv
+from aiokv.errors import StoreError
 from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.shared import SharedStore
 
@@ -189,3 +191,32 @@ def test_puts_whose_end_finds_the_server_dead_fail_and_the_next_server_misses_th
     finally:
         store.close()
         server.kill()
+
+
+def test_a_lookup_given_back_while_the_server_is_away_costs_nothing_once_it_is_back(
+        tmp_path: Path) -> None:
+    # The server that matched the Lookup rolled it back when it went; the one started
+    # since must not be told of it (it would take the id for another engine's task).
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    try:
+        writer, tables = host.engine()
+        reader, _ = host.engine()
+        offload(writer, tables, 1)
+        task, mask = reader.get_match(TOKENS, ["user:1"])  # a Lookup held
+        assert mask.all()
+        assert host.server is not None
+        host.server.drain_timeout_s = 0.0  # it goes with the Lookup still held
+        host.stop()
+        with pytest.raises(StoreError):
+            reader.ping()  # the engine knows the server is gone
+        reader.cancel([task])  # its Lookup given back meanwhile
+        host.start()
+        task, mask = reader.get_match(TOKENS, ["user:2"])  # the first call once it is back
+        assert not mask.any()  # a miss, not a StoreError
+        reader.cancel([task])
+        reader.ping()  # still connected
+        writer.close()
+        reader.close()
+    finally:
+        host.stop()

@@ -374,7 +374,11 @@ class SharedStore:
         launched or unknown ids are ignored."""
         for task_id in task_ids:
             task = self._tasks.pop(task_id, None)
-            if task is not None and task.generation == self._generation:
+            # Only to the server that matched it: with the link lost, that one rolled it
+            # back already, and a server started since would take its id for another
+            # engine's (and drop this one for naming it).
+            if (task is not None and task.generation == self._generation
+                    and self._link is not None):
                 self._release.append(task.server_id)
                 self._invalidated.discard(task.server_id)
         if self._release and self._link is not None:
