@@ -9,6 +9,7 @@ every block of it is freed once unused, on the host and on SSD, across a restart
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from shared_inprocess import (
     wait_for,
 )
 
+from aiokv.copy.copier import Copier
 from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.local import ssd_voids
 from aiokv.stores.shared import SharedStore
@@ -221,3 +223,46 @@ def test_a_put_under_way_when_its_key_is_evicted_is_never_written_to_ssd(host: H
     finally:
         writer.close()
         other.close()
+
+
+def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_from_other_engines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # X is slow to end a load of user 1, which W evicts: past the evict's wait the server
+    # drops X, whose offload of user 2 is still copying into its blocks. Given to another
+    # engine's put, they would take X's late bytes under that engine's key.
+    monkeypatch.setattr(answers_module, "EVICT_WAIT_S", 0.5)
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    w, w_tables = host.engine()
+    x, _ = host.engine()
+    z, _ = host.engine()
+    gate = None
+    try:
+        offload(w, w_tables, 1)
+        get, _ = x.get_match(TOKENS, ["user:1"])
+        x.launch([get], [torch.arange(PAGES, 2 * PAGES)], [None])
+        wait_for(lambda: x._done_jobs, "X's load copied (its end not sent)")
+        copiers = list(x._link.plane._copiers)  # type: ignore[union-attr]
+        gate = held(monkeypatch, Copier, "_move_cpu",
+                    lambda copier, job: job.to_host and copier in copiers)
+        put, _ = x.put_match(TOKENS, ["user:2"])
+        kept = set(x._tasks[put].blocks.tolist())
+        x.launch([put], [torch.arange(PAGES)], [None])
+        assert gate.entered.wait(10)  # X's copy into the region is under way
+        assert Call(lambda: w.evict(["user:1"])).outcome(10) == TOKENS.size
+        stats = w.store_stats()
+        assert stats["server_clients"] == 2  # X dropped
+        total = stats["host_blocks_total"]
+        for user in range(3, 3 + 2 * total // PAGES):  # the region over, twice
+            task, _ = z.put_match(TOKENS, [f"user:{user}"])
+            assert not kept & set(z._tasks[task].blocks.tolist())
+            z.launch([task], [torch.arange(PAGES)], [None])
+            wait_for(lambda task=task: z.try_wait([task]), "Z's offload")
+        # Held while X's process (this one) lives.
+        assert w.store_stats()["server_blocks_quarantined"] == PAGES
+    finally:
+        if gate is not None:
+            gate.set()
+        for store in (w, x, z):
+            store.close()
+        host.stop()

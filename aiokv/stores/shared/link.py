@@ -88,8 +88,9 @@ class Link:
         self.channel.send(request)
 
     def close(self) -> None:
-        """Disconnect, then finish the queued copies (their tasks end FAILED: the
-        server rolled them back) and unpin."""
-        self.sock.close()
+        """Finish the queued copies (their tasks end FAILED: the server rolls them back),
+        unpin, then disconnect: a server that still has this connection does not give
+        their blocks to another engine meanwhile."""
         self.plane.close()
+        self.sock.close()
         # The region stays mapped while tensors view it; unmapped when they are gone.

@@ -45,6 +45,7 @@ from ..dirlock import DirLock
 from . import sockets, wire
 from .answers import EVICT_WAIT_S, Answers, ProtocolError
 from .connection import Connection
+from .quarantine import Quarantine
 from .service import Service
 from .tasks import Client, Foreign, answers_only
 
@@ -99,6 +100,7 @@ class StoreServer:
         self._stop_at = 0.0
         self._absorbing = 0  # nested absorb calls
         self._answers = Answers(self.service, self)
+        self._quarantine = Quarantine()  # put blocks of dropped engines still alive
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -156,6 +158,8 @@ class StoreServer:
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
                         self.service.poll()
+                    elif isinstance(key.data, tuple):  # ("exited", pid): a dropped engine
+                        self.release(key.data[1])
                     else:
                         self._readable(key.data)
                 self.service.expire()
@@ -191,9 +195,21 @@ class StoreServer:
             return True
         return False
 
+    def release(self, pid: int) -> None:
+        """A dropped engine's process exited (or the server closes): its put blocks held
+        since (:mod:`.quarantine`) are free now."""
+        pidfd, blocks = self._quarantine.release(pid)
+        if pidfd is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(pidfd)
+            os.close(pidfd)
+            self.service.free(blocks)
+
     def _close(self) -> None:
         for conn in list(self._connections.values()):
             self._drop(conn, None)
+        for pid in self._quarantine.pids():
+            self.release(pid)
         if self._listener is not None:
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
@@ -349,7 +365,13 @@ class StoreServer:
         if conn.deferred is not None:
             self.service.abandon(conn.deferred)
             conn.deferred = None
-        rolled = self.service.drop(conn.client)
+        pid = conn.client.pid
+        pidfd = None if self._stopping else Quarantine.alive(pid)
+        rolled, kept = self.service.drop(conn.client, keep_puts=pidfd is not None)
+        if pidfd is not None and not len(kept):
+            os.close(pidfd)
+        elif pidfd is not None and self._quarantine.hold(pid, pidfd, kept):
+            self._selector.register(pidfd, selectors.EVENT_READ, ("exited", pid))
         conn.sock.close()
         if why is not None:
             log.warning("aiokv store-server: disconnected engine pid %d: %s (%d tasks "

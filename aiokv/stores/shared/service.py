@@ -74,6 +74,7 @@ class Service:
         self._link: TierLink | None = None
         self._remote: RemoteLink | None = None  # store.remote: Mooncake, below both
         self._ids = itertools.count(1)
+        self._quarantined = 0  # put blocks drop() kept for dropped engines still alive
         self._owner: dict[int, Client] = {}  # task id -> its connection
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0, "server_gets_invalidated": 0}
         self._staging: dict[tuple[str, ...], int] = {}  # pending gets' keys -> how many
@@ -308,13 +309,30 @@ class Service:
         self._end_many([tasks.pop(t) for t in failed], False)
         self._drain()
 
-    def drop(self, client: Client) -> int:
+    def drop(self, client: Client, keep_puts: bool = False) -> tuple[int, Int64Array]:
         """A connection ended: its tasks are rolled back (half-written blocks freed,
-        reads released); returns how many."""
+        reads released); returns how many, and ``keep_puts``: its puts' blocks, out of
+        the index but not freed (the engine may still copy into them: :mod:`.quarantine`),
+        for :meth:`free` later."""
         tasks = list(client.tasks.values())
         client.tasks.clear()
-        self._end_many(tasks, False)
-        return len(tasks)
+        ending, kept = tasks, NO_BLOCKS
+        if keep_puts and self._host is not None:
+            puts = [t for t in tasks if t.is_put and len(t.blocks)]
+            for task in puts:
+                if task.space is not None:
+                    self._host.index.remove(task.space, task.digests)
+            kept = np.sort(_blocks(puts)) if puts else NO_BLOCKS
+            self._quarantined += len(kept)
+            ending = [t for t in tasks if not (t.is_put and len(t.blocks))]
+        self._end_many(ending, False)
+        return len(tasks), kept
+
+    def free(self, blocks: Int64Array) -> None:
+        """Blocks :meth:`drop` kept (sorted) go back to the host tier."""
+        if self._host is not None and len(blocks):
+            self._host.free(blocks)
+            self._quarantined -= len(blocks)
 
     def _end(self, task: Task, success: bool) -> None:
         self._end_many([task], success)
@@ -408,6 +426,7 @@ class Service:
             "server_tasks_open": len(tasks),
             "server_gets_staging": sum(self._staging.values()),
             "server_blocks_held": sum(len(t.blocks) for t in tasks),
+            "server_blocks_quarantined": self._quarantined,  # of dropped live engines
             **self._hits,
         }
         for tier in (self._link, self._remote):
