@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -72,3 +73,34 @@ async def test_a_try_wait_that_raises_once_loses_no_task(caches: list[torch.Tens
         assert isinstance(outcome[0], (aiokv.OffloadResult, aiokv.StoreError)), outcome
     assert faulty.failed.is_set()
     assert checked.problems() == []  # every launched id waited to its terminal answer
+
+
+class FailsAWhile(StoreWrapper):
+    """``try_wait`` of launched tasks raises until ``until`` (time.monotonic())."""
+
+    until = 0.0
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        if task_ids and time.monotonic() < self.until:
+            raise RuntimeError("transient: the store is reconnecting")
+        return self.inner.try_wait(task_ids)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("evict", [False, True])
+async def test_a_try_wait_that_fails_for_a_moment_during_an_evict_fails_no_task(
+    caches: list[torch.Tensor], evict: bool
+) -> None:
+    # Outside an evict the failing polls back off and ride the fault out; the evict's
+    # own wait for what was launched before it must too, not fail every task in flight.
+    faulty = FailsAWhile(small_store())
+    checked = CheckingStore(faulty, loop_thread=threading.get_ident())
+    async with aiokv.OffloadEngine(checked, caches, aiokv.EngineConfig(window_us=0)) as engine:
+        await engine.offload("warm", torch.arange(4), TOKENS)
+        faulty.until = time.monotonic() + 0.03
+        offload = asyncio.ensure_future(engine.offload("u", torch.arange(4, 8), TOKENS))
+        if evict:
+            await asyncio.sleep(0)  # the offload first, then another user's evict
+            assert await engine.evict("other") == 0
+        assert (await offload).stored_tokens == TOKENS
+    assert checked.problems() == []

@@ -336,9 +336,10 @@ class StoreWorker:
             give_back(item, self._calls, self._reserved, self._held_keys)
             while self._launched:
                 self._post()
-                self._poll()
+                if self._polls.due():  # a failing try_wait is retried after its backoff,
+                    self._poll()  # as outside an evict, not failed at once by a fast loop
                 if self._launched:
-                    time.sleep(self._poll_interval_s)
+                    time.sleep(max(self._poll_interval_s, self._polls.wait_s()))
             self._post()
         except BaseException:  # a crash of this thread (_run): its caller is told too
             item.answer(StoreError("the store thread crashed; see the aiokv log"))
