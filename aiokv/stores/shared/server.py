@@ -272,6 +272,12 @@ class StoreServer:
         batch that is deferred; keep the rest in its inbox."""
         if conn.inbox:  # the rest of a frame that came in pieces
             conn.inbox += data
+            if len(conn.inbox) >= 4:
+                (length,) = _LENGTH.unpack_from(conn.inbox, 0)
+                with contextlib.suppress(wire.WireError):  # a bad one: dropped below
+                    wire.check_length(length)
+                    if len(conn.inbox) < 4 + length:
+                        return  # still coming: no copy of the pieces per piece
             data = bytes(conn.inbox)  # bytes: the requests' arrays may view it
             conn.inbox.clear()
         at = 0
