@@ -114,8 +114,11 @@ class LayerwiseLoad:
         if self._own_marks and not self._ended:
             await asyncio.wait((self._end,))  # only the end marks these
         elif not self._ended and not marks.is_ready(layer):
-            # The store's copier marks it; a thread of the default executor waits.
-            failed = await self._loop.run_in_executor(None, _synchronize, marks, layer)
+            # The store's copier marks it; a thread waits for it: one of aiokv's own, so
+            # that waits never fill the loop's default executor (which close and callers'
+            # own to_thread work use).
+            failed = await self._loop.run_in_executor(_layer_waits(), _synchronize, marks,
+                                                      layer)
             if failed is not None and not self._ended:
                 await asyncio.wait((self._end,))  # its typed error comes with the end
         self._raise_if_failed(threads=False)
@@ -340,3 +343,18 @@ class BackgroundLayerwiseLoad:
 
 
 __all__ = ["BackgroundLayerwiseLoad", "LayerwiseLoad", "note_launches", "start"]
+
+
+_WAITS: concurrent.futures.ThreadPoolExecutor | None = None
+_WAITS_LOCK = threading.Lock()
+LAYER_WAIT_THREADS = 32  # layer_ready waits at once; more queue for a thread
+
+
+def _layer_waits() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that wait for layers marked by a store's copier (every engine's)."""
+    global _WAITS
+    with _WAITS_LOCK:
+        if _WAITS is None:
+            _WAITS = concurrent.futures.ThreadPoolExecutor(
+                LAYER_WAIT_THREADS, thread_name_prefix="aiokv-layer-wait")
+        return _WAITS

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import logging
 import math
@@ -216,7 +217,7 @@ async def start(engine: EngineParts) -> None:
         # Nothing dispatched them (no batcher task yet): fail them now, not after the
         # join, which waits for the registration and which a second cancel may skip.
         fail_accepted(engine, EngineClosed(f"engine failed to start: {exc!r}"))
-        await asyncio.to_thread(engine._worker.join)
+        await _join(engine._worker, None)
         release_store(engine._store)
         raise
     if engine._state is not EngineState.RUNNING:  # aclose() came while we registered
@@ -255,7 +256,7 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
         await asyncio.gather(engine._batcher_task, return_exceptions=True)
     worker.stop()
     left_s = max(deadline - loop.time(), 0.0)
-    stuck = not await asyncio.to_thread(worker.join, left_s)
+    stuck = not await _join(worker, left_s)
     await asyncio.sleep(0)  # let outcomes posted before the join arrive
     if engine._invalidations is not None:
         engine._invalidations.close()  # an evict the store thread never answered
@@ -289,7 +290,7 @@ async def close_orphaned(engine: EngineParts, timeout: float) -> None:
     assert engine._worker is not None
     engine._state = EngineState.CLOSED
     engine._worker.stop()
-    if not await asyncio.to_thread(engine._worker.join, timeout):
+    if not await _join(engine._worker, timeout):
         log.warning("aiokv: store thread still busy after %.1fs; left to end on its own", timeout)
     release_store(engine._store)
 
@@ -306,3 +307,23 @@ def fail_accepted(engine: EngineParts, error: Exception) -> None:
         engine._deadlines.close()
     if engine._invalidations is not None:
         engine._invalidations.close()
+
+
+async def _join(worker: StoreWorker, timeout: float | None) -> bool:
+    """``worker.join(timeout)`` on a thread of its own, not the loop's default executor:
+    that one may be full (a caller's own ``to_thread`` work, or waits for layers), and a
+    close must not queue behind it."""
+    loop = asyncio.get_running_loop()
+    joined: asyncio.Future[bool] = loop.create_future()
+
+    def settle(result: bool) -> None:
+        if not joined.done():  # its awaiter may have been cancelled
+            joined.set_result(result)
+
+    def run() -> None:
+        result = worker.join(timeout)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result)
+
+    threading.Thread(target=run, name="aiokv-close", daemon=True).start()
+    return await joined

@@ -374,3 +374,29 @@ def test_run_in_background_hands_out_errors_and_cancels_before_the_launch() -> N
         load.wait_layer(LAYERS - 1)
         assert all(loaded(caches, i) for i in range(LAYERS))
         assert load.result(timeout=10) == aiokv.LoadResult(2, TOKENS)
+
+
+@pytest.mark.asyncio
+async def test_waits_for_layers_leave_the_loops_threads_to_a_close_and_to_the_caller() -> None:
+    # More layer_ready waits on stalled copies than the loop's default executor has
+    # threads: its own work (a caller's to_thread, the close's join) still runs.
+    store = LayeredStore()
+    engine, _ = engine_over(store, request_timeout_ms=0)
+    await engine.start()
+    hits = [await hit_of(engine, user) for user in range(1, 4)]
+    store.gate = threading.Semaphore(0)  # the copies stall
+    loads = [await engine.load_layerwise(hit, TARGET) for hit in hits]
+    executor = concurrent.futures.ThreadPoolExecutor(2)  # a small default executor
+    asyncio.get_running_loop().set_default_executor(executor)
+    waits = [asyncio.ensure_future(load.layer_ready(0)) for load in loads for _ in range(2)]
+    try:
+        await asyncio.sleep(0.1)
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "ran"), 5) == "ran"
+        closing = asyncio.ensure_future(engine.aclose(timeout=0.5))
+        done, _ = await asyncio.wait([closing], timeout=5)
+        assert done, "aclose(timeout=0.5) waited for the layers' waits"
+    finally:
+        store.gate.release(1000)
+        await asyncio.gather(*waits, return_exceptions=True)
+        await engine.aclose()
+        executor.shutdown(wait=False)
