@@ -114,8 +114,9 @@ def claim_store(store: Store) -> None:
             raise ConfigError(
                 "store",
                 f"{type(store).__name__} at {id(store):#x} is already registered with a "
-                "running engine; give each engine a store of its own (or close the "
-                "first engine before starting the next on it)",
+                "running engine (or a closed one's store thread, left to end on its own, "
+                "still runs); give each engine a store of its own (or close the first "
+                "engine before starting the next on it)",
             )
         _in_use[id(store)] = store
 
@@ -124,6 +125,21 @@ def release_store(store: Store) -> None:
     with _in_use_lock:
         if _in_use.get(id(store)) is store:
             del _in_use[id(store)]
+
+
+def _release_after(worker: StoreWorker, store: Store, stuck: bool) -> None:
+    """The store is free for another engine once its store thread has ended: now, or
+    (``stuck``: left to end on its own) when it does; until then a new engine on it is
+    refused, rather than driven from two threads (and closed under it)."""
+    if not stuck:
+        release_store(store)
+        return
+
+    def then() -> None:
+        worker.join()
+        release_store(store)
+
+    threading.Thread(target=then, name="aiokv-store-release", daemon=True).start()
 
 
 def store_in_use(store: Store) -> bool:
@@ -279,7 +295,7 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     if engine._deadlines is not None:
         engine._deadlines.close()
     engine._state = EngineState.CLOSED
-    release_store(engine._store)
+    _release_after(worker, engine._store, stuck)
     return len(unfinished)
 
 
@@ -290,9 +306,10 @@ async def close_orphaned(engine: EngineParts, timeout: float) -> None:
     assert engine._worker is not None
     engine._state = EngineState.CLOSED
     engine._worker.stop()
-    if not await _join(engine._worker, timeout):
+    stuck = not await _join(engine._worker, timeout)
+    if stuck:
         log.warning("aiokv: store thread still busy after %.1fs; left to end on its own", timeout)
-    release_store(engine._store)
+    _release_after(engine._worker, engine._store, stuck)
 
 
 def fail_accepted(engine: EngineParts, error: Exception) -> None:

@@ -19,6 +19,7 @@ import uvloop
 from conftest import PAGE_SIZE, make_caches, small_store
 
 import aiokv
+from aiokv import lifecycle
 from aiokv.testing import CheckingStore, FaultyStore, StoreWrapper
 
 TOKENS = 4 * PAGE_SIZE
@@ -233,6 +234,35 @@ async def test_one_store_handed_to_two_engines_is_refused(caches: list[torch.Ten
         assert (await first.offload("u", pages(0), TOKENS)).stored_tokens == TOKENS
     finally:
         await asyncio.wait_for(first.aclose(), 10)
+
+
+@pytest.mark.asyncio
+async def test_a_store_whose_closed_engine_left_its_thread_running_is_refused_until_it_ends(
+    caches: list[torch.Tensor],
+) -> None:
+    # A close that timed out leaves the store thread to end on its own: another engine
+    # on the store meanwhile would drive it from a second thread (and see it closed).
+    faulty = FaultyStore(small_store())
+    checked = CheckingStore(faulty)
+    first = aiokv.OffloadEngine(checked, caches, aiokv.EngineConfig(window_us=0))
+    await first.start()
+    faulty.hold.clear()  # a transfer that does not end
+    offload = asyncio.ensure_future(first.offload("u", pages(0), TOKENS))
+    await asyncio.to_thread(faulty.launched.wait, 10)
+    await first.aclose(timeout=0.2)
+    with pytest.raises(aiokv.EngineClosed):
+        await offload
+    second = aiokv.OffloadEngine(checked, make_caches(seed=1), aiokv.EngineConfig(window_us=0))
+    with pytest.raises(aiokv.ConfigError) as caught:
+        await second.start()
+    assert "still runs" in str(caught.value)
+    faulty.hold.set()  # the transfer ends: the first engine's thread closes the store
+    for _ in range(500):
+        if not lifecycle.store_in_use(checked):
+            break
+        await asyncio.sleep(0.01)
+    assert not lifecycle.store_in_use(checked)
+    assert not any("second thread" in problem for problem in checked.problems())
 
 
 @pytest.mark.asyncio
