@@ -3,6 +3,7 @@ here). Each raises InvalidRequest (or ConfigError for the caches) naming the arg
 
 from __future__ import annotations
 
+import json
 import reprlib
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -12,6 +13,7 @@ import numpy.typing as npt
 import torch
 
 from .errors import ConfigError, InvalidRequest
+from .stores.local.ssd_format import MAX_NAMESPACE_BYTES
 
 Int64Array = npt.NDArray[np.int64]  # as stores.base names it; validate imports no layer above
 
@@ -29,10 +31,19 @@ def kv_caches(kv_caches: Sequence[torch.Tensor]) -> tuple[int, int, torch.device
                 f"kv_caches[{layer}]",
                 f"must be shaped [pages, 2, page_size, heads, head_dim], got {list(cache.shape)}",
             )
-        if (cache.shape, cache.dtype, cache.device) != (first.shape, first.dtype, first.device):
-            raise ConfigError(f"kv_caches[{layer}]", "differs in shape, dtype or device")
+        for what, mine, theirs in (("shape", list(cache.shape), list(first.shape)),
+                                   ("dtype", cache.dtype, first.dtype),
+                                   ("device", cache.device, first.device)):
+            if mine != theirs:
+                raise ConfigError(f"kv_caches[{layer}]",
+                                  f"has {what} {mine}, kv_caches[0] {theirs}: one for all layers")
         if not cache.is_contiguous():
             raise ConfigError(f"kv_caches[{layer}]", "must be contiguous")
+        if cache.requires_grad:  # every load writes into it in place
+            raise ConfigError(f"kv_caches[{layer}]", "requires grad: pass the tensor's "
+                                                    ".detach() (the same memory)")
+        if cache.device.type == "meta":
+            raise ConfigError(f"kv_caches[{layer}]", "is on the meta device: it has no memory")
     if first.numel() == 0:
         raise ConfigError("kv_caches[0]", f"has an empty dimension: {list(first.shape)}")
     num_pages, _, page_size = first.shape[:3]
@@ -44,7 +55,8 @@ def num_tokens(num_tokens: object) -> int:
     if type(num_tokens) is int and num_tokens >= 0:  # the usual case, without isinstance
         return num_tokens
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
-        raise InvalidRequest("num_tokens", f"must be an int, got {type(num_tokens).__name__}")
+        raise InvalidRequest("num_tokens", f"must be an int, got {type(num_tokens).__name__} "
+                                           f"{reprlib.repr(num_tokens)}")
     if num_tokens < 0:
         raise InvalidRequest("num_tokens", f"must be >= 0, got {num_tokens}")
     return int(num_tokens)
@@ -102,7 +114,7 @@ def default_namespace(user_id: Hashable) -> tuple[str, ...]:
     if kind is int:  # the usual cases first, without isinstance
         return (f"uid:{user_id}",)
     if kind is str:
-        return (f"uid:str:{user_id}",)
+        return _fits("user_id", (f"uid:str:{user_id}",))
     if isinstance(user_id, (bool, np.bool_)):
         raise InvalidRequest(
             "user_id", f"must be an int or a str, got bool {user_id!r}; or pass namespace="
@@ -110,7 +122,7 @@ def default_namespace(user_id: Hashable) -> tuple[str, ...]:
     if isinstance(user_id, (int, np.integer)):  # an IntEnum, a numpy integer: its value
         return (f"uid:{int(user_id)}",)
     if isinstance(user_id, str):  # a str subclass (a StrEnum): its characters
-        return ("uid:str:" + str.__str__(user_id),)
+        return _fits("user_id", ("uid:str:" + str.__str__(user_id),))
     raise InvalidRequest(
         "user_id",
         f"must be an int or a str to name a key, got {kind.__name__} {reprlib.repr(user_id)}; "
@@ -126,11 +138,26 @@ def namespace(namespace: Any, user_id: Hashable) -> tuple[str, ...]:
     if kind is not list and kind is not tuple and (
         isinstance(namespace, str) or not isinstance(namespace, Sequence)
     ):
-        raise InvalidRequest("namespace", "must be a list of str")
+        raise InvalidRequest("namespace", f"must be a list of str, got {kind.__name__} "
+                                          f"{reprlib.repr(namespace)}")
     for part in namespace:  # a plain loop: a generator in all() costs a frame more
         if not isinstance(part, str):
-            raise InvalidRequest("namespace", "must be a list of str")
-    return tuple(namespace)
+            raise InvalidRequest("namespace", f"must be a list of str, got an item of "
+                                              f"{type(part).__name__} {reprlib.repr(part)}")
+    return _fits("namespace", tuple(namespace))
+
+
+def _fits(field: str, key: tuple[str, ...]) -> tuple[str, ...]:
+    """``key`` if it fits in an SSD block's header (every store takes it, so that a key
+    never stops at the SSD tier silently); else InvalidRequest naming its size."""
+    # At most 6 bytes of JSON a character (\uXXXX): the exact size only for long keys.
+    if sum(map(len, key)) * 6 + 3 * len(key) + 2 <= MAX_NAMESPACE_BYTES:
+        return key
+    size = len(json.dumps(list(key), separators=(",", ":")).encode())
+    if size > MAX_NAMESPACE_BYTES:
+        raise InvalidRequest(field, f"names a key of {size} bytes as JSON "
+                                    f"({reprlib.repr(key)}); at most {MAX_NAMESPACE_BYTES}")
+    return key
 
 
 _positions: Int64Array = np.arange(0, dtype=np.int64)

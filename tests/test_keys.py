@@ -89,3 +89,37 @@ def test_int_keys_keep_the_recsys_examples_name_and_strs_get_their_own() -> None
     assert validate.default_namespace("str:12") != validate.default_namespace(12)
     assert validate.namespace(None, "a") == ("uid:str:a",)
     assert validate.namespace(["x", "y"], (1, 2)) == ("x", "y")
+
+
+@pytest.mark.asyncio
+async def test_a_key_too_long_for_an_ssd_header_is_refused_naming_its_size(
+    caches: list[torch.Tensor],
+) -> None:
+    # Every tier takes the key it is given, the SSD tier's header included: one longer
+    # than that holds is refused at the call, not dropped at the SSD tier without a word.
+    async with engine_over(caches) as engine:
+        for call in (lambda: engine.offload(1, torch.arange(4), TOKENS, namespace=["x" * 5000]),
+                     lambda: engine.lookup(1, TOKENS, namespace=["x" * 5000])):
+            with pytest.raises(aiokv.InvalidRequest) as caught:
+                await call()
+            assert caught.value.field == "namespace" and "5004 bytes" in str(caught.value)
+        with pytest.raises(aiokv.InvalidRequest) as caught:
+            await engine.offload("y" * 5000, torch.arange(4), TOKENS)
+        assert caught.value.field == "user_id"
+        long = ["é" * 600]  # 600 characters, 3,604 bytes as JSON: still fits
+        assert (await engine.offload(1, torch.arange(4), TOKENS, namespace=long)).stored_tokens
+        assert engine.stats().pending == 0
+
+
+@pytest.mark.parametrize(("make", "every_layer", "says"), [
+    (lambda c: c.requires_grad_(), True, "kv_caches[0]: requires grad"),
+    (lambda c: c.to("meta"), True, "kv_caches[0]: is on the meta device"),
+    (lambda c: c.to(torch.float16), False, "kv_caches[1]: has dtype torch.float16"),
+])
+def test_caches_no_store_could_use_are_refused_at_open(
+    caches: list[torch.Tensor], make: Any, every_layer: bool, says: str
+) -> None:
+    bad = [make(c.clone()) if every_layer or layer else c for layer, c in enumerate(caches)]
+    with pytest.raises(aiokv.ConfigError) as caught:
+        validate.kv_caches(bad)
+    assert says in str(caught.value)
