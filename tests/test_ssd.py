@@ -8,6 +8,7 @@ import errno
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -609,3 +610,69 @@ async def test_a_store_closed_right_after_evicting_a_key_being_written_closes_wh
         gate.set()
     assert store._link is None and store._pool is None  # every part of the close ran
     assert named_on_disk(tmp_path, 0) == 0
+
+
+def _store_put(store: aiokv.LocalStore, user: int) -> None:
+    """``user``'s pages offloaded through the store's own calls, waited for."""
+    task, _ = store.put_match(np.arange(USER_PAGES * PAGE, dtype=np.int64) + 1000 * user,
+                              [str(user)])
+    store.launch([task], [source_pages(user)], [None])
+    _store_wait(store, task)
+
+
+def _settled(store: aiokv.LocalStore) -> None:
+    """Until the host tier's blocks are all free or evictable (its SSD copies done), 2 s
+    at most."""
+    host = store._host
+    assert host is not None
+    for _ in range(400):
+        store.try_wait([])
+        if host.available() == HOST_BLOCKS:
+            return
+        time.sleep(0.005)
+
+
+def _store_wait(store: aiokv.LocalStore, task: int) -> Any:
+    for _ in range(2000):
+        answers = store.try_wait([task])
+        if task in answers:
+            return answers[task]
+        time.sleep(0.005)
+    raise AssertionError(f"task {task} never ended")
+
+
+@pytest.mark.parametrize("how", ["evict", "clear"])
+def test_a_load_waiting_for_host_room_at_an_evict_never_brings_the_key_back(
+        tmp_path: Path, how: str) -> None:
+    # Users 0 and 1 are on SSD only; user 0's lookup takes the room prefetches may have,
+    # so user 1's waits, unstaged, when the key goes. Room comes back after: staging it
+    # then would put the dropped pages into a live host table, where a put of the key
+    # would find them (and its own blocks would be lost to the index).
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    store.register(caches_for())
+    try:
+        for user in range(4):
+            _store_put(store, user)
+        _settled(store)  # every SSD copy done: the host tier's blocks evictable
+        tokens = np.arange(USER_PAGES * PAGE, dtype=np.int64)
+        first, _ = store.get_match(tokens + 0, ["0"])
+        waiting, mask = store.get_match(tokens + 1000, ["1"])
+        assert mask.all()
+        assert store.evict(["1"]) if how == "evict" else store.clear()
+        anew, mask = store.put_match(tokens + 1000, ["1"])  # the key written again
+        assert mask.all()
+        store.cancel([first])  # room: the waiting load may stage now
+        store.launch([waiting], [TARGET], [None])
+        assert not _store_wait(store, waiting).mask.any()  # nothing of the dropped key
+        store.launch([anew], [source_pages(1)], [None])
+        _store_wait(store, anew)
+        again, mask = store.get_match(tokens + 1000, ["1"])
+        assert mask.all()  # the new put's pages, all of them
+        store.cancel([again])
+        for user in (5, 6, 7, 8):  # others, which evict it from the host tier
+            _store_put(store, user)
+        _settled(store)
+        assert store._host is not None
+        assert store._host.available() == HOST_BLOCKS  # none lost (unlisted, never freed)
+    finally:
+        store.close()

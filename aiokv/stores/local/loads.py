@@ -198,6 +198,17 @@ class LoadStaging:
         )
         self._finish(load)
 
+    def drop_unstaged(self, namespace: tuple[str, ...] | None) -> None:
+        """An evict or clear of ``namespace`` (None: all): its loads not staged yet never
+        will be (staging would put the dropped key's SSD pages back into a live host
+        table). Each ends with its host prefix only, as one whose reads failed; its SSD
+        slots go back."""
+        for queue in (self._waiting, self._owed):
+            for load in [x for x in queue if namespace is None or x.key == namespace]:
+                queue.remove(load)
+                self._unstage(load)
+                self._finish(load)
+
     def launch_load(self, load: Load, gpu_pages: Any, ready: Sequence[Any]) -> None:
         load.gpu_pages, load.ready = gpu_pages, ready
         self._prefetched -= load.prefetched
@@ -224,12 +235,12 @@ class LoadStaging:
         load.cancelled = True
         self._prefetched -= load.prefetched
         load.prefetched = 0
-        if not load.staged:  # nothing was read: the SSD slots go back now
+        if load.finished:  # its reads settled, or an evict dropped it unstaged
+            self._end([load.task], False)
+        elif not load.staged:  # nothing was read: the SSD slots go back now
             self._waiting.remove(load)
             self._unstage(load)
             self._finish(load)
-        elif load.finished:
-            self._end([load.task], False)
         # Otherwise it ends when its reads are in (_finish).
 
     def _advance(self, load: Load) -> None:

@@ -222,6 +222,7 @@ class TierLink(LoadStaging):
         holds any more, and an event set once the SSD holds none of them (its voids are
         written: SsdTier.drop_namespace)."""
         before = self.keys(namespace)
+        self.drop_unstaged(namespace)
         self.host.drop_namespace(namespace)
         written = self.ssd.drop_namespace(namespace)
         return len(before - self.keys(namespace)), written
