@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable, Coroutine, Hashable, Iterable
 from typing import Any
 
+import numpy as np
+
 from .copy.marks import LayerFailed, LayerMarks
 from .errors import BlockingCallOnLoop, InvalidRequest, NotLoaded, StoreError
 from .loop.resolution import settle
@@ -194,8 +196,9 @@ class LayerwiseLoad:
             hook(self)
 
     def _check(self, layer: object) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise InvalidRequest("layer", f"must be an int, got {type(layer).__name__}")
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
+            raise InvalidRequest("layer", f"must be an int, got {type(layer).__name__} "
+                                          f"{layer!r}")
         if not 0 <= layer < self.num_layers:
             raise InvalidRequest("layer", f"{layer} is outside [0, {self.num_layers})")
 

@@ -394,6 +394,12 @@ def run_in_background(
     Raises InvalidRequest for an engine already started or closed, and what
     ``engine.start()`` raises (the thread is stopped then).
     """
+    if not isinstance(engine, OffloadEngine):
+        raise InvalidRequest("engine", f"must be an aiokv.OffloadEngine, got "
+                                       f"{type(engine).__name__}")
+    if loop_factory is not None and not callable(loop_factory):
+        raise InvalidRequest("loop_factory", f"must make an event loop (a callable), got "
+                                             f"{type(loop_factory).__name__}")
     handle = BackgroundEngine(engine, loop_factory)
     handle._start()
     return handle

@@ -10,6 +10,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_caches, small_store
@@ -308,6 +309,8 @@ async def test_a_bad_layer_index_or_call_fails_alone_naming_it() -> None:
             with pytest.raises(aiokv.InvalidRequest, match="layer"):
                 await load.layer_ready(layer)  # type: ignore[arg-type]
         assert (await load.result()).loaded_tokens == TOKENS
+        await load.layer_ready(np.int64(LAYERS - 1))  # type: ignore[arg-type]  # as num_tokens
+        load.wait_layer(np.int64(0))  # type: ignore[arg-type]
 
 
 def test_run_in_background_waits_for_layers_in_the_calling_thread() -> None:

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -263,3 +264,21 @@ def test_submits_racing_a_close_each_end_with_a_result_or_engine_closed() -> Non
         assert error is None or isinstance(error, aiokv.EngineClosed), error
         if error is None:
             assert f.result().stored_tokens == 4
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    ((None,), "engine"), ((aiokv.EngineConfig(),), "engine"), (("engine",), "engine"),
+])
+def test_something_other_than_an_engine_is_refused_naming_it(args: Any, field: str) -> None:
+    with pytest.raises(aiokv.InvalidRequest) as caught:
+        aiokv.run_in_background(*args)
+    assert caught.value.field == field and type(args[0]).__name__ in str(caught.value)
+    assert loop_threads() == []
+
+
+def test_a_loop_factory_that_makes_no_loop_is_refused() -> None:
+    engine = aiokv.OffloadEngine(small_store(), make_caches())
+    with pytest.raises(aiokv.InvalidRequest) as caught:
+        aiokv.run_in_background(engine, loop_factory=5)  # type: ignore[arg-type]
+    assert caught.value.field == "loop_factory" and "int" in str(caught.value)
+    assert loop_threads() == []
