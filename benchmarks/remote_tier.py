@@ -146,14 +146,20 @@ async def aiokv_loads(engine: aiokv.OffloadEngine, users: range, pages: int) -> 
     return time.perf_counter() - began
 
 
+def round_of(args: argparse.Namespace, what: str = "") -> tuple[list[torch.Tensor], int, float]:
+    """A round's caches (``--pages`` pages), its bytes (``--users`` users of them) and a
+    host tier that holds it 2.5 times over (GB), printed."""
+    caches = make_caches(args.pages, args.quick)
+    block_bytes = sum(c[0].numel() * c.element_size() for c in caches)
+    total = args.users * args.pages * block_bytes
+    print(f"{args.users} users x {args.pages} blocks of {block_bytes / 1024:.0f} KiB = "
+          f"{total / GIB:.2f} GiB a round{what}")
+    return caches, total, max(0.05, 2.5 * total / GIB)
+
+
 async def bandwidth(args: argparse.Namespace, master: str) -> None:
     pages = args.pages
-    caches_a = make_caches(pages, args.quick)
-    block_bytes = sum(c[0].numel() * c.element_size() for c in caches_a)
-    total = args.users * pages * block_bytes
-    cpu_gb = max(0.05, 2.5 * total / GIB)
-    print(f"{args.users} users x {pages} blocks of {block_bytes / 1024:.0f} KiB = "
-          f"{total / GIB:.2f} GiB a round")
+    caches_a, total, cpu_gb = round_of(args)
     rows: dict[str, list[float]] = {
         "aiokv offload": [], "raw put": [], "raw put+sum": [], "aiokv load": [],
         "raw get": [], "raw get+sum": [], "offload e2e": [], "load e2e": [],

@@ -30,7 +30,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from remote_tier import GIB, aiokv_loads, aiokv_offload, make_caches, store_config, until
+from remote_tier import GIB, aiokv_loads, aiokv_offload, make_caches, round_of, store_config, until
 
 import aiokv
 from aiokv.remote.servers import MooncakeServers
@@ -58,12 +58,7 @@ def start_server(directory: Path, master: str, cpu_gb: float) -> tuple[subproces
 
 async def run(args: argparse.Namespace, master: str, socket_path: str) -> None:
     pages = args.pages
-    caches_a = make_caches(pages, args.quick)
-    block_bytes = sum(c[0].numel() * c.element_size() for c in caches_a)
-    total = args.users * pages * block_bytes
-    cpu_gb = max(0.05, 2.5 * total / GIB)
-    print(f"{args.users} users x {pages} blocks of {block_bytes / 1024:.0f} KiB = "
-          f"{total / GIB:.2f} GiB a round for each loader")
+    caches_a, total, cpu_gb = round_of(args, " for each loader")
     store_a = aiokv.LocalStore(store_config(master, 2 * cpu_gb))
     store_b = aiokv.LocalStore(store_config(master, cpu_gb))
     store_s = make_store(aiokv.StoreConfig(backend="shared", socket=socket_path))
@@ -119,8 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     with MooncakeServers(segment_mb=args.segment_mb) as servers, \
             tempfile.TemporaryDirectory(prefix="aiokv-shared-remote-") as directory:
-        block_bytes = sum(c[0].numel() * c.element_size() for c in make_caches(1, args.quick))
-        server_gb = max(0.05, 2.5 * args.users * args.pages * block_bytes / GIB)
+        _, _, server_gb = round_of(args, ", and the server's host tier holds it 2.5 times")
         server, socket_path = start_server(Path(directory), servers.master, server_gb)
         try:
             asyncio.run(run(args, servers.master, socket_path))
