@@ -277,6 +277,7 @@ class Soak:
         self.outcomes: Counter[str] = Counter()
         self.ids = 0
         self.open = 0
+        self.lives: list[dict[str, Any]] = []  # the server's figures before each restart
 
     async def request(self, kind: str, user: int, **fields: Any) -> dict[str, Any]:
         self.ids += 1
@@ -335,6 +336,8 @@ class Soak:
                 self.engines.append(await Engine.start(self.server.socket))
                 next_kill = now + args.kill_every
             if next_restart and now >= next_restart:
+                # Its figures die with it: kept, so that totals cover every start.
+                self.lives.append(await asyncio.to_thread(self.figures))
                 self.server.kill()
                 await asyncio.sleep(0.3)  # engines' calls meanwhile fail fast
                 await asyncio.to_thread(self.server.start)
@@ -388,7 +391,10 @@ class Soak:
                 "seconds": args.seconds,
                 "requests": requests, "outcomes": dict(sorted(self.outcomes.items())),
                 "unanswered": unanswered, "evicts_returned": len(self.evicts), **self.check(),
-                "server_after": stats, "elapsed_s": round(time.monotonic() - begun, 1)}
+                "server_after": stats,
+                "server_gets_invalidated_total": sum(
+                    life.get("server_gets_invalidated", 0) for life in [*self.lives, stats]),
+                "elapsed_s": round(time.monotonic() - begun, 1)}
 
     def figures(self) -> dict[str, Any]:
         """The server's open tasks and held blocks once every engine has gone."""

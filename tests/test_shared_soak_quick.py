@@ -35,4 +35,5 @@ def test_quick_shared_soak_loads_nothing_stale_through_kills(tmp_path: Path) -> 
     assert outcomes["server_restarts"] >= 1
     after = figures["server_after"]
     assert after["server_tasks_open"] == after["server_blocks_held"] == 0
-    assert after["server_gets_invalidated"] > 0  # held gets were taken back on the way
+    # Held gets were taken back on the way (by any of the server's starts).
+    assert figures["server_gets_invalidated_total"] > 0
