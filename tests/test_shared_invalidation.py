@@ -28,6 +28,7 @@ from shared_inprocess import (
 )
 
 from aiokv.copy.copier import Copier
+from aiokv.errors import StoreError
 from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.local import ssd_voids
 from aiokv.stores.shared import SharedStore
@@ -225,7 +226,7 @@ def test_a_put_under_way_when_its_key_is_evicted_is_never_written_to_ssd(host: H
         other.close()
 
 
-def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_from_other_engines(
+def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_until_its_copies_end(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # X is slow to end a load of user 1, which W evicts: past the evict's wait the server
     # drops X, whose offload of user 2 is still copying into its blocks. Given to another
@@ -258,8 +259,18 @@ def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_from_other_engines(
             assert not kept & set(z._tasks[task].blocks.tolist())
             z.launch([task], [torch.arange(PAGES)], [None])
             wait_for(lambda task=task: z.try_wait([task]), "Z's offload")
-        # Held while X's process (this one) lives.
+        # Held while X's process (this one) lives: Z's connections, of the same
+        # process, did not free them.
         assert w.store_stats()["server_blocks_quarantined"] == PAGES
+        # X's copy over, its next call finds the link lost (it joins its copy threads),
+        # and the hello of its new link says so: the blocks are free again.
+        gate.set()
+        with pytest.raises(StoreError, match="went away"):
+            x.ping()
+        x.ping()
+        stats = w.store_stats()
+        assert stats["server_blocks_quarantined"] == 0
+        assert stats["server_clients"] == 3
     finally:
         if gate is not None:
             gate.set()

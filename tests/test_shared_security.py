@@ -118,9 +118,14 @@ def test_a_query_longer_than_the_store_holds_disconnects_and_one_that_fits_is_an
         assert closed_by_server(sock)
 
 
-def test_requests_before_hello_and_bad_geometry_disconnect(server: Server) -> None:
+def test_requests_before_hello_and_bad_hellos_disconnect(server: Server) -> None:
+    geometry = Geometry.of(caches()).as_dict()
     for request in (one_put(8), wire.encode_json({"op": "hello", "wire": wire.VERSION,
-                                                  "geometry": {"layers": -1}})):
+                                                  "geometry": {"layers": -1}}),
+                    *(wire.encode_json({"op": "hello", "wire": wire.VERSION,
+                                        "geometry": geometry, "ended": ended})
+                      for ended in ("x", [["s", "1"]], [["s", 1, 2]], [[1, 1]],
+                                    [["s", True]], [["s", 1]] * (wire.MAX_ENDED + 1)))):
         with connect(server) as sock:
             sockets.send(sock, request)
             assert closed_by_server(sock)

@@ -12,6 +12,7 @@ applies first (:meth:`Loop.absorb`).
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -44,6 +45,8 @@ class Loop(Protocol):
 
     def absorb(self) -> None: ...  # answer what other engines have waiting first
 
+    def ended(self, pid: int, connection: int) -> None: ...  # its copies are over (hello)
+
 
 class Answers:
     """The requests' handlers of one server: ``answer(conn, op, body)`` per frame."""
@@ -51,6 +54,9 @@ class Answers:
     def __init__(self, service: Service, loop: Loop) -> None:
         self.service = service
         self._loop = loop
+        # Names this server's connections in a hello's "ended" (a number alone could be
+        # another server's, before a restart).
+        self.instance = secrets.token_hex(8)
         self._handlers: dict[int, Callable[[Connection, memoryview], bytes]] = {
             wire.PUT: self._put, wire.GET: self._get, wire.END: self._end,
             wire.PING: self._ping, wire.JSON: self._json, wire.LAUNCH: self._launch}
@@ -103,12 +109,16 @@ class Answers:
             sockets.send(conn.sock, wire.encode_json({"ok": False, "error": str(exc),
                                                       "config": True}))
             return
+        ended = _ended(message.get("ended", []))
         conn.registered = True
         notice = conn.client.notice = Notice.create()
-        sockets.send(conn.sock, wire.encode_json({"ok": True, "blocks": region.num_blocks,
-                                                  "wire": wire.VERSION}),
-                     [region.fd, notice.fd])
+        sockets.send(conn.sock, wire.encode_json({
+            "ok": True, "blocks": region.num_blocks, "wire": wire.VERSION,
+            "connection": [self.instance, conn.client.number]}), [region.fd, notice.fd])
         notice.close_fd()
+        for instance, number in ended:  # the peer's credentials gave the pid: its own
+            if instance == self.instance:
+                self._loop.ended(conn.client.pid, number)
 
     def _matches(self, conn: Connection, body: memoryview, is_put: bool) -> bytes:
         assert self.service.geometry is not None  # registered: the first hello set it
@@ -178,3 +188,14 @@ class Answers:
         self._loop.absorb()  # figures after what engines sent before
         clients = [c.client for c in self._loop.peers()]
         return {"stats": self.service.stats(clients)}
+
+
+def _ended(raw: Any) -> list[tuple[str, int]]:
+    """A hello's "ended": the [server, connection] pairs of this process's dropped
+    connections whose copies are over (:mod:`.quarantine`)."""
+    if not isinstance(raw, list) or len(raw) > wire.MAX_ENDED or not all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
+            and type(e[1]) is int for e in raw):
+        raise ProtocolError(f"a hello's 'ended' is at most {wire.MAX_ENDED} [server, "
+                            "connection] pairs")
+    return [(e[0], e[1]) for e in raw]

@@ -97,6 +97,9 @@ class SharedStore:
         self._closed = False
         self._seen = 0  # the notice word as last asked about
         self._invalidated: set[int] = set()  # server ids of gets an evict took back
+        # Links lost whose copies are over, told to the server with the next hello: it
+        # keeps their put blocks out of use until then (its quarantine).
+        self._ended: deque[tuple[str, int]] = deque(maxlen=wire.MAX_ENDED)
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -119,11 +122,13 @@ class SharedStore:
         if self._closed or self._geometry is None:
             raise StoreError("the shared store is closed (or not registered)")
         try:
-            link = Link(self._path, self._caches, self._geometry, self._job_done)
+            link = Link(self._path, self._caches, self._geometry, self._job_done,
+                        list(self._ended))
         except (OSError, wire.PeerGone, wire.WireError) as exc:
             raise StoreError(f"the store server at {self._path!r} is not reachable: {exc} "
                              "(is `aiokv store-server` running?)") from exc
         self._link = link
+        self._ended.clear()
         self._generation += 1
         self._seen = link.notice.value
         self._invalidated.clear()
@@ -165,8 +170,10 @@ class SharedStore:
         self._release.clear()  # the server rolled back everything this link held
         self._invalidated.clear()
         if link is not None:
-            link.close()
+            link.close()  # its copier threads joined: no copy of it can land any more
             self._d2h_closed += link.plane.d2h_copies
+            if link.connection is not None:
+                self._ended.append(link.connection)
 
     # ---- matches -------------------------------------------------------------------
 

@@ -26,15 +26,19 @@ class Link:
     """One connection to the server and the region it handed over."""
 
     def __init__(self, path: str, caches: Sequence[torch.Tensor], geometry: Geometry,
-                 done: Callable[[CopyJob], None]) -> None:
+                 done: Callable[[CopyJob], None],
+                 ended: Sequence[tuple[str, int]] = ()) -> None:
+        """``ended``: this process's lost connections whose copies are over (the server
+        frees the put blocks it held for them)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # A server that stops answering (stopped, wedged) fails the call in flight after
         # this long, and the store thread goes on (the server's own waits are shorter).
         sockets.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
         try:
             sock.connect(path)
-            sockets.send(sock, wire.encode_json({"op": "hello", "wire": wire.VERSION,
-                                                 "geometry": geometry.as_dict()}))
+            sockets.send(sock, wire.encode_json({
+                "op": "hello", "wire": wire.VERSION, "geometry": geometry.as_dict(),
+                "ended": [list(e) for e in ended]}))
             reply, fds = sockets.recv_json(sock)
         except BaseException:
             sock.close()
@@ -59,6 +63,10 @@ class Link:
             raise StoreError(f"the store server at {path!r} sent no region")
         self.sock = sock
         self.channel = sockets.Channel(sock)
+        named = reply.get("connection")  # [server, number]: how a later hello names it
+        self.connection = (named[0], named[1]) if (
+            isinstance(named, list) and len(named) == 2 and isinstance(named[0], str)
+            and isinstance(named[1], int)) else None
         try:
             self.region = Region(fds[0], int(reply["blocks"]), geometry)
             self.notice = Notice(fds[1])

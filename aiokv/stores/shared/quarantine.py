@@ -6,9 +6,12 @@ it has queued (on a GPU, DMA). When the server drops an engine whose process is 
 that engine's puts under way could still land in their blocks: freed at once, those would
 go to another engine's put, which the late copy would then overwrite, silently. So a live
 engine's put blocks stay reserved, out of the index, until its process exits (a pidfd the
-server's loop watches; ``server_blocks_quarantined`` counts them meanwhile). Not at its
-next connection: a process may hold several, and the copies of the one dropped may still
-run. An engine that died (kill -9) has its blocks freed at once, as before.
+server's loop watches; ``server_blocks_quarantined`` counts them meanwhile), or until the
+engine says, in the hello of a later connection of that process, that the dropped
+connection's copies have ended (it closes a lost link only once its copier threads have
+finished). Not at any later connection of the process by itself: a process may hold
+several, and the copies of the one dropped may still run. An engine that died (kill -9)
+has its blocks freed at once, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,11 +31,12 @@ from ..local.blocks import NO_BLOCKS
 @dataclass(slots=True)
 class _Held:
     pidfd: int
-    blocks: list[Int64Array] = field(default_factory=list)
+    blocks: dict[int, list[Int64Array]] = field(default_factory=dict)  # per connection
 
 
 class Quarantine:
-    """Per engine pid: the blocks held and the pidfd that says when it exited."""
+    """Per engine pid: the blocks held, per dropped connection, and the pidfd that says
+    when the process exited."""
 
     def __init__(self) -> None:
         self._held: dict[int, _Held] = {}
@@ -50,15 +55,16 @@ class Quarantine:
             return None
         return pidfd
 
-    def hold(self, pid: int, pidfd: int, blocks: Int64Array) -> bool:
-        """Keep ``blocks`` until ``pid`` exits; True when ``pidfd`` is new
-        (the caller watches it), False when it was watched already (closed here)."""
+    def hold(self, pid: int, connection: int, pidfd: int, blocks: Int64Array) -> bool:
+        """Keep ``blocks`` of ``pid``'s dropped ``connection`` until that process exits or
+        says the connection's copies have ended; True when ``pidfd`` is new (the caller
+        watches it), False when it was watched already (closed here)."""
         held = self._held.get(pid)
         if held is not None:
             os.close(pidfd)
-            held.blocks.append(blocks)
+            held.blocks.setdefault(connection, []).append(blocks)
             return False
-        self._held[pid] = _Held(pidfd, [blocks])
+        self._held[pid] = _Held(pidfd, {connection: [blocks]})
         return True
 
     def release(self, pid: int) -> tuple[int | None, Int64Array]:
@@ -67,11 +73,26 @@ class Quarantine:
         held = self._held.pop(pid, None)
         if held is None:
             return None, NO_BLOCKS
-        return held.pidfd, np.sort(np.concatenate(held.blocks))
+        return held.pidfd, _sorted(b for kept in held.blocks.values() for b in kept)
+
+    def ended(self, pid: int, connection: int) -> tuple[int | None, Int64Array]:
+        """``pid`` says its dropped ``connection``'s copies have ended: that connection's
+        blocks (sorted, to free), and the pidfd when nothing of ``pid`` is held any more
+        (to stop watching and close); (None, no blocks) when none were held."""
+        held = self._held.get(pid)
+        kept = None if held is None else held.blocks.pop(connection, None)
+        if held is None or kept is None:
+            return None, NO_BLOCKS
+        pidfd = None
+        if not held.blocks:
+            del self._held[pid]
+            pidfd = held.pidfd
+        return pidfd, _sorted(kept)
 
     @property
     def blocks(self) -> int:
-        return sum(len(b) for held in self._held.values() for b in held.blocks)
+        return sum(len(b) for held in self._held.values() for kept in held.blocks.values()
+                   for b in kept)
 
     def pids(self) -> list[int]:
         return list(self._held)
@@ -81,3 +102,7 @@ class Quarantine:
             with contextlib.suppress(OSError):
                 os.close(held.pidfd)
         self._held.clear()
+
+
+def _sorted(blocks: Iterable[Int64Array]) -> Int64Array:
+    return np.sort(np.concatenate(list(blocks)))

@@ -41,6 +41,7 @@ from pathlib import Path
 from ...config import StoreConfig
 from ...errors import ConfigError
 from ...remote.native import unavailable
+from ..base import Int64Array
 from ..dirlock import DirLock
 from . import sockets, wire
 from .answers import EVICT_WAIT_S, Answers, ProtocolError
@@ -198,12 +199,20 @@ class StoreServer:
     def release(self, pid: int) -> None:
         """A dropped engine's process exited (or the server closes): its put blocks held
         since (:mod:`.quarantine`) are free now."""
-        pidfd, blocks = self._quarantine.release(pid)
+        self._unhold(*self._quarantine.release(pid))
+
+    def ended(self, pid: int, connection: int) -> None:
+        """``pid`` says the copies of its dropped ``connection`` have ended: that
+        connection's put blocks held since (:mod:`.quarantine`) are free now."""
+        self._unhold(*self._quarantine.ended(pid, connection))
+
+    def _unhold(self, pidfd: int | None, blocks: Int64Array) -> None:
+        if len(blocks):
+            self.service.free(blocks)
         if pidfd is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(pidfd)
             os.close(pidfd)
-            self.service.free(blocks)
 
     def _close(self) -> None:
         for conn in list(self._connections.values()):
@@ -376,7 +385,8 @@ class StoreServer:
         rolled, kept = self.service.drop(conn.client, keep_puts=pidfd is not None)
         if pidfd is not None and not len(kept):
             os.close(pidfd)
-        elif pidfd is not None and self._quarantine.hold(pid, pidfd, kept):
+        elif pidfd is not None and self._quarantine.hold(pid, conn.client.number, pidfd,
+                                                         kept):
             self._selector.register(pidfd, selectors.EVENT_READ, ("exited", pid))
         conn.sock.close()
         if why is not None:

@@ -52,6 +52,7 @@ MAX_QUERIES = 4096  # matches in one request
 MAX_TOKENS = 1 << 26  # tokens of one query
 MAX_NAMESPACE = 64  # strings in one namespace
 MAX_IDS = 1 << 20  # task ids in one request
+MAX_ENDED = 64  # lost connections a hello names (their copies over: .quarantine)
 
 JSON, PING, PUT, GET, END, OK, ANSWERS, LAUNCH = range(8)
 HEAD = struct.Struct("<II")  # a frame's: length (op + body), op
