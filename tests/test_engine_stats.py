@@ -146,6 +146,17 @@ async def test_tier_hits_and_ssd_bytes_are_in_engine_stats_and_final_after_close
 
 
 @pytest.mark.asyncio
+async def test_a_fresh_engine_shows_its_tiers_before_any_call() -> None:
+    """A health check right after start sees the host tier's size, not an empty tier."""
+    async with aiokv.OffloadEngine(small_store(), make_caches()) as engine:
+        fresh = engine.stats()
+        assert fresh.host_blocks_total > 0 and fresh.host_blocks_used == 0
+        await engine.offload(1, torch.arange(0, 4), 4 * PAGE_SIZE)
+        await wait_for(lambda: engine.stats().host_blocks_used == 4, "the offload's blocks")
+        assert engine.stats().host_blocks_total == fresh.host_blocks_total
+
+
+@pytest.mark.asyncio
 async def test_store_figures_reach_engine_stats_without_a_scrape() -> None:
     """The store thread refreshes them after it worked, while the engine sits idle."""
     async with aiokv.OffloadEngine(small_store(), make_caches()) as engine:

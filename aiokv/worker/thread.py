@@ -156,7 +156,13 @@ class StoreWorker:
             self._close_store()
             return
         self._page_size = self._rounds.page_size = self._store.page_size
-        self._rounds.capacity_tokens = capacity_tokens(self._caps.store_stats, self._page_size)
+        # Asked once now: engine.stats() shows the tiers from the start, not once the
+        # store has first worked; the capacity comes from that answer.
+        self.figures.changed()
+        self.figures.refresh(now=True)
+        self._rounds.capacity_tokens = capacity_tokens(
+            None if self._caps.store_stats is None else lambda: self.figures.latest,
+            self._page_size)
         # A store that can say when a task may have ended (LocalStore's copy thread)
         # wakes this thread through the inbox; others are polled every poll_interval_us.
         set_notify = self._caps.set_notify
