@@ -121,7 +121,7 @@ class RecsysCore:
                 log.warning("aiokv: lookup of user %r failed, read as a miss: %r", user, outcome)
                 hits.append(None)
             else:
-                hits.append(BackgroundLookup(outcome, self.kv.loop))
+                hits.append(BackgroundLookup(outcome, self.kv.portal))
         return hits
 
     def load(
