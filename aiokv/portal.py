@@ -17,7 +17,8 @@ released. So a thread's calls must be accepted in the order the thread made them
 What breaks it: a call run straight in a callback overtakes the tasks made in the same
 iteration (a Lookup released that way failed the load submitted just before it), and a
 call behind a coroutine that awaits before calling the engine is overtaken by the calls
-handed over after it.
+handed over after it (the recsys core's batches, gathered that way, were accepted after
+an ``evict_all`` made after them).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
 from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
 from .loop.resolution import settle_thread_future
-from .portal import Portal, outcome
+from .portal import Call, Portal, outcome
 from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
 
@@ -206,13 +206,19 @@ class BackgroundEngine:
             )
 
     def _submit(self, call: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = self._submit_all([call])[0]
+        return future
+
+    def _submit_all(self, calls: Sequence[Call]) -> list[concurrent.futures.Future[Any]]:
+        """``calls`` onto the loop in one hand-over (:meth:`Portal.start`: accepted in
+        this order, after every call submitted before, in one loop iteration); EngineClosed
+        once the close began."""
         # Under the lock, so that nothing is scheduled once close has been: it would run
         # after the engine closed (and fail there with EngineClosed) or not at all.
         with self._lock:
             if self._closing is not None:
                 raise EngineClosed("the background engine is closed")
-            future: concurrent.futures.Future[T] = self.portal.start([call])[0]
-            return future
+            return self.portal.start(calls)
 
     def _wait(self, name: str, call: Callable[[], Coroutine[Any, Any, T]]) -> T:
         self._refuse_on_loop(name)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from conftest import PAGE_SIZE, make_caches, small_store
+from conftest import PAGE_SIZE, hold_the_loop, make_caches, small_store
 
 import aiokv
 from aiokv.testing import CheckingStore, FakeStore, StoreWrapper
@@ -195,20 +195,6 @@ def test_evict_and_clear_through_the_facade() -> None:
         for u in (1, 2):
             with kv.lookup(u, 16) as hit:
                 assert hit.cached_tokens == 0
-
-
-def hold_the_loop(kv: aiokv.BackgroundEngine) -> threading.Event:
-    """Block the loop's thread until the returned event is set (the loop then takes
-    nothing submitted meanwhile)."""
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(30)
-
-    kv.loop.call_soon_threadsafe(hold)
-    assert held.wait(30)
-    return release
 
 
 @pytest.mark.parametrize("loop_kind", list(LOOPS))
