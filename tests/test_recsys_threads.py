@@ -14,6 +14,7 @@ import torch
 import uvloop
 from conftest import hold_the_loop, make_caches
 
+import aiokv
 from aiokv.integrations.recsys_core import RecsysCore
 
 CONFIG = {"engine": {"window_us": 0}, "store": {"cpu_cache_gb": 0.01}}
@@ -89,5 +90,36 @@ def test_an_invalidation_after_an_offload_runs_after_it(loop_kind: str, invalida
         assert [r.stored_tokens for r in offloaded] == lengths
         assert dropped == sum(lengths)  # what the offload stored, dropped after it
         assert cached(core, users, lengths) == [0, 0]
+    finally:
+        core.close()
+
+
+def test_blocking_calls_from_the_loop_thread_raise_instead_of_deadlocking(loop_kind: str) -> None:
+    # A manager call made on the engine's loop thread (say, from a done-callback of one
+    # of the core's futures) would wait for that loop forever; it raises, as the
+    # handle's own blocking calls do. The calls that do not wait are allowed there.
+    core = RecsysCore.open(CONFIG, make_caches(pages=64), LOOPS[loop_kind])
+    try:
+        offloaded = core.offload([1], [torch.arange(0, 2)], [8])
+        assert offloaded.outcomes()[0].stored_tokens == 8
+
+        async def on_the_loop() -> tuple[list[str], Any]:
+            refused = []
+            for call in (
+                offloaded.outcomes,  # done already: it would not wait, and still raises
+                lambda: offloaded.poll(0.0),
+                lambda: core.lookup([1], [8]),
+                lambda: core.evict([1]),
+                core.clear,
+            ):
+                with pytest.raises(aiokv.BlockingCallOnLoop, match="own thread") as info:
+                    call()
+                refused.append(str(info.value).split("(")[0])
+            return refused, core.offload([2], [torch.arange(2, 4)], [8])
+
+        refused, pending = asyncio.run_coroutine_threadsafe(on_the_loop(), core.kv.loop).result(30)
+        assert refused == ["offload", "offload", "lookup", "evict", "clear"]
+        assert pending.outcomes()[0].stored_tokens == 8
+        assert cached(core, [1, 2], [8, 8]) == [8, 8]  # nothing was evicted or cleared
     finally:
         core.close()

@@ -43,20 +43,30 @@ Call = Callable[[OffloadEngine], Coroutine[Any, Any, Any]]
 class PendingCalls:
     """A manager call's calls in flight on the engine's loop. Their outcomes come in call
     order, each a result or the exception that call raised (one user's failure is its
-    own); a cancelled call reads as a CancelledError."""
+    own); a cancelled call reads as a CancelledError. ``refuse`` raises
+    BlockingCallOnLoop on the loop's own thread (``BackgroundEngine._refuse_on_loop``)."""
 
-    def __init__(self, futures: list[concurrent.futures.Future[Outcome]]) -> None:
+    def __init__(
+        self, futures: list[concurrent.futures.Future[Outcome]], refuse: Callable[[], None]
+    ) -> None:
         self._futures = futures
+        self._refuse = refuse
 
     def poll(self, wait_s: float) -> list[Outcome] | None:
         """The outcomes if every call is done within ``wait_s`` seconds, else None. The
         wait blocks on the futures with the GIL released: a caller that polls in a loop
-        must leave the GIL to the engine's threads, which finish the calls."""
+        must leave the GIL to the engine's threads, which finish the calls. Raises
+        BlockingCallOnLoop on the engine's loop thread (a poll there could never see
+        them done)."""
+        self._refuse()
         _, waiting = concurrent.futures.wait(self._futures, timeout=wait_s)
         return None if waiting else self.outcomes()
 
     def outcomes(self) -> list[Outcome]:
-        """The outcomes, waiting for them."""
+        """The outcomes, waiting for them. Raises BlockingCallOnLoop on the engine's loop
+        thread, which would wait for itself forever (also when they are in: the refusal
+        does not depend on timing)."""
+        self._refuse()
         concurrent.futures.wait(self._futures)
         return [outcome(future) for future in self._futures]
 
@@ -69,7 +79,9 @@ class PendingCalls:
 class RecsysCore:
     """aiokv for one recsys-examples manager: lookups, loads, offloads and evictions of a
     batch of users, each batch one hop onto the engine's loop. Call it from one thread
-    (the manager's); :meth:`close` when done."""
+    (the manager's); :meth:`close` when done. The calls that wait (:meth:`lookup`,
+    :meth:`evict`, :meth:`clear`, :meth:`close` and :class:`PendingCalls`' outcomes)
+    raise BlockingCallOnLoop on the engine's loop thread, as the handle's do."""
 
     def __init__(self, kv: BackgroundEngine) -> None:
         self.kv = kv
@@ -92,7 +104,7 @@ class RecsysCore:
                                config=engine_config)
         return cls(run_in_background(engine, loop_factory=loop_factory))
 
-    def _hop(self, calls: list[Call]) -> list[concurrent.futures.Future[Outcome]]:
+    def _hop(self, name: str, calls: list[Call]) -> PendingCalls:
         # One hand-over, each call its own task, made in order (aiokv.portal): the engine
         # accepts them in one iteration (one batch), after every call handed over before
         # and before any after. A coroutine gathering them would have started them one
@@ -100,7 +112,8 @@ class RecsysCore:
         # submit: it refuses (EngineClosed) once the handle closes, rather than leave
         # calls on a stopped loop.
         engine = self.kv.engine
-        return self.kv._submit_all([functools.partial(call, engine) for call in calls])
+        futures = self.kv._submit_all([functools.partial(call, engine) for call in calls])
+        return PendingCalls(futures, functools.partial(self.kv._refuse_on_loop, name))
 
     def lookup(
         self, user_ids: Sequence[Hashable], num_tokens: Sequence[int]
@@ -108,10 +121,11 @@ class RecsysCore:
         """Each user's hit (its ``cached_tokens`` reserved for :meth:`load`), waiting for
         them; None where the lookup failed, which is logged and reads as a miss (the
         manager then recomputes; a cache that fails open)."""
+        self.kv._refuse_on_loop("lookup")  # before any reservation is made
         calls: list[Call] = [
             _lookup_call(user, tokens) for user, tokens in zip(user_ids, num_tokens, strict=True)
         ]
-        outcomes = PendingCalls(self._hop(calls)).outcomes()
+        outcomes = self._hop("lookup", calls).outcomes()
         hits: list[BackgroundLookup | None] = []
         for user, answer in zip(user_ids, outcomes, strict=True):
             if isinstance(answer, BaseException):
@@ -130,7 +144,7 @@ class RecsysCore:
         calls: list[Call] = [
             _load_call(hit, pages, ready) for hit, pages in zip(hits, page_ids, strict=True)
         ]
-        return PendingCalls(self._hop(calls))
+        return self._hop("load", calls)
 
     def offload(
         self,
@@ -147,7 +161,7 @@ class RecsysCore:
             _offload_call(user, pages, tokens, ready)
             for user, pages, tokens in zip(user_ids, page_ids, num_tokens, strict=True)
         ]
-        return PendingCalls(self._hop(calls))
+        return self._hop("offload", calls)
 
     def release(self, hits: Sequence[BackgroundLookup | None]) -> None:
         """Give back the reservations of hits that will not be loaded; does not wait."""
@@ -158,8 +172,9 @@ class RecsysCore:
     def evict(self, user_ids: Sequence[Hashable]) -> int:
         """Drop what the store holds for these users (``engine.evict`` each, one hop);
         returns the tokens dropped. Raises the first error of a call that failed."""
+        self.kv._refuse_on_loop("evict")  # before anything is dropped
         calls: list[Call] = [_evict_call(user) for user in user_ids]
-        outcomes = PendingCalls(self._hop(calls)).outcomes()
+        outcomes = self._hop("evict", calls).outcomes()
         for failed in outcomes:
             if isinstance(failed, BaseException):
                 raise failed
