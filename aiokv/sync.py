@@ -2,11 +2,12 @@
 
 The engine runs on an event loop of its own, in a thread named ``aiokv-loop`` (uvloop
 where it is installed). The handle's blocking methods may be called from any other
-thread; each is the async call scheduled on that loop with
-``asyncio.run_coroutine_threadsafe`` and waited for, so there is one implementation of
-every call (anyio's blocking portal). ``submit_*`` return a
-:class:`concurrent.futures.Future` instead of waiting. A blocking call from the loop's
-own thread would wait for itself forever; it raises :class:`BlockingCallOnLoop` instead.
+thread; each is the async call handed to that loop (:class:`aiokv.portal.Portal`, which
+starts calls in the order they were made: the engine accepts them in that order) and
+waited for, so there is one implementation of every call (anyio's blocking portal).
+``submit_*`` return a :class:`concurrent.futures.Future` instead of waiting. A blocking
+call from the loop's own thread would wait for itself forever; it raises
+:class:`BlockingCallOnLoop` instead.
 
 ::
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Hashable, Sequence
 from types import TracebackType
@@ -33,6 +35,7 @@ from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
 from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
 from .loop.resolution import settle_thread_future
+from .portal import Call, Portal, outcome
 from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
 
@@ -55,11 +58,12 @@ def default_loop_factory() -> asyncio.AbstractEventLoop:
 class BackgroundLookup:
     """A :class:`~aiokv.Lookup` handed to a thread. ``release()`` may be called from any
     thread: the release runs on the engine's loop, which owns the reservation, and in
-    order with the calls submitted before it. Usable as ``with``."""
+    order with the calls submitted before it (through the handle's ``portal``). Usable
+    as ``with``."""
 
-    def __init__(self, lookup: Lookup, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, lookup: Lookup, portal: Portal) -> None:
         self.lookup = lookup
-        self._loop = loop
+        self._portal = portal
 
     @property
     def user_id(self) -> Hashable:
@@ -78,13 +82,16 @@ class BackgroundLookup:
         return f"Background{self.lookup!r}"
 
     def release(self) -> None:
-        """Give the reservation back; does not wait. Idempotent; a no-op once loaded,
+        """Give the reservation back; does not wait. Idempotent; a no-op once loaded
+        (a load submitted before the release, from any thread, consumes the hit first),
         and once the engine's loop has stopped (closing the engine released it)."""
-        if _on_thread_of(self._loop):
-            self.lookup.release()
-            return
         with contextlib.suppress(RuntimeError):  # the loop is closed, and so is the engine
-            self._loop.call_soon_threadsafe(self.lookup.release)
+            self._portal.start([self._release])
+
+    async def _release(self) -> None:
+        # A task's first step, as the engine's calls are (aiokv.portal): not a plain
+        # callback, which would overtake the loads whose tasks were made before it.
+        self.lookup.release()
 
     def __enter__(self) -> BackgroundLookup:
         return self
@@ -96,21 +103,6 @@ class BackgroundLookup:
         tb: TracebackType | None,
     ) -> None:
         self.release()
-
-
-def _outcome(done: concurrent.futures.Future[Any]) -> object:
-    """A finished future's result, its exception, or a CancelledError if it was
-    cancelled, as a value."""
-    if done.cancelled():
-        return concurrent.futures.CancelledError()
-    return done.exception() or done.result()
-
-
-def _on_thread_of(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
 
 
 class BackgroundEngine:
@@ -135,6 +127,7 @@ class BackgroundEngine:
             )
         self.engine = engine
         self.loop = (loop_factory or default_loop_factory)()
+        self.portal = Portal(self.loop)  # every call onto the loop, in order
         self._lock = threading.Lock()  # orders submits against close
         self._closing: concurrent.futures.Future[None] | None = None
         self._stop_sent = False
@@ -159,7 +152,7 @@ class BackgroundEngine:
     def _start(self) -> None:
         self._thread.start()
         try:
-            asyncio.run_coroutine_threadsafe(self.engine.start(), self.loop).result()
+            self.portal.start([self.engine.start])[0].result()
         except BaseException:
             self._stop_loop()
             raise
@@ -182,9 +175,9 @@ class BackgroundEngine:
         self._refuse_on_loop("close")
         with self._lock:
             if self._closing is None:
-                self._closing = asyncio.run_coroutine_threadsafe(
-                    self.engine.aclose(drain=drain, timeout=timeout), self.loop
-                )
+                # After the calls handed over before it: a drain waits for them.
+                aclose = functools.partial(self.engine.aclose, drain=drain, timeout=timeout)
+                self._closing = self.portal.start([aclose])[0]
             closing = self._closing
         try:
             closing.result()
@@ -213,12 +206,19 @@ class BackgroundEngine:
             )
 
     def _submit(self, call: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = self._submit_all([call])[0]
+        return future
+
+    def _submit_all(self, calls: Sequence[Call]) -> list[concurrent.futures.Future[Any]]:
+        """``calls`` onto the loop in one hand-over (:meth:`Portal.start`: accepted in
+        this order, after every call submitted before, in one loop iteration); EngineClosed
+        once the close began."""
         # Under the lock, so that nothing is scheduled once close has been: it would run
         # after the engine closed (and fail there with EngineClosed) or not at all.
         with self._lock:
             if self._closing is not None:
                 raise EngineClosed("the background engine is closed")
-            return asyncio.run_coroutine_threadsafe(call(), self.loop)
+            return self.portal.start(calls)
 
     def _wait(self, name: str, call: Callable[[], Coroutine[Any, Any, T]]) -> T:
         self._refuse_on_loop(name)
@@ -264,7 +264,7 @@ class BackgroundEngine:
             hit = await self.engine.lookup(
                 user_id, num_tokens, token_ids=token_ids, namespace=namespace
             )
-            return BackgroundLookup(hit, self.loop)
+            return BackgroundLookup(hit, self.portal)
 
         return self._submit(lookup)
 
@@ -302,7 +302,7 @@ class BackgroundEngine:
             return BackgroundLayerwiseLoad(load, self.loop)
 
         running = self._submit(load_layerwise)
-        running.add_done_callback(lambda done: settle_thread_future(handed, _outcome(done)))
+        running.add_done_callback(lambda done: settle_thread_future(handed, outcome(done)))
         handed.add_done_callback(lambda done: done.cancelled() and running.cancel())
         return handed
 

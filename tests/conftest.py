@@ -104,6 +104,20 @@ def held(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str,
     return gate
 
 
+def hold_the_loop(kv: aiokv.BackgroundEngine) -> threading.Event:
+    """Block the loop's thread until the returned event is set (the loop then takes
+    nothing submitted meanwhile)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(30)
+
+    kv.loop.call_soon_threadsafe(hold)
+    assert held.wait(30)
+    return release
+
+
 def needs_mooncake() -> pytest.MarkDecorator:
     """A module's mark: skip where Mooncake's client cannot load at all; in CI (``make
     test`` installs it) it must run."""

@@ -96,6 +96,16 @@ def test_wait_status_maps_outcomes_to_recsys_statuses() -> None:
     assert succeeded([ok, aiokv.StoreError("disk"), ok]) == [1, 0, 1]
 
 
+def test_wait_status_fails_an_onboard_whose_load_brought_fewer_tokens_than_promised() -> None:
+    # The manager counts an onboard's lengths as on the GPU once the wait says ready.
+    short = wait_status([aiokv.LoadResult(3, 0), aiokv.LoadResult(4, 8)], [3, 4], [8, 8])
+    assert (short.status, short.ready, short.failed) == ("failed", False, [0])
+    assert "user 3" in short.message and "loaded 0 of the 8 tokens" in short.message
+    assert wait_status([aiokv.LoadResult(3, 8), aiokv.LoadResult(4, 8)], [3, 4], [8, 8]).ready
+    late = wait_status([aiokv.RequestTimeout("late"), aiokv.LoadResult(4, 4)], [3, 4], [8, 8])
+    assert (late.status, late.failed) == ("failed", [0, 1])  # not only timeouts
+
+
 def test_the_module_imports_without_recsys_and_the_class_says_what_it_needs() -> None:
     if HAVE_RECSYS:
         pytest.skip("recsys_kvcache_manager is importable here")
@@ -191,6 +201,27 @@ def test_core_a_bad_page_id_fails_its_own_user_only(
     assert outcomes[0].stored_tokens == 8
 
 
+def test_core_an_onboard_after_the_user_was_evicted_reads_as_failed_not_ready(
+    core: tuple[RecsysCore, list[torch.Tensor]],
+) -> None:
+    # lookup_kvcache reported 8 tokens for both users; the manager evicts user 3 before
+    # the onboard: its load brings nothing, and the onboard must not answer ready.
+    storage, kv_caches = core
+    storage.offload([3, 4], [i32(0, 1, 2), i32(3, 4)], [10, 8]).outcomes()
+    hits = storage.lookup([3, 4], [10, 8])
+    lengths = [0 if hit is None else hit.cached_tokens for hit in hits]
+    assert lengths == [8, 8]
+    storage.evict([3])
+    before = [cache[40:42].clone() for cache in kv_caches]
+    outcomes = storage.load(hits, [i32(40, 41, 42), i32(43, 44)]).outcomes()
+    assert [r.loaded_tokens for r in outcomes] == [0, 8]
+    status = wait_status(outcomes, [3, 4], lengths)
+    assert (status.status, status.ready, status.failed) == ("failed", False, [0])
+    for cache, old in zip(kv_caches, before, strict=True):
+        assert torch.equal(cache[40:42], old)  # user 3's pages: never written
+        assert torch.equal(cache[43:45], cache[3:5])
+
+
 def test_core_poll_answers_none_while_in_flight_then_the_outcomes(
     core: tuple[RecsysCore, list[torch.Tensor]],
 ) -> None:
@@ -250,5 +281,39 @@ def test_storage_class_serves_recsys_manager_calls_bit_for_bit() -> None:
         assert storage.lookup_kvcache(meta).host_cached_lengths.tolist() == [0, 8]
         storage.evict_all()
         assert storage.lookup_kvcache(meta).host_cached_lengths.tolist() == [0, 0]
+    finally:
+        storage.close()
+
+
+@pytest.mark.skipif(not HAVE_RECSYS, reason="recsys_kvcache_manager is not importable")
+def test_storage_class_onboard_of_a_user_evicted_after_the_lookup_fails() -> None:
+    from recsys_kvcache_manager.host_kvstorage_manager import HostKVTaskStatus
+    from recsys_kvcache_manager.kvcache_utils import KVLookupResult
+
+    kv_caches = caches()
+    storage: Any = recsys.AiokvHostStorage(CONFIG)
+    storage.register_gpu_cache_tables(kv_caches)
+    try:
+        users, lengths = torch.tensor([3, 4]), torch.tensor([10, 8], dtype=torch.int32)
+        meta = storage.build_index_meta(users, lengths)
+        kv_metadata = types.SimpleNamespace(kv_indices=i32(0, 1, 2, 3, 4))
+        handle = storage.offload_kvcache_launch(users, i32(0, 0), [], meta, kv_metadata)
+        while not storage.offload_kvcache_wait(handle).ready:
+            pass
+        assert storage.finish_task(handle) == [1, 1]
+        gpu = KVLookupResult(
+            user_ids=meta.user_ids, gpu_cached_start_indices=i32(0, 0), gpu_cached_lengths=i32(0, 0)
+        )
+        found = KVLookupResult.merge(gpu, storage.lookup_kvcache(meta))
+        assert found.host_cached_lengths.tolist() == [8, 8]
+        storage.evict(torch.tensor([3]))  # the manager evicts user 3 before the onboard
+        onboard_pages = types.SimpleNamespace(kv_indices=i32(40, 41, 42, 43, 44))
+        launched = storage.onboard_kvcache_launch(meta, found, onboard_pages)
+        waited = storage.onboard_kvcache_wait(launched)
+        assert (waited.status, waited.ready) == (HostKVTaskStatus.FAILED, False)
+        assert waited.failed_user_ids == [3] and waited.failed_mask.tolist() == [True, False]
+        assert "loaded 0 of the 8 tokens" in waited.message
+        # What the manager revokes: the pages the launch gave each user.
+        assert launched.metadata["onboard_lengths"].tolist() == [8, 8]
     finally:
         storage.close()

@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
 import uvloop
-from conftest import PAGE_SIZE, make_caches, small_store
+from conftest import PAGE_SIZE, hold_the_loop, make_caches, small_store
 
 import aiokv
 from aiokv.testing import CheckingStore, FakeStore, StoreWrapper
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
 
 
 def background(
@@ -192,18 +197,23 @@ def test_evict_and_clear_through_the_facade() -> None:
                 assert hit.cached_tokens == 0
 
 
-def hold_the_loop(kv: aiokv.BackgroundEngine) -> threading.Event:
-    """Block the loop's thread until the returned event is set (the loop then takes
-    nothing submitted meanwhile)."""
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(30)
-
-    kv.loop.call_soon_threadsafe(hold)
-    assert held.wait(30)
-    return release
+@pytest.mark.parametrize("loop_kind", list(LOOPS))
+def test_a_release_runs_after_the_load_submitted_before_it(loop_kind: str) -> None:
+    # `with kv.lookup(...) as hit: future = kv.submit_load(hit, ...)`: the block's exit
+    # releases the hit before the load ran. The loop is held so that both reach it in one
+    # iteration, where a release that overtook the load failed it ("released").
+    caches = make_caches()
+    engine = aiokv.OffloadEngine(small_store(), caches, aiokv.EngineConfig(window_us=0))
+    with aiokv.run_in_background(engine, loop_factory=LOOPS[loop_kind]) as kv:
+        kv.offload(1, torch.arange(0, 2), 8)
+        with kv.lookup(1, 8) as hit:
+            release = hold_the_loop(kv)
+            loading = kv.submit_load(hit, torch.arange(4, 6))
+        release.set()
+        assert loading.result(timeout=30).loaded_tokens == 8
+        assert all(torch.equal(c[4:6], c[0:2]) for c in caches)
+        assert not hit.held
+    assert engine.stats().store_tasks_open == 0
 
 
 def test_a_call_cancelled_before_the_loop_took_it_never_runs() -> None:
@@ -215,6 +225,7 @@ def test_a_call_cancelled_before_the_loop_took_it_never_runs() -> None:
         release.set()
         assert kept.result(timeout=30).stored_tokens == 8
         assert cancelled.cancelled()
+        assert concurrent.futures.wait([cancelled], timeout=30).not_done == set()
         with kv.lookup(1, 8) as hit:
             assert hit.cached_tokens == 0  # nothing of it reached the store
         assert kv.stats().completed == 2  # the kept offload and the lookup
@@ -231,6 +242,7 @@ def test_a_waiting_call_cancelled_by_its_caller_is_cancelled_in_the_engine() -> 
             threading.Event().wait(0.001)
         with pytest.raises(concurrent.futures.CancelledError):
             waiting.result()
+        assert concurrent.futures.wait([waiting], timeout=30).not_done == set()
         assert kv.stats().queued == 0
 
 

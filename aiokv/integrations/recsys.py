@@ -91,7 +91,12 @@ class _HostStorage:
     reserve their hits, and a hit not onboarded is given back by the onboard launch (or
     after ``engine.lookup_ttl_ms``); a failed lookup reads as a miss (logged); an
     onboard's ``onboard_lengths`` are the tokens it loads (page-aligned), not the
-    sequence length.
+    sequence length, and its wait answers ready only where every user's load brought
+    them: a user evicted (or cleared) between the lookup and the onboard loads nothing,
+    so the wait answers FAILED, naming it in ``failed_user_ids``, and
+    ``DefaultKVCacheBackend`` revokes the task's onboard pages (those of all its users,
+    by its rule) and applies its fail policy: the manager never counts tokens on the GPU
+    that were not loaded. The handle's lengths stay the launch's: the pages revoked.
     """
 
     backend_name = "flexkv"
@@ -182,8 +187,10 @@ class _HostStorage:
         )
 
     def onboard_kvcache_wait(self, task_handle: Any) -> Any:
+        # Ready only where every load brought its onboard_lengths: the manager counts
+        # those tokens as on the GPU (recsys_math.wait_status).
         task: Task = task_handle.handle
-        return _wait_result(task, task.pending.outcomes())
+        return _wait_result(task, task.pending.outcomes(), task.lengths.tolist())
 
     def offload_kvcache_launch(
         self,
@@ -254,10 +261,12 @@ class _HostStorage:
         return task.user_ids, torch.zeros_like(task.lengths), task.lengths
 
 
-def _wait_result(task: Task, outcomes: list[Any] | None) -> Any:
+def _wait_result(
+    task: Task, outcomes: list[Any] | None, lengths: list[int] | None = None
+) -> Any:
     recsys = _recsys()
     user_ids = task.user_ids.tolist()
-    status = wait_status(outcomes, user_ids)
+    status = wait_status(outcomes, user_ids, lengths)
     if not status.failed:
         return recsys.HostKVWaitResult(
             status=recsys.HostKVTaskStatus(status.status), ready=status.ready

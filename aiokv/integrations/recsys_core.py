@@ -2,11 +2,13 @@
 aiokv on a loop thread of its own (``run_in_background``), driven from the manager's
 thread with plain ids, lengths and page-id tensors. It imports nothing of recsys.
 
-One hop per manager call: the users of a call go to the engine's loop as one coroutine
-that starts all their calls in the same loop iteration, so they form one batch (one store
-round), not one hop and one window each. So the engine's batch window only delays them:
-the core runs it at 0 (the next loop iteration) unless the config sets
-``engine.window_us``. On a GPU, a call's copies wait for one CUDA event
+One hop per manager call: the users of a call go to the engine's loop in one hand-over
+(:class:`aiokv.portal.Portal`) whose calls the engine accepts in one loop iteration, so
+they form one batch (one store round), not one hop and one window each. So the engine's
+batch window only delays them: the core runs it at 0 (the next loop iteration) unless the
+config sets ``engine.window_us``. The engine accepts the manager's calls in the order it
+made them: an ``evict_all`` (``clear``) made after an offload launch drops what that
+offload stores. On a GPU, a call's copies wait for one CUDA event
 recorded here, in the manager's thread, on its current stream (the stream, or CUDA
 graph, that wrote the pages), after the page ids were copied.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
@@ -26,6 +29,7 @@ import yaml
 
 from ..engine import OffloadEngine
 from ..open import ConfigSource, read_config
+from ..portal import outcome
 from ..requests import LoadResult, OffloadResult
 from ..stores import make_store
 from ..sync import BackgroundEngine, BackgroundLookup, run_in_background
@@ -39,38 +43,45 @@ Call = Callable[[OffloadEngine], Coroutine[Any, Any, Any]]
 class PendingCalls:
     """A manager call's calls in flight on the engine's loop. Their outcomes come in call
     order, each a result or the exception that call raised (one user's failure is its
-    own); a cancelled batch reads as each call cancelled."""
+    own); a cancelled call reads as a CancelledError. ``refuse`` raises
+    BlockingCallOnLoop on the loop's own thread (``BackgroundEngine._refuse_on_loop``)."""
 
-    def __init__(self, future: concurrent.futures.Future[list[Outcome]], count: int) -> None:
-        self._future = future
-        self._count = count
+    def __init__(
+        self, futures: list[concurrent.futures.Future[Outcome]], refuse: Callable[[], None]
+    ) -> None:
+        self._futures = futures
+        self._refuse = refuse
 
     def poll(self, wait_s: float) -> list[Outcome] | None:
         """The outcomes if every call is done within ``wait_s`` seconds, else None. The
-        wait blocks on the future with the GIL released: a caller that polls in a loop
-        must leave the GIL to the engine's threads, which finish the calls."""
-        if not self._future.done():
-            done, _ = concurrent.futures.wait([self._future], timeout=wait_s)
-            if not done:
-                return None
-        return self.outcomes()
+        wait blocks on the futures with the GIL released: a caller that polls in a loop
+        must leave the GIL to the engine's threads, which finish the calls. Raises
+        BlockingCallOnLoop on the engine's loop thread (a poll there could never see
+        them done)."""
+        self._refuse()
+        _, waiting = concurrent.futures.wait(self._futures, timeout=wait_s)
+        return None if waiting else self.outcomes()
 
     def outcomes(self) -> list[Outcome]:
-        """The outcomes, waiting for them."""
-        if self._future.cancelled():
-            return [concurrent.futures.CancelledError() for _ in range(self._count)]
-        return self._future.result()
+        """The outcomes, waiting for them. Raises BlockingCallOnLoop on the engine's loop
+        thread, which would wait for itself forever (also when they are in: the refusal
+        does not depend on timing)."""
+        self._refuse()
+        concurrent.futures.wait(self._futures)
+        return [outcome(future) for future in self._futures]
 
     def cancel(self) -> bool:
         """Stop waiting for the calls: queued ones are dropped, launched copies run to
-        their end (aiokv never cancels a transfer). False once they are done."""
-        return self._future.cancel()
+        their end (aiokv never cancels a transfer). False once they are all done."""
+        return any([future.cancel() for future in self._futures])  # a list: cancel each
 
 
 class RecsysCore:
     """aiokv for one recsys-examples manager: lookups, loads, offloads and evictions of a
     batch of users, each batch one hop onto the engine's loop. Call it from one thread
-    (the manager's); :meth:`close` when done."""
+    (the manager's); :meth:`close` when done. The calls that wait (:meth:`lookup`,
+    :meth:`evict`, :meth:`clear`, :meth:`close` and :class:`PendingCalls`' outcomes)
+    raise BlockingCallOnLoop on the engine's loop thread, as the handle's do."""
 
     def __init__(self, kv: BackgroundEngine) -> None:
         self.kv = kv
@@ -93,17 +104,16 @@ class RecsysCore:
                                config=engine_config)
         return cls(run_in_background(engine, loop_factory=loop_factory))
 
-    def _hop(self, calls: list[Call]) -> concurrent.futures.Future[list[Outcome]]:
+    def _hop(self, name: str, calls: list[Call]) -> PendingCalls:
+        # One hand-over, each call its own task, made in order (aiokv.portal): the engine
+        # accepts them in one iteration (one batch), after every call handed over before
+        # and before any after. A coroutine gathering them would have started them one
+        # iteration late, behind an evict_all made after it. BackgroundEngine's own
+        # submit: it refuses (EngineClosed) once the handle closes, rather than leave
+        # calls on a stopped loop.
         engine = self.kv.engine
-
-        async def run_all() -> list[Outcome]:
-            # The calls start here, on the loop, together: gather schedules them all for
-            # the same iteration, so the batcher sees them in one window.
-            return await asyncio.gather(*(call(engine) for call in calls), return_exceptions=True)
-
-        # BackgroundEngine's own submit: it refuses (EngineClosed) once the handle closes,
-        # rather than leave a coroutine on a stopped loop.
-        return self.kv._submit(run_all)
+        futures = self.kv._submit_all([functools.partial(call, engine) for call in calls])
+        return PendingCalls(futures, functools.partial(self.kv._refuse_on_loop, name))
 
     def lookup(
         self, user_ids: Sequence[Hashable], num_tokens: Sequence[int]
@@ -111,17 +121,18 @@ class RecsysCore:
         """Each user's hit (its ``cached_tokens`` reserved for :meth:`load`), waiting for
         them; None where the lookup failed, which is logged and reads as a miss (the
         manager then recomputes; a cache that fails open)."""
+        self.kv._refuse_on_loop("lookup")  # before any reservation is made
         calls: list[Call] = [
             _lookup_call(user, tokens) for user, tokens in zip(user_ids, num_tokens, strict=True)
         ]
-        outcomes = self._hop(calls).result()
+        outcomes = self._hop("lookup", calls).outcomes()
         hits: list[BackgroundLookup | None] = []
-        for user, outcome in zip(user_ids, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                log.warning("aiokv: lookup of user %r failed, read as a miss: %r", user, outcome)
+        for user, answer in zip(user_ids, outcomes, strict=True):
+            if isinstance(answer, BaseException):
+                log.warning("aiokv: lookup of user %r failed, read as a miss: %r", user, answer)
                 hits.append(None)
             else:
-                hits.append(BackgroundLookup(outcome, self.kv.loop))
+                hits.append(BackgroundLookup(answer, self.kv.portal))
         return hits
 
     def load(
@@ -133,7 +144,7 @@ class RecsysCore:
         calls: list[Call] = [
             _load_call(hit, pages, ready) for hit, pages in zip(hits, page_ids, strict=True)
         ]
-        return PendingCalls(self._hop(calls), len(calls))
+        return self._hop("load", calls)
 
     def offload(
         self,
@@ -150,7 +161,7 @@ class RecsysCore:
             _offload_call(user, pages, tokens, ready)
             for user, pages, tokens in zip(user_ids, page_ids, num_tokens, strict=True)
         ]
-        return PendingCalls(self._hop(calls), len(calls))
+        return self._hop("offload", calls)
 
     def release(self, hits: Sequence[BackgroundLookup | None]) -> None:
         """Give back the reservations of hits that will not be loaded; does not wait."""
@@ -161,11 +172,12 @@ class RecsysCore:
     def evict(self, user_ids: Sequence[Hashable]) -> int:
         """Drop what the store holds for these users (``engine.evict`` each, one hop);
         returns the tokens dropped. Raises the first error of a call that failed."""
+        self.kv._refuse_on_loop("evict")  # before anything is dropped
         calls: list[Call] = [_evict_call(user) for user in user_ids]
-        outcomes = self._hop(calls).result()
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
+        outcomes = self._hop("evict", calls).outcomes()
+        for failed in outcomes:
+            if isinstance(failed, BaseException):
+                raise failed
         return sum(outcomes)
 
     def clear(self) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidRequest
+from ..requests import LoadResult
 
 # HostKVTaskStatus values (recsys_kvcache_manager.host_kvstorage_manager).
 LAUNCHED, READY, FAILED, CANCELLED, TIMEOUT = "launched", "ready", "failed", "cancelled", "timeout"
@@ -92,25 +93,52 @@ class WaitStatus:
     message: str = ""
 
 
-def wait_status(outcomes: Sequence[Any] | None, user_ids: Sequence[int]) -> WaitStatus:
+def wait_status(
+    outcomes: Sequence[Any] | None,
+    user_ids: Sequence[int],
+    lengths: Sequence[int] | None = None,
+) -> WaitStatus:
     """The status of one task's calls: ``outcomes`` (one per user, a result or the
     exception its call raised; None while any is in flight). ``ready`` when all
     succeeded; else ``cancelled`` or ``timeout`` where every failure was one, and
-    ``failed`` otherwise."""
+    ``failed`` otherwise.
+
+    ``lengths``, for an onboard: the tokens each user's load must bring (the handle's
+    ``onboard_lengths``, which the manager counts as on the GPU once the wait answers
+    ready). A load that brought fewer failed: its user was evicted or cleared after the
+    lookup (the load then loads 0 tokens), or a block read from SSD failed its checksum.
+    Answering ready would have the model read pages that were never written."""
     if outcomes is None:
         return WaitStatus(LAUNCHED, False)
-    failed = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, BaseException)]
-    if not failed:
+    failures = {
+        i: why
+        for i, outcome in enumerate(outcomes)
+        if (why := _failure(outcome, None if lengths is None else lengths[i])) is not None
+    }
+    if not failures:
         return WaitStatus(READY, True)
-    errors = [outcomes[i] for i in failed]
+    failed = list(failures)
+    errors = [outcomes[i] for i in failed]  # a short load's is its LoadResult: "failed"
     if all(isinstance(e, _CANCELLED_ERRORS) for e in errors):
         status = CANCELLED
     elif all(isinstance(e, TimeoutError) for e in errors):  # aiokv.RequestTimeout is one
         status = TIMEOUT
     else:
         status = FAILED
-    message = "; ".join(f"user {user_ids[i]}: {outcomes[i]!r}" for i in failed)
+    message = "; ".join(f"user {user_ids[i]}: {failures[i]}" for i in failed)
     return WaitStatus(status, False, failed, message)
+
+
+def _failure(outcome: Any, length: int | None) -> str | None:
+    """Why one call failed (None: it did not): its error, or a load short of ``length``."""
+    if isinstance(outcome, BaseException):
+        return repr(outcome)
+    if length is not None and isinstance(outcome, LoadResult) and outcome.loaded_tokens < length:
+        return (
+            f"loaded {outcome.loaded_tokens} of the {length} tokens the lookup found "
+            "(evicted or cleared since, or an SSD block failed its checksum)"
+        )
+    return None
 
 
 def succeeded(outcomes: Sequence[Any]) -> list[int]:

@@ -228,7 +228,18 @@ def settle_thread_future(future: concurrent.futures.Future[Any], outcome: object
     if isinstance(outcome, (asyncio.CancelledError, concurrent.futures.CancelledError)):
         future.cancel()
         return
-    if future.done() or not future.set_running_or_notify_cancel():
+    if not future.done():
+        finish_thread_future(future, outcome)
+
+
+def finish_thread_future(future: concurrent.futures.Future[Any], outcome: object) -> None:
+    """:func:`settle_thread_future` for a future settled exactly once, by the end of its
+    call (:class:`aiokv.portal.Portal`'s): a future that its caller cancelled is marked
+    notified here too, so that ``concurrent.futures.wait`` counts it done (``cancel()``
+    wakes ``result()``, not ``wait``'s waiters), as ``run_coroutine_threadsafe``'s are."""
+    if isinstance(outcome, (asyncio.CancelledError, concurrent.futures.CancelledError)):
+        future.cancel()
+    if not future.set_running_or_notify_cancel():  # cancelled: its waiters are told now
         return
     if isinstance(outcome, BaseException):
         future.set_exception(outcome)

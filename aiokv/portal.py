@@ -1,0 +1,100 @@
+"""The way onto an engine's loop from other threads (``run_in_background``'s): calls
+start there in the order they were handed over.
+
+The engine accepts a call in the call's first step on the loop: it validates it and
+queues it (an offload, lookup or load), sends it after what was accepted before (an evict
+or clear), or consumes a Lookup (a load). Its contract is about that order: an evict or
+clear runs after every call accepted before it, a load fails once its Lookup was
+released. So a thread's calls must be accepted in the order the thread made them, and
+:meth:`Portal.start` gives that order to every call handed to the loop:
+
+- one ``call_soon_threadsafe`` per hand-over, whose callback makes each call's task, in
+  order (the calls of one hand-over take their first steps in one loop iteration: one
+  batch for the engine);
+- the loop runs callbacks in the order they were scheduled, and tasks take their first
+  steps in the order they were made (both queues are FIFO, asyncio's and uvloop's).
+
+What breaks it: a call run straight in a callback overtakes the tasks made in the same
+iteration (a Lookup released that way failed the load submitted just before it), and a
+call behind a coroutine that awaits before calling the engine is overtaken by the calls
+handed over after it (the recsys core's batches, gathered that way, were accepted after
+an ``evict_all`` made after them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from .loop.resolution import finish_thread_future
+
+Call = Callable[[], Coroutine[Any, Any, Any]]
+
+
+class Portal:
+    """Starts calls on ``loop`` from any thread, in the order they were handed over."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        # The calls' tasks until they end: the loop keeps only weak references to tasks.
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def start(self, calls: Sequence[Call]) -> list[concurrent.futures.Future[Any]]:
+        """Start ``calls`` on the loop, after every call handed over before, in one loop
+        iteration; does not wait. Returns one future per call: its result, its error, or
+        cancelled. A future cancelled before the loop took its call: the call never
+        runs; later: its task is cancelled. Raises RuntimeError where the loop is closed
+        (nothing is started then)."""
+        futures: list[concurrent.futures.Future[Any]] = [
+            concurrent.futures.Future() for _ in calls
+        ]
+        self.loop.call_soon_threadsafe(self._make_tasks, list(calls), futures)
+        return futures
+
+    def _make_tasks(
+        self, calls: list[Call], futures: list[concurrent.futures.Future[Any]]
+    ) -> None:
+        # Each future is finished once: here, or by its task's end (_hand_back).
+        loop, tasks = self.loop, self._tasks
+        for call, future in zip(calls, futures, strict=True):
+            if future.cancelled():  # before the loop took it: it never runs
+                finish_thread_future(future, concurrent.futures.CancelledError())
+                continue
+            try:
+                task = loop.create_task(call())
+            except Exception as exc:  # one call that cannot start fails alone
+                finish_thread_future(future, exc)
+                continue
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            task.add_done_callback(functools.partial(_hand_back, future))
+            future.add_done_callback(functools.partial(_cancel_task, loop, task))
+
+
+def outcome(done: concurrent.futures.Future[Any] | asyncio.Future[Any]) -> object:
+    """A finished future's result, its exception, or a CancelledError if it was
+    cancelled, as a value."""
+    if done.cancelled():
+        return concurrent.futures.CancelledError()
+    return done.exception() or done.result()
+
+
+def _hand_back(future: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
+    finish_thread_future(future, outcome(task))
+
+
+def _cancel_task(
+    loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], future: concurrent.futures.Future[Any]
+) -> None:
+    """The caller cancelled its future: cancel the task, on the loop (a no-op once the
+    task is done, and once the loop is closed: then it was cancelled at the close)."""
+    if future.cancelled():
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(task.cancel)
+
+
+__all__ = ["Call", "Portal", "outcome"]
