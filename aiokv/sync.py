@@ -347,6 +347,17 @@ class BackgroundEngine:
         self._refuse_on_loop("load_layerwise")
         return self.submit_load_layerwise(hit, page_ids).result()
 
+    def submit_evict(
+        self, user_id: Hashable, *, namespace: Sequence[str] | None = None
+    ) -> concurrent.futures.Future[int]:
+        """``engine.evict(...)`` on the engine's loop; does not wait. It runs after every
+        call submitted before it; the future's result is the tokens dropped."""
+        return self._submit(lambda: self.engine.evict(user_id, namespace=namespace))
+
+    def submit_clear(self) -> concurrent.futures.Future[int]:
+        """``engine.clear()`` on the engine's loop; does not wait (as :meth:`submit_evict`)."""
+        return self._submit(lambda: self.engine.clear())
+
     def evict(self, user_id: Hashable, *, namespace: Sequence[str] | None = None) -> int:
         """``await engine.evict(...)``, blocking this thread: tokens dropped."""
         tokens: int = self._wait(

@@ -198,6 +198,26 @@ def test_evict_and_clear_through_the_facade() -> None:
 
 
 @pytest.mark.parametrize("loop_kind", list(LOOPS))
+def test_submitted_evicts_and_clears_run_after_the_calls_submitted_before_them(
+        loop_kind: str) -> None:
+    # Offloads, then an evict and a clear, all handed over while the loop is held: they
+    # reach it in one iteration, and each invalidation still sees the offloads before it.
+    engine = aiokv.OffloadEngine(small_store(), make_caches(), aiokv.EngineConfig(window_us=0))
+    with aiokv.run_in_background(engine, loop_factory=LOOPS[loop_kind]) as kv:
+        release = hold_the_loop(kv)
+        offloads = [kv.submit_offload(u, torch.arange(4 * u, 4 * u + 4), 16) for u in range(3)]
+        evicted = kv.submit_evict(0)
+        more = kv.submit_offload(3, torch.arange(12, 16), 16)
+        cleared = kv.submit_clear()
+        release.set()
+        assert [f.result(timeout=30).stored_tokens for f in [*offloads, more]] == [16] * 4
+        assert evicted.result(timeout=30) == 16
+        assert cleared.result(timeout=30) == 48
+        with kv.lookup(3, 16) as hit:
+            assert hit.cached_tokens == 0
+
+
+@pytest.mark.parametrize("loop_kind", list(LOOPS))
 def test_a_release_runs_after_the_load_submitted_before_it(loop_kind: str) -> None:
     # `with kv.lookup(...) as hit: future = kv.submit_load(hit, ...)`: the block's exit
     # releases the hit before the load ran. The loop is held so that both reach it in one
