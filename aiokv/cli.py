@@ -8,27 +8,36 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .flags import integer, nonnegative_int, positive_float, positive_int
 
 
 def _demo_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seconds", type=float, default=5.0, help="how long to run (default 5)")
-    parser.add_argument("--users", type=int, default=64, help="concurrent users (default 64)")
-    parser.add_argument("--layers", type=int, default=4, help="cache layers (default 4)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    parser.add_argument("--heads", type=int, default=2, help="KV heads (default 2)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
+    from .demo import MAX_APPEND_PAGES
+
+    parser.add_argument("--seconds", type=positive_float, default=5.0,
+                        help="how long to run (default 5)")
+    parser.add_argument("--users", type=positive_int, default=64,
+                        help="concurrent users (default 64)")
+    parser.add_argument("--layers", type=positive_int, default=4, help="cache layers (default 4)")
+    parser.add_argument("--page-size", type=positive_int, default=16,
+                        help="tokens per page (default 16)")
+    parser.add_argument("--heads", type=positive_int, default=2, help="KV heads (default 2)")
+    parser.add_argument("--head-dim", type=positive_int, default=64,
+                        help="head dimension (default 64)")
     parser.add_argument(
         "--history-pages",
-        type=int,
+        # One append adds up to MAX_APPEND_PAGES pages; a smaller budget could not hold it.
+        type=integer(MAX_APPEND_PAGES, or_zero=True),
         default=0,
-        help="page budget of a history before the user restarts (default: up to 32, "
-        "so that the caches stay under 256 MiB)",
+        help=f"page budget of a history before the user restarts, at least "
+        f"{MAX_APPEND_PAGES} (default 0: up to 32, so that the caches stay under 256 MiB)",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(
         "--config", metavar="PATH", help="YAML config: its engine settings and store"
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
+                        help="random seed (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ import yaml
 from .backends import BACKENDS
 from .errors import ConfigError
 from .remote.config import FLEXKV_REFUSAL, RemoteConfig
+from .sections import build_section, keys_checked
 
 OverloadPolicy = Literal["reject", "wait"]
 Backend = Literal["local", "flexkv", "shared"]
@@ -95,6 +96,7 @@ def _check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
         raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}")
 
 
+@keys_checked("engine")
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine batches, admits and times out requests.
@@ -152,6 +154,7 @@ class EngineConfig:
             _check_int("engine.store_slice_us", self.store_slice_us, 0)
 
 
+@keys_checked("store")
 @dataclass(frozen=True)
 class StoreConfig:
     """Which store to use and how large it is.
@@ -350,21 +353,6 @@ def _ssd_dir_error(value: object) -> ConfigError:
         f"must be a directory, a list of directories or a ';'-separated string, "
         f"got {value!r}",
     )
-
-
-def build_section(cls: type[Any], section: str, raw: object) -> Any:
-    """``cls`` from a YAML section: ConfigError naming an unknown key or a non-mapping."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(section, f"must be a mapping, got {type(raw).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in known:
-            raise ConfigError(
-                f"{section}.{key}", f"unknown key (known: {', '.join(sorted(known))})"
-            )
-    return cls(**raw)
 
 
 def parse_config(document: object) -> tuple[EngineConfig, StoreConfig]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import signal
 import sys
 import time
@@ -180,12 +179,7 @@ def _build(args: argparse.Namespace) -> tuple[OffloadEngine, Workload, int]:
 
     device = pick_device(args.device)
     dtype = torch.bfloat16
-    for name in ("users", "layers", "page_size", "heads", "head_dim"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"aiokv demo: --{name.replace('_', '-')} must be >= 1")
-    if args.history_pages and args.history_pages < MAX_APPEND_PAGES:
-        # One append adds up to MAX_APPEND_PAGES pages; a smaller budget could not hold it.
-        raise SystemExit(f"aiokv demo: --history-pages must be >= {MAX_APPEND_PAGES}")
+    # The flags' ranges are checked where they are parsed (aiokv.cli, aiokv.flags).
     page_bytes = args.layers * 2 * args.page_size * args.heads * args.head_dim * dtype.itemsize
     budget = args.history_pages or max(
         MAX_APPEND_PAGES, min(32, CACHES_BYTES_CAP // (2 * args.users * page_bytes))
@@ -309,8 +303,6 @@ def demo(args: argparse.Namespace) -> int:
     """Run the demo workload and print its summary; 1 on any mismatch or failure."""
     from .running import run_uvloop
 
-    if not math.isfinite(args.seconds) or args.seconds <= 0:
-        raise SystemExit("aiokv demo: --seconds must be a finite number > 0")
     try:
         result = run_uvloop(_run_demo(args))
     except ConfigError as exc:  # a bad --config, or one whose page size differs

@@ -61,7 +61,7 @@ class Settings(standin.BesideSettings):
     kernel_blocks: tuple[int, ...] = (4, 8, 16)
     only: str = ""
     high_priority: bool = False
-    seed: int = 0
+    seed: int = common.or_zero(0)
 
 
 QUICK: dict[str, object] = {"users": 8, "tokens": 1024, "model_s": 0.5, "alone_s": 0.5,

@@ -60,9 +60,13 @@ def test_model_bench_runs_the_store_of_its_config_in_a_process_of_its_own(
     assert document["settings"]["ids"] == "host"
 
 
-def test_a_bad_depth_is_refused_naming_it() -> None:
-    with pytest.raises(SystemExit, match=r"depth.*'two'"):
+def test_a_bad_depth_is_refused_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:  # a usage error, at parse time
         bench_main(["model", "--device", "cpu", "--depth", "all,two"])
+    assert caught.value.code == 2
+    assert "argument --depth: expected 'all' or an integer >= 0, got 'two'" in (
+        capsys.readouterr().err
+    )
     assert parse_depths("all, 4") == (ALL, 4)
     assert parse_depths("0") == (ALL,)
 

@@ -49,9 +49,15 @@ def test_demo_reads_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.parametrize("seconds", ["0", "-1", "nan", "inf"])
-def test_demo_refuses_a_duration_that_is_not_a_finite_positive_number(seconds: str) -> None:
-    with pytest.raises(SystemExit, match="--seconds"):
+def test_demo_refuses_a_duration_that_is_not_a_finite_positive_number(
+    seconds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:  # a usage error (tests/test_cli_flags.py)
         main(["demo", "--seconds", seconds, "--device", "cpu"])
+    assert caught.value.code == 2
+    assert f"argument --seconds: expected a finite number > 0, got {seconds!r}" in (
+        capsys.readouterr().err
+    )
 
 
 def _positive_numbers(rows: list[dict[str, Any]], keys: list[str]) -> None:

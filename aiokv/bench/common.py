@@ -2,8 +2,9 @@
 
 A benchmark describes its settings once, as a frozen dataclass whose field defaults are
 the full-size run; :func:`add_settings_arguments` turns the fields into flags (default
-None, so "not given" is visible) and :func:`settings_from_args` fills what was not given
-from ``--quick``'s overrides or the field default. The JSON a run writes carries the
+None, so "not given" is visible; a value out of range is a usage error, :func:`flag_type`)
+and :func:`settings_from_args` fills what was not given from ``--quick``'s overrides or
+the field default. The JSON a run writes carries the
 environment (device, torch, CUDA, Python, argv, timestamp) next to settings and results,
 so a number can always be traced back to the machine and command that produced it.
 """
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .. import flags
 from ..running import pick_device as pick_device
 from ..running import run_uvloop as run_uvloop
 
@@ -39,17 +41,33 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # ---- flags and settings ----------------------------------------------------------------
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """``"1,8,64"`` -> ``(1, 8, 64)``; for argparse ``type=``."""
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
+def or_zero(default: T) -> T:
+    """A settings field whose flag also takes 0 (its help says what 0 means: auto, off,
+    none); a numeric field without it takes positive values only (:func:`flag_type`)."""
+    return dataclasses.field(default=default, metadata={"or_zero": True})
+
+
+def flag_type(field: dataclasses.Field[Any]) -> Callable[[str], object]:
+    """The argparse ``type=`` of a settings field's flag: ``metadata["type"]`` where the
+    field has one; else from its default: a tuple is integers >= 1, an int >= 1 and a
+    float > 0 (each also 0 with :func:`or_zero`), all finite; else the default's type.
+    A value out of range is a usage error naming the flag (:mod:`aiokv.flags`)."""
+    if "type" in field.metadata:
+        given: Callable[[str], object] = field.metadata["type"]
+        return given
+    default, zero = field.default, bool(field.metadata.get("or_zero"))
+    if isinstance(default, tuple):
+        return flags.positive_int_list
+    if isinstance(default, int) and not isinstance(default, bool):
+        return flags.nonnegative_int if zero else flags.positive_int
+    if isinstance(default, float):
+        return flags.nonnegative_float if zero else flags.positive_float
+    return type(default)
+
+
+def _shown(value: object) -> str:
+    """A default as its flag would take it."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def common_parent() -> argparse.ArgumentParser:
@@ -69,27 +87,29 @@ def add_settings_arguments(
     quick: Mapping[str, object],
     helps: Mapping[str, str],
 ) -> None:
-    """One ``--field-name`` flag per dataclass field, typed from its default; help shows
-    the full and the ``--quick`` default."""
+    """One ``--field-name`` flag per dataclass field, typed by :func:`flag_type`; help
+    shows the full and the ``--quick`` default. A default (or ``--quick`` value) that its
+    own flag would refuse is a ValueError here: the field wants :func:`or_zero`."""
     for field in dataclasses.fields(settings):
         default = field.default
-        if isinstance(default, tuple):
-            kind: Callable[[str], object] = int_list
-            shown = ",".join(str(v) for v in default)
-        else:
-            kind = type(default)
-            shown = str(default)
-        help_text = f"{helps.get(field.name, '')} (default {shown}"
+        shown = [_shown(default)]
+        help_text = f"{helps.get(field.name, '')} (default {shown[0]}"
         if field.name in quick:
-            value = quick[field.name]
-            quick_shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
-            help_text += f"; --quick {quick_shown}"
+            shown.append(_shown(quick[field.name]))
+            help_text += f"; --quick {shown[1]}"
         flag = "--" + field.name.replace("_", "-")
         if isinstance(default, bool):
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text + ")"
             )
             continue
+        kind = flag_type(field)
+        for text in shown:
+            try:  # a default its own flag refuses: the field wants or_zero (or a fix)
+                kind(text)
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise ValueError(f"{settings.__name__}.{field.name}: {flag} refuses "
+                                 f"{text!r}, a default of its own ({exc})") from None
         choices = sorted(DTYPES) if field.name == "dtype" else None
         if field.name == "device":
             choices = ["auto", "cpu", "cuda"]

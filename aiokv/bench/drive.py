@@ -20,13 +20,14 @@ from ..config import EngineConfig
 from ..requests import OffloadResult
 from ..stores.base import Int64Array, Store, TaskStatus
 from ..testing import FakeStore, StoreWrapper
+from . import common
 
 
 @dataclass(frozen=True)
 class Settings:
     users: tuple[int, ...] = (1, 8, 64, 256)
     seconds: float = 2.0
-    warmup_s: float = 0.3
+    warmup_s: float = common.or_zero(0.3)
     pages: int = 4
     layers: int = 4
     page_size: int = 16
@@ -34,7 +35,7 @@ class Settings:
     head_dim: int = 64
     dtype: str = "bf16"
     cpu_cache_gb: float = 0.25
-    window_us: int = EngineConfig.window_us
+    window_us: int = common.or_zero(EngineConfig.window_us)
     poll_interval_us: int = EngineConfig.poll_interval_us
     cpu_users: int = 64
     cpu_requests: int = 20_000

@@ -38,7 +38,7 @@ HELP = "event-loop lateness while the engine offloads/loads at full load"
 @dataclass(frozen=True)
 class Settings:
     seconds: float = 5.0
-    idle_seconds: float = 1.0
+    idle_seconds: float = common.or_zero(1.0)
     users: int = 32
     tokens: int = 2048
     layers: int = 8
@@ -46,11 +46,11 @@ class Settings:
     head_dim: int = 256
     page_size: int = 32
     dtype: str = "bf16"
-    tick_us: int = 100
-    window_us: int = EngineConfig.window_us
-    cpu_cache_gb: float = 0.0
+    tick_us: int = common.or_zero(100)
+    window_us: int = common.or_zero(EngineConfig.window_us)
+    cpu_cache_gb: float = common.or_zero(0.0)
     gc_freeze: bool = False
-    switch_interval_us: int = 0
+    switch_interval_us: int = common.or_zero(0)
     device: str = "auto"
 
 

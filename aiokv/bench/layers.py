@@ -55,7 +55,7 @@ class Settings:
     page_size: int = 32
     matrix: int = 2048
     repeats: int = 9
-    warmup: int = 2
+    warmup: int = common.or_zero(2)
     config: str = ""
     device: str = "auto"
 

@@ -56,10 +56,10 @@ HELP = "a model stand-in's slowdown beside the engine's offloads and loads, vs p
 
 @dataclass(frozen=True)
 class Settings(standin.BesideSettings):
-    warmup: int = 2
+    warmup: int = common.or_zero(2)
     config: str = ""
     placement: str = field(default="scattered", metadata={"choices": PLACEMENTS})
-    switch_interval_us: int = 0
+    switch_interval_us: int = common.or_zero(0)
     ids: str = field(default="device", metadata={"choices": IDS})
 
 
@@ -230,10 +230,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
     device = common.pick_device(settings.device)
-    try:
-        depths = parse_depths(settings.depth)
-    except ValueError as exc:
-        raise SystemExit(f"--{exc}") from None
+    depths = parse_depths(settings.depth)  # --depth took it (standin.depth_flag)
     engine_config, store_config, page_size = round_configs(settings)
     model = StandIn(device, settings.matrix)
     steps = model.steps_for(settings.model_s)

@@ -29,14 +29,14 @@ class Settings:
     page_size: int = 32
     dtype: str = "bf16"
     repeats: int = 3
-    warmup: int = 1
-    cpu_cache_gb: float = 0.0
+    warmup: int = common.or_zero(1)
+    cpu_cache_gb: float = common.or_zero(0.0)
     raw_gib: float = 2.0
     device: str = "auto"
-    batch_requests: int = 0
-    switch_interval_us: int = 0
-    stream_batches: int = 4
-    stream_gib: float = 2.0
+    batch_requests: int = common.or_zero(0)
+    switch_interval_us: int = common.or_zero(0)
+    stream_batches: int = common.or_zero(4)
+    stream_gib: float = common.or_zero(2.0)
     placement: str = field(default="scattered", metadata={"choices": PLACEMENTS})
 
 

@@ -56,8 +56,8 @@ class Settings:
     max_tokens: int = 4096
     page_size: int = 32
     repeats: int = 50
-    warmup: int = 5
-    seed: int = 0
+    warmup: int = common.or_zero(5)
+    seed: int = common.or_zero(0)
     device: str = "auto"
 
 

@@ -11,16 +11,27 @@ slower: what is measured is the stand-in's time beside a copier over its time al
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 GIB = float(1 << 30)
 ALL = 0  # depth: every step queued at once
+
+
+def depth_flag(text: str) -> str:
+    """``--depth`` for argparse: ``text``, once :func:`parse_depths` takes it (else a
+    usage error naming the flag and the value)."""
+    try:
+        parse_depths(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("depth: ")) from None
+    return text
 
 
 @dataclass(frozen=True)
@@ -33,7 +44,7 @@ class BesideSettings:
     heads: int = 8
     head_dim: int = 128
     page_size: int = 32
-    depth: str = "all,4"
+    depth: str = field(default="all,4", metadata={"type": depth_flag})
     matrix: int = 8192
     model_s: float = 1.5
     alone_s: float = 1.0
@@ -186,6 +197,7 @@ __all__ = [
     "SMOKE",
     "BesideSettings",
     "StandIn",
+    "depth_flag",
     "depth_name",
     "one_thread",
     "parse_depths",

@@ -22,6 +22,7 @@ import torch
 
 from ..config import EngineConfig, StoreConfig
 from ..engine import OffloadEngine
+from ..flags import positive_float
 from ..stores.local import LocalStore
 from . import common
 
@@ -30,7 +31,9 @@ HELP = "time to first served request and to the whole pinned pool vs one plain p
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gib", type=float, default=16.0, help="host tier size (--quick: 0.25)")
+    parser.add_argument(
+        "--gib", type=positive_float, default=16.0, help="host tier size (--quick: 0.25)"
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..sections import build_section, keys_checked
 
 _SECTION = "store.remote"
 P2P = "P2PHANDSHAKE"
@@ -33,6 +34,7 @@ def _host_port(key: str, value: object) -> tuple[str, int]:
     return host, int(port)
 
 
+@keys_checked(_SECTION)
 @dataclass(frozen=True)
 class RemoteConfig:
     """The remote tier on Mooncake Store (``store.remote`` in YAML).
@@ -126,7 +128,4 @@ class RemoteConfig:
         """From the YAML section; ConfigError naming ``store.remote.<key>``."""
         if isinstance(raw, RemoteConfig):
             return raw
-        from ..config import build_section  # it imports this module
-
-        built: RemoteConfig = build_section(cls, _SECTION, raw)
-        return built
+        return build_section(cls, _SECTION, raw)

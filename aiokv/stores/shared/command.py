@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from ...config import load_config
 from ...errors import ConfigError
+from ...flags import nonnegative_float
 
 DESCRIPTION = """\
 One store per host, shared by every serving process on it: the server owns the index,
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the UNIX socket to listen on (its directory: private to you)")
     parser.add_argument("--config", required=True, metavar="FILE",
                         help="YAML config; its store: section sizes the tiers")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+    parser.add_argument("--drain-timeout", type=nonnegative_float, default=30.0, metavar="S",
                         help="seconds SIGTERM waits for open tasks (default 30)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])

@@ -1,0 +1,78 @@
+"""argparse ``type=`` functions for the command line's numeric flags (``aiokv demo``,
+``aiokv store-server``, ``aiokv bench ...``).
+
+A value out of range is a usage error at parse time: argparse prints
+``argument --users: expected an integer >= 1, got '0'`` under the usage line and exits
+with status 2, instead of a ConfigError traceback (or a run of nonsense) later on.
+Floats must also be finite (``nan`` and ``inf`` are refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def integer(minimum: int, *, or_zero: bool = False) -> Callable[[str], int]:
+    """An integer >= ``minimum`` (``or_zero``: or 0, where 0 means "off" or "auto")."""
+    wanted = f"0 or an integer >= {minimum}" if or_zero else f"an integer >= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        if value < minimum and not (or_zero and value == 0):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = integer(1)
+nonnegative_int = integer(0)
+
+
+def _number(text: str, *, zero: bool) -> float:
+    wanted = "a finite number >= 0" if zero else "a finite number > 0"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a size, a duration)."""
+    return _number(text, zero=False)
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (where 0 means "none", "auto" or "at once")."""
+    return _number(text, zero=True)
+
+
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """``"1,8,64"`` -> ``(1, 8, 64)``: comma-separated integers >= 1."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+__all__ = [
+    "integer",
+    "nonnegative_float",
+    "nonnegative_int",
+    "positive_float",
+    "positive_int",
+    "positive_int_list",
+]
