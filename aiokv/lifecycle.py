@@ -229,7 +229,7 @@ async def start(engine: EngineParts) -> None:
         await asyncio.wrap_future(registered)
     except BaseException as exc:
         engine._state = EngineState.CLOSED
-        engine._worker.stop()
+        engine._worker.stop(give_up_s=0.0)  # nothing was launched
         # Nothing dispatched them (no batcher task yet): fail them now, not after the
         # join, which waits for the registration and which a second cancel may skip.
         fail_accepted(engine, EngineClosed(f"engine failed to start: {exc!r}"))
@@ -270,8 +270,8 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
         # return_exceptions: the batcher's own CancelledError comes back as a value,
         # while a cancellation of this task still propagates.
         await asyncio.gather(engine._batcher_task, return_exceptions=True)
-    worker.stop()
     left_s = max(deadline - loop.time(), 0.0)
+    worker.stop(give_up_s=left_s)  # a try_wait outage is waited through until the deadline
     stuck = not await _join(worker, left_s)
     await asyncio.sleep(0)  # let outcomes posted before the join arrive
     if engine._invalidations is not None:
@@ -305,7 +305,7 @@ async def close_orphaned(engine: EngineParts, timeout: float) -> None:
     waits for launched transfers and closes the store."""
     assert engine._worker is not None
     engine._state = EngineState.CLOSED
-    engine._worker.stop()
+    engine._worker.stop(give_up_s=timeout)
     stuck = not await _join(engine._worker, timeout)
     if stuck:
         log.warning("aiokv: store thread still busy after %.1fs; left to end on its own", timeout)
