@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .copy.marks import LayerFailed, LayerMarks
+from .copy.marks import LayerFailed, LayerMarks, Waiter
 from .errors import BlockingCallOnLoop, InvalidRequest, NotLoaded, StoreError
 from .loop.resolution import settle
 from .requests import LoadResult, Lookup, Request
@@ -118,9 +118,16 @@ class LayerwiseLoad:
         elif not self._ended and not marks.is_ready(layer):
             # The store's copier marks it; a thread waits for it: one of aiokv's own, so
             # that waits never fill the loop's default executor (which close and callers'
-            # own to_thread work use).
-            failed = await self._loop.run_in_executor(_layer_waits(), _synchronize, marks,
-                                                      layer)
+            # own to_thread work use). Those threads are every engine's: a cancelled wait
+            # lets its thread go at once, or a caller polling a stalled load with short
+            # timeouts would hold them all and stall other engines' waits.
+            waiter = Waiter()
+            try:
+                failed = await self._loop.run_in_executor(
+                    _layer_waits(), _synchronize, marks, layer, waiter)
+            except asyncio.CancelledError:
+                marks.abandon(waiter)
+                raise
             if failed is not None and not self._ended:
                 await asyncio.wait((self._end,))  # its typed error comes with the end
         self._raise_if_failed(threads=False)
@@ -213,10 +220,11 @@ class LayerwiseLoad:
         raise error
 
 
-def _synchronize(marks: LayerMarks, layer: int) -> LayerFailed | None:
-    """In a thread: wait until ``layer`` is in place; its failure, if it failed."""
+def _synchronize(marks: LayerMarks, layer: int, waiter: Waiter) -> LayerFailed | None:
+    """In a thread: wait until ``layer`` is in place (or ``waiter`` is abandoned, and
+    nobody reads the answer); its failure, if it failed."""
     try:
-        marks.synchronize(layer)
+        marks.synchronize(layer, waiter)
     except LayerFailed as failed:
         return failed
     return None
