@@ -32,6 +32,7 @@ import numpy as np
 
 from .copy.marks import LayerFailed, LayerMarks, Waiter
 from .errors import BlockingCallOnLoop, InvalidRequest, NotLoaded, StoreError
+from .loop.binding import check_loop
 from .loop.resolution import settle
 from .requests import LoadResult, Lookup, Request
 
@@ -110,7 +111,8 @@ class LayerwiseLoad:
         """Return once layer ``layer`` is in the pages (on a GPU: its copies done, for
         any stream and the host); the loop never blocks. Raises what :meth:`wait_layer`
         raises (asyncio's CancelledError for a cancelled load), except
-        BlockingCallOnLoop."""
+        BlockingCallOnLoop; WrongLoop off the engine's loop."""
+        check_loop(self._loop)
         self._check(layer)
         marks = self._marks
         if self._own_marks and not self._ended:
@@ -143,13 +145,18 @@ class LayerwiseLoad:
     async def result(self) -> LoadResult:
         """The load's LoadResult once it ended (as ``load`` returns it: ``loaded_tokens``
         may be 0 after an evict), or its error. Cancelling this await does not cancel the
-        load (:meth:`cancel` does)."""
+        load (:meth:`cancel` does). WrongLoop off the engine's loop."""
+        check_loop(self._loop)
         return await asyncio.shield(self._end)
 
     def cancel(self) -> None:
         """Stop waiting for the load (engine's loop only): as for a cancelled ``load``, a
         launched copy still runs to its end into the pages; every wait then raises a
-        CancelledError. A no-op once the load ended."""
+        CancelledError. A no-op once the load ended; WrongLoop off the engine's loop
+        before that."""
+        if self._end.done():
+            return
+        check_loop(self._loop)
         self._end.cancel()
 
     # ---- the engine's side (loop thread) ---------------------------------------------
