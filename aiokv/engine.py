@@ -33,6 +33,7 @@ from .invalidation import Invalidations
 from .lifecycle import EngineState as EngineState  # public as aiokv.engine.EngineState
 from .loop.admission import Admission
 from .loop.batcher import Batch, Batcher
+from .loop.binding import check_loop
 from .loop.deadlines import Deadlines
 from .loop.resolution import Resolver
 from .requests import (
@@ -143,10 +144,10 @@ class OffloadEngine:
                 await lifecycle.close_orphaned(self, timeout)
             return
         if self._closing is None:
-            lifecycle.check_loop(self._loop)
+            check_loop(self._loop)
             self._closing = asyncio.ensure_future(lifecycle.close(self, drain, timeout))
         elif not self._closing.done():
-            lifecycle.check_loop(self._loop)
+            check_loop(self._loop)
         # Shielded: a caller cancelled while closing must not leave the engine half-closed.
         await asyncio.shield(self._closing)
 
@@ -345,7 +346,7 @@ class OffloadEngine:
                     "`async with engine:`"
                 )
             raise EngineClosed(f"engine is {self._state.value}")
-        lifecycle.check_loop(self._loop)
+        check_loop(self._loop)
 
     def _new_request(
         self,

@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .copy.marks import LayerFailed, LayerMarks
+from .copy.marks import LayerFailed, LayerMarks, Waiter
 from .errors import BlockingCallOnLoop, InvalidRequest, NotLoaded, StoreError
+from .loop.binding import check_loop
 from .loop.resolution import settle
 from .requests import LoadResult, Lookup, Request
 
@@ -110,7 +111,8 @@ class LayerwiseLoad:
         """Return once layer ``layer`` is in the pages (on a GPU: its copies done, for
         any stream and the host); the loop never blocks. Raises what :meth:`wait_layer`
         raises (asyncio's CancelledError for a cancelled load), except
-        BlockingCallOnLoop."""
+        BlockingCallOnLoop; WrongLoop off the engine's loop."""
+        check_loop(self._loop)
         self._check(layer)
         marks = self._marks
         if self._own_marks and not self._ended:
@@ -118,9 +120,16 @@ class LayerwiseLoad:
         elif not self._ended and not marks.is_ready(layer):
             # The store's copier marks it; a thread waits for it: one of aiokv's own, so
             # that waits never fill the loop's default executor (which close and callers'
-            # own to_thread work use).
-            failed = await self._loop.run_in_executor(_layer_waits(), _synchronize, marks,
-                                                      layer)
+            # own to_thread work use). Those threads are every engine's: a cancelled wait
+            # lets its thread go at once, or a caller polling a stalled load with short
+            # timeouts would hold them all and stall other engines' waits.
+            waiter = Waiter()
+            try:
+                failed = await self._loop.run_in_executor(
+                    _layer_waits(), _synchronize, marks, layer, waiter)
+            except asyncio.CancelledError:
+                marks.abandon(waiter)
+                raise
             if failed is not None and not self._ended:
                 await asyncio.wait((self._end,))  # its typed error comes with the end
         self._raise_if_failed(threads=False)
@@ -136,13 +145,18 @@ class LayerwiseLoad:
     async def result(self) -> LoadResult:
         """The load's LoadResult once it ended (as ``load`` returns it: ``loaded_tokens``
         may be 0 after an evict), or its error. Cancelling this await does not cancel the
-        load (:meth:`cancel` does)."""
+        load (:meth:`cancel` does). WrongLoop off the engine's loop."""
+        check_loop(self._loop)
         return await asyncio.shield(self._end)
 
     def cancel(self) -> None:
         """Stop waiting for the load (engine's loop only): as for a cancelled ``load``, a
         launched copy still runs to its end into the pages; every wait then raises a
-        CancelledError. A no-op once the load ended."""
+        CancelledError. A no-op once the load ended; WrongLoop off the engine's loop
+        before that."""
+        if self._end.done():
+            return
+        check_loop(self._loop)
         self._end.cancel()
 
     # ---- the engine's side (loop thread) ---------------------------------------------
@@ -213,10 +227,11 @@ class LayerwiseLoad:
         raise error
 
 
-def _synchronize(marks: LayerMarks, layer: int) -> LayerFailed | None:
-    """In a thread: wait until ``layer`` is in place; its failure, if it failed."""
+def _synchronize(marks: LayerMarks, layer: int, waiter: Waiter) -> LayerFailed | None:
+    """In a thread: wait until ``layer`` is in place (or ``waiter`` is abandoned, and
+    nobody reads the answer); its failure, if it failed."""
     try:
-        marks.synchronize(layer)
+        marks.synchronize(layer, waiter)
     except LayerFailed as failed:
         return failed
     return None

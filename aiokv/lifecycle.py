@@ -2,10 +2,10 @@
 running engines hold, the start (its running parts wired, the store registered) and the
 close (drain, escalation, a store thread left behind).
 
-An engine belongs to the loop that started it: its futures, timers and batcher task live
-there, so a call from any other loop or thread fails at once with :class:`WrongLoop`,
-before it touches anything (nothing is counted, queued or run). A store drives one
-engine at a time: a second engine's ``start()`` is refused while the first holds it.
+An engine belongs to the loop that started it (:mod:`aiokv.loop.binding`): a ``start()``
+of a running engine from another loop fails with WrongLoop, as every other call does. A
+store drives one engine at a time: a second engine's ``start()`` is refused while the
+first holds it.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import torch
 
 from .config import EngineConfig
 from .cuda import ReadyMarks
-from .errors import ConfigError, EngineClosed, WrongLoop
+from .errors import ConfigError, EngineClosed
 from .invalidation import Invalidations
 from .loop.admission import Admission
 from .loop.batcher import Batch, Batcher
+from .loop.binding import check_loop
 from .loop.deadlines import Deadlines
 from .loop.resolution import Resolver
 from .requests import OffloadResult, Request
@@ -80,31 +81,9 @@ class EngineParts(Protocol):
     def _on_batch(self, batch: Batch) -> None: ...
 
 
-_running_loop = asyncio.events._get_running_loop  # None off a loop; no exception to catch
-
 # id(store) -> store, for every store a started engine holds (any loop, any thread).
 _in_use: dict[int, Store] = {}
 _in_use_lock = threading.Lock()
-
-
-def check_loop(owner: asyncio.AbstractEventLoop | None) -> None:
-    """Raise WrongLoop unless this runs on ``owner``, the engine's loop (the one place
-    the binding is checked: every public call that changes the engine calls it)."""
-    running = _running_loop()
-    if running is not owner:
-        raise wrong_loop(owner, running)
-
-
-def wrong_loop(
-    owner: asyncio.AbstractEventLoop | None, running: asyncio.AbstractEventLoop | None
-) -> WrongLoop:
-    closed = " (now closed)" if owner is not None and owner.is_closed() else ""
-    here = "no running loop" if running is None else f"loop {running!r}"
-    return WrongLoop(
-        f"this engine belongs to the event loop that started it, {owner!r}{closed}; the "
-        f"call came from {here} on thread {threading.current_thread().name!r}. Await the "
-        "engine on its own loop; from other threads, use aiokv.run_in_background()"
-    )
 
 
 def claim_store(store: Store) -> None:
@@ -153,6 +132,7 @@ async def start(engine: EngineParts) -> None:
     caches on the store thread and start the batcher task. A registration that fails (or
     is cancelled) fails what was accepted meanwhile and closes the engine."""
     if engine._state is EngineState.RUNNING:
+        check_loop(engine._loop)  # `async with engine` on another loop must not pass
         return
     if engine._state is not EngineState.NEW:
         raise EngineClosed(f"engine is {engine._state.value}; it cannot be restarted")
@@ -229,7 +209,7 @@ async def start(engine: EngineParts) -> None:
         await asyncio.wrap_future(registered)
     except BaseException as exc:
         engine._state = EngineState.CLOSED
-        engine._worker.stop()
+        engine._worker.stop(give_up_s=0.0)  # nothing was launched
         # Nothing dispatched them (no batcher task yet): fail them now, not after the
         # join, which waits for the registration and which a second cancel may skip.
         fail_accepted(engine, EngineClosed(f"engine failed to start: {exc!r}"))
@@ -270,8 +250,8 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
         # return_exceptions: the batcher's own CancelledError comes back as a value,
         # while a cancellation of this task still propagates.
         await asyncio.gather(engine._batcher_task, return_exceptions=True)
-    worker.stop()
     left_s = max(deadline - loop.time(), 0.0)
+    worker.stop(give_up_s=left_s)  # a try_wait outage is waited through until the deadline
     stuck = not await _join(worker, left_s)
     await asyncio.sleep(0)  # let outcomes posted before the join arrive
     if engine._invalidations is not None:
@@ -305,7 +285,7 @@ async def close_orphaned(engine: EngineParts, timeout: float) -> None:
     waits for launched transfers and closes the store."""
     assert engine._worker is not None
     engine._state = EngineState.CLOSED
-    engine._worker.stop()
+    engine._worker.stop(give_up_s=timeout)
     stuck = not await _join(engine._worker, timeout)
     if stuck:
         log.warning("aiokv: store thread still busy after %.1fs; left to end on its own", timeout)

@@ -403,3 +403,34 @@ async def test_waits_for_layers_leave_the_loops_threads_to_a_close_and_to_the_ca
         await asyncio.gather(*waits, return_exceptions=True)
         await engine.aclose()
         executor.shutdown(wait=False)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_layer_waits_leave_the_shared_wait_threads_to_other_engines() -> None:
+    # The threads that wait for marked layers are every engine's: a caller polling a
+    # stalled load with short timeouts (more polls than there are threads) must not
+    # leave another engine's wait for a layer in place hanging.
+    stalled_store, other_store = LayeredStore(), LayeredStore()
+    stalled, _ = engine_over(stalled_store, request_timeout_ms=0)
+    other, other_caches = engine_over(other_store, request_timeout_ms=0)
+    await stalled.start()
+    await other.start()
+    try:
+        load = await held(stalled, stalled_store)
+        for _ in range(40):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(load.layer_ready(0), 0.005)
+        other_load = await held(other, other_store)
+        waiting = asyncio.ensure_future(other_load.layer_ready(0))  # a thread waits for it
+        await asyncio.sleep(0)  # it runs up to its wait
+        assert not waiting.done() and other_store.gate is not None
+        other_store.gate.release(LAYERS)
+        assert (await asyncio.wait_for(other_load.result(), 5)).loaded_tokens == TOKENS
+        await asyncio.wait_for(waiting, 5)  # not queued behind the stalled load's waits
+        assert loaded(other_caches, 0)
+    finally:
+        for store in (stalled_store, other_store):
+            if store.gate is not None:
+                store.gate.release(1000)
+        await asyncio.wait_for(stalled.aclose(), 10)
+        await asyncio.wait_for(other.aclose(), 10)

@@ -20,7 +20,7 @@ from conftest import PAGE_SIZE, make_caches, small_store
 
 import aiokv
 from aiokv import lifecycle
-from aiokv.testing import CheckingStore, FaultyStore, StoreWrapper
+from aiokv.testing import CheckingStore, FaultyStore, LayeredStore, StoreWrapper
 
 TOKENS = 4 * PAGE_SIZE
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
@@ -138,6 +138,55 @@ async def test_aclose_from_another_loop_fails_at_once_and_the_engine_serves_on(
         assert (await rig.engine.offload("u", pages(0), TOKENS)).stored_tokens == TOKENS
     finally:
         await asyncio.wait_for(rig.engine.aclose(), 10)
+
+
+@pytest.mark.asyncio
+async def test_start_and_async_with_from_another_loop_fail_at_once_on_a_running_engine(
+    caches: list[torch.Tensor],
+) -> None:
+    rig = Rig(caches, window_us=0)
+    entered: list[str] = []
+
+    async def enter() -> None:
+        async with rig.engine:
+            entered.append("the body ran on the wrong loop")
+
+    async with rig.engine:
+        for work in (rig.engine.start, enter):
+            error, _ = await asyncio.wait_for(asyncio.to_thread(
+                in_a_thread_with_its_own_loop, lambda work=work: asyncio.run(work()),
+            ), 10)
+            assert isinstance(error, aiokv.WrongLoop), error
+        assert entered == []
+        assert rig.engine.state is aiokv.EngineState.RUNNING
+        assert (await rig.engine.offload("u", pages(0), TOKENS)).stored_tokens == TOKENS
+    assert rig.checked.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_a_layerwise_load_awaited_or_cancelled_from_another_loop_fails_at_once(
+    caches: list[torch.Tensor],
+) -> None:
+    store = LayeredStore()
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))
+    async with engine:
+        await engine.offload(1, pages(0), TOKENS)
+        hit = await engine.lookup(1, TOKENS)
+        store.gate = threading.Semaphore(0)  # its layers wait
+        load = await engine.load_layerwise(hit, pages(8))
+        try:
+            for call in (load.result, lambda: load.layer_ready(0)):
+                error, _ = await asyncio.wait_for(asyncio.to_thread(
+                    in_a_thread_with_its_own_loop,
+                    lambda call=call: asyncio.run(asyncio.wait_for(call(), 2)),
+                ), 10)
+                assert isinstance(error, aiokv.WrongLoop), error
+            with pytest.raises(aiokv.WrongLoop):
+                await asyncio.wait_for(asyncio.to_thread(load.cancel), 10)
+        finally:
+            store.gate.release(1000)
+        assert (await asyncio.wait_for(load.result(), 10)).loaded_tokens == TOKENS
+        assert torch.equal(caches[0][8:12], caches[0][0:4])
 
 
 # ---- edges (item 4) ----------------------------------------------------------------------

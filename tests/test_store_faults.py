@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from conftest import PAGE_SIZE, small_store
+from conftest import PAGE_SIZE, held, small_store
 
 import aiokv
+from aiokv.copy.copier import Copier
 from aiokv.stores.base import Store, TaskResult
 from aiokv.testing import CheckingStore, StoreWrapper
 
@@ -67,10 +68,8 @@ async def test_a_cancel_that_raises_once_is_retried(caches: list[torch.Tensor]) 
 async def test_a_try_wait_that_raises_once_loses_no_task(caches: list[torch.Tensor]) -> None:
     faulty, checked, engine = rig(caches, "try_wait")
     async with engine:
-        outcome = await asyncio.gather(
-            engine.offload("u", torch.arange(4), TOKENS), return_exceptions=True
-        )
-        assert isinstance(outcome[0], (aiokv.OffloadResult, aiokv.StoreError)), outcome
+        # The poll is asked again: the offload ends as its copy does, never with the fault.
+        assert (await engine.offload("u", torch.arange(4), TOKENS)).stored_tokens == TOKENS
     assert faulty.failed.is_set()
     assert checked.problems() == []  # every launched id waited to its terminal answer
 
@@ -103,4 +102,114 @@ async def test_a_try_wait_that_fails_for_a_moment_during_an_evict_fails_no_task(
             await asyncio.sleep(0)  # the offload first, then another user's evict
             assert await engine.evict("other") == 0
         assert (await offload).stored_tokens == TOKENS
+    assert checked.problems() == []
+
+
+class Outage(StoreWrapper):
+    """While ``failing`` is set, ``try_wait`` of launched tasks raises (a store link
+    that is down); ``failures`` counts those raises, and ``enough`` is set once they are
+    ``enough_after``."""
+
+    def __init__(self, inner: Store, enough_after: int) -> None:
+        super().__init__(inner)
+        self.failing = threading.Event()
+        self.failures = 0
+        self.enough_after = enough_after
+        self.enough = threading.Event()
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
+        if task_ids and self.failing.is_set():
+            self.failures += 1
+            if self.failures >= self.enough_after:
+                self.enough.set()
+            raise ConnectionError("the store link is down")
+        return self.inner.try_wait(task_ids)
+
+
+def outage_rig(
+    caches: list[torch.Tensor], request_timeout_ms: int, enough_after: int = 1
+) -> tuple[Outage, CheckingStore, aiokv.OffloadEngine]:
+    outage = Outage(small_store(), enough_after)
+    checked = CheckingStore(outage, loop_thread=threading.get_ident())
+    config = aiokv.EngineConfig(window_us=0, request_timeout_ms=request_timeout_ms)
+    return outage, checked, aiokv.OffloadEngine(checked, caches, config)
+
+
+# More try_wait failures in a row than the engine once gave up after (8): the offload's
+# copy still runs all along, so its caller must not be told anything yet.
+LONG_OUTAGE = 10
+
+
+@pytest.mark.asyncio
+async def test_a_try_wait_outage_longer_than_a_moment_leaves_the_offload_pending_until_it_ends(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+    outage, checked, engine = outage_rig(caches, request_timeout_ms=0, enough_after=LONG_OUTAGE)
+    offloaded = torch.arange(4)
+    original = [cache[offloaded].clone() for cache in caches]
+    async with engine:
+        outage.failing.set()
+        offload = asyncio.ensure_future(engine.offload("u", offloaded, TOKENS))
+        try:
+            assert await asyncio.to_thread(copying.entered.wait, 10)
+            assert await asyncio.to_thread(outage.enough.wait, 5), "the offload was given up"
+            assert not offload.done()  # its copy still runs: no answer yet
+            stats = engine.stats()
+            assert (stats.pending, stats.store_tasks_open, stats.failed) == (1, 1, 0)
+        finally:
+            outage.failing.clear()
+            copying.set()
+        result = await asyncio.wait_for(offload, 10)
+        assert (result.stored_tokens, result.cached_tokens) == (TOKENS, TOKENS)
+        for cache in caches:  # the caller reuses its pages once told
+            cache[offloaded] = 7.0
+        async with await engine.lookup("u", TOKENS) as hit:
+            assert (await engine.load(hit, torch.arange(40, 44))).loaded_tokens == TOKENS
+        for cache, before in zip(caches, original, strict=True):
+            assert torch.equal(cache[40:44], before)
+        assert engine.stats().store_tasks_open == 0
+    assert checked.problems() == []  # the id was waited to its terminal answer
+
+
+@pytest.mark.asyncio
+async def test_a_try_wait_that_never_recovers_times_the_call_out_and_the_close_ends(
+    caches: list[torch.Tensor],
+) -> None:
+    outage, checked, engine = outage_rig(caches, request_timeout_ms=1000)
+    await engine.start()
+    try:
+        outage.failing.set()
+        offload = asyncio.ensure_future(engine.offload("u", torch.arange(4), TOKENS))
+        assert await asyncio.to_thread(outage.enough.wait, 10)
+        with pytest.raises(aiokv.RequestTimeout):  # not a StoreError: the copy may still end
+            await asyncio.wait_for(offload, 10)
+        assert engine.stats().store_tasks_open == 1  # still asked about
+    finally:
+        await asyncio.wait_for(engine.aclose(timeout=0.2), 10)  # given up at its deadline
+    assert engine.stats().pending == 0
+    problems = checked.problems()  # the close gave up on it: the store closed under it
+    assert len(problems) == 1 and "launched but never waited" in problems[0], problems
+
+
+@pytest.mark.asyncio
+async def test_an_evict_during_a_try_wait_outage_fails_and_drops_nothing(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+    outage, checked, engine = outage_rig(caches, request_timeout_ms=0)
+    async with engine:
+        outage.failing.set()
+        offload = asyncio.ensure_future(engine.offload("u", torch.arange(4), TOKENS))
+        try:
+            assert await asyncio.to_thread(copying.entered.wait, 10)
+            with pytest.raises(aiokv.StoreError, match="nothing was dropped"):
+                await asyncio.wait_for(engine.evict("u"), 10)
+        finally:
+            outage.failing.clear()
+            copying.set()
+        assert (await asyncio.wait_for(offload, 10)).stored_tokens == TOKENS
+        async with await engine.lookup("u", TOKENS) as hit:
+            assert hit.cached_tokens == TOKENS  # the evict dropped nothing
+        assert await engine.evict("u") == TOKENS  # once the store answers again
     assert checked.problems() == []

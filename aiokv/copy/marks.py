@@ -6,7 +6,9 @@ as it has queued that layer's copies (:meth:`LayerMarks.layer_queued`, in layer 
 a waiter for layer 0 need not wait for the later layers to be queued), on the CPU it
 reports each layer once copied (:meth:`LayerMarks.layer_done`); either way it ends with
 :meth:`LayerMarks.finish` or :meth:`LayerMarks.fail`. Waiters never hang: a failure, or a
-copier that ends without queuing a layer, wakes every waiter with the error.
+copier that ends without queuing a layer, wakes every waiter with the error. A thread that
+waits for someone who stopped waiting (a cancelled ``layer_ready``) is let go at once
+(:meth:`LayerMarks.abandon`): such threads come from a pool that every engine shares.
 """
 
 from __future__ import annotations
@@ -18,6 +20,21 @@ from typing import Any
 
 class LayerFailed(Exception):
     """The load failed before this layer was in place; the message says why."""
+
+
+# What _settled answers a waiter abandoned first (compared by identity).
+_ABANDONED: tuple[Any, ...] = ("abandoned",)
+
+
+class Waiter:
+    """One thread's wait in :meth:`LayerMarks.synchronize`, which another thread may
+    abandon (:meth:`LayerMarks.abandon`). ``abandoned`` is read and written under the
+    marks' lock."""
+
+    __slots__ = ("abandoned",)
+
+    def __init__(self) -> None:
+        self.abandoned = False
 
 
 class LayerMarks:
@@ -73,9 +90,9 @@ class LayerMarks:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} is outside [0, {self.num_layers})")
 
-    def _settled(self, layer: int) -> tuple[Any, ...] | None:
+    def _settled(self, layer: int, waiter: Waiter | None = None) -> tuple[Any, ...] | None:
         """Block until layer ``layer`` is in place (None) or has events to wait on; raise
-        LayerFailed if the load failed first."""
+        LayerFailed if the load failed first. ``waiter`` abandoned first: _ABANDONED."""
         with self._changed:
             while True:
                 if self._done > layer:
@@ -86,6 +103,8 @@ class LayerMarks:
                     raise LayerFailed(self._error)
                 if self._ended:
                     return None
+                if waiter is not None and waiter.abandoned:
+                    return _ABANDONED
                 self._changed.wait()
 
     def wait(self, layer: int, stream: Any = None) -> None:
@@ -103,15 +122,28 @@ class LayerMarks:
         for event in events:
             stream.wait_event(event)
 
-    def synchronize(self, layer: int) -> None:
-        """Block this thread until layer ``layer`` is in place."""
+    def synchronize(self, layer: int, waiter: Waiter | None = None) -> bool:
+        """Block this thread until layer ``layer`` is in place (True), or until ``waiter``
+        is abandoned while its copies are not yet queued (False); LayerFailed if the load
+        failed first. Once queued, the copies are waited for (their events), abandoned
+        or not: that wait is bounded by the copy."""
         self._check(layer)
-        events = self._settled(layer)
+        events = self._settled(layer, waiter)
+        if events is _ABANDONED:
+            return False
         for event in events or ():
             event.synchronize()
         with self._changed:
             if self._error is not None and self._done <= layer and events is None:
                 raise LayerFailed(self._error)
+        return True
+
+    def abandon(self, waiter: Waiter) -> None:
+        """Let ``waiter``'s thread go: its :meth:`synchronize` returns False at once
+        where the layer's copies are not yet queued (any thread; never blocks)."""
+        with self._changed:
+            waiter.abandoned = True
+            self._changed.notify_all()
 
     def is_ready(self, layer: int) -> bool:
         """Whether layer ``layer`` is in place now (never blocks; False after a failure

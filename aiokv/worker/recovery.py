@@ -5,9 +5,15 @@ retry with capped backoff, and lose nothing meanwhile.
   and are cancelled again, in one call, each time their backoff has passed, until a
   cancel succeeds or the store closes (the worker makes one last attempt before it
   closes the store). An id is never dropped while the store is open.
-- :class:`PollFailures`: a ``try_wait`` that raises is asked again after a backoff; only
-  :data:`POLL_ATTEMPTS` failures in a row (no answer in between) fail the launched
-  requests, because then the store can no longer tell about them.
+- :class:`PollFailures`: a ``try_wait`` that raises (an outage, however long) is asked
+  again after a capped backoff. Launched ids are never dropped while the store is open:
+  their copies still run, and a caller told that its offload failed would reuse pages
+  that the store may still read (and then commit under the old key). Their requests stay
+  pending until their tasks are terminal or their ``request_timeout_ms`` passes
+  (``RequestTimeout``: the transfer may still complete); the ids stay open tasks. Only
+  the engine's close gives up on them, at its deadline, as the store closes. An evict or
+  clear waits through :data:`EVICT_POLL_ATTEMPTS` failures in a row for what was launched
+  before it, then fails itself (nothing dropped) rather than hold the store thread.
 
 Clock: ``time.perf_counter``, read here (store thread only).
 """
@@ -22,7 +28,7 @@ log = logging.getLogger("aiokv")
 
 FIRST_BACKOFF_S = 0.001
 MAX_BACKOFF_S = 0.5
-POLL_ATTEMPTS = 8  # try_wait failures in a row before the launched requests fail
+EVICT_POLL_ATTEMPTS = 8  # try_wait failures in a row an evict waits through, then fails
 
 
 def _next_backoff(backoff_s: float) -> float:
@@ -95,16 +101,22 @@ class OwedCancels:
 
 
 class PollFailures:
-    """Consecutive ``try_wait`` failures and when the next poll is due."""
+    """A ``try_wait`` outage: its failures in a row, since when, and the next poll's due."""
 
     def __init__(self) -> None:
         self._failures = 0
+        self._since = 0.0
         self._backoff_s = FIRST_BACKOFF_S
         self._due = 0.0
 
     @property
     def backing_off(self) -> bool:
         return self._failures > 0
+
+    @property
+    def failures(self) -> int:
+        """Failures in a row (0: the last poll was answered)."""
+        return self._failures
 
     def due(self) -> bool:
         return not self._failures or time.perf_counter() >= self._due
@@ -113,20 +125,25 @@ class PollFailures:
         return max(self._due - time.perf_counter(), 0.0)
 
     def failed(self) -> bool:
-        """A poll raised: True when the launched requests must fail now (too many in a
-        row), else the next poll waits for a backoff."""
+        """A poll raised: the next one waits for a backoff (doubling up to
+        :data:`MAX_BACKOFF_S`). True for an outage's first failure (the one to log)."""
+        now = time.perf_counter()
         self._failures += 1
-        if self._failures >= POLL_ATTEMPTS:
-            self.answered()
-            return True
-        self._due = time.perf_counter() + self._backoff_s
+        if self._failures == 1:
+            self._since = now
+        self._due = now + self._backoff_s
         self._backoff_s = _next_backoff(self._backoff_s)
-        return False
+        return self._failures == 1
 
-    def answered(self) -> None:
+    def answered(self) -> tuple[int, float] | None:
+        """A poll was answered: the outage it ends, as (failures, seconds), if any."""
+        outage = None
+        if self._failures:
+            outage = (self._failures, time.perf_counter() - self._since)
         self._failures = 0
         self._backoff_s = FIRST_BACKOFF_S
         self._due = 0.0
+        return outage
 
 
 def retry_timeout(

@@ -35,7 +35,7 @@ from ..stores.base import Capabilities, Store, capacity_tokens, no_yield
 from .calls import StoreCalls
 from .handoff import GilSlice
 from .plans import outcome as outcome_of
-from .recovery import PollFailures, retry_timeout
+from .recovery import EVICT_POLL_ATTEMPTS, PollFailures, retry_timeout
 from .rounds import Rounds
 
 log = logging.getLogger("aiokv")
@@ -90,6 +90,8 @@ class StoreWorker:
         self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
         self._calls = StoreCalls(store, self._slice.yield_if_used)
         self._polls = PollFailures()  # try_wait failures in a row, and the next poll's due
+        # Set by stop(): when launched tasks stop being waited through a try_wait outage.
+        self._give_up_at: float | None = None
         self._rounds = Rounds(  # each batch's store round (aiokv.worker.rounds)
             store, self._caps, self._calls, self._slice, side_stream,
             self._launched, self._reserved, self._held_keys, self.release_one,
@@ -130,12 +132,15 @@ class StoreWorker:
             if self._accepting:
                 self._inbox.put(_Release(task_ids))
 
-    def stop(self) -> None:
+    def stop(self, give_up_s: float) -> None:
         """End the inbox: work already accepted is processed, launched tasks are waited
-        for, open reservations are cancelled, then the store is closed."""
+        for, open reservations are cancelled, then the store is closed. A ``try_wait``
+        that still fails ``give_up_s`` seconds from now (the close's deadline) fails the
+        launched requests still waited for: the store closes next."""
         with self._accept_lock:
             if self._accepting:
                 self._accepting = False
+                self._give_up_at = time.perf_counter() + give_up_s
                 self._inbox.put(_STOP)
 
     def join(self, timeout: float | None = None) -> bool:
@@ -307,20 +312,32 @@ class StoreWorker:
         except StoreError:
             log.warning("store.try_wait([]) failed after a wake-up", exc_info=True)
 
-    def _poll(self) -> None:
+    def _poll(self) -> StoreError | None:
+        """Ask the store about the launched ids and take its answers; the error, if
+        ``try_wait`` failed."""
         try:
             results = self._calls.call(self._store.try_wait, list(self._launched))
         except StoreError as error:
-            if not self._polls.failed():
-                log.warning("store.try_wait failed; polling again", exc_info=True)
-                return
-            # Failed again and again: the store can no longer tell us about these tasks;
-            # fail them rather than poll forever.
-            log.exception("store.try_wait failed; failing %d launched tasks", len(self._launched))
-            self._outbox.extend((r, error) for r in self._launched.values())
-            self._launched.clear()
-            return
-        self._polls.answered()
+            # Their copies still run: the requests stay pending (their deadlines apply)
+            # and their ids are asked about again, after a backoff (recovery.py).
+            if self._polls.failed():
+                log.warning(
+                    "store.try_wait failed; %d launched tasks stay pending, asked again with "
+                    "backoff until it answers", len(self._launched), exc_info=True,
+                )
+            give_up_at = self._give_up_at
+            if give_up_at is not None and time.perf_counter() >= give_up_at:
+                # The engine closes and its deadline has passed: the store closes next.
+                log.error(
+                    "store.try_wait still fails as the engine closes; failing %d launched "
+                    "tasks", len(self._launched),
+                )
+                self._outbox.extend((r, error) for r in self._launched.values())
+                self._launched.clear()
+            return error
+        outage = self._polls.answered()
+        if outage is not None:
+            log.warning("store.try_wait answers again, after %d failures over %.3fs", *outage)
         launched, page_size = self._launched, self._page_size
         for task_id, result in results.items():
             if self._slice.used():
@@ -333,17 +350,30 @@ class StoreWorker:
             outcome = outcome_of(request, result, page_size)  # should it raise, it is still held
             del launched[task_id]
             self._outbox.append((request, outcome))
+        return None
 
     def _invalidate(self, item: Invalidation) -> None:
         """An evict or clear, in inbox order: its reservations given back, then once what
         was launched before it is terminal (and answered),
-        :func:`aiokv.invalidation.invalidate`."""
+        :func:`aiokv.invalidation.invalidate`. A ``try_wait`` that keeps failing fails the
+        evict instead (nothing dropped), and the launched tasks are waited for as usual."""
         try:
             give_back(item, self._calls, self._reserved, self._held_keys)
+            failure: StoreError | None = None
             while self._launched:
                 self._post()
                 if self._polls.due():  # a failing try_wait is retried after its backoff,
-                    self._poll()  # as outside an evict, not failed at once by a fast loop
+                    failure = self._poll()  # as outside an evict, not failed by a fast loop
+                if self._launched and self._polls.failures >= EVICT_POLL_ATTEMPTS:
+                    self._post()
+                    error = StoreError(
+                        f"store.try_wait keeps failing ({self._polls.failures} times in a "
+                        f"row): {len(self._launched)} tasks launched before this "
+                        f"{item.verb} may still write; nothing was dropped"
+                    )
+                    error.__cause__ = failure
+                    item.answer(error)
+                    return
                 if self._launched:
                     time.sleep(max(self._poll_interval_s, self._polls.wait_s()))
             self._post()
