@@ -386,11 +386,22 @@ class Copier:
         # Writable copies where needed: the store's block arrays may be read-only.
         page_index = torch.from_numpy(np.require(pages, requirements="W"))
         block_index = torch.from_numpy(np.require(blocks, requirements="W"))
-        for layer, cache in enumerate(self._caches):
-            host = self._pool[:, layer]
+        pool = _raw(self._pool)
+        for layer, cache in enumerate(map(_raw, self._caches)):
+            host = pool[:, layer]
             if job.to_host:
                 host.index_copy_(0, block_index, cache.index_select(0, page_index))
             else:
                 cache.index_copy_(0, page_index, host.index_select(0, block_index))
                 for m in marks:
                     m.layer_done(layer)
+
+
+# A dtype's bytes as a signed integer of its size: torch's CPU index ops lack some dtypes
+# (float8, uint16/32/64), and a copy moves bytes, whatever they mean.
+_RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    raw = _RAW.get(tensor.element_size())
+    return tensor if raw is None or tensor.dtype == raw else tensor.view(raw)
