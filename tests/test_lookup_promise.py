@@ -4,7 +4,8 @@ host tier of two users over an SSD tier that holds everyone:
 - every load brings the tokens its Lookup reported, bit for bit, under both SSD write
   policies, while every user's Lookup is held at once and offloads compete for the room;
 - pages only the SSD has are a hit even when the host tier has no room to stage them at
-  that moment: the load waits for the room (``EngineStats.stage_waits`` counts it).
+  that moment: the load waits for the room (``EngineStats.stage_waits`` counts it);
+- a launched load never waits for the room a held Lookup's prefetch took (it gives way).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import held
 from test_ssd import BLOCK, DIM, HEADS, HOST_BLOCKS, LAYERS, PAGE, SLOT, USER_PAGES
 
 import aiokv
+from aiokv.stores.local import ssd as ssd_module
 
 HISTORY = USER_PAGES * PAGE  # 128 tokens
 USERS = 12  # six times the host tier
@@ -178,3 +181,53 @@ async def test_a_clear_gives_back_the_room_a_waiting_load_needs(tmp_path: Path) 
         assert dropped >= 4 * HISTORY
         assert [(await engine.load(h, destination(2))).loaded_tokens for h in holders] == [0, 0]
         assert (await engine.lookup(0, HISTORY)).cached_tokens == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("prefetch", ["read", "reading"])
+async def test_a_held_lookup_s_prefetch_gives_its_room_to_a_launched_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefetch: str
+) -> None:
+    # Users 0 and 1 are on SSD only (users 2 and 3 came after them into the host tier of
+    # 16 blocks); user 1's history is 12 pages, more than half of the tier. User 0's
+    # Lookup is held, not loaded: its 8 pages are prefetched into the host tier (their
+    # reads still running when user 1's load comes, or not). User 1's load needs more
+    # room than the prefetch leaves, and there is no request timeout: it must not wait
+    # for that room until user 0's Lookup expires (a minute here).
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=0,
+                               lookup_ttl_ms=60_000)
+    pages = torch.arange(4 * USER_PAGES, 4 * USER_PAGES + 12)  # user 1's 12 source pages
+    tokens = len(pages) * PAGE
+    async with engine:
+        await engine.offload(0, source(0), HISTORY)
+        await engine.offload(1, pages, tokens)
+        for user in (2, 3):
+            await engine.offload(user, source(user), HISTORY)
+        reads = held(monkeypatch, ssd_module.SsdTier, "_run",
+                     lambda tier, request, *args: prefetch == "reading" and not request.is_write)
+        try:
+            held_hit = await engine.lookup(0, HISTORY)
+            hit = await engine.lookup(1, tokens)
+            assert (held_hit.cached_tokens, hit.cached_tokens) == (HISTORY, tokens)
+            forget_loads(caches)
+            loading = asyncio.ensure_future(engine.load(hit, pages + PAGES // 2))
+            if prefetch == "reading":  # the load waits for room; then the reads come in
+                for _ in range(250):
+                    if engine.stats().stage_waits:
+                        break
+                    await asyncio.sleep(0.02)
+                assert engine.stats().stage_waits == 1
+                reads.set()
+            got = await asyncio.wait_for(loading, 5.0)
+        finally:
+            reads.set()
+        assert got.loaded_tokens == tokens
+        assert all(torch.equal(c[pages + PAGES // 2], c[pages]) for c in caches)
+        # The held Lookup still loads all it reported, bit for bit (read again).
+        assert (await engine.load(held_hit, destination(0))).loaded_tokens == HISTORY
+        assert loaded_intact(caches, 0, HISTORY)
+        stats = engine.stats()
+        assert stats.pending == 0 and stats.store_tasks_open == 0
+        await engine.clear()  # drops every block nothing holds: all of them
+    stats = engine.stats()  # final once the engine is closed
+    assert (stats.host_blocks_used, stats.ssd_blocks_used) == (0, 0)

@@ -17,6 +17,14 @@ Staging (host blocks reserved, reads started) happens:
   waiting after ``wait_timeout_s`` (the engine's request_timeout_ms) fails, moving nothing
   more.
 
+A launched load that waits for room also takes it from prefetches not launched yet
+(``_give_way``): otherwise one that needs more than the half of the tier they may hold
+would wait until their Lookups are loaded, released or expire, however long their callers
+keep them (a caller may well wait for this very load first). A prefetch keeps its SSD
+slots held after its reads (``keep``), so that once they are in it can give its host
+blocks back (out of the host tier, free) and wait to be staged again like a load matched
+without room: its Lookup still loads all it reported, read once more.
+
 Room comes back as tasks end; and the host prefix of a launched load that waits for room
 goes back as soon as its GPU copy is done, so loads waiting for room never wait for each
 other's prefixes. A match promises at most what the tier could ever stage beside its own
@@ -97,7 +105,8 @@ class LoadStaging:
     _waiting: list[Load]  # matched, not launched, not staged: oldest first
     _owed: list[Load]  # launched, not staged: oldest launch first
     _unstaged: dict[tuple[str, ...], int]  # loads of each key in _waiting or _owed
-    _prefetched: int  # host blocks staged for loads not launched yet
+    _prefetches: dict[Load, None]  # staged, not launched nor cancelled: oldest first
+    _prefetched: int  # their host blocks
     stage_waits: int  # launches that found no room to stage their SSD pages
     wait_timeout_s: float | None  # how long they wait (None: until there is room)
 
@@ -122,10 +131,14 @@ class LoadStaging:
         slots = slots[:count]
         self.ssd.tier.hold(slots)
         load = Load(task, hits + count, hits, key, rest[:count], slots)
-        self._unstaged[key] = self._unstaged.get(key, 0) + 1
-        self._waiting.append(load)
+        self._wait(load)
         self.stage_waiting()
         return load
+
+    def _wait(self, load: Load) -> None:
+        """A matched load, its SSD slots held, waits to be staged."""
+        self._unstaged[load.key] = self._unstaged.get(load.key, 0) + 1
+        self._waiting.append(load)
 
     def leave_owed(self, count: int) -> None:
         """Raises NoSpace when a put of ``count`` new blocks would take host room that
@@ -147,10 +160,12 @@ class LoadStaging:
             now = time.monotonic()
             while owed and owed[0].give_up_at is not None and owed[0].give_up_at <= now:
                 self._give_up(owed.pop(0))
-        while owed and self._stage(owed[0]):
+        while owed:
+            if not self._stage(owed[0]) and not (
+                self._give_way(len(owed[0].slots)) and self._stage(owed[0])
+            ):
+                return
             owed.pop(0)
-        if owed:
-            return
         limit = self.host.num_blocks // 2
         while waiting and self._prefetched + len(waiting[0].slots) <= limit:
             load = waiting[0]
@@ -159,6 +174,7 @@ class LoadStaging:
             waiting.pop(0)
             load.prefetched = len(load.host_blocks)
             self._prefetched += load.prefetched
+            self._prefetches[load] = None
 
     def _stage(self, load: Load) -> bool:
         """Reserve the load's host blocks and start its reads; False: no room yet."""
@@ -172,8 +188,65 @@ class LoadStaging:
         load.space = host.index.insert(load.key, load.digests, blocks)  # WRITING
         host.readers[blocks] = 1  # this task's
         load.host_blocks = blocks
-        load.reads = self.ssd.read(load.slots, blocks, load.key, load.digests, load)
+        # A prefetch keeps its slots, to give its host blocks back (_give_way).
+        load.reads = self.ssd.read(load.slots, blocks, load.key, load.digests, load,
+                                   keep=load.gpu_pages is None)
         return True
+
+    def _give_way(self, need: int) -> bool:
+        """A launched load waits for ``need`` host blocks: prefetches not launched give
+        theirs back, oldest first, until the tier could have them (``host.available``):
+        each whose reads are in (one still being read gives way once they are: ``drain``
+        calls again) and whose blocks no other get reads. Its task gets a new
+        :class:`Load` that waits to be staged again, holding the SSD slots the reads
+        verified (kept: ``_stage``); or, where its key was dropped since or a read
+        failed, one that ends with its host prefix (and that error), as
+        ``drop_unstaged`` ends one. Returns whether one gave way."""
+        host = self.host
+        short = need - host.available()
+        gave = False
+        for load in list(self._prefetches):
+            if short <= 0:
+                break
+            good = load.good
+            blocks = load.host_blocks[:good]
+            if not load.finished or not good or (host.readers[blocks] != 1).any():
+                continue
+            task = load.task
+            new = Load(task, load.match_pages, load.hits, load.key, [], NO_BLOCKS,
+                       error=load.error)
+            again = load.error is None and host.index.space(load.key) is load.space
+            if again:
+                new.digests, new.slots = load.digests[:good], load.slots[:good]
+                self.ssd.tier.hold(new.slots)  # before the reads' holds go back
+            self._unprefetch(load)
+            host.roll_back(load.space, load.digests[:good], blocks)
+            task.blocks, task.load = task.blocks[: load.hits], new
+            if again:
+                self._wait(new)
+            else:
+                self._finish(new)
+            short -= good
+            gave = True
+        return gave
+
+    def _unprefetch(self, load: Load) -> None:
+        """A prefetch is launched, cancelled or gives way: it no longer counts against
+        the prefetches' half of the tier, and its reads keep no SSD slot (those in now
+        give theirs back, the others as they come in)."""
+        if not load.prefetched:
+            return
+        self._prefetched -= load.prefetched
+        load.prefetched = 0
+        del self._prefetches[load]
+        kept = []
+        for request in load.reads:
+            if request.arrived < request.ops:
+                request.keep = False
+            elif request.keep:
+                kept.append(request.slots[request.ok])
+        if kept:
+            self.ssd.tier.drop_readers(np.concatenate(kept))
 
     def _count_out(self, key: tuple[str, ...]) -> None:
         """A load of ``key`` is staged, or will never be."""
@@ -211,8 +284,7 @@ class LoadStaging:
 
     def launch_load(self, load: Load, gpu_pages: Any, ready: Sequence[Any]) -> None:
         load.gpu_pages, load.ready = gpu_pages, ready
-        self._prefetched -= load.prefetched
-        load.prefetched = 0
+        self._unprefetch(load)
         task = load.task
         if load.finished:
             self._copy([task], gpu_pages[: len(task.blocks)], task.blocks, load)
@@ -233,8 +305,7 @@ class LoadStaging:
 
     def cancel_load(self, load: Load) -> None:
         load.cancelled = True
-        self._prefetched -= load.prefetched
-        load.prefetched = 0
+        self._unprefetch(load)
         if load.finished:  # its reads settled, or an evict dropped it unstaged
             self._end([load.task], False)
         elif not load.staged:  # nothing was read: the SSD slots go back now

@@ -53,6 +53,9 @@ class SsdRequest:
     digests: list[bytes]
     namespaces: list[bytes]  # encoded, per block
     owner: Any = None  # the store's bookkeeping (a flush, a load)
+    # A read's verified slots stay held once it is in (a prefetch's: loads.py); its owner
+    # may clear this until then.
+    keep: bool = False
     ok: BoolArray = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
     error: str | None = None
     ops: int = 0
@@ -220,10 +223,11 @@ class SsdTier:
 
     def read(
         self, slots: Int64Array, host_blocks: Int64Array, namespace: tuple[str, ...],
-        digests: Sequence[bytes], owner: Any,
+        digests: Sequence[bytes], owner: Any, keep: bool = False,
     ) -> list[SsdRequest]:
         """Start reading READY slots (held by the caller with ``tier.hold``; ``drain``
-        drops that hold) into host blocks, in chunks in order; each chunk is reported by
+        drops that hold, except on the verified slots of a request whose ``keep`` is
+        still set then) into host blocks, in chunks in order; each chunk is reported by
         ``drain`` with ``ok`` per block."""
         ns = encode_namespace(namespace) or b""
         per = max(1, READ_CHUNK_BYTES // self.slot_bytes)
@@ -233,7 +237,7 @@ class SsdTier:
             end = min(start + per, len(slots))
             request = SsdRequest(
                 False, slots[start:end], host_blocks[start:end], list(digests[start:end]),
-                [ns] * (end - start), owner,
+                [ns] * (end - start), owner, keep,
             )
             requests.append(request)
             self._submit(request)
@@ -355,10 +359,10 @@ class SsdTier:
                 # Slots a drop voided while they were read fail by design: not damage.
                 # (Known before drop_readers, which may free them and end their record.)
                 voided = self.voids.voided_mask(slots)
-                tier.drop_readers(slots)
                 if request.error is not None:
                     request.ok[:] = False
-                else:
+                tier.drop_readers(slots[~request.ok] if request.keep else slots)
+                if request.error is None:
                     stats["bytes_ssd_read"] += len(slots) * self.block_bytes
                     bad = slots[~request.ok if voided is None else ~(request.ok | voided)]
                     if len(bad):

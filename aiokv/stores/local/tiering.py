@@ -79,6 +79,7 @@ class TierLink(LoadStaging):
         self._waiting: list[Load] = []
         self._owed: list[Load] = []
         self._unstaged: dict[tuple[str, ...], int] = {}
+        self._prefetches: dict[Load, None] = {}
         self._prefetched = 0
         self.stage_waits = 0
         self.wait_timeout_s: float | None = None  # LocalStore.set_wait_timeout
