@@ -31,7 +31,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -45,6 +44,7 @@ from ...remote.link import RemoteLink
 from ...remote.reads import Published
 from ..base import BoolArray, Int64Array, NoSpace, capacity_tokens
 from ..local.blocks import NO_BLOCKS, READY, Tier
+from ..local.ssd_voids import VoidsDone
 from ..local.tiering import TierLink
 from .deferred import DeferredGets, launch_staged
 from .puts import match_puts
@@ -55,7 +55,7 @@ from .wire import Answer, Query
 log = logging.getLogger("aiokv.server")
 
 # An evict's tokens, its SSD voids' event and its remote marker (each None without the tier).
-Dropped = tuple[int, threading.Event | None, Published | None]
+Dropped = tuple[int, VoidsDone | None, Published | None]
 
 
 class Service:
@@ -323,8 +323,9 @@ class Service:
 
     def evict(self, namespace: tuple[str, ...]) -> Dropped:
         """The tokens dropped, an event set once the SSD holds none of them (None
-        without an SSD tier), and one set once Mooncake has the marker that hides them
-        from other hosts, or its ``timeout_ms`` is up (None without a remote tier)."""
+        without an SSD tier; its ``failure`` says why it may: the evict's answer is then
+        an error), and one set once Mooncake has the marker that hides them from other
+        hosts, or its ``timeout_ms`` is up (None without a remote tier)."""
         return self._drop_namespace(namespace)
 
     def clear(self) -> Dropped:
