@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ import uvloop
 import aiokv
 from aiokv.remote.native import unavailable
 from aiokv.remote.servers import MooncakeServers
+from aiokv.stores.local import ssd_io
 
 # The plugin's fixtures (aiokv_engine, ...). An install made before its pytest11 entry
 # point existed does not load it by itself.
@@ -69,6 +71,28 @@ def failing_first_call(function: Callable[..., Any], message: str) -> Callable[.
         return function(*args)
 
     return wrapped
+
+
+def failing_header_voids(monkeypatch: pytest.MonkeyPatch, meta_too: bool = False) -> None:
+    """The SSD tier's header voids (a write of one zeroed header, what an evict does to
+    the slots that name its key) fail with EIO from now on, and with ``meta_too`` its
+    meta files' writes (a new epoch); its data writes go on."""
+    real = ssd_io.SsdFiles.write
+
+    def eio() -> OSError:
+        return OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def write(files: ssd_io.SsdFiles, k: int, offset: int, buffers: Any) -> None:
+        if len(buffers) == 1:
+            raise eio()
+        real(files, k, offset, buffers)
+
+    def write_meta(*args: Any) -> None:
+        raise eio()
+
+    monkeypatch.setattr(ssd_io.SsdFiles, "write", write)
+    if meta_too:
+        monkeypatch.setattr(ssd_io, "write_meta", write_meta)
 
 
 def launch_slots(store: Any, task_ids: Any, slot_mappings: Any) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import held
+from conftest import failing_header_voids, held
 from shared_host import PAGE_SIZE, user_kv
 from shared_inprocess import (
     PAGES,
@@ -201,6 +201,55 @@ def test_an_evict_answers_once_its_ssd_voids_are_written(
         assert fresh.get_match(TOKENS, ["user:6"])[1].sum() == 0
     finally:
         fresh.close()
+
+
+def restarted_finds(host: Host, user: int) -> int:
+    """Tokens of ``user`` the server finds after a restart (a kill -9 there would be no
+    kinder: the evict had answered)."""
+    host.stop()
+    host.start()
+    fresh, _ = host.engine()
+    try:
+        return int(fresh.get_match(TOKENS, [f"user:{user}"])[1].sum())
+    finally:
+        fresh.close()
+
+
+def test_an_evict_whose_ssd_voids_fail_keeps_the_key_out_of_a_restart(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk refuses the writes that void the key's slot headers: the evict answers
+    the tokens dropped all the same, and the server does not find the key at its
+    restart (that file's headers are retired instead)."""
+    writer, tables = host.engine()
+    try:
+        offload(writer, tables, 7)
+        wait_for(lambda: writer.store_stats()["bytes_ssd_written"] > 0, "the SSD copy")
+        failing_header_voids(monkeypatch)
+        assert writer.evict(["user:7"]) == PAGES * PAGE_SIZE
+    finally:
+        writer.close()
+    monkeypatch.undo()
+    assert restarted_finds(host, 7) == 0
+
+
+def test_an_evict_that_cannot_void_its_key_on_ssd_answers_a_store_error(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the header voids nor the meta file's new epoch can be written: the evict
+    raises StoreError, saying so; evicting the key again once the disk is well voids
+    what names it, and the restarted server does not find it."""
+    writer, tables = host.engine()
+    try:
+        offload(writer, tables, 8)
+        wait_for(lambda: writer.store_stats()["bytes_ssd_written"] > 0, "the SSD copy")
+        failing_header_voids(monkeypatch, meta_too=True)
+        with pytest.raises(StoreError, match="could not void"):
+            writer.evict(["user:8"])
+        assert writer.get_match(TOKENS, ["user:8"])[1].sum() == 0
+        monkeypatch.undo()
+        assert writer.evict(["user:8"]) == 0
+    finally:
+        writer.close()
+    assert restarted_finds(host, 8) == 0
 
 
 def test_a_put_under_way_when_its_key_is_evicted_is_never_written_to_ssd(host: Host) -> None:

@@ -24,7 +24,7 @@ from shared_inprocess import (
 )
 
 import aiokv
-from aiokv.stores.shared import service as service_module
+from aiokv.stores.shared import deferred as deferred_module
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
                                 reason="the shared region needs memfd_create (Linux)")
@@ -123,7 +123,7 @@ def test_reads_past_the_timeout_answer_the_host_prefix_and_free_everything_later
     """A lookup whose SSD reads take longer than the server waits (30 s; 0.3 here) is
     answered with what the host tier has (nothing here), and so is a lookup of the same
     key that waited behind it; once the reads are in and both end, nothing is held."""
-    monkeypatch.setattr(service_module, "SSD_STAGE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(deferred_module, "SSD_STAGE_TIMEOUT_S", 0.3)
     gate = on_ssd_only(host, 13, monkeypatch)
     reader, _ = host.engine()
     twin, _ = host.engine()

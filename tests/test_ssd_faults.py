@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import launch_slots
+from conftest import failing_header_voids, launch_slots
 from test_ssd import (
     BLOCK,
     HOST_BLOCKS,
@@ -21,7 +21,9 @@ from test_ssd import (
     caches_for,
     check_loads,
     engine_on,
+    figure,
     load_back,
+    named_on_disk,
     offload,
     same,
     source_pages,
@@ -151,6 +153,55 @@ def test_evict_and_clear_drop_both_tiers_and_stay_dropped(tmp_path: Path) -> Non
     store.register(caches_for())
     assert store.store_stats()["ssd_blocks_used"] == 0  # and so did the clear
     store.close()
+
+
+@pytest.mark.asyncio
+async def test_an_evict_whose_header_voids_fail_keeps_the_key_out_of_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk refuses the writes that void the evicted key's slot headers, which still
+    name it on disk: the evict drops the key for good all the same. It answers the
+    tokens dropped, and a restart on the directory does not find the key (every header
+    of that file is retired instead: the file's other blocks are misses there too)."""
+    caches, original, store, engine = engine_on(tmp_path)
+    async with engine:
+        for user in (0, 1):
+            assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+        await figure(store, "bytes_ssd_written", 2 * USER_PAGES * BLOCK)
+        failing_header_voids(monkeypatch)
+        assert await engine.evict(0) == USER_PAGES * PAGE
+        assert await load_back(engine, 0, TARGET) == 0
+        await check_loads(engine, (1,), caches, original)  # kept until the restart
+    monkeypatch.undo()
+    assert named_on_disk(tmp_path, 0) == USER_PAGES  # the voids did fail
+    _, _, _, engine = engine_on(tmp_path)
+    async with engine:
+        assert await load_back(engine, 0, TARGET) == 0
+
+
+@pytest.mark.asyncio
+async def test_an_evict_that_cannot_void_its_key_on_ssd_raises_store_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk refuses the header voids and the meta file's new epoch too: nothing on
+    disk can forget the key, and the evict says so with a StoreError (the key is gone
+    from this store all the same). Evicting it again once the disk is well voids the
+    headers that still name it, so that a restart does not find it."""
+    _, _, store, engine = engine_on(tmp_path)
+    async with engine:
+        assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
+        await figure(store, "bytes_ssd_written", USER_PAGES * BLOCK)
+        failing_header_voids(monkeypatch, meta_too=True)
+        with pytest.raises(aiokv.StoreError, match="could not void"):
+            await engine.evict(0)
+        assert await load_back(engine, 0, TARGET) == 0
+        monkeypatch.undo()
+        assert named_on_disk(tmp_path, 0) == USER_PAGES
+        assert await engine.evict(0) == 0  # nothing left to drop; its headers voided
+        assert named_on_disk(tmp_path, 0) == 0
+    _, _, _, engine = engine_on(tmp_path)
+    async with engine:
+        assert await load_back(engine, 0, TARGET) == 0
 
 
 def test_evict_and_clear_without_an_ssd_tier() -> None:

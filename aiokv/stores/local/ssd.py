@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 import mmap
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from .ssd_format import (
     unpack_header,
 )
 from .ssd_io import SsdFiles
-from .ssd_voids import HeaderVoids
+from .ssd_voids import HeaderVoids, VoidsDone
 
 log = logging.getLogger("aiokv")
 
@@ -386,11 +385,12 @@ class SsdTier:
 
     # ---- invalidation --------------------------------------------------------------
 
-    def drop_namespace(self, namespace: tuple[str, ...] | None) -> threading.Event:
+    def drop_namespace(self, namespace: tuple[str, ...] | None) -> VoidsDone:
         """Forget one namespace's slots (None: all; Tier.drop_namespace) and void them on
         disk. Returns an event set once no slot on disk names the namespace's blocks, so
-        that a restart, even after a kill -9, does not find them again; that takes
-        moments, not the writes queued before (their lanes are not waited for):
+        that a restart, even after a kill -9, does not find them again (or once its
+        ``failure`` says why one may: :mod:`.ssd_voids`); that takes moments, not the
+        writes queued before (their lanes are not waited for):
 
         - idle slots, and slots a held lookup or a read still uses (that read then
           fails, as a load of a dropped key should): voided ahead of the queued writes;
@@ -404,7 +404,7 @@ class SsdTier:
         dropped = tier.drop_namespace(namespace)
         in_use = [s for space in tier.buried[buried:] for s in space.values()]
         if namespace is None:  # every older header void at once (the meta file, fsync'd)
-            self.files.set_epoch(max(m.epoch for m in self.files.metas) + 1)
+            self.files.new_epoch()
         return self.voids.drop(namespace, dropped,
                                [s for s in in_use if tier.state[s] == WRITING],
                                [s for s in in_use if tier.state[s] == READY])

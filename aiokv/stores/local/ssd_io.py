@@ -107,6 +107,8 @@ class SsdFiles:
         self._cond = [(threading.Condition(lock), threading.Condition(lock)) for lock in locks]
         self._closed = False
         self._stopped = False  # every thread has ended (stop)
+        # A clear (store thread) and a void's fallback (a write lane) both renew epochs.
+        self._meta_lock = threading.Lock()
         self._threads = [
             threading.Thread(
                 target=self._run, args=(k, kind), name=f"aiokv-ssd-{k}-{name}", daemon=True
@@ -279,9 +281,14 @@ class SsdFiles:
         for lock in self._locks:  # last: nothing of this store touches the files now
             lock.release()
 
-    def set_epoch(self, epoch: int) -> None:
-        """Void every header written before (clear): a new epoch in each meta file."""
-        for k, path in enumerate(self.paths):
-            meta = self.metas[k]
-            self.metas[k] = Meta(meta.geometry, meta.stripe, meta.slots, epoch)
-            write_meta(path, self.metas[k])
+    def new_epoch(self, k: int | None = None) -> None:
+        """Void every header written before in file ``k`` (None: in every file, a clear):
+        a new epoch in its meta file, past every epoch it had. OSError when a meta file
+        cannot be written (that file keeps its epoch, on disk and here)."""
+        with self._meta_lock:
+            epoch = 1 + max(m.epoch for m in (self.metas if k is None else [self.metas[k]]))
+            for j in range(len(self.paths)) if k is None else [k]:
+                meta = self.metas[j]
+                meta = Meta(meta.geometry, meta.stripe, meta.slots, epoch)
+                write_meta(self.paths[j], meta)
+                self.metas[j] = meta

@@ -18,6 +18,14 @@ a header of the key can sit in:
 Voids are header writes on the files' write lanes (:mod:`.ssd_io`), one op at a time per
 file: ahead of the queued writes (``front``) or behind them. The store thread, the I/O
 threads and the recovery share this state under one lock.
+
+A void the disk refuses (an I/O error) would leave the key to a restart. Its file's
+headers are retired instead, all at once: a new epoch in the file's meta file, as a
+clear does for every file. The file's other blocks are served until then and are misses
+after a restart (a cache may forget; it may not bring back what was evicted). Where the
+meta file cannot be written either, the slot stays listed as naming its key, so that an
+evict of the key voids it again, and the voids' :class:`VoidsDone` says why: an evict
+fails with it (:meth:`.store.LocalStore.evict`, the store server's evict).
 """
 
 from __future__ import annotations
@@ -39,6 +47,16 @@ from .ssd_io import SsdFiles
 log = logging.getLogger("aiokv")
 
 
+class VoidsDone(threading.Event):
+    """Set once a batch of voids is written (:meth:`HeaderVoids.void`). ``failure``: why
+    a header they were to void may still name its key on disk, for a restart to find
+    (None: none can)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failure: str | None = None
+
+
 class HeaderVoids:
     def __init__(self, files: SsdFiles, notify: Callable[[], None]) -> None:
         self._files = files
@@ -54,6 +72,9 @@ class HeaderVoids:
         # Slots of dropped keys voided while in use (store thread only): their void once
         # idle is done already.
         self._voided: set[int] = set()
+        # Files that may hold a header of their current epoch: every file at open, and
+        # a file once a write names a slot of it (its lane drops it at a retirement).
+        self._naming = set(range(files.count))
 
     # ---- what the writes and the index report ----------------------------------------
 
@@ -78,6 +99,7 @@ class HeaderVoids:
             named = [slot not in self._unwritten for slot in slots]
             self._unwritten.difference_update(slots)
             self._packed.update(s for s, ok in zip(slots, named, strict=True) if ok)
+            self._naming.update(s % self._files.count for s in slots)
         return named
 
     def written(self, slots: Sequence[int], landed: bool) -> None:
@@ -113,7 +135,7 @@ class HeaderVoids:
     # ---- a drop -------------------------------------------------------------------
 
     def drop(self, namespace: tuple[str, ...] | None, dropped: Int64Array,
-             writing: Sequence[int], reading: Sequence[int]) -> threading.Event:
+             writing: Sequence[int], reading: Sequence[int]) -> VoidsDone:
         """Void what names ``namespace`` (None: a clear, whose epoch bump voided every
         older header already): ``dropped`` (idle, out of the index), ``writing`` and
         ``reading`` (its slots still in use). Returns an event set once done."""
@@ -148,19 +170,19 @@ class HeaderVoids:
         self.void(slots)
 
     def void(self, slots: Int64Array, front: bool = False, stale: Int64Array = NO_BLOCKS,
-             namespace: tuple[str, ...] | None = None) -> threading.Event:
-        """Zero these slots' headers: behind the file's queued writes, or ``front``:
-        ahead of them; and those of ``stale`` slots whose header still names
-        ``namespace`` when their turn comes. Returns an event set (and the store
-        notified) once they are."""
-        files, event = self._files, threading.Event()
+             namespace: tuple[str, ...] | None = None) -> VoidsDone:
+        """Zero these slots' headers (whose key is ``namespace`` where it is given):
+        behind the file's queued writes, or ``front``: ahead of them; and those of
+        ``stale`` slots whose header still names ``namespace`` when their turn comes.
+        Returns an event set (and the store notified) once they are."""
+        files, event = self._files, VoidsDone()
         by_file: dict[int, list[Callable[[], None]]] = {}
         for slot in slots.tolist():
             by_file.setdefault(slot % files.count, []).append(
-                functools.partial(self._void_one, slot))
+                functools.partial(self._void_one, event, slot, None, namespace))
         for slot in stale.tolist():
             by_file.setdefault(slot % files.count, []).append(
-                functools.partial(self._void_one, slot, namespace))
+                functools.partial(self._void_one, event, slot, namespace, namespace))
         if not by_file:
             event.set()
             return event
@@ -185,27 +207,63 @@ class HeaderVoids:
                     files.submit(k, op, read=False)
         return event
 
-    def _void_one(self, slot: int, only_if: tuple[str, ...] | None = None) -> None:
-        """Zero one slot's header (I/O thread, its file's write lane); ``only_if``: only
-        while the stale header there names that key (no write has landed on it since:
-        the lane runs one op at a time, so none can land between check and void)."""
+    def _void_one(self, done: VoidsDone, slot: int, only_if: tuple[str, ...] | None,
+                  key: tuple[str, ...] | None) -> None:
+        """Zero one slot's header (I/O thread, its file's write lane), which names ``key``
+        (None: not known); ``only_if``: only while the stale header there names that key
+        (no write has landed on it since: the lane runs one op at a time, so none can
+        land between check and void)."""
         files = self._files
+        k = slot % files.count
         if only_if is not None:
             with self._lock:
                 if self._stale.get(slot) != only_if:
                     return
         try:
-            files.write(slot % files.count, slot // files.count * files.slot_bytes,
-                        [self._zero_page])
+            files.write(k, slot // files.count * files.slot_bytes, [self._zero_page])
         except OSError as exc:
-            log.warning("aiokv: voiding an SSD slot failed (a restart may find the key its "
-                        "header names again): %r", exc)
-            return
+            if not self._retire(done, slot, key, exc):
+                return
         with self._lock:
             self._stale.pop(slot, None)
+
+    def _retire(self, done: VoidsDone, slot: int, key: tuple[str, ...] | None,
+                error: OSError) -> bool:
+        """A void the disk refused: every header of the slot's file made so far is
+        retired instead, a new epoch in its meta file (the module docstring says why).
+        Whether it was; if not, the slot stays listed as naming ``key`` and ``done``
+        says why."""
+        files = self._files
+        k = slot % files.count
+        path = files.paths[k]
+        # On the slot's write lane (or after the lanes stopped): no write of the file can
+        # make a header between the void's failure and the new epoch.
+        with self._lock:
+            if k not in self._naming:  # no header made since the last: it is void
+                return True
+        try:
+            files.new_epoch(k)
+        except OSError as exc:
+            log.warning("aiokv: voiding an SSD slot header in %s failed (%r), and so did "
+                        "retiring the file's headers (%r): a restart may find the key it "
+                        "names again", path, error, exc)
+            if key is not None:
+                with self._lock:
+                    self._stale[slot] = key  # an evict of it voids it again
+            done.failure = (f"the SSD tier could not void slot {slot}'s header in {path} "
+                            f"({error!r}) nor retire that file's headers ({exc!r}): a "
+                            "restart may find what was dropped; evict or clear it again "
+                            "once the disk is well")
+            return False
+        with self._lock:
+            self._naming.discard(k)
+        log.warning("aiokv: voiding an SSD slot header in %s failed (%r); every header of "
+                    "that file was retired instead: its blocks are misses after a restart",
+                    path, error)
+        return True
 
     def close(self) -> None:
         self._zero_page.close()
 
 
-__all__ = ["HeaderVoids"]
+__all__ = ["HeaderVoids", "VoidsDone"]

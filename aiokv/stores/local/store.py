@@ -14,6 +14,7 @@ block.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -351,7 +352,9 @@ class LocalStore:
     def evict(self, namespace: Sequence[str]) -> int:
         """Drop every idle block stored under exactly ``namespace``, in both tiers;
         returns the tokens dropped (blocks * page_size). Blocks being written or read at
-        the call stay (they end as their tasks do)."""
+        the call stay (they end as their tasks do). OSError when the SSD tier could not
+        void what names the key on disk (:mod:`.ssd_voids`): dropped here all the same,
+        but a restart may find it; an evict of it once the disk is well voids it."""
         return self._drop(tuple(namespace))
 
     def clear(self) -> int:
@@ -372,6 +375,8 @@ class LocalStore:
                 log.warning("aiokv: an evict's SSD voids were not written within %.0f s; "
                             "a restart before they are may find the key again",
                             SSD_VOID_WAIT_S)
+            elif written.failure is not None:
+                raise OSError(errno.EIO, written.failure)
             return pages * self.page_size
         return len(host.drop_namespace(namespace)) * self.page_size
 

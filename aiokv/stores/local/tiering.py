@@ -22,7 +22,6 @@ Everything here runs on the store thread, from the store's calls and ``drain``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ from .index import Space
 from .loads import Copy, End, Load, LoadStaging
 from .pool import HostPool
 from .ssd import SsdTier
+from .ssd_voids import VoidsDone
 
 _FLUSH, _CLEAN = "flush", "clean"
 
@@ -217,7 +217,7 @@ class TierLink(LoadStaging):
 
     # ---- invalidation, stats -------------------------------------------------------
 
-    def drop(self, namespace: tuple[str, ...] | None) -> tuple[int, threading.Event]:
+    def drop(self, namespace: tuple[str, ...] | None) -> tuple[int, VoidsDone]:
         """Drop a namespace (None: all) in both tiers (Tier.drop_namespace: what is in use
         goes out of reach, freed once idle); returns the number of distinct pages no tier
         holds any more, and an event set once the SSD holds none of them (its voids are

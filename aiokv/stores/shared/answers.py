@@ -177,10 +177,9 @@ class Answers:
         self._loop.absorb()  # LAUNCHes sent before the bump; gets matched now miss the key
         loads = self.service.invalidate(conn.client, [c.client for c in
                                                       self._loop.peers()], namespace)
-        reply = wire.encode_json({"ok": True, "tokens": tokens})
-        wait = EvictWait(loads, reply, time.monotonic() + EVICT_WAIT_S, written, published)
+        wait = EvictWait(loads, tokens, time.monotonic() + EVICT_WAIT_S, written, published)
         if wait.over():
-            return reply
+            return wait.reply()
         conn.evicting = wait  # answered by _answer_evicts (the SSD wakes the loop)
         return b""
 

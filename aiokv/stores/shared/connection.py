@@ -6,10 +6,11 @@ reads, or an evict waiting for other engines' loads (:class:`EvictWait`)."""
 from __future__ import annotations
 
 import socket
-import threading
 from dataclasses import dataclass, field
 
 from ...remote.reads import Published
+from ..local.ssd_voids import VoidsDone
+from . import wire
 from .tasks import Client, Entry
 
 
@@ -36,10 +37,18 @@ class EvictWait:
     its remote marker is out (or its own time is up), or at ``deadline``."""
 
     loads: list[tuple[Client, int]]
-    reply: bytes
+    tokens: int  # dropped
     deadline: float
-    written: threading.Event | None = None  # set once its SSD voids are on disk
+    written: VoidsDone | None = None  # set once its SSD voids are on disk
     published: Published | None = None  # set once Mooncake has its marker, or at its time
+
+    def reply(self) -> bytes:
+        """The answer: the tokens dropped, or why the SSD may still hold the key (its
+        voids' failure: the engine's evict raises it)."""
+        failure = self.written.failure if self.written is not None else None
+        if failure is not None:
+            return wire.encode_json({"ok": False, "error": failure})
+        return wire.encode_json({"ok": True, "tokens": self.tokens})
 
     def loads_over(self) -> bool:
         return all(task_id not in client.tasks for client, task_id in self.loads)

@@ -424,7 +424,7 @@ class StoreServer:
                 continue
             conn.evicting = None
             try:
-                conn.sock.sendall(wait.reply)
+                conn.sock.sendall(wait.reply())
             except OSError as exc:
                 self._drop(conn, f"reply failed: {exc}")
                 continue

@@ -7,11 +7,9 @@ the engine copies between its caches and those blocks in the region itself, and 
 reports each task's end (:meth:`Service.finish`): a put's blocks are published (and
 written through to SSD) or rolled back, a get's readers dropped. A get's pages that only
 the SSD tier has are read into host blocks before its match is answered (the SSD link's
-load staging), so that an engine only ever copies from the host tier. Such a get is a
-:class:`PendingGet` until its reads are in: the server answers other requests meanwhile
-and the batch's answer waits (:meth:`Service.settle`); a get of a key whose pages a
-pending get is reading waits for it too (a :class:`Retry`), so that it finds them on the
-host rather than missing them. Everything runs on the server's one thread.
+load staging), so that an engine only ever copies from the host tier: such a get, and a
+get of a key whose pages are being read, waits while the server answers other requests
+(:mod:`.deferred`, :meth:`Service.settle`). Everything runs on the server's one thread.
 
 Every task belongs to the connection that matched it (a :class:`Client`): a task id
 from another connection is a :class:`Foreign` (the server drops that peer), and when a
@@ -21,7 +19,7 @@ With ``store.remote`` the server owns a remote tier on Mooncake below both
 (:mod:`aiokv.remote.link`, as the embedded store does): a put's blocks follow in the
 background once its end is reported, and a batch of gets asks Mooncake, in one read, for
 what neither tier has; the gets of those keys wait for it as for another get's SSD reads
-(a :class:`Retry`), bounded by ``timeout_ms``, while the server answers other requests.
+(:mod:`.deferred`), bounded by ``timeout_ms``.
 
 An evict or clear drops the key at once from every tier, what is in use included (out of
 reach, freed once unused: ``Tier.drop_namespace``), and takes back the gets of it that engines
@@ -33,7 +31,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -47,19 +44,18 @@ from ...remote.link import RemoteLink
 from ...remote.reads import Published
 from ..base import BoolArray, Int64Array, NoSpace, capacity_tokens
 from ..local.blocks import NO_BLOCKS, READY, Tier
-from ..local.loads import Load
+from ..local.ssd_voids import VoidsDone
 from ..local.tiering import TierLink
+from .deferred import DeferredGets, launch_staged
 from .puts import match_puts
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
-from .tasks import Client, Entry, Foreign, PendingGet, Retry, Task
+from .tasks import NO_MASK, Client, Entry, Foreign, PendingGet, Retry, Task
 from .wire import Answer, Query
 
 log = logging.getLogger("aiokv.server")
 
-NO_MASK: BoolArray = np.zeros(0, dtype=np.bool_)
 # An evict's tokens, its SSD voids' event and its remote marker (each None without the tier).
-Dropped = tuple[int, threading.Event | None, Published | None]
-SSD_STAGE_TIMEOUT_S = 30.0  # a get's SSD reads that take longer make the get a miss
+Dropped = tuple[int, VoidsDone | None, Published | None]
 
 
 class Service:
@@ -77,7 +73,7 @@ class Service:
         self._quarantined = 0  # put blocks drop() kept for dropped engines still alive
         self._owner: dict[int, Client] = {}  # task id -> its connection
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0, "server_gets_invalidated": 0}
-        self._staging: dict[tuple[str, ...], int] = {}  # pending gets' keys -> how many
+        self._deferred = DeferredGets(self, None, None)  # with the tiers, once registered
         self._memory: int | None = None  # the region's memfd until the first engine
 
     def allocate(self) -> None:
@@ -121,6 +117,8 @@ class Service:
             region.close()
             raise
         self._link, self._host, self._remote = link, host, remote
+        # Replaces the tierless one: without a tier no get could wait.
+        self._deferred = DeferredGets(self, link, remote)
         self.geometry, self.region, self._pool = geometry, region, pool
         # What a client's engine may ask for: it refuses offloads, and cuts lookups, past
         # what its store reports holding, which is these stats.
@@ -143,29 +141,12 @@ class Service:
             self._drain()
             matched = match_puts(self._require_host(), self._link, client.number, queries)
             return [self._hold(client, m) if isinstance(m, Task) else m for m in matched]
-        asked = self._ask_remote(queries) if self._remote is not None else set()
+        asked = self._deferred.ask_remote(queries) if self._remote is not None else set()
         entries = [self.get_match(client, *query) for query in queries]
         for entry in entries:
             if isinstance(entry, Retry) and entry.query[2] in asked:
                 entry.asked = True  # it waits for its own pages' read
         return entries
-
-    def _ask_remote(self, queries: Sequence[Query]) -> set[tuple[str, ...]]:
-        """One read from Mooncake, for a batch of gets, of what neither the host nor the
-        SSD tier has; the gets of its keys wait for it (get_match: a Retry). The keys it
-        reads."""
-        assert self._remote is not None
-        self._drain()
-        link = self._link
-        read = self._remote.reads.start([(ns, digests) for _, digests, ns in queries
-                                         if ns not in self._staging],
-                                        link.ssd.has if link is not None else None)
-        return set() if read is None else {key for key, _ in read.wanted}
-
-    def _reading(self, namespace: tuple[str, ...]) -> bool:
-        """Pages of this key are being read into host blocks, from SSD or Mooncake."""
-        return namespace in self._staging or (
-            self._remote is not None and self._remote.reads.reading(namespace))
 
     def get_match(self, client: Client, tokens: int, digests: list[bytes],
                   namespace: tuple[str, ...]) -> Entry:
@@ -173,7 +154,7 @@ class Service:
         after it, read into host blocks (a PendingGet while the reads run); all of them
         held until the task ends. A Retry while a pending get, or a read from Mooncake,
         reads this key."""
-        if self._reading(namespace):
+        if self._deferred.reading(namespace):
             return Retry((tokens, digests, namespace))
         host, link = self._require_host(), self._link
         self._drain()
@@ -201,72 +182,27 @@ class Service:
                 link.cancel_load(load)  # no room now: the SSD part is a miss
                 task.blocks = task.blocks[: load.hits]
             elif load is not None and not load.finished:
-                self._staging[namespace] = self._staging.get(namespace, 0) + 1
-                return PendingGet(task, load, pages, len(hit), namespace,
-                                  time.monotonic() + SSD_STAGE_TIMEOUT_S)
+                return self._deferred.stage(task, load, pages, len(hit), namespace)
             elif load is not None:
-                self._launch_staged(link, load)
+                launch_staged(link, load)
         return self._answer_get(client, task, pages, len(hit))
 
     def settle(self, client: Client, entries: Sequence[Entry]) -> list[Entry]:
-        """A deferred batch's entries again, the ready ones answered: pending gets whose
-        reads are in (or that waited too long), retries whose key nothing reads now."""
-        self._drain()
-        now = time.monotonic()
-        out: list[Entry] = []
-        for entry in entries:
-            if isinstance(entry, PendingGet) and (entry.load.finished
-                                                  or now >= entry.give_up_at):
-                entry = self._finish_get(client, entry)
-            elif isinstance(entry, Retry) and not self._reading(entry.query[2]):
-                if self._remote is not None and not entry.asked:
-                    # It waited for another get's read, which may have brought fewer of
-                    # its pages than it asks for: the rest are asked now, once.
-                    entry.asked = True
-                    self._ask_remote([entry.query])
-                if not self._reading(entry.query[2]):
-                    entry = self.get_match(client, *entry.query)
-            out.append(entry)
-        return out
+        """A deferred batch's entries again, the ready ones answered (DeferredGets.settle)."""
+        return self._deferred.settle(client, entries)
 
     def abandon(self, entries: Sequence[Entry]) -> None:
         """A deferred batch whose connection went: its pending gets' reads end them
-        (their blocks given back once in); its answered tasks are the client's, ended
-        by :meth:`drop`."""
-        for entry in entries:
-            if isinstance(entry, PendingGet):
-                self._staged_out(entry.namespace)
-                entry.task.matching = False  # the link's end of it is its end
-                assert self._link is not None  # a load came from it
-                self._link.cancel_load(entry.load)
+        (DeferredGets.abandon); its answered tasks are the client's, ended by :meth:`drop`."""
+        self._deferred.abandon(entries)
 
-    def _finish_get(self, client: Client, pending: PendingGet) -> Answer:
-        self._staged_out(pending.namespace)
-        link, load = self._link, pending.load
-        assert link is not None  # a load came from it
-        if load.finished:
-            self._launch_staged(link, load)
-        else:  # the get answers its host prefix; the reads go on, in a task of their own
-            log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s",
-                        len(load.slots), SSD_STAGE_TIMEOUT_S)
-            # Ended (their blocks freed) when they are in, apart from the get's own end.
-            load.task = Task(client.number, False, NO_MASK, NO_BLOCKS, [], None,
-                             matching=False)
-            link.cancel_load(load)
+    def answer_staged(self, client: Client, pending: PendingGet) -> Answer:
+        """A pending get's answer once its reads are in (or given up); taken back at once
+        when its key was evicted while it read (it loads nothing)."""
         answer = self._answer_get(client, pending.task, pending.pages, pending.hit)
-        if pending.invalidated:  # its key was evicted while it read: it loads nothing
+        if pending.invalidated:
             self._hits["server_gets_invalidated"] += client.take_back([answer[0]])
         return answer
-
-    def _staged_out(self, namespace: tuple[str, ...]) -> None:
-        self._staging[namespace] -= 1
-        if not self._staging[namespace]:
-            del self._staging[namespace]
-
-    def _launch_staged(self, link: TierLink, load: Load) -> None:
-        """Staged and verified: task.blocks is now prefix + good pages (loads._finish);
-        the launch only settles the link's books (its copy is the engine's, _no_copy)."""
-        link.launch_load(load, np.arange(load.match_pages, dtype=np.int64), ())
 
     def _answer_get(self, client: Client, task: Task, pages: int, hit: int
                     ) -> tuple[int, BoolArray, Int64Array]:
@@ -387,8 +323,9 @@ class Service:
 
     def evict(self, namespace: tuple[str, ...]) -> Dropped:
         """The tokens dropped, an event set once the SSD holds none of them (None
-        without an SSD tier), and one set once Mooncake has the marker that hides them
-        from other hosts, or its ``timeout_ms`` is up (None without a remote tier)."""
+        without an SSD tier; its ``failure`` says why it may: the evict's answer is then
+        an error), and one set once Mooncake has the marker that hides them from other
+        hosts, or its ``timeout_ms`` is up (None without a remote tier)."""
         return self._drop_namespace(namespace)
 
     def clear(self) -> Dropped:
@@ -424,7 +361,7 @@ class Service:
             "host_blocks_total": host.num_blocks if host is not None else 0,
             "server_clients": len(clients),
             "server_tasks_open": len(tasks),
-            "server_gets_staging": sum(self._staging.values()),
+            "server_gets_staging": self._deferred.staging,
             "server_blocks_held": sum(len(t.blocks) for t in tasks),
             "server_blocks_quarantined": self._quarantined,  # of dropped live engines
             **self._hits,

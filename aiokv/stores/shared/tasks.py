@@ -7,11 +7,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..base import BoolArray, Int64Array
 from ..local.index import Space
 from ..local.loads import Load
 from .notice import Notice
 from .wire import Answer, Query
+
+NO_MASK: BoolArray = np.zeros(0, dtype=np.bool_)  # the mask of a task not answered yet
 
 
 class Foreign(Exception):
@@ -113,4 +117,5 @@ def answers_only(entries: Sequence[Entry]) -> list[Answer] | None:
     return answers if len(answers) == len(entries) else None
 
 
-__all__ = ["Answer", "Client", "Entry", "Foreign", "PendingGet", "Retry", "Task", "answers_only"]
+__all__ = ["NO_MASK", "Answer", "Client", "Entry", "Foreign", "PendingGet", "Retry", "Task",
+           "answers_only"]

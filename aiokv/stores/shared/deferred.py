@@ -1,0 +1,146 @@
+"""The store server's gets that wait: a get whose pages only the SSD tier has is read into
+host blocks before its match is answered (a :class:`PendingGet` while the reads run), and
+a get of a key whose pages are being read, from SSD by a pending get or from Mooncake by
+a batch's remote read, waits for that (a :class:`Retry`), so that it finds them on the
+host rather than missing them. The batch's answer waits for all of them
+(:meth:`DeferredGets.settle`) while the server answers other requests.
+
+:class:`DeferredGets` keeps which keys are being staged and hands each waiting get back
+to the service (:class:`Matcher`) to be matched again or answered once it is ready. It
+runs on the server's one thread, as the service does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ...remote.link import RemoteLink
+from ..local.blocks import NO_BLOCKS
+from ..local.loads import Load
+from ..local.tiering import TierLink
+from .tasks import NO_MASK, Client, Entry, PendingGet, Retry, Task
+from .wire import Answer, Query
+
+log = logging.getLogger("aiokv.server")
+
+SSD_STAGE_TIMEOUT_S = 30.0  # a get's SSD reads that take longer make the get a miss
+
+
+class Matcher(Protocol):
+    """What the deferred gets need of the service (:class:`.service.Service`)."""
+
+    def get_match(self, client: Client, tokens: int, digests: list[bytes],
+                  namespace: tuple[str, ...]) -> Entry: ...  # a get matched now
+
+    def answer_staged(self, client: Client, pending: PendingGet) -> Answer: ...
+
+    def poll(self) -> None: ...  # apply finished SSD requests and remote calls
+
+
+class DeferredGets:
+    """The gets waiting for reads into host blocks, over one service's SSD link and
+    remote tier (either None without that tier)."""
+
+    def __init__(self, matcher: Matcher, link: TierLink | None,
+                 remote: RemoteLink | None) -> None:
+        self._matcher = matcher
+        self._link = link
+        self._remote = remote
+        self._staging: dict[tuple[str, ...], int] = {}  # pending gets' keys -> how many
+
+    @property
+    def staging(self) -> int:
+        """The pending gets whose SSD reads run."""
+        return sum(self._staging.values())
+
+    def reading(self, namespace: tuple[str, ...]) -> bool:
+        """Pages of this key are being read into host blocks, from SSD or Mooncake."""
+        return namespace in self._staging or (
+            self._remote is not None and self._remote.reads.reading(namespace))
+
+    def ask_remote(self, queries: Sequence[Query]) -> set[tuple[str, ...]]:
+        """One read from Mooncake, for a batch of gets, of what neither the host nor the
+        SSD tier has; the gets of its keys wait for it (get_match: a Retry). The keys it
+        reads."""
+        assert self._remote is not None
+        self._matcher.poll()
+        link = self._link
+        read = self._remote.reads.start([(ns, digests) for _, digests, ns in queries
+                                         if ns not in self._staging],
+                                        link.ssd.has if link is not None else None)
+        return set() if read is None else {key for key, _ in read.wanted}
+
+    def stage(self, task: Task, load: Load, pages: int, hit: int,
+              namespace: tuple[str, ...]) -> PendingGet:
+        """A get whose SSD reads run: answered by :meth:`settle` once they are in (or
+        after SSD_STAGE_TIMEOUT_S)."""
+        self._staging[namespace] = self._staging.get(namespace, 0) + 1
+        return PendingGet(task, load, pages, hit, namespace,
+                          time.monotonic() + SSD_STAGE_TIMEOUT_S)
+
+    def settle(self, client: Client, entries: Sequence[Entry]) -> list[Entry]:
+        """A deferred batch's entries again, the ready ones answered: pending gets whose
+        reads are in (or that waited too long), retries whose key nothing reads now."""
+        self._matcher.poll()
+        now = time.monotonic()
+        out: list[Entry] = []
+        for entry in entries:
+            if isinstance(entry, PendingGet) and (entry.load.finished
+                                                  or now >= entry.give_up_at):
+                entry = self._finish(client, entry)
+            elif isinstance(entry, Retry) and not self.reading(entry.query[2]):
+                if self._remote is not None and not entry.asked:
+                    # It waited for another get's read, which may have brought fewer of
+                    # its pages than it asks for: the rest are asked now, once.
+                    entry.asked = True
+                    self.ask_remote([entry.query])
+                if not self.reading(entry.query[2]):
+                    entry = self._matcher.get_match(client, *entry.query)
+            out.append(entry)
+        return out
+
+    def abandon(self, entries: Sequence[Entry]) -> None:
+        """A deferred batch whose connection went: its pending gets' reads end them
+        (their blocks given back once in); its answered tasks are the client's, ended
+        by the service's ``drop``."""
+        for entry in entries:
+            if isinstance(entry, PendingGet):
+                self._staged_out(entry.namespace)
+                entry.task.matching = False  # the link's end of it is its end
+                assert self._link is not None  # a load came from it
+                self._link.cancel_load(entry.load)
+
+    def _finish(self, client: Client, pending: PendingGet) -> Answer:
+        self._staged_out(pending.namespace)
+        link, load = self._link, pending.load
+        assert link is not None  # a load came from it
+        if load.finished:
+            launch_staged(link, load)
+        else:  # the get answers its host prefix; the reads go on, in a task of their own
+            log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s",
+                        len(load.slots), SSD_STAGE_TIMEOUT_S)
+            # Ended (their blocks freed) when they are in, apart from the get's own end.
+            load.task = Task(client.number, False, NO_MASK, NO_BLOCKS, [], None,
+                             matching=False)
+            link.cancel_load(load)
+        return self._matcher.answer_staged(client, pending)
+
+    def _staged_out(self, namespace: tuple[str, ...]) -> None:
+        self._staging[namespace] -= 1
+        if not self._staging[namespace]:
+            del self._staging[namespace]
+
+
+def launch_staged(link: TierLink, load: Load) -> None:
+    """Staged and verified: task.blocks is now prefix + good pages (loads._finish);
+    the launch only settles the link's books (its copy is the engine's, the service's
+    ``_no_copy``)."""
+    link.launch_load(load, np.arange(load.match_pages, dtype=np.int64), ())
+
+
+__all__ = ["SSD_STAGE_TIMEOUT_S", "DeferredGets", "Matcher", "launch_staged"]
