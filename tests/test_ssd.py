@@ -18,6 +18,7 @@ import torch
 from conftest import held
 
 import aiokv
+from aiokv.stores.base import NoSpace
 from aiokv.stores.local import ssd as ssd_module
 from aiokv.stores.local import ssd_format, ssd_io, ssd_voids
 
@@ -613,19 +614,29 @@ async def test_a_store_closed_right_after_evicting_a_key_being_written_closes_wh
 
 
 def _store_put(store: aiokv.LocalStore, user: int) -> None:
-    """``user``'s pages offloaded through the store's own calls, waited for."""
-    task, _ = store.put_match(np.arange(USER_PAGES * PAGE, dtype=np.int64) + 1000 * user,
-                              [str(user)])
+    """``user``'s pages offloaded through the store's own calls, waited for. Its match
+    waits (10 s at most) while the host tier's blocks are still being copied to SSD: the
+    previous user's, on a busy box."""
+    tokens = np.arange(USER_PAGES * PAGE, dtype=np.int64) + 1000 * user
+    for _ in range(2000):
+        try:
+            task, _ = store.put_match(tokens, [str(user)])
+            break
+        except NoSpace:
+            store.try_wait([])
+            time.sleep(0.005)
+    else:
+        raise AssertionError(f"user {user}'s put found no room in 10 s")
     store.launch([task], [source_pages(user)], [None])
     _store_wait(store, task)
 
 
 def _settled(store: aiokv.LocalStore) -> None:
-    """Until the host tier's blocks are all free or evictable (its SSD copies done), 2 s
+    """Until the host tier's blocks are all free or evictable (its SSD copies done), 10 s
     at most."""
     host = store._host
     assert host is not None
-    for _ in range(400):
+    for _ in range(2000):
         store.try_wait([])
         if host.available() == HOST_BLOCKS:
             return
