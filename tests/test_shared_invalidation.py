@@ -9,7 +9,9 @@ every block of it is freed once unused, on the host and on SSD, across a restart
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ from shared_inprocess import (
 from aiokv.copy.copier import Copier
 from aiokv.errors import StoreError
 from aiokv.stores.base import TaskResult, TaskStatus
-from aiokv.stores.local import ssd_voids
+from aiokv.stores.local import ssd_io, ssd_voids
 from aiokv.stores.shared import SharedStore
 from aiokv.stores.shared import answers as answers_module
 
@@ -248,6 +250,34 @@ def test_an_evict_that_cannot_void_its_key_on_ssd_answers_a_store_error(
         monkeypatch.undo()
         assert writer.evict(["user:8"]) == 0
     finally:
+        writer.close()
+    assert restarted_finds(host, 8) == 0
+
+
+def test_an_evict_whose_ssd_voids_are_too_slow_answers_a_store_error(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk too slow to void the key's headers within the evict's wait: the evict
+    raises StoreError, saying so, rather than answer as if a restart could not find
+    the key; once the voids land, the restarted server does not."""
+    monkeypatch.setattr(answers_module, "EVICT_WAIT_S", 0.3)
+    writer, tables = host.engine()
+    gate = threading.Event()
+    try:
+        offload(writer, tables, 8)
+        wait_for(lambda: writer.store_stats()["bytes_ssd_written"] > 0, "the SSD copy")
+        real = ssd_io.SsdFiles.write
+
+        def slow_void(files: ssd_io.SsdFiles, k: int, offset: int, buffers: Any) -> None:
+            if len(buffers) == 1:  # a header void
+                gate.wait(30)
+            real(files, k, offset, buffers)
+
+        monkeypatch.setattr(ssd_io.SsdFiles, "write", slow_void)
+        with pytest.raises(StoreError, match="not written in"):
+            writer.evict(["user:8"])
+        assert writer.get_match(TOKENS, ["user:8"])[1].sum() == 0
+    finally:
+        gate.set()
         writer.close()
     assert restarted_finds(host, 8) == 0
 

@@ -56,6 +56,14 @@ class VoidsDone(threading.Event):
         super().__init__()
         self.failure: str | None = None
 
+    @classmethod
+    def failed(cls, why: str) -> VoidsDone:
+        """One set already, with ``why`` as its failure."""
+        done = cls()
+        done.failure = why
+        done.set()
+        return done
+
 
 class HeaderVoids:
     def __init__(self, files: SsdFiles, notify: Callable[[], None]) -> None:

@@ -43,6 +43,7 @@ from ...errors import ConfigError
 from ...remote.native import unavailable
 from ..base import Int64Array
 from ..dirlock import DirLock
+from ..local.ssd_voids import VoidsDone
 from . import sockets, wire
 from .answers import EVICT_WAIT_S, Answers, ProtocolError
 from .connection import Connection
@@ -402,7 +403,7 @@ class StoreServer:
     def _answer_evicts(self) -> None:
         """Send the evicts' answers whose loads are over and whose SSD voids are written;
         at their deadline, disconnect the engines whose loads are not (their tasks are
-        rolled back) and send them, voids written or not (logged)."""
+        rolled back) and send them; voids not written by then fail the evict (logged)."""
         now = time.monotonic()
         for conn in self._evicting():
             wait = conn.evicting
@@ -416,10 +417,11 @@ class StoreServer:
                         self._drop(other, f"its loads of an evicted key did not end in "
                                           f"{EVICT_WAIT_S:.0f} s")
                 if wait.written is not None and not wait.written.is_set():
-                    log.warning("aiokv store-server: an evict's SSD voids were not written "
-                                "in %.0f s; a restart before they are may find the key "
-                                "again", EVICT_WAIT_S)
-                    wait.written = None
+                    why = (f"the evict's SSD voids were not written in {EVICT_WAIT_S:.0f} "
+                           "s: the key is dropped, but a restart before they are may find "
+                           "it")
+                    log.warning("aiokv store-server: %s", why)
+                    wait.written = VoidsDone.failed(why)  # answered: the engine raises it
             if not wait.over():
                 continue
             conn.evicting = None
