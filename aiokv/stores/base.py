@@ -26,6 +26,9 @@ Contract, for any store:
 - ``try_wait`` answers only the ids that are terminal, each once; it never blocks.
 - ``put_match`` raises :class:`NoSpace` when there is something new to write and no block
   can be reserved for it (instead of answering an all-False mask that reads as success).
+  It may also raise it while pages it would count as stored are still being written by
+  another put, whose failure would roll them back (the embedded store does): the engine
+  matches it again later, as for room.
 
 Optional features are declared below, one Protocol each (:class:`Notifies`,
 :class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`,

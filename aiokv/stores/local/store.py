@@ -30,6 +30,7 @@ from ...remote.link import RemoteLink
 from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
+from .claims import check_written, on_host
 from .completion import Task, TaskEnds, concat
 from .digests import chain_digests
 from .index import BlockIndex
@@ -129,7 +130,8 @@ class LocalStore:
     def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         """Reserve blocks for the pages not yet stored (in either tier); mask True = must
         write. Raises NoSpace when some page is new and the host tier cannot take all new
-        pages now (also while blocks it would evict are still being written to SSD)."""
+        pages now (also while blocks it would evict are still being written to SSD), and
+        while a page of the key is still being written (:mod:`.claims`)."""
         host = self._require_host()
         link = self._link
         if link is not None:
@@ -148,9 +150,10 @@ class LocalStore:
             present = link.mark_stored_below(key, digests, present)
         missing_count = n if present is None else present.count(None)
         if present is not None and missing_count < n:
-            # Stored (or being written) pages become the most recent; while new blocks are
-            # reserved, they are out of the LRU so that eviction cannot take them.
-            held = np.array([b for b in present if b is not None and b >= 0], dtype=np.int64)
+            held = on_host(present)
+            check_written(host, held)  # a page still being written is not stored yet
+            # Stored pages become the most recent; while new blocks are reserved, they are
+            # out of the LRU so that eviction cannot take them.
             listed = host.index.make_unevictable(held)
         else:
             listed = None

@@ -2,9 +2,10 @@
 one reservation for the batch where its keys are distinct.
 
 The pages that neither the host nor the SSD tier stores get host blocks (WRITING, in the
-index: a second put of them, from any engine, writes nothing); the pages stored become
-the most recent. A put whose blocks cannot be had now is answered (why, True), for the
-engine to wait and match again."""
+index: a second put of them, from any engine, is answered no room until that write is
+in or rolled back, :mod:`..local.claims`, and then writes nothing, or what that write
+failed to store); the pages stored become the most recent. A put whose blocks cannot be
+had now is answered (why, True), for the engine to wait and match again."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from ..base import BoolArray, Int64Array, NoSpace
 from ..local.blocks import NO_BLOCKS, Tier
+from ..local.claims import check_written, on_host
 from ..local.index import Space
 from ..local.tiering import TierLink
 from .tasks import Task
@@ -59,8 +61,8 @@ def reserve(host: Tier, link: TierLink | None, client: int, queries: Sequence[Qu
         lacking = len(digests) if present is None else present.count(None)
         missing += lacking
         if present is not None and lacking < len(present):
-            held.append(np.array([b for b in present if b is not None and b >= 0],
-                                 dtype=np.int64))
+            held.append(on_host(present))
+            check_written(host, held[-1])  # before anything changed: NoSpace for it alone
     # Stored pages become the most recent, and are not evicted by this reservation.
     listed = index.make_unevictable(np.concatenate(held)) if held else NO_BLOCKS
     try:

@@ -1,0 +1,168 @@
+"""What an offload reports is stored: its key's pages another offload is still writing
+count only once that write is in (if it fails, this offload writes them itself), in the
+embedded store, in a store process and on the store server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_caches
+from shared_host import PAGE_SIZE, caches, observer, user_kv, wait_for
+from shared_inprocess import Host
+
+import aiokv
+from aiokv.stores.base import NoSpace
+from aiokv.stores.shared import SharedStore
+
+BOUND_S = 10.0  # a call that should answer at once, bounded so that a fault fails, not hangs
+PAGE = 4  # make_caches' page size
+
+
+async def answer(call: Awaitable[Any]) -> Any:
+    """A call's result or the error it raised, within BOUND_S."""
+    try:
+        return await asyncio.wait_for(call, BOUND_S)
+    except (aiokv.AiokvError, TimeoutError) as exc:
+        return exc
+
+
+@asynccontextmanager
+async def engine_for(backend: str, caches_: list[torch.Tensor], **engine: Any
+                     ) -> AsyncIterator[aiokv.OffloadEngine]:
+    store = aiokv.StoreConfig(cpu_cache_gb=0.01, own_process=backend == "process")
+    async with aiokv.open_engine({"engine": dict(engine), "store": {
+            "cpu_cache_gb": store.cpu_cache_gb, "own_process": store.own_process}},
+            kv_caches=caches_) as kv:
+        yield kv
+
+
+async def offload_twice(backend: str, key: str, first: list[int], second: list[int]
+                        ) -> tuple[Any, Any, int, int | None]:
+    """Two offloads of ``key`` (4 pages each: ``first``'s, then ``second``'s page ids) in
+    one batch: their answers, the tokens a lookup of the key then loads, and whose
+    bytes it loaded (0: ``first``'s, 1: ``second``'s, None: neither's)."""
+    tables = make_caches()
+    original = [t.clone() for t in tables]
+    async with engine_for(backend, tables, window_us=100_000, max_batch_requests=2,
+                          request_timeout_ms=60_000) as engine:
+        answers = await asyncio.gather(
+            answer(engine.offload(key, torch.tensor(first), 4 * PAGE)),
+            answer(engine.offload(key, torch.tensor(second), 4 * PAGE)))
+        target = torch.arange(200, 204)
+        async with await engine.lookup(key, 4 * PAGE) as hit:
+            found = (await engine.load(hit, target)).loaded_tokens if hit.cached_tokens else 0
+    whose = [i for i, pages in enumerate((first, second)) if max(pages) < len(tables[0])
+             and all(torch.equal(c[target], o[pages]) for c, o in zip(tables, original,
+                                                                    strict=True))]
+    return answers[0], answers[1], found, whose[0] if whose else None
+
+
+# ---- one engine: two offloads of one key in one batch ----------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["local", "process"])
+async def test_a_failed_offload_leaves_a_good_one_of_its_key_storing_its_own_pages(
+        backend: str) -> None:
+    """The first offload of "A" has a bad page id and fails alone; the second, matched
+    while the first's pages were being written, used to be told they were stored
+    (cached_tokens 16) while the failure rolled them back (a lookup then found 0). It
+    now writes them itself: a lookup finds them and loads its bytes."""
+    bad, good, found, whose = await offload_twice(backend, "A", [0, 1, 2, 999], [4, 5, 6, 7])
+    assert isinstance(bad, aiokv.InvalidRequest) and "999" in str(bad), repr(bad)
+    assert isinstance(good, aiokv.OffloadResult), repr(good)
+    assert (good.stored_tokens, good.cached_tokens) == (4 * PAGE, 4 * PAGE)
+    assert found == 4 * PAGE and whose == 1
+
+
+@pytest.mark.asyncio
+async def test_two_good_offloads_of_one_key_at_once_still_write_it_once() -> None:
+    """The second waits for the first's write rather than writing the pages again: one
+    of them stored the key, the other reports it cached, and a lookup loads the bytes
+    of the one that stored it."""
+    first, second, found, whose = await offload_twice("local", "B", [0, 1, 2, 3], [4, 5, 6, 7])
+    assert isinstance(first, aiokv.OffloadResult) and isinstance(second, aiokv.OffloadResult)
+    assert (first.stored_tokens, second.stored_tokens) == (4 * PAGE, 0)
+    assert first.cached_tokens == second.cached_tokens == 4 * PAGE
+    assert found == 4 * PAGE and whose == 0
+
+
+# ---- the store server: engines of one host ---------------------------------------------
+
+
+def test_the_server_answers_a_put_of_pages_being_written_no_room_yet(tmp_path: Path) -> None:
+    """At the seam: a put of pages another engine's put still writes gets NoSpace (the
+    engine waits and matches again), never a mask that reads as stored; once the first
+    put failed, the pages are new to it."""
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    first, _ = observer(host.socket)
+    second, _ = observer(host.socket)
+    try:
+        tokens = np.arange(4 * PAGE_SIZE, dtype=np.int64)
+        task, mask = first.put_match(tokens, ["k"])
+        assert mask.all()
+        with pytest.raises(NoSpace, match="being written"):
+            second.put_match(tokens, ["k"])
+        first.launch([task], [torch.tensor([0, 1, 2, 10**6])], [None])
+        results: dict[int, Any] = {}
+        wait_for(lambda: results.update(first.try_wait([task])) or results, "the failure")
+        assert results[task].status is aiokv.stores.TaskStatus.INVALID
+        again, mask = second.put_match(tokens, ["k"])
+        assert mask.all()  # its own to write now
+        second.cancel([again])
+    finally:
+        first.close()
+        second.close()
+        host.stop()
+
+
+@pytest.mark.asyncio
+async def test_an_engine_on_the_server_stores_what_another_engines_failed_put_did_not(
+        tmp_path: Path) -> None:
+    """Engine B offloads key "k" while another engine's put of it is matched (its pages
+    reserved, being written): B waits; that put fails; B writes the pages itself, and
+    a lookup loads B's bytes."""
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    other, _ = observer(host.socket)
+    tables = caches()
+    for cache, kv in zip(tables, user_kv(7, 4), strict=True):
+        cache[:4] = kv
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+    try:
+        tokens = np.arange(4 * PAGE_SIZE, dtype=np.int64)
+        task, _ = other.put_match(tokens, ["k"])
+        config = aiokv.EngineConfig(request_timeout_ms=60_000)
+        async with aiokv.OffloadEngine(store, tables, config) as engine:
+            offload = asyncio.ensure_future(engine.offload(
+                "k", torch.arange(4), 4 * PAGE_SIZE, namespace=["k"]))
+            for _ in range(int(BOUND_S / 0.01)):  # until it waits (or, unfixed, answers)
+                if offload.done() or engine.stats().space_waits:
+                    break
+                await asyncio.sleep(0.01)
+            other.launch([task], [torch.tensor([0, 1, 2, 10**6])], [None])
+            results: dict[int, Any] = {}
+            while not results:  # its end reaches the server with its answer
+                results.update(other.try_wait([task]))
+                await asyncio.sleep(0.01)
+            got = await answer(offload)
+            hit = await engine.lookup("k", 4 * PAGE_SIZE, namespace=["k"])
+            async with hit:
+                cached = hit.cached_tokens
+                loaded = (await engine.load(hit, torch.arange(60, 64))).loaded_tokens
+    finally:
+        other.close()
+        host.stop()
+    assert isinstance(got, aiokv.OffloadResult), repr(got)
+    assert (got.stored_tokens, got.cached_tokens) == (4 * PAGE_SIZE, 4 * PAGE_SIZE)
+    assert cached == loaded == 4 * PAGE_SIZE
+    assert all(torch.equal(cache[60:64], kv)
+               for cache, kv in zip(tables, user_kv(7, 4), strict=True))
