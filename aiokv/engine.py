@@ -195,7 +195,8 @@ class OffloadEngine:
         On a GPU the copy starts after what the current CUDA stream has queued by now.
 
         Raises InvalidRequest (bad argument, names it; also more full pages than the
-        caches or the store's tiers can ever hold), Overloaded, EngineClosed, StoreError /
+        caches or the store's tiers can ever hold, or, at its match, more pages the key
+        lacks than the host tier has blocks), Overloaded, EngineClosed, StoreError /
         StoreFull (the store failed it) or RequestTimeout.
 
         ``_ready_event`` is internal (run_in_background, aiokv.integrations): a CUDA event

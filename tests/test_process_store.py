@@ -22,7 +22,7 @@ from conftest import PAGE_SIZE, launch_slots, make_caches
 
 import aiokv
 import aiokv.testing
-from aiokv.stores import NoSpace, ProcessStore, make_store
+from aiokv.stores import NoSpace, ProcessStore, TooLarge, make_store
 from aiokv.stores.flexkv import FlexKVStore
 from aiokv.stores.wire import pack_results, portable, unpack_results
 from aiokv.worker.handoff import store_slice_us as _store_slice_us
@@ -151,10 +151,15 @@ def test_the_child_store_errors_come_back_as_themselves() -> None:
     pid = store.pid
     assert pid is not None and pid != os.getpid() and store.page_size == PAGE_SIZE
     tokens = np.arange(3 * PAGE_SIZE, dtype=np.int64)
-    with pytest.raises(NoSpace) as full:  # 3 new pages, 2 blocks
+    with pytest.raises(TooLarge) as never:  # 3 new pages, 2 blocks: not even once empty
         store.put_match(tokens, ["big"])
+    one, _ = store.put_match(tokens[:PAGE_SIZE], ["one"])
+    with pytest.raises(NoSpace) as full:  # 2 new pages, 1 block free now
+        store.put_match(tokens[: 2 * PAGE_SIZE], ["two"])
+    store.cancel([one])
     if sys.version_info >= (3, 11):  # exception notes
-        assert f"raised in the store process (pid {pid})" in full.value.__notes__
+        for caught in (never, full):
+            assert f"raised in the store process (pid {pid})" in caught.value.__notes__
     with pytest.raises(ValueError, match="not a matched"):
         launch_slots(store, [12345], [np.arange(PAGE_SIZE, dtype=np.int64)])
     # The child still serves after its errors.

@@ -5,6 +5,7 @@ embedded store, in a store process and on the store server."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -166,3 +167,96 @@ async def test_an_engine_on_the_server_stores_what_another_engines_failed_put_di
     assert cached == loaded == 4 * PAGE_SIZE
     assert all(torch.equal(cache[60:64], kv)
                for cache, kv in zip(tables, user_kv(7, 4), strict=True))
+
+
+# ---- a put stages all its new pages on the host tier at once ---------------------------
+
+HOST_BLOCKS = 16  # of make_caches' 1 KiB blocks (16 KiB: whole memory pages)
+BLOCK_BYTES = 1024
+
+
+@asynccontextmanager
+async def tiered(backend: str, directory: Path, policy: str = "write_through"
+                 ) -> AsyncIterator[tuple[aiokv.OffloadEngine, list[torch.Tensor]]]:
+    """An engine on a host tier of HOST_BLOCKS blocks over an SSD tier of ~2000 (embedded,
+    in a store process, or on a store server), and its caches; a minute's
+    request_timeout_ms, so that an offload that waits for room would show (answer() gives
+    up after BOUND_S)."""
+    tiers = aiokv.StoreConfig(
+        cpu_cache_gb=HOST_BLOCKS * BLOCK_BYTES / 2**30, ssd_cache_gb=0.002,
+        ssd_cache_dir=str(directory / "ssd"), ssd_write_policy=policy)  # type: ignore[arg-type]
+    config = aiokv.EngineConfig(request_timeout_ms=60_000)
+    tables = make_caches(pages=64)
+    host = None
+    if backend == "server":
+        host = Host(directory)  # makes directory/ssd
+        host.config = tiers
+        host.start()
+        store: Any = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+    else:
+        (directory / "ssd").mkdir()
+        store = aiokv.stores.make_store(
+            dataclasses.replace(tiers, own_process=backend == "process"))
+    try:
+        async with aiokv.OffloadEngine(store, tables, config) as engine:
+            yield engine, tables
+    finally:
+        if host is not None:
+            host.stop()
+
+
+BACKENDS = ["local", "process", "server"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_an_offload_of_more_new_pages_than_the_host_tier_has_fails_at_once(
+        backend: str, tmp_path: Path) -> None:
+    """20 new pages, a host tier of 16 blocks: within both tiers (the call's bound), but
+    never all on the host at once. It used to wait out request_timeout_ms for room that
+    could not come, then fail with StoreFull; now it fails at its match with an
+    InvalidRequest naming the counts, and the same history offloaded in two steps is
+    stored."""
+    async with tiered(backend, tmp_path) as (engine, _):
+        got = await answer(engine.offload(1, torch.arange(20), 20 * PAGE))
+        first = await answer(engine.offload(1, torch.arange(16), 16 * PAGE))
+        second = await answer(engine.offload(1, torch.arange(20), 20 * PAGE))
+    assert isinstance(got, aiokv.InvalidRequest), repr(got)
+    assert got.field == "num_tokens" and f"{20 * PAGE} tokens" in str(got)
+    assert "20 of its 20 full pages are new" in str(got) and "16 blocks" in str(got), str(got)
+    assert isinstance(first, aiokv.OffloadResult) and first.stored_tokens == 16 * PAGE
+    assert isinstance(second, aiokv.OffloadResult), repr(second)
+    assert (second.stored_tokens, second.cached_tokens) == (4 * PAGE, 20 * PAGE)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("backend", "policy"), [
+    *((b, "write_through") for b in BACKENDS), ("local", "write_back")])
+async def test_a_history_longer_than_the_host_tier_keeps_growing(
+        backend: str, policy: str, tmp_path: Path) -> None:
+    """A user's history grows past the host tier (16 blocks) to 52 pages: each offload
+    needs room for its new pages only, however long the prefix the SSD tier holds. It
+    used to hold the key's own pages on the host while it reserved, so the offload of
+    page 17 waited out request_timeout_ms; now the pages the SSD has too may be evicted
+    for it, and with write_back those it lacks are copied down first (11 new pages:
+    more than write_back keeps copied ahead of eviction). The prefix still loads bit for
+    bit."""
+    async with tiered(backend, tmp_path, policy) as (engine, tables):
+        original = [t.clone() for t in tables]
+        stored = 0
+        for pages in (8, 16, 17, 24, 32, 40, 41, 52, 52):
+            got = await answer(engine.offload(1, torch.arange(pages), pages * PAGE))
+            assert isinstance(got, aiokv.OffloadResult), (pages, repr(got))
+            assert (got.stored_tokens, got.cached_tokens) == (
+                (pages - stored) * PAGE, pages * PAGE), pages
+            stored = pages
+        # A store server's lookup misses SSD pages the host tier has no room for at once:
+        # let the tail's SSD copies (write_through) end first.
+        for _ in range(int(BOUND_S / 0.01)):
+            if policy == "write_back" or engine.stats().ssd_blocks_used >= stored:
+                break
+            await asyncio.sleep(0.01)
+        async with await engine.lookup(1, 8 * PAGE) as hit:
+            loaded = (await engine.load(hit, torch.arange(48, 56))).loaded_tokens
+    assert loaded == 8 * PAGE
+    assert all(torch.equal(t[48:56], o[:8]) for t, o in zip(tables, original, strict=True))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..backends import backend
 from ..config import StoreConfig
-from .base import NoSpace, Store, TaskResult, TaskStatus
+from .base import NoSpace, Store, TaskResult, TaskStatus, TooLarge
 from .local import LocalStore
 from .process import ProcessStore
 
@@ -28,5 +28,6 @@ __all__ = [
     "Store",
     "TaskResult",
     "TaskStatus",
+    "TooLarge",
     "make_store",
 ]

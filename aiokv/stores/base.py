@@ -28,7 +28,8 @@ Contract, for any store:
   can be reserved for it (instead of answering an all-False mask that reads as success).
   It may also raise it while pages it would count as stored are still being written by
   another put, whose failure would roll them back (the embedded store does): the engine
-  matches it again later, as for room.
+  matches it again later, as for room. It raises :class:`TooLarge` instead when the new
+  pages could never all be reserved at once.
 
 Optional features are declared below, one Protocol each (:class:`Notifies`,
 :class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`,
@@ -83,6 +84,13 @@ def no_yield() -> None:
 
 class NoSpace(Exception):
     """Raised by ``put_match`` when nothing new can be reserved (store full, all locked)."""
+
+
+class TooLarge(ValueError):
+    """Raised by ``put_match`` when the put's new pages are more than the store could ever
+    reserve at once (the embedded store's host tier, where every put's pages land first):
+    waiting for room would not help. The message names the counts; the engine fails the
+    offload with InvalidRequest naming ``num_tokens``."""
 
 
 @runtime_checkable

@@ -1,6 +1,7 @@
 """The store thread's calls into the store: each store error translated, once, into a
-StoreError raised from it (StoreFull for NoSpace), and a batch's matches asked in one call
-where the store matches many at once.
+StoreError raised from it (StoreFull for NoSpace; a match's TooLarge is the caller's
+InvalidRequest), and a batch's matches asked in one call where the store matches many at
+once.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import StoreError, StoreFull
+from ..errors import InvalidRequest, StoreError, StoreFull
 from ..requests import TERMINAL, Request
-from ..stores.base import Int64Array, NoSpace, Store
+from ..stores.base import Int64Array, NoSpace, Store, TooLarge
 from ..validate import positions
 from .plans import Answer
 from .recovery import OwedCancels
@@ -54,8 +55,9 @@ class StoreCalls:
         """Each request's answer (by batch index) to ``match`` (put_match or get_match),
         asked for the ``wanted`` indexes only: in one call where the store matches many
         at once (one round trip to a store process), else one by one, handing the GIL
-        over between calls once the slice is used. A failed match is its StoreError.
-        Each key is its first ``limit`` tokens at most (:func:`key_ids`)."""
+        over between calls once the slice is used. A failed match is its StoreError, or
+        an InvalidRequest for a put that can never be stored (TooLarge). Each key is its
+        first ``limit`` tokens at most (:func:`key_ids`)."""
         answers: list[Answer] = [None] * len(requests)
         if match_many is not None:
             if not wanted:
@@ -71,7 +73,8 @@ class StoreCalls:
                 many = [exc] * len(wanted)
             for index, answer in zip(wanted, many, strict=True):
                 answers[index] = (
-                    _translated(match, answer) if isinstance(answer, Exception) else answer
+                    _translated(match, answer, requests[index])
+                    if isinstance(answer, Exception) else answer
                 )
             return answers
         for index in wanted:
@@ -82,7 +85,7 @@ class StoreCalls:
             try:  # as _call, without its frame: once per request
                 answers[index] = match(key_ids(request, limit), request.namespace)
             except Exception as exc:
-                answers[index] = _translated(match, exc)
+                answers[index] = _translated(match, exc, request)
         return answers
 
 
@@ -100,9 +103,16 @@ def key_ids(request: Request, limit: int | None) -> Int64Array:
     return tokens if count == len(tokens) else tokens[:count]
 
 
-def _translated(method: Callable[..., Any], exc: Exception) -> StoreError:
-    """``exc``, raised by the store's ``method``, as the StoreError raised from it."""
-    error = _store_error(method, exc)
+def _translated(method: Callable[..., Any], exc: Exception, request: Request
+                ) -> StoreError | InvalidRequest:
+    """``exc``, raised by the store's ``method`` matching ``request``, as the error raised
+    from it: InvalidRequest naming ``num_tokens`` for a put too large ever to be stored,
+    else its StoreError."""
+    error: StoreError | InvalidRequest
+    if isinstance(exc, TooLarge):
+        error = InvalidRequest("num_tokens", f"{request.num_tokens} tokens: {exc}")
+    else:
+        error = _store_error(method, exc)
     error.__cause__ = exc  # as `raise error from exc` does
     return error
 

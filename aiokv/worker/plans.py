@@ -33,9 +33,10 @@ from ..requests import (
 )
 from ..stores.base import BoolArray, Int64Array, TaskResult, TaskStatus
 
-# A request's match as the store answered it: (task id, mask), its translated error, or
-# None where it was not asked (a caller that left before the match).
-Answer = tuple[int, BoolArray] | StoreError | None
+# A request's match as the store answered it: (task id, mask), its translated error (an
+# InvalidRequest for a put the store could never take), or None where it was not asked (a
+# caller that left before the match).
+Answer = tuple[int, BoolArray] | StoreError | InvalidRequest | None
 
 NO_MASK: BoolArray = np.zeros(0, dtype=np.bool_)  # the mask of a request not launched
 _MISS = LookupGrant(None, 0)
@@ -84,7 +85,7 @@ def plan_offload(requests: Sequence[Request], answers: Sequence[Answer], page_si
     for request, answer in zip(requests, answers, strict=True):
         if answer is None:
             continue  # never matched: nothing to give back
-        if isinstance(answer, StoreError):
+        if isinstance(answer, (StoreError, InvalidRequest)):
             plan.outcomes.append((request, answer))
         elif request.stage is TERMINAL:  # left since its match: given back, not launched
             plan.cancel.append(answer[0])
@@ -144,7 +145,7 @@ def _plan_move(
 
 def plan_lookup(
     requests: Sequence[Request],
-    answers: Sequence[tuple[int, BoolArray] | StoreError | None],
+    answers: Sequence[Answer],
     give_back: Callable[[int], None],
 ) -> tuple[list[tuple[Request, object]], list[int], list[int]]:
     """(outcomes, ids to cancel, ids now reserved) of a lookup batch, from each request's
@@ -157,7 +158,7 @@ def plan_lookup(
     for request, answer in zip(requests, answers, strict=True):
         if answer is None:
             continue
-        if isinstance(answer, StoreError):
+        if isinstance(answer, (StoreError, InvalidRequest)):
             outcomes.append((request, answer))
             continue
         task_id, mask = answer

@@ -30,7 +30,7 @@ from ...remote.link import RemoteLink
 from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
-from .claims import check_written, on_host
+from .claims import check_fits, check_written, on_host, to_hold
 from .completion import Task, TaskEnds, concat
 from .digests import chain_digests
 from .index import BlockIndex
@@ -131,7 +131,8 @@ class LocalStore:
         """Reserve blocks for the pages not yet stored (in either tier); mask True = must
         write. Raises NoSpace when some page is new and the host tier cannot take all new
         pages now (also while blocks it would evict are still being written to SSD), and
-        while a page of the key is still being written (:mod:`.claims`)."""
+        while a page of the key is still being written; TooLarge when the new pages are
+        more than the host tier has blocks (:mod:`.claims`)."""
         host = self._require_host()
         link = self._link
         if link is not None:
@@ -149,11 +150,13 @@ class LocalStore:
         if link is not None:
             present = link.mark_stored_below(key, digests, present)
         missing_count = n if present is None else present.count(None)
+        check_fits(host, missing_count, n)
         if present is not None and missing_count < n:
             held = on_host(present)
             check_written(host, held)  # a page still being written is not stored yet
             # Stored pages become the most recent; while new blocks are reserved, they are
-            # out of the LRU so that eviction cannot take them.
+            # out of the LRU so that eviction cannot take them (but for SSD copies: claims).
+            held = to_hold(host, link, key, digests, present, held, missing_count)
             listed = host.index.make_unevictable(held)
         else:
             listed = None

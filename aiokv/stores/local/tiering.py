@@ -167,10 +167,17 @@ class TierLink(LoadStaging):
         if host.alloc.num_free + self._copying >= target or not host.index.evictable:
             return
         oldest = host.index.oldest(target)
-        dirty = oldest[~host.clean[oldest]]
+        self.write_down(oldest[~host.clean[oldest]])
+
+    def write_down(self, blocks: Int64Array) -> None:
+        """Start SSD copies of those of these host blocks that are in the LRU and have
+        none, ahead of their eviction (held as readers, readable all along; then the
+        LRU's oldest). write_back's ``_keep_room``, and a put that must evict while its
+        own stored pages fill the host tier (:mod:`.claims`)."""
+        host = self.host
+        dirty = host.index.make_unevictable(blocks[~host.clean[blocks]])
         if not len(dirty):
             return
-        host.index.make_unevictable(dirty)
         keys = list(map(host.index.key_of, dirty.tolist()))
         spaces: list[Space] = [k[0] for k in keys]  # type: ignore[misc]  # in the index
         copying = self._copy_down(dirty, spaces, [k[1] for k in keys])  # type: ignore[misc]

@@ -127,7 +127,7 @@ class Answers:
         if request.released:  # cancels ride along with the next match (one message)
             self.service.finish(conn.client, [], request.released)
         if self._loop.stopping:
-            return wire.encode_answers([("the store server is shutting down", False)]
+            return wire.encode_answers([("the store server is shutting down", wire.FAILED)]
                                        * len(request.queries))
         entries = self.service.match_many(conn.client, is_put, request.queries)
         answers = answers_only(entries)

@@ -40,7 +40,6 @@ from ..base import (
     BoolArray,
     Int64Array,
     MatchAnswers,
-    NoSpace,
     Queries,
     TaskResult,
     TaskStatus,
@@ -199,9 +198,8 @@ class SharedStore:
         answers: MatchAnswers = []
         generation, is_put = self._generation, op == "put"
         for answer in replies:
-            if len(answer) == 2:
-                error, full = answer
-                answers.append(NoSpace(error) if full else StoreError(str(error)))
+            if isinstance(answer, Exception):  # refused: NoSpace, TooLarge, StoreError
+                answers.append(answer)
                 continue
             server_id, mask, blocks = answer
             local = next(self._ids)

@@ -5,7 +5,8 @@ The pages that neither the host nor the SSD tier stores get host blocks (WRITING
 index: a second put of them, from any engine, is answered no room until that write is
 in or rolled back, :mod:`..local.claims`, and then writes nothing, or what that write
 failed to store); the pages stored become the most recent. A put whose blocks cannot be
-had now is answered (why, True), for the engine to wait and match again."""
+had now is answered (why, NO_SPACE), for the engine to wait and match again; one with more
+new pages than the host tier has blocks (why, TOO_LARGE), for the engine to fail it."""
 
 from __future__ import annotations
 
@@ -14,38 +15,42 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..base import BoolArray, Int64Array, NoSpace
+from ..base import BoolArray, Int64Array, NoSpace, TooLarge
 from ..local.blocks import NO_BLOCKS, Tier
-from ..local.claims import check_written, on_host
+from ..local.claims import check_fits, check_written, on_host, to_hold
 from ..local.index import Space
 from ..local.tiering import TierLink
 from .tasks import Task
-from .wire import Query
+from .wire import NO_SPACE, TOO_LARGE, Query, Refusal
 
 
 def match_puts(host: Tier, link: TierLink | None, client: int, queries: Sequence[Query]
-               ) -> list[Task | tuple[str, bool]]:
-    """Each query's task (for connection ``client``), or (why, True) where its blocks
-    cannot be had now, in order, each as if alone."""
+               ) -> list[Task | Refusal]:
+    """Each query's task (for connection ``client``), or (why, NO_SPACE) where its blocks
+    cannot be had now, (why, TOO_LARGE) where they never can, in order, each as if
+    alone."""
     namespaces = {space for _, _, space in queries}
     if len(queries) > 1 and len(namespaces) == len(queries):
         # Distinct namespaces never share a block: every lookup first, then one
         # reservation for the batch; when it cannot be had whole, one by one.
-        with contextlib.suppress(NoSpace):
+        with contextlib.suppress(NoSpace, TooLarge):
             return list(reserve(host, link, client, queries))
-    answers: list[Task | tuple[str, bool]] = []
+    answers: list[Task | Refusal] = []
     for query in queries:  # a key twice in a batch: its second put sees the first's
         try:
             answers += reserve(host, link, client, [query])
         except NoSpace as exc:
-            answers.append((str(exc), True))
+            answers.append((str(exc), NO_SPACE))
+        except TooLarge as exc:
+            answers.append((str(exc), TOO_LARGE))
     return answers
 
 
 def reserve(host: Tier, link: TierLink | None, client: int, queries: Sequence[Query]
             ) -> list[Task]:
     """The queries' tasks (distinct namespaces), their new pages' blocks reserved and in
-    the index; NoSpace, with nothing reserved, when they cannot all be had now."""
+    the index; NoSpace, with nothing reserved, when they cannot all be had now (TooLarge:
+    one never can)."""
     index = host.index
     tables: list[Space | None] = []
     presents: list[list[int | None] | None] = []
@@ -59,11 +64,14 @@ def reserve(host: Tier, link: TierLink | None, client: int, queries: Sequence[Qu
         tables.append(table)
         presents.append(present)
         lacking = len(digests) if present is None else present.count(None)
+        check_fits(host, lacking, len(digests))
         missing += lacking
         if present is not None and lacking < len(present):
-            held.append(on_host(present))
-            check_written(host, held[-1])  # before anything changed: NoSpace for it alone
-    # Stored pages become the most recent, and are not evicted by this reservation.
+            stored = on_host(present)
+            check_written(host, stored)  # before anything changed: NoSpace for it alone
+            held.append(to_hold(host, link, namespace, digests, present, stored, lacking))
+    # Stored pages become the most recent, and are not evicted by this reservation (but
+    # for those the SSD has: claims).
     listed = index.make_unevictable(np.concatenate(held)) if held else NO_BLOCKS
     try:
         blocks = host.reserve(missing) if missing else NO_BLOCKS

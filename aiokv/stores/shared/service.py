@@ -135,7 +135,7 @@ class Service:
     def match_many(self, client: Client, is_put: bool, queries: Sequence[Query]
                    ) -> Sequence[Entry]:
         """A batch's matches, each answered as if alone and in order: (task id, one bool
-        per page, blocks), or (why, True) for a put that cannot have its blocks now; a
+        per page, blocks), or a refusal (wire.Refusal) for a put that cannot have them; a
         get may be a PendingGet or a Retry instead, for :meth:`settle`."""
         if is_put:
             self._drain()

@@ -27,7 +27,9 @@ computed by the client (:func:`~aiokv.stores.local.digests.chain_digests`: a cli
 trusted with the digests as it is with the bytes it writes under them), or none when its
 token ids are the default positions, whose digests the server keeps; and its namespace
 as UTF-8 strings. An answer carries, per query, the task id, the blocks and one bool per
-page (True: the client copies that page).
+page (True: the client copies that page), or a refusal and its message: no room now,
+failed, or more new pages than the host tier has (the client raises NoSpace, StoreError,
+TooLarge).
 """
 
 from __future__ import annotations
@@ -36,16 +38,18 @@ import functools
 import itertools
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from ...errors import StoreError
+from ..base import NoSpace, TooLarge
 from ..local.digests import DIGEST_BYTES, are_positions, chain_digests, position_digests
 
-VERSION = 3  # 2: END is not answered; 3: LAUNCH and the notice word
+VERSION = 4  # 2: END is not answered; 3: LAUNCH and the notice word; 4: TOO_LARGE
 MAX_FRAME = 256 << 20  # a batch of 64 x 64k tokens is 1 MiB of digests: far below
 MAX_FDS = 2  # the region and the notice word
 MAX_QUERIES = 4096  # matches in one request
@@ -59,11 +63,15 @@ HEAD = struct.Struct("<II")  # a frame's: length (op + body), op
 _MATCH_HEAD = struct.Struct("<5q")  # queries, released, digests, strings, name bytes
 _ANSWER_HEAD = struct.Struct("<4q")  # queries, blocks, mask pages, error bytes
 _END_HEAD = struct.Struct("<2q")  # done, failed
-NO_SPACE, FAILED = -1, -2  # an answer's id when the query got no task
+# An answer's id when the query got no task: no room now (the engine waits and asks
+# again), failed, or more new pages than the host tier could ever take at once.
+NO_SPACE, FAILED, TOO_LARGE = -1, -2, -3
+_REFUSALS = (NO_SPACE, FAILED, TOO_LARGE)
 
 Query = tuple[int, list[bytes], tuple[str, ...]]  # tokens asked, page digests, namespace
-# Server side, per query: (task id, one bool per page, blocks), or (error, "no room now").
-Answer = tuple[int, npt.NDArray[np.bool_], npt.NDArray[np.int64]] | tuple[str, bool]
+Refusal = tuple[str, int]  # why, and NO_SPACE, FAILED or TOO_LARGE
+# Server side, per query: (task id, one bool per page, blocks), or a refusal.
+Answer = tuple[int, npt.NDArray[np.bool_], npt.NDArray[np.int64]] | Refusal
 
 
 class WireError(Exception):
@@ -231,15 +239,17 @@ def _text(part: str | bytes) -> str:
 
 
 def encode_answers(answers: Sequence[Answer]) -> bytes:
-    """An ``ANSWERS`` frame: per query its task id (or NO_SPACE / FAILED), its blocks and
-    its page mask; the errors' messages as JSON after them."""
+    """An ``ANSWERS`` frame: per query its task id (or NO_SPACE / FAILED / TOO_LARGE), its
+    blocks and its page mask; the errors' messages as JSON after them."""
     ids, block_counts, mask_counts = [], [], []
     blocks: list[bytes] = []
     masks: list[bytes] = []
     errors: list[str] = []
     for answer in answers:
         if isinstance(answer[0], str):
-            ids.append(NO_SPACE if answer[1] else FAILED)
+            if answer[1] not in _REFUSALS:
+                raise ValueError(f"a refusal is one of {_REFUSALS}, got {answer[1]!r}")
+            ids.append(answer[1])
             block_counts.append(0)
             mask_counts.append(0)
             errors.append(answer[0])
@@ -256,8 +266,11 @@ def encode_answers(answers: Sequence[Answer]) -> bytes:
                                     *blocks, *masks, error_bytes)))
 
 
-# Client side, per query: (server task id, token mask, blocks), or (error, "no room now").
-ClientAnswer = tuple[int, npt.NDArray[np.bool_], npt.NDArray[np.int64]] | tuple[str, bool]
+# Client side, per query: (server task id, token mask, blocks), or what a refusal raises
+# (NoSpace, StoreError, TooLarge: the Store contract's answers).
+ClientAnswer = tuple[int, npt.NDArray[np.bool_], npt.NDArray[np.int64]] | Exception
+_RAISES: dict[int, Callable[[str], Exception]] = {
+    NO_SPACE: NoSpace, FAILED: StoreError, TOO_LARGE: TooLarge}
 
 
 def decode_answers(body: memoryview, tokens: Sequence[int], page_size: int
@@ -284,7 +297,9 @@ def decode_answers(body: memoryview, tokens: Sequence[int], page_size: int
     block_at = mask_at = 0
     for task_id, b, m, n in zip(ids, block_counts, mask_counts, tokens, strict=True):
         if task_id < 0:
-            out.append((str(next(errors, "")), task_id == NO_SPACE))
+            if task_id not in _RAISES:
+                raise WireError(f"an answer's id {task_id}")
+            out.append(_RAISES[task_id](str(next(errors, ""))))
             continue
         if m != n // page_size:
             raise WireError(f"a mask of {m} pages for {n} tokens")
