@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import needs_mooncake
 from prometheus_client import CollectorRegistry
-from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, ChildHost, user_kv
+from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, ChildHost
+from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 import aiokv
 import aiokv.metrics
@@ -24,55 +25,6 @@ from aiokv.remote.servers import MooncakeServers, free_port
 from aiokv.stores.local.digests import chain_digests
 
 pytestmark = needs_mooncake()
-
-USER_PAGES = 8
-TOKENS = USER_PAGES * PAGE_SIZE
-
-
-class LocalHost:
-    """An engine in this process, with its own host tier and Mooncake client."""
-
-    def __init__(self, master: str, dtype: torch.dtype = torch.float32,
-                 head_dim: int = HEAD_DIM, **remote: Any) -> None:
-        self.head_dim = head_dim
-        self.caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, dtype=dtype)
-                       for _ in range(LAYERS)]
-        config = aiokv.StoreConfig(cpu_cache_gb=0.01, remote={"master": master, **remote})
-        self.store = aiokv.LocalStore(config)
-        self.engine = aiokv.OffloadEngine(self.store, self.caches, aiokv.EngineConfig())
-        self.kv = aiokv.run_in_background(self.engine)
-
-    def kv_of(self, user: int) -> list[torch.Tensor]:
-        if self.head_dim == HEAD_DIM:
-            return user_kv(user, USER_PAGES)  # as the child host makes them
-        generator = torch.Generator().manual_seed(user)
-        shape = (USER_PAGES, 2, PAGE_SIZE, HEADS, self.head_dim)
-        return [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
-
-    def offload(self, user: int) -> int:
-        for cache, kv in zip(self.caches, self.kv_of(user), strict=True):
-            cache[:USER_PAGES] = kv
-        stored: int = self.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens
-        return stored
-
-    def load(self, user: int) -> tuple[int, bool]:
-        """(tokens loaded, whether they are the user's KV bit for bit)."""
-        target = torch.arange(PAGES - USER_PAGES, PAGES)
-        with self.kv.lookup(user, TOKENS) as hit:
-            loaded: int = self.kv.load(hit, target).loaded_tokens
-        full = loaded // PAGE_SIZE
-        exact = all(
-            torch.equal(cache[PAGES - USER_PAGES : PAGES - USER_PAGES + full], kv[:full])
-            for cache, kv in zip(self.caches, self.kv_of(user), strict=True)
-        )
-        return loaded, exact
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self.store.store_stats())
-
-    def close(self) -> dict[str, Any]:
-        self.kv.close()
-        return self.stats()
 
 
 def test_hosts_share_blocks_and_an_evict_reaches_every_host(mooncake: MooncakeServers) -> None:
@@ -163,7 +115,7 @@ def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
             assert b.offload(user) == TOKENS
         # Until written to Mooncake, B's blocks cannot be evicted (a load then finds less
         # room: a shorter hit, which is not what this test is about).
-        _until(lambda: b.stats()["remote_blocks_written"] == 24 * USER_PAGES)
+        until(lambda: b.stats()["remote_blocks_written"] == 24 * USER_PAGES)
         stats = b.stats()  # full: room for A's blocks means evicting some of B's
         assert stats["host_blocks_used"] == stats["host_blocks_total"] < 24 * USER_PAGES
         assert b.load(91) == (TOKENS, True)
@@ -189,7 +141,7 @@ def test_blocks_held_for_remote_writes_come_back_while_the_engine_is_idle(
             blocks = _samples(registry, "aiokv_store_blocks")
             return blocks[("aiokv_store_blocks", "remote", "held")]
 
-        _until(lambda: held() == 0)
+        until(lambda: held() == 0)
         blocks = _samples(registry, "aiokv_store_blocks")
         assert blocks[("aiokv_store_blocks", "host", "used")] == 2 * USER_PAGES
     finally:
@@ -322,20 +274,13 @@ def test_a_full_remote_store_never_fails_a_caller(tmp_path: Path) -> None:
         assert any(tokens == TOKENS for tokens, _ in loaded)
 
 
-def _until(condition: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_the_master_going_away_turns_lookups_into_misses(tmp_path: Path) -> None:
     with MooncakeServers(segment_mb=16, log_dir=tmp_path) as servers:
         a = LocalHost(servers.master)
         b = LocalHost(servers.master, timeout_ms=200)
         try:
             assert a.offload(31) == TOKENS
-            _until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
             servers.stop_master()
             began = time.monotonic()
             assert b.load(31)[0] == 0  # a miss, not an error
@@ -344,7 +289,7 @@ def test_the_master_going_away_turns_lookups_into_misses(tmp_path: Path) -> None
             servers.start_master()
             servers.wait_store_mounted()
             assert a.offload(33) == TOKENS
-            _until(lambda: b.load(33) == (TOKENS, True))  # served again
+            until(lambda: b.load(33) == (TOKENS, True))  # served again
         finally:
             a.close()
             b.close()
@@ -366,7 +311,7 @@ def test_a_store_that_stops_answering_turns_lookups_into_misses(
             assert time.monotonic() - began < 5
         finally:
             mooncake.pause_store(False)
-        _until(lambda: b.load(51) == (TOKENS, True))
+        until(lambda: b.load(51) == (TOKENS, True))
         assert b.stats()["remote_timeouts"] >= 1
     finally:
         b.close()

@@ -26,7 +26,7 @@ from typing import Any
 
 from .checksums import Checksums
 from .config import RemoteConfig
-from .keys import Keys, leading_ones
+from .keys import PROBE, Keys, leading_ones
 from .native import import_store
 from .queue import WriteJob, WriteQueue
 from .values import Values
@@ -258,21 +258,47 @@ class RemoteIO:
         return leading
 
     def invalidate(self, ns: str | None, epoch: int, generation: int) -> bool:
-        """Publish the marker of the epoch (``ns`` None) or the namespace's generation that
-        ended, then remove its blocks; whether the marker is in Mooncake."""
+        """End the epoch (``ns`` None) or the namespace's generation that is current now:
+        this host knew ``epoch`` / ``generation``, but other hosts may have ended those
+        since, so the first one whose marker is absent is found first; then publish its
+        marker and remove its blocks. Whether the marker is in Mooncake."""
         client = self._ready()
         if client is None:
             return False
         keys = self.keys
-        marker = keys.cleared(epoch) if ns is None else keys.evicted(ns, generation)
+        marker_of: Callable[[int], str] = (
+            keys.cleared if ns is None else lambda g: keys.evicted(ns, g))
+        current = self._first_absent(client, marker_of, epoch if ns is None else generation)
+        if current is None:
+            return False
         config = import_store().ReplicateConfig()
         config.with_hard_pin = True  # a marker must outlive the LRU
-        rc = int(client.put(marker, b"1", config))
-        if not self._codes("put", [rc]):
+        # Another host may publish it meanwhile: a put keeps the first value (code 0),
+        # and both meant to end what was current when they began.
+        rc = int(client.put(marker_of(current), b"1", config))
+        if not self._codes("put", [rc]) or rc != 0:
             return False
+        if ns is None:
+            keys.advance("", current + 1, 0)
+        else:
+            keys.advance(ns, 0, current + 1)
         pattern = keys.all_pattern() if ns is None else keys.namespace_pattern(ns)
         client.remove_by_regex(pattern, True)  # best effort: the marker already hides them
-        return rc == 0
+        return True
+
+    def _first_absent(self, client: Any, marker_of: Callable[[int], str],
+                      start: int) -> int | None:
+        """The first epoch or generation from ``start`` on whose marker (``marker_of``)
+        Mooncake lacks: the current one; None when Mooncake did not answer."""
+        count = PROBE
+        while True:
+            found = client.batch_is_exist([marker_of(start + i) for i in range(count)])
+            if not self._codes("batch_is_exist", found) or any(code < 0 for code in found):
+                return None
+            present = leading_ones(found)
+            if present < count:
+                return start + present
+            start, count = start + count, count * 2  # far behind: larger steps
 
     def _refresh(self, client: Any, namespaces: set[str]) -> bool:
         """Move past the markers of these namespaces (and of the epoch) that other hosts

@@ -1,0 +1,44 @@
+"""Invalidation across hosts on the remote tier (a real Mooncake Store, conftest's
+``mooncake``): what an evict or clear on one host ends for every other, whatever that
+host knew of the key's generation, and what it leaves alone. Hosts are engines in this
+process (tests/remote_local.py) that share nothing but Mooncake; where a test needs a
+write to land at a given moment, the writer is held at its batch (conftest's ``held``)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import held, needs_mooncake
+from remote_local import TOKENS, USER_PAGES, LocalHost, until
+
+from aiokv.remote.client import RemoteIO
+from aiokv.remote.servers import MooncakeServers
+
+pytestmark = needs_mooncake()
+
+
+def test_an_evict_from_a_host_that_missed_earlier_evicts_ends_what_is_served_now(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A evicts the user once and offloads it again: those blocks belong to the generation
+    # after that evict, and land once B has evicted the user. B never looked the user
+    # up, so it knew only the first generation: its evict must end the one A writes to.
+    a = LocalHost(mooncake.master)
+    try:
+        assert a.offload(1701) == TOKENS
+        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        assert a.kv.evict(1701) == TOKENS
+        gate = held(monkeypatch, RemoteIO, "_write")
+        assert a.offload(1701) == TOKENS
+        assert gate.entered.wait(10), "the writer did not take the put"
+        b = LocalHost(mooncake.master)
+        try:
+            assert b.kv.evict(1701) == 0  # nothing in its own tiers
+        finally:
+            assert b.close()["remote_invalidation_errors"] == 0
+        gate.set()
+    finally:
+        a.close()
+    c = LocalHost(mooncake.master)  # knows nothing: learns all from Mooncake
+    try:
+        assert c.load(1701)[0] == 0
+    finally:
+        c.close()
