@@ -6,6 +6,9 @@ write to land at a given moment, the writer is held at its batch (conftest's ``h
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
 from conftest import held, needs_mooncake
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
@@ -40,5 +43,47 @@ def test_an_evict_from_a_host_that_missed_earlier_evicts_ends_what_is_served_now
     c = LocalHost(mooncake.master)  # knows nothing: learns all from Mooncake
     try:
         assert c.load(1701)[0] == 0
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("clear", [False, True])
+def test_a_late_remove_leaves_what_was_written_after_the_invalidation(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        clear: bool) -> None:
+    # The marker is out (the evict or clear has answered) but its best-effort remove is
+    # slow, as a busy master's scan would be: B learns the new generation (epoch) and
+    # writes the user under it meanwhile. The remove must take what ended only.
+    with contextlib.ExitStack() as stack:
+        # A clear ends every key: on a Mooncake of its own, not the session's.
+        servers = stack.enter_context(MooncakeServers(16, log_dir=tmp_path)) if clear else mooncake
+        _written_over_a_late_remove(servers.master, monkeypatch, clear)
+
+
+def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
+                                clear: bool) -> None:
+    a = LocalHost(master)
+    try:
+        assert a.offload(1711) == TOKENS
+        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        gate = held(monkeypatch, RemoteIO, "_remove")
+        if clear:
+            a.kv.clear()
+        else:
+            assert a.kv.evict(1711) == TOKENS
+        b = LocalHost(master)
+        try:
+            assert b.load(1711)[0] == 0  # gone; B learns the generation from the marker
+            assert b.offload(1711) == TOKENS
+            until(lambda: b.stats()["remote_blocks_written"] == USER_PAGES)
+        finally:
+            b.close()
+        assert gate.entered.wait(10), "the invalidation did not remove"
+        gate.set()
+    finally:
+        a.close()  # after its remove
+    c = LocalHost(master)
+    try:
+        assert c.load(1711) == (TOKENS, True)  # what B wrote after the invalidation
     finally:
         c.close()

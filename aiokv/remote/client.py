@@ -16,6 +16,7 @@ lookup its full wait.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -280,11 +281,20 @@ class RemoteIO:
             return False
         if ns is None:
             keys.advance("", current + 1, 0)
+            pattern = keys.epoch_pattern(current)
         else:
             keys.advance(ns, 0, current + 1)
-        pattern = keys.all_pattern() if ns is None else keys.namespace_pattern(ns)
-        client.remove_by_regex(pattern, True)  # best effort: the marker already hides them
+            pattern = keys.generation_pattern(ns, current)
+        # Best effort (the marker already hides them), and after the answer: only the
+        # blocks of what ended, never those of the next one, written from now on.
+        with contextlib.suppress(RuntimeError):  # closing: left to the LRU
+            self._reader.submit(self._remove, pattern)
         return True
+
+    def _remove(self, pattern: str) -> None:
+        client = self._ready()
+        if client is not None:
+            client.remove_by_regex(pattern, True)
 
     def _first_absent(self, client: Any, marker_of: Callable[[int], str],
                       start: int) -> int | None:

@@ -16,8 +16,9 @@ Hosts learn each other's invalidations from markers in Mooncake itself: the key
 ``<root>/cleared/<e>`` exists once epoch ``e`` was cleared, ``<root>/<ns>/evicted/<g>``
 once generation ``g`` of the namespace was evicted. Every lookup asks for a few markers
 past its known epoch and generation in the same ``batch_is_exist`` as its blocks, and
-moves on past the ones it finds. The blocks of old generations are removed by regex
-(best effort) and otherwise age out of Mooncake's LRU.
+moves on past the ones it finds. The blocks of the generation (epoch) an evict (clear)
+ended are removed by regex (best effort: never those of the next one, which other hosts
+may be writing already), and otherwise age out of Mooncake's LRU.
 """
 
 from __future__ import annotations
@@ -105,13 +106,13 @@ class Keys:
     def evicted(self, ns: str, generation: int) -> str:
         return f"{self.root}/{ns}/evicted/{generation}"
 
-    def namespace_pattern(self, ns: str) -> str:
-        """Every block of the namespace, all generations (not its markers)."""
-        return f"^{self.root}/{ns}/[0-9]"
+    def generation_pattern(self, ns: str, generation: int) -> str:
+        """The namespace's blocks of this generation, under any epoch (not its markers)."""
+        return f"^{self.root}/{ns}/[0-9]+\\.{generation}/"
 
-    def all_pattern(self) -> str:
-        """Every block under this geometry (not the markers)."""
-        return f"^{self.root}/[0-9a-f]{{32}}/[0-9]"
+    def epoch_pattern(self, epoch: int) -> str:
+        """Every namespace's blocks of this epoch, any generation (not the markers)."""
+        return f"^{self.root}/[0-9a-f]{{32}}/{epoch}\\.[0-9]+/"
 
 
 def leading_ones(codes: Sequence[int]) -> int:
