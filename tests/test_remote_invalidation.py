@@ -2,7 +2,9 @@
 ``mooncake``): what an evict or clear on one host ends for every other, whatever that
 host knew of the key's generation, and what it leaves alone. Hosts are engines in this
 process (tests/remote_local.py) that share nothing but Mooncake; where a test needs a
-write to land at a given moment, the writer is held at its batch (conftest's ``held``)."""
+write to land at a given moment, the writer is held at its batch (conftest's ``held``).
+Users from 1700 on: the session's Mooncake remembers what other modules' users went
+through, and an evict here would change what their hosts may write."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 from aiokv.remote.client import RemoteIO
 from aiokv.remote.servers import MooncakeServers
+from aiokv.remote.writer import Writer
 
 pytestmark = needs_mooncake()
 
@@ -29,7 +32,7 @@ def test_an_evict_from_a_host_that_missed_earlier_evicts_ends_what_is_served_now
         assert a.offload(1701) == TOKENS
         until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
         assert a.kv.evict(1701) == TOKENS
-        gate = held(monkeypatch, RemoteIO, "_write")
+        gate = held(monkeypatch, Writer, "_write")
         assert a.offload(1701) == TOKENS
         assert gate.entered.wait(10), "the writer did not take the put"
         b = LocalHost(mooncake.master)
