@@ -9,17 +9,23 @@ through, and an evict here would change what their hosts may write."""
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import pytest
-from conftest import held, needs_mooncake
+from conftest import failing_first_call, held, needs_mooncake
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 from aiokv.remote.client import RemoteIO
+from aiokv.remote.markers import Markers
 from aiokv.remote.servers import MooncakeServers
 from aiokv.remote.writer import Writer
 
 pytestmark = needs_mooncake()
+
+# For a fresh host whose first lookup must answer (it waits behind the connect), also on a
+# loaded machine: a lookup that times out is a miss, and learns no marker in time.
+SLOW_MS = 5000
 
 
 def test_an_evict_from_a_host_that_missed_earlier_evicts_ends_what_is_served_now(
@@ -43,7 +49,7 @@ def test_an_evict_from_a_host_that_missed_earlier_evicts_ends_what_is_served_now
         gate.set()
     finally:
         a.close()
-    c = LocalHost(mooncake.master)  # knows nothing: learns all from Mooncake
+    c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)  # learns all from Mooncake
     try:
         assert c.load(1701)[0] == 0
     finally:
@@ -74,7 +80,7 @@ def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
             a.kv.clear()
         else:
             assert a.kv.evict(1711) == TOKENS
-        b = LocalHost(master)
+        b = LocalHost(master, timeout_ms=SLOW_MS)
         try:
             assert b.load(1711)[0] == 0  # gone; B learns the generation from the marker
             assert b.offload(1711) == TOKENS
@@ -85,8 +91,69 @@ def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
         gate.set()
     finally:
         a.close()  # after its remove
-    c = LocalHost(master)
+    c = LocalHost(master, timeout_ms=SLOW_MS)
     try:
         assert c.load(1711) == (TOKENS, True)  # what B wrote after the invalidation
     finally:
         c.close()
+
+
+def test_a_host_does_not_read_what_its_evict_ends_until_the_marker_is_out(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # X serves the user under the generation after an evict. B knew only the first one,
+    # and its evict's marker fails to go out (the master went away for a moment): B
+    # must not read the user from Mooncake meanwhile, and the marker must follow once
+    # Mooncake answers again, so that no host is served what B's evict ended.
+    x = LocalHost(mooncake.master)
+    try:
+        assert x.offload(1741) == TOKENS
+        until(lambda: x.stats()["remote_blocks_written"] == USER_PAGES)
+        assert x.kv.evict(1741) == TOKENS
+        assert x.offload(1741) == TOKENS
+    finally:
+        assert x.close()["remote_blocks_written"] == 2 * USER_PAGES
+    monkeypatch.setattr(Markers, "end", failing_first_call(Markers.end, "the master went away"))
+    b = LocalHost(mooncake.master, timeout_ms=200)
+    try:
+        assert b.kv.evict(1741) == 0
+        # Through the tier's rest after the failure and past it, the marker out or not:
+        # never what the evict ended.
+        rested = time.monotonic() + 1.0
+        while time.monotonic() < rested:
+            assert b.load(1741)[0] == 0
+        until(lambda: b.stats().get("remote_invalidations_waiting") == 0)
+    finally:
+        stats = b.close()
+    assert stats["remote_invalidation_errors"] == 1
+    c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    try:
+        assert c.load(1741)[0] == 0
+    finally:
+        c.close()
+
+
+def test_a_master_that_stops_answering_holds_up_neither_evicts_nor_close(
+        tmp_path: Path) -> None:
+    # SIGSTOP: the master accepts connections and never answers; each Mooncake call
+    # then waits about 30 s. A write and a lookup are in calls when evicts come: they
+    # must not queue more calls, and the engine's close must not wait for Mooncake.
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master, timeout_ms=200)
+        try:
+            assert a.offload(1) == TOKENS
+            until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            servers.pause_master()
+            assert a.offload(2) == TOKENS  # its write waits on the master
+            assert a.load(3)[0] == 0  # a miss after timeout_ms
+            began = time.monotonic()
+            assert a.kv.evict(1) == TOKENS
+            for user in (2, 4):  # 2's blocks are the write's: freed when it ends
+                a.kv.evict(user)
+            evicts_s = time.monotonic() - began
+            began = time.monotonic()
+            stats = a.close()
+            close_s = time.monotonic() - began
+        finally:
+            servers.pause_master(False)
+    assert evicts_s < 5 and close_s < 10  # Mooncake's 30 s per call, not waited for
+    assert stats["remote_invalidations_waiting"] == 3

@@ -12,11 +12,15 @@ block, then its checksum) in and out of it, one :class:`~.values.Values` per thr
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
+from .caller import CallThread
 from .checksums import Checksums
 from .config import RemoteConfig
 from .connection import ABSENT, Connection
@@ -25,6 +29,11 @@ from .markers import Markers
 from .queue import WriteJob, WriteQueue
 from .values import Values
 from .writer import Writer
+
+log = logging.getLogger("aiokv")
+
+_JOIN_S = 2.0  # how long close waits for a thread in a call, past the flush
+_STUCK_S = 2.0  # a write batch in a call this long waits on a master that does not answer
 
 
 class RemoteIO:
@@ -61,7 +70,12 @@ class RemoteIO:
         self._reads = Values(self._base, block_bytes, num_blocks, self._checksums,
                              self.read_stats, ("remote_get_seconds",
                                                "remote_read_checksum_seconds"))
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="aiokv-remote-read")
+        # The call that publishes the markers not out yet, if it has not started (then
+        # a new evict's marker goes with it).
+        self._publishing: Future[bool] | None = None
+        self._publishing_started = False
+        self._publishing_lock = threading.Lock()
+        self._reader = CallThread("aiokv-remote-read", self._tend)
         self._writer.thread.start()
         # Connect now, so the first lookup need not wait.
         self._reader.submit(self.connection.ready)
@@ -141,40 +155,100 @@ class RemoteIO:
 
     # ---- invalidation (the reader thread) --------------------------------------------
 
-    def invalidate(self, ns: str | None, epoch: int, generation: int) -> bool:
-        """End the epoch (``ns`` None) or the namespace's generation that is current now
-        (:meth:`.markers.Markers.end`), then remove its blocks; whether the marker is
-        in Mooncake."""
+    def publish(self) -> Future[bool]:
+        """Publish the markers of the invalidations not out yet (:meth:`.keys.Keys.unpublish`)
+        on the reader thread: the call's answer is whether all of them are out. One
+        call for the evicts that come before it starts."""
+        with self._publishing_lock:
+            if self._publishing is None or self._publishing_started:
+                self._publishing_started = False
+                self._publishing = self._reader.submit(self._publish_call)
+            return self._publishing
+
+    def _publish_call(self) -> bool:
+        with self._publishing_lock:
+            self._publishing_started = True
+        return self._publish()
+
+    def _publish(self) -> bool:
+        """End what is current now of each namespace (and the epoch) with invalidations
+        not out yet; then remove what ended. Whether they all are out."""
+        waiting = self.keys.unpublished()
+        if not waiting:
+            return True
         client = self.connection.ready()
         if client is None:
             return False
-        pattern = self.markers.end(client, ns, epoch, generation)
-        if pattern is None:
-            return False
-        # Best effort (the marker already hides them), and after the answer: only the
-        # blocks of what ended, never those of the next one, written from now on.
-        with contextlib.suppress(RuntimeError):  # closing: left to the LRU
-            self._reader.submit(self._remove, pattern)
-        return True
+        patterns = []
+        for ns, count in waiting.items():
+            pattern = self.markers.end(client, ns)
+            if pattern is None:
+                if not self.connection.resting():  # an answer, not the master's absence
+                    self.connection.rest("publishing a marker", "refused")
+                break
+            self.keys.published(ns, count)
+            patterns.append(pattern)
+        # Best effort (the markers already hide them), and after the answer: only the
+        # blocks of what ended, never those of what follows, written from now on.
+        for pattern in patterns:
+            with contextlib.suppress(RuntimeError):  # closing: left to the LRU
+                self._reader.submit(self._remove, pattern)
+        return len(patterns) == len(waiting)
 
     def _remove(self, pattern: str) -> None:
         client = self.connection.ready()
         if client is not None:
             client.remove_by_regex(pattern, True)
 
+    def _tend(self) -> float | None:
+        """The reader thread, between calls: publish the markers that could not be
+        published earlier, once the tier no longer rests; how long until it tries again
+        (None: nothing waits)."""
+        if not self.keys.unpublished():
+            return None
+        if not self.connection.resting():
+            try:
+                self._publish()
+            except Exception as exc:  # the client raised: as a failed call, the tier rests
+                self.connection.rest("publishing a marker", exc)
+        return max(0.05, self.connection.rest_left_s()) if self.keys.unpublished() else None
+
     # ---- close ---------------------------------------------------------------------
 
-    def close(self, flush_timeout_s: float) -> None:
-        """Finish the queued writes (up to ``flush_timeout_s``; the rest are dropped),
-        stop both threads, and let go of Mooncake."""
+    def close(self, flush_timeout_s: float) -> bool:
+        """Finish the queued writes and publish the markers not out yet (up to
+        ``flush_timeout_s``; the writes left are dropped), stop both threads, and let go
+        of Mooncake. A thread stuck in a call (a master that stopped answering) is waited
+        for ``_JOIN_S`` at most, then left to end by itself (daemon threads); the client
+        and the memory it reads into then stay, and False is returned."""
         queue = self.queue
-        queue.wait_idle(flush_timeout_s)
+        deadline = time.monotonic() + flush_timeout_s
+        while self.keys.unpublished() and (left := deadline - time.monotonic()) > 0:
+            rest = self.connection.rest_left_s()
+            if rest >= left:
+                break
+            time.sleep(rest)  # a call failed a moment ago: the rest is short, or nothing
+            futures_wait([self.publish()], deadline - time.monotonic())
+        # A batch in a call for seconds waits on a master that does not answer.
+        while not queue.wait_idle(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or self._writer.in_call_s() > _STUCK_S:
+                break
         dropped = queue.cancel(None)
         self.write_stats["remote_dropped_down"] += sum(map(len, dropped))
         queue.close()
-        self._writer.thread.join()
+        deadline = time.monotonic() + _JOIN_S
+        self._writer.thread.join(_JOIN_S)
         queue.done([WriteJob("", [], blocks) for blocks in dropped])  # to be given back
-        self._reader.shutdown(wait=True)
+        stopped = (self._reader.close(max(0.0, deadline - time.monotonic()))
+                   and not self._writer.thread.is_alive())
+        waiting = sum(self.keys.unpublished().values())
+        if waiting:
+            log.warning("aiokv: remote tier: %d evicts or clears closed with their markers "
+                        "unpublished: other hosts serve those keys until they age out", waiting)
+        if not stopped:
+            log.warning("aiokv: remote tier: Mooncake did not answer within %.0f s of close; "
+                        "its calls under way are left to end by themselves", _JOIN_S)
+            return False
         self._checksums.close()
         self.connection.close()
-
+        return True

@@ -56,6 +56,10 @@ class Connection:
     def resting(self) -> bool:
         return time.monotonic() < self._retry_at
 
+    def rest_left_s(self) -> float:
+        """How long the tier still rests (0: it does not)."""
+        return max(0.0, self._retry_at - time.monotonic())
+
     def rest(self, what: str, detail: object) -> None:
         if not self.resting():
             log.warning("aiokv: remote tier: %s failed (%s); resting %.1f s",
@@ -67,12 +71,15 @@ class Connection:
         self._rest_s = self.config.timeout_ms / 1000
 
     def ready(self) -> Any:
-        """The set-up client, or None (resting, or setup failed now)."""
+        """The set-up client, or None (resting, or setup failed now). While the tier rests
+        no call is tried: on a master that stopped answering each waits about 30 s."""
+        if self.resting():
+            return None
         if self._client is not None:
             return self._client
         # Another thread may be connecting: wait for it (a connect is bounded by the
         # probe below, but Mooncake's own setup is not: do not wait for ever).
-        if self.resting() or not self._connect_lock.acquire(timeout=_CONNECT_WAIT_S):
+        if not self._connect_lock.acquire(timeout=_CONNECT_WAIT_S):
             return None
         try:
             if self._client is None:

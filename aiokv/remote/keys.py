@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,17 +48,50 @@ def namespace_tag(namespace: Sequence[str]) -> str:
 
 class Keys:
     """Key names under one geometry, and this host's view of the epoch and generations
-    (any thread: a lock guards the two maps)."""
+    (any thread: a lock guards the maps).
+
+    An evict (clear) makes the namespace (every namespace) unusable here until its
+    marker is out (:meth:`unpublish`, :meth:`published`): only then does this host know
+    which generation it ended and which one follows, so meanwhile it neither reads nor
+    writes the namespace on Mooncake. Where the marker cannot be published (the master
+    does not answer), that lasts until it can."""
 
     def __init__(self, geometry: str) -> None:
         self.root = f"{VERSION}/{geometry}"
         self._lock = threading.Lock()
         self._epoch = 0
         self._generations: OrderedDict[str, int] = OrderedDict()
+        self._unpublished: Counter[str | None] = Counter()  # namespace (None: all) -> evicts
 
     def current(self, ns: str) -> tuple[int, int]:
         with self._lock:
             return self._epoch, self._generations.get(ns, 0)
+
+    def usable(self, ns: str) -> bool:
+        """Whether this host may read and write the namespace on Mooncake now."""
+        if not self._unpublished:  # the usual case, without the lock
+            return True
+        with self._lock:
+            return None not in self._unpublished and ns not in self._unpublished
+
+    def unpublish(self, ns: str | None) -> None:
+        """An evict of the namespace (None: a clear) whose marker is not out yet."""
+        with self._lock:
+            self._unpublished[ns] += 1
+
+    def unpublished(self) -> dict[str | None, int]:
+        """The invalidations whose markers are not out, per namespace (None: clears)."""
+        with self._lock:
+            return dict(self._unpublished)
+
+    def published(self, ns: str | None, count: int) -> None:
+        """``count`` invalidations of the namespace (None: clears) are out."""
+        with self._lock:
+            left = self._unpublished[ns] - count
+            if left > 0:
+                self._unpublished[ns] = left
+            else:
+                self._unpublished.pop(ns, None)
 
     def advance(self, ns: str, epoch: int, generation: int) -> None:
         """Move to (at least) these; never back."""

@@ -45,13 +45,14 @@ class Markers:
             return answers
         return None
 
-    def end(self, client: Any, ns: str | None, epoch: int, generation: int) -> str | None:
+    def end(self, client: Any, ns: str | None) -> str | None:
         """End the epoch (``ns`` None) or the namespace's generation that is current now:
-        this host knew ``epoch`` / ``generation``, but other hosts may have ended those
-        since, so the first one whose marker is absent is found first; then publish its
-        marker and move this host past it. The pattern of the blocks that ended (to
-        remove), or None where the marker is not in Mooncake."""
+        other hosts may have ended the one this host knows, so the first one whose
+        marker is absent is found first; then publish its marker and move this host past
+        it. The pattern of the blocks that ended (to remove), or None where the marker
+        is not in Mooncake."""
         keys = self.keys
+        epoch, generation = keys.current(ns or "")
         marker_of: Callable[[int], str] = (
             keys.cleared if ns is None else lambda g: keys.evicted(ns, g))
         current = self._first_absent(client, marker_of, epoch if ns is None else generation)

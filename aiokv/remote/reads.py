@@ -90,6 +90,11 @@ class Reader:
     def open_reads(self) -> int:
         return len(self._reads)
 
+    @property
+    def stuck(self) -> bool:
+        """The reader thread is still in a call that outlived its time."""
+        return self._busy is not None and not self._busy.done()
+
     # ---- reads ---------------------------------------------------------------------
 
     def start(self, queries: Wanted, below: Below = None) -> RemoteRead | None:
@@ -98,18 +103,21 @@ class Reader:
         host miss on. ``below``: the SSD tier's ``has``; a query whose first missing page
         it holds is left to the SSD path. None where nothing is read (nothing missing,
         or the tier rests: then counted as misses)."""
+        io, host = self._io, self._host
         wanted: Wanted = []
+        unusable: Wanted = []  # evicted here, the marker not out yet: a miss
         for key, digests in queries:
-            if key in self._reading or any(key == k for k, _ in wanted):
+            if key in self._reading or any(key == k for k, _ in wanted + unusable):
                 continue
             gap = self._missing(key, digests)
             if gap and (below is None or not below(key, gap[:1])[0]):
-                wanted.append((key, gap))
+                (wanted if io.keys.usable(self._tag(key)) else unusable).append((key, gap))
+        if unusable:
+            self._count(unusable, [0] * len(unusable), 0.0)
         if not wanted:
             return None
-        io, host = self._io, self._host
         now = time.monotonic()
-        if io.resting() or (self._busy is not None and not self._busy.done()):
+        if io.resting() or self.stuck:
             self._count(wanted, [0] * len(wanted), 0.0)
             return None
         asked = [(self._tag(key), digests) for key, digests in wanted]
@@ -298,12 +306,19 @@ class Reader:
         for read in self._reads:
             read.gone.update(k for k, _ in read.wanted if key in (None, k))
 
-    def publish(self, ns: str | None, epoch: int, generation: int, wait: bool) -> Published:
-        """Send the marker that the epoch (``ns`` None) or the namespace's generation
-        ended; ``wait``: block until it is out, or its time is up."""
+    def publish(self, wait: bool) -> Published:
+        """Send the markers of the evicts and clears not out yet (:meth:`RemoteIO.publish`);
+        ``wait``: block until they are out, or its time is up. Where the tier rests, or
+        the reader thread is still in a call past its time (a master that does not
+        answer), nothing is asked now: the answer is a failure at once, and the reader
+        thread publishes them once the tier answers again (:meth:`RemoteIO._tend`)."""
         io = self._io
-        published = Published(io.submit_read(io.invalidate, ns, epoch, generation),
-                              time.monotonic() + self._timeout_s)
+        if io.resting() or self.stuck:
+            future: Future[Any] = Future()
+            future.set_result(False)
+        else:
+            future = io.publish()
+        published = Published(future, time.monotonic() + self._timeout_s)
         published.future.add_done_callback(self._returned)
         self._publishing.append(published)
         if wait:

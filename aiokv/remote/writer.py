@@ -49,23 +49,30 @@ class Writer:
                              ("remote_put_seconds", "remote_write_checksum_seconds"))
         # Namespace -> when its markers need asking again before a write.
         self._checked: dict[str, float] = {}
+        self._batch_began: float | None = None  # time.monotonic(), while it writes
         self.thread = threading.Thread(target=self._loop, name="aiokv-remote-write",
                                        daemon=True)
 
     def _loop(self) -> None:
         queue = self._queue
         while (jobs := queue.next_batch(_WRITE_BATCH)) is not None:
-            began = time.monotonic()
+            began = self._batch_began = time.monotonic()
             try:
                 self._write(jobs)
             except Exception as exc:  # a bug or the client's: count it, keep the thread
                 self.stats["remote_write_errors"] += sum(len(j.blocks) for j in jobs)
                 log.exception("aiokv: remote tier: a write failed: %s", exc)
             finally:
+                self._batch_began = None
                 self.stats["remote_write_batches"] += 1
                 self.stats["remote_write_seconds"] += time.monotonic() - began
                 queue.done(jobs)
                 self._wake()
+
+    def in_call_s(self) -> float:
+        """How long the batch under way has been written (0: none)."""
+        began = self._batch_began
+        return 0.0 if began is None else time.monotonic() - began
 
     def _refresh(self, client: Any, namespaces: set[str]) -> bool:
         """Move past the markers of these namespaces (and of the epoch) that other hosts
@@ -98,7 +105,8 @@ class Writer:
         keys: list[str] = []
         blocks: list[int] = []
         for job in jobs:
-            if self._keys.current(job.ns) != (job.epoch, job.generation):
+            if not self._keys.usable(job.ns) or (
+                    self._keys.current(job.ns) != (job.epoch, job.generation)):
                 # Evicted (here, or on another host: the markers just asked) since the
                 # put was offered: its keys are hidden already, writing them is waste.
                 stats["remote_dropped_evicted"] += len(job.blocks)
