@@ -157,3 +157,23 @@ def test_a_master_that_stops_answering_holds_up_neither_evicts_nor_close(
             servers.pause_master(False)
     assert evicts_s < 5 and close_s < 10  # Mooncake's 30 s per call, not waited for
     assert stats["remote_invalidations_waiting"] == 3
+
+
+def test_writes_an_evict_takes_back_are_counted_as_dropped(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One user's write is under way (held) and another's waits in the queue when the
+    # second is evicted: every block offered is written or counted as dropped.
+    a = LocalHost(mooncake.master)
+    try:
+        gate = held(monkeypatch, Writer, "_write")
+        assert a.offload(1751) == TOKENS
+        assert gate.entered.wait(10), "the writer did not take the put"
+        assert a.offload(1752) == TOKENS  # queued behind it
+        assert a.stats()["remote_write_queue_blocks"] == USER_PAGES
+        assert a.kv.evict(1752) == TOKENS  # waits timeout_ms for the write under way
+        gate.set()
+    finally:
+        stats = a.close()
+    assert (stats["remote_blocks_written"], stats["remote_dropped_writes"]) == (
+        USER_PAGES, USER_PAGES)
+    assert stats["remote_dropped_evicted"] == USER_PAGES

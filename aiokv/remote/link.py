@@ -84,7 +84,7 @@ class RemoteLink:
         self._held = 0  # host blocks held by writes
         self._asked: set[tuple[str, ...]] = set()  # namespaces asked in this batch
         self.stats_ = {"remote_dropped_queue": 0, "remote_dropped_resting": 0}
-        self._evicted = 0  # blocks not sent because this host evicted their key
+        self._evicted = 0  # blocks not sent (or taken back) because this host evicted their key
 
     def _tag(self, namespace: tuple[str, ...]) -> str:
         tag = self._tags.get(namespace)
@@ -176,6 +176,7 @@ class RemoteLink:
         io.keys.unpublish(ns)
         for blocks in io.queue.cancel(ns):
             self._give_back(blocks)
+            self._evicted += len(blocks)  # dropped writes, as close counts those it takes
         self.reads.invalidated(namespace)
         if wait and not io.queue.wait_idle(self._timeout_s):
             self.reads.stats_["remote_invalidation_errors"] += 1
