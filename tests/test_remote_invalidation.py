@@ -177,3 +177,4 @@ def test_writes_an_evict_takes_back_are_counted_as_dropped(
     assert (stats["remote_blocks_written"], stats["remote_dropped_writes"]) == (
         USER_PAGES, USER_PAGES)
     assert stats["remote_dropped_evicted"] == USER_PAGES
+

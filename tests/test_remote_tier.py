@@ -7,6 +7,7 @@ installs it) it must run."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 import aiokv
 import aiokv.metrics
+from aiokv.remote.client import RemoteIO
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers, free_port
@@ -124,6 +126,34 @@ def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
         b.close()
     assert b.kv.stats().remote_hits >= 1
 
+
+def test_a_lookup_that_asks_twice_waits_timeout_ms_in_all(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A host tier full of its own blocks asks Mooncake which blocks it has, then reads
+    # them: two calls. Each answers within timeout_ms (a slow Mooncake: 0.6 of it), both
+    # together do not: the lookup is a miss at timeout_ms, not a hit after twice that.
+    a = LocalHost(mooncake.master, head_dim=1024)  # 128 KiB blocks: 81 on the host tier
+    assert a.offload(960) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    b = LocalHost(mooncake.master, head_dim=1024, timeout_ms=1000)
+    try:
+        for user in range(961, 972):  # 88 blocks
+            assert b.offload(user) == TOKENS
+        until(lambda: b.stats()["remote_blocks_written"] == 11 * USER_PAGES)
+        for name in ("leading", "fetch"):
+            monkeypatch.setattr(RemoteIO, name, _slowed(getattr(RemoteIO, name), 0.6))
+        assert b.load(960)[0] == 0
+        stats = b.stats()
+    finally:
+        b.close()
+    assert stats["remote_timeouts"] == 1 and stats["remote_hits"] == 0
+
+
+def _slowed(call: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    def slow(*args: Any) -> Any:
+        time.sleep(seconds)  # a Mooncake that answers late, within one timeout_ms
+        return call(*args)
+    return slow
 
 def test_blocks_held_for_remote_writes_come_back_while_the_engine_is_idle(
     mooncake: MooncakeServers,

@@ -1,5 +1,5 @@
 """The remote tier's calls on the reader thread, as the store thread sees them: lookups'
-reads into host blocks, and invalidations' markers, each call given ``timeout_ms``.
+reads into host blocks (one call or two, in ``timeout_ms`` together), and invalidations' markers.
 
 A read is :meth:`Reader.start`, then :meth:`Reader.poll` until it is over: the embedded
 store blocks in :meth:`Reader.wait` (its lookups are answered after it anyway); the
@@ -43,7 +43,7 @@ class RemoteRead:
     wanted: Wanted
     future: Future[Any]  # the reader thread's current call
     began: float  # time.monotonic()
-    deadline: float  # the current call's answer is a miss after this
+    deadline: float  # an answer after this is a miss: timeout_ms from began, both calls
     # Reserved, ``counts[i]`` of them per wanted range.
     blocks: Int64Array = field(default_factory=lambda: NO_BLOCKS)
     counts: list[int] | None = None
@@ -237,16 +237,20 @@ class Reader:
             counts.append(0 if key in read.gone else min(len(keys), room))
             room -= counts[-1]
         total = sum(counts)
+        now = time.monotonic()
+        if total and now >= read.deadline:  # the lookup's time is up: no second call
+            self.stats_["remote_timeouts"] += 1
+            total = 0
         try:
             blocks = host.reserve(total) if total else None
         except NoSpace:
             blocks = None
-        now = time.monotonic()
         if blocks is None:
             self._end(read, [0] * len(read.wanted), now)
             return
         keys = [key for group, count in zip(present, counts, strict=True) for key in group[:count]]
-        read.blocks, read.counts, read.deadline = blocks, counts, now + self._timeout_s
+        # Within the deadline the read began with: one timeout_ms for the lookup.
+        read.blocks, read.counts = blocks, counts
         read.future = io.submit_read(io.fetch, keys, blocks.tolist(), counts)
         read.future.add_done_callback(self._returned)
 
