@@ -178,3 +178,40 @@ def test_writes_an_evict_takes_back_are_counted_as_dropped(
         USER_PAGES, USER_PAGES)
     assert stats["remote_dropped_evicted"] == USER_PAGES
 
+
+
+def test_after_a_master_restart_a_host_that_cleared_and_a_new_host_share_again(
+        tmp_path: Path) -> None:
+    # A clear moves A to the next epoch; the master then restarts and loses every key,
+    # the clear's marker too. A must start again from epoch 0 with the hosts that start
+    # now, rather than write where they never look.
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master)
+        try:
+            assert a.offload(1781) == TOKENS
+            until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            a.kv.clear()
+            servers.stop_master()
+            servers.start_master()
+            servers.wait_store_mounted()
+            users = iter(range(1790, 1900))
+            written = [0]
+
+            def one_written() -> bool:  # A's writes resume once its client reconnects
+                before = a.stats()["remote_blocks_written"]
+                written[0] = next(users)
+                assert a.offload(written[0]) == TOKENS
+                until(lambda: a.stats()["remote_blocks_held"] == 0)
+                return bool(a.stats()["remote_blocks_written"] > before)
+
+            until(one_written)
+            b = LocalHost(servers.master, timeout_ms=SLOW_MS)
+            try:
+                assert b.load(written[0]) == (TOKENS, True)
+                assert b.offload(1782) == TOKENS
+                until(lambda: b.stats()["remote_blocks_written"] == USER_PAGES)
+            finally:
+                b.close()
+            assert a.load(1782) == (TOKENS, True)
+        finally:
+            a.close()

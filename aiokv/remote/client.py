@@ -26,7 +26,7 @@ from .config import RemoteConfig
 from .connection import ABSENT, Connection
 from .keys import Keys, leading_ones
 from .markers import Markers
-from .queue import WriteJob, WriteQueue
+from .queue import WriteQueue
 from .values import Values
 from .writer import Writer
 
@@ -34,6 +34,7 @@ log = logging.getLogger("aiokv")
 
 _JOIN_S = 2.0  # how long close waits for a thread in a call, past the flush
 _STUCK_S = 2.0  # a write batch in a call this long waits on a master that does not answer
+_CHECK_S = 1.0  # an idle tier asks for the boot id and the epoch this often
 
 
 class RemoteIO:
@@ -61,7 +62,8 @@ class RemoteIO:
         self.read_stats: dict[str, float] = dict.fromkeys((
             "remote_checksum_failures", "remote_read_errors", "remote_exist_seconds",
             "remote_get_seconds", "remote_read_checksum_seconds"), 0)
-        self.markers = Markers(keys, self.connection, self.read_stats)
+        self.markers = Markers(keys, self.connection, self.read_stats, self._restarted)
+        self._wake = wake
         self.queue = WriteQueue(config.write_queue_blocks)
         self._checksums = Checksums(view, block_bytes, config.threads_for_checksums)
         self._writer = Writer(self.queue, self.connection, self.markers,
@@ -77,8 +79,8 @@ class RemoteIO:
         self._publishing_lock = threading.Lock()
         self._reader = CallThread("aiokv-remote-read", self._tend)
         self._writer.thread.start()
-        # Connect now, so the first lookup need not wait.
-        self._reader.submit(self.connection.ready)
+        # Connect (and learn where the markers stand) now, so the first lookup need not.
+        self._reader.submit(self._check)
 
     def resting(self) -> bool:
         return self.connection.resting()
@@ -118,18 +120,23 @@ class RemoteIO:
         client = self.connection.ready()
         if client is None:
             return [0] * len(items)
-        for _ in range(8):  # each pass moves past at least one marker
-            probes, asked, advance = self.keys.ask(items)
+
+        def get(probes: list[str], asked: list[list[str]]) -> tuple[
+                list[bool], tuple[list[int], list[bool]]] | None:
             markers, got, good = self._reads.get(
                 client, [key for group in asked for key in group], blocks, probes)
             if not self.connection.codes("batch_get_into", markers + got):
-                break
+                return None
             if any(code not in (1, ABSENT) for code in markers):
                 self.read_stats["remote_read_errors"] += 1
-                break
-            if not advance([int(code == 1) for code in markers]):
-                return self._leading(got, good, [len(group) for group in asked])
-        return [0] * len(items)
+                return None
+            return [code == 1 for code in markers], (got, good)
+
+        settled = self.markers.settle(client, items, get)
+        if settled is None:
+            return [0] * len(items)
+        asked, (got, good) = settled
+        return self._leading(got, good, [len(group) for group in asked])
 
     def fetch(self, block_keys: list[str], blocks: list[int], counts: list[int]) -> list[int]:
         """Read the values into these host blocks, ``counts`` of them per range; per
@@ -173,12 +180,14 @@ class RemoteIO:
     def _publish(self) -> bool:
         """End what is current now of each namespace (and the epoch) with invalidations
         not out yet; then remove what ended. Whether they all are out."""
-        waiting = self.keys.unpublished()
-        if not waiting:
+        if not self.keys.unpublished():
             return True
         client = self.connection.ready()
-        if client is None:
+        # Where the markers stand first: after a restart of the master there is nothing
+        # left to end (and a marker would end what was written since).
+        if client is None or self.markers.past(client, []) is None:
             return False
+        waiting = self.keys.unpublished()
         patterns = []
         for ns, count in waiting.items():
             pattern = self.markers.end(client, ns)
@@ -195,23 +204,45 @@ class RemoteIO:
                 self._reader.submit(self._remove, pattern)
         return len(patterns) == len(waiting)
 
+    def _check(self) -> bool:
+        """Ask for the boot id's key and the epoch's markers (no namespace's); whether
+        Mooncake answered."""
+        client = self.connection.ready()
+        return client is not None and self.markers.past(client, []) is not None
+
+    def _restarted(self) -> None:
+        """The master restarted, and every value with it: the writes queued before are
+        of a view that ended (written now, they would land under epochs and generations
+        that hosts reach again), and the evidence of evicts went too. Drop them."""
+        dropped = self.queue.cancel(None)
+        self.write_stats["remote_dropped_down"] += sum(map(len, dropped))
+        self.queue.give_back(dropped)
+        log.warning("aiokv: remote tier: the Mooncake master restarted (its boot id is "
+                    "gone): epochs and generations start again from 0")
+        self._wake()
+
     def _remove(self, pattern: str) -> None:
         client = self.connection.ready()
         if client is not None:
             client.remove_by_regex(pattern, True)
 
-    def _tend(self) -> float | None:
+    def _tend(self) -> float:
         """The reader thread, between calls: publish the markers that could not be
-        published earlier, once the tier no longer rests; how long until it tries again
-        (None: nothing waits)."""
-        if not self.keys.unpublished():
-            return None
-        if not self.connection.resting():
-            try:
+        published earlier, once the tier no longer rests, and ask for the boot id's key
+        and the epoch's markers when no call did for ``_CHECK_S`` (a master that
+        restarted, a clear elsewhere); how long until it looks again."""
+        if self.connection.resting():
+            return max(0.05, self.connection.rest_left_s())
+        try:
+            if self.keys.unpublished():
                 self._publish()
-            except Exception as exc:  # the client raised: as a failed call, the tier rests
-                self.connection.rest("publishing a marker", exc)
-        return max(0.05, self.connection.rest_left_s()) if self.keys.unpublished() else None
+            if time.monotonic() - self.keys.checked_at >= _CHECK_S:
+                self._check()
+        except Exception as exc:  # the client raised: as a failed call, the tier rests
+            self.connection.rest("a call", exc)
+        if self.connection.resting():
+            return max(0.05, self.connection.rest_left_s())
+        return max(0.05, self.keys.checked_at + _CHECK_S - time.monotonic())
 
     # ---- close ---------------------------------------------------------------------
 
@@ -238,7 +269,7 @@ class RemoteIO:
         queue.close()
         deadline = time.monotonic() + _JOIN_S
         self._writer.thread.join(_JOIN_S)
-        queue.done([WriteJob("", [], blocks) for blocks in dropped])  # to be given back
+        queue.give_back(dropped)
         stopped = (self._reader.close(max(0.0, deadline - time.monotonic()))
                    and not self._writer.thread.is_alive())
         waiting = sum(self.keys.unpublished().values())

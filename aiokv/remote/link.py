@@ -118,7 +118,7 @@ class RemoteLink:
             # Held first: once queued, the writer may read them at any moment.
             host.readers[blocks] += 1
             host.index.make_unevictable(blocks)
-            if io.queue.put(WriteJob(tag, list(task.digests), blocks, *io.keys.current(tag))):
+            if io.queue.put(WriteJob(tag, list(task.digests), blocks, io.keys.view(tag))):
                 self._held += len(blocks)
             else:
                 host.drop_readers(blocks)

@@ -105,14 +105,18 @@ class Writer:
         keys: list[str] = []
         blocks: list[int] = []
         for job in jobs:
-            if not self._keys.usable(job.ns) or (
-                    self._keys.current(job.ns) != (job.epoch, job.generation)):
+            view = self._keys.view(job.ns)
+            if view[0] != job.view[0]:  # the master restarted since: a view that ended
+                stats["remote_dropped_down"] += len(job.blocks)
+                count -= len(job.blocks)
+                continue
+            if not self._keys.usable(job.ns) or view != job.view:
                 # Evicted (here, or on another host: the markers just asked) since the
                 # put was offered: its keys are hidden already, writing them is waste.
                 stats["remote_dropped_evicted"] += len(job.blocks)
                 count -= len(job.blocks)
                 continue
-            keys += self._keys.blocks(job.ns, job.epoch, job.generation, job.digests)
+            keys += self._keys.blocks(job.ns, job.view[1], job.view[2], job.digests)
             blocks += job.blocks.tolist()
         if not keys:
             return
