@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 from conftest import failing_first_call, held, needs_mooncake
+from prometheus_client import CollectorRegistry
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
+import aiokv.metrics
 from aiokv.remote.client import RemoteIO
 from aiokv.remote.markers import Markers
 from aiokv.remote.servers import MooncakeServers
@@ -215,3 +217,31 @@ def test_after_a_master_restart_a_host_that_cleared_and_a_new_host_share_again(
             assert a.load(1782) == (TOKENS, True)
         finally:
             a.close()
+
+
+def test_a_write_offered_before_its_host_learned_of_an_evict_is_dropped_as_stale(
+        mooncake: MooncakeServers) -> None:
+    # B starts after A's evict and offloads the user before any lookup told it of the
+    # evict: B cannot tell whether its put came before that evict (then the evict must
+    # end it) or after, so the write is dropped, counted as stale, never written.
+    a = LocalHost(mooncake.master)
+    try:
+        assert a.offload(1801) == TOKENS
+        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        assert a.kv.evict(1801) == TOKENS
+    finally:
+        a.close()
+    b = LocalHost(mooncake.master)
+    registry = CollectorRegistry()
+    aiokv.metrics.register(b.engine, registry, store_timeout_s=30)
+    try:
+        assert b.offload(1801) == TOKENS
+        until(lambda: b.stats()["remote_blocks_held"] == 0)
+        dropped = {sample.labels["reason"]: sample.value for family in registry.collect()
+                   if family.name == "aiokv_remote_dropped_writes"
+                   for sample in family.samples if sample.name.endswith("_total")}
+    finally:
+        stats = b.close()
+    assert (stats["remote_blocks_written"], stats["remote_dropped_stale"]) == (0, USER_PAGES)
+    assert stats["remote_dropped_writes"] == USER_PAGES
+    assert dropped["stale"] == USER_PAGES and dropped["evicted"] == 0

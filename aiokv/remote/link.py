@@ -201,7 +201,7 @@ class RemoteLink:
         stats["remote_dropped_writes"] = (
             stats["remote_dropped_queue"] + stats["remote_dropped_resting"]
             + stats["remote_dropped_full"] + stats["remote_dropped_down"]
-            + stats["remote_dropped_evicted"]
+            + stats["remote_dropped_evicted"] + stats["remote_dropped_stale"]
         )
         stats["remote_errors"] = (
             stats["remote_read_errors"] + stats["remote_write_errors"]

@@ -41,7 +41,8 @@ class Writer:
         # remote_tier.py prints the split).
         self.stats: dict[str, float] = dict.fromkeys((
             "remote_blocks_written", "remote_bytes_written", "remote_dropped_full",
-            "remote_dropped_down", "remote_dropped_evicted", "remote_write_errors",
+            "remote_dropped_down", "remote_dropped_evicted", "remote_dropped_stale",
+            "remote_write_errors",
             "remote_write_batches",
             "remote_write_seconds", "remote_marker_seconds", "remote_write_checksum_seconds",
             "remote_put_seconds"), 0)
@@ -110,10 +111,17 @@ class Writer:
                 stats["remote_dropped_down"] += len(job.blocks)
                 count -= len(job.blocks)
                 continue
-            if not self._keys.usable(job.ns) or view != job.view:
-                # Evicted (here, or on another host: the markers just asked) since the
-                # put was offered: its keys are hidden already, writing them is waste.
+            if not self._keys.usable(job.ns):  # evicted here, its marker not out yet
                 stats["remote_dropped_evicted"] += len(job.blocks)
+                count -= len(job.blocks)
+                continue
+            if view != job.view:
+                # Ended since the put was offered (usually by another host: the markers
+                # just asked): its keys are hidden already. Nor may it go under the new
+                # generation: the offer may have come before that evict, as far as this
+                # host can tell, and it would bring back what the evict ended. Dropped;
+                # the host tier keeps the blocks (and does not offer them again).
+                stats["remote_dropped_stale"] += len(job.blocks)
                 count -= len(job.blocks)
                 continue
             keys += self._keys.blocks(job.ns, job.view[1], job.view[2], job.digests)
