@@ -40,7 +40,7 @@ _CHECK_S = 1.0  # an idle tier asks for the boot id and the epoch this often
 class RemoteIO:
     """Mooncake calls for one store. ``memory``: the host pool as one buffer (its address,
     its size); block ``b`` is at ``address + b * block_bytes``; ``view(b)`` its bytes.
-    ``wake`` is called (from the writer thread) when written blocks can be given back."""
+    ``wake`` is called (from the tier's threads) when blocks can be given back."""
 
     def __init__(
         self,
@@ -64,6 +64,7 @@ class RemoteIO:
             "remote_get_seconds", "remote_read_checksum_seconds"), 0)
         self.markers = Markers(keys, self.connection, self.read_stats, self._restarted)
         self._wake = wake
+        self.dropped_at_restart = 0  # queued write blocks dropped when the master restarted
         self.queue = WriteQueue(config.write_queue_blocks)
         self._checksums = Checksums(view, block_bytes, config.threads_for_checksums)
         self._writer = Writer(self.queue, self.connection, self.markers,
@@ -215,7 +216,8 @@ class RemoteIO:
         of a view that ended (written now, they would land under epochs and generations
         that hosts reach again), and the evidence of evicts went too. Drop them."""
         dropped = self.queue.cancel(None)
-        self.write_stats["remote_dropped_down"] += sum(map(len, dropped))
+        # Not in the writer's counts: this may be the reader thread (one thread a restart).
+        self.dropped_at_restart += sum(map(len, dropped))
         self.queue.give_back(dropped)
         log.warning("aiokv: remote tier: the Mooncake master restarted (its boot id is "
                     "gone): epochs and generations start again from 0")

@@ -74,10 +74,6 @@ class Keys:
         self.lifetime = 0  # restarts of the master seen
         self.checked_at = 0.0  # time.monotonic() of the last markers Mooncake answered
 
-    def current(self, ns: str) -> tuple[int, int]:
-        with self._lock:
-            return self._epoch, self._generations.get(ns, 0)
-
     def view(self, ns: str) -> tuple[int, int, int]:
         """(lifetime, epoch, generation) of the namespace: what a write is offered under."""
         with self._lock:

@@ -196,6 +196,7 @@ class RemoteLink:
         # takes them out of host_hit_tokens: each hit is counted on one tier).
         stats["remote_hit_tokens"] = stats["remote_blocks_read"] * self._page_size
         stats["remote_dropped_evicted"] += self._evicted
+        stats["remote_dropped_down"] += io.dropped_at_restart
         # Evicts and clears whose markers are not out (this host does not use those keys).
         stats["remote_invalidations_waiting"] = sum(io.keys.unpublished().values())
         stats["remote_dropped_writes"] = (

@@ -43,8 +43,7 @@ class Markers:
         call brought for them; None when Mooncake did not answer."""
         keys = self.keys
         for _ in range(8):  # each pass moves past at least one marker
-            boot = keys.boot
-            if boot is None and not self._learn_boot(client):
+            if keys.boot is None and not self._learn_boot(client):
                 return None
             asked_at = time.monotonic()
             probes, asked, advance = keys.ask(items)

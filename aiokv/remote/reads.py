@@ -169,9 +169,10 @@ class Reader:
                     self._host.free(np.sort(blocks))
 
     def close(self) -> None:
-        """Once the reader thread has stopped (every call returned): the reads under way
-        end as misses, their blocks freed, rather than move on (nothing can be asked
-        now); the markers are accounted for."""
+        """Once the reader thread has stopped (or was left in a call: the pool's memory
+        then stays, never used again): the reads under way end as misses, their blocks
+        freed, rather than move on (nothing can be asked now); the markers are
+        accounted for."""
         now = time.monotonic()
         for read in list(self._reads):
             if len(read.blocks):
