@@ -95,6 +95,7 @@ _REMOTE_DROP_KEYS = (
     ("store_full", "remote_dropped_full"),
     ("down", "remote_dropped_down"),
     ("evicted", "remote_dropped_evicted"),
+    ("stale", "remote_dropped_stale"),
 )
 _REMOTE_WAITS = (
     ("aiokv_remote_lookup_seconds", "The waits for Mooncake at lookups, the store "

@@ -53,7 +53,7 @@ FIELDS = (
     "remote_misses",  # lookups that asked Mooncake and got none
     "remote_hit_tokens",  # tokens those hits read into the host tier
     "remote_checksum_failures",
-    "remote_dropped_writes",  # blocks not written: queue full, Mooncake full or down
+    "remote_dropped_writes",  # blocks not written (store_stats: remote_dropped_<reason>)
     "remote_errors",  # failed or timed-out calls to Mooncake
 )
 # EngineStats field -> the store_stats() key under another name.

@@ -102,7 +102,7 @@ def _buffers(io: Any, blocks: list[int], with_sums: bool) -> tuple[list[Any], li
     calls use it; ``with_sums``: and its slot of the tier's checksum table, as the two
     slices of aiokv's values (the block, then its 8-byte checksum)."""
     size, base = io.block_bytes, io._base
-    sums = io._writes.buffers()[0][0]  # the writer's checksum table, registered
+    sums = io._writer.values.buffers()[0][0]  # the writer's checksum table, registered
     if with_sums:
         return [[base + b * size, sums + b * 8] for b in blocks], [[size, 8]] * len(blocks)
     return [base + b * size for b in blocks], [size] * len(blocks)

@@ -7,6 +7,7 @@ installs it) it must run."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,65 +15,18 @@ import pytest
 import torch
 from conftest import needs_mooncake
 from prometheus_client import CollectorRegistry
-from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, ChildHost, user_kv
+from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, ChildHost
+from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 import aiokv
 import aiokv.metrics
+from aiokv.remote.client import RemoteIO
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers, free_port
 from aiokv.stores.local.digests import chain_digests
 
 pytestmark = needs_mooncake()
-
-USER_PAGES = 8
-TOKENS = USER_PAGES * PAGE_SIZE
-
-
-class LocalHost:
-    """An engine in this process, with its own host tier and Mooncake client."""
-
-    def __init__(self, master: str, dtype: torch.dtype = torch.float32,
-                 head_dim: int = HEAD_DIM, **remote: Any) -> None:
-        self.head_dim = head_dim
-        self.caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, dtype=dtype)
-                       for _ in range(LAYERS)]
-        config = aiokv.StoreConfig(cpu_cache_gb=0.01, remote={"master": master, **remote})
-        self.store = aiokv.LocalStore(config)
-        self.engine = aiokv.OffloadEngine(self.store, self.caches, aiokv.EngineConfig())
-        self.kv = aiokv.run_in_background(self.engine)
-
-    def kv_of(self, user: int) -> list[torch.Tensor]:
-        if self.head_dim == HEAD_DIM:
-            return user_kv(user, USER_PAGES)  # as the child host makes them
-        generator = torch.Generator().manual_seed(user)
-        shape = (USER_PAGES, 2, PAGE_SIZE, HEADS, self.head_dim)
-        return [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
-
-    def offload(self, user: int) -> int:
-        for cache, kv in zip(self.caches, self.kv_of(user), strict=True):
-            cache[:USER_PAGES] = kv
-        stored: int = self.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens
-        return stored
-
-    def load(self, user: int) -> tuple[int, bool]:
-        """(tokens loaded, whether they are the user's KV bit for bit)."""
-        target = torch.arange(PAGES - USER_PAGES, PAGES)
-        with self.kv.lookup(user, TOKENS) as hit:
-            loaded: int = self.kv.load(hit, target).loaded_tokens
-        full = loaded // PAGE_SIZE
-        exact = all(
-            torch.equal(cache[PAGES - USER_PAGES : PAGES - USER_PAGES + full], kv[:full])
-            for cache, kv in zip(self.caches, self.kv_of(user), strict=True)
-        )
-        return loaded, exact
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self.store.store_stats())
-
-    def close(self) -> dict[str, Any]:
-        self.kv.close()
-        return self.stats()
 
 
 def test_hosts_share_blocks_and_an_evict_reaches_every_host(mooncake: MooncakeServers) -> None:
@@ -163,7 +117,7 @@ def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
             assert b.offload(user) == TOKENS
         # Until written to Mooncake, B's blocks cannot be evicted (a load then finds less
         # room: a shorter hit, which is not what this test is about).
-        _until(lambda: b.stats()["remote_blocks_written"] == 24 * USER_PAGES)
+        until(lambda: b.stats()["remote_blocks_written"] == 24 * USER_PAGES)
         stats = b.stats()  # full: room for A's blocks means evicting some of B's
         assert stats["host_blocks_used"] == stats["host_blocks_total"] < 24 * USER_PAGES
         assert b.load(91) == (TOKENS, True)
@@ -172,6 +126,34 @@ def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
         b.close()
     assert b.kv.stats().remote_hits >= 1
 
+
+def test_a_lookup_that_asks_twice_waits_timeout_ms_in_all(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A host tier full of its own blocks asks Mooncake which blocks it has, then reads
+    # them: two calls. Each answers within timeout_ms (a slow Mooncake: 0.6 of it), both
+    # together do not: the lookup is a miss at timeout_ms, not a hit after twice that.
+    a = LocalHost(mooncake.master, head_dim=1024)  # 128 KiB blocks: 81 on the host tier
+    assert a.offload(960) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    b = LocalHost(mooncake.master, head_dim=1024, timeout_ms=1000)
+    try:
+        for user in range(961, 972):  # 88 blocks
+            assert b.offload(user) == TOKENS
+        until(lambda: b.stats()["remote_blocks_written"] == 11 * USER_PAGES)
+        for name in ("leading", "fetch"):
+            monkeypatch.setattr(RemoteIO, name, _slowed(getattr(RemoteIO, name), 0.6))
+        assert b.load(960)[0] == 0
+        stats = b.stats()
+    finally:
+        b.close()
+    assert stats["remote_timeouts"] == 1 and stats["remote_hits"] == 0
+
+
+def _slowed(call: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    def slow(*args: Any) -> Any:
+        time.sleep(seconds)  # a Mooncake that answers late, within one timeout_ms
+        return call(*args)
+    return slow
 
 def test_blocks_held_for_remote_writes_come_back_while_the_engine_is_idle(
     mooncake: MooncakeServers,
@@ -189,7 +171,7 @@ def test_blocks_held_for_remote_writes_come_back_while_the_engine_is_idle(
             blocks = _samples(registry, "aiokv_store_blocks")
             return blocks[("aiokv_store_blocks", "remote", "held")]
 
-        _until(lambda: held() == 0)
+        until(lambda: held() == 0)
         blocks = _samples(registry, "aiokv_store_blocks")
         assert blocks[("aiokv_store_blocks", "host", "used")] == 2 * USER_PAGES
     finally:
@@ -322,20 +304,13 @@ def test_a_full_remote_store_never_fails_a_caller(tmp_path: Path) -> None:
         assert any(tokens == TOKENS for tokens, _ in loaded)
 
 
-def _until(condition: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_the_master_going_away_turns_lookups_into_misses(tmp_path: Path) -> None:
     with MooncakeServers(segment_mb=16, log_dir=tmp_path) as servers:
         a = LocalHost(servers.master)
         b = LocalHost(servers.master, timeout_ms=200)
         try:
             assert a.offload(31) == TOKENS
-            _until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
             servers.stop_master()
             began = time.monotonic()
             assert b.load(31)[0] == 0  # a miss, not an error
@@ -344,7 +319,7 @@ def test_the_master_going_away_turns_lookups_into_misses(tmp_path: Path) -> None
             servers.start_master()
             servers.wait_store_mounted()
             assert a.offload(33) == TOKENS
-            _until(lambda: b.load(33) == (TOKENS, True))  # served again
+            until(lambda: b.load(33) == (TOKENS, True))  # served again
         finally:
             a.close()
             b.close()
@@ -366,7 +341,7 @@ def test_a_store_that_stops_answering_turns_lookups_into_misses(
             assert time.monotonic() - began < 5
         finally:
             mooncake.pause_store(False)
-        _until(lambda: b.load(51) == (TOKENS, True))
+        until(lambda: b.load(51) == (TOKENS, True))
         assert b.stats()["remote_timeouts"] >= 1
     finally:
         b.close()

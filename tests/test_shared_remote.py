@@ -36,6 +36,7 @@ from shared_inprocess import PAGES, TOKENS, Call, Host, load_exact, offload
 import aiokv
 from aiokv.remote import client as remote_client
 from aiokv.remote.servers import MooncakeServers
+from aiokv.remote.writer import Writer
 from aiokv.stores.shared import SharedStore, wire
 from aiokv.stores.shared.server import StoreServer
 
@@ -93,11 +94,12 @@ def _on_mooncake_only(host: Host, user: int) -> None:
     host.start()
 
 
-def _held(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[threading.Event, threading.Event]:
-    """``RemoteIO.<name>`` held until the second event is set; the first is set once a
+def _held(monkeypatch: pytest.MonkeyPatch, name: str, owner: Any = remote_client.RemoteIO,
+          ) -> tuple[threading.Event, threading.Event]:
+    """``owner.<name>`` held until the second event is set; the first is set once a
     call is held."""
     entered, gate = threading.Event(), threading.Event()
-    real = getattr(remote_client.RemoteIO, name)
+    real = getattr(owner, name)
 
     def held(self: Any, *args: Any) -> Any:
         if not gate.is_set():
@@ -105,7 +107,7 @@ def _held(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[threading.Event, 
             gate.wait(20)
         return real(self, *args)
 
-    monkeypatch.setattr(remote_client.RemoteIO, name, held)
+    monkeypatch.setattr(owner, name, held)
     return entered, gate
 
 
@@ -224,7 +226,7 @@ def test_a_write_under_way_when_its_key_is_evicted_stays_hidden_from_every_host(
     # The writer has taken the put (the evict cannot take it back) and is asking
     # Mooncake for markers when another engine evicts the key: the write must not land
     # under the generation that follows the evict, where every host would read it.
-    entered, gate = _held(monkeypatch, "_refresh")
+    entered, gate = _held(monkeypatch, "_refresh", Writer)
     host = Host(tmp_path, ssd=False, remote={"master": mooncake.master})
     host.start()
     try:

@@ -1,62 +1,46 @@
-"""The remote tier's I/O: one Mooncake Store client, a writer thread behind a bounded
-queue, and a reader thread whose answers the store thread waits for only so long.
+"""The remote tier's I/O: one Mooncake Store client (:mod:`.connection`), a writer
+thread behind a bounded queue (:mod:`.writer`), and a reader thread whose answers the
+store thread waits for only so long: lookups' reads, and invalidations' markers
+(:mod:`.markers`).
 
 Nothing here touches the host tier's bookkeeping: the store thread (:mod:`.link`) hands
-over host block numbers it holds, and gets them back through :meth:`RemoteIO.finished`.
+over host block numbers it holds, and gets them back through the queue's ``finished``.
 The host pool's memory is registered with Mooncake; :mod:`.values` moves the values (the
 block, then its checksum) in and out of it, one :class:`~.values.Values` per thread.
-
-Connecting (``setup``) happens on the first call, not at open, so a master that is down
-at start costs nothing but misses. A call that fails for want of the master (or raises)
-puts the tier to rest for a while, doubling from ``timeout_ms`` to 30 s: while it rests
-lookups miss and writes are dropped at once, without a call. The client reconnects to a
-master that comes back by itself; the rest only keeps a dead master from costing every
-lookup its full wait.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
+from .caller import CallThread
 from .checksums import Checksums
 from .config import RemoteConfig
+from .connection import ABSENT, Connection
 from .keys import Keys, leading_ones
-from .native import import_store
-from .queue import WriteJob, WriteQueue
+from .markers import Markers
+from .queue import WriteQueue
 from .values import Values
+from .writer import Writer
 
 log = logging.getLogger("aiokv")
 
-NO_SPACE = -200  # Mooncake: no segment can take the value now
-_ABSENT = -704  # OBJECT_NOT_FOUND
-_DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
-_MAX_REST_S = 30.0
-_CONNECT_WAIT_S = 10.0
-_WRITE_BATCH = 64  # blocks per batch_put call
-_MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
-
-
-def _local_hostname(config: RemoteConfig) -> str:
-    if config.local_hostname:
-        return config.local_hostname
-    if config.on_loopback():
-        return "127.0.0.1"
-    # The address this host would use towards the master (a UDP connect sends nothing).
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((config.master_host, 9))
-        return str(probe.getsockname()[0])
+_JOIN_S = 2.0  # how long close waits for a thread in a call, past the flush
+_STUCK_S = 2.0  # a write batch in a call this long waits on a master that does not answer
+_CHECK_S = 1.0  # an idle tier asks for the boot id and the epoch this often
 
 
 class RemoteIO:
     """Mooncake calls for one store. ``memory``: the host pool as one buffer (its address,
     its size); block ``b`` is at ``address + b * block_bytes``; ``view(b)`` its bytes.
-    ``wake`` is called (from the writer thread) when written blocks can be given back."""
+    ``wake`` is called (from the tier's threads) when blocks can be given back."""
 
     def __init__(
         self,
@@ -72,108 +56,47 @@ class RemoteIO:
         self.keys = keys
         self._base, self._size = memory
         self.block_bytes = block_bytes
-        self._wake = wake
-        self._client: Any = None
-        self._connect_lock = threading.Lock()
-        self._rest_s = config.timeout_ms / 1000
-        self._retry_at = 0.0  # time.monotonic() before which calls are not tried
-        # One writer each: counts of the writer thread and of the reader thread, and
-        # where their time goes (the marker and existence checks, Mooncake's put and
-        # get, the checksums: remote_tier.py prints the split).
-        self.write_stats: dict[str, float] = dict.fromkeys((
-            "remote_blocks_written", "remote_bytes_written", "remote_dropped_full",
-            "remote_dropped_down", "remote_dropped_evicted", "remote_write_errors",
-            "remote_write_batches",
-            "remote_write_seconds", "remote_marker_seconds", "remote_write_checksum_seconds",
-            "remote_put_seconds"), 0)
+        self.connection = Connection(config, self._buffers)
+        # The reader thread's counts, and where its time goes (the existence checks,
+        # Mooncake's get, the checksums: remote_tier.py prints the split).
         self.read_stats: dict[str, float] = dict.fromkeys((
             "remote_checksum_failures", "remote_read_errors", "remote_exist_seconds",
             "remote_get_seconds", "remote_read_checksum_seconds"), 0)
+        self.markers = Markers(keys, self.connection, self.read_stats, self._restarted)
+        self._wake = wake
+        self.dropped_at_restart = 0  # queued write blocks dropped when the master restarted
         self.queue = WriteQueue(config.write_queue_blocks)
-        # Writer thread: namespace -> when its markers need asking again before a write.
-        self._checked: dict[str, float] = {}
-        self._writer = threading.Thread(target=self._write_loop, name="aiokv-remote-write",
-                                        daemon=True)
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="aiokv-remote-read")
         self._checksums = Checksums(view, block_bytes, config.threads_for_checksums)
-        self._writes, self._reads = (
-            Values(self._base, block_bytes, num_blocks, self._checksums, stats, keys)
-            for stats, keys in ((self.write_stats, ("remote_put_seconds",
-                                                    "remote_write_checksum_seconds")),
-                                (self.read_stats, ("remote_get_seconds",
-                                                   "remote_read_checksum_seconds"))))
-        self._writer.start()
-        self._reader.submit(self._ready)  # connect now, so the first lookup need not wait
-
-    # ---- connection ----------------------------------------------------------------
+        self._writer = Writer(self.queue, self.connection, self.markers,
+                              (self._base, block_bytes, num_blocks), self._checksums, wake)
+        self.write_stats = self._writer.stats
+        self._reads = Values(self._base, block_bytes, num_blocks, self._checksums,
+                             self.read_stats, ("remote_get_seconds",
+                                               "remote_read_checksum_seconds"))
+        # The call that publishes the markers not out yet, if it has not started (then
+        # a new evict's marker goes with it).
+        self._publishing: Future[bool] | None = None
+        self._publishing_started = False
+        self._publishing_lock = threading.Lock()
+        self._reader = CallThread("aiokv-remote-read", self._tend)
+        self._writer.thread.start()
+        # Connect (and learn where the markers stand) now, so the first lookup need not.
+        self._reader.submit(self._check)
 
     def resting(self) -> bool:
-        return time.monotonic() < self._retry_at
+        return self.connection.resting()
 
     def rest(self, what: str, detail: object) -> None:
-        if not self.resting():
-            log.warning("aiokv: remote tier: %s failed (%s); resting %.1f s",
-                        what, detail, self._rest_s)
-        self._retry_at = time.monotonic() + self._rest_s
-        self._rest_s = min(_MAX_REST_S, self._rest_s * 2)
-
-    def _succeeded(self) -> None:
-        self._rest_s = self.config.timeout_ms / 1000
+        self.connection.rest(what, detail)
 
     def client(self) -> Any:
         """The Mooncake client these calls use (None while not connected): for a
         benchmark's raw calls side by side with the tier's."""
-        return self._ready()
-
-    def _ready(self) -> Any:
-        """The set-up client, or None (resting, or setup failed now)."""
-        if self._client is not None:
-            return self._client
-        # Another thread may be connecting: wait for it (a connect is bounded by the
-        # probe below, but Mooncake's own setup is not: do not wait for ever).
-        if self.resting() or not self._connect_lock.acquire(timeout=_CONNECT_WAIT_S):
-            return None
-        try:
-            if self._client is None:
-                self._client = self._connect()
-        finally:
-            self._connect_lock.release()
-        return self._client
-
-    def _connect(self) -> Any:
-        config = self.config
-        try:
-            # Mooncake's setup retries an absent master for 90 s; a plain TCP connect
-            # says within the timeout whether one listens.
-            socket.create_connection(config.master_address, config.timeout_ms / 1000).close()
-            client = import_store().MooncakeDistributedStore()
-            rc = client.setup(
-                _local_hostname(config), config.metadata, 0, config.local_buffer_mb << 20,
-                config.protocol, config.devices, config.master,
-            )
-            if rc == 0:
-                for address, size in self._buffers():
-                    rc = rc or client.register_buffer(address, size)
-            if rc != 0:
-                client.close()
-                self.rest("setup", f"code {rc}")
-                return None
-        except (ImportError, RuntimeError, OSError) as exc:
-            self.rest("setup", exc)
-            return None
-        self._succeeded()
-        return client
+        return self.connection.ready()
 
     def _buffers(self) -> list[tuple[int, int]]:
-        return [(self._base, self._size), *self._writes.buffers(), *self._reads.buffers()]
-
-    def _codes(self, what: str, codes: Sequence[int]) -> bool:
-        """Whether a batch call reached Mooncake (else the tier rests)."""
-        if any(code <= _DOWN for code in codes):
-            self.rest(what, f"code {min(codes)}")
-            return False
-        self._succeeded()
-        return True
+        return [(self._base, self._size), *self._writer.values.buffers(),
+                *self._reads.buffers()]
 
     # ---- reads (the reader thread; the store thread waits on the futures) -----------
 
@@ -184,65 +107,46 @@ class RemoteIO:
         """Per (namespace, digests): the keys of the leading blocks Mooncake has, under
         the newest epoch and generation (learned from the markers on the way); all in
         one ``batch_is_exist``. Empty lists where Mooncake cannot be asked."""
-        client = self._ready()
+        client = self.connection.ready()
         began = time.monotonic()
-        found = None if client is None else self._past_markers(client, items)
-        _spent(self.read_stats, "remote_exist_seconds", began)
+        found = None if client is None else self.markers.past(client, items)
+        self.read_stats["remote_exist_seconds"] += time.monotonic() - began
         return found if found is not None else [[] for _ in items]
-
-    def _past_markers(
-        self, client: Any, items: Sequence[tuple[str, list[bytes]]]
-    ) -> list[list[str]] | None:
-        """Ask for the markers past what this host knows of the epoch and of each
-        namespace's generation, and for the items' blocks, in one call; move past the
-        markers found and ask again (rarely). Per item, its leading present keys; None
-        when Mooncake did not answer."""
-        for _ in range(8):  # each pass moves past at least one marker
-            probes, asked, advance = self.keys.ask(items)
-            found = client.batch_is_exist(probes + [key for group in asked for key in group])
-            if not self._codes("batch_is_exist", found):
-                return None
-            if any(code < 0 for code in found):
-                self.read_stats["remote_read_errors"] += 1
-                return None
-            if advance(found[: len(probes)]):
-                continue
-            answers, at = [], len(probes)
-            for group in asked:
-                answers.append(group[: leading_ones(found[at : at + len(group)])])
-                at += len(group)
-            return answers
-        return None
 
     def read(self, items: Sequence[tuple[str, list[bytes]]], blocks: list[int]) -> list[int]:
         """Per (namespace, digests), how many of its leading blocks arrived whole and
         passed their checksums, read into ``blocks`` (one per digest, item after item):
         the markers and the values in one get, no existence check first (an absent
         value answers for itself, as cheaply)."""
-        client = self._ready()
+        client = self.connection.ready()
         if client is None:
             return [0] * len(items)
-        for _ in range(8):  # each pass moves past at least one marker
-            probes, asked, advance = self.keys.ask(items)
+
+        def get(probes: list[str], asked: list[list[str]]) -> tuple[
+                list[bool], tuple[list[int], list[bool]]] | None:
             markers, got, good = self._reads.get(
                 client, [key for group in asked for key in group], blocks, probes)
-            if not self._codes("batch_get_into", markers + got):
-                break
-            if any(code not in (1, _ABSENT) for code in markers):
+            if not self.connection.codes("batch_get_into", markers + got):
+                return None
+            if any(code not in (1, ABSENT) for code in markers):
                 self.read_stats["remote_read_errors"] += 1
-                break
-            if not advance([int(code == 1) for code in markers]):
-                return self._leading(got, good, [len(group) for group in asked])
-        return [0] * len(items)
+                return None
+            return [code == 1 for code in markers], (got, good)
+
+        settled = self.markers.settle(client, items, get)
+        if settled is None:
+            return [0] * len(items)
+        asked, (got, good) = settled
+        return self._leading(got, good, [len(group) for group in asked])
 
     def fetch(self, block_keys: list[str], blocks: list[int], counts: list[int]) -> list[int]:
         """Read the values into these host blocks, ``counts`` of them per range; per
         range, how many leading ones arrived whole and passed their checksums."""
-        client = self._ready()
+        client = self.connection.ready()
         if client is None:
             return [0] * len(counts)
         _, got, good = self._reads.get(client, block_keys, blocks)
-        if not self._codes("batch_get_into", got):
+        if not self.connection.codes("batch_get_into", got):
             return [0] * len(counts)
         return self._leading(got, good, counts)
 
@@ -257,118 +161,127 @@ class RemoteIO:
             at += count
         return leading
 
-    def invalidate(self, ns: str | None, epoch: int, generation: int) -> bool:
-        """Publish the marker of the epoch (``ns`` None) or the namespace's generation that
-        ended, then remove its blocks; whether the marker is in Mooncake."""
-        client = self._ready()
-        if client is None:
+    # ---- invalidation (the reader thread) --------------------------------------------
+
+    def publish(self) -> Future[bool]:
+        """Publish the markers of the invalidations not out yet (:meth:`.keys.Keys.unpublish`)
+        on the reader thread: the call's answer is whether all of them are out. One
+        call for the evicts that come before it starts."""
+        with self._publishing_lock:
+            if self._publishing is None or self._publishing_started:
+                self._publishing_started = False
+                self._publishing = self._reader.submit(self._publish_call)
+            return self._publishing
+
+    def _publish_call(self) -> bool:
+        with self._publishing_lock:
+            self._publishing_started = True
+        return self._publish()
+
+    def _publish(self) -> bool:
+        """End what is current now of each namespace (and the epoch) with invalidations
+        not out yet; then remove what ended. Whether they all are out."""
+        if not self.keys.unpublished():
+            return True
+        client = self.connection.ready()
+        # Where the markers stand first: after a restart of the master there is nothing
+        # left to end (and a marker would end what was written since).
+        if client is None or self.markers.past(client, []) is None:
             return False
-        keys = self.keys
-        marker = keys.cleared(epoch) if ns is None else keys.evicted(ns, generation)
-        config = import_store().ReplicateConfig()
-        config.with_hard_pin = True  # a marker must outlive the LRU
-        rc = int(client.put(marker, b"1", config))
-        if not self._codes("put", [rc]):
-            return False
-        pattern = keys.all_pattern() if ns is None else keys.namespace_pattern(ns)
-        client.remove_by_regex(pattern, True)  # best effort: the marker already hides them
-        return rc == 0
+        waiting = self.keys.unpublished()
+        patterns = []
+        for ns, count in waiting.items():
+            pattern = self.markers.end(client, ns)
+            if pattern is None:
+                if not self.connection.resting():  # an answer, not the master's absence
+                    self.connection.rest("publishing a marker", "refused")
+                break
+            self.keys.published(ns, count)
+            patterns.append(pattern)
+        # Best effort (the markers already hide them), and after the answer: only the
+        # blocks of what ended, never those of what follows, written from now on.
+        for pattern in patterns:
+            with contextlib.suppress(RuntimeError):  # closing: left to the LRU
+                self._reader.submit(self._remove, pattern)
+        return len(patterns) == len(waiting)
 
-    def _refresh(self, client: Any, namespaces: set[str]) -> bool:
-        """Move past the markers of these namespaces (and of the epoch) that other hosts
-        published, so that a write never lands under a key already invalidated (a new
-        host would otherwise write under epoch 0 after a clear); whether Mooncake
-        answered."""
-        if self._past_markers(client, [(ns, []) for ns in namespaces]) is None:
-            return False
-        # A marker published meanwhile costs at most this long of writes nobody reads.
-        until = time.monotonic() + _MARKERS_FRESH_S
-        if len(self._checked) > 65536:
-            self._checked.clear()
-        self._checked.update(dict.fromkeys(namespaces, until))
-        return True
+    def _check(self) -> bool:
+        """Ask for the boot id's key and the epoch's markers (no namespace's); whether
+        Mooncake answered."""
+        client = self.connection.ready()
+        return client is not None and self.markers.past(client, []) is not None
 
-    # ---- writes --------------------------------------------------------------------
+    def _restarted(self) -> None:
+        """The master restarted, and every value with it: the writes queued before are
+        of a view that ended (written now, they would land under epochs and generations
+        that hosts reach again), and the evidence of evicts went too. Drop them."""
+        dropped = self.queue.cancel(None)
+        # Not in the writer's counts: this may be the reader thread (one thread a restart).
+        self.dropped_at_restart += sum(map(len, dropped))
+        self.queue.give_back(dropped)
+        log.warning("aiokv: remote tier: the Mooncake master restarted (its boot id is "
+                    "gone): epochs and generations start again from 0")
+        self._wake()
 
-    def _write_loop(self) -> None:
-        queue = self.queue
-        while (jobs := queue.next_batch(_WRITE_BATCH)) is not None:
-            began = time.monotonic()
-            try:
-                self._write(jobs)
-            except Exception as exc:  # a bug or the client's: count it, keep the thread
-                self.write_stats["remote_write_errors"] += sum(len(j.blocks) for j in jobs)
-                log.exception("aiokv: remote tier: a write failed: %s", exc)
-            finally:
-                self.write_stats["remote_write_batches"] += 1
-                self.write_stats["remote_write_seconds"] += time.monotonic() - began
-                queue.done(jobs)
-                self._wake()
+    def _remove(self, pattern: str) -> None:
+        client = self.connection.ready()
+        if client is not None:
+            client.remove_by_regex(pattern, True)
 
-    def _write(self, jobs: list[WriteJob]) -> None:
-        stats = self.write_stats
-        count = sum(len(job.blocks) for job in jobs)
-        client = self._ready()
-        if client is None:
-            stats["remote_dropped_down"] += count
-            return
-        now = time.monotonic()
-        stale = {job.ns for job in jobs if self._checked.get(job.ns, 0.0) < now}
-        refreshed = not stale or self._refresh(client, stale)
-        _spent(stats, "remote_marker_seconds", now)
-        if not refreshed:
-            stats["remote_dropped_down"] += count
-            return
-        keys: list[str] = []
-        blocks: list[int] = []
-        for job in jobs:
-            if self.keys.current(job.ns) != (job.epoch, job.generation):
-                # Evicted (here, or on another host: the markers just asked) since the
-                # put was offered: its keys are hidden already, writing them is waste.
-                stats["remote_dropped_evicted"] += len(job.blocks)
-                count -= len(job.blocks)
-                continue
-            keys += self.keys.blocks(job.ns, job.epoch, job.generation, job.digests)
-            blocks += job.blocks.tolist()
-        if not keys:
-            return
-        size = self.block_bytes
-        codes = self._writes.put(client, keys, blocks)
-        if not self._codes("batch_put_from", codes):
-            stats["remote_dropped_down"] += count
-            return
-        written = codes.count(0)
-        full = codes.count(NO_SPACE)
-        stats["remote_blocks_written"] += written
-        stats["remote_bytes_written"] += written * size
-        stats["remote_dropped_full"] += full
-        stats["remote_write_errors"] += len(codes) - written - full
+    def _tend(self) -> float:
+        """The reader thread, between calls: publish the markers that could not be
+        published earlier, once the tier no longer rests, and ask for the boot id's key
+        and the epoch's markers when no call did for ``_CHECK_S`` (a master that
+        restarted, a clear elsewhere); how long until it looks again."""
+        if self.connection.resting():
+            return max(0.05, self.connection.rest_left_s())
+        try:
+            if self.keys.unpublished():
+                self._publish()
+            if time.monotonic() - self.keys.checked_at >= _CHECK_S:
+                self._check()
+        except Exception as exc:  # the client raised: as a failed call, the tier rests
+            self.connection.rest("a call", exc)
+        if self.connection.resting():
+            return max(0.05, self.connection.rest_left_s())
+        return max(0.05, self.keys.checked_at + _CHECK_S - time.monotonic())
 
     # ---- close ---------------------------------------------------------------------
 
-    def close(self, flush_timeout_s: float) -> None:
-        """Finish the queued writes (up to ``flush_timeout_s``; the rest are dropped),
-        stop both threads, and let go of Mooncake."""
+    def close(self, flush_timeout_s: float) -> bool:
+        """Finish the queued writes and publish the markers not out yet (up to
+        ``flush_timeout_s``; the writes left are dropped), stop both threads, and let go
+        of Mooncake. A thread stuck in a call (a master that stopped answering) is waited
+        for ``_JOIN_S`` at most, then left to end by itself (daemon threads); the client
+        and the memory it reads into then stay, and False is returned."""
         queue = self.queue
-        queue.wait_idle(flush_timeout_s)
+        deadline = time.monotonic() + flush_timeout_s
+        while self.keys.unpublished() and (left := deadline - time.monotonic()) > 0:
+            rest = self.connection.rest_left_s()
+            if rest >= left:
+                break
+            time.sleep(rest)  # a call failed a moment ago: the rest is short, or nothing
+            futures_wait([self.publish()], deadline - time.monotonic())
+        # A batch in a call for seconds waits on a master that does not answer.
+        while not queue.wait_idle(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or self._writer.in_call_s() > _STUCK_S:
+                break
         dropped = queue.cancel(None)
         self.write_stats["remote_dropped_down"] += sum(map(len, dropped))
         queue.close()
-        self._writer.join()
-        queue.done([WriteJob("", [], blocks) for blocks in dropped])  # to be given back
-        self._reader.shutdown(wait=True)
+        deadline = time.monotonic() + _JOIN_S
+        self._writer.thread.join(_JOIN_S)
+        queue.give_back(dropped)
+        stopped = (self._reader.close(max(0.0, deadline - time.monotonic()))
+                   and not self._writer.thread.is_alive())
+        waiting = sum(self.keys.unpublished().values())
+        if waiting:
+            log.warning("aiokv: remote tier: %d evicts or clears closed with their markers "
+                        "unpublished: other hosts serve those keys until they age out", waiting)
+        if not stopped:
+            log.warning("aiokv: remote tier: Mooncake did not answer within %.0f s of close; "
+                        "its calls under way are left to end by themselves", _JOIN_S)
+            return False
         self._checksums.close()
-        client, self._client = self._client, None
-        if client is not None:
-            for address, _ in self._buffers():
-                client.unregister_buffer(address)
-            client.close()
-
-
-def _spent(stats: dict[str, float], key: str, began: float) -> float:
-    """Add the time since ``began`` (time.monotonic) to ``stats[key]``; now."""
-    now = time.monotonic()
-    stats[key] += now - began
-    return now
-
-
+        self.connection.close()
+        return True

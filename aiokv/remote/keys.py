@@ -16,8 +16,17 @@ Hosts learn each other's invalidations from markers in Mooncake itself: the key
 ``<root>/cleared/<e>`` exists once epoch ``e`` was cleared, ``<root>/<ns>/evicted/<g>``
 once generation ``g`` of the namespace was evicted. Every lookup asks for a few markers
 past its known epoch and generation in the same ``batch_is_exist`` as its blocks, and
-moves on past the ones it finds. The blocks of old generations are removed by regex
-(best effort) and otherwise age out of Mooncake's LRU.
+moves on past the ones it finds. The blocks of the generation (epoch) an evict (clear)
+ended are removed by regex (best effort: never those of the next one, which other hosts
+may be writing already), and otherwise age out of Mooncake's LRU.
+
+A master that restarts (without HA) loses every key, the markers too: a host that had
+moved past some would go on using epochs and generations that hosts started since never
+reach. So the first host to connect puts a boot id under ``<root>/boot`` (a put keeps
+the first value) and ``<root>/boot/<id>``; every host reads the id back, and asks for
+``<root>/boot/<id>`` with its markers (one key more in the same call): once it is gone,
+so is everything the host knew of, and it starts again from epoch and generations 0 (a
+new *lifetime* of its view).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -47,21 +56,80 @@ def namespace_tag(namespace: Sequence[str]) -> str:
 
 class Keys:
     """Key names under one geometry, and this host's view of the epoch and generations
-    (any thread: a lock guards the two maps)."""
+    (any thread: a lock guards the maps).
+
+    An evict (clear) makes the namespace (every namespace) unusable here until its
+    marker is out (:meth:`unpublish`, :meth:`published`): only then does this host know
+    which generation it ended and which one follows, so meanwhile it neither reads nor
+    writes the namespace on Mooncake. Where the marker cannot be published (the master
+    does not answer), that lasts until it can."""
 
     def __init__(self, geometry: str) -> None:
         self.root = f"{VERSION}/{geometry}"
         self._lock = threading.Lock()
         self._epoch = 0
         self._generations: OrderedDict[str, int] = OrderedDict()
+        self._unpublished: Counter[str | None] = Counter()  # namespace (None: all) -> evicts
+        self.boot: str | None = None  # the master's boot id, once learned
+        self.lifetime = 0  # restarts of the master seen
+        self.checked_at = 0.0  # time.monotonic() of the last markers Mooncake answered
 
-    def current(self, ns: str) -> tuple[int, int]:
+    def view(self, ns: str) -> tuple[int, int, int]:
+        """(lifetime, epoch, generation) of the namespace: what a write is offered under."""
         with self._lock:
-            return self._epoch, self._generations.get(ns, 0)
+            return self.lifetime, self._epoch, self._generations.get(ns, 0)
 
-    def advance(self, ns: str, epoch: int, generation: int) -> None:
-        """Move to (at least) these; never back."""
+    def learned(self, boot: str) -> None:
         with self._lock:
+            if self.boot is None:
+                self.boot = boot
+
+    def restart(self, boot: str) -> bool:
+        """The master that ``boot`` named is gone with every key: start again from epoch
+        and generations 0, and drop the invalidations not out (what they would end is
+        gone). Whether this call did it (not another thread first)."""
+        with self._lock:
+            if self.boot != boot:
+                return False
+            self.boot = None
+            self.lifetime += 1
+            self._epoch = 0
+            self._generations.clear()
+            self._unpublished.clear()
+            return True
+
+    def usable(self, ns: str) -> bool:
+        """Whether this host may read and write the namespace on Mooncake now."""
+        if not self._unpublished:  # the usual case, without the lock
+            return True
+        with self._lock:
+            return None not in self._unpublished and ns not in self._unpublished
+
+    def unpublish(self, ns: str | None) -> None:
+        """An evict of the namespace (None: a clear) whose marker is not out yet."""
+        with self._lock:
+            self._unpublished[ns] += 1
+
+    def unpublished(self) -> dict[str | None, int]:
+        """The invalidations whose markers are not out, per namespace (None: clears)."""
+        with self._lock:
+            return dict(self._unpublished)
+
+    def published(self, ns: str | None, count: int) -> None:
+        """``count`` invalidations of the namespace (None: clears) are out."""
+        with self._lock:
+            left = self._unpublished[ns] - count
+            if left > 0:
+                self._unpublished[ns] = left
+            else:
+                self._unpublished.pop(ns, None)
+
+    def advance(self, ns: str, epoch: int, generation: int, lifetime: int) -> None:
+        """Move to (at least) these, learned in ``lifetime``; never back (nor into a
+        lifetime that has ended)."""
+        with self._lock:
+            if lifetime != self.lifetime:
+                return
             self._epoch = max(self._epoch, epoch)
             if generation > self._generations.get(ns, 0):
                 self._generations[ns] = generation
@@ -74,30 +142,44 @@ class Keys:
         return [head + d.hex() for d in digests]
 
     def ask(self, items: Sequence[tuple[str, Sequence[bytes]]]) -> tuple[
-            list[str], list[list[str]], Callable[[Sequence[int]], bool]]:
-        """What a lookup of (namespace, digests) items asks Mooncake: the markers past
-        what this host knows (the epoch's, then each namespace's), the items' block keys
-        under the newest epoch and generation known, and ``advance(answers)``: given
-        whether each marker is there (1) or not, move past the markers found; whether any
-        was (the keys are then stale: ask again)."""
+            list[str], list[list[str]], Callable[[Sequence[int]], bool | None]]:
+        """What a lookup of (namespace, digests) items asks Mooncake (the boot id known):
+        the markers past what this host knows (the boot id's, the epoch's, then each
+        namespace's), the items' block keys under the newest epoch and generation known,
+        and ``advance(answers)``: given whether each marker is there (1) or not, move
+        past the markers found; whether the keys asked are stale (ask again), or None
+        where the boot id's key is gone (the master may have restarted)."""
         names = sorted({ns for ns, _ in items})
-        current = {ns: self.current(ns)[1] for ns in names}
-        epoch = self.current("")[0]
-        probes = [self.cleared(epoch + i) for i in range(PROBE)]
+        with self._lock:
+            boot, lifetime, epoch = self.boot, self.lifetime, self._epoch
+            current = {ns: self._generations.get(ns, 0) for ns in names}
+        if boot is None:
+            raise RuntimeError("the boot id is asked for before it is known")
+        probes = [self.alive(boot)] + [self.cleared(epoch + i) for i in range(PROBE)]
         for ns in names:
             probes += [self.evicted(ns, current[ns] + i) for i in range(PROBE)]
         asked = [self.blocks(ns, epoch, current[ns], digests) for ns, digests in items]
 
-        def advance(found: Sequence[int]) -> bool:
-            cleared = leading_ones(found[:PROBE])
+        def advance(found: Sequence[int]) -> bool | None:
+            if found[0] != 1:
+                return None
+            cleared = leading_ones(found[1 : PROBE + 1])
             moved = bool(cleared)
             for i, ns in enumerate(names, start=1):
-                evicted = leading_ones(found[PROBE * i : PROBE * (i + 1)])
-                self.advance(ns, epoch + cleared, current[ns] + evicted)
+                evicted = leading_ones(found[PROBE * i + 1 : PROBE * (i + 1) + 1])
+                self.advance(ns, epoch + cleared, current[ns] + evicted, lifetime)
                 moved = moved or bool(evicted)
+            if not names:
+                self.advance("", epoch + cleared, 0, lifetime)
             return moved
 
         return probes, asked, advance
+
+    def boot_key(self) -> str:
+        return f"{self.root}/boot"
+
+    def alive(self, boot: str) -> str:
+        return f"{self.root}/boot/{boot}"
 
     def cleared(self, epoch: int) -> str:
         return f"{self.root}/cleared/{epoch}"
@@ -105,13 +187,13 @@ class Keys:
     def evicted(self, ns: str, generation: int) -> str:
         return f"{self.root}/{ns}/evicted/{generation}"
 
-    def namespace_pattern(self, ns: str) -> str:
-        """Every block of the namespace, all generations (not its markers)."""
-        return f"^{self.root}/{ns}/[0-9]"
+    def generation_pattern(self, ns: str, generation: int) -> str:
+        """The namespace's blocks of this generation, under any epoch (not its markers)."""
+        return f"^{self.root}/{ns}/[0-9]+\\.{generation}/"
 
-    def all_pattern(self) -> str:
-        """Every block under this geometry (not the markers)."""
-        return f"^{self.root}/[0-9a-f]{{32}}/[0-9]"
+    def epoch_pattern(self, epoch: int) -> str:
+        """Every namespace's blocks of this epoch, any generation (not the markers)."""
+        return f"^{self.root}/[0-9a-f]{{32}}/{epoch}\\.[0-9]+/"
 
 
 def leading_ones(codes: Sequence[int]) -> int:

@@ -30,6 +30,9 @@ from .queue import WriteJob
 from .reads import Below, Published, Reader, Wanted
 
 _CLOSE_FLUSH_S = 10.0  # close() finishes queued writes for this long at most
+# The tiers whose threads close left in a call (a master that stopped answering), with
+# the memory those calls may still read into: kept for the life of the process.
+_ABANDONED: list[tuple[RemoteIO, torch.Tensor]] = []
 
 
 class BlockMemory(Protocol):
@@ -66,7 +69,7 @@ class RemoteLink:
         self._page_size = page_size
         self._timeout_s = config.timeout_ms / 1000
         block_shape = tuple(pool.data.shape[1:])
-        memory = pool.raw
+        memory = self._memory = pool.raw
         self.io = RemoteIO(
             config,
             Keys(geometry_tag(block_shape, dtype, page_size)),
@@ -81,6 +84,7 @@ class RemoteLink:
         self._held = 0  # host blocks held by writes
         self._asked: set[tuple[str, ...]] = set()  # namespaces asked in this batch
         self.stats_ = {"remote_dropped_queue": 0, "remote_dropped_resting": 0}
+        self._evicted = 0  # blocks not sent (or taken back) because this host evicted their key
 
     def _tag(self, namespace: tuple[str, ...]) -> str:
         tag = self._tags.get(namespace)
@@ -107,11 +111,14 @@ class RemoteLink:
             if io.resting():
                 self.stats_["remote_dropped_resting"] += len(blocks)
                 continue
+            tag = self._tag(space.key)
+            if not io.keys.usable(tag):  # its evict's marker is not out yet
+                self._evicted += len(blocks)
+                continue
             # Held first: once queued, the writer may read them at any moment.
             host.readers[blocks] += 1
             host.index.make_unevictable(blocks)
-            tag = self._tag(space.key)
-            if io.queue.put(WriteJob(tag, list(task.digests), blocks, *io.keys.current(tag))):
+            if io.queue.put(WriteJob(tag, list(task.digests), blocks, io.keys.view(tag))):
                 self._held += len(blocks)
             else:
                 host.drop_readers(blocks)
@@ -154,9 +161,10 @@ class RemoteLink:
 
     def invalidate(self, namespace: tuple[str, ...] | None, wait: bool = True) -> Published:
         """Before the host tier drops a namespace (None: everything): queued writes of it
-        are taken back, reads of it under way will bring nothing, this host moves to a
-        new generation (or epoch) at once, and the marker that tells the other hosts,
-        plus a best-effort remove, follow on the reader thread.
+        are taken back, reads of it under way will bring nothing, and this host neither
+        reads nor writes it on Mooncake until the marker that ends its generation (the
+        epoch) is out: published on the reader thread (then a best-effort remove), or,
+        where the tier rests or its reader is stuck in a call, once it answers again.
 
         ``wait``: first wait for the write under way (so that its blocks are idle when
         the host tier drops the key), then for the marker, ``timeout_ms`` each at most.
@@ -165,18 +173,15 @@ class RemoteLink:
         or its ``timeout_ms`` is up."""
         io = self.io
         ns = None if namespace is None else self._tag(namespace)
+        io.keys.unpublish(ns)
         for blocks in io.queue.cancel(ns):
             self._give_back(blocks)
+            self._evicted += len(blocks)  # dropped writes, as close counts those it takes
         self.reads.invalidated(namespace)
         if wait and not io.queue.wait_idle(self._timeout_s):
             self.reads.stats_["remote_invalidation_errors"] += 1
         self.drain()
-        epoch, generation = io.keys.current(ns or "")
-        if ns is None:
-            io.keys.advance("", epoch + 1, 0)
-        else:
-            io.keys.advance(ns, epoch, generation + 1)
-        return self.reads.publish(ns, epoch, generation, wait)
+        return self.reads.publish(wait)
 
     # ---- stats, close ----------------------------------------------------------------
 
@@ -190,10 +195,14 @@ class RemoteLink:
         # Lookups' tokens read from Mooncake into the host tier (LocalStore.store_stats
         # takes them out of host_hit_tokens: each hit is counted on one tier).
         stats["remote_hit_tokens"] = stats["remote_blocks_read"] * self._page_size
+        stats["remote_dropped_evicted"] += self._evicted
+        stats["remote_dropped_down"] += io.dropped_at_restart
+        # Evicts and clears whose markers are not out (this host does not use those keys).
+        stats["remote_invalidations_waiting"] = sum(io.keys.unpublished().values())
         stats["remote_dropped_writes"] = (
             stats["remote_dropped_queue"] + stats["remote_dropped_resting"]
             + stats["remote_dropped_full"] + stats["remote_dropped_down"]
-            + stats["remote_dropped_evicted"]
+            + stats["remote_dropped_evicted"] + stats["remote_dropped_stale"]
         )
         stats["remote_errors"] = (
             stats["remote_read_errors"] + stats["remote_write_errors"]
@@ -203,8 +212,12 @@ class RemoteLink:
         return stats
 
     def close(self) -> None:
-        """Finish the queued writes (bounded), then stop; the reads under way end as
-        misses. Before the pool goes."""
-        self.io.close(_CLOSE_FLUSH_S)
+        """Finish the queued writes and markers (bounded; not at all where Mooncake does
+        not answer), then stop; the reads under way end as misses. Before the pool
+        goes; where a call is still under way (a master that stopped answering), the
+        memory it may read into is kept, never reused."""
+        io = self.io
+        if not io.close(0.0 if self.reads.stuck else _CLOSE_FLUSH_S):
+            _ABANDONED.append((io, self._memory))
         self.reads.close()
         self.drain()

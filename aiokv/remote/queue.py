@@ -17,11 +17,11 @@ class WriteJob:
     ns: str  # the namespace's tag (keys.namespace_tag)
     digests: list[bytes]
     blocks: Int64Array  # host blocks, held as readers until the job is finished
-    # The epoch and the namespace's generation when the put was offered: its keys', so
-    # that a write under way when its key is evicted lands under the generation the
-    # evict's marker ends (hidden from every host), never under the next one.
-    epoch: int = 0
-    generation: int = 0
+    # The lifetime, epoch and namespace's generation when the put was offered
+    # (:meth:`.keys.Keys.view`): its keys', so that a write under way when its key is
+    # evicted lands under the generation the evict's marker ends (hidden from every
+    # host), never under the next one; and none lands after a restart of the master.
+    view: tuple[int, int, int] = (0, 0, 0)
 
 
 class WriteQueue:
@@ -80,10 +80,14 @@ class WriteQueue:
 
     def done(self, jobs: list[WriteJob]) -> None:
         """Writer thread: these jobs ended, written or not."""
-        self._finished.extend(job.blocks for job in jobs)
+        self.give_back([job.blocks for job in jobs])
         with self._cond:
             self._writing = False
             self._cond.notify_all()
+
+    def give_back(self, blocks: list[Int64Array]) -> None:
+        """Blocks of writes that ended, or that were taken back (any thread)."""
+        self._finished.extend(blocks)
 
     def finished(self) -> list[Int64Array]:
         """Blocks whose writes ended, each given once (store thread)."""

@@ -1,5 +1,5 @@
 """The remote tier's calls on the reader thread, as the store thread sees them: lookups'
-reads into host blocks, and invalidations' markers, each call given ``timeout_ms``.
+reads into host blocks (one call or two, in ``timeout_ms`` together), and invalidations' markers.
 
 A read is :meth:`Reader.start`, then :meth:`Reader.poll` until it is over: the embedded
 store blocks in :meth:`Reader.wait` (its lookups are answered after it anyway); the
@@ -43,7 +43,7 @@ class RemoteRead:
     wanted: Wanted
     future: Future[Any]  # the reader thread's current call
     began: float  # time.monotonic()
-    deadline: float  # the current call's answer is a miss after this
+    deadline: float  # an answer after this is a miss: timeout_ms from began, both calls
     # Reserved, ``counts[i]`` of them per wanted range.
     blocks: Int64Array = field(default_factory=lambda: NO_BLOCKS)
     counts: list[int] | None = None
@@ -90,6 +90,11 @@ class Reader:
     def open_reads(self) -> int:
         return len(self._reads)
 
+    @property
+    def stuck(self) -> bool:
+        """The reader thread is still in a call that outlived its time."""
+        return self._busy is not None and not self._busy.done()
+
     # ---- reads ---------------------------------------------------------------------
 
     def start(self, queries: Wanted, below: Below = None) -> RemoteRead | None:
@@ -98,18 +103,21 @@ class Reader:
         host miss on. ``below``: the SSD tier's ``has``; a query whose first missing page
         it holds is left to the SSD path. None where nothing is read (nothing missing,
         or the tier rests: then counted as misses)."""
+        io, host = self._io, self._host
         wanted: Wanted = []
+        unusable: Wanted = []  # evicted here, the marker not out yet: a miss
         for key, digests in queries:
-            if key in self._reading or any(key == k for k, _ in wanted):
+            if key in self._reading or any(key == k for k, _ in wanted + unusable):
                 continue
             gap = self._missing(key, digests)
             if gap and (below is None or not below(key, gap[:1])[0]):
-                wanted.append((key, gap))
+                (wanted if io.keys.usable(self._tag(key)) else unusable).append((key, gap))
+        if unusable:
+            self._count(unusable, [0] * len(unusable), 0.0)
         if not wanted:
             return None
-        io, host = self._io, self._host
         now = time.monotonic()
-        if io.resting() or (self._busy is not None and not self._busy.done()):
+        if io.resting() or self.stuck:
             self._count(wanted, [0] * len(wanted), 0.0)
             return None
         asked = [(self._tag(key), digests) for key, digests in wanted]
@@ -161,9 +169,10 @@ class Reader:
                     self._host.free(np.sort(blocks))
 
     def close(self) -> None:
-        """Once the reader thread has stopped (every call returned): the reads under way
-        end as misses, their blocks freed, rather than move on (nothing can be asked
-        now); the markers are accounted for."""
+        """Once the reader thread has stopped (or was left in a call: the pool's memory
+        then stays, never used again): the reads under way end as misses, their blocks
+        freed, rather than move on (nothing can be asked now); the markers are
+        accounted for."""
         now = time.monotonic()
         for read in list(self._reads):
             if len(read.blocks):
@@ -229,16 +238,20 @@ class Reader:
             counts.append(0 if key in read.gone else min(len(keys), room))
             room -= counts[-1]
         total = sum(counts)
+        now = time.monotonic()
+        if total and now >= read.deadline:  # the lookup's time is up: no second call
+            self.stats_["remote_timeouts"] += 1
+            total = 0
         try:
             blocks = host.reserve(total) if total else None
         except NoSpace:
             blocks = None
-        now = time.monotonic()
         if blocks is None:
             self._end(read, [0] * len(read.wanted), now)
             return
         keys = [key for group, count in zip(present, counts, strict=True) for key in group[:count]]
-        read.blocks, read.counts, read.deadline = blocks, counts, now + self._timeout_s
+        # Within the deadline the read began with: one timeout_ms for the lookup.
+        read.blocks, read.counts = blocks, counts
         read.future = io.submit_read(io.fetch, keys, blocks.tolist(), counts)
         read.future.add_done_callback(self._returned)
 
@@ -298,12 +311,19 @@ class Reader:
         for read in self._reads:
             read.gone.update(k for k, _ in read.wanted if key in (None, k))
 
-    def publish(self, ns: str | None, epoch: int, generation: int, wait: bool) -> Published:
-        """Send the marker that the epoch (``ns`` None) or the namespace's generation
-        ended; ``wait``: block until it is out, or its time is up."""
+    def publish(self, wait: bool) -> Published:
+        """Send the markers of the evicts and clears not out yet (:meth:`RemoteIO.publish`);
+        ``wait``: block until they are out, or its time is up. Where the tier rests, or
+        the reader thread is still in a call past its time (a master that does not
+        answer), nothing is asked now: the answer is a failure at once, and the reader
+        thread publishes them once the tier answers again (:meth:`RemoteIO._tend`)."""
         io = self._io
-        published = Published(io.submit_read(io.invalidate, ns, epoch, generation),
-                              time.monotonic() + self._timeout_s)
+        if io.resting() or self.stuck:
+            future: Future[Any] = Future()
+            future.set_result(False)
+        else:
+            future = io.publish()
+        published = Published(future, time.monotonic() + self._timeout_s)
         published.future.add_done_callback(self._returned)
         self._publishing.append(published)
         if wait:

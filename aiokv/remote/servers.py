@@ -84,6 +84,13 @@ class MooncakeServers:
             self._master.wait()
             self._master = None
 
+    def pause_master(self, paused: bool = True) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the master: one that accepts connections
+        but does not answer, as a hung or partitioned master would (each call waits for
+        Mooncake's own timeout, about 30 s)."""
+        if self._master is not None:
+            self._master.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+
     def pause_store(self, paused: bool = True) -> None:
         """Stop (SIGSTOP) or continue (SIGCONT) the store process: a Mooncake that is up
         but does not answer, as a stalled or swapping host would be."""

@@ -1,0 +1,84 @@
+"""The remote tier's reader thread: one daemon thread that runs the calls submitted to it
+in order, each answered through a :class:`~concurrent.futures.Future`, and between them
+(or after ``tend``'s wait with none) ``tend``, for the work nobody waits on: markers that
+could not be published yet.
+
+A daemon, and closed with a bound, because a Mooncake call on a master that stopped
+answering waits about 30 s: such a call must hold up neither the engine's close nor the
+interpreter's exit (a ``ThreadPoolExecutor``'s threads are joined at exit).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+log = logging.getLogger("aiokv")
+
+_Call = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any]"]
+
+
+class CallThread:
+    """``tend()`` returns how long to wait for a call before it runs again (None: until a
+    call comes)."""
+
+    def __init__(self, name: str, tend: Callable[[], float | None]) -> None:
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._tend = tend
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``function(*args)`` after the calls before it; RuntimeError once closed."""
+        if self._closed:
+            raise RuntimeError("the remote tier's reader thread is closed")
+        future: Future[Any] = Future()
+        self._calls.put((function, args, future))
+        return future
+
+    def _run(self) -> None:
+        wait: float | None = None
+        while True:
+            try:
+                call = self._calls.get(timeout=wait)
+            except queue.Empty:
+                call = None  # time to tend
+            else:
+                if call is None:  # closed
+                    return
+                function, args, future = call
+                if future.set_running_or_notify_cancel():
+                    try:
+                        result = function(*args)
+                    except BaseException as exc:  # the caller's to see, as an executor's
+                        future.set_exception(exc)
+                    else:
+                        future.set_result(result)
+            if self._closed:
+                continue
+            try:
+                wait = self._tend()
+            except Exception as exc:  # a bug or the client's: keep the thread
+                log.exception("aiokv: remote tier: %s", exc)
+                wait = None
+
+    def close(self, timeout_s: float) -> bool:
+        """Cancel the calls not yet started and stop after the one under way, waiting
+        ``timeout_s`` at most; whether the thread ended (else it is left to end by
+        itself: a daemon, holding whatever the call under way holds)."""
+        self._closed = True
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[2].cancel()
+        self._calls.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()

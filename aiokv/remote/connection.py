@@ -1,0 +1,129 @@
+"""The remote tier's one Mooncake Store client, and its health.
+
+Connecting (``setup``) happens on the first call, not at open, so a master that is down
+at start costs nothing but misses. A call that fails for want of the master (or raises)
+puts the tier to rest for a while, doubling from ``timeout_ms`` to 30 s: while it rests
+lookups miss and writes are dropped at once, without a call. The client reconnects to a
+master that comes back by itself; the rest only keeps a dead master from costing every
+lookup its full wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .config import RemoteConfig
+from .native import import_store
+
+log = logging.getLogger("aiokv")
+
+NO_SPACE = -200  # Mooncake: no segment can take the value now
+ABSENT = -704  # OBJECT_NOT_FOUND
+_DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
+_MAX_REST_S = 30.0
+_CONNECT_WAIT_S = 10.0
+
+
+def _local_hostname(config: RemoteConfig) -> str:
+    if config.local_hostname:
+        return config.local_hostname
+    if config.on_loopback():
+        return "127.0.0.1"
+    # The address this host would use towards the master (a UDP connect sends nothing).
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((config.master_host, 9))
+        return str(probe.getsockname()[0])
+
+
+class Connection:
+    """The client, set up on first use with ``buffers()`` (address, bytes) registered, and
+    whether the tier rests. Any thread."""
+
+    def __init__(self, config: RemoteConfig,
+                 buffers: Callable[[], list[tuple[int, int]]]) -> None:
+        self.config = config
+        self._buffers = buffers
+        self._client: Any = None
+        self._connect_lock = threading.Lock()
+        self._rest_s = config.timeout_ms / 1000
+        self._retry_at = 0.0  # time.monotonic() before which calls are not tried
+
+    def resting(self) -> bool:
+        return time.monotonic() < self._retry_at
+
+    def rest_left_s(self) -> float:
+        """How long the tier still rests (0: it does not)."""
+        return max(0.0, self._retry_at - time.monotonic())
+
+    def rest(self, what: str, detail: object) -> None:
+        if not self.resting():
+            log.warning("aiokv: remote tier: %s failed (%s); resting %.1f s",
+                        what, detail, self._rest_s)
+        self._retry_at = time.monotonic() + self._rest_s
+        self._rest_s = min(_MAX_REST_S, self._rest_s * 2)
+
+    def _succeeded(self) -> None:
+        self._rest_s = self.config.timeout_ms / 1000
+
+    def ready(self) -> Any:
+        """The set-up client, or None (resting, or setup failed now). While the tier rests
+        no call is tried: on a master that stopped answering each waits about 30 s."""
+        if self.resting():
+            return None
+        if self._client is not None:
+            return self._client
+        # Another thread may be connecting: wait for it (a connect is bounded by the
+        # probe below, but Mooncake's own setup is not: do not wait for ever).
+        if not self._connect_lock.acquire(timeout=_CONNECT_WAIT_S):
+            return None
+        try:
+            if self._client is None:
+                self._client = self._connect()
+        finally:
+            self._connect_lock.release()
+        return self._client
+
+    def _connect(self) -> Any:
+        config = self.config
+        try:
+            # Mooncake's setup retries an absent master for 90 s; a plain TCP connect
+            # says within the timeout whether one listens.
+            socket.create_connection(config.master_address, config.timeout_ms / 1000).close()
+            client = import_store().MooncakeDistributedStore()
+            rc = client.setup(
+                _local_hostname(config), config.metadata, 0, config.local_buffer_mb << 20,
+                config.protocol, config.devices, config.master,
+            )
+            if rc == 0:
+                for address, size in self._buffers():
+                    rc = rc or client.register_buffer(address, size)
+            if rc != 0:
+                client.close()
+                self.rest("setup", f"code {rc}")
+                return None
+        except (ImportError, RuntimeError, OSError) as exc:
+            self.rest("setup", exc)
+            return None
+        self._succeeded()
+        return client
+
+    def codes(self, what: str, codes: Sequence[int]) -> bool:
+        """Whether a batch call reached Mooncake (else the tier rests)."""
+        if any(code <= _DOWN for code in codes):
+            self.rest(what, f"code {min(codes)}")
+            return False
+        self._succeeded()
+        return True
+
+    def close(self) -> None:
+        """Let go of Mooncake (once no thread calls it)."""
+        client, self._client = self._client, None
+        if client is not None:
+            for address, _ in self._buffers():
+                client.unregister_buffer(address)
+            client.close()

@@ -1,0 +1,177 @@
+"""How hosts tell each other of invalidations (and of a master that restarted) through
+Mooncake, the keys being :mod:`.keys`': learning the master's boot id, asking for the
+markers past what this host knows in the same call as a lookup's blocks, and publishing
+the marker that ends the epoch or a namespace's generation current now. Any thread that
+holds a set-up client (the reader's, the writer's)."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from .connection import Connection
+from .keys import PROBE, Keys, leading_ones
+from .native import import_store
+
+T = TypeVar("T")
+# Given the markers to ask for and the blocks' keys: whether each marker is there, and
+# what the call brought for the blocks; None where Mooncake did not answer.
+Ask = Callable[[list[str], list[list[str]]], "tuple[list[bool], T] | None"]
+
+
+class Markers:
+    """``errors``: the counters that a call answered with an error adds to
+    (``remote_read_errors``); ``restarted``: called (on the thread that saw it) once the
+    master is found to have restarted, after this host's view started again."""
+
+    def __init__(self, keys: Keys, connection: Connection, errors: dict[str, float],
+                 restarted: Callable[[], None]) -> None:
+        self.keys = keys
+        self._connection = connection
+        self._errors = errors
+        self._restarted = restarted
+        self._learning = threading.Lock()
+
+    def settle(self, client: Any, items: Sequence[tuple[str, Sequence[bytes]]],
+               ask: Ask[T]) -> tuple[list[list[str]], T] | None:
+        """Ask (``ask``) for the markers past what this host knows and for the items'
+        blocks, in one call; move past the markers found and ask again (rarely), also
+        after a restart of the master. The blocks' keys asked, per item, and what the
+        call brought for them; None when Mooncake did not answer."""
+        keys = self.keys
+        for _ in range(8):  # each pass moves past at least one marker
+            if keys.boot is None and not self._learn_boot(client):
+                return None
+            asked_at = time.monotonic()
+            probes, asked, advance = keys.ask(items)
+            answer = ask(probes, asked)
+            if answer is None:
+                return None
+            present, brought = answer
+            stale = advance([int(there) for there in present])
+            if stale is None:  # the boot id's key is gone
+                if not self._lost(client, probes[0]):
+                    return None
+                continue
+            if stale:
+                continue
+            keys.checked_at = asked_at
+            return asked, brought
+        return None
+
+    def _lost(self, client: Any, alive: str) -> bool:
+        """The key of the boot id this host knows is not there: another host may still
+        be putting it (a put answers at once where the key exists), or the master
+        restarted. Mooncake's boot id tells: the same, or none or another. Whether
+        Mooncake answered."""
+        keys = self.keys
+        boot = keys.boot
+        if boot is None or alive != keys.alive(boot):
+            return True  # another thread saw to it meanwhile
+        there = int(client.is_exist(keys.boot_key()))
+        if not self._connection.codes("is_exist", [there]) or there < 0:
+            return False
+        if there == 1:
+            now = bytes(client.get(keys.boot_key())).decode(errors="replace")
+            if not now:  # it is there: an error, not an answer
+                return False
+            if now == boot:
+                rc = int(client.put(alive, b"1", _pinned()))
+                return self._connection.codes("put", [rc])
+        if keys.restart(boot):  # none, or another host's since: a new master
+            self._restarted()
+        return True
+
+    def past(self, client: Any,
+             items: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[str]] | None:
+        """:meth:`settle` with ``batch_is_exist``: per item, its leading keys that
+        Mooncake has; None when Mooncake did not answer."""
+
+        def exist(probes: list[str],
+                  asked: list[list[str]]) -> tuple[list[bool], list[int]] | None:
+            found = client.batch_is_exist(probes + [key for group in asked for key in group])
+            if not self._connection.codes("batch_is_exist", found):
+                return None
+            if any(code < 0 for code in found):
+                self._errors["remote_read_errors"] += 1
+                return None
+            return [code == 1 for code in found[: len(probes)]], found[len(probes) :]
+
+        settled = self.settle(client, items, exist)
+        if settled is None:
+            return None
+        asked, found = settled
+        answers, at = [], 0
+        for group in asked:
+            answers.append(group[: leading_ones(found[at : at + len(group)])])
+            at += len(group)
+        return answers
+
+    def _learn_boot(self, client: Any) -> bool:
+        """Put a boot id (a put keeps the first: the first host's stays), read back the
+        one Mooncake holds, and put the key whose absence tells of a restart."""
+        keys = self.keys
+        with self._learning:  # once for the reader and the writer
+            if keys.boot is not None:
+                return True
+            rc = int(client.put(keys.boot_key(), secrets.token_hex(8).encode(), _pinned()))
+            if not self._connection.codes("put", [rc]) or rc != 0:
+                return False
+            boot = bytes(client.get(keys.boot_key())).decode(errors="replace")
+            if not boot:  # not there yet (another host's put under way), or gone again
+                return False
+            rc = int(client.put(keys.alive(boot), b"1", _pinned()))
+            if not self._connection.codes("put", [rc]) or rc != 0:
+                return False
+            keys.learned(boot)
+            return True
+
+    def end(self, client: Any, ns: str | None) -> str | None:
+        """End the epoch (``ns`` None) or the namespace's generation that is current now:
+        other hosts may have ended the one this host knows, so the first one whose
+        marker is absent is found first; then publish its marker and move this host past
+        it. The pattern of the blocks that ended (to remove), or None where the marker
+        is not in Mooncake. The caller has asked for the markers just before
+        (:meth:`past`), so that a restart of the master is seen first."""
+        keys = self.keys
+        lifetime, epoch, generation = keys.view(ns or "")
+        marker_of: Callable[[int], str] = (
+            keys.cleared if ns is None else lambda g: keys.evicted(ns, g))
+        current = self._first_absent(client, marker_of, epoch if ns is None else generation)
+        if current is None:
+            return None
+        # Another host may publish it meanwhile: a put keeps the first value (code 0),
+        # and both meant to end what was current when they began.
+        rc = int(client.put(marker_of(current), b"1", _pinned()))
+        if not self._connection.codes("put", [rc]) or rc != 0:
+            return None
+        if ns is None:
+            keys.advance("", current + 1, 0, lifetime)
+            return keys.epoch_pattern(current)
+        keys.advance(ns, 0, current + 1, lifetime)
+        return keys.generation_pattern(ns, current)
+
+    def _first_absent(self, client: Any, marker_of: Callable[[int], str],
+                      start: int) -> int | None:
+        """The first epoch or generation from ``start`` on whose marker (``marker_of``)
+        Mooncake lacks: the current one; None when Mooncake did not answer."""
+        count = PROBE
+        while True:
+            found = client.batch_is_exist([marker_of(start + i) for i in range(count)])
+            if not self._connection.codes("batch_is_exist", found) or any(
+                    code < 0 for code in found):
+                return None
+            present = leading_ones(found)
+            if present < count:
+                return start + present
+            start, count = start + count, count * 2  # far behind: larger steps
+
+
+def _pinned() -> Any:
+    """A put's config for the tier's own records: they must outlive Mooncake's LRU."""
+    config = import_store().ReplicateConfig()
+    config.with_hard_pin = True
+    return config

@@ -1,0 +1,140 @@
+"""The remote tier's writer thread: it takes the queued writes a batch at a time, asks
+for the markers of their namespaces first (at most once a second each), and puts the
+values under the epoch and generation their put was offered under, unless those ended
+meanwhile. Every job ends in :meth:`~.queue.WriteQueue.done`, written or dropped
+(counted by reason), so that the store thread gives its host blocks back."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .checksums import Checksums
+from .connection import NO_SPACE, Connection
+from .markers import Markers
+from .queue import WriteJob, WriteQueue
+from .values import Values
+
+log = logging.getLogger("aiokv")
+
+_WRITE_BATCH = 64  # blocks per batch_put call
+_MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
+
+
+class Writer:
+    """The thread (``aiokv-remote-write``) and its figures (``stats``). ``wake`` is called
+    after each batch, when its blocks can be given back."""
+
+    def __init__(self, queue: WriteQueue, connection: Connection, markers: Markers,
+                 memory: tuple[int, int, int], checksums: Checksums,
+                 wake: Callable[[], None]) -> None:
+        self._queue = queue
+        self._connection = connection
+        self._markers = markers
+        self._keys = markers.keys
+        self._wake = wake
+        base, self._block_bytes, num_blocks = memory
+        # Where its time goes (the marker checks, Mooncake's put, the checksums:
+        # remote_tier.py prints the split).
+        self.stats: dict[str, float] = dict.fromkeys((
+            "remote_blocks_written", "remote_bytes_written", "remote_dropped_full",
+            "remote_dropped_down", "remote_dropped_evicted", "remote_dropped_stale",
+            "remote_write_errors",
+            "remote_write_batches",
+            "remote_write_seconds", "remote_marker_seconds", "remote_write_checksum_seconds",
+            "remote_put_seconds"), 0)
+        self.values = Values(base, self._block_bytes, num_blocks, checksums, self.stats,
+                             ("remote_put_seconds", "remote_write_checksum_seconds"))
+        # Namespace -> when its markers need asking again before a write.
+        self._checked: dict[str, float] = {}
+        self._batch_began: float | None = None  # time.monotonic(), while it writes
+        self.thread = threading.Thread(target=self._loop, name="aiokv-remote-write",
+                                       daemon=True)
+
+    def _loop(self) -> None:
+        queue = self._queue
+        while (jobs := queue.next_batch(_WRITE_BATCH)) is not None:
+            began = self._batch_began = time.monotonic()
+            try:
+                self._write(jobs)
+            except Exception as exc:  # a bug or the client's: count it, keep the thread
+                self.stats["remote_write_errors"] += sum(len(j.blocks) for j in jobs)
+                log.exception("aiokv: remote tier: a write failed: %s", exc)
+            finally:
+                self._batch_began = None
+                self.stats["remote_write_batches"] += 1
+                self.stats["remote_write_seconds"] += time.monotonic() - began
+                queue.done(jobs)
+                self._wake()
+
+    def in_call_s(self) -> float:
+        """How long the batch under way has been written (0: none)."""
+        began = self._batch_began
+        return 0.0 if began is None else time.monotonic() - began
+
+    def _refresh(self, client: Any, namespaces: set[str]) -> bool:
+        """Move past the markers of these namespaces (and of the epoch) that other hosts
+        published, so that a write never lands under a key already invalidated (a new
+        host would otherwise write under epoch 0 after a clear); whether Mooncake
+        answered."""
+        if self._markers.past(client, [(ns, []) for ns in namespaces]) is None:
+            return False
+        # A marker published meanwhile costs at most this long of writes nobody reads.
+        until = time.monotonic() + _MARKERS_FRESH_S
+        if len(self._checked) > 65536:
+            self._checked.clear()
+        self._checked.update(dict.fromkeys(namespaces, until))
+        return True
+
+    def _write(self, jobs: list[WriteJob]) -> None:
+        stats = self.stats
+        count = sum(len(job.blocks) for job in jobs)
+        client = self._connection.ready()
+        if client is None:
+            stats["remote_dropped_down"] += count
+            return
+        now = time.monotonic()
+        stale = {job.ns for job in jobs if self._checked.get(job.ns, 0.0) < now}
+        refreshed = not stale or self._refresh(client, stale)
+        stats["remote_marker_seconds"] += time.monotonic() - now
+        if not refreshed:
+            stats["remote_dropped_down"] += count
+            return
+        keys: list[str] = []
+        blocks: list[int] = []
+        for job in jobs:
+            view = self._keys.view(job.ns)
+            if view[0] != job.view[0]:  # the master restarted since: a view that ended
+                stats["remote_dropped_down"] += len(job.blocks)
+                count -= len(job.blocks)
+                continue
+            if not self._keys.usable(job.ns):  # evicted here, its marker not out yet
+                stats["remote_dropped_evicted"] += len(job.blocks)
+                count -= len(job.blocks)
+                continue
+            if view != job.view:
+                # Ended since the put was offered (usually by another host: the markers
+                # just asked): its keys are hidden already. Nor may it go under the new
+                # generation: the offer may have come before that evict, as far as this
+                # host can tell, and it would bring back what the evict ended. Dropped;
+                # the host tier keeps the blocks (and does not offer them again).
+                stats["remote_dropped_stale"] += len(job.blocks)
+                count -= len(job.blocks)
+                continue
+            keys += self._keys.blocks(job.ns, job.view[1], job.view[2], job.digests)
+            blocks += job.blocks.tolist()
+        if not keys:
+            return
+        codes = self.values.put(client, keys, blocks)
+        if not self._connection.codes("batch_put_from", codes):
+            stats["remote_dropped_down"] += count
+            return
+        written = codes.count(0)
+        full = codes.count(NO_SPACE)
+        stats["remote_blocks_written"] += written
+        stats["remote_bytes_written"] += written * self._block_bytes
+        stats["remote_dropped_full"] += full
+        stats["remote_write_errors"] += len(codes) - written - full

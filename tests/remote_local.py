@@ -1,0 +1,69 @@
+"""An engine of the remote tier's tests in this process (:class:`LocalHost`): its own host
+tier and Mooncake client, sharing nothing with other hosts but Mooncake. Its KV is
+tests/remote_host.py's (the child host's), so either can check the other's loads."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, user_kv
+
+import aiokv
+
+USER_PAGES = 8
+TOKENS = USER_PAGES * PAGE_SIZE
+
+
+class LocalHost:
+    """An engine in this process, with its own host tier and Mooncake client."""
+
+    def __init__(self, master: str, dtype: torch.dtype = torch.float32,
+                 head_dim: int = HEAD_DIM, **remote: Any) -> None:
+        self.head_dim = head_dim
+        self.caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, dtype=dtype)
+                       for _ in range(LAYERS)]
+        config = aiokv.StoreConfig(cpu_cache_gb=0.01, remote={"master": master, **remote})
+        self.store = aiokv.LocalStore(config)
+        self.engine = aiokv.OffloadEngine(self.store, self.caches, aiokv.EngineConfig())
+        self.kv = aiokv.run_in_background(self.engine)
+
+    def kv_of(self, user: int) -> list[torch.Tensor]:
+        if self.head_dim == HEAD_DIM:
+            return user_kv(user, USER_PAGES)  # as the child host makes them
+        generator = torch.Generator().manual_seed(user)
+        shape = (USER_PAGES, 2, PAGE_SIZE, HEADS, self.head_dim)
+        return [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
+
+    def offload(self, user: int) -> int:
+        for cache, kv in zip(self.caches, self.kv_of(user), strict=True):
+            cache[:USER_PAGES] = kv
+        stored: int = self.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens
+        return stored
+
+    def load(self, user: int) -> tuple[int, bool]:
+        """(tokens loaded, whether they are the user's KV bit for bit)."""
+        target = torch.arange(PAGES - USER_PAGES, PAGES)
+        with self.kv.lookup(user, TOKENS) as hit:
+            loaded: int = self.kv.load(hit, target).loaded_tokens
+        full = loaded // PAGE_SIZE
+        exact = all(
+            torch.equal(cache[PAGES - USER_PAGES : PAGES - USER_PAGES + full], kv[:full])
+            for cache, kv in zip(self.caches, self.kv_of(user), strict=True)
+        )
+        return loaded, exact
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.store.store_stats())
+
+    def close(self) -> dict[str, Any]:
+        self.kv.close()
+        return self.stats()
+
+
+def until(condition: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

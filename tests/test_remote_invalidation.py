@@ -1,0 +1,247 @@
+"""Invalidation across hosts on the remote tier (a real Mooncake Store, conftest's
+``mooncake``): what an evict or clear on one host ends for every other, whatever that
+host knew of the key's generation, and what it leaves alone. Hosts are engines in this
+process (tests/remote_local.py) that share nothing but Mooncake; where a test needs a
+write to land at a given moment, the writer is held at its batch (conftest's ``held``).
+Users from 1700 on: the session's Mooncake remembers what other modules' users went
+through, and an evict here would change what their hosts may write."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import pytest
+from conftest import failing_first_call, held, needs_mooncake
+from prometheus_client import CollectorRegistry
+from remote_local import TOKENS, USER_PAGES, LocalHost, until
+
+import aiokv.metrics
+from aiokv.remote.client import RemoteIO
+from aiokv.remote.markers import Markers
+from aiokv.remote.servers import MooncakeServers
+from aiokv.remote.writer import Writer
+
+pytestmark = needs_mooncake()
+
+# For a fresh host whose first lookup must answer (it waits behind the connect), also on a
+# loaded machine: a lookup that times out is a miss, and learns no marker in time.
+SLOW_MS = 5000
+
+
+def test_an_evict_from_a_host_that_missed_earlier_evicts_ends_what_is_served_now(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A evicts the user once and offloads it again: those blocks belong to the generation
+    # after that evict, and land once B has evicted the user. B never looked the user
+    # up, so it knew only the first generation: its evict must end the one A writes to.
+    a = LocalHost(mooncake.master)
+    try:
+        assert a.offload(1701) == TOKENS
+        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        assert a.kv.evict(1701) == TOKENS
+        gate = held(monkeypatch, Writer, "_write")
+        assert a.offload(1701) == TOKENS
+        assert gate.entered.wait(10), "the writer did not take the put"
+        b = LocalHost(mooncake.master)
+        try:
+            assert b.kv.evict(1701) == 0  # nothing in its own tiers
+        finally:
+            assert b.close()["remote_invalidation_errors"] == 0
+        gate.set()
+    finally:
+        a.close()
+    c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)  # learns all from Mooncake
+    try:
+        assert c.load(1701)[0] == 0
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("clear", [False, True])
+def test_a_late_remove_leaves_what_was_written_after_the_invalidation(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        clear: bool) -> None:
+    # The marker is out (the evict or clear has answered) but its best-effort remove is
+    # slow, as a busy master's scan would be: B learns the new generation (epoch) and
+    # writes the user under it meanwhile. The remove must take what ended only.
+    with contextlib.ExitStack() as stack:
+        # A clear ends every key: on a Mooncake of its own, not the session's.
+        servers = stack.enter_context(MooncakeServers(16, log_dir=tmp_path)) if clear else mooncake
+        _written_over_a_late_remove(servers.master, monkeypatch, clear)
+
+
+def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
+                                clear: bool) -> None:
+    a = LocalHost(master)
+    try:
+        assert a.offload(1711) == TOKENS
+        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        gate = held(monkeypatch, RemoteIO, "_remove")
+        if clear:
+            a.kv.clear()
+        else:
+            assert a.kv.evict(1711) == TOKENS
+        b = LocalHost(master, timeout_ms=SLOW_MS)
+        try:
+            assert b.load(1711)[0] == 0  # gone; B learns the generation from the marker
+            assert b.offload(1711) == TOKENS
+            until(lambda: b.stats()["remote_blocks_written"] == USER_PAGES)
+        finally:
+            b.close()
+        assert gate.entered.wait(10), "the invalidation did not remove"
+        gate.set()
+    finally:
+        a.close()  # after its remove
+    c = LocalHost(master, timeout_ms=SLOW_MS)
+    try:
+        assert c.load(1711) == (TOKENS, True)  # what B wrote after the invalidation
+    finally:
+        c.close()
+
+
+def test_a_host_does_not_read_what_its_evict_ends_until_the_marker_is_out(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # X serves the user under the generation after an evict. B knew only the first one,
+    # and its evict's marker fails to go out (the master went away for a moment): B
+    # must not read the user from Mooncake meanwhile, and the marker must follow once
+    # Mooncake answers again, so that no host is served what B's evict ended.
+    x = LocalHost(mooncake.master)
+    try:
+        assert x.offload(1741) == TOKENS
+        until(lambda: x.stats()["remote_blocks_written"] == USER_PAGES)
+        assert x.kv.evict(1741) == TOKENS
+        assert x.offload(1741) == TOKENS
+    finally:
+        assert x.close()["remote_blocks_written"] == 2 * USER_PAGES
+    monkeypatch.setattr(Markers, "end", failing_first_call(Markers.end, "the master went away"))
+    b = LocalHost(mooncake.master, timeout_ms=200)
+    try:
+        assert b.kv.evict(1741) == 0
+        # Through the tier's rest after the failure and past it, the marker out or not:
+        # never what the evict ended.
+        rested = time.monotonic() + 1.0
+        while time.monotonic() < rested:
+            assert b.load(1741)[0] == 0
+        until(lambda: b.stats().get("remote_invalidations_waiting") == 0)
+    finally:
+        stats = b.close()
+    assert stats["remote_invalidation_errors"] == 1
+    c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    try:
+        assert c.load(1741)[0] == 0
+    finally:
+        c.close()
+
+
+def test_a_master_that_stops_answering_holds_up_neither_evicts_nor_close(
+        tmp_path: Path) -> None:
+    # SIGSTOP: the master accepts connections and never answers; each Mooncake call
+    # then waits about 30 s. A write and a lookup are in calls when evicts come: they
+    # must not queue more calls, and the engine's close must not wait for Mooncake.
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master, timeout_ms=200)
+        try:
+            assert a.offload(1) == TOKENS
+            until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            servers.pause_master()
+            assert a.offload(2) == TOKENS  # its write waits on the master
+            assert a.load(3)[0] == 0  # a miss after timeout_ms
+            began = time.monotonic()
+            assert a.kv.evict(1) == TOKENS
+            for user in (2, 4):  # 2's blocks are the write's: freed when it ends
+                a.kv.evict(user)
+            evicts_s = time.monotonic() - began
+            began = time.monotonic()
+            stats = a.close()
+            close_s = time.monotonic() - began
+        finally:
+            servers.pause_master(False)
+    assert evicts_s < 5 and close_s < 10  # Mooncake's 30 s per call, not waited for
+    assert stats["remote_invalidations_waiting"] == 3
+
+
+def test_writes_an_evict_takes_back_are_counted_as_dropped(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One user's write is under way (held) and another's waits in the queue when the
+    # second is evicted: every block offered is written or counted as dropped.
+    a = LocalHost(mooncake.master)
+    try:
+        gate = held(monkeypatch, Writer, "_write")
+        assert a.offload(1751) == TOKENS
+        assert gate.entered.wait(10), "the writer did not take the put"
+        assert a.offload(1752) == TOKENS  # queued behind it
+        assert a.stats()["remote_write_queue_blocks"] == USER_PAGES
+        assert a.kv.evict(1752) == TOKENS  # waits timeout_ms for the write under way
+        gate.set()
+    finally:
+        stats = a.close()
+    assert (stats["remote_blocks_written"], stats["remote_dropped_writes"]) == (
+        USER_PAGES, USER_PAGES)
+    assert stats["remote_dropped_evicted"] == USER_PAGES
+
+
+
+def test_after_a_master_restart_a_host_that_cleared_and_a_new_host_share_again(
+        tmp_path: Path) -> None:
+    # A clear moves A to the next epoch; the master then restarts and loses every key,
+    # the clear's marker too. A must start again from epoch 0 with the hosts that start
+    # now, rather than write where they never look.
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master)
+        try:
+            assert a.offload(1781) == TOKENS
+            until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            a.kv.clear()
+            servers.stop_master()
+            servers.start_master()
+            servers.wait_store_mounted()
+            users = iter(range(1790, 1900))
+            written = [0]
+
+            def one_written() -> bool:  # A's writes resume once its client reconnects
+                before = a.stats()["remote_blocks_written"]
+                written[0] = next(users)
+                assert a.offload(written[0]) == TOKENS
+                until(lambda: a.stats()["remote_blocks_held"] == 0)
+                return bool(a.stats()["remote_blocks_written"] > before)
+
+            until(one_written)
+            b = LocalHost(servers.master, timeout_ms=SLOW_MS)
+            try:
+                assert b.load(written[0]) == (TOKENS, True)
+                assert b.offload(1782) == TOKENS
+                until(lambda: b.stats()["remote_blocks_written"] == USER_PAGES)
+            finally:
+                b.close()
+            assert a.load(1782) == (TOKENS, True)
+        finally:
+            a.close()
+
+
+def test_a_write_offered_before_its_host_learned_of_an_evict_is_dropped_as_stale(
+        mooncake: MooncakeServers) -> None:
+    # B starts after A's evict and offloads the user before any lookup told it of the
+    # evict: B cannot tell whether its put came before that evict (then the evict must
+    # end it) or after, so the write is dropped, counted as stale, never written.
+    a = LocalHost(mooncake.master)
+    try:
+        assert a.offload(1801) == TOKENS
+        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        assert a.kv.evict(1801) == TOKENS
+    finally:
+        a.close()
+    b = LocalHost(mooncake.master)
+    registry = CollectorRegistry()
+    aiokv.metrics.register(b.engine, registry, store_timeout_s=30)
+    try:
+        assert b.offload(1801) == TOKENS
+        until(lambda: b.stats()["remote_blocks_held"] == 0)
+        dropped = {sample.labels["reason"]: sample.value for family in registry.collect()
+                   if family.name == "aiokv_remote_dropped_writes"
+                   for sample in family.samples if sample.name.endswith("_total")}
+    finally:
+        stats = b.close()
+    assert (stats["remote_blocks_written"], stats["remote_dropped_stale"]) == (0, USER_PAGES)
+    assert stats["remote_dropped_writes"] == USER_PAGES
+    assert dropped["stale"] == USER_PAGES and dropped["evicted"] == 0
