@@ -9,6 +9,12 @@ what it needs of them and checks them (a bad one fails its task INVALID). A look
 matches, planned into outcomes and the reservations it keeps. The worker then polls the
 launched ids until each is terminal.
 
+Deadlines: a store that waits inside before it queues a load's copy
+(:class:`~aiokv.stores.base.BoundsWaits`) is given each load's deadline, the one the
+loop times its caller out at, so that it queues none after it. Request deadlines are on
+the loop's clock; the store gets them on ``time.monotonic()``'s
+(:func:`aiokv.loop.deadlines.monotonic_offset_s`).
+
 :class:`Rounds` shares its containers with the worker (the same objects, never replaced):
 ``launched`` (launched ids -> request, until terminal) and ``reserved`` (lookup matches
 held for a load). Outcomes go to the outbox the worker passes in, which it posts.
@@ -16,7 +22,8 @@ held for a load). Outcomes go to the outbox the worker passes in, which it posts
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +33,7 @@ from ..invalidation import HeldKeys
 from ..layerwise import note_launches
 from ..loop.batcher import Batch
 from ..requests import LAUNCHED, TERMINAL, Kind, Request
+from ..space import NO_TIMEOUT_WAIT_S
 from ..stores.base import Capabilities, Store
 from .calls import StoreCalls
 from .handoff import GilSlice
@@ -50,6 +58,7 @@ class Rounds:
         reserved: set[int],
         held_keys: HeldKeys,
         release_one: Callable[[int], None],
+        clock_offset_s: float = 0.0,
     ) -> None:
         self._store = store
         self._caps = caps
@@ -61,6 +70,7 @@ class Rounds:
         self._reserved = reserved
         self._held_keys = held_keys  # the reservations' keys, for an evict
         self._release_one = release_one  # a Reservation's way back (StoreWorker.release_one)
+        self._offset_s = clock_offset_s  # time.monotonic() - the loop's time
         self.page_size = 0  # the store's, set by the worker once it is registered
         # The most tokens the store can hold (stores.base.capacity_tokens), set with
         # page_size; None: unknown. A lookup's key is cut to it (calls.key_ids).
@@ -95,10 +105,11 @@ class Rounds:
             gone = [i for i, r in enumerate(requests) if r.task_id not in reserved]
             reserved.difference_update([r.task_id for r in requests])
             plan = plan_load(requests, page_size, gone)
-        self._execute(plan, outbox)
+        self._execute(plan, outbox, batch.kind is not _OFFLOAD)
 
-    def _execute(self, plan: Round, outbox: Outbox) -> None:
-        """Act on a planned round: its outcomes, its cancels, then its one launch."""
+    def _execute(self, plan: Round, outbox: Outbox, loads: bool) -> None:
+        """Act on a planned round: its outcomes, its cancels, then its one launch (with
+        the loads' deadlines first, for a store that takes them)."""
         outbox.extend(plan.outcomes)
         if plan.cancel:
             self._calls.cancel(plan.cancel)
@@ -111,7 +122,10 @@ class Rounds:
             self._calls.cancel(launch_ids)  # matched, never launched: given back
             raise  # the batch fails (see StoreWorker._handle)
         self._slice.yield_if_used()
+        set_deadlines = self._caps.set_deadlines if loads else None
         try:
+            if set_deadlines is not None:
+                self._calls.call(set_deadlines, launch_ids, self._store_deadlines(plan.launch))
             self._calls.call(
                 self._store.launch, launch_ids, [v[0] for v in views], [v[1] for v in views]
             )
@@ -129,6 +143,14 @@ class Rounds:
             launched[move.task_id] = request
         # load_layerwise's callers hear of the launch, with the store's layer marks.
         note_launches((move.request for move in plan.launch), self._caps.layer_marks)
+
+    def _store_deadlines(self, moves: Sequence[Move]) -> list[float]:
+        """Each load's deadline for the store, on time.monotonic()'s clock: its request's,
+        or NO_TIMEOUT_WAIT_S from now without request_timeout_ms (then the caller is told
+        a StoreError, not RequestTimeout, should the store give up)."""
+        offset = self._offset_s
+        unbounded = time.monotonic() + NO_TIMEOUT_WAIT_S
+        return [unbounded if (d := m.request.deadline) is None else d + offset for m in moves]
 
     def _view(self, move: Move) -> tuple[torch.Tensor, Any]:
         """A task's page ids and the event they are ready after: a slice of the caller's
