@@ -169,8 +169,8 @@ async def start(engine: EngineParts) -> None:
         registered,
         side_stream,
         engine._store_slice_us,
-        # Request deadlines on the store's clock: a store that waits inside queues nothing
-        # of a load past its deadline (worker/rounds.py).
+        # Request deadlines on the store thread's clock: nothing is launched past one, and
+        # a store that waits inside queues nothing of a load past it (worker/rounds.py).
         monotonic_offset_s(loop),
     )
     if engine._on_gpu:

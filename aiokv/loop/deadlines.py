@@ -11,8 +11,8 @@ head holds many resolved ones behind it.
 The timer fails the requests that have no answer by their deadline. An answer that comes
 after the deadline but before the timer runs is failed where it is resolved
 (:meth:`aiokv.loop.resolution.Resolver.resolve`, from ``Request.deadline``). The store
-thread gives ``Request.deadline`` to stores that wait inside (:mod:`aiokv.worker.rounds`),
-on ``time.monotonic()``'s clock: :func:`monotonic_offset_s`.
+thread launches nothing past ``Request.deadline``, and gives it to stores that wait inside
+(:mod:`aiokv.worker.rounds`), on ``time.monotonic()``'s clock: :func:`monotonic_offset_s`.
 """
 
 from __future__ import annotations

@@ -9,11 +9,12 @@ what it needs of them and checks them (a bad one fails its task INVALID). A look
 matches, planned into outcomes and the reservations it keeps. The worker then polls the
 launched ids until each is terminal.
 
-Deadlines: a store that waits inside before it queues a load's copy
-(:class:`~aiokv.stores.base.BoundsWaits`) is given each load's deadline, the one the
-loop times its caller out at, so that it queues none after it. Request deadlines are on
-the loop's clock; the store gets them on ``time.monotonic()``'s
-(:func:`aiokv.loop.deadlines.monotonic_offset_s`).
+Deadlines: nothing is launched past its request's deadline (checked last before the
+launch; the caller hears RequestTimeout from the deadline's timer on the loop, and no
+copy of its pages is queued after it), and a store that waits inside before it queues a
+load's copy (:class:`~aiokv.stores.base.BoundsWaits`) is given each load's deadline, so
+that it queues none after it either. Request deadlines are on the loop's clock; the store
+thread reads them on ``time.monotonic()``'s (:func:`aiokv.loop.deadlines.monotonic_offset_s`).
 
 :class:`Rounds` shares its containers with the worker (the same objects, never replaced):
 ``launched`` (launched ids -> request, until terminal) and ``reserved`` (lookup matches
@@ -115,17 +116,20 @@ class Rounds:
             self._calls.cancel(plan.cancel)
         if not plan.launch:
             return
-        launch_ids = plan.launch_ids
         try:
             views = [self._view(move) for move in plan.launch]
         except Exception:
-            self._calls.cancel(launch_ids)  # matched, never launched: given back
+            self._calls.cancel(plan.launch_ids)  # matched, never launched: given back
             raise  # the batch fails (see StoreWorker._handle)
         self._slice.yield_if_used()
+        moves, views = self._in_time(plan.launch, views)
+        if not moves:
+            return
+        launch_ids = [move.task_id for move in moves]
         set_deadlines = self._caps.set_deadlines if loads else None
         try:
             if set_deadlines is not None:
-                self._calls.call(set_deadlines, launch_ids, self._store_deadlines(plan.launch))
+                self._calls.call(set_deadlines, launch_ids, self._store_deadlines(moves))
             self._calls.call(
                 self._store.launch, launch_ids, [v[0] for v in views], [v[1] for v in views]
             )
@@ -133,16 +137,33 @@ class Rounds:
             # A launch that raised took none of them (the Store contract): they are
             # still matched, and would hold their blocks forever unless given back.
             self._calls.cancel(launch_ids)
-            outbox.extend((move.request, error) for move in plan.launch)
+            outbox.extend((move.request, error) for move in moves)
             return
         launched = self._launched
-        for move in plan.launch:
+        for move in moves:
             request = move.request
             request.task_id, request.mask, request.moved = move.task_id, move.mask, move.moved
             request.stage = LAUNCHED
             launched[move.task_id] = request
         # load_layerwise's callers hear of the launch, with the store's layer marks.
-        note_launches((move.request for move in plan.launch), self._caps.layer_marks)
+        note_launches((move.request for move in moves), self._caps.layer_marks)
+
+    def _in_time(
+        self, moves: list[Move], views: list[tuple[torch.Tensor, Any]]
+    ) -> tuple[list[Move], list[tuple[torch.Tensor, Any]]]:
+        """The moves (and views) to launch: those whose request's deadline has not
+        passed, read just before the launch (the GIL may have been with the loop until
+        now). The others are given back, unlaunched and unanswered: their deadline's timer
+        on the loop answers them (RequestTimeout, or StoreFull for an offload that waited
+        for room), as it would a late answer."""
+        now = time.monotonic() - self._offset_s  # on the loop's clock, as Request.deadline
+        late = [i for i, m in enumerate(moves) if (d := m.request.deadline) is not None
+                and d <= now]
+        if not late:
+            return moves, views
+        self._calls.cancel([moves[i].task_id for i in late])
+        kept = sorted(set(range(len(moves))).difference(late))
+        return [moves[i] for i in kept], [views[i] for i in kept]
 
     def _store_deadlines(self, moves: Sequence[Move]) -> list[float]:
         """Each load's deadline for the store, on time.monotonic()'s clock: its request's,
