@@ -28,15 +28,13 @@ from .invalidation import Invalidations
 from .loop.admission import Admission
 from .loop.batcher import Batch, Batcher
 from .loop.binding import check_loop
-from .loop.deadlines import Deadlines
+from .loop.deadlines import Deadlines, monotonic_offset_s
 from .loop.resolution import Resolver
 from .requests import OffloadResult, Request
-from .space import NO_TIMEOUT_WAIT_S, SpaceWaits
+from .space import SpaceWaits
 from .stats import StatsRecorder
 from .stores.base import Store
 from .worker.thread import StoreWorker
-
-_STORE_WAIT_SLACK_S = 0.5  # how much later than a caller's deadline the store gives up a wait
 
 log = logging.getLogger("aiokv")
 
@@ -171,9 +169,9 @@ async def start(engine: EngineParts) -> None:
         registered,
         side_stream,
         engine._store_slice_us,
-        # Loads wait for room in the store as offloads do on the loop (space.py), a little
-        # past the caller's deadline: the caller hears its own RequestTimeout first.
-        (engine._config.request_timeout_ms / 1e3 or NO_TIMEOUT_WAIT_S) + _STORE_WAIT_SLACK_S,
+        # Request deadlines on the store thread's clock: nothing is launched past one, and
+        # a store that waits inside queues nothing of a load past it (worker/rounds.py).
+        monotonic_offset_s(loop),
     )
     if engine._on_gpu:
         engine._ready_marks = ReadyMarks(engine._device, loop.call_soon)

@@ -5,16 +5,22 @@ timers that came due meanwhile, so a store answer whose delivery ran after the d
 before the deadline's timer, reached its caller as a success. Here the delivery is made
 to run past the deadline by holding the loop in it (``LateDeliveries``), as a loop that
 lags under overload does: the timer cannot run first, on either loop.
+
+The other way round: a request that the store thread reaches only after its deadline,
+while the loop lags, is not launched, so that nothing of it is copied once its caller is
+told RequestTimeout (an offload stores nothing, a load's pages get nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import held
 from test_edges import Rig, eventually, one_room_rig, pages
 
 import aiokv
@@ -203,4 +209,52 @@ async def test_a_request_that_waited_for_room_keeps_the_deadline_of_its_call(
     assert second.deadline is not None
     # From the call; one from its admission would be at least 50 ms later.
     assert called + 60.0 <= second.deadline <= waited_from + 60.0
+    rig.assert_clean()
+
+
+def lag_past_the_deadlines(rig: Rig, gate: threading.Event) -> None:
+    """Hold the loop (called on it) past the deadlines of what was just submitted, then
+    let the store thread go on (``gate``) and hold the loop until it has launched or
+    cancelled two more ids: it gets to them before their deadlines' timers can run."""
+    decided = len(rig.checked.launched | rig.checked.cancelled)
+    time.sleep(TIMEOUT_MS / 1e3 + 0.05)
+    gate.set()
+    for _ in range(1000):
+        if len(rig.checked.launched | rig.checked.cancelled) >= decided + 2:
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_nothing_is_launched_past_its_deadline_while_the_loop_lags(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig = Rig(caches, window_us=0, request_timeout_ms=TIMEOUT_MS)
+    async with rig.engine:
+        await rig.engine.offload("u", pages(0), 16)
+        hit = await rig.engine.lookup("u", 16)
+        for cache in caches:
+            cache[pages(20)] = float("nan")
+        # The store thread is held in the offload's match, and the load queues behind it.
+        gate = held(monkeypatch, aiokv.LocalStore, "put_match",
+                    lambda store, tokens, namespace: "late" in str(namespace))
+        offload = asyncio.ensure_future(rig.engine.offload("late", pages(8), 16))
+        assert await asyncio.to_thread(gate.entered.wait, 10)
+        submitted = rig.engine.stats().submitted
+        load = asyncio.ensure_future(rig.engine.load(hit, pages(20)))
+        await eventually(  # accepted, and on its way to the store thread
+            lambda: (rig.engine.stats().submitted, rig.engine.stats().queued) == (submitted + 1, 0)
+        )
+        lag_past_the_deadlines(rig, gate)
+        with pytest.raises(aiokv.RequestTimeout):
+            await offload
+        with pytest.raises(aiokv.RequestTimeout):
+            await load
+        await eventually(lambda: rig.engine.stats().store_tasks_open == 0)
+        again = await rig.engine.lookup("late", 16)
+        again.release()
+        assert again.cached_tokens == 0  # the offload stored nothing
+        stats = rig.engine.stats()
+        assert (stats.timed_out, stats.pending) == (2, 0)
+    assert all(c[pages(20)].isnan().all() for c in caches)  # the load copied nothing
     rig.assert_clean()

@@ -5,7 +5,10 @@ host tier of two users over an SSD tier that holds everyone:
   policies, while every user's Lookup is held at once and offloads compete for the room;
 - pages only the SSD has are a hit even when the host tier has no room to stage them at
   that moment: the load waits for the room (``EngineStats.stage_waits`` counts it);
-- a launched load never waits for the room a held Lookup's prefetch took (it gives way).
+- a launched load never waits for the room a held Lookup's prefetch took (it gives way);
+- nor past its deadline (the README review, stage 4): a load whose caller was told
+  RequestTimeout has nothing more copied into its pages, however soon the room or its SSD
+  reads come after.
 """
 
 from __future__ import annotations
@@ -59,6 +62,22 @@ def loaded_intact(caches: list[torch.Tensor], user: int, tokens: int) -> bool:
 def forget_loads(caches: list[torch.Tensor]) -> None:
     for cache in caches:
         cache[PAGES // 2 :] = float("nan")
+
+
+async def no_room_for_user_0(
+    engine: aiokv.OffloadEngine, caches: list[torch.Tensor]
+) -> tuple[list[aiokv.Lookup], aiokv.Lookup]:
+    """Users 0 to 3 offload; users 2 and 3 are the host tier's two users, and their
+    Lookups hold all of it; user 0 is only on SSD, a hit with no room to stage it now.
+    Returns (the holders' Lookups, user 0's), the loads' destinations forgotten."""
+    for user in range(4):
+        await engine.offload(user, source(user), HISTORY)
+    holders = [await engine.lookup(user, HISTORY) for user in (2, 3)]
+    assert [hit.cached_tokens for hit in holders] == [HISTORY, HISTORY]
+    hit = await engine.lookup(0, HISTORY)
+    assert hit.cached_tokens == HISTORY
+    forget_loads(caches)
+    return holders, hit
 
 
 async def load(engine: aiokv.OffloadEngine, user: int, hit: aiokv.Lookup) -> tuple[int, int]:
@@ -115,18 +134,15 @@ async def test_everyone_on_ssd_is_a_hit_while_the_host_tier_is_busy(
 
 
 @pytest.mark.asyncio
-async def test_ssd_pages_are_a_hit_when_the_host_tier_has_no_room_now(tmp_path: Path) -> None:
-    caches, engine = engine_on(tmp_path, "write_through")
+@pytest.mark.parametrize("own_process", [False, True], ids=["in process", "own process"])
+async def test_ssd_pages_are_a_hit_when_the_host_tier_has_no_room_now(
+    tmp_path: Path, own_process: bool
+) -> None:
+    caches, engine = engine_on(tmp_path, "write_through", own_process, request_timeout_ms=10_000)
     async with engine:
-        for user in range(4):
-            await engine.offload(user, source(user), HISTORY)
-        # Users 2 and 3 are the host tier's two users: their Lookups hold all of it.
-        holders = [await engine.lookup(user, HISTORY) for user in (2, 3)]
-        assert [hit.cached_tokens for hit in holders] == [HISTORY, HISTORY]
-        hit = await engine.lookup(0, HISTORY)  # only on SSD, and no room to stage it now
-        assert hit.cached_tokens == HISTORY
-        forget_loads(caches)
-        # Launched first, user 0's load waits for the room the holders' loads give back.
+        holders, hit = await no_room_for_user_0(engine, caches)
+        # Launched first, user 0's load waits for the room the holders' loads give back,
+        # long before its deadline (which the store is given, in a child too).
         got = await asyncio.gather(
             engine.load(hit, destination(0)), *(
                 engine.load(h, destination(u)) for u, h in zip((2, 3), holders, strict=True)
@@ -137,6 +153,7 @@ async def test_ssd_pages_are_a_hit_when_the_host_tier_has_no_room_now(tmp_path: 
     stats = engine.stats()  # the store's figures, final once it is closed
     assert stats.stage_waits >= 1
     assert stats.lookup_hit_tokens == stats.lookup_tokens == 3 * HISTORY
+    assert (stats.timed_out, stats.failed, stats.store_tasks_open) == (0, 0, 0)
 
 
 @pytest.mark.asyncio
@@ -148,32 +165,62 @@ async def test_a_load_waits_for_room_no_longer_than_request_timeout_ms(
         tmp_path, "write_through", own_process, request_timeout_ms=300, lookup_ttl_ms=60_000
     )
     async with engine:
-        for user in range(4):
-            await engine.offload(user, source(user), HISTORY)
-        holders = [await engine.lookup(user, HISTORY) for user in (2, 3)]  # all the room
-        hit = await engine.lookup(0, HISTORY)
-        assert hit.cached_tokens == HISTORY
-        forget_loads(caches)
+        holders, hit = await no_room_for_user_0(engine, caches)
         with pytest.raises(aiokv.RequestTimeout):
             await engine.load(hit, destination(0))
-        # Closing waits for the load the store still holds, then gives the holders' room
-        # back: the load gave up at its own deadline and never copied into its pages late.
-        assert [h.cached_tokens for h in holders] == [HISTORY, HISTORY]
-    stats = engine.stats()
-    assert stats.store_tasks_open == 0
-    assert stats.stage_waits == 1  # also from a store in a child (its store_stats())
+        for holder in holders:  # the room it waited for, right after: its caller may
+            holder.release()  # reuse its pages from now on
+        # The key is whole and loads bit for bit (elsewhere): the load that gave up at its
+        # deadline holds none of it.
+        again = await engine.lookup(0, HISTORY)
+        assert again.cached_tokens == HISTORY
+        assert (await engine.load(again, destination(5))).loaded_tokens == HISTORY
+        assert all(torch.equal(c[destination(5)], c[source(0)]) for c in caches)
+    # The close waited for every task: nothing came into the timed-out load's pages.
     assert all(c[destination(0)].isnan().all() for c in caches)
+    stats = engine.stats()
+    assert (stats.timed_out, stats.pending, stats.store_tasks_open) == (1, 0, 0)
+    assert stats.stage_waits == 1  # also from a store in a child (its store_stats())
+
+
+@pytest.mark.asyncio
+async def test_ssd_pages_read_after_a_load_timed_out_are_not_copied_into_its_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=300)
+    async with engine:
+        for user in range(4):
+            await engine.offload(user, source(user), HISTORY)
+        # User 0 is only on SSD; the host has room, so its lookup starts reading it at
+        # once, from a disk that answers only once the load has timed out.
+        gate = held(monkeypatch, ssd_module.SsdTier, "_run",
+                    lambda tier, request, *a: not request.is_write)
+        try:
+            hit = await engine.lookup(0, HISTORY)
+            assert hit.cached_tokens == HISTORY
+            forget_loads(caches)
+            with pytest.raises(aiokv.RequestTimeout):
+                await engine.load(hit, destination(0))
+        finally:
+            gate.set()
+        for _ in range(1000):  # the load ends once its reads are in (10 s at most)
+            if engine.stats().store_tasks_open == 0:
+                break
+            await asyncio.sleep(0.01)
+        # Read in after the deadline, the pages are on the host now, whole.
+        again = await engine.lookup(0, HISTORY)
+        assert (await engine.load(again, destination(5))).loaded_tokens == HISTORY
+        assert all(torch.equal(c[destination(5)], c[source(0)]) for c in caches)
+    assert all(c[destination(0)].isnan().all() for c in caches)
+    stats = engine.stats()
+    assert (stats.timed_out, stats.pending, stats.store_tasks_open) == (1, 0, 0)
 
 
 @pytest.mark.asyncio
 async def test_a_clear_gives_back_the_room_a_waiting_load_needs(tmp_path: Path) -> None:
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=5_000)
     async with engine:
-        for user in range(4):
-            await engine.offload(user, source(user), HISTORY)
-        holders = [await engine.lookup(user, HISTORY) for user in (2, 3)]  # all the room
-        hit = await engine.lookup(0, HISTORY)
-        forget_loads(caches)
+        holders, hit = await no_room_for_user_0(engine, caches)
         # The load goes first and waits for room; the clear gives the holders' back, so
         # the load finishes (with the KV as it was) and then everything is dropped.
         loaded, dropped = await asyncio.gather(engine.load(hit, destination(0)), engine.clear())

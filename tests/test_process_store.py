@@ -539,7 +539,7 @@ def _launch_one(conn: Any) -> int:
     ok, (task, _) = conn.recv()
     assert ok
     pages = np.arange(2, dtype=np.int64)  # page ids travel, one array for the launch
-    conn.send(("launch", ([task], [len(pages)], pages)))
+    conn.send(("launch", ([task], [len(pages)], pages, {})))
     assert conn.recv() == (True, None)
     return int(task)
 
@@ -631,7 +631,7 @@ def test_evict_and_clear_cross_to_the_child_and_back(monkeypatch: pytest.MonkeyP
         ok, (task, _) = conn.recv()
         assert ok
         pages = np.arange(2, dtype=np.int64)  # page ids travel, one array for the launch
-        conn.send(("launch", ([task], [len(pages)], pages)))
+        conn.send(("launch", ([task], [len(pages)], pages, {})))
         assert conn.recv() == (True, None)
         assert _try_wait(conn, task)[task].status is aiokv.TaskStatus.SUCCESS
     conn.send(("evict", ("n",)))

@@ -687,3 +687,38 @@ def test_a_load_waiting_for_host_room_at_an_evict_never_brings_the_key_back(
         assert store._host.available() == HOST_BLOCKS  # none lost (unlisted, never freed)
     finally:
         store.close()
+
+
+def test_gets_launched_past_their_deadline_copy_nothing(tmp_path: Path) -> None:
+    # One get wholly on the host, one of a user only the SSD tier has (read into the host
+    # at its match): given a deadline already past, neither copies into its pages.
+    caches = caches_for()
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    store.register(caches)
+    try:
+        for user in range(4):  # users 0 and 1 end up on SSD only
+            _store_put(store, user)
+        _settled(store)
+        tokens = np.arange(USER_PAGES * PAGE, dtype=np.int64)
+        targets = [TARGET - USER_PAGES, TARGET]
+        before = [[c[target].clone() for c in caches] for target in targets]
+
+        def get_both(deadline: float | None) -> list[Any]:
+            gets = [store.get_match(tokens + 1000 * user, [str(user)])[0] for user in (3, 0)]
+            if deadline is not None:
+                store.set_deadlines(gets, [deadline] * len(gets))
+            store.launch(gets, targets, [None, None])
+            return [_store_wait(store, task) for task in gets]
+
+        late = get_both(time.monotonic() - 1.0)
+        assert [r.status for r in late] == [aiokv.stores.TaskStatus.EXPIRED] * 2
+        assert store.store_stats()["ssd_hit_tokens"] == USER_PAGES * PAGE  # user 0's
+        assert all(torch.equal(c[target], b) for target, was in zip(targets, before, strict=True)
+                   for c, b in zip(caches, was, strict=True))
+        # What they held went back: the same gets, in time, load both whole.
+        on_time = get_both(time.monotonic() + 60.0)
+        assert [r.status for r in on_time] == [aiokv.stores.TaskStatus.SUCCESS] * 2
+        assert same(caches, caches, targets[0], source_pages(3))
+        assert same(caches, caches, targets[1], source_pages(0))
+    finally:
+        store.close()

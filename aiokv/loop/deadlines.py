@@ -10,18 +10,32 @@ head holds many resolved ones behind it.
 
 The timer fails the requests that have no answer by their deadline. An answer that comes
 after the deadline but before the timer runs is failed where it is resolved
-(:meth:`aiokv.loop.resolution.Resolver.resolve`, from ``Request.deadline``).
+(:meth:`aiokv.loop.resolution.Resolver.resolve`, from ``Request.deadline``). The store
+thread launches nothing past ``Request.deadline``, and gives it to stores that wait inside
+(:mod:`aiokv.worker.rounds`), on ``time.monotonic()``'s clock: :func:`monotonic_offset_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 
 from ..requests import Request
 
 _MIN_COMPACT = 1024
+_SAME_CLOCK_S = 1.0  # a loop clock this close to time.monotonic() is taken to be it
+
+
+def monotonic_offset_s(loop: asyncio.AbstractEventLoop) -> float:
+    """What to add to ``loop.time()`` to read ``time.monotonic()``: 0 where the loop's
+    clock is CLOCK_MONOTONIC, as asyncio's is and uvloop's is (floored to the millisecond,
+    so never ahead of it): a deadline the loop has seen pass, the store thread and a store
+    process on this host see passed too. For a loop on another clock, the difference
+    measured now."""
+    offset = time.monotonic() - loop.time()
+    return offset if abs(offset) > _SAME_CLOCK_S else 0.0
 
 
 class Deadlines:

@@ -63,6 +63,11 @@ class TaskStatus(enum.Enum):
     # The caller's input was bad (a page id outside the caches, a load's page twice):
     # ``error`` says which value; the engine fails the request with InvalidRequest.
     INVALID = "invalid"
+    # The task reached the deadline the engine gave it (:class:`BoundsWaits`) before all
+    # of it was queued for its copy: the store queued nothing of it after that (what it
+    # queued before may still land); ``error`` says why it stopped. The engine fails the
+    # request with RequestTimeout.
+    EXPIRED = "expired"
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,15 +236,18 @@ def store_restarts(store: object) -> int:
 
 @runtime_checkable
 class BoundsWaits(Protocol):
-    """Gives up, after ``timeout_s`` (None: never), a launched task that waits inside the
-    store for room (LocalStore: a load whose SSD pages wait for host room to stage them);
-    it then fails without moving anything more. The engine passes its
-    ``request_timeout_ms`` (30 s when that is 0, as offloads wait for room:
-    :mod:`aiokv.space`) plus 0.5 s when its store thread starts, so that a load its caller
-    no longer waits for never copies into the caller's pages late, and the caller hears
-    its own RequestTimeout first. ProcessStore passes it on to its child."""
+    """``set_deadlines(task_ids, deadlines_s)``: matched get tasks' deadlines, in
+    ``time.monotonic()`` seconds (one clock for every process of a host), given on the
+    store thread right before the ``launch`` that takes those ids. A store that waits
+    inside for something before it queues a task's copy into the caller's pages
+    (LocalStore: host room to stage a load's SSD pages, and their reads) queues nothing of
+    it after its deadline: the task ends EXPIRED with what it queued before. The engine
+    gives each load its request's deadline (``request_timeout_ms`` after the call; 30 s
+    after the launch when that is 0), which the engine also times the caller out at: a
+    caller told RequestTimeout has nothing queued into its pages after that, only what
+    was queued by then. ProcessStore sends them to its child with the launch."""
 
-    def set_wait_timeout(self, timeout_s: float | None) -> None: ...
+    def set_deadlines(self, task_ids: Sequence[int], deadlines_s: Sequence[float]) -> None: ...
 
 
 def capacity_tokens(
@@ -262,7 +270,7 @@ def capacity_tokens(
 OPTIONAL_METHODS = (
     "set_notify",
     "set_yield",
-    "set_wait_timeout",
+    "set_deadlines",
     "put_match_many",
     "get_match_many",
     "evict",
@@ -281,7 +289,7 @@ class Capabilities:
 
     set_notify: Callable[[Callable[[], None]], None] | None = None
     set_yield: Callable[[Callable[[], None]], None] | None = None
-    set_wait_timeout: Callable[[float | None], None] | None = None
+    set_deadlines: Callable[[Sequence[int], Sequence[float]], None] | None = None
     put_match_many: Callable[[Queries], MatchAnswers] | None = None
     get_match_many: Callable[[Queries], MatchAnswers] | None = None
     evict: Callable[[Sequence[str]], int] | None = None

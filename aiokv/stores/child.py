@@ -115,8 +115,10 @@ def _request_within(conn: Connection, seconds: float) -> bool:
 
 
 def _launch(store: Store, ends: _Ends, args: Any) -> None:
-    task_ids, pages = launch_pages(args)  # the page ids came as one array, on the host
+    task_ids, pages, deadlines = launch_pages(args)  # the page ids: one array, on the host
     tensors = [torch.from_numpy(p) for p in pages]
+    if deadlines:  # sent only where this store has set_deadlines (wire.MIRRORED)
+        store.set_deadlines(list(deadlines), list(deadlines.values()))  # type: ignore[attr-defined]
     store.launch(task_ids, tensors, [None] * len(tensors))  # the parent waited for them
     ends.launched(task_ids)  # all of them: a launch that raises launched none
 
@@ -155,7 +157,6 @@ _CALLS: dict[str, Callable[[Store, _Ends, Any], Any]] = {
     "evict": lambda store, ends, args: store.evict(args),  # type: ignore[attr-defined]
     "clear": lambda store, ends, args: store.clear(),  # type: ignore[attr-defined]
     "store_stats": lambda store, ends, args: dict(store.store_stats()),  # type: ignore[attr-defined]
-    "set_wait_timeout": lambda store, ends, args: store.set_wait_timeout(args),  # type: ignore[attr-defined]
     "launch": _launch,
     "cancel": lambda store, ends, args: store.cancel(args),
     "try_wait": lambda store, ends, args: pack_results(ends.take(args)),

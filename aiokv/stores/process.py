@@ -58,7 +58,7 @@ from .notices import Notices
 from .notices import no_notify as no_notify  # a public name of this module too
 from .restarts import Restarts, how_it_ended
 from .spawn import end_child, forget_in_forks, spawn_child
-from .wire import FORWARDED, Op, PackedResults, launch_args, noted, portable, query, unpack_results
+from .wire import MIRRORED, Op, PackedResults, launch_args, noted, portable, query, unpack_results
 
 log = logging.getLogger("aiokv")
 
@@ -80,7 +80,7 @@ class ProcessStore:
     def __init__(self, config: StoreConfig, *, start_timeout_s: float = 300.0) -> None:
         self._config = replace(config, own_process=False)  # what the child builds
         inner = backend(config.backend).store_class()
-        for name in FORWARDED:  # what the child's store lacks, this one lacks too
+        for name in MIRRORED:  # what the child's store lacks, this one lacks too
             if not callable(getattr(inner, name, None)):
                 setattr(self, name, None)
         self._start_timeout_s = start_timeout_s
@@ -97,7 +97,7 @@ class ProcessStore:
         self._restarts = Restarts(config.store_restarts)
         self._ids = self._restarts.ids  # the engine's ids across children
         self._closed = False
-        self._wait_timeout_s: float | None = None  # set_wait_timeout, for a new child too
+        self._deadlines: dict[int, float] = {}  # set_deadlines, sent with the next launch
         # One call on the socket at a time: the engine calls from its store thread only,
         # but close() may come from another thread (a store shared by several engines).
         self._calling = threading.Lock()
@@ -167,11 +167,6 @@ class ProcessStore:
             self._keep.append(kept)
             self._send((True, None))
         self._keep.append(caches)
-        if self._wait_timeout_s is not None:  # a new child: what the engine set before
-            self._send(("set_wait_timeout", self._wait_timeout_s))
-            ok, value = self._receive(deadline)
-            if not ok:
-                raise noted(value, self.pid)
         self._notices.start()  # set_notify may have come before register
 
     def _spawn(self) -> Connection:
@@ -208,13 +203,16 @@ class ProcessStore:
         self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
     ) -> None:
         """The page ids go to the host in one copy after the ready events, and to the
-        child as numpy (its store launches them with no event left to wait for)."""
+        child as numpy (its store launches them with no event left to wait for), with
+        the deadlines set_deadlines gave for them."""
+        given, self._deadlines = self._deadlines, {}
         self._revive()
         ids, old = self._ids.split(task_ids)
         if old:  # all or nothing: none of them is launched
             raise StoreError(f"task {old[0]} was matched by a store process that ended: "
                              f"{self._ids.why(old[0])}")
-        self._call("launch", launch_args(ids, self._pages.host_pages(pages, ready)))
+        deadlines = {i: given[t] for i, t in zip(ids, task_ids, strict=True) if t in given}
+        self._call("launch", launch_args(ids, self._pages.host_pages(pages, ready), deadlines))
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         self._revive()
@@ -251,10 +249,11 @@ class ProcessStore:
         stats["d2h_copies"] = stats.get("d2h_copies", 0) + self._pages.d2h_copies
         return stats
 
-    def set_wait_timeout(self, timeout_s: float | None) -> None:
-        """base.BoundsWaits, passed on to the child (and to each new one)."""
-        self._wait_timeout_s = timeout_s
-        self._call("set_wait_timeout", timeout_s)
+    def set_deadlines(self, task_ids: Sequence[int], deadlines_s: Sequence[float]) -> None:
+        """base.BoundsWaits: kept for the launch that follows, which takes them to the
+        child's store (no round trip of their own). time.monotonic() is one clock for the
+        processes of a host."""
+        self._deadlines = dict(zip(task_ids, deadlines_s, strict=True))
 
     def close(self) -> None:
         """Close the child's store (it waits for launched copies), then end the child."""

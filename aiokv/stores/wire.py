@@ -26,11 +26,14 @@ from .base import BoolArray, Int64Array, TaskResult, TaskStatus
 
 Op = Literal[
     "put_match", "put_match_many", "get_match", "get_match_many", "launch", "cancel",
-    "try_wait", "evict", "clear", "store_stats", "set_wait_timeout", "close",
+    "try_wait", "evict", "clear", "store_stats", "close",
 ]
 # Optional Store methods that cross to the child as calls of their own, where the child's
 # store class has them (ProcessStore offers the others itself).
-FORWARDED = ("evict", "clear", "store_stats", "set_wait_timeout")
+FORWARDED = ("evict", "clear", "store_stats")
+# Those, and the ones that cross inside another call (set_deadlines: with the launch after
+# it): ProcessStore lacks each that the child's store class lacks.
+MIRRORED = (*FORWARDED, "set_deadlines")
 Call = tuple[Op, Any]
 Reply = tuple[bool, Any]  # (True, value) or (False, the exception raised)
 Start = tuple[StoreConfig, object]  # the config (own_process=False), the handover's payload
@@ -38,7 +41,8 @@ Attach = tuple[Literal["attach"], object]  # the handover's request to the paren
 Ready = tuple[Literal["ready"], int]  # the store's page size
 Failed = tuple[Literal["failed"], BaseException]
 Query = tuple[Int64Array, tuple[str, ...]]  # (token_ids, namespace) of one match
-LaunchArgs = tuple[list[int], list[int], Int64Array]  # ids, page counts, all page ids joined
+# ids, page counts, all page ids joined, and set_deadlines' deadlines of some of the ids
+LaunchArgs = tuple[list[int], list[int], Int64Array, dict[int, float]]
 # Terminal answers: ids, status indexes, errors, all masks joined, mask lengths (-1: None).
 PackedResults = tuple[list[int], list[int], list[str], BoolArray, list[int]]
 
@@ -52,8 +56,11 @@ def query(token_ids: Int64Array, namespace: Sequence[str]) -> Query:
     return np.ascontiguousarray(token_ids, dtype=np.int64), tuple(namespace)
 
 
-def launch_args(task_ids: Sequence[int], pages: Sequence[Int64Array]) -> LaunchArgs:
-    """A launch's arguments as one array of page ids (ValueError for what launch refuses)."""
+def launch_args(
+    task_ids: Sequence[int], pages: Sequence[Int64Array], deadlines: dict[int, float]
+) -> LaunchArgs:
+    """A launch's arguments as one array of page ids (ValueError for what launch refuses),
+    with the deadlines (by task id) that the child's store is given before it."""
     if len(task_ids) != len(pages):
         raise ValueError(f"{len(task_ids)} task ids but {len(pages)} page id arrays")
     arrays = [np.ascontiguousarray(p, dtype=np.int64) for p in pages]
@@ -61,13 +68,14 @@ def launch_args(task_ids: Sequence[int], pages: Sequence[Int64Array]) -> LaunchA
         if array.ndim != 1:
             raise ValueError(f"pages[{index}]: need 1-D, got shape {array.shape}")
     joined = np.concatenate(arrays) if arrays else _NO_PAGES
-    return list(task_ids), [len(a) for a in arrays], joined
+    return list(task_ids), [len(a) for a in arrays], joined, deadlines
 
 
-def launch_pages(args: LaunchArgs) -> tuple[list[int], list[Int64Array]]:
-    """:func:`launch_args` undone: the ids and their page ids, as views of the one array."""
-    task_ids, lengths, joined = args
-    return task_ids, np.split(joined, np.cumsum(lengths)[:-1]) if lengths else []
+def launch_pages(args: LaunchArgs) -> tuple[list[int], list[Int64Array], dict[int, float]]:
+    """:func:`launch_args` undone: the ids, their page ids (views of the one array), the
+    deadlines."""
+    task_ids, lengths, joined, deadlines = args
+    return task_ids, np.split(joined, np.cumsum(lengths)[:-1]) if lengths else [], deadlines
 
 
 def pack_results(results: dict[int, TaskResult]) -> PackedResults:

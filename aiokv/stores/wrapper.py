@@ -34,7 +34,7 @@ class StoreWrapper:
     forward_notify: ClassVar[bool] = True
     set_notify: Callable[[Callable[[], None]], None] | None
     set_yield: Callable[[Callable[[], None]], None] | None
-    set_wait_timeout: Callable[[float | None], None] | None
+    set_deadlines: Callable[[Sequence[int], Sequence[float]], None] | None
     put_match_many: Callable[..., list[Any]] | None
     get_match_many: Callable[..., list[Any]] | None
     evict: Callable[[Sequence[str]], int] | None

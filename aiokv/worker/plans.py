@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import InvalidRequest, StoreError
+from ..errors import InvalidRequest, RequestTimeout, StoreError
 from ..requests import (
     TERMINAL,
     Kind,
@@ -41,7 +41,7 @@ Answer = tuple[int, BoolArray] | StoreError | InvalidRequest | None
 NO_MASK: BoolArray = np.zeros(0, dtype=np.bool_)  # the mask of a request not launched
 _MISS = LookupGrant(None, 0)
 _OFFLOAD, _SUCCESS, _CANCELLED = Kind.OFFLOAD, TaskStatus.SUCCESS, TaskStatus.CANCELLED
-_INVALID = TaskStatus.INVALID
+_INVALID, _EXPIRED = TaskStatus.INVALID, TaskStatus.EXPIRED
 
 
 @dataclass(slots=True)
@@ -196,4 +196,11 @@ def outcome(request: Request, result: TaskResult, page_size: int) -> object:
         return InvalidRequest("page_ids", result.error)
     if result.status is _CANCELLED:
         return StoreError(f"the store cancelled task {request.task_id}: {result.error}")
+    if result.status is _EXPIRED:  # the deadline the engine gave it (BoundsWaits)
+        if request.deadline is not None:  # the caller's own, as its timer would say
+            return RequestTimeout(
+                f"{request.kind.name.lower()} not done within engine.request_timeout_ms "
+                f"(the store: {result.error})"
+            )
+        return StoreError(f"task {request.task_id} gave up in the store: {result.error}")
     return StoreError(f"task {request.task_id} failed in the store: {result.error}")

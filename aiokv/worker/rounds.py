@@ -9,6 +9,13 @@ what it needs of them and checks them (a bad one fails its task INVALID). A look
 matches, planned into outcomes and the reservations it keeps. The worker then polls the
 launched ids until each is terminal.
 
+Deadlines: nothing is launched past its request's deadline (checked last before the
+launch; the caller hears RequestTimeout from the deadline's timer on the loop, and no
+copy of its pages is queued after it), and a store that waits inside before it queues a
+load's copy (:class:`~aiokv.stores.base.BoundsWaits`) is given each load's deadline, so
+that it queues none after it either. Request deadlines are on the loop's clock; the store
+thread reads them on ``time.monotonic()``'s (:func:`aiokv.loop.deadlines.monotonic_offset_s`).
+
 :class:`Rounds` shares its containers with the worker (the same objects, never replaced):
 ``launched`` (launched ids -> request, until terminal) and ``reserved`` (lookup matches
 held for a load). Outcomes go to the outbox the worker passes in, which it posts.
@@ -16,7 +23,8 @@ held for a load). Outcomes go to the outbox the worker passes in, which it posts
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +34,7 @@ from ..invalidation import HeldKeys
 from ..layerwise import note_launches
 from ..loop.batcher import Batch
 from ..requests import LAUNCHED, TERMINAL, Kind, Request
+from ..space import NO_TIMEOUT_WAIT_S
 from ..stores.base import Capabilities, Store
 from .calls import StoreCalls
 from .handoff import GilSlice
@@ -50,6 +59,7 @@ class Rounds:
         reserved: set[int],
         held_keys: HeldKeys,
         release_one: Callable[[int], None],
+        clock_offset_s: float = 0.0,
     ) -> None:
         self._store = store
         self._caps = caps
@@ -61,6 +71,7 @@ class Rounds:
         self._reserved = reserved
         self._held_keys = held_keys  # the reservations' keys, for an evict
         self._release_one = release_one  # a Reservation's way back (StoreWorker.release_one)
+        self._offset_s = clock_offset_s  # time.monotonic() - the loop's time
         self.page_size = 0  # the store's, set by the worker once it is registered
         # The most tokens the store can hold (stores.base.capacity_tokens), set with
         # page_size; None: unknown. A lookup's key is cut to it (calls.key_ids).
@@ -95,23 +106,30 @@ class Rounds:
             gone = [i for i, r in enumerate(requests) if r.task_id not in reserved]
             reserved.difference_update([r.task_id for r in requests])
             plan = plan_load(requests, page_size, gone)
-        self._execute(plan, outbox)
+        self._execute(plan, outbox, batch.kind is not _OFFLOAD)
 
-    def _execute(self, plan: Round, outbox: Outbox) -> None:
-        """Act on a planned round: its outcomes, its cancels, then its one launch."""
+    def _execute(self, plan: Round, outbox: Outbox, loads: bool) -> None:
+        """Act on a planned round: its outcomes, its cancels, then its one launch (with
+        the loads' deadlines first, for a store that takes them)."""
         outbox.extend(plan.outcomes)
         if plan.cancel:
             self._calls.cancel(plan.cancel)
         if not plan.launch:
             return
-        launch_ids = plan.launch_ids
         try:
             views = [self._view(move) for move in plan.launch]
         except Exception:
-            self._calls.cancel(launch_ids)  # matched, never launched: given back
+            self._calls.cancel(plan.launch_ids)  # matched, never launched: given back
             raise  # the batch fails (see StoreWorker._handle)
         self._slice.yield_if_used()
+        moves, views = self._in_time(plan.launch, views)
+        if not moves:
+            return
+        launch_ids = [move.task_id for move in moves]
+        set_deadlines = self._caps.set_deadlines if loads else None
         try:
+            if set_deadlines is not None:
+                self._calls.call(set_deadlines, launch_ids, self._store_deadlines(moves))
             self._calls.call(
                 self._store.launch, launch_ids, [v[0] for v in views], [v[1] for v in views]
             )
@@ -119,16 +137,41 @@ class Rounds:
             # A launch that raised took none of them (the Store contract): they are
             # still matched, and would hold their blocks forever unless given back.
             self._calls.cancel(launch_ids)
-            outbox.extend((move.request, error) for move in plan.launch)
+            outbox.extend((move.request, error) for move in moves)
             return
         launched = self._launched
-        for move in plan.launch:
+        for move in moves:
             request = move.request
             request.task_id, request.mask, request.moved = move.task_id, move.mask, move.moved
             request.stage = LAUNCHED
             launched[move.task_id] = request
         # load_layerwise's callers hear of the launch, with the store's layer marks.
-        note_launches((move.request for move in plan.launch), self._caps.layer_marks)
+        note_launches((move.request for move in moves), self._caps.layer_marks)
+
+    def _in_time(
+        self, moves: list[Move], views: list[tuple[torch.Tensor, Any]]
+    ) -> tuple[list[Move], list[tuple[torch.Tensor, Any]]]:
+        """The moves (and views) to launch: those whose request's deadline has not
+        passed, read just before the launch (the GIL may have been with the loop until
+        now). The others are given back, unlaunched and unanswered: their deadline's timer
+        on the loop answers them (RequestTimeout, or StoreFull for an offload that waited
+        for room), as it would a late answer."""
+        now = time.monotonic() - self._offset_s  # on the loop's clock, as Request.deadline
+        late = [i for i, m in enumerate(moves) if (d := m.request.deadline) is not None
+                and d <= now]
+        if not late:
+            return moves, views
+        self._calls.cancel([moves[i].task_id for i in late])
+        kept = sorted(set(range(len(moves))).difference(late))
+        return [moves[i] for i in kept], [views[i] for i in kept]
+
+    def _store_deadlines(self, moves: Sequence[Move]) -> list[float]:
+        """Each load's deadline for the store, on time.monotonic()'s clock: its request's,
+        or NO_TIMEOUT_WAIT_S from now without request_timeout_ms (then the caller is told
+        a StoreError, not RequestTimeout, should the store give up)."""
+        offset = self._offset_s
+        unbounded = time.monotonic() + NO_TIMEOUT_WAIT_S
+        return [unbounded if (d := m.request.deadline) is None else d + offset for m in moves]
 
     def _view(self, move: Move) -> tuple[torch.Tensor, Any]:
         """A task's page ids and the event they are ready after: a slice of the caller's

@@ -68,10 +68,9 @@ class StoreWorker:
         registered: concurrent.futures.Future[None],
         side_stream: Any = None,
         store_slice_us: int = 0,
-        wait_timeout_s: float | None = None,
+        clock_offset_s: float = 0.0,
     ) -> None:
         self._store = store
-        self._wait_timeout_s = wait_timeout_s  # request_timeout_ms, for BoundsWaits
         self._kv_caches = kv_caches
         self._registered = registered  # resolved once store.register() returned
         self._loop = loop
@@ -95,6 +94,7 @@ class StoreWorker:
         self._rounds = Rounds(  # each batch's store round (aiokv.worker.rounds)
             store, self._caps, self._calls, self._slice, side_stream,
             self._launched, self._reserved, self._held_keys, self.release_one,
+            clock_offset_s,  # time.monotonic() - loop.time(): deadlines on this thread's clock
         )
         self.stats = StoreSideStats()  # store latency; written here, read by scrapes
         self.figures = StoreFigures(self._caps.store_stats)  # written here, read anywhere
@@ -180,8 +180,6 @@ class StoreWorker:
         set_yield = self._caps.set_yield
         if set_yield is not None:
             set_yield(self._slice.yield_if_used)
-        if self._caps.set_wait_timeout is not None:  # a store that waits for room inside
-            self._caps.set_wait_timeout(self._wait_timeout_s)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
         self._slice.restart()  # registering is not this thread's work

@@ -39,7 +39,6 @@ def build(
     page_size: int,
     wake: Callable[[], None],
     ends: TaskEnds,
-    wait_timeout_s: float | None,
 ) -> Parts:
     first = kv_caches[0]
     pool = HostPool.for_caches(kv_caches, config.cpu_cache_gb)
@@ -62,7 +61,6 @@ def build(
         if config.ssd_cache_gb > 0:
             link = TierLink(config, pool, first.dtype, page_size, wake, jobs.chunk,
                             ends.end_tasks)
-            link.wait_timeout_s = wait_timeout_s
         host = link.host if link is not None else Tier("host", pool)
         remote = None
         if config.remote is not None:  # last: nothing after it can fail

@@ -7,7 +7,9 @@ thread, takes them in order, counts the bytes moved, tells the SSD link (a load'
 ends the job's tasks with a few array operations for the whole job (:meth:`end_tasks`),
 and keeps their answers until they are asked for, each given once. A task whose page ids
 the copier refused ends INVALID with the copier's reason, and its blocks go back as a
-failed task's do (a put's are rolled back, a get's reads end).
+failed task's do (a put's are rolled back, a get's reads end). A get that reached its
+deadline before all of it was queued (launched late: :meth:`TaskEnds.expire`; a load that
+stopped waiting for room or reads: :mod:`.loads`) ends EXPIRED.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Task:
     task_id: int = 0  # set at launch
     shared: bool = False  # a get that found some of its blocks read by another get
     load: Load | None = None  # a get's part that comes from the SSD tier
+    deadline: float | None = None  # a get's without an SSD part (its load's has its own)
     marks: LayerMarks | None = None  # a get's per-layer marks (no SSD part), from launch
 
 
@@ -94,9 +97,11 @@ class TaskEnds:
 
     def _end_job(self, job: CopyJob, tasks: list[Task], size: int) -> None:
         error = job.error
+        expired = None
         loads = [task.load for task in tasks if task.load is not None]
         if loads:  # an SSD load's last job: its one task, and what its chunks found
             error = error or loads[0].error
+            expired = loads[0].expired
             if loads[0].invalid and not job.invalid:
                 job.invalid[0] = loads[0].invalid
         good = [t for s, t in enumerate(tasks) if s not in job.invalid]
@@ -110,11 +115,23 @@ class TaskEnds:
             why = job.invalid.get(segment)
             if why is not None:
                 result = TaskResult(TaskStatus.INVALID, task.mask, why)
-            elif error is None:
-                result = TaskResult(TaskStatus.SUCCESS, task.mask)
-            else:
+            elif error is not None:
                 result = TaskResult(TaskStatus.FAILED, task.mask, error)
+            elif expired is not None:
+                result = TaskResult(TaskStatus.EXPIRED, task.mask, expired)
+            else:
+                result = TaskResult(TaskStatus.SUCCESS, task.mask)
             self._finished[task.task_id] = result
+
+    def expire(self, tasks: Sequence[Task]) -> None:
+        """Get tasks launched past their deadline: they end EXPIRED now, nothing copied
+        (their blocks' reads end)."""
+        self.end_tasks(tasks, False)
+        for task in tasks:
+            self._finished[task.task_id] = TaskResult(
+                TaskStatus.EXPIRED, np.zeros_like(task.mask), "launched after its deadline"
+            )
+        self._wake()
 
     def end_tasks(
         self,

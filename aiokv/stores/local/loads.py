@@ -13,9 +13,16 @@ Staging (host blocks reserved, reads started) happens:
   loads of others need);
 - otherwise at launch, waiting for room: launched loads are staged first come, first
   served, before any prefetch, and puts get NoSpace rather than the room they wait for
-  (``leave_owed``). Each launch that has to wait counts one ``stage_waits``; one still
-  waiting after ``wait_timeout_s`` (the engine's request_timeout_ms) fails, moving nothing
-  more.
+  (``leave_owed``). Each launch that has to wait counts one ``stage_waits``.
+
+A launched load has a deadline (``LocalStore.set_deadlines``: its request's, which the
+engine times its caller out at): nothing of it is staged or queued for its GPU copy after
+it, so that a caller told RequestTimeout finds nothing more copied into its pages than
+what was queued by then (its host prefix, at launch, and the SSD chunks verified before
+it). One still waiting for room then gives up and gives its SSD slots back; one whose
+reads are still out ends once they are in, without copying them. Either ends EXPIRED,
+with the pages it queued. ``time.monotonic()`` is read on the store thread just before
+each staging and each queued chunk.
 
 A launched load that waits for room also takes it from prefetches not launched yet
 (``_give_way``): otherwise one that needs more than the half of the tier they may hold
@@ -85,7 +92,8 @@ class Load:
     invalid: str | None = None  # why the copier refused some of its page ids
     staged: bool = False  # host blocks reserved and reads started
     prefetched: int = 0  # host blocks staged before launch, counted in _prefetched
-    give_up_at: float | None = None  # launched and waiting for room: time.monotonic()
+    deadline: float | None = None  # time.monotonic(): nothing staged or queued after it
+    expired: str | None = None  # why it stopped at its deadline (the task ends EXPIRED)
     prefix_released: bool = False  # the host prefix went back once copied (job_done)
     cancelled: bool = False
     finished: bool = False
@@ -108,7 +116,6 @@ class LoadStaging:
     _prefetches: dict[Load, None]  # staged, not launched nor cancelled: oldest first
     _prefetched: int  # their host blocks
     stage_waits: int  # launches that found no room to stage their SSD pages
-    wait_timeout_s: float | None  # how long they wait (None: until there is room)
 
     def start_load(
         self, key: tuple[str, ...], digests: list[bytes], hits: int, task: Any
@@ -154,12 +161,14 @@ class LoadStaging:
     def stage_waiting(self) -> None:
         """Stage what room allows: launched loads first, in launch order, then prefetches
         in match order (none while a launched load waits). Called whenever room may have
-        come back."""
+        come back, and polled: launched loads past their deadline give up first, so that
+        none is staged after it."""
         owed, waiting = self._owed, self._waiting
-        if owed and owed[0].give_up_at is not None:
+        if owed:
             now = time.monotonic()
-            while owed and owed[0].give_up_at is not None and owed[0].give_up_at <= now:
-                self._give_up(owed.pop(0))
+            for load in [x for x in owed if x.deadline is not None and x.deadline <= now]:
+                owed.remove(load)
+                self._give_up(load)
         while owed:
             if not self._stage(owed[0]) and not (
                 self._give_way(len(owed[0].slots)) and self._stage(owed[0])
@@ -214,7 +223,7 @@ class LoadStaging:
                 continue
             task = load.task
             new = Load(task, load.match_pages, load.hits, load.key, [], NO_BLOCKS,
-                       error=load.error)
+                       error=load.error, deadline=load.deadline)  # (set_deadlines)
             again = load.error is None and host.index.space(load.key) is load.space
             if again:
                 new.digests, new.slots = load.digests[:good], load.slots[:good]
@@ -261,15 +270,22 @@ class LoadStaging:
         load.slots, load.digests = NO_BLOCKS, []
 
     def _give_up(self, load: Load) -> None:
-        """A launched load found no room within wait_timeout_s: it fails, moving nothing
-        more (its host prefix was copied at launch; its caller timed out already)."""
+        """A launched load found no room by its deadline: it ends EXPIRED, moving nothing
+        more (its host prefix was queued at launch)."""
         pages = len(load.slots)
         self._unstage(load)
-        load.error = (
-            f"no host room to stage {pages} SSD pages within {self.wait_timeout_s} s "
-            "(engine.request_timeout_ms)"
-        )
+        if load.expired is None:  # (launched late, it says so already)
+            load.expired = f"no host room to stage its {pages} SSD pages by its deadline"
         self._finish(load)
+
+    def _past_deadline(self, load: Load) -> bool:
+        """Whether the launched load reached its deadline: from then on nothing more of
+        it is queued for its GPU copy (checked just before queueing)."""
+        if load.expired is None and load.deadline is not None and (
+            time.monotonic() >= load.deadline
+        ):
+            load.expired = "its deadline passed before it was all queued for its copy"
+        return load.expired is not None
 
     def drop_unstaged(self, namespace: tuple[str, ...] | None) -> None:
         """An evict or clear of ``namespace`` (None: all): its loads not staged yet never
@@ -283,24 +299,25 @@ class LoadStaging:
                 self._finish(load)
 
     def launch_load(self, load: Load, gpu_pages: Any, ready: Sequence[Any]) -> None:
+        """Queue the load's copies (one launched past its deadline copies nothing)."""
         load.gpu_pages, load.ready = gpu_pages, ready
         self._unprefetch(load)
         task = load.task
+        late = self._past_deadline(load)
         if load.finished:
-            self._copy([task], gpu_pages[: len(task.blocks)], task.blocks, load)
+            pages = 0 if late else len(task.blocks)
+            self._copy([task], gpu_pages[:pages], task.blocks[:pages], load)
             return
         # Its pages are copied chunk by chunk: checked whole first (no page twice).
         self._chunk_jobs[id(self._copy([], gpu_pages, None, load))] = (load, False)
-        if load.hits:
+        if load.hits and not late:
             self._chunk(load, gpu_pages[: load.hits], task.blocks[: load.hits], prefix=True)
         if not load.staged:
             self._waiting.remove(load)
             self._owed.append(load)
-            self.stage_waiting()
-            if not load.staged:
+            self.stage_waiting()  # one launched late gives up here
+            if not load.staged and not load.finished:
                 self.stage_waits += 1
-                if self.wait_timeout_s is not None:
-                    load.give_up_at = time.monotonic() + self.wait_timeout_s
         self._submit_verified(load)
 
     def cancel_load(self, load: Load) -> None:
@@ -354,7 +371,7 @@ class LoadStaging:
 
     def _submit_verified(self, load: Load) -> None:
         assert load.gpu_pages is not None
-        if load.good > load.submitted:
+        if load.good > load.submitted and not self._past_deadline(load):
             lo, hi = load.submitted, load.good
             self._chunk(load, load.gpu_pages[load.hits + lo : load.hits + hi],
                         load.host_blocks[lo:hi])
@@ -368,22 +385,24 @@ class LoadStaging:
 
     def _finish(self, load: Load) -> None:
         """Every read is settled (or there was none): the task's last copy job, which
-        ends it, takes the verified pages not copied yet."""
+        ends it, takes the verified pages not copied yet (none past its deadline)."""
         load.finished = True
         task = load.task
-        loaded = load.hits + load.good
-        if loaded < load.match_pages:  # a checksum failure, a read error, or it gave up
+        launched = load.gpu_pages is not None
+        copied = load.submitted if launched and self._past_deadline(load) else load.good
+        loaded = load.hits + copied
+        if loaded < load.match_pages:  # a checksum failure, a read error, or its deadline
             task.mask = task.mask.copy()  # a new mask: the worker counts what moved
             task.mask[loaded * self._page_size :] = False
         # The blocks the task holds till it ends: its prefix (unless it went back early),
         # then what was staged and verified.
         prefix = task.blocks[: 0 if load.prefix_released else load.hits]
         task.blocks = np.concatenate((prefix, load.host_blocks[: load.good]))
-        if load.gpu_pages is None:  # not launched: launch copies it all in one job
+        if not launched:  # launch copies it all in one job
             if load.cancelled:
                 self._end([task], False)
             return
-        lo, hi = load.submitted, load.good
+        lo, hi = load.submitted, copied
         self._copy([task], load.gpu_pages[load.hits + lo : load.hits + hi],
                    load.host_blocks[lo:hi], load)
         load.submitted = hi

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -73,7 +74,6 @@ class LocalStore:
         # The last launch's get tasks' marks, until the engine asks (layer_marks).
         self._marks: dict[int, LayerMarks] = {}
         self._notify: Callable[[], None] | None = None
-        self._wait_timeout_s: float | None = None  # set_wait_timeout
         # Tokens get_match found on the host tier / only on SSD (EngineStats' tier hits).
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0}
         self._remote: RemoteLink | None = None  # store.remote: Mooncake, below all
@@ -95,7 +95,7 @@ class LocalStore:
             )
         self.page_size = page_size
         ends = self._ends
-        parts = build(self._config, kv_caches, page_size, self._wake, ends, self._wait_timeout_s)
+        parts = build(self._config, kv_caches, page_size, self._wake, ends)
         self._pool, self._host, self._link = parts.pool, parts.host, parts.link
         self._jobs = parts.jobs
         self._remote = parts.remote
@@ -268,15 +268,18 @@ class LocalStore:
         """Queue the copies of these matched tasks; never blocks on them. ``pages[i]``:
         task i's page ids, one per True page of its mask (a tensor as the caller gave it:
         checked by the copier, a bad id fails only its task, INVALID); ``ready[i]``: the
-        CUDA event (or None) its copies wait for. Raises ValueError (launching none of
-        them) for an id that is not a matched task, or a page count that is not the
-        mask's."""
+        CUDA event (or None) its copies wait for. A get task past its deadline
+        (:meth:`set_deadlines`) copies nothing and ends EXPIRED. Raises ValueError
+        (launching none of them) for an id that is not a matched task, or a page count
+        that is not the mask's."""
         if not len(task_ids) == len(pages) == len(ready):
             raise ValueError("launch: one page id tensor and one ready event per task id")
         if len(set(task_ids)) != len(task_ids):
             raise ValueError("launch: a task id is given twice")
         jobs = self._require_jobs()
-        chosen: dict[str, list[tuple[Task, Any, Any]]] = {"get": [], "put": [], "load": []}
+        chosen: dict[str, list[tuple[Task, Any, Any]]] = {
+            "get": [], "put": [], "load": [], "late": []}
+        now = time.monotonic()
         for task_id, task_pages, event in zip(task_ids, pages, ready, strict=True):
             task = self._tasks.get(task_id)
             if task is None:
@@ -287,6 +290,8 @@ class LocalStore:
                                  f"got {len(task_pages)}")
             task.task_id = task_id
             kind = "load" if task.load is not None else "put" if task.is_put else "get"
+            if kind == "get" and task.deadline is not None and task.deadline <= now:
+                kind = "late"  # (a load checks its own: loads.py)
             chosen[kind].append((task, task_pages, event))
         # From here on the tasks belong to their job (cancel ignores them, as it does ids
         # it does not know), and try_wait finds them through it.
@@ -305,6 +310,8 @@ class LocalStore:
         for task, task_pages, event in chosen["load"]:
             assert task.load is not None and self._link is not None
             self._link.launch_load(task.load, task_pages, [event])
+        if chosen["late"]:
+            self._ends.expire([task for task, _, _ in chosen["late"]])
 
     def layer_marks(self, task_id: int) -> LayerMarks | None:
         """The per-layer marks of a get task the last launch took (base.MarksLayers);
@@ -415,13 +422,21 @@ class LocalStore:
         ``try_wait``."""
         self._notify = callback
 
-    def set_wait_timeout(self, timeout_s: float | None) -> None:
-        """Optional Store extension (base.BoundsWaits): a launched load whose SSD pages
-        found no host room fails after ``timeout_s`` without copying (None: it waits
-        until there is room)."""
-        self._wait_timeout_s = timeout_s
-        if self._link is not None:
-            self._link.wait_timeout_s = timeout_s
+    def set_deadlines(self, task_ids: Sequence[int], deadlines_s: Sequence[float]) -> None:
+        """Optional Store extension (base.BoundsWaits): matched get tasks' deadlines
+        (``time.monotonic()``), given before the launch that takes them. Nothing of a
+        task is queued for its copy into the caller's pages after it: launched later, it
+        copies nothing; a load's SSD pages wait for host room, and are queued, until then
+        only. Such a task ends EXPIRED (:mod:`.loads`). A load given none waits until
+        there is room. Ids that are not matched get tasks are ignored."""
+        for task_id, deadline in zip(task_ids, deadlines_s, strict=True):
+            task = self._tasks.get(task_id)
+            if task is None or task.is_put:
+                continue
+            if task.load is not None:
+                task.load.deadline = deadline
+            else:
+                task.deadline = deadline
 
     # ---- internals -----------------------------------------------------------------
 

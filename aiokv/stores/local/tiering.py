@@ -82,7 +82,6 @@ class TierLink(LoadStaging):
         self._prefetches: dict[Load, None] = {}
         self._prefetched = 0
         self.stage_waits = 0
-        self.wait_timeout_s: float | None = None  # LocalStore.set_wait_timeout
         self._closed = False
 
     # ---- puts and demotion ---------------------------------------------------------
