@@ -95,6 +95,31 @@ async def test_restarts_are_bounded_then_every_call_fails_for_good() -> None:
 
 
 @pytest.mark.asyncio
+async def test_once_no_restart_is_left_the_dead_childs_ids_are_let_go() -> None:
+    """Its reservations are given back (nothing stays open, nothing is owed) and an
+    evict or clear says that the store is down, not that ids are still held."""
+    child = child_store(restarts=0)
+    engine = aiokv.OffloadEngine(child, make_caches(), aiokv.EngineConfig(window_us=0))
+    async with engine:
+        await engine.offload(0, pages(0), TOKENS)
+        released, held = await engine.lookup(0, TOKENS), await engine.lookup(0, TOKENS)
+        assert engine.stats().store_tasks_open == 2
+        await kill(child)
+        released.release()
+        down = r"the store is down: .*killed by signal 9 \(SIGKILL\).*no restart left"
+        with pytest.raises(aiokv.StoreError, match=down):
+            await engine.evict(0)  # after the release (inbox order); gives back `held`
+        assert engine.stats().store_tasks_open == 0
+        with pytest.raises(aiokv.StoreError, match=down):
+            await engine.clear()
+        with pytest.raises(aiokv.StoreError, match=down):
+            await engine.offload(1, pages(1), TOKENS)
+        assert (await engine.load(held, pages(2))).loaded_tokens == 0  # given back: a miss
+        stats = engine.stats()
+        assert (stats.store_tasks_open, stats.pending, stats.store_restarts) == (0, 0, 0)
+
+
+@pytest.mark.asyncio
 async def test_a_child_dead_while_idle_is_restarted_before_the_next_call_even_unnoticed() -> None:
     """The notice channel's reader thread may not have seen the child's end when the next
     call comes: the child's exit status alone must start a new one first."""

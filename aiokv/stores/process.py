@@ -308,12 +308,16 @@ class ProcessStore:
                 self._restart(self._ended)
 
     def _restart(self, why: str) -> None:
+        """A new child, or (no restart left, or none came up) the store down for good:
+        not raised here, so that what the dead child's ids need (a cancel, a try_wait)
+        still succeeds; every call that needs a child raises StoreError saying so."""
         try:
             self._restarts.run(why, self._start_again)
         except StoreError as error:
             self._shutdown(restarting=True)
-            self._ended, self._broken = None, str(error)  # for good
-            raise
+            self._ended, self._broken = None, f"the store is down: {error}"  # for good
+            log.error("aiokv: %s", self._broken)
+            return
         self._ended = self._broken = None
         log.warning("aiokv: %s; a new store process (pid %s) serves", why, self.pid)
 
