@@ -252,6 +252,7 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     engine._state = EngineState.DRAINING
+    worker.closing()  # the store starts nothing new for later calls (no new child)
     admission.wake_all()  # callers waiting for room see the state and leave
     if engine._batcher_task is None:
         drain = False  # closed while starting: nothing dispatches what is queued
@@ -305,6 +306,7 @@ async def close_orphaned(engine: EngineParts, timeout: float) -> None:
     waits for launched transfers and closes the store."""
     assert engine._worker is not None
     engine._state = EngineState.CLOSED
+    engine._worker.closing()
     engine._worker.stop()
     stuck = not await _join(engine._worker, timeout)
     if stuck:

@@ -18,7 +18,7 @@ import aiokv
 from aiokv.stores import ProcessStore
 from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.restarts import STRIDE, Generations, how_it_ended, restart_delay_s
-from aiokv.testing import CheckingStore, FaultyStore
+from aiokv.testing import CheckingStore, FaultyStore, SharedStore
 
 TOKENS = 4 * PAGE_SIZE
 KILLED = r"killed by signal 9 \(SIGKILL\)"
@@ -117,6 +117,69 @@ async def test_once_no_restart_is_left_the_dead_childs_ids_are_let_go() -> None:
         assert (await engine.load(held, pages(2))).loaded_tokens == 0  # given back: a miss
         stats = engine.stats()
         assert (stats.store_tasks_open, stats.pending, stats.store_restarts) == (0, 0, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_child_that_dies_once_the_close_began_is_not_restarted() -> None:
+    """The close's own calls (polls of what was launched, the reservations it gives
+    back, the last figures) start no new child: a whole start, only to close it."""
+    child = child_store()
+    faulty = FaultyStore(child)  # hold: the answers of launched tasks wait in this process
+    checking = CheckingStore(faulty)
+    engine = aiokv.OffloadEngine(checking, make_caches(), aiokv.EngineConfig(window_us=0))
+    await engine.start()
+    await engine.offload(0, pages(0), TOKENS)
+    held = await engine.lookup(0, TOKENS)  # left to the close to give back
+    assert held.cached_tokens == TOKENS
+    faulty.hold.clear()
+    faulty.launched.clear()
+    in_flight = [asyncio.ensure_future(engine.offload(u, pages(u), TOKENS)) for u in (1, 2)]
+    await asyncio.to_thread(faulty.launched.wait)
+    closing = asyncio.ensure_future(engine.aclose(timeout=60))
+    await asyncio.sleep(0)  # the close began: it drains what was launched
+    first = await kill(child)
+    faulty.hold.set()
+    await closing
+    for outcome in await asyncio.gather(*in_flight, return_exceptions=True):
+        assert isinstance(outcome, aiokv.StoreError), outcome
+        assert f"pid {first}" in str(outcome) and re.search(KILLED, str(outcome)), outcome
+    stats = engine.stats()
+    assert (stats.store_restarts, stats.pending, stats.store_tasks_open) == (0, 0, 0)
+    assert child.pid == first  # no other child was started
+    assert checking.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_a_close_right_after_a_death_starts_no_child_to_close_it() -> None:
+    """Killed while idle, the child is replaced at once (its notice channel closed); a
+    close that begins meanwhile cuts that start short, or keeps it from starting."""
+    child = child_store()
+    engine = aiokv.OffloadEngine(child, make_caches(), aiokv.EngineConfig(window_us=0))
+    await engine.start()
+    await engine.offload(0, pages(0), TOKENS)
+    held = await engine.lookup(0, TOKENS)
+    assert held.cached_tokens == TOKENS
+    await kill(child)  # a new child's start (python, torch: seconds) may be under way
+    await engine.aclose()
+    stats = engine.stats()
+    assert (stats.store_restarts, stats.pending, stats.store_tasks_open) == (0, 0, 0)
+    assert stats.host_blocks_total > 0  # the dead child's last figures
+
+
+@pytest.mark.asyncio
+async def test_one_engines_close_does_not_end_restarts_of_a_store_that_serves_the_next() -> None:
+    child = child_store()
+    shared = SharedStore(child)  # the store outlives each engine on it
+    caches = make_caches()
+    try:
+        async with aiokv.OffloadEngine(shared, caches) as first:
+            await first.offload(0, pages(0), TOKENS)
+        await kill(child)
+        async with aiokv.OffloadEngine(shared, caches) as second:
+            assert (await second.offload(1, pages(1), TOKENS)).stored_tokens == TOKENS
+            assert second.stats().store_restarts == 1
+    finally:
+        shared.close_inner()
 
 
 @pytest.mark.asyncio

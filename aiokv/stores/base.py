@@ -30,7 +30,7 @@ Contract, for any store:
 Optional features are declared below, one Protocol each (:class:`Notifies`,
 :class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`,
 :class:`Clears`, :class:`ReportsStats`, :class:`AdvisesSlice`, :class:`Restarts`,
-:class:`BoundsWaits`); a store implements any subset, and a
+:class:`BoundsWaits`, :class:`HearsOfClose`); a store implements any subset, and a
 wrapper forwards what its inner store has. The engine reads them once, into
 :class:`Capabilities`, when it builds its store thread.
 """
@@ -231,6 +231,19 @@ class BoundsWaits(Protocol):
     def set_wait_timeout(self, timeout_s: float | None) -> None: ...
 
 
+@runtime_checkable
+class HearsOfClose(Protocol):
+    """``closing()``: the engine that drives the store began to close (``aclose``, before
+    its drain); the store's ``close()`` follows once the store thread is done. From then
+    on the store starts nothing of its own that only later calls would use (ProcessStore:
+    no new child after one died; what the dead one held answers FAILED, and its figures
+    are the last it gave). Called from the engine's loop thread, not the store thread
+    (that one may be inside a call): it only sets a flag, and never blocks. A wrapper
+    that outlives its engines (testing.SharedStore) does not pass it on."""
+
+    def closing(self) -> None: ...
+
+
 def capacity_tokens(
     store_stats: Callable[[], Mapping[str, int | float]] | None, page_size: int
 ) -> int | None:
@@ -258,6 +271,7 @@ OPTIONAL_METHODS = (
     "clear",
     "store_stats",
     "layer_marks",
+    "closing",
 )
 
 
@@ -277,6 +291,7 @@ class Capabilities:
     clear: Callable[[], int] | None = None
     store_stats: Callable[[], Mapping[str, int | float]] | None = None
     layer_marks: Callable[[int], LayerMarks | None] | None = None
+    closing: Callable[[], None] | None = None
 
     @classmethod
     def of(cls, store: object) -> Capabilities:

@@ -28,8 +28,9 @@ How:
 - A store's exception travels back and is raised here as itself (with a note naming
   the child) where it pickles, else as StoreError naming it.
 - If the child dies, the calls in flight fail naming its exit; the next call starts a
-  new, empty child (:mod:`.restarts`). If this process dies, the child sees the socket
-  close and closes its store.
+  new, empty child (:mod:`.restarts`), unless the engine's close began (``closing``):
+  then its ids answer FAILED and the store's figures stay its last. If this process
+  dies, the child sees the socket close and closes its store.
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ class ProcessStore:
         self._restarts = Restarts(config.store_restarts)
         self._ids = self._restarts.ids  # the engine's ids across children
         self._closed = False
+        self._closing = False  # the engine closes: no new child from now on
+        self._restarting = False  # the store thread is starting a new child
+        self._killed: str | None = None  # why this process killed the current child
+        self._last_stats: dict[str, int | float] = {}  # the child's, for when none serves
         self._wait_timeout_s: float | None = None  # set_wait_timeout, for a new child too
         # One call on the socket at a time: the engine calls from its store thread only,
         # but close() may come from another thread (a store shared by several engines).
@@ -175,9 +180,12 @@ class ProcessStore:
         self._notices.start()  # set_notify may have come before register
 
     def _spawn(self) -> Connection:
+        self._killed = None  # before the new child is visible to _kill (closing())
         self._process, self._conn, self._notices.socket = spawn_child()
         forget_in_forks(self)
         self._poller.register(self._conn.fileno(), select.POLLIN)
+        if self._restarting and self._closing:  # closing() may have missed this child
+            raise StoreError("not started: the engine is closing")
         return self._conn
 
     def set_notify(self, callback: Callable[[], None]) -> None:
@@ -247,7 +255,14 @@ class ProcessStore:
         return dropped
 
     def store_stats(self) -> Mapping[str, int | float]:
-        stats = dict(self._call("store_stats", None))
+        """The child's figures; while no child serves (it died, and no new one follows
+        yet or ever), those it gave last."""
+        try:
+            self._last_stats = dict(self._call("store_stats", None))
+        except StoreError:
+            if self._broken is None:  # the child's own store raised it
+                raise
+        stats = dict(self._last_stats)
         stats["d2h_copies"] = stats.get("d2h_copies", 0) + self._pages.d2h_copies
         return stats
 
@@ -255,6 +270,14 @@ class ProcessStore:
         """base.BoundsWaits, passed on to the child (and to each new one)."""
         self._wait_timeout_s = timeout_s
         self._call("set_wait_timeout", timeout_s)
+
+    def closing(self) -> None:
+        """stores.base.HearsOfClose: no new child from now on (any thread; never
+        blocks). A child that dies later leaves its ids FAILED and the store down, and a
+        new child that is starting now is killed: it would only serve the close."""
+        self._closing = True
+        if self._restarting:
+            self._kill("the engine began to close while it started", logging.WARNING)
 
     def close(self) -> None:
         """Close the child's store (it waits for launched copies), then end the child."""
@@ -268,6 +291,10 @@ class ProcessStore:
                 self._shutdown()
 
     def _close_child(self) -> None:
+        process = self._process
+        if process is not None and process.poll() is not None and self._broken is None:
+            log.warning("aiokv: %s before its close", how_it_ended(process.pid, process.returncode))
+            return  # died, and no call found out since
         if self._conn is not None and self._broken is None:
             try:
                 self._send(("close", None))
@@ -311,13 +338,16 @@ class ProcessStore:
         """A new child, or (no restart left, or none came up) the store down for good:
         not raised here, so that what the dead child's ids need (a cancel, a try_wait)
         still succeeds; every call that needs a child raises StoreError saying so."""
+        self._restarting = True
         try:
-            self._restarts.run(why, self._start_again)
+            self._restarts.run(why, self._start_again, lambda: self._closing)
         except StoreError as error:
             self._shutdown(restarting=True)
             self._ended, self._broken = None, f"the store is down: {error}"  # for good
-            log.error("aiokv: %s", self._broken)
+            log.log(logging.WARNING if self._closing else logging.ERROR, "aiokv: %s", self._broken)
             return
+        finally:
+            self._restarting = False
         self._ended = self._broken = None
         log.warning("aiokv: %s; a new store process (pid %s) serves", why, self.pid)
 
@@ -374,10 +404,21 @@ class ProcessStore:
         assert self._process is not None
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(timeout=1.0)
-        self._broken = how_it_ended(self._process.pid, self._process.returncode)
+        self._broken = self._killed or how_it_ended(self._process.pid, self._process.returncode)
         if self._caches and self._process.returncode is not None:  # it served: restart it
             self._ended = self._broken
         return StoreError(self._broken)
+
+    def _kill(self, why: str, level: int = logging.ERROR) -> None:
+        """Kill the child now (SIGKILL; from any thread, never blocking): a wait for its
+        answer ends at once (its socket closes), and its calls fail with ``why``, as
+        for any death. ``Popen.kill`` polls first: a child already reaped is left."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        self._killed = f"the store process (pid {process.pid}) was killed (SIGKILL): {why}"
+        log.log(level, "aiokv: %s", self._killed)
+        process.kill()
 
     def _shutdown(self, restarting: bool = False) -> None:
         """End the child (closing the socket ends one that is still serving), then drop

@@ -40,6 +40,7 @@ class StoreWrapper:
     evict: Callable[[Sequence[str]], int] | None
     clear: Callable[[], int] | None
     store_stats: Callable[[], Mapping[str, int | float]] | None
+    closing: Callable[[], None] | None
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner

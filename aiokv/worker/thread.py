@@ -138,6 +138,16 @@ class StoreWorker:
                 self._accepting = False
                 self._inbox.put(_STOP)
 
+    def closing(self) -> None:
+        """The engine's close began (loop thread): the store hears it now
+        (stores.base.HearsOfClose), not once this thread gets to it, which may be inside
+        a call whose failure would otherwise start a new child process."""
+        if self._caps.closing is not None:
+            try:
+                self._caps.closing()
+            except Exception:  # the close goes on: it is a hint to the store
+                log.exception("store.closing() failed")
+
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
         return not self._thread.is_alive()
