@@ -10,6 +10,7 @@ import random
 import re
 import signal
 
+import numpy as np
 import pytest
 import torch
 from conftest import PAGE_SIZE, make_caches
@@ -39,6 +40,11 @@ async def kill(store: ProcessStore) -> int:
     assert process is not None
     await asyncio.to_thread(process.wait)
     return pid
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is a process, stopped or a zombie not yet reaped included."""
+    return os.path.exists(f"/proc/{pid}")
 
 
 def pages(user: int) -> torch.Tensor:
@@ -180,6 +186,30 @@ async def test_one_engines_close_does_not_end_restarts_of_a_store_that_serves_th
             assert second.stats().store_restarts == 1
     finally:
         shared.close_inner()
+
+
+def test_a_child_that_does_not_answer_a_call_in_time_is_killed_and_replaced() -> None:
+    """SIGSTOP stands for a store deadlocked in a call: the call fails within the
+    store's bound instead of holding its caller for good, and a new child serves."""
+    config = aiokv.StoreConfig(cpu_cache_gb=0.01, own_process=True)
+    store = ProcessStore(config, call_timeout_s=1.0)
+    store.register(make_caches())
+    tokens = np.arange(TOKENS, dtype=np.int64)
+    first = store.pid
+    assert first is not None
+    try:
+        store.cancel([store.put_match(tokens, ["before"])[0]])
+        os.kill(first, signal.SIGSTOP)
+        hung = rf"pid {first}\) was killed \(SIGKILL\): it did not answer put_match within 1 s"
+        with pytest.raises(aiokv.StoreError, match=hung):
+            store.put_match(tokens, ["hung"])
+        assert not _exists(first)  # killed and reaped
+        store.cancel([store.put_match(tokens, ["after"])[0]])  # a new child's answer
+        assert store.restarts == 1 and store.pid != first
+    finally:
+        if _exists(first):
+            os.kill(first, signal.SIGKILL)  # the test failed: leave no stopped process
+        store.close()
 
 
 @pytest.mark.asyncio

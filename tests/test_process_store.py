@@ -255,7 +255,7 @@ def test_an_interrupted_call_breaks_the_store_rather_than_shift_every_answer(
     store.register(make_caches())
     real_receive = store._receive
 
-    def interrupted(deadline: float | None) -> object:
+    def interrupted(*args: object) -> object:
         raise KeyboardInterrupt  # after the request went out, before its answer is read
 
     monkeypatch.setattr(store, "_receive", interrupted)

@@ -30,7 +30,8 @@ Contract, for any store:
 Optional features are declared below, one Protocol each (:class:`Notifies`,
 :class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`,
 :class:`Clears`, :class:`ReportsStats`, :class:`AdvisesSlice`, :class:`Restarts`,
-:class:`BoundsWaits`, :class:`HearsOfClose`); a store implements any subset, and a
+:class:`BoundsWaits`, :class:`HearsOfClose`, :class:`Terminates`); a store implements any
+subset, and a
 wrapper forwards what its inner store has. The engine reads them once, into
 :class:`Capabilities`, when it builds its store thread.
 """
@@ -244,6 +245,19 @@ class HearsOfClose(Protocol):
     def closing(self) -> None: ...
 
 
+@runtime_checkable
+class Terminates(Protocol):
+    """``terminate()``: the engine's close timed out with its store thread still busy
+    with the store (inside a call, waiting for launched tasks, or in ``close()``): end
+    what that thread waits on, now (ProcessStore: kill its child, SIGKILL), so that its
+    calls fail at once (launched tasks FAILED) and the thread ends, releasing what the
+    store holds (a child's SSD directory lock) instead of waiting on it for good. Called
+    from the engine's loop thread after :class:`HearsOfClose`'s ``closing()``; never
+    blocks. Not passed on by testing.SharedStore (its owner ends the inner store)."""
+
+    def terminate(self) -> None: ...
+
+
 def capacity_tokens(
     store_stats: Callable[[], Mapping[str, int | float]] | None, page_size: int
 ) -> int | None:
@@ -272,6 +286,7 @@ OPTIONAL_METHODS = (
     "store_stats",
     "layer_marks",
     "closing",
+    "terminate",
 )
 
 
@@ -292,6 +307,7 @@ class Capabilities:
     store_stats: Callable[[], Mapping[str, int | float]] | None = None
     layer_marks: Callable[[int], LayerMarks | None] | None = None
     closing: Callable[[], None] | None = None
+    terminate: Callable[[], None] | None = None
 
     @classmethod
     def of(cls, store: object) -> Capabilities:

@@ -27,6 +27,11 @@ How:
   costs a round trip.
 - A store's exception travels back and is raised here as itself (with a note naming
   the child) where it pickles, else as StoreError naming it.
+- No wait for the child is unbounded: a call not answered within ``call_timeout_s``
+  (a deadlocked store), a start past ``start_timeout_s``, a close past its own bound,
+  and whatever the store thread still waits on when the engine's close times out
+  (``terminate``) end with the child killed (SIGKILL), reaped and counted as dead: its
+  ids answer FAILED, and what it held (an SSD directory's lock) is released.
 - If the child dies, the calls in flight fail naming its exit; the next call starts a
   new, empty child (:mod:`.restarts`), unless the engine's close began (``closing``):
   then its ids answer FAILED and the store's figures stay its last. If this process
@@ -78,13 +83,21 @@ class ProcessStore:
     longer alias them); CUDA caches stay where they are.
     """
 
-    def __init__(self, config: StoreConfig, *, start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, config: StoreConfig, *, start_timeout_s: float = 300.0,
+        call_timeout_s: float = 300.0,
+    ) -> None:
+        """``start_timeout_s``: the most a child may take to start its store (FlexKV: its
+        transfer engine); ``call_timeout_s``: to answer one call (an evict waits up to
+        30 s for SSD writes). A child past either is killed: a store deadlocked in it
+        would otherwise hold the store thread, and what the child holds, for good."""
         self._config = replace(config, own_process=False)  # what the child builds
         inner = backend(config.backend).store_class()
         for name in FORWARDED:  # what the child's store lacks, this one lacks too
             if not callable(getattr(inner, name, None)):
                 setattr(self, name, None)
         self._start_timeout_s = start_timeout_s
+        self._call_timeout_s = call_timeout_s
         self.page_size: int = config.page_size or 0  # the child's, once registered
         self._process: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -155,7 +168,7 @@ class ProcessStore:
         self._send((self._config, payload))
         deadline = time.monotonic() + self._start_timeout_s
         while True:
-            kind, value = self._receive(deadline)
+            kind, value = self._receive(deadline, f"its start within {self._start_timeout_s:g} s")
             if kind == "ready":
                 self.page_size = int(value)
                 break
@@ -174,7 +187,7 @@ class ProcessStore:
         self._keep.append(caches)
         if self._wait_timeout_s is not None:  # a new child: what the engine set before
             self._send(("set_wait_timeout", self._wait_timeout_s))
-            ok, value = self._receive(deadline)
+            ok, value = self._receive(deadline, f"its start within {self._start_timeout_s:g} s")
             if not ok:
                 raise noted(value, self.pid)
         self._notices.start()  # set_notify may have come before register
@@ -279,6 +292,11 @@ class ProcessStore:
         if self._restarting:
             self._kill("the engine began to close while it started", logging.WARNING)
 
+    def terminate(self) -> None:
+        """stores.base.Terminates: kill the child now (any thread; never blocks). The
+        store thread's wait for it ends at once; what it had launched answers FAILED."""
+        self._kill("it was still busy when the engine's close timed out")
+
     def close(self) -> None:
         """Close the child's store (it waits for launched copies), then end the child."""
         with self._calling:  # after a call in flight (from another thread) has its answer
@@ -298,11 +316,14 @@ class ProcessStore:
         if self._conn is not None and self._broken is None:
             try:
                 self._send(("close", None))
-                ok, value = self._receive(time.monotonic() + _CLOSE_TIMEOUT_S)
+                ok, value = self._receive(
+                    time.monotonic() + _CLOSE_TIMEOUT_S, f"its close within {_CLOSE_TIMEOUT_S:g} s"
+                )
                 if not ok:
                     log.error("aiokv: the store process failed to close its store: %r", value)
             except (OSError, StoreError):
-                log.exception("aiokv: the store process did not close cleanly")
+                if self._killed is None:  # else said when it was killed
+                    log.exception("aiokv: the store process did not close cleanly")
 
     # ---- internals -------------------------------------------------------------------
 
@@ -364,7 +385,8 @@ class ProcessStore:
                 raise StoreError(self._broken)
             self._send((op, args))
             try:
-                ok, value = self._receive(None)
+                bound_s = self._call_timeout_s
+                ok, value = self._receive(time.monotonic() + bound_s, f"{op} within {bound_s:g} s")
             except BaseException:
                 # Interrupted (KeyboardInterrupt in a main-thread caller, say) with the
                 # answer unread: a later call would read this one's answer as its own.
@@ -383,17 +405,22 @@ class ProcessStore:
         except OSError as exc:  # the child is gone
             raise self._lost() from exc
 
-    def _receive(self, deadline: float | None) -> Any:
-        """The child's next message. Waits without the GIL (one poll syscall), checking
-        now and then that the child lives."""
+    def _receive(self, deadline: float, what: str) -> Any:
+        """The child's next message, the answer to ``what``. Waits without the GIL (one
+        poll syscall), checking now and then that the child lives; past ``deadline``
+        (monotonic) the child is killed (a kill from another thread ends the wait too:
+        the child's end of the socket closes)."""
         conn, process = self._conn, self._process
         assert conn is not None and process is not None
-        while not self._poller.poll(_ALIVE_CHECK_MS):
+        while True:
+            left_s = deadline - time.monotonic()
+            if self._poller.poll(max(min(_ALIVE_CHECK_MS, 1e3 * left_s), 0)):
+                break
             if process.poll() is not None and not self._poller.poll(0):  # nothing left to read
                 raise self._lost()
-            if deadline is not None and time.monotonic() > deadline:
-                self._broken = f"the store process (pid {process.pid}) did not answer in time"
-                raise StoreError(self._broken)
+            if left_s <= 0:
+                self._kill(f"it did not answer {what}")
+                raise self._lost()
         try:
             return conn.recv()
         except (EOFError, OSError) as exc:

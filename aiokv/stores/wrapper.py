@@ -41,6 +41,7 @@ class StoreWrapper:
     clear: Callable[[], int] | None
     store_stats: Callable[[], Mapping[str, int | float]] | None
     closing: Callable[[], None] | None
+    terminate: Callable[[], None] | None
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner

@@ -148,6 +148,18 @@ class StoreWorker:
             except Exception:  # the close goes on: it is a hint to the store
                 log.exception("store.closing() failed")
 
+    def terminate(self) -> bool:
+        """The close timed out with this thread still busy (loop thread): have the store
+        end what this thread waits on (stores.base.Terminates). Whether it can."""
+        if self._caps.terminate is None:
+            return False
+        try:
+            self._caps.terminate()
+        except Exception:
+            log.exception("store.terminate() failed")
+            return False
+        return True
+
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
         return not self._thread.is_alive()
