@@ -13,7 +13,7 @@ import signal
 import numpy as np
 import pytest
 import torch
-from conftest import PAGE_SIZE, make_caches
+from conftest import PAGE_SIZE, make_caches, wait_for_exit
 
 import aiokv
 from aiokv.stores import ProcessStore
@@ -36,9 +36,7 @@ async def kill(store: ProcessStore) -> int:
     pid = store.pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
-    process = store._process
-    assert process is not None
-    await asyncio.to_thread(process.wait)
+    await asyncio.to_thread(wait_for_exit, pid)
     return pid
 
 

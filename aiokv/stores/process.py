@@ -43,13 +43,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import select
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -60,15 +57,15 @@ from ..config import StoreConfig
 from ..copy.fused import PageCopier
 from ..errors import StoreError
 from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from .link import ChildGone, ChildLink
 from .notices import Notices
 from .notices import no_notify as no_notify  # a public name of this module too
-from .restarts import Restarts, how_it_ended
-from .spawn import end_child, forget_in_forks, spawn_child
+from .restarts import Restarts
+from .spawn import forget_in_forks
 from .wire import FORWARDED, Op, PackedResults, launch_args, noted, portable, query, unpack_results
 
 log = logging.getLogger("aiokv")
 
-_ALIVE_CHECK_MS = 1000  # while a reply is awaited, check this often that the child lives
 _CLOSE_TIMEOUT_S = 180.0  # the child's close waits for launched copies (FlexKV: 60 s+)
 _EXIT_TIMEOUT_S = 10.0  # after its close, the child exits in this time or is killed
 
@@ -99,9 +96,7 @@ class ProcessStore:
         self._start_timeout_s = start_timeout_s
         self._call_timeout_s = call_timeout_s
         self.page_size: int = config.page_size or 0  # the child's, once registered
-        self._process: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
-        self._poller = select.poll()
+        self._link: ChildLink | None = None  # the current child (link.py)
         # The caches, and what the handover attached: alive as long as the child maps them.
         self._keep: list[Any] = []
         self._socket_files: list[str] = []  # the handover's, removed should the child die
@@ -113,7 +108,6 @@ class ProcessStore:
         self._closed = False
         self._closing = False  # the engine closes: no new child from now on
         self._restarting = False  # the store thread is starting a new child
-        self._killed: str | None = None  # why this process killed the current child
         self._last_stats: dict[str, int | float] = {}  # the child's, for when none serves
         self._wait_timeout_s: float | None = None  # set_wait_timeout, for a new child too
         # One call on the socket at a time: the engine calls from its store thread only,
@@ -142,12 +136,12 @@ class ProcessStore:
     @property
     def pid(self) -> int | None:
         """The child's process id (None before register)."""
-        return None if self._process is None else self._process.pid
+        return None if self._link is None else self._link.pid
 
     # ---- setup -----------------------------------------------------------------------
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        if self._process is not None or self._closed:
+        if self._link is not None or self._closed:
             raise RuntimeError("ProcessStore.register() was already called")
         caches = list(kv_caches)
         try:
@@ -161,7 +155,7 @@ class ProcessStore:
         """Spawn a child, hand it the caches and wait until its store is ready."""
         handover = backend(self._config.backend).cache_handover()
         payload = handover.payload(caches)
-        conn = self._spawn()
+        link = self._spawn()
         # The child unpickles shared CPU tensors through this process's resource
         # sharer, which admits processes with its key only.
         self._send(bytes(multiprocessing.current_process().authkey))
@@ -179,8 +173,8 @@ class ProcessStore:
             try:
                 kept, self._socket_files = handover.attach(value, caches, payload)
             except Exception as exc:
-                with contextlib.suppress(OSError):
-                    conn.send((False, portable(exc)))
+                with contextlib.suppress(ChildGone):
+                    link.send((False, portable(exc)))
                 raise
             self._keep.append(kept)
             self._send((True, None))
@@ -192,14 +186,13 @@ class ProcessStore:
                 raise noted(value, self.pid)
         self._notices.start()  # set_notify may have come before register
 
-    def _spawn(self) -> Connection:
-        self._killed = None  # before the new child is visible to _kill (closing())
-        self._process, self._conn, self._notices.socket = spawn_child()
+    def _spawn(self) -> ChildLink:
+        link = self._link = ChildLink()
+        self._notices.socket = link.ends
         forget_in_forks(self)
-        self._poller.register(self._conn.fileno(), select.POLLIN)
         if self._restarting and self._closing:  # closing() may have missed this child
             raise StoreError("not started: the engine is closing")
-        return self._conn
+        return link
 
     def set_notify(self, callback: Callable[[], None]) -> None:
         """``callback()`` (from a thread of this store's) whenever tasks may have ended."""
@@ -309,21 +302,21 @@ class ProcessStore:
                 self._shutdown()
 
     def _close_child(self) -> None:
-        process = self._process
-        if process is not None and process.poll() is not None and self._broken is None:
-            log.warning("aiokv: %s before its close", how_it_ended(process.pid, process.returncode))
-            return  # died, and no call found out since
-        if self._conn is not None and self._broken is None:
-            try:
-                self._send(("close", None))
-                ok, value = self._receive(
-                    time.monotonic() + _CLOSE_TIMEOUT_S, f"its close within {_CLOSE_TIMEOUT_S:g} s"
-                )
-                if not ok:
-                    log.error("aiokv: the store process failed to close its store: %r", value)
-            except (OSError, StoreError):
-                if self._killed is None:  # else said when it was killed
-                    log.exception("aiokv: the store process did not close cleanly")
+        link = self._link
+        if link is None or link.conn.closed or self._broken is not None:
+            return
+        if not link.alive():  # died, and no call found out since
+            log.warning("aiokv: %s before its close", link.how_it_ended())
+            return
+        try:
+            self._send(("close", None))
+            deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+            ok, value = self._receive(deadline, f"its close within {_CLOSE_TIMEOUT_S:g} s")
+            if not ok:
+                log.error("aiokv: the store process failed to close its store: %r", value)
+        except StoreError:
+            if link.killed is None:  # else said when it was killed
+                log.exception("aiokv: the store process did not close cleanly")
 
     # ---- internals -------------------------------------------------------------------
 
@@ -339,18 +332,14 @@ class ProcessStore:
         call, by the notice channel closing, or by its exit status (then no call goes to
         a child known to be dead). The status too: the notice channel's reader thread
         may not have seen the close yet when the next call comes."""
-        process = self._process
-        if (
-            self._ended is None
-            and not self._notices.closed
-            and (process is None or process.poll() is None)
-        ):
+        link = self._link
+        if self._ended is None and not self._notices.closed and (link is None or link.alive()):
             return
         with self._calling:
-            process = self._process
-            if self._closed or process is None:
+            link = self._link
+            if self._closed or link is None:
                 return
-            if self._ended is None and self._broken is None and process.poll() is not None:
+            if self._ended is None and self._broken is None and not link.alive():
                 self._lost()
             if self._ended is not None:
                 self._restart(self._ended)
@@ -379,7 +368,9 @@ class ProcessStore:
     def _call(self, op: Op, args: object) -> Any:
         self._revive()  # before the lock: it takes it
         with self._calling:
-            if self._closed or (self._conn is None and self._broken is None):
+            link = self._link
+            unlinked = link is None or link.conn.closed
+            if self._closed or (unlinked and self._broken is None):
                 raise RuntimeError("ProcessStore is closed or not registered")
             if self._broken is not None:
                 raise StoreError(self._broken)
@@ -398,81 +389,57 @@ class ProcessStore:
         raise noted(value, self.pid)
 
     def _send(self, message: object) -> None:
-        conn = self._conn
-        assert conn is not None
+        assert self._link is not None
         try:
-            conn.send(message)
-        except OSError as exc:  # the child is gone
-            raise self._lost() from exc
+            self._link.send(message)
+        except ChildGone as gone:
+            raise self._lost() from gone
 
     def _receive(self, deadline: float, what: str) -> Any:
-        """The child's next message, the answer to ``what``. Waits without the GIL (one
-        poll syscall), checking now and then that the child lives; past ``deadline``
-        (monotonic) the child is killed (a kill from another thread ends the wait too:
-        the child's end of the socket closes)."""
-        conn, process = self._conn, self._process
-        assert conn is not None and process is not None
-        while True:
-            left_s = deadline - time.monotonic()
-            if self._poller.poll(max(min(_ALIVE_CHECK_MS, 1e3 * left_s), 0)):
-                break
-            if process.poll() is not None and not self._poller.poll(0):  # nothing left to read
-                raise self._lost()
-            if left_s <= 0:
-                self._kill(f"it did not answer {what}")
-                raise self._lost()
+        """The child's answer to ``what`` (link.py: killed past ``deadline``)."""
+        assert self._link is not None
         try:
-            return conn.recv()
-        except (EOFError, OSError) as exc:
-            raise self._lost() from exc
+            return self._link.receive(deadline, what)
+        except ChildGone as gone:
+            raise self._lost() from gone
 
     def _lost(self) -> StoreError:
-        """The child is gone (or going): this and every later call fail with its code."""
-        assert self._process is not None
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._process.wait(timeout=1.0)
-        self._broken = self._killed or how_it_ended(self._process.pid, self._process.returncode)
-        if self._caches and self._process.returncode is not None:  # it served: restart it
+        """The child is gone (or going): this and every later call fail with its end."""
+        link = self._link
+        assert link is not None
+        self._broken = link.how_it_ended()
+        if self._caches and not link.alive():  # it served: restart it
             self._ended = self._broken
         return StoreError(self._broken)
 
     def _kill(self, why: str, level: int = logging.ERROR) -> None:
-        """Kill the child now (SIGKILL; from any thread, never blocking): a wait for its
-        answer ends at once (its socket closes), and its calls fail with ``why``, as
-        for any death. ``Popen.kill`` polls first: a child already reaped is left."""
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
-        self._killed = f"the store process (pid {process.pid}) was killed (SIGKILL): {why}"
-        log.log(level, "aiokv: %s", self._killed)
-        process.kill()
+        """Kill the current child (from any thread): its calls fail with ``why``."""
+        link = self._link
+        if link is not None:
+            link.kill(why, level)
 
     def _shutdown(self, restarting: bool = False) -> None:
         """End the child (closing the socket ends one that is still serving), then drop
         what it mapped. ``restarting``: a new child follows, for the same engine (its
         notice callback stays; a child still alive is killed at once)."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(KeyError, ValueError):
-                self._poller.unregister(conn.fileno())
-            conn.close()
         on_end = self._notices.close()
-        if self._process is not None:
-            end_child(self._process, self._socket_files, 0.0 if restarting else _EXIT_TIMEOUT_S)
+        if self._link is not None:
+            self._link.close(self._socket_files, 0.0 if restarting else _EXIT_TIMEOUT_S)
         self._socket_files = []
         self._keep.clear()
         if restarting:
             self._notices.resume(on_end)
 
     def _forget_in_fork(self) -> None:
-        """In a forked child of this process: let go of the socket without a word, so
+        """In a forked child of this process: let go of the sockets without a word, so
         that the store process still sees its parent's death."""
-        conn, self._conn, self._process = self._conn, None, None
+        link, self._link = self._link, None
         ends = self._notices.forget()  # no reader thread here
         self._broken = "ProcessStore is not usable in a forked child"
         self._calling = threading.Lock()  # another thread may have held it at the fork
-        for copy in (conn, ends):
-            if copy is not None:
-                with contextlib.suppress(OSError):
-                    copy.close()  # this process's copies only
+        if link is not None:
+            link.forget()
+        if ends is not None:
+            with contextlib.suppress(OSError):
+                ends.close()  # this process's copy only
 
