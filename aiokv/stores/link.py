@@ -18,6 +18,7 @@ import subprocess
 import time
 from typing import Any
 
+from . import cache_fds
 from .restarts import how_it_ended
 from .spawn import end_child, spawn_child
 
@@ -50,9 +51,15 @@ class ChildLink:
         """Whether the child has not exited (reaped here once it has)."""
         return self.process.poll() is None
 
-    def send(self, message: object) -> None:
+    def send(self, message: object, *, start: bool = False) -> None:
+        """``start``: the start message, its CPU caches' shared memory passed as
+        descriptors over the socket (:mod:`.cache_fds`: none left here should the child
+        die before it takes them)."""
         try:
-            self.conn.send(message)
+            if start:
+                cache_fds.send(self.conn, message)
+            else:
+                self.conn.send(message)
         except OSError as exc:
             raise ChildGone from exc
 

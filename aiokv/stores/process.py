@@ -16,9 +16,9 @@ How:
   Ctrl-C to the terminal does not reach it. It builds the store from the same
   :class:`StoreConfig`, with ``own_process=False``.
 - The caches stay in this process and reach the child's store as the backend's
-  :class:`~aiokv.backends.CacheHandover` says: as tensors through torch's
-  multiprocessing reductions (shared memory for CPU tensors, CUDA IPC for GPU ones), or
-  (FlexKV) registered from here, their owner, once the child has started the store.
+  :class:`~aiokv.backends.CacheHandover` says: as tensors (CPU ones' shared memory as
+  descriptors over the socket, :mod:`.cache_fds`; GPU ones through torch's CUDA IPC),
+  or (FlexKV) registered from here, their owner, once the child has started the store.
 - Each call is one request and one reply, in order, on one socket (:mod:`.wire`).
 - Launched tasks are watched in the child (polled there, for a store such as FlexKV
   that does not notify), which sends a byte on a second socket when answers wait; a
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -156,10 +155,7 @@ class ProcessStore:
         handover = backend(self._config.backend).cache_handover()
         payload = handover.payload(caches)
         link = self._spawn()
-        # The child unpickles shared CPU tensors through this process's resource
-        # sharer, which admits processes with its key only.
-        self._send(bytes(multiprocessing.current_process().authkey))
-        self._send((self._config, payload))
+        self._send((self._config, payload), start=True)
         deadline = time.monotonic() + self._start_timeout_s
         while True:
             kind, value = self._receive(deadline, f"its start within {self._start_timeout_s:g} s")
@@ -388,10 +384,10 @@ class ProcessStore:
             return value
         raise noted(value, self.pid)
 
-    def _send(self, message: object) -> None:
+    def _send(self, message: object, *, start: bool = False) -> None:
         assert self._link is not None
         try:
-            self._link.send(message)
+            self._link.send(message, start=start)
         except ChildGone as gone:
             raise self._lost() from gone
 
