@@ -171,7 +171,9 @@ class StoreWorker:
         # starts its transfer engine) and every store call belongs to this thread.
         try:
             self._store.register(self._kv_caches)
-        except BaseException as exc:
+            if self._caps.set_wait_timeout is not None:  # a store that waits for room inside
+                self._caps.set_wait_timeout(self._wait_timeout_s)
+        except BaseException as exc:  # either call: the engine's start fails with it
             # A start() that was cancelled cancelled this future: nobody is told then.
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 self._registered.set_exception(exc)
@@ -191,8 +193,6 @@ class StoreWorker:
         set_yield = self._caps.set_yield
         if set_yield is not None:
             set_yield(self._slice.yield_if_used)
-        if self._caps.set_wait_timeout is not None:  # a store that waits for room inside
-            self._caps.set_wait_timeout(self._wait_timeout_s)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
         self._slice.restart()  # registering is not this thread's work
