@@ -128,8 +128,10 @@ class OffloadEngine:
         seconds; then the close escalates as with drain=False. drain=False: queued
         (undispatched) requests fail with EngineClosed at once. Launched transfers are
         never cancelled: the store thread waits for them before it closes the store; if
-        it is still busy at the deadline, it is left to end on its own and the requests
-        still unresolved fail with EngineClosed naming their count (logged as a warning).
+        it is still busy at the deadline, a store that can be ended at once is
+        (stores.base.Terminates: a store's child process is killed, up to a few seconds
+        more), else the thread is left to end on its own, and the requests still
+        unresolved fail with EngineClosed naming their count (logged as a warning).
         Lookups still held read released: the store thread cancels their reservations.
         """
         if self._state is EngineState.NEW:

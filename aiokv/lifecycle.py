@@ -36,6 +36,10 @@ from .stats import StatsRecorder
 from .stores.base import Store
 from .worker.thread import StoreWorker
 
+# After store.terminate() (the close timed out), how long the store thread may take to
+# finish: its calls then fail at once, so this is a bound, not a wait.
+_TERMINATED_JOIN_S = 5.0
+
 log = logging.getLogger("aiokv")
 
 
@@ -221,8 +225,9 @@ async def start(engine: EngineParts) -> None:
 
 async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     """Close a started engine (OffloadEngine.aclose), within ``timeout`` seconds whatever
-    the store does: returns how many requests were abandoned (failed with EngineClosed
-    at the deadline, their transfers, if launched, left to the store thread)."""
+    the store does (and up to _TERMINATED_JOIN_S more where the store could be
+    terminated): returns how many requests were abandoned (failed with EngineClosed at
+    the deadline, their transfers, if launched, left to the store thread)."""
     batcher, worker, idle = engine._batcher, engine._worker, engine._idle
     resolver, admission = engine._resolver, engine._admission
     assert batcher is not None and worker is not None and idle is not None
@@ -230,6 +235,7 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     engine._state = EngineState.DRAINING
+    worker.closing()  # the store starts nothing new for later calls (no new child)
     admission.wake_all()  # callers waiting for room see the state and leave
     if engine._batcher_task is None:
         drain = False  # closed while starting: nothing dispatches what is queued
@@ -250,7 +256,7 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
         await asyncio.gather(engine._batcher_task, return_exceptions=True)
     left_s = max(deadline - loop.time(), 0.0)
     worker.stop(give_up_s=left_s)  # a try_wait outage is waited through until the deadline
-    stuck = not await _join(worker, left_s)
+    stuck = not await _join(worker, left_s) and not await _terminate(worker)
     await asyncio.sleep(0)  # let outcomes posted before the join arrive
     if engine._invalidations is not None:
         engine._invalidations.close()  # an evict the store thread never answered
@@ -283,8 +289,9 @@ async def close_orphaned(engine: EngineParts, timeout: float) -> None:
     waits for launched transfers and closes the store."""
     assert engine._worker is not None
     engine._state = EngineState.CLOSED
+    engine._worker.closing()
     engine._worker.stop(give_up_s=timeout)
-    stuck = not await _join(engine._worker, timeout)
+    stuck = not await _join(engine._worker, timeout) and not await _terminate(engine._worker)
     if stuck:
         log.warning("aiokv: store thread still busy after %.1fs; left to end on its own", timeout)
     _release_after(engine._worker, engine._store, stuck)
@@ -302,6 +309,15 @@ def fail_accepted(engine: EngineParts, error: Exception) -> None:
         engine._deadlines.close()
     if engine._invalidations is not None:
         engine._invalidations.close()
+
+
+async def _terminate(worker: StoreWorker) -> bool:
+    """The close timed out with the store thread still busy: have the store end what the
+    thread waits on (a child process, killed: stores.base.Terminates), then give the
+    thread a moment to close the store. Whether it ended."""
+    if not worker.terminate():  # a store that cannot: the thread is left to end on its own
+        return False
+    return await _join(worker, _TERMINATED_JOIN_S)
 
 
 async def _join(worker: StoreWorker, timeout: float | None) -> bool:

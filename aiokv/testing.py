@@ -340,6 +340,14 @@ class SharedStore(StoreWrapper):
             self.inner.register(kv_caches)
             self._registered = True
 
+    def closing(self) -> None:
+        """Not passed on (stores.base.HearsOfClose): one engine's close is not the inner
+        store's, which serves the next engine (a ProcessStore still restarts its child)."""
+
+    def terminate(self) -> None:
+        """Not passed on (stores.base.Terminates), as :meth:`closing`: the inner store
+        is its owner's to end (a ProcessStore's own call bound still ends a hung child)."""
+
     def close(self) -> None:
         """Left to the owner: see :meth:`close_inner`."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import select
 import threading
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
@@ -32,6 +33,18 @@ def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[
 
 
 LAYERS, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 2, 256, 4, 2, 8
+
+
+def wait_for_exit(pid: int, timeout_s: float = 120.0) -> None:
+    """Block until process ``pid`` (a store's child) has exited; its parent reaps it."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # exited and reaped already
+    try:
+        assert select.select([handle], [], [], timeout_s)[0], f"pid {pid} did not exit"
+    finally:
+        os.close(handle)
 
 
 def make_caches(

@@ -543,6 +543,34 @@ async def test_calls_accepted_while_a_start_fails_are_failed_with_it(
     assert rig.engine.state is aiokv.EngineState.CLOSED
 
 
+class FailsAfterRegistering(aiokv.testing.StoreWrapper):
+    """Registers, then fails the engine's next setup call (set_notify), as a store
+    process that is down does (found with a ProcessStore out of restarts that a
+    testing.SharedStore handed to a second engine)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.closed = 0
+
+    def set_notify(self, callback: Any) -> None:
+        raise aiokv.StoreError("the store is down")
+
+    def close(self) -> None:
+        self.closed += 1
+        self.inner.close()
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_fails_right_after_registering_fails_the_start_not_hangs_it(
+    caches: list[torch.Tensor],
+) -> None:
+    store = FailsAfterRegistering(small_store())
+    engine = aiokv.OffloadEngine(store, caches)
+    with pytest.raises(aiokv.StoreError, match="the store is down"):
+        await asyncio.wait_for(engine.start(), 10)  # the store thread had died: no answer
+    assert store.closed == 1 and engine.state is aiokv.EngineState.CLOSED
+
+
 @pytest.mark.asyncio
 async def test_a_close_during_start_ends_both_without_a_batcher_left_running(
     caches: list[torch.Tensor],

@@ -10,15 +10,16 @@ import random
 import re
 import signal
 
+import numpy as np
 import pytest
 import torch
-from conftest import PAGE_SIZE, make_caches
+from conftest import PAGE_SIZE, make_caches, wait_for_exit
 
 import aiokv
 from aiokv.stores import ProcessStore
 from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.restarts import STRIDE, Generations, how_it_ended, restart_delay_s
-from aiokv.testing import CheckingStore, FaultyStore
+from aiokv.testing import CheckingStore, FaultyStore, SharedStore
 
 TOKENS = 4 * PAGE_SIZE
 KILLED = r"killed by signal 9 \(SIGKILL\)"
@@ -35,10 +36,13 @@ async def kill(store: ProcessStore) -> int:
     pid = store.pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
-    process = store._process
-    assert process is not None
-    await asyncio.to_thread(process.wait)
+    await asyncio.to_thread(wait_for_exit, pid)
     return pid
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is a process, stopped or a zombie not yet reaped included."""
+    return os.path.exists(f"/proc/{pid}")
 
 
 def pages(user: int) -> torch.Tensor:
@@ -92,6 +96,118 @@ async def test_restarts_are_bounded_then_every_call_fails_for_good() -> None:
             with pytest.raises(aiokv.StoreError, match=r"no restart left \(store.store_restarts=1\)"):
                 await engine.offload(user, pages(user), TOKENS)
         assert engine.stats().store_restarts == 1
+
+
+@pytest.mark.asyncio
+async def test_once_no_restart_is_left_the_dead_childs_ids_are_let_go() -> None:
+    """Its reservations are given back (nothing stays open, nothing is owed) and an
+    evict or clear says that the store is down, not that ids are still held."""
+    child = child_store(restarts=0)
+    engine = aiokv.OffloadEngine(child, make_caches(), aiokv.EngineConfig(window_us=0))
+    async with engine:
+        await engine.offload(0, pages(0), TOKENS)
+        released, held = await engine.lookup(0, TOKENS), await engine.lookup(0, TOKENS)
+        assert engine.stats().store_tasks_open == 2
+        await kill(child)
+        released.release()
+        down = r"the store is down: .*killed by signal 9 \(SIGKILL\).*no restart left"
+        with pytest.raises(aiokv.StoreError, match=down):
+            await engine.evict(0)  # after the release (inbox order); gives back `held`
+        assert engine.stats().store_tasks_open == 0
+        with pytest.raises(aiokv.StoreError, match=down):
+            await engine.clear()
+        with pytest.raises(aiokv.StoreError, match=down):
+            await engine.offload(1, pages(1), TOKENS)
+        assert (await engine.load(held, pages(2))).loaded_tokens == 0  # given back: a miss
+        stats = engine.stats()
+        assert (stats.store_tasks_open, stats.pending, stats.store_restarts) == (0, 0, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_child_that_dies_once_the_close_began_is_not_restarted() -> None:
+    """The close's own calls (polls of what was launched, the reservations it gives
+    back, the last figures) start no new child: a whole start, only to close it."""
+    child = child_store()
+    faulty = FaultyStore(child)  # hold: the answers of launched tasks wait in this process
+    checking = CheckingStore(faulty)
+    engine = aiokv.OffloadEngine(checking, make_caches(), aiokv.EngineConfig(window_us=0))
+    await engine.start()
+    await engine.offload(0, pages(0), TOKENS)
+    held = await engine.lookup(0, TOKENS)  # left to the close to give back
+    assert held.cached_tokens == TOKENS
+    faulty.hold.clear()
+    faulty.launched.clear()
+    in_flight = [asyncio.ensure_future(engine.offload(u, pages(u), TOKENS)) for u in (1, 2)]
+    await asyncio.to_thread(faulty.launched.wait)
+    closing = asyncio.ensure_future(engine.aclose(timeout=60))
+    await asyncio.sleep(0)  # the close began: it drains what was launched
+    first = await kill(child)
+    faulty.hold.set()
+    await closing
+    for outcome in await asyncio.gather(*in_flight, return_exceptions=True):
+        assert isinstance(outcome, aiokv.StoreError), outcome
+        assert f"pid {first}" in str(outcome) and re.search(KILLED, str(outcome)), outcome
+    stats = engine.stats()
+    assert (stats.store_restarts, stats.pending, stats.store_tasks_open) == (0, 0, 0)
+    assert child.pid == first  # no other child was started
+    assert checking.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_a_close_right_after_a_death_starts_no_child_to_close_it() -> None:
+    """Killed while idle, the child is replaced at once (its notice channel closed); a
+    close that begins meanwhile cuts that start short, or keeps it from starting."""
+    child = child_store()
+    engine = aiokv.OffloadEngine(child, make_caches(), aiokv.EngineConfig(window_us=0))
+    await engine.start()
+    await engine.offload(0, pages(0), TOKENS)
+    held = await engine.lookup(0, TOKENS)
+    assert held.cached_tokens == TOKENS
+    await kill(child)  # a new child's start (python, torch: seconds) may be under way
+    await engine.aclose()
+    stats = engine.stats()
+    assert (stats.store_restarts, stats.pending, stats.store_tasks_open) == (0, 0, 0)
+    assert stats.host_blocks_total > 0  # the dead child's last figures
+
+
+@pytest.mark.asyncio
+async def test_one_engines_close_does_not_end_restarts_of_a_store_that_serves_the_next() -> None:
+    child = child_store()
+    shared = SharedStore(child)  # the store outlives each engine on it
+    caches = make_caches()
+    try:
+        async with aiokv.OffloadEngine(shared, caches) as first:
+            await first.offload(0, pages(0), TOKENS)
+        await kill(child)
+        async with aiokv.OffloadEngine(shared, caches) as second:
+            assert (await second.offload(1, pages(1), TOKENS)).stored_tokens == TOKENS
+            assert second.stats().store_restarts == 1
+    finally:
+        shared.close_inner()
+
+
+def test_a_child_that_does_not_answer_a_call_in_time_is_killed_and_replaced() -> None:
+    """SIGSTOP stands for a store deadlocked in a call: the call fails within the
+    store's bound instead of holding its caller for good, and a new child serves."""
+    config = aiokv.StoreConfig(cpu_cache_gb=0.01, own_process=True)
+    store = ProcessStore(config, call_timeout_s=1.0)
+    store.register(make_caches())
+    tokens = np.arange(TOKENS, dtype=np.int64)
+    first = store.pid
+    assert first is not None
+    try:
+        store.cancel([store.put_match(tokens, ["before"])[0]])
+        os.kill(first, signal.SIGSTOP)
+        hung = rf"pid {first}\) was killed \(SIGKILL\): it did not answer put_match within 1 s"
+        with pytest.raises(aiokv.StoreError, match=hung):
+            store.put_match(tokens, ["hung"])
+        assert not _exists(first)  # killed and reaped
+        store.cancel([store.put_match(tokens, ["after"])[0]])  # a new child's answer
+        assert store.restarts == 1 and store.pid != first
+    finally:
+        if _exists(first):
+            os.kill(first, signal.SIGKILL)  # the test failed: leave no stopped process
+        store.close()
 
 
 @pytest.mark.asyncio

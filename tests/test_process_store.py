@@ -184,6 +184,59 @@ def test_a_child_that_cannot_register_raises_its_error_here_and_exits() -> None:
     store.close()
 
 
+def test_the_caches_cross_as_descriptors_of_their_own_shared_memory() -> None:
+    import socket
+    from multiprocessing.connection import Connection
+
+    from aiokv.stores import cache_fds
+
+    here, there = socket.socketpair()
+    sender, receiver = Connection(here.detach()), Connection(there.detach())
+    cache = torch.zeros(4, 8)
+    cache_fds.send(sender, ("start", [cache, cache[1:3]]))  # two tensors, one storage
+    word, (whole, view) = cache_fds.receive(receiver)
+    assert word == "start" and cache.is_shared()  # made shared in place, as torch does
+    whole[1, 0] = 7.0  # the receiver writes the sender's memory, once mapped for both
+    assert cache[1, 0] == 7.0 and view[0, 0] == 7.0
+    sender.close()
+    receiver.close()
+
+
+def _only_in(pid: int) -> aiokv.StoreConfig:
+    if os.getpid() != pid:
+        raise RuntimeError("this config unpickles in the test's own process only")
+    return aiokv.StoreConfig()
+
+
+class _OnlyInThisProcess(aiokv.StoreConfig):
+    """A config that the child fails to unpickle, before the caches that follow it."""
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return _only_in, (os.getpid(),)
+
+
+def test_a_child_that_fails_before_it_maps_the_caches_leaves_no_descriptor_here() -> None:
+    """The caches' shared memory crosses as descriptors over the child's socket. Through
+    multiprocessing's resource sharer, a duplicate of each waited here for a child that
+    never came for it (it failed, or was killed, first): two more open here per start,
+    each keeping a cache's shared memory alive after the store closed."""
+    caches = make_caches()
+    for cache in caches:
+        cache.share_memory_()  # as register does: the caches' own descriptors stay
+
+    def failed_start() -> None:
+        store = ProcessStore(_OnlyInThisProcess(cpu_cache_gb=0.01))
+        with pytest.raises((ImportError, RuntimeError)):  # the child could not unpickle it
+            store.register(caches)
+        store.close()
+
+    failed_start()  # whatever the first start opens for good
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        failed_start()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 @pytest.mark.asyncio
 async def test_when_the_child_dies_callers_get_its_exit_code_not_a_hang() -> None:
     caches = make_caches()
@@ -260,7 +313,7 @@ def test_an_interrupted_call_breaks_the_store_rather_than_shift_every_answer(
     store.register(make_caches())
     real_receive = store._receive
 
-    def interrupted(deadline: float | None) -> object:
+    def interrupted(*args: object) -> object:
         raise KeyboardInterrupt  # after the request went out, before its answer is read
 
     monkeypatch.setattr(store, "_receive", interrupted)
@@ -510,12 +563,12 @@ class Unnotifying(aiokv.testing.FakeStore):
 
 def _serve_in_thread(monkeypatch: pytest.MonkeyPatch, store: Any) -> tuple[Any, Any, Any]:
     """aiokv.stores.child.serve on ``store``, in a thread: (its conn, its ends, thread)."""
-    import multiprocessing
     import socket
     import threading
     from multiprocessing.connection import Connection
 
     import aiokv.stores.child as child
+    from aiokv.stores import cache_fds
 
     monkeypatch.setattr(child, "make_store", lambda config: store)
     monkeypatch.setattr(child, "_register", lambda *args: None)
@@ -526,8 +579,7 @@ def _serve_in_thread(monkeypatch: pytest.MonkeyPatch, store: Any) -> tuple[Any, 
         target=child.serve, args=(Connection(theirs.detach()), ends_theirs), daemon=True
     )
     thread.start()
-    conn.send(bytes(multiprocessing.current_process().authkey))  # serve sets it: keep ours
-    conn.send((None, None))
+    cache_fds.send(conn, (None, None))  # the start message, as ProcessStore sends it
     assert conn.recv() == ("ready", PAGE_SIZE)
     ends_here.settimeout(10)
     return conn, ends_here, thread

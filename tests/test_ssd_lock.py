@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import IO, Any
 
@@ -101,6 +102,45 @@ async def test_a_store_in_a_process_of_its_own_holds_it_and_a_killed_one_lets_go
         await refused(tmp_path, store.pid)
     async with engine_on(tmp_path, caches) as after:  # released when the store closed
         await round_trip(after, 2, caches)
+
+
+@pytest.mark.asyncio
+async def test_a_hung_store_process_is_killed_when_the_close_times_out_and_lets_go(
+    tmp_path: Path,
+) -> None:
+    """A child that stops answering (SIGSTOP stands for a deadlocked store) holds the
+    store thread and the directory until the engine's close times out; then it is
+    killed and reaped, the store thread ends, and the directory opens again."""
+    caches = make_caches()
+    store = aiokv.stores.ProcessStore(config(tmp_path, own_process=True))
+    engine = engine_on(tmp_path, caches, store)
+    threads = _store_threads()
+    await engine.start()
+    pid = store.pid
+    assert pid is not None
+    try:
+        assert (await engine.offload(1, torch.arange(4, 8), TOKENS)).stored_tokens == TOKENS
+        os.kill(pid, signal.SIGSTOP)
+        in_flight = asyncio.ensure_future(engine.offload(2, torch.arange(8, 12), TOKENS))
+        await engine.aclose(timeout=1.0)
+        with pytest.raises((aiokv.EngineClosed, aiokv.StoreError)):
+            await in_flight
+        assert not _exists(pid)  # killed and reaped
+        assert _store_threads() == threads  # the engine's store thread ended
+        async with engine_on(tmp_path, caches) as after:  # the lock went with the child
+            assert (await after.offload(3, torch.arange(12, 16), TOKENS)).stored_tokens == TOKENS
+    finally:
+        if _exists(pid):
+            os.kill(pid, signal.SIGKILL)  # the test failed: leave no stopped process
+
+
+def _store_threads() -> int:
+    return sum(thread.name == "aiokv-store" for thread in threading.enumerate())
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is a process, stopped or a zombie not yet reaped included."""
+    return os.path.exists(f"/proc/{pid}")
 
 
 def kill_9(pid: int) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from conftest import launch_slots
+from conftest import launch_slots, wait_for_exit
 
 import aiokv
 from aiokv.stores.flexkv import flexkv_available
@@ -272,9 +272,7 @@ async def test_a_killed_store_process_is_restarted_and_serves_on(unregistered: B
         first = bench.store.pid
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        process = bench.store._process
-        assert process is not None
-        await asyncio.to_thread(process.wait)
+        await asyncio.to_thread(wait_for_exit, first)
         # Killed while idle: the next call starts a new child (empty, caches registered).
         stored = await engine.offload(1, torch.arange(3, 6, device=device), tokens)
         assert stored.stored_tokens == tokens

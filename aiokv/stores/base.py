@@ -34,7 +34,8 @@ Contract, for any store:
 Optional features are declared below, one Protocol each (:class:`Notifies`,
 :class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`,
 :class:`Clears`, :class:`ReportsStats`, :class:`AdvisesSlice`, :class:`Restarts`,
-:class:`BoundsWaits`); a store implements any subset, and a
+:class:`BoundsWaits`, :class:`HearsOfClose`, :class:`Terminates`); a store implements any
+subset, and a
 wrapper forwards what its inner store has. The engine reads them once, into
 :class:`Capabilities`, when it builds its store thread.
 """
@@ -250,6 +251,32 @@ class BoundsWaits(Protocol):
     def set_deadlines(self, task_ids: Sequence[int], deadlines_s: Sequence[float]) -> None: ...
 
 
+@runtime_checkable
+class HearsOfClose(Protocol):
+    """``closing()``: the engine that drives the store began to close (``aclose``, before
+    its drain); the store's ``close()`` follows once the store thread is done. From then
+    on the store starts nothing of its own that only later calls would use (ProcessStore:
+    no new child after one died; what the dead one held answers FAILED, and its figures
+    are the last it gave). Called from the engine's loop thread, not the store thread
+    (that one may be inside a call): it only sets a flag, and never blocks. A wrapper
+    that outlives its engines (testing.SharedStore) does not pass it on."""
+
+    def closing(self) -> None: ...
+
+
+@runtime_checkable
+class Terminates(Protocol):
+    """``terminate()``: the engine's close timed out with its store thread still busy
+    with the store (inside a call, waiting for launched tasks, or in ``close()``): end
+    what that thread waits on, now (ProcessStore: kill its child, SIGKILL), so that its
+    calls fail at once (launched tasks FAILED) and the thread ends, releasing what the
+    store holds (a child's SSD directory lock) instead of waiting on it for good. Called
+    from the engine's loop thread after :class:`HearsOfClose`'s ``closing()``; never
+    blocks. Not passed on by testing.SharedStore (its owner ends the inner store)."""
+
+    def terminate(self) -> None: ...
+
+
 def capacity_tokens(
     store_stats: Callable[[], Mapping[str, int | float]] | None, page_size: int
 ) -> int | None:
@@ -277,6 +304,8 @@ OPTIONAL_METHODS = (
     "clear",
     "store_stats",
     "layer_marks",
+    "closing",
+    "terminate",
 )
 
 
@@ -296,6 +325,8 @@ class Capabilities:
     clear: Callable[[], int] | None = None
     store_stats: Callable[[], Mapping[str, int | float]] | None = None
     layer_marks: Callable[[int], LayerMarks | None] | None = None
+    closing: Callable[[], None] | None = None
+    terminate: Callable[[], None] | None = None
 
     @classmethod
     def of(cls, store: object) -> Capabilities:

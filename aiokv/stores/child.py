@@ -1,8 +1,9 @@
 """The child side of :class:`~aiokv.stores.process.ProcessStore`.
 
 ``python -m aiokv.stores.child FD ENDS_FD``: FD is this end of the socket, ENDS_FD that of
-the channel on which the child tells the parent that tasks have ended. The parent sends its
-multiprocessing key (bytes), then ``(StoreConfig, payload)`` (:mod:`.wire`). The child
+the channel on which the child tells the parent that tasks have ended. The parent sends
+``(StoreConfig, payload)`` (:mod:`.wire`; its CPU caches' shared memory as descriptors
+over the socket, :mod:`.cache_fds`). The child
 builds the store, registers it as its backend's cache handover says (which may ask the
 parent to attach the caches) and answers ``("ready", page_size)`` or ``("failed",
 exception)``. Then
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import select
 import socket
 import sys
@@ -36,7 +36,7 @@ import torch
 import torch.multiprocessing  # registers tensor reductions for Connection.recv
 
 from ..backends import backend
-from . import make_store
+from . import cache_fds, make_store
 from .base import NoSpace, Store, TaskResult
 from .wire import launch_pages, pack_results, portable
 
@@ -176,10 +176,9 @@ def _register(store: Store, config: Any, payload: Any, conn: Connection) -> None
 
 
 def serve(conn: Connection, ends_socket: socket.socket) -> int:
-    multiprocessing.current_process().authkey = conn.recv()
     store: Store | None = None
     try:
-        config, payload = conn.recv()  # tensors: may fail to map here
+        config, payload = cache_fds.receive(conn)  # tensors: may fail to map here
         store = make_store(config)  # e.g. FlexKV not importable from this process
         _register(store, config, payload, conn)
     except Exception as exc:

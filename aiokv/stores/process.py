@@ -16,9 +16,9 @@ How:
   Ctrl-C to the terminal does not reach it. It builds the store from the same
   :class:`StoreConfig`, with ``own_process=False``.
 - The caches stay in this process and reach the child's store as the backend's
-  :class:`~aiokv.backends.CacheHandover` says: as tensors through torch's
-  multiprocessing reductions (shared memory for CPU tensors, CUDA IPC for GPU ones), or
-  (FlexKV) registered from here, their owner, once the child has started the store.
+  :class:`~aiokv.backends.CacheHandover` says: as tensors (CPU ones' shared memory as
+  descriptors over the socket, :mod:`.cache_fds`; GPU ones through torch's CUDA IPC),
+  or (FlexKV) registered from here, their owner, once the child has started the store.
 - Each call is one request and one reply, in order, on one socket (:mod:`.wire`).
 - Launched tasks are watched in the child (polled there, for a store such as FlexKV
   that does not notify), which sends a byte on a second socket when answers wait; a
@@ -27,23 +27,25 @@ How:
   costs a round trip.
 - A store's exception travels back and is raised here as itself (with a note naming
   the child) where it pickles, else as StoreError naming it.
+- No wait for the child is unbounded: a call not answered within ``call_timeout_s``
+  (a deadlocked store), a start past ``start_timeout_s``, a close past its own bound,
+  and whatever the store thread still waits on when the engine's close times out
+  (``terminate``) end with the child killed (SIGKILL), reaped and counted as dead: its
+  ids answer FAILED, and what it held (an SSD directory's lock) is released.
 - If the child dies, the calls in flight fail naming its exit; the next call starts a
-  new, empty child (:mod:`.restarts`). If this process dies, the child sees the socket
-  close and closes its store.
+  new, empty child (:mod:`.restarts`), unless the engine's close began (``closing``):
+  then its ids answer FAILED and the store's figures stay its last. If this process
+  dies, the child sees the socket close and closes its store.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import select
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -54,15 +56,15 @@ from ..config import StoreConfig
 from ..copy.fused import PageCopier
 from ..errors import StoreError
 from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from .link import ChildGone, ChildLink
 from .notices import Notices
 from .notices import no_notify as no_notify  # a public name of this module too
-from .restarts import Restarts, how_it_ended
-from .spawn import end_child, forget_in_forks, spawn_child
+from .restarts import Restarts
+from .spawn import forget_in_forks
 from .wire import MIRRORED, Op, PackedResults, launch_args, noted, portable, query, unpack_results
 
 log = logging.getLogger("aiokv")
 
-_ALIVE_CHECK_MS = 1000  # while a reply is awaited, check this often that the child lives
 _CLOSE_TIMEOUT_S = 180.0  # the child's close waits for launched copies (FlexKV: 60 s+)
 _EXIT_TIMEOUT_S = 10.0  # after its close, the child exits in this time or is killed
 
@@ -77,17 +79,23 @@ class ProcessStore:
     longer alias them); CUDA caches stay where they are.
     """
 
-    def __init__(self, config: StoreConfig, *, start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, config: StoreConfig, *, start_timeout_s: float = 300.0,
+        call_timeout_s: float = 300.0,
+    ) -> None:
+        """``start_timeout_s``: the most a child may take to start its store (FlexKV: its
+        transfer engine); ``call_timeout_s``: to answer one call (an evict waits up to
+        30 s for SSD writes). A child past either is killed: a store deadlocked in it
+        would otherwise hold the store thread, and what the child holds, for good."""
         self._config = replace(config, own_process=False)  # what the child builds
         inner = backend(config.backend).store_class()
         for name in MIRRORED:  # what the child's store lacks, this one lacks too
             if not callable(getattr(inner, name, None)):
                 setattr(self, name, None)
         self._start_timeout_s = start_timeout_s
+        self._call_timeout_s = call_timeout_s
         self.page_size: int = config.page_size or 0  # the child's, once registered
-        self._process: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
-        self._poller = select.poll()
+        self._link: ChildLink | None = None  # the current child (link.py)
         # The caches, and what the handover attached: alive as long as the child maps them.
         self._keep: list[Any] = []
         self._socket_files: list[str] = []  # the handover's, removed should the child die
@@ -98,6 +106,9 @@ class ProcessStore:
         self._ids = self._restarts.ids  # the engine's ids across children
         self._closed = False
         self._deadlines: dict[int, float] = {}  # set_deadlines, sent with the next launch
+        self._closing = False  # the engine closes: no new child from now on
+        self._restarting = False  # the store thread is starting a new child
+        self._last_stats: dict[str, int | float] = {}  # the child's, for when none serves
         # One call on the socket at a time: the engine calls from its store thread only,
         # but close() may come from another thread (a store shared by several engines).
         self._calling = threading.Lock()
@@ -124,12 +135,12 @@ class ProcessStore:
     @property
     def pid(self) -> int | None:
         """The child's process id (None before register)."""
-        return None if self._process is None else self._process.pid
+        return None if self._link is None else self._link.pid
 
     # ---- setup -----------------------------------------------------------------------
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        if self._process is not None or self._closed:
+        if self._link is not None or self._closed:
             raise RuntimeError("ProcessStore.register() was already called")
         caches = list(kv_caches)
         try:
@@ -143,14 +154,11 @@ class ProcessStore:
         """Spawn a child, hand it the caches and wait until its store is ready."""
         handover = backend(self._config.backend).cache_handover()
         payload = handover.payload(caches)
-        conn = self._spawn()
-        # The child unpickles shared CPU tensors through this process's resource
-        # sharer, which admits processes with its key only.
-        self._send(bytes(multiprocessing.current_process().authkey))
-        self._send((self._config, payload))
+        link = self._spawn()
+        self._send((self._config, payload), start=True)
         deadline = time.monotonic() + self._start_timeout_s
         while True:
-            kind, value = self._receive(deadline)
+            kind, value = self._receive(deadline, f"its start within {self._start_timeout_s:g} s")
             if kind == "ready":
                 self.page_size = int(value)
                 break
@@ -161,19 +169,21 @@ class ProcessStore:
             try:
                 kept, self._socket_files = handover.attach(value, caches, payload)
             except Exception as exc:
-                with contextlib.suppress(OSError):
-                    conn.send((False, portable(exc)))
+                with contextlib.suppress(ChildGone):
+                    link.send((False, portable(exc)))
                 raise
             self._keep.append(kept)
             self._send((True, None))
         self._keep.append(caches)
         self._notices.start()  # set_notify may have come before register
 
-    def _spawn(self) -> Connection:
-        self._process, self._conn, self._notices.socket = spawn_child()
+    def _spawn(self) -> ChildLink:
+        link = self._link = ChildLink()
+        self._notices.socket = link.ends
         forget_in_forks(self)
-        self._poller.register(self._conn.fileno(), select.POLLIN)
-        return self._conn
+        if self._restarting and self._closing:  # closing() may have missed this child
+            raise StoreError("not started: the engine is closing")
+        return link
 
     def set_notify(self, callback: Callable[[], None]) -> None:
         """``callback()`` (from a thread of this store's) whenever tasks may have ended."""
@@ -245,7 +255,14 @@ class ProcessStore:
         return dropped
 
     def store_stats(self) -> Mapping[str, int | float]:
-        stats = dict(self._call("store_stats", None))
+        """The child's figures; while no child serves (it died, and no new one follows
+        yet or ever), those it gave last."""
+        try:
+            self._last_stats = dict(self._call("store_stats", None))
+        except StoreError:
+            if self._broken is None:  # the child's own store raised it
+                raise
+        stats = dict(self._last_stats)
         stats["d2h_copies"] = stats.get("d2h_copies", 0) + self._pages.d2h_copies
         return stats
 
@@ -254,6 +271,19 @@ class ProcessStore:
         child's store (no round trip of their own). time.monotonic() is one clock for the
         processes of a host."""
         self._deadlines = dict(zip(task_ids, deadlines_s, strict=True))
+
+    def closing(self) -> None:
+        """stores.base.HearsOfClose: no new child from now on (any thread; never
+        blocks). A child that dies later leaves its ids FAILED and the store down, and a
+        new child that is starting now is killed: it would only serve the close."""
+        self._closing = True
+        if self._restarting:
+            self._kill("the engine began to close while it started", logging.WARNING)
+
+    def terminate(self) -> None:
+        """stores.base.Terminates: kill the child now (any thread; never blocks). The
+        store thread's wait for it ends at once; what it had launched answers FAILED."""
+        self._kill("it was still busy when the engine's close timed out")
 
     def close(self) -> None:
         """Close the child's store (it waits for launched copies), then end the child."""
@@ -267,13 +297,20 @@ class ProcessStore:
                 self._shutdown()
 
     def _close_child(self) -> None:
-        if self._conn is not None and self._broken is None:
-            try:
-                self._send(("close", None))
-                ok, value = self._receive(time.monotonic() + _CLOSE_TIMEOUT_S)
-                if not ok:
-                    log.error("aiokv: the store process failed to close its store: %r", value)
-            except (OSError, StoreError):
+        link = self._link
+        if link is None or link.conn.closed or self._broken is not None:
+            return
+        if not link.alive():  # died, and no call found out since
+            log.warning("aiokv: %s before its close", link.how_it_ended())
+            return
+        try:
+            self._send(("close", None))
+            deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+            ok, value = self._receive(deadline, f"its close within {_CLOSE_TIMEOUT_S:g} s")
+            if not ok:
+                log.error("aiokv: the store process failed to close its store: %r", value)
+        except StoreError:
+            if link.killed is None:  # else said when it was killed
                 log.exception("aiokv: the store process did not close cleanly")
 
     # ---- internals -------------------------------------------------------------------
@@ -290,29 +327,32 @@ class ProcessStore:
         call, by the notice channel closing, or by its exit status (then no call goes to
         a child known to be dead). The status too: the notice channel's reader thread
         may not have seen the close yet when the next call comes."""
-        process = self._process
-        if (
-            self._ended is None
-            and not self._notices.closed
-            and (process is None or process.poll() is None)
-        ):
+        link = self._link
+        if self._ended is None and not self._notices.closed and (link is None or link.alive()):
             return
         with self._calling:
-            process = self._process
-            if self._closed or process is None:
+            link = self._link
+            if self._closed or link is None:
                 return
-            if self._ended is None and self._broken is None and process.poll() is not None:
+            if self._ended is None and self._broken is None and not link.alive():
                 self._lost()
             if self._ended is not None:
                 self._restart(self._ended)
 
     def _restart(self, why: str) -> None:
+        """A new child, or (no restart left, or none came up) the store down for good:
+        not raised here, so that what the dead child's ids need (a cancel, a try_wait)
+        still succeeds; every call that needs a child raises StoreError saying so."""
+        self._restarting = True
         try:
-            self._restarts.run(why, self._start_again)
+            self._restarts.run(why, self._start_again, lambda: self._closing)
         except StoreError as error:
             self._shutdown(restarting=True)
-            self._ended, self._broken = None, str(error)  # for good
-            raise
+            self._ended, self._broken = None, f"the store is down: {error}"  # for good
+            log.log(logging.WARNING if self._closing else logging.ERROR, "aiokv: %s", self._broken)
+            return
+        finally:
+            self._restarting = False
         self._ended = self._broken = None
         log.warning("aiokv: %s; a new store process (pid %s) serves", why, self.pid)
 
@@ -323,13 +363,16 @@ class ProcessStore:
     def _call(self, op: Op, args: object) -> Any:
         self._revive()  # before the lock: it takes it
         with self._calling:
-            if self._closed or (self._conn is None and self._broken is None):
+            link = self._link
+            unlinked = link is None or link.conn.closed
+            if self._closed or (unlinked and self._broken is None):
                 raise RuntimeError("ProcessStore is closed or not registered")
             if self._broken is not None:
                 raise StoreError(self._broken)
             self._send((op, args))
             try:
-                ok, value = self._receive(None)
+                bound_s = self._call_timeout_s
+                ok, value = self._receive(time.monotonic() + bound_s, f"{op} within {bound_s:g} s")
             except BaseException:
                 # Interrupted (KeyboardInterrupt in a main-thread caller, say) with the
                 # answer unread: a later call would read this one's answer as its own.
@@ -340,66 +383,58 @@ class ProcessStore:
             return value
         raise noted(value, self.pid)
 
-    def _send(self, message: object) -> None:
-        conn = self._conn
-        assert conn is not None
+    def _send(self, message: object, *, start: bool = False) -> None:
+        assert self._link is not None
         try:
-            conn.send(message)
-        except OSError as exc:  # the child is gone
-            raise self._lost() from exc
+            self._link.send(message, start=start)
+        except ChildGone as gone:
+            raise self._lost() from gone
 
-    def _receive(self, deadline: float | None) -> Any:
-        """The child's next message. Waits without the GIL (one poll syscall), checking
-        now and then that the child lives."""
-        conn, process = self._conn, self._process
-        assert conn is not None and process is not None
-        while not self._poller.poll(_ALIVE_CHECK_MS):
-            if process.poll() is not None and not self._poller.poll(0):  # nothing left to read
-                raise self._lost()
-            if deadline is not None and time.monotonic() > deadline:
-                self._broken = f"the store process (pid {process.pid}) did not answer in time"
-                raise StoreError(self._broken)
+    def _receive(self, deadline: float, what: str) -> Any:
+        """The child's answer to ``what`` (link.py: killed past ``deadline``)."""
+        assert self._link is not None
         try:
-            return conn.recv()
-        except (EOFError, OSError) as exc:
-            raise self._lost() from exc
+            return self._link.receive(deadline, what)
+        except ChildGone as gone:
+            raise self._lost() from gone
 
     def _lost(self) -> StoreError:
-        """The child is gone (or going): this and every later call fail with its code."""
-        assert self._process is not None
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._process.wait(timeout=1.0)
-        self._broken = how_it_ended(self._process.pid, self._process.returncode)
-        if self._caches and self._process.returncode is not None:  # it served: restart it
+        """The child is gone (or going): this and every later call fail with its end."""
+        link = self._link
+        assert link is not None
+        self._broken = link.how_it_ended()
+        if self._caches and not link.alive():  # it served: restart it
             self._ended = self._broken
         return StoreError(self._broken)
+
+    def _kill(self, why: str, level: int = logging.ERROR) -> None:
+        """Kill the current child (from any thread): its calls fail with ``why``."""
+        link = self._link
+        if link is not None:
+            link.kill(why, level)
 
     def _shutdown(self, restarting: bool = False) -> None:
         """End the child (closing the socket ends one that is still serving), then drop
         what it mapped. ``restarting``: a new child follows, for the same engine (its
         notice callback stays; a child still alive is killed at once)."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(KeyError, ValueError):
-                self._poller.unregister(conn.fileno())
-            conn.close()
         on_end = self._notices.close()
-        if self._process is not None:
-            end_child(self._process, self._socket_files, 0.0 if restarting else _EXIT_TIMEOUT_S)
+        if self._link is not None:
+            self._link.close(self._socket_files, 0.0 if restarting else _EXIT_TIMEOUT_S)
         self._socket_files = []
         self._keep.clear()
         if restarting:
             self._notices.resume(on_end)
 
     def _forget_in_fork(self) -> None:
-        """In a forked child of this process: let go of the socket without a word, so
+        """In a forked child of this process: let go of the sockets without a word, so
         that the store process still sees its parent's death."""
-        conn, self._conn, self._process = self._conn, None, None
+        link, self._link = self._link, None
         ends = self._notices.forget()  # no reader thread here
         self._broken = "ProcessStore is not usable in a forked child"
         self._calling = threading.Lock()  # another thread may have held it at the fork
-        for copy in (conn, ends):
-            if copy is not None:
-                with contextlib.suppress(OSError):
-                    copy.close()  # this process's copies only
+        if link is not None:
+            link.forget()
+        if ends is not None:
+            with contextlib.suppress(OSError):
+                ends.close()  # this process's copy only
 

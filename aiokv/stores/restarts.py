@@ -12,8 +12,12 @@ its ``launch`` raises StoreError. The first child's ids go through unchanged.
 When: a call finds the child dead (it fails, naming the exit code or signal: the engine
 fails what it had launched), or the notice channel closes with it; the next call starts
 the new child, which registers the caches again and starts empty. ``store_restarts``
-attempts over the store's life, with backoff; then every call raises StoreError. A child
-that is alive but does not answer is not restarted.
+attempts over the store's life, with backoff; then the store is down for good: every
+call raises StoreError saying so. None once the engine's close began (``closing``): a
+new child would only serve the close's own calls. The dead child's ids are retired when its death is
+handled, whether or not a new child follows: a store down for good still answers them
+(FAILED, and their cancel is a no-op), so that the engine lets them go. A child that is
+alive but does not answer is not restarted.
 """
 
 from __future__ import annotations
@@ -109,22 +113,32 @@ class Restarts:
         self.count = 0  # restarts that gave a serving child
         self.ids = Generations()
 
-    def run(self, why: str, start: Callable[[], None]) -> None:
+    def run(
+        self, why: str, start: Callable[[], None], closing: Callable[[], bool] = lambda: False
+    ) -> None:
         """Start a new child (``start``) after one ended (``why``): attempts with backoff
         while the budget lasts; StoreError, naming the end and the budget, when none is
-        left or every attempt left failed."""
+        left or every attempt left failed, or naming the close once ``closing()`` (no
+        child is started for a store about to close). The dead child's ids are retired
+        first, in every case: they name blocks that died with it."""
+        self.ids.retire(why)
         reason = why
-        while self.attempts < self.limit:
+        while self.attempts < self.limit and not closing():
             self.attempts += 1
             time.sleep(restart_delay_s(self.attempts))  # the store thread must wait anyway
+            if closing():
+                break
             try:
                 start()
             except Exception as exc:
+                if closing():
+                    break  # cut short by the close (ProcessStore.closing kills the child)
                 log.warning("aiokv: restart %d of the store process failed", self.attempts,
                             exc_info=True)
                 reason = f"{why}; restart {self.attempts} of {self.limit} failed: {exc!r}"
                 continue
-            self.ids.retire(why)
             self.count += 1
             return
+        if closing():
+            raise StoreError(f"{reason}; not restarted: the engine is closing")
         raise StoreError(f"{reason}; no restart left (store.store_restarts={self.limit})")

@@ -1,9 +1,9 @@
 """What crosses the socket between :class:`~aiokv.stores.process.ProcessStore` and its
 child (:mod:`aiokv.stores.child`), pickled by ``multiprocessing.connection``.
 
-Start-up, parent -> child: the multiprocessing key (bytes), then :data:`Start`. Child ->
-parent: :data:`Attach` (at most once; the parent answers a :data:`Reply`), then
-:data:`Ready` or :data:`Failed`.
+Start-up, parent -> child: :data:`Start`, sent by :mod:`.cache_fds` (the CPU caches'
+shared memory as descriptors over the socket). Child -> parent: :data:`Attach` (at most
+once; the parent answers a :data:`Reply`), then :data:`Ready` or :data:`Failed`.
 
 Serving: each :data:`Call` gets one :data:`Reply`, in order; ``("close", None)`` ends it.
 Messages are plain tuples, so that a call pickles as little as it can: the types below

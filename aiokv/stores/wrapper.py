@@ -40,6 +40,8 @@ class StoreWrapper:
     evict: Callable[[Sequence[str]], int] | None
     clear: Callable[[], int] | None
     store_stats: Callable[[], Mapping[str, int | float]] | None
+    closing: Callable[[], None] | None
+    terminate: Callable[[], None] | None
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner

@@ -143,6 +143,28 @@ class StoreWorker:
                 self._give_up_at = time.perf_counter() + give_up_s
                 self._inbox.put(_STOP)
 
+    def closing(self) -> None:
+        """The engine's close began (loop thread): the store hears it now
+        (stores.base.HearsOfClose), not once this thread gets to it, which may be inside
+        a call whose failure would otherwise start a new child process."""
+        if self._caps.closing is not None:
+            try:
+                self._caps.closing()
+            except Exception:  # the close goes on: it is a hint to the store
+                log.exception("store.closing() failed")
+
+    def terminate(self) -> bool:
+        """The close timed out with this thread still busy (loop thread): have the store
+        end what this thread waits on (stores.base.Terminates). Whether it can."""
+        if self._caps.terminate is None:
+            return False
+        try:
+            self._caps.terminate()
+        except Exception:
+            log.exception("store.terminate() failed")
+            return False
+        return True
+
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -152,9 +174,21 @@ class StoreWorker:
     def _run(self) -> None:
         # The store is registered here, not on the loop: it may take seconds (FlexKV
         # starts its transfer engine) and every store call belongs to this thread.
+        # A store that can say when a task may have ended (LocalStore's copy thread)
+        # wakes this thread through the inbox; others are polled every poll_interval_us.
+        set_notify = self._caps.set_notify
+        notified = set_notify is not None
+        # A store with points of its own where the GIL may go to the loop (set_yield).
+        # Passed even with no slice (it replaces an earlier engine's on a shared store),
+        # and taken back when this thread ends (finally, below).
+        set_yield = self._caps.set_yield
         try:
             self._store.register(self._kv_caches)
-        except BaseException as exc:
+            if set_notify is not None:
+                set_notify(lambda: self._inbox.put(_WAKE))
+            if set_yield is not None:
+                set_yield(self._slice.yield_if_used)
+        except BaseException as exc:  # any of them: the engine's start fails with it
             # A start() that was cancelled cancelled this future: nobody is told then.
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 self._registered.set_exception(exc)
@@ -168,18 +202,6 @@ class StoreWorker:
         self._rounds.capacity_tokens = capacity_tokens(
             None if self._caps.store_stats is None else lambda: self.figures.latest,
             self._page_size)
-        # A store that can say when a task may have ended (LocalStore's copy thread)
-        # wakes this thread through the inbox; others are polled every poll_interval_us.
-        set_notify = self._caps.set_notify
-        notified = set_notify is not None
-        if set_notify is not None:
-            set_notify(lambda: self._inbox.put(_WAKE))
-        # A store with points of its own where the GIL may go to the loop (set_yield).
-        # Passed even with no slice (it replaces an earlier engine's on a shared store),
-        # and taken back when this thread ends (finally, below).
-        set_yield = self._caps.set_yield
-        if set_yield is not None:
-            set_yield(self._slice.yield_if_used)
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
         self._slice.restart()  # registering is not this thread's work

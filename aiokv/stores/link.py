@@ -1,0 +1,116 @@
+"""ProcessStore's link to one child (:mod:`aiokv.stores.process`): the process
+(:mod:`.spawn`), the socket this process calls it on, and every wait on it.
+
+No wait is unbounded. :meth:`ChildLink.receive` waits for the child's answer without the
+GIL (one poll syscall at a time), checks now and then that the child lives, and kills it
+(SIGKILL) past its deadline: a store deadlocked in the child would otherwise hold the
+caller, and whatever the child holds (an SSD directory's lock), for good. A kill may
+come from any thread (:meth:`ChildLink.kill`): the child's end of the socket closes with
+it, which ends a wait at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import subprocess
+import time
+from typing import Any
+
+from . import cache_fds
+from .restarts import how_it_ended
+from .spawn import end_child, spawn_child
+
+log = logging.getLogger("aiokv")
+
+_ALIVE_CHECK_MS = 1000  # while an answer is awaited, check this often that the child lives
+
+
+class ChildGone(Exception):
+    """The child died, or was killed, under a send or a receive: ask
+    :meth:`ChildLink.how_it_ended`."""
+
+
+class ChildLink:
+    """A child just spawned (``python -m aiokv.stores.child``) and its sockets: the call
+    socket (``conn``) and that of its notices of ended tasks (``ends``, for
+    :mod:`.notices`)."""
+
+    def __init__(self) -> None:
+        self.killed: str | None = None  # why this process killed the child (kill)
+        self.process, self.conn, self.ends = spawn_child()
+        self._poller = select.poll()
+        self._poller.register(self.conn.fileno(), select.POLLIN)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        """Whether the child has not exited (reaped here once it has)."""
+        return self.process.poll() is None
+
+    def send(self, message: object, *, start: bool = False) -> None:
+        """``start``: the start message, its CPU caches' shared memory passed as
+        descriptors over the socket (:mod:`.cache_fds`: none left here should the child
+        die before it takes them)."""
+        try:
+            if start:
+                cache_fds.send(self.conn, message)
+            else:
+                self.conn.send(message)
+        except OSError as exc:
+            raise ChildGone from exc
+
+    def receive(self, deadline: float, what: str) -> Any:
+        """The child's next message, the answer to ``what`` (words for a log line).
+        Past ``deadline`` (time.monotonic) the child is killed; ChildGone once it has
+        ended with nothing left to read."""
+        while True:
+            left_s = deadline - time.monotonic()
+            if self._poller.poll(max(min(_ALIVE_CHECK_MS, 1e3 * left_s), 0)):
+                break
+            if not self.alive() and not self._poller.poll(0):  # nothing left to read
+                raise ChildGone
+            if left_s <= 0:
+                self.kill(f"it did not answer {what}")
+                raise ChildGone
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise ChildGone from exc
+
+    def kill(self, why: str, level: int = logging.ERROR) -> None:
+        """Kill the child now (SIGKILL; from any thread, never blocking), logging
+        ``why``, which :meth:`how_it_ended` says from then on. ``Popen.kill`` polls
+        first: a child already reaped is left alone."""
+        if not self.alive():
+            return
+        self.killed = f"the store process (pid {self.pid}) was killed (SIGKILL): {why}"
+        log.log(level, "aiokv: %s", self.killed)
+        self.process.kill()
+
+    def how_it_ended(self) -> str:
+        """The child's end in words, once it has exited (waited for up to 1 s: it is
+        going); "not answering" if it has not."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=1.0)
+        if self.killed is not None and self.process.returncode is not None:
+            return self.killed
+        return how_it_ended(self.pid, self.process.returncode)
+
+    def close(self, socket_files: list[str], wait_s: float) -> None:
+        """Close the call socket (a serving child then closes its store and exits), then
+        end the child: spawn.end_child, waiting up to ``wait_s``. Idempotent."""
+        if not self.conn.closed:
+            with contextlib.suppress(KeyError, ValueError):
+                self._poller.unregister(self.conn.fileno())
+            self.conn.close()
+        end_child(self.process, socket_files, wait_s)
+
+    def forget(self) -> None:
+        """In a forked child of this process: close this process's copy of the call
+        socket without a word, so that the child still sees its parent's death."""
+        with contextlib.suppress(OSError):
+            self.conn.close()
