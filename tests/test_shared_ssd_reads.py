@@ -10,7 +10,9 @@ import os
 import socket
 
 import pytest
-from shared_host import PAGE_SIZE
+import torch
+from conftest import held
+from shared_host import PAGE_SIZE, user_kv
 from shared_inprocess import (
     PAGES,
     TOKENS,
@@ -24,6 +26,7 @@ from shared_inprocess import (
 )
 
 import aiokv
+from aiokv.stores.local import ssd as ssd_module
 from aiokv.stores.shared import deferred as deferred_module
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
@@ -145,3 +148,63 @@ def test_reads_past_the_timeout_answer_the_host_prefix_and_free_everything_later
         gate.set()
         reader.close()
         twin.close()
+
+
+def ssd_then_host(host: Host, user: int) -> None:
+    """``user``'s first half offloaded, then on SSD only (the server restarted), then its
+    whole history offloaded: the second half only the host tier has."""
+    half = PAGES // 2
+    namespace = [f"user:{user}"]
+    for pages in (half, PAGES):
+        writer, tables = host.engine()
+        for cache, kv in zip(tables, user_kv(user, PAGES), strict=True):
+            cache[:PAGES] = kv
+        task, mask = writer.put_match(TOKENS[: pages * PAGE_SIZE], namespace)
+        assert mask.sum() == half * PAGE_SIZE and mask[(pages - half) * PAGE_SIZE :].all()
+        writer.launch([task], [torch.arange(pages - half, pages)], [None])
+        wait_for(lambda: writer.try_wait([task]), "the offload")  # noqa: B023
+        if pages == half:
+            wait_for(lambda: writer.store_stats()["ssd_blocks_used"] >= half,  # noqa: B023
+                     "the SSD copy")
+            host.stop()
+            host.start()
+        writer.close()
+
+
+def test_a_lookup_of_ssd_pages_then_host_pages_finds_and_loads_them_all(host: Host) -> None:
+    """The pages after the SSD ones are a hit too (the put counted them), loaded bit for
+    bit; once loaded and cleared, nothing is held."""
+    ssd_then_host(host, 15)
+    reader, reader_tables = host.engine()
+    try:
+        task, mask = reader.get_match(TOKENS, ["user:15"])
+        assert mask.sum() == PAGES * PAGE_SIZE
+        assert load_exact(reader, reader_tables, 15, task)
+        stats = reader.store_stats()
+        assert stats["server_tasks_open"] == 0 and stats["server_blocks_held"] == 0
+        reader.clear()
+        wait_for(lambda: reader.store_stats()["host_blocks_used"] == 0, "every block free")
+    finally:
+        reader.close()
+
+
+def test_reads_past_the_timeout_give_back_the_host_pages_held_after_them(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup answered with its host prefix (nothing here) once its SSD reads take too
+    long also gives back the host pages it held after them."""
+    monkeypatch.setattr(deferred_module, "SSD_STAGE_TIMEOUT_S", 0.3)
+    ssd_then_host(host, 17)
+    gate = held(monkeypatch, ssd_module.SsdTier, "_run",
+                lambda tier, request, *args: not request.is_write)
+    reader, _ = host.engine()
+    try:
+        task, mask = reader.get_match(TOKENS, ["user:17"])
+        assert not mask.any()
+        gate.set()
+        reader.cancel([task])
+        wait_for(lambda: reader.store_stats()["server_blocks_held"] == 0, "the holds' end")
+        wait_for(lambda: reader.clear() >= 0 and reader.store_stats()["host_blocks_used"] == 0,
+                 "every block free after a clear")
+    finally:
+        gate.set()
+        reader.close()

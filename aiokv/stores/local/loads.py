@@ -1,6 +1,14 @@
 """Loads: a get's pages after its host prefix that the SSD tier has, read into host
 blocks and queued for their host -> GPU copies.
 
+A match runs, after the host prefix, through every page either tier has ready, in any
+interleaving (a key demoted to SSD, then appended to on the host: SSD pages, then host
+pages, and so on), up to the first page neither has: its ``cached_tokens`` is the key's
+whole prefix held across the tiers, as a put counts it. The task's blocks stay one list
+in page order (page i of the caller's pages <- its i-th block): host pages after the
+first SSD page are held from the match on, as the prefix is, and copied at launch with
+it; SSD pages are staged into blocks of their own and copied run by run as verified.
+
 What a match found is what the load brings (the Lookup's promise): the SSD slots are held
 from the match on, whether or not the host tier has room to stage them then, so they can
 be neither evicted nor overwritten. Only a block that fails its checksum ends a load short
@@ -18,7 +26,7 @@ Staging (host blocks reserved, reads started) happens:
 A launched load has a deadline (``LocalStore.set_deadlines``: its request's, which the
 engine times its caller out at): nothing of it is staged or queued for its GPU copy after
 it, so that a caller told RequestTimeout finds nothing more copied into its pages than
-what was queued by then (its host prefix, at launch, and the SSD chunks verified before
+what was queued by then (its host pages, at launch, and the SSD chunks verified before
 it). One still waiting for room then gives up and gives its SSD slots back; one whose
 reads are still out ends once they are in, without copying them. Either ends EXPIRED,
 with the pages it queued. ``time.monotonic()`` is read on the store thread just before
@@ -32,13 +40,16 @@ slots held after its reads (``keep``), so that once they are in it can give its 
 blocks back (out of the host tier, free) and wait to be staged again like a load matched
 without room: its Lookup still loads all it reported, read once more.
 
-Room comes back as tasks end; and the host prefix of a launched load that waits for room
-goes back as soon as its GPU copy is done, so loads waiting for room never wait for each
-other's prefixes. A match promises at most what the tier could ever stage beside its own
-host prefix, and nothing of a key while another load of that key is still to be staged
-(its pages would reach the host under that load, not this one: a miss, not a short
-load). One request per chunk; once launched, each verified chunk is queued for its host ->
-GPU copy while the next chunk is read. The task ends with the copy job of its last chunk.
+Room comes back as tasks end; and the host pages of a launched load that waits for room
+go back as soon as their GPU copy is done, so loads waiting for room never wait for each
+other's host pages. A match promises at most a host tier's worth of pages (what the tier
+could ever stage beside its own host pages), and nothing of a key while another load of
+that key is still to be staged (its pages would reach the host under that load, not this
+one: a miss, not a short load). One request per chunk; once launched, each verified chunk
+is queued for its host -> GPU copy while the next chunk is read. The task ends with the
+copy job of its last chunk. A checksum failure ends what it loads at the failing SSD page;
+host pages past it may have been copied already, at launch (their bytes are right, only
+not counted), and go back with the task.
 
 :class:`LoadStaging` is the link's (:class:`~.tiering.TierLink`) part that does it: a
 base class, so that these run as the link's own methods, with no call in between; the
@@ -48,6 +59,7 @@ on the store thread.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,14 +83,18 @@ End = Callable[[list[Any], bool], None]
 
 @dataclass(slots=True, eq=False)
 class Load:
-    """A get task's SSD part: pages ``hits..hits+len(slots)`` of its match."""
+    """A get task's SSD part: pages ``at`` of its match; the task's host pages (its
+    ``blocks`` until the load finishes) are pages ``host_at``."""
 
     task: Any
     match_pages: int
-    hits: int
     key: tuple[str, ...]
     digests: list[bytes]
     slots: Int64Array  # held on SSD until read
+    # The match's page of each SSD page (ascending); past ``slots`` (an SSD part cut
+    # short), the page where what the load brings ends.
+    at: Int64Array
+    host_at: Int64Array  # the match's page of each of the task's host blocks (ascending)
     host_blocks: Int64Array = field(default_factory=lambda: NO_BLOCKS)  # staged on host
     space: Space | None = None  # the host table the staging blocks are in
     reads: list[SsdRequest] = field(default_factory=list)
@@ -94,10 +110,35 @@ class Load:
     prefetched: int = 0  # host blocks staged before launch, counted in _prefetched
     deadline: float | None = None  # time.monotonic(): nothing staged or queued after it
     expired: str | None = None  # why it stopped at its deadline (the task ends EXPIRED)
-    prefix_released: bool = False  # the host prefix went back once copied (job_done)
+    host_copies: int = 0  # the GPU copies of its host pages queued at launch, not done
+    host_released: bool = False  # its host pages went back once copied (job_done)
     cancelled: bool = False
     finished: bool = False
     error: str | None = None
+
+    def upto(self, ssd_pages: int) -> int:
+        """The pages from the first up to its SSD page ``ssd_pages`` (all, past its last)."""
+        return int(self.at[ssd_pages]) if ssd_pages < len(self.at) else self.match_pages
+
+    @property
+    def loaded(self) -> int:
+        """The pages it brings, from the first: up to its first SSD page not verified."""
+        return self.upto(self.good)
+
+
+def _runs(at: Int64Array) -> list[tuple[int, int]]:
+    """``at``'s runs of consecutive pages, as index ranges (one empty one if none)."""
+    cuts = [0, *(np.flatnonzero(np.diff(at) != 1) + 1).tolist(), len(at)]
+    return list(itertools.pairwise(cuts))
+
+
+def _look_up(tier: Tier, key: tuple[str, ...], digests: list[bytes]) -> Int64Array:
+    """Each digest's block in ``tier``'s table of ``key``, -1 where it has none."""
+    space = tier.index.space(key)
+    if space is None:
+        return np.full(len(digests), -1, dtype=np.int64)
+    return np.fromiter(map(space.get, digests, itertools.repeat(-1)), dtype=np.int64,
+                       count=len(digests))
 
 
 class LoadStaging:
@@ -108,7 +149,7 @@ class LoadStaging:
     _copy: Copy
     _end: End
     _page_size: int
-    _chunk_jobs: dict[int, tuple[Load, bool]]  # a chunk's job -> its load, is it the prefix
+    _chunk_jobs: dict[int, tuple[Load, bool]]  # a chunk's job -> its load, is it host pages
     _copying: int  # host blocks held by their SSD copies (room on its way)
     _waiting: list[Load]  # matched, not launched, not staged: oldest first
     _owed: list[Load]  # launched, not staged: oldest launch first
@@ -120,24 +161,38 @@ class LoadStaging:
     def start_load(
         self, key: tuple[str, ...], digests: list[bytes], hits: int, task: Any
     ) -> Load | None:
-        """The SSD pages after a get's host prefix (``hits`` pages, already held): held on
-        SSD now, and prefetched into host blocks when there is room (see the module
-        docstring); None when there are none."""
+        """The pages after a get's host prefix (``hits`` pages, held: ``task.blocks``) that
+        either tier has ready, up to the first that neither has (or that the host is
+        still writing): the SSD ones held on SSD now, and prefetched into host blocks
+        when there is room (see the module docstring); the host ones held and added to
+        ``task.blocks``, in page order. None when the SSD has none of them (page ``hits``
+        is not on the host)."""
         if self._unstaged.get(key):
             return None  # another load of this key stages first: those pages go to it
-        host = self.host
-        rest = digests[hits:]
-        slots = self.ssd.ready_prefix(key, rest)
-        # What the tier could ever stage beside the prefix this task holds.
-        count = min(len(slots), host.num_blocks - hits)
-        space = host.index.space(key)
-        if space is not None:  # stop where the host has (or is writing) the page
-            count = next((i for i, d in enumerate(rest[:count]) if d in space), count)
+        host, tier = self.host, self.ssd.tier
+        # At most a host tier's worth: what the tier could ever stage beside the host
+        # pages the task holds.
+        rest = digests[hits : max(hits, host.num_blocks)]
+        blocks, slots = _look_up(host, key, rest), _look_up(tier, key, rest)
+        on_host = blocks >= 0
+        ready = on_host & (host.state[blocks] == READY)
+        on_ssd = ~on_host & (slots >= 0) & (tier.state[slots] == READY)
+        usable = ready | on_ssd
+        count = len(rest) if usable.all() else int(np.argmin(usable))
         if count <= 0:
             return None
-        slots = slots[:count]
-        self.ssd.tier.hold(slots)
-        load = Load(task, hits + count, hits, key, rest[:count], slots)
+        on_ssd, ready = on_ssd[:count], ready[:count]
+        slots = slots[:count][on_ssd]
+        tier.hold(slots)
+        later = blocks[:count][ready]
+        if len(later):  # held as the prefix is; the task is shared if one of them is
+            if host.hold(later) and not task.shared:
+                task.shared = True
+                host.shared_gets += 1
+            task.blocks = np.concatenate((task.blocks, later))
+        load = Load(task, hits + count, key, list(itertools.compress(rest, on_ssd)), slots,
+                    hits + np.flatnonzero(on_ssd),
+                    np.concatenate((np.arange(hits), hits + np.flatnonzero(ready))))
         self._wait(load)
         self.stage_waiting()
         return load
@@ -222,15 +277,21 @@ class LoadStaging:
             if not load.finished or not good or (host.readers[blocks] != 1).any():
                 continue
             task = load.task
-            new = Load(task, load.match_pages, load.hits, load.key, [], NO_BLOCKS,
-                       error=load.error, deadline=load.deadline)  # (set_deadlines)
+            # Ends where this one did (after its verified pages), or with no SSD page.
+            new = Load(task, load.match_pages, load.key, [], NO_BLOCKS, load.at[: good + 1],
+                       load.host_at, error=load.error, deadline=load.deadline)  # (set_deadlines)
             again = load.error is None and host.index.space(load.key) is load.space
             if again:
                 new.digests, new.slots = load.digests[:good], load.slots[:good]
                 self.ssd.tier.hold(new.slots)  # before the reads' holds go back
+            else:
+                new.at = load.at[:1]  # its first SSD page: what it loads ends there
             self._unprefetch(load)
             host.roll_back(load.space, load.digests[:good], blocks)
-            task.blocks, task.load = task.blocks[: load.hits], new
+            # It keeps its host blocks (task.blocks is in page order: _finish).
+            pages = np.sort(np.concatenate((load.host_at, load.at[:good])))
+            task.blocks = task.blocks[np.isin(pages, load.host_at, assume_unique=True)]
+            task.load = new
             if again:
                 self._wait(new)
             else:
@@ -304,14 +365,17 @@ class LoadStaging:
         self._unprefetch(load)
         task = load.task
         late = self._past_deadline(load)
-        if load.finished:
-            pages = 0 if late else len(task.blocks)
+        if load.finished:  # task.blocks in page order: the first ``loaded`` are loaded
+            pages = 0 if late else load.loaded
             self._copy([task], gpu_pages[:pages], task.blocks[:pages], load)
             return
         # Its pages are copied chunk by chunk: checked whole first (no page twice).
         self._chunk_jobs[id(self._copy([], gpu_pages, None, load))] = (load, False)
-        if load.hits and not late:
-            self._chunk(load, gpu_pages[: load.hits], task.blocks[: load.hits], prefix=True)
+        host_at = load.host_at
+        for i, j in _runs(host_at) if len(host_at) and not late else ():
+            first = int(host_at[i])
+            self._chunk(load, gpu_pages[first : first + j - i], task.blocks[i:j], host=True)
+            load.host_copies += 1
         if not load.staged:
             self._waiting.remove(load)
             self._owed.append(load)
@@ -370,18 +434,35 @@ class LoadStaging:
             host.drop_readers(blocks[past & ok])
 
     def _submit_verified(self, load: Load) -> None:
+        """Queue the GPU copies of the SSD pages verified since the last call (none past
+        the load's deadline)."""
         assert load.gpu_pages is not None
         if load.good > load.submitted and not self._past_deadline(load):
-            lo, hi = load.submitted, load.good
-            self._chunk(load, load.gpu_pages[load.hits + lo : load.hits + hi],
-                        load.host_blocks[lo:hi])
-            load.submitted = hi
+            self._queue_ssd(load, load.good)
+
+    def _queue_ssd(self, load: Load, hi: int, tasks: Sequence[Any] = ()) -> None:
+        """Queue the GPU copies of its SSD pages ``submitted..hi`` (staged, verified),
+        one job per run of adjacent pages; ``tasks`` (the load's, at its end) end with
+        the last job (one that copies nothing where none is left)."""
+        assert load.gpu_pages is not None
+        lo = load.submitted
+        at = load.at[lo:hi]
+        runs = _runs(at)
+        for n, (i, j) in enumerate(runs):
+            first = int(at[i]) if i < j else 0
+            pages = load.gpu_pages[first : first + j - i]
+            blocks = load.host_blocks[lo + i : lo + j]
+            if n == len(runs) - 1 and tasks:
+                self._copy(list(tasks), pages, blocks, load)
+            else:
+                self._chunk(load, pages, blocks)
+        load.submitted = hi
 
     def _chunk(
-        self, load: Load, gpu_pages: Any, blocks: Int64Array, prefix: bool = False
+        self, load: Load, gpu_pages: Any, blocks: Int64Array, host: bool = False
     ) -> None:
         job = self._copy([], gpu_pages, blocks, load)
-        self._chunk_jobs[id(job)] = (load, prefix)
+        self._chunk_jobs[id(job)] = (load, host)
 
     def _finish(self, load: Load) -> None:
         """Every read is settled (or there was none): the task's last copy job, which
@@ -390,36 +471,37 @@ class LoadStaging:
         task = load.task
         launched = load.gpu_pages is not None
         copied = load.submitted if launched and self._past_deadline(load) else load.good
-        loaded = load.hits + copied
+        loaded = load.upto(copied)
         if loaded < load.match_pages:  # a checksum failure, a read error, or its deadline
             task.mask = task.mask.copy()  # a new mask: the worker counts what moved
             task.mask[loaded * self._page_size :] = False
-        # The blocks the task holds till it ends: its prefix (unless it went back early),
-        # then what was staged and verified.
-        prefix = task.blocks[: 0 if load.prefix_released else load.hits]
-        task.blocks = np.concatenate((prefix, load.host_blocks[: load.good]))
+        # The blocks the task holds till it ends, in page order: its host pages (unless
+        # they went back early) and what was staged and verified.
+        held = task.blocks[: 0 if load.host_released else len(load.host_at)]
+        pages = np.concatenate((load.host_at[: len(held)], load.at[: load.good]))
+        blocks = np.concatenate((held, load.host_blocks[: load.good]))
+        task.blocks = blocks[np.argsort(pages)]
         if not launched:  # launch copies it all in one job
             if load.cancelled:
                 self._end([task], False)
             return
-        lo, hi = load.submitted, copied
-        self._copy([task], load.gpu_pages[load.hits + lo : load.hits + hi],
-                   load.host_blocks[lo:hi], load)
-        load.submitted = hi
+        self._queue_ssd(load, copied, [task])
 
     def job_done(self, job: CopyJob) -> None:
-        """A load's chunk was copied (or failed). A prefix copied while its load still
-        waits for room goes back now: loads waiting for room must not wait for each
-        other's prefixes. (Otherwise a task's blocks go back together when it ends, in
+        """A load's chunk was copied (or failed). Host pages all copied while their load
+        still waits for room go back now: loads waiting for room must not wait for each
+        other's host pages. (Otherwise a task's blocks go back together when it ends, in
         order, so that its head stays the most recent.)"""
         chunk = self._chunk_jobs.pop(id(job), None)
         if chunk is None:
             return
-        load, prefix = chunk
+        load, host = chunk
         if job.error is not None:
             load.error = load.error or job.error
         if job.invalid and load.invalid is None:  # a chunk's page ids were refused
             load.invalid = next(iter(job.invalid.values()))
-        if prefix and not load.staged and not load.finished:
-            load.prefix_released = True
-            self.host.drop_readers(load.task.blocks[: load.hits])
+        if host:
+            load.host_copies -= 1
+            if not load.host_copies and not load.staged and not load.finished:
+                load.host_released = True
+                self.host.drop_readers(load.task.blocks[: len(load.host_at)])

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..base import BoolArray, Int64Array, NoSpace
-from .blocks import NO_BLOCKS, READY, WRITING, Tier
+from .blocks import READY, WRITING, Tier
 from .index import Space
 from .pool import ALIGN, BlockAllocator, HostPool
 from .ssd_format import (
@@ -160,20 +160,6 @@ class SsdTier:
         log.info("aiokv: SSD tier recovered %d blocks from %s", len(best), files.paths)
 
     # ---- lookups -------------------------------------------------------------------
-
-    def ready_prefix(self, namespace: tuple[str, ...], digests: Sequence[bytes]) -> Int64Array:
-        """The slots of the longest READY prefix of ``digests`` on SSD."""
-        space = self.tier.index.space(namespace)
-        if space is None or not digests:
-            return NO_BLOCKS
-        found = list(map(space.get, digests))
-        if None in found:
-            found = found[: found.index(None)]
-        slots = np.fromiter(found, dtype=np.int64, count=len(found))
-        not_ready = self.tier.state[slots] != READY
-        if not_ready.any():
-            slots = slots[: int(np.argmax(not_ready))]
-        return slots
 
     def has(self, namespace: tuple[str, ...], digests: Sequence[bytes]) -> list[bool]:
         """Whether each digest is on SSD (or being written there)."""

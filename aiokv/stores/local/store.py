@@ -189,10 +189,11 @@ class LocalStore:
         return self._new_task(Task(True, mask, blocks, new_digests, owner)), mask
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
-        """The longest READY prefix, host pages first, then pages the SSD tier has (read
-        into host blocks from now on); its blocks are held (not evictable) until the task
-        ends or is cancelled. mask True = will load; a load may report fewer (a block that
-        fails its checksum, and all after it, are not loaded)."""
+        """The longest READY prefix, host pages first, then the pages after them that
+        either tier has, in any interleaving (those only the SSD has read into host blocks
+        from now on: :mod:`.loads`); its blocks are held (not evictable) until the task
+        ends or is cancelled. mask True = will load; a load may report fewer (an SSD
+        block that fails its checksum, and all pages after it, are not loaded)."""
         host = self._require_host()
         link = self._link
         if link is not None:
@@ -231,8 +232,9 @@ class LocalStore:
             task.load = link.start_load(key, digests, len(hit), task)
         pages = task.load.match_pages if task.load is not None else len(hit)
         mask[: pages * self.page_size] = True
-        self._hits["host_hit_tokens"] += len(hit) * self.page_size
-        self._hits["ssd_hit_tokens"] += (pages - len(hit)) * self.page_size
+        # task.blocks: its host pages, also those after an SSD page (start_load).
+        self._hits["host_hit_tokens"] += len(task.blocks) * self.page_size
+        self._hits["ssd_hit_tokens"] += (pages - len(task.blocks)) * self.page_size
         return self._new_task(task), mask
 
     @property

@@ -120,7 +120,7 @@ class DeferredGets:
         link, load = self._link, pending.load
         assert link is not None  # a load came from it
         if load.finished:
-            launch_staged(link, load)
+            pending.hit = launch_staged(link, load)
         else:  # the get answers its host prefix; the reads go on, in a task of their own
             log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s",
                         len(load.slots), SSD_STAGE_TIMEOUT_S)
@@ -128,6 +128,7 @@ class DeferredGets:
             load.task = Task(client.number, False, NO_MASK, NO_BLOCKS, [], None,
                              matching=False)
             link.cancel_load(load)
+            keep_loaded(link, load, pending.task, pending.hit)
         return self._matcher.answer_staged(client, pending)
 
     def _staged_out(self, namespace: tuple[str, ...]) -> None:
@@ -136,11 +137,26 @@ class DeferredGets:
             del self._staging[namespace]
 
 
-def launch_staged(link: TierLink, load: Load) -> None:
-    """Staged and verified: task.blocks is now prefix + good pages (loads._finish);
-    the launch only settles the link's books (its copy is the engine's, the service's
-    ``_no_copy``)."""
+def launch_staged(link: TierLink, load: Load) -> int:
+    """Staged and verified: task.blocks is now its pages' blocks in page order
+    (loads._finish); the launch only settles the link's books (its copy is the engine's,
+    the service's ``_no_copy``). The get is answered with the pages it loads
+    (:func:`keep_loaded`); returns how many of them are host pages."""
     link.launch_load(load, np.arange(load.match_pages, dtype=np.int64), ())
+    return keep_loaded(link, load, load.task, load.loaded)
 
 
-__all__ = ["SSD_STAGE_TIMEOUT_S", "DeferredGets", "Matcher", "launch_staged"]
+def keep_loaded(link: TierLink, load: Load, task: Task, pages: int) -> int:
+    """A get is answered with the blocks of exactly the pages it loads, from the first:
+    ``task`` (``load``'s, or the one it was taken from, whose blocks are its host pages)
+    keeps the first ``pages`` of its blocks (in page order); the host pages it held past
+    them (after an SSD page: :meth:`~..local.loads.LoadStaging.start_load`) go back now.
+    Returns how many of those it keeps are host pages."""
+    past = task.blocks[pages:]
+    if len(past):
+        link.host.drop_readers(past)
+        task.blocks = task.blocks[:pages]
+    return int(np.searchsorted(load.host_at, pages))
+
+
+__all__ = ["SSD_STAGE_TIMEOUT_S", "DeferredGets", "Matcher", "keep_loaded", "launch_staged"]

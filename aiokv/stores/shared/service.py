@@ -46,7 +46,7 @@ from ..base import BoolArray, Int64Array, NoSpace, capacity_tokens
 from ..local.blocks import NO_BLOCKS, READY, Tier
 from ..local.ssd_voids import VoidsDone
 from ..local.tiering import TierLink
-from .deferred import DeferredGets, launch_staged
+from .deferred import DeferredGets, keep_loaded, launch_staged
 from .puts import match_puts
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
 from .tasks import NO_MASK, Client, Entry, Foreign, PendingGet, Retry, Task
@@ -150,10 +150,10 @@ class Service:
 
     def get_match(self, client: Client, tokens: int, digests: list[bytes],
                   namespace: tuple[str, ...]) -> Entry:
-        """LocalStore.get_match: the longest READY host prefix, then what the SSD tier has
-        after it, read into host blocks (a PendingGet while the reads run); all of them
-        held until the task ends. A Retry while a pending get, or a read from Mooncake,
-        reads this key."""
+        """LocalStore.get_match: the longest READY host prefix, then what either tier has
+        after it, the SSD's pages read into host blocks (a PendingGet while the reads
+        run); all of them held until the task ends. A Retry while a pending get, or a
+        read from Mooncake, reads this key."""
         if self._deferred.reading(namespace):
             return Retry((tokens, digests, namespace))
         host, link = self._require_host(), self._link
@@ -176,16 +176,17 @@ class Service:
         host.shared_gets += shared
         task = Task(client.number, False, NO_MASK, hit, [], None, shared=shared,
                     namespace=namespace)
+        host_pages = len(hit)
         if link is not None and len(hit) == len(found):
             load = link.start_load(namespace, digests, len(task.blocks), task)
             if load is not None and not load.staged:
                 link.cancel_load(load)  # no room now: the SSD part is a miss
-                task.blocks = task.blocks[: load.hits]
+                keep_loaded(link, load, task, len(hit))
             elif load is not None and not load.finished:
                 return self._deferred.stage(task, load, pages, len(hit), namespace)
             elif load is not None:
-                launch_staged(link, load)
-        return self._answer_get(client, task, pages, len(hit))
+                host_pages = launch_staged(link, load)
+        return self._answer_get(client, task, pages, host_pages)
 
     def settle(self, client: Client, entries: Sequence[Entry]) -> list[Entry]:
         """A deferred batch's entries again, the ready ones answered (DeferredGets.settle)."""
