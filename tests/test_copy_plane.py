@@ -449,6 +449,15 @@ def test_a_load_from_ssd_checks_its_whole_page_list_and_fails_alone(tmp_path: Pa
                     time.sleep(0.01)
             store.launch([task], [torch.arange(first, first + count)], [None])
             assert wait_all(store, [task])[task].status is TaskStatus.SUCCESS
+        # b's SSD copy landed too (its blocks clean): the first load then stages a's tail
+        # by evicting b's blocks. Were they still held, that load would wait for room, its
+        # host prefix going back once copied and evicted for that room (a on the host as
+        # [-, -, 2, 3]: the second match would stop at page 2, the host's, with 2 pages).
+        deadline = time.monotonic() + 30
+        while store.store_stats()["bytes_ssd_written"] < 6 * block:
+            assert time.monotonic() < deadline, "the SSD copies did not land"
+            store.try_wait([])
+            time.sleep(0.001)
         results, marks = [], []
         # The first gives page 20 twice, once in each part (neither part alone repeats
         # a page); the pages it staged from SSD stay on the host for the second.
