@@ -449,7 +449,19 @@ async def test_an_evict_voids_slots_recycled_for_another_key_before_that_write_l
             for user in (2, 3):
                 assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
             assert await asyncio.to_thread(first.entered.wait, 10)  # user 3's write queued
+            dropped = threading.Event()  # the evict's voids queued, ahead of user 3's write
+            real_drop = ssd_module.SsdTier.drop_namespace
+
+            def drop_namespace(tier: Any, namespace: Any) -> Any:
+                done = real_drop(tier, namespace)
+                dropped.set()
+                return done
+
+            monkeypatch.setattr(ssd_module.SsdTier, "drop_namespace", drop_namespace)
             evict = asyncio.ensure_future(engine.evict(1))
+            # Only then user 2's write ends: on a busy box user 3's could otherwise take
+            # the lane (and wait on its gate) before the evict queued its voids.
+            assert await asyncio.to_thread(dropped.wait, 10)
             first.set()
             assert await asyncio.to_thread(late.entered.wait, 10)  # user 3's write next
             await asyncio.wait_for(evict, 10)
