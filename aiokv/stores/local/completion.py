@@ -26,7 +26,7 @@ from ...copy.marks import LayerMarks
 from ..base import BoolArray, Int64Array, TaskResult, TaskStatus
 from .blocks import READY, Tier
 from .index import Space
-from .loads import Load
+from .load import Load
 from .tiering import TierLink
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from ...copy.copier import Copier, CopyJob
 from ..base import Int64Array
 from .blocks import NO_BLOCKS
 from .completion import Task, TaskEnds
-from .loads import Load
+from .load import Load
 
 
 class CopyJobs:

@@ -62,7 +62,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,7 +69,7 @@ import numpy as np
 from ...copy.copier import CopyJob
 from ..base import Int64Array, NoSpace
 from .blocks import NO_BLOCKS, READY, Tier
-from .index import Space
+from .load import Load, look_up, page_runs
 from .ssd import SsdRequest, SsdTier
 
 # The store's copy of a load's pages (``pages``, a slice of the caller's page ids) from
@@ -79,66 +78,6 @@ from .ssd import SsdRequest, SsdTier
 # the load's last job).
 Copy = Callable[[list[Any], Any, "Int64Array | None", "Load"], CopyJob]
 End = Callable[[list[Any], bool], None]
-
-
-@dataclass(slots=True, eq=False)
-class Load:
-    """A get task's SSD part: pages ``at`` of its match; the task's host pages (its
-    ``blocks`` until the load finishes) are pages ``host_at``."""
-
-    task: Any
-    match_pages: int
-    key: tuple[str, ...]
-    digests: list[bytes]
-    slots: Int64Array  # held on SSD until read
-    # The match's page of each SSD page (ascending); past ``slots`` (an SSD part cut
-    # short), the page where what the load brings ends.
-    at: Int64Array
-    host_at: Int64Array  # the match's page of each of the task's host blocks (ascending)
-    host_blocks: Int64Array = field(default_factory=lambda: NO_BLOCKS)  # staged on host
-    space: Space | None = None  # the host table the staging blocks are in
-    reads: list[SsdRequest] = field(default_factory=list)
-    resolved: int = 0  # reads settled, in order
-    settled: int = 0  # SSD-part pages settled
-    good: int = 0  # SSD-part pages verified in order (the loadable ones)
-    truncated: bool = False
-    submitted: int = 0  # SSD-part pages queued for their GPU copy
-    gpu_pages: Any = None  # the caller's page ids (a tensor), set at launch
-    ready: Sequence[Any] = ()  # the caller's ready events, set at launch
-    invalid: str | None = None  # why the copier refused some of its page ids
-    staged: bool = False  # host blocks reserved and reads started
-    prefetched: int = 0  # host blocks staged before launch, counted in _prefetched
-    deadline: float | None = None  # time.monotonic(): nothing staged or queued after it
-    expired: str | None = None  # why it stopped at its deadline (the task ends EXPIRED)
-    host_copies: int = 0  # the GPU copies of its host pages queued at launch, not done
-    host_released: bool = False  # its host pages went back once copied (job_done)
-    cancelled: bool = False
-    finished: bool = False
-    error: str | None = None
-
-    def upto(self, ssd_pages: int) -> int:
-        """The pages from the first up to its SSD page ``ssd_pages`` (all, past its last)."""
-        return int(self.at[ssd_pages]) if ssd_pages < len(self.at) else self.match_pages
-
-    @property
-    def loaded(self) -> int:
-        """The pages it brings, from the first: up to its first SSD page not verified."""
-        return self.upto(self.good)
-
-
-def _runs(at: Int64Array) -> list[tuple[int, int]]:
-    """``at``'s runs of consecutive pages, as index ranges (one empty one if none)."""
-    cuts = [0, *(np.flatnonzero(np.diff(at) != 1) + 1).tolist(), len(at)]
-    return list(itertools.pairwise(cuts))
-
-
-def _look_up(tier: Tier, key: tuple[str, ...], digests: list[bytes]) -> Int64Array:
-    """Each digest's block in ``tier``'s table of ``key``, -1 where it has none."""
-    space = tier.index.space(key)
-    if space is None:
-        return np.full(len(digests), -1, dtype=np.int64)
-    return np.fromiter(map(space.get, digests, itertools.repeat(-1)), dtype=np.int64,
-                       count=len(digests))
 
 
 class LoadStaging:
@@ -173,7 +112,7 @@ class LoadStaging:
         # At most a host tier's worth: what the tier could ever stage beside the host
         # pages the task holds.
         rest = digests[hits : max(hits, host.num_blocks)]
-        blocks, slots = _look_up(host, key, rest), _look_up(tier, key, rest)
+        blocks, slots = look_up(host, key, rest), look_up(tier, key, rest)
         on_host = blocks >= 0
         ready = on_host & (host.state[blocks] == READY)
         on_ssd = ~on_host & (slots >= 0) & (tier.state[slots] == READY)
@@ -372,7 +311,7 @@ class LoadStaging:
         # Its pages are copied chunk by chunk: checked whole first (no page twice).
         self._chunk_jobs[id(self._copy([], gpu_pages, None, load))] = (load, False)
         host_at = load.host_at
-        for i, j in _runs(host_at) if len(host_at) and not late else ():
+        for i, j in page_runs(host_at) if len(host_at) and not late else ():
             first = int(host_at[i])
             self._chunk(load, gpu_pages[first : first + j - i], task.blocks[i:j], host=True)
             load.host_copies += 1
@@ -447,7 +386,7 @@ class LoadStaging:
         assert load.gpu_pages is not None
         lo = load.submitted
         at = load.at[lo:hi]
-        runs = _runs(at)
+        runs = page_runs(at)
         for n, (i, j) in enumerate(runs):
             first = int(at[i]) if i < j else 0
             pages = load.gpu_pages[first : first + j - i]

@@ -32,7 +32,8 @@ from ...config import StoreConfig
 from ..base import Int64Array
 from .blocks import NO_BLOCKS, READY, Tier
 from .index import Space
-from .loads import Copy, End, Load, LoadStaging
+from .load import Load
+from .loads import Copy, End, LoadStaging
 from .pool import HostPool
 from .ssd import SsdTier
 from .ssd_voids import VoidsDone

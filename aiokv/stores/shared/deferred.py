@@ -21,7 +21,7 @@ import numpy as np
 
 from ...remote.link import RemoteLink
 from ..local.blocks import NO_BLOCKS
-from ..local.loads import Load
+from ..local.load import Load
 from ..local.tiering import TierLink
 from .tasks import NO_MASK, Client, Entry, PendingGet, Retry, Task
 from .wire import Answer, Query

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..base import BoolArray, Int64Array
 from ..local.index import Space
-from ..local.loads import Load
+from ..local.load import Load
 from .notice import Notice
 from .wire import Answer, Query
 
