@@ -108,6 +108,21 @@ def failing_header_voids(monkeypatch: pytest.MonkeyPatch, meta_too: bool = False
         monkeypatch.setattr(ssd_io, "write_meta", write_meta)
 
 
+def slow_header_voids(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The SSD tier's header voids (one-header writes) wait for the returned event (30 s
+    at most) before they are written; its data writes go on."""
+    gate = threading.Event()
+    real = ssd_io.SsdFiles.write
+
+    def write(files: ssd_io.SsdFiles, k: int, offset: int, buffers: Any) -> None:
+        if len(buffers) == 1:  # a header void
+            gate.wait(30)
+        real(files, k, offset, buffers)
+
+    monkeypatch.setattr(ssd_io.SsdFiles, "write", write)
+    return gate
+
+
 def launch_slots(store: Any, task_ids: Any, slot_mappings: Any) -> None:
     """``store.launch`` for tests written with slot mappings of whole pages (``page *
     page_size + 0..page_size-1``): each task's page ids, on the CPU, ready at once."""

@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from conftest import failing_header_voids, held
+from conftest import failing_header_voids, held, slow_header_voids
 from shared_host import PAGE_SIZE, user_kv
 from shared_inprocess import (
     PAGES,
@@ -32,7 +31,7 @@ from shared_inprocess import (
 from aiokv.copy.copier import Copier
 from aiokv.errors import StoreError
 from aiokv.stores.base import TaskResult, TaskStatus
-from aiokv.stores.local import ssd_io, ssd_voids
+from aiokv.stores.local import ssd_voids
 from aiokv.stores.shared import SharedStore
 from aiokv.stores.shared import answers as answers_module
 
@@ -265,14 +264,7 @@ def test_an_evict_whose_ssd_voids_are_too_slow_answers_a_store_error(
     try:
         offload(writer, tables, 8)
         wait_for(lambda: writer.store_stats()["bytes_ssd_written"] > 0, "the SSD copy")
-        real = ssd_io.SsdFiles.write
-
-        def slow_void(files: ssd_io.SsdFiles, k: int, offset: int, buffers: Any) -> None:
-            if len(buffers) == 1:  # a header void
-                gate.wait(30)
-            real(files, k, offset, buffers)
-
-        monkeypatch.setattr(ssd_io.SsdFiles, "write", slow_void)
+        gate = slow_header_voids(monkeypatch)
         with pytest.raises(StoreError, match="not written in"):
             writer.evict(["user:8"])
         assert writer.get_match(TOKENS, ["user:8"])[1].sum() == 0

@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import failing_header_voids, launch_slots
+from conftest import failing_header_voids, launch_slots, slow_header_voids
 from test_ssd import (
     BLOCK,
     HOST_BLOCKS,
@@ -218,15 +217,7 @@ async def test_an_evict_whose_ssd_voids_are_too_slow_raises_store_error(
     async with engine:
         assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
         await figure(store, "bytes_ssd_written", USER_PAGES * BLOCK)
-        gate = threading.Event()
-        real = ssd_io.SsdFiles.write
-
-        def slow_void(files: ssd_io.SsdFiles, k: int, offset: int, buffers: Any) -> None:
-            if len(buffers) == 1:  # a header void
-                gate.wait(30)
-            real(files, k, offset, buffers)
-
-        monkeypatch.setattr(ssd_io.SsdFiles, "write", slow_void)
+        gate = slow_header_voids(monkeypatch)
         with pytest.raises(aiokv.StoreError, match="not written within"):
             await engine.evict(0)
         assert await load_back(engine, 0, TARGET) == 0
