@@ -104,6 +104,8 @@ class LayerwiseLoad:
             marks.wait(layer, stream)
         except LayerFailed as failed:
             self._raise_if_failed(threads=True)
+            if failed.field is not None:  # the end will carry this error: raise it now
+                raise InvalidRequest(failed.field, str(failed)) from None
             raise StoreError(f"layer {layer} of the load failed in the store: {failed}") from failed
         self._raise_if_failed(threads=True)
 

@@ -434,3 +434,30 @@ async def test_cancelled_layer_waits_leave_the_shared_wait_threads_to_other_engi
                 store.gate.release(1000)
         await asyncio.wait_for(stalled.aclose(), 10)
         await asyncio.wait_for(other.aclose(), 10)
+
+
+@pytest.mark.asyncio
+async def test_a_bad_page_id_raises_invalid_request_from_a_wait_made_before_the_load_ends() -> None:
+    # The embedded store's copier refuses the id before the loop delivers the load's end:
+    # a wait made at once raises the end's typed error, not a store failure.
+    engine = aiokv.OffloadEngine(small_store(), make_caches(layers=LAYERS, page_size=PAGE_SIZE),
+                                 aiokv.EngineConfig())
+    async with engine:
+        hit = await hit_of(engine)
+        load = await engine.load_layerwise(hit, torch.tensor([8, 9, 10, 10_000]))
+        with pytest.raises(aiokv.InvalidRequest, match="10000") as raised:
+            load.wait_layer(0)  # on the loop's thread: the end cannot come meanwhile
+        assert raised.value.field == "page_ids"
+        with pytest.raises(aiokv.InvalidRequest, match="10000"):
+            await load.result()
+    engine = aiokv.OffloadEngine(small_store(), make_caches(layers=LAYERS, page_size=PAGE_SIZE),
+                                 aiokv.EngineConfig())
+    with aiokv.run_in_background(engine) as kv:
+        kv.offload(1, SOURCE, TOKENS)
+        for _ in range(3):
+            load = kv.load_layerwise(kv.lookup(1, TOKENS), torch.tensor([8, 9, 10, 10_000]))
+            with pytest.raises(aiokv.InvalidRequest, match="10000"):
+                await asyncio.to_thread(load.wait_layer, 0)
+            with pytest.raises(aiokv.InvalidRequest, match="10000"):
+                await asyncio.to_thread(load.result, 10)
+

@@ -276,7 +276,7 @@ class Copier:
                 keep[at : at + count] = False
                 marks = job.marks[segment] if job.marks else None
                 if marks is not None:
-                    marks.fail(why)
+                    marks.fail(why, field="page_ids")
             at += count
         if job.check_only:
             return ids[:0], job.blocks[:0]

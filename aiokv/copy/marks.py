@@ -19,7 +19,12 @@ from typing import Any
 
 
 class LayerFailed(Exception):
-    """The load failed before this layer was in place; the message says why."""
+    """The load failed before this layer was in place; the message says why. ``field``:
+    the request argument at fault (``page_ids``), None for a failure in the store."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 # What _settled answers a waiter abandoned first (compared by identity).
@@ -49,6 +54,7 @@ class LayerMarks:
         self._events: list[tuple[Any, ...]] = []
         self._done = 0  # layers in place (CPU), or all once finished
         self._error: str | None = None
+        self._field: str | None = None
         self._ended = False
 
     # ---- producer ------------------------------------------------------------------
@@ -75,12 +81,15 @@ class LayerMarks:
             self._ended = True
             self._changed.notify_all()
 
-    def fail(self, error: str) -> None:
+    def fail(self, error: str, field: str | None = None) -> None:
         """The load failed; layers not yet in place never will be. Their waiters raise
-        :class:`LayerFailed`. Idempotent; after :meth:`finish`, a no-op."""
+        :class:`LayerFailed` (with ``field``: the request argument at fault, so that a wait
+        that comes before the load's end raises the same typed error as the end).
+        Idempotent; after :meth:`finish`, a no-op."""
         with self._changed:
             if not self._ended:
                 self._error = error
+                self._field = field
                 self._ended = True
             self._changed.notify_all()
 
@@ -100,7 +109,7 @@ class LayerMarks:
                 if layer < len(self._events) and self._error is None:
                     return self._events[layer]
                 if self._error is not None:
-                    raise LayerFailed(self._error)
+                    raise LayerFailed(self._error, self._field)
                 if self._ended:
                     return None
                 if waiter is not None and waiter.abandoned:
@@ -135,7 +144,7 @@ class LayerMarks:
             event.synchronize()
         with self._changed:
             if self._error is not None and self._done <= layer and events is None:
-                raise LayerFailed(self._error)
+                raise LayerFailed(self._error, self._field)
         return True
 
     def abandon(self, waiter: Waiter) -> None:
