@@ -125,14 +125,18 @@ class LayerwiseLoad:
             # own to_thread work use). Those threads are every engine's: a cancelled wait
             # lets its thread go at once, or a caller polling a stalled load with short
             # timeouts would hold them all and stall other engines' waits.
+            # The load's end answers too: the wait's job may still queue behind other
+            # engines' waits for a thread when the end comes.
             waiter = Waiter()
+            job = self._loop.run_in_executor(_layer_waits(), _synchronize, marks, layer, waiter)
             try:
-                failed = await self._loop.run_in_executor(
-                    _layer_waits(), _synchronize, marks, layer, waiter)
+                await asyncio.wait((job, self._end), return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
                 marks.abandon(waiter)
                 raise
-            if failed is not None and not self._ended:
+            if not job.done():
+                marks.abandon(waiter)  # its thread returns at once, or never waits
+            elif job.result() is not None and not self._ended:
                 await asyncio.wait((self._end,))  # its typed error comes with the end
         self._raise_if_failed(threads=False)
 
@@ -337,7 +341,12 @@ class BackgroundLayerwiseLoad:
             load._raise_if_failed(threads=True)
             return
         self._refuse_on_loop("layer_ready")
-        asyncio.run_coroutine_threadsafe(load.layer_ready(layer), self._loop).result(timeout)
+        waited = asyncio.run_coroutine_threadsafe(load.layer_ready(layer), self._loop)
+        try:
+            waited.result(timeout)
+        except concurrent.futures.TimeoutError:  # builtin TimeoutError from 3.11
+            waited.cancel()  # a wait given up lets its layer-wait thread go
+            raise
 
     def result(self, timeout: float | None = None) -> LoadResult:
         """Block for the load's LoadResult or error (TimeoutError after ``timeout``)."""
@@ -347,7 +356,12 @@ class BackgroundLayerwiseLoad:
                 raise concurrent.futures.CancelledError()
             return end.result()
         self._refuse_on_loop("result")
-        return asyncio.run_coroutine_threadsafe(self.load.result(), self._loop).result(timeout)
+        waited = asyncio.run_coroutine_threadsafe(self.load.result(), self._loop)
+        try:
+            return waited.result(timeout)
+        except concurrent.futures.TimeoutError:  # builtin TimeoutError from 3.11
+            waited.cancel()  # the load goes on (cancel() cancels it)
+            raise
 
     def cancel(self) -> None:
         """:meth:`LayerwiseLoad.cancel`, on the engine's loop; does not wait."""

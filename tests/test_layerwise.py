@@ -461,3 +461,57 @@ async def test_a_bad_page_id_raises_invalid_request_from_a_wait_made_before_the_
             with pytest.raises(aiokv.InvalidRequest, match="10000"):
                 await asyncio.to_thread(load.result, 10)
 
+
+def test_a_background_wait_that_times_out_lets_its_wait_thread_go() -> None:
+    # A thread polling a stalled load with short timeouts, more polls than there are
+    # shared wait threads: another engine's wait for a copied layer still returns.
+    stalled_store, other_store = LayeredStore(), LayeredStore()
+    stalled, _ = engine_over(stalled_store, request_timeout_ms=0)
+    other, other_caches = engine_over(other_store, request_timeout_ms=0)
+    with aiokv.run_in_background(stalled) as slow, aiokv.run_in_background(other) as kv:
+        slow.offload(1, SOURCE, TOKENS)
+        kv.offload(1, SOURCE, TOKENS)
+        stalled_store.gate = threading.Semaphore(0)
+        try:
+            load = slow.load_layerwise(slow.lookup(1, TOKENS), TARGET)
+            for _ in range(40):
+                with pytest.raises(TimeoutError):
+                    load.layer_ready(0, timeout=0.005)
+            other_store.gate = threading.Semaphore(LAYERS)  # every layer may copy
+            other_load = kv.load_layerwise(kv.lookup(1, TOKENS), TARGET)
+            other_load.layer_ready(LAYERS - 1, timeout=5)
+            assert loaded(other_caches, LAYERS - 1)
+            assert other_load.result(timeout=5) == aiokv.LoadResult(1, TOKENS)
+        finally:
+            stalled_store.gate.release(1000)
+
+
+@pytest.mark.asyncio
+async def test_a_loads_end_reaches_layer_ready_while_the_wait_threads_are_all_taken() -> None:
+    # 32 waits on another engine's stalled load hold every shared wait thread: this
+    # engine's load times out, and its layer_ready ends with that timeout, not later.
+    stalled_store, store = LayeredStore(), LayeredStore()
+    stalled, _ = engine_over(stalled_store, request_timeout_ms=0)
+    engine, _ = engine_over(store, request_timeout_ms=200)
+    await stalled.start()
+    await engine.start()
+    waits: list[asyncio.Future[None]] = []
+    try:
+        stalled_load = await held(stalled, stalled_store)
+        waits = [asyncio.ensure_future(stalled_load.layer_ready(0)) for _ in range(40)]
+        await asyncio.sleep(0.1)  # the waits take their threads
+        load = await held(engine, store)
+        waiting = asyncio.ensure_future(load.layer_ready(1))
+        with pytest.raises(aiokv.RequestTimeout):
+            await load.result()
+        done, _ = await asyncio.wait([waiting], timeout=3)
+        assert done, "layer_ready outlived its load's end"
+        with pytest.raises(aiokv.RequestTimeout):
+            waiting.result()
+    finally:
+        for gated in (stalled_store, store):
+            if gated.gate is not None:
+                gated.gate.release(1000)
+        await asyncio.gather(*waits, return_exceptions=True)
+        await asyncio.wait_for(stalled.aclose(), 10)
+        await asyncio.wait_for(engine.aclose(), 10)
