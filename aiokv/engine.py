@@ -133,7 +133,10 @@ class OffloadEngine:
         more), else the thread is left to end on its own, and the requests still
         unresolved fail with EngineClosed naming their count (logged as a warning).
         Lookups still held read released: the store thread cancels their reservations.
+        Raises InvalidRequest, leaving the engine untouched, for a ``drain`` that is not a
+        bool or a ``timeout`` that is not a finite number of seconds >= 0.
         """
+        drain, timeout = validate.close_args(drain, timeout)
         if self._state is EngineState.NEW:
             self._state = EngineState.CLOSED
             if not lifecycle.store_in_use(self._store):  # else another engine's store

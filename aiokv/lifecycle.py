@@ -332,9 +332,12 @@ async def _join(worker: StoreWorker, timeout: float | None) -> bool:
             joined.set_result(result)
 
     def run() -> None:
-        result = worker.join(timeout)
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(settle, result)
+        result = False  # a join that raised is a store thread not seen to end
+        try:
+            result = worker.join(timeout)
+        finally:  # the close never waits on a thread that is gone
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle, result)
 
     threading.Thread(target=run, name="aiokv-close", daemon=True).start()
     return await joined

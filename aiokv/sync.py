@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from . import validate
 from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
 from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
@@ -171,8 +172,10 @@ class BackgroundEngine:
 
     def close(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Close the engine (``aclose(drain, timeout)``), stop the loop and join its
-        thread. Idempotent; concurrent calls wait for the same close."""
+        thread. Idempotent; concurrent calls wait for the same close. Raises
+        InvalidRequest for bad arguments, as ``aclose`` does, with the engine still open."""
         self._refuse_on_loop("close")
+        drain, timeout = validate.close_args(drain, timeout)
         with self._lock:
             if self._closing is None:
                 # After the calls handed over before it: a drain waits for them.

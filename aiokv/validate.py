@@ -180,6 +180,22 @@ def positions(num_tokens: int) -> Int64Array:
     return have[:num_tokens]
 
 
+def close_args(drain: object, timeout: object) -> tuple[bool, float]:
+    """``aclose``'s arguments: a bool and a finite number of seconds >= 0 (a close always
+    ends: None or inf would let a stuck store hold it for ever)."""
+    if not isinstance(drain, bool):
+        raise InvalidRequest("drain", f"must be a bool, got {type(drain).__name__} "
+                                      f"{reprlib.repr(drain)}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
+                                                             np.floating)):
+        raise InvalidRequest("timeout", f"must be a number of seconds, got "
+                                        f"{type(timeout).__name__} {reprlib.repr(timeout)}")
+    seconds = float(timeout)
+    if not 0 <= seconds < float("inf"):
+        raise InvalidRequest("timeout", f"must be a finite number of seconds >= 0, got {timeout}")
+    return drain, seconds
+
+
 def at_most(field: str, value: int, bound: int, what: str) -> None:
     """InvalidRequest naming ``field``, ``value`` and ``bound`` when ``value > bound``."""
     if value > bound:

@@ -257,6 +257,41 @@ async def test_aclose_returns_within_its_timeout_whatever_the_store_does(
     assert took_s < 0.7, took_s
 
 
+BAD_CLOSES = [({"timeout": None}, "timeout"), ({"timeout": "5"}, "timeout"),
+              ({"timeout": float("nan")}, "timeout"), ({"timeout": float("inf")}, "timeout"),
+              ({"timeout": -1.0}, "timeout"), ({"drain": "no"}, "drain")]
+
+
+@pytest.mark.asyncio
+async def test_aclose_with_bad_arguments_fails_typed_and_leaves_the_engine_serving(
+    caches: list[torch.Tensor],
+) -> None:
+    engine = aiokv.OffloadEngine(small_store(), caches, aiokv.EngineConfig())
+    await engine.start()
+    try:
+        for user, (arguments, field) in enumerate(BAD_CLOSES):
+            with pytest.raises(aiokv.InvalidRequest, match=field) as raised:
+                await asyncio.wait_for(engine.aclose(**arguments), 10)
+            assert raised.value.field == field
+            assert (await engine.offload(user, pages(0), TOKENS)).stored_tokens == TOKENS
+    finally:
+        await asyncio.wait_for(engine.aclose(), 10)
+    assert engine.state is aiokv.EngineState.CLOSED
+
+
+def test_a_background_close_with_bad_arguments_fails_typed_and_a_good_one_closes(
+    caches: list[torch.Tensor],
+) -> None:
+    engine = aiokv.OffloadEngine(small_store(), caches, aiokv.EngineConfig())
+    kv = aiokv.run_in_background(engine)
+    for arguments, field in BAD_CLOSES:
+        with pytest.raises(aiokv.InvalidRequest, match=field):
+            kv.close(**arguments)
+    assert kv.offload("u", pages(0), TOKENS).stored_tokens == TOKENS
+    kv.close(timeout=10)
+    assert engine.state is aiokv.EngineState.CLOSED
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("bad", [9_999, -1])
 async def test_the_page_id_range_error_names_the_bad_value(
