@@ -5,8 +5,8 @@ blocks it may not evict yet: FlexKV keeps a put's CPU blocks locked until their 
 ends, the local store keeps host blocks until their SSD copy is done, a lookup's
 reservation holds its blocks until the load; the embedded store and the store server also
 answer NoSpace to a put of pages another put is still writing (a failed write rolls them
-back: :mod:`aiokv.stores.local.claims`). That room comes back on its own, so such an
-offload is held here and matched again in a later window:
+back: :mod:`aiokv.stores.local.claims`), and so does FlexKV's adapter. That room comes
+back on its own, so such an offload is held here and matched again in a later window:
 
 - at once when the store reports a task terminal (an offload or load resolved: its blocks
   may be free now), or

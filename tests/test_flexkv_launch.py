@@ -172,10 +172,15 @@ class IndexManager:
         return self._next, mask
 
     def cancel(self, ids: Sequence[int]) -> None:
+        # FlexKV rolls back only leaves (radixtree.py remove_unready_leaf): a block that
+        # another block hangs below stays, not ready, for good.
         for task_id in ids:
-            for block in self.tasks.pop(task_id, []):
-                del self.ready[block]
-                self.free += 1
+            for block in reversed(self.tasks.pop(task_id, [])):
+                below = any(other[0] == block[0] and len(other[1]) > len(block[1])
+                            and other[1].startswith(block[1]) for other in self.ready)
+                if not below:
+                    del self.ready[block]
+                    self.free += 1
 
     def launch(self, ids: Sequence[int], slots: Sequence[np.ndarray], as_batch: bool) -> list[int]:
         assert not as_batch and len(ids) == 1  # one put at a time here
@@ -209,26 +214,47 @@ def flexkv_statuses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flexkv.common.request", request)
 
 
-def test_a_repeat_put_while_the_first_is_written_is_already_stored_not_no_space(
+def test_a_repeat_put_while_the_first_is_written_waits_then_reads_already_stored(
     flexkv_statuses: None,
 ) -> None:
     flexkv = store(IndexManager(capacity=8))  # type: ignore[arg-type]
     tokens = np.arange(2 * PAGE, dtype=np.int64)
     first, mask = flexkv.put_match(tokens, ["u"])
     assert mask.all()
-    # Matched, not launched; then launched, not answered: FlexKV answers all-False both
-    # times, and its get sees no ready block.
-    repeat = flexkv.put_match(tokens, ["u"])[1]
-    assert not repeat.any()
-    shorter = flexkv.put_match(tokens[:PAGE], ["u"])[1]  # a prefix of the one in flight
-    assert not shorter.any()
+    # Matched, not launched; then launched, not answered: no space (matched again once it
+    # ends), never "stored" on the word of a put that may still fail.
+    for repeat in (tokens, tokens[:PAGE], np.arange(3 * PAGE, dtype=np.int64)):
+        with pytest.raises(NoSpace, match="still being written"):
+            flexkv.put_match(repeat, ["u"])
     launch(flexkv, [first], [pages(2)])
-    after_launch = flexkv.put_match(tokens, ["u"])[1]
-    assert not after_launch.any()
+    with pytest.raises(NoSpace, match="still being written"):
+        flexkv.put_match(tokens, ["u"])
     assert flexkv.try_wait([first])[first].status is TaskStatus.SUCCESS
-    assert not flexkv.put_match(tokens, ["u"])[1].any()  # now ready: the probe sees it
-    # Not the same key: another namespace, or a longer history, still needs blocks.
+    assert not flexkv.put_match(tokens, ["u"])[1].any()  # now ready: already stored
+    # Not the same key: another namespace, or another first page, needs its own blocks.
     assert flexkv.put_match(tokens, ["v"])[1].all()
+    assert flexkv.put_match(tokens + 1, ["u"])[1].all()
+
+
+def test_a_longer_put_over_a_put_that_then_fails_stores_the_whole_key(
+    flexkv_statuses: None,
+) -> None:
+    # A (one page) matched; B (two pages, the same start) would hang its block below A's
+    # not-ready one, and A cancelled (a bad page id, a timeout) would leave that block
+    # unready for good: B reported stored, the key never read again.
+    manager = IndexManager(capacity=8)
+    flexkv = store(manager)  # type: ignore[arg-type]
+    tokens = np.arange(2 * PAGE, dtype=np.int64)
+    short = flexkv.put_match(tokens[:PAGE], ["u"])[0]
+    with pytest.raises(NoSpace):
+        flexkv.put_match(tokens, ["u"])
+    flexkv.cancel([short])
+    longer, mask = flexkv.put_match(tokens, ["u"])  # matched again after A's end
+    assert mask.all()
+    launch(flexkv, [longer], [pages(2)])
+    assert flexkv.try_wait([longer])[longer].status is TaskStatus.SUCCESS
+    probe = manager.get_match(tokens, ["u"])[1]  # what a lookup of the key finds
+    assert probe.all()
 
 
 def test_a_put_that_finds_no_block_is_still_no_space(flexkv_statuses: None) -> None:

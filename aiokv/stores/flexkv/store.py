@@ -12,6 +12,9 @@ What this adapter owns (FlexKV's sharp edges, see DESIGN.md):
   the original id, and handed out once.
 - An all-False put mask also means "no space": ``put_match`` tells that apart from
   "already stored" with a ``get_match`` on the same tokens and raises ``NoSpace``.
+- FlexKV's put matches blocks another put is still writing as stored and hangs its own
+  below them; a put whose first page one of this adapter's puts in flight writes gets
+  ``NoSpace`` and is matched again once that put ends (the engine's space waits).
 - A launched task is never cancelled (FlexKV would forget it while its copy runs on).
 - With an SSD tier, FlexKV writes every put through to SSD and keeps the put's CPU blocks
   locked until that write ends; its ``try_wait`` (``completely=False``) answers once the
@@ -168,23 +171,29 @@ class FlexKVStore:
         manager = self._live()
         key, namespace = namespace, self._keys.namespace(namespace)  # its generation's
         tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
-        task_id, raw = manager.put_match(tokens, namespace=list(namespace))
-        mask = np.array(raw, dtype=np.bool_)  # a copy: FlexKV keeps (and may edit) its own
         full = len(tokens) // self.page_size * self.page_size
         names = tuple(namespace)
+        if full and self._shares_a_put_in_flight(names, tokens):
+            # FlexKV's put matches the blocks another put is still writing as stored and
+            # hangs its own new blocks below them: that put failing would leave this one
+            # reported stored while its prefix is gone, and (a node with children is never
+            # rolled back) the key unreadable for good. Matched again once that put ends.
+            raise NoSpace("a put of this key's pages is still being written")
+        task_id, raw = manager.put_match(tokens, namespace=list(namespace))
+        mask = np.array(raw, dtype=np.bool_)  # a copy: FlexKV keeps (and may edit) its own
         if full and not mask.any():
-            # All-False means "already stored", "being written by a put not finished"
-            # (FlexKV's put matches blocks that are not ready yet) or "no block could be
-            # reserved". Its get matches ready blocks only: ask it, then our own puts in
-            # flight. Cancelling the probe releases the locks its match took.
+            # All-False means "already stored" or "no block could be reserved" (no put of
+            # ours writes this key: checked above). Its get matches ready blocks only: ask
+            # it. Cancelling the probe releases the locks its match took.
             probe_id, probe = manager.get_match(tokens, namespace=list(namespace))
             manager.cancel([probe_id])
             ready = int(np.count_nonzero(probe))
-            if ready < full and not self._being_written(names, tokens[:full]):
+            if ready < full:
                 manager.cancel([task_id])
                 raise NoSpace(
                     f"FlexKV reserved no block for {full - ready} new tokens "
-                    f"(cpu cache full or all blocks locked)"
+                    f"(cpu cache full, all blocks locked, or another client's put of "
+                    f"them still in flight)"
                 )
         self._kind[task_id], self._mask[task_id] = "put", mask
         if mask.any():
@@ -192,18 +201,14 @@ class FlexKVStore:
             self._keys.put_matched(task_id, key, int(np.count_nonzero(mask)))
         return task_id, mask
 
-    def _being_written(self, names: tuple[str, ...], prefix: Int64Array) -> bool:
-        """Whether a put of this store, matched and not yet answered, writes every block
-        of ``prefix`` (a put's blocks cover its whole path, so one such put is enough).
-        Puts of other FlexKV clients are not known here: a duplicate of theirs still in
-        flight reads as no space."""
-        length = len(prefix)
-        for other_names, tokens in self._writing.values():
-            if (
-                other_names == names
-                and len(tokens) >= length
-                and np.array_equal(tokens[:length], prefix)
-            ):
+    def _shares_a_put_in_flight(self, names: tuple[str, ...], tokens: Int64Array) -> bool:
+        """Whether a put of this store, matched and not yet answered, writes this key's
+        first page (and so the start of its path in FlexKV's tree). Puts of other FlexKV
+        clients are not known here."""
+        page = self.page_size
+        for other_names, other in self._writing.values():
+            if other_names == names and len(other) >= page and np.array_equal(
+                    other[:page], tokens[:page]):
                 return True
         return False
 
