@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes.util
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -81,6 +83,31 @@ def test_a_socket_directory_open_to_others_is_refused(tmp_path: Path, mode: int)
     code, log = Server(tmp_path).run_to_end()
     assert code == 2
     assert f"is open to other users (mode {mode:o})" in log
+
+
+def store_server(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "aiokv", "store-server", *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_socket_path_that_holds_a_file_or_cannot_be_bound_is_a_usage_error(
+        tmp_path: Path) -> None:
+    private = tmp_path / "priv"
+    private.mkdir(mode=0o700)
+    config = private / "store.yml"
+    config.write_text("store:\n  cpu_cache_gb: 0.01\n")
+    # The two flags swapped: the config must survive.
+    ran = store_server("--socket", str(config), "--config", str(config))
+    assert ran.returncode == 2, ran.stderr
+    assert "exists and is not a socket" in ran.stderr
+    assert config.read_text() == "store:\n  cpu_cache_gb: 0.01\n"
+    for socket_path, says in [(private, "exists and is not a socket"),
+                              (private / ("s" * 120 + ".sock"), "holds at most 107"),
+                              (Path("/proc/aiokv-nope/store.sock"), "cannot make its directory")]:
+        ran = store_server("--socket", str(socket_path), "--config", str(config))
+        assert ran.returncode == 2, ran.stderr
+        assert says in ran.stderr
+    assert sorted(p.name for p in private.iterdir()) == ["store.yml"]  # no lock left
 
 
 def test_the_shared_backend_needs_a_socket_and_only_it_takes_one() -> None:

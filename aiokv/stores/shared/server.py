@@ -62,11 +62,36 @@ _CHUNK = 1 << 16  # read per call: a large buffer per call costs more than calls
 _ABSORB_DEPTH = 16  # lookups met while absorbing absorb too, this deep
 
 
+# sockaddr_un's sun_path (108 bytes on Linux) less its terminating NUL.
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def check_socket_path(path: Path) -> None:
+    """Refuse (ConfigError naming ``--socket``) a path no socket can be bound at, or one
+    that holds something other than a socket: start removes a dead server's socket
+    there, and must never remove a user's file (a config passed as --socket, say)."""
+    size = len(os.fsencode(str(path)))
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise ConfigError("--socket", f"{str(path)!r} is {size} bytes long; a UNIX socket "
+                          f"path holds at most {MAX_SOCKET_PATH_BYTES}")
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError("--socket", f"{str(path)!r} exists and is not a socket: "
+                          "refusing to replace it")
+
+
 def private_directory(path: Path) -> None:
     """Make ``path`` (the socket's directory) 0700, or refuse one that others may enter
     or that another uid owns (ConfigError naming it)."""
     if not path.exists():
-        path.mkdir(mode=0o700, parents=True)
+        try:
+            path.mkdir(mode=0o700, parents=True)
+        except OSError as exc:
+            raise ConfigError("--socket", f"cannot make its directory {str(path)!r}: "
+                              f"{exc.strerror or exc}") from exc
     info = path.stat()
     if info.st_uid != os.getuid():
         raise ConfigError("--socket", f"{str(path)!r} belongs to uid {info.st_uid}, not "
@@ -107,6 +132,7 @@ class StoreServer:
     # ---- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
+        check_socket_path(self.path)
         private_directory(self.path.parent)
         self._locks.append(DirLock(self.path.parent, "--socket", str(self.path),
                                    name=self.path.name + ".lock", **_SERVER))
