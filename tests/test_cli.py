@@ -94,6 +94,16 @@ def test_bench_engine(tmp_path: Path) -> None:
     assert "targets" not in document  # the user's tool measures; benchmarks/ judges
 
 
+def test_a_bench_whose_flags_make_a_store_that_cannot_be_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Values each flag's own range allows, together no store: exit 2 naming the key.
+    quick = ["bench", "engine", "--quick", "--users", "1", "--cpu-requests", "10"]
+    assert main([*quick, "--cpu-cache-gb", "0.000001"]) == 2
+    err = capsys.readouterr().err
+    assert "aiokv bench engine: error: store.cpu_cache_gb:" in err and "Traceback" not in err
+
+
 def test_bench_slots(tmp_path: Path) -> None:
     document = _run_bench("slots", tmp_path)
     _positive_numbers(document["rows"], ["fused_ms", "copy_ms", "fused_of_copy",

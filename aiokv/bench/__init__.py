@@ -9,8 +9,11 @@ subcommand takes ``--json PATH``, ``--plot PATH`` and ``--quick``.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
+from ..errors import ConfigError
+from ..stores.base import TooLarge
 from . import bandwidth, engine, lag, layers, model, shared, slots, ssd, startup
 from .common import common_parent
 
@@ -39,9 +42,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]) and run one benchmark; its exit status."""
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     args.bench_argv = list(argv) if argv is not None else None
-    status: int = args.run(args)
+    try:
+        status: int = args.run(args)
+    except (ConfigError, TooLarge) as exc:
+        # Flags the parser cannot judge alone (a host tier too small for one block of the
+        # pages asked for, pages larger than the store takes): a usage error too.
+        print(f"{parser.prog} {args.bench}: error: {exc}", file=sys.stderr)
+        return 2
     return status
 
 
