@@ -51,10 +51,11 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineCollector", "register"]
 
-# aiokv_bytes_total{direction, tier}: the store_stats() key of each series. Where the
-# store reports no bytes_d2h / bytes_h2d, the host series are the tokens completed
-# offloads stored / loads loaded times the caches' bytes per token; the SSD series
-# appear only where the store reports them.
+# aiokv_bytes_total{direction, tier}: the store_stats() key of each series, what the store
+# copied (a failed call's copies too: the link carried them). Where the store reports no
+# bytes_d2h / bytes_h2d (FlexKV), the host series are the tokens completed offloads stored
+# / loads loaded times the caches' bytes per token; the SSD series appear only where the
+# store reports them.
 _BYTES_KEYS = (
     ("d2h", "host", "bytes_d2h"),
     ("h2d", "host", "bytes_h2d"),
@@ -192,7 +193,8 @@ def _families(
 ) -> Iterator[Metric]:
     requests = CounterMetricFamily(
         "aiokv_requests",
-        "Calls by kind and outcome (rejected: turned away by admission, never accepted).",
+        "Calls by kind and outcome (rejected: turned away by admission, never accepted: "
+        "Overloaded, or RequestTimeout while waiting for room).",
         labels=["kind", "outcome"],
     )
     for kind in KINDS:
@@ -239,7 +241,9 @@ def _families(
     yield from (batch_requests, batch_bytes, window, store_time, latency)
 
     moved = CounterMetricFamily(
-        "aiokv_bytes", "KV bytes moved, by direction and tier.", labels=["direction", "tier"]
+        "aiokv_bytes", "KV bytes the store copied, by direction and tier (failed calls' copies "
+        "too; where a store counts none, completed calls' tokens x bytes per token).",
+        labels=["direction", "tier"]
     )
     computed = {
         "bytes_d2h": reading.offloaded_tokens * bytes_per_token,
