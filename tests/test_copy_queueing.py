@@ -52,6 +52,7 @@ class FakeDriver:
         self.released: set[int] = set() if ready else set(STREAMS)
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.fail_batch: tuple[int, int] | None = None
+        self.fail_index: int | None = None  # the index a failed batch call reports
         self.fail_2d: int | None = None
         self._calls = [BATCH_SIGNATURE(self._batch), COPY2D_SIGNATURE(self._copy2d),
                        RECORD_SIGNATURE(self._record), WAIT_SIGNATURE(self._wait)]
@@ -69,7 +70,8 @@ class FakeDriver:
         d, s, n = ((ctypes.c_uint64 * count).from_address(a) for a in (dsts, srcs, sizes))
         for i in range(count):
             if self.fail_batch == (self.dst_layer_of.get(d[i]), i):
-                ctypes.c_size_t.from_address(fail_idx).value = i
+                ctypes.c_size_t.from_address(fail_idx).value = (
+                    i if self.fail_index is None else self.fail_index)
                 return INVALID_VALUE
             ctypes.memmove(d[i], s[i], n[i])
         return 0
@@ -204,6 +206,19 @@ def test_a_failed_batch_call_names_the_layer_and_the_copy(native: bool) -> None:
     # Layer 0 was queued in full before the failure; nothing of layer 2 was.
     assert torch.equal(pool[torch.from_numpy(blocks), 0], caches[0][torch.from_numpy(pages)])
     assert not pool[:, 2].any()
+
+
+def test_a_failed_batch_call_whose_index_names_no_copy_still_fails_the_job_typed(
+        native: bool) -> None:
+    _, pool, _, _, _, copies, geometry = setup("scattered", True, seed=6)
+    fake = FakeDriver([pool], layer_of(geometry, copies.dsts))
+    fake.fail_batch, fake.fail_index = (1, 2), 10**6  # outside the call's copies
+    queuer = Queuer(fake.entries, STREAMS, native=native)
+    prepared = queuer.prepare(copies, LAYERS)
+    with pytest.raises(DriverError) as failed:
+        queuer.queue(prepared, 0, LAYERS, wait_ready=True, end=True)
+    assert str(failed.value) == (
+        f"cuMemcpyBatchAsync failed (layer 1, stream 0): error {INVALID_VALUE}")
 
 
 def test_a_failed_2d_copy_names_its_run(native: bool) -> None:

@@ -231,7 +231,10 @@ class Queuer:
     def _describe(self, a: QueueArgs) -> str:
         what = _KINDS.get(a.fail_kind, "a driver call")
         where = f"layer {a.fail_layer}, stream {a.fail_stream}"
-        if a.fail_kind == 2 and a.fail_copy != _NO_FAILURE:
+        # The failed copy's details only where the driver's index names one of the call's
+        # copies: an index out of range must not turn a job's error into a crash.
+        calls = a.bounds[a.fail_stream + 1] - a.bounds[a.fail_stream] if a.fail_kind == 2 else 0
+        if a.fail_kind == 2 and a.fail_copy < calls:
             i = a.fail_index + a.fail_copy
             layer_at = a.fail_layer * a.positions + i
             where += (f", copy {a.fail_copy}: {a.sizes[i]} bytes from "
