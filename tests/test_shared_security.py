@@ -178,6 +178,58 @@ def test_a_server_of_another_wire_version_is_refused_by_the_engine(tmp_path: Pat
         store.close()
 
 
+def test_a_server_gone_inside_a_replys_header_fails_the_call_at_once(tmp_path: Path) -> None:
+    """A peer that dies after writing part of a reply's 8-byte header (killed inside its
+    send): the call fails with StoreError, it does not spin holding the store's lock."""
+    path = tmp_path / "half.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    blocks, geometry = 16, Geometry.of(caches())
+
+    def dying_server() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            sockets.recv_json(conn)
+            region, notice = os.memfd_create("region"), os.memfd_create("notice")
+            try:
+                os.ftruncate(region, blocks * geometry.block_bytes)
+                os.ftruncate(notice, 8)
+                sockets.send(conn, wire.encode_json({"ok": True, "wire": wire.VERSION,
+                                                     "blocks": blocks,
+                                                     "connection": ["half", 1]}),
+                             [region, notice])
+            finally:
+                os.close(region)
+                os.close(notice)
+            conn.recv(100)  # the ping
+            conn.sendall(wire.frame(wire.OK)[:4])  # half a header, then gone
+
+    thread = threading.Thread(target=dying_server, daemon=True)
+    thread.start()
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(path)))
+    try:
+        store.register(caches())
+        outcome: list[BaseException | None] = []
+
+        def ping() -> None:
+            try:
+                store.ping()
+                outcome.append(None)
+            except BaseException as exc:  # reported below
+                outcome.append(exc)
+
+        caller = threading.Thread(target=ping, daemon=True)
+        caller.start()
+        caller.join(10)
+        assert outcome, "the call still ran 10 s after its server died"
+        assert isinstance(outcome[0], aiokv.StoreError), outcome
+        store.close()  # not while a call holds its lock: the assert above failed then
+    finally:
+        thread.join(10)
+        listener.close()
+
+
 def test_random_and_truncated_messages_then_a_client_is_served_bit_exact(server: Server) -> None:
     rng = random.Random(31)
     valid = wire.encode_match(wire.PUT, [(np.arange(7, 7 + 4 * PAGE_SIZE, dtype=np.int64),

@@ -54,7 +54,10 @@ class Channel:
             view = memoryview(self._buffer)
             have = self.sock.recv_into(view)
             while 0 < have < 8:
-                have += self.sock.recv_into(view[have:])
+                n = self.sock.recv_into(view[have:])
+                if n == 0:  # closed inside a header: else this would spin for ever
+                    raise PeerGone("the peer closed the connection in a reply's header")
+                have += n
             if have == 0:
                 raise PeerGone("the peer closed the connection")
             length, op = HEAD.unpack_from(view, 0)
