@@ -13,9 +13,13 @@ with the next batch); evicts, clears and figures a round trip each.
 
 Faults: if the server goes away, the call in flight raises StoreError, tasks launched or
 matched under it end FAILED, and every later call tries to reconnect first, failing fast
-with StoreError (naming the socket) while nothing listens there. Once a server is back,
-this store registers again, maps its new region and serves on; the engine is not
-restarted.
+with StoreError (naming the socket) while nothing listens there. A server that stops
+answering (stopped, wedged) fails the call in flight after ``link.CALL_TIMEOUT_S`` (a
+hello after ``link.HELLO_TIMEOUT_S``); then calls fail at once, saying when it is tried
+again, for a backoff (BACKOFF_FIRST_S doubling to BACKOFF_MAX_S, reset by a hello
+answered), since each try of a silent server costs its caller a timeout. Once a server
+is back, this store registers again, maps its new region and serves on; the engine is
+not restarted.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +57,11 @@ log = logging.getLogger("aiokv")
 
 _PING = wire.frame(wire.PING)
 _T = TypeVar("_T")
+
+# After a call or hello that a silent server let time out, no connect is tried for this
+# long, doubled at each such try up to BACKOFF_MAX_S (calls meanwhile fail at once).
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
 
 
 def _nothing(body: memoryview) -> None:
@@ -99,6 +109,9 @@ class SharedStore:
         # Links lost whose copies are over, told to the server with the next hello: it
         # keeps their put blocks out of use until then (its quarantine).
         self._ended: deque[tuple[str, int]] = deque(maxlen=wire.MAX_ENDED)
+        self._backoff_s = 0.0  # the last backoff (0: the last hello was answered)
+        self._retry_at = 0.0  # no connect before this (time.monotonic())
+        self._silent = ""  # why: the timeout that started the backoff
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -120,12 +133,20 @@ class SharedStore:
             return self._link
         if self._closed or self._geometry is None:
             raise StoreError("the shared store is closed (or not registered)")
+        wait = self._retry_at - time.monotonic()
+        if wait > 0:  # a silent server: another try would cost this call a timeout
+            raise StoreError(f"the store server at {self._path!r} is not reachable: "
+                             f"{self._silent}; tried again in {wait:.1f} s")
         try:
             link = Link(self._path, self._caches, self._geometry, self._job_done,
                         list(self._ended))
+        except wire.PeerSilent as exc:
+            raise StoreError(f"the store server at {self._path!r} is not reachable: {exc}; "
+                             f"tried again in {self._back_off(exc):g} s") from exc
         except (OSError, wire.PeerGone, wire.WireError) as exc:
             raise StoreError(f"the store server at {self._path!r} is not reachable: {exc} "
                              "(is `aiokv store-server` running?)") from exc
+        self._backoff_s = self._retry_at = 0.0
         self._link = link
         self._ended.clear()
         self._generation += 1
@@ -154,10 +175,22 @@ class SharedStore:
             link = self._connect()
             try:
                 return use(link)
+            except wire.PeerSilent as exc:
+                self._lost(exc)
+                raise StoreError(
+                    f"the store server at {self._path!r}: {exc}; calls fail "
+                    f"at once until it is tried again in {self._back_off(exc):g} s") from exc
             except (OSError, wire.PeerGone, wire.WireError) as exc:
                 self._lost(exc)
                 raise StoreError(f"the store server at {self._path!r} went away: {exc}"
                                  ) from exc
+
+    def _back_off(self, exc: wire.PeerSilent) -> float:
+        """No connect for a while after ``exc`` (a silent server): how long."""
+        self._backoff_s = min(BACKOFF_MAX_S, 2 * self._backoff_s or BACKOFF_FIRST_S)
+        self._retry_at = time.monotonic() + self._backoff_s
+        self._silent = str(exc)
+        return self._backoff_s
 
     def _call_json(self, message: Mapping[str, Any]) -> dict[str, Any]:
         return self._call(wire.encode_json(message), str(message["op"]), wire.JSON,
