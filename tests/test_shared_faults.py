@@ -328,3 +328,53 @@ def test_an_engine_on_a_stopped_server_fails_its_lookups_fast_after_the_first(
     finally:
         engine.kv.close()
         server.kill()
+
+
+def test_an_idle_engine_is_served_by_its_first_call_after_a_server_restart(
+        tmp_path: Path) -> None:
+    """The server killed while the engine idles and started again before its next call:
+    that call (an offload) finds the old connection broken before its request left, and
+    goes on a fresh one instead of failing; what it stores loads bit for bit."""
+    server = Server(tmp_path).start()
+    engine = shared_host.Host(str(server.socket))
+    try:
+        assert engine.offload(user=1, pages=PAGES)["cached"] == PAGES * PAGE_SIZE
+        time.sleep(1.0)  # idle: the figures refreshed after that batch asked already
+        server.kill()
+        server = Server(tmp_path).start()
+        assert engine.offload(user=2, pages=PAGES)["cached"] == PAGES * PAGE_SIZE
+        assert engine.load(user=2, pages=PAGES) == {
+            "cached": PAGES * PAGE_SIZE, "loaded": PAGES * PAGE_SIZE, "exact": True}
+        assert engine.lookup(user=1, pages=PAGES) == {"cached": 0}  # it went with the server
+    finally:
+        engine.kv.close()
+        server.kill()
+
+
+def test_a_match_resent_after_a_restart_names_no_task_of_the_server_gone(
+        tmp_path: Path) -> None:
+    """A task to release rides along with the next match; when that match goes to a new
+    server (the old one gone before it left), it must not name the task: the new server
+    would take its id for another engine's and drop this one."""
+    server = Server(tmp_path).start()
+    store, tables = observer(server.socket)
+    try:
+        offload(store, tables, 1)
+        task, _ = store.put_match(TOKENS, ["user:2"])
+        invalid = task
+        store.launch([task], [torch.arange(PAGES - 1)], [None])  # a page short: released
+        server.kill()  # with the next message to the server
+        server = Server(tmp_path).start()
+        task, mask = store.get_match(TOKENS, ["user:1"])  # the first call after the restart
+        assert not mask.any()  # a miss (the host tier went with the server), no StoreError
+        store.cancel([task])
+        assert store.try_wait([invalid])[invalid].status is TaskStatus.INVALID
+        store.ping()  # still served on the same connection
+        offload(store, tables, 3)
+        task, mask = store.get_match(TOKENS, ["user:3"])
+        assert mask.all()
+        assert load_exact(store, tables, 3, task)
+        assert "disconnected engine" not in server.text()
+    finally:
+        store.close()
+        server.kill()

@@ -13,7 +13,17 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from .wire import HEAD, JSON, MAX_FDS, PeerGone, PeerSilent, WireError, check_length, decode_json
+from .wire import (
+    HEAD,
+    JSON,
+    MAX_FDS,
+    NotSent,
+    PeerGone,
+    PeerSilent,
+    WireError,
+    check_length,
+    decode_json,
+)
 
 _BUFFER = 1 << 16  # a client's receive buffer: a batch's answers fit
 
@@ -36,24 +46,24 @@ class Channel:
         self._buffer = bytearray(_BUFFER)
 
     def send(self, request: bytes) -> None:
-        """Send a request that gets no reply (``END``); PeerGone when the connection
+        """Send a request that gets no reply (``END``); NotSent when the connection
         broke."""
         try:
             self.sock.sendall(request)
         except BlockingIOError as exc:  # the kernel's send timeout: the peer takes nothing
             raise PeerSilent(f"the peer took no request: {exc}") from exc
         except (ConnectionError, OSError) as exc:
-            raise PeerGone(f"the connection broke: {exc}") from exc
+            raise NotSent(f"the connection broke: {exc}") from exc
 
     def call(self, request: bytes) -> tuple[int, memoryview]:
         """Send ``request``; its reply's (op, body). The body views this channel's buffer:
         valid until the next call. PeerGone when the connection closes or breaks
-        (PeerSilent when a kernel timeout passes first),
-        WireError for a reply out of bounds."""
+        (NotSent when it broke before the request left, PeerSilent when a kernel timeout
+        passes first), WireError for a reply out of bounds."""
         if len(self._buffer) > _BUFFER:  # the last reply was a large one: not kept
             self._buffer = bytearray(_BUFFER)
+        self.send(request)
         try:
-            self.sock.sendall(request)
             view = memoryview(self._buffer)
             have = self.sock.recv_into(view)
             while 0 < have < 8:
