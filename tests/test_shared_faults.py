@@ -6,23 +6,26 @@ directory refuses, naming it."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+import shared_host
 import torch
-from shared_host import PAGE_SIZE, Server, caches, start_processes
-from shared_inprocess import TOKENS, Host, offload
+from shared_host import PAGE_SIZE, Server, caches, observer, start_processes, wait_for
+from shared_inprocess import PAGES, TOKENS, Host, load_exact, offload
 
 import aiokv
 from aiokv.errors import StoreError
 from aiokv.stores.base import TaskResult, TaskStatus
-from aiokv.stores.shared import SharedStore
+from aiokv.stores.shared import SharedStore, client, link
 
 
 def ssd_server(tmp_path: Path) -> Server:
@@ -247,3 +250,131 @@ def test_a_lookup_given_back_while_the_server_is_away_costs_nothing_once_it_is_b
         reader.close()
     finally:
         host.stop()
+
+
+def test_a_stopped_server_times_out_one_call_then_calls_fail_fast_until_it_answers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGSTOPped (hung) server: the call in flight fails after CALL_TIMEOUT_S; later
+    calls, its figures included, fail at once for a backoff instead of each waiting for a
+    timeout again (a hello into the stopped server's backlog waits HELLO_TIMEOUT_S at
+    most); once it runs again, the same store is served what it kept."""
+    monkeypatch.setattr(link, "CALL_TIMEOUT_S", 10.0)
+    monkeypatch.setattr(link, "HELLO_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(client, "BACKOFF_FIRST_S", 2.0)
+    server = Server(tmp_path).start()
+    assert server.process is not None
+    store, tables = observer(server.socket)
+    try:
+        offload(store, tables, 1)
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(StoreError) as failed:
+                store.ping()
+            assert time.monotonic() - started < 30  # CALL_TIMEOUT_S, not for ever
+            assert "stopped or wedged" in str(failed.value)
+            later: list[Callable[[], object]] = [
+                store.ping, lambda: store.get_match(TOKENS, ["user:1"]), store.ping]
+            for call in later:  # each waited CALL_TIMEOUT_S again (its hello's)
+                started = time.monotonic()
+                with pytest.raises(StoreError) as failed:
+                    call()
+                assert time.monotonic() - started < 5
+                assert "not reachable" in str(failed.value)
+                assert "tried again in" in str(failed.value)
+            started = time.monotonic()
+            assert store.store_stats()["server_up"] == 0  # no hello of its own
+            assert time.monotonic() - started < 5
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+
+        def answers() -> bool:
+            with contextlib.suppress(StoreError):
+                store.ping()
+                return True
+            return False
+
+        wait_for(answers, "the server answers again")
+        task, mask = store.get_match(TOKENS, ["user:1"])
+        assert mask.all()
+        assert load_exact(store, tables, 1, task)
+    finally:
+        store.close()
+        server.kill()
+
+
+def test_an_engine_on_a_stopped_server_fails_its_lookups_fast_after_the_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's view: one lookup waits CALL_TIMEOUT_S; the next ones (and the figures
+    refreshed after each batch) fail at once, not a timeout (or two) each."""
+    monkeypatch.setattr(link, "CALL_TIMEOUT_S", 8.0)
+    monkeypatch.setattr(link, "HELLO_TIMEOUT_S", 1.0)
+    server = Server(tmp_path).start()
+    assert server.process is not None
+    engine = shared_host.Host(str(server.socket))
+    try:
+        assert engine.offload(user=3, pages=PAGES)["cached"] == PAGES * PAGE_SIZE
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreError):
+                engine.lookup(user=3, pages=PAGES)
+            for _ in range(3):
+                started = time.monotonic()
+                with pytest.raises(StoreError, match="not reachable"):
+                    engine.lookup(user=3, pages=PAGES)
+                assert time.monotonic() - started < 5  # was 2 x 8 s: lookup, figures
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+    finally:
+        engine.kv.close()
+        server.kill()
+
+
+def test_an_idle_engine_is_served_by_its_first_call_after_a_server_restart(
+        tmp_path: Path) -> None:
+    """The server killed while the engine idles and started again before its next call:
+    that call (an offload) finds the old connection broken before its request left, and
+    goes on a fresh one instead of failing; what it stores loads bit for bit."""
+    server = Server(tmp_path).start()
+    engine = shared_host.Host(str(server.socket))
+    try:
+        assert engine.offload(user=1, pages=PAGES)["cached"] == PAGES * PAGE_SIZE
+        time.sleep(1.0)  # idle: the figures refreshed after that batch asked already
+        server.kill()
+        server = Server(tmp_path).start()
+        assert engine.offload(user=2, pages=PAGES)["cached"] == PAGES * PAGE_SIZE
+        assert engine.load(user=2, pages=PAGES) == {
+            "cached": PAGES * PAGE_SIZE, "loaded": PAGES * PAGE_SIZE, "exact": True}
+        assert engine.lookup(user=1, pages=PAGES) == {"cached": 0}  # it went with the server
+    finally:
+        engine.kv.close()
+        server.kill()
+
+
+def test_a_match_resent_after_a_restart_names_no_task_of_the_server_gone(
+        tmp_path: Path) -> None:
+    """A task to release rides along with the next match; when that match goes to a new
+    server (the old one gone before it left), it must not name the task: the new server
+    would take its id for another engine's and drop this one."""
+    server = Server(tmp_path).start()
+    store, tables = observer(server.socket)
+    try:
+        offload(store, tables, 1)
+        task, _ = store.put_match(TOKENS, ["user:2"])
+        invalid = task
+        store.launch([task], [torch.arange(PAGES - 1)], [None])  # a page short: released
+        server.kill()  # with the next message to the server
+        server = Server(tmp_path).start()
+        task, mask = store.get_match(TOKENS, ["user:1"])  # the first call after the restart
+        assert not mask.any()  # a miss (the host tier went with the server), no StoreError
+        store.cancel([task])
+        assert store.try_wait([invalid])[invalid].status is TaskStatus.INVALID
+        store.ping()  # still served on the same connection
+        offload(store, tables, 3)
+        task, mask = store.get_match(TOKENS, ["user:3"])
+        assert mask.all()
+        assert load_exact(store, tables, 3, task)
+        assert "disconnected engine" not in server.text()
+    finally:
+        store.close()
+        server.kill()

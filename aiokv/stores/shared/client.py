@@ -13,9 +13,16 @@ with the next batch); evicts, clears and figures a round trip each.
 
 Faults: if the server goes away, the call in flight raises StoreError, tasks launched or
 matched under it end FAILED, and every later call tries to reconnect first, failing fast
-with StoreError (naming the socket) while nothing listens there. Once a server is back,
-this store registers again, maps its new region and serves on; the engine is not
-restarted.
+with StoreError (naming the socket) while nothing listens there. A server that stops
+answering (stopped, wedged) fails the call in flight after ``link.CALL_TIMEOUT_S`` (a
+hello after ``link.HELLO_TIMEOUT_S``); then calls fail at once, saying when it is tried
+again, for a backoff (BACKOFF_FIRST_S doubling to BACKOFF_MAX_S, reset by a hello
+answered), since each try of a silent server costs its caller a timeout. Once a server
+is back, this store registers again, maps its new region and serves on; the engine is
+not restarted. The first call after a restart the store did not see (it idled) finds
+its old connection broken before the request left; a match, ping, figures, evict or clear
+then goes once more on a fresh connection (a launch or end is not sent again: it names
+tasks of the server gone).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +60,11 @@ log = logging.getLogger("aiokv")
 
 _PING = wire.frame(wire.PING)
 _T = TypeVar("_T")
+
+# After a call or hello that a silent server let time out, no connect is tried for this
+# long, doubled at each such try up to BACKOFF_MAX_S (calls meanwhile fail at once).
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
 
 
 def _nothing(body: memoryview) -> None:
@@ -99,6 +112,9 @@ class SharedStore:
         # Links lost whose copies are over, told to the server with the next hello: it
         # keeps their put blocks out of use until then (its quarantine).
         self._ended: deque[tuple[str, int]] = deque(maxlen=wire.MAX_ENDED)
+        self._backoff_s = 0.0  # the last backoff (0: the last hello was answered)
+        self._retry_at = 0.0  # no connect before this (time.monotonic())
+        self._silent = ""  # why: the timeout that started the backoff
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -120,12 +136,20 @@ class SharedStore:
             return self._link
         if self._closed or self._geometry is None:
             raise StoreError("the shared store is closed (or not registered)")
+        wait = self._retry_at - time.monotonic()
+        if wait > 0:  # a silent server: another try would cost this call a timeout
+            raise StoreError(f"the store server at {self._path!r} is not reachable: "
+                             f"{self._silent}; tried again in {wait:.1f} s")
         try:
             link = Link(self._path, self._caches, self._geometry, self._job_done,
                         list(self._ended))
+        except wire.PeerSilent as exc:
+            raise StoreError(f"the store server at {self._path!r} is not reachable: {exc}; "
+                             f"tried again in {self._back_off(exc):g} s") from exc
         except (OSError, wire.PeerGone, wire.WireError) as exc:
             raise StoreError(f"the store server at {self._path!r} is not reachable: {exc} "
                              "(is `aiokv store-server` running?)") from exc
+        self._backoff_s = self._retry_at = 0.0
         self._link = link
         self._ended.clear()
         self._generation += 1
@@ -136,32 +160,64 @@ class SharedStore:
         return link
 
     def _call(self, request: bytes, what: str, expect: int,
-              decode: Callable[[memoryview], _T]) -> _T:
+              decode: Callable[[memoryview], _T],
+              again: Callable[[], bytes] | None = None) -> _T:
         """One request to the server and its reply's body decoded (under the lock: the
         body views the connection's buffer); StoreError when the server is gone or
-        refuses."""
-        return self._on_link(lambda link: decode(link.call(request, what, expect)))
+        refuses. ``again``: the request for a fresh link, when the link's server was gone
+        before this one left (None: a request that names what only that server knew)."""
+        retry = None if again is None else (
+            lambda link: decode(link.call(again(), what, expect)))
+        return self._on_link(lambda link: decode(link.call(request, what, expect)), retry)
 
     def _send(self, request: bytes) -> None:
         """A request that gets no answer (a batch's end); StoreError when the server is
         gone."""
         self._on_link(lambda link: link.send(request))
 
-    def _on_link(self, use: Callable[[Link], _T]) -> _T:
+    def _on_link(self, use: Callable[[Link], _T],
+                 again: Callable[[Link], _T] | None = None) -> _T:
         """``use(link)`` under the lock, connecting first; a broken link is lost (its
-        tasks end FAILED) and raised as StoreError."""
+        tasks end FAILED) and raised as StoreError. A link whose server had gone before
+        the request left (the first call after a restart: nothing read from the old
+        connection until then) is lost, and ``again`` runs once on a fresh one."""
         with self._lock:
             link = self._connect()
             try:
                 return use(link)
-            except (OSError, wire.PeerGone, wire.WireError) as exc:
+            except wire.NotSent as exc:
+                if again is None:
+                    raise self._failed(exc) from exc
                 self._lost(exc)
-                raise StoreError(f"the store server at {self._path!r} went away: {exc}"
-                                 ) from exc
+            except (OSError, wire.PeerGone, wire.WireError) as exc:
+                raise self._failed(exc) from exc
+            link = self._connect()
+            try:
+                return again(link)
+            except (OSError, wire.PeerGone, wire.WireError) as exc:
+                raise self._failed(exc) from exc
 
-    def _call_json(self, message: Mapping[str, Any]) -> dict[str, Any]:
-        return self._call(wire.encode_json(message), str(message["op"]), wire.JSON,
-                          wire.decode_json)
+    def _failed(self, exc: BaseException) -> StoreError:
+        """The link lost to ``exc``, as the caller's error."""
+        self._lost(exc)
+        if isinstance(exc, wire.PeerSilent):
+            return StoreError(f"the store server at {self._path!r}: {exc}; calls fail at "
+                              f"once until it is tried again in {self._back_off(exc):g} s")
+        return StoreError(f"the store server at {self._path!r} went away: {exc}")
+
+    def _back_off(self, exc: wire.PeerSilent) -> float:
+        """No connect for a while after ``exc`` (a silent server): how long."""
+        self._backoff_s = min(BACKOFF_MAX_S, 2 * self._backoff_s or BACKOFF_FIRST_S)
+        self._retry_at = time.monotonic() + self._backoff_s
+        self._silent = str(exc)
+        return self._backoff_s
+
+    def _call_json(self, message: Mapping[str, Any], again: bool = True) -> dict[str, Any]:
+        """``again``: the same message for a fresh link if the server was gone before it
+        left (False for one about this link's own state)."""
+        request = wire.encode_json(message)
+        return self._call(request, str(message["op"]), wire.JSON, wire.decode_json,
+                          (lambda: request) if again else None)
 
     def _lost(self, exc: BaseException) -> None:
         log.warning("aiokv: lost the store server at %s: %s", self._path, exc)
@@ -190,11 +246,14 @@ class SharedStore:
 
     def _matches(self, op: str, queries: Queries) -> MatchAnswers:
         page_size = self.page_size
-        request = wire.encode_match(wire.PUT if op == "put" else wire.GET, queries,
-                                    page_size, self._take_release())
+        kind = wire.PUT if op == "put" else wire.GET
+        request = wire.encode_match(kind, queries, page_size, self._take_release())
         tokens = [len(token_ids) for token_ids, _ in queries]
+        # On a fresh link, without the ids to release: the server gone rolled them back,
+        # and a new one would take them for another engine's (and drop this one).
         replies = self._call(request, op, wire.ANSWERS,
-                             lambda body: wire.decode_answers(body, tokens, page_size))
+                             lambda body: wire.decode_answers(body, tokens, page_size),
+                             lambda: wire.encode_match(kind, queries, page_size, []))
         answers: MatchAnswers = []
         generation, is_put = self._generation, op == "put"
         for answer in replies:
@@ -296,7 +355,7 @@ class SharedStore:
         link = self._link
         if link is None or link.notice.value == self._seen:
             return
-        reply = self._call_json({"op": "invalidated"})
+        reply = self._call_json({"op": "invalidated"}, again=False)  # this link's
         self._invalidated.update(int(i) for i in reply["ids"])
         self._seen = int(reply["seq"])
 
@@ -413,7 +472,7 @@ class SharedStore:
     def ping(self) -> None:
         """One empty round trip to the server (what a batch's control messages cost
         beyond the server's work for them)."""
-        self._call(_PING, "ping", wire.OK, _nothing)
+        self._call(_PING, "ping", wire.OK, _nothing, lambda: _PING)
 
     def set_notify(self, callback: Callable[[], None]) -> None:
         self._notify = callback

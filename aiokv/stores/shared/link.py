@@ -20,6 +20,9 @@ from .plane import RegionPlane
 from .region import Geometry, Region
 
 CALL_TIMEOUT_S = 60.0
+# A connect and its hello: a stopped server's listen backlog takes the connect, and only
+# the hello's answer shows it does not serve (the client backs off after this).
+HELLO_TIMEOUT_S = 5.0
 
 
 class Link:
@@ -31,17 +34,18 @@ class Link:
         """``ended``: this process's lost connections whose copies are over (the server
         frees the put blocks it held for them)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        # A server that stops answering (stopped, wedged) fails the call in flight after
-        # this long, and the store thread goes on (the server's own waits are shorter).
-        sockets.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
+        sockets.kernel_timeouts(sock, send_s=HELLO_TIMEOUT_S, recv_s=HELLO_TIMEOUT_S)
         try:
             sock.connect(path)
             sockets.send(sock, wire.encode_json({
                 "op": "hello", "wire": wire.VERSION, "geometry": geometry.as_dict(),
                 "ended": [list(e) for e in ended]}))
             reply, fds = sockets.recv_json(sock)
-        except BaseException:
+        except BaseException as exc:
             sock.close()
+            if isinstance(exc, (wire.PeerSilent, BlockingIOError)):  # connect or hello
+                raise wire.PeerSilent(f"no answer to the hello within {HELLO_TIMEOUT_S:g} s "
+                                      "(the server is stopped or wedged)") from exc
             raise
         if not reply.get("ok"):
             sock.close()
@@ -61,6 +65,10 @@ class Link:
             for fd in fds:
                 os.close(fd)
             raise StoreError(f"the store server at {path!r} sent no region")
+        # A server that stops answering (stopped, wedged) fails the call in flight after
+        # this long, and the store thread goes on (the server's own waits are shorter).
+        self.call_timeout_s = CALL_TIMEOUT_S
+        sockets.kernel_timeouts(sock, send_s=CALL_TIMEOUT_S, recv_s=CALL_TIMEOUT_S)
         self.sock = sock
         self.channel = sockets.Channel(sock)
         named = reply.get("connection")  # [server, number]: how a later hello names it
@@ -81,8 +89,13 @@ class Link:
 
     def call(self, request: bytes, what: str, expect: int) -> memoryview:
         """One request and its reply's body (valid until the next call), which must be
-        of op ``expect``; StoreError when the server refuses it."""
-        op, body = self.channel.call(request)
+        of op ``expect``; StoreError when the server refuses it, PeerSilent when it does
+        not answer within CALL_TIMEOUT_S."""
+        try:
+            op, body = self.channel.call(request)
+        except wire.PeerSilent as exc:
+            raise wire.PeerSilent(f"no answer to {what!r} within {self.call_timeout_s:g} s "
+                                  "(the server is stopped or wedged)") from exc
         if op == wire.JSON:
             reply = wire.decode_json(body)
             if not reply.get("ok"):

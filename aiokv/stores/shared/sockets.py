@@ -13,7 +13,17 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from .wire import HEAD, JSON, MAX_FDS, PeerGone, WireError, check_length, decode_json
+from .wire import (
+    HEAD,
+    JSON,
+    MAX_FDS,
+    NotSent,
+    PeerGone,
+    PeerSilent,
+    WireError,
+    check_length,
+    decode_json,
+)
 
 _BUFFER = 1 << 16  # a client's receive buffer: a batch's answers fit
 
@@ -36,21 +46,24 @@ class Channel:
         self._buffer = bytearray(_BUFFER)
 
     def send(self, request: bytes) -> None:
-        """Send a request that gets no reply (``END``); PeerGone when the connection
+        """Send a request that gets no reply (``END``); NotSent when the connection
         broke."""
         try:
             self.sock.sendall(request)
+        except BlockingIOError as exc:  # the kernel's send timeout: the peer takes nothing
+            raise PeerSilent(f"the peer took no request: {exc}") from exc
         except (ConnectionError, OSError) as exc:
-            raise PeerGone(f"the connection broke: {exc}") from exc
+            raise NotSent(f"the connection broke: {exc}") from exc
 
     def call(self, request: bytes) -> tuple[int, memoryview]:
         """Send ``request``; its reply's (op, body). The body views this channel's buffer:
-        valid until the next call. PeerGone when the connection closes or breaks,
-        WireError for a reply out of bounds."""
+        valid until the next call. PeerGone when the connection closes or breaks
+        (NotSent when it broke before the request left, PeerSilent when a kernel timeout
+        passes first), WireError for a reply out of bounds."""
         if len(self._buffer) > _BUFFER:  # the last reply was a large one: not kept
             self._buffer = bytearray(_BUFFER)
+        self.send(request)
         try:
-            self.sock.sendall(request)
             view = memoryview(self._buffer)
             have = self.sock.recv_into(view)
             while 0 < have < 8:
@@ -72,6 +85,8 @@ class Channel:
                 if n == 0:
                     raise PeerGone("the peer closed the connection")
                 have += n
+        except BlockingIOError as exc:  # a kernel timeout: the peer stopped answering
+            raise PeerSilent(f"no answer: {exc}") from exc
         except (ConnectionError, OSError) as exc:
             raise PeerGone(f"the connection broke: {exc}") from exc
         if have != end:
@@ -82,7 +97,8 @@ class Channel:
 def recv_json(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One JSON message from a blocking socket that carries nothing after it, with the
     descriptors that came with it (the answer to ``hello``). PeerGone when the connection
-    closes or breaks, WireError for a frame out of bounds or malformed."""
+    closes or breaks (PeerSilent when the socket's receive timeout passes first), WireError
+    for a frame out of bounds or malformed."""
     fds: list[int] = []
     data = bytearray()
     try:
@@ -102,6 +118,8 @@ def recv_json(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     except BaseException as exc:
         for fd in fds:
             close_quietly(fd)
+        if isinstance(exc, BlockingIOError):  # a kernel timeout
+            raise PeerSilent(f"no answer: {exc}") from exc
         if isinstance(exc, OSError):
             raise PeerGone(f"the connection broke: {exc}") from exc
         raise

@@ -82,6 +82,15 @@ class PeerGone(Exception):
     """The connection closed (or broke) before a whole frame came."""
 
 
+class PeerSilent(PeerGone):
+    """The peer did not take or answer a frame within the socket's timeout: it is
+    stopped or wedged (the connection is of no more use)."""
+
+
+class NotSent(PeerGone):
+    """The connection was broken before the whole request left (the peer had gone): the
+    peer acted on none of it (it acts on whole frames only)."""
+
 def frame(op: int, body: bytes = b"") -> bytes:
     return HEAD.pack(len(body) + 4, op) + body
 
