@@ -14,6 +14,7 @@ import torch
 from aiokv.bench import main as bench_main
 from aiokv.bench.beside import Beside, Unit, measure_copier
 from aiokv.bench.standin import ALL, StandIn, parse_depths
+from aiokv.copy import copier as copy_plane
 
 
 def test_model_bench_prints_its_table_and_figures_for_both_copiers(
@@ -50,7 +51,7 @@ def test_model_bench_runs_the_store_of_its_config_in_a_process_of_its_own(
     config.write_text("store:\n  cpu_cache_gb: 0.02\n  page_size: 32\n  own_process: true\n")
     out = tmp_path / "model.json"
     argv = ["model", "--device", "cpu", "--depth", "4", "--config", str(config), "--json",
-            str(out), "--ids", "host"]
+            str(out), "--ids", "host", "--ahead-mib", "4096"]
     assert bench_main(argv) == 0
     assert "on the local store in its own process" in capsys.readouterr().out
     document = json.loads(out.read_text())
@@ -58,6 +59,8 @@ def test_model_bench_runs_the_store_of_its_config_in_a_process_of_its_own(
     (engine,) = [r for r in document["rows"] if r["copier"] == "engine"]
     assert engine["offload_units"] >= 1 and engine["load_gib_s"] > 0
     assert document["settings"]["ids"] == "host"
+    assert document["settings"]["ahead_mib"] == 4096
+    assert copy_plane.MAX_BYTES_AHEAD == 64 << 20  # the run's pacing, given back after it
 
 
 def test_a_bad_depth_is_refused_naming_it(capsys: pytest.CaptureFixture[str]) -> None:

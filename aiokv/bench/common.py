@@ -147,6 +147,22 @@ def switch_interval(us: int) -> Iterator[None]:
         sys.setswitchinterval(previous)
 
 
+@contextlib.contextmanager
+def offloads_ahead(mib: int) -> Iterator[None]:
+    """The copier's ``MAX_BYTES_AHEAD`` (how much of an offload waits on the copy engines
+    at once) at ``mib`` MiB meanwhile (0: left as it is; above a job's bytes: that job is
+    not paced), restored after: to measure what pacing costs a run's offloads."""
+    from ..copy import copier
+
+    previous = copier.MAX_BYTES_AHEAD
+    if mib:
+        copier.MAX_BYTES_AHEAD = mib << 20
+    try:
+        yield
+    finally:
+        copier.MAX_BYTES_AHEAD = previous
+
+
 def make_caches(
     layers: int,
     pages: int,

@@ -61,6 +61,7 @@ class Settings(standin.BesideSettings):
     placement: str = field(default="scattered", metadata={"choices": PLACEMENTS})
     switch_interval_us: int = common.or_zero(0)
     ids: str = field(default="device", metadata={"choices": IDS})
+    ahead_mib: int = common.or_zero(0)
 
 
 QUICK: dict[str, object] = {**standin.SMOKE, "warmup": 1}
@@ -76,6 +77,8 @@ HELPS = {
     "the host first, or 'host' (CPU) tensors, as a host-side page allocator has them",
     "switch_interval_us": "sys.setswitchinterval for the whole run (0: Python's 5 ms): how long "
     "the model's thread may wait for the GIL that an engine thread holds",
+    "ahead_mib": "MiB of an engine offload queued on the copy engines at once (0: aiokv's "
+    "own, 64; more than a round's bytes: offloads unpaced): what pacing costs the engine",
 }
 
 
@@ -245,7 +248,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     measured: dict[str, tuple[Rates, list[Side]]] = {}
     failed: dict[str, str] = {}
-    with common.switch_interval(settings.switch_interval_us):
+    with common.switch_interval(settings.switch_interval_us), \
+            common.offloads_ahead(settings.ahead_mib):
         for name, copier in copiers.items():
             try:
                 measured[name] = measure_copier(copier, model, steps, depths,
