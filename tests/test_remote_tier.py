@@ -64,6 +64,9 @@ def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(
     a = LocalHost(mooncake.master, head_dim=head_dim, **remote)
     for user in users:
         assert a.offload(user) == TOKENS
+        # Writes hold at most half the host tier (here 40 of 81 large blocks): one user
+        # at a time, none is dropped.
+        until(lambda: a.stats()["remote_blocks_held"] == 0)
     assert a.close()["remote_blocks_written"] == len(users) * USER_PAGES
     b = LocalHost(mooncake.master, head_dim=head_dim, **remote)
     try:
@@ -115,10 +118,13 @@ def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
     try:
         for user in range(300, 324):
             assert b.offload(user) == TOKENS
-        # Until written to Mooncake, B's blocks cannot be evicted (a load then finds less
-        # room: a shorter hit, which is not what this test is about).
-        until(lambda: b.stats()["remote_blocks_written"] == 24 * USER_PAGES)
+        # Until written to Mooncake (or dropped: writes hold at most half the tier), B's
+        # blocks cannot be evicted (a load then finds less room: a shorter hit, which is
+        # not what this test is about). No offload waited for them.
+        until(lambda: b.stats()["remote_blocks_held"] == 0)
         stats = b.stats()  # full: room for A's blocks means evicting some of B's
+        assert stats["remote_blocks_written"] + stats["remote_dropped_writes"] == (
+            24 * USER_PAGES)
         assert stats["host_blocks_used"] == stats["host_blocks_total"] < 24 * USER_PAGES
         assert b.load(91) == (TOKENS, True)
         assert b.load(300 + 23) == (TOKENS, True)  # its own newest, still on the host
@@ -250,23 +256,30 @@ def test_a_host_with_another_geometry_never_matches(mooncake: MooncakeServers) -
 
 # Small blocks' values go through staging slots, large ones as two slices: both checked.
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 4096])
+@pytest.mark.parametrize("damage", ["flipped", "longer"])
 def test_a_corrupted_value_is_a_miss_from_there_on(
-    mooncake: MooncakeServers, head_dim: int
+    mooncake: MooncakeServers, head_dim: int, damage: str
 ) -> None:
+    # A byte flipped fails the checksum; a value longer than a block's is refused by
+    # Mooncake's get: both are a damaged value, a miss, and counted.
+    user = 21 if damage == "flipped" else 22
     a = LocalHost(mooncake.master, head_dim=head_dim)
-    assert a.offload(21) == TOKENS
+    assert a.offload(user) == TOKENS
     assert a.close()["remote_blocks_written"] == USER_PAGES
     # Damage the third block's value in place (upsert replaces a value; put keeps it).
     block_shape = (LAYERS, 2, PAGE_SIZE, HEADS, head_dim)
     keys = Keys(geometry_tag(block_shape, torch.float32, PAGE_SIZE))
     digests = chain_digests(torch.arange(TOKENS).numpy(), PAGE_SIZE)
-    key = keys.blocks(namespace_tag(["uid:21"]), 0, 0, digests)[2]
+    key = keys.blocks(namespace_tag([f"uid:{user}"]), 0, 0, digests)[2]
     client = import_store().MooncakeDistributedStore()
     assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", mooncake.master) == 0
     try:
         value = bytearray(client.get(key))
         assert len(value) == a.caches[0][0].numel() * 4 * LAYERS + 8
-        value[100] ^= 0xFF
+        if damage == "flipped":
+            value[100] ^= 0xFF
+        else:
+            value += bytes(8)
         deadline = time.monotonic() + 10  # the get's lease must end first
         while client.upsert(key, bytes(value)) != 0:
             assert time.monotonic() < deadline
@@ -274,7 +287,7 @@ def test_a_corrupted_value_is_a_miss_from_there_on(
         client.close()
     b = LocalHost(mooncake.master, head_dim=head_dim)
     try:
-        assert b.load(21) == (2 * PAGE_SIZE, True)  # the two blocks before it, exact
+        assert b.load(user) == (2 * PAGE_SIZE, True)  # the two blocks before it, exact
         assert b.stats()["remote_checksum_failures"] == 1
     finally:
         b.close()
@@ -323,6 +336,35 @@ def test_the_master_going_away_turns_lookups_into_misses(tmp_path: Path) -> None
         finally:
             a.close()
             b.close()
+
+
+def test_a_master_that_stops_answering_never_costs_offloads_their_host_room(
+    tmp_path: Path,
+) -> None:
+    # Writes wait on a hung master while their blocks are held: with a host tier smaller
+    # than the write queue, they must not take the room offloads need (StoreFull).
+    with MooncakeServers(segment_mb=64, log_dir=tmp_path) as servers:
+        caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, 64) for _ in range(LAYERS)]
+        store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01,
+                                                   remote={"master": servers.master}))
+        kv = aiokv.run_in_background(aiokv.OffloadEngine(
+            store, caches, aiokv.EngineConfig(request_timeout_ms=3000)))
+        pages = torch.arange(8)
+        try:
+            host_blocks = kv.stats().host_blocks_total
+            assert kv.offload(0, pages, 8 * PAGE_SIZE).stored_tokens == 8 * PAGE_SIZE
+            until(lambda: kv.stats().bytes_remote_written > 0)
+            servers.pause_master()
+            try:
+                users = host_blocks // 8 + 40  # more than the host tier holds
+                for user in range(1, users):  # each one a StoreFull before the cap
+                    assert kv.offload(user, pages, 8 * PAGE_SIZE).cached_tokens == (
+                        8 * PAGE_SIZE)
+                assert kv.stats().remote_dropped_writes > 0  # dropped, counted
+            finally:
+                servers.pause_master(False)
+        finally:
+            kv.close()
 
 
 def test_a_store_that_stops_answering_turns_lookups_into_misses(

@@ -151,10 +151,11 @@ class RemoteIO:
         return self._leading(got, good, counts)
 
     def _leading(self, got: list[int], good: list[bool], counts: list[int]) -> list[int]:
-        """Per range of ``counts`` values, how many leading ones are good; a value that
-        arrived (``got``: bytes) and is not good was damaged, or not ours: counted."""
+        """Per range of ``counts`` values, how many leading ones are good; a value there
+        (``got``: its bytes, or Mooncake's refusal of a value of the wrong length) that
+        is not good was damaged, or not ours: counted."""
         self.read_stats["remote_checksum_failures"] += sum(
-            n >= 0 and not ok for n, ok in zip(got, good, strict=True))
+            n != ABSENT and not ok for n, ok in zip(got, good, strict=True))
         leading, at = [], 0
         for count in counts:
             leading.append(leading_ones([int(ok) for ok in good[at : at + count]]))

@@ -52,7 +52,8 @@ class RemoteConfig:
     timeout_ms: the longest a lookup waits for Mooncake (a longer answer is a miss), and
         the pause after a failed call before the tier is tried again (doubling to 30 s).
     write_queue_blocks: background writes waiting at most; beyond, a write is dropped
-        (counted) rather than wait.
+        (counted) rather than wait. Writes queued or under way never hold more than a
+        half the host tier's blocks either.
     checksum_threads: threads that hash a batch of values (the writer or the reader
         among them; xxhash runs without the GIL); None: half the cores, at most 4.
     """
