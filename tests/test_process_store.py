@@ -8,6 +8,7 @@ import asyncio
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -325,6 +326,66 @@ def test_an_interrupted_call_breaks_the_store_rather_than_shift_every_answer(
         store.get_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["nothing here"])
     store.close()
     assert store.pid is not None and _gone(store.pid)
+
+
+def test_a_call_interrupted_while_its_request_is_half_sent_breaks_the_store_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A Ctrl-C inside a large send: the child has part of a request; the next call's
+    # bytes must not be read as the rest of it (a wedged child, a call timed out).
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01), call_timeout_s=30)
+    store.register(make_caches())
+    assert store._link is not None
+    conn = store._link.conn
+
+    def half_sent(message: object, *, start: bool = False) -> None:
+        conn._send(struct.pack("!i", 1 << 20) + pickle.dumps(message)[:16])  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store._link, "send", half_sent)
+    with pytest.raises(KeyboardInterrupt):
+        store.put_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["put"])
+    monkeypatch.undo()
+    began = time.monotonic()
+    with pytest.raises(aiokv.StoreError, match="interrupted"):
+        store.get_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["nothing here"])
+    assert time.monotonic() - began < 10
+    store.close()
+
+
+class _OddAnswers(aiokv.testing.FakeStore):
+    """A store whose evict answers what does not pickle and whose clear raises
+    SystemExit: each call must fail alone, typed, and the child serve on."""
+
+    def evict(self, namespace: Any) -> Any:
+        import threading
+
+        return threading.Lock()
+
+    def clear(self) -> int:
+        raise SystemExit(3)
+
+
+def test_an_answer_that_does_not_pickle_or_a_system_exit_fails_its_call_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    conn, ends, thread = _serve_in_thread(monkeypatch, _OddAnswers(PAGE_SIZE))
+    conn.send(("evict", ("n",)))
+    assert conn.poll(10), "the child answered nothing"
+    ok, error = conn.recv()
+    assert not ok and isinstance(error, aiokv.StoreError) and "cannot pickle" in str(error)
+    conn.send(("clear", None))
+    assert conn.poll(10), "the child answered nothing"
+    ok, error = conn.recv()
+    assert not ok and isinstance(error, aiokv.StoreError) and "SystemExit" in str(error)
+    conn.send(("put_match", (np.arange(2 * PAGE_SIZE, dtype=np.int64), ("n",))))
+    assert conn.poll(10), "the child stopped serving"
+    ok, _ = conn.recv()
+    assert ok  # served on
+    conn.send(("close", None))
+    thread.join(10)
+    conn.close()
+    ends.close()
 
 
 def test_a_child_that_cannot_build_its_store_says_why() -> None:

@@ -36,6 +36,7 @@ import torch
 import torch.multiprocessing  # registers tensor reductions for Connection.recv
 
 from ..backends import backend
+from ..errors import StoreError
 from . import cache_fds, make_store
 from .base import NoSpace, Store, TaskResult
 from .wire import launch_pages, pack_results, portable
@@ -141,11 +142,13 @@ def _match_many(store: Store, op: str, args: Any) -> list[Any]:
     return answers
 
 
-def _for_the_parent(op: str, exc: Exception) -> BaseException:
+def _for_the_parent(op: str, exc: BaseException) -> BaseException:
     """A store's exception as it crosses to the parent; logged here unless it is one of
     the contract's own (NoSpace, ValueError), which the parent reports itself."""
     if not isinstance(exc, (NoSpace, ValueError)):
         log.warning("aiokv store process: %s failed", op, exc_info=True)
+    if not isinstance(exc, Exception):  # SystemExit, say: raised in the engine's store
+        return StoreError(f"{type(exc).__name__}: {exc}")  # thread it would end it quietly
     return portable(exc)
 
 
@@ -206,12 +209,20 @@ def serve(conn: Connection, ends_socket: socket.socket) -> int:
                 break
             try:
                 reply = (True, _CALLS[op](store, ends, args))
-            except Exception as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # SystemExit from a store too: the call's error
                 reply = (False, _for_the_parent(op, exc))
             try:
-                conn.send(reply)
+                conn.send(reply)  # pickled whole before a byte is written
             except OSError:  # the parent is gone
                 return 0
+            except Exception as exc:  # an answer that does not pickle: the call's error
+                try:
+                    conn.send((False, StoreError(f"{op}: the store's answer cannot be sent "
+                                                 f"to the engine: {exc!r}")))
+                except OSError:
+                    return 0
     finally:
         try:
             store.close()

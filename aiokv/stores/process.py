@@ -369,13 +369,14 @@ class ProcessStore:
                 raise RuntimeError("ProcessStore is closed or not registered")
             if self._broken is not None:
                 raise StoreError(self._broken)
-            self._send((op, args))
             try:
+                self._send((op, args))
                 bound_s = self._call_timeout_s
                 ok, value = self._receive(time.monotonic() + bound_s, f"{op} within {bound_s:g} s")
             except BaseException:
                 # Interrupted (KeyboardInterrupt in a main-thread caller, say) with the
-                # answer unread: a later call would read this one's answer as its own.
+                # request half sent or the answer unread: a later call would read this
+                # one's answer as its own, or the child the rest of it as a request.
                 if self._broken is None:
                     self._broken = f"a call to the store process (pid {self.pid}) was interrupted"
                 raise
