@@ -404,3 +404,6 @@ def test_an_engine_starts_and_serves_with_no_master_at_all() -> None:
     finally:
         stats = host.close()
     assert stats["remote_blocks_written"] == 0
+    # The miss asked nobody: no wait for Mooncake is counted (nor its zero seconds,
+    # which would pull the mean wait down).
+    assert (stats["remote_misses"], stats["remote_lookup_waits"]) == (1, 0)

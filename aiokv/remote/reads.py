@@ -113,12 +113,12 @@ class Reader:
             if gap and (below is None or not below(key, gap[:1])[0]):
                 (wanted if io.keys.usable(self._tag(key)) else unusable).append((key, gap))
         if unusable:
-            self._count(unusable, [0] * len(unusable), 0.0)
+            self._count(unusable, [0] * len(unusable), None)
         if not wanted:
             return None
         now = time.monotonic()
         if io.resting() or self.stuck:
-            self._count(wanted, [0] * len(wanted), 0.0)
+            self._count(wanted, [0] * len(wanted), None)
             return None
         asked = [(self._tag(key), digests) for key, digests in wanted]
         total = sum(len(digests) for _, digests in wanted)
@@ -292,12 +292,15 @@ class Reader:
         self._reading = +self._reading  # no key left at 0
         self._count(read.wanted, arrived, now - read.began)
 
-    def _count(self, wanted: Wanted, arrived: list[int], spent: float) -> None:
+    def _count(self, wanted: Wanted, arrived: list[int], spent: float | None) -> None:
+        """``spent``: the wait for Mooncake, None where it was not asked (a miss at once),
+        which is no wait: it would pull the mean wait down."""
         stats = self.stats_
         stats["remote_lookups"] += len(wanted)
-        stats["remote_lookup_waits"] += 1
-        stats["remote_lookup_seconds_total"] += spent
-        stats["remote_lookup_seconds_max"] = max(stats["remote_lookup_seconds_max"], spent)
+        if spent is not None:
+            stats["remote_lookup_waits"] += 1
+            stats["remote_lookup_seconds_total"] += spent
+            stats["remote_lookup_seconds_max"] = max(stats["remote_lookup_seconds_max"], spent)
         hits = sum(map(bool, arrived))
         stats["remote_hits"] += hits
         stats["remote_misses"] += len(wanted) - hits
