@@ -9,6 +9,7 @@ import os
 import random
 import re
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -207,6 +208,41 @@ def test_a_child_that_does_not_answer_a_call_in_time_is_killed_and_replaced() ->
     finally:
         if _exists(first):
             os.kill(first, signal.SIGKILL)  # the test failed: leave no stopped process
+        store.close()
+
+
+def test_a_request_larger_than_the_socket_holds_is_bounded_too() -> None:
+    """A child that stops reading leaves a large request (here 8 MiB of token ids) half
+    sent: the send is bounded by the call's time as the wait for its answer is."""
+    config = aiokv.StoreConfig(cpu_cache_gb=0.01, own_process=True)
+    store = ProcessStore(config, call_timeout_s=1.0)
+    store.register(make_caches())
+    first = store.pid
+    assert first is not None
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            store.put_match(np.arange(1 << 20, dtype=np.int64), ["large"])
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        os.kill(first, signal.SIGSTOP)
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(20)
+        assert outcome, "the send to a child that reads nothing never returned"
+        assert isinstance(outcome[0], aiokv.StoreError)
+        assert re.search(rf"pid {first}\) was killed \(SIGKILL\): it did not take "
+                         r"put_match within 1 s", str(outcome[0]))
+        tokens = np.arange(TOKENS, dtype=np.int64)
+        store.cancel([store.put_match(tokens, ["after"])[0]])  # a new child's answer
+        assert store.restarts == 1 and store.pid != first
+    finally:
+        if _exists(first):
+            os.kill(first, signal.SIGKILL)  # the test failed: let the sender go
         store.close()
 
 

@@ -338,7 +338,7 @@ def test_a_call_interrupted_while_its_request_is_half_sent_breaks_the_store_too(
     assert store._link is not None
     conn = store._link.conn
 
-    def half_sent(message: object, *, start: bool = False) -> None:
+    def half_sent(message: object, *, start: bool = False, bound: object = None) -> None:
         conn._send(struct.pack("!i", 1 << 20) + pickle.dumps(message)[:16])  # type: ignore[attr-defined]
         raise KeyboardInterrupt
 

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
+import socket
 import subprocess
+import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from . import cache_fds
@@ -42,6 +46,10 @@ class ChildLink:
         self.process, self.conn, self.ends = spawn_child()
         self._poller = select.poll()
         self._poller.register(self.conn.fileno(), select.POLLIN)
+        with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+            # What a send may leave in the kernel without the child reading: a quarter
+            # of the send buffer, which also pays for the kernel's own bookkeeping.
+            self._holds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4
 
     @property
     def pid(self) -> int:
@@ -51,15 +59,31 @@ class ChildLink:
         """Whether the child has not exited (reaped here once it has)."""
         return self.process.poll() is None
 
-    def send(self, message: object, *, start: bool = False) -> None:
+    def send(self, message: object, *, start: bool = False,
+             bound: tuple[float, str] | None = None) -> None:
         """``start``: the start message, its CPU caches' shared memory passed as
         descriptors over the socket (:mod:`.cache_fds`: none left here should the child
-        die before it takes them)."""
+        die before it takes them). ``bound``: (deadline, what): a request larger than
+        the socket holds waits for the child to read it, so past the deadline the child
+        is killed, which ends the send (a smaller one never waits: the child has read
+        every earlier request before it answered it)."""
         try:
             if start:
                 cache_fds.send(self.conn, message)
-            else:
-                self.conn.send(message)
+                return
+            data = ForkingPickler.dumps(message)  # as Connection.send pickles
+            if bound is None or len(data) <= self._holds:
+                self.conn.send_bytes(data)
+                return
+            deadline, what = bound
+            watch = threading.Timer(max(deadline - time.monotonic(), 0.0), self.kill,
+                                    (f"it did not take {what}",))
+            watch.daemon = True
+            watch.start()
+            try:
+                self.conn.send_bytes(data)
+            finally:
+                watch.cancel()
         except OSError as exc:
             raise ChildGone from exc
 

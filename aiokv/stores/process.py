@@ -370,8 +370,9 @@ class ProcessStore:
             if self._broken is not None:
                 raise StoreError(self._broken)
             try:
-                self._send((op, args))
                 bound_s = self._call_timeout_s
+                self._send((op, args), bound=(time.monotonic() + bound_s,
+                                              f"{op} within {bound_s:g} s"))
                 ok, value = self._receive(time.monotonic() + bound_s, f"{op} within {bound_s:g} s")
             except BaseException:
                 # Interrupted (KeyboardInterrupt in a main-thread caller, say) with the
@@ -384,10 +385,12 @@ class ProcessStore:
             return value
         raise noted(value, self.pid)
 
-    def _send(self, message: object, *, start: bool = False) -> None:
+    def _send(self, message: object, *, start: bool = False,
+              bound: tuple[float, str] | None = None) -> None:
+        """``bound``: (deadline, what) of a call's request (link.py: killed past it)."""
         assert self._link is not None
         try:
-            self._link.send(message, start=start)
+            self._link.send(message, start=start, bound=bound)
         except ChildGone as gone:
             raise self._lost() from gone
 
