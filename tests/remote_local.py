@@ -64,6 +64,8 @@ class LocalHost:
 
 def until(condition: Any, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
+    pause = 0.001  # most conditions hold within a few milliseconds
     while not condition():
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)

@@ -33,10 +33,12 @@ _CONTEXT = multiprocessing.get_context("spawn")
 def wait_for(condition: Callable[[], object], what: str) -> None:
     """Poll until ``condition()`` (a server's answers change as it handles its peers)."""
     give_up = time.monotonic() + 20
+    pause = 0.001  # most conditions hold within a millisecond or two
     while not condition():
         if time.monotonic() > give_up:
             raise AssertionError(f"not within 20 s: {what}")
-        time.sleep(0.02)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
 
 
 def user_kv(user: int, pages: int) -> list[torch.Tensor]:
