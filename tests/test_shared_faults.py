@@ -26,7 +26,7 @@ import aiokv
 from aiokv import cli
 from aiokv.errors import StoreError
 from aiokv.stores.base import TaskResult, TaskStatus
-from aiokv.stores.shared import SharedStore, client, link
+from aiokv.stores.shared import SharedStore, link, reconnect
 
 
 def ssd_server(tmp_path: Path) -> Server:
@@ -263,7 +263,7 @@ def test_a_stopped_server_times_out_one_call_then_calls_fail_fast_until_it_answe
     most); once it runs again, the same store is served what it kept."""
     monkeypatch.setattr(link, "CALL_TIMEOUT_S", 5.0)
     monkeypatch.setattr(link, "HELLO_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(client, "BACKOFF_FIRST_S", 2.0)
+    monkeypatch.setattr(reconnect, "BACKOFF_FIRST_S", 2.0)
     server = Server(tmp_path).start()
     assert server.process is not None
     store, tables = observer(server.socket)

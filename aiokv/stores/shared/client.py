@@ -13,25 +13,18 @@ with the next batch); evicts, clears and figures a round trip each.
 
 Faults: if the server goes away, the call in flight raises StoreError, tasks launched or
 matched under it end FAILED, and every later call tries to reconnect first, failing fast
-with StoreError (naming the socket) while nothing listens there. A server that stops
-answering (stopped, wedged) fails the call in flight after ``link.CALL_TIMEOUT_S`` (a
-hello after ``link.HELLO_TIMEOUT_S``); then calls fail at once, saying when it is tried
-again, for a backoff (BACKOFF_FIRST_S doubling to BACKOFF_MAX_S, reset by a hello
-answered), since each try of a silent server costs its caller a timeout. Once a server
-is back, this store registers again, maps its new region and serves on; the engine is
-not restarted. The first call after a restart the store did not see (it idled) finds
-its old connection broken before the request left; a match, ping, figures, evict or clear
-then goes once more on a fresh connection (a launch or end is not sent again: it names
-tasks of the server gone).
+with StoreError (naming the socket) while nothing listens there, or at once for a backoff
+after a silent server (:mod:`.reconnect`). Once a server is back, this store registers
+again, maps its new region and serves on; the engine is not restarted. The first call
+after a restart the store did not see (it idled) finds its old connection broken before
+the request left; a match, ping, figures, evict or clear then goes once more on a fresh
+connection (a launch or end is not sent again: it names tasks of the server gone).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
-import threading
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,17 +47,11 @@ from ..base import (
 )
 from . import wire
 from .link import Link
+from .reconnect import Reconnecting
 from .region import Geometry
-
-log = logging.getLogger("aiokv")
 
 _PING = wire.frame(wire.PING)
 _T = TypeVar("_T")
-
-# After a call or hello that a silent server let time out, no connect is tried for this
-# long, doubled at each such try up to BACKOFF_MAX_S (calls meanwhile fail at once).
-BACKOFF_FIRST_S = 0.5
-BACKOFF_MAX_S = 30.0
 
 
 def _nothing(body: memoryview) -> None:
@@ -90,11 +77,8 @@ class SharedStore:
             raise ConfigError("store.socket", "is required with backend: shared")
         self._path = str(config.socket)
         self.page_size = config.page_size or 0
-        self._geometry: Geometry | None = None
         self._caches: list[torch.Tensor] = []
-        self._link: Link | None = None
-        self._generation = 0
-        self._lock = threading.Lock()
+        self._conn: Reconnecting | None = None  # from register on
         self._ids = itertools.count(1)
         self._tasks: dict[int, _Task] = {}  # matched, not launched
         self._launched: dict[int, _Task] = {}
@@ -102,19 +86,12 @@ class SharedStore:
         self._release: list[int] = []  # server ids to end as failed with the next message
         self._done_jobs: deque[CopyJob] = deque()
         self._marks: dict[int, LayerMarks] = {}  # the last launch's gets', until asked
-        self._d2h_closed = 0  # the d2h_copies of the planes of links gone
         self._notify: Callable[[], None] | None = None
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
         self._block_bytes = 0
         self._closed = False
         self._seen = 0  # the notice word as last asked about
         self._invalidated: set[int] = set()  # server ids of gets an evict took back
-        # Links lost whose copies are over, told to the server with the next hello: it
-        # keeps their put blocks out of use until then (its quarantine).
-        self._ended: deque[tuple[str, int]] = deque(maxlen=wire.MAX_ENDED)
-        self._backoff_s = 0.0  # the last backoff (0: the last hello was answered)
-        self._retry_at = 0.0  # no connect before this (time.monotonic())
-        self._silent = ""  # why: the timeout that started the backoff
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -126,38 +103,31 @@ class SharedStore:
             raise ConfigError("store.page_size", f"{self.page_size} does not match the "
                               f"caches' {geometry.page_size}")
         self.page_size = geometry.page_size
-        self._geometry = geometry
         self._block_bytes = geometry.block_bytes
         self._caches = list(kv_caches)
-        self._connect()
+        self._conn = Reconnecting(self._path, self._caches, geometry, self._job_done,
+                                  self._linked, self._lost)
+        with self._conn.lock:
+            self._conn.connect()
 
-    def _connect(self) -> Link:
-        if self._link is not None:
-            return self._link
-        if self._closed or self._geometry is None:
-            raise StoreError("the shared store is closed (or not registered)")
-        wait = self._retry_at - time.monotonic()
-        if wait > 0:  # a silent server: another try would cost this call a timeout
-            raise StoreError(f"the store server at {self._path!r} is not reachable: "
-                             f"{self._silent}; tried again in {wait:.1f} s")
-        try:
-            link = Link(self._path, self._caches, self._geometry, self._job_done,
-                        list(self._ended))
-        except wire.PeerSilent as exc:
-            raise StoreError(f"the store server at {self._path!r} is not reachable: {exc}; "
-                             f"tried again in {self._back_off(exc):g} s") from exc
-        except (OSError, wire.PeerGone, wire.WireError) as exc:
-            raise StoreError(f"the store server at {self._path!r} is not reachable: {exc} "
-                             "(is `aiokv store-server` running?)") from exc
-        self._backoff_s = self._retry_at = 0.0
-        self._link = link
-        self._ended.clear()
-        self._generation += 1
+    @property
+    def _link(self) -> Link | None:
+        """The current link (None before register, and between a loss and a call)."""
+        return None if self._conn is None else self._conn.link
+
+    @property
+    def _generation(self) -> int:
+        return 0 if self._conn is None else self._conn.generation
+
+    def _linked(self, link: Link) -> None:
+        """A new link (its server's notices start afresh)."""
         self._seen = link.notice.value
         self._invalidated.clear()
-        if self._generation > 1:
-            log.warning("aiokv: reconnected to the store server at %s", self._path)
-        return link
+
+    def _lost(self) -> None:
+        """The link is gone: its server rolled back everything the link held."""
+        self._release.clear()
+        self._invalidated.clear()
 
     def _call(self, request: bytes, what: str, expect: int,
               decode: Callable[[memoryview], _T],
@@ -168,49 +138,18 @@ class SharedStore:
         before this one left (None: a request that names what only that server knew)."""
         retry = None if again is None else (
             lambda link: decode(link.call(again(), what, expect)))
-        return self._on_link(lambda link: decode(link.call(request, what, expect)), retry)
+        return self._registered().use(lambda link: decode(link.call(request, what, expect)),
+                                      retry)
 
     def _send(self, request: bytes) -> None:
         """A request that gets no answer (a batch's end); StoreError when the server is
         gone."""
-        self._on_link(lambda link: link.send(request))
+        self._registered().use(lambda link: link.send(request))
 
-    def _on_link(self, use: Callable[[Link], _T],
-                 again: Callable[[Link], _T] | None = None) -> _T:
-        """``use(link)`` under the lock, connecting first; a broken link is lost (its
-        tasks end FAILED) and raised as StoreError. A link whose server had gone before
-        the request left (the first call after a restart: nothing read from the old
-        connection until then) is lost, and ``again`` runs once on a fresh one."""
-        with self._lock:
-            link = self._connect()
-            try:
-                return use(link)
-            except wire.NotSent as exc:
-                if again is None:
-                    raise self._failed(exc) from exc
-                self._lost(exc)
-            except (OSError, wire.PeerGone, wire.WireError) as exc:
-                raise self._failed(exc) from exc
-            link = self._connect()
-            try:
-                return again(link)
-            except (OSError, wire.PeerGone, wire.WireError) as exc:
-                raise self._failed(exc) from exc
-
-    def _failed(self, exc: BaseException) -> StoreError:
-        """The link lost to ``exc``, as the caller's error."""
-        self._lost(exc)
-        if isinstance(exc, wire.PeerSilent):
-            return StoreError(f"the store server at {self._path!r}: {exc}; calls fail at "
-                              f"once until it is tried again in {self._back_off(exc):g} s")
-        return StoreError(f"the store server at {self._path!r} went away: {exc}")
-
-    def _back_off(self, exc: wire.PeerSilent) -> float:
-        """No connect for a while after ``exc`` (a silent server): how long."""
-        self._backoff_s = min(BACKOFF_MAX_S, 2 * self._backoff_s or BACKOFF_FIRST_S)
-        self._retry_at = time.monotonic() + self._backoff_s
-        self._silent = str(exc)
-        return self._backoff_s
+    def _registered(self) -> Reconnecting:
+        if self._conn is None:
+            raise StoreError("the shared store is not registered")
+        return self._conn
 
     def _call_json(self, message: Mapping[str, Any], again: bool = True) -> dict[str, Any]:
         """``again``: the same message for a fresh link if the server was gone before it
@@ -218,17 +157,6 @@ class SharedStore:
         request = wire.encode_json(message)
         return self._call(request, str(message["op"]), wire.JSON, wire.decode_json,
                           (lambda: request) if again else None)
-
-    def _lost(self, exc: BaseException) -> None:
-        log.warning("aiokv: lost the store server at %s: %s", self._path, exc)
-        link, self._link = self._link, None
-        self._release.clear()  # the server rolled back everything this link held
-        self._invalidated.clear()
-        if link is not None:
-            link.close()  # its copier threads joined: no copy of it can land any more
-            self._d2h_closed += link.plane.d2h_copies
-            if link.connection is not None:
-                self._ended.append(link.connection)
 
     # ---- matches -------------------------------------------------------------------
 
@@ -461,8 +389,7 @@ class SharedStore:
         """The server's figures (its tiers, hits and open tasks, every engine's) with this
         engine's own bytes copied; only the latter while the server is away."""
         stats: dict[str, int | float] = dict(self._bytes)
-        plane = self._link.plane if self._link is not None else None
-        stats["d2h_copies"] = self._d2h_closed + (plane.d2h_copies if plane else 0)
+        stats["d2h_copies"] = 0 if self._conn is None else self._conn.d2h_copies
         try:
             stats.update(self._call_json({"op": "stats"})["stats"])
         except StoreError:
@@ -481,8 +408,10 @@ class SharedStore:
         """Block until this engine's mapping of the region is pinned whole (it is pinned
         in chunks after register, as LocalStore's pool is) or ``timeout`` seconds;
         whether it is. At once on CPU caches (nothing to pin) or before register."""
-        with self._lock:
-            link = self._link
+        if self._conn is None:
+            return True
+        with self._conn.lock:
+            link = self._conn.link
         if link is None or link.plane.pinning is None:
             return True
         return link.plane.pinning.wait_for(link.region.num_blocks, timeout)
@@ -490,18 +419,18 @@ class SharedStore:
     def close(self) -> None:
         """Finish the queued copies, report them, and disconnect (the server rolls back
         whatever is left matched)."""
-        with self._lock:
-            link = self._link
+        conn = self._conn
+        link = None
+        if conn is not None:
+            with conn.lock:
+                link = conn.link
         if link is not None:
             link.plane.close()  # its copies reported below, while the link is up
             with contextlib.suppress(StoreError):
                 self.try_wait([])
-        with self._lock:
-            self._closed = True
-            if self._link is not None:
-                self._link.close()
-                self._d2h_closed += self._link.plane.d2h_copies
-                self._link = None
+        self._closed = True
+        if conn is not None:
+            conn.close()
 
 def _taken_back(task: _Task) -> TaskResult:
     """A get an evict or clear took back: it succeeds, having loaded nothing."""
