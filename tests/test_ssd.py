@@ -606,6 +606,44 @@ async def test_an_evict_voids_what_a_failed_write_left_on_disk(
 
 
 @pytest.mark.asyncio
+async def test_an_evict_does_not_overtake_the_void_of_a_failed_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The failed write's void is queued behind the lane's writes; the evict's voids go
+    # ahead of them. The evict must not answer while the failed write's landed header
+    # still names the key (a kill -9 then, and a restart finds it).
+    real = ssd_io.SsdFiles.write
+    lane_free = threading.Event()
+    fail = [True]
+
+    def write(self: Any, k: int, offset: int, buffers: Any) -> None:
+        if len(buffers) > 2 and fail[0]:
+            fail[0] = False
+            real(self, k, offset, buffers[:2])  # the first slot lands, naming the key
+            self.submit(k, lambda: lane_free.wait(30), read=False)  # other work queued
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, k, offset, buffers)
+
+    monkeypatch.setattr(ssd_io.SsdFiles, "write", write)
+    # The failed write's own void (of no key) is slow once its turn comes.
+    slow_void = held(monkeypatch, ssd_voids.HeaderVoids, "_void_one",
+                     lambda voids, done, slot, only_if, key: key is None)
+    _, _, store, engine = engine_on(tmp_path)
+    try:
+        async with engine:
+            assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
+            await figure(store, "ssd_write_errors", 1)
+            evict = asyncio.ensure_future(engine.evict(0))
+            await asyncio.sleep(0.05)  # its voids queued ahead of the failed write's
+            lane_free.set()
+            assert await evict == USER_PAGES * PAGE
+            assert named_on_disk(tmp_path, 0) == 0
+            slow_void.set()
+    finally:
+        lane_free.set()
+        slow_void.set()
+
+
+@pytest.mark.asyncio
 async def test_a_store_closed_right_after_evicting_a_key_being_written_closes_whole(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The key's SSD write is still queued (a slow disk) at the evict; the store closes

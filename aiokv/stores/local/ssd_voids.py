@@ -9,7 +9,8 @@ a header of the key can sit in:
 - a slot whose write is running or has landed (its header made) while its request, in
   parts on several lanes or runs, is not applied yet: voided right after that write;
 - a slot of a write that failed (a part of it may have landed): voided before it is
-  reused;
+  reused, and again by a drop while that void waits behind the queued writes (a drop's
+  voids go ahead of them);
 - a slot still in use (a held lookup's, a read's): voided at once, its read then failing
   as a dropped key's should (not counted as damage);
 - a slot LRU eviction handed to another key whose write has not landed (stale), or an
@@ -77,6 +78,9 @@ class HeaderVoids:
         # store thread applies a request once all its parts ended).
         self._landed: set[int] = set()
         self._stale: dict[int, tuple[str, ...]] = {}  # slot -> the key its header names
+        # Slots of failed writes whose void is queued behind the writes, not written yet:
+        # a drop's voids go ahead of it, so a drop voids them too.
+        self._failing: set[int] = set()
         # Slots of dropped keys voided while in use (store thread only): their void once
         # idle is done already.
         self._voided: set[int] = set()
@@ -134,6 +138,7 @@ class HeaderVoids:
         with self._lock:
             self._unwritten.difference_update(listed)
             self._landed.difference_update(listed)
+            self._failing.update(listed)
         self.void(slots)
 
     def voided_mask(self, slots: Int64Array) -> BoolArray | None:
@@ -156,14 +161,18 @@ class HeaderVoids:
             self._unwritten.update(s for s in writing if s not in made)
             self._landed.difference_update(running)
             if namespace is None:
-                stale = []
+                stale, failing = [], []
                 self._stale.clear()
             else:
                 stale = [s for s, key in self._stale.items() if key == namespace]
+                # Which key a failed write's landed part names is not kept: void them
+                # all (rare; no write reuses them before their own void, which is
+                # ahead of it on the lane).
+                failing = list(self._failing)
         self._voided.update(reading)
         if namespace is None:
             dropped, reading = NO_BLOCKS, []
-        now = np.array([*running, *reading], dtype=np.int64)
+        now = np.array([*running, *reading, *failing], dtype=np.int64)
         return self.void(np.concatenate([dropped, now]), front=True,
                          stale=np.array(stale, dtype=np.int64), namespace=namespace)
 
@@ -234,6 +243,7 @@ class HeaderVoids:
                 return
         with self._lock:
             self._stale.pop(slot, None)
+            self._failing.discard(slot)
 
     def _retire(self, done: VoidsDone, slot: int, key: tuple[str, ...] | None,
                 error: OSError) -> bool:
