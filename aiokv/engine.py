@@ -395,9 +395,16 @@ class OffloadEngine:
                 return await self._accept(request)
             return await self._submit_when_room(request)
         except asyncio.CancelledError:
-            if request.future.cancelled():
+            future = request.future
+            if future.cancelled():
                 assert self._resolver is not None
                 self._resolver.finished(request, None)
+            elif future.done() and future.exception() is None:
+                # Answered in the loop iteration its caller left in (asyncio.timeout's
+                # timer, say): nobody has the Lookup to release, so its hold goes now.
+                answer = future.result()
+                if isinstance(answer, Lookup):
+                    answer.release()
             raise
 
     def _accept(self, request: Request, deadline: float | None = None) -> asyncio.Future[Any]:

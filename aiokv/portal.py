@@ -28,7 +28,7 @@ import concurrent.futures
 import contextlib
 import functools
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from .loop.resolution import finish_thread_future
 
@@ -83,8 +83,17 @@ def outcome(done: concurrent.futures.Future[Any] | asyncio.Future[Any]) -> objec
     return done.exception() or done.result()
 
 
+@runtime_checkable
+class Held(Protocol):
+    """A call's result that holds something until released (a Lookup's reservation)."""
+
+    def release(self) -> None: ...
+
+
 def _hand_back(future: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
-    finish_thread_future(future, outcome(task))
+    result = outcome(task)
+    if not finish_thread_future(future, result) and isinstance(result, Held):
+        result.release()  # its caller cancelled the future meanwhile: nobody else will
 
 
 def _cancel_task(

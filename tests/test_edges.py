@@ -727,3 +727,31 @@ async def test_numpy_page_ids_of_any_layout_are_taken_as_their_values(
     for cache in caches:  # page 7 was first in "r": it is what page 40 holds now
         assert torch.equal(cache[40], cache[7])
     rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_answered_as_its_caller_leaves_holds_nothing(
+        caches: list[torch.Tensor]) -> None:
+    # asyncio.timeout() whose timer falls due in the loop iteration that brings the answer:
+    # the caller gets TimeoutError, so nobody has the Lookup to release. Its reservation
+    # (host blocks, a store task) must go back then, not at lookup_ttl_ms.
+    rig = Rig(caches, window_us=0, lookup_ttl_ms=600_000)
+    async with rig.engine:
+        for user in range(4):
+            await rig.engine.offload(user, pages(4 * user), 16)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        for _ in range(20):
+            (await rig.engine.lookup(0, 16)).release()
+        latency = (loop.time() - began) / 20
+        left = 0
+        for attempt in range(400):
+            try:
+                async with asyncio.timeout(latency * (0.3 + 1.2 * (attempt % 17) / 16)):
+                    hit = await rig.engine.lookup(attempt % 4, 16)
+                hit.release()
+            except TimeoutError:
+                left += 1
+        await eventually(lambda: rig.engine.stats().store_tasks_open == 0)
+    assert left > 0  # the race was run at all
+    rig.assert_clean()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from conftest import PAGE_SIZE, hold_the_loop, make_caches, small_store
+from conftest import PAGE_SIZE, held, hold_the_loop, make_caches, small_store
 
 import aiokv
 from aiokv.testing import CheckingStore, FakeStore, StoreWrapper
@@ -249,6 +249,34 @@ def test_a_call_cancelled_before_the_loop_took_it_never_runs() -> None:
         with kv.lookup(1, 8) as hit:
             assert hit.cached_tokens == 0  # nothing of it reached the store
         assert kv.stats().completed == 2  # the kept offload and the lookup
+
+
+def test_a_lookup_cancelled_as_its_answer_comes_holds_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The caller cancels its future after the store answered, before the loop handed the
+    # Lookup over: nobody will release it, so its reservation must go back now, not at
+    # lookup_ttl_ms.
+    store = small_store()
+    with background(make_caches(), store, window_us=0, lookup_ttl_ms=600_000) as kv:
+        kv.offload(1, torch.arange(0, 2), 8)
+        gate = held(monkeypatch, type(store), "get_match")
+        asked = kv.submit_lookup(1, 8)
+        assert gate.entered.wait(30)  # the store thread is in the lookup's match
+        release = hold_the_loop(kv)
+        gate.set()  # answered: the answer waits for the loop
+        threading.Event().wait(0.2)
+        assert asked.cancel()
+        release.set()
+        with pytest.raises(concurrent.futures.CancelledError):
+            asked.result(timeout=30)
+        deadline = threading.Event()
+        for _ in range(1000):
+            if kv.stats().store_tasks_open == 0:
+                break
+            deadline.wait(0.01)
+        assert kv.stats().store_tasks_open == 0
+        with kv.lookup(1, 8) as hit:
+            assert hit.cached_tokens == 8
 
 
 def test_a_waiting_call_cancelled_by_its_caller_is_cancelled_in_the_engine() -> None:

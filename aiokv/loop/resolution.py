@@ -232,16 +232,18 @@ def settle_thread_future(future: concurrent.futures.Future[Any], outcome: object
         finish_thread_future(future, outcome)
 
 
-def finish_thread_future(future: concurrent.futures.Future[Any], outcome: object) -> None:
+def finish_thread_future(future: concurrent.futures.Future[Any], outcome: object) -> bool:
     """:func:`settle_thread_future` for a future settled exactly once, by the end of its
     call (:class:`aiokv.portal.Portal`'s): a future that its caller cancelled is marked
     notified here too, so that ``concurrent.futures.wait`` counts it done (``cancel()``
-    wakes ``result()``, not ``wait``'s waiters), as ``run_coroutine_threadsafe``'s are."""
+    wakes ``result()``, not ``wait``'s waiters), as ``run_coroutine_threadsafe``'s are.
+    Whether ``outcome`` reached the future (False: it was cancelled first)."""
     if isinstance(outcome, (asyncio.CancelledError, concurrent.futures.CancelledError)):
         future.cancel()
     if not future.set_running_or_notify_cancel():  # cancelled: its waiters are told now
-        return
+        return False
     if isinstance(outcome, BaseException):
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
+    return True
