@@ -20,7 +20,7 @@ import yaml
 from .backends import BACKENDS
 from .errors import ConfigError
 from .remote.config import FLEXKV_REFUSAL, RemoteConfig
-from .sections import build_section, keys_checked
+from .sections import MAX_INT, build_section, keys_checked
 
 OverloadPolicy = Literal["reject", "wait"]
 Backend = Literal["local", "flexkv", "shared"]
@@ -30,9 +30,6 @@ WritePolicy = Literal["write_through", "write_back"]
 # What FlexKV's logger takes (FLEXKV_LOG_LEVEL; flexkv.common.debug.FlexkvLogger).
 FLEXKV_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "OFF")
 
-# Past this, times in µs or ms stop converting to seconds (a float) and counts stop
-# meaning anything; a typed error beats an OverflowError deep in start().
-MAX_INT = 10**12
 
 
 def _check_int(key: str, value: object, minimum: int) -> None:
@@ -277,6 +274,9 @@ class StoreConfig:
             )
         if not isinstance(self.flexkv, Mapping):
             raise ConfigError("store.flexkv", f"must be a mapping, got {self.flexkv!r}")
+        if self.flexkv and self.backend != "flexkv":  # nothing else reads it
+            raise ConfigError("store.flexkv", f"is for backend: flexkv only (backend is "
+                              f"{self.backend!r}), got {dict(self.flexkv)!r}")
         level = self.flexkv.get("log_level")
         if level is not None and (
             not isinstance(level, str) or level.upper() not in FLEXKV_LOG_LEVELS

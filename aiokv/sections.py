@@ -18,6 +18,10 @@ from .errors import ConfigError
 
 C = TypeVar("C")
 
+# Past this, times in µs or ms stop converting to seconds (a float) and counts stop
+# meaning anything; a typed error beats an OverflowError deep in start() or a thread.
+MAX_INT = 10**12
+
 
 def _keys(cls: type[Any]) -> tuple[str, ...]:
     """The keyword arguments of a config dataclass, in field order."""

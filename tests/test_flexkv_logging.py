@@ -25,7 +25,7 @@ def child_level() -> str:
 
 
 def flexkv_config(**flexkv: object) -> aiokv.StoreConfig:
-    return aiokv.StoreConfig(backend="local", flexkv=flexkv)
+    return aiokv.StoreConfig(backend="flexkv", flexkv=flexkv)  # FlexKV starts later, if ever
 
 
 @pytest.fixture(autouse=True)
@@ -74,3 +74,13 @@ def test_a_flexkv_imported_before_the_config_follows_it(monkeypatch: pytest.Monk
     assert not logger.isEnabledFor(logging.INFO)
     set_env(flexkv_config(log_level="DEBUG"))
     assert logger.isEnabledFor(logging.DEBUG)
+
+
+@pytest.mark.parametrize("backend", ["local", "shared"])
+def test_the_flexkv_section_on_another_backend_is_a_config_error(backend: str) -> None:
+    # Nothing would read it: a user who meant backend: flexkv hears so at once.
+    socket = "/run/user/1/aiokv/store.sock" if backend == "shared" else None
+    with pytest.raises(aiokv.ConfigError, match=r"^store\.flexkv: .*backend: flexkv only "
+                       rf"\(backend is '{backend}'\)"):
+        aiokv.StoreConfig(backend=backend, socket=socket, flexkv={"num_cpu_blocks": 1})
+    assert aiokv.StoreConfig(backend=backend, socket=socket, flexkv={}).flexkv == {}

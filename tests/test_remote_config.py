@@ -33,6 +33,10 @@ def test_the_yaml_section_needs_only_the_master() -> None:
         ({"master": "h:1", "write_queue_blocks": True}, "store.remote.write_queue_blocks",
          "True"),
         ({"master": "h:1", "checksum_threads": 0}, "store.remote.checksum_threads", "0"),
+        # Past this a wait of timeout_ms overflows the platform's timeouts deep in a thread.
+        ({"master": "h:1", "timeout_ms": 10**13}, "store.remote.timeout_ms", "14 digits"),
+        ({"master": "h:1", "local_buffer_mb": 10**30}, "store.remote.local_buffer_mb",
+         "31 digits"),
         ({"master": "h:1", "masters": "h:2"}, "store.remote.masters", "unknown key"),
         ("h:1", "store.remote", "mapping"),
     ],

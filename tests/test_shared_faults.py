@@ -27,6 +27,7 @@ from aiokv import cli
 from aiokv.errors import StoreError
 from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.shared import SharedStore, link, reconnect
+from aiokv.stores.shared.server import StoreServer
 
 
 def ssd_server(tmp_path: Path) -> Server:
@@ -114,6 +115,15 @@ def test_a_socket_path_that_holds_a_file_or_cannot_be_bound_is_a_usage_error(
         assert says in caplog.text
         caplog.clear()
     assert sorted(p.name for p in private.iterdir()) == ["store.yml"]  # no lock left
+
+
+@pytest.mark.parametrize(("key", "value"), [("own_process", True), ("store_restarts", 7)])
+def test_a_server_refuses_the_keys_of_a_store_process_it_does_not_start(
+        tmp_path: Path, key: str, value: object) -> None:
+    """The server runs its store in its own process, always: these would be ignored."""
+    config = aiokv.StoreConfig(cpu_cache_gb=0.01, **{key: value})
+    with pytest.raises(aiokv.ConfigError, match=rf"^store\.{key}: "):
+        StoreServer(tmp_path / "s.sock", config)
 
 
 def test_the_shared_backend_needs_a_socket_and_only_it_takes_one() -> None:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..sections import build_section, keys_checked
+from ..sections import MAX_INT, build_section, keys_checked
 
 _SECTION = "store.remote"
 P2P = "P2PHANDSHAKE"
@@ -100,6 +100,9 @@ class RemoteConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"{_SECTION}.{key}", f"must be an integer >= {minimum}, "
                                   f"got {value!r}")
+            if value > MAX_INT:  # a typed error, not an OverflowError in a tier's thread
+                raise ConfigError(f"{_SECTION}.{key}", f"must be <= {MAX_INT}, got an "
+                                  f"integer of {len(str(value))} digits")
 
     @property
     def threads_for_checksums(self) -> int:

@@ -111,6 +111,14 @@ class StoreServer:
         if config.backend != "local":
             raise ConfigError("store.backend", f"the server runs the embedded store; "
                               f"leave backend out or local, got {config.backend!r}")
+        # The server is the store's process: it starts no child, so these would be ignored.
+        if config.own_process:
+            raise ConfigError("store.own_process", "the server is the store's process of "
+                              "its own; leave own_process out, got True")
+        if config.store_restarts != StoreConfig.store_restarts:
+            raise ConfigError("store.store_restarts", "restarts a store in a child process, "
+                              "which the server does not start (run it under systemd "
+                              f"with Restart=); leave it out, got {config.store_restarts}")
         if config.remote is not None and (why := unavailable()) is not None:
             raise ConfigError("store.remote", why)  # at start, not at the first engine
         self.path = Path(socket_path)
