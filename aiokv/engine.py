@@ -28,6 +28,7 @@ from .errors import (
     ConfigError,
     EngineClosed,
     InvalidRequest,
+    Overloaded,
 )
 from .invalidation import Invalidations
 from .lifecycle import EngineState as EngineState  # public as aiokv.engine.EngineState
@@ -313,6 +314,9 @@ class OffloadEngine:
     async def _await_load(self, hit: Lookup, request: Request) -> LoadResult:
         try:
             result: LoadResult = await self._run(request)
+        except Overloaded:
+            hit._hand_back()  # never accepted: the caller may load it later
+            raise
         except BaseException:
             hit._settle(loaded=False)  # the store thread gave its reservation back
             raise
@@ -428,9 +432,10 @@ class OffloadEngine:
             )
             if self._state is not EngineState.RUNNING:  # closed while we waited
                 raise EngineClosed(f"engine is {self._state.value}")
-        except BaseException:
-            if request.reservation is not None:
-                request.reservation.release()  # the load never ran
+        except BaseException as exc:
+            # The load never ran; refused for overload, its Lookup holds it again.
+            if request.reservation is not None and not isinstance(exc, Overloaded):
+                request.reservation.release()
             raise
         return await self._accept(request, deadline)
 

@@ -191,6 +191,7 @@ class Lookup:
         # The reservation's TTL: armed here (the loop's call_later), cancelled as it is
         # released or consumed.
         self._ttl_handle: asyncio.TimerHandle | None = None
+        self._call_later, self._ttl_s = call_later, ttl_s
         if self._state == "held" and call_later is not None:
             self._ttl_handle = call_later(ttl_s, self._expire)
 
@@ -224,12 +225,20 @@ class Lookup:
         """Hand the reservation to a load (loop thread only)."""
         if self._state != "held" or self._reservation is None:
             raise InvalidRequest(
-                "lookup", f"reservation is {self._state}; a Lookup can be loaded once, "
+                "hit", f"reservation is {self._state}; a Lookup can be loaded once, "
                 "before it is released or expires"
             )
         self._state = "loading"
         self._cancel_ttl()
         return self._reservation
+
+    def _hand_back(self) -> None:
+        """The load that consumed it was never accepted (Overloaded): held again, its
+        TTL from now (loop thread)."""
+        if self._state == "loading":
+            self._state = "held"
+            if self._call_later is not None:
+                self._ttl_handle = self._call_later(self._ttl_s, self._expire)
 
     def _settle(self, loaded: bool) -> None:
         """The load that consumed it ended (loop thread): loaded, or failed or cancelled,

@@ -174,7 +174,7 @@ async def test_load_needs_enough_pages_and_a_fresh_lookup(caches: list[torch.Ten
         with pytest.raises(aiokv.InvalidRequest, match="page_ids"):
             await rig.engine.load(hit, pages(20, 3))
         assert (await rig.engine.load(hit, pages(20))).loaded_tokens == 16
-        with pytest.raises(aiokv.InvalidRequest, match="lookup"):
+        with pytest.raises(aiokv.InvalidRequest, match=r"^hit: reservation is loaded"):
             await rig.engine.load(hit, pages(20))  # consumed
     rig.assert_clean()
 
@@ -754,4 +754,26 @@ async def test_a_lookup_answered_as_its_caller_leaves_holds_nothing(
                 left += 1
         await eventually(lambda: rig.engine.stats().store_tasks_open == 0)
     assert left > 0  # the race was run at all
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_a_load_refused_for_overload_leaves_its_lookup_to_load_later(
+        caches: list[torch.Tensor]) -> None:
+    # Overloaded means "not accepted: try later"; the later try must find its hit held.
+    rig = Rig(caches, window_us=0, max_pending=1, overload="reject")
+    async with rig.engine:
+        await rig.engine.offload("u", pages(0), 16)
+        hit = await rig.engine.lookup("u", 16)
+        busy = await rig.held_offload("other", pages(8))  # the one pending request
+        try:
+            with pytest.raises(aiokv.Overloaded):
+                await rig.engine.load(hit, pages(20))
+            assert hit.held
+        finally:
+            rig.faulty.hold.set()
+        await busy
+        assert (await rig.engine.load(hit, pages(20))).loaded_tokens == 16
+        assert all(torch.equal(c[20:24], c[0:4]) for c in caches)
+        assert rig.engine.stats().store_tasks_open == 0
     rig.assert_clean()
