@@ -58,6 +58,18 @@ _OFFLOAD, _LOAD = Kind.OFFLOAD, Kind.LOAD
 
 _RUNNING = EngineState.RUNNING  # read per call: see _OFFLOAD
 
+# What every store has (stores.base.Store): without them an engine fails at start, after
+# it half set the store up, with an AttributeError that names no argument.
+_STORE_VERBS = ("register", "put_match", "get_match", "launch", "cancel", "try_wait", "close")
+
+
+def _check_store(store: object) -> None:
+    missing = [verb for verb in _STORE_VERBS if not callable(getattr(store, verb, None))]
+    if missing or not hasattr(store, "page_size"):
+        raise ConfigError("store", f"must be an aiokv store (aiokv.LocalStore(config), "
+                                   f"aiokv.stores.make_store(config), ...), got "
+                                   f"{type(store).__name__}")
+
 
 class OffloadEngine:
     """Batches awaited offload/lookup/load calls into store rounds.
@@ -73,6 +85,10 @@ class OffloadEngine:
         kv_caches: Sequence[torch.Tensor],
         config: EngineConfig | None = None,
     ) -> None:
+        _check_store(store)
+        if config is not None and not isinstance(config, EngineConfig):
+            raise ConfigError("config", f"must be an aiokv.EngineConfig or None, got "
+                                        f"{type(config).__name__}")
         self._num_pages, self._page_size, self._device, self._bytes_per_token = validate.kv_caches(
             kv_caches
         )

@@ -127,7 +127,7 @@ class BackgroundEngine:
                 "of its own, so it needs one that was never started",
             )
         self.engine = engine
-        self.loop = (loop_factory or default_loop_factory)()
+        self.loop = _servable((loop_factory or default_loop_factory)())
         self.portal = Portal(self.loop)  # every call onto the loop, in order
         self._lock = threading.Lock()  # orders submits against close
         self._closing: concurrent.futures.Future[None] | None = None
@@ -392,6 +392,19 @@ class BackgroundEngine:
         assert closing is not None  # set, under the lock, before _submit refuses
         concurrent.futures.wait([closing])  # its outcome is close()'s to raise
         return self.engine.stats()
+
+
+def _servable(loop: object) -> asyncio.AbstractEventLoop:
+    """The loop_factory's loop, if this handle's thread can run it: a loop already
+    running elsewhere (the application's own) would fail there, and its tasks be cancelled
+    from the wrong thread."""
+    if not isinstance(loop, asyncio.AbstractEventLoop):
+        raise InvalidRequest("loop_factory", f"must make an event loop, made "
+                                             f"{type(loop).__name__}")
+    if loop.is_closed() or loop.is_running():
+        raise InvalidRequest("loop_factory", "must make a new event loop, made one that is "
+                                             f"{'closed' if loop.is_closed() else 'running'}")
+    return loop
 
 
 def run_in_background(

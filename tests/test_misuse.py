@@ -400,3 +400,55 @@ def test_an_engine_whose_loop_closed_can_be_closed_from_another_loop(
         aiokv.EngineClosed
     ):
         runner.run(engine.offload(2, pages(4), TOKENS))
+
+
+@pytest.mark.parametrize(("field", "store", "config"), [
+    ("config", None, {"window_us": 100}),
+    ("config", None, aiokv.StoreConfig()),
+    ("store", aiokv.StoreConfig(), None),
+    ("store", "local", None),
+])
+def test_an_engine_of_a_store_or_config_of_the_wrong_kind_is_refused_naming_it(
+        caches: list[torch.Tensor], field: str, store: Any, config: Any) -> None:
+    # Not an AttributeError at start(), after the store was half set up.
+    with pytest.raises(aiokv.ConfigError, match=rf"^{field}: must be"):
+        aiokv.OffloadEngine(small_store() if store is None else store, caches, config)
+
+
+@pytest.mark.parametrize("made", ["not a loop", "running", "closed"])
+def test_a_loop_factory_whose_loop_cannot_serve_is_refused_before_anything_starts(
+        caches: list[torch.Tensor], made: str) -> None:
+    app_loop = asyncio.new_event_loop()
+    victim: list[asyncio.Task[None]] = []
+    ready = threading.Event()
+
+    async def app() -> None:
+        victim.append(asyncio.current_task())  # type: ignore[arg-type]
+        ready.set()
+        await asyncio.sleep(30)
+
+    def serve() -> None:
+        with contextlib.suppress(asyncio.CancelledError):  # how the test ends it
+            app_loop.run_until_complete(app())
+
+    serving = threading.Thread(target=serve)
+    if made == "running":  # the application's own loop, already running elsewhere
+        serving.start()
+        assert ready.wait(10)
+    elif made == "closed":
+        app_loop.close()
+    engine = aiokv.OffloadEngine(small_store(), caches)
+    try:
+        with pytest.raises(aiokv.InvalidRequest, match=r"^loop_factory: "):
+            aiokv.run_in_background(engine, loop_factory=lambda: (
+                "not a loop" if made == "not a loop" else app_loop))  # type: ignore[arg-type,return-value]
+        if made == "running":
+            assert not victim[0].cancelled() and not victim[0].done()  # left alone
+    finally:
+        if made == "running":
+            app_loop.call_soon_threadsafe(victim[0].cancel)
+            serving.join(10)
+        if not app_loop.is_closed():
+            app_loop.close()
+    with aiokv.run_in_background(engine) as kv:  # the engine was never started
+        assert kv.offload(1, torch.arange(0, 2), 2 * PAGE_SIZE).stored_tokens == 2 * PAGE_SIZE
