@@ -129,7 +129,8 @@ class Resolver:
             future.set_exception(outcome)
         elif isinstance(outcome, LookupGrant):
             lookup = Lookup(
-                request.user_id, outcome, self, self._loop.call_later, self._lookup_ttl_s
+                request.user_id, outcome, self, self._loop.call_later, self._lookup_ttl_s,
+                request.namespace,
             )
             if lookup.held:
                 self._lookups.add(lookup)
