@@ -321,7 +321,7 @@ class OffloadEngine:
             )
         reservation = hit._consume()
         request = self._new_request(
-            _LOAD, hit.user_id, hit.cached_tokens, None, hit._key, pages, needed, ready
+            _LOAD, hit.user_id, hit.cached_tokens, None, (), pages, needed, ready
         )
         request.reservation = reservation
         request.task_id, request.mask = reservation.task_id, reservation.mask

@@ -14,11 +14,9 @@ Order. An evict or clear is an item on the store thread's inbox, like a batch:
    wait below, not after: no load of them was dispatched before the item (those consumed
    their reservations), so the order changes no answer, and a load that waits for the
    room they hold (a LocalStore load staging SSD pages) is not left waiting on them.
-3. The item waits until every task of the key launched before it is terminal (every
-   task, for a clear): a load of the key already dispatched finishes first (with the KV
-   as it was), and an offload already dispatched is stored and then dropped. Another
-   key's copies are not waited for: the store thread, which serves nothing else while an
-   item waits, would hold every later call behind the slowest of them.
+3. The item waits until every task launched before it is terminal: a load of the key
+   already dispatched finishes first (with the KV as it was), and an offload already
+   dispatched is stored and then dropped.
 4. Then the store's own ``evict(namespace)`` or ``clear()`` runs, and its answer (tokens
    dropped) or its error (a StoreError) goes back to the caller.
 

@@ -130,12 +130,11 @@ def new_request(
         hash(user_id)
     except TypeError as exc:
         raise InvalidRequest("user_id", f"must be hashable, got {type(user_id).__name__}") from exc
+    names: tuple[str, ...] = ()
     tokens = None
     if kind is not _LOAD:
         tokens = validate.token_ids(token_ids, num_tokens)
         names = validate.namespace(namespace, user_id)
-    else:  # its Lookup's key, checked at the lookup (an evict of it waits for the load)
-        names = tuple(namespace or ())
     # positional: keywords cost more, on every call
     return Request(kind, user_id, future, num_tokens, tokens, names, pages, pages_used)
 
@@ -183,10 +182,8 @@ class Lookup:
         owner: object,
         call_later: Callable[[float, Callable[[], None]], asyncio.TimerHandle] | None = None,
         ttl_s: float = 0.0,
-        key: tuple[str, ...] = (),
     ) -> None:
         self.user_id = user_id
-        self._key = key  # the store's key (the lookup's namespace), for its load
         self.cached_tokens = grant.cached_tokens
         self._reservation = grant.reservation
         self._owner = owner  # what answered it: a load through another engine is refused

@@ -129,8 +129,7 @@ class Resolver:
             future.set_exception(outcome)
         elif isinstance(outcome, LookupGrant):
             lookup = Lookup(
-                request.user_id, outcome, self, self._loop.call_later, self._lookup_ttl_s,
-                request.namespace,
+                request.user_id, outcome, self, self._loop.call_later, self._lookup_ttl_s
             )
             if lookup.held:
                 self._lookups.add(lookup)

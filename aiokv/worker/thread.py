@@ -380,35 +380,27 @@ class StoreWorker:
         try:
             give_back(item, self._calls, self._reserved, self._held_keys)
             failure: StoreError | None = None
-            while before := self._launched_on(item.namespace):
+            while self._launched:
                 self._post()
                 if self._polls.due():  # a failing try_wait is retried after its backoff,
                     failure = self._poll()  # as outside an evict, not failed by a fast loop
-                before = self._launched_on(item.namespace)
-                if before and self._polls.failures >= EVICT_POLL_ATTEMPTS:
+                if self._launched and self._polls.failures >= EVICT_POLL_ATTEMPTS:
                     self._post()
                     error = StoreError(
                         f"store.try_wait keeps failing ({self._polls.failures} times in a "
-                        f"row): {before} tasks launched before this "
+                        f"row): {len(self._launched)} tasks launched before this "
                         f"{item.verb} may still write; nothing was dropped"
                     )
                     error.__cause__ = failure
                     item.answer(error)
                     return
-                if before:
+                if self._launched:
                     time.sleep(max(self._poll_interval_s, self._polls.wait_s()))
             self._post()
         except BaseException:  # a crash of this thread (_run): its caller is told too
             item.answer(StoreError("the store thread crashed; see the aiokv log"))
             raise
         invalidate(item, self._caps, self._calls)
-
-    def _launched_on(self, namespace: tuple[str, ...] | None) -> int:
-        """Launched tasks of this key (None: of every key) that an evict (a clear) waits
-        for; another key's copies change nothing it drops, so it does not wait for them."""
-        if namespace is None:
-            return len(self._launched)
-        return sum(r.namespace == namespace for r in self._launched.values())
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
         """Fail the batch's requests that have no outcome yet. A load among them still
