@@ -270,6 +270,68 @@ def test_a_put_that_finds_no_block_is_still_no_space(flexkv_statuses: None) -> N
     flexkv.cancel([first])
 
 
+class FlakyIndexManager(IndexManager):
+    """FlexKV whose next cancel, or next get_match, raises once (a transient failure of
+    its call, as a zmq send that times out)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.fail_next: str | None = None
+        self.open: set[int] = set()  # matched, neither launched nor cancelled
+
+    def _maybe_fail(self, call: str) -> None:
+        if self.fail_next == call:
+            self.fail_next = None
+            raise RuntimeError(f"{call}: resource temporarily unavailable")
+
+    def put_match(self, tokens: np.ndarray, namespace: list[str]) -> tuple[int, np.ndarray]:
+        task, mask = super().put_match(tokens, namespace)
+        self.open.add(task)
+        return task, mask
+
+    def get_match(self, tokens: np.ndarray, namespace: list[str]) -> tuple[int, np.ndarray]:
+        self._maybe_fail("get_match")
+        task, mask = super().get_match(tokens, namespace)
+        self.open.add(task)
+        return task, mask
+
+    def cancel(self, ids: Sequence[int]) -> None:
+        self._maybe_fail("cancel")
+        super().cancel(ids)
+        self.open.difference_update(ids)
+
+
+def test_a_cancel_that_failed_once_reaches_flexkv_when_asked_again() -> None:
+    # The engine asks again for a cancel that raised (its owed cancels): the match must
+    # still be known then, or its blocks stay reserved in FlexKV for good.
+    manager = FlakyIndexManager(capacity=2)
+    flexkv = store(manager)  # type: ignore[arg-type]
+    tokens = np.arange(2 * PAGE, dtype=np.int64)
+    task, _ = flexkv.put_match(tokens, ["u"])
+    manager.fail_next = "cancel"
+    with pytest.raises(RuntimeError, match="cancel"):
+        flexkv.cancel([task])
+    flexkv.cancel([task])
+    assert manager.open == set() and manager.free == 2
+    other, mask = flexkv.put_match(tokens + 100, ["v"])  # the room is there again
+    assert mask.all()
+    flexkv.cancel([other])
+
+
+def test_a_put_whose_probe_fails_leaves_no_match_behind() -> None:
+    # An all-False put is probed with a get; that get raising must not leave the put's
+    # own match open (its id never reached the engine, which could not cancel it).
+    manager = FlakyIndexManager(capacity=1)
+    flexkv = store(manager)  # type: ignore[arg-type]
+    tokens = np.arange(2 * PAGE, dtype=np.int64)
+    first, _ = flexkv.put_match(tokens[:PAGE], ["u"])  # one block: fits
+    manager.fail_next = "get_match"
+    with pytest.raises(RuntimeError, match="get_match"):
+        flexkv.put_match(tokens + 100, ["v"])  # two new blocks, room for none
+    flexkv.cancel([first])
+    assert manager.open == set() and manager.free == 1  # nothing of either is held
+
+
 class SlowIndexManager(IndexManager):
     """Answers nothing on the first poll of a task, as FlexKV while the copy runs."""
 

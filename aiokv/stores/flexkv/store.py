@@ -185,8 +185,14 @@ class FlexKVStore:
             # All-False means "already stored" or "no block could be reserved" (no put of
             # ours writes this key: checked above). Its get matches ready blocks only: ask
             # it. Cancelling the probe releases the locks its match took.
-            probe_id, probe = manager.get_match(tokens, namespace=list(namespace))
-            manager.cancel([probe_id])
+            try:
+                probe_id, probe = manager.get_match(tokens, namespace=list(namespace))
+                manager.cancel([probe_id])
+            except BaseException:
+                # The put's id never reaches the engine, which could not cancel it.
+                with contextlib.suppress(Exception):
+                    manager.cancel([task_id])
+                raise
             ready = int(np.count_nonzero(probe))
             if ready < full:
                 manager.cancel([task_id])
@@ -283,6 +289,7 @@ class FlexKVStore:
             self.cancel(task_ids)
         except Exception:
             log.exception("aiokv: FlexKV cancel of %s failed", task_ids)
+            self._forget([t for t in task_ids if t in self._kind])  # answered below
         for t in task_ids:
             self._done[t] = TaskResult(status, None, error)
 
@@ -292,13 +299,19 @@ class FlexKVStore:
         if running:  # FlexKV would forget them while their copies run on
             raise ValueError(f"cannot cancel launched tasks {running}")
         known = [t for t in task_ids if t in self._kind]
-        for t in known:
-            del self._kind[t]
+        if known:
+            # Rolls back the match (unlocks, frees reserved blocks). First: should it
+            # raise, the engine asks again (its owed cancels), and the ids are still ours.
+            manager.cancel(known)
+        self._forget(known)
+
+    def _forget(self, task_ids: Sequence[int]) -> None:
+        """Matched ids rolled back in FlexKV (or given up on): no longer ours."""
+        for t in task_ids:
+            self._kind.pop(t, None)
             self._mask.pop(t, None)
             self._writing.pop(t, None)
-        self._keys.forget(known)
-        if known:
-            manager.cancel(known)  # rolls back the match: unlocks, frees reserved blocks
+        self._keys.forget(task_ids)
 
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
         if self._manager is not None and not self._closed:
