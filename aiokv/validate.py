@@ -76,6 +76,8 @@ def page_ids(page_ids: object, device: torch.device) -> torch.Tensor:
         )
     if page_ids.ndim != 1:
         raise InvalidRequest("page_ids", f"must be 1-D, got shape {list(page_ids.shape)}")
+    if page_ids.layout is not torch.strided:  # a sparse tensor cannot be sliced per move
+        raise InvalidRequest("page_ids", f"must be a dense tensor, got {page_ids.layout}")
     dtype = page_ids.dtype
     if dtype is not torch.int64 and dtype is not torch.int32:
         raise InvalidRequest("page_ids", f"must be int32 or int64, got {dtype}")

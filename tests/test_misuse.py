@@ -306,6 +306,20 @@ async def test_the_page_id_range_error_names_the_bad_value(
 
 
 @pytest.mark.asyncio
+async def test_sparse_page_ids_fail_their_call_alone_at_submit(
+        caches: list[torch.Tensor]) -> None:
+    # Accepted, they failed the whole batch on the store thread with an untyped error.
+    rig = Rig(caches, window_us=100_000)
+    sparse = torch.tensor([1, 2]).to_sparse()
+    async with rig.engine:
+        good = asyncio.ensure_future(rig.engine.offload("good", pages(4, 2), 2 * PAGE_SIZE))
+        with pytest.raises(aiokv.InvalidRequest, match=r"^page_ids: must be a dense"):
+            await rig.engine.offload("bad", sparse, 2 * PAGE_SIZE)
+        assert (await good).stored_tokens == 2 * PAGE_SIZE
+    assert rig.checked.problems() == []
+
+
+@pytest.mark.asyncio
 async def test_one_store_handed_to_two_engines_is_refused(caches: list[torch.Tensor]) -> None:
     store = small_store()
     first = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))
