@@ -347,7 +347,8 @@ class OffloadEngine:
         loads then load 0 tokens). See :mod:`aiokv.invalidation`.
 
         Raises InvalidRequest (``user_id`` / ``namespace``, as offload does), StoreError
-        (the store cannot evict, or failed to), EngineClosed."""
+        (the store cannot evict, or failed to), RequestTimeout (the copies launched before
+        it still ran at ``request_timeout_ms``: nothing dropped), EngineClosed."""
         self._check_running()
         names = validate.namespace(namespace, user_id)
         assert self._invalidations is not None  # made in start()
@@ -356,7 +357,7 @@ class OffloadEngine:
     async def clear(self) -> int:
         """Drop everything the store holds; returns the tokens dropped. Ordered as
         :meth:`evict`; every lookup reservation is given back first. Raises StoreError
-        (the store cannot clear, or failed to), EngineClosed."""
+        (the store cannot clear, or failed to), RequestTimeout (as evict), EngineClosed."""
         self._check_running()
         assert self._invalidations is not None
         return await self._invalidations.run(None)

@@ -16,7 +16,9 @@ Order. An evict or clear is an item on the store thread's inbox, like a batch:
    room they hold (a LocalStore load staging SSD pages) is not left waiting on them.
 3. The item waits until every task launched before it is terminal: a load of the key
    already dispatched finishes first (with the KV as it was), and an offload already
-   dispatched is stored and then dropped.
+   dispatched is stored and then dropped. The store thread serves nothing else meanwhile,
+   so the wait ends at ``request_timeout_ms`` from the call: a RequestTimeout, nothing
+   dropped (the reservations given back stay given back: their loads miss).
 4. Then the store's own ``evict(namespace)`` or ``clear()`` runs, and its answer (tokens
    dropped) or its error (a StoreError) goes back to the caller.
 
@@ -49,15 +51,19 @@ class Invalidation:
     """An evict (``namespace``) or a clear (``namespace`` None), as the store thread's
     inbox carries it. :meth:`answer` may be called from any thread, once."""
 
-    __slots__ = ("_future", "_loop", "namespace")
+    __slots__ = ("_future", "_loop", "give_up_at", "namespace")
 
     def __init__(
         self,
         namespace: tuple[str, ...] | None,
         future: asyncio.Future[int],
         loop: asyncio.AbstractEventLoop,
+        give_up_at: float | None = None,
     ) -> None:
         self.namespace = namespace
+        # time.perf_counter() past which it stops waiting for the tasks launched before
+        # it (request_timeout_ms from the call; None: never), dropping nothing.
+        self.give_up_at = give_up_at
         self._future = future
         self._loop = loop
 
@@ -148,7 +154,9 @@ class Invalidations:
         dispatch_all: Callable[[tuple[str, ...] | None], None],
         submit: Callable[[Invalidation], None],
         stats: StatsRecorder,
+        timeout_s: float = 0.0,
     ) -> None:
+        """``timeout_s``: ``request_timeout_ms`` in seconds (0: none)."""
         caps = Capabilities.of(store)
         self._can = {"evict": caps.evict is not None, "clear": caps.clear is not None}
         self._store_name = type(store).__name__
@@ -156,6 +164,7 @@ class Invalidations:
         self._dispatch_all = dispatch_all
         self._submit = submit
         self._stats = stats  # aiokv_requests_total{kind="evict"|"clear"}, EngineStats.evicts...
+        self._timeout_s = timeout_s
         self._open: set[asyncio.Future[int]] = set()
 
     async def run(self, namespace: tuple[str, ...] | None) -> int:
@@ -164,7 +173,8 @@ class Invalidations:
         caller's cancellation."""
         started = time.perf_counter()
         future: asyncio.Future[int] = self._loop.create_future()
-        item = Invalidation(namespace, future, self._loop)
+        item = Invalidation(namespace, future, self._loop,
+                            started + self._timeout_s if self._timeout_s else None)
         if not self._can[item.verb]:
             error = StoreError(
                 f"this store ({self._store_name}) cannot {item.verb}: it has no "

@@ -202,7 +202,8 @@ async def start(engine: EngineParts) -> None:
         batcher.dispatch_all()
 
     engine._invalidations = Invalidations(
-        engine._store, loop, before_invalidation, engine._worker.submit, engine._stats
+        engine._store, loop, before_invalidation, engine._worker.submit, engine._stats,
+        engine._config.request_timeout_ms / 1000,
     )
     # Calls are accepted from here on: they queue until the batcher task starts.
     engine._state = EngineState.RUNNING

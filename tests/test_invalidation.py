@@ -72,6 +72,31 @@ async def test_a_load_already_dispatched_finishes_before_the_evict() -> None:
 
 
 @pytest.mark.asyncio
+async def test_an_evict_behind_a_copy_that_does_not_end_times_out_dropping_nothing() -> None:
+    # It waits for every copy launched before it; one that hangs must not hold the evict,
+    # nor the calls behind it, past request_timeout_ms.
+    store = FaultyStore(FakeStore())
+    async with engine_over(store, window_us=0, request_timeout_ms=400) as engine:
+        await engine.offload("b", torch.arange(8, 12), TOKENS)
+        store.hold.clear()  # copies "run" until hold is set
+        store.launched.clear()
+        stuck = asyncio.ensure_future(engine.offload("a", torch.arange(0, 4), TOKENS))
+        await asyncio.to_thread(store.launched.wait)
+        try:
+            began = asyncio.get_running_loop().time()
+            with pytest.raises(aiokv.RequestTimeout, match=r"evict.*nothing was dropped"):
+                await asyncio.wait_for(engine.evict("b"), 5)  # (a hang fails, too)
+            assert asyncio.get_running_loop().time() - began < 2
+            async with await engine.lookup("b", TOKENS) as hit:  # served, and still there
+                assert hit.cached_tokens == TOKENS
+        finally:
+            store.hold.set()
+        with pytest.raises(aiokv.RequestTimeout):
+            await stuck
+        assert await engine.evict("b") == TOKENS
+
+
+@pytest.mark.asyncio
 async def test_a_held_reservation_of_the_key_is_given_back_and_its_load_misses() -> None:
     store = CheckingStore(FakeStore())
     async with engine_over(store) as engine:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EngineClosed, StoreError
+from ..errors import EngineClosed, RequestTimeout, StoreError
 from ..invalidation import HeldKeys, Invalidation, give_back, invalidate
 from ..loop.batcher import Batch
 from ..requests import Kind, Request
@@ -393,6 +393,14 @@ class StoreWorker:
                     )
                     error.__cause__ = failure
                     item.answer(error)
+                    return
+                if self._launched and item.give_up_at is not None and (
+                        time.perf_counter() >= item.give_up_at):
+                    self._post()
+                    item.answer(RequestTimeout(
+                        f"{item.verb} not done within engine.request_timeout_ms: "
+                        f"{len(self._launched)} tasks launched before it still run; "
+                        "nothing was dropped"))
                     return
                 if self._launched:
                     time.sleep(max(self._poll_interval_s, self._polls.wait_s()))
