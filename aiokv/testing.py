@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .copy.marks import LayerMarks
+from .copy.plan import check_pages
 from .faults import VERBS, FaultyStore, InjectedFault, no_space
 from .stores.base import BoolArray, Int64Array, Store, TaskResult, TaskStatus
 from .stores.wrapper import StoreWrapper
@@ -25,12 +26,17 @@ from .stores.wrapper import StoreWrapper
 class FakeStore:
     """Keeps only how many tokens of each key it holds; moves no data and completes
     every launched task at the next ``try_wait``. For overhead benchmarks and for tests
-    of engine logic that do not need bytes to move. Keys are (namespace, token bytes)
-    prefixes of whole pages, as in LocalStore."""
+    of engine logic that do not need bytes to move. Keys are namespaces: unlike
+    LocalStore's, which are (namespace, token bytes) prefixes of whole pages, other
+    ``token_ids`` under one namespace are the same key here. Page ids are checked as a
+    real store checks them (a bad one fails its task alone, INVALID), and a put of pages
+    another put is still writing matches none of them, as in LocalStore."""
 
     def __init__(self, page_size: int = 0) -> None:
         self.page_size = page_size
+        self._pages = 0  # the caches' pages, from register
         self._stored: dict[tuple[str, ...], int] = {}
+        self._writing: dict[tuple[str, ...], dict[int, int]] = {}  # key -> open put -> end
         self._tasks: dict[int, tuple[bool, tuple[str, ...], int, BoolArray]] = {}
         self._launched: list[int] = []
         self._finished: dict[int, TaskResult] = {}
@@ -38,6 +44,7 @@ class FakeStore:
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
         self.page_size = self.page_size or int(kv_caches[0].shape[2])
+        self._pages = int(kv_caches[0].shape[0])
 
     def _task(self, is_put: bool, namespace: Sequence[str], end: int, mask: BoolArray) -> int:
         self._next += 1
@@ -45,11 +52,21 @@ class FakeStore:
         return self._next
 
     def put_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        key = tuple(namespace)
         full = len(token_ids) // self.page_size * self.page_size
-        have = min(self._stored.get(tuple(namespace), 0), full)
+        writing = self._writing.get(key, {})
+        have = min(max(self._stored.get(key, 0), *writing.values(), 0), full)
         mask = np.zeros(len(token_ids), dtype=np.bool_)
         mask[have:full] = True
-        return self._task(True, namespace, full, mask), mask
+        task_id = self._task(True, namespace, full, mask)
+        if have < full:
+            self._writing.setdefault(key, {})[task_id] = full
+        return task_id, mask
+
+    def _done_writing(self, task_id: int, key: tuple[str, ...]) -> None:
+        writing = self._writing.get(key)
+        if writing is not None and writing.pop(task_id, None) is not None and not writing:
+            del self._writing[key]
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         full = len(token_ids) // self.page_size * self.page_size
@@ -66,11 +83,21 @@ class FakeStore:
                 raise ValueError(f"task {task_id}: wrong number of page ids")
         if len(ready) != len(task_ids):
             raise ValueError("launch: one ready event per task id")
-        self._launched.extend(task_ids)
+        for task_id, page_ids in zip(task_ids, pages, strict=True):
+            is_put = self._tasks[task_id][0]
+            ids = torch.as_tensor(page_ids).reshape(-1).to("cpu", torch.int64).numpy()
+            error = check_pages(ids, self._pages, once=not is_put) if self._pages else None
+            if error is None:
+                self._launched.append(task_id)
+            else:  # its own fault, and only its own
+                self._done_writing(task_id, self._tasks.pop(task_id)[1])
+                self._finished[task_id] = TaskResult(TaskStatus.INVALID, error=error)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         for task_id in task_ids:
-            self._tasks.pop(task_id, None)
+            task = self._tasks.pop(task_id, None)
+            if task is not None:
+                self._done_writing(task_id, task[1])
 
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
         done: dict[int, TaskResult] = {}
@@ -78,6 +105,7 @@ class FakeStore:
             is_put, namespace, end, mask = self._tasks.pop(task_id)
             if is_put:
                 self._stored[namespace] = max(self._stored.get(namespace, 0), end)
+                self._done_writing(task_id, namespace)
             done[task_id] = TaskResult(TaskStatus.SUCCESS, mask)
         self._launched.clear()
         self._finished.update(done)
@@ -95,6 +123,7 @@ class FakeStore:
 
     def close(self) -> None:
         self._tasks.clear()
+        self._writing.clear()
 
 
 class LayeredStore:
@@ -142,6 +171,10 @@ class LayeredStore:
         full = len(token_ids) // self.page_size * self.page_size
         stored = self._stored.get(key)
         have = min(0 if stored is None else stored.shape[0] * self.page_size, full)
+        if is_put:  # pages another put is still to write: not this one's (as LocalStore)
+            writing = [int(np.flatnonzero(mask)[-1]) + 1 for put, k, mask in self._tasks.values()
+                       if put and k == key and mask.any()]
+            have = min(max([have, *writing]), full)
         mask = np.zeros(len(token_ids), dtype=np.bool_)
         mask[have:full] = is_put
         mask[:have] = not is_put
@@ -159,17 +192,22 @@ class LayeredStore:
         self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
     ) -> None:
         for task_id, given, event in zip(task_ids, pages, ready, strict=True):
-            is_put, key, _ = self._tasks[task_id]
+            is_put, key, mask = self._tasks[task_id]
             if event is not None:
                 event.synchronize()  # the caller's pages (and ids) are written
             page_ids = given.reshape(-1).to("cpu", torch.int64)
-            bad = page_ids[(page_ids < 0) | (page_ids >= self._caches[0].shape[0])]
-            if len(bad):
-                error = f"holds page id {int(bad[0])}, outside [0, {self._caches[0].shape[0]})"
+            error = check_pages(page_ids.numpy(), self._caches[0].shape[0], once=not is_put)
+            if error is not None:
                 self._end(task_id, TaskResult(TaskStatus.INVALID, error=error))
             elif is_put:
                 new = torch.stack([cache[page_ids].cpu() for cache in self._caches], dim=1)
                 old = self._stored.get(key)
+                held = 0 if old is None else old.shape[0]
+                start = int(np.argmax(mask)) // self.page_size if mask.any() else held
+                if start != held:  # the put it followed was cancelled: a hole before it
+                    self._end(task_id, TaskResult(
+                        TaskStatus.FAILED, error="the put of the pages before it ended unwritten"))
+                    continue
                 self._stored[key] = new if old is None else torch.cat([old, new])
                 self._end(task_id, TaskResult(TaskStatus.SUCCESS))
             else:
