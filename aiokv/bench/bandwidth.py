@@ -38,6 +38,7 @@ import torch
 
 from ..config import EngineConfig, StoreConfig
 from ..engine import OffloadEngine
+from ..errors import ConfigError
 from ..stores.base import Store
 from ..stores.local import LocalStore
 from ..testing import SharedStore
@@ -255,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
     device = common.pick_device(settings.device)
     if args.mixed:
+        if args.plot:  # nothing draws mixed traffic: say so rather than write no file
+            raise ConfigError("--plot", "draws the batch rows; --mixed has no plot")
         return mixed.run(settings, device, args.json)
     raw_d2h, raw_h2d = raw_copy_gib_s(settings.raw_gib, device, max(settings.repeats, 3))
     with common.switch_interval(settings.switch_interval_us):

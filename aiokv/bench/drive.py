@@ -102,6 +102,7 @@ class Sample:
     wall_s: float
     cpu_s: float  # every thread of the process
     loop_cpu_s: float  # the event loop's thread alone
+    started: float = 0.0  # time.perf_counter() as the window opened
 
     @property
     def per_second(self) -> float:
@@ -123,10 +124,12 @@ async def drive(
     *,
     seconds: float | None = None,
     requests: int | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> Sample:
     """Run ``users`` closed-loop users of ``one_request(user)``; after ``warmup_s``,
     measure for ``seconds`` or until ``requests`` more completed. The users finish their
-    request in flight before this returns; its errors propagate."""
+    request in flight before this returns; its errors propagate. ``on_start``: called as
+    the measured window opens (``Sample.started`` is its perf_counter)."""
     loop = asyncio.get_running_loop()
     done = 0
     stop = False
@@ -144,6 +147,8 @@ async def drive(
     tasks = [asyncio.create_task(user(i), name=f"bench-user-{i}") for i in range(users)]
     try:
         await asyncio.sleep(warmup_s)
+        if on_start is not None:
+            on_start()
         start_done, start_wall, start_cpu = done, time.perf_counter(), time.process_time()
         start_loop_cpu = time.thread_time()  # drive() runs on the loop's thread
         if requests is not None:
@@ -157,6 +162,7 @@ async def drive(
             time.perf_counter() - start_wall,
             time.process_time() - start_cpu,
             time.thread_time() - start_loop_cpu,
+            start_wall,
         )
     finally:
         stop = True

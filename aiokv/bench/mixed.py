@@ -104,7 +104,7 @@ async def measure(
     seconds: list[float] = []
     async with OffloadEngine(store, caches, config) as engine:
         await asyncio.to_thread(store.wait_pinned)  # copies, not start-up
-        for repeat in range(settings.repeats + 1):  # the first warms up
+        for repeat in range(settings.warmup + settings.repeats):  # --warmup first, untimed
             loaded = [[f"mix{repeat}-in-{u}"] for u in range(users)]
             offloaded = [[f"mix{repeat}-out-{u}"] for u in range(users)]
             await asyncio.gather(*(engine.offload(u, pages(0, u), tokens, namespace=loaded[u])
@@ -132,7 +132,7 @@ async def measure(
                         for r in results)
             if moved != 2 * users * tokens:
                 raise RuntimeError(f"mixed: moved {moved} tokens of {2 * users * tokens}")
-            if repeat:
+            if repeat >= settings.warmup:
                 seconds.append(elapsed)
     one_way, duplex = raw_duplex_gib_s(each_way, device, settings.repeats)
     engine_gib_s = 2 * each_way / GIB / statistics.median(seconds)

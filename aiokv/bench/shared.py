@@ -39,6 +39,7 @@ import torch
 import yaml
 
 from .. import EngineConfig, OffloadEngine, StoreConfig, run_in_background
+from ..errors import ConfigError
 from ..stores import make_store
 from ..sync import BackgroundLookup
 from . import common
@@ -329,6 +330,8 @@ def _hit_ratio(s: Settings, pool: _Pool, kind: str, seed: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:  # nothing draws it: say so rather than write no file
+        raise ConfigError("--plot", "this bench draws no plot")
     s = common.settings_from_args(Settings, args, QUICK)
     with tempfile.TemporaryDirectory(prefix="aiokv-bench-shared-") as directory:
         socket_path = str(Path(directory) / "run" / "store.sock")

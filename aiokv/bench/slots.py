@@ -314,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
           + ("" if device.type == "cuda" else "; on the CPU it copies nothing") + ")")
     common.print_table(
         "secondary: the same with each user's store mask applied "
-        "(fused: FusedPages.select; (a-np), (b-np): select_slots per user)",
+        "(fused: fuse_page_ids over each user's masked page slice; (a-np), (b-np): a boolean "
+        "mask per user)",
         ["users", "masked tokens", "fused+mask ms", "(a-np)+mask ms", "(b-np)+mask ms",
          "vs (a-np)+mask", "vs (b-np)+mask"],
         [
