@@ -112,10 +112,12 @@ class Answers:
         ended = _ended(message.get("ended", []))
         conn.registered = True
         notice = conn.client.notice = Notice.create()
-        sockets.send(conn.sock, wire.encode_json({
-            "ok": True, "blocks": region.num_blocks, "wire": wire.VERSION,
-            "connection": [self.instance, conn.client.number]}), [region.fd, notice.fd])
-        notice.close_fd()
+        try:
+            sockets.send(conn.sock, wire.encode_json({
+                "ok": True, "blocks": region.num_blocks, "wire": wire.VERSION,
+                "connection": [self.instance, conn.client.number]}), [region.fd, notice.fd])
+        finally:  # sent or not (a peer gone after its hello): not kept open here
+            notice.close_fd()
         for instance, number in ended:  # the peer's credentials gave the pid: its own
             if instance == self.instance:
                 self._loop.ended(conn.client.pid, number)

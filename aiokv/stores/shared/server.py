@@ -59,6 +59,11 @@ _LENGTH = struct.Struct("<I")  # a frame's length word (then its op: wire.HEAD)
 _LOCK_NAME = "aiokv-server.lock"  # in each SSD directory: one server per directory
 _SERVER: dict[str, str] = {"holder": "aiokv store-server", "hint": ""}  # DirLock's words
 _CHUNK = 1 << 16  # read per call: a large buffer per call costs more than calls
+# An absorb reads a connection this many times at most: more than its socket buffers hold
+# (what it had sent before the lookup that absorbs), so a peer that keeps writing cannot
+# keep the lookup waiting.
+_ABSORB_READS = 16
+_ACCEPT_PAUSE_S = 0.5  # out of descriptors: new connections wait this long in the backlog
 _ABSORB_DEPTH = 16  # lookups met while absorbing absorb too, this deep
 
 
@@ -134,6 +139,7 @@ class StoreServer:
         self._stopping = False
         self._stop_at = 0.0
         self._absorbing = 0  # nested absorb calls
+        self._accept_at = 0.0  # listening again from then on, once out of descriptors
         self._answers = Answers(self.service, self)
         self._quarantine = Quarantine()  # put blocks of dropped engines still alive
 
@@ -199,6 +205,11 @@ class StoreServer:
                     else:
                         self._readable(key.data)
                 self.service.expire()
+                if self._accept_at and time.monotonic() >= self._accept_at:
+                    self._accept_at = 0.0
+                    if self._listener is not None:
+                        self._selector.register(self._listener, selectors.EVENT_READ,
+                                                "accept")
                 if self._waiting():
                     self._settle()
                 if self._evicting():
@@ -210,7 +221,8 @@ class StoreServer:
 
     def _stop_listening(self) -> None:
         assert self._listener is not None
-        self._selector.unregister(self._listener)
+        with contextlib.suppress(KeyError, ValueError):  # not while accepting was paused
+            self._selector.unregister(self._listener)
         self._listener.close()
         self._listener = None
         with contextlib.suppress(FileNotFoundError):
@@ -276,6 +288,14 @@ class StoreServer:
             sock, _ = self._listener.accept()
         except BlockingIOError:
             return
+        except OSError as exc:  # out of descriptors (EMFILE, ENFILE), memory, aborted
+            # The connection waits in the backlog; the engines served go on being served.
+            log.warning("aiokv store-server: cannot accept a connection (%s); %d engines "
+                        "connected, new ones wait %.1f s", exc, len(self._connections),
+                        _ACCEPT_PAUSE_S)
+            self._selector.unregister(self._listener)
+            self._accept_at = time.monotonic() + _ACCEPT_PAUSE_S
+            return
         pid, uid, _gid = _CRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
         if uid != os.getuid():
@@ -306,6 +326,11 @@ class StoreServer:
             self._drop(conn, None)
             return 0
         if conn.waits:  # answered after its batch's (or evict's) answer
+            if len(conn.inbox) + len(data) > wire.MAX_FRAME + wire.HEAD.size:
+                # An engine waiting for its reply has nothing to send: kept, this would
+                # grow for as long as the reply waits.
+                self._drop(conn, "sent more than a frame while its reply waited")
+                return 0
             conn.inbox += data
         else:
             self._frames(conn, data)
@@ -402,8 +427,9 @@ class StoreServer:
             for key, _ in self._selector.select(0):
                 conn = key.data
                 if isinstance(conn, Connection) and not conn.busy:
-                    while self._readable(conn) == _CHUNK:
-                        pass
+                    for _ in range(_ABSORB_READS):
+                        if self._readable(conn) != _CHUNK:
+                            break
         finally:
             self._absorbing -= 1
 

@@ -1,0 +1,163 @@
+"""A store server outlives its worst clients (same user: a buggy or crashing engine):
+one that leaves right after its hello leaks nothing, too many connections do not end it,
+one that streams bytes while its reply waits is dropped, and one that floods requests does
+not keep another engine's lookup waiting. Another engine is served bit-exact after each."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from shared_host import PAGE_SIZE, Server, caches, connect, hello, observer
+from shared_inprocess import TOKENS, load_exact, offload
+
+from aiokv.stores.shared import wire
+from aiokv.stores.shared.region import Geometry
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                reason="the shared region needs memfd_create (Linux)")
+
+
+def server_fds(server: Server) -> int:
+    assert server.process is not None
+    return len(os.listdir(f"/proc/{server.process.pid}/fd"))
+
+
+def serves(server: Server, user: int) -> bool:
+    """A real engine offloads, looks up and loads ``user`` bit-exact."""
+    store, tables = observer(server.socket)
+    try:
+        offload(store, tables, user)
+        task, mask = store.get_match(TOKENS, [f"user:{user}"])
+        return bool(mask.all()) and load_exact(store, tables, user, task)
+    finally:
+        store.close()
+
+
+def settle(server: Server, fds: int, timeout_s: float = 10.0) -> int:
+    """The server's descriptors once they fall to ``fds`` (or the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while server_fds(server) > fds and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return server_fds(server)
+
+
+def test_clients_that_leave_right_after_their_hello_leak_no_descriptor(tmp_path: Path) -> None:
+    server = Server(tmp_path).start()
+    try:
+        assert serves(server, 1)
+        before = server_fds(server)
+        for _ in range(40):  # an engine that dies right after its hello, again and again
+            sock = connect(server)
+            sock.sendall(wire.encode_json({"op": "hello", "wire": wire.VERSION,
+                                           "geometry": Geometry.of(caches()).as_dict()}))
+            sock.close()
+        assert settle(server, before) <= before
+        assert serves(server, 2)
+    finally:
+        server.kill()
+
+
+def test_more_connections_than_descriptors_do_not_end_the_server(tmp_path: Path) -> None:
+    server = Server(tmp_path).start()
+    assert server.process is not None
+    try:
+        limit = server_fds(server) + 16
+        resource.prlimit(server.process.pid, resource.RLIMIT_NOFILE, (limit, limit))
+        idle = [connect(server) for _ in range(32)]  # half of them past the limit
+        time.sleep(0.5)
+        assert server.process.poll() is None, server.log.read_text()[-2000:]
+        for sock in idle:
+            sock.close()
+        assert settle(server, limit - 16) <= limit - 8
+        assert serves(server, 3)
+    finally:
+        server.kill()
+
+
+def test_a_client_that_streams_while_its_evict_waits_is_dropped(tmp_path: Path) -> None:
+    server = Server(tmp_path).start()
+    try:
+        assert serves(server, 4)
+        loader, evictor = connect(server), connect(server)
+        hello(loader)
+        hello(evictor)
+        # The loader holds a get of the key, launched: the evict waits for its end.
+        loader.sendall(wire.encode_match(wire.GET, [(TOKENS, ["user:4"])], PAGE_SIZE, []))
+        head = loader.recv(8, socket.MSG_WAITALL)
+        length, kind = wire.HEAD.unpack(head)
+        assert kind == wire.ANSWERS
+        body = loader.recv(length - 4, socket.MSG_WAITALL)
+        (task, mask, _blocks), = wire.decode_answers(memoryview(body), [len(TOKENS)],
+                                                     PAGE_SIZE)
+        assert mask.all()
+        loader.sendall(wire.encode_launch([task]))
+        evictor.sendall(wire.encode_json({"op": "evict", "ns": ["user:4"]}))
+        time.sleep(0.2)
+        evictor.settimeout(20)
+        chunk = b"\0" * (1 << 20)
+        sent = 0
+        with pytest.raises(OSError):  # dropped: the pipe breaks under the sender
+            while sent < wire.MAX_FRAME + (64 << 20):
+                evictor.sendall(chunk)
+                sent += len(chunk)
+        assert sent < wire.MAX_FRAME + (64 << 20)
+        evictor.close()
+        loader.close()
+        assert serves(server, 5)
+    finally:
+        server.kill()
+
+
+def test_a_flood_of_requests_does_not_starve_another_engines_lookup(tmp_path: Path) -> None:
+    server = Server(tmp_path).start()
+    try:
+        assert serves(server, 6)
+        flooder = connect(server)
+        hello(flooder)
+        stop = threading.Event()
+        pings = wire.frame(wire.PING) * 65536
+
+        def write() -> None:  # pings written as fast as they go
+            while not stop.is_set():
+                try:
+                    flooder.sendall(pings)
+                except OSError:
+                    return
+
+        def read() -> None:  # and their answers read as fast
+            while not stop.is_set():
+                try:
+                    if not flooder.recv(1 << 20):
+                        return
+                except OSError:
+                    return
+
+        threads = [threading.Thread(target=work, daemon=True) for work in (write, read)]
+        for thread in threads:
+            thread.start()
+        store, _ = observer(server.socket)
+        try:
+            time.sleep(0.3)
+            answered: list[float] = []
+            asking = threading.Thread(target=lambda: (
+                store.get_match(TOKENS, ["user:6"]), answered.append(time.monotonic())),
+                daemon=True)
+            began = time.monotonic()
+            asking.start()
+            asking.join(15)
+            assert answered and answered[0] - began < 10, "the lookup was never answered"
+        finally:
+            stop.set()
+            flooder.shutdown(socket.SHUT_RDWR)  # ends a send or receive under way
+            flooder.close()
+            for thread in threads:
+                thread.join(10)
+            store.close()
+    finally:
+        server.kill()
