@@ -250,3 +250,18 @@ def test_demo_verifies_its_loads_with_the_store_in_a_process_of_its_own(
     assert status == 0, out
     assert "0 mismatches" in out and int(out.split("verified")[1].split()[0]) > 0, out
     assert float(out.split("store ")[1].split("x its size offloaded")[0].split(", ")[1]) > 1, out
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["bandwidth", "--mixed", "--plot", "PNG"], "--plot"),
+    (["bandwidth", "--mixed", "--raw-gib", "0.01"], "--raw-gib"),
+    (["shared", "--plot", "PNG"], "--plot"),
+])
+def test_a_flag_a_run_would_not_honour_is_a_usage_error(
+    argv: list[str], flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "out.png"
+    argv = [str(png) if a == "PNG" else a for a in argv]
+    assert main(["bench", *argv, "--quick"]) == 2
+    assert f"error: {flag}: " in capsys.readouterr().err
+    assert not png.exists()

@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import itertools
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -44,6 +45,10 @@ from ..stores.local import LocalStore
 from ..testing import SharedStore
 from . import common, mixed
 from .rounds import GIB, Settings, _batch_gib, _round, stream_length
+
+# The batch rows' flags that mixed traffic (aiokv.bench.mixed) does not read.
+_NOT_MIXED = ("--cpu-cache-gb", "--placement", "--batch-requests", "--stream-batches",
+              "--stream-gib", "--raw-gib", "--switch-interval-us")
 
 NAME = "bandwidth"
 HELP = "offload/load GiB/s through the engine vs raw pinned copy bandwidth"
@@ -258,6 +263,11 @@ def run(args: argparse.Namespace) -> int:
     if args.mixed:
         if args.plot:  # nothing draws mixed traffic: say so rather than write no file
             raise ConfigError("--plot", "draws the batch rows; --mixed has no plot")
+        given = list(getattr(args, "bench_argv", None) or sys.argv[1:])
+        unread = [flag for flag in _NOT_MIXED
+                  if any(a == flag or a.startswith(flag + "=") for a in given)]
+        if unread:  # mixed sizes its own store and runs no stream: they would be ignored
+            raise ConfigError(unread[0], "is for the batch rows; --mixed does not read it")
         return mixed.run(settings, device, args.json)
     raw_d2h, raw_h2d = raw_copy_gib_s(settings.raw_gib, device, max(settings.repeats, 3))
     with common.switch_interval(settings.switch_interval_us):

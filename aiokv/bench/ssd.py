@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -236,9 +237,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'xxh3-64 checksum, 1 core':28}{checksum:8.2f}"
           f"{checksum / max(rows['plain_write_gibps'], rows['plain_read_gibps']):11.1f}x disk")
     print(f"reopen (header scan): {store['open_s'] * 1000:.0f} ms")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"bench": NAME, "gib": gib, **rows,
-                                               "open_s": store["open_s"]}, indent=1))
+    if args.json:  # with what the header says: the ratios read differently per I/O mode
+        environment = {**common.environment(device),
+                       "bench_argv": list(getattr(args, "bench_argv", None) or sys.argv[1:])}
+        settings = {"gib": gib, "host_gb": host_gb, "rounds": len(plains),
+                    "block_bytes": block, "dir": str(work.parent), "direct": bool(store["direct"])}
+        Path(args.json).write_text(json.dumps(
+            {"bench": NAME, "environment": environment, "settings": settings, "gib": gib,
+             **rows, "open_s": store["open_s"]}, indent=1, default=str))
     if args.plot:
         _plot(args.plot, rows, gib, device)
     return 0
