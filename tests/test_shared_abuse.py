@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -159,5 +160,26 @@ def test_a_flood_of_requests_does_not_starve_another_engines_lookup(tmp_path: Pa
             for thread in threads:
                 thread.join(10)
             store.close()
+    finally:
+        server.kill()
+
+
+def test_a_lookup_batch_whose_answer_would_not_fit_a_frame_is_refused(tmp_path: Path) -> None:
+    # 4,096 queries of 8,192 pages each, 100 KB on the wire: the server would build
+    # gigabytes of digests and masks for an answer larger than a frame may be.
+    server = Server(tmp_path, store={"cpu_cache_gb": 0.1}).start()
+    try:
+        greedy = connect(server)
+        hello(greedy)
+        # Each query: 8,192 pages of default token ids (no digests on the wire), a
+        # namespace of one 1-byte string (as wire.encode_match lays a request out).
+        count, tokens = 4096, 8192 * PAGE_SIZE
+        ints = [tokens] * count + [0] * count + [1] * count + [1] * count
+        body = struct.pack("<5q", count, 0, 0, count, count) + struct.pack(
+            f"<{len(ints)}q", *ints) + b"k" * count
+        greedy.sendall(wire.frame(wire.GET, body))
+        greedy.settimeout(10)
+        assert greedy.recv(8) == b""  # dropped, not answered
+        assert serves(server, 7)
     finally:
         server.kill()

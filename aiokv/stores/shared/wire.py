@@ -57,6 +57,8 @@ MAX_TOKENS = 1 << 26  # tokens of one query
 MAX_NAMESPACE = 64  # strings in one namespace
 MAX_IDS = 1 << 20  # task ids in one request
 MAX_ENDED = 64  # lost connections a hello names (their copies over: .quarantine)
+# An answer holds a byte of mask and at most 8 bytes of block id per page asked about.
+MAX_ANSWER_PAGES = MAX_FRAME // 9
 
 JSON, PING, PUT, GET, END, OK, ANSWERS, LAUNCH = range(8)
 HEAD = struct.Struct("<II")  # a frame's: length (op + body), op
@@ -199,6 +201,9 @@ def decode_match(body: memoryview, page_size: int, max_tokens: int = MAX_TOKENS)
     if count and max(tokens) > max_tokens:
         raise WireError(f"a query of {max(tokens)} tokens; this store holds at most "
                         f"{max_tokens}")
+    pages = sum(n // page_size for n in tokens) if count else 0
+    if pages > MAX_ANSWER_PAGES:  # and what the server builds for them would be gigabytes
+        raise WireError(f"a match request of {pages} pages: its answer would not fit a frame")
     if sum(digest_counts) != digest_pages or (digest_pages and any(
             d and d != n // page_size for d, n in zip(digest_counts, tokens, strict=True))):
         raise WireError("a query's digests do not match its full pages")
