@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 from shared_host import PAGE_SIZE, Server, caches, connect, hello, observer
-from shared_inprocess import TOKENS, load_exact, offload
+from shared_inprocess import TOKENS, Host, load_exact, offload
 
+from aiokv.stores.shared import server as server_module
 from aiokv.stores.shared import wire
 from aiokv.stores.shared.region import Geometry
 
@@ -183,3 +184,54 @@ def test_a_lookup_batch_whose_answer_would_not_fit_a_frame_is_refused(tmp_path: 
         assert serves(server, 7)
     finally:
         server.kill()
+
+
+def test_a_client_that_reads_its_replies_slowly_does_not_hold_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # It pipelines pings and reads their answers a few bytes at a time: each send makes
+    # progress, so the kernel's send timeout never fires, and the server's one thread
+    # would be its for as long as it trickles.
+    monkeypatch.setattr(server_module, "SEND_TIMEOUT_S", 1.0)
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    slow.connect(str(host.socket))
+    stop = threading.Event()
+    try:
+        hello(slow)
+        pings = wire.frame(wire.PING) * 65536
+
+        def write() -> None:
+            while not stop.is_set():
+                try:
+                    slow.sendall(pings)
+                except OSError:
+                    return
+
+        def trickle() -> None:
+            while not stop.wait(0.05):
+                try:
+                    if not slow.recv(64):
+                        return
+                except OSError:
+                    return
+
+        threads = [threading.Thread(target=work, daemon=True) for work in (write, trickle)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)  # its replies fill the socket
+        other, _ = host.engine()
+        try:
+            answered: list[bool] = []
+            asking = threading.Thread(target=lambda: (other.ping(), answered.append(True)),
+                                      daemon=True)
+            asking.start()
+            asking.join(15)
+            assert answered, "another engine's ping waited behind the slow reader"
+        finally:
+            other.close()
+    finally:
+        stop.set()
+        slow.shutdown(socket.SHUT_RDWR)
+        slow.close()
+        host.stop()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ...errors import ConfigError
-from . import sockets, wire
+from . import wire
 from .connection import Connection, EvictWait
 from .notice import Notice
 from .region import Geometry
@@ -76,7 +76,7 @@ class Answers:
             raise ProtocolError(f"unknown request op {op}")
         reply = handler(conn, body)
         if reply:
-            conn.sock.sendall(reply)
+            conn.reply(reply)
 
     def _json(self, conn: Connection, body: memoryview) -> bytes:
         message = wire.decode_json(body)
@@ -95,8 +95,7 @@ class Answers:
         if message.get("wire") != wire.VERSION:  # told why, then dropped (and logged)
             why = (f"it speaks wire version {message.get('wire', 1)!r}, this server "
                    f"{wire.VERSION}: run one aiokv version for the server and its engines")
-            sockets.send(conn.sock, wire.encode_json({"ok": False, "error": why,
-                                                      "config": True}))
+            conn.reply(wire.encode_json({"ok": False, "error": why, "config": True}))
             raise ProtocolError(why)
         try:
             geometry = Geometry.from_mapping(message.get("geometry"))
@@ -106,14 +105,13 @@ class Answers:
             region = self.service.register(geometry)
         except ConfigError as exc:
             log.warning("aiokv store-server: refused engine pid %d: %s", conn.client.pid, exc)
-            sockets.send(conn.sock, wire.encode_json({"ok": False, "error": str(exc),
-                                                      "config": True}))
+            conn.reply(wire.encode_json({"ok": False, "error": str(exc), "config": True}))
             return
         ended = _ended(message.get("ended", []))
         conn.registered = True
         notice = conn.client.notice = Notice.create()
         try:
-            sockets.send(conn.sock, wire.encode_json({
+            conn.reply(wire.encode_json({
                 "ok": True, "blocks": region.num_blocks, "wire": wire.VERSION,
                 "connection": [self.instance, conn.client.number]}), [region.fd, notice.fd])
         finally:  # sent or not (a peer gone after its hello): not kept open here

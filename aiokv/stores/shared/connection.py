@@ -6,11 +6,12 @@ reads, or an evict waiting for other engines' loads (:class:`EvictWait`)."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ...remote.reads import Published
 from ..local.ssd_voids import VoidsDone
-from . import wire
+from . import sockets, wire
 from .tasks import Client, Entry
 
 
@@ -23,6 +24,13 @@ class Connection:
     busy: bool = False  # its frames are being answered: not read again meanwhile
     deferred: list[Entry] | None = None  # a batch of gets waiting for SSD reads
     evicting: EvictWait | None = None  # an evict or clear waiting for loads under way
+    # time.monotonic() by which the replies of this turn must be out: the server answers
+    # on one thread, so a peer that reads them slowly would hold every other engine.
+    reply_by: float | None = None
+
+    def reply(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        """Send a reply (OSError, TimeoutError included, drops the peer: the caller's)."""
+        sockets.send(self.sock, data, fds, by=self.reply_by)
 
     @property
     def waits(self) -> bool:

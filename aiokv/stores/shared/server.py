@@ -53,7 +53,9 @@ from .tasks import Client, Foreign, answers_only
 
 log = logging.getLogger("aiokv.server")
 
-SEND_TIMEOUT_S = 5.0  # a peer that does not read its replies for this long is dropped
+# A peer that does not read its replies for this long is dropped, as is one whose replies
+# to one turn of its requests are not all out by then (it reads them too slowly).
+SEND_TIMEOUT_S = 5.0
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _LENGTH = struct.Struct("<I")  # a frame's length word (then its op: wire.HEAD)
 _LOCK_NAME = "aiokv-server.lock"  # in each SSD directory: one server per directory
@@ -351,6 +353,7 @@ class StoreServer:
             conn.inbox.clear()
         at = 0
         conn.busy = True
+        conn.reply_by = time.monotonic() + SEND_TIMEOUT_S  # this turn's replies, all
         try:
             while len(data) - at >= 4 and not conn.waits:
                 (length,) = _LENGTH.unpack_from(data, at)
@@ -403,7 +406,8 @@ class StoreServer:
                 conn.deferred = None
                 answered = True
                 try:
-                    conn.sock.sendall(wire.encode_answers(answers))
+                    conn.reply_by = time.monotonic() + SEND_TIMEOUT_S
+                    conn.reply(wire.encode_answers(answers))
                 except OSError as exc:
                     self._drop(conn, f"reply failed: {exc}")
                     continue
@@ -486,7 +490,8 @@ class StoreServer:
                 continue
             conn.evicting = None
             try:
-                conn.sock.sendall(wait.reply())
+                conn.reply_by = time.monotonic() + SEND_TIMEOUT_S
+                conn.reply(wait.reply())
             except OSError as exc:
                 self._drop(conn, f"reply failed: {exc}")
                 continue

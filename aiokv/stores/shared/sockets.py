@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,13 +29,23 @@ from .wire import (
 _BUFFER = 1 << 16  # a client's receive buffer: a batch's answers fit
 
 
-def send(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
+def send(sock: socket.socket, data: bytes, fds: Sequence[int] = (),
+         by: float | None = None) -> None:
+    """``data`` (with ``fds``, as SCM_RIGHTS), whole; ``by``: the time.monotonic() by
+    which it must be out (TimeoutError past it). The kernel's send timeout ends a send
+    only when no byte moves for that long: a peer that reads a few bytes now and then
+    would hold the sender for good without ``by``."""
+    view = memoryview(data)
     if fds:
-        sent = socket.send_fds(sock, [data], list(fds))
-        if sent < len(data):
-            sock.sendall(data[sent:])
-    else:
-        sock.sendall(data)
+        view = view[socket.send_fds(sock, [data], list(fds)):]
+    if by is None:
+        sock.sendall(view)
+        return
+    while view:
+        if time.monotonic() >= by:
+            raise TimeoutError(f"the peer took {len(data) - len(view)} of {len(data)} "
+                               "bytes in the time it had")
+        view = view[sock.send(view):]
 
 
 class Channel:
