@@ -351,7 +351,7 @@ def test_run_in_background_waits_for_layers_in_the_calling_thread() -> None:
 def test_run_in_background_hands_out_errors_and_cancels_before_the_launch() -> None:
     # The handle's future is resolved as the launch notice lands; what ends the call before
     # that (an error at submit, the caller cancelling it) still reaches it.
-    engine, caches = engine_over(LayeredStore(), window_us=1_000_000, max_batch_requests=2)
+    engine, caches = engine_over(LayeredStore(), window_us=300_000, max_batch_requests=2)
     with aiokv.run_in_background(engine) as kv:
         kv.offload(1, SOURCE, TOKENS)
         kv.offload(2, SOURCE, TOKENS)  # the window holds a lone load: batches of two
