@@ -11,6 +11,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,54 @@ def settle(server: Server, fds: int, timeout_s: float = 10.0) -> int:
     while server_fds(server) > fds and time.monotonic() < deadline:
         time.sleep(0.02)
     return server_fds(server)
+
+
+class Pinger:
+    """A registered raw connection that writes pings as fast as they go, on a thread,
+    and reads their answers on another: ``read`` bytes every ``pause_s`` (0: as fast as
+    they come). Ended (its socket shut) on leaving the ``with`` block."""
+
+    def __init__(self, sock: socket.socket, read: int, pause_s: float) -> None:
+        hello(sock)
+        self.sock, self._read, self._pause_s = sock, read, pause_s
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=work, daemon=True)
+                         for work in (self._write, self._drain)]
+
+    def __enter__(self) -> Pinger:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.sock.shutdown(socket.SHUT_RDWR)  # ends a send or receive under way
+        self.sock.close()
+        for thread in self._threads:
+            thread.join(10)
+
+    def _write(self) -> None:
+        pings = wire.frame(wire.PING) * 65536
+        while not self._stop.is_set():
+            try:
+                self.sock.sendall(pings)
+            except OSError:
+                return
+
+    def _drain(self) -> None:
+        while not self._stop.wait(self._pause_s):
+            try:
+                if not self.sock.recv(self._read):
+                    return
+            except OSError:
+                return
+
+
+def answered_within(call: Callable[[], object], timeout_s: float) -> bool:
+    """Whether ``call()`` returned within ``timeout_s`` (run on a thread of its own)."""
+    done = threading.Event()
+    threading.Thread(target=lambda: (call(), done.set()), daemon=True).start()
+    return done.wait(timeout_s)
 
 
 def test_clients_that_leave_right_after_their_hello_leak_no_descriptor(tmp_path: Path) -> None:
@@ -120,47 +169,14 @@ def test_a_flood_of_requests_does_not_starve_another_engines_lookup(tmp_path: Pa
     server = Server(tmp_path).start()
     try:
         assert serves(server, 6)
-        flooder = connect(server)
-        hello(flooder)
-        stop = threading.Event()
-        pings = wire.frame(wire.PING) * 65536
-
-        def write() -> None:  # pings written as fast as they go
-            while not stop.is_set():
-                try:
-                    flooder.sendall(pings)
-                except OSError:
-                    return
-
-        def read() -> None:  # and their answers read as fast
-            while not stop.is_set():
-                try:
-                    if not flooder.recv(1 << 20):
-                        return
-                except OSError:
-                    return
-
-        threads = [threading.Thread(target=work, daemon=True) for work in (write, read)]
-        for thread in threads:
-            thread.start()
-        store, _ = observer(server.socket)
-        try:
-            time.sleep(0.3)
-            answered: list[float] = []
-            asking = threading.Thread(target=lambda: (
-                store.get_match(TOKENS, ["user:6"]), answered.append(time.monotonic())),
-                daemon=True)
-            began = time.monotonic()
-            asking.start()
-            asking.join(15)
-            assert answered and answered[0] - began < 10, "the lookup was never answered"
-        finally:
-            stop.set()
-            flooder.shutdown(socket.SHUT_RDWR)  # ends a send or receive under way
-            flooder.close()
-            for thread in threads:
-                thread.join(10)
-            store.close()
+        with Pinger(connect(server), 1 << 20, 0.0):  # its answers read as fast
+            store, _ = observer(server.socket)
+            try:
+                time.sleep(0.3)
+                assert answered_within(lambda: store.get_match(TOKENS, ["user:6"]), 10), (
+                    "the lookup was never answered")
+            finally:
+                store.close()
     finally:
         server.kill()
 
@@ -196,42 +212,14 @@ def test_a_client_that_reads_its_replies_slowly_does_not_hold_the_others(
     host.start()
     slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     slow.connect(str(host.socket))
-    stop = threading.Event()
     try:
-        hello(slow)
-        pings = wire.frame(wire.PING) * 65536
-
-        def write() -> None:
-            while not stop.is_set():
-                try:
-                    slow.sendall(pings)
-                except OSError:
-                    return
-
-        def trickle() -> None:
-            while not stop.wait(0.05):
-                try:
-                    if not slow.recv(64):
-                        return
-                except OSError:
-                    return
-
-        threads = [threading.Thread(target=work, daemon=True) for work in (write, trickle)]
-        for thread in threads:
-            thread.start()
-        time.sleep(0.5)  # its replies fill the socket
-        other, _ = host.engine()
-        try:
-            answered: list[bool] = []
-            asking = threading.Thread(target=lambda: (other.ping(), answered.append(True)),
-                                      daemon=True)
-            asking.start()
-            asking.join(15)
-            assert answered, "another engine's ping waited behind the slow reader"
-        finally:
-            other.close()
+        with Pinger(slow, 64, 0.05):  # 64 bytes of its answers every 50 ms
+            time.sleep(0.5)  # its replies fill the socket
+            other, _ = host.engine()
+            try:
+                assert answered_within(other.ping, 15), (
+                    "another engine's ping waited behind the slow reader")
+            finally:
+                other.close()
     finally:
-        stop.set()
-        slow.shutdown(socket.SHUT_RDWR)
-        slow.close()
         host.stop()

@@ -148,14 +148,13 @@ async def _engine(
             if result.stored_tokens != tokens:
                 raise RuntimeError(f"engine stored {result.stored_tokens} of {tokens} fresh tokens")
 
-        before: list[Any] = []
-        opened = lambda: before.append(engine.stats())  # noqa: E731
+        before: list[Any] = []  # the engine's figures as the window opens
         if requests is None:
             sample = await drive(users, one, settings.warmup_s, seconds=settings.seconds,
-                                 on_start=opened)
+                                 on_start=lambda: before.append(engine.stats()))
         else:
             sample = await drive(users, one, settings.warmup_s, requests=requests,
-                                 on_start=opened)
+                                 on_start=lambda: before.append(engine.stats()))
         after = engine.stats()
     # Of the measured window only: requests that began and ended in it, and its batches.
     end = sample.started + sample.wall_s
