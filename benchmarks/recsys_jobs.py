@@ -114,6 +114,12 @@ def run_phases(storage: str, options: JobOptions) -> dict[str, Any]:
     # flexkv_as_batch from the options (the test's own builder sets 1).
     config = kvcache_config(8, 2048, 512, 1024, options.flexkv_as_batch)
     manager, notes = make_manager(storage, config, "phases", options.aiokv_config)
+    host = manager.host_kvstorage_manager
+    if storage == "aiokv":
+        # Phase 5 asserts that a host evict keeps everything, as FlexKVStorage's no-op
+        # does: phases 1-5 run on those semantics, phase 6 (ours) on real evicts.
+        host.host_evict = False
+        notes["host_evict"] = "False for phases 1-5 (FlexKVStorage's no-op), True for 6"
     phases: dict[str, Any] = {}
     evict_line = host_evict_line(test.run_phase_5)
     try:
@@ -127,6 +133,8 @@ def run_phases(storage: str, options: JobOptions) -> dict[str, Any]:
                     phases["5"]["note"] = ("after the test's host evict, which it asserts is a "
                                            "no-op (FlexKVStorage has none)")
             print(f"phase {number}: {'passed' if phases[str(number)]['ok'] else 'FAILED'}")
+        if storage == "aiokv":
+            host.host_evict = True
         try:
             run_phase_6(manager, keys, values)
             phases["6"] = {"ok": True}

@@ -71,10 +71,12 @@ def phase_lines(jobs: dict[str, Any], storages: list[str]) -> list[str]:
 
 
 def notes(job: dict[str, Any]) -> list[str]:
-    """What a job ran with: aiokv's config, FlexKV's layout patch and log level."""
+    """What a job ran with: aiokv's config and host evicts, FlexKV's layout patch and log level."""
     found = []
     if job.get("aiokv_config"):
         found.append(f"aiokv config: {job['aiokv_config']}")
+    if job.get("host_evict"):
+        found.append(f"host_evict: {job['host_evict']}")
     if job.get("layout_patch"):
         found.append(f"FlexKV layout: {job['layout_patch']}")
         found.append(f"FLEXKV_LOG_LEVEL={job.get('flexkv_log_level')}, "

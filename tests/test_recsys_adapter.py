@@ -317,3 +317,34 @@ def test_storage_class_onboard_of_a_user_evicted_after_the_lookup_fails() -> Non
         assert launched.metadata["onboard_lengths"].tolist() == [8, 8]
     finally:
         storage.close()
+
+
+def test_host_evict_false_keeps_the_host_kv_and_warns_as_flexkv_storage_does() -> None:
+    # recsys's test_flexkv.py asserts that a host evict keeps everything (FlexKVStorage's
+    # is a no-op); host_evict=False gives code written that way the same semantics.
+    storage: Any = recsys._HostStorage(CONFIG, host_evict=False)
+    storage.register_gpu_cache_tables(caches())
+    try:
+        users, lengths = [7, 8], [8, 8]
+        storage.core.offload(users, [i32(0, 1), i32(2, 3)], lengths).outcomes()
+
+        def cached() -> list[int]:
+            hits = storage.core.lookup(users, lengths)
+            storage.core.release(hits)
+            return [0 if h is None else h.cached_tokens for h in hits]
+
+        with pytest.warns(RuntimeWarning, match=r"evict\(\) keeps"):
+            storage.evict(torch.tensor([7]))
+        with pytest.warns(RuntimeWarning, match=r"evict_all\(\) keeps"):
+            storage.evict_all()
+        assert cached() == [8, 8]
+        storage.host_evict = True
+        storage.evict(torch.tensor([7]))
+        assert cached() == [0, 8]
+    finally:
+        storage.close()
+
+
+def test_host_evict_must_be_a_bool() -> None:
+    with pytest.raises(aiokv.InvalidRequest, match=r"host_evict.*'no'"):
+        recsys._HostStorage(CONFIG, host_evict="no")  # type: ignore[arg-type]

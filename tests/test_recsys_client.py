@@ -59,7 +59,8 @@ def test_report_gives_ratios_against_flexkv_and_the_raw_copy() -> None:
         "jobs": {
             "aiokv:phases": {"phases": {"1": {"ok": True}, "5": {
                 "ok": False, "where": "test_flexkv.py:722", "error": "AssertionError: ",
-                "line": "assert torch.allclose(...)", "note": "after the host evict"}}},
+                "line": "assert torch.allclose(...)", "note": "after the host evict"}},
+                "host_evict": "False for phases 1-5"},
             "flexkv:phases": {"error": "ImportError: no flexkv"},
             # round 0 warms up and must not count: its 100 ms would change every median
             "aiokv:steps:2048": {**steps, "rounds": [_round(100, 100)] + [_round(4.0, 1.5)] * 3},
@@ -76,6 +77,7 @@ def test_report_gives_ratios_against_flexkv_and_the_raw_copy() -> None:
     assert "onboard aiokv median: 37.5 GiB/s, 80% of raw (target >= 80%: met)" in text
     assert "phase 5: FAILED at test_flexkv.py:722" in text
     assert "(after the host evict)" in text
+    assert "host_evict: False for phases 1-5" in text
     assert "could not run: ImportError: no flexkv" in text
     assert "30.655" in text  # the published H100 offload_wait at 8 x 2048
 

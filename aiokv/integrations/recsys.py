@@ -20,6 +20,7 @@ import asyncio
 import functools
 import importlib
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,11 +73,14 @@ def _int32(values: Sequence[int]) -> torch.Tensor:
 class _HostStorage:
     """A recsys-examples host storage on aiokv (its methods: ``HostKVStorageBase``'s).
 
-    ``AiokvHostStorage(config=None, *, loop_factory=None)``: ``config`` is what
-    ``aiokv.open_engine`` takes (a YAML path, a mapping, None for the defaults); the
+    ``AiokvHostStorage(config=None, *, loop_factory=None, host_evict=True)``: ``config`` is
+    what ``aiokv.open_engine`` takes (a YAML path, a mapping, None for the defaults); the
     engine starts on a loop thread of its own (``run_in_background``) when the manager
     registers its GPU cache tables, each ``[pages, 2, page_size, heads, head_dim]``.
-    ``close()`` drains and stops it.
+    ``close()`` drains and stops it. ``host_evict=False`` makes ``evict`` and ``evict_all``
+    no-ops that warn, as FlexKVStorage's are: code written against FlexKVStorage's
+    semantics (recsys's ``test_flexkv.py`` asserts that a host evict keeps everything)
+    runs unchanged; the attribute can be set again later.
 
     ``backend_name`` is ``"flexkv"``, because ``DefaultKVCacheBackend`` dispatches on it
     in three places and only that name fits aiokv: ``offload_launch`` hands over each
@@ -87,7 +91,7 @@ class _HostStorage:
     failed onboard (for a handle whose ``backend`` is ``"flexkv"``, as these are).
 
     What differs from FlexKVStorage:
-    ``evict`` / ``evict_all`` drop the users' KV (FlexKVStorage's are no-ops); lookups
+    ``evict`` / ``evict_all`` drop the users' KV by default (FlexKVStorage's are no-ops); lookups
     reserve their hits, and a hit not onboarded is given back by the onboard launch (or
     after ``engine.lookup_ttl_ms``); a failed lookup reads as a miss (logged); an
     onboard's ``onboard_lengths`` are the tokens it loads (page-aligned), not the
@@ -106,10 +110,23 @@ class _HostStorage:
         config: ConfigSource = None,
         *,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+        host_evict: bool = True,
     ) -> None:
         self._config = config
         self._loop_factory = loop_factory
         self._core: RecsysCore | None = None
+        self.host_evict = host_evict
+
+    @property
+    def host_evict(self) -> bool:
+        """Whether ``evict`` / ``evict_all`` drop KV (True) or warn and keep it (False)."""
+        return self._host_evict
+
+    @host_evict.setter
+    def host_evict(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise InvalidRequest("host_evict", f"must be a bool, got {value!r}")
+        self._host_evict = value
 
     @property
     def core(self) -> RecsysCore:
@@ -247,10 +264,24 @@ class _HostStorage:
         return True
 
     def evict(self, user_ids: torch.Tensor) -> None:
+        if self._kept("evict"):
+            return
         self.core.evict(user_ids.tolist())
 
     def evict_all(self) -> None:
+        if self._kept("evict_all"):
+            return
         self.core.clear()
+
+    def _kept(self, verb: str) -> bool:
+        if self._host_evict:
+            return False
+        warnings.warn(
+            f"AiokvHostStorage(host_evict=False): {verb}() keeps the host's KV",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return True
 
     @staticmethod
     def get_offload_handle_metadata(
