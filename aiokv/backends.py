@@ -29,7 +29,8 @@ class CacheHandover(Protocol):
     """How the caches, which stay in the parent process, reach a store built in a child.
 
     Parent: :meth:`payload` is what it sends with the config; on the child's ``attach``
-    request it calls :meth:`attach` and keeps what that returns while the child lives.
+    request it calls :meth:`attach` and keeps what that returns while the child lives,
+    then hands it to :meth:`detach` once the child is gone.
     Child: :meth:`register` registers the store from the payload, and may ask the parent
     to attach once (``ask_parent(value)``; raises what the parent's attach raised)."""
 
@@ -39,6 +40,10 @@ class CacheHandover(Protocol):
         self, value: Any, kv_caches: Sequence[torch.Tensor], payload: Any
     ) -> tuple[object, list[str]]:
         """(what to keep alive, files to remove should the child die)."""
+        ...
+
+    def detach(self, kept: object) -> None:
+        """Let go of what :meth:`attach` returned: the child has ended."""
         ...
 
     def register(self, store: Store, payload: Any, ask_parent: Callable[[object], None]) -> None:
@@ -56,6 +61,9 @@ class TensorHandover:
         self, value: Any, kv_caches: Sequence[torch.Tensor], payload: Any
     ) -> tuple[object, list[str]]:
         raise ConfigError("store.backend", "this backend's child has nothing to attach")
+
+    def detach(self, kept: object) -> None:
+        pass  # attach never returns
 
     def register(self, store: Store, payload: Any, ask_parent: Callable[[object], None]) -> None:
         store.register(payload)

@@ -41,6 +41,7 @@ How:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -98,6 +99,7 @@ class ProcessStore:
         self._link: ChildLink | None = None  # the current child (link.py)
         # The caches, and what the handover attached: alive as long as the child maps them.
         self._keep: list[Any] = []
+        self._detach: list[Callable[[], None]] = []  # the handover's, once the child is gone
         self._socket_files: list[str] = []  # the handover's, removed should the child die
         self._broken: str | None = None  # why the child can no longer be called
         self._ended: str | None = None  # how a served child died: restart at the next call
@@ -173,6 +175,7 @@ class ProcessStore:
                     link.send((False, portable(exc)))
                 raise
             self._keep.append(kept)
+            self._detach.append(functools.partial(handover.detach, kept))
             self._send((True, None))
         self._keep.append(caches)
         self._notices.start()  # set_notify may have come before register
@@ -425,6 +428,12 @@ class ProcessStore:
         if self._link is not None:
             self._link.close(self._socket_files, 0.0 if restarting else _EXIT_TIMEOUT_S)
         self._socket_files = []
+        detach, self._detach = self._detach, []
+        for release in detach:
+            try:
+                release()
+            except Exception:  # the child is gone either way: the next one still starts
+                log.exception("the store's cache handover failed to let go of its child")
         self._keep.clear()
         if restarting:
             self._notices.resume(on_end)

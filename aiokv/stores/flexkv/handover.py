@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..base import Store
-from .setup import CacheGeometry, attach_caches
+from .setup import CacheGeometry, attach_caches, close_client
 from .store import FlexKVStore
 
 
@@ -26,6 +26,9 @@ class FlexKVHandover:
     ) -> tuple[object, list[str]]:
         endpoint, socket_files = value
         return attach_caches(endpoint, kv_caches, payload), list(socket_files)
+
+    def detach(self, kept: object) -> None:
+        close_client(kept)
 
     def register(self, store: Store, payload: Any, ask_parent: Callable[[object], None]) -> None:
         if not isinstance(store, FlexKVStore) or not isinstance(payload, CacheGeometry):

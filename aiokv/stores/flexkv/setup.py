@@ -134,6 +134,21 @@ def attach_caches(
     return client
 
 
+def close_client(client: Any) -> None:
+    """Close the sockets of FlexKV's KVTPClient (:func:`attach_caches`) at once and end
+    their zmq context, once the FlexKV it registered with is shut down or gone. Left to
+    the garbage collector, pyzmq's ``Context.__del__`` closes them with their own linger,
+    forever by default, and then waits in ``term()`` for every message not yet delivered:
+    a registration its FlexKV never took (it died at start-up) would hang whichever
+    thread of this process next runs a collection."""
+    if client is None:
+        return
+    sockets = [getattr(client, name, None) for name in ("send_to_server", "gpu_control_socket")]
+    contexts = {id(s.context): s.context for s in sockets if s is not None}
+    for context in contexts.values():
+        context.destroy(linger=0)  # every socket it made, then term()
+
+
 def start_manager(
     config: StoreConfig, geometry: CacheGeometry, endpoint: str, gpu_register_endpoint: str
 ) -> Any:

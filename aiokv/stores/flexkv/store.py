@@ -52,7 +52,7 @@ from ...config import StoreConfig
 from ...errors import ConfigError
 from ..base import BoolArray, Int64Array, NoSpace, TaskResult, TaskStatus, no_yield
 from .keys import KeyGenerations
-from .setup import CacheGeometry, attach_caches, start_manager, wait_ready
+from .setup import CacheGeometry, attach_caches, close_client, start_manager, wait_ready
 from .slots import SlotMaker
 from .tasks import group_launch, response_results, unknown_task
 from .tiers import quiet_wait_timeouts, tier_values
@@ -421,6 +421,8 @@ class FlexKVStore:
             if manager is not None:
                 manager.shutdown()
         finally:
+            client, self._tp_client = self._tp_client, None
+            close_client(client)
             self._caches = []
             for path in self._socket_files:
                 with contextlib.suppress(OSError):
