@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
+import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -235,8 +239,32 @@ def serve(conn: Connection, ends_socket: socket.socket) -> int:
     return 0
 
 
+def watch_parent(parent_pid: int, grace_s: float, poll_s: float = 0.5) -> None:
+    """Once the engine's process is gone, give this one ``grace_s`` to end by itself (the
+    socket's end reaches the loop, which closes the store), then kill it and what it
+    started (FlexKV's processes share its session and group): its main thread may be stuck
+    in a store call that nothing will ever answer. Runs in a daemon thread."""
+    while os.getppid() == parent_pid:
+        time.sleep(poll_s)
+    log.warning(
+        "aiokv store process %d: the engine's process %d is gone; ending in %g s at most",
+        os.getpid(), parent_pid, grace_s,
+    )
+    time.sleep(grace_s)
+    log.error("aiokv store process %d: still running %g s after its engine's process "
+              "died; killing it and what it started", os.getpid(), grace_s)
+    if os.getpgid(0) == os.getpid():  # spawn.py starts it leading its own session
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(format="%(asctime)s %(name)s[child]: %(message)s")
+    if len(argv) > 4:
+        threading.Thread(
+            target=watch_parent, args=(int(argv[3]), float(argv[4])),
+            name="aiokv-watch-parent", daemon=True,
+        ).start()
     with Connection(int(argv[1])) as conn, socket.socket(fileno=int(argv[2])) as ends:
         return serve(conn, ends)
 

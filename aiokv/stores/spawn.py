@@ -1,4 +1,5 @@
-"""Starting ProcessStore's child: ``python -P -m aiokv.stores.child FD ENDS_FD`` as a
+"""Starting ProcessStore's child: ``python -P -m aiokv.stores.child FD ENDS_FD PARENT_PID
+GRACE_S`` as a
 plain subprocess in a session of its own, with the two sockets it talks on; and ending it.
 
 A plain subprocess, not multiprocessing: it does not re-import the program's
@@ -39,6 +40,13 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+# How long a child whose engine's process died may take to close its store and exit by
+# itself (the socket's end reaches its loop) before it kills itself and what it started:
+# enough for a store's close to write what it keeps, and a bound for a child stuck in a
+# store call, which would otherwise hold its pinned memory and GPU context for good.
+ORPHAN_GRACE_S = 30.0
+
+
 def spawn_child() -> tuple[subprocess.Popen[bytes], Connection, socket.socket]:
     """(the child, the call socket, the socket on which it says that tasks ended)."""
     here, theirs = socket.socketpair()
@@ -46,7 +54,8 @@ def spawn_child() -> tuple[subprocess.Popen[bytes], Connection, socket.socket]:
     fds = (theirs.fileno(), ends_theirs.fileno())
     try:
         process = subprocess.Popen(
-            [sys.executable, *_SAFE_PATH, "-m", "aiokv.stores.child", *map(str, fds)],
+            [sys.executable, *_SAFE_PATH, "-m", "aiokv.stores.child", *map(str, fds),
+             str(os.getpid()), repr(ORPHAN_GRACE_S)],
             pass_fds=fds,
             env=_child_env(),
             # Its own session: a Ctrl-C for this process group does not end it (and the
