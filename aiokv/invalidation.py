@@ -51,7 +51,7 @@ class Invalidation:
     """An evict (``namespace``) or a clear (``namespace`` None), as the store thread's
     inbox carries it. :meth:`answer` may be called from any thread, once."""
 
-    __slots__ = ("_future", "_loop", "give_up_at", "namespace")
+    __slots__ = ("_dropped", "_future", "_loop", "give_up_at", "namespace")
 
     def __init__(
         self,
@@ -59,6 +59,7 @@ class Invalidation:
         future: asyncio.Future[int],
         loop: asyncio.AbstractEventLoop,
         give_up_at: float | None = None,
+        dropped: Callable[[int], None] | None = None,
     ) -> None:
         self.namespace = namespace
         # time.perf_counter() past which it stops waiting for the tasks launched before
@@ -66,6 +67,9 @@ class Invalidation:
         self.give_up_at = give_up_at
         self._future = future
         self._loop = loop
+        # Told on the loop of the tokens the store dropped, whether or not the caller
+        # still waits: a caller that left does not undo the evict.
+        self._dropped = dropped
 
     @property
     def verb(self) -> str:
@@ -75,7 +79,12 @@ class Invalidation:
         """Hand the outcome to the loop, which resolves the caller's future unless it is
         already done (cancelled, or failed at close)."""
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
-            self._loop.call_soon_threadsafe(settle, self._future, outcome)
+            self._loop.call_soon_threadsafe(self._deliver, outcome)
+
+    def _deliver(self, outcome: int | BaseException) -> None:
+        if self._dropped is not None and not isinstance(outcome, BaseException):
+            self._dropped(outcome)
+        settle(self._future, outcome)
 
 
 class HeldKeys:
@@ -174,7 +183,8 @@ class Invalidations:
         started = time.perf_counter()
         future: asyncio.Future[int] = self._loop.create_future()
         item = Invalidation(namespace, future, self._loop,
-                            started + self._timeout_s if self._timeout_s else None)
+                            started + self._timeout_s if self._timeout_s else None,
+                            self._stats.record_dropped)
         if not self._can[item.verb]:
             error = StoreError(
                 f"this store ({self._store_name}) cannot {item.verb}: it has no "

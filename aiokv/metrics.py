@@ -235,7 +235,8 @@ def _families(
     _histogram(window, [], reading.window, 0)
     store_time = HistogramMetricFamily(
         "aiokv_latency_store_seconds",
-        "Dispatched to outcome posted by the store thread, per call.",
+        "Dispatched to outcome posted by the store thread, per dispatch (an offload held "
+        "for room is dispatched again at each try).",
     )
     _histogram(store_time, [], store_latency, 0)
     yield from (batch_requests, batch_bytes, window, store_time, latency)

@@ -73,7 +73,7 @@ _TABLE = len(KINDS) * _WIDTH
     _LOADED_TOKENS,
     _LOOKUP_TOKENS,  # asked by completed lookups
     _LOOKUP_HIT_TOKENS,  # found for them
-    _DROPPED_TOKENS,  # dropped by evicts and clears (record_call)
+    _DROPPED_TOKENS,  # dropped by evicts and clears (record_dropped)
     _EMPTY_LOADS,  # loads of a Lookup that found nothing (record_empty_load)
 ) = range(_TABLE, _TABLE + 11)
 _COUNTERS = _TABLE + 11
@@ -254,7 +254,8 @@ class StatsRecorder:
         self._counts[_ROW[kind] * _WIDTH + _REJECTED] += 1
 
     def record_batch(self, batch: Batch) -> None:
-        """A batch dispatched now: its requests' window wait, its size in requests and,
+        """A batch dispatched now: its requests' window wait (once per call: not again for
+        an offload dispatched anew after a wait for room), its size in requests and,
         for offloads and loads, the bytes its pages hold (what it asks to move; pages
         already stored are skipped later, so it may move fewer)."""
         now = time.perf_counter()
@@ -265,10 +266,12 @@ class StatsRecorder:
         pages = 0
         for request in requests:  # inlined Histogram.observe: this runs per request
             request.dispatched_at = now
+            pages += request.pages_used
+            if request.held:  # dispatched again after a wait for room: its window is counted
+                continue
             wait = now - request.submitted_at
             counts[bisect_left(bounds, wait)] += 1
             waited += wait
-            pages += request.pages_used
         window.sums[0] += waited
         row = _ROW[batch.kind]
         size = len(requests)
@@ -284,6 +287,7 @@ class StatsRecorder:
         more, until record_batch dispatches them again (or they resolve first)."""
         for request in requests:
             request.dispatched_at = 0.0
+            request.held = True
         self._counts[_REQUEUED] += len(requests)
 
     def record_outcome(self, request: Request, outcome: object) -> None:
@@ -327,10 +331,13 @@ class StatsRecorder:
         else:
             column = _OK
         self._counts[row * _WIDTH + column] += 1
-        if column == _OK and isinstance(outcome, int):
-            self._counts[_DROPPED_TOKENS] += outcome
         if column != _CANCELLED:
             self.latency.observe(latency_s, row)
+
+    def record_dropped(self, tokens: int) -> None:
+        """Tokens an evict or clear dropped, as the store answered it (its caller may have
+        left: the store drops them all the same)."""
+        self._counts[_DROPPED_TOKENS] += tokens
 
     def record_empty_load(self) -> None:
         """A load of a Lookup that found nothing, answered at once: submitted and

@@ -256,3 +256,45 @@ def test_store_figures_are_asked_after_work_at_most_every_refresh_and_never_whil
         figures.refresh(now=True)
     assert figures.latest == {"host_hit_tokens": 2}
     assert sum("store_stats() failed" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.asyncio
+async def test_an_evict_whose_caller_left_still_counts_the_tokens_it_dropped() -> None:
+    async with aiokv.OffloadEngine(small_store(), make_caches()) as engine:
+        await engine.offload(1, torch.arange(0, 8), 8 * PAGE_SIZE)
+        evict = asyncio.ensure_future(engine.evict(1))
+        await asyncio.sleep(0)  # with the store thread now
+        evict.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await evict
+        async with await engine.lookup(1, 8 * PAGE_SIZE) as hit:
+            assert hit.cached_tokens == 0  # the store dropped the key all the same
+        await wait_for(lambda: engine.stats().dropped_tokens == 8 * PAGE_SIZE, "the drop counted")
+        await engine.offload(2, torch.arange(8, 12), 4 * PAGE_SIZE)
+        assert await engine.evict(2) == 4 * PAGE_SIZE
+        assert engine.stats().dropped_tokens == 12 * PAGE_SIZE
+
+
+@pytest.mark.asyncio
+async def test_the_window_histogram_observes_each_call_once_however_often_it_waits_for_room() -> None:
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.00005))  # ~52 blocks
+    config = aiokv.EngineConfig(window_us=200, request_timeout_ms=5000)
+    engine = aiokv.OffloadEngine(store, make_caches(), config)
+    registry = CollectorRegistry()
+    metrics.register(engine, registry)
+    async with engine:
+        await engine.offload(0, torch.arange(0, 40), 40 * PAGE_SIZE)
+        hit = await engine.lookup(0, 40 * PAGE_SIZE)  # holds 40 blocks
+        waiting = asyncio.ensure_future(engine.offload(1, torch.arange(40, 60), 20 * PAGE_SIZE))
+        await wait_for(lambda: engine.stats().space_waits >= 2, "two waits for room")
+        hit.release()
+        assert (await waiting).stored_tokens == 20 * PAGE_SIZE
+        calls = engine.stats().submitted
+
+    def window_count() -> float:
+        value = registry.get_sample_value("aiokv_latency_window_seconds_count")
+        assert value is not None
+        return value
+
+    assert engine.stats().space_waits >= 2
+    assert await asyncio.to_thread(window_count) == calls == 3
