@@ -63,6 +63,30 @@ RENAMED = {
 }
 
 
+# store_stats() keys that are levels, not counts (and every "server_" one): they may fall,
+# and a new store's (a restarted child, a restarted store server) are its own. Every
+# other key counts since the store opened, and carries over to the store that replaces it.
+GAUGES = frozenset({
+    "host_blocks_used", "host_blocks_total", "host_blocks_ready", "ssd_blocks_used",
+    "ssd_blocks_total", "remote_write_queue_blocks", "remote_blocks_held",
+    "remote_lookups_open", "remote_invalidations_waiting", "remote_lookup_seconds_max",
+})
+
+
+def carried(base: StoreStatsAnswer, figures: StoreStatsAnswer) -> dict[str, int | float]:
+    """``figures`` with the counts of the stores before it (``base``) added: a store
+    process or server that restarts starts counting again, and the engine's counters must
+    not fall. Gauges are ``figures``' own."""
+    out: dict[str, int | float] = {k: v for k, v in base.items() if not _gauge(k)}
+    for key, value in figures.items():
+        out[key] = value if _gauge(key) else value + out.get(key, 0)
+    return out
+
+
+def _gauge(key: str) -> bool:
+    return key in GAUGES or key.startswith("server_")
+
+
 def engine_fields(answer: StoreStatsAnswer) -> dict[str, Any]:
     """EngineStats' store fields from a store_stats() answer (ints, and floats for the
     ``_ms`` fields: Any, as EngineStats' keyword arguments of either type)."""

@@ -56,6 +56,7 @@ from ..backends import backend
 from ..config import StoreConfig
 from ..copy.fused import PageCopier
 from ..errors import StoreError
+from ..store_figures import carried
 from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .link import ChildGone, ChildLink
 from .notices import Notices
@@ -111,6 +112,7 @@ class ProcessStore:
         self._closing = False  # the engine closes: no new child from now on
         self._restarting = False  # the store thread is starting a new child
         self._last_stats: dict[str, int | float] = {}  # the child's, for when none serves
+        self._stats_before: dict[str, int | float] = {}  # the counts of children gone
         # One call on the socket at a time: the engine calls from its store thread only,
         # but close() may come from another thread (a store shared by several engines).
         self._calling = threading.Lock()
@@ -265,7 +267,7 @@ class ProcessStore:
         except StoreError:
             if self._broken is None:  # the child's own store raised it
                 raise
-        stats = dict(self._last_stats)
+        stats = carried(self._stats_before, self._last_stats)
         stats["d2h_copies"] = stats.get("d2h_copies", 0) + self._pages.d2h_copies
         return stats
 
@@ -361,6 +363,10 @@ class ProcessStore:
 
     def _start_again(self) -> None:
         self._shutdown(restarting=True)
+        # The new child counts from 0: the engine's counters go on from what the dead one
+        # last reported (what it counted after that is lost with it).
+        self._stats_before = carried(self._stats_before, self._last_stats)
+        self._last_stats = {}
         self._start_child(self._caches)
 
     def _call(self, op: Op, args: object) -> Any:

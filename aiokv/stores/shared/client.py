@@ -37,6 +37,7 @@ from ...config import StoreConfig
 from ...copy.copier import CopyJob
 from ...copy.marks import LayerMarks
 from ...errors import ConfigError, StoreError
+from ...store_figures import carried
 from ..base import (
     BoolArray,
     Int64Array,
@@ -88,6 +89,9 @@ class SharedStore:
         self._marks: dict[int, LayerMarks] = {}  # the last launch's gets', until asked
         self._notify: Callable[[], None] | None = None
         self._bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
+        self._server_stats: dict[str, int | float] = {}  # the server's last figures
+        self._server_named: str | None = None  # the server that gave them (its hello's name)
+        self._stats_before: dict[str, int | float] = {}  # the counts of servers before it
         self._block_bytes = 0
         self._closed = False
         self._seen = 0  # the notice word as last asked about
@@ -387,13 +391,24 @@ class SharedStore:
 
     def store_stats(self) -> Mapping[str, int | float]:
         """The server's figures (its tiers, hits and open tasks, every engine's) with this
-        engine's own bytes copied; only the latter while the server is away."""
+        engine's own bytes copied; while the server is away, those it gave last. A new
+        server (another name in its hello) counts from 0: the counts of the one before are
+        added, so that the engine's counters never fall."""
         stats: dict[str, int | float] = dict(self._bytes)
         stats["d2h_copies"] = 0 if self._conn is None else self._conn.d2h_copies
         try:
-            stats.update(self._call_json({"op": "stats"})["stats"])
+            server = dict(self._call_json({"op": "stats"})["stats"])
         except StoreError:
+            server = dict(self._server_stats)
             stats["server_up"] = 0
+        else:
+            link = self._link
+            named = None if link is None or link.connection is None else link.connection[0]
+            if named != self._server_named:
+                self._stats_before = carried(self._stats_before, self._server_stats)
+                self._server_named = named
+            self._server_stats = server
+        stats.update(carried(self._stats_before, server))
         return stats
 
     def ping(self) -> None:

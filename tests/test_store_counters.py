@@ -1,0 +1,97 @@
+"""The store's counters as the engine reports them never fall: not when the store's child
+process is restarted (it counts from 0), not while the store server is away (its figures
+stay those it gave last, with server_up 0), not when a new server takes its place."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_caches, wait_for_exit
+from shared_host import PAGE_SIZE, caches
+from shared_inprocess import Host
+
+import aiokv
+from aiokv.store_figures import carried
+from aiokv.stores import ProcessStore
+from aiokv.stores.shared import SharedStore
+
+
+def test_carried_adds_the_counts_before_and_keeps_gauges_current() -> None:
+    before = {"bytes_d2h": 100, "host_hit_tokens": 8, "host_blocks_used": 5, "server_clients": 2}
+    now = {"bytes_d2h": 10, "host_blocks_used": 1, "server_clients": 1, "stage_waits": 3}
+    assert carried(before, now) == {
+        "bytes_d2h": 110, "host_hit_tokens": 8, "stage_waits": 3,  # counts: summed
+        "host_blocks_used": 1, "server_clients": 1,  # levels: the store's own
+    }
+
+
+async def offload_and_load(engine: aiokv.OffloadEngine, users: range, page: int) -> None:
+    for user in users:
+        await engine.offload(user, torch.arange(user * 4, user * 4 + 4), 4 * page)
+    for user in users:
+        async with await engine.lookup(user, 4 * page) as hit:
+            await engine.load(hit, torch.arange(40, 44))
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_store_process_does_not_set_the_counters_back() -> None:
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01, own_process=True))
+    async with aiokv.OffloadEngine(store, make_caches()) as engine:
+        page = engine.page_size
+        await offload_and_load(engine, range(4), page)
+        await asyncio.sleep(0.3)  # the figures refresh
+        before = engine.stats()
+        assert before.host_hit_tokens == 16 * page
+        pid = store.pid
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.to_thread(wait_for_exit, pid)
+        for _ in range(100):  # a call in flight as the child died fails; a new child serves
+            try:
+                await offload_and_load(engine, range(10, 11), page)
+                break
+            except aiokv.StoreError:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        after = engine.stats()
+    assert after.store_restarts == 1
+    assert after.host_hit_tokens == before.host_hit_tokens + 4 * page
+
+
+@pytest.mark.asyncio
+async def test_the_server_figures_stay_while_it_is_away_and_go_on_from_a_new_server(
+    tmp_path: Path,
+) -> None:
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+    try:
+        async with aiokv.OffloadEngine(store, caches()) as engine:
+            await offload_and_load(engine, range(3), PAGE_SIZE)
+            await asyncio.sleep(0.3)
+            up = engine.stats()
+            assert up.host_hit_tokens == 12 * PAGE_SIZE and up.host_blocks_total > 0
+            host.server.drain_timeout_s = 0.0
+            await asyncio.to_thread(host.stop)
+            with pytest.raises(aiokv.StoreError):
+                await engine.lookup(0, 4 * PAGE_SIZE)
+            await asyncio.sleep(0.3)
+            away = engine.stats()
+            assert (away.host_hit_tokens, away.host_blocks_total) == (
+                up.host_hit_tokens, up.host_blocks_total)
+            host.start()  # a new server: it counts from 0
+            for _ in range(200):
+                try:
+                    await offload_and_load(engine, range(5, 7), PAGE_SIZE)
+                    break
+                except aiokv.StoreError:  # until the engine reconnects
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            again = engine.stats()
+            assert again.host_hit_tokens == up.host_hit_tokens + 8 * PAGE_SIZE
+    finally:
+        host.stop()
