@@ -253,9 +253,15 @@ def watch_parent(parent_pid: int, grace_s: float, poll_s: float = 0.5) -> None:
     time.sleep(grace_s)
     log.error("aiokv store process %d: still running %g s after its engine's process "
               "died; killing it and what it started", os.getpid(), grace_s)
+    end_group()
+    os._exit(1)
+
+
+def end_group() -> None:
+    """Kill this process and its process group: what its store started (FlexKV's
+    processes), which the engine's process, gone, no longer ends."""
     if os.getpgid(0) == os.getpid():  # spawn.py starts it leading its own session
         os.killpg(os.getpid(), signal.SIGKILL)
-    os._exit(1)
 
 
 def main(argv: list[str]) -> int:
@@ -266,7 +272,11 @@ def main(argv: list[str]) -> int:
             name="aiokv-watch-parent", daemon=True,
         ).start()
     with Connection(int(argv[1])) as conn, socket.socket(fileno=int(argv[2])) as ends:
-        return serve(conn, ends)
+        served = serve(conn, ends)
+    if len(argv) > 3 and os.getppid() != int(argv[3]):  # closed by itself, orphaned
+        logging.shutdown()
+        end_group()
+    return served
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -29,6 +30,9 @@ from .spawn import end_child, spawn_child
 log = logging.getLogger("aiokv")
 
 _ALIVE_CHECK_MS = 1000  # while an answer is awaited, check this often that the child lives
+_EXIT_WAIT_S = 1.0  # how long a child seen going is waited for, to say how it ended
+# multiprocessing.connection writes a message of up to this many bytes in one write.
+_ONE_WRITE = 16384
 
 
 class ChildGone(Exception):
@@ -100,10 +104,35 @@ class ChildLink:
             if left_s <= 0:
                 self.kill(f"it did not answer {what}")
                 raise ChildGone
+        watch = None
+        if self._written_in_parts():  # a child stopped between the parts would hold us
+            watch = threading.Timer(max(deadline - time.monotonic(), 0.0), self.kill,
+                                    (f"it did not finish its answer to {what}",))
+            watch.daemon = True
+            watch.start()
         try:
             return self.conn.recv()
         except (EOFError, OSError) as exc:
             raise ChildGone from exc
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    def _written_in_parts(self) -> bool:
+        """Whether the message waiting is one that Connection writes in two parts (its
+        size, then over 16 KiB of body): one write's message is read whole at once, but
+        between two writes the child may stop, and the read would wait for it unbounded."""
+        sock = socket.socket(fileno=self.conn.fileno())
+        try:
+            header = sock.recv(4, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return False  # nothing to read yet (the recv will say what)
+        finally:
+            sock.detach()  # the fd stays the Connection's
+        if len(header) < 4:
+            return len(header) > 0
+        size: int = struct.unpack("!i", header)[0]
+        return size == -1 or size > _ONE_WRITE
 
     def kill(self, why: str, level: int = logging.ERROR) -> None:
         """Kill the child now (SIGKILL; from any thread, never blocking), logging
@@ -116,10 +145,10 @@ class ChildLink:
         self.process.kill()
 
     def how_it_ended(self) -> str:
-        """The child's end in words, once it has exited (waited for up to 1 s: it is
-        going); "not answering" if it has not."""
+        """The child's end in words, once it has exited (waited for up to _EXIT_WAIT_S:
+        it is going); "not answering" if it has not."""
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=1.0)
+            self.process.wait(timeout=_EXIT_WAIT_S)
         if self.killed is not None and self.process.returncode is not None:
             return self.killed
         return how_it_ended(self.pid, self.process.returncode)

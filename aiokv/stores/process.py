@@ -113,6 +113,7 @@ class ProcessStore:
         self._restarting = False  # the store thread is starting a new child
         self._last_stats: dict[str, int | float] = {}  # the child's, for when none serves
         self._stats_before: dict[str, int | float] = {}  # the counts of children gone
+        self._dying = False  # the child that served was lost but had not exited yet
         # One call on the socket at a time: the engine calls from its store thread only,
         # but close() may come from another thread (a store shared by several engines).
         self._calling = threading.Lock()
@@ -339,7 +340,8 @@ class ProcessStore:
             link = self._link
             if self._closed or link is None:
                 return
-            if self._ended is None and self._broken is None and not link.alive():
+            if self._ended is None and (self._broken is None or self._dying) and (
+                    not link.alive()):
                 self._lost()
             if self._ended is not None:
                 self._restart(self._ended)
@@ -416,7 +418,10 @@ class ProcessStore:
         link = self._link
         assert link is not None
         self._broken = link.how_it_ended()
-        if self._caches and not link.alive():  # it served: restart it
+        # A child that served is restarted once it has exited; one killed that takes
+        # longer than how_it_ended's wait to go (gigabytes to free) is, at a later call.
+        self._dying = bool(self._caches) and link.alive()
+        if self._caches and not self._dying:
             self._ended = self._broken
         return StoreError(self._broken)
 
