@@ -26,6 +26,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Hashable, Iterable
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,7 @@ class LayerwiseLoad:
         # load. Written on the loop before the marks are finished or failed, whose lock
         # orders it before what the woken waiters read.
         self._error: BaseException | None = None
+        self._error_tb: TracebackType | None = None  # its traceback as the load ended
         self._ended = False
 
     def __repr__(self) -> str:
@@ -164,6 +166,9 @@ class LayerwiseLoad:
             return
         check_loop(self._loop)
         self._end.cancel()
+        # Ended now, not at the end's callback a loop iteration later: a wait in between
+        # must not report a copied layer of a cancelled load ready.
+        self._finish(asyncio.CancelledError())
 
     # ---- the engine's side (loop thread) ---------------------------------------------
 
@@ -187,6 +192,8 @@ class LayerwiseLoad:
         self._hand_out()
 
     def _on_end(self, end: asyncio.Future[LoadResult]) -> None:
+        if self._ended:  # cancel() ended it already
+            return
         error: BaseException | None
         if end.cancelled():
             error = asyncio.CancelledError()
@@ -199,7 +206,13 @@ class LayerwiseLoad:
                     "lookup, or a block failed its checksum): its layers are not in the pages",
                     loaded, self.cached_tokens,
                 )
+        self._finish(error)
+
+    def _finish(self, error: BaseException | None) -> None:
         self._error = error
+        # Each wait raises the error with this traceback, not with those of the waits
+        # before it: a re-raised exception keeps every frame it passed (and their locals).
+        self._error_tb = None if error is None else error.__traceback__
         self._ended = True
         if error is None:
             self._marks.finish()
@@ -230,7 +243,7 @@ class LayerwiseLoad:
             # A thread's waits raise the CancelledError of concurrent futures (an
             # Exception): asyncio's would read as the cancellation of a task.
             raise concurrent.futures.CancelledError() if threads else asyncio.CancelledError()
-        raise error
+        raise error.with_traceback(self._error_tb)
 
 
 def _synchronize(marks: LayerMarks, layer: int, waiter: Waiter) -> LayerFailed | None:

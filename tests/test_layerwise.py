@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import threading
+import traceback
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -515,3 +518,57 @@ async def test_a_loads_end_reaches_layer_ready_while_the_wait_threads_are_all_ta
         await asyncio.gather(*waits, return_exceptions=True)
         await asyncio.wait_for(stalled.aclose(), 10)
         await asyncio.wait_for(engine.aclose(), 10)
+
+
+@pytest.mark.asyncio
+async def test_waits_on_a_failed_load_do_not_keep_the_callers_frames() -> None:
+    # Every wait raises the load's error: with the traceback it ended with, not one that
+    # grows by the frames (and the locals) of every wait before.
+    engine, _ = engine_over(small_store())
+    async with engine:
+        hit = await hit_of(engine)
+        await engine.evict(1)
+        load = await engine.load_layerwise(hit, TARGET)  # 0 tokens: every wait raises
+        assert (await load.result()).loaded_tokens == 0
+
+        class Hidden:  # a model step's local: a hidden-state tensor, say
+            pass
+
+        kept = []
+
+        def model_step(layer: int) -> None:
+            hidden = Hidden()
+            kept.append(weakref.ref(hidden))
+            with pytest.raises(aiokv.NotLoaded):
+                load.wait_layer(layer)
+
+        for i in range(50):
+            model_step(i % LAYERS)
+        for _ in range(50):
+            with pytest.raises(aiokv.NotLoaded):
+                await load.layer_ready(0)
+        gc.collect()
+        assert [ref for ref in kept if ref() is not None] == []
+        with pytest.raises(aiokv.NotLoaded) as caught:
+            load.wait_layer(0)
+        assert len(traceback.extract_tb(caught.value.__traceback__)) < 10
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("marks", [True, False], ids=["store marks", "end marks"])
+async def test_no_wait_reports_a_layer_ready_once_the_load_is_cancelled(marks: bool) -> None:
+    store = LayeredStore(marks=marks)
+    engine, _ = engine_over(store)
+    async with engine:
+        load = await held(engine, store)
+        store.gate.release(1)  # layer 0 copied
+        await asyncio.sleep(0.05)
+        load.cancel()
+        try:
+            assert not load.is_ready(0)
+            with pytest.raises(asyncio.CancelledError):
+                await load.layer_ready(0)
+            with pytest.raises(concurrent.futures.CancelledError):
+                load.wait_layer(0)
+        finally:
+            store.gate.release(LAYERS)  # a launched copy is never cancelled: it ends
