@@ -9,6 +9,8 @@ import asyncio
 import concurrent.futures
 import importlib.util
 import itertools
+import threading
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +29,7 @@ from aiokv.integrations.recsys_math import (
     users_to_onboard,
     wait_status,
 )
+from aiokv.testing import StoreWrapper
 
 HAVE_RECSYS = importlib.util.find_spec("recsys_kvcache_manager") is not None
 
@@ -348,3 +351,107 @@ def test_host_evict_false_keeps_the_host_kv_and_warns_as_flexkv_storage_does() -
 def test_host_evict_must_be_a_bool() -> None:
     with pytest.raises(aiokv.InvalidRequest, match=r"host_evict.*'no'"):
         recsys._HostStorage(CONFIG, host_evict="no")  # type: ignore[arg-type]
+
+
+class GatedLaunches(StoreWrapper):
+    """Each launch waits for ``gate``: copies the engine launched and has not finished."""
+
+    def __init__(self, inner: aiokv.Store) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    def launch(self, *args: Any, **kwargs: Any) -> None:
+        self.gate.wait(30)
+        self.inner.launch(*args, **kwargs)
+
+
+def test_a_cancelled_task_reads_cancelled_only_once_its_copies_ended() -> None:
+    # recsys's manager reuses a cancelled task's pages once its wait says so: that must
+    # not come while aiokv still copies them (it never aborts a launched copy).
+    store = GatedLaunches(aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01)))
+    kv = aiokv.run_in_background(aiokv.OffloadEngine(
+        store, caches(), aiokv.EngineConfig(window_us=0)))
+    core = RecsysCore(kv)
+    try:
+        pending = core.offload([3, 4], [i32(0, 1), i32(2, 3)], [8, 8])
+        assert pending.cancel()
+        assert pending.poll(0.2) is None  # the copies are held: no answer yet
+        store.gate.set()
+        outcomes = pending.outcomes()
+        assert [type(o) for o in outcomes] == [concurrent.futures.CancelledError] * 2
+        assert wait_status(outcomes, [3, 4]).status == "cancelled"
+        assert not pending.cancel()  # all done: nothing left to cancel
+    finally:
+        store.gate.set()
+        kv.close()
+
+
+def fake_recsys() -> types.SimpleNamespace:
+    """recsys's types where recsys_kvcache_manager is not importable: enough for the
+    storage's own calls (its statuses, handles and results as plain records)."""
+    import enum
+
+    status = enum.Enum("HostKVTaskStatus", {
+        name.upper(): name for name in
+        ("skipped", "launched", "ready", "timeout", "failed", "cancelled")})
+
+    def record(**fields: Any) -> types.SimpleNamespace:
+        return types.SimpleNamespace(**fields)
+
+    def lookup_result(**fields: Any) -> types.SimpleNamespace:
+        return types.SimpleNamespace(**{"cached_lengths": None, "gpu_cached_start_indices": None,
+                                        "gpu_cached_lengths": None, **fields})
+
+    return types.SimpleNamespace(
+        HostKVTaskHandle=record, HostKVTaskStatus=status, HostKVWaitResult=record,
+        KVIndexMeta=record, KVLookupResult=lookup_result)
+
+
+def until(condition: Any) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        time.sleep(0.005)
+    raise AssertionError("never")
+
+
+def test_an_onboard_refused_at_its_launch_gives_its_hits_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
+    storage: Any = recsys._HostStorage(CONFIG)
+    storage.register_gpu_cache_tables(caches())
+    try:
+        storage.core.offload([3, 4], [i32(0, 1), i32(2, 3)], [8, 8]).outcomes()
+        meta = storage.build_index_meta(torch.tensor([3, 4]), torch.tensor([8, 8]))
+        found = storage.lookup_kvcache(meta)
+        hits = found.extra[recsys.HITS]
+        assert [hit.held for hit in hits] == [True, True]
+        short = types.SimpleNamespace(kv_indices=i32(40, 41, 42))  # 4 pages needed
+        with pytest.raises(aiokv.InvalidRequest, match="kv_indices"):
+            storage.onboard_kvcache_launch(meta, found, short)
+        until(lambda: not any(hit.held for hit in hits))
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize(("lengths", "field"), [
+    ([8], "index_meta.seq_lengths"), ([8, -1], "index_meta.seq_lengths")])
+def test_a_batch_whose_lengths_do_not_fit_its_users_is_refused_naming_them(
+    monkeypatch: pytest.MonkeyPatch, lengths: list[int], field: str,
+) -> None:
+    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
+    storage: Any = recsys._HostStorage(CONFIG)
+    storage.register_gpu_cache_tables(caches())
+    try:
+        meta = types.SimpleNamespace(user_ids=torch.tensor([3, 4]),
+                                     seq_lengths=torch.tensor(lengths, dtype=torch.int32))
+        with pytest.raises(aiokv.InvalidRequest, match=field):
+            storage.lookup_kvcache(meta)
+        with pytest.raises(aiokv.InvalidRequest, match=field):
+            storage.offload_kvcache_launch(torch.tensor([3, 4]), i32(0, 0), [], meta,
+                                           types.SimpleNamespace(kv_indices=i32(0, 1, 2, 3)))
+        with pytest.raises(aiokv.InvalidRequest, match="kvcache_metadata"):
+            storage.offload_kvcache_launch(torch.tensor([3, 4]), i32(0, 0), [], meta, None)
+    finally:
+        storage.close()

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import InvalidRequest
 from ..open import ConfigSource
+from ..sync import BackgroundLookup
 from .recsys_core import PendingCalls, RecsysCore
 from .recsys_math import host_lengths, succeeded, user_pages, users_to_onboard, wait_status
 
@@ -64,10 +65,26 @@ class Task:
     pending: PendingCalls
     user_ids: torch.Tensor
     lengths: torch.Tensor
+    # An onboard's hits: given back once its loads are in (a no-op for a loaded one; a
+    # load refused, Overloaded, left its hit held, and the manager never retries it).
+    hits: Sequence[BackgroundLookup] = ()
 
 
 def _int32(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int32)
+
+
+def _lengths(index_meta: Any) -> list[int]:
+    """The batch's sequence lengths, one per user, none negative (InvalidRequest)."""
+    lengths: list[int] = index_meta.seq_lengths.tolist()
+    users = len(index_meta.user_ids)
+    if len(lengths) != users:
+        raise InvalidRequest(
+            "index_meta.seq_lengths", f"has {len(lengths)} lengths for {users} users"
+        )
+    if any(length < 0 for length in lengths):
+        raise InvalidRequest("index_meta.seq_lengths", f"must be >= 0, got {lengths}")
+    return lengths
 
 
 class _HostStorage:
@@ -101,6 +118,8 @@ class _HostStorage:
     ``DefaultKVCacheBackend`` revokes the task's onboard pages (those of all its users,
     by its rule) and applies its fail policy: the manager never counts tokens on the GPU
     that were not loaded. The handle's lengths stay the launch's: the pages revoked.
+    ``cancel_task`` never aborts a copy (aiokv does not): the task's wait answers
+    CANCELLED once its copies have ended, so that the manager reuses no page they touch.
     """
 
     backend_name = "flexkv"
@@ -153,7 +172,7 @@ class _HostStorage:
         )
 
     def lookup_kvcache(self, index_meta: Any) -> Any:
-        hits = self.core.lookup(index_meta.user_ids.tolist(), index_meta.seq_lengths.tolist())
+        hits = self.core.lookup(index_meta.user_ids.tolist(), _lengths(index_meta))
         cached = _int32([0 if hit is None else hit.cached_tokens for hit in hits])
         return _recsys().KVLookupResult(
             user_ids=index_meta.user_ids,
@@ -169,6 +188,11 @@ class _HostStorage:
         hits = lookup_result.extra.get(HITS)
         if hits is None:
             raise InvalidRequest("lookup_result", "did not come from this storage's lookup")
+        if len(hits) != len(index_meta.user_ids):
+            raise InvalidRequest(
+                "lookup_result", f"has {len(hits)} users, index_meta "
+                f"{len(index_meta.user_ids)}: a lookup of another batch"
+            )
         host = lookup_result.host_cached_lengths.tolist()
 
         def column(tensor: torch.Tensor | None, default: list[int]) -> list[int]:
@@ -190,15 +214,19 @@ class _HostStorage:
             return recsys.HostKVTaskHandle(
                 backend="flexkv", handle=None, status=recsys.HostKVTaskStatus.SKIPPED
             )
-        lengths = index_meta.seq_lengths.tolist()
-        pages = user_pages(kvcache_metadata.kv_indices, lengths, core.page_size)
-        pending = core.load([hits[i] for i in chosen], [pages[i] for i in chosen])
+        loading_hits = [hits[i] for i in chosen]
+        try:
+            pages = user_pages(kvcache_metadata.kv_indices, _lengths(index_meta), core.page_size)
+            pending = core.load(loading_hits, [pages[i] for i in chosen])
+        except BaseException:
+            core.release(loading_hits)  # nothing of this onboard will load them
+            raise
         user_ids = index_meta.user_ids[chosen]
         loaded = _int32([host[i] for i in chosen])
         return recsys.HostKVTaskHandle(
             backend="flexkv",
             user_ids=user_ids,
-            handle=Task(pending, user_ids, loaded),
+            handle=Task(pending, user_ids, loaded, loading_hits),
             status=recsys.HostKVTaskStatus.LAUNCHED,
             metadata={"onboard_start_indices": torch.zeros_like(loaded), "onboard_lengths": loaded},
         )
@@ -207,7 +235,9 @@ class _HostStorage:
         # Ready only where every load brought its onboard_lengths: the manager counts
         # those tokens as on the GPU (recsys_math.wait_status).
         task: Task = task_handle.handle
-        return _wait_result(task, task.pending.outcomes(), task.lengths.tolist())
+        outcomes = task.pending.outcomes()
+        self.core.release(task.hits)
+        return _wait_result(task, outcomes, task.lengths.tolist())
 
     def offload_kvcache_launch(
         self,
@@ -220,10 +250,11 @@ class _HostStorage:
         # The pages come from the batch's kvcache_metadata, as FlexKVStorage takes them:
         # the page lists of acquire_offload_pages view the GPU manager's own vectors,
         # which its next allocate may move.
-        if index_meta is None or kvcache_metadata is None:
-            raise InvalidRequest(
-                "index_meta", "offload needs the batch's index_meta and kvcache_metadata"
-            )
+        for name, value in (("index_meta", index_meta), ("kvcache_metadata", kvcache_metadata)):
+            if value is None:
+                raise InvalidRequest(
+                    name, "offload needs the batch's index_meta and kvcache_metadata"
+                )
         if not torch.equal(offload_user_ids.cpu(), index_meta.user_ids.cpu()):
             raise InvalidRequest(
                 "offload_user_ids",
@@ -236,7 +267,7 @@ class _HostStorage:
                 f"{offload_start_indices.tolist()}",
             )
         core = self.core
-        lengths = index_meta.seq_lengths.tolist()
+        lengths = _lengths(index_meta)
         pages = user_pages(kvcache_metadata.kv_indices, lengths, core.page_size)
         pending = core.offload(index_meta.user_ids.tolist(), pages, lengths)
         recsys = _recsys()

@@ -51,6 +51,7 @@ class PendingCalls:
     ) -> None:
         self._futures = futures
         self._refuse = refuse
+        self._cancelled = False
 
     def poll(self, wait_s: float) -> list[Outcome] | None:
         """The outcomes if every call is done within ``wait_s`` seconds, else None. The
@@ -68,12 +69,20 @@ class PendingCalls:
         does not depend on timing)."""
         self._refuse()
         concurrent.futures.wait(self._futures)
+        if self._cancelled:
+            return [concurrent.futures.CancelledError() for _ in self._futures]
         return [outcome(future) for future in self._futures]
 
     def cancel(self) -> bool:
-        """Stop waiting for the calls: queued ones are dropped, launched copies run to
-        their end (aiokv never cancels a transfer). False once they are all done."""
-        return any([future.cancel() for future in self._futures])  # a list: cancel each
+        """Answer every call cancelled, once each has ended. aiokv never aborts a copy it
+        launched, and a cancelled call stops only its caller's wait: answered at once,
+        the manager would reuse pages that copies still read or write. So the calls run
+        to their end, and their outcomes then read as cancelled (an offload's KV may be
+        stored all the same). False once they are all done (nothing is cancelled)."""
+        if all(future.done() for future in self._futures):
+            return False
+        self._cancelled = True
+        return True
 
 
 class RecsysCore:
