@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import aiokv
-from aiokv.stores import ProcessStore, link
+from aiokv.stores import ProcessStore, link, spawn
 
 # Loaded at start-up by every interpreter that has it on PYTHONPATH; in the store process
 # it changes the local store as STORE_FAULT says (FAULT_FILE: where it writes pids).
@@ -181,5 +182,51 @@ def test_a_killed_child_that_exits_late_is_still_restarted(
                 time.sleep(0.05)
         assert store.pid != first and store.restarts == 1
         store.cancel([task])
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("when", ["before the start", "after the start"])
+def test_a_default_socket_timeout_anywhere_in_the_program_breaks_no_call(
+    when: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # socket.setdefaulttimeout() (some libraries set one) makes every socket object
+    # non-blocking, one made over the call socket's descriptor too.
+    caches = [torch.randn(4096, 2, 16, 2, 16) for _ in range(2)]
+    try:
+        if when == "before the start":
+            socket.setdefaulttimeout(30)
+        store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.5))
+        store.register(caches)
+        socket.setdefaulttimeout(30)
+        try:
+            tokens = [np.arange(i * 4096, (i + 1) * 4096, dtype=np.int64) for i in range(64)]
+            answers = store.put_match_many([(t, ()) for t in tokens])  # answers of 100s of KiB
+            assert not [a for a in answers if isinstance(a, BaseException)]
+            store.cancel([task for task, _ in answers])  # type: ignore[misc]
+            assert store.restarts == 0
+        finally:
+            store.close()
+    finally:
+        socket.setdefaulttimeout(None)
+
+
+def test_a_launcher_between_the_engine_and_its_store_process_is_no_orphaning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A sys.executable that runs Python as its child (no exec): the store process's
+    # parent is the launcher, and the engine lives.
+    launcher = tmp_path / "python"
+    launcher.write_text(f'#!/bin/sh\n"{sys.executable}" "$@"\n')
+    launcher.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(launcher))
+    monkeypatch.setattr(spawn, "ORPHAN_GRACE_S", 0.5)
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register([torch.zeros(16, 2, 4, 2, 8)])
+    try:
+        time.sleep(2.0)  # past the grace, and the watch's look
+        task, _ = store.get_match(np.arange(8, dtype=np.int64), ())
+        store.cancel([task])
+        assert store.restarts == 0
     finally:
         store.close()

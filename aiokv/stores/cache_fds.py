@@ -43,6 +43,7 @@ def send(conn: Connection, message: object) -> None:
     if not fds:
         return
     sock = socket.socket(fileno=conn.fileno())  # the same socket, not a copy: detached below
+    sock.setblocking(True)  # as Connection uses it, whatever socket.setdefaulttimeout() says
     try:
         for start in range(0, len(fds), _FDS_PER_MESSAGE):
             socket.send_fds(sock, [b"F"], fds[start : start + _FDS_PER_MESSAGE])
@@ -58,6 +59,7 @@ def receive(conn: Connection) -> Any:
     try:
         if count:
             sock = socket.socket(fileno=conn.fileno())
+            sock.setblocking(True)  # as Connection uses it (socket.setdefaulttimeout())
             try:
                 while len(fds) < count:
                     data, got, flags, _ = socket.recv_fds(sock, 1, count - len(fds))

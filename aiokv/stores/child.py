@@ -47,6 +47,10 @@ from .wire import launch_pages, pack_results, portable
 
 log = logging.getLogger("aiokv")
 
+# Set where the loop finds the call socket closed without a close request: the engine's
+# process died, or closed the socket (a restart, a close that does not wait).
+_PARENT_GONE = threading.Event()
+
 _POLL_S = 100e-6  # how often a store that does not notify is polled for launched tasks
 
 
@@ -200,6 +204,7 @@ def serve(conn: Connection, ends_socket: socket.socket) -> int:
         try:
             conn.send(("ready", store.page_size))
         except OSError:  # the parent gave up or died meanwhile
+            _PARENT_GONE.set()
             return 0
         while True:
             if ends.polling and not _request_within(conn, _POLL_S):
@@ -208,6 +213,7 @@ def serve(conn: Connection, ends_socket: socket.socket) -> int:
             try:
                 op, args = conn.recv()
             except (EOFError, OSError):  # the parent is gone: nobody waits for an answer
+                _PARENT_GONE.set()
                 return 0
             if op == "close":
                 break
@@ -220,6 +226,7 @@ def serve(conn: Connection, ends_socket: socket.socket) -> int:
             try:
                 conn.send(reply)  # pickled whole before a byte is written
             except OSError:  # the parent is gone
+                _PARENT_GONE.set()
                 return 0
             except Exception as exc:  # an answer that does not pickle: the call's error
                 try:
@@ -239,16 +246,46 @@ def serve(conn: Connection, ends_socket: socket.socket) -> int:
     return 0
 
 
-def watch_parent(parent_pid: int, grace_s: float, poll_s: float = 0.5) -> None:
+class EngineProcess:
+    """The engine's process, watched from this one: through a pidfd where the kernel has
+    them (its exit, not a reused pid), else by signal 0 every ``poll_s``. Not through
+    ``getppid()``: a launcher between the two (a ``sys.executable`` that is a wrapper)
+    would read as the engine's end at once."""
+
+    def __init__(self, pid: int, poll_s: float = 0.5) -> None:
+        self.pid = pid
+        self._poll_s = poll_s
+        self._fd: int | None = None
+        with contextlib.suppress(OSError):  # gone already, or no pidfd: polled
+            self._fd = os.pidfd_open(pid)
+
+    def gone(self, timeout_s: float | None = 0.0) -> bool:
+        """Whether it has exited, waiting up to ``timeout_s`` (None: until it has)."""
+        if self._fd is not None:
+            return bool(select.select([self._fd], [], [], timeout_s)[0])
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:  # another user's process has its pid now
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(self._poll_s if deadline is None else
+                       min(self._poll_s, max(deadline - time.monotonic(), 0.0)))
+
+
+def watch_engine(engine: EngineProcess, grace_s: float) -> None:
     """Once the engine's process is gone, give this one ``grace_s`` to end by itself (the
     socket's end reaches the loop, which closes the store), then kill it and what it
     started (FlexKV's processes share its session and group): its main thread may be stuck
     in a store call that nothing will ever answer. Runs in a daemon thread."""
-    while os.getppid() == parent_pid:
-        time.sleep(poll_s)
+    engine.gone(None)
     log.warning(
         "aiokv store process %d: the engine's process %d is gone; ending in %g s at most",
-        os.getpid(), parent_pid, grace_s,
+        os.getpid(), engine.pid, grace_s,
     )
     time.sleep(grace_s)
     log.error("aiokv store process %d: still running %g s after its engine's process "
@@ -266,14 +303,17 @@ def end_group() -> None:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(format="%(asctime)s %(name)s[child]: %(message)s")
-    if len(argv) > 4:
+    engine = EngineProcess(int(argv[3])) if len(argv) > 4 else None
+    if engine is not None:
         threading.Thread(
-            target=watch_parent, args=(int(argv[3]), float(argv[4])),
-            name="aiokv-watch-parent", daemon=True,
+            target=watch_engine, args=(engine, float(argv[4])),
+            name="aiokv-watch-engine", daemon=True,
         ).start()
     with Connection(int(argv[1])) as conn, socket.socket(fileno=int(argv[2])) as ends:
         served = serve(conn, ends)
-    if len(argv) > 3 and os.getppid() != int(argv[3]):  # closed by itself, orphaned
+    # Closed by itself because its engine's process died (its sockets close a moment
+    # before its exit shows): what the store started would live on.
+    if engine is not None and _PARENT_GONE.is_set() and engine.gone(0.1):
         logging.shutdown()
         end_group()
     return served

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import select
-import socket
 import struct
 import subprocess
 import threading
@@ -31,8 +30,6 @@ log = logging.getLogger("aiokv")
 
 _ALIVE_CHECK_MS = 1000  # while an answer is awaited, check this often that the child lives
 _EXIT_WAIT_S = 1.0  # how long a child seen going is waited for, to say how it ended
-# multiprocessing.connection writes a message of up to this many bytes in one write.
-_ONE_WRITE = 16384
 
 
 class ChildGone(Exception):
@@ -47,13 +44,12 @@ class ChildLink:
 
     def __init__(self) -> None:
         self.killed: str | None = None  # why this process killed the child (kill)
-        self.process, self.conn, self.ends = spawn_child()
+        self.process, self.conn, self.ends, send_buffer = spawn_child()
         self._poller = select.poll()
         self._poller.register(self.conn.fileno(), select.POLLIN)
-        with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
-            # What a send may leave in the kernel without the child reading: a quarter
-            # of the send buffer, which also pays for the kernel's own bookkeeping.
-            self._holds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4
+        # What a send may leave in the kernel without the child reading: a quarter of
+        # the send buffer, which also pays for the kernel's own bookkeeping.
+        self._holds = send_buffer // 4
 
     @property
     def pid(self) -> int:
@@ -94,45 +90,45 @@ class ChildLink:
     def receive(self, deadline: float, what: str) -> Any:
         """The child's next message, the answer to ``what`` (words for a log line).
         Past ``deadline`` (time.monotonic) the child is killed; ChildGone once it has
-        ended with nothing left to read."""
+        ended with nothing left to read. Read here, as Connection frames it, and not by
+        Connection.recv: every part of the answer is waited for with the deadline, and a
+        child that stops half-way through one (between its size and its body) is killed
+        as one that never answered."""
+        self._readable(deadline, f"it did not answer {what}")
+        late = f"it did not finish its answer to {what}"
+        size: int = struct.unpack("!i", self._read(4, deadline, late))[0]
+        if size == -1:  # over 2 GiB: the size follows
+            size = struct.unpack("!Q", self._read(8, deadline, late))[0]
+        return ForkingPickler.loads(self._read(size, deadline, late))
+
+    def _readable(self, deadline: float, why: str) -> None:
+        """Wait until the call socket has something to read (or its end); past
+        ``deadline`` kill the child with ``why``. ChildGone once it has ended."""
         while True:
             left_s = deadline - time.monotonic()
             if self._poller.poll(max(min(_ALIVE_CHECK_MS, 1e3 * left_s), 0)):
-                break
+                return
             if not self.alive() and not self._poller.poll(0):  # nothing left to read
                 raise ChildGone
             if left_s <= 0:
-                self.kill(f"it did not answer {what}")
+                self.kill(why)
                 raise ChildGone
-        watch = None
-        if self._written_in_parts():  # a child stopped between the parts would hold us
-            watch = threading.Timer(max(deadline - time.monotonic(), 0.0), self.kill,
-                                    (f"it did not finish its answer to {what}",))
-            watch.daemon = True
-            watch.start()
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError) as exc:
-            raise ChildGone from exc
-        finally:
-            if watch is not None:
-                watch.cancel()
 
-    def _written_in_parts(self) -> bool:
-        """Whether the message waiting is one that Connection writes in two parts (its
-        size, then over 16 KiB of body): one write's message is read whole at once, but
-        between two writes the child may stop, and the read would wait for it unbounded."""
-        sock = socket.socket(fileno=self.conn.fileno())
-        try:
-            header = sock.recv(4, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except OSError:
-            return False  # nothing to read yet (the recv will say what)
-        finally:
-            sock.detach()  # the fd stays the Connection's
-        if len(header) < 4:
-            return len(header) > 0
-        size: int = struct.unpack("!i", header)[0]
-        return size == -1 or size > _ONE_WRITE
+    def _read(self, size: int, deadline: float, why: str) -> memoryview:
+        """``size`` bytes of the socket (blocking: each read follows a poll that found
+        some), waiting for each part up to ``deadline``."""
+        data = memoryview(bytearray(size))
+        done = 0
+        while done < size:
+            self._readable(deadline, why)
+            try:
+                got = os.readv(self.conn.fileno(), [data[done:]])
+            except OSError as exc:
+                raise ChildGone from exc
+            if not got:  # its end: the child died
+                raise ChildGone
+            done += got
+        return data
 
     def kill(self, why: str, level: int = logging.ERROR) -> None:
         """Kill the child now (SIGKILL; from any thread, never blocking), logging

@@ -47,10 +47,17 @@ def _child_env() -> dict[str, str]:
 ORPHAN_GRACE_S = 30.0
 
 
-def spawn_child() -> tuple[subprocess.Popen[bytes], Connection, socket.socket]:
-    """(the child, the call socket, the socket on which it says that tasks ended)."""
+def spawn_child() -> tuple[subprocess.Popen[bytes], Connection, socket.socket, int]:
+    """(the child, the call socket, the socket on which it says that tasks ended, the
+    call socket's send buffer in bytes)."""
     here, theirs = socket.socketpair()
     ends_here, ends_theirs = socket.socketpair()
+    for end in (here, theirs, ends_here, ends_theirs):
+        # Blocking, whatever socket.setdefaulttimeout() says: Connection and the child
+        # read and write them as blocking sockets (a timeout would also end the notice
+        # reader's wait).
+        end.setblocking(True)
+    send_buffer = here.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     fds = (theirs.fileno(), ends_theirs.fileno())
     try:
         process = subprocess.Popen(
@@ -70,7 +77,7 @@ def spawn_child() -> tuple[subprocess.Popen[bytes], Connection, socket.socket]:
     finally:
         theirs.close()
         ends_theirs.close()
-    return process, Connection(here.detach()), ends_here
+    return process, Connection(here.detach()), ends_here, send_buffer
 
 
 def end_child(process: subprocess.Popen[bytes], socket_files: list[str], wait_s: float) -> None:
