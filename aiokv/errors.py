@@ -96,6 +96,10 @@ class NotLoaded(AiokvError):
         self.loaded_tokens = loaded_tokens
         self.cached_tokens = cached_tokens
 
+    def __reduce__(self) -> tuple[type[NotLoaded], tuple[str, int, int], dict[str, object]]:
+        # Rebuilt from all three arguments (copied, pickled), with its attributes.
+        return type(self), (str(self), self.loaded_tokens, self.cached_tokens), self.__dict__
+
 
 class BlockingCallOnLoop(AiokvError, RuntimeError):
     """A blocking method of :func:`aiokv.run_in_background`'s handle was called on the

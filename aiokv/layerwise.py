@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Hashable, Iterable
@@ -243,7 +244,19 @@ class LayerwiseLoad:
             # A thread's waits raise the CancelledError of concurrent futures (an
             # Exception): asyncio's would read as the cancellation of a task.
             raise concurrent.futures.CancelledError() if threads else asyncio.CancelledError()
-        raise error.with_traceback(self._error_tb)
+        raise _fresh(error).with_traceback(self._error_tb)
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A copy of ``error`` for one wait to raise: a raise adds its frames to the
+    exception's traceback, and every wait raising the load's own would keep the last
+    waiter's frames (and their locals) alive with the load, and mix threads' tracebacks."""
+    try:
+        fresh = copy.copy(error)
+    except Exception:  # an exception that does not copy: raised as it is
+        return error
+    fresh.__cause__, fresh.__suppress_context__ = error.__cause__, error.__suppress_context__
+    return fresh
 
 
 def _synchronize(marks: LayerMarks, layer: int, waiter: Waiter) -> LayerFailed | None:
