@@ -63,28 +63,36 @@ RENAMED = {
 }
 
 
-# store_stats() keys that are levels, not counts (and every "server_" one): they may fall,
-# and a new store's (a restarted child, a restarted store server) are its own. Every
-# other key counts since the store opened, and carries over to the store that replaces it.
+# store_stats() keys that are levels, not counts (and every "server_" one but the server's
+# counters): they may fall, and a new store's (a restarted child, a restarted store server)
+# are its own. MAXIMA carry as the larger. Every other key counts since the store opened,
+# and carries over to the store that replaces it.
 GAUGES = frozenset({
     "host_blocks_used", "host_blocks_total", "host_blocks_ready", "ssd_blocks_used",
     "ssd_blocks_total", "remote_write_queue_blocks", "remote_blocks_held",
-    "remote_lookups_open", "remote_invalidations_waiting", "remote_lookup_seconds_max",
+    "remote_lookups_open", "remote_invalidations_waiting",
 })
+SERVER_COUNTERS = frozenset({"server_gets_invalidated"})
+MAXIMA = frozenset({"remote_lookup_seconds_max"})
 
 
 def carried(base: StoreStatsAnswer, figures: StoreStatsAnswer) -> dict[str, int | float]:
     """``figures`` with the counts of the stores before it (``base``) added: a store
     process or server that restarts starts counting again, and the engine's counters must
-    not fall. Gauges are ``figures``' own."""
+    not fall. Gauges are ``figures``' own; a maximum is the larger of the two."""
     out: dict[str, int | float] = {k: v for k, v in base.items() if not _gauge(k)}
     for key, value in figures.items():
-        out[key] = value if _gauge(key) else value + out.get(key, 0)
+        if _gauge(key):
+            out[key] = value
+        elif key in MAXIMA:
+            out[key] = max(value, out.get(key, value))
+        else:
+            out[key] = value + out.get(key, 0)
     return out
 
 
 def _gauge(key: str) -> bool:
-    return key in GAUGES or key.startswith("server_")
+    return key in GAUGES or (key.startswith("server_") and key not in SERVER_COUNTERS)
 
 
 def engine_fields(answer: StoreStatsAnswer) -> dict[str, Any]:

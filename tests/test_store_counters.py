@@ -22,11 +22,15 @@ from aiokv.stores.shared import SharedStore
 
 
 def test_carried_adds_the_counts_before_and_keeps_gauges_current() -> None:
-    before = {"bytes_d2h": 100, "host_hit_tokens": 8, "host_blocks_used": 5, "server_clients": 2}
-    now = {"bytes_d2h": 10, "host_blocks_used": 1, "server_clients": 1, "stage_waits": 3}
+    before = {"bytes_d2h": 100, "host_hit_tokens": 8, "host_blocks_used": 5, "server_clients": 2,
+              "server_gets_invalidated": 7, "remote_lookup_seconds_max": 2.5}
+    now = {"bytes_d2h": 10, "host_blocks_used": 1, "server_clients": 1, "stage_waits": 3,
+           "server_gets_invalidated": 1, "remote_lookup_seconds_max": 0.01}
     assert carried(before, now) == {
         "bytes_d2h": 110, "host_hit_tokens": 8, "stage_waits": 3,  # counts: summed
+        "server_gets_invalidated": 8,  # the server's one count
         "host_blocks_used": 1, "server_clients": 1,  # levels: the store's own
+        "remote_lookup_seconds_max": 2.5,  # the larger
     }
 
 
