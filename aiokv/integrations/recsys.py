@@ -189,6 +189,7 @@ class _HostStorage:
         if hits is None:
             raise InvalidRequest("lookup_result", "did not come from this storage's lookup")
         if len(hits) != len(index_meta.user_ids):
+            core.release(hits)  # refused: nothing will load them
             raise InvalidRequest(
                 "lookup_result", f"has {len(hits)} users, index_meta "
                 f"{len(index_meta.user_ids)}: a lookup of another batch"
