@@ -147,6 +147,28 @@ def test_the_engine_fixture_follows_the_default_fixture_loop_scope(tmp_path: Pat
     assert "2 passed" in result.stdout
 
 
+USER_LEAKS = '''
+import pytest
+import torch
+
+pytestmark = pytest.mark.asyncio
+
+async def test_leaves_a_lookup_held(aiokv_engine):
+    await aiokv_engine.offload(1, torch.arange(0, 1), 4)
+    await aiokv_engine.lookup(1, 4)  # never loaded or released
+
+async def test_leaves_nothing(aiokv_engine):
+    async with await aiokv_engine.lookup(1, 4):
+        pass
+'''
+
+
+def test_a_test_that_leaves_a_lookup_behind_fails(tmp_path: Path) -> None:
+    result = run_user_suite(tmp_path, {"test_leaks.py": USER_LEAKS})
+    assert "2 passed, 1 error" in result.stdout, result.stdout  # its teardown fails
+    assert "the test left 1 store tasks matched or launched, not terminal" in result.stdout
+
+
 def test_pyproject_declares_the_entry_point() -> None:
     import tomllib
 
