@@ -308,6 +308,9 @@ def demo(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # a bad --config, or one whose page size differs
         print(f"aiokv demo: {exc}", file=sys.stderr)
         return 2
+    except AiokvError as exc:  # the store cannot serve (a store server not running, say)
+        print(f"aiokv demo: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     except asyncio.CancelledError:  # a second Ctrl-C: no drain, no summary
         print("aiokv demo: stopped by a second signal", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -154,7 +154,10 @@ class LayeredStore:
         self._jobs = queue.SimpleQueue()
         self._notify: Callable[[], None] = _nothing
         self._next = 0
-        self._thread = threading.Thread(target=self._copy_loads, name="aiokv-test-layers")
+        # A daemon: a gate a test left closed must hang neither its close nor the end of
+        # the test session.
+        self._thread = threading.Thread(target=self._copy_loads, name="aiokv-test-layers",
+                                        daemon=True)
 
     def register(self, kv_caches: Sequence[torch.Tensor]) -> None:
         self._caches = list(kv_caches)

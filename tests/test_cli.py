@@ -265,3 +265,15 @@ def test_a_flag_a_run_would_not_honour_is_a_usage_error(
     assert main(["bench", *argv, "--quick"]) == 2
     assert f"error: {flag}: " in capsys.readouterr().err
     assert not png.exists()
+
+
+@pytest.mark.parametrize("command", [["demo", "--seconds", "0.5", "--users", "2"],
+                                     ["bench", "layers", "--quick", "--device", "cpu"]])
+def test_a_store_that_cannot_serve_is_a_message_not_a_traceback(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "shared.yml"
+    config.write_text(f"store:\n  backend: shared\n  socket: {tmp_path / 'none.sock'}\n")
+    assert main([*command, "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "StoreError" in err and "not reachable" in err and "Traceback" not in err

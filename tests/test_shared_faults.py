@@ -107,6 +107,7 @@ def test_a_socket_path_that_holds_a_file_or_cannot_be_bound_is_a_usage_error(
     assert "exists and is not a socket" in ran.stderr
     assert config.read_text() == "store:\n  cpu_cache_gb: 0.01\n"
     for socket_path, says in [(private, "exists and is not a socket"),
+                              (config / "s.sock", "Not a directory"),  # under a file
                               (private / ("s" * 120 + ".sock"), "holds at most 107"),
                               (Path("/proc/aiokv-nope/store.sock"), "cannot make its directory")]:
         # The command's own entry point, in this process: no interpreter to start.
@@ -115,6 +116,20 @@ def test_a_socket_path_that_holds_a_file_or_cannot_be_bound_is_a_usage_error(
         assert says in caplog.text
         caplog.clear()
     assert sorted(p.name for p in private.iterdir()) == ["store.yml"]  # no lock left
+
+
+def test_a_server_refuses_a_missing_ssd_directory_at_its_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Not at every engine's register, while it looks healthy to its supervisor.
+    private = tmp_path / "priv"
+    private.mkdir(mode=0o700)
+    config = private / "store.yml"
+    missing = tmp_path / "no-such-dir"
+    config.write_text(f"store:\n  cpu_cache_gb: 0.01\n  ssd_cache_gb: 0.05\n"
+                      f"  ssd_cache_dir: {missing}\n")
+    assert cli.main(["store-server", "--socket", str(private / "s.sock"), "--config",
+                     str(config)]) == 2
+    assert f"store.ssd_cache_dir: '{missing}' does not exist" in caplog.text
 
 
 @pytest.mark.parametrize(("key", "value"), [("own_process", True), ("store_restarts", 7)])

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..errors import ConfigError
+from ..errors import AiokvError, ConfigError
 from ..stores.base import TooLarge
 from . import bandwidth, engine, lag, layers, model, shared, slots, ssd, startup
 from .common import common_parent
@@ -52,6 +52,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         # pages asked for, pages larger than the store takes): a usage error too.
         print(f"{parser.prog} {args.bench}: error: {exc}", file=sys.stderr)
         return 2
+    except AiokvError as exc:  # the store cannot serve (a store server not running, say)
+        print(f"{parser.prog} {args.bench}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return status
 
 

@@ -18,7 +18,7 @@ the host tier (one shared memory region the engines map) and the SSD tier; engin
 point at it with `store: {backend: shared, socket: PATH}` and copy their own pages.
 FILE is a YAML config whose `store:` section has the embedded store's keys
 (cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, ssd_write_policy, remote, ...); its
-`engine:` section is ignored. With `remote` (a Mooncake Store tier below host and SSD,
+`engine:` section is checked, not used. With `remote` (a Mooncake Store tier below host and SSD,
 configs/remote.yml) the server exits 2 at start where Mooncake's client cannot load. The
 cache geometry (layers, page size, heads, head_dim, dtype) is taken from the first
 engine that connects; an engine with another one is refused.

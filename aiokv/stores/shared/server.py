@@ -85,6 +85,8 @@ def check_socket_path(path: Path) -> None:
         mode = path.lstat().st_mode
     except FileNotFoundError:
         return
+    except OSError as exc:  # a file where a directory of the path should be, say
+        raise ConfigError("--socket", f"{str(path)!r}: {exc.strerror}") from None
     if not stat.S_ISSOCK(mode):
         raise ConfigError("--socket", f"{str(path)!r} exists and is not a socket: "
                           "refusing to replace it")
@@ -153,9 +155,10 @@ class StoreServer:
         self._locks.append(DirLock(self.path.parent, "--socket", str(self.path),
                                    name=self.path.name + ".lock", **_SERVER))
         for directory in self.config.ssd_dirs():
-            if os.path.isdir(directory):  # a missing one: the SSD tier says so at register
-                self._locks.append(DirLock(Path(directory), "store.ssd_cache_dir",
-                                           directory, name=_LOCK_NAME, **_SERVER))
+            if not os.path.isdir(directory):  # refused now, not at every engine's register
+                raise ConfigError("store.ssd_cache_dir", f"{directory!r} does not exist")
+            self._locks.append(DirLock(Path(directory), "store.ssd_cache_dir",
+                                       directory, name=_LOCK_NAME, **_SERVER))
         self.service.allocate()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # a dead server's: the lock says none is alive
