@@ -1,4 +1,4 @@
-"""argparse ``type=`` functions for the command line's numeric flags (``aiokv demo``,
+"""argparse ``type=`` functions for the command line's numeric and path flags (``aiokv demo``,
 ``aiokv store-server``, ``aiokv bench ...``).
 
 A value out of range is a usage error at parse time: argparse prints
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 
@@ -68,10 +69,27 @@ def positive_int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def output_file(text: str) -> str:
+    """A file to write at the end of a run (``--json``, ``--plot``): its directory must
+    exist now, not only once the run is over."""
+    directory = os.path.dirname(text) or "."
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"no directory {directory!r} to write {text!r} in")
+    return text
+
+
+def existing_directory(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected an existing directory, got {text!r}")
+    return text
+
+
 __all__ = [
+    "existing_directory",
     "integer",
     "nonnegative_float",
     "nonnegative_int",
+    "output_file",
     "positive_float",
     "positive_int",
     "positive_int_list",

@@ -104,6 +104,8 @@ def _numeric_flags() -> list[tuple[list[str], str]]:
     for command, parser in _commands():
         for action in parser._actions:
             kind = action.type
+            if kind in (flags.output_file, flags.existing_directory):  # paths
+                continue
             if kind in (int, float) or getattr(kind, "__module__", "") == flags.__name__:
                 found.append((command, action.option_strings[-1]))
     return found
@@ -176,3 +178,18 @@ def test_the_aiokv_command_exits_2_naming_the_flag() -> None:
     assert done.returncode == 2, done.stderr
     assert "argument --cpu-cache-gb: expected a finite number > 0, got '-1'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [["bench", "engine", "--quick", "--json"],
+                                     ["bench", "ssd", "--plot"], ["bench", "ssd", "--dir"]])
+def test_a_path_flag_whose_directory_is_missing_is_a_usage_error_before_the_run(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = str(tmp_path / "no-such-dir" / "out.json")
+    err = _usage_error([*command, missing], capsys)
+    assert f"argument {command[-1]}: " in err and "no-such-dir" in err, err
+
+
+def test_bench_ssd_takes_only_a_device_it_knows(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage_error(["bench", "ssd", "--device", "foo"], capsys)
+    assert "argument --device: invalid choice: 'foo'" in err, err

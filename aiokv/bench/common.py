@@ -73,8 +73,10 @@ def _shown(value: object) -> str:
 def common_parent() -> argparse.ArgumentParser:
     """The flags every subcommand takes, as an argparse parent parser."""
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--json", metavar="PATH", help="write settings, environment and results")
-    parent.add_argument("--plot", metavar="PATH", help="draw the results into a PNG (matplotlib)")
+    parent.add_argument("--json", metavar="PATH", type=flags.output_file,
+                        help="write settings, environment and results")
+    parent.add_argument("--plot", metavar="PATH", type=flags.output_file,
+                        help="draw the results into a PNG (matplotlib)")
     parent.add_argument(
         "--quick", action="store_true", help="CPU-sized run (under a minute on two cores)"
     )

@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from ..config import StoreConfig
-from ..flags import positive_float, positive_int
+from ..flags import existing_directory, positive_float, positive_int
 from ..stores.base import NoSpace, TaskStatus
 from ..stores.local import LocalStore
 from . import common
@@ -42,7 +42,8 @@ CHUNK = 16 << 20  # plain I/O request size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", help="directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--dir", type=existing_directory,
+                        help="directory on the disk to measure (default: a temp dir)")
     parser.add_argument("--gb", type=positive_float, help="volume in GiB (default 4; --quick 1)")
     parser.add_argument(
         "--host-gb", type=positive_float, default=1.0,
@@ -52,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds", type=positive_int, default=2,
         help="alternate plain and store this many times; the best of each is reported",
     )
-    parser.add_argument("--device", default="cpu", help="where the caches live (cpu, cuda)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the caches live")
 
 
 class _Driver:
