@@ -1,4 +1,4 @@
-"""The shared tier's soak, quick (benchmarks/shared_soak.py --quick, about 20 s): two
+"""The shared tier's soak, quick (benchmarks/shared_soak.py --quick, about 14 s): two
 engine processes on one store-server, users on any of them, evicts racing loads, an
 engine killed and the server killed and restarted on the way. No load gives KV an evict
 had dropped or KV of no epoch, every request is answered, and the server holds nothing
