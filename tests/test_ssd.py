@@ -772,3 +772,82 @@ def test_gets_launched_past_their_deadline_copy_nothing(tmp_path: Path) -> None:
         assert same(caches, caches, targets[1], source_pages(0))
     finally:
         store.close()
+
+
+@pytest.mark.asyncio
+async def test_write_through_puts_whose_ssd_write_found_no_slot_are_on_ssd_after_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An SSD tier of fewer slots than the host has blocks (headers take room too), on a
+    # slow disk: the second put's write finds every free slot in flight and is skipped.
+    # The close must copy it down: the put completed, and a restart must find it.
+    layers, pages, page, heads, dim, per_user = 2, 64, 16, 2, 16, 8
+    block = layers * 2 * page * heads * dim * 4
+    slot = ssd_format.HEADER_BYTES + block
+    write = ssd_io.SsdFiles.write
+
+    def slow_write(self: Any, *args: Any) -> Any:
+        time.sleep(0.2)
+        return write(self, *args)
+
+    monkeypatch.setattr(ssd_io.SsdFiles, "write", slow_write)
+    generator = torch.Generator().manual_seed(5)
+    kv = [torch.randn(pages, 2, page, heads, dim, generator=generator) for _ in range(layers)]
+
+    reopened = [c.clone() for c in kv]
+
+    def engine(caches: list[torch.Tensor]) -> aiokv.OffloadEngine:
+        config = aiokv.StoreConfig(cpu_cache_gb=16 * block / 2**30,
+                                   ssd_cache_gb=12 * slot / 2**30, ssd_cache_dir=str(tmp_path),
+                                   ssd_write_policy="write_through")
+        return aiokv.OffloadEngine(aiokv.LocalStore(config), caches)
+
+    async with engine([c.clone() for c in kv]) as first:
+        for user in (0, 1):
+            pages_of = torch.arange(user * per_user, (user + 1) * per_user)
+            assert (await first.offload(user, pages_of, per_user * page)).stored_tokens == (
+                per_user * page)
+    async with engine(reopened) as again:
+        async with await again.lookup(1, per_user * page) as hit:
+            assert hit.cached_tokens == per_user * page  # the later put: the SSD keeps it
+            target = torch.arange(pages - per_user, pages)
+            assert (await again.load(hit, target)).loaded_tokens == per_user * page
+        for cache, source in zip(reopened, kv, strict=True):
+            assert torch.equal(cache[pages - per_user :], source[per_user : 2 * per_user])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("damage", ["removed", "one bit flipped"])
+async def test_a_lost_or_damaged_meta_file_never_brings_cleared_keys_back(
+    tmp_path: Path, damage: str
+) -> None:
+    # The meta file holds the current epoch; read as older (a flipped bit) or missing
+    # (epoch 0), the headers a clear dropped would be current again.
+    generator = torch.Generator().manual_seed(9)
+    kv = [torch.randn(64, 2, 16, 2, 16, generator=generator) for _ in range(2)]
+
+    def engine(reset: bool = False) -> aiokv.OffloadEngine:
+        config = aiokv.StoreConfig(cpu_cache_gb=0.0005, ssd_cache_gb=0.005,
+                                   ssd_cache_dir=str(tmp_path), ssd_reset_on_mismatch=reset)
+        return aiokv.OffloadEngine(aiokv.LocalStore(config), [c.clone() for c in kv])
+
+    async with engine() as first:
+        await first.offload(0, torch.arange(8), 128)
+        await first.offload(1, torch.arange(8, 16), 128)
+        await first.clear()
+        await first.offload(2, torch.arange(16, 24), 128)  # reuses some cleared slots
+    meta = next(tmp_path.rglob("meta.json"))
+    if damage == "removed":
+        meta.unlink()
+    else:
+        raw = bytearray(meta.read_bytes())
+        at = raw.index(b'"epoch": 1') + len(b'"epoch": ')
+        raw[at] ^= 0x01  # "1" -> "0"
+        meta.write_bytes(bytes(raw))
+        with pytest.raises(aiokv.ConfigError, match=r"store\.ssd_cache_dir: .*checksum"):
+            async with engine():
+                pass
+    async with engine(reset=damage != "removed") as again:
+        for user in (0, 1):
+            async with await again.lookup(user, 128) as hit:
+                assert hit.cached_tokens == 0  # cleared: never back

@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,16 +103,20 @@ class Meta:
     epoch: int
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": FORMAT,
-                "geometry": self.geometry,
-                "stripe": list(self.stripe),
-                "slots": self.slots,
-                "epoch": self.epoch,
-            },
-            indent=1,
-        )
+        fields = {
+            "format": FORMAT,
+            "geometry": self.geometry,
+            "stripe": list(self.stripe),
+            "slots": self.slots,
+            "epoch": self.epoch,
+        }
+        return json.dumps({**fields, "checksum": _meta_sum(fields)}, indent=1)
+
+
+def _meta_sum(fields: dict[str, Any]) -> int:
+    """crc32 of the meta's fields: a bit flipped in its epoch would otherwise read as an
+    older epoch, under which blocks a clear dropped are current again."""
+    return zlib.crc32(json.dumps(fields, sort_keys=True).encode())
 
 
 def read_meta(directory: Path) -> Meta | None:
@@ -121,6 +126,9 @@ def read_meta(directory: Path) -> Meta | None:
         raw = json.loads(path.read_text(encoding="utf-8"))
         if raw.get("format") != FORMAT:
             raise ValueError(f"format {raw.get('format')!r}")
+        fields = {k: v for k, v in raw.items() if k != "checksum"}
+        if "checksum" in raw and raw["checksum"] != _meta_sum(fields):  # older files: none
+            raise ValueError("its checksum does not match its contents")
         return Meta(raw["geometry"], tuple(raw["stripe"]), int(raw["slots"]), int(raw["epoch"]))
     except FileNotFoundError:
         return None

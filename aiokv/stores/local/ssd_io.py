@@ -148,6 +148,12 @@ class SsdFiles:
             if not reset:
                 raise
             stored, difference = None, str(exc)
+        data = path / DATA_NAME
+        if stored is None and not difference and data.exists() and data.stat().st_size:
+            # Blocks, and no meta file to say which epoch is current (removed, or lost):
+            # epoch 0's headers would read as current, those a clear dropped among them.
+            log.warning("aiokv: discarding the SSD cache in %s: it has no meta file", path)
+            os.truncate(data, 0)
         if stored is not None and not difference:
             wanted = Meta(geometry, (k, self.count), self.slots_per_file, stored.epoch)
         elif difference:

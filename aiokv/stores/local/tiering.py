@@ -251,18 +251,18 @@ class TierLink(LoadStaging):
                 "stage_waits": self.stage_waits, **self.ssd.stats}
 
     def close(self) -> None:
-        """write_back: copy the host tier's idle blocks the SSD lacks, so that a reopen
-        finds them. Then finish the queued SSD requests (every copy becomes durable) and
-        apply them, so that the stats count them. Runs after the copy thread ended."""
+        """Copy the host tier's idle blocks the SSD lacks, so that a reopen finds them:
+        write_back's, and write_through's whose write found no free SSD slot at their
+        put (its slots all in flight). Then finish the queued SSD requests (every copy
+        becomes durable) and apply them, so that the stats count them, and copy what
+        found no slot while those were in flight. Runs after the copy thread ended."""
         host = self.host
-        if not self.write_through and host.index.evictable:
-            idle = host.index.oldest(host.index.evictable)
-            dirty = idle[~host.clean[idle]]
-            if len(dirty):
-                host.index.make_unevictable(dirty)
-                keys = list(map(host.index.key_of, dirty.tolist()))
-                self._copy_down(dirty, [k[0] for k in keys], [k[1] for k in keys])  # type: ignore[misc]
+        if host.index.evictable:
+            self.write_down(host.index.oldest(host.index.evictable))
         self._closed = True
         self.ssd.stop()
         self.drain()  # what it applies may still void headers (written at once now)
+        if host.index.evictable:  # the writes in flight are done: their slots can go
+            self.write_down(host.index.oldest(host.index.evictable))  # runs here and now
+            self.drain()
         self.ssd.close()
