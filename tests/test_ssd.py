@@ -816,6 +816,17 @@ async def test_write_through_puts_whose_ssd_write_found_no_slot_are_on_ssd_after
             assert torch.equal(cache[pages - per_user :], source[per_user : 2 * per_user])
 
 
+def damage_meta(directory: Path, damage: str) -> None:
+    meta = next(directory.rglob("meta.json"))
+    if damage == "removed":
+        meta.unlink()
+        return
+    raw = bytearray(meta.read_bytes())
+    at = raw.index(b'"epoch": 1') + len(b'"epoch": ')
+    raw[at] ^= 0x01  # "1" -> "0"
+    meta.write_bytes(bytes(raw))
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("damage", ["removed", "one bit flipped"])
 async def test_a_lost_or_damaged_meta_file_never_brings_cleared_keys_back(
@@ -836,14 +847,8 @@ async def test_a_lost_or_damaged_meta_file_never_brings_cleared_keys_back(
         await first.offload(1, torch.arange(8, 16), 128)
         await first.clear()
         await first.offload(2, torch.arange(16, 24), 128)  # reuses some cleared slots
-    meta = next(tmp_path.rglob("meta.json"))
-    if damage == "removed":
-        meta.unlink()
-    else:
-        raw = bytearray(meta.read_bytes())
-        at = raw.index(b'"epoch": 1') + len(b'"epoch": ')
-        raw[at] ^= 0x01  # "1" -> "0"
-        meta.write_bytes(bytes(raw))
+    damage_meta(tmp_path, damage)
+    if damage != "removed":
         with pytest.raises(aiokv.ConfigError, match=r"store\.ssd_cache_dir: .*checksum"):
             async with engine():
                 pass
