@@ -1,7 +1,10 @@
-"""Where a layerwise load's first milliseconds go, hop by hop, as a model thread calls it.
+"""Where a layerwise load's first milliseconds go, hop by hop, as a model thread calls it;
+with ``--offload``, where a batch of offloads' time goes, from the first call to the last
+result.
 
     python benchmarks/hops.py [--device cpu|cuda] [--users 4] [--tokens 64] [--repeats 30]
         [--heads 2] [--head-dim 64] [--page 16] [--dtype float32] [--scattered] [--host-ids]
+        [--offload]
 
 The calls go through ``run_in_background`` (``submit_load_layerwise`` per user, then
 ``wait_layer(0)`` on each), the path of ``aiokv bench layers``. Each stage is stamped
@@ -10,6 +13,14 @@ about a microsecond) and printed as the median ms from the first call over ``--r
 rounds: the loop takes the calls (enqueue), the store thread takes the batch, the launch
 returns, the copy thread starts the job, layer 0 is marked, the launch notice leaves the
 store thread and reaches the loop, the caller holds its loads, and layer 0 is waited for.
+
+An offload batch (fresh keys each round, the host tier three batches large, so that from
+the fourth round on each batch evicts one) is stamped where the first and the last
+``put_match`` start and end, the launch returns, the copy thread takes the job, has its
+page ids on the host, has planned and queued it, the copies end (the job is reported),
+the store's poll sees the tasks end, and the caller has every result; ``copies`` is the
+GiB/s of the bytes over the time from queued to reported, ``whole`` over the time from
+the first call to the last result.
 """
 
 from __future__ import annotations
@@ -43,7 +54,14 @@ def mark(stage: str) -> None:
     at.setdefault(stage, time.perf_counter())
 
 
-def wrap(owner: Any, name: str, before: str | None, after: str | None = None) -> None:
+def mark_last(stage: str) -> None:
+    at[stage] = time.perf_counter()
+
+
+def wrap(owner: Any, name: str, before: str | None, after: str | None = None,
+         last: str | None = None) -> None:
+    """Stamp ``before`` the first call, ``after`` the first return, ``last`` every return
+    (the last one stays)."""
     original: Callable[..., Any] = getattr(owner, name)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -52,6 +70,8 @@ def wrap(owner: Any, name: str, before: str | None, after: str | None = None) ->
         result = original(*args, **kwargs)
         if after:
             mark(after)
+        if last:
+            mark_last(last)
         return result
 
     setattr(owner, name, wrapped)
@@ -72,6 +92,84 @@ def instrument() -> None:
     wrap(copier.Copier, "_end", "job_reported")
 
 
+def instrument_offload() -> None:
+    wrap(batcher.Batcher, "enqueue", "loop_enqueue")
+    wrap(worker.StoreWorker, "_handle", "store_thread")
+    wrap(local_store.LocalStore, "put_match", "put_match_first", "put_match_first_done",
+         last="put_match_last_done")
+    wrap(local_store.LocalStore, "launch", None, "launched")
+    wrap(copier.Copier, "_queue_driver", "copy_thread", "queued")
+    wrap(copier.Copier, "_move_cpu", "copy_thread", "queued")
+    wrap(copier.Copier, "_host_ids", None, "ids_on_host")
+    wrap(copier, "plan", None, "planned")
+    wrap(copier.Copier, "_end", "job_reported")
+
+    original = local_store.LocalStore.try_wait
+
+    def try_wait(self: Any, task_ids: Any) -> Any:
+        answers = original(self, task_ids)
+        if answers:
+            mark_last("store_polled_end")
+        return answers
+
+    local_store.LocalStore.try_wait = try_wait  # type: ignore[method-assign]
+
+
+def offloads(args: argparse.Namespace, device: torch.device, caches: list[torch.Tensor],
+             num_pages: int, pages: int) -> None:
+    batch_bytes = sum(c[: args.users * pages].nbytes for c in caches)
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=3 * batch_bytes / 2**30,
+                                               page_size=args.page))
+    config = aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=args.users,
+                                max_batch_tokens=args.users * args.tokens,
+                                max_pending=max(4 * args.users, 1024))
+    kv = aiokv.run_in_background(aiokv.OffloadEngine(store, caches, config))
+    generator = torch.Generator().manual_seed(0)
+    where = torch.device("cpu") if args.host_ids else device
+
+    def scatter() -> list[torch.Tensor]:
+        if not args.scattered:
+            return [torch.arange(u * pages, (u + 1) * pages, device=where)
+                    for u in range(args.users)]
+        order = torch.randperm(num_pages, generator=generator)[: args.users * pages]
+        return list(order.to(where).view(args.users, pages))
+
+    wait_pinned = getattr(store, "wait_pinned", None)
+    rows: list[dict[str, float]] = []
+    try:
+        if wait_pinned is not None:
+            wait_pinned()
+        for repeat in range(args.repeats + 3):  # 3 warm up (and fill the host tier)
+            sources = scatter()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if repeat == 3:
+                instrument_offload()
+            at.clear()
+            start = time.perf_counter()
+            futures = [kv.submit_offload(u, sources[u], args.tokens, namespace=[f"o{repeat}-{u}"])
+                       for u in range(args.users)]
+            stored = [f.result() for f in futures]
+            mark("results_back")
+            if any(r.stored_tokens != pages * args.page for r in stored):
+                raise RuntimeError(f"hops: offloads stored {[r.stored_tokens for r in stored]}")
+            if repeat >= 3:
+                rows.append({stage: (t - start) * 1e3 for stage, t in at.items()})
+    finally:
+        kv.close()
+    stages = set.intersection(*(set(row) for row in rows))
+    medians = {s: statistics.median(row[s] for row in rows) for s in stages}
+    print(f"{args.users} x {args.tokens} offloads on {device.type}, {LAYERS} layers, "
+          f"{batch_bytes / 2**20:.0f} MiB, median of {args.repeats}, ms from the first call:")
+    for stage, ms in sorted(medians.items(), key=lambda item: item[1]):
+        print(f"  {stage:>22}  {ms:7.3f}")
+    copy_ms = statistics.median(r["job_reported"] - r["queued"] for r in rows)
+    whole_ms = statistics.median(r["results_back"] for r in rows)
+    print(f"  copies {batch_bytes / 2**30 / copy_ms * 1e3:.1f} GiB/s (queued to reported), "
+          f"whole {batch_bytes / 2**30 / whole_ms * 1e3:.1f} GiB/s (first call to last "
+          f"result): {copy_ms / whole_ms:.0%} of the time is the copies")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -85,13 +183,18 @@ def main() -> None:
     parser.add_argument("--scattered", action="store_true",
                         help="pages at random, as aiokv bench layers places them")
     parser.add_argument("--host-ids", action="store_true",
-                        help="the loads' page ids as CPU tensors (no copy of them to the host)")
+                        help="the page ids as CPU tensors (no copy of them to the host)")
+    parser.add_argument("--offload", action="store_true",
+                        help="a batch of offloads, first call to last result")
     args = parser.parse_args()
     device = torch.device(args.device)
     pages = args.tokens // args.page
     num_pages = 2 * args.users * pages
     caches = [torch.randn(num_pages, 2, args.page, args.heads, args.head_dim, device=device,
                           dtype=getattr(torch, args.dtype)) for _ in range(LAYERS)]
+    if args.offload:
+        offloads(args, device, caches, num_pages, pages)
+        return
     # Room for every user's history twice over: a lookup that lost blocks to eviction
     # would load fewer pages than were offloaded.
     history = sum(c[: args.users * pages].nbytes for c in caches)
