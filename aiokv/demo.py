@@ -27,6 +27,7 @@ import torch
 from .config import EngineConfig, StoreConfig, load_config
 from .engine import OffloadEngine
 from .errors import AiokvError, ConfigError, EngineClosed
+from .flags import too_large
 from .stats import EngineStats
 from .stores import make_store
 from .stores.base import Store
@@ -311,6 +312,11 @@ def demo(args: argparse.Namespace) -> int:
     except AiokvError as exc:  # the store cannot serve (a store server not running, say)
         print(f"aiokv demo: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError) as exc:
+        if (message := too_large(exc)) is None:
+            raise
+        print(f"aiokv demo: error: {message}", file=sys.stderr)
+        return 2
     except asyncio.CancelledError:  # a second Ctrl-C: no drain, no summary
         print("aiokv demo: stopped by a second signal", file=sys.stderr)
         return 128 + signal.SIGINT

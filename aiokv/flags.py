@@ -5,6 +5,10 @@ A value out of range is a usage error at parse time: argparse prints
 ``argument --users: expected an integer >= 1, got '0'`` under the usage line and exits
 with status 2, instead of a ConfigError traceback (or a run of nonsense) later on.
 Floats must also be finite (``nan`` and ``inf`` are refused).
+
+Sizes have no upper bound here: what fits depends on the machine. Sizes that together ask
+for more memory than it has fail where their buffers are made; :func:`too_large` turns that
+failure into the same kind of usage error.
 """
 
 from __future__ import annotations
@@ -84,6 +88,23 @@ def existing_directory(text: str) -> str:
     return text
 
 
+# How torch says that an allocation failed: on the CPU (DefaultCPUAllocator) and on CUDA
+# (torch.OutOfMemoryError), and where a size overflows before anything is allocated.
+_ALLOCATION_FAILED = ("can't allocate memory", "out of memory", "integer multiplication overflow")
+
+
+def too_large(exc: BaseException) -> str | None:
+    """The usage error to print for ``exc`` where it says that buffers of the sizes asked
+    for could not be made (the flags' sizes are too large for this machine), else None."""
+    text = str(exc)
+    if not isinstance(exc, MemoryError) and not (
+        isinstance(exc, RuntimeError) and any(s in text.lower() for s in _ALLOCATION_FAILED)
+    ):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"the sizes asked for do not fit in this machine's memory ({first}); ask for less"
+
+
 __all__ = [
     "existing_directory",
     "integer",
@@ -93,4 +114,5 @@ __all__ = [
     "positive_float",
     "positive_int",
     "positive_int_list",
+    "too_large",
 ]

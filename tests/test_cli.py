@@ -7,6 +7,7 @@ here on the same runs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from aiokv import flags
+from aiokv.bench import SUBCOMMANDS
 from aiokv.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,3 +280,39 @@ def test_a_store_that_cannot_serve_is_a_message_not_a_traceback(
     assert main([*command, "--config", str(config)]) == 1
     err = capsys.readouterr().err
     assert "StoreError" in err and "not reachable" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--head-dim", "100000000", "--seconds", "1", "--device", "cpu"],
+    ["bench", "bandwidth", "--quick", "--head-dim", "100000000", "--device", "cpu"],
+    ["bench", "startup", "--quick", "--gib", "100000", "--device", "cpu"],
+])
+def test_sizes_larger_than_the_machine_are_a_usage_error_not_a_traceback(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "do not fit in this machine's memory" in err and "can't allocate memory" in err
+    assert "Traceback" not in err
+
+
+def test_an_error_that_is_not_about_memory_is_not_called_a_usage_error() -> None:
+    assert flags.too_large(RuntimeError("CUDA error: an illegal memory access")) is None
+    assert flags.too_large(ValueError("out of memory")) is None  # not torch's allocator
+    assert flags.too_large(MemoryError()) is not None
+
+
+def _has_pages(module: object) -> bool:
+    settings = getattr(module, "Settings", None)
+    return settings is not None and {"tokens", "page_size"} <= {
+        f.name for f in dataclasses.fields(settings)}
+
+
+@pytest.mark.parametrize("bench", [m.NAME for m in SUBCOMMANDS if _has_pages(m)])
+def test_tokens_fewer_than_one_page_are_a_usage_error_naming_the_flag(
+    bench: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", bench, "--quick", "--page-size", "16", "--tokens", "8",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--tokens: 8 is fewer than one page of --page-size 16" in err

@@ -193,3 +193,4 @@ def test_a_path_flag_whose_directory_is_missing_is_a_usage_error_before_the_run(
 def test_bench_ssd_takes_only_a_device_it_knows(capsys: pytest.CaptureFixture[str]) -> None:
     err = _usage_error(["bench", "ssd", "--device", "foo"], capsys)
     assert "argument --device: invalid choice: 'foo'" in err, err
+

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import AiokvError, ConfigError
+from ..flags import too_large
 from ..stores.base import TooLarge
 from . import bandwidth, engine, lag, layers, model, shared, slots, ssd, startup
 from .common import common_parent
@@ -55,6 +56,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except AiokvError as exc:  # the store cannot serve (a store server not running, say)
         print(f"{parser.prog} {args.bench}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError) as exc:
+        if (message := too_large(exc)) is None:
+            raise
+        print(f"{parser.prog} {args.bench}: error: {message}", file=sys.stderr)
+        return 2
     return status
 
 

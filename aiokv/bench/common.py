@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from .. import flags
+from ..errors import ConfigError
 from ..running import pick_device as pick_device
 from ..running import run_uvloop as run_uvloop
 
@@ -131,7 +132,22 @@ def settings_from_args(
             values[field.name] = given
         elif args.quick and field.name in quick:
             values[field.name] = quick[field.name]
-    return settings(**values)
+    made = settings(**values)
+    _check_pages(made)
+    return made
+
+
+def _check_pages(settings: object) -> None:
+    """ConfigError (a usage error to the bench's main) where a bench's ``tokens`` (a count
+    or counts) are fewer than one page of its ``page_size``: only full pages are stored,
+    so such a run would move nothing, and fail later on a message about something else."""
+    tokens, page_size = getattr(settings, "tokens", None), getattr(settings, "page_size", None)
+    if tokens is None or not page_size:
+        return
+    for count in tokens if isinstance(tokens, tuple) else (tokens,):
+        if count < page_size:
+            raise ConfigError("--tokens", f"{count} is fewer than one page of --page-size "
+                              f"{page_size}; only full pages are stored")
 
 
 
