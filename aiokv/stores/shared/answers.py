@@ -3,10 +3,10 @@ hello (the geometry, the region's and the notice's descriptors), a batch's put a
 matches, its end and its gets' launch (neither answered), an evict or clear, figures.
 
 The socket loop (:mod:`.server`) reads the frames and hands each one here in order; a
-reply is sent at once, or left to the loop where it waits for something (a batch of gets
-for its SSD or Mooncake reads: ``conn.deferred``; an evict for other engines' loads:
-``conn.evicting``). Before a lookup, an evict or figures, what other engines have waiting
-applies first (:meth:`Loop.absorb`).
+reply is sent at once, or left on its connection where it waits for something (a batch of
+gets for its SSD or Mooncake reads: ``conn.deferred``; an evict for other engines' loads:
+``conn.evicting``), for :mod:`.held` to send once it is due. Before a lookup, an evict or
+figures, what other engines have waiting applies first (:meth:`Loop.absorb`).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Answers:
                                        * len(request.queries))
         entries = self.service.match_many(conn.client, is_put, request.queries)
         answers = answers_only(entries)
-        if answers is None:  # answered by _settle once its SSD reads are in
+        if answers is None:  # sent by HeldReplies once its SSD reads are in
             conn.deferred = list(entries)
             return b""
         return wire.encode_answers(answers)
@@ -180,7 +180,7 @@ class Answers:
         wait = EvictWait(loads, tokens, time.monotonic() + EVICT_WAIT_S, written, published)
         if wait.over():
             return wait.reply()
-        conn.evicting = wait  # answered by _answer_evicts (the SSD wakes the loop)
+        conn.evicting = wait  # sent by HeldReplies (the SSD wakes the loop)
         return b""
 
     def _stats(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:

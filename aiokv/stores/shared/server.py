@@ -1,10 +1,10 @@
 """``aiokv store-server``: one process per host that owns the shared region, the index, the
 SSD tier and the remote tier (:mod:`.service`), serving engines over a UNIX socket.
 
-One thread, one ``selectors`` loop (here; what each request gets is :mod:`.answers`):
-each engine's requests are answered in order, one
-reply per request (none to a batch's end or to its gets' launch), each in the order they
-arrive across engines. A request is a batch (all of a batch's matches, or all of its
+One thread, one ``selectors`` loop (here; what each request gets is :mod:`.answers`, and
+when a reply that waits is sent, :mod:`.held`): each engine's requests are answered in
+order, one reply per request (none to a batch's end or to its gets' launch), each in the
+order they arrive across engines. A request is a batch (all of a batch's matches, or all of its
 finished tasks), so the server sees two messages per batch (three when it loads) and
 answers one. Before it answers a lookup, an evict or figures, it applies what other
 engines have waiting (:meth:`StoreServer.absorb`): an engine reports a put done once its
@@ -43,13 +43,13 @@ from ...errors import ConfigError
 from ...remote.native import unavailable
 from ..base import Int64Array
 from ..dirlock import DirLock
-from ..local.ssd_voids import VoidsDone
 from . import sockets, wire
-from .answers import EVICT_WAIT_S, Answers, ProtocolError
+from .answers import Answers, ProtocolError
 from .connection import Connection
+from .held import HeldReplies
 from .quarantine import Quarantine
 from .service import Service
-from .tasks import Client, Foreign, answers_only
+from .tasks import Client, Foreign
 
 log = logging.getLogger("aiokv.server")
 
@@ -145,6 +145,7 @@ class StoreServer:
         self._absorbing = 0  # nested absorb calls
         self._accept_at = 0.0  # listening again from then on, once out of descriptors
         self._answers = Answers(self.service, self)
+        self._held = HeldReplies(self.service, self)  # replies that wait (:mod:`.held`)
         self._quarantine = Quarantine()  # put blocks of dropped engines still alive
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -215,10 +216,7 @@ class StoreServer:
                     if self._listener is not None:
                         self._selector.register(self._listener, selectors.EVENT_READ,
                                                 "accept")
-                if self._waiting():
-                    self._settle()
-                if self._evicting():
-                    self._answer_evicts()
+                self._held.send()
                 if self._stopping and self._listener is not None:
                     self._stop_listening()
         finally:
@@ -241,7 +239,7 @@ class StoreServer:
         if not self._stopping or self._listener is not None:
             return False
         clients = [c.client for c in self._connections.values()]
-        if self.service.idle(clients) and not self._waiting() and not self._evicting():
+        if self.service.idle(clients) and not self._held.holding():
             return True
         if time.monotonic() >= self._stop_at:
             log.warning("aiokv store-server: drain timed out with tasks open; rolled back")
@@ -268,7 +266,7 @@ class StoreServer:
 
     def _close(self) -> None:
         for conn in list(self._connections.values()):
-            self._drop(conn, None)
+            self.drop(conn, None)
         for pid in self._quarantine.pids():
             self.release(pid)
         if self._listener is not None:
@@ -325,16 +323,16 @@ class StoreServer:
         except BlockingIOError:
             return 0
         except OSError as exc:
-            self._drop(conn, f"connection broke: {exc}")
+            self.drop(conn, f"connection broke: {exc}")
             return 0
         if not data:
-            self._drop(conn, None)
+            self.drop(conn, None)
             return 0
         if conn.waits:  # answered after its batch's (or evict's) answer
             if len(conn.inbox) + len(data) > wire.MAX_FRAME + wire.HEAD.size:
                 # An engine waiting for its reply has nothing to send: kept, this would
                 # grow for as long as the reply waits.
-                self._drop(conn, "sent more than a frame while its reply waited")
+                self.drop(conn, "sent more than a frame while its reply waited")
                 return 0
             conn.inbox += data
         else:
@@ -370,52 +368,15 @@ class StoreServer:
             if at < len(data):
                 conn.inbox += data[at:]
         except (wire.WireError, ProtocolError, Foreign) as exc:
-            self._drop(conn, f"{type(exc).__name__}: {exc}")
+            self.drop(conn, f"{type(exc).__name__}: {exc}")
         except OSError as exc:
-            self._drop(conn, f"reply failed: {exc}")
+            self.drop(conn, f"reply failed: {exc}")
         except Exception as exc:  # a request the checks missed: that peer goes, not all
             log.exception("aiokv store-server: request of engine pid %d failed",
                           conn.client.pid)
-            self._drop(conn, f"{type(exc).__name__}: {exc}")
+            self.drop(conn, f"{type(exc).__name__}: {exc}")
         finally:
             conn.busy = False
-
-    def _waiting(self) -> list[Connection]:
-        """The connections whose batch of gets waits (:meth:`_settle`)."""
-        return [c for c in self._connections.values() if c.deferred is not None]
-
-    def _settle(self) -> None:
-        """Answer the deferred batches whose gets are all ready, oldest first, and then
-        the frames each one's engine sent meanwhile; again while one was answered (a get
-        that waited for another's reads may be ready now)."""
-        answered = True
-        while answered:
-            answered = False
-            for conn in self._waiting():
-                if conn.deferred is None:  # dropped meanwhile
-                    continue
-                try:
-                    entries = self.service.settle(conn.client, conn.deferred)
-                except Exception as exc:  # a bug: that peer goes (its tasks rolled back)
-                    log.exception("aiokv store-server: gets of engine pid %d failed",
-                                  conn.client.pid)
-                    conn.deferred = None
-                    self._drop(conn, f"{type(exc).__name__}: {exc}")
-                    continue
-                conn.deferred = entries
-                answers = answers_only(entries)
-                if answers is None:
-                    continue
-                conn.deferred = None
-                answered = True
-                try:
-                    conn.reply_by = time.monotonic() + SEND_TIMEOUT_S
-                    conn.reply(wire.encode_answers(answers))
-                except OSError as exc:
-                    self._drop(conn, f"reply failed: {exc}")
-                    continue
-                if conn.inbox:
-                    self._frames(conn, b"")
 
     def absorb(self) -> None:
         """Answer the frames other engines have waiting, before a lookup or figures.
@@ -440,14 +401,26 @@ class StoreServer:
         finally:
             self._absorbing -= 1
 
-    def _drop(self, conn: Connection, why: str | None) -> None:
+    def deliver(self, conn: Connection, reply: bytes) -> None:
+        """Send ``conn`` the reply it waited for (:mod:`.held`), then answer the frames its
+        engine sent meanwhile; a reply that fails drops the peer."""
+        try:
+            conn.reply_by = time.monotonic() + SEND_TIMEOUT_S
+            conn.reply(reply)
+        except OSError as exc:
+            self.drop(conn, f"reply failed: {exc}")
+            return
+        if conn.inbox:
+            self._frames(conn, b"")
+
+    def drop(self, conn: Connection, why: str | None) -> None:
+        """Disconnect ``conn`` (logged, with ``why`` when it is the server's doing): its
+        tasks are rolled back, its puts' blocks held while its process lives."""
         if self._connections.pop(conn.sock.fileno(), None) is None:
             return
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.sock)
-        if conn.deferred is not None:
-            self.service.abandon(conn.deferred)
-            conn.deferred = None
+        self._held.abandon(conn)
         pid = conn.client.pid
         pidfd = None if self._stopping else Quarantine.alive(pid)
         rolled, kept = self.service.drop(conn.client, keep_puts=pidfd is not None)
@@ -463,40 +436,3 @@ class StoreServer:
         else:
             log.info("aiokv store-server: engine pid %d disconnected (%d tasks rolled back)",
                      conn.client.pid, rolled)
-
-    def _evicting(self) -> list[Connection]:
-        return [c for c in self._connections.values() if c.evicting is not None]
-
-    def _answer_evicts(self) -> None:
-        """Send the evicts' answers whose loads are over and whose SSD voids are written;
-        at their deadline, disconnect the engines whose loads are not (their tasks are
-        rolled back) and send them; voids not written by then fail the evict (logged)."""
-        now = time.monotonic()
-        for conn in self._evicting():
-            wait = conn.evicting
-            if wait is None or conn.sock.fileno() < 0:  # answered, or dropped, meanwhile
-                continue
-            if not wait.over() and now >= wait.deadline:
-                late = {client.number for client, task_id in wait.loads
-                        if task_id in client.tasks}
-                for other in list(self._connections.values()):
-                    if other.client.number in late:
-                        self._drop(other, f"its loads of an evicted key did not end in "
-                                          f"{EVICT_WAIT_S:.0f} s")
-                if wait.written is not None and not wait.written.is_set():
-                    why = (f"the evict's SSD voids were not written in {EVICT_WAIT_S:.0f} "
-                           "s: the key is dropped, but a restart before they are may find "
-                           "it")
-                    log.warning("aiokv store-server: %s", why)
-                    wait.written = VoidsDone.failed(why)  # answered: the engine raises it
-            if not wait.over():
-                continue
-            conn.evicting = None
-            try:
-                conn.reply_by = time.monotonic() + SEND_TIMEOUT_S
-                conn.reply(wait.reply())
-            except OSError as exc:
-                self._drop(conn, f"reply failed: {exc}")
-                continue
-            if conn.inbox:
-                self._frames(conn, b"")
