@@ -27,10 +27,18 @@ from shared_inprocess import (
 
 import aiokv
 from aiokv.stores.local import ssd as ssd_module
+from aiokv.stores.shared import SharedStore
 from aiokv.stores.shared import deferred as deferred_module
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
                                 reason="the shared region needs memfd_create (Linux)")
+
+
+def hits_whole(store: SharedStore, tables: list[torch.Tensor], user: int) -> bool:
+    """A lookup of ``user`` (answered within 10 s) hits every page, and they load bit for
+    bit."""
+    task, mask = Call(lambda: store.get_match(TOKENS, [f"user:{user}"])).outcome(10)
+    return bool(mask.sum() == PAGES * PAGE_SIZE) and load_exact(store, tables, user, task)
 
 
 def test_an_engine_waiting_on_ssd_reads_does_not_hold_up_the_others(
@@ -82,9 +90,40 @@ def test_an_engine_gone_while_its_ssd_reads_wait_leaves_nothing_held(
                  "the reads' blocks back in the LRU")  # read, kept, held by no one
         stats = figures.store_stats()
         assert stats["server_gets_staging"] == 0 and stats["server_blocks_held"] == 0
-        task, mask = figures.get_match(TOKENS, ["user:9"])
-        assert mask.sum() == PAGES * PAGE_SIZE
-        assert load_exact(figures, figures_tables, 9, task)
+        assert hits_whole(figures, figures_tables, 9)
+    finally:
+        gate.set()
+        reader.close()
+        figures.close()
+
+
+def test_a_failure_while_answering_a_reading_lookup_leaves_its_key_readable(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server fails (a bug) as it checks a waiting lookup's reads: that engine is
+    disconnected, and its reads are ended as if it had gone, so that the key is not left
+    marked as being read, which would make every later lookup of it wait."""
+    gate = on_ssd_only(host, 13, monkeypatch)
+    reader, _ = host.engine()
+    figures, figures_tables = host.engine()
+    original = deferred_module.DeferredGets.settle
+    armed, failed = [], []
+
+    def settle_fails_once(self: deferred_module.DeferredGets, *args: object) -> object:
+        if armed and not failed:
+            failed.append(True)
+            raise RuntimeError("a bug in the server's answer")
+        return original(self, *args)  # type: ignore[arg-type]
+
+    try:
+        monkeypatch.setattr(deferred_module.DeferredGets, "settle", settle_fails_once)
+        lookup = lookup_reading(reader, 13, figures)
+        armed.append(True)  # the next check of its reads fails
+        with pytest.raises(aiokv.StoreError):
+            lookup.outcome()
+        gate.set()
+        wait_for(lambda: figures.store_stats()["server_gets_staging"] == 0,
+                 "the failed lookup's reads ended")
+        assert hits_whole(figures, figures_tables, 13)  # not left waiting for those reads
     finally:
         gate.set()
         reader.close()

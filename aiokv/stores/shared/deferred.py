@@ -109,13 +109,17 @@ class DeferredGets:
         (their blocks given back once in); its answered tasks are the client's, ended
         by the service's ``drop``."""
         for entry in entries:
-            if isinstance(entry, PendingGet):
+            # Skips a get answered before its batch failed (the batch is then abandoned
+            # as the connection sent it, ended gets among the rest).
+            if isinstance(entry, PendingGet) and not entry.ended:
+                entry.ended = True
                 self._staged_out(entry.namespace)
                 entry.task.matching = False  # the link's end of it is its end
                 assert self._link is not None  # a load came from it
                 self._link.cancel_load(entry.load)
 
     def _finish(self, client: Client, pending: PendingGet) -> Answer:
+        pending.ended = True
         self._staged_out(pending.namespace)
         link, load = self._link, pending.load
         assert link is not None  # a load came from it

@@ -81,7 +81,8 @@ class HeldReplies:
                 except Exception as exc:  # a bug: that peer goes (its tasks rolled back)
                     log.exception("aiokv store-server: gets of engine pid %d failed",
                                   conn.client.pid)
-                    conn.deferred = None
+                    # The batch stays on the connection: the drop abandons its gets not
+                    # yet answered, or their keys would stay marked as being read.
                     self._loop.drop(conn, f"{type(exc).__name__}: {exc}")
                     continue
                 conn.deferred = entries

@@ -52,6 +52,7 @@ class PendingGet:
     namespace: tuple[str, ...]
     give_up_at: float
     invalidated: bool = False  # its key was evicted meanwhile: answered, then taken back
+    ended: bool = False  # answered or abandoned: its reads are no longer its key's
 
 
 @dataclass(slots=True, eq=False)
