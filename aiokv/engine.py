@@ -111,6 +111,7 @@ class OffloadEngine:
         self._batcher: Batcher | None = None
         self._batcher_task: asyncio.Task[None] | None = None
         self._idle: asyncio.Event | None = None
+        self._started: asyncio.Event | None = None  # set once start() registered (or failed)
         self._deadlines: Deadlines | None = None  # request_timeout_ms, when set
         self._ready_marks: ReadyMarks | None = None  # the callers' CUDA events, on a GPU
         self._closing: asyncio.Future[int] | None = None  # int: requests abandoned

@@ -74,6 +74,7 @@ class EngineParts(Protocol):
     _batcher: Batcher | None
     _batcher_task: asyncio.Task[None] | None
     _idle: asyncio.Event | None
+    _started: asyncio.Event | None
     _deadlines: Deadlines | None
     _ready_marks: ReadyMarks | None
     _resolver: Resolver | None
@@ -135,6 +136,10 @@ async def start(engine: EngineParts) -> None:
     is cancelled) fails what was accepted meanwhile and closes the engine."""
     if engine._state is EngineState.RUNNING:
         check_loop(engine._loop)  # `async with engine` on another loop must not pass
+        if engine._started is not None and not engine._started.is_set():
+            await engine._started.wait()  # another start() still registers the store
+            if engine._state is not EngineState.RUNNING:
+                raise EngineClosed(f"engine failed to start; it is {engine._state.value}")
         return
     if engine._state is not EngineState.NEW:
         raise EngineClosed(f"engine is {engine._state.value}; it cannot be restarted")
@@ -143,6 +148,7 @@ async def start(engine: EngineParts) -> None:
     engine._loop = loop
     engine._idle = asyncio.Event()
     engine._idle.set()
+    engine._started = asyncio.Event()  # set once this start() ends, however it ends
     resolver = engine._resolver = Resolver(
         loop,
         engine._stats,
@@ -211,6 +217,7 @@ async def start(engine: EngineParts) -> None:
     try:
         await asyncio.wrap_future(registered)
     except BaseException as exc:
+        engine._started.set()
         engine._state = EngineState.CLOSED
         engine._worker.stop(give_up_s=0.0)  # nothing was launched
         # Nothing dispatched them (no batcher task yet): fail them now, not after the
@@ -219,6 +226,7 @@ async def start(engine: EngineParts) -> None:
         await _join(engine._worker, None)
         release_store(engine._store)
         raise
+    engine._started.set()
     if engine._state is not EngineState.RUNNING:  # aclose() came while we registered
         raise EngineClosed("engine was closed while it started")
     engine._batcher_task = loop.create_task(engine._batcher.run(), name="aiokv-batcher")

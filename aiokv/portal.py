@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,6 +43,8 @@ class Portal:
         self.loop = loop
         # The calls' tasks until they end: the loop keeps only weak references to tasks.
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._lock = threading.Lock()
+        self._closed = False  # close(): nothing more is handed over
 
     def start(self, calls: Sequence[Call]) -> list[concurrent.futures.Future[Any]]:
         """Start ``calls`` on the loop, after every call handed over before, in one loop
@@ -52,8 +55,16 @@ class Portal:
         futures: list[concurrent.futures.Future[Any]] = [
             concurrent.futures.Future() for _ in calls
         ]
-        self.loop.call_soon_threadsafe(self._make_tasks, list(calls), futures)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the portal is closed")
+            self.loop.call_soon_threadsafe(self._make_tasks, list(calls), futures)
         return futures
+
+    def close(self) -> None:
+        """Hand nothing more over: later start() calls raise RuntimeError."""
+        with self._lock:
+            self._closed = True
 
     def _make_tasks(
         self, calls: list[Call], futures: list[concurrent.futures.Future[Any]]

@@ -32,6 +32,7 @@ import torch
 
 from . import validate
 from .errors import InvalidRequest
+from .loop.binding import check_loop
 from .stores.base import BoolArray, Int64Array
 
 if TYPE_CHECKING:
@@ -113,6 +114,8 @@ class Request:
     # A load_layerwise's: told of the launch, with the store's layer marks, by the store
     # thread (aiokv.layerwise.note_launches); None for every other request.
     layers: LayerwiseLoad | None = None
+    # Its own deadline timer (Deadlines.add, out of FIFO order), cancelled as it resolves.
+    timer: asyncio.TimerHandle | None = None
 
 
 def new_request(
@@ -193,6 +196,8 @@ class Lookup:
         # released or consumed.
         self._ttl_handle: asyncio.TimerHandle | None = None
         self._call_later, self._ttl_s = call_later, ttl_s
+        # The engine's loop (whose call_later this is): release() belongs to it.
+        self._loop: asyncio.AbstractEventLoop | None = getattr(call_later, "__self__", None)
         if self._state == "held" and call_later is not None:
             self._ttl_handle = call_later(ttl_s, self._expire)
 
@@ -208,8 +213,11 @@ class Lookup:
         return self._state == "held"
 
     def release(self) -> None:
-        """Give the reservation back. Idempotent; a no-op once loaded."""
+        """Give the reservation back. Idempotent; a no-op once loaded. On the engine's
+        loop only (WrongLoop elsewhere; from threads, run_in_background's BackgroundLookup)."""
         if self._state == "held":
+            if self._loop is not None and not self._loop.is_closed():
+                check_loop(self._loop)  # its TTL timer is the loop's to cancel
             self._state = "released"
             self._cancel_ttl()
             if self._reservation is not None:

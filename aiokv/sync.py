@@ -181,6 +181,7 @@ class BackgroundEngine:
                 # After the calls handed over before it: a drain waits for them.
                 aclose = functools.partial(self.engine.aclose, drain=drain, timeout=timeout)
                 self._closing = self.portal.start([aclose])[0]
+                self.portal.close()  # a late BackgroundLookup.release() is a no-op
             closing = self._closing
         try:
             closing.result()

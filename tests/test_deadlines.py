@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+from conftest import make_caches
 
 import aiokv
 from aiokv.loop.deadlines import _MIN_COMPACT, Deadlines
@@ -109,3 +110,24 @@ async def test_the_engine_keeps_no_resolved_request_alive() -> None:
             if type(o) is Request and type(o.user_id) is int and base <= o.user_id < base + 8
         ]
         assert alive == []
+
+
+@pytest.mark.asyncio
+async def test_callers_that_waited_for_room_are_not_kept_alive_by_their_deadlines() -> None:
+    """With overload "wait", a caller accepted after waiting for room has a deadline
+    earlier than the queue's tail and a timer of its own; resolved, it must not stay
+    alive (its page tensors with it) until that timer falls due."""
+    def live_requests() -> int:
+        gc.collect()
+        return sum(type(o) is Request for o in gc.get_objects())
+
+    before = live_requests()
+    config = aiokv.EngineConfig(request_timeout_ms=600_000, overload="wait", max_pending=32)
+    async with aiokv.OffloadEngine(FakeStore(), make_caches(), config) as engine:
+
+        async def caller(user: int) -> None:
+            for i in range(100):
+                await engine.offload(user * 1000 + i, torch.arange(4 * user, 4 * user + 4), 16)
+
+        await asyncio.gather(*(caller(u) for u in range(40)))
+    assert live_requests() - before <= 1

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import PAGE_SIZE, small_store
+from conftest import PAGE_SIZE, make_caches, small_store
 from test_space import Holds
 
 import aiokv
-from aiokv.testing import CheckingStore, FaultyStore, no_space
+from aiokv.testing import CheckingStore, FakeStore, FaultyStore, no_space
 
 
 class Rig:
@@ -777,3 +778,38 @@ async def test_a_load_refused_for_overload_leaves_its_lookup_to_load_later(
         assert all(torch.equal(c[20:24], c[0:4]) for c in caches)
         assert rig.engine.stats().store_tasks_open == 0
     rig.assert_clean()
+
+
+class SlowRegister(FakeStore):
+    """Registers after 0.3 s, or fails to (``fail``)."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail = fail
+        self.registered = threading.Event()
+
+    def register(self, kv_caches: Any) -> None:
+        time.sleep(0.3)
+        if self.fail:
+            raise RuntimeError("register failed")
+        super().register(kv_caches)
+        self.registered.set()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fail", [False, True])
+async def test_a_second_start_returns_once_the_first_registered_and_fails_with_it(
+    fail: bool,
+) -> None:
+    store = SlowRegister(fail)
+    engine = aiokv.OffloadEngine(store, make_caches())
+    first = asyncio.create_task(engine.start())
+    await asyncio.sleep(0.05)  # the first start is registering the store now
+    if fail:
+        with pytest.raises(aiokv.EngineClosed, match="failed to start"):
+            await engine.start()
+    else:
+        await engine.start()
+        assert store.registered.is_set()
+    await asyncio.gather(first, return_exceptions=True)
+    await engine.aclose()

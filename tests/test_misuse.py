@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -466,3 +469,61 @@ def test_a_loop_factory_whose_loop_cannot_serve_is_refused_before_anything_start
             app_loop.close()
     with aiokv.run_in_background(engine) as kv:  # the engine was never started
         assert kv.offload(1, torch.arange(0, 2), 2 * PAGE_SIZE).stored_tokens == 2 * PAGE_SIZE
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_released_from_another_thread_is_wrong_loop_and_stays_held() -> None:
+    """Lookup.release() off the engine's loop would cancel the loop's TTL timer from that
+    thread (uvloop crashed on it); it raises WrongLoop, as every engine call does, and
+    leaves the hit held (threads release through run_in_background's BackgroundLookup)."""
+    async with aiokv.OffloadEngine(small_store(), make_caches()) as engine:
+        await engine.offload(1, torch.arange(4), 4 * PAGE_SIZE)
+        hit = await engine.lookup(1, 4 * PAGE_SIZE)
+        raised: list[BaseException] = []
+
+        def off_loop() -> None:
+            try:
+                hit.release()
+            except BaseException as exc:
+                raised.append(exc)
+
+        await asyncio.to_thread(off_loop)
+        assert [type(e) for e in raised] == [aiokv.WrongLoop]
+        assert hit.held
+        hit.release()  # on the loop
+        assert not hit.held
+
+
+@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_a_background_release_as_the_loop_thread_ends_starts_no_orphan_task(
+    new_loop: Callable[[], asyncio.AbstractEventLoop], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A BackgroundLookup.release() that comes while the loop's thread winds down (after
+    the close was handed over) is a no-op: no task that never runs, no "never awaited"."""
+    hit: Any = None
+
+    def factory() -> asyncio.AbstractEventLoop:
+        loop = new_loop()
+        shutdown = loop.shutdown_asyncgens
+
+        async def release_then_shutdown() -> None:  # on the loop's thread, at its end
+            thread = threading.Thread(target=hit.release)
+            thread.start()
+            thread.join()
+            await shutdown()
+
+        loop.shutdown_asyncgens = release_then_shutdown  # type: ignore[method-assign]
+        return loop
+
+    kv = aiokv.run_in_background(aiokv.OffloadEngine(small_store(), make_caches()),
+                                 loop_factory=factory)
+    kv.offload(1, torch.arange(4), 4 * PAGE_SIZE)
+    hit = kv.lookup(1, 4 * PAGE_SIZE)
+    with warnings.catch_warnings(record=True) as caught, \
+            caplog.at_level(logging.ERROR, "asyncio"):
+        warnings.simplefilter("always")
+        kv.close()
+        gc.collect()
+    assert not hit.held
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []

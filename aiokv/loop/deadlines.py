@@ -66,7 +66,7 @@ class Deadlines:
         elif queue and deadline < queue[-1][0]:
             # Earlier than the FIFO's tail (it waited for room while later callers were
             # accepted): a timer of its own keeps the FIFO in deadline order.
-            self._loop.call_at(deadline, self._expire, request)
+            request.timer = self._loop.call_at(deadline, self._expire, request)
             return deadline
         queue.append((deadline, request))
         if self._timer is None:

@@ -200,6 +200,9 @@ class Resolver:
         the engine on cancellation; not a done-callback, which would cost a loop
         callback."""
         request.stage = TERMINAL  # the store thread stops caring about it from now on
+        if request.timer is not None:  # its own deadline timer: it must not keep it alive
+            request.timer.cancel()
+            request.timer = None
         space = self.space
         if space is not None and space.waits:
             space.forget(request)
