@@ -15,8 +15,9 @@ returns, the copy thread starts the job, layer 0 is marked, the launch notice le
 store thread and reaches the loop, the caller holds its loads, and layer 0 is waited for.
 
 An offload batch (fresh keys each round, the host tier three batches large, so that from
-the fourth round on each batch evicts one) is stamped where the first and the last
-``put_match`` start and end, the launch returns, the copy thread takes the job, has its
+the fourth round on each batch evicts one) is stamped where its matches start and end
+(``put_match_many``; where puts are matched one by one, the first and the last
+``put_match``), the launch returns, the copy thread takes the job, has its
 page ids on the host, has planned and queued it, the copies end (the job is reported),
 the store's poll sees the tasks end, and the caller has every result; ``copies`` is the
 GiB/s of the bytes over the time from queued to reported, ``whole`` over the time from
@@ -62,7 +63,9 @@ def wrap(owner: Any, name: str, before: str | None, after: str | None = None,
          last: str | None = None) -> None:
     """Stamp ``before`` the first call, ``after`` the first return, ``last`` every return
     (the last one stays)."""
-    original: Callable[..., Any] = getattr(owner, name)
+    original: Callable[..., Any] | None = getattr(owner, name, None)
+    if original is None:  # an older tree's store, without this method
+        return
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if before:
@@ -95,8 +98,9 @@ def instrument() -> None:
 def instrument_offload() -> None:
     wrap(batcher.Batcher, "enqueue", "loop_enqueue")
     wrap(worker.StoreWorker, "_handle", "store_thread")
+    wrap(local_store.LocalStore, "put_match_many", "matching", "matched")
     wrap(local_store.LocalStore, "put_match", "put_match_first", "put_match_first_done",
-         last="put_match_last_done")
+         last="put_match_last_done")  # one by one: a store without the batch's match
     wrap(local_store.LocalStore, "launch", None, "launched")
     wrap(copier.Copier, "_queue_driver", "copy_thread", "queued")
     wrap(copier.Copier, "_move_cpu", "copy_thread", "queued")
@@ -123,6 +127,7 @@ def offloads(args: argparse.Namespace, device: torch.device, caches: list[torch.
     config = aiokv.EngineConfig(window_us=10_000_000, max_batch_requests=args.users,
                                 max_batch_tokens=args.users * args.tokens,
                                 max_pending=max(4 * args.users, 1024))
+    instrument_offload()  # first: the engine takes the store's methods as it starts
     kv = aiokv.run_in_background(aiokv.OffloadEngine(store, caches, config))
     generator = torch.Generator().manual_seed(0)
     where = torch.device("cpu") if args.host_ids else device
@@ -143,8 +148,6 @@ def offloads(args: argparse.Namespace, device: torch.device, caches: list[torch.
             sources = scatter()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if repeat == 3:
-                instrument_offload()
             at.clear()
             start = time.perf_counter()
             futures = [kv.submit_offload(u, sources[u], args.tokens, namespace=[f"o{repeat}-{u}"])

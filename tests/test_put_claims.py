@@ -260,3 +260,74 @@ async def test_a_history_longer_than_the_host_tier_keeps_growing(
             loaded = (await engine.load(hit, torch.arange(48, 56))).loaded_tokens
     assert loaded == 8 * PAGE
     assert all(torch.equal(t[48:56], o[:8]) for t, o in zip(tables, original, strict=True))
+
+
+def _stores(blocks: int) -> tuple[aiokv.LocalStore, aiokv.LocalStore]:
+    """Two embedded stores of ``blocks`` host blocks on the same caches."""
+    caches = make_caches()
+    block_gb = sum(c[0].nbytes for c in caches) / 1e9
+    made = []
+    for _ in range(2):
+        store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=blocks * block_gb * 1.0001,
+                                                   page_size=PAGE))
+        store.register(caches)
+        made.append(store)
+    return made[0], made[1]
+
+
+def _outcome(answer: Any) -> tuple[str, list[bool]]:
+    if isinstance(answer, Exception):
+        return type(answer).__name__, []
+    return "ok", answer[1].tolist()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_batch_of_puts_answers_as_the_same_puts_one_by_one(seed: int) -> None:
+    """put_match_many (one reservation for the batch's keys never seen) against the same
+    queries one by one on a twin store: the same answers (masks, or the same error) for
+    batches that mix new keys, a key named twice, grown and repeated histories of stored
+    keys, empty and too-large puts, and more new pages than fit."""
+    rng = np.random.default_rng(seed)
+    batched, single = _stores(blocks=48)
+    try:
+        stored: list[str] = []
+        for round_ in range(6):
+            queries = []
+            for i in range(int(rng.integers(1, 9))):
+                pick = rng.random()
+                if stored and pick < 0.3:
+                    key = stored[int(rng.integers(len(stored)))]  # stored: grown or repeated
+                elif queries and pick < 0.4:
+                    key = queries[int(rng.integers(len(queries)))][1][0]  # twice in the batch
+                else:
+                    key = f"r{round_}-{i}"
+                pages = int(rng.choice([0, 1, 3, 6, 12, 60]))  # 60: more than the tier
+                tokens = np.arange(pages * PAGE + int(rng.integers(0, PAGE)), dtype=np.int64)
+                queries.append((tokens, [key]))
+            many = batched.put_match_many(queries)
+            one = []
+            for query in queries:
+                try:
+                    one.append(single.put_match(*query))
+                except Exception as exc:
+                    one.append(exc)
+            assert [_outcome(a) for a in many] == [_outcome(a) for a in one]
+            for store, answers in ((batched, many), (single, one)):
+                ids = [a[0] for a in answers if not isinstance(a, Exception)]
+                store.launch(ids, [torch.arange(int(a[1].sum()) // PAGE) for a in answers
+                                   if not isinstance(a, Exception)], [None] * len(ids))
+                while len(store.try_wait(ids)) < len(ids):
+                    pass
+            stored += [q[1][0] for q, a in zip(queries, many, strict=True)
+                       if not isinstance(a, Exception) and a[1].any()]
+            assert batched.store_stats()["host_blocks_used"] == (
+                single.store_stats()["host_blocks_used"])
+            for key in {q[1][0] for q in queries} | set(stored):  # the same keys kept
+                hits = [store.get_match(np.arange(60 * PAGE, dtype=np.int64), [key])
+                        for store in (batched, single)]
+                assert hits[0][1].tolist() == hits[1][1].tolist(), key
+                batched.cancel([hits[0][0]])
+                single.cancel([hits[1][0]])
+    finally:
+        batched.close()
+        single.close()

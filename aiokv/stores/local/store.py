@@ -28,10 +28,10 @@ from ...config import StoreConfig
 from ...copy.marks import LayerMarks
 from ...errors import ConfigError
 from ...remote.link import RemoteLink
-from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from ..base import BoolArray, Int64Array, MatchAnswers, NoSpace, Queries, TaskResult
 from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
-from .claims import check_fits, check_written, on_host, to_hold
+from .claims import NewKey, check_fits, check_written, new_keys, on_host, to_hold
 from .completion import Task, TaskEnds, concat
 from .digests import chain_digests
 from .index import BlockIndex
@@ -187,6 +187,53 @@ class LocalStore:
         elif listed is not None:
             host.index.make_evictable(listed)
         return self._new_task(Task(True, mask, blocks, new_digests, owner)), mask
+
+    def put_match_many(self, queries: Queries) -> MatchAnswers:
+        """``put_match`` of each query in order (an answer or the exception it raised);
+        each run of puts of keys never seen takes its blocks in one reservation
+        (:func:`.claims.new_keys`). With an SSD or remote tier, one by one."""
+        host = self._require_host()
+        fresh = ({new.query: new for new in new_keys(host, queries, self.page_size)}
+                 if self._link is None and self._remote is None else {})
+        answers: MatchAnswers = []
+        at = 0
+        while at < len(queries):
+            run: list[NewKey] = []
+            while at + len(run) < len(queries) and at + len(run) in fresh:
+                run.append(fresh[at + len(run)])
+            if len(run) > 1:
+                answers += self._put_new(host, run, queries)
+                at += len(run)
+            else:  # in order: a put of a stored key first makes its pages recent
+                answers.append(self._put_one(*queries[at]))
+                at += 1
+        return answers
+
+    def _put_new(self, host: Tier, run: list[NewKey], queries: Queries) -> MatchAnswers:
+        """Puts of keys never seen, one after another in the batch: their blocks in one
+        reservation, else (no room for all) one by one, as put_match would."""
+        try:
+            blocks = host.reserve(sum(len(new.digests) for new in run))
+        except NoSpace:
+            return [self._put_one(*queries[new.query]) for new in run]
+        owners = host.index.insert_many([new.key for new in run],
+                                        [new.digests for new in run], blocks)
+        answers: MatchAnswers = []
+        at = 0
+        for new, owner in zip(run, owners, strict=True):
+            mask = np.zeros(new.tokens, dtype=np.bool_)
+            mask[: len(new.digests) * self.page_size] = True
+            mine = blocks[at : at + len(new.digests)]
+            at += len(new.digests)
+            answers.append((self._new_task(Task(True, mask, mine, new.digests, owner)), mask))
+        return answers
+
+    def _put_one(self, token_ids: Int64Array, namespace: Sequence[str]
+                 ) -> tuple[int, BoolArray] | Exception:
+        try:
+            return self.put_match(token_ids, namespace)
+        except Exception as exc:  # that query's answer, as one by one
+            return exc
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         """The longest READY prefix, host pages first, then the pages after them that
