@@ -1,6 +1,6 @@
 """What a put's match may count as stored, and what room it needs: the rules the embedded
-store's ``put_match`` and the store server's put matches (:mod:`aiokv.stores.shared.puts`)
-share.
+store's put matches (:mod:`.puts`) and the store server's
+(:mod:`aiokv.stores.shared.puts`) share.
 
 - A page of the key in a host block that is still being written (another put's, or a
   load's read from SSD) is not stored yet: that write may fail, and its block is then
@@ -21,24 +21,16 @@ share.
   copies down start at once, for a later match to evict them. All held, a key's own
   pages filled the host tier and kept it from ever growing: every append waited out
   request_timeout_ms.
-- A batch's puts of keys the store has never seen (:func:`new_keys`), one after another,
-  take their blocks in one reservation, as one put of all their pages would: nothing of
-  theirs is stored, nothing is held, and their keys differ, so their order changes
-  nothing but the work (one eviction and one allocation, not one per put). A put of a
-  stored key between them keeps its place: it makes its pages the most recent before
-  the puts after it evict.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
-from ..base import Int64Array, NoSpace, Queries, TooLarge
+from ..base import Int64Array, NoSpace, TooLarge
 from .blocks import READY, Tier
-from .digests import chain_digests
 from .tiering import TierLink
 
 
@@ -85,33 +77,3 @@ def to_hold(host: Tier, link: TierLink | None, key: tuple[str, ...], digests: Se
     if len(blocks) and new > host.available() - len(blocks):
         link.write_down(blocks)
     return blocks
-
-
-class NewKey(NamedTuple):
-    """A batch's put of a key the store has never seen: its query's index, the key, its
-    pages' digests and its tokens."""
-
-    query: int
-    key: tuple[str, ...]
-    digests: list[bytes]
-    tokens: int
-
-
-def new_keys(host: Tier, queries: Queries, page_size: int) -> list[NewKey]:
-    """The puts of ``queries`` whose key neither the host tier knows nor an earlier query
-    of the batch names, with at least one full page and no more than the tier has
-    blocks: each is all new pages. The others (a key's second put among them, which must
-    see the first's pages as being written) are matched one by one after them."""
-    fresh: list[NewKey] = []
-    seen: set[tuple[str, ...]] = set()
-    for index, (token_ids, namespace) in enumerate(queries):
-        key = tuple(namespace)
-        if key in seen:
-            continue
-        seen.add(key)
-        if host.index.space(key) is not None:
-            continue
-        digests = chain_digests(token_ids, page_size)
-        if digests and len(digests) <= host.num_blocks:
-            fresh.append(NewKey(index, key, digests, len(token_ids)))
-    return fresh

@@ -1,15 +1,15 @@
 """LocalStore: aiokv's embedded store, host blocks under a prefix index, with an
 optional SSD tier below (``ssd_cache_gb``).
 
-This module owns the Store protocol's tasks; how a job's end ends them is
-:mod:`.completion`'s, their copy jobs :mod:`.jobs`' (the data plane, :mod:`aiokv.copy`,
-checks and plans the callers' page ids off this thread), block states, readers and
-eviction a tier's (:mod:`.blocks`), and moving blocks between the host and the SSD tier
-the link's (:mod:`.tiering`). All metadata is touched only on the caller's thread (the
-engine's store thread); the copy and I/O threads only move bytes and report. That
-thread holds the GIL for all of it, so the bookkeeping is done per task or per copy job
-with numpy over arrays of blocks and C-level dict operations, never a Python loop per
-block.
+This module owns the Store protocol's tasks; what a put reserves is :mod:`.puts`', how
+a job's end ends them :mod:`.completion`'s, their copy jobs :mod:`.jobs`' (the data
+plane, :mod:`aiokv.copy`, checks and plans the callers' page ids off this thread), block
+states, readers and eviction a tier's (:mod:`.blocks`), and moving blocks between the
+host and the SSD tier the link's (:mod:`.tiering`). All metadata is touched only on the
+caller's thread (the engine's store thread); the copy and I/O threads only move bytes
+and report. That thread holds the GIL for all of it, so the bookkeeping is done per task
+or per copy job with numpy over arrays of blocks and C-level dict operations, never a
+Python loop per block.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from ...config import StoreConfig
 from ...copy.marks import LayerMarks
 from ...errors import ConfigError
 from ...remote.link import RemoteLink
-from ..base import BoolArray, Int64Array, MatchAnswers, NoSpace, Queries, TaskResult
+from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
-from .claims import NewKey, check_fits, check_written, new_keys, on_host, to_hold
 from .completion import Task, TaskEnds, concat
 from .digests import chain_digests
 from .index import BlockIndex
 from .jobs import CopyJobs
 from .pool import HostPool
+from .puts import Puts
 from .tiering import TierLink
 
 log = logging.getLogger("aiokv")
@@ -66,6 +66,7 @@ class LocalStore:
         self._jobs: CopyJobs | None = None  # the copiers, from register to close
         self._host: Tier | None = None
         self._link: TierLink | None = None
+        self._puts: Puts | None = None  # put matches, from register
         self._num_layers = 0
         self._gpu_pages = 0  # pages per cache table, known at register
         self._tasks: dict[int, Task] = {}
@@ -99,6 +100,7 @@ class LocalStore:
         self._pool, self._host, self._link = parts.pool, parts.host, parts.link
         self._jobs = parts.jobs
         self._remote = parts.remote
+        self._puts = Puts(parts.host, parts.link, parts.remote, page_size, self._new_task)
         ends.host, ends.link, ends.remote = parts.host, parts.link, parts.remote
         ends.block_bytes = parts.pool.block_bytes
         self._num_layers = len(kv_caches)
@@ -132,108 +134,13 @@ class LocalStore:
         write. Raises NoSpace when some page is new and the host tier cannot take all new
         pages now (also while blocks it would evict are still being written to SSD), and
         while a page of the key is still being written; TooLarge when the new pages are
-        more than the host tier has blocks (:mod:`.claims`)."""
-        host = self._require_host()
-        link = self._link
-        if link is not None:
-            link.drain()
-        if self._remote is not None:
-            self._remote.drain()
-        page_size = self.page_size
-        key = tuple(namespace)
-        digests = chain_digests(token_ids, page_size)
-        n = len(digests)
-        space = host.index.space(key)
-        present: list[int | None] | None = (
-            list(map(space.get, digests)) if space is not None else None
-        )
-        if link is not None:
-            present = link.mark_stored_below(key, digests, present)
-        missing_count = n if present is None else present.count(None)
-        check_fits(host, missing_count, n)
-        if present is not None and missing_count < n:
-            held = on_host(present)
-            check_written(host, held)  # a page still being written is not stored yet
-            # Stored pages become the most recent; while new blocks are reserved, they are
-            # out of the LRU so that eviction cannot take them (but for SSD copies: claims).
-            held = to_hold(host, link, key, digests, present, held, missing_count)
-            listed = host.index.make_unevictable(held)
-        else:
-            listed = None
-        mask = np.zeros(len(token_ids), dtype=np.bool_)
-        blocks = NO_BLOCKS
-        new_digests: list[bytes] = []
-        owner = space
-        if missing_count:
-            try:
-                if link is not None:
-                    link.leave_owed(missing_count)  # loads launched before it wait for room
-                blocks = host.reserve(missing_count)
-            finally:
-                if listed is not None:
-                    host.index.make_evictable(listed)
-            if present is None or missing_count == n:
-                first, new_digests = 0, digests
-            else:
-                first = present.index(None)
-                new_digests = [d for d, b in zip(digests, present, strict=True) if b is None]
-            owner = host.index.insert(key, new_digests, blocks)
-            if n - first == missing_count:  # the usual: a suffix
-                mask[first * page_size : n * page_size] = True
-            else:
-                pages = mask[: n * page_size].reshape(-1, page_size)
-                assert present is not None
-                pages[[i for i, b in enumerate(present) if b is None]] = True
-        elif listed is not None:
-            host.index.make_evictable(listed)
-        return self._new_task(Task(True, mask, blocks, new_digests, owner)), mask
+        more than the host tier has blocks (:mod:`.claims`, :mod:`.puts`)."""
+        return self._require_puts().match(token_ids, namespace)
 
     def put_match_many(self, queries: Queries) -> MatchAnswers:
-        """``put_match`` of each query in order (an answer or the exception it raised);
-        each run of puts of keys never seen takes its blocks in one reservation
-        (:func:`.claims.new_keys`). With an SSD or remote tier, one by one."""
-        host = self._require_host()
-        fresh = ({new.query: new for new in new_keys(host, queries, self.page_size)}
-                 if self._link is None and self._remote is None else {})
-        answers: MatchAnswers = []
-        at = 0
-        while at < len(queries):
-            run: list[NewKey] = []
-            while at + len(run) < len(queries) and at + len(run) in fresh:
-                run.append(fresh[at + len(run)])
-            if len(run) > 1:
-                answers += self._put_new(host, run, queries)
-                at += len(run)
-            else:  # in order: a put of a stored key first makes its pages recent
-                answers.append(self._put_one(*queries[at]))
-                at += 1
-        return answers
-
-    def _put_new(self, host: Tier, run: list[NewKey], queries: Queries) -> MatchAnswers:
-        """Puts of keys never seen, one after another in the batch: their blocks in one
-        reservation, else (no room for all) one by one, as put_match would."""
-        try:
-            blocks = host.reserve(sum(len(new.digests) for new in run))
-        except NoSpace:
-            return [self._put_one(*queries[new.query]) for new in run]
-        owners = host.index.insert_many([new.key for new in run],
-                                        [new.digests for new in run], blocks)
-        answers: MatchAnswers = []
-        at = 0
-        for new, owner in zip(run, owners, strict=True):
-            mask = np.zeros(new.tokens, dtype=np.bool_)
-            mask[: len(new.digests) * self.page_size] = True
-            mine = blocks[at : at + len(new.digests)]
-            at += len(new.digests)
-            answers.append((self._new_task(Task(True, mask, mine, new.digests, owner)), mask))
-        return answers
-
-    def _put_one(self, token_ids: Int64Array, namespace: Sequence[str]
-                 ) -> tuple[int, BoolArray] | Exception:
-        try:
-            return self.put_match(token_ids, namespace)
-        except Exception as exc:  # that query's answer, as one by one
-            return exc
+        """``put_match`` of each query in order (an answer or the exception it raised),
+        a batch's puts of keys never seen in one reservation (:mod:`.puts`)."""
+        return self._require_puts().match_many(queries)
 
     def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
         """The longest READY prefix, host pages first, then the pages after them that
@@ -498,6 +405,11 @@ class LocalStore:
         if self._host is None or self._pool is None:
             raise RuntimeError("LocalStore is not registered (or already closed)")
         return self._host
+
+    def _require_puts(self) -> Puts:
+        self._require_host()
+        assert self._puts is not None  # made with the host tier
+        return self._puts
 
     def _require_jobs(self) -> CopyJobs:
         if self._jobs is None:
