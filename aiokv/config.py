@@ -369,6 +369,21 @@ def parse_config(document: object) -> tuple[EngineConfig, StoreConfig]:
     return engine, store
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is a ConfigError (YAML
+    would keep the last silently: a whole second ``store:`` section replaces the first)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise ConfigError(key, f"given twice (line {key_node.start_mark.line + 1}); "
+                                       "YAML would keep only the last")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path) -> tuple[EngineConfig, StoreConfig]:
     """Read a YAML config file. Raises ConfigError for a missing file or bad content."""
     try:
@@ -376,7 +391,23 @@ def load_config(path: str | Path) -> tuple[EngineConfig, StoreConfig]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("path", f"cannot read config file {str(path)!r}: {exc}") from exc
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no objects
     except yaml.YAMLError as exc:
         raise ConfigError("path", f"{str(path)!r} is not valid YAML: {exc}") from exc
     return parse_config(document)
+
+
+def store_config(config: object, backend: str | None = None) -> StoreConfig:
+    """A store's ``config`` argument: a StoreConfig, a mapping of the ``store:`` section's
+    keys, or None (the defaults); ConfigError otherwise, or for another ``backend``."""
+    if config is None:
+        config = StoreConfig()
+    elif isinstance(config, Mapping):
+        config = build_section(StoreConfig, "store", config)
+    elif not isinstance(config, StoreConfig):
+        raise ConfigError("config", f"must be an aiokv.StoreConfig, a mapping of its keys or "
+                                    f"None, got {type(config).__name__}")
+    if backend is not None and config.backend != backend:
+        raise ConfigError("store.backend", f"is {config.backend!r}; this store is {backend!r} "
+                                           "(aiokv.stores.make_store picks the backend's)")
+    return config

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from . import validate
 from .copy.marks import LayerFailed, LayerMarks, Waiter
 from .errors import BlockingCallOnLoop, InvalidRequest, NotLoaded, StoreError
 from .loop.binding import check_loop
@@ -361,6 +362,7 @@ class BackgroundLayerwiseLoad:
     def layer_ready(self, layer: int, timeout: float | None = None) -> None:
         """Block until layer ``layer`` is in the pages (:meth:`LayerwiseLoad.layer_ready`)
         or ``timeout`` seconds pass (TimeoutError)."""
+        timeout = validate.wait_timeout(timeout)
         load = self.load
         if load._ended:  # also once the handle closed and its loop is gone
             load._check(layer)
@@ -376,6 +378,7 @@ class BackgroundLayerwiseLoad:
 
     def result(self, timeout: float | None = None) -> LoadResult:
         """Block for the load's LoadResult or error (TimeoutError after ``timeout``)."""
+        timeout = validate.wait_timeout(timeout)
         end = self.load._end
         if end.done():  # also once the handle closed and its loop is gone
             if end.cancelled():

@@ -71,9 +71,11 @@ def page_ids(page_ids: object, device: torch.device) -> torch.Tensor:
         if page_ids.dtype.kind != "i" or page_ids.dtype.itemsize not in (4, 8):
             raise InvalidRequest("page_ids", f"must be int32 or int64, got {page_ids.dtype}")
         # torch takes neither negative strides nor a foreign byte order.
-        page_ids = torch.from_numpy(
-            np.ascontiguousarray(page_ids, dtype=page_ids.dtype.newbyteorder("="))
+        page_ids = torch.from_numpy(  # a copy: the caller may reuse its array at once
+            np.array(page_ids, dtype=page_ids.dtype.newbyteorder("="), order="C", copy=True)
         )
+    elif page_ids.is_cpu:
+        page_ids = page_ids.clone()  # the caller may reuse its buffer before the batch runs
     if page_ids.ndim != 1:
         raise InvalidRequest("page_ids", f"must be 1-D, got shape {list(page_ids.shape)}")
     if page_ids.layout is not torch.strided:  # a sparse tensor cannot be sliced per move
@@ -103,7 +105,7 @@ def token_ids(token_ids: Any, num_tokens: int) -> Int64Array | None:
         raise InvalidRequest("token_ids", "must be an int64 numpy array or CPU tensor")
     if token_ids.shape != (num_tokens,):
         raise InvalidRequest("token_ids", f"must have shape ({num_tokens},), got {token_ids.shape}")
-    return token_ids
+    return token_ids.copy()  # read on the store thread, after the caller may reuse it
 
 
 def default_namespace(user_id: Hashable) -> tuple[str, ...]:
@@ -196,6 +198,20 @@ def close_args(drain: object, timeout: object) -> tuple[bool, float]:
     if not 0 <= seconds < float("inf"):
         raise InvalidRequest("timeout", f"must be a finite number of seconds >= 0, got {timeout}")
     return drain, seconds
+
+
+def wait_timeout(timeout: object) -> float | None:
+    """A blocking wait's ``timeout``: None (no limit) or a finite number of seconds >= 0."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
+                                                             np.floating)):
+        raise InvalidRequest("timeout", f"must be a number of seconds or None, got "
+                                        f"{type(timeout).__name__} {reprlib.repr(timeout)}")
+    seconds = float(timeout)
+    if not 0 <= seconds < float("inf"):
+        raise InvalidRequest("timeout", f"must be a finite number of seconds >= 0, got {timeout}")
+    return seconds
 
 
 def at_most(field: str, value: int, bound: int, what: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...config import StoreConfig
+from ...config import StoreConfig, store_config
 from ...copy.marks import LayerMarks
 from ...errors import ConfigError
 from ...remote.link import RemoteLink
@@ -55,7 +55,7 @@ class LocalStore:
     """
 
     def __init__(self, config: StoreConfig | None = None) -> None:
-        self._config = config or StoreConfig()
+        self._config = store_config(config, "local")
         if self._config.ssd_cache_gb > 0 and not self._config.ssd_dirs():
             raise ConfigError(
                 "store.ssd_cache_gb",

@@ -1,0 +1,91 @@
+"""The call boundary keeps what the caller gave at the call: a page-id or token-id buffer
+reused right after the call changes nothing stored; a config given twice, of the wrong
+type or for another backend, and a blocking wait's bad timeout, are typed errors naming
+the key (they were silently the last value, an AttributeError, a private store, or an
+error from inside threading)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import PAGE_SIZE, small_store
+
+import aiokv
+
+TOKENS = 4 * PAGE_SIZE
+
+
+def _two_call_batches() -> aiokv.EngineConfig:
+    # A batch dispatches only once both calls are in: the caller's edit lands before it.
+    return aiokv.EngineConfig(window_us=200_000, max_batch_requests=2)
+
+
+@pytest.mark.asyncio
+async def test_reusing_the_page_id_buffer_after_offload_does_not_change_what_is_stored(
+    caches: list[torch.Tensor],
+) -> None:
+    async with aiokv.OffloadEngine(small_store(), caches, _two_call_batches()) as engine:
+        ids = torch.arange(0, 4)
+        first = asyncio.ensure_future(engine.offload(1, ids, TOKENS))
+        await asyncio.sleep(0)  # accepted, not yet dispatched
+        ids.copy_(torch.arange(10, 14))  # the caller reuses its buffer for user 2
+        await asyncio.gather(first, engine.offload(2, ids, TOKENS))
+        async with await engine.lookup(1, TOKENS) as hit:
+            await engine.load(hit, torch.arange(20, 24))
+    assert all(torch.equal(c[20:24], c[0:4]) for c in caches), "user 1 got user 2's pages"
+
+
+@pytest.mark.asyncio
+async def test_reusing_the_token_id_buffer_after_offload_does_not_change_the_key(
+    caches: list[torch.Tensor],
+) -> None:
+    async with aiokv.OffloadEngine(small_store(), caches, _two_call_batches()) as engine:
+        tokens = np.arange(TOKENS, dtype=np.int64)
+        first = asyncio.ensure_future(engine.offload(1, torch.arange(4), TOKENS, token_ids=tokens))
+        await asyncio.sleep(0)
+        tokens[:] = 7
+        await asyncio.gather(first, engine.offload(2, torch.arange(4, 8), TOKENS))
+        hit = await engine.lookup(1, TOKENS, token_ids=np.arange(TOKENS, dtype=np.int64))
+        assert hit.cached_tokens == TOKENS
+        hit.release()
+
+
+@pytest.mark.parametrize("text", [
+    "store:\n  ssd_cache_gb: 4\nstore:\n  cpu_cache_gb: 0.05\n",
+    "engine:\n  request_timeout_ms: 5000\n  request_timeout_ms: 0\n",
+])
+def test_a_key_given_twice_in_yaml_is_a_config_error(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "c.yml"
+    path.write_text(text)
+    with pytest.raises(aiokv.ConfigError, match="twice"):
+        aiokv.load_config(path)
+
+
+@pytest.mark.parametrize("config", [{"cpu_cache_gb": -1}, "x", [1]])
+def test_local_store_takes_a_store_config_or_says_why(config: object) -> None:
+    with pytest.raises(aiokv.ConfigError):
+        aiokv.LocalStore(config)  # type: ignore[arg-type]
+
+
+def test_local_store_refuses_a_config_for_another_backend() -> None:
+    config = aiokv.StoreConfig(backend="shared", socket="/tmp/aiokv-none.sock")
+    with pytest.raises(aiokv.ConfigError, match=r"store\.backend"):
+        aiokv.LocalStore(config)
+
+
+@pytest.mark.parametrize("timeout", ["5", -1.0, float("nan")])
+def test_background_layer_waits_refuse_a_bad_timeout(
+    caches: list[torch.Tensor], timeout: object
+) -> None:
+    with aiokv.run_in_background(aiokv.OffloadEngine(small_store(), caches)) as kv:
+        kv.offload(1, torch.arange(4), TOKENS)
+        load = kv.load_layerwise(kv.lookup(1, TOKENS), torch.arange(20, 24))
+        for wait in (lambda: load.layer_ready(0, timeout=timeout),
+                     lambda: load.result(timeout=timeout)):
+            with pytest.raises(aiokv.InvalidRequest, match="timeout"):
+                wait()
+        load.result()
