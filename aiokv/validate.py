@@ -190,23 +190,18 @@ def close_args(drain: object, timeout: object) -> tuple[bool, float]:
     if not isinstance(drain, bool):
         raise InvalidRequest("drain", f"must be a bool, got {type(drain).__name__} "
                                       f"{reprlib.repr(drain)}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
-                                                             np.floating)):
-        raise InvalidRequest("timeout", f"must be a number of seconds, got "
-                                        f"{type(timeout).__name__} {reprlib.repr(timeout)}")
-    seconds = float(timeout)
-    if not 0 <= seconds < float("inf"):
-        raise InvalidRequest("timeout", f"must be a finite number of seconds >= 0, got {timeout}")
-    return drain, seconds
+    return drain, _seconds(timeout, "a number of seconds")
 
 
 def wait_timeout(timeout: object) -> float | None:
     """A blocking wait's ``timeout``: None (no limit) or a finite number of seconds >= 0."""
-    if timeout is None:
-        return None
+    return None if timeout is None else _seconds(timeout, "a number of seconds or None")
+
+
+def _seconds(timeout: object, wanted: str) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
                                                              np.floating)):
-        raise InvalidRequest("timeout", f"must be a number of seconds or None, got "
+        raise InvalidRequest("timeout", f"must be {wanted}, got "
                                         f"{type(timeout).__name__} {reprlib.repr(timeout)}")
     seconds = float(timeout)
     if not 0 <= seconds < float("inf"):
