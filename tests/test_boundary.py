@@ -7,6 +7,7 @@ error from inside threading)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -89,3 +90,12 @@ def test_background_layer_waits_refuse_a_bad_timeout(
             with pytest.raises(aiokv.InvalidRequest, match="timeout"):
                 wait()
         load.result()
+
+
+def test_an_ssd_directory_without_an_ssd_size_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, "aiokv"):
+        aiokv.LocalStore(aiokv.StoreConfig(ssd_cache_dir=str(tmp_path)))
+    assert any("ssd_cache_gb is 0: no SSD tier" in r.getMessage() and str(tmp_path)
+               in r.getMessage() for r in caplog.records)

@@ -61,6 +61,10 @@ class LocalStore:
                 "store.ssd_cache_gb",
                 f"is {self._config.ssd_cache_gb}, but store.ssd_cache_dir names no directory",
             )
+        if self._config.ssd_cache_gb == 0 and self._config.ssd_dirs():
+            # A ConfigError would refuse configs kept as templates, sized elsewhere.
+            log.warning("aiokv: store.ssd_cache_dir is set but store.ssd_cache_gb is 0: no "
+                        "SSD tier (set ssd_cache_gb to use %s)", ", ".join(self._config.ssd_dirs()))
         self.page_size = self._config.page_size or 0
         self._pool: HostPool | None = None
         self._jobs: CopyJobs | None = None  # the copiers, from register to close
