@@ -104,6 +104,10 @@ class CopyJob:
     invalid: dict[int, str] = field(default_factory=dict)
     check_only: bool = False
     copied: int = 0
+    # A load copied in parts (its check job, then chunks): its task id, and whether this
+    # job is its last. Once its check job refused its ids, its later parts copy nothing.
+    load: int = 0
+    ends_load: bool = False
 
 
 @dataclass(slots=True)
@@ -156,6 +160,7 @@ class Copier:
         # Shared with the store's other copier: which way a job's ids come (:mod:`.ids`).
         self._offloads = offloads if offloads is not None else OffloadsInFlight()
         self._pools: list[EventPool] = []  # destroyed by the done thread at its end
+        self._refused: dict[int, str] = {}  # split loads whose check job failed: why
         self._cuda = self._device.type == "cuda"
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._cuda:
@@ -264,6 +269,15 @@ class Copier:
     def _checked(self, job: CopyJob, ids: Int64Array) -> tuple[Int64Array, Int64Array]:
         """The job's (pages, blocks) less the segments whose ids are refused (job.invalid,
         their marks failed)."""
+        refused = self._refused.pop(job.load, None) if job.ends_load else (
+            self._refused.get(job.load) if job.load else None)
+        if refused is not None:  # its check job refused the load: none of it is copied
+            for segment in range(len(job.names)):
+                job.invalid[segment] = refused
+                marks = job.marks[segment] if job.marks else None
+                if marks is not None:
+                    marks.fail(refused, field="page_ids")
+            return ids[:0], job.blocks[:0]
         keep: np.ndarray | None = None
         at = 0
         for segment in range(len(job.names)):
@@ -279,6 +293,8 @@ class Copier:
                     marks.fail(why, field="page_ids")
             at += count
         if job.check_only:
+            if job.invalid and job.load:
+                self._refused[job.load] = next(iter(job.invalid.values()))
             return ids[:0], job.blocks[:0]
         if len(ids) != len(job.blocks):
             raise ValueError(f"{len(ids)} page ids for {len(job.blocks)} host blocks")

@@ -40,6 +40,8 @@ class CopyJobs:
             ready=list(events.values()),
             marks=[task.marks for task in tasks],
             check_only=blocks is None,
+            load=load.task.task_id if load is not None and load.gpu_pages is not None else 0,
+            ends_load=bool(tasks) and load is not None,
         )
         size = len(tasks[0].blocks) if tasks else 0  # the tasks' common block count, or 0
         if any(len(task.blocks) != size for task in tasks):
