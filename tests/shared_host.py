@@ -6,6 +6,7 @@ over a pipe, each answered once. Each user's KV is made from the user id, so any
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -86,6 +88,29 @@ class Server:
                  "--config", str(self.config)],
                 stderr=log, timeout=60, check=False)
         return done.returncode, self.log.read_text()
+
+    def run_here(self) -> tuple[int, str]:
+        """:meth:`run_to_end` in this process, through the command's own entry point: no
+        interpreter (and torch) to start for a server that refuses to start. (exit
+        status, what the server logged). On a thread of its own: a server that does start
+        cannot install its signal handlers there and raises, rather than serve for good."""
+        from aiokv import cli
+
+        said: list[str] = []
+        handler = logging.Handler(logging.DEBUG)
+        handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+        logger = logging.getLogger("aiokv")
+        returned: list[int] = []
+        argv = ["store-server", "--socket", str(self.socket), "--config", str(self.config)]
+        runs = threading.Thread(target=lambda: returned.append(cli.main(argv)), daemon=True)
+        logger.addHandler(handler)
+        try:
+            runs.start()
+            runs.join(60)
+        finally:
+            logger.removeHandler(handler)
+        assert returned, "the store-server did not return; it logged: " + "\n".join(said)
+        return returned[0], "\n".join(said)
 
     def signal(self, signum: int) -> int:
         assert self.process is not None

@@ -72,7 +72,7 @@ def test_a_second_server_on_a_busy_ssd_directory_refuses_naming_it(tmp_path: Pat
     try:
         second = ssd_server(tmp_path)
         second.socket = tmp_path / "run2" / "other.sock"
-        code, log = second.run_to_end()
+        code, log = second.run_here()
         assert code == 2
         assert str(tmp_path / "ssd") in log
         assert f"in use by another aiokv store-server (pid {first.process.pid}" in log  # type: ignore[union-attr]
@@ -85,7 +85,7 @@ def test_a_socket_directory_open_to_others_is_refused(tmp_path: Path, mode: int)
     run = tmp_path / "run"
     run.mkdir()
     run.chmod(mode)
-    code, log = Server(tmp_path).run_to_end()
+    code, log = Server(tmp_path).run_here()
     assert code == 2
     assert f"is open to other users (mode {mode:o})" in log
 
@@ -168,7 +168,7 @@ def test_an_engine_on_the_shared_backend_refuses_the_keys_of_the_servers_tiers(
 
 
 def test_a_server_config_it_cannot_honour_is_refused_naming_the_key(tmp_path: Path) -> None:
-    code, log = Server(tmp_path, {"backend": "flexkv"}).run_to_end()
+    code, log = Server(tmp_path, {"backend": "flexkv"}).run_here()
     assert code == 2
     assert "store.backend: the server runs the embedded store" in log
 

@@ -138,7 +138,7 @@ def test_caches_of_another_geometry_are_refused_naming_what_differs(host: Host) 
 def test_a_second_server_on_the_same_socket_refuses(host: Host, tmp_path: Path) -> None:
     server, _ = host
     second = Server(tmp_path, socket_path=server.socket)
-    code, log = second.run_to_end()
+    code, log = second.run_here()
     assert code == 2
     assert f"in use by another aiokv store-server (pid {server.process.pid}" in log  # type: ignore[union-attr]
 
