@@ -286,7 +286,8 @@ def test_a_stopped_server_times_out_one_call_then_calls_fail_fast_until_it_answe
     calls, its figures included, fail at once for a backoff instead of each waiting for a
     timeout again (a hello into the stopped server's backlog waits HELLO_TIMEOUT_S at
     most); once it runs again, the same store is served what it kept."""
-    monkeypatch.setattr(link, "CALL_TIMEOUT_S", 5.0)
+    # 3 s: a call that waited CALL_TIMEOUT_S again would fail the "< 3" below.
+    monkeypatch.setattr(link, "CALL_TIMEOUT_S", 3.0)
     monkeypatch.setattr(link, "HELLO_TIMEOUT_S", 1.0)
     monkeypatch.setattr(reconnect, "BACKOFF_FIRST_S", 2.0)
     server = Server(tmp_path).start()
@@ -335,7 +336,7 @@ def test_an_engine_on_a_stopped_server_fails_its_lookups_fast_after_the_first(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's view: one lookup waits CALL_TIMEOUT_S; the next ones (and the figures
     refreshed after each batch) fail at once, not a timeout (or two) each."""
-    monkeypatch.setattr(link, "CALL_TIMEOUT_S", 4.0)
+    monkeypatch.setattr(link, "CALL_TIMEOUT_S", 3.0)  # one more wait fails the "< 3"
     monkeypatch.setattr(link, "HELLO_TIMEOUT_S", 1.0)
     server = Server(tmp_path).start()
     assert server.process is not None
