@@ -88,12 +88,36 @@ class Bench:
         return mask
 
 
-@pytest.fixture(params=_params())
-def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
-    b = Bench(*request.param)
+# The store of its own process: started once for the module's store-level tests (a start
+# is an interpreter and torch, seconds on a 2-core box, for tests of milliseconds). Each
+# such test still begins on an empty store and on the caches as made (:func:`bench`).
+SHARED = ("local", "cpu", True)
+
+
+@pytest.fixture(scope="module")
+def process_bench() -> Iterator[Bench]:
+    b = Bench(*SHARED)
     b.store.register(b.caches)
     yield b
     b.store.close()
+
+
+@pytest.fixture(params=_params())
+def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
+    if request.param != SHARED:
+        b = Bench(*request.param)
+        b.store.register(b.caches)
+        yield b
+        b.store.close()
+        return
+    b = request.getfixturevalue("process_bench")
+    for cache, original in zip(b.caches, b.original, strict=True):
+        cache.copy_(original)
+    yield b
+    b.store.clear()
+    # Nothing the test matched or launched holds a block past the clear: the next test
+    # begins on an empty store.
+    assert b.store.store_stats()["host_blocks_used"] == 0, "the test left store tasks open"
 
 
 def test_put_mask_covers_full_pages_only_then_dedups(bench: Bench) -> None:
