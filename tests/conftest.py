@@ -24,8 +24,8 @@ from aiokv.stores.local import ssd_io
 # The plugin's fixtures (aiokv_engine, ...). An install made before its pytest11 entry
 # point existed does not load it by itself.
 PLUGIN_INSTALLED = any(ep.value == "aiokv.pytest_plugin" for ep in entry_points(group="pytest11"))
-if not PLUGIN_INSTALLED:
-    pytest_plugins = ["aiokv.pytest_plugin"]
+# pytester: test_pytest_plugin.py runs a user's suite in a pytest session of its own.
+pytest_plugins = ["pytester"] + ([] if PLUGIN_INSTALLED else ["aiokv.pytest_plugin"])
 
 
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], Any]]:

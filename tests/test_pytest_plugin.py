@@ -1,12 +1,11 @@
-"""The pytest plugin: a user's test files, run by pytest in a subprocess, use its fixtures."""
+"""The pytest plugin: a user's test files, run by a pytest session of their own, use its fixtures."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
-import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -112,34 +111,40 @@ async def test_second_a_fresh_engine_on_the_same_loop(aiokv_engine):
 
 
 def run_user_suite(
-    tmp_path: Path, files: dict[str, str], ini: str = ""
+    pytester: pytest.Pytester, files: dict[str, str], ini: str = ""
 ) -> subprocess.CompletedProcess[str]:
     for name, text in files.items():
-        (tmp_path / name).write_text(textwrap.dedent(text))
-    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = strict\n" + ini)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        (pytester.path / name).write_text(textwrap.dedent(text))
+    (pytester.path / "pytest.ini").write_text("[pytest]\nasyncio_mode = strict\n" + ini)
     # Where the entry point is installed (a fresh `make setup`), pytest loads the plugin by
     # itself, as it would for a user; an older install of this checkout needs -p.
     plugin = [] if PLUGIN_INSTALLED else ["-p", "aiokv.pytest_plugin"]
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
+    # In this process: a session of its own (its config, plugins, modules and working
+    # directory), without an interpreter and torch to start for it. The warnings its
+    # configure shows (a user's ini without asyncio_default_fixture_loop_scope) go to its
+    # stderr, as from a process of its own, not to this test's.
+    with warnings.catch_warnings(record=True) as shown:
+        result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", *plugin)
+    stderr = "".join(f"{w.category.__name__}: {w.message}\n" for w in shown)
+    return subprocess.CompletedProcess("pytest", int(result.ret), result.stdout.str(),
+                                       result.stderr.str() + stderr)
 
 
-def test_a_users_suite_runs_on_the_fixtures(tmp_path: Path) -> None:
+def test_a_users_suite_runs_on_the_fixtures(pytester: pytest.Pytester) -> None:
     result = run_user_suite(
-        tmp_path, {"test_user.py": USER_TESTS, "test_overrides.py": USER_OVERRIDES}
+        pytester, {"test_user.py": USER_TESTS, "test_overrides.py": USER_OVERRIDES}
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "5 passed" in result.stdout
 
 
-def test_the_engine_fixture_follows_the_default_fixture_loop_scope(tmp_path: Path) -> None:
+def test_the_engine_fixture_follows_the_default_fixture_loop_scope(
+    pytester: pytest.Pytester,
+) -> None:
     # A suite whose tests share a module's loop sets pytest-asyncio's default fixture
     # loop scope to match; aiokv_engine then starts on that loop, once per test.
     result = run_user_suite(
-        tmp_path,
+        pytester,
         {"test_module_loop.py": USER_MODULE_LOOP},
         ini="asyncio_default_fixture_loop_scope = module\n",
     )
@@ -163,8 +168,8 @@ async def test_leaves_nothing(aiokv_engine):
 '''
 
 
-def test_a_test_that_leaves_a_lookup_behind_fails(tmp_path: Path) -> None:
-    result = run_user_suite(tmp_path, {"test_leaks.py": USER_LEAKS})
+def test_a_test_that_leaves_a_lookup_behind_fails(pytester: pytest.Pytester) -> None:
+    result = run_user_suite(pytester, {"test_leaks.py": USER_LEAKS})
     assert "2 passed, 1 error" in result.stdout, result.stdout  # its teardown fails
     assert "the test left 1 store tasks matched or launched, not terminal" in result.stdout
 
