@@ -81,7 +81,7 @@ ENGINE = textwrap.dedent(
     import aiokv
     import aiokv.stores.spawn as spawn
 
-    spawn.ORPHAN_GRACE_S = 1.0
+    spawn.ORPHAN_GRACE_S = 0.5
     store = aiokv.ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     store.register([torch.zeros(16, 2, 4, 2, 8)])
     input()  # serves until killed
@@ -126,7 +126,7 @@ def test_a_store_process_ends_with_what_it_started_when_its_engine_is_killed(
         pids = pids_when_written(tmp_path / "pids", engine)
         engine.kill()
         engine.wait()
-        deadline = time.monotonic() + 20  # its grace is 1 s, its watch looks twice a second
+        deadline = time.monotonic() + 20  # its grace is 0.5 s, its watch looks twice a second
         while any(map(alive, pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [pid for pid in pids if alive(pid)], "outlived the engine's process"
@@ -220,11 +220,11 @@ def test_a_launcher_between_the_engine_and_its_store_process_is_no_orphaning(
     launcher.write_text(f'#!/bin/sh\n"{sys.executable}" "$@"\n')
     launcher.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(launcher))
-    monkeypatch.setattr(spawn, "ORPHAN_GRACE_S", 0.5)
+    monkeypatch.setattr(spawn, "ORPHAN_GRACE_S", 0.25)
     store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     store.register([torch.zeros(16, 2, 4, 2, 8)])
     try:
-        time.sleep(2.0)  # past the grace, and the watch's look
+        time.sleep(1.0)  # past the grace, and the watch's look (twice a second)
         task, _ = store.get_match(np.arange(8, dtype=np.int64), ())
         store.cancel([task])
         assert store.restarts == 0
