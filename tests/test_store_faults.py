@@ -19,6 +19,7 @@ import aiokv
 from aiokv.copy.copier import Copier
 from aiokv.stores.base import Store, TaskResult
 from aiokv.testing import CheckingStore, StoreWrapper
+from aiokv.worker import recovery
 
 TOKENS = 4 * PAGE_SIZE
 
@@ -145,6 +146,9 @@ async def test_a_try_wait_outage_longer_than_a_moment_leaves_the_offload_pending
     caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+    # The failures are counted, not timed: their backoff (doubling to 0.5 s, a second for
+    # these ten) capped at 16 ms.
+    monkeypatch.setattr(recovery, "MAX_BACKOFF_S", 0.016)
     outage, checked, engine = outage_rig(caches, request_timeout_ms=0, enough_after=LONG_OUTAGE)
     offloaded = torch.arange(4)
     original = [cache[offloaded].clone() for cache in caches]
@@ -176,7 +180,7 @@ async def test_a_try_wait_outage_longer_than_a_moment_leaves_the_offload_pending
 async def test_a_try_wait_that_never_recovers_times_the_call_out_and_the_close_ends(
     caches: list[torch.Tensor],
 ) -> None:
-    outage, checked, engine = outage_rig(caches, request_timeout_ms=1000)
+    outage, checked, engine = outage_rig(caches, request_timeout_ms=300)
     await engine.start()
     try:
         outage.failing.set()
