@@ -41,8 +41,9 @@ async def test_evict_drops_one_key_and_clear_drops_the_rest() -> None:
 
 @pytest.mark.asyncio
 async def test_evict_comes_after_the_offloads_accepted_before_it() -> None:
-    # A long window: the offload is still queued in the batcher when evict is called.
-    async with engine_over(FakeStore(), window_us=1_000_000) as engine:
+    # A long window: the offload is still queued in the batcher when evict is called (a
+    # moment later; the window is waited out before both go).
+    async with engine_over(FakeStore(), window_us=300_000) as engine:
         offload = asyncio.ensure_future(engine.offload(5, torch.arange(4), TOKENS))
         await asyncio.sleep(0)  # accepted, not dispatched
         assert engine.stats().batches == 0
