@@ -370,7 +370,9 @@ class Soak:
     async def run(self) -> dict[str, Any]:
         args = self.args
         self.server.start()
-        self.engines = [await Engine.start(self.server.socket) for _ in range(args.engines)]
+        # Started together: their imports (python, torch: seconds each) overlap.
+        self.engines = list(await asyncio.gather(
+            *(Engine.start(self.server.socket) for _ in range(args.engines))))
         begun = time.monotonic()
         until = begun + args.seconds
         users = [asyncio.ensure_future(self.client(until)) for _ in range(args.clients)]
