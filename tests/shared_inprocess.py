@@ -29,13 +29,13 @@ class Host:
     ``remote``: its ``store.remote``."""
 
     def __init__(self, directory: Path, ssd: bool = True,
-                 remote: dict[str, Any] | None = None) -> None:
+                 remote: dict[str, Any] | None = None, cpu_cache_gb: float = 0.002) -> None:
         self.socket = directory / "run" / "store.sock"
         tiers: dict[str, Any] = {"remote": remote}
         if ssd:
             (directory / "ssd").mkdir()
             tiers.update(ssd_cache_gb=0.01, ssd_cache_dir=str(directory / "ssd"))
-        self.config = aiokv.StoreConfig(cpu_cache_gb=0.002, **tiers)
+        self.config = aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb, **tiers)
         self.server: StoreServer | None = None
         self.thread: threading.Thread | None = None
 

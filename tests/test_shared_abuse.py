@@ -174,7 +174,8 @@ def test_more_connections_than_descriptors_do_not_end_the_server(tmp_path: Path)
 
 
 def test_a_client_that_streams_while_its_evict_waits_is_dropped(tmp_path: Path) -> None:
-    server = Server(tmp_path).start()
+    server = Host(tmp_path, ssd=False)  # in this process: what it checks is the server's
+    server.start()
     try:
         assert serves(server, 4)
         loader, evictor = connect(server), connect(server)
@@ -204,7 +205,7 @@ def test_a_client_that_streams_while_its_evict_waits_is_dropped(tmp_path: Path) 
         loader.close()
         assert serves(server, 5)
     finally:
-        server.kill()
+        server.stop()
 
 
 def test_a_flood_of_requests_does_not_starve_another_engines_lookup(tmp_path: Path) -> None:
@@ -226,7 +227,8 @@ def test_a_flood_of_requests_does_not_starve_another_engines_lookup(tmp_path: Pa
 def test_a_lookup_batch_whose_answer_would_not_fit_a_frame_is_refused(tmp_path: Path) -> None:
     # 4,096 queries of 8,192 pages each, 100 KB on the wire: the server would build
     # gigabytes of digests and masks for an answer larger than a frame may be.
-    server = Server(tmp_path, store={"cpu_cache_gb": 0.1}).start()
+    server = Host(tmp_path, ssd=False, cpu_cache_gb=0.1)  # in this process, as above
+    server.start()
     try:
         greedy = connect(server)
         hello(greedy)
@@ -241,7 +243,7 @@ def test_a_lookup_batch_whose_answer_would_not_fit_a_frame_is_refused(tmp_path: 
         assert greedy.recv(8) == b""  # dropped, not answered
         assert serves(server, 7)
     finally:
-        server.kill()
+        server.stop()
 
 
 def test_a_client_that_reads_its_replies_slowly_does_not_hold_the_others(
