@@ -7,7 +7,7 @@ installs it) it must run."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -261,11 +261,21 @@ def test_a_host_with_another_geometry_never_matches(mooncake: MooncakeServers) -
         other.close()
 
 
+@pytest.fixture(scope="module")
+def bare_client(mooncake: MooncakeServers) -> Iterator[Any]:
+    """A Mooncake client of the test's own, that damages values in place: one for the
+    module (a client's close takes a second), each test on keys of its own."""
+    client = import_store().MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", mooncake.master) == 0
+    yield client
+    client.close()
+
+
 # Small blocks' values go through staging slots, large ones as two slices: both checked.
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 4096])
 @pytest.mark.parametrize("damage", ["flipped", "longer"])
 def test_a_corrupted_value_is_a_miss_from_there_on(
-    mooncake: MooncakeServers, head_dim: int, damage: str
+    mooncake: MooncakeServers, bare_client: Any, head_dim: int, damage: str
 ) -> None:
     # A byte flipped fails the checksum; a value longer than a block's is refused by
     # Mooncake's get: both are a damaged value, a miss, and counted.
@@ -278,20 +288,15 @@ def test_a_corrupted_value_is_a_miss_from_there_on(
     keys = Keys(geometry_tag(block_shape, torch.float32, PAGE_SIZE))
     digests = chain_digests(torch.arange(TOKENS).numpy(), PAGE_SIZE)
     key = keys.blocks(namespace_tag([f"uid:{user}"]), 0, 0, digests)[2]
-    client = import_store().MooncakeDistributedStore()
-    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", mooncake.master) == 0
-    try:
-        value = bytearray(client.get(key))
-        assert len(value) == a.caches[0][0].numel() * 4 * LAYERS + 8
-        if damage == "flipped":
-            value[100] ^= 0xFF
-        else:
-            value += bytes(8)
-        deadline = time.monotonic() + 10  # the get's lease must end first
-        while client.upsert(key, bytes(value)) != 0:
-            assert time.monotonic() < deadline
-    finally:
-        client.close()
+    value = bytearray(bare_client.get(key))
+    assert len(value) == a.caches[0][0].numel() * 4 * LAYERS + 8
+    if damage == "flipped":
+        value[100] ^= 0xFF
+    else:
+        value += bytes(8)
+    deadline = time.monotonic() + 10  # the get's lease must end first
+    while bare_client.upsert(key, bytes(value)) != 0:
+        assert time.monotonic() < deadline
     b = LocalHost(mooncake.master, head_dim=head_dim)
     try:
         assert b.load(user) == (2 * PAGE_SIZE, True)  # the two blocks before it, exact
