@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 import aiokv.metrics
+from aiokv.remote import client as remote_client
 from aiokv.remote.client import RemoteIO
 from aiokv.remote.markers import Markers
 from aiokv.remote.servers import MooncakeServers
@@ -135,10 +136,14 @@ def test_a_host_does_not_read_what_its_evict_ends_until_the_marker_is_out(
 
 
 def test_a_master_that_stops_answering_holds_up_neither_evicts_nor_close(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # SIGSTOP: the master accepts connections and never answers; each Mooncake call
     # then waits about 30 s. A write and a lookup are in calls when evicts come: they
     # must not queue more calls, and the engine's close must not wait for Mooncake.
+    # The close gives a write in a call this long before it drops the rest, then waits
+    # this long for its thread (2 s each by default): 0.5 s, far from Mooncake's 30 s.
+    monkeypatch.setattr(remote_client, "_STUCK_S", 0.5)
+    monkeypatch.setattr(remote_client, "_JOIN_S", 0.5)
     with MooncakeServers(16, log_dir=tmp_path) as servers:
         a = LocalHost(servers.master, timeout_ms=200)
         try:
