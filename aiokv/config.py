@@ -151,6 +151,10 @@ class EngineConfig:
             _check_int("engine.store_slice_us", self.store_slice_us, 0)
 
 
+# sockaddr_un's sun_path (108 bytes on Linux) less its terminating NUL.
+MAX_SOCKET_PATH_BYTES = 107
+
+
 @keys_checked("store")
 @dataclass(frozen=True)
 class StoreConfig:
@@ -294,6 +298,10 @@ class StoreConfig:
         if self.backend == "shared" and not (isinstance(self.socket, str) and self.socket):
             raise ConfigError("store.socket", f"must name the store server's socket with "
                               f"backend: shared, got {self.socket!r}")
+        if self.socket is not None and len(os.fsencode(self.socket)) > MAX_SOCKET_PATH_BYTES:
+            raise ConfigError("store.socket", f"is {len(os.fsencode(self.socket))} bytes; a "
+                              f"UNIX socket's path holds at most {MAX_SOCKET_PATH_BYTES} (use "
+                              f"a shorter one, such as under /run/user), got {self.socket!r}")
         if self.backend == "flexkv" and self.socket is not None:
             raise ConfigError("store.socket", FLEXKV_SHARING_REFUSAL)
         if self.backend != "shared" and self.socket is not None:

@@ -99,3 +99,18 @@ def test_an_ssd_directory_without_an_ssd_size_is_said(
         aiokv.LocalStore(aiokv.StoreConfig(ssd_cache_dir=str(tmp_path)))
     assert any("ssd_cache_gb is 0: no SSD tier" in r.getMessage() and str(tmp_path)
                in r.getMessage() for r in caplog.records)
+
+
+def test_store_restarts_for_a_store_in_this_process_is_a_config_error() -> None:
+    # Only a store in a process of its own is ever started again: here it would be ignored.
+    with pytest.raises(aiokv.ConfigError, match=r"^store\.store_restarts: .*got 5"):
+        aiokv.stores.make_store(aiokv.StoreConfig(cpu_cache_gb=0.01, store_restarts=5))
+    # The default, said or not, is no error.
+    store = aiokv.stores.make_store(aiokv.StoreConfig(cpu_cache_gb=0.01, store_restarts=3))
+    store.close()
+
+
+def test_a_socket_path_longer_than_a_unix_socket_holds_is_a_config_error(tmp_path: Path) -> None:
+    path = str(tmp_path / ("s" * 120))
+    with pytest.raises(aiokv.ConfigError, match=r"^store\.socket: is \d+ bytes.*at most 107"):
+        aiokv.StoreConfig(backend="shared", socket=path)

@@ -89,7 +89,9 @@ class ProcessStore:
         transfer engine); ``call_timeout_s``: to answer one call (an evict waits up to
         30 s for SSD writes). A child past either is killed: a store deadlocked in it
         would otherwise hold the store thread, and what the child holds, for good."""
-        self._config = replace(config, own_process=False)  # what the child builds
+        # What the child builds: its store in that process, restarted by this one.
+        self._config = replace(config, own_process=False,
+                               store_restarts=StoreConfig.store_restarts)
         inner = backend(config.backend).store_class()
         for name in MIRRORED:  # what the child's store lacks, this one lacks too
             if not callable(getattr(inner, name, None)):

@@ -38,7 +38,7 @@ import struct
 import time
 from pathlib import Path
 
-from ...config import StoreConfig
+from ...config import MAX_SOCKET_PATH_BYTES, StoreConfig
 from ...errors import ConfigError
 from ...remote.native import unavailable
 from ..base import Int64Array
@@ -68,9 +68,6 @@ _ABSORB_READS = 16
 _ACCEPT_PAUSE_S = 0.5  # out of descriptors: new connections wait this long in the backlog
 _ABSORB_DEPTH = 16  # lookups met while absorbing absorb too, this deep
 
-
-# sockaddr_un's sun_path (108 bytes on Linux) less its terminating NUL.
-MAX_SOCKET_PATH_BYTES = 107
 
 
 def check_socket_path(path: Path) -> None:
