@@ -207,6 +207,8 @@ class EngineStats:
     bytes_ssd_read: int = 0
     checksum_failures: int = 0
     ssd_write_errors: int = 0
+    # Host blocks evicted without an SSD copy: every SSD slot was being written or read.
+    ssd_full_drops: int = 0
     host_blocks_used: int = 0
     host_blocks_total: int = 0
     ssd_blocks_used: int = 0

@@ -42,6 +42,7 @@ FIELDS = (
     "bytes_ssd_read",
     "checksum_failures",
     "ssd_write_errors",
+    "ssd_full_drops",  # host blocks evicted with no SSD copy: every SSD slot was in use
     "host_blocks_used",
     "host_blocks_total",
     "ssd_blocks_used",

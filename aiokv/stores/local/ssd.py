@@ -104,8 +104,11 @@ class SsdTier:
             )
         # What still names a dropped key on disk, and its voids (ssd_voids says why).
         self.voids = HeaderVoids(self.files, notify)
-        self.tier = Tier("ssd", BlockAllocator(total), demote=self.voids.recycled,
+        self.tier = Tier("ssd", BlockAllocator(total), demote=self._recycled,
                          forget=self.voids.void_later)
+        # Told the keys of slots the SSD's LRU gives to other keys: a host block of one
+        # is the only copy from then on (the link marks it not clean).
+        self.on_recycled: Callable[[list[Space], list[bytes]], None] | None = None
         # A slot's tail past its block: zeros to write, and a scratch buffer to read it
         # into (preadv needs writable buffers; what lands there is never looked at, so
         # the read threads share one).
@@ -116,7 +119,7 @@ class SsdTier:
         self._generation = 1
         self._failures_logged = False
         self.stats = {"bytes_ssd_written": 0, "bytes_ssd_read": 0, "checksum_failures": 0,
-                      "ssd_write_errors": 0}
+                      "ssd_write_errors": 0, "ssd_full_drops": 0}
         try:
             self._recover()
         except BaseException:
@@ -169,6 +172,13 @@ class SsdTier:
         return [d in space for d in digests]
 
     # ---- requests ------------------------------------------------------------------
+
+    def _recycled(self, slots: Int64Array, spaces: list[Space], digests: list[bytes]
+                  ) -> Int64Array:
+        kept = self.voids.recycled(slots, spaces, digests)
+        if self.on_recycled is not None:
+            self.on_recycled(spaces, digests)
+        return kept
 
     def write(
         self, host_blocks: Int64Array, spaces: Sequence[Space], digests: Sequence[bytes],

@@ -9,9 +9,13 @@
   back to the LRU's old end, so that eviction then frees it at no cost and a lookup
   never finds it in neither tier.
 - either way, eviction (the demotion hook) keeps a block that has no SSD copy yet
-  (eviction outran the copies, or the SSD tier had no free slot then) and copies it
-  first, readable all along: a put that needed its room gets NoSpace until then. A block
-  whose SSD write failed (counted) is given up: eviction drops it.
+  (eviction outran the copies) and copies it first, readable all along: a put that
+  needed its room gets NoSpace until then. Where no copy can start (every SSD slot is
+  being written or read), or its SSD write failed, the block is given up, counted
+  (``ssd_full_drops``, ``ssd_write_errors``): eviction drops it.
+- a host block's ``clean`` (the SSD has its copy) is cleared when the SSD's own LRU
+  gives that copy's slot to another key, so that a block kept hot on the host is written
+  down again before its eviction.
 - loads: a get's pages after its host prefix that the SSD has are held there from the
   match on, read into host blocks when there is room (waiting for it at launch) and
   copied on to the GPU chunk by chunk; :mod:`.loads` says how (the link's
@@ -71,6 +75,7 @@ class TierLink(LoadStaging):
             reset_on_mismatch=config.ssd_reset_on_mismatch,
             notify=wake,
         )
+        self.ssd.on_recycled = self._copies_gone
         self.write_through = config.ssd_write_policy == "write_through"
         self._copy, self._end = copy, end
         self._page_size = page_size
@@ -143,7 +148,31 @@ class TierLink(LoadStaging):
             blocks = blocks[dirty]
             spaces = [s for s, d in zip(spaces, dirty, strict=True) if d]
             digests = [g for g, d in zip(digests, dirty, strict=True) if d]
-        return self._copy_down(blocks, spaces, digests)
+        kept = self._copy_down(blocks, spaces, digests)
+        if len(kept) < len(blocks):  # rare: the SSD's slots all in use
+            self._count_dropped(blocks, kept, spaces, digests)
+        return kept
+
+    def _count_dropped(self, blocks: Int64Array, kept: Int64Array, spaces: list[Space],
+                       digests: list[bytes]) -> None:
+        """Blocks eviction frees that the SSD has no copy of: every SSD slot was being
+        written or read, so no copy could start. Eviction goes on (a put is not held up
+        by lookups holding the SSD); the pages are lost to both tiers, and counted."""
+        ssd = self.ssd
+        gone = ~np.isin(blocks, kept)
+        lost = sum(1 for space, digest, g in zip(spaces, digests, gone, strict=True)
+                   if g and not ssd.has(space.key, [digest])[0])
+        ssd.stats["ssd_full_drops"] += lost
+
+    def _copies_gone(self, spaces: list[Space], digests: list[bytes]) -> None:
+        """The SSD gave these keys' slots to others: where the host holds one of them,
+        that block is the only copy now, and is written down again before eviction."""
+        index = self.host.index
+        for space, digest in zip(spaces, digests, strict=True):
+            table = index.space(space.key)
+            block = table.get(digest) if table is not None else None
+            if block is not None:
+                self.host.clean[block] = False
 
     def _copy_down(
         self, blocks: Int64Array, spaces: Sequence[Space], digests: Sequence[bytes]
