@@ -253,6 +253,20 @@ class BoundsWaits(Protocol):
 
 
 @runtime_checkable
+class ParksLoads(Protocol):
+    """``parked(task_ids, namespace)``: of these launched tasks, the loads that wait for
+    room in the store before they copy anything more (LocalStore: host room to stage
+    their SSD pages). Those of ``namespace`` (None: every key) stop waiting and end with
+    what they queued before, as the drop that follows would end them; the others' ids
+    are returned. Asked by an evict or clear (of ``namespace``) while it waits for the
+    tasks launched before it: it need not wait for those, whose keys it leaves alone, and
+    must not, since the room they wait for may be held by lookups whose loads queue
+    behind it."""
+
+    def parked(self, task_ids: Sequence[int], namespace: Sequence[str] | None) -> list[int]: ...
+
+
+@runtime_checkable
 class HearsOfClose(Protocol):
     """``closing()``: the engine that drives the store began to close (``aclose``, before
     its drain); the store's ``close()`` follows once the store thread is done. From then
@@ -299,6 +313,7 @@ OPTIONAL_METHODS = (
     "set_notify",
     "set_yield",
     "set_deadlines",
+    "parked",
     "put_match_many",
     "get_match_many",
     "evict",
@@ -320,6 +335,7 @@ class Capabilities:
     set_notify: Callable[[Callable[[], None]], None] | None = None
     set_yield: Callable[[Callable[[], None]], None] | None = None
     set_deadlines: Callable[[Sequence[int], Sequence[float]], None] | None = None
+    parked: Callable[[Sequence[int], Sequence[str] | None], list[int]] | None = None
     put_match_many: Callable[[Queries], MatchAnswers] | None = None
     get_match_many: Callable[[Queries], MatchAnswers] | None = None
     evict: Callable[[Sequence[str]], int] | None = None

@@ -274,6 +274,15 @@ class ProcessStore:
         stats["d2h_copies"] = stats.get("d2h_copies", 0) + self._pages.d2h_copies
         return stats
 
+    def parked(self, task_ids: Sequence[int], namespace: Sequence[str] | None) -> list[int]:
+        """base.ParksLoads, asked of the child (a dead child's tasks wait for nothing)."""
+        ids, _ = self._ids.split(task_ids)
+        if not ids:
+            return []
+        passed: list[int] = self._call(
+            "parked", (ids, None if namespace is None else tuple(namespace)))
+        return passed
+
     def set_deadlines(self, task_ids: Sequence[int], deadlines_s: Sequence[float]) -> None:
         """base.BoundsWaits: kept for the launch that follows, which takes them to the
         child's store (no round trip of their own). time.monotonic() is one clock for the

@@ -26,11 +26,11 @@ from .base import BoolArray, Int64Array, TaskResult, TaskStatus
 
 Op = Literal[
     "put_match", "put_match_many", "get_match", "get_match_many", "launch", "cancel",
-    "try_wait", "evict", "clear", "store_stats", "close",
+    "try_wait", "evict", "clear", "store_stats", "parked", "close",
 ]
 # Optional Store methods that cross to the child as calls of their own, where the child's
 # store class has them (ProcessStore offers the others itself).
-FORWARDED = ("evict", "clear", "store_stats")
+FORWARDED = ("evict", "clear", "store_stats", "parked")
 # Those, and the ones that cross inside another call (set_deadlines: with the launch after
 # it): ProcessStore lacks each that the child's store class lacks.
 MIRRORED = (*FORWARDED, "set_deadlines")

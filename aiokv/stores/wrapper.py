@@ -35,6 +35,7 @@ class StoreWrapper:
     set_notify: Callable[[Callable[[], None]], None] | None
     set_yield: Callable[[Callable[[], None]], None] | None
     set_deadlines: Callable[[Sequence[int], Sequence[float]], None] | None
+    parked: Callable[[Sequence[int], Sequence[str] | None], list[int]] | None
     put_match_many: Callable[..., list[Any]] | None
     get_match_many: Callable[..., list[Any]] | None
     evict: Callable[[Sequence[str]], int] | None

@@ -384,6 +384,8 @@ class StoreWorker:
                 self._post()
                 if self._polls.due():  # a failing try_wait is retried after its backoff,
                     failure = self._poll()  # as outside an evict, not failed by a fast loop
+                if self._launched and self._only_parked(item):
+                    break
                 if self._launched and self._polls.failures >= EVICT_POLL_ATTEMPTS:
                     self._post()
                     error = StoreError(
@@ -409,6 +411,19 @@ class StoreWorker:
             item.answer(StoreError("the store thread crashed; see the aiokv log"))
             raise
         invalidate(item, self._caps, self._calls)
+
+    def _only_parked(self, item: Invalidation) -> bool:
+        """Whether every task still launched is a load of another key waiting for room
+        in the store (base.ParksLoads; those of the dropped key end now): the evict goes
+        ahead of them rather than wait for room that lookups queued behind it may hold."""
+        parked = self._caps.parked
+        if parked is None:
+            return False
+        try:
+            passed = self._calls.call(parked, sorted(self._launched), item.namespace)
+        except StoreError:
+            return False  # waited for as usual
+        return set(self._launched) <= set(passed)
 
     def _fail_unanswered(self, batch: Batch, error: StoreError) -> None:
         """Fail the batch's requests that have no outcome yet. A load among them still

@@ -287,6 +287,19 @@ class LoadStaging:
             load.expired = "its deadline passed before it was all queued for its copy"
         return load.expired is not None
 
+    def parked(self, task_ids: Sequence[int], namespace: tuple[str, ...] | None) -> list[int]:
+        """Of these launched tasks, the loads owed host room (copying nothing more until
+        they have it): those of ``namespace`` (None: all) end now with their host prefix
+        (:meth:`drop_unstaged`'s way), the others' ids are returned."""
+        asked = set(task_ids)
+        owed = [load for load in self._owed if load.task.task_id in asked]
+        ending = [load for load in owed if namespace is None or load.key == namespace]
+        for load in ending:
+            self._owed.remove(load)
+            self._unstage(load)
+            self._finish(load)
+        return [load.task.task_id for load in owed if load not in ending]
+
     def drop_unstaged(self, namespace: tuple[str, ...] | None) -> None:
         """An evict or clear of ``namespace`` (None: all): its loads not staged yet never
         will be (staging would put the dropped key's SSD pages back into a live host
