@@ -6,6 +6,7 @@ installs it) it must run."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from aiokv.remote.client import RemoteIO
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers, free_port
+from aiokv.remote.writer import Writer
 from aiokv.stores.local.digests import chain_digests
 
 pytestmark = needs_mooncake()
@@ -416,3 +418,68 @@ def test_an_engine_starts_and_serves_with_no_master_at_all() -> None:
     # The miss asked nobody: no wait for Mooncake is counted (nor its zero seconds,
     # which would pull the mean wait down).
     assert (stats["remote_misses"], stats["remote_lookup_waits"]) == (1, 0)
+
+
+def test_a_lookup_racing_another_hosts_put_is_a_miss_not_a_damaged_value(
+    mooncake: MooncakeServers,
+) -> None:
+    # B asks for each user while A's put of it is under way: Mooncake answers such a get
+    # "not ready" (no value read), which was counted as a value that failed its checksum.
+    a = LocalHost(mooncake.master, head_dim=1024, timeout_ms=2000)
+    b = LocalHost(mooncake.master, head_dim=1024, timeout_ms=2000)
+    try:
+        for user in range(3100, 3112):
+            go = threading.Barrier(2)
+            writer = threading.Thread(target=lambda u=user, g=go: (g.wait(), a.offload(u)))
+            writer.start()
+            go.wait()
+            deadline = time.monotonic() + 10
+            while (got := b.load(user))[0] == 0:  # until A's write is there
+                assert time.monotonic() < deadline, user
+            assert got == (TOKENS, True)
+            writer.join()
+            until(lambda: a.stats()["remote_blocks_held"] == 0)
+            assert b.kv.evict(user) == TOKENS  # B's host copy goes: the next starts cold
+        stats = b.stats()
+    finally:
+        a.close()
+        b.close()
+    assert stats["remote_checksum_failures"] == 0 and stats["remote_errors"] == 0
+
+
+def test_an_evict_does_not_wait_for_another_users_write(
+    mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate, writing = threading.Event(), threading.Event()
+    write = Writer._write
+
+    def held_write(writer: Writer, jobs: Any) -> None:
+        if not gate.is_set():
+            writing.set()
+            gate.wait(30)
+        write(writer, jobs)
+
+    a = LocalHost(mooncake.master, timeout_ms=20_000)
+    try:
+        gate.set()
+        assert a.offload(3201) == TOKENS
+        until(lambda: a.stats()["remote_blocks_held"] == 0)
+        gate.clear()
+        monkeypatch.setattr(Writer, "_write", held_write)
+        assert a.offload(3202) == TOKENS  # its write is held under way
+        assert writing.wait(10)
+        evicted: list[int] = []
+        evict = threading.Thread(target=lambda: evicted.append(a.kv.evict(3201)))
+        evict.start()
+        evict.join(10)  # the write of 3202 is held for 30 s; timeout_ms is 20 s
+        assert evicted == [TOKENS], "the evict of 3201 waited for 3202's write"
+        gate.set()
+        until(lambda: a.stats()["remote_blocks_held"] == 0)
+    finally:
+        gate.set()
+        a.close()
+    b = LocalHost(mooncake.master)
+    try:
+        assert b.load(3201)[0] == 0 and b.load(3202) == (TOKENS, True)
+    finally:
+        b.close()

@@ -23,7 +23,7 @@ from typing import Any
 from .caller import CallThread
 from .checksums import Checksums
 from .config import RemoteConfig
-from .connection import ABSENT, Connection
+from .connection import ABSENT, NOT_READY, Connection
 from .keys import Keys, leading_ones
 from .markers import Markers
 from .queue import WriteQueue
@@ -153,9 +153,10 @@ class RemoteIO:
     def _leading(self, got: list[int], good: list[bool], counts: list[int]) -> list[int]:
         """Per range of ``counts`` values, how many leading ones are good; a value there
         (``got``: its bytes, or Mooncake's refusal of a value of the wrong length) that
-        is not good was damaged, or not ours: counted."""
+        is not good was damaged, or not ours: counted. Absent, or not written whole yet
+        (another host's put under way): a miss, not a damaged value."""
         self.read_stats["remote_checksum_failures"] += sum(
-            n != ABSENT and not ok for n, ok in zip(got, good, strict=True))
+            n not in (ABSENT, NOT_READY) and not ok for n, ok in zip(got, good, strict=True))
         leading, at = [], 0
         for count in counts:
             leading.append(leading_ones([int(ok) for ok in good[at : at + count]]))

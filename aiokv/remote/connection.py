@@ -24,6 +24,7 @@ log = logging.getLogger("aiokv")
 
 NO_SPACE = -200  # Mooncake: no segment can take the value now
 ABSENT = -704  # OBJECT_NOT_FOUND
+NOT_READY = -703  # REPLICA_IS_NOT_READY: another host's put of the value is under way
 _DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
 _MAX_REST_S = 30.0
 _CONNECT_WAIT_S = 10.0

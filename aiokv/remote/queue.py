@@ -29,7 +29,7 @@ class WriteQueue:
         self._capacity = capacity_blocks
         self._jobs: deque[WriteJob] = deque()
         self._queued = 0  # blocks in _jobs
-        self._writing = False
+        self._writing: list[str] = []  # the namespaces of the batch being written
         self._closed = False
         self._cond = threading.Condition()
         self._finished: deque[Int64Array] = deque()  # written or dropped: to give back
@@ -56,11 +56,17 @@ class WriteQueue:
             self._queued = sum(len(j.blocks) for j in self._jobs)
         return taken
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Block until nothing is queued or being written (or the timeout)."""
+    def wait_idle(self, timeout_s: float, ns: str | None = None) -> bool:
+        """Block until nothing is queued or being written (or the timeout); with ``ns``,
+        nothing of that namespace (an evict's: other keys' writes do not hold it up)."""
+        if ns is None:
+            def idle() -> bool:
+                return not self._jobs and not self._writing
+        else:
+            def idle() -> bool:
+                return ns not in self._writing and all(j.ns != ns for j in self._jobs)
         with self._cond:
-            return bool(self._cond.wait_for(lambda: not self._jobs and not self._writing,
-                                            timeout_s))
+            return bool(self._cond.wait_for(idle, timeout_s))
 
     def next_batch(self, max_blocks: int) -> list[WriteJob] | None:
         """Writer thread: block for the next jobs (about ``max_blocks`` blocks); None once
@@ -75,14 +81,14 @@ class WriteQueue:
                 jobs.append(self._jobs.popleft())
                 count += len(jobs[-1].blocks)
             self._queued -= count
-            self._writing = True
+            self._writing = [job.ns for job in jobs]
             return jobs
 
     def done(self, jobs: list[WriteJob]) -> None:
         """Writer thread: these jobs ended, written or not."""
         self.give_back([job.blocks for job in jobs])
         with self._cond:
-            self._writing = False
+            self._writing = []
             self._cond.notify_all()
 
     def give_back(self, blocks: list[Int64Array]) -> None:
