@@ -455,3 +455,49 @@ def test_a_batch_whose_lengths_do_not_fit_its_users_is_refused_naming_them(
             storage.offload_kvcache_launch(torch.tensor([3, 4]), i32(0, 0), [], meta, None)
     finally:
         storage.close()
+
+
+@pytest.mark.parametrize("wrong", ["users swapped", "a column too long"])
+def test_an_onboard_of_a_lookup_result_that_is_not_this_batchs_is_refused(
+    monkeypatch: pytest.MonkeyPatch, wrong: str,
+) -> None:
+    # Same size, other users: user 3's KV would land in user 4's pages, answered READY.
+    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
+    kv_caches = caches()
+    storage: Any = recsys._HostStorage(CONFIG)
+    storage.register_gpu_cache_tables(kv_caches)
+    try:
+        storage.core.offload([3, 4], [i32(0, 1), i32(2, 3)], [8, 8]).outcomes()
+        users = [3, 4]
+        found = storage.lookup_kvcache(storage.build_index_meta(torch.tensor(users),
+                                                                torch.tensor([8, 8])))
+        if wrong == "users swapped":
+            users, field = [4, 3], "lookup_result"
+        else:
+            found.gpu_cached_lengths, field = i32(0, 0, 0), "lookup_result.gpu_cached_lengths"
+        meta = storage.build_index_meta(torch.tensor(users), torch.tensor([8, 8]))
+        hits = found.extra[recsys.HITS]
+        before = [cache[40:44].clone() for cache in kv_caches]
+        with pytest.raises(aiokv.InvalidRequest, match=rf"^{field}: "):
+            storage.onboard_kvcache_launch(meta, found, types.SimpleNamespace(
+                kv_indices=i32(40, 41, 42, 43)))
+        until(lambda: not any(hit.held for hit in hits))  # given back, not left to the TTL
+        assert all(torch.equal(c[40:44], b) for c, b in zip(kv_caches, before, strict=True))
+    finally:
+        storage.close()
+
+
+def test_a_request_timeout_is_refused_a_wait_answers_once_the_copies_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A wait answered at a deadline, its copy still running: the manager reused the pages
+    # and the late copy stored their next user's KV under this user.
+    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
+    timed = {"engine": {"window_us": 0, "request_timeout_ms": 300},
+             "store": {"cpu_cache_gb": 0.01}}
+    storage: Any = recsys._HostStorage(timed)
+    with pytest.raises(aiokv.ConfigError, match=r"^engine\.request_timeout_ms: .*got 300"):
+        storage.register_gpu_cache_tables(caches())
+    storage = recsys._HostStorage({**timed, "engine": {"request_timeout_ms": 0}})
+    storage.register_gpu_cache_tables(caches())  # 0 (never) is what it runs with
+    storage.close()

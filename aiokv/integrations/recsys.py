@@ -188,26 +188,11 @@ class _HostStorage:
         hits = lookup_result.extra.get(HITS)
         if hits is None:
             raise InvalidRequest("lookup_result", "did not come from this storage's lookup")
-        if len(hits) != len(index_meta.user_ids):
-            core.release(hits)  # refused: nothing will load them
-            raise InvalidRequest(
-                "lookup_result", f"has {len(hits)} users, index_meta "
-                f"{len(index_meta.user_ids)}: a lookup of another batch"
-            )
-        host = lookup_result.host_cached_lengths.tolist()
-
-        def column(tensor: torch.Tensor | None, default: list[int]) -> list[int]:
-            return default if tensor is None else tensor.tolist()
-
-        # Without the GPU's columns (a lookup result not merged with DeviceKVCache's),
-        # the GPU holds nothing.
-        zeros = [0] * len(host)
-        chosen = users_to_onboard(
-            column(lookup_result.cached_lengths, host),
-            host,
-            column(lookup_result.gpu_cached_start_indices, zeros),
-            column(lookup_result.gpu_cached_lengths, zeros),
-        )
+        try:  # refused: nothing will load its hits, which go back
+            chosen, host = _onboarded(index_meta, lookup_result, hits)
+        except BaseException:
+            core.release(hits)
+            raise
         chosen = [i for i in chosen if hits[i] is not None]
         loading = set(chosen)
         core.release([hit for i, hit in enumerate(hits) if i not in loading])
@@ -322,6 +307,39 @@ class _HostStorage:
         """(users, start indices (0), the page-aligned lengths the offload stores)."""
         task: Task = task_handle.handle
         return task.user_ids, torch.zeros_like(task.lengths), task.lengths
+
+
+def _onboarded(index_meta: Any, lookup_result: Any, hits: list[Any]
+               ) -> tuple[list[int], list[int]]:
+    """The indexes of the users to onboard, and the host lengths, of a lookup result that
+    is this batch's: InvalidRequest for one of another batch, or with columns that do not
+    match its users."""
+    users = index_meta.user_ids.tolist()
+    asked = [None if hit is None else hit.user_id for hit in hits]
+    if len(asked) != len(users) or any(
+            user is not None and user != want for user, want in zip(asked, users, strict=True)):
+        raise InvalidRequest("lookup_result", f"is a lookup of users {asked}, index_meta's "
+                             f"are {users}: a lookup of another batch")
+    host = lookup_result.host_cached_lengths.tolist()
+
+    def column(name: str, default: list[int]) -> list[int]:
+        tensor: torch.Tensor | None = getattr(lookup_result, name)
+        values = default if tensor is None else tensor.tolist()
+        if len(values) != len(users):
+            raise InvalidRequest(f"lookup_result.{name}",
+                                 f"has {len(values)} values for {len(users)} users")
+        return values
+
+    # Without the GPU's columns (a lookup result not merged with DeviceKVCache's), the
+    # GPU holds nothing.
+    zeros = [0] * len(users)
+    chosen = users_to_onboard(
+        column("cached_lengths", host),
+        column("host_cached_lengths", host),
+        column("gpu_cached_start_indices", zeros),
+        column("gpu_cached_lengths", zeros),
+    )
+    return chosen, host
 
 
 def _wait_result(

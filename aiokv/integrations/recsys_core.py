@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from ..engine import OffloadEngine
+from ..errors import ConfigError
 from ..open import ConfigSource, read_config
 from ..portal import outcome
 from ..requests import LoadResult, OffloadResult
@@ -105,10 +106,24 @@ class RecsysCore:
     ) -> RecsysCore:
         """An engine over ``kv_caches`` (``aiokv.open_engine(config, ...)``, with
         ``window_us`` 0 where ``config`` leaves it unset), started on a loop thread of its
-        own. Raises what ``open_engine`` and ``start`` raise."""
+        own. Raises what ``open_engine`` and ``start`` raise.
+
+        ``request_timeout_ms`` is 0 here, and a config that sets another value is a
+        ConfigError: the manager reuses a call's pages once its wait answers, so a wait
+        answers only once the call's copies have ended, and a deadline would answer it
+        while a copy launched before it still reads or writes them (an offload's late copy
+        would store the pages' next user under this one). A load still ends at its
+        store's own deadline for staging SSD pages (30 s after its launch), copies done."""
         engine_config, store_config = read_config(config)
         if not sets_window(config):
             engine_config = dataclasses.replace(engine_config, window_us=0)
+        if engine_config.request_timeout_ms:
+            if sets_engine_key(config, "request_timeout_ms"):
+                raise ConfigError(
+                    "engine.request_timeout_ms", f"must be 0 or unset for recsys-examples' "
+                    f"storage (a wait answered at a deadline would let the manager reuse "
+                    f"pages a copy still touches), got {engine_config.request_timeout_ms}")
+            engine_config = dataclasses.replace(engine_config, request_timeout_ms=0)
         engine = OffloadEngine(make_store(store_config), kv_caches=kv_caches,
                                config=engine_config)
         return cls(run_in_background(engine, loop_factory=loop_factory))
@@ -232,6 +247,12 @@ def _evict_call(user: Hashable) -> Call:
 def sets_window(config: ConfigSource) -> bool:
     """Whether ``config`` (as :func:`aiokv.open_engine` takes it) sets
     ``engine.window_us``. Read after :func:`~aiokv.open.read_config` accepted it."""
+    return sets_engine_key(config, "window_us")
+
+
+def sets_engine_key(config: ConfigSource, key: str) -> bool:
+    """Whether ``config`` (as :func:`aiokv.open_engine` takes it) sets ``engine.<key>``.
+    Read after :func:`~aiokv.open.read_config` accepted it."""
     if config is None:
         return False
     if isinstance(config, (str, os.PathLike)):
@@ -240,4 +261,4 @@ def sets_window(config: ConfigSource) -> bool:
     if not isinstance(config, Mapping):
         return False
     engine = config.get("engine")
-    return isinstance(engine, Mapping) and "window_us" in engine
+    return isinstance(engine, Mapping) and key in engine
