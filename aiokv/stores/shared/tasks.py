@@ -101,7 +101,10 @@ class Client:
             return 0
         for task_id in ids:
             self.tasks[task_id].invalidated = True
-        self.invalidated += ids
+        # Kept to those still held: an engine that looks up and lets go, but never loads,
+        # never asks, and the list would grow with every evict of what it looked up.
+        tasks = self.tasks
+        self.invalidated = [t for t in self.invalidated if t in tasks] + list(ids)
         if self.notice is not None:
             self.notice.bump()
         return len(ids)
