@@ -8,6 +8,10 @@ as the drop would. (A clear gives every held lookup back first: the room comes b
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ from test_ssd import (
 )
 
 import aiokv
+from aiokv.stores import ProcessStore
 
 TOKENS = USER_PAGES * PAGE
 
@@ -89,3 +94,30 @@ async def test_an_evict_of_its_key_ends_a_load_waiting_for_room(tmp_path: Path) 
         hit = await engine.lookup(0, TOKENS)
         assert hit.cached_tokens == 0
         hit.release()
+
+
+@pytest.mark.asyncio
+async def test_an_evict_goes_ahead_of_such_a_load_in_a_store_process_started_again(
+    tmp_path: Path,
+) -> None:
+    # A child started again numbers its tasks after the first one's: the answer must be
+    # in the engine's ids, or the evict waits for the load's deadline again.
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    store = ProcessStore(dataclasses.replace(ssd_config(tmp_path), own_process=True))
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        os.kill(store.pid, signal.SIGKILL)
+        deadline = asyncio.get_running_loop().time() + 30
+        while engine.stats().store_restarts < 1:  # the next call starts a new child
+            assert asyncio.get_running_loop().time() < deadline
+            with contextlib.suppress(aiokv.StoreError):
+                await engine.evict(9)
+            await asyncio.sleep(0.05)
+        holds, load = await a_load_waiting_for_room(engine)
+        evict = asyncio.ensure_future(engine.evict(1))
+        loads = [engine.load(hold, pages) for hold, pages in zip(holds, targets(3)[1:],
+                                                                  strict=True)]
+        assert await asyncio.wait_for(evict, 10) == TOKENS
+        await asyncio.wait_for(asyncio.gather(*loads), 10)
+        assert (await asyncio.wait_for(load, 10)).loaded_tokens == TOKENS
+        assert same(caches, original, targets(1)[0], source_pages(0))

@@ -275,13 +275,15 @@ class ProcessStore:
         return stats
 
     def parked(self, task_ids: Sequence[int], namespace: Sequence[str] | None) -> list[int]:
-        """base.ParksLoads, asked of the child (a dead child's tasks wait for nothing)."""
+        """base.ParksLoads, asked of the child (a dead child's tasks wait for nothing), its
+        answer in this store's ids (the child's plus its generation's base)."""
+        base = self._ids.base
         ids, _ = self._ids.split(task_ids)
         if not ids:
             return []
         passed: list[int] = self._call(
             "parked", (ids, None if namespace is None else tuple(namespace)))
-        return passed
+        return [task_id + base for task_id in passed]
 
     def set_deadlines(self, task_ids: Sequence[int], deadlines_s: Sequence[float]) -> None:
         """base.BoundsWaits: kept for the launch that follows, which takes them to the
