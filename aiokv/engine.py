@@ -47,6 +47,7 @@ from .requests import (
 )
 from .space import SpaceWaits
 from .stats import EngineStats, StatsRecorder
+from .store_figures import ClosedFigures
 from .stores.base import Store, store_restarts
 from .worker.handoff import store_slice_us
 from .worker.thread import StoreWorker
@@ -118,6 +119,7 @@ class OffloadEngine:
         self._resolver: Resolver | None = None  # resolves every future, once started
         self._space: SpaceWaits | None = None  # offloads waiting for room, once started
         self._invalidations: Invalidations | None = None  # evict and clear, once started
+        self._closed_figures: ClosedFigures | None = None  # the store thread's, at close
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -194,6 +196,10 @@ class OffloadEngine:
         works."""
         worker = self._worker
         restarts = store_restarts(self._store)
+        closed = self._closed_figures
+        if closed is not None:
+            return self._stats.snapshot(
+                closed.tasks_open, self._bytes_per_token, restarts, closed.latest)
         if worker is None:
             return self._stats.snapshot(0, self._bytes_per_token, restarts)
         return self._stats.snapshot(

@@ -33,6 +33,7 @@ from .loop.resolution import Resolver
 from .requests import OffloadResult, Request
 from .space import SpaceWaits
 from .stats import StatsRecorder
+from .store_figures import ClosedFigures
 from .stores.base import Store
 from .worker.thread import StoreWorker
 
@@ -80,6 +81,7 @@ class EngineParts(Protocol):
     _resolver: Resolver | None
     _space: SpaceWaits | None
     _invalidations: Invalidations | None
+    _closed_figures: ClosedFigures | None
 
     def _on_batch(self, batch: Batch) -> None: ...
 
@@ -287,6 +289,9 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     resolver.release_lookups()
     if engine._deadlines is not None:
         engine._deadlines.close()
+    # Final from here on, also where the store thread is left to end on its own.
+    engine._closed_figures = ClosedFigures(
+        worker.tasks_open, dict(worker.figures.latest), worker.stats.store.read())
     engine._state = EngineState.CLOSED
     _release_after(worker, engine._store, stuck)
     return len(unfinished)

@@ -149,6 +149,10 @@ class EngineCollector:
         # The engine's parts, read here so that the engine needs no metrics code: the
         # recorder (loop), the worker (store thread; None before start), the geometry.
         reading = engine._stats.read()
+        closed = engine._closed_figures
+        if closed is not None:  # final: a store thread still running changes none of it
+            return _families(reading, closed.store_latency, closed.latest,
+                             engine._bytes_per_token, closed.tasks_open)
         worker = engine._worker
         store_latency = (worker.stats if worker is not None else StoreSideStats()).store.read()
         tasks_open = worker.tasks_open if worker is not None else 0

@@ -19,9 +19,10 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .histograms import LATENCY_BOUNDS_S, Histogram
+from .histograms import LATENCY_BOUNDS_S, Histogram, HistogramReading
 
 if TYPE_CHECKING:
     from .requests import Request
@@ -219,3 +220,15 @@ class StoreSideStats:
             counts[bisect_left(bounds, spent)] += 1
             total += spent
         store.sums[0] += total
+
+
+@dataclass(frozen=True)
+class ClosedFigures:
+    """What the store thread showed as the engine's close ended: its open tasks, the
+    store's latest answer and the store-time histogram. Read from then on, so that a
+    store thread left to end on its own (a close that timed out) changes no figure after
+    the close (README: final after close)."""
+
+    tasks_open: int
+    latest: StoreStatsAnswer
+    store_latency: HistogramReading

@@ -1,0 +1,68 @@
+"""Figures after a close that left a busy store thread to end on its own: engine.stats()
+and a scrape read what the close ended with (final after close), not what that thread does
+later (they moved: store blocks, bytes and the store-time histogram, seconds after)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from typing import Any
+
+import pytest
+import torch
+from conftest import PAGE_SIZE, make_caches, small_store
+from prometheus_client import CollectorRegistry
+
+import aiokv
+from aiokv import metrics
+from aiokv.testing import StoreWrapper
+
+
+class HeldLaunch(StoreWrapper):
+    """Launches wait for ``gate`` once it is cleared."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def launch(self, *args: Any) -> None:
+        if not self.gate.is_set():
+            self.entered.set()
+            self.gate.wait(30)
+        self.inner.launch(*args)
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[Any, ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in registry.collect() for s in family.samples}
+
+
+@pytest.mark.asyncio
+async def test_figures_after_a_close_that_left_the_store_thread_busy_do_not_move() -> None:
+    store = HeldLaunch(small_store())
+    engine = aiokv.OffloadEngine(store, make_caches())
+    registry = CollectorRegistry()
+    metrics.register(engine, registry)
+    await engine.start()
+    await engine.offload(1, torch.arange(0, 4), 4 * PAGE_SIZE)
+    store.gate.clear()
+    late = asyncio.ensure_future(engine.offload(2, torch.arange(4, 12), 8 * PAGE_SIZE))
+    assert await asyncio.to_thread(store.entered.wait, 10)
+    await engine.aclose(timeout=0.2)
+    with pytest.raises(aiokv.EngineClosed):
+        await late
+    stats, scraped = engine.stats(), await asyncio.to_thread(scrape, registry)
+    store.gate.set()  # the store thread goes on: launches, copies, posts, closes the store
+    deadline = asyncio.get_running_loop().time() + 10
+    while any(t.name.startswith("aiokv-store") for t in threading.enumerate()):
+        assert asyncio.get_running_loop().time() < deadline, "the store thread never ended"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)  # what it posted to the loop, run
+    after = engine.stats()
+    moved = {f.name: (getattr(stats, f.name), getattr(after, f.name))
+             for f in dataclasses.fields(stats) if getattr(stats, f.name) != getattr(after, f.name)}
+    assert moved == {}
+    assert await asyncio.to_thread(scrape, registry) == scraped
