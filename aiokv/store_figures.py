@@ -211,11 +211,15 @@ class StoreSideStats:
 
     def posted(self, pairs: Iterable[tuple[Request, object]]) -> None:
         """Outcomes about to be posted to the loop, now."""
+        self.observe(request for request, _ in pairs)
+
+    def observe(self, requests: Iterable[Request]) -> None:
+        """Tries over now: posted, or given up with no outcome (their caller left)."""
         now = time.perf_counter()
         store = self.store
         counts, bounds = store.counts, store.bounds
         total = 0.0
-        for request, _ in pairs:  # inlined Histogram.observe: this runs per request
+        for request in requests:  # inlined Histogram.observe: this runs per request
             spent = now - request.dispatched_at
             counts[bisect_left(bounds, spent)] += 1
             total += spent

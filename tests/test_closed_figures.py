@@ -1,6 +1,8 @@
-"""Figures after a close that left a busy store thread to end on its own: engine.stats()
-and a scrape read what the close ended with (final after close), not what that thread does
-later (they moved: store blocks, bytes and the store-time histogram, seconds after)."""
+"""Figures users read at the edges: after a close that left a busy store thread to end on
+its own, engine.stats() and a scrape read what the close ended with (final after close;
+they moved as that thread went on); and the store-time histogram counts every try, those
+whose callers left before the store answered included (they were left out: the slow
+ones)."""
 
 from __future__ import annotations
 
@@ -66,3 +68,37 @@ async def test_figures_after_a_close_that_left_the_store_thread_busy_do_not_move
              for f in dataclasses.fields(stats) if getattr(stats, f.name) != getattr(after, f.name)}
     assert moved == {}
     assert await asyncio.to_thread(scrape, registry) == scraped
+
+
+class HeldMatch(StoreWrapper):
+    """One-by-one matches that wait for ``gate``."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    def get_match(self, token_ids: Any, namespace: Any) -> Any:
+        self.gate.wait(30)
+        return self.inner.get_match(token_ids, namespace)
+
+
+@pytest.mark.asyncio
+async def test_the_store_time_histogram_counts_the_tries_whose_callers_left() -> None:
+    # Four lookups dispatched together; their callers time out while the store thread is
+    # still on the first match: the others are never asked, and were never observed.
+    store = HeldMatch(small_store())
+    engine = aiokv.OffloadEngine(store, make_caches(),
+                                 aiokv.EngineConfig(request_timeout_ms=100))
+    registry = CollectorRegistry()
+    metrics.register(engine, registry)
+    async with engine:
+        outcomes = await asyncio.gather(*(engine.lookup(u, 4 * PAGE_SIZE) for u in range(4)),
+                                        return_exceptions=True)
+        assert [type(o) for o in outcomes] == [aiokv.RequestTimeout] * 4
+        store.gate.set()
+        key = ("aiokv_latency_store_seconds_count", ())
+        deadline = asyncio.get_running_loop().time() + 10
+        while (await asyncio.to_thread(scrape, registry)).get(key) != 4:
+            assert asyncio.get_running_loop().time() < deadline, await asyncio.to_thread(
+                scrape, registry)
+            await asyncio.sleep(0.05)

@@ -309,10 +309,12 @@ class StoreWorker:
                 if self._slice.used():
                     self._post()  # the batches before this one are answered
                     self._slice.hand_over()
+                posted = len(self._outbox)
                 if item.kind is Kind.LOOKUP:
                     self._rounds.lookup(item, self._outbox)
                 else:
                     self._rounds.move(item, self._outbox)
+                self._observe_unanswered(item, posted)
             except Exception as exc:  # e.g. a CUDA error in a page view's index
                 error = StoreError(f"batch failed before launch: {exc!r}")
                 error.__cause__ = exc
@@ -322,6 +324,17 @@ class StoreWorker:
             self._invalidate(item)
         else:
             raise TypeError(f"unexpected inbox item {item!r}")
+
+    def _observe_unanswered(self, batch: Batch, posted: int) -> None:
+        """The store time of the batch's tries that get no outcome: callers that left
+        (or whose deadline passed) before the store answered, their tries cancelled or
+        never asked. They are the slow ones: the store-time histogram counts each try."""
+        answered = {id(request) for request, _ in self._outbox[posted:]}
+        launched = self._launched  # read here, not the stage, which the loop may change
+        left = [request for request in batch.requests if id(request) not in answered
+                and (request.task_id is None or launched.get(request.task_id) is not request)]
+        if left:
+            self.stats.observe(left)
 
     def _settle(self) -> None:
         """A wake-up with no task in flight: the store's background work ended (a remote
