@@ -349,3 +349,29 @@ def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_until_its_copies_end
         for store in (w, x, z):
             store.close()
         host.stop()
+
+
+def test_gets_held_elsewhere_give_their_blocks_back_once_their_engine_is_told(
+        host: Host) -> None:
+    # As one store's held Lookups do at an evict: here once the engine has heard of it
+    # (its next load asks), not at the gets' own end, which may be a TTL away.
+    writer, writer_tables = host.engine()
+    holder, holder_tables = host.engine()
+    try:
+        offload(writer, writer_tables, 1)
+        offload(writer, writer_tables, 2)
+        first, _ = holder.get_match(TOKENS, ["user:1"])
+        second, _ = holder.get_match(TOKENS, ["user:2"])
+        assert writer.clear() == 2 * PAGES * PAGE_SIZE
+        assert writer.store_stats()["host_blocks_used"] == 2 * PAGES  # held, out of reach
+        launch_load(holder, holder_tables, first)  # announces it, then hears of the clear
+        assert not result(holder, first).mask.any()  # it loads nothing
+        assert loaded(holder_tables, 1) == (False, True)
+        # The second get, never launched, holds nothing from here on.
+        wait_for(lambda: writer.store_stats()["host_blocks_used"] == 0, "the blocks back")
+        holder.cancel([second])
+        wait_for(lambda: writer.store_stats()["server_tasks_open"] == 0, "the gets' ends")
+        assert writer.store_stats()["host_blocks_used"] == 0
+    finally:
+        holder.close()
+        writer.close()

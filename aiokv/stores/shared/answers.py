@@ -154,8 +154,11 @@ class Answers:
 
     def _invalidated(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
         notice = conn.client.notice
-        return {"ids": conn.client.take_invalidated(),
-                "seq": notice.value if notice is not None else 0}
+        ids = conn.client.take_invalidated()
+        # Told now, the engine launches none of them: those it has not announced give
+        # their blocks back at once (not at its END), as one store's held Lookups do.
+        self.service.release_taken(conn.client, ids)
+        return {"ids": ids, "seq": notice.value if notice is not None else 0}
 
     def _invalidate(self, conn: Connection, namespace: tuple[str, ...] | None) -> bytes:
         """An evict (or, ``namespace`` None, a clear), as one embedded store would run it

@@ -320,6 +320,19 @@ class Service:
             self._hits["server_gets_invalidated"] += client.take_back(taken)
         return under_way
 
+    def release_taken(self, client: Client, ids: Sequence[int]) -> None:
+        """Gets taken back, and their engine told so (it never copies them now): those it
+        had not announced (LAUNCH) drop their blocks now, their task kept for its END."""
+        tasks = [task for t in ids if (task := client.tasks.get(t)) is not None
+                 and not task.is_put and not task.launched and len(task.blocks)]
+        host = self._host
+        if not tasks or host is None:
+            return
+        host.end_reads([t.blocks for t in tasks], [t.shared for t in tasks], _blocks(tasks),
+                       _common_size(tasks))
+        for task in tasks:  # their END drops nothing more
+            task.blocks, task.shared = NO_BLOCKS, False
+
     # ---- invalidation, figures -----------------------------------------------------
 
     def evict(self, namespace: tuple[str, ...]) -> Dropped:
