@@ -28,6 +28,7 @@ from shared_inprocess import (
     wait_for,
 )
 
+import aiokv
 from aiokv.copy.copier import Copier
 from aiokv.errors import StoreError
 from aiokv.stores.base import TaskResult, TaskStatus
@@ -372,6 +373,28 @@ def test_gets_held_elsewhere_give_their_blocks_back_once_their_engine_is_told(
         holder.cancel([second])
         wait_for(lambda: writer.store_stats()["server_tasks_open"] == 0, "the gets' ends")
         assert writer.store_stats()["host_blocks_used"] == 0
+    finally:
+        holder.close()
+        writer.close()
+
+
+def test_an_idle_engines_held_lookups_give_their_blocks_back_after_an_evict(
+        host: Host) -> None:
+    # The engine holds its Lookups and does nothing else: it still hears of the clear,
+    # and their blocks go back (they waited for its next call, or their TTL).
+    writer, writer_tables = host.engine()
+    holder = aiokv.run_in_background(aiokv.OffloadEngine(
+        SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket))),
+        [torch.zeros_like(t) for t in writer_tables],
+        aiokv.EngineConfig(lookup_ttl_ms=600_000)))
+    try:
+        offload(writer, writer_tables, 1)
+        held = holder.lookup(1, PAGES * PAGE_SIZE, token_ids=TOKENS, namespace=["user:1"])
+        assert held.cached_tokens == PAGES * PAGE_SIZE
+        assert writer.clear() == PAGES * PAGE_SIZE
+        wait_for(lambda: writer.store_stats()["host_blocks_used"] == 0, "the blocks back")
+        first = len(writer_tables[0]) - PAGES
+        assert holder.load(held, torch.arange(first, first + PAGES)).loaded_tokens == 0
     finally:
         holder.close()
         writer.close()

@@ -267,6 +267,16 @@ class ParksLoads(Protocol):
 
 
 @runtime_checkable
+class ChecksHeld(Protocol):
+    """``check_held()``: the gets this store holds for the engine (matched, not launched:
+    its callers' Lookups) may have been taken back by another engine's evict or clear
+    (``aiokv store-server``): look, so that what they hold goes back now rather than at
+    their end. Cheap when nothing changed. Called now and then while any is held."""
+
+    def check_held(self) -> None: ...
+
+
+@runtime_checkable
 class HearsOfClose(Protocol):
     """``closing()``: the engine that drives the store began to close (``aclose``, before
     its drain); the store's ``close()`` follows once the store thread is done. From then
@@ -314,6 +324,7 @@ OPTIONAL_METHODS = (
     "set_yield",
     "set_deadlines",
     "parked",
+    "check_held",
     "put_match_many",
     "get_match_many",
     "evict",
@@ -336,6 +347,7 @@ class Capabilities:
     set_yield: Callable[[Callable[[], None]], None] | None = None
     set_deadlines: Callable[[Sequence[int], Sequence[float]], None] | None = None
     parked: Callable[[Sequence[int], Sequence[str] | None], list[int]] | None = None
+    check_held: Callable[[], None] | None = None
     put_match_many: Callable[[Queries], MatchAnswers] | None = None
     get_match_many: Callable[[Queries], MatchAnswers] | None = None
     evict: Callable[[Sequence[str]], int] | None = None

@@ -53,6 +53,7 @@ class _Release:
 _STOP = object()
 _WAKE = object()  # a task may have ended: poll the store
 _NOTIFIED_POLL_S = 0.01  # fallback poll of a store that notifies (set_notify)
+_HELD_CHECK_S = 0.1  # while Lookups are held: a store's check_held (stores.base.ChecksHeld)
 
 
 class StoreWorker:
@@ -206,6 +207,8 @@ class StoreWorker:
             self._registered.set_result(None)
         self._slice.restart()  # registering is not this thread's work
         stopping = False
+        check_held = self._caps.check_held
+        held_check_at = 0.0
         try:
             while not stopping or self._launched:
                 timeout = None
@@ -219,6 +222,8 @@ class StoreWorker:
                     timeout = self._poll_interval_s
                 timeout = retry_timeout(timeout, self._calls.owed, self._polls, self._launched)
                 timeout = self.figures.timeout(timeout)  # wake to read figures work moved
+                if self._reserved and check_held is not None:
+                    timeout = _HELD_CHECK_S if timeout is None else min(timeout, _HELD_CHECK_S)
                 item: object = None
                 before = time.perf_counter()
                 with contextlib.suppress(queue.Empty):
@@ -246,6 +251,10 @@ class StoreWorker:
                 elif woke and not self._launched:
                     self._settle()
                 self._calls.owed.retry()
+                if self._reserved and check_held is not None and after >= held_check_at:
+                    held_check_at = after + _HELD_CHECK_S
+                    with contextlib.suppress(StoreError):  # a store gone: its calls say so
+                        self._calls.call(check_held)
                 self._post()
                 if worked:
                     self.figures.changed()

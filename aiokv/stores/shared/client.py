@@ -281,6 +281,13 @@ class SharedStore:
                 left.append(entry)
         return left
 
+    def check_held(self) -> None:
+        """base.ChecksHeld: with gets held, ask the server which were taken back if the
+        notice word moved; the server then gives their blocks back (an idle engine
+        would otherwise hold them until it works again or their Lookups expire)."""
+        if self._tasks:
+            self._look()
+
     def _look(self) -> None:
         """Ask the server which gets it took back, if the notice word moved since the
         last time (StoreError when the server is gone)."""
