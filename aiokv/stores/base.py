@@ -254,16 +254,14 @@ class BoundsWaits(Protocol):
 
 @runtime_checkable
 class ParksLoads(Protocol):
-    """``parked(task_ids, namespace)``: of these launched tasks, the loads that wait for
-    room in the store before they copy anything more (LocalStore: host room to stage
-    their SSD pages). Those of ``namespace`` (None: every key) stop waiting and end with
-    what they queued before, as the drop that follows would end them; the others' ids
-    are returned. Asked by an evict or clear (of ``namespace``) while it waits for the
-    tasks launched before it: it need not wait for those, whose keys it leaves alone, and
-    must not, since the room they wait for may be held by lookups whose loads queue
-    behind it."""
+    """``parked(task_ids)``: of these launched tasks, the loads that wait for room in the
+    store before they copy anything more (LocalStore: host room to stage their SSD
+    pages); a question, nothing changes. Asked by an evict or clear while it waits for the
+    tasks launched before it: once only such loads are left it goes ahead, since the room
+    they wait for may be held by lookups whose loads queue behind it. Its drop ends those
+    of its key with what they queued before (their host pages); the others wait on."""
 
-    def parked(self, task_ids: Sequence[int], namespace: Sequence[str] | None) -> list[int]: ...
+    def parked(self, task_ids: Sequence[int]) -> list[int]: ...
 
 
 @runtime_checkable
@@ -346,7 +344,7 @@ class Capabilities:
     set_notify: Callable[[Callable[[], None]], None] | None = None
     set_yield: Callable[[Callable[[], None]], None] | None = None
     set_deadlines: Callable[[Sequence[int], Sequence[float]], None] | None = None
-    parked: Callable[[Sequence[int], Sequence[str] | None], list[int]] | None = None
+    parked: Callable[[Sequence[int]], list[int]] | None = None
     check_held: Callable[[], None] | None = None
     put_match_many: Callable[[Queries], MatchAnswers] | None = None
     get_match_many: Callable[[Queries], MatchAnswers] | None = None

@@ -168,7 +168,7 @@ _CALLS: dict[str, Callable[[Store, _Ends, Any], Any]] = {
     "evict": lambda store, ends, args: store.evict(args),  # type: ignore[attr-defined]
     "clear": lambda store, ends, args: store.clear(),  # type: ignore[attr-defined]
     "store_stats": lambda store, ends, args: dict(store.store_stats()),  # type: ignore[attr-defined]
-    "parked": lambda store, ends, args: store.parked(*args),  # type: ignore[attr-defined]
+    "parked": lambda store, ends, args: store.parked(args),  # type: ignore[attr-defined]
     "launch": _launch,
     "cancel": lambda store, ends, args: store.cancel(args),
     "try_wait": lambda store, ends, args: pack_results(ends.take(args)),

@@ -274,15 +274,14 @@ class ProcessStore:
         stats["d2h_copies"] = stats.get("d2h_copies", 0) + self._pages.d2h_copies
         return stats
 
-    def parked(self, task_ids: Sequence[int], namespace: Sequence[str] | None) -> list[int]:
+    def parked(self, task_ids: Sequence[int]) -> list[int]:
         """base.ParksLoads, asked of the child (a dead child's tasks wait for nothing), its
         answer in this store's ids (the child's plus its generation's base)."""
         base = self._ids.base
         ids, _ = self._ids.split(task_ids)
         if not ids:
             return []
-        passed: list[int] = self._call(
-            "parked", (ids, None if namespace is None else tuple(namespace)))
+        passed: list[int] = self._call("parked", ids)
         return [task_id + base for task_id in passed]
 
     def set_deadlines(self, task_ids: Sequence[int], deadlines_s: Sequence[float]) -> None:

@@ -35,7 +35,7 @@ class StoreWrapper:
     set_notify: Callable[[Callable[[], None]], None] | None
     set_yield: Callable[[Callable[[], None]], None] | None
     set_deadlines: Callable[[Sequence[int], Sequence[float]], None] | None
-    parked: Callable[[Sequence[int], Sequence[str] | None], list[int]] | None
+    parked: Callable[[Sequence[int]], list[int]] | None
     check_held: Callable[[], None] | None
     put_match_many: Callable[..., list[Any]] | None
     get_match_many: Callable[..., list[Any]] | None

@@ -406,7 +406,7 @@ class StoreWorker:
                 self._post()
                 if self._polls.due():  # a failing try_wait is retried after its backoff,
                     failure = self._poll()  # as outside an evict, not failed by a fast loop
-                if self._launched and self._only_parked(item):
+                if self._launched and self._only_parked():
                     break
                 if self._launched and self._polls.failures >= EVICT_POLL_ATTEMPTS:
                     self._post()
@@ -434,15 +434,15 @@ class StoreWorker:
             raise
         invalidate(item, self._caps, self._calls)
 
-    def _only_parked(self, item: Invalidation) -> bool:
-        """Whether every task still launched is a load of another key waiting for room
-        in the store (base.ParksLoads; those of the dropped key end now): the evict goes
-        ahead of them rather than wait for room that lookups queued behind it may hold."""
+    def _only_parked(self) -> bool:
+        """Whether every task still launched is a load waiting for room in the store
+        (base.ParksLoads): the evict goes ahead of them rather than wait for room that
+        lookups queued behind it may hold (its drop ends those of its key)."""
         parked = self._caps.parked
         if parked is None:
             return False
         try:
-            passed = self._calls.call(parked, sorted(self._launched), item.namespace)
+            passed = self._calls.call(parked, sorted(self._launched))
         except StoreError:
             return False  # waited for as usual
         return set(self._launched) <= set(passed)

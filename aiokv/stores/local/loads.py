@@ -287,18 +287,11 @@ class LoadStaging:
             load.expired = "its deadline passed before it was all queued for its copy"
         return load.expired is not None
 
-    def parked(self, task_ids: Sequence[int], namespace: tuple[str, ...] | None) -> list[int]:
-        """Of these launched tasks, the loads owed host room (copying nothing more until
-        they have it): those of ``namespace`` (None: all) end now with their host prefix
-        (:meth:`drop_unstaged`'s way), the others' ids are returned."""
+    def parked(self, task_ids: Sequence[int]) -> list[int]:
+        """Of these launched tasks, the loads owed host room: they copy nothing more until
+        they have it (an evict's drop ends those of its key: :meth:`drop_unstaged`)."""
         asked = set(task_ids)
-        owed = [load for load in self._owed if load.task.task_id in asked]
-        ending = [load for load in owed if namespace is None or load.key == namespace]
-        for load in ending:
-            self._owed.remove(load)
-            self._unstage(load)
-            self._finish(load)
-        return [load.task.task_id for load in owed if load not in ending]
+        return [load.task.task_id for load in self._owed if load.task.task_id in asked]
 
     def drop_unstaged(self, namespace: tuple[str, ...] | None) -> None:
         """An evict or clear of ``namespace`` (None: all): its loads not staged yet never

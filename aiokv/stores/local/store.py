@@ -287,11 +287,11 @@ class LocalStore:
         self._ends.collect()
         return self._ends.answers(task_ids)
 
-    def parked(self, task_ids: Sequence[int], namespace: Sequence[str] | None) -> list[int]:
+    def parked(self, task_ids: Sequence[int]) -> list[int]:
         """base.ParksLoads: launched loads whose SSD pages wait for host room (.loads)."""
         if self._link is None:
             return []
-        return self._link.parked(task_ids, None if namespace is None else tuple(namespace))
+        return self._link.parked(task_ids)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are

@@ -140,18 +140,28 @@ class TierLink(LoadStaging):
             host.drop_readers(blocks[~np.isin(blocks, request.host_blocks)])
 
     def _demote(self, blocks: Int64Array, spaces: list[Space], digests: list[bytes]) -> Int64Array:
-        """The host tier's eviction hook: keeps (and copies down) what the SSD lacks."""
-        dirty = ~self.host.clean[blocks]
-        if not dirty.any():
+        """The host tier's eviction hook: keeps (and copies down) what the SSD lacks. A
+        copy down may take the SSD slot of another of these blocks (the SSD's LRU gives
+        it away: _copies_gone), which then lacks its copy too: asked again until none
+        does, or no copy can start."""
+        kept: list[Int64Array] = []
+        asked = np.zeros(len(blocks), dtype=np.bool_)
+        while True:
+            want = ~self.host.clean[blocks] & ~asked
+            if not want.any():
+                break
+            asked |= want
+            these = blocks[want]
+            spaces_now = [s for s, w in zip(spaces, want, strict=True) if w]
+            digests_now = [g for g, w in zip(digests, want, strict=True) if w]
+            copying = self._copy_down(these, spaces_now, digests_now)
+            kept.append(copying)
+            if len(copying) < len(these):  # rare: the SSD's slots all in use
+                self._count_dropped(these, copying, spaces_now, digests_now)
+                break
+        if not kept:
             return NO_BLOCKS
-        if not dirty.all():
-            blocks = blocks[dirty]
-            spaces = [s for s, d in zip(spaces, dirty, strict=True) if d]
-            digests = [g for g, d in zip(digests, dirty, strict=True) if d]
-        kept = self._copy_down(blocks, spaces, digests)
-        if len(kept) < len(blocks):  # rare: the SSD's slots all in use
-            self._count_dropped(blocks, kept, spaces, digests)
-        return kept
+        return kept[0] if len(kept) == 1 else np.concatenate(kept)
 
     def _count_dropped(self, blocks: Int64Array, kept: Int64Array, spaces: list[Space],
                        digests: list[bytes]) -> None:
