@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from test_ssd import (
+    BLOCK,
     PAGE,
     TARGET,
     USER_PAGES,
     caches_for,
+    figure,
     load_back,
     offload,
     same,
@@ -98,3 +100,44 @@ async def test_host_blocks_evicted_while_every_ssd_slot_is_held_are_counted(
         assert engine.stats().ssd_full_drops == 2 * USER_PAGES
         assert await load_back(engine, 5, TARGET) == 0  # what the count says was lost
         assert await load_back(engine, 7, TARGET) == USER_PAGES * PAGE
+
+
+@pytest.mark.asyncio
+async def test_a_clean_block_whose_copy_goes_in_the_same_eviction_is_copied_again(
+    tmp_path: Path,
+) -> None:
+    # Two keys evicted together: the copy down of the one without an SSD copy took the SSD
+    # slot of the other's copy, and that one, checked before, was freed with none.
+    unit = 4  # pages per user here: a 16-block host holds 4, a 12-slot SSD 3
+
+    def pages(user: int) -> torch.Tensor:
+        return torch.arange(unit * user, unit * (user + 1))
+
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    target = TARGET[:unit]
+    store = aiokv.LocalStore(ssd_config(tmp_path, slots=12))  # write_through
+    written = 0
+
+    async def put(user: int, user_pages: torch.Tensor) -> None:
+        nonlocal written
+        await engine.offload(user, user_pages, len(user_pages) * PAGE)
+        written += len(user_pages) * BLOCK
+        await figure(store, "bytes_ssd_written", written)  # its SSD copy landed
+
+    async def use(user: int) -> int:
+        return await load_back(engine, user, target)
+
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        a, b, x1, x2 = 0, 1, 2, 3
+        for user in (a, b, x1):
+            await put(user, pages(user))
+        await use(a)
+        await use(b)
+        await put(x2, pages(x2))  # the SSD gives A's slots to X2: A is the host's only copy
+        await use(x1)
+        await use(x2)  # the host's LRU: A, B oldest
+        await engine.offload(99, torch.arange(100, 108), 8 * PAGE)  # evicts A and B at once
+        await asyncio.sleep(0.3)
+        assert await use(b) == unit * PAGE
+        assert same(caches, original, target, pages(b))
