@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import aiokv
+from aiokv.copy.copier import Copier
 from aiokv.integrations import recsys
 from aiokv.integrations.recsys_core import RecsysCore, sets_window
 from aiokv.integrations.recsys_math import (
@@ -487,17 +488,43 @@ def test_an_onboard_of_a_lookup_result_that_is_not_this_batchs_is_refused(
         storage.close()
 
 
-def test_a_request_timeout_is_refused_a_wait_answers_once_the_copies_ended(
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_wait_answers_once_its_copies_ended_whatever_request_timeout_ms_says(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A wait answered at a deadline, its copy still running: the manager reused the pages
     # and the late copy stored their next user's KV under this user.
     monkeypatch.setattr(recsys, "_recsys", fake_recsys)
     timed = {"engine": {"window_us": 0, "request_timeout_ms": 300},
              "store": {"cpu_cache_gb": 0.01}}
+    gate = threading.Event()
+    move = Copier._move_cpu
+
+    def held(copier: Any, job: Any) -> Any:
+        if job.to_host:
+            gate.wait(30)
+        return move(copier, job)
+
+    monkeypatch.setattr(Copier, "_move_cpu", held)
+    kv_caches = caches()
+    original = [cache[0:2].clone() for cache in kv_caches]
     storage: Any = recsys._HostStorage(timed)
-    with pytest.raises(aiokv.ConfigError, match=r"^engine\.request_timeout_ms: .*got 300"):
-        storage.register_gpu_cache_tables(caches())
-    storage = recsys._HostStorage({**timed, "engine": {"request_timeout_ms": 0}})
-    storage.register_gpu_cache_tables(caches())  # 0 (never) is what it runs with
-    storage.close()
+    storage.register_gpu_cache_tables(kv_caches)
+    try:
+        assert "request_timeout_ms=300 is not used" in caplog.text
+        meta = storage.build_index_meta(torch.tensor([3]), torch.tensor([8]))
+        handle = storage.offload_kvcache_launch(
+            meta.user_ids, i32(0), [], meta, types.SimpleNamespace(kv_indices=i32(0, 1)))
+        time.sleep(0.6)  # twice the config's timeout: still the copy's
+        assert storage.offload_kvcache_wait(handle).status.value == "launched"
+        gate.set()
+        until(lambda: storage.offload_kvcache_wait(handle).ready)
+        for cache in kv_caches:
+            cache[0:2] = 7.0  # the manager reuses the pages once the wait answered
+        found = storage.lookup_kvcache(meta)
+        launched = storage.onboard_kvcache_launch(
+            meta, found, types.SimpleNamespace(kv_indices=i32(40, 41)))
+        assert storage.onboard_kvcache_wait(launched).ready
+        assert all(torch.equal(c[40:42], o) for c, o in zip(kv_caches, original, strict=True))
+    finally:
+        gate.set()
+        storage.close()

@@ -28,7 +28,6 @@ import torch
 import yaml
 
 from ..engine import OffloadEngine
-from ..errors import ConfigError
 from ..open import ConfigSource, read_config
 from ..portal import outcome
 from ..requests import LoadResult, OffloadResult
@@ -108,21 +107,21 @@ class RecsysCore:
         ``window_us`` 0 where ``config`` leaves it unset), started on a loop thread of its
         own. Raises what ``open_engine`` and ``start`` raise.
 
-        ``request_timeout_ms`` is 0 here, and a config that sets another value is a
-        ConfigError: the manager reuses a call's pages once its wait answers, so a wait
-        answers only once the call's copies have ended, and a deadline would answer it
-        while a copy launched before it still reads or writes them (an offload's late copy
-        would store the pages' next user under this one). A load still ends at its
+        ``request_timeout_ms`` is 0 here whatever the config says (a value it sets is
+        logged as not used): the manager reuses a call's pages once its wait answers, so a
+        wait answers only once the call's copies have ended, and a deadline would answer
+        it while a copy launched before it still reads or writes them (an offload's late
+        copy would store the pages' next user under this one). A load still ends at its
         store's own deadline for staging SSD pages (30 s after its launch), copies done."""
         engine_config, store_config = read_config(config)
         if not sets_window(config):
             engine_config = dataclasses.replace(engine_config, window_us=0)
         if engine_config.request_timeout_ms:
             if sets_engine_key(config, "request_timeout_ms"):
-                raise ConfigError(
-                    "engine.request_timeout_ms", f"must be 0 or unset for recsys-examples' "
-                    f"storage (a wait answered at a deadline would let the manager reuse "
-                    f"pages a copy still touches), got {engine_config.request_timeout_ms}")
+                log.warning(
+                    "aiokv: recsys storage: engine.request_timeout_ms=%d is not used (0): a "
+                    "wait answers once its copies have ended, so that the manager reuses "
+                    "no page a copy still touches", engine_config.request_timeout_ms)
             engine_config = dataclasses.replace(engine_config, request_timeout_ms=0)
         engine = OffloadEngine(make_store(store_config), kv_caches=kv_caches,
                                config=engine_config)
