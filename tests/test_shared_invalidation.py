@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.local import ssd_voids
 from aiokv.stores.shared import SharedStore
 from aiokv.stores.shared import answers as answers_module
+from aiokv.stores.shared.service import Service
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
                                 reason="the shared region needs memfd_create (Linux)")
@@ -395,6 +397,40 @@ def test_an_idle_engines_held_lookups_give_their_blocks_back_after_an_evict(
         wait_for(lambda: writer.store_stats()["host_blocks_used"] == 0, "the blocks back")
         first = len(writer_tables[0]) - PAGES
         assert holder.load(held, torch.arange(first, first + PAGES)).loaded_tokens == 0
+    finally:
+        holder.close()
+        writer.close()
+
+
+def test_a_check_answered_inside_an_evict_does_not_hide_it_from_the_next_load(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The holder asks which gets were taken back while the evict is between its notice
+    # bump and its taking back: that answer covered the bump, so a load launched right
+    # after read its word unchanged and copied a get the evict then took back.
+    writer, writer_tables = host.engine()
+    holder, holder_tables = host.engine()
+    try:
+        offload(writer, writer_tables, 1)
+        task, _ = holder.get_match(TOKENS, ["user:1"])
+        dropping = held(monkeypatch, Service, "evict")  # after the bump, before the drop
+        taking = held(monkeypatch, Service, "invalidate")  # after the second read
+        evict = threading.Thread(target=writer.evict, args=(["user:1"],))
+        evict.start()
+        assert dropping.entered.wait(10)
+        asking = threading.Thread(target=holder.check_held)
+        asking.start()
+        time.sleep(0.3)  # its question waits on the socket for the evict's second read
+        dropping.set()
+        assert taking.entered.wait(10)
+        asking.join(10)  # answered by that read
+        launching = threading.Thread(target=launch_load, args=(holder, holder_tables, task))
+        launching.start()
+        time.sleep(0.3)  # the launch reads its notice word now, the evict still under way
+        taking.set()
+        launching.join(10)
+        evict.join(10)
+        assert not result(holder, task).mask.any()
+        assert loaded(holder_tables, 1) == (False, True)  # and copied nothing
     finally:
         holder.close()
         writer.close()

@@ -153,12 +153,18 @@ class Answers:
         return b""  # not answered: see notice
 
     def _invalidated(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-        notice = conn.client.notice
-        ids = conn.client.take_invalidated()
+        client = conn.client
+        notice = client.notice
+        ids = client.take_invalidated()
         # Told now, the engine launches none of them: those it has not announced give
         # their blocks back at once (not at its END), as one store's held Lookups do.
-        self.service.release_taken(conn.client, ids)
-        return {"ids": ids, "seq": notice.value if notice is not None else 0}
+        self.service.release_taken(client, ids)
+        # Asked while an evict is between its bump and its taking back (its second
+        # absorb): the answer must not cover that bump, or the engine would copy a get
+        # the evict is about to take back, seeing its word unchanged.
+        seq = client.before_bump if client.before_bump is not None else (
+            notice.value if notice is not None else 0)
+        return {"ids": ids, "seq": seq}
 
     def _invalidate(self, conn: Connection, namespace: tuple[str, ...] | None) -> bytes:
         """An evict (or, ``namespace`` None, a clear), as one embedded store would run it
@@ -170,16 +176,21 @@ class Answers:
         clients = [c.client for c in self._loop.peers()]
         for client in clients:
             if client.notice is not None and client.gets_of(namespace):
+                client.before_bump = client.notice.value
                 client.notice.bump()  # before the key goes and before the second read
-        for other in self._loop.peers():
-            for entry in other.deferred or ():
-                if isinstance(entry, PendingGet) and namespace in (None, entry.namespace):
-                    entry.invalidated = True
-        tokens, written, published = (self.service.clear() if namespace is None
-                                      else self.service.evict(namespace))
-        self._loop.absorb()  # LAUNCHes sent before the bump; gets matched now miss the key
-        loads = self.service.invalidate(conn.client, [c.client for c in
-                                                      self._loop.peers()], namespace)
+        try:
+            for other in self._loop.peers():
+                for entry in other.deferred or ():
+                    if isinstance(entry, PendingGet) and namespace in (None, entry.namespace):
+                        entry.invalidated = True
+            tokens, written, published = (self.service.clear() if namespace is None
+                                          else self.service.evict(namespace))
+            self._loop.absorb()  # LAUNCHes sent before the bump; gets matched now miss it
+            loads = self.service.invalidate(conn.client, [c.client for c in
+                                                          self._loop.peers()], namespace)
+        finally:
+            for client in clients:  # taken back, and bumped again: answers cover it now
+                client.before_bump = None
         wait = EvictWait(loads, tokens, time.monotonic() + EVICT_WAIT_S, written, published)
         if wait.over():
             return wait.reply()

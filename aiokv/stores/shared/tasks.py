@@ -79,6 +79,9 @@ class Client:
     tasks: dict[int, Task] = field(default_factory=dict)
     notice: Notice | None = None
     invalidated: list[int] = field(default_factory=list)
+    # Its notice word's value before an evict under way bumped it, until that evict has
+    # taken its gets back: the seq an answer meanwhile gives (not one that covers the bump).
+    before_bump: int | None = None
 
     def launched(self, ids: Sequence[int]) -> None:
         """It copies these gets now (LAUNCH); Foreign unless each is a get it holds."""
