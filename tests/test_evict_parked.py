@@ -58,6 +58,20 @@ async def a_load_waiting_for_room(
     return holds, load
 
 
+async def evict_goes_ahead(engine: aiokv.OffloadEngine, caches: list[torch.Tensor],
+                           original: list[torch.Tensor]) -> None:
+    """An evict of user 1 while user 0's load waits for room: it answers, the holds'
+    loads called after it free the room, and user 0's load then completes bit-exact."""
+    holds, load = await a_load_waiting_for_room(engine)
+    evict = asyncio.ensure_future(engine.evict(1))
+    loads = [engine.load(hold, pages) for hold, pages in zip(holds, targets(3)[1:],
+                                                              strict=True)]
+    assert await asyncio.wait_for(evict, 10) == TOKENS
+    await asyncio.wait_for(asyncio.gather(*loads), 10)
+    assert (await asyncio.wait_for(load, 10)).loaded_tokens == TOKENS
+    assert same(caches, original, targets(1)[0], source_pages(0))
+
+
 @pytest.mark.asyncio
 async def test_an_evict_goes_ahead_of_a_load_of_another_key_waiting_for_room(
     tmp_path: Path,
@@ -66,15 +80,7 @@ async def test_an_evict_goes_ahead_of_a_load_of_another_key_waiting_for_room(
     original = [c.clone() for c in caches]
     store = aiokv.LocalStore(ssd_config(tmp_path))
     async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
-        holds, load = await a_load_waiting_for_room(engine)
-        evict = asyncio.ensure_future(engine.evict(1))
-        # The holds' loads, called after the evict: they free the room user 0 waits for.
-        loads = [engine.load(hold, pages) for hold, pages in zip(holds, targets(3)[1:],
-                                                                  strict=True)]
-        assert await asyncio.wait_for(evict, 10) == TOKENS
-        await asyncio.wait_for(asyncio.gather(*loads), 10)
-        assert (await asyncio.wait_for(load, 10)).loaded_tokens == TOKENS
-        assert same(caches, original, targets(1)[0], source_pages(0))
+        await evict_goes_ahead(engine, caches, original)
         hit = await engine.lookup(1, TOKENS)
         assert hit.cached_tokens == 0
         hit.release()
@@ -113,11 +119,4 @@ async def test_an_evict_goes_ahead_of_such_a_load_in_a_store_process_started_aga
             with contextlib.suppress(aiokv.StoreError):
                 await engine.evict(9)
             await asyncio.sleep(0.05)
-        holds, load = await a_load_waiting_for_room(engine)
-        evict = asyncio.ensure_future(engine.evict(1))
-        loads = [engine.load(hold, pages) for hold, pages in zip(holds, targets(3)[1:],
-                                                                  strict=True)]
-        assert await asyncio.wait_for(evict, 10) == TOKENS
-        await asyncio.wait_for(asyncio.gather(*loads), 10)
-        assert (await asyncio.wait_for(load, 10)).loaded_tokens == TOKENS
-        assert same(caches, original, targets(1)[0], source_pages(0))
+        await evict_goes_ahead(engine, caches, original)
