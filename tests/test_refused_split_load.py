@@ -51,3 +51,47 @@ async def test_a_refused_split_load_writes_none_of_its_pages(
         written = [i for i in range(8)
                    if i != 6 and not bool(caches[0][dest[i]].isnan().all())]
         assert written == [], f"a refused load wrote positions {written}"
+
+
+LAYERS, SMALL_PAGE, HEADS, DIM, USER = 2, 16, 2, 16, 8  # 8 pages a user
+SMALL_BLOCK = LAYERS * 2 * SMALL_PAGE * HEADS * DIM * 4
+
+
+@pytest.mark.asyncio
+async def test_a_refused_load_waiting_for_host_room_answers_at_once_and_owes_none(
+    tmp_path: Path,
+) -> None:
+    """A load whose SSD pages wait for host room, refused for a bad page id at launch,
+    raises InvalidRequest then, not at its deadline; and other users' offloads do not wait
+    for the room it will never use."""
+    from aiokv.stores.local import ssd_format
+
+    caches = [torch.randn(160, 2, SMALL_PAGE, HEADS, DIM) for _ in range(LAYERS)]
+    store = aiokv.LocalStore(aiokv.StoreConfig(
+        cpu_cache_gb=16 * SMALL_BLOCK / 2**30, ssd_cache_dir=str(tmp_path),
+        ssd_cache_gb=64 * (ssd_format.HEADER_BYTES + SMALL_BLOCK) / 2**30))  # 16 host blocks
+    tokens = USER * SMALL_PAGE
+    async with aiokv.OffloadEngine(store, caches,
+                                   aiokv.EngineConfig(request_timeout_ms=5000)) as engine:
+        for user in range(6):  # users 0..3 end up on the SSD only
+            await engine.offload(user, torch.arange(USER * user, USER * (user + 1)), tokens)
+        for _ in range(200):
+            if engine.stats().ssd_blocks_used >= 4 * USER:
+                break
+            await asyncio.sleep(0.01)
+        held = [await engine.lookup(4, tokens), await engine.lookup(5, tokens // 2)]  # 12
+        hit = await engine.lookup(0, tokens)  # 8 SSD pages, room for 4 of them
+        assert hit.cached_tokens == tokens
+        pages = torch.arange(100, 108)
+        pages[3] = -7
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(aiokv.InvalidRequest, match="-7"):
+            await engine.load(hit, pages)
+        assert loop.time() - start < 2.0, "the refused load waited for host room"
+        start = loop.time()
+        stored = await engine.offload(9, torch.arange(72, 76), 4 * SMALL_PAGE)
+        assert stored.stored_tokens == 4 * SMALL_PAGE
+        assert loop.time() - start < 2.0, "an offload waited for a refused load's room"
+        for lookup in held:
+            lookup.release()

@@ -445,6 +445,13 @@ class LoadStaging:
             load.error = load.error or job.error
         if job.invalid and load.invalid is None:  # a chunk's page ids were refused
             load.invalid = next(iter(job.invalid.values()))
+            if load in self._owed:
+                # It will copy nothing: it ends now rather than wait for host room (and
+                # hold up the puts that leave_owed turns away meanwhile) until its
+                # deadline, when the room would only stage reads for no copy.
+                self._owed.remove(load)
+                self._unstage(load)
+                self._finish(load)
         if host:
             load.host_copies -= 1
             if not load.host_copies and not load.staged and not load.finished:
