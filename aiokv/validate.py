@@ -42,6 +42,10 @@ def kv_caches(kv_caches: Sequence[torch.Tensor]) -> tuple[int, int, torch.device
         if cache.requires_grad:  # every load writes into it in place
             raise ConfigError(f"kv_caches[{layer}]", "requires grad: pass the tensor's "
                                                     ".detach() (the same memory)")
+        if cache.is_conj() or cache.is_neg():  # copies move the memory, not the view
+            raise ConfigError(f"kv_caches[{layer}]", "is a conjugate or negative view: its "
+                                                    "memory holds other values; pass the "
+                                                    "tensor it views")
         if cache.device.type == "meta":
             raise ConfigError(f"kv_caches[{layer}]", "is on the meta device: it has no memory")
     if first.numel() == 0:
@@ -76,8 +80,12 @@ def page_ids(page_ids: object, device: torch.device) -> torch.Tensor:
         )
     elif page_ids.is_cpu:
         page_ids = page_ids.clone()  # the caller may reuse its buffer before the batch runs
+    if page_ids.is_nested:  # (a strided nested tensor has no .shape to name)
+        raise InvalidRequest("page_ids", "must be a 1-D tensor, got a nested tensor")
     if page_ids.ndim != 1:
         raise InvalidRequest("page_ids", f"must be 1-D, got shape {list(page_ids.shape)}")
+    if page_ids.is_neg():  # a device view: its memory holds the ids negated
+        raise InvalidRequest("page_ids", "is a negative view: pass .resolve_neg()")
     if page_ids.layout is not torch.strided:  # a sparse tensor cannot be sliced per move
         raise InvalidRequest("page_ids", f"must be a dense tensor, got {page_ids.layout}")
     dtype = page_ids.dtype

@@ -114,3 +114,24 @@ def test_a_socket_path_longer_than_a_unix_socket_holds_is_a_config_error(tmp_pat
     path = str(tmp_path / ("s" * 120))
     with pytest.raises(aiokv.ConfigError, match=r"^store\.socket: is \d+ bytes.*at most 107"):
         aiokv.StoreConfig(backend="shared", socket=path)
+
+
+@pytest.mark.asyncio
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+async def test_a_nested_page_id_tensor_is_an_invalid_request(caches: list[torch.Tensor]) -> None:
+    nested = torch.nested.nested_tensor([torch.arange(4), torch.arange(2)])
+    async with aiokv.OffloadEngine(small_store(), caches) as engine:
+        with pytest.raises(aiokv.InvalidRequest, match="page_ids"):
+            await engine.offload(1, nested, TOKENS)
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_caches_that_are_conjugate_or_negative_views_are_a_config_error(view: str) -> None:
+    # Copies move a cache's memory, which holds the values before the view's conjugation
+    # or negation: such caches could be registered, and every copy then failed.
+    if view == "conj":
+        caches = [torch.randn(8, 2, PAGE_SIZE, 2, 4, dtype=torch.complex64).conj()]
+    else:
+        caches = [torch._neg_view(torch.randn(8, 2, PAGE_SIZE, 2, 4))]
+    with pytest.raises(aiokv.ConfigError, match=r"kv_caches\[0\].*negative view"):
+        aiokv.OffloadEngine(small_store(), caches)
