@@ -35,7 +35,7 @@ from . import validate
 from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
 from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
-from .loop.resolution import settle_thread_future
+from .loop.resolution import finish_thread_future, settle_thread_future
 from .portal import Call, Portal, outcome
 from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
@@ -305,8 +305,15 @@ class BackgroundEngine:
             )
             return BackgroundLayerwiseLoad(load, self.loop)
 
+        def last_word(done: concurrent.futures.Future[BackgroundLayerwiseLoad]) -> None:
+            # The call's end settles ``handed`` unless the launch handed it out; one its
+            # caller cancelled is marked notified here (it is settled nowhere else), so
+            # that concurrent.futures.wait and as_completed count it done.
+            if not handed.done() or handed.cancelled():
+                finish_thread_future(handed, outcome(done))
+
         running = self._submit(load_layerwise)
-        running.add_done_callback(lambda done: settle_thread_future(handed, outcome(done)))
+        running.add_done_callback(last_word)
         handed.add_done_callback(lambda done: done.cancelled() and running.cancel())
         return handed
 

@@ -251,6 +251,20 @@ def test_a_call_cancelled_before_the_loop_took_it_never_runs() -> None:
         assert kv.stats().completed == 2  # the kept offload and the lookup
 
 
+def test_a_layerwise_load_cancelled_before_the_loop_took_it_counts_as_done() -> None:
+    # concurrent.futures.wait and as_completed count a cancelled future done only once it
+    # is marked notified; the layerwise load's future was left cancelled, never notified.
+    with background(make_caches()) as kv:
+        kv.offload(1, torch.arange(0, 2), 8)
+        hit = kv.lookup(1, 8)
+        release = hold_the_loop(kv)
+        cancelled = kv.submit_load_layerwise(hit, torch.arange(8, 10))
+        assert cancelled.cancel()
+        release.set()
+        assert concurrent.futures.wait([cancelled], timeout=30).not_done == set()
+        assert list(concurrent.futures.as_completed([cancelled], timeout=30)) == [cancelled]
+
+
 def test_a_lookup_cancelled_as_its_answer_comes_holds_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The caller cancels its future after the store answered, before the loop handed the
