@@ -434,3 +434,56 @@ def test_a_check_answered_inside_an_evict_does_not_hide_it_from_the_next_load(
     finally:
         holder.close()
         writer.close()
+
+
+def test_an_evict_nested_in_another_keeps_the_outer_bump_from_the_next_load(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Evict E1 (user:1) bumped the holder's word and reads the engines' frames before
+    # taking its gets back; one of them is another engine's evict E2 (user:2), run
+    # inside. E2's end forgot E1's word from before the bump, so the holder's question,
+    # answered after E2 still inside E1, covered E1's bump: a load launched then copied
+    # the get E1 took back (the dropped KV in its pages, reported as nothing loaded).
+    first, first_tables = host.engine()
+    second, second_tables = host.engine()
+    holder, holder_tables = host.engine()
+    try:
+        offload(first, first_tables, 1)
+        offload(second, second_tables, 2)
+        offload(first, first_tables, 3)
+        task, _ = holder.get_match(TOKENS, ["user:1"])
+        other, _ = holder.get_match(TOKENS, ["user:3"])
+        outer = held(monkeypatch, Service, "evict", lambda self, ns: ns == ("user:1",))
+        inner_taking = held(monkeypatch, Service, "invalidate",
+                            lambda self, req, clients, ns: ns == ("user:2",))
+        outer_taking = held(monkeypatch, Service, "invalidate",
+                            lambda self, req, clients, ns: ns == ("user:1",))
+        evict_1 = threading.Thread(target=first.evict, args=(["user:1"],))
+        evict_1.start()
+        assert outer.entered.wait(10)  # E1 bumped the holder's word
+        evict_2 = threading.Thread(target=second.evict, args=(["user:2"],))
+        evict_2.start()
+        time.sleep(0.2)  # E2's frame waits first
+        holder.cancel([other])  # then one of the holder's (it is among E1's peers)
+        time.sleep(0.2)
+        outer.set()  # E1's second read runs E2 inside it
+        assert inner_taking.entered.wait(10)
+        asking = threading.Thread(target=holder.check_held)
+        asking.start()
+        time.sleep(0.2)
+        inner_taking.set()  # E2 ends; E1's read answers the holder's question
+        asking.join(10)
+        assert not asking.is_alive()
+        assert outer_taking.entered.wait(10)  # E1 has not taken the get back yet
+        launching = threading.Thread(target=launch_load, args=(holder, holder_tables, task))
+        launching.start()
+        time.sleep(0.3)  # the launch reads its notice word now
+        outer_taking.set()
+        launching.join(10)
+        evict_1.join(10)
+        evict_2.join(10)
+        assert not result(holder, task).mask.any()
+        assert loaded(holder_tables, 1) == (False, True)  # and copied nothing
+    finally:
+        holder.close()
+        second.close()
+        first.close()

@@ -173,10 +173,15 @@ class Answers:
         says why this order is enough), and for the remote tier's marker (at most its
         ``timeout_ms``), after which no other host finds the key."""
         self._loop.absorb()  # what engines sent before applies first: a put reported done goes
-        clients = [c.client for c in self._loop.peers()]
-        for client in clients:
+        # An evict run inside another's second read (another engine's EVICT among the
+        # frames) keeps the outer one's word from before its bump, the earlier one, and
+        # forgets only what it set itself: the outer one has not taken its gets back.
+        bumped = []
+        for client in (c.client for c in self._loop.peers()):
             if client.notice is not None and client.gets_of(namespace):
-                client.before_bump = client.notice.value
+                if client.before_bump is None:
+                    client.before_bump = client.notice.value
+                    bumped.append(client)
                 client.notice.bump()  # before the key goes and before the second read
         try:
             for other in self._loop.peers():
@@ -189,7 +194,7 @@ class Answers:
             loads = self.service.invalidate(conn.client, [c.client for c in
                                                           self._loop.peers()], namespace)
         finally:
-            for client in clients:  # taken back, and bumped again: answers cover it now
+            for client in bumped:  # taken back, and bumped again: answers cover it now
                 client.before_bump = None
         wait = EvictWait(loads, tokens, time.monotonic() + EVICT_WAIT_S, written, published)
         if wait.over():
