@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Coroutine, Hashable, Sequence
 from types import TracebackType
@@ -43,6 +44,8 @@ from .stats import EngineStats
 T = TypeVar("T")
 
 THREAD_NAME = "aiokv-loop"
+
+log = logging.getLogger("aiokv")
 
 
 def default_loop_factory() -> asyncio.AbstractEventLoop:
@@ -141,14 +144,36 @@ class BackgroundEngine:
         try:
             self.loop.run_forever()
         finally:
-            # Whatever is still scheduled (nothing, after a clean close) is cancelled, so
-            # no caller's future is left unresolved when the loop goes.
-            leftovers = asyncio.all_tasks(self.loop)
+            self._after_loop()
+
+    def _after_loop(self) -> None:
+        """The loop stopped: by a close, or (``died``) by something else, such as an
+        exception that is not an Exception raised by a callback on it. Then the engine is
+        closed here, while the loop can still run it, and calls from now on raise
+        EngineClosed; ``close`` returns once that is done. Whatever is still scheduled
+        (nothing, after a clean close) is cancelled, hand-overs made in the loop's last
+        iteration included, so no caller's future is left unresolved when the loop goes."""
+        with self._lock:
+            died, self._stop_sent = not self._stop_sent, True
+            orphaned: concurrent.futures.Future[None] | None = None
+            if died:
+                self.portal.close()
+                if self._closing is None:
+                    self._closing = orphaned = concurrent.futures.Future()
+        if died:
+            log.error("aiokv: the engine's loop stopped without a close; closing the engine")
+            try:
+                self.loop.run_until_complete(self.engine.aclose(drain=False))
+            except Exception:
+                log.exception("aiokv: closing the engine after its loop stopped failed")
+        while leftovers := asyncio.all_tasks(self.loop):
             for task in leftovers:
                 task.cancel()
             self.loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+        if orphaned is not None:
+            orphaned.set_result(None)
 
     def _start(self) -> None:
         self._thread.start()
@@ -163,30 +188,43 @@ class BackgroundEngine:
             if self._closing is None:  # a failed start: no close was scheduled
                 self._closing = concurrent.futures.Future()
                 self._closing.set_result(None)
-            # One stop only: a second one, run by the thread's final run_until_complete,
-            # would stop that too.
+        self._send_stop()
+        self._thread.join()
+
+    def _send_stop(self) -> None:
+        # One stop only: a second one, run by the thread's final run_until_complete,
+        # would stop that too.
+        with self._lock:
             stop, self._stop_sent = not self._stop_sent, True
         if stop:
             self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
 
     def close(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Close the engine (``aclose(drain, timeout)``), stop the loop and join its
-        thread. Idempotent; concurrent calls wait for the same close. Raises
+        thread. Idempotent; concurrent calls wait for the same close, which goes on to its
+        end where its waiter is interrupted (KeyboardInterrupt). Raises
         InvalidRequest for bad arguments, as ``aclose`` does, with the engine still open."""
         self._refuse_on_loop("close")
         drain, timeout = validate.close_args(drain, timeout)
         with self._lock:
-            if self._closing is None:
+            closing = self._closing
+            started = closing is None
+            if closing is None:
                 # After the calls handed over before it: a drain waits for them.
                 aclose = functools.partial(self.engine.aclose, drain=drain, timeout=timeout)
-                self._closing = self.portal.start([aclose])[0]
+                self._closing = closing = self.portal.start([aclose])[0]
                 self.portal.close()  # a late BackgroundLookup.release() is a no-op
-            closing = self._closing
+        if started:
+            # The close stops the loop at its end, whoever waits for it: one whose waiter
+            # is interrupted (Ctrl-C) still closes the store and ends the threads, and a
+            # later close() waits for it again.
+            closing.add_done_callback(lambda _: self._send_stop())
         try:
             closing.result()
-        finally:
-            self._stop_loop()
+        except Exception:
+            self._thread.join()
+            raise
+        self._thread.join()
 
     def __enter__(self) -> BackgroundEngine:
         return self
