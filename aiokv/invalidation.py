@@ -68,7 +68,8 @@ class Invalidation:
         self._future = future
         self._loop = loop
         # Told on the loop of the tokens the store dropped, whether or not the caller
-        # still waits: a caller that left does not undo the evict.
+        # still waits (a caller that left does not undo the evict), unless it was told
+        # the evict failed.
         self._dropped = dropped
 
     @property
@@ -82,9 +83,13 @@ class Invalidation:
             self._loop.call_soon_threadsafe(self._deliver, outcome)
 
     def _deliver(self, outcome: int | BaseException) -> None:
-        if self._dropped is not None and not isinstance(outcome, BaseException):
+        future = self._future
+        # A future failed already (at close) told its caller the evict failed: its tokens
+        # are not counted (nor do the figures move after the close).
+        failed = future.done() and not future.cancelled()
+        if self._dropped is not None and not isinstance(outcome, BaseException) and not failed:
             self._dropped(outcome)
-        settle(self._future, outcome)
+        settle(future, outcome)
 
 
 class HeldKeys:

@@ -70,6 +70,47 @@ async def test_figures_after_a_close_that_left_the_store_thread_busy_do_not_move
     assert await asyncio.to_thread(scrape, registry) == scraped
 
 
+class HeldEvict(StoreWrapper):
+    """Evicts wait for ``gate`` once it is cleared."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def evict(self, namespace: Any) -> int:
+        self.entered.set()
+        self.gate.wait(30)
+        return int(self.inner.evict(namespace))
+
+
+@pytest.mark.asyncio
+async def test_an_evict_that_failed_at_close_drops_no_tokens_in_the_figures_later() -> None:
+    # The close failed the evict's caller (EngineClosed, counted failed); the store's evict
+    # ended later and its token count reached the figures: dropped_tokens moved after
+    # close, for an evict its caller was told had failed.
+    store = HeldEvict(small_store())
+    engine = aiokv.OffloadEngine(store, make_caches(), aiokv.EngineConfig(window_us=0))
+    registry = CollectorRegistry()
+    metrics.register(engine, registry)
+    await engine.start()
+    await engine.offload(1, torch.arange(0, 4), 4 * PAGE_SIZE)
+    evicting = asyncio.ensure_future(engine.evict(1))
+    assert await asyncio.to_thread(store.entered.wait, 10)
+    await engine.aclose(timeout=0.2)
+    with pytest.raises(aiokv.EngineClosed):
+        await evicting
+    stats, scraped = engine.stats(), await asyncio.to_thread(scrape, registry)
+    store.gate.set()
+    deadline = asyncio.get_running_loop().time() + 10
+    while any(t.name.startswith("aiokv-store") for t in threading.enumerate()):
+        assert asyncio.get_running_loop().time() < deadline, "the store thread never ended"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)  # what it posted to the loop, run
+    assert engine.stats().dropped_tokens == stats.dropped_tokens == 0
+    assert await asyncio.to_thread(scrape, registry) == scraped
+
+
 class HeldMatch(StoreWrapper):
     """One-by-one matches that wait for ``gate``."""
 
