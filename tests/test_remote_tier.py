@@ -138,6 +138,38 @@ def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
     assert b.kv.stats().remote_hits >= 1
 
 
+def test_a_lookup_keeps_its_host_prefix_while_it_reads_the_rest_from_mooncake(
+    mooncake: MooncakeServers,
+) -> None:
+    # B holds user 92's first half, the least recently used blocks of its full host tier;
+    # Mooncake has all of it (A's). The room for the second half is made by evicting:
+    # that took the lookup's own first half, and the lookup found 0 tokens.
+    a = LocalHost(mooncake.master, head_dim=1024)
+    assert a.offload(92) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    b = LocalHost(mooncake.master, head_dim=1024)
+    try:
+        half = USER_PAGES // 2
+        for cache, kv in zip(b.caches, b.kv_of(92), strict=True):
+            cache[:half] = kv[:half]
+        assert b.kv.offload(92, torch.arange(half), half * PAGE_SIZE).stored_tokens > 0
+        until(lambda: b.stats()["remote_blocks_held"] == 0)
+        left = b.stats()["host_blocks_total"] - half  # filled exactly: nothing evicted yet
+        user = 500
+        while left:
+            pages = min(USER_PAGES, left)
+            stored = b.kv.offload(user, torch.arange(pages), pages * PAGE_SIZE).stored_tokens
+            assert stored == pages * PAGE_SIZE
+            until(lambda: b.stats()["remote_blocks_held"] == 0)
+            left -= pages
+            user += 1
+        stats = b.stats()
+        assert stats["host_blocks_used"] == stats["host_blocks_total"]
+        assert b.load(92) == (TOKENS, True)
+    finally:
+        b.close()
+
+
 def test_a_lookup_that_asks_twice_waits_timeout_ms_in_all(
         mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
     # A host tier full of its own blocks asks Mooncake which blocks it has, then reads

@@ -47,6 +47,9 @@ class RemoteRead:
     # Reserved, ``counts[i]`` of them per wanted range.
     blocks: Int64Array = field(default_factory=lambda: NO_BLOCKS)
     counts: list[int] | None = None
+    # Per wanted range, the digests of the key's pages before it (on the host at the
+    # start): the room made for the range must not evict them.
+    before: list[list[bytes]] = field(default_factory=list)
     gone: set[tuple[str, ...]] = field(default_factory=set)  # evicted meanwhile: dropped
     over: bool = False
 
@@ -106,12 +109,17 @@ class Reader:
         io, host = self._io, self._host
         wanted: Wanted = []
         unusable: Wanted = []  # evicted here, the marker not out yet: a miss
+        before: list[list[bytes]] = []  # wanted's
         for key, digests in queries:
             if key in self._reading or any(key == k for k, _ in wanted + unusable):
                 continue
-            gap = self._missing(key, digests)
+            head, gap = self._missing(key, digests)
             if gap and (below is None or not below(key, gap[:1])[0]):
-                (wanted if io.keys.usable(self._tag(key)) else unusable).append((key, gap))
+                if io.keys.usable(self._tag(key)):
+                    wanted.append((key, gap))
+                    before.append(head)
+                else:
+                    unusable.append((key, gap))
         if unusable:
             self._count(unusable, [0] * len(unusable), None)
         if not wanted:
@@ -128,7 +136,7 @@ class Reader:
                               now + self._timeout_s, blocks, [len(d) for _, d in wanted])
         else:
             read = RemoteRead(wanted, io.submit_read(io.leading, asked), now,
-                              now + self._timeout_s)
+                              now + self._timeout_s, before=before)
         self._reads.append(read)
         self._reading.update(key for key, _ in wanted)
         read.future.add_done_callback(self._returned)
@@ -185,17 +193,29 @@ class Reader:
     def _returned(self, future: Future[Any]) -> None:  # the reader thread
         self._wake()
 
-    def _missing(self, key: tuple[str, ...], digests: list[bytes]) -> list[bytes]:
-        """The digests of the host tier's first gap in this query's pages."""
+    def _missing(self, key: tuple[str, ...], digests: list[bytes]
+                 ) -> tuple[list[bytes], list[bytes]]:
+        """The digests of this query's pages before the host tier's first gap in them,
+        and those of that gap."""
         space = self._host.index.space(key)
         if space is None:
-            return digests
+            return [], digests
         found = list(map(space.get, digests))
         if None not in found:
-            return []
+            return digests, []
         start = found.index(None)
         end = next((i for i in range(start, len(found)) if found[i] is not None), len(found))
-        return digests[start:end]
+        return digests[:start], digests[start:end]
+
+    def _prefixes(self, read: RemoteRead) -> Int64Array:
+        """The host blocks of the pages before each wanted range that are still there."""
+        index = self._host.index
+        found: list[int] = []
+        for (key, _), head in zip(read.wanted, read.before, strict=False):
+            space = index.space(key)
+            if space is not None and head:
+                found.extend(b for b in map(space.get, head) if b is not None)
+        return np.array(found, dtype=np.int64)
 
     def _advance(self, read: RemoteRead, now: float) -> None:
         if read.over:
@@ -232,20 +252,26 @@ class Reader:
         queries first, as far as the host tier has room) and read them."""
         host, io = self._host, self._io
         present = present or [[] for _ in read.wanted]
-        room = host.available()
-        counts = []
-        for (key, _), keys in zip(read.wanted, present, strict=True):
-            counts.append(0 if key in read.gone else min(len(keys), room))
-            room -= counts[-1]
-        total = sum(counts)
-        now = time.monotonic()
-        if total and now >= read.deadline:  # the lookup's time is up: no second call
-            self.stats_["remote_timeouts"] += 1
-            total = 0
+        # The lookups' own host pages before their ranges stay out of the LRU meanwhile:
+        # evicted for the room, the lookup would find its key's first page gone.
+        listed = host.index.make_unevictable(self._prefixes(read))
         try:
-            blocks = host.reserve(total) if total else None
-        except NoSpace:
-            blocks = None
+            room = host.available()
+            counts = []
+            for (key, _), keys in zip(read.wanted, present, strict=True):
+                counts.append(0 if key in read.gone else min(len(keys), room))
+                room -= counts[-1]
+            total = sum(counts)
+            now = time.monotonic()
+            if total and now >= read.deadline:  # the lookup's time is up: no second call
+                self.stats_["remote_timeouts"] += 1
+                total = 0
+            try:
+                blocks = host.reserve(total) if total else None
+            except NoSpace:
+                blocks = None
+        finally:
+            host.index.make_evictable(listed)
         if blocks is None:
             self._end(read, [0] * len(read.wanted), now)
             return
