@@ -62,8 +62,9 @@ class Bench:
             own_process=own_process,
         )
         self.store = aiokv.stores.make_store(config)
-        # Stores that bring page ids to the host (FlexKV's slots, a store process's ids).
-        self.copies_ids = device == "cuda" and (backend == "flexkv" or own_process)
+        # Every store brings GPU page ids to the host: FlexKV's slots, a store process's ids,
+        # the embedded store's copier (one copy per job whose ids are on the GPU: README).
+        self.copies_ids = device == "cuda"
 
     def slots(self, pages: list[int], mask: np.ndarray) -> np.ndarray:
         all_slots = (np.asarray(pages)[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
@@ -244,7 +245,7 @@ async def test_engine_end_to_end_on_this_store(unregistered: Bench) -> None:
     if bench.copies_ids:
         # One copy per offload or load batch; lookup batches copy nothing.
         assert 2 <= stats.d2h_copies < stats.batches
-    else:  # the embedded store reads page ids where they are
+    else:  # page ids on the host: nothing to copy
         assert stats.d2h_copies == 0
 
 
