@@ -252,6 +252,47 @@ def test_a_directory_of_another_geometry_is_refused(tmp_path: Path) -> None:
     reset.close()
 
 
+@pytest.mark.parametrize("text", [
+    "[]", "null", '{"format": 1, "geometry": null, "stripe": [0, 1], "slots": 1, "epoch": 0}',
+    '{"format": 1, "geometry": {}, "stripe": [0], "slots": 1, "epoch": 0}'])
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_meta_file_of_another_shape_is_a_config_error_or_reset(
+    tmp_path: Path, text: str, reset: bool
+) -> None:
+    # Valid JSON of another shape raised AttributeError or IndexError, reset or not.
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    store.register(caches_for())
+    store.close()
+    next(tmp_path.rglob("meta.json")).write_text(text)
+    again = aiokv.LocalStore(ssd_config(tmp_path, ssd_reset_on_mismatch=reset))
+    if reset:
+        again.register(caches_for())
+        assert again.store_stats()["ssd_blocks_used"] == 0
+        again.close()
+    else:
+        with pytest.raises(aiokv.ConfigError, match="not aiokv's") as caught:
+            again.register(caches_for())
+        assert caught.value.key == "store.ssd_cache_dir"
+
+
+@pytest.mark.parametrize("breakage", ["a directory", "a dangling link"])
+def test_a_data_file_that_cannot_be_opened_is_a_config_error(
+    tmp_path: Path, breakage: str
+) -> None:
+    store = aiokv.LocalStore(ssd_config(tmp_path))
+    store.register(caches_for())
+    store.close()
+    data = next(tmp_path.rglob("blocks.dat"))
+    data.unlink()
+    if breakage == "a directory":
+        data.mkdir()
+    else:
+        data.symlink_to(tmp_path / "gone" / "blocks.dat")
+    with pytest.raises(aiokv.ConfigError, match="cannot open") as caught:
+        aiokv.LocalStore(ssd_config(tmp_path)).register(caches_for())
+    assert caught.value.key == "store.ssd_cache_dir"
+
+
 def test_missing_unwritable_and_too_large(tmp_path: Path) -> None:
     with pytest.raises(aiokv.ConfigError, match="missing' does not exist") as caught:
         aiokv.LocalStore(ssd_config(tmp_path / "missing")).register(caches_for())

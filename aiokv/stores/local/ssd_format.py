@@ -124,12 +124,18 @@ def read_meta(directory: Path) -> Meta | None:
     path = directory / META_NAME
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ValueError(f"a JSON {type(raw).__name__}, not an object")
         if raw.get("format") != FORMAT:
             raise ValueError(f"format {raw.get('format')!r}")
         fields = {k: v for k, v in raw.items() if k != "checksum"}
         if "checksum" in raw and raw["checksum"] != _meta_sum(fields):  # older files: none
             raise ValueError("its checksum does not match its contents")
-        return Meta(raw["geometry"], tuple(raw["stripe"]), int(raw["slots"]), int(raw["epoch"]))
+        geometry, stripe = raw["geometry"], tuple(raw["stripe"])
+        if not isinstance(geometry, dict) or len(stripe) != 2:
+            raise ValueError(f"geometry {geometry!r}, stripe {list(stripe)!r}")
+        return Meta(geometry, (int(stripe[0]), int(stripe[1])), int(raw["slots"]),
+                    int(raw["epoch"]))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:

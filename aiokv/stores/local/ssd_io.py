@@ -91,7 +91,11 @@ class SsdFiles:
                 self.metas.append(self._check_meta(path, k, geometry, reset_on_mismatch))
             self._check_space()
             for path in self.paths:
-                fd, on = open_data_file(path / DATA_NAME, direct)
+                try:
+                    fd, on = open_data_file(path / DATA_NAME, direct)
+                except OSError as exc:  # a directory in its place, a dangling link, ...
+                    raise ConfigError("store.ssd_cache_dir",
+                                      f"cannot open {str(path / DATA_NAME)!r}: {exc}") from exc
                 self.fds.append(fd)
                 self.direct &= on
                 self._preallocate(fd, path)
@@ -167,7 +171,11 @@ class SsdFiles:
             data = path / DATA_NAME
             if data.exists():
                 os.truncate(data, 0)  # every old header goes with it
-        write_meta(path, wanted)  # also records a new size
+        try:
+            write_meta(path, wanted)  # also records a new size
+        except OSError as exc:
+            raise ConfigError("store.ssd_cache_dir",
+                              f"cannot write the meta file in {str(path)!r}: {exc}") from exc
         return wanted
 
     def _check_space(self) -> None:
