@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -402,6 +403,21 @@ def test_an_idle_engines_held_lookups_give_their_blocks_back_after_an_evict(
         writer.close()
 
 
+def launch_before_the_taking_back(holder: SharedStore, tables: list[torch.Tensor], task: int,
+                                  taking: Any, evicts: list[threading.Thread]) -> None:
+    """Launch the holder's get while the evict waits at ``taking`` (after its bump, before
+    it takes the get back), then let it go: the get loads and copies nothing."""
+    launching = threading.Thread(target=launch_load, args=(holder, tables, task))
+    launching.start()
+    time.sleep(0.3)  # the launch reads its notice word now, the evict still under way
+    taking.set()
+    launching.join(10)
+    for evict in evicts:
+        evict.join(10)
+    assert not result(holder, task).mask.any()
+    assert loaded(tables, 1) == (False, True)  # and copied nothing
+
+
 def test_a_check_answered_inside_an_evict_does_not_hide_it_from_the_next_load(
         host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     # The holder asks which gets were taken back while the evict is between its notice
@@ -423,14 +439,7 @@ def test_a_check_answered_inside_an_evict_does_not_hide_it_from_the_next_load(
         dropping.set()
         assert taking.entered.wait(10)
         asking.join(10)  # answered by that read
-        launching = threading.Thread(target=launch_load, args=(holder, holder_tables, task))
-        launching.start()
-        time.sleep(0.3)  # the launch reads its notice word now, the evict still under way
-        taking.set()
-        launching.join(10)
-        evict.join(10)
-        assert not result(holder, task).mask.any()
-        assert loaded(holder_tables, 1) == (False, True)  # and copied nothing
+        launch_before_the_taking_back(holder, holder_tables, task, taking, [evict])
     finally:
         holder.close()
         writer.close()
@@ -474,15 +483,8 @@ def test_an_evict_nested_in_another_keeps_the_outer_bump_from_the_next_load(
         asking.join(10)
         assert not asking.is_alive()
         assert outer_taking.entered.wait(10)  # E1 has not taken the get back yet
-        launching = threading.Thread(target=launch_load, args=(holder, holder_tables, task))
-        launching.start()
-        time.sleep(0.3)  # the launch reads its notice word now
-        outer_taking.set()
-        launching.join(10)
-        evict_1.join(10)
-        evict_2.join(10)
-        assert not result(holder, task).mask.any()
-        assert loaded(holder_tables, 1) == (False, True)  # and copied nothing
+        launch_before_the_taking_back(holder, holder_tables, task, outer_taking,
+                                      [evict_1, evict_2])
     finally:
         holder.close()
         second.close()
