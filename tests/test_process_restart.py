@@ -84,6 +84,37 @@ async def test_a_killed_child_fails_what_was_in_flight_and_a_new_child_serves() 
 
 
 @pytest.mark.asyncio
+async def test_a_lookup_held_across_a_restart_fails_its_load_alone() -> None:
+    # Its task was the dead child's; the load batched with it, matched by the new child,
+    # failed with the same StoreError (the launch refused all of them), its bytes unloaded.
+    caches = make_caches()
+    child = child_store()
+    checking = CheckingStore(child)
+    config = aiokv.EngineConfig(window_us=200_000, max_batch_requests=2)
+    async with aiokv.OffloadEngine(checking, caches, config) as engine:
+        await asyncio.gather(engine.offload(0, pages(0), TOKENS),
+                             engine.offload(9, pages(9), TOKENS))
+        stale = (await asyncio.gather(engine.lookup(0, TOKENS), asyncio.sleep(0)))[0]
+        first = await kill(child)
+        await asyncio.gather(engine.offload(1, pages(1), TOKENS),
+                             engine.offload(2, pages(2), TOKENS))
+        fresh, other = await asyncio.gather(engine.lookup(1, TOKENS), engine.lookup(2, TOKENS))
+        other.release()
+        assert (stale.cached_tokens, fresh.cached_tokens) == (TOKENS, TOKENS)
+        outcomes = await asyncio.gather(engine.load(stale, torch.arange(100, 104)),
+                                        engine.load(fresh, torch.arange(104, 108)),
+                                        return_exceptions=True)
+        assert isinstance(outcomes[0], aiokv.StoreError)
+        assert f"pid {first}" in str(outcomes[0]) and re.search(KILLED, str(outcomes[0]))
+        assert not isinstance(outcomes[1], BaseException), outcomes[1]
+        assert outcomes[1].loaded_tokens == TOKENS
+        assert all(torch.equal(c[104:108], c[4:8]) for c in caches)
+        stats = engine.stats()
+        assert (stats.pending, stats.store_tasks_open) == (0, 0)
+    assert checking.problems() == []
+
+
+@pytest.mark.asyncio
 async def test_restarts_are_bounded_then_every_call_fails_for_good() -> None:
     child = child_store(restarts=1)
     async with aiokv.OffloadEngine(child, make_caches()) as engine:

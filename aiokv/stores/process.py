@@ -222,13 +222,19 @@ class ProcessStore:
     ) -> None:
         """The page ids go to the host in one copy after the ready events, and to the
         child as numpy (its store launches them with no event left to wait for), with
-        the deadlines set_deadlines gave for them."""
+        the deadlines set_deadlines gave for them. A task matched by a child that ended
+        (a Lookup held across a restart) fails alone: it is not launched, and try_wait
+        answers it FAILED, naming how that child ended."""
         given, self._deadlines = self._deadlines, {}
         self._revive()
         ids, old = self._ids.split(task_ids)
-        if old:  # all or nothing: none of them is launched
-            raise StoreError(f"task {old[0]} was matched by a store process that ended: "
-                             f"{self._ids.why(old[0])}")
+        if old:
+            stale = set(old)
+            kept = [i for i, task_id in enumerate(task_ids) if task_id not in stale]
+            task_ids = [task_ids[i] for i in kept]
+            pages, ready = [pages[i] for i in kept], [ready[i] for i in kept]
+            if not ids:
+                return
         deadlines = {i: given[t] for i, t in zip(ids, task_ids, strict=True) if t in given}
         self._call("launch", launch_args(ids, self._pages.host_pages(pages, ready), deadlines))
 
