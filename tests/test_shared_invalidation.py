@@ -146,8 +146,11 @@ def test_an_evict_stops_waiting_for_an_engine_that_never_ends_its_load(
         assert Call(lambda: writer.evict(["user:4"])).outcome(10) == PAGES * PAGE_SIZE
         stats = writer.store_stats()
         assert stats["server_clients"] == 1  # the stuck engine was disconnected ...
-        assert stats["host_blocks_used"] == 0  # ... and what it held freed
+        # ... what it read kept while its process lives (its copies may still run) ...
+        assert stats["server_blocks_quarantined"] == stats["host_blocks_used"] == PAGES
         assert result(stuck, task).status is TaskStatus.FAILED
+        stuck.ping()  # ... until a new link's hello says they ended
+        wait_for(lambda: writer.store_stats()["host_blocks_used"] == 0, "the release")
     finally:
         writer.close()
         stuck.close()
@@ -303,6 +306,48 @@ def test_a_put_under_way_when_its_key_is_evicted_is_never_written_to_ssd(host: H
         other.close()
 
 
+def test_a_live_engine_dropped_mid_load_keeps_its_reads_until_its_copies_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # X's load of user 1 is still copying out of the region when W's evict of user 1 stops
+    # waiting for it and the server drops X. Its get's blocks were freed at once (the
+    # evict had buried them): another engine's put took them, and X's late copy read that
+    # put's KV into X's pages, layer marks and all.
+    monkeypatch.setattr(answers_module, "EVICT_WAIT_S", 0.5)
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    w, w_tables = host.engine()
+    x, x_tables = host.engine()
+    z, _ = host.engine()
+    gate = None
+    try:
+        offload(w, w_tables, 1)
+        get, _ = x.get_match(TOKENS, ["user:1"])
+        reading = set(x._tasks[get].blocks.tolist())
+        copiers = list(x._link.plane._copiers)  # type: ignore[union-attr]
+        gate = held(monkeypatch, Copier, "_move_cpu",
+                    lambda copier, job: not job.to_host and copier in copiers)
+        launch_load(x, x_tables, get)
+        assert gate.entered.wait(10)  # X's copy out of the region is under way
+        assert Call(lambda: w.evict(["user:1"])).outcome(10) == TOKENS.size
+        assert w.store_stats()["server_clients"] == 2  # X dropped
+        total = w.store_stats()["host_blocks_total"]
+        for user in range(3, 3 + 2 * total // PAGES):  # the region over, twice
+            task, _ = z.put_match(TOKENS, [f"user:{user}"])
+            assert not reading & set(z._tasks[task].blocks.tolist())
+            z.launch([task], [torch.arange(PAGES)], [None])
+            wait_for(lambda task=task: z.try_wait([task]), "Z's offload")
+        assert w.store_stats()["server_blocks_quarantined"] == PAGES
+        gate.set()
+        x.ping()  # X's copy over: a new link, whose hello says so
+        wait_for(lambda: w.store_stats()["server_blocks_quarantined"] == 0, "the release")
+    finally:
+        if gate is not None:
+            gate.set()
+        for store in (x, z, w):
+            store.close()
+        host.stop()
+
+
 def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_until_its_copies_end(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # X is slow to end a load of user 1, which W evicts: past the evict's wait the server
@@ -337,8 +382,8 @@ def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_until_its_copies_end
             z.launch([task], [torch.arange(PAGES)], [None])
             wait_for(lambda task=task: z.try_wait([task]), "Z's offload")
         # Held while X's process (this one) lives: Z's connections, of the same
-        # process, did not free them.
-        assert w.store_stats()["server_blocks_quarantined"] == PAGES
+        # process, did not free them (its put's blocks, and its get's: its end unsent).
+        assert w.store_stats()["server_blocks_quarantined"] == 2 * PAGES
         # X's copy over, its next call finds the link lost before its request left (it
         # joins its copy threads) and goes on a new link, whose hello says so: the
         # blocks are free again.

@@ -41,13 +41,12 @@ from pathlib import Path
 from ...config import MAX_SOCKET_PATH_BYTES, StoreConfig
 from ...errors import ConfigError
 from ...remote.native import unavailable
-from ..base import Int64Array
 from ..dirlock import DirLock
 from . import sockets, wire
 from .answers import Answers, ProtocolError
 from .connection import Connection
 from .held import HeldReplies
-from .quarantine import Quarantine
+from .quarantine import Kept, Quarantine
 from .service import Service
 from .tasks import Client, Foreign
 
@@ -253,9 +252,9 @@ class StoreServer:
         connection's put blocks held since (:mod:`.quarantine`) are free now."""
         self._unhold(*self._quarantine.ended(pid, connection))
 
-    def _unhold(self, pidfd: int | None, blocks: Int64Array) -> None:
-        if len(blocks):
-            self.service.free(blocks)
+    def _unhold(self, pidfd: int | None, kept: Kept) -> None:
+        if len(kept):
+            self.service.free(kept)
         if pidfd is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(pidfd)
@@ -420,7 +419,7 @@ class StoreServer:
         self._held.abandon(conn)
         pid = conn.client.pid
         pidfd = None if self._stopping else Quarantine.alive(pid)
-        rolled, kept = self.service.drop(conn.client, keep_puts=pidfd is not None)
+        rolled, kept = self.service.drop(conn.client, keep=pidfd is not None)
         if pidfd is not None and not len(kept):
             os.close(pidfd)
         elif pidfd is not None and self._quarantine.hold(pid, conn.client.number, pidfd,

@@ -48,6 +48,7 @@ from ..local.ssd_voids import VoidsDone
 from ..local.tiering import TierLink
 from .deferred import DeferredGets, keep_loaded, launch_staged
 from .puts import match_puts
+from .quarantine import Kept
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
 from .tasks import NO_MASK, Client, Entry, Foreign, PendingGet, Retry, Task
 from .wire import Answer, Query
@@ -70,7 +71,7 @@ class Service:
         self._link: TierLink | None = None
         self._remote: RemoteLink | None = None  # store.remote: Mooncake, below both
         self._ids = itertools.count(1)
-        self._quarantined = 0  # put blocks drop() kept for dropped engines still alive
+        self._quarantined = 0  # blocks drop() kept for dropped engines still alive
         self._owner: dict[int, Client] = {}  # task id -> its connection
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0, "server_gets_invalidated": 0}
         self._deferred = DeferredGets(self, None, None)  # with the tiers, once registered
@@ -246,30 +247,35 @@ class Service:
         self._end_many([tasks.pop(t) for t in failed], False)
         self._drain()
 
-    def drop(self, client: Client, keep_puts: bool = False) -> tuple[int, Int64Array]:
+    def drop(self, client: Client, keep: bool = False) -> tuple[int, Kept]:
         """A connection ended: its tasks are rolled back (half-written blocks freed,
-        reads released); returns how many, and ``keep_puts``: its puts' blocks, out of
-        the index but not freed (the engine may still copy into them: :mod:`.quarantine`),
-        for :meth:`free` later."""
+        reads released); returns how many, and with ``keep`` (its process lives: its
+        copies may still run, :mod:`.quarantine`) what is held for :meth:`free` later:
+        its puts' blocks, out of the index but not freed, and its gets, still reading."""
         tasks = list(client.tasks.values())
         client.tasks.clear()
-        ending, kept = tasks, NO_BLOCKS
-        if keep_puts and self._host is not None:
+        ending, kept = tasks, Kept()
+        if keep and self._host is not None:
             puts = [t for t in tasks if t.is_put and len(t.blocks)]
             for task in puts:
                 if task.space is not None:
                     self._host.index.remove(task.space, task.digests)
-            kept = np.sort(_blocks(puts)) if puts else NO_BLOCKS
+            gets = [t for t in tasks if not t.is_put and len(t.blocks)]
+            kept = Kept(np.sort(_blocks(puts)) if puts else NO_BLOCKS, gets)
             self._quarantined += len(kept)
-            ending = [t for t in tasks if not (t.is_put and len(t.blocks))]
+            ending = [t for t in tasks if len(t.blocks) == 0]
         self._end_many(ending, False)
         return len(tasks), kept
 
-    def free(self, blocks: Int64Array) -> None:
-        """Blocks :meth:`drop` kept (sorted) go back to the host tier."""
-        if self._host is not None and len(blocks):
-            self._host.free(blocks)
-            self._quarantined -= len(blocks)
+    def free(self, kept: Kept) -> None:
+        """What :meth:`drop` kept: the blocks go back to the host tier, the gets' reads
+        end."""
+        if self._host is None or not len(kept):
+            return
+        if len(kept.blocks):
+            self._host.free(kept.blocks)
+        self._end_many(kept.gets, False)
+        self._quarantined -= len(kept)
 
     def _end(self, task: Task, success: bool) -> None:
         self._end_many([task], success)
