@@ -142,7 +142,7 @@ class StoreServer:
         self._accept_at = 0.0  # listening again from then on, once out of descriptors
         self._answers = Answers(self.service, self)
         self._held = HeldReplies(self.service, self)  # replies that wait (:mod:`.held`)
-        self._quarantine = Quarantine()  # put blocks of dropped engines still alive
+        self._quarantine = Quarantine()  # blocks of dropped engines still alive
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -249,7 +249,7 @@ class StoreServer:
 
     def ended(self, pid: int, connection: int) -> None:
         """``pid`` says the copies of its dropped ``connection`` have ended: that
-        connection's put blocks held since (:mod:`.quarantine`) are free now."""
+        connection's blocks held since (:mod:`.quarantine`) are free now."""
         self._unhold(*self._quarantine.ended(pid, connection))
 
     def _unhold(self, pidfd: int | None, kept: Kept) -> None:
@@ -411,7 +411,7 @@ class StoreServer:
 
     def drop(self, conn: Connection, why: str | None) -> None:
         """Disconnect ``conn`` (logged, with ``why`` when it is the server's doing): its
-        tasks are rolled back, its puts' blocks held while its process lives."""
+        tasks are rolled back, its puts' blocks and gets' reads held while its process lives."""
         if self._connections.pop(conn.sock.fileno(), None) is None:
             return
         with contextlib.suppress(KeyError, ValueError):
