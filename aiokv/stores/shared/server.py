@@ -243,7 +243,7 @@ class StoreServer:
         return False
 
     def release(self, pid: int) -> None:
-        """A dropped engine's process exited (or the server closes): its put blocks held
+        """A dropped engine's process exited (or the server closes): its blocks held
         since (:mod:`.quarantine`) are free now."""
         self._unhold(*self._quarantine.release(pid))
 
