@@ -306,6 +306,15 @@ def test_a_put_under_way_when_its_key_is_evicted_is_never_written_to_ssd(host: H
         other.close()
 
 
+def offload_the_region_over_twice(z: SharedStore, total: int, avoid: set[int]) -> None:
+    """Z's puts of new keys, twice the region's blocks: none is given one of ``avoid``."""
+    for user in range(3, 3 + 2 * total // PAGES):
+        task, _ = z.put_match(TOKENS, [f"user:{user}"])
+        assert not avoid & set(z._tasks[task].blocks.tolist())
+        z.launch([task], [torch.arange(PAGES)], [None])
+        wait_for(lambda task=task: z.try_wait([task]), "Z's offload")
+
+
 def test_a_live_engine_dropped_mid_load_keeps_its_reads_until_its_copies_end(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # X's load of user 1 is still copying out of the region when W's evict of user 1 stops
@@ -330,12 +339,7 @@ def test_a_live_engine_dropped_mid_load_keeps_its_reads_until_its_copies_end(
         assert gate.entered.wait(10)  # X's copy out of the region is under way
         assert Call(lambda: w.evict(["user:1"])).outcome(10) == TOKENS.size
         assert w.store_stats()["server_clients"] == 2  # X dropped
-        total = w.store_stats()["host_blocks_total"]
-        for user in range(3, 3 + 2 * total // PAGES):  # the region over, twice
-            task, _ = z.put_match(TOKENS, [f"user:{user}"])
-            assert not reading & set(z._tasks[task].blocks.tolist())
-            z.launch([task], [torch.arange(PAGES)], [None])
-            wait_for(lambda task=task: z.try_wait([task]), "Z's offload")
+        offload_the_region_over_twice(z, w.store_stats()["host_blocks_total"], reading)
         assert w.store_stats()["server_blocks_quarantined"] == PAGES
         gate.set()
         x.ping()  # X's copy over: a new link, whose hello says so
@@ -375,12 +379,7 @@ def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_until_its_copies_end
         assert Call(lambda: w.evict(["user:1"])).outcome(10) == TOKENS.size
         stats = w.store_stats()
         assert stats["server_clients"] == 2  # X dropped
-        total = stats["host_blocks_total"]
-        for user in range(3, 3 + 2 * total // PAGES):  # the region over, twice
-            task, _ = z.put_match(TOKENS, [f"user:{user}"])
-            assert not kept & set(z._tasks[task].blocks.tolist())
-            z.launch([task], [torch.arange(PAGES)], [None])
-            wait_for(lambda task=task: z.try_wait([task]), "Z's offload")
+        offload_the_region_over_twice(z, stats["host_blocks_total"], kept)
         # Held while X's process (this one) lives: Z's connections, of the same
         # process, did not free them (its put's blocks, and its get's: its end unsent).
         assert w.store_stats()["server_blocks_quarantined"] == 2 * PAGES
