@@ -181,6 +181,8 @@ def needs_mooncake() -> pytest.MarkDecorator:
 
 @pytest.fixture(scope="session")
 def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeServers]:
-    """A Mooncake master and store process on 127.0.0.1 for the session (64 MiB)."""
-    with MooncakeServers(segment_mb=64, log_dir=tmp_path_factory.mktemp("mooncake")) as servers:
+    """A Mooncake master and store process on 127.0.0.1 for the session (256 MiB: the
+    remote tests write tens of MiB, and a store near its high watermark evicts values that
+    later tests read: one fresh run of 64 MiB lost three tests so)."""
+    with MooncakeServers(segment_mb=256, log_dir=tmp_path_factory.mktemp("mooncake")) as servers:
         yield servers
