@@ -147,8 +147,8 @@ def test_a_lookup_keeps_its_host_prefix_while_it_reads_the_rest_from_mooncake(
     a = LocalHost(mooncake.master, head_dim=1024)
     assert a.offload(92) == TOKENS
     assert a.close()["remote_blocks_written"] == USER_PAGES
-    # 16 blocks of 128 KiB: what B writes to Mooncake stays small (the session's store is
-    # 64 MiB, and a store near full evicts the values later tests read).
+    # 16 blocks of 128 KiB: what B writes to the session's Mooncake store stays small (a
+    # store near full evicts the values later tests read).
     b = LocalHost(mooncake.master, head_dim=1024, cpu_cache_gb=16 * 128 / 2**20)
     try:
         half = USER_PAGES // 2
