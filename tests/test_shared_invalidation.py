@@ -8,9 +8,11 @@ every block of it is freed once unused, on the host and on SSD, across a restart
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +308,30 @@ def test_a_put_under_way_when_its_key_is_evicted_is_never_written_to_ssd(host: H
         other.close()
 
 
+@contextlib.contextmanager
+def three_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
+        tuple[SharedStore, SharedStore, list[torch.Tensor], SharedStore, list[Any]]]:
+    """A server whose evicts wait 0.5 s for other engines' loads, and engines W (user 1
+    offloaded), X (its tables too) and Z on it; the gates put in the list are opened at
+    the end, before the engines close."""
+    monkeypatch.setattr(answers_module, "EVICT_WAIT_S", 0.5)
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    w, w_tables = host.engine()
+    x, x_tables = host.engine()
+    z, _ = host.engine()
+    gates: list[Any] = []
+    try:
+        offload(w, w_tables, 1)
+        yield w, x, x_tables, z, gates
+    finally:
+        for gate in gates:
+            gate.set()
+        for store in (x, z, w):
+            store.close()
+        host.stop()
+
+
 def offload_the_region_over_twice(z: SharedStore, total: int, avoid: set[int]) -> None:
     """Z's puts of new keys, twice the region's blocks: none is given one of ``avoid``."""
     for user in range(3, 3 + 2 * total // PAGES):
@@ -321,20 +347,13 @@ def test_a_live_engine_dropped_mid_load_keeps_its_reads_until_its_copies_end(
     # waiting for it and the server drops X. Its get's blocks were freed at once (the
     # evict had buried them): another engine's put took them, and X's late copy read that
     # put's KV into X's pages, layer marks and all.
-    monkeypatch.setattr(answers_module, "EVICT_WAIT_S", 0.5)
-    host = Host(tmp_path, ssd=False)
-    host.start()
-    w, w_tables = host.engine()
-    x, x_tables = host.engine()
-    z, _ = host.engine()
-    gate = None
-    try:
-        offload(w, w_tables, 1)
+    with three_engines(tmp_path, monkeypatch) as (w, x, x_tables, z, gates):
         get, _ = x.get_match(TOKENS, ["user:1"])
         reading = set(x._tasks[get].blocks.tolist())
         copiers = list(x._link.plane._copiers)  # type: ignore[union-attr]
         gate = held(monkeypatch, Copier, "_move_cpu",
                     lambda copier, job: not job.to_host and copier in copiers)
+        gates.append(gate)
         launch_load(x, x_tables, get)
         assert gate.entered.wait(10)  # X's copy out of the region is under way
         assert Call(lambda: w.evict(["user:1"])).outcome(10) == TOKENS.size
@@ -344,12 +363,6 @@ def test_a_live_engine_dropped_mid_load_keeps_its_reads_until_its_copies_end(
         gate.set()
         x.ping()  # X's copy over: a new link, whose hello says so
         wait_for(lambda: w.store_stats()["server_blocks_quarantined"] == 0, "the release")
-    finally:
-        if gate is not None:
-            gate.set()
-        for store in (x, z, w):
-            store.close()
-        host.stop()
 
 
 def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_until_its_copies_end(
@@ -357,21 +370,14 @@ def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_until_its_copies_end
     # X is slow to end a load of user 1, which W evicts: past the evict's wait the server
     # drops X, whose offload of user 2 is still copying into its blocks. Given to another
     # engine's put, they would take X's late bytes under that engine's key.
-    monkeypatch.setattr(answers_module, "EVICT_WAIT_S", 0.5)
-    host = Host(tmp_path, ssd=False)
-    host.start()
-    w, w_tables = host.engine()
-    x, _ = host.engine()
-    z, _ = host.engine()
-    gate = None
-    try:
-        offload(w, w_tables, 1)
+    with three_engines(tmp_path, monkeypatch) as (w, x, _, z, gates):
         get, _ = x.get_match(TOKENS, ["user:1"])
         x.launch([get], [torch.arange(PAGES, 2 * PAGES)], [None])
         wait_for(lambda: x._done_jobs, "X's load copied (its end not sent)")
         copiers = list(x._link.plane._copiers)  # type: ignore[union-attr]
         gate = held(monkeypatch, Copier, "_move_cpu",
                     lambda copier, job: job.to_host and copier in copiers)
+        gates.append(gate)
         put, _ = x.put_match(TOKENS, ["user:2"])
         kept = set(x._tasks[put].blocks.tolist())
         x.launch([put], [torch.arange(PAGES)], [None])
@@ -391,12 +397,6 @@ def test_a_live_engine_dropped_mid_offload_keeps_its_blocks_until_its_copies_end
         stats = w.store_stats()
         assert stats["server_blocks_quarantined"] == 0
         assert stats["server_clients"] == 3
-    finally:
-        if gate is not None:
-            gate.set()
-        for store in (w, x, z):
-            store.close()
-        host.stop()
 
 
 def test_gets_held_elsewhere_give_their_blocks_back_once_their_engine_is_told(
