@@ -260,6 +260,7 @@ class Service:
             for task in puts:
                 if task.space is not None:
                     self._host.index.remove(task.space, task.digests)
+            # Every get, announced or not: a LAUNCH may be in the socket, unread.
             gets = [t for t in tasks if not t.is_put and len(t.blocks)]
             kept = Kept(np.sort(_blocks(puts)) if puts else NO_BLOCKS, gets)
             self._quarantined += len(kept)
