@@ -30,6 +30,7 @@ from collections.abc import Callable, Coroutine, Hashable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from . import validate
@@ -284,9 +285,10 @@ class BackgroundEngine:
         """``engine.offload(...)`` on the engine's loop; does not wait. On a GPU the copy
         starts after what this thread's current CUDA stream has queued by now."""
         ready = self.engine._caller_event()  # here: CUDA's current stream is per thread
+        ids = _taken(page_ids)
         return self._submit(
             lambda: self.engine.offload(
-                user_id, page_ids, num_tokens, token_ids=token_ids, namespace=namespace,
+                user_id, ids, num_tokens, token_ids=token_ids, namespace=namespace,
                 _ready_event=ready,
             )
         )
@@ -318,7 +320,8 @@ class BackgroundEngine:
         this thread's current CUDA stream has queued by now."""
         lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
         ready = self.engine._caller_event()
-        return self._submit(lambda: self.engine.load(lookup, page_ids, _ready_event=ready))
+        ids = _taken(page_ids)
+        return self._submit(lambda: self.engine.load(lookup, ids, _ready_event=ready))
 
     def submit_load_layerwise(
         self, hit: BackgroundLookup | Lookup, page_ids: torch.Tensor
@@ -329,6 +332,7 @@ class BackgroundEngine:
         as for :meth:`submit_load`."""
         lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
         ready = self.engine._caller_event()
+        ids = _taken(page_ids)
         # Resolved on the loop in the callback that brings the launch notice (one hop
         # from the store thread); the task's own outcome only where it comes first: an
         # error at submit, a cancellation, a closed engine.
@@ -339,7 +343,7 @@ class BackgroundEngine:
 
         async def load_layerwise() -> BackgroundLayerwiseLoad:
             load = await self.engine.load_layerwise(
-                lookup, page_ids, _ready_event=ready, _on_handed_out=hand_out
+                lookup, ids, _ready_event=ready, _on_handed_out=hand_out
             )
             return BackgroundLayerwiseLoad(load, self.loop)
 
@@ -479,3 +483,16 @@ def run_in_background(
 
 
 __all__ = ["BackgroundEngine", "BackgroundLookup", "default_loop_factory", "run_in_background"]
+
+
+def _taken(page_ids: Any) -> Any:
+    """The caller's page ids as they are at the submit. The loop validates (and copies)
+    them only when it takes the call, later, while the caller may already be reusing a
+    CPU buffer; ids on the GPU are read by the copy itself, ordered after the caller's
+    ready event, so they stay the caller's to keep until the future resolves, as the
+    pages do. Anything else goes on to the loop's validation as it is."""
+    if isinstance(page_ids, np.ndarray):
+        return page_ids.copy()
+    if isinstance(page_ids, torch.Tensor) and page_ids.is_cpu:
+        return page_ids.clone()
+    return page_ids

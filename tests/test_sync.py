@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import uvloop
@@ -249,6 +250,45 @@ def test_a_call_cancelled_before_the_loop_took_it_never_runs() -> None:
         with kv.lookup(1, 8) as hit:
             assert hit.cached_tokens == 0  # nothing of it reached the store
         assert kv.stats().completed == 2  # the kept offload and the lookup
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy int32"])
+def test_page_ids_on_the_cpu_are_the_callers_again_once_a_submit_returns(kind: str) -> None:
+    # The loop takes the calls only after the caller has reused its id buffers: what is
+    # stored, and where a load lands, are still the pages named at the submit.
+    caches = make_caches()
+    before = [c.clone() for c in caches]
+
+    def ids(first: int) -> Any:
+        if kind == "torch":
+            return torch.arange(first, first + 4)
+        return np.arange(first, first + 4, dtype=np.int32)
+
+    with background(caches) as kv:
+        release = hold_the_loop(kv)
+        offload_ids = ids(0)
+        stored = kv.submit_offload(1, offload_ids, 4 * PAGE_SIZE)
+        offload_ids[:] = 60  # reused at once: the submit has returned
+        release.set()
+        assert stored.result(timeout=30).stored_tokens == 4 * PAGE_SIZE
+        hit = kv.lookup(1, 4 * PAGE_SIZE)
+        release = hold_the_loop(kv)
+        load_ids = ids(20)
+        loaded = kv.submit_load(hit, load_ids)
+        load_ids[:] = 61
+        release.set()
+        assert loaded.result(timeout=30).loaded_tokens == 4 * PAGE_SIZE
+        hit = kv.lookup(1, 4 * PAGE_SIZE)
+        release = hold_the_loop(kv)
+        layer_ids = ids(30)
+        layerwise = kv.submit_load_layerwise(hit, layer_ids)
+        layer_ids[:] = 62
+        release.set()
+        assert layerwise.result(timeout=30).result(timeout=30).loaded_tokens == 4 * PAGE_SIZE
+    for c, b in zip(caches, before, strict=True):
+        assert torch.equal(c[20:24], b[0:4])
+        assert torch.equal(c[30:34], b[0:4])
+        assert torch.equal(c[60:63], b[60:63])  # the reused ids named nothing that moved
 
 
 def test_a_layerwise_load_cancelled_before_the_loop_took_it_counts_as_done() -> None:
