@@ -30,7 +30,8 @@ def _demo_parser(parser: argparse.ArgumentParser) -> None:
         type=integer(MAX_APPEND_PAGES, or_zero=True),
         default=0,
         help=f"page budget of a history before the user restarts, at least "
-        f"{MAX_APPEND_PAGES} (default 0: up to 32, so that the caches stay under 256 MiB)",
+        f"{MAX_APPEND_PAGES} (default 0: up to 32, fewer to keep the caches under 256 MiB, "
+        f"but never under {MAX_APPEND_PAGES}; sizes that do not fit in memory are refused)",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(

@@ -27,7 +27,7 @@ import torch
 from .config import EngineConfig, StoreConfig, load_config
 from .engine import OffloadEngine
 from .errors import AiokvError, ConfigError, EngineClosed
-from .flags import too_large
+from .flags import check_fits, too_large
 from .stats import EngineStats
 from .stores import make_store
 from .stores.base import Store
@@ -41,7 +41,9 @@ MAX_APPEND_PAGES = 3  # an append adds up to this many pages of tokens
 # histories average half their budget, so the rest of the store fills with the garbage
 # of restarted histories, which eviction clears; lookups almost always hit in full.
 STORE_PAGES_PER_USER_BUDGET = 1.0
-CACHES_BYTES_CAP = 256 << 20  # the default history budget keeps caches under this
+# The default history budget keeps the caches under this, unless even MAX_APPEND_PAGES
+# pages a user do not fit under it (the memory check in _build then bounds them).
+CACHES_BYTES_CAP = 256 << 20
 NOISE_BYTES = 16 << 20  # pool of random KV that appends copy from
 ERRORS_KEPT = 5  # errors quoted in the summary; the rest are only counted
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -186,6 +188,10 @@ def _build(args: argparse.Namespace) -> tuple[OffloadEngine, Workload, int]:
         MAX_APPEND_PAGES, min(32, CACHES_BYTES_CAP // (2 * args.users * page_bytes))
     )
     num_pages = 2 * args.users * budget
+    page_numel = page_bytes // args.layers // dtype.itemsize
+    noise_numel = max(NOISE_BYTES // dtype.itemsize, 4 * MAX_APPEND_PAGES * page_numel)
+    store_bytes = int(STORE_PAGES_PER_USER_BUDGET * args.users * budget * page_bytes)
+    _check_fits(args, device, budget, num_pages * page_bytes, store_bytes, noise_numel)
     caches = [
         torch.zeros(num_pages, 2, args.page_size, args.heads, args.head_dim, dtype=dtype,
                     device=device)
@@ -200,18 +206,33 @@ def _build(args: argparse.Namespace) -> tuple[OffloadEngine, Workload, int]:
         engine_config, store_config = load_config(args.config)
     else:
         engine_config = EngineConfig()
-        store_bytes = STORE_PAGES_PER_USER_BUDGET * args.users * budget * page_bytes
         store_config = StoreConfig(cpu_cache_gb=store_bytes / GIB)
     store: Store = make_store(store_config)
     engine = OffloadEngine(store, caches, engine_config)
-    page_numel = page_bytes // args.layers // dtype.itemsize
-    noise_numel = max(NOISE_BYTES // dtype.itemsize, 4 * MAX_APPEND_PAGES * page_numel)
     noise = torch.randn(noise_numel, generator=generator, device=device).to(dtype)
     work = Workload(
         caches, own, scratch, args.page_size, budget, noise, np.random.default_rng(args.seed)
     )
     store_bytes_real = int(store_config.cpu_cache_gb * GIB)
     return engine, work, store_bytes_real
+
+
+def _check_fits(args: argparse.Namespace, device: torch.device, budget: int,
+                caches_bytes: int, store_bytes: int, noise_numel: int) -> None:
+    """A usage error (MemoryError, see aiokv.flags.check_fits) before anything is made,
+    where what the flags ask for would not fit in this machine's memory: the history
+    budget never goes under MAX_APPEND_PAGES, so large pages or many users can ask for
+    far more than CACHES_BYTES_CAP."""
+    on_host = device.type == "cpu"
+    needs = {
+        "caches": caches_bytes if on_host else 0,
+        # A --config names its store, and its host tier was checked where it was read.
+        "store": 0 if args.config else store_bytes,
+        "noise": noise_numel * 6 if on_host else 0,  # drawn as float32, kept as bfloat16
+    }
+    asked = (f"--users {args.users}, --layers {args.layers}, --page-size {args.page_size}, "
+             f"--heads {args.heads}, --head-dim {args.head_dim}, {budget} history pages")
+    check_fits(asked, needs)
 
 
 @dataclass

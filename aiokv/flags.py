@@ -7,8 +7,9 @@ with status 2, instead of a ConfigError traceback (or a run of nonsense) later o
 Floats must also be finite (``nan`` and ``inf`` are refused).
 
 Sizes have no upper bound here: what fits depends on the machine. Sizes that together ask
-for more memory than it has fail where their buffers are made; :func:`too_large` turns that
-failure into the same kind of usage error.
+for more host memory than it has are refused before their buffers are made
+(:func:`check_fits`), or fail where they are made; :func:`too_large` turns either into the
+same kind of usage error.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+from .config import machine_memory_bytes
 
 
 def integer(minimum: int, *, or_zero: bool = False) -> Callable[[str], int]:
@@ -105,7 +108,30 @@ def too_large(exc: BaseException) -> str | None:
     return f"the sizes asked for do not fit in this machine's memory ({first}); ask for less"
 
 
+def _gib(size: int) -> str:
+    if size < 1 << 30:
+        return f"{size / (1 << 20):,.0f} MiB"
+    return f"{size / (1 << 30):,.1f} GiB"
+
+
+def check_fits(asked: str, needs: Mapping[str, int]) -> None:
+    """MemoryError (:func:`too_large` words it as a usage error) where the host buffers
+    ``needs`` names, in bytes, add up to more than this machine's memory; ``asked`` names
+    the flags and values that sized them. Checked before anything is made: Linux lets a
+    process reserve more than the machine has and then kills it (SIGKILL, no message) as
+    the pages are touched, so torch's allocator never gets to fail. Nothing is checked
+    where the OS gives no memory size."""
+    memory = machine_memory_bytes()
+    total = sum(needs.values())
+    if memory is None or total <= memory:
+        return
+    parts = " + ".join(f"{name} {_gib(size)}" for name, size in needs.items() if size)
+    raise MemoryError(f"{asked}: {parts} = {_gib(total)}, more than this machine's "
+                      f"{_gib(memory)}")
+
+
 __all__ = [
+    "check_fits",
     "existing_directory",
     "integer",
     "nonnegative_float",

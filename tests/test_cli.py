@@ -284,7 +284,6 @@ def test_a_store_that_cannot_serve_is_a_message_not_a_traceback(
 
 
 @pytest.mark.parametrize("argv", [
-    ["demo", "--head-dim", "100000000", "--seconds", "1", "--device", "cpu"],
     ["bench", "bandwidth", "--quick", "--head-dim", "100000000", "--device", "cpu"],
     ["bench", "startup", "--quick", "--gib", "100000", "--device", "cpu"],
 ])
@@ -295,6 +294,40 @@ def test_sizes_larger_than_the_machine_are_a_usage_error_not_a_traceback(
     err = capsys.readouterr().err
     assert "do not fit in this machine's memory" in err and "can't allocate memory" in err
     assert "Traceback" not in err
+
+
+def _memory_of(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """This process sees a machine of ``size`` bytes (children see the real one)."""
+    real = os.sysconf
+
+    def sysconf(name: str | int) -> int:
+        return {"SC_PHYS_PAGES": size // 4096, "SC_PAGE_SIZE": 4096}.get(str(name), real(name))
+
+    monkeypatch.setattr(os, "sysconf", sysconf)
+
+
+def test_demo_sizes_beyond_memory_are_refused_before_anything_is_allocated(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 1 MiB pages: even the smallest history budget (3 pages a user) makes 384 MiB of
+    # caches, past the 256 MiB the help promises, and a 192 MiB store that alone fits. On
+    # a 512 MiB machine they did not fit together, and the demo allocated them anyway: the
+    # kernel killed it (`--page-size 100000` asked for ~110 GiB on a 24 GiB machine).
+    _memory_of(monkeypatch, 512 << 20)
+    status = main(["demo", "--seconds", "1", "--device", "cpu", "--layers", "8",
+                   "--page-size", "256"])
+    out, err = capsys.readouterr()
+    assert status == 2, out + err
+    assert out == ""  # refused before the run began
+    assert err.startswith("aiokv demo: error: the sizes asked for do not fit in this "
+                          "machine's memory (--users 64, --layers 8, --page-size 256")
+    assert "caches 384 MiB + store 192 MiB" in err
+    assert err.rstrip().endswith("more than this machine's 512 MiB); ask for less")
+
+
+def test_demo_sizes_within_memory_run() -> None:
+    assert main(["demo", "--seconds", "0.3", "--users", "2", "--device", "cpu",
+                 "--layers", "1", "--page-size", "256"]) == 0
 
 
 def test_an_error_that_is_not_about_memory_is_not_called_a_usage_error() -> None:
