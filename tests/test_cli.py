@@ -20,6 +20,7 @@ import pytest
 from aiokv import flags
 from aiokv.bench import SUBCOMMANDS
 from aiokv.cli import main
+from aiokv.config import machine_memory_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -328,6 +329,25 @@ def test_demo_sizes_beyond_memory_are_refused_before_anything_is_allocated(
 def test_demo_sizes_within_memory_run() -> None:
     assert main(["demo", "--seconds", "0.3", "--users", "2", "--device", "cpu",
                  "--layers", "1", "--page-size", "256"]) == 0
+
+
+@pytest.mark.skipif(machine_memory_bytes() is None, reason="the OS gives no memory size")
+def test_bench_shared_sizes_beyond_memory_are_a_usage_error_before_the_server_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    memory = machine_memory_bytes()
+    assert memory is not None
+    # Pages of 512 KiB: a server store of about 18 x the machine's memory. The server
+    # refused it in its own process, and the bench raised its log as a RuntimeError.
+    tokens = 16 * -(-memory // (512 << 10))
+    status = main(["bench", "shared", "--processes", "1", "--tokens", str(tokens),
+                   "--hit-users", "1", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert status == 2, out + err
+    assert err.startswith("aiokv bench shared: error: the sizes asked for do not fit in "
+                          f"this machine's memory (--processes 1, --users 8, --batches 1, "
+                          f"--tokens {tokens},")
+    assert "server store " in err and err.rstrip().endswith("; ask for less")
 
 
 def test_an_error_that_is_not_about_memory_is_not_called_a_usage_error() -> None:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import yaml
 
-from .. import EngineConfig, OffloadEngine, StoreConfig, run_in_background
+from .. import EngineConfig, OffloadEngine, StoreConfig, flags, run_in_background
 from ..errors import ConfigError
 from ..stores import make_store
 from ..sync import BackgroundLookup
@@ -100,6 +100,37 @@ def _server_gb(s: Settings) -> float:
     return 2 * pages * _block_bytes(s) / (1 << 30)
 
 
+def _cache_pages(s: Settings) -> int:
+    """Pages of each engine process's caches: a round's histories, and their copies."""
+    pages_per_user = s.tokens // s.page_size
+    return max(2 * s.batches * s.users * pages_per_user,
+               2 * (pages_per_user + s.hit_requests))
+
+
+def _raw_blocks(s: Settings) -> int:
+    """Blocks of each engine process's host tensor for the raw copy."""
+    return 2 * s.batches * s.users * (s.tokens // s.page_size)
+
+
+def _check_fits(s: Settings) -> None:
+    """A usage error before the server starts, where the run's host memory, all processes
+    together, would not fit in this machine: the server's own refusal would come from its
+    process (as a log), and the engines' buffers could get them killed by the kernel."""
+    block, server = _block_bytes(s), int(_server_gb(s) * (1 << 30))
+    on_host = _device(s.device).type == "cpu"
+    needs = {
+        "server store": server,
+        "private stores": server,  # the N private engines share the server's size
+        "caches": s.processes * _cache_pages(s) * block if on_host else 0,
+        "raw copy blocks": s.processes * _raw_blocks(s) * block,
+        "round-trip caches": s.users * (s.tokens // s.page_size) * block,
+    }
+    asked = ", ".join(f"--{name.replace('_', '-')} {getattr(s, name)}" for name in (
+        "processes", "users", "batches", "tokens", "layers", "page_size", "heads", "head_dim",
+        "hit_users", "hit_requests"))
+    flags.check_fits(asked, needs)
+
+
 # ---- the engine processes --------------------------------------------------------------
 
 
@@ -108,12 +139,10 @@ class _Worker:
         self.s, self.index = s, index
         device = _device(s.device)
         self.pages_per_user = s.tokens // s.page_size
-        grow = s.hit_requests
         self.streams = s.batches * s.users  # a round's users, over its batches
-        pages = max(2 * self.streams * self.pages_per_user, 2 * (self.pages_per_user + grow))
         dtype = common.DTYPES[s.dtype]
-        self.caches = common.make_caches(s.layers, pages, s.page_size, s.heads, s.head_dim,
-                                         dtype, device)
+        self.caches = common.make_caches(s.layers, _cache_pages(s), s.page_size, s.heads,
+                                         s.head_dim, dtype, device)
         for cache in self.caches:
             cache.normal_()
         engine = EngineConfig(window_us=2000, max_batch_requests=s.users,
@@ -125,8 +154,7 @@ class _Worker:
                                                        engine))
         self.block_bytes = _block_bytes(s)
         self._hits: list[BackgroundLookup] = []  # a round's lookups, from lookup to load
-        blocks = 2 * self.streams * self.pages_per_user
-        self.raw_pool = torch.empty((blocks, s.layers, 2, s.page_size, s.heads, s.head_dim),
+        self.raw_pool = torch.empty((_raw_blocks(s), s.layers, 2, s.page_size, s.heads, s.head_dim),
                                     dtype=dtype, pin_memory=device.type == "cuda")
         # On a GPU the raw figure is the link's: one contiguous pinned copy of the same
         # bytes each way (the shared store copies with the copy engines, not torch ops).
@@ -333,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:  # nothing draws it: say so rather than write no file
         raise ConfigError("--plot", "this bench draws no plot")
     s = common.settings_from_args(Settings, args, QUICK)
+    _check_fits(s)
     with tempfile.TemporaryDirectory(prefix="aiokv-bench-shared-") as directory:
         socket_path = str(Path(directory) / "run" / "store.sock")
         config = Path(directory) / "server.yml"
