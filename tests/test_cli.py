@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -149,9 +150,11 @@ def _run_script(script: str, args: list[str], tmp_path: Path) -> dict[str, Any]:
 def test_targets_judge_the_engine_bench(tmp_path: Path) -> None:
     document = _run_script("targets.py", ["engine", "--quick", *SMALL["engine"]], tmp_path)
     _positive_numbers(document["rows"], ["users", "baseline_rps", "engine_rps", "ratio"])
-    names = {t["name"] for t in document["targets"]}
-    assert names == {"engine CPU per request at batch 16"}  # no 256-user row: no ratio
-    (cpu,) = document["targets"]
+    targets = {t["name"]: t for t in document["targets"]}
+    assert set(targets) == {"engine/baseline at 256 users", "engine CPU per request at batch 16"}
+    ratio = targets["engine/baseline at 256 users"]  # no 256-user row: not measured, not met
+    assert math.isnan(ratio["measured"]) and ratio["pass"] is False
+    cpu = targets["engine CPU per request at batch 16"]
     assert cpu["measured"] == document["cpu"]["engine_us_per_request"]
     assert cpu["pass"] is (cpu["measured"] < 20)
 
@@ -161,17 +164,68 @@ def test_targets_judge_the_lag_bench(tmp_path: Path) -> None:
     assert {t["name"] for t in document["targets"]} == {"p99 lateness", "max lateness"}
 
 
-def test_targets_judge_the_bandwidth_bench_on_the_steady_stream(tmp_path: Path) -> None:
+def test_lag_percentiles_are_over_time_not_ticks() -> None:
+    # 990 fast wake-ups of 10 us and 10 stalls of 2 ms: by ticks the p99 is 0, but the
+    # loop was more than 1 ms late for about two thirds of the time.
+    from aiokv.bench.lag import by_time_ms
+
+    late = [0.0] * 990 + [2e-3] * 10
+    spans = [10e-6] * 990 + [2.1e-3] * 10
+    p50, p99 = by_time_ms(late, spans, [50, 99])
+    assert (p50, p99) == (2.0, 2.0)
+    assert by_time_ms([0.0] * 1000, [10e-6] * 1000, [99]) == [0.0]
+    assert by_time_ms([], [], [50, 99]) == [0.0, 0.0]
+
+
+def test_targets_judge_every_bandwidth_row_on_the_steady_stream(tmp_path: Path) -> None:
     small = [*SMALL["bandwidth"], "--users", "4,8"]  # the later --users wins
     document = _run_script("targets.py", ["bandwidth", "--quick", *small], tmp_path)
-    rows = {(r["users"], r["tokens"]): r for r in document["rows"]}
-    assert rows[4, 32]["target"] is None and rows[4, 32]["pass"] is None
-    judged = rows[8, 64]
-    assert judged["target"] == 0.9 and judged["target_judged_on"] == "steady stream"
-    assert judged["target_applies"] is False  # measured on a CPU: set for a GPU
-    fractions = (judged["stream_offload_of_raw"], judged["stream_load_of_raw"])
-    assert judged["pass"] is all(f >= 0.9 for f in fractions)  # a NaN fails too
-    assert len(document["targets"]) == 2  # one per row with a goal: 8 x 32, 8 x 64
+    assert len(document["rows"]) == 4 and len(document["targets"]) == 4  # one a row
+    for row in document["rows"]:
+        assert row["target"] == 0.95 and row["target_judged_on"] == "steady stream"
+        assert row["target_applies"] is False  # measured on a CPU: set for a GPU
+        fractions = (row["stream_offload_of_raw"], row["stream_load_of_raw"])
+        assert row["pass"] is all(f >= 0.95 for f in fractions)  # a NaN fails too
+
+
+def _judge(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    import runpy
+
+    judge = runpy.run_path(str(ROOT / "benchmarks" / "targets.py"))["bandwidth_targets"]
+    return {t["name"]: t for t in judge(document)}
+
+
+def test_issue_34s_one_batch_targets_are_judged_beside_the_steady_ones() -> None:
+    # The H100 figures of 2026-12-06 (benchmarks/RESULTS.md): steady 90-94% misses 95%
+    # in every row; one batch 73% misses 85% at 8 x 1024, 90% misses 95% at 32 x 2048.
+    figures = {(8, 1024): (0.73, 0.76, 0.90, 0.94), (8, 2048): (0.82, 0.82, 0.93, 0.98),
+               (32, 1024): (0.86, 0.87, 0.93, 0.95), (32, 2048): (0.90, 0.92, 0.94, 0.95)}
+    rows = [{"users": u, "tokens": t, "offload_of_raw": a, "load_of_raw": b,
+             "stream_offload_of_raw": c, "stream_load_of_raw": d}
+            for (u, t), (a, b, c, d) in figures.items()]
+    targets = _judge({"environment": {"device": "cuda:0"}, "rows": rows})
+    assert {name: (t["goal"], t["pass"]) for name, t in targets.items()} == {
+        "8x1024 offload and load of raw (steady stream)": (">= 95%", False),
+        "8x1024 offload and load of raw (one batch)": (">= 85%", False),
+        "8x2048 offload and load of raw (steady stream)": (">= 95%", False),
+        "32x1024 offload and load of raw (steady stream)": (">= 95%", False),
+        "32x2048 offload and load of raw (steady stream)": (">= 95%", False),
+        "32x2048 offload and load of raw (one batch)": (">= 95%", False),
+    }
+    assert all(row["pass"] is False for row in rows)
+    rows[0].update(offload_of_raw=0.86, load_of_raw=0.87, stream_offload_of_raw=0.96,
+                   stream_load_of_raw=0.95)
+    targets = _judge({"environment": {"device": "cuda:0"}, "rows": rows})
+    assert targets["8x1024 offload and load of raw (one batch)"]["pass"] is True
+    assert targets["8x1024 offload and load of raw (steady stream)"]["pass"] is True
+    assert rows[0]["pass"] is True
+
+
+def test_mixed_traffic_is_judged_on_the_raw_duplex_copy() -> None:
+    for share, met in ((0.85, False), (0.91, True)):
+        (target,) = _judge({"environment": {"device": "cuda:0"},
+                            "result": {"of_raw_duplex": share}}).values()
+        assert (target["goal"], target["measured"], target["pass"]) == (">= 90%", share, met)
 
 
 def test_a_bandwidth_figure_that_could_not_be_measured_fails_its_target() -> None:

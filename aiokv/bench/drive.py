@@ -124,12 +124,10 @@ async def drive(
     *,
     seconds: float | None = None,
     requests: int | None = None,
-    on_start: Callable[[], None] | None = None,
 ) -> Sample:
     """Run ``users`` closed-loop users of ``one_request(user)``; after ``warmup_s``,
     measure for ``seconds`` or until ``requests`` more completed. The users finish their
-    request in flight before this returns; its errors propagate. ``on_start``: called as
-    the measured window opens (``Sample.started`` is its perf_counter)."""
+    request in flight before this returns; its errors propagate."""
     loop = asyncio.get_running_loop()
     done = 0
     stop = False
@@ -147,8 +145,6 @@ async def drive(
     tasks = [asyncio.create_task(user(i), name=f"bench-user-{i}") for i in range(users)]
     try:
         await asyncio.sleep(warmup_s)
-        if on_start is not None:
-            on_start()
         start_done, start_wall, start_cpu = done, time.perf_counter(), time.process_time()
         start_loop_cpu = time.thread_time()  # drive() runs on the loop's thread
         if requests is not None:
@@ -232,10 +228,14 @@ async def _callers_only(settings: Settings) -> Sample:
         loop.call_soon(future.set_result, result)
         return await future
 
+    spans: list[tuple[float, float]] = []
+
     async def one(user: int) -> None:  # as _engine's users do, call for call
+        began = time.perf_counter()  # their span bookkeeping too: it is not the engine's
         got = await resolved_next_iteration(
             user, pages[user], tokens, namespace=[f"r{next(names)}"]
         )
+        spans.append((began, time.perf_counter()))
         if got.stored_tokens != tokens:
             raise RuntimeError(f"stored {got.stored_tokens} of {tokens} tokens")
 
