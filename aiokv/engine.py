@@ -154,7 +154,8 @@ class OffloadEngine:
         unresolved fail with EngineClosed naming their count (logged as a warning).
         Lookups still held read released: the store thread cancels their reservations.
         Raises InvalidRequest, leaving the engine untouched, for a ``drain`` that is not a
-        bool or a ``timeout`` that is not a finite number of seconds >= 0.
+        bool or a ``timeout`` that is not a finite number of seconds >= 0, at most
+        threading.TIMEOUT_MAX.
         """
         drain, timeout = validate.close_args(drain, timeout)
         if self._state is EngineState.NEW:

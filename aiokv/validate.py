@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import reprlib
+import threading
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -193,28 +194,35 @@ def positions(num_tokens: int) -> Int64Array:
 
 
 def close_args(drain: object, timeout: object) -> tuple[bool, float]:
-    """``aclose``'s arguments: a bool and a finite number of seconds >= 0 (a close always
-    ends: None or inf would let a stuck store hold it for ever)."""
+    """``aclose``'s arguments: a bool and a number of seconds (:func:`seconds`; a close
+    always ends: None or inf would let a stuck store hold it for ever)."""
     if not isinstance(drain, bool):
         raise InvalidRequest("drain", f"must be a bool, got {type(drain).__name__} "
                                       f"{reprlib.repr(drain)}")
-    return drain, _seconds(timeout, "a number of seconds")
+    return drain, seconds("timeout", timeout, "a number of seconds")
 
 
 def wait_timeout(timeout: object) -> float | None:
-    """A blocking wait's ``timeout``: None (no limit) or a finite number of seconds >= 0."""
-    return None if timeout is None else _seconds(timeout, "a number of seconds or None")
+    """A blocking wait's ``timeout``: None (no limit) or a number of seconds (:func:`seconds`)."""
+    return None if timeout is None else seconds("timeout", timeout, "a number of seconds or None")
 
 
-def _seconds(timeout: object, wanted: str) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
-                                                             np.floating)):
-        raise InvalidRequest("timeout", f"must be {wanted}, got "
-                                        f"{type(timeout).__name__} {reprlib.repr(timeout)}")
-    seconds = float(timeout)
-    if not 0 <= seconds < float("inf"):
-        raise InvalidRequest("timeout", f"must be a finite number of seconds >= 0, got {timeout}")
-    return seconds
+def seconds(field: str, value: object, wanted: str = "a number of seconds") -> float:
+    """``value`` as seconds: a number >= 0 and at most threading.TIMEOUT_MAX (about 292
+    years), the longest wait a lock or thread join takes (they raise OverflowError beyond,
+    inside a waiting or closing thread); else InvalidRequest naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidRequest(field, f"must be {wanted}, got "
+                                    f"{type(value).__name__} {reprlib.repr(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float: beyond the bound anyway
+        number = float("inf")
+    if not 0 <= number <= threading.TIMEOUT_MAX:
+        raise InvalidRequest(field, f"must be a finite number of seconds >= 0, at most "
+                                    f"{threading.TIMEOUT_MAX:g} (threading.TIMEOUT_MAX), "
+                                    f"got {reprlib.repr(value)}")
+    return number
 
 
 def at_most(field: str, value: int, bound: int, what: str) -> None:

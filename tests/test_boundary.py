@@ -78,7 +78,9 @@ def test_local_store_refuses_a_config_for_another_backend() -> None:
         aiokv.LocalStore(config)
 
 
-@pytest.mark.parametrize("timeout", ["5", -1.0, float("nan")])
+# 1e10: finite, but past threading.TIMEOUT_MAX (OverflowError from inside the wait).
+@pytest.mark.parametrize("timeout", ["5", -1.0, float("nan"), 1e10,
+                                     pytest.param(10**400, id="10**400")])
 def test_background_layer_waits_refuse_a_bad_timeout(
     caches: list[torch.Tensor], timeout: object
 ) -> None:

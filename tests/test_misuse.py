@@ -262,7 +262,9 @@ async def test_aclose_returns_within_its_timeout_whatever_the_store_does(
 
 BAD_CLOSES = [({"timeout": None}, "timeout"), ({"timeout": "5"}, "timeout"),
               ({"timeout": float("nan")}, "timeout"), ({"timeout": float("inf")}, "timeout"),
-              ({"timeout": -1.0}, "timeout"), ({"drain": "no"}, "drain")]
+              ({"timeout": -1.0}, "timeout"), ({"drain": "no"}, "drain"),
+              # Finite, but past threading.TIMEOUT_MAX: the close thread's join overflowed.
+              ({"timeout": 1e10}, "timeout")]
 
 
 @pytest.mark.asyncio
