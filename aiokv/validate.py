@@ -161,10 +161,25 @@ def namespace(namespace: Any, user_id: Hashable) -> tuple[str, ...]:
 
 
 def _fits(field: str, key: tuple[str, ...]) -> tuple[str, ...]:
-    """``key`` if it fits in an SSD block's header (every store takes it, so that a key
-    never stops at the SSD tier silently); else InvalidRequest naming its size."""
-    # At most 6 bytes of JSON a character (\uXXXX): the exact size only for long keys.
-    if sum(map(len, key)) * 6 + 3 * len(key) + 2 <= MAX_NAMESPACE_BYTES:
+    """``key`` if every store takes it (else InvalidRequest naming it): UTF-8 text (the
+    store server's wire and the remote tier's key name encode it; a lone surrogate fails
+    there, on the store thread, for the whole batch) that fits in an SSD block's header
+    (so that a key never stops at the SSD tier silently)."""
+    # JSON bytes at most: 6 a character (\uXXXX), 12 for one outside the BMP (a pair of
+    # them), which only a non-ASCII part holds. The exact size only for long keys.
+    bound = 3 * len(key) + 2
+    for part in key:
+        if part.isascii():
+            bound += 6 * len(part)
+            continue
+        try:
+            part.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(field, f"names a key that is not UTF-8 text (the surrogate "
+                                        f"{exc.object[exc.start:exc.end]!r} in "
+                                        f"{reprlib.repr(part)})") from exc
+        bound += 12 * len(part)
+    if bound <= MAX_NAMESPACE_BYTES:
         return key
     size = len(json.dumps(list(key), separators=(",", ":")).encode())
     if size > MAX_NAMESPACE_BYTES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from typing import Any
 
@@ -106,9 +107,44 @@ async def test_a_key_too_long_for_an_ssd_header_is_refused_naming_its_size(
         with pytest.raises(aiokv.InvalidRequest) as caught:
             await engine.offload("y" * 5000, torch.arange(4), TOKENS)
         assert caught.value.field == "user_id"
+        # 400 characters outside the BMP: JSON writes each as a surrogate pair, 12 bytes.
+        with pytest.raises(aiokv.InvalidRequest) as caught:
+            await engine.offload(1, torch.arange(4), TOKENS, namespace=["\U0001F600" * 400])
+        assert caught.value.field == "namespace" and "4804 bytes" in str(caught.value)
         long = ["é" * 600]  # 600 characters, 3,604 bytes as JSON: still fits
         assert (await engine.offload(1, torch.arange(4), TOKENS, namespace=long)).stored_tokens
         assert engine.stats().pending == 0
+
+
+@pytest.mark.parametrize(("namespace", "user_id", "field"), [
+    (None, "\udcff", "user_id"), (["ok", "a\ud800b"], 1, "namespace"),
+    (["\ud83d\ude00"], 1, "namespace"),  # a pair of surrogates is no character either
+])
+def test_a_key_that_is_not_utf8_text_is_refused_naming_the_field(
+    namespace: Any, user_id: Any, field: str
+) -> None:
+    with pytest.raises(aiokv.InvalidRequest) as caught:
+        validate.namespace(namespace, user_id)
+    assert caught.value.field == field and "not UTF-8 text" in str(caught.value)
+    assert validate.namespace(["\U0001F600"], 1) == ("\U0001F600",)  # the character is fine
+
+
+@pytest.mark.asyncio
+async def test_a_surrogate_user_id_fails_its_own_call_only(caches: list[torch.Tensor]) -> None:
+    # The store server's wire encodes every name of a batch as UTF-8: a surrogate failed
+    # the whole batch there (other users' offloads too), so every store refuses it.
+    async with engine_over(caches) as engine:
+        good, bad, named = await asyncio.gather(
+            engine.offload(1, torch.arange(4), TOKENS),
+            engine.offload("\udcff", torch.arange(4, 8), TOKENS),
+            engine.lookup(2, TOKENS, namespace=["\udcff"]),
+            return_exceptions=True)
+        assert isinstance(good, aiokv.OffloadResult) and good.stored_tokens == TOKENS
+        assert isinstance(bad, aiokv.InvalidRequest) and bad.field == "user_id"
+        assert isinstance(named, aiokv.InvalidRequest) and named.field == "namespace"
+        assert "'\\udcff'" in str(bad)
+        async with await engine.lookup(1, TOKENS) as hit:
+            assert hit.cached_tokens == TOKENS
 
 
 @pytest.mark.parametrize(("make", "every_layer", "says"), [
