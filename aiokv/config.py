@@ -235,6 +235,15 @@ class StoreConfig:
         if len(set(self.ssd_dirs())) != len(self.ssd_dirs()):
             raise ConfigError("store.ssd_cache_dir", f"names a directory twice: {value!r}")
 
+    def _check_socket_type(self) -> None:
+        value: object = self.socket
+        if isinstance(value, os.PathLike):  # as ssd_cache_dir: kept as its str
+            value = os.fspath(value)
+            object.__setattr__(self, "socket", value)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError("store.socket", f"must be the path of a UNIX socket (a str) or "
+                                              f"null, got {type(value).__name__} {value!r}")
+
     def _check_no_tier_keys(self) -> None:
         """An engine on ``backend: shared`` uses the server's tiers: a key that sizes or
         shapes them, set here, would be silently ignored, so it is a ConfigError."""
@@ -295,6 +304,7 @@ class StoreConfig:
                 f"must be true, false or null (the backend decides), got {self.own_process!r}",
             )
         _check_int("store.store_restarts", self.store_restarts, 0)
+        self._check_socket_type()
         if self.backend == "shared" and not (isinstance(self.socket, str) and self.socket):
             raise ConfigError("store.socket", f"must name the store server's socket with "
                               f"backend: shared, got {self.socket!r}")

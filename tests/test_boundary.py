@@ -118,6 +118,20 @@ def test_a_socket_path_longer_than_a_unix_socket_holds_is_a_config_error(tmp_pat
         aiokv.StoreConfig(backend="shared", socket=path)
 
 
+@pytest.mark.parametrize("backend", ["local", "shared"])
+def test_a_socket_that_is_no_path_is_a_config_error(tmp_path: Path, backend: str) -> None:
+    # A YAML `socket: 5` (or a mapping's) was a raw TypeError from os.fsencode.
+    path = tmp_path / "c.yml"
+    path.write_text(f"store:\n  backend: {backend}\n  socket: 5\n")
+    for make in (lambda: aiokv.load_config(path),
+                 lambda: aiokv.StoreConfig(backend=backend, socket=5)):  # type: ignore[arg-type]
+        with pytest.raises(aiokv.ConfigError, match=r"^store\.socket: .*got int 5$"):
+            make()
+    # A path object is its str, as for ssd_cache_dir.
+    socket = tmp_path / "s.sock"
+    assert aiokv.StoreConfig(backend="shared", socket=socket).socket == str(socket)  # type: ignore[arg-type]
+
+
 @pytest.mark.asyncio
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 async def test_a_nested_page_id_tensor_is_an_invalid_request(caches: list[torch.Tensor]) -> None:
