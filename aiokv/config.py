@@ -392,10 +392,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     would keep the last silently: a whole second ``store:`` section replaces the first)."""
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: set[object] = set()
+        seen: set[str] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str) and key in seen:
+            if not isinstance(key, str):  # a list key (`? [a]`) is unhashable: YAML says so
+                continue
+            if key in seen:
                 raise ConfigError(key, f"given twice (line {key_node.start_mark.line + 1}); "
                                        "YAML would keep only the last")
             seen.add(key)

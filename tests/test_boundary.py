@@ -66,6 +66,17 @@ def test_a_key_given_twice_in_yaml_is_a_config_error(tmp_path: Path, text: str) 
         aiokv.load_config(path)
 
 
+@pytest.mark.parametrize("text", ["store:\n  ? [cpu_cache_gb]\n  : 1\n",
+                                  "? {store: 1}\n: 1\n"])
+def test_a_yaml_key_that_is_a_list_or_mapping_is_a_config_error(tmp_path: Path, text: str) -> None:
+    # It was a raw TypeError (unhashable type) from the check for keys given twice.
+    path = tmp_path / "c.yml"
+    path.write_text(text)
+    with pytest.raises(aiokv.ConfigError, match="unhashable key") as caught:
+        aiokv.load_config(path)
+    assert caught.value.key == "path" and "line " in str(caught.value)
+
+
 @pytest.mark.parametrize("config", [{"cpu_cache_gb": -1}, "x", [1]])
 def test_local_store_takes_a_store_config_or_says_why(config: object) -> None:
     with pytest.raises(aiokv.ConfigError):
