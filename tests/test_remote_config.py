@@ -26,6 +26,10 @@ def test_the_yaml_section_needs_only_the_master() -> None:
         ({}, "store.remote.master", "required"),
         ({"master": "no-port"}, "store.remote.master", "no-port"),
         ({"master": "h:70000"}, "store.remote.master", "h:70000"),
+        # Digits to str.isdigit(), not to a port: int() refused the first, read 12 for the last.
+        ({"master": "10.0.0.1:\u00b2"}, "store.remote.master", "10.0.0.1:\u00b2"),
+        ({"master": "h:8\u00b9"}, "store.remote.master", "h:8\u00b9"),
+        ({"master": "h:\u0661\u0662"}, "store.remote.master", "h:\u0661\u0662"),
         ({"master": "h:1", "metadata": "somewhere"}, "store.remote.metadata", "somewhere"),
         ({"master": "h:1", "protocol": "udp"}, "store.remote.protocol", "udp"),
         ({"master": "h:1", "backend": "redis"}, "store.remote.backend", "redis"),

@@ -29,7 +29,9 @@ def _host_port(key: str, value: object) -> tuple[str, int]:
         raise ConfigError(key, f'must be "host:port", got {value!r}')
     host, _, port = value.rpartition(":")
     host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # ASCII digits only: isdigit() is true for '²' (int() refuses it) and for other
+    # scripts' digits (int() reads '١٢' as 12), neither of which Mooncake takes.
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ConfigError(key, f'must be "host:port" with a port in 1..65535, got {value!r}')
     return host, int(port)
 
