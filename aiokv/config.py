@@ -69,6 +69,17 @@ def _check_number(key: str, value: object, minimum: float) -> None:
         raise ConfigError(key, f"must be a finite number >= {minimum}, got {value}")
 
 
+# The largest tier, in GiB: 2**63 bytes, the most a file offset or a size in bytes holds.
+# Beyond (1e300 GiB is inf bytes) the stores' block counts overflow as they open.
+MAX_TIER_GB = float(1 << 33)
+
+
+def _check_tier_gb(key: str, gib: float) -> None:
+    _check_number(key, gib, 0.0)
+    if gib > MAX_TIER_GB:
+        raise ConfigError(key, f"must be at most {MAX_TIER_GB:.0f} GiB (2**63 bytes), got {gib}")
+
+
 def machine_memory_bytes() -> int | None:
     """This machine's physical memory (None where the OS does not say)."""
     try:
@@ -263,11 +274,11 @@ class StoreConfig:
         _check_choice("store.backend", self.backend, tuple(BACKENDS))
         if self.page_size is not None:
             _check_int("store.page_size", self.page_size, 1)
-        _check_number("store.cpu_cache_gb", self.cpu_cache_gb, 0.0)
+        _check_tier_gb("store.cpu_cache_gb", self.cpu_cache_gb)
         if self.cpu_cache_gb <= 0:
             raise ConfigError("store.cpu_cache_gb", f"must be > 0, got {self.cpu_cache_gb}")
         _check_fits_in_memory("store.cpu_cache_gb", self.cpu_cache_gb)
-        _check_number("store.ssd_cache_gb", self.ssd_cache_gb, 0.0)
+        _check_tier_gb("store.ssd_cache_gb", self.ssd_cache_gb)
         self._check_ssd_dir()
         if self.ssd_cache_gb > 0 and not self.ssd_dirs():
             raise ConfigError("store.ssd_cache_dir", "is required when ssd_cache_gb > 0")

@@ -50,6 +50,22 @@ def test_other_impossible_host_sizes_name_the_key(value: Any) -> None:
         aiokv.StoreConfig(cpu_cache_gb=value)
 
 
+def test_a_tier_size_past_a_64_bit_size_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Finite, but inf bytes: the SSD tier's slot count was a bare ValueError at register
+    # (and the host tier's too, where the OS gives no memory size to check it against).
+    monkeypatch.setattr(config_module.os, "sysconf", lambda name: -1)
+    assert machine_memory_bytes() is None
+    with pytest.raises(aiokv.ConfigError, match=r"^store\.ssd_cache_gb: .*got 1e\+300$"):
+        aiokv.StoreConfig(cpu_cache_gb=0.001, ssd_cache_gb=1e300, ssd_cache_dir=str(tmp_path))
+    with pytest.raises(aiokv.ConfigError, match=r"^store\.cpu_cache_gb: .*got 1e\+300$"):
+        aiokv.StoreConfig(cpu_cache_gb=1e300)
+    # At most 2**63 bytes: a larger SSD size is said against the free space at open.
+    assert aiokv.StoreConfig(cpu_cache_gb=1, ssd_cache_gb=2.0**33,
+                             ssd_cache_dir=str(tmp_path)).ssd_cache_gb == 2.0**33
+
+
 @pytest.mark.parametrize("value", [0, -4, 2.5, 10**13, True])
 def test_impossible_page_sizes_name_the_key(value: Any) -> None:
     with pytest.raises(aiokv.ConfigError, match=r"store\.page_size"):
