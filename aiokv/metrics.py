@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 try:
     from prometheus_client.core import (
@@ -34,7 +34,9 @@ except ImportError as exc:  # the extra is optional: say which one to install
         "aiokv.metrics needs prometheus-client: pip install 'aiokv[metrics]'"
     ) from exc
 
-from .errors import EngineClosed
+from . import validate
+from .engine import OffloadEngine
+from .errors import EngineClosed, InvalidRequest
 from .requests import Kind
 from .stats import (
     KINDS,
@@ -45,9 +47,6 @@ from .stats import (
     StoreSideStats,
 )
 from .store_figures import StoreStatsQuery
-
-if TYPE_CHECKING:
-    from .engine import OffloadEngine
 
 __all__ = ["EngineCollector", "register"]
 
@@ -123,7 +122,11 @@ def register(
     default REGISTRY when None) and return it (``registry.unregister(it)`` removes it).
     Any time in the engine's life: before ``start()`` the counts are zero, after
     ``aclose()`` they stay at their last values. One engine per registry: a second
-    registration of the same names raises ValueError (prometheus_client's)."""
+    registration of the same names raises ValueError (prometheus_client's).
+    ``store_timeout_s``: how long a scrape waits for the store thread's answer, a number
+    of seconds >= 0 (at most threading.TIMEOUT_MAX). Raises InvalidRequest naming
+    ``engine`` or ``store_timeout_s`` here, rather than fail every scrape of the
+    registry later."""
     collector = EngineCollector(engine, store_timeout_s)
     (REGISTRY if registry is None else registry).register(collector)
     return collector
@@ -134,8 +137,12 @@ class EngineCollector:
     families, at each scrape, from any thread."""
 
     def __init__(self, engine: OffloadEngine, store_timeout_s: float = 0.25) -> None:
+        if not isinstance(engine, OffloadEngine):  # a scrape reads its parts
+            raise InvalidRequest("engine", f"must be an aiokv.OffloadEngine (a "
+                                           f"BackgroundEngine's is its .engine), got "
+                                           f"{type(engine).__name__}")
         self._engine = engine
-        self._store_timeout_s = store_timeout_s
+        self._store_timeout_s = validate.seconds("store_timeout_s", store_timeout_s)
         self._asked: StoreStatsQuery | None = None  # the latest query sent
 
     def describe(self) -> Iterator[Metric]:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import PAGE_SIZE, make_caches, small_store
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 import aiokv
@@ -267,6 +267,32 @@ def test_register_describes_every_family_and_refuses_a_second_engine() -> None:
     with pytest.raises(ValueError, match="Duplicated"):
         metrics.register(aiokv.OffloadEngine(small_store(), make_caches()), registry)
     registry.unregister(collector)
+
+
+@pytest.mark.parametrize(("engine_of", "store_timeout_s", "says"), [
+    (lambda engine: None, 0.25, "engine: must be an aiokv.OffloadEngine"),
+    (lambda engine: aiokv.run_in_background(engine), 0.25, "got BackgroundEngine"),
+    (lambda engine: engine, float("inf"), "store_timeout_s: must be a finite"),
+    (lambda engine: engine, "0.5", "store_timeout_s: must be a number of seconds, got str"),
+    (lambda engine: engine, float("nan"), "store_timeout_s: must be a finite"),
+    (lambda engine: engine, -1, "got -1"),
+    (lambda engine: engine, 1e10, "TIMEOUT_MAX"),  # a wait's longest
+])
+def test_register_refuses_what_no_scrape_could_use(
+    engine_of: Any, store_timeout_s: Any, says: str
+) -> None:
+    # Each was accepted, then every scrape of the registry failed (the application's own
+    # metrics with it); nan and -1 were taken silently.
+    registry = CollectorRegistry()
+    Counter("app_requests", "the application's own metric", registry=registry)
+    engine = engine_of(aiokv.OffloadEngine(small_store(), make_caches()))
+    try:
+        with pytest.raises(aiokv.InvalidRequest, match=says):
+            metrics.register(engine, registry, store_timeout_s=store_timeout_s)
+    finally:
+        if isinstance(engine, aiokv.BackgroundEngine):
+            engine.close()
+    assert "app_requests_total 0.0" in generate_latest(registry).decode()
 
 
 def test_the_readme_names_every_family() -> None:
