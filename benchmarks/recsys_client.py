@@ -110,6 +110,7 @@ def run_child(args: argparse.Namespace, storage: str, job: str, timeout_s: float
     ]
     if args.aiokv_config:
         cmd += ["--aiokv-config", args.aiokv_config]
+    cmd += ["--aiokv-wait-pinned", args.aiokv_wait_pinned]
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="tokens per user for the profiler steps")
     parser.add_argument("--aiokv-config", default=None,
                         help="aiokv's YAML (default: its defaults, host tier of recsys's size)")
+    parser.add_argument("--aiokv-wait-pinned", default="on", choices=("on", "off"),
+                        help="AiokvHostStorage(wait_pinned=...): registration returns once "
+                        "the host tier is pinned whole (on) or at once (off)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per case")
     parser.add_argument("--warmup", type=int, default=2, help="rounds before them, not counted")
@@ -190,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if storage not in STORAGES or job.split(":")[0] not in JOB_KINDS:
             raise SystemExit(f"--job: unknown {args.job!r}")
         options = JobOptions(recsys, Path(args.build_dir), args.batch, args.rounds,
-                             args.warmup, args.aiokv_config, args.flexkv_as_batch)
+                             args.warmup, args.aiokv_config, args.flexkv_as_batch,
+                             args.aiokv_wait_pinned == "on")
         result = run_job(storage, job, options)
         Path(args.job_out).write_text(json.dumps(result))
         return result

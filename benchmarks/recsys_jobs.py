@@ -67,6 +67,9 @@ class JobOptions:
     # no longer knows ("task_id N not submitted"): it fails every batched offload. 0 keeps
     # it on its per-user put_async path, which works there.
     flexkv_as_batch: int = 0
+    # AiokvHostStorage's wait_pinned: its registration returns once the host tier is
+    # pinned whole (False: the first batches wait for the chunks they need).
+    aiokv_wait_pinned: bool = True
 
 
 
@@ -113,7 +116,8 @@ def run_phases(storage: str, options: JobOptions) -> dict[str, Any]:
     # create_testing_kvcache_manager's config (it builds FlexKVStorage only), with
     # flexkv_as_batch from the options (the test's own builder sets 1).
     config = kvcache_config(8, 2048, 512, 1024, options.flexkv_as_batch)
-    manager, notes = make_manager(storage, config, "phases", options.aiokv_config)
+    manager, notes = make_manager(storage, config, "phases", options.aiokv_config,
+                                  options.aiokv_wait_pinned)
     host = manager.host_kvstorage_manager
     if storage == "aiokv":
         # Phase 5 asserts that a host evict keeps everything, as FlexKVStorage's no-op
@@ -246,7 +250,8 @@ def run_steps(storage: str, options: JobOptions, length: int, result: dict[str, 
     result.update(pages=pages, host_pages=HOST_PAGES, rounds=[], warmup=options.warmup,
                   bytes=LAYERS * batch * length * PAGE_BYTES_PER_LAYER // PAGE)
     result["raw_copy_ms"] = raw_copy_ms(result["bytes"])  # first: there even if a round fails
-    manager, notes = make_manager(storage, config, "steps", options.aiokv_config)
+    manager, notes = make_manager(storage, config, "steps", options.aiokv_config,
+                                  options.aiokv_wait_pinned)
     result.update(notes)
     try:
         for number in range(options.warmup + options.rounds):

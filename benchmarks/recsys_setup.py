@@ -119,21 +119,24 @@ def prepare_flexkv(tag: str) -> str:
             "FlexKV's KVCacheLayout(LAYERBLOCK, kv_dim=2): the same per-layer tensors")
 
 
-def aiokv_storage(config: Any, aiokv_config: str | None) -> tuple[Any, str]:
+def aiokv_storage(config: Any, aiokv_config: str | None,
+                  wait_pinned: bool = True) -> tuple[Any, str]:
     """aiokv's HostKVStorageBase (aiokv.integrations.recsys) for a recsys KVCacheConfig,
     and what it runs with: ``aiokv_config`` (a YAML path), else aiokv's defaults with a
     host tier of recsys's own size, host_capacity_per_layer x num_layers."""
     from aiokv.integrations.recsys import AiokvHostStorage
 
+    pinned = "" if wait_pinned else ", wait_pinned False"
     if aiokv_config is not None:
-        return AiokvHostStorage(aiokv_config), aiokv_config
+        return AiokvHostStorage(aiokv_config, wait_pinned=wait_pinned), aiokv_config + pinned
     gib = config.host_capacity_per_layer * config.num_layers / 2**30
-    return (AiokvHostStorage({"store": {"backend": "local", "cpu_cache_gb": gib}}),
-            f"aiokv defaults, store.backend local, cpu_cache_gb {gib:.4g}")
+    return (AiokvHostStorage({"store": {"backend": "local", "cpu_cache_gb": gib}},
+                             wait_pinned=wait_pinned),
+            f"aiokv defaults, store.backend local, cpu_cache_gb {gib:.4g}{pinned}")
 
 
-def make_manager(storage: str, config: Any, tag: str,
-                 aiokv_config: str | None = None) -> tuple[Any, dict[str, Any]]:
+def make_manager(storage: str, config: Any, tag: str, aiokv_config: str | None = None,
+                 wait_pinned: bool = True) -> tuple[Any, dict[str, Any]]:
     """recsys's KVCacheManager over the named storage; (manager, notes)."""
     from recsys_kvcache_manager.default_kvcache_backend import DefaultKVCacheBackend
     from recsys_kvcache_manager.kvcache_manager import KVCacheManager
@@ -152,7 +155,7 @@ def make_manager(storage: str, config: Any, tag: str,
         config.max_batch_size, math.ceil(config.max_seq_len / config.page_size) * config.page_size,
         config.dtype, config.device,
     )
-    host, described = aiokv_storage(config, aiokv_config)
+    host, described = aiokv_storage(config, aiokv_config, wait_pinned)
     backend = DefaultKVCacheBackend(gpu, host, config.offload_mode,
                                     config.host_kvstorage_fail_policy)
     return KVCacheManager(backend), {"aiokv_config": described}

@@ -179,6 +179,24 @@ def test_sets_window_reads_engine_window_us_from_each_kind_of_config(tmp_path: A
     assert not sets_window({"engine": {"max_batch_requests": 4}})
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_registering_returns_once_the_host_tier_is_pinned_whole() -> None:
+    # As FlexKVStorage's host tier is made before it returns: a manager's first batch
+    # then never waits for pinning (2 GiB: about 0.2 s of it after the first chunk).
+    gpu = [c.cuda() for c in caches()]
+    opened = RecsysCore.open({"store": {"cpu_cache_gb": 2.0}}, gpu)
+    try:
+        assert opened.kv.engine._store.wait_pinned(timeout=0)
+    finally:
+        opened.close()
+
+
+def test_wait_pinned_must_be_a_bool() -> None:
+    with pytest.raises(aiokv.InvalidRequest, match="wait_pinned"):
+        recsys._HostStorage(wait_pinned="yes")  # type: ignore[arg-type]
+
+
 def test_a_core_without_a_window_in_its_config_still_batches_each_call_once() -> None:
     # window_us left unset: the core runs the engine's window at 0, and one manager
     # call's users still reach the store as one batch.

@@ -90,10 +90,12 @@ def _lengths(index_meta: Any) -> list[int]:
 class _HostStorage:
     """A recsys-examples host storage on aiokv (its methods: ``HostKVStorageBase``'s).
 
-    ``AiokvHostStorage(config=None, *, loop_factory=None, host_evict=True)``: ``config`` is
-    what ``aiokv.open_engine`` takes (a YAML path, a mapping, None for the defaults); the
-    engine starts on a loop thread of its own (``run_in_background``) when the manager
-    registers its GPU cache tables, each ``[pages, 2, page_size, heads, head_dim]``.
+    ``AiokvHostStorage(config=None, *, loop_factory=None, host_evict=True,
+    wait_pinned=True)``: ``config`` is what ``aiokv.open_engine`` takes (a YAML path, a
+    mapping, None for the defaults); the engine starts on a loop thread of its own
+    (``run_in_background``) when the manager registers its GPU cache tables, each
+    ``[pages, 2, page_size, heads, head_dim]``, and, with ``wait_pinned``, that call returns
+    once the host tier is pinned whole (``RecsysCore.open`` says why).
     ``close()`` drains and stops it. ``host_evict=False`` makes ``evict`` and ``evict_all``
     no-ops that warn, as FlexKVStorage's are: code written against FlexKVStorage's
     semantics (recsys's ``test_flexkv.py`` asserts that a host evict keeps everything)
@@ -130,9 +132,13 @@ class _HostStorage:
         *,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
         host_evict: bool = True,
+        wait_pinned: bool = True,
     ) -> None:
+        if not isinstance(wait_pinned, bool):
+            raise InvalidRequest("wait_pinned", f"must be a bool, got {wait_pinned!r}")
         self._config = config
         self._loop_factory = loop_factory
+        self._wait_pinned = wait_pinned
         self._core: RecsysCore | None = None
         self.host_evict = host_evict
 
@@ -164,7 +170,9 @@ class _HostStorage:
     def register_gpu_cache_tables(self, cache_table_list: list[torch.Tensor]) -> None:
         if self._core is not None:
             raise InvalidRequest("cache_table_list", "already registered: one set per storage")
-        self._core = RecsysCore.open(self._config, list(cache_table_list), self._loop_factory)
+        self._core = RecsysCore.open(
+            self._config, list(cache_table_list), self._loop_factory, self._wait_pinned
+        )
 
     def build_index_meta(self, user_ids: torch.Tensor, sequence_lengths: torch.Tensor) -> Any:
         return _recsys().KVIndexMeta(

@@ -102,10 +102,17 @@ class RecsysCore:
         config: ConfigSource,
         kv_caches: Sequence[torch.Tensor],
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+        wait_pinned: bool = True,
     ) -> RecsysCore:
         """An engine over ``kv_caches`` (``aiokv.open_engine(config, ...)``, with
         ``window_us`` 0 where ``config`` leaves it unset), started on a loop thread of its
         own. Raises what ``open_engine`` and ``start`` raise.
+
+        ``wait_pinned``: return once the host tier is pinned whole (where the store pins
+        in this process: the embedded and shared stores), as FlexKVStorage's host tier is
+        made before its constructor returns; otherwise the engine serves from its first
+        pinned chunk at once, and a first batch larger than it waits for the next chunks
+        (about 0.1 s/GiB), which the manager would see as that batch's latency.
 
         ``request_timeout_ms`` is 0 here whatever the config says (a value it sets is
         logged as not used): the manager reuses a call's pages once its wait answers, so a
@@ -123,9 +130,13 @@ class RecsysCore:
                     "wait answers once its copies have ended, so that the manager reuses "
                     "no page a copy still touches", engine_config.request_timeout_ms)
             engine_config = dataclasses.replace(engine_config, request_timeout_ms=0)
-        engine = OffloadEngine(make_store(store_config), kv_caches=kv_caches,
-                               config=engine_config)
-        return cls(run_in_background(engine, loop_factory=loop_factory))
+        store = make_store(store_config)
+        engine = OffloadEngine(store, kv_caches=kv_caches, config=engine_config)
+        core = cls(run_in_background(engine, loop_factory=loop_factory))
+        pinned = getattr(store, "wait_pinned", None)
+        if wait_pinned and pinned is not None:
+            pinned()  # False where pinning stopped short: served with less, as logged
+        return core
 
     def _hop(self, name: str, calls: list[Call]) -> PendingCalls:
         # One hand-over, each call its own task, made in order (aiokv.portal): the engine
