@@ -6,6 +6,9 @@ naming the directory and the process that holds it instead. A store takes the lo
 it reads or writes anything else there and releases it when it closes; the kernel
 releases it when the process ends however it ends (kill -9 included), so a crash leaves
 nothing to clean by hand. The lock file stays (removing it would race a new opener).
+It records its holder (pid, host and kind: an embedded store or ``aiokv store-server``),
+which the refusal names. The kind goes past the first 512 bytes: an older aiokv reads
+only those, and wants exactly a pid and a host there.
 
 ``flock``, not ``fcntl.lockf``: a POSIX record lock belongs to the process, so two stores
 of one process would both get it; an ``flock`` belongs to the open file description, and
@@ -25,6 +28,11 @@ from ..errors import ConfigError
 from .spawn import forget_in_forks
 
 LOCK_NAME = "lock"
+# The kinds of holder a lock file records: an embedded store (an engine's, or a store
+# process of its own) and ``aiokv store-server``, which holds its SSD directories from its
+# start (the same lock, handed to its SSD tier).
+STORE = "aiokv store"
+SERVER = "aiokv store-server"
 _HOLDER_BYTES = 512  # more than a pid and a host name take
 
 
@@ -44,9 +52,10 @@ class DirLock:
     (idempotent)."""
 
     def __init__(self, path: Path, key: str, shown: str, *, name: str = LOCK_NAME,
-                 holder: str = "aiokv store", hint: str = _ONE_EACH) -> None:
-        """Take the lock, or raise ConfigError naming ``key``, ``shown`` (what the user
-        named), the kind of ``holder`` and its pid, then ``hint``. ``path`` must exist."""
+                 holder: str = STORE, hint: str = _ONE_EACH) -> None:
+        """Take the lock for a ``holder`` (its kind, recorded with its pid), or raise
+        ConfigError naming ``key``, ``shown`` (what the user named), the kind and pid of
+        the process that holds it, then ``hint``. ``path`` must exist."""
         try:
             fd = os.open(path / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -54,17 +63,18 @@ class DirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
-            recorded = _holder(os.pread(fd, _HOLDER_BYTES, 0))
+            kind, recorded = _holder(os.pread(fd, 2 * _HOLDER_BYTES, 0))
             os.close(fd)
             raise ConfigError(
-                key, f"{shown!r} is in use by another {holder} ({recorded}){hint}"
+                key, f"{shown!r} is in use by another {kind} ({recorded}){hint}"
             ) from exc
         except OSError as exc:
             os.close(fd)
             raise ConfigError(key, f"{shown!r} cannot be locked: {exc}") from exc
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            where = f"{os.getpid()} {socket.gethostname()}\n".encode()
+            os.pwrite(fd, where.ljust(_HOLDER_BYTES) + f"{holder}\n".encode(), 0)
         except OSError as exc:
             os.close(fd)
             raise ConfigError(key, f"{shown!r} is not writable: {exc}") from exc
@@ -87,13 +97,14 @@ class DirLock:
                 os.close(fd)
 
 
-def _holder(recorded: bytes) -> str:
-    """The holder as the lock file records it: "pid N on host H", marked when it is this
-    process."""
-    fields = recorded.decode(errors="replace").split()
+def _holder(recorded: bytes) -> tuple[str, str]:
+    """The holder as the lock file records it: its kind, and "pid N on host H", marked
+    when it is this process. A file without a kind (an older aiokv's) names a store."""
+    fields = recorded[:_HOLDER_BYTES].decode(errors="replace").split()
+    kind = recorded[_HOLDER_BYTES:].decode(errors="replace").strip() or STORE
     if len(fields) != 2 or not fields[0].isdigit():
-        return "a process that has not yet written its pid into the lock file"
+        return STORE, "a process that has not yet written its pid into the lock file"
     pid, host = int(fields[0]), fields[1]
     if pid == os.getpid() and host == socket.gethostname():
-        return f"this process, pid {pid} on host {host}"
-    return f"pid {pid} on host {host}"
+        return kind, f"this process, pid {pid} on host {host}"
+    return kind, f"pid {pid} on host {host}"
