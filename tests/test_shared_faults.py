@@ -78,6 +78,34 @@ def test_a_second_server_on_a_busy_ssd_directory_refuses_naming_it(tmp_path: Pat
         first.kill()
 
 
+def test_an_embedded_store_on_the_ssd_directory_of_a_server_without_engines_is_refused(
+        tmp_path: Path) -> None:
+    # The server's SSD tier opens at its first engine; the directory is the server's from
+    # its start all the same, so an embedded store there cannot write under it and keep
+    # the server's engines out.
+    server = ssd_server(tmp_path).start()
+    ssd = tmp_path / "ssd"
+    embedded = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.001, ssd_cache_gb=0.01,
+                                                  ssd_cache_dir=str(ssd)))
+    try:
+        with pytest.raises(aiokv.ConfigError) as caught:
+            embedded.register(caches())
+        assert caught.value.key == "store.ssd_cache_dir"
+        assert (f"{str(ssd)!r} is in use by another aiokv store-server "
+                f"(pid {server.process.pid} on host") in str(caught.value)  # type: ignore[union-attr]
+        store, tables = observer(server.socket)  # the server's engines are served
+        try:
+            offload(store, tables, 1)
+            task, mask = store.get_match(TOKENS, ["user:1"])
+            assert mask.all()
+            assert load_exact(store, tables, 1, task)
+        finally:
+            store.close()
+    finally:
+        embedded.close()
+        server.kill()
+
+
 @pytest.mark.parametrize("mode", [0o755, 0o770], ids=["755", "770"])
 def test_a_socket_directory_open_to_others_is_refused(tmp_path: Path, mode: int) -> None:
     run = tmp_path / "run"

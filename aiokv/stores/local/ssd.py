@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..base import BoolArray, Int64Array, NoSpace
+from ..dirlock import DirLock
 from .blocks import READY, WRITING, Tier
 from .index import Space
 from .pool import ALIGN, BlockAllocator, HostPool
@@ -75,7 +76,9 @@ class SsdTier:
         *,
         reset_on_mismatch: bool,
         notify: Callable[[], None],
+        held: Sequence[DirLock] | None = None,
     ) -> None:
+        """``held``: the directories' locks, kept by the caller (SsdFiles)."""
         from ...errors import ConfigError
 
         self._pool = pool
@@ -92,7 +95,8 @@ class SsdTier:
         geometry = {**geometry, "slot_bytes": self.slot_bytes}
         direct = self.block_bytes % ALIGN == 0
         self.files = SsdFiles(
-            dirs, total, geometry, direct=direct, reset_on_mismatch=reset_on_mismatch
+            dirs, total, geometry, direct=direct, reset_on_mismatch=reset_on_mismatch,
+            held=held,
         )
         if not self.files.direct:
             log.info(

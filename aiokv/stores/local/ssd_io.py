@@ -2,7 +2,8 @@
 
 One preallocated data file per directory (``<dir>/aiokv-ssd/blocks.dat``, mode 0600 in a
 0700 directory, next to its meta file and the lock file that keeps a second store out:
-:mod:`aiokv.stores.dirlock`). Slots are striped across the files one block at a
+:mod:`aiokv.stores.dirlock`, taken by :func:`lock_directory`; ``aiokv store-server`` takes it
+at its start and hands it to its tier). Slots are striped across the files one block at a
 time (slot ``s`` is slot ``s // n`` of file ``s % n``), so a run of slots is one
 contiguous range in each file and several directories (disks) share every large request.
 Each file has one write thread, ``aiokv-ssd-<i>-write``, which runs writes in the order
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
-from ..dirlock import DirLock, require_directory
+from ..dirlock import STORE, DirLock, require_directory
 from .ssd_format import DATA_NAME, HEADER_BYTES, Meta, geometry_difference, read_meta, write_meta
 
 log = logging.getLogger("aiokv")
@@ -60,6 +61,28 @@ def open_data_file(path: Path, direct: bool) -> tuple[int, bool]:
     return os.open(path, flags, 0o600), False
 
 
+def lock_directory(directory: str, holder: str = STORE) -> DirLock:
+    """The lock of the SSD tier in ``directory`` (in ``<directory>/aiokv-ssd``, made if
+    missing), for a ``holder`` of that kind; ConfigError naming store.ssd_cache_dir when
+    it is missing, not writable, or held."""
+    return DirLock(_prepare(directory), "store.ssd_cache_dir", directory, holder=holder)
+
+
+def _prepare(directory: str) -> Path:
+    """``<directory>/aiokv-ssd``, created if missing, mode 0700: the lock file's home
+    (an idempotent change, harmless to a store that may be using it)."""
+    require_directory(directory, "store.ssd_cache_dir")
+    path = Path(directory) / SUBDIR
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
+    except OSError as exc:
+        raise ConfigError(
+            "store.ssd_cache_dir", f"{directory!r} is not writable: {exc}"
+        ) from exc
+    return path
+
+
 class SsdFiles:
     """The data files of every directory, their meta files and their I/O threads."""
 
@@ -71,7 +94,11 @@ class SsdFiles:
         *,
         direct: bool,
         reset_on_mismatch: bool,
+        held: Sequence[DirLock] | None = None,
     ) -> None:
+        """``held``: each directory's lock (:func:`lock_directory`), taken by the caller,
+        who keeps it past :meth:`close` (a store-server holds its directories from its
+        start to its end, whatever its tier does); None: taken here, released at close."""
         self.count = len(dirs)
         self.slot_bytes = int(geometry["slot_bytes"])
         self.slots_per_file = total_slots // self.count
@@ -80,13 +107,15 @@ class SsdFiles:
         self.fds: list[int] = []
         self._locks: list[DirLock] = []
         self.direct = True
+        if held is not None and len(held) != len(dirs):
+            raise ValueError(f"SsdFiles: {len(held)} locks held for {len(dirs)} directories")
         try:
             # Every directory locked before any of them is read or changed (the scan,
             # a reset on mismatch): another store may be using one.
             for directory in dirs:
-                path = self._prepare(directory)
-                self._locks.append(DirLock(path, "store.ssd_cache_dir", directory))
-                self.paths.append(path)
+                if held is None:
+                    self._locks.append(lock_directory(directory))
+                self.paths.append(Path(directory) / SUBDIR)
             for k, path in enumerate(self.paths):
                 self.metas.append(self._check_meta(path, k, geometry, reset_on_mismatch))
             self._check_space()
@@ -125,21 +154,6 @@ class SsdFiles:
             thread.start()
 
     # ---- open ----------------------------------------------------------------------
-
-    @staticmethod
-    def _prepare(directory: str) -> Path:
-        """``<directory>/aiokv-ssd``, created if missing, mode 0700: the lock file's home
-        (an idempotent change, harmless to a store that may be using it)."""
-        require_directory(directory, "store.ssd_cache_dir")
-        path = Path(directory) / SUBDIR
-        try:
-            path.mkdir(mode=0o700, exist_ok=True)
-            os.chmod(path, 0o700)
-        except OSError as exc:
-            raise ConfigError(
-                "store.ssd_cache_dir", f"{directory!r} is not writable: {exc}"
-            ) from exc
-        return path
 
     def _check_meta(
         self, path: Path, k: int, geometry: dict[str, Any], reset: bool

@@ -34,6 +34,7 @@ import torch
 
 from ...config import StoreConfig
 from ..base import Int64Array
+from ..dirlock import DirLock
 from .blocks import NO_BLOCKS, READY, Tier
 from .index import Space
 from .load import Load
@@ -65,7 +66,9 @@ class TierLink(LoadStaging):
         wake: Callable[[], None],
         copy: Copy,
         end: End,
+        held: Sequence[DirLock] | None = None,
     ) -> None:
+        """``held``: the SSD directories' locks, taken and kept by the caller (SsdFiles)."""
         self.host = Tier("host", pool, demote=self._demote)
         self.ssd = SsdTier(
             config.ssd_dirs(),
@@ -74,6 +77,7 @@ class TierLink(LoadStaging):
             _geometry(pool, dtype, page_size),
             reset_on_mismatch=config.ssd_reset_on_mismatch,
             notify=wake,
+            held=held,
         )
         self.ssd.on_recycled = self._copies_gone
         self.write_through = config.ssd_write_policy == "write_through"

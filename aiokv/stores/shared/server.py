@@ -41,7 +41,7 @@ from pathlib import Path
 from ...config import MAX_SOCKET_PATH_BYTES, StoreConfig
 from ...errors import ConfigError
 from ...remote.native import unavailable
-from ..dirlock import DirLock
+from ..dirlock import SERVER, DirLock
 from . import sockets, wire
 from .answers import Answers, ProtocolError
 from .connection import Connection
@@ -57,8 +57,7 @@ log = logging.getLogger("aiokv.server")
 SEND_TIMEOUT_S = 5.0
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _LENGTH = struct.Struct("<I")  # a frame's length word (then its op: wire.HEAD)
-_LOCK_NAME = "aiokv-server.lock"  # in each SSD directory: one server per directory
-_SERVER: dict[str, str] = {"holder": "aiokv store-server", "hint": ""}  # DirLock's words
+_SERVER: dict[str, str] = {"holder": SERVER, "hint": ""}  # the socket's DirLock's words
 _CHUNK = 1 << 16  # read per call: a large buffer per call costs more than calls
 # An absorb reads a connection this many times at most: more than its socket buffers hold
 # (what it had sent before the lookup that absorbs), so a peer that keeps writing cannot
@@ -151,11 +150,8 @@ class StoreServer:
         private_directory(self.path.parent)
         self._locks.append(DirLock(self.path.parent, "--socket", str(self.path),
                                    name=self.path.name + ".lock", **_SERVER))
-        for directory in self.config.ssd_dirs():
-            if not os.path.isdir(directory):  # refused now, not at every engine's register
-                raise ConfigError("store.ssd_cache_dir", f"{directory!r} does not exist")
-            self._locks.append(DirLock(Path(directory), "store.ssd_cache_dir",
-                                       directory, name=_LOCK_NAME, **_SERVER))
+        # Refused now, not at every engine's register; held from now on (Service.lock_ssd).
+        self.service.lock_ssd()
         self.service.allocate()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # a dead server's: the lock says none is alive

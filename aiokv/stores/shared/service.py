@@ -43,7 +43,9 @@ from ...remote.config import RemoteConfig
 from ...remote.link import RemoteLink
 from ...remote.reads import Published
 from ..base import BoolArray, Int64Array, NoSpace, capacity_tokens
+from ..dirlock import SERVER, DirLock
 from ..local.blocks import NO_BLOCKS, READY, Tier
+from ..local.ssd_io import lock_directory
 from ..local.ssd_voids import VoidsDone
 from ..local.tiering import TierLink
 from .deferred import DeferredGets, keep_loaded, launch_staged
@@ -76,6 +78,17 @@ class Service:
         self._hits = {"host_hit_tokens": 0, "ssd_hit_tokens": 0, "server_gets_invalidated": 0}
         self._deferred = DeferredGets(self, None, None)  # with the tiers, once registered
         self._memory: int | None = None  # the region's memfd until the first engine
+        self._ssd_locks: list[DirLock] = []  # from lock_ssd to close
+
+    def lock_ssd(self) -> None:
+        """Lock the SSD directories now (ConfigError naming store.ssd_cache_dir when one
+        is missing or held), with the embedded store's own lock: its SSD tier opens at
+        the first engine, and until then an engine of the embedded store on one of them
+        would take it and write there, refusing every engine of this server. The tier is
+        handed these locks; :meth:`close` releases them after it."""
+        if self.config.ssd_cache_gb > 0:
+            for directory in self.config.ssd_dirs():
+                self._ssd_locks.append(lock_directory(directory, SERVER))
 
     def allocate(self) -> None:
         """The host tier's memory, allocated whole (ConfigError when the host cannot)."""
@@ -107,7 +120,7 @@ class Service:
             if self.config.ssd_cache_gb > 0:
                 link = TierLink(self.config, cast(Any, pool), geometry.torch_dtype,
                                 geometry.page_size, self._ssd_done, self._no_copy,
-                                self._link_ends)
+                                self._link_ends, held=self._ssd_locks or None)
             host = link.host if link is not None else Tier("host", pool)
             if self.config.remote is not None:  # last: nothing after it can fail
                 remote = RemoteLink(RemoteConfig.from_mapping(self.config.remote), host, pool,
@@ -437,6 +450,9 @@ class Service:
         if self._memory is not None:
             os.close(self._memory)
             self._memory = None
+        for lock in self._ssd_locks:  # last: nothing of the tier touches the files now
+            lock.release()
+        self._ssd_locks.clear()
 
     # ---- internals -----------------------------------------------------------------
 
