@@ -128,6 +128,35 @@ def test_a_client_killed_while_holding_blocks_releases_them(host: Host) -> None:
         figures.close()
 
 
+def test_a_store_closed_by_a_process_that_lives_on_gives_back_what_it_matched(
+        host: Host) -> None:
+    # Matched and never launched: no copy can touch those blocks, so a clean close gives
+    # them back rather than leave them held until this process exits.
+    server, (first, _, _) = host
+    assert first("offload", user=11, pages=4) == {"stored": 16, "cached": 16}
+    figures, _ = observer(server.socket)
+    try:
+        idle = figures.store_stats()
+        store, _ = observer(server.socket)
+        _, put_mask = store.put_match(np.arange(16 * PAGE_SIZE, dtype=np.int64), ["closed"])
+        _, get_mask = store.get_match(np.arange(4 * PAGE_SIZE, dtype=np.int64), ["uid:11"])
+        assert (int(put_mask.sum()), int(get_mask.sum())) == (64, 16)
+        busy = figures.store_stats()
+        assert busy["host_blocks_used"] == idle["host_blocks_used"] + 16
+        assert busy["server_blocks_held"] == 20
+        store.close()
+        wait_for(lambda: figures.store_stats()["server_clients"] == idle["server_clients"],
+                 "the server has seen the close")
+        after = figures.store_stats()
+        names = ("host_blocks_used", "server_tasks_open", "server_blocks_held",
+                 "server_blocks_quarantined")
+        assert {k: after[k] for k in names} == {k: idle[k] for k in names}
+        assert after["server_blocks_quarantined"] == 0
+        assert first("load", user=11, pages=4) == {"cached": 16, "loaded": 16, "exact": True}
+    finally:
+        figures.close()
+
+
 def test_caches_of_another_geometry_are_refused_naming_what_differs(host: Host) -> None:
     server, _ = host
     store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(server.socket)))

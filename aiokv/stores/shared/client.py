@@ -439,8 +439,9 @@ class SharedStore:
         return link.plane.pinning.wait_for(link.region.num_blocks, timeout)
 
     def close(self) -> None:
-        """Finish the queued copies, report them, and disconnect (the server rolls back
-        whatever is left matched)."""
+        """Finish the queued copies, report them, give back the tasks matched and not
+        launched, and disconnect. What the server still holds for this connection then
+        (a task whose end could not be sent) it keeps while this process lives."""
         conn = self._conn
         link = None
         if conn is not None:
@@ -450,6 +451,11 @@ class SharedStore:
             link.plane.close()  # its copies reported below, while the link is up
             with contextlib.suppress(StoreError):
                 self.try_wait([])
+            # Given back here, not left to the disconnect: the server cannot tell a task
+            # no copy touches from one whose copy may still land, and keeps every task a
+            # live process leaves open (quarantine.py) until that process exits. No copy
+            # touches these: launch takes a task out of them before queueing its copy.
+            self.cancel(list(self._tasks))
         self._closed = True
         if conn is not None:
             conn.close()

@@ -126,7 +126,8 @@ class Reconnecting:
                 raise self._failed(exc) from exc
 
     def close(self) -> None:
-        """Disconnect for good (the server rolls back whatever is left matched)."""
+        """Disconnect for good (the server rolls back what is left open, and keeps its
+        blocks while this process lives: SharedStore.close gives back what it can first)."""
         with self.lock:
             self._closed = True
             link, self.link = self.link, None
