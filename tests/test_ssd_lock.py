@@ -245,3 +245,24 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
     finally:
         os.close(write_end)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_lock_file_whose_pid_is_not_ascii_digits_still_refuses_with_a_config_error(
+    tmp_path: Path,
+) -> None:
+    # A damaged (or foreign) lock file, held: "²" passes str.isdigit, and int() refuses it.
+    import fcntl
+
+    (tmp_path / "aiokv-ssd").mkdir()
+    held = os.open(tmp_path / "aiokv-ssd" / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(held, "² somehost".encode().ljust(512) + b"\n")
+        engine = engine_on(tmp_path, make_caches())
+        with pytest.raises(aiokv.ConfigError) as caught:
+            await engine.start()
+    finally:
+        os.close(held)
+    assert caught.value.key == "store.ssd_cache_dir"
+    assert "has not yet written its pid" in str(caught.value)

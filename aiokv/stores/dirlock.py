@@ -102,7 +102,7 @@ def _holder(recorded: bytes) -> tuple[str, str]:
     when it is this process. A file without a kind (an older aiokv's) names a store."""
     fields = recorded[:_HOLDER_BYTES].decode(errors="replace").split()
     kind = recorded[_HOLDER_BYTES:].decode(errors="replace").strip() or STORE
-    if len(fields) != 2 or not fields[0].isdigit():
+    if len(fields) != 2 or not (fields[0].isascii() and fields[0].isdigit()):
         return STORE, "a process that has not yet written its pid into the lock file"
     pid, host = int(fields[0]), fields[1]
     if pid == os.getpid() and host == socket.gethostname():
