@@ -148,14 +148,28 @@ def read_meta(directory: Path) -> Meta | None:
 
 def write_meta(directory: Path, meta: Meta) -> None:
     """Replace the meta file atomically (and durably: fsync of file and directory)."""
-    tmp = directory / (META_NAME + ".tmp")
+    replace_durably(directory, META_NAME, meta.to_json().encode())
+
+
+def replace_durably(directory: Path, name: str, data: bytes) -> None:
+    """Replace ``directory / name`` with ``data`` atomically: a temporary file, fsync,
+    rename, then fsync of the directory, so that a crash leaves the old file or the new
+    one, whole."""
+    tmp = directory / (name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, meta.to_json().encode())
+        view = memoryview(data)
+        while view:  # a regular file takes it whole, except past 2 GiB a call
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, directory / META_NAME)
+    os.replace(tmp, directory / name)
+    sync_directory(directory)
+
+
+def sync_directory(directory: Path) -> None:
+    """fsync a directory: a rename or an unlink in it is durable once this returns."""
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         with contextlib.suppress(OSError):  # some filesystems refuse a directory fsync
