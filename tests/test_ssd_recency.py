@@ -2,11 +2,17 @@
 before it leaves the host (at eviction, or write_back's close), and a host block evicted
 with nowhere to go on SSD is counted. (Both were lost silently: the host block kept its
 "the SSD has it" mark after that slot was given away, and the SSD's LRU sees writes and
-reads, not the host's hits, so a key kept hot on the host loses its SSD copy first.)"""
+reads, not the host's hits, so a key kept hot on the host loses its SSD copy first.)
+
+A clean restart keeps the SSD's LRU order: a restart ranked blocks by when they were
+written, so the key read from SSD just before it was the first to go after it. After a
+crash, or with the saved order damaged or out of date, blocks rank by when they were
+written, and every block is still served whole."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,6 +32,8 @@ from test_ssd import (
 )
 
 import aiokv
+from aiokv.stores import dirlock
+from aiokv.stores.local import ssd_io, ssd_recency
 
 SLOTS = 32  # four users on SSD, two on the host
 
@@ -158,3 +166,124 @@ async def test_a_clean_block_whose_copy_goes_in_the_same_eviction_is_copied_agai
         await asyncio.sleep(0.3)
         assert await use(b) == unit * PAGE
         assert same(caches, original, target, pages(b))
+
+
+async def users_0_to_3_then_user_0_read_from_ssd(engine: aiokv.OffloadEngine,
+                                                  store: aiokv.LocalStore) -> None:
+    """Users 0-3 on SSD in that order; then user 0, which the host evicted, read back
+    from SSD: the SSD's LRU is 1, 2, 3, 0 (least recently used first)."""
+    for user in range(4):
+        await offload_landed(engine, store, user)
+    assert await load_back(engine, 0, TARGET) == USER_PAGES * PAGE
+    assert store.store_stats()["ssd_hit_tokens"] == USER_PAGES * PAGE
+
+
+async def restarted(config: aiokv.StoreConfig, caches: list[torch.Tensor],
+                    users: tuple[int, ...]) -> None:
+    """A store on ``config`` offloads ``users``, each landing on SSD, and closes."""
+    store = aiokv.LocalStore(config)
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        for user in users:
+            await offload_landed(engine, store, user)
+
+
+async def kept(config: aiokv.StoreConfig, original: list[torch.Tensor]) -> list[int]:
+    """What a fresh store finds of users 0-5: pages per user, each found user's pages
+    loaded and checked against what was offloaded."""
+    caches = [torch.zeros_like(c) for c in original]
+    found = []
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches,
+                                   aiokv.EngineConfig()) as engine:
+        for user in range(6):
+            pages = await load_back(engine, user, TARGET) // PAGE
+            assert same(caches, original, TARGET[:pages], source_pages(user)[:pages])
+            found.append(pages)
+    return found
+
+
+def saved_order(root: Path) -> Path:
+    return root / ssd_io.SUBDIR / ssd_recency.RECENCY_NAME
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("restart", [False, True], ids=["running", "clean-restart"])
+async def test_a_clean_restart_does_not_change_which_key_the_ssd_evicts(
+    tmp_path: Path, restart: bool,
+) -> None:
+    config = ssd_config(tmp_path, slots=SLOTS)  # write_through
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    store = aiokv.LocalStore(config)
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        await users_0_to_3_then_user_0_read_from_ssd(engine, store)
+        if not restart:
+            await offload_landed(engine, store, 4)  # the SSD evicts its LRU user: 1
+    if restart:
+        await restarted(config, caches, (4,))
+    assert await kept(config, original) == [8, 0, 8, 8, 8, 0]
+
+
+@pytest.mark.asyncio
+async def test_after_a_crash_ssd_blocks_rank_by_when_they_were_written(tmp_path: Path) -> None:
+    # The order the last clean close saved is used by the next open alone: after a crash
+    # it would rank user 1, read since that open, as the least recently used.
+    (tmp_path / "live").mkdir()
+    config = ssd_config(tmp_path / "live", slots=SLOTS)
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    store = aiokv.LocalStore(config)
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        await users_0_to_3_then_user_0_read_from_ssd(engine, store)
+    assert saved_order(tmp_path / "live").exists()
+    killed = tmp_path / "killed"
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches,
+                                   aiokv.EngineConfig()) as engine:
+        assert await load_back(engine, 1, TARGET) == USER_PAGES * PAGE  # from SSD
+        # The files as a kill -9 now would leave them (no lock).
+        shutil.copytree(tmp_path / "live", killed,
+                        ignore=shutil.ignore_patterns(dirlock.LOCK_NAME))
+    crashed = ssd_config(killed, slots=SLOTS)
+    await restarted(crashed, caches, (4,))  # generation order: user 0, written first, goes
+    assert await kept(crashed, original) == [0, 8, 8, 8, 8, 0]
+
+
+@pytest.mark.asyncio
+async def test_an_order_saved_before_later_writes_is_not_applied(tmp_path: Path) -> None:
+    config = ssd_config(tmp_path, slots=SLOTS)
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    store = aiokv.LocalStore(config)
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        await users_0_to_3_then_user_0_read_from_ssd(engine, store)
+    stale = saved_order(tmp_path).read_bytes()
+    await restarted(config, caches, (4,))  # user 1 goes; user 4 takes its slots
+    saved_order(tmp_path).write_bytes(stale)  # names user 1's slots as the oldest
+    await restarted(config, caches, (5,))  # generation order: user 0 goes
+    assert await kept(config, original) == [0, 0, 8, 8, 8, 8]
+
+
+def damage(path: Path, how: str) -> None:
+    raw = path.read_bytes()
+    if how == "flipped":
+        path.write_bytes(raw[:40] + bytes([raw[40] ^ 1]) + raw[41:])  # in the first pair
+    elif how == "truncated":
+        path.write_bytes(raw[: len(raw) // 2])
+    elif how == "foreign":
+        path.write_text('{"lru": [[0, 1]]}\n')
+    else:  # a directory in its place: it can be neither read nor replaced
+        path.unlink()
+        (path / "x").mkdir(parents=True)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["flipped", "truncated", "foreign", "directory"])
+async def test_a_damaged_saved_order_is_ignored(tmp_path: Path, how: str) -> None:
+    config = ssd_config(tmp_path, slots=SLOTS)
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    store = aiokv.LocalStore(config)
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        await users_0_to_3_then_user_0_read_from_ssd(engine, store)
+    damage(saved_order(tmp_path), how)
+    await restarted(config, caches, (4,))  # generation order: user 0 goes
+    assert await kept(config, original) == [0, 8, 8, 8, 8, 0]

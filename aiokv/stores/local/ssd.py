@@ -25,6 +25,7 @@ import numpy as np
 
 from ..base import BoolArray, Int64Array, NoSpace
 from ..dirlock import DirLock
+from . import ssd_recency
 from .blocks import READY, WRITING, Tier
 from .index import Space
 from .pool import ALIGN, BlockAllocator, HostPool
@@ -56,6 +57,7 @@ class SsdRequest:
     # A read's verified slots stay held once it is in (a prefetch's: loads.py); its owner
     # may clear this until then.
     keep: bool = False
+    generation: int = 0  # of its first block's header (a write), one more per block
     ok: BoolArray = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
     error: str | None = None
     ops: int = 0
@@ -121,6 +123,9 @@ class SsdTier:
         self._done: deque[SsdRequest] = deque()
         self._notify = notify
         self._generation = 1
+        # Each READY slot's header generation: the LRU order a close saves names them
+        # (ssd_recency), so that the next open can tell the order still fits the disk.
+        self._generations = np.zeros(total, dtype=np.int64)
         self._failures_logged = False
         self.stats = {"bytes_ssd_written": 0, "bytes_ssd_read": 0, "checksum_failures": 0,
                       "ssd_write_errors": 0, "ssd_full_drops": 0}
@@ -133,8 +138,10 @@ class SsdTier:
     # ---- open ----------------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Rebuild the index from the headers: the newest header of each key wins."""
+        """Rebuild the index from the headers (the newest header of each key wins), in
+        the LRU order the last clean close saved where it still fits (ssd_recency)."""
         files = self.files
+        saved = ssd_recency.take(files.paths[0])  # gone before anything is written
         best: dict[tuple[tuple[str, ...], bytes], tuple[int, int]] = {}
         for k in range(files.count):
             epoch = files.metas[k].epoch
@@ -162,8 +169,11 @@ class SsdTier:
             tier.index.insert(namespace, [d for _, d in entries], slots)
             tier.alloc.take(slots)
             tier.state[slots] = READY
-        newest_first = sorted(best.values(), reverse=True)
-        tier.index.make_evictable(np.array([s for _, s in newest_first], dtype=np.int64))
+        generations = np.array([g for g, _ in best.values()], dtype=np.int64)
+        slots = np.array([s for _, s in best.values()], dtype=np.int64)
+        self._generations[slots] = generations
+        tier.index.make_evictable(ssd_recency.newest_first(
+            saved, [m.epoch for m in files.metas], slots, generations, tier.num_blocks))
         log.info("aiokv: SSD tier recovered %d blocks from %s", len(best), files.paths)
 
     # ---- lookups -------------------------------------------------------------------
@@ -252,7 +262,7 @@ class SsdTier:
         ]
         groups = [g for g in groups if len(g)]
         request.ops = len(groups)
-        generation = self._generation
+        generation = request.generation = self._generation
         self._generation += n
         for positions in groups:
             k = int(request.slots[positions[0]] % count)
@@ -344,6 +354,7 @@ class SsdTier:
                 if request.error is None:
                     self.voids.applied(slots.tolist())
                     tier.state[slots] = READY
+                    self._generations[slots] = request.generation + np.arange(len(slots))
                     tier.index.make_evictable(slots)
                     stats["bytes_ssd_written"] += len(slots) * self.block_bytes
                 else:
@@ -415,6 +426,23 @@ class SsdTier:
         self.files.stop()
 
     def close(self) -> None:
-        self.files.close()
-        self.voids.close()
+        """Stop (if not yet), save the LRU order for the next open, close the files."""
+        try:
+            self.files.stop()
+            self._save_order()
+        finally:
+            self.files.close()
+            self.voids.close()
+
+    def _save_order(self) -> None:
+        """The evictable slots, least recently used first (ssd_recency): slots held now
+        are left out; the next open ranks them above these."""
+        index = self.tier.index
+        slots = index.oldest(index.evictable)
+        try:
+            ssd_recency.save(self.files.paths[0], [m.epoch for m in self.files.metas],
+                             slots, self._generations[slots])
+        except OSError as exc:  # the next open ranks by generation: slower, not wrong
+            log.warning("aiokv: cannot save the SSD tier's LRU order in %s (%r)",
+                        self.files.paths[0], exc)
 

@@ -14,6 +14,9 @@ a kill -9 at any point leaves only slots that are either intact or fail a checks
 - a slot reused for another block is named by its newest header; when two slots name
   one block, the higher generation wins.
 
+The LRU order a clean close saves beside the meta file (:mod:`.ssd_recency`) only ranks
+what the headers name, and only where it matches them exactly: it is no index.
+
 ``clear`` bumps the epoch in the meta file (written atomically: a temporary file, fsync,
 rename), which voids every older header at once; ``evict`` zeroes the headers of the
 slots it frees. The meta file also records the geometry (layers, the block's shape,
