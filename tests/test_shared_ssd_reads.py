@@ -97,6 +97,35 @@ def test_an_engine_gone_while_its_ssd_reads_wait_leaves_nothing_held(
         figures.close()
 
 
+def test_a_lookup_of_a_key_still_read_for_a_gone_engine_waits_for_those_reads(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gone engine's SSD reads go on (they cannot be recalled): a lookup of the same
+    key meanwhile waits for them and hits, as it would behind a live engine's reads,
+    instead of missing blocks still being filled (it answered 0 pages)."""
+    gate = on_ssd_only(host, 15, monkeypatch)
+    reader, _ = host.engine()
+    twin, twin_tables = host.engine()
+    figures, _ = host.engine()
+    try:
+        lookup = lookup_reading(reader, 15, figures)
+        assert reader._link is not None
+        reader._link.sock.shutdown(socket.SHUT_RDWR)  # the engine goes, its lookup unanswered
+        with pytest.raises(aiokv.StoreError):
+            lookup.outcome()
+        wait_for(lambda: figures.store_stats()["server_clients"] == 2, "the drop")
+        same_key = Call(lambda: twin.get_match(TOKENS, ["user:15"]))
+        same_key.join(0.5)  # time for the server to take it; it must not answer yet
+        assert same_key.is_alive()
+        gate.set()
+        task, mask = same_key.outcome()
+        assert mask.sum() == PAGES * PAGE_SIZE
+        assert load_exact(twin, twin_tables, 15, task)
+    finally:
+        gate.set()
+        for store in (reader, twin, figures):
+            store.close()
+
+
 def test_a_failure_while_answering_a_reading_lookup_leaves_its_key_readable(
         host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server fails (a bug) as it checks a waiting lookup's reads: that engine is

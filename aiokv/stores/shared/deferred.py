@@ -52,14 +52,19 @@ class DeferredGets:
         self._link = link
         self._remote = remote
         self._staging: dict[tuple[str, ...], int] = {}  # pending gets' keys -> how many
+        # Gets whose connection went while their SSD reads ran: the reads go on (they
+        # cannot be recalled) and their keys stay being read until they are in.
+        self._abandoned: list[PendingGet] = []
 
     @property
     def staging(self) -> int:
-        """The pending gets whose SSD reads run."""
+        """The pending gets whose SSD reads run (those of gone connections too)."""
+        self._reap()
         return sum(self._staging.values())
 
     def reading(self, namespace: tuple[str, ...]) -> bool:
         """Pages of this key are being read into host blocks, from SSD or Mooncake."""
+        self._reap()
         return namespace in self._staging or (
             self._remote is not None and self._remote.reads.reading(namespace))
 
@@ -113,10 +118,13 @@ class DeferredGets:
             # as the connection sent it, ended gets among the rest).
             if isinstance(entry, PendingGet) and not entry.ended:
                 entry.ended = True
-                self._staged_out(entry.namespace)
                 entry.task.matching = False  # the link's end of it is its end
                 assert self._link is not None  # a load came from it
                 self._link.cancel_load(entry.load)
+                # Its key stays being read until the reads are in: a get of it meanwhile
+                # waits for them (a Retry) rather than missing blocks still being filled.
+                self._abandoned.append(entry)
+        self._reap()
 
     def _finish(self, client: Client, pending: PendingGet) -> Answer:
         pending.ended = True
@@ -134,6 +142,20 @@ class DeferredGets:
             link.cancel_load(load)
             keep_loaded(link, load, pending.task, pending.hit)
         return self._matcher.answer_staged(client, pending)
+
+    def _reap(self) -> None:
+        """Abandoned gets whose reads are in (or that waited too long, as a pending get
+        gives up): their keys are no longer being read."""
+        if not self._abandoned:
+            return
+        now = time.monotonic()
+        still = []
+        for pending in self._abandoned:
+            if pending.load.finished or now >= pending.give_up_at:
+                self._staged_out(pending.namespace)
+            else:
+                still.append(pending)
+        self._abandoned = still
 
     def _staged_out(self, namespace: tuple[str, ...]) -> None:
         self._staging[namespace] -= 1
