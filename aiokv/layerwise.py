@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import copy
 import logging
+import os
 import threading
 from collections.abc import Callable, Coroutine, Hashable, Iterable
 from types import TracebackType
@@ -37,6 +38,7 @@ from .copy.marks import LayerFailed, LayerMarks, Waiter
 from .errors import BlockingCallOnLoop, InvalidRequest, NotLoaded, StoreError
 from .loop.binding import check_loop
 from .loop.resolution import settle
+from .portal import forked, refuse_in_fork
 from .requests import LoadResult, Lookup, Request
 
 log = logging.getLogger("aiokv")
@@ -330,11 +332,14 @@ class BackgroundLayerwiseLoad:
     """A :class:`LayerwiseLoad` handed to a thread by ``run_in_background``'s handle:
     ``wait_layer`` runs in the calling thread (its current CUDA stream waits), the
     rest on the engine's loop. The blocking ones raise BlockingCallOnLoop on that loop's
-    own thread; threads see a cancelled load as ``concurrent.futures.CancelledError``."""
+    own thread; threads see a cancelled load as ``concurrent.futures.CancelledError``.
+    In a forked child, a wait for a load that had not ended raises EngineClosed: nothing
+    there ends it."""
 
     def __init__(self, load: LayerwiseLoad, loop: asyncio.AbstractEventLoop) -> None:
         self.load = load
         self._loop = loop
+        self._pid = os.getpid()  # the process whose loop and store end the load
 
     @property
     def user_id(self) -> Hashable:
@@ -353,6 +358,8 @@ class BackgroundLayerwiseLoad:
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         """:meth:`LayerwiseLoad.wait_layer`, in this thread."""
+        if not self.load._ended:
+            refuse_in_fork(self._pid, "layerwise load")
         self.load.wait_layer(layer, stream)
 
     def is_ready(self, layer: int) -> bool:
@@ -368,6 +375,7 @@ class BackgroundLayerwiseLoad:
             load._check(layer)
             load._raise_if_failed(threads=True)
             return
+        refuse_in_fork(self._pid, "layerwise load")
         self._refuse_on_loop("layer_ready")
         waited = asyncio.run_coroutine_threadsafe(load.layer_ready(layer), self._loop)
         try:
@@ -384,6 +392,7 @@ class BackgroundLayerwiseLoad:
             if end.cancelled():
                 raise concurrent.futures.CancelledError()
             return end.result()
+        refuse_in_fork(self._pid, "layerwise load")
         self._refuse_on_loop("result")
         waited = asyncio.run_coroutine_threadsafe(self.load.result(), self._loop)
         try:
@@ -393,7 +402,10 @@ class BackgroundLayerwiseLoad:
             raise
 
     def cancel(self) -> None:
-        """:meth:`LayerwiseLoad.cancel`, on the engine's loop; does not wait."""
+        """:meth:`LayerwiseLoad.cancel`, on the engine's loop; does not wait (a no-op in
+        a forked child: the load is the parent's)."""
+        if forked(self._pid):
+            return
         with contextlib.suppress(RuntimeError):  # the loop is closed: the load ended
             self._loop.call_soon_threadsafe(self.load.cancel)
 

@@ -19,6 +19,10 @@ iteration (a Lookup released that way failed the load submitted just before it),
 call behind a coroutine that awaits before calling the engine is overtaken by the calls
 handed over after it (the recsys core's batches, gathered that way, were accepted after
 an ``evict_all`` made after them).
+
+A fork copies the loop but not its thread: in a forked child nothing would ever take a
+call, and the loop's self-pipe is the parent's. So nothing is handed over there
+(:func:`refuse_in_fork`).
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from .errors import EngineClosed
 from .loop.resolution import finish_thread_future
 
 Call = Callable[[], Coroutine[Any, Any, Any]]
@@ -45,13 +51,16 @@ class Portal:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._lock = threading.Lock()
         self._closed = False  # close(): nothing more is handed over
+        self.pid = os.getpid()  # the process whose loop thread takes the calls
 
     def start(self, calls: Sequence[Call]) -> list[concurrent.futures.Future[Any]]:
         """Start ``calls`` on the loop, after every call handed over before, in one loop
         iteration; does not wait. Returns one future per call: its result, its error, or
         cancelled. A future cancelled before the loop took its call: the call never
-        runs; later: its task is cancelled. Raises RuntimeError where the loop is closed
-        (nothing is started then)."""
+        runs; later: its task is cancelled. Raises RuntimeError where the loop is closed,
+        or in a forked child of the portal's process (nothing is started then)."""
+        if forked(self.pid):  # before the lock: a thread gone with the fork may hold it
+            raise RuntimeError(f"the portal belongs to process {self.pid}")
         futures: list[concurrent.futures.Future[Any]] = [
             concurrent.futures.Future() for _ in calls
         ]
@@ -86,6 +95,22 @@ class Portal:
             future.add_done_callback(functools.partial(_cancel_task, loop, task))
 
 
+def forked(owner_pid: int) -> bool:
+    """Whether this process is not ``owner_pid``: a forked child of it."""
+    return os.getpid() != owner_pid
+
+
+def refuse_in_fork(owner_pid: int, what: str) -> None:
+    """EngineClosed in a forked child of ``owner_pid``, whose handle ``what`` (made
+    there) has no loop thread here: a call handed over would wait forever."""
+    if forked(owner_pid):
+        raise EngineClosed(
+            f"this {what} belongs to process {owner_pid}, and this is its forked child "
+            f"{os.getpid()}, where the engine's loop thread does not exist; a forked child "
+            "must open an engine of its own"
+        )
+
+
 def outcome(done: concurrent.futures.Future[Any] | asyncio.Future[Any]) -> object:
     """A finished future's result, its exception, or a CancelledError if it was
     cancelled, as a value."""
@@ -117,4 +142,4 @@ def _cancel_task(
             loop.call_soon_threadsafe(task.cancel)
 
 
-__all__ = ["Call", "Portal", "outcome"]
+__all__ = ["Call", "Portal", "forked", "outcome", "refuse_in_fork"]

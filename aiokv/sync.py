@@ -38,7 +38,7 @@ from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
 from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
 from .loop.resolution import finish_thread_future, settle_thread_future
-from .portal import Call, Portal, outcome
+from .portal import Call, Portal, forked, outcome, refuse_in_fork
 from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
 
@@ -89,8 +89,10 @@ class BackgroundLookup:
     def release(self) -> None:
         """Give the reservation back; does not wait. Idempotent; a no-op once loaded
         (a load submitted before the release, from any thread, consumes the hit first),
-        and once the engine's loop has stopped (closing the engine released it)."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed, and so is the engine
+        once the engine's loop has stopped (closing the engine released it), and in a
+        forked child (the reservation is the parent's)."""
+        # The loop is closed, and so is the engine; or this is a forked child.
+        with contextlib.suppress(RuntimeError):
             self._portal.start([self._release])
 
     async def _release(self) -> None:
@@ -116,7 +118,11 @@ class BackgroundEngine:
     Blocking methods raise what the engine's async methods raise (InvalidRequest,
     Overloaded, EngineClosed, StoreError, RequestTimeout), and BlockingCallOnLoop when
     called from the loop's own thread (code there should await the engine directly).
-    After ``close`` every call raises EngineClosed.
+    After ``close`` every call raises EngineClosed. The handle belongs to the process
+    that made it: in a forked child (a server forking workers after a preload) its loop
+    thread does not exist, so every call raises EngineClosed at once and ``close``
+    returns at once, leaving the parent's engine alone; the child opens an engine of its
+    own.
     """
 
     def __init__(
@@ -204,9 +210,12 @@ class BackgroundEngine:
         """Close the engine (``aclose(drain, timeout)``), stop the loop and join its
         thread. Idempotent; concurrent calls wait for the same close, which goes on to its
         end where its waiter is interrupted (KeyboardInterrupt). Raises
-        InvalidRequest for bad arguments, as ``aclose`` does, with the engine still open."""
-        self._refuse_on_loop("close")
+        InvalidRequest for bad arguments, as ``aclose`` does, with the engine still open.
+        In a forked child it returns at once: the engine is the parent's to close."""
         drain, timeout = validate.close_args(drain, timeout)
+        if forked(self.portal.pid):
+            return
+        self._refuse_on_loop("close")
         with self._lock:
             closing = self._closing
             started = closing is None
@@ -240,6 +249,11 @@ class BackgroundEngine:
 
     # ---- the bridge --------------------------------------------------------------------
 
+    def _refuse_in_fork(self) -> None:
+        # A fork copies no thread: nothing in the child would ever run a call handed to
+        # the loop, and the handle's lock may be held by a thread that is gone.
+        refuse_in_fork(self.portal.pid, "background engine")
+
     def _refuse_on_loop(self, name: str) -> None:
         if threading.current_thread() is self._thread:
             raise BlockingCallOnLoop(
@@ -256,6 +270,7 @@ class BackgroundEngine:
         """``calls`` onto the loop in one hand-over (:meth:`Portal.start`: accepted in
         this order, after every call submitted before, in one loop iteration); EngineClosed
         once the close began."""
+        self._refuse_in_fork()  # before the lock, which a thread gone with the fork may hold
         # Under the lock, so that nothing is scheduled once close has been: it would run
         # after the engine closed (and fail there with EngineClosed) or not at all.
         with self._lock:
@@ -284,6 +299,7 @@ class BackgroundEngine:
     ) -> concurrent.futures.Future[OffloadResult]:
         """``engine.offload(...)`` on the engine's loop; does not wait. On a GPU the copy
         starts after what this thread's current CUDA stream has queued by now."""
+        self._refuse_in_fork()  # before the CUDA event, which a forked child cannot make
         ready = self.engine._caller_event()  # here: CUDA's current stream is per thread
         ids = _taken(page_ids)
         return self._submit(
@@ -318,6 +334,7 @@ class BackgroundEngine:
         """``engine.load(...)`` on the engine's loop; does not wait. When the future's
         result is set, the data is in the caches. On a GPU the copy starts after what
         this thread's current CUDA stream has queued by now."""
+        self._refuse_in_fork()
         lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
         ready = self.engine._caller_event()
         ids = _taken(page_ids)
@@ -330,6 +347,7 @@ class BackgroundEngine:
         result, set once the load is launched, waits for layers from any thread
         (``wait_layer`` orders the calling thread's current CUDA stream). The copy starts
         as for :meth:`submit_load`."""
+        self._refuse_in_fork()
         lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
         ready = self.engine._caller_event()
         ids = _taken(page_ids)
@@ -432,6 +450,7 @@ class BackgroundEngine:
         async def stats() -> EngineStats:
             return self.engine.stats()
 
+        self._refuse_in_fork()  # the figures live in the parent
         self._refuse_on_loop("stats")
         try:
             return self._submit(stats).result()

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
+import select
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,7 +19,7 @@ import uvloop
 from conftest import PAGE_SIZE, held, hold_the_loop, make_caches, small_store
 
 import aiokv
-from aiokv.testing import CheckingStore, FakeStore, StoreWrapper
+from aiokv.testing import CheckingStore, FakeStore, FaultyStore, StoreWrapper
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,
@@ -395,4 +399,73 @@ def test_a_loop_factory_that_makes_no_loop_is_refused() -> None:
     with pytest.raises(aiokv.InvalidRequest) as caught:
         aiokv.run_in_background(engine, loop_factory=5)  # type: ignore[arg-type]
     assert caught.value.field == "loop_factory" and "int" in str(caught.value)
+    assert loop_threads() == []
+
+
+def test_a_forked_child_gets_engine_closed_at_once_and_the_parent_goes_on() -> None:
+    # A server that forks its workers after a preload (gunicorn --preload): the child
+    # inherits the handle but not its loop thread. Its calls used to wait forever on
+    # futures nothing would resolve, close(timeout=3) included.
+    caches = make_caches()
+    faulty = FaultyStore(small_store())
+    with background(caches, faulty, window_us=0) as kv:
+        kv.offload(7, torch.arange(0, 4), 4 * PAGE_SIZE)
+        held = kv.lookup(7, 4 * PAGE_SIZE)  # held across the fork
+        faulty.hold.clear()  # the layerwise load's end is held back: in flight at the fork
+        layerwise = kv.load_layerwise(kv.lookup(7, 4 * PAGE_SIZE), torch.arange(20, 24))
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("offload", lambda: kv.offload(8, torch.arange(4, 8), 4 * PAGE_SIZE)),
+            ("submit_lookup", lambda: kv.submit_lookup(7, 4 * PAGE_SIZE).result()),
+            ("load", lambda: kv.load(held, torch.arange(40, 44))),
+            ("layerwise_result", lambda: layerwise.result()),
+            ("stats", lambda: kv.stats()),
+            ("release", lambda: held.release()),
+            ("close", lambda: kv.close(timeout=3)),
+        ]
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: each call's outcome, one line each, then out
+            try:
+                os.close(read_end)
+                for name, call in calls:
+                    try:
+                        said = f"returned {call()!r}"
+                    except BaseException as exc:
+                        said = f"{type(exc).__name__}: {exc}"
+                    os.write(write_end, f"{name}: {said}\n".encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        lines = b""
+        try:
+            # A bound on a hang, not a timing: the child answers at once or never.
+            while select.select([read_end], [], [], 60)[0]:
+                chunk = os.read(read_end, 65536)
+                if not chunk:
+                    break
+                lines += chunk
+        finally:
+            os.close(read_end)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # a child that hung; gone already otherwise
+            os.waitpid(pid, 0)
+            faulty.hold.set()
+        said = dict(line.split(": ", 1) for line in lines.decode().splitlines())
+        assert list(said) == [name for name, _ in calls], said
+        for name in ("offload", "submit_lookup", "load", "layerwise_result", "stats"):
+            assert said[name].startswith("EngineClosed: "), (name, said[name])
+            assert f"belongs to process {os.getpid()}" in said[name]
+            assert "forked child must open an engine of its own" in said[name]
+        assert said["release"] == "returned None" and said["close"] == "returned None"
+        # The parent's engine is untouched: the held lookup still loads, the layerwise
+        # load ends, new calls round-trip, all bit-exact.
+        assert layerwise.result(timeout=30).loaded_tokens == 4 * PAGE_SIZE
+        assert kv.load(held, torch.arange(40, 44)).loaded_tokens == 4 * PAGE_SIZE
+        assert kv.offload(8, torch.arange(4, 8), 4 * PAGE_SIZE).stored_tokens == 4 * PAGE_SIZE
+        with kv.lookup(8, 4 * PAGE_SIZE) as hit:
+            assert kv.load(hit, torch.arange(50, 54)).loaded_tokens == 4 * PAGE_SIZE
+        for c in caches:
+            assert torch.equal(c[20:24], c[0:4]) and torch.equal(c[40:44], c[0:4])
+            assert torch.equal(c[50:54], c[4:8])
+        assert kv.stats().failed == 0
     assert loop_threads() == []
