@@ -18,7 +18,8 @@ its deadline, ``request_timeout_ms`` after it was accepted (with ``request_timeo
 :data:`NO_TIMEOUT_WAIT_S` after its first no-space answer): then, and only then, its caller
 gets StoreFull, "no room even after waiting". A close that drains lets waiting offloads
 go on trying (up to the drain's timeout); a close without drain fails them with
-EngineClosed at once.
+EngineClosed at once, and so is one whose retry was on its way to the store and came
+back without room after the close: the close ended its wait, not its deadline.
 
 Held on the loop and re-queued into the batcher, not kept on the store thread: a retry is
 an offload like any other (fused into its batch's one host copy, matched with the batch,
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .errors import StoreFull
+from .errors import EngineClosed, StoreFull
 from .requests import OffloadResult, Request
 from .stats import StatsRecorder
 
@@ -110,8 +111,8 @@ class SpaceWaits:
 
     def hold(self, request: Request, error: StoreFull) -> object | None:
         """An offload's match found no room: hold it for a later try (None), or what to
-        resolve it with now: the error (past its deadline, or closed), or nothing stored
-        (its key was evicted since it was accepted: :meth:`superseded`)."""
+        resolve it with now: StoreFull past its deadline, EngineClosed once closed, or
+        nothing stored (its key was evicted since it was accepted: :meth:`superseded`)."""
         if request.future.done():
             return error  # its caller left, or it timed out: nothing to wait for
         if self._dropped_since(request):
@@ -124,7 +125,14 @@ class SpaceWaits:
             self.waits[request] = wait
         wait.tries += 1
         wait.last = error
-        due = None if self._closed else next_try_at(now, wait.give_up_s, wait.tries)
+        if self._closed:
+            # Its retry was on its way to the store as the engine closed: the close ends
+            # the wait (as it does a held one's), well before its deadline.
+            self.forget(request)
+            closed = EngineClosed("engine closed while this offload waited for room")
+            closed.__cause__ = error.__cause__ or error  # the store's own NoSpace
+            return closed
+        due = next_try_at(now, wait.give_up_s, wait.tries)
         if due is None:
             return self._give_up(request, wait)
         self._stats.space_waits += 1

@@ -24,7 +24,7 @@ from aiokv.requests import Kind, Request
 from aiokv.space import SpaceWaits, give_up_at, next_try_at
 from aiokv.stats import StatsRecorder
 from aiokv.stores.base import NoSpace
-from aiokv.testing import CheckingStore, FaultyStore
+from aiokv.testing import CheckingStore, FaultyStore, StoreWrapper
 
 MIN, MAX = space.BACKOFF_MIN_S, space.BACKOFF_MAX_S
 
@@ -188,14 +188,41 @@ def test_a_caller_who_left_is_neither_held_nor_requeued() -> None:
 
 def test_close_returns_the_held_offloads_and_holds_no_more() -> None:
     rig = Rig()
-    held = offload()
+    held, on_its_way = offload(), offload()
+    rig.waits.hold(on_its_way, full())
+    rig.timers.advance(MIN)  # matched again: on its way to the store at the close
+    assert rig.requeued == [[on_its_way]]
     rig.waits.hold(held, full())
     assert rig.waits.close() == [held]
     assert rig.timers.armed() == []
-    assert isinstance(rig.waits.hold(offload(), full()), StoreFull)
+    # Its answer comes back after the close, without room: the close ended its wait, so
+    # EngineClosed, not a StoreFull that claims request_timeout_ms passed.
+    error = rig.waits.hold(on_its_way, full())
+    assert isinstance(error, aiokv.EngineClosed), error
+    assert "engine closed while this offload waited for room" in str(error)
+    assert isinstance(error.__cause__, NoSpace)
+    assert not rig.waits.waited(on_its_way) and rig.timers.armed() == []
 
 
 # ---- the engine, end to end -------------------------------------------------------------
+
+
+class NoRoomBehindAGate(StoreWrapper):
+    """Never any room; the second match answers so only once ``gate`` opens: an
+    offload's retry on its way to the store while the engine closes."""
+
+    def __init__(self, inner: aiokv.Store) -> None:
+        super().__init__(inner)
+        self.matches = 0
+        self.retrying = threading.Event()
+        self.gate = threading.Event()
+
+    def put_match(self, token_ids: Any, namespace: Sequence[str]) -> Any:
+        self.matches += 1
+        if self.matches == 2:
+            self.retrying.set()
+            self.gate.wait()
+        raise aiokv.testing.no_space()
 
 
 class Holds:
@@ -335,6 +362,42 @@ async def test_callers_who_leave_or_a_close_end_the_wait(
     assert stats.pending == 0 and stats.cancelled == 1 and stats.failed == 1
     assert stats.queued == 0 and stats.space_wait_ms > 0
     assert checked.problems() == []
+
+
+@pytest.mark.asyncio
+async def test_a_close_fails_a_retry_on_its_way_to_the_store_with_engine_closed(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The offload waited for room and its retry was at the store when aclose came: its
+    # no-room answer arrived after the close ended the waits. It failed with StoreFull
+    # "no room after N tries within engine.request_timeout_ms=30000" a moment after the
+    # call; the close ended its wait, so it is EngineClosed, as a held one's is.
+    store = NoRoomBehindAGate(small_store())
+    engine = aiokv.OffloadEngine(
+        store, caches, aiokv.EngineConfig(window_us=0, request_timeout_ms=30000)
+    )
+    real_close = SpaceWaits.close
+
+    def close(waits: SpaceWaits) -> list[Request]:
+        held = real_close(waits)
+        store.gate.set()  # the store answers the retry only once the waits ended
+        return held
+
+    monkeypatch.setattr(SpaceWaits, "close", close)
+    await engine.start()
+    try:
+        waiting = asyncio.ensure_future(engine.offload("u", pages(0), 4 * PAGE_SIZE))
+        assert await asyncio.to_thread(store.retrying.wait, 30)
+        assert not waiting.done()
+        # The close's join waits for the store thread, which posts the answer first.
+        await engine.aclose(drain=False)
+    finally:
+        store.gate.set()
+    with pytest.raises(aiokv.EngineClosed, match="while this offload waited for room") as caught:
+        await waiting
+    assert isinstance(caught.value.__cause__, NoSpace)
+    stats = engine.stats()
+    assert (stats.failed, stats.pending, stats.queued, stats.timed_out) == (1, 0, 0, 0)
 
 
 @pytest.mark.asyncio
