@@ -20,13 +20,15 @@ class LocalHost:
     """An engine in this process, with its own host tier and Mooncake client."""
 
     def __init__(self, master: str, dtype: torch.dtype = torch.float32,
-                 head_dim: int = HEAD_DIM, cpu_cache_gb: float = 0.01, **remote: Any) -> None:
+                 head_dim: int = HEAD_DIM, cpu_cache_gb: float = 0.01,
+                 engine: aiokv.EngineConfig | None = None, **remote: Any) -> None:
         self.head_dim = head_dim
         self.caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, dtype=dtype)
                        for _ in range(LAYERS)]
         config = aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb, remote={"master": master, **remote})
         self.store = aiokv.LocalStore(config)
-        self.engine = aiokv.OffloadEngine(self.store, self.caches, aiokv.EngineConfig())
+        self.engine = aiokv.OffloadEngine(self.store, self.caches,
+                                          engine or aiokv.EngineConfig())
         self.kv = aiokv.run_in_background(self.engine)
 
     def kv_of(self, user: int) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import needs_mooncake
+from conftest import needs_mooncake, one_batch
 from prometheus_client import CollectorRegistry
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, ChildHost
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
@@ -170,6 +170,74 @@ def test_a_lookup_keeps_its_host_prefix_while_it_reads_the_rest_from_mooncake(
         assert b.load(92) == (TOKENS, True)
     finally:
         b.close()
+
+
+def _load_both(host: LocalHost, hits: list[Any]) -> list[list[torch.Tensor]]:
+    """Load two hits of one batch into the two halves of the pages: each one's KV."""
+    targets = [torch.arange(PAGES - 2 * USER_PAGES, PAGES - USER_PAGES),
+               torch.arange(PAGES - USER_PAGES, PAGES)]
+    loads = [host.kv.submit_load(hit, target) for hit, target in zip(hits, targets, strict=True)]
+    assert [f.result().loaded_tokens for f in loads] == [TOKENS, TOKENS]
+    return [[cache[target] for cache in host.caches] for target in targets]
+
+
+def test_lookups_of_one_namespace_in_a_batch_each_bring_their_own_pages(
+    mooncake: MooncakeServers,
+) -> None:
+    # Prefix caching: two prompts of one namespace sharing their first two pages. On a
+    # cold host, only the batch's first lookup asked Mooncake; the other missed, uncounted.
+    namespace = ["remote-tier-prompts"]
+    prompts = [torch.arange(7000, 7000 + TOKENS), torch.arange(7000, 7000 + TOKENS)]
+    prompts[1][2 * PAGE_SIZE :] += 10_000
+    a = LocalHost(mooncake.master)
+    kvs = [a.kv_of(740), a.kv_of(741)]
+    for first, second in zip(*kvs, strict=True):
+        second[:2] = first[:2]  # the shared prefix's KV
+    for prompt, kv in zip(prompts, kvs, strict=True):
+        for cache, layer in zip(a.caches, kv, strict=True):
+            cache[:USER_PAGES] = layer
+        a.kv.offload(740, torch.arange(USER_PAGES), TOKENS, token_ids=prompt, namespace=namespace)
+    assert a.close()["remote_blocks_written"] == 2 * USER_PAGES - 2
+    b = LocalHost(mooncake.master, engine=one_batch(2))
+    try:
+        hits = [f.result() for f in [b.kv.submit_lookup(742 + i, TOKENS, token_ids=prompt,
+                                                        namespace=namespace)
+                                     for i, prompt in enumerate(prompts)]]
+        assert [hit.cached_tokens for hit in hits] == [TOKENS, TOKENS]
+        loaded = _load_both(b, hits)
+        assert all(torch.equal(got, want) for kv, layers in zip(kvs, loaded, strict=True)
+                   for got, want in zip(layers, kv, strict=True))
+        stats = b.stats()
+    finally:
+        b.close()
+    assert b.kv.stats().batches == 2  # the lookups, then the loads
+    # The shared pages are read once, into one host copy.
+    assert (stats["remote_lookups"], stats["remote_hits"], stats["remote_misses"]) == (2, 2, 0)
+    assert stats["remote_blocks_read"] == 2 * USER_PAGES - 2
+
+
+def test_a_user_asked_twice_in_a_batch_gets_the_longer_lookup_whole(
+    mooncake: MooncakeServers,
+) -> None:
+    a = LocalHost(mooncake.master)
+    assert a.offload(745) == TOKENS
+    assert a.close()["remote_blocks_written"] == USER_PAGES
+    b = LocalHost(mooncake.master, engine=one_batch(2))
+    try:
+        half = b.kv.submit_lookup(745, TOKENS // 2)
+        whole = b.kv.submit_lookup(745, TOKENS)
+        hits = [half.result(), whole.result()]
+        assert [hit.cached_tokens for hit in hits] == [TOKENS // 2, TOKENS]
+        hits[0].release()
+        loaded = b.kv.load(hits[1], torch.arange(PAGES - USER_PAGES, PAGES))
+        assert loaded.loaded_tokens == TOKENS
+        assert all(torch.equal(cache[PAGES - USER_PAGES :], kv)
+                   for cache, kv in zip(b.caches, b.kv_of(745), strict=True))
+        stats = b.stats()
+    finally:
+        b.close()
+    assert (stats["remote_lookups"], stats["remote_hits"]) == (2, 2)
+    assert stats["remote_blocks_read"] == USER_PAGES  # each page once
 
 
 def test_a_lookup_that_asks_twice_waits_timeout_ms_in_all(

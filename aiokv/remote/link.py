@@ -86,7 +86,6 @@ class RemoteLink:
         # whatever write_queue_blocks says, so that a Mooncake that stops answering
         # leaves offloads room (else they wait for it, then fail StoreFull).
         self._max_held = max(1, pool.num_blocks // 2)
-        self._asked: set[tuple[str, ...]] = set()  # namespaces asked in this batch
         self.stats_ = {"remote_dropped_queue": 0, "remote_dropped_resting": 0}
         self._evicted = 0  # blocks not sent (or taken back) because this host evicted their key
 
@@ -143,26 +142,16 @@ class RemoteLink:
 
     # ---- reads ---------------------------------------------------------------------
 
-    def fill(self, queries: Sequence[tuple[Int64Array, Sequence[str]]], below: Below = None,
-             batch: bool = False) -> None:
+    def fill(self, queries: Sequence[tuple[Int64Array, Sequence[str]]], below: Below = None
+             ) -> None:
         """Bring the pages the host tier lacks, from each query's first missing one on,
-        into host blocks where Mooncake has them, and wait for them (:mod:`.reads`).
-        ``batch``: the queries of a batch of lookups, whose namespaces are then not asked
-        again until :meth:`forget`."""
-        wanted: Wanted = []
-        for token_ids, namespace in queries:
-            key = tuple(namespace)
-            if key in self._asked:
-                continue
-            if batch:
-                self._asked.add(key)
-            wanted.append((key, chain_digests(token_ids, self._page_size)))
+        into host blocks where Mooncake has them, and wait for them (:mod:`.reads`): one
+        read for all the queries, each of them asking for its own pages."""
+        wanted: Wanted = [(tuple(namespace), chain_digests(token_ids, self._page_size))
+                          for token_ids, namespace in queries]
         read = self.reads.start(wanted, below)
         if read is not None:
             self.reads.wait(read)
-
-    def forget(self) -> None:
-        self._asked.clear()
 
     # ---- invalidation ---------------------------------------------------------------
 

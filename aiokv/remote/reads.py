@@ -12,6 +12,12 @@ A call's later answer is dropped (a miss), and while the reader thread is still 
 it the next lookups miss at once rather than queue behind it; host blocks that a late
 read still writes into stay reserved until it returns. A key is read by one read at a
 time (:meth:`Reader.reading`); an evict or clear while it reads discards what it brings.
+
+Lookups of one key in a batch (prompts of one namespace sharing a prefix, a user asked
+twice) each ask for their own pages, but a page is read once: a lookup's range leaves out
+the pages an earlier one of the batch asks for (its digests are chained, so those are a
+prefix of its range), since two host copies of one page of a key cannot both be indexed.
+Each lookup is counted, a hit where the pages it asked for arrived.
 """
 
 from __future__ import annotations
@@ -40,7 +46,10 @@ class RemoteRead:
     at once (``counts`` known), or first which leading blocks exist (``counts`` None
     until that answer) and then those."""
 
-    wanted: Wanted
+    wanted: Wanted  # the ranges read: no page in two of them
+    # Per lookup, the pages it asked for (a range of ``wanted`` may hold only part of
+    # them, the rest in an earlier range): what its hit is counted on.
+    queries: Wanted
     future: Future[Any]  # the reader thread's current call
     began: float  # time.monotonic()
     deadline: float  # an answer after this is a miss: timeout_ms from began, both calls
@@ -50,6 +59,9 @@ class RemoteRead:
     # Per wanted range, the digests of the key's pages before it (on the host at the
     # start): the room made for the range must not evict them.
     before: list[list[bytes]] = field(default_factory=list)
+    # Per wanted range, the page before it in another range of this read (None where the
+    # range starts the lookup's own): placed only after that one, else none of it is.
+    after: list[bytes | None] = field(default_factory=list)
     gone: set[tuple[str, ...]] = field(default_factory=set)  # evicted meanwhile: dropped
     over: bool = False
 
@@ -101,42 +113,57 @@ class Reader:
     # ---- reads ---------------------------------------------------------------------
 
     def start(self, queries: Wanted, below: Below = None) -> RemoteRead | None:
-        """Start one read, for all the queries (a key and its pages' digests; a key's
-        first query only, none of a key being read), of the pages from each one's first
-        host miss on. ``below``: the SSD tier's ``has``; a query whose first missing page
-        it holds is left to the SSD path. None where nothing is read (nothing missing,
-        or the tier rests: then counted as misses)."""
+        """Start one read, for all the queries (a key and its pages' digests; none of a
+        key being read), of the pages from each one's first host miss on. ``below``: the
+        SSD tier's ``has``; a query whose first missing page it holds is left to the SSD
+        path. None where nothing is read (nothing missing, or the tier rests: then
+        counted as misses)."""
         io, host = self._io, self._host
-        wanted: Wanted = []
+        lookups: Wanted = []  # each query's pages to ask for
         unusable: Wanted = []  # evicted here, the marker not out yet: a miss
+        wanted: Wanted = []  # the ranges to read, no page twice
         before: list[list[bytes]] = []  # wanted's
+        after: list[bytes | None] = []  # wanted's
+        asked: dict[tuple[str, ...], set[bytes]] = {}  # the pages wanted, per key
         for key, digests in queries:
-            if key in self._reading or any(key == k for k, _ in wanted + unusable):
+            if key in self._reading:
                 continue
             head, gap = self._missing(key, digests)
-            if gap and (below is None or not below(key, gap[:1])[0]):
-                if io.keys.usable(self._tag(key)):
-                    wanted.append((key, gap))
-                    before.append(head)
-                else:
-                    unusable.append((key, gap))
+            if not gap or (below is not None and below(key, gap[:1])[0]):
+                continue
+            if not io.keys.usable(self._tag(key)):
+                unusable.append((key, gap))
+                continue
+            lookups.append((key, gap))
+            seen = asked.setdefault(key, set())
+            # Pages of the key already in a range start the gap, if any are (chained
+            # digests: two lookups of a key share a prefix, nothing after it).
+            skip = next((i for i, d in enumerate(gap) if d not in seen), len(gap))
+            rest = gap[skip:]
+            rest = rest[: next((i for i, d in enumerate(rest) if d in seen), len(rest))]
+            if rest:
+                seen.update(rest)
+                wanted.append((key, rest))
+                before.append(head)
+                after.append(gap[skip - 1] if skip else None)
         if unusable:
-            self._count(unusable, [0] * len(unusable), None)
+            self._count(unusable, [0] * len(unusable), 0, None)
         if not wanted:
             return None
         now = time.monotonic()
         if io.resting() or self.stuck:
-            self._count(wanted, [0] * len(wanted), None)
+            self._count(lookups, [0] * len(lookups), 0, None)
             return None
-        asked = [(self._tag(key), digests) for key, digests in wanted]
+        tagged = [(self._tag(key), digests) for key, digests in wanted]
         total = sum(len(digests) for _, digests in wanted)
         if total <= host.alloc.num_free:  # room without evicting: one call
             blocks = host.reserve(total)
-            read = RemoteRead(wanted, io.submit_read(io.read, asked, blocks.tolist()), now,
-                              now + self._timeout_s, blocks, [len(d) for _, d in wanted])
+            read = RemoteRead(wanted, lookups, io.submit_read(io.read, tagged, blocks.tolist()),
+                              now, now + self._timeout_s, blocks, [len(d) for _, d in wanted],
+                              after=after)
         else:
-            read = RemoteRead(wanted, io.submit_read(io.leading, asked), now,
-                              now + self._timeout_s, before=before)
+            read = RemoteRead(wanted, lookups, io.submit_read(io.leading, tagged), now,
+                              now + self._timeout_s, before=before, after=after)
         self._reads.append(read)
         self._reading.update(key for key, _ in wanted)
         read.future.add_done_callback(self._returned)
@@ -185,7 +212,7 @@ class Reader:
         for read in list(self._reads):
             if len(read.blocks):
                 self._host.free(np.sort(read.blocks))
-            self._end(read, [0] * len(read.wanted), now)
+            self._end(read, now)
         if self._publishing:
             self._published(now)
         self.drain()
@@ -227,16 +254,16 @@ class Reader:
                 self._busy = future
                 if len(read.blocks):
                     self._late.append((future, read.blocks))
-                self._end(read, [0] * len(read.wanted), now)
+                self._end(read, now)
             return
         answer = self._answer(future)
         if read.counts is None:
             self._fetch(read, answer)
         elif answer is None:
             self._host.free(np.sort(read.blocks))
-            self._end(read, [0] * len(read.wanted), now)
+            self._end(read, now)
         else:
-            self._end(read, self._place(read, answer), now)
+            self._end(read, now, self._place(read, answer))
 
     def _answer(self, future: Future[Any]) -> Any:
         """A returned call's answer; None (counted, and the tier rests) if it raised."""
@@ -273,7 +300,7 @@ class Reader:
         finally:
             host.index.make_evictable(listed)
         if blocks is None:
-            self._end(read, [0] * len(read.wanted), now)
+            self._end(read, now)
             return
         keys = [key for group, count in zip(present, counts, strict=True) for key in group[:count]]
         # Within the deadline the read began with: one timeout_ms for the lookup.
@@ -281,20 +308,23 @@ class Reader:
         read.future = io.submit_read(io.fetch, keys, blocks.tolist(), counts)
         read.future.add_done_callback(self._returned)
 
-    def _place(self, read: RemoteRead, good: list[int]) -> list[int]:
+    def _place(self, read: RemoteRead, good: list[int]) -> list[list[bytes]]:
         """Index and publish each range's leading good blocks (``good``: per range, how
         many arrived whole), but none of a key evicted meanwhile, nor a page that a put
-        of the key reserved meanwhile; free the rest. Blocks placed, per range."""
+        of the key reserved meanwhile, nor a range whose page before it (in an earlier
+        range) is not on the host; free the rest. The pages placed, per range."""
         host = self._host
         assert read.counts is not None  # a values call answered
-        placed, unused, at = [], [], 0
-        for (key, digests), count, n in zip(read.wanted, read.counts, good, strict=True):
+        placed: list[list[bytes]] = []
+        unused, at = [], 0
+        for (key, digests), count, n, prev in zip(read.wanted, read.counts, good, read.after,
+                                                  strict=True):
             mine = read.blocks[at : at + count]
             at += count
-            if key in read.gone:
-                n = 0
-            unused.append(mine[n:])
             space = host.index.space(key)
+            if key in read.gone or (prev is not None and (space is None or prev not in space)):
+                n = 0  # (pages past a hole would be out of every lookup's reach)
+            unused.append(mine[n:])
             if space is not None and n:
                 taken = np.fromiter(map(space.__contains__, digests[:n]), dtype=np.bool_,
                                     count=n)
@@ -307,31 +337,46 @@ class Reader:
             if n:
                 host.index.insert(key, digests[:n], mine[:n])
                 host.publish([mine[:n]], mine[:n], n)
-            placed.append(n)
+            placed.append(digests[:n])
         host.free(np.sort(np.concatenate(unused)))
         return placed
 
-    def _end(self, read: RemoteRead, arrived: list[int], now: float) -> None:
+    def _end(self, read: RemoteRead, now: float, placed: list[list[bytes]] | None = None
+             ) -> None:
+        """``placed``: the pages that arrived, per range (None: none did)."""
         read.over = True
         self._reads.remove(read)
         self._reading.subtract(key for key, _ in read.wanted)
         self._reading = +self._reading  # no key left at 0
-        self._count(read.wanted, arrived, now - read.began)
+        if placed is None:
+            arrived, blocks = [0] * len(read.queries), 0
+        else:
+            keys: dict[tuple[str, ...], set[bytes]] = {}
+            for (key, _), pages in zip(read.wanted, placed, strict=True):
+                keys.setdefault(key, set()).update(pages)
+            # Each lookup's own pages that arrived, from its first on.
+            arrived = [next((i for i, d in enumerate(gap) if d not in keys.get(key, ())),
+                            len(gap)) for key, gap in read.queries]
+            blocks = sum(map(len, placed))
+        self._count(read.queries, arrived, blocks, now - read.began)
 
-    def _count(self, wanted: Wanted, arrived: list[int], spent: float | None) -> None:
-        """``spent``: the wait for Mooncake, None where it was not asked (a miss at once),
-        which is no wait: it would pull the mean wait down."""
+    def _count(self, lookups: Wanted, arrived: list[int], blocks: int,
+               spent: float | None) -> None:
+        """``arrived``: per lookup, how many of its pages arrived; ``blocks``: the blocks
+        read (a page two lookups asked for is read once). ``spent``: the wait for
+        Mooncake, None where it was not asked (a miss at once), which is no wait: it
+        would pull the mean wait down."""
         stats = self.stats_
-        stats["remote_lookups"] += len(wanted)
+        stats["remote_lookups"] += len(lookups)
         if spent is not None:
             stats["remote_lookup_waits"] += 1
             stats["remote_lookup_seconds_total"] += spent
             stats["remote_lookup_seconds_max"] = max(stats["remote_lookup_seconds_max"], spent)
         hits = sum(map(bool, arrived))
         stats["remote_hits"] += hits
-        stats["remote_misses"] += len(wanted) - hits
-        stats["remote_blocks_read"] += sum(arrived)
-        stats["remote_bytes_read"] += sum(arrived) * self._io.block_bytes
+        stats["remote_misses"] += len(lookups) - hits
+        stats["remote_blocks_read"] += blocks
+        stats["remote_bytes_read"] += blocks * self._io.block_bytes
 
     # ---- markers -------------------------------------------------------------------
 

@@ -152,12 +152,17 @@ class LocalStore:
         from now on: :mod:`.loads`); its blocks are held (not evictable) until the task
         ends or is cancelled. mask True = will load; a load may report fewer (an SSD
         block that fails its checksum, and all pages after it, are not loaded)."""
+        return self._get_match(token_ids, namespace, ask_remote=True)
+
+    def _get_match(self, token_ids: Int64Array, namespace: Sequence[str], ask_remote: bool
+                   ) -> tuple[int, BoolArray]:
+        """``ask_remote``: a host miss asks Mooncake first (else a batch asked for it)."""
         host = self._require_host()
         link = self._link
         if link is not None:
             link.drain()
         key = tuple(namespace)
-        if self._remote is not None:  # a host miss asks Mooncake first
+        if self._remote is not None and ask_remote:  # a host miss asks Mooncake first
             self._remote.drain()
             self._remote.fill([(token_ids, key)], link.ssd.has if link is not None else None)
         space = host.index.space(key)
@@ -206,17 +211,13 @@ class LocalStore:
         remote, link = self._remote, self._link
         if remote is not None:
             remote.drain()
-            remote.fill(queries, link.ssd.has if link is not None else None, batch=True)
+            remote.fill(queries, link.ssd.has if link is not None else None)
         answers: MatchAnswers = []
-        try:
-            for token_ids, namespace in queries:
-                try:
-                    answers.append(self.get_match(token_ids, namespace))
-                except Exception as exc:  # that query's answer, as one by one
-                    answers.append(exc)
-        finally:
-            if remote is not None:
-                remote.forget()
+        for token_ids, namespace in queries:
+            try:
+                answers.append(self._get_match(token_ids, namespace, ask_remote=False))
+            except Exception as exc:  # that query's answer, as one by one
+                answers.append(exc)
         return answers
 
     def launch(
