@@ -5,6 +5,7 @@ tests/remote_host.py's (the child host's), so either can check the other's loads
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,11 +22,14 @@ class LocalHost:
 
     def __init__(self, master: str, dtype: torch.dtype = torch.float32,
                  head_dim: int = HEAD_DIM, cpu_cache_gb: float = 0.01,
-                 engine: aiokv.EngineConfig | None = None, **remote: Any) -> None:
+                 ssd_dir: Path | None = None, engine: aiokv.EngineConfig | None = None,
+                 **remote: Any) -> None:
         self.head_dim = head_dim
         self.caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, dtype=dtype)
                        for _ in range(LAYERS)]
-        config = aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb, remote={"master": master, **remote})
+        ssd = {} if ssd_dir is None else {"ssd_cache_gb": 0.05, "ssd_cache_dir": str(ssd_dir)}
+        config = aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb, remote={"master": master, **remote},
+                                   **ssd)
         self.store = aiokv.LocalStore(config)
         self.engine = aiokv.OffloadEngine(self.store, self.caches,
                                           engine or aiokv.EngineConfig())

@@ -240,6 +240,31 @@ def test_a_user_asked_twice_in_a_batch_gets_the_longer_lookup_whole(
     assert stats["remote_blocks_read"] == USER_PAGES  # each page once
 
 
+def test_a_lookup_asks_mooncake_for_the_pages_past_its_ssd_copy(
+    mooncake: MooncakeServers, tmp_path: Path,
+) -> None:
+    # A's SSD holds user 746's first half; Mooncake holds all of it (B's). After a
+    # restart (host tier empty) A's lookup left every page from the SSD's first on to
+    # the SSD path, and got only the half, where a host without SSD gets it whole.
+    a = LocalHost(mooncake.master, ssd_dir=tmp_path)
+    half = USER_PAGES // 2
+    for cache, kv in zip(a.caches, a.kv_of(746), strict=True):
+        cache[:half] = kv[:half]
+    assert a.kv.offload(746, torch.arange(half), half * PAGE_SIZE).stored_tokens == TOKENS // 2
+    a.close()
+    b = LocalHost(mooncake.master)
+    assert b.offload(746) == TOKENS
+    b.close()
+    a = LocalHost(mooncake.master, ssd_dir=tmp_path, timeout_ms=20000)
+    try:
+        assert a.load(746) == (TOKENS, True)  # SSD pages, then Mooncake's, bit for bit
+        stats = a.stats()
+    finally:
+        a.close()
+    assert stats["ssd_hit_tokens"] == TOKENS // 2
+    assert (stats["remote_hits"], stats["remote_blocks_read"]) == (1, half)
+
+
 def test_a_lookup_that_asks_twice_waits_timeout_ms_in_all(
         mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
     # A host tier full of its own blocks asks Mooncake which blocks it has, then reads

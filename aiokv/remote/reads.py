@@ -114,10 +114,10 @@ class Reader:
 
     def start(self, queries: Wanted, below: Below = None) -> RemoteRead | None:
         """Start one read, for all the queries (a key and its pages' digests; none of a
-        key being read), of the pages from each one's first host miss on. ``below``: the
-        SSD tier's ``has``; a query whose first missing page it holds is left to the SSD
-        path. None where nothing is read (nothing missing, or the tier rests: then
-        counted as misses)."""
+        key being read), of the pages from each one's first miss on: the first run of
+        pages that neither the host tier nor ``below`` (the SSD tier's ``has``; the SSD
+        path reads its own) holds. None where nothing is read (nothing missing, or the
+        tier rests: then counted as misses)."""
         io, host = self._io, self._host
         lookups: Wanted = []  # each query's pages to ask for
         unusable: Wanted = []  # evicted here, the marker not out yet: a miss
@@ -129,7 +129,15 @@ class Reader:
             if key in self._reading:
                 continue
             head, gap = self._missing(key, digests)
-            if not gap or (below is not None and below(key, gap[:1])[0]):
+            if gap and below is not None:
+                on_ssd = below(key, gap)
+                if on_ssd[0]:  # the SSD's run is the SSD path's; Mooncake's comes after
+                    start = on_ssd.index(False) if False in on_ssd else len(gap)
+                    gap = gap[start:]
+                    on_ssd = on_ssd[start:]
+                if True in on_ssd:
+                    gap = gap[: on_ssd.index(True)]
+            if not gap:
                 continue
             if not io.keys.usable(self._tag(key)):
                 unusable.append((key, gap))
