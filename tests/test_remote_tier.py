@@ -7,6 +7,7 @@ installs it) it must run."""
 from __future__ import annotations
 
 import itertools
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -518,6 +519,62 @@ def test_a_master_that_stops_answering_never_costs_offloads_their_host_room(
                 servers.pause_master(False)
         finally:
             kv.close()
+
+
+def test_an_engine_starts_and_serves_while_the_master_accepts_but_never_answers(
+    tmp_path: Path,
+) -> None:
+    # Mooncake's setup holds the GIL while it waits for the master: connecting to a
+    # stopped one froze every thread of the process. The master is continued from
+    # outside (this process may be frozen) after a while: each check below that the
+    # watchdog has not fired yet shows the process ran while the master was stopped.
+    ticks: list[float] = []
+    ticking = threading.Event()
+
+    def tick() -> None:
+        while not ticking.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    with MooncakeServers(segment_mb=16, log_dir=tmp_path) as servers:
+        servers.pause_master()
+        watchdog = subprocess.Popen(["sh", "-c", f"sleep 60; kill -CONT {servers.master_pid}"])
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            a = LocalHost(servers.master, timeout_ms=200)
+            try:
+                assert a.offload(61) == TOKENS  # kept on the host tier
+                with a.kv.lookup(62, TOKENS) as hit:
+                    assert hit.cached_tokens == 0  # a miss, not a wait for the master
+                assert a.load(61) == (TOKENS, True)
+                seen = len(ticks)
+                until(lambda: len(ticks) > seen + 5)  # other Python threads run
+                assert watchdog.poll() is None  # all of it while the master was stopped
+                watchdog.kill()
+                servers.pause_master(False)
+                # The tier connects again (after its rest): a second host reads what the
+                # first writes, bit for bit.
+                b = LocalHost(servers.master, timeout_ms=200)
+                try:
+                    deadline = time.monotonic() + 60
+                    for user in itertools.count(63):
+                        assert a.offload(user) == TOKENS
+                        settle = time.monotonic() + 3
+                        while time.monotonic() < settle and b.load(user) != (TOKENS, True):
+                            time.sleep(0.05)
+                        if b.load(user) == (TOKENS, True):
+                            break
+                        assert time.monotonic() < deadline, "the tier never connected again"
+                finally:
+                    b.close()
+            finally:
+                a.close()
+        finally:
+            ticking.set()
+            watchdog.kill()
+            watchdog.wait()
+            servers.pause_master(False)
 
 
 def test_a_store_that_stops_answering_turns_lookups_into_misses(

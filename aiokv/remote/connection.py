@@ -1,11 +1,14 @@
 """The remote tier's one Mooncake Store client, and its health.
 
 Connecting (``setup``) happens on the first call, not at open, so a master that is down
-at start costs nothing but misses. A call that fails for want of the master (or raises)
-puts the tier to rest for a while, doubling from ``timeout_ms`` to 30 s: while it rests
-lookups miss and writes are dropped at once, without a call. The client reconnects to a
-master that comes back by itself; the rest only keeps a dead master from costing every
-lookup its full wait.
+at start costs nothing but misses. Mooncake's ``setup`` holds the GIL for as long as it
+waits for the master, so a master that accepts connections but does not answer (stopped,
+hung) would stop every thread of this process: the master is asked first, within
+``timeout_ms``, without the GIL (:func:`master_answers`). A call that fails for want of
+the master (or raises) puts the tier to rest for a while, doubling from ``timeout_ms`` to
+30 s: while it rests lookups miss and writes are dropped at once, without a call. The
+client reconnects to a master that comes back by itself; the rest only keeps a dead
+master from costing every lookup its full wait.
 """
 
 from __future__ import annotations
@@ -39,6 +42,29 @@ def _local_hostname(config: RemoteConfig) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((config.master_host, 9))
         return str(probe.getsockname()[0])
+
+
+def master_answers(config: RemoteConfig) -> None:
+    """Return once the master's RPC server reacts to a connection, within ``timeout_ms``;
+    else raise OSError (TimeoutError: it accepted but did not answer).
+
+    A TCP connect alone proves nothing: the kernel accepts for a stopped process. Sixteen
+    zero bytes are no request (coro_rpc's first byte is 0x21): a live master closes the
+    connection at once (or answers), which a stopped one cannot."""
+    timeout_s = config.timeout_ms / 1000
+    deadline = time.monotonic() + timeout_s
+    with socket.create_connection(config.master_address, timeout_s) as probe:
+        probe.settimeout(max(0.001, deadline - time.monotonic()))
+        probe.sendall(bytes(16))
+        try:
+            probe.recv(1)
+        except ConnectionResetError:  # a reset is an answer too
+            pass
+        except TimeoutError:
+            raise TimeoutError(
+                f"the master at {config.master} accepts connections but did not answer "
+                f"within {config.timeout_ms} ms"
+            ) from None
 
 
 class Connection:
@@ -92,9 +118,9 @@ class Connection:
     def _connect(self) -> Any:
         config = self.config
         try:
-            # Mooncake's setup retries an absent master for 90 s; a plain TCP connect
-            # says within the timeout whether one listens.
-            socket.create_connection(config.master_address, config.timeout_ms / 1000).close()
+            # Mooncake's setup retries an absent master for 90 s, and waits on one that
+            # does not answer with the GIL held: ask it first, within the timeout.
+            master_answers(config)
             client = import_store().MooncakeDistributedStore()
             rc = client.setup(
                 _local_hostname(config), config.metadata, 0, config.local_buffer_mb << 20,

@@ -91,6 +91,12 @@ class MooncakeServers:
         if self._master is not None:
             self._master.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
 
+    @property
+    def master_pid(self) -> int | None:
+        """The master's process id (None while it is stopped): for a signal sent from
+        outside this process, which a test needs where this process may not run."""
+        return None if self._master is None else self._master.pid
+
     def pause_store(self, paused: bool = True) -> None:
         """Stop (SIGSTOP) or continue (SIGCONT) the store process: a Mooncake that is up
         but does not answer, as a stalled or swapping host would be."""
