@@ -80,6 +80,7 @@ _ERROR_KEYS = (
     ("remote_timeout", "remote_timeouts"),
     ("remote_invalidation", "remote_invalidation_errors"),
     ("remote_call", "remote_call_errors"),
+    ("remote_connect", "remote_connect_errors"),  # the master refused or did not answer
 )
 _HIT_KEYS = (
     ("host", "host_hit_tokens"),

@@ -551,6 +551,7 @@ def test_an_engine_starts_and_serves_while_the_master_accepts_but_never_answers(
                 seen = len(ticks)
                 until(lambda: len(ticks) > seen + 5)  # other Python threads run
                 assert watchdog.poll() is None  # all of it while the master was stopped
+                until(lambda: a.stats()["remote_connect_errors"] > 0)  # counted
                 watchdog.kill()
                 servers.pause_master(False)
                 # The tier connects again (after its rest): a second host reads what the
@@ -569,7 +570,8 @@ def test_an_engine_starts_and_serves_while_the_master_accepts_but_never_answers(
                 finally:
                     b.close()
             finally:
-                a.close()
+                stats = a.close()
+            assert stats["remote_errors"] >= stats["remote_connect_errors"] > 0
         finally:
             ticking.set()
             watchdog.kill()

@@ -5,10 +5,10 @@ at start costs nothing but misses. Mooncake's ``setup`` holds the GIL for as lon
 waits for the master, so a master that accepts connections but does not answer (stopped,
 hung) would stop every thread of this process: the master is asked first, within
 ``timeout_ms``, without the GIL (:func:`master_answers`). A call that fails for want of
-the master (or raises) puts the tier to rest for a while, doubling from ``timeout_ms`` to
-30 s: while it rests lookups miss and writes are dropped at once, without a call. The
-client reconnects to a master that comes back by itself; the rest only keeps a dead
-master from costing every lookup its full wait.
+the master (or raises), a connect among them (counted), puts the tier to rest for a
+while, doubling from ``timeout_ms`` to 30 s: while it rests lookups miss and writes are
+dropped at once, without a call. The client reconnects to a master that comes back by
+itself; the rest only keeps a dead master from costing every lookup its full wait.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class Connection:
         self._connect_lock = threading.Lock()
         self._rest_s = config.timeout_ms / 1000
         self._retry_at = 0.0  # time.monotonic() before which calls are not tried
+        self.failed_connects = 0  # counted among the tier's errors
 
     def resting(self) -> bool:
         return time.monotonic() < self._retry_at
@@ -131,9 +132,11 @@ class Connection:
                     rc = rc or client.register_buffer(address, size)
             if rc != 0:
                 client.close()
+                self.failed_connects += 1
                 self.rest("setup", f"code {rc}")
                 return None
         except (ImportError, RuntimeError, OSError) as exc:
+            self.failed_connects += 1
             self.rest("setup", exc)
             return None
         self._succeeded()
