@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..exiting import stop_at_exit
 from .driver import (
     CU_EVENT_BLOCKING_SYNC,
     CU_EVENT_DISABLE_TIMING,
@@ -162,6 +164,7 @@ class Copier:
         self._pools: list[EventPool] = []  # destroyed by the done thread at its end
         self._refused: dict[int, str] = {}  # split loads whose check job failed: why
         self._cuda = self._device.type == "cuda"
+        self._exiting = False  # the interpreter exits (aiokv.exiting): no new job
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._cuda:
             self._geometry = Geometry.of(self._caches, pool)
@@ -172,6 +175,7 @@ class Copier:
             )
         for thread in self._threads:
             thread.start()
+        stop_at_exit(self)
 
     @property
     def d2h_copies(self) -> int:
@@ -187,11 +191,29 @@ class Copier:
         for thread in self._threads:
             thread.join()
 
+    def stop_at_exit(self) -> None:
+        """The interpreter exits (:mod:`aiokv.exiting`): the copy thread ends after the job
+        it is copying; the jobs queued behind it are left undone, never reported. On a GPU
+        the done thread still waits for the jobs already queued on the device."""
+        self._exiting = True
+        self._jobs.put(None)  # wakes an idle copy thread
+
+    def join_at_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def _next_job(self) -> CopyJob | None:
+        """The next job; None once closed, or once the interpreter exits."""
+        job = self._jobs.get()
+        return None if self._exiting else job
+
     # ---- the copy thread -----------------------------------------------------------
 
     def _run(self) -> None:
         if not self._cuda:
-            while (job := self._jobs.get()) is not None:
+            while (job := self._next_job()) is not None:
                 try:
                     self._move_cpu(job)
                 except Exception as exc:  # reported as a FAILED task, never lost
@@ -233,7 +255,7 @@ class Copier:
                 log.warning("aiokv: copying page by page with torch copies, slower: %s", exc)
         self._page_ids = page_ids = PageIds(self._device, batch)
         ids_stream = page_ids.stream
-        while (job := self._jobs.get()) is not None:
+        while (job := self._next_job()) is not None:
             self._slots.acquire()  # released by the done thread
             taken: list[tuple[EventPool, list[DriverEvent]]] = []  # the job's events
             counted = False  # in self._offloads (once per offload; the done thread's -1)

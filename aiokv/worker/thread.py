@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import EngineClosed, RequestTimeout, StoreError
+from ..exiting import stop_at_exit
 from ..invalidation import HeldKeys, Invalidation, give_back, invalidate
 from ..loop.batcher import Batch
 from ..requests import Kind, Request
@@ -92,6 +93,7 @@ class StoreWorker:
         self._polls = PollFailures()  # try_wait failures in a row, and the next poll's due
         # Set by stop(): when launched tasks stop being waited through a try_wait outage.
         self._give_up_at: float | None = None
+        self._exiting = False  # the interpreter exits (aiokv.exiting): stop where it is
         self._rounds = Rounds(  # each batch's store round (aiokv.worker.rounds)
             store, self._caps, self._calls, self._slice, side_stream,
             self._launched, self._reserved, self._held_keys, self.release_one,
@@ -116,6 +118,7 @@ class StoreWorker:
 
     def start(self) -> None:
         self._thread.start()
+        stop_at_exit(self)
 
     def submit(self, item: Batch | _Release | StoreStatsQuery | Invalidation) -> None:
         with self._accept_lock:
@@ -169,6 +172,17 @@ class StoreWorker:
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def stop_at_exit(self) -> None:
+        """The interpreter exits (:mod:`aiokv.exiting`): this thread ends after the store
+        call it is in, handles nothing more from its inbox and leaves the store as it is,
+        unclosed (a close would wait for every copy queued: the engine's close drains,
+        the exit does not). The requests not answered by then stay unresolved."""
+        self._exiting = True
+        self._inbox.put(_WAKE)
+
+    def join_at_exit(self, timeout: float) -> bool:
+        return self.join(timeout)
 
     # ---- store thread ----------------------------------------------------------------
 
@@ -232,7 +246,7 @@ class StoreWorker:
                 self._slice.waited(after - before, after)
                 worked = item is not None
                 woke = False
-                while item is not None:
+                while item is not None and not self._exiting:
                     if item is _STOP:
                         stopping = True
                     elif item is _WAKE:
@@ -243,6 +257,8 @@ class StoreWorker:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         item = None
+                if self._exiting:
+                    return  # the store is left unclosed (finally, below)
                 if self._launched and self._polls.due():
                     # Out first: the store may hand the GIL over inside try_wait.
                     self._post()
@@ -269,7 +285,8 @@ class StoreWorker:
             self._fail_everything(StoreError("the store thread crashed; see the aiokv log"))
             raise
         finally:
-            self._close_store()
+            if not self._exiting:
+                self._close_store()
             if set_yield is not None:  # the store outlives this thread: take ours back
                 set_yield(no_yield)
         self.figures.after_close()  # final: what the close finished counts too
@@ -403,6 +420,8 @@ class StoreWorker:
             give_back(item, self._calls, self._reserved, self._held_keys)
             failure: StoreError | None = None
             while self._launched:
+                if self._exiting:  # its copies will not end: the evict stays unanswered
+                    return
                 self._post()
                 if self._polls.due():  # a failing try_wait is retried after its backoff,
                     failure = self._poll()  # as outside an evict, not failed by a fast loop
