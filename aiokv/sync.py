@@ -26,6 +26,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine, Hashable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -36,6 +37,7 @@ import torch
 from . import validate
 from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
+from .exiting import stop_at_exit
 from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
 from .loop.resolution import finish_thread_future, settle_thread_future
 from .portal import Call, Portal, forked, outcome, refuse_in_fork
@@ -45,6 +47,9 @@ from .stats import EngineStats
 T = TypeVar("T")
 
 THREAD_NAME = "aiokv-loop"
+# At the exit, how often the wait for the loop to park checks that its thread still runs
+# (a close that ended meanwhile ends the thread without parking it).
+_EXIT_POLL_S = 0.05
 
 log = logging.getLogger("aiokv")
 
@@ -142,6 +147,15 @@ class BackgroundEngine:
         self._lock = threading.Lock()  # orders submits against close
         self._closing: concurrent.futures.Future[None] | None = None
         self._stop_sent = False
+        self._exiting = False  # the interpreter exits (aiokv.exiting): no call is handed over
+        self._parked = threading.Event()  # ... and the loop thread has stopped running it
+        # Calls taking their ready event and page ids in their own threads (_handed): torch
+        # work, which the exit waits for (stop_at_exit).
+        self._handing = 0
+        self._hands_free = threading.Condition(self._lock)
+        # Calls made once the interpreter exits, never run; kept, so that the page ids
+        # they hold are not freed in their threads (torch work) as it finalizes.
+        self._never_run: list[Call] = []
         self._thread = threading.Thread(target=self._run_loop, name=THREAD_NAME, daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -184,6 +198,7 @@ class BackgroundEngine:
 
     def _start(self) -> None:
         self._thread.start()
+        stop_at_exit(self)
         try:
             self.portal.start([self.engine.start])[0].result()
         except BaseException:
@@ -197,6 +212,38 @@ class BackgroundEngine:
                 self._closing.set_result(None)
         self._send_stop()
         self._thread.join()
+
+    def stop_at_exit(self) -> None:
+        """The interpreter exits (:mod:`aiokv.exiting`; the store and copy threads stop
+        too): the loop thread runs the callbacks already due, then parks for good, in a
+        wait the exit leaves it in; nothing is closed, and a close under way stays where
+        it is. Stopped rather than parked, the loop would leave its tasks to be destroyed
+        pending as the interpreter finalizes.
+
+        From now on a call from another thread does no work and returns a future that
+        never resolves (or waits for one): such a thread is a daemon the exit abandons,
+        and one that got an error instead might go on calling, into torch, while the
+        interpreter finalizes. The exit waits for the calls already copying their page
+        ids. The main thread (a later exit hook) gets EngineClosed, and ``close()``
+        returns at once."""
+        with self._lock:
+            self._exiting = True
+        if self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # closed: its thread ends by itself
+                self.loop.call_soon_threadsafe(self._park)
+
+    def _park(self) -> None:
+        self._parked.set()
+        threading.Event().wait()  # never set: the process ends with this thread here
+
+    def join_at_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._lock:  # releases the GIL: their torch calls can return
+            self._hands_free.wait_for(lambda: not self._handing, timeout)
+        while not self._parked.wait(_EXIT_POLL_S):
+            if not self._thread.is_alive() or time.monotonic() >= deadline:
+                break
+        return self._parked.is_set() or not self._thread.is_alive()
 
     def _send_stop(self) -> None:
         # One stop only: a second one, run by the thread's final run_until_complete,
@@ -215,6 +262,8 @@ class BackgroundEngine:
         drain, timeout = validate.close_args(drain, timeout)
         if forked(self.portal.pid):
             return
+        if self._exiting:
+            return  # the engine stopped with the interpreter's exit: nothing will run it
         self._refuse_on_loop("close")
         with self._lock:
             closing = self._closing
@@ -274,9 +323,30 @@ class BackgroundEngine:
         # Under the lock, so that nothing is scheduled once close has been: it would run
         # after the engine closed (and fail there with EngineClosed) or not at all.
         with self._lock:
+            if self._exiting:
+                if threading.current_thread() is threading.main_thread():
+                    raise EngineClosed("the interpreter is exiting: the engine has stopped")
+                self._never_run.extend(calls)
+                return [concurrent.futures.Future() for _ in calls]  # see stop_at_exit
             if self._closing is not None:
                 raise EngineClosed("the background engine is closed")
             return self.portal.start(calls)
+
+    def _handed(self, page_ids: Any) -> tuple[Any, Any]:
+        """The calling thread's ready event and its page ids as they are now
+        (:func:`_taken`); once the interpreter exits neither is taken: the call will not
+        run, and a thread in torch as the interpreter finalizes aborts the process."""
+        with self._lock:
+            if self._exiting:
+                return None, page_ids
+            self._handing += 1
+        try:
+            return self.engine._caller_event(), _taken(page_ids)
+        finally:
+            with self._lock:
+                self._handing -= 1
+                if self._exiting and not self._handing:
+                    self._hands_free.notify_all()
 
     def _wait(self, name: str, call: Callable[[], Coroutine[Any, Any, T]]) -> T:
         self._refuse_on_loop(name)
@@ -300,8 +370,7 @@ class BackgroundEngine:
         """``engine.offload(...)`` on the engine's loop; does not wait. On a GPU the copy
         starts after what this thread's current CUDA stream has queued by now."""
         self._refuse_in_fork()  # before the CUDA event, which a forked child cannot make
-        ready = self.engine._caller_event()  # here: CUDA's current stream is per thread
-        ids = _taken(page_ids)
+        ready, ids = self._handed(page_ids)  # here: CUDA's current stream is per thread
         return self._submit(
             lambda: self.engine.offload(
                 user_id, ids, num_tokens, token_ids=token_ids, namespace=namespace,
@@ -336,8 +405,7 @@ class BackgroundEngine:
         this thread's current CUDA stream has queued by now."""
         self._refuse_in_fork()
         lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
-        ready = self.engine._caller_event()
-        ids = _taken(page_ids)
+        ready, ids = self._handed(page_ids)
         return self._submit(lambda: self.engine.load(lookup, ids, _ready_event=ready))
 
     def submit_load_layerwise(
@@ -349,8 +417,7 @@ class BackgroundEngine:
         as for :meth:`submit_load`."""
         self._refuse_in_fork()
         lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
-        ready = self.engine._caller_event()
-        ids = _taken(page_ids)
+        ready, ids = self._handed(page_ids)
         # Resolved on the loop in the callback that brings the launch notice (one hop
         # from the store thread); the task's own outcome only where it comes first: an
         # error at submit, a cancellation, a closed engine.
@@ -486,7 +553,8 @@ def run_in_background(
     thread. ``loop_factory`` makes the loop (default: uvloop's where installed).
 
     Close it with ``close()`` or a ``with`` block; the thread is a daemon, so a handle
-    never closed does not hold the interpreter at exit, but its engine is not drained.
+    never closed does not hold the interpreter at exit, but its engine is not drained:
+    at the exit its threads stop after their current step (:mod:`aiokv.exiting`).
     Raises InvalidRequest for an engine already started or closed, and what
     ``engine.start()`` raises (the thread is stopped then).
     """

@@ -142,7 +142,7 @@ print("offloaded", flush=True)
 """
 
 
-@pytest.mark.parametrize("scenario", ["asyncio"])
+@pytest.mark.parametrize("scenario", ["thread", "asyncio"])
 def test_a_process_exiting_mid_transfer_with_its_engine_never_closed_exits_cleanly(
     scenario: str, tmp_path: Path
 ) -> None:
