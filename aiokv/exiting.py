@@ -17,9 +17,14 @@ too early: before the non-daemon threads are joined, which may still be using th
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import threading
 import time
 import weakref
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from .errors import EngineClosed
 
 # How long the exit waits for the threads together. Each finishes the step it is in: a
 # copy job (its copies, on a GPU those queued ahead of it), a store call; well under a
@@ -52,6 +57,65 @@ def _at_exit() -> None:
     deadline = time.monotonic() + EXIT_JOIN_S
     for owner in owners:
         owner.join_at_exit(max(0.0, deadline - time.monotonic()))
+
+
+class HandOverGate:
+    """A background handle's hand-overs once the interpreter exits (:func:`stop_at_exit`
+    on the handle): none is made any more, and the exit waits for those under way.
+
+    A call from a thread other than the main one then does no work and gets a future that
+    never resolves: such a thread is a daemon the exit abandons, and one that got an error
+    instead might go on calling, into torch, while the interpreter finalizes (which aborts
+    the process). Its calls are kept, so that the page ids they hold are not freed in its
+    thread either. The main thread (a later exit hook) gets EngineClosed. ``lock`` is the
+    handle's, which orders its submits against its close and now against the exit."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self.exiting = False
+        self.parked = threading.Event()  # the loop thread runs nothing more
+        self._handing = 0  # calls taking their ready event and page ids (torch work)
+        self._hands_free = threading.Condition(lock)
+        self._never_run: list[object] = []
+
+    def close(self) -> None:
+        with self._lock:
+            self.exiting = True
+
+    def refused(self, calls: Sequence[object]) -> list[concurrent.futures.Future[Any]] | None:
+        """Under the handle's lock: None while the interpreter runs on; else the futures
+        ``calls`` get instead of running (EngineClosed on the main thread)."""
+        if not self.exiting:
+            return None
+        if threading.current_thread() is threading.main_thread():
+            raise EngineClosed("the interpreter is exiting: the engine has stopped")
+        self._never_run.extend(calls)
+        return [concurrent.futures.Future() for _ in calls]
+
+    def handed(self, take: Callable[[], tuple[Any, Any]], page_ids: Any) -> tuple[Any, Any]:
+        """``take()`` (a call's ready event and page ids, in the calling thread), counted
+        for the exit to wait for; (None, ``page_ids``) untouched once it exits: the call
+        will not run."""
+        with self._lock:
+            if self.exiting:
+                return None, page_ids
+            self._handing += 1
+        try:
+            return take()
+        finally:
+            with self._lock:
+                self._handing -= 1
+                if self.exiting and not self._handing:
+                    self._hands_free.notify_all()
+
+    def park(self) -> None:
+        """On the loop's thread: run nothing more, in a wait the exit leaves it in."""
+        self.parked.set()
+        threading.Event().wait()  # never set: the process ends with this thread here
+
+    def wait_hands_free(self, timeout: float) -> None:
+        with self._lock:  # releases the GIL: their torch calls can return
+            self._hands_free.wait_for(lambda: not self._handing, timeout)
 
 
 # Registered at import (aiokv's, after torch's): atexit runs the latest first, so a user's

@@ -37,7 +37,7 @@ import torch
 from . import validate
 from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
-from .exiting import stop_at_exit
+from .exiting import HandOverGate, stop_at_exit
 from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
 from .loop.resolution import finish_thread_future, settle_thread_future
 from .portal import Call, Portal, forked, outcome, refuse_in_fork
@@ -147,15 +147,7 @@ class BackgroundEngine:
         self._lock = threading.Lock()  # orders submits against close
         self._closing: concurrent.futures.Future[None] | None = None
         self._stop_sent = False
-        self._exiting = False  # the interpreter exits (aiokv.exiting): no call is handed over
-        self._parked = threading.Event()  # ... and the loop thread has stopped running it
-        # Calls taking their ready event and page ids in their own threads (_handed): torch
-        # work, which the exit waits for (stop_at_exit).
-        self._handing = 0
-        self._hands_free = threading.Condition(self._lock)
-        # Calls made once the interpreter exits, never run; kept, so that the page ids
-        # they hold are not freed in their threads (torch work) as it finalizes.
-        self._never_run: list[Call] = []
+        self._gate = HandOverGate(self._lock)  # the interpreter's exit (aiokv.exiting)
         self._thread = threading.Thread(target=self._run_loop, name=THREAD_NAME, daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -215,35 +207,24 @@ class BackgroundEngine:
 
     def stop_at_exit(self) -> None:
         """The interpreter exits (:mod:`aiokv.exiting`; the store and copy threads stop
-        too): the loop thread runs the callbacks already due, then parks for good, in a
-        wait the exit leaves it in; nothing is closed, and a close under way stays where
-        it is. Stopped rather than parked, the loop would leave its tasks to be destroyed
-        pending as the interpreter finalizes.
-
-        From now on a call from another thread does no work and returns a future that
-        never resolves (or waits for one): such a thread is a daemon the exit abandons,
-        and one that got an error instead might go on calling, into torch, while the
-        interpreter finalizes. The exit waits for the calls already copying their page
-        ids. The main thread (a later exit hook) gets EngineClosed, and ``close()``
-        returns at once."""
-        with self._lock:
-            self._exiting = True
+        too): no call is handed over any more (:class:`~.exiting.HandOverGate`), and the
+        loop thread runs the callbacks already due, then parks for good; nothing is
+        closed, and a close under way stays where it is. Stopped rather than parked, the
+        loop would leave its tasks to be destroyed pending as the interpreter finalizes;
+        ``close()`` returns at once from now on."""
+        self._gate.close()
         if self._thread.is_alive():
             with contextlib.suppress(RuntimeError):  # closed: its thread ends by itself
-                self.loop.call_soon_threadsafe(self._park)
-
-    def _park(self) -> None:
-        self._parked.set()
-        threading.Event().wait()  # never set: the process ends with this thread here
+                self.loop.call_soon_threadsafe(self._gate.park)
 
     def join_at_exit(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        with self._lock:  # releases the GIL: their torch calls can return
-            self._hands_free.wait_for(lambda: not self._handing, timeout)
-        while not self._parked.wait(_EXIT_POLL_S):
+        self._gate.wait_hands_free(timeout)
+        parked = self._gate.parked
+        while not parked.wait(_EXIT_POLL_S):
             if not self._thread.is_alive() or time.monotonic() >= deadline:
                 break
-        return self._parked.is_set() or not self._thread.is_alive()
+        return parked.is_set() or not self._thread.is_alive()
 
     def _send_stop(self) -> None:
         # One stop only: a second one, run by the thread's final run_until_complete,
@@ -262,7 +243,7 @@ class BackgroundEngine:
         drain, timeout = validate.close_args(drain, timeout)
         if forked(self.portal.pid):
             return
-        if self._exiting:
+        if self._gate.exiting:
             return  # the engine stopped with the interpreter's exit: nothing will run it
         self._refuse_on_loop("close")
         with self._lock:
@@ -323,30 +304,18 @@ class BackgroundEngine:
         # Under the lock, so that nothing is scheduled once close has been: it would run
         # after the engine closed (and fail there with EngineClosed) or not at all.
         with self._lock:
-            if self._exiting:
-                if threading.current_thread() is threading.main_thread():
-                    raise EngineClosed("the interpreter is exiting: the engine has stopped")
-                self._never_run.extend(calls)
-                return [concurrent.futures.Future() for _ in calls]  # see stop_at_exit
+            if (never := self._gate.refused(calls)) is not None:
+                return never
             if self._closing is not None:
                 raise EngineClosed("the background engine is closed")
             return self.portal.start(calls)
 
     def _handed(self, page_ids: Any) -> tuple[Any, Any]:
         """The calling thread's ready event and its page ids as they are now
-        (:func:`_taken`); once the interpreter exits neither is taken: the call will not
-        run, and a thread in torch as the interpreter finalizes aborts the process."""
-        with self._lock:
-            if self._exiting:
-                return None, page_ids
-            self._handing += 1
-        try:
-            return self.engine._caller_event(), _taken(page_ids)
-        finally:
-            with self._lock:
-                self._handing -= 1
-                if self._exiting and not self._handing:
-                    self._hands_free.notify_all()
+        (:func:`_taken`); neither once the interpreter exits (HandOverGate.handed)."""
+        return self._gate.handed(
+            lambda: (self.engine._caller_event(), _taken(page_ids)), page_ids
+        )
 
     def _wait(self, name: str, call: Callable[[], Coroutine[Any, Any, T]]) -> T:
         self._refuse_on_loop(name)
