@@ -33,6 +33,21 @@ from aiokv.stores.local.digests import chain_digests
 pytestmark = needs_mooncake()
 
 
+def offload_until_one_reaches(a: LocalHost, b: LocalHost, first_user: int, why: str) -> None:
+    """``a`` offloads fresh users from ``first_user`` on until ``b`` loads one whole from
+    the remote tier (within 60 s): after an outage, a write offered while ``a``'s tier
+    still rests (its backoff) is dropped, as designed."""
+    deadline = time.monotonic() + 60
+    for user in itertools.count(first_user):
+        assert a.offload(user) == TOKENS
+        settle = time.monotonic() + 3
+        while time.monotonic() < settle and b.load(user) != (TOKENS, True):
+            time.sleep(0.05)
+        if b.load(user) == (TOKENS, True):
+            return
+        assert time.monotonic() < deadline, why
+
+
 def test_hosts_share_blocks_and_an_evict_reaches_every_host(mooncake: MooncakeServers) -> None:
     a = ChildHost(mooncake.master)
     try:
@@ -474,17 +489,8 @@ def test_the_master_going_away_turns_lookups_into_misses(tmp_path: Path) -> None
             assert a.offload(32) == TOKENS  # the write is dropped, the offload is not
             servers.start_master()
             servers.wait_store_mounted()
-            # Served again. A write offered while A's tier still rests after the outage
-            # (its backoff) is dropped, as designed: offload fresh users until one lands.
-            deadline = time.monotonic() + 60
-            for user in itertools.count(33):
-                assert a.offload(user) == TOKENS
-                settle = time.monotonic() + 3
-                while time.monotonic() < settle and b.load(user) != (TOKENS, True):
-                    time.sleep(0.05)
-                if b.load(user) == (TOKENS, True):
-                    break
-                assert time.monotonic() < deadline, "no write reached Mooncake again"
+            # Served again (once A's tier ends its rest).
+            offload_until_one_reaches(a, b, 33, "no write reached Mooncake again")
         finally:
             a.close()
             b.close()
@@ -558,15 +564,7 @@ def test_an_engine_starts_and_serves_while_the_master_accepts_but_never_answers(
                 # first writes, bit for bit.
                 b = LocalHost(servers.master, timeout_ms=200)
                 try:
-                    deadline = time.monotonic() + 60
-                    for user in itertools.count(63):
-                        assert a.offload(user) == TOKENS
-                        settle = time.monotonic() + 3
-                        while time.monotonic() < settle and b.load(user) != (TOKENS, True):
-                            time.sleep(0.05)
-                        if b.load(user) == (TOKENS, True):
-                            break
-                        assert time.monotonic() < deadline, "the tier never connected again"
+                    offload_until_one_reaches(a, b, 63, "the tier never connected again")
                 finally:
                     b.close()
             finally:

@@ -268,27 +268,24 @@ def test_page_ids_on_the_cpu_are_the_callers_again_once_a_submit_returns(kind: s
             return torch.arange(first, first + 4)
         return np.arange(first, first + 4, dtype=np.int32)
 
+    def reused_at_once(kv: aiokv.BackgroundEngine, submit: Callable[[Any], Any], first: int,
+                       reuse: int) -> Any:
+        release = hold_the_loop(kv)
+        page_ids = ids(first)
+        future = submit(page_ids)
+        page_ids[:] = reuse  # reused at once: the submit has returned
+        release.set()
+        return future.result(timeout=30)
+
     with background(caches) as kv:
-        release = hold_the_loop(kv)
-        offload_ids = ids(0)
-        stored = kv.submit_offload(1, offload_ids, 4 * PAGE_SIZE)
-        offload_ids[:] = 60  # reused at once: the submit has returned
-        release.set()
-        assert stored.result(timeout=30).stored_tokens == 4 * PAGE_SIZE
+        stored = reused_at_once(kv, lambda p: kv.submit_offload(1, p, 4 * PAGE_SIZE), 0, 60)
+        assert stored.stored_tokens == 4 * PAGE_SIZE
         hit = kv.lookup(1, 4 * PAGE_SIZE)
-        release = hold_the_loop(kv)
-        load_ids = ids(20)
-        loaded = kv.submit_load(hit, load_ids)
-        load_ids[:] = 61
-        release.set()
-        assert loaded.result(timeout=30).loaded_tokens == 4 * PAGE_SIZE
+        loaded = reused_at_once(kv, lambda p: kv.submit_load(hit, p), 20, 61)
+        assert loaded.loaded_tokens == 4 * PAGE_SIZE
         hit = kv.lookup(1, 4 * PAGE_SIZE)
-        release = hold_the_loop(kv)
-        layer_ids = ids(30)
-        layerwise = kv.submit_load_layerwise(hit, layer_ids)
-        layer_ids[:] = 62
-        release.set()
-        assert layerwise.result(timeout=30).result(timeout=30).loaded_tokens == 4 * PAGE_SIZE
+        layerwise = reused_at_once(kv, lambda p: kv.submit_load_layerwise(hit, p), 30, 62)
+        assert layerwise.result(timeout=30).loaded_tokens == 4 * PAGE_SIZE
     for c, b in zip(caches, before, strict=True):
         assert torch.equal(c[20:24], b[0:4])
         assert torch.equal(c[30:34], b[0:4])
