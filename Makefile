@@ -38,8 +38,9 @@ setup: $(BIN)/aiokv
 demo: setup
 	$(BIN)/aiokv demo
 
+# --dist loadfile: a file's tests share its module fixtures (a Mooncake master, a server).
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check aiokv tests benchmarks examples
