@@ -17,7 +17,7 @@ from aiokv.copy.copier import Copier
 from aiokv.copy.fused import FusedPages, fuse_page_ids
 from aiokv.loop.batcher import plan_batches
 from aiokv.requests import Kind, Request
-from aiokv.stores.local.digests import chain_digests
+from aiokv.stores.local.digests import ChainMemo, chain_digests
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -332,6 +332,53 @@ def test_chain_digests_depend_on_the_whole_prefix_and_namespaces_stay_apart() ->
         assert bool(mask.any()) is not hit, namespace  # the other namespaces write anew
         store.cancel([task])
     store.close()
+
+
+def test_a_keys_remembered_chain_answers_as_chain_digests() -> None:
+    """ChainMemo reuses a key's last chain only where the tokens are equal: histories that
+    grow, repeat, shrink, change in one page, change back, and the default positions,
+    under a memory bound small enough to forget keys, all answer as chain_digests."""
+    rng = np.random.default_rng(7)
+    memo = ChainMemo(4, max_bytes=3 * (16 * 8 + 64 * 4))  # about three keys of 16 tokens
+    base = rng.integers(0, 1000, 64)
+    for step in range(400):
+        key = (f"k{int(rng.integers(6))}",)
+        tokens = base[: int(rng.integers(0, 65))].copy()
+        if len(tokens) and rng.random() < 0.3:
+            tokens[int(rng.integers(len(tokens)))] += 1  # one page differs
+        if rng.random() < 0.1:
+            tokens = np.arange(len(tokens))
+        if rng.random() < 0.1:
+            tokens = tokens.astype(np.int32)
+        got = memo.digests(key, tokens)
+        assert got == chain_digests(tokens, 4), step
+        got.clear()  # the caller's list: the memo's own is untouched
+        assert memo.digests(key, tokens) == chain_digests(tokens, 4), step
+
+
+def test_a_lookup_after_the_caller_rewrote_its_tokens_finds_only_equal_pages() -> None:
+    """A store remembers a key's last digests, never its caller's array: tokens changed
+    in place after an offload, or a history that differs from a page on, find exactly
+    the pages that are equal, and a grown history finds every stored page."""
+    store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    store.register(make_caches(pages=16))
+    try:
+        tokens = np.arange(100, 100 + 4 * PAGE_SIZE, dtype=np.int64)
+        task, mask = store.put_match(tokens, ["uid:1"])
+        launch_slots(store, [task], [np.arange(int(mask.sum()), dtype=np.int64)])
+        _wait(store, [task])
+        tokens[2 * PAGE_SIZE + 1] = 7  # the caller reuses its array: page 2 on differ
+        grown = np.arange(100, 100 + 6 * PAGE_SIZE, dtype=np.int64)
+        for asked, pages in ((tokens, 2), (grown, 4), (grown[: 3 * PAGE_SIZE], 3)):
+            task, mask = store.get_match(asked, ["uid:1"])
+            assert mask.tolist() == [True] * (pages * PAGE_SIZE) + [False] * (
+                len(asked) - pages * PAGE_SIZE)
+            store.cancel([task])
+        task, mask = store.put_match(tokens, ["uid:1"])  # page 2 on are new pages
+        assert mask.tolist() == [False] * (2 * PAGE_SIZE) + [True] * (2 * PAGE_SIZE)
+        store.cancel([task])
+    finally:
+        store.close()
 
 
 # ---- LocalStore directly ------------------------------------------------------------

@@ -4,12 +4,16 @@ the start of the sequence to the end of that block, so equal keys mean equal pre
 ``0..n-1``, the recommender case) is computed once per page size and reused.
 
 Used by the prefix index (:mod:`.index`), the shared store's client and wire (a client
-hashes, the server keeps the positions' chain) and the remote tier's keys.
+hashes, the server keeps the positions' chain) and the remote tier's keys. The embedded
+store keeps each key's last chain (:class:`ChainMemo`): an offload and the lookups of the
+same history, or of one grown since, hash only the pages that no earlier match of the key
+covered.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 
 import numpy as np
 
@@ -98,3 +102,82 @@ def chain_digests(token_ids: Int64Array, page_size: int) -> list[bytes]:
     digests: list[bytes] = []
     _hash_chain(_SEED.copy(), memoryview(head.data).cast("B"), page_size * 8, digests)
     return digests
+
+
+# The token bytes (and their digests) a ChainMemo keeps at most: beyond it, the keys
+# matched least recently are forgotten (and hashed again when next matched).
+MEMO_BYTES = 64 << 20
+
+
+class _Chain:
+    """One key's last chain: its full pages' token bytes, their digests, and the running
+    hash after the last page (copied, never updated)."""
+
+    __slots__ = ("data", "digests", "running")
+
+    def __init__(self, data: bytes, digests: list[bytes], running: hashlib.blake2b) -> None:
+        self.data = data
+        self.digests = digests
+        self.running = running
+
+
+class ChainMemo:
+    """``chain_digests`` per key (a namespace), remembering each key's last chain: tokens
+    that repeat or cut it take its digests, tokens that extend it hash only the pages
+    after it, anything else is hashed afresh and replaces it. Equal digests still mean
+    equal prefixes: a chain is reused only where the token bytes are equal (compared, not
+    hashed). One thread (the store's); at most ``max_bytes`` of token bytes and digests
+    kept, the least recently matched keys forgotten first."""
+
+    def __init__(self, page_size: int, max_bytes: int = MEMO_BYTES) -> None:
+        self._page_size = page_size
+        self._max_bytes = max_bytes
+        self._chains: OrderedDict[tuple[str, ...], _Chain] = OrderedDict()
+        self._bytes = 0
+
+    def digests(self, key: tuple[str, ...], token_ids: Int64Array) -> list[bytes]:
+        """``chain_digests(token_ids, page_size)``; the list is the caller's."""
+        page_size = self._page_size
+        full_pages = len(token_ids) // page_size
+        if full_pages == 0:
+            return []
+        head = token_ids[: full_pages * page_size]
+        if are_positions(head):
+            return position_digests(page_size, full_pages)
+        data = _as_int64(head).tobytes()
+        chain = self._chains.get(key)
+        if chain is not None:
+            if len(data) <= len(chain.data):
+                if chain.data.startswith(data):  # the same pages, or fewer
+                    self._chains.move_to_end(key)
+                    return chain.digests[:full_pages]
+            elif data.startswith(chain.data):  # grown: hash the new pages alone
+                running = chain.running.copy()
+                digests = list(chain.digests)
+                _hash_chain(running, memoryview(data)[len(chain.data) :], page_size * 8,
+                            digests)
+                self._keep(key, _Chain(data, digests, running))
+                return digests[:]
+        running = _SEED.copy()
+        digests = []
+        _hash_chain(running, memoryview(data), page_size * 8, digests)
+        self._keep(key, _Chain(data, digests, running))
+        return digests[:]
+
+    def _keep(self, key: tuple[str, ...], chain: _Chain) -> None:
+        old = self._chains.pop(key, None)
+        if old is not None:
+            self._bytes -= _size(old)
+        size = _size(chain)
+        if size > self._max_bytes:
+            return
+        self._chains[key] = chain
+        self._bytes += size
+        while self._bytes > self._max_bytes:
+            _, dropped = self._chains.popitem(last=False)
+            self._bytes -= _size(dropped)
+
+
+def _size(chain: _Chain) -> int:
+    """A chain's token bytes and digests (each a small bytes object and a list slot)."""
+    return len(chain.data) + 64 * len(chain.digests)

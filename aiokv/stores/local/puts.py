@@ -24,7 +24,7 @@ from ..base import BoolArray, Int64Array, MatchAnswers, NoSpace, Queries
 from .blocks import NO_BLOCKS, Tier
 from .claims import check_fits, check_written, on_host, to_hold
 from .completion import Task
-from .digests import chain_digests
+from .digests import ChainMemo
 from .tiering import TierLink
 
 
@@ -38,7 +38,7 @@ class NewKey(NamedTuple):
     tokens: int
 
 
-def new_keys(host: Tier, queries: Queries, page_size: int) -> list[NewKey]:
+def new_keys(host: Tier, queries: Queries, memo: ChainMemo) -> list[NewKey]:
     """The puts of ``queries`` whose key neither the host tier knows nor an earlier query
     of the batch names, with at least one full page and no more than the tier has
     blocks: each is all new pages. The others (a key's second put among them, which must
@@ -52,7 +52,7 @@ def new_keys(host: Tier, queries: Queries, page_size: int) -> list[NewKey]:
         seen.add(key)
         if host.index.space(key) is not None:
             continue
-        digests = chain_digests(token_ids, page_size)
+        digests = memo.digests(key, token_ids)
         if digests and len(digests) <= host.num_blocks:
             fresh.append(NewKey(index, key, digests, len(token_ids)))
     return fresh
@@ -60,13 +60,15 @@ def new_keys(host: Tier, queries: Queries, page_size: int) -> list[NewKey]:
 
 class Puts:
     """A registered store's put matches: over its host tier, the SSD link and the remote
-    tier below it (None without them); ``new_task`` files a task and gives its id."""
+    tier below it (None without them); ``memo`` hashes the keys' tokens (the store's
+    lookups share it); ``new_task`` files a task and gives its id."""
 
     def __init__(self, host: Tier, link: TierLink | None, remote: RemoteLink | None,
-                 page_size: int, new_task: Callable[[Task], int]) -> None:
+                 memo: ChainMemo, page_size: int, new_task: Callable[[Task], int]) -> None:
         self._host = host
         self._link = link
         self._remote = remote
+        self._memo = memo
         self._page_size = page_size
         self._new_task = new_task
 
@@ -84,7 +86,7 @@ class Puts:
             self._remote.drain()
         page_size = self._page_size
         key = tuple(namespace)
-        digests = chain_digests(token_ids, page_size)
+        digests = self._memo.digests(key, token_ids)
         n = len(digests)
         space = host.index.space(key)
         present: list[int | None] | None = (
@@ -136,7 +138,7 @@ class Puts:
         each run of puts of keys never seen takes its blocks in one reservation
         (:func:`.claims.new_keys`). With an SSD or remote tier, one by one."""
         host = self._host
-        fresh = ({new.query: new for new in new_keys(host, queries, self._page_size)}
+        fresh = ({new.query: new for new in new_keys(host, queries, self._memo)}
                  if self._link is None and self._remote is None else {})
         answers: MatchAnswers = []
         at = 0

@@ -32,7 +32,7 @@ from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
 from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
 from .completion import Task, TaskEnds, concat
-from .digests import chain_digests
+from .digests import ChainMemo
 from .index import BlockIndex
 from .jobs import CopyJobs
 from .pool import HostPool
@@ -71,6 +71,7 @@ class LocalStore:
         self._host: Tier | None = None
         self._link: TierLink | None = None
         self._puts: Puts | None = None  # put matches, from register
+        self._memo: ChainMemo | None = None  # keys' digests (puts' and lookups'), from register
         self._num_layers = 0
         self._gpu_pages = 0  # pages per cache table, known at register
         self._tasks: dict[int, Task] = {}
@@ -104,7 +105,9 @@ class LocalStore:
         self._pool, self._host, self._link = parts.pool, parts.host, parts.link
         self._jobs = parts.jobs
         self._remote = parts.remote
-        self._puts = Puts(parts.host, parts.link, parts.remote, page_size, self._new_task)
+        self._memo = ChainMemo(page_size)
+        self._puts = Puts(parts.host, parts.link, parts.remote, self._memo, page_size,
+                          self._new_task)
         ends.host, ends.link, ends.remote = parts.host, parts.link, parts.remote
         ends.block_bytes = parts.pool.block_bytes
         self._num_layers = len(kv_caches)
@@ -158,6 +161,8 @@ class LocalStore:
                    ) -> tuple[int, BoolArray]:
         """``ask_remote``: a host miss asks Mooncake first (else a batch asked for it)."""
         host = self._require_host()
+        memo = self._memo
+        assert memo is not None  # made with the host tier
         link = self._link
         if link is not None:
             link.drain()
@@ -177,7 +182,7 @@ class LocalStore:
         digests: list[bytes] | None = None
         found: list[int | None] = []
         if space is not None:
-            digests = chain_digests(token_ids, self.page_size)
+            digests = memo.digests(key, token_ids)
             found = list(map(space.get, digests))
             if None in found:
                 found = found[: found.index(None)]
@@ -191,7 +196,7 @@ class LocalStore:
         task = Task(False, mask, hit, [], None, shared=shared)
         if link is not None and (len(hit) == len(found)):
             if digests is None:
-                digests = chain_digests(token_ids, self.page_size)
+                digests = memo.digests(key, token_ids)
             task.load = link.start_load(key, digests, len(hit), task)
         pages = task.load.match_pages if task.load is not None else len(hit)
         mask[: pages * self.page_size] = True
