@@ -204,7 +204,7 @@ def tier_reads(args: argparse.Namespace, master: str) -> None:
     for name, values in times.items():
         q = statistics.quantiles(values, n=4)
         print(f"  {name:<26} median {q[1]:>7.3f}   quartiles {q[0]:.3f} - {q[2]:.3f}")
-    io.close(10.0)
+    io.close()
 
 
 def run(args: argparse.Namespace) -> None:

@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 import aiokv.metrics
-from aiokv.remote import client as remote_client
 from aiokv.remote.client import RemoteIO
 from aiokv.remote.markers import Markers
 from aiokv.remote.servers import MooncakeServers
@@ -136,14 +135,11 @@ def test_a_host_does_not_read_what_its_evict_ends_until_the_marker_is_out(
 
 
 def test_a_master_that_stops_answering_holds_up_neither_evicts_nor_close(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     # SIGSTOP: the master accepts connections and never answers; each Mooncake call
     # then waits about 30 s. A write and a lookup are in calls when evicts come: they
-    # must not queue more calls, and the engine's close must not wait for Mooncake.
-    # The close gives a write in a call this long before it drops the rest, then waits
-    # this long for its thread (2 s each by default): 0.5 s, far from Mooncake's 30 s.
-    monkeypatch.setattr(remote_client, "_STUCK_S", 0.5)
-    monkeypatch.setattr(remote_client, "_JOIN_S", 0.5)
+    # must not queue more calls, and the engine's close must not wait for Mooncake
+    # (it gives a write in a call, then its threads, timeout_ms each).
     with MooncakeServers(16, log_dir=tmp_path) as servers:
         a = LocalHost(servers.master, timeout_ms=200)
         try:
@@ -164,6 +160,36 @@ def test_a_master_that_stops_answering_holds_up_neither_evicts_nor_close(
             servers.pause_master(False)
     assert evicts_s < 5 and close_s < 10  # Mooncake's 30 s per call, not waited for
     assert stats["remote_invalidations_waiting"] == 3
+
+
+def test_close_after_an_evict_waits_timeout_ms_for_a_master_that_went_away(
+        tmp_path: Path) -> None:
+    # A killed master fails each call at once and the tier rests: close tried the evict's
+    # marker again after each rest, for 10 s whatever timeout_ms said. It now gives the
+    # marker one call of timeout_ms, counts what it gave up on, and closes the SSD tier
+    # with every block the host tier held.
+    timeout_ms = 200
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master, ssd_dir=ssd, timeout_ms=timeout_ms)
+        try:
+            for user in (1791, 1792):
+                assert a.offload(user) == TOKENS
+            until(lambda: a.stats()["remote_blocks_written"] == 2 * USER_PAGES)
+            servers.stop_master()
+            assert a.kv.evict(1791) == TOKENS  # its marker cannot go out
+        finally:
+            began = time.monotonic()
+            stats = a.close()
+            close_s = time.monotonic() - began
+        b = LocalHost(servers.master, ssd_dir=ssd, timeout_ms=timeout_ms)
+        try:
+            assert b.load(1792) == (TOKENS, True)  # from the SSD tier a wrote at close
+        finally:
+            b.close()
+    assert close_s < 25 * timeout_ms / 1000  # a generous multiple; it took 10 s
+    assert stats["remote_invalidations_waiting"] == 1  # given up on, and counted
 
 
 def test_writes_an_evict_takes_back_are_counted_as_dropped(

@@ -32,8 +32,9 @@ from .writer import Writer
 
 log = logging.getLogger("aiokv")
 
-_JOIN_S = 2.0  # how long close waits for a thread in a call, past the flush
-_STUCK_S = 2.0  # a write batch in a call this long waits on a master that does not answer
+# Close finishes queued writes for this long at most, while Mooncake answers each batch
+# within timeout_ms (a master that does not answer ends the flush after timeout_ms).
+_FLUSH_S = 10.0
 _CHECK_S = 1.0  # an idle tier asks for the boot id and the epoch this often
 
 
@@ -250,29 +251,33 @@ class RemoteIO:
 
     # ---- close ---------------------------------------------------------------------
 
-    def close(self, flush_timeout_s: float) -> bool:
-        """Finish the queued writes and publish the markers not out yet (up to
-        ``flush_timeout_s``; the writes left are dropped), stop both threads, and let go
-        of Mooncake. A thread stuck in a call (a master that stopped answering) is waited
-        for ``_JOIN_S`` at most, then left to end by itself (daemon threads); the client
-        and the memory it reads into then stay, and False is returned."""
+    def close(self, flush: bool = True) -> bool:
+        """Publish the markers not out yet, finish the queued writes (``flush``; else
+        drop them at once), stop both threads, and let go of Mooncake. Each wait for
+        Mooncake is ``timeout_ms`` at most, as a lookup's: the markers' call, a write
+        batch in a call (queued writes go on while batches answer, ``_FLUSH_S`` at most),
+        and the threads' calls under way. A thread still in a call then (a master that
+        stopped answering) is left to end by itself (daemon threads); the client and the
+        memory it reads into stay, and False is returned. What close gives up on is
+        counted (``remote_invalidations_waiting``, ``remote_dropped_down``) and logged."""
+        timeout_s = self.config.timeout_ms / 1000
         queue = self.queue
-        deadline = time.monotonic() + flush_timeout_s
-        while self.keys.unpublished() and (left := deadline - time.monotonic()) > 0:
+        if flush and self.keys.unpublished():
+            # One call, as an evict's: a tier that rests past it does not answer now.
             rest = self.connection.rest_left_s()
-            if rest >= left:
-                break
-            time.sleep(rest)  # a call failed a moment ago: the rest is short, or nothing
-            futures_wait([self.publish()], deadline - time.monotonic())
-        # A batch in a call for seconds waits on a master that does not answer.
-        while not queue.wait_idle(min(0.1, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline or self._writer.in_call_s() > _STUCK_S:
+            if rest < timeout_s:
+                time.sleep(rest)
+                futures_wait([self.publish()], timeout_s - rest)
+        deadline = time.monotonic() + (_FLUSH_S if flush else 0.0)
+        while not queue.wait_idle(min(0.1, timeout_s, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or self._writer.in_call_s() > timeout_s:
                 break
         dropped = queue.cancel(None)
-        self.write_stats["remote_dropped_down"] += sum(map(len, dropped))
+        dropped_blocks = sum(map(len, dropped))
+        self.write_stats["remote_dropped_down"] += dropped_blocks
         queue.close()
-        deadline = time.monotonic() + _JOIN_S
-        self._writer.thread.join(_JOIN_S)
+        deadline = time.monotonic() + timeout_s
+        self._writer.thread.join(timeout_s)
         queue.give_back(dropped)
         stopped = (self._reader.close(max(0.0, deadline - time.monotonic()))
                    and not self._writer.thread.is_alive())
@@ -280,9 +285,13 @@ class RemoteIO:
         if waiting:
             log.warning("aiokv: remote tier: %d evicts or clears closed with their markers "
                         "unpublished: other hosts serve those keys until they age out", waiting)
+        if dropped_blocks:
+            log.warning("aiokv: remote tier: close dropped %d queued write blocks (Mooncake "
+                        "did not take them in time)", dropped_blocks)
         if not stopped:
-            log.warning("aiokv: remote tier: Mooncake did not answer within %.0f s of close; "
-                        "its calls under way are left to end by themselves", _JOIN_S)
+            log.warning("aiokv: remote tier: Mooncake did not answer within %d ms of close; "
+                        "its calls under way are left to end by themselves",
+                        self.config.timeout_ms)
             return False
         self._checksums.close()
         self.connection.close()

@@ -29,7 +29,6 @@ from .native import unavailable
 from .queue import WriteJob
 from .reads import Below, Published, Reader, Wanted
 
-_CLOSE_FLUSH_S = 10.0  # close() finishes queued writes for this long at most
 # The tiers whose threads close left in a call (a master that stopped answering), with
 # the memory those calls may still read into: kept for the life of the process.
 _ABANDONED: list[tuple[RemoteIO, torch.Tensor]] = []
@@ -211,12 +210,12 @@ class RemoteLink:
         return stats
 
     def close(self) -> None:
-        """Finish the queued writes and markers (bounded; not at all where Mooncake does
-        not answer), then stop; the reads under way end as misses. Before the pool
-        goes; where a call is still under way (a master that stopped answering), the
-        memory it may read into is kept, never reused."""
+        """Finish the queued writes and markers (``timeout_ms`` a call; not at all where
+        the reader thread is already stuck in one), then stop; the reads under way end as
+        misses. Before the pool goes; where a call is still under way (a master that
+        stopped answering), the memory it may read into is kept, never reused."""
         io = self.io
-        if not io.close(0.0 if self.reads.stuck else _CLOSE_FLUSH_S):
+        if not io.close(flush=not self.reads.stuck):
             _ABANDONED.append((io, self._memory))
         self.reads.close()
         self.drain()
