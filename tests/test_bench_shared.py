@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
+
+import pytest
 
 from aiokv.bench import main as bench_main
 
@@ -28,3 +31,21 @@ def test_a_smoke_run_reports_every_figure(tmp_path: Path) -> None:
     # Users land on a random process each request: one shared tier sees every history.
     hits = results["hit_ratio"]
     assert 0 < hits["private"] <= hits["shared"] <= 1
+
+
+def test_a_store_server_that_refuses_to_start_is_one_error_line_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A temporary directory this deep puts the bench's socket past the 107 bytes a UNIX
+    # socket path holds: the server refuses its --socket and exits. The bench raised the
+    # server's log as a RuntimeError (a traceback).
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    status = bench_main(["shared", "--device", "cpu", "--quick", "--processes", "1"])
+    out, err = capsys.readouterr()
+    assert status == 1, out + err
+    assert err.count("\n") == 1, err
+    assert err.startswith("python -m aiokv.bench shared: StoreError: the store server exited "
+                          "at start (status 2): aiokv store-server: --socket: "), err
+    assert err.rstrip().endswith(" bytes long; a UNIX socket path holds at most 107"), err

@@ -26,6 +26,7 @@ import argparse
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,7 @@ import torch
 import yaml
 
 from .. import EngineConfig, OffloadEngine, StoreConfig, flags, run_in_background
-from ..errors import ConfigError
+from ..errors import ConfigError, StoreError
 from ..stores import make_store
 from ..sync import BackgroundLookup
 from . import common
@@ -372,8 +373,8 @@ def run(args: argparse.Namespace) -> int:
              "--config", str(config)], stderr=log, env=dict(os.environ))
         try:
             while not os.path.exists(socket_path):
-                if server.poll() is not None:
-                    raise RuntimeError((Path(directory) / "server.log").read_text())
+                if (status := server.poll()) is not None:
+                    raise _server_failed(status, (Path(directory) / "server.log").read_text())
                 time.sleep(0.05)
             results = _measure(s, socket_path)
         finally:
@@ -384,6 +385,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         common.write_json(args.json, NAME, s, _device(s.device), args.bench_argv, results)
     return 0
+
+
+# The server's log lines begin "<date> <time> <LEVEL> <logger>: ".
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ [A-Z]+ [\w.]+: ")
+
+
+def _server_failed(status: int, log: str) -> Exception:
+    """What to raise where the store server exited before it listened: its own last word
+    on stderr (its refusal, or a traceback's last line) in one line, as a StoreError;
+    a RuntimeError where that says the sizes did not fit (bench.main's usage error)."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    said = _LOG_PREFIX.sub("", lines[-1]) if lines else "nothing on stderr"
+    if flags.too_large(RuntimeError(said)) is not None:
+        return RuntimeError(said)
+    return StoreError(f"the store server exited at start (status {status}): {said}")
 
 
 def _measure(s: Settings, socket_path: str) -> dict[str, Any]:
