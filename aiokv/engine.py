@@ -37,6 +37,7 @@ from .loop.batcher import Batch, Batcher
 from .loop.binding import check_loop
 from .loop.deadlines import Deadlines
 from .loop.resolution import Resolver
+from .portal import refuse_in_fork
 from .requests import (
     Kind,
     LoadResult,
@@ -120,6 +121,8 @@ class OffloadEngine:
         self._space: SpaceWaits | None = None  # offloads waiting for room, once started
         self._invalidations: Invalidations | None = None  # evict and clear, once started
         self._closed_figures: ClosedFigures | None = None  # the store thread's, at close
+        self._pid: int | None = None  # the process that started it
+        self._forked = False  # a forked child's copy (lifecycle._after_fork_in_child)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -153,11 +156,15 @@ class OffloadEngine:
         more), else the thread is left to end on its own, and the requests still
         unresolved fail with EngineClosed naming their count (logged as a warning).
         Lookups still held read released: the store thread cancels their reservations.
+        In a forked child of the process that started it, returns at once: the engine
+        and its store are the parent's (every other call there raises EngineClosed).
         Raises InvalidRequest, leaving the engine untouched, for a ``drain`` that is not a
         bool or a ``timeout`` that is not a finite number of seconds >= 0, at most
         threading.TIMEOUT_MAX.
         """
         drain, timeout = validate.close_args(drain, timeout)
+        if self._forked:
+            return  # the parent's engine, and its store, are the parent's to close
         if self._state is EngineState.NEW:
             self._state = EngineState.CLOSED
             if not lifecycle.store_in_use(self._store):  # else another engine's store
@@ -375,6 +382,9 @@ class OffloadEngine:
     def _check_running(self) -> None:
         """Every public call that changes the engine starts here (evict and clear too)."""
         if self._state is not _RUNNING:
+            if self._forked:
+                assert self._pid is not None  # set by the start the fork copied
+                refuse_in_fork(self._pid, "engine", "store thread")
             if self._state is EngineState.NEW:
                 raise EngineClosed(
                     "engine is not started: call `await engine.start()` first, or use "

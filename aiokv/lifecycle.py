@@ -6,6 +6,12 @@ An engine belongs to the loop that started it (:mod:`aiokv.loop.binding`): a ``s
 of a running engine from another loop fails with WrongLoop, as every other call does. A
 store drives one engine at a time: a second engine's ``start()`` is refused while the
 first holds it.
+
+A fork copies a started engine but none of its threads: in the child nothing would ever
+run what its calls queue (a call on the parent's loop object waited forever). So every
+engine started in this process and not closed is closed in a forked child, without a word
+to its store (the parent's): its calls raise EngineClosed naming the fork, its close
+returns at once (:func:`_after_fork_in_child`).
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import contextlib
 import enum
 import logging
 import math
+import os
 import threading
+import weakref
 from typing import Protocol
 
 import torch
@@ -82,6 +90,8 @@ class EngineParts(Protocol):
     _space: SpaceWaits | None
     _invalidations: Invalidations | None
     _closed_figures: ClosedFigures | None
+    _pid: int | None  # the process that started it
+    _forked: bool  # this is a forked child of that process: the engine is the parent's
 
     def _on_batch(self, batch: Batch) -> None: ...
 
@@ -131,6 +141,26 @@ def store_in_use(store: Store) -> bool:
         return _in_use.get(id(store)) is store
 
 
+# Every engine started in this process (weak: a dropped one is no business of a fork).
+_started: weakref.WeakSet[EngineParts] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """The child's copy of each engine still open: closed, its store thread's intake too
+    (a lookup's release there must not reach the parent's store, nor wait on a lock a
+    thread gone with the fork held). Its store is left as it is: the parent's to close."""
+    for engine in list(_started):
+        if engine._state is EngineState.CLOSED:
+            continue
+        engine._forked = True
+        engine._state = EngineState.CLOSED
+        if engine._worker is not None:
+            engine._worker.forget_in_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 async def start(engine: EngineParts) -> None:
     """Start an engine (OffloadEngine.start): build its running parts (resolver,
     deadlines, store thread, batcher, space waits, invalidations), then register the
@@ -147,6 +177,8 @@ async def start(engine: EngineParts) -> None:
         raise EngineClosed(f"engine is {engine._state.value}; it cannot be restarted")
     claim_store(engine._store)  # refused (ConfigError) if another engine has it
     loop = asyncio.get_running_loop()
+    engine._pid = os.getpid()
+    _started.add(engine)
     engine._loop = loop
     engine._idle = asyncio.Event()
     engine._idle.set()

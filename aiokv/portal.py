@@ -100,13 +100,14 @@ def forked(owner_pid: int) -> bool:
     return os.getpid() != owner_pid
 
 
-def refuse_in_fork(owner_pid: int, what: str) -> None:
+def refuse_in_fork(owner_pid: int, what: str, missing: str = "loop thread") -> None:
     """EngineClosed in a forked child of ``owner_pid``, whose handle ``what`` (made
-    there) has no loop thread here: a call handed over would wait forever."""
+    there) has no loop thread here (``missing``: the engine's thread the child lacks): a
+    call handed over would wait forever."""
     if forked(owner_pid):
         raise EngineClosed(
             f"this {what} belongs to process {owner_pid}, and this is its forked child "
-            f"{os.getpid()}, where the engine's loop thread does not exist; a forked child "
+            f"{os.getpid()}, where the engine's {missing} does not exist; a forked child "
             "must open an engine of its own"
         )
 

@@ -10,6 +10,9 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
+import select
+import signal
 import threading
 import time
 import warnings
@@ -92,6 +95,100 @@ def test_a_call_from_a_second_loop_fails_typed_and_never_runs(
         assert home.run_until_complete(after()) == 0  # the foreign offload never ran
     finally:
         home.run_until_complete(asyncio.wait_for(engine.aclose(), 10))
+        home.close()
+
+
+def _outcomes_in_a_forked_child(
+    calls: list[tuple[str, Callable[[], Any]]],
+) -> tuple[dict[str, str], int]:
+    """Fork; the child runs each call, writes one line per outcome and leaves. The
+    outcomes by call name, and the child's pid."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            for name, call in calls:
+                try:
+                    said = f"returned {call()!r}"
+                except BaseException as exc:
+                    said = f"{type(exc).__name__}: {exc}"
+                os.write(write_end, f"{name}: {said}\n".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    lines = b""
+    try:
+        # A bound on a hang, not a timing: the child answers at once or never.
+        while select.select([read_end], [], [], 60)[0]:
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            lines += chunk
+    finally:
+        os.close(read_end)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # a child that hung; gone already otherwise
+        os.waitpid(pid, 0)
+    return dict(line.split(": ", 1) for line in lines.decode().splitlines()), pid
+
+
+@pytest.mark.parametrize("own_process", [False, True], ids=["embedded", "own_process"])
+def test_a_forked_child_gets_engine_closed_from_a_bare_engine_and_the_parent_serves_on(
+    caches: list[torch.Tensor], own_process: bool
+) -> None:
+    # A program forks its workers after opening an engine on its own loop. The child's
+    # calls on the parent's loop object were queued for a store thread the fork did not
+    # copy and waited forever; from a loop of its own, WrongLoop said to use that loop.
+    store: dict[str, Any] = {"cpu_cache_gb": 0.01, "own_process": own_process}
+    engine = aiokv.open_engine({"engine": {"window_us": 0}, "store": store}, kv_caches=caches)
+    home = asyncio.new_event_loop()
+    try:
+        home.run_until_complete(engine.start())
+        home.run_until_complete(engine.offload(7, pages(0), TOKENS))
+        held = home.run_until_complete(engine.lookup(7, TOKENS))
+
+        def on(loop_of: Callable[[], asyncio.AbstractEventLoop], name: str) -> Callable[[], Any]:
+            def call() -> Any:
+                work = {
+                    "offload": lambda: engine.offload(8, pages(4), TOKENS),
+                    "lookup": lambda: engine.lookup(7, TOKENS),
+                    "load": lambda: engine.load(held, pages(40)),
+                    "evict": lambda: engine.evict(7),
+                    "aclose": lambda: engine.aclose(timeout=3),
+                }[name]
+                # The bound makes a hang an untyped TimeoutError, not a stuck child.
+                return loop_of().run_until_complete(asyncio.wait_for(work(), 10))
+            return call
+
+        names = ["offload", "lookup", "load", "evict", "aclose"]
+        calls = [(f"fresh {name}", on(asyncio.new_event_loop, name)) for name in names]
+        calls += [(f"home {name}", on(lambda: home, name)) for name in names]
+        said, child = _outcomes_in_a_forked_child(calls)
+        assert list(said) == [name for name, _ in calls], said
+        for name, outcome in said.items():
+            if name.endswith("aclose"):
+                assert outcome == "returned None", (name, outcome)
+                continue
+            assert outcome.startswith("EngineClosed: "), (name, outcome)
+            assert f"belongs to process {os.getpid()}" in outcome
+            assert f"forked child {child}" in outcome
+            assert "forked child must open an engine of its own" in outcome
+
+        async def after() -> None:
+            # The parent's engine is untouched: the held lookup loads, new calls
+            # round-trip, all bit-exact.
+            assert (await engine.load(held, pages(20))).loaded_tokens == TOKENS
+            assert (await engine.offload(8, pages(4), TOKENS)).stored_tokens == TOKENS
+            async with await engine.lookup(8, TOKENS) as hit:
+                assert (await engine.load(hit, pages(50))).loaded_tokens == TOKENS
+            assert engine.stats().failed == 0
+
+        home.run_until_complete(after())
+        for c in caches:
+            assert torch.equal(c[20:24], c[0:4]) and torch.equal(c[50:54], c[4:8])
+    finally:
+        home.run_until_complete(asyncio.wait_for(engine.aclose(), 30))
         home.close()
 
 

@@ -136,6 +136,13 @@ class StoreWorker:
             if self._accepting:
                 self._inbox.put(_Release(task_ids))
 
+    def forget_in_fork(self) -> None:
+        """In a forked child of this process: this thread does not exist there, so take
+        nothing more (a lookup's release is dropped, a submit raises EngineClosed). The
+        lock is a new one: the store thread may have held the parent's at the fork."""
+        self._accept_lock = threading.Lock()
+        self._accepting = False
+
     def stop(self, give_up_s: float) -> None:
         """End the inbox: work already accepted is processed, launched tasks are waited
         for, open reservations are cancelled, then the store is closed. A ``try_wait``
