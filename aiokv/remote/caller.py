@@ -71,6 +71,12 @@ class CallThread:
         """Cancel the calls not yet started and stop after the one under way, waiting
         ``timeout_s`` at most; whether the thread ended (else it is left to end by
         itself: a daemon, holding whatever the call under way holds)."""
+        self.stop()
+        return self.join(timeout_s)
+
+    def stop(self) -> None:
+        """:meth:`close` without the wait: the calls not yet started are cancelled, the
+        thread ends after the one under way."""
         self._closed = True
         while True:
             try:
@@ -80,5 +86,7 @@ class CallThread:
             if call is not None:
                 call[2].cancel()
         self._calls.put(None)
+
+    def join(self, timeout_s: float) -> bool:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()

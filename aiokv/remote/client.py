@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
+from ..exiting import stop_at_exit
 from .caller import CallThread
 from .checksums import Checksums
 from .config import RemoteConfig
@@ -83,6 +84,7 @@ class RemoteIO:
         self._writer.thread.start()
         # Connect (and learn where the markers stand) now, so the first lookup need not.
         self._reader.submit(self._check)
+        stop_at_exit(self)
 
     def resting(self) -> bool:
         return self.connection.resting()
@@ -248,6 +250,26 @@ class RemoteIO:
         if self.connection.resting():
             return max(0.05, self.connection.rest_left_s())
         return max(0.05, self.keys.checked_at + _CHECK_S - time.monotonic())
+
+    # ---- the interpreter's exit (aiokv.exiting) ----------------------------------------
+
+    def stop_at_exit(self) -> None:
+        """The interpreter exits with the engine never closed: both threads end after the
+        Mooncake call they are in (a daemon thread still in one as the interpreter
+        finalizes is unwound through Mooncake's C++ frames: std::terminate). The writes
+        queued are dropped and the reads not started cancelled (the store thread sees a
+        miss); nothing is flushed or published, and the client is left to the process's
+        end, as the store is."""
+        dropped = self.queue.cancel(None)
+        self.queue.close()
+        self.queue.give_back(dropped)
+        self._reader.stop()
+
+    def join_at_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        self._writer.thread.join(timeout)
+        return (self._reader.join(max(0.0, deadline - time.monotonic()))
+                and not self._writer.thread.is_alive())
 
     # ---- close ---------------------------------------------------------------------
 
