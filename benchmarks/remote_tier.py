@@ -199,6 +199,10 @@ async def bandwidth(args: argparse.Namespace, master: str) -> None:
             io_b.client().remove_by_regex("^raw(sum)?/", True)
             await engine_a.clear()
             await engine_b.clear()
+            # B's clear ends the epoch A's began: until A reads B's marker (its reader
+            # checks every second), A's next offloads go under the ended epoch, and its
+            # writer drops them as stale once it asks for the markers.
+            await until(lambda: io_a.keys.view("") == io_b.keys.view(""))
             if round_ < 0:
                 written_before = dict(store_a.store_stats())
                 read_first = read_after
