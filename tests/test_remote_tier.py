@@ -689,7 +689,8 @@ _NEVER_CLOSED = """
 import asyncio, sys, threading, torch, aiokv
 scenario, master = sys.argv[1], sys.argv[2]
 caches = [torch.randn(512, 2, 16, 4, 64) for _ in range(4)]
-store = {"cpu_cache_gb": 0.05, "remote": {"master": master}}
+# Summing threads as on a host of 8 cores or more (half the cores, at most 4; here 1).
+store = {"cpu_cache_gb": 0.05, "remote": {"master": master, "checksum_threads": 4}}
 config = {"engine": {"window_us": 0, "max_batch_requests": 4}, "store": store}
 PAGES = [torch.arange(i * 32, i * 32 + 32) for i in range(16)]  # made once: see
 def pages(i):                                                   # test_background_close

@@ -36,8 +36,14 @@ class Checksums:
         summers, share = self._summers, -(-len(views) // self._threads)  # rounded up
         if summers is None or len(views) * self._block_bytes < _SPLIT_BYTES:
             return self._run(keys, views)
-        parts = [summers.submit(self._run, keys[i : i + share], views[i : i + share])
-                 for i in range(share, len(views), share)]
+        try:
+            parts = [summers.submit(self._run, keys[i : i + share], views[i : i + share])
+                     for i in range(share, len(views), share)]
+        except RuntimeError:
+            # The pool takes no work once the interpreter exits (its threads end first,
+            # while a daemon writer may still be in a batch) or once closed: the batch is
+            # hashed here, whole; parts already taken are left to end unread.
+            return self._run(keys, views)
         sums = self._run(keys[:share], views[:share])
         for part in parts:
             sums += part.result()
