@@ -105,8 +105,8 @@ def test_a_loop_that_dies_closes_the_engine_and_answers_every_call(loop_kind: st
 # in torch's copy most of the time (and, for "asyncio", as the process exits).
 _NEVER_CLOSED = """
 import asyncio, sys, threading, torch, aiokv
-scenario, ssd_dir = sys.argv[1], sys.argv[2]
-caches = [torch.randn(512, 2, 16, 4, 64) for _ in range(4)]
+scenario, ssd_dir, device = sys.argv[1], sys.argv[2], sys.argv[3]
+caches = [torch.randn(512, 2, 16, 4, 64, device=device) for _ in range(4)]
 store = {"cpu_cache_gb": 0.05}
 if scenario == "asyncio":
     store.update(ssd_cache_gb=0.2, ssd_cache_dir=ssd_dir)
@@ -142,9 +142,15 @@ print("offloaded", flush=True)
 """
 
 
+@pytest.mark.parametrize("device", [
+    "cpu",
+    # On a GPU: the copy engines' threads, the host tier's pinning thread (aiokv-pin).
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA GPU")),
+])
 @pytest.mark.parametrize("scenario", ["thread", "asyncio"])
 def test_a_process_exiting_mid_transfer_with_its_engine_never_closed_exits_cleanly(
-    scenario: str, tmp_path: Path
+    scenario: str, device: str, tmp_path: Path
 ) -> None:
     # Its copy thread, a daemon inside torch's copy when the interpreter finalized, was
     # ended there by CPython: std::terminate, the process aborted (SIGABRT) 9 times in 10.
@@ -152,8 +158,10 @@ def test_a_process_exiting_mid_transfer_with_its_engine_never_closed_exits_clean
     for run in range(3):
         ssd_dir = tmp_path / f"ssd{run}"
         ssd_dir.mkdir()
-        done = subprocess.run([sys.executable, "-c", _NEVER_CLOSED, scenario, str(ssd_dir)],
+        done = subprocess.run([sys.executable, "-c", _NEVER_CLOSED, scenario, str(ssd_dir),
+                               device],
                               capture_output=True, text=True, timeout=120, env=env, check=False)
         assert "terminate called" not in done.stderr, (run, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr, (run, done.stderr[-2000:])
         assert done.returncode == 0, (run, done.returncode, done.stderr[-2000:])
         assert done.stdout.split() == ["offloaded"], (run, done.stdout, done.stderr[-2000:])
