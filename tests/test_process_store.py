@@ -5,6 +5,7 @@ test_store_contract.py, as local-cpu-process here and flexkv-process on a GPU.)"
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pickle
 import signal
@@ -232,10 +233,14 @@ def test_a_child_that_fails_before_it_maps_the_caches_leaves_no_descriptor_here(
         store.close()
 
     failed_start()  # whatever the first start opens for good
+    # Descriptors that earlier tests' garbage still holds close when it is collected,
+    # which may fall in the loop below: collected first, and the count may only fall.
+    gc.collect()
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         failed_start()
-    assert len(os.listdir("/proc/self/fd")) == before
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before
 
 
 @pytest.mark.asyncio
