@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import os
 import threading
 import time
 import weakref
@@ -49,6 +50,16 @@ _live: weakref.WeakSet[StopsAtExit] = weakref.WeakSet()
 def stop_at_exit(owner: StopsAtExit) -> None:
     """Have ``owner``'s threads stopped at the interpreter's exit, if still running."""
     _live.add(owner)
+
+
+def _forget_in_child() -> None:
+    # A forked child has none of these threads, only copies of their owners, whose locks
+    # a thread gone with the fork may hold: stopping them at the child's exit could wait
+    # for ever. The child's own engines (it must open its own) register anew.
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _at_exit() -> None:

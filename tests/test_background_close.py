@@ -165,3 +165,47 @@ def test_a_process_exiting_mid_transfer_with_its_engine_never_closed_exits_clean
         assert "Traceback" not in done.stderr, (run, done.stderr[-2000:])
         assert done.returncode == 0, (run, done.returncode, done.stderr[-2000:])
         assert done.stdout.split() == ["offloaded"], (run, done.stdout, done.stderr[-2000:])
+
+
+# A child forked while a thread of its parent is in the middle of a submit (it holds the
+# handle's lock, as a submit does: taken here by hand so that the fork finds it held
+# every time); the child touches nothing of aiokv and exits normally, its atexit hooks
+# run. Prints whether it had exited 30 s on.
+_FORKED_EXIT = """
+import os, signal, sys, threading, time, torch, aiokv
+caches = [torch.zeros(256, 2, 16, 2, 8) for _ in range(2)]
+kv = aiokv.run_in_background(aiokv.open_engine({"store": {"cpu_cache_gb": 0.02}},
+                                               kv_caches=caches))
+kv.submit_offload("u", torch.arange(4), 64).result()
+in_submit, fork_done = threading.Event(), threading.Event()
+def submitting():
+    with kv._lock:
+        in_submit.set()
+        fork_done.wait()
+threading.Thread(target=submitting, daemon=True).start()
+in_submit.wait()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)
+fork_done.set()
+deadline = time.monotonic() + 30
+while os.waitpid(pid, os.WNOHANG)[0] == 0 and time.monotonic() < deadline:
+    time.sleep(0.02)
+exited = time.monotonic() < deadline
+if not exited:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+kv.close()
+print("exited" if exited else "hung", flush=True)
+"""
+
+
+def test_a_child_forked_mid_submit_beside_a_background_engine_exits() -> None:
+    # The exit hook stopped the parent's engines in the child too: it took the handle's
+    # lock, held by a parent's thread the child does not have, and waited for ever
+    # (8 children in 40 forked beside two submitting threads never exited).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _FORKED_EXIT], capture_output=True, text=True,
+                          timeout=120, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["exited"], (done.stdout, done.stderr[-2000:])
