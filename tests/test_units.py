@@ -334,12 +334,35 @@ def test_chain_digests_depend_on_the_whole_prefix_and_namespaces_stay_apart() ->
     store.close()
 
 
+@pytest.mark.parametrize("namespace_chars", [8, 3900])
+def test_a_chain_memo_holds_about_its_bound_in_memory(namespace_chars: int) -> None:
+    """Keys of one page each (as many short histories), short namespaces and namespaces
+    near their size limit: what the memo keeps in memory stays near ``max_bytes``. It
+    counted only token bytes and digests, and held 5x its bound (26x with long keys)."""
+    import tracemalloc
+
+    bound = 4 << 20
+    rng = np.random.default_rng(1)
+    tracemalloc.start()
+    try:
+        memo = ChainMemo(16, max_bytes=bound)
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20000):
+            tokens = rng.integers(1, 1 << 40, size=16, dtype=np.int64)
+            memo.digests((f"uid:{i}" + "x" * namespace_chars,), tokens)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= 1.25 * bound, (held, bound)
+
+
+
 def test_a_keys_remembered_chain_answers_as_chain_digests() -> None:
     """ChainMemo reuses a key's last chain only where the tokens are equal: histories that
     grow, repeat, shrink, change in one page, change back, and the default positions,
     under a memory bound small enough to forget keys, all answer as chain_digests."""
     rng = np.random.default_rng(7)
-    memo = ChainMemo(4, max_bytes=3 * (16 * 8 + 64 * 4))  # about three keys of 16 tokens
+    memo = ChainMemo(4, max_bytes=3 * 1600)  # about three keys of 16 tokens
     base = rng.integers(0, 1000, 64)
     for step in range(400):
         key = (f"k{int(rng.integers(6))}",)

@@ -13,6 +13,7 @@ covered.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections import OrderedDict
 
 import numpy as np
@@ -104,8 +105,9 @@ def chain_digests(token_ids: Int64Array, page_size: int) -> list[bytes]:
     return digests
 
 
-# The token bytes (and their digests) a ChainMemo keeps at most: beyond it, the keys
-# matched least recently are forgotten (and hashed again when next matched).
+# The memory a ChainMemo holds at most (its keys, token bytes, digests and hash states):
+# beyond it, the keys matched least recently are forgotten (hashed again when next
+# matched).
 MEMO_BYTES = 64 << 20
 
 
@@ -126,8 +128,8 @@ class ChainMemo:
     that repeat or cut it take its digests, tokens that extend it hash only the pages
     after it, anything else is hashed afresh and replaces it. Equal digests still mean
     equal prefixes: a chain is reused only where the token bytes are equal (compared, not
-    hashed). One thread (the store's); at most ``max_bytes`` of token bytes and digests
-    kept, the least recently matched keys forgotten first."""
+    hashed). One thread (the store's); about ``max_bytes`` of memory at most (keys, token
+    bytes, digests, hash states), the least recently matched keys forgotten first."""
 
     def __init__(self, page_size: int, max_bytes: int = MEMO_BYTES) -> None:
         self._page_size = page_size
@@ -167,17 +169,26 @@ class ChainMemo:
     def _keep(self, key: tuple[str, ...], chain: _Chain) -> None:
         old = self._chains.pop(key, None)
         if old is not None:
-            self._bytes -= _size(old)
-        size = _size(chain)
+            self._bytes -= _size(key, old)
+        size = _size(key, chain)
         if size > self._max_bytes:
             return
         self._chains[key] = chain
         self._bytes += size
         while self._bytes > self._max_bytes:
-            _, dropped = self._chains.popitem(last=False)
-            self._bytes -= _size(dropped)
+            dropped_key, dropped = self._chains.popitem(last=False)
+            self._bytes -= _size(dropped_key, dropped)
 
 
-def _size(chain: _Chain) -> int:
-    """A chain's token bytes and digests (each a small bytes object and a list slot)."""
-    return len(chain.data) + 64 * len(chain.digests)
+# What a kept key costs beside its token bytes, digests and key strings (measured on
+# CPython 3.11): the copied hash state (~460 bytes), the chain object, its digest list,
+# the key's tuple and the ordered dict's entry. Each digest: a 32-byte bytes object and
+# its list slot.
+_PER_CHAIN = 1024
+_PER_DIGEST = 81
+
+
+def _size(key: tuple[str, ...], chain: _Chain) -> int:
+    """What keeping ``chain`` under ``key`` holds in memory, about (never less)."""
+    return (_PER_CHAIN + sys.getsizeof(chain.data) + _PER_DIGEST * len(chain.digests)
+            + sum(map(sys.getsizeof, key)))
