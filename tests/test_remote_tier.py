@@ -498,6 +498,26 @@ def test_the_master_going_away_turns_lookups_into_misses(tmp_path: Path) -> None
             b.close()
 
 
+def test_an_idle_tier_whose_check_fails_counts_the_failed_call(tmp_path: Path) -> None:
+    # The reader thread asks for the epoch each second; that check failing (the master
+    # gone: code -900) puts the tier to rest with no lookup or write in sight, and was
+    # counted nowhere: remote_errors stayed 0 while lookups missed and writes dropped.
+    with MooncakeServers(segment_mb=16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master, timeout_ms=200)
+        try:
+            assert a.offload(71) == TOKENS
+            until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            assert a.stats()["remote_errors"] == 0
+            servers.stop_master()
+            until(lambda: a.stats()["remote_errors"] > 0)  # idle: only the check calls
+            stats = a.stats()
+            assert stats["remote_call_errors"] > 0 and stats["remote_connect_errors"] == 0
+            # engine.stats() reads the store's figures of up to REFRESH_S ago
+            until(lambda: a.kv.stats().remote_errors > 0)
+        finally:
+            a.close()
+
+
 def test_a_master_that_stops_answering_never_costs_offloads_their_host_room(
     tmp_path: Path,
 ) -> None:

@@ -89,8 +89,9 @@ class RemoteIO:
     def resting(self) -> bool:
         return self.connection.resting()
 
-    def rest(self, what: str, detail: object) -> None:
-        self.connection.rest(what, detail)
+    def failed(self, what: str, detail: object) -> None:
+        """A call raised: counted (``remote_call_errors``), and the tier rests."""
+        self.connection.failed(what, detail)
 
     def client(self) -> Any:
         """The Mooncake client these calls use (None while not connected): for a
@@ -198,7 +199,8 @@ class RemoteIO:
         for ns, count in waiting.items():
             pattern = self.markers.end(client, ns)
             if pattern is None:
-                if not self.connection.resting():  # an answer, not the master's absence
+                # An answer (counted by the markers), not the master's absence.
+                if not self.connection.resting():
                     self.connection.rest("publishing a marker", "refused")
                 break
             self.keys.published(ns, count)
@@ -231,7 +233,9 @@ class RemoteIO:
     def _remove(self, pattern: str) -> None:
         client = self.connection.ready()
         if client is not None:
-            client.remove_by_regex(pattern, True)
+            removed = int(client.remove_by_regex(pattern, True))
+            if self.connection.codes("remove_by_regex", [removed]) and removed < 0:
+                self.read_stats["remote_read_errors"] += 1
 
     def _tend(self) -> float:
         """The reader thread, between calls: publish the markers that could not be
@@ -240,13 +244,19 @@ class RemoteIO:
         restarted, a clear elsewhere); how long until it looks again."""
         if self.connection.resting():
             return max(0.05, self.connection.rest_left_s())
+        answered = True
         try:
             if self.keys.unpublished():
-                self._publish()
+                answered = self._publish()
             if time.monotonic() - self.keys.checked_at >= _CHECK_S:
-                self._check()
-        except Exception as exc:  # the client raised: as a failed call, the tier rests
-            self.connection.rest("a call", exc)
+                answered = self._check() and answered
+        except Exception as exc:  # the client raised: a failed call, the tier rests
+            self.connection.failed("a call", exc)
+            answered = False
+        if not answered:
+            # A failure counted with no lookup or write in sight: the store thread, idle,
+            # would not ask for its figures again, and engine.stats() would not show it.
+            self._wake()
         if self.connection.resting():
             return max(0.05, self.connection.rest_left_s())
         return max(0.05, self.keys.checked_at + _CHECK_S - time.monotonic())

@@ -5,7 +5,7 @@ at start costs nothing but misses. Mooncake's ``setup`` holds the GIL for as lon
 waits for the master, so a master that accepts connections but does not answer (stopped,
 hung) would stop every thread of this process: the master is asked first, within
 ``timeout_ms``, without the GIL (:func:`master_answers`). A call that fails for want of
-the master (or raises), a connect among them (counted), puts the tier to rest for a
+the master (or raises), a connect among them, is counted and puts the tier to rest for a
 while, doubling from ``timeout_ms`` to 30 s: while it rests lookups miss and writes are
 dropped at once, without a call. The client reconnects to a master that comes back by
 itself; the rest only keeps a dead master from costing every lookup its full wait.
@@ -79,7 +79,11 @@ class Connection:
         self._connect_lock = threading.Lock()
         self._rest_s = config.timeout_ms / 1000
         self._retry_at = 0.0  # time.monotonic() before which calls are not tried
-        self.failed_connects = 0  # counted among the tier's errors
+        # Counted among the tier's errors: whichever thread's call it was (the reader's
+        # checks too, which nobody waits on), and the only sign a user has of a rest.
+        self.failed_connects = 0
+        self.failed_calls = 0  # failed for want of the master, or raised
+        self._counting = threading.Lock()  # the tier's three threads fail alike
 
     def resting(self) -> bool:
         return time.monotonic() < self._retry_at
@@ -94,6 +98,12 @@ class Connection:
                         what, detail, self._rest_s)
         self._retry_at = time.monotonic() + self._rest_s
         self._rest_s = min(_MAX_REST_S, self._rest_s * 2)
+
+    def failed(self, what: str, detail: object) -> None:
+        """A call failed for want of the master, or raised: counted, and the tier rests."""
+        with self._counting:
+            self.failed_calls += 1
+        self.rest(what, detail)
 
     def _succeeded(self) -> None:
         self._rest_s = self.config.timeout_ms / 1000
@@ -132,20 +142,24 @@ class Connection:
                     rc = rc or client.register_buffer(address, size)
             if rc != 0:
                 client.close()
-                self.failed_connects += 1
-                self.rest("setup", f"code {rc}")
+                self._failed_connect(f"code {rc}")
                 return None
         except (ImportError, RuntimeError, OSError) as exc:
-            self.failed_connects += 1
-            self.rest("setup", exc)
+            self._failed_connect(exc)
             return None
         self._succeeded()
         return client
 
+    def _failed_connect(self, detail: object) -> None:
+        with self._counting:
+            self.failed_connects += 1
+        self.rest("setup", detail)
+
     def codes(self, what: str, codes: Sequence[int]) -> bool:
-        """Whether a batch call reached Mooncake (else the tier rests)."""
+        """Whether a batch call reached Mooncake (else it is counted, and the tier
+        rests)."""
         if any(code <= _DOWN for code in codes):
-            self.rest(what, f"code {min(codes)}")
+            self.failed(what, f"code {min(codes)}")
             return False
         self._succeeded()
         return True

@@ -202,6 +202,7 @@ class RemoteLink:
             + stats["remote_dropped_evicted"] + stats["remote_dropped_stale"]
         )
         stats["remote_connect_errors"] = io.connection.failed_connects
+        stats["remote_call_errors"] = io.connection.failed_calls
         stats["remote_errors"] = (
             stats["remote_read_errors"] + stats["remote_write_errors"]
             + stats["remote_timeouts"] + stats["remote_invalidation_errors"]

@@ -24,7 +24,8 @@ Ask = Callable[[list[str], list[list[str]]], "tuple[list[bool], T] | None"]
 
 class Markers:
     """``errors``: the counters that a call answered with an error adds to
-    (``remote_read_errors``); ``restarted``: called (on the thread that saw it) once the
+    (``remote_read_errors``; a call that failed for want of the master is the
+    connection's to count); ``restarted``: called (on the thread that saw it) once the
     master is found to have restarted, after this host's view started again."""
 
     def __init__(self, keys: Keys, connection: Connection, errors: dict[str, float],
@@ -72,15 +73,21 @@ class Markers:
         if boot is None or alive != keys.alive(boot):
             return True  # another thread saw to it meanwhile
         there = int(client.is_exist(keys.boot_key()))
-        if not self._connection.codes("is_exist", [there]) or there < 0:
+        if not self._connection.codes("is_exist", [there]):
             return False
+        if there < 0:
+            return self._refused()
         if there == 1:
             now = bytes(client.get(keys.boot_key())).decode(errors="replace")
             if not now:  # it is there: an error, not an answer
-                return False
+                return self._refused()
             if now == boot:
                 rc = int(client.put(alive, b"1", _pinned()))
-                return self._connection.codes("put", [rc])
+                if not self._connection.codes("put", [rc]):
+                    return False
+                if rc != 0:  # an answer all the same: asked again on the next pass
+                    self._refused()
+                return True
         if keys.restart(boot):  # none, or another host's since: a new master
             self._restarted()
         return True
@@ -96,7 +103,7 @@ class Markers:
             if not self._connection.codes("batch_is_exist", found):
                 return None
             if any(code < 0 for code in found):
-                self._errors["remote_read_errors"] += 1
+                self._refused()
                 return None
             return [code == 1 for code in found[: len(probes)]], found[len(probes) :]
 
@@ -118,14 +125,18 @@ class Markers:
             if keys.boot is not None:
                 return True
             rc = int(client.put(keys.boot_key(), secrets.token_hex(8).encode(), _pinned()))
-            if not self._connection.codes("put", [rc]) or rc != 0:
+            if not self._connection.codes("put", [rc]):
                 return False
+            if rc != 0:
+                return self._refused()
             boot = bytes(client.get(keys.boot_key())).decode(errors="replace")
             if not boot:  # not there yet (another host's put under way), or gone again
                 return False
             rc = int(client.put(keys.alive(boot), b"1", _pinned()))
-            if not self._connection.codes("put", [rc]) or rc != 0:
+            if not self._connection.codes("put", [rc]):
                 return False
+            if rc != 0:
+                return self._refused()
             keys.learned(boot)
             return True
 
@@ -146,7 +157,10 @@ class Markers:
         # Another host may publish it meanwhile: a put keeps the first value (code 0),
         # and both meant to end what was current when they began.
         rc = int(client.put(marker_of(current), b"1", _pinned()))
-        if not self._connection.codes("put", [rc]) or rc != 0:
+        if not self._connection.codes("put", [rc]):
+            return None
+        if rc != 0:
+            self._refused()
             return None
         if ns is None:
             keys.advance("", current + 1, 0, lifetime)
@@ -161,13 +175,20 @@ class Markers:
         count = PROBE
         while True:
             found = client.batch_is_exist([marker_of(start + i) for i in range(count)])
-            if not self._connection.codes("batch_is_exist", found) or any(
-                    code < 0 for code in found):
+            if not self._connection.codes("batch_is_exist", found):
+                return None
+            if any(code < 0 for code in found):
+                self._refused()
                 return None
             present = leading_ones(found)
             if present < count:
                 return start + present
             start, count = start + count, count * 2  # far behind: larger steps
+
+    def _refused(self) -> bool:
+        """Mooncake answered a call with an error: counted; False (the call's outcome)."""
+        self._errors["remote_read_errors"] += 1
+        return False
 
 
 def _pinned() -> Any:

@@ -97,7 +97,7 @@ class Reader:
         self.stats_ = {
             "remote_lookups": 0, "remote_lookup_waits": 0, "remote_hits": 0, "remote_misses": 0,
             "remote_blocks_read": 0, "remote_bytes_read": 0, "remote_timeouts": 0,
-            "remote_invalidation_errors": 0, "remote_call_errors": 0,
+            "remote_invalidation_errors": 0,
             "remote_lookup_seconds_total": 0.0, "remote_lookup_seconds_max": 0.0,
         }
 
@@ -278,8 +278,7 @@ class Reader:
         try:
             return future.result(0)
         except Exception as exc:  # the client raised: counted, a miss
-            self.stats_["remote_call_errors"] += 1
-            self._io.rest("a call", exc)
+            self._io.failed("a call", exc)
             return None
 
     def _fetch(self, read: RemoteRead, present: list[list[str]] | None) -> None:
