@@ -201,7 +201,11 @@ class OffloadEngine:
         from its loop or, once it is closed, from any thread: before ``start()`` all 0,
         after ``aclose()`` the final figures. The store's own figures (tier hits, SSD
         bytes, occupancy) are at most ``aiokv.store_figures.REFRESH_S`` old while it
-        works."""
+        works. EngineClosed in a forked child of the process that started it (the
+        engine open at the fork): the figures there are a copy of the parent's, frozen."""
+        if self._forked:
+            assert self._pid is not None  # set by the start the fork copied
+            refuse_in_fork(self._pid, "engine", "store thread")
         worker = self._worker
         restarts = store_restarts(self._store)
         closed = self._closed_figures

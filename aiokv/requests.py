@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -198,6 +199,7 @@ class Lookup:
         self._call_later, self._ttl_s = call_later, ttl_s
         # The engine's loop (whose call_later this is): release() belongs to it.
         self._loop: asyncio.AbstractEventLoop | None = getattr(call_later, "__self__", None)
+        self._pid = os.getpid()  # the process whose store holds the reservation
         if self._state == "held" and call_later is not None:
             self._ttl_handle = call_later(ttl_s, self._expire)
 
@@ -213,8 +215,11 @@ class Lookup:
         return self._state == "held"
 
     def release(self) -> None:
-        """Give the reservation back. Idempotent; a no-op once loaded. On the engine's
+        """Give the reservation back. Idempotent; a no-op once loaded, and in a forked
+        child (the reservation is the parent's, as BackgroundLookup's is). On the engine's
         loop only (WrongLoop elsewhere; from threads, run_in_background's BackgroundLookup)."""
+        if os.getpid() != self._pid:
+            return  # no loop of the engine's runs here, and the parent's hit stays its own
         if self._state == "held":
             if self._loop is not None and not self._loop.is_closed():
                 check_loop(self._loop)  # its TTL timer is the loop's to cancel

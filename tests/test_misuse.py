@@ -192,6 +192,58 @@ def test_a_forked_child_gets_engine_closed_from_a_bare_engine_and_the_parent_ser
         home.close()
 
 
+def _forked_child_refusal(outcome: str, child: int, what: str) -> bool:
+    return (outcome.startswith(f"EngineClosed: this {what} belongs to process {os.getpid()}")
+            and f"forked child {child}" in outcome)
+
+
+def test_a_forked_child_releasing_a_bare_lookup_does_nothing_and_gets_no_copied_stats(
+    caches: list[torch.Tensor],
+) -> None:
+    # A hit held across the fork: its release in the child raised WrongLoop (the
+    # run_in_background handle's release does nothing there), and the child's stats()
+    # answered with the parent's figures as the fork copied them.
+    engine = aiokv.OffloadEngine(small_store(), caches, aiokv.EngineConfig(window_us=0))
+    home = asyncio.new_event_loop()
+    try:
+        home.run_until_complete(engine.start())
+        home.run_until_complete(engine.offload(7, pages(0), TOKENS))
+        held = home.run_until_complete(engine.lookup(7, TOKENS))
+
+        async def release() -> None:
+            held.release()
+
+        async def leave() -> None:
+            async with held:
+                pass
+
+        calls: list[tuple[str, Callable[[], Any]]] = [
+            ("release off any loop", held.release),
+            ("release on a fresh loop", lambda: asyncio.new_event_loop().run_until_complete(
+                release())),
+            ("async with on a fresh loop", lambda: asyncio.new_event_loop().run_until_complete(
+                leave())),
+            ("release on the home loop", lambda: home.run_until_complete(release())),
+            ("stats", engine.stats),
+        ]
+        said, child = _outcomes_in_a_forked_child(calls)
+        assert list(said) == [name for name, _ in calls], said
+        for name, _ in calls[:-1]:
+            assert said[name] == "returned None", (name, said[name])
+        assert _forked_child_refusal(said["stats"], child, "engine"), said["stats"]
+
+        async def after() -> int:
+            return (await engine.load(held, pages(20))).loaded_tokens
+
+        assert held.held  # the parent's hit, still its own: it loads bit-exact
+        assert home.run_until_complete(after()) == TOKENS
+        assert all(torch.equal(c[20:24], c[0:4]) for c in caches)
+        assert engine.stats().completed == 3
+    finally:
+        home.run_until_complete(asyncio.wait_for(engine.aclose(), 30))
+        home.close()
+
+
 def in_a_thread_with_its_own_loop(work: Callable[[], Any]) -> tuple[BaseException | None, float]:
     """Run ``work()`` (which runs a loop of its own) on a new thread: (what it raised,
     seconds it took)."""
