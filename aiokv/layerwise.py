@@ -52,7 +52,12 @@ class LayerwiseLoad:
 
     ``user_id``, ``cached_tokens`` (the Lookup's, what a full load moves) and
     ``num_layers`` (the caches' tables) are the load's. Made by
-    ``engine.load_layerwise``, never directly."""
+    ``engine.load_layerwise``, never directly.
+
+    In a forked child of the process that made it, the waits for a load that had not
+    ended at the fork raise EngineClosed (nothing there would ever end it: the store's
+    thread and copies are the parent's, as is the loop's thread); one that had ended
+    answers as it ended; ``cancel()`` does nothing (the load is the parent's)."""
 
     def __init__(self, num_layers: int, hit: Lookup, loop: asyncio.AbstractEventLoop) -> None:
         self.user_id: Hashable = hit.user_id
@@ -60,6 +65,7 @@ class LayerwiseLoad:
         self.num_layers = num_layers
         self._loop = loop
         self._loop_thread = threading.get_ident()  # made on the loop, by load_layerwise
+        self._pid = os.getpid()  # the process whose loop and store end the load
         # The marks waiters wait on: the load's own until the store's arrive with the
         # launch notice (before the load is handed out), and for good where none do.
         self._marks = LayerMarks(num_layers)
@@ -99,6 +105,7 @@ class LayerwiseLoad:
         engine's loop thread where only the loop could end the wait (a store that marks
         layers at the end): ``await layer_ready(layer)`` there."""
         self._check(layer)
+        self._refuse_in_fork()
         self._raise_if_failed(threads=True)
         marks = self._marks
         if self._own_marks and not self._ended and threading.get_ident() == self._loop_thread:
@@ -120,6 +127,11 @@ class LayerwiseLoad:
         any stream and the host); the loop never blocks. Raises what :meth:`wait_layer`
         raises (asyncio's CancelledError for a cancelled load), except
         BlockingCallOnLoop; WrongLoop off the engine's loop."""
+        if forked(self._pid):  # no loop here is the engine's; what ended answers
+            self._check(layer)
+            self._refuse_in_fork()
+            self._raise_if_failed(threads=False)
+            return
         check_loop(self._loop)
         self._check(layer)
         marks = self._marks
@@ -158,6 +170,13 @@ class LayerwiseLoad:
         """The load's LoadResult once it ended (as ``load`` returns it: ``loaded_tokens``
         may be 0 after an evict), or its error. Cancelling this await does not cancel the
         load (:meth:`cancel` does). WrongLoop off the engine's loop."""
+        if forked(self._pid):  # no loop here is the engine's; what ended answers
+            end = self._end
+            if not end.done():
+                refuse_in_fork(self._pid, "layerwise load", "store thread")
+            if end.cancelled():
+                raise asyncio.CancelledError()
+            return end.result()
         check_loop(self._loop)
         return await asyncio.shield(self._end)
 
@@ -165,8 +184,8 @@ class LayerwiseLoad:
         """Stop waiting for the load (engine's loop only): as for a cancelled ``load``, a
         launched copy still runs to its end into the pages; every wait then raises a
         CancelledError. A no-op once the load ended; WrongLoop off the engine's loop
-        before that."""
-        if self._end.done():
+        before that (a no-op in a forked child: the load is the parent's)."""
+        if self._end.done() or forked(self._pid):
             return
         check_loop(self._loop)
         self._end.cancel()
@@ -231,6 +250,12 @@ class LayerwiseLoad:
         hook, self._on_handed_out = self._on_handed_out, None
         if hook is not None:
             hook(self)
+
+    def _refuse_in_fork(self) -> None:
+        """EngineClosed in a forked child for a load that had not ended at the fork
+        (or whose end the loop had not yet taken in: its layers' outcome is not known)."""
+        if not self._ended:
+            refuse_in_fork(self._pid, "layerwise load", "store thread")
 
     def _check(self, layer: object) -> None:
         if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):

@@ -244,6 +244,64 @@ def test_a_forked_child_releasing_a_bare_lookup_does_nothing_and_gets_no_copied_
         home.close()
 
 
+def test_a_forked_child_waiting_on_a_bare_layerwise_load_gets_engine_closed_not_a_hang(
+    caches: list[torch.Tensor],
+) -> None:
+    # A load started in the parent, its layers still on their way at the fork: the
+    # child's waits (on the parent's loop object above all) waited for a store thread
+    # and copies the fork did not bring.
+    store = LayeredStore()
+    engine = aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))
+    home = asyncio.new_event_loop()
+    try:
+        home.run_until_complete(engine.start())
+        home.run_until_complete(engine.offload(7, pages(0), TOKENS))
+
+        async def ended_load() -> Any:
+            load = await engine.load_layerwise(await engine.lookup(7, TOKENS), pages(40))
+            await load.result()
+            return load
+
+        ended = home.run_until_complete(ended_load())
+        hit = home.run_until_complete(engine.lookup(7, TOKENS))
+        store.gate = threading.Semaphore(0)  # its layers wait
+        load = home.run_until_complete(engine.load_layerwise(hit, pages(20)))
+
+        def on(loop_of: Callable[[], asyncio.AbstractEventLoop],
+               wait: Callable[[], Any]) -> Callable[[], Any]:
+            # The bound makes a hang an untyped TimeoutError, not a stuck child.
+            return lambda: loop_of().run_until_complete(asyncio.wait_for(wait(), 10))
+
+        calls: list[tuple[str, Callable[[], Any]]] = [
+            ("home result", on(lambda: home, load.result)),
+            ("home layer_ready", on(lambda: home, lambda: load.layer_ready(0))),
+            ("fresh result", on(asyncio.new_event_loop, load.result)),
+            ("fresh layer_ready", on(asyncio.new_event_loop, lambda: load.layer_ready(1))),
+            ("cancel", load.cancel),
+            ("ended result", on(asyncio.new_event_loop, ended.result)),
+            ("ended layer_ready", on(lambda: home, lambda: ended.layer_ready(1))),
+            ("wait_layer", lambda: load.wait_layer(0)),  # last: it blocks a thread
+        ]
+        said, child = _outcomes_in_a_forked_child(calls)
+        assert list(said) == [name for name, _ in calls], said
+        for name in ("home result", "home layer_ready", "fresh result", "fresh layer_ready",
+                     "wait_layer"):
+            assert _forked_child_refusal(said[name], child, "layerwise load"), (name, said)
+        assert said["cancel"] == "returned None"
+        assert said["ended result"] == f"returned LoadResult(user_id=7, loaded_tokens={TOKENS})"
+        assert said["ended layer_ready"] == "returned None"
+
+        store.gate.release(1000)  # the parent's load goes on, untouched, bit-exact
+        result = home.run_until_complete(asyncio.wait_for(load.result(), 30))
+        assert result.loaded_tokens == TOKENS
+        assert all(torch.equal(c[20:24], c[0:4]) for c in caches)
+    finally:
+        if store.gate is not None:
+            store.gate.release(1000)
+        home.run_until_complete(asyncio.wait_for(engine.aclose(), 30))
+        home.close()
+
+
 def in_a_thread_with_its_own_loop(work: Callable[[], Any]) -> tuple[BaseException | None, float]:
     """Run ``work()`` (which runs a loop of its own) on a new thread: (what it raised,
     seconds it took)."""
