@@ -301,14 +301,20 @@ def test_demo_verifies_its_loads_with_the_store_in_a_process_of_its_own(
     # A store small enough to evict: offloads, lookups and loads cross to the child.
     config = tmp_path / "aiokv.yml"
     config.write_text("store:\n  cpu_cache_gb: 0.003\n  own_process: true\n")
-    # Long enough to offload more than the store holds on a loaded 2-core box too: 1 s
-    # offloads 45-70x its size on one (its clock starts once the store process serves).
-    status = main(["demo", "--seconds", "1", "--users", "8", "--device", "cpu",
-                   "--config", str(config)])
-    out = capsys.readouterr().out
-    assert status == 0, out
-    assert "0 mismatches" in out and int(out.split("verified")[1].split()[0]) > 0, out
-    assert float(out.split("store ")[1].split("x its size offloaded")[0].split(", ")[1]) > 1, out
+    # 1 s offloads 45-70x the store's size on a 2-core box (its clock starts once the
+    # store process serves); a box starved by other work managed 0.4x once, so a run that
+    # offloaded less than the store holds (nothing evicted: not what this test is for) is
+    # run again for longer.
+    for seconds in ("1", "8"):
+        status = main(["demo", "--seconds", seconds, "--users", "8", "--device", "cpu",
+                       "--config", str(config)])
+        out = capsys.readouterr().out
+        assert status == 0, out
+        assert "0 mismatches" in out and int(out.split("verified")[1].split()[0]) > 0, out
+        offloaded = float(out.split("store ")[1].split("x its size offloaded")[0].split(", ")[1])
+        if offloaded > 1:
+            break
+    assert offloaded > 1, out
 
 
 @pytest.mark.parametrize(("argv", "flag"), [
