@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import json
 import os
 import select
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
@@ -186,3 +191,93 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeServe
     later tests read: one fresh run of 64 MiB lost three tests so)."""
     with MooncakeServers(segment_mb=256, log_dir=tmp_path_factory.mktemp("mooncake")) as servers:
         yield servers
+
+
+def outcomes_in_a_forked_child(
+    calls: list[tuple[str, Callable[[], Any]]],
+) -> tuple[dict[str, str], int]:
+    """Fork; the child runs each call, writes one line per outcome and leaves. The
+    outcomes by call name, and the child's pid."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            for name, call in calls:
+                try:
+                    said = f"returned {call()!r}"
+                except BaseException as exc:
+                    said = f"{type(exc).__name__}: {exc}"
+                os.write(write_end, f"{name}: {said}\n".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    lines = b""
+    try:
+        # A bound on a hang, not a timing: the child answers at once or never.
+        while select.select([read_end], [], [], 60)[0]:
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            lines += chunk
+    finally:
+        os.close(read_end)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # a child that hung; gone already otherwise
+        os.waitpid(pid, 0)
+    return dict(line.split(": ", 1) for line in lines.decode().splitlines()), pid
+
+
+# An engine never closed, mid-transfer as its process exits (argv: the scenario, the
+# caches' device, the store section as JSON): "thread", a run_in_background handle with
+# a daemon thread offloading; "asyncio", asyncio.run left with offloads in flight. Each
+# offload copies 4 MiB, so the copy thread is in its copy most of the time.
+_NEVER_CLOSED = """
+import asyncio, json, sys, threading, torch, aiokv
+scenario, device, store = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+caches = [torch.randn(512, 2, 16, 4, 64, device=device) for _ in range(4)]
+# Batches of 4 offloads: one copy job each, so that jobs are still queued as one ends.
+config = {"engine": {"window_us": 0, "max_batch_requests": 4}, "store": store}
+# Made once: a thread of the caller's own in torch as the interpreter finalizes aborts
+# the process too, aiokv or not.
+PAGES = [torch.arange(i * 32, i * 32 + 32) for i in range(16)]
+def pages(i):
+    return PAGES[i % 16]
+if scenario == "thread":
+    kv = aiokv.run_in_background(aiokv.open_engine(config, kv_caches=caches))
+    offloaded = threading.Event()
+    def offload_forever():
+        user = 0
+        while True:
+            for f in [kv.submit_offload(user + i, pages(i), 512) for i in range(16)]:
+                f.result()
+            user += 16
+            offloaded.set()
+    threading.Thread(target=offload_forever, daemon=True).start()
+    offloaded.wait()
+else:
+    async def main():
+        engine = aiokv.open_engine(config, kv_caches=caches)
+        await engine.start()
+        await asyncio.gather(*[engine.offload(i, pages(i), 512) for i in range(16)])
+        offloads = [asyncio.ensure_future(engine.offload(i, pages(i), 512)) for i in range(16, 64)]
+        # Once one ended, the rest were handed to the store: they are copied as main returns.
+        await asyncio.wait(offloads, return_when=asyncio.FIRST_COMPLETED)
+    asyncio.run(main())
+print("offloaded", flush=True)
+"""
+
+
+def exits_cleanly_never_closed(scenario: str, device: str, store: dict[str, Any]) -> None:
+    """A process whose engine (``store`` its store section) is never closed exits in the
+    middle of its transfers, ``scenario`` "thread" or "asyncio": with status 0, no abort
+    and no traceback."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _NEVER_CLOSED, scenario, device,
+                           json.dumps(store)],
+                          capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert "terminate called" not in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["offloaded"], (done.stdout, done.stderr[-2000:])

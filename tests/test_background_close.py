@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import hold_the_loop, make_caches
+from conftest import exits_cleanly_never_closed, hold_the_loop, make_caches
 from test_sync import LOOPS
 
 import aiokv
@@ -99,49 +99,6 @@ def test_a_loop_that_dies_closes_the_engine_and_answers_every_call(loop_kind: st
     assert kv.stats().pending == 0
 
 
-# An engine never closed, mid-transfer as its process exits: "thread", a
-# run_in_background handle with a daemon thread offloading; "asyncio", asyncio.run left
-# with offloads in flight (SSD tier too). Each offload copies 4 MiB, so the copy thread is
-# in torch's copy most of the time (and, for "asyncio", as the process exits).
-_NEVER_CLOSED = """
-import asyncio, sys, threading, torch, aiokv
-scenario, ssd_dir, device = sys.argv[1], sys.argv[2], sys.argv[3]
-caches = [torch.randn(512, 2, 16, 4, 64, device=device) for _ in range(4)]
-store = {"cpu_cache_gb": 0.05}
-if scenario == "asyncio":
-    store.update(ssd_cache_gb=0.2, ssd_cache_dir=ssd_dir)
-# Batches of 4 offloads: one copy job each, so that jobs are still queued as one ends.
-config = {"engine": {"window_us": 0, "max_batch_requests": 4}, "store": store}
-# Made once: a thread of the caller's own in torch as the interpreter finalizes aborts
-# the process too, aiokv or not.
-PAGES = [torch.arange(i * 32, i * 32 + 32) for i in range(16)]
-def pages(i):
-    return PAGES[i % 16]
-if scenario == "thread":
-    kv = aiokv.run_in_background(aiokv.open_engine(config, kv_caches=caches))
-    offloaded = threading.Event()
-    def offload_forever():
-        user = 0
-        while True:
-            for f in [kv.submit_offload(user + i, pages(i), 512) for i in range(16)]:
-                f.result()
-            user += 16
-            offloaded.set()
-    threading.Thread(target=offload_forever, daemon=True).start()
-    offloaded.wait()
-else:
-    async def main():
-        engine = aiokv.open_engine(config, kv_caches=caches)
-        await engine.start()
-        await asyncio.gather(*[engine.offload(i, pages(i), 512) for i in range(16)])
-        offloads = [asyncio.ensure_future(engine.offload(i, pages(i), 512)) for i in range(16, 64)]
-        # Once one ended, the rest were handed to the store: they are copied as main returns.
-        await asyncio.wait(offloads, return_when=asyncio.FIRST_COMPLETED)
-    asyncio.run(main())
-print("offloaded", flush=True)
-"""
-
-
 @pytest.mark.parametrize("device", [
     "cpu",
     # On a GPU: the copy engines' threads, the host tier's pinning thread (aiokv-pin).
@@ -154,17 +111,13 @@ def test_a_process_exiting_mid_transfer_with_its_engine_never_closed_exits_clean
 ) -> None:
     # Its copy thread, a daemon inside torch's copy when the interpreter finalized, was
     # ended there by CPython: std::terminate, the process aborted (SIGABRT) 9 times in 10.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for run in range(3):
-        ssd_dir = tmp_path / f"ssd{run}"
-        ssd_dir.mkdir()
-        done = subprocess.run([sys.executable, "-c", _NEVER_CLOSED, scenario, str(ssd_dir),
-                               device],
-                              capture_output=True, text=True, timeout=120, env=env, check=False)
-        assert "terminate called" not in done.stderr, (run, done.stderr[-2000:])
-        assert "Traceback" not in done.stderr, (run, done.stderr[-2000:])
-        assert done.returncode == 0, (run, done.returncode, done.stderr[-2000:])
-        assert done.stdout.split() == ["offloaded"], (run, done.stdout, done.stderr[-2000:])
+        store: dict[str, object] = {"cpu_cache_gb": 0.05}
+        if scenario == "asyncio":  # the SSD tier's threads too
+            ssd_dir = tmp_path / f"ssd{run}"
+            ssd_dir.mkdir()
+            store.update(ssd_cache_gb=0.2, ssd_cache_dir=str(ssd_dir))
+        exits_cleanly_never_closed(scenario, device, store)
 
 
 # A child forked while a thread of its parent is in the middle of a submit (it holds the

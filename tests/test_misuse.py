@@ -11,8 +11,6 @@ import contextlib
 import gc
 import logging
 import os
-import select
-import signal
 import threading
 import time
 import warnings
@@ -22,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from conftest import PAGE_SIZE, make_caches, small_store
+from conftest import PAGE_SIZE, make_caches, outcomes_in_a_forked_child, small_store
 
 import aiokv
 from aiokv import lifecycle
@@ -98,41 +96,6 @@ def test_a_call_from_a_second_loop_fails_typed_and_never_runs(
         home.close()
 
 
-def _outcomes_in_a_forked_child(
-    calls: list[tuple[str, Callable[[], Any]]],
-) -> tuple[dict[str, str], int]:
-    """Fork; the child runs each call, writes one line per outcome and leaves. The
-    outcomes by call name, and the child's pid."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(read_end)
-            for name, call in calls:
-                try:
-                    said = f"returned {call()!r}"
-                except BaseException as exc:
-                    said = f"{type(exc).__name__}: {exc}"
-                os.write(write_end, f"{name}: {said}\n".encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    lines = b""
-    try:
-        # A bound on a hang, not a timing: the child answers at once or never.
-        while select.select([read_end], [], [], 60)[0]:
-            chunk = os.read(read_end, 65536)
-            if not chunk:
-                break
-            lines += chunk
-    finally:
-        os.close(read_end)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)  # a child that hung; gone already otherwise
-        os.waitpid(pid, 0)
-    return dict(line.split(": ", 1) for line in lines.decode().splitlines()), pid
-
-
 @pytest.mark.parametrize("own_process", [False, True], ids=["embedded", "own_process"])
 def test_a_forked_child_gets_engine_closed_from_a_bare_engine_and_the_parent_serves_on(
     caches: list[torch.Tensor], own_process: bool
@@ -164,7 +127,7 @@ def test_a_forked_child_gets_engine_closed_from_a_bare_engine_and_the_parent_ser
         names = ["offload", "lookup", "load", "evict", "aclose"]
         calls = [(f"fresh {name}", on(asyncio.new_event_loop, name)) for name in names]
         calls += [(f"home {name}", on(lambda: home, name)) for name in names]
-        said, child = _outcomes_in_a_forked_child(calls)
+        said, child = outcomes_in_a_forked_child(calls)
         assert list(said) == [name for name, _ in calls], said
         for name, outcome in said.items():
             if name.endswith("aclose"):
@@ -226,7 +189,7 @@ def test_a_forked_child_releasing_a_bare_lookup_does_nothing_and_gets_no_copied_
             ("release on the home loop", lambda: home.run_until_complete(release())),
             ("stats", engine.stats),
         ]
-        said, child = _outcomes_in_a_forked_child(calls)
+        said, child = outcomes_in_a_forked_child(calls)
         assert list(said) == [name for name, _ in calls], said
         for name, _ in calls[:-1]:
             assert said[name] == "returned None", (name, said[name])
@@ -282,7 +245,7 @@ def test_a_forked_child_waiting_on_a_bare_layerwise_load_gets_engine_closed_not_
             ("ended layer_ready", on(lambda: home, lambda: ended.layer_ready(1))),
             ("wait_layer", lambda: load.wait_layer(0)),  # last: it blocks a thread
         ]
-        said, child = _outcomes_in_a_forked_child(calls)
+        said, child = outcomes_in_a_forked_child(calls)
         assert list(said) == [name for name, _ in calls], said
         for name in ("home result", "home layer_ready", "fresh result", "fresh layer_ready",
                      "wait_layer"):

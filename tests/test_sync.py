@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import os
-import select
-import signal
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 import uvloop
-from conftest import PAGE_SIZE, held, hold_the_loop, make_caches, small_store
+from conftest import (
+    PAGE_SIZE,
+    held,
+    hold_the_loop,
+    make_caches,
+    outcomes_in_a_forked_child,
+    small_store,
+)
 
 import aiokv
 from aiokv.testing import CheckingStore, FakeStore, FaultyStore, StoreWrapper
@@ -419,35 +423,10 @@ def test_a_forked_child_gets_engine_closed_at_once_and_the_parent_goes_on() -> N
             ("release", lambda: held.release()),
             ("close", lambda: kv.close(timeout=3)),
         ]
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: each call's outcome, one line each, then out
-            try:
-                os.close(read_end)
-                for name, call in calls:
-                    try:
-                        said = f"returned {call()!r}"
-                    except BaseException as exc:
-                        said = f"{type(exc).__name__}: {exc}"
-                    os.write(write_end, f"{name}: {said}\n".encode())
-            finally:
-                os._exit(0)
-        os.close(write_end)
-        lines = b""
         try:
-            # A bound on a hang, not a timing: the child answers at once or never.
-            while select.select([read_end], [], [], 60)[0]:
-                chunk = os.read(read_end, 65536)
-                if not chunk:
-                    break
-                lines += chunk
+            said, _ = outcomes_in_a_forked_child(calls)
         finally:
-            os.close(read_end)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # a child that hung; gone already otherwise
-            os.waitpid(pid, 0)
             faulty.hold.set()
-        said = dict(line.split(": ", 1) for line in lines.decode().splitlines())
         assert list(said) == [name for name, _ in calls], said
         for name in ("offload", "submit_lookup", "load", "layerwise_result", "stats"):
             assert said[name].startswith("EngineClosed: "), (name, said[name])

@@ -88,18 +88,26 @@ def are_positions(head: Int64Array) -> bool:
     return _position_bytes.startswith(head)  # type: ignore[arg-type]  # buffer protocol
 
 
-def chain_digests(token_ids: Int64Array, page_size: int) -> list[bytes]:
-    """One digest per full page: digest ``i`` covers tokens ``[0, (i + 1) * page_size)``
-    (not the namespace: see the module docstring). A running hash is copied per block,
-    so the cost is linear in the tokens, not quadratic; the default token ids (positions)
-    are recognised by content and answered from a cache."""
+def _to_hash(token_ids: Int64Array, page_size: int) -> Int64Array | list[bytes]:
+    """The full pages' token ids (int64) to hash, or their digests where they are known
+    without hashing: none, or the default positions'."""
     full_pages = len(token_ids) // page_size
     if full_pages == 0:
         return []
     head = token_ids[: full_pages * page_size]
     if are_positions(head):
         return position_digests(page_size, full_pages)
-    head = _as_int64(head)
+    return _as_int64(head)
+
+
+def chain_digests(token_ids: Int64Array, page_size: int) -> list[bytes]:
+    """One digest per full page: digest ``i`` covers tokens ``[0, (i + 1) * page_size)``
+    (not the namespace: see the module docstring). A running hash is copied per block,
+    so the cost is linear in the tokens, not quadratic; the default token ids (positions)
+    are recognised by content and answered from a cache."""
+    head = _to_hash(token_ids, page_size)
+    if isinstance(head, list):
+        return head
     digests: list[bytes] = []
     _hash_chain(_SEED.copy(), memoryview(head.data).cast("B"), page_size * 8, digests)
     return digests
@@ -140,13 +148,11 @@ class ChainMemo:
     def digests(self, key: tuple[str, ...], token_ids: Int64Array) -> list[bytes]:
         """``chain_digests(token_ids, page_size)``; the list is the caller's."""
         page_size = self._page_size
-        full_pages = len(token_ids) // page_size
-        if full_pages == 0:
-            return []
-        head = token_ids[: full_pages * page_size]
-        if are_positions(head):
-            return position_digests(page_size, full_pages)
-        data = _as_int64(head).tobytes()
+        head = _to_hash(token_ids, page_size)
+        if isinstance(head, list):
+            return head
+        full_pages = len(head) // page_size
+        data = head.tobytes()
         chain = self._chains.get(key)
         if chain is not None:
             if len(data) <= len(chain.data):
