@@ -725,3 +725,30 @@ def test_the_remote_tier_benchmark_runs_every_round_to_its_figures() -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     assert "load: aiokv load / raw get = " in run.stdout
     assert "host-tier load p99 (best round)" in run.stdout
+
+
+def test_a_lookup_read_that_times_out_and_then_fails_is_one_error(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A slow Mooncake whose read then fails for want of the master: the lookup gave up
+    # at timeout_ms (a miss, its timeout counted), and the call's failure, seen later on
+    # the reader thread, was counted again: remote_errors said 2 for one failed call.
+    returned = threading.Event()
+
+    def slow_then_down(io: RemoteIO, items: Any, blocks: Any) -> list[int]:
+        time.sleep(1.0)  # past the lookup's timeout_ms
+        io.connection.codes("batch_get_into", [-900])  # the master's absence
+        returned.set()
+        return [0] * len(items)
+
+    monkeypatch.setattr(RemoteIO, "read", slow_then_down)
+    b = LocalHost(mooncake.master, timeout_ms=200)
+    try:
+        assert b.load(4401) == (0, True)  # a miss, after timeout_ms
+        # Both counts are in by then: the timeout's before the load answered, the
+        # failure's in the call, before it returned.
+        assert returned.wait(10)
+        stats = b.stats()
+        assert (stats["remote_timeouts"], stats["remote_call_errors"]) == (1, 0), stats
+        assert stats["remote_errors"] == 1
+    finally:
+        b.close()

@@ -19,6 +19,15 @@ from typing import Any
 
 log = logging.getLogger("aiokv")
 
+_running = threading.local()
+
+
+def current_call() -> Future[Any] | None:
+    """The future of the call this thread is running (None outside a call of a
+    :class:`CallThread`): what a failure inside the call is counted against."""
+    future: Future[Any] | None = getattr(_running, "future", None)
+    return future
+
 _Call = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any]"]
 
 
@@ -53,12 +62,15 @@ class CallThread:
                     return
                 function, args, future = call
                 if future.set_running_or_notify_cancel():
+                    _running.future = future
                     try:
                         result = function(*args)
                     except BaseException as exc:  # the caller's to see, as an executor's
                         future.set_exception(exc)
                     else:
                         future.set_result(result)
+                    finally:
+                        _running.future = None
             if self._closed:
                 continue
             try:

@@ -17,9 +17,12 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
+from .caller import current_call
 from .config import RemoteConfig
 from .native import import_store
 
@@ -30,6 +33,7 @@ ABSENT = -704  # OBJECT_NOT_FOUND
 NOT_READY = -703  # REPLICA_IS_NOT_READY: another host's put of the value is under way
 _DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
 _MAX_REST_S = 30.0
+_FAILED, _TIMED_OUT = "failed", "timed out"  # a reader call's fate, as counted
 _CONNECT_WAIT_S = 10.0
 
 
@@ -84,6 +88,9 @@ class Connection:
         self.failed_connects = 0
         self.failed_calls = 0  # failed for want of the master, or raised
         self._counting = threading.Lock()  # the tier's three threads fail alike
+        # The reader thread's calls that failed, or that a lookup gave up on.
+        self._fates: weakref.WeakKeyDictionary[Future[Any], str] = (
+            weakref.WeakKeyDictionary())
 
     def resting(self) -> bool:
         return time.monotonic() < self._retry_at
@@ -100,10 +107,24 @@ class Connection:
         self._rest_s = min(_MAX_REST_S, self._rest_s * 2)
 
     def failed(self, what: str, detail: object) -> None:
-        """A call failed for want of the master, or raised: counted, and the tier rests."""
+        """A call failed for want of the master, or raised: counted (unless a lookup
+        that gave up on it counted its timeout already), and the tier rests."""
+        call = current_call()
         with self._counting:
-            self.failed_calls += 1
+            if call is None or self._fates.get(call) != _TIMED_OUT:
+                self.failed_calls += 1
+                if call is not None:
+                    self._fates[call] = _FAILED
         self.rest(what, detail)
+
+    def timed_out(self, call: Future[Any]) -> bool:
+        """A lookup gave up waiting for ``call``: whether to count its timeout. Not if
+        the call failed already (counted as such): one failed call, counted once."""
+        with self._counting:
+            if self._fates.get(call) == _FAILED:
+                return False
+            self._fates[call] = _TIMED_OUT
+            return True
 
     def _succeeded(self) -> None:
         self._rest_s = self.config.timeout_ms / 1000

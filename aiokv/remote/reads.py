@@ -258,7 +258,8 @@ class Reader:
         future = read.future
         if not future.done():
             if now >= read.deadline:  # a miss; its blocks wait for the call to return
-                self.stats_["remote_timeouts"] += 1
+                if self._io.connection.timed_out(future):
+                    self.stats_["remote_timeouts"] += 1
                 self._busy = future
                 if len(read.blocks):
                     self._late.append((future, read.blocks))
