@@ -41,6 +41,18 @@ def hits_whole(store: SharedStore, tables: list[torch.Tensor], user: int) -> boo
     return bool(mask.sum() == PAGES * PAGE_SIZE) and load_exact(store, tables, user, task)
 
 
+def gone_mid_lookup(reader: SharedStore, user: int, figures: SharedStore,
+                    clients_left: int) -> None:
+    """``reader`` looks ``user`` up (its pages on SSD only, their reads held) and goes,
+    its lookup unanswered (a StoreError); the server sees ``clients_left`` engines then."""
+    lookup = lookup_reading(reader, user, figures)
+    assert reader._link is not None
+    reader._link.sock.shutdown(socket.SHUT_RDWR)
+    with pytest.raises(aiokv.StoreError):
+        lookup.outcome()
+    wait_for(lambda: figures.store_stats()["server_clients"] == clients_left, "the drop")
+
+
 def test_an_engine_waiting_on_ssd_reads_does_not_hold_up_the_others(
         host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = on_ssd_only(host, 7, monkeypatch)
@@ -79,12 +91,7 @@ def test_an_engine_gone_while_its_ssd_reads_wait_leaves_nothing_held(
     reader, _ = host.engine()
     figures, figures_tables = host.engine()
     try:
-        lookup = lookup_reading(reader, 9, figures)
-        assert reader._link is not None
-        reader._link.sock.shutdown(socket.SHUT_RDWR)  # the engine goes, its lookup unanswered
-        with pytest.raises(aiokv.StoreError):
-            lookup.outcome()
-        wait_for(lambda: figures.store_stats()["server_clients"] == 1, "the drop")
+        gone_mid_lookup(reader, 9, figures, clients_left=1)
         gate.set()
         # The reads' blocks were taken when they started: their count says nothing about
         # the reads' end, which is the staging count falling to 0.
@@ -110,12 +117,7 @@ def test_a_lookup_of_a_key_still_read_for_a_gone_engine_waits_for_those_reads(
     twin, twin_tables = host.engine()
     figures, _ = host.engine()
     try:
-        lookup = lookup_reading(reader, 15, figures)
-        assert reader._link is not None
-        reader._link.sock.shutdown(socket.SHUT_RDWR)  # the engine goes, its lookup unanswered
-        with pytest.raises(aiokv.StoreError):
-            lookup.outcome()
-        wait_for(lambda: figures.store_stats()["server_clients"] == 2, "the drop")
+        gone_mid_lookup(reader, 15, figures, clients_left=2)
         same_key = Call(lambda: twin.get_match(TOKENS, ["user:15"]))
         same_key.join(0.5)  # time for the server to take it; it must not answer yet
         assert same_key.is_alive()

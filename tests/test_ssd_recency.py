@@ -178,6 +178,19 @@ async def users_0_to_3_then_user_0_read_from_ssd(engine: aiokv.OffloadEngine,
     assert store.store_stats()["ssd_hit_tokens"] == USER_PAGES * PAGE
 
 
+async def closed_after_reads(root: Path) -> tuple[aiokv.StoreConfig, list[torch.Tensor],
+                                                   list[torch.Tensor]]:
+    """An SSD tier under ``root`` after :func:`users_0_to_3_then_user_0_read_from_ssd`,
+    closed cleanly: its config, the caches and their first contents."""
+    config = ssd_config(root, slots=SLOTS)
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    store = aiokv.LocalStore(config)
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
+        await users_0_to_3_then_user_0_read_from_ssd(engine, store)
+    return config, caches, original
+
+
 async def restarted(config: aiokv.StoreConfig, caches: list[torch.Tensor],
                     users: tuple[int, ...]) -> None:
     """A store on ``config`` offloads ``users``, each landing on SSD, and closes."""
@@ -228,12 +241,7 @@ async def test_after_a_crash_ssd_blocks_rank_by_when_they_were_written(tmp_path:
     # The order the last clean close saved is used by the next open alone: after a crash
     # it would rank user 1, read since that open, as the least recently used.
     (tmp_path / "live").mkdir()
-    config = ssd_config(tmp_path / "live", slots=SLOTS)
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    store = aiokv.LocalStore(config)
-    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
-        await users_0_to_3_then_user_0_read_from_ssd(engine, store)
+    config, caches, original = await closed_after_reads(tmp_path / "live")
     assert saved_order(tmp_path / "live").exists()
     killed = tmp_path / "killed"
     async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches,
@@ -249,12 +257,7 @@ async def test_after_a_crash_ssd_blocks_rank_by_when_they_were_written(tmp_path:
 
 @pytest.mark.asyncio
 async def test_an_order_saved_before_later_writes_is_not_applied(tmp_path: Path) -> None:
-    config = ssd_config(tmp_path, slots=SLOTS)
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    store = aiokv.LocalStore(config)
-    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
-        await users_0_to_3_then_user_0_read_from_ssd(engine, store)
+    config, caches, original = await closed_after_reads(tmp_path)
     stale = saved_order(tmp_path).read_bytes()
     await restarted(config, caches, (4,))  # user 1 goes; user 4 takes its slots
     saved_order(tmp_path).write_bytes(stale)  # names user 1's slots as the oldest
@@ -278,12 +281,7 @@ def damage(path: Path, how: str) -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["flipped", "truncated", "foreign", "directory"])
 async def test_a_damaged_saved_order_is_ignored(tmp_path: Path, how: str) -> None:
-    config = ssd_config(tmp_path, slots=SLOTS)
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    store = aiokv.LocalStore(config)
-    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
-        await users_0_to_3_then_user_0_read_from_ssd(engine, store)
+    config, caches, original = await closed_after_reads(tmp_path)
     damage(saved_order(tmp_path), how)
     await restarted(config, caches, (4,))  # generation order: user 0 goes
     assert await kept(config, original) == [0, 8, 8, 8, 8, 0]
