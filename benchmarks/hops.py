@@ -162,7 +162,7 @@ def offloads(args: argparse.Namespace, device: torch.device, caches: list[torch.
         kv.close()
     stages = set.intersection(*(set(row) for row in rows))
     medians = {s: statistics.median(row[s] for row in rows) for s in stages}
-    print(f"{args.users} x {args.tokens} offloads on {device.type}, {LAYERS} layers, "
+    print(f"{args.users} x {args.tokens} offloads on {device.type}, {len(caches)} layers, "
           f"{batch_bytes / 2**20:.0f} MiB, median of {args.repeats}, ms from the first call:")
     for stage, ms in sorted(medians.items(), key=lambda item: item[1]):
         print(f"  {stage:>22}  {ms:7.3f}")
@@ -179,6 +179,7 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--heads", type=int, default=HEADS)
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--page", type=int, default=PAGE, help="tokens per page")
@@ -189,12 +190,16 @@ def main() -> None:
                         help="the page ids as CPU tensors (no copy of them to the host)")
     parser.add_argument("--offload", action="store_true",
                         help="a batch of offloads, first call to last result")
+    parser.add_argument("--switch-interval-us", type=int, default=0,
+                        help="sys.setswitchinterval (0: Python's 5 ms)")
     args = parser.parse_args()
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
     device = torch.device(args.device)
     pages = args.tokens // args.page
     num_pages = 2 * args.users * pages
     caches = [torch.randn(num_pages, 2, args.page, args.heads, args.head_dim, device=device,
-                          dtype=getattr(torch, args.dtype)) for _ in range(LAYERS)]
+                          dtype=getattr(torch, args.dtype)) for _ in range(args.layers)]
     if args.offload:
         offloads(args, device, caches, num_pages, pages)
         return
@@ -251,7 +256,7 @@ def main() -> None:
         kv.close()
     stages = set.intersection(*(set(row) for row in rows))
     medians = {s: statistics.median(row[s] for row in rows) for s in stages}
-    print(f"{args.users} x {args.tokens} layerwise loads on {device.type}, {LAYERS} layers, "
+    print(f"{args.users} x {args.tokens} layerwise loads on {device.type}, {len(caches)} layers, "
           f"median of {args.repeats}, ms from the first call:")
     for stage, ms in sorted(medians.items(), key=lambda item: item[1]):
         print(f"  {stage:>18}  {ms:7.3f}")

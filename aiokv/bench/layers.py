@@ -58,6 +58,7 @@ class Settings:
     warmup: int = common.or_zero(2)
     config: str = ""
     device: str = "auto"
+    switch_interval_us: int = common.or_zero(0)
 
 
 QUICK: dict[str, object] = {
@@ -74,6 +75,8 @@ HELPS = {
     "config": "YAML config whose store the engine runs on (its engine section too, less the "
     "batching); default: the embedded store, sized for the rounds",
     "device": "where the caches and the model live (cpu: a smoke run at --quick sizes)",
+    "switch_interval_us": "sys.setswitchinterval for the whole run (0: Python's 5 ms): how "
+    "long the engine's threads may wait for the GIL behind a thread running Python",
 }
 
 
@@ -214,6 +217,14 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--first-tokens must be in [1, --tokens], got {s.first_tokens}")
     device = common.pick_device(s.device)
     configs = round_configs(s)
+    with common.switch_interval(s.switch_interval_us):
+        return _measure(args, s, device, configs)
+
+
+def _measure(
+    args: argparse.Namespace, s: Settings, device: torch.device,
+    configs: tuple[EngineConfig, StoreConfig, int],
+) -> int:
     rounds = Rounds(s, device, configs)
     try:
         load_s, compute_s = rounds.calibrate()
