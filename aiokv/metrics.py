@@ -78,6 +78,7 @@ _ERROR_KEYS = (
     ("remote_read", "remote_read_errors"),
     ("remote_write", "remote_write_errors"),
     ("remote_timeout", "remote_timeouts"),
+    # Evicts and clears whose marker did not go out: not calls (those are the others').
     ("remote_invalidation", "remote_invalidation_errors"),
     ("remote_call", "remote_call_errors"),
     ("remote_connect", "remote_connect_errors"),  # the master refused or did not answer

@@ -752,3 +752,41 @@ def test_a_lookup_read_that_times_out_and_then_fails_is_one_error(
         assert stats["remote_errors"] == 1
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("master", ["killed", "paused"])
+def test_an_evict_whose_marker_cannot_go_out_counts_each_failed_call_once(
+        tmp_path: Path, master: str) -> None:
+    # The first evict's marker call fails (a killed master: code -900) or times out (a
+    # paused one); the second evict makes no call (the tier rests, or its reader is still
+    # in that call). remote_errors counted the failed call again as the evict's
+    # invalidation error, and the evict that made no call as one: 3 for one failed call.
+    with MooncakeServers(segment_mb=16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master, timeout_ms=2000 if master == "killed" else 300)
+        try:
+            for user in (4501, 4502):
+                assert a.offload(user) == TOKENS
+            until(lambda: a.stats()["remote_blocks_written"] == 2 * USER_PAGES)
+            if master == "killed":
+                servers.stop_master()
+            else:
+                servers.pause_master()
+            assert a.kv.evict(4501) == TOKENS  # served; the marker does not go out
+            assert a.kv.evict(4502) == TOKENS
+        finally:
+            stats = a.close()
+            engine = a.kv.stats()  # final after close
+            servers.pause_master(False)
+    calls = ("remote_call_errors", "remote_connect_errors", "remote_timeouts",
+             "remote_read_errors", "remote_write_errors")
+    seen = {key: stats[key] for key in (*calls, "remote_errors", "remote_invalidation_errors",
+                                        "remote_invalidations_waiting")}
+    # Each evict whose marker did not go out is its own count, not a failed call.
+    assert (seen["remote_invalidation_errors"], seen["remote_invalidations_waiting"]) == (
+        2, 2), seen
+    assert seen["remote_errors"] == sum(seen[key] for key in calls), seen
+    if master == "killed":  # close's one try at the markers, and the checks, fail too
+        assert seen["remote_call_errors"] >= 1 and seen["remote_timeouts"] == 0, seen
+    else:  # the one call, still waiting on the master: no other is made
+        assert seen["remote_errors"] == seen["remote_timeouts"] == 1, seen
+    assert engine.remote_errors == seen["remote_errors"]
