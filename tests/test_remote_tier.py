@@ -790,3 +790,33 @@ def test_an_evict_whose_marker_cannot_go_out_counts_each_failed_call_once(
     else:  # the one call, still waiting on the master: no other is made
         assert seen["remote_errors"] == seen["remote_timeouts"] == 1, seen
     assert engine.remote_errors == seen["remote_errors"]
+
+
+def test_an_evict_whose_marker_call_times_out_and_then_fails_is_one_error(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A slow Mooncake whose marker call then fails for want of the master: the evict gave
+    # up at timeout_ms (its timeout counted), and the call's failure, seen later on the
+    # reader thread, was counted again: remote_errors said 3 for one failed call. (A fresh
+    # host's reader is still connecting when the evict comes: between the two calls it
+    # published the marker itself, its failure counted apart from the evict's call.)
+    returned = threading.Event()
+
+    def slow_then_down(io: RemoteIO) -> bool:
+        time.sleep(1.0)  # past the evict's timeout_ms
+        io.connection.codes("batch_is_exist", [-900])  # the master's absence
+        returned.set()
+        return False
+
+    monkeypatch.setattr(RemoteIO, "_publish", slow_then_down)
+    b = LocalHost(mooncake.master, timeout_ms=200)
+    try:
+        # Nothing of it is written: the evict's marker is its one call, at once.
+        assert b.kv.evict(4511) == 0  # after timeout_ms, the marker not out
+        assert returned.wait(10)  # the failure is counted in the call, before it returns
+        stats = b.stats()
+        seen = {key: stats[key] for key in ("remote_timeouts", "remote_call_errors",
+                                            "remote_invalidation_errors", "remote_errors")}
+        assert seen == {"remote_timeouts": 1, "remote_call_errors": 0,
+                        "remote_invalidation_errors": 1, "remote_errors": 1}
+    finally:
+        b.close()

@@ -179,6 +179,13 @@ class RemoteIO:
                 self._publishing = self._reader.submit(self._publish_call)
             return self._publishing
 
+    def _publish_queued(self) -> bool:
+        """A publish call waits its turn (after the call under way): the markers are its
+        to publish. Published here first, a failure would be counted twice: once here,
+        and once as the timeout of the evict that waits on that call behind it."""
+        with self._publishing_lock:
+            return self._publishing is not None and not self._publishing_started
+
     def _publish_call(self) -> bool:
         with self._publishing_lock:
             self._publishing_started = True
@@ -239,14 +246,15 @@ class RemoteIO:
 
     def _tend(self) -> float:
         """The reader thread, between calls: publish the markers that could not be
-        published earlier, once the tier no longer rests, and ask for the boot id's key
-        and the epoch's markers when no call did for ``_CHECK_S`` (a master that
-        restarted, a clear elsewhere); how long until it looks again."""
+        published earlier, once the tier no longer rests (and no publish call is
+        queued: :meth:`_publish_queued`), and ask for the boot id's key and the epoch's
+        markers when no call did for ``_CHECK_S`` (a master that restarted, a clear
+        elsewhere); how long until it looks again."""
         if self.connection.resting():
             return max(0.05, self.connection.rest_left_s())
         answered = True
         try:
-            if self.keys.unpublished():
+            if self.keys.unpublished() and not self._publish_queued():
                 answered = self._publish()
             if time.monotonic() - self.keys.checked_at >= _CHECK_S:
                 answered = self._check() and answered

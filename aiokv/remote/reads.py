@@ -414,15 +414,18 @@ class Reader:
         return published
 
     def _published(self, now: float) -> None:
-        """Count the markers that failed, or that were not out in time (the reader
-        thread is then busy: lookups miss at once until it is not)."""
+        """Count the evicts and clears whose markers failed to go out, or were not out in
+        time (the reader thread is then busy: lookups miss at once until it is not). The
+        call's own failure is counted where it failed, its timeout here: a call that
+        times out and then fails is one error."""
         left = []
         for published in self._publishing:
             if published.future.done():
                 if not self._answer(published.future):
                     self.stats_["remote_invalidation_errors"] += 1
             elif now >= published.deadline:
-                self.stats_["remote_timeouts"] += 1
+                if self._io.connection.timed_out(published.future):
+                    self.stats_["remote_timeouts"] += 1
                 self.stats_["remote_invalidation_errors"] += 1
                 self._busy = published.future
             else:
