@@ -10,7 +10,9 @@ Order. An evict or clear is an item on the store thread's inbox, like a batch:
 2. On the store thread, lookup reservations held on the key (every held reservation,
    for a clear) are given back to the store: a reservation holds its blocks, which the
    store could not drop. The Lookup that held one stays usable: its load then loads
-   nothing (``loaded_tokens == 0``, a miss), never the dropped KV. Given back before the
+   nothing (``loaded_tokens == 0``, a miss), never the dropped KV; it reads evicted (or
+   cleared), not held, by the time the caller hears the answer (Reservation.taken_back,
+   written here, before the answer is posted to the loop). Given back before the
    wait below, not after: no load of them was dispatched before the item (those consumed
    their reservations), so the order changes no answer, and a load that waits for the
    room they hold (a LocalStore load staging SSD pages) is not left waiting on them.
@@ -32,12 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import EngineClosed, StoreError
 from .loop.resolution import settle
-from .requests import LookupGrant, Request
+from .requests import LookupGrant, Request, Reservation
 from .stats import StatsRecorder
 from .stores.base import Capabilities, Store
 from .worker.calls import StoreCalls
@@ -94,30 +97,40 @@ class Invalidation:
 
 class HeldKeys:
     """The key of each lookup reservation the store thread holds (store thread only), so
-    that an evict can give back the reservations of its key and no others."""
+    that an evict can give back the reservations of its key and no others, and mark them
+    given back for the Lookups that hold them. A reservation is kept by weak reference:
+    its mask is its Lookup's to keep alive, not this map's until it is pruned."""
 
     def __init__(self) -> None:
-        self._keys: dict[int, tuple[str, ...]] = {}
+        self._keys: dict[int, tuple[tuple[str, ...], weakref.ref[Reservation]]] = {}
 
     def note(self, outcomes: Sequence[tuple[Request, object]], held: set[int]) -> None:
         """Record the reservations a lookup batch's outcomes grant; ``held``: every
         reservation still open (entries for the others are pruned now and then)."""
         keys = self._keys
         for request, outcome in outcomes:
-            if isinstance(outcome, LookupGrant) and outcome.reservation is not None:
-                keys[outcome.reservation.task_id] = request.namespace
+            if isinstance(outcome, LookupGrant) and (
+                    reservation := outcome.reservation) is not None:
+                keys[reservation.task_id] = (request.namespace, weakref.ref(reservation))
         if len(keys) > _PRUNE_FACTOR * len(held) + _PRUNE_FLOOR:
             self._keys = {t: k for t, k in keys.items() if t in held}
 
     def take(self, held: set[int], namespace: tuple[str, ...] | None) -> list[int]:
-        """The open reservations of ``namespace`` (None: all of them), forgotten here."""
+        """The open reservations of ``namespace`` (None: all of them), forgotten here and
+        marked taken back ("evicted", or "cleared" for None)."""
+        keys = self._keys
         if namespace is None:
             taken = sorted(held)
-            self._keys.clear()
-            return taken
-        taken = sorted(t for t in held if self._keys.get(t) == namespace)
+        else:
+            taken = sorted(t for t in held if (entry := keys.get(t)) and entry[0] == namespace)
+        why = "cleared" if namespace is None else "evicted"
         for task_id in taken:
-            del self._keys[task_id]
+            entry = keys.pop(task_id, None)
+            reservation = None if entry is None else entry[1]()
+            if reservation is not None:  # else its Lookup is gone: nobody reads it
+                reservation.taken_back = why
+        if namespace is None:
+            keys.clear()
         return taken
 
 

@@ -148,9 +148,13 @@ class Reservation:
     """A lookup's match, held in the store for a load: its task id and mask. Made on the
     store side when the lookup hits, held by the :class:`Lookup`, and handed to the load
     that consumes it (the store thread then launches or cancels it). Until then,
-    :meth:`release` gives it back to the store; only the first call does (loop thread)."""
+    :meth:`release` gives it back to the store; only the first call does (loop thread).
 
-    __slots__ = ("_give_back", "end", "mask", "task_id")
+    An evict or clear gives it back on the store thread instead (aiokv.invalidation),
+    which writes ``taken_back`` ("evicted" or "cleared") before it answers the caller:
+    the Lookup reads it, so that it no longer says held once the evict has returned."""
+
+    __slots__ = ("__weakref__", "_give_back", "end", "mask", "taken_back", "task_id")
 
     def __init__(
         self, task_id: int, mask: BoolArray, give_back: Callable[[int], None], end: int
@@ -159,6 +163,7 @@ class Reservation:
         self.mask = mask
         self.end = end  # one past the mask's last True position, found on the store thread
         self._give_back: Callable[[int], None] | None = give_back
+        self.taken_back: str | None = None  # written once, by the store thread
 
     def release(self) -> None:
         give_back, self._give_back = self._give_back, None
@@ -174,11 +179,19 @@ class LookupGrant:
     cached_tokens: int
 
 
+# A Lookup's states in which a load may consume it (Lookup._consume).
+_LOADABLE = frozenset(("held", "evicted", "cleared"))
+
+
 class Lookup:
     """A lookup's answer: ``cached_tokens`` of the key are in the store and reserved
     for a ``load``. Release it (``release()`` or ``async with``) if you will not load;
     an unused reservation is released after ``lookup_ttl_ms`` anyway. A Lookup is
-    consumed by one ``load``; using it twice raises InvalidRequest."""
+    consumed by one ``load``; using it twice raises InvalidRequest.
+
+    Its state: empty (a miss), held, loading, loaded, released, expired, or evicted /
+    cleared (an ``evict`` of its key or a ``clear`` gave the reservation back: its load
+    loads 0 tokens, and ``release()`` has nothing left to give back)."""
 
     def __init__(
         self,
@@ -206,13 +219,31 @@ class Lookup:
     def __repr__(self) -> str:
         return (
             f"Lookup(user_id={self.user_id!r}, cached_tokens={self.cached_tokens}, "
-            f"state={self._state})"
+            f"state={self._now()})"
         )
 
     @property
     def held(self) -> bool:
-        """True while the reservation is held (not yet loaded, released or expired)."""
-        return self._state == "held"
+        """True while the reservation is held (not yet loaded, released, expired, or given
+        back by an evict or clear of the key)."""
+        return self._now() == "held"
+
+    def _now(self) -> str:
+        """The state, with a reservation an evict or clear gave back on the store thread
+        read as such. Writes nothing: BackgroundLookup reads it from other threads."""
+        state = self._state
+        if state == "held" and self._reservation is not None:
+            return self._reservation.taken_back or state
+        return state
+
+    def _note_taken_back(self) -> str:
+        """:meth:`_now`, kept (loop thread): a reservation given back by an evict or clear
+        has no TTL left to run out."""
+        state = self._now()
+        if state != self._state:
+            self._state = state
+            self._cancel_ttl()
+        return state
 
     def release(self) -> None:
         """Give the reservation back. Idempotent; a no-op once loaded, and in a forked
@@ -220,7 +251,9 @@ class Lookup:
         loop only (WrongLoop elsewhere; from threads, run_in_background's BackgroundLookup)."""
         if os.getpid() != self._pid:
             return  # no loop of the engine's runs here, and the parent's hit stays its own
-        if self._state == "held":
+        # _now, not _note_taken_back: this may be the wrong thread, where the TTL timer is
+        # not ours to cancel (one given back by an evict finds nothing to do at its TTL).
+        if self._now() == "held":
             if self._loop is not None and not self._loop.is_closed():
                 check_loop(self._loop)  # its TTL timer is the loop's to cancel
             self._state = "released"
@@ -236,8 +269,9 @@ class Lookup:
         return -(-self._reservation.end // page_size)
 
     def _consume(self) -> Reservation:
-        """Hand the reservation to a load (loop thread only)."""
-        if self._state != "held" or self._reservation is None:
+        """Hand the reservation to a load (loop thread only). One an evict or clear gave
+        back goes too: the store thread finds it gone, and the load loads 0 tokens."""
+        if self._note_taken_back() not in _LOADABLE or self._reservation is None:
             raise InvalidRequest(
                 "hit", f"reservation is {self._state}; a Lookup can be loaded once, "
                 "before it is released or expires"
@@ -266,7 +300,7 @@ class Lookup:
             self._ttl_handle = None
 
     def _expire(self) -> None:
-        if self._state == "held":
+        if self._note_taken_back() == "held":
             self.release()
             self._state = "expired"
 

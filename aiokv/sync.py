@@ -85,7 +85,8 @@ class BackgroundLookup:
 
     @property
     def held(self) -> bool:
-        """True while the reservation is held (not yet loaded, released or expired)."""
+        """True while the reservation is held (not yet loaded, released, expired, or given
+        back by an evict or clear of the key)."""
         return self.lookup.held
 
     def __repr__(self) -> str:

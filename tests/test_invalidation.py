@@ -5,13 +5,17 @@ without the capability refused at the call, and nothing left open at close."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import PAGE_SIZE, make_caches
 
 import aiokv
+from aiokv.stores import ProcessStore
+from aiokv.stores.shared import SharedStore
 from aiokv.testing import CheckingStore, FakeStore, FaultyStore, StoreWrapper
 
 TOKENS = 4 * PAGE_SIZE
@@ -126,6 +130,77 @@ async def test_a_reservation_that_expires_after_an_evict_is_not_given_back_twice
         hit.release()  # the store thread gave it back already: ignored there
         await engine.offload(2, torch.arange(4), TOKENS)  # a round trip after the release
     assert store.problems() == []
+
+
+@contextlib.contextmanager
+def store_of(kind: str, directory: Path) -> Iterator[aiokv.Store]:
+    """A small store of ``kind``: embedded, in a process of its own, or a client of a
+    store server (in a thread of this process)."""
+    from conftest import small_store
+    from shared_inprocess import Host
+
+    if kind == "embedded":
+        yield small_store()
+    elif kind == "own_process":
+        yield ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01, own_process=True))
+    else:
+        host = Host(directory, ssd=False, cpu_cache_gb=0.01)
+        host.start()
+        try:
+            yield SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+        finally:
+            host.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["embedded", "own_process", "shared"])
+async def test_a_lookup_given_back_by_an_evict_or_clear_no_longer_reads_held(
+    kind: str, tmp_path: Path
+) -> None:
+    """It read held (state=held) after the evict had given its reservation back, so code
+    that checks ``hit.held`` before a load was misled: it now reads evicted (cleared),
+    its release gives nothing back twice, and its load still loads 0 tokens."""
+    with store_of(kind, tmp_path) as inner:
+        store = CheckingStore(inner)
+        async with engine_over(store) as engine:
+            for user in (1, 2):
+                await engine.offload(user, torch.arange(4 * user, 4 * user + 4), TOKENS)
+            evicted, kept = await engine.lookup(1, TOKENS), await engine.lookup(2, TOKENS)
+            assert evicted.held and kept.held
+            assert await engine.evict(1) == TOKENS
+            assert (evicted.held, kept.held) == (False, True)
+            assert repr(evicted) == f"Lookup(user_id=1, cached_tokens={TOKENS}, state=evicted)"
+            evicted.release()  # given back already: nothing to give back
+            assert "state=evicted" in repr(evicted)
+            assert (await engine.load(evicted, torch.arange(20, 24))).loaded_tokens == 0
+            assert not evicted.held
+            with pytest.raises(aiokv.InvalidRequest, match="hit"):
+                await engine.load(evicted, torch.arange(20, 24))  # consumed, as any Lookup
+            again = await engine.lookup(2, TOKENS)
+            assert await engine.clear() == TOKENS
+            for hit in (kept, again):
+                assert not hit.held
+                assert repr(hit) == f"Lookup(user_id=2, cached_tokens={TOKENS}, state=cleared)"
+            kept.release()
+            assert (await engine.load(again, torch.arange(20, 24))).loaded_tokens == 0
+            assert engine.stats().store_tasks_open == 0
+        assert not kept.held and "state=cleared" in repr(kept)  # the close left it so
+    assert store.problems() == []
+
+
+def test_a_background_lookup_given_back_by_an_evict_no_longer_reads_held() -> None:
+    from conftest import small_store
+
+    with aiokv.run_in_background(engine_over(small_store())) as kv:
+        kv.offload(1, torch.arange(4), TOKENS)
+        hit = kv.lookup(1, TOKENS)
+        assert hit.held
+        assert kv.evict(1) == TOKENS
+        assert not hit.held
+        assert repr(hit) == f"BackgroundLookup(user_id=1, cached_tokens={TOKENS}, state=evicted)"
+        hit.release()
+        assert kv.load(hit, torch.arange(20, 24)).loaded_tokens == 0
+        assert kv.stats().store_tasks_open == 0
 
 
 class CannotInvalidate(StoreWrapper):
