@@ -8,6 +8,7 @@ test watches a call wait."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -331,3 +332,49 @@ def test_a_server_stopped_while_mooncake_answers_a_read_stops_cleanly(
     again.start()
     again.stop()
     again.serve()
+
+
+def test_a_marker_call_that_close_cancels_before_it_started_is_no_failure(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # An engine evicts and exits while the evict's marker call waits behind a call that
+    # does not end (a check, held); the server stops within the evict's timeout_ms and
+    # its close cancels that call, never made. It was counted a failed call, and the
+    # tier put to rest: "remote tier: a call failed (); resting".
+    entered, gate = threading.Event(), threading.Event()
+
+    check = remote_client.RemoteIO._check
+
+    def held_check(io: remote_client.RemoteIO) -> bool:
+        if io.config.timeout_ms != 3001:
+            return check(io)
+        entered.set()
+        gate.wait(30)
+        return False  # no answer, as a master that never gives one
+
+    monkeypatch.setattr(remote_client.RemoteIO, "_check", held_check)
+    host = Host(tmp_path, ssd=False, remote={"master": mooncake.master, "timeout_ms": 3001})
+    host.start()
+    figures, _ = host.engine()
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        assert entered.wait(10), "the remote tier's first check did not start"
+        raw.connect(str(host.socket))
+        hello(raw)
+        raw.sendall(wire.encode_json({"op": "evict", "ns": ["user:1301"]}))
+        wait_for(lambda: figures.store_stats()["remote_invalidations_waiting"] == 1,
+                 "the evict at the server")
+        raw.close()  # that engine exits, its evict unanswered
+        wait_for(lambda: figures.store_stats()["server_clients"] == 1, "the engine gone")
+        figures.close()
+        with caplog.at_level(logging.WARNING, logger="aiokv"):
+            host.stop()  # within the evict's timeout_ms
+    finally:
+        gate.set()
+        raw.close()
+        figures.close()
+        host.stop()
+    said = [record.getMessage() for record in caplog.records]
+    assert any("1 evicts or clears closed with their markers unpublished" in line
+               for line in said), said
+    assert not any("failed" in line for line in said), said

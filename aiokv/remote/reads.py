@@ -275,7 +275,10 @@ class Reader:
             self._end(read, now, self._place(read, answer))
 
     def _answer(self, future: Future[Any]) -> Any:
-        """A returned call's answer; None (counted, and the tier rests) if it raised."""
+        """A returned call's answer; None if it raised (counted, and the tier rests), or
+        if close cancelled it before it started (no call was made: nothing failed)."""
+        if future.cancelled():
+            return None
         try:
             return future.result(0)
         except Exception as exc:  # the client raised: counted, a miss
