@@ -26,6 +26,7 @@ import aiokv
 import aiokv.metrics
 from aiokv.remote.client import RemoteIO
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
+from aiokv.remote.markers import Markers
 from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers, free_port
 from aiokv.remote.writer import Writer
@@ -819,4 +820,43 @@ def test_an_evict_whose_marker_call_times_out_and_then_fails_is_one_error(
         assert seen == {"remote_timeouts": 1, "remote_call_errors": 0,
                         "remote_invalidation_errors": 1, "remote_errors": 1}
     finally:
+        b.close()
+
+
+def test_an_evict_whose_marker_call_times_out_and_then_is_refused_is_one_error(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A master paused past the evict's timeout_ms answers the marker's put with an error
+    # once it resumes ("publishing a marker failed (refused)"): the evict counted the
+    # call's timeout, and the refusal was counted again: remote_errors said 2.
+    entered, gate, returned = threading.Event(), threading.Event(), threading.Event()
+    end = Markers.end
+    timeout_ms = 2001  # this host's own: an earlier test's, closed, may still be in a call
+
+    def slow_then_refused(markers: Markers, client: Any, ns: str | None) -> str | None:
+        if markers._connection.config.timeout_ms != timeout_ms or returned.is_set():
+            return end(markers, client, ns)
+        entered.set()
+        gate.wait(30)  # past the evict's timeout_ms: the test lets it go after that
+        markers._refused()  # Mooncake's error answer
+        returned.set()
+        return None
+
+    monkeypatch.setattr(Markers, "end", slow_then_refused)
+    b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
+    try:
+        evicted: list[int] = []
+        evict = threading.Thread(target=lambda: evicted.append(b.kv.evict(4711)))
+        evict.start()
+        assert entered.wait(10)  # the evict's marker call is under way
+        evict.join(30)
+        assert evicted == [0]  # after timeout_ms, the marker not out
+        gate.set()
+        assert returned.wait(10)
+        stats = b.stats()
+        seen = {key: stats[key] for key in ("remote_timeouts", "remote_read_errors",
+                                            "remote_invalidation_errors", "remote_errors")}
+        assert seen == {"remote_timeouts": 1, "remote_read_errors": 0,
+                        "remote_invalidation_errors": 1, "remote_errors": 1}
+    finally:
+        gate.set()
         b.close()

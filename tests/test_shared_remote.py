@@ -96,13 +96,17 @@ def _on_mooncake_only(host: Host, user: int) -> None:
 
 
 def _held(monkeypatch: pytest.MonkeyPatch, name: str, owner: Any = remote_client.RemoteIO,
-          ) -> tuple[threading.Event, threading.Event]:
+          timeout_ms: int | None = None) -> tuple[threading.Event, threading.Event]:
     """``owner.<name>`` held until the second event is set; the first is set once a
-    call is held."""
+    call is held. ``timeout_ms``: only a RemoteIO's of that store.remote.timeout_ms (a
+    value of the test's own: the tier of an earlier test, closed, may still be in a
+    call, and call it next)."""
     entered, gate = threading.Event(), threading.Event()
     real = getattr(owner, name)
 
     def held(self: Any, *args: Any) -> Any:
+        if timeout_ms is not None and self.config.timeout_ms != timeout_ms:
+            return real(self, *args)
         if not gate.is_set():
             entered.set()
             gate.wait(20)
@@ -332,6 +336,58 @@ def test_a_server_stopped_while_mooncake_answers_a_read_stops_cleanly(
     again.start()
     again.stop()
     again.serve()
+
+
+@pytest.mark.parametrize("fate", ["times out", "raises"])
+def test_evicts_that_share_one_marker_call_count_its_failure_once(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        fate: str) -> None:
+    # Two engines evict while the server's reader thread is in another call (its first
+    # check of the markers, held): both evicts' markers wait for the one publish call
+    # queued behind it. Where they gave up on it, each counted a timeout; where that call
+    # raised, each counted a failed call: remote_errors said 2 for one call.
+    entered, gate = _held(monkeypatch, "_check", timeout_ms=2001)
+    if fate == "raises":
+        publish = remote_client.RemoteIO._publish
+        raised = threading.Event()
+
+        def raises_once(io: remote_client.RemoteIO) -> bool:
+            if raised.is_set() or io.config.timeout_ms != 2001:
+                return publish(io)
+            raised.set()
+            raise RuntimeError("the client raised")
+
+        monkeypatch.setattr(remote_client.RemoteIO, "_publish", raises_once)
+    host = Host(tmp_path, ssd=False, remote={"master": mooncake.master, "timeout_ms": 2001})
+    host.start()
+    engines = [host.engine()[0] for _ in range(3)]
+    try:
+        figures = engines[2]
+        assert entered.wait(10), "the remote tier's first check did not start"
+        evicts = [Call(lambda e=e, u=u: e.evict([f"user:{u}"]))
+                  for e, u in ((engines[0], 1201), (engines[1], 1202))]
+        wait_for(lambda: figures.store_stats()["remote_invalidations_waiting"] == 2,
+                 "both evicts at the server")
+        if fate == "times out":
+            assert [evict.outcome() for evict in evicts] == [0, 0]  # after timeout_ms
+            gate.set()
+        else:
+            gate.set()
+            assert [evict.outcome() for evict in evicts] == [0, 0]
+        # The markers go out all the same (the reader thread, once the tier answers).
+        wait_for(lambda: figures.store_stats()["remote_invalidations_waiting"] == 0,
+                 "the markers out")
+        stats = figures.store_stats()
+    finally:
+        gate.set()
+        for engine in engines:
+            engine.close()
+        host.stop()
+    seen = {key: stats[key] for key in ("remote_timeouts", "remote_call_errors",
+                                        "remote_invalidation_errors", "remote_errors")}
+    one = "remote_timeouts" if fate == "times out" else "remote_call_errors"
+    assert seen == {"remote_timeouts": 0, "remote_call_errors": 0, one: 1,
+                    "remote_invalidation_errors": 2, "remote_errors": 1}
 
 
 def test_a_marker_call_that_close_cancels_before_it_started_is_no_failure(

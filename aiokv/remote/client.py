@@ -89,9 +89,10 @@ class RemoteIO:
     def resting(self) -> bool:
         return self.connection.resting()
 
-    def failed(self, what: str, detail: object) -> None:
-        """A call raised: counted (``remote_call_errors``), and the tier rests."""
-        self.connection.failed(what, detail)
+    def failed(self, what: str, detail: object, call: Future[Any]) -> None:
+        """The reader thread's ``call`` raised: counted (``remote_call_errors``), and the
+        tier rests, once for the call."""
+        self.connection.failed(what, detail, call)
 
     def client(self) -> Any:
         """The Mooncake client these calls use (None while not connected): for a
@@ -133,7 +134,8 @@ class RemoteIO:
             if not self.connection.codes("batch_get_into", markers + got):
                 return None
             if any(code not in (1, ABSENT) for code in markers):
-                self.read_stats["remote_read_errors"] += 1
+                if self.connection.refused():
+                    self.read_stats["remote_read_errors"] += 1
                 return None
             return [code == 1 for code in markers], (got, good)
 
@@ -241,7 +243,8 @@ class RemoteIO:
         client = self.connection.ready()
         if client is not None:
             removed = int(client.remove_by_regex(pattern, True))
-            if self.connection.codes("remove_by_regex", [removed]) and removed < 0:
+            refused = self.connection.codes("remove_by_regex", [removed]) and removed < 0
+            if refused and self.connection.refused():
                 self.read_stats["remote_read_errors"] += 1
 
     def _tend(self) -> float:

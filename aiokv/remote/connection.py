@@ -33,7 +33,6 @@ ABSENT = -704  # OBJECT_NOT_FOUND
 NOT_READY = -703  # REPLICA_IS_NOT_READY: another host's put of the value is under way
 _DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
 _MAX_REST_S = 30.0
-_FAILED, _TIMED_OUT = "failed", "timed out"  # a reader call's fate, as counted
 _CONNECT_WAIT_S = 10.0
 
 
@@ -88,9 +87,10 @@ class Connection:
         self.failed_connects = 0
         self.failed_calls = 0  # failed for want of the master, or raised
         self._counting = threading.Lock()  # the tier's three threads fail alike
-        # The reader thread's calls that failed, or that a lookup gave up on.
-        self._fates: weakref.WeakKeyDictionary[Future[Any], str] = (
-            weakref.WeakKeyDictionary())
+        # The reader thread's calls whose failure was seen, and those whose timeout was
+        # counted: each call is counted once, whoever sees it first.
+        self._failed: weakref.WeakSet[Future[Any]] = weakref.WeakSet()
+        self._timed_out: weakref.WeakSet[Future[Any]] = weakref.WeakSet()
 
     def resting(self) -> bool:
         return time.monotonic() < self._retry_at
@@ -106,25 +106,43 @@ class Connection:
         self._retry_at = time.monotonic() + self._rest_s
         self._rest_s = min(_MAX_REST_S, self._rest_s * 2)
 
-    def failed(self, what: str, detail: object) -> None:
-        """A call failed for want of the master, or raised: counted (unless a lookup
-        that gave up on it counted its timeout already), and the tier rests."""
-        call = current_call()
-        with self._counting:
-            if call is None or self._fates.get(call) != _TIMED_OUT:
+    def failed(self, what: str, detail: object, call: Future[Any] | None = None) -> None:
+        """A call failed for want of the master, or raised (``call``: the reader thread's
+        call that raised; else the one under way on this thread): counted, and the tier
+        rests, once per call (:meth:`_failure`)."""
+        count, first = self._failure(current_call() if call is None else call)
+        if count:
+            with self._counting:
                 self.failed_calls += 1
-                if call is not None:
-                    self._fates[call] = _FAILED
-        self.rest(what, detail)
+        if first:
+            self.rest(what, detail)
+
+    def refused(self) -> bool:
+        """Mooncake answered the call under way on this thread with an error: whether to
+        count it (:meth:`_failure`)."""
+        return self._failure(current_call())[0]
 
     def timed_out(self, call: Future[Any]) -> bool:
-        """A lookup gave up waiting for ``call``: whether to count its timeout. Not if
-        the call failed already (counted as such): one failed call, counted once."""
+        """A lookup or an evict gave up waiting for ``call``: whether to count its
+        timeout. Not if that call was counted already, as failed or timed out: two
+        evicts that wait for one call, or a call that failed first, count it once."""
         with self._counting:
-            if self._fates.get(call) == _FAILED:
+            if call in self._failed or call in self._timed_out:
                 return False
-            self._fates[call] = _TIMED_OUT
+            self._timed_out.add(call)
             return True
+
+    def _failure(self, call: Future[Any] | None) -> tuple[bool, bool]:
+        """A failure of ``call`` (None: not the reader thread's): whether to count it (not
+        if the call was counted already: a waiter gave up on it first, or it failed
+        before), and whether it is the call's first failure (the tier rests once for
+        it). A call that times out and then fails is one error."""
+        if call is None:
+            return True, True
+        with self._counting:
+            first = call not in self._failed
+            self._failed.add(call)
+            return first and call not in self._timed_out, first
 
     def _succeeded(self) -> None:
         self._rest_s = self.config.timeout_ms / 1000
@@ -172,9 +190,14 @@ class Connection:
         return client
 
     def _failed_connect(self, detail: object) -> None:
-        with self._counting:
-            self.failed_connects += 1
-        self.rest("setup", detail)
+        """A connect inside a call (the reader thread's: counted once, as any failure
+        of it; :meth:`_failure`)."""
+        count, first = self._failure(current_call())
+        if count:
+            with self._counting:
+                self.failed_connects += 1
+        if first:
+            self.rest("setup", detail)
 
     def codes(self, what: str, codes: Sequence[int]) -> bool:
         """Whether a batch call reached Mooncake (else it is counted, and the tier

@@ -186,8 +186,11 @@ class Markers:
             start, count = start + count, count * 2  # far behind: larger steps
 
     def _refused(self) -> bool:
-        """Mooncake answered a call with an error: counted; False (the call's outcome)."""
-        self._errors["remote_read_errors"] += 1
+        """Mooncake answered a call with an error: counted (once for the reader thread's
+        call, and not where a waiter counted its timeout: :meth:`Connection.refused`);
+        False (the call's outcome)."""
+        if self._connection.refused():
+            self._errors["remote_read_errors"] += 1
         return False
 
 

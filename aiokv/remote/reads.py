@@ -275,14 +275,15 @@ class Reader:
             self._end(read, now, self._place(read, answer))
 
     def _answer(self, future: Future[Any]) -> Any:
-        """A returned call's answer; None if it raised (counted, and the tier rests), or
-        if close cancelled it before it started (no call was made: nothing failed)."""
+        """A returned call's answer; None if it raised (counted, and the tier rests, once
+        for the call: evicts may share it), or if close cancelled it before it started
+        (no call was made: nothing failed)."""
         if future.cancelled():
             return None
         try:
             return future.result(0)
         except Exception as exc:  # the client raised: counted, a miss
-            self._io.failed("a call", exc)
+            self._io.failed("a call", exc, future)
             return None
 
     def _fetch(self, read: RemoteRead, present: list[list[str]] | None) -> None:
@@ -420,7 +421,8 @@ class Reader:
         """Count the evicts and clears whose markers failed to go out, or were not out in
         time (the reader thread is then busy: lookups miss at once until it is not). The
         call's own failure is counted where it failed, its timeout here: a call that
-        times out and then fails is one error."""
+        times out and then fails is one error, and so is one that several evicts shared
+        (:meth:`RemoteIO.publish`)."""
         left = []
         for published in self._publishing:
             if published.future.done():
