@@ -823,6 +823,45 @@ def test_an_evict_whose_marker_call_times_out_and_then_fails_is_one_error(
         b.close()
 
 
+@pytest.mark.parametrize("check", ["connecting", "idle"])
+def test_a_lookup_queued_behind_a_check_that_times_out_and_then_fails_is_one_error(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch, check: str) -> None:
+    # The reader thread is in a check of the markers (a fresh host's first, or an idle
+    # tier's each second) when a lookup's read queues behind it: the lookup gave up at
+    # timeout_ms (its timeout counted), and the check, failing for want of the master,
+    # was counted again: remote_errors said 2 for one failed call. (The lookup's own
+    # call then makes none: the tier rests.)
+    entered, gate, returned = threading.Event(), threading.Event(), threading.Event()
+    check_markers = RemoteIO._check
+    checks = itertools.count()
+    timeout_ms = 301  # this host's own: an earlier test's, closed, may still be in a call
+
+    def slow_then_down(io: RemoteIO) -> bool:
+        if io.config.timeout_ms != timeout_ms or returned.is_set() or (
+                check == "idle" and next(checks) == 0):
+            return check_markers(io)
+        entered.set()
+        gate.wait(30)  # past the lookup's timeout_ms: the test lets it go after that
+        io.connection.codes("batch_is_exist", [-900])  # the master's absence
+        returned.set()
+        return False
+
+    monkeypatch.setattr(RemoteIO, "_check", slow_then_down)
+    b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
+    try:
+        assert entered.wait(10)
+        assert b.load(4701) == (0, True)  # a miss, after timeout_ms
+        gate.set()
+        assert returned.wait(10)  # the failure is counted in the call, before it returns
+        stats = b.stats()
+        seen = {key: stats[key] for key in ("remote_timeouts", "remote_call_errors",
+                                            "remote_errors")}
+        assert seen == {"remote_timeouts": 1, "remote_call_errors": 0, "remote_errors": 1}
+    finally:
+        gate.set()
+        b.close()
+
+
 def test_an_evict_whose_marker_call_times_out_and_then_is_refused_is_one_error(
         mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
     # A master paused past the evict's timeout_ms answers the marker's put with an error

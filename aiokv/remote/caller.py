@@ -23,8 +23,8 @@ _running = threading.local()
 
 
 def current_call() -> Future[Any] | None:
-    """The future of the call this thread is running (None outside a call of a
-    :class:`CallThread`): what a failure inside the call is counted against."""
+    """The future of the call this thread is running, or of ``tend``'s pass (None outside
+    a :class:`CallThread`): what a failure inside the call is counted against."""
     future: Future[Any] | None = getattr(_running, "future", None)
     return future
 
@@ -39,6 +39,10 @@ class CallThread:
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._tend = tend
         self._closed = False
+        # The call under way (a tend pass has a future of its own): the one that a call
+        # queued behind it waits for.
+        self._under_way: Future[Any] | None = None
+        self._starting = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -49,6 +53,14 @@ class CallThread:
         future: Future[Any] = Future()
         self._calls.put((function, args, future))
         return future
+
+    def waits_for(self, future: Future[Any]) -> Future[Any]:
+        """The call that ``future`` waits for now: itself once it started, else the call
+        under way (whose time a caller that gives up on ``future`` spent)."""
+        with self._starting:
+            if future.running() or future.done() or self._under_way is None:
+                return future
+            return self._under_way
 
     def _run(self) -> None:
         wait: float | None = None
@@ -61,8 +73,7 @@ class CallThread:
                 if call is None:  # closed
                     return
                 function, args, future = call
-                if future.set_running_or_notify_cancel():
-                    _running.future = future
+                if self._start(future):
                     try:
                         result = function(*args)
                     except BaseException as exc:  # the caller's to see, as an executor's
@@ -70,14 +81,30 @@ class CallThread:
                     else:
                         future.set_result(result)
                     finally:
-                        _running.future = None
+                        self._ended()
             if self._closed:
                 continue
+            tending: Future[Any] = Future()  # its calls count as one, as a submitted call's
+            self._start(tending)
             try:
                 wait = self._tend()
             except Exception as exc:  # a bug or the client's: keep the thread
                 log.exception("aiokv: remote tier: %s", exc)
                 wait = None
+            finally:
+                self._ended()
+
+    def _start(self, future: Future[Any]) -> bool:
+        """Whether ``future``'s call runs (not cancelled): then it is the call under way."""
+        with self._starting:
+            if not future.set_running_or_notify_cancel():
+                return False
+            self._under_way = _running.future = future
+            return True
+
+    def _ended(self) -> None:
+        with self._starting:
+            self._under_way = _running.future = None
 
     def close(self, timeout_s: float) -> bool:
         """Cancel the calls not yet started and stop after the one under way, waiting

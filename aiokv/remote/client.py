@@ -94,6 +94,13 @@ class RemoteIO:
         tier rests, once for the call."""
         self.connection.failed(what, detail, call)
 
+    def timed_out(self, future: Future[Any]) -> bool:
+        """A lookup or an evict gave up waiting for ``future``: whether to count a timeout.
+        The call it waited for timed out: its own, or, not started yet, the call under
+        way before it (a slow check, another lookup's read), which is counted once, also
+        when it then fails (:meth:`.connection.Connection.timed_out`)."""
+        return self.connection.timed_out(self._reader.waits_for(future))
+
     def client(self) -> Any:
         """The Mooncake client these calls use (None while not connected): for a
         benchmark's raw calls side by side with the tier's."""

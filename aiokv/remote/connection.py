@@ -123,7 +123,8 @@ class Connection:
         return self._failure(current_call())[0]
 
     def timed_out(self, call: Future[Any]) -> bool:
-        """A lookup or an evict gave up waiting for ``call``: whether to count its
+        """A lookup or an evict gave up waiting for ``call`` (the reader thread's call it
+        waited for: its own, or the one it was queued behind): whether to count its
         timeout. Not if that call was counted already, as failed or timed out: two
         evicts that wait for one call, or a call that failed first, count it once."""
         with self._counting:

@@ -258,7 +258,7 @@ class Reader:
         future = read.future
         if not future.done():
             if now >= read.deadline:  # a miss; its blocks wait for the call to return
-                if self._io.connection.timed_out(future):
+                if self._io.timed_out(future):
                     self.stats_["remote_timeouts"] += 1
                 self._busy = future
                 if len(read.blocks):
@@ -429,7 +429,7 @@ class Reader:
                 if not self._answer(published.future):
                     self.stats_["remote_invalidation_errors"] += 1
             elif now >= published.deadline:
-                if self._io.connection.timed_out(published.future):
+                if self._io.timed_out(published.future):
                     self.stats_["remote_timeouts"] += 1
                 self.stats_["remote_invalidation_errors"] += 1
                 self._busy = published.future
