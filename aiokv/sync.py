@@ -39,7 +39,7 @@ from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
 from .exiting import HandOverGate, stop_at_exit
 from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
-from .loop.resolution import finish_thread_future, settle_thread_future
+from .loop.resolution import finish_thread_future
 from .portal import Call, Portal, forked, outcome, refuse_in_fork
 from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
@@ -394,7 +394,7 @@ class BackgroundEngine:
         handed: concurrent.futures.Future[BackgroundLayerwiseLoad] = concurrent.futures.Future()
 
         def hand_out(load: LayerwiseLoad) -> None:
-            settle_thread_future(handed, BackgroundLayerwiseLoad(load, self.loop))
+            finish_thread_future(handed, BackgroundLayerwiseLoad(load, self.loop))
 
         async def load_layerwise() -> BackgroundLayerwiseLoad:
             load = await self.engine.load_layerwise(
@@ -403,11 +403,10 @@ class BackgroundEngine:
             return BackgroundLayerwiseLoad(load, self.loop)
 
         def last_word(done: concurrent.futures.Future[BackgroundLayerwiseLoad]) -> None:
-            # The call's end settles ``handed`` unless the launch handed it out; one its
-            # caller cancelled is marked notified here (it is settled nowhere else), so
-            # that concurrent.futures.wait and as_completed count it done.
-            if not handed.done() or handed.cancelled():
-                finish_thread_future(handed, outcome(done))
+            # The call's end settles ``handed`` unless the hand-out finished it first. A
+            # caller's cancel of ``handed`` runs this in the caller's thread, as the loop
+            # may be handing the load out: finish_thread_future lets one of the two in.
+            finish_thread_future(handed, outcome(done))
 
         running = self._submit(load_layerwise)
         running.add_done_callback(last_word)

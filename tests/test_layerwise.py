@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import logging
 import threading
 import traceback
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -380,6 +382,58 @@ def test_run_in_background_hands_out_errors_and_cancels_before_the_launch() -> N
         load.wait_layer(LAYERS - 1)
         assert all(loaded(caches, i) for i in range(LAYERS))
         assert load.result(timeout=10) == aiokv.LoadResult(2, TOKENS)
+
+
+def test_a_load_cancelled_as_it_is_handed_out_leaves_the_others_of_its_round_theirs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two loads launched in one round; the caller cancels the first one's future from its
+    # thread at the last moment before the loop sets it (after any check the loop made).
+    # It ends cancelled, once, and the second load, which nobody cancelled, is handed out
+    # at its launch (its layers still held back), not at its end.
+    store = LayeredStore()
+    engine, caches = engine_over(store, window_us=10_000_000, max_batch_requests=2)
+    first: list[concurrent.futures.Future[aiokv.BackgroundLayerwiseLoad]] = []
+    cancelled = threading.Event()
+    transition = concurrent.futures.Future.set_running_or_notify_cancel
+
+    def cancelled_just_before(future: concurrent.futures.Future[Any]) -> bool:
+        if first and future is first[0] and not cancelled.is_set():
+            cancelled.set()
+            caller = threading.Thread(target=future.cancel)  # its callbacks run there
+            caller.start()
+            caller.join()
+        return transition(future)
+
+    with aiokv.run_in_background(engine) as kv:
+        for stored in [kv.submit_offload(user, SOURCE, TOKENS) for user in (1, 2)]:
+            assert stored.result(timeout=30).stored_tokens == TOKENS
+        hits = [kv.submit_lookup(user, TOKENS) for user in (1, 2)]
+        first_hit, second_hit = (hit.result(timeout=30) for hit in hits)
+        store.gate = threading.Semaphore(0)  # no layer is copied until let through
+        monkeypatch.setattr(
+            concurrent.futures.Future, "set_running_or_notify_cancel", cancelled_just_before
+        )
+        first.append(kv.submit_load_layerwise(first_hit, torch.arange(12, 16)))
+        second = kv.submit_load_layerwise(second_hit, TARGET)  # the round's second load
+        assert cancelled.wait(30)  # the loop was handing the first load out
+
+        async def after_the_hand_out() -> None:  # queued behind the round's hand-out
+            pass
+
+        asyncio.run_coroutine_threadsafe(after_the_hand_out(), kv.loop).result(timeout=30)
+        assert second.done()  # handed out at its launch, while every layer is held back
+        load = second.result()
+        assert isinstance(load, aiokv.BackgroundLayerwiseLoad)
+        assert not load.is_ready(0) and all(untouched(caches, i) for i in range(LAYERS))
+        assert concurrent.futures.wait(first, timeout=30).not_done == set()
+        with pytest.raises(concurrent.futures.CancelledError):
+            first[0].result()
+        store.gate.release(2 * LAYERS)  # the cancelled load's copy still runs to its end
+        load.wait_layer(LAYERS - 1)
+        assert all(loaded(caches, i) for i in range(LAYERS))
+        assert load.result(timeout=30) == aiokv.LoadResult(2, TOKENS)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 @pytest.mark.asyncio

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 import weakref
 from collections import deque
@@ -224,23 +225,29 @@ def settle(future: asyncio.Future[Any], outcome: object) -> None:
         future.set_result(outcome)
 
 
-def settle_thread_future(future: concurrent.futures.Future[Any], outcome: object) -> None:
-    """Resolve a thread's future (``run_in_background``'s), from the loop, unless it is
-    done or its caller cancelled it meanwhile (``set_running_or_notify_cancel`` decides
-    that race under the future's lock). A cancellation as ``outcome`` cancels it."""
-    if isinstance(outcome, (asyncio.CancelledError, concurrent.futures.CancelledError)):
-        future.cancel()
-        return
-    if not future.done():
-        finish_thread_future(future, outcome)
+# The thread futures aiokv took out of PENDING or CANCELLED (set running, or marked
+# notified): set_running_or_notify_cancel() can run once per future (again, it logs
+# CRITICAL and raises), and two parties may finish one (a layerwise load's hand-out on
+# the loop, and its call's end, which a caller's cancel runs in the caller's thread).
+# done() cannot tell who is first: a cancel from another thread lands between any check
+# and the transition. The first to claim a future finishes it; the others leave it alone.
+_claiming = threading.Lock()
+_claimed: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
 
 
 def finish_thread_future(future: concurrent.futures.Future[Any], outcome: object) -> bool:
-    """:func:`settle_thread_future` for a future settled exactly once, by the end of its
-    call (:class:`aiokv.portal.Portal`'s): a future that its caller cancelled is marked
-    notified here too, so that ``concurrent.futures.wait`` counts it done (``cancel()``
-    wakes ``result()``, not ``wait``'s waiters), as ``run_coroutine_threadsafe``'s are.
-    Whether ``outcome`` reached the future (False: it was cancelled first)."""
+    """Resolve a thread's future (``run_in_background``'s) with ``outcome``, from any
+    thread, unless another call (from this or any thread) finished it first; a
+    cancellation as ``outcome`` cancels it. One its caller cancelled is marked notified
+    here, so that ``concurrent.futures.wait`` counts it done (``cancel()`` wakes
+    ``result()``, not ``wait``'s waiters), as ``run_coroutine_threadsafe``'s are; the
+    caller's cancel may come at any moment, and ``set_running_or_notify_cancel`` decides
+    that race under the future's lock. Whether ``outcome`` reached the future (False: it
+    was cancelled first, or finished by another call)."""
+    with _claiming:  # only the claim: finishing runs the future's callbacks, any code
+        if future in _claimed:
+            return False
+        _claimed.add(future)
     if isinstance(outcome, (asyncio.CancelledError, concurrent.futures.CancelledError)):
         future.cancel()
     if not future.set_running_or_notify_cancel():  # cancelled: its waiters are told now
