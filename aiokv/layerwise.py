@@ -350,7 +350,12 @@ def note_launches(requests: Iterable[Request], layer_marks: LayerMarksOf | None)
 
 def _deliver(notices: list[tuple[LayerwiseLoad, LayerMarks | None]]) -> None:
     for load, marks in notices:
-        load._on_launch(marks)
+        try:
+            load._on_launch(marks)
+        except Exception:  # a bug in one hand-out: the round's other loads still get theirs
+            log.exception(
+                "aiokv: handing out the launched layerwise load of user %r failed", load.user_id
+            )
 
 
 class BackgroundLayerwiseLoad:

@@ -437,6 +437,45 @@ def test_a_load_cancelled_as_it_is_handed_out_leaves_the_others_of_its_round_the
 
 
 @pytest.mark.asyncio
+async def test_a_hand_out_that_fails_leaves_the_others_of_its_round_theirs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Whoever is told of the first load's launch fails: that is logged, and the second
+    # load of the round is still handed out at its launch (its layers held back), not at
+    # its end.
+    store = LayeredStore()
+    engine, caches = engine_over(store, window_us=10_000_000, max_batch_requests=2)
+
+    def broken(load: aiokv.LayerwiseLoad) -> None:
+        raise RuntimeError(f"told of {load.user_id}'s launch")
+
+    told: list[aiokv.LayerwiseLoad] = []
+    async with engine:
+        hits = await asyncio.gather(hit_of(engine, 1), hit_of(engine, 2))
+        store.gate = threading.Semaphore(0)  # no layer is copied until let through
+        first = asyncio.ensure_future(
+            engine.load_layerwise(hits[0], torch.arange(12, 16), _on_handed_out=broken)
+        )
+        second = asyncio.ensure_future(
+            engine.load_layerwise(hits[1], TARGET, _on_handed_out=told.append)
+        )
+        await first  # woken by the round's hand-out, which has run to its end by now
+        assert len(told) == 1  # the second load was handed out in the same round
+        load = await second
+        assert told == [load]
+        assert not load.is_ready(0) and all(untouched(caches, i) for i in range(LAYERS))
+        store.gate.release(2 * LAYERS)
+        await load.layer_ready(LAYERS - 1)
+        assert all(loaded(caches, i) for i in range(LAYERS))
+        assert await load.result() == aiokv.LoadResult(2, TOKENS)
+        assert await (await first).result() == aiokv.LoadResult(1, TOKENS)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [repr(r.exc_info[1]) for r in errors if r.exc_info] == [
+        'RuntimeError("told of 1\'s launch")'
+    ]
+
+
+@pytest.mark.asyncio
 async def test_waits_for_layers_leave_the_loops_threads_to_a_close_and_to_the_caller() -> None:
     # More layer_ready waits on stalled copies than the loop's default executor has
     # threads: its own work (a caller's to_thread, the close's join) still runs.
