@@ -366,8 +366,10 @@ class OffloadEngine:
         loads then load 0 tokens). See :mod:`aiokv.invalidation`.
 
         Raises InvalidRequest (``user_id`` / ``namespace``, as offload does), StoreError
-        (the store cannot evict, or failed to), RequestTimeout (the copies launched before
-        it still ran at ``request_timeout_ms``: nothing dropped), EngineClosed."""
+        (the store cannot evict, or failed to), RequestTimeout (at ``request_timeout_ms``
+        from the call, whatever the store does: it says whether the store had been asked;
+        if not, nothing was dropped; if so, the key may have been, by a store server or
+        store process only if the request reached it before the deadline), EngineClosed."""
         self._check_running()
         names = validate.namespace(namespace, user_id)
         assert self._invalidations is not None  # made in start()

@@ -22,7 +22,21 @@ Order. An evict or clear is an item on the store thread's inbox, like a batch:
    so the wait ends at ``request_timeout_ms`` from the call: a RequestTimeout, nothing
    dropped (the reservations given back stay given back: their loads miss).
 4. Then the store's own ``evict(namespace)`` or ``clear()`` runs, and its answer (tokens
-   dropped) or its error (a StoreError) goes back to the caller.
+   dropped) or its error (a StoreError) goes back to the caller. A store that takes the
+   deadline (:class:`~aiokv.stores.base.BoundsInvalidations`: a store server, a store
+   process) hears it first, and drops nothing for a request that reaches it later.
+
+The deadline. The caller hears RequestTimeout at ``request_timeout_ms`` from its call, on
+the loop's own timer: the store thread may be inside another store call (a lookup's match
+that a stopped store server does not answer) and get to the item only later. Whichever
+thread gives up first takes the item out of the store's way (:meth:`Invalidation.expire`)
+unless the store thread has already asked the store (:meth:`Invalidation.ask`), under one
+lock, so the caller's error says which: not asked, nothing was dropped (and nothing of it
+runs later); asked, the store may have dropped the key, though a store that took the
+deadline only if the request reached it before then. Either way the engine's later calls
+reach the store after the store thread is done with this one (it serves its inbox in
+order), so none of them sees the key dropped after it found it, or an offload of it
+dropped by this evict.
 
 An evict whose caller is cancelled may still take effect: it cannot be taken back once
 the store thread has it. A store without the capability (:class:`~aiokv.stores.base.Evicts`,
@@ -33,17 +47,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import EngineClosed, StoreError
+from .errors import EngineClosed, RequestTimeout, StoreError
 from .loop.resolution import settle
 from .requests import LookupGrant, Request, Reservation
 from .stats import StatsRecorder
 from .stores.base import Capabilities, Store
 from .worker.calls import StoreCalls
+
+# An Invalidation's course: waiting for the store thread, then asked (the store has it) or
+# expired (given up before that: the store never hears of it).
+_WAITING, _ASKED, _EXPIRED = object(), object(), object()
 
 # A held-keys map may grow to this many times the open reservations (plus a floor) before
 # it is pruned to them: amortized O(1) per lookup.
@@ -54,7 +73,8 @@ class Invalidation:
     """An evict (``namespace``) or a clear (``namespace`` None), as the store thread's
     inbox carries it. :meth:`answer` may be called from any thread, once."""
 
-    __slots__ = ("_dropped", "_future", "_loop", "give_up_at", "namespace")
+    __slots__ = ("_dropped", "_future", "_lock", "_loop", "_state", "give_up_at",
+                 "namespace", "timeout_ms")
 
     def __init__(
         self,
@@ -63,17 +83,56 @@ class Invalidation:
         loop: asyncio.AbstractEventLoop,
         give_up_at: float | None = None,
         dropped: Callable[[int], None] | None = None,
+        timeout_ms: int = 0,
     ) -> None:
         self.namespace = namespace
-        # time.perf_counter() past which it stops waiting for the tasks launched before
-        # it (request_timeout_ms from the call; None: never), dropping nothing.
+        # time.monotonic() past which it is given up (request_timeout_ms, ``timeout_ms``,
+        # from the call; None: never): the caller hears RequestTimeout then.
         self.give_up_at = give_up_at
+        self.timeout_ms = timeout_ms
         self._future = future
         self._loop = loop
         # Told on the loop of the tokens the store dropped, whether or not the caller
         # still waits (a caller that left does not undo the evict), unless it was told
         # the evict failed.
         self._dropped = dropped
+        self._lock = threading.Lock()  # the loop's timer and the store thread race for it
+        self._state = _WAITING
+
+    def expire(self) -> bool:
+        """Give it up (either thread), unless the store was asked already: whether it is
+        given up now. Once given up, nothing more of it runs and the store never hears
+        of it."""
+        with self._lock:
+            if self._state is _ASKED:
+                return False
+            self._state = _EXPIRED
+            return True
+
+    def ask(self) -> bool:
+        """The store thread is about to ask the store: False when it was given up (then
+        the store is not asked)."""
+        with self._lock:
+            if self._state is _EXPIRED:
+                return False
+            self._state = _ASKED
+            return True
+
+    @property
+    def expired(self) -> bool:
+        return self._state is _EXPIRED
+
+    def timed_out(self, asked: bool, why: str = "the store was not asked by then"
+                  ) -> RequestTimeout:
+        """The caller's RequestTimeout, saying what may have been dropped."""
+        what = f"{self.verb} not done within engine.request_timeout_ms={self.timeout_ms}"
+        if not asked:
+            return RequestTimeout(f"{what}: {why}; nothing was dropped")
+        return RequestTimeout(
+            f"{what}: the store was asked and has not answered; it may have dropped "
+            f"{'everything' if self.namespace is None else 'the key'} (a store server or "
+            "store process: only if the request reached it before the deadline, never "
+            "after); the engine's later calls see the store as this evict left it")
 
     @property
     def verb(self) -> str:
@@ -161,10 +220,23 @@ def invalidate(item: Invalidation, caps: Capabilities, calls: StoreCalls) -> Non
     args = () if namespace is None else (namespace,)
     outcome: int | BaseException = StoreError(f"the store cannot {item.verb}")
     if method is not None:  # else refused at the call already (Invalidations.run)
+        give_up_at = item.give_up_at
+        if give_up_at is not None and time.monotonic() >= give_up_at:
+            item.expire()  # given up before the store was asked (the loop may have already)
+        if not item.ask():  # its caller heard RequestTimeout, nothing dropped
+            item.answer(item.timed_out(asked=False))
+            return
         try:
+            if caps.set_invalidation_deadline is not None and give_up_at is not None:
+                calls.call(caps.set_invalidation_deadline, give_up_at)
             outcome = int(calls.call(method, *args))
         except StoreError as error:
             outcome = error
+            if give_up_at is not None and time.monotonic() >= give_up_at:
+                # Refused as late (or not answered): what the loop's timer tells, whichever
+                # of the two the caller hears first.
+                outcome = item.timed_out(asked=True)
+                outcome.__cause__ = error
         except (TypeError, ValueError) as exc:  # an answer that is not a count
             outcome = StoreError(f"store.{item.verb} answered no token count: {exc!r}")
     item.answer(outcome)
@@ -200,9 +272,10 @@ class Invalidations:
         caller's cancellation."""
         started = time.perf_counter()
         future: asyncio.Future[int] = self._loop.create_future()
+        timeout_s = self._timeout_s
         item = Invalidation(namespace, future, self._loop,
-                            started + self._timeout_s if self._timeout_s else None,
-                            self._stats.record_dropped)
+                            time.monotonic() + timeout_s if timeout_s else None,
+                            self._stats.record_dropped, round(timeout_s * 1000))
         if not self._can[item.verb]:
             error = StoreError(
                 f"this store ({self._store_name}) cannot {item.verb}: it has no "
@@ -213,6 +286,8 @@ class Invalidations:
         self._dispatch_all(namespace)  # what was accepted before goes first (docstring)
         self._submit(item)  # EngineClosed once the store thread stopped accepting
         self._open.add(future)
+        # At the deadline, whatever the store thread is doing (module docstring).
+        timer = self._loop.call_later(timeout_s, _give_up, item, future) if timeout_s else None
         outcome: object = None  # None: the caller cancelled it
         try:
             dropped = await future
@@ -223,6 +298,8 @@ class Invalidations:
             outcome = dropped
             return dropped
         finally:
+            if timer is not None:
+                timer.cancel()
             self._open.discard(future)
             self._stats.record_call(item.verb, outcome, time.perf_counter() - started)
 
@@ -231,3 +308,9 @@ class Invalidations:
         for future in list(self._open):
             settle(future, EngineClosed("engine closed before this evict or clear finished"))
         self._open.clear()
+
+
+def _give_up(item: Invalidation, future: asyncio.Future[int]) -> None:
+    """The caller's deadline (loop thread): RequestTimeout, saying whether the store had
+    been asked by then (the store thread's answer to a caller gone is dropped)."""
+    settle(future, item.timed_out(asked=not item.expire()))

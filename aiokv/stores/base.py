@@ -253,6 +253,19 @@ class BoundsWaits(Protocol):
 
 
 @runtime_checkable
+class BoundsInvalidations(Protocol):
+    """``set_invalidation_deadline(deadline_s)``: the ``time.monotonic()`` deadline of the
+    ``evict`` or ``clear`` that follows at once on the store thread (its caller's
+    ``request_timeout_ms``; not given without one). A store that hands the request to
+    another process (a store server, a store process) tells it, and that process drops
+    nothing for a request that reaches it after the deadline: the caller heard
+    RequestTimeout by then, and the engine's later calls must not find the key dropped
+    after they found it (or their offloads dropped) by an evict it gave up on."""
+
+    def set_invalidation_deadline(self, deadline_s: float) -> None: ...
+
+
+@runtime_checkable
 class ParksLoads(Protocol):
     """``parked(task_ids)``: of these launched tasks, the loads that wait for room in the
     store before they copy anything more (LocalStore: host room to stage their SSD
@@ -321,6 +334,7 @@ OPTIONAL_METHODS = (
     "set_notify",
     "set_yield",
     "set_deadlines",
+    "set_invalidation_deadline",
     "parked",
     "check_held",
     "put_match_many",
@@ -344,6 +358,7 @@ class Capabilities:
     set_notify: Callable[[Callable[[], None]], None] | None = None
     set_yield: Callable[[Callable[[], None]], None] | None = None
     set_deadlines: Callable[[Sequence[int], Sequence[float]], None] | None = None
+    set_invalidation_deadline: Callable[[float], None] | None = None
     parked: Callable[[Sequence[int]], list[int]] | None = None
     check_held: Callable[[], None] | None = None
     put_match_many: Callable[[Queries], MatchAnswers] | None = None

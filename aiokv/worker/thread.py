@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EngineClosed, RequestTimeout, StoreError
+from ..errors import EngineClosed, StoreError
 from ..exiting import stop_at_exit
 from ..invalidation import HeldKeys, Invalidation, give_back, invalidate
 from ..loop.batcher import Batch
@@ -423,11 +423,16 @@ class StoreWorker:
         was launched before it is terminal (and answered),
         :func:`aiokv.invalidation.invalidate`. A ``try_wait`` that keeps failing fails the
         evict instead (nothing dropped), and the launched tasks are waited for as usual."""
+        if item.expired:  # its caller heard RequestTimeout while it sat in the inbox
+            return
         try:
             give_back(item, self._calls, self._reserved, self._held_keys)
             failure: StoreError | None = None
             while self._launched:
                 if self._exiting:  # its copies will not end: the evict stays unanswered
+                    return
+                if item.expired:  # given up on the loop: nothing dropped, as said there
+                    self._post()
                     return
                 self._post()
                 if self._polls.due():  # a failing try_wait is retried after its backoff,
@@ -445,12 +450,11 @@ class StoreWorker:
                     item.answer(error)
                     return
                 if self._launched and item.give_up_at is not None and (
-                        time.perf_counter() >= item.give_up_at):
+                        time.monotonic() >= item.give_up_at) and item.expire():
                     self._post()
-                    item.answer(RequestTimeout(
-                        f"{item.verb} not done within engine.request_timeout_ms: "
-                        f"{len(self._launched)} tasks launched before it still run; "
-                        "nothing was dropped"))
+                    item.answer(item.timed_out(
+                        asked=False, why=f"{len(self._launched)} tasks launched before it "
+                        "still run"))
                     return
                 if self._launched:
                     time.sleep(max(self._poll_interval_s, self._polls.wait_s()))
