@@ -6,6 +6,7 @@ directory refuses, naming it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes.util
 import signal
@@ -17,12 +18,20 @@ import numpy as np
 import pytest
 import shared_host
 import torch
-from shared_host import PAGE_SIZE, Server, caches, observer, start_processes, wait_for
+from shared_host import (
+    PAGE_SIZE,
+    Server,
+    caches,
+    observer,
+    start_processes,
+    user_kv,
+    wait_for,
+)
 from shared_inprocess import PAGES, TOKENS, Host, load_exact, offload
 
 import aiokv
 from aiokv import cli
-from aiokv.errors import StoreError
+from aiokv.errors import RequestTimeout, StoreError
 from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.shared import SharedStore, link, reconnect
 from aiokv.stores.shared.server import StoreServer
@@ -428,6 +437,88 @@ def test_a_match_resent_after_a_restart_names_no_task_of_the_server_gone(
         assert mask.all()
         assert load_exact(store, tables, 3, task)
         assert "disconnected engine" not in server.text()
+    finally:
+        store.close()
+        server.kill()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP delivered: it runs nothing more)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+@pytest.mark.asyncio
+async def test_evict_and_clear_on_a_stopped_server_time_out_at_their_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGSTOPped server holds the evict it was sent: the caller hears RequestTimeout at
+    request_timeout_ms, not when the server answers (or the call's timeout, here 15 s);
+    a clear behind it too, the store not asked. The server, resumed, refuses the evict
+    that reached it after its deadline: a lookup after the RequestTimeout finds the key
+    whole, then again, and loads it bit for bit on the same connection."""
+    monkeypatch.setattr(link, "CALL_TIMEOUT_S", 15.0)  # else 60 s before the StoreError
+    server = Server(tmp_path).start()
+    assert server.process is not None
+    tables = caches()
+    pages, tokens = 4, 4 * PAGE_SIZE
+    for cache, kv in zip(tables, user_kv(1, pages), strict=True):
+        cache[:pages] = kv
+    config = {"store": {"backend": "shared", "socket": str(server.socket)},
+              "engine": {"request_timeout_ms": 1000}}
+    engine = aiokv.open_engine(config, kv_caches=tables)
+    try:
+        async with engine:
+            assert (await engine.offload(1, torch.arange(pages), tokens)).stored_tokens == tokens
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                wait_for(lambda: _stopped(server.process.pid), "the server stops")  # type: ignore[union-attr]
+                loop = asyncio.get_running_loop()
+                began = loop.time()
+                with pytest.raises(RequestTimeout, match=r"evict .*request_timeout_ms=1000"):
+                    await asyncio.wait_for(engine.evict(1), 30)
+                with pytest.raises(RequestTimeout, match=r"clear .*nothing was dropped"):
+                    await asyncio.wait_for(engine.clear(), 30)
+                assert loop.time() - began < 10  # the server stays stopped until below
+                assert _stopped(server.process.pid)
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+            for _ in range(2):
+                async with await engine.lookup(1, tokens) as hit:
+                    assert hit.cached_tokens == tokens
+            for cache in tables:
+                cache[pages:2 * pages] = 0
+            async with await engine.lookup(1, tokens) as hit:
+                loaded = await engine.load(hit, torch.arange(pages, 2 * pages))
+            assert loaded.loaded_tokens == tokens
+            assert all(torch.equal(cache[pages:2 * pages], kv)
+                       for cache, kv in zip(tables, user_kv(1, pages), strict=True))
+            assert await engine.evict(1) == tokens  # and an evict in time drops it
+    finally:
+        server.kill()
+
+
+def test_the_server_refuses_an_evict_or_clear_that_reaches_it_after_its_deadline(
+        tmp_path: Path) -> None:
+    """What a server resumed after a stop does with the evict its engine gave up on: it
+    drops nothing, and says why; one in time drops the key."""
+    server = Server(tmp_path).start()
+    store, tables = observer(server.socket)
+    try:
+        offload(store, tables, 1)
+        store.set_invalidation_deadline(time.monotonic() - 0.5)
+        with pytest.raises(StoreError, match=r"evict reached the server .* after its deadline"):
+            store.evict(["user:1"])
+        store.set_invalidation_deadline(time.monotonic() - 0.5)
+        with pytest.raises(StoreError, match=r"clear reached the server .* after its deadline"):
+            store.clear()
+        task, mask = store.get_match(TOKENS, ["user:1"])
+        assert mask.all()
+        assert load_exact(store, tables, 1, task)
+        store.set_invalidation_deadline(time.monotonic() + 30)
+        assert store.evict(["user:1"]) == PAGES * PAGE_SIZE
+        task, mask = store.get_match(TOKENS, ["user:1"])
+        assert not mask.any()
+        store.cancel([task])
     finally:
         store.close()
         server.kill()

@@ -82,6 +82,9 @@ class Answers:
         message = wire.decode_json(body)
         if message.get("op") in ("evict", "clear"):
             namespace = wire.namespace(message.get("ns")) if message["op"] == "evict" else None
+            late = _late(message.get("by"))
+            if late is not None:  # its engine gave up on it: it drops nothing now
+                return wire.encode_json({"ok": False, "error": f"{message['op']} {late}"})
             return self._invalidate(conn, namespace)
         handler = self._json_handlers.get(message.get("op"))  # type: ignore[arg-type]
         if handler is None:
@@ -206,6 +209,20 @@ class Answers:
         self._loop.absorb()  # figures after what engines sent before
         clients = [c.client for c in self._loop.peers()]
         return {"stats": self.service.stats(clients)}
+
+
+def _late(by: Any) -> str | None:
+    """Why an evict or clear whose deadline is ``by`` (its engine's time.monotonic(), one
+    clock for the host) is refused now, or None: it is not past (or has none)."""
+    if by is None:
+        return None
+    if isinstance(by, bool) or not isinstance(by, (int, float)):
+        raise ProtocolError(f"an evict's 'by' is a time.monotonic() deadline, not {by!r}")
+    late_s = time.monotonic() - by
+    if late_s < 0:
+        return None
+    return (f"reached the server {late_s:.3f} s after its deadline (the engine had given "
+            "up on it); nothing was dropped")
 
 
 def _ended(raw: Any) -> list[tuple[str, int]]:

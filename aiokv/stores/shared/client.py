@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from ..base import (
     TaskResult,
     TaskStatus,
 )
-from . import wire
+from . import link, wire
 from .link import Link
 from .reconnect import Reconnecting
 from .region import Geometry
@@ -96,6 +97,7 @@ class SharedStore:
         self._closed = False
         self._seen = 0  # the notice word as last asked about
         self._invalidated: set[int] = set()  # server ids of gets an evict took back
+        self._invalidate_by: float | None = None  # set_invalidation_deadline's, for the next
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -390,11 +392,26 @@ class SharedStore:
 
     # ---- optional capabilities -----------------------------------------------------
 
+    def set_invalidation_deadline(self, deadline_s: float) -> None:
+        """base.BoundsInvalidations: sent with the evict or clear that follows."""
+        self._invalidate_by = deadline_s
+
     def evict(self, namespace: Sequence[str]) -> int:
-        return int(self._call_json({"op": "evict", "ns": list(namespace)})["tokens"])
+        return self._invalidate({"op": "evict", "ns": list(namespace)})
 
     def clear(self) -> int:
-        return int(self._call_json({"op": "clear"})["tokens"])
+        return self._invalidate({"op": "clear"})
+
+    def _invalidate(self, message: dict[str, Any]) -> int:
+        """An evict or clear with its deadline (``by``, time.monotonic(): one clock for
+        the host's processes), past which the server refuses it, dropping nothing: the
+        caller's deadline, or at most the call's timeout (link.CALL_TIMEOUT_S). A stopped
+        server may read it only once this engine has given up on it, maybe after a link
+        of its own has carried later calls: it must not drop what those found or stored."""
+        by, self._invalidate_by = self._invalidate_by, None
+        limit = time.monotonic() + link.CALL_TIMEOUT_S
+        message["by"] = limit if by is None else min(by, limit)
+        return int(self._call_json(message)["tokens"])
 
     def store_stats(self) -> Mapping[str, int | float]:
         """The server's figures (its tiers, hits and open tasks, every engine's) with this
