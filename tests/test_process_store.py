@@ -375,7 +375,7 @@ def test_an_answer_that_does_not_pickle_or_a_system_exit_fails_its_call_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     conn, ends, thread = _serve_in_thread(monkeypatch, _OddAnswers(PAGE_SIZE))
-    conn.send(("evict", ("n",)))
+    conn.send(("evict", (("n",), None)))  # (namespace, deadline)
     assert conn.poll(10), "the child answered nothing"
     ok, error = conn.recv()
     assert not ok and isinstance(error, aiokv.StoreError) and "cannot pickle" in str(error)
@@ -752,10 +752,58 @@ def test_evict_and_clear_cross_to_the_child_and_back(monkeypatch: pytest.MonkeyP
         conn.send(("launch", ([task], [len(pages)], pages, {})))
         assert conn.recv() == (True, None)
         assert _try_wait(conn, task)[task].status is aiokv.TaskStatus.SUCCESS
-    conn.send(("evict", ("n",)))
+    conn.send(("evict", (("n",), None)))  # (namespace, deadline)
     assert conn.recv() == (True, 2 * PAGE_SIZE)
     conn.send(("clear", None))
     assert conn.recv() == (True, 2 * PAGE_SIZE)
     conn.send(("close", None))
     assert conn.recv() == (True, None)
     thread.join(10)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP delivered: it runs nothing more)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def _wait_stopped(pid: int) -> None:
+    give_up = time.monotonic() + 20
+    while not _stopped(pid):  # the signal's delivery, not ordering work
+        assert time.monotonic() < give_up, f"process {pid} never stopped"
+        time.sleep(0.001)
+
+
+@pytest.mark.asyncio
+async def test_evict_and_clear_on_a_stopped_child_time_out_at_their_deadline() -> None:
+    """A SIGSTOPped store process holds the evict it was sent: the caller hears
+    RequestTimeout at request_timeout_ms, not when the child answers (or is killed at
+    call_timeout_s, here 15 s); a clear behind it too, the store not asked. The child,
+    resumed, refuses the evict it reads after its deadline: the key is still whole."""
+    caches = make_caches()
+    kv = [cache[:4].clone() for cache in caches]
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01), call_timeout_s=15.0)
+    config = aiokv.EngineConfig(window_us=0, request_timeout_ms=1000)
+    async with aiokv.OffloadEngine(store, caches, config) as engine:
+        tokens = 4 * PAGE_SIZE
+        assert (await engine.offload("a", torch.arange(4), tokens)).stored_tokens == tokens
+        assert store.pid is not None
+        os.kill(store.pid, signal.SIGSTOP)
+        try:
+            _wait_stopped(store.pid)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            with pytest.raises(aiokv.RequestTimeout, match=r"evict .*request_timeout_ms=1000"):
+                await asyncio.wait_for(engine.evict("a"), 30)
+            with pytest.raises(aiokv.RequestTimeout, match=r"clear .*nothing was dropped"):
+                await asyncio.wait_for(engine.clear(), 30)
+            assert loop.time() - began < 10  # the child stays stopped until below
+            assert _stopped(store.pid)
+        finally:
+            os.kill(store.pid, signal.SIGCONT)
+        async with await engine.lookup("a", tokens) as hit:
+            assert hit.cached_tokens == tokens
+            loaded = await engine.load(hit, torch.arange(8, 12))
+        assert loaded.loaded_tokens == tokens
+        assert all(torch.equal(cache[8:12], want) for cache, want in zip(caches, kv, strict=True))
+        assert await engine.evict("a") == tokens  # and an evict in time drops it

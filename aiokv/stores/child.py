@@ -160,13 +160,26 @@ def _for_the_parent(op: str, exc: BaseException) -> BaseException:
     return portable(exc)
 
 
+def _invalidate(store: Any, namespace: tuple[str, ...] | None, by: float | None) -> int:
+    """An evict of ``namespace`` (None: a clear), unless it is read after its deadline
+    ``by`` (the engine's time.monotonic(): one clock for the host's processes), as from a
+    child stopped and resumed: its caller heard RequestTimeout at the deadline, and what
+    that error says (base.BoundsInvalidations) holds only if nothing is dropped later."""
+    verb = "clear" if namespace is None else "evict"
+    if by is not None and (late_s := time.monotonic() - by) >= 0:
+        raise StoreError(f"{verb} reached the store process {late_s:.3f} s after its "
+                         "deadline (the engine had given up on it); nothing was dropped")
+    dropped: int = store.clear() if namespace is None else store.evict(namespace)
+    return dropped
+
+
 _CALLS: dict[str, Callable[[Store, _Ends, Any], Any]] = {
     "put_match": lambda store, ends, args: store.put_match(*args),
     "put_match_many": lambda store, ends, args: _match_many(store, "put_match", args),
     "get_match": lambda store, ends, args: store.get_match(*args),
     "get_match_many": lambda store, ends, args: _match_many(store, "get_match", args),
-    "evict": lambda store, ends, args: store.evict(args),  # type: ignore[attr-defined]
-    "clear": lambda store, ends, args: store.clear(),  # type: ignore[attr-defined]
+    "evict": lambda store, ends, args: _invalidate(store, *args),
+    "clear": lambda store, ends, args: _invalidate(store, None, args),
     "store_stats": lambda store, ends, args: dict(store.store_stats()),  # type: ignore[attr-defined]
     "parked": lambda store, ends, args: store.parked(args),  # type: ignore[attr-defined]
     "launch": _launch,

@@ -111,6 +111,7 @@ class ProcessStore:
         self._ids = self._restarts.ids  # the engine's ids across children
         self._closed = False
         self._deadlines: dict[int, float] = {}  # set_deadlines, sent with the next launch
+        self._invalidate_by: float | None = None  # set_invalidation_deadline's, for the next
         self._closing = False  # the engine closes: no new child from now on
         self._restarting = False  # the store thread is starting a new child
         self._last_stats: dict[str, int | float] = {}  # the child's, for when none serves
@@ -260,12 +261,19 @@ class ProcessStore:
             fresh = unpack_results(packed)
         return self._ids.results(fresh, old)
 
+    def set_invalidation_deadline(self, deadline_s: float) -> None:
+        """base.BoundsInvalidations: sent with the evict or clear that follows; the child
+        refuses one it reads after it (a stopped child resumed), dropping nothing."""
+        self._invalidate_by = deadline_s
+
     def evict(self, namespace: Sequence[str]) -> int:
-        dropped: int = self._call("evict", tuple(namespace))
+        by, self._invalidate_by = self._invalidate_by, None
+        dropped: int = self._call("evict", (tuple(namespace), by))
         return dropped
 
     def clear(self) -> int:
-        dropped: int = self._call("clear", None)
+        by, self._invalidate_by = self._invalidate_by, None
+        dropped: int = self._call("clear", by)
         return dropped
 
     def store_stats(self) -> Mapping[str, int | float]:
