@@ -857,6 +857,40 @@ async def test_write_through_puts_whose_ssd_write_found_no_slot_are_on_ssd_after
             assert torch.equal(cache[pages - per_user :], source[per_user : 2 * per_user])
 
 
+@pytest.mark.asyncio
+async def test_write_back_puts_get_their_room_while_lookups_hold_most_ssd_slots(
+    tmp_path: Path,
+) -> None:
+    # 14 of 16 SSD slots held. write_back copied 8 blocks ahead of eviction (the largest
+    # put) in one all-or-nothing SSD write: none were written, and they went back to the
+    # host LRU's oldest end, ahead of the blocks copied at eviction before them. Eviction
+    # copied them in turn, taking the slots of those copies, which then had to be copied
+    # again: a put of 2 new pages waited for room until StoreFull, round after round.
+    config = ssd_config(tmp_path, slots=HOST_BLOCKS, ssd_write_policy="write_back")
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as first:
+        for user in (0, 1):  # written down at its close: every slot
+            await offload(first, user)
+    store = aiokv.LocalStore(config)
+    async with aiokv.OffloadEngine(store, caches,
+                                   aiokv.EngineConfig(request_timeout_ms=2000)) as engine:
+        hits = [await engine.lookup(0, USER_PAGES * PAGE), await engine.lookup(1, 6 * PAGE)]
+        try:
+            assert [hit.cached_tokens for hit in hits] == [USER_PAGES * PAGE, 6 * PAGE]
+            await offload(engine, 2)
+            for key in range(100, 130):
+                pages = torch.arange(2 * (key % 40), 2 * (key % 40) + 2)
+                assert (await engine.offload(key, pages, 2 * PAGE)).stored_tokens == 2 * PAGE
+        finally:
+            for hit in hits:
+                hit.release()
+        pages = torch.arange(2 * (129 % 40), 2 * (129 % 40) + 2)
+        hit = await engine.lookup(129, 2 * PAGE)
+        assert (await engine.load(hit, TARGET[:2])).loaded_tokens == 2 * PAGE
+        assert same(caches, original, TARGET[:2], pages)
+
+
 def damage_meta(directory: Path, damage: str) -> None:
     meta = next(directory.rglob("meta.json"))
     if damage == "removed":

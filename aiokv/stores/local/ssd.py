@@ -199,8 +199,9 @@ class SsdTier:
         owner: Any,
     ) -> SsdRequest | None:
         """Start copying host blocks (held by the caller until it is done) to SSD. Blocks
-        already there, or whose namespace does not fit a header, are left out; None when
-        nothing is written (then nothing will be reported)."""
+        already there, or whose namespace does not fit a header, are left out, and so are
+        those past the slots free or evictable now; None when nothing is written (then
+        nothing will be reported)."""
         tier = self.tier
         keep = []
         encoded: dict[int, bytes | None] = {}
@@ -211,7 +212,10 @@ class SsdTier:
             sspace = tier.index.space(space.key)
             if ns is not None and (sspace is None or digest not in sspace):
                 keep.append(i)
-        if not keep:
+        # No more than the slots not being written or read (asked for all, a copy down
+        # larger than that wrote nothing): the first ones, the host LRU's oldest.
+        keep = keep[: tier.available()]
+        if not keep:  # all there, or the SSD full of blocks being written or read
             return None
         if len(keep) != len(digests):
             host_blocks = host_blocks[keep]
@@ -220,7 +224,7 @@ class SsdTier:
         try:
             slots = tier.reserve(len(keep))
         except NoSpace:
-            return None  # SSD full of blocks being written or read: host-only for now
+            return None  # host-only for now
         # One table insert per namespace (usually one).
         starts = [0] + [i for i in range(1, len(spaces)) if spaces[i] is not spaces[i - 1]]
         for start, end in zip(starts, [*starts[1:], len(spaces)], strict=True):

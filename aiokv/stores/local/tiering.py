@@ -4,10 +4,10 @@
   copy follows, holding them as a reader, and they join the host LRU when it is written,
   so that host eviction only drops blocks the SSD has.
 - write_back: only blocks about to be evicted are written. While less than an eighth of
-  the host tier (or the largest reservation seen) is free, that many of its LRU's oldest
-  blocks are copied to SSD (held as readers, still readable on the host), and each goes
-  back to the LRU's old end, so that eviction then frees it at no cost and a lookup
-  never finds it in neither tier.
+  the host tier (or the largest reservation seen; at most half the SSD slots not being
+  written or read) is free, that many of its LRU's oldest blocks are copied to SSD (held
+  as readers, still readable on the host), and each goes back to the LRU's old end, so
+  that eviction then frees it at no cost and a lookup never finds it in neither tier.
 - either way, eviction (the demotion hook) keeps a block that has no SSD copy yet
   (eviction outran the copies) and copies it first, readable all along: a put that
   needed its room gets NoSpace until then. Where no copy can start (every SSD slot is
@@ -205,9 +205,14 @@ class TierLink(LoadStaging):
         """write_back: copy the LRU's oldest blocks to SSD before they are evicted."""
         host = self.host
         # An eighth of the tier, or the largest reservation seen (a burst of such puts
-        # would otherwise evict blocks not yet copied): room for the next one.
-        target = max(1, min(host.num_blocks // 2, max(host.num_blocks // 8, host.largest)))
-        if host.alloc.num_free + self._copying >= target or not host.index.evictable:
+        # would otherwise evict blocks not yet copied): room for the next one. At most
+        # half the SSD's slots not being written or read: the copies then recycle slots
+        # of other keys, not those of the blocks copied before them, which would lose
+        # their copies and be written again, round after round.
+        target = min(host.num_blocks // 2, max(host.num_blocks // 8, host.largest),
+                     self.ssd.tier.available() // 2)
+        if target < 1 or host.alloc.num_free + self._copying >= target \
+                or not host.index.evictable:
             return
         oldest = host.index.oldest(target)
         self.write_down(oldest[~host.clean[oldest]])
@@ -218,13 +223,18 @@ class TierLink(LoadStaging):
         LRU's oldest). write_back's ``_keep_room``, and a put that must evict while its
         own stored pages fill the host tier (:mod:`.claims`)."""
         host = self.host
-        dirty = host.index.make_unevictable(blocks[~host.clean[blocks]])
+        # Only as many as the SSD has slots for now: the rest stay where they are in the
+        # LRU. Put back as its oldest, they went ahead of the blocks copied before them,
+        # and eviction, finding them first, copied them in turn, recycling those copies'
+        # slots: on a small SSD, over and over, and a put waited for room until it failed.
+        dirty = blocks[~host.clean[blocks]][: self.ssd.tier.available()]
+        dirty = host.index.make_unevictable(dirty)
         if not len(dirty):
             return
         keys = list(map(host.index.key_of, dirty.tolist()))
         spaces: list[Space] = [k[0] for k in keys]  # type: ignore[misc]  # in the index
         copying = self._copy_down(dirty, spaces, [k[1] for k in keys])  # type: ignore[misc]
-        if len(copying) != len(dirty):
+        if len(copying) != len(dirty):  # on SSD already, or a namespace no header holds
             host.index.make_evictable_oldest(dirty[~np.isin(dirty, copying)])
 
     def _back_to_oldest(self, blocks: Int64Array) -> None:
