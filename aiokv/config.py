@@ -290,7 +290,9 @@ class StoreConfig:
                 "store.ssd_reset_on_mismatch",
                 f"must be true or false, got {self.ssd_reset_on_mismatch!r}",
             )
-        if 0 < self.ssd_cache_gb <= self.cpu_cache_gb:  # FlexKV's own rule, checked early
+        # FlexKV's own rule, checked early; the embedded store's SSD tier checks it in slots
+        # at register, once it knows the block size (a slot per host block: SsdTier).
+        if 0 < self.ssd_cache_gb <= self.cpu_cache_gb:
             raise ConfigError(
                 "store.ssd_cache_gb",
                 f"must be 0 or larger than cpu_cache_gb ({self.cpu_cache_gb}); "

@@ -27,7 +27,7 @@ class LocalHost:
         self.head_dim = head_dim
         self.caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, dtype=dtype)
                        for _ in range(LAYERS)]
-        ssd = {} if ssd_dir is None else {"ssd_cache_gb": 0.05, "ssd_cache_dir": str(ssd_dir)}
+        ssd = {} if ssd_dir is None else {"ssd_cache_gb": 0.1, "ssd_cache_dir": str(ssd_dir)}
         config = aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb, remote={"master": master, **remote},
                                    **ssd)
         self.store = aiokv.LocalStore(config)

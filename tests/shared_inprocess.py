@@ -34,7 +34,7 @@ class Host:
         tiers: dict[str, Any] = {"remote": remote}
         if ssd:
             (directory / "ssd").mkdir()
-            tiers.update(ssd_cache_gb=0.01, ssd_cache_dir=str(directory / "ssd"))
+            tiers.update(ssd_cache_gb=0.02, ssd_cache_dir=str(directory / "ssd"))
         self.config = aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb, **tiers)
         self.server: StoreServer | None = None
         self.thread: threading.Thread | None = None

@@ -817,44 +817,68 @@ def test_gets_launched_past_their_deadline_copy_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_write_through_puts_whose_ssd_write_found_no_slot_are_on_ssd_after_a_restart(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    # An SSD tier of fewer slots than the host has blocks (headers take room too), on a
-    # slow disk: the second put's write finds every free slot in flight and is skipped.
-    # The close must copy it down: the put completed, and a restart must find it.
-    layers, pages, page, heads, dim, per_user = 2, 64, 16, 2, 16, 8
-    block = layers * 2 * page * heads * dim * 4
-    slot = ssd_format.HEADER_BYTES + block
-    write = ssd_io.SsdFiles.write
-
-    def slow_write(self: Any, *args: Any) -> Any:
-        time.sleep(0.2)
-        return write(self, *args)
-
-    monkeypatch.setattr(ssd_io.SsdFiles, "write", slow_write)
-    generator = torch.Generator().manual_seed(5)
-    kv = [torch.randn(pages, 2, page, heads, dim, generator=generator) for _ in range(layers)]
-
-    reopened = [c.clone() for c in kv]
-
-    def engine(caches: list[torch.Tensor]) -> aiokv.OffloadEngine:
-        config = aiokv.StoreConfig(cpu_cache_gb=16 * block / 2**30,
-                                   ssd_cache_gb=12 * slot / 2**30, ssd_cache_dir=str(tmp_path),
-                                   ssd_write_policy="write_through")
-        return aiokv.OffloadEngine(aiokv.LocalStore(config), caches)
-
-    async with engine([c.clone() for c in kv]) as first:
+    # Every SSD slot held by lookups of keys only the SSD has (reopened): the next put's
+    # write finds no slot and is skipped. The close must copy it down: the put completed,
+    # and a restart must find it.
+    config = ssd_config(tmp_path, slots=HOST_BLOCKS)  # write_through
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as first:
         for user in (0, 1):
-            pages_of = torch.arange(user * per_user, (user + 1) * per_user)
-            assert (await first.offload(user, pages_of, per_user * page)).stored_tokens == (
-                per_user * page)
-    async with engine(reopened) as again:
-        async with await again.lookup(1, per_user * page) as hit:
-            assert hit.cached_tokens == per_user * page  # the later put: the SSD keeps it
-            target = torch.arange(pages - per_user, pages)
-            assert (await again.load(hit, target)).loaded_tokens == per_user * page
-        for cache, source in zip(reopened, kv, strict=True):
-            assert torch.equal(cache[pages - per_user :], source[per_user : 2 * per_user])
+            await offload(first, user)
+    store = aiokv.LocalStore(config)
+    async with aiokv.OffloadEngine(store, caches) as again:
+        hits = [await again.lookup(user, USER_PAGES * PAGE) for user in (0, 1)]
+        try:
+            assert [hit.cached_tokens for hit in hits] == [USER_PAGES * PAGE] * 2
+            assert (await offload(again, 2)).stored_tokens == USER_PAGES * PAGE
+            assert store.store_stats()["bytes_ssd_written"] == 0  # no slot for its copy
+        finally:
+            for hit in hits:
+                hit.release()
+    caches = [torch.zeros_like(c) for c in original]
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as reopened:
+        assert await load_back(reopened, 2, TARGET) == USER_PAGES * PAGE
+        assert same(caches, original, TARGET, source_pages(2))
+
+
+SMALL = 512  # bytes a block of small_caches(): its SSD slot is 16 times that
+
+
+def small_caches() -> list[torch.Tensor]:
+    return [torch.randn(PAGES, 2, 4, 2, 4) for _ in range(LAYERS)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dirs", [1, 3])
+async def test_an_ssd_tier_of_fewer_slots_than_host_blocks_is_refused_naming_the_size_that_fits(
+    tmp_path: Path, dirs: int
+) -> None:
+    # 1.5 times cpu_cache_gb held 46 slots (a 4 KiB header and a 4 KiB page each) for 500
+    # host blocks: write_back's copies outgrew the SSD and every offload failed StoreFull.
+    paths = [tmp_path / f"d{k}" for k in range(dirs)]
+    for path in paths:
+        path.mkdir()
+    host = 500 * SMALL / (1 << 30)
+
+    def config(gb: float) -> aiokv.StoreConfig:
+        return aiokv.StoreConfig(cpu_cache_gb=host, ssd_cache_gb=gb,
+                                 ssd_cache_dir=[str(p) for p in paths],
+                                 ssd_write_policy="write_back")
+
+    slots = -(-500 // dirs) * dirs  # each directory the same count
+    need = slots * 2 * ssd_format.HEADER_BYTES / (1 << 30)
+    for bad in (1.5 * host, need - 1 / (1 << 30)):  # one byte short: one slot short
+        with pytest.raises(aiokv.ConfigError) as caught:
+            aiokv.LocalStore(config(bad)).register(small_caches())
+        assert caught.value.key == "store.ssd_cache_gb"
+        assert f"{bad!r} GiB holds" in str(caught.value)
+        assert f"fewer than the host tier's 500 blocks; set at least {need!r}" in str(
+            caught.value)
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config(need)), small_caches()) as engine:
+        assert engine.stats().ssd_blocks_total == slots
 
 
 @pytest.mark.asyncio

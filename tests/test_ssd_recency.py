@@ -133,7 +133,7 @@ async def test_a_clean_block_whose_copy_goes_in_the_same_eviction_is_copied_agai
 ) -> None:
     # Two keys evicted together: the copy down of the one without an SSD copy took the SSD
     # slot of the other's copy, and that one, checked before, was freed with none.
-    unit = 4  # pages per user here: a 16-block host holds 4, a 12-slot SSD 3
+    unit = 4  # pages per user here: the 16-block host and the 16-slot SSD hold 4
 
     def pages(user: int) -> torch.Tensor:
         return torch.arange(unit * user, unit * (user + 1))
@@ -141,7 +141,7 @@ async def test_a_clean_block_whose_copy_goes_in_the_same_eviction_is_copied_agai
     caches = caches_for()
     original = [c.clone() for c in caches]
     target = TARGET[:unit]
-    store = aiokv.LocalStore(ssd_config(tmp_path, slots=12))  # write_through
+    store = aiokv.LocalStore(ssd_config(tmp_path, slots=16))  # write_through
     written = 0
 
     async def put(user: int, user_pages: torch.Tensor) -> None:
@@ -154,13 +154,14 @@ async def test_a_clean_block_whose_copy_goes_in_the_same_eviction_is_copied_agai
         return await load_back(engine, user, target)
 
     async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
-        a, b, x1, x2 = 0, 1, 2, 3
-        for user in (a, b, x1):
+        a, b, x1, y, x2 = 0, 1, 2, 3, 4
+        for user in (a, b, x1, y):
             await put(user, pages(user))
         await use(a)
         await use(b)
-        await put(x2, pages(x2))  # the SSD gives A's slots to X2: A is the host's only copy
-        await use(x1)
+        # The host evicts X1; the SSD gives A's slots to X2: A is the host's only copy.
+        await put(x2, pages(x2))
+        await use(y)
         await use(x2)  # the host's LRU: A, B oldest
         await engine.offload(99, torch.arange(100, 108), 8 * PAGE)  # evicts A and B at once
         await asyncio.sleep(0.3)

@@ -88,11 +88,20 @@ class SsdTier:
         self.slot_bytes = HEADER_BYTES + _round_up(self.block_bytes, ALIGN)
         count = len(dirs)
         total = int(capacity_bytes // self.slot_bytes) // count * count
-        if total < 1:
+        if total < pool.num_blocks:
+            # ssd_cache_gb > cpu_cache_gb means an SSD tier that holds the host tier, but a
+            # slot is a header and whole 4 KiB pages: in bytes, small blocks take several
+            # times their size there. Fewer slots than host blocks and write_back's copies
+            # outgrow the SSD, and a close cannot write down what only the host holds.
+            need = -(-pool.num_blocks // count) * count * self.slot_bytes
             raise ConfigError(
                 "store.ssd_cache_gb",
-                f"{capacity_bytes / (1 << 30)} GiB holds no slot of {self.slot_bytes} bytes "
-                f"in each of {count} directories",
+                f"{capacity_bytes / (1 << 30)!r} GiB holds {total} slots of "
+                f"{self.slot_bytes} bytes (a {HEADER_BYTES}-byte header and the "
+                f"{self.block_bytes}-byte block in whole 4 KiB pages) over {count} "
+                f"director{'y' if count == 1 else 'ies'}, fewer than the host tier's "
+                f"{pool.num_blocks} blocks; set at least {need / (1 << 30)!r} for these "
+                f"caches",
             )
         geometry = {**geometry, "slot_bytes": self.slot_bytes}
         direct = self.block_bytes % ALIGN == 0
