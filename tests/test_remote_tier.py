@@ -7,12 +7,14 @@ installs it) it must run."""
 from __future__ import annotations
 
 import itertools
+import logging
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 import aiokv
 import aiokv.metrics
+from aiokv.remote import connection as remote_connection
 from aiokv.remote.client import RemoteIO
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.markers import Markers
@@ -899,3 +902,68 @@ def test_an_evict_whose_marker_call_times_out_and_then_is_refused_is_one_error(
     finally:
         gate.set()
         b.close()
+
+
+class _Recorded:
+    """A Mooncake client that notes each call's thread and method before it makes it."""
+
+    def __init__(self, client: Any, calls: list[tuple[threading.Thread, str]]) -> None:
+        self._client, self._calls = client, calls
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._calls.append((threading.current_thread(), name))
+            return method(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize("step", ["answers", "fails"])
+def test_a_reader_left_in_its_idle_check_at_close_calls_mooncake_no_more(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, step: str) -> None:
+    # Close gave up on the reader thread (its bound, timeout_ms) while the idle pass
+    # waited at the start of its check (as behind another thread's connect). Once let go
+    # it went on calling Mooncake with the closed engine's client ("answers"), or counted
+    # the call under way failing and logged that the tier rests ("fails"); such a thread
+    # ran a later test's patched check and failed that test.
+    entered, gate = threading.Event(), threading.Event()
+    held: list[threading.Thread] = []
+    calls: list[tuple[threading.Thread, str]] = []
+    check_markers = RemoteIO._check
+    checks = itertools.count()
+    timeout_ms = 303  # this host's own: an earlier test's, closed, may still be in a call
+    store = import_store()
+    monkeypatch.setattr(remote_connection, "import_store", lambda: SimpleNamespace(
+        MooncakeDistributedStore=lambda: _Recorded(store.MooncakeDistributedStore(), calls)))
+
+    def held_check(io: RemoteIO) -> bool:
+        if io.config.timeout_ms != timeout_ms or held or next(checks) == 0:
+            return check_markers(io)  # the first: the connect's
+        held.append(threading.current_thread())
+        entered.set()
+        gate.wait(30)
+        if step == "fails":  # the call under way: the master's absence
+            return io.connection.codes("batch_is_exist", [-900])
+        return check_markers(io)
+
+    monkeypatch.setattr(RemoteIO, "_check", held_check)
+    b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
+    try:
+        assert entered.wait(10), "the idle pass's check did not start"
+        b.close()  # gives up on the reader after timeout_ms
+        store_stats, engine = b.stats(), b.kv.stats()  # final after close
+        caplog.clear()
+        closed_at = len(calls)
+        with caplog.at_level(logging.WARNING, logger="aiokv"):
+            gate.set()
+            held[0].join(10)
+        assert not held[0].is_alive()
+    finally:
+        gate.set()
+        b.close()
+    assert [name for thread, name in calls[closed_at:] if thread is held[0]] == []
+    assert [record.getMessage() for record in caplog.records] == []
+    assert (b.stats(), b.kv.stats()) == (store_stats, engine)

@@ -102,8 +102,8 @@ class RemoteIO:
         return self.connection.timed_out(self._reader.waits_for(future))
 
     def client(self) -> Any:
-        """The Mooncake client these calls use (None while not connected): for a
-        benchmark's raw calls side by side with the tier's."""
+        """The Mooncake client these calls use (None while not connected, and once
+        closed): for a benchmark's raw calls side by side with the tier's."""
         return self.connection.ready()
 
     def _buffers(self) -> list[tuple[int, int]]:
@@ -331,6 +331,9 @@ class RemoteIO:
         queue.give_back(dropped)
         stopped = (self._reader.close(max(0.0, deadline - time.monotonic()))
                    and not self._writer.thread.is_alive())
+        # A thread left in a call goes on once it returns: from here on it calls Mooncake
+        # no more, and what it meets is not counted (close's figures are final).
+        self.connection.stop()
         waiting = sum(self.keys.unpublished().values())
         if waiting:
             log.warning("aiokv: remote tier: %d evicts or clears closed with their markers "

@@ -70,6 +70,27 @@ def master_answers(config: RemoteConfig) -> None:
             ) from None
 
 
+class Closed(Exception):
+    """The tier's close returned: no Mooncake call starts any more (:meth:`Connection.stop`)."""
+
+
+class _Calls:
+    """The client as the tier's threads call it: a call that would start after
+    :meth:`Connection.stop` raises :class:`Closed` instead. A thread that close left in a
+    call (a master that stopped answering) goes on with its work once the call returns:
+    whatever step of it comes next, it makes no further call on the closed tier."""
+
+    __slots__ = ("_client", "_connection")
+
+    def __init__(self, client: Any, connection: Connection) -> None:
+        self._client, self._connection = client, connection
+
+    def __getattr__(self, name: str) -> Any:
+        if self._connection.stopped:
+            raise Closed(f"the remote tier is closed: no {name} call")
+        return getattr(self._client, name)
+
+
 class Connection:
     """The client, set up on first use with ``buffers()`` (address, bytes) registered, and
     whether the tier rests. Any thread."""
@@ -79,6 +100,9 @@ class Connection:
         self.config = config
         self._buffers = buffers
         self._client: Any = None
+        self._calls: _Calls | None = None  # the client, as the tier's threads call it
+        # Close returned (:meth:`stop`): no call starts, and nothing more is counted.
+        self.stopped = False
         self._connect_lock = threading.Lock()
         self._rest_s = config.timeout_ms / 1000
         self._retry_at = 0.0  # time.monotonic() before which calls are not tried
@@ -110,6 +134,8 @@ class Connection:
         """A call failed for want of the master, or raised (``call``: the reader thread's
         call that raised; else the one under way on this thread): counted, and the tier
         rests, once per call (:meth:`_failure`)."""
+        if self.stopped:  # a call close left under way: the closed tier's figures are final
+            return
         count, first = self._failure(current_call() if call is None else call)
         if count:
             with self._counting:
@@ -119,8 +145,8 @@ class Connection:
 
     def refused(self) -> bool:
         """Mooncake answered the call under way on this thread with an error: whether to
-        count it (:meth:`_failure`)."""
-        return self._failure(current_call())[0]
+        count it (:meth:`_failure`; not once close returned)."""
+        return not self.stopped and self._failure(current_call())[0]
 
     def timed_out(self, call: Future[Any]) -> bool:
         """A lookup or an evict gave up waiting for ``call`` (the reader thread's call it
@@ -149,12 +175,13 @@ class Connection:
         self._rest_s = self.config.timeout_ms / 1000
 
     def ready(self) -> Any:
-        """The set-up client, or None (resting, or setup failed now). While the tier rests
-        no call is tried: on a master that stopped answering each waits about 30 s."""
-        if self.resting():
+        """The set-up client, or None (resting, setup failed now, or closed). While the
+        tier rests no call is tried: on a master that stopped answering each waits about
+        30 s."""
+        if self.stopped or self.resting():
             return None
-        if self._client is not None:
-            return self._client
+        if self._calls is not None:
+            return self._calls
         # Another thread may be connecting: wait for it (a connect is bounded by the
         # probe below, but Mooncake's own setup is not: do not wait for ever).
         if not self._connect_lock.acquire(timeout=_CONNECT_WAIT_S):
@@ -162,9 +189,11 @@ class Connection:
         try:
             if self._client is None:
                 self._client = self._connect()
+                if self._client is not None:
+                    self._calls = _Calls(self._client, self)
         finally:
             self._connect_lock.release()
-        return self._client
+        return self._calls
 
     def _connect(self) -> Any:
         config = self.config
@@ -193,6 +222,8 @@ class Connection:
     def _failed_connect(self, detail: object) -> None:
         """A connect inside a call (the reader thread's: counted once, as any failure
         of it; :meth:`_failure`)."""
+        if self.stopped:
+            return
         count, first = self._failure(current_call())
         if count:
             with self._counting:
@@ -202,16 +233,25 @@ class Connection:
 
     def codes(self, what: str, codes: Sequence[int]) -> bool:
         """Whether a batch call reached Mooncake (else it is counted, and the tier
-        rests)."""
+        rests). False once close returned: nothing of a call it left under way is used."""
+        if self.stopped:
+            return False
         if any(code <= _DOWN for code in codes):
             self.failed(what, f"code {min(codes)}")
             return False
         self._succeeded()
         return True
 
+    def stop(self) -> None:
+        """Close returned: no call starts from now on (:class:`Closed`), and a call that
+        close left under way is neither counted nor rests the tier when it returns: the
+        closed engine's figures are final, and its log says nothing more."""
+        self.stopped = True
+
     def close(self) -> None:
         """Let go of Mooncake (once no thread calls it)."""
-        client, self._client = self._client, None
+        self.stop()
+        client, self._client, self._calls = self._client, None, None
         if client is not None:
             for address, _ in self._buffers():
                 client.unregister_buffer(address)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .checksums import Checksums
-from .connection import NO_SPACE, Connection
+from .connection import NO_SPACE, Closed, Connection
 from .markers import Markers
 from .queue import WriteJob, WriteQueue
 from .values import Values
@@ -60,6 +60,8 @@ class Writer:
             began = self._batch_began = time.monotonic()
             try:
                 self._write(jobs)
+            except Closed:  # close returned while it was in a call: its figures are final
+                pass
             except Exception as exc:  # a bug or the client's: count it, keep the thread
                 self.stats["remote_write_errors"] += sum(len(j.blocks) for j in jobs)
                 log.exception("aiokv: remote tier: a write failed: %s", exc)
