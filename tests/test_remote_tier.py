@@ -967,3 +967,47 @@ def test_a_reader_left_in_its_idle_check_at_close_calls_mooncake_no_more(
     assert [name for thread, name in calls[closed_at:] if thread is held[0]] == []
     assert [record.getMessage() for record in caplog.records] == []
     assert (b.stats(), b.kv.stats()) == (store_stats, engine)
+
+
+def test_a_reader_left_in_its_idle_publish_at_close_goes_on_to_no_check(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An evict's marker did not go out; the idle pass was publishing it when close gave
+    # up on the reader. Let go, the pass went on to its check of the markers: the thread
+    # of a closed engine ran whatever _check was then, a later test's patch among them.
+    entered, gate = threading.Event(), threading.Event()
+    held: list[threading.Thread] = []
+    checked_after_close: list[threading.Thread] = []
+    publish, check_markers = RemoteIO._publish, RemoteIO._check
+    publishes = itertools.count()
+    timeout_ms = 307  # this host's own: an earlier test's, closed, may still be in a call
+
+    def held_publish(io: RemoteIO) -> bool:
+        if io.config.timeout_ms != timeout_ms or held:
+            return publish(io)
+        if next(publishes) == 0:
+            return False  # the evict's call: the marker not out (as a refusal)
+        held.append(threading.current_thread())
+        entered.set()
+        gate.wait(30)
+        io.keys.checked_at = float("-inf")  # a check is due, as after a long call
+        return False
+
+    def noted_check(io: RemoteIO) -> bool:
+        if gate.is_set() and threading.current_thread() in held:
+            checked_after_close.append(threading.current_thread())
+        return check_markers(io)
+
+    monkeypatch.setattr(RemoteIO, "_publish", held_publish)
+    monkeypatch.setattr(RemoteIO, "_check", noted_check)
+    b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
+    try:
+        assert b.kv.evict(4721) == 0  # its marker not out: the idle pass publishes it
+        assert entered.wait(10), "the idle pass's publish did not start"
+        b.close()  # gives up on the reader after timeout_ms
+        gate.set()
+        held[0].join(10)
+        assert not held[0].is_alive()
+    finally:
+        gate.set()
+        b.close()
+    assert checked_after_close == []

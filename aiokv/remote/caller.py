@@ -54,6 +54,12 @@ class CallThread:
         self._calls.put((function, args, future))
         return future
 
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`stop` was called: ``tend``'s pass under way stops between its
+        steps (the thread ends after it, and close may give up on it before)."""
+        return self._closed
+
     def waits_for(self, future: Future[Any]) -> Future[Any]:
         """The call that ``future`` waits for now: itself once it started, else the call
         under way (whose time a caller that gives up on ``future`` spent)."""

@@ -24,7 +24,7 @@ from ..exiting import stop_at_exit
 from .caller import CallThread
 from .checksums import Checksums
 from .config import RemoteConfig
-from .connection import ABSENT, NOT_READY, Connection
+from .connection import ABSENT, NOT_READY, Closed, Connection
 from .keys import Keys, leading_ones
 from .markers import Markers
 from .queue import WriteQueue
@@ -254,23 +254,34 @@ class RemoteIO:
             if refused and self.connection.refused():
                 self.read_stats["remote_read_errors"] += 1
 
-    def _tend(self) -> float:
+    def _tend(self) -> float | None:
         """The reader thread, between calls: publish the markers that could not be
         published earlier, once the tier no longer rests (and no publish call is
         queued: :meth:`_publish_queued`), and ask for the boot id's key and the epoch's
         markers when no call did for ``_CHECK_S`` (a master that restarted, a clear
-        elsewhere); how long until it looks again."""
+        elsewhere); how long until it looks again (None: closing).
+
+        Once close stops the thread the pass stops between its steps: close may give up
+        on it in a step (a master that stopped answering), and the next one would call
+        Mooncake, count its failure or wake the store after close returned."""
+        reader = self._reader
         if self.connection.resting():
             return max(0.05, self.connection.rest_left_s())
         answered = True
         try:
             if self.keys.unpublished() and not self._publish_queued():
                 answered = self._publish()
+            if reader.closing:
+                return None
             if time.monotonic() - self.keys.checked_at >= _CHECK_S:
                 answered = self._check() and answered
+        except Closed:  # close returned while a step was under way: nothing more
+            return None
         except Exception as exc:  # the client raised: a failed call, the tier rests
             self.connection.failed("a call", exc)
             answered = False
+        if reader.closing:
+            return None
         if not answered:
             # A failure counted with no lookup or write in sight: the store thread, idle,
             # would not ask for its figures again, and engine.stats() would not show it.
