@@ -155,7 +155,8 @@ class OffloadEngine:
         (stores.base.Terminates: a store's child process is killed, up to a few seconds
         more), else the thread is left to end on its own, and the requests still
         unresolved fail with EngineClosed naming their count (logged as a warning).
-        Lookups still held read released: the store thread cancels their reservations.
+        Lookups still held are given back first (a load waiting for the room they hold
+        goes on), and read released.
         In a forked child of the process that started it, returns at once: the engine
         and its store are the parent's (every other call there raises EngineClosed).
         Raises InvalidRequest, leaving the engine untouched, for a ``drain`` that is not a

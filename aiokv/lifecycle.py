@@ -280,6 +280,12 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     engine._state = EngineState.DRAINING
     worker.closing()  # the store starts nothing new for later calls (no new child)
     admission.wake_all()  # callers waiting for room see the state and leave
+    # Held Lookups read released once closed anyway, and nothing can load them now: their
+    # reservations go back first, as an evict's or a clear's do (aiokv.invalidation). A
+    # launched load waiting for host room in the store (stores.base.ParksLoads) may be
+    # waiting for that very room, and the drain, or the store thread's wait for launched
+    # tasks, would wait for it until the deadline.
+    resolver.release_lookups()
     if engine._batcher_task is None:
         drain = False  # closed while starting: nothing dispatches what is queued
     if drain:
@@ -317,7 +323,7 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     )
     for request in unfinished:
         resolver.resolve(request, abandoned)
-    # The store thread cancels what they reserved; the Lookups say so.
+    # Those answered since (lookups drained): the store thread cancelled what they reserved.
     resolver.release_lookups()
     if engine._deadlines is not None:
         engine._deadlines.close()

@@ -6,16 +6,21 @@ is left open and the store contract holds."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import PAGE_SIZE
+from test_ssd import PAGE, TARGET, USER_PAGES, caches_for, same, source_pages, ssd_config
+from test_ssd import offload as offload_user
 
 import aiokv
+from aiokv.stores import ProcessStore
 from aiokv.stores.base import BoolArray, Int64Array, Store
 from aiokv.testing import CheckingStore, FakeStore, FaultyStore, StoreWrapper
 
@@ -25,6 +30,7 @@ from aiokv.testing import CheckingStore, FakeStore, FaultyStore, StoreWrapper
 BATCH = 64
 IN_FLIGHT, BEHIND = 24 * BATCH, 1_500
 TOKENS = 2 * PAGE_SIZE
+SSD_TOKENS = USER_PAGES * PAGE  # a user's tokens in test_ssd's layout
 
 
 class Gate(StoreWrapper):
@@ -123,3 +129,58 @@ async def test_a_close_with_thousands_queued_and_in_flight_resolves_every_future
     assert stats.store_tasks_open == 0
     assert checked.problems() == []
     assert loop_errors == []
+
+
+def a_store(kind: str, directory: Path) -> aiokv.Store:
+    """An SSD-backed store, embedded or in a process of its own (a store server's lookup of
+    pages only its SSD holds reads them before it answers, or misses: no load of it waits
+    for room once launched)."""
+    config = ssd_config(directory)
+    if kind == "own_process":
+        return ProcessStore(dataclasses.replace(config, own_process=True))
+    return aiokv.LocalStore(config)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["embedded", "own_process"])
+@pytest.mark.parametrize("drain", [True, False])
+async def test_a_close_gives_held_lookups_back_to_a_load_waiting_for_their_room(
+    kind: str, drain: bool, tmp_path: Path
+) -> None:
+    """A layerwise load launched while held Lookups take every host block waits for room
+    to stage its SSD pages. The close used to give those Lookups back only after the store
+    thread had waited for that load: it took its whole timeout, failed the load with
+    EngineClosed, and left the store thread (and the SSD directory) busy until the load's
+    own 30 s deadline. The Lookups go back first now: the load completes, bit for bit,
+    and the close returns with nothing left open."""
+    caches = caches_for()
+    original = [cache.clone() for cache in caches]
+    # The Lookups' TTL (10 s by default) would give them back in the end: not before the
+    # close's timeout here. The load's deadline: the default 30 s.
+    engine = aiokv.OffloadEngine(a_store(kind, tmp_path), caches,
+                                 aiokv.EngineConfig(lookup_ttl_ms=60_000))
+    await engine.start()
+    for user in range(4):
+        await offload_user(engine, user)
+    holds = [await engine.lookup(user, SSD_TOKENS) for user in (2, 3)]  # the host's blocks
+    hit = await engine.lookup(0, SSD_TOKENS)  # user 0: on SSD only
+    assert [hold.cached_tokens for hold in [*holds, hit]] == [SSD_TOKENS] * 3
+    loading = await engine.load_layerwise(hit, TARGET)
+    await eventually(lambda: engine.stats().stage_waits >= 1)
+    layers = [asyncio.ensure_future(loading.layer_ready(i)) for i in range(len(caches))]
+
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await asyncio.wait_for(engine.aclose(drain=drain, timeout=20), 60)
+    assert loop.time() - began < 10  # it was the whole 20 s
+
+    result = await asyncio.wait_for(loading.result(), 10)
+    assert result.loaded_tokens == SSD_TOKENS
+    await asyncio.wait_for(asyncio.gather(*layers), 10)
+    assert same(caches, original, TARGET, source_pages(0))
+    assert [hold.held for hold in holds] == [False, False]
+    stats = engine.stats()
+    assert stats.store_tasks_open == 0 and stats.pending == 0
+    # The store is closed: its SSD directory opens again at once.
+    async with aiokv.OffloadEngine(a_store(kind, tmp_path), caches_for()) as again:
+        (await again.lookup(0, SSD_TOKENS)).release()

@@ -140,8 +140,9 @@ class Resolver:
         self.finished(request, outcome)
 
     def release_lookups(self) -> None:
-        """The engine closed (its store thread cancelled every reservation): each Lookup
-        still held reads released."""
+        """The engine closes (it takes no more loads): each Lookup still held is given
+        back, as the close begins (the room it holds may be what a launched load waits
+        for), and again at its end for those answered meanwhile."""
         for lookup in list(self._lookups):
             lookup.release()
         self._lookups.clear()
