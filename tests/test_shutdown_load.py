@@ -18,6 +18,7 @@ import torch
 from conftest import PAGE_SIZE
 from test_ssd import PAGE, TARGET, USER_PAGES, caches_for, same, source_pages, ssd_config
 from test_ssd import offload as offload_user
+from test_sync import LOOPS
 
 import aiokv
 from aiokv.stores import ProcessStore
@@ -184,3 +185,50 @@ async def test_a_close_gives_held_lookups_back_to_a_load_waiting_for_their_room(
     # The store is closed: its SSD directory opens again at once.
     async with aiokv.OffloadEngine(a_store(kind, tmp_path), caches_for()) as again:
         (await again.lookup(0, SSD_TOKENS)).release()
+
+
+@pytest.mark.parametrize("loop_kind", sorted(LOOPS))
+def test_a_close_after_the_loop_closed_cancels_reservations_before_a_load_waiting_for_room(
+    loop_kind: str, tmp_path: Path
+) -> None:
+    """The loop that started the engine closed with it running, held Lookups taking every
+    host block and a load launched waiting for room: nothing on that loop gives the
+    Lookups back, and the store thread cancelled their reservations only after the
+    launched tasks ended, that load among them (at its own 30 s deadline). The close
+    (from another loop) took its whole timeout and left the thread and the SSD directory
+    busy. The store thread cancels them as it stops now: the load ends, bit for bit."""
+    caches = caches_for()
+    original = [cache.clone() for cache in caches]
+    engine = aiokv.OffloadEngine(aiokv.LocalStore(ssd_config(tmp_path)), caches,
+                                 aiokv.EngineConfig(lookup_ttl_ms=60_000))
+    home = LOOPS[loop_kind]()
+
+    async def parked() -> list[aiokv.Lookup]:
+        await engine.start()
+        for user in range(4):
+            await offload_user(engine, user)
+        holds = [await engine.lookup(user, SSD_TOKENS) for user in (2, 3)]
+        hit = await engine.lookup(0, SSD_TOKENS)  # user 0: on SSD only
+        loading = await engine.load_layerwise(hit, TARGET)
+        await eventually(lambda: engine.stats().stage_waits >= 1)
+        assert not loading.is_ready(0)
+        return holds
+
+    holds = home.run_until_complete(parked())  # referenced: held until the close
+    home.close()  # with the engine running
+
+    async def close() -> float:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await asyncio.wait_for(engine.aclose(timeout=20), 60)
+        return loop.time() - began
+
+    with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner:
+        assert runner.run(close()) < 10  # it was the whole 20 s
+        assert engine.state is aiokv.EngineState.CLOSED
+        assert same(caches, original, TARGET, source_pages(0))  # launched: it completed
+        assert engine.stats().store_tasks_open == 0
+        # The store is closed: its SSD directory opens again at once.
+        runner.run(aiokv.OffloadEngine(aiokv.LocalStore(ssd_config(tmp_path)),
+                                       caches_for()).aclose())
+    del holds

@@ -144,8 +144,8 @@ class StoreWorker:
         self._accepting = False
 
     def stop(self, give_up_s: float) -> None:
-        """End the inbox: work already accepted is processed, launched tasks are waited
-        for, open reservations are cancelled, then the store is closed. A ``try_wait``
+        """End the inbox: work already accepted is processed, open reservations are
+        cancelled, launched tasks are waited for, then the store is closed. A ``try_wait``
         that still fails ``give_up_s`` seconds from now (the close's deadline) fails the
         launched requests still waited for: the store closes next."""
         with self._accept_lock:
@@ -256,6 +256,12 @@ class StoreWorker:
                 while item is not None and not self._exiting:
                     if item is _STOP:
                         stopping = True
+                        # No load can consume them now: their room goes back before the
+                        # launched tasks are waited for, one of which may be a load
+                        # waiting for that room in the store (base.ParksLoads).
+                        if self._reserved:
+                            self._calls.cancel(sorted(self._reserved))
+                            self._reserved.clear()
                     elif item is _WAKE:
                         woke = True
                     else:
@@ -282,9 +288,6 @@ class StoreWorker:
                 if worked:
                     self.figures.changed()
                 self.figures.refresh()
-            if self._reserved:
-                self._calls.cancel(sorted(self._reserved))
-                self._reserved.clear()
             self._calls.owed.retry(final=True)  # the store closes next
             self.figures.refresh(now=True)  # what a store gone after its close (a child) did
         except BaseException:  # a bug here must not strand futures: fail what we hold
