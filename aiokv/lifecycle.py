@@ -284,7 +284,8 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     # reservations go back first, as an evict's or a clear's do (aiokv.invalidation). A
     # launched load waiting for host room in the store (stores.base.ParksLoads) may be
     # waiting for that very room, and the drain, or the store thread's wait for launched
-    # tasks, would wait for it until the deadline.
+    # tasks, would wait for it until the deadline. Those the close drains go back as they
+    # are answered.
     resolver.release_lookups()
     if engine._batcher_task is None:
         drain = False  # closed while starting: nothing dispatches what is queued
@@ -323,8 +324,6 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     )
     for request in unfinished:
         resolver.resolve(request, abandoned)
-    # Those answered since (lookups drained): the store thread cancelled what they reserved.
-    resolver.release_lookups()
     if engine._deadlines is not None:
         engine._deadlines.close()
     # Final from here on, also where the store thread is left to end on its own.

@@ -232,3 +232,61 @@ def test_a_close_after_the_loop_closed_cancels_reservations_before_a_load_waitin
         runner.run(aiokv.OffloadEngine(aiokv.LocalStore(ssd_config(tmp_path)),
                                        caches_for()).aclose())
     del holds
+
+
+class LookupGate(StoreWrapper):
+    """While ``open`` is clear, ``get_match`` blocks the store thread."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.open = threading.Event()
+        self.open.set()
+        self.blocked = threading.Event()  # set once a get_match waits at the gate
+
+    def get_match(self, token_ids: Int64Array, namespace: Sequence[str]) -> tuple[int, BoolArray]:
+        if not self.open.is_set():
+            self.blocked.set()
+            self.open.wait(30)
+        return self.inner.get_match(token_ids, namespace)
+
+
+@pytest.mark.asyncio
+async def test_lookups_drained_by_a_close_go_back_to_a_load_waiting_for_their_room(
+    tmp_path: Path,
+) -> None:
+    """Lookups the close drains (dispatched before it, answered after it began) take the
+    host room that a launched load waits for: nothing could load them (the engine drains),
+    yet they were given back only at the close's end, so the drain waited for that load
+    until its timeout. They are given back as they are answered now: the load completes
+    and the close returns at once; the drained lookups still resolve (read released)."""
+    caches = caches_for()
+    original = [cache.clone() for cache in caches]
+    gate = LookupGate(aiokv.LocalStore(ssd_config(tmp_path)))
+    engine = aiokv.OffloadEngine(gate, caches, aiokv.EngineConfig(lookup_ttl_ms=60_000))
+    await engine.start()
+    for user in range(4):
+        await offload_user(engine, user)
+    holds = [await engine.lookup(user, SSD_TOKENS) for user in (2, 3)]  # the host's blocks
+    hit = await engine.lookup(0, SSD_TOKENS)  # user 0: on SSD only
+    loading = asyncio.ensure_future(engine.load(hit, TARGET))
+    await eventually(lambda: engine.stats().stage_waits >= 1)
+    # Lookups of the same users, in one batch, held up in the store: answered once the
+    # close has given the first two back, they hold the whole host tier again.
+    gate.open.clear()
+    drained = asyncio.gather(*(engine.lookup(user, SSD_TOKENS) for user in (2, 3)))
+    await asyncio.to_thread(gate.blocked.wait, 10)
+
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    closing = asyncio.ensure_future(engine.aclose(drain=True, timeout=20))
+    await asyncio.sleep(0)  # the close has begun: the first two are given back
+    gate.open.set()
+    await asyncio.wait_for(closing, 60)
+    assert loop.time() - began < 10  # it was the whole 20 s
+
+    assert (await asyncio.wait_for(loading, 10)).loaded_tokens == SSD_TOKENS
+    assert same(caches, original, TARGET, source_pages(0))
+    lookups = await asyncio.wait_for(drained, 10)
+    assert [lookup.cached_tokens for lookup in lookups] == [SSD_TOKENS] * 2
+    assert not any(lookup.held for lookup in [*holds, *lookups])
+    assert engine.stats().store_tasks_open == 0

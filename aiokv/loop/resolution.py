@@ -67,6 +67,7 @@ class Resolver:
         self._outcomes: deque[tuple[Request, object]] = deque()
         # Every Lookup answered, while its caller keeps it: release_lookups at the close.
         self._lookups: weakref.WeakSet[Lookup] = weakref.WeakSet()
+        self._closing = False  # set by release_lookups: Lookups answered later go back
 
     def deliver(self, pairs: list[tuple[Request, object]]) -> None:
         """Called on the loop by the store thread, once per drained set."""
@@ -133,7 +134,10 @@ class Resolver:
                 request.user_id, outcome, self, self._loop.call_later, self._lookup_ttl_s
             )
             if lookup.held:
-                self._lookups.add(lookup)
+                if self._closing:
+                    lookup.release()  # a lookup the close drains: nothing can load it
+                else:
+                    self._lookups.add(lookup)
             future.set_result(lookup)
         else:
             future.set_result(outcome)
@@ -141,8 +145,9 @@ class Resolver:
 
     def release_lookups(self) -> None:
         """The engine closes (it takes no more loads): each Lookup still held is given
-        back, as the close begins (the room it holds may be what a launched load waits
-        for), and again at its end for those answered meanwhile."""
+        back now, and each answered from now on (a lookup the close drains) as it comes:
+        the room it holds may be what a launched load waits for."""
+        self._closing = True
         for lookup in list(self._lookups):
             lookup.release()
         self._lookups.clear()
