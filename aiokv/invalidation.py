@@ -146,9 +146,11 @@ class Invalidation:
 
     def _deliver(self, outcome: int | BaseException) -> None:
         future = self._future
-        # A future failed already (at close) told its caller the evict failed: its tokens
-        # are not counted (nor do the figures move after the close).
-        failed = future.done() and not future.cancelled()
+        # A future failed at close told its caller the evict failed: its tokens are not
+        # counted (nor do the figures move after the close). One the deadline failed
+        # (RequestTimeout, the store asked) said the store may drop them: it did.
+        failed = future.done() and not future.cancelled() and isinstance(
+            future.exception(), EngineClosed)
         if self._dropped is not None and not isinstance(outcome, BaseException) and not failed:
             self._dropped(outcome)
         settle(future, outcome)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -99,6 +100,37 @@ async def test_an_evict_behind_a_copy_that_does_not_end_times_out_dropping_nothi
         with pytest.raises(aiokv.RequestTimeout):
             await stuck
         assert await engine.evict("b") == TOKENS
+
+
+class SlowEvict(StoreWrapper):
+    """Its evict returns ``delay_s`` late, the key dropped: asked before the deadline,
+    answered after it."""
+
+    def __init__(self, inner: aiokv.Store, delay_s: float) -> None:
+        super().__init__(inner)
+        self.delay_s = delay_s
+
+    def evict(self, namespace: tuple[str, ...]) -> int:
+        time.sleep(self.delay_s)
+        return int(self.inner.evict(namespace))
+
+
+@pytest.mark.asyncio
+async def test_an_evict_answered_after_its_deadline_counts_what_the_store_dropped() -> None:
+    # The caller hears RequestTimeout ("it may have dropped the key"); the store drops
+    # the key all the same, and dropped_tokens says so, as for a caller who left.
+    async with engine_over(SlowEvict(aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01)),
+                                     0.5), request_timeout_ms=100) as engine:
+        await engine.offload("a", torch.arange(0, 4), TOKENS)
+        with pytest.raises(aiokv.RequestTimeout, match="may have dropped the key"):
+            await engine.evict("a")
+        for _ in range(100):  # the store's evict answers 0.5 s after it was asked
+            if engine.stats().dropped_tokens:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.stats().dropped_tokens == TOKENS
+        async with await engine.lookup("a", TOKENS) as hit:
+            assert hit.cached_tokens == 0
 
 
 @pytest.mark.asyncio
