@@ -7,7 +7,7 @@ import json
 import reprlib
 import threading
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -125,7 +125,9 @@ def default_namespace(user_id: Hashable) -> tuple[str, ...]:
     (a tuple's repr, an object's address), so the caller must name the key itself."""
     kind = type(user_id)
     if kind is int:  # the usual cases first, without isinstance
-        return (f"uid:{user_id}",)
+        if -_INT_FITS < user_id < _INT_FITS:
+            return (f"uid:{user_id}",)
+        return _int_key(cast(int, user_id))  # kind is int
     if kind is str:
         return _fits("user_id", (f"uid:str:{user_id}",))
     if isinstance(user_id, (bool, np.bool_)):
@@ -133,7 +135,7 @@ def default_namespace(user_id: Hashable) -> tuple[str, ...]:
             "user_id", f"must be an int or a str, got bool {user_id!r}; or pass namespace="
         )
     if isinstance(user_id, (int, np.integer)):  # an IntEnum, a numpy integer: its value
-        return (f"uid:{int(user_id)}",)
+        return _int_key(int(user_id))
     if isinstance(user_id, str):  # a str subclass (a StrEnum): its characters
         return _fits("user_id", ("uid:str:" + str.__str__(user_id),))
     raise InvalidRequest(
@@ -141,6 +143,23 @@ def default_namespace(user_id: Hashable) -> tuple[str, ...]:
         f"must be an int or a str to name a key, got {kind.__name__} {reprlib.repr(user_id)}; "
         "pass namespace= (a list of str) to name the key yourself",
     )
+
+
+# An int id below this in size fits an SSD header (its key, sign included, at most 4036
+# bytes as JSON): the usual id is checked by one comparison, not by writing out its key.
+_INT_FITS = 10 ** (MAX_NAMESPACE_BYTES - len('["uid:-"]'))
+
+
+def _int_key(user_id: int) -> tuple[str, ...]:
+    """An int id's key, refused (naming ``user_id``) where it does not fit an SSD header,
+    as a str id's is: the SSD tier could not store it, and dropped it at host eviction."""
+    try:
+        text = str(user_id)
+    except ValueError:  # more digits than Python writes out (sys.set_int_max_str_digits)
+        raise InvalidRequest("user_id", f"is an int of {user_id.bit_length()} bits: its "
+                                        f"key is longer than {MAX_NAMESPACE_BYTES} bytes as "
+                                        f"JSON, the most an SSD block header holds") from None
+    return _fits("user_id", (f"uid:{text}",))
 
 
 def namespace(namespace: Any, user_id: Hashable) -> tuple[str, ...]:

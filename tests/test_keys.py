@@ -116,6 +116,29 @@ async def test_a_key_too_long_for_an_ssd_header_is_refused_naming_its_size(
         assert engine.stats().pending == 0
 
 
+@pytest.mark.asyncio
+async def test_an_int_user_id_too_long_for_an_ssd_header_is_refused_naming_user_id(
+    caches: list[torch.Tensor],
+) -> None:
+    # Only str ids were checked: an int of 4,101 digits was stored, never reached the SSD
+    # tier, and was lost at host eviction, counted as ssd_full_drops on an empty SSD; one
+    # past Python's int-to-text limit raised a bare ValueError.
+    async with engine_over(caches) as engine:
+        for user_id, said in ((10**4100, "4109 bytes"), (-(10**4027), "4037 bytes"),
+                              (10**5000, "16610 bits")):
+            with pytest.raises(aiokv.InvalidRequest) as caught:
+                await engine.offload(user_id, torch.arange(4), TOKENS)
+            assert caught.value.field == "user_id" and said in str(caught.value)
+            with pytest.raises(aiokv.InvalidRequest) as caught:
+                await engine.lookup(user_id, TOKENS)
+            assert caught.value.field == "user_id" and said in str(caught.value)
+        longest = 10**4028 - 1  # 4,028 digits: ["uid:<n>"] is 4,036 bytes, which fits
+        assert (await engine.offload(longest, torch.arange(4), TOKENS)).stored_tokens == TOKENS
+        hit = await engine.lookup(longest, TOKENS)
+        hit.release()
+        assert hit.cached_tokens == TOKENS
+
+
 @pytest.mark.parametrize(("namespace", "user_id", "field"), [
     (None, "\udcff", "user_id"), (["ok", "a\ud800b"], 1, "namespace"),
     (["\ud83d\ude00"], 1, "namespace"),  # a pair of surrogates is no character either
