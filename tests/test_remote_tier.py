@@ -27,6 +27,7 @@ from remote_local import TOKENS, USER_PAGES, LocalHost, until
 import aiokv
 import aiokv.metrics
 from aiokv.remote import connection as remote_connection
+from aiokv.remote.caller import CallThread
 from aiokv.remote.client import RemoteIO
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.markers import Markers
@@ -1014,3 +1015,54 @@ def test_a_reader_left_in_its_idle_publish_at_close_goes_on_to_no_check(
         gate.set()
         b.close()
     assert checked_after_close == []
+
+
+@pytest.mark.parametrize("call", ["lookup", "evict"])
+def test_a_call_queued_behind_the_readers_call_is_answered_once_the_exit_stops_the_tier(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch, call: str) -> None:
+    # The interpreter exits (aiokv.exiting) with a lookup's read, or an evict's marker
+    # call, waiting its turn behind the reader thread's call under way: the tier's stop
+    # cancelled it, but concurrent.futures.wait (the store thread's wait on it) counts a
+    # cancelled future done only once it is marked notified. The store thread sat out
+    # the call's whole timeout_ms, and held up the exit (up to its bound) meanwhile.
+    entered, gate, queued = threading.Event(), threading.Event(), threading.Event()
+    held: list[threading.Thread] = []
+    check_markers = RemoteIO._check
+    checks = itertools.count()
+    submit = CallThread.submit
+    timeout_ms = 30_011  # this host's own: an earlier test's, closed, may still be in a call
+
+    def held_check(io: RemoteIO) -> bool:
+        if io.config.timeout_ms != timeout_ms or held or next(checks) == 0:
+            return check_markers(io)  # the first: the connect's
+        held.append(threading.current_thread())
+        entered.set()
+        gate.wait(60)
+        return check_markers(io)
+
+    def noted_submit(reader: CallThread, function: Callable[..., Any], *args: Any) -> Any:
+        future = submit(reader, function, *args)
+        if entered.is_set() and threading.current_thread() not in held:
+            queued.set()  # behind the held check
+        return future
+
+    monkeypatch.setattr(RemoteIO, "_check", held_check)
+    monkeypatch.setattr(CallThread, "submit", noted_submit)
+    b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
+    answers: list[Any] = []
+    caller = threading.Thread(target=lambda: answers.append(
+        b.load(4741) if call == "lookup" else b.kv.evict(4741)))
+    try:
+        assert entered.wait(10), "the idle pass's check did not start"
+        caller.start()
+        assert queued.wait(10), f"the {call}'s call was not submitted"
+        assert b.store._remote is not None
+        b.store._remote.io.stop_at_exit()  # the interpreter's exit stops the tier
+        caller.join(15)  # well inside timeout_ms: the call was cancelled, never made
+        assert not caller.is_alive(), f"the {call} still waits for its cancelled call"
+        assert answers == [(0, True) if call == "lookup" else 0]  # a miss; nothing evicted
+    finally:
+        gate.set()
+        if caller.ident is not None:
+            caller.join(60)
+        b.close()

@@ -129,7 +129,12 @@ class CallThread:
             except queue.Empty:
                 break
             if call is not None:
-                call[2].cancel()
+                # Marked notified too: ``cancel()`` wakes ``result()``, not the store
+                # thread's ``concurrent.futures.wait``, which would sit out the call's
+                # whole timeout_ms. Out of the queue, no other thread can start it now.
+                future = call[2]
+                if future.cancel():
+                    future.set_running_or_notify_cancel()
         self._calls.put(None)
 
     def join(self, timeout_s: float) -> bool:
