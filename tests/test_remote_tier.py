@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -1066,3 +1067,63 @@ def test_a_call_queued_behind_the_readers_call_is_answered_once_the_exit_stops_t
         if caller.ident is not None:
             caller.join(60)
         b.close()
+
+
+def test_a_call_submitted_as_the_exit_stops_the_tier_is_answered_never_left_queued() -> None:
+    # The store thread submits a call while the exit stops the reader thread from the
+    # main thread: the stop came between submit's check of closed and its put, emptied
+    # the queue and put its end marker first, and the call landed behind it: never run,
+    # never cancelled, its waiter left to its timeout_ms (a result() without one, for
+    # ever). Here the stop is forced into that window: it either returns there, or waits
+    # for the submit (what a lock shared by submit and stop makes it do).
+    reader = CallThread("aiokv-test-reader", lambda: None)
+    stop_went = threading.Event()  # the stop returned, or waits for the submit to end
+
+    def stop() -> None:
+        reader.stop()
+        stop_went.set()
+
+    stopper = threading.Thread(target=stop)
+    calls = reader._calls
+
+    class Racing:
+        """The reader's queue, with the stop forced in before the submit's put."""
+
+        def __init__(self) -> None:
+            self.raced = False
+
+        def put(self, item: Any) -> None:
+            if not self.raced and threading.current_thread() is threading.main_thread():
+                self.raced = True
+                stopper.start()
+                assert stop_went.wait(10), "the stop neither returned nor waited"
+            calls.put(item)
+
+        def get(self, timeout: float | None = None) -> Any:
+            return calls.get(timeout=timeout)
+
+        def get_nowait(self) -> Any:
+            return calls.get_nowait()
+
+    class Observed:
+        """A lock that tells when the stopper comes to wait for it."""
+
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            if threading.current_thread() is stopper:
+                stop_went.set()
+            self.lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    reader._calls = Racing()  # type: ignore[assignment]
+    reader._queueing = Observed()  # type: ignore[assignment]
+    future = reader.submit(lambda: "ran")
+    stopper.join(10)
+    assert reader.join(10), "the reader thread did not end after the stop"
+    done, _ = futures_wait([future], 0)  # the store thread's wait
+    assert future in done, "the call was neither run nor cancelled"
+    assert future.cancelled() or future.result(0) == "ran"

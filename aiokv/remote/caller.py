@@ -39,6 +39,10 @@ class CallThread:
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._tend = tend
         self._closed = False
+        # Held by submit from its check of _closed until its call is queued, and by stop:
+        # a call is queued before stop empties the queue (and is cancelled there), or
+        # refused after; never queued behind stop's end marker, neither run nor cancelled.
+        self._queueing = threading.Lock()
         # The call under way (a tend pass has a future of its own): the one that a call
         # queued behind it waits for.
         self._under_way: Future[Any] | None = None
@@ -48,11 +52,12 @@ class CallThread:
 
     def submit(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``function(*args)`` after the calls before it; RuntimeError once closed."""
-        if self._closed:
-            raise RuntimeError("the remote tier's reader thread is closed")
-        future: Future[Any] = Future()
-        self._calls.put((function, args, future))
-        return future
+        with self._queueing:
+            if self._closed:
+                raise RuntimeError("the remote tier's reader thread is closed")
+            future: Future[Any] = Future()
+            self._calls.put((function, args, future))
+            return future
 
     @property
     def closing(self) -> bool:
@@ -122,20 +127,21 @@ class CallThread:
     def stop(self) -> None:
         """:meth:`close` without the wait: the calls not yet started are cancelled, the
         thread ends after the one under way."""
-        self._closed = True
-        while True:
-            try:
-                call = self._calls.get_nowait()
-            except queue.Empty:
-                break
-            if call is not None:
-                # Marked notified too: ``cancel()`` wakes ``result()``, not the store
-                # thread's ``concurrent.futures.wait``, which would sit out the call's
-                # whole timeout_ms. Out of the queue, no other thread can start it now.
-                future = call[2]
-                if future.cancel():
-                    future.set_running_or_notify_cancel()
-        self._calls.put(None)
+        with self._queueing:
+            self._closed = True
+            while True:
+                try:
+                    call = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                if call is not None:
+                    # Marked notified too: ``cancel()`` wakes ``result()``, not the store
+                    # thread's ``concurrent.futures.wait``, which would sit out the call's
+                    # whole timeout_ms. Out of the queue, no other thread can start it now.
+                    future = call[2]
+                    if future.cancel():
+                        future.set_running_or_notify_cancel()
+            self._calls.put(None)
 
     def join(self, timeout_s: float) -> bool:
         self._thread.join(timeout_s)
