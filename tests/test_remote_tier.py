@@ -1069,6 +1069,23 @@ def test_a_call_queued_behind_the_readers_call_is_answered_once_the_exit_stops_t
         b.close()
 
 
+@pytest.mark.parametrize("call", ["lookup", "evict"])
+def test_a_lookup_or_evict_after_the_exit_stopped_the_tier_is_a_miss_not_an_error(
+        mooncake: MooncakeServers, call: str) -> None:
+    # The interpreter's exit (aiokv.exiting) stops the tier under the store thread: a
+    # lookup or evict that then submits its call (its first, or a lookup's second once
+    # its first returned) was refused with a RuntimeError, and the user saw the store
+    # call fail (StoreError "store.get_match failed") instead of a miss.
+    b = LocalHost(mooncake.master)
+    try:
+        assert b.store._remote is not None
+        b.store._remote.io.stop_at_exit()
+        answer = b.load(4743) if call == "lookup" else b.kv.evict(4743)
+        assert answer == ((0, True) if call == "lookup" else 0)  # a miss; nothing evicted
+    finally:
+        b.close()
+
+
 def test_a_call_submitted_as_the_exit_stops_the_tier_is_answered_never_left_queued() -> None:
     # The store thread submits a call while the exit stops the reader thread from the
     # main thread: the stop came between submit's check of closed and its put, emptied

@@ -51,13 +51,19 @@ class CallThread:
         self._thread.start()
 
     def submit(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Run ``function(*args)`` after the calls before it; RuntimeError once closed."""
+        """Run ``function(*args)`` after the calls before it. Once closed, the future comes
+        back cancelled (and notified), as stop leaves the calls it found queued: the
+        caller's usual answer for a call never made (a lookup's miss), not an exception
+        inside a store call (the interpreter's exit stops the tier under the store
+        thread's lookups and evicts)."""
+        future: Future[Any] = Future()
         with self._queueing:
-            if self._closed:
-                raise RuntimeError("the remote tier's reader thread is closed")
-            future: Future[Any] = Future()
-            self._calls.put((function, args, future))
-            return future
+            if not self._closed:
+                self._calls.put((function, args, future))
+                return future
+        future.cancel()
+        future.set_running_or_notify_cancel()
+        return future
 
     @property
     def closing(self) -> bool:

@@ -11,7 +11,6 @@ block, then its checksum) in and out of it, one :class:`~.values.Values` per thr
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -224,8 +223,7 @@ class RemoteIO:
         # Best effort (the markers already hide them), and after the answer: only the
         # blocks of what ended, never those of what follows, written from now on.
         for pattern in patterns:
-            with contextlib.suppress(RuntimeError):  # closing: left to the LRU
-                self._reader.submit(self._remove, pattern)
+            self._reader.submit(self._remove, pattern)  # closing: cancelled, left to the LRU
         return len(patterns) == len(waiting)
 
     def _check(self) -> bool:
