@@ -925,6 +925,31 @@ class _Recorded:
         return call
 
 
+class _HeldCheck:
+    """Holds the idle pass's check (not the connect's, the first) of the host whose
+    ``timeout_ms`` is this one, once, until ``gate`` is set (``wait_s`` at most); ``fails``:
+    the check then fails as for the master's absence. ``held``: the thread it held."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, timeout_ms: int, wait_s: float,
+                 fails: bool = False) -> None:
+        self.entered, self.gate = threading.Event(), threading.Event()
+        self.held: list[threading.Thread] = []
+        check_markers = RemoteIO._check
+        checks = itertools.count()
+
+        def held_check(io: RemoteIO) -> bool:
+            if io.config.timeout_ms != timeout_ms or self.held or next(checks) == 0:
+                return check_markers(io)  # the first: the connect's
+            self.held.append(threading.current_thread())
+            self.entered.set()
+            self.gate.wait(wait_s)
+            if fails:  # the call under way: the master's absence
+                return io.connection.codes("batch_is_exist", [-900])
+            return check_markers(io)
+
+        monkeypatch.setattr(RemoteIO, "_check", held_check)
+
+
 @pytest.mark.parametrize("step", ["answers", "fails"])
 def test_a_reader_left_in_its_idle_check_at_close_calls_mooncake_no_more(
         mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
@@ -934,27 +959,13 @@ def test_a_reader_left_in_its_idle_check_at_close_calls_mooncake_no_more(
     # it went on calling Mooncake with the closed engine's client ("answers"), or counted
     # the call under way failing and logged that the tier rests ("fails"); such a thread
     # ran a later test's patched check and failed that test.
-    entered, gate = threading.Event(), threading.Event()
-    held: list[threading.Thread] = []
     calls: list[tuple[threading.Thread, str]] = []
-    check_markers = RemoteIO._check
-    checks = itertools.count()
     timeout_ms = 303  # this host's own: an earlier test's, closed, may still be in a call
     store = import_store()
     monkeypatch.setattr(remote_connection, "import_store", lambda: SimpleNamespace(
         MooncakeDistributedStore=lambda: _Recorded(store.MooncakeDistributedStore(), calls)))
-
-    def held_check(io: RemoteIO) -> bool:
-        if io.config.timeout_ms != timeout_ms or held or next(checks) == 0:
-            return check_markers(io)  # the first: the connect's
-        held.append(threading.current_thread())
-        entered.set()
-        gate.wait(30)
-        if step == "fails":  # the call under way: the master's absence
-            return io.connection.codes("batch_is_exist", [-900])
-        return check_markers(io)
-
-    monkeypatch.setattr(RemoteIO, "_check", held_check)
+    hold = _HeldCheck(monkeypatch, timeout_ms, 30, fails=step == "fails")
+    entered, gate, held = hold.entered, hold.gate, hold.held
     b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
     try:
         assert entered.wait(10), "the idle pass's check did not start"
@@ -1026,20 +1037,11 @@ def test_a_call_queued_behind_the_readers_call_is_answered_once_the_exit_stops_t
     # cancelled it, but concurrent.futures.wait (the store thread's wait on it) counts a
     # cancelled future done only once it is marked notified. The store thread sat out
     # the call's whole timeout_ms, and held up the exit (up to its bound) meanwhile.
-    entered, gate, queued = threading.Event(), threading.Event(), threading.Event()
-    held: list[threading.Thread] = []
-    check_markers = RemoteIO._check
-    checks = itertools.count()
+    queued = threading.Event()
     submit = CallThread.submit
     timeout_ms = 30_011  # this host's own: an earlier test's, closed, may still be in a call
-
-    def held_check(io: RemoteIO) -> bool:
-        if io.config.timeout_ms != timeout_ms or held or next(checks) == 0:
-            return check_markers(io)  # the first: the connect's
-        held.append(threading.current_thread())
-        entered.set()
-        gate.wait(60)
-        return check_markers(io)
+    hold = _HeldCheck(monkeypatch, timeout_ms, 60)
+    entered, gate, held = hold.entered, hold.gate, hold.held
 
     def noted_submit(reader: CallThread, function: Callable[..., Any], *args: Any) -> Any:
         future = submit(reader, function, *args)
@@ -1047,7 +1049,6 @@ def test_a_call_queued_behind_the_readers_call_is_answered_once_the_exit_stops_t
             queued.set()  # behind the held check
         return future
 
-    monkeypatch.setattr(RemoteIO, "_check", held_check)
     monkeypatch.setattr(CallThread, "submit", noted_submit)
     b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
     answers: list[Any] = []
