@@ -246,7 +246,7 @@ async def test_a_load_over_both_tiers_that_finds_no_room_in_time_leaks_nothing(
     # held, and a new Lookup then loads it all.
     caches = caches_for()
     engine = await reopened_split(tmp_path, "write_through", caches, USER_PAGES, (1, 2, 5),
-                                  request_timeout_ms=300)
+                                  request_timeout_ms=1_000)
     async with then_cleared(engine):
         await engine.offload(1, source(1), HISTORY)
         await engine.offload(2, source(2)[:5], 5 * PAGE)
