@@ -5,7 +5,8 @@ pages, then host pages; pages the SSD lost (voided here on disk) but the host st
 again make any interleaving. Its load brings all of it bit for bit (up to the first SSD
 page that fails its checksum), and every way it ends (a load, a release, its ttl, an
 evict of the key, a give-way of its prefetch to a launched load) gives back exactly what
-it held: once cleared and closed, no host block and no SSD slot is used.
+it held: once cleared and closed, no host block and no SSD slot is used, also where its
+prefetch's reads come in only as the store closes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Gate, held
 from test_ssd import (
     BLOCK,
     DIM,
@@ -32,6 +34,7 @@ from test_ssd import (
 )
 
 import aiokv
+from aiokv.stores.local import ssd as ssd_module
 from aiokv.stores.local import ssd_format
 
 HISTORY = USER_PAGES * PAGE  # 128 tokens
@@ -189,6 +192,45 @@ async def test_a_lookup_over_both_tiers_ends_without_loading_and_leaks_nothing(
             assert engine.stats().store_tasks_open == 0
             # What it held is where it was, whole: a new Lookup loads all of it.
             assert await loads_whole(engine, caches)
+
+
+def reads_held(monkeypatch: pytest.MonkeyPatch) -> Gate:
+    """The SSD tier's reads wait for the gate returned (its writes do not)."""
+    return held(monkeypatch, ssd_module.SsdTier, "_run",
+                lambda tier, request, *rest: not request.is_write)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("how", ["evict", "release"])
+async def test_a_lookup_given_back_whose_reads_come_in_only_at_close_leaks_nothing(
+    tmp_path: Path, policy: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An evict of the key (or a release) gives the Lookup back while its prefetch's reads
+    # are out; they come in only as the store closes, after every other call of it:
+    # what the prefetch held goes back all the same (then_cleared checks).
+    caches = caches_for()
+    engine = await reopened_split(tmp_path, policy, caches, USER_PAGES, (1, 2, 5))
+    gate = reads_held(monkeypatch)
+    stop = ssd_module.SsdTier.stop
+
+    def opened_at_close(tier: ssd_module.SsdTier) -> None:
+        gate.set()
+        stop(tier)
+
+    monkeypatch.setattr(ssd_module.SsdTier, "stop", opened_at_close)
+    try:
+        async with then_cleared(engine):
+            hit = await engine.lookup(0, HISTORY)
+            assert hit.cached_tokens == HISTORY
+            assert await asyncio.to_thread(gate.entered.wait, 10)  # its reads are out
+            if how == "evict":
+                assert await engine.evict(0) == HISTORY
+                assert (await engine.load(hit, DEST)).loaded_tokens == 0
+            else:
+                hit.release()
+    finally:
+        gate.set()
 
 
 @pytest.mark.asyncio

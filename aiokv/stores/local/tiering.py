@@ -251,7 +251,10 @@ class TierLink(LoadStaging):
         for request in self.ssd.drain():
             blocks = request.host_blocks
             if not request.is_write:
-                if not self._closed:  # at close, the copy thread is gone: loads end unheard
+                # At close the copy thread is gone: launched loads end unheard. One not
+                # launched copies nothing: a cancelled one (its Lookup given back while
+                # its reads were out) ends here, giving back what it held.
+                if not self._closed or request.owner.gpu_pages is None:
                     self._advance(request.owner)
                 continue
             # Copied, or given up on after a write error (counted): either way eviction
