@@ -6,7 +6,8 @@ again make any interleaving. Its load brings all of it bit for bit (up to the fi
 page that fails its checksum), and every way it ends (a load, a release, its ttl, an
 evict of the key, a give-way of its prefetch to a launched load) gives back exactly what
 it held: once cleared and closed, no host block and no SSD slot is used, also where its
-prefetch's reads come in only as the store closes.
+prefetch's reads come in only as the store closes. A Lookup of the key right after one is
+given back finds it all, its SSD pages perhaps still being read into the host.
 """
 
 from __future__ import annotations
@@ -118,6 +119,15 @@ async def then_cleared(engine: aiokv.OffloadEngine) -> AsyncIterator[list[aiokv.
     assert (stats.host_blocks_used, stats.ssd_blocks_used, stats.store_tasks_open) == (0, 0, 0)
 
 
+async def given_back(hit: aiokv.Lookup) -> None:
+    """Wait until the Lookup's ttl gives its reservation back (it says so: not held)."""
+    for _ in range(1000):
+        if not hit.held:
+            break
+        await asyncio.sleep(0.01)
+    assert not hit.held
+
+
 async def loads_whole(engine: aiokv.OffloadEngine, caches: list[torch.Tensor]) -> bool:
     """User 0's Lookup reports its whole history, and its load brings all of it into
     DEST, bit for bit."""
@@ -185,12 +195,10 @@ async def test_a_lookup_over_both_tiers_ends_without_loading_and_leaks_nothing(
         else:
             if how == "release":
                 hit.release()
-            for _ in range(1000):
-                if engine.stats().store_tasks_open == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert engine.stats().store_tasks_open == 0
-            # What it held is where it was, whole: a new Lookup loads all of it.
+            else:
+                await given_back(hit)
+            # What it held is where it was, whole (its SSD pages perhaps still being read
+            # in): a new Lookup loads all of it.
             assert await loads_whole(engine, caches)
 
 
@@ -198,6 +206,35 @@ def reads_held(monkeypatch: pytest.MonkeyPatch) -> Gate:
     """The SSD tier's reads wait for the gate returned (its writes do not)."""
     return held(monkeypatch, ssd_module.SsdTier, "_run",
                 lambda tier, request, *rest: not request.is_write)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("how", ["release", "ttl"])
+async def test_a_lookup_after_one_given_back_finds_the_pages_still_being_read_in(
+    tmp_path: Path, policy: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first Lookup's prefetch reads its SSD pages into the host; it is given back
+    # while they are still being read: the next Lookup of the key finds them all.
+    caches = caches_for()
+    engine = await reopened_split(tmp_path, policy, caches, USER_PAGES, (1, 2, 5),
+                                  lookup_ttl_ms=100 if how == "ttl" else 60_000)
+    async with then_cleared(engine):
+        gate = reads_held(monkeypatch)
+        try:
+            hit = await engine.lookup(0, HISTORY)
+            assert hit.cached_tokens == HISTORY
+            assert await asyncio.to_thread(gate.entered.wait, 10)  # its reads are out
+            if how == "release":
+                hit.release()
+            else:
+                await given_back(hit)
+            again = await engine.lookup(0, HISTORY)
+            assert again.cached_tokens == HISTORY
+        finally:
+            gate.set()
+        assert (await engine.load(again, DEST)).loaded_tokens == HISTORY
+        assert intact(caches, DEST, source(0))
 
 
 @pytest.mark.asyncio

@@ -32,6 +32,9 @@ class Load:
     # short), the page where what the load brings ends.
     at: Int64Array
     host_at: Int64Array  # the match's page of each of the task's host blocks (ascending)
+    # The digest of its match's last page (chained: it names all of them), by which a
+    # match of the same pages finds it once it is cancelled (loads.py: ``adopt``).
+    tip: bytes = b""
     host_blocks: Int64Array = field(default_factory=lambda: NO_BLOCKS)  # staged on host
     space: Space | None = None  # the host table the staging blocks are in
     reads: list[SsdRequest] = field(default_factory=list)

@@ -40,6 +40,12 @@ slots held after its reads (``keep``), so that once they are in it can give its 
 blocks back (out of the host tier, free) and wait to be staged again like a load matched
 without room: its Lookup still loads all it reported, read once more.
 
+A prefetch cancelled while its reads are out (its Lookup released, or its ttl ran out)
+ends once they are in. Until then its pages are in the host table, still being written:
+a match of the key, which stops at such a page, takes it over instead (``adopt``) where
+it asks for all of its pages. A user who gives a Lookup back and looks the key up again
+finds what is stored (being read in for it), not a miss to recompute.
+
 Room comes back as tasks end; and the host pages of a launched load that waits for room
 go back as soon as their GPU copy is done, so loads waiting for room never wait for each
 other's host pages. A match promises at most a host tier's worth of pages (what the tier
@@ -131,7 +137,8 @@ class LoadStaging:
             task.blocks = np.concatenate((task.blocks, later))
         load = Load(task, hits + count, key, list(itertools.compress(rest, on_ssd)), slots,
                     hits + np.flatnonzero(on_ssd),
-                    np.concatenate((np.arange(hits), hits + np.flatnonzero(ready))))
+                    np.concatenate((np.arange(hits), hits + np.flatnonzero(ready))),
+                    tip=digests[hits + count - 1])
         self._wait(load)
         self.stage_waiting()
         return load
@@ -218,7 +225,8 @@ class LoadStaging:
             task = load.task
             # Ends where this one did (after its verified pages), or with no SSD page.
             new = Load(task, load.match_pages, load.key, [], NO_BLOCKS, load.at[: good + 1],
-                       load.host_at, error=load.error, deadline=load.deadline)  # (set_deadlines)
+                       load.host_at, error=load.error, deadline=load.deadline,  # (set_deadlines)
+                       tip=load.tip)
             again = load.error is None and host.index.space(load.key) is load.space
             if again:
                 new.digests, new.slots = load.digests[:good], load.slots[:good]
@@ -240,9 +248,9 @@ class LoadStaging:
         return gave
 
     def _unprefetch(self, load: Load) -> None:
-        """A prefetch is launched, cancelled or gives way: it no longer counts against
-        the prefetches' half of the tier, and its reads keep no SSD slot (those in now
-        give theirs back, the others as they come in)."""
+        """A prefetch is launched, gives way, or ends cancelled: it no longer counts
+        against the prefetches' half of the tier, and its reads keep no SSD slot (those
+        in now give theirs back, the others as they come in)."""
         if not load.prefetched:
             return
         self._prefetched -= load.prefetched
@@ -331,14 +339,35 @@ class LoadStaging:
 
     def cancel_load(self, load: Load) -> None:
         load.cancelled = True
-        self._unprefetch(load)
         if load.finished:  # its reads settled, or an evict dropped it unstaged
+            self._unprefetch(load)
             self._end([load.task], False)
         elif not load.staged:  # nothing was read: the SSD slots go back now
             self._waiting.remove(load)
             self._unstage(load)
             self._finish(load)
-        # Otherwise it ends when its reads are in (_finish).
+        # Otherwise it ends when its reads are in (_finish), a prefetch until then: a
+        # match of its pages meanwhile takes it over (adopt).
+
+    def adopt(self, key: tuple[str, ...], digests: list[bytes]) -> Any | None:
+        """A match of ``key`` (``digests``: its pages') whose host prefix stops at a page
+        still being written: where that is a cancelled prefetch's (its Lookup released,
+        or its ttl ran out, before its reads were in) that staged the same pages, the
+        match takes it over, rather than miss what is being read into the host for it.
+        Returns its task (what it holds, its reads and its match: the pages it reported,
+        though this match may ask for more), no longer cancelled; None where there is
+        none (one of fewer pages, a key dropped since, a read that failed: the match
+        stops at that page)."""
+        space = self.host.index.space(key)
+        for load in self._prefetches:
+            pages = load.match_pages
+            if (load.cancelled and load.key == key and load.space is space
+                    and load.error is None and pages <= len(digests)
+                    and digests[pages - 1] == load.tip):
+                load.cancelled = False
+                load.deadline = None  # the cancelled request's (set_deadlines sets this one's)
+                return load.task
+        return None
 
     def _advance(self, load: Load) -> None:
         reads = load.reads
@@ -428,6 +457,9 @@ class LoadStaging:
         task.blocks = blocks[np.argsort(pages)]
         if not launched:  # launch copies it all in one job
             if load.cancelled:
+                # Its reads kept their SSD slots until now, for a match that would have
+                # taken it over as the prefetch it was (_give_way needs them).
+                self._unprefetch(load)
                 self._end([task], False)
             return
         self._queue_ssd(load, copied, [task])

@@ -153,8 +153,10 @@ class LocalStore:
         """The longest READY prefix, host pages first, then the pages after them that
         either tier has, in any interleaving (those only the SSD has read into host blocks
         from now on: :mod:`.loads`); its blocks are held (not evictable) until the task
-        ends or is cancelled. mask True = will load; a load may report fewer (an SSD
-        block that fails its checksum, and all pages after it, are not loaded)."""
+        ends or is cancelled. Pages a cancelled task's reads still bring in count as
+        held: this one takes that task over (``loads.adopt``). mask True = will load; a
+        load may report fewer (an SSD block that fails its checksum, and all pages after
+        it, are not loaded)."""
         return self._get_match(token_ids, namespace, ask_remote=True)
 
     def _get_match(self, token_ids: Int64Array, namespace: Sequence[str], ask_remote: bool
@@ -191,10 +193,20 @@ class LocalStore:
                 not_ready = host.state[hit] != READY
                 if np.count_nonzero(not_ready):  # cheaper than argmax when none
                     hit = hit[: int(np.argmax(not_ready))]
-        shared = bool(len(hit)) and host.hold(hit)  # unique: one block per page of a key
-        host.shared_gets += shared
-        task = Task(False, mask, hit, [], None, shared=shared)
-        if link is not None and (len(hit) == len(found)):
+        adopted = None
+        if link is not None and len(hit) < len(found):
+            # A page being read in from SSD: for a released Lookup's prefetch of these
+            # pages, this match takes it over (the user looks the key up again).
+            assert digests is not None
+            adopted = link.adopt(key, digests)
+        if adopted is not None:
+            task = adopted
+            task.mask = mask
+        else:
+            shared = bool(len(hit)) and host.hold(hit)  # unique: one block per page of a key
+            host.shared_gets += shared
+            task = Task(False, mask, hit, [], None, shared=shared)
+        if link is not None and adopted is None and len(hit) == len(found):
             if digests is None:
                 digests = memo.digests(key, token_ids)
             task.load = link.start_load(key, digests, len(hit), task)
