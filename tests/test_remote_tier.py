@@ -810,26 +810,45 @@ def test_an_evict_whose_marker_call_times_out_and_then_fails_is_one_error(
     # A slow Mooncake whose marker call then fails for want of the master: the evict gave
     # up at timeout_ms (its timeout counted), and the call's failure, seen later on the
     # reader thread, was counted again: remote_errors said 3 for one failed call. (A fresh
-    # host's reader is still connecting when the evict comes: between the two calls it
-    # published the marker itself, its failure counted apart from the evict's call.)
-    returned = threading.Event()
+    # host's reader once published the marker itself between its connect and the evict's
+    # call, its failure counted apart from the evict's call.) The evict comes once the
+    # reader has connected: behind a connect slower than timeout_ms (a loaded host) it
+    # gives up on the connect's call, whose timeout is counted, and the marker call that
+    # then fails is a second failed call, rightly counted too.
+    connected, entered, gate, returned = (threading.Event() for _ in range(4))
+    check_markers, publish = RemoteIO._check, RemoteIO._publish
+    timeout_ms = 1_003  # this host's own: an earlier test's, closed, may still be in a call
+
+    def noted_check(io: RemoteIO) -> bool:
+        answered = check_markers(io)
+        if io.config.timeout_ms == timeout_ms:
+            connected.set()
+        return answered
 
     def slow_then_down(io: RemoteIO) -> bool:
-        time.sleep(1.0)  # past the evict's timeout_ms
+        if io.config.timeout_ms != timeout_ms or returned.is_set():
+            return publish(io)
+        entered.set()
+        gate.wait(30)  # past the evict's timeout_ms: the test lets it go after that
         io.connection.codes("batch_is_exist", [-900])  # the master's absence
         returned.set()
         return False
 
+    monkeypatch.setattr(RemoteIO, "_check", noted_check)
     monkeypatch.setattr(RemoteIO, "_publish", slow_then_down)
-    b = LocalHost(mooncake.master, timeout_ms=200)
+    b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
     try:
+        assert connected.wait(30), "the reader did not connect"
         # Nothing of it is written: the evict's marker is its one call, at once.
         assert b.kv.evict(4511) == 0  # after timeout_ms, the marker not out
+        assert entered.is_set(), "the evict's marker call did not start"
+        gate.set()
         assert returned.wait(10)  # the failure is counted in the call, before it returns
         assert _errors(b, "remote_call_errors") == {
             "remote_timeouts": 1, "remote_call_errors": 0,
             "remote_invalidation_errors": 1, "remote_errors": 1}
     finally:
+        gate.set()
         b.close()
 
 
