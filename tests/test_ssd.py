@@ -844,6 +844,44 @@ async def test_write_through_puts_whose_ssd_write_found_no_slot_are_on_ssd_after
         assert same(caches, original, TARGET, source_pages(2))
 
 
+@pytest.mark.asyncio
+async def test_a_put_evicted_for_a_prefetch_while_another_lookups_reads_are_in_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, on a loaded host: user 0's lookup prefetched its SSD pages, and their reads
+    # were not in when its release came. That release let user 1's lookup (still held)
+    # stage its prefetch, whose room evicted user 2's put from the host; its copy down
+    # found every SSD slot held (user 0's by those reads), and eviction dropped it: a
+    # completed put, lost at the restart.
+    config = ssd_config(tmp_path, slots=HOST_BLOCKS)  # write_through
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as first:
+        for user in (0, 1):
+            await offload(first, user)
+    reads = held(monkeypatch, ssd_io.SsdFiles, "read")  # user 0's prefetch: a slow SSD
+    store = aiokv.LocalStore(config)
+    async with aiokv.OffloadEngine(store, caches) as again:
+        try:
+            hits = [await again.lookup(user, USER_PAGES * PAGE) for user in (0, 1)]
+            try:
+                assert [hit.cached_tokens for hit in hits] == [USER_PAGES * PAGE] * 2
+                assert (await offload(again, 2)).stored_tokens == USER_PAGES * PAGE
+                assert store.store_stats()["bytes_ssd_written"] == 0  # no slot for its copy
+            finally:
+                for hit in hits:
+                    hit.release()
+            # A lookup after the releases: once answered, the store thread has taken them.
+            assert (await again.lookup(3, USER_PAGES * PAGE)).cached_tokens == 0
+        finally:
+            reads.set()
+    caches = [torch.zeros_like(c) for c in original]
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as reopened:
+        assert await load_back(reopened, 2, TARGET) == USER_PAGES * PAGE
+        assert same(caches, original, TARGET, source_pages(2))
+    assert store.store_stats()["ssd_full_drops"] == 0  # nothing given up on the way
+
+
 SMALL = 512  # bytes a block of small_caches(): its SSD slot is 16 times that
 
 

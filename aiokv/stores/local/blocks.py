@@ -96,7 +96,8 @@ class Tier:
             if count > alloc.num_free:
                 raise NoSpace(
                     f"{self.name}: need {count} blocks; {alloc.num_free} free, "
-                    "the rest is being copied to the tier below (retry when done)"
+                    "the rest is being copied to the tier below or waits for room there "
+                    "(retry when done)"
                 )
         blocks = alloc.allocate(count)
         self.state[as_index(blocks)] = WRITING

@@ -130,6 +130,10 @@ class SsdTier:
         pad = self.slot_bytes - HEADER_BYTES - self.block_bytes
         self._pads = (bytes(pad), bytearray(pad)) if pad else None
         self._done: deque[SsdRequest] = deque()
+        # Requests submitted and not drained yet: their slots may come back at their drain
+        # (a write's become evictable, a read's hold goes), which the link waits for
+        # rather than evict a block the SSD has no copy of (tiering: _demote).
+        self.in_flight = 0
         self._notify = notify
         self._generation = 1
         # Each READY slot's header generation: the LRU order a close saves names them
@@ -275,6 +279,7 @@ class SsdTier:
         ]
         groups = [g for g in groups if len(g)]
         request.ops = len(groups)
+        self.in_flight += 1
         generation = request.generation = self._generation
         self._generation += n
         for positions in groups:
@@ -362,6 +367,7 @@ class SsdTier:
             request.arrived += 1
             if request.arrived < request.ops:
                 continue
+            self.in_flight -= 1
             slots = request.slots
             if request.is_write:
                 if request.error is None:

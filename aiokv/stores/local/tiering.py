@@ -11,8 +11,12 @@
 - either way, eviction (the demotion hook) keeps a block that has no SSD copy yet
   (eviction outran the copies) and copies it first, readable all along: a put that
   needed its room gets NoSpace until then. Where no copy can start (every SSD slot is
-  being written or read), or its SSD write failed, the block is given up, counted
-  (``ssd_full_drops``, ``ssd_write_errors``): eviction drops it.
+  being written or read) while SSD requests are in flight, the block is kept too, with
+  no copy, for their slots (their drain stages waiting loads again; a put matches again
+  after its backoff): a lookup's prefetch staged just before another lookup's reads are
+  in must not cost a completed put. Where none is in flight (every slot held by lookups),
+  or its SSD write failed, the block is given up, counted (``ssd_full_drops``,
+  ``ssd_write_errors``): eviction drops it.
 - a host block's ``clean`` (the SSD has its copy) is cleared when the SSD's own LRU
   gives that copy's slot to another key, so that a block kept hot on the host is written
   down again before its eviction.
@@ -147,7 +151,8 @@ class TierLink(LoadStaging):
         """The host tier's eviction hook: keeps (and copies down) what the SSD lacks. A
         copy down may take the SSD slot of another of these blocks (the SSD's LRU gives
         it away: _copies_gone), which then lacks its copy too: asked again until none
-        does, or no copy can start."""
+        does, or no copy can start (then kept for the slots of the requests in flight,
+        where there are some: _wait_for_slots)."""
         kept: list[Int64Array] = []
         asked = np.zeros(len(blocks), dtype=np.bool_)
         while True:
@@ -161,17 +166,39 @@ class TierLink(LoadStaging):
             copying = self._copy_down(these, spaces_now, digests_now)
             kept.append(copying)
             if len(copying) < len(these):  # rare: the SSD's slots all in use
-                self._count_dropped(these, copying, spaces_now, digests_now)
+                if self.ssd.in_flight:
+                    kept.append(self._wait_for_slots(these, copying, spaces_now,
+                                                     digests_now))
+                else:
+                    self._count_dropped(these, copying, spaces_now, digests_now)
                 break
         if not kept:
             return NO_BLOCKS
         return kept[0] if len(kept) == 1 else np.concatenate(kept)
 
+    def _wait_for_slots(self, blocks: Int64Array, copying: Int64Array, spaces: list[Space],
+                        digests: list[bytes]) -> Int64Array:
+        """Blocks eviction would free that the SSD has no copy of and no slot for now,
+        while SSD requests are in flight: kept, back as the LRU's oldest, and the
+        eviction that asked gets NoSpace. Their slots may come back at their drain (a
+        cancelled load's reads, copies that become evictable), which stages waiting
+        loads again (a put matches again after its backoff), and that eviction copies
+        them down: a put that completed is not lost to a lookup's prefetch staged the
+        moment before another lookup's reads were in. Returns those kept."""
+        ssd = self.ssd
+        lacking = np.array([not ssd.has(space.key, [digest])[0]
+                            for space, digest in zip(spaces, digests, strict=True)],
+                           dtype=np.bool_)
+        waiting = blocks[lacking & ~np.isin(blocks, copying)]
+        self.host.index.make_evictable_oldest(waiting)
+        return waiting
+
     def _count_dropped(self, blocks: Int64Array, kept: Int64Array, spaces: list[Space],
                        digests: list[bytes]) -> None:
-        """Blocks eviction frees that the SSD has no copy of: every SSD slot was being
-        written or read, so no copy could start. Eviction goes on (a put is not held up
-        by lookups holding the SSD); the pages are lost to both tiers, and counted."""
+        """Blocks eviction frees that the SSD has no copy of: every SSD slot was held,
+        none by a request in flight, so no copy could start. Eviction goes on (a put is
+        not held up by lookups holding the SSD); the pages are lost to both tiers, and
+        counted."""
         ssd = self.ssd
         gone = ~np.isin(blocks, kept)
         lost = sum(1 for space, digest, g in zip(spaces, digests, gone, strict=True)
