@@ -207,7 +207,7 @@ class EngineStats:
     bytes_ssd_read: int = 0
     checksum_failures: int = 0
     ssd_write_errors: int = 0
-    # Host blocks evicted without an SSD copy: every SSD slot was being written or read.
+    # Host blocks evicted without an SSD copy: every SSD slot held, none by I/O in flight.
     ssd_full_drops: int = 0
     host_blocks_used: int = 0
     host_blocks_total: int = 0

@@ -882,6 +882,51 @@ async def test_a_put_evicted_for_a_prefetch_while_another_lookups_reads_are_in_i
     assert store.store_stats()["ssd_full_drops"] == 0  # nothing given up on the way
 
 
+@pytest.mark.asyncio
+async def test_a_put_evicted_by_a_put_while_a_released_lookups_reads_are_in_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every SSD slot held by lookups, user 0's by its prefetch's reads, still out when
+    # its Lookup was released: user 3's put, evicting user 2's put (no SSD copy yet),
+    # found no slot for its copy down and eviction dropped it, though those reads were
+    # about to give theirs back. It now waits for them, and is copied down.
+    config = ssd_config(tmp_path, slots=4 * USER_PAGES)  # write_through
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    on_ssd = (0, 1, 4, 5)  # fill the SSD tier
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as first:
+        for user in on_ssd:
+            await offload(first, user)
+    reads = held(monkeypatch, ssd_io.SsdFiles, "read")  # user 0's prefetch: a slow SSD
+    store = aiokv.LocalStore(config)
+    async with aiokv.OffloadEngine(store, caches) as again:
+        try:
+            hits = [await again.lookup(user, USER_PAGES * PAGE) for user in on_ssd]
+            try:
+                assert [hit.cached_tokens for hit in hits] == [USER_PAGES * PAGE] * 4
+                assert (await offload(again, 2)).stored_tokens == USER_PAGES * PAGE
+                assert store.store_stats()["bytes_ssd_written"] == 0  # no slot for its copy
+                hits[0].release()
+                third = asyncio.ensure_future(offload(again, 3))
+                # Until it waits for room (or, as before, evicted user 2 with no copy).
+                deadline = asyncio.get_running_loop().time() + 30  # a hang's bound
+                while not third.done() and again.stats().space_waits == 0:
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.01)
+            finally:
+                for hit in hits:
+                    hit.release()
+        finally:
+            reads.set()
+        assert (await third).stored_tokens == USER_PAGES * PAGE
+    caches = [torch.zeros_like(c) for c in original]
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as reopened:
+        for user in (2, 3):
+            assert await load_back(reopened, user, TARGET) == USER_PAGES * PAGE, user
+            assert same(caches, original, TARGET, source_pages(user)), user
+    assert store.store_stats()["ssd_full_drops"] == 0  # nothing given up on the way
+
+
 SMALL = 512  # bytes a block of small_caches(): its SSD slot is 16 times that
 
 
