@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes.util
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -522,3 +524,43 @@ def test_the_server_refuses_an_evict_or_clear_that_reaches_it_after_its_deadline
     finally:
         store.close()
         server.kill()
+
+
+def test_a_stop_whose_wake_is_under_way_as_the_server_closes_raises_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # stop() from another thread (or an SSD thread's notice) wrote its wake byte while
+    # the server, already stopping, closed its wake pipe: the write went to a closed
+    # descriptor (OSError EBADF in the caller of stop), or to whatever reused its number.
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    server = host.server
+    assert server is not None and host.thread is not None
+    wake_fd = server._wake_w
+    in_write, go_on = threading.Event(), threading.Event()
+    real_write = os.write
+
+    def slow_wake(fd: int, data: bytes) -> int:
+        if fd == wake_fd and threading.current_thread().name == "late-stop":
+            in_write.set()
+            go_on.wait(10)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", slow_wake)
+    server.stop()  # the server drains and closes; a late stop's wake is under way
+    raised: list[BaseException] = []
+
+    def late_stop() -> None:
+        try:
+            server.stop()
+        except BaseException as exc:  # what the caller of stop would see
+            raised.append(exc)
+
+    late = threading.Thread(target=late_stop, name="late-stop")
+    late.start()
+    assert in_write.wait(10)
+    host.thread.join(2)  # a close that does not wait for the write ends meanwhile
+    go_on.set()
+    late.join(10)
+    host.thread.join(30)
+    assert not host.thread.is_alive() and not late.is_alive()
+    assert raised == []

@@ -35,6 +35,7 @@ import signal
 import socket
 import stat
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -129,6 +130,11 @@ class StoreServer:
         self.config = config
         self.drain_timeout_s = drain_timeout_s
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # A wake (stop from any thread or a signal handler, the SSD threads' notices)
+        # writes under it and the close takes the pipe away under it: a write never
+        # reaches a closed descriptor, nor one the process reused since. Reentrant: a
+        # signal handler may run stop() inside the close's hold.
+        self._wake_lock = threading.RLock()
         self.service = Service(config, self._wake)
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
@@ -178,10 +184,11 @@ class StoreServer:
         return list(self._connections.values())
 
     def _wake(self) -> None:
-        if self._wake_w < 0:  # stopped already: stop() again is a no-op
-            return
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"x")
+        with self._wake_lock:
+            if self._wake_w < 0:  # stopped already: stop() again is a no-op
+                return
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_w, b"x")
 
     def serve(self, handle_signals: bool = False) -> None:
         if self._listener is None:
@@ -270,9 +277,11 @@ class StoreServer:
         for lock in self._locks:
             lock.release()
         self._locks.clear()
-        for fd in (self._wake_r, self._wake_w):
+        with self._wake_lock:
+            pipe = (self._wake_r, self._wake_w)
+            self._wake_r = self._wake_w = -1
+        for fd in pipe:
             os.close(fd)
-        self._wake_r = self._wake_w = -1
         log.info("aiokv store-server: stopped")
 
     # ---- connections ---------------------------------------------------------------
