@@ -628,10 +628,13 @@ def test_a_store_that_stops_answering_turns_lookups_into_misses(
 
 
 def test_an_engine_starts_and_serves_with_no_master_at_all() -> None:
-    host = LocalHost(f"127.0.0.1:{free_port()}", timeout_ms=100)
+    # The first connect's failure rests the tier for timeout_ms (2 s): the lookup below
+    # comes in that rest, not while a connect is tried (which it would wait for).
+    host = LocalHost(f"127.0.0.1:{free_port()}", timeout_ms=2_000)
     try:
         assert host.offload(41) == TOKENS
         assert host.load(41) == (TOKENS, True)  # from its own host tier
+        until(lambda: host.stats()["remote_errors"] >= 1)  # the write's connect failed
         with host.kv.lookup(42, TOKENS) as hit:
             assert hit.cached_tokens == 0
     finally:

@@ -546,7 +546,6 @@ def test_a_stop_whose_wake_is_under_way_as_the_server_closes_raises_nothing(
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", slow_wake)
-    server.stop()  # the server drains and closes; a late stop's wake is under way
     raised: list[BaseException] = []
 
     def late_stop() -> None:
@@ -556,9 +555,9 @@ def test_a_stop_whose_wake_is_under_way_as_the_server_closes_raises_nothing(
             raised.append(exc)
 
     late = threading.Thread(target=late_stop, name="late-stop")
-    late.start()
+    late.start()  # its stop: the server drains and closes, its wake still under way
     assert in_write.wait(10)
-    host.thread.join(2)  # a close that does not wait for the write ends meanwhile
+    host.thread.join(3)  # a close that does not wait for the write ends meanwhile
     go_on.set()
     late.join(10)
     host.thread.join(30)
