@@ -99,19 +99,29 @@ async def test_the_deadline_of_a_caller_that_waited_runs_from_the_call(
     try:
         first = asyncio.ensure_future(engine.offload("a", torch.arange(4), TOKENS))
         assert await asyncio.to_thread(gate.launched.wait, 10)
-        called = loop.time()
-        waited = asyncio.ensure_future(engine.offload("b", torch.arange(4, 8), TOKENS))
-        # Room comes at half the timeout; the waiter's own transfer never ends.
-        loop.call_at(called + timeout_s / 2, gate.opened.set)
-        marker: asyncio.Future[None] = loop.create_future()
-        loop.call_at(called + 1.25 * timeout_s, marker.set_result, None)
-        await asyncio.wait({waited, marker}, return_when=asyncio.FIRST_COMPLETED)
+        # Calls timed out or refused by the marker (the waiter is the only one that can).
+        ended_by_marker: asyncio.Future[int] = loop.create_future()
+
+        async def call_and_wait() -> aiokv.OffloadResult:
+            # The call's deadline is taken in the same loop step as ``called`` (its
+            # synchronous part, up to its wait for room): a loop that lags between the
+            # two would push that deadline, not the marker, later.
+            called = loop.time()
+            # Room comes at half the timeout; the waiter's own transfer never ends.
+            loop.call_at(called + timeout_s / 2, gate.opened.set)
+            # What the engine had ended by the marker: the timers due by then ran in
+            # time order, the deadline's first, even where a lagging loop ran them in
+            # one step (then the waiter's task had not yet seen its error).
+            loop.call_at(called + 1.25 * timeout_s, lambda: ended_by_marker.set_result(
+                engine.stats().timed_out + engine.stats().rejected))
+            return await engine.offload("b", torch.arange(4, 8), TOKENS)
+
+        with pytest.raises(aiokv.RequestTimeout):
+            await call_and_wait()
         assert (await first).stored_tokens == TOKENS
         # Timed out at the call's deadline (called + timeout), before the marker; a fresh
         # timeout from admission would end it at about called + 1.5 x timeout.
-        assert waited.done() and not marker.done()
-        with pytest.raises(aiokv.RequestTimeout):
-            await waited
+        assert await ended_by_marker == 1
     finally:
         gate.release_all.set()
         await asyncio.wait_for(engine.aclose(), 10)
