@@ -47,20 +47,49 @@ class SlowStore(FakeStore):
         super().close()
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise Interrupted
+class HeldStore(FakeStore):
+    """Each launch waits for ``finish`` (``launching`` is set once one does): a launch
+    that cannot end before the test lets it. ``closed`` once closed."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launching, self.finish = threading.Event(), threading.Event()
+
+    def launch(self, task_ids: Sequence[int], pages: Sequence[Any], ready: Sequence[Any]) -> None:
+        self.launching.set()
+        self.finish.wait(30)
+        super().launch(task_ids, pages, ready)
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs POSIX signals")
 def test_a_close_whose_waiter_is_interrupted_still_drains_closes_and_ends() -> None:
-    store = SlowStore()
+    # No sleeps: a signal sent on a timer came after the close had returned where the
+    # host was slow (pytest.raises saw nothing, and Interrupted struck later).
+    store = HeldStore()
     engine = aiokv.OffloadEngine(store, make_caches(), aiokv.EngineConfig(window_us=0))
     kv = aiokv.run_in_background(engine)
     offloading = kv.submit_offload(1, torch.arange(0, 2), 8)
-    time.sleep(0.1)  # dispatched: the store thread is in its slow launch
-    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    assert store.launching.wait(30)  # dispatched: the store thread is in its launch
+
+    def interrupt(signum: int, frame: object) -> None:
+        store.finish.set()  # the drain could not end before this
+        raise Interrupted
+
+    def once_draining() -> None:
+        deadline = time.monotonic() + 30
+        while engine.state is not aiokv.EngineState.DRAINING and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
     try:
-        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        threading.Thread(target=once_draining, daemon=True).start()
         with pytest.raises(Interrupted):
             kv.close()  # a drain: it waits for the launch
     finally:
