@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -103,31 +103,37 @@ async def test_an_evict_behind_a_copy_that_does_not_end_times_out_dropping_nothi
 
 
 class SlowEvict(StoreWrapper):
-    """Its evict returns ``delay_s`` late, the key dropped: asked before the deadline,
-    answered after it."""
+    """Its evict returns once ``answer`` is set (30 s at most), the key dropped: asked
+    before the deadline, answered after it."""
 
-    def __init__(self, inner: aiokv.Store, delay_s: float) -> None:
+    def __init__(self, inner: aiokv.Store) -> None:
         super().__init__(inner)
-        self.delay_s = delay_s
+        self.answer = threading.Event()
 
     def evict(self, namespace: tuple[str, ...]) -> int:
-        time.sleep(self.delay_s)
+        self.answer.wait(30)
         return int(self.inner.evict(namespace))
 
 
 @pytest.mark.asyncio
 async def test_an_evict_answered_after_its_deadline_counts_what_the_store_dropped() -> None:
     # The caller hears RequestTimeout ("it may have dropped the key"); the store drops
-    # the key all the same, and dropped_tokens says so, as for a caller who left.
-    async with engine_over(SlowEvict(aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01)),
-                                     0.5), request_timeout_ms=100) as engine:
-        await engine.offload("a", torch.arange(0, 4), TOKENS)
-        with pytest.raises(aiokv.RequestTimeout, match="may have dropped the key"):
-            await engine.evict("a")
-        for _ in range(100):  # the store's evict answers 0.5 s after it was asked
-            if engine.stats().dropped_tokens:
-                break
-            await asyncio.sleep(0.05)
+    # the key all the same, and dropped_tokens says so, as for a caller who left. The
+    # store answers once the caller has its error, not after a fixed delay, and the
+    # timeout leaves the offload before it room on a loaded host (at 100 ms, a loop
+    # that lagged 150 ms failed that offload with RequestTimeout).
+    store = SlowEvict(aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01)))
+    async with engine_over(store, request_timeout_ms=1000) as engine:
+        try:
+            await engine.offload("a", torch.arange(0, 4), TOKENS)
+            with pytest.raises(aiokv.RequestTimeout, match="may have dropped the key"):
+                await engine.evict("a")
+        finally:
+            store.answer.set()
+        deadline = asyncio.get_running_loop().time() + 10
+        while not engine.stats().dropped_tokens:  # the store's evict answers now
+            assert asyncio.get_running_loop().time() < deadline, engine.stats()
+            await asyncio.sleep(0.01)
         assert engine.stats().dropped_tokens == TOKENS
         async with await engine.lookup("a", TOKENS) as hit:
             assert hit.cached_tokens == 0
