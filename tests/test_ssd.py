@@ -815,6 +815,18 @@ def test_gets_launched_past_their_deadline_copy_nothing(tmp_path: Path) -> None:
         store.close()
 
 
+async def only_on_ssd(config: aiokv.StoreConfig, users: tuple[int, ...]
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``users`` offloaded by an engine that is then closed: a store opened on ``config``
+    next finds them on the SSD only. Returns (the caches, a copy of their contents)."""
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as first:
+        for user in users:
+            await offload(first, user)
+    return caches, original
+
+
 @pytest.mark.asyncio
 async def test_write_through_puts_whose_ssd_write_found_no_slot_are_on_ssd_after_a_restart(
     tmp_path: Path,
@@ -823,11 +835,7 @@ async def test_write_through_puts_whose_ssd_write_found_no_slot_are_on_ssd_after
     # write finds no slot and is skipped. The close must copy it down: the put completed,
     # and a restart must find it.
     config = ssd_config(tmp_path, slots=HOST_BLOCKS)  # write_through
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as first:
-        for user in (0, 1):
-            await offload(first, user)
+    caches, original = await only_on_ssd(config, (0, 1))
     store = aiokv.LocalStore(config)
     async with aiokv.OffloadEngine(store, caches) as again:
         hits = [await again.lookup(user, USER_PAGES * PAGE) for user in (0, 1)]
@@ -854,11 +862,7 @@ async def test_a_put_evicted_for_a_prefetch_while_another_lookups_reads_are_in_i
     # found every SSD slot held (user 0's by those reads), and eviction dropped it: a
     # completed put, lost at the restart.
     config = ssd_config(tmp_path, slots=HOST_BLOCKS)  # write_through
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as first:
-        for user in (0, 1):
-            await offload(first, user)
+    caches, original = await only_on_ssd(config, (0, 1))
     reads = held(monkeypatch, ssd_io.SsdFiles, "read")  # user 0's prefetch: a slow SSD
     store = aiokv.LocalStore(config)
     async with aiokv.OffloadEngine(store, caches) as again:
@@ -891,12 +895,8 @@ async def test_a_put_evicted_by_a_put_while_a_released_lookups_reads_are_in_is_k
     # found no slot for its copy down and eviction dropped it, though those reads were
     # about to give theirs back. It now waits for them, and is copied down.
     config = ssd_config(tmp_path, slots=4 * USER_PAGES)  # write_through
-    caches = caches_for()
-    original = [c.clone() for c in caches]
     on_ssd = (0, 1, 4, 5)  # fill the SSD tier
-    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as first:
-        for user in on_ssd:
-            await offload(first, user)
+    caches, original = await only_on_ssd(config, on_ssd)
     reads = held(monkeypatch, ssd_io.SsdFiles, "read")  # user 0's prefetch: a slow SSD
     store = aiokv.LocalStore(config)
     async with aiokv.OffloadEngine(store, caches) as again:
@@ -974,11 +974,7 @@ async def test_write_back_puts_get_their_room_while_lookups_hold_most_ssd_slots(
     # copied them in turn, taking the slots of those copies, which then had to be copied
     # again: a put of 2 new pages waited for room until StoreFull, round after round.
     config = ssd_config(tmp_path, slots=HOST_BLOCKS, ssd_write_policy="write_back")
-    caches = caches_for()
-    original = [c.clone() for c in caches]
-    async with aiokv.OffloadEngine(aiokv.LocalStore(config), caches) as first:
-        for user in (0, 1):  # written down at its close: every slot
-            await offload(first, user)
+    caches, original = await only_on_ssd(config, (0, 1))  # written down: every slot
     store = aiokv.LocalStore(config)
     async with aiokv.OffloadEngine(store, caches,
                                    aiokv.EngineConfig(request_timeout_ms=2000)) as engine:
