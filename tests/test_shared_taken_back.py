@@ -17,10 +17,10 @@ def a_get() -> Task:
 def test_the_ids_taken_back_are_kept_only_while_their_gets_are_held() -> None:
     client = Client(number=1, pid=0)
     client.tasks[0] = a_get()  # held throughout: its engine must still be told
-    client.take_back([0])
+    client.take_back([0], "evicted")
     for task_id in range(1, 1001):
         client.tasks[task_id] = a_get()
-        client.take_back([task_id])
+        client.take_back([task_id], "cleared")
         del client.tasks[task_id]  # released by its engine, which never asked
     assert len(client.invalidated) <= 2
-    assert client.take_invalidated() == [0]
+    assert client.take_invalidated() == {0: "evicted"}

@@ -158,7 +158,8 @@ class Answers:
     def _invalidated(self, conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
         client = conn.client
         notice = client.notice
-        ids = client.take_invalidated()
+        taken = client.take_invalidated()
+        ids = list(taken)
         # Told now, the engine launches none of them: those it has not announced give
         # their blocks back at once (not at its END), as one store's held Lookups do.
         self.service.release_taken(client, ids)
@@ -167,7 +168,10 @@ class Answers:
         # the evict is about to take back, seeing its word unchanged.
         seq = client.before_bump if client.before_bump is not None else (
             notice.value if notice is not None else 0)
-        return {"ids": ids, "seq": seq}
+        # "cleared": those a clear took back (the others an evict), for the engine's
+        # Lookups to say which.
+        return {"ids": ids, "cleared": [t for t, why in taken.items() if why == "cleared"],
+                "seq": seq}
 
     def _invalidate(self, conn: Connection, namespace: tuple[str, ...] | None) -> bytes:
         """An evict (or, ``namespace`` None, a clear), as one embedded store would run it
@@ -190,7 +194,7 @@ class Answers:
             for other in self._loop.peers():
                 for entry in other.deferred or ():
                     if isinstance(entry, PendingGet) and namespace in (None, entry.namespace):
-                        entry.invalidated = True
+                        entry.invalidated = "cleared" if namespace is None else "evicted"
             tokens, written, published = (self.service.clear() if namespace is None
                                           else self.service.evict(namespace))
             self._loop.absorb()  # LAUNCHes sent before the bump; gets matched now miss it

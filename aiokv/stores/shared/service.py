@@ -215,8 +215,9 @@ class Service:
         """A pending get's answer once its reads are in (or given up); taken back at once
         when its key was evicted while it read (it loads nothing)."""
         answer = self._answer_get(client, pending.task, pending.pages, pending.hit)
-        if pending.invalidated:
-            self._hits["server_gets_invalidated"] += client.take_back([answer[0]])
+        if pending.invalidated is not None:
+            self._hits["server_gets_invalidated"] += client.take_back([answer[0]],
+                                                                      pending.invalidated)
         return answer
 
     def _answer_get(self, client: Client, task: Task, pages: int, hit: int
@@ -330,6 +331,7 @@ class Service:
         waits for. The requester's own gets are all taken back: it waits for the answer,
         so it cannot end them meanwhile."""
         under_way: list[tuple[Client, int]] = []
+        why = "cleared" if namespace is None else "evicted"
         for client in clients:
             taken = []
             for task_id, task in client.gets_of(namespace):
@@ -337,7 +339,7 @@ class Service:
                     under_way.append((client, task_id))
                 else:
                     taken.append(task_id)
-            self._hits["server_gets_invalidated"] += client.take_back(taken)
+            self._hits["server_gets_invalidated"] += client.take_back(taken, why)
         return under_way
 
     def release_taken(self, client: Client, ids: Sequence[int]) -> None:

@@ -51,7 +51,9 @@ class PendingGet:
     hit: int  # its host prefix, in pages
     namespace: tuple[str, ...]
     give_up_at: float
-    invalidated: bool = False  # its key was evicted meanwhile: answered, then taken back
+    # Its key was evicted ("evicted") or cleared ("cleared") meanwhile: answered, then
+    # taken back so.
+    invalidated: str | None = None
     ended: bool = False  # answered or abandoned: its reads are no longer its key's
 
 
@@ -72,13 +74,14 @@ Entry = Answer | PendingGet | Retry
 @dataclass(slots=True)
 class Client:
     """One connection's tasks (id -> task), its notice word (:mod:`.notice`, from its
-    hello) and the ids of its gets invalidated since it last asked."""
+    hello) and the ids of its gets invalidated since it last asked, each with what took
+    it back ("evicted" or "cleared": its engine's Lookup says which)."""
 
     number: int
     pid: int
     tasks: dict[int, Task] = field(default_factory=dict)
     notice: Notice | None = None
-    invalidated: list[int] = field(default_factory=list)
+    invalidated: dict[int, str] = field(default_factory=dict)
     # Its notice word's value before an evict under way bumped it, until that evict has
     # taken its gets back: the seq an answer meanwhile gives (not one that covers the bump).
     before_bump: int | None = None
@@ -97,9 +100,10 @@ class Client:
                 if not task.is_put and not task.invalidated
                 and (namespace is None or task.namespace == namespace)]
 
-    def take_back(self, ids: Sequence[int]) -> int:
-        """These gets load nothing: listed for its next ``invalidated`` question, and its
-        notice word bumped so that it asks (:mod:`.notice`). How many."""
+    def take_back(self, ids: Sequence[int], why: str) -> int:
+        """These gets load nothing (``why``: "evicted" or "cleared"): listed for its next
+        ``invalidated`` question, and its notice word bumped so that it asks
+        (:mod:`.notice`). How many."""
         if not ids:
             return 0
         for task_id in ids:
@@ -107,15 +111,16 @@ class Client:
         # Kept to those still held: an engine that looks up and lets go, but never loads,
         # never asks, and the list would grow with every evict of what it looked up.
         tasks = self.tasks
-        self.invalidated = [t for t in self.invalidated if t in tasks] + list(ids)
+        self.invalidated = {t: w for t, w in self.invalidated.items() if t in tasks}
+        self.invalidated.update(dict.fromkeys(ids, why))
         if self.notice is not None:
             self.notice.bump()
         return len(ids)
 
-    def take_invalidated(self) -> list[int]:
-        """Its gets taken back since it last asked (and still held)."""
-        ids, self.invalidated = self.invalidated, []
-        return [t for t in ids if t in self.tasks]
+    def take_invalidated(self) -> dict[int, str]:
+        """Its gets taken back since it last asked (and still held), and by what."""
+        ids, self.invalidated = self.invalidated, {}
+        return {t: why for t, why in ids.items() if t in self.tasks}
 
 
 def answers_only(entries: Sequence[Entry]) -> list[Answer] | None:
