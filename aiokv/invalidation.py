@@ -16,6 +16,10 @@ Order. An evict or clear is an item on the store thread's inbox, like a batch:
    wait below, not after: no load of them was dispatched before the item (those consumed
    their reservations), so the order changes no answer, and a load that waits for the
    room they hold (a LocalStore load staging SSD pages) is not left waiting on them.
+   A store shared with other engines (``aiokv store-server``) tells which reservations
+   their evicts and clears took back (:class:`~aiokv.stores.base.ChecksHeld`, asked now
+   and then while any is held): given back and marked the same way
+   (:func:`give_back_taken`), so that their Lookups read so with no call of their own.
 3. The item waits until every task launched before it is terminal: a load of the key
    already dispatched finishes first (with the KV as it was), and an offload already
    dispatched is stored and then dropped. The store thread serves nothing else meanwhile,
@@ -50,7 +54,7 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import EngineClosed, RequestTimeout, StoreError
@@ -184,15 +188,27 @@ class HeldKeys:
             taken = sorted(held)
         else:
             taken = sorted(t for t in held if (entry := keys.get(t)) and entry[0] == namespace)
-        why = "cleared" if namespace is None else "evicted"
-        for task_id in taken:
-            entry = keys.pop(task_id, None)
-            reservation = None if entry is None else entry[1]()
-            if reservation is not None:  # else its Lookup is gone: nobody reads it
-                reservation.taken_back = why
+        self._mark(taken, "cleared" if namespace is None else "evicted")
         if namespace is None:
             keys.clear()
         return taken
+
+    def taken_elsewhere(self, held: set[int], taken: Mapping[int, str]) -> list[int]:
+        """Of the reservations another engine's evict or clear took back (a store's
+        ``check_held``: id -> "evicted" or "cleared"), those still open here, forgotten
+        and marked so."""
+        ids = sorted(t for t in taken if t in held)
+        for task_id in ids:
+            self._mark([task_id], taken[task_id])
+        return ids
+
+    def _mark(self, task_ids: Sequence[int], why: str) -> None:
+        """Forget these reservations and mark them taken back, for their Lookups."""
+        for task_id in task_ids:
+            entry = self._keys.pop(task_id, None)
+            reservation = None if entry is None else entry[1]()
+            if reservation is not None:  # else its Lookup is gone: nobody reads it
+                reservation.taken_back = why
 
 
 def give_back(
@@ -201,6 +217,24 @@ def give_back(
     """Step 2 of the module docstring, on the store thread: give back the key's
     reservations (removed from ``reserved``)."""
     held = held_keys.take(reserved, item.namespace)
+    if held:
+        reserved.difference_update(held)
+        calls.cancel(held)
+
+
+def give_back_taken(
+    check: Callable[[], Mapping[int, str] | None], calls: StoreCalls, reserved: set[int],
+    held_keys: HeldKeys,
+) -> None:
+    """On the store thread, now and then while reservations are held: those another
+    engine's evict or clear took back (:class:`~aiokv.stores.base.ChecksHeld`) are given
+    back (removed from ``reserved``) and marked, as step 2 of the module docstring does
+    for this engine's own: their Lookups read evicted (cleared) and their loads load
+    nothing."""
+    taken = calls.call(check)
+    if not taken:
+        return
+    held = held_keys.taken_elsewhere(reserved, taken)
     if held:
         reserved.difference_update(held)
         calls.cancel(held)

@@ -152,7 +152,8 @@ class Reservation:
 
     An evict or clear gives it back on the store thread instead (aiokv.invalidation),
     which writes ``taken_back`` ("evicted" or "cleared") before it answers the caller:
-    the Lookup reads it, so that it no longer says held once the evict has returned."""
+    the Lookup reads it, so that it no longer says held once the evict has returned (an
+    evict of another engine sharing the store: once the store tells of it, ChecksHeld)."""
 
     __slots__ = ("__weakref__", "_give_back", "end", "mask", "taken_back", "task_id")
 

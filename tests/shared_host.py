@@ -180,17 +180,29 @@ class Host:
         self.held[user] = self.kv.lookup(user, pages * PAGE_SIZE)
         return {"cached": self.held[user].cached_tokens}
 
-    def load_held(self, user: int, pages: int) -> dict[str, Any]:
+    def held_state(self, user: int) -> dict[str, Any]:
+        """What the kept Lookup of ``user`` says now (read, no call to the engine)."""
+        hit = self.held[user]
+        return {"held": hit.held, "repr": repr(hit)}
+
+    def load_held(self, user: int, pages: int, fill: float | None = None) -> dict[str, Any]:
+        """The kept Lookup loaded into the last ``pages`` pages, zeroed first (``fill``:
+        set to that instead, and "untouched" says whether the pages past what loaded
+        still hold it, byte for byte)."""
         first = PAGES - pages
         for cache in self.caches:
-            cache[first:] = 0
+            cache[first:] = 0 if fill is None else fill
         with self.held.pop(user) as hit:
             cached = hit.cached_tokens
             loaded = self.kv.load(hit, torch.arange(first, PAGES)).loaded_tokens
         full = loaded // PAGE_SIZE
         exact = all(torch.equal(cache[first : first + full].cpu(), kv[:full])
                     for cache, kv in zip(self.caches, user_kv(user, pages), strict=True))
-        return {"cached": cached, "loaded": loaded, "exact": exact}
+        answer = {"cached": cached, "loaded": loaded, "exact": exact}
+        if fill is not None:
+            answer["untouched"] = all(bool((cache[first + full :] == fill).all())
+                                      for cache in self.caches)
+        return answer
 
     def evict(self, user: int) -> dict[str, Any]:
         return {"dropped": self.kv.evict(user)}

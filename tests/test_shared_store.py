@@ -102,6 +102,25 @@ def test_a_lookup_held_in_one_process_loads_nothing_after_an_evict_in_another(
         assert first("load", user=8, pages=4)["cached"] == 0
 
 
+def test_a_lookup_held_in_one_process_reads_evicted_once_another_evicts_its_key(
+        host: Host) -> None:
+    """As in one engine, the Lookup itself says so: once the evict (or clear) has
+    returned in another process, it turns not held, evicted (cleared), with no call of
+    its own engine; its load then loads 0 tokens and writes none of its pages."""
+    _, (first, second, third) = host
+    for verb, user in (("evict", 21), ("clear", 22)):
+        first("offload", user=user, pages=4)
+        assert second("lookup", user=user, pages=4) == {"cached": 16}
+        assert second("held_state", user=user)["held"] is True
+        assert third(verb, user=user) if verb == "evict" else third(verb)
+        wait_for(lambda user=user: second("held_state", user=user)["held"] is False,
+                 f"the Lookup held elsewhere to read not held after the {verb}")
+        state = "evicted" if verb == "evict" else "cleared"
+        assert f"state={state}" in second("held_state", user=user)["repr"]
+        assert second("load_held", user=user, pages=4, fill=7.0) == {
+            "cached": 16, "loaded": 0, "exact": True, "untouched": True}
+
+
 def test_a_client_killed_while_holding_blocks_releases_them(host: Host) -> None:
     server, (first, _, _) = host
     first("offload", user=6, pages=5)

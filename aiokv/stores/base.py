@@ -282,9 +282,14 @@ class ChecksHeld(Protocol):
     """``check_held()``: the gets this store holds for the engine (matched, not launched:
     its callers' Lookups) may have been taken back by another engine's evict or clear
     (``aiokv store-server``): look, so that what they hold goes back now rather than at
-    their end. Cheap when nothing changed. Called now and then while any is held."""
+    their end. Cheap when nothing changed. Called now and then while any is held.
 
-    def check_held(self) -> None: ...
+    Returns those of them taken back, each with ``"evicted"`` or ``"cleared"`` (None or
+    empty: none): the engine gives them back (``cancel``) and marks their Lookups so, as
+    for an evict or clear of its own, so that they read not held once the other engine's
+    evict has returned, without a call of their own."""
+
+    def check_held(self) -> Mapping[int, str] | None: ...
 
 
 @runtime_checkable
@@ -360,7 +365,7 @@ class Capabilities:
     set_deadlines: Callable[[Sequence[int], Sequence[float]], None] | None = None
     set_invalidation_deadline: Callable[[float], None] | None = None
     parked: Callable[[Sequence[int]], list[int]] | None = None
-    check_held: Callable[[], None] | None = None
+    check_held: Callable[[], Mapping[int, str] | None] | None = None
     put_match_many: Callable[[Queries], MatchAnswers] | None = None
     get_match_many: Callable[[Queries], MatchAnswers] | None = None
     evict: Callable[[Sequence[str]], int] | None = None

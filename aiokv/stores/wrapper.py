@@ -36,7 +36,7 @@ class StoreWrapper:
     set_yield: Callable[[Callable[[], None]], None] | None
     set_deadlines: Callable[[Sequence[int], Sequence[float]], None] | None
     parked: Callable[[Sequence[int]], list[int]] | None
-    check_held: Callable[[], None] | None
+    check_held: Callable[[], Mapping[int, str] | None] | None
     put_match_many: Callable[..., list[Any]] | None
     get_match_many: Callable[..., list[Any]] | None
     evict: Callable[[Sequence[str]], int] | None

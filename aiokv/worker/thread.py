@@ -28,7 +28,7 @@ import torch
 
 from ..errors import EngineClosed, StoreError
 from ..exiting import stop_at_exit
-from ..invalidation import HeldKeys, Invalidation, give_back, invalidate
+from ..invalidation import HeldKeys, Invalidation, give_back, give_back_taken, invalidate
 from ..loop.batcher import Batch
 from ..requests import Kind, Request
 from ..store_figures import StoreFigures, StoreSideStats, StoreStatsQuery
@@ -283,7 +283,7 @@ class StoreWorker:
                 if self._reserved and check_held is not None and after >= held_check_at:
                     held_check_at = after + _HELD_CHECK_S
                     with contextlib.suppress(StoreError):  # a store gone: its calls say so
-                        self._calls.call(check_held)
+                        give_back_taken(check_held, self._calls, self._reserved, self._held_keys)
                 self._post()
                 if worked:
                     self.figures.changed()

@@ -96,7 +96,8 @@ class SharedStore:
         self._block_bytes = 0
         self._closed = False
         self._seen = 0  # the notice word as last asked about
-        self._invalidated: set[int] = set()  # server ids of gets an evict took back
+        # Server ids of gets an evict or clear took back: "evicted" or "cleared".
+        self._invalidated: dict[int, str] = {}
         self._invalidate_by: float | None = None  # set_invalidation_deadline's, for the next
 
     # ---- set-up --------------------------------------------------------------------
@@ -276,19 +277,28 @@ class SharedStore:
             task_id, _, task = entry
             if task.server_id in self._invalidated:
                 self._launched.pop(task_id)
-                self._invalidated.discard(task.server_id)
+                self._invalidated.pop(task.server_id, None)
                 self._release.append(task.server_id)
                 self._finished[task_id] = _taken_back(task)
             else:
                 left.append(entry)
         return left
 
-    def check_held(self) -> None:
+    def check_held(self) -> dict[int, str]:
         """base.ChecksHeld: with gets held, ask the server which were taken back if the
         notice word moved; the server then gives their blocks back (an idle engine
-        would otherwise hold them until it works again or their Lookups expire)."""
-        if self._tasks:
-            self._look()
+        would otherwise hold them until it works again or their Lookups expire).
+        Returns the matched gets taken back so far ("evicted" or "cleared"), for the
+        engine to give back and mark as its own evict does: their Lookups then say so,
+        with no call of their own."""
+        if not self._tasks:
+            return {}
+        self._look()
+        if not self._invalidated:
+            return {}
+        return {task_id: self._invalidated[task.server_id]
+                for task_id, task in self._tasks.items()
+                if not task.is_put and task.server_id in self._invalidated}
 
     def _look(self) -> None:
         """Ask the server which gets it took back, if the notice word moved since the
@@ -297,7 +307,9 @@ class SharedStore:
         if link is None or link.notice.value == self._seen:
             return
         reply = self._call_json({"op": "invalidated"}, again=False)  # this link's
-        self._invalidated.update(int(i) for i in reply["ids"])
+        cleared = {int(i) for i in reply.get("cleared", ())}
+        self._invalidated.update((int(i), "cleared" if int(i) in cleared else "evicted")
+                                 for i in reply["ids"])
         self._seen = int(reply["seq"])
 
     def _new_marks(self, task_id: int) -> LayerMarks:
@@ -353,7 +365,7 @@ class SharedStore:
     def _report(self, done: list[int], failed: dict[int, TaskResult]) -> None:
         tasks = {t: self._launched.pop(t) for t in (*done, *failed)}
         for task in tasks.values():
-            self._invalidated.discard(task.server_id)
+            self._invalidated.pop(task.server_id, None)
         current = {t: task for t, task in tasks.items()
                    if task.generation == self._generation and self._link is not None}
         lost = "the store server went away before this task's end was recorded"
@@ -385,7 +397,7 @@ class SharedStore:
             if (task is not None and task.generation == self._generation
                     and self._link is not None):
                 self._release.append(task.server_id)
-                self._invalidated.discard(task.server_id)
+                self._invalidated.pop(task.server_id, None)
         if self._release and self._link is not None:
             with contextlib.suppress(StoreError):  # a lost server released them itself
                 self._send(wire.encode_end([], self._take_release()))
