@@ -76,12 +76,47 @@ async def test_a_try_wait_that_raises_once_loses_no_task(caches: list[torch.Tens
 
 
 class FailsAWhile(StoreWrapper):
-    """``try_wait`` of launched tasks raises until ``until`` (time.monotonic())."""
+    """A try_wait fault of a moment, met for sure. From :meth:`hold` until :meth:`arm`,
+    ``try_wait`` of launched tasks answers nothing (their copies still run; ``polled``
+    is set once one is asked for); once armed, it raises from its first call for
+    ``FAULT_S`` (a moment, however late that first poll comes), counting the raises in
+    ``failures``, then answers as the store does. ``arm_on_cancel``: armed by the first
+    ``cancel`` once held (an evict giving back a held lookup of its key, just before it
+    waits for what was launched before it)."""
 
-    until = 0.0
+    FAULT_S = 0.03
+
+    def __init__(self, inner: Store, arm_on_cancel: bool) -> None:
+        super().__init__(inner)
+        self.arm_on_cancel = arm_on_cancel
+        self.holding = False
+        self.armed = False
+        self.polled = threading.Event()
+        self.until: float | None = None  # time.monotonic(), from the first raise
+        self.failures = 0
+
+    def hold(self) -> None:
+        self.holding = True
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        if self.holding and self.arm_on_cancel:
+            self.arm()
+        self.inner.cancel(task_ids)
 
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
-        if task_ids and time.monotonic() < self.until:
+        if not task_ids or not self.holding:
+            return self.inner.try_wait(task_ids)
+        if not self.armed:
+            self.polled.set()
+            return {}
+        now = time.monotonic()
+        if self.until is None:
+            self.until = now + self.FAULT_S
+        if now < self.until:
+            self.failures += 1
             raise RuntimeError("transient: the store is reconnecting")
         return self.inner.try_wait(task_ids)
 
@@ -93,16 +128,25 @@ async def test_a_try_wait_that_fails_for_a_moment_during_an_evict_fails_no_task(
 ) -> None:
     # Outside an evict the failing polls back off and ride the fault out; the evict's
     # own wait for what was launched before it must too, not fail every task in flight.
-    faulty = FailsAWhile(small_store())
+    # The offload's copy is not over before the fault begins, and with the evict the
+    # fault begins as the evict gives back a held lookup of its key: its wait meets it.
+    faulty = FailsAWhile(small_store(), arm_on_cancel=evict)
     checked = CheckingStore(faulty, loop_thread=threading.get_ident())
     async with aiokv.OffloadEngine(checked, caches, aiokv.EngineConfig(window_us=0)) as engine:
-        await engine.offload("warm", torch.arange(4), TOKENS)
-        faulty.until = time.monotonic() + 0.03
+        assert (await engine.offload("other", torch.arange(4), TOKENS)).stored_tokens == TOKENS
+        lookup = await engine.lookup("other", TOKENS)
+        assert lookup.cached_tokens == TOKENS
+        faulty.hold()
         offload = asyncio.ensure_future(engine.offload("u", torch.arange(4, 8), TOKENS))
+        assert await asyncio.to_thread(faulty.polled.wait, 10), "the offload's copy never ran"
         if evict:
-            await asyncio.sleep(0)  # the offload first, then another user's evict
-            assert await engine.evict("other") == 0
+            assert await engine.evict("other") == TOKENS  # the fault begins in its wait
+        else:
+            faulty.arm()
         assert (await offload).stored_tokens == TOKENS
+        if not evict:
+            lookup.release()
+    assert faulty.failures > 0, "the fault was never met"
     assert checked.problems() == []
 
 
