@@ -40,6 +40,8 @@ from aiokv.remote.servers import MooncakeServers
 from aiokv.remote.writer import Writer
 from aiokv.stores.shared import SharedStore, wire
 from aiokv.stores.shared.server import StoreServer
+from aiokv.stores.shared.service import Service
+from aiokv.stores.shared.tasks import Retry
 
 pytestmark = [needs_mooncake(),
               pytest.mark.skipif(not hasattr(os, "memfd_create"),
@@ -114,6 +116,23 @@ def _held(monkeypatch: pytest.MonkeyPatch, name: str, owner: Any = remote_client
 
     monkeypatch.setattr(owner, name, held)
     return entered, gate
+
+
+def _waits_for_a_read(monkeypatch: pytest.MonkeyPatch, pages: int) -> threading.Event:
+    """Set once the server has put a GET of ``pages`` pages off until another read of
+    its key is in (a Retry): the GET reached the server while that read ran."""
+    waiting = threading.Event()
+    real = Service.get_match
+
+    def get_match(self: Service, client: Any, tokens: int, digests: list[bytes],
+                  namespace: tuple[str, ...]) -> Any:
+        entry = real(self, client, tokens, digests, namespace)
+        if isinstance(entry, Retry) and len(digests) == pages:
+            waiting.set()
+        return entry
+
+    monkeypatch.setattr(Service, "get_match", get_match)
+    return waiting
 
 
 def test_a_mooncake_that_stops_answering_costs_one_lookup_its_timeout_and_no_one_else(
@@ -266,12 +285,13 @@ def test_a_get_that_waited_for_another_gets_read_asks_mooncake_for_its_own_pages
     try:
         _on_mooncake_only(host, 951)
         entered, gate = _held(monkeypatch, "read")
+        waiting = _waits_for_a_read(monkeypatch, PAGES)
         short, _ = host.engine()
         full, full_tables = host.engine()
         head = Call(lambda: short.get_match(TOKENS[: 2 * PAGE_SIZE], ["user:951"]))
         assert entered.wait(10), "the first read did not start"
-        whole = Call(lambda: full.get_match(TOKENS, ["user:951"]))  # waits for that read
-        time.sleep(0.2)  # its GET is in: answered only after the first read
+        whole = Call(lambda: full.get_match(TOKENS, ["user:951"]))
+        assert waiting.wait(10), "the whole GET did not wait for the first read"
         assert whole.is_alive()
         gate.set()
         task, mask = head.outcome()
