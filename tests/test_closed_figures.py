@@ -42,6 +42,21 @@ def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[Any, ...]], flo
             for family in registry.collect() for s in family.samples}
 
 
+async def store_thread_ended_and_its_posts_run() -> None:
+    """Wait for the store thread to end, then for everything it posted to the loop (its
+    outcomes, call_soon_threadsafe) and what those scheduled in turn to have run: a
+    callback queued once the thread is gone runs after its posts, and one that callback
+    queues runs after what they queued."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while any(t.name.startswith("aiokv-store") for t in threading.enumerate()):
+        assert loop.time() < deadline, "the store thread never ended"
+        await asyncio.sleep(0.05)
+    ran = loop.create_future()
+    loop.call_soon(lambda: loop.call_soon(ran.set_result, None))
+    await ran
+
+
 @pytest.mark.asyncio
 async def test_figures_after_a_close_that_left_the_store_thread_busy_do_not_move() -> None:
     store = HeldLaunch(small_store())
@@ -58,11 +73,7 @@ async def test_figures_after_a_close_that_left_the_store_thread_busy_do_not_move
         await late
     stats, scraped = engine.stats(), await asyncio.to_thread(scrape, registry)
     store.gate.set()  # the store thread goes on: launches, copies, posts, closes the store
-    deadline = asyncio.get_running_loop().time() + 10
-    while any(t.name.startswith("aiokv-store") for t in threading.enumerate()):
-        assert asyncio.get_running_loop().time() < deadline, "the store thread never ended"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.1)  # what it posted to the loop, run
+    await store_thread_ended_and_its_posts_run()
     after = engine.stats()
     moved = {f.name: (getattr(stats, f.name), getattr(after, f.name))
              for f in dataclasses.fields(stats) if getattr(stats, f.name) != getattr(after, f.name)}
@@ -102,11 +113,7 @@ async def test_an_evict_that_failed_at_close_drops_no_tokens_in_the_figures_late
         await evicting
     stats, scraped = engine.stats(), await asyncio.to_thread(scrape, registry)
     store.gate.set()
-    deadline = asyncio.get_running_loop().time() + 10
-    while any(t.name.startswith("aiokv-store") for t in threading.enumerate()):
-        assert asyncio.get_running_loop().time() < deadline, "the store thread never ended"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.1)  # what it posted to the loop, run
+    await store_thread_ended_and_its_posts_run()
     assert engine.stats().dropped_tokens == stats.dropped_tokens == 0
     assert await asyncio.to_thread(scrape, registry) == scraped
 
