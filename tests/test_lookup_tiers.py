@@ -7,7 +7,8 @@ page that fails its checksum), and every way it ends (a load, a release, its ttl
 evict of the key, a give-way of its prefetch to a launched load) gives back exactly what
 it held: once cleared and closed, no host block and no SSD slot is used, also where its
 prefetch's reads come in only as the store closes. A Lookup of the key right after one is
-given back finds it all, its SSD pages perhaps still being read into the host.
+given back finds it all (or the prefix it asks for), its SSD pages perhaps still being read
+into the host.
 """
 
 from __future__ import annotations
@@ -235,6 +236,36 @@ async def test_a_lookup_after_one_given_back_finds_the_pages_still_being_read_in
             gate.set()
         assert (await engine.load(again, DEST)).loaded_tokens == HISTORY
         assert intact(caches, DEST, source(0))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("pages", [4, 1, 7])
+async def test_a_shorter_lookup_after_one_given_back_finds_its_pages_still_being_read_in(
+    tmp_path: Path, policy: str, pages: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, but the next Lookup asks for a prefix of the history (pages 0, 3, 4, 6
+    # are among the SSD pages being read): it finds all of that prefix, and loads it
+    # bit for bit; what was read past it is given back (then_cleared checks).
+    caches = caches_for()
+    engine = await reopened_split(tmp_path, policy, caches, USER_PAGES, (1, 2, 5))
+    async with then_cleared(engine):
+        gate = reads_held(monkeypatch)
+        try:
+            hit = await engine.lookup(0, HISTORY)
+            assert hit.cached_tokens == HISTORY
+            assert await asyncio.to_thread(gate.entered.wait, 10)  # its reads are out
+            hit.release()
+            again = await engine.lookup(0, pages * PAGE)
+            assert again.cached_tokens == pages * PAGE
+        finally:
+            gate.set()
+        assert (await engine.load(again, DEST[:pages])).loaded_tokens == pages * PAGE
+        assert intact(caches, DEST[:pages], source(0)[:pages])
+        # The whole history is still stored, and loads whole.
+        for cache in caches:
+            cache[DEST] = float("nan")
+        assert await loads_whole(engine, caches)
 
 
 @pytest.mark.asyncio

@@ -28,13 +28,15 @@ class Load:
     key: tuple[str, ...]
     digests: list[bytes]
     slots: Int64Array  # held on SSD until read
-    # The match's page of each SSD page (ascending); past ``slots`` (an SSD part cut
-    # short), the page where what the load brings ends.
+    # The match's page of each SSD page it brings (ascending); past ``slots`` (an SSD
+    # part cut short), the page where what the load brings ends. Shorter than ``slots``
+    # where a match of a prefix took it over (loads.py: ``adopt``): the pages read past
+    # it are not brought.
     at: Int64Array
     host_at: Int64Array  # the match's page of each of the task's host blocks (ascending)
-    # The digest of its match's last page (chained: it names all of them), by which a
-    # match of the same pages finds it once it is cancelled (loads.py: ``adopt``).
-    tip: bytes = b""
+    # Its match's pages' digests (chained: page i's names pages 0..i), by which a match
+    # of these pages, or of a prefix of them, finds it once it is cancelled (``adopt``).
+    chain: list[bytes] = field(default_factory=list)
     host_blocks: Int64Array = field(default_factory=lambda: NO_BLOCKS)  # staged on host
     space: Space | None = None  # the host table the staging blocks are in
     reads: list[SsdRequest] = field(default_factory=list)

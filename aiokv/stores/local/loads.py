@@ -42,9 +42,11 @@ without room: its Lookup still loads all it reported, read once more.
 
 A prefetch cancelled while its reads are out (its Lookup released, or its ttl ran out)
 ends once they are in. Until then its pages are in the host table, still being written:
-a match of the key, which stops at such a page, takes it over instead (``adopt``) where
-it asks for all of its pages. A user who gives a Lookup back and looks the key up again
-finds what is stored (being read in for it), not a miss to recompute.
+a match of the key, which stops at such a page, takes it over instead (``adopt``), all of
+it where it asks for all of its pages, else the prefix it asks for (the pages read past
+it are not brought: each goes back to the LRU as it comes in verified). A user who gives
+a Lookup back and looks the key up again, or up to an earlier token, finds what is stored
+(being read in for it), not a miss to recompute.
 
 Room comes back as tasks end; and the host pages of a launched load that waits for room
 go back as soon as their GPU copy is done, so loads waiting for room never wait for each
@@ -138,7 +140,7 @@ class LoadStaging:
         load = Load(task, hits + count, key, list(itertools.compress(rest, on_ssd)), slots,
                     hits + np.flatnonzero(on_ssd),
                     np.concatenate((np.arange(hits), hits + np.flatnonzero(ready))),
-                    tip=digests[hits + count - 1])
+                    chain=digests[: hits + count])
         self._wait(load)
         self.stage_waiting()
         return load
@@ -226,7 +228,7 @@ class LoadStaging:
             # Ends where this one did (after its verified pages), or with no SSD page.
             new = Load(task, load.match_pages, load.key, [], NO_BLOCKS, load.at[: good + 1],
                        load.host_at, error=load.error, deadline=load.deadline,  # (set_deadlines)
-                       tip=load.tip)
+                       chain=load.chain)
             again = load.error is None and host.index.space(load.key) is load.space
             if again:
                 new.digests, new.slots = load.digests[:good], load.slots[:good]
@@ -352,22 +354,40 @@ class LoadStaging:
     def adopt(self, key: tuple[str, ...], digests: list[bytes]) -> Any | None:
         """A match of ``key`` (``digests``: its pages') whose host prefix stops at a page
         still being written: where that is a cancelled prefetch's (its Lookup released,
-        or its ttl ran out, before its reads were in) that staged the same pages, the
-        match takes it over, rather than miss what is being read into the host for it.
-        Returns its task (what it holds, its reads and its match: the pages it reported,
-        though this match may ask for more), no longer cancelled; None where there is
-        none (one of fewer pages, a key dropped since, a read that failed: the match
-        stops at that page)."""
+        or its ttl ran out, before its reads were in) that staged these pages, or a
+        longer run of them, the match takes it over, rather than miss what is being read
+        into the host for it. Returns its task (what it holds, its reads and its match:
+        the pages it reported, though this match may ask for more; cut to this match's
+        where it asks for fewer, ``_cut``), no longer cancelled; None where there is
+        none (a key dropped since, a read that failed: the match stops at that page)."""
         space = self.host.index.space(key)
         for load in self._prefetches:
-            pages = load.match_pages
+            pages = min(load.match_pages, len(digests))
             if (load.cancelled and load.key == key and load.space is space
-                    and load.error is None and pages <= len(digests)
-                    and digests[pages - 1] == load.tip):
+                    and load.error is None and pages
+                    and digests[pages - 1] == load.chain[pages - 1]
+                    and int(load.at[0]) < pages):  # one of its SSD pages is asked for
+                if pages < load.match_pages:
+                    self._cut(load, pages)
                 load.cancelled = False
                 load.deadline = None  # the cancelled request's (set_deadlines sets this one's)
                 return load.task
         return None
+
+    def _cut(self, load: Load, pages: int) -> None:
+        """A cancelled prefetch taken over by a match of its first ``pages`` pages brings
+        those only: its host pages past them go back now, its SSD pages past them as
+        they come in (``_settle``: past ``at``, not loaded), those in already now."""
+        host, task = self.host, load.task
+        keep = int(np.searchsorted(load.host_at, pages))
+        if keep < len(load.host_at):
+            host.drop_readers(task.blocks[keep:])
+            task.blocks, load.host_at = task.blocks[:keep], load.host_at[:keep]
+        brings = int(np.searchsorted(load.at, pages))
+        if load.good > brings:
+            host.drop_readers(load.host_blocks[brings : load.good])
+            load.good, load.truncated = brings, True
+        load.at, load.chain, load.match_pages = load.at[:brings], load.chain[:pages], pages
 
     def _advance(self, load: Load) -> None:
         reads = load.reads
@@ -395,6 +415,8 @@ class LoadStaging:
             first_bad = n if ok.all() else int(np.argmin(ok))
             load.good += first_bad
             load.truncated = first_bad < n
+            if load.good > len(load.at):  # read past the prefix it was cut to (_cut)
+                load.good, load.truncated = len(load.at), True
         host.state[blocks[ok]] = READY
         host.clean[blocks[ok]] = True
         bad = ~ok
