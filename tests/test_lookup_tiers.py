@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import textwrap
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -59,15 +62,15 @@ def caches_for() -> list[torch.Tensor]:
 
 
 def engine_on(directory: Path, policy: str, caches: list[torch.Tensor],
-              **engine_keys: Any) -> aiokv.OffloadEngine:
+              own_process: bool = False, **engine_keys: Any) -> aiokv.OffloadEngine:
     config = aiokv.StoreConfig(
         cpu_cache_gb=HOST_BLOCKS * BLOCK / (1 << 30),
         ssd_cache_gb=8 * USER_PAGES * SLOT / (1 << 30),
         ssd_cache_dir=str(directory),
         ssd_write_policy=policy,
     )
-    return aiokv.OffloadEngine(aiokv.LocalStore(config), caches,
-                               aiokv.EngineConfig(**engine_keys))
+    store: aiokv.Store = aiokv.ProcessStore(config) if own_process else aiokv.LocalStore(config)
+    return aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(**engine_keys))
 
 
 def intact(caches: list[torch.Tensor], got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -84,11 +87,13 @@ def void(directory: Path, user: int, page: int) -> None:
 
 async def reopened_split(directory: Path, policy: str, caches: list[torch.Tensor],
                          stored: int, lost: tuple[int, ...], lookup_ttl_ms: int = 60_000,
-                         damaged: int | None = None, **engine_keys: Any) -> aiokv.OffloadEngine:
+                         damaged: int | None = None, own_process: bool = False,
+                         **engine_keys: Any) -> aiokv.OffloadEngine:
     """User 0's first ``stored`` pages written, the store closed, pages ``lost`` of them
     voided on disk (and a byte of page ``damaged`` flipped); then reopened (only the SSD
     has the key) and user 0's whole history offloaded again: the host tier stores the
-    pages the SSD lacks. Returns the engine, started."""
+    pages the SSD lacks. Returns the engine, started (its store in a process of its own
+    with ``own_process``)."""
     async with engine_on(directory, policy, caches) as engine:
         await engine.offload(0, source(0)[:stored], stored * PAGE)
     if damaged is not None:
@@ -96,7 +101,8 @@ async def reopened_split(directory: Path, policy: str, caches: list[torch.Tensor
         flip_byte(path, offset + ssd_format.HEADER_BYTES + BLOCK // 2)
     for page in lost:
         void(directory, 0, page)
-    engine = engine_on(directory, policy, caches, lookup_ttl_ms=lookup_ttl_ms, **engine_keys)
+    engine = engine_on(directory, policy, caches, own_process, lookup_ttl_ms=lookup_ttl_ms,
+                       **engine_keys)
     await engine.start()
     got = await engine.offload(0, source(0), HISTORY)
     new = USER_PAGES - stored + len(lost)
@@ -236,6 +242,92 @@ async def test_a_lookup_after_one_given_back_finds_the_pages_still_being_read_in
             gate.set()
         assert (await engine.load(again, DEST)).loaded_tokens == HISTORY
         assert intact(caches, DEST, source(0))
+
+
+# Loaded at start-up by an interpreter that has it on PYTHONPATH: in a store process, its
+# SSD reads wait until the file HELD_READS names with ".open" exists (30 s at most), and
+# the first to wait writes the one with ".entered". A slow SSD on demand, in a child.
+CHILD_READS_HELD = textwrap.dedent(
+    """
+    import os
+    gate = os.environ.get("HELD_READS")
+    if gate:
+        import time
+        from aiokv.stores.local import ssd
+
+        run = ssd.SsdTier._run
+
+        def _run(tier, request, *rest):
+            if not request.is_write:
+                open(gate + ".entered", "w").close()
+                until = time.monotonic() + 30
+                while not os.path.exists(gate + ".open") and time.monotonic() < until:
+                    time.sleep(0.01)
+            return run(tier, request, *rest)
+
+        ssd.SsdTier._run = _run
+    """
+)
+
+
+class ChildReadsHeld:
+    """:func:`reads_held` for a store process started after it (own_process)."""
+
+    def __init__(self, directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        directory.mkdir()
+        (directory / "sitecustomize.py").write_text(CHILD_READS_HELD)
+        self._gate = directory / "gate"
+        monkeypatch.setenv("HELD_READS", str(self._gate))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+            filter(None, [str(directory), os.environ.get("PYTHONPATH")])))
+
+    def entered(self) -> bool:
+        for _ in range(1000):
+            if self._gate.with_suffix(".entered").exists():
+                return True
+            time.sleep(0.01)
+        return False
+
+    def set(self) -> None:
+        self._gate.with_suffix(".open").touch()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("own_process", [False, True], ids=["in process", "own process"])
+async def test_a_lookup_evicted_while_its_reads_are_out_gives_its_blocks_back_once_they_are_in(
+    tmp_path: Path, policy: str, own_process: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The evict takes the Lookup back while its prefetch's reads are out; once they are
+    # in, the engine idle (no call of it after the evict), the figures show the key gone
+    # from both tiers, as store_tasks_open did at once: no block is held for it.
+    caches = caches_for()
+    gate: Gate | ChildReadsHeld
+    if own_process:
+        gate = ChildReadsHeld(tmp_path / "child", monkeypatch)
+    (tmp_path / "ssd").mkdir()
+    engine = await reopened_split(tmp_path / "ssd", policy, caches, USER_PAGES, (1, 2, 5),
+                                  own_process=own_process)
+    if not own_process:
+        gate = reads_held(monkeypatch)
+    async with then_cleared(engine):
+        try:
+            hit = await engine.lookup(0, HISTORY)
+            assert hit.cached_tokens == HISTORY
+            if isinstance(gate, Gate):
+                assert await asyncio.to_thread(gate.entered.wait, 10)  # its reads are out
+            else:
+                assert await asyncio.to_thread(gate.entered)
+            assert await engine.evict(0) == HISTORY
+            assert engine.stats().store_tasks_open == 0
+        finally:
+            gate.set()
+        for _ in range(1000):
+            stats = engine.stats()
+            if (stats.host_blocks_used, stats.ssd_blocks_used) == (0, 0):
+                break
+            await asyncio.sleep(0.01)
+        assert (stats.host_blocks_used, stats.ssd_blocks_used) == (0, 0)
 
 
 @pytest.mark.asyncio

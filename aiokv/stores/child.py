@@ -97,7 +97,7 @@ class _Ends:
         self._stalled = False
         out = {t: self._answered.pop(t) for t in task_ids if t in self._answered}
         rest = [t for t in task_ids if t not in out]
-        if rest:
+        if rest or not task_ids:  # none: a wake-up's settle (ProcessStore.try_wait)
             try:
                 fresh = self._store.try_wait(rest)
             except Exception:

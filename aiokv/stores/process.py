@@ -247,6 +247,17 @@ class ProcessStore:
 
     def try_wait(self, task_ids: Sequence[int]) -> dict[int, TaskResult]:
         if not task_ids:
+            # A wake-up with no task in flight (the worker's settle): the child's store
+            # applies its background work (an SSD read of a Lookup given back, a write),
+            # giving back what it held, as an embedded store does on the same call; else
+            # only its next call would, and its figures would count those blocks till
+            # then. A child that died is found by the next call that needs it.
+            link = self._link
+            if (not self._closed and self._ended is None and self._broken is None
+                    and not self._notices.closed
+                    and link is not None and link.alive()):
+                with contextlib.suppress(StoreError):
+                    self._call("try_wait", [])
             return {}
         self._revive()
         ids, old = self._ids.split(task_ids)
