@@ -22,6 +22,10 @@ Staging (host blocks reserved, reads started) happens:
 - otherwise at launch, waiting for room: launched loads are staged first come, first
   served, before any prefetch, and puts get NoSpace rather than the room they wait for
   (``leave_owed``). Each launch that has to wait counts one ``stage_waits``.
+- at the match, owed room as a launched load is, for the store server's gets
+  (``start_load(waits=True)``): an engine there copies from host blocks only, so a get
+  is answered once its SSD pages are read into them, and waits for the room first (its
+  ``deadline``: the server's), rather than answer the SSD part a miss. Never a prefetch.
 
 A launched load has a deadline (``LocalStore.set_deadlines``: its request's, which the
 engine times its caller out at): nothing of it is staged or queued for its GPU copy after
@@ -106,14 +110,17 @@ class LoadStaging:
     stage_waits: int  # launches that found no room to stage their SSD pages
 
     def start_load(
-        self, key: tuple[str, ...], digests: list[bytes], hits: int, task: Any
+        self, key: tuple[str, ...], digests: list[bytes], hits: int, task: Any,
+        waits: bool = False,
     ) -> Load | None:
         """The pages after a get's host prefix (``hits`` pages, held: ``task.blocks``) that
         either tier has ready, up to the first that neither has (or that the host is
         still writing): the SSD ones held on SSD now, and prefetched into host blocks
         when there is room (see the module docstring); the host ones held and added to
         ``task.blocks``, in page order. None when the SSD has none of them (page ``hits``
-        is not on the host)."""
+        is not on the host). ``waits``: its caller waits for the staging now (the store
+        server's get, answered once its SSD pages are on the host): staged as a launched
+        load is, waiting for room (until its ``deadline``), never as a prefetch."""
         if self._unstaged.get(key):
             return None  # another load of this key stages first: those pages go to it
         host, tier = self.host, self.ssd.tier
@@ -141,8 +148,12 @@ class LoadStaging:
                     hits + np.flatnonzero(on_ssd),
                     np.concatenate((np.arange(hits), hits + np.flatnonzero(ready))),
                     chain=digests[: hits + count])
-        self._wait(load)
-        self.stage_waiting()
+        if waits:
+            self._unstaged[key] = self._unstaged.get(key, 0) + 1
+            self._stage_owed(load)
+        else:
+            self._wait(load)
+            self.stage_waiting()
         return load
 
     def _wait(self, load: Load) -> None:
@@ -173,22 +184,22 @@ class LoadStaging:
                 owed.remove(load)
                 self._give_up(load)
         while owed:
-            if not self._stage(owed[0]) and not (
-                self._give_way(len(owed[0].slots)) and self._stage(owed[0])
+            if not self._stage(owed[0], prefetch=False) and not (
+                self._give_way(len(owed[0].slots)) and self._stage(owed[0], prefetch=False)
             ):
                 return
             owed.pop(0)
         limit = self.host.num_blocks // 2
         while waiting and self._prefetched + len(waiting[0].slots) <= limit:
             load = waiting[0]
-            if not self._stage(load):
+            if not self._stage(load, prefetch=True):
                 break
             waiting.pop(0)
             load.prefetched = len(load.host_blocks)
             self._prefetched += load.prefetched
             self._prefetches[load] = None
 
-    def _stage(self, load: Load) -> bool:
+    def _stage(self, load: Load, prefetch: bool) -> bool:
         """Reserve the load's host blocks and start its reads; False: no room yet."""
         host = self.host
         try:
@@ -202,7 +213,7 @@ class LoadStaging:
         load.host_blocks = blocks
         # A prefetch keeps its slots, to give its host blocks back (_give_way).
         load.reads = self.ssd.read(load.slots, blocks, load.key, load.digests, load,
-                                   keep=load.gpu_pages is None)
+                                   keep=prefetch)
         return True
 
     def _give_way(self, need: int) -> bool:
@@ -333,11 +344,17 @@ class LoadStaging:
             load.host_copies += 1
         if not load.staged:
             self._waiting.remove(load)
-            self._owed.append(load)
-            self.stage_waiting()  # one launched late gives up here
-            if not load.staged and not load.finished:
-                self.stage_waits += 1
+            self._stage_owed(load)
         self._submit_verified(load)
+
+    def _stage_owed(self, load: Load) -> None:
+        """A load whose caller waits for it now (launched, or the server's get) is owed
+        room: staged after those owed before it (one past its deadline gives up here);
+        each that has to wait counts one ``stage_waits``."""
+        self._owed.append(load)
+        self.stage_waiting()
+        if not load.staged and not load.finished:
+            self.stage_waits += 1
 
     def cancel_load(self, load: Load) -> None:
         load.cancelled = True
@@ -345,7 +362,8 @@ class LoadStaging:
             self._unprefetch(load)
             self._end([load.task], False)
         elif not load.staged:  # nothing was read: the SSD slots go back now
-            self._waiting.remove(load)
+            # Matched, or owed room (the server's get, given up on by its caller).
+            (self._owed if load in self._owed else self._waiting).remove(load)
             self._unstage(load)
             self._finish(load)
         # Otherwise it ends when its reads are in (_finish), a prefetch until then: a
