@@ -29,13 +29,17 @@ class Host:
     ``remote``: its ``store.remote``."""
 
     def __init__(self, directory: Path, ssd: bool = True,
-                 remote: dict[str, Any] | None = None, cpu_cache_gb: float = 0.002) -> None:
+                 remote: dict[str, Any] | None = None, cpu_cache_gb: float = 0.002,
+                 config: aiokv.StoreConfig | None = None) -> None:
+        """``config``: the server's store config as given (the other arguments unused)."""
         self.socket = directory / "run" / "store.sock"
-        tiers: dict[str, Any] = {"remote": remote}
-        if ssd:
-            (directory / "ssd").mkdir()
-            tiers.update(ssd_cache_gb=0.02, ssd_cache_dir=str(directory / "ssd"))
-        self.config = aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb, **tiers)
+        if config is None:
+            tiers: dict[str, Any] = {"remote": remote}
+            if ssd:
+                (directory / "ssd").mkdir()
+                tiers.update(ssd_cache_gb=0.02, ssd_cache_dir=str(directory / "ssd"))
+            config = aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb, **tiers)
+        self.config = config
         self.server: StoreServer | None = None
         self.thread: threading.Thread | None = None
 

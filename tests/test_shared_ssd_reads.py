@@ -6,12 +6,16 @@ demand."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import socket
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import held
+from conftest import Gate, held
 from shared_host import PAGE_SIZE, user_kv
 from shared_inprocess import (
     PAGES,
@@ -24,6 +28,7 @@ from shared_inprocess import (
     on_ssd_only,
     wait_for,
 )
+from test_ssd import PAGE, TARGET, USER_PAGES, offload, only_on_ssd, same, source_pages, ssd_config
 
 import aiokv
 from aiokv.stores.local import ssd as ssd_module
@@ -281,3 +286,96 @@ def test_reads_past_the_timeout_give_back_the_host_pages_held_after_them(
     finally:
         gate.set()
         reader.close()
+
+
+@contextlib.contextmanager
+def store_of(kind: str, config: aiokv.StoreConfig, directory: Path,
+             caches: list[torch.Tensor]
+             ) -> Iterator[tuple[aiokv.Store, Callable[[], Mapping[str, int | float]]]]:
+    """The embedded store on ``config``, or a server on it (in a thread) and an engine's
+    store on that server; with a way to read the store's figures from the loop (the
+    shared one's through another engine's store, on caches like ``caches``: the first
+    one is busy in its calls)."""
+    if kind == "embedded":
+        store = aiokv.LocalStore(config)
+        yield store, store.store_stats
+        return
+    host = Host(directory, config=config)
+    host.start()
+    shared = aiokv.StoreConfig(backend="shared", socket=str(host.socket))
+    figures = SharedStore(shared)
+    try:
+        figures.register([torch.zeros_like(cache) for cache in caches])
+        yield SharedStore(shared), figures.store_stats
+    finally:
+        figures.close()
+        host.stop()
+
+
+async def host_tier_in_flight(engine: aiokv.OffloadEngine, monkeypatch: pytest.MonkeyPatch
+                              ) -> Gate:
+    """Users 1 and 2 offloaded: the whole host tier, its SSD writes held (until the gate
+    returned is set)."""
+    writes = held(monkeypatch, ssd_module.SsdTier, "_run",
+                  lambda tier, request, *args: request.is_write)
+    for user in (1, 2):
+        assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+    assert await asyncio.to_thread(writes.entered.wait, 10)
+    return writes
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("kind", ["embedded", "shared"])
+async def test_a_lookup_while_ssd_writes_hold_the_free_host_blocks_waits_and_hits_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, policy: str) -> None:
+    """User 0 on SSD only; users 1 and 2 fill the host tier, their SSD writes held: no
+    host block is free for user 0's SSD pages until those writes are in. The embedded
+    store's Lookup reports them all and its load waits for the room; the server answered
+    at once with the host prefix (nothing), a miss the same config did not have."""
+    (tmp_path / "ssd").mkdir()
+    config = ssd_config(tmp_path / "ssd", ssd_write_policy=policy)
+    caches, original = await only_on_ssd(config, (0,))
+    with store_of(kind, config, tmp_path, caches) as (store, figures):
+        async with aiokv.OffloadEngine(store, caches) as engine:
+            writes = await host_tier_in_flight(engine, monkeypatch)
+            try:
+                lookup = asyncio.ensure_future(engine.lookup(0, USER_PAGES * PAGE))
+                # Embedded: answered at once. Shared: answered once the room is there,
+                # so the writes go on once the server says the lookup waits for it (in
+                # its answer to another engine's call, meanwhile).
+                await asyncio.to_thread(wait_for, lambda: lookup.done()
+                                        or figures()["stage_waits"], "the lookup's answer")
+            finally:
+                writes.set()
+            hit = await lookup
+            assert hit.cached_tokens == USER_PAGES * PAGE
+            assert (await engine.load(hit, TARGET)).loaded_tokens == USER_PAGES * PAGE
+            assert same(caches, original, TARGET, source_pages(0))
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_that_finds_no_host_room_in_time_answers_its_host_prefix_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but the writes stay held past the server's wait (30 s; 0.3 here): the
+    lookup is answered with what the host has (nothing), and what it held goes back: once
+    the writes are in, a lookup of the key finds and loads it all."""
+    monkeypatch.setattr(deferred_module, "SSD_STAGE_TIMEOUT_S", 0.3)
+    (tmp_path / "ssd").mkdir()
+    config = ssd_config(tmp_path / "ssd")
+    caches, original = await only_on_ssd(config, (0,))
+    with store_of("shared", config, tmp_path, caches) as (store, figures):
+        async with aiokv.OffloadEngine(store, caches) as engine:
+            writes = await host_tier_in_flight(engine, monkeypatch)
+            try:
+                async with await engine.lookup(0, USER_PAGES * PAGE) as late:
+                    assert late.cached_tokens == 0
+                assert figures()["stage_waits"] == 1
+            finally:
+                writes.set()
+            hit = await engine.lookup(0, USER_PAGES * PAGE)
+            assert hit.cached_tokens == USER_PAGES * PAGE
+            assert (await engine.load(hit, TARGET)).loaded_tokens == USER_PAGES * PAGE
+            assert same(caches, original, TARGET, source_pages(0))
+            stats = figures()
+            assert stats["server_gets_staging"] == 0 and stats["server_blocks_held"] == 0

@@ -1,5 +1,7 @@
 """The store server's gets that wait: a get whose pages only the SSD tier has is read into
-host blocks before its match is answered (a :class:`PendingGet` while the reads run), and
+host blocks before its match is answered (a :class:`PendingGet` while the reads run, and
+before them while no host block is free for them: SSD writes or other gets hold the
+tier), and
 a get of a key whose pages are being read, from SSD by a pending get or from Mooncake by
 a batch's remote read, waits for that (a :class:`Retry`), so that it finds them on the
 host rather than missing them. The batch's answer waits for all of them
@@ -28,7 +30,10 @@ from .wire import Answer, Query
 
 log = logging.getLogger("aiokv.server")
 
-SSD_STAGE_TIMEOUT_S = 30.0  # a get's SSD reads that take longer make the get a miss
+# A get whose SSD pages are not read into host blocks by then (no room for them, or slow
+# reads) is answered with what was: as long as an embedded store's load waits for room
+# without request_timeout_ms (space.NO_TIMEOUT_WAIT_S).
+SSD_STAGE_TIMEOUT_S = 30.0
 
 
 class Matcher(Protocol):
@@ -82,11 +87,13 @@ class DeferredGets:
 
     def stage(self, task: Task, load: Load, pages: int, hit: int,
               namespace: tuple[str, ...]) -> PendingGet:
-        """A get whose SSD reads run: answered by :meth:`settle` once they are in (or
-        after SSD_STAGE_TIMEOUT_S)."""
+        """A get whose SSD pages wait for host room or for their reads: answered by
+        :meth:`settle` once they are in (or after SSD_STAGE_TIMEOUT_S: the link gives
+        up staging it then, its ``deadline``)."""
         self._staging[namespace] = self._staging.get(namespace, 0) + 1
-        return PendingGet(task, load, pages, hit, namespace,
-                          time.monotonic() + SSD_STAGE_TIMEOUT_S)
+        give_up_at = time.monotonic() + SSD_STAGE_TIMEOUT_S
+        load.deadline = give_up_at
+        return PendingGet(task, load, pages, hit, namespace, give_up_at)
 
     def settle(self, client: Client, entries: Sequence[Entry]) -> list[Entry]:
         """A deferred batch's entries again, the ready ones answered: pending gets whose
@@ -134,8 +141,9 @@ class DeferredGets:
         if load.finished:
             pending.hit = launch_staged(link, load)
         else:  # the get answers its host prefix; the reads go on, in a task of their own
-            log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s",
-                        len(load.slots), SSD_STAGE_TIMEOUT_S)
+            log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s%s",
+                        len(load.slots), SSD_STAGE_TIMEOUT_S,
+                        "" if load.staged else " (no host room for them)")
             # Ended (their blocks freed) when they are in, apart from the get's own end.
             load.task = Task(client.number, False, NO_MASK, NO_BLOCKS, [], None,
                              matching=False)

@@ -7,8 +7,9 @@ the engine copies between its caches and those blocks in the region itself, and 
 reports each task's end (:meth:`Service.finish`): a put's blocks are published (and
 written through to SSD) or rolled back, a get's readers dropped. A get's pages that only
 the SSD tier has are read into host blocks before its match is answered (the SSD link's
-load staging), so that an engine only ever copies from the host tier: such a get, and a
-get of a key whose pages are being read, waits while the server answers other requests
+load staging), so that an engine only ever copies from the host tier: such a get (first
+waiting for host room where none is free, as the embedded store's load does), and a get
+of a key whose pages are being read, waits while the server answers other requests
 (:mod:`.deferred`, :meth:`Service.settle`). Everything runs on the server's one thread.
 
 Every task belongs to the connection that matched it (a :class:`Client`): a task id
@@ -48,7 +49,7 @@ from ..local.blocks import NO_BLOCKS, READY, Tier
 from ..local.ssd_io import lock_directory
 from ..local.ssd_voids import VoidsDone
 from ..local.tiering import TierLink
-from .deferred import DeferredGets, keep_loaded, launch_staged
+from .deferred import DeferredGets, launch_staged
 from .puts import match_puts
 from .quarantine import Kept
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
@@ -192,11 +193,10 @@ class Service:
                     namespace=namespace)
         host_pages = len(hit)
         if link is not None and len(hit) == len(found):
-            load = link.start_load(namespace, digests, len(task.blocks), task)
-            if load is not None and not load.staged:
-                link.cancel_load(load)  # no room now: the SSD part is a miss
-                keep_loaded(link, load, task, len(hit))
-            elif load is not None and not load.finished:
+            # Its SSD pages wait for host room (as the embedded store's launched load
+            # does: not a miss), then for their reads.
+            load = link.start_load(namespace, digests, len(task.blocks), task, waits=True)
+            if load is not None and not load.finished:
                 return self._deferred.stage(task, load, pages, len(hit), namespace)
             elif load is not None:
                 host_pages = launch_staged(link, load)

@@ -42,8 +42,9 @@ class Task:
 
 @dataclass(slots=True, eq=False)
 class PendingGet:
-    """A get whose SSD pages are being read into host blocks (held since its match):
-    answered once they are in, or once ``give_up_at`` passes (then with its host prefix)."""
+    """A get whose SSD pages (held since its match) wait for host room, then are read
+    into host blocks: answered once they are in, or once ``give_up_at`` passes (then with
+    its host prefix)."""
 
     task: Task
     load: Load
