@@ -28,7 +28,17 @@ from shared_inprocess import (
     on_ssd_only,
     wait_for,
 )
-from test_ssd import PAGE, TARGET, USER_PAGES, offload, only_on_ssd, same, source_pages, ssd_config
+from test_ssd import (
+    BLOCK,
+    PAGE,
+    TARGET,
+    USER_PAGES,
+    offload,
+    only_on_ssd,
+    same,
+    source_pages,
+    ssd_config,
+)
 
 import aiokv
 from aiokv.stores.local import ssd as ssd_module
@@ -379,3 +389,74 @@ async def test_a_lookup_that_finds_no_host_room_in_time_answers_its_host_prefix_
             assert same(caches, original, TARGET, source_pages(0))
             stats = figures()
             assert stats["server_gets_staging"] == 0 and stats["server_blocks_held"] == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+async def test_a_lookup_whose_host_room_only_its_own_lookups_hold_answers_its_host_prefix_at_once(
+        tmp_path: Path, policy: str) -> None:
+    """User 0 on SSD only; the engine holds Lookups of users 1 and 2, the whole host tier,
+    and no SSD copy is under way: only this engine can give the room back, and it is
+    blocked in its lookup of user 0. That lookup is answered at once with what the host
+    has (nothing), not after the server's 30 s wait; once the Lookups are given back, a
+    lookup of user 0 loads it all, bit for bit."""
+    (tmp_path / "ssd").mkdir()
+    config = ssd_config(tmp_path / "ssd", ssd_write_policy=policy)
+    caches, original = await only_on_ssd(config, (0,))
+    with store_of("shared", config, tmp_path, caches) as (store, figures):
+        async with aiokv.OffloadEngine(store, caches) as engine:
+            for user in (1, 2):
+                assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+            holds = [await engine.lookup(user, USER_PAGES * PAGE) for user in (1, 2)]
+            try:
+                assert [h.cached_tokens for h in holds] == [USER_PAGES * PAGE] * 2
+                if policy == "write_through":  # their copies are in: none under way
+                    await asyncio.to_thread(wait_for, lambda: figures()["bytes_ssd_written"]
+                                            >= 2 * USER_PAGES * BLOCK, "the SSD copies")
+                # (write_back: copies down of the LRU may be under way; they end soon.)
+                short = await asyncio.wait_for(engine.lookup(0, USER_PAGES * PAGE), 5)
+                assert short.cached_tokens == 0
+                short.release()
+                if policy == "write_through":
+                    assert figures()["stage_waits"] == 0  # it did not wait: as before
+            finally:
+                for hold in holds:
+                    hold.release()
+            hit = await engine.lookup(0, USER_PAGES * PAGE)
+            assert hit.cached_tokens == USER_PAGES * PAGE
+            assert (await engine.load(hit, TARGET)).loaded_tokens == USER_PAGES * PAGE
+            assert same(caches, original, TARGET, source_pages(0))
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_waiting_for_ssd_copies_that_bring_no_room_answers_once_they_are_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but the SSD copies of users 1 and 2 are held while the lookup of user 0
+    comes: it waits for them (room might come back with them); once they are in, the
+    room is still this engine's Lookups', so it is answered then with its host prefix
+    (nothing), not at the server's 30 s."""
+    (tmp_path / "ssd").mkdir()
+    config = ssd_config(tmp_path / "ssd")
+    caches, original = await only_on_ssd(config, (0,))
+    with store_of("shared", config, tmp_path, caches) as (store, figures):
+        async with aiokv.OffloadEngine(store, caches) as engine:
+            writes = await host_tier_in_flight(engine, monkeypatch)
+            holds: list[aiokv.Lookup] = []
+            try:
+                holds = [await engine.lookup(user, USER_PAGES * PAGE) for user in (1, 2)]
+                assert [h.cached_tokens for h in holds] == [USER_PAGES * PAGE] * 2
+                lookup = asyncio.ensure_future(engine.lookup(0, USER_PAGES * PAGE))
+                await asyncio.to_thread(wait_for, lambda: figures()["stage_waits"],
+                                        "the lookup waiting")
+                writes.set()
+                short = await asyncio.wait_for(lookup, 5)
+                assert short.cached_tokens == 0
+                short.release()
+            finally:
+                writes.set()
+                for hold in holds:
+                    hold.release()
+            hit = await engine.lookup(0, USER_PAGES * PAGE)
+            assert hit.cached_tokens == USER_PAGES * PAGE
+            assert (await engine.load(hit, TARGET)).loaded_tokens == USER_PAGES * PAGE
+            assert same(caches, original, TARGET, source_pages(0))

@@ -26,6 +26,10 @@ Staging (host blocks reserved, reads started) happens:
   (``start_load(waits=True)``): an engine there copies from host blocks only, so a get
   is answered once its SSD pages are read into them, and waits for the room first (its
   ``deadline``: the server's), rather than answer the SSD part a miss. Never a prefetch.
+  It waits only while room comes back by itself (:meth:`~LoadStaging.room_coming`: SSD
+  copies hold host blocks): the asking engine is blocked in that get, so room held by
+  its own tasks (held Lookups, puts not ended) could never come back; counted in
+  ``stage_waits`` only then.
 
 A launched load has a deadline (``LocalStore.set_deadlines``: its request's, which the
 engine times its caller out at): nothing of it is staged or queued for its GPU copy after
@@ -120,7 +124,9 @@ class LoadStaging:
         ``task.blocks``, in page order. None when the SSD has none of them (page ``hits``
         is not on the host). ``waits``: its caller waits for the staging now (the store
         server's get, answered once its SSD pages are on the host): staged as a launched
-        load is, waiting for room (until its ``deadline``), never as a prefetch."""
+        load is, owed room (until its ``deadline``), never as a prefetch. Where no room
+        is free for it and none comes back by itself (:meth:`room_coming`) it is owed
+        uncounted: its caller gives it up then (``cancel_load``)."""
         if self._unstaged.get(key):
             return None  # another load of this key stages first: those pages go to it
         host, tier = self.host, self.ssd.tier
@@ -150,7 +156,7 @@ class LoadStaging:
                     chain=digests[: hits + count])
         if waits:
             self._unstaged[key] = self._unstaged.get(key, 0) + 1
-            self._stage_owed(load)
+            self._stage_owed(load, counted=self.room_coming)
         else:
             self._wait(load)
             self.stage_waiting()
@@ -347,14 +353,21 @@ class LoadStaging:
             self._stage_owed(load)
         self._submit_verified(load)
 
-    def _stage_owed(self, load: Load) -> None:
+    def _stage_owed(self, load: Load, counted: Callable[[], bool] = lambda: True) -> None:
         """A load whose caller waits for it now (launched, or the server's get) is owed
         room: staged after those owed before it (one past its deadline gives up here);
-        each that has to wait counts one ``stage_waits``."""
+        each that has to wait counts one ``stage_waits`` (where ``counted``, asked once
+        its staging was tried: the server's get waits only while room is coming)."""
         self._owed.append(load)
         self.stage_waiting()
-        if not load.staged and not load.finished:
+        if not load.staged and not load.finished and counted():
             self.stage_waits += 1
+
+    def room_coming(self) -> bool:
+        """Whether host room comes back by itself: SSD copies hold host blocks, which
+        their drain lets go or makes evictable. Otherwise it comes back only as tasks
+        end (a Lookup loaded or released, a put's copy ended: its engine's doing)."""
+        return self._copying > 0
 
     def cancel_load(self, load: Load) -> None:
         load.cancelled = True

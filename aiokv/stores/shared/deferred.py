@@ -1,11 +1,13 @@
 """The store server's gets that wait: a get whose pages only the SSD tier has is read into
 host blocks before its match is answered (a :class:`PendingGet` while the reads run, and
-before them while no host block is free for them: SSD writes or other gets hold the
-tier), and
-a get of a key whose pages are being read, from SSD by a pending get or from Mooncake by
-a batch's remote read, waits for that (a :class:`Retry`), so that it finds them on the
-host rather than missing them. The batch's answer waits for all of them
-(:meth:`DeferredGets.settle`) while the server answers other requests.
+before them while no host block is free for them but SSD copies hold some: room comes
+back as they end; where none do, the room is held by tasks only their engines end, the
+asking one's perhaps, which is blocked in this get: it is answered with its host pages
+at once, and once the copies are in without the room), and a get of a key whose pages
+are being read, from SSD by a pending get or from Mooncake by a batch's remote read,
+waits for that (a :class:`Retry`), so that it finds them on the host rather than missing
+them. The batch's answer waits for all of them (:meth:`DeferredGets.settle`) while the
+server answers other requests.
 
 :class:`DeferredGets` keeps which keys are being staged and hands each waiting get back
 to the service (:class:`Matcher`) to be matched again or answered once it is ready. It
@@ -30,9 +32,9 @@ from .wire import Answer, Query
 
 log = logging.getLogger("aiokv.server")
 
-# A get whose SSD pages are not read into host blocks by then (no room for them, or slow
-# reads) is answered with what was: as long as an embedded store's load waits for room
-# without request_timeout_ms (space.NO_TIMEOUT_WAIT_S).
+# A get whose SSD pages are not read into host blocks by then (SSD copies that hold the
+# room for them that long, or slow reads) is answered with what was: as long as an
+# embedded store's load waits for room without request_timeout_ms (space.NO_TIMEOUT_WAIT_S).
 SSD_STAGE_TIMEOUT_S = 30.0
 
 
@@ -87,9 +89,10 @@ class DeferredGets:
 
     def stage(self, task: Task, load: Load, pages: int, hit: int,
               namespace: tuple[str, ...]) -> PendingGet:
-        """A get whose SSD pages wait for host room or for their reads: answered by
-        :meth:`settle` once they are in (or after SSD_STAGE_TIMEOUT_S: the link gives
-        up staging it then, its ``deadline``)."""
+        """A get whose SSD pages wait for host room (while it comes back by itself) or
+        for their reads: answered by :meth:`settle` once they are in, or with its host
+        pages once no room is coming, or after SSD_STAGE_TIMEOUT_S (the link gives up
+        staging it then, its ``deadline``)."""
         self._staging[namespace] = self._staging.get(namespace, 0) + 1
         give_up_at = time.monotonic() + SSD_STAGE_TIMEOUT_S
         load.deadline = give_up_at
@@ -97,13 +100,16 @@ class DeferredGets:
 
     def settle(self, client: Client, entries: Sequence[Entry]) -> list[Entry]:
         """A deferred batch's entries again, the ready ones answered: pending gets whose
-        reads are in (or that waited too long), retries whose key nothing reads now."""
+        reads are in (or that waited too long, or wait for room no SSD copy brings back
+        now), retries whose key nothing reads now."""
         self._matcher.poll()
         now = time.monotonic()
+        link = self._link
         out: list[Entry] = []
         for entry in entries:
-            if isinstance(entry, PendingGet) and (entry.load.finished
-                                                  or now >= entry.give_up_at):
+            if isinstance(entry, PendingGet) and (
+                    entry.load.finished or now >= entry.give_up_at
+                    or not (entry.load.staged or link is None or link.room_coming())):
                 entry = self._finish(client, entry)
             elif isinstance(entry, Retry) and not self.reading(entry.query[2]):
                 if self._remote is not None and not entry.asked:
@@ -141,9 +147,10 @@ class DeferredGets:
         if load.finished:
             pending.hit = launch_staged(link, load)
         else:  # the get answers its host prefix; the reads go on, in a task of their own
-            log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s%s",
-                        len(load.slots), SSD_STAGE_TIMEOUT_S,
-                        "" if load.staged else " (no host room for them)")
+            if load.staged or time.monotonic() >= pending.give_up_at:
+                log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s%s",
+                            len(load.slots), SSD_STAGE_TIMEOUT_S,
+                            "" if load.staged else " (no host room for them)")
             # Ended (their blocks freed) when they are in, apart from the get's own end.
             load.task = Task(client.number, False, NO_MASK, NO_BLOCKS, [], None,
                              matching=False)

@@ -7,10 +7,13 @@ the engine copies between its caches and those blocks in the region itself, and 
 reports each task's end (:meth:`Service.finish`): a put's blocks are published (and
 written through to SSD) or rolled back, a get's readers dropped. A get's pages that only
 the SSD tier has are read into host blocks before its match is answered (the SSD link's
-load staging), so that an engine only ever copies from the host tier: such a get (first
-waiting for host room where none is free, as the embedded store's load does), and a get
-of a key whose pages are being read, waits while the server answers other requests
-(:mod:`.deferred`, :meth:`Service.settle`). Everything runs on the server's one thread.
+load staging), so that an engine only ever copies from the host tier: such a get, and a
+get of a key whose pages are being read, waits while the server answers other requests
+(:mod:`.deferred`, :meth:`Service.settle`). Where no host block is free for its SSD pages
+it first waits for room as the embedded store's load does, but only while room comes
+back by itself (SSD copies hold host blocks: ``TierLink.room_coming``), not for other
+engines' tasks to end; otherwise, and once those copies are in without the room, it is
+answered with its host pages. Everything runs on the server's one thread.
 
 Every task belongs to the connection that matched it (a :class:`Client`): a task id
 from another connection is a :class:`Foreign` (the server drops that peer), and when a
@@ -49,7 +52,7 @@ from ..local.blocks import NO_BLOCKS, READY, Tier
 from ..local.ssd_io import lock_directory
 from ..local.ssd_voids import VoidsDone
 from ..local.tiering import TierLink
-from .deferred import DeferredGets, launch_staged
+from .deferred import DeferredGets, keep_loaded, launch_staged
 from .puts import match_puts
 from .quarantine import Kept
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
@@ -194,9 +197,16 @@ class Service:
         host_pages = len(hit)
         if link is not None and len(hit) == len(found):
             # Its SSD pages wait for host room (as the embedded store's launched load
-            # does: not a miss), then for their reads.
+            # does: not a miss), then for their reads; but only while room comes back
+            # by itself. This engine is blocked in this call: room that its own held
+            # Lookups or unended puts hold would never come back, and the lookup would
+            # hang till SSD_STAGE_TIMEOUT_S to answer short anyway.
             load = link.start_load(namespace, digests, len(task.blocks), task, waits=True)
-            if load is not None and not load.finished:
+            if load is not None and not load.staged and not load.finished \
+                    and not link.room_coming():
+                link.cancel_load(load)  # the SSD part is a miss, at once
+                keep_loaded(link, load, task, len(hit))
+            elif load is not None and not load.finished:
                 return self._deferred.stage(task, load, pages, len(hit), namespace)
             elif load is not None:
                 host_pages = launch_staged(link, load)
