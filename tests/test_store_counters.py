@@ -16,6 +16,7 @@ from shared_host import PAGE_SIZE, caches
 from shared_inprocess import Host
 
 import aiokv
+from aiokv.metrics import EngineCollector
 from aiokv.store_figures import carried
 from aiokv.stores import ProcessStore
 from aiokv.stores.shared import SharedStore
@@ -34,6 +35,18 @@ def test_carried_adds_the_counts_before_and_keeps_gauges_current() -> None:
     }
 
 
+async def asked(engine: aiokv.OffloadEngine) -> aiokv.EngineStats:
+    """engine.stats() once the store thread has asked the store for its figures, after
+    this call: a scrape made off the loop waits for that answer, which the engine keeps.
+    (A fixed sleep for the periodic refresh let a slow host show the figures from before
+    what the test just did, and a figure that must not move passed without a look.)"""
+    collector = EngineCollector(engine, store_timeout_s=60)
+    await asyncio.to_thread(lambda: list(collector.collect()))
+    query = collector._asked
+    assert query is not None and query.answered, "the store thread did not answer the scrape"
+    return engine.stats()
+
+
 async def offload_and_load(engine: aiokv.OffloadEngine, users: range, page: int) -> None:
     for user in users:
         await engine.offload(user, torch.arange(user * 4, user * 4 + 4), 4 * page)
@@ -48,8 +61,7 @@ async def test_a_restarted_store_process_does_not_set_the_counters_back() -> Non
     async with aiokv.OffloadEngine(store, make_caches()) as engine:
         page = engine.page_size
         await offload_and_load(engine, range(4), page)
-        await asyncio.sleep(0.3)  # the figures refresh
-        before = engine.stats()
+        before = await asked(engine)
         assert before.host_hit_tokens == 16 * page
         pid = store.pid
         os.kill(pid, signal.SIGKILL)
@@ -60,31 +72,37 @@ async def test_a_restarted_store_process_does_not_set_the_counters_back() -> Non
                 break
             except aiokv.StoreError:
                 await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)
-        after = engine.stats()
+        after = await asked(engine)
     assert after.store_restarts == 1
     assert after.host_hit_tokens == before.host_hit_tokens + 4 * page
 
 
 @pytest.mark.asyncio
 async def test_the_server_figures_stay_while_it_is_away_and_go_on_from_a_new_server(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     host = Host(tmp_path, ssd=False)
     host.start()
     store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+    answers: list[dict[str, int | float]] = []  # what store_stats() gave the engine
+    ask = store.store_stats
+
+    def recorded() -> dict[str, int | float]:
+        answers.append(dict(ask()))
+        return answers[-1]
+
+    monkeypatch.setattr(store, "store_stats", recorded)
     try:
         async with aiokv.OffloadEngine(store, caches()) as engine:
             await offload_and_load(engine, range(3), PAGE_SIZE)
-            await asyncio.sleep(0.3)
-            up = engine.stats()
+            up = await asked(engine)
             assert up.host_hit_tokens == 12 * PAGE_SIZE and up.host_blocks_total > 0
             host.server.drain_timeout_s = 0.0
             await asyncio.to_thread(host.stop)
             with pytest.raises(aiokv.StoreError):
                 await engine.lookup(0, 4 * PAGE_SIZE)
-            await asyncio.sleep(0.3)
-            away = engine.stats()
+            away = await asked(engine)
+            assert answers[-1]["server_up"] == 0  # asked with the server away
             assert (away.host_hit_tokens, away.host_blocks_total) == (
                 up.host_hit_tokens, up.host_blocks_total)
             host.start()  # a new server: it counts from 0
@@ -94,8 +112,7 @@ async def test_the_server_figures_stay_while_it_is_away_and_go_on_from_a_new_ser
                     break
                 except aiokv.StoreError:  # until the engine reconnects
                     await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)
-            again = engine.stats()
+            again = await asked(engine)
             assert again.host_hit_tokens == up.host_hit_tokens + 8 * PAGE_SIZE
     finally:
         host.stop()
