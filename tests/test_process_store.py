@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -403,12 +404,40 @@ def test_a_child_that_cannot_build_its_store_says_why() -> None:
     store.close()
 
 
-def test_close_from_another_thread_waits_for_the_call_in_flight() -> None:
-    import threading
+class _Watched:
+    """A lock that sets ``waited`` when a thread finds it held and waits for it."""
 
+    def __init__(self, lock: Any, waited: threading.Event) -> None:
+        self._lock, self._waited = lock, waited
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._waited.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_close_from_another_thread_waits_for_the_call_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     store.register(make_caches())
-    assert store.pid is not None
+    assert store.pid is not None and store._link is not None
+    # Each step is seen to have happened, not assumed after a sleep: the call waits for
+    # its answer, then the close waits (for the call, or, were it not to, for an answer
+    # of its own) before the child goes on. Else a close that came after the answer
+    # would pass, whatever it does with a call in flight.
+    in_flight, close_waits = threading.Event(), threading.Event()
+    receive = store._link.receive
+
+    def receiving(deadline: float, what: str) -> Any:
+        (in_flight if what.startswith("put_match") else close_waits).set()
+        return receive(deadline, what)
+
+    monkeypatch.setattr(store._link, "receive", receiving)
+    monkeypatch.setattr(store, "_calling", _Watched(store._calling, close_waits))
     answers: list[object] = []
     os.kill(store.pid, signal.SIGSTOP)  # the call below waits for its answer
     try:
@@ -418,10 +447,10 @@ def test_close_from_another_thread_waits_for_the_call_in_flight() -> None:
             )
         )
         caller.start()
-        time.sleep(0.2)
+        assert in_flight.wait(30), "the call did not go out"
         closer = threading.Thread(target=store.close)
         closer.start()
-        time.sleep(0.2)
+        assert close_waits.wait(30), "the close did not wait"
         assert closer.is_alive()  # waiting for the call, not reading its answer
     finally:
         os.kill(store.pid, signal.SIGCONT)
