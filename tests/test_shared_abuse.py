@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from shared_host import PAGE_SIZE, Server, caches, connect, hello, observer
+from shared_host import PAGE_SIZE, Server, caches, connect, hello, observer, wait_for
 from shared_inprocess import TOKENS, Host, load_exact, offload
 
 from aiokv.stores.shared import server as server_module
@@ -54,12 +54,15 @@ def settle(server: Server, fds: int, timeout_s: float = 10.0) -> int:
 class Pinger:
     """A registered raw connection that writes pings as fast as they go, on a thread,
     and reads their answers on another: ``read`` bytes every ``pause_s`` (0: as fast as
-    they come). Ended (its socket shut) on leaving the ``with`` block."""
+    they come). ``answered`` is set once it has read a batch's worth of answers (the
+    server is working through its pings). Ended (its socket shut) on leaving the ``with``
+    block."""
 
     def __init__(self, sock: socket.socket, read: int, pause_s: float) -> None:
         hello(sock)
         self.sock, self._read, self._pause_s = sock, read, pause_s
         self._stop = threading.Event()
+        self.answered = threading.Event()
         self._threads = [threading.Thread(target=work, daemon=True)
                          for work in (self._write, self._drain)]
 
@@ -84,12 +87,17 @@ class Pinger:
                 return
 
     def _drain(self) -> None:
+        batch, got = len(wire.frame(wire.PING)) * 65536, 0
         while not self._stop.wait(self._pause_s):
             try:
-                if not self.sock.recv(self._read):
-                    return
+                data = self.sock.recv(self._read)
             except OSError:
                 return
+            if not data:
+                return
+            got += len(data)
+            if got >= batch:
+                self.answered.set()
 
 
 def answered_within(call: Callable[[], object], timeout_s: float) -> bool:
@@ -163,7 +171,10 @@ def test_more_connections_than_descriptors_do_not_end_the_server(tmp_path: Path)
         limit = server_fds(server) + 16
         resource.prlimit(server.process.pid, resource.RLIMIT_NOFILE, (limit, limit))
         idle = [connect(server) for _ in range(32)]  # half of them past the limit
-        time.sleep(0.5)
+        # Seen out of descriptors, and again once it listens anew after its pause: it
+        # went on past the first (a fixed sleep could end before it accepted any).
+        wait_for(lambda: server.log.read_text().count("cannot accept a connection") >= 2,
+                 "the server out of descriptors twice")
         assert server.process.poll() is None, server.log.read_text()[-2000:]
         for sock in idle:
             sock.close()
@@ -212,10 +223,12 @@ def test_a_flood_of_requests_does_not_starve_another_engines_lookup(tmp_path: Pa
     server = Server(tmp_path).start()
     try:
         assert serves(server, 6)
-        with Pinger(connect(server), 1 << 20, 0.0):  # its answers read as fast
+        with Pinger(connect(server), 1 << 20, 0.0) as flood:  # its answers read as fast
             store, _ = observer(server.socket)
             try:
-                time.sleep(0.3)
+                # The flood under way (a fixed sleep could end before the server had
+                # read a ping, and the lookup then had the server to itself).
+                assert flood.answered.wait(30), "the server answered no flood of pings"
                 assert answered_within(lambda: store.get_match(TOKENS, ["user:6"]), 10), (
                     "the lookup was never answered")
             finally:
