@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from aiokv.copy.copier import Copier
 from aiokv.errors import StoreError
 from aiokv.stores.base import TaskResult, TaskStatus
 from aiokv.stores.local import ssd_voids
-from aiokv.stores.shared import SharedStore
+from aiokv.stores.shared import SharedStore, sockets, wire
 from aiokv.stores.shared import answers as answers_module
 from aiokv.stores.shared.service import Service
 
@@ -447,13 +446,39 @@ def test_an_idle_engines_held_lookups_give_their_blocks_back_after_an_evict(
         writer.close()
 
 
+def sent(monkeypatch: pytest.MonkeyPatch, picks: Callable[[bytes], bool]) -> threading.Event:
+    """Set once an engine's request that ``picks`` is on its socket, where the server's
+    next read of that connection finds it: a step of a race seen to have happened (a
+    sleep only hoped it had, and a race not run passes its checks all the same)."""
+    done = threading.Event()
+    send = sockets.Channel.send
+
+    def sending(channel: sockets.Channel, request: bytes) -> None:
+        send(channel, request)
+        if picks(bytes(request)):
+            done.set()
+
+    monkeypatch.setattr(sockets.Channel, "send", sending)
+    return done
+
+
+def op_of(request: bytes) -> int:
+    return int(wire.HEAD.unpack_from(request)[1])
+
+
+ASKS_WHICH_WERE_TAKEN = wire.encode_json({"op": "invalidated"})
+
+
 def launch_before_the_taking_back(holder: SharedStore, tables: list[torch.Tensor], task: int,
-                                  taking: Any, evicts: list[threading.Thread]) -> None:
+                                  taking: Any, evicts: list[threading.Thread],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Launch the holder's get while the evict waits at ``taking`` (after its bump, before
     it takes the get back), then let it go: the get loads and copies nothing."""
+    launched = sent(monkeypatch, lambda request: op_of(request) == wire.LAUNCH)
     launching = threading.Thread(target=launch_load, args=(holder, tables, task))
     launching.start()
-    time.sleep(0.3)  # the launch reads its notice word now, the evict still under way
+    # The launch is out and reads its notice word, the evict still under way.
+    assert launched.wait(10), "the holder's launch did not go out"
     taking.set()
     launching.join(10)
     for evict in evicts:
@@ -477,13 +502,17 @@ def test_a_check_answered_inside_an_evict_does_not_hide_it_from_the_next_load(
         evict = threading.Thread(target=writer.evict, args=(["user:1"],))
         evict.start()
         assert dropping.entered.wait(10)
+        question = sent(monkeypatch, lambda request: request == ASKS_WHICH_WERE_TAKEN)
         asking = threading.Thread(target=holder.check_held)
         asking.start()
-        time.sleep(0.3)  # its question waits on the socket for the evict's second read
+        # Its question waits on the socket for the evict's second read.
+        assert question.wait(10), "the holder did not ask"
         dropping.set()
         assert taking.entered.wait(10)
-        asking.join(10)  # answered by that read
-        launch_before_the_taking_back(holder, holder_tables, task, taking, [evict])
+        asking.join(10)
+        assert not asking.is_alive()  # answered by that read
+        launch_before_the_taking_back(holder, holder_tables, task, taking, [evict],
+                                      monkeypatch)
     finally:
         holder.close()
         writer.close()
@@ -513,22 +542,26 @@ def test_an_evict_nested_in_another_keeps_the_outer_bump_from_the_next_load(
         evict_1 = threading.Thread(target=first.evict, args=(["user:1"],))
         evict_1.start()
         assert outer.entered.wait(10)  # E1 bumped the holder's word
+        inner = sent(monkeypatch, lambda request: op_of(request) == wire.JSON
+                     and b'"evict"' in request and b"user:2" in request)
         evict_2 = threading.Thread(target=second.evict, args=(["user:2"],))
         evict_2.start()
-        time.sleep(0.2)  # E2's frame waits first
-        holder.cancel([other])  # then one of the holder's (it is among E1's peers)
-        time.sleep(0.2)
+        assert inner.wait(10), "E2 was not sent"  # E2's frame waits first
+        # Then one of the holder's (it is among E1's peers): on its socket once cancel
+        # returns (a frame with no reply).
+        holder.cancel([other])
         outer.set()  # E1's second read runs E2 inside it
         assert inner_taking.entered.wait(10)
+        question = sent(monkeypatch, lambda request: request == ASKS_WHICH_WERE_TAKEN)
         asking = threading.Thread(target=holder.check_held)
         asking.start()
-        time.sleep(0.2)
+        assert question.wait(10), "the holder did not ask"
         inner_taking.set()  # E2 ends; E1's read answers the holder's question
         asking.join(10)
         assert not asking.is_alive()
         assert outer_taking.entered.wait(10)  # E1 has not taken the get back yet
         launch_before_the_taking_back(holder, holder_tables, task, outer_taking,
-                                      [evict_1, evict_2])
+                                      [evict_1, evict_2], monkeypatch)
     finally:
         holder.close()
         second.close()
