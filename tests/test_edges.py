@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -780,16 +779,18 @@ async def test_a_load_refused_for_overload_leaves_its_lookup_to_load_later(
     rig.assert_clean()
 
 
-class SlowRegister(FakeStore):
-    """Registers after 0.3 s, or fails to (``fail``)."""
+class HeldRegister(FakeStore):
+    """Registers, or fails to (``fail``), once ``go`` is set; ``entered`` once it began."""
 
     def __init__(self, fail: bool) -> None:
         super().__init__()
         self.fail = fail
-        self.registered = threading.Event()
+        self.entered, self.go, self.registered = (
+            threading.Event(), threading.Event(), threading.Event())
 
     def register(self, kv_caches: Any) -> None:
-        time.sleep(0.3)
+        self.entered.set()
+        self.go.wait(30)
         if self.fail:
             raise RuntimeError("register failed")
         super().register(kv_caches)
@@ -801,15 +802,22 @@ class SlowRegister(FakeStore):
 async def test_a_second_start_returns_once_the_first_registered_and_fails_with_it(
     fail: bool,
 ) -> None:
-    store = SlowRegister(fail)
+    store = HeldRegister(fail)
     engine = aiokv.OffloadEngine(store, make_caches())
     first = asyncio.create_task(engine.start())
-    await asyncio.sleep(0.05)  # the first start is registering the store now
+    # The first start is registering the store, and stays there until the second start
+    # is seen waiting (a fixed sleep and a slow register let a loaded host start the
+    # second after the first had ended: it then had nothing to wait for).
+    assert await asyncio.to_thread(store.entered.wait, 30)
+    second = asyncio.create_task(engine.start())
+    await asyncio.sleep(0)  # the second start runs up to its wait
+    assert not second.done()
+    store.go.set()
     if fail:
         with pytest.raises(aiokv.EngineClosed, match="failed to start"):
-            await engine.start()
+            await second
     else:
-        await engine.start()
+        await second
         assert store.registered.is_set()
     await asyncio.gather(first, return_exceptions=True)
     await engine.aclose()
