@@ -673,8 +673,21 @@ async def test_an_evict_does_not_overtake_the_void_of_a_failed_write(
         async with engine:
             assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
             await figure(store, "ssd_write_errors", 1)
+            # Its voids queued ahead of the failed write's while the lane is busy, seen
+            # (a lane freed first ran the failed write's void, which held it until its
+            # gate's timeout, and the key was voided whatever the evict did).
+            queued = threading.Event()
+            void = ssd_voids.HeaderVoids.void
+
+            def voiding(voids: Any, *args: Any, **kwargs: Any) -> Any:
+                done = void(voids, *args, **kwargs)
+                if kwargs.get("front"):
+                    queued.set()
+                return done
+
+            monkeypatch.setattr(ssd_voids.HeaderVoids, "void", voiding)
             evict = asyncio.ensure_future(engine.evict(0))
-            await asyncio.sleep(0.05)  # its voids queued ahead of the failed write's
+            assert await asyncio.to_thread(queued.wait, 30), "the evict queued no voids"
             lane_free.set()
             assert await evict == USER_PAGES * PAGE
             assert named_on_disk(tmp_path, 0) == 0
