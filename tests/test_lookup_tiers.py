@@ -362,6 +362,35 @@ async def test_a_shorter_lookup_after_one_given_back_finds_its_pages_still_being
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("pages", [4, 1, 7])
+async def test_a_longer_lookup_after_a_shorter_one_given_back_finds_all_still_being_read_in(
+    tmp_path: Path, policy: str, pages: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, but the shorter Lookup is given back too, the reads still out: the next
+    # Lookup of the whole history finds all of it, not only that prefix, and loads it
+    # bit for bit.
+    caches = caches_for()
+    engine = await reopened_split(tmp_path, policy, caches, USER_PAGES, (1, 2, 5))
+    async with then_cleared(engine):
+        gate = reads_held(monkeypatch)
+        try:
+            hit = await engine.lookup(0, HISTORY)
+            assert hit.cached_tokens == HISTORY
+            assert await asyncio.to_thread(gate.entered.wait, 10)  # its reads are out
+            hit.release()
+            short = await engine.lookup(0, pages * PAGE)
+            assert short.cached_tokens == pages * PAGE
+            short.release()
+            again = await engine.lookup(0, HISTORY)
+            assert again.cached_tokens == HISTORY
+        finally:
+            gate.set()
+        assert (await engine.load(again, DEST)).loaded_tokens == HISTORY
+        assert intact(caches, DEST, source(0))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("how", ["evict", "release"])
 async def test_a_lookup_given_back_whose_reads_come_in_only_at_close_leaks_nothing(
     tmp_path: Path, policy: str, how: str, monkeypatch: pytest.MonkeyPatch

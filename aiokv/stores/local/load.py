@@ -30,8 +30,8 @@ class Load:
     slots: Int64Array  # held on SSD until read
     # The match's page of each SSD page it brings (ascending); past ``slots`` (an SSD
     # part cut short), the page where what the load brings ends. Shorter than ``slots``
-    # where a match of a prefix took it over (loads.py: ``adopt``): the pages read past
-    # it are not brought.
+    # once cut to a prefix a match of it took it over for (loads.py: ``_cut``): the
+    # pages read past it are not brought.
     at: Int64Array
     host_at: Int64Array  # the match's page of each of the task's host blocks (ascending)
     # Its match's pages' digests (chained: page i's names pages 0..i), by which a match
@@ -57,6 +57,15 @@ class Load:
     cancelled: bool = False
     finished: bool = False
     error: str | None = None
+    # A match of its first ``cut_to`` pages took it over (``adopt``): cut to them (``_cut``)
+    # only at launch or once its reads are in, so that, given back before, it is still
+    # whole for a match of all of its pages.
+    cut_to: int | None = None
+
+    @property
+    def pages(self) -> int:
+        """The pages its match reported (its task's mask, its launch's page ids)."""
+        return self.match_pages if self.cut_to is None else self.cut_to
 
     def upto(self, ssd_pages: int) -> int:
         """The pages from the first up to its SSD page ``ssd_pages`` (all, past its last)."""

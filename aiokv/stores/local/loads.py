@@ -51,10 +51,12 @@ without room: its Lookup still loads all it reported, read once more.
 A prefetch cancelled while its reads are out (its Lookup released, or its ttl ran out)
 ends once they are in. Until then its pages are in the host table, still being written:
 a match of the key, which stops at such a page, takes it over instead (``adopt``), all of
-it where it asks for all of its pages, else the prefix it asks for (the pages read past
-it are not brought: each goes back to the LRU as it comes in verified). A user who gives
-a Lookup back and looks the key up again, or up to an earlier token, finds what is stored
-(being read in for it), not a miss to recompute.
+it where it asks for all of its pages, else the prefix it asks for. It is cut to that
+prefix (``_cut``: the pages read past it are not brought, each goes back to the LRU as it
+comes in verified) only once launched or its reads are in: given back before, it is whole
+again for the next match, which may ask for all of it. A user who gives a Lookup back and
+looks the key up again, up to an earlier token or to the last, finds what is stored (being
+read in for it), not a miss to recompute.
 
 Room comes back as tasks end; and the host pages of a launched load that waits for room
 go back as soon as their GPU copy is done, so loads waiting for room never wait for each
@@ -334,6 +336,7 @@ class LoadStaging:
     def launch_load(self, load: Load, gpu_pages: Any, ready: Sequence[Any]) -> None:
         """Queue the load's copies (one launched past its deadline copies nothing)."""
         load.gpu_pages, load.ready = gpu_pages, ready
+        self._cut(load)  # its caller's page ids are those of the prefix it reported
         self._unprefetch(load)
         task = load.task
         late = self._past_deadline(load)
@@ -388,9 +391,10 @@ class LoadStaging:
         or its ttl ran out, before its reads were in) that staged these pages, or a
         longer run of them, the match takes it over, rather than miss what is being read
         into the host for it. Returns its task (what it holds, its reads and its match:
-        the pages it reported, though this match may ask for more; cut to this match's
-        where it asks for fewer, ``_cut``), no longer cancelled; None where there is
-        none (a key dropped since, a read that failed: the match stops at that page)."""
+        the pages it reported, though this match may ask for more; those this match asks
+        for where it asks for fewer, ``Load.cut_to``), no longer cancelled; None where
+        there is none (a key dropped since, a read that failed: the match stops at that
+        page). A cancelled prefetch is never cut (``_cut``): it offers all of its pages."""
         space = self.host.index.space(key)
         for load in self._prefetches:
             pages = min(load.match_pages, len(digests))
@@ -398,17 +402,22 @@ class LoadStaging:
                     and load.error is None and pages
                     and digests[pages - 1] == load.chain[pages - 1]
                     and int(load.at[0]) < pages):  # one of its SSD pages is asked for
-                if pages < load.match_pages:
-                    self._cut(load, pages)
+                load.cut_to = pages if pages < load.match_pages else None
                 load.cancelled = False
                 load.deadline = None  # the cancelled request's (set_deadlines sets this one's)
                 return load.task
         return None
 
-    def _cut(self, load: Load, pages: int) -> None:
-        """A cancelled prefetch taken over by a match of its first ``pages`` pages brings
-        those only: its host pages past them go back now, its SSD pages past them as
-        they come in (``_settle``: past ``at``, not loaded), those in already now."""
+    def _cut(self, load: Load) -> None:
+        """A prefetch taken over by a match of its first ``cut_to`` pages (``adopt``),
+        now launched or its reads in, brings those only: its host pages past them go
+        back now, its SSD pages past them as they come in (``_settle``: past ``at``, not
+        loaded), those in already now. Not before: its match may be given back while its
+        reads are out, and the next one take all of it over again."""
+        pages = load.cut_to
+        if pages is None:
+            return
+        load.cut_to = None
         host, task = self.host, load.task
         keep = int(np.searchsorted(load.host_at, pages))
         if keep < len(load.host_at):
@@ -495,6 +504,8 @@ class LoadStaging:
         """Every read is settled (or there was none): the task's last copy job, which
         ends it, takes the verified pages not copied yet (none past its deadline)."""
         load.finished = True
+        if not load.cancelled:  # (one that is ends now, holding nothing)
+            self._cut(load)
         task = load.task
         launched = load.gpu_pages is not None
         copied = load.submitted if launched and self._past_deadline(load) else load.good

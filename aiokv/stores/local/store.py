@@ -210,11 +210,14 @@ class LocalStore:
             if digests is None:
                 digests = memo.digests(key, token_ids)
             task.load = link.start_load(key, digests, len(hit), task)
-        pages = task.load.match_pages if task.load is not None else len(hit)
+        load = task.load
+        pages = load.pages if load is not None else len(hit)
         mask[: pages * self.page_size] = True
-        # task.blocks: its host pages, also those after an SSD page (start_load).
-        self._hits["host_hit_tokens"] += len(task.blocks) * self.page_size
-        self._hits["ssd_hit_tokens"] += (pages - len(task.blocks)) * self.page_size
+        # Its host pages, also those after an SSD page (start_load), up to the pages it
+        # reports (a load adopted for a prefix holds more until it is cut: loads._cut).
+        on_host = int(np.searchsorted(load.host_at, pages)) if load is not None else len(hit)
+        self._hits["host_hit_tokens"] += on_host * self.page_size
+        self._hits["ssd_hit_tokens"] += (pages - on_host) * self.page_size
         return self._new_task(task), mask
 
     @property
@@ -262,7 +265,7 @@ class LocalStore:
             task = self._tasks.get(task_id)
             if task is None:
                 raise ValueError(f"launch: task {task_id} is not a matched, unlaunched task")
-            needed = task.load.match_pages if task.load is not None else len(task.blocks)
+            needed = task.load.pages if task.load is not None else len(task.blocks)
             if len(task_pages) != needed:
                 raise ValueError(f"launch: task {task_id} needs {needed} page ids, "
                                  f"got {len(task_pages)}")
