@@ -419,7 +419,7 @@ async def test_a_lookup_whose_host_room_only_its_own_lookups_hold_answers_its_ho
                     await asyncio.to_thread(wait_for, lambda: figures()["bytes_ssd_written"]
                                             >= 2 * USER_PAGES * BLOCK, "the SSD copies")
                 # (write_back: copies down of the LRU may be under way; they end soon.)
-                short = await asyncio.wait_for(engine.lookup(0, USER_PAGES * PAGE), 5)
+                short = await asyncio.wait_for(engine.lookup(0, USER_PAGES * PAGE), 15)
                 assert short.cached_tokens == 0
                 short.release()
                 if policy == "write_through":
@@ -454,7 +454,7 @@ async def test_a_lookup_waiting_for_ssd_copies_that_bring_no_room_answers_once_t
                 await asyncio.to_thread(wait_for, lambda: figures()["stage_waits"],
                                         "the lookup waiting")
                 writes.set()
-                short = await asyncio.wait_for(lookup, 5)
+                short = await asyncio.wait_for(lookup, 15)
                 assert short.cached_tokens == 0
                 short.release()
             finally:
