@@ -330,6 +330,15 @@ async def test_a_lookup_evicted_while_its_reads_are_out_gives_its_blocks_back_on
         assert (stats.host_blocks_used, stats.ssd_blocks_used) == (0, 0)
 
 
+async def given_back_while_read(engine: aiokv.OffloadEngine, gate: Gate) -> None:
+    """A Lookup of the whole history, given back once its prefetch's reads are out (held
+    by ``gate``)."""
+    hit = await engine.lookup(0, HISTORY)
+    assert hit.cached_tokens == HISTORY
+    assert await asyncio.to_thread(gate.entered.wait, 10)
+    hit.release()
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("pages", [4, 1, 7])
@@ -344,10 +353,7 @@ async def test_a_shorter_lookup_after_one_given_back_finds_its_pages_still_being
     async with then_cleared(engine):
         gate = reads_held(monkeypatch)
         try:
-            hit = await engine.lookup(0, HISTORY)
-            assert hit.cached_tokens == HISTORY
-            assert await asyncio.to_thread(gate.entered.wait, 10)  # its reads are out
-            hit.release()
+            await given_back_while_read(engine, gate)
             again = await engine.lookup(0, pages * PAGE)
             assert again.cached_tokens == pages * PAGE
         finally:
@@ -374,10 +380,7 @@ async def test_a_longer_lookup_after_a_shorter_one_given_back_finds_all_still_be
     async with then_cleared(engine):
         gate = reads_held(monkeypatch)
         try:
-            hit = await engine.lookup(0, HISTORY)
-            assert hit.cached_tokens == HISTORY
-            assert await asyncio.to_thread(gate.entered.wait, 10)  # its reads are out
-            hit.release()
+            await given_back_while_read(engine, gate)
             short = await engine.lookup(0, pages * PAGE)
             assert short.cached_tokens == pages * PAGE
             short.release()

@@ -334,6 +334,16 @@ async def host_tier_in_flight(engine: aiokv.OffloadEngine, monkeypatch: pytest.M
     return writes
 
 
+async def user_0_loads_whole(engine: aiokv.OffloadEngine, caches: list[torch.Tensor],
+                             original: list[torch.Tensor]) -> bool:
+    """A lookup of user 0 (``only_on_ssd``'s) finds it all, and its load brings it bit for
+    bit."""
+    hit = await engine.lookup(0, USER_PAGES * PAGE)
+    assert hit.cached_tokens == USER_PAGES * PAGE
+    assert (await engine.load(hit, TARGET)).loaded_tokens == USER_PAGES * PAGE
+    return same(caches, original, TARGET, source_pages(0))
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 @pytest.mark.parametrize("kind", ["embedded", "shared"])
@@ -388,10 +398,7 @@ async def test_a_lookup_that_finds_no_host_room_in_time_answers_its_host_prefix_
             # waits for the copies just let go and then its reads, which a loaded host
             # may well take longer than that over.
             monkeypatch.setattr(deferred_module, "SSD_STAGE_TIMEOUT_S", wait_s)
-            hit = await engine.lookup(0, USER_PAGES * PAGE)
-            assert hit.cached_tokens == USER_PAGES * PAGE
-            assert (await engine.load(hit, TARGET)).loaded_tokens == USER_PAGES * PAGE
-            assert same(caches, original, TARGET, source_pages(0))
+            assert await user_0_loads_whole(engine, caches, original)
             stats = figures()
             assert stats["server_gets_staging"] == 0 and stats["server_blocks_held"] == 0
 
@@ -427,10 +434,7 @@ async def test_a_lookup_whose_host_room_only_its_own_lookups_hold_answers_its_ho
             finally:
                 for hold in holds:
                     hold.release()
-            hit = await engine.lookup(0, USER_PAGES * PAGE)
-            assert hit.cached_tokens == USER_PAGES * PAGE
-            assert (await engine.load(hit, TARGET)).loaded_tokens == USER_PAGES * PAGE
-            assert same(caches, original, TARGET, source_pages(0))
+            assert await user_0_loads_whole(engine, caches, original)
 
 
 @pytest.mark.asyncio
@@ -461,7 +465,4 @@ async def test_a_lookup_whose_room_ssd_copies_hold_for_its_own_lookups_answers_a
                 writes.set()
                 for hold in holds:
                     hold.release()
-            hit = await engine.lookup(0, USER_PAGES * PAGE)
-            assert hit.cached_tokens == USER_PAGES * PAGE
-            assert (await engine.load(hit, TARGET)).loaded_tokens == USER_PAGES * PAGE
-            assert same(caches, original, TARGET, source_pages(0))
+            assert await user_0_loads_whole(engine, caches, original)
