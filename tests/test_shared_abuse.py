@@ -12,15 +12,17 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+from conftest import Gate
 from shared_host import PAGE_SIZE, Server, caches, connect, hello, observer, wait_for
 from shared_inprocess import TOKENS, Host, load_exact, offload
 
 from aiokv.stores.shared import server as server_module
 from aiokv.stores.shared import wire
+from aiokv.stores.shared.connection import Connection
 from aiokv.stores.shared.region import Geometry
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
@@ -267,16 +269,53 @@ def test_a_client_that_reads_its_replies_slowly_does_not_hold_the_others(
     monkeypatch.setattr(server_module, "SEND_TIMEOUT_S", 1.0)
     host = Host(tmp_path, ssd=False)
     host.start()
+    assert host.server is not None
+    server = host.server
+    # The server's send to the slow reader is held once the kernel takes no more of it,
+    # until the other engine's ping is on the server's socket: the ping comes while the
+    # server is stuck on the slow reader, never before it is (the server then had nothing
+    # to wait for) nor after it dropped it (a fixed sleep could be either on a busy host).
+    gate, slowest = Gate(), []
+    reply = Connection.reply
+
+    def blocked_reply(conn: Connection, data: bytes, fds: Sequence[int] = ()) -> None:
+        if conn in slowest and not gate.entered.is_set() and not fds:
+            view = memoryview(data)
+            with contextlib.suppress(BlockingIOError):
+                while view:
+                    view = view[conn.sock.send(view, socket.MSG_DONTWAIT):]
+            if view:  # the kernel took no more: the server's send blocks here
+                gate.entered.set()
+                gate.wait(30)
+            data = bytes(view)
+        reply(conn, data, fds)
+
+    monkeypatch.setattr(Connection, "reply", blocked_reply)
+    other, _ = host.engine()
+    theirs = server.peers()
     slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     slow.connect(str(host.socket))
     try:
-        with Pinger(slow, 64, 0.05):  # 64 bytes of its answers every 50 ms
-            time.sleep(0.5)  # its replies fill the socket
-            other, _ = host.engine()
-            try:
-                assert answered_within(other.ping, 15), (
-                    "another engine's ping waited behind the slow reader")
-            finally:
-                other.close()
+        pinger = Pinger(slow, 64, 0.05)  # 64 bytes of its answers every 50 ms
+        slowest.extend(conn for conn in server.peers() if conn not in theirs)
+        assert len(slowest) == 1
+        with pinger:
+            assert gate.entered.wait(30), "the slow reader's replies never filled its socket"
+            done = threading.Event()
+            threading.Thread(target=lambda: (other.ping(), done.set()), daemon=True).start()
+            wait_for(lambda: any(pending(conn.sock) == wire.frame(wire.PING)
+                                 for conn in theirs), "the other engine's ping sent")
+            gate.set()
+            assert done.wait(15), "another engine's ping waited behind the slow reader"
     finally:
+        gate.set()
+        other.close()
         host.stop()
+
+
+def pending(sock: socket.socket) -> bytes:
+    """The bytes waiting on ``sock``, left there."""
+    try:
+        return sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return b""
