@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import needs_mooncake
+from conftest import held, needs_mooncake
 from remote_host import ChildHost
 from remote_host import Host as EmbeddedHost
 from shared_host import (
@@ -33,6 +33,9 @@ from shared_host import (
 )
 from shared_host import Host as Engine
 from shared_inprocess import PAGES, TOKENS, Call, Host, load_exact, offload
+from test_shared_ssd_reads import host_tier_in_flight, store_of, user_0_loads_whole
+from test_ssd import PAGE, only_on_ssd, ssd_config
+from test_ssd import USER_PAGES as SSD_USER_PAGES
 
 import aiokv
 from aiokv.remote import client as remote_client
@@ -454,3 +457,40 @@ def test_a_marker_call_that_close_cancels_before_it_started_is_no_failure(
     assert any("1 evicts or clears closed with their markers unpublished" in line
                for line in said), said
     assert not any("failed" in line for line in said), said
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_waits_for_ssd_copies_whose_blocks_only_mooncakes_writer_also_reads(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server with SSD (write_through) and Mooncake: user 0 only on SSD; users 1 and 2
+    fill the host tier, their SSD copies held. User 1's blocks are read by their copies
+    and by Mooncake's writer (user 2's did not fit its queue, half the tier), user 2's by
+    their copies and this engine's Lookup. Both the copies and the write end by
+    themselves, so the lookup of user 0 waits for the room user 1's blocks bring and hits
+    whole; it was answered short at once (0 tokens): the writer read like a Lookup."""
+    (tmp_path / "ssd").mkdir()
+    caches, original = await only_on_ssd(ssd_config(tmp_path / "ssd"), (0,))
+    config = ssd_config(tmp_path / "ssd", remote={"master": mooncake.master})
+    remote_writes = held(monkeypatch, Writer, "_write")
+    with store_of("shared", config, tmp_path, caches) as (store, figures):
+        async with aiokv.OffloadEngine(store, caches) as engine:
+            writes = await host_tier_in_flight(engine, monkeypatch)
+            hold = None
+            try:
+                assert await asyncio.to_thread(remote_writes.entered.wait, 10)
+                hold = await engine.lookup(2, SSD_USER_PAGES * PAGE)
+                assert hold.cached_tokens == SSD_USER_PAGES * PAGE
+                lookup = asyncio.ensure_future(engine.lookup(0, SSD_USER_PAGES * PAGE))
+                await asyncio.to_thread(wait_for, lambda: lookup.done()
+                                        or figures()["stage_waits"], "the lookup's answer")
+                # Mooncake's write ends first: user 1's blocks are then read by their SSD
+                # copies only.
+                remote_writes.set()
+                await asyncio.to_thread(wait_for, lambda: figures()["remote_blocks_held"] == 0,
+                                        "the remote writes in")
+            finally:
+                writes.set()
+                remote_writes.set()
+                if hold is not None:
+                    hold.release()
+            assert await user_0_loads_whole(engine, caches, original, await lookup)

@@ -335,10 +335,12 @@ async def host_tier_in_flight(engine: aiokv.OffloadEngine, monkeypatch: pytest.M
 
 
 async def user_0_loads_whole(engine: aiokv.OffloadEngine, caches: list[torch.Tensor],
-                             original: list[torch.Tensor]) -> bool:
-    """A lookup of user 0 (``only_on_ssd``'s) finds it all, and its load brings it bit for
-    bit."""
-    hit = await engine.lookup(0, USER_PAGES * PAGE)
+                             original: list[torch.Tensor], hit: aiokv.Lookup | None = None
+                             ) -> bool:
+    """A lookup of user 0 (``only_on_ssd``'s; or ``hit``, one made) finds it all, and its
+    load brings it bit for bit."""
+    if hit is None:
+        hit = await engine.lookup(0, USER_PAGES * PAGE)
     assert hit.cached_tokens == USER_PAGES * PAGE
     assert (await engine.load(hit, TARGET)).loaded_tokens == USER_PAGES * PAGE
     return same(caches, original, TARGET, source_pages(0))

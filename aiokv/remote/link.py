@@ -125,6 +125,7 @@ class RemoteLink:
             host.index.make_unevictable(blocks)
             if io.queue.put(WriteJob(tag, list(task.digests), blocks, io.keys.view(tag))):
                 self._held += len(blocks)
+                host.passing[blocks] += 1  # the write lets them go by itself
             else:
                 host.drop_readers(blocks)
                 self.stats_["remote_dropped_queue"] += len(blocks)
@@ -137,6 +138,7 @@ class RemoteLink:
 
     def _give_back(self, blocks: Int64Array) -> None:
         self._held -= len(blocks)
+        self._host.passing[blocks] -= 1
         self._host.drop_readers(blocks)
 
     # ---- reads ---------------------------------------------------------------------

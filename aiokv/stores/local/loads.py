@@ -27,9 +27,9 @@ Staging (host blocks reserved, reads started) happens:
   is answered once its SSD pages are read into them, and waits for the room first (its
   ``deadline``: the server's), rather than answer the SSD part a miss. Never a prefetch.
   It waits only while room comes back by itself (:meth:`~LoadStaging.room_coming`: SSD
-  copies hold host blocks no get reads): the asking engine is blocked in that get, so room held by
-  its own tasks (held Lookups, puts not ended) could never come back; counted in
-  ``stage_waits`` only then.
+  copies or remote writes hold host blocks no get reads): the asking engine is blocked
+  in that get, so room held by its own tasks (held Lookups, puts not ended) could never
+  come back; counted in ``stage_waits`` only then.
 
 A launched load has a deadline (``LocalStore.set_deadlines``: its request's, which the
 engine times its caller out at): nothing of it is staged or queued for its GPU copy after
@@ -108,7 +108,6 @@ class LoadStaging:
     _page_size: int
     _chunk_jobs: dict[int, tuple[Load, bool]]  # a chunk's job -> its load, is it host pages
     _copying: int  # host blocks held by their SSD copies (room on its way)
-    _in_copy: Int64Array  # per host block, its SSD copies in flight
     _waiting: list[Load]  # matched, not launched, not staged: oldest first
     _owed: list[Load]  # launched, not staged: oldest launch first
     _unstaged: dict[tuple[str, ...], int]  # loads of each key in _waiting or _owed
@@ -368,13 +367,15 @@ class LoadStaging:
             self.stage_waits += 1
 
     def room_coming(self) -> bool:
-        """Whether host room comes back by itself: SSD copies hold host blocks that
-        nothing else reads, which their drain lets go or makes evictable. A block that
-        a get also reads (a held Lookup) comes back only as that task ends, as does
-        every block no copy holds (a Lookup loaded or released, a put's copy ended:
-        its engine's doing)."""
-        copied = np.flatnonzero(self._in_copy)
-        return bool((self.host.readers[copied] <= self._in_copy[copied]).any())
+        """Whether host room comes back by itself: host blocks read only by readers that
+        let go on their own (``Tier.passing``: SSD copies, remote writes under way),
+        which their ends give back or make evictable. A block that a get also reads (a
+        held Lookup) comes back only as that task ends, as does every block no such
+        reader holds (a Lookup loaded or released, a put's copy ended: its engine's
+        doing)."""
+        host = self.host
+        passing = np.flatnonzero(host.passing)
+        return bool((host.readers[passing] <= host.passing[passing]).any())
 
     def cancel_load(self, load: Load) -> None:
         load.cancelled = True

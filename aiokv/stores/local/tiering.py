@@ -89,8 +89,6 @@ class TierLink(LoadStaging):
         self._page_size = page_size
         self._chunk_jobs: dict[int, tuple[Load, bool]] = {}
         self._copying = 0  # host blocks held by their SSD copies (room on its way)
-        # Per host block, its SSD copies in flight (each a reader of it): room_coming.
-        self._in_copy = np.zeros(self.host.num_blocks, dtype=np.int64)
         # Loads not staged yet (loads.py): matched, and launched (owed room first).
         self._waiting: list[Load] = []
         self._owed: list[Load] = []
@@ -146,7 +144,7 @@ class TierLink(LoadStaging):
             host.drop_readers(blocks)
             return
         self._copying += len(request.host_blocks)
-        self._in_copy[request.host_blocks] += 1
+        host.passing[request.host_blocks] += 1
         if len(request.host_blocks) != len(blocks):
             host.drop_readers(blocks[~np.isin(blocks, request.host_blocks)])
 
@@ -229,7 +227,7 @@ class TierLink(LoadStaging):
             return NO_BLOCKS
         self.host.readers[request.host_blocks] += 1
         self._copying += len(request.host_blocks)
-        self._in_copy[request.host_blocks] += 1
+        self.host.passing[request.host_blocks] += 1
         return request.host_blocks
 
     def _keep_room(self) -> None:
@@ -292,7 +290,7 @@ class TierLink(LoadStaging):
             # may now drop the block without trying to copy it again.
             host.clean[blocks] = True
             self._copying -= len(blocks)
-            self._in_copy[blocks] -= 1
+            host.passing[blocks] -= 1
             if request.owner == _FLUSH:
                 host.drop_readers(blocks)
             else:

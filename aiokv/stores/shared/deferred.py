@@ -1,12 +1,12 @@
 """The store server's gets that wait: a get whose pages only the SSD tier has is read into
 host blocks before its match is answered (a :class:`PendingGet` while the reads run, and
-before them while no host block is free for them but SSD copies hold some that no get
-reads: room comes back as they end; where none do, the room is held by tasks only their
-engines end, the asking one's perhaps, which is blocked in this get: it is answered with
-its host pages at once, and once the copies are in without the room), and a get of a key
-whose pages are being read, from SSD by a pending get or from Mooncake by a batch's
-remote read, waits for that (a :class:`Retry`), so that it finds them on the host rather
-than missing them. The batch's answer waits for all of them
+before them while no host block is free for them but SSD copies or remote writes hold
+some that no get reads: room comes back as they end; where none do, the room is held by
+tasks only their engines end, the asking one's perhaps, which is blocked in this get: it
+is answered with its host pages at once, and once the copies are in without the room),
+and a get of a key whose pages are being read, from SSD by a pending get or from
+Mooncake by a batch's remote read, waits for that (a :class:`Retry`), so that it finds
+them on the host rather than missing them. The batch's answer waits for all of them
 (:meth:`DeferredGets.settle`) while the server answers other requests.
 
 :class:`DeferredGets` keeps which keys are being staged and hands each waiting get back

@@ -11,9 +11,10 @@ load staging), so that an engine only ever copies from the host tier: such a get
 get of a key whose pages are being read, waits while the server answers other requests
 (:mod:`.deferred`, :meth:`Service.settle`). Where no host block is free for its SSD pages
 it first waits for room as the embedded store's load does, but only while room comes
-back by itself (SSD copies hold host blocks no get reads: ``TierLink.room_coming``), not
-for other engines' tasks to end; otherwise, and once those copies are in without the
-room, it is answered with its host pages. Everything runs on the server's one thread.
+back by itself (SSD copies or remote writes hold host blocks no get reads:
+``TierLink.room_coming``), not for other engines' tasks to end; otherwise, and once those
+copies are in without the room, it is answered with its host pages. Everything runs on
+the server's one thread.
 
 Every task belongs to the connection that matched it (a :class:`Client`): a task id
 from another connection is a :class:`Foreign` (the server drops that peer), and when a
