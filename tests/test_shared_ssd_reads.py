@@ -468,3 +468,39 @@ async def test_a_lookup_whose_room_ssd_copies_hold_for_its_own_lookups_answers_a
                 for hold in holds:
                     hold.release()
             assert await user_0_loads_whole(engine, caches, original)
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_waiting_for_room_another_engine_then_holds_answers_once_copies_are_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """User 0 only on SSD; users 1 and 2 fill the host tier, their SSD copies held: the
+    lookup of user 0 waits for the room their end brings. Meanwhile another engine looks
+    users 1 and 2 up and holds them: once the copies are in, no room comes, and the
+    lookup is answered then with its host prefix (nothing), not at the server's 30 s; once
+    the other engine lets go, user 0 loads whole."""
+    (tmp_path / "ssd").mkdir()
+    config = ssd_config(tmp_path / "ssd")
+    caches, original = await only_on_ssd(config, (0,))
+    with store_of("shared", config, tmp_path, caches) as (store, figures):
+        other: SharedStore = figures.__self__  # type: ignore[attr-defined]
+        async with aiokv.OffloadEngine(store, caches) as engine:
+            writes = await host_tier_in_flight(engine, monkeypatch)
+            held_there: list[int] = []
+            try:
+                lookup = asyncio.ensure_future(engine.lookup(0, USER_PAGES * PAGE))
+                await asyncio.to_thread(wait_for, lambda: figures()["stage_waits"],
+                                        "the lookup waiting")
+                tokens = torch.arange(USER_PAGES * PAGE).numpy()
+                answers = await asyncio.to_thread(
+                    other.get_match_many, [(tokens, [f"uid:{user}"]) for user in (1, 2)])
+                for answer in answers:
+                    assert isinstance(answer, tuple) and answer[1].all()
+                    held_there.append(answer[0])
+                writes.set()
+                short = await asyncio.wait_for(lookup, 15)
+                assert short.cached_tokens == 0
+                short.release()
+            finally:
+                writes.set()
+                await asyncio.to_thread(other.cancel, held_there)
+            assert await user_0_loads_whole(engine, caches, original)
