@@ -339,6 +339,16 @@ async def given_back_while_read(engine: aiokv.OffloadEngine, gate: Gate) -> None
     hit.release()
 
 
+
+async def prefix_taken_over(engine: aiokv.OffloadEngine, gate: Gate, pages: int
+                            ) -> aiokv.Lookup:
+    """:func:`given_back_while_read`, then a Lookup of the first ``pages`` pages, which
+    finds them all (it takes the cancelled prefetch over)."""
+    await given_back_while_read(engine, gate)
+    short = await engine.lookup(0, pages * PAGE)
+    assert short.cached_tokens == pages * PAGE
+    return short
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("pages", [4, 1, 7])
@@ -353,9 +363,7 @@ async def test_a_shorter_lookup_after_one_given_back_finds_its_pages_still_being
     async with then_cleared(engine):
         gate = reads_held(monkeypatch)
         try:
-            await given_back_while_read(engine, gate)
-            again = await engine.lookup(0, pages * PAGE)
-            assert again.cached_tokens == pages * PAGE
+            again = await prefix_taken_over(engine, gate, pages)
         finally:
             gate.set()
         assert (await engine.load(again, DEST[:pages])).loaded_tokens == pages * PAGE
@@ -380,10 +388,7 @@ async def test_a_longer_lookup_after_a_shorter_one_given_back_finds_all_still_be
     async with then_cleared(engine):
         gate = reads_held(monkeypatch)
         try:
-            await given_back_while_read(engine, gate)
-            short = await engine.lookup(0, pages * PAGE)
-            assert short.cached_tokens == pages * PAGE
-            short.release()
+            (await prefix_taken_over(engine, gate, pages)).release()
             again = await engine.lookup(0, HISTORY)
             assert again.cached_tokens == HISTORY
         finally:

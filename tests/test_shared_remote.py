@@ -33,8 +33,8 @@ from shared_host import (
 )
 from shared_host import Host as Engine
 from shared_inprocess import PAGES, TOKENS, Call, Host, load_exact, offload
-from test_shared_ssd_reads import host_tier_in_flight, store_of, user_0_loads_whole
-from test_ssd import PAGE, only_on_ssd, ssd_config
+from test_shared_ssd_reads import host_tier_in_flight, store_of, user_0_loads_whole, user_0_on_ssd
+from test_ssd import PAGE, ssd_config
 from test_ssd import USER_PAGES as SSD_USER_PAGES
 
 import aiokv
@@ -468,8 +468,7 @@ async def test_a_lookup_waits_for_ssd_copies_whose_blocks_only_mooncakes_writer_
     their copies and this engine's Lookup. Both the copies and the write end by
     themselves, so the lookup of user 0 waits for the room user 1's blocks bring and hits
     whole; it was answered short at once (0 tokens): the writer read like a Lookup."""
-    (tmp_path / "ssd").mkdir()
-    caches, original = await only_on_ssd(ssd_config(tmp_path / "ssd"), (0,))
+    _, caches, original = await user_0_on_ssd(tmp_path)
     config = ssd_config(tmp_path / "ssd", remote={"master": mooncake.master})
     remote_writes = held(monkeypatch, Writer, "_write")
     with store_of("shared", config, tmp_path, caches) as (store, figures):

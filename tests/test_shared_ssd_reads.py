@@ -12,6 +12,7 @@ import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -334,6 +335,16 @@ async def host_tier_in_flight(engine: aiokv.OffloadEngine, monkeypatch: pytest.M
     return writes
 
 
+async def user_0_on_ssd(tmp_path: Path, **keys: Any
+                        ) -> tuple[aiokv.StoreConfig, list[torch.Tensor], list[torch.Tensor]]:
+    """An SSD tier under ``tmp_path`` (``ssd_config`` with ``keys``) holding user 0 only
+    on SSD (``only_on_ssd``): the config, the caches and user 0's pages as offloaded."""
+    (tmp_path / "ssd").mkdir()
+    config = ssd_config(tmp_path / "ssd", **keys)
+    caches, original = await only_on_ssd(config, (0,))
+    return config, caches, original
+
+
 async def user_0_loads_whole(engine: aiokv.OffloadEngine, caches: list[torch.Tensor],
                              original: list[torch.Tensor], hit: aiokv.Lookup | None = None
                              ) -> bool:
@@ -355,9 +366,7 @@ async def test_a_lookup_while_ssd_writes_hold_the_free_host_blocks_waits_and_hit
     host block is free for user 0's SSD pages until those writes are in. The embedded
     store's Lookup reports them all and its load waits for the room; the server answered
     at once with the host prefix (nothing), a miss the same config did not have."""
-    (tmp_path / "ssd").mkdir()
-    config = ssd_config(tmp_path / "ssd", ssd_write_policy=policy)
-    caches, original = await only_on_ssd(config, (0,))
+    config, caches, original = await user_0_on_ssd(tmp_path, ssd_write_policy=policy)
     with store_of(kind, config, tmp_path, caches) as (store, figures):
         async with aiokv.OffloadEngine(store, caches) as engine:
             writes = await host_tier_in_flight(engine, monkeypatch)
@@ -384,9 +393,7 @@ async def test_a_lookup_that_finds_no_host_room_in_time_answers_its_host_prefix_
     the writes are in, a lookup of the key finds and loads it all."""
     wait_s = deferred_module.SSD_STAGE_TIMEOUT_S
     monkeypatch.setattr(deferred_module, "SSD_STAGE_TIMEOUT_S", 0.3)
-    (tmp_path / "ssd").mkdir()
-    config = ssd_config(tmp_path / "ssd")
-    caches, original = await only_on_ssd(config, (0,))
+    config, caches, original = await user_0_on_ssd(tmp_path)
     with store_of("shared", config, tmp_path, caches) as (store, figures):
         async with aiokv.OffloadEngine(store, caches) as engine:
             writes = await host_tier_in_flight(engine, monkeypatch)
@@ -414,9 +421,7 @@ async def test_a_lookup_whose_host_room_only_its_own_lookups_hold_answers_its_ho
     blocked in its lookup of user 0. That lookup is answered at once with what the host
     has (nothing), not after the server's 30 s wait; once the Lookups are given back, a
     lookup of user 0 loads it all, bit for bit."""
-    (tmp_path / "ssd").mkdir()
-    config = ssd_config(tmp_path / "ssd", ssd_write_policy=policy)
-    caches, original = await only_on_ssd(config, (0,))
+    config, caches, original = await user_0_on_ssd(tmp_path, ssd_write_policy=policy)
     with store_of("shared", config, tmp_path, caches) as (store, figures):
         async with aiokv.OffloadEngine(store, caches) as engine:
             for user in (1, 2):
@@ -447,9 +452,7 @@ async def test_a_lookup_whose_room_ssd_copies_hold_for_its_own_lookups_answers_a
     their end frees nothing. The lookup is answered at once with its host prefix
     (nothing), not when the copies are in (it waited for them: as long as the disk took,
     up to the server's 30 s, past request_timeout_ms on a slow one)."""
-    (tmp_path / "ssd").mkdir()
-    config = ssd_config(tmp_path / "ssd")
-    caches, original = await only_on_ssd(config, (0,))
+    config, caches, original = await user_0_on_ssd(tmp_path)
     with store_of("shared", config, tmp_path, caches) as (store, figures):
         async with aiokv.OffloadEngine(store, caches) as engine:
             writes = await host_tier_in_flight(engine, monkeypatch)
@@ -478,9 +481,7 @@ async def test_a_lookup_waiting_for_room_another_engine_then_holds_answers_once_
     users 1 and 2 up and holds them: once the copies are in, no room comes, and the
     lookup is answered then with its host prefix (nothing), not at the server's 30 s; once
     the other engine lets go, user 0 loads whole."""
-    (tmp_path / "ssd").mkdir()
-    config = ssd_config(tmp_path / "ssd")
-    caches, original = await only_on_ssd(config, (0,))
+    config, caches, original = await user_0_on_ssd(tmp_path)
     with store_of("shared", config, tmp_path, caches) as (store, figures):
         other: SharedStore = figures.__self__  # type: ignore[attr-defined]
         async with aiokv.OffloadEngine(store, caches) as engine:
