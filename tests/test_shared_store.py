@@ -31,6 +31,7 @@ from shared_host import (
     user_kv,
     wait_for,
 )
+from shared_inprocess import TOKENS, load_exact, offload
 
 import aiokv
 from aiokv.stores.base import TaskStatus
@@ -317,6 +318,24 @@ def test_sigterm_drains_and_exits_0(tmp_path: Path) -> None:
     assert server.signal(signal.SIGTERM) == 0
     assert "stopped" in server.text()
     assert not server.socket.exists()
+
+
+def test_sigusr1_logs_every_threads_stack_and_the_server_goes_on(tmp_path: Path) -> None:
+    server = Server(tmp_path).start()
+    assert server.process is not None
+    try:
+        server.process.send_signal(signal.SIGUSR1)
+        wait_for(lambda: "in serve" in server.text(), "the serving thread's stack logged")
+        assert "Current thread" in server.text() or "Thread 0x" in server.text()
+        store, tables = observer(server.socket)
+        try:
+            offload(store, tables, 1)
+            task, mask = store.get_match(TOKENS, ["user:1"])
+            assert mask.all() and load_exact(store, tables, 1, task)
+        finally:
+            store.close()
+    finally:
+        server.kill()
 
 
 def reply(sock: socket.socket) -> tuple[int, bytes]:

@@ -4,7 +4,9 @@ store server (:mod:`.server`)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -27,7 +29,8 @@ Only processes of this server's uid may connect. The socket's directory must be 
 to that uid (it is created 0700 when missing). SIGTERM drains: no new work is taken,
 open tasks may finish (--drain-timeout), SSD writes complete, exit status 0. The SSD
 tier survives a restart; the host tier does not. A second server on the same socket or
-SSD directory refuses to start, naming the one that holds it.
+SSD directory refuses to start, naming the one that holds it. SIGUSR1 writes the stack of
+every thread to stderr (the log) and the server goes on: where one that seems stuck is.
 
 Under systemd (a user unit, so that the socket and region belong to your uid):
 
@@ -71,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         log.error("aiokv store-server: %s", exc)
         return 2
+    # Dumped from the signal handler in C: answers even while the serving thread is
+    # blocked in a call and never returns to Python.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     server.serve(handle_signals=True)
     return 0
 
