@@ -505,3 +505,72 @@ async def test_a_lookup_waiting_for_room_another_engine_then_holds_answers_once_
                 writes.set()
                 await asyncio.to_thread(other.cancel, held_there)
             assert await user_0_loads_whole(engine, caches, original)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("order", ["small_first", "large_first"])
+async def test_a_small_lookup_that_fits_the_room_left_is_not_held_short_by_a_large_one_queued_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+    """Users 0 and 3 only on SSD; users 1 and 2 fill the host tier, their SSD copies held.
+    Another engine holds 10 of the 16 host blocks; a lookup of user 0 (8 SSD pages) waits
+    for room, then one of 2 pages of user 3 behind it. Once the copies are in, 6 blocks
+    are free: never enough for user 0 (answered with its host prefix, nothing), enough for
+    user 3's 2 pages, which the small lookup hits and loads bit for bit, whichever of the
+    two engines connected to the server first (the server visits them in that order)."""
+    (tmp_path / "ssd").mkdir()
+    config = ssd_config(tmp_path / "ssd")
+    caches, original = await only_on_ssd(config, (0, 3))
+    small_pages = 2
+    tokens = torch.arange(USER_PAGES * PAGE).numpy()
+    host = Host(tmp_path, config=config)
+    host.start()
+    shared = aiokv.StoreConfig(backend="shared", socket=str(host.socket))
+    other, small = SharedStore(shared), SharedStore(shared)
+    figures = other.store_stats
+    try:
+        other.register([torch.zeros_like(cache) for cache in caches])
+        small_caches = [torch.zeros_like(cache) for cache in caches]
+        if order == "small_first":
+            small.register(small_caches)
+        engine = aiokv.OffloadEngine(SharedStore(shared), caches)
+        await engine.start()
+        writes = None
+        held_there: list[int] = []
+        try:
+            if order == "large_first":
+                small.register(small_caches)
+            writes = await host_tier_in_flight(engine, monkeypatch)
+            answers = await asyncio.to_thread(other.get_match_many, [
+                (tokens, ["uid:1"]), (tokens[: 2 * PAGE], ["uid:2"])])
+            for answer in answers:
+                assert isinstance(answer, tuple) and answer[1].all()
+                held_there.append(answer[0])
+            large = asyncio.ensure_future(engine.lookup(0, USER_PAGES * PAGE))
+            await asyncio.to_thread(wait_for, lambda: figures()["stage_waits"] >= 1,
+                                    "the large lookup waiting")
+            lookup = Call(lambda: small.get_match(tokens[: small_pages * PAGE], ["uid:3"]))
+            await asyncio.to_thread(wait_for, lambda: figures()["stage_waits"] >= 2,
+                                    "the small lookup waiting")
+            writes.set()
+            task, mask = await asyncio.to_thread(lookup.outcome, 20)
+            short = await asyncio.wait_for(large, 20)
+            assert int(mask.sum()) == small_pages * PAGE
+            assert short.cached_tokens == 0
+            short.release()
+            target = TARGET[:small_pages]
+            small.launch([task], [target], [None])
+            results: dict[int, Any] = {}
+            await asyncio.to_thread(wait_for, lambda: results.update(small.try_wait([task]))
+                                    or results, "the small load")
+            assert same(small_caches, original, target, source_pages(3)[:small_pages])
+        finally:
+            if writes is not None:
+                writes.set()
+            await asyncio.to_thread(other.cancel, held_there)
+            await engine.aclose()
+            small.close()
+        stats = figures()
+        assert stats["server_blocks_held"] == 0 and stats["server_gets_staging"] == 0
+    finally:
+        other.close()
+        host.stop()

@@ -54,6 +54,10 @@ class Load:
     expired: str | None = None  # why it stopped at its deadline (the task ends EXPIRED)
     host_copies: int = 0  # the GPU copies of its host pages queued at launch, not done
     host_released: bool = False  # its host pages went back once copied (job_done)
+    # The store server's get (``start_load(waits=True)``): owed room only while room
+    # comes back by itself (``room_coming``); once none does, it leaves the owed queue
+    # unstaged where the room there is cannot stage it (``stage_waiting``).
+    while_coming: bool = False
     cancelled: bool = False
     finished: bool = False
     error: str | None = None

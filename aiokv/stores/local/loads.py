@@ -29,7 +29,11 @@ Staging (host blocks reserved, reads started) happens:
   It waits only while room comes back by itself (:meth:`~LoadStaging.room_coming`: SSD
   copies or remote writes hold host blocks no get reads): the asking engine is blocked
   in that get, so room held by its own tasks (held Lookups, puts not ended) could never
-  come back; counted in ``stage_waits`` only then.
+  come back; counted in ``stage_waits`` only then. Once none comes, such a get that the
+  room there is cannot stage leaves the queue unstaged (it ends with its host prefix)
+  rather than hold up those behind it that it can: a lookup of 2 pages is not a miss
+  because one of 8 that will never fit asked first. While room comes, first come, first
+  served: a small get must not starve a large one that will fit.
 
 A launched load has a deadline (``LocalStore.set_deadlines``: its request's, which the
 engine times its caller out at): nothing of it is staged or queued for its GPU copy after
@@ -126,9 +130,9 @@ class LoadStaging:
         ``task.blocks``, in page order. None when the SSD has none of them (page ``hits``
         is not on the host). ``waits``: its caller waits for the staging now (the store
         server's get, answered once its SSD pages are on the host): staged as a launched
-        load is, owed room (until its ``deadline``), never as a prefetch. Where no room
-        is free for it and none comes back by itself (:meth:`room_coming`) it is owed
-        uncounted: its caller gives it up then (``cancel_load``)."""
+        load is, owed room (until its ``deadline``), never as a prefetch, but only while
+        room comes back by itself (:meth:`room_coming`): where none is free for it and
+        none comes, it ends unstaged at once (finished: its host prefix), uncounted."""
         if self._unstaged.get(key):
             return None  # another load of this key stages first: those pages go to it
         host, tier = self.host, self.ssd.tier
@@ -157,6 +161,7 @@ class LoadStaging:
                     np.concatenate((np.arange(hits), hits + np.flatnonzero(ready))),
                     chain=digests[: hits + count])
         if waits:
+            load.while_coming = True
             self._unstaged[key] = self._unstaged.get(key, 0) + 1
             self._stage_owed(load, counted=self.room_coming)
         else:
@@ -184,7 +189,8 @@ class LoadStaging:
         """Stage what room allows: launched loads first, in launch order, then prefetches
         in match order (none while a launched load waits). Called whenever room may have
         come back, and polled: launched loads past their deadline give up first, so that
-        none is staged after it."""
+        none is staged after it. A server's get that cannot be staged while no room comes
+        back by itself leaves the queue (``while_coming``), and those after it are tried."""
         owed, waiting = self._owed, self._waiting
         if owed:
             now = time.monotonic()
@@ -192,10 +198,21 @@ class LoadStaging:
                 owed.remove(load)
                 self._give_up(load)
         while owed:
-            if not self._stage(owed[0], prefetch=False) and not (
-                self._give_way(len(owed[0].slots)) and self._stage(owed[0], prefetch=False)
+            load = owed[0]
+            if not self._stage(load, prefetch=False) and not (
+                self._give_way(len(load.slots)) and self._stage(load, prefetch=False)
             ):
-                return
+                # Asked after the try: a reserve that failed may have started copies
+                # down (write_back), room that comes for this very get.
+                if not load.while_coming or self.room_coming():
+                    return
+                # Its caller is answered with its host prefix now anyway: waiting at
+                # the head, it would only keep the gets behind it from room that fits
+                # them, and they would be answered short with it.
+                owed.pop(0)
+                self._unstage(load)
+                self._finish(load)
+                continue
             owed.pop(0)
         limit = self.host.num_blocks // 2
         while waiting and self._prefetched + len(waiting[0].slots) <= limit:

@@ -53,7 +53,7 @@ from ..local.blocks import NO_BLOCKS, READY, Tier
 from ..local.ssd_io import lock_directory
 from ..local.ssd_voids import VoidsDone
 from ..local.tiering import TierLink
-from .deferred import DeferredGets, keep_loaded, launch_staged
+from .deferred import DeferredGets, launch_staged
 from .puts import match_puts
 from .quarantine import Kept
 from .region import Geometry, Region, RegionPool, allocate, region_blocks
@@ -201,13 +201,12 @@ class Service:
             # does: not a miss), then for their reads; but only while room comes back
             # by itself. This engine is blocked in this call: room that its own held
             # Lookups or unended puts hold would never come back, and the lookup would
-            # hang till SSD_STAGE_TIMEOUT_S to answer short anyway.
+            # hang till SSD_STAGE_TIMEOUT_S to answer short anyway. Where none comes,
+            # the link ends it unstaged at once (finished: the SSD part is a miss), and
+            # ends so any get owed room before it that the room there cannot stage,
+            # rather than keep this one behind it.
             load = link.start_load(namespace, digests, len(task.blocks), task, waits=True)
-            if load is not None and not load.staged and not load.finished \
-                    and not link.room_coming():
-                link.cancel_load(load)  # the SSD part is a miss, at once
-                keep_loaded(link, load, task, len(hit))
-            elif load is not None and not load.finished:
+            if load is not None and not load.finished:
                 return self._deferred.stage(task, load, pages, len(hit), namespace)
             elif load is not None:
                 host_pages = launch_staged(link, load)
