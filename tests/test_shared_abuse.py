@@ -6,6 +6,7 @@ not keep another engine's lookup waiting. Another engine is served bit-exact aft
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import resource
 import signal
@@ -266,10 +267,11 @@ def test_a_lookup_batch_whose_answer_would_not_fit_a_frame_is_refused(tmp_path: 
         greedy = connect(server)
         hello(greedy)
         # Each query: 8,192 pages of default token ids (no digests on the wire), a
-        # namespace of one 1-byte string (as wire.encode_match lays a request out).
+        # namespace of one 1-byte string, no deadline (as wire.encode_match lays a
+        # request out).
         count, tokens = 4096, 8192 * PAGE_SIZE
         ints = [tokens] * count + [0] * count + [1] * count + [1] * count
-        body = struct.pack("<5q", count, 0, 0, count, count) + struct.pack(
+        body = struct.pack("<5qd", count, 0, 0, count, count, math.inf) + struct.pack(
             f"<{len(ints)}q", *ints) + b"k" * count
         greedy.sendall(wire.frame(wire.GET, body))
         greedy.settimeout(10)
@@ -337,3 +339,4 @@ def pending(sock: socket.socket) -> bytes:
         return sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except BlockingIOError:
         return b""
+

@@ -5,6 +5,7 @@ is still served bit for bit. A peer of another uid is refused at connect."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import socket
@@ -44,10 +45,11 @@ def closed_by_server(sock: socket.socket) -> bool:
     return True
 
 
-def put(counts: tuple[int, ...], ints: tuple[int, ...], tail: bytes = b"") -> bytes:
+def put(counts: tuple[int, ...], ints: tuple[int, ...], tail: bytes = b"",
+        by: float = math.inf) -> bytes:
     """A PUT frame written by hand: its five counts (queries, released, digests, strings,
-    name bytes), its int64s, then digests and names."""
-    return wire.frame(wire.PUT, struct.pack(f"<5q{len(ints)}q", *counts, *ints) + tail)
+    name bytes), its deadline (none), its int64s, then digests and names."""
+    return wire.frame(wire.PUT, struct.pack(f"<5qd{len(ints)}q", *counts, by, *ints) + tail)
 
 
 def one_put(tokens: int, name: bytes = b"x") -> bytes:
@@ -68,6 +70,7 @@ BAD_FRAMES = {
     "namespace not utf-8": one_put(8, b"\xff\xfe"),
     "digests not its pages": put((1, 0, 1, 1, 1), (64, 1, 1, 1), bytes(16) + b"x"),
     "names past their bytes": put((1, 0, 0, 1, 1), (8, 0, 1, 9), b"x"),
+    "deadline not a number": put((1, 0, 0, 1, 1), (8, 0, 1, 1), b"x", by=math.nan),
     "foreign task": wire.encode_end([987654], []),
     "end past its ids": wire.frame(wire.END, struct.pack("<2q", 3, 0) + bytes(8)),
     "foreign launch": wire.encode_launch([987654]),

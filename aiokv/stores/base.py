@@ -34,7 +34,8 @@ Contract, for any store:
 Optional features are declared below, one Protocol each (:class:`Notifies`,
 :class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`,
 :class:`Clears`, :class:`ReportsStats`, :class:`AdvisesSlice`, :class:`Restarts`,
-:class:`BoundsWaits`, :class:`HearsOfClose`, :class:`Terminates`); a store implements any
+:class:`BoundsWaits`, :class:`BoundsLookups`, :class:`HearsOfClose`,
+:class:`Terminates`); a store implements any
 subset, and a
 wrapper forwards what its inner store has. The engine reads them once, into
 :class:`Capabilities`, when it builds its store thread.
@@ -43,6 +44,7 @@ wrapper forwards what its inner store has. The engine reads them once, into
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -168,6 +170,31 @@ class GetMatchesMany(Protocol):
     """``get_match`` for each ``(token_ids, namespace)`` in order, in one call."""
 
     def get_match_many(self, queries: Queries) -> MatchAnswers: ...
+
+
+class BoundsLookups(Protocol):
+    """A :class:`GetMatchesMany` whose ``get_match_many`` takes ``deadline_s`` (keyword):
+    the lookup batch's deadline in ``time.monotonic()`` seconds (one clock for every
+    process of a host), the latest of its requests' (``request_timeout_ms`` after each
+    call; None where a request has none). A store that waits inside the match (``aiokv
+    store-server``: a get's SSD or Mooncake pages read into host blocks first, or room
+    for them) answers by then with what it has, as at its own limit: no caller of the
+    batch takes an answer after it, and the engine's other calls wait behind this one.
+    The engine passes it to a store whose ``get_match_many`` names the parameter
+    (:func:`takes_deadline`), and to no other (their signature stays as it was)."""
+
+    def get_match_many(self, queries: Queries, *, deadline_s: float | None = None
+                       ) -> MatchAnswers: ...
+
+
+def takes_deadline(method: Callable[..., Any] | None) -> bool:
+    """Whether a store's ``get_match_many`` takes ``deadline_s`` (:class:`BoundsLookups`)."""
+    if method is None:
+        return False
+    try:
+        return "deadline_s" in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a callable with no signature Python can read
+        return False
 
 
 @runtime_checkable
@@ -374,6 +401,7 @@ class Capabilities:
     layer_marks: Callable[[int], LayerMarks | None] | None = None
     closing: Callable[[], None] | None = None
     terminate: Callable[[], None] | None = None
+    bounds_lookups: bool = False  # get_match_many takes deadline_s (BoundsLookups)
 
     @classmethod
     def of(cls, store: object) -> Capabilities:
@@ -382,4 +410,4 @@ class Capabilities:
             method = getattr(store, name, None)
             if callable(method):
                 found[name] = method
-        return cls(**found)
+        return cls(**found, bounds_lookups=takes_deadline(found.get("get_match_many")))

@@ -42,7 +42,7 @@ import torch.multiprocessing  # registers tensor reductions for Connection.recv
 from ..backends import backend
 from ..errors import StoreError
 from . import cache_fds, make_store
-from .base import NoSpace, Store, TaskResult
+from .base import NoSpace, Store, TaskResult, takes_deadline
 from .wire import launch_pages, pack_results, portable
 
 log = logging.getLogger("aiokv")
@@ -132,14 +132,16 @@ def _launch(store: Store, ends: _Ends, args: Any) -> None:
     ends.launched(task_ids)  # all of them: a launch that raises launched none
 
 
-def _match_many(store: Store, op: str, args: Any) -> list[Any]:
+def _match_many(store: Store, op: str, args: Any, deadline_s: float | None = None
+                ) -> list[Any]:
     """Each match's answer (``op``: put_match or get_match), or the exception it raised,
-    in order: the store's own match of many where it has one, else one by one."""
+    in order: the store's own match of many where it has one (with the batch's deadline
+    where it takes one: base.BoundsLookups), else one by one."""
     many = getattr(store, f"{op}_many", None)
     if callable(many):
-        return [
-            _for_the_parent(op, a) if isinstance(a, Exception) else a for a in many(args)
-        ]
+        matched = many(args, deadline_s=deadline_s) if (
+            deadline_s is not None and takes_deadline(many)) else many(args)
+        return [_for_the_parent(op, a) if isinstance(a, Exception) else a for a in matched]
     match = getattr(store, op)
     answers: list[Any] = []
     for token_ids, namespace in args:
@@ -177,7 +179,7 @@ _CALLS: dict[str, Callable[[Store, _Ends, Any], Any]] = {
     "put_match": lambda store, ends, args: store.put_match(*args),
     "put_match_many": lambda store, ends, args: _match_many(store, "put_match", args),
     "get_match": lambda store, ends, args: store.get_match(*args),
-    "get_match_many": lambda store, ends, args: _match_many(store, "get_match", args),
+    "get_match_many": lambda store, ends, args: _match_many(store, "get_match", *args),
     "evict": lambda store, ends, args: _invalidate(store, *args),
     "clear": lambda store, ends, args: _invalidate(store, None, args),
     "store_stats": lambda store, ends, args: dict(store.store_stats()),  # type: ignore[attr-defined]

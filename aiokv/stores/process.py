@@ -214,9 +214,12 @@ class ProcessStore:
         matched: tuple[int, BoolArray] = self._call("get_match", query(token_ids, namespace))
         return self._ids.match(matched)
 
-    def get_match_many(self, queries: Queries) -> MatchAnswers:
-        """get_match for each (token_ids, namespace), in order, in one round trip."""
-        return self._match_many("get_match_many", queries)
+    def get_match_many(self, queries: Queries, *, deadline_s: float | None = None
+                       ) -> MatchAnswers:
+        """get_match for each (token_ids, namespace), in order, in one round trip; the
+        batch's deadline (base.BoundsLookups) goes with it, to a child's store that
+        takes it."""
+        return self._match_many("get_match_many", queries, deadline_s)
 
     def launch(
         self, task_ids: Sequence[int], pages: Sequence[torch.Tensor], ready: Sequence[Any]
@@ -358,8 +361,11 @@ class ProcessStore:
 
     # ---- internals -------------------------------------------------------------------
 
-    def _match_many(self, op: Op, queries: Queries) -> MatchAnswers:
-        answers: MatchAnswers = self._call(op, [query(t, n) for t, n in queries])
+    def _match_many(self, op: Op, queries: Queries, deadline_s: float | None = None
+                    ) -> MatchAnswers:
+        asked = [query(t, n) for t, n in queries]
+        answers: MatchAnswers = self._call(
+            op, asked if op == "put_match_many" else (asked, deadline_s))
         for answer in answers:
             if isinstance(answer, Exception):
                 noted(answer, self.pid)

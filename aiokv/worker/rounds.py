@@ -13,8 +13,11 @@ Deadlines: nothing is launched past its request's deadline (checked last before 
 launch; the caller hears RequestTimeout from the deadline's timer on the loop, and no
 copy of its pages is queued after it), and a store that waits inside before it queues a
 load's copy (:class:`~aiokv.stores.base.BoundsWaits`) is given each load's deadline, so
-that it queues none after it either. Request deadlines are on the loop's clock; the store
-thread reads them on ``time.monotonic()``'s (:func:`aiokv.loop.deadlines.monotonic_offset_s`).
+that it queues none after it either; a store whose lookup may wait inside
+(:class:`~aiokv.stores.base.BoundsLookups`: ``aiokv store-server``) is given the lookup
+batch's, so that the store thread is not held past it. Request deadlines are on the
+loop's clock; the store thread reads them on ``time.monotonic()``'s
+(:func:`aiokv.loop.deadlines.monotonic_offset_s`).
 
 :class:`Rounds` shares its containers with the worker (the same objects, never replaced):
 ``launched`` (launched ids -> request, until terminal) and ``reserved`` (lookup matches
@@ -23,6 +26,7 @@ held for a load). Outcomes go to the outbox the worker passes in, which it posts
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,7 +39,7 @@ from ..layerwise import note_launches
 from ..loop.batcher import Batch
 from ..requests import LAUNCHED, TERMINAL, Kind, Request
 from ..space import NO_TIMEOUT_WAIT_S
-from ..stores.base import Capabilities, Store
+from ..stores.base import Capabilities, MatchAnswers, Store
 from .calls import StoreCalls
 from .handoff import GilSlice
 from .plans import Move, Round, plan_load, plan_lookup, plan_offload, to_match
@@ -80,9 +84,11 @@ class Rounds:
     def lookup(self, batch: Batch, outbox: Outbox) -> None:
         requests = batch.requests
         wanted = [i for i, r in enumerate(requests) if r.stage is not TERMINAL]
+        many: Callable[..., MatchAnswers] | None = self._caps.get_match_many
+        if many is not None and self._caps.bounds_lookups and wanted:
+            many = functools.partial(many, deadline_s=self._lookup_deadline(requests, wanted))
         answers = self._calls.match(
-            self._store.get_match, self._caps.get_match_many, requests, wanted,
-            self.capacity_tokens,
+            self._store.get_match, many, requests, wanted, self.capacity_tokens
         )
         outcomes, cancel, reserved = plan_lookup(requests, answers, self._release_one)
         outbox.extend(outcomes)
@@ -164,6 +170,19 @@ class Rounds:
         self._calls.cancel([moves[i].task_id for i in late])
         kept = sorted(set(range(len(moves))).difference(late))
         return [moves[i] for i in kept], [views[i] for i in kept]
+
+    def _lookup_deadline(self, requests: Sequence[Request], wanted: list[int]) -> float | None:
+        """A lookup batch's deadline for the store (stores.base.BoundsLookups), on
+        time.monotonic()'s clock: the latest of its waiting requests' (an answer after it
+        serves none of them, and every call behind it waits for it), None where one has
+        none (the store's own limit then)."""
+        latest = 0.0
+        for index in wanted:
+            deadline = requests[index].deadline
+            if deadline is None:
+                return None
+            latest = max(latest, deadline)
+        return latest + self._offset_s
 
     def _store_deadlines(self, moves: Sequence[Move]) -> list[float]:
         """Each load's deadline for the store, on time.monotonic()'s clock: its request's,

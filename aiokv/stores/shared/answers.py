@@ -132,7 +132,7 @@ class Answers:
         if self._loop.stopping:
             return wire.encode_answers([("the store server is shutting down", wire.FAILED)]
                                        * len(request.queries))
-        entries = self.service.match_many(conn.client, is_put, request.queries)
+        entries = self.service.match_many(conn.client, is_put, request.queries, request.by)
         answers = answers_only(entries)
         if answers is None:  # sent by HeldReplies once its SSD reads are in
             conn.deferred = list(entries)

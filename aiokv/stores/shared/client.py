@@ -176,19 +176,23 @@ class SharedStore:
     def put_match_many(self, queries: Queries) -> MatchAnswers:
         return self._matches("put", queries)
 
-    def get_match_many(self, queries: Queries) -> MatchAnswers:
-        return self._matches("get", queries)
+    def get_match_many(self, queries: Queries, *, deadline_s: float | None = None
+                       ) -> MatchAnswers:
+        """base.BoundsLookups: gets whose pages the server reads first (SSD, Mooncake) or
+        that wait for room to read them into are answered by ``deadline_s`` (or at the
+        server's own limit, deferred.SSD_STAGE_TIMEOUT_S) with what it has then."""
+        return self._matches("get", queries, deadline_s)
 
-    def _matches(self, op: str, queries: Queries) -> MatchAnswers:
+    def _matches(self, op: str, queries: Queries, by: float | None = None) -> MatchAnswers:
         page_size = self.page_size
         kind = wire.PUT if op == "put" else wire.GET
-        request = wire.encode_match(kind, queries, page_size, self._take_release())
+        request = wire.encode_match(kind, queries, page_size, self._take_release(), by)
         tokens = [len(token_ids) for token_ids, _ in queries]
         # On a fresh link, without the ids to release: the server gone rolled them back,
         # and a new one would take them for another engine's (and drop this one).
         replies = self._call(request, op, wire.ANSWERS,
                              lambda body: wire.decode_answers(body, tokens, page_size),
-                             lambda: wire.encode_match(kind, queries, page_size, []))
+                             lambda: wire.encode_match(kind, queries, page_size, [], by))
         answers: MatchAnswers = []
         generation, is_put = self._generation, op == "put"
         for answer in replies:

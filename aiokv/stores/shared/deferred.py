@@ -7,7 +7,10 @@ is answered with its host pages at once, and once the copies are in without the 
 and a get of a key whose pages are being read, from SSD by a pending get or from
 Mooncake by a batch's remote read, waits for that (a :class:`Retry`), so that it finds
 them on the host rather than missing them. The batch's answer waits for all of them
-(:meth:`DeferredGets.settle`) while the server answers other requests.
+(:meth:`DeferredGets.settle`) while the server answers other requests, but never past the
+batch's deadline (``by``, its engine's ``request_timeout_ms``, sent with it: that engine's
+store thread is blocked in the call, and none of its callers takes an answer after it)
+nor SSD_STAGE_TIMEOUT_S: each get is answered then with what it has, its host prefix.
 
 :class:`DeferredGets` keeps which keys are being staged and hands each waiting get back
 to the service (:class:`Matcher`) to be matched again or answered once it is ready. It
@@ -17,6 +20,7 @@ runs on the server's one thread, as the service does.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -42,7 +46,7 @@ class Matcher(Protocol):
     """What the deferred gets need of the service (:class:`.service.Service`)."""
 
     def get_match(self, client: Client, tokens: int, digests: list[bytes],
-                  namespace: tuple[str, ...]) -> Entry: ...  # a get matched now
+                  namespace: tuple[str, ...], by: float = ...) -> Entry: ...  # matched now
 
     def answer_staged(self, client: Client, pending: PendingGet) -> Answer: ...
 
@@ -88,20 +92,23 @@ class DeferredGets:
         return set() if read is None else {key for key, _ in read.wanted}
 
     def stage(self, task: Task, load: Load, pages: int, hit: int,
-              namespace: tuple[str, ...]) -> PendingGet:
+              namespace: tuple[str, ...], by: float = math.inf) -> PendingGet:
         """A get whose SSD pages wait for host room (while it comes back by itself) or
         for their reads: answered by :meth:`settle` once they are in, or with its host
-        pages once no room is coming, or after SSD_STAGE_TIMEOUT_S (the link gives up
-        staging it then, its ``deadline``)."""
+        pages once no room is coming, or at its batch's deadline ``by`` or after
+        SSD_STAGE_TIMEOUT_S, whichever comes first (the link gives up staging it then,
+        its ``deadline``)."""
         self._staging[namespace] = self._staging.get(namespace, 0) + 1
-        give_up_at = time.monotonic() + SSD_STAGE_TIMEOUT_S
+        limit = time.monotonic() + SSD_STAGE_TIMEOUT_S
+        give_up_at = min(limit, by)
         load.deadline = give_up_at
-        return PendingGet(task, load, pages, hit, namespace, give_up_at)
+        return PendingGet(task, load, pages, hit, namespace, give_up_at, by >= limit)
 
     def settle(self, client: Client, entries: Sequence[Entry]) -> list[Entry]:
         """A deferred batch's entries again, the ready ones answered: pending gets whose
         reads are in (or that waited too long, or wait for room no SSD copy brings back
-        now), retries whose key nothing reads now."""
+        now), retries whose key nothing reads now or whose batch's deadline passed (their
+        host prefix then)."""
         self._matcher.poll()
         now = time.monotonic()
         link = self._link
@@ -111,14 +118,15 @@ class DeferredGets:
                     entry.load.finished or now >= entry.give_up_at
                     or not (entry.load.staged or link is None or link.room_coming())):
                 entry = self._finish(client, entry)
-            elif isinstance(entry, Retry) and not self.reading(entry.query[2]):
-                if self._remote is not None and not entry.asked:
+            elif isinstance(entry, Retry) and (
+                    now >= entry.by or not self.reading(entry.query[2])):
+                if now < entry.by and self._remote is not None and not entry.asked:
                     # It waited for another get's read, which may have brought fewer of
                     # its pages than it asks for: the rest are asked now, once.
                     entry.asked = True
                     self.ask_remote([entry.query])
-                if not self.reading(entry.query[2]):
-                    entry = self._matcher.get_match(client, *entry.query)
+                if now >= entry.by or not self.reading(entry.query[2]):
+                    entry = self._matcher.get_match(client, *entry.query, by=entry.by)
             out.append(entry)
         return out
 
@@ -147,7 +155,12 @@ class DeferredGets:
         if load.finished:
             pending.hit = launch_staged(link, load)
         else:  # the get answers its host prefix; the reads go on, in a task of their own
-            if load.staged or time.monotonic() >= pending.give_up_at:
+            if not pending.own_limit and time.monotonic() >= pending.give_up_at:
+                # Its engine's request_timeout_ms: a short one is no fault of the server's.
+                log.debug("aiokv store-server: a get answered its host prefix at its "
+                          "engine's deadline, %d SSD pages not read in by then",
+                          len(load.slots))
+            elif load.staged or time.monotonic() >= pending.give_up_at:
                 log.warning("aiokv store-server: SSD reads of %d pages took over %.0f s%s",
                             len(load.slots), SSD_STAGE_TIMEOUT_S,
                             "" if load.staged else " (no host room for them)")

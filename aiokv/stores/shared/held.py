@@ -14,6 +14,7 @@ sent meanwhile.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Protocol
 
@@ -22,7 +23,7 @@ from . import wire
 from .answers import EVICT_WAIT_S
 from .connection import Connection
 from .service import Service
-from .tasks import answers_only
+from .tasks import PendingGet, Retry, answers_only
 
 log = logging.getLogger("aiokv.server")
 
@@ -47,6 +48,14 @@ class HeldReplies:
 
     def holding(self) -> bool:
         return bool(self._waiting()) or bool(self._evicting())
+
+    def wait_s(self, longest_s: float) -> float:
+        """How long the loop may wait for a request or a wake: ``longest_s``, or until
+        the first deadline of a waiting get (its batch is answered then, :meth:`send`)."""
+        due = min((entry.give_up_at if isinstance(entry, PendingGet) else entry.by
+                   for conn in self._waiting() for entry in conn.deferred or ()
+                   if isinstance(entry, (PendingGet, Retry))), default=math.inf)
+        return min(longest_s, max(0.0, due - time.monotonic()))
 
     def send(self) -> None:
         """Send the replies that are due."""

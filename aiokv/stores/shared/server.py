@@ -198,7 +198,8 @@ class StoreServer:
                 signal.signal(signum, lambda *_: self.stop())
         try:
             while not self._drained():
-                for key, _ in self._selector.select(timeout=self.service.wait_s(0.5)):
+                wait_s = self._held.wait_s(self.service.wait_s(0.5))
+                for key, _ in self._selector.select(timeout=wait_s):
                     if key.data == "accept":
                         self._accept()
                     elif key.data == "wake":

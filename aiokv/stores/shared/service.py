@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -151,30 +152,34 @@ class Service:
 
     # ---- matches -------------------------------------------------------------------
 
-    def match_many(self, client: Client, is_put: bool, queries: Sequence[Query]
-                   ) -> Sequence[Entry]:
+    def match_many(self, client: Client, is_put: bool, queries: Sequence[Query],
+                   by: float = math.inf) -> Sequence[Entry]:
         """A batch's matches, each answered as if alone and in order: (task id, one bool
         per page, blocks), or a refusal (wire.Refusal) for a put that cannot have them; a
-        get may be a PendingGet or a Retry instead, for :meth:`settle`."""
+        get may be a PendingGet or a Retry instead, for :meth:`settle`, until the batch's
+        deadline ``by`` (time.monotonic()) at most."""
         if is_put:
             self._drain()
             matched = match_puts(self._require_host(), self._link, client.number, queries)
             return [self._hold(client, m) if isinstance(m, Task) else m for m in matched]
-        asked = self._deferred.ask_remote(queries) if self._remote is not None else set()
-        entries = [self.get_match(client, *query) for query in queries]
+        asked = self._deferred.ask_remote(queries) if (
+            self._remote is not None and time.monotonic() < by) else set()
+        entries = [self.get_match(client, *query, by=by) for query in queries]
         for entry in entries:
             if isinstance(entry, Retry) and entry.query[2] in asked:
                 entry.asked = True  # it waits for its own pages' read
         return entries
 
     def get_match(self, client: Client, tokens: int, digests: list[bytes],
-                  namespace: tuple[str, ...]) -> Entry:
+                  namespace: tuple[str, ...], by: float = math.inf) -> Entry:
         """LocalStore.get_match: the longest READY host prefix, then what either tier has
         after it, the SSD's pages read into host blocks (a PendingGet while the reads
         run); all of them held until the task ends. A Retry while a pending get, or a
-        read from Mooncake, reads this key."""
-        if self._deferred.reading(namespace):
-            return Retry((tokens, digests, namespace))
+        read from Mooncake, reads this key. Past its batch's deadline ``by`` its engine
+        waits no more: the host prefix alone, as when the wait is over."""
+        late = time.monotonic() >= by
+        if not late and self._deferred.reading(namespace):
+            return Retry((tokens, digests, namespace), by)
         host, link = self._require_host(), self._link
         self._drain()
         space = host.index.space(namespace)
@@ -196,7 +201,7 @@ class Service:
         task = Task(client.number, False, NO_MASK, hit, [], None, shared=shared,
                     namespace=namespace)
         host_pages = len(hit)
-        if link is not None and len(hit) == len(found):
+        if link is not None and len(hit) == len(found) and not late:
             # Its SSD pages wait for host room (as the embedded store's launched load
             # does: not a miss), then for their reads; but only while room comes back
             # by itself. This engine is blocked in this call: room that its own held
@@ -207,7 +212,7 @@ class Service:
             # rather than keep this one behind it.
             load = link.start_load(namespace, digests, len(task.blocks), task, waits=True)
             if load is not None and not load.finished:
-                return self._deferred.stage(task, load, pages, len(hit), namespace)
+                return self._deferred.stage(task, load, pages, len(hit), namespace, by)
             elif load is not None:
                 host_pages = launch_staged(link, load)
         return self._answer_get(client, task, pages, host_pages)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,7 +45,8 @@ class Task:
 class PendingGet:
     """A get whose SSD pages (held since its match) wait for host room, then are read
     into host blocks: answered once they are in, or once ``give_up_at`` passes (then with
-    its host prefix)."""
+    its host prefix): its batch's deadline, or the server's own limit
+    (``deferred.SSD_STAGE_TIMEOUT_S``) where that comes first (``own_limit``)."""
 
     task: Task
     load: Load
@@ -52,6 +54,7 @@ class PendingGet:
     hit: int  # its host prefix, in pages
     namespace: tuple[str, ...]
     give_up_at: float
+    own_limit: bool = True  # give_up_at is the server's limit, not its engine's deadline
     # Its key was evicted ("evicted") or cleared ("cleared") meanwhile: answered, then
     # taken back so.
     invalidated: str | None = None
@@ -61,10 +64,12 @@ class PendingGet:
 @dataclass(slots=True, eq=False)
 class Retry:
     """A get of a key whose pages a pending get is reading from SSD, or a read from
-    Mooncake is bringing: matched once that is over. ``asked``: it had its own pages
-    asked of Mooncake (else they are asked then, from the host tier's first gap on)."""
+    Mooncake is bringing: matched once that is over, or once its batch's deadline ``by``
+    passes (then with its host prefix). ``asked``: it had its own pages asked of Mooncake
+    (else they are asked then, from the host tier's first gap on)."""
 
     query: Query
+    by: float = math.inf  # its batch's deadline (time.monotonic(); inf: none)
     asked: bool = False
 
 

@@ -22,7 +22,10 @@ answers a lookup (:meth:`~aiokv.stores.shared.server.StoreServer.absorb`). The
 ``hello`` names the wire's :data:`VERSION` both ways: an engine and a server of
 different versions refuse each other, naming both.
 
-A match request carries, per query, its token count and either its page digests,
+A match request carries its batch's deadline (``by``: the engine's ``time.monotonic()``,
+one clock for the host's processes; infinite without one), by which a get batch that
+waits at the server (:mod:`.deferred`) is answered with what it has. Per query, it
+carries its token count and either its page digests,
 computed by the client (:func:`~aiokv.stores.local.digests.chain_digests`: a client is
 trusted with the digests as it is with the bytes it writes under them), or none when its
 token ids are the default positions, whose digests the server keeps; and its namespace
@@ -37,6 +40,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,7 +53,8 @@ from ...errors import StoreError
 from ..base import NoSpace, TooLarge
 from ..local.digests import DIGEST_BYTES, are_positions, chain_digests, position_digests
 
-VERSION = 4  # 2: END is not answered; 3: LAUNCH and the notice word; 4: TOO_LARGE
+# 2: END is not answered; 3: LAUNCH and the notice word; 4: TOO_LARGE; 5: a match's "by"
+VERSION = 5
 MAX_FRAME = 256 << 20  # a batch of 64 x 64k tokens is 1 MiB of digests: far below
 MAX_FDS = 2  # the region and the notice word
 MAX_QUERIES = 4096  # matches in one request
@@ -62,7 +67,8 @@ MAX_ANSWER_PAGES = MAX_FRAME // 9
 
 JSON, PING, PUT, GET, END, OK, ANSWERS, LAUNCH = range(8)
 HEAD = struct.Struct("<II")  # a frame's: length (op + body), op
-_MATCH_HEAD = struct.Struct("<5q")  # queries, released, digests, strings, name bytes
+# queries, released, digests, strings, name bytes, and the batch's deadline (by)
+_MATCH_HEAD = struct.Struct("<5qd")
 _ANSWER_HEAD = struct.Struct("<4q")  # queries, blocks, mask pages, error bytes
 _END_HEAD = struct.Struct("<2q")  # done, failed
 # An answer's id when the query got no task: no room now (the engine waits and asks
@@ -141,9 +147,10 @@ def namespace(raw: Any) -> tuple[str, ...]:
 
 
 def encode_match(op: int, queries: Sequence[tuple[Any, Sequence[str]]], page_size: int,
-                 released: Sequence[int]) -> bytes:
-    """A ``PUT`` or ``GET`` frame: the queries' (token ids, namespace), and the ids of
-    tasks to end as failed first (cancels riding along with the next batch)."""
+                 released: Sequence[int], by: float | None = None) -> bytes:
+    """A ``PUT`` or ``GET`` frame: the queries' (token ids, namespace), the ids of tasks
+    to end as failed first (cancels riding along with the next batch), and the batch's
+    deadline ``by`` (time.monotonic(); None: none)."""
     tokens, digest_counts, string_counts, string_lengths = [], [], [], []
     digests: list[bytes] = []
     names: list[bytes] = []
@@ -163,7 +170,7 @@ def encode_match(op: int, queries: Sequence[tuple[Any, Sequence[str]]], page_siz
             names.append(raw)
     name_bytes = b"".join(names)
     head = _MATCH_HEAD.pack(len(tokens), len(released), len(digests), len(string_lengths),
-                            len(name_bytes))
+                            len(name_bytes), math.inf if by is None else by)
     ints = _pack_ints([*released, *tokens, *digest_counts, *string_counts, *string_lengths])
     return frame(op, b"".join((head, ints, *digests, name_bytes)))
 
@@ -172,6 +179,7 @@ def encode_match(op: int, queries: Sequence[tuple[Any, Sequence[str]]], page_siz
 class MatchRequest:
     queries: list[Query]
     released: list[int]
+    by: float  # the batch's deadline (time.monotonic(); math.inf: none)
 
 
 def decode_match(body: memoryview, page_size: int, max_tokens: int = MAX_TOKENS) -> MatchRequest:
@@ -181,7 +189,9 @@ def decode_match(body: memoryview, page_size: int, max_tokens: int = MAX_TOKENS)
     server computes and keeps."""
     if len(body) < _MATCH_HEAD.size:
         raise WireError("a match request shorter than its header")
-    count, released, digest_pages, strings, name_bytes = _MATCH_HEAD.unpack_from(body, 0)
+    count, released, digest_pages, strings, name_bytes, by = _MATCH_HEAD.unpack_from(body, 0)
+    if math.isnan(by):
+        raise WireError("a match request's deadline is not a number")
     if not (0 <= count <= MAX_QUERIES and 0 <= released <= MAX_IDS
             and 0 <= strings <= count * MAX_NAMESPACE and 0 <= digest_pages <= MAX_FRAME
             and 0 <= name_bytes <= MAX_FRAME):
@@ -237,7 +247,7 @@ def decode_match(body: memoryview, page_size: int, max_tokens: int = MAX_TOKENS)
                           for j in range(string_at, string_at + k))
         string_at += k
         queries.append((n, digests, space))
-    return MatchRequest(queries, list(values[:released]))
+    return MatchRequest(queries, list(values[:released]), by)
 
 
 def _text(part: str | bytes) -> str:
