@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from shared_inprocess import (
 )
 from test_ssd import (
     BLOCK,
+    HOST_BLOCKS,
     PAGE,
     TARGET,
     USER_PAGES,
@@ -574,3 +577,75 @@ async def test_a_small_lookup_that_fits_the_room_left_is_not_held_short_by_a_lar
     finally:
         other.close()
         host.stop()
+
+
+def test_a_lookup_behind_another_engines_reads_is_answered_at_its_own_deadline(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine looks up a key another engine's lookup is reading from SSD (the reads
+    held): past its batch's deadline it is answered with what the host has (nothing),
+    not when those reads are in (up to the server's 30 s, its store thread blocked that
+    long), while the other lookup still waits; once the reads are in, both engines find
+    and load the key whole."""
+    gate = on_ssd_only(host, 19, monkeypatch)
+    reader, reader_tables = host.engine()
+    twin, twin_tables = host.engine()
+    try:
+        lookup = lookup_reading(reader, 19, twin)
+        short = Call(lambda: twin.get_match_many([(TOKENS, ["user:19"])],
+                                                 deadline_s=time.monotonic() + 0.3))
+        ((twin_task, twin_mask),) = short.outcome(10)
+        assert not twin_mask.any()
+        twin.cancel([twin_task])
+        assert lookup.is_alive()  # its reads are still held
+        gate.set()
+        task, mask = lookup.outcome()
+        assert mask.sum() == PAGES * PAGE_SIZE
+        assert load_exact(reader, reader_tables, 19, task)
+        assert hits_whole(twin, twin_tables, 19)
+        stats = twin.store_stats()
+        assert stats["server_tasks_open"] == 0 and stats["server_blocks_held"] == 0
+    finally:
+        gate.set()
+        reader.close()
+        twin.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["embedded", "shared"])
+async def test_a_lookup_whose_ssd_reads_outlast_request_timeout_ms_holds_up_no_later_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """User 0 on SSD only, its reads held; an engine with request_timeout_ms: 500. Its
+    lookup and load of user 0 fail with RequestTimeout, and its calls after that are
+    answered: a lookup of user 1 (on the host tier) hits, an offload of user 2 is stored.
+    The server used to hold the lookup up to its own 30 s, and the engine's store thread
+    with it: every call of that engine timed out meanwhile. Once the reads are let go,
+    user 0 loads whole, bit for bit, and after a clear no host block is used."""
+    config, caches, original = await user_0_on_ssd(tmp_path)
+    # Room for every user's pages: no call here waits for host room.
+    config = dataclasses.replace(config, cpu_cache_gb=4 * HOST_BLOCKS * BLOCK / (1 << 30))
+    with store_of(kind, config, tmp_path, caches) as (store, figures):
+        async with aiokv.OffloadEngine(store, caches,
+                                       aiokv.EngineConfig(request_timeout_ms=500)) as engine:
+            assert (await offload(engine, 1)).stored_tokens == USER_PAGES * PAGE
+            reads = held(monkeypatch, ssd_module.SsdTier, "_run",
+                         lambda tier, request, *args: not request.is_write)
+            try:
+                with pytest.raises(aiokv.RequestTimeout):  # embedded: its load's
+                    hit = await engine.lookup(0, USER_PAGES * PAGE)
+                    await engine.load(hit, TARGET)
+                assert reads.entered.is_set()  # it waited for the reads held
+                async with await engine.lookup(1, USER_PAGES * PAGE) as other:
+                    assert other.cached_tokens == USER_PAGES * PAGE
+                assert (await offload(engine, 2)).stored_tokens == USER_PAGES * PAGE
+            finally:
+                reads.set()
+            # The reads given up on end by themselves: then user 0 is read whole again.
+            await asyncio.to_thread(wait_for, lambda: figures()["bytes_ssd_read"]
+                                    >= USER_PAGES * BLOCK, "the held reads' end")
+            assert await user_0_loads_whole(engine, caches, original)
+            await engine.clear()
+            await asyncio.to_thread(wait_for, lambda: figures()["host_blocks_used"] == 0,
+                                    "every host block given back")
+            stats = figures()
+            assert stats.get("server_tasks_open", 0) == 0
+            assert stats.get("server_gets_staging", 0) == 0
