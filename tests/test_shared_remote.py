@@ -128,8 +128,8 @@ def _waits_for_a_read(monkeypatch: pytest.MonkeyPatch, pages: int) -> threading.
     real = Service.get_match
 
     def get_match(self: Service, client: Any, tokens: int, digests: list[bytes],
-                  namespace: tuple[str, ...]) -> Any:
-        entry = real(self, client, tokens, digests, namespace)
+                  namespace: tuple[str, ...], **keys: Any) -> Any:
+        entry = real(self, client, tokens, digests, namespace, **keys)
         if isinstance(entry, Retry) and len(digests) == pages:
             waiting.set()
         return entry
