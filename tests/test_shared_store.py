@@ -320,6 +320,29 @@ def test_sigterm_drains_and_exits_0(tmp_path: Path) -> None:
     assert not server.socket.exists()
 
 
+def test_a_sigterm_as_soon_as_the_server_listens_drains_it(tmp_path: Path) -> None:
+    """The command's server (``start(handle_signals=True)``, main thread) has its
+    handlers in before it says it listens: a SIGTERM right then drains it, exit as
+    usual, rather than ending the process (the default action)."""
+    import faulthandler
+
+    from aiokv.stores.shared.server import StoreServer
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    server = StoreServer(tmp_path / "run" / "store.sock",
+                         aiokv.StoreConfig(cpu_cache_gb=0.001), drain_timeout_s=5)
+    try:
+        server.start(handle_signals=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # this process's own handler runs here
+        assert server.stopping
+        server.serve()  # drains and returns
+        assert not (tmp_path / "run" / "store.sock").exists()
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        faulthandler.unregister(signal.SIGUSR1)
+
+
 def test_sigusr1_logs_every_threads_stack_and_the_server_goes_on(tmp_path: Path) -> None:
     server = Server(tmp_path).start()
     assert server.process is not None

@@ -4,9 +4,7 @@ store server (:mod:`.server`)."""
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -70,14 +68,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         _, store = load_config(args.config)
         server = StoreServer(args.socket, store, drain_timeout_s=args.drain_timeout)
-        server.start()
+        server.start(handle_signals=True)
     except ConfigError as exc:
         log.error("aiokv store-server: %s", exc)
         return 2
-    # Dumped from the signal handler in C: answers even while the serving thread is
-    # blocked in a call and never returns to Python.
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    server.serve(handle_signals=True)
+    server.serve()
     return 0
 
 

@@ -28,6 +28,7 @@ exits 0.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import selectors
@@ -35,6 +36,7 @@ import signal
 import socket
 import stat
 import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -151,7 +153,11 @@ class StoreServer:
 
     # ---- lifecycle -----------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, handle_signals: bool = False) -> None:
+        """Bind and listen (ConfigError for a socket or SSD directory in use, ...);
+        ``handle_signals`` (the command's, on the main thread): :meth:`handle_signals`
+        once those refusals are behind it and before it says it listens, so that a signal
+        sent then finds them, not the default that ends the process."""
         check_socket_path(self.path)
         private_directory(self.path.parent)
         self._locks.append(DirLock(self.path.parent, "--socket", str(self.path),
@@ -161,6 +167,8 @@ class StoreServer:
         self.service.allocate()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # a dead server's: the lock says none is alive
+        if handle_signals:
+            self.handle_signals()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.path))
         os.chmod(self.path, 0o600)
@@ -190,12 +198,17 @@ class StoreServer:
             with contextlib.suppress(BlockingIOError):
                 os.write(self._wake_w, b"x")
 
-    def serve(self, handle_signals: bool = False) -> None:
+    def handle_signals(self) -> None:
+        """SIGTERM and SIGINT drain (:meth:`stop`), SIGUSR1 writes every thread's stack
+        to stderr (from C, by faulthandler: also while the serving thread is blocked in a
+        call). The main thread's only (ValueError on another)."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: self.stop())
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+    def serve(self) -> None:
         if self._listener is None:
             self.start()
-        if handle_signals:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(signum, lambda *_: self.stop())
         try:
             while not self._drained():
                 wait_s = self._held.wait_s(self.service.wait_s(0.5))
