@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import heapq
+from collections.abc import Callable
+from typing import cast
 
 import pytest
 import torch
@@ -19,28 +22,60 @@ def request(loop: asyncio.AbstractEventLoop, name: str) -> Request:
     return Request(Kind.OFFLOAD, name, loop.create_future(), 16, None, (name,), None, 1)
 
 
+class ManualClock:
+    """The two things Deadlines asks of its loop, ``time`` and ``call_at``, on a clock that
+    moves only when told: a deadline is checked against the time the timer fires at, not
+    against how long a loaded host took to run the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._timers: list[tuple[float, int, asyncio.TimerHandle, Callable[[], object]]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Callable[..., object],
+                *args: object) -> asyncio.TimerHandle:
+        handle = asyncio.TimerHandle(when, callback, args, asyncio.get_running_loop())
+        heapq.heappush(self._timers, (when, id(handle), handle, lambda: callback(*args)))
+        return handle
+
+    def advance_to(self, now: float) -> None:
+        """Move to ``now``, running each timer due by then at its own time, in order."""
+        while self._timers and self._timers[0][0] <= now:
+            when, _, handle, run = heapq.heappop(self._timers)
+            if not handle.cancelled():
+                self.now = max(self.now, when)
+                run()
+        self.now = now
+
+
 @pytest.mark.asyncio
 async def test_each_pending_request_expires_at_its_own_deadline() -> None:
     loop = asyncio.get_running_loop()
+    clock = ManualClock()
     expired: list[tuple[str, float]] = []
-    start = loop.time()
 
     def expire(r: Request) -> None:
-        expired.append((str(r.user_id), loop.time() - start))
+        expired.append((str(r.user_id), clock.time()))
         r.future.set_exception(TimeoutError())
 
-    deadlines = Deadlines(loop, 0.08, expire)
+    deadlines = Deadlines(cast(asyncio.AbstractEventLoop, clock), 0.08, expire)
     first, done, late = request(loop, "first"), request(loop, "done"), request(loop, "late")
     deadlines.add(first)
     deadlines.add(done)
-    await asyncio.sleep(0.05)
+    clock.advance_to(0.05)
     deadlines.add(late)
     done.future.set_result(None)  # resolved in time: must never be expired
-    await asyncio.wait_for(asyncio.gather(first.future, late.future, return_exceptions=True), 5)
-    assert [name for name, _ in expired] == ["first", "late"]
-    first_at, late_at = expired[0][1], expired[1][1]
-    assert first_at >= 0.079  # not before its deadline (the loop clock has ms steps)
-    assert late_at >= 0.05 + 0.079  # armed again for the next head, not fired early
+    clock.advance_to(0.0799)
+    assert expired == []  # not before its deadline
+    clock.advance_to(0.129)
+    assert expired == [("first", 0.08)]  # at its deadline, "late" not with it
+    clock.advance_to(1.0)
+    # The timer was armed again for the next pending head, and fired at its deadline.
+    assert expired == [("first", 0.08), ("late", 0.05 + 0.08)]
+    await asyncio.gather(first.future, late.future, return_exceptions=True)
+    assert not done.future.exception()
     assert len(deadlines) == 0
     deadlines.close()
 
