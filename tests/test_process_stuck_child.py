@@ -64,6 +64,27 @@ SITECUSTOMIZE = textwrap.dedent(
             while True:
                 time.sleep(3600)
 
+        def watched_pid(fd):  # the process a pidfd refers to, None for another descriptor
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != "anon_inode:[pidfd]":
+                    return None
+                with open(f"/proc/self/fdinfo/{fd}") as info:
+                    return next(int(line.split()[1]) for line in info
+                                if line.startswith("Pid:"))
+            except (OSError, TypeError, StopIteration):
+                return None
+
+        def tell_who_is_watched():  # once a wait with no timeout is on a process's end
+            import select
+            real_select = select.select
+
+            def waiting_select(r, w, x, timeout=None):
+                pids = [pid for pid in map(watched_pid, r) if pid is not None]
+                if pids and timeout is None:
+                    tell(*pids)
+                return real_select(r, w, x, timeout)
+            select.select = waiting_select
+
         if fault == "stuck_register":
             LocalStore.register = stuck_register
         elif fault == "starts_a_process":
@@ -72,6 +93,8 @@ SITECUSTOMIZE = textwrap.dedent(
             LocalStore.store_stats = stop_mid_answer
         elif fault == "stuck_stats":
             LocalStore.store_stats = stuck_stats
+        elif fault == "tells_who_is_watched":
+            tell_who_is_watched()
     """
 )
 
@@ -104,10 +127,10 @@ def with_fault(tmp_path: Path, fault: str) -> dict[str, str]:
                                                          os.environ.get("PYTHONPATH")])))
 
 
-def pids_when_written(path: Path, engine: subprocess.Popen[bytes]) -> list[int]:
+def pids_when_written(path: Path, engine: subprocess.Popen[bytes] | None) -> list[int]:
     deadline = time.monotonic() + 60
     while not path.exists():
-        assert engine.poll() is None, "the engine's process ended first"
+        assert engine is None or engine.poll() is None, "the engine's process ended first"
         assert time.monotonic() < deadline, "the store process never wrote its pids"
         time.sleep(0.05)
     return [int(pid) for pid in path.read_text().split()]
@@ -221,10 +244,15 @@ def test_a_launcher_between_the_engine_and_its_store_process_is_no_orphaning(
     launcher.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(launcher))
     monkeypatch.setattr(spawn, "ORPHAN_GRACE_S", 0.25)
+    for key, value in with_fault(tmp_path, "tells_who_is_watched").items():
+        monkeypatch.setenv(key, value)
     store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
     store.register([torch.zeros(16, 2, 4, 2, 8)])
     try:
-        time.sleep(1.0)  # past the grace, and the watch's look (twice a second)
+        # Seen, not assumed after a sleep: the store process's watch waits, with no
+        # timeout, for this process's end (the engine's), not for its parent's (the
+        # launcher's, which a watch of getppid() took for the engine's end at once).
+        assert pids_when_written(tmp_path / "pids", None) == [os.getpid()]
         task, _ = store.get_match(np.arange(8, dtype=np.int64), ())
         store.cancel([task])
         assert store.restarts == 0
