@@ -128,7 +128,7 @@ async def then_cleared(engine: aiokv.OffloadEngine) -> AsyncIterator[list[aiokv.
 
 async def given_back(hit: aiokv.Lookup) -> None:
     """Wait until the Lookup's ttl gives its reservation back (it says so: not held)."""
-    for _ in range(1000):
+    for _ in range(6000):
         if not hit.held:
             break
         await asyncio.sleep(0.01)
@@ -231,7 +231,7 @@ async def test_a_lookup_after_one_given_back_finds_the_pages_still_being_read_in
         try:
             hit = await engine.lookup(0, HISTORY)
             assert hit.cached_tokens == HISTORY
-            assert await asyncio.to_thread(gate.entered.wait, 10)  # its reads are out
+            assert await asyncio.to_thread(gate.entered.wait, 60)  # its reads are out
             if how == "release":
                 hit.release()
             else:
@@ -282,7 +282,7 @@ class ChildReadsHeld:
             filter(None, [str(directory), os.environ.get("PYTHONPATH")])))
 
     def entered(self) -> bool:
-        for _ in range(1000):
+        for _ in range(6000):
             if self._gate.with_suffix(".entered").exists():
                 return True
             time.sleep(0.01)
@@ -315,14 +315,14 @@ async def test_a_lookup_evicted_while_its_reads_are_out_gives_its_blocks_back_on
             hit = await engine.lookup(0, HISTORY)
             assert hit.cached_tokens == HISTORY
             if isinstance(gate, Gate):
-                assert await asyncio.to_thread(gate.entered.wait, 10)  # its reads are out
+                assert await asyncio.to_thread(gate.entered.wait, 60)  # its reads are out
             else:
                 assert await asyncio.to_thread(gate.entered)
             assert await engine.evict(0) == HISTORY
             assert engine.stats().store_tasks_open == 0
         finally:
             gate.set()
-        for _ in range(1000):
+        for _ in range(6000):
             stats = engine.stats()
             if (stats.host_blocks_used, stats.ssd_blocks_used) == (0, 0):
                 break
@@ -335,7 +335,7 @@ async def given_back_while_read(engine: aiokv.OffloadEngine, gate: Gate) -> None
     by ``gate``)."""
     hit = await engine.lookup(0, HISTORY)
     assert hit.cached_tokens == HISTORY
-    assert await asyncio.to_thread(gate.entered.wait, 10)
+    assert await asyncio.to_thread(gate.entered.wait, 60)
     hit.release()
 
 
@@ -420,7 +420,7 @@ async def test_a_lookup_given_back_whose_reads_come_in_only_at_close_leaks_nothi
         async with then_cleared(engine):
             hit = await engine.lookup(0, HISTORY)
             assert hit.cached_tokens == HISTORY
-            assert await asyncio.to_thread(gate.entered.wait, 10)  # its reads are out
+            assert await asyncio.to_thread(gate.entered.wait, 60)  # its reads are out
             if how == "evict":
                 assert await engine.evict(0) == HISTORY
                 assert (await engine.load(hit, DEST)).loaded_tokens == 0
@@ -515,7 +515,7 @@ async def test_a_held_prefetch_over_both_tiers_gives_way_and_still_loads_it_all(
         assert held_hit.cached_tokens == HISTORY
         hit = await engine.lookup(7, len(BIG) * PAGE)
         assert hit.cached_tokens == len(BIG) * PAGE
-        got = await asyncio.wait_for(engine.load(hit, BIG_DEST), 10.0)
+        got = await asyncio.wait_for(engine.load(hit, BIG_DEST), 60.0)
         assert got.loaded_tokens == len(BIG) * PAGE
         assert intact(caches, BIG_DEST, BIG)
         assert (await engine.load(held_hit, DEST)).loaded_tokens == HISTORY
