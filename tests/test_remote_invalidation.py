@@ -42,7 +42,7 @@ def test_an_evict_from_a_host_that_missed_earlier_evicts_ends_what_is_served_now
         assert a.kv.evict(1701) == TOKENS
         gate = held(monkeypatch, Writer, "_write")
         assert a.offload(1701) == TOKENS
-        assert gate.entered.wait(10), "the writer did not take the put"
+        assert gate.entered.wait(60), "the writer did not take the put"
         b = LocalHost(mooncake.master)
         try:
             assert b.kv.evict(1701) == 0  # nothing in its own tiers
@@ -89,7 +89,7 @@ def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
             until(lambda: b.stats()["remote_blocks_written"] == USER_PAGES)
         finally:
             b.close()
-        assert gate.entered.wait(10), "the invalidation did not remove"
+        assert gate.entered.wait(60), "the invalidation did not remove"
         gate.set()
     finally:
         a.close()  # after its remove
@@ -200,7 +200,7 @@ def test_writes_an_evict_takes_back_are_counted_as_dropped(
     try:
         gate = held(monkeypatch, Writer, "_write")
         assert a.offload(1751) == TOKENS
-        assert gate.entered.wait(10), "the writer did not take the put"
+        assert gate.entered.wait(60), "the writer did not take the put"
         assert a.offload(1752) == TOKENS  # queued behind it
         assert a.stats()["remote_write_queue_blocks"] == USER_PAGES
         assert a.kv.evict(1752) == TOKENS  # waits timeout_ms for the write under way
