@@ -339,7 +339,7 @@ def test_a_call_interrupted_while_its_request_is_half_sent_breaks_the_store_too(
 ) -> None:
     # A Ctrl-C inside a large send: the child has part of a request; the next call's
     # bytes must not be read as the rest of it (a wedged child, a call timed out).
-    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01), call_timeout_s=30)
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01), call_timeout_s=120)
     store.register(make_caches())
     assert store._link is not None
     conn = store._link.conn
@@ -355,7 +355,7 @@ def test_a_call_interrupted_while_its_request_is_half_sent_breaks_the_store_too(
     began = time.monotonic()
     with pytest.raises(aiokv.StoreError, match="interrupted"):
         store.get_match(np.arange(2 * PAGE_SIZE, dtype=np.int64), ["nothing here"])
-    assert time.monotonic() - began < 10
+    assert time.monotonic() - began < 60  # refused at once, not timed out at 120 s
     store.close()
 
 
@@ -377,15 +377,15 @@ def test_an_answer_that_does_not_pickle_or_a_system_exit_fails_its_call_alone(
 ) -> None:
     conn, ends, thread = _serve_in_thread(monkeypatch, _OddAnswers(PAGE_SIZE))
     conn.send(("evict", (("n",), None)))  # (namespace, deadline)
-    assert conn.poll(10), "the child answered nothing"
+    assert conn.poll(60), "the child answered nothing"
     ok, error = conn.recv()
     assert not ok and isinstance(error, aiokv.StoreError) and "cannot pickle" in str(error)
     conn.send(("clear", None))
-    assert conn.poll(10), "the child answered nothing"
+    assert conn.poll(60), "the child answered nothing"
     ok, error = conn.recv()
     assert not ok and isinstance(error, aiokv.StoreError) and "SystemExit" in str(error)
     conn.send(("put_match", (np.arange(2 * PAGE_SIZE, dtype=np.int64), ("n",))))
-    assert conn.poll(10), "the child stopped serving"
+    assert conn.poll(60), "the child stopped serving"
     ok, _ = conn.recv()
     assert ok  # served on
     conn.send(("close", None))
@@ -634,7 +634,7 @@ def test_this_process_hears_of_ended_tasks_from_the_child() -> None:
     reader = store._notices.reader
     store.close()
     assert reader is not None
-    reader.join(10)
+    reader.join(60)
     assert not reader.is_alive()  # close ends the reader thread
 
 
@@ -676,7 +676,7 @@ def _serve_in_thread(monkeypatch: pytest.MonkeyPatch, store: Any) -> tuple[Any, 
     thread.start()
     cache_fds.send(conn, (None, None))  # the start message, as ProcessStore sends it
     assert conn.recv() == ("ready", PAGE_SIZE)
-    ends_here.settimeout(10)
+    ends_here.settimeout(60)
     return conn, ends_here, thread
 
 
@@ -715,7 +715,7 @@ def test_the_child_loop_polls_a_store_that_does_not_notify_and_tells(
     store.held = True
     conn, ends, thread = _serve_in_thread(monkeypatch, store)
     task = _launch_one(conn)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while store.waits < 3:  # polled again and again while its task runs
         assert time.monotonic() < deadline
         time.sleep(0.001)

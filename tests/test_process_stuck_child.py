@@ -149,7 +149,7 @@ def test_a_store_process_ends_with_what_it_started_when_its_engine_is_killed(
         pids = pids_when_written(tmp_path / "pids", engine)
         engine.kill()
         engine.wait()
-        deadline = time.monotonic() + 20  # its grace is 0.5 s, its watch looks twice a second
+        deadline = time.monotonic() + 60  # its grace is 0.5 s, its watch looks twice a second
         while any(map(alive, pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [pid for pid in pids if alive(pid)], "outlived the engine's process"
@@ -172,7 +172,7 @@ def test_an_answer_stopped_half_way_fails_its_call_at_call_timeout_s(
         first = store.pid
         started = time.monotonic()
         store.store_stats()  # the figures it gave last ({} here): it failed, not hung
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < 60  # failed at 1 s, not waited on for good
         assert "did not finish its answer to store_stats within 1 s" in caplog.text
         store.get_match(np.arange(8, dtype=np.int64), ())  # a new child serves
         assert store.pid != first
@@ -194,7 +194,7 @@ def test_a_killed_child_that_exits_late_is_still_restarted(
     try:
         first = store.pid
         store.store_stats()  # the child is killed at call_timeout_s
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while alive(first) and time.monotonic() < deadline:
             time.sleep(0.05)
         for _ in range(100):  # calls fail fast ("not answering") until it is reaped
