@@ -112,6 +112,8 @@ def test_a_host_does_not_read_what_its_evict_ends_until_the_marker_is_out(
         until(lambda: x.stats()["remote_blocks_written"] == USER_PAGES)
         assert x.kv.evict(1741) == TOKENS
         assert x.offload(1741) == TOKENS
+        # Seen written before the close, which gives a batch under way 500 ms only.
+        until(lambda: x.stats()["remote_blocks_written"] >= 2 * USER_PAGES)
     finally:
         assert x.close()["remote_blocks_written"] == 2 * USER_PAGES
     monkeypatch.setattr(Markers, "end", failing_first_call(Markers.end, "the master went away"))

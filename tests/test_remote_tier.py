@@ -55,6 +55,14 @@ def offload_until_one_reaches(a: LocalHost, b: LocalHost, first_user: int, why: 
         assert time.monotonic() < deadline, why
 
 
+def closed_once_written(host: LocalHost, blocks: int) -> dict[str, Any]:
+    """``host`` closed once its remote tier has written ``blocks`` blocks (its figures):
+    a close gives a write batch under way timeout_ms (500 ms here), which a loaded
+    host's batch can take, and then leaves it unwritten (the CI runner saw it so)."""
+    until(lambda: host.stats()["remote_blocks_written"] >= blocks)
+    return host.close()
+
+
 def test_hosts_share_blocks_and_an_evict_reaches_every_host(mooncake: MooncakeServers) -> None:
     a = ChildHost(mooncake.master)
     try:
@@ -115,7 +123,7 @@ def test_large_blocks_travel_bit_exact_and_are_evicted_too(mooncake: MooncakeSer
     # these are put and read as two slices (block, checksum) straight from the pool.
     a = LocalHost(mooncake.master, head_dim=4096)
     assert a.offload(95) == TOKENS
-    assert a.close()["remote_blocks_written"] == USER_PAGES
+    assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
     b = LocalHost(mooncake.master, head_dim=4096)
     try:
         assert b.load(95) == (TOKENS, True)
@@ -141,7 +149,7 @@ def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
     # 128 KiB blocks: 0.01 GB is 81 of them, fewer than B's own 24 users' 192.
     a = LocalHost(mooncake.master, head_dim=1024)
     assert a.offload(91) == TOKENS
-    assert a.close()["remote_blocks_written"] == USER_PAGES
+    assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
     b = LocalHost(mooncake.master, head_dim=1024)
     try:
         for user in range(300, 324):
@@ -169,7 +177,7 @@ def test_a_lookup_keeps_its_host_prefix_while_it_reads_the_rest_from_mooncake(
     # that took the lookup's own first half, and the lookup found 0 tokens.
     a = LocalHost(mooncake.master, head_dim=1024)
     assert a.offload(92) == TOKENS
-    assert a.close()["remote_blocks_written"] == USER_PAGES
+    assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
     # 16 blocks of 128 KiB: what B writes to the session's Mooncake store stays small (a
     # store near full evicts the values later tests read).
     b = LocalHost(mooncake.master, head_dim=1024, cpu_cache_gb=16 * 128 / 2**20)
@@ -220,7 +228,7 @@ def test_lookups_of_one_namespace_in_a_batch_each_bring_their_own_pages(
         for cache, layer in zip(a.caches, kv, strict=True):
             cache[:USER_PAGES] = layer
         a.kv.offload(740, torch.arange(USER_PAGES), TOKENS, token_ids=prompt, namespace=namespace)
-    assert a.close()["remote_blocks_written"] == 2 * USER_PAGES - 2
+    assert closed_once_written(a, 2 * USER_PAGES - 2)["remote_blocks_written"] == 2 * USER_PAGES - 2
     b = LocalHost(mooncake.master, engine=one_batch(2))
     try:
         hits = [f.result() for f in [b.kv.submit_lookup(742 + i, TOKENS, token_ids=prompt,
@@ -244,7 +252,7 @@ def test_a_user_asked_twice_in_a_batch_gets_the_longer_lookup_whole(
 ) -> None:
     a = LocalHost(mooncake.master)
     assert a.offload(745) == TOKENS
-    assert a.close()["remote_blocks_written"] == USER_PAGES
+    assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
     b = LocalHost(mooncake.master, engine=one_batch(2))
     try:
         half = b.kv.submit_lookup(745, TOKENS // 2)
@@ -277,7 +285,7 @@ def test_a_lookup_asks_mooncake_for_the_pages_past_its_ssd_copy(
     a.close()
     b = LocalHost(mooncake.master)
     assert b.offload(746) == TOKENS
-    b.close()
+    assert closed_once_written(b, USER_PAGES)["remote_blocks_written"] == USER_PAGES
     a = LocalHost(mooncake.master, ssd_dir=tmp_path, timeout_ms=20000)
     try:
         assert a.load(746) == (TOKENS, True)  # SSD pages, then Mooncake's, bit for bit
@@ -295,7 +303,7 @@ def test_a_lookup_that_asks_twice_waits_timeout_ms_in_all(
     # together do not: the lookup is a miss at timeout_ms, not a hit after twice that.
     a = LocalHost(mooncake.master, head_dim=1024)  # 128 KiB blocks: 81 on the host tier
     assert a.offload(960) == TOKENS
-    assert a.close()["remote_blocks_written"] == USER_PAGES
+    assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
     b = LocalHost(mooncake.master, head_dim=1024, timeout_ms=1000)
     try:
         for user in range(961, 972):  # 88 blocks
@@ -405,7 +413,7 @@ def test_remote_traffic_shows_in_engine_stats_and_prometheus(mooncake: MooncakeS
 def test_a_host_with_another_geometry_never_matches(mooncake: MooncakeServers) -> None:
     a = LocalHost(mooncake.master)
     assert a.offload(11) == TOKENS
-    assert a.close()["remote_blocks_written"] == USER_PAGES
+    assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
     other = LocalHost(mooncake.master, dtype=torch.float64)
     try:
         with other.kv.lookup(11, TOKENS) as hit:
@@ -435,7 +443,7 @@ def test_a_corrupted_value_is_a_miss_from_there_on(
     user = 21 if damage == "flipped" else 22
     a = LocalHost(mooncake.master, head_dim=head_dim)
     assert a.offload(user) == TOKENS
-    assert a.close()["remote_blocks_written"] == USER_PAGES
+    assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
     # Damage the third block's value in place (upsert replaces a value; put keeps it).
     block_shape = (LAYERS, 2, PAGE_SIZE, HEADS, head_dim)
     keys = Keys(geometry_tag(block_shape, torch.float32, PAGE_SIZE))
@@ -610,7 +618,7 @@ def test_a_store_that_stops_answering_turns_lookups_into_misses(
 ) -> None:
     a = LocalHost(mooncake.master)
     assert a.offload(51) == TOKENS
-    assert a.close()["remote_blocks_written"] == USER_PAGES
+    assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
     b = LocalHost(mooncake.master, timeout_ms=300)
     try:
         mooncake.pause_store()
