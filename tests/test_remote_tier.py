@@ -39,6 +39,10 @@ from aiokv.stores.local.digests import chain_digests
 
 pytestmark = needs_mooncake()
 
+# For a fresh host whose first lookup must answer (it waits behind the connect), also on a
+# loaded machine: a lookup that times out is a miss (the default timeout_ms is 500 ms).
+FRESH_MS = 20_000
+
 
 def offload_until_one_reaches(a: LocalHost, b: LocalHost, first_user: int, why: str) -> None:
     """``a`` offloads fresh users from ``first_user`` on until ``b`` loads one whole from
@@ -69,7 +73,7 @@ def test_hosts_share_blocks_and_an_evict_reaches_every_host(mooncake: MooncakeSe
         assert a("offload", user=1, pages=USER_PAGES) == {"stored": TOKENS}
         assert a("offload", user=2, pages=USER_PAGES) == {"stored": TOKENS}
         a("restart")  # finishes the background writes; A's host tier starts empty
-        b = LocalHost(mooncake.master)
+        b = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
         try:
             assert b.load(1) == (TOKENS, True)  # remote -> host -> pages, bit for bit
             assert b.kv.evict(1) == TOKENS
@@ -124,7 +128,7 @@ def test_large_blocks_travel_bit_exact_and_are_evicted_too(mooncake: MooncakeSer
     a = LocalHost(mooncake.master, head_dim=4096)
     assert a.offload(95) == TOKENS
     assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
-    b = LocalHost(mooncake.master, head_dim=4096)
+    b = LocalHost(mooncake.master, head_dim=4096, timeout_ms=FRESH_MS)
     try:
         assert b.load(95) == (TOKENS, True)
     finally:
@@ -136,7 +140,8 @@ def test_large_blocks_travel_bit_exact_and_are_evicted_too(mooncake: MooncakeSer
         assert b.kv.evict(95) == 0  # nothing on B's host tier; the remote tier moves on
     finally:
         b.close()
-    c = LocalHost(mooncake.master, head_dim=4096)  # a host that learns it from the marker
+    # A host that learns it from the marker.
+    c = LocalHost(mooncake.master, head_dim=4096, timeout_ms=FRESH_MS)
     try:
         assert c.load(95)[0] == 0
     finally:
@@ -229,7 +234,7 @@ def test_lookups_of_one_namespace_in_a_batch_each_bring_their_own_pages(
             cache[:USER_PAGES] = layer
         a.kv.offload(740, torch.arange(USER_PAGES), TOKENS, token_ids=prompt, namespace=namespace)
     assert closed_once_written(a, 2 * USER_PAGES - 2)["remote_blocks_written"] == 2 * USER_PAGES - 2
-    b = LocalHost(mooncake.master, engine=one_batch(2))
+    b = LocalHost(mooncake.master, engine=one_batch(2), timeout_ms=FRESH_MS)
     try:
         hits = [f.result() for f in [b.kv.submit_lookup(742 + i, TOKENS, token_ids=prompt,
                                                         namespace=namespace)
@@ -253,7 +258,7 @@ def test_a_user_asked_twice_in_a_batch_gets_the_longer_lookup_whole(
     a = LocalHost(mooncake.master)
     assert a.offload(745) == TOKENS
     assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
-    b = LocalHost(mooncake.master, engine=one_batch(2))
+    b = LocalHost(mooncake.master, engine=one_batch(2), timeout_ms=FRESH_MS)
     try:
         half = b.kv.submit_lookup(745, TOKENS // 2)
         whole = b.kv.submit_lookup(745, TOKENS)
@@ -367,6 +372,7 @@ def test_remote_traffic_shows_in_engine_stats_and_prometheus(mooncake: MooncakeS
     aiokv.metrics.register(a.engine, a_metrics, store_timeout_s=30)
     for user in users:
         assert a.offload(user) == TOKENS
+    until(lambda: a.stats()["remote_blocks_written"] >= len(users) * USER_PAGES)
     a.close()  # finishes the background writes; the figures are final
     block_bytes = sum(cache[0].numel() * cache.element_size() for cache in a.caches)
     written = a.kv.stats()
@@ -379,7 +385,7 @@ def test_remote_traffic_shows_in_engine_stats_and_prometheus(mooncake: MooncakeS
     assert batches[("aiokv_remote_write_seconds_count",)] >= 1
     assert batches[("aiokv_remote_write_seconds_sum",)] > 0
 
-    b = LocalHost(mooncake.master)
+    b = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
     b_metrics = CollectorRegistry()
     aiokv.metrics.register(b.engine, b_metrics, store_timeout_s=30)
     try:
@@ -711,7 +717,7 @@ def test_an_evict_does_not_wait_for_another_users_write(
     finally:
         gate.set()
         a.close()
-    b = LocalHost(mooncake.master)
+    b = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
     try:
         assert b.load(3201)[0] == 0 and b.load(3202) == (TOKENS, True)
     finally:
