@@ -41,7 +41,7 @@ class MooncakeServers:
     master away and bring it back on the same port (its contents are lost, as Mooncake's
     are when a master without HA restarts); :meth:`close` stops both."""
 
-    def __init__(self, segment_mb: int = 256, lease_ms: int = 200,
+    def __init__(self, segment_mb: int = 256, lease_ms: int = 2000,
                  log_dir: str | os.PathLike[str] | None = None) -> None:
         import_store()  # the same libraries the programs need; ImportError says how
         self.segment_mb = segment_mb
@@ -70,7 +70,9 @@ class MooncakeServers:
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def start_master(self) -> None:
-        # A short lease: a get's lease keeps a value from removal (evict) until it ends.
+        # A get's lease keeps a value from removal (evict) until it ends, and a read not
+        # done within it fails (LEASE_EXPIRED: a miss). 2 s: a loaded box's read takes
+        # longer than Mooncake's 200 ms at times, and evicts wait the lease out.
         self._master = self._spawn("master", [
             program("mooncake_master"), "--rpc_address=127.0.0.1",
             f"--rpc_port={self._rpc_port}", "--metrics_host=127.0.0.1",
