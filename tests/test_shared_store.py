@@ -361,6 +361,12 @@ def test_sigusr1_logs_every_threads_stack_and_the_server_goes_on(tmp_path: Path)
         server.kill()
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP delivered: it runs nothing more)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
 def reply(sock: socket.socket) -> tuple[int, bytes]:
     """One reply frame from ``sock``, and nothing after it: (op, body)."""
     length, op = wire.HEAD.unpack(sock.recv(wire.HEAD.size, socket.MSG_WAITALL))
@@ -382,7 +388,8 @@ def test_a_put_reported_done_is_a_hit_for_a_lookup_made_after_it(tmp_path: Path)
         with connect(server) as a, connect(server) as b, connect(server) as c:
             for sock in (a, b, c):
                 hello(sock)
-                sock.settimeout(10)
+                # A server held up never answers; a loaded runner stalled one for 10 s.
+                sock.settimeout(60)
             a_channel = sockets.Channel(a)
             op, body = a_channel.call(wire.encode_match(wire.PUT, [(tokens, ["after"])],
                                                         PAGE_SIZE, []))
@@ -390,6 +397,10 @@ def test_a_put_reported_done_is_a_hit_for_a_lookup_made_after_it(tmp_path: Path)
             assert op == wire.ANSWERS and mask.all()
             server.process.send_signal(signal.SIGSTOP)
             try:
+                # Stopped before B's ping: a server still running could answer the ping
+                # before A's end came, and the order under test would never arise.
+                wait_for(lambda: stopped(server.process.pid),  # type: ignore[union-attr]
+                         "the server stops")
                 b.sendall(wire.frame(wire.PING))
                 time.sleep(0.05)  # B's ping is in before A's end (not ordering our work)
                 a_channel.send(wire.encode_end([task], []))  # A's put is done once sent
