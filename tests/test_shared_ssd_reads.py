@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -48,6 +49,8 @@ import aiokv
 from aiokv.stores.local import ssd as ssd_module
 from aiokv.stores.shared import SharedStore
 from aiokv.stores.shared import deferred as deferred_module
+from aiokv.stores.shared.service import Service
+from aiokv.stores.shared.tasks import Retry
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"),
                                 reason="the shared region needs memfd_create (Linux)")
@@ -70,6 +73,22 @@ def gone_mid_lookup(reader: SharedStore, user: int, figures: SharedStore,
     with pytest.raises(aiokv.StoreError):
         lookup.outcome()
     wait_for(lambda: figures.store_stats()["server_clients"] == clients_left, "the drop")
+
+
+def waits_for_a_read(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once the server has put a lookup off until another read of its key is in (a
+    Retry): the lookup reached the server while that read ran."""
+    waiting = threading.Event()
+    real = Service.get_match
+
+    def get_match(self: Service, *args: Any) -> Any:
+        entry = real(self, *args)
+        if isinstance(entry, Retry):
+            waiting.set()
+        return entry
+
+    monkeypatch.setattr(Service, "get_match", get_match)
+    return waiting
 
 
 def test_an_engine_waiting_on_ssd_reads_does_not_hold_up_the_others(
@@ -137,9 +156,12 @@ def test_a_lookup_of_a_key_still_read_for_a_gone_engine_waits_for_those_reads(
     figures, _ = host.engine()
     try:
         gone_mid_lookup(reader, 15, figures, clients_left=2)
+        waits = waits_for_a_read(monkeypatch)
         same_key = Call(lambda: twin.get_match(TOKENS, ["user:15"]))
-        same_key.join(0.5)  # time for the server to take it; it must not answer yet
-        assert same_key.is_alive()
+        # Taken by the server while the reads go on (after a fixed sleep, on a loaded
+        # host, it could come once they were in, and hit without waiting for them).
+        assert waits.wait(30), "the lookup did not wait for the gone engine's reads"
+        assert same_key.is_alive()  # and not answered meanwhile
         gate.set()
         task, mask = same_key.outcome()
         assert mask.sum() == PAGES * PAGE_SIZE
