@@ -229,7 +229,10 @@ def test_a_client_that_streams_while_its_evict_waits_is_dropped(
         assert mask.all()
         loader.sendall(wire.encode_launch([task]))
         evictor.sendall(wire.encode_json({"op": "evict", "ns": ["user:4"]}))
-        time.sleep(0.2)
+        assert server.server is not None
+        peers = server.server.peers
+        wait_for(lambda: any(conn.evicting is not None for conn in peers()),
+                 "the evict waiting for the loader")  # then its stream comes
         # A send that times out is no drop (a server that stopped reading): only a broken
         # pipe or a reset is. 60 s: a loaded runner can stall the server for over 10 s.
         evictor.settimeout(60)

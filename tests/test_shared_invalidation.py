@@ -104,7 +104,13 @@ def test_an_evict_waits_for_a_load_of_the_key_under_way_elsewhere(host: Host) ->
         task, _ = reader.get_match(TOKENS, ["user:2"])
         launch_load(reader, reader_tables, task)  # copying; its end not reported yet
         evict = Call(lambda: writer.clear())
-        evict.join(0.5)
+        # The clear at the server, its answer waiting (a clear that came only after the
+        # load's end, as a fixed sleep allowed on a loaded host, waits for nothing).
+        assert host.server is not None
+        server = host.server
+        wait_for(lambda: any(conn.evicting is not None for conn in server.peers()),
+                 "the clear waiting at the server")
+        evict.join(0.5)  # an answer sent all the same would reach it meanwhile
         assert evict.is_alive(), "the clear answered before a load under way ended"
         got = result(reader, task)
         assert got.status is TaskStatus.SUCCESS and got.mask is not None
@@ -199,6 +205,9 @@ def test_an_evict_answers_once_its_ssd_voids_are_written(
         wait_for(lambda: writer.store_stats()["bytes_ssd_written"] > 0, "the SSD copy")
         gate = held(monkeypatch, ssd_voids.HeaderVoids, "_void_one")
         evict = Call(lambda: writer.evict(["user:6"]))
+        # Its voids under way (an evict not yet at the server after a fixed sleep, on a
+        # loaded host, proved nothing), then time for an early answer to come.
+        assert gate.entered.wait(30), "the evict wrote no SSD void"
         evict.join(0.5)
         assert evict.is_alive(), "the evict answered before its SSD voids were written"
         gate.set()
