@@ -24,7 +24,8 @@ unanswered requests (not counting those of killed engines), and the server's ope
 once the engines are gone.
 
     python benchmarks/shared_soak.py [--engines 3] [--seconds 60] [--users 32] [--clients 64]
-        [--kill-every 0] [--restart-every 0] [--remote] [--json PATH]
+        [--kill-every 0] [--restart-every 0] [--min-loads 0] [--min-evicts 0] [--remote]
+        [--json PATH]
     python benchmarks/shared_soak.py --quick   # about 14 s with faults, for CI
 """
 
@@ -291,11 +292,20 @@ class Soak:
         self.outcomes[f"{kind}:{reply.get('error', 'ok')}"] += 1
         return reply
 
+    def going(self, until: float) -> bool:
+        """Whether the callers go on: until ``until``, every fault asked for and the
+        loads checked and evicts returned that were asked for (--min-loads,
+        --min-evicts), whichever comes last: a slow box runs longer rather than check
+        less."""
+        return (time.monotonic() < until or not self.faulted
+                or len(self.loads) < self.args.min_loads
+                or self.outcomes["evict:ok"] < self.args.min_evicts)
+
     async def client(self, until: float) -> None:
         """One caller: a request at a time, each for a random user (so that one user's
         loads race its evicts from other callers)."""
         rng = self.rng
-        while time.monotonic() < until or not self.faulted:
+        while self.going(until):
             user = rng.randrange(self.args.users)
             kind = rng.choices(("offload", "load", "evict"), (0.4, 0.5, 0.1))[0]
             if kind == "load":
@@ -435,9 +445,15 @@ def main() -> int:
     parser.add_argument("--ssd-mb", type=float, default=8.0, help="its SSD tier")
     parser.add_argument("--kill-every", type=float, default=0.0, help="seconds; 0: never")
     parser.add_argument("--restart-every", type=float, default=0.0, help="seconds; 0: never")
+    parser.add_argument("--min-loads", type=int, default=0,
+                        help="the callers go on past --seconds until this many loads are "
+                             "checked")
+    parser.add_argument("--min-evicts", type=int, default=0,
+                        help="and until this many evicts have returned")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
-                        help="9 s, 2 engines, one killed every 4 s, the server every 6 s")
+                        help="9 s, 2 engines, one killed every 4 s, the server every 6 s; "
+                             "600 loads checked and 120 evicts returned at least")
     parser.add_argument("--remote", action="store_true",
                         help="the server with a Mooncake tier below (a master and a store "
                              "process started here): what a restart lost comes back from it")
@@ -445,6 +461,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.seconds, args.engines, args.kill_every, args.restart_every = 9.0, 2, 4.0, 6.0
+        args.min_loads, args.min_evicts = 600, 120
     with contextlib.ExitStack() as stack:
         directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="aiokv-shared-soak-"))
         master = None

@@ -29,7 +29,9 @@ def test_quick_shared_soak_loads_nothing_stale_through_kills(tmp_path: Path) -> 
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(out.read_text(encoding="utf-8"))
     assert figures["stale_loads"] == figures["corrupt_loads"] == figures["unanswered"] == 0
-    assert figures["loads_checked"] > 500  # loads were checked, page by page
+    # Loads were checked, page by page (--quick goes on until 600 are: a slow runner
+    # checked fewer than this in its 9 s).
+    assert figures["loads_checked"] > 500
     outcomes = figures["outcomes"]
     assert outcomes["evict:ok"] > 100 and outcomes["engines_killed"] >= 1
     assert outcomes["server_restarts"] >= 1
