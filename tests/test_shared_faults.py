@@ -234,7 +234,8 @@ def test_store_server_help_says_how_to_run_it_under_systemd(
 
 
 def test_sigterm_lets_open_tasks_end_then_exits_0(tmp_path: Path) -> None:
-    server = Server(tmp_path).start()
+    # A drain long enough that the holder's release lands in it on a loaded runner.
+    server = Server(tmp_path, drain_timeout_s=60).start()
     assert server.process is not None
     (holder,) = start_processes(server.socket, 1, kind="holder")
     try:
