@@ -81,14 +81,30 @@ def waits_for_a_read(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     waiting = threading.Event()
     real = Service.get_match
 
-    def get_match(self: Service, *args: Any) -> Any:
-        entry = real(self, *args)
+    def get_match(self: Service, *args: Any, **kwargs: Any) -> Any:
+        entry = real(self, *args, **kwargs)
         if isinstance(entry, Retry):
             waiting.set()
         return entry
 
     monkeypatch.setattr(Service, "get_match", get_match)
     return waiting
+
+
+def waits_for_the_reads_and_hits(store: SharedStore, tables: list[torch.Tensor], user: int,
+                                 gate: threading.Event,
+                                 monkeypatch: pytest.MonkeyPatch) -> bool:
+    """``store``'s lookup of ``user``, whose SSD reads another get started and ``gate``
+    holds, is put off until they are in (seen taken by the server while they go on:
+    after a fixed sleep, on a loaded host, it could come once they were in and hit
+    without waiting), is not answered meanwhile, then hits every page, bit for bit."""
+    waits = waits_for_a_read(monkeypatch)
+    same_key = Call(lambda: store.get_match(TOKENS, [f"user:{user}"]))
+    assert waits.wait(30), "the lookup did not wait for the reads under way"
+    assert same_key.is_alive()  # and not answered meanwhile
+    gate.set()
+    task, mask = same_key.outcome()
+    return bool(mask.sum() == PAGES * PAGE_SIZE) and load_exact(store, tables, user, task)
 
 
 def test_an_engine_waiting_on_ssd_reads_does_not_hold_up_the_others(
@@ -120,6 +136,33 @@ def test_an_engine_waiting_on_ssd_reads_does_not_hold_up_the_others(
     finally:
         gate.set()
         for store in (reader, twin, other):
+            store.close()
+
+
+def test_a_lookup_of_a_key_whose_reader_was_answered_at_its_deadline_waits_for_the_reads(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One engine's short request_timeout_ms is not a miss for another: its lookup is
+    answered at its deadline (its host prefix, none here) while the SSD reads it started
+    go on, and another engine's lookup of the key waits for those reads and hits."""
+    gate = on_ssd_only(host, 7, monkeypatch)
+    reader, _ = host.engine()
+    twin, twin_tables = host.engine()
+    figures, _ = host.engine()
+    try:
+        short = Call(lambda: reader.get_match_many([(TOKENS, ["user:7"])],
+                                                   deadline_s=time.monotonic() + 0.3))
+        wait_for(lambda: figures.store_stats()["server_gets_staging"] == 1, "the reads")
+        (answer,) = short.outcome(30)
+        assert not isinstance(answer, BaseException)
+        gave_up, gave_up_mask = answer
+        assert not gave_up_mask.any()  # answered at its deadline, the reads not in
+        reader.cancel([gave_up])
+        assert waits_for_the_reads_and_hits(twin, twin_tables, 7, gate, monkeypatch)
+        stats = figures.store_stats()
+        assert stats["server_gets_staging"] == 0 and stats["server_tasks_open"] == 0
+    finally:
+        gate.set()
+        for store in (reader, twin, figures):
             store.close()
 
 
@@ -156,16 +199,7 @@ def test_a_lookup_of_a_key_still_read_for_a_gone_engine_waits_for_those_reads(
     figures, _ = host.engine()
     try:
         gone_mid_lookup(reader, 15, figures, clients_left=2)
-        waits = waits_for_a_read(monkeypatch)
-        same_key = Call(lambda: twin.get_match(TOKENS, ["user:15"]))
-        # Taken by the server while the reads go on (after a fixed sleep, on a loaded
-        # host, it could come once they were in, and hit without waiting for them).
-        assert waits.wait(30), "the lookup did not wait for the gone engine's reads"
-        assert same_key.is_alive()  # and not answered meanwhile
-        gate.set()
-        task, mask = same_key.outcome()
-        assert mask.sum() == PAGES * PAGE_SIZE
-        assert load_exact(twin, twin_tables, 15, task)
+        assert waits_for_the_reads_and_hits(twin, twin_tables, 15, gate, monkeypatch)
     finally:
         gate.set()
         for store in (reader, twin, figures):

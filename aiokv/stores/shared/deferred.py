@@ -63,9 +63,11 @@ class DeferredGets:
         self._link = link
         self._remote = remote
         self._staging: dict[tuple[str, ...], int] = {}  # pending gets' keys -> how many
-        # Gets whose connection went while their SSD reads ran: the reads go on (they
-        # cannot be recalled) and their keys stay being read until they are in.
-        self._abandoned: list[PendingGet] = []
+        # Gets answered or gone while their SSD reads ran (at their engine's deadline,
+        # or their connection went): the reads go on (they cannot be recalled) and their
+        # keys stay being read until they are in, or until the time given (the server's
+        # own limit on a read).
+        self._abandoned: list[tuple[PendingGet, float]] = []
 
     @property
     def staging(self) -> int:
@@ -102,7 +104,7 @@ class DeferredGets:
         limit = time.monotonic() + SSD_STAGE_TIMEOUT_S
         give_up_at = min(limit, by)
         load.deadline = give_up_at
-        return PendingGet(task, load, pages, hit, namespace, give_up_at, by >= limit)
+        return PendingGet(task, load, pages, hit, namespace, give_up_at, limit)
 
     def settle(self, client: Client, entries: Sequence[Entry]) -> list[Entry]:
         """A deferred batch's entries again, the ready ones answered: pending gets whose
@@ -144,18 +146,25 @@ class DeferredGets:
                 self._link.cancel_load(entry.load)
                 # Its key stays being read until the reads are in: a get of it meanwhile
                 # waits for them (a Retry) rather than missing blocks still being filled.
-                self._abandoned.append(entry)
+                self._abandoned.append((entry, entry.limit))
         self._reap()
 
     def _finish(self, client: Client, pending: PendingGet) -> Answer:
         pending.ended = True
-        self._staged_out(pending.namespace)
         link, load = self._link, pending.load
         assert link is not None  # a load came from it
+        if load.staged and not load.finished and time.monotonic() < pending.limit:
+            # Answered at its engine's deadline, its reads go on: other engines' gets of
+            # the key wait for them (a Retry, up to their own deadlines) rather than miss
+            # blocks still being filled, as for a get whose engine went (one engine's
+            # short request_timeout_ms is not a miss for the others).
+            self._abandoned.append((pending, pending.limit))
+        else:
+            self._staged_out(pending.namespace)
         if load.finished:
             pending.hit = launch_staged(link, load)
         else:  # the get answers its host prefix; the reads go on, in a task of their own
-            if not pending.own_limit and time.monotonic() >= pending.give_up_at:
+            if pending.give_up_at < pending.limit and time.monotonic() >= pending.give_up_at:
                 # Its engine's request_timeout_ms: a short one is no fault of the server's.
                 log.debug("aiokv store-server: a get answered its host prefix at its "
                           "engine's deadline, %d SSD pages not read in by then",
@@ -178,11 +187,11 @@ class DeferredGets:
             return
         now = time.monotonic()
         still = []
-        for pending in self._abandoned:
-            if pending.load.finished or now >= pending.give_up_at:
+        for pending, until in self._abandoned:
+            if pending.load.finished or now >= until:
                 self._staged_out(pending.namespace)
             else:
-                still.append(pending)
+                still.append((pending, until))
         self._abandoned = still
 
     def _staged_out(self, namespace: tuple[str, ...]) -> None:

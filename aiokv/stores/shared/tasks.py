@@ -45,8 +45,8 @@ class Task:
 class PendingGet:
     """A get whose SSD pages (held since its match) wait for host room, then are read
     into host blocks: answered once they are in, or once ``give_up_at`` passes (then with
-    its host prefix): its batch's deadline, or the server's own limit
-    (``deferred.SSD_STAGE_TIMEOUT_S``) where that comes first (``own_limit``)."""
+    its host prefix): its batch's deadline, or the server's own ``limit``
+    (``deferred.SSD_STAGE_TIMEOUT_S`` after its match) where that comes first."""
 
     task: Task
     load: Load
@@ -54,7 +54,7 @@ class PendingGet:
     hit: int  # its host prefix, in pages
     namespace: tuple[str, ...]
     give_up_at: float
-    own_limit: bool = True  # give_up_at is the server's limit, not its engine's deadline
+    limit: float  # the server's own limit on its reads
     # Its key was evicted ("evicted") or cleared ("cleared") meanwhile: answered, then
     # taken back so.
     invalidated: str | None = None
