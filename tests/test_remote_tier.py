@@ -518,6 +518,53 @@ def test_the_master_going_away_turns_lookups_into_misses(tmp_path: Path) -> None
             b.close()
 
 
+def test_a_master_gone_between_the_connects_question_and_setup_costs_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The master went away after the connect's question found it up, while Mooncake's
+    # setup ran: setup retried it for 90 s with the GIL held, and a lookup waiting then on
+    # a host with timeout_ms=200 failed RequestTimeout (its timeout_ms could not run out:
+    # the loop and the store thread were stopped with every other thread).
+    asked, go = threading.Event(), threading.Event()
+    answers, submit = remote_connection.master_answers, RemoteIO.submit_read
+
+    def answers_then_waits(config: Any) -> None:
+        answers(config)
+        if config.timeout_ms == 200 and not asked.is_set():  # host B's first connect
+            asked.set()
+            assert go.wait(60)
+
+    def submit_then_go(io: RemoteIO, function: Any, *args: Any) -> Any:
+        future = submit(io, function, *args)
+        if io.config.timeout_ms == 200:
+            go.set()  # B's lookup waits for its read: B's setup goes on, with no master
+        return future
+
+    monkeypatch.setattr(remote_connection, "master_answers", answers_then_waits)
+    monkeypatch.setattr(RemoteIO, "submit_read", submit_then_go)
+    with MooncakeServers(segment_mb=16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master)
+        # A lookup stopped past this bound fails RequestTimeout instead of missing.
+        b = LocalHost(servers.master, timeout_ms=200,
+                      engine=aiokv.EngineConfig(request_timeout_ms=15_000))
+        try:
+            assert a.offload(31) == TOKENS
+            until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            assert asked.wait(60)  # B's connect found the master up
+            servers.stop_master()
+            assert b.load(31) == (0, True)  # a miss, not RequestTimeout
+            stats = b.stats()  # the failed setup (or the lookup's timeout of it) counted
+            assert stats["remote_errors"] >= 1 and stats["remote_misses"] == 1
+            servers.start_master()
+            servers.wait_store_mounted()
+            # B connects once the master is back, and loads what A writes, exact.
+            offload_until_one_reaches(a, b, 33, "B never read from Mooncake again")
+        finally:
+            go.set()
+            a.close()
+            b.close()
+
+
 def test_an_idle_tier_whose_check_fails_counts_the_failed_call(tmp_path: Path) -> None:
     # The reader thread asks for the epoch each second; that check failing (the master
     # gone: code -900) puts the tier to rest with no lookup or write in sight, and was

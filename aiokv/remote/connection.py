@@ -4,22 +4,27 @@ Connecting (``setup``) happens on the first call, not at open, so a master that 
 at start costs nothing but misses. Mooncake's ``setup`` holds the GIL for as long as it
 waits for the master, so a master that accepts connections but does not answer (stopped,
 hung) would stop every thread of this process: the master is asked first, within
-``timeout_ms``, without the GIL (:func:`master_answers`). A call that fails for want of
-the master (or raises), a connect among them, is counted and puts the tier to rest for a
-while, doubling from ``timeout_ms`` to 30 s: while it rests lookups miss and writes are
-dropped at once, without a call. The client reconnects to a master that comes back by
-itself; the rest only keeps a dead master from costing every lookup its full wait.
+``timeout_ms``, without the GIL (:func:`master_answers`). One that goes away after that
+answer meets ``setup`` itself: it is made once, not retried (:func:`_one_setup_attempt`),
+so the process stops for one attempt (about 4 s), not Mooncake's twenty. A call that
+fails for want of the master (or raises), a connect among them, is counted and puts the
+tier to rest for a while, doubling from ``timeout_ms`` to 30 s: while it rests lookups
+miss and writes are dropped at once, without a call. The client reconnects to a master
+that comes back by itself; the rest only keeps a dead master from costing every lookup
+its full wait.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 from .caller import current_call
@@ -34,6 +39,8 @@ NOT_READY = -703  # REPLICA_IS_NOT_READY: another host's put of the value is und
 _DOWN = -900  # this code and below: the master or the transport failed (RPC_FAIL, ...)
 _MAX_REST_S = 30.0
 _CONNECT_WAIT_S = 10.0
+_SETUP_RETRIES = "MC_STORE_CLIENT_SETUP_RETRIES"  # read by each setup; Mooncake's default: 20
+_setup_env = threading.Lock()  # one connect's setting of it at a time, in this process
 
 
 def _local_hostname(config: RemoteConfig) -> str:
@@ -68,6 +75,27 @@ def master_answers(config: RemoteConfig) -> None:
                 f"the master at {config.master} accepts connections but did not answer "
                 f"within {config.timeout_ms} ms"
             ) from None
+
+
+@contextmanager
+def _one_setup_attempt() -> Iterator[None]:
+    """Within: Mooncake's ``setup`` makes one attempt, unless the environment says how many.
+
+    Each attempt on a master that went away (after :func:`master_answers`) tries it for
+    about 4 s with the GIL held, and Mooncake makes twenty: the loop and the store thread
+    stopped for 90 s, a lookup with them (its ``timeout_ms`` cannot run out meanwhile:
+    ``RequestTimeout`` at ``request_timeout_ms``). The tier makes the next attempt itself
+    after its rest, the master asked first. Set for the call only: other Mooncake clients
+    of this process (a connector's) keep their own."""
+    with _setup_env:
+        if _SETUP_RETRIES in os.environ:  # the user's choice
+            yield
+            return
+        os.environ[_SETUP_RETRIES] = "1"
+        try:
+            yield
+        finally:
+            del os.environ[_SETUP_RETRIES]
 
 
 class Closed(Exception):
@@ -198,14 +226,15 @@ class Connection:
     def _connect(self) -> Any:
         config = self.config
         try:
-            # Mooncake's setup retries an absent master for 90 s, and waits on one that
-            # does not answer with the GIL held: ask it first, within the timeout.
+            # Mooncake's setup waits for an absent master, or one that does not answer,
+            # with the GIL held: ask it first, within the timeout (and let setup try once).
             master_answers(config)
             client = import_store().MooncakeDistributedStore()
-            rc = client.setup(
-                _local_hostname(config), config.metadata, 0, config.local_buffer_mb << 20,
-                config.protocol, config.devices, config.master,
-            )
+            with _one_setup_attempt():
+                rc = client.setup(
+                    _local_hostname(config), config.metadata, 0, config.local_buffer_mb << 20,
+                    config.protocol, config.devices, config.master,
+                )
             if rc == 0:
                 for address, size in self._buffers():
                     rc = rc or client.register_buffer(address, size)
