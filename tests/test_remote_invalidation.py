@@ -9,19 +9,25 @@ through, and an evict here would change what their hosts may write."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import failing_first_call, held, needs_mooncake
 from prometheus_client import CollectorRegistry
+from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 import aiokv.metrics
 from aiokv.remote.client import RemoteIO
+from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.markers import Markers
+from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers
 from aiokv.remote.writer import Writer
+from aiokv.stores.local.digests import chain_digests
 
 pytestmark = needs_mooncake()
 
@@ -278,3 +284,48 @@ def test_a_write_offered_before_its_host_learned_of_an_evict_is_dropped_as_stale
     assert (stats["remote_blocks_written"], stats["remote_dropped_stale"]) == (0, USER_PAGES)
     assert stats["remote_dropped_writes"] == USER_PAGES
     assert dropped["stale"] == USER_PAGES and dropped["evicted"] == 0
+
+
+def test_a_full_mooncake_keeps_the_boot_id_and_the_markers_an_evict_hides_old_bytes_with(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Mooncake evicts by LRU once its segment nears full, oldest lease first: the boot id
+    # and an evict's marker (read once, then never asked for again) would go first. Then
+    # a full Mooncake would look like a master restart (queued writes dropped, views back
+    # to generation 0), and a host that never saw the evict would read the bytes it
+    # ended, written late under the old generation. Pinned, they outlive any filling.
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        bare = import_store().MooncakeDistributedStore()
+        assert bare.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
+                          servers.master) == 0
+        a = LocalHost(servers.master)
+        try:
+            with caplog.at_level(logging.WARNING, logger="aiokv"):
+                assert a.offload(1801) == TOKENS
+                until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+                keys = Keys(geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM),
+                                         torch.float32, PAGE_SIZE))
+                old_keys = keys.blocks(namespace_tag(["uid:1801"]), 0, 0, chain_digests(
+                    torch.arange(TOKENS).numpy(), PAGE_SIZE))
+                old = [bytes(bare.get(key)) for key in old_keys]
+                assert all(old)  # the user's values, as a late write would put them
+                assert a.kv.evict(1801) == TOKENS
+                until(lambda: not any(code == 1 for code in bare.batch_is_exist(old_keys)))
+                # Four times the segment, values nobody reads: past the high watermark.
+                blob = bytes(512 << 10)
+                for i in range(128):
+                    bare.put(f"filler/{i}", blob)
+                # A write of the user offered before the evict lands only now (late).
+                for key, value in zip(old_keys, old, strict=True):
+                    until(lambda key=key, value=value: bare.put(key, value) == 0)
+                assert a.offload(1802) == TOKENS  # A's tier goes on as before
+                until(lambda: a.stats()["remote_blocks_held"] == 0)
+                assert a.stats()["remote_dropped_down"] == 0
+            assert not [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+            c = LocalHost(servers.master, timeout_ms=SLOW_MS)  # never saw the evict
+            try:
+                assert c.load(1801) == (0, True)  # not the bytes the evict ended
+            finally:
+                c.close()
+        finally:
+            a.close()
+            bare.close()

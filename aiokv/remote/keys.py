@@ -27,6 +27,13 @@ the first value) and ``<root>/boot/<id>``; every host reads the id back, and ask
 ``<root>/boot/<id>`` with its markers (one key more in the same call): once it is gone,
 so is everything the host knew of, and it starts again from epoch and generations 0 (a
 new *lifetime* of its view).
+
+The boot id's keys and the markers are put hard-pinned (``markers._pinned``): Mooncake's
+LRU, oldest lease first, would take them first once its segment nears full (a marker is
+read once, then never asked for again), and a full Mooncake would then look like a
+restart, or show a host that never saw an evict the bytes it ended. Only a master that
+restarts (every key lost), or a store process whose segment the master unmounts (its
+heartbeat late past the master's ``client_ttl``: the keys that segment held) loses them.
 """
 
 from __future__ import annotations
