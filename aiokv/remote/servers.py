@@ -77,6 +77,10 @@ class MooncakeServers:
             program("mooncake_master"), "--rpc_address=127.0.0.1",
             f"--rpc_port={self._rpc_port}", "--metrics_host=127.0.0.1",
             f"--metrics_port={self._metrics_port}", f"--default_kv_lease_ttl={self.lease_ms}",
+            # A store process paused (pause_store) past this loses its segment and every
+            # value in it, pinned ones too: a minute, not Mooncake's 10 s, which a paused
+            # store's test on a loaded runner outlasts.
+            "--client_ttl=60",
         ])
         _wait_port("mooncake_master", self._rpc_port, self._master, 15.0)
 
