@@ -546,3 +546,60 @@ def test_a_wait_answers_once_its_copies_ended_whatever_request_timeout_ms_says(
     finally:
         gate.set()
         storage.close()
+
+
+def test_cancel_task_of_a_task_already_done_cancels_nothing_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its copies had ended: cancel_task answered True and marked the handle CANCELLED,
+    # while the wait answered READY (the KV stored all the same).
+    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
+    kv_caches = caches()
+    storage: Any = recsys._HostStorage(CONFIG)
+    storage.register_gpu_cache_tables(kv_caches)
+    try:
+        meta = storage.build_index_meta(torch.tensor([3, 4]), torch.tensor([8, 8]))
+        handle = storage.offload_kvcache_launch(
+            meta.user_ids, i32(0, 0), [], meta, types.SimpleNamespace(kv_indices=i32(0, 1, 2, 3)))
+        handle.handle.pending.outcomes()  # the copies end before the manager polls
+        assert storage.cancel_task(handle) is False
+        assert handle.status.value == "launched"
+        assert storage.offload_kvcache_wait(handle).status.value == "ready"
+        assert storage.finish_task(handle) == [1, 1]
+        found = storage.lookup_kvcache(meta)
+        assert found.host_cached_lengths.tolist() == [8, 8]
+        launched = storage.onboard_kvcache_launch(
+            meta, found, types.SimpleNamespace(kv_indices=i32(40, 41, 42, 43)))
+        assert storage.onboard_kvcache_wait(launched).ready
+        assert all(torch.equal(c[40:44], c[0:4]) for c in kv_caches)
+    finally:
+        storage.close()
+
+
+def test_cancel_task_of_a_task_in_flight_answers_true_and_its_wait_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
+    gate = threading.Event()
+    move = Copier._move_cpu
+
+    def held(copier: Any, job: Any) -> Any:
+        if job.to_host:
+            gate.wait(30)
+        return move(copier, job)
+
+    monkeypatch.setattr(Copier, "_move_cpu", held)
+    storage: Any = recsys._HostStorage(CONFIG)
+    storage.register_gpu_cache_tables(caches())
+    try:
+        meta = storage.build_index_meta(torch.tensor([3]), torch.tensor([8]))
+        handle = storage.offload_kvcache_launch(
+            meta.user_ids, i32(0), [], meta, types.SimpleNamespace(kv_indices=i32(0, 1)))
+        assert storage.cancel_task(handle) is True
+        assert handle.status.value == "cancelled"
+        gate.set()
+        until(lambda: storage.offload_kvcache_wait(handle).status.value != "launched")
+        assert storage.offload_kvcache_wait(handle).status.value == "cancelled"
+    finally:
+        gate.set()
+        storage.close()

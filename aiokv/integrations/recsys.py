@@ -122,6 +122,8 @@ class _HostStorage:
     that were not loaded. The handle's lengths stay the launch's: the pages revoked.
     ``cancel_task`` never aborts a copy (aiokv does not): the task's wait answers
     CANCELLED once its copies have ended, so that the manager reuses no page they touch.
+    It returns False, and leaves the handle as it is, where the copies had all ended
+    (nothing to cancel): that task's wait answers what they did.
     """
 
     backend_name = "flexkv"
@@ -282,9 +284,13 @@ class _HostStorage:
         return succeeded(task.pending.outcomes())
 
     def cancel_task(self, task_handle: Any) -> bool:
+        # True only where something was cancelled, as HostKVStorageBase's answer says: a
+        # task whose copies had all ended keeps its status, and its wait answers what
+        # they did (ready: the KV is stored or loaded), not CANCELLED.
         if task_handle is None or task_handle.handle is None:
             return False
-        task_handle.handle.pending.cancel()
+        if not task_handle.handle.pending.cancel():
+            return False
         task_handle.status = _recsys().HostKVTaskStatus.CANCELLED
         return True
 
