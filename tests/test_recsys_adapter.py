@@ -24,6 +24,7 @@ from aiokv.integrations import recsys
 from aiokv.integrations.recsys_core import RecsysCore, sets_window
 from aiokv.integrations.recsys_math import (
     host_lengths,
+    offload_lengths,
     pages_per_user,
     succeeded,
     user_pages,
@@ -603,3 +604,53 @@ def test_cancel_task_of_a_task_in_flight_answers_true_and_its_wait_cancelled(
     finally:
         gate.set()
         storage.close()
+
+
+def test_a_history_longer_than_the_host_tier_stores_its_longest_prefix_that_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The manager hands over whole sequences: the engine refused user 1's whole, and the
+    # manager then counted the batch's every user as not offloaded (fail_close: raising
+    # at every later step with user 1).
+    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
+    g = torch.Generator().manual_seed(1)
+    kv_caches = [torch.randn(256, 2, PAGE_SIZE, 2, 8, generator=g) for _ in range(2)]
+    storage: Any = recsys._HostStorage(
+        {"engine": {"window_us": 0}, "store": {"cpu_cache_gb": 0.00002}})
+    storage.register_gpu_cache_tables(kv_caches)
+    try:
+        host = storage.core.kv.stats().host_blocks_total * PAGE_SIZE
+        assert 0 < host < 100 * PAGE_SIZE
+        for users, lengths in (([1], [100 * PAGE_SIZE]), ([1, 2], [100 * PAGE_SIZE, 8])):
+            meta = storage.build_index_meta(torch.tensor(users), torch.tensor(lengths))
+            handle = storage.offload_kvcache_launch(
+                meta.user_ids, i32(*[0] * len(users)), [], meta,
+                types.SimpleNamespace(kv_indices=i32(*range(100 + 2 * (len(users) - 1)))))
+            until(lambda h=handle: storage.offload_kvcache_wait(h).status.value != "launched")
+            assert storage.offload_kvcache_wait(handle).status.value == "ready"
+            assert storage.finish_task(handle) == [1] * len(users)
+            assert storage.get_offload_handle_metadata(handle)[2].tolist() == [host, 8][
+                :len(users)]
+            if users == [1]:  # alone: its prefix is all the host holds, bytes exact
+                found = storage.lookup_kvcache(meta)
+                assert found.host_cached_lengths.tolist() == [host]
+                pages = host // PAGE_SIZE
+                launched = storage.onboard_kvcache_launch(
+                    meta, found, types.SimpleNamespace(kv_indices=i32(*range(128, 228))))
+                assert storage.onboard_kvcache_wait(launched).ready
+                assert all(torch.equal(c[128:128 + pages], c[0:pages]) for c in kv_caches)
+        short = storage.build_index_meta(torch.tensor([2]), torch.tensor([8]))
+        found = storage.lookup_kvcache(short)
+        assert found.host_cached_lengths.tolist() == [8]
+        launched = storage.onboard_kvcache_launch(
+            short, found, types.SimpleNamespace(kv_indices=i32(240, 241)))
+        assert storage.onboard_kvcache_wait(launched).ready
+        assert all(torch.equal(c[240:242], c[100:102]) for c in kv_caches)
+    finally:
+        storage.close()
+
+
+def test_offload_lengths_are_full_pages_at_most_what_one_offload_can_store() -> None:
+    assert offload_lengths([7, 100, 0], 4, 80) == [4, 80, 0]
+    assert offload_lengths([7, 100], 4, 82) == [4, 80]
+    assert offload_lengths([7, 100], 4, None) == [4, 100]

@@ -31,7 +31,13 @@ from ..errors import InvalidRequest
 from ..open import ConfigSource
 from ..sync import BackgroundLookup
 from .recsys_core import PendingCalls, RecsysCore
-from .recsys_math import host_lengths, succeeded, user_pages, users_to_onboard, wait_status
+from .recsys_math import (
+    offload_lengths,
+    succeeded,
+    user_pages,
+    users_to_onboard,
+    wait_status,
+)
 
 # How long offload_kvcache_wait waits for a task before it answers "launched": the
 # manager polls it in a loop (offload_flush), and a poll that never released the GIL
@@ -120,6 +126,9 @@ class _HostStorage:
     ``DefaultKVCacheBackend`` revokes the task's onboard pages (those of all its users,
     by its rule) and applies its fail policy: the manager never counts tokens on the GPU
     that were not loaded. The handle's lengths stay the launch's: the pages revoked.
+    An offload stores at most the host tier's blocks of a sequence (the store takes a
+    put's new pages on that tier at once): a longer history stores its longest prefix
+    that fits, the length its handle reports, rather than fail its whole batch.
     ``cancel_task`` never aborts a copy (aiokv does not): the task's wait answers
     CANCELLED once its copies have ended, so that the manager reuses no page they touch.
     It returns False, and leaves the handle as it is, where the copies had all ended
@@ -265,13 +274,16 @@ class _HostStorage:
         core = self.core
         lengths = _lengths(index_meta)
         pages = user_pages(kvcache_metadata.kv_indices, lengths, core.page_size)
-        pending = core.offload(index_meta.user_ids.tolist(), pages, lengths)
+        # A sequence longer than one offload can store stores its longest prefix that
+        # fits (reported as the handle's length): refused whole, the manager would fail
+        # the batch's every user with it.
+        stored = offload_lengths(lengths, core.page_size, core.max_offload_tokens)
+        pending = core.offload(index_meta.user_ids.tolist(), pages, stored)
         recsys = _recsys()
-        stored = _int32(host_lengths(lengths, core.page_size))
         return recsys.HostKVTaskHandle(
             backend="flexkv",
             user_ids=index_meta.user_ids,
-            handle=Task(pending, index_meta.user_ids, stored),
+            handle=Task(pending, index_meta.user_ids, _int32(stored)),
             status=recsys.HostKVTaskStatus.LAUNCHED,
         )
 

@@ -95,6 +95,12 @@ class RecsysCore:
     def __init__(self, kv: BackgroundEngine) -> None:
         self.kv = kv
         self.page_size = kv.engine.page_size
+        # The most tokens one offload can store: the host tier's blocks x page_size. The
+        # engine refuses more than the tiers together hold (capacity_tokens), and the
+        # store more new pages than the host tier has blocks (it takes them at once; an
+        # SSD tier only adds room behind it). None where the store does not say (0).
+        blocks = kv.stats().host_blocks_total
+        self.max_offload_tokens: int | None = blocks * self.page_size if blocks > 0 else None
 
     @classmethod
     def open(

@@ -42,6 +42,21 @@ def host_lengths(seq_lengths: Sequence[int], page_size: int) -> list[int]:
     return [int(length) // page_size * page_size for length in seq_lengths]
 
 
+def offload_lengths(
+    seq_lengths: Sequence[int], page_size: int, capacity: int | None
+) -> list[int]:
+    """The tokens of each sequence an offload stores: its full pages, at most
+    ``capacity`` tokens (the most one offload can store; None: the store does not say).
+    The manager hands over whole sequences and cannot offload a shorter prefix itself: a
+    longer one would be refused whole, and its offload_try_wait would then count the
+    batch's other users as not offloaded too."""
+    most = None if capacity is None else capacity // page_size * page_size
+    return [
+        length if most is None else min(length, most)
+        for length in host_lengths(seq_lengths, page_size)
+    ]
+
+
 def user_pages(
     kv_indices: torch.Tensor, seq_lengths: Sequence[int], page_size: int
 ) -> list[torch.Tensor]:
