@@ -341,9 +341,10 @@ class BackgroundEngine:
         starts after what this thread's current CUDA stream has queued by now."""
         self._refuse_in_fork()  # before the CUDA event, which a forked child cannot make
         ready, ids = self._handed(page_ids)  # here: CUDA's current stream is per thread
+        tokens, names = _taken(token_ids), _named(namespace)
         return self._submit(
             lambda: self.engine.offload(
-                user_id, ids, num_tokens, token_ids=token_ids, namespace=namespace,
+                user_id, ids, num_tokens, token_ids=tokens, namespace=names,
                 _ready_event=ready,
             )
         )
@@ -358,10 +359,11 @@ class BackgroundEngine:
     ) -> concurrent.futures.Future[BackgroundLookup]:
         """``engine.lookup(...)`` on the engine's loop; does not wait. The Lookup comes
         wrapped so that any thread can release it."""
+        tokens, names = _taken(token_ids), _named(namespace)
 
         async def lookup() -> BackgroundLookup:
             hit = await self.engine.lookup(
-                user_id, num_tokens, token_ids=token_ids, namespace=namespace
+                user_id, num_tokens, token_ids=tokens, namespace=names
             )
             return BackgroundLookup(hit, self.portal)
 
@@ -542,13 +544,19 @@ __all__ = ["BackgroundEngine", "BackgroundLookup", "default_loop_factory", "run_
 
 
 def _taken(page_ids: Any) -> Any:
-    """The caller's page ids as they are at the submit. The loop validates (and copies)
-    them only when it takes the call, later, while the caller may already be reusing a
-    CPU buffer; ids on the GPU are read by the copy itself, ordered after the caller's
-    ready event, so they stay the caller's to keep until the future resolves, as the
-    pages do. Anything else goes on to the loop's validation as it is."""
+    """The caller's page ids (or token ids) as they are at the submit. The loop
+    validates (and copies) them only when it takes the call, later, while the caller may
+    already be reusing a CPU buffer; ids on the GPU are read by the copy itself, ordered
+    after the caller's ready event, so they stay the caller's to keep until the future
+    resolves, as the pages do. Anything else goes on to the loop's validation as it is."""
     if isinstance(page_ids, np.ndarray):
         return page_ids.copy()
     if isinstance(page_ids, torch.Tensor) and page_ids.is_cpu:
         return page_ids.clone()
     return page_ids
+
+
+def _named(namespace: Any) -> Any:
+    """The caller's namespace list as it is at the submit (a list the caller may fill
+    with the next key's names meanwhile); anything else goes on to validation as it is."""
+    return list(namespace) if type(namespace) is list else namespace

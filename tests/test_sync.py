@@ -296,6 +296,39 @@ def test_page_ids_on_the_cpu_are_the_callers_again_once_a_submit_returns(kind: s
         assert torch.equal(c[60:63], b[60:63])  # the reused ids named nothing that moved
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_token_ids_and_namespace_are_the_callers_again_once_a_submit_returns(
+        kind: str) -> None:
+    # As page ids: the loop takes the calls only after the caller has filled its token
+    # id buffer and its namespace list with the next user's; the keys stored and looked
+    # up are still those named at the submit.
+    tokens = 4 * PAGE_SIZE
+
+    def content(user: int) -> Any:
+        ids = np.arange(user * 1000, user * 1000 + tokens, dtype=np.int64)
+        return torch.from_numpy(ids) if kind == "torch" else ids
+
+    with background(make_caches()) as kv:
+        for user in (1, 2):
+            release = hold_the_loop(kv)
+            ids, names = content(user), ["shared", f"user:{user}"]
+            offload = kv.submit_offload(user, torch.arange(4 * user, 4 * user + 4), tokens,
+                                        token_ids=ids, namespace=names)
+            ids[:] = -1  # reused at once for the next call: the submit has returned
+            names[1] = "user:reused"
+            release.set()
+            assert offload.result(timeout=30).stored_tokens == tokens
+        for user in (1, 2):
+            release = hold_the_loop(kv)
+            ids, names = content(user), ["shared", f"user:{user}"]
+            lookup = kv.submit_lookup(user, tokens, token_ids=ids, namespace=names)
+            ids[:] = -1
+            names[1] = "user:reused"
+            release.set()
+            with lookup.result(timeout=30) as hit:
+                assert hit.cached_tokens == tokens  # stored under the key named, found so
+
+
 def test_a_layerwise_load_cancelled_before_the_loop_took_it_counts_as_done() -> None:
     # concurrent.futures.wait and as_completed count a cancelled future done only once it
     # is marked notified; the layerwise load's future was left cancelled, never notified.
