@@ -46,6 +46,7 @@ STORE_PAGES_PER_USER_BUDGET = 1.0
 CACHES_BYTES_CAP = 256 << 20
 NOISE_BYTES = 16 << 20  # pool of random KV that appends copy from
 ERRORS_KEPT = 5  # errors quoted in the summary; the rest are only counted
+RETRY_PAUSE_S = 0.001  # a user's pause after a failed call, before its next
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -175,6 +176,11 @@ class DemoUser:
                     self.tally.errors.append(f"user {self.index}: {exc!r}")
                 if isinstance(exc, EngineClosed):
                     return  # every later call would fail at once, without a pause
+                # A call refused at once (Overloaded: more users than max_pending) raises
+                # before it ever yields: trying again without a pause would keep the loop
+                # from the results that free the room, and from the stop (its timer, the
+                # signals) for good.
+                await asyncio.sleep(RETRY_PAUSE_S)
 
 
 def _build(args: argparse.Namespace) -> tuple[OffloadEngine, Workload, int]:

@@ -53,6 +53,22 @@ def test_demo_reads_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert status == 0, capsys.readouterr().out
 
 
+def test_a_demo_with_more_users_than_max_pending_ends_and_counts_the_overloads(
+        tmp_path: Path) -> None:
+    # Its own process: a demo that never ends (its users' refused calls retried without
+    # a pause kept the loop from its stop) fails this test at the timeout, not the suite.
+    config = tmp_path / "aiokv.yml"
+    config.write_text("engine:\n  max_pending: 8\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "aiokv", "demo", "--seconds", "0.5", "--users", "9",
+         "--device", "cpu", "--config", str(config)],
+        capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr  # requests failed: counted
+    assert "Overloaded('8 requests pending (engine.max_pending)')" in done.stdout
+    assert " 0 mismatches" in done.stdout
+
+
 @pytest.mark.parametrize("seconds", ["0", "-1", "nan", "inf"])
 def test_demo_refuses_a_duration_that_is_not_a_finite_positive_number(
     seconds: str, capsys: pytest.CaptureFixture[str]
