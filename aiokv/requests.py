@@ -187,8 +187,10 @@ _LOADABLE = frozenset(("held", "evicted", "cleared"))
 class Lookup:
     """A lookup's answer: ``cached_tokens`` of the key are in the store and reserved
     for a ``load``. Release it (``release()`` or ``async with``) if you will not load;
-    an unused reservation is released after ``lookup_ttl_ms`` anyway. A Lookup is
-    consumed by one ``load``; using it twice raises InvalidRequest.
+    an unused reservation is released after ``lookup_ttl_ms`` anyway. A Lookup that
+    found tokens is consumed by one ``load``; using it twice raises InvalidRequest. A
+    miss (``cached_tokens == 0``) reserves nothing: each load of it, before or after a
+    release, answers at once with 0 tokens (counted in ``empty_loads``).
 
     Its state: empty (a miss), held, loading, loaded, released, expired, or evicted /
     cleared (an ``evict`` of its key or a ``clear`` gave the reservation back: its load
