@@ -557,6 +557,13 @@ def _taken(page_ids: Any) -> Any:
 
 
 def _named(namespace: Any) -> Any:
-    """The caller's namespace list as it is at the submit (a list the caller may fill
-    with the next key's names meanwhile); anything else goes on to validation as it is."""
-    return list(namespace) if type(namespace) is list else namespace
+    """The caller's namespace as it is at the submit: a list (or another sequence the
+    caller may refill with the next key's names meanwhile, a UserList, a list's
+    subclass) copied into a list; a tuple, a str and whatever is no sequence go on to
+    validation as they are (immutable, or refused there naming ``namespace``)."""
+    if type(namespace) is list:  # the usual case first, without the ABC's check
+        return list(namespace)
+    if isinstance(namespace, (str, bytes, bytearray, tuple)) or not isinstance(
+            namespace, Sequence):
+        return namespace
+    return list(namespace)

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+from collections import UserList
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -296,9 +297,16 @@ def test_page_ids_on_the_cpu_are_the_callers_again_once_a_submit_returns(kind: s
         assert torch.equal(c[60:63], b[60:63])  # the reused ids named nothing that moved
 
 
-@pytest.mark.parametrize("kind", ["torch", "numpy"])
+class Names(list[str]):
+    """A caller's own list type for its key's names."""
+
+
+@pytest.mark.parametrize(("kind", "names_of"), [("torch", list), ("numpy", list),
+                                                ("torch", Names), ("numpy", UserList)],
+                         ids=["torch-list", "numpy-list", "torch-subclass",
+                              "numpy-UserList"])
 def test_token_ids_and_namespace_are_the_callers_again_once_a_submit_returns(
-        kind: str) -> None:
+        kind: str, names_of: Callable[[list[str]], Any]) -> None:
     # As page ids: the loop takes the calls only after the caller has filled its token
     # id buffer and its namespace list with the next user's; the keys stored and looked
     # up are still those named at the submit.
@@ -311,19 +319,19 @@ def test_token_ids_and_namespace_are_the_callers_again_once_a_submit_returns(
     with background(make_caches()) as kv:
         for user in (1, 2):
             release = hold_the_loop(kv)
-            ids, names = content(user), ["shared", f"user:{user}"]
+            ids, names = content(user), names_of(["shared", f"user:{user}"])
             offload = kv.submit_offload(user, torch.arange(4 * user, 4 * user + 4), tokens,
                                         token_ids=ids, namespace=names)
             ids[:] = -1  # reused at once for the next call: the submit has returned
-            names[1] = "user:reused"
+            names[1] = "user:reused-by-offload"
             release.set()
             assert offload.result(timeout=30).stored_tokens == tokens
         for user in (1, 2):
             release = hold_the_loop(kv)
-            ids, names = content(user), ["shared", f"user:{user}"]
+            ids, names = content(user), names_of(["shared", f"user:{user}"])
             lookup = kv.submit_lookup(user, tokens, token_ids=ids, namespace=names)
             ids[:] = -1
-            names[1] = "user:reused"
+            names[1] = "user:reused-by-lookup"  # not the offloads': a key neither stored
             release.set()
             with lookup.result(timeout=30) as hit:
                 assert hit.cached_tokens == tokens  # stored under the key named, found so
