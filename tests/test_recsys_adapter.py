@@ -139,6 +139,19 @@ def core() -> Iterator[tuple[RecsysCore, list[torch.Tensor]]]:
         opened.close()
 
 
+@pytest.fixture
+def storage_of(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, list[torch.Tensor]]]:
+    """The adapter's storage (on the stand-in recsys types) with its caches registered."""
+    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
+    kv_caches = caches()
+    storage: Any = recsys._HostStorage(CONFIG)
+    storage.register_gpu_cache_tables(kv_caches)
+    try:
+        yield storage, kv_caches
+    finally:
+        storage.close()
+
+
 def test_core_offloads_looks_up_loads_and_evicts_a_batch_bit_for_bit(
     core: tuple[RecsysCore, list[torch.Tensor]],
 ) -> None:
@@ -436,75 +449,73 @@ def until(condition: Any) -> None:
 
 
 def test_an_onboard_refused_at_its_launch_gives_its_hits_back(
-    monkeypatch: pytest.MonkeyPatch,
+    storage_of: tuple[Any, list[torch.Tensor]],
 ) -> None:
-    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
-    storage: Any = recsys._HostStorage(CONFIG)
-    storage.register_gpu_cache_tables(caches())
-    try:
-        storage.core.offload([3, 4], [i32(0, 1), i32(2, 3)], [8, 8]).outcomes()
-        meta = storage.build_index_meta(torch.tensor([3, 4]), torch.tensor([8, 8]))
-        found = storage.lookup_kvcache(meta)
-        hits = found.extra[recsys.HITS]
-        assert [hit.held for hit in hits] == [True, True]
-        short = types.SimpleNamespace(kv_indices=i32(40, 41, 42))  # 4 pages needed
-        with pytest.raises(aiokv.InvalidRequest, match="kv_indices"):
-            storage.onboard_kvcache_launch(meta, found, short)
-        until(lambda: not any(hit.held for hit in hits))
-    finally:
-        storage.close()
+    storage, _ = storage_of
+    storage.core.offload([3, 4], [i32(0, 1), i32(2, 3)], [8, 8]).outcomes()
+    meta = storage.build_index_meta(torch.tensor([3, 4]), torch.tensor([8, 8]))
+    found = storage.lookup_kvcache(meta)
+    hits = found.extra[recsys.HITS]
+    assert [hit.held for hit in hits] == [True, True]
+    short = types.SimpleNamespace(kv_indices=i32(40, 41, 42))  # 4 pages needed
+    with pytest.raises(aiokv.InvalidRequest, match="kv_indices"):
+        storage.onboard_kvcache_launch(meta, found, short)
+    until(lambda: not any(hit.held for hit in hits))
 
 
 @pytest.mark.parametrize(("lengths", "field"), [
     ([8], "index_meta.seq_lengths"), ([8, -1], "index_meta.seq_lengths")])
 def test_a_batch_whose_lengths_do_not_fit_its_users_is_refused_naming_them(
-    monkeypatch: pytest.MonkeyPatch, lengths: list[int], field: str,
+    storage_of: tuple[Any, list[torch.Tensor]], lengths: list[int], field: str,
 ) -> None:
-    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
-    storage: Any = recsys._HostStorage(CONFIG)
-    storage.register_gpu_cache_tables(caches())
-    try:
-        meta = types.SimpleNamespace(user_ids=torch.tensor([3, 4]),
-                                     seq_lengths=torch.tensor(lengths, dtype=torch.int32))
-        with pytest.raises(aiokv.InvalidRequest, match=field):
-            storage.lookup_kvcache(meta)
-        with pytest.raises(aiokv.InvalidRequest, match=field):
-            storage.offload_kvcache_launch(torch.tensor([3, 4]), i32(0, 0), [], meta,
-                                           types.SimpleNamespace(kv_indices=i32(0, 1, 2, 3)))
-        with pytest.raises(aiokv.InvalidRequest, match="kvcache_metadata"):
-            storage.offload_kvcache_launch(torch.tensor([3, 4]), i32(0, 0), [], meta, None)
-    finally:
-        storage.close()
+    storage, _ = storage_of
+    meta = types.SimpleNamespace(user_ids=torch.tensor([3, 4]),
+                                 seq_lengths=torch.tensor(lengths, dtype=torch.int32))
+    with pytest.raises(aiokv.InvalidRequest, match=field):
+        storage.lookup_kvcache(meta)
+    with pytest.raises(aiokv.InvalidRequest, match=field):
+        storage.offload_kvcache_launch(torch.tensor([3, 4]), i32(0, 0), [], meta,
+                                       types.SimpleNamespace(kv_indices=i32(0, 1, 2, 3)))
+    with pytest.raises(aiokv.InvalidRequest, match="kvcache_metadata"):
+        storage.offload_kvcache_launch(torch.tensor([3, 4]), i32(0, 0), [], meta, None)
 
 
 @pytest.mark.parametrize("wrong", ["users swapped", "a column too long"])
 def test_an_onboard_of_a_lookup_result_that_is_not_this_batchs_is_refused(
-    monkeypatch: pytest.MonkeyPatch, wrong: str,
+    storage_of: tuple[Any, list[torch.Tensor]], wrong: str,
 ) -> None:
     # Same size, other users: user 3's KV would land in user 4's pages, answered READY.
-    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
-    kv_caches = caches()
-    storage: Any = recsys._HostStorage(CONFIG)
-    storage.register_gpu_cache_tables(kv_caches)
-    try:
-        storage.core.offload([3, 4], [i32(0, 1), i32(2, 3)], [8, 8]).outcomes()
-        users = [3, 4]
-        found = storage.lookup_kvcache(storage.build_index_meta(torch.tensor(users),
-                                                                torch.tensor([8, 8])))
-        if wrong == "users swapped":
-            users, field = [4, 3], "lookup_result"
-        else:
-            found.gpu_cached_lengths, field = i32(0, 0, 0), "lookup_result.gpu_cached_lengths"
-        meta = storage.build_index_meta(torch.tensor(users), torch.tensor([8, 8]))
-        hits = found.extra[recsys.HITS]
-        before = [cache[40:44].clone() for cache in kv_caches]
-        with pytest.raises(aiokv.InvalidRequest, match=rf"^{field}: "):
-            storage.onboard_kvcache_launch(meta, found, types.SimpleNamespace(
-                kv_indices=i32(40, 41, 42, 43)))
-        until(lambda: not any(hit.held for hit in hits))  # given back, not left to the TTL
-        assert all(torch.equal(c[40:44], b) for c, b in zip(kv_caches, before, strict=True))
-    finally:
-        storage.close()
+    storage, kv_caches = storage_of
+    storage.core.offload([3, 4], [i32(0, 1), i32(2, 3)], [8, 8]).outcomes()
+    users = [3, 4]
+    found = storage.lookup_kvcache(storage.build_index_meta(torch.tensor(users),
+                                                            torch.tensor([8, 8])))
+    if wrong == "users swapped":
+        users, field = [4, 3], "lookup_result"
+    else:
+        found.gpu_cached_lengths, field = i32(0, 0, 0), "lookup_result.gpu_cached_lengths"
+    meta = storage.build_index_meta(torch.tensor(users), torch.tensor([8, 8]))
+    hits = found.extra[recsys.HITS]
+    before = [cache[40:44].clone() for cache in kv_caches]
+    with pytest.raises(aiokv.InvalidRequest, match=rf"^{field}: "):
+        storage.onboard_kvcache_launch(meta, found, types.SimpleNamespace(
+            kv_indices=i32(40, 41, 42, 43)))
+    until(lambda: not any(hit.held for hit in hits))  # given back, not left to the TTL
+    assert all(torch.equal(c[40:44], b) for c, b in zip(kv_caches, before, strict=True))
+
+
+def offload_copies_held(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Offloads' copies to the host wait for the event returned (30 s at most)."""
+    gate = threading.Event()
+    move = Copier._move_cpu
+
+    def held(copier: Any, job: Any) -> Any:
+        if job.to_host:
+            gate.wait(30)
+        return move(copier, job)
+
+    monkeypatch.setattr(Copier, "_move_cpu", held)
+    return gate
 
 
 def test_a_wait_answers_once_its_copies_ended_whatever_request_timeout_ms_says(
@@ -515,15 +526,7 @@ def test_a_wait_answers_once_its_copies_ended_whatever_request_timeout_ms_says(
     monkeypatch.setattr(recsys, "_recsys", fake_recsys)
     timed = {"engine": {"window_us": 0, "request_timeout_ms": 300},
              "store": {"cpu_cache_gb": 0.01}}
-    gate = threading.Event()
-    move = Copier._move_cpu
-
-    def held(copier: Any, job: Any) -> Any:
-        if job.to_host:
-            gate.wait(30)
-        return move(copier, job)
-
-    monkeypatch.setattr(Copier, "_move_cpu", held)
+    gate = offload_copies_held(monkeypatch)
     kv_caches = caches()
     original = [cache[0:2].clone() for cache in kv_caches]
     storage: Any = recsys._HostStorage(timed)
@@ -550,46 +553,32 @@ def test_a_wait_answers_once_its_copies_ended_whatever_request_timeout_ms_says(
 
 
 def test_cancel_task_of_a_task_already_done_cancels_nothing_and_says_so(
-    monkeypatch: pytest.MonkeyPatch,
+    storage_of: tuple[Any, list[torch.Tensor]],
 ) -> None:
     # Its copies had ended: cancel_task answered True and marked the handle CANCELLED,
     # while the wait answered READY (the KV stored all the same).
-    monkeypatch.setattr(recsys, "_recsys", fake_recsys)
-    kv_caches = caches()
-    storage: Any = recsys._HostStorage(CONFIG)
-    storage.register_gpu_cache_tables(kv_caches)
-    try:
-        meta = storage.build_index_meta(torch.tensor([3, 4]), torch.tensor([8, 8]))
-        handle = storage.offload_kvcache_launch(
-            meta.user_ids, i32(0, 0), [], meta, types.SimpleNamespace(kv_indices=i32(0, 1, 2, 3)))
-        handle.handle.pending.outcomes()  # the copies end before the manager polls
-        assert storage.cancel_task(handle) is False
-        assert handle.status.value == "launched"
-        assert storage.offload_kvcache_wait(handle).status.value == "ready"
-        assert storage.finish_task(handle) == [1, 1]
-        found = storage.lookup_kvcache(meta)
-        assert found.host_cached_lengths.tolist() == [8, 8]
-        launched = storage.onboard_kvcache_launch(
-            meta, found, types.SimpleNamespace(kv_indices=i32(40, 41, 42, 43)))
-        assert storage.onboard_kvcache_wait(launched).ready
-        assert all(torch.equal(c[40:44], c[0:4]) for c in kv_caches)
-    finally:
-        storage.close()
+    storage, kv_caches = storage_of
+    meta = storage.build_index_meta(torch.tensor([3, 4]), torch.tensor([8, 8]))
+    handle = storage.offload_kvcache_launch(
+        meta.user_ids, i32(0, 0), [], meta, types.SimpleNamespace(kv_indices=i32(0, 1, 2, 3)))
+    handle.handle.pending.outcomes()  # the copies end before the manager polls
+    assert storage.cancel_task(handle) is False
+    assert handle.status.value == "launched"
+    assert storage.offload_kvcache_wait(handle).status.value == "ready"
+    assert storage.finish_task(handle) == [1, 1]
+    found = storage.lookup_kvcache(meta)
+    assert found.host_cached_lengths.tolist() == [8, 8]
+    launched = storage.onboard_kvcache_launch(
+        meta, found, types.SimpleNamespace(kv_indices=i32(40, 41, 42, 43)))
+    assert storage.onboard_kvcache_wait(launched).ready
+    assert all(torch.equal(c[40:44], c[0:4]) for c in kv_caches)
 
 
 def test_cancel_task_of_a_task_in_flight_answers_true_and_its_wait_cancelled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(recsys, "_recsys", fake_recsys)
-    gate = threading.Event()
-    move = Copier._move_cpu
-
-    def held(copier: Any, job: Any) -> Any:
-        if job.to_host:
-            gate.wait(30)
-        return move(copier, job)
-
-    monkeypatch.setattr(Copier, "_move_cpu", held)
+    gate = offload_copies_held(monkeypatch)
     storage: Any = recsys._HostStorage(CONFIG)
     storage.register_gpu_cache_tables(caches())
     try:

@@ -471,6 +471,21 @@ async def test_a_lookup_that_finds_no_host_room_in_time_answers_its_host_prefix_
             assert stats["server_gets_staging"] == 0 and stats["server_blocks_held"] == 0
 
 
+async def users_1_and_2_held(engine: aiokv.OffloadEngine) -> list[aiokv.Lookup]:
+    """Lookups of users 1 and 2 (offloaded, the whole host tier), each finding it all."""
+    holds = [await engine.lookup(user, USER_PAGES * PAGE) for user in (1, 2)]
+    assert [h.cached_tokens for h in holds] == [USER_PAGES * PAGE] * 2
+    return holds
+
+
+async def user_0_answered_nothing_at_once(engine: aiokv.OffloadEngine) -> None:
+    """A lookup of user 0 (on SSD only) answered with its host prefix, nothing, within
+    15 s: at once, against the server's 30 s wait for room."""
+    short = await asyncio.wait_for(engine.lookup(0, USER_PAGES * PAGE), 15)
+    assert short.cached_tokens == 0
+    short.release()
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 async def test_a_lookup_whose_host_room_only_its_own_lookups_hold_answers_its_host_prefix_at_once(
@@ -485,16 +500,13 @@ async def test_a_lookup_whose_host_room_only_its_own_lookups_hold_answers_its_ho
         async with aiokv.OffloadEngine(store, caches) as engine:
             for user in (1, 2):
                 assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
-            holds = [await engine.lookup(user, USER_PAGES * PAGE) for user in (1, 2)]
+            holds = await users_1_and_2_held(engine)
             try:
-                assert [h.cached_tokens for h in holds] == [USER_PAGES * PAGE] * 2
                 if policy == "write_through":  # their copies are in: none under way
                     await asyncio.to_thread(wait_for, lambda: figures()["bytes_ssd_written"]
                                             >= 2 * USER_PAGES * BLOCK, "the SSD copies")
                 # (write_back: copies down of the LRU may be under way; they end soon.)
-                short = await asyncio.wait_for(engine.lookup(0, USER_PAGES * PAGE), 15)
-                assert short.cached_tokens == 0
-                short.release()
+                await user_0_answered_nothing_at_once(engine)
                 if policy == "write_through":
                     assert figures()["stage_waits"] == 0  # it did not wait: as before
             finally:
@@ -517,14 +529,10 @@ async def test_a_lookup_whose_room_ssd_copies_hold_for_its_own_lookups_answers_a
             writes = await host_tier_in_flight(engine, monkeypatch)
             holds: list[aiokv.Lookup] = []
             try:
-                holds = [await engine.lookup(user, USER_PAGES * PAGE) for user in (1, 2)]
-                assert [h.cached_tokens for h in holds] == [USER_PAGES * PAGE] * 2
-                # The writes stay held until the lookup is answered (15 s: at once,
-                # against the server's 30 s).
-                short = await asyncio.wait_for(engine.lookup(0, USER_PAGES * PAGE), 15)
-                assert short.cached_tokens == 0
+                holds = await users_1_and_2_held(engine)
+                # The writes stay held until the lookup is answered.
+                await user_0_answered_nothing_at_once(engine)
                 assert figures()["stage_waits"] == 0  # it did not wait
-                short.release()
             finally:
                 writes.set()
                 for hold in holds:
