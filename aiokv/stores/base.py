@@ -44,6 +44,7 @@ wrapper forwards what its inner store has. The engine reads them once, into
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -188,11 +189,21 @@ class BoundsLookups(Protocol):
 
 
 def takes_deadline(method: Callable[..., Any] | None) -> bool:
-    """Whether a store's ``get_match_many`` takes ``deadline_s`` (:class:`BoundsLookups`)."""
+    """Whether a store's ``get_match_many`` takes ``deadline_s`` (:class:`BoundsLookups`).
+    Asked per batch by a store's child process: the answer is kept per function."""
     if method is None:
         return False
+    function = getattr(method, "__func__", method)  # a bound method: its class's function
     try:
-        return "deadline_s" in inspect.signature(method).parameters
+        return _names_deadline(function)
+    except TypeError:  # a callable that cannot be a key: asked each time
+        return _names_deadline.__wrapped__(function)
+
+
+@functools.lru_cache(maxsize=64)
+def _names_deadline(function: Callable[..., Any]) -> bool:
+    try:
+        return "deadline_s" in inspect.signature(function).parameters
     except (TypeError, ValueError):  # a callable with no signature Python can read
         return False
 
