@@ -14,6 +14,7 @@ host tier of two users over an SSD tier that holds everyone:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +66,13 @@ def forget_loads(caches: list[torch.Tensor]) -> None:
 
 
 async def no_room_for_user_0(
-    engine: aiokv.OffloadEngine, caches: list[torch.Tensor]
+    engine: aiokv.OffloadEngine, caches: list[torch.Tensor], offloaded: int = 0
 ) -> tuple[list[aiokv.Lookup], aiokv.Lookup]:
-    """Users 0 to 3 offload; users 2 and 3 are the host tier's two users, and their
-    Lookups hold all of it; user 0 is only on SSD, a hit with no room to stage it now.
-    Returns (the holders' Lookups, user 0's), the loads' destinations forgotten."""
-    for user in range(4):
+    """Users 0 to 3 offload (those below ``offloaded`` have already); users 2 and 3 are
+    the host tier's two users, and their Lookups hold all of it; user 0 is only on SSD, a
+    hit with no room to stage it now. Returns (the holders' Lookups, user 0's), the
+    loads' destinations forgotten."""
+    for user in range(offloaded, 4):
         await engine.offload(user, source(user), HISTORY)
     holders = [await engine.lookup(user, HISTORY) for user in (2, 3)]
     assert [hit.cached_tokens for hit in holders] == [HISTORY, HISTORY]
@@ -78,6 +80,14 @@ async def no_room_for_user_0(
     assert hit.cached_tokens == HISTORY
     forget_loads(caches)
     return holders, hit
+
+
+async def until(engine: aiokv.OffloadEngine, reached: Callable[[aiokv.EngineStats], bool]) -> None:
+    """Wait (10 s at most) until the engine's stats show what ``reached`` asks."""
+    for _ in range(1000):
+        if reached(engine.stats()):
+            return
+        await asyncio.sleep(0.01)
 
 
 async def load(engine: aiokv.OffloadEngine, user: int, hit: aiokv.Lookup) -> tuple[int, int]:
@@ -205,10 +215,7 @@ async def test_ssd_pages_read_after_a_load_timed_out_are_not_copied_into_its_pag
                 await engine.load(hit, destination(0))
         finally:
             gate.set()
-        for _ in range(1000):  # the load ends once its reads are in (10 s at most)
-            if engine.stats().store_tasks_open == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(engine, lambda stats: stats.store_tasks_open == 0)  # once its reads are in
         # Read in after the deadline, the pages are on the host now, whole.
         again = await engine.lookup(0, HISTORY)
         assert (await engine.load(again, destination(5))).loaded_tokens == HISTORY
@@ -226,6 +233,37 @@ async def test_a_clear_gives_back_the_room_a_waiting_load_needs(tmp_path: Path) 
         # The load goes first and waits for room; the clear gives the holders' back, so
         # the load finishes (with the KV as it was) and then everything is dropped.
         loaded, dropped = await asyncio.gather(engine.load(hit, destination(0)), engine.clear())
+        assert loaded.loaded_tokens == HISTORY and loaded_intact(caches, 0, HISTORY)
+        assert dropped >= 4 * HISTORY
+        assert [(await engine.load(h, destination(2))).loaded_tokens for h in holders] == [0, 0]
+        assert (await engine.lookup(0, HISTORY)).cached_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_a_clear_waits_for_a_load_whose_room_comes_with_ssd_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, but the holders' pages are still being written to SSD when the clear
+    # comes: given back, they are room only once written. That room comes by itself, so
+    # the clear waits for the load rather than drop the pages it reported (it did so
+    # when a busy disk was slow to write them: CI, 2026-12-06).
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=10_000)
+    async with engine:
+        for user in (0, 1):
+            await engine.offload(user, source(user), HISTORY)
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
+        writes = held(monkeypatch, ssd_module.SsdTier, "_run",
+                      lambda tier, request, *args: request.is_write)
+        try:
+            holders, hit = await no_room_for_user_0(engine, caches, offloaded=2)
+            loading = asyncio.ensure_future(engine.load(hit, destination(0)))
+            await until(engine, lambda stats: stats.stage_waits > 0)
+            clearing = asyncio.ensure_future(engine.clear())
+            await asyncio.sleep(0.2)  # the clear has given the holders' pages back by now
+            writes.set()
+            loaded, dropped = await asyncio.gather(loading, clearing)
+        finally:
+            writes.set()
         assert loaded.loaded_tokens == HISTORY and loaded_intact(caches, 0, HISTORY)
         assert dropped >= 4 * HISTORY
         assert [(await engine.load(h, destination(2))).loaded_tokens for h in holders] == [0, 0]
@@ -261,10 +299,7 @@ async def test_a_held_lookup_s_prefetch_gives_its_room_to_a_launched_load(
             forget_loads(caches)
             loading = asyncio.ensure_future(engine.load(hit, pages + PAGES // 2))
             if prefetch == "reading":  # the load waits for room; then the reads come in
-                for _ in range(250):
-                    if engine.stats().stage_waits:
-                        break
-                    await asyncio.sleep(0.02)
+                await until(engine, lambda stats: stats.stage_waits > 0)
                 assert engine.stats().stage_waits == 1
                 reads.set()
             got = await asyncio.wait_for(loading, 5.0)

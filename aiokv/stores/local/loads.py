@@ -335,7 +335,12 @@ class LoadStaging:
 
     def parked(self, task_ids: Sequence[int]) -> list[int]:
         """Of these launched tasks, the loads owed host room: they copy nothing more until
-        they have it (an evict's drop ends those of its key: :meth:`drop_unstaged`)."""
+        they have it (an evict's drop ends those of its key: :meth:`drop_unstaged`).
+        None while room comes back by itself (:meth:`room_coming`: blocks a clear just
+        gave back that are still being written to SSD): they will be staged without any
+        call of the engine, so an evict waits for them as for any launched task."""
+        if self.room_coming():
+            return []
         asked = set(task_ids)
         return [load.task.task_id for load in self._owed if load.task.task_id in asked]
 
