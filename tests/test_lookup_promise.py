@@ -65,14 +65,25 @@ def forget_loads(caches: list[torch.Tensor]) -> None:
         cache[PAGES // 2 :] = float("nan")
 
 
+async def until(engine: aiokv.OffloadEngine, reached: Callable[[aiokv.EngineStats], bool]) -> None:
+    """Wait (10 s at most) until the engine's stats show what ``reached`` asks."""
+    for _ in range(1000):
+        if reached(engine.stats()):
+            return
+        await asyncio.sleep(0.01)
+
+
 async def no_room_for_user_0(
     engine: aiokv.OffloadEngine, caches: list[torch.Tensor], offloaded: int = 0
 ) -> tuple[list[aiokv.Lookup], aiokv.Lookup]:
     """Users 0 to 3 offload (those below ``offloaded`` have already); users 2 and 3 are
     the host tier's two users, and their Lookups hold all of it; user 0 is only on SSD, a
     hit with no room to stage it now. Returns (the holders' Lookups, user 0's), the
-    loads' destinations forgotten."""
+    loads' destinations forgotten. Users 2 and 3 offload once users 0 and 1 are on SSD:
+    on a busy disk their room could come later than a short request_timeout_ms."""
     for user in range(offloaded, 4):
+        if user == 2:  # its room: users 0's and 1's host blocks, evictable once on SSD
+            await until(engine, lambda stats: stats.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
         await engine.offload(user, source(user), HISTORY)
     holders = [await engine.lookup(user, HISTORY) for user in (2, 3)]
     assert [hit.cached_tokens for hit in holders] == [HISTORY, HISTORY]
@@ -80,14 +91,6 @@ async def no_room_for_user_0(
     assert hit.cached_tokens == HISTORY
     forget_loads(caches)
     return holders, hit
-
-
-async def until(engine: aiokv.OffloadEngine, reached: Callable[[aiokv.EngineStats], bool]) -> None:
-    """Wait (10 s at most) until the engine's stats show what ``reached`` asks."""
-    for _ in range(1000):
-        if reached(engine.stats()):
-            return
-        await asyncio.sleep(0.01)
 
 
 async def load(engine: aiokv.OffloadEngine, user: int, hit: aiokv.Lookup) -> tuple[int, int]:
@@ -180,6 +183,9 @@ async def test_a_load_waits_for_room_no_longer_than_request_timeout_ms(
         holders, hit = await no_room_for_user_0(engine, caches)
         with pytest.raises(aiokv.RequestTimeout):
             await engine.load(hit, destination(0))
+        # The holders' pages are room once on SSD too: else the next load waits for it
+        # as well (a second stage wait), and past 1 s on a busy disk.
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 4 * USER_PAGES * BLOCK)
         for holder in holders:  # the room it waited for, right after: its caller may
             holder.release()  # reuse its pages from now on
         # The key is whole and loads bit for bit (elsewhere): the load that gave up at its
@@ -202,9 +208,13 @@ async def test_ssd_pages_read_after_a_load_timed_out_are_not_copied_into_its_pag
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=1_000)
     async with engine:
         for user in range(4):
+            if user == 2:  # its room: users 0's and 1's host blocks, once on SSD
+                await until(engine, lambda s: s.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
             await engine.offload(user, source(user), HISTORY)
-        # User 0 is only on SSD; the host has room, so its lookup starts reading it at
-        # once, from a disk that answers only once the load has timed out.
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 4 * USER_PAGES * BLOCK)
+        # User 0 is only on SSD; the host has room (users 2's and 3's pages, on SSD too),
+        # so its lookup starts reading it at once, from a disk that answers only once the
+        # load has timed out.
         gate = held(monkeypatch, ssd_module.SsdTier, "_run",
                     lambda tier, request, *a: not request.is_write)
         try:
