@@ -25,6 +25,7 @@ from conftest import PAGE_SIZE, launch_slots, make_caches
 
 import aiokv
 import aiokv.testing
+from aiokv import space
 from aiokv.stores import NoSpace, ProcessStore, TooLarge, make_store
 from aiokv.stores.flexkv import FlexKVStore
 from aiokv.stores.wire import pack_results, portable, unpack_results
@@ -543,10 +544,16 @@ class MatchesAtOnce(aiokv.testing.StoreWrapper):
 
 
 @pytest.mark.asyncio
-async def test_the_store_thread_matches_an_offload_batch_in_one_call() -> None:
+async def test_the_store_thread_matches_an_offload_batch_in_one_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     store = MatchesAtOnce()
     store.refuse = {"u1"}
-    config = aiokv.EngineConfig(window_us=50_000, max_batch_requests=3, request_timeout_ms=300)
+    # No request deadline: the refused one waits for room 0.3 s from its first no-space
+    # answer (and so is matched again at least once), and the two that fit have no
+    # deadline to miss. A 300 ms request_timeout_ms failed those two with RequestTimeout,
+    # and the refused one with no second match, when a loaded runner stalled the batch.
+    monkeypatch.setattr(space, "NO_TIMEOUT_WAIT_S", 0.3)
+    config = aiokv.EngineConfig(window_us=50_000, max_batch_requests=3, request_timeout_ms=0)
     engine = aiokv.OffloadEngine(store, make_caches(), config)
     async with engine:
         outcomes = await asyncio.gather(
@@ -555,7 +562,7 @@ async def test_the_store_thread_matches_an_offload_batch_in_one_call() -> None:
             return_exceptions=True,
         )
         assert store.calls[0] == ["u0", "u1", "u2"] and store.single_calls == 0
-        # The refused one waits for room, matched again alone, until its deadline.
+        # The refused one waits for room, matched again alone, until it gives up.
         assert len(store.calls) > 1 and all(call == ["u1"] for call in store.calls[1:])
         assert isinstance(outcomes[1], aiokv.StoreFull)  # its own answer fails it alone
         assert [o.stored_tokens for o in (outcomes[0], outcomes[2])] == [4 * PAGE_SIZE] * 2
