@@ -213,7 +213,10 @@ async def test_overload_wait_admits_when_room_frees(caches: list[torch.Tensor]) 
 
 @pytest.mark.asyncio
 async def test_request_timeout_fires_from_a_timer(caches: list[torch.Tensor]) -> None:
-    rig = Rig(caches, window_us=0, request_timeout_ms=30)
+    # The transfer must be launched before the deadline (the store thread launches
+    # nothing past it): 1 s, not 30 ms, which a store thread held up on a loaded host
+    # missed (the offload then was never launched: no store task left open).
+    rig = Rig(caches, window_us=0, request_timeout_ms=1_000)
     rig.faulty.hold.clear()  # nothing would ever flush or complete
     async with rig.engine:
         with pytest.raises(aiokv.RequestTimeout) as caught:
@@ -228,7 +231,9 @@ async def test_request_timeout_fires_from_a_timer(caches: list[torch.Tensor]) ->
 
 @pytest.mark.asyncio
 async def test_unused_lookup_is_released_after_ttl(caches: list[torch.Tensor]) -> None:
-    rig = Rig(caches, window_us=0, lookup_ttl_ms=20)
+    # The hit must still be held when its caller looks: 1 s, not 20 ms, which a loop that
+    # lagged after the answer used up (uvloop runs due timers before the caller resumes).
+    rig = Rig(caches, window_us=0, lookup_ttl_ms=1_000)
     async with rig.engine:
         await rig.engine.offload("u", pages(0), 16)
         hit = await rig.engine.lookup("u", 16)
@@ -306,8 +311,11 @@ async def test_every_call_after_close_raises_engine_closed(caches: list[torch.Te
 
 @pytest.mark.asyncio
 async def test_store_errors_fail_their_requests_typed(caches: list[torch.Tensor]) -> None:
-    # A short deadline: a store with no room at all fails the offload once it passed.
-    rig = Rig(caches, window_us=0, request_timeout_ms=100)
+    # A store with no room at all fails the offload once its deadline passed. The calls
+    # after it run under the same deadline and must not meet it: 1 s, not 100 ms, which
+    # a store thread held up on a loaded host outlasted (a RequestTimeout, not the
+    # store's error, then the last offload timed out).
+    rig = Rig(caches, window_us=0, request_timeout_ms=1_000)
     async with rig.engine:
         rig.faulty.put_match_error = no_space()
         with pytest.raises(aiokv.StoreFull) as full:
@@ -352,7 +360,10 @@ async def test_full_store_reports_no_space(
     block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=8 * block_bytes / (1 << 30)))
     checked = CheckingStore(store, loop_thread=threading.get_ident())
-    config = aiokv.EngineConfig(window_us=0, request_timeout_ms=500)
+    # b waits for room up to its deadline, then again until the hit is released, its
+    # put made within the same deadline from its call: 1 s, not 500 ms, which a store
+    # thread held up on a loaded host outlasted (the released room came too late).
+    config = aiokv.EngineConfig(window_us=0, request_timeout_ms=1_000)
     engine = aiokv.OffloadEngine(checked, caches, config)
     async with engine:
         await engine.offload("a", pages(0, 8), 8 * PAGE_SIZE)
@@ -389,7 +400,9 @@ async def test_overload_wait_skips_callers_who_left(caches: list[torch.Tensor]) 
 
 @pytest.mark.asyncio
 async def test_overload_wait_times_out_with_request_timeout(caches: list[torch.Tensor]) -> None:
-    rig = one_room_rig(caches, request_timeout_ms=50)
+    # a must be launched before its deadline: 1 s, not 50 ms, which a store thread held
+    # up on a loaded host missed (a was never launched, and held_offload waited for it).
+    rig = one_room_rig(caches, request_timeout_ms=1_000)
     async with rig.engine:
         first = await rig.held_offload("a", pages(0))
         # b waits for room; a's deadline frees it first, then b's own deadline passes
