@@ -223,7 +223,9 @@ async def test_an_empty_hit_is_loaded_at_once_and_its_layers_are_ready() -> None
 @pytest.mark.asyncio
 async def test_a_timeout_and_a_close_fail_waits_blocked_on_held_layers() -> None:
     store = LayeredStore()
-    engine, _ = engine_over(store, request_timeout_ms=50)
+    # The offload and lookup before the held load run under the same deadline: 1 s, not
+    # 50 ms, which a store thread held up on a loaded host outlasted (RequestTimeout).
+    engine, _ = engine_over(store, request_timeout_ms=1_000)
     async with engine:
         load = await held(engine, store)  # and never given a permit
         blocked = asyncio.ensure_future(asyncio.to_thread(load.wait_layer, 0))
@@ -588,7 +590,9 @@ async def test_a_loads_end_reaches_layer_ready_while_the_wait_threads_are_all_ta
     # engine's load times out, and its layer_ready ends with that timeout, not later.
     stalled_store, store = LayeredStore(), LayeredStore()
     stalled, _ = engine_over(stalled_store, request_timeout_ms=0)
-    engine, _ = engine_over(store, request_timeout_ms=200)
+    # The offload and lookup before the held load run under the same deadline: 1 s, not
+    # 200 ms, which a store thread held up on a loaded host outlasted (RequestTimeout).
+    engine, _ = engine_over(store, request_timeout_ms=1_000)
     await stalled.start()
     await engine.start()
     waits: list[asyncio.Future[None]] = []
