@@ -357,16 +357,19 @@ def test_run_in_background_waits_for_layers_in_the_calling_thread() -> None:
 
 def test_run_in_background_hands_out_errors_and_cancels_before_the_launch() -> None:
     # The handle's future is resolved as the launch notice lands; what ends the call before
-    # that (an error at submit, the caller cancelling it) still reaches it.
-    engine, caches = engine_over(LayeredStore(), window_us=300_000, max_batch_requests=2)
+    # that (an error at submit, the caller cancelling it) still reaches it. Batches of two
+    # and a 10 s window: the lone load waits there until its caller cancels it (a 0.3 s
+    # window let a loaded host launch it first, and the cancel came too late); the
+    # other calls go in pairs.
+    engine, caches = engine_over(LayeredStore(), window_us=10_000_000, max_batch_requests=2)
     with aiokv.run_in_background(engine) as kv:
-        kv.offload(1, SOURCE, TOKENS)
-        kv.offload(2, SOURCE, TOKENS)  # the window holds a lone load: batches of two
-        hit = kv.lookup(1, TOKENS)
+        for stored in [kv.submit_offload(user, SOURCE, TOKENS) for user in (1, 2)]:
+            assert stored.result(timeout=30).stored_tokens == TOKENS
+        hit, other = (f.result(timeout=30) for f in [kv.submit_lookup(u, TOKENS) for u in (1, 2)])
         with pytest.raises(aiokv.InvalidRequest) as caught:
             kv.submit_load_layerwise(hit, TARGET[:2]).result(timeout=10)
         assert caught.value.field == "page_ids"
-        hit = kv.lookup(1, TOKENS)
+        assert hit.held  # refused at the submit: the hit is still the caller's to load
         calling = kv.submit_load_layerwise(hit, TARGET)
         for _ in range(1000):  # until the load is accepted (queued for the window)
             if kv.stats().pending:
@@ -380,7 +383,9 @@ def test_run_in_background_hands_out_errors_and_cancels_before_the_launch() -> N
                 break
         stats = kv.stats()
         assert (stats.cancelled, stats.pending) == (1, 0)
-        load = kv.load_layerwise(kv.lookup(2, TOKENS), TARGET)  # the handle still serves
+        # The handle still serves. The cancelled load keeps its place in the window until
+        # a batch is planned: this load fills it, and goes out alone.
+        load = kv.load_layerwise(other, TARGET)
         load.wait_layer(LAYERS - 1)
         assert all(loaded(caches, i) for i in range(LAYERS))
         assert load.result(timeout=10) == aiokv.LoadResult(2, TOKENS)
