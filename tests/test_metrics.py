@@ -385,7 +385,10 @@ async def wait_for(condition: Any, what: str) -> None:
 @pytest.mark.asyncio
 async def test_a_scraped_metrics_endpoint_matches_engine_stats() -> None:
     store = ReportingStore(small_store(), {"host_blocks_used": 9, "host_blocks_total": 64})
-    config = aiokv.EngineConfig(max_pending=4, overload="reject", request_timeout_ms=100)
+    # One offload is held until it times out; every other call runs under the same
+    # deadline and must not meet it: 1 s, not 100 ms, which a store thread held up on a
+    # loaded host outlasted (a healthy offload's RequestTimeout).
+    config = aiokv.EngineConfig(max_pending=4, overload="reject", request_timeout_ms=1_000)
     registry = CollectorRegistry()
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     url = f"http://127.0.0.1:{server.server_port}/metrics"
