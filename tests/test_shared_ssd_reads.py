@@ -678,7 +678,7 @@ def test_a_lookup_behind_another_engines_reads_is_answered_at_its_own_deadline(
 @pytest.mark.parametrize("kind", ["embedded", "shared"])
 async def test_a_lookup_whose_ssd_reads_outlast_request_timeout_ms_holds_up_no_later_call(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    """User 0 on SSD only, its reads held; an engine with request_timeout_ms: 500. Its
+    """User 0 on SSD only, its reads held; an engine with request_timeout_ms: 2000. Its
     lookup and load of user 0 fail with RequestTimeout, and its calls after that are
     answered: a lookup of user 1 (on the host tier) hits, an offload of user 2 is stored.
     The server used to hold the lookup up to its own 30 s, and the engine's store thread
@@ -688,8 +688,10 @@ async def test_a_lookup_whose_ssd_reads_outlast_request_timeout_ms_holds_up_no_l
     # Room for every user's pages: no call here waits for host room.
     config = dataclasses.replace(config, cpu_cache_gb=4 * HOST_BLOCKS * BLOCK / (1 << 30))
     with store_of(kind, config, tmp_path, caches) as (store, figures):
+        # 2 s: the calls after the timed-out ones share it, and a loaded host can take
+        # more than 500 ms to answer one; the fault took the server's 30 s.
         async with aiokv.OffloadEngine(store, caches,
-                                       aiokv.EngineConfig(request_timeout_ms=500)) as engine:
+                                       aiokv.EngineConfig(request_timeout_ms=2_000)) as engine:
             assert (await offload(engine, 1)).stored_tokens == USER_PAGES * PAGE
             reads = held(monkeypatch, ssd_module.SsdTier, "_run",
                          lambda tier, request, *args: not request.is_write)
