@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import threading
+import time
 
 import pytest
 import torch
@@ -90,17 +91,20 @@ def test_no_chunk_pinned_is_a_config_error_naming_the_key() -> None:
 
 
 def test_close_while_pinning_stops_it() -> None:
-    gate = threading.Event()
-
     def register(address: int, size: int) -> None:
-        gate.wait(10)
+        # The close comes while this chunk is pinned: the call returns only once close()
+        # has asked the pinning to stop. (Opened at once, it let a busy runner pin all four
+        # chunks before the closer thread got to run.)
+        for _ in range(10_000):
+            if memory._stop:
+                break
+            time.sleep(0.001)
 
     memory = HostMemory(4096, (1024,), torch.uint8, pin=True, chunk_bytes=1 << 20,
                         register=register, unregister=lambda a: None)
     memory.start()
     closer = threading.Thread(target=memory.close)
     closer.start()
-    gate.set()
     closer.join(10)
     assert not closer.is_alive()
     assert memory.ready_blocks < 4096
@@ -111,7 +115,6 @@ def test_a_reserve_beyond_the_pinned_part_waits_for_the_pool_to_grow(
 ) -> None:
     """At start-up a store that needs more blocks than are pinned yet waits for the next
     chunks (milliseconds) instead of answering "no space"."""
-    import time
 
     from aiokv.stores.local import hostmem
     from aiokv.stores.local.blocks import Tier
