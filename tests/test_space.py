@@ -328,7 +328,10 @@ async def test_the_request_deadline_fails_an_offload_that_waits_with_storefull(
     caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hour_long_backoffs(monkeypatch)  # held when the deadline comes
-    faulty, engine, checked = engine_over(caches, request_timeout_ms=50)
+    # The deadline runs from the call: it must leave the store's first answer (no room)
+    # the time a loaded runner may take to give it, or the offload times out before it
+    # ever waited (RequestTimeout). The hold then lasts until the deadline.
+    faulty, engine, checked = engine_over(caches, request_timeout_ms=1000)
     async with engine:
         faulty.no_space_for = 1
         with pytest.raises(aiokv.StoreFull, match="no room after 1 tries"):
