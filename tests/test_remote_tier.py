@@ -72,7 +72,10 @@ def test_hosts_share_blocks_and_an_evict_reaches_every_host(mooncake: MooncakeSe
     try:
         assert a("offload", user=1, pages=USER_PAGES) == {"stored": TOKENS}
         assert a("offload", user=2, pages=USER_PAGES) == {"stored": TOKENS}
-        a("restart")  # finishes the background writes; A's host tier starts empty
+        # Seen written first: the restart's close gives a write batch under way
+        # timeout_ms (500 ms) and drops what is queued behind it.
+        until(lambda: a("stats")["remote_blocks_written"] >= 2 * USER_PAGES)
+        a("restart")  # A's host tier starts empty
         b = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
         try:
             assert b.load(1) == (TOKENS, True)  # remote -> host -> pages, bit for bit
