@@ -138,7 +138,9 @@ def test_large_blocks_travel_bit_exact_and_are_evicted_too(mooncake: MooncakeSer
         b.close()
     read = b.kv.stats()
     assert (read.remote_hits, read.remote_checksum_failures) == (1, 0)
-    b = LocalHost(mooncake.master, head_dim=4096)
+    # A fresh host: its evict's marker goes out behind its connect, and neither the evict
+    # nor the close waits past timeout_ms for it (then C would still read the user).
+    b = LocalHost(mooncake.master, head_dim=4096, timeout_ms=FRESH_MS)
     try:
         assert b.kv.evict(95) == 0  # nothing on B's host tier; the remote tier moves on
     finally:
