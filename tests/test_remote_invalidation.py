@@ -91,6 +91,9 @@ def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
             a.kv.clear()
         else:
             assert a.kv.evict(1711) == TOKENS
+        # The remove follows the marker's call: under way, the marker is out (an evict
+        # answers at timeout_ms without it, and B would then read what A ended).
+        assert gate.entered.wait(60), "the invalidation did not remove"
         b = LocalHost(master, timeout_ms=SLOW_MS)
         try:
             assert b.load(1711)[0] == 0  # gone; B learns the generation from the marker
@@ -98,7 +101,6 @@ def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
             until(lambda: b.stats()["remote_blocks_written"] == USER_PAGES)
         finally:
             b.close()
-        assert gate.entered.wait(60), "the invalidation did not remove"
         gate.set()
     finally:
         a.close()  # after its remove
