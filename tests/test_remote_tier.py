@@ -807,7 +807,18 @@ def test_a_lookup_read_that_times_out_and_then_fails_is_one_error(
     # A slow Mooncake whose read then fails for want of the master: the lookup gave up
     # at timeout_ms (a miss, its timeout counted), and the call's failure, seen later on
     # the reader thread, was counted again: remote_errors said 2 for one failed call.
-    returned = threading.Event()
+    # The lookup comes once the reader has connected: behind a connect slower than
+    # timeout_ms (a loaded host) it gives up on the connect's call, whose timeout is
+    # counted, and the read that then fails is a second failed call, rightly counted too.
+    connected, returned = threading.Event(), threading.Event()
+    check_markers = RemoteIO._check
+    timeout_ms = 203  # this host's own: an earlier test's, closed, may still be in a call
+
+    def noted_check(io: RemoteIO) -> bool:
+        answered = check_markers(io)
+        if io.config.timeout_ms == timeout_ms:
+            connected.set()
+        return answered
 
     def slow_then_down(io: RemoteIO, items: Any, blocks: Any) -> list[int]:
         time.sleep(1.0)  # past the lookup's timeout_ms
@@ -815,9 +826,11 @@ def test_a_lookup_read_that_times_out_and_then_fails_is_one_error(
         returned.set()
         return [0] * len(items)
 
+    monkeypatch.setattr(RemoteIO, "_check", noted_check)
     monkeypatch.setattr(RemoteIO, "read", slow_then_down)
-    b = LocalHost(mooncake.master, timeout_ms=200)
+    b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
     try:
+        assert connected.wait(30), "the reader did not connect"
         assert b.load(4401) == (0, True)  # a miss, after timeout_ms
         # Both counts are in by then: the timeout's before the load answered, the
         # failure's in the call, before it returned.
