@@ -160,7 +160,9 @@ def test_a_host_tier_full_of_its_own_blocks_still_takes_a_remote_hit(
     a = LocalHost(mooncake.master, head_dim=1024)
     assert a.offload(91) == TOKENS
     assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
-    b = LocalHost(mooncake.master, head_dim=1024)
+    # Its lookup of A's user must hit: a read that a loaded box keeps past the default
+    # 500 ms would be a miss.
+    b = LocalHost(mooncake.master, head_dim=1024, timeout_ms=FRESH_MS)
     try:
         for user in range(300, 324):
             assert b.offload(user) == TOKENS
@@ -190,7 +192,9 @@ def test_a_lookup_keeps_its_host_prefix_while_it_reads_the_rest_from_mooncake(
     assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
     # 16 blocks of 128 KiB: what B writes to the session's Mooncake store stays small (a
     # store near full evicts the values later tests read).
-    b = LocalHost(mooncake.master, head_dim=1024, cpu_cache_gb=16 * 128 / 2**20)
+    # (A generous timeout_ms: the lookup must hit, not miss behind a loaded box's read.)
+    b = LocalHost(mooncake.master, head_dim=1024, cpu_cache_gb=16 * 128 / 2**20,
+                  timeout_ms=FRESH_MS)
     try:
         half = USER_PAGES // 2
         for cache, kv in zip(b.caches, b.kv_of(92), strict=True):
@@ -493,7 +497,9 @@ def test_a_full_remote_store_never_fails_a_caller(tmp_path: Path) -> None:
         assert a.kv.stats().remote_dropped_writes == stats["remote_dropped_writes"]
         offered = len(users) * USER_PAGES
         assert stats["remote_blocks_written"] + stats["remote_dropped_writes"] == offered
-        b = LocalHost(small.master, head_dim=512)
+        # Fresh, and some of its lookups must hit: a generous timeout_ms (one that runs
+        # out behind its connect or a loaded box's read would be a miss).
+        b = LocalHost(small.master, head_dim=512, timeout_ms=FRESH_MS)
         try:
             loaded = [b.load(user) for user in users]
         finally:
@@ -717,7 +723,9 @@ def test_a_lookup_racing_another_hosts_put_is_a_miss_not_a_damaged_value(
     # B asks for each user while A's put of it is under way: Mooncake answers such a get
     # "not ready" (no value read), which was counted as a value that failed its checksum.
     a = LocalHost(mooncake.master, head_dim=1024, timeout_ms=2000)
-    b = LocalHost(mooncake.master, head_dim=1024, timeout_ms=2000)
+    # No lookup of B's may time out (remote_errors counts it): the first waits behind
+    # B's connect, which a loaded box can keep past 2 s.
+    b = LocalHost(mooncake.master, head_dim=1024, timeout_ms=FRESH_MS)
     try:
         for user in range(3100, 3112):
             go = threading.Barrier(2)
