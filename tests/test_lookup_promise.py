@@ -66,11 +66,13 @@ def forget_loads(caches: list[torch.Tensor]) -> None:
 
 
 async def until(engine: aiokv.OffloadEngine, reached: Callable[[aiokv.EngineStats], bool]) -> None:
-    """Wait (10 s at most) until the engine's stats show what ``reached`` asks."""
-    for _ in range(1000):
+    """Wait until the engine's stats show what ``reached`` asks (60 s at most: a slow
+    disk's writes; then the test fails here, saying so, not at a later step)."""
+    for _ in range(6000):
         if reached(engine.stats()):
             return
         await asyncio.sleep(0.01)
+    raise AssertionError(f"the engine's stats never got there: {engine.stats()}")
 
 
 async def no_room_for_user_0(

@@ -497,10 +497,12 @@ async def test_a_load_over_both_tiers_that_finds_no_room_in_time_leaks_nothing(
         # The holders' pages are room once their write-through copies are in (user 0's
         # 3 host pages, users 1's 8 and 2's 5): else the new load waits for those too,
         # past 1 s on a busy disk.
-        for _ in range(1000):
+        for _ in range(6000):  # 60 s at most
             if engine.stats().bytes_ssd_written >= HOST_BLOCKS * BLOCK:
                 break
             await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"the holders' SSD copies never landed: {engine.stats()}")
         for holder in holders:
             holder.release()
         assert await loads_whole(engine, caches)
