@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import held
+from conftest import Gate, held
 from test_ssd import BLOCK, DIM, HEADS, HOST_BLOCKS, LAYERS, PAGE, SLOT, USER_PAGES
 
 import aiokv
@@ -73,6 +73,19 @@ async def until(engine: aiokv.OffloadEngine, reached: Callable[[aiokv.EngineStat
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"the engine's stats never got there: {engine.stats()}")
+
+
+def held_reads(monkeypatch: pytest.MonkeyPatch, reading: bool = True) -> Gate:
+    """The SSD tier's reads held until the gate returned is set (none where not
+    ``reading``); writes go on."""
+    return held(monkeypatch, ssd_module.SsdTier, "_run",
+                lambda tier, request, *args: reading and not request.is_write)
+
+
+def held_writes(monkeypatch: pytest.MonkeyPatch) -> Gate:
+    """The SSD tier's writes held until the gate returned is set; reads go on."""
+    return held(monkeypatch, ssd_module.SsdTier, "_run",
+                lambda tier, request, *args: request.is_write)
 
 
 async def no_room_for_user_0(
@@ -217,8 +230,7 @@ async def test_ssd_pages_read_after_a_load_timed_out_are_not_copied_into_its_pag
         # User 0 is only on SSD; the host has room (users 2's and 3's pages, on SSD too),
         # so its lookup starts reading it at once, from a disk that answers only once the
         # load has timed out.
-        gate = held(monkeypatch, ssd_module.SsdTier, "_run",
-                    lambda tier, request, *a: not request.is_write)
+        gate = held_reads(monkeypatch)
         try:
             hit = await engine.lookup(0, HISTORY)
             assert hit.cached_tokens == HISTORY
@@ -264,8 +276,7 @@ async def test_a_clear_waits_for_a_load_whose_room_comes_with_ssd_writes(
         for user in (0, 1):
             await engine.offload(user, source(user), HISTORY)
         await until(engine, lambda stats: stats.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
-        writes = held(monkeypatch, ssd_module.SsdTier, "_run",
-                      lambda tier, request, *args: request.is_write)
+        writes = held_writes(monkeypatch)
         try:
             holders, hit = await no_room_for_user_0(engine, caches, offloaded=2)
             loading = asyncio.ensure_future(engine.load(hit, destination(0)))
@@ -282,34 +293,47 @@ async def test_a_clear_waits_for_a_load_whose_room_comes_with_ssd_writes(
         assert (await engine.lookup(0, HISTORY)).cached_tokens == 0
 
 
+USER_1 = torch.arange(4 * USER_PAGES, 4 * USER_PAGES + 12)  # more than half the host tier
+USER_1_TOKENS = len(USER_1) * PAGE
+
+
+async def user_1_loads_into_user_0_s_prefetch(
+    engine: aiokv.OffloadEngine, caches: list[torch.Tensor]
+) -> tuple[aiokv.Lookup, asyncio.Future[aiokv.LoadResult]]:
+    """Users 0 and 1 are on SSD only (users 2 and 3 came after them into the host tier of
+    16 blocks); user 1's history is 12 pages. User 0's Lookup is held, not loaded: its 8
+    pages are prefetched into the host tier. User 1's load, launched, needs more room
+    than the prefetch leaves. Returns (user 0's Lookup, user 1's load)."""
+    await engine.offload(0, source(0), HISTORY)
+    await engine.offload(1, USER_1, USER_1_TOKENS)
+    for user in (2, 3):
+        await engine.offload(user, source(user), HISTORY)
+    await until(engine, lambda s: s.bytes_ssd_written >= (3 * USER_PAGES + 12) * BLOCK)
+    held_hit = await engine.lookup(0, HISTORY)
+    hit = await engine.lookup(1, USER_1_TOKENS)
+    assert (held_hit.cached_tokens, hit.cached_tokens) == (HISTORY, USER_1_TOKENS)
+    forget_loads(caches)
+    return held_hit, asyncio.ensure_future(engine.load(hit, USER_1 + PAGES // 2))
+
+
+def user_1_intact(caches: list[torch.Tensor]) -> bool:
+    return all(torch.equal(c[USER_1 + PAGES // 2], c[USER_1]) for c in caches)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("prefetch", ["read", "reading"])
 async def test_a_held_lookup_s_prefetch_gives_its_room_to_a_launched_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefetch: str
 ) -> None:
-    # Users 0 and 1 are on SSD only (users 2 and 3 came after them into the host tier of
-    # 16 blocks); user 1's history is 12 pages, more than half of the tier. User 0's
-    # Lookup is held, not loaded: its 8 pages are prefetched into the host tier (their
-    # reads still running when user 1's load comes, or not). User 1's load needs more
-    # room than the prefetch leaves, and there is no request timeout: it must not wait
-    # for that room until user 0's Lookup expires (a minute here).
+    # User 0's prefetch reads are still running when user 1's load comes, or not. There
+    # is no request timeout: user 1's load must not wait for that room until user 0's
+    # Lookup expires (a minute here).
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=0,
                                lookup_ttl_ms=60_000)
-    pages = torch.arange(4 * USER_PAGES, 4 * USER_PAGES + 12)  # user 1's 12 source pages
-    tokens = len(pages) * PAGE
     async with engine:
-        await engine.offload(0, source(0), HISTORY)
-        await engine.offload(1, pages, tokens)
-        for user in (2, 3):
-            await engine.offload(user, source(user), HISTORY)
-        reads = held(monkeypatch, ssd_module.SsdTier, "_run",
-                     lambda tier, request, *args: prefetch == "reading" and not request.is_write)
+        reads = held_reads(monkeypatch, reading=prefetch == "reading")
         try:
-            held_hit = await engine.lookup(0, HISTORY)
-            hit = await engine.lookup(1, tokens)
-            assert (held_hit.cached_tokens, hit.cached_tokens) == (HISTORY, tokens)
-            forget_loads(caches)
-            loading = asyncio.ensure_future(engine.load(hit, pages + PAGES // 2))
+            held_hit, loading = await user_1_loads_into_user_0_s_prefetch(engine, caches)
             if prefetch == "reading":  # the load waits for room; then the reads come in
                 await until(engine, lambda stats: stats.stage_waits > 0)
                 assert engine.stats().stage_waits == 1
@@ -317,8 +341,7 @@ async def test_a_held_lookup_s_prefetch_gives_its_room_to_a_launched_load(
             got = await asyncio.wait_for(loading, 5.0)
         finally:
             reads.set()
-        assert got.loaded_tokens == tokens
-        assert all(torch.equal(c[pages + PAGES // 2], c[pages]) for c in caches)
+        assert got.loaded_tokens == USER_1_TOKENS and user_1_intact(caches)
         # The held Lookup still loads all it reported, bit for bit (read again).
         assert (await engine.load(held_hit, destination(0))).loaded_tokens == HISTORY
         assert loaded_intact(caches, 0, HISTORY)
@@ -327,3 +350,71 @@ async def test_a_held_lookup_s_prefetch_gives_its_room_to_a_launched_load(
         await engine.clear()  # drops every block nothing holds: all of them
     stats = engine.stats()  # final once the engine is closed
     assert (stats.host_blocks_used, stats.ssd_blocks_used) == (0, 0)
+
+
+@pytest.mark.asyncio
+async def test_an_evict_goes_ahead_of_a_load_the_room_on_its_way_cannot_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lookups of users 2 and 3 hold 12 of the 16 host blocks; user 4's 4 pages are being
+    # written to SSD (held). User 0's load (8 SSD pages) waits for room: the 4 blocks the
+    # write gives back can never stage it, only the holders' loads, called after an evict
+    # of another user, can. The evict goes ahead at once, not once the write is in (with
+    # a Mooncake that stops answering, its call timeout of 30 s), and every load loads.
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=0)
+    async with engine:
+        for user in range(4):
+            await engine.offload(user, source(user), HISTORY)
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 4 * USER_PAGES * BLOCK)
+        holders = [await engine.lookup(2, HISTORY), await engine.lookup(3, HISTORY // 2)]
+        assert [hit.cached_tokens for hit in holders] == [HISTORY, HISTORY // 2]
+        writes = held_writes(monkeypatch)
+        try:
+            assert (await engine.offload(4, source(4)[:4], HISTORY // 2)).stored_tokens
+            assert await asyncio.to_thread(writes.entered.wait, 10)
+            hit = await engine.lookup(0, HISTORY)
+            assert hit.cached_tokens == HISTORY
+            forget_loads(caches)
+            loading = asyncio.ensure_future(engine.load(hit, destination(0)))
+            await until(engine, lambda stats: stats.stage_waits > 0)
+            evicting = asyncio.ensure_future(engine.evict(7))
+            later = [engine.load(h, destination(2 + i)[: h.cached_tokens // PAGE])
+                     for i, h in enumerate(holders)]
+            # Within 10 s, the write still held (the gate lets it go at 30 s).
+            assert await asyncio.wait_for(evicting, 10) == 0
+            assert not writes.is_set()
+            results = await asyncio.wait_for(asyncio.gather(loading, *later), 10)
+        finally:
+            writes.set()
+        assert [r.loaded_tokens for r in results] == [HISTORY, HISTORY, HISTORY // 2]
+        assert loaded_intact(caches, 0, HISTORY)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("verb", ["clear", "evict"])
+async def test_an_invalidation_waits_for_a_load_whose_room_a_prefetch_s_reads_bring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verb: str
+) -> None:
+    # User 1's load waits for the room user 0's held Lookup prefetched into, its reads
+    # still out. That room comes back by itself once they are in (the prefetch gives
+    # way; given back by the clear, it ends), so a clear, or an evict of user 1, waits
+    # for the load rather than end it with nothing.
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=0,
+                               lookup_ttl_ms=60_000)
+    async with engine:
+        reads = held_reads(monkeypatch)
+        try:
+            held_hit, loading = await user_1_loads_into_user_0_s_prefetch(engine, caches)
+            await until(engine, lambda stats: stats.stage_waits > 0)
+            invalidating = asyncio.ensure_future(
+                engine.clear() if verb == "clear" else engine.evict(1))
+            await asyncio.sleep(0.3)  # the invalidation has asked which loads are parked
+            reads.set()
+            got, dropped = await asyncio.wait_for(asyncio.gather(loading, invalidating), 10)
+        finally:
+            reads.set()
+        assert got.loaded_tokens == USER_1_TOKENS and user_1_intact(caches)
+        assert dropped >= USER_1_TOKENS
+        if verb == "evict":  # the held Lookup of another user still loads all it reported
+            assert (await engine.load(held_hit, destination(0))).loaded_tokens == HISTORY
+            assert loaded_intact(caches, 0, HISTORY)

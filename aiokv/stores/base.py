@@ -307,12 +307,12 @@ class BoundsInvalidations(Protocol):
 class ParksLoads(Protocol):
     """``parked(task_ids)``: of these launched tasks, the loads that wait for room in the
     store before they copy anything more (LocalStore: host room to stage their SSD
-    pages), room that only the engine's later calls can give back (not room that comes
-    back by itself, as SSD writes end); a question, nothing changes. Asked by an evict or
-    clear while it waits for the tasks launched before it: once only such loads are left
-    it goes ahead, since the room they wait for may be held by lookups whose loads queue
-    behind it. Its drop ends those
-    of its key with what they queued before (their host pages); the others wait on."""
+    pages), room that only the engine's later calls can give back (not a load that the
+    room coming back by itself, as SSD writes and reads end, will stage); a question,
+    nothing changes. Asked by an evict or clear while it waits for the tasks launched
+    before it: once only such loads are left it goes ahead, since the room they wait for
+    may be held by lookups whose loads queue behind it. Its drop ends those of its key
+    with what they queued before (their host pages); the others wait on."""
 
     def parked(self, task_ids: Sequence[int]) -> list[int]: ...
 

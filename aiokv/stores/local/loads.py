@@ -334,15 +334,41 @@ class LoadStaging:
         return load.expired is not None
 
     def parked(self, task_ids: Sequence[int]) -> list[int]:
-        """Of these launched tasks, the loads owed host room: they copy nothing more until
-        they have it (an evict's drop ends those of its key: :meth:`drop_unstaged`).
-        None while room comes back by itself (:meth:`room_coming`: blocks a clear just
-        gave back that are still being written to SSD): they will be staged without any
-        call of the engine, so an evict waits for them as for any launched task."""
-        if self.room_coming():
-            return []
+        """Of these launched tasks, the loads owed host room that does not come back by
+        itself: they copy nothing more until later calls of the engine give it back (an
+        evict's drop ends those of its key: :meth:`drop_unstaged`). Not those that the
+        room on its way can stage (the tier's free or evictable blocks and
+        :meth:`_room_to_come`, given to the owed loads in launch order, as
+        :meth:`stage_waiting` stages them): they are staged with no call of the engine,
+        so an evict waits for them as for any launched task. Once one cannot be staged
+        so, those launched after it are parked too: they are staged after it."""
         asked = set(task_ids)
-        return [load.task.task_id for load in self._owed if load.task.task_id in asked]
+        room = self.host.available() + self._room_to_come()
+        parked: list[int] = []
+        short = False
+        for load in self._owed:
+            need = len(load.slots)
+            short = short or need > room
+            if not short:
+                room -= need
+            elif load.task.task_id in asked:
+                parked.append(load.task.task_id)
+        return parked
+
+    def _room_to_come(self) -> int:
+        """Host blocks that come back without any call of the engine, surely: those read
+        only by SSD copies or remote writes under way (:meth:`room_coming`), and those
+        of prefetches whose reads are still out that no other get reads (each gives way
+        to an owed load, or ends if its Lookup was given back, once they are in). Not a
+        prefetch whose reads are in: it has already given way where an owed load needed
+        it, and counting it could keep an evict waiting for room that never moves."""
+        host = self.host
+        passing = np.flatnonzero(host.passing)
+        count = int((host.readers[passing] <= host.passing[passing]).sum())
+        for load in self._prefetches:
+            if not load.finished:
+                count += int((host.readers[load.host_blocks] == 1).sum())
+        return count
 
     def drop_unstaged(self, namespace: tuple[str, ...] | None) -> None:
         """An evict or clear of ``namespace`` (None: all): its loads not staged yet never
