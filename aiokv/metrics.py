@@ -333,6 +333,12 @@ def _remote_families(store: Mapping[str, int | float]) -> Iterator[Metric]:
         labels=["reason"],
     )
     yield _from_store(dropped, _REMOTE_DROP_KEYS, store)
+    waiting = GaugeMetricFamily(
+        "aiokv_remote_invalidations_waiting",
+        "Evicts and clears whose marker is not out on Mooncake yet: until it is, this host "
+        "neither reads nor writes their keys there, while other hosts still serve them.",
+    )
+    yield _from_store(waiting, [("remote_invalidations_waiting",)], store)
     for name, help_text, count_key, seconds_key in _REMOTE_WAITS:
         waits = SummaryMetricFamily(name, help_text, labels=[])
         if count_key in store:

@@ -258,7 +258,7 @@ def test_register_describes_every_family_and_refuses_a_second_engine() -> None:
         "aiokv_store_blocks", "aiokv_store_errors", "aiokv_tier_hit_tokens",
         "aiokv_empty_loads", "aiokv_dropped_tokens", "aiokv_remote_lookups",
         "aiokv_remote_dropped_writes", "aiokv_remote_lookup_seconds",
-        "aiokv_remote_write_seconds",
+        "aiokv_remote_write_seconds", "aiokv_remote_invalidations_waiting",
     }  # fmt: skip
     # Before start: zeros, and no store answer yet (the store thread does not exist).
     families = by_name(registry.collect())

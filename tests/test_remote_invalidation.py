@@ -155,6 +155,8 @@ def test_a_master_that_stops_answering_holds_up_neither_evicts_nor_close(
     # (it gives a write in a call, then its threads, timeout_ms each).
     with MooncakeServers(16, log_dir=tmp_path) as servers:
         a = LocalHost(servers.master, timeout_ms=200)
+        registry = CollectorRegistry()
+        aiokv.metrics.register(a.engine, registry, store_timeout_s=30)
         try:
             assert a.offload(1) == TOKENS
             until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
@@ -166,6 +168,10 @@ def test_a_master_that_stops_answering_holds_up_neither_evicts_nor_close(
             for user in (2, 4):  # 2's blocks are the write's: freed when it ends
                 a.kv.evict(user)
             evicts_s = time.monotonic() - began
+            # The markers not out, as the metrics show them.
+            until(lambda: [sample.value for family in registry.collect()
+                           if family.name == "aiokv_remote_invalidations_waiting"
+                           for sample in family.samples] == [3])
             began = time.monotonic()
             stats = a.close()
             close_s = time.monotonic() - began
