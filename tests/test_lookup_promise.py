@@ -418,3 +418,86 @@ async def test_an_invalidation_waits_for_a_load_whose_room_a_prefetch_s_reads_br
         if verb == "evict":  # the held Lookup of another user still loads all it reported
             assert (await engine.load(held_hit, destination(0))).loaded_tokens == HISTORY
             assert loaded_intact(caches, 0, HISTORY)
+
+
+@pytest.mark.asyncio
+async def test_an_evict_waits_for_a_load_whose_room_another_load_s_host_pages_bring(
+    tmp_path: Path,
+) -> None:
+    # Lookups of users 2 and 3 hold 12 of the 16 host blocks. User 1's (4 host pages, 4
+    # on SSD only) prefetches its SSD pages into the other 4; user 0's (4 pages, on SSD
+    # only) finds no room. Both loads launched, user 1's host pages go back once copied,
+    # which stages user 0's load with no call of the engine. An evict of user 0 right
+    # after them waits for its load.
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=0)
+    async with engine:
+        await engine.offload(0, source(0)[:4], HISTORY // 2)
+        await engine.offload(1, source(1), HISTORY)
+        await engine.offload(2, source(2), HISTORY)  # user 0's 4 pages leave the host
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 20 * BLOCK)
+        await engine.offload(3, source(3)[:4], HISTORY // 2)  # so do user 1's last 4
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 24 * BLOCK)
+        holders = [await engine.lookup(2, HISTORY), await engine.lookup(3, HISTORY // 2)]
+        assert [hit.cached_tokens for hit in holders] == [HISTORY, HISTORY // 2]
+        hits = list(reversed([await engine.lookup(1, HISTORY),
+                              await engine.lookup(0, HISTORY // 2)]))
+        assert [hit.cached_tokens for hit in hits] == [HISTORY // 2, HISTORY]
+        forget_loads(caches)
+        loads = [engine.load(hit, destination(user)[: hit.cached_tokens // PAGE])
+                 for user, hit in enumerate(hits)]
+        results = await asyncio.wait_for(asyncio.gather(*loads, engine.evict(0)), 30)
+        assert [r.loaded_tokens for r in results[:2]] == [HISTORY // 2, HISTORY]
+        assert loaded_intact(caches, 0, HISTORY // 2) and loaded_intact(caches, 1, HISTORY)
+        assert results[2] == HISTORY // 2
+        for holder in holders:
+            holder.release()
+
+
+@pytest.mark.asyncio
+async def test_an_evict_goes_ahead_of_a_load_whose_room_a_shared_prefetch_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # User 0's held Lookup prefetches its 8 pages in two reads of 4 (large KV blocks);
+    # the first is in, the second held. A second Lookup of user 0 holds the 4 pages in:
+    # that prefetch never gives way now, its reads in or not. User 1's load (12 pages)
+    # waits for room only the loads of those Lookups, called after an evict of another
+    # user, give back: the evict goes ahead at once, not once the held read is in.
+    monkeypatch.setattr(ssd_module, "READ_CHUNK_BYTES", 4 * SLOT)
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=0,
+                               lookup_ttl_ms=60_000)
+    reads: list[int] = []
+
+    def second_read(tier: Any, request: Any, *args: Any) -> bool:
+        if request.is_write:
+            return False
+        if id(request) not in reads:
+            reads.append(id(request))
+        return reads.index(id(request)) == 1
+
+    async with engine:
+        await engine.offload(0, source(0), HISTORY)
+        await engine.offload(1, USER_1, USER_1_TOKENS)
+        for user in (2, 3):
+            await engine.offload(user, source(user), HISTORY)
+        await until(engine, lambda s: s.bytes_ssd_written >= (3 * USER_PAGES + 12) * BLOCK)
+        gate = held(monkeypatch, ssd_module.SsdTier, "_run", second_read)
+        try:
+            prefetched = await engine.lookup(0, HISTORY)
+            await until(engine, lambda stats: stats.bytes_ssd_read >= 4 * BLOCK)
+            sharing = await engine.lookup(0, HISTORY)
+            assert (prefetched.cached_tokens, sharing.cached_tokens) == (HISTORY, HISTORY // 2)
+            hit = await engine.lookup(1, USER_1_TOKENS)
+            forget_loads(caches)
+            loading = asyncio.ensure_future(engine.load(hit, USER_1 + PAGES // 2))
+            await until(engine, lambda stats: stats.stage_waits > 0)
+            evicting = asyncio.ensure_future(engine.evict(7))
+            later = [engine.load(sharing, destination(0)[: USER_PAGES // 2]),
+                     engine.load(prefetched, destination(0))]
+            assert await asyncio.wait_for(evicting, 10) == 0  # the read still held
+            assert not gate.is_set()
+            gate.set()
+            results = await asyncio.wait_for(asyncio.gather(loading, *later), 30)
+        finally:
+            gate.set()
+        assert [r.loaded_tokens for r in results] == [USER_1_TOKENS, HISTORY // 2, HISTORY]
+        assert user_1_intact(caches) and loaded_intact(caches, 0, HISTORY)

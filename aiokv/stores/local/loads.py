@@ -333,42 +333,34 @@ class LoadStaging:
             load.expired = "its deadline passed before it was all queued for its copy"
         return load.expired is not None
 
-    def parked(self, task_ids: Sequence[int]) -> list[int]:
-        """Of these launched tasks, the loads owed host room that does not come back by
-        itself: they copy nothing more until later calls of the engine give it back (an
-        evict's drop ends those of its key: :meth:`drop_unstaged`). Not those that the
-        room on its way can stage (the tier's free or evictable blocks and
-        :meth:`_room_to_come`, given to the owed loads in launch order, as
-        :meth:`stage_waiting` stages them): they are staged with no call of the engine,
-        so an evict waits for them as for any launched task. Once one cannot be staged
-        so, those launched after it are parked too: they are staged after it."""
+    def parked(self, task_ids: Sequence[int], held: Int64Array) -> list[int]:
+        """Of these launched tasks, the loads owed host room that only later calls of
+        the engine can give back: they copy nothing more until then (an evict's drop
+        ends those of its key: :meth:`drop_unstaged`). ``held``: the host blocks that
+        the store's matched, unlaunched tasks read (held Lookups): theirs until the
+        engine loads, releases or cancels them. So does a held prefetch another get
+        shares a block of (it never gives way: :meth:`_give_way`). Every other block
+        comes back by itself: SSD copies and remote writes end, reads come in, launched
+        loads and puts end, a prefetch gives way or, given back, ends. The owed loads
+        are staged in launch order, each once the tier less what is held could stage
+        it (those before it end and give their room back): the first that it never
+        could is parked, and so is every load launched after it. The others are not,
+        and an evict waits for them as for any launched task."""
+        host = self.host
+        pinned = np.zeros(host.num_blocks, dtype=bool)
+        pinned[held] = True
+        for load in self._prefetches:
+            if not load.cancelled and (host.readers[load.host_blocks] > 1).any():
+                pinned[load.host_blocks] = True
+        room = host.num_blocks - int(np.count_nonzero(pinned))
         asked = set(task_ids)
-        room = self.host.available() + self._room_to_come()
         parked: list[int] = []
         short = False
         for load in self._owed:
-            need = len(load.slots)
-            short = short or need > room
-            if not short:
-                room -= need
-            elif load.task.task_id in asked:
+            short = short or len(load.slots) > room
+            if short and load.task.task_id in asked:
                 parked.append(load.task.task_id)
         return parked
-
-    def _room_to_come(self) -> int:
-        """Host blocks that come back without any call of the engine, surely: those read
-        only by SSD copies or remote writes under way (:meth:`room_coming`), and those
-        of prefetches whose reads are still out that no other get reads (each gives way
-        to an owed load, or ends if its Lookup was given back, once they are in). Not a
-        prefetch whose reads are in: it has already given way where an owed load needed
-        it, and counting it could keep an evict waiting for room that never moves."""
-        host = self.host
-        passing = np.flatnonzero(host.passing)
-        count = int((host.readers[passing] <= host.passing[passing]).sum())
-        for load in self._prefetches:
-            if not load.finished:
-                count += int((host.readers[load.host_blocks] == 1).sum())
-        return count
 
     def drop_unstaged(self, namespace: tuple[str, ...] | None) -> None:
         """An evict or clear of ``namespace`` (None: all): its loads not staged yet never

@@ -309,10 +309,13 @@ class LocalStore:
         return self._ends.answers(task_ids)
 
     def parked(self, task_ids: Sequence[int]) -> list[int]:
-        """base.ParksLoads: launched loads whose SSD pages wait for host room (.loads)."""
+        """base.ParksLoads: launched loads whose SSD pages wait for host room that only
+        the engine's later calls give back: room its matched, unlaunched tasks hold
+        (.loads)."""
         if self._link is None:
             return []
-        return self._link.parked(task_ids)
+        held = [task.blocks for task in self._tasks.values()]
+        return self._link.parked(task_ids, concat(held) if held else NO_BLOCKS)
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are
