@@ -171,14 +171,20 @@ async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]
     stop = False
 
     async def user(index: int) -> None:
+        # Each call counted as it ends, not once its user's cycle does: where a cycle
+        # outlasts --seconds (large users on a few cores), the window still shows the
+        # calls that ended in it.
         nonlocal moved_tokens, requests
         while not stop:
             space = [f"lag{next(names)}"]
             stored = await engine.offload(index, pages[index], settings.tokens, namespace=space)
+            moved_tokens += stored.stored_tokens
+            requests += 1
             async with await engine.lookup(index, settings.tokens, namespace=space) as hit:
+                requests += 1
                 loaded = await engine.load(hit, pages[index])
-            moved_tokens += stored.stored_tokens + loaded.loaded_tokens
-            requests += 3
+            moved_tokens += loaded.loaded_tokens
+            requests += 1
 
     # Restored also where the engine fails to start.
     with common.switch_interval(settings.switch_interval_us):
