@@ -24,6 +24,8 @@ from conftest import Gate, held
 from test_ssd import BLOCK, DIM, HEADS, HOST_BLOCKS, LAYERS, PAGE, SLOT, USER_PAGES
 
 import aiokv
+from aiokv.stores.local import hostmem
+from aiokv.stores.local import pool as pool_module
 from aiokv.stores.local import ssd as ssd_module
 
 HISTORY = USER_PAGES * PAGE  # 128 tokens
@@ -501,3 +503,96 @@ async def test_an_evict_goes_ahead_of_a_load_whose_room_a_shared_prefetch_holds(
             gate.set()
         assert [r.loaded_tokens for r in results] == [USER_1_TOKENS, HISTORY // 2, HISTORY]
         assert user_1_intact(caches) and loaded_intact(caches, 0, HISTORY)
+
+
+@pytest.mark.asyncio
+async def test_an_evict_waits_for_a_load_whose_room_a_released_lookup_s_reads_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # User 0's held Lookup A prefetched its first 4 pages; Lookup B of all 8 holds those
+    # as its host prefix and prefetches the other 4, whose reads are held, and B is
+    # released. Until those reads are in, A cannot give way; then B ends, A gives way,
+    # and user 1's load (16 pages, waiting for room) is staged, with no call of the
+    # engine: an evict of user 1 waits for it.
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=0,
+                               lookup_ttl_ms=60_000)
+    user_1 = torch.arange(2 * USER_PAGES, 4 * USER_PAGES)
+    async with engine:
+        await engine.offload(1, user_1, 2 * HISTORY)
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 16 * BLOCK)
+        await engine.offload(0, source(0), HISTORY)
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 24 * BLOCK)
+        for user in (4, 5):  # users 0 and 1 leave the host tier
+            await engine.offload(user, source(user), HISTORY)
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 40 * BLOCK)
+        a = await engine.lookup(0, HISTORY // 2)
+        assert a.cached_tokens == HISTORY // 2
+        await until(engine, lambda stats: stats.bytes_ssd_read >= 4 * BLOCK)
+        reads = held_reads(monkeypatch)
+        try:
+            for _ in range(1000):  # once A's pages are in the host tier (10 s at most)
+                b = await engine.lookup(0, HISTORY)
+                if b.cached_tokens == HISTORY:
+                    break
+                b.release()
+                await asyncio.sleep(0.01)
+            assert b.cached_tokens == HISTORY
+            b.release()  # its reads still out
+            hit = await engine.lookup(1, 2 * HISTORY)
+            assert hit.cached_tokens == 2 * HISTORY
+            forget_loads(caches)
+            loading = asyncio.ensure_future(engine.load(hit, user_1 + PAGES // 2))
+            await until(engine, lambda stats: stats.stage_waits > 0)
+            evicting = asyncio.ensure_future(engine.evict(1))
+            await asyncio.sleep(0.3)  # the evict has asked which loads are parked
+            reads.set()
+            got, dropped = await asyncio.wait_for(asyncio.gather(loading, evicting), 30)
+        finally:
+            reads.set()
+        assert got.loaded_tokens == 2 * HISTORY and dropped == 2 * HISTORY
+        assert all(torch.equal(c[user_1 + PAGES // 2], c[user_1]) for c in caches)
+        assert (await engine.load(a, destination(0)[: USER_PAGES // 2])).loaded_tokens == (
+            HISTORY // 2)
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_promises_what_a_host_tier_pinned_short_can_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pinning stops after 2 of the host tier's 4 chunks (a memlock limit; registering
+    # fails here on the third) and the store serves with 8 blocks. User 0's 16 pages are
+    # on SSD only: its Lookup promises the 8 those blocks can stage, and its load brings
+    # them. (It promised 16: the load waited for room until its deadline.)
+    memories: list[hostmem.HostMemory] = []
+    registered: list[int] = []
+
+    def register(address: int, size: int) -> None:
+        registered.append(size)
+        if len(registered) > 2:
+            raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
+
+    def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+              pin: bool) -> hostmem.HostMemory:
+        memories.append(hostmem.HostMemory(
+            num_blocks, block_shape, dtype, True, chunk_bytes=4 * BLOCK,
+            register=register, unregister=lambda address: None))
+        return memories[-1]
+
+    monkeypatch.setattr(pool_module, "HostMemory", short)
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=10_000)
+    pages = torch.arange(2 * USER_PAGES)
+    async with engine:
+        assert await asyncio.to_thread(memories[0].wait_all, 10)
+        assert memories[0].ready_blocks == HOST_BLOCKS // 2
+        for tokens in (HISTORY, 2 * HISTORY):  # 8 new pages a put: the room there is
+            await engine.offload(0, pages[: tokens // PAGE], tokens)
+            await until(engine, lambda stats, t=tokens: stats.bytes_ssd_written >= t // PAGE * BLOCK)
+        await engine.offload(5, source(5), HISTORY)  # user 0 leaves the host tier
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 24 * BLOCK)
+        hit = await engine.lookup(0, 2 * HISTORY)
+        assert hit.cached_tokens == HISTORY
+        forget_loads(caches)
+        loaded = await engine.load(hit, pages[:USER_PAGES] + PAGES // 2)
+        assert loaded.loaded_tokens == HISTORY
+        assert all(torch.equal(c[PAGES // 2 : PAGES // 2 + USER_PAGES], c[:USER_PAGES])
+                   for c in caches)

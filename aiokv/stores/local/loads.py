@@ -137,8 +137,8 @@ class LoadStaging:
             return None  # another load of this key stages first: those pages go to it
         host, tier = self.host, self.ssd.tier
         # At most a host tier's worth: what the tier could ever stage beside the host
-        # pages the task holds.
-        rest = digests[hits : max(hits, host.num_blocks)]
+        # pages the task holds (the blocks pinned, where pinning stopped short).
+        rest = digests[hits : max(hits, host.alloc.capacity)]
         blocks, slots = look_up(host, key, rest), look_up(tier, key, rest)
         on_host = blocks >= 0
         ready = on_host & (host.state[blocks] == READY)
@@ -333,26 +333,33 @@ class LoadStaging:
             load.expired = "its deadline passed before it was all queued for its copy"
         return load.expired is not None
 
-    def parked(self, task_ids: Sequence[int], held: Int64Array) -> list[int]:
+    def parked(self, task_ids: Sequence[int], held: Sequence[Any]) -> list[int]:
         """Of these launched tasks, the loads owed host room that only later calls of
         the engine can give back: they copy nothing more until then (an evict's drop
-        ends those of its key: :meth:`drop_unstaged`). ``held``: the host blocks that
-        the store's matched, unlaunched tasks read (held Lookups): theirs until the
-        engine loads, releases or cancels them. So does a held prefetch another get
-        shares a block of (it never gives way: :meth:`_give_way`). Every other block
-        comes back by itself: SSD copies and remote writes end, reads come in, launched
-        loads and puts end, a prefetch gives way or, given back, ends. The owed loads
-        are staged in launch order, each once the tier less what is held could stage
-        it (those before it end and give their room back): the first that it never
-        could is parked, and so is every load launched after it. The others are not,
-        and an evict waits for them as for any launched task."""
+        ends those of its key: :meth:`drop_unstaged`). ``held``: the store's matched,
+        unlaunched tasks (held Lookups), whose host blocks are theirs until the engine
+        loads, releases or cancels them; but a held prefetch's own blocks come back
+        (:meth:`_give_way`) unless another of them reads one. Every other block comes
+        back by itself: SSD copies and remote writes end, reads come in, launched loads
+        and puts end, a released prefetch ends. The owed loads are staged in launch
+        order, each once the tier (:attr:`~.pool.BlockAllocator.capacity`) less what is
+        held could stage it (those before it end and give their room back): the first
+        that it never could is parked, and so is every load launched after it. The
+        others are not, and an evict waits for them as for any launched task."""
         host = self.host
         pinned = np.zeros(host.num_blocks, dtype=bool)
-        pinned[held] = True
-        for load in self._prefetches:
-            if not load.cancelled and (host.readers[load.host_blocks] > 1).any():
+        giving: list[Load] = []
+        for task in held:
+            load = task.load
+            if load is not None and load in self._prefetches:
+                pinned[np.setdiff1d(task.blocks, load.host_blocks)] = True
+                giving.append(load)
+            else:
+                pinned[task.blocks] = True
+        for load in giving:  # (prefetches never share their own blocks: any order)
+            if pinned[load.host_blocks].any():
                 pinned[load.host_blocks] = True
-        room = host.num_blocks - int(np.count_nonzero(pinned))
+        room = host.alloc.capacity - int(np.count_nonzero(pinned))
         asked = set(task_ids)
         parked: list[int] = []
         short = False

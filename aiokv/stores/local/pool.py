@@ -49,6 +49,11 @@ class BlockAllocator:
     def num_free(self) -> int:
         return self._num_free
 
+    @property
+    def capacity(self) -> int:
+        """The blocks it will ever hand out (a fixed allocator: all of them)."""
+        return self.num_blocks
+
     def wait_for_free(self, count: int) -> None:
         """Block until ``count`` blocks are free or no more will come without a release
         (a fixed allocator: at once)."""
@@ -122,6 +127,13 @@ class HostPool(BlockAllocator):
     def num_free(self) -> int:
         self.grow()
         return self._num_free
+
+    @property
+    def capacity(self) -> int:
+        """All its blocks while they are being pinned; those pinned once pinning has
+        stopped (where it stopped short, a memlock limit: the store serves with those)."""
+        memory = self.memory
+        return memory.ready_blocks if memory.wait_all(0) else self.num_blocks
 
     def wait_for_free(self, count: int) -> None:
         """Block (store thread) while the pool is still being pinned and fewer than

@@ -314,8 +314,7 @@ class LocalStore:
         (.loads)."""
         if self._link is None:
             return []
-        held = [task.blocks for task in self._tasks.values()]
-        return self._link.parked(task_ids, concat(held) if held else NO_BLOCKS)
+        return self._link.parked(task_ids, list(self._tasks.values()))
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are
