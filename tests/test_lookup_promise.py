@@ -14,6 +14,7 @@ host tier of two users over an SSD tier that holds everyone:
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -556,19 +557,24 @@ async def test_an_evict_waits_for_a_load_whose_room_a_released_lookup_s_reads_fr
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("pinning", ["stopped", "stopping"])
 async def test_a_lookup_promises_what_a_host_tier_pinned_short_can_stage(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pinning: str
 ) -> None:
     # Pinning stops after 2 of the host tier's 4 chunks (a memlock limit; registering
     # fails here on the third) and the store serves with 8 blocks. User 0's 16 pages are
-    # on SSD only: its Lookup promises the 8 those blocks can stage, and its load brings
-    # them. (It promised 16: the load waited for room until its deadline.)
+    # on SSD only: its Lookup promises the 8 those blocks can stage, also where it comes
+    # while the third chunk is still being registered, and its load brings them. (It
+    # promised 16: the load waited for room until its deadline.)
     memories: list[hostmem.HostMemory] = []
     registered: list[int] = []
+    third, fails = threading.Event(), threading.Event()
 
     def register(address: int, size: int) -> None:
         registered.append(size)
         if len(registered) > 2:
+            third.set()
+            fails.wait(30)
             raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
 
     def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
@@ -578,18 +584,23 @@ async def test_a_lookup_promises_what_a_host_tier_pinned_short_can_stage(
             register=register, unregister=lambda address: None))
         return memories[-1]
 
+    pages = torch.arange(2 * USER_PAGES)
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=10_000)
+    async with engine:  # the whole host tier: user 0's 16 pages, on SSD too
+        await engine.offload(0, pages, 2 * HISTORY)
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 16 * BLOCK)
     monkeypatch.setattr(pool_module, "HostMemory", short)
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=10_000)
-    pages = torch.arange(2 * USER_PAGES)
-    async with engine:
-        assert await asyncio.to_thread(memories[0].wait_all, 10)
-        assert memories[0].ready_blocks == HOST_BLOCKS // 2
-        for tokens in (HISTORY, 2 * HISTORY):  # 8 new pages a put: the room there is
-            await engine.offload(0, pages[: tokens // PAGE], tokens)
-            await until(engine, lambda stats, t=tokens: stats.bytes_ssd_written >= t // PAGE * BLOCK)
-        await engine.offload(5, source(5), HISTORY)  # user 0 leaves the host tier
-        await until(engine, lambda stats: stats.bytes_ssd_written >= 24 * BLOCK)
-        hit = await engine.lookup(0, 2 * HISTORY)
+    async with engine:  # the same SSD tier, its host tier pinned short
+        try:
+            assert await asyncio.to_thread(third.wait, 10)
+            if pinning == "stopped":
+                fails.set()
+                assert await asyncio.to_thread(memories[0].wait_all, 10)
+            assert memories[0].ready_blocks == HOST_BLOCKS // 2
+            hit = await engine.lookup(0, 2 * HISTORY)
+        finally:
+            fails.set()
         assert hit.cached_tokens == HISTORY
         forget_loads(caches)
         loaded = await engine.load(hit, pages[:USER_PAGES] + PAGES // 2)

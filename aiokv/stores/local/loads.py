@@ -137,8 +137,9 @@ class LoadStaging:
             return None  # another load of this key stages first: those pages go to it
         host, tier = self.host, self.ssd.tier
         # At most a host tier's worth: what the tier could ever stage beside the host
-        # pages the task holds (the blocks pinned, where pinning stopped short).
-        rest = digests[hits : max(hits, host.alloc.capacity)]
+        # pages the task holds; while it is being pinned, what is pinned so far (the
+        # pinning may stop short of the rest: a memlock limit).
+        rest = digests[hits : max(hits, host.alloc.sure)]
         blocks, slots = look_up(host, key, rest), look_up(tier, key, rest)
         on_host = blocks >= 0
         ready = on_host & (host.state[blocks] == READY)

@@ -51,7 +51,12 @@ class BlockAllocator:
 
     @property
     def capacity(self) -> int:
-        """The blocks it will ever hand out (a fixed allocator: all of them)."""
+        """The most blocks it may ever hand out (a fixed allocator: all of them)."""
+        return self.num_blocks
+
+    @property
+    def sure(self) -> int:
+        """The blocks it will surely be able to hand out (a fixed allocator: all)."""
         return self.num_blocks
 
     def wait_for_free(self, count: int) -> None:
@@ -134,6 +139,11 @@ class HostPool(BlockAllocator):
         stopped (where it stopped short, a memlock limit: the store serves with those)."""
         memory = self.memory
         return memory.ready_blocks if memory.wait_all(0) else self.num_blocks
+
+    @property
+    def sure(self) -> int:
+        """The blocks pinned so far: pinning may yet stop short of the rest."""
+        return self.memory.ready_blocks
 
     def wait_for_free(self, count: int) -> None:
         """Block (store thread) while the pool is still being pinned and fewer than
