@@ -347,20 +347,23 @@ class LoadStaging:
         held could stage it (those before it end and give their room back): the first
         that it never could is parked, and so is every load launched after it. The
         others are not, and an evict waits for them as for any launched task."""
-        host = self.host
-        pinned = np.zeros(host.num_blocks, dtype=bool)
+        if not self._owed:  # (an evict asks at each of its polls)
+            return []
+        pinned: list[Int64Array] = []
         giving: list[Load] = []
         for task in held:
             load = task.load
             if load is not None and load in self._prefetches:
-                pinned[np.setdiff1d(task.blocks, load.host_blocks)] = True
+                pinned.append(np.setdiff1d(task.blocks, load.host_blocks))
                 giving.append(load)
             else:
-                pinned[task.blocks] = True
+                pinned.append(task.blocks)
+        others = np.concatenate(pinned) if pinned else NO_BLOCKS
         for load in giving:  # (prefetches never share their own blocks: any order)
-            if pinned[load.host_blocks].any():
-                pinned[load.host_blocks] = True
-        room = host.alloc.capacity - int(np.count_nonzero(pinned))
+            if np.isin(load.host_blocks, others).any():
+                pinned.append(load.host_blocks)
+        taken = len(np.unique(np.concatenate(pinned))) if pinned else 0
+        room = self.host.alloc.capacity - taken
         asked = set(task_ids)
         parked: list[int] = []
         short = False
