@@ -65,9 +65,9 @@ class DeferredGets:
         self._staging: dict[tuple[str, ...], int] = {}  # pending gets' keys -> how many
         # Gets answered or gone while their SSD reads ran (at their engine's deadline,
         # or their connection went): the reads go on (they cannot be recalled) and their
-        # keys stay being read until they are in, or until the time given (the server's
-        # own limit on a read).
-        self._abandoned: list[tuple[PendingGet, float]] = []
+        # keys stay being read until they are in, or until the server's own limit on
+        # their reads (``PendingGet.limit``).
+        self._abandoned: list[PendingGet] = []
 
     @property
     def staging(self) -> int:
@@ -146,7 +146,7 @@ class DeferredGets:
                 self._link.cancel_load(entry.load)
                 # Its key stays being read until the reads are in: a get of it meanwhile
                 # waits for them (a Retry) rather than missing blocks still being filled.
-                self._abandoned.append((entry, entry.limit))
+                self._abandoned.append(entry)
         self._reap()
 
     def _finish(self, client: Client, pending: PendingGet) -> Answer:
@@ -158,7 +158,7 @@ class DeferredGets:
             # the key wait for them (a Retry, up to their own deadlines) rather than miss
             # blocks still being filled, as for a get whose engine went (one engine's
             # short request_timeout_ms is not a miss for the others).
-            self._abandoned.append((pending, pending.limit))
+            self._abandoned.append(pending)
         else:
             self._staged_out(pending.namespace)
         if load.finished:
@@ -187,11 +187,11 @@ class DeferredGets:
             return
         now = time.monotonic()
         still = []
-        for pending, until in self._abandoned:
-            if pending.load.finished or now >= until:
+        for pending in self._abandoned:
+            if pending.load.finished or now >= pending.limit:
                 self._staged_out(pending.namespace)
             else:
-                still.append((pending, until))
+                still.append(pending)
         self._abandoned = still
 
     def _staged_out(self, namespace: tuple[str, ...]) -> None:
