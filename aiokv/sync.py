@@ -561,8 +561,6 @@ def _named(namespace: Any) -> Any:
     caller may refill with the next key's names meanwhile, a UserList, a list's
     subclass) copied into a list; a tuple, a str and whatever is no sequence go on to
     validation as they are (immutable, or refused there naming ``namespace``)."""
-    if type(namespace) is list:  # the usual case first, without the ABC's check
-        return list(namespace)
     if isinstance(namespace, (str, bytes, bytearray, tuple)) or not isinstance(
             namespace, Sequence):
         return namespace
