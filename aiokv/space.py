@@ -209,10 +209,10 @@ class SpaceWaits:
 
     def _give_up(self, request: Request, wait: _Wait) -> StoreFull:
         self.forget(request)
-        error = StoreFull(
-            f"{wait.last} (no room after {wait.tries} tries within "
-            f"engine.request_timeout_ms={self._timeout_ms})"
-        )
+        bound = (f"engine.request_timeout_ms={self._timeout_ms}" if self._timeout_ms
+                 else f"{NO_TIMEOUT_WAIT_S:g} s, the wait for room without "
+                      "engine.request_timeout_ms")
+        error = StoreFull(f"{wait.last} (no room after {wait.tries} tries within {bound})")
         error.__cause__ = wait.last.__cause__  # the store's own NoSpace
         return error
 

@@ -319,6 +319,8 @@ async def test_with_no_timeout_the_wait_for_room_is_still_bounded(
         with pytest.raises(aiokv.StoreFull, match="no room after") as error:
             await engine.offload("u", pages(0), 4 * PAGE_SIZE)
         assert isinstance(error.value.__cause__, NoSpace)
+        # The bound that applied, not a request_timeout_ms of 0 that bounds nothing.
+        assert "0.05 s, the wait for room without" in str(error.value)
         assert engine.stats().space_waits >= 1 and engine.stats().timed_out == 0
     assert checked.problems() == []
 
