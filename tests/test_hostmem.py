@@ -58,7 +58,7 @@ def test_pinned_chunks_register_in_order_and_unregister_on_close() -> None:
     assert unregistered == [a for a, _ in registered]
 
 
-def test_a_failed_chunk_stops_at_what_was_pinned() -> None:
+def test_a_failed_chunk_stops_at_what_was_pinned(caplog: pytest.LogCaptureFixture) -> None:
     calls = 0
 
     def register(address: int, size: int) -> None:
@@ -74,6 +74,8 @@ def test_a_failed_chunk_stops_at_what_was_pinned() -> None:
     bounds = chunk_bounds(4096, 1024, 1 << 20)
     assert memory.ready_blocks == bounds[2]  # two chunks pinned, then it stopped
     assert isinstance(memory.error, RuntimeError)
+    # The log says how much (4 MiB: in GiB alone, "0.00 of 0.00").
+    assert f"pinned {bounds[2]} of 4096 blocks" in caplog.text
     memory.wait_first(0)  # something was pinned: no error
     memory.close()
 

@@ -181,7 +181,10 @@ class HostMemory:
                 except Exception as exc:
                     self.error = exc
                     log.warning(
-                        "pinned %.2f of %.2f GiB of host memory (%r); serving with that",
+                        # Blocks too: a small tier's GiB round to 0.00 of 0.00.
+                        "pinned %d of %d blocks (%.2f of %.2f GiB) of host memory (%r); "
+                        "serving with those",
+                        start, self.num_blocks,
                         start * self.block_bytes / (1 << 30),
                         self.num_blocks * self.block_bytes / (1 << 30),
                         exc,
