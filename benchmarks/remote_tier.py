@@ -58,9 +58,12 @@ READ_SPLIT = {"Mooncake's get (with the marker probes)": "remote_get_seconds",
               "checksums": "remote_read_checksum_seconds"}
 
 
+DEVICE = "cpu"  # --device: where the caches are (a serving GPU's host-tier loads are DMA)
+
+
 def make_caches(pages: int, quick: bool) -> list[torch.Tensor]:
     layers, heads, head_dim, page = (2, 2, 64, 16) if quick else (8, 8, 128, 16)
-    return [torch.randn(pages, 2, page, heads, head_dim).to(torch.bfloat16)
+    return [torch.randn(pages, 2, page, heads, head_dim).to(torch.bfloat16).to(DEVICE)
             for _ in range(layers)]
 
 
@@ -350,7 +353,12 @@ if __name__ == "__main__":
     parser.add_argument("--switch-interval-us", type=int, default=0,
                         help="sys.setswitchinterval (0: Python's 5 ms): whether the p99 "
                         "is the loads' threads waiting for the GIL behind the writer's")
+    parser.add_argument("--device", default="cpu",
+                        help="the caches' device (cuda: host-tier loads are copy-engine "
+                        "DMA, as on a serving GPU, not CPU copies that share the cores "
+                        "with Mooncake's TCP transfers)")
     arguments = parser.parse_args()
+    DEVICE = arguments.device
     if arguments.switch_interval_us:
         sys.setswitchinterval(arguments.switch_interval_us / 1e6)
     if arguments.quick:
