@@ -103,6 +103,11 @@ class MooncakeServers:
         outside this process, which a test needs where this process may not run."""
         return None if self._master is None else self._master.pid
 
+    @property
+    def store_pid(self) -> int | None:
+        """The store process's id (None once closed): for a test that watches it."""
+        return None if self._store is None else self._store.pid
+
     def pause_store(self, paused: bool = True) -> None:
         """Stop (SIGSTOP) or continue (SIGCONT) the store process: a Mooncake that is up
         but does not answer, as a stalled or swapping host would be."""
