@@ -6,8 +6,11 @@ installs it) it must run."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -697,6 +700,45 @@ def test_a_store_that_stops_answering_turns_lookups_into_misses(
         assert b.stats()["remote_timeouts"] >= 1
     finally:
         b.close()
+
+
+def _thread_states(pid: int) -> set[str]:
+    """The states (/proc's letter) of the process's threads: ``T`` is stopped."""
+    states = set()
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            text = stat.read_text()
+            states.add(text[text.rindex(")") + 2])
+    return states
+
+
+def test_a_paused_store_answers_nothing_once_pause_store_returns_however_late_it_stops(
+    mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # kill() returns once SIGSTOP is queued; the process stops when one of its threads,
+    # scheduled, takes the signal and stops the others. On a loaded runner the store still
+    # answered a lookup sent in between, in full: a hit where a test meant a stopped store.
+    # Here the stop lands late on purpose (the signal sent from a timer).
+    pid = mooncake.store_pid
+    assert pid is not None
+    kill, late = os.kill, []
+
+    def kill_late(target: int, sig: int) -> None:
+        if target != pid or sig != signal.SIGSTOP:
+            kill(target, sig)
+            return
+        late.append(threading.Timer(0.2, kill, (target, sig)))
+        late[-1].start()
+
+    monkeypatch.setattr(os, "kill", kill_late)
+    try:
+        mooncake.pause_store()
+        assert _thread_states(pid) == {"T"}  # every thread stopped: none answers
+    finally:
+        for timer in late:
+            timer.join()
+        mooncake.pause_store(False)
+    assert "T" not in _thread_states(pid)
 
 
 def test_an_engine_starts_and_serves_with_no_master_at_all() -> None:

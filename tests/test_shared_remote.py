@@ -152,6 +152,8 @@ def test_a_mooncake_that_stops_answering_costs_one_lookup_its_timeout_and_no_one
         other, other_tables = host.engine()
         warm, _ = other.get_match(TOKENS, ["user:602"])  # nobody's: the client connects
         other.cancel([warm])
+        # Returns once every thread of the store process is stopped: a read that reached
+        # it in between (the signal sent, not yet taken) was answered in full, a hit.
         mooncake.pause_store()
         try:
             began = time.monotonic()

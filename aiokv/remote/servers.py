@@ -35,6 +35,41 @@ def _wait_port(name: str, port: int, process: subprocess.Popen[bytes], timeout_s
     raise RuntimeError(f"{name} did not listen on port {port} in {timeout_s} s")
 
 
+def _all_stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (or has ended): none can answer."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:  # gone: its exit is for the caller to tell
+        return False
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/stat") as stat:
+                text = stat.read()
+        except FileNotFoundError:  # it ended meanwhile
+            continue
+        if text[text.rindex(")") + 2] not in "TtZX":  # stopped, traced, or dead
+            return False
+    return True
+
+
+def _stop(name: str, process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``process`` and return once it is stopped, else raise RuntimeError.
+
+    kill() returns once the signal is queued: the process stops only when one of its
+    threads, scheduled, takes the signal and stops the others. Meanwhile its other
+    threads still serve: on a loaded runner a lookup sent just after kill() was answered
+    in full, a hit where the caller meant a process that does not answer."""
+    process.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while not _all_stopped(process.pid):
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} (pid {process.pid}) did not stop within "
+                               f"{timeout_s} s of SIGSTOP")
+        time.sleep(0.001)
+
+
 class MooncakeServers:
     """A master and one store process of ``segment_mb`` MiB. ``master`` is the address
     for ``store.remote.master``; :meth:`stop_master` / :meth:`start_master` take the
@@ -93,9 +128,14 @@ class MooncakeServers:
     def pause_master(self, paused: bool = True) -> None:
         """Stop (SIGSTOP) or continue (SIGCONT) the master: one that accepts connections
         but does not answer, as a hung or partitioned master would (each call waits for
-        Mooncake's own timeout, about 30 s)."""
-        if self._master is not None:
-            self._master.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+        Mooncake's own timeout, about 30 s). A stop returns once every thread of it is
+        stopped (RuntimeError where it exited, or did not stop within 10 s)."""
+        if self._master is None:
+            return
+        if paused:
+            _stop("mooncake_master", self._master)
+        else:
+            self._master.send_signal(signal.SIGCONT)
 
     @property
     def master_pid(self) -> int | None:
@@ -110,9 +150,15 @@ class MooncakeServers:
 
     def pause_store(self, paused: bool = True) -> None:
         """Stop (SIGSTOP) or continue (SIGCONT) the store process: a Mooncake that is up
-        but does not answer, as a stalled or swapping host would be."""
-        if self._store is not None:
-            self._store.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+        but does not answer, as a stalled or swapping host would be. A stop returns once
+        every thread of it is stopped (RuntimeError where it exited, or did not stop
+        within 10 s): a call made after it gets no answer until the store continues."""
+        if self._store is None:
+            return
+        if paused:
+            _stop("the store process", self._store)
+        else:
+            self._store.send_signal(signal.SIGCONT)
 
     def wait_store_mounted(self, timeout_s: float = 30.0) -> None:
         """Block until the store process's memory takes a put (after a start, or after
