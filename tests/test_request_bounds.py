@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,6 +21,8 @@ from test_ssd import engine_on, offload, same
 
 import aiokv
 from aiokv.config import load_config, parse_config
+from aiokv.stores.local import hostmem
+from aiokv.stores.local import pool as pool_module
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND = 1 << 24  # engine.max_lookup_tokens's default (the README's table says so)
@@ -175,6 +178,65 @@ async def test_an_offload_larger_than_every_tier_is_refused_at_once() -> None:
     assert got.field == "num_tokens" and str(256 * PAGE) in str(got)
     assert "can ever hold" in str(got) and str(131 * PAGE) in str(got), str(got)
     assert fits.stored_tokens == 100 * PAGE
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("pinning", ["stopped", "stopping"])
+async def test_an_offload_larger_than_a_host_tier_pinned_short_is_refused_at_once(
+    monkeypatch: pytest.MonkeyPatch, pinning: str
+) -> None:
+    # Pinning stops after 2 of the host tier's 4 chunks of 4 blocks (a memlock limit;
+    # registering fails on the third): the store serves with 8 blocks. An offload of 12
+    # new pages is refused as one larger than a fully pinned tier is, also where it came
+    # while the third chunk was still being registered. (It waited for room that could
+    # never come: StoreFull at request_timeout_ms; with no deadline, for good.)
+    block = 2 * 2 * PAGE * 2 * 8 * 4  # make_caches' layers, k/v, page, heads, dim, float32
+    memories: list[hostmem.HostMemory] = []
+    registered: list[int] = []
+    third, fails, waits = threading.Event(), threading.Event(), threading.Event()
+
+    def register(address: int, size: int) -> None:
+        registered.append(size)
+        if len(registered) > 2:
+            third.set()
+            fails.wait(30)
+            raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
+
+    def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+              pin: bool) -> hostmem.HostMemory:
+        memories.append(hostmem.HostMemory(
+            num_blocks, block_shape, dtype, True, chunk_bytes=4 * block,
+            register=register, unregister=lambda address: None))
+        return memories[-1]
+
+    wait_for_free = pool_module.HostPool.wait_for_free
+
+    def waiting(pool: pool_module.HostPool, count: int) -> None:
+        waits.set()  # a reserve waits for the blocks still being pinned
+        wait_for_free(pool, count)
+
+    monkeypatch.setattr(pool_module, "HostMemory", short)
+    monkeypatch.setattr(pool_module.HostPool, "wait_for_free", waiting)
+    engine = engine_for(cpu_cache_gb=16 * block / (1 << 30), request_timeout_ms=0)
+    async with engine:
+        try:
+            assert await asyncio.to_thread(third.wait, 10)
+            if pinning == "stopped":
+                fails.set()
+                assert await asyncio.to_thread(memories[0].wait_all, 10)
+            got = asyncio.ensure_future(answer(engine.offload(1, torch.arange(12), 12 * PAGE)))
+            if pinning == "stopping":
+                assert await asyncio.to_thread(waits.wait, 10)
+                fails.set()
+            too_large = await asyncio.wait_for(got, 60)
+        finally:
+            fails.set()
+        assert memories[0].ready_blocks == 8 and memories[0].num_blocks == 16
+        fits = await asyncio.wait_for(engine.offload(2, torch.arange(8), 8 * PAGE), 60)
+    assert isinstance(too_large, aiokv.InvalidRequest), repr(too_large)
+    assert too_large.field == "num_tokens" and str(12 * PAGE) in str(too_large)
+    assert "more than the 8 blocks of the host tier that are pinned" in str(too_large)
+    assert fits.stored_tokens == 8 * PAGE
 
 
 @pytest.mark.asyncio

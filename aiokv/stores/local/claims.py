@@ -14,6 +14,10 @@ store's put matches (:mod:`.puts`) and the store server's
   the host tier): more new pages than the host tier has blocks is TooLarge at the match,
   however much the SSD tier holds, rather than a wait for room that cannot come. Only the
   new pages count: a long history whose prefix is stored needs room for its tail alone.
+  The blocks are those the tier can ever hand out (``capacity``): where pinning stopped
+  short (a memlock limit), those pinned (such a put waited for room until
+  request_timeout_ms). While pinning goes on, all of them: the reserve waits for them,
+  and gets NoSpace if pinning stops short meanwhile (TooLarge when matched again).
 - While its blocks are reserved, the put's stored pages on the host are held out of the
   LRU, so that the eviction making its room cannot take what it reports stored; but not
   those the SSD tier has too (evicting them loses nothing); and where the room is short
@@ -36,12 +40,15 @@ from .tiering import TierLink
 
 def check_fits(host: Tier, new: int, pages: int) -> None:
     """TooLarge when a put's ``new`` pages (of its ``pages`` full pages) are more than the
-    host tier has blocks."""
-    if new > host.num_blocks:
+    host tier can ever hold (:attr:`~.pool.BlockAllocator.capacity`)."""
+    capacity = host.alloc.capacity
+    if new > capacity:
+        pinned = (f" that are pinned (of {host.num_blocks}: pinning stopped short, a "
+                  "memlock limit)" if capacity < host.num_blocks else "")
         raise TooLarge(
-            f"{new} of its {pages} full pages are new, more than the {host.num_blocks} "
-            f"blocks of the {host.name} tier, which takes all of a put's new pages at once "
-            "(offload a shorter prefix first)"
+            f"{new} of its {pages} full pages are new, more than the {capacity} "
+            f"blocks of the {host.name} tier{pinned}, which takes all of a put's new pages "
+            "at once (offload a shorter prefix first)"
         )
 
 

@@ -43,6 +43,7 @@ def new_keys(host: Tier, queries: Queries, memo: ChainMemo) -> list[NewKey]:
     of the batch names, with at least one full page and no more than the tier has
     blocks: each is all new pages. The others (a key's second put among them, which must
     see the first's pages as being written) are matched one by one after them."""
+    capacity = host.alloc.capacity  # where pinning stopped short, the pinned blocks
     fresh: list[NewKey] = []
     seen: set[tuple[str, ...]] = set()
     for index, (token_ids, namespace) in enumerate(queries):
@@ -53,7 +54,7 @@ def new_keys(host: Tier, queries: Queries, memo: ChainMemo) -> list[NewKey]:
         if host.index.space(key) is not None:
             continue
         digests = memo.digests(key, token_ids)
-        if digests and len(digests) <= host.num_blocks:
+        if digests and len(digests) <= capacity:
             fresh.append(NewKey(index, key, digests, len(token_ids)))
     return fresh
 
@@ -77,7 +78,7 @@ class Puts:
         write. Raises NoSpace when some page is new and the host tier cannot take all new
         pages now (also while blocks it would evict are still being written to SSD), and
         while a page of the key is still being written; TooLarge when the new pages are
-        more than the host tier has blocks (:mod:`.claims`)."""
+        more than the host tier can ever hold (:mod:`.claims`)."""
         host = self._host
         link = self._link
         if link is not None:

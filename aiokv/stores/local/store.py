@@ -141,7 +141,7 @@ class LocalStore:
         write. Raises NoSpace when some page is new and the host tier cannot take all new
         pages now (also while blocks it would evict are still being written to SSD), and
         while a page of the key is still being written; TooLarge when the new pages are
-        more than the host tier has blocks (:mod:`.claims`, :mod:`.puts`)."""
+        more than the host tier can ever hold (:mod:`.claims`, :mod:`.puts`)."""
         return self._require_puts().match(token_ids, namespace)
 
     def put_match_many(self, queries: Queries) -> MatchAnswers:
