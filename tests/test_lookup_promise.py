@@ -607,3 +607,44 @@ async def test_a_lookup_promises_what_a_host_tier_pinned_short_can_stage(
         assert loaded.loaded_tokens == HISTORY
         assert all(torch.equal(c[PAGES // 2 : PAGES // 2 + USER_PAGES], c[:USER_PAGES])
                    for c in caches)
+
+
+@pytest.mark.asyncio
+async def test_a_held_lookup_s_prefetch_leaves_half_a_host_tier_pinned_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pinning stopped after 2 of the host tier's 4 chunks (a memlock limit): the store
+    # serves with 8 blocks. User 0's 8 pages are on SSD only; its Lookup, held, may
+    # prefetch into half of those at most, as into half of a fully pinned tier, so user
+    # 1's offload of 8 pages still finds room. (Half of all 16 blocks: the prefetch took
+    # the 8 pinned ones, the offload waited for room until the Lookup expired, and its
+    # load was refused.)
+    memories: list[hostmem.HostMemory] = []
+
+    def register(address: int, size: int) -> None:
+        if address >= memories[-1].data[HOST_BLOCKS // 2].data_ptr():  # the third chunk
+            raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
+
+    def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+              pin: bool) -> hostmem.HostMemory:
+        memories.append(hostmem.HostMemory(
+            num_blocks, block_shape, dtype, True, chunk_bytes=4 * BLOCK,
+            register=register, unregister=lambda address: None))
+        return memories[-1]
+
+    caches, engine = engine_on(tmp_path, "write_through")
+    async with engine:
+        await engine.offload(0, source(0), HISTORY)
+        await until(engine, lambda stats: stats.bytes_ssd_written >= USER_PAGES * BLOCK)
+    monkeypatch.setattr(pool_module, "HostMemory", short)
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=0)
+    async with engine:  # the same SSD tier, its host tier pinned short
+        assert await asyncio.to_thread(memories[0].wait_all, 10)
+        assert memories[0].ready_blocks == HOST_BLOCKS // 2
+        hit = await engine.lookup(0, HISTORY)
+        assert hit.cached_tokens == HISTORY
+        stored = await asyncio.wait_for(engine.offload(1, source(1), HISTORY), 60)
+        forget_loads(caches)
+        loaded = await asyncio.wait_for(engine.load(hit, destination(0)), 60)
+    assert stored.stored_tokens == HISTORY
+    assert loaded.loaded_tokens == HISTORY and loaded_intact(caches, 0, HISTORY)
