@@ -610,19 +610,24 @@ async def test_a_lookup_promises_what_a_host_tier_pinned_short_can_stage(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("pinning", ["stopped", "stopping"])
 async def test_a_held_lookup_s_prefetch_leaves_half_a_host_tier_pinned_short(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pinning: str
 ) -> None:
-    # Pinning stopped after 2 of the host tier's 4 chunks (a memlock limit): the store
-    # serves with 8 blocks. User 0's 8 pages are on SSD only; its Lookup, held, may
-    # prefetch into half of those at most, as into half of a fully pinned tier, so user
-    # 1's offload of 8 pages still finds room. (Half of all 16 blocks: the prefetch took
-    # the 8 pinned ones, the offload waited for room until the Lookup expired, and its
-    # load was refused.)
+    # Pinning stops after 2 of the host tier's 4 chunks (a memlock limit; registering
+    # fails on the third): the store serves with 8 blocks. User 0's 8 pages are on SSD
+    # only; its Lookup, held, may prefetch into half of those at most, as into half of a
+    # fully pinned tier, so user 1's offload of 8 pages still finds room; also where the
+    # Lookup came while the third chunk was still being registered. (Half of all 16
+    # blocks: the prefetch took the 8 pinned ones, the offload waited for room until the
+    # Lookup expired, and its load was refused.)
     memories: list[hostmem.HostMemory] = []
+    third, fails = threading.Event(), threading.Event()
 
     def register(address: int, size: int) -> None:
         if address >= memories[-1].data[HOST_BLOCKS // 2].data_ptr():  # the third chunk
+            third.set()
+            fails.wait(30)
             raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
 
     def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
@@ -639,9 +644,16 @@ async def test_a_held_lookup_s_prefetch_leaves_half_a_host_tier_pinned_short(
     monkeypatch.setattr(pool_module, "HostMemory", short)
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=0)
     async with engine:  # the same SSD tier, its host tier pinned short
+        try:
+            assert await asyncio.to_thread(third.wait, 10)
+            if pinning == "stopped":
+                fails.set()
+                assert await asyncio.to_thread(memories[0].wait_all, 10)
+            hit = await engine.lookup(0, HISTORY)
+        finally:
+            fails.set()
         assert await asyncio.to_thread(memories[0].wait_all, 10)
         assert memories[0].ready_blocks == HOST_BLOCKS // 2
-        hit = await engine.lookup(0, HISTORY)
         assert hit.cached_tokens == HISTORY
         stored = await asyncio.wait_for(engine.offload(1, source(1), HISTORY), 60)
         forget_loads(caches)

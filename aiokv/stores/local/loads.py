@@ -18,8 +18,8 @@ Staging (host blocks reserved, reads started) happens:
 - at the match, as a prefetch, when the host tier has room at once, no launched load is
   waiting for room, and prefetched loads not yet launched hold at most half the tier (a
   Lookup its caller keeps while it waits for something else must not hold the room the
-  loads and offloads of others need; where pinning stopped short, half the pinned
-  blocks);
+  loads and offloads of others need; while the tier is being pinned, or where pinning
+  stopped short, half the blocks pinned);
 - otherwise at launch, waiting for room: launched loads are staged first come, first
   served, before any prefetch, and puts get NoSpace rather than the room they wait for
   (``leave_owed``). Each launch that has to wait counts one ``stage_waits``.
@@ -216,9 +216,9 @@ class LoadStaging:
                 self._finish(load)
                 continue
             owed.pop(0)
-        # Half of what the tier can ever hold: where pinning stopped short, of the blocks
-        # pinned (half of them all would let prefetches take every one).
-        limit = self.host.alloc.capacity // 2
+        # Half of the blocks surely pinned: pinning may yet stop short of the rest (a
+        # memlock limit), and half of them all let prefetches take every pinned one.
+        limit = self.host.alloc.sure // 2
         while waiting and self._prefetched + len(waiting[0].slots) <= limit:
             load = waiting[0]
             if not self._stage(load, prefetch=True):
