@@ -32,6 +32,8 @@ STORED = 6 * PAGE  # user 1's history
 ISSUE_CALLS = [(999, 300_000_000), (1, 200_000_000), (1, 10**12), (1, 1e12)]
 RSS_GROWTH_MIB = 64  # the issue's 300M lookup kept 3 GiB; 8 MiB positions is what is fair
 LAG_S = 1.0  # the issue's 200M lookup stalled the loop for 7 s
+BLOCK = 2 * 2 * PAGE * 2 * 8 * 4  # make_caches' layers, k/v, page, heads, dim, float32
+HOST_GB = 16 * BLOCK / (1 << 30)  # a host tier of 16 blocks
 
 
 def rss_mib() -> float:
@@ -237,6 +239,52 @@ async def test_an_offload_larger_than_a_host_tier_pinned_short_is_refused_at_onc
     assert too_large.field == "num_tokens" and str(12 * PAGE) in str(too_large)
     assert "more than the 8 blocks of the host tier that are pinned" in str(too_large)
     assert fits.stored_tokens == 8 * PAGE
+
+
+def pinned_short(monkeypatch: pytest.MonkeyPatch) -> list[hostmem.HostMemory]:
+    """The host tier of 16 blocks (``engine_for(cpu_cache_gb=HOST_GB)``) in 4 chunks of 4,
+    whose pinning stops after 2 (a memlock limit: registering the third fails), so that
+    the store serves with 8; its mapping, once made, is the list's first."""
+    memories: list[hostmem.HostMemory] = []
+
+    def register(address: int, size: int) -> None:
+        if address >= memories[-1].data[8].data_ptr():  # the third chunk
+            raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
+
+    def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+              pin: bool) -> hostmem.HostMemory:
+        memories.append(hostmem.HostMemory(
+            num_blocks, block_shape, dtype, True, chunk_bytes=4 * BLOCK,
+            register=register, unregister=lambda address: None))
+        return memories[-1]
+
+    monkeypatch.setattr(pool_module, "HostMemory", short)
+    return memories
+
+
+@pytest.mark.asyncio
+async def test_an_offload_that_cannot_fit_beside_its_stored_pages_is_refused_at_once(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A host tier pinned short at 8 blocks, no SSD tier: user 1 has 4 pages stored. Its
+    # offload of 12 pages has 8 new, as many as the pinned blocks, but its 4 stored pages
+    # stay while those are reserved (nothing below takes them): it is refused at once, as
+    # on a fully pinned tier. (It waited for room that could never come: StoreFull at
+    # request_timeout_ms; with no deadline, for good.)
+    memories = pinned_short(monkeypatch)
+    async with engine_for(cpu_cache_gb=HOST_GB, request_timeout_ms=0) as engine:
+        assert await asyncio.to_thread(memories[0].wait_all, 10)
+        assert memories[0].ready_blocks == 8
+        stored = await asyncio.wait_for(engine.offload(1, torch.arange(4), 4 * PAGE), 60)
+        too_large = await asyncio.wait_for(
+            answer(engine.offload(1, torch.arange(12), 12 * PAGE)), 60)
+        fits = await asyncio.wait_for(engine.offload(1, torch.arange(8), 8 * PAGE), 60)
+    assert stored.stored_tokens == 4 * PAGE
+    assert isinstance(too_large, aiokv.InvalidRequest), repr(too_large)
+    assert too_large.field == "num_tokens" and str(12 * PAGE) in str(too_large)
+    assert "8 of its 12 full pages are new and 4 stored" in str(too_large)
+    assert "the 8 blocks of the host tier that are pinned" in str(too_large)
+    assert fits.cached_tokens == 8 * PAGE and fits.stored_tokens == 4 * PAGE  # 4 new
 
 
 @pytest.mark.asyncio

@@ -13,7 +13,8 @@ store's put matches (:mod:`.puts`) and the store server's
 - Every new page of a put gets a host block, all at once (the SSD tier is written from
   the host tier): more new pages than the host tier has blocks is TooLarge at the match,
   however much the SSD tier holds, rather than a wait for room that cannot come. Only the
-  new pages count: a long history whose prefix is stored needs room for its tail alone.
+  new pages count: a long history whose prefix is stored needs room for its tail alone;
+  but with no tier below, its stored pages are held too (next item), and count.
   The blocks are those the tier can ever hand out (``capacity``): where pinning stopped
   short (a memlock limit), those pinned (such a put waited for room until
   request_timeout_ms). While pinning goes on, all of them: the reserve waits for them,
@@ -38,17 +39,24 @@ from .blocks import READY, Tier
 from .tiering import TierLink
 
 
-def check_fits(host: Tier, new: int, pages: int) -> None:
-    """TooLarge when a put's ``new`` pages (of its ``pages`` full pages) are more than the
-    host tier can ever hold (:attr:`~.pool.BlockAllocator.capacity`)."""
+def check_fits(host: Tier, new: int, pages: int, held: int = 0) -> None:
+    """TooLarge when a put's ``new`` pages (of its ``pages`` full pages), with the
+    ``held`` stored host blocks its reservation cannot evict (a host tier with no tier
+    below holds them all), are more than the host tier can ever hold
+    (:attr:`~.pool.BlockAllocator.capacity`)."""
     capacity = host.alloc.capacity
-    if new > capacity:
+    if new + held > capacity:
         pinned = (f" that are pinned (of {host.num_blocks}: pinning stopped short, a "
                   "memlock limit)" if capacity < host.num_blocks else "")
+        if new > capacity:
+            what = f"{new} of its {pages} full pages are new, more than"
+        else:  # room that never comes: its own stored pages must stay
+            what = (f"{new} of its {pages} full pages are new and {held} stored on the "
+                    f"{host.name} tier only, together more than")
         raise TooLarge(
-            f"{new} of its {pages} full pages are new, more than the {capacity} "
-            f"blocks of the {host.name} tier{pinned}, which takes all of a put's new pages "
-            "at once (offload a shorter prefix first)"
+            f"{what} the {capacity} blocks of the {host.name} tier{pinned}, which takes "
+            "all of a put's new pages at once, keeping its stored ones (offload a shorter "
+            "prefix first)"
         )
 
 

@@ -96,7 +96,8 @@ class Puts:
         if link is not None:
             present = link.mark_stored_below(key, digests, present)
         missing_count = n if present is None else present.count(None)
-        check_fits(host, missing_count, n)
+        # With no SSD tier every stored page is held out of the LRU (claims.to_hold).
+        check_fits(host, missing_count, n, n - missing_count if link is None else 0)
         if present is not None and missing_count < n:
             held = on_host(present)
             check_written(host, held)  # a page still being written is not stored yet

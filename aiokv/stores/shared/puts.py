@@ -64,7 +64,8 @@ def reserve(host: Tier, link: TierLink | None, client: int, queries: Sequence[Qu
         tables.append(table)
         presents.append(present)
         lacking = len(digests) if present is None else present.count(None)
-        check_fits(host, lacking, len(digests))
+        # With no SSD tier every stored page is held out of the LRU (claims.to_hold).
+        check_fits(host, lacking, len(digests), len(digests) - lacking if link is None else 0)
         missing += lacking
         if present is not None and lacking < len(present):
             stored = on_host(present)
