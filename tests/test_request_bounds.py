@@ -288,6 +288,28 @@ async def test_an_offload_that_cannot_fit_beside_its_stored_pages_is_refused_at_
 
 
 @pytest.mark.asyncio
+async def test_store_full_on_a_host_tier_pinned_short_names_the_pinned_blocks(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A held Lookup holds all 8 blocks of a host tier pinned short: an offload gets
+    # StoreFull at its deadline, and the store's reason names the 8 it serves with. (It
+    # said "0 free, 0 evictable of 16", which reads as 16 taken.)
+    memories = pinned_short(monkeypatch)
+    async with engine_for(cpu_cache_gb=HOST_GB, request_timeout_ms=1_000) as engine:
+        assert await asyncio.to_thread(memories[0].wait_all, 10)
+        await asyncio.wait_for(engine.offload(0, torch.arange(8), 8 * PAGE), 60)
+        hit = await engine.lookup(0, 8 * PAGE)
+        full = await asyncio.wait_for(
+            answer(engine.offload(1, torch.arange(8, 12), 4 * PAGE)), 60)
+        hit.release()
+        fits = await asyncio.wait_for(engine.offload(1, torch.arange(8, 12), 4 * PAGE), 60)
+    assert hit.cached_tokens == 8 * PAGE
+    assert isinstance(full, aiokv.StoreFull), repr(full)
+    assert "need 4 blocks; 0 free, 0 evictable of the 8 pinned (of 16" in str(full)
+    assert fits.stored_tokens == 4 * PAGE
+
+
+@pytest.mark.asyncio
 async def test_an_offload_of_more_pages_than_the_caches_have_is_refused() -> None:
     async with engine_for() as engine:  # 64 pages of 16
         got = await answer(engine.offload(1, torch.arange(65) % 64, 65 * PAGE))

@@ -91,9 +91,12 @@ class Tier:
             # evicting what was just stored or answering "no space" at start-up.
             alloc.wait_for_free(count)
         if count > self.available():
+            capacity = alloc.capacity
+            size = (f"the {capacity} pinned (of {alloc.num_blocks}: pinning stopped short, "
+                    "a memlock limit)" if capacity < alloc.num_blocks else str(capacity))
             raise NoSpace(
                 f"{self.name}: need {count} blocks; {alloc.num_free} free, "
-                f"{self.index.evictable} evictable of {alloc.num_blocks}"
+                f"{self.index.evictable} evictable of {size}"
             )
         if count > alloc.num_free:
             self.evict(count - alloc.num_free)
