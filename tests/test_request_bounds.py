@@ -241,14 +241,20 @@ async def test_an_offload_larger_than_a_host_tier_pinned_short_is_refused_at_onc
     assert fits.stored_tokens == 8 * PAGE
 
 
-def pinned_short(monkeypatch: pytest.MonkeyPatch) -> list[hostmem.HostMemory]:
+def pinned_short(monkeypatch: pytest.MonkeyPatch, third: threading.Event | None = None,
+                 fails: threading.Event | None = None) -> list[hostmem.HostMemory]:
     """The host tier of 16 blocks (``engine_for(cpu_cache_gb=HOST_GB)``) in 4 chunks of 4,
-    whose pinning stops after 2 (a memlock limit: registering the third fails), so that
-    the store serves with 8; its mapping, once made, is the list's first."""
+    whose pinning stops after 2 (a memlock limit: registering the third, which sets
+    ``third``, fails once ``fails`` is set, where given), so that the store serves with
+    8; its mapping, once made, is the list's first."""
     memories: list[hostmem.HostMemory] = []
 
     def register(address: int, size: int) -> None:
         if address >= memories[-1].data[8].data_ptr():  # the third chunk
+            if third is not None:
+                third.set()
+            if fails is not None:
+                fails.wait(30)
             raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
 
     def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
@@ -270,12 +276,23 @@ async def test_an_offload_that_cannot_fit_beside_its_stored_pages_is_refused_at_
     # offload of 12 pages has 8 new, as many as the pinned blocks, but its 4 stored pages
     # stay while those are reserved (nothing below takes them): it is refused at once, as
     # on a fully pinned tier. (It waited for room that could never come: StoreFull at
-    # request_timeout_ms; with no deadline, for good.)
-    memories = pinned_short(monkeypatch)
+    # request_timeout_ms; with no deadline, for good.) The store refuses it: the 4 pages
+    # are stored while pinning goes on, and the store is idle from the figures that show
+    # them until the 12 are asked, so the engine's bound is still that of all 16 blocks.
+    third, fails = threading.Event(), threading.Event()
+    memories = pinned_short(monkeypatch, third, fails)
     async with engine_for(cpu_cache_gb=HOST_GB, request_timeout_ms=0) as engine:
+        try:
+            assert await asyncio.to_thread(third.wait, 10)  # 8 blocks pinned
+            stored = await asyncio.wait_for(engine.offload(1, torch.arange(4), 4 * PAGE), 60)
+            for _ in range(6000):  # the figures the store gives once it is idle again
+                if engine.stats().host_blocks_used == 16 - (8 - 4):  # the 8 unpinned too
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            fails.set()
         assert await asyncio.to_thread(memories[0].wait_all, 10)
         assert memories[0].ready_blocks == 8
-        stored = await asyncio.wait_for(engine.offload(1, torch.arange(4), 4 * PAGE), 60)
         too_large = await asyncio.wait_for(
             answer(engine.offload(1, torch.arange(12), 12 * PAGE)), 60)
         fits = await asyncio.wait_for(engine.offload(1, torch.arange(8), 8 * PAGE), 60)
@@ -307,6 +324,35 @@ async def test_store_full_on_a_host_tier_pinned_short_names_the_pinned_blocks(
     assert isinstance(full, aiokv.StoreFull), repr(full)
     assert "need 4 blocks; 0 free, 0 evictable of the 8 pinned (of 16" in str(full)
     assert fits.stored_tokens == 4 * PAGE
+
+
+@pytest.mark.asyncio
+async def test_the_engine_s_bound_on_a_host_tier_pinned_short_is_its_pinned_blocks(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A host tier pinned short at 8 of its 16 blocks, no SSD tier: once the store's
+    # figures show the 8, offloads of 20 pages and of 16 are refused at once naming the
+    # bound of those 8 (128 tokens). (It named all 16, 256 tokens, computed before
+    # pinning stopped: a user who shortened the offload to 16 pages was refused again.)
+    memories = pinned_short(monkeypatch)
+    async with engine_for(cpu_cache_gb=HOST_GB, request_timeout_ms=0) as engine:
+        assert await asyncio.to_thread(memories[0].wait_all, 10)
+        await asyncio.wait_for(engine.offload(0, torch.arange(4), 4 * PAGE), 60)
+        for _ in range(6000):  # the figures are asked again once the store has worked
+            stats = engine.stats()
+            if (stats.host_blocks_total, stats.host_blocks_used) == (8, 4):
+                break
+            await asyncio.sleep(0.01)
+        # A round on the store thread after that answer: the bound is taken from it.
+        await asyncio.wait_for(engine.offload(0, torch.arange(4), 4 * PAGE), 60)
+        refused = [await asyncio.wait_for(answer(engine.offload(n, torch.arange(n),
+                                                                n * PAGE)), 60)
+                   for n in (20, 16)]
+    for pages, error in zip((20, 16), refused, strict=True):
+        assert isinstance(error, aiokv.InvalidRequest), repr(error)
+        assert error.field == "num_tokens" and str(pages * PAGE) in str(error)
+        assert f"more than the store can ever hold ({8 * PAGE}: " in str(error)
+    assert (stats.host_blocks_total, stats.host_blocks_used) == (8, 4)
 
 
 @pytest.mark.asyncio

@@ -31,7 +31,7 @@ from ..exiting import stop_at_exit
 from ..invalidation import HeldKeys, Invalidation, give_back, give_back_taken, invalidate
 from ..loop.batcher import Batch
 from ..requests import Kind, Request
-from ..store_figures import StoreFigures, StoreSideStats, StoreStatsQuery
+from ..store_figures import StoreFigures, StoreSideStats, StoreStatsAnswer, StoreStatsQuery
 from ..stores.base import Capabilities, Store, capacity_tokens, no_yield
 from .calls import StoreCalls
 from .handoff import GilSlice
@@ -101,6 +101,7 @@ class StoreWorker:
         )
         self.stats = StoreSideStats()  # store latency; written here, read by scrapes
         self.figures = StoreFigures(self._caps.store_stats)  # written here, read anywhere
+        self._capacity_from: StoreStatsAnswer | None = None  # the figures the bound is from
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
 
     # ---- loop side -------------------------------------------------------------------
@@ -113,8 +114,18 @@ class StoreWorker:
     @property
     def capacity_tokens(self) -> int | None:
         """The most tokens the store can hold; None until it is registered, or when it
-        does not say (read racily from the loop: set once, before registration ends)."""
+        does not say (read racily from the loop: set before registration ends, and again
+        with each figures answer)."""
         return self._rounds.capacity_tokens
+
+    def _note_capacity(self) -> None:
+        """The bound from the latest figures (store thread). Asked again with each answer:
+        a host tier whose pinning stopped short after registration (a memlock limit)
+        holds only the pinned blocks: a refusal that named all of them named a size that
+        the store then refused too."""
+        figures = self._capacity_from = self.figures.latest
+        self._rounds.capacity_tokens = capacity_tokens(
+            None if self._caps.store_stats is None else lambda: figures, self._page_size)
 
     def start(self) -> None:
         self._thread.start()
@@ -221,9 +232,7 @@ class StoreWorker:
         # store has first worked; the capacity comes from that answer.
         self.figures.changed()
         self.figures.refresh(now=True)
-        self._rounds.capacity_tokens = capacity_tokens(
-            None if self._caps.store_stats is None else lambda: self.figures.latest,
-            self._page_size)
+        self._note_capacity()
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # as above
             self._registered.set_result(None)
         self._slice.restart()  # registering is not this thread's work
@@ -288,6 +297,8 @@ class StoreWorker:
                 if worked:
                     self.figures.changed()
                 self.figures.refresh()
+                if self.figures.latest is not self._capacity_from:
+                    self._note_capacity()
             self._calls.owed.retry(final=True)  # the store closes next
             self.figures.refresh(now=True)  # what a store gone after its close (a child) did
         except BaseException:  # a bug here must not strand futures: fail what we hold

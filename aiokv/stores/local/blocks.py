@@ -73,7 +73,9 @@ class Tier:
 
     @property
     def used(self) -> int:
-        return self.num_blocks - self.alloc.num_free
+        """Blocks taken, of those it may ever hand out (``alloc.capacity``: where pinning
+        stopped short, of the pinned ones; while it goes on, those not yet pinned too)."""
+        return self.alloc.capacity - self.alloc.num_free
 
     def available(self) -> int:
         """Blocks a reserve could have now: free, or evictable."""

@@ -389,7 +389,9 @@ class LocalStore:
         host = self._host
         stats: dict[str, int | float] = {
             "host_blocks_used": host.used if host is not None else 0,
-            "host_blocks_total": host.num_blocks if host is not None else 0,
+            # Where pinning stopped short (a memlock limit), those pinned: the engine's
+            # bound on an offload (capacity_tokens) follows it.
+            "host_blocks_total": host.alloc.capacity if host is not None else 0,
             # Pinned so far (the pool grows into its size after start); all when unpinned.
             "host_blocks_ready": self._pool.memory.ready_blocks if self._pool is not None else 0,
             **self._ends.bytes,
