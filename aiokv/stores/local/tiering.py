@@ -237,9 +237,10 @@ class TierLink(LoadStaging):
         # would otherwise evict blocks not yet copied): room for the next one. At most
         # half the SSD's slots not being written or read: the copies then recycle slots
         # of other keys, not those of the blocks copied before them, which would lose
-        # their copies and be written again, round after round.
-        target = min(host.num_blocks // 2, max(host.num_blocks // 8, host.largest),
-                     self.ssd.tier.available() // 2)
+        # their copies and be written again, round after round. The tier is what it can
+        # ever hold: where pinning stopped short (a memlock limit), the pinned blocks.
+        size = host.alloc.capacity
+        target = min(size // 2, max(size // 8, host.largest), self.ssd.tier.available() // 2)
         if target < 1 or host.alloc.num_free + self._copying >= target \
                 or not host.index.evictable:
             return
