@@ -49,14 +49,14 @@ def check_fits(host: Tier, new: int, pages: int, held: int = 0) -> None:
         pinned = (f" that are pinned (of {host.num_blocks}: pinning stopped short, a "
                   "memlock limit)" if capacity < host.num_blocks else "")
         if new > capacity:
-            what = f"{new} of its {pages} full pages are new, more than"
+            what, keeping = f"{new} of its {pages} full pages are new, more than", ""
         else:  # room that never comes: its own stored pages must stay
             what = (f"{new} of its {pages} full pages are new and {held} stored on the "
                     f"{host.name} tier only, together more than")
+            keeping = ", keeping its stored ones"
         raise TooLarge(
             f"{what} the {capacity} blocks of the {host.name} tier{pinned}, which takes "
-            "all of a put's new pages at once, keeping its stored ones (offload a shorter "
-            "prefix first)"
+            f"all of a put's new pages at once{keeping} (offload a shorter prefix first)"
         )
 
 
