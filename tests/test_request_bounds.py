@@ -417,3 +417,44 @@ async def test_the_fastapi_example_answers_422_at_once(monkeypatch: pytest.Monke
     assert at_bound.status_code == 200 and at_bound.json() == {"cached_tokens": 96}
     assert grown < RSS_GROWTH_MIB, f"RSS grew {grown:.0f} MiB"
     assert watch.worst_s < LAG_S, f"the loop was held {watch.worst_s:.2f} s"
+
+
+@pytest.mark.asyncio
+async def test_a_close_that_stops_the_pinning_keeps_the_tier_s_size_in_the_figures(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No memlock limit: the engine is closed while the third of 4 chunks registers. The
+    # figures after close still say 16 blocks (they said 8, the pinned ones, as if
+    # pinning had stopped short).
+    memories: list[hostmem.HostMemory] = []
+    third, go_on = threading.Event(), threading.Event()
+
+    def register(address: int, size: int) -> None:
+        if address >= memories[-1].data[8].data_ptr():
+            third.set()
+            go_on.wait(30)
+
+    def slow(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+             pin: bool) -> hostmem.HostMemory:
+        memories.append(hostmem.HostMemory(
+            num_blocks, block_shape, dtype, True, chunk_bytes=4 * BLOCK,
+            register=register, unregister=lambda address: None))
+        return memories[-1]
+
+    monkeypatch.setattr(pool_module, "HostMemory", slow)
+    engine = engine_for(cpu_cache_gb=HOST_GB)
+    await engine.start()
+    try:
+        assert await asyncio.to_thread(third.wait, 10)
+        stored = await asyncio.wait_for(engine.offload(1, torch.arange(2), 2 * PAGE), 60)
+        closing = asyncio.create_task(engine.aclose())
+        for _ in range(6000):  # until the close asked the pinning to stop
+            if memories[0]._stop:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        go_on.set()
+    await asyncio.wait_for(closing, 60)
+    assert stored.stored_tokens == 2 * PAGE
+    assert memories[0].ready_blocks < 16 and memories[0].error is None
+    assert engine.stats().host_blocks_total == 16

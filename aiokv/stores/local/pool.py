@@ -135,10 +135,12 @@ class HostPool(BlockAllocator):
 
     @property
     def capacity(self) -> int:
-        """All its blocks while they are being pinned; those pinned once pinning has
-        stopped (where it stopped short, a memlock limit: the store serves with those)."""
+        """All its blocks while they are being pinned; those pinned where pinning stopped
+        short (a memlock limit: the store serves with those). A close that stops the
+        pinning is no limit: the tier keeps its size, in the figures after close too."""
         memory = self.memory
-        return memory.ready_blocks if memory.wait_all(0) else self.num_blocks
+        short = memory.wait_all(0) and memory.error is not None
+        return memory.ready_blocks if short else self.num_blocks
 
     @property
     def sure(self) -> int:
