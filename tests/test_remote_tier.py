@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -38,6 +39,8 @@ from aiokv.remote.markers import Markers
 from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers, free_port
 from aiokv.remote.writer import Writer
+from aiokv.stores.local import hostmem
+from aiokv.stores.local import pool as pool_module
 from aiokv.stores.local.digests import chain_digests
 
 pytestmark = needs_mooncake()
@@ -599,11 +602,16 @@ def test_an_idle_tier_whose_check_fails_counts_the_failed_call(tmp_path: Path) -
             a.close()
 
 
+@pytest.mark.parametrize("pinning", ["whole", "short"])
 def test_a_master_that_stops_answering_never_costs_offloads_their_host_room(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pinning: str,
 ) -> None:
     # Writes wait on a hung master while their blocks are held: with a host tier smaller
-    # than the write queue, they must not take the room offloads need (StoreFull).
+    # than the write queue, they must not take the room offloads need (StoreFull). Also
+    # where pinning stopped short at half the tier (a memlock limit, simulated): half of
+    # all its blocks was every pinned one.
+    if pinning == "short":
+        pin_half(monkeypatch)
     with MooncakeServers(segment_mb=64, log_dir=tmp_path) as servers:
         caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, 64) for _ in range(LAYERS)]
         store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01,
@@ -612,7 +620,8 @@ def test_a_master_that_stops_answering_never_costs_offloads_their_host_room(
             store, caches, aiokv.EngineConfig(request_timeout_ms=3000)))
         pages = torch.arange(8)
         try:
-            host_blocks = kv.stats().host_blocks_total
+            store.wait_pinned()
+            host_blocks = store.store_stats()["host_blocks_total"]
             assert kv.offload(0, pages, 8 * PAGE_SIZE).stored_tokens == 8 * PAGE_SIZE
             until(lambda: kv.stats().bytes_remote_written > 0)
             servers.pause_master()
@@ -628,6 +637,26 @@ def test_a_master_that_stops_answering_never_costs_offloads_their_host_room(
                 servers.pause_master(False)
         finally:
             kv.close()
+
+
+def pin_half(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host tier pinned in 8 chunks, of which registering the fifth fails (a memlock
+    limit, simulated): the store serves with half its blocks."""
+    registered: list[int] = []
+
+    def register(address: int, size: int) -> None:
+        if len(registered) == 4:
+            raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
+        registered.append(address)
+
+    def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+              pin: bool) -> hostmem.HostMemory:
+        block = math.prod(block_shape) * torch.empty(0, dtype=dtype).element_size()
+        return hostmem.HostMemory(num_blocks, block_shape, dtype, True,
+                                  chunk_bytes=max(1, num_blocks // 8) * block,
+                                  register=register, unregister=lambda address: None)
+
+    monkeypatch.setattr(pool_module, "HostMemory", short)
 
 
 def test_an_engine_starts_and_serves_while_the_master_accepts_but_never_answers(

@@ -81,10 +81,6 @@ class RemoteLink:
         self._tags: dict[tuple[str, ...], str] = {}
         self.reads = Reader(self.io, host, self._tag, wake)
         self._held = 0  # host blocks held by writes
-        # Writes queued or under way hold their host blocks: at most half the tier,
-        # whatever write_queue_blocks says, so that a Mooncake that stops answering
-        # leaves offloads room (else they wait for it, then fail StoreFull).
-        self._max_held = max(1, pool.num_blocks // 2)
         self.stats_ = {"remote_dropped_queue": 0, "remote_dropped_resting": 0}
         self._evicted = 0  # blocks not sent (or taken back) because this host evicted their key
 
@@ -117,7 +113,11 @@ class RemoteLink:
             if not io.keys.usable(tag):  # its evict's marker is not out yet
                 self._evicted += len(blocks)
                 continue
-            if self._held + len(blocks) > self._max_held:
+            # Writes queued or under way hold their host blocks: at most half the tier
+            # (the blocks it serves with: a tier pinned short has fewer), whatever
+            # write_queue_blocks says, so that a Mooncake that stops answering leaves
+            # offloads room (else they wait for it, then fail StoreFull).
+            if self._held + len(blocks) > max(1, host.alloc.capacity // 2):
                 self.stats_["remote_dropped_queue"] += len(blocks)
                 continue
             # Held first: once queued, the writer may read them at any moment.
