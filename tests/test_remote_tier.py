@@ -639,13 +639,18 @@ def test_a_master_that_stops_answering_never_costs_offloads_their_host_room(
             kv.close()
 
 
-def pin_half(monkeypatch: pytest.MonkeyPatch) -> None:
+def pin_half(monkeypatch: pytest.MonkeyPatch, fifth: threading.Event | None = None,
+             fails: threading.Event | None = None) -> None:
     """The host tier pinned in 8 chunks, of which registering the fifth fails (a memlock
-    limit, simulated): the store serves with half its blocks."""
+    limit, simulated): the store serves with half its blocks. Where given, the fifth
+    sets ``fifth`` and fails only once ``fails`` is set (pinning goes on meanwhile)."""
     registered: list[int] = []
 
     def register(address: int, size: int) -> None:
         if len(registered) == 4:
+            if fifth is not None and fails is not None:
+                fifth.set()
+                fails.wait(60)
             raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
         registered.append(address)
 
@@ -657,6 +662,45 @@ def pin_half(monkeypatch: pytest.MonkeyPatch) -> None:
                                   register=register, unregister=lambda address: None)
 
     monkeypatch.setattr(pool_module, "HostMemory", short)
+
+
+def test_writes_held_while_pinning_goes_on_leave_room_once_it_stops_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The master hangs while the tier is still being pinned (half of it so far); writes
+    # queue and hold their blocks. Then pinning stops short there. Held writes are not
+    # given back by that: they held every pinned block (half of all of them), and the
+    # next offloads failed StoreFull. They may hold half of what is surely pinned.
+    fifth, fails = threading.Event(), threading.Event()
+    pin_half(monkeypatch, fifth, fails)
+    with MooncakeServers(segment_mb=64, log_dir=tmp_path) as servers:
+        caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, 64) for _ in range(LAYERS)]
+        store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01,
+                                                   remote={"master": servers.master}))
+        kv = aiokv.run_in_background(aiokv.OffloadEngine(
+            store, caches, aiokv.EngineConfig(request_timeout_ms=3000)))
+        pages = torch.arange(8)
+        try:
+            assert fifth.wait(30)
+            ready = store.store_stats()["host_blocks_ready"]
+            assert kv.offload(0, pages, 8 * PAGE_SIZE).stored_tokens == 8 * PAGE_SIZE
+            until(lambda: kv.stats().bytes_remote_written > 0)
+            servers.pause_master()
+            try:
+                for user in range(1, ready // 8):  # writes offered for every ready block
+                    assert kv.offload(user, pages, 8 * PAGE_SIZE).cached_tokens == (
+                        8 * PAGE_SIZE)
+                fails.set()
+                assert store.wait_pinned(30)
+                assert store.store_stats()["host_blocks_total"] == ready
+                for user in range(10_000, 10_020):  # 16 of the pinned blocks each
+                    assert kv.offload(user, torch.arange(16), 16 * PAGE_SIZE).cached_tokens \
+                        == 16 * PAGE_SIZE
+            finally:
+                servers.pause_master(False)
+        finally:
+            fails.set()
+            kv.close()
 
 
 def test_an_engine_starts_and_serves_while_the_master_accepts_but_never_answers(

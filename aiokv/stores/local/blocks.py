@@ -73,9 +73,8 @@ class Tier:
 
     @property
     def used(self) -> int:
-        """Blocks taken, of those it may ever hand out (``alloc.capacity``: where pinning
-        stopped short, of the pinned ones; while it goes on, those not yet pinned too)."""
-        return self.alloc.capacity - self.alloc.num_free
+        """Blocks holding data or reserved (never one not pinned yet)."""
+        return self.alloc.used
 
     def available(self) -> int:
         """Blocks a reserve could have now: free, or evictable."""

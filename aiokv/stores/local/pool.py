@@ -59,6 +59,11 @@ class BlockAllocator:
         """The blocks it will surely be able to hand out (a fixed allocator: all)."""
         return self.num_blocks
 
+    @property
+    def used(self) -> int:
+        """The blocks handed out and not given back."""
+        return self.num_blocks - self._num_free
+
     def wait_for_free(self, count: int) -> None:
         """Block until ``count`` blocks are free or no more will come without a release
         (a fixed allocator: at once)."""
@@ -146,6 +151,13 @@ class HostPool(BlockAllocator):
     def sure(self) -> int:
         """The blocks pinned so far: pinning may yet stop short of the rest."""
         return self.memory.ready_blocks
+
+    @property
+    def used(self) -> int:
+        """Of the blocks taken in (pinned), those handed out: never one not pinned yet,
+        nor one a close left unpinned."""
+        self.grow()
+        return self._usable - self._num_free
 
     def wait_for_free(self, count: int) -> None:
         """Block (store thread) while the pool is still being pinned and fewer than
