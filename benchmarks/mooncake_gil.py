@@ -28,16 +28,21 @@ from aiokv.remote.servers import MooncakeServers
 VALUES, SIZE = 64, 512 << 10
 
 
-def counted(seconds: float, work: Any) -> tuple[float, int]:
-    """(millions counted by a Python thread, calls of ``work`` made) over ``seconds``."""
+def counted(seconds: float, work: Any) -> tuple[float, int, float]:
+    """(millions counted by a Python thread, calls of ``work`` made, the count's longest
+    stall in ms) over ``seconds``. A call that holds the GIL while it waits stalls the
+    count for that long, whatever ``sys.setswitchinterval`` says."""
     stop = threading.Event()
     counts = [0]
+    longest = [0.0]
 
     def count() -> None:
-        n = 0
+        n, last, worst = 0, time.perf_counter(), 0.0
         while not stop.is_set():
             n += 1
-        counts[0] = n
+            now = time.perf_counter()
+            worst, last = max(worst, now - last), now
+        counts[0], longest[0] = n, worst * 1e3
 
     thread = threading.Thread(target=count)
     thread.start()
@@ -48,7 +53,7 @@ def counted(seconds: float, work: Any) -> tuple[float, int]:
         calls += 1
     stop.set()
     thread.join()
-    return counts[0] / 1e6, calls
+    return counts[0] / 1e6, calls, longest[0]
 
 
 def main() -> None:
@@ -66,18 +71,29 @@ def main() -> None:
         addresses, sizes = [base + i * SIZE for i in range(VALUES)], [SIZE] * VALUES
         stored = [f"get{i}" for i in range(VALUES)]
         client.batch_put_from(stored, addresses, sizes)
+        half = SIZE - 8
+        two_addresses = [[a, a + half] for a in addresses]
+        two_sizes = [[half, 8]] * VALUES
+        stored2 = [f"get2{i}" for i in range(VALUES)]
+        client.batch_put_from_multi_buffers(stored2, two_addresses, two_sizes)
         works = {
             "asleep": lambda call: time.sleep(0.001),
             "put": lambda call: client.batch_put_from(
                 [f"put{call}:{i}" for i in range(VALUES)], addresses, sizes),
             "get": lambda call: client.batch_get_into(stored, addresses, sizes),
+            # The calls the remote tier makes: each value in two slices (block, checksum).
+            "put2": lambda call: client.batch_put_from_multi_buffers(
+                [f"put2{call}:{i}" for i in range(VALUES)], two_addresses, two_sizes),
+            "get2": lambda call: client.batch_get_into_multi_buffers(
+                stored2, two_addresses, two_sizes),
         }
         print(f"a Python thread's count over {args.seconds} s while the main thread calls, "
               f"{VALUES} values of {SIZE >> 10} KiB a call:")
         for _ in range(2):
             for name, work in works.items():
-                millions, calls = counted(args.seconds, work)
-                print(f"  {name:>6}: {millions:6.2f} M counted, {calls} calls")
+                millions, calls, stall_ms = counted(args.seconds, work)
+                print(f"  {name:>6}: {millions:6.2f} M counted, {calls} calls, "
+                      f"longest stall {stall_ms:.2f} ms")
         client.close()
 
 

@@ -113,12 +113,15 @@ class RemoteLink:
             if not io.keys.usable(tag):  # its evict's marker is not out yet
                 self._evicted += len(blocks)
                 continue
-            # Writes queued or under way hold their host blocks: at most half the tier,
-            # whatever write_queue_blocks says, so that a Mooncake that stops answering
-            # leaves offloads room (else they wait for it, then fail StoreFull). Half of
-            # the blocks surely pinned: held writes are not given back if pinning then
-            # stops short (a memlock limit), so half of all of them could be every one.
-            if self._held + len(blocks) > max(1, host.alloc.sure // 2):
+            # Writes queued or under way hold their host blocks: at most half the tier
+            # (the blocks it serves with: a tier pinned short has fewer), whatever
+            # write_queue_blocks says, so that a Mooncake that stops answering leaves
+            # offloads room (else they wait for it, then fail StoreFull). Not half of
+            # what is pinned so far: at start-up that dropped the writes of offloads
+            # made while the tier was still being pinned, never offered again. (Writes
+            # held then, where pinning later stops short, can hold more than half of
+            # it until they are written or fail.)
+            if self._held + len(blocks) > max(1, host.alloc.capacity // 2):
                 self.stats_["remote_dropped_queue"] += len(blocks)
                 continue
             # Held first: once queued, the writer may read them at any moment.
