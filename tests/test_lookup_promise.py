@@ -22,11 +22,10 @@ from typing import Any
 import pytest
 import torch
 from conftest import Gate, held
+from pinning import pin_in_chunks
 from test_ssd import BLOCK, DIM, HEADS, HOST_BLOCKS, LAYERS, PAGE, SLOT, USER_PAGES
 
 import aiokv
-from aiokv.stores.local import hostmem
-from aiokv.stores.local import pool as pool_module
 from aiokv.stores.local import ssd as ssd_module
 
 HISTORY = USER_PAGES * PAGE  # 128 tokens
@@ -566,30 +565,13 @@ async def test_a_lookup_promises_what_a_host_tier_pinned_short_can_stage(
     # on SSD only: its Lookup promises the 8 those blocks can stage, also where it comes
     # while the third chunk is still being registered, and its load brings them. (It
     # promised 16: the load waited for room until its deadline.)
-    memories: list[hostmem.HostMemory] = []
-    registered: list[int] = []
     third, fails = threading.Event(), threading.Event()
-
-    def register(address: int, size: int) -> None:
-        registered.append(size)
-        if len(registered) > 2:
-            third.set()
-            fails.wait(30)
-            raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
-
-    def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-              pin: bool) -> hostmem.HostMemory:
-        memories.append(hostmem.HostMemory(
-            num_blocks, block_shape, dtype, True, chunk_bytes=4 * BLOCK,
-            register=register, unregister=lambda address: None))
-        return memories[-1]
-
     pages = torch.arange(2 * USER_PAGES)
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=10_000)
     async with engine:  # the whole host tier: user 0's 16 pages, on SSD too
         await engine.offload(0, pages, 2 * HISTORY)
         await until(engine, lambda stats: stats.bytes_ssd_written >= 16 * BLOCK)
-    monkeypatch.setattr(pool_module, "HostMemory", short)
+    memories = pin_in_chunks(monkeypatch, 4, 2, third, fails)
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=10_000)
     async with engine:  # the same SSD tier, its host tier pinned short
         try:
@@ -621,27 +603,12 @@ async def test_a_held_lookup_s_prefetch_leaves_half_a_host_tier_pinned_short(
     # Lookup came while the third chunk was still being registered. (Half of all 16
     # blocks: the prefetch took the 8 pinned ones, the offload waited for room until the
     # Lookup expired, and its load was refused.)
-    memories: list[hostmem.HostMemory] = []
     third, fails = threading.Event(), threading.Event()
-
-    def register(address: int, size: int) -> None:
-        if address >= memories[-1].data[HOST_BLOCKS // 2].data_ptr():  # the third chunk
-            third.set()
-            fails.wait(30)
-            raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
-
-    def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-              pin: bool) -> hostmem.HostMemory:
-        memories.append(hostmem.HostMemory(
-            num_blocks, block_shape, dtype, True, chunk_bytes=4 * BLOCK,
-            register=register, unregister=lambda address: None))
-        return memories[-1]
-
     caches, engine = engine_on(tmp_path, "write_through")
     async with engine:
         await engine.offload(0, source(0), HISTORY)
         await until(engine, lambda stats: stats.bytes_ssd_written >= USER_PAGES * BLOCK)
-    monkeypatch.setattr(pool_module, "HostMemory", short)
+    memories = pin_in_chunks(monkeypatch, 4, 2, third, fails)
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=0)
     async with engine:  # the same SSD tier, its host tier pinned short
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import exits_cleanly_never_closed, needs_mooncake, one_batch
+from pinning import pin_in_chunks
 from prometheus_client import CollectorRegistry
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, ChildHost
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
@@ -39,8 +39,6 @@ from aiokv.remote.markers import Markers
 from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers, free_port
 from aiokv.remote.writer import Writer
-from aiokv.stores.local import hostmem
-from aiokv.stores.local import pool as pool_module
 from aiokv.stores.local.digests import chain_digests
 
 pytestmark = needs_mooncake()
@@ -611,7 +609,7 @@ def test_a_master_that_stops_answering_never_costs_offloads_their_host_room(
     # where pinning stopped short at half the tier (a memlock limit, simulated): half of
     # all its blocks was every pinned one.
     if pinning == "short":
-        pin_half(monkeypatch)
+        pin_in_chunks(monkeypatch, 8, 4)
     with MooncakeServers(segment_mb=64, log_dir=tmp_path) as servers:
         caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, 64) for _ in range(LAYERS)]
         store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01,
@@ -639,33 +637,6 @@ def test_a_master_that_stops_answering_never_costs_offloads_their_host_room(
             kv.close()
 
 
-def pin_half(monkeypatch: pytest.MonkeyPatch, fifth: threading.Event | None = None,
-             go_on: threading.Event | None = None, fifth_fails: bool = True) -> None:
-    """The host tier pinned in 8 chunks, of which registering the fifth fails (a memlock
-    limit, simulated): the store serves with half its blocks. Where given, the fifth
-    sets ``fifth`` and fails (or, ``fifth_fails=False``, succeeds) only once ``go_on``
-    is set: pinning goes on meanwhile."""
-    registered: list[int] = []
-
-    def register(address: int, size: int) -> None:
-        if len(registered) == 4:
-            if fifth is not None and go_on is not None:
-                fifth.set()
-                go_on.wait(60)
-            if fifth_fails:
-                raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
-        registered.append(address)
-
-    def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-              pin: bool) -> hostmem.HostMemory:
-        block = math.prod(block_shape) * torch.empty(0, dtype=dtype).element_size()
-        return hostmem.HostMemory(num_blocks, block_shape, dtype, True,
-                                  chunk_bytes=max(1, num_blocks // 8) * block,
-                                  register=register, unregister=lambda address: None)
-
-    monkeypatch.setattr(pool_module, "HostMemory", short)
-
-
 def test_writes_of_offloads_made_while_the_tier_is_pinned_are_all_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -674,7 +645,7 @@ def test_writes_of_offloads_made_while_the_tier_is_pinned_are_all_written(
     # block goes to Mooncake: a cap of half the blocks pinned so far dropped the write
     # whole (remote_dropped_queue), and it was never offered again.
     fifth, go_on = threading.Event(), threading.Event()
-    pin_half(monkeypatch, fifth, go_on, fifth_fails=False)
+    pin_in_chunks(monkeypatch, 8, 4, fifth, go_on, fails=False)
     with MooncakeServers(segment_mb=64, log_dir=tmp_path) as servers:
         caches = [torch.zeros(512, 2, PAGE_SIZE, HEADS, 64) for _ in range(LAYERS)]
         store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01,

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_caches
+from pinning import pin_in_chunks
 from test_ssd import engine_on, offload, same
 
 import aiokv
@@ -192,34 +193,16 @@ async def test_an_offload_larger_than_a_host_tier_pinned_short_is_refused_at_onc
     # new pages is refused as one larger than a fully pinned tier is, also where it came
     # while the third chunk was still being registered. (It waited for room that could
     # never come: StoreFull at request_timeout_ms; with no deadline, for good.)
-    block = 2 * 2 * PAGE * 2 * 8 * 4  # make_caches' layers, k/v, page, heads, dim, float32
-    memories: list[hostmem.HostMemory] = []
-    registered: list[int] = []
     third, fails, waits = threading.Event(), threading.Event(), threading.Event()
-
-    def register(address: int, size: int) -> None:
-        registered.append(size)
-        if len(registered) > 2:
-            third.set()
-            fails.wait(30)
-            raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
-
-    def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-              pin: bool) -> hostmem.HostMemory:
-        memories.append(hostmem.HostMemory(
-            num_blocks, block_shape, dtype, True, chunk_bytes=4 * block,
-            register=register, unregister=lambda address: None))
-        return memories[-1]
-
+    memories = pin_in_chunks(monkeypatch, 4, 2, third, fails)
     wait_for_free = pool_module.HostPool.wait_for_free
 
     def waiting(pool: pool_module.HostPool, count: int) -> None:
         waits.set()  # a reserve waits for the blocks still being pinned
         wait_for_free(pool, count)
 
-    monkeypatch.setattr(pool_module, "HostMemory", short)
     monkeypatch.setattr(pool_module.HostPool, "wait_for_free", waiting)
-    engine = engine_for(cpu_cache_gb=16 * block / (1 << 30), request_timeout_ms=0)
+    engine = engine_for(cpu_cache_gb=HOST_GB, request_timeout_ms=0)
     async with engine:
         try:
             assert await asyncio.to_thread(third.wait, 10)
@@ -247,25 +230,7 @@ def pinned_short(monkeypatch: pytest.MonkeyPatch, third: threading.Event | None 
     whose pinning stops after 2 (a memlock limit: registering the third, which sets
     ``third``, fails once ``fails`` is set, where given), so that the store serves with
     8; its mapping, once made, is the list's first."""
-    memories: list[hostmem.HostMemory] = []
-
-    def register(address: int, size: int) -> None:
-        if address >= memories[-1].data[8].data_ptr():  # the third chunk
-            if third is not None:
-                third.set()
-            if fails is not None:
-                fails.wait(30)
-            raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
-
-    def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-              pin: bool) -> hostmem.HostMemory:
-        memories.append(hostmem.HostMemory(
-            num_blocks, block_shape, dtype, True, chunk_bytes=4 * BLOCK,
-            register=register, unregister=lambda address: None))
-        return memories[-1]
-
-    monkeypatch.setattr(pool_module, "HostMemory", short)
-    return memories
+    return pin_in_chunks(monkeypatch, 4, 2, third, fails)
 
 
 @pytest.mark.asyncio
@@ -426,22 +391,8 @@ async def test_a_close_that_stops_the_pinning_keeps_the_tier_s_size_in_the_figur
     # No memlock limit: the engine is closed while the third of 4 chunks registers. The
     # figures after close still say 16 blocks (they said 8, the pinned ones, as if
     # pinning had stopped short), of which the 2 stored are used (not the 8 unpinned).
-    memories: list[hostmem.HostMemory] = []
     third, go_on = threading.Event(), threading.Event()
-
-    def register(address: int, size: int) -> None:
-        if address >= memories[-1].data[8].data_ptr():
-            third.set()
-            go_on.wait(30)
-
-    def slow(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-             pin: bool) -> hostmem.HostMemory:
-        memories.append(hostmem.HostMemory(
-            num_blocks, block_shape, dtype, True, chunk_bytes=4 * BLOCK,
-            register=register, unregister=lambda address: None))
-        return memories[-1]
-
-    monkeypatch.setattr(pool_module, "HostMemory", slow)
+    memories = pin_in_chunks(monkeypatch, 4, 2, third, go_on, fails=False)
     engine = engine_for(cpu_cache_gb=HOST_GB)
     await engine.start()
     try:
