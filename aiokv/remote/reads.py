@@ -8,9 +8,12 @@ returned, or at :meth:`Reader.due`. Where the host tier has free blocks for ever
 batch of lookups misses, they are reserved first and one call asks Mooncake for the
 values themselves (an absent one answers for itself); where it would have to evict for
 them, a first call asks which blocks Mooncake has, and only those are reserved and read.
-A call's later answer is dropped (a miss), and while the reader thread is still busy with
-it the next lookups miss at once rather than queue behind it; host blocks that a late
-read still writes into stay reserved until it returns. A key is read by one read at a
+A call not answered when the store thread looks at its read at or past the deadline is
+given up (a miss), and its answer dropped when it comes; while the reader thread is still
+busy with it the next lookups miss at once rather than queue behind it; host blocks that a
+late read still writes into stay reserved until it returns. (An answer that came after the
+deadline but before that look is used: the store thread looks at the deadline's timer,
+or sooner when ``wake`` says the call returned.) A key is read by one read at a
 time (:meth:`Reader.reading`); an evict or clear while it reads discards what it brings.
 
 Lookups of one key in a batch (prompts of one namespace sharing a prefix, a user asked
@@ -52,7 +55,7 @@ class RemoteRead:
     queries: Wanted
     future: Future[Any]  # the reader thread's current call
     began: float  # time.monotonic()
-    deadline: float  # an answer after this is a miss: timeout_ms from began, both calls
+    deadline: float  # not answered by then: a miss (timeout_ms from began, both calls)
     # Reserved, ``counts[i]`` of them per wanted range.
     blocks: Int64Array = field(default_factory=lambda: NO_BLOCKS)
     counts: list[int] | None = None
