@@ -52,13 +52,20 @@ def _all_stopped(pid: int) -> bool:
     return True
 
 
-def _stop(name: str, process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    """SIGSTOP ``process`` and return once it is stopped, else raise RuntimeError.
+def _pause(name: str, process: subprocess.Popen[bytes] | None, paused: bool,
+           timeout_s: float = 10.0) -> None:
+    """SIGCONT ``process`` (not ``paused``), or SIGSTOP it and return once it is stopped,
+    else raise RuntimeError; nothing where there is no process.
 
     kill() returns once the signal is queued: the process stops only when one of its
     threads, scheduled, takes the signal and stops the others. Meanwhile its other
     threads still serve: on a loaded runner a lookup sent just after kill() was answered
     in full, a hit where the caller meant a process that does not answer."""
+    if process is None:
+        return
+    if not paused:
+        process.send_signal(signal.SIGCONT)
+        return
     process.send_signal(signal.SIGSTOP)
     deadline = time.monotonic() + timeout_s
     while not _all_stopped(process.pid):
@@ -130,12 +137,7 @@ class MooncakeServers:
         but does not answer, as a hung or partitioned master would (each call waits for
         Mooncake's own timeout, about 30 s). A stop returns once every thread of it is
         stopped (RuntimeError where it exited, or did not stop within 10 s)."""
-        if self._master is None:
-            return
-        if paused:
-            _stop("mooncake_master", self._master)
-        else:
-            self._master.send_signal(signal.SIGCONT)
+        _pause("mooncake_master", self._master, paused)
 
     @property
     def master_pid(self) -> int | None:
@@ -153,12 +155,7 @@ class MooncakeServers:
         but does not answer, as a stalled or swapping host would be. A stop returns once
         every thread of it is stopped (RuntimeError where it exited, or did not stop
         within 10 s): a call made after it gets no answer until the store continues."""
-        if self._store is None:
-            return
-        if paused:
-            _stop("the store process", self._store)
-        else:
-            self._store.send_signal(signal.SIGCONT)
+        _pause("the store process", self._store, paused)
 
     def wait_store_mounted(self, timeout_s: float = 30.0) -> None:
         """Block until the store process's memory takes a put (after a start, or after
