@@ -889,6 +889,22 @@ def test_the_remote_tier_benchmark_runs_every_round_to_its_figures() -> None:
     assert "host-tier load p99 (best round)" in run.stdout
 
 
+def connects(monkeypatch: pytest.MonkeyPatch, timeout_ms: int) -> threading.Event:
+    """Set once the reader of the host whose ``timeout_ms`` this is has checked the
+    markers (its connect), answered or not."""
+    connected = threading.Event()
+    check_markers = RemoteIO._check
+
+    def noted_check(io: RemoteIO) -> bool:
+        answered = check_markers(io)
+        if io.config.timeout_ms == timeout_ms:
+            connected.set()
+        return answered
+
+    monkeypatch.setattr(RemoteIO, "_check", noted_check)
+    return connected
+
+
 def test_a_lookup_read_that_times_out_and_then_fails_is_one_error(
         mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
     # A slow Mooncake whose read then fails for want of the master: the lookup gave up
@@ -897,15 +913,9 @@ def test_a_lookup_read_that_times_out_and_then_fails_is_one_error(
     # The lookup comes once the reader has connected: behind a connect slower than
     # timeout_ms (a loaded host) it gives up on the connect's call, whose timeout is
     # counted, and the read that then fails is a second failed call, rightly counted too.
-    connected, returned = threading.Event(), threading.Event()
-    check_markers = RemoteIO._check
+    returned = threading.Event()
     timeout_ms = 203  # this host's own: an earlier test's, closed, may still be in a call
-
-    def noted_check(io: RemoteIO) -> bool:
-        answered = check_markers(io)
-        if io.config.timeout_ms == timeout_ms:
-            connected.set()
-        return answered
+    connected = connects(monkeypatch, timeout_ms)
 
     def slow_then_down(io: RemoteIO, items: Any, blocks: Any) -> list[int]:
         time.sleep(1.0)  # past the lookup's timeout_ms
@@ -913,7 +923,6 @@ def test_a_lookup_read_that_times_out_and_then_fails_is_one_error(
         returned.set()
         return [0] * len(items)
 
-    monkeypatch.setattr(RemoteIO, "_check", noted_check)
     monkeypatch.setattr(RemoteIO, "read", slow_then_down)
     b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
     try:
@@ -984,15 +993,10 @@ def test_an_evict_whose_marker_call_times_out_and_then_fails_is_one_error(
     # reader has connected: behind a connect slower than timeout_ms (a loaded host) it
     # gives up on the connect's call, whose timeout is counted, and the marker call that
     # then fails is a second failed call, rightly counted too.
-    connected, entered, gate, returned = (threading.Event() for _ in range(4))
-    check_markers, publish = RemoteIO._check, RemoteIO._publish
+    entered, gate, returned = (threading.Event() for _ in range(3))
+    publish = RemoteIO._publish
     timeout_ms = 1_003  # this host's own: an earlier test's, closed, may still be in a call
-
-    def noted_check(io: RemoteIO) -> bool:
-        answered = check_markers(io)
-        if io.config.timeout_ms == timeout_ms:
-            connected.set()
-        return answered
+    connected = connects(monkeypatch, timeout_ms)
 
     def slow_then_down(io: RemoteIO) -> bool:
         if io.config.timeout_ms != timeout_ms or returned.is_set():
@@ -1003,7 +1007,6 @@ def test_an_evict_whose_marker_call_times_out_and_then_fails_is_one_error(
         returned.set()
         return False
 
-    monkeypatch.setattr(RemoteIO, "_check", noted_check)
     monkeypatch.setattr(RemoteIO, "_publish", slow_then_down)
     b = LocalHost(mooncake.master, timeout_ms=timeout_ms)
     try:
