@@ -16,7 +16,11 @@ Starts a master and a store process on 127.0.0.1 (aiokv.remote.servers) and prin
    lookup and load, with the copy into the pages.
 3. host-tier load p99 (lookup + load of users already in the host tier) while other
    users are offloaded, on an engine whose offloads also go to Mooncake in the
-   background against one without a remote tier. Target: at most 5% higher.
+   background against one without a remote tier. Target: at most 5% higher. A third
+   engine, without a remote tier, runs while another process puts the same bytes into
+   the same Mooncake at the rate the second one wrote them (``--outside-writes``): what
+   the writes cost the loads from outside the engine's process (cores, memory, the
+   store process), against what they cost from inside it (the engine's GIL too).
 
 Each gap is split in two by raw calls on values shaped as aiokv's (``raw put+sum`` /
 ``raw get+sum``: ``batch_*_multi_buffers`` with the block and its 8-byte checksum as two
@@ -35,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -297,12 +302,53 @@ async def host_latency(engine: aiokv.OffloadEngine, resident: range, pages: int,
     return latencies
 
 
+OUTSIDE = "with another process's writes"
+
+
+def outside_writer(master: str, block_bytes: int, blocks_per_s: float
+                   ) -> subprocess.Popen[bytes]:
+    """A process that puts fresh values of ``block_bytes`` into Mooncake, 64 a call, at
+    ``blocks_per_s`` (this file run with ``--put-for-latency``), until killed."""
+    return subprocess.Popen([sys.executable, __file__, "--put-for-latency", master,
+                             str(block_bytes), str(blocks_per_s)])
+
+
+def put_for_latency(master: str, block_bytes: int, blocks_per_s: float) -> None:
+    """The outside writer's process: ``batch_put_from`` of 64 values a call at the rate."""
+    import numpy as np
+
+    from aiokv.remote.native import import_store
+
+    client = import_store().MooncakeDistributedStore()
+    if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", master):
+        raise SystemExit("outside writer: Mooncake setup failed")
+    buffer = np.ones(64 * block_bytes, dtype=np.uint8)
+    if client.register_buffer(buffer.ctypes.data, buffer.nbytes):
+        raise SystemExit("outside writer: register_buffer failed")
+    addresses = [buffer.ctypes.data + i * block_bytes for i in range(64)]
+    sizes = [block_bytes] * 64
+    began, call = time.perf_counter(), 0
+    while True:
+        client.batch_put_from([f"outside-{began}-{call}-{i}" for i in range(64)],
+                              addresses, sizes)
+        call += 1
+        ahead = began + call * 64 / blocks_per_s - time.perf_counter()
+        if ahead > 0:
+            time.sleep(ahead)
+
+
 async def latency(args: argparse.Namespace, master: str) -> None:
     pages = args.pages
     caches = make_caches(3 * pages, args.quick)
-    results: dict[str, list[float]] = {"without remote": [], "with remote writes": []}
+    block_bytes = sum(c[0].numel() * c.element_size() for c in caches)
+    cases: tuple[str, ...] = ("without remote", "with remote writes")
+    if args.outside_writes:
+        cases += (OUTSIDE,)
+    results: dict[str, list[float]] = {name: [] for name in cases}
     for round_ in range(args.rounds):
-        for name, remote in (("without remote", None), ("with remote writes", master)):
+        rate = 0.0  # blocks a second the engine with the remote tier wrote
+        for name in cases:
+            remote = master if name == "with remote writes" else None
             store = aiokv.LocalStore(store_config(remote, 1.0))
             async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig()) as engine:
                 store.wait_pinned()
@@ -312,10 +358,18 @@ async def latency(args: argparse.Namespace, master: str) -> None:
                 # Fresh content each round: values are immutable, so a known key would
                 # cost Mooncake nothing.
                 writers = range(100_000 * (round_ + 1), 100_000 * (round_ + 1) + 4096)
-                lat = await host_latency(engine, resident, pages, writers, args.seconds)
+                outside = (outside_writer(master, block_bytes, rate)
+                           if name == OUTSIDE and rate else None)
+                try:
+                    lat = await host_latency(engine, resident, pages, writers, args.seconds)
+                finally:
+                    if outside is not None:
+                        outside.kill()
+                        outside.wait()
                 if remote:
                     stats = store.store_stats()
                     written = stats["remote_blocks_written"]
+                    rate = written / args.seconds
                     print(f"  round {round_}: {written} blocks written to Mooncake meanwhile")
                     await engine.clear()
             lat.sort()
@@ -327,6 +381,9 @@ async def latency(args: argparse.Namespace, master: str) -> None:
     print(f"host-tier load p99 (best round): without {best['without remote']:.3f} ms, with "
           f"background remote writes {best['with remote writes']:.3f} ms: {ratio - 1:+.1%} "
           f"(target <= +5%: {'met' if ratio <= 1.05 else 'NOT met'})")
+    if OUTSIDE in best:
+        print(f"  {OUTSIDE} at the same rate: {best[OUTSIDE]:.3f} ms: "
+              f"{best[OUTSIDE] / best['without remote'] - 1:+.1%}")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -340,7 +397,9 @@ async def main(args: argparse.Namespace) -> None:
             await latency(args, servers.master)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:2] == ["--put-for-latency"]:
+    put_for_latency(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--users", type=int, default=24)
     parser.add_argument("--pages", type=int, default=16)
@@ -353,6 +412,9 @@ if __name__ == "__main__":
     parser.add_argument("--switch-interval-us", type=int, default=0,
                         help="sys.setswitchinterval (0: Python's 5 ms): whether the p99 "
                         "is the loads' threads waiting for the GIL behind the writer's")
+    parser.add_argument("--outside-writes", action="store_true",
+                        help="a third latency case: no remote tier, while another process "
+                        "puts the same bytes into Mooncake at the rate the engine's did")
     parser.add_argument("--device", default="cpu",
                         help="the caches' device (cuda: host-tier loads are copy-engine "
                         "DMA, as on a serving GPU, not CPU copies that share the cores "
