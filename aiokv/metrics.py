@@ -73,6 +73,7 @@ _BLOCK_KEYS = (
 )
 _ERROR_KEYS = (
     ("checksum", "checksum_failures"),
+    ("ssd_read", "ssd_read_errors"),
     ("ssd_write", "ssd_write_errors"),
     ("remote_checksum", "remote_checksum_failures"),
     ("remote_read", "remote_read_errors"),

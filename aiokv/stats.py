@@ -200,12 +200,14 @@ class EngineStats:
     # The store's own figures (0 where it reports none, as FlexKV): at most
     # store_figures.REFRESH_S old while it works, final after close. Tokens lookups found
     # on the host tier / only on SSD; bytes SSD <-> host; SSD blocks that failed their
-    # checksum (misses) and SSD writes that failed; blocks used and total per tier.
+    # checksum and those a read could not bring (misses both) and SSD writes that failed;
+    # blocks used and total per tier.
     host_hit_tokens: int = 0
     ssd_hit_tokens: int = 0
     bytes_ssd_written: int = 0
     bytes_ssd_read: int = 0
     checksum_failures: int = 0
+    ssd_read_errors: int = 0
     ssd_write_errors: int = 0
     # Host blocks evicted without an SSD copy: every SSD slot held, none by I/O in flight.
     ssd_full_drops: int = 0

@@ -42,6 +42,7 @@ FIELDS = (
     "bytes_ssd_written",
     "bytes_ssd_read",
     "checksum_failures",
+    "ssd_read_errors",  # SSD blocks a read could not bring (I/O error, short file): misses
     "ssd_write_errors",
     "ssd_full_drops",  # host blocks evicted with no SSD copy: every SSD slot was in use
     "host_blocks_used",

@@ -4,18 +4,23 @@ the host tier, invalidation, and a filesystem that refuses O_DIRECT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import errno
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import failing_header_voids, launch_slots, slow_header_voids
+from shared_inprocess import Host
 from test_ssd import (
     BLOCK,
     HOST_BLOCKS,
     PAGE,
+    SLOT,
     TARGET,
     USER_PAGES,
     caches_for,
@@ -25,15 +30,18 @@ from test_ssd import (
     load_back,
     named_on_disk,
     offload,
+    only_on_ssd,
     same,
+    slot_of,
     source_pages,
     ssd_config,
     write_users,
 )
 
 import aiokv
-from aiokv.stores.local import ssd_io
+from aiokv.stores.local import ssd_format, ssd_io
 from aiokv.stores.local import store as store_module
+from aiokv.stores.shared import SharedStore
 
 
 def _failing(code: int) -> Any:
@@ -67,23 +75,102 @@ async def test_a_full_disk_fails_no_offload_and_the_host_tier_serves(
 
 
 @pytest.mark.asyncio
-async def test_a_failing_read_fails_only_that_load(
+async def test_a_failing_read_is_a_miss_not_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    caches, original, _, engine = engine_on(tmp_path)
+    """A read the disk refuses (EIO) fails no load: it loads nothing of those pages, and
+    they are dropped from the tier, counted (a StoreError before, on every load of the
+    key until an evict, the pages still indexed)."""
+    caches, original, store, engine = engine_on(tmp_path)
     async with engine:
         for user in range(3):
             await offload(engine, user)
+        await figure(store, "ssd_blocks_used", 3 * USER_PAGES)  # write_through: all there
         monkeypatch.setattr(os, "preadv", _failing(errno.EIO))
+        for cache in caches:
+            cache[TARGET] = 0
         hit = await engine.lookup(0, USER_PAGES * PAGE)  # on SSD only
         assert hit.cached_tokens == USER_PAGES * PAGE
-        with pytest.raises(aiokv.StoreError, match="SSD read failed"):
-            await engine.load(hit, TARGET)
+        assert (await engine.load(hit, TARGET)).loaded_tokens == 0
+        assert all(not c[TARGET].any() for c in caches)  # nothing written
         assert await load_back(engine, 2, TARGET) == USER_PAGES * PAGE  # on the host
         assert same(caches, original, TARGET, source_pages(2))
         monkeypatch.undo()
-        assert await load_back(engine, 0, TARGET) == USER_PAGES * PAGE  # the disk is back
-        assert same(caches, original, TARGET, source_pages(0))
+        assert await load_back(engine, 0, TARGET) == 0  # dropped: a miss, the disk back or not
+        stats = store.store_stats()
+        assert (stats["ssd_read_errors"], stats["checksum_failures"]) == (USER_PAGES, 0)
+        assert stats["ssd_blocks_used"] == 2 * USER_PAGES
+
+
+@contextlib.contextmanager
+def store_of(kind: str, config: aiokv.StoreConfig, directory: Path) -> Iterator[aiokv.Store]:
+    """A store on ``config``: embedded, in a process of its own, or a client of a store
+    server on it (in a thread of this process)."""
+    if kind == "embedded":
+        yield aiokv.LocalStore(config)
+    elif kind == "own_process":
+        yield aiokv.ProcessStore(dataclasses.replace(config, own_process=True))
+    else:
+        host = Host(directory, config=config)
+        host.start()
+        try:
+            yield SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+        finally:
+            host.stop()
+
+
+async def stats_when(engine: aiokv.OffloadEngine, done: Callable[[aiokv.EngineStats], bool]
+                     ) -> aiokv.EngineStats:
+    """``engine.stats()`` once ``done`` holds of it (5 s at most): the store's figures in
+    it are a moment old."""
+    for _ in range(250):
+        stats = engine.stats()
+        if done(stats):
+            return stats
+        await asyncio.sleep(0.02)
+    return engine.stats()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["embedded", "own_process", pytest.param(
+    "shared", marks=pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                       reason="the shared region needs memfd_create (Linux)"))])
+async def test_a_data_file_cut_short_under_a_running_store_loads_what_is_left(
+    tmp_path: Path, kind: str
+) -> None:
+    """blocks.dat truncated mid-way under an open store (a disk that returns EIO past a
+    sector reads the same): a load of a key on SSD brings the pages before the cut, bit
+    for bit, and no error; the pages past it are dropped from the tier (a second lookup
+    misses them), counted as read errors. Before, every load of the key failed with
+    StoreError until an evict or a restart, the pages still indexed and counted used."""
+    (tmp_path / "ssd").mkdir()
+    config = ssd_config(tmp_path / "ssd")
+    caches, original = await only_on_ssd(config, (0,))
+    offsets = [slot_of(tmp_path / "ssd", 0, page)[1] for page in range(USER_PAGES)]
+    path = slot_of(tmp_path / "ssd", 0, 0)[0]
+    cut = offsets[5] + ssd_format.HEADER_BYTES + BLOCK // 2  # mid page 5's slot
+    lost = [offset + SLOT > cut for offset in offsets]
+    kept = lost.index(True)  # the pages before the first one cut
+    assert kept > 0
+    for cache in caches:
+        cache[TARGET] = 0
+    with store_of(kind, config, tmp_path) as store:
+        async with aiokv.OffloadEngine(store, caches) as engine:
+            await stats_when(engine, lambda s: s.ssd_blocks_used == USER_PAGES)
+            os.truncate(path, cut)
+            async with await engine.lookup(0, USER_PAGES * PAGE) as hit:
+                # (the store server reads SSD pages in before it answers a lookup)
+                assert hit.cached_tokens >= kept * PAGE
+                assert (await engine.load(hit, TARGET)).loaded_tokens == kept * PAGE
+            assert same(caches, original, TARGET[:kept], source_pages(0)[:kept])
+            assert all(not c[TARGET[kept:]].any() for c in caches)  # nothing past the cut
+            async with await engine.lookup(0, USER_PAGES * PAGE) as again:
+                assert again.cached_tokens == kept * PAGE
+            assert await load_back(engine, 0, TARGET) == kept * PAGE
+            assert same(caches, original, TARGET[:kept], source_pages(0)[:kept])
+            stats = await stats_when(engine, lambda s: s.ssd_read_errors == sum(lost))
+            assert (stats.ssd_read_errors, stats.checksum_failures) == (sum(lost), 0)
+            assert stats.ssd_blocks_used == USER_PAGES - sum(lost)
 
 
 def _wait(store: aiokv.LocalStore, ids: list[int]) -> dict[int, aiokv.TaskResult]:

@@ -239,8 +239,9 @@ class ReportsStats(Protocol):
     """Tier occupancy and counters, keys from: host_blocks_used, host_blocks_total,
     ssd_blocks_used, ssd_blocks_total, host_hit_tokens, ssd_hit_tokens (tokens get_match
     found on the host tier / only on SSD), bytes_d2h, bytes_h2d, bytes_ssd_written,
-    bytes_ssd_read, checksum_failures, ssd_write_errors, ssd_full_drops (host blocks evicted
-    with no SSD copy: every SSD slot in use), stage_waits (loads that waited for
+    bytes_ssd_read, checksum_failures, ssd_read_errors (SSD blocks a read could not bring:
+    misses, as those checksum_failures counts), ssd_write_errors, ssd_full_drops (host
+    blocks evicted with no SSD copy: every SSD slot in use), stage_waits (loads that waited for
     host room to stage their SSD pages), d2h_copies (device-to-host copies of page ids
     the store made for its launches: FlexKV's fused slots, a store process's ids); the
     keys the store has; the engine reads them into EngineStats, aiokv.store_figures).

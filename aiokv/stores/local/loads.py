@@ -11,8 +11,9 @@ it; SSD pages are staged into blocks of their own and copied run by run as verif
 
 What a match found is what the load brings (the Lookup's promise): the SSD slots are held
 from the match on, whether or not the host tier has room to stage them then, so they can
-be neither evicted nor overwritten. Only a block that fails its checksum ends a load short
-(the task succeeds with the mask of what was loaded); a read error fails the task.
+be neither evicted nor overwritten. Only a block that fails its checksum or that the disk
+could not give back (an I/O error, a file cut short) ends a load short (the task succeeds
+with the mask of what was loaded; the SSD tier drops the block: :mod:`.ssd`).
 Staging (host blocks reserved, reads started) happens:
 
 - at the match, as a prefetch, when the host tier has room at once, no launched load is
@@ -70,9 +71,9 @@ could ever stage beside its own host pages), and nothing of a key while another 
 that key is still to be staged (its pages would reach the host under that load, not this
 one: a miss, not a short load). One request per chunk; once launched, each verified chunk
 is queued for its host -> GPU copy while the next chunk is read. The task ends with the
-copy job of its last chunk. A checksum failure ends what it loads at the failing SSD page;
-host pages past it may have been copied already, at launch (their bytes are right, only
-not counted), and go back with the task.
+copy job of its last chunk. A checksum failure or an unreadable block ends what it loads at
+that SSD page; host pages past it may have been copied already, at launch (their bytes are
+right, only not counted), and go back with the task.
 
 :class:`LoadStaging` is the link's (:class:`~.tiering.TierLink`) part that does it: a
 base class, so that these run as the link's own methods, with no call in between; the

@@ -6,9 +6,11 @@ for the format and why it is self-describing). The store calls it on its own thr
 ``read`` copies slots into host blocks (a load's SSD part, one request per chunk), and
 ``drain`` applies finished requests to the index and hands them back to the store. The
 I/O threads (:mod:`.ssd_io`) move bytes, compute and verify checksums, and report; they
-touch no metadata. A failed write leaves the block where it was (the host tier keeps it);
-a failed read fails the load that asked for it; a block whose checksum (or header) does
-not match is dropped from the tier, counted, and never reaches the host pool.
+touch no metadata. A failed write leaves the block where it was (the host tier keeps it).
+A block a read could not bring (an I/O error, a file cut short) or whose checksum (or
+header) does not match is dropped from the tier, counted, and never reaches the host pool:
+the load that asked for it stops short there, as at any miss, rather than fail (a failed
+read would fail every later load of the key too, the block being still indexed).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .ssd_format import (
     pack_header,
     unpack_header,
 )
-from .ssd_io import SsdFiles
+from .ssd_io import ShortIO, SsdFiles
 from .ssd_voids import HeaderVoids, VoidsDone
 
 log = logging.getLogger("aiokv")
@@ -59,6 +61,8 @@ class SsdRequest:
     keep: bool = False
     generation: int = 0  # of its first block's header (a write), one more per block
     ok: BoolArray = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    # A read's blocks the disk did not give back (ShortIO: an I/O error, a file cut short).
+    unread: BoolArray = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
     error: str | None = None
     ops: int = 0
     arrived: int = 0
@@ -141,7 +145,7 @@ class SsdTier:
         self._generations = np.zeros(total, dtype=np.int64)
         self._failures_logged = False
         self.stats = {"bytes_ssd_written": 0, "bytes_ssd_read": 0, "checksum_failures": 0,
-                      "ssd_write_errors": 0, "ssd_full_drops": 0}
+                      "ssd_read_errors": 0, "ssd_write_errors": 0, "ssd_full_drops": 0}
         try:
             self._recover()
         except BaseException:
@@ -273,6 +277,7 @@ class SsdTier:
         count = self.files.count
         n = len(request.slots)
         request.ok = np.zeros(n, dtype=np.bool_)
+        request.unread = np.zeros(n, dtype=np.bool_)
         by_file = request.slots % count
         groups = [np.flatnonzero(by_file == k) for k in range(count)] if count > 1 else [
             np.arange(n)
@@ -289,7 +294,10 @@ class SsdTier:
 
     def _run(self, request: SsdRequest, k: int, positions: Int64Array, generation: int) -> None:
         """One file's share of a request (I/O thread): consecutive slots go in one
-        request each; checksums are made before a write and checked after a read."""
+        request each; checksums are made before a write and checked after a read. A read
+        that stops short marks the slots it did not bring whole ``unread`` (the others
+        are checked) and the next run is read all the same: one bad sector costs only
+        the blocks on it."""
         files, pool = self.files, self._pool
         try:
             slots = request.slots[positions] // files.count
@@ -316,13 +324,23 @@ class SsdTier:
                         self.voids.written(written, landed)
                     request.ok[idx] = True
                 else:
-                    files.read(k, offset, buffers)
-                    for j, i in enumerate(idx.tolist()):
+                    whole = len(idx)  # slots read in whole
+                    try:
+                        files.read(k, offset, buffers)
+                    except ShortIO as exc:
+                        whole = exc.moved // files.slot_bytes
+                        request.unread[idx[whole:]] = True
+                        log.warning("aiokv: SSD read failed in %s: %r; %d block(s) not "
+                                    "read, dropped from the tier (misses)", files.paths[k],
+                                    exc, len(idx) - whole)
+                    for j, i in enumerate(idx[:whole].tolist()):
                         raw = views[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
                         request.ok[i] = self._intact(request, i, raw)
                 # ``headers`` is left to the collector: the slices of it in ``buffers``
                 # keep it exported, and closing it would raise.
         except Exception as exc:  # reported: the request fails, the thread lives on
+            # (a write's I/O error; a read's ends in misses above, so a read fails here
+            # only on a fault of ours, and fails its load rather than drop the blocks)
             log.warning("aiokv: SSD %s failed in %s: %r",
                         "write" if request.is_write else "read", files.paths[k], exc)
             request.error = f"SSD {'write' if request.is_write else 'read'} failed: {exc!r}"
@@ -359,7 +377,8 @@ class SsdTier:
 
     def drain(self) -> list[SsdRequest]:
         """Finished requests, SSD side applied: written slots READY (or rolled back),
-        read slots released, slots that failed their checks dropped."""
+        read slots released, slots that failed their checks or could not be read dropped
+        (counted: ``checksum_failures``, ``ssd_read_errors``)."""
         out = []
         done, tier, stats = self._done, self.tier, self.stats
         while done:
@@ -392,10 +411,16 @@ class SsdTier:
                     request.ok[:] = False
                 tier.drop_readers(slots[~request.ok] if request.keep else slots)
                 if request.error is None:
-                    stats["bytes_ssd_read"] += len(slots) * self.block_bytes
-                    bad = slots[~request.ok if voided is None else ~(request.ok | voided)]
+                    unread = request.unread
+                    stats["bytes_ssd_read"] += (len(slots) - int(np.count_nonzero(unread))
+                                                ) * self.block_bytes
+                    damaged = ~request.ok if voided is None else ~(request.ok | voided)
+                    bad = slots[damaged]
                     if len(bad):
-                        self._checksum_failures(request, len(bad))
+                        lost = int(np.count_nonzero(damaged & unread))
+                        stats["ssd_read_errors"] += lost
+                        if len(bad) > lost:
+                            self._checksum_failures(request, len(bad) - lost)
                         self.voids.void(tier.drop_idle(np.sort(bad)))
             out.append(request)
         if tier.buried:  # written slots of a dropped key: listed above, past the tier

@@ -48,6 +48,16 @@ _DIRECT = getattr(os, "O_DIRECT", 0)
 Op = Callable[[], None]
 
 
+class ShortIO(OSError):
+    """A request that stopped short (an I/O error, or a file shorter than it: truncated):
+    its first ``moved`` bytes went through, in order (a read's landed in its buffers;
+    past them the buffers hold what they held)."""
+
+    def __init__(self, code: int, message: str, moved: int) -> None:
+        super().__init__(code, message)
+        self.moved = moved
+
+
 def open_data_file(path: Path, direct: bool) -> tuple[int, bool]:
     """``path`` opened read-write (created 0600), with O_DIRECT where asked and the
     filesystem takes it; returns (fd, whether O_DIRECT is on)."""
@@ -264,17 +274,26 @@ class SsdFiles:
             os.fdatasync(self.fds[k])
 
     def read(self, k: int, offset: int, buffers: Sequence[Any]) -> None:
+        """``os.preadv`` into ``buffers`` at ``offset`` of file ``k`` (I/O thread);
+        ShortIO where not all of them were filled."""
         self._io(os.preadv, k, offset, buffers)
 
     def _io(self, call: Callable[..., int], k: int, offset: int, buffers: Sequence[Any]) -> None:
-        fd = self.fds[k]
+        """ShortIO where it stops short, saying how far it got."""
+        fd, moved = self.fds[k], 0
         for start in range(0, len(buffers), IOV_MAX):
             part = buffers[start : start + IOV_MAX]
             want = sum(len(b) for b in part)
-            done = call(fd, part, offset)
+            try:
+                done = call(fd, part, offset + moved)
+            except OSError as exc:
+                raise ShortIO(exc.errno or errno.EIO,
+                              f"{call.__name__}: {exc.strerror or exc} after {moved} bytes",
+                              moved) from exc
             if done != want:
-                raise OSError(errno.EIO, f"{call.__name__}: {done} of {want} bytes")
-            offset += want
+                raise ShortIO(errno.EIO, f"{call.__name__}: {done} of {want} bytes",
+                              moved + done)
+            moved += want
 
     def _run(self, k: int, kind: int) -> None:
         queue, cond = self._queues[k][kind], self._cond[k][kind]
