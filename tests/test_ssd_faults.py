@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import errno
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +172,60 @@ async def test_a_data_file_cut_short_under_a_running_store_loads_what_is_left(
             assert (stats.ssd_read_errors, stats.checksum_failures) == (sum(lost), 0)
             assert stats.ssd_blocks_used == USER_PAGES - sum(lost)
 
+
+
+def _bad_sector_at(path: Path, offset: int) -> Any:
+    """``os.preadv`` as under O_DIRECT with a bad sector in the slot at ``offset`` of
+    ``path``: a request whose range covers that slot fails whole (EIO, nothing read)."""
+    real, inode = os.preadv, path.stat().st_ino
+
+    def preadv(fd: int, buffers: Sequence[Any], at: int, *rest: Any) -> int:
+        size = sum(memoryview(b).nbytes for b in buffers)
+        if at < offset + SLOT and offset < at + size and os.fstat(fd).st_ino == inode:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return int(real(fd, buffers, at, *rest))
+
+    return preadv
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["embedded", pytest.param(  # own_process: not patchable
+    "shared", marks=pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                       reason="the shared region needs memfd_create (Linux)"))])
+async def test_one_bad_sector_in_a_run_of_slots_costs_only_its_block(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One of the 8 consecutive slots a load reads in one request is on a bad sector, and
+    the request fails whole, as under O_DIRECT: the load brings the pages before it, bit
+    for bit; only that block is dropped and counted, the 7 readable ones stay on SSD.
+    Before, all 8 were dropped and counted, and the load brought nothing."""
+    (tmp_path / "ssd").mkdir()
+    config = ssd_config(tmp_path / "ssd")
+    caches, original = await only_on_ssd(config, (0,))
+    bad = 5
+    path, offset = slot_of(tmp_path / "ssd", 0, bad)
+    for cache in caches:
+        cache[TARGET] = 0
+    with store_of(kind, config, tmp_path) as store:
+        async with aiokv.OffloadEngine(store, caches) as engine:
+            await stats_when(engine, lambda s: s.ssd_blocks_used == USER_PAGES)
+            monkeypatch.setattr(os, "preadv", _bad_sector_at(path, offset))
+            async with await engine.lookup(0, USER_PAGES * PAGE) as hit:
+                # (the store server reads SSD pages in before it answers a lookup)
+                assert hit.cached_tokens >= bad * PAGE
+                assert (await engine.load(hit, TARGET)).loaded_tokens == bad * PAGE
+            assert same(caches, original, TARGET[:bad], source_pages(0)[:bad])
+            assert all(not c[TARGET[bad:]].any() for c in caches)  # nothing past it
+            stats = await stats_when(engine, lambda s: s.ssd_read_errors > 0)
+            assert (stats.ssd_read_errors, stats.checksum_failures) == (1, 0)
+            assert stats.ssd_blocks_used == USER_PAGES - 1
+            monkeypatch.undo()  # the disk is back: its block stays lost, the prefix is there
+            async with await engine.lookup(0, USER_PAGES * PAGE) as again:
+                assert again.cached_tokens == bad * PAGE  # a prefix: it ends at the hole
+            for cache in caches:
+                cache[TARGET] = 0
+            assert await load_back(engine, 0, TARGET) == bad * PAGE
+            assert same(caches, original, TARGET[:bad], source_pages(0)[:bad])
 
 def _wait(store: aiokv.LocalStore, ids: list[int]) -> dict[int, aiokv.TaskResult]:
     results: dict[int, aiokv.TaskResult] = {}

@@ -295,9 +295,10 @@ class SsdTier:
     def _run(self, request: SsdRequest, k: int, positions: Int64Array, generation: int) -> None:
         """One file's share of a request (I/O thread): consecutive slots go in one
         request each; checksums are made before a write and checked after a read. A read
-        that stops short marks the slots it did not bring whole ``unread`` (the others
-        are checked) and the next run is read all the same: one bad sector costs only
-        the blocks on it."""
+        that stops short reads the rest of its run again, slot by slot
+        (:meth:`_read_singly`), and marks the slots that still do not come in whole
+        ``unread`` (the others are checked); the next run is read all the same: one bad
+        sector costs only the blocks on it."""
         files, pool = self.files, self._pool
         try:
             slots = request.slots[positions] // files.count
@@ -324,18 +325,20 @@ class SsdTier:
                         self.voids.written(written, landed)
                     request.ok[idx] = True
                 else:
-                    whole = len(idx)  # slots read in whole
+                    read = np.ones(len(idx), dtype=np.bool_)  # slots read in whole
                     try:
                         files.read(k, offset, buffers)
                     except ShortIO as exc:
-                        whole = exc.moved // files.slot_bytes
-                        request.unread[idx[whole:]] = True
+                        read = self._read_singly(k, offset, buffers, len(idx),
+                                                 exc.moved // files.slot_bytes)
+                        request.unread[idx[~read]] = True
                         log.warning("aiokv: SSD read failed in %s: %r; %d block(s) not "
                                     "read, dropped from the tier (misses)", files.paths[k],
-                                    exc, len(idx) - whole)
-                    for j, i in enumerate(idx[:whole].tolist()):
-                        raw = views[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
-                        request.ok[i] = self._intact(request, i, raw)
+                                    exc, len(idx) - int(np.count_nonzero(read)))
+                    for j, i in enumerate(idx.tolist()):
+                        if read[j]:
+                            raw = views[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
+                            request.ok[i] = self._intact(request, i, raw)
                 # ``headers`` is left to the collector: the slices of it in ``buffers``
                 # keep it exported, and closing it would raise.
         except Exception as exc:  # reported: the request fails, the thread lives on
@@ -346,6 +349,26 @@ class SsdTier:
             request.error = f"SSD {'write' if request.is_write else 'read'} failed: {exc!r}"
         self._done.append(request)  # deque append is atomic
         self._notify()
+
+    def _read_singly(self, k: int, offset: int, buffers: Sequence[Any], n: int, first: int
+                     ) -> BoolArray:
+        """After the read of a run of ``n`` slots at ``offset`` of file ``k`` stopped short
+        at its slot ``first``: that slot and those past it read again one request each
+        (I/O thread), so that only the slots the disk cannot give back are lost. Under
+        O_DIRECT a request over one bad sector fails whole and brings none of the run,
+        readable slots around it included (a run can be thousands of slots). Returns
+        which of the run's slots came in whole."""
+        files = self.files
+        per = len(buffers) // n  # a slot's buffers: header, block and its pad if any
+        read = np.zeros(n, dtype=np.bool_)
+        read[:first] = True
+        for j in range(first, n):
+            try:
+                files.read(k, offset + j * files.slot_bytes, buffers[j * per : (j + 1) * per])
+            except ShortIO:
+                continue
+            read[j] = True
+        return read
 
     def _pack(self, request: SsdRequest, k: int, idx: Int64Array, generation: int,
               views: memoryview) -> None:
