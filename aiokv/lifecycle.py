@@ -390,5 +390,10 @@ async def _join(worker: StoreWorker, timeout: float | None) -> bool:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(settle, result)
 
-    threading.Thread(target=run, name="aiokv-close", daemon=True).start()
-    return await joined
+    joiner = threading.Thread(target=run, name="aiokv-close", daemon=True)
+    joiner.start()
+    result = await joined
+    # Posting the result is its last step: joined now (at once), so that no aiokv thread
+    # outlives the close that started it.
+    joiner.join()
+    return result
