@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -284,6 +285,43 @@ def test_namespaces_of_any_text_and_partial_pages_keep_their_keys(host: Host) ->
     finally:
         writer.close()
         reader.close()
+
+
+def aiokv_threads(besides: set[threading.Thread]) -> list[str]:
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith("aiokv") and t not in besides)
+
+
+@pytest.mark.asyncio
+async def test_no_aiokv_thread_outlives_aclose_and_the_offloaded_bytes_load_elsewhere(
+        tmp_path: Path) -> None:
+    """On CPU caches an engine fills its page tables for the region on a thread
+    (aiokv-map-region); over a region of 1 GiB that walk outlasts an offload and a close.
+    The close stops it and waits for it, as for every aiokv thread (one left running
+    took the process down at exit: SIGABRT), and what the engine offloaded before it
+    closed loads bit for bit in an engine opened after."""
+    server = Server(tmp_path, {"cpu_cache_gb": 1.0}).start()
+    before = set(threading.enumerate())
+    config = {"store": {"backend": "shared", "socket": str(server.socket)}}
+    pages, tokens = 4, 4 * PAGE_SIZE
+    try:
+        writer = caches()
+        for cache, kv in zip(writer, user_kv(1, pages), strict=True):
+            cache[:pages] = kv
+        async with aiokv.open_engine(config, kv_caches=writer) as engine:
+            assert (await engine.offload(1, torch.arange(pages), tokens)).stored_tokens == tokens
+        assert aiokv_threads(before) == []
+
+        reader = caches()
+        async with (aiokv.open_engine(config, kv_caches=reader) as engine,
+                    await engine.lookup(1, tokens) as hit):
+            loaded = await engine.load(hit, torch.arange(pages, 2 * pages))
+        assert aiokv_threads(before) == []
+        assert loaded.loaded_tokens == tokens
+        assert all(torch.equal(cache[pages:2 * pages], kv)
+                   for cache, kv in zip(reader, user_kv(1, pages), strict=True))
+    finally:
+        server.kill()
 
 
 def test_a_batch_answers_each_match_as_if_alone(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from ...copy.copier import Copier, CopyJob
 from ...copy.ids import OffloadsInFlight
 from ...copy.marks import LayerMarks
 from ..base import Int64Array
-from .region import Pinning, Region
+from .region import Pinning, Populating, Region
 
 
 class RegionPlane:
@@ -32,8 +32,8 @@ class RegionPlane:
         self.region = region
         gpu = caches[0].device.type == "cuda"
         self.pinning = Pinning(region) if gpu else None
-        if not gpu:  # pinning maps the pages itself
-            region.populate()
+        # Pinning maps the pages itself.
+        self.populating = Populating(region) if not gpu else None
         names = ("aiokv-shared-out", "aiokv-shared-in") if gpu else ("aiokv-shared-copy",)
         starts = self.pinning.chunk_starts.tolist() if self.pinning is not None else [0]
         offloads = OffloadsInFlight()  # each copier knows of the other's (copy.ids)
@@ -66,10 +66,13 @@ class RegionPlane:
         return sum(c.d2h_copies for c in self._copiers)
 
     def close(self) -> None:
-        """Finish the queued copies (each reported), then unpin; once."""
+        """Stop filling the page tables, finish the queued copies (each reported), then
+        unpin; once. No thread of the plane runs on after it."""
         if self._closed:
             return
         self._closed = True
+        if self.populating is not None:
+            self.populating.close()
         for copier in self._copiers:
             copier.close()
         if self.pinning is not None:
