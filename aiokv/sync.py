@@ -118,6 +118,15 @@ class BackgroundLookup:
         self.release()
 
 
+# The engine's call that does a blocking handle call's work on the loop, where it is not
+# ``await engine.<name>(...)``: the hint must work when followed.
+_ON_THE_LOOP = {
+    "stats": "call engine.stats() instead (not awaited: it does not block)",
+    "close": "await engine.aclose(...) instead; close() from another thread then ends "
+             "the loop's thread",
+}
+
+
 class BackgroundEngine:
     """A started engine on a loop thread of its own; see :func:`run_in_background`.
 
@@ -290,7 +299,7 @@ class BackgroundEngine:
             raise BlockingCallOnLoop(
                 f"{name}() blocks until the engine's loop answers, and was called on that "
                 f"loop's own thread ({THREAD_NAME}), which would wait for itself forever; "
-                f"on the loop, await engine.{name}(...) instead"
+                f"on the loop, {_ON_THE_LOOP.get(name, f'await engine.{name}(...) instead')}"
             )
 
     def _submit(self, call: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
