@@ -15,7 +15,9 @@ marks (waking waiters blocked in them) and every wait after raises it; a load th
 fewer tokens than its Lookup held (0 after an evict of the key) raises
 :class:`~aiokv.errors.NotLoaded` from the waits, so pages a load did not fill are never
 reported ready; a success finishes the marks. A wait that returned before the end stands:
-its layer was in place.
+its layer was in place. Whoever first sees the end (its task done: ``result()`` can
+answer) takes it in, on any thread, so that no wait then answers from the marks as if the
+load were still running.
 """
 
 from __future__ import annotations
@@ -82,9 +84,13 @@ class LayerwiseLoad:
         self._error: BaseException | None = None
         self._error_tb: TracebackType | None = None  # its traceback as the load ended
         self._ended = False
+        # Taking the end in (_finish) is done once, by whichever thread sees it first.
+        # Never taken in a forked child (_take_end): a lock held at the fork is not freed.
+        self._end_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        state = "running" if not self._ended else "failed" if self._error else "loaded"
+        ended = self._take_end()
+        state = "running" if not ended else "failed" if self._error else "loaded"
         return (
             f"LayerwiseLoad(user_id={self.user_id!r}, cached_tokens={self.cached_tokens}, "
             f"num_layers={self.num_layers}, {state})"
@@ -105,6 +111,7 @@ class LayerwiseLoad:
         engine's loop thread where only the loop could end the wait (a store that marks
         layers at the end): ``await layer_ready(layer)`` there."""
         self._check(layer)
+        self._take_end()
         self._refuse_in_fork()
         self._raise_if_failed(threads=True)
         marks = self._marks
@@ -116,10 +123,12 @@ class LayerwiseLoad:
         try:
             marks.wait(layer, stream)
         except LayerFailed as failed:
+            self._take_end()
             self._raise_if_failed(threads=True)
             if failed.field is not None:  # the end will carry this error: raise it now
                 raise InvalidRequest(failed.field, str(failed)) from None
             raise StoreError(f"layer {layer} of the load failed in the store: {failed}") from failed
+        self._take_end()
         self._raise_if_failed(threads=True)
 
     async def layer_ready(self, layer: int) -> None:
@@ -134,10 +143,18 @@ class LayerwiseLoad:
             return
         check_loop(self._loop)
         self._check(layer)
+        if not self._take_end():
+            await self._until_ready(layer)
+        self._take_end()
+        self._raise_if_failed(threads=False)
+
+    async def _until_ready(self, layer: int) -> None:
+        """:meth:`layer_ready`'s wait, for a load that has not ended: until its layer is
+        in place or the load ended."""
         marks = self._marks
-        if self._own_marks and not self._ended:
+        if self._own_marks:
             await asyncio.wait((self._end,))  # only the end marks these
-        elif not self._ended and not marks.is_ready(layer):
+        elif not marks.is_ready(layer):
             # The store's copier marks it; a thread waits for it: one of aiokv's own, so
             # that waits never fill the loop's default executor (which close and callers'
             # own to_thread work use). Those threads are every engine's: a cancelled wait
@@ -154,15 +171,14 @@ class LayerwiseLoad:
                 raise
             if not job.done():
                 marks.abandon(waiter)  # its thread returns at once, or never waits
-            elif job.result() is not None and not self._ended:
+            elif job.result() is not None and not self._take_end():
                 await asyncio.wait((self._end,))  # its typed error comes with the end
-        self._raise_if_failed(threads=False)
 
     def is_ready(self, layer: int) -> bool:
         """Whether layer ``layer`` is in the pages now (never blocks; False once the load
         failed or moved fewer tokens than its Lookup's)."""
         self._check(layer)
-        if self._ended:
+        if self._take_end():
             return self._error is None
         return self._marks.is_ready(layer)
 
@@ -178,6 +194,9 @@ class LayerwiseLoad:
                 raise asyncio.CancelledError()
             return end.result()
         check_loop(self._loop)
+        # An end not yet taken in is taken in now: the waits after this answer as it
+        # does, and its error is kept with its traceback before this raise adds to it.
+        self._take_end()
         return await asyncio.shield(self._end)
 
     def cancel(self) -> None:
@@ -192,6 +211,7 @@ class LayerwiseLoad:
         # Ended now, not at the end's callback a loop iteration later: a wait in between
         # must not report a copied layer of a cancelled load ready.
         self._finish(asyncio.CancelledError())
+        self._hand_out()
 
     # ---- the engine's side (loop thread) ---------------------------------------------
 
@@ -204,7 +224,7 @@ class LayerwiseLoad:
 
     def _on_launch(self, marks: LayerMarks | None) -> None:
         """The launch notice (:func:`note_launches`), before the load is handed out."""
-        if marks is not None and not self._ended:
+        if marks is not None and not self._take_end():
             if marks.num_layers == self.num_layers:
                 self._marks, self._own_marks = marks, False
             else:  # a store bug: the load's own marks still end every wait
@@ -215,8 +235,19 @@ class LayerwiseLoad:
         self._hand_out()
 
     def _on_end(self, end: asyncio.Future[LoadResult]) -> None:
-        if self._ended:  # cancel() ended it already
-            return
+        self._take_end()  # unless cancel() or a wait took it in first
+        self._hand_out()  # a load that never launched is handed out now
+
+    def _take_end(self) -> bool:
+        """Whether the load ended, its end taken in here (any thread) once ``_end`` is
+        done: ``result()`` answers from then on, and the waits must not answer from the
+        marks meanwhile, as they would until ``_on_end`` ran a loop iteration later. Not
+        in a forked child, where an end the loop had not taken in stays unknown."""
+        if self._ended:
+            return True
+        end = self._end
+        if not end.done() or forked(self._pid):
+            return False
         error: BaseException | None
         if end.cancelled():
             error = asyncio.CancelledError()
@@ -230,18 +261,22 @@ class LayerwiseLoad:
                     loaded, self.cached_tokens,
                 )
         self._finish(error)
+        return True
 
     def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        # Each wait raises the error with this traceback, not with those of the waits
-        # before it: a re-raised exception keeps every frame it passed (and their locals).
-        self._error_tb = None if error is None else error.__traceback__
-        self._ended = True
+        """End the load with ``error`` (None: loaded), unless it ended already."""
+        with self._end_lock:
+            if self._ended:
+                return
+            self._error = error
+            # Each wait raises the error with this traceback, not with those of the waits
+            # before it: a re-raised exception keeps every frame it passed (and locals).
+            self._error_tb = None if error is None else error.__traceback__
+            self._ended = True
         if error is None:
             self._marks.finish()
         else:
             self._marks.fail(f"the load ended with {error!r}")
-        self._hand_out()  # a load that never launched is handed out now
 
     # ---- helpers ---------------------------------------------------------------------
 
@@ -388,7 +423,7 @@ class BackgroundLayerwiseLoad:
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         """:meth:`LayerwiseLoad.wait_layer`, in this thread."""
-        if not self.load._ended:
+        if not self.load._take_end():
             refuse_in_fork(self._pid, "layerwise load")
         self.load.wait_layer(layer, stream)
 
@@ -401,7 +436,7 @@ class BackgroundLayerwiseLoad:
         or ``timeout`` seconds pass (TimeoutError)."""
         timeout = validate.wait_timeout(timeout)
         load = self.load
-        if load._ended:  # also once the handle closed and its loop is gone
+        if load._take_end():  # also once the handle closed and its loop is gone
             load._check(layer)
             load._raise_if_failed(threads=True)
             return
@@ -419,6 +454,7 @@ class BackgroundLayerwiseLoad:
         timeout = validate.wait_timeout(timeout)
         end = self.load._end
         if end.done():  # also once the handle closed and its loop is gone
+            self.load._take_end()  # as LayerwiseLoad.result: the waits after answer alike
             if end.cancelled():
                 raise concurrent.futures.CancelledError()
             return end.result()

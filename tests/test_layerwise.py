@@ -21,7 +21,7 @@ import torch
 from conftest import make_caches, small_store
 
 import aiokv
-from aiokv.testing import FaultyStore, LayeredStore
+from aiokv.testing import FaultyStore, LayeredStore, StoreWrapper
 
 LAYERS, PAGE_SIZE = 4, 4
 TOKENS = 4 * PAGE_SIZE
@@ -563,6 +563,52 @@ async def test_a_bad_page_id_raises_invalid_request_from_a_wait_made_before_the_
                 await asyncio.to_thread(load.wait_layer, 0)
             with pytest.raises(aiokv.InvalidRequest, match="10000"):
                 await asyncio.to_thread(load.result, 10)
+
+
+class AnsweredTogether(StoreWrapper):
+    """Holds back the answers of launched tasks until ``together`` of them ended, then
+    gives those in one ``try_wait`` (in the order asked): the engine answers their callers
+    in one loop step."""
+
+    def __init__(self, inner: aiokv.Store) -> None:
+        super().__init__(inner)
+        self.together = 0
+        self._ended: dict[int, Any] = {}
+
+    def try_wait(self, task_ids: Any) -> dict[int, Any]:
+        ended = self._ended
+        ended.update(self.inner.try_wait([t for t in task_ids if t not in ended]))
+        if len(ended) < self.together:
+            return {}
+        self.together = 0
+        return {t: ended.pop(t) for t in task_ids if t in ended}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("marks", [True, False], ids=["store marks", "end marks"])
+async def test_every_wait_answers_as_result_from_the_moment_the_load_ended(marks: bool) -> None:
+    # The layerwise load's end and another load's are answered in one step, the layerwise
+    # first: once the other's caller has its error, result() raises the layerwise load's
+    # at once, and every wait must raise it too, not report layers 0 and 1 (copied, and
+    # marked by the store before it failed the load) ready.
+    inner = LayeredStore(marks=marks)
+    store = AnsweredTogether(inner)
+    engine, _ = engine_over(store)
+    async with engine:
+        hit = await hit_of(engine, 1)
+        other = await hit_of(engine, 2)
+        inner.fail_at_layer = 2  # every load fails there, its layers 0 and 1 copied
+        store.together = 2
+        load = await engine.load_layerwise(hit, TARGET)
+        with pytest.raises(aiokv.StoreError):
+            await engine.load(other, torch.arange(12, 16))
+        with pytest.raises(aiokv.StoreError):
+            await load.result()
+        assert not load.is_ready(0)
+        with pytest.raises(aiokv.StoreError):
+            load.wait_layer(0)
+        with pytest.raises(aiokv.StoreError):
+            await load.layer_ready(0)
 
 
 def test_a_background_wait_that_times_out_lets_its_wait_thread_go() -> None:
