@@ -358,6 +358,10 @@ async def start(
         await load._launched
     except asyncio.CancelledError:
         load.cancel()
+        # Refused meanwhile (Overloaded), the load handed its Lookup back to be loaded
+        # later; but this caller leaves with neither the load nor its error, so the
+        # Lookup goes back as a cancelled load's does (a no-op unless it is held).
+        hit.release()
         raise
     return load
 

@@ -611,6 +611,39 @@ async def test_every_wait_answers_as_result_from_the_moment_the_load_ended(marks
             await load.layer_ready(0)
 
 
+@pytest.mark.asyncio
+async def test_a_caller_cancelled_as_its_load_is_refused_for_overload_leaves_the_lookup_released(
+) -> None:
+    # max_pending=1 under overload "reject": the second load is refused (Overloaded) while
+    # its caller is cancelled. That caller has its CancelledError and no load to retry
+    # with: its Lookup goes back, as a cancelled load's does, not held until its TTL.
+    store = LayeredStore()
+    engine = aiokv.OffloadEngine(
+        store, make_caches(layers=LAYERS, page_size=PAGE_SIZE),
+        aiokv.EngineConfig(max_pending=1, overload="reject", window_us=0),
+    )
+    async with engine:
+        first = await hit_of(engine, 1)
+        second = await hit_of(engine, 2)
+        store.gate = threading.Semaphore(0)
+        try:
+            holding = await engine.load_layerwise(first, TARGET)  # the one pending slot
+            calling = asyncio.ensure_future(engine.load_layerwise(second, torch.arange(12, 16)))
+            for _ in range(10):  # until the load was refused
+                if engine.stats().rejected:
+                    break
+                await asyncio.sleep(0)
+            assert engine.stats().rejected == 1
+            calling.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await calling
+            assert not second.held and "state=released" in repr(second)
+        finally:
+            store.gate.release(LAYERS)
+        assert await holding.result() == aiokv.LoadResult(1, TOKENS)
+        assert engine.stats().store_tasks_open == 0  # its reservation went back too
+
+
 def test_a_background_wait_that_times_out_lets_its_wait_thread_go() -> None:
     # A thread polling a stalled load with short timeouts, more polls than there are
     # shared wait threads: another engine's wait for a copied layer still returns.
