@@ -177,13 +177,28 @@ class OffloadEngine:
             if self._state is not EngineState.CLOSED:
                 await lifecycle.close_orphaned(self, timeout)
             return
-        if self._closing is None:
-            check_loop(self._loop)
-            self._closing = asyncio.ensure_future(lifecycle.close(self, drain, timeout))
-        elif not self._closing.done():
-            check_loop(self._loop)
-        # Shielded: a caller cancelled while closing must not leave the engine half-closed.
-        await asyncio.shield(self._closing)
+        me = asyncio.current_task()
+        cancels = me.cancelling() if me is not None else 0
+        while True:
+            closing = self._closing
+            if closing is None or closing.cancelled():
+                # A close task cancelled (a shutdown that cancels every task) stopped where
+                # it was: this close goes on from there (lifecycle.close redoes nothing
+                # that is done), else the engine stayed open and its threads ran on.
+                check_loop(self._loop)
+                closing = self._closing = asyncio.ensure_future(
+                    lifecycle.close(self, drain, timeout))
+            elif not closing.done():
+                check_loop(self._loop)
+            try:
+                # Shielded: a caller cancelled while closing must not leave the engine
+                # half-closed.
+                await asyncio.shield(closing)
+                return
+            except asyncio.CancelledError:
+                # The close task's own cancellation is not this caller's: it closes again.
+                if me is None or me.cancelling() > cancels or not closing.cancelled():
+                    raise
 
     async def __aenter__(self) -> OffloadEngine:
         await self.start()

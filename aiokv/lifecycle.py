@@ -371,6 +371,12 @@ async def _terminate(worker: StoreWorker) -> bool:
     return await _join(worker, _TERMINATED_JOIN_S)
 
 
+# The joiners of closes cancelled while they joined (a shutdown that cancels every task),
+# by store thread: the close that goes on after them joins them once that thread ended.
+_cancelled_joins: weakref.WeakKeyDictionary[StoreWorker, list[threading.Thread]] = (
+    weakref.WeakKeyDictionary())
+
+
 async def _join(worker: StoreWorker, timeout: float | None) -> bool:
     """``worker.join(timeout)`` on a thread of its own, not the loop's default executor:
     that one may be full (a caller's own ``to_thread`` work, or waits for layers), and a
@@ -392,8 +398,16 @@ async def _join(worker: StoreWorker, timeout: float | None) -> bool:
 
     joiner = threading.Thread(target=run, name="aiokv-close", daemon=True)
     joiner.start()
-    result = await joined
+    try:
+        result = await joined
+    except asyncio.CancelledError:
+        _cancelled_joins.setdefault(worker, []).append(joiner)  # it runs on
+        raise
     # Posting the result is its last step: joined now (at once), so that no aiokv thread
-    # outlives the close that started it.
+    # outlives the close that started it; those of cancelled closes too, once the store
+    # thread they waited for has ended (else they end with it, left to end on its own).
     joiner.join()
+    if result:
+        for earlier in _cancelled_joins.pop(worker, ()):
+            earlier.join()
     return result

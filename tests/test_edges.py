@@ -290,6 +290,68 @@ async def test_close_without_drain_fails_queued_and_waits_for_launched(
     rig.assert_clean()
 
 
+def cancel_every_task_but(*spared: asyncio.Future[Any]) -> None:
+    """What many shutdown handlers do (and asyncio.run with the tasks left at its end):
+    cancel every task but the caller's own, the engine's close task among them."""
+    me = asyncio.current_task()
+    for task in asyncio.all_tasks():
+        if task is not me and task not in spared:
+            task.cancel()
+
+
+def aiokv_threads(before: set[threading.Thread]) -> list[str]:
+    return sorted(t.name for t in threading.enumerate()
+                  if t not in before and t.is_alive() and t.name.startswith("aiokv"))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cancelled", ["before its first step", "mid-drain", "in its join"])
+async def test_a_close_cancelled_by_a_shutdown_is_finished_by_the_next_aclose(
+    caches: list[torch.Tensor], cancelled: str,
+) -> None:
+    # The engine stayed running (or draining), every later aclose() raised CancelledError
+    # at once to a caller nobody cancelled, and the store and copy threads ran on.
+    before = set(threading.enumerate())
+    rig = Rig(caches)
+    await rig.engine.start()
+    await rig.held_offload("a", pages(0))  # launched: the drain waits for it
+    closer = asyncio.ensure_future(rig.engine.aclose(drain=cancelled != "in its join"))
+    if cancelled == "mid-drain":
+        await eventually(lambda: rig.engine.state is aiokv.EngineState.DRAINING)
+    elif cancelled == "in its join":  # of the store thread, which waits for the transfer
+        await eventually(lambda: "aiokv-close" in aiokv_threads(before))
+    else:
+        await asyncio.sleep(0)  # the closer started the close task, which has not run yet
+    cancel_every_task_but()
+    with pytest.raises(asyncio.CancelledError):
+        await closer  # a caller cancelled itself still gets its CancelledError
+    rig.faulty.hold.set()
+    await asyncio.wait_for(rig.engine.aclose(), 10)
+    assert rig.engine.state is aiokv.EngineState.CLOSED
+    assert aiokv_threads(before) == []
+    with pytest.raises(aiokv.EngineClosed):
+        await rig.engine.lookup("a", 16)
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
+async def test_an_aclose_not_cancelled_itself_closes_when_a_shutdown_cancels_the_close(
+    caches: list[torch.Tensor],
+) -> None:
+    before = set(threading.enumerate())
+    rig = Rig(caches)
+    await rig.engine.start()
+    await rig.held_offload("a", pages(0))
+    waiter = asyncio.ensure_future(rig.engine.aclose())
+    await eventually(lambda: rig.engine.state is aiokv.EngineState.DRAINING)
+    cancel_every_task_but(waiter)  # the close task goes; its waiter was not cancelled
+    rig.faulty.hold.set()
+    await asyncio.wait_for(waiter, 10)  # it raised CancelledError
+    assert rig.engine.state is aiokv.EngineState.CLOSED
+    assert aiokv_threads(before) == []
+    rig.assert_clean()
+
+
 @pytest.mark.asyncio
 async def test_every_call_after_close_raises_engine_closed(caches: list[torch.Tensor]) -> None:
     rig = Rig(caches)
