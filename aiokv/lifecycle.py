@@ -291,6 +291,10 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
         drain = False  # closed while starting: nothing dispatches what is queued
     if drain:
         batcher.drain()
+        if engine._batcher_task is not None and engine._batcher_task.done():
+            # Cancelled with every other task by a shutdown: nothing else would dispatch
+            # what is queued, and the drain would wait its whole timeout for it.
+            engine._batcher_task = loop.create_task(batcher.run(), name="aiokv-batcher")
         try:
             await asyncio.wait_for(idle.wait(), timeout)
         except TimeoutError:

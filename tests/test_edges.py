@@ -353,6 +353,25 @@ async def test_an_aclose_not_cancelled_itself_closes_when_a_shutdown_cancels_the
 
 
 @pytest.mark.asyncio
+async def test_a_drain_after_a_shutdown_cancelled_the_batcher_still_dispatches_what_is_queued(
+    caches: list[torch.Tensor],
+) -> None:
+    # The drain waited its whole timeout (nothing dispatched), failed the call with
+    # EngineClosed and left the store thread behind, its time spent.
+    before = set(threading.enumerate())
+    rig = Rig(caches, window_us=10_000_000)
+    await rig.engine.start()
+    queued = asyncio.ensure_future(rig.engine.offload("a", pages(0), 16))
+    await asyncio.sleep(0)  # accepted, waiting for its window
+    cancel_every_task_but(queued)
+    await asyncio.sleep(0)
+    await asyncio.wait_for(rig.engine.aclose(timeout=30), 10)
+    assert (await queued).stored_tokens == 16
+    assert aiokv_threads(before) == []
+    rig.assert_clean()
+
+
+@pytest.mark.asyncio
 async def test_every_call_after_close_raises_engine_closed(caches: list[torch.Tensor]) -> None:
     rig = Rig(caches)
     async with rig.engine:
