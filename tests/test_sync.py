@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import re
 import threading
@@ -186,6 +187,50 @@ def test_the_hint_of_a_blocking_call_on_the_loop_names_a_call_that_works_there()
         assert kv.engine.state is aiokv.EngineState.CLOSED
     finally:
         kv.close()
+    assert loop_threads() == []
+
+
+@pytest.mark.parametrize("loop_kind", sorted(LOOPS))
+def test_the_hint_of_a_blocking_load_on_the_loop_names_a_load_that_works_there(
+    loop_kind: str,
+) -> None:
+    """load() and load_layerwise() on the loop's thread, with the BackgroundLookup that
+    the handle's lookup() returned: the hint's call, with the arguments it names, loads
+    the offloaded pages there (it said "await engine.load(...)", and the engine refused
+    the BackgroundLookup with InvalidRequest)."""
+    caches = make_caches()
+    kv = aiokv.run_in_background(
+        aiokv.OffloadEngine(small_store(), caches), loop_factory=LOOPS[loop_kind])
+    kv.offload(1, torch.arange(0, 2), 2 * PAGE_SIZE)
+    targets = {"load": torch.arange(10, 12), "load_layerwise": torch.arange(20, 22)}
+    hits = {name: kv.lookup(1, 2 * PAGE_SIZE) for name in targets}
+
+    async def follow_the_hints() -> dict[str, int]:
+        loaded = {}
+        for name, page_ids in targets.items():
+            given = {"hit": hits[name], "page_ids": page_ids}
+            with pytest.raises(aiokv.BlockingCallOnLoop) as info:
+                getattr(kv, name)(*given.values())
+            hint = str(info.value).rsplit("on the loop, ", 1)[1]
+            named = re.match(r"await engine\.(\w+)\(([^)]*)\)", hint)
+            assert named is not None and named[1] == name, hint
+            # "..." is the same arguments; else each named one, as the hint writes it.
+            paths = [arg.strip().split(".") for arg in named[2].split(",")]
+            args = list(given.values()) if named[2] == "..." else [
+                functools.reduce(getattr, path[1:], given[path[0]]) for path in paths
+            ]
+            result = await getattr(kv.engine, name)(*args)
+            if name == "load_layerwise":
+                result = await result.result()
+            loaded[name] = result.loaded_tokens
+        return loaded
+
+    try:
+        loaded = asyncio.run_coroutine_threadsafe(follow_the_hints(), kv.loop).result(30)
+    finally:
+        kv.close()
+    assert loaded == {"load": 2 * PAGE_SIZE, "load_layerwise": 2 * PAGE_SIZE}
+    assert all(torch.equal(c[10:12], c[0:2]) and torch.equal(c[20:22], c[0:2]) for c in caches)
     assert loop_threads() == []
 
 
