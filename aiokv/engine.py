@@ -143,7 +143,9 @@ class OffloadEngine:
     async def aclose(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting calls and shut down, within ``timeout`` seconds (plus the loop's
         own latency) whatever the store does. Idempotent; concurrent calls share one
-        close. Raises WrongLoop, leaving the engine untouched, off the engine's loop
+        close. A close cancelled itself (a shutdown that cancels every task) is taken up
+        by the next call, or one waiting that was not cancelled, where it stopped. Raises
+        WrongLoop, leaving the engine untouched, off the engine's loop
         (once that loop is closed, any loop may close the engine: its store thread stops
         and the store closes; the futures died with their loop).
 
