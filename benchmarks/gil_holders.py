@@ -24,11 +24,15 @@ from __future__ import annotations
 import atexit
 import collections
 import os
-import runpy
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gil_variants import run  # the same runner: a script or -m MODULE
 
 late_ms = 1.0
 after_s = 0.0
@@ -88,12 +92,7 @@ def main() -> None:
         raise SystemExit(__doc__)
     atexit.register(report)
     threading.Thread(target=probe, daemon=True, name="gil-probe").start()
-    if args[0] == "-m":
-        sys.argv = args[1:]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = args
-        runpy.run_path(args[0], run_name="__main__")
+    run(args)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,11 @@ def main() -> None:
         raise SystemExit(__doc__)
     apply(variants)
     print(f"== variant {'+'.join(variants)}", flush=True)
+    run(args)
+
+
+def run(args: list[str]) -> None:
+    """Run ``SCRIPT [ARGS]`` or ``-m MODULE [ARGS]`` as ``python`` would, in this process."""
     if args[0] == "-m":
         sys.argv = args[1:]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
