@@ -190,8 +190,14 @@ class BackgroundEngine:
                 self.portal.close()
                 if self._closing is None:
                     self._closing = orphaned = concurrent.futures.Future()
-        if died:
-            log.error("aiokv: the engine's loop stopped without a close; closing the engine")
+        # A close whose task was cancelled (every task on the loop cancelled, as a
+        # shutdown does) stopped the loop too: finished here as well, where aclose takes
+        # it up from where it stopped, so that close() does not leave the store open.
+        cancelled = self._closing is not None and self._closing.cancelled()
+        if died or (cancelled and self.engine.state is not EngineState.CLOSED):
+            if died:
+                log.error("aiokv: the engine's loop stopped without a close; closing the "
+                          "engine")
             try:
                 self.loop.run_until_complete(self.engine.aclose(drain=False))
             except Exception:
@@ -278,6 +284,13 @@ class BackgroundEngine:
             closing.add_done_callback(lambda _: self._send_stop())
         try:
             closing.result()
+        except concurrent.futures.CancelledError:
+            # Cancelled on the loop (a shutdown there), not by this thread: the loop's
+            # thread finishes the close as it ends (_after_loop).
+            self._thread.join()
+            if self.engine.state is not EngineState.CLOSED:
+                raise
+            return
         except Exception:
             self._thread.join()
             raise

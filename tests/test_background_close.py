@@ -7,6 +7,7 @@ with its engine never closed, mid-transfer, exits cleanly (it aborted in torch's
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -101,6 +102,50 @@ def test_a_close_whose_waiter_is_interrupted_still_drains_closes_and_ends() -> N
     assert not kv._thread.is_alive()
     with pytest.raises(aiokv.EngineClosed):
         kv.offload(2, torch.arange(2, 4), 8)
+
+
+@pytest.mark.parametrize("loop_kind", sorted(LOOPS))
+def test_a_close_whose_loop_tasks_a_shutdown_cancels_still_closes_the_engine(
+    loop_kind: str,
+) -> None:
+    # A shutdown on the engine's own loop cancels every task there, the close's too, while
+    # close() waits in another thread: close() returned CancelledError (every later one
+    # too) and the engine stayed draining, its store open and its threads running.
+    store = HeldStore()
+    engine = aiokv.OffloadEngine(store, make_caches(), aiokv.EngineConfig(window_us=0))
+    kv = aiokv.run_in_background(engine, loop_factory=LOOPS[loop_kind])
+    offloading = kv.submit_offload(1, torch.arange(0, 2), 8)
+    assert store.launching.wait(30)  # the close's drain waits for this launch
+    outcome: list[BaseException | None] = []
+
+    def close() -> None:
+        try:
+            kv.close(timeout=30)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    deadline = time.monotonic() + 30
+    while engine.state is not aiokv.EngineState.DRAINING and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+    def cancel_every_task() -> None:
+        for task in asyncio.all_tasks():
+            task.cancel()
+
+    kv.loop.call_soon_threadsafe(cancel_every_task)
+    store.finish.set()
+    closer.join(30)
+    assert outcome == [None]
+    kv.close()  # a second close returns too
+    assert store.closed
+    assert engine.state is aiokv.EngineState.CLOSED
+    assert not kv._thread.is_alive()
+    with pytest.raises(aiokv.EngineClosed):
+        kv.offload(2, torch.arange(2, 4), 8)
+    assert offloading.done()
 
 
 def _exit() -> None:
