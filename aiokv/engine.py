@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from types import TracebackType
 from typing import Any
@@ -121,6 +122,9 @@ class OffloadEngine:
         self._space: SpaceWaits | None = None  # offloads waiting for room, once started
         self._invalidations: Invalidations | None = None  # evict and clear, once started
         self._closed_figures: ClosedFigures | None = None  # the store thread's, at close
+        # Launched layerwise loads (weak): a close after the loop was closed ends those
+        # that loop never ended (lifecycle.close_orphaned).
+        self._layerwise_loads: weakref.WeakSet[layerwise.LayerwiseLoad] = weakref.WeakSet()
         self._pid: int | None = None  # the process that started it
         self._forked = False  # a forked child's copy (lifecycle._after_fork_in_child)
 
@@ -338,7 +342,8 @@ class OffloadEngine:
         load is cancelled as ``load`` would be."""
         request = self._load_request(hit, page_ids, _ready_event)
         return await layerwise.start(
-            len(self._kv_caches), hit, request, self._await_load, _on_handed_out
+            len(self._kv_caches), hit, request, self._await_load, self._layerwise_loads,
+            _on_handed_out,
         )
 
     def _load_request(self, hit: Lookup, page_ids: torch.Tensor, ready: Any) -> Request | None:

@@ -29,6 +29,7 @@ import copy
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Hashable, Iterable
 from types import TracebackType
 from typing import Any
@@ -37,7 +38,7 @@ import numpy as np
 
 from . import validate
 from .copy.marks import LayerFailed, LayerMarks, Waiter
-from .errors import BlockingCallOnLoop, InvalidRequest, NotLoaded, StoreError
+from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest, NotLoaded, StoreError
 from .loop.binding import check_loop
 from .loop.resolution import settle
 from .portal import forked, refuse_in_fork
@@ -238,6 +239,18 @@ class LayerwiseLoad:
         self._take_end()  # unless cancel() or a wait took it in first
         self._hand_out()  # a load that never launched is handed out now
 
+    def _end_orphaned(self) -> None:
+        """The engine was closed after its loop was closed without closing it (any
+        thread): unless its end was taken in, the load ends with EngineClosed. Only the
+        loop delivers a load's end, and that loop is gone, so nothing else would wake the
+        threads blocked in ``wait_layer`` (on marks that only the end sets) or answer the
+        waits after. A load whose task ended before the loop closed ends as it did."""
+        if not self._take_end():
+            self._finish(EngineClosed(
+                f"the engine was closed after its loop was closed without aclose(); the "
+                f"load of user {self.user_id!r} never delivered its end to that loop"
+            ))
+
     def _take_end(self) -> bool:
         """Whether the load ended, its end taken in here (any thread) once ``_end`` is
         done: ``result()`` answers from then on, and the waits must not answer from the
@@ -337,13 +350,15 @@ async def start(
     hit: Lookup,
     request: Request | None,
     run: Callable[[Lookup, Request], Coroutine[Any, Any, LoadResult]],
+    loads: weakref.WeakSet[LayerwiseLoad],
     on_handed_out: Callable[[LayerwiseLoad], None] | None = None,
 ) -> LayerwiseLoad:
     """``load_layerwise``'s body, once ``request`` (None: an empty hit, loaded at once)
     is made and checked: run it (``run``: the engine's load) and return once it is
     launched or ended. Cancelled before that, the load is cancelled as ``load`` is.
-    ``on_handed_out(load)``: called on the loop as the load is launched or ended, before
-    this returns."""
+    ``loads``: the engine's, for a close after its loop was closed to end those that loop
+    never ended (:meth:`LayerwiseLoad._end_orphaned`). ``on_handed_out(load)``: called on
+    the loop as the load is launched or ended, before this returns."""
     loop = asyncio.get_running_loop()
     load = LayerwiseLoad(num_layers, hit, loop)
     load._on_handed_out = on_handed_out
@@ -352,6 +367,10 @@ async def start(
         settle(done, LoadResult(hit.user_id, 0))
         load._follow(done)
         return load
+    # Weak: a load its caller dropped has no waiter to wake. Not by its request (the
+    # engine's live set): one answered in the loop's last iteration has left that set
+    # while its task, which would take the answer in, never runs again.
+    loads.add(load)
     request.layers = load
     load._follow(loop.create_task(run(hit, request), name="aiokv-load-layerwise"))
     try:

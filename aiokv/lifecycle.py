@@ -33,6 +33,7 @@ from .config import EngineConfig
 from .cuda import ReadyMarks
 from .errors import ConfigError, EngineClosed
 from .invalidation import Invalidations
+from .layerwise import LayerwiseLoad
 from .loop.admission import Admission
 from .loop.batcher import Batch, Batcher
 from .loop.binding import check_loop
@@ -90,6 +91,7 @@ class EngineParts(Protocol):
     _space: SpaceWaits | None
     _invalidations: Invalidations | None
     _closed_figures: ClosedFigures | None
+    _layerwise_loads: weakref.WeakSet[LayerwiseLoad]
     _pid: int | None  # the process that started it
     _forked: bool  # this is a forked child of that process: the engine is the parent's
 
@@ -341,7 +343,8 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
 async def close_orphaned(engine: EngineParts, timeout: float) -> None:
     """Close an engine whose loop was closed without closing it (from any loop): its
     futures died with that loop, so nothing is left to resolve. The store thread stops,
-    waits for launched transfers and closes the store."""
+    waits for launched transfers and closes the store. Then the layerwise loads that loop
+    never ended end with EngineClosed: threads may wait on them, which no loop wakes."""
     assert engine._worker is not None
     engine._state = EngineState.CLOSED
     engine._worker.closing()
@@ -349,6 +352,10 @@ async def close_orphaned(engine: EngineParts, timeout: float) -> None:
     stuck = not await _join(engine._worker, timeout) and not await _terminate(engine._worker)
     if stuck:
         log.warning("aiokv: store thread still busy after %.1fs; left to end on its own", timeout)
+    # After the join, as a close fails what it abandons: a wait that raises finds the
+    # store's copies into the pages ended, unless the store thread was left behind.
+    for load in list(engine._layerwise_loads):
+        load._end_orphaned()
     _release_after(engine._worker, engine._store, stuck)
 
 

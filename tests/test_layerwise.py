@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import uvloop
 from conftest import make_caches, small_store
 
 import aiokv
@@ -759,3 +760,37 @@ async def test_no_wait_reports_a_layer_ready_once_the_load_is_cancelled(marks: b
                 load.wait_layer(0)
         finally:
             store.gate.release(LAYERS)  # a launched copy is never cancelled: it ends
+
+
+@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop],
+                         ids=["asyncio", "uvloop"])
+def test_a_close_after_the_loop_was_closed_wakes_a_thread_waiting_for_a_layer(
+        new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    """The engine's loop is closed without aclose (after which any loop may close the
+    engine) while a thread waits for a layer that only the load's end marks: that close
+    wakes it with EngineClosed, and every wait after raises it at once; no loop is left
+    to deliver the load's end."""
+    store = LayeredStore(marks=False)
+    engine, _ = engine_over(store)
+    loop = new_loop()
+
+    async def launch() -> aiokv.LayerwiseLoad:
+        await engine.start()
+        return await held(engine, store)
+
+    try:
+        load = loop.run_until_complete(launch())
+    finally:
+        loop.close()  # the engine's loop goes, the engine still open
+    outcome: list[BaseException | None] = []
+    # A daemon: without the fix it waits forever, and must not hold up the session.
+    waiter = threading.Thread(target=lambda: outcome.append(raised(load.wait_layer, 0)),
+                              name="test-layer-waiter", daemon=True)
+    waiter.start()
+    store.gate.release(LAYERS)  # the copy ends on the store thread; its answer finds no loop
+    asyncio.run(engine.aclose(timeout=10))
+    waiter.join(30)
+    assert outcome and isinstance(outcome[0], aiokv.EngineClosed), outcome or "still waiting"
+    with pytest.raises(aiokv.EngineClosed):
+        load.wait_layer(LAYERS - 1)
+    assert not load.is_ready(0)
