@@ -151,7 +151,8 @@ class OffloadEngine:
         by the next call, or one waiting that was not cancelled, where it stopped. Raises
         WrongLoop, leaving the engine untouched, off the engine's loop
         (once that loop is closed, any loop may close the engine: its store thread stops
-        and the store closes; the futures died with their loop).
+        and the store closes; the futures died with their loop, and the layerwise loads
+        it never ended end with EngineClosed, as do the threads' waits on them).
 
         drain=True: everything accepted is dispatched and resolved, up to ``timeout``
         seconds; then the close escalates as with drain=False. drain=False: queued
