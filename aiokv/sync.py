@@ -164,6 +164,8 @@ class BackgroundEngine:
         self._lock = threading.Lock()  # orders submits against close
         self._closing: concurrent.futures.Future[None] | None = None
         self._stop_sent = False
+        # The close() that started the close: its drain, and its deadline (monotonic).
+        self._close_args: tuple[bool, float] = (False, 0.0)
         self._gate = HandOverGate(self._lock)  # the interpreter's exit (aiokv.exiting)
         self._thread = threading.Thread(target=self._run_loop, name=THREAD_NAME, daemon=True)
 
@@ -198,8 +200,12 @@ class BackgroundEngine:
             if died:
                 log.error("aiokv: the engine's loop stopped without a close; closing the "
                           "engine")
+                finish = self.engine.aclose(drain=False)
+            else:  # within what is left of the cancelled close's own bound
+                drain, until = self._close_args
+                finish = self.engine.aclose(drain, max(0.0, until - time.monotonic()))
             try:
-                self.loop.run_until_complete(self.engine.aclose(drain=False))
+                self.loop.run_until_complete(finish)
             except Exception:
                 log.exception("aiokv: closing the engine after its loop stopped failed")
         while leftovers := asyncio.all_tasks(self.loop):
@@ -275,6 +281,7 @@ class BackgroundEngine:
             if closing is None:
                 # After the calls handed over before it: a drain waits for them.
                 aclose = functools.partial(self.engine.aclose, drain=drain, timeout=timeout)
+                self._close_args = (drain, time.monotonic() + timeout)
                 self._closing = closing = self.portal.start([aclose])[0]
                 self.portal.close()  # a late BackgroundLookup.release() is a no-op
         if started:

@@ -148,6 +148,37 @@ def test_a_close_whose_loop_tasks_a_shutdown_cancels_still_closes_the_engine(
     assert offloading.done()
 
 
+@pytest.mark.parametrize("loop_kind", sorted(LOOPS))
+def test_a_close_a_shutdown_cancelled_keeps_its_callers_timeout(loop_kind: str) -> None:
+    # The close finished after the shutdown ran with aclose's default 30 s, not the
+    # caller's 1 s: close(timeout=1) blocked its thread for 30 s behind a stuck store.
+    store = HeldStore()
+    engine = aiokv.OffloadEngine(store, make_caches(), aiokv.EngineConfig(window_us=0))
+    kv = aiokv.run_in_background(engine, loop_factory=LOOPS[loop_kind])
+    kv.submit_offload(1, torch.arange(0, 2), 8)
+    assert store.launching.wait(30)  # stuck in its launch until the test ends
+    took: list[float] = []
+
+    def close() -> None:
+        began = time.monotonic()
+        kv.close(timeout=1.0)
+        took.append(time.monotonic() - began)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    deadline = time.monotonic() + 30
+    while engine.state is not aiokv.EngineState.DRAINING and time.monotonic() < deadline:
+        time.sleep(0.005)
+    kv.loop.call_soon_threadsafe(
+        lambda: [task.cancel() for task in asyncio.all_tasks()])
+    try:
+        closer.join(60)
+        assert len(took) == 1 and took[0] < 15  # 1 s and the loop's latency; was 30 s
+        assert engine.state is aiokv.EngineState.CLOSED
+    finally:
+        store.finish.set()  # the store thread, left to end on its own, ends
+
+
 def _exit() -> None:
     raise SystemExit("a callback on the engine's loop exits")
 
