@@ -441,6 +441,87 @@ def test_a_host_with_another_geometry_never_matches(mooncake: MooncakeServers) -
         other.close()
 
 
+# Invalidations other hosts made before a fresh host starts, far past the PROBE markers a
+# lookup asks for: before a host caught up, each Mooncake call of a lookup, a write or an
+# idle check moved it 32 markers on, and a host's first calls fell short. Clears take
+# one marker each, evicts one for each of three users.
+BEHIND = {"clear": 1000, "evict": 100}
+
+
+@pytest.fixture(scope="module", params=sorted(BEHIND))
+def far_behind(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[str, LocalHost]]:
+    """A master of its own (clears move every namespace's epoch), on which hosts A and E
+    took turns at ``BEHIND`` clears (or evicts of each of users 1 to 3): each of them
+    one marker behind at its turn, so both know every marker. Then A wrote users 1 and
+    3 (and holds them; E holds none). A fresh host starts ``BEHIND`` markers behind:
+    the master's address, and E."""
+    with MooncakeServers(segment_mb=64, log_dir=tmp_path_factory.mktemp("behind")) as servers:
+        a = LocalHost(servers.master, timeout_ms=FRESH_MS)
+        e = LocalHost(servers.master, timeout_ms=FRESH_MS)
+        try:
+            for turn in range(BEHIND[request.param]):
+                host = (a, e)[turn % 2]
+                if request.param == "clear":
+                    assert host.kv.clear() == 0
+                else:
+                    for user in (1, 2, 3):
+                        assert host.kv.evict(user) == 0
+            for user in (1, 3):
+                assert a.load(user)[0] == 0  # the usual flow: learns its generation
+                assert a.offload(user) == TOKENS
+            until(lambda: a.stats()["remote_blocks_written"] == 2 * USER_PAGES)
+            assert a.stats()["remote_invalidation_errors"] == 0
+            yield servers.master, e
+        finally:
+            a.close()
+            e.close()
+
+
+def test_a_host_started_after_many_invalidations_finds_what_another_host_wrote(
+    far_behind: tuple[str, LocalHost],
+) -> None:
+    master, _ = far_behind
+    b = LocalHost(master, timeout_ms=FRESH_MS)
+    try:
+        assert b.load(1) == (TOKENS, True)  # its first lookup
+    finally:
+        b.close()
+
+
+def test_a_host_started_after_many_invalidations_writes_its_first_offload(
+    far_behind: tuple[str, LocalHost],
+) -> None:
+    master, e = far_behind
+    b = LocalHost(master, timeout_ms=FRESH_MS)
+    try:
+        assert b.load(2)[0] == 0  # the usual flow: a lookup before the offload
+        assert b.offload(2) == TOKENS
+        until(lambda: b.stats()["remote_blocks_held"] == 0)
+        stats = b.stats()
+    finally:
+        b.close()
+    assert stats["remote_blocks_written"] == USER_PAGES
+    assert stats["remote_errors"] == 0
+    assert {k: v for k, v in stats.items() if k.startswith("remote_dropped") and v} == {}
+    assert e.load(2) == (TOKENS, True)  # under the generation and epoch other hosts read
+
+
+def test_a_host_started_after_many_invalidations_gets_its_evicts_marker_out(
+    far_behind: tuple[str, LocalHost],
+) -> None:
+    master, e = far_behind
+    c = LocalHost(master, timeout_ms=FRESH_MS)
+    try:
+        assert c.kv.evict(3) == 0  # A's blocks, on Mooncake only
+        stats = c.stats()
+    finally:
+        c.close()
+    assert stats["remote_invalidation_errors"] == 0
+    assert stats["remote_invalidations_waiting"] == 0
+    assert e.load(3)[0] == 0  # E never held user 3: Mooncake's copy is ended
+
+
 @pytest.fixture(scope="module")
 def bare_client(mooncake: MooncakeServers) -> Iterator[Any]:
     """A Mooncake client of the test's own, that damages values in place: one for the

@@ -16,7 +16,9 @@ Hosts learn each other's invalidations from markers in Mooncake itself: the key
 ``<root>/cleared/<e>`` exists once epoch ``e`` was cleared, ``<root>/<ns>/evicted/<g>``
 once generation ``g`` of the namespace was evicted. Every lookup asks for a few markers
 past its known epoch and generation in the same ``batch_is_exist`` as its blocks, and
-moves on past the ones it finds. The blocks of the generation (epoch) an evict (clear)
+moves on past the ones it finds; where all of them are there (a host that started after
+many invalidations) it finds the newest marker in a few calls more, however many there
+are (:meth:`.markers.Markers.settle`). The blocks of the generation (epoch) an evict (clear)
 ended are removed by regex (best effort: never those of the next one, which other hosts
 may be writing already), and otherwise age out of Mooncake's LRU.
 
@@ -43,6 +45,7 @@ import json
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -149,13 +152,14 @@ class Keys:
         return [head + d.hex() for d in digests]
 
     def ask(self, items: Sequence[tuple[str, Sequence[bytes]]]) -> tuple[
-            list[str], list[list[str]], Callable[[Sequence[int]], bool | None]]:
+            list[str], list[list[str]], Callable[[Sequence[int]], Moved | None]]:
         """What a lookup of (namespace, digests) items asks Mooncake (the boot id known):
         the markers past what this host knows (the boot id's, the epoch's, then each
         namespace's), the items' block keys under the newest epoch and generation known,
         and ``advance(answers)``: given whether each marker is there (1) or not, move
-        past the markers found; whether the keys asked are stale (ask again), or None
-        where the boot id's key is gone (the master may have restarted)."""
+        past the markers found; whether the keys asked are stale (ask again) and which
+        counters had all their ``PROBE`` markers there (:class:`Moved`), or None where
+        the boot id's key is gone (the master may have restarted)."""
         names = sorted({ns for ns, _ in items})
         with self._lock:
             boot, lifetime, epoch = self.boot, self.lifetime, self._epoch
@@ -167,15 +171,17 @@ class Keys:
             probes += [self.evicted(ns, current[ns] + i) for i in range(PROBE)]
         asked = [self.blocks(ns, epoch, current[ns], digests) for ns, digests in items]
 
-        def advance(found: Sequence[int]) -> bool | None:
+        def advance(found: Sequence[int]) -> Moved | None:
             if found[0] != 1:
                 return None
             cleared = leading_ones(found[1 : PROBE + 1])
-            moved = bool(cleared)
+            moved = Moved(bool(cleared), [None] if cleared == PROBE else [])
             for i, ns in enumerate(names, start=1):
                 evicted = leading_ones(found[PROBE * i + 1 : PROBE * (i + 1) + 1])
                 self.advance(ns, epoch + cleared, current[ns] + evicted, lifetime)
-                moved = moved or bool(evicted)
+                moved.stale = moved.stale or bool(evicted)
+                if evicted == PROBE:
+                    moved.behind.append(ns)
             if not names:
                 self.advance("", epoch + cleared, 0, lifetime)
             return moved
@@ -201,6 +207,17 @@ class Keys:
     def epoch_pattern(self, epoch: int) -> str:
         """Every namespace's blocks of this epoch, any generation (not the markers)."""
         return f"^{self.root}/[0-9a-f]{{32}}/{epoch}\\.[0-9]+/"
+
+
+@dataclass
+class Moved:
+    """What a lookup's markers told (:meth:`Keys.ask`): whether the keys asked are stale
+    (ask again), and the counters (None: the epoch; else a namespace) whose ``PROBE``
+    markers all were there: the host may be any number behind (it started after many
+    invalidations), which :meth:`.markers.Markers.settle` then catches up in a few calls."""
+
+    stale: bool
+    behind: list[str | None]
 
 
 def leading_ones(codes: Sequence[int]) -> int:

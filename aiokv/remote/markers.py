@@ -6,6 +6,7 @@ holds a set-up client (the reader's, the writer's)."""
 
 from __future__ import annotations
 
+import functools
 import secrets
 import threading
 import time
@@ -17,6 +18,10 @@ from .keys import PROBE, Keys, leading_ones
 from .native import import_store
 
 T = TypeVar("T")
+# A host far behind asks this many markers per counter a call (doubling distances first,
+# up to 2**31 past, then as many points of the gap): 8 calls move it past any number.
+_SPLIT = 32
+_CATCH_UP_CALLS = 8
 # Given the markers to ask for and the blocks' keys: whether each marker is there, and
 # what the call brought for the blocks; None where Mooncake did not answer.
 Ask = Callable[[list[str], list[list[str]]], "tuple[list[bool], T] | None"]
@@ -52,16 +57,68 @@ class Markers:
             if answer is None:
                 return None
             present, brought = answer
-            stale = advance([int(there) for there in present])
-            if stale is None:  # the boot id's key is gone
+            moved = advance([int(there) for there in present])
+            if moved is None:  # the boot id's key is gone
                 if not self._lost(client, probes[0]):
                     return None
                 continue
-            if stale:
+            # Far behind: moving PROBE markers a pass, the passes would run out first, and
+            # a master that answered would read as one that did not (an evict's marker
+            # not out, a write dropped, a lookup missing).
+            if moved.behind and not self._catch_up(client, probes[0], moved.behind):
+                return None
+            if moved.stale:
                 continue
             keys.checked_at = asked_at
             return asked, brought
         return None
+
+    def _catch_up(self, client: Any, alive: str, behind: Sequence[str | None]) -> bool:
+        """Move past the newest markers of these counters (None: the epoch; else a
+        namespace's generations), any number past what this host knows, in a few calls:
+        each asks markers at doubling distances until one is absent, then ``_SPLIT``
+        points between the last one there and the first one absent, until they are
+        adjacent. A marker there means that every epoch (generation) up to it ended: a
+        host publishes one only once it saw those before it there (:meth:`end`). This
+        host moves past it only, never onto one it saw absent: settle's next pass asks
+        for that one's marker in the same call as the blocks, as ever. The boot id's key
+        (``alive``) goes with each call: once it is gone, so is what the markers told
+        (settle's next pass sees to the restart). Whether Mooncake answered."""
+        keys = self.keys
+        lifetime = keys.view("")[0]
+        marker_of: dict[str | None, Callable[[int], str]] = {
+            c: keys.cleared if c is None else functools.partial(keys.evicted, c)
+            for c in behind}
+        # Per counter: the newest marker seen there, and the oldest seen absent past it.
+        there = {c: keys.view(c or "")[1 if c is None else 2] - 1 for c in behind}
+        absent: dict[str | None, int | None] = dict.fromkeys(behind)
+        for _ in range(_CATCH_UP_CALLS):
+            points = {c: _between(there[c], absent[c]) for c in behind}
+            points = {c: p for c, p in points.items() if p}
+            if not points:
+                return True
+            asked = [alive] + [marker_of[c](g) for c, p in points.items() for g in p]
+            found = client.batch_is_exist(asked)
+            if not self._connection.codes("batch_is_exist", found):
+                return False
+            if any(code < 0 for code in found):
+                return self._refused()
+            if found[0] != 1:
+                return True
+            at = 1
+            for c, p in points.items():
+                codes, at = found[at : at + len(p)], at + len(p)
+                first = leading_ones(codes)
+                if first:
+                    there[c] = p[first - 1]
+                    generation = there[c] + 1
+                    if c is None:
+                        keys.advance("", generation, 0, lifetime)
+                    else:
+                        keys.advance(c, 0, generation, lifetime)
+                if first < len(p):
+                    absent[c] = p[first]
+        return True
 
     def _lost(self, client: Any, alive: str) -> bool:
         """The key of the boot id this host knows is not there: another host may still
@@ -192,6 +249,15 @@ class Markers:
         if self._connection.refused():
             self._errors["remote_read_errors"] += 1
         return False
+
+
+def _between(there: int, absent: int | None) -> list[int]:
+    """The epochs (generations) to ask for next between the newest marker seen there and
+    the oldest seen absent (None: none yet), ascending; none once adjacent."""
+    if absent is None:
+        return [there + (1 << i) for i in range(_SPLIT)]
+    gap = absent - there
+    return sorted({there + -(-gap * k // _SPLIT) for k in range(1, _SPLIT)} - {absent})
 
 
 def _pinned() -> Any:
