@@ -467,6 +467,8 @@ class OffloadEngine:
             future = request.future
             if future.cancelled():
                 assert self._resolver is not None
+                # Before the cancellation reaches the caller, who may then reuse its pages.
+                self._resolver.detach(request)
                 self._resolver.finished(request, None)
             elif future.done() and future.exception() is None:
                 # Answered in the loop iteration its caller left in (asyncio.timeout's

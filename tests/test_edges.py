@@ -14,6 +14,7 @@ from conftest import PAGE_SIZE, make_caches, small_store
 from test_space import Holds
 
 import aiokv
+from aiokv.copy.copier import Copier
 from aiokv.testing import CheckingStore, FakeStore, FaultyStore, no_space
 
 
@@ -89,12 +90,25 @@ async def test_caller_cancelled_before_dispatch_is_never_matched(caches: list[to
 
 
 @pytest.mark.asyncio
-async def test_caller_cancelled_after_launch_only_detaches(caches: list[torch.Tensor]) -> None:
+async def test_caller_cancelled_after_launch_only_detaches(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copied = threading.Event()
+    end = Copier._end
+
+    def ended(copier: Copier, job: Any) -> None:
+        end(copier, job)
+        copied.set()
+
+    monkeypatch.setattr(Copier, "_end", ended)
     rig = Rig(caches, window_us=0)
     rig.faulty.hold.clear()  # transfers do not finish until released
     async with rig.engine:
         task = asyncio.ensure_future(rig.engine.offload("u", pages(0), 16))
         await rig.launched()
+        # Its copy ended before the caller left (test_detach.py: one that had not, keeps
+        # nothing): what it read is what was offloaded.
+        assert await asyncio.to_thread(copied.wait, 10)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

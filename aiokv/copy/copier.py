@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -81,6 +81,18 @@ MAX_BYTES_AHEAD = 64 << 20
 _fallback_warned = False
 
 
+class Caller(Protocol):
+    """An offload task's side of its caller: ``detached`` is set (from the engine's loop
+    thread, before the caller hears a RequestTimeout or its cancellation) once the caller
+    stopped waiting, and may then reuse its pages."""
+
+    detached: bool
+
+
+# Why an offload segment's copy counts for nothing (CopyJob.left).
+DETACHED = "its caller stopped waiting before the copy of its pages ended"
+
+
 @dataclass(slots=True, eq=False)
 class CopyJob:
     """Move ``pages[s][i]`` <-> the matching entry of ``blocks`` for each segment ``s``
@@ -94,6 +106,10 @@ class CopyJob:
     its page ids were refused; nothing of it was copied) and ``copied`` (the pages it
     moved). ``check_only``: the job only checks its page ids (``blocks`` is empty): a load
     copied in parts checks its whole page list once, so that no page is given twice.
+    ``callers[s]``: an offload segment's :class:`Caller` (or none given); the copier sets
+    ``left``: the offload segments whose caller had detached by the time the copy of their
+    pages was seen to end (their bytes may be what the caller wrote since: a store keeps
+    none of them).
     """
 
     to_host: bool
@@ -110,6 +126,8 @@ class CopyJob:
     # job is its last. Once its check job refused its ids, its later parts copy nothing.
     load: int = 0
     ends_load: bool = False
+    callers: Sequence[Caller] = ()
+    left: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -409,6 +427,13 @@ class Copier:
                 log.exception("aiokv: destroying the copier's CUDA events failed")
 
     def _end(self, job: CopyJob) -> None:
+        if job.to_host and job.callers and job.error is None:
+            # The copies ended (the CPU copy returned, or every stream's end event). A
+            # caller detached before now may have rewritten its pages while they were
+            # read: none of its bytes count. One that detaches after this was told
+            # nothing until its pages were read in full: its bytes are good.
+            job.left = [s for s, caller in enumerate(job.callers)
+                        if caller.detached and s not in job.invalid]
         for marks in self._live_marks(job):
             if job.error is None:
                 marks.finish()

@@ -9,6 +9,10 @@ the one place outcome counts change. An offload whose match found no room (Store
 not resolved but held for a later try (:mod:`aiokv.space`), until its deadline. An answer
 that comes after its request's deadline fails as the deadline's timer would have failed
 it (:meth:`Resolver._late`): a caller gets its result by the deadline, or an error.
+
+An offload whose caller stops waiting before its answer (its deadline's timer, its
+cancellation) is detached first (:meth:`Resolver.detach`), so that the store keeps
+nothing its copy may have read after the caller was told and took its pages back.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import EngineClosed, RequestTimeout, StoreError, StoreFull
@@ -68,6 +72,8 @@ class Resolver:
         # Every Lookup answered, while its caller keeps it: release_lookups at the close.
         self._lookups: weakref.WeakSet[Lookup] = weakref.WeakSet()
         self._closing = False  # set by release_lookups: Lookups answered later go back
+        # The store's detach (stores.base.Detaches), when it has one.
+        self.detach_task: Callable[[int], None] | None = None
 
     def deliver(self, pairs: list[tuple[Request, object]]) -> None:
         """Called on the loop by the store thread, once per drained set."""
@@ -154,8 +160,29 @@ class Resolver:
 
     def expire(self, request: Request) -> None:
         """A request with no answer by its deadline (engine.request_timeout_ms) fails with
-        :meth:`_past_deadline`'s error."""
+        :meth:`_past_deadline`'s error; an offload is detached first."""
+        if not request.future.done():
+            self.detach(request)
         self.resolve(request, self._past_deadline(request))
+
+    def detach(self, request: Request) -> None:
+        """An offload's caller stops waiting without its answer, and may reuse its pages
+        once told: tell the store first (stores.base.Detaches), on this thread, before the
+        caller can hear it. The stage goes TERMINAL before the task id is read: a store
+        thread that launches the offload after that read writes the id before it reads the
+        stage (worker.rounds), so that it either finds TERMINAL and launches nothing, or
+        wrote the id this read finds."""
+        detach = self.detach_task
+        if detach is None or request.kind is not _OFFLOAD:
+            return
+        request.stage = TERMINAL
+        task_id = request.task_id
+        if task_id is None:
+            return
+        try:
+            detach(task_id)
+        except Exception:  # the caller's answer goes on; the store may keep what it read
+            log.exception("aiokv: store.detach(%s) failed", task_id)
 
     def _late(self, request: Request, outcome: object) -> StoreError | RequestTimeout:
         """The error for an answer (not an error) that came after its request's deadline,
@@ -164,9 +191,10 @@ class Resolver:
         finds the two ready at once. The answer is late whoever is to blame (the store,
         the loop), and the caller was promised its result by the deadline or an error:
         it gets what :meth:`expire` would have given it had its timer run first, and a
-        lookup's reservation goes back to the store (nobody will hold it). The store may
-        keep what an offload wrote anyway, as with any RequestTimeout of a launched
-        request."""
+        lookup's reservation goes back to the store (nobody will hold it). An offload's
+        answer came, so its copy ended before its caller was told anything: the store
+        keeps what it wrote, bytes the caller's pages held before it could reuse them
+        (one whose timer ran first was detached instead: :meth:`detach`)."""
         if isinstance(outcome, LookupGrant) and outcome.reservation is not None:
             outcome.reservation.release()
         return self._past_deadline(request)
@@ -206,7 +234,8 @@ class Resolver:
         place outcome counts change. Called once per accepted request, by resolve or by
         the engine on cancellation; not a done-callback, which would cost a loop
         callback."""
-        request.stage = TERMINAL  # the store thread stops caring about it from now on
+        if request.stage is not TERMINAL:  # (detach may have written it)
+            request.stage = TERMINAL  # the store thread stops caring about it from now on
         if request.timer is not None:  # its own deadline timer: it must not keep it alive
             request.timer.cancel()
             request.timer = None

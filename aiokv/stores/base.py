@@ -35,7 +35,7 @@ Optional features are declared below, one Protocol each (:class:`Notifies`,
 :class:`Yields`, :class:`PutMatchesMany`, :class:`GetMatchesMany`, :class:`Evicts`,
 :class:`Clears`, :class:`ReportsStats`, :class:`AdvisesSlice`, :class:`Restarts`,
 :class:`BoundsWaits`, :class:`BoundsLookups`, :class:`HearsOfClose`,
-:class:`Terminates`); a store implements any
+:class:`Terminates`, :class:`Detaches`); a store implements any
 subset, and a
 wrapper forwards what its inner store has. The engine reads them once, into
 :class:`Capabilities`, when it builds its store thread.
@@ -359,6 +359,21 @@ class Terminates(Protocol):
     def terminate(self) -> None: ...
 
 
+@runtime_checkable
+class Detaches(Protocol):
+    """``detach(task_id)``: the caller of this put (matched, maybe launched) stopped
+    waiting, and may reuse its pages from now on: its ``RequestTimeout`` (the deadline's
+    timer) or its cancellation. Called from the engine's loop thread, before that caller
+    can hear it; it only sets a flag, and never blocks; ids the store no longer knows
+    (ended) are ignored. A store whose copies read the caller's pages in this process
+    keeps nothing of such a put unless the copy of its pages had been seen to end before
+    the call (then it read them before the caller was told anything): the task ends
+    FAILED, its blocks rolled back (the embedded store and ``shared``, through
+    :attr:`aiokv.copy.copier.CopyJob.callers`)."""
+
+    def detach(self, task_id: int) -> None: ...
+
+
 def capacity_tokens(
     store_stats: Callable[[], Mapping[str, int | float]] | None, page_size: int
 ) -> int | None:
@@ -391,6 +406,7 @@ OPTIONAL_METHODS = (
     "layer_marks",
     "closing",
     "terminate",
+    "detach",
 )
 
 
@@ -415,6 +431,7 @@ class Capabilities:
     layer_marks: Callable[[int], LayerMarks | None] | None = None
     closing: Callable[[], None] | None = None
     terminate: Callable[[], None] | None = None
+    detach: Callable[[int], None] | None = None
     bounds_lookups: bool = False  # get_match_many takes deadline_s (BoundsLookups)
 
     @classmethod

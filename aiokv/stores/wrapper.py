@@ -44,6 +44,7 @@ class StoreWrapper:
     store_stats: Callable[[], Mapping[str, int | float]] | None
     closing: Callable[[], None] | None
     terminate: Callable[[], None] | None
+    detach: Callable[[int], None] | None
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner

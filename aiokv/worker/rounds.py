@@ -129,6 +129,8 @@ class Rounds:
             raise  # the batch fails (see StoreWorker._handle)
         self._slice.yield_if_used()
         moves, views = self._in_time(plan.launch, views)
+        if not loads:
+            moves, views = self._still_awaited(moves, views)
         if not moves:
             return
         launch_ids = [move.task_id for move in moves]
@@ -169,6 +171,23 @@ class Rounds:
             return moves, views
         self._calls.cancel([moves[i].task_id for i in late])
         kept = sorted(set(range(len(moves))).difference(late))
+        return [moves[i] for i in kept], [views[i] for i in kept]
+
+    def _still_awaited(
+        self, moves: list[Move], views: list[tuple[torch.Tensor, Any]]
+    ) -> tuple[list[Move], list[tuple[torch.Tensor, Any]]]:
+        """The offloads to launch: each request's task id is written first, then its
+        stage read; a caller that left since its plan is given back, unlaunched. The loop
+        detaches a caller (resolution.Resolver.detach) in the other order, stage then id:
+        so it finds the id of every offload launched after it left, and the store drops
+        what that copy read (stores.base.Detaches)."""
+        for move in moves:
+            move.request.task_id = move.task_id
+        left = [i for i, m in enumerate(moves) if m.request.stage is TERMINAL]
+        if not left:
+            return moves, views
+        self._calls.cancel([moves[i].task_id for i in left])
+        kept = sorted(set(range(len(moves))).difference(left))
         return [moves[i] for i in kept], [views[i] for i in kept]
 
     def _lookup_deadline(self, requests: Sequence[Request], wanted: list[int]) -> float | None:

@@ -7,7 +7,9 @@ thread, takes them in order, counts the bytes moved, tells the SSD link (a load'
 ends the job's tasks with a few array operations for the whole job (:meth:`end_tasks`),
 and keeps their answers until they are asked for, each given once. A task whose page ids
 the copier refused ends INVALID with the copier's reason, and its blocks go back as a
-failed task's do (a put's are rolled back, a get's reads end). A get that reached its
+failed task's do (a put's are rolled back, a get's reads end); so do a put's whose
+caller detached before the copy of its pages ended (``CopyJob.left``), which ends FAILED:
+what it read may be what that caller wrote since. A get that reached its
 deadline before all of it was queued (launched late: :meth:`TaskEnds.expire`; a load that
 stopped waiting for room or reads: :mod:`.loads`) ends EXPIRED.
 """
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...copy.copier import CopyJob
+from ...copy.copier import DETACHED, CopyJob
 from ...copy.marks import LayerMarks
 from ..base import BoolArray, Int64Array, TaskResult, TaskStatus
 from .blocks import READY, Tier
@@ -45,6 +47,9 @@ class Task:
     load: Load | None = None  # a get's part that comes from the SSD tier
     deadline: float | None = None  # a get's without an SSD part (its load's has its own)
     marks: LayerMarks | None = None  # a get's per-layer marks (no SSD part), from launch
+    # A put's caller stopped waiting (LocalStore.detach, the loop thread): copied after
+    # that, its pages may hold what the caller wrote since; its copy counts for nothing.
+    detached: bool = False
 
 
 def concat(arrays: list[Int64Array]) -> Int64Array:
@@ -67,6 +72,9 @@ class TaskEnds:
         self._done_jobs: deque[CopyJob] = deque()
         # id(CopyJob) -> its tasks, and their common block count (0: they differ)
         self.launched: dict[int, tuple[list[Task], int]] = {}
+        # Put tasks from their match to their end, by id: LocalStore.detach (the loop
+        # thread) finds them here; a task that ended is not found and needs nothing.
+        self.puts: dict[int, Task] = {}
         self.bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
 
     def job_done(self, job: CopyJob) -> None:  # copy threads
@@ -104,17 +112,24 @@ class TaskEnds:
             expired = loads[0].expired
             if loads[0].invalid and not job.invalid:
                 job.invalid[0] = loads[0].invalid
-        good = [t for s, t in enumerate(tasks) if s not in job.invalid]
+        left = set(job.left)  # puts whose callers detached before their copy ended
+        good = [t for s, t in enumerate(tasks) if s not in job.invalid and s not in left]
         if not self.closed:
-            if job.invalid:
-                self.end_tasks([t for s, t in enumerate(tasks) if s in job.invalid], False)
+            if job.invalid or left:
+                self.end_tasks([t for s, t in enumerate(tasks)
+                                if s in job.invalid or s in left], False)
                 self.end_tasks(good, error is None)
             else:
                 self.end_tasks(tasks, error is None, None if loads else job.blocks, size)
+        puts = self.puts
         for segment, task in enumerate(tasks):
+            if task.is_put:
+                puts.pop(task.task_id, None)
             why = job.invalid.get(segment)
             if why is not None:
                 result = TaskResult(TaskStatus.INVALID, task.mask, why)
+            elif segment in left:
+                result = TaskResult(TaskStatus.FAILED, task.mask, DETACHED)
             elif error is not None:
                 result = TaskResult(TaskStatus.FAILED, task.mask, error)
             elif expired is not None:

@@ -42,6 +42,7 @@ class CopyJobs:
             check_only=blocks is None,
             load=load.task.task_id if load is not None and load.gpu_pages is not None else 0,
             ends_load=bool(tasks) and load is not None,
+            callers=tasks if is_put else (),
         )
         size = len(tasks[0].blocks) if tasks else 0  # the tasks' common block count, or 0
         if any(len(task.blocks) != size for task in tasks):

@@ -326,9 +326,19 @@ class LocalStore:
             if task.load is not None and self._link is not None:
                 self._link.cancel_load(task.load)  # ends the task once its reads are in
             else:
+                self._ends.puts.pop(task_id, None)
                 self._ends.end_tasks([task], success=False)
         if self._link is not None:
             self._link.stage_waiting()  # what the cancelled tasks held is room now
+
+    def detach(self, task_id: int) -> None:
+        """base.Detaches: the caller of this put stopped waiting (loop thread; never
+        blocks). Unless the copy of its pages had been seen to end by now, it keeps
+        nothing of them: the task ends FAILED, its blocks rolled back (a put waiting on
+        them writes them itself). Any other id (a get, a task that ended) is ignored."""
+        task = self._ends.puts.get(task_id)  # a dict read: atomic against the store thread
+        if task is not None:
+            task.detached = True
 
     def close(self) -> None:
         """Finish queued copies (and SSD writes), then release the pool."""
@@ -434,6 +444,9 @@ class LocalStore:
     def _new_task(self, task: Task) -> int:
         task_id = next(self._ids)
         self._tasks[task_id] = task
+        if task.is_put:
+            task.task_id = task_id  # launch sets it too; ended by its id (TaskEnds.puts)
+            self._ends.puts[task_id] = task
         return task_id
 
     def _require_host(self) -> Tier:

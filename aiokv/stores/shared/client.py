@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ...config import StoreConfig
-from ...copy.copier import CopyJob
+from ...copy.copier import DETACHED, CopyJob
 from ...copy.marks import LayerMarks
 from ...errors import ConfigError, StoreError
 from ...store_figures import carried
@@ -67,6 +67,9 @@ class _Task:
     mask: BoolArray
     blocks: Int64Array
     generation: int  # the connection it was matched on
+    # A put's caller stopped waiting (SharedStore.detach, the loop thread): copied after
+    # that, its pages may hold what the caller wrote since; the server keeps none of it.
+    detached: bool = False
 
 
 class SharedStore:
@@ -84,6 +87,10 @@ class SharedStore:
         self._ids = itertools.count(1)
         self._tasks: dict[int, _Task] = {}  # matched, not launched
         self._launched: dict[int, _Task] = {}
+        # Put tasks from their match until answered or given back, by id: detach (the
+        # loop thread) finds them here, not in _tasks and _launched, between which a
+        # launch moves them.
+        self._puts: dict[int, _Task] = {}
         self._finished: dict[int, TaskResult] = {}
         self._release: list[int] = []  # server ids to end as failed with the next message
         self._done_jobs: deque[CopyJob] = deque()
@@ -201,7 +208,9 @@ class SharedStore:
                 continue
             server_id, mask, blocks = answer
             local = next(self._ids)
-            self._tasks[local] = _Task(server_id, is_put, mask, blocks, generation)
+            task = self._tasks[local] = _Task(server_id, is_put, mask, blocks, generation)
+            if is_put:
+                self._puts[local] = task
             answers.append((local, mask))
         return answers
 
@@ -255,7 +264,8 @@ class SharedStore:
             marks = [None if is_put else self._new_marks(t) for t, _, _ in tasks]
             self._link.plane.submit(
                 is_put, [t for t, _, _ in tasks], [p for _, p, _ in tasks],
-                np.concatenate([task.blocks for _, _, task in tasks]), ready, marks)
+                np.concatenate([task.blocks for _, _, task in tasks]), ready, marks,
+                [task for _, _, task in tasks] if is_put else ())
         if len(self._finished) and self._notify is not None:
             self._notify()
 
@@ -350,6 +360,8 @@ class SharedStore:
                 elif segment in job.invalid:
                     failed[task_id] = TaskResult(TaskStatus.INVALID, mask,
                                                  job.invalid[segment])
+                elif segment in job.left:  # ended as failed at the server: rolled back
+                    failed[task_id] = TaskResult(TaskStatus.FAILED, mask, DETACHED)
                 else:
                     done.append(task_id)
         if done and self._link is not None and (
@@ -364,7 +376,11 @@ class SharedStore:
             self._report(done, failed)
         if not self._finished:
             return {}
-        return {t: self._finished.pop(t) for t in task_ids if t in self._finished}
+        answers = {t: self._finished.pop(t) for t in task_ids if t in self._finished}
+        if self._puts:
+            for task_id in answers:
+                self._puts.pop(task_id, None)
+        return answers
 
     def _report(self, done: list[int], failed: dict[int, TaskResult]) -> None:
         tasks = {t: self._launched.pop(t) for t in (*done, *failed)}
@@ -395,6 +411,7 @@ class SharedStore:
         launched or unknown ids are ignored."""
         for task_id in task_ids:
             task = self._tasks.pop(task_id, None)
+            self._puts.pop(task_id, None)
             # Only to the server that matched it: with the link lost, that one rolled it
             # back already, and a server started since would take its id for another
             # engine's (and drop this one for naming it).
@@ -407,6 +424,14 @@ class SharedStore:
                 self._send(wire.encode_end([], self._take_release()))
 
     # ---- optional capabilities -----------------------------------------------------
+
+    def detach(self, task_id: int) -> None:
+        """base.Detaches: the caller of this put stopped waiting (loop thread; never
+        blocks). Unless the copy of its pages had been seen to end by now, the server
+        keeps nothing of it (the task ends FAILED). Other ids are ignored."""
+        task = self._puts.get(task_id)  # a dict read: atomic against the store thread
+        if task is not None:
+            task.detached = True
 
     def set_invalidation_deadline(self, deadline_s: float) -> None:
         """base.BoundsInvalidations: sent with the evict or clear that follows."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...copy.copier import Copier, CopyJob
+from ...copy.copier import Caller, Copier, CopyJob
 from ...copy.ids import OffloadsInFlight
 from ...copy.marks import LayerMarks
 from ..base import Int64Array
@@ -54,11 +54,12 @@ class RegionPlane:
 
     def submit(self, to_region: bool, task_ids: list[int], pages: list[Any],
                blocks: Int64Array, ready: Sequence[Any],
-               marks: Sequence[LayerMarks | None]) -> None:
-        """One job of these tasks' copies (one segment per task)."""
+               marks: Sequence[LayerMarks | None], callers: Sequence[Caller] = ()) -> None:
+        """One job of these tasks' copies (one segment per task); ``callers``: an
+        offload's tasks, whose detached callers' copies count for nothing (CopyJob)."""
         events = {id(e): e for e in ready if e is not None}  # a batch's callers share some
         job = CopyJob(to_host=to_region, pages=pages, blocks=blocks, names=task_ids,
-                      ready=list(events.values()), marks=marks)
+                      ready=list(events.values()), marks=marks, callers=callers)
         (self._copiers[0] if to_region else self._copiers[-1]).submit(job)
 
     @property

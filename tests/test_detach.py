@@ -1,0 +1,191 @@
+"""An offload whose caller stopped waiting while its copy ran keeps nothing of it.
+
+Found by review: an offload that failed with RequestTimeout (or whose caller was
+cancelled) after its launch left its copy running; the caller, whose call had resolved,
+reused its pages, the copy read them, and the store kept what it read as the key's
+pages: a later lookup and load was a full hit that returned bytes written after the
+timeout, or a mix, with no error. Now such a put ends FAILED and stores nothing, unless
+its copy had ended before the caller was told (then it read the offloaded bytes).
+
+The copy is held (``Copier._move_cpu`` waits for a gate) until the caller was told and
+overwrote its pages; no timing decides what is tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+from conftest import PAGE_SIZE, Gate, held, small_store
+from shared_host import caches as shared_caches
+from shared_host import wait_for
+from shared_inprocess import (
+    PAGES,
+    Host,
+    host_fixture,  # noqa: F401  (the host fixture)
+)
+from shared_inprocess import TOKENS as SHARED_TOKENS
+from test_edges import eventually, pages
+
+import aiokv
+from aiokv.copy.copier import Copier
+from aiokv.stores.base import TaskStatus
+from aiokv.stores.shared import SharedStore
+
+TOKENS = 4 * PAGE_SIZE
+# Every call of a test has it, its set-up calls too: long enough for a loaded runner.
+TIMEOUT_MS = 1000
+
+
+def engine_of(caches: list[torch.Tensor], timeout_ms: int = TIMEOUT_MS) -> aiokv.OffloadEngine:
+    config = aiokv.EngineConfig(window_us=0, request_timeout_ms=timeout_ms)
+    return aiokv.OffloadEngine(small_store(), caches, config)
+
+
+async def copy_ends(engine: aiokv.OffloadEngine, copying: Gate) -> None:
+    """Let the held copy run, and wait (bounded) until its task ended in the store."""
+    copying.set()
+    await eventually(lambda: engine.stats().store_tasks_open == 0)
+
+
+async def loaded(engine: aiokv.OffloadEngine, caches: list[torch.Tensor], key: str,
+                 into: torch.Tensor) -> int:
+    """Tokens a lookup and load of ``key`` put into the pages ``into`` (zeroed first)."""
+    for cache in caches:
+        cache[into] = 0.0
+    async with await engine.lookup(key, TOKENS) as hit:
+        return (await engine.load(hit, into)).loaded_tokens
+
+
+@pytest.mark.asyncio
+async def test_an_offload_timed_out_during_its_copy_stores_nothing_of_its_reused_pages(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+    source, target = pages(0), pages(40)
+    async with engine_of(caches) as engine:
+        call = asyncio.ensure_future(engine.offload("u", source, TOKENS))
+        try:
+            assert await asyncio.to_thread(copying.entered.wait, 10)  # launched, copying
+            with pytest.raises(aiokv.RequestTimeout):
+                await asyncio.wait_for(call, 10)
+            for cache in caches:  # the call resolved: its pages are the caller's again
+                cache[source] = 7.0
+        finally:
+            await copy_ends(engine, copying)  # the copy reads them now
+        # Before the fix: a full hit, every byte 7.0 (what was written after the timeout).
+        assert await loaded(engine, caches, "u", target) == 0
+        # The key is not held up: an offload now stores what the pages hold now.
+        assert (await engine.offload("u", source, TOKENS)).stored_tokens == TOKENS
+        assert await loaded(engine, caches, "u", target) == TOKENS
+        for cache in caches:
+            assert bool((cache[target] == 7.0).all())
+
+
+@pytest.mark.asyncio
+async def test_an_offload_cancelled_during_its_copy_stores_nothing_of_its_reused_pages(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+    source, target = pages(0), pages(40)
+    async with engine_of(caches, timeout_ms=0) as engine:
+        call = asyncio.ensure_future(engine.offload("u", source, TOKENS))
+        try:
+            assert await asyncio.to_thread(copying.entered.wait, 10)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            for cache in caches:
+                cache[source] = 7.0
+        finally:
+            await copy_ends(engine, copying)
+        assert await loaded(engine, caches, "u", target) == 0
+        stats = engine.stats()
+        assert (stats.cancelled, stats.pending) == (1, 0)
+
+
+@pytest.mark.asyncio
+async def test_an_offload_whose_copy_ends_in_time_is_stored_bit_for_bit(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+    source, target = pages(0), pages(40)
+    original = [cache[source].clone() for cache in caches]
+    async with engine_of(caches, timeout_ms=0) as engine:
+        call = asyncio.ensure_future(engine.offload("u", source, TOKENS))
+        assert await asyncio.to_thread(copying.entered.wait, 10)
+        copying.set()
+        assert (await asyncio.wait_for(call, 10)).stored_tokens == TOKENS
+        for cache in caches:
+            cache[source] = 7.0
+        assert await loaded(engine, caches, "u", target) == TOKENS
+        for cache, before in zip(caches, original, strict=True):
+            assert torch.equal(cache[target], before)
+
+
+def test_a_shared_server_keeps_no_put_whose_caller_detached_during_its_copy(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same for a store server's client (its copies run in the engine's process): the
+    # engine's detach, as at a RequestTimeout or a cancellation, before its copy ended.
+    store, tables = host.engine()
+    try:
+        copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+        results: dict[int, Any] = {}
+        put, mask = store.put_match(SHARED_TOKENS, ["user:1"])
+        assert mask.all()
+        store.launch([put], [torch.arange(PAGES)], [None])
+        assert copying.entered.wait(10)
+        store.detach(put)
+        for cache in tables:
+            cache[:PAGES] = 7.0
+        copying.set()
+        wait_for(lambda: results.update(store.try_wait([put])) or results, "the offload")
+        assert results[put].status is TaskStatus.FAILED
+        assert "stopped waiting" in str(results[put].error)
+        get, mask = store.get_match(SHARED_TOKENS, ["user:1"])
+        assert not mask.any()  # before the fix: every page, each 7.0
+        store.cancel([get])
+        # A put detached after its copy ended read the pages before its caller was told.
+        again, _ = store.put_match(SHARED_TOKENS, ["user:1"])
+        store.launch([again], [torch.arange(PAGES)], [None])
+        results.clear()
+        wait_for(lambda: results.update(store.try_wait([again])) or results, "the offload")
+        store.detach(again)
+        assert results[again].status is TaskStatus.SUCCESS
+        get, mask = store.get_match(SHARED_TOKENS, ["user:1"])
+        assert mask.all()
+        store.cancel([get])
+    finally:
+        store.close()
+
+
+@pytest.mark.asyncio
+async def test_an_engine_on_a_shared_server_stores_nothing_of_a_timed_out_offloads_reused_pages(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+    tables = shared_caches()
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+    config = aiokv.EngineConfig(window_us=0, request_timeout_ms=TIMEOUT_MS)
+    tokens = PAGES * PAGE_SIZE
+    source, target = torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)
+    async with aiokv.OffloadEngine(store, tables, config) as engine:
+        call = asyncio.ensure_future(engine.offload("u", source, tokens))
+        try:
+            assert await asyncio.to_thread(copying.entered.wait, 10)
+            with pytest.raises(aiokv.RequestTimeout):
+                await asyncio.wait_for(call, 10)
+            for cache in tables:
+                cache[source] = 7.0
+        finally:
+            await copy_ends(engine, copying)
+        async with await engine.lookup("u", tokens) as hit:
+            assert hit.cached_tokens == 0  # before the fix: every page, each 7.0
+        assert (await engine.offload("u", source, tokens)).stored_tokens == tokens
+        async with await engine.lookup("u", tokens) as hit:
+            assert (await engine.load(hit, target)).loaded_tokens == tokens
+        for cache in tables:
+            assert bool((cache[target] == 7.0).all())
