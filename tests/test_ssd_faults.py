@@ -8,13 +8,15 @@ import contextlib
 import dataclasses
 import errno
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import failing_header_voids, launch_slots, slow_header_voids
+import torch
+from conftest import failing_header_voids, held, launch_slots, slow_header_voids
 from shared_inprocess import Host
 from test_ssd import (
     BLOCK,
@@ -39,6 +41,7 @@ from test_ssd import (
 )
 
 import aiokv
+from aiokv.stores.local import ssd as ssd_module
 from aiokv.stores.local import ssd_format, ssd_io
 from aiokv.stores.local import store as store_module
 from aiokv.stores.shared import SharedStore
@@ -372,6 +375,122 @@ async def test_an_evict_whose_ssd_voids_are_too_slow_raises_store_error(
                 break
             await asyncio.sleep(0.05)
         assert named_on_disk(tmp_path, 0) == 0
+    _, _, _, engine = engine_on(tmp_path)
+    async with engine:
+        assert await load_back(engine, 0, TARGET) == 0
+
+
+def _histories(caches: list[torch.Tensor], original: list[torch.Tensor], loaded: int,
+               histories: dict[str, torch.Tensor]) -> str:
+    """Which history each page loaded into TARGET is (a letter of ``histories``)."""
+    return "".join(next((name for name, pages in histories.items()
+                         if same(caches, original, TARGET[i : i + 1], pages[i : i + 1])), "?")
+                   for i in range(loaded))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+async def test_a_clear_that_cannot_write_its_epoch_drops_nothing_and_mixes_nothing_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """The SSD's filesystem is full (or its directory read only): a clear cannot write
+    the meta file's new epoch, the only thing that keeps a restart from finding what a
+    clear drops. It fails (StoreError) saying nothing was cleared, and drops nothing. A
+    user stored again under the same id after it (positional keys, another history,
+    shorter) never loads, after a restart, its new pages followed by cleared ones: before,
+    the clear dropped every tier's index all the same, and the restart served B's 4
+    pages then 4 of the cleared A's. A clear once the disk is well holds past a restart."""
+    caches, original, _, engine = engine_on(tmp_path, ssd_write_policy=policy)
+    histories = {"A": source_pages(0), "B": source_pages(5)[:4]}
+    async with engine:
+        for user in range(4):  # user 0 (history A) on SSD, under write_back too
+            assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+        monkeypatch.setattr(ssd_io, "write_meta", _failing(errno.ENOSPC))
+        with pytest.raises(aiokv.StoreError) as failed:
+            await engine.clear()
+        await engine.offload(0, histories["B"], 4 * PAGE)
+        for user in (6, 7):  # B to SSD too, under write_back
+            await offload(engine, user)
+        monkeypatch.undo()  # the disk is well again
+    caches, original, _, engine = engine_on(tmp_path, ssd_write_policy=policy)
+    async with engine:
+        got = _histories(caches, original, await load_back(engine, 0, TARGET) // PAGE,
+                         histories)
+        assert got == "A" * USER_PAGES  # not cleared, as the clear said: whole
+        assert "nothing was cleared" in str(failed.value)
+        await check_loads(engine, (1, 2, 3), caches, original)
+        assert await engine.clear() > 0
+    _, _, store, engine = engine_on(tmp_path, ssd_write_policy=policy)
+    async with engine:
+        assert store.store_stats()["ssd_blocks_used"] == 0
+        for user in (0, 1, 2, 3, 6, 7):
+            assert await load_back(engine, user, TARGET) == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["embedded", pytest.param(  # own_process: not patchable
+    "shared", marks=pytest.mark.skipif(not hasattr(os, "memfd_create"),
+                                       reason="the shared region needs memfd_create (Linux)"))])
+async def test_a_clear_refused_its_epoch_says_so_and_the_store_serves_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The SSD directory turned read only: the clear fails with a StoreError that says
+    nothing was cleared, the store (a store server too: before, it dropped the engine's
+    connection) serves every key as before, and a clear once the disk is well works."""
+    (tmp_path / "ssd").mkdir()
+    config = ssd_config(tmp_path / "ssd")
+    caches = caches_for()
+    original = [c.clone() for c in caches]
+    with store_of(kind, config, tmp_path) as store:
+        async with aiokv.OffloadEngine(store, caches) as engine:
+            for user in range(3):
+                assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+            monkeypatch.setattr(ssd_io, "write_meta", _failing(errno.EACCES))
+            with pytest.raises(aiokv.StoreError, match="nothing was cleared"):
+                await engine.clear()
+            monkeypatch.undo()
+            await check_loads(engine, range(3), caches, original)
+            assert await engine.clear() == 3 * USER_PAGES * PAGE
+            assert await load_back(engine, 0, TARGET) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_write_that_lands_under_a_clears_new_epoch_before_its_drop_stays_cleared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clear writes its new epoch before any tier drops anything (so that a clear that
+    cannot write it drops nothing). A write queued before the clear that makes its
+    headers with that new epoch, and is done before the clear drops the tiers (applied
+    as done), is voided all the same: a restart does not find the cleared key."""
+    writes = held(monkeypatch, ssd_module.SsdTier, "_run",
+                  lambda tier, request, *args: request.is_write)
+    gated, ran = ssd_module.SsdTier._run, threading.Event()
+
+    def run(tier: ssd_module.SsdTier, request: Any, *args: Any) -> None:
+        gated(tier, request, *args)
+        if request.is_write:
+            ran.set()
+
+    real_epoch = ssd_io.SsdFiles.new_epoch
+
+    def new_epoch(files: ssd_io.SsdFiles, k: int | None = None) -> None:
+        real_epoch(files, k)
+        if k is None:  # the clear's: the queued write runs now, and ends, under it
+            writes.set()
+            ran.wait(30)
+
+    monkeypatch.setattr(ssd_module.SsdTier, "_run", run)
+    monkeypatch.setattr(ssd_io.SsdFiles, "new_epoch", new_epoch)
+    _, _, _, engine = engine_on(tmp_path)
+    try:
+        async with engine:
+            assert (await offload(engine, 0)).stored_tokens == USER_PAGES * PAGE
+            assert await asyncio.to_thread(writes.entered.wait, 10)
+            assert await engine.clear() == USER_PAGES * PAGE
+            assert ran.is_set()
+            assert named_on_disk(tmp_path, 0) == 0  # as a kill -9 now would leave it
+    finally:
+        writes.set()
     _, _, _, engine = engine_on(tmp_path)
     async with engine:
         assert await load_back(engine, 0, TARGET) == 0

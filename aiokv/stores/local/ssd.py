@@ -15,6 +15,7 @@ read would fail every later load of the key too, the block being still indexed).
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import mmap
@@ -144,6 +145,7 @@ class SsdTier:
         # (ssd_recency), so that the next open can tell the order still fits the disk.
         self._generations = np.zeros(total, dtype=np.int64)
         self._failures_logged = False
+        self._clear_begun = False  # a clear's new epoch written, its drop to come
         self.stats = {"bytes_ssd_written": 0, "bytes_ssd_read": 0, "checksum_failures": 0,
                       "ssd_read_errors": 0, "ssd_write_errors": 0, "ssd_full_drops": 0}
         try:
@@ -377,12 +379,12 @@ class SsdTier:
         others are running from now on (a drop meanwhile voids them right after this
         write: :meth:`.HeaderVoids.claim`)."""
         positions = idx.tolist()
-        named = self.voids.claim([int(request.slots[i]) for i in positions])
+        named, epoch = self.voids.claim([int(request.slots[i]) for i in positions], k)
         for j, (i, name) in enumerate(zip(positions, named, strict=True)):
             if name:
                 data = self._pool.block_view(int(request.host_blocks[i]))
                 pack_header(views[j * HEADER_BYTES : (j + 1) * HEADER_BYTES],
-                            self.files.metas[k].epoch, generation + i, checksum(data),
+                            epoch, generation + i, checksum(data),
                             request.digests[i], request.namespaces[i])
 
     def _intact(self, request: SsdRequest, i: int, raw: memoryview) -> bool:
@@ -463,12 +465,49 @@ class SsdTier:
 
     # ---- invalidation --------------------------------------------------------------
 
+    def begin_clear(self) -> None:
+        """A clear's first step, taken before any tier drops anything (the stores'
+        clear, :meth:`drop_namespace`): a new epoch in every meta file, which voids
+        every header made before; the drop voids those made since. OSError (naming what
+        to do) when a meta file cannot be written (the disk full, the directory read
+        only): then the clear must drop nothing, in any tier.
+
+        Why nothing: a clear's only durable form is that epoch. Dropped from memory
+        with the old epoch still current, every block's header on disk still names its
+        key: a restart serves the cleared keys again, and a key stored again meanwhile
+        comes back as its new pages followed by cleared ones (new and old headers are
+        both current, under distinct digests): data the caller never stored together.
+        (An evict voids its key's headers one by one, and where even that fails keeps
+        them listed to void again; a clear would have every slot's header to void.) Kept
+        whole, the tiers serve what they served before, which the failed clear told the
+        caller, who may clear again; where some directories took the new epoch before
+        one refused it, their blocks are misses after a restart (forgotten, never
+        brought back). Once written, the epoch serves until the drop: called again
+        before it, nothing more is written."""
+        if self._clear_begun:  # and not dropped yet: its epoch still serves
+            return
+        self.voids.begin_clear()  # before the epoch: a header made with it is tracked
+        try:
+            self.files.new_epoch()
+        except OSError as exc:
+            self.voids.begin_clear(False)  # no new epoch to drop under: none tracked
+            raise OSError(
+                exc.errno or errno.EIO,
+                "the SSD tier could not write its new epoch in "
+                f"{', '.join(map(str, self.files.paths))} "
+                f"({exc!r}), which alone keeps a restart from finding what a clear drops: "
+                "nothing was cleared, in any tier; clear again once the disk is well",
+            ) from exc
+        self._clear_begun = True
+
     def drop_namespace(self, namespace: tuple[str, ...] | None) -> VoidsDone:
         """Forget one namespace's slots (None: all; Tier.drop_namespace) and void them on
-        disk. Returns an event set once no slot on disk names the namespace's blocks, so
-        that a restart, even after a kill -9, does not find them again (or once its
-        ``failure`` says why one may: :mod:`.ssd_voids`); that takes moments, not the
-        writes queued before (their lanes are not waited for):
+        disk (None: under a new epoch, :meth:`begin_clear`, written first where the
+        caller has not: OSError, dropping nothing, where it cannot be). Returns an
+        event set once no slot on disk names the namespace's blocks, so that a restart,
+        even after a kill -9, does not find them again (or once its ``failure`` says
+        why one may: :mod:`.ssd_voids`); that takes moments, not the writes queued
+        before (their lanes are not waited for):
 
         - idle slots, and slots a held lookup or a read still uses (that read then
           fails, as a load of a dropped key should): voided ahead of the queued writes;
@@ -477,12 +516,13 @@ class SsdTier:
         - slots whose write is running now: voided right after it, ahead of the rest;
         - slots taken for another key whose write has not landed (their old header
           names this one): voided ahead of that write, unless it landed first."""
+        if namespace is None:  # every older header void at once (the meta file, fsync'd)
+            self.begin_clear()  # where the caller's clear has not
+            self._clear_begun = False
         tier = self.tier
         buried = len(tier.buried)
         dropped = tier.drop_namespace(namespace)
         in_use = [s for space in tier.buried[buried:] for s in space.values()]
-        if namespace is None:  # every older header void at once (the meta file, fsync'd)
-            self.files.new_epoch()
         return self.voids.drop(namespace, dropped,
                                [s for s in in_use if tier.state[s] == WRITING],
                                [s for s in in_use if tier.state[s] == READY])

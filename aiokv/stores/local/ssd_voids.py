@@ -87,6 +87,11 @@ class HeaderVoids:
         # Files that may hold a header of their current epoch: every file at open, and
         # a file once a write names a slot of it (its lane drops it at a retirement).
         self._naming = set(range(files.count))
+        # From a clear's new epoch (begin_clear) to its drop: the slots whose header a
+        # write made meanwhile, perhaps of the new epoch, which the drop voids (such a
+        # write may even be applied before it: the new epoch is written first, before
+        # any tier drops anything). None: no clear under way.
+        self._since_epoch: set[int] | None = None
 
     # ---- what the writes and the index report ----------------------------------------
 
@@ -103,16 +108,22 @@ class HeaderVoids:
         """Recovery found a newer copy of the block in ``slot``: it stays on disk, free."""
         self._stale[slot] = namespace
 
-    def claim(self, slots: Sequence[int]) -> list[bool]:
-        """A write is about to make these slots' headers (I/O thread): whether each may
-        name its key (False: its key was dropped first; it lands void). Those that may
-        are running from now on, until :meth:`written`."""
+    def claim(self, slots: Sequence[int], k: int) -> tuple[list[bool], int]:
+        """A write is about to make these slots' headers, all in file ``k`` (I/O
+        thread): whether each may name its key (False: its key was dropped first; it
+        lands void), and the epoch to make them with. Those that may are running from
+        now on, until :meth:`written`. (The epoch is read here, under the lock, so that
+        a header made with a clear's new epoch is one :meth:`begin_clear` tracks.)"""
         with self._lock:
             named = [slot not in self._unwritten for slot in slots]
             self._unwritten.difference_update(slots)
-            self._packed.update(s for s, ok in zip(slots, named, strict=True) if ok)
-            self._naming.update(s % self._files.count for s in slots)
-        return named
+            made = [s for s, ok in zip(slots, named, strict=True) if ok]
+            self._packed.update(made)
+            if self._since_epoch is not None:
+                self._since_epoch.update(made)
+            self._naming.add(k)
+            epoch = self._files.metas[k].epoch
+        return named, epoch
 
     def written(self, slots: Sequence[int], landed: bool) -> None:
         """A write of these slots ended; ``landed``: no older header is there now (a
@@ -147,11 +158,19 @@ class HeaderVoids:
 
     # ---- a drop -------------------------------------------------------------------
 
+    def begin_clear(self, begun: bool = True) -> None:
+        """A clear's new epoch is about to be written (store thread): the headers made
+        from now on are tracked until its :meth:`drop`. ``begun`` False: it was not
+        (its clear failed), and none are."""
+        with self._lock:
+            self._since_epoch = set() if begun else None
+
     def drop(self, namespace: tuple[str, ...] | None, dropped: Int64Array,
              writing: Sequence[int], reading: Sequence[int]) -> VoidsDone:
-        """Void what names ``namespace`` (None: a clear, whose epoch bump voided every
-        older header already): ``dropped`` (idle, out of the index), ``writing`` and
-        ``reading`` (its slots still in use). Returns an event set once done."""
+        """Void what names ``namespace`` (None: a clear, whose new epoch voided every
+        header made before :meth:`begin_clear`; those made since are voided here):
+        ``dropped`` (idle, out of the index), ``writing`` and ``reading`` (its slots
+        still in use). Returns an event set once done."""
         with self._lock:
             # Running, or landed with its request not applied yet: their headers name
             # the key (voided now, after the op running on their lane); the others
@@ -163,16 +182,20 @@ class HeaderVoids:
             if namespace is None:
                 stale, failing = [], []
                 self._stale.clear()
+                # Made since the new epoch was begun: perhaps of it (begin_clear).
+                made_since = sorted((self._since_epoch or set()).difference(running))
+                self._since_epoch = None
             else:
                 stale = [s for s, key in self._stale.items() if key == namespace]
                 # Which key a failed write's landed part names is not kept: void them
                 # all (rare; no write reuses them before their own void, which is
                 # ahead of it on the lane).
                 failing = list(self._failing)
+                made_since = []
         self._voided.update(reading)
         if namespace is None:
             dropped, reading = NO_BLOCKS, []
-        now = np.array([*running, *reading, *failing], dtype=np.int64)
+        now = np.array([*running, *reading, *failing, *made_since], dtype=np.int64)
         return self.void(np.concatenate([dropped, now]), front=True,
                          stale=np.array(stale, dtype=np.int64), namespace=namespace)
 

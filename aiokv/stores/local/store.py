@@ -371,14 +371,19 @@ class LocalStore:
         return self._drop(tuple(namespace))
 
     def clear(self) -> int:
-        """Drop every idle block in both tiers; returns the tokens dropped."""
+        """Drop every idle block in both tiers; returns the tokens dropped. OSError,
+        dropping nothing in any tier, when the SSD tier cannot write the new epoch that
+        keeps a restart from finding what it drops (:meth:`.ssd.SsdTier.begin_clear`
+        says why nothing)."""
         return self._drop(None)
 
     def _drop(self, namespace: tuple[str, ...] | None) -> int:
         host = self._require_host()
+        link = self._link
+        if link is not None and namespace is None:
+            link.ssd.begin_clear()  # first: where it fails, nothing is dropped
         if self._remote is not None:
             self._remote.invalidate(namespace)
-        link = self._link
         if link is not None:
             link.drain()
             pages, written = link.drop(namespace)

@@ -180,6 +180,9 @@ class Answers:
         says why this order is enough), and for the remote tier's marker (at most its
         ``timeout_ms``), after which no other host finds the key."""
         self._loop.absorb()  # what engines sent before applies first: a put reported done goes
+        refused = self.service.begin_clear() if namespace is None else None
+        if refused is not None:  # a clear that must drop nothing takes no get back either
+            return wire.encode_json({"ok": False, "error": refused})
         # An evict run inside another's second read (another engine's EVICT among the
         # frames) keeps the outer one's word from before its bump, the earlier one, and
         # forgets only what it set itself: the outer one has not taken its gets back.

@@ -382,6 +382,19 @@ class Service:
     def clear(self) -> Dropped:
         return self._drop_namespace(None)
 
+    def begin_clear(self) -> str | None:
+        """A clear's first step, before anything is dropped or any get taken back: the
+        SSD tier's new epoch (SsdTier.begin_clear says why first). None once written (or
+        without an SSD tier), else why the clear must drop nothing."""
+        link = self._link
+        if link is None:
+            return None
+        try:
+            link.ssd.begin_clear()
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        return None
+
     def _drop_namespace(self, namespace: tuple[str, ...] | None) -> Dropped:
         """Drop a namespace (None: all) from every tier: its idle blocks freed, and the
         tables that still hold blocks in use out of reach (Tier.drop_namespace); the
@@ -392,6 +405,9 @@ class Service:
         if host is None:
             return 0, None, None
         self._drain()
+        refused = self.begin_clear() if namespace is None else None
+        if refused is not None:  # the clear's answer: an error naming what to do
+            return 0, VoidsDone.failed(refused), None
         published = None
         if self._remote is not None:
             published = self._remote.invalidate(namespace, wait=False)
