@@ -619,10 +619,12 @@ async def test_an_evict_voids_the_half_of_a_write_that_landed_in_one_directory(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("short", [False, True])
 async def test_an_evict_voids_what_a_failed_write_left_on_disk(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short: bool) -> None:
     # The write's first slot lands, then the disk fails it (a short write, as ENOSPC on
-    # a sparse file gives): its slots go back, the landed header naming the user.
+    # a sparse file gives; ``short``: saying how far it got): its slots go back, the
+    # landed header naming the user.
     real = ssd_io.SsdFiles.write
     fail = [True]
 
@@ -630,6 +632,9 @@ async def test_an_evict_voids_what_a_failed_write_left_on_disk(
         if len(buffers) > 2 and fail[0]:  # a write of several slots
             fail[0] = False
             real(self, k, offset, buffers[:2])  # the first slot's header and bytes
+            if short:
+                raise ssd_io.ShortIO(errno.ENOSPC, "No space left on device",
+                                     ssd_format.HEADER_BYTES + BLOCK)
             raise OSError(errno.ENOSPC, "No space left on device")
         real(self, k, offset, buffers)
 

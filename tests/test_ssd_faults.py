@@ -496,6 +496,63 @@ async def test_a_write_that_lands_under_a_clears_new_epoch_before_its_drop_stays
         assert await load_back(engine, 0, TARGET) == 0
 
 
+def _full_sparse_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Once the returned event is set, the SSD tier's filesystem is full under a sparse
+    blocks.dat (one without fallocate), as on a real disk: a write into a range never
+    written fails with nothing moved (ENOSPC), and so does a meta file's new epoch; a
+    write over what was written before (a header void in place) goes through."""
+    full = threading.Event()
+    real_write, real_meta = ssd_io.SsdFiles.write, ssd_io.write_meta
+    written: set[tuple[int, int]] = set()  # (file, offset) of each slot written
+
+    def write(files: ssd_io.SsdFiles, k: int, offset: int, buffers: Any) -> None:
+        size = sum(memoryview(b).nbytes for b in buffers)
+        slots = {(k, o) for o in range(offset - offset % files.slot_bytes, offset + size,
+                                       files.slot_bytes)}
+        if full.is_set() and not slots <= written:
+            raise ssd_io.ShortIO(errno.ENOSPC, os.strerror(errno.ENOSPC), 0)
+        real_write(files, k, offset, buffers)
+        written.update(slots)
+
+    def write_meta(*args: Any) -> None:
+        if full.is_set():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_meta(*args)
+
+    monkeypatch.setattr(ssd_io.SsdFiles, "write", write)
+    monkeypatch.setattr(ssd_io, "write_meta", write_meta)
+    return full
+
+
+@pytest.mark.asyncio
+async def test_evicts_after_a_write_that_moved_nothing_on_a_full_disk_succeed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up under a sparse blocks.dat: the SSD writes of later offloads
+    fail having moved nothing. Evicts of keys written before (their headers void in
+    place) answer the tokens dropped and hold past a restart. Before, each raised a
+    StoreError about voiding a slot of a failed write, which never reached it: its void
+    there (into the hole) failed as the write had, the meta file too, and every evict
+    voids the failed writes' slots."""
+    full = _full_sparse_disk(monkeypatch)
+    caches, original, store, engine = engine_on(tmp_path)
+    async with engine:
+        for user in range(4):
+            assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+        await figure(store, "bytes_ssd_written", 4 * USER_PAGES * BLOCK)
+        full.set()
+        for user in range(4, 8):  # on the host tier only: their SSD writes fail
+            assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+        await figure(store, "ssd_write_errors", 4)
+        assert await engine.evict(1) == USER_PAGES * PAGE
+        assert await engine.evict(2) == USER_PAGES * PAGE
+        full.clear()
+    caches, original, _, engine = engine_on(tmp_path)
+    async with engine:
+        assert [await load_back(engine, user, TARGET) for user in (1, 2)] == [0, 0]
+        await check_loads(engine, (0, 3), caches, original)
+
+
 def test_evict_and_clear_without_an_ssd_tier() -> None:
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=HOST_BLOCKS * BLOCK / (1 << 30)))
     store.register(caches_for())

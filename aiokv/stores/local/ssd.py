@@ -319,12 +319,17 @@ class SsdTier:
                         buffers.append(self._pads[not request.is_write])
                 offset = int(slots[run[0]]) * files.slot_bytes
                 if request.is_write:
-                    written, landed = request.slots[idx].tolist(), False
+                    # How many of the run's slots the write reached: a failed one may
+                    # have made their headers; it left those past them as they were.
+                    written, landed, reached = request.slots[idx].tolist(), False, len(idx)
                     try:
                         files.write(k, offset, buffers)
                         landed = True
+                    except ShortIO as exc:  # (not a failed fdatasync: all went out)
+                        reached = -(-exc.moved // files.slot_bytes)
+                        raise
                     finally:
-                        self.voids.written(written, landed)
+                        self.voids.written(written, landed, reached)
                     request.ok[idx] = True
                 else:
                     read = np.ones(len(idx), dtype=np.bool_)  # slots read in whole

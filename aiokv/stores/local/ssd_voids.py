@@ -8,9 +8,9 @@ a header of the key can sit in:
 - a slot whose write is queued: flagged, so that the write lands naming nothing;
 - a slot whose write is running or has landed (its header made) while its request, in
   parts on several lanes or runs, is not applied yet: voided right after that write;
-- a slot of a write that failed (a part of it may have landed): voided before it is
-  reused, and again by a drop while that void waits behind the queued writes (a drop's
-  voids go ahead of them);
+- a slot of a write that failed (a part of it may have landed; not one it never
+  reached): voided before it is reused, and again by a drop while that void waits
+  behind the queued writes (a drop's voids go ahead of them);
 - a slot still in use (a held lookup's, a read's): voided at once, its read then failing
   as a dropped key's should (not counted as damage);
 - a slot LRU eviction handed to another key whose write has not landed (stale), or an
@@ -125,12 +125,14 @@ class HeaderVoids:
             epoch = self._files.metas[k].epoch
         return named, epoch
 
-    def written(self, slots: Sequence[int], landed: bool) -> None:
+    def written(self, slots: Sequence[int], landed: bool, reached: int) -> None:
         """A write of these slots ended; ``landed``: no older header is there now (a
-        failed one may have left it: still stale). The headers it made name their key
-        until their request is applied (:meth:`applied`, :meth:`failed`)."""
+        failed one may have left it: still stale); it reached the first ``reached``
+        slots (a failed one left those past them as they were: nothing of it to void
+        there). The headers it made there name their key until their request is
+        applied (:meth:`applied`, :meth:`failed`)."""
         with self._lock:
-            self._landed.update(s for s in slots if s in self._packed)
+            self._landed.update(s for s in slots[:reached] if s in self._packed)
             self._packed.difference_update(slots)
             if landed:
                 for slot in slots:
@@ -144,13 +146,17 @@ class HeaderVoids:
     def failed(self, slots: Int64Array) -> None:
         """A write request failed (store thread): what parts of it made no header never
         will, and the headers the others made (a part that landed, or a short write) are
-        voided, behind the queued writes, before the slots go back."""
+        voided, behind the queued writes, before the slots go back. Slots it never
+        reached (a write that moved nothing: a full disk under a sparse file) hold
+        nothing of it: none to void (a void there would fail as the write did, and
+        every evict after, which voids the failed writes' slots, with it)."""
         listed = slots.tolist()
         with self._lock:
             self._unwritten.difference_update(listed)
-            self._landed.difference_update(listed)
-            self._failing.update(listed)
-        self.void(slots)
+            made = [s for s in listed if s in self._landed]
+            self._landed.difference_update(made)
+            self._failing.update(made)
+        self.void(np.array(made, dtype=np.int64))
 
     def voided_mask(self, slots: Int64Array) -> BoolArray | None:
         """Which of a read's slots a drop voided under it (None: none could be)."""
