@@ -75,6 +75,9 @@ _ERROR_KEYS = (
     ("checksum", "checksum_failures"),
     ("ssd_read", "ssd_read_errors"),
     ("ssd_write", "ssd_write_errors"),
+    # Header voids and new epochs the disk refused (what keeps evicted or cleared blocks
+    # from a restart): not data writes.
+    ("ssd_invalidation", "ssd_invalidation_errors"),
     ("remote_checksum", "remote_checksum_failures"),
     ("remote_read", "remote_read_errors"),
     ("remote_write", "remote_write_errors"),

@@ -553,6 +553,40 @@ async def test_evicts_after_a_write_that_moved_nothing_on_a_full_disk_succeed(
         await check_loads(engine, (0, 3), caches, original)
 
 
+@pytest.mark.asyncio
+async def test_refused_header_voids_and_a_refused_clear_are_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each write the disk refuses that was to keep dropped blocks from a restart is
+    counted: an evict's header voids (its file's headers retired instead) and a clear's
+    new epoch (the clear dropping nothing), in store_stats()'s ssd_invalidation_errors
+    and aiokv_store_errors_total{error="ssd_invalidation"}. Before, neither was counted
+    anywhere."""
+    from prometheus_client import CollectorRegistry
+
+    from aiokv import metrics
+
+    registry = CollectorRegistry()
+    _, _, store, engine = engine_on(tmp_path)
+    metrics.register(engine, registry)
+    async with engine:
+        for user in (0, 1):
+            assert (await offload(engine, user)).stored_tokens == USER_PAGES * PAGE
+        await figure(store, "bytes_ssd_written", 2 * USER_PAGES * BLOCK)
+        failing_header_voids(monkeypatch)
+        assert await engine.evict(0) == USER_PAGES * PAGE  # one refused void per slot
+        monkeypatch.undo()
+        monkeypatch.setattr(ssd_io, "write_meta", _failing(errno.ENOSPC))
+        with pytest.raises(aiokv.StoreError, match="nothing was cleared"):
+            await engine.clear()
+        monkeypatch.undo()
+        assert store.store_stats().get("ssd_invalidation_errors") == USER_PAGES + 1
+        families = await asyncio.to_thread(lambda: list(registry.collect()))
+    (errors,) = (f for f in families if f.name == "aiokv_store_errors")
+    assert {s.labels["error"]: s.value for s in errors.samples
+            }.get("ssd_invalidation") == USER_PAGES + 1
+
+
 def test_evict_and_clear_without_an_ssd_tier() -> None:
     store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=HOST_BLOCKS * BLOCK / (1 << 30)))
     store.register(caches_for())

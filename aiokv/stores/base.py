@@ -240,10 +240,12 @@ class ReportsStats(Protocol):
     ssd_blocks_used, ssd_blocks_total, host_hit_tokens, ssd_hit_tokens (tokens get_match
     found on the host tier / only on SSD), bytes_d2h, bytes_h2d, bytes_ssd_written,
     bytes_ssd_read, checksum_failures, ssd_read_errors (SSD blocks a read could not bring:
-    misses, as those checksum_failures counts), ssd_write_errors, ssd_full_drops (host
-    blocks evicted with no SSD copy: every SSD slot in use), stage_waits (loads that waited for
-    host room to stage their SSD pages), d2h_copies (device-to-host copies of page ids
-    the store made for its launches: FlexKV's fused slots, a store process's ids); the
+    misses, as those checksum_failures counts), ssd_write_errors, ssd_invalidation_errors
+    (SSD header voids and new epochs the disk refused: an evict or clear says what that
+    leaves), ssd_full_drops (host blocks evicted with no SSD copy: every SSD slot in
+    use), stage_waits (loads that waited for host room to stage their SSD pages),
+    d2h_copies (device-to-host copies of page ids the store made for its launches:
+    FlexKV's fused slots, a store process's ids); the
     keys the store has; the engine reads them into EngineStats, aiokv.store_figures).
     Asked by the store thread now and then while it works, and once more after
     ``close()``: a closed store may answer (what its close finished counts then) or raise

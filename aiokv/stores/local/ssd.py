@@ -122,8 +122,12 @@ class SsdTier:
                 if not direct
                 else "the filesystem refuses O_DIRECT",
             )
+        self.stats = {"bytes_ssd_written": 0, "bytes_ssd_read": 0, "checksum_failures": 0,
+                      "ssd_read_errors": 0, "ssd_write_errors": 0, "ssd_full_drops": 0,
+                      # Header voids and new epochs the disk refused (ssd_voids counts).
+                      "ssd_invalidation_errors": 0}
         # What still names a dropped key on disk, and its voids (ssd_voids says why).
-        self.voids = HeaderVoids(self.files, notify)
+        self.voids = HeaderVoids(self.files, notify, self.stats)
         self.tier = Tier("ssd", BlockAllocator(total), demote=self._recycled,
                          forget=self.voids.void_later)
         # Told the keys of slots the SSD's LRU gives to other keys: a host block of one
@@ -146,8 +150,6 @@ class SsdTier:
         self._generations = np.zeros(total, dtype=np.int64)
         self._failures_logged = False
         self._clear_begun = False  # a clear's new epoch written, its drop to come
-        self.stats = {"bytes_ssd_written": 0, "bytes_ssd_read": 0, "checksum_failures": 0,
-                      "ssd_read_errors": 0, "ssd_write_errors": 0, "ssd_full_drops": 0}
         try:
             self._recover()
         except BaseException:
@@ -496,6 +498,7 @@ class SsdTier:
             self.files.new_epoch()
         except OSError as exc:
             self.voids.begin_clear(False)  # no new epoch to drop under: none tracked
+            self.voids.refused()
             raise OSError(
                 exc.errno or errno.EIO,
                 "the SSD tier could not write its new epoch in "

@@ -20,7 +20,8 @@ Voids are header writes on the files' write lanes (:mod:`.ssd_io`), one op at a 
 file: ahead of the queued writes (``front``) or behind them. The store thread, the I/O
 threads and the recovery share this state under one lock.
 
-A void the disk refuses (an I/O error) would leave the key to a restart. Its file's
+A void the disk refuses (an I/O error; counted, as each refused new epoch is, in the
+tier's ``ssd_invalidation_errors``) would leave the key to a restart. Its file's
 headers are retired instead, all at once: a new epoch in the file's meta file, as a
 clear does for every file. The file's other blocks are served until then and are misses
 after a restart (a cache may forget; it may not bring back what was evicted). Where the
@@ -67,9 +68,13 @@ class VoidsDone(threading.Event):
 
 
 class HeaderVoids:
-    def __init__(self, files: SsdFiles, notify: Callable[[], None]) -> None:
+    def __init__(self, files: SsdFiles, notify: Callable[[], None],
+                 stats: dict[str, int]) -> None:
+        """``stats``: the tier's figures, where the writes the disk refused are counted
+        (``ssd_invalidation_errors``, under this lock: the I/O threads count there)."""
         self._files = files
         self._notify = notify
+        self._stats = stats
         self._zero_page = mmap.mmap(-1, HEADER_BYTES)  # aligned zeros, to void a header
         self._lock = threading.Lock()
         self._unwritten: set[int] = set()  # queued writes that must land void
@@ -161,6 +166,12 @@ class HeaderVoids:
     def voided_mask(self, slots: Int64Array) -> BoolArray | None:
         """Which of a read's slots a drop voided under it (None: none could be)."""
         return np.isin(slots, list(self._voided)) if self._voided else None
+
+    def refused(self) -> None:
+        """The disk refused a write that was to keep dropped blocks from a restart (a
+        header void, a new epoch): counted (any thread)."""
+        with self._lock:
+            self._stats["ssd_invalidation_errors"] += 1
 
     # ---- a drop -------------------------------------------------------------------
 
@@ -268,6 +279,7 @@ class HeaderVoids:
         try:
             files.write(k, slot // files.count * files.slot_bytes, [self._zero_page])
         except OSError as exc:
+            self.refused()
             if not self._retire(done, slot, key, exc):
                 return
         with self._lock:
@@ -291,6 +303,7 @@ class HeaderVoids:
         try:
             files.new_epoch(k)
         except OSError as exc:
+            self.refused()
             log.warning("aiokv: voiding an SSD slot header in %s failed (%r), and so did "
                         "retiring the file's headers (%r): a restart may find the key it "
                         "names again", path, error, exc)
