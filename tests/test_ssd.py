@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import re
 import shutil
 import threading
 import time
@@ -313,6 +314,25 @@ def test_missing_unwritable_and_too_large(tmp_path: Path) -> None:
     with pytest.raises(aiokv.ConfigError, match="GiB free") as caught:
         aiokv.LocalStore(huge).register(caches_for())
     assert caught.value.key == "store.ssd_cache_gb"
+
+
+def test_too_large_for_a_small_filesystem_names_figures_a_user_can_tell_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SSD tier of 12 MiB on a filesystem with 6 MiB free: the ConfigError names both
+    figures so that they differ (before, in GiB to two places: "needs 0.01 GiB more ...
+    which has 0.01 GiB free")."""
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ssd_io.shutil, "disk_usage",
+                        lambda path: usage._replace(free=6 << 20))
+    with pytest.raises(aiokv.ConfigError, match="free") as caught:
+        aiokv.LocalStore(ssd_config(tmp_path, slots=1024)).register(caches_for())
+    assert caught.value.key == "store.ssd_cache_gb"
+    found = re.search(r"needs (.+) more .* which has (.+) free", str(caught.value))
+    assert found is not None
+    need, free = found.groups()
+    assert need != free
+    assert need.startswith("12.0 MiB") and free.startswith("6.0 MiB")
 
 
 @pytest.mark.parametrize("backend", ["local", "flexkv"])

@@ -58,6 +58,13 @@ class ShortIO(OSError):
         self.moved = moved
 
 
+def _size(n: int) -> str:
+    """``n`` bytes, rounded for a message: GiB from 1 GiB, MiB below (in GiB to two
+    places, a small tier's need and the free space both read 0.01; the message gives
+    the exact bytes too, so that two figures a user compares never read the same)."""
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
 def open_data_file(path: Path, direct: bool) -> tuple[int, bool]:
     """``path`` opened read-write (created 0600), with O_DIRECT where asked and the
     filesystem takes it; returns (fd, whether O_DIRECT is on)."""
@@ -216,9 +223,9 @@ class SsdFiles:
             if bytes_needed > free[dev]:
                 raise ConfigError(
                     "store.ssd_cache_gb",
-                    f"needs {bytes_needed / (1 << 30):.2f} GiB more on the filesystem of "
-                    f"{', '.join(str(p) for p in self.paths)}, which has "
-                    f"{free[dev] / (1 << 30):.2f} GiB free",
+                    f"needs {_size(bytes_needed)} more ({bytes_needed} bytes) on the "
+                    f"filesystem of {', '.join(str(p) for p in self.paths)}, which has "
+                    f"{_size(free[dev])} free ({free[dev]} bytes)",
                 )
 
     def _preallocate(self, fd: int, path: Path) -> None:
