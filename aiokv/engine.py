@@ -33,6 +33,7 @@ from .errors import (
 )
 from .invalidation import Invalidations
 from .lifecycle import EngineState as EngineState  # public as aiokv.engine.EngineState
+from .loop import takers
 from .loop.admission import Admission
 from .loop.batcher import Batch, Batcher
 from .loop.binding import check_loop
@@ -355,7 +356,7 @@ class OffloadEngine:
             raise InvalidRequest("hit", "must be a Lookup returned by this engine's lookup()")
         pages = validate.page_ids(page_ids, self._device)
         if hit.cached_tokens == 0:
-            self._stats.record_empty_load()
+            takers.count(self._stats.record_empty_load)  # a thread may cancel it yet
             return None
         needed = hit._pages_needed(self._page_size)
         if pages.shape[0] < needed:
@@ -457,26 +458,38 @@ class OffloadEngine:
 
     async def _run(self, request: Request) -> Any:
         """Admit a request and await its outcome: at once when there is room, else per
-        ``overload`` (admission.py). Every outcome is counted by :meth:`_resolve`, except
-        a caller's cancellation, which cancels the future and is counted here."""
+        ``overload`` (admission.py). The outcome is counted here, as its caller takes it
+        (:mod:`aiokv.loop.takers`), not as its future is resolved: a caller cancelled
+        after the answer came, before its task ran again, gets CancelledError, and
+        counting the answer then would say completed, with its tokens, for a call its
+        caller saw cancelled."""
+        future = request.future
         try:
             if self._admission.has_room():
-                return await self._accept(request)
-            return await self._submit_when_room(request)
+                result = await self._accept(request)
+            else:
+                result = await self._submit_when_room(request)
         except asyncio.CancelledError:
-            future = request.future
             if future.cancelled():
                 assert self._resolver is not None
                 # Before the cancellation reaches the caller, who may then reuse its pages.
                 self._resolver.detach(request)
-                self._resolver.finished(request, None)
-            elif future.done() and future.exception() is None:
+                self._resolver.finished(request)
+                self._stats.record_outcome(request, None)
+            elif future.done():
                 # Answered in the loop iteration its caller left in (asyncio.timeout's
-                # timer, say): nobody has the Lookup to release, so its hold goes now.
-                answer = future.result()
-                if isinstance(answer, Lookup):
-                    answer.release()
+                # timer, say): the caller has CancelledError, not the answer, and so do
+                # the counts; nobody has the Lookup to release, so its hold goes now.
+                if future.exception() is None and isinstance(future.result(), Lookup):
+                    future.result().release()
+                self._stats.record_outcome(request, None)
+            raise  # else never accepted (cancelled while waiting for room)
+        except Exception as exc:
+            if future.done():  # its answer (else admission's refusal, or a closed engine)
+                takers.count(self._stats.record_outcome, request, exc)
             raise
+        takers.count(self._stats.record_outcome, request, result)
+        return result
 
     def _accept(self, request: Request, deadline: float | None = None) -> asyncio.Future[Any]:
         assert self._batcher is not None and self._idle is not None

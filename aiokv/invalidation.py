@@ -58,6 +58,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import EngineClosed, RequestTimeout, StoreError
+from .loop import takers
 from .loop.resolution import settle
 from .requests import LookupGrant, Request, Reservation
 from .stats import StatsRecorder
@@ -317,7 +318,8 @@ class Invalidations:
                 f"this store ({self._store_name}) cannot {item.verb}: it has no "
                 f"{item.verb}() method"
             )
-            self._stats.record_call(item.verb, error, time.perf_counter() - started)
+            takers.count(self._stats.record_call, item.verb, error,
+                         time.perf_counter() - started)
             raise error
         self._dispatch_all(namespace)  # what was accepted before goes first (docstring)
         self._submit(item)  # EngineClosed once the store thread stopped accepting
@@ -337,7 +339,9 @@ class Invalidations:
             if timer is not None:
                 timer.cancel()
             self._open.discard(future)
-            self._stats.record_call(item.verb, outcome, time.perf_counter() - started)
+            # As its caller takes it: a thread may cancel it yet (aiokv.loop.takers).
+            takers.count(self._stats.record_call, item.verb, outcome,
+                         time.perf_counter() - started)
 
     def close(self) -> None:
         """Fail what the store thread never answered (it was abandoned, or crashed)."""

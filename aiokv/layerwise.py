@@ -39,6 +39,7 @@ import numpy as np
 from . import validate
 from .copy.marks import LayerFailed, LayerMarks, Waiter
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest, NotLoaded, StoreError
+from .loop import takers
 from .loop.binding import check_loop
 from .loop.resolution import settle
 from .portal import forked, refuse_in_fork
@@ -372,9 +373,17 @@ async def start(
     # while its task, which would take the answer in, never runs again.
     loads.add(load)
     request.layers = load
-    load._follow(loop.create_task(run(hit, request), name="aiokv-load-layerwise"))
+    # The load's outcome reaches this caller only through the load returned here: one
+    # that ended before (refused, failed) counts as cancelled where this caller is
+    # cancelled first (aiokv.loop.takers). The parent: a run_in_background thread's call,
+    # whose own taking decides in turn.
+    taker = takers.Taker(takers.current())
+    load._follow(takers.create_task(
+        loop, lambda: run(hit, request), taker, name="aiokv-load-layerwise"))
+    taken = False
     try:
         await load._launched
+        taken = True
     except asyncio.CancelledError:
         load.cancel()
         # Refused meanwhile (Overloaded), the load handed its Lookup back to be loaded
@@ -382,6 +391,8 @@ async def start(
         # Lookup goes back as a cancelled load's does (a no-op unless it is held).
         hit.release()
         raise
+    finally:
+        taker.decide(taken)
     return load
 
 

@@ -219,7 +219,10 @@ def _families(
             requests.add_metric([kind, outcome], reading.requests(kind, outcome))
     yield requests
     yield CounterMetricFamily("aiokv_batches", "Batches dispatched.", reading.batches)
-    yield GaugeMetricFamily("aiokv_pending", "Accepted calls not yet resolved.", reading.pending)
+    yield GaugeMetricFamily(
+        "aiokv_pending", "Accepted calls whose callers have not taken their outcome yet.",
+        reading.pending,
+    )
     yield GaugeMetricFamily(
         "aiokv_queued", "Accepted calls not yet dispatched to the store thread.", reading.queued
     )

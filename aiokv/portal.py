@@ -37,6 +37,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .errors import EngineClosed
+from .loop import takers
 from .loop.resolution import finish_thread_future
 
 Call = Callable[[], Coroutine[Any, Any, Any]]
@@ -84,14 +85,17 @@ class Portal:
             if future.cancelled():  # before the loop took it: it never runs
                 finish_thread_future(future, concurrent.futures.CancelledError())
                 continue
+            # The thread takes the task's outcome only if it has not cancelled its
+            # future by then (_hand_back): the call's counts wait for that.
+            taker = takers.Taker()
             try:
-                task = loop.create_task(call())
+                task = takers.create_task(loop, call, taker)
             except Exception as exc:  # one call that cannot start fails alone
                 finish_thread_future(future, exc)
                 continue
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-            task.add_done_callback(functools.partial(_hand_back, future))
+            task.add_done_callback(functools.partial(_hand_back, future, taker))
             future.add_done_callback(functools.partial(_cancel_task, loop, task))
 
 
@@ -127,9 +131,13 @@ class Held(Protocol):
     def release(self) -> None: ...
 
 
-def _hand_back(future: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
+def _hand_back(
+    future: concurrent.futures.Future[Any], taker: takers.Taker, task: asyncio.Task[Any]
+) -> None:
+    # The call's counts as the thread sees it, decided with the future, before the thread
+    # can see it: a thread that cancelled the future meanwhile saw a cancellation.
     result = outcome(task)
-    if not finish_thread_future(future, result) and isinstance(result, Held):
+    if not finish_thread_future(future, result, taker.decide) and isinstance(result, Held):
         result.release()  # its caller cancelled the future meanwhile: nobody else will
 
 

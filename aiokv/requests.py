@@ -107,6 +107,7 @@ class Request:
     moved: int = 0  # True positions of the mask: tokens this request moves
     submitted_at: float = 0.0
     dispatched_at: float = 0.0  # perf_counter; 0.0 while queued (again once held: stats.py)
+    resolved_at: float = 0.0  # perf_counter as its future was done: its latency's end
     held: bool = False  # an offload held for room and queued again (its window is observed)
     # Loop time by which it must resolve (request_timeout_ms from the call, a wait for
     # room included), set as it is accepted; None without a timeout. An answer that

@@ -4,10 +4,11 @@ scrape (aiokv.metrics) reads.
 
 One writer per piece of state, so nothing here takes a lock: the event loop writes
 :class:`StatsRecorder` (``record_submit`` at accept, ``record_rejected`` when admission
-turns a call away, ``record_batch`` at dispatch, ``record_outcome`` once per accepted
-request when its future is done, ``record_call`` per evict or clear,
-``record_empty_load``); the store thread writes its latency histogram and keeps the
-store's own figures (both in :mod:`aiokv.store_figures`).
+turns a call away, ``record_batch`` at dispatch, ``record_resolved`` as an accepted
+request's future is done and ``record_outcome`` once its caller took the outcome or left
+(:mod:`aiokv.loop.takers`), ``record_call`` per evict or clear, ``record_empty_load``);
+the store thread writes its latency histogram and keeps the store's own figures (both in
+:mod:`aiokv.store_figures`).
 
 Counters and buckets are preallocated Python lists, never resized: a list item is
 incremented without the conversions to and from a C integer of an ``array`` or numpy
@@ -35,7 +36,7 @@ from .errors import RequestTimeout
 from .histograms import LATENCY_BOUNDS_S as LATENCY_BOUNDS_S
 from .histograms import Histogram as Histogram  # public here too, as before
 from .histograms import HistogramReading as HistogramReading
-from .requests import Kind, LoadResult, LookupGrant, OffloadResult, Request
+from .requests import Kind, LoadResult, Lookup, LookupGrant, OffloadResult, Request
 from .store_figures import StoreSideStats as StoreSideStats  # public here too, as before
 from .store_figures import StoreStatsAnswer as StoreStatsAnswer  # public here too, as before
 from .store_figures import StoreStatsQuery as StoreStatsQuery
@@ -106,7 +107,8 @@ class Reading:
 
     @property
     def resolved(self) -> int:
-        """Accepted requests whose future is done (rejected ones were never accepted)."""
+        """Accepted requests whose outcome is counted: their callers took it or left
+        (rejected ones were never accepted)."""
         return sum(self.outcome_total(o) for o in ("ok", "failed", "cancelled", "timed_out"))
 
     @property
@@ -156,13 +158,16 @@ class Reading:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot. ``pending``: accepted, not yet resolved; ``queued``: of those, not yet
-    dispatched to the store thread. ``store_tasks_open``: store ids matched or launched
-    and not yet terminal. Latencies are submit-to-resolve, in ms, over the most recent
-    completed requests; bytes count KV moved by completed requests. ``lookup_tokens``:
-    tokens asked by completed lookups, ``lookup_hit_tokens``: found for them. The outcome
-    counts are of offloads, lookups and loads; evicts and clears have fields of their
-    own. Every field, its unit and meaning: the README's field reference."""
+    """A snapshot. ``pending``: accepted, their outcome not yet taken by their callers
+    (an answer is until the caller's task runs again, a thread's until its future is
+    finished); ``queued``: of those, neither resolved nor dispatched to the store thread.
+    ``store_tasks_open``: store ids matched or launched and not yet terminal. Latencies
+    are submit-to-resolve, in ms, over the most recent completed requests; bytes count KV
+    moved by completed requests (a caller that left before it took its result: a
+    cancelled one). ``lookup_tokens``: tokens asked by completed lookups,
+    ``lookup_hit_tokens``: found for them. The outcome counts are of offloads, lookups and
+    loads; evicts and clears have fields of their own. Every field, its unit and meaning:
+    the README's field reference."""
 
     submitted: int
     completed: int
@@ -253,9 +258,13 @@ class StatsRecorder:
     def record_submit(self) -> None:
         self._counts[_SUBMITTED] += 1
 
-    def record_rejected(self, kind: Kind) -> None:
-        """A call admission turned away (never accepted: no latency, not submitted)."""
-        self._counts[_ROW[kind] * _WIDTH + _REJECTED] += 1
+    def record_rejected(self, kind: Kind, taken: bool = True) -> None:
+        """A call admission turned away (never accepted: no latency, not submitted).
+        Not counted where its caller never took the refusal (``taken`` False: a thread
+        that cancelled its future meanwhile), as a caller cancelled while it waited for
+        room is not: neither was accepted."""
+        if taken:
+            self._counts[_ROW[kind] * _WIDTH + _REJECTED] += 1
 
     def record_batch(self, batch: Batch) -> None:
         """A batch dispatched now: its requests' window wait (once per call: not again for
@@ -294,19 +303,27 @@ class StatsRecorder:
             request.held = True
         self._counts[_REQUEUED] += len(requests)
 
-    def record_outcome(self, request: Request, outcome: object) -> None:
-        """Count one accepted request whose future is done: ``outcome`` is its result,
-        its exception, or None when its caller cancelled it. The end-to-end latency is
-        observed for every outcome but a cancellation (the caller's time, not ours)."""
+    def record_resolved(self, request: Request) -> None:
+        """An accepted request's future is done (resolved, or cancelled by its caller):
+        no longer queued, and its latency ends here. Its outcome is counted once its
+        caller takes it (:meth:`record_outcome`)."""
+        request.resolved_at = time.perf_counter()
+        if request.dispatched_at == 0.0:  # in the queue (record_batch, record_requeue)
+            self._counts[_RESOLVED_QUEUED] += 1
+
+    def record_outcome(self, request: Request, outcome: object, taken: bool = True) -> None:
+        """Count the outcome of one resolved request (:meth:`record_resolved`) as its
+        caller took it: ``outcome`` is its result, its exception, or None when its caller
+        cancelled it, before the answer or after it, before it took it (also ``taken``
+        False). The latency, submit to resolved, is observed for every outcome but a
+        cancellation (the caller's time, not ours)."""
         counts = self._counts
         kind_row = _ROW[request.kind]
         row = kind_row * _WIDTH  # the request's row in the counts table
-        if request.dispatched_at == 0.0:  # in the queue (record_batch, record_requeue)
-            counts[_RESOLVED_QUEUED] += 1
-        if outcome is None:
+        if outcome is None or not taken:
             counts[row + _CANCELLED] += 1
             return
-        latency_s = time.perf_counter() - request.submitted_at
+        latency_s = request.resolved_at - request.submitted_at
         if isinstance(outcome, BaseException):
             counts[row + (_TIMED_OUT if isinstance(outcome, RequestTimeout) else _FAILED)] += 1
         else:
@@ -316,19 +333,22 @@ class StatsRecorder:
                 counts[_OFFLOADED_TOKENS] += outcome.stored_tokens
             elif isinstance(outcome, LoadResult):
                 counts[_LOADED_TOKENS] += outcome.loaded_tokens
-            elif isinstance(outcome, LookupGrant):
+            elif isinstance(outcome, (Lookup, LookupGrant)):  # the caller's, the store's
                 counts[_LOOKUP_TOKENS] += request.num_tokens
                 counts[_LOOKUP_HIT_TOKENS] += outcome.cached_tokens
         latency = self.latency  # inlined Histogram.observe: this runs per request
         latency.counts[kind_row * latency.width + bisect_left(latency.bounds, latency_s)] += 1
         latency.sums[kind_row] += latency_s
 
-    def record_call(self, kind: str, outcome: object, latency_s: float) -> None:
+    def record_call(
+        self, kind: str, outcome: object, latency_s: float, taken: bool = True
+    ) -> None:
         """Count one call of a kind that is not batched as a Request (``evict``,
         ``clear``): ``outcome`` is its result, its exception, or None when its caller
-        cancelled it; ``latency_s`` is observed as for record_outcome."""
+        cancelled it (also ``taken`` False); ``latency_s`` is observed as for
+        record_outcome."""
         row = KINDS.index(kind)
-        if outcome is None:
+        if outcome is None or not taken:
             column = _CANCELLED
         elif isinstance(outcome, BaseException):
             column = _TIMED_OUT if isinstance(outcome, RequestTimeout) else _FAILED
@@ -343,13 +363,18 @@ class StatsRecorder:
         left: the store drops them all the same)."""
         self._counts[_DROPPED_TOKENS] += tokens
 
-    def record_empty_load(self) -> None:
+    def record_empty_load(self, taken: bool = True) -> None:
         """A load of a Lookup that found nothing, answered at once: submitted and
         completed, never queued (resolved before any dispatch); no latency observed (it
-        never waits for anything, and would only pull the loads' percentiles down)."""
+        never waits for anything, and would only pull the loads' percentiles down).
+        ``taken`` False: its caller (a thread) cancelled it before it took the answer:
+        a cancelled load, not an empty one."""
         counts = self._counts
         counts[_SUBMITTED] += 1
         counts[_RESOLVED_QUEUED] += 1
+        if not taken:
+            counts[_ROW[Kind.LOAD] * _WIDTH + _CANCELLED] += 1
+            return
         counts[_ROW[Kind.LOAD] * _WIDTH + _OK] += 1
         counts[_EMPTY_LOADS] += 1
 

@@ -266,18 +266,22 @@ def _resolve_budget(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setattr(resolution, "RESOLVE_BUDGET_S", seconds)
 
 
-def _admitted_offloads(engine: aiokv.OffloadEngine, count: int) -> list[Any]:
+async def _admitted_offloads(
+    engine: aiokv.OffloadEngine, count: int
+) -> tuple[list[Any], list[asyncio.Task[Any]]]:
     """Offload requests the engine counts as live, without queueing them: the test posts
-    their outcomes itself, as the store thread would."""
+    their outcomes itself, as the store thread would. Each is awaited by a caller's task,
+    which counts its outcome as it takes it."""
     from aiokv.requests import Kind
 
-    requests = []
-    for user in range(count):
-        request = engine._new_request(Kind.OFFLOAD, user, 16, None, None, torch.arange(4), 4)
-        engine._accept(request)
-        requests.append(request)
-    engine._batcher.take_queued()  # type: ignore[union-attr]
-    return requests
+    requests = [
+        engine._new_request(Kind.OFFLOAD, user, 16, None, None, torch.arange(4), 4)
+        for user in range(count)
+    ]
+    callers = [asyncio.ensure_future(engine._run(request)) for request in requests]
+    await asyncio.sleep(0)  # the callers' first steps (accepted), before the batcher's
+    assert len(engine._batcher.take_queued()) == count  # type: ignore[union-attr]
+    return requests, callers
 
 
 @pytest.mark.asyncio
@@ -286,7 +290,7 @@ async def test_outcomes_past_the_budget_resolve_in_order_over_later_iterations(
 ) -> None:
     _resolve_budget(monkeypatch, 0.0)  # every outcome is over it: one per callback
     engine = aiokv_engine  # the plugin's: closed after the test, which fails if it leaked
-    requests = _admitted_offloads(engine, 6)
+    requests, callers = await _admitted_offloads(engine, 6)
     outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
     engine._resolver.deliver(list(zip(requests[:4], outcomes[:4], strict=True)))
     engine._resolver.deliver(list(zip(requests[4:], outcomes[4:], strict=True)))  # waits its turn
@@ -295,7 +299,7 @@ async def test_outcomes_past_the_budget_resolve_in_order_over_later_iterations(
         await asyncio.sleep(0)
         resolved_per_iteration.append(sum(r.future.done() for r in requests))
     assert resolved_per_iteration == [1, 2, 3, 4, 5, 6]
-    assert [await r.future for r in requests] == outcomes
+    assert await asyncio.gather(*callers) == outcomes
     assert engine.stats().completed == 6
 
 
@@ -308,7 +312,7 @@ async def test_a_resolution_that_raises_does_not_strand_the_outcomes_after_it(
     errors: list[Any] = []
     loop.set_exception_handler(lambda loop, context: errors.append(context["exception"]))
     engine = aiokv_engine  # closed after the test; a leak fails it
-    requests = _admitted_offloads(engine, 4)
+    requests, callers = await _admitted_offloads(engine, 4)
     outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
     resolver = engine._resolver
     assert resolver is not None
@@ -328,8 +332,9 @@ async def test_a_resolution_that_raises_does_not_strand_the_outcomes_after_it(
         await asyncio.sleep(0)
     assert [r.future.done() for r in requests] == [True, False, True, True]
     assert [type(e) for e in errors] == [RuntimeError]
-    requests[1].future.cancel()  # let the engine close without waiting for it
-    resolver.finished(requests[1], None)
+    callers[1].cancel()  # let the engine close without waiting for it
+    results = await asyncio.gather(*callers, return_exceptions=True)
+    assert isinstance(results[1], asyncio.CancelledError)
 
 
 @pytest.mark.asyncio
@@ -339,7 +344,7 @@ async def test_outcomes_still_queued_at_close_resolve_with_their_own_results(
     _resolve_budget(monkeypatch, 0.0)
     engine = aiokv.OffloadEngine(small_store(), caches)
     await engine.start()
-    requests = _admitted_offloads(engine, 50)
+    requests, callers = await _admitted_offloads(engine, 50)
     outcomes = [aiokv.OffloadResult(r.user_id, 16, 16) for r in requests]
     loop = asyncio.get_running_loop()
     worker = engine._worker
@@ -355,6 +360,7 @@ async def test_outcomes_still_queued_at_close_resolve_with_their_own_results(
     monkeypatch.setattr(worker, "join", join_then_post)
     await engine.aclose(drain=False)
     assert [r.future.result() for r in requests] == outcomes
+    assert await asyncio.gather(*callers) == outcomes
 
 
 @pytest.mark.asyncio

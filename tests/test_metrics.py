@@ -63,6 +63,12 @@ def request(kind: Kind, num_tokens: int = 8, pages_used: int = 2) -> Request:
     return made
 
 
+def ended(recorder: StatsRecorder, made: Request, outcome: object, taken: bool = True) -> None:
+    """``made`` resolved with ``outcome``, and its caller took it (or not)."""
+    recorder.record_resolved(made)
+    recorder.record_outcome(made, outcome, taken)
+
+
 def by_name(families: Iterator[Any]) -> dict[str, Any]:
     return {family.name: family for family in families}
 
@@ -134,13 +140,13 @@ def test_record_outcome_counts_by_kind_and_outcome_and_derives_pending_and_queue
     recorder.record_batch(Batch(Kind.OFFLOAD, (offload, late)))
     recorder.record_batch(Batch(Kind.LOOKUP, (lookup,)))
     assert (recorder.read().pending, recorder.read().queued) == (5, 2)  # load, cancelled
-    recorder.record_outcome(offload, OffloadResult(1, 8, 8))
-    recorder.record_outcome(lookup, LookupGrant(None, 4))
-    recorder.record_outcome(late, aiokv.RequestTimeout("late"))
-    recorder.record_outcome(queued_then_cancelled, None)
+    ended(recorder, offload, OffloadResult(1, 8, 8))
+    ended(recorder, lookup, LookupGrant(None, 4))
+    ended(recorder, late, aiokv.RequestTimeout("late"))
+    ended(recorder, queued_then_cancelled, None)
     reading = recorder.read()
     assert (reading.pending, reading.queued) == (1, 1)  # the load, never dispatched
-    recorder.record_outcome(load, aiokv.StoreError("failed"))
+    ended(recorder, load, aiokv.StoreError("failed"))
     reading = recorder.read()
     assert (reading.pending, reading.queued) == (0, 0)
     table = {(k, o): reading.requests(k, o) for k in KINDS for o in OUTCOMES}
@@ -160,7 +166,7 @@ def test_record_outcome_counts_by_kind_and_outcome_and_derives_pending_and_queue
         2, 1, 1, 1, 1,
     )
     assert (stats.bytes_offloaded, stats.hit_ratio, stats.queued) == (80, 4 / 12, 0)
-    recorder.record_outcome(request(Kind.LOAD), LoadResult(1, 16))
+    ended(recorder, request(Kind.LOAD), LoadResult(1, 16))
     assert recorder.read().loaded_tokens == 16
 
 
@@ -174,12 +180,35 @@ def test_an_offload_requeued_to_wait_for_room_is_queued_once_more_each_time() ->
         assert (recorder.read().queued, recorder.read().pending) == (0, 2)
         recorder.record_requeue([waits, stays])
         assert recorder.read().queued == 2
-    recorder.record_outcome(stays, aiokv.RequestTimeout("no room by its deadline"))
+    ended(recorder, stays, aiokv.RequestTimeout("no room by its deadline"))
     assert (recorder.read().queued, recorder.read().pending) == (1, 1)  # resolved in the queue
     recorder.record_batch(Batch(Kind.OFFLOAD, (waits,)))
-    recorder.record_outcome(waits, OffloadResult(1, 8, 8))
+    ended(recorder, waits, OffloadResult(1, 8, 8))
     stats = recorder.snapshot(0, bytes_per_token=10)
     assert (stats.queued, stats.pending, stats.batches, stats.completed) == (0, 0, 4, 1)
+
+
+def test_an_answer_its_caller_never_took_counts_as_cancelled_with_nothing_moved() -> None:
+    recorder = StatsRecorder()
+    offload, lookup = request(Kind.OFFLOAD), request(Kind.LOOKUP)
+    for made in (offload, lookup):
+        recorder.record_submit()
+        recorder.record_resolved(made)  # answered while queued, the caller not back yet
+    assert (recorder.read().pending, recorder.read().queued) == (2, 0)
+    recorder.record_outcome(offload, OffloadResult(1, 8, 8), taken=False)
+    recorder.record_outcome(lookup, LookupGrant(None, 8), taken=False)
+    recorder.record_empty_load(taken=False)
+    recorder.record_rejected(Kind.LOAD, taken=False)  # never accepted: counted nowhere
+    recorder.record_call("evict", 64, 0.002, taken=False)
+    reading = recorder.read()
+    table = {(k, o): reading.requests(k, o) for k in KINDS for o in OUTCOMES}
+    assert {key: n for key, n in table.items() if n} == {
+        ("offload", "cancelled"): 1, ("lookup", "cancelled"): 1, ("load", "cancelled"): 1,
+        ("evict", "cancelled"): 1,
+    }
+    assert (reading.pending, reading.queued, reading.empty_loads) == (0, 0, 0)
+    assert (reading.offloaded_tokens, reading.lookup_tokens, reading.lookup_hit_tokens) == (0, 0, 0)
+    assert [reading.latency.count(row) for row in range(len(KINDS))] == [0] * len(KINDS)
 
 
 def test_calls_outside_requests_count_by_their_kind() -> None:

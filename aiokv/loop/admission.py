@@ -1,10 +1,11 @@
 """Admission control: ``max_pending`` and the ``overload`` policy.
 
-The live set holds every accepted, unresolved request; it is the one count of
-"pending". With ``overload: wait``, callers queue FIFO for room, at most
-:func:`max_waiting` of them (one more is refused with Overloaded at once, so at most
-``max_pending + max_waiting(max_pending)`` requests exist whatever the arrival rate),
-each until its ``request_timeout_ms``, which runs from the call: the request keeps that
+The live set holds every accepted, unresolved request; it is the one count that
+``max_pending`` bounds (EngineStats' ``pending`` also holds answers their callers have
+not taken yet: :mod:`.takers`). With ``overload: wait``, callers queue FIFO for room,
+at most :func:`max_waiting` of them (one more is refused with Overloaded at once, so at
+most ``max_pending + max_waiting(max_pending)`` requests exist whatever the arrival
+rate), each until its ``request_timeout_ms``, which runs from the call: the request keeps that
 deadline once accepted. A request that leaves wakes the first waiter and promises it the
 room: until that waiter runs, the room is not free to anyone else (a caller arriving in
 between queues behind it). A woken caller cancelled before it runs passes the room on;
@@ -22,6 +23,7 @@ from ..config import EngineConfig
 from ..errors import Overloaded, RequestTimeout
 from ..requests import Kind, Request
 from ..stats import StatsRecorder
+from . import takers
 
 # Callers that may wait for room: WAITERS_PER_ROOM per room (max_pending), and at least
 # MIN_WAITERS. A caller behind W others waits for W + 1 requests to finish; past a few
@@ -90,10 +92,10 @@ class Admission:
         and on 3.12 a waiter woken as its timeout fires raises TimeoutError, and the room
         it was promised would be lost with it."""
         if self._config.overload == "reject":
-            self._stats.record_rejected(kind)
+            takers.count(self._stats.record_rejected, kind)
             raise Overloaded(f"{self._config.max_pending} requests pending (engine.max_pending)")
         if self._waiting >= self._max_waiting:
-            self._stats.record_rejected(kind)
+            takers.count(self._stats.record_rejected, kind)
             raise Overloaded(
                 f"{self._config.max_pending} requests pending (engine.max_pending) and "
                 f"{self._waiting} callers waiting for room, the most that may wait"
@@ -123,7 +125,7 @@ class Admission:
             try:
                 promised = await waiter
             except _NoRoomInTime:
-                self._stats.record_rejected(kind)
+                takers.count(self._stats.record_rejected, kind)
                 raise RequestTimeout(
                     f"no room among {self._config.max_pending} pending requests within "
                     f"engine.request_timeout_ms={timeout_ms}"

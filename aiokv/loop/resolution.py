@@ -4,11 +4,13 @@ The store thread posts each drained set of (request, outcome) pairs with one
 ``call_soon_threadsafe`` (:meth:`Resolver.deliver`); the engine resolves its own failures
 (closed, timed out, dispatch failed) through :meth:`Resolver.resolve` too. A future that
 is already done (its caller cancelled, or it timed out) is left alone, and a lookup's
-reservation that nobody will hold any more is given back. :meth:`Resolver.finished` is
-the one place outcome counts change. An offload whose match found no room (StoreFull) is
-not resolved but held for a later try (:mod:`aiokv.space`), until its deadline. An answer
-that comes after its request's deadline fails as the deadline's timer would have failed
-it (:meth:`Resolver._late`): a caller gets its result by the deadline, or an error.
+reservation that nobody will hold any more is given back. Outcomes are counted where
+their callers take them (the engine's ``_run``, :mod:`.takers`), not here: a caller
+cancelled after its answer came, before it took it, saw a cancellation. An offload whose
+match found no room (StoreFull) is not resolved but held for a later try
+(:mod:`aiokv.space`), until its deadline. An answer that comes after its request's
+deadline fails as the deadline's timer would have failed it (:meth:`Resolver._late`): a
+caller gets its result by the deadline, or an error.
 
 An offload whose caller stops waiting before its answer (its deadline's timer, its
 cancellation) is detached first (:meth:`Resolver.detach`), so that the store keeps
@@ -133,7 +135,7 @@ class Resolver:
         if isinstance(outcome, BaseException):
             future.set_exception(outcome)  # an error stays that error, however late
         elif (deadline := request.deadline) is not None and self._now() >= deadline:
-            outcome = self._late(request, outcome)  # counted below as what it became
+            outcome = self._late(request, outcome)  # its caller gets, and counts, this
             future.set_exception(outcome)
         elif isinstance(outcome, LookupGrant):
             lookup = Lookup(
@@ -147,7 +149,7 @@ class Resolver:
             future.set_result(lookup)
         else:
             future.set_result(outcome)
-        self.finished(request, outcome)
+        self.finished(request)
 
     def release_lookups(self) -> None:
         """The engine closes (it takes no more loads): each Lookup still held is given
@@ -229,11 +231,11 @@ class Resolver:
             self.dropped(request)
             self.resolve(request, error)
 
-    def finished(self, request: Request, outcome: object) -> None:
-        """A request's future is done (``outcome`` None: the caller cancelled it): the one
-        place outcome counts change. Called once per accepted request, by resolve or by
-        the engine on cancellation; not a done-callback, which would cost a loop
-        callback."""
+    def finished(self, request: Request) -> None:
+        """A request's future is done (resolved, or cancelled by its caller): it leaves
+        the engine. Called once per accepted request, by resolve or by the engine on
+        cancellation; not a done-callback, which would cost a loop callback. Its outcome
+        is counted where its caller takes it (the engine's ``_run``)."""
         if request.stage is not TERMINAL:  # (detach may have written it)
             request.stage = TERMINAL  # the store thread stops caring about it from now on
         if request.timer is not None:  # its own deadline timer: it must not keep it alive
@@ -243,7 +245,7 @@ class Resolver:
         if space is not None and space.waits:
             space.forget(request)
         self._admission.leave(request)
-        self._stats.record_outcome(request, outcome)
+        self._stats.record_resolved(request)
         if not self._admission.live:
             self._idle.set()
 
@@ -270,7 +272,11 @@ _claiming = threading.Lock()
 _claimed: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
 
 
-def finish_thread_future(future: concurrent.futures.Future[Any], outcome: object) -> bool:
+def finish_thread_future(
+    future: concurrent.futures.Future[Any],
+    outcome: object,
+    decided: Callable[[bool], None] | None = None,
+) -> bool:
     """Resolve a thread's future (``run_in_background``'s) with ``outcome``, from any
     thread, unless another call (from this or any thread) finished it first; a
     cancellation as ``outcome`` cancels it. One its caller cancelled is marked notified
@@ -278,17 +284,24 @@ def finish_thread_future(future: concurrent.futures.Future[Any], outcome: object
     ``result()``, not ``wait``'s waiters), as ``run_coroutine_threadsafe``'s are; the
     caller's cancel may come at any moment, and ``set_running_or_notify_cancel`` decides
     that race under the future's lock. Whether ``outcome`` reached the future (False: it
-    was cancelled first, or finished by another call)."""
+    was cancelled first, or finished by another call), also told to ``decided`` once
+    known, before the future's waiters can see ``outcome``."""
     with _claiming:  # only the claim: finishing runs the future's callbacks, any code
-        if future in _claimed:
-            return False
+        first = future not in _claimed
         _claimed.add(future)
-    if isinstance(outcome, (asyncio.CancelledError, concurrent.futures.CancelledError)):
-        future.cancel()
-    if not future.set_running_or_notify_cancel():  # cancelled: its waiters are told now
-        return False
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
-    return True
+    reached = False
+    try:
+        if first:
+            if isinstance(outcome, (asyncio.CancelledError, concurrent.futures.CancelledError)):
+                future.cancel()
+            # False: cancelled, and its waiters are told now.
+            reached = future.set_running_or_notify_cancel()
+        if decided is not None:
+            decided(reached)
+    finally:  # whatever ``decided`` raised, a running future is finished
+        if reached:
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+    return reached

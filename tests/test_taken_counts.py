@@ -1,0 +1,162 @@
+"""engine.stats() and the Prometheus families count what the callers saw: a caller
+cancelled after the engine answered its call, before it took the answer (its task had not
+run again; a thread's future not yet finished), got CancelledError, and its call counts
+as cancelled, with no tokens, bytes or latency; asyncio callers, run_in_background's
+threads and layerwise loads alike."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import PAGE_SIZE, make_caches, small_store
+from prometheus_client import CollectorRegistry
+from test_engine_stats import scrape
+from test_sync import LOOPS
+
+import aiokv
+from aiokv import metrics
+
+TOKENS = 4 * PAGE_SIZE
+OUTCOME_OF = {"ok": "completed", "failed": "failed", "cancelled": "cancelled",
+              "rejected": "rejected", "timed_out": "timed_out"}
+COUNTED = ("completed", "cancelled", "offloaded_tokens", "loaded_tokens", "lookup_tokens",
+           "lookup_hit_tokens", "bytes_offloaded", "bytes_loaded", "pending")
+
+
+def engine_with_metrics() -> tuple[aiokv.OffloadEngine, CollectorRegistry]:
+    engine = aiokv.OffloadEngine(small_store(), make_caches(), aiokv.EngineConfig(window_us=0))
+    registry = CollectorRegistry()
+    metrics.register(engine, registry)
+    return engine, registry
+
+
+def answered(engine: aiokv.OffloadEngine) -> bool:
+    """Every call the engine accepted has its answer (its future is resolved)."""
+    return not engine._admission.live
+
+
+async def until_answered(engine: aiokv.OffloadEngine) -> None:
+    """Return in the loop iteration the engine answers every call it accepted, before
+    their callers' tasks run again: a caller's wake-up is queued behind its answer, and
+    this poller's (sleep(0), never a timer) before that answer or right after it."""
+    for _ in range(1_000_000):
+        if answered(engine):
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the engine never answered")
+
+
+async def hold_once_answered(
+    engine: aiokv.OffloadEngine, held: threading.Event, release: threading.Event
+) -> None:
+    """Block the loop's thread once the engine answered, before the call's task hands
+    the answer to the thread that made it, until ``release``."""
+    await until_answered(engine)
+    held.set()
+    release.wait(30)
+
+
+def changes(before: aiokv.EngineStats, after: aiokv.EngineStats) -> dict[str, int]:
+    return {name: getattr(after, name) - getattr(before, name) for name in COUNTED}
+
+
+def assert_the_metrics_agree(families: dict[str, Any], stats: aiokv.EngineStats) -> None:
+    requests = families["aiokv_requests_total"]
+    kinds = ("offload", "lookup", "load")
+    for outcome, field in OUTCOME_OF.items():
+        assert sum(requests[(k, outcome)] for k in kinds) == getattr(stats, field), outcome
+    # A latency per outcome the callers took, but a cancellation or an empty load.
+    latency = families["aiokv_latency_seconds_count"]
+    observed = stats.completed + stats.failed + stats.timed_out - stats.empty_loads
+    assert sum(latency[(k,)] for k in kinds) == observed
+    assert families["aiokv_lookup_tokens_total"][()] == stats.lookup_tokens
+    moved = families["aiokv_bytes_total"]
+    assert moved[("d2h", "host")] >= stats.bytes_offloaded  # the store's count of copies
+    assert families["aiokv_pending"][()] == stats.pending
+
+
+@pytest.mark.asyncio
+async def test_an_awaited_call_cancelled_after_its_answer_came_counts_cancelled() -> None:
+    engine, registry = engine_with_metrics()
+    async with engine:
+        await engine.offload(1, torch.arange(0, 4), TOKENS)
+        hit = await engine.lookup(1, TOKENS)
+        before = engine.stats()
+        calls: dict[str, Callable[[], Any]] = {
+            "offload": lambda: engine.offload(2, torch.arange(4, 8), TOKENS),
+            "lookup": lambda: engine.lookup(1, TOKENS),
+            "load": lambda: engine.load(hit, torch.arange(8, 12)),
+        }
+        for name, call in calls.items():
+            caller = asyncio.ensure_future(call())
+            await asyncio.sleep(0)  # its first step: accepted
+            assert not answered(engine), name
+            await until_answered(engine)
+            caller.cancel()  # answered, and the caller has not run since
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+        after = engine.stats()
+        families = await asyncio.to_thread(scrape, registry)
+        assert after.store_tasks_open == before.store_tasks_open - 1  # the load took its hit
+    # Three callers saw CancelledError: three cancelled calls, nothing moved for them.
+    assert changes(before, after) == {**dict.fromkeys(COUNTED, 0), "cancelled": 3}
+    assert after.submitted == after.completed + after.cancelled
+    assert_the_metrics_agree(families, after)
+
+
+@pytest.mark.parametrize("loop_kind", sorted(LOOPS))
+def test_a_threads_call_cancelled_after_its_answer_came_counts_cancelled(loop_kind: str) -> None:
+    engine, registry = engine_with_metrics()
+    with aiokv.run_in_background(engine, loop_factory=LOOPS[loop_kind]) as kv:
+        kv.offload(1, torch.arange(0, 4), TOKENS)
+        hit = kv.lookup(1, TOKENS)
+        before = kv.stats()
+        calls: dict[str, Callable[[], concurrent.futures.Future[Any]]] = {
+            "offload": lambda: kv.submit_offload(2, torch.arange(4, 8), TOKENS),
+            "lookup": lambda: kv.submit_lookup(1, TOKENS),
+            "load": lambda: kv.submit_load(hit, torch.arange(8, 12)),
+        }
+        for name, submit in calls.items():
+            held, release = threading.Event(), threading.Event()
+            call = submit()
+            # Taken by the loop after the call, whose first step accepts it before.
+            holding = asyncio.run_coroutine_threadsafe(
+                hold_once_answered(engine, held, release), kv.loop)
+            assert held.wait(30), name
+            assert call.cancel()  # before the loop could hand the answer over
+            release.set()
+            holding.result(30)
+            with pytest.raises(concurrent.futures.CancelledError):
+                call.result(30)
+        after = kv.stats()
+        families = scrape(registry)
+    assert changes(before, after) == {**dict.fromkeys(COUNTED, 0), "cancelled": 3}
+    assert after.submitted == after.completed + after.cancelled
+    assert_the_metrics_agree(families, after)
+    assert after.store_tasks_open == 0  # the Lookup nobody took went back
+
+
+@pytest.mark.asyncio
+async def test_a_layerwise_load_cancelled_after_its_answer_came_counts_cancelled() -> None:
+    engine, registry = engine_with_metrics()
+    async with engine:
+        await engine.offload(1, torch.arange(0, 4), TOKENS)
+        hit = await engine.lookup(1, TOKENS)
+        before = engine.stats()
+        load = await engine.load_layerwise(hit, torch.arange(8, 12))
+        await until_answered(engine)
+        load.cancel()  # answered, and its task has not run since
+        with pytest.raises(asyncio.CancelledError):
+            await load.result()
+        with pytest.raises(concurrent.futures.CancelledError):
+            load.wait_layer(0)
+        after = engine.stats()
+        families = await asyncio.to_thread(scrape, registry)
+    assert changes(before, after) == {**dict.fromkeys(COUNTED, 0), "cancelled": 1}
+    assert_the_metrics_agree(families, after)
