@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -336,7 +336,7 @@ class OffloadEngine:
         page_ids: torch.Tensor,
         *,
         _ready_event: Any = None,
-        _on_handed_out: Callable[[layerwise.LayerwiseLoad], None] | None = None,
+        _on_handed_out: layerwise.HandOut | None = None,
     ) -> layerwise.LayerwiseLoad:
         """:meth:`load`, returned once launched (or ended, if it never launches) as an
         :class:`aiokv.LayerwiseLoad` whose layers can be waited for one by one; its later

@@ -48,6 +48,8 @@ from .requests import LoadResult, Lookup, Request
 log = logging.getLogger("aiokv")
 
 LayerMarksOf = Callable[[int], LayerMarks | None]
+# Told of a load as it is handed out, and told back whether its caller got it (start()).
+HandOut = Callable[["LayerwiseLoad", Callable[[bool], None]], None]
 
 
 class LayerwiseLoad:
@@ -352,17 +354,35 @@ async def start(
     request: Request | None,
     run: Callable[[Lookup, Request], Coroutine[Any, Any, LoadResult]],
     loads: weakref.WeakSet[LayerwiseLoad],
-    on_handed_out: Callable[[LayerwiseLoad], None] | None = None,
+    on_handed_out: HandOut | None = None,
 ) -> LayerwiseLoad:
     """``load_layerwise``'s body, once ``request`` (None: an empty hit, loaded at once)
     is made and checked: run it (``run``: the engine's load) and return once it is
     launched or ended. Cancelled before that, the load is cancelled as ``load`` is.
     ``loads``: the engine's, for a close after its loop was closed to end those that loop
-    never ended (:meth:`LayerwiseLoad._end_orphaned`). ``on_handed_out(load)``: called on
-    the loop as the load is launched or ended, before this returns."""
+    never ended (:meth:`LayerwiseLoad._end_orphaned`). ``on_handed_out(load, decided)``:
+    called on the loop as the load is launched or ended, before this returns; it tells
+    ``decided`` whether the load reached its caller, before that caller can see it."""
     loop = asyncio.get_running_loop()
     load = LayerwiseLoad(num_layers, hit, loop)
-    load._on_handed_out = on_handed_out
+    # The load's outcome reaches this caller only through the load returned here: one
+    # that ended before (refused, failed) counts as cancelled where this caller is
+    # cancelled first (aiokv.loop.takers). The parent: a run_in_background thread's call,
+    # whose own taking decides in turn.
+    outer = takers.current()
+    taker = takers.Taker(outer) if request is not None else None
+    if on_handed_out is not None:
+        def decided(taken: bool) -> None:
+            # The hook's caller (a thread) has the load as it is handed out, before this
+            # returns and its task hands the load on: the counts of its call (an empty
+            # load's, the load's refusal) are settled then, before it can see them.
+            if outer is not None:
+                outer.decide(taken)
+            if taker is not None:
+                taker.decide(taken)
+
+        hand_out = on_handed_out
+        load._on_handed_out = lambda handed: hand_out(handed, decided)
     if request is None:
         done: asyncio.Future[LoadResult] = loop.create_future()
         settle(done, LoadResult(hit.user_id, 0))
@@ -373,11 +393,7 @@ async def start(
     # while its task, which would take the answer in, never runs again.
     loads.add(load)
     request.layers = load
-    # The load's outcome reaches this caller only through the load returned here: one
-    # that ended before (refused, failed) counts as cancelled where this caller is
-    # cancelled first (aiokv.loop.takers). The parent: a run_in_background thread's call,
-    # whose own taking decides in turn.
-    taker = takers.Taker(takers.current())
+    assert taker is not None
     load._follow(takers.create_task(
         loop, lambda: run(hit, request), taker, name="aiokv-load-layerwise"))
     taken = False

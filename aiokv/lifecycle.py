@@ -343,11 +343,20 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
 
 async def close_orphaned(engine: EngineParts, timeout: float) -> None:
     """Close an engine whose loop was closed without closing it (from any loop): its
-    futures died with that loop, so nothing is left to resolve. The store thread stops,
-    waits for launched transfers and closes the store. Then the layerwise loads that loop
-    never ended end with EngineClosed: threads may wait on them, which no loop wakes."""
+    futures died with that loop, so nothing is left to resolve; every request still
+    pending is counted (StatsRecorder.settle_orphaned). The store thread stops, waits for
+    launched transfers and closes the store. Then the layerwise loads that loop never
+    ended end with EngineClosed: threads may wait on them, which no loop wakes."""
     assert engine._worker is not None
     engine._state = EngineState.CLOSED
+    # Counted first, as nothing else will (also where this close is cancelled in its
+    # joins): the callers' tasks, which take outcomes and count them, went with that loop,
+    # those answered in its last iteration included, and pending would stay above 0.
+    unanswered = list(engine._admission.live)
+    engine._stats.settle_orphaned(unanswered, EngineClosed(
+        f"engine closed after its loop was closed without aclose() ({len(unanswered)} "
+        "requests never answered)"
+    ))
     engine._worker.closing()
     engine._worker.stop(give_up_s=timeout)
     stuck = not await _join(engine._worker, timeout) and not await _terminate(engine._worker)

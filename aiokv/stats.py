@@ -254,6 +254,10 @@ class StatsRecorder:
         self.space_wait_s = 0.0
         self._latencies_s: deque[float] = deque(maxlen=_SAMPLES)
         self._batch_sizes: deque[int] = deque(maxlen=_SAMPLES)
+        # Answered requests whose callers have not taken the outcome yet, by row: what
+        # settle_orphaned counts where those callers never will (their loop is gone).
+        self._untaken = [0] * len(KINDS)
+        self._settled = False  # by settle_orphaned: no outcome is counted after it
 
     def record_submit(self) -> None:
         self._counts[_SUBMITTED] += 1
@@ -310,6 +314,7 @@ class StatsRecorder:
         request.resolved_at = time.perf_counter()
         if request.dispatched_at == 0.0:  # in the queue (record_batch, record_requeue)
             self._counts[_RESOLVED_QUEUED] += 1
+        self._untaken[_ROW[request.kind]] += 1
 
     def record_outcome(self, request: Request, outcome: object, taken: bool = True) -> None:
         """Count the outcome of one resolved request (:meth:`record_resolved`) as its
@@ -317,8 +322,11 @@ class StatsRecorder:
         cancelled it, before the answer or after it, before it took it (also ``taken``
         False). The latency, submit to resolved, is observed for every outcome but a
         cancellation (the caller's time, not ours)."""
+        if self._settled:  # a caller's coroutine closed after settle_orphaned counted it
+            return
         counts = self._counts
         kind_row = _ROW[request.kind]
+        self._untaken[kind_row] -= 1
         row = kind_row * _WIDTH  # the request's row in the counts table
         if outcome is None or not taken:
             counts[row + _CANCELLED] += 1
@@ -362,6 +370,25 @@ class StatsRecorder:
         """Tokens an evict or clear dropped, as the store answered it (its caller may have
         left: the store drops them all the same)."""
         self._counts[_DROPPED_TOKENS] += tokens
+
+    def settle_orphaned(self, unanswered: Sequence[Request], error: BaseException) -> None:
+        """The engine is closed after its loop was closed without closing it: no caller
+        still waiting will take an outcome (their tasks went with that loop), so every
+        accepted request is counted now, and ``pending`` is 0 from here on. Those never
+        answered (``unanswered``) fail with ``error``, as a close fails those it abandons
+        (the EngineClosed a thread waiting on such a layerwise load sees). Those answered
+        and never taken count as cancelled, as any outcome its caller never took
+        (:mod:`aiokv.loop.takers`): no caller received the answer, so neither its tokens
+        nor its latency are counted. Outcome counts are final from here: a caller's
+        coroutine closed later (garbage collected) counts nothing more."""
+        for request in unanswered:
+            self.record_resolved(request)
+            self.record_outcome(request, error)
+        counts = self._counts
+        for kind_row, untaken in enumerate(self._untaken):
+            counts[kind_row * _WIDTH + _CANCELLED] += untaken
+            self._untaken[kind_row] = 0
+        self._settled = True
 
     def record_empty_load(self, taken: bool = True) -> None:
         """A load of a Lookup that found nothing, answered at once: submitted and

@@ -431,8 +431,10 @@ class BackgroundEngine:
         # error at submit, a cancellation, a closed engine.
         handed: concurrent.futures.Future[BackgroundLayerwiseLoad] = concurrent.futures.Future()
 
-        def hand_out(load: LayerwiseLoad) -> None:
-            finish_thread_future(handed, BackgroundLayerwiseLoad(load, self.loop))
+        def hand_out(load: LayerwiseLoad, decided: Callable[[bool], None]) -> None:
+            # ``decided``: the call's counts, settled before this thread can see the load
+            # (a refused load's Overloaded): not at the portal task's end, a step later.
+            finish_thread_future(handed, BackgroundLayerwiseLoad(load, self.loop), decided)
 
         async def load_layerwise() -> BackgroundLayerwiseLoad:
             load = await self.engine.load_layerwise(

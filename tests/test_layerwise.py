@@ -454,7 +454,7 @@ async def test_a_hand_out_that_fails_leaves_the_others_of_its_round_theirs(
     store = LayeredStore()
     engine, caches = engine_over(store, window_us=10_000_000, max_batch_requests=2)
 
-    def broken(load: aiokv.LayerwiseLoad) -> None:
+    def broken(load: aiokv.LayerwiseLoad, decided: Callable[[bool], None]) -> None:
         raise RuntimeError(f"told of {load.user_id}'s launch")
 
     told: list[aiokv.LayerwiseLoad] = []
@@ -465,7 +465,7 @@ async def test_a_hand_out_that_fails_leaves_the_others_of_its_round_theirs(
             engine.load_layerwise(hits[0], torch.arange(12, 16), _on_handed_out=broken)
         )
         second = asyncio.ensure_future(
-            engine.load_layerwise(hits[1], TARGET, _on_handed_out=told.append)
+            engine.load_layerwise(hits[1], TARGET, _on_handed_out=lambda load, _: told.append(load))
         )
         await first  # woken by the round's hand-out, which has run to its end by now
         assert len(told) == 1  # the second load was handed out in the same round

@@ -160,3 +160,111 @@ async def test_a_layerwise_load_cancelled_after_its_answer_came_counts_cancelled
         families = await asyncio.to_thread(scrape, registry)
     assert changes(before, after) == {**dict.fromkeys(COUNTED, 0), "cancelled": 1}
     assert_the_metrics_agree(families, after)
+
+
+def hold_the_loop_as_it_finishes(future: concurrent.futures.Future[Any],
+                                 loop: asyncio.AbstractEventLoop,
+                                 release: threading.Event) -> None:
+    """A user's done callback on ``future`` that blocks the loop's thread (which runs it,
+    as it finishes the future) until ``release``: the thread that waits on the future has
+    its outcome, and the loop runs nothing more meanwhile."""
+    def hold(_: concurrent.futures.Future[Any]) -> None:
+        if loop.is_running() and threading.current_thread() is not threading.main_thread():
+            release.wait(30)
+
+    future.add_done_callback(hold)
+
+
+@pytest.mark.parametrize("loop_kind", sorted(LOOPS))
+def test_a_threads_layerwise_load_is_counted_by_the_time_the_thread_sees_it_end(
+        loop_kind: str) -> None:
+    """run_in_background, overload: reject, one call at a time: a thread's layerwise
+    load refused for want of room, and one of a Lookup that found nothing. Once the thread
+    has its load and sees how it ended (Overloaded; loaded, nothing to move), stats read
+    right then count it, as a scrape thread would see it, not once the loop's task that
+    returned the load ended (a few loop iterations later)."""
+    config = aiokv.EngineConfig(window_us=0, max_pending=1, overload="reject")
+    engine = aiokv.OffloadEngine(small_store(), make_caches(), config)
+    registry = CollectorRegistry()
+    metrics.register(engine, registry)
+    with aiokv.run_in_background(engine, loop_factory=LOOPS[loop_kind]) as kv:
+        kv.offload(1, torch.arange(0, 4), TOKENS)
+        refused = False
+        for _ in range(100):  # refused unless the offload ended before the load came
+            hit = kv.lookup(1, TOKENS)
+            before = engine.stats()
+            release, stalled = threading.Event(), threading.Event()
+            kv.loop.call_soon_threadsafe(stalled.wait, 30)  # both calls reach the loop together
+            holder = kv.submit_offload(2, torch.arange(8, 12), TOKENS)  # the one room
+            handed = kv.submit_load_layerwise(hit, torch.arange(16, 20))
+            hold_the_loop_as_it_finishes(handed, kv.loop, release)
+            stalled.set()
+            try:
+                load = handed.result(30)
+                try:
+                    load.result(timeout=30)
+                except aiokv.Overloaded:
+                    refused = True
+                    now = engine.stats()  # the loop is held: nothing else runs
+                    families = scrape(registry)
+                    assert now.rejected == before.rejected + 1
+                    assert families["aiokv_requests_total"][("load", "rejected")] == now.rejected
+                    hit.release()
+            finally:
+                release.set()
+            holder.result(30)
+            if refused:
+                break
+        assert refused, "every load came after the offload had ended"
+
+        empty = kv.lookup(99, TOKENS)  # nothing cached: loaded at once, nothing moved
+        assert empty.cached_tokens == 0
+        before = engine.stats()
+        release, stalled = threading.Event(), threading.Event()
+        kv.loop.call_soon_threadsafe(stalled.wait, 30)
+        handed = kv.submit_load_layerwise(empty, torch.arange(16, 20))
+        hold_the_loop_as_it_finishes(handed, kv.loop, release)
+        stalled.set()
+        try:
+            assert handed.result(30).result(timeout=30).loaded_tokens == 0
+            now = engine.stats()
+            assert (now.empty_loads, now.completed) == (before.empty_loads + 1,
+                                                        before.completed + 1)
+            assert now.pending == 0
+        finally:
+            release.set()
+
+
+@pytest.mark.parametrize("loop_kind", sorted(LOOPS))
+def test_calls_answered_as_the_loop_went_are_counted_by_the_close_after_it(
+        loop_kind: str) -> None:
+    """The engine's loop stops in the iteration that answered the calls, before their
+    callers' tasks ran again, and is closed without aclose; a close from another loop counts every call it accepted: the callers
+    never took their answers (cancelled, nothing moved for them), and pending is 0."""
+    engine, registry = engine_with_metrics()
+    loop = LOOPS[loop_kind]()
+
+    async def setup() -> None:
+        await engine.start()
+        await engine.offload(1, torch.arange(0, 4), TOKENS)
+
+    try:
+        loop.run_until_complete(setup())
+        before = engine.stats()
+        callers = [loop.create_task(engine.lookup(1, TOKENS)) for _ in range(10)]
+        for _ in range(1_000_000):  # one loop iteration at a time, until it answered them
+            loop.stop()
+            loop.run_forever()
+            if answered(engine):
+                break  # their callers' tasks run in the next iteration, which never comes
+        assert not any(caller.done() for caller in callers)
+        assert engine.stats().pending == 10
+    finally:
+        loop.close()
+    asyncio.run(engine.aclose(timeout=10))
+    after = engine.stats()
+    families = scrape(registry)
+    assert changes(before, after) == {**dict.fromkeys(COUNTED, 0), "cancelled": 10}
+    assert after.submitted == (after.completed + after.failed + after.timed_out
+                               + after.cancelled + after.pending)
+    assert_the_metrics_agree(families, after)
