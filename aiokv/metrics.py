@@ -81,6 +81,7 @@ _ERROR_KEYS = (
     ("remote_checksum", "remote_checksum_failures"),
     ("remote_read", "remote_read_errors"),
     ("remote_write", "remote_write_errors"),
+    ("remote_remove", "remote_remove_errors"),  # removals of what a marker ended, refused
     ("remote_timeout", "remote_timeouts"),
     # Evicts and clears whose marker did not go out: not calls (those are the others').
     ("remote_invalidation", "remote_invalidation_errors"),

@@ -12,16 +12,16 @@ import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from conftest import failing_first_call, held, needs_mooncake
+from conftest import Gate, failing_first_call, held, needs_mooncake
 from prometheus_client import CollectorRegistry
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 import aiokv.metrics
-from aiokv.remote.client import RemoteIO
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.markers import Markers
 from aiokv.remote.native import import_store
@@ -86,7 +86,7 @@ def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
     try:
         assert a.offload(1711) == TOKENS
         until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
-        gate = held(monkeypatch, RemoteIO, "_remove")
+        gate = held(monkeypatch, import_store().MooncakeDistributedStore, "remove_by_regex")
         if clear:
             a.kv.clear()
         else:
@@ -109,6 +109,70 @@ def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
         assert c.load(1711) == (TOKENS, True)  # what B wrote after the invalidation
     finally:
         c.close()
+
+
+def test_a_slow_remove_holds_up_no_evict_lookup_or_read(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A's evict has its marker out and its best-effort remove under way, held for as long
+    # as the test likes: a master with many keys takes that long to scan them all. A's
+    # next evicts get their markers out, and its lookups (a host-tier hit, a read from
+    # Mooncake) answer, all before that remove ends; what the evicts ended misses on B.
+    # The removes queued meanwhile then take what those evicts ended, and nothing that B
+    # wrote since under the next generation.
+    c = LocalHost(mooncake.master)
+    try:
+        assert c.offload(1761) == TOKENS
+        until(lambda: c.stats()["remote_blocks_written"] == USER_PAGES)
+    finally:
+        c.close()
+    a = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    b = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    # Mooncake's own call held (every client of this process: only A removes), and what
+    # each one removed.
+    store = import_store().MooncakeDistributedStore
+    real, gate, removed = store.remove_by_regex, Gate(), []
+
+    def slow(client: Any, pattern: str, force: bool) -> int:
+        gate.entered.set()
+        gate.wait(30)
+        count = real(client, pattern, force)
+        removed.append(count)
+        return count
+
+    monkeypatch.setattr(store, "remove_by_regex", slow)
+    try:
+        for user in (1762, 1763, 1764, 1765):
+            assert a.offload(user) == TOKENS
+        until(lambda: a.stats()["remote_blocks_written"] == 4 * USER_PAGES)
+        assert a.kv.evict(1762) == TOKENS
+        assert gate.entered.wait(60), "the evict did not remove"
+        assert a.kv.evict(1763) == TOKENS
+        assert a.kv.evict(1765) == TOKENS
+        assert a.load(1764) == (TOKENS, True)
+        assert a.load(1761) == (TOKENS, True)  # from Mooncake
+        stats = a.stats()
+        # Each of them answered, none at its timeout_ms: the remove is still held.
+        assert not gate.is_set()
+        assert (stats["remote_invalidation_errors"], stats["remote_timeouts"],
+                stats["remote_hits"]) == (0, 0, 1), stats
+        assert [b.load(user)[0] for user in (1762, 1763, 1765)] == [0, 0, 0]
+        assert b.load(1764) == (TOKENS, True)  # not A's to end
+        assert b.offload(1763) == TOKENS  # under the generation after A's evict
+        until(lambda: b.stats()["remote_blocks_written"] == USER_PAGES)
+        gate.set()
+        # 1762's remove, then 1763's and 1765's together.
+        until(lambda: len(removed) == 2)
+        assert removed == [USER_PAGES, 2 * USER_PAGES]
+        assert (a.stats()["remote_removals_dropped"], a.stats()["remote_errors"]) == (0, 0)
+    finally:
+        gate.set()
+        b.close()
+        a.close()
+    d = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    try:
+        assert d.load(1763) == (TOKENS, True)  # B's
+    finally:
+        d.close()
 
 
 def test_a_host_does_not_read_what_its_evict_ends_until_the_marker_is_out(

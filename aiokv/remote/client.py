@@ -1,7 +1,8 @@
 """The remote tier's I/O: one Mooncake Store client (:mod:`.connection`), a writer
-thread behind a bounded queue (:mod:`.writer`), and a reader thread whose answers the
+thread behind a bounded queue (:mod:`.writer`), a reader thread whose answers the
 store thread waits for only so long: lookups' reads, and invalidations' markers
-(:mod:`.markers`).
+(:mod:`.markers`), and a thread for the removals that follow the markers, which nobody
+waits for (:mod:`.removals`).
 
 Nothing here touches the host tier's bookkeeping: the store thread (:mod:`.link`) hands
 over host block numbers it holds, and gets them back through the queue's ``finished``.
@@ -27,6 +28,7 @@ from .connection import ABSENT, NOT_READY, Closed, Connection
 from .keys import Keys, leading_ones
 from .markers import Markers
 from .queue import WriteQueue
+from .removals import Remover
 from .values import Values
 from .writer import Writer
 
@@ -80,6 +82,8 @@ class RemoteIO:
         self._publishing_started = False
         self._publishing_lock = threading.Lock()
         self._reader = CallThread("aiokv-remote-read", self._tend)
+        self._remover = Remover(self.connection, keys.either)
+        self.remove_stats = self._remover.stats
         self._writer.thread.start()
         # Connect (and learn where the markers stand) now, so the first lookup need not.
         self._reader.submit(self._check)
@@ -221,9 +225,11 @@ class RemoteIO:
             self.keys.published(ns, count)
             patterns.append(pattern)
         # Best effort (the markers already hide them), and after the answer: only the
-        # blocks of what ended, never those of what follows, written from now on.
+        # blocks of what ended, never those of what follows, written from now on. On a
+        # thread of its own: the master scans every key it holds for it, which the next
+        # marker and the lookups' reads must not queue behind.
         for pattern in patterns:
-            self._reader.submit(self._remove, pattern)  # closing: cancelled, left to the LRU
+            self._remover.submit(pattern)  # closing: dropped, left to the LRU
         return len(patterns) == len(waiting)
 
     def _check(self) -> bool:
@@ -243,14 +249,6 @@ class RemoteIO:
         log.warning("aiokv: remote tier: the Mooncake master restarted (its boot id is "
                     "gone): epochs and generations start again from 0")
         self._wake()
-
-    def _remove(self, pattern: str) -> None:
-        client = self.connection.ready()
-        if client is not None:
-            removed = int(client.remove_by_regex(pattern, True))
-            refused = self.connection.codes("remove_by_regex", [removed]) and removed < 0
-            if refused and self.connection.refused():
-                self.read_stats["remote_read_errors"] += 1
 
     def _tend(self) -> float | None:
         """The reader thread, between calls: publish the markers that could not be
@@ -291,7 +289,7 @@ class RemoteIO:
     # ---- the interpreter's exit (aiokv.exiting) ----------------------------------------
 
     def stop_at_exit(self) -> None:
-        """The interpreter exits with the engine never closed: both threads end after the
+        """The interpreter exits with the engine never closed: its threads end after the
         Mooncake call they are in (a daemon thread still in one as the interpreter
         finalizes is unwound through Mooncake's C++ frames: std::terminate). The writes
         queued are dropped and the reads not started cancelled (the store thread sees a
@@ -301,18 +299,20 @@ class RemoteIO:
         self.queue.close()
         self.queue.give_back(dropped)
         self._reader.stop()
+        self._remover.stop()
 
     def join_at_exit(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         self._writer.thread.join(timeout)
         return (self._reader.join(max(0.0, deadline - time.monotonic()))
+                and self._remover.join(max(0.0, deadline - time.monotonic()))
                 and not self._writer.thread.is_alive())
 
     # ---- close ---------------------------------------------------------------------
 
     def close(self, flush: bool = True) -> bool:
         """Publish the markers not out yet, finish the queued writes (``flush``; else
-        drop them at once), stop both threads, and let go of Mooncake. Each wait for
+        drop them at once), stop the threads, and let go of Mooncake. Each wait for
         Mooncake is ``timeout_ms`` at most, as a lookup's: the markers' call, a write
         batch in a call (queued writes go on while batches answer, ``_FLUSH_S`` at most),
         and the threads' calls under way. A thread still in a call then (a master that
@@ -338,7 +338,10 @@ class RemoteIO:
         deadline = time.monotonic() + timeout_s
         self._writer.thread.join(timeout_s)
         queue.give_back(dropped)
+        # The removals not started are dropped: the LRU takes what they would have.
+        self._remover.stop()
         stopped = (self._reader.close(max(0.0, deadline - time.monotonic()))
+                   and self._remover.join(max(0.0, deadline - time.monotonic()))
                    and not self._writer.thread.is_alive())
         # A thread left in a call goes on once it returns: from here on it calls Mooncake
         # no more, and what it meets is not counted (close's figures are final).

@@ -208,6 +208,17 @@ class Keys:
         """Every namespace's blocks of this epoch, any generation (not the markers)."""
         return f"^{self.root}/[0-9a-f]{{32}}/{epoch}\\.[0-9]+/"
 
+    def either(self, patterns: Sequence[str]) -> str:
+        """One pattern for what any of these (:meth:`generation_pattern`,
+        :meth:`epoch_pattern`) matches, and nothing else: their shared ``^<root>/`` once.
+        The master tries each alternative at each character of each key it holds, so
+        ``^root/a|^root/b`` costs about a scan per pattern, ``^root/(?:a|b)`` one."""
+        head = f"^{self.root}/"
+        if len(patterns) == 1:
+            return patterns[0]
+        # A pattern of another shape keeps its ``^`` inside the group: it matches nothing.
+        return head + "(?:" + "|".join(p.removeprefix(head) for p in patterns) + ")"
+
 
 @dataclass
 class Moved:

@@ -164,8 +164,9 @@ class RemoteLink:
         """Before the host tier drops a namespace (None: everything): queued writes of it
         are taken back, reads of it under way will bring nothing, and this host neither
         reads nor writes it on Mooncake until the marker that ends its generation (the
-        epoch) is out: published on the reader thread (then a best-effort remove), or,
-        where the tier rests or its reader is stuck in a call, once it answers again.
+        epoch) is out: published on the reader thread (then a best-effort remove, on a
+        thread nobody waits for), or, where the tier rests or its reader is stuck in a
+        call, once it answers again.
 
         ``wait``: first wait for a write of it under way (so that its blocks are idle when
         the host tier drops the key), then for the marker, ``timeout_ms`` each at most.
@@ -191,7 +192,7 @@ class RemoteLink:
     def stats(self) -> dict[str, int | float]:
         io = self.io
         stats: dict[str, int | float] = {**self.stats_, **self.reads.stats_, **io.write_stats,
-                                         **io.read_stats}
+                                         **io.read_stats, **io.remove_stats}
         stats["remote_write_queue_blocks"] = io.queue.queued_blocks
         stats["remote_blocks_held"] = self._held  # host blocks waiting for their write
         stats["remote_lookups_open"] = self.reads.open_reads  # under way (store server)
@@ -214,7 +215,7 @@ class RemoteLink:
         # for one is counted here already, and one made while the tier rests made none.
         stats["remote_errors"] = (
             stats["remote_read_errors"] + stats["remote_write_errors"]
-            + stats["remote_timeouts"] + stats["remote_call_errors"]
+            + stats["remote_remove_errors"] + stats["remote_timeouts"] + stats["remote_call_errors"]
             + stats["remote_connect_errors"]
         )
         return stats
