@@ -341,6 +341,13 @@ def _remote_families(store: Mapping[str, int | float]) -> Iterator[Metric]:
         labels=["reason"],
     )
     yield _from_store(dropped, _REMOTE_DROP_KEYS, store)
+    removals = CounterMetricFamily(
+        "aiokv_remote_dropped_removals",
+        "Removals of what an evict's or clear's marker ended that were never made (queued "
+        "past the bound, the tier down or resting, refused, or dropped at close): those "
+        "blocks stay in Mooncake, hidden by the markers, until its LRU takes them.",
+    )
+    yield _from_store(removals, [("remote_removals_dropped",)], store)
     waiting = GaugeMetricFamily(
         "aiokv_remote_invalidations_waiting",
         "Evicts and clears whose marker is not out on Mooncake yet: until it is, this host "

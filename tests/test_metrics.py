@@ -286,7 +286,8 @@ def test_register_describes_every_family_and_refuses_a_second_engine() -> None:
         "aiokv_bytes", "aiokv_lookup_tokens", "aiokv_lookup_hit_tokens", "aiokv_hit_ratio",
         "aiokv_store_blocks", "aiokv_store_errors", "aiokv_tier_hit_tokens",
         "aiokv_empty_loads", "aiokv_dropped_tokens", "aiokv_remote_lookups",
-        "aiokv_remote_dropped_writes", "aiokv_remote_lookup_seconds",
+        "aiokv_remote_dropped_writes", "aiokv_remote_dropped_removals",
+        "aiokv_remote_lookup_seconds",
         "aiokv_remote_write_seconds", "aiokv_remote_invalidations_waiting",
     }  # fmt: skip
     # Before start: zeros, and no store answer yet (the store thread does not exist).
@@ -497,3 +498,12 @@ async def test_a_scraped_metrics_endpoint_matches_engine_stats() -> None:
     assert value(families["aiokv_store_blocks"], tier="host", state="used") == 9
     assert value(families["aiokv_store_blocks"], tier="host", state="total") == 64
     assert set(store.asked_from) == {"aiokv-store"}
+
+
+def test_the_remote_tiers_dropped_removals_are_exported_as_the_store_counts_them() -> None:
+    # store_stats()'s remote_removals_dropped, as a scrape shows it (README's metric list).
+    families = {family.name: family for family in metrics._remote_families(
+        {"remote_removals_dropped": 7, "remote_dropped_queue": 2})}
+    dropped = families["aiokv_remote_dropped_removals"]
+    assert [(s.name, s.value) for s in dropped.samples] == [
+        ("aiokv_remote_dropped_removals_total", 7)]
