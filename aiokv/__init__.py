@@ -15,14 +15,15 @@ from .errors import (
     StoreFull,
     WrongLoop,
 )
-from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
+from .handles import BackgroundLayerwiseLoad, BackgroundLookup
+from .layerwise import LayerwiseLoad
 from .open import open_engine
 from .requests import LoadResult, Lookup, OffloadResult
 from .stats import EngineStats
 from .stores.base import Store, TaskResult, TaskStatus
 from .stores.local import LocalStore
 from .stores.process import ProcessStore
-from .sync import BackgroundEngine, BackgroundLookup, run_in_background
+from .sync import BackgroundEngine, run_in_background
 
 
 def __getattr__(name: str) -> object:

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from . import validate
 from .copy.marks import LayerFailed, LayerMarks, Waiter
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest, NotLoaded, StoreError
 from .loop import takers
@@ -443,97 +442,7 @@ def _deliver(notices: list[tuple[LayerwiseLoad, LayerMarks | None]]) -> None:
             )
 
 
-class BackgroundLayerwiseLoad:
-    """A :class:`LayerwiseLoad` handed to a thread by ``run_in_background``'s handle:
-    ``wait_layer`` runs in the calling thread (its current CUDA stream waits), the
-    rest on the engine's loop. The blocking ones raise BlockingCallOnLoop on that loop's
-    own thread; threads see a cancelled load as ``concurrent.futures.CancelledError``.
-    In a forked child, a wait for a load that had not ended raises EngineClosed: nothing
-    there ends it."""
-
-    def __init__(self, load: LayerwiseLoad, loop: asyncio.AbstractEventLoop) -> None:
-        self.load = load
-        self._loop = loop
-        self._pid = os.getpid()  # the process whose loop and store end the load
-
-    @property
-    def user_id(self) -> Hashable:
-        return self.load.user_id
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.load.cached_tokens
-
-    @property
-    def num_layers(self) -> int:
-        return self.load.num_layers
-
-    def __repr__(self) -> str:
-        return f"Background{self.load!r}"
-
-    def wait_layer(self, layer: int, stream: Any = None) -> None:
-        """:meth:`LayerwiseLoad.wait_layer`, in this thread."""
-        if not self.load._take_end():
-            refuse_in_fork(self._pid, "layerwise load")
-        self.load.wait_layer(layer, stream)
-
-    def is_ready(self, layer: int) -> bool:
-        """:meth:`LayerwiseLoad.is_ready` (never blocks)."""
-        return self.load.is_ready(layer)
-
-    def layer_ready(self, layer: int, timeout: float | None = None) -> None:
-        """Block until layer ``layer`` is in the pages (:meth:`LayerwiseLoad.layer_ready`)
-        or ``timeout`` seconds pass (TimeoutError)."""
-        timeout = validate.wait_timeout(timeout)
-        load = self.load
-        if load._take_end():  # also once the handle closed and its loop is gone
-            load._check(layer)
-            load._raise_if_failed(threads=True)
-            return
-        refuse_in_fork(self._pid, "layerwise load")
-        self._refuse_on_loop("layer_ready")
-        waited = asyncio.run_coroutine_threadsafe(load.layer_ready(layer), self._loop)
-        try:
-            waited.result(timeout)
-        except concurrent.futures.TimeoutError:  # builtin TimeoutError from 3.11
-            waited.cancel()  # a wait given up lets its layer-wait thread go
-            raise
-
-    def result(self, timeout: float | None = None) -> LoadResult:
-        """Block for the load's LoadResult or error (TimeoutError after ``timeout``)."""
-        timeout = validate.wait_timeout(timeout)
-        end = self.load._end
-        if end.done():  # also once the handle closed and its loop is gone
-            self.load._take_end()  # as LayerwiseLoad.result: the waits after answer alike
-            if end.cancelled():
-                raise concurrent.futures.CancelledError()
-            return end.result()
-        refuse_in_fork(self._pid, "layerwise load")
-        self._refuse_on_loop("result")
-        waited = asyncio.run_coroutine_threadsafe(self.load.result(), self._loop)
-        try:
-            return waited.result(timeout)
-        except concurrent.futures.TimeoutError:  # builtin TimeoutError from 3.11
-            waited.cancel()  # the load goes on (cancel() cancels it)
-            raise
-
-    def cancel(self) -> None:
-        """:meth:`LayerwiseLoad.cancel`, on the engine's loop; does not wait (a no-op in
-        a forked child: the load is the parent's)."""
-        if forked(self._pid):
-            return
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the load ended
-            self._loop.call_soon_threadsafe(self.load.cancel)
-
-    def _refuse_on_loop(self, name: str) -> None:
-        if threading.get_ident() == self.load._loop_thread:
-            raise BlockingCallOnLoop(
-                f"{name}() blocks until the engine's loop answers, and was called on that "
-                f"loop's own thread; await the LayerwiseLoad's {name}() there instead"
-            )
-
-
-__all__ = ["BackgroundLayerwiseLoad", "LayerwiseLoad", "note_launches", "start"]
+__all__ = ["LayerwiseLoad", "note_launches", "start"]
 
 
 _WAITS: concurrent.futures.ThreadPoolExecutor | None = None

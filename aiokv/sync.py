@@ -38,7 +38,8 @@ from . import validate
 from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
 from .exiting import HandOverGate, stop_at_exit
-from .layerwise import BackgroundLayerwiseLoad, LayerwiseLoad
+from .handles import BackgroundLayerwiseLoad, BackgroundLookup
+from .layerwise import LayerwiseLoad
 from .loop.resolution import finish_thread_future
 from .portal import Call, Portal, forked, outcome, refuse_in_fork
 from .requests import LoadResult, Lookup, OffloadResult
@@ -63,59 +64,6 @@ def default_loop_factory() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
     loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     return loop
-
-
-class BackgroundLookup:
-    """A :class:`~aiokv.Lookup` handed to a thread. ``release()`` may be called from any
-    thread: the release runs on the engine's loop, which owns the reservation, and in
-    order with the calls submitted before it (through the handle's ``portal``). Usable
-    as ``with``."""
-
-    def __init__(self, lookup: Lookup, portal: Portal) -> None:
-        self.lookup = lookup
-        self._portal = portal
-
-    @property
-    def user_id(self) -> Hashable:
-        return self.lookup.user_id
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.lookup.cached_tokens
-
-    @property
-    def held(self) -> bool:
-        """True while the reservation is held (not yet loaded, released, expired, or given
-        back by an evict or clear of the key)."""
-        return self.lookup.held
-
-    def __repr__(self) -> str:
-        return f"Background{self.lookup!r}"
-
-    def release(self) -> None:
-        """Give the reservation back; does not wait. Idempotent; a no-op once loaded
-        (a load submitted before the release, from any thread, consumes the hit first),
-        once the engine's loop has stopped (closing the engine released it), and in a
-        forked child (the reservation is the parent's)."""
-        # The loop is closed, and so is the engine; or this is a forked child.
-        with contextlib.suppress(RuntimeError):
-            self._portal.start([self._release])
-
-    async def _release(self) -> None:
-        # A task's first step, as the engine's calls are (aiokv.portal): not a plain
-        # callback, which would overtake the loads whose tasks were made before it.
-        self.lookup.release()
-
-    def __enter__(self) -> BackgroundLookup:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
 
 
 # The engine's call that does a blocking handle call's work on the loop, where it is not

@@ -34,8 +34,9 @@ import torch
 
 from ..config import EngineConfig, StoreConfig
 from ..engine import OffloadEngine
+from ..handles import BackgroundLookup
 from ..stores import make_store
-from ..sync import BackgroundEngine, BackgroundLookup, run_in_background
+from ..sync import BackgroundEngine, run_in_background
 from . import common
 from .model import round_configs
 from .standin import StandIn, one_thread, smoke_run

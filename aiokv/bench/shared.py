@@ -41,8 +41,8 @@ import yaml
 
 from .. import EngineConfig, OffloadEngine, StoreConfig, flags, run_in_background
 from ..errors import ConfigError, StoreError
+from ..handles import BackgroundLookup
 from ..stores import make_store
-from ..sync import BackgroundLookup
 from . import common
 
 NAME = "shared"

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ..errors import InvalidRequest
+from ..handles import BackgroundLookup
 from ..open import ConfigSource
-from ..sync import BackgroundLookup
 from .recsys_core import PendingCalls, RecsysCore
 from .recsys_math import (
     offload_lengths,

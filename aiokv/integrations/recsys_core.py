@@ -28,11 +28,12 @@ import torch
 import yaml
 
 from ..engine import OffloadEngine
+from ..handles import BackgroundLookup
 from ..open import ConfigSource, read_config
 from ..portal import outcome
 from ..requests import LoadResult, OffloadResult
 from ..stores import make_store
-from ..sync import BackgroundEngine, BackgroundLookup, run_in_background
+from ..sync import BackgroundEngine, run_in_background
 
 log = logging.getLogger("aiokv")
 
