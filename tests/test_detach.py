@@ -60,50 +60,36 @@ async def loaded(engine: aiokv.OffloadEngine, caches: list[torch.Tensor], key: s
 
 
 @pytest.mark.asyncio
-async def test_an_offload_timed_out_during_its_copy_stores_nothing_of_its_reused_pages(
-    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("stop", ["timeout", "cancel"])
+async def test_an_offload_that_stops_waiting_during_its_copy_stores_nothing_of_its_reused_pages(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch, stop: str
 ) -> None:
     copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
     source, target = pages(0), pages(40)
-    async with engine_of(caches) as engine:
+    async with engine_of(caches, TIMEOUT_MS if stop == "timeout" else 0) as engine:
         call = asyncio.ensure_future(engine.offload("u", source, TOKENS))
         try:
             assert await asyncio.to_thread(copying.entered.wait, 10)  # launched, copying
-            with pytest.raises(aiokv.RequestTimeout):
-                await asyncio.wait_for(call, 10)
+            if stop == "timeout":
+                with pytest.raises(aiokv.RequestTimeout):
+                    await asyncio.wait_for(call, 10)
+            else:
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
             for cache in caches:  # the call resolved: its pages are the caller's again
                 cache[source] = 7.0
         finally:
             await copy_ends(engine, copying)  # the copy reads them now
-        # Before the fix: a full hit, every byte 7.0 (what was written after the timeout).
+        # Before the fix: a full hit, every byte 7.0 (what was written after the call).
         assert await loaded(engine, caches, "u", target) == 0
+        stats = engine.stats()
+        assert (stats.timed_out if stop == "timeout" else stats.cancelled, stats.pending) == (1, 0)
         # The key is not held up: an offload now stores what the pages hold now.
         assert (await engine.offload("u", source, TOKENS)).stored_tokens == TOKENS
         assert await loaded(engine, caches, "u", target) == TOKENS
         for cache in caches:
             assert bool((cache[target] == 7.0).all())
-
-
-@pytest.mark.asyncio
-async def test_an_offload_cancelled_during_its_copy_stores_nothing_of_its_reused_pages(
-    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
-    source, target = pages(0), pages(40)
-    async with engine_of(caches, timeout_ms=0) as engine:
-        call = asyncio.ensure_future(engine.offload("u", source, TOKENS))
-        try:
-            assert await asyncio.to_thread(copying.entered.wait, 10)
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
-            for cache in caches:
-                cache[source] = 7.0
-        finally:
-            await copy_ends(engine, copying)
-        assert await loaded(engine, caches, "u", target) == 0
-        stats = engine.stats()
-        assert (stats.cancelled, stats.pending) == (1, 0)
 
 
 @pytest.mark.asyncio
