@@ -80,6 +80,15 @@ def _check_tier_gb(key: str, gib: float) -> None:
         raise ConfigError(key, f"must be at most {MAX_TIER_GB:.0f} GiB (2**63 bytes), got {gib}")
 
 
+def size_text(n: int, places: int = 0) -> str:
+    """``n`` bytes for a message: MiB below 1 GiB (to ``places`` decimals), GiB from it
+    (one more), so that two figures a user compares, such as a need and the free space,
+    never both read 0.01 GiB."""
+    if n < 1 << 30:
+        return f"{n / (1 << 20):,.{places}f} MiB"
+    return f"{n / (1 << 30):,.{places + 1}f} GiB"
+
+
 def machine_memory_bytes() -> int | None:
     """This machine's physical memory (None where the OS does not say)."""
     try:

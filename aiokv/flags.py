@@ -19,7 +19,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 
-from .config import machine_memory_bytes
+from .config import machine_memory_bytes, size_text
 
 
 def integer(minimum: int, *, or_zero: bool = False) -> Callable[[str], int]:
@@ -108,12 +108,6 @@ def too_large(exc: BaseException) -> str | None:
     return f"the sizes asked for do not fit in this machine's memory ({first}); ask for less"
 
 
-def _gib(size: int) -> str:
-    if size < 1 << 30:
-        return f"{size / (1 << 20):,.0f} MiB"
-    return f"{size / (1 << 30):,.1f} GiB"
-
-
 def check_fits(asked: str, needs: Mapping[str, int]) -> None:
     """MemoryError (:func:`too_large` words it as a usage error) where the host buffers
     ``needs`` names, in bytes, add up to more than this machine's memory; ``asked`` names
@@ -125,9 +119,9 @@ def check_fits(asked: str, needs: Mapping[str, int]) -> None:
     total = sum(needs.values())
     if memory is None or total <= memory:
         return
-    parts = " + ".join(f"{name} {_gib(size)}" for name, size in needs.items() if size)
-    raise MemoryError(f"{asked}: {parts} = {_gib(total)}, more than this machine's "
-                      f"{_gib(memory)}")
+    parts = " + ".join(f"{name} {size_text(size)}" for name, size in needs.items() if size)
+    raise MemoryError(f"{asked}: {parts} = {size_text(total)}, more than this machine's "
+                      f"{size_text(memory)}")
 
 
 __all__ = [

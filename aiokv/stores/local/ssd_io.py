@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ...config import size_text
 from ...errors import ConfigError
 from ..dirlock import STORE, DirLock, require_directory
 from .ssd_format import DATA_NAME, HEADER_BYTES, Meta, geometry_difference, read_meta, write_meta
@@ -56,13 +57,6 @@ class ShortIO(OSError):
     def __init__(self, code: int, message: str, moved: int) -> None:
         super().__init__(code, message)
         self.moved = moved
-
-
-def _size(n: int) -> str:
-    """``n`` bytes, rounded for a message: GiB from 1 GiB, MiB below (in GiB to two
-    places, a small tier's need and the free space both read 0.01; the message gives
-    the exact bytes too, so that two figures a user compares never read the same)."""
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def open_data_file(path: Path, direct: bool) -> tuple[int, bool]:
@@ -223,9 +217,9 @@ class SsdFiles:
             if bytes_needed > free[dev]:
                 raise ConfigError(
                     "store.ssd_cache_gb",
-                    f"needs {_size(bytes_needed)} more ({bytes_needed} bytes) on the "
+                    f"needs {size_text(bytes_needed, 1)} more ({bytes_needed} bytes) on the "
                     f"filesystem of {', '.join(str(p) for p in self.paths)}, which has "
-                    f"{_size(free[dev])} free ({free[dev]} bytes)",
+                    f"{size_text(free[dev], 1)} free ({free[dev]} bytes)",
                 )
 
     def _preallocate(self, fd: int, path: Path) -> None:
