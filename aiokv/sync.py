@@ -74,11 +74,9 @@ _ON_THE_LOOP = {
              "the loop's thread",
     # The engine takes its own Lookup, not the BackgroundLookup the handle's lookup()
     # returned: a hint saying only "await engine.load(...)" failed with InvalidRequest.
-    "load": "await engine.load(hit.lookup, page_ids) instead (hit.lookup: the engine's "
-            "Lookup that a BackgroundLookup holds; pass a Lookup as it is)",
-    "load_layerwise": "await engine.load_layerwise(hit.lookup, page_ids) instead (hit.lookup: "
-                      "the engine's Lookup that a BackgroundLookup holds; pass a Lookup as "
-                      "it is)",
+    **{name: f"await engine.{name}(hit.lookup, page_ids) instead (hit.lookup: the "
+             "engine's Lookup that a BackgroundLookup holds; pass a Lookup as it is)"
+       for name in ("load", "load_layerwise")},
 }
 
 
