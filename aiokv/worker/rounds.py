@@ -128,9 +128,7 @@ class Rounds:
             self._calls.cancel(plan.launch_ids)  # matched, never launched: given back
             raise  # the batch fails (see StoreWorker._handle)
         self._slice.yield_if_used()
-        moves, views = self._in_time(plan.launch, views)
-        if not loads:
-            moves, views = self._still_awaited(moves, views)
+        moves, views = self._launchable(plan.launch, views, offloads=not loads)
         if not moves:
             return
         launch_ids = [move.task_id for move in moves]
@@ -156,38 +154,31 @@ class Rounds:
         # load_layerwise's callers hear of the launch, with the store's layer marks.
         note_launches((move.request for move in moves), self._caps.layer_marks)
 
-    def _in_time(
-        self, moves: list[Move], views: list[tuple[torch.Tensor, Any]]
+    def _launchable(
+        self, moves: list[Move], views: list[tuple[torch.Tensor, Any]], offloads: bool
     ) -> tuple[list[Move], list[tuple[torch.Tensor, Any]]]:
-        """The moves (and views) to launch: those whose request's deadline has not
-        passed, read just before the launch (the GIL may have been with the loop until
-        now). The others are given back, unlaunched and unanswered: their deadline's timer
-        on the loop answers them (RequestTimeout, or StoreFull for an offload that waited
-        for room), as it would a late answer."""
-        now = time.monotonic() - self._offset_s  # on the loop's clock, as Request.deadline
-        late = [i for i, m in enumerate(moves) if (d := m.request.deadline) is not None
-                and d <= now]
-        if not late:
-            return moves, views
-        self._calls.cancel([moves[i].task_id for i in late])
-        kept = sorted(set(range(len(moves))).difference(late))
-        return [moves[i] for i in kept], [views[i] for i in kept]
+        """The moves (and views) to launch, read just before the launch (the GIL may have
+        been with the loop until now); the others are given back, unlaunched:
 
-    def _still_awaited(
-        self, moves: list[Move], views: list[tuple[torch.Tensor, Any]]
-    ) -> tuple[list[Move], list[tuple[torch.Tensor, Any]]]:
-        """The offloads to launch: each request's task id is written first, then its
-        stage read; a caller that left since its plan is given back, unlaunched. The loop
-        detaches a caller (resolution.Resolver.detach) in the other order, stage then id:
-        so it finds the id of every offload launched after it left, and the store drops
-        what that copy read (stores.base.Detaches)."""
-        for move in moves:
-            move.request.task_id = move.task_id
-        left = [i for i, m in enumerate(moves) if m.request.stage is TERMINAL]
-        if not left:
+        - those whose request's deadline has passed, unanswered: their deadline's timer on
+          the loop answers them (RequestTimeout, or StoreFull for an offload that waited
+          for room), as it would a late answer;
+        - offloads whose caller left since the plan. Each request's task id is written
+          first, then its stage read; the loop detaches a caller
+          (resolution.Resolver.detach) in the other order, stage then id: so it finds the
+          id of every offload launched after it left, and the store drops what that copy
+          read (stores.base.Detaches)."""
+        if offloads:
+            for move in moves:
+                move.request.task_id = move.task_id
+        now = time.monotonic() - self._offset_s  # on the loop's clock, as Request.deadline
+        back = [i for i, m in enumerate(moves)
+                if ((d := m.request.deadline) is not None and d <= now)
+                or (offloads and m.request.stage is TERMINAL)]
+        if not back:
             return moves, views
-        self._calls.cancel([moves[i].task_id for i in left])
-        kept = sorted(set(range(len(moves))).difference(left))
+        self._calls.cancel([moves[i].task_id for i in back])
+        kept = sorted(set(range(len(moves))).difference(back))
         return [moves[i] for i in kept], [views[i] for i in kept]
 
     def _lookup_deadline(self, requests: Sequence[Request], wanted: list[int]) -> float | None:
