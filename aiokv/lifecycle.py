@@ -43,7 +43,7 @@ from .requests import OffloadResult, Request
 from .space import SpaceWaits
 from .stats import StatsRecorder
 from .store_figures import ClosedFigures
-from .stores.base import Capabilities, Store
+from .stores.base import Store
 from .worker.thread import StoreWorker
 
 # After store.terminate() (the close timed out), how long the store thread may take to
@@ -193,7 +193,6 @@ async def start(engine: EngineParts) -> None:
         engine._config.lookup_ttl_ms / 1e3,
         engine._config.request_timeout_ms,
     )
-    resolver.detach_task = Capabilities.of(engine._store).detach
     if engine._config.request_timeout_ms:
         engine._deadlines = Deadlines(
             loop, engine._config.request_timeout_ms / 1e3, resolver.expire
@@ -220,6 +219,7 @@ async def start(engine: EngineParts) -> None:
         # a store that waits inside queues nothing of a load past it (worker/rounds.py).
         monotonic_offset_s(loop),
     )
+    resolver.detach_task = engine._worker.caps.detach
     if engine._on_gpu:
         engine._ready_marks = ReadyMarks(engine._device, loop.call_soon)
     engine._batcher = Batcher(

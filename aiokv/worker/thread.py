@@ -88,19 +88,20 @@ class StoreWorker:
         self._held_keys = HeldKeys()  # their keys, for an evict
         self._outbox: list[tuple[Request, object]] = []
         self._in_hand: Batch | None = None  # the batch being matched or launched
-        self._caps = Capabilities.of(store)  # its optional features (stores/base.py)
+        # Its optional features (stores/base.py); the engine reads detach from here too.
+        self.caps = Capabilities.of(store)
         self._calls = StoreCalls(store, self._slice.yield_if_used)
         self._polls = PollFailures()  # try_wait failures in a row, and the next poll's due
         # Set by stop(): when launched tasks stop being waited through a try_wait outage.
         self._give_up_at: float | None = None
         self._exiting = False  # the interpreter exits (aiokv.exiting): stop where it is
         self._rounds = Rounds(  # each batch's store round (aiokv.worker.rounds)
-            store, self._caps, self._calls, self._slice, side_stream,
+            store, self.caps, self._calls, self._slice, side_stream,
             self._launched, self._reserved, self._held_keys, self.release_one,
             clock_offset_s,  # time.monotonic() - loop.time(): deadlines on this thread's clock
         )
         self.stats = StoreSideStats()  # store latency; written here, read by scrapes
-        self.figures = StoreFigures(self._caps.store_stats)  # written here, read anywhere
+        self.figures = StoreFigures(self.caps.store_stats)  # written here, read anywhere
         self._capacity_from: StoreStatsAnswer | None = None  # the figures the bound is from
         self._thread = threading.Thread(target=self._run, name="aiokv-store", daemon=True)
 
@@ -125,7 +126,7 @@ class StoreWorker:
         the store then refused too."""
         figures = self._capacity_from = self.figures.latest
         self._rounds.capacity_tokens = capacity_tokens(
-            None if self._caps.store_stats is None else lambda: figures, self._page_size)
+            None if self.caps.store_stats is None else lambda: figures, self._page_size)
 
     def start(self) -> None:
         self._thread.start()
@@ -169,19 +170,19 @@ class StoreWorker:
         """The engine's close began (loop thread): the store hears it now
         (stores.base.HearsOfClose), not once this thread gets to it, which may be inside
         a call whose failure would otherwise start a new child process."""
-        if self._caps.closing is not None:
+        if self.caps.closing is not None:
             try:
-                self._caps.closing()
+                self.caps.closing()
             except Exception:  # the close goes on: it is a hint to the store
                 log.exception("store.closing() failed")
 
     def terminate(self) -> bool:
         """The close timed out with this thread still busy (loop thread): have the store
         end what this thread waits on (stores.base.Terminates). Whether it can."""
-        if self._caps.terminate is None:
+        if self.caps.terminate is None:
             return False
         try:
-            self._caps.terminate()
+            self.caps.terminate()
         except Exception:
             log.exception("store.terminate() failed")
             return False
@@ -209,12 +210,12 @@ class StoreWorker:
         # starts its transfer engine) and every store call belongs to this thread.
         # A store that can say when a task may have ended (LocalStore's copy thread)
         # wakes this thread through the inbox; others are polled every poll_interval_us.
-        set_notify = self._caps.set_notify
+        set_notify = self.caps.set_notify
         notified = set_notify is not None
         # A store with points of its own where the GIL may go to the loop (set_yield).
         # Passed even with no slice (it replaces an earlier engine's on a shared store),
         # and taken back when this thread ends (finally, below).
-        set_yield = self._caps.set_yield
+        set_yield = self.caps.set_yield
         try:
             self._store.register(self._kv_caches)
             if set_notify is not None:
@@ -237,7 +238,7 @@ class StoreWorker:
             self._registered.set_result(None)
         self._slice.restart()  # registering is not this thread's work
         stopping = False
-        check_held = self._caps.check_held
+        check_held = self.caps.check_held
         held_check_at = 0.0
         try:
             while not stopping or self._launched:
@@ -476,13 +477,13 @@ class StoreWorker:
         except BaseException:  # a crash of this thread (_run): its caller is told too
             item.answer(StoreError("the store thread crashed; see the aiokv log"))
             raise
-        invalidate(item, self._caps, self._calls)
+        invalidate(item, self.caps, self._calls)
 
     def _only_parked(self) -> bool:
         """Whether every task still launched is a load waiting for room in the store
         (base.ParksLoads): the evict goes ahead of them rather than wait for room that
         lookups queued behind it may hold (its drop ends those of its key)."""
-        parked = self._caps.parked
+        parked = self.caps.parked
         if parked is None:
             return False
         try:
