@@ -149,7 +149,6 @@ class SsdTier:
         # (ssd_recency), so that the next open can tell the order still fits the disk.
         self._generations = np.zeros(total, dtype=np.int64)
         self._failures_logged = False
-        self._clear_begun = False  # a clear's new epoch written, its drop to come
         try:
             self._recover()
         except BaseException:
@@ -490,14 +489,14 @@ class SsdTier:
         caller, who may clear again; where some directories took the new epoch before
         one refused it, their blocks are misses after a restart (forgotten, never
         brought back). Once written, the epoch serves until the drop: called again
-        before it, nothing more is written."""
-        if self._clear_begun:  # and not dropped yet: its epoch still serves
+        before it (a clear that failed after this step), nothing more is written."""
+        if self.voids.clear_begun:  # and not dropped yet: its epoch still serves
             return
         self.voids.begin_clear()  # before the epoch: a header made with it is tracked
         try:
             self.files.new_epoch()
         except OSError as exc:
-            self.voids.begin_clear(False)  # no new epoch to drop under: none tracked
+            self.voids.abort_clear()  # no new epoch to drop under: none tracked
             self.voids.refused()
             raise OSError(
                 exc.errno or errno.EIO,
@@ -506,14 +505,14 @@ class SsdTier:
                 f"({exc!r}), which alone keeps a restart from finding what a clear drops: "
                 "nothing was cleared, in any tier; clear again once the disk is well",
             ) from exc
-        self._clear_begun = True
 
     def drop_namespace(self, namespace: tuple[str, ...] | None) -> VoidsDone:
         """Forget one namespace's slots (None: all; Tier.drop_namespace) and void them on
-        disk (None: under a new epoch, :meth:`begin_clear`, written first where the
-        caller has not: OSError, dropping nothing, where it cannot be). Returns an
-        event set once no slot on disk names the namespace's blocks, so that a restart,
-        even after a kill -9, does not find them again (or once its ``failure`` says
+        disk (None: under the new epoch of :meth:`begin_clear`, which the clear's entry
+        point, LocalStore._drop or the shared Answers._invalidate, has written before
+        any tier dropped anything). Returns an event set once no slot on disk names the
+        namespace's blocks, so that a restart, even after a kill -9, does not find them
+        again (or once its ``failure`` says
         why one may: :mod:`.ssd_voids`); that takes moments, not the writes queued
         before (their lanes are not waited for):
 
@@ -524,9 +523,9 @@ class SsdTier:
         - slots whose write is running now: voided right after it, ahead of the rest;
         - slots taken for another key whose write has not landed (their old header
           names this one): voided ahead of that write, unless it landed first."""
-        if namespace is None:  # every older header void at once (the meta file, fsync'd)
-            self.begin_clear()  # where the caller's clear has not
-            self._clear_begun = False
+        # A clear's every older header is void at once, by the epoch its entry point
+        # wrote first: dropping without it would leave them all naming their keys.
+        assert namespace is not None or self.voids.clear_begun, "clear not begun"
         tier = self.tier
         buried = len(tier.buried)
         dropped = tier.drop_namespace(namespace)

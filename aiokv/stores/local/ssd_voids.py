@@ -175,12 +175,23 @@ class HeaderVoids:
 
     # ---- a drop -------------------------------------------------------------------
 
-    def begin_clear(self, begun: bool = True) -> None:
+    @property
+    def clear_begun(self) -> bool:
+        """A clear's new epoch is begun and its :meth:`drop` not yet run (store thread,
+        the only one that begins or ends it)."""
+        return self._since_epoch is not None
+
+    def begin_clear(self) -> None:
         """A clear's new epoch is about to be written (store thread): the headers made
-        from now on are tracked until its :meth:`drop`. ``begun`` False: it was not
-        (its clear failed), and none are."""
+        from now on are tracked until its :meth:`drop`."""
         with self._lock:
-            self._since_epoch = set() if begun else None
+            self._since_epoch = set()
+
+    def abort_clear(self) -> None:
+        """The new epoch :meth:`begin_clear` announced was not written (its clear failed,
+        dropping nothing): no header is of it, none to track."""
+        with self._lock:
+            self._since_epoch = None
 
     def drop(self, namespace: tuple[str, ...] | None, dropped: Int64Array,
              writing: Sequence[int], reading: Sequence[int]) -> VoidsDone:

@@ -315,11 +315,9 @@ class TierLink(LoadStaging):
         """Drop a namespace (None: all) in both tiers (Tier.drop_namespace: what is in use
         goes out of reach, freed once idle); returns the number of distinct pages no tier
         holds any more, and an event set once the SSD holds none of them (its voids are
-        written: SsdTier.drop_namespace). A clear begins with the SSD tier's new epoch
-        (SsdTier.begin_clear, where the caller has not): OSError, nothing dropped, where
-        it cannot be written."""
-        if namespace is None:
-            self.ssd.begin_clear()
+        written: SsdTier.drop_namespace). A clear's caller has begun it first, with the
+        SSD tier's new epoch (SsdTier.begin_clear), so that a refused one drops nothing
+        in any tier, remote included."""
         before = self.keys(namespace)
         self.drop_unstaged(namespace)
         self.host.drop_namespace(namespace)

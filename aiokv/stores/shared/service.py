@@ -405,9 +405,8 @@ class Service:
         if host is None:
             return 0, None, None
         self._drain()
-        refused = self.begin_clear() if namespace is None else None
-        if refused is not None:  # the clear's answer: an error naming what to do
-            return 0, VoidsDone.failed(refused), None
+        # A clear was begun (begin_clear) by its caller, Answers._invalidate, before it
+        # took any get back: a refused one never reaches here.
         published = None
         if self._remote is not None:
             published = self._remote.invalidate(namespace, wait=False)
