@@ -42,14 +42,19 @@ def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[Any, ...]], flo
             for family in registry.collect() for s in family.samples}
 
 
-async def store_thread_ended_and_its_posts_run() -> None:
-    """Wait for the store thread to end, then for everything it posted to the loop (its
-    outcomes, call_soon_threadsafe) and what those scheduled in turn to have run: a
-    callback queued once the thread is gone runs after its posts, and one that callback
-    queues runs after what they queued."""
+def store_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("aiokv-store")}
+
+
+async def store_thread_ended_and_its_posts_run(others: set[threading.Thread]) -> None:
+    """Wait for the store thread to end (any not in ``others``, those running before the
+    test's engine started), then for everything it posted to the loop (its outcomes,
+    call_soon_threadsafe) and what those scheduled in turn to have run: a callback queued
+    once the thread is gone runs after its posts, and one that callback queues runs after
+    what they queued."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
-    while any(t.name.startswith("aiokv-store") for t in threading.enumerate()):
+    while store_threads() - others:
         assert loop.time() < deadline, "the store thread never ended"
         await asyncio.sleep(0.05)
     ran = loop.create_future()
@@ -63,6 +68,7 @@ async def test_figures_after_a_close_that_left_the_store_thread_busy_do_not_move
     engine = aiokv.OffloadEngine(store, make_caches())
     registry = CollectorRegistry()
     metrics.register(engine, registry)
+    others = store_threads()
     await engine.start()
     await engine.offload(1, torch.arange(0, 4), 4 * PAGE_SIZE)
     store.gate.clear()
@@ -73,7 +79,7 @@ async def test_figures_after_a_close_that_left_the_store_thread_busy_do_not_move
         await late
     stats, scraped = engine.stats(), await asyncio.to_thread(scrape, registry)
     store.gate.set()  # the store thread goes on: launches, copies, posts, closes the store
-    await store_thread_ended_and_its_posts_run()
+    await store_thread_ended_and_its_posts_run(others)
     after = engine.stats()
     moved = {f.name: (getattr(stats, f.name), getattr(after, f.name))
              for f in dataclasses.fields(stats) if getattr(stats, f.name) != getattr(after, f.name)}
@@ -104,6 +110,7 @@ async def test_an_evict_that_failed_at_close_drops_no_tokens_in_the_figures_late
     engine = aiokv.OffloadEngine(store, make_caches(), aiokv.EngineConfig(window_us=0))
     registry = CollectorRegistry()
     metrics.register(engine, registry)
+    others = store_threads()
     await engine.start()
     await engine.offload(1, torch.arange(0, 4), 4 * PAGE_SIZE)
     evicting = asyncio.ensure_future(engine.evict(1))
@@ -113,7 +120,7 @@ async def test_an_evict_that_failed_at_close_drops_no_tokens_in_the_figures_late
         await evicting
     stats, scraped = engine.stats(), await asyncio.to_thread(scrape, registry)
     store.gate.set()
-    await store_thread_ended_and_its_posts_run()
+    await store_thread_ended_and_its_posts_run(others)
     assert engine.stats().dropped_tokens == stats.dropped_tokens == 0
     assert await asyncio.to_thread(scrape, registry) == scraped
 

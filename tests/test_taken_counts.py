@@ -21,6 +21,7 @@ from test_sync import LOOPS
 
 import aiokv
 from aiokv import metrics
+from aiokv.loop import resolution
 
 TOKENS = 4 * PAGE_SIZE
 OUTCOME_OF = {"ok": "completed", "failed": "failed", "cancelled": "cancelled",
@@ -237,10 +238,14 @@ def test_a_threads_layerwise_load_is_counted_by_the_time_the_thread_sees_it_end(
 
 @pytest.mark.parametrize("loop_kind", sorted(LOOPS))
 def test_calls_answered_as_the_loop_went_are_counted_by_the_close_after_it(
-        loop_kind: str) -> None:
+        loop_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's loop stops in the iteration that answered the calls, before their
-    callers' tasks ran again, and is closed without aclose; a close from another loop counts every call it accepted: the callers
-    never took their answers (cancelled, nothing moved for them), and pending is 0."""
+    callers' tasks ran again, and is closed without aclose; a close from another loop
+    counts every call it accepted: the callers never took their answers (cancelled,
+    nothing moved for them), and pending is 0."""
+    # All ten answers in one loop iteration: a slow box would otherwise spread them over
+    # two (the resolver's per-iteration budget), and the first ones' callers take theirs.
+    monkeypatch.setattr(resolution, "RESOLVE_BUDGET_S", 10.0)
     engine, registry = engine_with_metrics()
     loop = LOOPS[loop_kind]()
 
@@ -261,7 +266,7 @@ def test_calls_answered_as_the_loop_went_are_counted_by_the_close_after_it(
         assert engine.stats().pending == 10
     finally:
         loop.close()
-    asyncio.run(engine.aclose(timeout=10))
+        asyncio.run(engine.aclose(timeout=10))  # its store thread ends, pass or fail
     after = engine.stats()
     families = scrape(registry)
     assert changes(before, after) == {**dict.fromkeys(COUNTED, 0), "cancelled": 10}
