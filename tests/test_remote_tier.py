@@ -34,6 +34,7 @@ import aiokv.metrics
 from aiokv.remote import connection as remote_connection
 from aiokv.remote.caller import CallThread
 from aiokv.remote.client import RemoteIO
+from aiokv.remote.connection import NOT_READY
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.markers import Markers
 from aiokv.remote.native import import_store
@@ -907,6 +908,75 @@ def test_a_lookup_racing_another_hosts_put_is_a_miss_not_a_damaged_value(
         a.close()
         b.close()
     assert stats["remote_checksum_failures"] == 0 and stats["remote_errors"] == 0
+
+# A Mooncake client in a process of its own that puts ``key`` (argv[2]) with a value too
+# large for the socket's buffers, once told to: on a paused store its transfer cannot
+# finish, and Mooncake's master answers the key "not ready" until it does.
+_HELD_PUTTER = """
+import sys
+from aiokv.remote.native import import_store
+client = import_store().MooncakeDistributedStore()
+assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", sys.argv[1]) == 0
+assert client.put(sys.argv[2] + "/warm", b"1") == 0  # the store's handshake, done first
+print("ready", flush=True)
+sys.stdin.readline()
+client.put(sys.argv[2], bytes(32 << 20))
+"""
+
+
+def test_a_lookup_racing_another_hosts_evict_marker_put_is_a_miss_not_an_error(
+    tmp_path: Path,
+) -> None:
+    # Another host's evict of the user is publishing its marker (the put under way, here
+    # never to end): B's read gets the marker "not ready" (-703), which was counted in
+    # remote_read_errors each lookup. It is a miss (the evict may be done), not an error.
+    user = 3150
+    with MooncakeServers(segment_mb=128, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master)
+        assert a.offload(user) == TOKENS
+        assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES
+        keys = Keys(geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM), torch.float32,
+                                 PAGE_SIZE))
+        marker = keys.evicted(namespace_tag([f"uid:{user}"]), 0)  # the one A's blocks are under
+        client = import_store().MooncakeDistributedStore()
+        assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
+                            servers.master) == 0
+        scratch = torch.zeros(8, dtype=torch.uint8)
+        assert client.register_buffer(scratch.data_ptr(), 8) == 0
+
+        def marker_code() -> int:
+            return int(client.batch_get_into([marker], [scratch.data_ptr()], [8])[0])
+
+        putter = subprocess.Popen(
+            [sys.executable, "-c", _HELD_PUTTER, servers.master, marker],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        try:
+            assert putter.stdout is not None and putter.stdin is not None
+            assert putter.stdout.readline() == "ready\n"
+            servers.pause_store()
+            try:
+                putter.stdin.write("go\n")
+                putter.stdin.flush()
+                until(lambda: marker_code() == NOT_READY, 60)
+            finally:
+                # The putter gone, its put never ends: the marker stays "not ready" while
+                # the store serves the blocks again.
+                putter.kill()
+                putter.wait()
+                servers.pause_store(False)
+            b = LocalHost(servers.master, timeout_ms=FRESH_MS)
+            try:
+                assert b.load(user) == (0, True)
+                stats = b.stats()
+            finally:
+                b.close()
+            assert marker_code() == NOT_READY  # so it was for B's read too
+        finally:
+            client.unregister_buffer(scratch.data_ptr())
+            client.close()
+    assert (stats["remote_hits"], stats["remote_misses"], stats["remote_read_errors"],
+            stats["remote_errors"]) == (0, 1, 0, 0)
 
 
 def test_an_evict_does_not_wait_for_another_users_write(

@@ -144,7 +144,13 @@ class RemoteIO:
             if not self.connection.codes("batch_get_into", markers + got):
                 return None
             if any(code not in (1, ABSENT) for code in markers):
-                if self.connection.refused():
+                # A marker not written whole yet (another host's evict publishing it, or
+                # one whose host died mid-put) says neither that the evict is done nor
+                # that it is not: a miss for now, not an error, and never the blocks it
+                # may end (read as absent, an evict acknowledged later under the same
+                # marker would not hide them).
+                if any(code not in (1, ABSENT, NOT_READY) for code in markers) and (
+                        self.connection.refused()):
                     self.read_stats["remote_read_errors"] += 1
                 return None
             return [code == 1 for code in markers], (got, good)
