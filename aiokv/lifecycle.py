@@ -330,6 +330,10 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
         f"abandoned at the close's timeout={timeout}s)"
     )
     for request in unfinished:
+        # Its copy may run on, reading pages its caller reuses once told EngineClosed: an
+        # offload is detached first, as at its timeout, so that the store keeps none of
+        # it (a shared server, or a store another engine drives next, would).
+        resolver.detach(request)
         resolver.resolve(request, abandoned)
     if engine._deadlines is not None:
         engine._deadlines.close()

@@ -175,3 +175,44 @@ async def test_an_engine_on_a_shared_server_stores_nothing_of_a_timed_out_offloa
             assert (await engine.load(hit, target)).loaded_tokens == tokens
         for cache in tables:
             assert bool((cache[target] == 7.0).all())
+
+
+@pytest.mark.asyncio
+async def test_a_close_that_abandons_an_offload_mid_copy_leaves_nothing_of_its_reused_pages(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A close whose timeout passes while an offload's copy runs fails it with
+    # EngineClosed, and its caller may reuse its pages; the store server outlives the
+    # engine, and another engine's lookup must not find what the copy read since.
+    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+    tables = shared_caches()
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+    tokens = PAGES * PAGE_SIZE
+    source, target = torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)
+    engine = aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0))
+    await engine.start()
+    call = asyncio.ensure_future(engine.offload("u", source, tokens))
+    try:
+        assert await asyncio.to_thread(copying.entered.wait, 10)
+        # The copy is held: the close gives up on it, whatever its timeout.
+        await engine.aclose(timeout=0.2)
+        with pytest.raises(aiokv.EngineClosed):
+            await call
+        for cache in tables:
+            cache[source] = 7.0
+    finally:
+        copying.set()  # the copy reads them now
+        assert engine._worker is not None
+        assert await asyncio.to_thread(engine._worker.join, 10)  # its end is reported
+    tables = shared_caches()
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+    async with aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0)) as other:
+        async with await other.lookup("u", tokens) as hit:
+            assert hit.cached_tokens == 0  # before the fix: every page, each 7.0
+        for cache in tables:
+            cache[source] = 3.0
+        assert (await other.offload("u", source, tokens)).stored_tokens == tokens
+        async with await other.lookup("u", tokens) as hit:
+            assert (await other.load(hit, target)).loaded_tokens == tokens
+        for cache in tables:
+            assert bool((cache[target] == 3.0).all())

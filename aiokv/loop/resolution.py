@@ -13,8 +13,9 @@ deadline fails as the deadline's timer would have failed it (:meth:`Resolver._la
 caller gets its result by the deadline, or an error.
 
 An offload whose caller stops waiting before its answer (its deadline's timer, its
-cancellation) is detached first (:meth:`Resolver.detach`), so that the store keeps
-nothing its copy may have read after the caller was told and took its pages back.
+cancellation, a close that abandons it) is detached first (:meth:`Resolver.detach`), so
+that the store keeps nothing its copy may have read after the caller was told and took
+its pages back.
 """
 
 from __future__ import annotations

@@ -365,12 +365,13 @@ class Terminates(Protocol):
 class Detaches(Protocol):
     """``detach(task_id)``: the caller of this put (matched, maybe launched) stopped
     waiting, and may reuse its pages from now on: its ``RequestTimeout`` (the deadline's
-    timer) or its cancellation. Called from the engine's loop thread, before that caller
-    can hear it; it only sets a flag, and never blocks; ids the store no longer knows
-    (ended) are ignored. A store whose copies read the caller's pages in this process
-    keeps nothing of such a put unless the copy of its pages had been seen to end before
-    the call (then it read them before the caller was told anything): the task ends
-    FAILED, its blocks rolled back (the embedded store and ``shared``, through
+    timer), its cancellation, or the ``EngineClosed`` of a close that gave up on it.
+    Called from the engine's loop thread, before that caller can hear it; it only sets a
+    flag, and never blocks; ids the store no longer knows (ended) are ignored. A store
+    whose copies read the caller's pages in this process keeps nothing of such a put
+    unless the copy of its pages had been seen to end before the call (then it read them
+    before the caller was told anything): the task ends FAILED, its blocks rolled back
+    (the embedded store and ``shared``, through
     :attr:`aiokv.copy.copier.CopyJob.callers`)."""
 
     def detach(self, task_id: int) -> None: ...
