@@ -14,6 +14,7 @@ overwrote its pages; no timing decides what is tested.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ from shared_inprocess import TOKENS as SHARED_TOKENS
 from test_edges import eventually, pages
 
 import aiokv
+import aiokv.testing
 from aiokv.copy.copier import Copier
 from aiokv.stores.base import TaskStatus
 from aiokv.stores.shared import SharedStore
@@ -216,3 +218,54 @@ async def test_a_close_that_abandons_an_offload_mid_copy_leaves_nothing_of_its_r
             assert (await other.load(hit, target)).loaded_tokens == tokens
         for cache in tables:
             assert bool((cache[target] == 3.0).all())
+
+
+class CrashingStore(aiokv.testing.StoreWrapper):
+    """``crash`` makes the next put_match raise a BaseException: a bug that escapes every
+    handler and ends the store thread."""
+
+    crash = False
+
+    def put_match(self, token_ids: Any, namespace: Any) -> Any:
+        if self.crash:
+            self.crash = False
+            raise KeyboardInterrupt("a bug")
+        return self.inner.put_match(token_ids, namespace)
+
+
+@pytest.mark.asyncio
+async def test_a_crashed_store_thread_leaves_nothing_of_an_offload_it_failed_mid_copy(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The crash fails what the thread held with StoreError while the offload's copy runs;
+    # its caller reuses its pages, and the store's close (which waits for the copy) must
+    # not report it done to the server.
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's crash
+    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+    tables = shared_caches()
+    store = CrashingStore(SharedStore(aiokv.StoreConfig(backend="shared",
+                                                        socket=str(host.socket))))
+    store.put_match_many = None  # every match through put_match, the crashing one
+    tokens = PAGES * PAGE_SIZE
+    source, target = torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)
+    async with aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0)) as engine:
+        call = asyncio.ensure_future(engine.offload("u", source, tokens))
+        try:
+            assert await asyncio.to_thread(copying.entered.wait, 10)
+            store.crash = True
+            with pytest.raises(aiokv.StoreError, match="crashed"):
+                await engine.offload("v", target, tokens)
+            with pytest.raises(aiokv.StoreError, match="crashed"):
+                await call
+            for cache in tables:
+                cache[source] = 7.0
+        finally:
+            copying.set()  # the copy reads them now
+            assert engine._worker is not None
+            assert await asyncio.to_thread(engine._worker.join, 10)  # the store closed
+    tables = shared_caches()
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+    async with aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0)) as other:
+        async with await other.lookup("u", tokens) as hit:
+            assert hit.cached_tokens == 0  # before the fix: every page, each 7.0
+        assert (await other.offload("u", source, tokens)).stored_tokens == tokens

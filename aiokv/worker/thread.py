@@ -319,6 +319,17 @@ class StoreWorker:
         still in the inbox."""
         with self._accept_lock:
             self._accepting = False
+        # Launched offloads' copies run on (the store's close waits for them), reading pages
+        # their callers reuse once told: detached first, as at a timeout, so that the store
+        # keeps none of them (a shared server would). The batch in hand too: it may have
+        # launched some before the crash.
+        in_hand = self._in_hand.requests if self._in_hand is not None else []
+        detach = self.caps.detach
+        if detach is not None:
+            for request in [*in_hand, *self._launched.values()]:
+                if request.kind is Kind.OFFLOAD and request.task_id is not None:
+                    with contextlib.suppress(Exception):  # only a flag; a miss keeps the bytes
+                        detach(request.task_id)
         if self._in_hand is not None:
             held = self._in_hand
             self._in_hand = None
