@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -319,17 +319,9 @@ class StoreWorker:
         still in the inbox."""
         with self._accept_lock:
             self._accepting = False
-        # Launched offloads' copies run on (the store's close waits for them), reading pages
-        # their callers reuse once told: detached first, as at a timeout, so that the store
-        # keeps none of them (a shared server would). The batch in hand too: it may have
-        # launched some before the crash.
+        # The batch in hand too: it may have launched some before the crash.
         in_hand = self._in_hand.requests if self._in_hand is not None else []
-        detach = self.caps.detach
-        if detach is not None:
-            for request in [*in_hand, *self._launched.values()]:
-                if request.kind is Kind.OFFLOAD and request.task_id is not None:
-                    with contextlib.suppress(Exception):  # only a flag; a miss keeps the bytes
-                        detach(request.task_id)
+        self._detach([*in_hand, *self._launched.values()])
         if self._in_hand is not None:
             held = self._in_hand
             self._in_hand = None
@@ -404,6 +396,18 @@ class StoreWorker:
         except StoreError:
             log.warning("store.try_wait([]) failed after a wake-up", exc_info=True)
 
+    def _detach(self, requests: Iterable[Request]) -> None:
+        """Offloads about to fail while their copies may run on (the store's close waits
+        for them), reading pages their callers reuse once told: detached first, as at a
+        timeout, so that the store keeps none of them (a shared server would)."""
+        detach = self.caps.detach
+        if detach is None:
+            return
+        for request in requests:
+            if request.kind is Kind.OFFLOAD and request.task_id is not None:
+                with contextlib.suppress(Exception):  # only a flag; a miss keeps the bytes
+                    detach(request.task_id)
+
     def _poll(self) -> StoreError | None:
         """Ask the store about the launched ids and take its answers; the error, if
         ``try_wait`` failed."""
@@ -424,6 +428,7 @@ class StoreWorker:
                     "store.try_wait still fails as the engine closes; failing %d launched "
                     "tasks", len(self._launched),
                 )
+                self._detach(self._launched.values())
                 self._outbox.extend((r, error) for r in self._launched.values())
                 self._launched.clear()
             return error
