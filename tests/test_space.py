@@ -344,6 +344,26 @@ async def test_the_request_deadline_fails_an_offload_that_waits_with_storefull(
 
 
 @pytest.mark.asyncio
+async def test_an_offload_that_found_room_then_missed_its_deadline_times_out(
+    caches: list[torch.Tensor],
+) -> None:
+    # It waited for room once, found it on its retry and launched; its copy's answer then
+    # came after the deadline: RequestTimeout, as for any launched offload, not StoreFull
+    # ("no room after 1 tries"), which blames room that was there.
+    faulty, engine, checked = engine_over(caches, request_timeout_ms=1500)
+    async with engine:
+        faulty.no_space_for = 1
+        faulty.hold.clear()  # its answer is held back past the deadline
+        with pytest.raises(aiokv.RequestTimeout):
+            await engine.offload("u", pages(0), 4 * PAGE_SIZE)
+        assert faulty.launched.is_set()  # it found room: its retry launched
+        faulty.hold.set()
+        stats = engine.stats()
+        assert (stats.space_waits, stats.timed_out, stats.failed) == (1, 1, 0)
+    assert checked.problems() == []
+
+
+@pytest.mark.asyncio
 async def test_callers_who_leave_or_a_close_end_the_wait(
     caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -205,9 +205,10 @@ class Resolver:
     def _past_deadline(self, request: Request) -> StoreError | RequestTimeout:
         """What a request past its deadline fails with, whichever comes first, its timer
         or a late answer: RequestTimeout, or StoreFull for an offload that waited for
-        room (no room even after waiting: :mod:`aiokv.space`)."""
+        room and never found it (:mod:`aiokv.space`). One that found room on a retry was
+        launched (its task id): it is late like any other."""
         space = self.space
-        if space is not None and space.waited(request):
+        if space is not None and request.task_id is None and space.waited(request):
             return space.give_up(request)
         return RequestTimeout(
             f"{request.kind.name.lower()} not done within "

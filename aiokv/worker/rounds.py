@@ -161,8 +161,8 @@ class Rounds:
         been with the loop until now); the others are given back, unlaunched:
 
         - those whose request's deadline has passed, unanswered: their deadline's timer on
-          the loop answers them (RequestTimeout, or StoreFull for an offload that waited
-          for room), as it would a late answer;
+          the loop answers them (RequestTimeout, as it would a late answer: this one found
+          room);
         - offloads whose caller left since the plan. Each request's task id is written
           first, then its stage read; the loop detaches a caller
           (resolution.Resolver.detach) in the other order, stage then id: so it finds the
