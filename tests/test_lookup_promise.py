@@ -252,6 +252,39 @@ async def test_ssd_pages_read_after_a_load_timed_out_are_not_copied_into_its_pag
 
 
 @pytest.mark.asyncio
+async def test_a_lookup_right_after_a_load_timed_out_finds_the_pages_it_was_reading_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=1_000)
+    async with engine:
+        for user in range(4):
+            if user == 2:  # its room: users 0's and 1's host blocks, once on SSD
+                await until(engine, lambda s: s.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
+            await engine.offload(user, source(user), HISTORY)
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 4 * USER_PAGES * BLOCK)
+        # User 0 is only on SSD; its lookup starts reading it into the host at once, from
+        # a disk that answers only once the load has timed out.
+        gate = held_reads(monkeypatch)
+        try:
+            hit = await engine.lookup(0, HISTORY)
+            assert hit.cached_tokens == HISTORY
+            forget_loads(caches)
+            with pytest.raises(aiokv.RequestTimeout):
+                await engine.load(hit, destination(0))
+            # Its caller looks the key up again at once, its reads still out: the SSD
+            # holds every page (and the host is about to), not a miss to recompute.
+            again = await engine.lookup(0, HISTORY)
+            assert again.cached_tokens == HISTORY
+        finally:
+            gate.set()
+        assert (await engine.load(again, destination(5))).loaded_tokens == HISTORY
+        assert all(torch.equal(c[destination(5)], c[source(0)]) for c in caches)
+    assert all(c[destination(0)].isnan().all() for c in caches)
+    stats = engine.stats()
+    assert (stats.timed_out, stats.pending, stats.store_tasks_open) == (1, 0, 0)
+
+
+@pytest.mark.asyncio
 async def test_a_clear_gives_back_the_room_a_waiting_load_needs(tmp_path: Path) -> None:
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=5_000)
     async with engine:

@@ -42,9 +42,11 @@ engine times its caller out at): nothing of it is staged or queued for its GPU c
 it, so that a caller told RequestTimeout finds nothing more copied into its pages than
 what was queued by then (its host pages, at launch, and the SSD chunks verified before
 it). One still waiting for room then gives up and gives its SSD slots back; one whose
-reads are still out ends once they are in, without copying them. Either ends EXPIRED,
-with the pages it queued. ``time.monotonic()`` is read on the store thread just before
-each staging and each queued chunk.
+reads are still out ends once they are in, without copying them, or as soon as a match of
+its key asks for its pages: its reads then go on for that match, as a released Lookup's
+prefetch's do (``_hand_over``). Either ends EXPIRED, with the pages it queued.
+``time.monotonic()`` is read on the store thread just before each staging and each queued
+chunk.
 
 A launched load that waits for room also takes it from prefetches not launched yet
 (``_give_way``): otherwise one that needs more than the half of the tier they may hold
@@ -83,6 +85,7 @@ on the store thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -119,6 +122,7 @@ class LoadStaging:
     _unstaged: dict[tuple[str, ...], int]  # loads of each key in _waiting or _owed
     _prefetches: dict[Load, None]  # staged, not launched nor cancelled: oldest first
     _prefetched: int  # their host blocks
+    _launched: dict[Load, None]  # launched, not finished: oldest launch first
     stage_waits: int  # launches that found no room to stage their SSD pages
 
     def start_load(
@@ -399,6 +403,7 @@ class LoadStaging:
             pages = 0 if late else load.loaded
             self._copy([task], gpu_pages[:pages], task.blocks[:pages], load)
             return
+        self._launched[load] = None
         # Its pages are copied chunk by chunk: checked whole first (no page twice).
         self._chunk_jobs[id(self._copy([], gpu_pages, None, load))] = (load, False)
         host_at = load.host_at
@@ -448,7 +453,8 @@ class LoadStaging:
     def adopt(self, key: tuple[str, ...], digests: list[bytes]) -> Any | None:
         """A match of ``key`` (``digests``: its pages') whose host prefix stops at a page
         still being written: where that is a cancelled prefetch's (its Lookup released,
-        or its ttl ran out, before its reads were in) that staged these pages, or a
+        or its ttl ran out, before its reads were in; or a launched load's past its
+        deadline, which becomes one here: ``_hand_over``) that staged these pages, or a
         longer run of them, the match takes it over, rather than miss what is being read
         into the host for it. Returns its task (what it holds, its reads and its match:
         the pages it reported, though this match may ask for more; those this match asks
@@ -456,6 +462,12 @@ class LoadStaging:
         there is none (a key dropped since, a read that failed: the match stops at that
         page). A cancelled prefetch is never cut (``_cut``): it offers all of its pages."""
         space = self.host.index.space(key)
+        for load in [x for x in self._launched if x.key == key and x.space is space]:
+            # Past its deadline, a launched load copies nothing more: its reads still out
+            # bring these pages for this match, not for a caller told RequestTimeout.
+            if (load.staged and not load.host_released and load.error is None
+                    and self._past_deadline(load)):
+                self._hand_over(load)
         for load in self._prefetches:
             pages = min(load.match_pages, len(digests))
             if (load.cancelled and load.key == key and load.space is space
@@ -467,6 +479,36 @@ class LoadStaging:
                 load.deadline = None  # the cancelled request's (set_deadlines sets this one's)
                 return load.task
         return None
+
+    def _hand_over(self, load: Load) -> None:
+        """A launched load past its deadline, its reads still out: it ends now, with what
+        it queued for its copy by then, and its reads go on for a cancelled prefetch of
+        the same match, with a task of its own holding what its task held for the match
+        (its host pages, and the SSD pages staged), which ``adopt`` gives the match that
+        asks for them. Otherwise that match would stop at the first page still being read
+        in: a miss of what the SSD holds and the host is about to, until the reads are in
+        (a caller's lookup right after its load timed out)."""
+        host, task, queued = self.host, load.task, load.submitted
+        heir = dataclasses.replace(task, blocks=task.blocks[: len(load.host_at)], task_id=0,
+                                   shared=False, load=None, deadline=None, marks=None)
+        # Read by both until the load's task ends: its host pages, and the SSD pages its
+        # copies were queued from. The reads' blocks past those are the heir's alone.
+        both = np.concatenate((heir.blocks, load.host_blocks[:queued]))
+        heir.shared = bool(len(both)) and host.hold(both)
+        host.shared_gets += heir.shared
+        heir.load = new = Load(
+            heir, load.match_pages, load.key, load.digests, load.slots, load.at,
+            load.host_at, chain=load.chain, host_blocks=load.host_blocks, space=load.space,
+            reads=load.reads, resolved=load.resolved, settled=load.settled, good=load.good,
+            truncated=load.truncated, staged=True, cancelled=True,
+            prefetched=len(load.host_blocks))
+        for request in new.reads:
+            request.owner = new
+        self._prefetched += new.prefetched
+        self._prefetches[new] = None
+        load.reads, load.host_blocks = [], load.host_blocks[:queued]
+        load.resolved = load.settled = load.good = queued
+        self._finish(load)
 
     def _cut(self, load: Load) -> None:
         """A prefetch taken over by a match of its first ``cut_to`` pages (``adopt``),
@@ -564,6 +606,7 @@ class LoadStaging:
         """Every read is settled (or there was none): the task's last copy job, which
         ends it, takes the verified pages not copied yet (none past its deadline)."""
         load.finished = True
+        self._launched.pop(load, None)
         if not load.cancelled:  # (one that is ends now, holding nothing)
             self._cut(load)
         task = load.task

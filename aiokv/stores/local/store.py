@@ -153,10 +153,10 @@ class LocalStore:
         """The longest READY prefix, host pages first, then the pages after them that
         either tier has, in any interleaving (those only the SSD has read into host blocks
         from now on: :mod:`.loads`); its blocks are held (not evictable) until the task
-        ends or is cancelled. Pages a cancelled task's reads still bring in count as
-        held: this one takes that task over (``loads.adopt``). mask True = will load; a
-        load may report fewer (an SSD block that fails its checksum or that the disk
-        cannot give back, and all pages after it, are not loaded)."""
+        ends or is cancelled. Pages a cancelled task's reads still bring in (or a load's
+        that timed out) count as held: this one takes them over (``loads.adopt``). mask
+        True = will load; a load may report fewer (an SSD block that fails its checksum or
+        that the disk cannot give back, and all pages after it, are not loaded)."""
         return self._get_match(token_ids, namespace, ask_remote=True)
 
     def _get_match(self, token_ids: Int64Array, namespace: Sequence[str], ask_remote: bool

@@ -95,6 +95,7 @@ class TierLink(LoadStaging):
         self._unstaged: dict[tuple[str, ...], int] = {}
         self._prefetches: dict[Load, None] = {}
         self._prefetched = 0
+        self._launched: dict[Load, None] = {}
         self.stage_waits = 0
         self._closed = False
 
