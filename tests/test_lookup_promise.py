@@ -285,6 +285,42 @@ async def test_a_lookup_right_after_a_load_timed_out_finds_the_pages_it_was_read
 
 
 @pytest.mark.asyncio
+async def test_a_lookup_in_the_window_of_a_load_that_timed_out_there_finds_its_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A window closes only once full (two calls), so a load alone in one times out before
+    # it is dispatched, as on a loop that runs its timers late; lookups go out first.
+    caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=1_000,
+                               window_us=60_000_000, max_batch_tokens=2 * HISTORY)
+    async with engine:
+        for users in (2, 4):  # users 2 and 3 take the room of 0 and 1, once on SSD
+            await asyncio.gather(*(engine.offload(u, source(u), HISTORY)
+                                   for u in (users - 2, users - 1)))
+            written = users * USER_PAGES * BLOCK
+            await until(engine, lambda s, written=written: s.bytes_ssd_written >= written)
+        gate = held_reads(monkeypatch)  # user 0's prefetch reads it in, and is held there
+        try:
+            hit, other = await asyncio.gather(engine.lookup(0, HISTORY), engine.lookup(2, HISTORY))
+            other.release()
+            assert hit.cached_tokens == HISTORY
+            forget_loads(caches)
+            with pytest.raises(aiokv.RequestTimeout):
+                await engine.load(hit, destination(0))
+            again = await engine.lookup(0, HISTORY)  # fills the window the load is in
+            assert again.cached_tokens == HISTORY
+        finally:
+            gate.set()
+        got, other = await asyncio.gather(engine.load(again, destination(5)),
+                                          engine.lookup(2, HISTORY))
+        other.release()
+        assert got.loaded_tokens == HISTORY
+        assert all(torch.equal(c[destination(5)], c[source(0)]) for c in caches)
+    assert all(c[destination(0)].isnan().all() for c in caches)
+    stats = engine.stats()
+    assert (stats.timed_out, stats.pending, stats.store_tasks_open) == (1, 0, 0)
+
+
+@pytest.mark.asyncio
 async def test_a_clear_gives_back_the_room_a_waiting_load_needs(tmp_path: Path) -> None:
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=5_000)
     async with engine:

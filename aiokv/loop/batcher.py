@@ -215,10 +215,20 @@ class Batcher:
                 self._plan_queue()
 
     def _plan_queue(self) -> None:
-        """Close the window: its requests become planned batches."""
+        """Close the window: its requests become planned batches. Those whose callers
+        left (cancelled, timed out) are dropped first, not as their batch goes out: a
+        load's Lookup reservation must be back at the store before a lookup of this
+        window is matched (lookups go first), or a caller that looks the key up again
+        right after its load timed out here finds the pages that reservation holds (SSD
+        pages being read in for it) taken: a miss."""
         if self._on_window_closed is not None:
             self._on_window_closed()
-        requests = list(self._queue)
+        requests = []
+        for request in self._queue:
+            if request.future.done():
+                self._on_dropped(request)
+            else:
+                requests.append(request)
         self._queue.clear()
         self._queued_tokens = 0
         self._planned.extend(
