@@ -285,6 +285,57 @@ async def test_a_lookup_right_after_a_load_timed_out_finds_the_pages_it_was_read
 
 
 @pytest.mark.asyncio
+async def test_the_lookup_that_took_over_a_timed_out_load_gives_way_and_still_loads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An SSD tier of six users: the offloads after the hand-over recycle every slot that
+    # nothing holds.
+    generator = torch.Generator().manual_seed(29)
+    caches = [torch.randn(PAGES, 2, PAGE, HEADS, DIM, generator=generator) for _ in range(LAYERS)]
+    config = aiokv.StoreConfig(cpu_cache_gb=HOST_BLOCKS * BLOCK / (1 << 30),
+                               ssd_cache_gb=6 * USER_PAGES * SLOT / (1 << 30),
+                               ssd_cache_dir=str(tmp_path), ssd_write_policy="write_through")
+    engine = aiokv.OffloadEngine(aiokv.LocalStore(config), caches,
+                                 aiokv.EngineConfig(request_timeout_ms=1_000))
+    async with engine:
+        for user in range(4):
+            if user == 2:  # its room: users 0's and 1's host blocks, once on SSD
+                await until(engine, lambda s: s.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
+            await engine.offload(user, source(user), HISTORY)
+        await until(engine, lambda stats: stats.bytes_ssd_written >= 4 * USER_PAGES * BLOCK)
+        gate = held_reads(monkeypatch)
+        try:
+            hit = await engine.lookup(0, HISTORY)
+            forget_loads(caches)
+            with pytest.raises(aiokv.RequestTimeout):
+                await engine.load(hit, destination(0))
+            again = await engine.lookup(0, HISTORY)  # takes the timed-out load's reads over
+            assert again.cached_tokens == HISTORY
+        finally:
+            gate.set()
+        await until(engine, lambda stats: stats.bytes_ssd_read >= USER_PAGES * BLOCK)
+        for user in range(4, 10):  # while its caller holds it, the SSD turns over
+            await engine.offload(user, source(user), HISTORY)
+            written = (user + 1) * USER_PAGES * BLOCK
+            await until(engine, lambda s, written=written: s.bytes_ssd_written >= written)
+        # User 9 holds the rest of the host tier: user 8's load takes the room of the
+        # Lookup that took the reads over, which stages its pages again later.
+        holder = await engine.lookup(9, HISTORY)
+        assert holder.cached_tokens == HISTORY
+        other = await engine.lookup(8, HISTORY)
+        assert (await engine.load(other, destination(8))).loaded_tokens == HISTORY
+        holder.release()
+        assert (await engine.load(again, destination(5))).loaded_tokens == HISTORY
+        assert all(torch.equal(c[destination(5)], c[source(0)]) for c in caches)
+        last = await engine.lookup(9, HISTORY)  # stored, and no other key's read lost it
+        assert last.cached_tokens == HISTORY
+        last.release()
+    stats = engine.stats()
+    assert (stats.checksum_failures, stats.timed_out, stats.pending) == (0, 1, 0)
+    assert stats.store_tasks_open == 0
+
+
+@pytest.mark.asyncio
 async def test_a_lookup_in_the_window_of_a_load_that_timed_out_there_finds_its_pages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

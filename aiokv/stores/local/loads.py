@@ -466,7 +466,7 @@ class LoadStaging:
             # Past its deadline, a launched load copies nothing more: its reads still out
             # bring these pages for this match, not for a caller told RequestTimeout.
             if (load.staged and not load.host_released and load.error is None
-                    and self._past_deadline(load)):
+                    and self._past_deadline(load) and self._keep_slots(load)):
                 self._hand_over(load)
         for load in self._prefetches:
             pages = min(load.match_pages, len(digests))
@@ -479,6 +479,27 @@ class LoadStaging:
                 load.deadline = None  # the cancelled request's (set_deadlines sets this one's)
                 return load.task
         return None
+
+    def _keep_slots(self, load: Load) -> bool:
+        """A launched load's reads give their SSD slots back as they come in; the
+        prefetch it is handed over to must keep its verified ones (``keep``), as one
+        staged at a match does: giving way (``_give_way``), it stages them again, and a
+        slot gone back meanwhile may hold another key's page by then (read as a checksum
+        failure, which drops that page). Those in already are held again where the SSD
+        still has them for this key; where one is not, False: no hand-over."""
+        tier = self.ssd.tier
+        came = [request for request in load.reads if request.arrived >= request.ops]
+        if came:
+            slots = np.concatenate([request.slots[request.ok] for request in came])
+            digests = [d for request in came
+                       for d, ok in zip(request.digests, request.ok.tolist(), strict=True) if ok]
+            if not ((look_up(tier, load.key, digests) == slots).all()
+                    and (tier.state[slots] == READY).all()):
+                return False
+            tier.hold(slots)
+        for request in load.reads:
+            request.keep = True
+        return True
 
     def _hand_over(self, load: Load) -> None:
         """A launched load past its deadline, its reads still out: it ends now, with what
