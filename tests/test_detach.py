@@ -61,6 +61,30 @@ async def loaded(engine: aiokv.OffloadEngine, caches: list[torch.Tensor], key: s
         return (await engine.load(hit, into)).loaded_tokens
 
 
+def on_server(host: Host) -> tuple[SharedStore, list[torch.Tensor]]:
+    """A client of the test's store server, and caches for an engine on it."""
+    return SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket))), \
+        shared_caches()
+
+
+async def another_engine_misses_then_stores(host: Host, tokens: int) -> None:
+    """Another engine on the server: the key ``u`` is a miss (before the fixes: every
+    page, each 7.0, what the copy read after its caller was told), and an offload of it
+    now stores what its pages hold now."""
+    store, tables = on_server(host)
+    source, target = torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)
+    async with aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0)) as other:
+        async with await other.lookup("u", tokens) as hit:
+            assert hit.cached_tokens == 0
+        for cache in tables:
+            cache[source] = 3.0
+        assert (await other.offload("u", source, tokens)).stored_tokens == tokens
+        async with await other.lookup("u", tokens) as hit:
+            assert (await other.load(hit, target)).loaded_tokens == tokens
+        for cache in tables:
+            assert bool((cache[target] == 3.0).all())
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stop", ["timeout", "cancel"])
 async def test_an_offload_that_stops_waiting_during_its_copy_stores_nothing_of_its_reused_pages(
@@ -187,10 +211,8 @@ async def test_a_close_that_abandons_an_offload_mid_copy_leaves_nothing_of_its_r
     # EngineClosed, and its caller may reuse its pages; the store server outlives the
     # engine, and another engine's lookup must not find what the copy read since.
     copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
-    tables = shared_caches()
-    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
-    tokens = PAGES * PAGE_SIZE
-    source, target = torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)
+    store, tables = on_server(host)
+    tokens, source = PAGES * PAGE_SIZE, torch.arange(PAGES)
     engine = aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0))
     await engine.start()
     call = asyncio.ensure_future(engine.offload("u", source, tokens))
@@ -206,18 +228,7 @@ async def test_a_close_that_abandons_an_offload_mid_copy_leaves_nothing_of_its_r
         copying.set()  # the copy reads them now
         assert engine._worker is not None
         assert await asyncio.to_thread(engine._worker.join, 10)  # its end is reported
-    tables = shared_caches()
-    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
-    async with aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0)) as other:
-        async with await other.lookup("u", tokens) as hit:
-            assert hit.cached_tokens == 0  # before the fix: every page, each 7.0
-        for cache in tables:
-            cache[source] = 3.0
-        assert (await other.offload("u", source, tokens)).stored_tokens == tokens
-        async with await other.lookup("u", tokens) as hit:
-            assert (await other.load(hit, target)).loaded_tokens == tokens
-        for cache in tables:
-            assert bool((cache[target] == 3.0).all())
+    await another_engine_misses_then_stores(host, tokens)
 
 
 class CrashingStore(aiokv.testing.StoreWrapper):
@@ -242,9 +253,8 @@ async def test_a_crashed_store_thread_leaves_nothing_of_an_offload_it_failed_mid
     # not report it done to the server.
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's crash
     copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
-    tables = shared_caches()
-    store = CrashingStore(SharedStore(aiokv.StoreConfig(backend="shared",
-                                                        socket=str(host.socket))))
+    client, tables = on_server(host)
+    store = CrashingStore(client)
     store.put_match_many = None  # every match through put_match, the crashing one
     tokens = PAGES * PAGE_SIZE
     source, target = torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)
@@ -263,9 +273,4 @@ async def test_a_crashed_store_thread_leaves_nothing_of_an_offload_it_failed_mid
             copying.set()  # the copy reads them now
             assert engine._worker is not None
             assert await asyncio.to_thread(engine._worker.join, 10)  # the store closed
-    tables = shared_caches()
-    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
-    async with aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0)) as other:
-        async with await other.lookup("u", tokens) as hit:
-            assert hit.cached_tokens == 0  # before the fix: every page, each 7.0
-        assert (await other.offload("u", source, tokens)).stored_tokens == tokens
+    await another_engine_misses_then_stores(host, tokens)
