@@ -27,6 +27,14 @@ def kv_caches(kv_caches: Sequence[torch.Tensor]) -> tuple[int, int, torch.device
     for layer, cache in enumerate(kv_caches):
         if not isinstance(cache, torch.Tensor):
             raise ConfigError(f"kv_caches[{layer}]", f"must be a tensor, got {type(cache)}")
+        # Before anything reads the shape: a nested tensor has none (a raw RuntimeError),
+        # and a quantized one passed every check and crashed the process at the first copy.
+        if cache.is_nested or cache.layout is not torch.strided or cache.is_quantized:
+            kind = ("a nested tensor" if cache.is_nested else
+                    f"a quantized {cache.dtype} tensor" if cache.is_quantized else
+                    f"a {cache.layout} tensor")
+            raise ConfigError(f"kv_caches[{layer}]", f"must be a dense tensor of plain "
+                                                    f"values, got {kind}")
         if cache.dim() != 5 or cache.shape[1] != 2:
             raise ConfigError(
                 f"kv_caches[{layer}]",
@@ -109,7 +117,12 @@ def token_ids(token_ids: Any, num_tokens: int) -> Int64Array | None:
             raise InvalidRequest("token_ids", "must be on the CPU (or a numpy array)")
         if token_ids.dtype is not torch.int64:
             raise InvalidRequest("token_ids", f"must be int64, got {token_ids.dtype}")
-        token_ids = token_ids.numpy()
+        if token_ids.is_nested or token_ids.layout is not torch.strided:  # numpy() refuses
+            kind = "nested" if token_ids.is_nested else str(token_ids.layout)
+            raise InvalidRequest("token_ids", f"must be a dense tensor, got a {kind} tensor")
+        # A negative view's numpy() is a raw RuntimeError; its values are the negated ones
+        # (as run_in_background's copy of it holds them).
+        token_ids = token_ids.resolve_neg().numpy()
     if not isinstance(token_ids, np.ndarray) or token_ids.dtype != np.int64:
         raise InvalidRequest("token_ids", "must be an int64 numpy array or CPU tensor")
     if token_ids.shape != (num_tokens,):

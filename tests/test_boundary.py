@@ -162,3 +162,50 @@ def test_caches_that_are_conjugate_or_negative_views_are_a_config_error(view: st
         caches = [torch._neg_view(torch.randn(8, 2, PAGE_SIZE, 2, 4))]
     with pytest.raises(aiokv.ConfigError, match=r"kv_caches\[0\].*negative view"):
         aiokv.OffloadEngine(small_store(), caches)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions")
+@pytest.mark.parametrize("kind", ["quantized", "nested", "sparse"])
+def test_caches_that_are_not_dense_plain_tensors_are_a_config_error(kind: str) -> None:
+    # A quantized cache passed every check and crashed the process (SIGSEGV) at its first
+    # copy; a nested one was a raw RuntimeError; a sparse one was called non-contiguous.
+    dense = torch.zeros(8, 2, PAGE_SIZE, 2, 4)
+    if kind == "quantized":
+        cache = torch.quantize_per_tensor(dense, 1.0, 0, torch.qint8)
+    elif kind == "nested":
+        cache = torch.nested.nested_tensor(list(dense))
+    else:
+        cache = dense.to_sparse()
+    with pytest.raises(aiokv.ConfigError, match=rf"^kv_caches\[0\]: must be a dense tensor.*"
+                                                rf"{kind if kind != 'sparse' else 'sparse_coo'}"):
+        aiokv.OffloadEngine(small_store(), [cache])
+
+
+@pytest.mark.asyncio
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+async def test_token_ids_that_are_not_dense_tensors_are_an_invalid_request(
+    caches: list[torch.Tensor],
+) -> None:
+    # Both were raw errors from .numpy(): a TypeError and a RuntimeError.
+    async with aiokv.OffloadEngine(small_store(), caches) as engine:
+        for tokens in (torch.arange(TOKENS).to_sparse(),
+                       torch.nested.nested_tensor([torch.arange(TOKENS)])):
+            with pytest.raises(aiokv.InvalidRequest, match=r"^token_ids: must be a dense"):
+                await engine.offload(1, torch.arange(4), TOKENS, token_ids=tokens)
+            with pytest.raises(aiokv.InvalidRequest, match=r"^token_ids: must be a dense"):
+                await engine.lookup(1, TOKENS, token_ids=tokens)
+
+
+@pytest.mark.asyncio
+async def test_token_ids_that_are_a_negative_view_key_their_values(
+    caches: list[torch.Tensor],
+) -> None:
+    # A negative view's .numpy() was a raw RuntimeError; its values are the negated ones,
+    # as run_in_background's copy of it already had them.
+    async with aiokv.OffloadEngine(small_store(), caches) as engine:
+        await engine.offload(1, torch.arange(4), TOKENS,
+                             token_ids=torch._neg_view(torch.arange(TOKENS)))
+        async with await engine.lookup(1, TOKENS, token_ids=-torch.arange(TOKENS)) as hit:
+            assert hit.cached_tokens == TOKENS
+
