@@ -434,7 +434,11 @@ def load_config(path: str | Path) -> tuple[EngineConfig, StoreConfig]:
         raise ConfigError("path", f"cannot read config file {str(path)!r}: {exc}") from exc
     try:
         document = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no objects
-    except yaml.YAMLError as exc:
+    except ConfigError:  # a key given twice (a ValueError too)
+        raise
+    # Not only YAMLError: an integer longer than Python converts (4300 digits) is a raw
+    # ValueError from the int constructor, and deep nesting a RecursionError.
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
         raise ConfigError("path", f"{str(path)!r} is not valid YAML: {exc}") from exc
     return parse_config(document)
 

@@ -209,3 +209,14 @@ async def test_token_ids_that_are_a_negative_view_key_their_values(
         async with await engine.lookup(1, TOKENS, token_ids=-torch.arange(TOKENS)) as hit:
             assert hit.cached_tokens == TOKENS
 
+
+@pytest.mark.parametrize("text", ["engine:\n  window_us: " + "9" * 5000 + "\n",
+                                  "store: " + "[" * 2000 + "]" * 2000 + "\n"],
+                         ids=["5000-digit int", "2000 nested lists"])
+def test_yaml_that_python_cannot_build_is_a_config_error(tmp_path: Path, text: str) -> None:
+    # A ValueError (int digits limit) and a RecursionError, raw, from yaml.load.
+    path = tmp_path / "c.yml"
+    path.write_text(text)
+    with pytest.raises(aiokv.ConfigError, match="is not valid YAML") as caught:
+        aiokv.load_config(path)
+    assert caught.value.key == "path"
