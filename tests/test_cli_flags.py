@@ -52,6 +52,7 @@ REFUSED = [
     (["demo", "--users"], "0"),
     (["demo", "--seconds"], "-1"),
     (["demo", "--seed"], "-1"),
+    (["demo", "--seed"], str(2**64)),  # beyond torch's uint64 seed: a traceback at start
     (["demo", "--history-pages"], "2"),
     ([*SERVER, "--drain-timeout"], "-1"),
 ]
