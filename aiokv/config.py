@@ -430,7 +430,9 @@ def load_config(path: str | Path) -> tuple[EngineConfig, StoreConfig]:
     """Read a YAML config file. Raises ConfigError for a missing file or bad content."""
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+    # Not only OSError: a path with a NUL byte is a ValueError (as UnicodeDecodeError is),
+    # and one that is no path at all (None, an int) a TypeError.
+    except (OSError, ValueError, TypeError) as exc:
         raise ConfigError("path", f"cannot read config file {str(path)!r}: {exc}") from exc
     try:
         document = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no objects

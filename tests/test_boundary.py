@@ -220,3 +220,14 @@ def test_yaml_that_python_cannot_build_is_a_config_error(tmp_path: Path, text: s
     with pytest.raises(aiokv.ConfigError, match="is not valid YAML") as caught:
         aiokv.load_config(path)
     assert caught.value.key == "path"
+
+
+@pytest.mark.parametrize("path", ["c\0.yml", None, 5], ids=["NUL byte", "None", "int"])
+def test_a_config_path_that_names_no_file_is_a_config_error(path: object) -> None:
+    # A raw ValueError ("embedded null byte") and TypeErrors from pathlib.
+    with pytest.raises(aiokv.ConfigError, match="cannot read config file") as caught:
+        aiokv.load_config(path)  # type: ignore[arg-type]
+    assert caught.value.key == "path"
+    if isinstance(path, str):  # open_engine takes a str path as a YAML file's
+        with pytest.raises(aiokv.ConfigError, match="cannot read config file"):
+            aiokv.open_engine(path, kv_caches=[torch.zeros(8, 2, PAGE_SIZE, 2, 4)])
