@@ -360,6 +360,20 @@ def test_a_store_that_cannot_serve_is_a_message_not_a_traceback(
     assert "StoreError" in err and "not reachable" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("bench", ["layers", "model"])
+def test_a_config_whose_store_cannot_hold_a_round_is_a_usage_error(
+    bench: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its lookups missed (layers) or its offloads waited 30 s for room (model), each then
+    # a RuntimeError traceback.
+    config = tmp_path / "small.yml"
+    config.write_text("store:\n  cpu_cache_gb: 0.0001\n")
+    assert main(["bench", bench, "--quick", "--device", "cpu", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"aiokv bench {bench}: error: store.cpu_cache_gb: " in err, err
+    assert "a round of --users 4 x --tokens 64 needs 16" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv", [
     ["bench", "bandwidth", "--quick", "--head-dim", "100000000", "--device", "cpu"],
     ["bench", "startup", "--quick", "--gib", "100000", "--device", "cpu"],

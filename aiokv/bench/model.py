@@ -43,6 +43,7 @@ import torch
 from ..config import EngineConfig, StoreConfig
 from ..copy.driver import batch_entry
 from ..engine import OffloadEngine
+from ..errors import ConfigError
 from ..open import read_config
 from ..stores import make_store
 from . import common, standin
@@ -192,6 +193,7 @@ def round_configs(settings: RoundSettings) -> tuple[EngineConfig, StoreConfig, i
     if s.config:
         engine_config, store_config = read_config(s.config)
         page_size = store_config.page_size or s.page_size
+        _check_holds_a_round(s, store_config, page_size)
     else:
         engine_config, page_size = EngineConfig(), s.page_size
         per_token = common.bytes_per_token(s.layers, s.heads, s.head_dim, torch.bfloat16)
@@ -206,6 +208,26 @@ def round_configs(settings: RoundSettings) -> tuple[EngineConfig, StoreConfig, i
         max_pending=max(4 * s.users, engine_config.max_pending),
     )
     return engine_config, store_config, page_size
+
+
+def _check_holds_a_round(s: RoundSettings, store_config: StoreConfig, page_size: int) -> None:
+    """ConfigError unless the config's tiers hold one round's pages (every user's at once):
+    a smaller store made the round's lookups miss, or its offloads wait for room until
+    StoreFull, each a traceback once the run had begun. A store server's tiers are the
+    server's, unknown here."""
+    if store_config.backend == "shared":
+        return
+    block = common.bytes_per_token(s.layers, s.heads, s.head_dim, torch.bfloat16) * page_size
+    gib = store_config.cpu_cache_gb + store_config.ssd_cache_gb
+    blocks = int(gib * GIB // block)
+    needed = s.users * (s.tokens // page_size)  # only full pages are stored
+    if needed > blocks:
+        raise ConfigError(
+            "store.cpu_cache_gb",
+            f"the config's tiers ({gib:g} GiB) hold {blocks} blocks of {block} bytes; a "
+            f"round of --users {s.users} x --tokens {s.tokens} needs {needed}: give the "
+            "store more, or ask for less",
+        )
 
 
 def _store_name(store_config: StoreConfig) -> str:
