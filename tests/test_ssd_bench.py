@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from aiokv.cli import main
 
@@ -37,3 +38,15 @@ def test_aiokv_bench_help_lists_every_benchmark(capsys: pytest.CaptureFixture[st
     printed = capsys.readouterr().out
     for name in ("engine", "slots", "bandwidth", "lag", "ssd", "startup"):
         assert re.search(rf"^    {name}\b", printed, re.M), (name, printed)  # its own line
+
+
+def test_bench_ssd_on_cuda_without_a_gpu_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was an AssertionError traceback ("Torch not compiled with CUDA enabled"), where
+    # every other bench says this.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "ssd", "--quick", "--device", "cuda", "--dir", str(tmp_path)])
+    assert done.value.code == "--device cuda: no CUDA device is available"
+    assert not (tmp_path / "aiokv-bench-ssd").exists()

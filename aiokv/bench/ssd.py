@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     work = base / "aiokv-bench-ssd"
     work.mkdir(mode=0o700, exist_ok=True)
     try:
-        device = torch.device(args.device)
+        device = common.pick_device(args.device)  # cuda without one: a message
         caches = [
             torch.randn(USER_PAGES, 2, PAGE, HEADS, DIM, device=device).to(torch.bfloat16)
             for _ in range(LAYERS)
