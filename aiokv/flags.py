@@ -94,6 +94,8 @@ def output_file(text: str) -> str:
     directory = os.path.dirname(text) or "."
     if not os.path.isdir(directory):
         raise argparse.ArgumentTypeError(f"no directory {directory!r} to write {text!r} in")
+    if os.path.isdir(text):  # else an IsADirectoryError traceback once the run is over
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; name a file in it")
     return text
 
 

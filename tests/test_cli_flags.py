@@ -195,3 +195,12 @@ def test_bench_ssd_takes_only_a_device_it_knows(capsys: pytest.CaptureFixture[st
     err = _usage_error(["bench", "ssd", "--device", "foo"], capsys)
     assert "argument --device: invalid choice: 'foo'" in err, err
 
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_output_file_that_is_a_directory_is_a_usage_error(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It was accepted, and the run ended, once over, in an IsADirectoryError traceback.
+    err = _usage_error(["bench", "slots", "--quick", flag, str(tmp_path)], capsys)
+    assert f"argument {flag}: {str(tmp_path)!r} is a directory" in err, err
