@@ -21,9 +21,14 @@ from collections.abc import Callable, Mapping
 
 from .config import machine_memory_bytes, size_text
 
+# Above this no count or size reaches torch or the OS (an int64): a larger one was an
+# "Overflow when unpacking long long" traceback once the run had started.
+MAX_INT = 2**63 - 1
+
 
 def integer(minimum: int, *, or_zero: bool = False) -> Callable[[str], int]:
-    """An integer >= ``minimum`` (``or_zero``: or 0, where 0 means "off" or "auto")."""
+    """An integer >= ``minimum`` (``or_zero``: or 0, where 0 means "off" or "auto"), at
+    most :data:`MAX_INT`."""
     wanted = f"0 or an integer >= {minimum}" if or_zero else f"an integer >= {minimum}"
 
     def parse(text: str) -> int:
@@ -33,6 +38,9 @@ def integer(minimum: int, *, or_zero: bool = False) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
         if value < minimum and not (or_zero and value == 0):
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        if value > MAX_INT:
+            raise argparse.ArgumentTypeError(f"expected {wanted} and at most {MAX_INT}, "
+                                             f"got {text!r}")
         return value
 
     return parse
@@ -83,8 +91,8 @@ def positive_int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    if not values or min(values) < 1 or max(values) > MAX_INT:
+        raise argparse.ArgumentTypeError(f"expected integers in 1..{MAX_INT}, got {text!r}")
     return values
 
 

@@ -32,9 +32,12 @@ REFUSED = [
     (["bench", "engine", "--warmup-s"], "-0.5"),
     (["bench", "engine", "--poll-interval-us"], "0"),
     (["bench", "engine", "--users"], "0"),
+    (["bench", "engine", "--heads"], str(2**64)),  # past an int64: a traceback at start
+    (["bench", "lag", "--tokens"], "99999999999999999999"),
     (["bench", "bandwidth", "--repeats"], "0"),
     (["bench", "bandwidth", "--raw-gib"], "nan"),
     (["bench", "bandwidth", "--tokens"], "64,-5"),
+    (["bench", "bandwidth", "--users"], f"8,{2**63}"),
     (["bench", "lag", "--users"], "0"),
     (["bench", "lag", "--tokens"], "-5"),
     (["bench", "lag", "--seconds"], "inf"),
