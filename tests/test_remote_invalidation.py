@@ -404,3 +404,52 @@ def test_a_full_mooncake_keeps_the_boot_id_and_the_markers_an_evict_hides_old_by
         finally:
             a.close()
             bare.close()
+
+
+def _versions(host: LocalHost, user: int, loaded: int) -> list[str]:
+    """Per page loaded into the host's last USER_PAGES pages: which version it is (v1:
+    the user's KV, v2: other bytes, ?: neither)."""
+    target = host.caches[0].shape[0] - USER_PAGES
+    v1, v2 = host.kv_of(user), host.kv_of(user + 1)
+    return ["v1" if all(torch.equal(c[target + p], k[p]) for c, k in zip(host.caches, v1,
+                                                                          strict=True))
+            else "v2" if all(torch.equal(c[target + p], k[p]) for c, k in zip(host.caches, v2,
+                                                                             strict=True))
+            else "?" for p in range(loaded // PAGE_SIZE)]
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["host", "ssd_after_restart"])
+def test_a_host_never_joins_its_pages_of_a_key_with_what_another_host_wrote_after_an_evict(
+        mooncake: MooncakeServers, tmp_path: Path, restart: bool) -> None:
+    # B holds the first half of the user (v1: on its host tier; or on its SSD, read after
+    # a restart). A evicts the user and offloads all of it again with other bytes (v2)
+    # under the same tokens. B's lookup read v2's second half from Mooncake after its own
+    # v1 half: a load of pages of two versions.
+    user = 1811
+    b = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=tmp_path if restart else None)
+    a = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    try:
+        half = USER_PAGES // 2
+        for cache, kv in zip(b.caches, b.kv_of(user), strict=True):
+            cache[:half] = kv[:half]
+        assert b.kv.offload(user, torch.arange(half), half * PAGE_SIZE).stored_tokens == (
+            TOKENS // 2)
+        until(lambda: b.stats()["remote_blocks_held"] == 0)
+        a.kv.evict(user)
+        assert a.stats()["remote_invalidation_errors"] == 0  # its marker is out
+        for cache, kv in zip(a.caches, a.kv_of(user + 1), strict=True):
+            cache[:USER_PAGES] = kv
+        assert a.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
+        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        if restart:
+            b.close()
+            b = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=tmp_path)
+        target = torch.arange(b.caches[0].shape[0] - USER_PAGES, b.caches[0].shape[0])
+        with b.kv.lookup(user, TOKENS) as hit:
+            loaded = b.kv.load(hit, target).loaded_tokens
+        versions = _versions(b, user, loaded)
+    finally:
+        a.close()
+        b.close()
+    # Its own copies stay its own (README), but are never joined with the other version.
+    assert versions in (["v1"] * (USER_PAGES // 2), ["v2"] * USER_PAGES)

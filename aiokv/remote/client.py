@@ -81,6 +81,9 @@ class RemoteIO:
         self._publishing: Future[bool] | None = None
         self._publishing_started = False
         self._publishing_lock = threading.Lock()
+        # The reader thread's last read's or leading's views, per item: the (lifetime,
+        # epoch, generation) its keys were of (:meth:`viewed`).
+        self.views: list[tuple[int, int, int] | None] = []
         self._reader = CallThread("aiokv-remote-read", self._tend)
         self._remover = Remover(self.connection, keys.either)
         self.remove_stats = self._remover.stats
@@ -121,10 +124,14 @@ class RemoteIO:
     def leading(self, items: Sequence[tuple[str, list[bytes]]]) -> list[list[str]]:
         """Per (namespace, digests): the keys of the leading blocks Mooncake has, under
         the newest epoch and generation (learned from the markers on the way); all in
-        one ``batch_is_exist``. Empty lists where Mooncake cannot be asked."""
+        one ``batch_is_exist``. Empty lists where Mooncake cannot be asked. The views
+        they were asked under: :attr:`views`."""
         client = self.connection.ready()
         began = time.monotonic()
+        lifetime = self.keys.view("")[0]
         found = None if client is None else self.markers.past(client, items)
+        if found is not None:
+            self.views = self._views(found, lifetime)
         self.read_stats["remote_exist_seconds"] += time.monotonic() - began
         return found if found is not None else [[] for _ in items]
 
@@ -132,10 +139,12 @@ class RemoteIO:
         """Per (namespace, digests), how many of its leading blocks arrived whole and
         passed their checksums, read into ``blocks`` (one per digest, item after item):
         the markers and the values in one get, no existence check first (an absent
-        value answers for itself, as cheaply)."""
+        value answers for itself, as cheaply). The views they were read under:
+        :attr:`views`."""
         client = self.connection.ready()
         if client is None:
             return [0] * len(items)
+        lifetime = self.keys.view("")[0]
 
         def get(probes: list[str], asked: list[list[str]]) -> tuple[
                 list[bool], tuple[list[int], list[bool]]] | None:
@@ -159,7 +168,25 @@ class RemoteIO:
         if settled is None:
             return [0] * len(items)
         asked, (got, good) = settled
+        self.views = self._views(asked, lifetime)
         return self._leading(got, good, [len(group) for group in asked])
+
+    def viewed(self, views: list[tuple[int, int, int] | None], call: Callable[..., Any],
+               *args: Any) -> Any:
+        """The reader thread: ``call`` (:meth:`read`, :meth:`leading`), and ``views``
+        filled with the views its items were asked under (none where it told none)."""
+        self.views = []
+        answer = call(*args)
+        views[:] = self.views
+        return answer
+
+    def _views(self, asked: Sequence[Sequence[str]], lifetime: int
+               ) -> list[tuple[int, int, int] | None]:
+        """The views block keys were asked under (:meth:`.keys.Keys.views_of`); None for
+        all of them where the master restarted meanwhile (the lifetime is not known)."""
+        if self.keys.view("")[0] != lifetime:
+            return [None] * len(asked)
+        return self.keys.views_of(asked, lifetime)
 
     def fetch(self, block_keys: list[str], blocks: list[int], counts: list[int]) -> list[int]:
         """Read the values into these host blocks, ``counts`` of them per range; per

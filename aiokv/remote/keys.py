@@ -151,6 +151,20 @@ class Keys:
         head = f"{self.root}/{ns}/{epoch}.{generation}/"
         return [head + d.hex() for d in digests]
 
+    def views_of(self, asked: Sequence[Sequence[str]], lifetime: int
+                 ) -> list[tuple[int, int, int] | None]:
+        """Per group of block keys (:meth:`blocks`' of one namespace), the (lifetime,
+        epoch, generation) they are of, ``lifetime`` the one they were asked in (None
+        for an empty group)."""
+        views: list[tuple[int, int, int] | None] = []
+        for group in asked:
+            if not group:
+                views.append(None)
+                continue
+            epoch, generation = group[0].rsplit("/", 2)[1].split(".")
+            views.append((lifetime, int(epoch), int(generation)))
+        return views
+
     def ask(self, items: Sequence[tuple[str, Sequence[bytes]]]) -> tuple[
             list[str], list[list[str]], Callable[[Sequence[int]], Moved | None]]:
         """What a lookup of (namespace, digests) items asks Mooncake (the boot id known):

@@ -106,10 +106,13 @@ class RemoteLink:
             live = space is not None and host.index.space(space.key) is space
             if not len(blocks) or not live:
                 continue
+            tag = self._tag(space.key)
+            # Whether written or not, the key's new pages are of what this host knows now
+            # (a lookup must not join them with pages of another generation).
+            self.reads.noted(space.key, io.keys.view(tag), fresh=len(space) == len(blocks))
             if io.resting():
                 self.stats_["remote_dropped_resting"] += len(blocks)
                 continue
-            tag = self._tag(space.key)
             if not io.keys.usable(tag):  # its evict's marker is not out yet
                 self._evicted += len(blocks)
                 continue
@@ -180,6 +183,7 @@ class RemoteLink:
             self._give_back(blocks)
             self._evicted += len(blocks)  # dropped writes, as close counts those it takes
         self.reads.invalidated(namespace)
+        self.reads.forget(namespace)
         if wait:
             # A write of the key still under way after this is no failure of the evict:
             # the host tier buries its blocks, and the marker (counted) ends what it puts.

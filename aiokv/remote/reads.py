@@ -66,6 +66,12 @@ class RemoteRead:
     # range starts the lookup's own): placed only after that one, else none of it is.
     after: list[bytes | None] = field(default_factory=list)
     gone: set[tuple[str, ...]] = field(default_factory=set)  # evicted meanwhile: dropped
+    # Per wanted range, whether this host held pages of the key (host or SSD) at the
+    # start: the range joins them in a lookup, so it must be of their generation.
+    own: list[bool] = field(default_factory=list)
+    # Per wanted range, the (lifetime, epoch, generation) it was read under (None: not
+    # known); filled by the reader thread's call.
+    views: list[tuple[int, int, int] | None] = field(default_factory=list)
     over: bool = False
 
 
@@ -97,6 +103,10 @@ class Reader:
         self._publishing: list[Published] = []  # markers not yet accounted for
         self._late: list[tuple[Future[Any], Int64Array]] = []  # reads past their time
         self._busy: Future[Any] | None = None  # a call that outlived its time
+        # Per key, the view (lifetime, epoch, generation) its pages on this host are of:
+        # another host's evict may end it, and a key written again under the next one
+        # has other bytes under the same digests (:meth:`_same`).
+        self._views: dict[tuple[str, ...], tuple[int, int, int]] = {}
         self.stats_ = {
             "remote_lookups": 0, "remote_lookup_waits": 0, "remote_hits": 0, "remote_misses": 0,
             "remote_blocks_read": 0, "remote_bytes_read": 0, "remote_timeouts": 0,
@@ -123,17 +133,22 @@ class Reader:
         tier rests: then counted as misses)."""
         io, host = self._io, self._host
         lookups: Wanted = []  # each query's pages to ask for
-        unusable: Wanted = []  # evicted here, the marker not out yet: a miss
+        unusable: Wanted = []  # a miss: evicted here, the marker not out yet; or of an
+        # ended generation here (_same)
         wanted: Wanted = []  # the ranges to read, no page twice
         before: list[list[bytes]] = []  # wanted's
         after: list[bytes | None] = []  # wanted's
         asked: dict[tuple[str, ...], set[bytes]] = {}  # the pages wanted, per key
+        own: list[bool] = []  # wanted's
         for key, digests in queries:
             if key in self._reading:
                 continue
             head, gap = self._missing(key, digests)
+            space = host.index.space(key)
+            mine = space is not None and len(space) > 0
             if gap and below is not None:
                 on_ssd = below(key, gap)
+                mine = mine or True in on_ssd
                 if on_ssd[0]:  # the SSD's run is the SSD path's; Mooncake's comes after
                     start = on_ssd.index(False) if False in on_ssd else len(gap)
                     gap = gap[start:]
@@ -142,8 +157,12 @@ class Reader:
                     gap = gap[: on_ssd.index(True)]
             if not gap:
                 continue
-            if not io.keys.usable(self._tag(key)):
+            tag = self._tag(key)
+            if not io.keys.usable(tag):
                 unusable.append((key, gap))
+                continue
+            if mine and not self._same(key, io.keys.view(tag)):
+                unusable.append((key, gap))  # its pages here are of an ended generation
                 continue
             lookups.append((key, gap))
             seen = asked.setdefault(key, set())
@@ -157,6 +176,7 @@ class Reader:
                 wanted.append((key, rest))
                 before.append(head)
                 after.append(gap[skip - 1] if skip else None)
+                own.append(mine)
         if unusable:
             self._count(unusable, [0] * len(unusable), 0, None)
         if not wanted:
@@ -169,12 +189,17 @@ class Reader:
         total = sum(len(digests) for _, digests in wanted)
         if total <= host.alloc.num_free:  # room without evicting: one call
             blocks = host.reserve(total)
-            read = RemoteRead(wanted, lookups, io.submit_read(io.read, tagged, blocks.tolist()),
+            views: list[tuple[int, int, int] | None] = []
+            read = RemoteRead(wanted, lookups,
+                              io.submit_read(io.viewed, views, io.read, tagged, blocks.tolist()),
                               now, now + self._timeout_s, blocks, [len(d) for _, d in wanted],
-                              after=after)
+                              after=after, own=own, views=views)
         else:
-            read = RemoteRead(wanted, lookups, io.submit_read(io.leading, tagged), now,
-                              now + self._timeout_s, before=before, after=after)
+            views = []
+            read = RemoteRead(wanted, lookups,
+                              io.submit_read(io.viewed, views, io.leading, tagged),
+                              now, now + self._timeout_s, before=before, after=after, own=own,
+                              views=views)
         self._reads.append(read)
         self._reading.update(key for key, _ in wanted)
         read.future.add_done_callback(self._returned)
@@ -332,13 +357,16 @@ class Reader:
         assert read.counts is not None  # a values call answered
         placed: list[list[bytes]] = []
         unused, at = [], 0
-        for (key, digests), count, n, prev in zip(read.wanted, read.counts, good, read.after,
-                                                  strict=True):
+        views = read.views or [None] * len(read.wanted)
+        for (key, digests), count, n, prev, own, view in zip(
+                read.wanted, read.counts, good, read.after, read.own, views, strict=True):
             mine = read.blocks[at : at + count]
             at += count
             space = host.index.space(key)
             if key in read.gone or (prev is not None and (space is None or prev not in space)):
                 n = 0  # (pages past a hole would be out of every lookup's reach)
+            elif n and not self._joins(key, own, view):
+                n = 0  # this host's pages of the key are of another generation
             unused.append(mine[n:])
             if space is not None and n:
                 taken = np.fromiter(map(space.__contains__, digests[:n]), dtype=np.bool_,
@@ -355,6 +383,42 @@ class Reader:
             placed.append(digests[:n])
         host.free(np.sort(np.concatenate(unused)))
         return placed
+
+    def _joins(self, key: tuple[str, ...], own: bool, view: tuple[int, int, int] | None
+               ) -> bool:
+        """Whether pages read under ``view`` may join this host's pages of the key (``own``:
+        it had some): only where those are of the same view. The view is then the key's."""
+        if view is None:
+            return not own
+        if own and not self._same(key, view):
+            return False
+        self.noted(key, view)
+        return True
+
+    def _same(self, key: tuple[str, ...], view: tuple[int, int, int]) -> bool:
+        """Whether this host's pages of the key are of ``view``. Those of no known view
+        (an earlier run's SSD blocks) only where no evict or clear ended the key's first
+        one since the master started: a later one may hold other bytes."""
+        known = self._views.get(key)
+        return view[1:] == (0, 0) if known is None else known == view
+
+    def noted(self, key: tuple[str, ...], view: tuple[int, int, int],
+              fresh: bool = True) -> None:
+        """The key's pages on this host are of ``view`` (``fresh``: all of them; else
+        only new ones, the older keep theirs)."""
+        views = self._views
+        if not fresh and key in views:
+            return
+        if len(views) > 65536:
+            views.clear()
+        views[key] = view
+
+    def forget(self, key: tuple[str, ...] | None) -> None:
+        """This host dropped the key (None: every key)."""
+        if key is None:
+            self._views.clear()
+        else:
+            self._views.pop(key, None)
 
     def _end(self, read: RemoteRead, now: float, placed: list[list[bytes]] | None = None
              ) -> None:
