@@ -14,7 +14,9 @@ overwrote its pages; no timing decides what is tested.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +36,7 @@ import aiokv
 import aiokv.testing
 from aiokv.copy.copier import Copier
 from aiokv.stores.base import TaskStatus
+from aiokv.stores.process import ProcessStore
 from aiokv.stores.shared import SharedStore
 
 TOKENS = 4 * PAGE_SIZE
@@ -274,3 +277,54 @@ async def test_a_crashed_store_thread_leaves_nothing_of_an_offload_it_failed_mid
             assert engine._worker is not None
             assert await asyncio.to_thread(engine._worker.join, 10)  # the store closed
     await another_engine_misses_then_stores(host, tokens)
+
+
+# Imported by a store's child process at its start (PYTHONPATH): its copies of offloads
+# wait, once it says so in a file, for a file the test writes.
+_HOLD_THE_CHILDS_COPIES = """
+import os, time
+where = os.environ.get("AIOKV_TEST_HOLD_COPIES")
+if where:
+    from aiokv.copy import copier
+    real = copier.Copier._move_cpu
+    def held(self, job):
+        if job.to_host:
+            open(os.path.join(where, "entered"), "w").close()
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.path.join(where, "go")) and time.monotonic() < deadline:
+                time.sleep(0.002)
+        return real(self, job)
+    copier.Copier._move_cpu = held
+"""
+
+
+@pytest.mark.asyncio
+async def test_an_offload_to_a_store_in_its_own_process_stores_nothing_of_its_reused_pages(
+    caches: list[torch.Tensor], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store's copies run in its child; the detach must reach it before the caller
+    # hears its RequestTimeout (a table in shared memory, not a message behind a call).
+    (tmp_path / "sitecustomize.py").write_text(_HOLD_THE_CHILDS_COPIES)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("AIOKV_TEST_HOLD_COPIES", str(tmp_path))
+    store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+    config = aiokv.EngineConfig(window_us=0, request_timeout_ms=TIMEOUT_MS)
+    source, target = pages(0), pages(40)
+    async with aiokv.OffloadEngine(store, caches, config) as engine:
+        call = asyncio.ensure_future(engine.offload("u", source, TOKENS))
+        try:
+            await eventually(lambda: (tmp_path / "entered").exists())  # the child copies
+            with pytest.raises(aiokv.RequestTimeout):
+                await asyncio.wait_for(call, 10)
+            for cache in caches:  # the call resolved: its pages are the caller's again
+                cache[source] = 7.0
+        finally:
+            (tmp_path / "go").touch()  # the child's copy reads them now
+            await eventually(lambda: engine.stats().store_tasks_open == 0)
+        # Before the fix: a full hit, every byte 7.0 (what was written after the call).
+        assert await loaded(engine, caches, "u", target) == 0
+        assert (await engine.offload("u", source, TOKENS)).stored_tokens == TOKENS
+        assert await loaded(engine, caches, "u", target) == TOKENS
+        for cache in caches:
+            assert bool((cache[target] == 7.0).all())

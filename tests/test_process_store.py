@@ -671,6 +671,7 @@ def _serve_in_thread(monkeypatch: pytest.MonkeyPatch, store: Any) -> tuple[Any, 
 
     import aiokv.stores.child as child
     from aiokv.stores import cache_fds
+    from aiokv.stores.detaches import DetachTable
 
     monkeypatch.setattr(child, "make_store", lambda config: store)
     monkeypatch.setattr(child, "_register", lambda *args: None)
@@ -681,7 +682,8 @@ def _serve_in_thread(monkeypatch: pytest.MonkeyPatch, store: Any) -> tuple[Any, 
         target=child.serve, args=(Connection(theirs.detach()), ends_theirs), daemon=True
     )
     thread.start()
-    cache_fds.send(conn, (None, None))  # the start message, as ProcessStore sends it
+    # The start message, as ProcessStore sends it: config, payload, detached puts' table.
+    cache_fds.send(conn, (None, None, DetachTable().tensor))
     assert conn.recv() == ("ready", PAGE_SIZE)
     ends_here.settimeout(60)
     return conn, ends_here, thread

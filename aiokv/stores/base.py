@@ -372,7 +372,9 @@ class Detaches(Protocol):
     unless the copy of its pages had been seen to end before the call (then it read them
     before the caller was told anything): the task ends FAILED, its blocks rolled back
     (the embedded store and ``shared``, through
-    :attr:`aiokv.copy.copier.CopyJob.callers`)."""
+    :attr:`aiokv.copy.copier.CopyJob.callers`). The embedded store in its own process
+    keeps nothing of a put detached before it took the copy's end in (a table in shared
+    memory: :mod:`aiokv.stores.detaches`)."""
 
     def detach(self, task_id: int) -> None: ...
 

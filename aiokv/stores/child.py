@@ -43,6 +43,7 @@ from ..backends import backend
 from ..errors import StoreError
 from . import cache_fds, make_store
 from .base import NoSpace, Store, TaskResult, takes_deadline
+from .detaches import DetachTable
 from .wire import launch_pages, pack_results, portable
 
 log = logging.getLogger("aiokv")
@@ -205,9 +206,12 @@ def _register(store: Store, config: Any, payload: Any, conn: Connection) -> None
 def serve(conn: Connection, ends_socket: socket.socket) -> int:
     store: Store | None = None
     try:
-        config, payload = cache_fds.receive(conn)  # tensors: may fail to map here
+        config, payload, detached = cache_fds.receive(conn)  # tensors: may fail to map here
         store = make_store(config)  # e.g. FlexKV not importable from this process
         _register(store, config, payload, conn)
+        watch = getattr(store, "watch_detaches", None)
+        if watch is not None:  # the engine marks its detached puts there (.detaches)
+            watch(DetachTable(detached).has)
     except Exception as exc:
         if store is not None:
             store.close()

@@ -58,6 +58,7 @@ from ..copy.fused import PageCopier
 from ..errors import StoreError
 from ..store_figures import carried
 from .base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from .detaches import DetachTable
 from .link import ChildGone, ChildLink
 from .notices import Notices
 from .notices import no_notify as no_notify  # a public name of this module too
@@ -96,6 +97,11 @@ class ProcessStore:
         for name in MIRRORED:  # what the child's store lacks, this one lacks too
             if not callable(getattr(inner, name, None)):
                 setattr(self, name, None)
+        if not callable(getattr(inner, "watch_detaches", None)):
+            self.detach = None  # type: ignore[assignment]  # its puts are kept (FlexKV)
+        # The current child's table of detached puts, with the base of its ids (one
+        # attribute: a detach from the loop thread reads the two of the same child).
+        self._detaching: tuple[DetachTable, int] | None = None
         self._start_timeout_s = start_timeout_s
         self._call_timeout_s = call_timeout_s
         self.page_size: int = config.page_size or 0  # the child's, once registered
@@ -163,7 +169,9 @@ class ProcessStore:
         handover = backend(self._config.backend).cache_handover()
         payload = handover.payload(caches)
         link = self._spawn()
-        self._send((self._config, payload), start=True)
+        table = DetachTable()
+        self._send((self._config, payload, table.tensor), start=True)
+        self._detaching = (table, self._ids.base)
         deadline = time.monotonic() + self._start_timeout_s
         while True:
             kind, value = self._receive(deadline, f"its start within {self._start_timeout_s:g} s")
@@ -311,6 +319,14 @@ class ProcessStore:
             return []
         passed: list[int] = self._call("parked", ids)
         return [task_id + base for task_id in passed]
+
+    def detach(self, task_id: int) -> None:
+        """base.Detaches, for the current child's puts: marked in its table (:mod:`.detaches`;
+        the loop thread, never blocks), which its store reads as it takes a put's copy in.
+        An older child's task died with it."""
+        detaching = self._detaching
+        if detaching is not None and task_id >= detaching[1]:
+            detaching[0].mark(task_id - detaching[1])
 
     def set_deadlines(self, task_ids: Sequence[int], deadlines_s: Sequence[float]) -> None:
         """base.BoundsWaits: kept for the launch that follows, which takes them to the

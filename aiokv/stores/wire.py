@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
 from ..config import StoreConfig
 from ..errors import StoreError
@@ -36,7 +37,9 @@ FORWARDED = ("evict", "clear", "store_stats", "parked")
 MIRRORED = (*FORWARDED, "set_deadlines")
 Call = tuple[Op, Any]
 Reply = tuple[bool, Any]  # (True, value) or (False, the exception raised)
-Start = tuple[StoreConfig, object]  # the config (own_process=False), the handover's payload
+# The config (own_process=False), the handover's payload, the detached puts' table
+# (:mod:`.detaches`).
+Start = tuple[StoreConfig, object, torch.Tensor]
 Attach = tuple[Literal["attach"], object]  # the handover's request to the parent
 Ready = tuple[Literal["ready"], int]  # the store's page size
 Failed = tuple[Literal["failed"], BaseException]

@@ -75,6 +75,9 @@ class TaskEnds:
         # Put tasks from their match to their end, by id: LocalStore.detach (the loop
         # thread) finds them here; a task that ended is not found and needs nothing.
         self.puts: dict[int, Task] = {}
+        # Puts detached in the engine's process when this store runs in a child
+        # (LocalStore.watch_detaches): read as each copy is taken in, after it ended.
+        self.detached_elsewhere: Callable[[int], bool] | None = None
         self.bytes = {"bytes_d2h": 0, "bytes_h2d": 0}
 
     def job_done(self, job: CopyJob) -> None:  # copy threads
@@ -113,6 +116,10 @@ class TaskEnds:
             if loads[0].invalid and not job.invalid:
                 job.invalid[0] = loads[0].invalid
         left = set(job.left)  # puts whose callers detached before their copy ended
+        elsewhere = self.detached_elsewhere
+        if elsewhere is not None:  # detached before now: maybe before the copy ended
+            left.update(s for s, task in enumerate(tasks)
+                        if task.is_put and s not in job.invalid and elsewhere(task.task_id))
         good = [t for s, t in enumerate(tasks) if s not in job.invalid and s not in left]
         if not self.closed:
             if job.invalid or left:

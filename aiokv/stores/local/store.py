@@ -331,6 +331,13 @@ class LocalStore:
         if self._link is not None:
             self._link.stage_waiting()  # what the cancelled tasks held is room now
 
+    def watch_detaches(self, detached: Callable[[int], bool]) -> None:
+        """Puts detached in another process (``detached(task_id)``: an engine's table,
+        :mod:`aiokv.stores.detaches`, read in this store's child): each put's copy, taken
+        in as done, counts for nothing where its id is there by then, as after
+        :meth:`detach`."""
+        self._ends.detached_elsewhere = detached
+
     def detach(self, task_id: int) -> None:
         """base.Detaches: the caller of this put stopped waiting (loop thread; never
         blocks). Unless the copy of its pages had been seen to end by now, it keeps
