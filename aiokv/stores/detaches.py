@@ -31,7 +31,7 @@ class DetachTable:
         # sees the old id or the new one. Shared before it is viewed: sharing a storage
         # later moves its data, and a view taken before would write to freed memory.
         self.tensor = shared if shared is not None else torch.full(
-            (SLOTS,), -1, dtype=torch.int64).share_memory_()
+            (SLOTS,), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._ids = self.tensor.numpy()
 
     def mark(self, task_id: int) -> None:
