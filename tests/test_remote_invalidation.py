@@ -453,3 +453,44 @@ def test_a_host_never_joins_its_pages_of_a_key_with_what_another_host_wrote_afte
         b.close()
     # Its own copies stay its own (README), but are never joined with the other version.
     assert versions in (["v1"] * (USER_PAGES // 2), ["v2"] * USER_PAGES)
+
+
+def test_a_host_never_labels_its_ssd_pages_of_a_key_with_a_later_generation_by_extending_them(
+        mooncake: MooncakeServers, tmp_path: Path) -> None:
+    # B's SSD holds the first half of the user (v1) from an earlier run; A evicts the user
+    # and offloads all of it again with other bytes (v2). B, restarted, learns the new
+    # generation at a lookup (its SSD half only), then offloads two pages more of its own
+    # after that half. Those two are of the new generation, its SSD half is not: the
+    # whole run was labelled with it, and the next lookup joined v2 pages after it.
+    user = 1821
+    half = USER_PAGES // 2
+    b = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=tmp_path)
+    a = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    try:
+        for cache, kv in zip(b.caches, b.kv_of(user), strict=True):
+            cache[:USER_PAGES] = kv
+        assert b.kv.offload(user, torch.arange(half), half * PAGE_SIZE).stored_tokens == (
+            half * PAGE_SIZE)
+        until(lambda: b.stats()["remote_blocks_held"] == 0)
+        a.kv.evict(user)
+        assert a.stats()["remote_invalidation_errors"] == 0  # its marker is out
+        for cache, kv in zip(a.caches, a.kv_of(user + 1), strict=True):
+            cache[:USER_PAGES] = kv
+        assert a.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
+        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        b.close()
+        b = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=tmp_path)
+        target = torch.arange(b.caches[0].shape[0] - USER_PAGES, b.caches[0].shape[0])
+        with b.kv.lookup(user, TOKENS) as hit:
+            first = _versions(b, user, b.kv.load(hit, target).loaded_tokens)
+        for cache, kv in zip(b.caches, b.kv_of(user), strict=True):
+            cache[:USER_PAGES] = kv
+        assert b.kv.offload(user, torch.arange(half + 2), (half + 2) * PAGE_SIZE).stored_tokens
+        until(lambda: b.stats()["remote_blocks_held"] == 0)
+        with b.kv.lookup(user, TOKENS) as hit:
+            second = _versions(b, user, b.kv.load(hit, target).loaded_tokens)
+    finally:
+        a.close()
+        b.close()
+    assert first == ["v1"] * half
+    assert second == ["v1"] * (half + 2)  # its own copies, none of v2 after them

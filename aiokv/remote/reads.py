@@ -407,7 +407,10 @@ class Reader:
         """The key's pages on this host are of ``view`` (``fresh``: all of them; else
         only new ones, the older keep theirs)."""
         views = self._views
-        if not fresh and key in views:
+        if not fresh:
+            # Older pages of no known view (an earlier run's SSD blocks, or forgotten
+            # below) stay so: labelled with this one, a lookup would join them with
+            # pages of a generation that may have ended theirs.
             return
         if len(views) > 65536:
             views.clear()
