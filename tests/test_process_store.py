@@ -245,6 +245,28 @@ def test_a_child_that_fails_before_it_maps_the_caches_leaves_no_descriptor_here(
     assert len(os.listdir("/proc/self/fd")) <= before
 
 
+def test_a_closed_store_keeps_no_descriptor_of_its_children() -> None:
+    """Each child came with a table of detached puts in shared memory (.detaches); the
+    store kept the last one after its close, a descriptor and its mapping open here for
+    as long as the closed store (or its engine) was referenced."""
+    caches = make_caches()
+    for cache in caches:
+        cache.share_memory_()  # as register does: the caches' own descriptors stay
+
+    def closed_store() -> ProcessStore:
+        store = ProcessStore(aiokv.StoreConfig(cpu_cache_gb=0.01))
+        store.register(caches)
+        store.close()
+        return store
+
+    kept = [closed_store()]  # whatever the first start opens for good
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    kept += [closed_store() for _ in range(3)]
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before
+
+
 @pytest.mark.asyncio
 async def test_when_the_child_dies_callers_get_its_exit_code_not_a_hang() -> None:
     caches = make_caches()

@@ -505,6 +505,9 @@ class ProcessStore:
             except Exception:  # the child is gone either way: the next one still starts
                 log.exception("the store's cache handover failed to let go of its child")
         self._keep.clear()
+        # Its table too: a descriptor and 2 MiB of shared memory, else held as long as
+        # this store is (a closed engine's). A detach of its puts has nothing left to do.
+        self._detaching = None
         if restarting:
             self._notices.resume(on_end)
 
