@@ -42,13 +42,14 @@ def destination(user: int) -> torch.Tensor:
 
 
 def engine_on(
-    directory: Path, policy: str, own_process: bool = False, **engine_keys: int
+    directory: Path, policy: str, own_process: bool = False, ssd_users: int = 4 * USERS,
+    **engine_keys: int,
 ) -> tuple[list[torch.Tensor], aiokv.OffloadEngine]:
     generator = torch.Generator().manual_seed(29)
     caches = [torch.randn(PAGES, 2, PAGE, HEADS, DIM, generator=generator) for _ in range(LAYERS)]
     config = aiokv.StoreConfig(
         cpu_cache_gb=HOST_BLOCKS * BLOCK / (1 << 30),
-        ssd_cache_gb=4 * USERS * USER_PAGES * SLOT / (1 << 30),
+        ssd_cache_gb=ssd_users * USER_PAGES * SLOT / (1 << 30),
         ssd_cache_dir=str(directory),
         ssd_write_policy=policy,
     )
@@ -88,6 +89,27 @@ def held_writes(monkeypatch: pytest.MonkeyPatch) -> Gate:
     """The SSD tier's writes held until the gate returned is set; reads go on."""
     return held(monkeypatch, ssd_module.SsdTier, "_run",
                 lambda tier, request, *args: request.is_write)
+
+
+async def four_users_on_ssd(engine: aiokv.OffloadEngine) -> None:
+    """Users 0 to 3 offload, each whole on SSD once this returns; users 2 and 3 hold the
+    host tier, users 0 and 1 are only on SSD."""
+    for user in range(4):
+        if user == 2:  # its room: users 0's and 1's host blocks, once on SSD
+            await until(engine, lambda s: s.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
+        await engine.offload(user, source(user), HISTORY)
+    await until(engine, lambda stats: stats.bytes_ssd_written >= 4 * USER_PAGES * BLOCK)
+
+
+async def a_load_of_user_0_times_out(engine: aiokv.OffloadEngine,
+                                     caches: list[torch.Tensor]) -> None:
+    """User 0 (only on SSD) is looked up, its reads start (the caller holds them in a
+    gate), and its load gives up at its deadline; its destination forgotten first."""
+    hit = await engine.lookup(0, HISTORY)
+    assert hit.cached_tokens == HISTORY
+    forget_loads(caches)
+    with pytest.raises(aiokv.RequestTimeout):
+        await engine.load(hit, destination(0))
 
 
 async def no_room_for_user_0(
@@ -224,21 +246,13 @@ async def test_ssd_pages_read_after_a_load_timed_out_are_not_copied_into_its_pag
 ) -> None:
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=1_000)
     async with engine:
-        for user in range(4):
-            if user == 2:  # its room: users 0's and 1's host blocks, once on SSD
-                await until(engine, lambda s: s.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
-            await engine.offload(user, source(user), HISTORY)
-        await until(engine, lambda stats: stats.bytes_ssd_written >= 4 * USER_PAGES * BLOCK)
+        await four_users_on_ssd(engine)
         # User 0 is only on SSD; the host has room (users 2's and 3's pages, on SSD too),
         # so its lookup starts reading it at once, from a disk that answers only once the
         # load has timed out.
         gate = held_reads(monkeypatch)
         try:
-            hit = await engine.lookup(0, HISTORY)
-            assert hit.cached_tokens == HISTORY
-            forget_loads(caches)
-            with pytest.raises(aiokv.RequestTimeout):
-                await engine.load(hit, destination(0))
+            await a_load_of_user_0_times_out(engine, caches)
         finally:
             gate.set()
         await until(engine, lambda stats: stats.store_tasks_open == 0)  # once its reads are in
@@ -257,20 +271,12 @@ async def test_a_lookup_right_after_a_load_timed_out_finds_the_pages_it_was_read
 ) -> None:
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=1_000)
     async with engine:
-        for user in range(4):
-            if user == 2:  # its room: users 0's and 1's host blocks, once on SSD
-                await until(engine, lambda s: s.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
-            await engine.offload(user, source(user), HISTORY)
-        await until(engine, lambda stats: stats.bytes_ssd_written >= 4 * USER_PAGES * BLOCK)
+        await four_users_on_ssd(engine)
         # User 0 is only on SSD; its lookup starts reading it into the host at once, from
         # a disk that answers only once the load has timed out.
         gate = held_reads(monkeypatch)
         try:
-            hit = await engine.lookup(0, HISTORY)
-            assert hit.cached_tokens == HISTORY
-            forget_loads(caches)
-            with pytest.raises(aiokv.RequestTimeout):
-                await engine.load(hit, destination(0))
+            await a_load_of_user_0_times_out(engine, caches)
             # Its caller looks the key up again at once, its reads still out: the SSD
             # holds every page (and the host is about to), not a miss to recompute.
             again = await engine.lookup(0, HISTORY)
@@ -290,25 +296,12 @@ async def test_the_lookup_that_took_over_a_timed_out_load_gives_way_and_still_lo
 ) -> None:
     # An SSD tier of six users: the offloads after the hand-over recycle every slot that
     # nothing holds.
-    generator = torch.Generator().manual_seed(29)
-    caches = [torch.randn(PAGES, 2, PAGE, HEADS, DIM, generator=generator) for _ in range(LAYERS)]
-    config = aiokv.StoreConfig(cpu_cache_gb=HOST_BLOCKS * BLOCK / (1 << 30),
-                               ssd_cache_gb=6 * USER_PAGES * SLOT / (1 << 30),
-                               ssd_cache_dir=str(tmp_path), ssd_write_policy="write_through")
-    engine = aiokv.OffloadEngine(aiokv.LocalStore(config), caches,
-                                 aiokv.EngineConfig(request_timeout_ms=1_000))
+    caches, engine = engine_on(tmp_path, "write_through", ssd_users=6, request_timeout_ms=1_000)
     async with engine:
-        for user in range(4):
-            if user == 2:  # its room: users 0's and 1's host blocks, once on SSD
-                await until(engine, lambda s: s.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
-            await engine.offload(user, source(user), HISTORY)
-        await until(engine, lambda stats: stats.bytes_ssd_written >= 4 * USER_PAGES * BLOCK)
+        await four_users_on_ssd(engine)
         gate = held_reads(monkeypatch)
         try:
-            hit = await engine.lookup(0, HISTORY)
-            forget_loads(caches)
-            with pytest.raises(aiokv.RequestTimeout):
-                await engine.load(hit, destination(0))
+            await a_load_of_user_0_times_out(engine, caches)
             again = await engine.lookup(0, HISTORY)  # takes the timed-out load's reads over
             assert again.cached_tokens == HISTORY
         finally:
