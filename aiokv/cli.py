@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .flags import integer, positive_float, positive_int, seed
+from .flags import integer, nonnegative_int, positive_float, positive_int
 
 
 def _demo_parser(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def _demo_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", metavar="PATH", help="YAML config: its engine settings and store"
     )
-    parser.add_argument("--seed", type=seed, default=0,
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
                         help="random seed (default 0)")
 
 

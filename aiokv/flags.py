@@ -49,18 +49,6 @@ def integer(minimum: int, *, or_zero: bool = False) -> Callable[[str], int]:
 positive_int = integer(1)
 nonnegative_int = integer(0)
 
-# The largest seed torch.Generator.manual_seed takes (a uint64): a larger --seed was a
-# ValueError traceback once the run had started.
-MAX_SEED = 2**64 - 1
-
-
-def seed(text: str) -> int:
-    """A random seed: an integer in 0..MAX_SEED."""
-    value = nonnegative_int(text)
-    if value > MAX_SEED:
-        raise argparse.ArgumentTypeError(f"expected an integer in 0..{MAX_SEED}, got {text!r}")
-    return value
-
 
 def _number(text: str, *, zero: bool) -> float:
     wanted = "a finite number >= 0" if zero else "a finite number > 0"
@@ -156,6 +144,5 @@ __all__ = [
     "positive_float",
     "positive_int",
     "positive_int_list",
-    "seed",
     "too_large",
 ]
