@@ -48,6 +48,11 @@ class LocalHost:
         stored: int = self.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens
         return stored
 
+    def offload_to_mooncake(self, user: int) -> None:
+        """The user's first offload on this host, and its blocks written to Mooncake."""
+        assert self.offload(user) == TOKENS
+        until(lambda: self.stats()["remote_blocks_written"] == USER_PAGES)
+
     def load(self, user: int) -> tuple[int, bool]:
         """(tokens loaded, whether they are the user's KV bit for bit)."""
         target = torch.arange(PAGES - USER_PAGES, PAGES)

@@ -75,17 +75,24 @@ async def another_engine_misses_then_stores(host: Host, tokens: int) -> None:
     page, each 7.0, what the copy read after its caller was told), and an offload of it
     now stores what its pages hold now."""
     store, tables = on_server(host)
-    source, target = torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)
     async with aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0)) as other:
-        async with await other.lookup("u", tokens) as hit:
-            assert hit.cached_tokens == 0
         for cache in tables:
-            cache[source] = 3.0
-        assert (await other.offload("u", source, tokens)).stored_tokens == tokens
-        async with await other.lookup("u", tokens) as hit:
-            assert (await other.load(hit, target)).loaded_tokens == tokens
-        for cache in tables:
-            assert bool((cache[target] == 3.0).all())
+            cache[:PAGES] = 3.0
+        await misses_then_stores(other, tables, tokens, 3.0)
+
+
+async def misses_then_stores(engine: aiokv.OffloadEngine, tables: list[torch.Tensor],
+                             tokens: int, value: float) -> None:
+    """The key ``u`` is a miss; an offload of pages ``0..PAGES`` (each ``value`` now)
+    stores them, and they load back as they are."""
+    source, target = torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)
+    async with await engine.lookup("u", tokens) as hit:
+        assert hit.cached_tokens == 0
+    assert (await engine.offload("u", source, tokens)).stored_tokens == tokens
+    async with await engine.lookup("u", tokens) as hit:
+        assert (await engine.load(hit, target)).loaded_tokens == tokens
+    for cache in tables:
+        assert bool((cache[target] == value).all())
 
 
 @pytest.mark.asyncio
@@ -182,11 +189,9 @@ async def test_an_engine_on_a_shared_server_stores_nothing_of_a_timed_out_offloa
     host: Host, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
-    tables = shared_caches()
-    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+    store, tables = on_server(host)
     config = aiokv.EngineConfig(window_us=0, request_timeout_ms=TIMEOUT_MS)
-    tokens = PAGES * PAGE_SIZE
-    source, target = torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)
+    tokens, source = PAGES * PAGE_SIZE, torch.arange(PAGES)
     async with aiokv.OffloadEngine(store, tables, config) as engine:
         call = asyncio.ensure_future(engine.offload("u", source, tokens))
         try:
@@ -197,13 +202,8 @@ async def test_an_engine_on_a_shared_server_stores_nothing_of_a_timed_out_offloa
                 cache[source] = 7.0
         finally:
             await copy_ends(engine, copying)
-        async with await engine.lookup("u", tokens) as hit:
-            assert hit.cached_tokens == 0  # before the fix: every page, each 7.0
-        assert (await engine.offload("u", source, tokens)).stored_tokens == tokens
-        async with await engine.lookup("u", tokens) as hit:
-            assert (await engine.load(hit, target)).loaded_tokens == tokens
-        for cache in tables:
-            assert bool((cache[target] == 7.0).all())
+        # Before the fix: a hit of every page, each 7.0.
+        await misses_then_stores(engine, tables, tokens, 7.0)
 
 
 @pytest.mark.asyncio
@@ -259,15 +259,14 @@ async def test_a_crashed_store_thread_leaves_nothing_of_an_offload_it_failed_mid
     client, tables = on_server(host)
     store = CrashingStore(client)
     store.put_match_many = None  # every match through put_match, the crashing one
-    tokens = PAGES * PAGE_SIZE
-    source, target = torch.arange(PAGES), torch.arange(PAGES, 2 * PAGES)
+    tokens, source = PAGES * PAGE_SIZE, torch.arange(PAGES)
     async with aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0)) as engine:
         call = asyncio.ensure_future(engine.offload("u", source, tokens))
         try:
             assert await asyncio.to_thread(copying.entered.wait, 10)
             store.crash = True
             with pytest.raises(aiokv.StoreError, match="crashed"):
-                await engine.offload("v", target, tokens)
+                await engine.offload("v", torch.arange(PAGES, 2 * PAGES), tokens)
             with pytest.raises(aiokv.StoreError, match="crashed"):
                 await call
             for cache in tables:

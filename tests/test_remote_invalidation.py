@@ -44,8 +44,7 @@ def test_an_evict_from_a_host_that_missed_earlier_evicts_ends_what_is_served_now
     # up, so it knew only the first generation: its evict must end the one A writes to.
     a = LocalHost(mooncake.master)
     try:
-        assert a.offload(1701) == TOKENS
-        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        a.offload_to_mooncake(1701)
         assert a.kv.evict(1701) == TOKENS
         gate = held(monkeypatch, Writer, "_write")
         assert a.offload(1701) == TOKENS
@@ -84,8 +83,7 @@ def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
                                 clear: bool) -> None:
     a = LocalHost(master)
     try:
-        assert a.offload(1711) == TOKENS
-        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        a.offload_to_mooncake(1711)
         gate = held(monkeypatch, import_store().MooncakeDistributedStore, "remove_by_regex")
         if clear:
             a.kv.clear()
@@ -97,8 +95,7 @@ def _written_over_a_late_remove(master: str, monkeypatch: pytest.MonkeyPatch,
         b = LocalHost(master, timeout_ms=SLOW_MS)
         try:
             assert b.load(1711)[0] == 0  # gone; B learns the generation from the marker
-            assert b.offload(1711) == TOKENS
-            until(lambda: b.stats()["remote_blocks_written"] == USER_PAGES)
+            b.offload_to_mooncake(1711)
         finally:
             b.close()
         gate.set()
@@ -121,8 +118,7 @@ def test_a_slow_remove_holds_up_no_evict_lookup_or_read(
     # wrote since under the next generation.
     c = LocalHost(mooncake.master)
     try:
-        assert c.offload(1761) == TOKENS
-        until(lambda: c.stats()["remote_blocks_written"] == USER_PAGES)
+        c.offload_to_mooncake(1761)
     finally:
         c.close()
     a = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
@@ -183,8 +179,7 @@ def test_a_host_does_not_read_what_its_evict_ends_until_the_marker_is_out(
     # Mooncake answers again, so that no host is served what B's evict ended.
     x = LocalHost(mooncake.master)
     try:
-        assert x.offload(1741) == TOKENS
-        until(lambda: x.stats()["remote_blocks_written"] == USER_PAGES)
+        x.offload_to_mooncake(1741)
         assert x.kv.evict(1741) == TOKENS
         assert x.offload(1741) == TOKENS
         # Seen written before the close, which gives a batch under way 500 ms only.
@@ -222,8 +217,7 @@ def test_a_master_that_stops_answering_holds_up_neither_evicts_nor_close(
         registry = CollectorRegistry()
         aiokv.metrics.register(a.engine, registry, store_timeout_s=30)
         try:
-            assert a.offload(1) == TOKENS
-            until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            a.offload_to_mooncake(1)
             servers.pause_master()
             assert a.offload(2) == TOKENS  # its write waits on the master
             assert a.load(3)[0] == 0  # a miss after timeout_ms
@@ -304,8 +298,7 @@ def test_after_a_master_restart_a_host_that_cleared_and_a_new_host_share_again(
     with MooncakeServers(16, log_dir=tmp_path) as servers:
         a = LocalHost(servers.master)
         try:
-            assert a.offload(1781) == TOKENS
-            until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+            a.offload_to_mooncake(1781)
             a.kv.clear()
             servers.stop_master()
             servers.start_master()
@@ -324,8 +317,7 @@ def test_after_a_master_restart_a_host_that_cleared_and_a_new_host_share_again(
             b = LocalHost(servers.master, timeout_ms=SLOW_MS)
             try:
                 assert b.load(written[0]) == (TOKENS, True)
-                assert b.offload(1782) == TOKENS
-                until(lambda: b.stats()["remote_blocks_written"] == USER_PAGES)
+                b.offload_to_mooncake(1782)
             finally:
                 b.close()
             assert a.load(1782) == (TOKENS, True)
@@ -340,8 +332,7 @@ def test_a_write_offered_before_its_host_learned_of_an_evict_is_dropped_as_stale
     # end it) or after, so the write is dropped, counted as stale, never written.
     a = LocalHost(mooncake.master)
     try:
-        assert a.offload(1801) == TOKENS
-        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        a.offload_to_mooncake(1801)
         assert a.kv.evict(1801) == TOKENS
     finally:
         a.close()
@@ -375,8 +366,7 @@ def test_a_full_mooncake_keeps_the_boot_id_and_the_markers_an_evict_hides_old_by
         a = LocalHost(servers.master)
         try:
             with caplog.at_level(logging.WARNING, logger="aiokv"):
-                assert a.offload(1801) == TOKENS
-                until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+                a.offload_to_mooncake(1801)
                 keys = Keys(geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM),
                                          torch.float32, PAGE_SIZE))
                 old_keys = keys.blocks(namespace_tag(["uid:1801"]), 0, 0, chain_digests(
