@@ -107,9 +107,10 @@ class RemoteLink:
             if not len(blocks) or not live:
                 continue
             tag = self._tag(space.key)
-            # Whether written or not, the key's new pages are of what this host knows now
-            # (a lookup must not join them with pages of another generation).
-            self.reads.noted(space.key, io.keys.view(tag), fresh=len(space) == len(blocks))
+            if len(space) == len(blocks):
+                # Written or not, the key's pages are of what this host knows now (a
+                # lookup must not join them with pages of another generation).
+                self.reads.views.noted(space.key, io.keys.view(tag))
             if io.resting():
                 self.stats_["remote_dropped_resting"] += len(blocks)
                 continue
@@ -183,7 +184,7 @@ class RemoteLink:
             self._give_back(blocks)
             self._evicted += len(blocks)  # dropped writes, as close counts those it takes
         self.reads.invalidated(namespace)
-        self.reads.forget(namespace)
+        self.reads.views.forget(namespace)
         if wait:
             # A write of the key still under way after this is no failure of the evict:
             # the host tier buries its blocks, and the marker (counted) ends what it puts.

@@ -38,6 +38,7 @@ import numpy as np
 from ..stores.base import Int64Array, NoSpace
 from ..stores.local.blocks import NO_BLOCKS, Tier
 from .client import RemoteIO
+from .views import PageViews, View
 
 Below = Callable[[tuple[str, ...], list[bytes]], list[bool]] | None
 Wanted = list[tuple[tuple[str, ...], list[bytes]]]  # (key, digests of the pages to read)
@@ -71,7 +72,7 @@ class RemoteRead:
     own: list[bool] = field(default_factory=list)
     # Per wanted range, the (lifetime, epoch, generation) it was read under (None: not
     # known); filled by the reader thread's call.
-    views: list[tuple[int, int, int] | None] = field(default_factory=list)
+    views: list[View | None] = field(default_factory=list)
     over: bool = False
 
 
@@ -103,10 +104,7 @@ class Reader:
         self._publishing: list[Published] = []  # markers not yet accounted for
         self._late: list[tuple[Future[Any], Int64Array]] = []  # reads past their time
         self._busy: Future[Any] | None = None  # a call that outlived its time
-        # Per key, the view (lifetime, epoch, generation) its pages on this host are of:
-        # another host's evict may end it, and a key written again under the next one
-        # has other bytes under the same digests (:meth:`_same`).
-        self._views: dict[tuple[str, ...], tuple[int, int, int]] = {}
+        self.views = PageViews()  # which generation each key's pages here are of
         self.stats_ = {
             "remote_lookups": 0, "remote_lookup_waits": 0, "remote_hits": 0, "remote_misses": 0,
             "remote_blocks_read": 0, "remote_bytes_read": 0, "remote_timeouts": 0,
@@ -134,7 +132,7 @@ class Reader:
         io, host = self._io, self._host
         lookups: Wanted = []  # each query's pages to ask for
         unusable: Wanted = []  # a miss: evicted here, the marker not out yet; or of an
-        # ended generation here (_same)
+        # ended generation here (views)
         wanted: Wanted = []  # the ranges to read, no page twice
         before: list[list[bytes]] = []  # wanted's
         after: list[bytes | None] = []  # wanted's
@@ -161,7 +159,7 @@ class Reader:
             if not io.keys.usable(tag):
                 unusable.append((key, gap))
                 continue
-            if mine and not self._same(key, io.keys.view(tag)):
+            if mine and not self.views.same(key, io.keys.view(tag)):
                 unusable.append((key, gap))  # its pages here are of an ended generation
                 continue
             lookups.append((key, gap))
@@ -189,7 +187,7 @@ class Reader:
         total = sum(len(digests) for _, digests in wanted)
         if total <= host.alloc.num_free:  # room without evicting: one call
             blocks = host.reserve(total)
-            views: list[tuple[int, int, int] | None] = []
+            views: list[View | None] = []
             read = RemoteRead(wanted, lookups,
                               io.submit_read(io.viewed, views, io.read, tagged, blocks.tolist()),
                               now, now + self._timeout_s, blocks, [len(d) for _, d in wanted],
@@ -365,7 +363,7 @@ class Reader:
             space = host.index.space(key)
             if key in read.gone or (prev is not None and (space is None or prev not in space)):
                 n = 0  # (pages past a hole would be out of every lookup's reach)
-            elif n and not self._joins(key, own, view):
+            elif n and not self.views.joins(key, own, view):
                 n = 0  # this host's pages of the key are of another generation
             unused.append(mine[n:])
             if space is not None and n:
@@ -383,45 +381,6 @@ class Reader:
             placed.append(digests[:n])
         host.free(np.sort(np.concatenate(unused)))
         return placed
-
-    def _joins(self, key: tuple[str, ...], own: bool, view: tuple[int, int, int] | None
-               ) -> bool:
-        """Whether pages read under ``view`` may join this host's pages of the key (``own``:
-        it had some): only where those are of the same view. The view is then the key's."""
-        if view is None:
-            return not own
-        if own and not self._same(key, view):
-            return False
-        self.noted(key, view)
-        return True
-
-    def _same(self, key: tuple[str, ...], view: tuple[int, int, int]) -> bool:
-        """Whether this host's pages of the key are of ``view``. Those of no known view
-        (an earlier run's SSD blocks) only where no evict or clear ended the key's first
-        one since the master started: a later one may hold other bytes."""
-        known = self._views.get(key)
-        return view[1:] == (0, 0) if known is None else known == view
-
-    def noted(self, key: tuple[str, ...], view: tuple[int, int, int],
-              fresh: bool = True) -> None:
-        """The key's pages on this host are of ``view`` (``fresh``: all of them; else
-        only new ones, the older keep theirs)."""
-        views = self._views
-        if not fresh:
-            # Older pages of no known view (an earlier run's SSD blocks, or forgotten
-            # below) stay so: labelled with this one, a lookup would join them with
-            # pages of a generation that may have ended theirs.
-            return
-        if len(views) > 65536:
-            views.clear()
-        views[key] = view
-
-    def forget(self, key: tuple[str, ...] | None) -> None:
-        """This host dropped the key (None: every key)."""
-        if key is None:
-            self._views.clear()
-        else:
-            self._views.pop(key, None)
 
     def _end(self, read: RemoteRead, now: float, placed: list[list[bytes]] | None = None
              ) -> None:
