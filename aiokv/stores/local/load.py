@@ -1,6 +1,7 @@
 """One get's pages across the tiers (:class:`Load`): which of its match's pages are on the
 host and which the SSD tier holds, what is staged and verified so far, and where what it
-brings ends. :mod:`.loads` stages and copies them.
+brings ends. :mod:`.loads` stages and copies them; :mod:`.takeover` hands a load's reads
+to a later match of its key.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ class Load:
     slots: Int64Array  # held on SSD until read
     # The match's page of each SSD page it brings (ascending); past ``slots`` (an SSD
     # part cut short), the page where what the load brings ends. Shorter than ``slots``
-    # once cut to a prefix a match of it took it over for (loads.py: ``_cut``): the
+    # once cut to a prefix a match of it took it over for (takeover.py): the
     # pages read past it are not brought.
     at: Int64Array
     host_at: Int64Array  # the match's page of each of the task's host blocks (ascending)
     # Its match's pages' digests (chained: page i's names pages 0..i), by which a match
-    # of these pages, or of a prefix of them, finds it once it is cancelled (``adopt``).
+    # of these pages, or of a prefix of them, finds it once it is cancelled
+    # (takeover.py).
     chain: list[bytes] = field(default_factory=list)
     host_blocks: Int64Array = field(default_factory=lambda: NO_BLOCKS)  # staged on host
     space: Space | None = None  # the host table the staging blocks are in
@@ -61,7 +63,7 @@ class Load:
     cancelled: bool = False
     finished: bool = False
     error: str | None = None
-    # A match of its first ``cut_to`` pages took it over (``adopt``): cut to them (``_cut``)
+    # A match of its first ``cut_to`` pages took it over (takeover.py): cut to them
     # only at launch or once its reads are in, so that, given back before, it is still
     # whole for a match of all of its pages.
     cut_to: int | None = None

@@ -44,7 +44,7 @@ what was queued by then (its host pages, at launch, and the SSD chunks verified 
 it). One still waiting for room then gives up and gives its SSD slots back; one whose
 reads are still out ends once they are in, without copying them, or as soon as a match of
 its key asks for its pages: its reads then go on for that match, as a released Lookup's
-prefetch's do (``_hand_over``). Either ends EXPIRED, with the pages it queued.
+prefetch's do (:mod:`.takeover`). Either ends EXPIRED, with the pages it queued.
 ``time.monotonic()`` is read on the store thread just before each staging and each queued
 chunk.
 
@@ -58,13 +58,9 @@ without room: its Lookup still loads all it reported, read once more.
 
 A prefetch cancelled while its reads are out (its Lookup released, or its ttl ran out)
 ends once they are in. Until then its pages are in the host table, still being written:
-a match of the key, which stops at such a page, takes it over instead (``adopt``), all of
-it where it asks for all of its pages, else the prefix it asks for. It is cut to that
-prefix (``_cut``: the pages read past it are not brought, each goes back to the LRU as it
-comes in verified) only once launched or its reads are in: given back before, it is whole
-again for the next match, which may ask for all of it. A user who gives a Lookup back and
-looks the key up again, up to an earlier token or to the last, finds what is stored (being
-read in for it), not a miss to recompute.
+a match of the key, which stops at such a page, takes it over instead, all of it or the
+prefix it asks for (:mod:`.takeover`). A user who gives a Lookup back and looks the key
+up again finds what is stored (being read in for it), not a miss to recompute.
 
 Room comes back as tasks end; and the host pages of a launched load that waits for room
 go back as soon as their GPU copy is done, so loads waiting for room never wait for each
@@ -79,13 +75,13 @@ right, only not counted), and go back with the task.
 
 :class:`LoadStaging` is the link's (:class:`~.tiering.TierLink`) part that does it: a
 base class, so that these run as the link's own methods, with no call in between; the
-link's ``drain`` advances the loads whose reads are in and stages the waiting ones. Runs
-on the store thread.
+link's ``drain`` advances the loads whose reads are in and stages the waiting ones. It
+tells its :class:`~.takeover.Takeover` of each launch and finish, and hands it the
+matches that stop at a page still being read in (``adopt``). Runs on the store thread.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -98,6 +94,7 @@ from ..base import Int64Array, NoSpace
 from .blocks import NO_BLOCKS, READY, Tier
 from .load import Load, look_up, page_runs
 from .ssd import SsdRequest, SsdTier
+from .takeover import Takeover
 
 # The store's copy of a load's pages (``pages``, a slice of the caller's page ids) from
 # host ``blocks`` (None: only check the pages), waiting for the load's ready events,
@@ -122,7 +119,7 @@ class LoadStaging:
     _unstaged: dict[tuple[str, ...], int]  # loads of each key in _waiting or _owed
     _prefetches: dict[Load, None]  # staged, not launched nor cancelled: oldest first
     _prefetched: int  # their host blocks
-    _launched: dict[Load, None]  # launched, not finished: oldest launch first
+    _takeover: Takeover  # launched loads, for matches that take their reads over
     stage_waits: int  # launches that found no room to stage their SSD pages
 
     def start_load(
@@ -229,9 +226,15 @@ class LoadStaging:
             if not self._stage(load, prefetch=True):
                 break
             waiting.pop(0)
-            load.prefetched = len(load.host_blocks)
-            self._prefetched += load.prefetched
-            self._prefetches[load] = None
+            self._book_prefetch(load)
+
+    def _book_prefetch(self, load: Load) -> None:
+        """A staged load not launched (staged at its match, or handed over:
+        :mod:`.takeover`) counts against the prefetches' half of the tier, until it is
+        launched, gives way or ends cancelled (``_unprefetch``)."""
+        load.prefetched = len(load.host_blocks)
+        self._prefetched += load.prefetched
+        self._prefetches[load] = None
 
     def _stage(self, load: Load, prefetch: bool) -> bool:
         """Reserve the load's host blocks and start its reads; False: no room yet."""
@@ -395,7 +398,9 @@ class LoadStaging:
     def launch_load(self, load: Load, gpu_pages: Any, ready: Sequence[Any]) -> None:
         """Queue the load's copies (one launched past its deadline copies nothing)."""
         load.gpu_pages, load.ready = gpu_pages, ready
-        self._cut(load)  # its caller's page ids are those of the prefix it reported
+        # Cut to the prefix it reported (its caller's page ids are that prefix's), and,
+        # unless finished, known to matches that may take its reads over.
+        self._takeover.launched(load)
         self._unprefetch(load)
         task = load.task
         late = self._past_deadline(load)
@@ -403,7 +408,6 @@ class LoadStaging:
             pages = 0 if late else load.loaded
             self._copy([task], gpu_pages[:pages], task.blocks[:pages], load)
             return
-        self._launched[load] = None
         # Its pages are copied chunk by chunk: checked whole first (no page twice).
         self._chunk_jobs[id(self._copy([], gpu_pages, None, load))] = (load, False)
         host_at = load.host_at
@@ -448,109 +452,13 @@ class LoadStaging:
             self._unstage(load)
             self._finish(load)
         # Otherwise it ends when its reads are in (_finish), a prefetch until then: a
-        # match of its pages meanwhile takes it over (adopt).
+        # match of its pages meanwhile takes it over (takeover.py).
 
     def adopt(self, key: tuple[str, ...], digests: list[bytes]) -> Any | None:
-        """A match of ``key`` (``digests``: its pages') whose host prefix stops at a page
-        still being written: where that is a cancelled prefetch's (its Lookup released,
-        or its ttl ran out, before its reads were in; or a launched load's past its
-        deadline, which becomes one here: ``_hand_over``) that staged these pages, or a
-        longer run of them, the match takes it over, rather than miss what is being read
-        into the host for it. Returns its task (what it holds, its reads and its match:
-        the pages it reported, though this match may ask for more; those this match asks
-        for where it asks for fewer, ``Load.cut_to``), no longer cancelled; None where
-        there is none (a key dropped since, a read that failed: the match stops at that
-        page). A cancelled prefetch is never cut (``_cut``): it offers all of its pages."""
-        space = self.host.index.space(key)
-        for load in [x for x in self._launched if x.key == key and x.space is space]:
-            # Past its deadline, a launched load copies nothing more: its reads still out
-            # bring these pages for this match, not for a caller told RequestTimeout.
-            if (load.staged and not load.host_released and load.error is None
-                    and self._past_deadline(load) and self._keep_slots(load)):
-                self._hand_over(load)
-        for load in self._prefetches:
-            pages = min(load.match_pages, len(digests))
-            if (load.cancelled and load.key == key and load.space is space
-                    and load.error is None and pages
-                    and digests[pages - 1] == load.chain[pages - 1]
-                    and int(load.at[0]) < pages):  # one of its SSD pages is asked for
-                load.cut_to = pages if pages < load.match_pages else None
-                load.cancelled = False
-                load.deadline = None  # the cancelled request's (set_deadlines sets this one's)
-                return load.task
-        return None
-
-    def _keep_slots(self, load: Load) -> bool:
-        """A launched load's reads give their SSD slots back as they come in; the
-        prefetch it is handed over to must keep its verified ones (``keep``), as one
-        staged at a match does: giving way (``_give_way``), it stages them again, and a
-        slot gone back meanwhile may hold another key's page by then (read as a checksum
-        failure, which drops that page). Those in already are held again where the SSD
-        still has them for this key; where one is not, False: no hand-over."""
-        tier = self.ssd.tier
-        came = [request for request in load.reads if request.arrived >= request.ops]
-        if came:
-            slots = np.concatenate([request.slots[request.ok] for request in came])
-            digests = [d for request in came
-                       for d, ok in zip(request.digests, request.ok.tolist(), strict=True) if ok]
-            if not ((look_up(tier, load.key, digests) == slots).all()
-                    and (tier.state[slots] == READY).all()):
-                return False
-            tier.hold(slots)
-        for request in load.reads:
-            request.keep = True
-        return True
-
-    def _hand_over(self, load: Load) -> None:
-        """A launched load past its deadline, its reads still out: it ends now, with what
-        it queued for its copy by then, and its reads go on for a cancelled prefetch of
-        the same match, with a task of its own holding what its task held for the match
-        (its host pages, and the SSD pages staged), which ``adopt`` gives the match that
-        asks for them. Otherwise that match would stop at the first page still being read
-        in: a miss of what the SSD holds and the host is about to, until the reads are in
-        (a caller's lookup right after its load timed out)."""
-        host, task, queued = self.host, load.task, load.submitted
-        heir = dataclasses.replace(task, blocks=task.blocks[: len(load.host_at)], task_id=0,
-                                   shared=False, load=None, deadline=None, marks=None)
-        # Read by both until the load's task ends: its host pages, and the SSD pages its
-        # copies were queued from. The reads' blocks past those are the heir's alone.
-        both = np.concatenate((heir.blocks, load.host_blocks[:queued]))
-        heir.shared = bool(len(both)) and host.hold(both)
-        host.shared_gets += heir.shared
-        heir.load = new = Load(
-            heir, load.match_pages, load.key, load.digests, load.slots, load.at,
-            load.host_at, chain=load.chain, host_blocks=load.host_blocks, space=load.space,
-            reads=load.reads, resolved=load.resolved, settled=load.settled, good=load.good,
-            truncated=load.truncated, staged=True, cancelled=True,
-            prefetched=len(load.host_blocks))
-        for request in new.reads:
-            request.owner = new
-        self._prefetched += new.prefetched
-        self._prefetches[new] = None
-        load.reads, load.host_blocks = [], load.host_blocks[:queued]
-        load.resolved = load.settled = load.good = queued
-        self._finish(load)
-
-    def _cut(self, load: Load) -> None:
-        """A prefetch taken over by a match of its first ``cut_to`` pages (``adopt``),
-        now launched or its reads in, brings those only: its host pages past them go
-        back now, its SSD pages past them as they come in (``_settle``: past ``at``, not
-        loaded), those in already now. Not before: its match may be given back while its
-        reads are out, and the next one take all of it over again."""
-        pages = load.cut_to
-        if pages is None:
-            return
-        load.cut_to = None
-        host, task = self.host, load.task
-        keep = int(np.searchsorted(load.host_at, pages))
-        if keep < len(load.host_at):
-            host.drop_readers(task.blocks[keep:])
-            task.blocks, load.host_at = task.blocks[:keep], load.host_at[:keep]
-        brings = int(np.searchsorted(load.at, pages))
-        if load.good > brings:
-            host.drop_readers(load.host_blocks[brings : load.good])
-            load.good, load.truncated = brings, True
-        load.at, load.chain, load.match_pages = load.at[:brings], load.chain[:pages], pages
+        """A match of ``key`` stops at a page still being written: the task of a load
+        whose reads bring it, which the match takes over, or None
+        (:meth:`.takeover.Takeover.adopt`)."""
+        return self._takeover.adopt(key, digests, self._prefetches)
 
     def _advance(self, load: Load) -> None:
         reads = load.reads
@@ -578,7 +486,7 @@ class LoadStaging:
             first_bad = n if ok.all() else int(np.argmin(ok))
             load.good += first_bad
             load.truncated = first_bad < n
-            if load.good > len(load.at):  # read past the prefix it was cut to (_cut)
+            if load.good > len(load.at):  # read past the prefix it was cut to (takeover.py)
                 load.good, load.truncated = len(load.at), True
         host.state[blocks[ok]] = READY
         host.clean[blocks[ok]] = True
@@ -627,9 +535,7 @@ class LoadStaging:
         """Every read is settled (or there was none): the task's last copy job, which
         ends it, takes the verified pages not copied yet (none past its deadline)."""
         load.finished = True
-        self._launched.pop(load, None)
-        if not load.cancelled:  # (one that is ends now, holding nothing)
-            self._cut(load)
+        self._takeover.finished(load)  # cut to a prefix a match took it over for
         task = load.task
         launched = load.gpu_pages is not None
         copied = load.submitted if launched and self._past_deadline(load) else load.good

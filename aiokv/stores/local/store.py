@@ -154,7 +154,7 @@ class LocalStore:
         either tier has, in any interleaving (those only the SSD has read into host blocks
         from now on: :mod:`.loads`); its blocks are held (not evictable) until the task
         ends or is cancelled. Pages a cancelled task's reads still bring in (or a load's
-        that timed out) count as held: this one takes them over (``loads.adopt``). mask
+        that timed out) count as held: this one takes them over (:mod:`.takeover`). mask
         True = will load; a load may report fewer (an SSD block that fails its checksum or
         that the disk cannot give back, and all pages after it, are not loaded)."""
         return self._get_match(token_ids, namespace, ask_remote=True)
@@ -214,7 +214,7 @@ class LocalStore:
         pages = load.pages if load is not None else len(hit)
         mask[: pages * self.page_size] = True
         # Its host pages, also those after an SSD page (start_load), up to the pages it
-        # reports (a load adopted for a prefix holds more until it is cut: loads._cut).
+        # reports (a load adopted for a prefix holds more until it is cut: takeover.py).
         on_host = int(np.searchsorted(load.host_at, pages)) if load is not None else len(hit)
         self._hits["host_hit_tokens"] += on_host * self.page_size
         self._hits["ssd_hit_tokens"] += (pages - on_host) * self.page_size

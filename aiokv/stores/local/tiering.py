@@ -23,7 +23,8 @@
 - loads: a get's pages after its host prefix that the SSD has are held there from the
   match on, read into host blocks when there is room (waiting for it at launch) and
   copied on to the GPU chunk by chunk; :mod:`.loads` says how (the link's
-  :class:`~.loads.LoadStaging` part).
+  :class:`~.loads.LoadStaging` part). A later match of the key takes over the reads of a
+  load whose caller no longer wants them (:mod:`.takeover`).
 
 Everything here runs on the store thread, from the store's calls and ``drain``.
 """
@@ -46,6 +47,7 @@ from .loads import Copy, End, LoadStaging
 from .pool import HostPool
 from .ssd import SsdTier
 from .ssd_voids import VoidsDone
+from .takeover import Takeover
 
 _FLUSH, _CLEAN = "flush", "clean"
 
@@ -95,8 +97,9 @@ class TierLink(LoadStaging):
         self._unstaged: dict[tuple[str, ...], int] = {}
         self._prefetches: dict[Load, None] = {}
         self._prefetched = 0
-        self._launched: dict[Load, None] = {}
         self.stage_waits = 0
+        self._takeover = Takeover(self.host, self.ssd.tier, self._past_deadline,
+                                  self._book_prefetch, self._finish)
         self._closed = False
 
     # ---- puts and demotion ---------------------------------------------------------
