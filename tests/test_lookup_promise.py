@@ -332,8 +332,8 @@ async def test_the_lookup_that_took_over_a_timed_out_load_gives_way_and_still_lo
 async def test_a_lookup_in_the_window_of_a_load_that_timed_out_there_finds_its_pages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A window closes only once full (two calls), so a load alone in one times out before
-    # it is dispatched, as on a loop that runs its timers late; lookups go out first.
+    # A window closes only once two live calls fill it, so a load alone in one times out
+    # before it is dispatched, as on a loop that runs its timers late; lookups go first.
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=1_000,
                                window_us=60_000_000, max_batch_tokens=2 * HISTORY)
     async with engine:
@@ -350,7 +350,10 @@ async def test_a_lookup_in_the_window_of_a_load_that_timed_out_there_finds_its_p
             forget_loads(caches)
             with pytest.raises(aiokv.RequestTimeout):
                 await engine.load(hit, destination(0))
-            again = await engine.lookup(0, HISTORY)  # fills the window the load is in
+            # Two live calls fill the window the load is still in (it no longer counts).
+            again, other = await asyncio.gather(engine.lookup(0, HISTORY),
+                                                engine.lookup(2, HISTORY))
+            other.release()
             assert again.cached_tokens == HISTORY
         finally:
             gate.set()

@@ -1,12 +1,12 @@
 """The event-loop coroutine that turns awaited calls into batched store rounds.
 
 A window opens at the first queued request and closes ``window_us`` later
-(``window_us == 0``: on the next loop iteration). A queue that reaches
-``max_batch_requests`` or ``max_batch_tokens`` closes its window at once. When a window
-closes, the queue is planned into batches by :func:`plan_batches`, a pure function, and
-each batch is dispatched: handed to the store thread, which matches it and launches it
-with its page ids in one call. A batch whose dispatch fails is failed alone
-(``on_failed``); the batcher carries on.
+(``window_us == 0``: on the next loop iteration). A queue whose live requests (not those
+whose callers left) reach ``max_batch_requests`` or ``max_batch_tokens`` closes its window
+at once. When a window closes, the queue is planned into batches by
+:func:`plan_batches`, a pure function, and each batch is dispatched: handed to the store
+thread, which matches it and launches it with its page ids in one call. A batch whose
+dispatch fails is failed alone (``on_failed``); the batcher carries on.
 
 Dispatching makes no CUDA call: each torch call gives the GIL away, and winning it back
 from a store thread inside a store's Python can take up to Python's switch interval. On
@@ -146,10 +146,34 @@ class Batcher:
             self._dispatch_next()  # at once: see the module docstring
 
     def _full(self) -> bool:
+        """Whether the window's live requests reach a limit. Callers that left (cancelled,
+        timed out) are in no batch of it: were they counted, a window would close for
+        fewer requests than it waits for, and the calls after it wait a window more. They
+        are dropped only once the queue with them reaches a limit, so that no submit pays
+        for a look at the queue otherwise."""
+        if not self._at_limit():
+            return False
+        self._drop_left()
+        return self._at_limit()
+
+    def _at_limit(self) -> bool:
         return (
             len(self._queue) >= self._config.max_batch_requests
             or self._queued_tokens >= self._config.max_batch_tokens
         )
+
+    def _drop_left(self) -> None:
+        """Drop the queued requests whose callers left (cancelled, timed out)."""
+        live: deque[Request] = deque()
+        tokens = 0
+        for request in self._queue:
+            if request.future.done():
+                self._on_dropped(request)
+            else:
+                live.append(request)
+                tokens += request.num_tokens
+        self._queue = live
+        self._queued_tokens = tokens
 
     def flush(self) -> None:
         """Close the current window now (a limit was reached)."""
@@ -223,12 +247,8 @@ class Batcher:
         pages being read in for it) taken: a miss."""
         if self._on_window_closed is not None:
             self._on_window_closed()
-        requests = []
-        for request in self._queue:
-            if request.future.done():
-                self._on_dropped(request)
-            else:
-                requests.append(request)
+        self._drop_left()
+        requests = list(self._queue)
         self._queue.clear()
         self._queued_tokens = 0
         self._planned.extend(
