@@ -484,3 +484,51 @@ def test_a_host_never_labels_its_ssd_pages_of_a_key_with_a_later_generation_by_e
         b.close()
     assert first == ["v1"] * half
     assert second == ["v1"] * (half + 2)  # its own copies, none of v2 after them
+
+
+def test_a_host_never_joins_its_ssd_pages_from_before_a_master_restart_with_what_follows_it(
+        tmp_path: Path) -> None:
+    # B's SSD holds the first half of the user (v1) from an earlier run; A evicts the user,
+    # then the master restarts, losing the evict's marker with every key. C offloads all of
+    # the user with other bytes (v2): the new master's first generation, as for a key
+    # never evicted. B, restarted, read v2's second half from Mooncake after its own v1
+    # half: pages of no known view joined the first generation of a master that could no
+    # longer tell of the evict that ended them.
+    user, half = 1841, USER_PAGES // 2
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        b = LocalHost(servers.master, timeout_ms=SLOW_MS, ssd_dir=ssd)
+        try:
+            for cache, kv in zip(b.caches, b.kv_of(user), strict=True):
+                cache[:half] = kv[:half]
+            assert b.kv.offload(user, torch.arange(half), half * PAGE_SIZE).stored_tokens == (
+                half * PAGE_SIZE)
+            until(lambda: b.stats()["remote_blocks_held"] == 0)
+        finally:
+            b.close()
+        a = LocalHost(servers.master, timeout_ms=SLOW_MS)
+        try:
+            a.kv.evict(user)
+            assert a.stats()["remote_invalidation_errors"] == 0  # its marker is out
+        finally:
+            a.close()
+        servers.stop_master()
+        servers.start_master()
+        servers.wait_store_mounted()
+        c = LocalHost(servers.master, timeout_ms=SLOW_MS)
+        try:
+            for cache, kv in zip(c.caches, c.kv_of(user + 1), strict=True):
+                cache[:USER_PAGES] = kv
+            assert c.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
+            until(lambda: c.stats()["remote_blocks_written"] == USER_PAGES)
+        finally:
+            c.close()
+        b = LocalHost(servers.master, timeout_ms=SLOW_MS, ssd_dir=ssd)
+        try:
+            target = torch.arange(b.caches[0].shape[0] - USER_PAGES, b.caches[0].shape[0])
+            with b.kv.lookup(user, TOKENS) as hit:
+                versions = _versions(b, user, b.kv.load(hit, target).loaded_tokens)
+        finally:
+            b.close()
+    assert versions == ["v1"] * half  # its own copies, none of v2 after them

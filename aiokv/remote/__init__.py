@@ -4,7 +4,8 @@ hosts that agree on the cache geometry. ``store.remote`` in the config turns it 
 learn each other's invalidations, :mod:`.client` does the I/O on threads of its own (the
 client and its health in :mod:`.connection`, the writer thread in :mod:`.writer`),
 :mod:`.link` is a store's side (the embedded store's or the store server's),
-:mod:`.reads` its lookups' reads and markers, :mod:`.servers` starts a master and a
+:mod:`.reads` its lookups' reads and markers (:mod:`.views` and :mod:`.lineage`: which
+generation this host's own pages are of), :mod:`.servers` starts a master and a
 store process (tests, benchmarks, one-machine setups). Importing this package does not
 load Mooncake."""
 

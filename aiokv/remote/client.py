@@ -43,7 +43,8 @@ _CHECK_S = 1.0  # an idle tier asks for the boot id and the epoch this often
 class RemoteIO:
     """Mooncake calls for one store. ``memory``: the host pool as one buffer (its address,
     its size); block ``b`` is at ``address + b * block_bytes``; ``view(b)`` its bytes.
-    ``wake`` is called (from the tier's threads) when blocks can be given back."""
+    ``wake`` is called (from the tier's threads) when blocks can be given back;
+    ``learned`` with each master's boot id (:class:`.markers.Markers`)."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class RemoteIO:
         num_blocks: int,
         view: Callable[[int], memoryview],
         wake: Callable[[], None],
+        learned: Callable[[str, int], None] | None = None,
     ) -> None:
         self.config = config
         self.keys = keys
@@ -65,7 +67,8 @@ class RemoteIO:
         self.read_stats: dict[str, float] = dict.fromkeys((
             "remote_checksum_failures", "remote_read_errors", "remote_exist_seconds",
             "remote_get_seconds", "remote_read_checksum_seconds"), 0)
-        self.markers = Markers(keys, self.connection, self.read_stats, self._restarted)
+        self.markers = Markers(keys, self.connection, self.read_stats, self._restarted,
+                               learned)
         self._wake = wake
         self.dropped_at_restart = 0  # queued write blocks dropped when the master restarted
         self.queue = WriteQueue(config.write_queue_blocks)

@@ -22,12 +22,15 @@ from ..errors import ConfigError
 from ..stores.base import Int64Array
 from ..stores.local.blocks import Tier
 from ..stores.local.digests import chain_digests
+from ..stores.local.ssd import SsdTier
 from .client import RemoteIO
 from .config import RemoteConfig
 from .keys import Keys, geometry_tag, namespace_tag
+from .lineage import SsdLineage
 from .native import unavailable
 from .queue import WriteJob
 from .reads import Below, Published, Reader, Wanted
+from .views import PageViews
 
 # The tiers whose threads close left in a call (a master that stopped answering), with
 # the memory those calls may still read into: kept for the life of the process.
@@ -50,7 +53,8 @@ class BlockMemory(Protocol):
 
 class RemoteLink:
     """The remote tier of one LocalStore; ConfigError (store.remote) where Mooncake's
-    client cannot be loaded."""
+    client cannot be loaded. ``ssd``: the SSD tier (None without one), as it opened:
+    whether its pages from earlier runs may join reads from Mooncake (:mod:`.lineage`)."""
 
     def __init__(
         self,
@@ -60,6 +64,7 @@ class RemoteLink:
         dtype: torch.dtype,
         page_size: int,
         wake: Callable[[], None],
+        ssd: SsdTier | None = None,
     ) -> None:
         reason = unavailable()
         if reason is not None:
@@ -69,6 +74,11 @@ class RemoteLink:
         self._timeout_s = config.timeout_ms / 1000
         block_shape = tuple(pool.data.shape[1:])
         memory = self._memory = pool.raw
+        # Before the I/O: its first connect (on the reader thread) may learn the boot id.
+        views = PageViews()
+        self._lineage = None if ssd is None else SsdLineage(
+            ssd.files.paths[0], ssd.tier.alloc.num_free < ssd.tier.num_blocks)
+        self._views = views
         self.io = RemoteIO(
             config,
             Keys(geometry_tag(block_shape, dtype, page_size)),
@@ -77,12 +87,21 @@ class RemoteLink:
             pool.num_blocks,
             pool.block_view,
             wake,
+            self._learned,
         )
         self._tags: dict[tuple[str, ...], str] = {}
-        self.reads = Reader(self.io, host, self._tag, wake)
+        self.reads = Reader(self.io, host, self._tag, wake, views)
         self._held = 0  # host blocks held by writes
         self.stats_ = {"remote_dropped_queue": 0, "remote_dropped_resting": 0}
         self._evicted = 0  # blocks not sent (or taken back) because this host evicted their key
+
+    def _learned(self, boot: str, lifetime: int) -> None:
+        """The reader's or writer's thread: the master of ``lifetime`` is ``boot``. The
+        SSD's pages from earlier runs are of no known view: where they may be of another
+        master (one that knew of evicts this one does not), none of no known view joins
+        a read (the store thread sees it by its next read's answer, which follows)."""
+        if lifetime == 0 and self._lineage is not None and not self._lineage.joins(boot):
+            self._views.unknown = None
 
     def _tag(self, namespace: tuple[str, ...]) -> str:
         tag = self._tags.get(namespace)

@@ -31,14 +31,18 @@ class Markers:
     """``errors``: the counters that a call answered with an error adds to
     (``remote_read_errors``; a call that failed for want of the master is the
     connection's to count); ``restarted``: called (on the thread that saw it) once the
-    master is found to have restarted, after this host's view started again."""
+    master is found to have restarted, after this host's view started again; ``learned``:
+    called (on the thread that learned it) with the boot id of the master and the
+    lifetime it starts."""
 
     def __init__(self, keys: Keys, connection: Connection, errors: dict[str, float],
-                 restarted: Callable[[], None]) -> None:
+                 restarted: Callable[[], None],
+                 learned: Callable[[str, int], None] | None = None) -> None:
         self.keys = keys
         self._connection = connection
         self._errors = errors
         self._restarted = restarted
+        self._learned = learned
         self._learning = threading.Lock()
 
     def settle(self, client: Any, items: Sequence[tuple[str, Sequence[bytes]]],
@@ -194,6 +198,8 @@ class Markers:
                 return False
             if rc != 0:
                 return self._refused()
+            if self._learned is not None:  # first: a read goes on once the id is known
+                self._learned(boot, keys.lifetime)
             keys.learned(boot)
             return True
 

@@ -90,10 +90,11 @@ class Published:
 
 class Reader:
     """The reader thread's calls of one store. ``tag``: a namespace's tag in keys;
-    ``wake``: called (from the reader thread) when a call returns."""
+    ``wake``: called (from the reader thread) when a call returns; ``views``: which
+    generation each key's pages here are of."""
 
     def __init__(self, io: RemoteIO, host: Tier, tag: Callable[[tuple[str, ...]], str],
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], views: PageViews) -> None:
         self._io = io
         self._host = host
         self._tag = tag
@@ -104,7 +105,7 @@ class Reader:
         self._publishing: list[Published] = []  # markers not yet accounted for
         self._late: list[tuple[Future[Any], Int64Array]] = []  # reads past their time
         self._busy: Future[Any] | None = None  # a call that outlived its time
-        self.views = PageViews()  # which generation each key's pages here are of
+        self.views = views  # which generation each key's pages here are of
         self.stats_ = {
             "remote_lookups": 0, "remote_lookup_waits": 0, "remote_hits": 0, "remote_misses": 0,
             "remote_blocks_read": 0, "remote_bytes_read": 0, "remote_timeouts": 0,

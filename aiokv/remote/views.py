@@ -8,7 +8,9 @@ digests. This host's own pages of a key (its host and SSD tiers) are named by di
 so a lookup that finds some of them and reads the rest from Mooncake must know they are of
 the view it read under, or it would load two versions in one. Pages of no known view (an
 earlier run's SSD blocks, or a key forgotten below) join only reads of the key's first
-generation and epoch: no evict or clear the master knows of has ended them.
+generation and epoch: no evict or clear the master knows of has ended them; and only in
+this run's first lifetime, where they were written under its master (a restarted master
+knows of no evict from before: :mod:`.lineage` tells for an earlier run's SSD pages).
 """
 
 from __future__ import annotations
@@ -22,11 +24,17 @@ class PageViews:
 
     def __init__(self) -> None:
         self._views: dict[tuple[str, ...], View] = {}
+        # The lifetime whose master every page of no known view here was written under
+        # (None: not known, they never join): this run's first, unless an earlier run's
+        # SSD pages are of another master (:mod:`.lineage`).
+        self.unknown: int | None = 0
 
     def same(self, key: tuple[str, ...], view: View) -> bool:
         """Whether this host's pages of the key are of ``view``."""
         known = self._views.get(key)
-        return view[1:] == (0, 0) if known is None else known == view
+        if known is None:
+            return self.unknown is not None and view == (self.unknown, 0, 0)
+        return known == view
 
     def joins(self, key: tuple[str, ...], own: bool, view: View | None) -> bool:
         """Whether pages read under ``view`` (None: not known) may join this host's pages

@@ -65,7 +65,8 @@ def build(
         remote = None
         if config.remote is not None:  # last: nothing after it can fail
             remote = RemoteLink(RemoteConfig.from_mapping(config.remote), host, pool,
-                                first.dtype, page_size, wake)
+                                first.dtype, page_size, wake,
+                                None if link is None else link.ssd)
     except BaseException:
         for copier in copiers:
             copier.close()

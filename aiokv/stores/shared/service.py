@@ -130,7 +130,8 @@ class Service:
             host = link.host if link is not None else Tier("host", pool)
             if self.config.remote is not None:  # last: nothing after it can fail
                 remote = RemoteLink(RemoteConfig.from_mapping(self.config.remote), host, pool,
-                                    geometry.torch_dtype, geometry.page_size, self._wake)
+                                    geometry.torch_dtype, geometry.page_size, self._wake,
+                                    None if link is None else link.ssd)
         except BaseException:
             if link is not None:
                 link.close()
