@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 import aiokv.metrics
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
+from aiokv.remote.link import RemoteLink
 from aiokv.remote.markers import Markers
 from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers
@@ -326,21 +328,26 @@ def test_after_a_master_restart_a_host_that_cleared_and_a_new_host_share_again(
 
 
 def test_a_write_offered_before_its_host_learned_of_an_evict_is_dropped_as_stale(
-        mooncake: MooncakeServers) -> None:
-    # B starts after A's evict and offloads the user before any lookup told it of the
-    # evict: B cannot tell whether its put came before that evict (then the evict must
-    # end it) or after, so the write is dropped, counted as stale, never written.
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # B starts after A's evict and offloads the user; no lookup told it of the evict,
+    # and the markers its put asks for as it starts answer only once the put is offered
+    # (a copy faster than Mooncake: held here). B cannot tell whether its put came
+    # before that evict (then the evict must end it) or after, so the write is dropped,
+    # counted as stale, never written.
     a = LocalHost(mooncake.master)
     try:
         a.offload_to_mooncake(1801)
         assert a.kv.evict(1801) == TOKENS
     finally:
         a.close()
+    gate = held(monkeypatch, Markers, "past", when=lambda markers, client, items: bool(items))
     b = LocalHost(mooncake.master)
     registry = CollectorRegistry()
     aiokv.metrics.register(b.engine, registry, store_timeout_s=30)
     try:
         assert b.offload(1801) == TOKENS
+        until(lambda: b.stats()["remote_blocks_held"] == USER_PAGES)  # offered
+        gate.set()
         until(lambda: b.stats()["remote_blocks_held"] == 0)
         dropped = {sample.labels["reason"]: sample.value for family in registry.collect()
                    if family.name == "aiokv_remote_dropped_writes"
@@ -350,6 +357,49 @@ def test_a_write_offered_before_its_host_learned_of_an_evict_is_dropped_as_stale
     assert (stats["remote_blocks_written"], stats["remote_dropped_stale"]) == (0, USER_PAGES)
     assert stats["remote_dropped_writes"] == USER_PAGES
     assert dropped["stale"] == USER_PAGES and dropped["evicted"] == 0
+
+
+def test_a_host_that_never_looked_a_key_up_writes_it_where_hosts_find_it_after_an_evict(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # B evicts the user; A, which never looked the user up, then offloads it: A must
+    # learn of that evict before its put is offered, so that the blocks go under the
+    # generation the evict began, where B finds them. The put is offered once Mooncake
+    # has answered that the evict's marker is there (a copy that takes longer than a
+    # marker call; else, learned too late, the write is dropped as stale).
+    user = 1831
+    b = LocalHost(mooncake.master)
+    try:
+        b.offload_to_mooncake(user)
+        assert b.kv.evict(user) == TOKENS
+        keys = Keys(geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM), torch.float32,
+                                 PAGE_SIZE))
+        marker = keys.evicted(namespace_tag([f"uid:{user}"]), 0)
+        store = import_store().MooncakeDistributedStore
+        exist, offer, answered = store.batch_is_exist, RemoteLink.offer, threading.Event()
+
+        def batch_is_exist(client: Any, asked: list[str]) -> Any:
+            found = exist(client, asked)
+            if marker in asked and found[asked.index(marker)] == 1:
+                answered.set()
+            return found
+
+        def offer_once_answered(link: RemoteLink, tasks: Any) -> None:
+            answered.wait(10)
+            offer(link, tasks)
+
+        monkeypatch.setattr(store, "batch_is_exist", batch_is_exist)
+        monkeypatch.setattr(RemoteLink, "offer", offer_once_answered)
+        a = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+        try:
+            assert a.offload(user) == TOKENS
+            until(lambda: a.stats()["remote_blocks_held"] == 0)
+        finally:
+            stats = a.close()
+        assert (stats["remote_blocks_written"], stats["remote_dropped_writes"]) == (USER_PAGES, 0)
+        assert b.load(user) == (TOKENS, True)  # its host tier dropped the user: Mooncake's
+        assert b.stats()["remote_blocks_read"] == USER_PAGES
+    finally:
+        b.close()
 
 
 def test_a_full_mooncake_keeps_the_boot_id_and_the_markers_an_evict_hides_old_bytes_with(

@@ -39,6 +39,9 @@ from test_ssd import USER_PAGES as SSD_USER_PAGES
 
 import aiokv
 from aiokv.remote import client as remote_client
+from aiokv.remote.keys import namespace_tag
+from aiokv.remote.link import RemoteLink
+from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers
 from aiokv.remote.writer import Writer
 from aiokv.stores.shared import SharedStore, wire
@@ -288,6 +291,55 @@ def test_a_write_under_way_when_its_key_is_evicted_stays_hidden_from_every_host(
         reader.close()
     finally:
         gate.set()
+        host.stop()
+
+
+def test_a_server_that_never_looked_a_key_up_writes_it_where_hosts_find_it_after_an_evict(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An embedded host evicts the key; the server, which never looked it up, then takes
+    # an offload of it, offered once Mooncake has answered that the evict's marker is
+    # there (a copy slower than a marker call): its blocks go under the generation that
+    # evict began, where a host tier that starts empty finds them.
+    namespace = ["user:931"]
+    evicting = EmbeddedHost(mooncake.master)
+    try:
+        assert evicting.kv.evict(931, namespace=namespace) == 0  # its marker goes out
+    finally:
+        evicting.kv.close()
+    marker = f"/{namespace_tag(namespace)}/evicted/0"  # under the geometry both share
+    store = import_store().MooncakeDistributedStore
+    exist, offer, answered = store.batch_is_exist, RemoteLink.offer, threading.Event()
+
+    def batch_is_exist(client: Any, asked: list[str]) -> Any:
+        found = exist(client, asked)
+        if any(key.endswith(marker) and code == 1
+               for key, code in zip(asked, found, strict=True)):
+            answered.set()
+        return found
+
+    def offer_once_answered(link: RemoteLink, tasks: Any) -> None:
+        answered.wait(10)
+        offer(link, tasks)
+
+    monkeypatch.setattr(store, "batch_is_exist", batch_is_exist)
+    monkeypatch.setattr(RemoteLink, "offer", offer_once_answered)
+    host = Host(tmp_path, ssd=False, remote={"master": mooncake.master})
+    host.start()
+    try:
+        engine, tables = host.engine()
+        offload(engine, tables, 931)
+        wait_for(lambda: engine.store_stats()["remote_blocks_held"] == 0, "the write's end")
+        assert engine.store_stats()["remote_blocks_written"] == PAGES
+        engine.close()
+        host.stop()
+        host.start()  # an empty host tier: whatever it finds comes from Mooncake
+        reader, _ = host.engine()
+        task, mask = reader.get_match(TOKENS, namespace)
+        reader.cancel([task])
+        assert mask.all()
+        assert reader.store_stats()["remote_hits"] == 1
+        reader.close()
+    finally:
         host.stop()
 
 

@@ -98,6 +98,11 @@ class RemoteIO:
     def resting(self) -> bool:
         return self.connection.resting()
 
+    def expect(self, ns: str) -> None:
+        """A put of the namespace started: its markers are asked for before it is offered,
+        where they were not lately (the writer's, :meth:`.writer.Writer.expect`)."""
+        self._writer.expect(ns)
+
     def failed(self, what: str, detail: object, call: Future[Any]) -> None:
         """The reader thread's ``call`` raised: counted (``remote_call_errors``), and the
         tier rests, once for the call."""

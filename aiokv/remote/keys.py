@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,9 @@ class Keys:
         self._lock = threading.Lock()
         self._epoch = 0
         self._generations: OrderedDict[str, int] = OrderedDict()
+        # Namespace -> time.monotonic() of the newest call that asked for its markers and
+        # was answered (a lookup's, the writer's): puts ask for markers not asked lately.
+        self._asked_at: dict[str, float] = {}
         self._unpublished: Counter[str | None] = Counter()  # namespace (None: all) -> evicts
         self.boot: str | None = None  # the master's boot id, once learned
         self.lifetime = 0  # restarts of the master seen
@@ -105,8 +109,14 @@ class Keys:
             self.lifetime += 1
             self._epoch = 0
             self._generations.clear()
+            self._asked_at.clear()
             self._unpublished.clear()
             return True
+
+    def asked_since(self, ns: str, since: float) -> bool:
+        """Whether a call asked since ``since`` (time.monotonic()) for the namespace's
+        markers, and was answered."""
+        return self._asked_at.get(ns, -1.0) >= since
 
     def usable(self, ns: str) -> bool:
         """Whether this host may read and write the namespace on Mooncake now."""
@@ -147,6 +157,14 @@ class Keys:
                 if len(self._generations) > _MAX_NAMESPACES:
                     self._generations.popitem(last=False)
 
+    def _asked(self, names: Sequence[str], asked_at: float, lifetime: int) -> None:
+        with self._lock:
+            if lifetime != self.lifetime:
+                return
+            if len(self._asked_at) > _MAX_NAMESPACES:
+                self._asked_at.clear()  # forgotten: asked again, at most once each
+            self._asked_at.update(dict.fromkeys(names, asked_at))
+
     def blocks(self, ns: str, epoch: int, generation: int, digests: Sequence[bytes]) -> list[str]:
         head = f"{self.root}/{ns}/{epoch}.{generation}/"
         return [head + d.hex() for d in digests]
@@ -175,6 +193,7 @@ class Keys:
         counters had all their ``PROBE`` markers there (:class:`Moved`), or None where
         the boot id's key is gone (the master may have restarted)."""
         names = sorted({ns for ns, _ in items})
+        asked_at = time.monotonic()
         with self._lock:
             boot, lifetime, epoch = self.boot, self.lifetime, self._epoch
             current = {ns: self._generations.get(ns, 0) for ns in names}
@@ -198,6 +217,8 @@ class Keys:
                     moved.behind.append(ns)
             if not names:
                 self.advance("", epoch + cleared, 0, lifetime)
+            if not moved.stale:  # else asked again (settle): its answer tells
+                self._asked(names, asked_at, lifetime)
             return moved
 
         return probes, asked, advance

@@ -2,7 +2,8 @@
 misses the host tier fetches, and invalidation. Store thread only (the embedded store's,
 or the store server's one thread).
 
-The store calls these: :meth:`RemoteLink.offer` after a put's host copy (the blocks are
+The store calls these: :meth:`RemoteLink.expect` as a put starts (its namespace's markers
+asked for meanwhile), :meth:`RemoteLink.offer` after its host copy (the blocks are
 held as readers, so that eviction cannot reuse them while they are sent, and given back
 in :meth:`drain`), a read at the start of a lookup (a miss in the host tier asks
 Mooncake; what arrives whole becomes ordinary host blocks, and the lookup goes on as if
@@ -156,6 +157,19 @@ class RemoteLink:
             else:
                 host.drop_readers(blocks)
                 self.stats_["remote_dropped_queue"] += len(blocks)
+
+    def expect(self, namespace: Sequence[str]) -> None:
+        """A put of the key reserved host blocks; its offer follows once they are
+        copied. Where this host did not ask lately, the writer asks for the namespace's
+        markers meanwhile: a host that never looked the key up would otherwise offer it
+        under the generation another host's evict ended, dropped as stale. Learned
+        before the offer, that evict came before the put's end, so its blocks may go
+        under the next generation; learned after, they are dropped, as ever (nothing
+        waits for the answer)."""
+        io = self.io
+        tag = self._tag(tuple(namespace))
+        if not io.resting() and io.keys.usable(tag):
+            io.expect(tag)
 
     def drain(self) -> None:
         """Give back the blocks of finished writes and of late reads that returned."""

@@ -1,6 +1,7 @@
 """The remote tier's write queue: bounded in blocks, filled by the store thread, emptied
 by the writer thread a batch at a time, with an explicit end (closed: nothing more is
-taken) and a deque of finished writes whose held host blocks the store thread gives back.
+taken) and a deque of finished writes whose held host blocks the store thread gives back;
+and the namespaces whose markers puts under way want asked for before they are offered.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..stores.base import Int64Array
+
+_MOST_ASKED = 1024  # namespaces waiting for their markers' call; past it, puts ask none
 
 
 @dataclass(slots=True)
@@ -30,6 +33,7 @@ class WriteQueue:
         self._jobs: deque[WriteJob] = deque()
         self._queued = 0  # blocks in _jobs
         self._writing: list[str] = []  # the namespaces of the batch being written
+        self._asked: dict[str, None] = {}  # namespaces whose markers to ask for, in order
         self._closed = False
         self._cond = threading.Condition()
         self._finished: deque[Int64Array] = deque()  # written or dropped: to give back
@@ -47,6 +51,21 @@ class WriteQueue:
             self._queued += len(job.blocks)
             self._cond.notify()
         return True
+
+    def ask(self, ns: str) -> None:
+        """A put of the namespace started (store thread): the writer asks for its markers
+        (:meth:`asked`) before the put is offered, if it can."""
+        with self._cond:
+            if self._closed or ns in self._asked or len(self._asked) >= _MOST_ASKED:
+                return
+            self._asked[ns] = None
+            self._cond.notify()
+
+    def asked(self) -> list[str]:
+        """Writer thread: the namespaces asked for since the last call."""
+        with self._cond:
+            asked, self._asked = list(self._asked), {}
+        return asked
 
     def cancel(self, ns: str | None) -> list[Int64Array]:
         """Take the queued writes of a namespace (None: all) back; their blocks."""
@@ -69,12 +88,13 @@ class WriteQueue:
             return bool(self._cond.wait_for(idle, timeout_s))
 
     def next_batch(self, max_blocks: int) -> list[WriteJob] | None:
-        """Writer thread: block for the next jobs (about ``max_blocks`` blocks); None once
-        closed with nothing queued."""
+        """Writer thread: block for the next jobs (about ``max_blocks`` blocks), or for
+        namespaces asked for (:meth:`asked`; then maybe none); None once closed with
+        nothing queued."""
         with self._cond:
-            self._cond.wait_for(lambda: self._jobs or self._closed)
+            self._cond.wait_for(lambda: self._jobs or self._asked or self._closed)
             if not self._jobs:
-                return None
+                return None if self._closed else []
             jobs: list[WriteJob] = []
             count = 0
             while self._jobs and count < max_blocks:

@@ -2,7 +2,9 @@
 for the markers of their namespaces first (at most once a second each), and puts the
 values under the epoch and generation their put was offered under, unless those ended
 meanwhile. Every job ends in :meth:`~.queue.WriteQueue.done`, written or dropped
-(counted by reason), so that the store thread gives its host blocks back."""
+(counted by reason), so that the store thread gives its host blocks back. Between
+batches it asks for the markers of namespaces whose puts started and that no call asked
+for lately, so that those puts are offered under what is current."""
 
 from __future__ import annotations
 
@@ -57,6 +59,11 @@ class Writer:
     def _loop(self) -> None:
         queue = self._queue
         while (jobs := queue.next_batch(_WRITE_BATCH)) is not None:
+            asked = queue.asked()
+            if asked:
+                self._learn(asked)
+            if not jobs:
+                continue
             began = self._batch_began = time.monotonic()
             try:
                 self._write(jobs)
@@ -76,6 +83,35 @@ class Writer:
         """How long the batch under way has been written (0: none)."""
         began = self._batch_began
         return 0.0 if began is None else time.monotonic() - began
+
+    def expect(self, ns: str) -> None:
+        """A put of the namespace started (the store thread's): unless a call asked for
+        its markers lately, the writer asks for them (:meth:`_learn`)."""
+        if not self._keys.asked_since(ns, time.monotonic() - _MARKERS_FRESH_S):
+            self._queue.ask(ns)
+
+    def _learn(self, namespaces: list[str]) -> None:
+        """Ask for the markers of namespaces whose puts started (:meth:`.queue.WriteQueue.ask`),
+        not asked for lately. A put offered after the answer is offered under the
+        generation that follows an evict the answer told of (that evict came before the
+        put ended); one offered before keeps its view, and its write is dropped as stale
+        where that ended. Not the check before the write (:meth:`_refresh`): an evict
+        may come between."""
+        began = time.monotonic()
+        since = began - _MARKERS_FRESH_S
+        namespaces = [ns for ns in namespaces if not self._keys.asked_since(ns, since)]
+        if not namespaces:
+            return
+        try:
+            client = self._connection.ready()
+            if client is not None:  # else the write is dropped, or asks then
+                self._markers.past(client, [(ns, []) for ns in namespaces])
+        except Closed:  # close returned meanwhile: its figures are final
+            pass
+        except Exception as exc:  # the client raised: a failed call, the tier rests
+            self._connection.failed("asking for markers", exc)
+        finally:
+            self.stats["remote_marker_seconds"] += time.monotonic() - began
 
     def _refresh(self, client: Any, namespaces: set[str]) -> bool:
         """Move past the markers of these namespaces (and of the epoch) that other hosts

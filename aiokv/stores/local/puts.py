@@ -125,6 +125,8 @@ class Puts:
                 first = present.index(None)
                 new_digests = [d for d, b in zip(digests, present, strict=True) if b is None]
             owner = host.index.insert(key, new_digests, blocks)
+            if self._remote is not None:
+                self._remote.expect(key)
             if n - first == missing_count:  # the usual: a suffix
                 mask[first * page_size : n * page_size] = True
             else:

@@ -162,6 +162,10 @@ class Service:
         if is_put:
             self._drain()
             matched = match_puts(self._require_host(), self._link, client.number, queries)
+            if self._remote is not None:  # their offers follow: markers asked meanwhile
+                for query, match in zip(queries, matched, strict=True):
+                    if isinstance(match, Task) and len(match.blocks):
+                        self._remote.expect(query[2])
             return [self._hold(client, m) if isinstance(m, Task) else m for m in matched]
         asked = self._deferred.ask_remote(queries) if (
             self._remote is not None and time.monotonic() < by) else set()
