@@ -100,11 +100,11 @@ class TaskEnds:
             moved = job.copied * self.block_bytes
             self.bytes["bytes_d2h" if job.to_host else "bytes_h2d"] += moved
             if link is not None and not self.closed:
-                link.job_done(job)
+                link.loads.job_done(job)
             if tasks:
                 self._end_job(job, tasks, size)
         if link is not None and not self.closed:
-            link.stage_waiting()  # what the jobs that ended held is room now
+            link.loads.stage_waiting()  # what the jobs that ended held is room now
 
     def _end_job(self, job: CopyJob, tasks: list[Task], size: int) -> None:
         error = job.error

@@ -73,11 +73,12 @@ copy job of its last chunk. A checksum failure or an unreadable block ends what 
 that SSD page; host pages past it may have been copied already, at launch (their bytes are
 right, only not counted), and go back with the task.
 
-:class:`LoadStaging` is the link's (:class:`~.tiering.TierLink`) part that does it: a
-base class, so that these run as the link's own methods, with no call in between; the
-link's ``drain`` advances the loads whose reads are in and stages the waiting ones. It
-tells its :class:`~.takeover.Takeover` of each launch and finish, and hands it the
-matches that stop at a page still being read in (``adopt``). Runs on the store thread.
+:class:`LoadStaging` does it, owned by the link (:class:`~.tiering.TierLink`, its
+``loads``), which lends it the two tiers: the store calls it for a get's load (match,
+launch, cancel, take-over), and the link's ``drain`` hands it each load whose reads are
+in (:meth:`~LoadStaging.advance`) and has it stage the waiting ones. It tells its
+:class:`~.takeover.Takeover` of each launch and finish, and hands it the matches that
+stop at a page still being read in (``adopt``). Runs on the store thread.
 """
 
 from __future__ import annotations
@@ -105,22 +106,28 @@ End = Callable[[list[Any], bool], None]
 
 
 class LoadStaging:
-    """The link's loads; the state is the link's (its ``__init__``)."""
+    """The loads of a get's SSD pages between ``host`` and ``ssd`` (the link's tiers).
+    ``copy``: queue a host -> GPU copy job (:data:`Copy`); ``end``: end tasks that copy
+    nothing more (:data:`End`); ``page_size``: tokens per page (a short load's mask)."""
 
-    host: Tier
-    ssd: SsdTier
-    _copy: Copy
-    _end: End
-    _page_size: int
-    _chunk_jobs: dict[int, tuple[Load, bool]]  # a chunk's job -> its load, is it host pages
-    _copying: int  # host blocks held by their SSD copies (room on its way)
-    _waiting: list[Load]  # matched, not launched, not staged: oldest first
-    _owed: list[Load]  # launched, not staged: oldest launch first
-    _unstaged: dict[tuple[str, ...], int]  # loads of each key in _waiting or _owed
-    _prefetches: dict[Load, None]  # staged, not launched nor cancelled: oldest first
-    _prefetched: int  # their host blocks
-    _takeover: Takeover  # launched loads, for matches that take their reads over
-    stage_waits: int  # launches that found no room to stage their SSD pages
+    def __init__(self, host: Tier, ssd: SsdTier, copy: Copy, end: End, page_size: int) -> None:
+        self._host, self._ssd = host, ssd
+        self._copy, self._end = copy, end
+        self._page_size = page_size
+        # A chunk's copy job -> its load, and whether it copies host pages.
+        self._chunk_jobs: dict[int, tuple[Load, bool]] = {}
+        # Loads not staged yet: matched, not launched (oldest first), and launched, owed
+        # room before those (oldest launch first); how many of each key are in either.
+        self._waiting: list[Load] = []
+        self._owed: list[Load] = []
+        self._unstaged: dict[tuple[str, ...], int] = {}
+        # Staged, neither launched nor cancelled (oldest first), and their host blocks.
+        self._prefetches: dict[Load, None] = {}
+        self._prefetched = 0
+        self.stage_waits = 0  # launches that found no room to stage their SSD pages
+        # Launched loads, for matches that take their reads over.
+        self._takeover = Takeover(host, ssd.tier, self._past_deadline, self._book_prefetch,
+                                  self._finish)
 
     def start_load(
         self, key: tuple[str, ...], digests: list[bytes], hits: int, task: Any,
@@ -138,7 +145,7 @@ class LoadStaging:
         none comes, it ends unstaged at once (finished: its host prefix), uncounted."""
         if self._unstaged.get(key):
             return None  # another load of this key stages first: those pages go to it
-        host, tier = self.host, self.ssd.tier
+        host, tier = self._host, self._ssd.tier
         # At most a host tier's worth: what the tier could ever stage beside the host
         # pages the task holds; while it is being pinned, what is pinned so far (the
         # pinning may stop short of the rest: a memlock limit).
@@ -183,10 +190,10 @@ class LoadStaging:
         launched loads wait for (they go first)."""
         if self._owed:
             owed = sum(len(load.slots) for load in self._owed)
-            if count + owed > self.host.available():
+            if count + owed > self._host.available():
                 raise NoSpace(
                     f"host: need {count} blocks; loads waiting for room are owed {owed} "
-                    f"of the {self.host.available()} free or evictable"
+                    f"of the {self._host.available()} free or evictable"
                 )
 
     def stage_waiting(self) -> None:
@@ -220,7 +227,7 @@ class LoadStaging:
             owed.pop(0)
         # Half of the blocks surely pinned: pinning may yet stop short of the rest (a
         # memlock limit), and half of them all let prefetches take every pinned one.
-        limit = self.host.alloc.sure // 2
+        limit = self._host.alloc.sure // 2
         while waiting and self._prefetched + len(waiting[0].slots) <= limit:
             load = waiting[0]
             if not self._stage(load, prefetch=True):
@@ -238,7 +245,7 @@ class LoadStaging:
 
     def _stage(self, load: Load, prefetch: bool) -> bool:
         """Reserve the load's host blocks and start its reads; False: no room yet."""
-        host = self.host
+        host = self._host
         try:
             blocks = host.reserve(len(load.slots))
         except NoSpace:
@@ -249,8 +256,8 @@ class LoadStaging:
         host.readers[blocks] = 1  # this task's
         load.host_blocks = blocks
         # A prefetch keeps its slots, to give its host blocks back (_give_way).
-        load.reads = self.ssd.read(load.slots, blocks, load.key, load.digests, load,
-                                   keep=prefetch)
+        load.reads = self._ssd.read(load.slots, blocks, load.key, load.digests, load,
+                                    keep=prefetch)
         return True
 
     def _give_way(self, need: int) -> bool:
@@ -262,7 +269,7 @@ class LoadStaging:
         verified (kept: ``_stage``); or, where its key was dropped since or a read
         failed, one that ends with its host prefix (and that error), as
         ``drop_unstaged`` ends one. Returns whether one gave way."""
-        host = self.host
+        host = self._host
         short = need - host.available()
         gave = False
         for load in list(self._prefetches):
@@ -280,7 +287,7 @@ class LoadStaging:
             again = load.error is None and host.index.space(load.key) is load.space
             if again:
                 new.digests, new.slots = load.digests[:good], load.slots[:good]
-                self.ssd.tier.hold(new.slots)  # before the reads' holds go back
+                self._ssd.tier.hold(new.slots)  # before the reads' holds go back
             else:
                 new.at = load.at[:1]  # its first SSD page: what it loads ends there
             self._unprefetch(load)
@@ -313,7 +320,7 @@ class LoadStaging:
             elif request.keep:
                 kept.append(request.slots[request.ok])
         if kept:
-            self.ssd.tier.drop_readers(np.concatenate(kept))
+            self._ssd.tier.drop_readers(np.concatenate(kept))
 
     def _count_out(self, key: tuple[str, ...]) -> None:
         """A load of ``key`` is staged, or will never be."""
@@ -324,7 +331,7 @@ class LoadStaging:
     def _unstage(self, load: Load) -> None:
         """A load that will never be staged gives its SSD slots back."""
         self._count_out(load.key)
-        self.ssd.tier.drop_readers(load.slots)
+        self._ssd.tier.drop_readers(load.slots)
         load.slots, load.digests = NO_BLOCKS, []
 
     def _give_up(self, load: Load) -> None:
@@ -374,7 +381,7 @@ class LoadStaging:
             if np.isin(load.host_blocks, others).any():
                 pinned.append(load.host_blocks)
         taken = len(np.unique(np.concatenate(pinned))) if pinned else 0
-        room = self.host.alloc.capacity - taken
+        room = self._host.alloc.capacity - taken
         asked = set(task_ids)
         parked: list[int] = []
         short = False
@@ -437,7 +444,7 @@ class LoadStaging:
         held Lookup) comes back only as that task ends, as does every block no such
         reader holds (a Lookup loaded or released, a put's copy ended: its engine's
         doing)."""
-        host = self.host
+        host = self._host
         passing = np.flatnonzero(host.passing)
         return bool((host.readers[passing] <= host.passing[passing]).any())
 
@@ -460,7 +467,10 @@ class LoadStaging:
         (:meth:`.takeover.Takeover.adopt`)."""
         return self._takeover.adopt(key, digests, self._prefetches)
 
-    def _advance(self, load: Load) -> None:
+    def advance(self, load: Load) -> None:
+        """Some of the load's reads are in (the link's ``drain``): settle those in, in
+        order, queue the GPU copies of the pages verified (once launched), and finish it
+        once all are settled."""
         reads = load.reads
         while load.resolved < len(reads) and reads[load.resolved].arrived >= reads[
             load.resolved
@@ -475,7 +485,7 @@ class LoadStaging:
 
     def _settle(self, load: Load, request: SsdRequest) -> None:
         """One chunk's reads are in: verified blocks READY, the others out and free."""
-        host = self.host
+        host = self._host
         start, n = load.settled, len(request.slots)
         load.settled += n
         blocks = load.host_blocks[start : start + n]
@@ -582,4 +592,4 @@ class LoadStaging:
             load.host_copies -= 1
             if not load.host_copies and not load.staged and not load.finished:
                 load.host_released = True
-                self.host.drop_readers(load.task.blocks[: len(load.host_at)])
+                self._host.drop_readers(load.task.blocks[: len(load.host_at)])

@@ -5,11 +5,11 @@ This module owns the Store protocol's tasks; what a put reserves is :mod:`.puts`
 a job's end ends them :mod:`.completion`'s, their copy jobs :mod:`.jobs`' (the data
 plane, :mod:`aiokv.copy`, checks and plans the callers' page ids off this thread), block
 states, readers and eviction a tier's (:mod:`.blocks`), and moving blocks between the
-host and the SSD tier the link's (:mod:`.tiering`). All metadata is touched only on the
-caller's thread (the engine's store thread); the copy and I/O threads only move bytes
-and report. That thread holds the GIL for all of it, so the bookkeeping is done per task
-or per copy job with numpy over arrays of blocks and C-level dict operations, never a
-Python loop per block.
+host and the SSD tier the link's (:mod:`.tiering`; a get's SSD pages its ``loads``':
+:mod:`.loads`). All metadata is touched only on the caller's thread (the engine's store
+thread); the copy and I/O threads only move bytes and report. That thread holds the GIL
+for all of it, so the bookkeeping is done per task or per copy job with numpy over
+arrays of blocks and C-level dict operations, never a Python loop per block.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ class LocalStore:
             # A page being read in from SSD: for a released Lookup's prefetch of these
             # pages, this match takes it over (the user looks the key up again).
             assert digests is not None
-            adopted = link.adopt(key, digests)
+            adopted = link.loads.adopt(key, digests)
         if adopted is not None:
             task = adopted
             task.mask = mask
@@ -209,7 +209,7 @@ class LocalStore:
         if link is not None and adopted is None and len(hit) == len(found):
             if digests is None:
                 digests = memo.digests(key, token_ids)
-            task.load = link.start_load(key, digests, len(hit), task)
+            task.load = link.loads.start_load(key, digests, len(hit), task)
         load = task.load
         pages = load.pages if load is not None else len(hit)
         mask[: pages * self.page_size] = True
@@ -290,7 +290,7 @@ class LocalStore:
                             [e for _, _, e in chosen[kind]])
         for task, task_pages, event in chosen["load"]:
             assert task.load is not None and self._link is not None
-            self._link.launch_load(task.load, task_pages, [event])
+            self._link.loads.launch_load(task.load, task_pages, [event])
         if chosen["late"]:
             self._ends.expire([task for task, _, _ in chosen["late"]])
 
@@ -314,7 +314,7 @@ class LocalStore:
         (.loads)."""
         if self._link is None:
             return []
-        return self._link.parked(task_ids, list(self._tasks.values()))
+        return self._link.loads.parked(task_ids, list(self._tasks.values()))
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are
@@ -324,12 +324,12 @@ class LocalStore:
             if task is None:
                 continue
             if task.load is not None and self._link is not None:
-                self._link.cancel_load(task.load)  # ends the task once its reads are in
+                self._link.loads.cancel_load(task.load)  # ends the task once its reads are in
             else:
                 self._ends.puts.pop(task_id, None)
                 self._ends.end_tasks([task], success=False)
         if self._link is not None:
-            self._link.stage_waiting()  # what the cancelled tasks held is room now
+            self._link.loads.stage_waiting()  # what the cancelled tasks held is room now
 
     def watch_detaches(self, detached: Callable[[int], bool]) -> None:
         """Puts detached in another process (``detached(task_id)``: an engine's table,

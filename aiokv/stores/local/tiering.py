@@ -22,9 +22,9 @@
   down again before its eviction.
 - loads: a get's pages after its host prefix that the SSD has are held there from the
   match on, read into host blocks when there is room (waiting for it at launch) and
-  copied on to the GPU chunk by chunk; :mod:`.loads` says how (the link's
-  :class:`~.loads.LoadStaging` part). A later match of the key takes over the reads of a
-  load whose caller no longer wants them (:mod:`.takeover`).
+  copied on to the GPU chunk by chunk; :mod:`.loads` says how (:class:`~.loads.LoadStaging`:
+  the link's ``loads``, which the store calls for them). A later match of the key takes
+  over the reads of a load whose caller no longer wants them (:mod:`.takeover`).
 
 Everything here runs on the store thread, from the store's calls and ``drain``.
 """
@@ -42,12 +42,10 @@ from ..base import Int64Array
 from ..dirlock import DirLock
 from .blocks import NO_BLOCKS, READY, Tier
 from .index import Space
-from .load import Load
 from .loads import Copy, End, LoadStaging
 from .pool import HostPool
 from .ssd import SsdTier
 from .ssd_voids import VoidsDone
-from .takeover import Takeover
 
 _FLUSH, _CLEAN = "flush", "clean"
 
@@ -62,7 +60,7 @@ def _geometry(pool: HostPool, dtype: torch.dtype, page_size: int) -> dict[str, A
     return geometry
 
 
-class TierLink(LoadStaging):
+class TierLink:
     def __init__(
         self,
         config: StoreConfig,
@@ -74,7 +72,8 @@ class TierLink(LoadStaging):
         end: End,
         held: Sequence[DirLock] | None = None,
     ) -> None:
-        """``held``: the SSD directories' locks, taken and kept by the caller (SsdFiles)."""
+        """``copy``, ``end``: the loads' (:class:`~.loads.LoadStaging`); ``held``: the SSD
+        directories' locks, taken and kept by the caller (SsdFiles)."""
         self.host = Tier("host", pool, demote=self._demote)
         self.ssd = SsdTier(
             config.ssd_dirs(),
@@ -87,19 +86,9 @@ class TierLink(LoadStaging):
         )
         self.ssd.on_recycled = self._copies_gone
         self.write_through = config.ssd_write_policy == "write_through"
-        self._copy, self._end = copy, end
-        self._page_size = page_size
-        self._chunk_jobs: dict[int, tuple[Load, bool]] = {}
         self._copying = 0  # host blocks held by their SSD copies (room on its way)
-        # Loads not staged yet (loads.py): matched, and launched (owed room first).
-        self._waiting: list[Load] = []
-        self._owed: list[Load] = []
-        self._unstaged: dict[tuple[str, ...], int] = {}
-        self._prefetches: dict[Load, None] = {}
-        self._prefetched = 0
-        self.stage_waits = 0
-        self._takeover = Takeover(self.host, self.ssd.tier, self._past_deadline,
-                                  self._book_prefetch, self._finish)
+        # A get's SSD pages read into host blocks (loads.py): the store's to call.
+        self.loads = LoadStaging(self.host, self.ssd, copy, end, page_size)
         self._closed = False
 
     # ---- puts and demotion ---------------------------------------------------------
@@ -289,7 +278,7 @@ class TierLink(LoadStaging):
                 # launched copies nothing: a cancelled one (its Lookup given back while
                 # its reads were out) ends here, giving back what it held.
                 if not self._closed or request.owner.gpu_pages is None:
-                    self._advance(request.owner)
+                    self.loads.advance(request.owner)
                 continue
             # Copied, or given up on after a write error (counted): either way eviction
             # may now drop the block without trying to copy it again.
@@ -306,7 +295,7 @@ class TierLink(LoadStaging):
             return
         if not self.write_through:
             self._keep_room()
-        self.stage_waiting()
+        self.loads.stage_waiting()
 
     def ssd_pages(self, key: tuple[str, ...]) -> int:
         """How many pages of ``key`` the SSD tier holds (or is writing)."""
@@ -323,7 +312,7 @@ class TierLink(LoadStaging):
         SSD tier's new epoch (SsdTier.begin_clear), so that a refused one drops nothing
         in any tier, remote included."""
         before = self.keys(namespace)
-        self.drop_unstaged(namespace)
+        self.loads.drop_unstaged(namespace)
         self.host.drop_namespace(namespace)
         written = self.ssd.drop_namespace(namespace)
         return len(before - self.keys(namespace)), written
@@ -341,7 +330,7 @@ class TierLink(LoadStaging):
     def stats(self) -> dict[str, int | float]:
         tier = self.ssd.tier
         return {"ssd_blocks_used": tier.used, "ssd_blocks_total": tier.num_blocks,
-                "stage_waits": self.stage_waits, **self.ssd.stats}
+                "stage_waits": self.loads.stage_waits, **self.ssd.stats}
 
     def close(self) -> None:
         """Copy the host tier's idle blocks the SSD lacks, so that a reopen finds them:

@@ -118,7 +118,7 @@ class DeferredGets:
         for entry in entries:
             if isinstance(entry, PendingGet) and (
                     entry.load.finished or now >= entry.give_up_at
-                    or not (entry.load.staged or link is None or link.room_coming())):
+                    or not (entry.load.staged or link is None or link.loads.room_coming())):
                 entry = self._finish(client, entry)
             elif isinstance(entry, Retry) and (
                     now >= entry.by or not self.reading(entry.query[2])):
@@ -143,7 +143,7 @@ class DeferredGets:
                 entry.ended = True
                 entry.task.matching = False  # the link's end of it is its end
                 assert self._link is not None  # a load came from it
-                self._link.cancel_load(entry.load)
+                self._link.loads.cancel_load(entry.load)
                 # Its key stays being read until the reads are in: a get of it meanwhile
                 # waits for them (a Retry) rather than missing blocks still being filled.
                 self._abandoned.append(entry)
@@ -176,7 +176,7 @@ class DeferredGets:
             # Ended (their blocks freed) when they are in, apart from the get's own end.
             load.task = Task(client.number, False, NO_MASK, NO_BLOCKS, [], None,
                              matching=False)
-            link.cancel_load(load)
+            link.loads.cancel_load(load)
             keep_loaded(link, load, pending.task, pending.hit)
         return self._matcher.answer_staged(client, pending)
 
@@ -202,10 +202,10 @@ class DeferredGets:
 
 def launch_staged(link: TierLink, load: Load) -> int:
     """Staged and verified: task.blocks is now its pages' blocks in page order
-    (loads._finish); the launch only settles the link's books (its copy is the engine's,
+    (loads._finish); the launch only settles the loads' books (its copy is the engine's,
     the service's ``_no_copy``). The get is answered with the pages it loads
     (:func:`keep_loaded`); returns how many of them are host pages."""
-    link.launch_load(load, np.arange(load.match_pages, dtype=np.int64), ())
+    link.loads.launch_load(load, np.arange(load.match_pages, dtype=np.int64), ())
     return keep_loaded(link, load, load.task, load.loaded)
 
 

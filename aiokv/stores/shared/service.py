@@ -12,9 +12,9 @@ get of a key whose pages are being read, waits while the server answers other re
 (:mod:`.deferred`, :meth:`Service.settle`). Where no host block is free for its SSD pages
 it first waits for room as the embedded store's load does, but only while room comes
 back by itself (SSD copies or remote writes hold host blocks no get reads:
-``TierLink.room_coming``), not for other engines' tasks to end; otherwise, and once those
-copies are in without the room, it is answered with its host pages. Everything runs on
-the server's one thread.
+``LoadStaging.room_coming``), not for other engines' tasks to end; otherwise, and once
+those copies are in without the room, it is answered with its host pages. Everything
+runs on the server's one thread.
 
 Every task belongs to the connection that matched it (a :class:`Client`): a task id
 from another connection is a :class:`Foreign` (the server drops that peer), and when a
@@ -215,7 +215,7 @@ class Service:
             # the link ends it unstaged at once (finished: the SSD part is a miss), and
             # ends so any get owed room before it that the room there cannot stage,
             # rather than keep this one behind it.
-            load = link.start_load(namespace, digests, len(task.blocks), task, waits=True)
+            load = link.loads.start_load(namespace, digests, len(task.blocks), task, waits=True)
             if load is not None and not load.finished:
                 return self._deferred.stage(task, load, pages, len(hit), namespace, by)
             elif load is not None:
