@@ -28,6 +28,7 @@ from aiokv.remote.link import RemoteLink
 from aiokv.remote.markers import Markers
 from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers
+from aiokv.remote.values import Values
 from aiokv.remote.writer import Writer
 from aiokv.stores.local.digests import chain_digests
 
@@ -419,7 +420,8 @@ def test_a_full_mooncake_keeps_the_boot_id_and_the_markers_an_evict_hides_old_by
                 a.offload_to_mooncake(1801)
                 keys = Keys(geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM),
                                          torch.float32, PAGE_SIZE))
-                old_keys = keys.blocks(namespace_tag(["uid:1801"]), 0, 0, chain_digests(
+                boot = bytes(bare.get(keys.boot_key())).decode()
+                old_keys = keys.blocks(boot, namespace_tag(["uid:1801"]), 0, 0, chain_digests(
                     torch.arange(TOKENS).numpy(), PAGE_SIZE))
                 old = [bytes(bare.get(key)) for key in old_keys]
                 assert all(old)  # the user's values, as a late write would put them
@@ -582,3 +584,48 @@ def test_a_host_never_joins_its_ssd_pages_from_before_a_master_restart_with_what
         finally:
             b.close()
     assert versions == ["v1"] * half  # its own copies, none of v2 after them
+
+
+def test_a_write_offered_before_a_master_restart_never_serves_what_an_evict_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A's write of the user (v1) passed its checks and is in its put (held) when B evicts
+    # the user; then the master restarts, losing the evict's marker with every key, and
+    # both hosts see it. Put now, v1 landed under the key of the new master's first
+    # generation: every host read bytes from before B's evict, and B's offload of the key
+    # after it (v2) could not replace them (a put keeps the first value).
+    user = 1861
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master)
+        b = LocalHost(servers.master, timeout_ms=SLOW_MS)
+        try:
+            gate = held(monkeypatch, Values, "put")
+            assert a.offload(user) == TOKENS
+            assert gate.entered.wait(60), "the writer did not take the put"
+            assert b.kv.evict(user) == 0  # B never had it: the marker ends it everywhere
+            assert b.stats()["remote_invalidation_errors"] == 0  # its marker is out
+            with caplog.at_level(logging.WARNING, logger="aiokv"):
+                servers.stop_master()
+                servers.start_master()
+                servers.wait_store_mounted()
+                until(lambda: sum("restarted" in r.getMessage() for r in caplog.records) == 2)
+            gate.set()  # A's client is back: its put reaches the new master
+            until(lambda: a.stats()["remote_blocks_held"] == 0)
+            for cache, kv in zip(b.caches, b.kv_of(user + 1), strict=True):
+                cache[:USER_PAGES] = kv
+            assert b.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
+            until(lambda: b.stats()["remote_blocks_held"] == 0)
+            c = LocalHost(servers.master, timeout_ms=SLOW_MS)
+            try:
+                target = torch.arange(c.caches[0].shape[0] - USER_PAGES, c.caches[0].shape[0])
+                with c.kv.lookup(user, TOKENS) as hit:
+                    versions = _versions(c, user, c.kv.load(hit, target).loaded_tokens)
+            finally:
+                c.close()
+        finally:
+            gate.set()
+            b.close()
+            stats = a.close()
+    assert versions == ["v2"] * USER_PAGES
+    # Not written where anyone reads it: dropped at the restart, as the queued ones are.
+    assert (stats["remote_blocks_written"], stats["remote_dropped_down"]) == (0, USER_PAGES)

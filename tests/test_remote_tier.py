@@ -549,7 +549,8 @@ def test_a_corrupted_value_is_a_miss_from_there_on(
     block_shape = (LAYERS, 2, PAGE_SIZE, HEADS, head_dim)
     keys = Keys(geometry_tag(block_shape, torch.float32, PAGE_SIZE))
     digests = chain_digests(torch.arange(TOKENS).numpy(), PAGE_SIZE)
-    key = keys.blocks(namespace_tag([f"uid:{user}"]), 0, 0, digests)[2]
+    boot = bytes(bare_client.get(keys.boot_key())).decode()
+    key = keys.blocks(boot, namespace_tag([f"uid:{user}"]), 0, 0, digests)[2]
     value = bytearray(bare_client.get(key))
     assert len(value) == a.caches[0][0].numel() * 4 * LAYERS + 8
     if damage == "flipped":

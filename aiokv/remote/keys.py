@@ -1,9 +1,12 @@
 """Keys that every host computes alike, and the generations that invalidation moves.
 
-A block's key is ``aiokv1/<geometry>/<namespace>/<epoch>.<generation>/<digest>``:
+A block's key is ``aiokv1/<geometry>/<boot>/<namespace>/<epoch>.<generation>/<digest>``:
 
 - ``geometry``: a hash of the host block's shape (layers, k/v, page size, heads,
   head_dim) and dtype: a host with another geometry never finds these blocks;
+- ``boot``: the master's boot id (below) the write was offered under: a write that a
+  host checked before a restart of the master and put after it (no check is atomic with
+  a put) lands where the new master's hosts never look;
 - ``namespace``: a hash of the namespace (a list of str), kept apart by structure as in
   the local index;
 - ``digest``: the local index's chained digest of the token prefix up to the block end
@@ -165,8 +168,15 @@ class Keys:
                 self._asked_at.clear()  # forgotten: asked again, at most once each
             self._asked_at.update(dict.fromkeys(names, asked_at))
 
-    def blocks(self, ns: str, epoch: int, generation: int, digests: Sequence[bytes]) -> list[str]:
-        head = f"{self.root}/{ns}/{epoch}.{generation}/"
+    def boot_of(self, lifetime: int) -> str | None:
+        """The boot id of the master of ``lifetime``: None once that lifetime ended (or
+        while its boot id is not known)."""
+        with self._lock:
+            return self.boot if lifetime == self.lifetime else None
+
+    def blocks(self, boot: str, ns: str, epoch: int, generation: int,
+               digests: Sequence[bytes]) -> list[str]:
+        head = f"{self.root}/{boot}/{ns}/{epoch}.{generation}/"
         return [head + d.hex() for d in digests]
 
     def views_of(self, asked: Sequence[Sequence[str]], lifetime: int
@@ -202,7 +212,7 @@ class Keys:
         probes = [self.alive(boot)] + [self.cleared(epoch + i) for i in range(PROBE)]
         for ns in names:
             probes += [self.evicted(ns, current[ns] + i) for i in range(PROBE)]
-        asked = [self.blocks(ns, epoch, current[ns], digests) for ns, digests in items]
+        asked = [self.blocks(boot, ns, epoch, current[ns], digests) for ns, digests in items]
 
         def advance(found: Sequence[int]) -> Moved | None:
             if found[0] != 1:
@@ -236,12 +246,14 @@ class Keys:
         return f"{self.root}/{ns}/evicted/{generation}"
 
     def generation_pattern(self, ns: str, generation: int) -> str:
-        """The namespace's blocks of this generation, under any epoch (not its markers)."""
-        return f"^{self.root}/{ns}/[0-9]+\\.{generation}/"
+        """The namespace's blocks of this generation, under any epoch (not its markers),
+        and any boot id (another's are a late write's that nobody reads)."""
+        return f"^{self.root}/[^/]+/{ns}/[0-9]+\\.{generation}/"
 
     def epoch_pattern(self, epoch: int) -> str:
-        """Every namespace's blocks of this epoch, any generation (not the markers)."""
-        return f"^{self.root}/[0-9a-f]{{32}}/{epoch}\\.[0-9]+/"
+        """Every namespace's blocks of this epoch, any generation and boot id (not the
+        markers)."""
+        return f"^{self.root}/[^/]+/[0-9a-f]{{32}}/{epoch}\\.[0-9]+/"
 
     def either(self, patterns: Sequence[str]) -> str:
         """One pattern for what any of these (:meth:`generation_pattern`,

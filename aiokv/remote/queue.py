@@ -23,7 +23,8 @@ class WriteJob:
     # The lifetime, epoch and namespace's generation when the put was offered
     # (:meth:`.keys.Keys.view`): its keys', so that a write under way when its key is
     # evicted lands under the generation the evict's marker ends (hidden from every
-    # host), never under the next one; and none lands after a restart of the master.
+    # host), never under the next one; and none lands where the hosts of a master that
+    # restarted since look (its keys name the lifetime's boot id).
     view: tuple[int, int, int] = (0, 0, 0)
 
 

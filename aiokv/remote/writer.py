@@ -1,10 +1,10 @@
 """The remote tier's writer thread: it takes the queued writes a batch at a time, asks
 for the markers of their namespaces first (at most once a second each), and puts the
-values under the epoch and generation their put was offered under, unless those ended
-meanwhile. Every job ends in :meth:`~.queue.WriteQueue.done`, written or dropped
-(counted by reason), so that the store thread gives its host blocks back. Between
-batches it asks for the markers of namespaces whose puts started and that no call asked
-for lately, so that those puts are offered under what is current."""
+values under the master's boot id, epoch and generation their put was offered under,
+unless those ended meanwhile. Every job ends in :meth:`~.queue.WriteQueue.done`, written
+or dropped (counted by reason), so that the store thread gives its host blocks back.
+Between batches it asks for the markers of namespaces whose puts started and that no
+call asked for lately, so that those puts are offered under what is current."""
 
 from __future__ import annotations
 
@@ -135,7 +135,10 @@ class Writer:
             stats["remote_dropped_down"] += count
             return
         now = time.monotonic()
-        stale = {job.ns for job in jobs if self._checked.get(job.ns, 0.0) < now}
+        # The keys name the boot id: where it is not known (a restart seen just now), the
+        # markers' call learns it.
+        known = self._keys.boot is not None
+        stale = {job.ns for job in jobs if not known or self._checked.get(job.ns, 0.0) < now}
         refreshed = not stale or self._refresh(client, stale)
         stats["remote_marker_seconds"] += time.monotonic() - now
         if not refreshed:
@@ -143,9 +146,12 @@ class Writer:
             return
         keys: list[str] = []
         blocks: list[int] = []
+        lifetime = self._keys.view("")[0]
+        boot = self._keys.boot_of(lifetime)  # the master's of now (None: restarted just now)
         for job in jobs:
             view = self._keys.view(job.ns)
-            if view[0] != job.view[0]:  # the master restarted since: a view that ended
+            if boot is None or job.view[0] != lifetime or view[0] != lifetime:
+                # The master restarted since: a view that ended.
                 stats["remote_dropped_down"] += len(job.blocks)
                 count -= len(job.blocks)
                 continue
@@ -162,12 +168,20 @@ class Writer:
                 stats["remote_dropped_stale"] += len(job.blocks)
                 count -= len(job.blocks)
                 continue
-            keys += self._keys.blocks(job.ns, job.view[1], job.view[2], job.digests)
+            # Under the boot id of the master it was offered under: one that restarts
+            # after these checks, before the put, gets it where its hosts never look.
+            keys += self._keys.blocks(boot, job.ns, job.view[1], job.view[2], job.digests)
             blocks += job.blocks.tolist()
         if not keys:
             return
         codes = self.values.put(client, keys, blocks)
         if not self._connection.codes("batch_put_from", codes):
+            stats["remote_dropped_down"] += count
+            return
+        if self._keys.boot_of(lifetime) is None:
+            # The restart was seen meanwhile: what was put went with the old master, or
+            # under its boot id into the new one, where nobody reads it. Dropped at the
+            # restart, as the writes queued then; the LRU takes them.
             stats["remote_dropped_down"] += count
             return
         written = codes.count(0)
