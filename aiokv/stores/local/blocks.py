@@ -52,7 +52,7 @@ class Tier:
         self.readers = np.zeros(num_blocks, dtype=np.int32)
         # Of those readers, the ones that let go by themselves: copies to the tier below
         # (SSD) and writes to the remote tier under way, whose end needs no caller
-        # (room on its way: loads.LoadStaging.room_coming).
+        # (room on its way: staging.LoadStaging.room_coming).
         self.passing = np.zeros(num_blocks, dtype=np.int32)
         # The tier below holds a copy (as far as this tier knows: it may have dropped it).
         self.clean = np.zeros(num_blocks, dtype=np.bool_)

@@ -11,7 +11,7 @@ failed task's do (a put's are rolled back, a get's reads end); so do a put's who
 caller detached before the copy of its pages ended (``CopyJob.left``), which ends FAILED:
 what it read may be what that caller wrote since. A get that reached its
 deadline before all of it was queued (launched late: :meth:`TaskEnds.expire`; a load that
-stopped waiting for room or reads: :mod:`.loads`) ends EXPIRED.
+stopped waiting for room or reads: :mod:`.staging`, :mod:`.loads`) ends EXPIRED.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class TaskEnds:
             if tasks:
                 self._end_job(job, tasks, size)
         if link is not None and not self.closed:
-            link.loads.stage_waiting()  # what the jobs that ended held is room now
+            link.staging.stage_waiting()  # what the jobs that ended held is room now
 
     def _end_job(self, job: CopyJob, tasks: list[Task], size: int) -> None:
         error = job.error

@@ -1,7 +1,8 @@
 """One get's pages across the tiers (:class:`Load`): which of its match's pages are on the
 host and which the SSD tier holds, what is staged and verified so far, and where what it
-brings ends. :mod:`.loads` stages and copies them; :mod:`.takeover` hands a load's reads
-to a later match of its key.
+brings ends. :mod:`.staging` stages them (host room reserved, reads started),
+:mod:`.loads` copies them on; :mod:`.takeover` hands a load's reads to a later match of
+its key.
 """
 
 from __future__ import annotations

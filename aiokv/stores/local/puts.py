@@ -114,7 +114,7 @@ class Puts:
         if missing_count:
             try:
                 if link is not None:
-                    link.loads.leave_owed(missing_count)  # loads launched before it wait for room
+                    link.staging.leave_owed(missing_count)  # loads launched before it wait for room
                 blocks = host.reserve(missing_count)
             finally:
                 if listed is not None:

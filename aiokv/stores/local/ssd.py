@@ -57,7 +57,7 @@ class SsdRequest:
     digests: list[bytes]
     namespaces: list[bytes]  # encoded, per block
     owner: Any = None  # the store's bookkeeping (a flush, a load)
-    # A read's verified slots stay held once it is in (a prefetch's: loads.py); its owner
+    # A read's verified slots stay held once it is in (a prefetch's: staging.py); its owner
     # may clear this until then.
     keep: bool = False
     generation: int = 0  # of its first block's header (a write), one more per block

@@ -311,10 +311,10 @@ class LocalStore:
     def parked(self, task_ids: Sequence[int]) -> list[int]:
         """base.ParksLoads: launched loads whose SSD pages wait for host room that only
         the engine's later calls give back: room its matched, unlaunched tasks hold
-        (.loads)."""
+        (.staging)."""
         if self._link is None:
             return []
-        return self._link.loads.parked(task_ids, list(self._tasks.values()))
+        return self._link.staging.parked(task_ids, list(self._tasks.values()))
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are
@@ -329,7 +329,7 @@ class LocalStore:
                 self._ends.puts.pop(task_id, None)
                 self._ends.end_tasks([task], success=False)
         if self._link is not None:
-            self._link.loads.stage_waiting()  # what the cancelled tasks held is room now
+            self._link.staging.stage_waiting()  # what the cancelled tasks held is room now
 
     def watch_detaches(self, detached: Callable[[int], bool]) -> None:
         """Puts detached in another process (``detached(task_id)``: an engine's table,
@@ -439,9 +439,9 @@ class LocalStore:
         """Optional Store extension (base.BoundsWaits): matched get tasks' deadlines
         (``time.monotonic()``), given before the launch that takes them. Nothing of a
         task is queued for its copy into the caller's pages after it: launched later, it
-        copies nothing; a load's SSD pages wait for host room, and are queued, until then
-        only. Such a task ends EXPIRED (:mod:`.loads`). A load given none waits until
-        there is room. Ids that are not matched get tasks are ignored."""
+        copies nothing; a load's SSD pages wait for host room (:mod:`.staging`), and are
+        queued, until then only. Such a task ends EXPIRED (:mod:`.loads`). A load given
+        none waits until there is room. Ids that are not matched get tasks are ignored."""
         for task_id, deadline in zip(task_ids, deadlines_s, strict=True):
             task = self._tasks.get(task_id)
             if task is None or task.is_put:

@@ -18,9 +18,10 @@ prefetch's do. Otherwise that match would stop at the first page still being rea
 caller's lookup right after its load timed out).
 
 :class:`Takeover` keeps the launched loads not finished yet, among which a match looks
-for those of its key; :class:`~.loads.LoadStaging` tells it of each launch and finish,
-and lends it what a hand-over needs of the staging: its deadline rule, the booking of a
-staged load as a prefetch, and a load's finish. Runs on the store thread.
+for those of its key; :class:`~.loads.Loads` tells it of each launch and finish, and
+lends it what a hand-over needs: its deadline rule, a load's finish, and its staging's
+booking of a staged load as a prefetch (:class:`~.staging.LoadStaging`, whose
+prefetches ``adopt`` looks among). Runs on the store thread.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from .load import Load, look_up
 class Takeover:
     """``host``, ``ssd``: the link's tiers. ``past_deadline``: whether a launched load
     reached its deadline (it then copies nothing more); ``prefetch``: book a staged load
-    as a prefetch not launched; ``finish``: a load's reads are all settled, or it ends
-    without them (each :class:`~.loads.LoadStaging`'s)."""
+    as a prefetch not launched (:meth:`.staging.LoadStaging.book_prefetch`); ``finish``:
+    a load's reads are all settled, or it ends without them (:class:`~.loads.Loads`')."""
 
     def __init__(
         self, host: Tier, ssd: Tier, past_deadline: Callable[[Load], bool],
@@ -100,10 +101,10 @@ class Takeover:
     def _keep_slots(self, load: Load) -> bool:
         """A launched load's reads give their SSD slots back as they come in; the
         prefetch it is handed over to must keep its verified ones (``keep``), as one
-        staged at a match does: giving way (``LoadStaging._give_way``), it stages them
-        again, and a slot gone back meanwhile may hold another key's page by then (read
-        as a checksum failure, which drops that page). Those in already are held again
-        where the SSD still has them for this key; where one is not, False: no
+        staged at a match does: giving way (``staging.LoadStaging._give_way``), it stages
+        them again, and a slot gone back meanwhile may hold another key's page by then
+        (read as a checksum failure, which drops that page). Those in already are held
+        again where the SSD still has them for this key; where one is not, False: no
         hand-over."""
         tier = self._ssd
         came = [request for request in load.reads if request.arrived >= request.ops]
@@ -150,7 +151,7 @@ class Takeover:
     def _cut(self, load: Load) -> None:
         """A prefetch taken over by a match of its first ``cut_to`` pages (``adopt``),
         now launched or its reads in, brings those only: its host pages past them go
-        back now, its SSD pages past them as they come in (``LoadStaging._settle``: past
+        back now, its SSD pages past them as they come in (``loads.Loads._settle``: past
         ``at``, not loaded), those in already now. Not before: its match may be given
         back while its reads are out, and the next one take all of it over again."""
         pages = load.cut_to

@@ -22,9 +22,11 @@
   down again before its eviction.
 - loads: a get's pages after its host prefix that the SSD has are held there from the
   match on, read into host blocks when there is room (waiting for it at launch) and
-  copied on to the GPU chunk by chunk; :mod:`.loads` says how (:class:`~.loads.LoadStaging`:
-  the link's ``loads``, which the store calls for them). A later match of the key takes
-  over the reads of a load whose caller no longer wants them (:mod:`.takeover`).
+  copied on to the GPU chunk by chunk; :mod:`.loads` says how (:class:`~.loads.Loads`:
+  the link's ``loads``, which the store calls for them), and :mod:`.staging` how they
+  wait for host room (:class:`~.staging.LoadStaging`: the link's ``staging``, the loads'
+  own, which puts, drains and evicts ask). A later match of the key takes over the reads
+  of a load whose caller no longer wants them (:mod:`.takeover`).
 
 Everything here runs on the store thread, from the store's calls and ``drain``.
 """
@@ -42,7 +44,7 @@ from ..base import Int64Array
 from ..dirlock import DirLock
 from .blocks import NO_BLOCKS, READY, Tier
 from .index import Space
-from .loads import Copy, End, LoadStaging
+from .loads import Copy, End, Loads
 from .pool import HostPool
 from .ssd import SsdTier
 from .ssd_voids import VoidsDone
@@ -72,7 +74,7 @@ class TierLink:
         end: End,
         held: Sequence[DirLock] | None = None,
     ) -> None:
-        """``copy``, ``end``: the loads' (:class:`~.loads.LoadStaging`); ``held``: the SSD
+        """``copy``, ``end``: the loads' (:class:`~.loads.Loads`); ``held``: the SSD
         directories' locks, taken and kept by the caller (SsdFiles)."""
         self.host = Tier("host", pool, demote=self._demote)
         self.ssd = SsdTier(
@@ -88,7 +90,9 @@ class TierLink:
         self.write_through = config.ssd_write_policy == "write_through"
         self._copying = 0  # host blocks held by their SSD copies (room on its way)
         # A get's SSD pages read into host blocks (loads.py): the store's to call.
-        self.loads = LoadStaging(self.host, self.ssd, copy, end, page_size)
+        self.loads = Loads(self.host, self.ssd, copy, end, page_size)
+        # Their queue for host room (staging.py): puts, drains and evicts ask it.
+        self.staging = self.loads.staging
         self._closed = False
 
     # ---- puts and demotion ---------------------------------------------------------
@@ -295,7 +299,7 @@ class TierLink:
             return
         if not self.write_through:
             self._keep_room()
-        self.loads.stage_waiting()
+        self.staging.stage_waiting()
 
     def ssd_pages(self, key: tuple[str, ...]) -> int:
         """How many pages of ``key`` the SSD tier holds (or is writing)."""
@@ -312,7 +316,7 @@ class TierLink:
         SSD tier's new epoch (SsdTier.begin_clear), so that a refused one drops nothing
         in any tier, remote included."""
         before = self.keys(namespace)
-        self.loads.drop_unstaged(namespace)
+        self.staging.drop_unstaged(namespace)
         self.host.drop_namespace(namespace)
         written = self.ssd.drop_namespace(namespace)
         return len(before - self.keys(namespace)), written
@@ -330,7 +334,7 @@ class TierLink:
     def stats(self) -> dict[str, int | float]:
         tier = self.ssd.tier
         return {"ssd_blocks_used": tier.used, "ssd_blocks_total": tier.num_blocks,
-                "stage_waits": self.loads.stage_waits, **self.ssd.stats}
+                "stage_waits": self.staging.stage_waits, **self.ssd.stats}
 
     def close(self) -> None:
         """Copy the host tier's idle blocks the SSD lacks, so that a reopen finds them:

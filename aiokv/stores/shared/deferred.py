@@ -118,7 +118,7 @@ class DeferredGets:
         for entry in entries:
             if isinstance(entry, PendingGet) and (
                     entry.load.finished or now >= entry.give_up_at
-                    or not (entry.load.staged or link is None or link.loads.room_coming())):
+                    or not (entry.load.staged or link is None or link.staging.room_coming())):
                 entry = self._finish(client, entry)
             elif isinstance(entry, Retry) and (
                     now >= entry.by or not self.reading(entry.query[2])):
@@ -213,7 +213,7 @@ def keep_loaded(link: TierLink, load: Load, task: Task, pages: int) -> int:
     """A get is answered with the blocks of exactly the pages it loads, from the first:
     ``task`` (``load``'s, or the one it was taken from, whose blocks are its host pages)
     keeps the first ``pages`` of its blocks (in page order); the host pages it held past
-    them (after an SSD page: :meth:`~..local.loads.LoadStaging.start_load`) go back now.
+    them (after an SSD page: :meth:`~..local.loads.Loads.start_load`) go back now.
     Returns how many of those it keeps are host pages."""
     past = task.blocks[pages:]
     if len(past):

@@ -76,7 +76,7 @@ def reserve(host: Tier, link: TierLink | None, client: int, queries: Sequence[Qu
     listed = index.make_unevictable(np.concatenate(held)) if held else NO_BLOCKS
     try:
         if missing and link is not None:
-            link.loads.leave_owed(missing)  # gets waiting for host room go first
+            link.staging.leave_owed(missing)  # gets waiting for host room go first
         blocks = host.reserve(missing) if missing else NO_BLOCKS
     finally:
         if len(listed):
