@@ -441,8 +441,33 @@ def load_config(path: str | Path) -> tuple[EngineConfig, StoreConfig]:
     # Not only YAMLError: an integer longer than Python converts (4300 digits) is a raw
     # ValueError from the int constructor, and deep nesting a RecursionError.
     except (yaml.YAMLError, ValueError, RecursionError) as exc:
-        raise ConfigError("path", f"{str(path)!r} is not valid YAML: {exc}") from exc
+        raise ConfigError("path", f"{str(path)!r} is not valid YAML{_yaml_problem(exc, text)}"
+                          ) from exc
     return parse_config(document)
+
+
+def _yaml_problem(exc: BaseException, text: str) -> str:
+    """`` at line L, column C: what is wrong``, on one line, for a YAML error (lines and
+    columns 1-based). PyYAML's own text spans several lines (the context, the source line
+    and a caret under it) and names the input "<unicode string>", not the file."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        what = exc.problem or exc.context or type(exc).__name__
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        if exc.problem and exc.context:  # "while parsing a flow sequence", where it began
+            within = exc.context
+            if exc.context_mark is not None and exc.context_mark is not mark:
+                within += (f" at line {exc.context_mark.line + 1}, "
+                           f"column {exc.context_mark.column + 1}")
+            what += f" ({within})"
+    elif isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not take
+        before = text[:exc.position]  # it gives a position in the text, not a mark
+        line, column = before.count("\n") + 1, len(before) - before.rfind("\n")
+        where = f" at line {line}, column {column}"
+        what = f"unacceptable character #x{exc.character:04x}: {exc.reason}"
+    else:  # ValueError (an integer of too many digits), RecursionError (deep nesting)
+        where, what = "", str(exc) or type(exc).__name__
+    return f"{where}: {' '.join(what.split())}"
 
 
 def store_config(config: object, backend: str | None = None) -> StoreConfig:

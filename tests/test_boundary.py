@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import PAGE_SIZE, small_store
 
 import aiokv
@@ -220,6 +221,30 @@ def test_yaml_that_python_cannot_build_is_a_config_error(tmp_path: Path, text: s
     with pytest.raises(aiokv.ConfigError, match="is not valid YAML") as caught:
         aiokv.load_config(path)
     assert caught.value.key == "path"
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ("engine:\n  page_size: [1, 2\nstore:\n  x: 1\n",
+     "at line 3, column 6: expected ',' or ']', but got ':' "
+     "(while parsing a flow sequence at line 2, column 14)"),
+    ("engine:\n\tpage_size: 16\n",
+     "at line 2, column 1: found character '\\t' that cannot start any token "
+     "(while scanning for the next token)"),
+    ('engine:\n  window_us: 5\nstore: "x\x01"\n',
+     "at line 3, column 10: unacceptable character #x0001: special characters are not "
+     "allowed"),
+], ids=["unclosed list", "tab indent", "control character"])
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_line_and_column(
+    tmp_path: Path, text: str, where: str
+) -> None:
+    # PyYAML's text was several lines (context, the source line, a caret) naming the input
+    # "<unicode string>"; `aiokv demo --config` printed them all under its one-line prefix.
+    path = tmp_path / "bad.yml"
+    path.write_text(text)
+    with pytest.raises(aiokv.ConfigError) as caught:
+        aiokv.load_config(path)
+    assert str(caught.value) == f"path: {str(path)!r} is not valid YAML {where}"
+    assert isinstance(caught.value.__cause__, yaml.YAMLError)  # PyYAML's, for the rest
 
 
 @pytest.mark.parametrize("path", ["c\0.yml", None, 5], ids=["NUL byte", "None", "int"])

@@ -53,6 +53,16 @@ def test_demo_reads_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert status == 0, capsys.readouterr().out
 
 
+def test_a_config_that_is_not_yaml_is_one_line_naming_the_file_line_and_column(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "bad.yml"
+    config.write_text("engine:\n  page_size: [1, 2\nstore:\n  x: 1\n")
+    assert main(["demo", "--device", "cpu", "--config", str(config)]) == 2
+    assert capsys.readouterr().err == (
+        f"aiokv demo: path: {str(config)!r} is not valid YAML at line 3, column 6: expected "
+        "',' or ']', but got ':' (while parsing a flow sequence at line 2, column 14)\n")
+
+
 def test_a_demo_with_more_users_than_max_pending_ends_and_counts_the_overloads(
         tmp_path: Path) -> None:
     # Its own process: a demo that never ends (its users' refused calls retried without
