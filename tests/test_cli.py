@@ -393,8 +393,38 @@ def test_sizes_larger_than_the_machine_are_a_usage_error_not_a_traceback(
 ) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "do not fit in this machine's memory" in err and "can't allocate memory" in err
+    assert "do not fit in this machine's memory" in err, err
+    # bandwidth's sizes are refused before allocating (naming them); startup's tier by torch
+    assert ("--head-dim 100000000" in err) if "bandwidth" in argv else (
+        "can't allocate memory" in err), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["engine", "--layers", "100000000"], "--layers 100000000"),
+    (["slots", "--users", "100000000"], "--users 100000000"),
+    (["slots", "--page-size", "100000000", "--min-tokens", "100000000",
+      "--max-tokens", "100000000"], "--min-tokens 100000000"),
+    (["bandwidth", "--users", "100000000", "--tokens", "100000000"], "--tokens 100000000"),
+    (["lag", "--users", "100000000"], "--users 100000000"),
+    (["model", "--matrix", "100000000"], "--matrix 100000000"),
+    (["layers", "--layers", "100000000"], "--layers 100000000"),
+])
+def test_bench_sizes_beyond_memory_are_refused_naming_the_flag_before_allocating(
+    argv: list[str], flag: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Each was allocated as asked: many small buffers (slots' per-user masks, a cache per
+    # layer) that the kernel killed the run for, or a torch traceback where a size
+    # overflowed int64 ("Storage size calculation overflowed").
+    _memory_of(monkeypatch, 4 << 30)
+    device = [] if argv[0] == "engine" else ["--device", "cpu"]
+    assert main(["bench", *argv, "--quick", *device]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before the run began
+    assert err.startswith(f"aiokv bench {argv[0]}: error: the sizes asked for do not fit in "
+                          "this machine's memory ("), err
+    assert flag in err and "more than this machine's 4.0 GiB); ask for less" in err, err
 
 
 def _memory_of(monkeypatch: pytest.MonkeyPatch, size: int) -> None:

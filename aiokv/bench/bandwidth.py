@@ -269,6 +269,10 @@ def run(args: argparse.Namespace) -> int:
         if unread:  # mixed sizes its own store and runs no stream: they would be ignored
             raise ConfigError(unread[0], "is for the batch rows; --mixed does not read it")
         return mixed.run(settings, device, args.json)
+    raw = int(settings.raw_gib * GIB)  # a host buffer, and one on the device
+    common.check_round_fits(settings, device, store=not settings.cpu_cache_gb,
+                            extra={"raw copy": raw * (2 if device.type == "cpu" else 1)},
+                            sized_too=("raw_gib",))
     raw_d2h, raw_h2d = raw_copy_gib_s(settings.raw_gib, device, max(settings.repeats, 3))
     with common.switch_interval(settings.switch_interval_us):
         rows = common.run_uvloop(_main(settings, device))

@@ -152,6 +152,42 @@ def _check_pages(settings: object) -> None:
 
 
 
+# Bytes a tensor costs beyond its data (its Python object, TensorImpl and storage): a
+# floor, so that a --layers of millions of tiny caches is refused as surely as huge ones.
+TENSOR_OVERHEAD = 256
+
+
+def check_round_fits(
+    settings: Any, device: torch.device, *, store: bool, extra: Mapping[str, int] = {},
+    sized_too: Sequence[str] = (),
+) -> None:
+    """MemoryError (a usage error: :func:`aiokv.flags.check_fits`) before anything is made
+    where one round of the largest ``--users`` x ``--tokens`` (or ``--pages``) would not
+    fit in this machine's memory: in the caches, where they are on the host, and in the
+    store, where ``store`` (the bench sizes its host tier to hold a round). A floor of what
+    the bench makes, plus its ``extra`` host buffers (sized by the fields ``sized_too``
+    names): sizes past it were allocated anyway
+    and the kernel killed the run, or a size overflowed torch's int64 in a traceback."""
+    users = settings.users if isinstance(settings.users, int) else max(settings.users)
+    if hasattr(settings, "pages"):
+        pages, sized_by = settings.pages, "pages"
+    else:
+        tokens = settings.tokens if isinstance(settings.tokens, int) else max(settings.tokens)
+        pages, sized_by = -(-tokens // settings.page_size), "tokens"
+    dtype = DTYPES[getattr(settings, "dtype", "bf16")]
+    block = bytes_per_token(settings.layers, settings.heads, settings.head_dim, dtype)
+    round_bytes = users * pages * block * settings.page_size
+    on_host = device.type == "cpu"
+    needs = {
+        "caches": round_bytes + settings.layers * TENSOR_OVERHEAD if on_host else 0,
+        "store": round_bytes if store else 0,
+        **extra,
+    }
+    asked = ", ".join(f"--{name.replace('_', '-')} {_shown(getattr(settings, name))}" for name in (
+        "users", sized_by, "layers", "page_size", "heads", "head_dim", *sized_too))
+    flags.check_fits(asked, needs)
+
+
 @contextlib.contextmanager
 def switch_interval(us: int) -> Iterator[None]:
     """``sys.setswitchinterval`` at ``us`` microseconds meanwhile (0: left as it is),

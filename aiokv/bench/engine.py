@@ -234,6 +234,8 @@ async def _cpu_split(settings: Settings) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
+    # Its store is --cpu-cache-gb (checked as a config): a round's caches are the rest.
+    common.check_round_fits(settings, torch.device("cpu"), store=False)
     results = common.run_uvloop(_main(settings))
     geometry = (
         f"{settings.layers} layers, page {settings.page_size}, {settings.heads} heads x "

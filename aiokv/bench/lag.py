@@ -231,6 +231,7 @@ async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]
 def run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
     device = common.pick_device(settings.device)
+    common.check_round_fits(settings, device, store=not settings.cpu_cache_gb)
     rows = common.run_uvloop(_main(settings, device))
     common.print_table(
         f"event-loop lateness of a {settings.tick_us} us ticker on {device}, uvloop "

@@ -37,7 +37,7 @@ from ..engine import OffloadEngine
 from ..handles import BackgroundLookup
 from ..stores import make_store
 from ..sync import BackgroundEngine, run_in_background
-from . import common
+from . import common, standin
 from .model import round_configs
 from .standin import StandIn, one_thread, smoke_run
 
@@ -217,6 +217,8 @@ def _run(args: argparse.Namespace) -> int:
     if not 0 < s.first_tokens <= s.tokens:
         raise SystemExit(f"--first-tokens must be in [1, --tokens], got {s.first_tokens}")
     device = common.pick_device(s.device)
+    common.check_round_fits(s, device, store=not s.config,
+                            extra=standin.host_bytes(s.matrix, device), sized_too=("matrix",))
     configs = round_configs(s)
     with common.switch_interval(s.switch_interval_us):
         return _measure(args, s, device, configs)

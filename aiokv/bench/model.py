@@ -256,6 +256,10 @@ def _run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
     device = common.pick_device(settings.device)
     depths = parse_depths(settings.depth)  # --depth took it (standin.depth_flag)
+    # A --config's store was checked where it was read; without one it holds 3 rounds.
+    common.check_round_fits(settings, device, store=not settings.config,
+                            extra=standin.host_bytes(settings.matrix, device),
+                            sized_too=("matrix",))
     engine_config, store_config, page_size = round_configs(settings)
     model = StandIn(device, settings.matrix)
     steps = model.steps_for(settings.model_s)

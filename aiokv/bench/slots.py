@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import flags
 from ..copy.fused import FusedPages, fuse_page_ids
 from ..stores.base import BoolArray, Int64Array
 from . import common
@@ -244,6 +245,15 @@ def settings_of(args: argparse.Namespace) -> Settings:
         raise SystemExit("--min-tokens must be > 0 and <= --max-tokens")
     if settings.min_tokens < settings.page_size:
         raise SystemExit("--min-tokens must be at least one page")
+    # A batch holds a put mask (a byte) and expanded slots (an int64) per token of its
+    # users' full pages, and tensors of its own per user: at least this many of each.
+    users = max(settings.users)
+    tokens = settings.min_tokens // settings.page_size * settings.page_size
+    flags.check_fits(
+        f"--users {users}, --min-tokens {settings.min_tokens}, "
+        f"--page-size {settings.page_size}",
+        {"put masks": users * tokens, "slot ids": 8 * users * tokens,
+         "per-user tensors": 2 * users * common.TENSOR_OVERHEAD})
     return settings
 
 

@@ -125,6 +125,14 @@ def depth_name(depth: int) -> str:
     return "all" if depth == ALL else str(depth)
 
 
+def host_bytes(size: int, device: torch.device) -> dict[str, int]:
+    """The host memory a :class:`StandIn` of ``size`` takes on ``device`` (none on a GPU),
+    for :func:`aiokv.bench.common.check_round_fits`."""
+    if device.type != "cpu":
+        return {}
+    return {"stand-in matrices": 3 * size * size * 4}  # float32 on a CPU
+
+
 class StandIn:
     """``size`` x ``size`` matmuls of ``dtype`` on ``device``, into a fixed output (no
     allocation per step). The default dtype is bf16 on a GPU, float32 on a CPU (whose
@@ -199,6 +207,7 @@ __all__ = [
     "StandIn",
     "depth_flag",
     "depth_name",
+    "host_bytes",
     "one_thread",
     "parse_depths",
     "smoke_run",
