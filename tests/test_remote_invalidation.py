@@ -272,6 +272,28 @@ def test_close_after_an_evict_waits_timeout_ms_for_a_master_that_went_away(
     assert stats["remote_invalidations_waiting"] == 1  # given up on, and counted
 
 
+def test_close_gives_timeout_ms_to_a_markers_call_a_new_namespaces_put_began(
+        tmp_path: Path) -> None:
+    # A put of a namespace no call asked for lately has the writer ask for its markers,
+    # on a master that stopped answering (SIGSTOP: the call waits about 30 s), while the
+    # put's write waits queued behind it. Close saw no call under way (only a batch's
+    # write counted) and waited the whole 10 s flush for the queued write.
+    timeout_ms = 200
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        a = LocalHost(servers.master, timeout_ms=timeout_ms)
+        try:
+            a.offload_to_mooncake(1)
+            servers.pause_master()
+            assert a.offload(2) == TOKENS  # user 2's namespace: never asked for
+            began = time.monotonic()
+            stats = a.close()
+            close_s = time.monotonic() - began
+        finally:
+            servers.pause_master(False)
+    assert close_s < 25 * timeout_ms / 1000  # a generous multiple; it took 10 s
+    assert stats["remote_blocks_written"] == USER_PAGES  # user 2's never went out
+
+
 def test_writes_an_evict_takes_back_are_counted_as_dropped(
         mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
     # One user's write is under way (held) and another's waits in the queue when the

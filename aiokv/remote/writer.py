@@ -52,7 +52,9 @@ class Writer:
                              ("remote_put_seconds", "remote_write_checksum_seconds"))
         # Namespace -> when its markers need asking again before a write.
         self._checked: dict[str, float] = {}
-        self._batch_began: float | None = None  # time.monotonic(), while it writes
+        # time.monotonic(), while it writes a batch or asks for markers (_learn): close
+        # gives a call under way timeout_ms, whichever it is.
+        self._call_began: float | None = None
         self.thread = threading.Thread(target=self._loop, name="aiokv-remote-write",
                                        daemon=True)
 
@@ -64,7 +66,7 @@ class Writer:
                 self._learn(asked)
             if not jobs:
                 continue
-            began = self._batch_began = time.monotonic()
+            began = self._call_began = time.monotonic()
             try:
                 self._write(jobs)
             except Closed:  # close returned while it was in a call: its figures are final
@@ -73,15 +75,15 @@ class Writer:
                 self.stats["remote_write_errors"] += sum(len(j.blocks) for j in jobs)
                 log.exception("aiokv: remote tier: a write failed: %s", exc)
             finally:
-                self._batch_began = None
+                self._call_began = None
                 self.stats["remote_write_batches"] += 1
                 self.stats["remote_write_seconds"] += time.monotonic() - began
                 queue.done(jobs)
                 self._wake()
 
     def in_call_s(self) -> float:
-        """How long the batch under way has been written (0: none)."""
-        began = self._batch_began
+        """How long the batch or the markers' call under way has taken so far (0: none)."""
+        began = self._call_began
         return 0.0 if began is None else time.monotonic() - began
 
     def expect(self, ns: str) -> None:
@@ -102,6 +104,9 @@ class Writer:
         namespaces = [ns for ns in namespaces if not self._keys.asked_since(ns, since)]
         if not namespaces:
             return
+        # Jobs may be queued behind this call: a master that stopped answering holds it
+        # about 30 s, and close must see it as a call under way, as it sees a write's.
+        self._call_began = began
         try:
             client = self._connection.ready()
             if client is not None:  # else the write is dropped, or asks then
@@ -111,6 +116,7 @@ class Writer:
         except Exception as exc:  # the client raised: a failed call, the tier rests
             self._connection.failed("asking for markers", exc)
         finally:
+            self._call_began = None
             self.stats["remote_marker_seconds"] += time.monotonic() - began
 
     def _refresh(self, client: Any, namespaces: set[str]) -> bool:
