@@ -23,6 +23,7 @@ from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
 
 import aiokv.metrics
+from aiokv.remote import connection as remote_connection
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.link import RemoteLink
 from aiokv.remote.markers import Markers
@@ -651,3 +652,66 @@ def test_a_write_offered_before_a_master_restart_never_serves_what_an_evict_ende
     assert versions == ["v2"] * USER_PAGES
     # Not written where anyone reads it: dropped at the restart, as the queued ones are.
     assert (stats["remote_blocks_written"], stats["remote_dropped_down"]) == (0, USER_PAGES)
+
+
+@pytest.mark.parametrize("next_run", [False, True], ids=["same_run", "next_run"])
+def test_a_host_cut_off_before_it_reached_any_master_never_joins_what_it_put_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, next_run: bool) -> None:
+    # B starts cut off from the master and puts the first half of the user (v1). A
+    # evicts the user; the master restarts, forgetting that evict, and C offloads all of
+    # it with other bytes (v2) under the new master's first generation. B then reaches
+    # the master for the first time: its pages were taken as of that master's first
+    # lifetime, and its lookup read v2's second half after its own v1 half, in this run
+    # and (its SSD recording that master) in the next.
+    user, half = 1871, USER_PAGES // 2
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    cut_off_ms = SLOW_MS - 1  # B's, as the probe below tells hosts apart
+    cut_off = threading.Event()
+    cut_off.set()
+    answers = remote_connection.master_answers
+
+    def master_answers(config: Any) -> None:
+        if cut_off.is_set() and config.timeout_ms == cut_off_ms:
+            raise OSError("cut off from the master")
+        answers(config)
+
+    monkeypatch.setattr(remote_connection, "master_answers", master_answers)
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        b = LocalHost(servers.master, timeout_ms=cut_off_ms, ssd_dir=ssd)
+        try:
+            for cache, kv in zip(b.caches, b.kv_of(user), strict=True):
+                cache[:half] = kv[:half]
+            assert b.kv.offload(user, torch.arange(half), half * PAGE_SIZE).stored_tokens == (
+                half * PAGE_SIZE)
+            a = LocalHost(servers.master, timeout_ms=SLOW_MS)
+            try:
+                a.kv.evict(user)
+                assert a.stats()["remote_invalidation_errors"] == 0  # its marker is out
+            finally:
+                a.close()
+            servers.stop_master()
+            servers.start_master()
+            servers.wait_store_mounted()
+            c = LocalHost(servers.master, timeout_ms=SLOW_MS)
+            try:
+                for cache, kv in zip(c.caches, c.kv_of(user + 1), strict=True):
+                    cache[:USER_PAGES] = kv
+                assert c.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == (
+                    TOKENS)
+                until(lambda: c.stats()["remote_blocks_written"] == USER_PAGES)
+            finally:
+                c.close()
+            cut_off.clear()
+            # B reaches the master once its rest is over (a lookup of another user asks).
+            until(lambda: b.load(user + 100) == (0, True)
+                  and b.stats()["remote_lookup_waits"] > 0, timeout_s=60)
+            if next_run:
+                b.close()
+                b = LocalHost(servers.master, timeout_ms=cut_off_ms, ssd_dir=ssd)
+            target = torch.arange(b.caches[0].shape[0] - USER_PAGES, b.caches[0].shape[0])
+            with b.kv.lookup(user, TOKENS) as hit:
+                versions = _versions(b, user, b.kv.load(hit, target).loaded_tokens)
+        finally:
+            b.close()
+    assert versions == ["v1"] * half  # its own copies, none of v2 after them

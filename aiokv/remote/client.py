@@ -55,7 +55,7 @@ class RemoteIO:
         num_blocks: int,
         view: Callable[[int], memoryview],
         wake: Callable[[], None],
-        learned: Callable[[str, int], None] | None = None,
+        learned: Callable[[str, int, bool], None] | None = None,
     ) -> None:
         self.config = config
         self.keys = keys

@@ -134,6 +134,7 @@ class Connection:
         self._connect_lock = threading.Lock()
         self._rest_s = config.timeout_ms / 1000
         self._retry_at = 0.0  # time.monotonic() before which calls are not tried
+        self.rested = False  # whether the tier ever rested (a connect or a call failed)
         # Counted among the tier's errors: whichever thread's call it was (the reader's
         # checks too, which nobody waits on), and the only sign a user has of a rest.
         self.failed_connects = 0
@@ -157,6 +158,7 @@ class Connection:
                         what, detail, self._rest_s)
         self._retry_at = time.monotonic() + self._rest_s
         self._rest_s = min(_MAX_REST_S, self._rest_s * 2)
+        self.rested = True
 
     def failed(self, what: str, detail: object, call: Future[Any] | None = None) -> None:
         """A call failed for want of the master, or raised (``call``: the reader thread's

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 VERSION = "aiokv1"
+BLIND = -1  # a view's lifetime, taken before this host learned any boot id
 PROBE = 4  # markers asked for past the known epoch and generation, per lookup
 _MAX_NAMESPACES = 1 << 16  # generations remembered; a forgotten one is found again by probes
 
@@ -89,12 +90,33 @@ class Keys:
         self._unpublished: Counter[str | None] = Counter()  # namespace (None: all) -> evicts
         self.boot: str | None = None  # the master's boot id, once learned
         self.lifetime = 0  # restarts of the master seen
+        # The lifetime of views taken before the first boot id was learned (BLIND in
+        # them): the first, unless this host was cut off from the master before it
+        # reached it (None: of no known master, they never match; the remote tier's
+        # link decides it as that id is learned).
+        self.blind_lifetime: int | None = 0
         self.checked_at = 0.0  # time.monotonic() of the last markers Mooncake answered
 
     def view(self, ns: str) -> tuple[int, int, int]:
         """(lifetime, epoch, generation) of the namespace: what a write is offered under."""
         with self._lock:
             return self.lifetime, self._epoch, self._generations.get(ns, 0)
+
+    def offered_view(self, ns: str) -> tuple[int, int, int]:
+        """:meth:`view`, its lifetime BLIND before any boot id is learned: a master may
+        restart before the one this host reaches first, forgetting evicts that ended
+        what is offered now (:attr:`blind_lifetime` tells, once that one is known)."""
+        with self._lock:
+            blind = self.boot is None and self.lifetime == 0
+            return (BLIND if blind else self.lifetime, self._epoch,
+                    self._generations.get(ns, 0))
+
+    def seen(self, view: tuple[int, int, int]) -> tuple[int, int, int] | None:
+        """An offered view as of the lifetimes learned since (None: of none)."""
+        if view[0] != BLIND:
+            return view
+        lifetime = self.blind_lifetime
+        return None if lifetime is None else (lifetime, view[1], view[2])
 
     def learned(self, boot: str) -> None:
         with self._lock:

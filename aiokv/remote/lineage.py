@@ -8,7 +8,9 @@ the pages were written while the master of now lived. The file names the boot id
 (:mod:`.keys`) of the master current when the SSD tier opened holding nothing; a restart
 changes the boot id for good, so where it still names the master of now, every page on
 the SSD was written during that master's life (by whichever run). An SSD that held pages
-at open under another boot id (or none) keeps its file: its earlier pages never join.
+at open under another boot id (or none) keeps its file: its earlier pages never join. So
+does one that took pages this run while the host, cut off, had reached no master yet:
+those may be of a master that restarted before the one it reached first.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ class SsdLineage:
         except (OSError, UnicodeDecodeError):
             self._recorded = None
 
-    def joins(self, boot: str) -> bool:
+    def joins(self, boot: str, blind: bool = False) -> bool:
         """The master of this run's first lifetime is ``boot``: whether the SSD's pages
         from earlier runs may join its reads (its keys' first generation). An SSD that
-        held none records ``boot`` for the runs after this one."""
-        if self._held:
+        held none records ``boot`` for the runs after this one. ``blind``: this run put
+        pages, cut off, before it learned ``boot``: of no known master, as an earlier
+        run's are (none restarted meanwhile only where the SSD recorded ``boot``)."""
+        if self._held or blind:
             return self._recorded == boot
         if self._recorded != boot:
             try:

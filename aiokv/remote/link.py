@@ -76,13 +76,16 @@ class RemoteLink:
         block_shape = tuple(pool.data.shape[1:])
         memory = self._memory = pool.raw
         # Before the I/O: its first connect (on the reader thread) may learn the boot id.
-        views = PageViews()
+        keys = self._keys = Keys(geometry_tag(block_shape, dtype, page_size))
+        views = PageViews(keys)
         self._lineage = None if ssd is None else SsdLineage(
             ssd.files.paths[0], ssd.tier.alloc.num_free < ssd.tier.num_blocks)
         self._views = views
+        # Whether a put was offered before any boot id was learned (:meth:`offer`).
+        self._offered_blind = False
         self.io = RemoteIO(
             config,
-            Keys(geometry_tag(block_shape, dtype, page_size)),
+            keys,
             (memory.data_ptr(), memory.numel()),
             pool.block_bytes,
             pool.num_blocks,
@@ -96,13 +99,22 @@ class RemoteLink:
         self.stats_ = {"remote_dropped_queue": 0, "remote_dropped_resting": 0}
         self._evicted = 0  # blocks not sent (or taken back) because this host evicted their key
 
-    def _learned(self, boot: str, lifetime: int) -> None:
-        """The reader's or writer's thread: the master of ``lifetime`` is ``boot``. The
-        SSD's pages from earlier runs are of no known view: where they may be of another
-        master (one that knew of evicts this one does not), none of no known view joins
-        a read (the store thread sees it by its next read's answer, which follows)."""
-        if lifetime == 0 and self._lineage is not None and not self._lineage.joins(boot):
+    def _learned(self, boot: str, lifetime: int, rested: bool) -> None:
+        """The reader's or writer's thread: the master of ``lifetime`` is ``boot``
+        (``rested``: the tier failed to reach a master before). The SSD's pages from
+        earlier runs are of no known view: where they may be of another master (one
+        that knew of evicts this one does not), none of no known view joins a read (the
+        store thread sees it by its next read's answer, which follows). So are the puts
+        offered before now where this host was cut off first: a master may have
+        restarted meanwhile (an SSD that recorded this one before tells it did not)."""
+        if lifetime != 0:
+            return
+        blind = self._offered_blind and rested
+        lineage = self._lineage
+        if not (lineage.joins(boot, blind) if lineage is not None else not blind):
             self._views.unknown = None
+            if blind:
+                self._keys.blind_lifetime = None
 
     def _tag(self, namespace: tuple[str, ...]) -> str:
         tag = self._tags.get(namespace)
@@ -127,10 +139,13 @@ class RemoteLink:
             if not len(blocks) or not live:
                 continue
             tag = self._tag(space.key)
+            if io.keys.boot is None:  # first: _learned reads it before the id is set
+                self._offered_blind = True
+            view = io.keys.offered_view(tag)
             if len(space) == len(blocks):
                 # Written or not, the key's pages are of what this host knows now (a
                 # lookup must not join them with pages of another generation).
-                self.reads.views.noted(space.key, io.keys.view(tag))
+                self.reads.views.noted(space.key, view)
             if io.resting():
                 self.stats_["remote_dropped_resting"] += len(blocks)
                 continue
@@ -151,7 +166,7 @@ class RemoteLink:
             # Held first: once queued, the writer may read them at any moment.
             host.readers[blocks] += 1
             host.index.make_unevictable(blocks)
-            if io.queue.put(WriteJob(tag, list(task.digests), blocks, io.keys.view(tag))):
+            if io.queue.put(WriteJob(tag, list(task.digests), blocks, view)):
                 self._held += len(blocks)
                 host.passing[blocks] += 1  # the write lets them go by itself
             else:

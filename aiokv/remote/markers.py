@@ -32,12 +32,12 @@ class Markers:
     (``remote_read_errors``; a call that failed for want of the master is the
     connection's to count); ``restarted``: called (on the thread that saw it) once the
     master is found to have restarted, after this host's view started again; ``learned``:
-    called (on the thread that learned it) with the boot id of the master and the
-    lifetime it starts."""
+    called (on the thread that learned it) with the boot id of the master, the
+    lifetime it starts, and whether the tier rested before (failed to reach a master)."""
 
     def __init__(self, keys: Keys, connection: Connection, errors: dict[str, float],
                  restarted: Callable[[], None],
-                 learned: Callable[[str, int], None] | None = None) -> None:
+                 learned: Callable[[str, int, bool], None] | None = None) -> None:
         self.keys = keys
         self._connection = connection
         self._errors = errors
@@ -199,7 +199,7 @@ class Markers:
             if rc != 0:
                 return self._refused()
             if self._learned is not None:  # first: a read goes on once the id is known
-                self._learned(boot, keys.lifetime)
+                self._learned(boot, keys.lifetime, self._connection.rested)
             keys.learned(boot)
             return True
 

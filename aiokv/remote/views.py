@@ -15,6 +15,8 @@ knows of no evict from before: :mod:`.lineage` tells for an earlier run's SSD pa
 
 from __future__ import annotations
 
+from .keys import Keys
+
 View = tuple[int, int, int]  # (master lifetime, epoch, generation)
 _MOST_KEYS = 65536  # past this many, every key is forgotten (the safe side: no view known)
 
@@ -22,7 +24,8 @@ _MOST_KEYS = 65536  # past this many, every key is forgotten (the safe side: no 
 class PageViews:
     """Per key, the view its pages on this host are of (the store thread's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: Keys | None = None) -> None:
+        self._keys = keys  # resolves views noted before any boot id was learned
         self._views: dict[tuple[str, ...], View] = {}
         # The lifetime whose master every page of no known view here was written under
         # (None: not known, they never join): this run's first, unless an earlier run's
@@ -34,7 +37,7 @@ class PageViews:
         known = self._views.get(key)
         if known is None:
             return self.unknown is not None and view == (self.unknown, 0, 0)
-        return known == view
+        return (known if self._keys is None else self._keys.seen(known)) == view
 
     def joins(self, key: tuple[str, ...], own: bool, view: View | None) -> bool:
         """Whether pages read under ``view`` (None: not known) may join this host's pages

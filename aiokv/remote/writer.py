@@ -156,8 +156,11 @@ class Writer:
         boot = self._keys.boot_of(lifetime)  # the master's of now (None: restarted just now)
         for job in jobs:
             view = self._keys.view(job.ns)
-            if boot is None or job.view[0] != lifetime or view[0] != lifetime:
-                # The master restarted since: a view that ended.
+            offered = self._keys.seen(job.view)
+            if (boot is None or offered is None or offered[0] != lifetime
+                    or view[0] != lifetime):
+                # The master restarted since: a view that ended (or offered cut off
+                # before this host reached any master, and one may have restarted).
                 stats["remote_dropped_down"] += len(job.blocks)
                 count -= len(job.blocks)
                 continue
@@ -165,7 +168,7 @@ class Writer:
                 stats["remote_dropped_evicted"] += len(job.blocks)
                 count -= len(job.blocks)
                 continue
-            if view != job.view:
+            if view != offered:
                 # Ended since the put was offered (usually by another host: the markers
                 # just asked): its keys are hidden already. Nor may it go under the new
                 # generation: the offer may have come before that evict, as far as this
