@@ -555,3 +555,69 @@ async def test_a_lookup_waits_for_ssd_copies_whose_blocks_only_mooncakes_writer_
                 if hold is not None:
                     hold.release()
             assert await user_0_loads_whole(engine, caches, original, await lookup)
+
+
+def _put(store: SharedStore, tables: list[torch.Tensor], user: int, kv: list[torch.Tensor],
+         pages: int) -> None:
+    """The first ``pages`` pages of ``kv`` offloaded under ``user:<user>``."""
+    for cache, pages_kv in zip(tables, kv, strict=True):
+        cache[:pages] = pages_kv[:pages]
+    task, mask = store.put_match(TOKENS[: pages * PAGE_SIZE], [f"user:{user}"])
+    assert mask.all()
+    store.launch([task], [torch.arange(pages)], [None])
+    wait_for(lambda: store.try_wait([task]), "the offload")
+
+
+def _version(tables: list[torch.Tensor], at: int, user: int, page: int) -> str:
+    """Which version page ``at`` of the tables holds of the user's page ``page`` (v1: the
+    user's KV, v2: the next user's, ?: neither)."""
+    for name, kv in (("v1", user_kv(user, PAGES)), ("v2", user_kv(user + 1, PAGES))):
+        if all(torch.equal(t[at], k[page]) for t, k in zip(tables, kv, strict=True)):
+            return name
+    return "?"
+
+
+def test_a_read_never_joins_a_put_of_its_key_that_landed_meanwhile_with_another_version(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A had no page of the user when its read from Mooncake began (held before it asks).
+    # Meanwhile another engine of A puts the user's first half (v1, under the generation
+    # A knows), B evicts the user and offloads all of it again with other bytes (v2),
+    # and the read, let go, reads v2 under the next generation. Its second half joined
+    # A's own v1 half: a load of pages of two versions.
+    user, half = 981, PAGES // 2
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = Host(tmp_path / "a", ssd=False, remote={"master": mooncake.master})
+    b = Host(tmp_path / "b", ssd=False, remote={"master": mooncake.master})
+    a.start()
+    b.start()
+    try:
+        b_engine, b_tables = b.engine()
+        _put(b_engine, b_tables, user, user_kv(user, PAGES), PAGES)  # v1
+        wait_for(lambda: _written(b_engine, PAGES), "B's first write")
+        entered, gate = _held(monkeypatch, "read")
+        reader, tables = a.engine()
+        putter, put_tables = a.engine()
+        lookup = Call(lambda: reader.get_match(TOKENS, [f"user:{user}"]))
+        assert entered.wait(10), "A's read did not start"
+        _put(putter, put_tables, user, user_kv(user, PAGES), half)  # A's own v1 half
+        wait_for(lambda: putter.store_stats()["remote_blocks_held"] == 0, "A's write")
+        assert b_engine.evict([f"user:{user}"]) == PAGES * PAGE_SIZE
+        assert b_engine.store_stats()["remote_invalidation_errors"] == 0  # its marker is out
+        _put(b_engine, b_tables, user, user_kv(user + 1, PAGES), PAGES)  # v2
+        wait_for(lambda: _written(b_engine, 2 * PAGES), "B's second write")
+        gate.set()
+        task, mask = lookup.outcome()
+        pages = int(mask.sum()) // PAGE_SIZE
+        first = len(tables[0]) - pages
+        reader.launch([task], [torch.arange(first, first + pages)], [None])
+        results: dict[int, Any] = {}
+        wait_for(lambda: results.update(reader.try_wait([task])) or results, "the load")
+        versions = [_version(tables, first + p, user, p) for p in range(pages)]
+        for engine in (reader, putter, b_engine):
+            engine.close()
+    finally:
+        gate.set()
+        a.stop()
+        b.stop()
+    assert versions in (["v1"] * half, ["v2"] * PAGES)
