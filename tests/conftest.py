@@ -22,6 +22,8 @@ import torch
 import uvloop
 
 import aiokv
+from aiokv.remote.link import RemoteLink
+from aiokv.remote.markers import Markers
 from aiokv.remote.native import unavailable
 from aiokv.remote.servers import MooncakeServers
 from aiokv.stores.local import ssd_io
@@ -159,6 +161,30 @@ def held(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str,
 
     monkeypatch.setattr(owner, name, waiting)
     return gate
+
+
+def offers_once_learned(monkeypatch: pytest.MonkeyPatch, ns: str) -> threading.Event:
+    """Puts' offers (``RemoteLink.offer``) wait (30 s at most) until a markers call
+    that asked for namespace ``ns`` (a tag) returned with its host past an evict of it
+    (its generation past 0): a copy slower than that call. Not Mooncake's answer alone:
+    the call moves the host's view after it, and an offer between would be of the view
+    before. The event returned is set then."""
+    learned = threading.Event()
+    past, offer = Markers.past, RemoteLink.offer
+
+    def past_then_tell(markers: Markers, client: Any, items: Any) -> Any:
+        found = past(markers, client, items)
+        if any(asked == ns for asked, _ in items) and markers.keys.view(ns)[2] > 0:
+            learned.set()
+        return found
+
+    def offer_once_learned(link: RemoteLink, tasks: Any) -> None:
+        learned.wait(30)
+        offer(link, tasks)
+
+    monkeypatch.setattr(Markers, "past", past_then_tell)
+    monkeypatch.setattr(RemoteLink, "offer", offer_once_learned)
+    return learned
 
 
 def hold_the_loop(kv: aiokv.BackgroundEngine) -> threading.Event:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import Gate, failing_first_call, held, needs_mooncake
+from conftest import Gate, failing_first_call, held, needs_mooncake, offers_once_learned
 from prometheus_client import CollectorRegistry
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE
 from remote_local import TOKENS, USER_PAGES, LocalHost, until
@@ -25,7 +24,6 @@ from remote_local import TOKENS, USER_PAGES, LocalHost, until
 import aiokv.metrics
 from aiokv.remote import connection as remote_connection
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
-from aiokv.remote.link import RemoteLink
 from aiokv.remote.markers import Markers
 from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers
@@ -387,32 +385,15 @@ def test_a_host_that_never_looked_a_key_up_writes_it_where_hosts_find_it_after_a
         mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
     # B evicts the user; A, which never looked the user up, then offloads it: A must
     # learn of that evict before its put is offered, so that the blocks go under the
-    # generation the evict began, where B finds them. The put is offered once Mooncake
-    # has answered that the evict's marker is there (a copy that takes longer than a
-    # marker call; else, learned too late, the write is dropped as stale).
+    # generation the evict began, where B finds them. The put is offered once A has
+    # moved past the evict's marker (a copy that takes longer than a marker call; else,
+    # learned too late, the write is dropped as stale).
     user = 1831
     b = LocalHost(mooncake.master)
     try:
         b.offload_to_mooncake(user)
         assert b.kv.evict(user) == TOKENS
-        keys = Keys(geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM), torch.float32,
-                                 PAGE_SIZE))
-        marker = keys.evicted(namespace_tag([f"uid:{user}"]), 0)
-        store = import_store().MooncakeDistributedStore
-        exist, offer, answered = store.batch_is_exist, RemoteLink.offer, threading.Event()
-
-        def batch_is_exist(client: Any, asked: list[str]) -> Any:
-            found = exist(client, asked)
-            if marker in asked and found[asked.index(marker)] == 1:
-                answered.set()
-            return found
-
-        def offer_once_answered(link: RemoteLink, tasks: Any) -> None:
-            answered.wait(10)
-            offer(link, tasks)
-
-        monkeypatch.setattr(store, "batch_is_exist", batch_is_exist)
-        monkeypatch.setattr(RemoteLink, "offer", offer_once_answered)
+        offers_once_learned(monkeypatch, namespace_tag([f"uid:{user}"]))
         a = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
         try:
             assert a.offload(user) == TOKENS

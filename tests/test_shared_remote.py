@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import held, needs_mooncake
+from conftest import held, needs_mooncake, offers_once_learned
 from remote_host import ChildHost
 from remote_host import Host as EmbeddedHost
 from shared_host import (
@@ -40,8 +40,6 @@ from test_ssd import USER_PAGES as SSD_USER_PAGES
 import aiokv
 from aiokv.remote import client as remote_client
 from aiokv.remote.keys import namespace_tag
-from aiokv.remote.link import RemoteLink
-from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers
 from aiokv.remote.writer import Writer
 from aiokv.stores.shared import SharedStore, wire
@@ -297,32 +295,16 @@ def test_a_write_under_way_when_its_key_is_evicted_stays_hidden_from_every_host(
 def test_a_server_that_never_looked_a_key_up_writes_it_where_hosts_find_it_after_an_evict(
         mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # An embedded host evicts the key; the server, which never looked it up, then takes
-    # an offload of it, offered once Mooncake has answered that the evict's marker is
-    # there (a copy slower than a marker call): its blocks go under the generation that
-    # evict began, where a host tier that starts empty finds them.
+    # an offload of it, offered once the server has moved past the evict's marker (a
+    # copy slower than a marker call): its blocks go under the generation that evict
+    # began, where a host tier that starts empty finds them.
     namespace = ["user:931"]
     evicting = EmbeddedHost(mooncake.master)
     try:
         assert evicting.kv.evict(931, namespace=namespace) == 0  # its marker goes out
     finally:
         evicting.kv.close()
-    marker = f"/{namespace_tag(namespace)}/evicted/0"  # under the geometry both share
-    store = import_store().MooncakeDistributedStore
-    exist, offer, answered = store.batch_is_exist, RemoteLink.offer, threading.Event()
-
-    def batch_is_exist(client: Any, asked: list[str]) -> Any:
-        found = exist(client, asked)
-        if any(key.endswith(marker) and code == 1
-               for key, code in zip(asked, found, strict=True)):
-            answered.set()
-        return found
-
-    def offer_once_answered(link: RemoteLink, tasks: Any) -> None:
-        answered.wait(10)
-        offer(link, tasks)
-
-    monkeypatch.setattr(store, "batch_is_exist", batch_is_exist)
-    monkeypatch.setattr(RemoteLink, "offer", offer_once_answered)
+    offers_once_learned(monkeypatch, namespace_tag(namespace))
     host = Host(tmp_path, ssd=False, remote={"master": mooncake.master})
     host.start()
     try:
