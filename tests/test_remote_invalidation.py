@@ -585,9 +585,12 @@ def test_a_host_never_joins_its_ssd_pages_from_before_a_master_restart_with_what
             target = torch.arange(b.caches[0].shape[0] - USER_PAGES, b.caches[0].shape[0])
             with b.kv.lookup(user, TOKENS) as hit:
                 versions = _versions(b, user, b.kv.load(hit, target).loaded_tokens)
+            read = b.stats()
         finally:
             b.close()
     assert versions == ["v1"] * half  # its own copies, none of v2 after them
+    # Mooncake answered B's lookup, v2's half there: not a miss for want of an answer.
+    assert (read["remote_lookups"], read["remote_timeouts"], read["remote_errors"]) == (1, 0, 0)
 
 
 def test_a_write_offered_before_a_master_restart_never_serves_what_an_evict_ended(
