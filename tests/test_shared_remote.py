@@ -39,6 +39,7 @@ from test_ssd import USER_PAGES as SSD_USER_PAGES
 
 import aiokv
 from aiokv.remote import client as remote_client
+from aiokv.remote import writer as remote_writer
 from aiokv.remote.keys import namespace_tag
 from aiokv.remote.servers import MooncakeServers
 from aiokv.remote.writer import Writer
@@ -603,3 +604,59 @@ def test_a_read_never_joins_a_put_of_its_key_that_landed_meanwhile_with_another_
         a.stop()
         b.stop()
     assert versions in (["v1"] * half, ["v2"] * PAGES)
+
+
+def test_a_read_never_joins_a_put_that_trusted_its_markers_from_before_an_evict(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A's read has its answer (v1, under the generation its markers told) but the server
+    # has not placed it yet. B evicts the user (its marker out), then another engine of A
+    # puts the user's first page with the bytes after that evict (v2). Its put trusts the
+    # markers A's read was answered with (asked within the writer's freshness: made
+    # certain here), so it is labelled with the read's generation. The read's pages must
+    # not join it: that lookup would load pages of two versions.
+    user, timeout_ms = 991, 4321  # A's tier alone has that timeout_ms
+    monkeypatch.setattr(remote_writer, "_MARKERS_FRESH_S", 600.0)
+    answered, gate = threading.Event(), threading.Event()
+    real = remote_client.RemoteIO.viewed
+
+    def viewed(io: Any, *args: Any) -> Any:
+        answer = real(io, *args)
+        if io.config.timeout_ms == timeout_ms and not gate.is_set():
+            answered.set()
+            gate.wait(20)
+        return answer
+
+    monkeypatch.setattr(remote_client.RemoteIO, "viewed", viewed)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = Host(tmp_path / "a", ssd=False,
+             remote={"master": mooncake.master, "timeout_ms": timeout_ms})
+    b = Host(tmp_path / "b", ssd=False, remote={"master": mooncake.master})
+    a.start()
+    b.start()
+    try:
+        b_engine, b_tables = b.engine()
+        _put(b_engine, b_tables, user, user_kv(user, PAGES), PAGES)  # v1
+        wait_for(lambda: _written(b_engine, PAGES), "B's write")
+        reader, tables = a.engine()
+        putter, put_tables = a.engine()
+        lookup = Call(lambda: reader.get_match(TOKENS, [f"user:{user}"]))
+        assert answered.wait(10), "A's read was not answered"
+        assert b_engine.evict([f"user:{user}"]) == PAGES * PAGE_SIZE
+        assert b_engine.store_stats()["remote_invalidation_errors"] == 0  # its marker is out
+        _put(putter, put_tables, user, user_kv(user + 1, PAGES), 1)  # A's own v2 page
+        gate.set()
+        task, mask = lookup.outcome()
+        pages = int(mask.sum()) // PAGE_SIZE
+        first = len(tables[0]) - pages
+        reader.launch([task], [torch.arange(first, first + pages)], [None])
+        results: dict[int, Any] = {}
+        wait_for(lambda: results.update(reader.try_wait([task])) or results, "the load")
+        versions = [_version(tables, first + p, user, p) for p in range(pages)]
+        for engine in (reader, putter, b_engine):
+            engine.close()
+    finally:
+        gate.set()
+        a.stop()
+        b.stop()
+    assert versions == ["v2"]

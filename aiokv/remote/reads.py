@@ -36,8 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..stores.base import Int64Array, NoSpace
-from ..stores.local.blocks import NO_BLOCKS, READY, Tier
-from ..stores.local.index import Space
+from ..stores.local.blocks import NO_BLOCKS, Tier
 from .client import RemoteIO
 from .views import PageViews, View
 
@@ -69,8 +68,8 @@ class RemoteRead:
     after: list[bytes | None] = field(default_factory=list)
     gone: set[tuple[str, ...]] = field(default_factory=set)  # evicted meanwhile: dropped
     # Per wanted range, whether this host held pages of the key (host or SSD) at the
-    # start: the range joins them in a lookup, so it must be of their generation (and of
-    # a put's that lands meanwhile: :meth:`Reader._place`).
+    # start: the range joins them in a lookup, so it must be of their generation (where
+    # it held none, it joins no put that lands meanwhile: :meth:`Reader._place`).
     own: list[bool] = field(default_factory=list)
     # Per wanted range, the (lifetime, epoch, generation) it was read under (None: not
     # known); filled by the reader thread's call.
@@ -352,12 +351,14 @@ class Reader:
     def _place(self, read: RemoteRead, good: list[int]) -> list[list[bytes]]:
         """Index and publish each range's leading good blocks (``good``: per range, how
         many arrived whole), but none of a key evicted meanwhile, nor a page that a put
-        of the key reserved meanwhile, nor any of a key whose put landed meanwhile of
-        another view (or is still under way), nor a range whose page before it (in an
-        earlier range) is not on the host; free the rest. The pages placed, per range."""
+        of the key reserved meanwhile, nor any of a key that had no page here when the
+        read began and has some now (a put landed meanwhile, or is under way), nor a
+        range whose page before it (in an earlier range) is not on the host; free the
+        rest. The pages placed, per range."""
         host = self._host
         assert read.counts is not None  # a values call answered
         placed: list[list[bytes]] = []
+        landed: dict[tuple[str, ...], bool] = {}  # per key: a put of it landed meanwhile
         unused, at = [], 0
         views = read.views or [None] * len(read.wanted)
         for (key, digests), count, n, prev, own, view in zip(
@@ -365,13 +366,14 @@ class Reader:
             mine = read.blocks[at : at + count]
             at += count
             space = host.index.space(key)
-            if not own and space:
-                # A put of the key landed meanwhile: the range joins its pages, of the view
-                # its offer noted; none is noted before then (a put under way), and a label
-                # of the read's view would pass for them.
-                own = True
-                if n and not self._settled(space):
-                    n = 0
+            if landed.setdefault(key, not own and bool(space)):
+                # A put of the key landed meanwhile (as its first range here found; the
+                # later ones find that range's pages): none of the read's pages join it.
+                # Its view tells nothing: none is noted while it is under way, and one
+                # offered within the writer's freshness took the generation from the
+                # markers this read was answered with, though an evict may have ended it
+                # before the put began (its bytes then of the next version).
+                n = 0
             if key in read.gone or (prev is not None and (space is None or prev not in space)):
                 n = 0  # (pages past a hole would be out of every lookup's reach)
             elif n and not self.views.joins(key, own, view):
@@ -392,11 +394,6 @@ class Reader:
             placed.append(digests[:n])
         host.free(np.sort(np.concatenate(unused)))
         return placed
-
-    def _settled(self, space: Space) -> bool:
-        """Every page of the key on the host is READY: no put of it is under way."""
-        blocks = np.fromiter(space.values(), dtype=np.int64, count=len(space))
-        return bool((self._host.state[blocks] == READY).all())
 
     def _end(self, read: RemoteRead, now: float, placed: list[list[bytes]] | None = None
              ) -> None:
