@@ -543,6 +543,37 @@ def test_a_host_never_labels_its_ssd_pages_of_a_key_with_a_later_generation_by_e
     assert second == ["v1"] * (half + 2)  # its own copies, none of v2 after them
 
 
+def _offload_half(host: LocalHost, user: int, half: int) -> None:
+    """``host`` offloads the first ``half`` pages of the user (v1)."""
+    for cache, kv in zip(host.caches, host.kv_of(user), strict=True):
+        cache[:half] = kv[:half]
+    assert host.kv.offload(user, torch.arange(half), half * PAGE_SIZE).stored_tokens == (
+        half * PAGE_SIZE)
+
+
+def _evict_then_restart_then_put_v2(servers: MooncakeServers, user: int) -> None:
+    """A host evicts the user (its marker out), the master restarts (forgetting that
+    evict with every key), and another host offloads all of the user with other bytes
+    (v2), written to Mooncake under the new master's first generation."""
+    a = LocalHost(servers.master, timeout_ms=SLOW_MS)
+    try:
+        a.kv.evict(user)
+        assert a.stats()["remote_invalidation_errors"] == 0  # its marker is out
+    finally:
+        a.close()
+    servers.stop_master()
+    servers.start_master()
+    servers.wait_store_mounted()
+    c = LocalHost(servers.master, timeout_ms=SLOW_MS)
+    try:
+        for cache, kv in zip(c.caches, c.kv_of(user + 1), strict=True):
+            cache[:USER_PAGES] = kv
+        assert c.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
+        until(lambda: c.stats()["remote_blocks_written"] == USER_PAGES)
+    finally:
+        c.close()
+
+
 def test_a_host_never_joins_its_ssd_pages_from_before_a_master_restart_with_what_follows_it(
         tmp_path: Path) -> None:
     # B's SSD holds the first half of the user (v1) from an earlier run; A evicts the user,
@@ -557,30 +588,11 @@ def test_a_host_never_joins_its_ssd_pages_from_before_a_master_restart_with_what
     with MooncakeServers(16, log_dir=tmp_path) as servers:
         b = LocalHost(servers.master, timeout_ms=SLOW_MS, ssd_dir=ssd)
         try:
-            for cache, kv in zip(b.caches, b.kv_of(user), strict=True):
-                cache[:half] = kv[:half]
-            assert b.kv.offload(user, torch.arange(half), half * PAGE_SIZE).stored_tokens == (
-                half * PAGE_SIZE)
+            _offload_half(b, user, half)
             until(lambda: b.stats()["remote_blocks_held"] == 0)
         finally:
             b.close()
-        a = LocalHost(servers.master, timeout_ms=SLOW_MS)
-        try:
-            a.kv.evict(user)
-            assert a.stats()["remote_invalidation_errors"] == 0  # its marker is out
-        finally:
-            a.close()
-        servers.stop_master()
-        servers.start_master()
-        servers.wait_store_mounted()
-        c = LocalHost(servers.master, timeout_ms=SLOW_MS)
-        try:
-            for cache, kv in zip(c.caches, c.kv_of(user + 1), strict=True):
-                cache[:USER_PAGES] = kv
-            assert c.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
-            until(lambda: c.stats()["remote_blocks_written"] == USER_PAGES)
-        finally:
-            c.close()
+        _evict_then_restart_then_put_v2(servers, user)
         b = LocalHost(servers.master, timeout_ms=SLOW_MS, ssd_dir=ssd)
         try:
             target = torch.arange(b.caches[0].shape[0] - USER_PAGES, b.caches[0].shape[0])
@@ -665,28 +677,8 @@ def test_a_host_cut_off_before_it_reached_any_master_never_joins_what_it_put_mea
     with MooncakeServers(16, log_dir=tmp_path) as servers:
         b = LocalHost(servers.master, timeout_ms=cut_off_ms, ssd_dir=ssd)
         try:
-            for cache, kv in zip(b.caches, b.kv_of(user), strict=True):
-                cache[:half] = kv[:half]
-            assert b.kv.offload(user, torch.arange(half), half * PAGE_SIZE).stored_tokens == (
-                half * PAGE_SIZE)
-            a = LocalHost(servers.master, timeout_ms=SLOW_MS)
-            try:
-                a.kv.evict(user)
-                assert a.stats()["remote_invalidation_errors"] == 0  # its marker is out
-            finally:
-                a.close()
-            servers.stop_master()
-            servers.start_master()
-            servers.wait_store_mounted()
-            c = LocalHost(servers.master, timeout_ms=SLOW_MS)
-            try:
-                for cache, kv in zip(c.caches, c.kv_of(user + 1), strict=True):
-                    cache[:USER_PAGES] = kv
-                assert c.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == (
-                    TOKENS)
-                until(lambda: c.stats()["remote_blocks_written"] == USER_PAGES)
-            finally:
-                c.close()
+            _offload_half(b, user, half)
+            _evict_then_restart_then_put_v2(servers, user)
             cut_off.clear()
             # B reaches the master once its rest is over (a lookup of another user asks).
             until(lambda: b.load(user + 100) == (0, True)

@@ -560,6 +560,18 @@ def _version(tables: list[torch.Tensor], at: int, user: int, page: int) -> str:
     return "?"
 
 
+def _loaded_versions(lookup: Any, reader: Any, tables: Any, user: int) -> list[str]:
+    """Load what the reader's held lookup of the user found into the last pages of its
+    tables; each page's version (v1, v2), as :func:`_version` tells it."""
+    task, mask = lookup.outcome()
+    pages = int(mask.sum()) // PAGE_SIZE
+    first = len(tables[0]) - pages
+    reader.launch([task], [torch.arange(first, first + pages)], [None])
+    results: dict[int, Any] = {}
+    wait_for(lambda: results.update(reader.try_wait([task])) or results, "the load")
+    return [_version(tables, first + p, user, p) for p in range(pages)]
+
+
 def test_a_read_never_joins_a_put_of_its_key_that_landed_meanwhile_with_another_version(
         mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A had no page of the user when its read from Mooncake began (held before it asks).
@@ -590,13 +602,7 @@ def test_a_read_never_joins_a_put_of_its_key_that_landed_meanwhile_with_another_
         _put(b_engine, b_tables, user, user_kv(user + 1, PAGES), PAGES)  # v2
         wait_for(lambda: _written(b_engine, 2 * PAGES), "B's second write")
         gate.set()
-        task, mask = lookup.outcome()
-        pages = int(mask.sum()) // PAGE_SIZE
-        first = len(tables[0]) - pages
-        reader.launch([task], [torch.arange(first, first + pages)], [None])
-        results: dict[int, Any] = {}
-        wait_for(lambda: results.update(reader.try_wait([task])) or results, "the load")
-        versions = [_version(tables, first + p, user, p) for p in range(pages)]
+        versions = _loaded_versions(lookup, reader, tables, user)
         for engine in (reader, putter, b_engine):
             engine.close()
     finally:
@@ -646,13 +652,7 @@ def test_a_read_never_joins_a_put_that_trusted_its_markers_from_before_an_evict(
         assert b_engine.store_stats()["remote_invalidation_errors"] == 0  # its marker is out
         _put(putter, put_tables, user, user_kv(user + 1, PAGES), 1)  # A's own v2 page
         gate.set()
-        task, mask = lookup.outcome()
-        pages = int(mask.sum()) // PAGE_SIZE
-        first = len(tables[0]) - pages
-        reader.launch([task], [torch.arange(first, first + pages)], [None])
-        results: dict[int, Any] = {}
-        wait_for(lambda: results.update(reader.try_wait([task])) or results, "the load")
-        versions = [_version(tables, first + p, user, p) for p in range(pages)]
+        versions = _loaded_versions(lookup, reader, tables, user)
         for engine in (reader, putter, b_engine):
             engine.close()
     finally:
