@@ -477,17 +477,10 @@ def test_a_host_never_joins_its_pages_of_a_key_with_what_another_host_wrote_afte
     a = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
     try:
         half = USER_PAGES // 2
-        for cache, kv in zip(b.caches, b.kv_of(user), strict=True):
-            cache[:half] = kv[:half]
-        assert b.kv.offload(user, torch.arange(half), half * PAGE_SIZE).stored_tokens == (
-            TOKENS // 2)
+        _offload_half(b, user, half)
         until(lambda: b.stats()["remote_blocks_held"] == 0)
-        a.kv.evict(user)
-        assert a.stats()["remote_invalidation_errors"] == 0  # its marker is out
-        for cache, kv in zip(a.caches, a.kv_of(user + 1), strict=True):
-            cache[:USER_PAGES] = kv
-        assert a.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
-        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        _evict(a, user)
+        _put_v2(a, user)
         if restart:
             b.close()
             b = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=tmp_path)
@@ -514,17 +507,10 @@ def test_a_host_never_labels_its_ssd_pages_of_a_key_with_a_later_generation_by_e
     b = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=tmp_path)
     a = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
     try:
-        for cache, kv in zip(b.caches, b.kv_of(user), strict=True):
-            cache[:USER_PAGES] = kv
-        assert b.kv.offload(user, torch.arange(half), half * PAGE_SIZE).stored_tokens == (
-            half * PAGE_SIZE)
+        _offload_half(b, user, half)
         until(lambda: b.stats()["remote_blocks_held"] == 0)
-        a.kv.evict(user)
-        assert a.stats()["remote_invalidation_errors"] == 0  # its marker is out
-        for cache, kv in zip(a.caches, a.kv_of(user + 1), strict=True):
-            cache[:USER_PAGES] = kv
-        assert a.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
-        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        _evict(a, user)
+        _put_v2(a, user)
         b.close()
         b = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=tmp_path)
         target = torch.arange(b.caches[0].shape[0] - USER_PAGES, b.caches[0].shape[0])
@@ -544,9 +530,10 @@ def test_a_host_never_labels_its_ssd_pages_of_a_key_with_a_later_generation_by_e
 
 
 def _offload_half(host: LocalHost, user: int, half: int) -> None:
-    """``host`` offloads the first ``half`` pages of the user (v1)."""
+    """``host`` offloads the first ``half`` pages of the user (v1), all of whose pages
+    its caches then hold."""
     for cache, kv in zip(host.caches, host.kv_of(user), strict=True):
-        cache[:half] = kv[:half]
+        cache[:USER_PAGES] = kv
     assert host.kv.offload(user, torch.arange(half), half * PAGE_SIZE).stored_tokens == (
         half * PAGE_SIZE)
 
@@ -557,8 +544,7 @@ def _evict_then_restart_then_put_v2(servers: MooncakeServers, user: int) -> None
     (v2), written to Mooncake under the new master's first generation."""
     a = LocalHost(servers.master, timeout_ms=SLOW_MS)
     try:
-        a.kv.evict(user)
-        assert a.stats()["remote_invalidation_errors"] == 0  # its marker is out
+        _evict(a, user)
     finally:
         a.close()
     servers.stop_master()
@@ -566,12 +552,24 @@ def _evict_then_restart_then_put_v2(servers: MooncakeServers, user: int) -> None
     servers.wait_store_mounted()
     c = LocalHost(servers.master, timeout_ms=SLOW_MS)
     try:
-        for cache, kv in zip(c.caches, c.kv_of(user + 1), strict=True):
-            cache[:USER_PAGES] = kv
-        assert c.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
-        until(lambda: c.stats()["remote_blocks_written"] == USER_PAGES)
+        _put_v2(c, user)
     finally:
         c.close()
+
+
+def _evict(host: LocalHost, user: int) -> None:
+    """``host`` evicts the user, its marker out on Mooncake."""
+    host.kv.evict(user)
+    assert host.stats()["remote_invalidation_errors"] == 0
+
+
+def _put_v2(host: LocalHost, user: int) -> None:
+    """``host`` offloads all of the user with other bytes (v2: those of ``user + 1``),
+    written to Mooncake."""
+    for cache, kv in zip(host.caches, host.kv_of(user + 1), strict=True):
+        cache[:USER_PAGES] = kv
+    assert host.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
+    until(lambda: host.stats()["remote_blocks_written"] == USER_PAGES)
 
 
 def test_a_host_never_joins_its_ssd_pages_from_before_a_master_restart_with_what_follows_it(
