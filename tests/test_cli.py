@@ -384,19 +384,19 @@ def test_a_config_whose_store_cannot_hold_a_round_is_a_usage_error(
     assert "a round of --users 4 x --tokens 64 needs 16" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv", [
-    ["bench", "bandwidth", "--quick", "--head-dim", "100000000", "--device", "cpu"],
-    ["bench", "startup", "--quick", "--gib", "100000", "--device", "cpu"],
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["bench", "bandwidth", "--quick", "--head-dim", "100000000", "--device", "cpu"],
+     "--head-dim 100000000"),
+    # Refused by torch's allocator once, in a message that named no flag.
+    (["bench", "startup", "--quick", "--gib", "100000", "--device", "cpu"], "--gib 100000.0"),
 ])
 def test_sizes_larger_than_the_machine_are_a_usage_error_not_a_traceback(
-    argv: list[str], capsys: pytest.CaptureFixture[str]
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "do not fit in this machine's memory" in err, err
-    # bandwidth's sizes are refused before allocating (naming them); startup's tier by torch
-    assert ("--head-dim 100000000" in err) if "bandwidth" in argv else (
-        "can't allocate memory" in err), err
+    assert flag in err and "can't allocate memory" not in err, err
     assert "Traceback" not in err
 
 
@@ -406,9 +406,16 @@ def test_sizes_larger_than_the_machine_are_a_usage_error_not_a_traceback(
     (["slots", "--page-size", "100000000", "--min-tokens", "100000000",
       "--max-tokens", "100000000"], "--min-tokens 100000000"),
     (["bandwidth", "--users", "100000000", "--tokens", "100000000"], "--tokens 100000000"),
-    (["lag", "--users", "100000000"], "--users 100000000"),
+    (["lag", "--tokens", "100000000"], "--tokens 100000000"),  # --users: check_in_flight
     (["model", "--matrix", "100000000"], "--matrix 100000000"),
     (["layers", "--layers", "100000000"], "--layers 100000000"),
+    # The reference copy's buffers: torch's "can't allocate memory" naming no flag, and
+    # past an int64 a TypeError traceback.
+    (["model", "--ref-mib", "100000"], "--ref-mib 100000"),
+    (["model", "--ref-mib", str(2**63 - 1)], f"--ref-mib {2**63 - 1}"),
+    # --cpu-users' round of its own, after the rows of --users: allocated as asked.
+    (["engine", "--users", "1", "--pages", "256", "--cpu-users", "4096"], "--cpu-users 4096"),
+    (["startup", "--gib", "1000"], "--gib 1000.0"),
 ])
 def test_bench_sizes_beyond_memory_are_refused_naming_the_flag_before_allocating(
     argv: list[str], flag: str, monkeypatch: pytest.MonkeyPatch,
@@ -425,6 +432,43 @@ def test_bench_sizes_beyond_memory_are_refused_naming_the_flag_before_allocating
     assert err.startswith(f"aiokv bench {argv[0]}: error: the sizes asked for do not fit in "
                           "this machine's memory ("), err
     assert flag in err and "more than this machine's 4.0 GiB); ask for less" in err, err
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["engine", "--users", "1,5000"], "--users: 5000"),
+    (["engine", "--users", "1", "--cpu-users", "100000000"], "--cpu-users: 100000000"),
+    (["lag", "--users", "5000", "--tokens", "16", "--device", "cpu"], "--users: 5000"),
+    (["shared", "--users", "2100", "--batches", "2", "--processes", "1", "--tokens", "16",
+      "--hit-users", "1", "--device", "cpu"], "--users: --users 2100 x --batches 2 = 4200"),
+])
+def test_more_users_than_the_engine_admits_are_a_usage_error_naming_the_flag(
+    argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each user keeps one call in flight (shared: a round's batches, at once), on an engine
+    # of the default max_pending: those past it failed with Overloaded once the run was
+    # under way (exit status 1, naming no flag; shared: a child's traceback).
+    assert main(["bench", *argv, "--quick"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before the run began
+    assert err == (f"aiokv bench {argv[0]}: error: {error} calls in flight at once are more "
+                   "than the engine's max_pending (4096); ask for fewer\n")
+
+
+def test_as_many_users_as_the_engine_admits_are_not_refused() -> None:
+    from aiokv.bench import common
+    from aiokv.bench.drive import Settings
+
+    common.check_in_flight(Settings(users=(1, 4096)), "users", max_pending=4096)
+
+
+def test_bench_startup_tier_of_no_block_names_the_flag(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It named the store's key (store.cpu_cache_gb), which the command line has not.
+    assert main(["bench", "startup", "--gib", "1e-6", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "aiokv bench startup: error: --gib: 1e-06 GiB holds no block of 1048576 bytes; ask "
+        "for at least 0.000976562\n")
 
 
 def _memory_of(monkeypatch: pytest.MonkeyPatch, size: int) -> None:

@@ -258,6 +258,12 @@ class ReferenceCopier:
     stream of its own (on the CPU: host memcpys): the copy engines' rate, and what
     copies that use no SMs cost the model."""
 
+    @staticmethod
+    def host_bytes(nbytes: int, device: torch.device) -> dict[str, int]:
+        """The host memory one of ``nbytes`` takes on ``device`` (both buffers on a CPU),
+        for :func:`aiokv.bench.common.check_round_fits`."""
+        return {"reference copy": nbytes * (2 if device.type == "cpu" else 1)}
+
     def __init__(self, device: torch.device, nbytes: int) -> None:
         self._device = device
         self._nbytes = nbytes

@@ -157,9 +157,32 @@ def _check_pages(settings: object) -> None:
 TENSOR_OVERHEAD = 256
 
 
+def _largest(value: int | tuple[int, ...]) -> int:
+    return value if isinstance(value, int) else max(value)
+
+
+def check_in_flight(settings: Any, *names: str, max_pending: int) -> None:
+    """ConfigError (a usage error to the bench's main) where the calls a bench keeps in
+    flight on one engine at once, the product of the fields ``names`` (a list flag: its
+    largest), are more than that engine's ``max_pending``: under ``overload: reject`` the
+    engine refuses the rest with Overloaded once the run is under way, after its caches
+    were made (an exit status 1 naming no flag, or a child process's traceback)."""
+    values = {name: _largest(getattr(settings, name)) for name in names}
+    count = 1
+    for value in values.values():
+        count *= value
+    if count <= max_pending:
+        return
+    shown = " x ".join(f"--{name.replace('_', '-')} {value}" for name, value in values.items())
+    asked = shown.split(" ", 1)[1] if len(values) == 1 else f"{shown} = {count}"
+    raise ConfigError(f"--{names[0].replace('_', '-')}",
+                      f"{asked} calls in flight at once are more than the engine's "
+                      f"max_pending ({max_pending}); ask for fewer")
+
+
 def check_round_fits(
     settings: Any, device: torch.device, *, store: bool, extra: Mapping[str, int] = {},
-    sized_too: Sequence[str] = (),
+    sized_too: Sequence[str] = (), users_too: Sequence[str] = (),
 ) -> None:
     """MemoryError (a usage error: :func:`aiokv.flags.check_fits`) before anything is made
     where one round of the largest ``--users`` x ``--tokens`` (or ``--pages``) would not
@@ -167,8 +190,10 @@ def check_round_fits(
     store, where ``store`` (the bench sizes its host tier to hold a round). A floor of what
     the bench makes, plus its ``extra`` host buffers (sized by the fields ``sized_too``
     names): sizes past it were allocated anyway
-    and the kernel killed the run, or a size overflowed torch's int64 in a traceback."""
-    users = settings.users if isinstance(settings.users, int) else max(settings.users)
+    and the kernel killed the run, or a size overflowed torch's int64 in a traceback.
+    ``users_too`` names fields that count the users of a round of their own (of the
+    same pages), one round at a time: the largest of them all sizes the round."""
+    users = max(_largest(getattr(settings, name)) for name in ("users", *users_too))
     if hasattr(settings, "pages"):
         pages, sized_by = settings.pages, "pages"
     else:
@@ -184,7 +209,7 @@ def check_round_fits(
         **extra,
     }
     asked = ", ".join(f"--{name.replace('_', '-')} {_shown(getattr(settings, name))}" for name in (
-        "users", sized_by, "layers", "page_size", "heads", "head_dim", *sized_too))
+        "users", *users_too, sized_by, "layers", "page_size", "heads", "head_dim", *sized_too))
     flags.check_fits(asked, needs)
 
 

@@ -234,8 +234,12 @@ async def _cpu_split(settings: Settings) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
-    # Its store is --cpu-cache-gb (checked as a config): a round's caches are the rest.
-    common.check_round_fits(settings, torch.device("cpu"), store=False)
+    # Every user keeps one call in flight, on engines of the default max_pending.
+    for users in ("users", "cpu_users"):
+        common.check_in_flight(settings, users, max_pending=EngineConfig.max_pending)
+    # Its store is --cpu-cache-gb (checked as a config): a round's caches are the rest,
+    # --cpu-users' as much as the largest --users'.
+    common.check_round_fits(settings, torch.device("cpu"), store=False, users_too=("cpu_users",))
     results = common.run_uvloop(_main(settings))
     geometry = (
         f"{settings.layers} layers, page {settings.page_size}, {settings.heads} heads x "

@@ -231,6 +231,8 @@ async def _main(settings: Settings, device: torch.device) -> list[dict[str, Any]
 def run(args: argparse.Namespace) -> int:
     settings = common.settings_from_args(Settings, args, QUICK)
     device = common.pick_device(settings.device)
+    # Every user keeps one call in flight, on an engine of the default max_pending.
+    common.check_in_flight(settings, "users", max_pending=EngineConfig.max_pending)
     common.check_round_fits(settings, device, store=not settings.cpu_cache_gb)
     rows = common.run_uvloop(_main(settings, device))
     common.print_table(

@@ -258,8 +258,9 @@ def _run(args: argparse.Namespace) -> int:
     depths = parse_depths(settings.depth)  # --depth took it (standin.depth_flag)
     # A --config's store was checked where it was read; without one it holds 3 rounds.
     common.check_round_fits(settings, device, store=not settings.config,
-                            extra=standin.host_bytes(settings.matrix, device),
-                            sized_too=("matrix",))
+                            extra={**standin.host_bytes(settings.matrix, device),
+                                   **ReferenceCopier.host_bytes(settings.ref_mib << 20, device)},
+                            sized_too=("matrix", "ref_mib"))
     engine_config, store_config, page_size = round_configs(settings)
     model = StandIn(device, settings.matrix)
     steps = model.steps_for(settings.model_s)

@@ -362,6 +362,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:  # nothing draws it: say so rather than write no file
         raise ConfigError("--plot", "this bench draws no plot")
     s = common.settings_from_args(Settings, args, QUICK)
+    # Each process submits a round's offloads (and lookups, loads) all at once, to an
+    # engine of the default max_pending.
+    common.check_in_flight(s, "users", "batches", max_pending=EngineConfig.max_pending)
     _check_fits(s)
     with tempfile.TemporaryDirectory(prefix="aiokv-bench-shared-") as directory:
         socket_path = str(Path(directory) / "run" / "store.sock")

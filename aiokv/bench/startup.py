@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from .. import flags
 from ..config import EngineConfig, StoreConfig
 from ..engine import OffloadEngine
+from ..errors import ConfigError
 from ..flags import positive_float
 from ..stores.local import LocalStore
 from . import common
@@ -75,10 +77,19 @@ async def engine_seconds(gib: float, device: torch.device) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     device = common.pick_device(args.device)
     gib = 0.25 if args.quick and args.gib == 16.0 else args.gib
-    if device.type == "cuda":
-        torch.empty(1, device=device)  # the CUDA context, outside every timing
     block_bytes = 8 * 2 * 32 * 4 * 256 * 2
     nbytes = int(gib * (1 << 30)) // block_bytes * block_bytes
+    # Named here, before the plain allocation: it came first and failed with torch's
+    # message, and a tier of no block failed naming the store's key, not the flag.
+    if not nbytes:
+        raise ConfigError("--gib", f"{gib} GiB holds no block of {block_bytes} bytes; "
+                          f"ask for at least {block_bytes / (1 << 30):g}")
+    # The plain buffer is freed before the engine's tier is made: one of them at a time,
+    # next to the engine's caches (engine_seconds': 64 pages of a block each).
+    flags.check_fits(f"--gib {gib}", {"host tier": nbytes,
+                                      "caches": 64 * block_bytes if device.type == "cpu" else 0})
+    if device.type == "cuda":
+        torch.empty(1, device=device)  # the CUDA context, outside every timing
     plain = plain_seconds(nbytes, device)
     measured = common.run_uvloop(engine_seconds(gib, device))
     result: dict[str, Any] = {
