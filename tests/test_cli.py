@@ -461,6 +461,58 @@ def test_as_many_users_as_the_engine_admits_are_not_refused() -> None:
     common.check_in_flight(Settings(users=(1, 4096)), "users", max_pending=4096)
 
 
+@pytest.fixture
+def _ssd_never_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A size that gets past ssd's checks fails the test at once rather than write its
+    plain file (which filled the disk)."""
+    from aiokv.bench import ssd
+
+    def wrote(directory: Path, volume: float) -> dict[str, float]:
+        raise AssertionError(f"the run began: {volume} bytes to write in {directory}")
+
+    monkeypatch.setattr(ssd, "_plain_round", wrote)
+
+
+@pytest.mark.usefixtures("_ssd_never_writes")
+def test_bench_ssd_host_tier_beyond_memory_is_refused_naming_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It was capped at a quarter of --gb without a word, and the run went on (full size).
+    _memory_of(monkeypatch, 4 << 30)
+    assert main(["bench", "ssd", "--quick", "--dir", str(tmp_path), "--host-gb", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("aiokv bench ssd: error: the sizes asked for do not fit in this machine's "
+                   "memory (--host-gb 100000.0: host tier 100,000.0 GiB + caches 16 MiB = "
+                   "100,000.0 GiB, more than this machine's 4.0 GiB); ask for less\n")
+
+
+@pytest.mark.usefixtures("_ssd_never_writes")
+def test_bench_ssd_volume_beyond_the_disk_is_refused_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its plain write came first: it filled the disk, then an OSError traceback.
+    assert main(["bench", "ssd", "--quick", "--dir", str(tmp_path), "--gb", "1e9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiokv bench ssd: error: --gb: 1000000000.0 GiB needs "
+                          f"1,020,000,000.01 GiB on the disk of {str(tmp_path)!r}, which has "), err
+    assert err.endswith(" free; ask for less or name a --dir with room\n"), err
+
+
+@pytest.mark.usefixtures("_ssd_never_writes")
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--gb", "0.03"], "--gb: 0.03 GiB makes a host tier of 7.7 MiB"),
+    (["--host-gb", "0.001"], "--host-gb: 0.001 GiB makes a host tier of 1.0 MiB"),
+])
+def test_bench_ssd_host_tier_smaller_than_one_put_is_refused_naming_the_flag(
+    argv: list[str], error: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The store refused the put once the plain round was over, naming no flag.
+    assert main(["bench", "ssd", "--quick", "--dir", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"aiokv bench ssd: error: {error} (--host-gb, at most a quarter of --gb), "
+                   "fewer than the 16 blocks of 1024 KiB one user offloads at once\n")
+
+
 def test_bench_startup_tier_of_no_block_names_the_flag(
     capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -27,7 +27,9 @@ import numpy as np
 import torch
 import xxhash
 
-from ..config import StoreConfig
+from .. import flags
+from ..config import StoreConfig, size_text
+from ..errors import ConfigError
 from ..flags import existing_directory, positive_float, positive_int
 from ..stores.base import NoSpace, TaskStatus
 from ..stores.local import LocalStore
@@ -37,6 +39,7 @@ NAME = "ssd"
 HELP = "the SSD tier's write/read bandwidth against plain sequential I/O on the same disk"
 
 LAYERS, PAGE, HEADS, DIM = 8, 32, 4, 256  # bf16: 1 MiB a block (page)
+BLOCK = LAYERS * 2 * PAGE * HEADS * DIM * 2
 USER_PAGES = 16
 CHUNK = 16 << 20  # plain I/O request size
 
@@ -91,9 +94,14 @@ class _Driver:
                 self.wait_any()
 
 
+def _ssd_gb(gb: float) -> float:
+    """The store's SSD tier for a volume of ``gb``: the volume, and room to spare."""
+    return gb * 1.02 + 0.01
+
+
 def _store(directory: Path, caches: list[torch.Tensor], host_gb: float, gb: float) -> LocalStore:
     config = StoreConfig(
-        cpu_cache_gb=host_gb, ssd_cache_gb=gb * 1.02 + 0.01, ssd_cache_dir=str(directory)
+        cpu_cache_gb=host_gb, ssd_cache_gb=_ssd_gb(gb), ssd_cache_dir=str(directory)
     )
     store = LocalStore(config)
     store.register(caches)
@@ -193,8 +201,35 @@ def _checksum_gbps() -> float:
     return rounds * len(data) / (time.perf_counter() - start) / (1 << 30)
 
 
+def _check_sizes(gb: float, host_gb: float, directory: str, on_host: bool) -> None:
+    """Refuse, naming the flag, a --host-gb this machine's memory cannot hold (as asked,
+    before it is capped at a quarter of --gb: the cap hid it, and the run went on at full
+    size), a host tier too small for one user's put, and a --gb its disk has no room for
+    (the plain write, which comes first, filled the disk, then an OSError traceback)."""
+    flags.check_fits(f"--host-gb {host_gb}", {
+        "host tier": int(host_gb * (1 << 30)),
+        "caches": USER_PAGES * BLOCK if on_host else 0,
+    })
+    # One user's put takes all of its new pages in the host tier at once: a smaller tier
+    # failed it with a message about the store that named no flag.
+    host_bytes = min(host_gb, gb / 4) * (1 << 30)
+    if host_bytes < USER_PAGES * BLOCK:
+        flag, value = ("--host-gb", host_gb) if host_gb <= gb / 4 else ("--gb", gb)
+        raise ConfigError(flag, f"{value} GiB makes a host tier of {size_text(int(host_bytes), 1)} "
+                          f"(--host-gb, at most a quarter of --gb), fewer than the "
+                          f"{USER_PAGES} blocks of {BLOCK >> 10} KiB one user offloads at once")
+    # The plain file is removed before the store's tier is made: the tier is the larger.
+    need = int(_ssd_gb(gb) * (1 << 30))
+    free = shutil.disk_usage(directory).free
+    if need > free:
+        raise ConfigError("--gb", f"{gb} GiB needs {size_text(need, 1)} on the disk of "
+                          f"{directory!r}, which has {size_text(free, 1)} free; ask for less "
+                          f"or name a --dir with room")
+
+
 def run(args: argparse.Namespace) -> int:
     gb = args.gb if args.gb is not None else (1.0 if args.quick else 4.0)
+    _check_sizes(gb, args.host_gb, args.dir or tempfile.gettempdir(), args.device == "cpu")
     host_gb = min(args.host_gb, gb / 4)
     owned = args.dir is None
     base = Path(tempfile.mkdtemp(prefix="aiokv-bench-ssd-") if owned else args.dir)
@@ -206,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
             torch.randn(USER_PAGES, 2, PAGE, HEADS, DIM, device=device).to(torch.bfloat16)
             for _ in range(LAYERS)
         ]
-        block = LAYERS * 2 * PAGE * HEADS * DIM * 2
+        block = BLOCK
         users = max(1, int(gb * (1 << 30) // (USER_PAGES * block)))
         plains, stores = [], []
         for _ in range(max(1, args.rounds)):  # alternated: both see the same disk weather
