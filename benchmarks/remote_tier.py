@@ -5,12 +5,12 @@
 Starts a master and a store process on 127.0.0.1 (aiokv.remote.servers) and prints:
 
 1. offload GiB/s: aiokv's writer (the time its thread spends per batch: marker check,
-   checksums, ``batch_put_from_multi_buffers``) against raw ``batch_put_from`` of the
+   checksums, ``batch_put_from``) against raw ``batch_put_from`` of the
    same bytes from the same registered host memory, in the writer's batches of 64
    blocks, on the same client. Target: at least 90%. Also end to end: from the first
    offload until every block is in Mooncake (with the host copy, the queue, the engine).
 2. load GiB/s: aiokv's reads (a fresh host's lookups: the marker probes and the values
-   into host blocks in one ``batch_get_into_multi_buffers``, checksums) against raw
+   into host blocks in one ``batch_get_into``, checksums) against raw
    ``batch_get_into`` of the same keys into the same memory, one call per user as aiokv
    makes. Target: at least 90%. Also end to end:
    lookup and load, with the copy into the pages.
@@ -23,10 +23,9 @@ Starts a master and a store process on 127.0.0.1 (aiokv.remote.servers) and prin
    store process), against what they cost from inside it (the engine's GIL too).
 
 Each gap is split in two by raw calls on values shaped as aiokv's (``raw put+sum`` /
-``raw get+sum``: ``batch_*_multi_buffers`` with the block and its 8-byte checksum as two
-slices, without aiokv's checksums, keys or checks): Mooncake's cost of the value format,
-and aiokv's own. (Blocks below 256 KiB, as ``--quick``'s, aiokv moves as one slice through
-staging slots instead: there the "+sum" rows are the two-slice calls it avoids.)
+``raw get+sum``: the block and the 8-byte trailer after it in the host pool, one slice,
+without aiokv's checksums, keys or checks): Mooncake's cost of the value format, and
+aiokv's own.
 
 Rounds alternate aiokv and raw (and the two engines), each round with the other side
 first, and the best round of each is compared (the least disturbed by the other tenants
@@ -108,13 +107,11 @@ async def aiokv_offload(store: aiokv.LocalStore, engine: aiokv.OffloadEngine, us
 
 def _buffers(io: Any, blocks: list[int], with_sums: bool) -> tuple[list[Any], list[Any]]:
     """Per block, its address and size in the registered host pool, as the tier's
-    calls use it; ``with_sums``: and its slot of the tier's checksum table, as the two
-    slices of aiokv's values (the block, then its 8-byte checksum)."""
-    size, base = io.block_bytes, io._base
-    sums = io._writer.values.buffers()[0][0]  # the writer's checksum table, registered
-    if with_sums:
-        return [[base + b * size, sums + b * 8] for b in blocks], [[size, 8]] * len(blocks)
-    return [base + b * size for b in blocks], [size] * len(blocks)
+    calls use it; ``with_sums``: with the 8-byte trailer after it, the shape of aiokv's
+    values (the block, then its checksum)."""
+    layout = io.layout
+    size = layout.block_bytes + (8 if with_sums else 0)
+    return [layout.base + b * layout.stride for b in blocks], [size] * len(blocks)
 
 
 def raw_puts(client: Any, io: Any, keys: list[str], blocks: list[int],
@@ -122,7 +119,7 @@ def raw_puts(client: Any, io: Any, keys: list[str], blocks: list[int],
     """Raw puts in the writer's batches of 64: ``batch_put_from`` of the blocks, or
     (``with_sums``) ``batch_put_from_multi_buffers`` of values shaped as aiokv's,
     without aiokv's checksums, keys or queue."""
-    put = client.batch_put_from_multi_buffers if with_sums else client.batch_put_from
+    put = client.batch_put_from
     began = time.perf_counter()
     for i in range(0, len(keys), 64):
         codes = put(keys[i : i + 64], *_buffers(io, blocks[i : i + 64], with_sums))
@@ -133,7 +130,7 @@ def raw_puts(client: Any, io: Any, keys: list[str], blocks: list[int],
 
 def raw_gets(client: Any, io: Any, keys: list[str], blocks: list[int], per_call: int,
              with_sums: bool = False) -> float:
-    get = client.batch_get_into_multi_buffers if with_sums else client.batch_get_into
+    get = client.batch_get_into
     whole = io.block_bytes + (8 if with_sums else 0)
     began = time.perf_counter()
     for i in range(0, len(keys), per_call):
@@ -242,7 +239,7 @@ async def bandwidth(args: argparse.Namespace, master: str) -> None:
               + f"{max(values) / GIB:>9.3f}{statistics.median(values) / GIB:>9.3f}")
     print(f"aiokv first in rounds {', '.join(map(str, range(0, args.rounds, 2)))}; raw first "
           f"in the others")
-    # The split of each gap: Mooncake's cost of a value in two slices (raw+sum / raw),
+    # The split of each gap: Mooncake's cost of the value's trailer (raw+sum / raw),
     # and aiokv's own (aiokv / raw+sum: checksums, existence and marker checks, keys,
     # threads).
     for what, ours, raw in (("offload", "aiokv offload", "raw put"),
@@ -251,8 +248,8 @@ async def bandwidth(args: argparse.Namespace, master: str) -> None:
                             ("load end to end", "load e2e", "raw get"),
                             ("offload, aiokv's own part", "aiokv offload", "raw put+sum"),
                             ("load, aiokv's own part", "aiokv load", "raw get+sum"),
-                            ("put, two slices a value", "raw put+sum", "raw put"),
-                            ("get, two slices a value", "raw get+sum", "raw get")):
+                            ("put, the trailer's 8 bytes", "raw put+sum", "raw put"),
+                            ("get, the trailer's 8 bytes", "raw get+sum", "raw get")):
         best = max(rows[ours]) / max(rows[raw])
         paired = statistics.median(o / r for o, r in zip(rows[ours], rows[raw], strict=True))
         verdict = "" if "end" in what or "," in what else (

@@ -9,10 +9,11 @@ per rep; it prints the median and quartiles in ms:
 
 - ``one slice``: ``batch_put_from`` / ``batch_get_into`` of the block alone (the raw calls);
 - ``two slices``: ``batch_*_multi_buffers``, the block and an 8-byte checksum apart (the
-  tier's value: block + checksum, zero-copy from the pool and a checksum table);
+  tier's values until the host pool kept a trailer after each block);
 - ``staged``: block + checksum as one slice from (into) a registered staging area, with
   the copy of the block in (out) and, on puts, the checksum;
-- ``staged, no copy``: the same one slice without the copies (what the trailer costs);
+- ``staged, no copy``: the same one slice without the copies (what the trailer costs;
+  the tier's values today: block and trailer, zero-copy from the host pool);
 - ``sessions, two slices``: Mooncake's put and get sessions (``batch_*_session_start``,
   ``batch_*_multi_buffer_ranges``, ``*_session_end``), the master asked once;
 - ``exist + two slices``: ``batch_is_exist`` then the get (the tier's reads before).
@@ -46,6 +47,8 @@ from aiokv.remote.keys import Keys
 from aiokv.remote.native import import_store
 from aiokv.remote.queue import WriteJob
 from aiokv.remote.servers import MooncakeServers
+from aiokv.remote.values import Layout
+from aiokv.stores.local.layout import block_stride
 
 TRAILER = 8
 SLOT_ALIGN = 4096
@@ -162,11 +165,12 @@ def ways(client: Any, m: Memory) -> tuple[dict[str, Any], dict[str, Any]]:
 def tier_reads(args: argparse.Namespace, master: str) -> None:
     """The tier's lookups, one step (``read``) against two (``leading`` + ``fetch``)."""
     n, block = args.values, args.block_kib << 10
-    pool = torch.randint(0, 255, (n * block,), dtype=torch.uint8)
+    stride = block_stride(block, True)  # the tier's host pool: a trailer after each block
+    pool = torch.randint(0, 255, (n * stride,), dtype=torch.uint8)
     data = memoryview(pool.numpy())
     io = RemoteIO(RemoteConfig(master=master, timeout_ms=5000), Keys("probe"),
-                  (pool.data_ptr(), pool.numel()), block, n,
-                  lambda b: data[b * block : (b + 1) * block], lambda: None)
+                  Layout(pool.data_ptr(), pool.numel(), block, stride, n),
+                  lambda b: data[b * stride : b * stride + block], lambda: None)
     blocks = list(range(n))
     users = [(f"user{u}", [u.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(n)])
              for u in range(2 * args.reps)]

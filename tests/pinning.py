@@ -11,6 +11,7 @@ import torch
 
 from aiokv.stores.local import hostmem
 from aiokv.stores.local import pool as pool_module
+from aiokv.stores.local.layout import block_stride
 
 
 def pin_in_chunks(
@@ -26,7 +27,7 @@ def pin_in_chunks(
     memories: list[hostmem.HostMemory] = []
 
     def short(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-              pin: bool) -> hostmem.HostMemory:
+              pin: bool, trailer: bool = False) -> hostmem.HostMemory:
         registered: list[int] = []
 
         def register(address: int, size: int) -> None:
@@ -39,9 +40,10 @@ def pin_in_chunks(
                     raise RuntimeError("cudaHostRegister failed: 2 (a memlock limit, simulated)")
             registered.append(address)
 
-        block = math.prod(block_shape) * torch.empty(0, dtype=dtype).element_size()
+        block = block_stride(math.prod(block_shape) * torch.empty(0, dtype=dtype).element_size(),
+                             trailer)
         memories.append(hostmem.HostMemory(
-            num_blocks, block_shape, dtype, True,
+            num_blocks, block_shape, dtype, True, trailer=trailer,
             chunk_bytes=max(1, num_blocks // chunks) * block,
             register=register, unregister=lambda address: None))
         return memories[-1]

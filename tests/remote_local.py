@@ -23,10 +23,10 @@ class LocalHost:
     def __init__(self, master: str, dtype: torch.dtype = torch.float32,
                  head_dim: int = HEAD_DIM, cpu_cache_gb: float = 0.01,
                  ssd_dir: Path | None = None, engine: aiokv.EngineConfig | None = None,
-                 **remote: Any) -> None:
+                 device: str = "cpu", **remote: Any) -> None:
         self.head_dim = head_dim
-        self.caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, dtype=dtype)
-                       for _ in range(LAYERS)]
+        self.caches = [torch.zeros(PAGES, 2, PAGE_SIZE, HEADS, head_dim, dtype=dtype,
+                                   device=device) for _ in range(LAYERS)]
         ssd = {} if ssd_dir is None else {"ssd_cache_gb": 0.1, "ssd_cache_dir": str(ssd_dir)}
         config = aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb, remote={"master": master, **remote},
                                    **ssd)
@@ -60,7 +60,7 @@ class LocalHost:
             loaded: int = self.kv.load(hit, target).loaded_tokens
         full = loaded // PAGE_SIZE
         exact = all(
-            torch.equal(cache[PAGES - USER_PAGES : PAGES - USER_PAGES + full], kv[:full])
+            torch.equal(cache[PAGES - USER_PAGES : PAGES - USER_PAGES + full].cpu(), kv[:full])
             for cache, kv in zip(self.caches, self.kv_of(user), strict=True)
         )
         return loaded, exact

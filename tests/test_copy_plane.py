@@ -23,12 +23,34 @@ from aiokv.copy.driver import BatchCopy, DriverError, batch_entry
 from aiokv.copy.marks import LayerFailed, LayerMarks
 from aiokv.copy.plan import MIN_RUN, Geometry, check_pages, find_runs, plan, split
 from aiokv.stores.base import NoSpace, TaskResult, TaskStatus
+from aiokv.stores.local.layout import block_stride, strided_blocks
 
 LAYERS = 3
 
 
-def pool_for(caches: list[torch.Tensor], blocks: int) -> torch.Tensor:
-    return torch.zeros(blocks, len(caches), *caches[0].shape[1:], dtype=caches[0].dtype)
+TRAILER_MARK = 0xA5
+
+
+def pool_for(caches: list[torch.Tensor], blocks: int, trailer: bool = False) -> torch.Tensor:
+    """A zeroed host pool for ``caches``; with ``trailer`` its blocks are a remote tier's
+    stride apart, and the bytes between them (the trailers) hold ``TRAILER_MARK``."""
+    shape = (len(caches), *caches[0].shape[1:])
+    if not trailer:
+        return torch.zeros(blocks, *shape, dtype=caches[0].dtype)
+    block_bytes = int(np.prod(shape)) * caches[0].element_size()
+    stride = block_stride(block_bytes, True)
+    raw = torch.full((blocks * stride,), TRAILER_MARK, dtype=torch.uint8)
+    pool = strided_blocks(raw, blocks, shape, caches[0].dtype, stride)
+    pool.zero_()
+    return pool
+
+
+def trailers_of(pool: torch.Tensor) -> torch.Tensor:
+    """The bytes between a strided pool's blocks (its trailers)."""
+    element = pool.element_size()
+    stride, size = pool.stride(0) * element, pool[0].numel() * element
+    raw = torch.as_strided(pool.view(torch.uint8), (pool.shape[0], stride), (stride, 1))
+    return raw[:, size:]
 
 
 def memmove_plan(caches: list[torch.Tensor], pool: torch.Tensor, pages: np.ndarray,
@@ -51,13 +73,16 @@ def memmove_plan(caches: list[torch.Tensor], pool: torch.Tensor, pages: np.ndarr
     return made
 
 
+@pytest.mark.parametrize("trailer", [False, True], ids=["packed", "trailer"])
 @pytest.mark.parametrize("streams", [1, 4, 8])
-def test_a_plan_moves_every_page_of_every_layer_to_its_block_and_back(streams: int) -> None:
+def test_a_plan_moves_every_page_of_every_layer_to_its_block_and_back(
+    streams: int, trailer: bool
+) -> None:
     rng = np.random.default_rng(streams)
     # Tables whose pages are not adjacent (every other page of a larger tensor): the
     # plan must follow the table's page stride, not the page size.
     caches = [c[::2] for c in make_caches(pages=64, layers=LAYERS, seed=1)]
-    pool = pool_for(caches, 40)
+    pool = pool_for(caches, 40, trailer)
     pages = rng.choice(32, size=7, replace=False).astype(np.int64)
     blocks = rng.choice(40, size=7, replace=False).astype(np.int64)
     assert memmove_plan(caches, pool, pages, blocks, True, streams) == 7 * LAYERS
@@ -65,6 +90,8 @@ def test_a_plan_moves_every_page_of_every_layer_to_its_block_and_back(streams: i
         assert torch.equal(pool[torch.from_numpy(blocks), layer], cache[torch.from_numpy(pages)])
     untouched = np.setdiff1d(np.arange(40), blocks)
     assert not pool[torch.from_numpy(untouched)].any()
+    if trailer:  # a remote tier's checksums between the blocks: never written
+        assert bool((trailers_of(pool) == TRAILER_MARK).all())
     # Back into other pages.
     targets = np.setdiff1d(np.arange(32), pages)[:7]
     memmove_plan(caches, pool, targets, blocks, False, streams)
@@ -72,13 +99,16 @@ def test_a_plan_moves_every_page_of_every_layer_to_its_block_and_back(streams: i
         assert torch.equal(cache[torch.from_numpy(targets)], cache[torch.from_numpy(pages)])
 
 
+@pytest.mark.parametrize("trailer", [False, True], ids=["packed", "trailer"])
 @pytest.mark.parametrize("streams", [1, 4])
-def test_runs_of_adjacent_pages_move_the_same_bytes_in_fewer_copies(streams: int) -> None:
+def test_runs_of_adjacent_pages_move_the_same_bytes_in_fewer_copies(
+    streams: int, trailer: bool
+) -> None:
     # Two runs (over a strided table's pages), singles between them, a run one page too
     # short to count: out and back, every byte where page by page puts it.
     m = MIN_RUN
     caches = [c[::2] for c in make_caches(pages=2 * 8 * m, layers=LAYERS, seed=2)]
-    pool = pool_for(caches, 6 * m)
+    pool = pool_for(caches, 6 * m, trailer)
     pages = np.concatenate([np.arange(10, 10 + m), [2, 4 * m, 5], np.arange(2 * m, 3 * m - 1),
                             np.arange(3 * m + 10, 4 * m + 18)])
     blocks = np.concatenate([np.arange(0, m), [5 * m, 5 * m - 5, 5 * m - 10],
@@ -90,6 +120,8 @@ def test_runs_of_adjacent_pages_move_the_same_bytes_in_fewer_copies(streams: int
     for layer, cache in enumerate(caches):
         assert torch.equal(pool[index_b, layer], cache[index_p])
     assert not pool[torch.from_numpy(np.setdiff1d(np.arange(6 * m), blocks))].any()
+    if trailer:
+        assert bool((trailers_of(pool) == TRAILER_MARK).all())
     targets = np.setdiff1d(np.arange(8 * m), pages)[: len(pages)]  # runs of their own
     memmove_plan(caches, pool, targets, blocks, False, streams)
     for cache in caches:
@@ -183,9 +215,12 @@ class OrderedMarks(LayerMarks):
         self.bytes_in_place.append(self._check(layer))  # type: ignore[operator]
 
 
-def test_the_cpu_copier_moves_offloads_and_loads_and_marks_layers_in_order() -> None:
+@pytest.mark.parametrize("trailer", [False, True], ids=["packed", "trailer"])
+def test_the_cpu_copier_moves_offloads_and_loads_and_marks_layers_in_order(
+    trailer: bool,
+) -> None:
     caches = make_caches(pages=32, layers=LAYERS, seed=2)
-    pool = pool_for(caches, 16)
+    pool = pool_for(caches, 16, trailer)
     done = Done()
     copier = Copier(caches, pool, done)
     try:
@@ -211,6 +246,8 @@ def test_the_cpu_copier_moves_offloads_and_loads_and_marks_layers_in_order() -> 
         assert marks.bytes_in_place == [True] * LAYERS
         assert marks.seen == [[i <= k for i in range(LAYERS)] for k in range(LAYERS)]
         assert marks.error is None and all(marks.is_ready(i) for i in range(LAYERS))
+        if trailer:
+            assert bool((trailers_of(pool) == TRAILER_MARK).all())
     finally:
         copier.close()
 

@@ -336,7 +336,8 @@ PAGE_64K = 64 << 10  # bf16, 4 heads x 128, 32 tokens: one page of one layer
 
 def geometry_of(layers: int, page_bytes: int = PAGE_64K) -> Geometry:
     return Geometry(layer_bases=tuple(range(layers)), page_stride=page_bytes,
-                    page_bytes=page_bytes, gpu_pages=1 << 20, host_base=0, num_blocks=1 << 20)
+                    page_bytes=page_bytes, gpu_pages=1 << 20, host_base=0, num_blocks=1 << 20,
+                    block_stride=layers * page_bytes)
 
 
 @pytest.mark.parametrize(("pages", "layers", "ahead"), [

@@ -7,11 +7,14 @@ import mmap
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from aiokv.errors import ConfigError
 from aiokv.stores.local.hostmem import HostMemory, chunk_bounds
+from aiokv.stores.local.layout import TRAILER_BYTES, block_stride
+from aiokv.stores.local.pool import HostPool
 
 
 def test_chunk_bounds_grow_cover_everything_and_keep_pages_whole() -> None:
@@ -120,7 +123,6 @@ def test_a_reserve_beyond_the_pinned_part_waits_for_the_pool_to_grow(
 
     from aiokv.stores.local import hostmem
     from aiokv.stores.local.blocks import Tier
-    from aiokv.stores.local.pool import HostPool
 
     monkeypatch.setattr(hostmem, "_cuda_register", lambda address, size: time.sleep(0.02))
     monkeypatch.setattr(hostmem, "_cuda_unregister", lambda address: None)
@@ -147,3 +149,23 @@ def test_memory_collected_unclosed_unregisters_before_the_mapping_goes() -> None
     del memory
     gc.collect()
     assert unregistered and unregistered[0] == base
+
+
+def test_a_pool_with_trailers_keeps_each_blocks_bytes_clear_of_the_next_trailer() -> None:
+    pool = HostPool(5, (2, 3, 5), torch.float16, pin=False, trailer=True)
+    try:
+        assert pool.block_stride >= pool.block_bytes + TRAILER_BYTES
+        raw = pool.raw.numpy()
+        for block in range(5):
+            pool.data[block] = block + 1
+        for block in range(5):
+            view = np.frombuffer(pool.block_view(block), dtype=np.float16)
+            assert view.tolist() == [block + 1] * (2 * 3 * 5)
+            at = block * pool.block_stride + pool.block_bytes
+            assert not raw[at : at + TRAILER_BYTES].any()  # the checksum's room, untouched
+    finally:
+        pool.close()
+    # A block of whole 4 KiB pages keeps blocks on 4 KiB boundaries (the SSD tier's
+    # O_DIRECT) where the room costs little; without a trailer blocks are back to back.
+    assert block_stride(512 << 10, True) % 4096 == 0
+    assert block_stride(512 << 10, False) == 512 << 10

@@ -131,8 +131,8 @@ def test_a_batch_of_lookups_on_a_cold_host_brings_every_user(
 
 
 def test_large_blocks_travel_bit_exact_and_are_evicted_too(mooncake: MooncakeServers) -> None:
-    # 512 KiB blocks: past the size below which values go through staging slots, so
-    # these are put and read as two slices (block, checksum) straight from the pool.
+    # 512 KiB blocks: the host pool keeps 4 KiB of room after each for its checksum (the
+    # SSD tier's alignment), where the other tests' small blocks keep a cache line.
     a = LocalHost(mooncake.master, head_dim=4096)
     assert a.offload(95) == TOKENS
     assert closed_once_written(a, USER_PAGES)["remote_blocks_written"] == USER_PAGES

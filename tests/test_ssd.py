@@ -22,6 +22,7 @@ import aiokv
 from aiokv.stores.base import NoSpace
 from aiokv.stores.local import ssd as ssd_module
 from aiokv.stores.local import ssd_format, ssd_io, ssd_voids
+from aiokv.stores.local.layout import block_stride
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 2, 160, 16, 2, 16
 BLOCK = LAYERS * 2 * PAGE * HEADS * DIM * 4  # float32: 8 KiB, a whole number of 4 KiB pages
@@ -36,8 +37,11 @@ def caches_for(seed: int = 0, layers: int = LAYERS) -> list[torch.Tensor]:
 
 
 def ssd_config(directory: Any, slots: int = 128, **keys: Any) -> aiokv.StoreConfig:
+    # HOST_BLOCKS blocks, with a remote tier's trailer after each where there is one, in
+    # whole memory pages (as a store server's region takes its GiB).
+    stride = block_stride(BLOCK, keys.get("remote") is not None)
     return aiokv.StoreConfig(
-        cpu_cache_gb=HOST_BLOCKS * BLOCK / (1 << 30),
+        cpu_cache_gb=-(-HOST_BLOCKS * stride // 4096) * 4096 / (1 << 30),
         ssd_cache_gb=slots * SLOT / (1 << 30),
         ssd_cache_dir=directory,
         **keys,

@@ -6,11 +6,12 @@ Layouts. The caches are one table per layer, ``[page, 2, page_size, heads, head_
 a page of a layer is ``page_bytes`` contiguous bytes at ``layer_base + page *
 page_stride``. The host pool is ``[block, layer, ...]``: all layers of a block are
 contiguous (the SSD tier moves a block as one range), layer ``l`` of block ``b`` at
-``host_base + b * block_bytes + l * page_bytes``. Pages go one copy per (page, layer) in
-one batch call per layer and stream (the copy engines take thousands of them at full
+``host_base + b * block_stride + l * page_bytes`` (a stride past the block's bytes leaves
+a remote tier's trailer after each block). Pages go one copy per (page, layer) in one
+batch call per layer and stream (the copy engines take thousands of them at full
 speed), except runs: ``MIN_RUN`` or more adjacent pages into adjacent blocks (what a
 fresh allocator hands out, on both sides) are, in one layer, rows ``page_stride`` apart
-on the GPU and ``block_bytes`` apart on the host, so one strided 2-D copy per layer moves
+on the GPU and ``block_stride`` apart on the host, so one strided 2-D copy per layer moves
 a run, for a fraction of the queueing time (the driver's time per copy is most of a
 job's CPU time).
 
@@ -42,6 +43,7 @@ class Geometry:
     gpu_pages: int  # pages per table
     host_base: int  # the pool's address
     num_blocks: int  # blocks in the pool
+    block_stride: int  # bytes from one block of the pool to the next
 
     @property
     def layers(self) -> int:
@@ -66,9 +68,12 @@ class Geometry:
         if not first[0].is_contiguous():
             raise ValueError("a page of kv_caches[0] is not contiguous: the copy engines "
                              "move a page of a layer as one range")
-        if not pool.is_contiguous() or tuple(pool.shape[1:]) != (len(caches), *first.shape[1:]):
+        if tuple(pool.shape[1:]) != (len(caches), *first.shape[1:]):
             raise ValueError(f"the host pool's shape {tuple(pool.shape)} is not "
                              f"[block, {len(caches)}, *{tuple(first.shape[1:])}]")
+        if not pool[0].is_contiguous() or pool.stride(0) < pool[0].numel():
+            raise ValueError("a block of the host pool is not one contiguous range of its "
+                             "own")
         element = first.element_size()
         return cls(
             layer_bases=tuple(cache.data_ptr() for cache in caches),
@@ -77,6 +82,7 @@ class Geometry:
             gpu_pages=int(first.shape[0]),
             host_base=pool.data_ptr(),
             num_blocks=int(pool.shape[0]),
+            block_stride=pool.stride(0) * element,
         )
 
 
@@ -221,7 +227,7 @@ def _addresses(
 ) -> tuple[UInt64Array, UInt64Array, UInt64Array]:
     """(dsts, srcs, sizes) of one copy per (page, layer)."""
     gpu = np.asarray(g.layer_bases, dtype=np.int64)[:, None] + pages[None, :] * g.page_stride
-    host = (g.host_base + blocks * g.block_bytes)[None, :] + (
+    host = (g.host_base + blocks * g.block_stride)[None, :] + (
         np.arange(g.layers, dtype=np.int64) * g.page_bytes
     )[:, None]
     dsts, srcs = (host, gpu) if to_host else (gpu, host)
@@ -244,6 +250,6 @@ def _strided(
         stream = int(np.argmin(load))
         stream_of[r] = stream
         load[stream] += height
-    src_pitch, dst_pitch = ((g.page_stride, g.block_bytes) if to_host
-                            else (g.block_bytes, g.page_stride))
+    src_pitch, dst_pitch = ((g.page_stride, g.block_stride) if to_host
+                            else (g.block_stride, g.page_stride))
     return Runs(dsts, srcs, heights, stream_of, g.page_bytes, src_pitch, dst_pitch)

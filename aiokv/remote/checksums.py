@@ -17,7 +17,7 @@ _SPLIT_BYTES = 4 << 20
 
 class Checksums:
     """``sums(keys, blocks)``: the checksum of each (key, block); ``view(block)`` gives a
-    block's bytes (``sums.of(keys, views)``: of other bytes, as a staging slot's).
+    block's bytes (``sums.of(keys, views)``: of any bytes).
     ``close()`` stops the summing threads."""
 
     def __init__(self, view: Callable[[int], memoryview], block_bytes: int, threads: int) -> None:

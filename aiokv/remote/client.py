@@ -29,7 +29,7 @@ from .keys import Keys, leading_ones
 from .markers import Markers
 from .queue import WriteQueue
 from .removals import Remover
-from .values import Values
+from .values import Layout, Values
 from .writer import Writer
 
 log = logging.getLogger("aiokv")
@@ -41,8 +41,9 @@ _CHECK_S = 1.0  # an idle tier asks for the boot id and the epoch this often
 
 
 class RemoteIO:
-    """Mooncake calls for one store. ``memory``: the host pool as one buffer (its address,
-    its size); block ``b`` is at ``address + b * block_bytes``; ``view(b)`` its bytes.
+    """Mooncake calls for one store. ``layout``: where the host pool's blocks are, each
+    with room for its checksum after it (:mod:`aiokv.stores.local.layout`); ``view(b)``
+    block ``b``'s bytes.
     ``wake`` is called (from the tier's threads) when blocks can be given back;
     ``learned`` with each master's boot id (:class:`.markers.Markers`)."""
 
@@ -50,17 +51,15 @@ class RemoteIO:
         self,
         config: RemoteConfig,
         keys: Keys,
-        memory: tuple[int, int],
-        block_bytes: int,
-        num_blocks: int,
+        layout: Layout,
         view: Callable[[int], memoryview],
         wake: Callable[[], None],
         learned: Callable[[str, int, bool], None] | None = None,
     ) -> None:
         self.config = config
         self.keys = keys
-        self._base, self._size = memory
-        self.block_bytes = block_bytes
+        self.layout = layout
+        self.block_bytes = block_bytes = layout.block_bytes
         self.connection = Connection(config, self._buffers)
         # The reader thread's counts, and where its time goes (the existence checks,
         # Mooncake's get, the checksums: remote_tier.py prints the split).
@@ -73,12 +72,11 @@ class RemoteIO:
         self.dropped_at_restart = 0  # queued write blocks dropped when the master restarted
         self.queue = WriteQueue(config.write_queue_blocks)
         self._checksums = Checksums(view, block_bytes, config.threads_for_checksums)
-        self._writer = Writer(self.queue, self.connection, self.markers,
-                              (self._base, block_bytes, num_blocks), self._checksums, wake)
+        self._writer = Writer(self.queue, self.connection, self.markers, layout,
+                              self._checksums, wake)
         self.write_stats = self._writer.stats
-        self._reads = Values(self._base, block_bytes, num_blocks, self._checksums,
-                             self.read_stats, ("remote_get_seconds",
-                                               "remote_read_checksum_seconds"))
+        self._reads = Values(layout, self._checksums, self.read_stats,
+                             ("remote_get_seconds", "remote_read_checksum_seconds"))
         # The call that publishes the markers not out yet, if it has not started (then
         # a new evict's marker goes with it).
         self._publishing: Future[bool] | None = None
@@ -121,7 +119,7 @@ class RemoteIO:
         return self.connection.ready()
 
     def _buffers(self) -> list[tuple[int, int]]:
-        return [(self._base, self._size), *self._writer.values.buffers(),
+        return [(self.layout.base, self.layout.size), *self._writer.values.buffers(),
                 *self._reads.buffers()]
 
     # ---- reads (the reader thread; the store thread waits on the futures) -----------

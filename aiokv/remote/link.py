@@ -31,6 +31,7 @@ from .lineage import SsdLineage
 from .native import unavailable
 from .queue import WriteJob
 from .reads import Below, Published, Reader, Wanted
+from .values import Layout
 from .views import PageViews
 
 # The tiers whose threads close left in a call (a master that stopped answering), with
@@ -44,6 +45,7 @@ class BlockMemory(Protocol):
 
     num_blocks: int
     block_bytes: int
+    block_stride: int  # bytes from one block to the next: room for a checksum after each
     data: torch.Tensor  # [block, *block shape]
 
     @property
@@ -86,9 +88,8 @@ class RemoteLink:
         self.io = RemoteIO(
             config,
             keys,
-            (memory.data_ptr(), memory.numel()),
-            pool.block_bytes,
-            pool.num_blocks,
+            Layout(memory.data_ptr(), memory.numel(), pool.block_bytes, pool.block_stride,
+                   pool.num_blocks),
             pool.block_view,
             wake,
             self._learned,

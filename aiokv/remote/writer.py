@@ -18,7 +18,7 @@ from .checksums import Checksums
 from .connection import NO_SPACE, Closed, Connection
 from .markers import Markers
 from .queue import WriteJob, WriteQueue
-from .values import Values
+from .values import Layout, Values
 
 log = logging.getLogger("aiokv")
 
@@ -31,14 +31,14 @@ class Writer:
     after each batch, when its blocks can be given back."""
 
     def __init__(self, queue: WriteQueue, connection: Connection, markers: Markers,
-                 memory: tuple[int, int, int], checksums: Checksums,
+                 layout: Layout, checksums: Checksums,
                  wake: Callable[[], None]) -> None:
         self._queue = queue
         self._connection = connection
         self._markers = markers
         self._keys = markers.keys
         self._wake = wake
-        base, self._block_bytes, num_blocks = memory
+        self._block_bytes = layout.block_bytes
         # Where its time goes (the marker checks, Mooncake's put, the checksums:
         # remote_tier.py prints the split).
         self.stats: dict[str, float] = dict.fromkeys((
@@ -48,7 +48,7 @@ class Writer:
             "remote_write_batches",
             "remote_write_seconds", "remote_marker_seconds", "remote_write_checksum_seconds",
             "remote_put_seconds"), 0)
-        self.values = Values(base, self._block_bytes, num_blocks, checksums, self.stats,
+        self.values = Values(layout, checksums, self.stats,
                              ("remote_put_seconds", "remote_write_checksum_seconds"))
         # Namespace -> when its markers need asking again before a write.
         self._checked: dict[str, float] = {}

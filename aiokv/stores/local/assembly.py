@@ -41,7 +41,9 @@ def build(
     ends: TaskEnds,
 ) -> Parts:
     first = kv_caches[0]
-    pool = HostPool.for_caches(kv_caches, config.cpu_cache_gb)
+    # A remote tier's values are a block and its checksum in one range: room after each.
+    pool = HostPool.for_caches(kv_caches, config.cpu_cache_gb,
+                               trailer=config.remote is not None)
     link: TierLink | None = None
     copiers: list[Copier] = []
     try:

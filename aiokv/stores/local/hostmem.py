@@ -12,8 +12,9 @@ The pinning threads only move the ``ready_blocks`` watermark (an int, written by
 thread); the block allocator reads it on the store thread and takes the new blocks there,
 so no lock guards the allocator's own state.
 
-Chunk boundaries fall on block boundaries and on memory pages: two registrations never
-share a page (CUDA refuses to register a page twice).
+Chunk boundaries fall on block boundaries (a block's stride apart, :mod:`.pool`) and on
+memory pages: two registrations never share a page (CUDA refuses to register a page
+twice).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ...errors import ConfigError
+from .layout import block_stride, strided_blocks
 
 log = logging.getLogger("aiokv")
 
@@ -42,15 +44,15 @@ _CHUNK_BYTES = 1 << 30  # later chunks: large enough that a register call is not
 _TOUCH_BYTES = 256 << 20  # one thread's share of a chunk's first touch
 
 
-def chunk_bounds(num_blocks: int, block_bytes: int, chunk_bytes: int = _CHUNK_BYTES) -> list[int]:
+def chunk_bounds(num_blocks: int, block_stride: int, chunk_bytes: int = _CHUNK_BYTES) -> list[int]:
     """Block indices where the chunks start, plus ``num_blocks`` at the end: growing from
     ``_FIRST_CHUNK_BYTES`` to ``chunk_bytes``, each a multiple of the blocks that fill
-    whole memory pages."""
-    step = _PAGE // math.gcd(block_bytes, _PAGE)  # blocks per page-aligned unit
+    whole memory pages (blocks ``block_stride`` bytes apart)."""
+    step = _PAGE // math.gcd(block_stride, _PAGE)  # blocks per page-aligned unit
     bounds = [0]
     size = min(_FIRST_CHUNK_BYTES, chunk_bytes)
     while bounds[-1] < num_blocks:
-        blocks = max(step, size // block_bytes // step * step)
+        blocks = max(step, size // block_stride // step * step)
         bounds.append(min(num_blocks, bounds[-1] + blocks))
         size = min(size * 2, chunk_bytes)
     return bounds
@@ -58,7 +60,8 @@ def chunk_bounds(num_blocks: int, block_bytes: int, chunk_bytes: int = _CHUNK_BY
 
 class HostMemory:
     """``num_blocks`` blocks of ``block_shape`` in host memory, as ``data``
-    (``[block, *block_shape]``).
+    (``[block, *block_shape]``, blocks ``block_stride`` bytes apart: with ``trailer``,
+    room for a remote value's checksum after each, :func:`.pool.block_stride`).
 
     With ``pin`` the memory is registered with CUDA in chunks by :meth:`start`'s threads;
     ``ready_blocks`` says how many leading blocks are usable (all of them without
@@ -73,6 +76,7 @@ class HostMemory:
         dtype: torch.dtype,
         pin: bool,
         *,
+        trailer: bool = False,
         threads: int | None = None,
         chunk_bytes: int = _CHUNK_BYTES,
         register: Callable[[int, int], None] | None = None,
@@ -80,8 +84,9 @@ class HostMemory:
     ) -> None:
         element = torch.empty(0, dtype=dtype).element_size()
         self.block_bytes = math.prod(block_shape) * element
+        self.block_stride = block_stride(self.block_bytes, trailer)
         self.num_blocks = num_blocks
-        nbytes = num_blocks * self.block_bytes
+        nbytes = num_blocks * self.block_stride
         try:
             self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except (OSError, ValueError, OverflowError) as exc:
@@ -93,9 +98,9 @@ class HostMemory:
             with contextlib.suppress(OSError):
                 self._map.madvise(mmap.MADV_HUGEPAGE)
         self.raw = torch.frombuffer(self._map, dtype=torch.uint8)  # the mapping as bytes
-        self.data = self.raw.view(dtype).view(num_blocks, *block_shape)
+        self.data = strided_blocks(self.raw, num_blocks, block_shape, dtype, self.block_stride)
         self._base = self.data.data_ptr()
-        self._bounds = chunk_bounds(num_blocks, self.block_bytes, chunk_bytes)
+        self._bounds = chunk_bounds(num_blocks, self.block_stride, chunk_bytes)
         self.chunk_starts = self._bounds[:-1]  # the block each pinned chunk starts at
         self.pinned = pin
         self.ready_blocks = 0 if pin else num_blocks
@@ -175,9 +180,9 @@ class HostMemory:
                 if i + 2 < len(bounds):
                     touching = self._touch(bounds[i + 1], bounds[i + 2], pool)
                 start, end = bounds[i], bounds[i + 1]
-                address = self._base + start * self.block_bytes
+                address = self._base + start * self.block_stride
                 try:
-                    self._register(address, (end - start) * self.block_bytes)
+                    self._register(address, (end - start) * self.block_stride)
                 except Exception as exc:
                     self.error = exc
                     log.warning(
@@ -185,8 +190,8 @@ class HostMemory:
                         "pinned %d of %d blocks (%.2f of %.2f GiB) of host memory (%r); "
                         "serving with those",
                         start, self.num_blocks,
-                        start * self.block_bytes / (1 << 30),
-                        self.num_blocks * self.block_bytes / (1 << 30),
+                        start * self.block_stride / (1 << 30),
+                        self.num_blocks * self.block_stride / (1 << 30),
                         exc,
                     )
                     break
@@ -208,8 +213,8 @@ class HostMemory:
     def _touch(self, start: int, end: int, pool: ThreadPoolExecutor) -> list[Future[object]]:
         """Start faulting blocks [start, end) in, split among the pool's threads. memset
         through ctypes drops the GIL, so the faults run in parallel."""
-        first = self._base + start * self.block_bytes
-        last = self._base + end * self.block_bytes
+        first = self._base + start * self.block_stride
+        last = self._base + end * self.block_stride
         return [
             pool.submit(ctypes.memset, a, 0, min(_TOUCH_BYTES, last - a))
             for a in range(first, last, _TOUCH_BYTES)

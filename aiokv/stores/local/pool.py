@@ -1,12 +1,15 @@
 """Block allocation: a free bitmap with a rotating cursor (any tier), and the host pool
 (one block per GPU page, all layers of a page contiguous).
 
-Host layout ``[block, layer, k/v, token, head, dim]``: a run of consecutive blocks is one
-contiguous range of host memory, so a batch that lands in a run moves with one large
-copy. The allocator hands out blocks from a rotating cursor, which keeps a batch's
-blocks consecutive when eviction follows allocation order (LRU does, mostly). The pool
-starts on a 4 KiB boundary, so that the SSD tier can move a block with O_DIRECT without
-a bounce buffer whenever a block is a whole number of 4 KiB pages.
+Host layout ``[block, layer, k/v, token, head, dim]``, block ``b`` at ``b *
+block_stride``: a block's bytes are one contiguous range. With a remote tier each block
+is followed by a trailer (:func:`block_stride`) where its checksum goes, so that block and
+checksum travel to Mooncake as one range; without one blocks are back to back. The
+allocator hands out blocks from a rotating cursor, which keeps a batch's blocks
+consecutive when eviction follows allocation order (LRU does, mostly), so that a run of
+them moves with one strided copy per layer. The pool starts on a 4 KiB boundary, so that
+the SSD tier can move a block with O_DIRECT without a bounce buffer whenever a block and
+its stride are whole numbers of 4 KiB pages.
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ import torch
 from ...errors import ConfigError
 from ..base import Int64Array
 from .hostmem import HostMemory
-
-ALIGN = 4096  # O_DIRECT's buffer and length alignment on the filesystems we meet
+from .layout import block_stride
 
 
 def as_index(blocks: Int64Array) -> slice | Int64Array:
@@ -111,13 +113,15 @@ class HostPool(BlockAllocator):
     them (:meth:`grow`, on the store thread), so a store serves from the first chunk."""
 
     def __init__(
-        self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+        self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+        trailer: bool = False,
     ) -> None:
         super().__init__(num_blocks)
         # A mapping starts on a page boundary, which O_DIRECT's alignment divides.
-        self.memory = HostMemory(num_blocks, block_shape, dtype, pin)
+        self.memory = HostMemory(num_blocks, block_shape, dtype, pin, trailer=trailer)
         self.data = self.memory.data
         self.block_bytes = self.memory.block_bytes
+        self.block_stride = self.memory.block_stride
         # The same memory as bytes, for the SSD tier's I/O threads (no copy).
         self.bytes = memoryview(self.memory.raw.numpy())  # type: ignore[arg-type]
         self._usable = self.memory.ready_blocks
@@ -174,20 +178,22 @@ class HostPool(BlockAllocator):
         self.memory.close()
 
     @classmethod
-    def for_caches(cls, kv_caches: Sequence[torch.Tensor], cpu_cache_gb: float) -> HostPool:
+    def for_caches(cls, kv_caches: Sequence[torch.Tensor], cpu_cache_gb: float,
+                   trailer: bool = False) -> HostPool:
         """The pool of ``cpu_cache_gb`` GiB for these caches (pinned when they are on a
-        GPU); ConfigError when that holds no block."""
+        GPU), with a trailer after each block where ``trailer`` (a remote tier's);
+        ConfigError when that holds no block."""
         first = kv_caches[0]
         block_shape = (len(kv_caches), *first.shape[1:])
         block_bytes = int(np.prod(block_shape)) * first.element_size()
-        num_blocks = int(cpu_cache_gb * (1 << 30) // block_bytes)
+        num_blocks = int(cpu_cache_gb * (1 << 30) // block_stride(block_bytes, trailer))
         if num_blocks < 1:
             raise ConfigError(
                 "store.cpu_cache_gb", f"{cpu_cache_gb} GiB holds no block of {block_bytes} bytes"
             )
         pin = first.device.type == "cuda"
         try:
-            return cls(num_blocks, block_shape, first.dtype, pin)
+            return cls(num_blocks, block_shape, first.dtype, pin, trailer)
         except (RuntimeError, MemoryError, OSError) as exc:  # the mapping (or pinning) failed
             raise ConfigError(
                 "store.cpu_cache_gb",
@@ -197,10 +203,11 @@ class HostPool(BlockAllocator):
 
     @property
     def raw(self) -> torch.Tensor:
-        """All blocks as one uint8 buffer (the remote tier registers it with Mooncake)."""
+        """All blocks (and trailers) as one uint8 buffer (the remote tier registers it
+        with Mooncake)."""
         return self.memory.raw
 
     def block_view(self, block: int) -> memoryview:
         """Block ``block``'s bytes, writable."""
-        size = self.block_bytes
-        return self.bytes[block * size : (block + 1) * size]
+        at = block * self.block_stride
+        return self.bytes[at : at + self.block_bytes]

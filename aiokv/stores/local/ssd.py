@@ -31,7 +31,8 @@ from ..dirlock import DirLock
 from . import ssd_recency
 from .blocks import READY, WRITING, Tier
 from .index import Space
-from .pool import ALIGN, BlockAllocator, HostPool
+from .layout import ALIGN
+from .pool import BlockAllocator, HostPool
 from .ssd_format import (
     HEADER_BYTES,
     checksum,
@@ -109,7 +110,9 @@ class SsdTier:
                 f"caches",
             )
         geometry = {**geometry, "slot_bytes": self.slot_bytes}
-        direct = self.block_bytes % ALIGN == 0
+        # O_DIRECT reads into and writes from the blocks themselves: each must start on
+        # a 4 KiB boundary and be whole 4 KiB pages.
+        direct = self.block_bytes % ALIGN == 0 and pool.block_stride % ALIGN == 0
         self.files = SsdFiles(
             dirs, total, geometry, direct=direct, reset_on_mismatch=reset_on_mismatch,
             held=held,
@@ -118,7 +121,8 @@ class SsdTier:
             log.info(
                 "aiokv: SSD tier in %s uses buffered I/O with fdatasync (%s)",
                 ", ".join(map(str, self.files.paths)),
-                "a block is not a whole number of 4 KiB pages"
+                "a block is not a whole number of 4 KiB pages, or a remote tier's "
+                "trailers keep blocks off 4 KiB boundaries"
                 if not direct
                 else "the filesystem refuses O_DIRECT",
             )

@@ -115,7 +115,8 @@ class Answers:
         notice = conn.client.notice = Notice.create()
         try:
             conn.reply(wire.encode_json({
-                "ok": True, "blocks": region.num_blocks, "wire": wire.VERSION,
+                "ok": True, "blocks": region.num_blocks, "stride": region.block_stride,
+                "wire": wire.VERSION,
                 "connection": [self.instance, conn.client.number]}), [region.fd, notice.fd])
         finally:  # sent or not (a peer gone after its hello): not kept open here
             notice.close_fd()

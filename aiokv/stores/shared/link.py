@@ -76,7 +76,9 @@ class Link:
             isinstance(named, list) and len(named) == 2 and isinstance(named[0], str)
             and isinstance(named[1], int)) else None
         try:
-            self.region = Region(fds[0], int(reply["blocks"]), geometry)
+            stride = reply.get("stride")
+            self.region = Region(fds[0], int(reply["blocks"]), geometry,
+                                 stride if type(stride) is int else None)
             self.notice = Notice(fds[1])
         except BaseException:
             sock.close()

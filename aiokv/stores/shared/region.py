@@ -6,7 +6,9 @@ a process the server hands the descriptor to can map it; the uid check on the so
 decides who that is) and passes the descriptor in its answer to an engine's ``hello``
 (SCM_RIGHTS). Its layout is the embedded store's host pool's, ``[block, layer, k/v,
 token, head, dim]``: one block per page, all layers, so a block is one contiguous range
-and the SSD tier moves it as one I/O.
+and the SSD tier moves it as one I/O; blocks are ``stride`` bytes apart, with a trailer
+after each where the server has a remote tier (:mod:`..local.layout`). The server says the
+stride in its answer to ``hello``.
 
 The geometry comes from the first engine (:class:`Geometry`); an engine with another one
 is refused with what differs. On a GPU an engine pins its mapping in chunks in the
@@ -32,6 +34,7 @@ import torch
 from ...errors import ConfigError
 from ...exiting import stop_at_exit
 from ..local.hostmem import chunk_bounds
+from ..local.layout import block_stride, strided_blocks
 from ..local.pool import BlockAllocator
 
 
@@ -89,30 +92,40 @@ class Geometry:
 
 
 class Region:
-    """A mapping of the region: ``data`` is ``[block, *geometry.block_shape]``."""
+    """A mapping of the region: ``data`` is ``[block, *geometry.block_shape]``, blocks
+    ``block_stride`` bytes apart (``stride``; None: back to back). ValueError where the
+    descriptor's file is too small for that, or the stride leaves no room for a block."""
 
-    def __init__(self, fd: int, num_blocks: int, geometry: Geometry) -> None:
+    def __init__(self, fd: int, num_blocks: int, geometry: Geometry,
+                 stride: int | None = None) -> None:
         self.fd = fd
         self.num_blocks = num_blocks
         self.geometry = geometry
         self.block_bytes = geometry.block_bytes
-        size = num_blocks * self.block_bytes
+        self.block_stride = self.block_bytes if stride is None else stride
+        if self.block_stride < self.block_bytes:
+            raise ValueError(f"a stride of {self.block_stride} bytes holds no block of "
+                             f"{self.block_bytes}")
+        size = num_blocks * self.block_stride
         if os.fstat(fd).st_size < size:
             raise ValueError(f"the region holds {os.fstat(fd).st_size} bytes, not {size}")
         self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)  # outlives the descriptor
         self.raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.data = self.raw.view(geometry.torch_dtype).view(num_blocks, *geometry.block_shape)
+        self.data = strided_blocks(self.raw, num_blocks, geometry.block_shape,
+                                   geometry.torch_dtype, self.block_stride)
         self.bytes = memoryview(self._map)
 
     @classmethod
-    def create(cls, memory: int, num_blocks: int, geometry: Geometry) -> Region:
+    def create(cls, memory: int, num_blocks: int, geometry: Geometry,
+               trailer: bool = False) -> Region:
         """The server's region of ``num_blocks`` blocks in ``memory`` (from
-        :func:`allocate`; the region owns it from here)."""
-        return cls(memory, num_blocks, geometry)
+        :func:`allocate`; the region owns it from here), with a trailer after each block
+        where ``trailer`` (a remote tier's)."""
+        return cls(memory, num_blocks, geometry, block_stride(geometry.block_bytes, trailer))
 
     def block_view(self, block: int) -> memoryview:
-        size = self.block_bytes
-        return self.bytes[block * size : (block + 1) * size]
+        at = block * self.block_stride
+        return self.bytes[at : at + self.block_bytes]
 
     def close(self) -> None:
         """Unmap and close the descriptor; views still alive keep the mapping (mmap
@@ -136,6 +149,7 @@ class RegionPool(BlockAllocator):
         super().__init__(region.num_blocks)
         self.region = region
         self.block_bytes = region.block_bytes
+        self.block_stride = region.block_stride
         self.data = region.data
         self.raw = region.raw  # the remote tier registers it with Mooncake
         self.bytes = region.bytes
@@ -177,10 +191,10 @@ def region_bytes(cpu_cache_gb: float) -> int:
     return int(cpu_cache_gb * (1 << 30)) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
-def region_blocks(cpu_cache_gb: float, geometry: Geometry) -> int:
-    """Blocks of ``cpu_cache_gb`` GiB (as allocated: whole pages); ConfigError when that
-    holds none."""
-    count = region_bytes(cpu_cache_gb) // geometry.block_bytes
+def region_blocks(cpu_cache_gb: float, geometry: Geometry, trailer: bool = False) -> int:
+    """Blocks of ``cpu_cache_gb`` GiB (as allocated: whole pages), each with a trailer
+    where ``trailer``; ConfigError when that holds none."""
+    count = region_bytes(cpu_cache_gb) // block_stride(geometry.block_bytes, trailer)
     if count < 1:
         raise ConfigError("store.cpu_cache_gb",
                           f"{cpu_cache_gb} GiB holds no block of {geometry.block_bytes} bytes")
@@ -194,7 +208,7 @@ class Pinning:
 
     def __init__(self, region: Region) -> None:
         self.region = region
-        self.bounds = chunk_bounds(region.num_blocks, region.block_bytes)
+        self.bounds = chunk_bounds(region.num_blocks, region.block_stride)
         self.chunk_starts = np.asarray(self.bounds[:-1], dtype=np.int64)
         self.ready_blocks = 0
         self.error: BaseException | None = None
@@ -216,7 +230,7 @@ class Pinning:
     def _run(self) -> None:
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         base = self.region.raw.data_ptr()
-        size = self.region.block_bytes
+        size = self.region.block_stride
         try:
             for start, end in zip(self.bounds, self.bounds[1:], strict=False):
                 if self._stop:
@@ -260,7 +274,7 @@ class Populating:
 
     def __init__(self, region: Region) -> None:
         self._raw = region.raw  # keeps the mapping alive while the walk runs
-        self._size = region.num_blocks * region.block_bytes
+        self._size = region.num_blocks * region.block_stride
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="aiokv-map-region", daemon=True)
         self._thread.start()

@@ -114,11 +114,12 @@ class Service:
         if self.config.page_size and self.config.page_size != geometry.page_size:
             raise ConfigError("kv_caches", f"page_size {geometry.page_size} != the server's "
                               f"store.page_size {self.config.page_size}")
-        blocks = region_blocks(self.config.cpu_cache_gb, geometry)
+        trailer = self.config.remote is not None
+        blocks = region_blocks(self.config.cpu_cache_gb, geometry, trailer)
         if self._memory is None:
             self.allocate()
         assert self._memory is not None
-        region = Region.create(self._memory, blocks, geometry)
+        region = Region.create(self._memory, blocks, geometry, trailer)
         self._memory = None
         pool = RegionPool(region)
         link = remote = None
