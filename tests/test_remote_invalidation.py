@@ -529,6 +529,67 @@ def test_a_host_never_labels_its_ssd_pages_of_a_key_with_a_later_generation_by_e
     assert second == ["v1"] * (half + 2)  # its own copies, none of v2 after them
 
 
+@pytest.mark.parametrize("below", [False, True], ids=["host", "ssd"])
+def test_a_host_never_writes_pages_that_extend_its_own_of_an_ended_generation_under_the_next(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        below: bool) -> None:
+    # A holds the first half of the user (v1: on its host tier; or on its SSD only, after
+    # a restart). B evicts the user; A learns the new generation (a lookup of its own
+    # half; restarted, at its offload's start) and offloads two pages more, its v1 bytes:
+    # new to A, they went to Mooncake under the new generation after pages that are not
+    # of it. D then offloads all of the user with other bytes (v2): a put keeps the
+    # first value, so C loaded v2 joined with A's v1 pages, two versions in one load.
+    user, half = 1881 + below, USER_PAGES // 2
+    ssd = tmp_path if below else None
+    a = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=ssd)
+    try:
+        _offload_half(a, user, half)
+        until(lambda: a.stats()["remote_blocks_held"] == 0)
+        if below:
+            a.close()
+        b = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+        try:
+            _evict(b, user)
+        finally:
+            b.close()
+        if below:
+            a = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=ssd)
+            offers_once_learned(monkeypatch, namespace_tag([f"uid:{user}"]))
+        else:
+            assert a.load(user) == (half * PAGE_SIZE, True)
+        for cache, kv in zip(a.caches, a.kv_of(user), strict=True):
+            cache[:USER_PAGES] = kv
+        assert a.kv.offload(user, torch.arange(half + 2), (half + 2) * PAGE_SIZE).stored_tokens
+        until(lambda: a.stats()["remote_blocks_held"] == 0)
+        d = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+        try:
+            assert d.load(user) == (0, True)  # learns the new generation
+            for cache, kv in zip(d.caches, d.kv_of(user + 1), strict=True):
+                cache[:USER_PAGES] = kv
+            assert d.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
+            until(lambda: d.stats()["remote_blocks_held"] == 0)
+        finally:
+            d.close()
+        c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+        try:
+            versions = _loaded_versions(c, user)
+        finally:
+            c.close()
+        own = _loaded_versions(a, user)
+    finally:
+        stats = a.close()
+    assert versions == ["v2"] * USER_PAGES
+    assert own == ["v1"] * (half + 2)  # its own copies, none of v2 after them
+    assert stats["remote_dropped_stale"] == 2  # not written: counted
+
+
+def _loaded_versions(host: LocalHost, user: int) -> list[str]:
+    """What the host's lookup of all of the user loads, per page (:func:`_versions`)."""
+    target = torch.arange(host.caches[0].shape[0] - USER_PAGES, host.caches[0].shape[0])
+    with host.kv.lookup(user, TOKENS) as hit:
+        return _versions(host, user, host.kv.load(hit, target).loaded_tokens)
+
+
 def _offload_half(host: LocalHost, user: int, half: int) -> None:
     """``host`` offloads the first ``half`` pages of the user (v1), all of whose pages
     its caches then hold."""

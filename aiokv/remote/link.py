@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -99,6 +100,7 @@ class RemoteLink:
         self._held = 0  # host blocks held by writes
         self.stats_ = {"remote_dropped_queue": 0, "remote_dropped_resting": 0}
         self._evicted = 0  # blocks not sent (or taken back) because this host evicted their key
+        self._stale = 0  # blocks not sent: they extend pages of the key of another view
 
     def _learned(self, boot: str, lifetime: int, rested: bool) -> None:
         """The reader's or writer's thread: the master of ``lifetime`` is ``boot``
@@ -143,7 +145,10 @@ class RemoteLink:
             if io.keys.boot is None:  # first: _learned reads it before the id is set
                 self._offered_blind = True
             view = io.keys.offered_view(tag)
-            if len(space) == len(blocks):
+            # Its first pages were stored already, on the host or below (the SSD's are
+            # not in the host tier's table).
+            extends = _extends_stored(task.mask)
+            if len(space) == len(blocks) and not extends:
                 # Written or not, the key's pages are of what this host knows now (a
                 # lookup must not join them with pages of another generation).
                 self.reads.views.noted(space.key, view)
@@ -152,6 +157,13 @@ class RemoteLink:
                 continue
             if not io.keys.usable(tag):  # its evict's marker is not out yet
                 self._evicted += len(blocks)
+                continue
+            if extends and not self._may_extend(space.key, view):
+                # It extends pages of the key that are of another view (an evict,
+                # clear or restart ended theirs since): under this one its pages would
+                # follow other hosts' pages of this view, of the next version, and a
+                # lookup would load two versions in one (reads never join them: views).
+                self._stale += len(blocks)
                 continue
             # Writes queued or under way hold their host blocks: at most half the tier
             # (the blocks it serves with: a tier pinned short has fewer), whatever
@@ -173,6 +185,13 @@ class RemoteLink:
             else:
                 host.drop_readers(blocks)
                 self.stats_["remote_dropped_queue"] += len(blocks)
+
+    def _may_extend(self, key: tuple[str, ...], view: tuple[int, int, int]) -> bool:
+        """Whether a put's new pages offered under ``view`` may extend this host's pages
+        of the key: those are of that view (as a read's pages must be to join them).
+        One offered of no known master is the writer's to drop."""
+        seen = self._keys.seen(view)
+        return seen is None or self._views.same(key, seen)
 
     def expect(self, namespace: Sequence[str]) -> None:
         """A put of the key reserved host blocks; its offer follows once they are
@@ -254,6 +273,7 @@ class RemoteLink:
         # takes them out of host_hit_tokens: each hit is counted on one tier).
         stats["remote_hit_tokens"] = stats["remote_blocks_read"] * self._page_size
         stats["remote_dropped_evicted"] += self._evicted
+        stats["remote_dropped_stale"] += self._stale
         stats["remote_dropped_down"] += io.dropped_at_restart
         # Evicts and clears whose markers are not out (this host does not use those keys).
         stats["remote_invalidations_waiting"] = sum(io.keys.unpublished().values())
@@ -284,3 +304,12 @@ class RemoteLink:
             _ABANDONED.append((io, self._memory))
         self.reads.close()
         self.drain()
+
+
+def _extends_stored(mask: Any) -> bool:
+    """Whether a put found some of its pages stored before its last new one: its mask
+    (per token, or per page on the store server) is not one run from the first on."""
+    if not mask[0]:
+        return True
+    stored = int(np.argmin(mask))  # its first page not new (0: none is)
+    return bool(stored) and bool(mask[stored:].any())
