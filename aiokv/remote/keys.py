@@ -1,6 +1,6 @@
 """Keys that every host computes alike, and the generations that invalidation moves.
 
-A block's key is ``aiokv1/<geometry>/<boot>/<namespace>/<epoch>.<generation>/<digest>``:
+A block's key is ``aiokv2/<geometry>/<boot>/<namespace>/<epoch>.<generation>/<digest>``:
 
 - ``geometry``: a hash of the host block's shape (layers, k/v, page size, heads,
   head_dim) and dtype: a host with another geometry never finds these blocks;
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-VERSION = "aiokv1"
+VERSION = "aiokv2"  # names the key layout, bumped with it (aiokv1: no boot id segment)
 BLIND = -1  # a view's lifetime, taken before this host learned any boot id
 PROBE = 4  # markers asked for past the known epoch and generation, per lookup
 _MAX_NAMESPACES = 1 << 16  # generations remembered; a forgotten one is found again by probes
