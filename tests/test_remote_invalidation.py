@@ -590,34 +590,6 @@ def _loaded_versions(host: LocalHost, user: int) -> list[str]:
         return _versions(host, user, host.kv.load(hit, target).loaded_tokens)
 
 
-def test_a_host_takes_no_marker_of_the_key_layout_before_the_boot_id_for_its_own(
-        mooncake: MooncakeServers) -> None:
-    # The layout before blocks' keys named the boot id (aiokv1) had the same markers
-    # under the same root: a host of it that evicted the user ended, for hosts of this
-    # layout, blocks it never saw, and these took its boot id and markers as theirs.
-    # The key's version names the layout: hosts of two layouts share none of their keys.
-    user = 1891
-    a = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
-    try:
-        a.offload_to_mooncake(user)
-    finally:
-        a.close()
-    geometry = geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM), torch.float32, PAGE_SIZE)
-    bare = import_store().MooncakeDistributedStore()
-    assert bare.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
-                      mooncake.master) == 0
-    try:  # the old layout's evict of the user, as one of its hosts publishes it
-        marker = f"aiokv1/{geometry}/{namespace_tag([f'uid:{user}'])}/evicted/0"
-        assert bare.put(marker, b"1") == 0
-    finally:
-        bare.close()
-    c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
-    try:
-        assert c.load(user) == (TOKENS, True)
-    finally:
-        c.close()
-
-
 def _offload_half(host: LocalHost, user: int, half: int) -> None:
     """``host`` offloads the first ``half`` pages of the user (v1), all of whose pages
     its caches then hold."""

@@ -1,6 +1,6 @@
 """Keys that every host computes alike, and the generations that invalidation moves.
 
-A block's key is ``aiokv2/<geometry>/<boot>/<namespace>/<epoch>.<generation>/<digest>``:
+A block's key is ``aiokv1/<geometry>/<boot>/<namespace>/<epoch>.<generation>/<digest>``:
 
 - ``geometry``: a hash of the host block's shape (layers, k/v, page size, heads,
   head_dim) and dtype: a host with another geometry never finds these blocks;
@@ -53,7 +53,12 @@ from dataclasses import dataclass
 
 import torch
 
-VERSION = "aiokv2"  # names the key layout, bumped with it (aiokv1: no boot id segment)
+# The root of every key, markers' and blocks' alike. Blocks' keys gained the master's boot
+# id without a new version on purpose: blocks of the two layouts can never be taken for
+# each other (they differ by a segment), while the markers stay shared, so that an evict
+# or clear by a host of either layout ends the key for hosts of both, as a rolling
+# upgrade needs (a new version would let a new host serve what an old one evicted).
+VERSION = "aiokv1"
 BLIND = -1  # a view's lifetime, taken before this host learned any boot id
 PROBE = 4  # markers asked for past the known epoch and generation, per lookup
 _MAX_NAMESPACES = 1 << 16  # generations remembered; a forgotten one is found again by probes
