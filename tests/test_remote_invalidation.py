@@ -590,6 +590,33 @@ def _loaded_versions(host: LocalHost, user: int) -> list[str]:
         return _versions(host, user, host.kv.load(hit, target).loaded_tokens)
 
 
+def test_an_evict_by_a_host_of_the_key_layout_before_the_boot_id_ends_the_key_here_too(
+        mooncake: MooncakeServers) -> None:
+    # The layout before blocks' keys named the boot id has the same markers under the
+    # same root: during a rolling upgrade, an evict on a host still running it must end
+    # the key for hosts of this layout too (keys.VERSION says why it stays).
+    user = 1891
+    a = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    try:
+        a.offload_to_mooncake(user)
+    finally:
+        a.close()
+    geometry = geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM), torch.float32, PAGE_SIZE)
+    bare = import_store().MooncakeDistributedStore()
+    assert bare.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
+                      mooncake.master) == 0
+    try:  # the old layout's evict of the user, as one of its hosts publishes it
+        marker = f"aiokv1/{geometry}/{namespace_tag([f'uid:{user}'])}/evicted/0"
+        assert bare.put(marker, b"1") == 0
+    finally:
+        bare.close()
+    c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    try:
+        assert c.load(user)[0] == 0
+    finally:
+        c.close()
+
+
 def _offload_half(host: LocalHost, user: int, half: int) -> None:
     """``host`` offloads the first ``half`` pages of the user (v1), all of whose pages
     its caches then hold."""
