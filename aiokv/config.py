@@ -409,9 +409,36 @@ def parse_config(document: object) -> tuple[EngineConfig, StoreConfig]:
     return engine, store
 
 
+class _GivenTwice(Exception):
+    """A key given twice in one mapping: its dotted name and its second line (1-based)."""
+
+    def __init__(self, name: str, line: int) -> None:
+        super().__init__(name, line)
+        self.name, self.line = name, line
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load, except that a key given twice in one mapping is a ConfigError (YAML
-    would keep the last silently: a whole second ``store:`` section replaces the first)."""
+    """safe_load, except that a key given twice in one mapping raises _GivenTwice (YAML
+    would keep the last silently: a whole second ``store:`` section replaces the first).
+    Each mapping's dotted name (``store.remote``) is found first, from the node tree:
+    PyYAML builds nested mappings later, out of their parents' order."""
+
+    def construct_document(self, node: Any) -> Any:
+        self._names: dict[int, str] = {}
+        self._name(node, "")
+        return super().construct_document(node)
+
+    def _name(self, node: Any, name: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            if id(node) in self._names:  # an alias of a mapping named already
+                return
+            self._names[id(node)] = name
+            for key_node, value in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+                self._name(value, f"{name}.{key}" if name else str(key))
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                self._name(item, f"{name}[{index}]")
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         seen: set[str] = set()
@@ -420,8 +447,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if not isinstance(key, str):  # a list key (`? [a]`) is unhashable: YAML says so
                 continue
             if key in seen:
-                raise ConfigError(key, f"given twice (line {key_node.start_mark.line + 1}); "
-                                       "YAML would keep only the last")
+                within = self._names.get(id(node), "")
+                raise _GivenTwice(f"{within}.{key}" if within else key,
+                                  key_node.start_mark.line + 1)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -436,8 +464,9 @@ def load_config(path: str | Path) -> tuple[EngineConfig, StoreConfig]:
         raise ConfigError("path", f"cannot read config file {str(path)!r}: {exc}") from exc
     try:
         document = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no objects
-    except ConfigError:  # a key given twice (a ValueError too)
-        raise
+    except _GivenTwice as twice:
+        raise ConfigError(twice.name, f"given twice in {str(path)!r} (again at line "
+                                      f"{twice.line}); YAML would keep only the last") from None
     # Not only YAMLError: an integer longer than Python converts (4300 digits) is a raw
     # ValueError from the int constructor, and deep nesting a RecursionError.
     except (yaml.YAMLError, ValueError, RecursionError) as exc:

@@ -56,15 +56,21 @@ async def test_reusing_the_token_id_buffer_after_offload_does_not_change_the_key
         hit.release()
 
 
-@pytest.mark.parametrize("text", [
-    "store:\n  ssd_cache_gb: 4\nstore:\n  cpu_cache_gb: 0.05\n",
-    "engine:\n  request_timeout_ms: 5000\n  request_timeout_ms: 0\n",
+@pytest.mark.parametrize(("text", "key", "line"), [
+    ("store:\n  ssd_cache_gb: 4\nstore:\n  cpu_cache_gb: 0.05\n", "store", 3),
+    ("engine:\n  request_timeout_ms: 5000\n  request_timeout_ms: 0\n",
+     "engine.request_timeout_ms", 3),
+    ("store:\n  cpu_cache_gb: 1\n  remote:\n    master: a:1\n    timeout_ms: 9\n"
+     "    master: b:2\n", "store.remote.master", 6),
 ])
-def test_a_key_given_twice_in_yaml_is_a_config_error(tmp_path: Path, text: str) -> None:
+def test_a_key_given_twice_in_yaml_is_a_config_error_naming_it_and_the_file(
+        tmp_path: Path, text: str, key: str, line: int) -> None:
     path = tmp_path / "c.yml"
     path.write_text(text)
-    with pytest.raises(aiokv.ConfigError, match="twice"):
+    with pytest.raises(aiokv.ConfigError, match="twice") as caught:
         aiokv.load_config(path)
+    assert caught.value.key == key
+    assert str(path) in str(caught.value) and f"line {line}" in str(caught.value)
 
 
 @pytest.mark.parametrize("text", ["store:\n  ? [cpu_cache_gb]\n  : 1\n",
