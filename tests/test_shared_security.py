@@ -150,6 +150,21 @@ def test_an_engine_of_another_wire_version_is_told_both_and_disconnected(
             assert closed_by_server(sock)
 
 
+def test_an_engine_that_maps_the_region_without_its_stride_is_refused(server: Server) -> None:
+    # An engine of wire 5 ignores hello's "stride": where the server's remote tier keeps a
+    # trailer after each block, it would copy pages to and from the wrong bytes (an engine
+    # of the release before did: the next one loaded what it offloaded, not bit-exact).
+    geometry = Geometry.of(caches()).as_dict()
+    with connect(server) as sock:
+        sockets.send(sock, wire.encode_json({"op": "hello", "wire": 5, "geometry": geometry}))
+        reply, fds = sockets.recv_json(sock)
+        for fd in fds:
+            os.close(fd)
+        assert (reply["ok"], reply.get("config"), fds) == (False, True, [])
+        assert "wire version 5" in reply["error"]
+        assert closed_by_server(sock)
+
+
 def test_a_server_of_another_wire_version_is_refused_by_the_engine(tmp_path: Path) -> None:
     """A server that answers hello without this engine's wire version (an older aiokv):
     register fails with ConfigError naming both, rather than misreading its replies."""

@@ -53,8 +53,10 @@ from ...errors import StoreError
 from ..base import NoSpace, TooLarge
 from ..local.digests import DIGEST_BYTES, are_positions, chain_digests, position_digests
 
-# 2: END is not answered; 3: LAUNCH and the notice word; 4: TOO_LARGE; 5: a match's "by"
-VERSION = 5
+# 2: END is not answered; 3: LAUNCH and the notice word; 4: TOO_LARGE; 5: a match's "by";
+# 6: hello's answer carries the region's "stride" (an engine of 5 maps blocks back to back,
+# off the blocks of a server whose remote tier keeps a trailer after each)
+VERSION = 6
 MAX_FRAME = 256 << 20  # a batch of 64 x 64k tokens is 1 MiB of digests: far below
 MAX_FDS = 2  # the region and the notice word
 MAX_QUERIES = 4096  # matches in one request
