@@ -5,6 +5,7 @@ is still served bit for bit. A peer of another uid is refused at connect."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -195,6 +196,54 @@ def test_a_server_of_another_wire_version_is_refused_by_the_engine(tmp_path: Pat
         thread.join(10)
         listener.close()
         store.close()
+
+
+BLOCK_BYTES = Geometry.of(caches()).block_bytes  # float32
+
+
+@pytest.mark.parametrize("stride", [4160.0, "1088", True, BLOCK_BYTES + 2, -64, 1 << 62],
+                         ids=["float", "string", "bool", "not whole floats", "negative",
+                              "past the region"])
+def test_a_hello_answer_with_a_bad_stride_fails_register_naming_it(
+        tmp_path: Path, stride: object) -> None:
+    """A foreign server's stride that this engine cannot map as the server's blocks
+    fails register with StoreError naming it, rather than mapping blocks elsewhere (a
+    float was taken for back to back, a stride of part of an element rounded down)."""
+    path = tmp_path / "stride.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    blocks = 16
+
+    def foreign_server() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            sockets.recv_json(conn)
+            region, notice = os.memfd_create("region"), os.memfd_create("notice")
+            try:
+                os.ftruncate(region, blocks * (BLOCK_BYTES + 64))
+                os.ftruncate(notice, 8)
+                sockets.send(conn, wire.encode_json({"ok": True, "wire": wire.VERSION,
+                                                     "blocks": blocks, "stride": stride,
+                                                     "connection": ["foreign", 1]}),
+                             [region, notice])
+            finally:
+                os.close(region)
+                os.close(notice)
+            conn.settimeout(10)
+            with contextlib.suppress(OSError):
+                conn.recv(100)  # until the engine hangs up
+
+    thread = threading.Thread(target=foreign_server, daemon=True)
+    thread.start()
+    store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(path)))
+    try:
+        with pytest.raises(aiokv.StoreError, match=rf"at '{path}'.* stride of {stride!r}"):
+            store.register(caches())
+    finally:
+        store.close()
+        thread.join(10)
+        listener.close()
 
 
 def test_a_server_gone_inside_a_replys_header_fails_the_call_at_once(tmp_path: Path) -> None:

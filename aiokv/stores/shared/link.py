@@ -77,8 +77,15 @@ class Link:
             and isinstance(named[1], int)) else None
         try:
             stride = reply.get("stride")
-            self.region = Region(fds[0], int(reply["blocks"]), geometry,
-                                 stride if type(stride) is int else None)
+            if stride is not None and type(stride) is not int:
+                # Taken for back to back, it would map blocks off the server's.
+                raise StoreError(f"the store server at {path!r} answered hello with a "
+                                 f"stride of {stride!r}, not a number of bytes")
+            try:
+                self.region = Region(fds[0], int(reply["blocks"]), geometry, stride)
+            except ValueError as exc:
+                raise StoreError(f"the store server at {path!r} sent a region this engine "
+                                 f"cannot map: {exc}") from exc
             self.notice = Notice(fds[1])
         except BaseException:
             sock.close()

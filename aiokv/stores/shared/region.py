@@ -94,7 +94,8 @@ class Geometry:
 class Region:
     """A mapping of the region: ``data`` is ``[block, *geometry.block_shape]``, blocks
     ``block_stride`` bytes apart (``stride``; None: back to back). ValueError where the
-    descriptor's file is too small for that, or the stride leaves no room for a block."""
+    descriptor's file is too small for that, or the stride leaves no room for a block or
+    is not whole elements."""
 
     def __init__(self, fd: int, num_blocks: int, geometry: Geometry,
                  stride: int | None = None) -> None:
@@ -106,9 +107,14 @@ class Region:
         if self.block_stride < self.block_bytes:
             raise ValueError(f"a stride of {self.block_stride} bytes holds no block of "
                              f"{self.block_bytes}")
+        element = torch.empty(0, dtype=geometry.torch_dtype).element_size()
+        if self.block_stride % element:  # the tensor's stride would round it down
+            raise ValueError(f"a stride of {self.block_stride} bytes is not a whole number "
+                             f"of {geometry.dtype} elements ({element} bytes)")
         size = num_blocks * self.block_stride
         if os.fstat(fd).st_size < size:
-            raise ValueError(f"the region holds {os.fstat(fd).st_size} bytes, not {size}")
+            raise ValueError(f"the region holds {os.fstat(fd).st_size} bytes, not {size}: "
+                             f"{num_blocks} blocks at a stride of {self.block_stride} bytes")
         self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)  # outlives the descriptor
         self.raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self.data = strided_blocks(self.raw, num_blocks, geometry.block_shape,
