@@ -15,6 +15,7 @@ from aiokv.errors import ConfigError
 from aiokv.stores.local.hostmem import HostMemory, chunk_bounds
 from aiokv.stores.local.layout import TRAILER_BYTES, block_stride
 from aiokv.stores.local.pool import HostPool
+from aiokv.stores.shared.region import Geometry, region_blocks
 
 
 def test_chunk_bounds_grow_cover_everything_and_keep_pages_whole() -> None:
@@ -169,3 +170,18 @@ def test_a_pool_with_trailers_keeps_each_blocks_bytes_clear_of_the_next_trailer(
     # O_DIRECT) where the room costs little; without a trailer blocks are back to back.
     assert block_stride(512 << 10, True) % 4096 == 0
     assert block_stride(512 << 10, False) == 512 << 10
+
+
+def test_cpu_cache_gb_too_small_for_a_block_and_its_trailer_says_what_a_block_takes() -> None:
+    # Exactly one 512 KiB block's GiB: with a remote tier's room after it, no block fits,
+    # and the message must not say it holds no block of the 512 KiB it holds.
+    caches = [torch.zeros(4, 2, 16, 8, 256) for _ in range(2)]
+    block, stride = 512 << 10, block_stride(512 << 10, True)
+    gb = block / (1 << 30)
+    for call in (lambda: HostPool.for_caches(caches, gb, trailer=True),
+                 lambda: region_blocks(gb, Geometry.of(caches), trailer=True)):
+        with pytest.raises(ConfigError, match=rf"store\.cpu_cache_gb: {gb} GiB holds no block "
+                                              rf"of {stride} bytes \(a block of {block} "):
+            call()
+    pool = HostPool.for_caches(caches, gb)  # without one it fits
+    pool.close()

@@ -30,6 +30,14 @@ def block_stride(block_bytes: int, trailer: bool) -> int:
     return -(-(block_bytes + TRAILER_BYTES) // _TRAILER_ALIGN) * _TRAILER_ALIGN
 
 
+def block_text(block_bytes: int, stride: int) -> str:
+    """A host block's size as a message says it: with a trailer, what the block takes
+    with it (cpu_cache_gb holds that many bytes a block)."""
+    if stride == block_bytes:
+        return f"{block_bytes} bytes"
+    return f"{stride} bytes (a block of {block_bytes} and room for its remote checksum)"
+
+
 def strided_blocks(raw: torch.Tensor, num_blocks: int, block_shape: tuple[int, ...],
                    dtype: torch.dtype, stride: int) -> torch.Tensor:
     """``[block, *block_shape]`` of ``dtype`` over the bytes ``raw``, block ``b`` at

@@ -22,7 +22,7 @@ import torch
 from ...errors import ConfigError
 from ..base import Int64Array
 from .hostmem import HostMemory
-from .layout import block_stride
+from .layout import block_stride, block_text
 
 
 def as_index(blocks: Int64Array) -> slice | Int64Array:
@@ -186,10 +186,12 @@ class HostPool(BlockAllocator):
         first = kv_caches[0]
         block_shape = (len(kv_caches), *first.shape[1:])
         block_bytes = int(np.prod(block_shape)) * first.element_size()
-        num_blocks = int(cpu_cache_gb * (1 << 30) // block_stride(block_bytes, trailer))
+        stride = block_stride(block_bytes, trailer)
+        num_blocks = int(cpu_cache_gb * (1 << 30) // stride)
         if num_blocks < 1:
             raise ConfigError(
-                "store.cpu_cache_gb", f"{cpu_cache_gb} GiB holds no block of {block_bytes} bytes"
+                "store.cpu_cache_gb",
+                f"{cpu_cache_gb} GiB holds no block of {block_text(block_bytes, stride)}",
             )
         pin = first.device.type == "cuda"
         try:
@@ -197,7 +199,7 @@ class HostPool(BlockAllocator):
         except (RuntimeError, MemoryError, OSError) as exc:  # the mapping (or pinning) failed
             raise ConfigError(
                 "store.cpu_cache_gb",
-                f"{cpu_cache_gb} GiB ({num_blocks} blocks of {block_bytes} bytes"
+                f"{cpu_cache_gb} GiB ({num_blocks} blocks of {block_text(block_bytes, stride)}"
                 f"{', pinned' if pin else ''}) could not be allocated: {exc}",
             ) from exc
 

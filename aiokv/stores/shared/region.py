@@ -34,7 +34,7 @@ import torch
 from ...errors import ConfigError
 from ...exiting import stop_at_exit
 from ..local.hostmem import chunk_bounds
-from ..local.layout import block_stride, strided_blocks
+from ..local.layout import block_stride, block_text, strided_blocks
 from ..local.pool import BlockAllocator
 
 
@@ -200,10 +200,11 @@ def region_bytes(cpu_cache_gb: float) -> int:
 def region_blocks(cpu_cache_gb: float, geometry: Geometry, trailer: bool = False) -> int:
     """Blocks of ``cpu_cache_gb`` GiB (as allocated: whole pages), each with a trailer
     where ``trailer``; ConfigError when that holds none."""
-    count = region_bytes(cpu_cache_gb) // block_stride(geometry.block_bytes, trailer)
+    stride = block_stride(geometry.block_bytes, trailer)
+    count = region_bytes(cpu_cache_gb) // stride
     if count < 1:
-        raise ConfigError("store.cpu_cache_gb",
-                          f"{cpu_cache_gb} GiB holds no block of {geometry.block_bytes} bytes")
+        raise ConfigError("store.cpu_cache_gb", f"{cpu_cache_gb} GiB holds no block of "
+                          f"{block_text(geometry.block_bytes, stride)}")
     return count
 
 
