@@ -117,8 +117,8 @@ def _buffers(io: Any, blocks: list[int], with_sums: bool) -> tuple[list[Any], li
 def raw_puts(client: Any, io: Any, keys: list[str], blocks: list[int],
              with_sums: bool = False) -> float:
     """Raw puts in the writer's batches of 64: ``batch_put_from`` of the blocks, or
-    (``with_sums``) ``batch_put_from_multi_buffers`` of values shaped as aiokv's,
-    without aiokv's checksums, keys or queue."""
+    (``with_sums``) of values shaped as aiokv's (each block with its trailer), without
+    aiokv's checksums, keys or queue."""
     put = client.batch_put_from
     began = time.perf_counter()
     for i in range(0, len(keys), 64):

@@ -145,8 +145,8 @@ class Service:
         # What a client's engine may ask for: it refuses offloads, and cuts lookups, past
         # what its store reports holding, which is these stats.
         self.capacity_tokens = capacity_tokens(lambda: self.stats([]), geometry.page_size) or 0
-        log.info("aiokv store-server: region of %d blocks (%d bytes each) for %s",
-                 region.num_blocks, region.block_bytes, geometry)
+        log.info("aiokv store-server: region of %d blocks (%d bytes each, %d apart) for %s",
+                 region.num_blocks, region.block_bytes, region.block_stride, geometry)
         return region
 
     def _ssd_done(self) -> None:  # SSD I/O threads
