@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -91,25 +92,29 @@ def held_writes(monkeypatch: pytest.MonkeyPatch) -> Gate:
                 lambda tier, request, *args: request.is_write)
 
 
-async def four_users_on_ssd(engine: aiokv.OffloadEngine) -> None:
-    """Users 0 to 3 offload, each whole on SSD once this returns; users 2 and 3 hold the
-    host tier, users 0 and 1 are only on SSD."""
+@asynccontextmanager
+async def a_load_of_user_0_timed_out_mid_read(
+    engine: aiokv.OffloadEngine, caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[None]:
+    """Users 0 to 3 offload, each whole on SSD; users 2 and 3 hold the host tier, users 0
+    and 1 are only on SSD. Then user 0 is looked up, its SSD reads start and are held, and
+    its load gives up at its deadline (its destination forgotten first). The reads stay
+    held until the block is left, however it is left."""
     for user in range(4):
         if user == 2:  # its room: users 0's and 1's host blocks, once on SSD
             await until(engine, lambda s: s.bytes_ssd_written >= 2 * USER_PAGES * BLOCK)
         await engine.offload(user, source(user), HISTORY)
     await until(engine, lambda stats: stats.bytes_ssd_written >= 4 * USER_PAGES * BLOCK)
-
-
-async def a_load_of_user_0_times_out(engine: aiokv.OffloadEngine,
-                                     caches: list[torch.Tensor]) -> None:
-    """User 0 (only on SSD) is looked up, its reads start (the caller holds them in a
-    gate), and its load gives up at its deadline; its destination forgotten first."""
-    hit = await engine.lookup(0, HISTORY)
-    assert hit.cached_tokens == HISTORY
-    forget_loads(caches)
-    with pytest.raises(aiokv.RequestTimeout):
-        await engine.load(hit, destination(0))
+    gate = held_reads(monkeypatch)
+    try:
+        hit = await engine.lookup(0, HISTORY)
+        assert hit.cached_tokens == HISTORY
+        forget_loads(caches)
+        with pytest.raises(aiokv.RequestTimeout):
+            await engine.load(hit, destination(0))
+        yield
+    finally:
+        gate.set()
 
 
 async def no_room_for_user_0(
@@ -246,15 +251,11 @@ async def test_ssd_pages_read_after_a_load_timed_out_are_not_copied_into_its_pag
 ) -> None:
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=1_000)
     async with engine:
-        await four_users_on_ssd(engine)
         # User 0 is only on SSD; the host has room (users 2's and 3's pages, on SSD too),
         # so its lookup starts reading it at once, from a disk that answers only once the
         # load has timed out.
-        gate = held_reads(monkeypatch)
-        try:
-            await a_load_of_user_0_times_out(engine, caches)
-        finally:
-            gate.set()
+        async with a_load_of_user_0_timed_out_mid_read(engine, caches, monkeypatch):
+            pass  # leaving lets the reads go on
         await until(engine, lambda stats: stats.store_tasks_open == 0)  # once its reads are in
         # Read in after the deadline, the pages are on the host now, whole.
         again = await engine.lookup(0, HISTORY)
@@ -271,18 +272,13 @@ async def test_a_lookup_right_after_a_load_timed_out_finds_the_pages_it_was_read
 ) -> None:
     caches, engine = engine_on(tmp_path, "write_through", request_timeout_ms=1_000)
     async with engine:
-        await four_users_on_ssd(engine)
         # User 0 is only on SSD; its lookup starts reading it into the host at once, from
         # a disk that answers only once the load has timed out.
-        gate = held_reads(monkeypatch)
-        try:
-            await a_load_of_user_0_times_out(engine, caches)
+        async with a_load_of_user_0_timed_out_mid_read(engine, caches, monkeypatch):
             # Its caller looks the key up again at once, its reads still out: the SSD
             # holds every page (and the host is about to), not a miss to recompute.
             again = await engine.lookup(0, HISTORY)
             assert again.cached_tokens == HISTORY
-        finally:
-            gate.set()
         assert (await engine.load(again, destination(5))).loaded_tokens == HISTORY
         assert all(torch.equal(c[destination(5)], c[source(0)]) for c in caches)
     assert all(c[destination(0)].isnan().all() for c in caches)
@@ -298,14 +294,9 @@ async def test_the_lookup_that_took_over_a_timed_out_load_gives_way_and_still_lo
     # nothing holds.
     caches, engine = engine_on(tmp_path, "write_through", ssd_users=6, request_timeout_ms=1_000)
     async with engine:
-        await four_users_on_ssd(engine)
-        gate = held_reads(monkeypatch)
-        try:
-            await a_load_of_user_0_times_out(engine, caches)
+        async with a_load_of_user_0_timed_out_mid_read(engine, caches, monkeypatch):
             again = await engine.lookup(0, HISTORY)  # takes the timed-out load's reads over
             assert again.cached_tokens == HISTORY
-        finally:
-            gate.set()
         await until(engine, lambda stats: stats.bytes_ssd_read >= USER_PAGES * BLOCK)
         for user in range(4, 10):  # while its caller holds it, the SSD turns over
             await engine.offload(user, source(user), HISTORY)
