@@ -70,6 +70,15 @@ def on_server(host: Host) -> tuple[SharedStore, list[torch.Tensor]]:
         shared_caches()
 
 
+def copies_held_on_server(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Gate, SharedStore, list[torch.Tensor]]:
+    """Offloads' copies to the host held until the gate returned is set, then, as
+    :func:`on_server`, a client of the test's store server and caches for an engine."""
+    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
+    return (copying, *on_server(host))
+
+
 async def another_engine_misses_then_stores(host: Host, tokens: int) -> None:
     """Another engine on the server: the key ``u`` is a miss (before the fixes: every
     page, each 7.0, what the copy read after its caller was told), and an offload of it
@@ -188,8 +197,7 @@ def test_a_shared_server_keeps_no_put_whose_caller_detached_during_its_copy(
 async def test_an_engine_on_a_shared_server_stores_nothing_of_a_timed_out_offloads_reused_pages(
     host: Host, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
-    store, tables = on_server(host)
+    copying, store, tables = copies_held_on_server(host, monkeypatch)
     config = aiokv.EngineConfig(window_us=0, request_timeout_ms=TIMEOUT_MS)
     tokens, source = PAGES * PAGE_SIZE, torch.arange(PAGES)
     async with aiokv.OffloadEngine(store, tables, config) as engine:
@@ -213,8 +221,7 @@ async def test_a_close_that_abandons_an_offload_mid_copy_leaves_nothing_of_its_r
     # A close whose timeout passes while an offload's copy runs fails it with
     # EngineClosed, and its caller may reuse its pages; the store server outlives the
     # engine, and another engine's lookup must not find what the copy read since.
-    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
-    store, tables = on_server(host)
+    copying, store, tables = copies_held_on_server(host, monkeypatch)
     tokens, source = PAGES * PAGE_SIZE, torch.arange(PAGES)
     engine = aiokv.OffloadEngine(store, tables, aiokv.EngineConfig(window_us=0))
     await engine.start()
@@ -255,8 +262,7 @@ async def test_a_crashed_store_thread_leaves_nothing_of_an_offload_it_failed_mid
     # its caller reuses its pages, and the store's close (which waits for the copy) must
     # not report it done to the server.
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's crash
-    copying = held(monkeypatch, Copier, "_move_cpu", lambda copier, job: job.to_host)
-    client, tables = on_server(host)
+    copying, client, tables = copies_held_on_server(host, monkeypatch)
     store = CrashingStore(client)
     store.put_match_many = None  # every match through put_match, the crashing one
     tokens, source = PAGES * PAGE_SIZE, torch.arange(PAGES)
