@@ -55,6 +55,14 @@ async def copy_ends(engine: aiokv.OffloadEngine, copying: Gate) -> None:
     await eventually(lambda: engine.stats().store_tasks_open == 0)
 
 
+async def copy_ends_with_the_store_thread(engine: aiokv.OffloadEngine, copying: Gate) -> None:
+    """Let the held copy run, and wait (bounded) until the engine's store thread, told
+    to end by a close or a crash, has ended: what became of the copy is reported then."""
+    copying.set()
+    assert engine._worker is not None
+    assert await asyncio.to_thread(engine._worker.join, 10)
+
+
 async def loaded(engine: aiokv.OffloadEngine, caches: list[torch.Tensor], key: str,
                  into: torch.Tensor) -> int:
     """Tokens a lookup and load of ``key`` put into the pages ``into`` (zeroed first)."""
@@ -235,9 +243,7 @@ async def test_a_close_that_abandons_an_offload_mid_copy_leaves_nothing_of_its_r
         for cache in tables:
             cache[source] = 7.0
     finally:
-        copying.set()  # the copy reads them now
-        assert engine._worker is not None
-        assert await asyncio.to_thread(engine._worker.join, 10)  # its end is reported
+        await copy_ends_with_the_store_thread(engine, copying)  # the copy reads them now
     await another_engine_misses_then_stores(host, tokens)
 
 
@@ -278,9 +284,7 @@ async def test_a_crashed_store_thread_leaves_nothing_of_an_offload_it_failed_mid
             for cache in tables:
                 cache[source] = 7.0
         finally:
-            copying.set()  # the copy reads them now
-            assert engine._worker is not None
-            assert await asyncio.to_thread(engine._worker.join, 10)  # the store closed
+            await copy_ends_with_the_store_thread(engine, copying)  # the copy reads them now
     await another_engine_misses_then_stores(host, tokens)
 
 
