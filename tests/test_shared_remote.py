@@ -13,6 +13,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -560,9 +562,40 @@ def _version(tables: list[torch.Tensor], at: int, user: int, page: int) -> str:
     return "?"
 
 
-def _loaded_versions(lookup: Any, reader: Any, tables: Any, user: int) -> list[str]:
-    """Load what the reader's held lookup of the user found into the last pages of its
-    tables; each page's version (v1, v2), as :func:`_version` tells it."""
+@contextmanager
+def _a_and_b_with_v1_on_mooncake(
+    tmp_path: Path, master: str, user: int, a_timeout_ms: int | None = None
+) -> Iterator[tuple[Host, SharedStore, list[torch.Tensor]]]:
+    """Store servers A and B on one Mooncake, each over its own directory and without
+    SSD (A's store.remote with ``a_timeout_ms`` where given). B has offloaded all of the
+    user's pages (v1) and written them to Mooncake. Yields A, and B's engine with its
+    tables; both servers stop on the way out (a read the block held must be let go by
+    then)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a_remote: dict[str, Any] = {"master": master}
+    if a_timeout_ms is not None:
+        a_remote["timeout_ms"] = a_timeout_ms
+    a = Host(tmp_path / "a", ssd=False, remote=a_remote)
+    b = Host(tmp_path / "b", ssd=False, remote={"master": master})
+    a.start()
+    b.start()
+    try:
+        b_engine, b_tables = b.engine()
+        _put(b_engine, b_tables, user, user_kv(user, PAGES), PAGES)  # v1
+        wait_for(lambda: _written(b_engine, PAGES), "B's first write")
+        yield a, b_engine, b_tables
+    finally:
+        a.stop()
+        b.stop()
+
+
+def _loaded_versions(gate: threading.Event, lookup: Any, reader: Any, tables: Any,
+                     user: int) -> list[str]:
+    """Let the reader's held lookup of the user go (``gate`` holds it), and load what it
+    found into the last pages of its tables; each page's version (v1, v2), as
+    :func:`_version` tells it."""
+    gate.set()
     task, mask = lookup.outcome()
     pages = int(mask.sum()) // PAGE_SIZE
     first = len(tables[0]) - pages
@@ -580,35 +613,24 @@ def test_a_read_never_joins_a_put_of_its_key_that_landed_meanwhile_with_another_
     # and the read, let go, reads v2 under the next generation. Its second half joined
     # A's own v1 half: a load of pages of two versions.
     user, half = 981, PAGES // 2
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = Host(tmp_path / "a", ssd=False, remote={"master": mooncake.master})
-    b = Host(tmp_path / "b", ssd=False, remote={"master": mooncake.master})
-    a.start()
-    b.start()
-    try:
-        b_engine, b_tables = b.engine()
-        _put(b_engine, b_tables, user, user_kv(user, PAGES), PAGES)  # v1
-        wait_for(lambda: _written(b_engine, PAGES), "B's first write")
+    with _a_and_b_with_v1_on_mooncake(tmp_path, mooncake.master, user) as (a, b_engine, b_tables):
         entered, gate = _held(monkeypatch, "read")
-        reader, tables = a.engine()
-        putter, put_tables = a.engine()
-        lookup = Call(lambda: reader.get_match(TOKENS, [f"user:{user}"]))
-        assert entered.wait(10), "A's read did not start"
-        _put(putter, put_tables, user, user_kv(user, PAGES), half)  # A's own v1 half
-        wait_for(lambda: putter.store_stats()["remote_blocks_held"] == 0, "A's write")
-        assert b_engine.evict([f"user:{user}"]) == PAGES * PAGE_SIZE
-        assert b_engine.store_stats()["remote_invalidation_errors"] == 0  # its marker is out
-        _put(b_engine, b_tables, user, user_kv(user + 1, PAGES), PAGES)  # v2
-        wait_for(lambda: _written(b_engine, 2 * PAGES), "B's second write")
-        gate.set()
-        versions = _loaded_versions(lookup, reader, tables, user)
-        for engine in (reader, putter, b_engine):
-            engine.close()
-    finally:
-        gate.set()
-        a.stop()
-        b.stop()
+        try:
+            reader, tables = a.engine()
+            putter, put_tables = a.engine()
+            lookup = Call(lambda: reader.get_match(TOKENS, [f"user:{user}"]))
+            assert entered.wait(10), "A's read did not start"
+            _put(putter, put_tables, user, user_kv(user, PAGES), half)  # A's own v1 half
+            wait_for(lambda: putter.store_stats()["remote_blocks_held"] == 0, "A's write")
+            assert b_engine.evict([f"user:{user}"]) == PAGES * PAGE_SIZE
+            assert b_engine.store_stats()["remote_invalidation_errors"] == 0  # its marker is out
+            _put(b_engine, b_tables, user, user_kv(user + 1, PAGES), PAGES)  # v2
+            wait_for(lambda: _written(b_engine, 2 * PAGES), "B's second write")
+            versions = _loaded_versions(gate, lookup, reader, tables, user)
+            for engine in (reader, putter, b_engine):
+                engine.close()
+        finally:
+            gate.set()
     assert versions in (["v1"] * half, ["v2"] * PAGES)
 
 
@@ -633,30 +655,19 @@ def test_a_read_never_joins_a_put_that_trusted_its_markers_from_before_an_evict(
         return answer
 
     monkeypatch.setattr(remote_client.RemoteIO, "viewed", viewed)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = Host(tmp_path / "a", ssd=False,
-             remote={"master": mooncake.master, "timeout_ms": timeout_ms})
-    b = Host(tmp_path / "b", ssd=False, remote={"master": mooncake.master})
-    a.start()
-    b.start()
-    try:
-        b_engine, b_tables = b.engine()
-        _put(b_engine, b_tables, user, user_kv(user, PAGES), PAGES)  # v1
-        wait_for(lambda: _written(b_engine, PAGES), "B's write")
-        reader, tables = a.engine()
-        putter, put_tables = a.engine()
-        lookup = Call(lambda: reader.get_match(TOKENS, [f"user:{user}"]))
-        assert answered.wait(10), "A's read was not answered"
-        assert b_engine.evict([f"user:{user}"]) == PAGES * PAGE_SIZE
-        assert b_engine.store_stats()["remote_invalidation_errors"] == 0  # its marker is out
-        _put(putter, put_tables, user, user_kv(user + 1, PAGES), 1)  # A's own v2 page
-        gate.set()
-        versions = _loaded_versions(lookup, reader, tables, user)
-        for engine in (reader, putter, b_engine):
-            engine.close()
-    finally:
-        gate.set()
-        a.stop()
-        b.stop()
+    with _a_and_b_with_v1_on_mooncake(tmp_path, mooncake.master, user,
+                                      a_timeout_ms=timeout_ms) as (a, b_engine, _):
+        try:
+            reader, tables = a.engine()
+            putter, put_tables = a.engine()
+            lookup = Call(lambda: reader.get_match(TOKENS, [f"user:{user}"]))
+            assert answered.wait(10), "A's read was not answered"
+            assert b_engine.evict([f"user:{user}"]) == PAGES * PAGE_SIZE
+            assert b_engine.store_stats()["remote_invalidation_errors"] == 0  # its marker is out
+            _put(putter, put_tables, user, user_kv(user + 1, PAGES), 1)  # A's own v2 page
+            versions = _loaded_versions(gate, lookup, reader, tables, user)
+            for engine in (reader, putter, b_engine):
+                engine.close()
+        finally:
+            gate.set()
     assert versions == ["v2"]
