@@ -16,7 +16,8 @@ Starts a master and a store process on 127.0.0.1 (aiokv.remote.servers) and prin
    lookup and load, with the copy into the pages.
 3. host-tier load p99 (lookup + load of users already in the host tier) while other
    users are offloaded, on an engine whose offloads also go to Mooncake in the
-   background against one without a remote tier. Target: at most 5% higher. A third
+   background against one without a remote tier (every round's loads pooled; the median
+   and the best of the rounds' own p99s beside). Target: at most 5% higher. A third
    engine, without a remote tier, runs while another process puts the same bytes into
    the same Mooncake at the rate the second one wrote them (``--outside-writes``): what
    the writes cost the loads from outside the engine's process (cores, memory, the
@@ -341,7 +342,8 @@ async def latency(args: argparse.Namespace, master: str) -> None:
     cases: tuple[str, ...] = ("without remote", "with remote writes")
     if args.outside_writes:
         cases += (OUTSIDE,)
-    results: dict[str, list[float]] = {name: [] for name in cases}
+    results: dict[str, list[float]] = {name: [] for name in cases}  # each round's p99
+    pooled: dict[str, list[float]] = {name: [] for name in cases}  # every load's ms
     for round_ in range(args.rounds):
         rate = 0.0  # blocks a second the engine with the remote tier wrote
         for name in cases:
@@ -369,18 +371,32 @@ async def latency(args: argparse.Namespace, master: str) -> None:
                     rate = written / args.seconds
                     print(f"  round {round_}: {written} blocks written to Mooncake meanwhile")
                     await engine.clear()
-            lat.sort()
-            results[name].append(lat[int(0.99 * (len(lat) - 1))])
+            pooled[name] += lat
+            results[name].append(_p99(lat))
             print(f"  round {round_} {name}: {len(lat)} loads, p50 "
                   f"{statistics.median(lat):.3f} ms, p99 {results[name][-1]:.3f} ms")
-    best = {name: min(values) for name, values in results.items()}
-    ratio = best["with remote writes"] / best["without remote"]
-    print(f"host-tier load p99 (best round): without {best['without remote']:.3f} ms, with "
-          f"background remote writes {best['with remote writes']:.3f} ms: {ratio - 1:+.1%} "
-          f"(target <= +5%: {'met' if ratio <= 1.05 else 'NOT met'})")
-    if OUTSIDE in best:
-        print(f"  {OUTSIDE} at the same rate: {best[OUTSIDE]:.3f} ms: "
-              f"{best[OUTSIDE] / best['without remote'] - 1:+.1%}")
+    # A round's p99 is its few slowest loads, and it moves more from round to round than
+    # the writes move it: the verdict is on every round's loads pooled (the p99 of the
+    # whole run), beside the median and the best of the rounds' own p99s.
+    for label, figure in (
+        ("all rounds' loads pooled", {n: _p99(v) for n, v in pooled.items()}),
+        ("median of rounds", {n: statistics.median(v) for n, v in results.items()}),
+        ("best round", {n: min(v) for n, v in results.items()}),
+    ):
+        ratio = figure["with remote writes"] / figure["without remote"]
+        verdict = (f" (target <= +5%: {'met' if ratio <= 1.05 else 'NOT met'})"
+                   if label.startswith("all") else "")
+        print(f"host-tier load p99 ({label}): without {figure['without remote']:.3f} ms, "
+              f"with background remote writes {figure['with remote writes']:.3f} ms: "
+              f"{ratio - 1:+.1%}{verdict}")
+        if OUTSIDE in figure:
+            print(f"  {OUTSIDE} at the same rate: {figure[OUTSIDE]:.3f} ms: "
+                  f"{figure[OUTSIDE] / figure['without remote'] - 1:+.1%}")
+
+
+def _p99(latencies: list[float]) -> float:
+    ordered = sorted(latencies)
+    return ordered[int(0.99 * (len(ordered) - 1))]
 
 
 async def main(args: argparse.Namespace) -> None:

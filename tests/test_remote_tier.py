@@ -1041,6 +1041,7 @@ def test_the_remote_tier_benchmark_runs_every_round_to_its_figures() -> None:
                          text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "load: aiokv load / raw get = " in run.stdout
+    assert "host-tier load p99 (all rounds' loads pooled)" in run.stdout
     assert "host-tier load p99 (best round)" in run.stdout
 
 
