@@ -27,6 +27,7 @@ from aiokv.remote import connection as remote_connection
 from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.markers import Markers
 from aiokv.remote.native import import_store
+from aiokv.remote.removals import Remover
 from aiokv.remote.servers import MooncakeServers
 from aiokv.remote.values import Values
 from aiokv.remote.writer import Writer
@@ -778,3 +779,75 @@ def test_a_host_cut_off_before_it_reached_any_master_never_joins_what_it_put_mea
         finally:
             b.close()
     assert versions == ["v1"] * half  # its own copies, none of v2 after them
+
+
+
+@pytest.mark.parametrize("seen", ["in_its_put", "after_its_put"])
+def test_a_write_that_crossed_a_master_restart_is_removed_from_the_new_master(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        seen: str) -> None:
+    # A's write of the user, offered under the master's boot id, lands in the master that
+    # replaced it (restarted, every key lost) under the old boot id: no host reads it
+    # there, and it took Mooncake's memory until the LRU came to it. A sees the restart
+    # while the put is under way (in_its_put), or only once it landed (after_its_put):
+    # either way A removes what is under the old boot id, and nothing under the new one.
+    user, other = 1901, 1902
+    keys = Keys(geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM), torch.float32, PAGE_SIZE))
+    digests = chain_digests(torch.arange(TOKENS).numpy(), PAGE_SIZE)
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        bare = _bare(servers.master)
+        a = LocalHost(servers.master, timeout_ms=SLOW_MS)
+        put = held(monkeypatch, Values, "put")
+        # Seen after the put: A takes the old boot id for the master's until it landed.
+        restart = held(monkeypatch, Keys, "restart", when=lambda *_: seen == "after_its_put")
+        # The removal waits until A wrote under the new boot id: it must leave that alone.
+        removal = held(monkeypatch, Remover, "_remove")
+        try:
+            assert a.offload(user) == TOKENS
+            assert put.entered.wait(60), "the writer did not take the put"
+            old_boot = bytes(bare.get(keys.boot_key())).decode()
+            late = keys.blocks(old_boot, namespace_tag([f"uid:{user}"]), 0, 0, digests)
+            bare.close()  # a client of the old master does not answer for the new one
+            with caplog.at_level(logging.WARNING, logger="aiokv"):
+                servers.stop_master()
+                servers.start_master()
+                servers.wait_store_mounted()
+                if seen == "after_its_put":
+                    assert restart.entered.wait(60), "A did not see the boot id's key go"
+                    put.set()
+                    until(lambda: a.stats()["remote_blocks_held"] == 0)
+                    restart.set()
+                until(lambda: any("restarted" in r.getMessage() for r in caplog.records))
+            put.set()
+            until(lambda: a.stats()["remote_blocks_held"] == 0)
+            bare = _bare(servers.master)
+            assert all(code == 1 for code in bare.batch_is_exist(late)), "it did not land"
+            until(lambda: bool(bytes(bare.get(keys.boot_key()))))  # the new master's id
+            new_boot = bytes(bare.get(keys.boot_key())).decode()
+            assert new_boot != old_boot
+            written = a.stats()["remote_blocks_written"]
+            assert a.offload(other) == TOKENS
+            until(lambda: a.stats()["remote_blocks_written"] == written + USER_PAGES)
+            current = keys.blocks(new_boot, namespace_tag([f"uid:{other}"]), 0, 0, digests)
+            assert all(code == 1 for code in bare.batch_is_exist(current))
+            removal.set()
+            until(lambda: not any(code == 1 for code in bare.batch_is_exist(late)))
+            c = LocalHost(servers.master, timeout_ms=SLOW_MS)
+            try:
+                assert c.load(other) == (TOKENS, True)  # A's blocks of now, bit for bit
+            finally:
+                c.close()
+        finally:
+            put.set()
+            restart.set()
+            removal.set()
+            stats = a.close()
+            bare.close()
+    assert (stats["remote_removals_dropped"], stats["remote_remove_errors"]) == (0, 0)
+
+
+def _bare(master: str) -> Any:
+    """A Mooncake client of the test's own, to look at keys as they are."""
+    bare = import_store().MooncakeDistributedStore()
+    assert bare.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", master) == 0
+    return bare

@@ -72,8 +72,11 @@ class RemoteIO:
         self.dropped_at_restart = 0  # queued write blocks dropped when the master restarted
         self.queue = WriteQueue(config.write_queue_blocks)
         self._checksums = Checksums(view, block_bytes, config.threads_for_checksums)
+        self._remover = Remover(self.connection, keys.either)
+        self.remove_stats = self._remover.stats
         self._writer = Writer(self.queue, self.connection, self.markers, layout,
-                              self._checksums, wake)
+                              self._checksums, wake,
+                              lambda boot: self._remover.submit(keys.boot_pattern(boot)))
         self.write_stats = self._writer.stats
         self._reads = Values(layout, self._checksums, self.read_stats,
                              ("remote_get_seconds", "remote_read_checksum_seconds"))
@@ -86,8 +89,6 @@ class RemoteIO:
         # epoch, generation) its keys were of (:meth:`viewed`).
         self.views: list[tuple[int, int, int] | None] = []
         self._reader = CallThread("aiokv-remote-read", self._tend)
-        self._remover = Remover(self.connection, keys.either)
-        self.remove_stats = self._remover.stats
         self._writer.thread.start()
         # Connect (and learn where the markers stand) now, so the first lookup need not.
         self._reader.submit(self._check)
@@ -277,10 +278,12 @@ class RemoteIO:
         client = self.connection.ready()
         return client is not None and self.markers.past(client, []) is not None
 
-    def _restarted(self) -> None:
+    def _restarted(self, boot: str) -> None:
         """The master restarted, and every value with it: the writes queued before are
         of a view that ended (written now, they would land under epochs and generations
-        that hosts reach again), and the evidence of evicts went too. Drop them."""
+        that hosts reach again), and the evidence of evicts went too. Drop them; what
+        was put under the old boot id late is removed (:meth:`.writer.Writer.restarted`)."""
+        self._writer.restarted(boot)
         dropped = self.queue.cancel(None)
         # Not in the writer's counts: this may be the reader thread (one thread a restart).
         self.dropped_at_restart += sum(map(len, dropped))

@@ -31,7 +31,8 @@ reach. So the first host to connect puts a boot id under ``<root>/boot`` (a put 
 the first value) and ``<root>/boot/<id>``; every host reads the id back, and asks for
 ``<root>/boot/<id>`` with its markers (one key more in the same call): once it is gone,
 so is everything the host knew of, and it starts again from epoch and generations 0 (a
-new *lifetime* of its view).
+new *lifetime* of its view); a host that wrote under the old id removes what is under it
+once (best effort: a write that crossed the restart), never what is under the new one.
 
 The boot id's keys and the markers are put hard-pinned (``markers._pinned``): Mooncake's
 LRU, oldest lease first, would take them first once its segment nears full (a marker is
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -282,11 +284,17 @@ class Keys:
         markers)."""
         return f"^{self.root}/[^/]+/[0-9a-f]{{32}}/{epoch}\\.[0-9]+/"
 
+    def boot_pattern(self, boot: str) -> str:
+        """Every block under this boot id (not the markers): a master's that restarted
+        since, where a write that crossed the restart lands unread."""
+        return f"^{self.root}/{re.escape(boot)}/"
+
     def either(self, patterns: Sequence[str]) -> str:
         """One pattern for what any of these (:meth:`generation_pattern`,
-        :meth:`epoch_pattern`) matches, and nothing else: their shared ``^<root>/`` once.
-        The master tries each alternative at each character of each key it holds, so
-        ``^root/a|^root/b`` costs about a scan per pattern, ``^root/(?:a|b)`` one."""
+        :meth:`epoch_pattern`, :meth:`boot_pattern`) matches, and nothing else: their
+        shared ``^<root>/`` once. The master tries each alternative at each character of
+        each key it holds, so ``^root/a|^root/b`` costs about a scan per pattern,
+        ``^root/(?:a|b)`` one."""
         head = f"^{self.root}/"
         if len(patterns) == 1:
             return patterns[0]

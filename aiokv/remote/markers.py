@@ -30,13 +30,14 @@ Ask = Callable[[list[str], list[list[str]]], "tuple[list[bool], T] | None"]
 class Markers:
     """``errors``: the counters that a call answered with an error adds to
     (``remote_read_errors``; a call that failed for want of the master is the
-    connection's to count); ``restarted``: called (on the thread that saw it) once the
-    master is found to have restarted, after this host's view started again; ``learned``:
+    connection's to count); ``restarted``: called (on the thread that saw it) with the
+    boot id that ended once the master is found to have restarted, after this host's
+    view started again; ``learned``:
     called (on the thread that learned it) with the boot id of the master, the
     lifetime it starts, and whether the tier rested before (failed to reach a master)."""
 
     def __init__(self, keys: Keys, connection: Connection, errors: dict[str, float],
-                 restarted: Callable[[], None],
+                 restarted: Callable[[str], None],
                  learned: Callable[[str, int, bool], None] | None = None) -> None:
         self.keys = keys
         self._connection = connection
@@ -150,7 +151,7 @@ class Markers:
                     self._refused()
                 return True
         if keys.restart(boot):  # none, or another host's since: a new master
-            self._restarted()
+            self._restarted(boot)
         return True
 
     def past(self, client: Any,

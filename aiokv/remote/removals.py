@@ -1,5 +1,6 @@
 """The remote tier's removals: an evict's or clear's best-effort ``remove_by_regex`` of the
-blocks its marker ended, on a thread of its own (``aiokv-remote-remove``).
+blocks its marker ended (and, after a restart of the master, of those under its old boot
+id), on a thread of its own (``aiokv-remote-remove``).
 
 Mooncake's master tries the pattern on every key it holds, and keeps one pinned marker per
 evict for ever: a removal takes 16 ms at 10k keys, over 200 ms at 100k. On the reader

@@ -28,16 +28,24 @@ _MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the mark
 
 class Writer:
     """The thread (``aiokv-remote-write``) and its figures (``stats``). ``wake`` is called
-    after each batch, when its blocks can be given back."""
+    after each batch, when its blocks can be given back; ``remove_boot`` with a boot id
+    whose master restarted, once this host's puts under it are over (:meth:`restarted`)."""
 
     def __init__(self, queue: WriteQueue, connection: Connection, markers: Markers,
                  layout: Layout, checksums: Checksums,
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], remove_boot: Callable[[str], None]) -> None:
         self._queue = queue
         self._connection = connection
         self._markers = markers
         self._keys = markers.keys
         self._wake = wake
+        self._remove_boot = remove_boot
+        # The boot id of the latest batch put (None: none since the restart of its master
+        # was seen), and of the one in Mooncake's put now, under this lock: a put under a
+        # boot id whose master restarts lands in the new one, where nobody reads it.
+        self._wrote_under: str | None = None
+        self._putting: str | None = None
+        self._boot_lock = threading.Lock()
         self._block_bytes = layout.block_bytes
         # Where its time goes (the marker checks, Mooncake's put, the checksums:
         # remote_tier.py prints the split).
@@ -133,6 +141,17 @@ class Writer:
         self._checked.update(dict.fromkeys(namespaces, until))
         return True
 
+    def restarted(self, boot: str) -> None:
+        """Any thread, once this host's view of the master of ``boot`` ended: what it put
+        under that boot id may be in the new master (a put that crossed the restart),
+        unread for good. Removed once, and after the put under it under way, if any
+        (:meth:`_write` then asks); never what goes under the new boot id."""
+        with self._boot_lock:
+            if self._wrote_under != boot or self._putting == boot:
+                return
+            self._wrote_under = None
+        self._remove_boot(boot)
+
     def _write(self, jobs: list[WriteJob]) -> None:
         stats = self.stats
         count = sum(len(job.blocks) for job in jobs)
@@ -183,7 +202,22 @@ class Writer:
             blocks += job.blocks.tolist()
         if not keys:
             return
-        codes = self.values.put(client, keys, blocks)
+        with self._boot_lock:
+            putting = self._keys.boot_of(lifetime)  # boot, unless the restart was seen now
+            if putting is None:
+                stats["remote_dropped_down"] += count
+                return
+            self._putting = self._wrote_under = putting
+        try:
+            codes = self.values.put(client, keys, blocks)
+        finally:
+            with self._boot_lock:
+                self._putting = None
+                crossed = self._keys.boot_of(lifetime) is None
+                if crossed:
+                    self._wrote_under = None
+        if crossed:  # seen while it was under way: removed after it (restarted left it)
+            self._remove_boot(putting)
         if not self._connection.codes("batch_put_from", codes):
             stats["remote_dropped_down"] += count
             return
