@@ -584,6 +584,72 @@ def test_a_host_never_writes_pages_that_extend_its_own_of_an_ended_generation_un
     assert stats["remote_dropped_stale"] == 2  # not written: counted
 
 
+@pytest.mark.parametrize("how", ["put", "read"])
+def test_another_prompt_of_a_key_never_labels_its_ssd_pages_with_a_later_generation(
+        mooncake: MooncakeServers, tmp_path: Path, how: str) -> None:
+    # A's SSD holds the first half of the user (v1) from an earlier run; B evicts the
+    # user. A, restarted, offloads another prompt of the user (all new: its host tier
+    # holds no other page of the key, its SSD does), or loads it from Mooncake (E's),
+    # then offloads two pages more after its SSD half (v1 bytes). The first labelled the
+    # whole key with the new generation, so the second wrote its pages under it; once D
+    # offloaded the user with other bytes (v2), C loaded v2 joined with A's v1 pages,
+    # two versions in one load.
+    user, half = 1885 + (how == "read"), USER_PAGES // 2
+    a = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=tmp_path)
+    try:
+        _offload_half(a, user, half)
+        until(lambda: a.stats()["remote_blocks_held"] == 0)
+        a.close()
+        b = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+        try:
+            _evict(b, user)
+        finally:
+            b.close()
+        a = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=tmp_path)
+        other = torch.arange(10_000, 10_000 + TOKENS)
+        if how == "read":
+            e = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+            try:
+                with e.kv.lookup(user, TOKENS, token_ids=other) as hit:  # learns it
+                    assert hit.cached_tokens == 0
+                assert e.kv.offload(user, torch.arange(USER_PAGES), TOKENS,
+                                    token_ids=other).stored_tokens == TOKENS
+                until(lambda: e.stats()["remote_blocks_written"] == USER_PAGES)
+            finally:
+                e.close()
+            with a.kv.lookup(user, TOKENS, token_ids=other) as hit:
+                # A miss: its SSD pages of the key are of no known view, so none of
+                # the new generation joins them (views).
+                assert a.kv.load(hit, torch.arange(USER_PAGES)).loaded_tokens in (0, TOKENS)
+        else:
+            with a.kv.lookup(user, TOKENS, token_ids=other) as hit:  # learns the generation
+                assert hit.cached_tokens == 0
+            assert a.kv.offload(user, torch.arange(USER_PAGES), TOKENS,
+                                token_ids=other).stored_tokens == TOKENS
+            until(lambda: a.stats()["remote_blocks_held"] == 0)
+        for cache, kv in zip(a.caches, a.kv_of(user), strict=True):
+            cache[:USER_PAGES] = kv
+        assert a.kv.offload(user, torch.arange(half + 2), (half + 2) * PAGE_SIZE).stored_tokens
+        until(lambda: a.stats()["remote_blocks_held"] == 0)
+        d = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+        try:
+            assert d.load(user) == (0, True)  # learns the new generation
+            for cache, kv in zip(d.caches, d.kv_of(user + 1), strict=True):
+                cache[:USER_PAGES] = kv
+            assert d.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
+            until(lambda: d.stats()["remote_blocks_held"] == 0)
+        finally:
+            d.close()
+        c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+        try:
+            versions = _loaded_versions(c, user)
+        finally:
+            c.close()
+    finally:
+        a.close()
+    assert versions == ["v2"] * USER_PAGES
+
+
 def _loaded_versions(host: LocalHost, user: int) -> list[str]:
     """What the host's lookup of all of the user loads, per page (:func:`_versions`)."""
     target = torch.arange(host.caches[0].shape[0] - USER_PAGES, host.caches[0].shape[0])

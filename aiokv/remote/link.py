@@ -84,6 +84,7 @@ class RemoteLink:
         self._lineage = None if ssd is None else SsdLineage(
             ssd.files.paths[0], ssd.tier.alloc.num_free < ssd.tier.num_blocks)
         self._views = views
+        self._ssd = ssd
         # Whether a put was offered before any boot id was learned (:meth:`offer`).
         self._offered_blind = False
         self.io = RemoteIO(
@@ -96,7 +97,8 @@ class RemoteLink:
             self._learned,
         )
         self._tags: dict[tuple[str, ...], str] = {}
-        self.reads = Reader(self.io, host, self._tag, wake, views)
+        self.reads = Reader(self.io, host, self._tag, wake, views,
+                            None if ssd is None else self._below)
         self._held = 0  # host blocks held by writes
         self.stats_ = {"remote_dropped_queue": 0, "remote_dropped_resting": 0}
         self._evicted = 0  # blocks not sent (or taken back) because this host evicted their key
@@ -148,7 +150,8 @@ class RemoteLink:
             # Its first pages were stored already, on the host or below (the SSD's are
             # not in the host tier's table).
             extends = _extends_stored(task.mask)
-            if len(space) == len(blocks) and not extends:
+            if len(space) == len(blocks) and not extends and not self._below(space.key,
+                                                                             task.digests):
                 # Written or not, the key's pages are of what this host knows now (a
                 # lookup must not join them with pages of another generation).
                 self.reads.views.noted(space.key, view)
@@ -185,6 +188,17 @@ class RemoteLink:
             else:
                 host.drop_readers(blocks)
                 self.stats_["remote_dropped_queue"] += len(blocks)
+
+    def _below(self, key: tuple[str, ...], digests: Sequence[bytes] = ()) -> bool:
+        """Whether this host holds pages of the key on its SSD only, but for ``digests``:
+        of a view its puts of other pages never tell (an earlier run's, or of a
+        generation that ended since they went below the host tier)."""
+        ssd = self._ssd
+        below = None if ssd is None else ssd.tier.index.space(key)
+        if not below:
+            return False
+        mine = set(digests)
+        return any(digest not in mine for digest in below)
 
     def _may_extend(self, key: tuple[str, ...], view: tuple[int, int, int]) -> bool:
         """Whether a put's new pages offered under ``view`` may extend this host's pages

@@ -95,8 +95,11 @@ class Reader:
     generation each key's pages here are of."""
 
     def __init__(self, io: RemoteIO, host: Tier, tag: Callable[[tuple[str, ...]], str],
-                 wake: Callable[[], None], views: PageViews) -> None:
+                 wake: Callable[[], None], views: PageViews,
+                 held_below: Callable[[tuple[str, ...]], bool] | None = None) -> None:
         self._io = io
+        # Whether this host holds pages of a key on its SSD only (None: it has no SSD).
+        self._held_below = held_below
         self._host = host
         self._tag = tag
         self._wake = wake
@@ -145,7 +148,10 @@ class Reader:
                 continue
             head, gap = self._missing(key, digests)
             space = host.index.space(key)
+            # Its pages here of other prompts too: the view is the key's, of them all.
             mine = space is not None and len(space) > 0
+            if not mine and self._held_below is not None:
+                mine = self._held_below(key)
             if gap and below is not None:
                 on_ssd = below(key, gap)
                 mine = mine or True in on_ssd
