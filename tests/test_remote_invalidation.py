@@ -558,24 +558,7 @@ def test_a_host_never_writes_pages_that_extend_its_own_of_an_ended_generation_un
             offers_once_learned(monkeypatch, namespace_tag([f"uid:{user}"]))
         else:
             assert a.load(user) == (half * PAGE_SIZE, True)
-        for cache, kv in zip(a.caches, a.kv_of(user), strict=True):
-            cache[:USER_PAGES] = kv
-        assert a.kv.offload(user, torch.arange(half + 2), (half + 2) * PAGE_SIZE).stored_tokens
-        until(lambda: a.stats()["remote_blocks_held"] == 0)
-        d = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
-        try:
-            assert d.load(user) == (0, True)  # learns the new generation
-            for cache, kv in zip(d.caches, d.kv_of(user + 1), strict=True):
-                cache[:USER_PAGES] = kv
-            assert d.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
-            until(lambda: d.stats()["remote_blocks_held"] == 0)
-        finally:
-            d.close()
-        c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
-        try:
-            versions = _loaded_versions(c, user)
-        finally:
-            c.close()
+        versions = _extend_then_v2_elsewhere(mooncake, a, user, half)
         own = _loaded_versions(a, user)
     finally:
         stats = a.close()
@@ -627,27 +610,35 @@ def test_another_prompt_of_a_key_never_labels_its_ssd_pages_with_a_later_generat
             assert a.kv.offload(user, torch.arange(USER_PAGES), TOKENS,
                                 token_ids=other).stored_tokens == TOKENS
             until(lambda: a.stats()["remote_blocks_held"] == 0)
-        for cache, kv in zip(a.caches, a.kv_of(user), strict=True):
-            cache[:USER_PAGES] = kv
-        assert a.kv.offload(user, torch.arange(half + 2), (half + 2) * PAGE_SIZE).stored_tokens
-        until(lambda: a.stats()["remote_blocks_held"] == 0)
-        d = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
-        try:
-            assert d.load(user) == (0, True)  # learns the new generation
-            for cache, kv in zip(d.caches, d.kv_of(user + 1), strict=True):
-                cache[:USER_PAGES] = kv
-            assert d.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
-            until(lambda: d.stats()["remote_blocks_held"] == 0)
-        finally:
-            d.close()
-        c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
-        try:
-            versions = _loaded_versions(c, user)
-        finally:
-            c.close()
+        versions = _extend_then_v2_elsewhere(mooncake, a, user, half)
     finally:
         a.close()
     assert versions == ["v2"] * USER_PAGES
+
+
+def _extend_then_v2_elsewhere(mooncake: MooncakeServers, a: LocalHost, user: int,
+                              half: int) -> list[str]:
+    """A offloads two pages more after its first ``half`` (its v1 bytes); D, which learns
+    the user's current generation, offloads all of it with other bytes (v2); what a fresh
+    host C then loads of the user, per page (:func:`_versions`)."""
+    for cache, kv in zip(a.caches, a.kv_of(user), strict=True):
+        cache[:USER_PAGES] = kv
+    assert a.kv.offload(user, torch.arange(half + 2), (half + 2) * PAGE_SIZE).stored_tokens
+    until(lambda: a.stats()["remote_blocks_held"] == 0)
+    d = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    try:
+        assert d.load(user) == (0, True)  # learns the new generation
+        for cache, kv in zip(d.caches, d.kv_of(user + 1), strict=True):
+            cache[:USER_PAGES] = kv
+        assert d.kv.offload(user, torch.arange(USER_PAGES), TOKENS).stored_tokens == TOKENS
+        until(lambda: d.stats()["remote_blocks_held"] == 0)
+    finally:
+        d.close()
+    c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
+    try:
+        return _loaded_versions(c, user)
+    finally:
+        c.close()
 
 
 def _loaded_versions(host: LocalHost, user: int) -> list[str]:
