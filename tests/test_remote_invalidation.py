@@ -548,11 +548,7 @@ def test_a_host_never_writes_pages_that_extend_its_own_of_an_ended_generation_un
         until(lambda: a.stats()["remote_blocks_held"] == 0)
         if below:
             a.close()
-        b = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
-        try:
-            _evict(b, user)
-        finally:
-            b.close()
+        _evict_on_another_host(mooncake.master, user)
         if below:
             a = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=ssd)
             offers_once_learned(monkeypatch, namespace_tag([f"uid:{user}"]))
@@ -583,11 +579,7 @@ def test_another_prompt_of_a_key_never_labels_its_ssd_pages_with_a_later_generat
         _offload_half(a, user, half)
         until(lambda: a.stats()["remote_blocks_held"] == 0)
         a.close()
-        b = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
-        try:
-            _evict(b, user)
-        finally:
-            b.close()
+        _evict_on_another_host(mooncake.master, user)
         a = LocalHost(mooncake.master, timeout_ms=SLOW_MS, ssd_dir=tmp_path)
         other = torch.arange(10_000, 10_000 + TOKENS)
         if how == "read":
@@ -688,11 +680,7 @@ def _evict_then_restart_then_put_v2(servers: MooncakeServers, user: int) -> None
     """A host evicts the user (its marker out), the master restarts (forgetting that
     evict with every key), and another host offloads all of the user with other bytes
     (v2), written to Mooncake under the new master's first generation."""
-    a = LocalHost(servers.master, timeout_ms=SLOW_MS)
-    try:
-        _evict(a, user)
-    finally:
-        a.close()
+    _evict_on_another_host(servers.master, user)
     servers.stop_master()
     servers.start_master()
     servers.wait_store_mounted()
@@ -707,6 +695,15 @@ def _evict(host: LocalHost, user: int) -> None:
     """``host`` evicts the user, its marker out on Mooncake."""
     host.kv.evict(user)
     assert host.stats()["remote_invalidation_errors"] == 0
+
+
+def _evict_on_another_host(master: str, user: int) -> None:
+    """A host of its own evicts the user, its marker out on Mooncake, and closes."""
+    host = LocalHost(master, timeout_ms=SLOW_MS)
+    try:
+        _evict(host, user)
+    finally:
+        host.close()
 
 
 def _put_v2(host: LocalHost, user: int) -> None:
