@@ -42,9 +42,7 @@ def strided_blocks(raw: torch.Tensor, num_blocks: int, block_shape: tuple[int, .
                    dtype: torch.dtype, stride: int) -> torch.Tensor:
     """``[block, *block_shape]`` of ``dtype`` over the bytes ``raw``, block ``b`` at
     byte ``b * stride`` (each block contiguous)."""
-    element = torch.empty(0, dtype=dtype).element_size()
-    inner = [1]
-    for size in reversed(block_shape[1:]):
-        inner.insert(0, inner[0] * size)
+    block = torch.empty(block_shape, dtype=dtype, device="meta")  # its strides, no memory
     typed = raw[: num_blocks * stride].view(dtype)
-    return typed.as_strided((num_blocks, *block_shape), (stride // element, *inner))
+    return typed.as_strided((num_blocks, *block_shape),
+                            (stride // block.element_size(), *block.stride()))
