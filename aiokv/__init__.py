@@ -1,6 +1,7 @@
 """aiokv: an asyncio offload engine for paged GPU KV caches."""
 
-from .config import EngineConfig, StoreConfig, load_config
+from .config import EngineConfig, StoreConfig
+from .config_file import load_config
 from .engine import EngineState, OffloadEngine
 from .errors import (
     AiokvError,

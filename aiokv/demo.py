@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import EngineConfig, StoreConfig, load_config
+from .config import EngineConfig, StoreConfig
+from .config_file import load_config
 from .engine import OffloadEngine
 from .errors import AiokvError, ConfigError, EngineClosed
 from .flags import check_fits, too_large

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from .config import EngineConfig, StoreConfig, load_config, parse_config
+from .config import EngineConfig, StoreConfig, parse_config
+from .config_file import load_config
 from .engine import OffloadEngine
 from .errors import ConfigError
 from .stores import make_store

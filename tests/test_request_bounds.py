@@ -21,7 +21,8 @@ from pinning import pin_in_chunks
 from test_ssd import engine_on, offload, same
 
 import aiokv
-from aiokv.config import load_config, parse_config
+from aiokv.config import parse_config
+from aiokv.config_file import load_config
 from aiokv.stores.local import hostmem
 from aiokv.stores.local import pool as pool_module
 

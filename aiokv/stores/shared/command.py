@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ...config import load_config
+from ...config_file import load_config
 from ...errors import ConfigError
 from ...flags import nonnegative_float
 
