@@ -108,8 +108,8 @@ _REMOTE_WAITS = (
     ("aiokv_remote_lookup_seconds", "The waits for Mooncake at lookups, the store "
      "thread's or a store server's (one per batch of lookups that asked it).",
      "remote_lookup_waits", "remote_lookup_seconds_total"),
-    ("aiokv_remote_write_seconds", "The writer thread's time per batch of background "
-     "writes (checksums and Mooncake's put).",
+    ("aiokv_remote_write_seconds", "The remote writer's busy time (a batch of background "
+     "writes in hand: its checks and checksums, Mooncake's put), over its batches.",
      "remote_write_batches", "remote_write_seconds"),
 )
 # Batches are of a request Kind; lookups move no KV.

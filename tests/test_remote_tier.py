@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import exits_cleanly_never_closed, needs_mooncake, one_batch
+from conftest import exits_cleanly_never_closed, held, needs_mooncake, one_batch
 from pinning import pin_in_chunks
 from prometheus_client import CollectorRegistry
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, ChildHost
@@ -980,17 +980,63 @@ def test_a_lookup_racing_another_hosts_evict_marker_put_is_a_miss_not_an_error(
             stats["remote_errors"]) == (0, 1, 0, 0)
 
 
+def test_an_evict_waits_for_its_users_put_while_the_next_batch_is_summed_beside_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    # The writer checks and sums a batch while the batch before it is in Mooncake's put.
+    # An evict of the first batch's user then waits for that put before its remove, or
+    # the put lands after the remove and its blocks stay in Mooncake, read by nobody,
+    # until its LRU; the second batch's user is written and loads bit-exact elsewhere.
+    with MooncakeServers(16, log_dir=tmp_path) as servers:
+        bare = import_store().MooncakeDistributedStore()
+        assert bare.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
+                          servers.master) == 0
+        gate = held(monkeypatch, Writer, "_put")
+        a = LocalHost(servers.master, timeout_ms=20_000)
+        try:
+            assert a.offload(3301) == TOKENS
+            assert gate.entered.wait(60), "the first batch never reached its put"
+            summed = a.stats()["remote_write_checksum_seconds"]
+            assert a.offload(3302) == TOKENS
+            until(lambda: a.stats()["remote_write_checksum_seconds"] > summed)  # in hand
+            evicted: list[int] = []
+            evict = threading.Thread(target=lambda: evicted.append(a.kv.evict(3301)))
+            evict.start()
+            time.sleep(0.2)
+            gate.set()
+            evict.join(30)
+            assert evicted == [TOKENS]
+            until(lambda: a.stats()["remote_blocks_held"] == 0)
+            assert a.stats()["remote_blocks_written"] == 2 * USER_PAGES  # both were put
+            keys = Keys(geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM),
+                                     torch.float32, PAGE_SIZE))
+            boot = bytes(bare.get(keys.boot_key())).decode()
+            first = keys.blocks(boot, namespace_tag(["uid:3301"]), 0, 0, chain_digests(
+                torch.arange(TOKENS).numpy(), PAGE_SIZE))
+            until(lambda: not any(code == 1 for code in bare.batch_is_exist(first)), 10)
+        finally:
+            gate.set()
+            a.close()
+            bare.close()
+        b = LocalHost(servers.master, timeout_ms=FRESH_MS)
+        try:
+            assert b.load(3302) == (TOKENS, True)
+            assert b.load(3301)[0] == 0
+        finally:
+            b.close()
+
+
 def test_an_evict_does_not_wait_for_another_users_write(
     mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gate, writing = threading.Event(), threading.Event()
     write = Writer._write
 
-    def held_write(writer: Writer, jobs: Any) -> None:
+    def held_write(writer: Writer, jobs: Any) -> Any:
         if not gate.is_set():
             writing.set()
             gate.wait(30)
-        write(writer, jobs)
+        return write(writer, jobs)
 
     a = LocalHost(mooncake.master, timeout_ms=20_000)
     try:

@@ -7,7 +7,7 @@ and the namespaces whose markers puts under way want asked for before they are o
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from ..stores.base import Int64Array
@@ -33,7 +33,8 @@ class WriteQueue:
         self._capacity = capacity_blocks
         self._jobs: deque[WriteJob] = deque()
         self._queued = 0  # blocks in _jobs
-        self._writing: list[str] = []  # the namespaces of the batch being written
+        # The namespaces of the batches taken and not done (the writer has two at most).
+        self._writing: Counter[str] = Counter()
         self._asked: dict[str, None] = {}  # namespaces whose markers to ask for, in order
         self._closed = False
         self._cond = threading.Condition()
@@ -42,6 +43,10 @@ class WriteQueue:
     @property
     def queued_blocks(self) -> int:
         return self._queued
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def put(self, job: WriteJob) -> bool:
         """Queue a write (store thread); False (nothing queued) when full or closed."""
@@ -102,14 +107,15 @@ class WriteQueue:
                 jobs.append(self._jobs.popleft())
                 count += len(jobs[-1].blocks)
             self._queued -= count
-            self._writing = [job.ns for job in jobs]
+            self._writing.update(job.ns for job in jobs)
             return jobs
 
     def done(self, jobs: list[WriteJob]) -> None:
         """Writer thread: these jobs ended, written or not."""
         self.give_back([job.blocks for job in jobs])
         with self._cond:
-            self._writing = []
+            self._writing.subtract(job.ns for job in jobs)
+            self._writing = +self._writing  # drops the namespaces at 0
             self._cond.notify_all()
 
     def give_back(self, blocks: list[Int64Array]) -> None:

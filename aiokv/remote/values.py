@@ -69,11 +69,15 @@ class Values:
         """Memory to register with Mooncake (address, bytes), besides the host memory."""
         return [(self._scratch.ctypes.data, self._scratch.nbytes)]
 
-    def put(self, client: Any, keys: Sequence[str], blocks: Sequence[int]) -> list[int]:
-        """Put each key's value from its host block: per key 0 or Mooncake's code."""
+    def seal(self, keys: Sequence[str], blocks: Sequence[int]) -> None:
+        """Write each block's checksum under its key into its trailer, before its put."""
         began = time.monotonic()
         self._trailers[list(blocks)] = np.array(self._sums(keys, blocks), dtype=np.uint64)
-        began = self._spent(self._sums_key, began)
+        self._spent(self._sums_key, began)
+
+    def put(self, client: Any, keys: Sequence[str], blocks: Sequence[int]) -> list[int]:
+        """Put each key's value (sealed) from its host block: per key 0 or Mooncake's code."""
+        began = time.monotonic()
         codes = client.batch_put_from(list(keys), self._at(blocks), [self.whole] * len(keys))
         self._spent(self._calls_key, began)
         return list(codes)

@@ -1,17 +1,28 @@
-"""The remote tier's writer thread: it takes the queued writes a batch at a time, asks
-for the markers of their namespaces first (at most once a second each), and puts the
-values under the master's boot id, epoch and generation their put was offered under,
-unless those ended meanwhile. Every job ends in :meth:`~.queue.WriteQueue.done`, written
-or dropped (counted by reason), so that the store thread gives its host blocks back.
-Between batches it asks for the markers of namespaces whose puts started and that no
-call asked for lately, so that those puts are offered under what is current."""
+"""The remote tier's writer: it takes the queued writes a batch at a time, asks for the
+markers of their namespaces first (at most once a second each), and puts the values under
+the master's boot id, epoch and generation their put was offered under, unless those ended
+meanwhile. Every job ends in :meth:`~.queue.WriteQueue.done`, written or dropped (counted
+by reason), so that the store thread gives its host blocks back. Between batches it asks
+for the markers of namespaces whose puts started and that no call asked for lately, so
+that those puts are offered under what is current.
+
+Two threads, a batch each: the writer thread checks a batch, names its keys and sums its
+values while the put thread has the batch before it in Mooncake's put. Done in turn, the
+sums and checks would add their time to every batch's (writes under way hold host blocks
+and fall behind the offloads); side by side, the put alone sets the rate. A batch's checks
+may so come one put earlier than its own put: no harder case than a check followed by a
+slow put, since a put lands under the view it was offered under, which an evict's marker
+then ends. An evict waits for the writes of its key in hand, both batches
+(:meth:`.queue.WriteQueue.wait_idle`)."""
 
 from __future__ import annotations
 
 import logging
+import queue as queues
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .checksums import Checksums
@@ -26,10 +37,23 @@ _WRITE_BATCH = 64  # blocks per batch_put call
 _MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the markers
 
 
+@dataclass(slots=True, eq=False)
+class _Ready:
+    """A batch checked and summed, for the put thread: ``keys`` of ``blocks`` (the jobs'
+    blocks still to write, ``count`` of them) under ``lifetime``'s boot id."""
+
+    jobs: list[WriteJob]
+    keys: list[str]
+    blocks: list[int]
+    count: int
+    lifetime: int
+
+
 class Writer:
-    """The thread (``aiokv-remote-write``) and its figures (``stats``). ``wake`` is called
-    after each batch, when its blocks can be given back; ``remove_boot`` with a boot id
-    whose master restarted, once this host's puts under it are over (:meth:`restarted`)."""
+    """The two threads (``thread``, the writer's, ends after the put thread) and their
+    figures (``stats``). ``wake`` is called after each batch, when its blocks can be given
+    back; ``remove_boot`` with a boot id whose master restarted, once this host's puts
+    under it are over (:meth:`restarted`)."""
 
     def __init__(self, queue: WriteQueue, connection: Connection, markers: Markers,
                  layout: Layout, checksums: Checksums,
@@ -48,7 +72,7 @@ class Writer:
         self._boot_lock = threading.Lock()
         self._block_bytes = layout.block_bytes
         # Where its time goes (the marker checks, Mooncake's put, the checksums:
-        # remote_tier.py prints the split).
+        # remote_tier.py prints the split). Both threads count, under the lock.
         self.stats: dict[str, float] = dict.fromkeys((
             "remote_blocks_written", "remote_bytes_written", "remote_dropped_full",
             "remote_dropped_down", "remote_dropped_evicted", "remote_dropped_stale",
@@ -56,43 +80,107 @@ class Writer:
             "remote_write_batches",
             "remote_write_seconds", "remote_marker_seconds", "remote_write_checksum_seconds",
             "remote_put_seconds"), 0)
+        self._stats_lock = threading.Lock()
         self.values = Values(layout, checksums, self.stats,
                              ("remote_put_seconds", "remote_write_checksum_seconds"))
         # Namespace -> when its markers need asking again before a write.
         self._checked: dict[str, float] = {}
-        # time.monotonic(), while it writes a batch or asks for markers (_learn): close
-        # gives a call under way timeout_ms, whichever it is.
+        # time.monotonic(), while the writer thread checks a batch or asks for markers
+        # (_learn), and while the put thread puts one: close gives a call under way
+        # timeout_ms, whichever it is.
         self._call_began: float | None = None
+        self._put_began: float | None = None
+        # Batches taken from the queue and not done: one in Mooncake's put, the next
+        # checked and summed meanwhile. remote_write_seconds counts the time with one
+        # or two in hand (the writer's busy time, which its rate is of).
+        self._out = threading.Semaphore(2)
+        self._in_hand = 0
+        self._busy_since = 0.0
+        self._ready: queues.SimpleQueue[_Ready | None] = queues.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="aiokv-remote-write",
                                        daemon=True)
+        self._put_thread = threading.Thread(target=self._put_loop, name="aiokv-remote-put",
+                                            daemon=True)
+
+    def _count(self, key: str, amount: float) -> None:
+        with self._stats_lock:
+            self.stats[key] += amount
 
     def _loop(self) -> None:
         queue = self._queue
-        while (jobs := queue.next_batch(_WRITE_BATCH)) is not None:
-            asked = queue.asked()
-            if asked:
-                self._learn(asked)
-            if not jobs:
+        self._put_thread.start()
+        try:
+            while True:
+                self._out.acquire()  # released once the batch is done (_finish)
+                jobs = queue.next_batch(_WRITE_BATCH)
+                if jobs is None:
+                    break
+                asked = queue.asked()
+                if asked:
+                    self._learn(asked)
+                if not jobs:
+                    self._out.release()
+                    continue
+                with self._stats_lock:
+                    if not self._in_hand:
+                        self._busy_since = time.monotonic()
+                    self._in_hand += 1
+                ready: _Ready | None = None
+                self._call_began = time.monotonic()
+                try:
+                    ready = self._write(jobs)
+                except Closed:  # close returned while it was in a call: its figures are final
+                    pass
+                except Exception as exc:  # a bug or the client's: count it, keep the thread
+                    self._count("remote_write_errors", sum(len(j.blocks) for j in jobs))
+                    log.exception("aiokv: remote tier: a write failed: %s", exc)
+                finally:
+                    self._call_began = None
+                if ready is None:
+                    self._finish(jobs)
+                else:
+                    self._ready.put(ready)
+        finally:
+            self._ready.put(None)  # the put thread ends after the batch it has
+            self._put_thread.join()
+
+    def _put_loop(self) -> None:
+        while (ready := self._ready.get()) is not None:
+            if self._queue.closed:
+                # The interpreter exits, or close stopped waiting for the writes: a put
+                # not begun is not begun now (a daemon thread in Mooncake's call as the
+                # interpreter ends takes the process down).
+                self._count("remote_dropped_down", ready.count)
+                self._finish(ready.jobs)
                 continue
-            began = self._call_began = time.monotonic()
+            self._put_began = time.monotonic()
             try:
-                self._write(jobs)
-            except Closed:  # close returned while it was in a call: its figures are final
+                self._put(ready)
+            except Closed:
                 pass
-            except Exception as exc:  # a bug or the client's: count it, keep the thread
-                self.stats["remote_write_errors"] += sum(len(j.blocks) for j in jobs)
+            except Exception as exc:
+                self._count("remote_write_errors", ready.count)
                 log.exception("aiokv: remote tier: a write failed: %s", exc)
             finally:
-                self._call_began = None
-                self.stats["remote_write_batches"] += 1
-                self.stats["remote_write_seconds"] += time.monotonic() - began
-                queue.done(jobs)
-                self._wake()
+                self._put_began = None
+                self._finish(ready.jobs)
+
+    def _finish(self, jobs: list[WriteJob]) -> None:
+        """A batch ended, written or dropped (either thread)."""
+        with self._stats_lock:
+            self.stats["remote_write_batches"] += 1
+            self._in_hand -= 1
+            if not self._in_hand:
+                self.stats["remote_write_seconds"] += time.monotonic() - self._busy_since
+        self._queue.done(jobs)
+        self._out.release()
+        self._wake()
 
     def in_call_s(self) -> float:
-        """How long the batch or the markers' call under way has taken so far (0: none)."""
-        began = self._call_began
-        return 0.0 if began is None else time.monotonic() - began
+        """How long the oldest of the calls under way (a batch's checks or put, the
+        markers') has taken so far (0: none)."""
+        began = [b for b in (self._call_began, self._put_began) if b is not None]
+        return time.monotonic() - min(began) if began else 0.0
 
     def expect(self, ns: str) -> None:
         """A put of the namespace started (the store thread's): unless a call asked for
@@ -125,7 +213,7 @@ class Writer:
             self._connection.failed("asking for markers", exc)
         finally:
             self._call_began = None
-            self.stats["remote_marker_seconds"] += time.monotonic() - began
+            self._count("remote_marker_seconds", time.monotonic() - began)
 
     def _refresh(self, client: Any, namespaces: set[str]) -> bool:
         """Move past the markers of these namespaces (and of the epoch) that other hosts
@@ -152,27 +240,30 @@ class Writer:
             self._wrote_under = None
         self._remove_boot(boot)
 
-    def _write(self, jobs: list[WriteJob]) -> None:
-        stats = self.stats
+    def _write(self, jobs: list[WriteJob]) -> _Ready | None:
+        """Check a batch, name its keys and sum its values: what the put thread puts
+        (None: nothing to put, each block counted)."""
         count = sum(len(job.blocks) for job in jobs)
         client = self._connection.ready()
         if client is None:
-            stats["remote_dropped_down"] += count
-            return
+            self._count("remote_dropped_down", count)
+            return None
         now = time.monotonic()
         # The keys name the boot id: where it is not known (a restart seen just now), the
         # markers' call learns it.
         known = self._keys.boot is not None
         stale = {job.ns for job in jobs if not known or self._checked.get(job.ns, 0.0) < now}
         refreshed = not stale or self._refresh(client, stale)
-        stats["remote_marker_seconds"] += time.monotonic() - now
+        self._count("remote_marker_seconds", time.monotonic() - now)
         if not refreshed:
-            stats["remote_dropped_down"] += count
-            return
+            self._count("remote_dropped_down", count)
+            return None
         keys: list[str] = []
         blocks: list[int] = []
         lifetime = self._keys.view("")[0]
         boot = self._keys.boot_of(lifetime)  # the master's of now (None: restarted just now)
+        dropped = dict.fromkeys(("remote_dropped_down", "remote_dropped_evicted",
+                                 "remote_dropped_stale"), 0)
         for job in jobs:
             view = self._keys.view(job.ns)
             offered = self._keys.seen(job.view)
@@ -180,12 +271,10 @@ class Writer:
                     or view[0] != lifetime):
                 # The master restarted since: a view that ended (or offered cut off
                 # before this host reached any master, and one may have restarted).
-                stats["remote_dropped_down"] += len(job.blocks)
-                count -= len(job.blocks)
+                dropped["remote_dropped_down"] += len(job.blocks)
                 continue
             if not self._keys.usable(job.ns):  # evicted here, its marker not out yet
-                stats["remote_dropped_evicted"] += len(job.blocks)
-                count -= len(job.blocks)
+                dropped["remote_dropped_evicted"] += len(job.blocks)
                 continue
             if view != offered:
                 # Ended since the put was offered (usually by another host: the markers
@@ -193,23 +282,33 @@ class Writer:
                 # generation: the offer may have come before that evict, as far as this
                 # host can tell, and it would bring back what the evict ended. Dropped;
                 # the host tier keeps the blocks (and does not offer them again).
-                stats["remote_dropped_stale"] += len(job.blocks)
-                count -= len(job.blocks)
+                dropped["remote_dropped_stale"] += len(job.blocks)
                 continue
             # Under the boot id of the master it was offered under: one that restarts
             # after these checks, before the put, gets it where its hosts never look.
             keys += self._keys.blocks(boot, job.ns, job.view[1], job.view[2], job.digests)
             blocks += job.blocks.tolist()
+        for key, amount in dropped.items():
+            if amount:
+                self._count(key, amount)
         if not keys:
-            return
+            return None
+        self.values.seal(keys, blocks)
+        return _Ready(jobs, keys, blocks, len(blocks), lifetime)
+
+    def _put(self, ready: _Ready) -> None:
+        """Put a batch the writer thread readied (the put thread), under the boot id its
+        keys name, unless its master restarted meanwhile."""
+        count, lifetime = ready.count, ready.lifetime
+        client = self._connection.ready()
         with self._boot_lock:
-            putting = self._keys.boot_of(lifetime)  # boot, unless the restart was seen now
-            if putting is None:
-                stats["remote_dropped_down"] += count
+            putting = self._keys.boot_of(lifetime)  # its keys' boot, unless restarted since
+            if putting is None or client is None:
+                self._count("remote_dropped_down", count)
                 return
             self._putting = self._wrote_under = putting
         try:
-            codes = self.values.put(client, keys, blocks)
+            codes = self.values.put(client, ready.keys, ready.blocks)
         finally:
             with self._boot_lock:
                 self._putting = None
@@ -219,17 +318,19 @@ class Writer:
         if crossed:  # seen while it was under way: removed after it (restarted left it)
             self._remove_boot(putting)
         if not self._connection.codes("batch_put_from", codes):
-            stats["remote_dropped_down"] += count
+            self._count("remote_dropped_down", count)
             return
         if self._keys.boot_of(lifetime) is None:
             # The restart was seen meanwhile: what was put went with the old master, or
             # under its boot id into the new one, where nobody reads it. Dropped at the
             # restart, as the writes queued then; the LRU takes them.
-            stats["remote_dropped_down"] += count
+            self._count("remote_dropped_down", count)
             return
         written = codes.count(0)
         full = codes.count(NO_SPACE)
-        stats["remote_blocks_written"] += written
-        stats["remote_bytes_written"] += written * self._block_bytes
-        stats["remote_dropped_full"] += full
-        stats["remote_write_errors"] += len(codes) - written - full
+        with self._stats_lock:
+            stats = self.stats
+            stats["remote_blocks_written"] += written
+            stats["remote_bytes_written"] += written * self._block_bytes
+            stats["remote_dropped_full"] += full
+            stats["remote_write_errors"] += len(codes) - written - full
