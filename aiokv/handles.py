@@ -116,39 +116,55 @@ class BackgroundLayerwiseLoad:
 
     def layer_ready(self, layer: int, timeout: float | None = None) -> None:
         """Block until layer ``layer`` is in the pages (:meth:`LayerwiseLoad.layer_ready`)
-        or ``timeout`` seconds pass (TimeoutError)."""
+        or ``timeout`` seconds pass (TimeoutError). The load's end answers too, also
+        where a close ended it before this wait reached the loop, and closed the loop."""
         timeout = validate.wait_timeout(timeout)
         load = self.load
+        load._check(layer)
         if load._take_end():  # also once the handle closed and its loop is gone
-            load._check(layer)
             load._raise_if_failed(threads=True)
             return
         refuse_in_fork(self._pid, "layerwise load")
         self._refuse_on_loop("layer_ready")
-        waited = asyncio.run_coroutine_threadsafe(load.layer_ready(layer), self._loop)
+        waits: list[concurrent.futures.Future[None]] = [load._ended_signal]
+        ready = load.layer_ready(layer)
         try:
-            waited.result(timeout)
-        except concurrent.futures.TimeoutError:  # builtin TimeoutError from 3.11
-            waited.cancel()  # a wait given up lets its layer-wait thread go
-            raise
+            waits.append(asyncio.run_coroutine_threadsafe(ready, self._loop))
+        except RuntimeError:  # the loop is closed: so is the engine, whose close ended it
+            ready.close()
+        done, _ = concurrent.futures.wait(
+            waits, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        waited = waits[-1] if len(waits) > 1 else None
+        if waited is not None and waited in done:
+            waited.result()
+            return
+        if waited is not None:
+            waited.cancel()  # given up, or answered by the end: its wait thread goes
+        if not done:
+            raise TimeoutError(f"layer {layer} was not ready within {timeout} s")
+        load._take_end()
+        load._raise_if_failed(threads=True)  # else it ended loaded: every layer is in
 
     def result(self, timeout: float | None = None) -> LoadResult:
-        """Block for the load's LoadResult or error (TimeoutError after ``timeout``)."""
+        """Block for the load's LoadResult or error (TimeoutError after ``timeout``).
+        Waits in this thread for the load's end (which its engine's close brings too),
+        not on the loop: a close may end the loop before a wait handed to it ran."""
         timeout = validate.wait_timeout(timeout)
-        end = self.load._end
-        if end.done():  # also once the handle closed and its loop is gone
-            self.load._take_end()  # as LayerwiseLoad.result: the waits after answer alike
-            if end.cancelled():
-                raise concurrent.futures.CancelledError()
-            return end.result()
-        refuse_in_fork(self._pid, "layerwise load")
-        self._refuse_on_loop("result")
-        waited = asyncio.run_coroutine_threadsafe(self.load.result(), self._loop)
-        try:
-            return waited.result(timeout)
-        except concurrent.futures.TimeoutError:  # builtin TimeoutError from 3.11
-            waited.cancel()  # the load goes on (cancel() cancels it)
-            raise
+        load = self.load
+        if not load._take_end():
+            refuse_in_fork(self._pid, "layerwise load")
+            self._refuse_on_loop("result")
+            try:
+                load._ended_signal.result(timeout)
+            except concurrent.futures.TimeoutError:  # builtin TimeoutError from 3.11
+                raise TimeoutError(f"the load did not end within {timeout} s") from None
+            load._take_end()
+        end = load._end
+        if end.cancelled():
+            raise concurrent.futures.CancelledError()
+        if not end.done():  # ended before its task: cancelled, or by a close (EngineClosed)
+            load._raise_if_failed(threads=True)
+        return end.result()
 
     def cancel(self) -> None:
         """:meth:`LayerwiseLoad.cancel`, on the engine's loop; does not wait (a no-op in

@@ -40,7 +40,7 @@ from .copy.marks import LayerFailed, LayerMarks, Waiter
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest, NotLoaded, StoreError
 from .loop import takers
 from .loop.binding import check_loop
-from .loop.resolution import settle
+from .loop.resolution import finish_thread_future, settle
 from .portal import forked, refuse_in_fork
 from .requests import LoadResult, Lookup, Request
 
@@ -90,6 +90,10 @@ class LayerwiseLoad:
         # Taking the end in (_finish) is done once, by whichever thread sees it first.
         # Never taken in a forked child (_take_end): a lock held at the fork is not freed.
         self._end_lock = threading.Lock()
+        # Finished once the end is taken in: what a thread's wait for the end waits on
+        # (BackgroundLayerwiseLoad), without a hop through the loop, which a close may
+        # have closed before the hop reached it.
+        self._ended_signal: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def __repr__(self) -> str:
         ended = self._take_end()
@@ -292,6 +296,7 @@ class LayerwiseLoad:
             self._marks.finish()
         else:
             self._marks.fail(f"the load ended with {error!r}")
+        finish_thread_future(self._ended_signal, None)
 
     # ---- helpers ---------------------------------------------------------------------
 

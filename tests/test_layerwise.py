@@ -797,3 +797,48 @@ def test_a_close_after_the_loop_was_closed_wakes_a_thread_waiting_for_a_layer(
     with pytest.raises(aiokv.EngineClosed):
         load.wait_layer(LAYERS - 1)
     assert not load.is_ready(0)
+
+
+@pytest.mark.parametrize("wait", ["result", "layer_ready"])
+@pytest.mark.parametrize("hand_over", ["refused", "dropped"])
+def test_a_threads_wait_handed_over_as_the_close_ends_gets_the_loads_end(
+        monkeypatch: pytest.MonkeyPatch, wait: str, hand_over: str) -> None:
+    """A thread asks a background load for its end (``result``, ``layer_ready``) while it
+    still runs, and is preempted before its wait reaches the loop; meanwhile a close ends
+    the load with EngineClosed and closes the loop. The wait answers with that end: not
+    the RuntimeError of a loop already closed (``refused``), nor a hang where the loop's
+    close dropped the wait handed to it in its last moment (``dropped``)."""
+    store = LayeredStore()
+    engine, _ = engine_over(store)
+    kv = aiokv.run_in_background(engine)
+    closed = threading.Event()
+    real = asyncio.run_coroutine_threadsafe
+
+    def late(coro: Any, loop: asyncio.AbstractEventLoop) -> concurrent.futures.Future[Any]:
+        closed.wait(30)  # the thread runs again only once the close has ended
+        if hand_over == "refused":
+            return real(coro, loop)  # RuntimeError: the loop is closed
+        coro.close()  # handed over, and dropped with the loop's last callbacks
+        return concurrent.futures.Future()
+
+    try:
+        kv.offload(1, SOURCE, TOKENS)
+        hit = kv.lookup(1, TOKENS)
+        store.gate = threading.Semaphore(0)  # the load's layers never copy
+        load = kv.load_layerwise(hit, TARGET)
+        monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", late)
+        outcome: list[BaseException | None] = []
+        asking = threading.Thread(
+            target=lambda: outcome.append(raised(getattr(load, wait), *(
+                (0,) if wait == "layer_ready" else ()), 2.0)),
+            name="test-asking", daemon=True)
+        asking.start()
+        kv.close(drain=False, timeout=0.05)  # the launched copy outlives the close
+        closed.set()
+        asking.join(30)
+        assert outcome and isinstance(outcome[0], aiokv.EngineClosed), outcome or "waiting"
+    finally:
+        closed.set()
+        kv.close()
+        if store.gate is not None:
+            store.gate.release(LAYERS)  # a launched copy is never cancelled: it ends
