@@ -328,6 +328,12 @@ class StoreConfig:
         if self.backend == "shared" and not (isinstance(self.socket, str) and self.socket):
             raise ConfigError("store.socket", f"must name the store server's socket with "
                               f"backend: shared, got {self.socket!r}")
+        if self.socket is not None and "\0" in self.socket:
+            # The kernel reads sun_path up to its first NUL: "a\0b" reaches the socket at
+            # "a", and a leading NUL one in the abstract namespace, where any uid may
+            # listen (no directory guards it) and no store server ever does.
+            raise ConfigError("store.socket", f"must not contain a NUL byte (a UNIX "
+                              f"socket's path ends at the first), got {self.socket!r}")
         if self.socket is not None and len(os.fsencode(self.socket)) > MAX_SOCKET_PATH_BYTES:
             raise ConfigError("store.socket", f"is {len(os.fsencode(self.socket))} bytes; a "
                               f"UNIX socket's path holds at most {MAX_SOCKET_PATH_BYTES} (use "

@@ -183,6 +183,22 @@ def test_the_shared_backend_needs_a_socket_and_only_it_takes_one() -> None:
         aiokv.StoreConfig(socket="/run/user/1/aiokv/store.sock")
 
 
+@pytest.mark.parametrize("path", ["\0aiokv/store.sock", "/run/user/1/aiokv\0/store.sock"],
+                         ids=["abstract", "inside"])
+def test_a_socket_path_with_a_nul_byte_is_refused_naming_the_key(
+        tmp_path: Path, path: str) -> None:
+    """The kernel ends a socket's path at its first NUL: an engine would connect
+    elsewhere than it was told (a leading NUL: to the abstract namespace, where any uid
+    may listen), and a server would bind elsewhere."""
+    with pytest.raises(aiokv.ConfigError) as caught:
+        aiokv.StoreConfig(backend="shared", socket=path)
+    assert caught.value.key == "store.socket"
+    assert repr(path) in str(caught.value)
+    server = StoreServer(str(tmp_path) + path, aiokv.StoreConfig(cpu_cache_gb=0.001))
+    with pytest.raises(aiokv.ConfigError, match=r"^--socket: .*NUL byte"):
+        server.start()
+
+
 @pytest.mark.parametrize(("keys", "named"), [
     ({"cpu_cache_gb": 4.0}, "cpu_cache_gb"),
     ({"ssd_cache_gb": 2.0, "ssd_cache_dir": "/tmp"}, "ssd_cache_gb"),

@@ -75,6 +75,8 @@ def check_socket_path(path: Path) -> None:
     """Refuse (ConfigError naming ``--socket``) a path no socket can be bound at, or one
     that holds something other than a socket: start removes a dead server's socket
     there, and must never remove a user's file (a config passed as --socket, say)."""
+    if "\0" in str(path):  # the kernel would bind at the path up to it
+        raise ConfigError("--socket", f"{str(path)!r} contains a NUL byte")
     size = len(os.fsencode(str(path)))
     if size > MAX_SOCKET_PATH_BYTES:
         raise ConfigError("--socket", f"{str(path)!r} is {size} bytes long; a UNIX socket "
