@@ -584,3 +584,39 @@ def test_a_stop_whose_wake_is_under_way_as_the_server_closes_raises_nothing(
     host.thread.join(30)
     assert not host.thread.is_alive() and not late.is_alive()
     assert raised == []
+
+
+def test_a_server_back_with_smaller_tiers_answers_longer_lookups_and_drops_no_engine(
+        tmp_path: Path) -> None:
+    # The engine's figures still say what the server before held: a lookup longer than
+    # the new one holds was a protocol violation there, the engine dropped (its held
+    # Lookups rolled back with it) at every such lookup, and the lookup a StoreError.
+    host = Host(tmp_path, ssd=False, cpu_cache_gb=0.002)
+    host.start()
+    tables = caches()
+    engine = aiokv.open_engine({"store": {"backend": "shared", "socket": str(host.socket)}},
+                               kv_caches=tables)
+    kv = aiokv.run_in_background(engine)
+    try:
+        assert kv.offload(1, torch.arange(2), 2 * PAGE_SIZE).stored_tokens == 2 * PAGE_SIZE
+        host.stop()
+        host.config = aiokv.StoreConfig(cpu_cache_gb=0.00002)  # 20 blocks: 80 tokens
+        host.start()
+        for cache, kv_1 in zip(tables, user_kv(1, 2), strict=True):
+            cache[:2] = kv_1
+        assert kv.offload(1, torch.arange(2), 2 * PAGE_SIZE).stored_tokens == 2 * PAGE_SIZE
+        held = kv.lookup(1, 2 * PAGE_SIZE)
+        assert held.cached_tokens == 2 * PAGE_SIZE
+        long = kv.lookup(2, 4000)  # more than 80, less than the server before held
+        assert long.cached_tokens == 0
+        long.release()
+        with pytest.raises(aiokv.InvalidRequest, match="num_tokens.*holds at most 80"):
+            kv.offload(3, torch.arange(32), 32 * PAGE_SIZE)
+        for cache in tables:
+            cache.zero_()
+        assert kv.load(held, torch.arange(10, 12)).loaded_tokens == 2 * PAGE_SIZE
+        assert all(torch.equal(cache[10:12], kv_1)
+                   for cache, kv_1 in zip(tables, user_kv(1, 2), strict=True))
+    finally:
+        kv.close()
+        host.stop()

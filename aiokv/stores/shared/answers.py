@@ -116,7 +116,7 @@ class Answers:
         try:
             conn.reply(wire.encode_json({
                 "ok": True, "blocks": region.num_blocks, "stride": region.block_stride,
-                "wire": wire.VERSION,
+                "capacity": self.service.capacity_tokens, "wire": wire.VERSION,
                 "connection": [self.instance, conn.client.number]}), [region.fd, notice.fd])
         finally:  # sent or not (a peer gone after its hello): not kept open here
             notice.close_fd()

@@ -46,6 +46,7 @@ from ..base import (
     Queries,
     TaskResult,
     TaskStatus,
+    TooLarge,
 )
 from . import link, wire
 from .link import Link
@@ -191,17 +192,15 @@ class SharedStore:
         return self._matches("get", queries, deadline_s)
 
     def _matches(self, op: str, queries: Queries, by: float | None = None) -> MatchAnswers:
-        page_size = self.page_size
-        kind = wire.PUT if op == "put" else wire.GET
-        request = wire.encode_match(kind, queries, page_size, self._take_release(), by)
-        tokens = [len(token_ids) for token_ids, _ in queries]
+        is_put = op == "put"
+        released = self._take_release()
         # On a fresh link, without the ids to release: the server gone rolled them back,
         # and a new one would take them for another engine's (and drop this one).
-        replies = self._call(request, op, wire.ANSWERS,
-                             lambda body: wire.decode_answers(body, tokens, page_size),
-                             lambda: wire.encode_match(kind, queries, page_size, [], by))
+        replies = self._registered().use(
+            lambda link: self._ask(link, is_put, queries, released, by),
+            lambda link: self._ask(link, is_put, queries, [], by))
         answers: MatchAnswers = []
-        generation, is_put = self._generation, op == "put"
+        generation = self._generation
         for answer in replies:
             if isinstance(answer, Exception):  # refused: NoSpace, TooLarge, StoreError
                 answers.append(answer)
@@ -213,6 +212,41 @@ class SharedStore:
                 self._puts[local] = task
             answers.append((local, mask))
         return answers
+
+    def _ask(self, link: Link, is_put: bool, queries: Queries, released: list[int],
+             by: float | None) -> list[wire.ClientAnswer]:
+        """A batch's matches asked of ``link``'s server (under the lock: the reply views
+        the connection's buffer), none longer than it holds (``link.max_tokens``): it drops
+        a peer that asks more, and a server restarted with smaller tiers holds less than
+        this engine's figures, from the one before, may still say. A longer get is asked
+        for that prefix (no more of it could be stored), its mask False past it; a longer
+        put is refused here, TooLarge, as its new pages could never be had."""
+        limit, page_size = link.max_tokens, self.page_size
+        asked = queries
+        if limit is not None and any(len(token_ids) > limit for token_ids, _ in queries):
+            asked = ([q for q in queries if len(q[0]) <= limit] if is_put
+                     else [(token_ids[:limit], space) for token_ids, space in queries])
+        request = wire.encode_match(wire.PUT if is_put else wire.GET, asked, page_size,
+                                    released, by)
+        body = link.call(request, "put" if is_put else "get", wire.ANSWERS)
+        replies = wire.decode_answers(body, [len(token_ids) for token_ids, _ in asked],
+                                      page_size)
+        if asked is queries:
+            return replies
+        out: list[wire.ClientAnswer] = []
+        answered = iter(replies)
+        for token_ids, _ in queries:
+            if is_put and limit is not None and len(token_ids) > limit:
+                out.append(TooLarge(f"a put of {len(token_ids)} tokens; the store server "
+                                    f"at {self._path!r} holds at most {limit}"))
+                continue
+            answer = next(answered)
+            if not isinstance(answer, Exception) and len(answer[1]) < len(token_ids):
+                mask = np.zeros(len(token_ids), dtype=np.bool_)
+                mask[: len(answer[1])] = answer[1]
+                answer = (answer[0], mask, answer[2])
+            out.append(answer)
+        return out
 
     def _take_release(self) -> list[int]:
         release, self._release = self._release, []

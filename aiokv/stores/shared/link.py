@@ -75,6 +75,11 @@ class Link:
         self.connection = (named[0], named[1]) if (
             isinstance(named, list) and len(named) == 2 and isinstance(named[0], str)
             and isinstance(named[1], int)) else None
+        # The most tokens a query may ask of this server (what its tiers hold): it drops
+        # a peer that asks more. Another server than the last one, restarted with smaller
+        # tiers, may hold fewer than the engine's figures still say (None: not told).
+        capacity = reply.get("capacity")
+        self.max_tokens = capacity if type(capacity) is int and capacity > 0 else None
         try:
             stride = reply.get("stride")
             if stride is not None and type(stride) is not int:

@@ -187,8 +187,8 @@ class MatchRequest:
 def decode_match(body: memoryview, page_size: int, max_tokens: int = MAX_TOKENS) -> MatchRequest:
     """:func:`encode_match`'s body undone, every field checked (WireError). A query of more
     than ``max_tokens`` tokens is refused: the server passes what its tiers hold, which a
-    client's engine never asks past, and which bounds the default token ids' digests the
-    server computes and keeps."""
+    client never asks past (its hello's answer says it, as ``capacity``), and which bounds
+    the default token ids' digests the server computes and keeps."""
     if len(body) < _MATCH_HEAD.size:
         raise WireError("a match request shorter than its header")
     count, released, digest_pages, strings, name_bytes, by = _MATCH_HEAD.unpack_from(body, 0)
