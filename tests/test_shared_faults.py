@@ -153,6 +153,35 @@ def test_a_socket_path_that_holds_a_file_or_cannot_be_bound_is_a_usage_error(
     assert sorted(p.name for p in private.iterdir()) == ["store.yml"]  # no lock left
 
 
+def test_a_server_whose_start_is_refused_leaves_its_directories_to_the_next(
+        tmp_path: Path) -> None:
+    # Refused for its second SSD directory, it kept the socket's directory and the first
+    # SSD directory locked for as long as this process lived: the same server with its
+    # config fixed was refused as "in use by another aiokv store-server (this process)".
+    first = tmp_path / "ssd"
+    first.mkdir()
+    socket_path = tmp_path / "run" / "store.sock"
+    refused = StoreServer(socket_path, aiokv.StoreConfig(
+        cpu_cache_gb=0.01, ssd_cache_gb=0.1,
+        ssd_cache_dir=[str(first), str(tmp_path / "missing")]))
+    with pytest.raises(aiokv.ConfigError, match=r"^store\.ssd_cache_dir: .*missing"):
+        refused.start()
+    fixed = StoreServer(socket_path, aiokv.StoreConfig(
+        cpu_cache_gb=0.01, ssd_cache_gb=0.1, ssd_cache_dir=str(first)))
+    fixed.start()
+    serving = threading.Thread(target=fixed.serve)
+    serving.start()
+    try:
+        store, tables = observer(socket_path)
+        offload(store, tables, 1)
+        task, _ = store.get_match(TOKENS, ["user:1"])
+        assert load_exact(store, tables, 1, task)
+        store.close()
+    finally:
+        fixed.stop()
+        serving.join(30)
+
+
 def test_a_server_refuses_a_missing_ssd_directory_at_its_start(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Not at every engine's register, while it looks healthy to its supervisor.

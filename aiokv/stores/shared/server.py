@@ -159,7 +159,16 @@ class StoreServer:
         """Bind and listen (ConfigError for a socket or SSD directory in use, ...);
         ``handle_signals`` (the command's, on the main thread): :meth:`handle_signals`
         once those refusals are behind it and before it says it listens, so that a signal
-        sent then finds them, not the default that ends the process."""
+        sent then finds them, not the default that ends the process. A start refused gives
+        back what it took (the socket's and SSD directories' locks, the region's memory):
+        a server started after it in this process, its config fixed, may have them."""
+        try:
+            self._start(handle_signals)
+        except BaseException:
+            self._close(stopped=False)
+            raise
+
+    def _start(self, handle_signals: bool) -> None:
         check_socket_path(self.path)
         private_directory(self.path.parent)
         self._locks.append(DirLock(self.path.parent, "--socket", str(self.path),
@@ -172,11 +181,15 @@ class StoreServer:
         if handle_signals:
             self.handle_signals()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.path))
+        try:
+            listener.bind(str(self.path))
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener  # from here its path is this server's (_close unlinks it)
         os.chmod(self.path, 0o600)
         listener.listen(128)
         listener.setblocking(False)
-        self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         log.info("aiokv store-server: listening on %s (pid %d)", self.path, os.getpid())
@@ -279,7 +292,8 @@ class StoreServer:
                 self._selector.unregister(pidfd)
             os.close(pidfd)
 
-    def _close(self) -> None:
+    def _close(self, stopped: bool = True) -> None:
+        """Let go of everything (``stopped``: after serving; else a start refused)."""
         for conn in list(self._connections.values()):
             self.drop(conn, None)
         for pid in self._quarantine.pids():
@@ -297,8 +311,10 @@ class StoreServer:
             pipe = (self._wake_r, self._wake_w)
             self._wake_r = self._wake_w = -1
         for fd in pipe:
-            os.close(fd)
-        log.info("aiokv store-server: stopped")
+            if fd >= 0:  # closed already: a start refused, then serve() called anyway
+                os.close(fd)
+        if stopped:
+            log.info("aiokv store-server: stopped")
 
     # ---- connections ---------------------------------------------------------------
 
