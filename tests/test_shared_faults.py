@@ -649,3 +649,20 @@ def test_a_server_back_with_smaller_tiers_answers_longer_lookups_and_drops_no_en
     finally:
         kv.close()
         host.stop()
+
+
+def test_caches_the_server_cannot_take_are_refused_naming_them_not_a_server_gone(
+        tmp_path: Path) -> None:
+    # The server dropped the engine without a word: its register said the server at the
+    # socket was not reachable, "is `aiokv store-server` running?", while it was.
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    try:
+        store = SharedStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket)))
+        with pytest.raises(aiokv.ConfigError) as refused:
+            store.register([torch.zeros(1, 2, 1, 1, 1 << 20)])  # head_dim 1048576
+        assert "refused: kv_caches: " in str(refused.value)
+        assert "'head_dim': 1048576" in str(refused.value)
+        assert "not reachable" not in str(refused.value)
+    finally:
+        host.stop()

@@ -102,8 +102,10 @@ class Answers:
             raise ProtocolError(why)
         try:
             geometry = Geometry.from_mapping(message.get("geometry"))
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from exc
+        except ValueError as exc:  # told why, then dropped: its engine's caches, perhaps
+            why = f"kv_caches: {exc}"
+            conn.reply(wire.encode_json({"ok": False, "error": why, "config": True}))
+            raise ProtocolError(why) from exc
         try:
             region = self.service.register(geometry)
         except ConfigError as exc:

@@ -38,6 +38,9 @@ from ..local.layout import block_stride, block_text, strided_blocks
 from ..local.pool import BlockAllocator
 
 
+_MAX_SIZE = 1 << 20  # of each of a geometry's sizes, as a server takes it
+
+
 @dataclass(frozen=True, slots=True)
 class Geometry:
     """The caches' shape as the region needs it (one block = one page of every layer)."""
@@ -60,8 +63,9 @@ class Geometry:
         if not isinstance(raw, dict) or set(raw) != set(cls.__slots__):
             raise ValueError(f"geometry must have the keys {sorted(cls.__slots__)}: {raw!r}")
         ints = [raw[k] for k in ("layers", "page_size", "heads", "head_dim")]
-        if not all(type(v) is int and 0 < v < 1 << 20 for v in ints):
-            raise ValueError(f"geometry sizes must be positive ints: {raw!r}")
+        if not all(type(v) is int and 0 < v < _MAX_SIZE for v in ints):
+            raise ValueError(f"geometry sizes must be positive ints below {_MAX_SIZE}: "
+                             f"{raw!r}")
         if not isinstance(raw["dtype"], str) or not isinstance(
             getattr(torch, raw["dtype"], None), torch.dtype
         ):
