@@ -639,7 +639,7 @@ def test_a_server_back_with_smaller_tiers_answers_longer_lookups_and_drops_no_en
         long = kv.lookup(2, 4000)  # more than 80, less than the server before held
         assert long.cached_tokens == 0
         long.release()
-        with pytest.raises(aiokv.InvalidRequest, match="num_tokens.*holds at most 80"):
+        with pytest.raises(aiokv.InvalidRequest, match=r"num_tokens.*holds at most 80"):
             kv.offload(3, torch.arange(32), 32 * PAGE_SIZE)
         for cache in tables:
             cache.zero_()

@@ -37,7 +37,6 @@ from ..local.hostmem import chunk_bounds
 from ..local.layout import block_stride, block_text, strided_blocks
 from ..local.pool import BlockAllocator
 
-
 _MAX_SIZE = 1 << 20  # of each of a geometry's sizes, as a server takes it
 
 
