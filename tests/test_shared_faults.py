@@ -228,6 +228,26 @@ def test_a_socket_path_with_a_nul_byte_is_refused_naming_the_key(
         server.start()
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["file", "directory"])
+async def test_an_engine_on_a_socket_path_that_holds_no_socket_is_refused_naming_it(
+        tmp_path: Path, kind: str) -> None:
+    # The config file given as the socket, say: the engine said the server there was not
+    # reachable, "is `aiokv store-server` running?", which no server start could help.
+    path = tmp_path / "store.yml"
+    if kind == "file":
+        path.write_text("store:\n  cpu_cache_gb: 0.01\n")
+    else:
+        path.mkdir()
+    engine = aiokv.open_engine({"store": {"backend": "shared", "socket": str(path)}},
+                               kv_caches=caches())
+    with pytest.raises(aiokv.ConfigError) as refused:
+        await engine.start()
+    assert refused.value.key == "store.socket"
+    assert f"{str(path)!r} is a {kind}, not a socket" in str(refused.value)
+    await engine.aclose()
+
+
 @pytest.mark.parametrize(("keys", "named"), [
     ({"cpu_cache_gb": 4.0}, "cpu_cache_gb"),
     ({"ssd_cache_gb": 2.0, "ssd_cache_dir": "/tmp"}, "ssd_cache_gb"),

@@ -76,7 +76,8 @@ class _Task:
 class SharedStore:
     """``SharedStore(StoreConfig(backend="shared", socket=PATH))``. ``register`` connects
     (StoreError when no server listens there; ConfigError, naming what differs, when its
-    caches have another geometry than the server's)."""
+    caches have another geometry than the server's, and naming store.socket where the
+    path holds something other than a socket)."""
 
     def __init__(self, config: StoreConfig) -> None:
         if not config.socket:

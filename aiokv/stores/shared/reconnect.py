@@ -17,6 +17,8 @@ of each one lost (``on_link``, ``on_lost``), and tells a task's link by its gene
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
 import time
 from collections import deque
@@ -26,7 +28,7 @@ from typing import TypeVar
 import torch
 
 from ...copy.copier import CopyJob
-from ...errors import StoreError
+from ...errors import ConfigError, StoreError
 from . import wire
 from .link import Link
 from .region import Geometry
@@ -92,6 +94,11 @@ class Reconnecting:
             raise StoreError(f"the store server at {self.path!r} is not reachable: {exc}; "
                              f"tried again in {self._back_off(exc):g} s") from exc
         except (OSError, wire.PeerGone, wire.WireError) as exc:
+            what = _not_a_socket(self.path) if isinstance(exc, ConnectionRefusedError) else None
+            if what is not None:  # no server could ever listen there: the config's fault
+                raise ConfigError("store.socket", f"{self.path!r} is {what}, not a socket: "
+                                  "name the one `aiokv store-server --socket` listens "
+                                  "on") from exc
             raise StoreError(f"the store server at {self.path!r} is not reachable: {exc} "
                              "(is `aiokv store-server` running?)") from exc
         self._backoff_s = self._retry_at = 0.0
@@ -159,3 +166,16 @@ class Reconnecting:
             self._d2h_gone += link.plane.d2h_copies
             if link.connection is not None:
                 self._ended.append(link.connection)
+
+
+def _not_a_socket(path: str) -> str | None:
+    """What is at ``path`` where that is no socket ("a directory", "a file", ...), else
+    None (a socket, a dead server's too, or nothing: a server may yet come)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else (
+        "a file" if stat.S_ISREG(mode) else "something else")
