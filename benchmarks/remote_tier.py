@@ -372,7 +372,8 @@ async def latency(args: argparse.Namespace, master: str) -> None:
                     stats = store.store_stats()
                     written = stats["remote_blocks_written"]
                     rate = written / args.seconds
-                    print(f"  round {round_}: {written} blocks written to Mooncake meanwhile")
+                    print(f"  round {round_}: {written} blocks written to Mooncake meanwhile, "
+                          f"{stats['remote_dropped_writes']} dropped")
                     await engine.clear()
             pooled[name] += lat
             results[name].append(_p99(lat))
