@@ -72,10 +72,14 @@ class RemoteIO:
         self.dropped_at_restart = 0  # queued write blocks dropped when the master restarted
         self.queue = WriteQueue(config.write_queue_blocks)
         self._checksums = Checksums(view, block_bytes, config.threads_for_checksums)
+        # The writer sums a batch while the batch before it is put, which takes longer:
+        # on its own thread alone, it keeps up and leaves the summing threads (and the
+        # GIL between their blocks) to the reads, which a lookup waits for.
+        writer_sums = Checksums(view, block_bytes, 1)
         self._remover = Remover(self.connection, keys.either)
         self.remove_stats = self._remover.stats
         self._writer = Writer(self.queue, self.connection, self.markers, layout,
-                              self._checksums, wake,
+                              writer_sums, wake,
                               lambda boot: self._remover.submit(keys.boot_pattern(boot)))
         self.write_stats = self._writer.stats
         self._reads = Values(layout, self._checksums, self.read_stats,

@@ -56,8 +56,9 @@ class RemoteConfig:
     write_queue_blocks: background writes waiting at most; beyond, a write is dropped
         (counted) rather than wait. Writes queued or under way never hold more than a
         half the host tier's blocks either.
-    checksum_threads: threads that hash a batch of values (the writer or the reader
-        among them; xxhash runs without the GIL); None: half the cores, at most 4.
+    checksum_threads: threads that hash a read's values (the reader among them;
+        xxhash runs without the GIL); None: half the cores, at most 4. The writer hashes
+        on its own thread, beside the put of the batch before.
     """
 
     backend: str = "mooncake"
