@@ -39,6 +39,7 @@ from aiokv.remote.keys import Keys, geometry_tag, namespace_tag
 from aiokv.remote.markers import Markers
 from aiokv.remote.native import import_store
 from aiokv.remote.servers import MooncakeServers, free_port
+from aiokv.remote.values import Values
 from aiokv.remote.writer import Writer
 from aiokv.stores.local.digests import chain_digests
 
@@ -1024,6 +1025,42 @@ def test_an_evict_waits_for_its_users_put_while_the_next_batch_is_summed_beside_
             assert b.load(3301)[0] == 0
         finally:
             b.close()
+
+
+def test_an_evict_does_not_wait_for_another_users_put_its_batch_waits_behind(
+    mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The writer takes the next batch off the queue while the batch before it is in
+    # Mooncake's put. An evict of the next batch's user waited for its write, that is for
+    # another user's put first: timeout_ms (20 s here) where Mooncake holds that put. Not
+    # put yet, its write is dropped instead, and the evict returns at once.
+    gate = held(monkeypatch, Values, "put")
+    a = LocalHost(mooncake.master, timeout_ms=20_000)
+    try:
+        assert a.offload(3401) == TOKENS
+        assert gate.entered.wait(60), "the first batch never reached its put"
+        summed = a.stats()["remote_write_checksum_seconds"]
+        assert a.offload(3402) == TOKENS
+        until(lambda: a.stats()["remote_write_checksum_seconds"] > summed)  # in hand
+        evicted: list[int] = []
+        evict = threading.Thread(target=lambda: evicted.append(a.kv.evict(3402)))
+        evict.start()
+        evict.join(4)  # 3401's put is held for 30 s; timeout_ms is 20 s
+        assert evicted == [TOKENS], "the evict of 3402 waited for 3401's put"
+        gate.set()
+        until(lambda: a.stats()["remote_blocks_held"] == 0)
+        stats = a.stats()
+        assert stats["remote_blocks_written"] == USER_PAGES  # 3401's alone
+        assert stats["remote_dropped_evicted"] + stats["remote_dropped_stale"] == USER_PAGES
+    finally:
+        gate.set()
+        a.close()
+    b = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
+    try:
+        assert b.load(3401) == (TOKENS, True)
+        assert b.load(3402)[0] == 0
+    finally:
+        b.close()
 
 
 def test_an_evict_does_not_wait_for_another_users_write(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..stores.base import Int64Array
@@ -33,8 +34,13 @@ class WriteQueue:
         self._capacity = capacity_blocks
         self._jobs: deque[WriteJob] = deque()
         self._queued = 0  # blocks in _jobs
-        # The namespaces of the batches taken and not done (the writer has two at most).
+        # The namespaces of the batches taken and not done, but for the jobs set aside
+        # (the writer has two batches at most): being checked, or in Mooncake's put.
         self._writing: Counter[str] = Counter()
+        # Jobs checked and summed that wait for the put before theirs (:meth:`set_aside`):
+        # an evict, a clear or a restart takes them back as it takes the queued ones,
+        # rather than wait for another key's put.
+        self._aside: list[WriteJob] = []
         self._asked: dict[str, None] = {}  # namespaces whose markers to ask for, in order
         self._closed = False
         self._cond = threading.Condition()
@@ -74,22 +80,27 @@ class WriteQueue:
         return asked
 
     def cancel(self, ns: str | None) -> list[Int64Array]:
-        """Take the queued writes of a namespace (None: all) back; their blocks."""
+        """Take the queued writes of a namespace (None: all) back, and those set aside;
+        their blocks."""
         with self._cond:
             taken = [j.blocks for j in self._jobs if ns is None or j.ns == ns]
             self._jobs = deque(j for j in self._jobs if ns is not None and j.ns != ns)
             self._queued = sum(len(j.blocks) for j in self._jobs)
+            taken += [j.blocks for j in self._aside if ns is None or j.ns == ns]
+            self._aside = [j for j in self._aside if ns is not None and j.ns != ns]
         return taken
 
     def wait_idle(self, timeout_s: float, ns: str | None = None) -> bool:
         """Block until nothing is queued or being written (or the timeout); with ``ns``,
-        nothing of that namespace (an evict's: other keys' writes do not hold it up)."""
+        nothing of that namespace (an evict's: other keys' writes do not hold it up, and
+        it takes its jobs set aside back before, :meth:`cancel`)."""
         if ns is None:
             def idle() -> bool:
-                return not self._jobs and not self._writing
+                return not self._jobs and not self._writing and not self._aside
         else:
             def idle() -> bool:
-                return ns not in self._writing and all(j.ns != ns for j in self._jobs)
+                return ns not in self._writing and all(
+                    j.ns != ns for jobs in (self._jobs, self._aside) for j in jobs)
         with self._cond:
             return bool(self._cond.wait_for(idle, timeout_s))
 
@@ -110,13 +121,41 @@ class WriteQueue:
             self._writing.update(job.ns for job in jobs)
             return jobs
 
+    def set_aside(self, jobs: list[WriteJob], keep: Callable[[WriteJob], bool]
+                  ) -> list[WriteJob]:
+        """Writer thread: a batch checked (and summed) waits for its put. Those of its
+        jobs that ``keep`` still wants (asked here: an evict of theirs that came during
+        the checks is waiting for them, and drops them; one that comes later takes them
+        back, :meth:`cancel`) are set aside until :meth:`start`; the others end now."""
+        with self._cond:
+            kept = [job for job in jobs if keep(job)]
+            ids = {id(job) for job in kept}
+            self._aside += kept
+            self.give_back([job.blocks for job in jobs if id(job) not in ids])
+            self._not_writing(jobs)
+        return kept
+
+    def start(self, jobs: list[WriteJob]) -> list[WriteJob]:
+        """Put thread: those of the jobs set aside that nothing took back since, in
+        Mooncake's put from now on (until :meth:`done`)."""
+        with self._cond:
+            ids = {id(job) for job in self._aside}
+            kept = [job for job in jobs if id(job) in ids]
+            ids = {id(job) for job in kept}
+            self._aside = [job for job in self._aside if id(job) not in ids]
+            self._writing.update(job.ns for job in kept)
+        return kept
+
     def done(self, jobs: list[WriteJob]) -> None:
-        """Writer thread: these jobs ended, written or not."""
+        """Writer's threads: these jobs (taken, or started) ended, written or not."""
         self.give_back([job.blocks for job in jobs])
         with self._cond:
-            self._writing.subtract(job.ns for job in jobs)
-            self._writing = +self._writing  # drops the namespaces at 0
-            self._cond.notify_all()
+            self._not_writing(jobs)
+
+    def _not_writing(self, jobs: list[WriteJob]) -> None:
+        self._writing.subtract(job.ns for job in jobs)
+        self._writing = +self._writing  # drops the namespaces at 0
+        self._cond.notify_all()
 
     def give_back(self, blocks: list[Int64Array]) -> None:
         """Blocks of writes that ended, or that were taken back (any thread)."""

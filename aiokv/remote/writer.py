@@ -12,8 +12,10 @@ sums and checks would add their time to every batch's (writes under way hold hos
 and fall behind the offloads); side by side, the put alone sets the rate. A batch's checks
 may so come one put earlier than its own put: no harder case than a check followed by a
 slow put, since a put lands under the view it was offered under, which an evict's marker
-then ends. An evict waits for the writes of its key in hand, both batches
-(:meth:`.queue.WriteQueue.wait_idle`)."""
+then ends. An evict waits for a batch of its key being checked or put
+(:meth:`.queue.WriteQueue.wait_idle`); one that waits for the put before it is set aside
+(:meth:`.queue.WriteQueue.set_aside`), and the evict takes its jobs back as it takes the
+queued ones, rather than wait for another key's put."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import logging
 import queue as queues
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,13 +42,10 @@ _MARKERS_FRESH_S = 1.0  # how long the writer trusts what it learned of the mark
 
 @dataclass(slots=True, eq=False)
 class _Ready:
-    """A batch checked and summed, for the put thread: ``keys`` of ``blocks`` (the jobs'
-    blocks still to write, ``count`` of them) under ``lifetime``'s boot id."""
+    """A batch checked and summed, for the put thread: its jobs set aside, with their
+    keys (``parts``), under ``lifetime``'s boot id."""
 
-    jobs: list[WriteJob]
-    keys: list[str]
-    blocks: list[int]
-    count: int
+    parts: list[tuple[WriteJob, list[str]]]
     lifetime: int
 
 
@@ -138,35 +138,65 @@ class Writer:
                     self._call_began = None
                 if ready is None:
                     self._finish(jobs)
+                elif (ready := self._set_aside(ready)) is None:
+                    self._finish([])  # each job dropped and given back
                 else:
                     self._ready.put(ready)
         finally:
             self._ready.put(None)  # the put thread ends after the batch it has
             self._put_thread.join()
 
+    def _set_aside(self, ready: _Ready) -> _Ready | None:
+        """A batch readied waits for the put before it: its jobs that an evict (a clear,
+        a restart) ended during its checks are dropped now (that evict waits for them),
+        the others set aside (a later one takes them back). None: none is left."""
+        lifetime = ready.lifetime
+        boot = self._keys.boot_of(lifetime)
+        dropped: Counter[str] = Counter()
+
+        def keep(job: WriteJob) -> bool:
+            why = self._dropped(job, lifetime, boot)
+            if why is not None:
+                dropped[why] += len(job.blocks)
+            return why is None
+
+        kept = self._queue.set_aside([job for job, _ in ready.parts], keep)
+        self._count_dropped(dropped)
+        if dropped and kept:
+            self._wake()  # their blocks are back now, not after the put
+        return _kept(ready, kept)
+
     def _put_loop(self) -> None:
         while (ready := self._ready.get()) is not None:
+            # Those of its jobs that no evict, clear, restart or close took back meanwhile.
+            started = _kept(ready, self._queue.start([job for job, _ in ready.parts]))
+            if started is None:
+                self._finish([])
+                continue
+            jobs = [job for job, _ in started.parts]
+            count = sum(len(job.blocks) for job in jobs)
             if self._queue.closed:
                 # The interpreter exits, or close stopped waiting for the writes: a put
                 # not begun is not begun now (a daemon thread in Mooncake's call as the
                 # interpreter ends takes the process down).
-                self._count("remote_dropped_down", ready.count)
-                self._finish(ready.jobs)
+                self._count("remote_dropped_down", count)
+                self._finish(jobs)
                 continue
             self._put_began = time.monotonic()
             try:
-                self._put(ready)
+                self._put(started, count)
             except Closed:
                 pass
             except Exception as exc:
-                self._count("remote_write_errors", ready.count)
+                self._count("remote_write_errors", count)
                 log.exception("aiokv: remote tier: a write failed: %s", exc)
             finally:
                 self._put_began = None
-                self._finish(ready.jobs)
+                self._finish(jobs)
 
     def _finish(self, jobs: list[WriteJob]) -> None:
-        """A batch ended, written or dropped (either thread)."""
+        """A batch ended, written or dropped (either thread): ``jobs``, those of its jobs
+        not given back yet."""
         with self._stats_lock:
             self.stats["remote_write_batches"] += 1
             self._in_hand -= 1
@@ -258,48 +288,55 @@ class Writer:
         if not refreshed:
             self._count("remote_dropped_down", count)
             return None
-        keys: list[str] = []
-        blocks: list[int] = []
+        parts: list[tuple[WriteJob, list[str]]] = []
         lifetime = self._keys.view("")[0]
         boot = self._keys.boot_of(lifetime)  # the master's of now (None: restarted just now)
-        dropped = dict.fromkeys(("remote_dropped_down", "remote_dropped_evicted",
-                                 "remote_dropped_stale"), 0)
+        dropped: Counter[str] = Counter()
         for job in jobs:
-            view = self._keys.view(job.ns)
-            offered = self._keys.seen(job.view)
-            if (boot is None or offered is None or offered[0] != lifetime
-                    or view[0] != lifetime):
-                # The master restarted since: a view that ended (or offered cut off
-                # before this host reached any master, and one may have restarted).
-                dropped["remote_dropped_down"] += len(job.blocks)
+            why = self._dropped(job, lifetime, boot)
+            if why is not None:
+                dropped[why] += len(job.blocks)
                 continue
-            if not self._keys.usable(job.ns):  # evicted here, its marker not out yet
-                dropped["remote_dropped_evicted"] += len(job.blocks)
-                continue
-            if view != offered:
-                # Ended since the put was offered (usually by another host: the markers
-                # just asked): its keys are hidden already. Nor may it go under the new
-                # generation: the offer may have come before that evict, as far as this
-                # host can tell, and it would bring back what the evict ended. Dropped;
-                # the host tier keeps the blocks (and does not offer them again).
-                dropped["remote_dropped_stale"] += len(job.blocks)
-                continue
+            assert boot is not None  # none is kept without it
             # Under the boot id of the master it was offered under: one that restarts
             # after these checks, before the put, gets it where its hosts never look.
-            keys += self._keys.blocks(boot, job.ns, job.view[1], job.view[2], job.digests)
-            blocks += job.blocks.tolist()
-        for key, amount in dropped.items():
-            if amount:
-                self._count(key, amount)
-        if not keys:
+            parts.append((job, self._keys.blocks(boot, job.ns, job.view[1], job.view[2],
+                                                 job.digests)))
+        self._count_dropped(dropped)
+        if not parts:
             return None
-        self.values.seal(keys, blocks)
-        return _Ready(jobs, keys, blocks, len(blocks), lifetime)
+        self.values.seal([key for _, keys in parts for key in keys], _blocks(parts))
+        return _Ready(parts, lifetime)
 
-    def _put(self, ready: _Ready) -> None:
-        """Put a batch the writer thread readied (the put thread), under the boot id its
-        keys name, unless its master restarted meanwhile."""
-        count, lifetime = ready.count, ready.lifetime
+    def _dropped(self, job: WriteJob, lifetime: int, boot: str | None) -> str | None:
+        """Why a job may not be put under ``lifetime`` (its master's ``boot``): the
+        stats' name of its drop; None: it may."""
+        view = self._keys.view(job.ns)
+        offered = self._keys.seen(job.view)
+        if boot is None or offered is None or offered[0] != lifetime or view[0] != lifetime:
+            # The master restarted since: a view that ended (or offered cut off
+            # before this host reached any master, and one may have restarted).
+            return "remote_dropped_down"
+        if not self._keys.usable(job.ns):  # evicted here, its marker not out yet
+            return "remote_dropped_evicted"
+        if view != offered:
+            # Ended since the put was offered (usually by another host: the markers
+            # just asked): its keys are hidden already. Nor may it go under the new
+            # generation: the offer may have come before that evict, as far as this
+            # host can tell, and it would bring back what the evict ended. Dropped;
+            # the host tier keeps the blocks (and does not offer them again).
+            return "remote_dropped_stale"
+        return None
+
+    def _count_dropped(self, dropped: Counter[str]) -> None:
+        with self._stats_lock:
+            for key, amount in dropped.items():
+                self.stats[key] += amount
+
+    def _put(self, ready: _Ready, count: int) -> None:
+        """Put a batch the writer thread readied (the put thread; ``count`` blocks), under
+        the boot id its keys name, unless its master restarted meanwhile."""
+        lifetime = ready.lifetime
         client = self._connection.ready()
         with self._boot_lock:
             putting = self._keys.boot_of(lifetime)  # its keys' boot, unless restarted since
@@ -308,7 +345,8 @@ class Writer:
                 return
             self._putting = self._wrote_under = putting
         try:
-            codes = self.values.put(client, ready.keys, ready.blocks)
+            codes = self.values.put(client, [key for _, keys in ready.parts for key in keys],
+                                    _blocks(ready.parts))
         finally:
             with self._boot_lock:
                 self._putting = None
@@ -334,3 +372,17 @@ class Writer:
             stats["remote_bytes_written"] += written * self._block_bytes
             stats["remote_dropped_full"] += full
             stats["remote_write_errors"] += len(codes) - written - full
+
+
+def _blocks(parts: list[tuple[WriteJob, list[str]]]) -> list[int]:
+    return [block for job, _ in parts for block in job.blocks.tolist()]
+
+
+def _kept(ready: _Ready, jobs: list[WriteJob]) -> _Ready | None:
+    """The batch of these of its jobs (None: none)."""
+    if not jobs:
+        return None
+    if len(jobs) == len(ready.parts):
+        return ready
+    ids = {id(job) for job in jobs}
+    return _Ready([part for part in ready.parts if id(part[0]) in ids], ready.lifetime)
