@@ -43,7 +43,9 @@ import aiokv
 from aiokv.remote import client as remote_client
 from aiokv.remote import writer as remote_writer
 from aiokv.remote.keys import namespace_tag
+from aiokv.remote.removals import Remover
 from aiokv.remote.servers import MooncakeServers
+from aiokv.remote.values import Values
 from aiokv.remote.writer import Writer
 from aiokv.stores.shared import SharedStore, wire
 from aiokv.stores.shared.server import StoreServer
@@ -292,6 +294,49 @@ def test_a_write_under_way_when_its_key_is_evicted_stays_hidden_from_every_host(
         reader.close()
     finally:
         gate.set()
+        host.stop()
+
+
+def test_a_write_waiting_behind_another_users_put_is_dropped_by_its_keys_evict(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server's writer took 952's write off the queue (checked, summed) while 951's
+    # was in Mooncake's put. An evict of 952 through the server does not wait for its
+    # write: it published its marker and removed the keys of 952's generation, and the
+    # put then landed after the remove, in Mooncake for good (until its LRU). Not put
+    # yet, the evict drops it.
+    put = held(monkeypatch, Values, "put")
+    removed = threading.Event()
+    remove = Remover._remove
+
+    def remove_then_tell(remover: Remover, *args: Any) -> Any:
+        try:
+            return remove(remover, *args)
+        finally:
+            removed.set()
+
+    monkeypatch.setattr(Remover, "_remove", remove_then_tell)
+    host = Host(tmp_path, ssd=False, remote={"master": mooncake.master})
+    host.start()
+    try:
+        engine, tables = host.engine()
+        offload(engine, tables, 951)
+        assert put.entered.wait(30), "951's write never reached its put"
+        summed = engine.store_stats()["remote_write_checksum_seconds"]
+        offload(engine, tables, 952)
+        wait_for(lambda: engine.store_stats()["remote_write_checksum_seconds"] > summed,
+                 "952's write summed")
+        other, _ = host.engine()
+        assert other.evict(["user:952"]) == TOKENS.size
+        assert removed.wait(30), "the evict removed nothing"
+        put.set()
+        wait_for(lambda: engine.store_stats()["remote_blocks_held"] == 0, "the writes' end")
+        stats = engine.store_stats()
+        assert stats["remote_blocks_written"] == PAGES  # 951's alone
+        assert stats["remote_dropped_writes"] == PAGES
+        engine.close()
+        other.close()
+    finally:
+        put.set()
         host.stop()
 
 
