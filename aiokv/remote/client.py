@@ -379,7 +379,7 @@ class RemoteIO:
                 break
         dropped = queue.cancel(None)
         dropped_blocks = sum(map(len, dropped))
-        self.write_stats["remote_dropped_down"] += dropped_blocks
+        self._writer.count("remote_dropped_down", dropped_blocks)
         queue.close()
         deadline = time.monotonic() + timeout_s
         self._writer.thread.join(timeout_s)

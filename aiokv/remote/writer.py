@@ -102,7 +102,8 @@ class Writer:
         self._put_thread = threading.Thread(target=self._put_loop, name="aiokv-remote-put",
                                             daemon=True)
 
-    def _count(self, key: str, amount: float) -> None:
+    def count(self, key: str, amount: float) -> None:
+        """Add to one of the writer's figures (any thread: its two threads count too)."""
         with self._stats_lock:
             self.stats[key] += amount
 
@@ -132,7 +133,7 @@ class Writer:
                 except Closed:  # close returned while it was in a call: its figures are final
                     pass
                 except Exception as exc:  # a bug or the client's: count it, keep the thread
-                    self._count("remote_write_errors", sum(len(j.blocks) for j in jobs))
+                    self.count("remote_write_errors", sum(len(j.blocks) for j in jobs))
                     log.exception("aiokv: remote tier: a write failed: %s", exc)
                 finally:
                     self._call_began = None
@@ -179,7 +180,7 @@ class Writer:
                 # The interpreter exits, or close stopped waiting for the writes: a put
                 # not begun is not begun now (a daemon thread in Mooncake's call as the
                 # interpreter ends takes the process down).
-                self._count("remote_dropped_down", count)
+                self.count("remote_dropped_down", count)
                 self._finish(jobs)
                 continue
             self._put_began = time.monotonic()
@@ -188,7 +189,7 @@ class Writer:
             except Closed:
                 pass
             except Exception as exc:
-                self._count("remote_write_errors", count)
+                self.count("remote_write_errors", count)
                 log.exception("aiokv: remote tier: a write failed: %s", exc)
             finally:
                 self._put_began = None
@@ -243,7 +244,7 @@ class Writer:
             self._connection.failed("asking for markers", exc)
         finally:
             self._call_began = None
-            self._count("remote_marker_seconds", time.monotonic() - began)
+            self.count("remote_marker_seconds", time.monotonic() - began)
 
     def _refresh(self, client: Any, namespaces: set[str]) -> bool:
         """Move past the markers of these namespaces (and of the epoch) that other hosts
@@ -276,7 +277,7 @@ class Writer:
         count = sum(len(job.blocks) for job in jobs)
         client = self._connection.ready()
         if client is None:
-            self._count("remote_dropped_down", count)
+            self.count("remote_dropped_down", count)
             return None
         now = time.monotonic()
         # The keys name the boot id: where it is not known (a restart seen just now), the
@@ -284,9 +285,9 @@ class Writer:
         known = self._keys.boot is not None
         stale = {job.ns for job in jobs if not known or self._checked.get(job.ns, 0.0) < now}
         refreshed = not stale or self._refresh(client, stale)
-        self._count("remote_marker_seconds", time.monotonic() - now)
+        self.count("remote_marker_seconds", time.monotonic() - now)
         if not refreshed:
-            self._count("remote_dropped_down", count)
+            self.count("remote_dropped_down", count)
             return None
         parts: list[tuple[WriteJob, list[str]]] = []
         lifetime = self._keys.view("")[0]
@@ -341,7 +342,7 @@ class Writer:
         with self._boot_lock:
             putting = self._keys.boot_of(lifetime)  # its keys' boot, unless restarted since
             if putting is None or client is None:
-                self._count("remote_dropped_down", count)
+                self.count("remote_dropped_down", count)
                 return
             self._putting = self._wrote_under = putting
         try:
@@ -356,13 +357,13 @@ class Writer:
         if crossed:  # seen while it was under way: removed after it (restarted left it)
             self._remove_boot(putting)
         if not self._connection.codes("batch_put_from", codes):
-            self._count("remote_dropped_down", count)
+            self.count("remote_dropped_down", count)
             return
         if self._keys.boot_of(lifetime) is None:
             # The restart was seen meanwhile: what was put went with the old master, or
             # under its boot id into the new one, where nobody reads it. Dropped at the
             # restart, as the writes queued then; the LRU takes them.
-            self._count("remote_dropped_down", count)
+            self.count("remote_dropped_down", count)
             return
         written = codes.count(0)
         full = codes.count(NO_SPACE)
