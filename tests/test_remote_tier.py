@@ -1063,6 +1063,52 @@ def test_an_evict_does_not_wait_for_another_users_put_its_batch_waits_behind(
         b.close()
 
 
+def test_a_batch_with_a_stale_users_write_beside_another_gives_every_block_back(
+    mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Another host evicts 3504 before this host, which never asked for its markers,
+    # offloads it; its write shares a batch with 3503's, and the batch's markers call
+    # learns of the evict: 3504's write is dropped as stale, 3503's goes on. The dropped
+    # job's host blocks were never given back (remote_blocks_held stayed at 8) and its
+    # user counted as being written for good: its next evict waited timeout_ms.
+    gate = held(monkeypatch, Values, "put")
+    a = LocalHost(mooncake.master, timeout_ms=20_000)
+    try:
+        assert a.offload(3501) == TOKENS
+        assert gate.entered.wait(60), "the first batch never reached its put"
+        summed = a.stats()["remote_write_checksum_seconds"]
+        assert a.offload(3502) == TOKENS
+        until(lambda: a.stats()["remote_write_checksum_seconds"] > summed)  # in hand
+        other = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
+        try:
+            other.kv.evict(3504)
+            assert other.stats()["remote_invalidation_errors"] == 0
+        finally:
+            other.close()
+        assert a.offload(3503) == TOKENS
+        assert a.offload(3504) == TOKENS
+        until(lambda: a.stats()["remote_write_queue_blocks"] == 2 * USER_PAGES)  # one batch
+        gate.set()
+        until(lambda: a.stats()["remote_blocks_held"] == 0, 10)
+        stats = a.stats()
+        assert stats["remote_blocks_written"] == 3 * USER_PAGES
+        assert stats["remote_dropped_stale"] == USER_PAGES
+        evicted: list[int] = []
+        evict = threading.Thread(target=lambda: evicted.append(a.kv.evict(3504)))
+        evict.start()
+        evict.join(4)  # timeout_ms is 20 s
+        assert evicted == [TOKENS], "the evict of 3504 waited for a write long over"
+    finally:
+        gate.set()
+        a.close()
+    b = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
+    try:
+        assert b.load(3503) == (TOKENS, True)
+        assert b.load(3504)[0] == 0
+    finally:
+        b.close()
+
+
 def test_an_evict_does_not_wait_for_another_users_write(
     mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -47,6 +47,7 @@ class _Ready:
 
     parts: list[tuple[WriteJob, list[str]]]
     lifetime: int
+    dropped: list[WriteJob]  # the batch's jobs dropped at its checks, to end with it
 
 
 class Writer:
@@ -162,8 +163,12 @@ class Writer:
             return why is None
 
         kept = self._queue.set_aside([job for job, _ in ready.parts], keep)
+        # Those dropped at the checks end too: their blocks back, their namespaces no
+        # longer written (else they stay held for good, and each evict of theirs waits
+        # timeout_ms for a write that never ends).
+        self._queue.done(ready.dropped)
         self._count_dropped(dropped)
-        if dropped and kept:
+        if (dropped or ready.dropped) and kept:
             self._wake()  # their blocks are back now, not after the put
         return _kept(ready, kept)
 
@@ -307,7 +312,8 @@ class Writer:
         if not parts:
             return None
         self.values.seal([key for _, keys in parts for key in keys], _blocks(parts))
-        return _Ready(parts, lifetime)
+        put = {id(job) for job, _ in parts}
+        return _Ready(parts, lifetime, [job for job in jobs if id(job) not in put])
 
     def _dropped(self, job: WriteJob, lifetime: int, boot: str | None) -> str | None:
         """Why a job may not be put under ``lifetime`` (its master's ``boot``): the
@@ -386,4 +392,4 @@ def _kept(ready: _Ready, jobs: list[WriteJob]) -> _Ready | None:
     if len(jobs) == len(ready.parts):
         return ready
     ids = {id(job) for job in jobs}
-    return _Ready([part for part in ready.parts if id(part[0]) in ids], ready.lifetime)
+    return _Ready([part for part in ready.parts if id(part[0]) in ids], ready.lifetime, [])
