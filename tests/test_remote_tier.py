@@ -1109,6 +1109,40 @@ def test_a_batch_with_a_stale_users_write_beside_another_gives_every_block_back(
         b.close()
 
 
+def test_the_writers_busy_time_counts_a_batch_put_while_the_next_one_waits(
+    mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 3601's put takes 0.3 s at least while 3602's batch waits behind it, then 3602's put
+    # is held: the writer is busy throughout. Its busy time (remote_write_seconds, the
+    # sum of aiokv_remote_write_seconds) was added only once no batch was in hand: a
+    # writer never idle showed batches written in no time at all.
+    def of(user: int) -> Callable[..., bool]:
+        tag = namespace_tag([f"uid:{user}"])
+        return lambda values, client, keys, blocks: f"/{tag}/" in keys[0]
+
+    first = held(monkeypatch, Values, "put", of(3601))
+    second = held(monkeypatch, Values, "put", of(3602))
+    a = LocalHost(mooncake.master, timeout_ms=20_000)
+    try:
+        assert a.offload(3601) == TOKENS
+        assert first.entered.wait(60), "3601's batch never reached its put"
+        began = time.monotonic()
+        summed = a.stats()["remote_write_checksum_seconds"]
+        assert a.offload(3602) == TOKENS
+        until(lambda: a.stats()["remote_write_checksum_seconds"] > summed)  # in hand
+        time.sleep(max(0.0, began + 0.3 - time.monotonic()))
+        first.set()
+        assert second.entered.wait(30), "3602's batch never reached its put"
+        stats = a.stats()
+        assert stats["remote_blocks_written"] == USER_PAGES
+        assert stats["remote_write_batches"] == 1
+        assert stats["remote_write_seconds"] >= 0.3
+    finally:
+        first.set()
+        second.set()
+        a.close()
+
+
 def test_an_evict_does_not_wait_for_another_users_write(
     mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -206,8 +206,11 @@ class Writer:
         with self._stats_lock:
             self.stats["remote_write_batches"] += 1
             self._in_hand -= 1
-            if not self._in_hand:
-                self.stats["remote_write_seconds"] += time.monotonic() - self._busy_since
+            # Each batch's end adds the busy time so far, not only the writer's next idle
+            # moment: a writer that never idles would show batches written in no time.
+            now = time.monotonic()
+            self.stats["remote_write_seconds"] += now - self._busy_since
+            self._busy_since = now
         self._queue.done(jobs)
         self._out.release()
         self._wake()
