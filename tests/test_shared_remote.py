@@ -340,6 +340,46 @@ def test_a_write_waiting_behind_another_users_put_is_dropped_by_its_keys_evict(
         host.stop()
 
 
+def test_a_users_write_dropped_at_its_checks_by_an_evict_gives_back_its_batchs_blocks(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 962's and 963's writes are one batch; an evict of 963 through the server (which
+    # does not wait for writes) comes while the writer checks it: 963's write is
+    # dropped there, 962's goes on. 963's host blocks were never given back
+    # (remote_blocks_held stayed at its pages, which later writes find taken) and 963
+    # stayed a namespace being written.
+    def of(user: int) -> Any:
+        tag = namespace_tag([f"user:{user}"])
+        return lambda writer, jobs: any(job.ns == tag for job in jobs)
+
+    first = held(monkeypatch, Writer, "_write", of(961))
+    checks = held(monkeypatch, Writer, "_write", of(963))
+    host = Host(tmp_path, ssd=False, remote={"master": mooncake.master})
+    host.start()
+    try:
+        engine, tables = host.engine()
+        offload(engine, tables, 961)
+        assert first.entered.wait(30), "961's write never reached its checks"
+        offload(engine, tables, 962)
+        offload(engine, tables, 963)
+        wait_for(lambda: engine.store_stats()["remote_write_queue_blocks"] == 2 * PAGES,
+                 "962's and 963's writes queued")
+        first.set()
+        assert checks.entered.wait(30), "962's and 963's batch never reached its checks"
+        other, _ = host.engine()
+        assert other.evict(["user:963"]) == TOKENS.size
+        checks.set()
+        wait_for(lambda: engine.store_stats()["remote_blocks_held"] == 0, "the writes' end")
+        stats = engine.store_stats()
+        assert stats["remote_blocks_written"] == 2 * PAGES  # 961's and 962's
+        assert stats["remote_dropped_writes"] == PAGES
+        engine.close()
+        other.close()
+    finally:
+        first.set()
+        checks.set()
+        host.stop()
+
+
 def test_a_server_that_never_looked_a_key_up_writes_it_where_hosts_find_it_after_an_evict(
         mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # An embedded host evicts the key; the server, which never looked it up, then takes
