@@ -277,11 +277,10 @@ class OffloadEngine:
                 f"{num_tokens} tokens do not fit in {pages.shape[0]} pages of {self._page_size}",
             )
         pages_used = num_tokens // self._page_size  # only full pages are stored
-        assert self._worker is not None  # made in start()
-        validate.offload_pages(
-            num_tokens, pages_used, self._page_size, self._num_pages,
-            self._worker.capacity_tokens,
-        )
+        validate.offload_pages(num_tokens, pages_used, self._num_pages)
+        # What the store's tiers hold is checked on the store thread, at the batch's match
+        # (worker.rounds): the figures it is known from may be another store's by now (a
+        # store server restarted with other tiers), and only a store call can tell.
         # Page id *values* are the store's to check, at launch (stores.base.Store.launch):
         # GPU values cannot be read here, and a per-call min/max would cost more than the
         # rest of the submit path. A bad one fails this request alone, naming the id.

@@ -278,17 +278,20 @@ def at_most(field: str, value: int, bound: int, what: str) -> None:
         raise InvalidRequest(field, f"{value} is more than {what} ({bound})")
 
 
-def offload_pages(
-    num_tokens: int, pages: int, page_size: int, num_pages: int, capacity: int | None
-) -> None:
+def offload_pages(num_tokens: int, pages: int, num_pages: int) -> None:
     """InvalidRequest unless an offload's ``pages`` full pages fit in the caches (more would
-    name a page twice) and, where the store says how much it holds (``capacity``, tokens),
-    in the store's tiers together: such an offload could never be stored."""
+    name a page twice)."""
     if pages > num_pages:
         raise InvalidRequest(
             "num_tokens",
             f"{num_tokens} tokens are {pages} full pages, more than the caches' {num_pages}",
         )
+
+
+def store_holds(num_tokens: int, pages: int, page_size: int, capacity: int | None) -> None:
+    """InvalidRequest unless an offload's ``pages`` full pages fit in the store's tiers
+    together, where it says how much they hold (``capacity``, tokens): such an offload
+    could never be stored."""
     if capacity is not None and pages * page_size > capacity:
         raise InvalidRequest(
             "num_tokens",

@@ -686,3 +686,36 @@ def test_caches_the_server_cannot_take_are_refused_naming_them_not_a_server_gone
         assert "not reachable" not in str(refused.value)
     finally:
         host.stop()
+
+
+def test_a_server_back_with_larger_tiers_takes_the_offloads_the_one_before_could_not(
+        tmp_path: Path) -> None:
+    # The engine's figures still said what the smaller server before held: an offload
+    # longer than that was refused at submit (InvalidRequest) though the new server takes
+    # it, and an engine making only such offloads never asked the store again.
+    host = Host(tmp_path, ssd=False, cpu_cache_gb=0.00002)  # 20 blocks: 80 tokens
+    host.start()
+    tables = caches()
+    engine = aiokv.open_engine({"store": {"backend": "shared", "socket": str(host.socket)}},
+                               kv_caches=tables)
+    kv = aiokv.run_in_background(engine)
+    try:
+        with pytest.raises(aiokv.InvalidRequest, match=r"num_tokens.*ever hold \(80"):
+            kv.offload(1, torch.arange(32), 32 * PAGE_SIZE)
+        host.stop()
+        host.config = aiokv.StoreConfig(cpu_cache_gb=0.002)
+        host.start()
+        for cache, kv_1 in zip(tables, user_kv(1, 32), strict=True):
+            cache[:32] = kv_1
+        assert kv.offload(1, torch.arange(32), 32 * PAGE_SIZE).stored_tokens == 32 * PAGE_SIZE
+        held = kv.lookup(1, 32 * PAGE_SIZE)
+        assert held.cached_tokens == 32 * PAGE_SIZE
+        for cache in tables:
+            cache.zero_()
+        assert kv.load(held, torch.arange(32, 64)).loaded_tokens == 32 * PAGE_SIZE
+        assert all(torch.equal(cache[32:], kv_1)
+                   for cache, kv_1 in zip(tables, user_kv(1, 32), strict=True))
+    finally:
+        kv.close()
+        host.stop()
+

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from ..errors import StoreError
+from .. import validate
+from ..errors import InvalidRequest, StoreError
 from ..invalidation import HeldKeys
 from ..layerwise import note_launches
 from ..loop.batcher import Batch
@@ -63,6 +64,7 @@ class Rounds:
         reserved: set[int],
         held_keys: HeldKeys,
         release_one: Callable[[int], None],
+        renew_capacity: Callable[[], None],
         clock_offset_s: float = 0.0,
     ) -> None:
         self._store = store
@@ -78,8 +80,10 @@ class Rounds:
         self._offset_s = clock_offset_s  # time.monotonic() - the loop's time
         self.page_size = 0  # the store's, set by the worker once it is registered
         # The most tokens the store can hold (stores.base.capacity_tokens), set with
-        # page_size; None: unknown. A lookup's key is cut to it (calls.key_ids).
+        # page_size; None: unknown. A lookup's key is cut to it (calls.key_ids), and a
+        # longer offload refused (_within_capacity) once renew_capacity has asked again.
         self.capacity_tokens: int | None = None
+        self._renew_capacity = renew_capacity
 
     def lookup(self, batch: Batch, outbox: Outbox) -> None:
         requests = batch.requests
@@ -101,8 +105,9 @@ class Rounds:
         """Offload (put) or load (get) batch: one match call, one plan, one launch."""
         requests, page_size = batch.requests, self.page_size
         if batch.kind is _OFFLOAD:
+            wanted = self._within_capacity(requests, to_match(requests), outbox)
             answers = self._calls.match(
-                self._store.put_match, self._caps.put_match_many, requests, to_match(requests)
+                self._store.put_match, self._caps.put_match_many, requests, wanted
             )
             plan = plan_offload(requests, answers, page_size)
         else:
@@ -113,6 +118,31 @@ class Rounds:
             reserved.difference_update([r.task_id for r in requests])
             plan = plan_load(requests, page_size, gone)
         self._execute(plan, outbox, batch.kind is not _OFFLOAD)
+
+    def _within_capacity(self, requests: Sequence[Request], wanted: list[int], outbox: Outbox
+                         ) -> list[int]:
+        """``wanted`` less the offloads of more full pages than the store's tiers can ever
+        hold (``capacity_tokens``), each answered InvalidRequest naming ``num_tokens``.
+        Before any is refused, the bound is asked of the store again (``renew_capacity``):
+        the figures it was taken from may be those of a store server since restarted with
+        larger tiers, which an engine making only such offloads would otherwise never ask
+        again."""
+        page_size = self.page_size
+        if self.capacity_tokens is None or all(
+                requests[i].pages_used * page_size <= self.capacity_tokens for i in wanted):
+            return wanted
+        self._renew_capacity()
+        kept = []
+        for index in wanted:
+            request = requests[index]
+            try:
+                validate.store_holds(request.num_tokens, request.pages_used, page_size,
+                                     self.capacity_tokens)
+            except InvalidRequest as error:
+                outbox.append((request, error))
+            else:
+                kept.append(index)
+        return kept
 
     def _execute(self, plan: Round, outbox: Outbox, loads: bool) -> None:
         """Act on a planned round: its outcomes, its cancels, then its one launch (with

@@ -98,6 +98,7 @@ class StoreWorker:
         self._rounds = Rounds(  # each batch's store round (aiokv.worker.rounds)
             store, self.caps, self._calls, self._slice, side_stream,
             self._launched, self._reserved, self._held_keys, self.release_one,
+            self._renew_capacity,
             clock_offset_s,  # time.monotonic() - loop.time(): deadlines on this thread's clock
         )
         self.stats = StoreSideStats()  # store latency; written here, read by scrapes
@@ -112,13 +113,6 @@ class StoreWorker:
         """Ids matched or launched and not yet terminal (read racily from the loop)."""
         return len(self._launched) + len(self._reserved) + len(self._calls.owed)
 
-    @property
-    def capacity_tokens(self) -> int | None:
-        """The most tokens the store can hold; None until it is registered, or when it
-        does not say (read racily from the loop: set before registration ends, and again
-        with each figures answer)."""
-        return self._rounds.capacity_tokens
-
     def _note_capacity(self) -> None:
         """The bound from the latest figures (store thread). Asked again with each answer:
         a host tier whose pinning stopped short after registration (a memlock limit)
@@ -127,6 +121,17 @@ class StoreWorker:
         figures = self._capacity_from = self.figures.latest
         self._rounds.capacity_tokens = capacity_tokens(
             None if self.caps.store_stats is None else lambda: figures, self._page_size)
+
+    def _renew_capacity(self) -> None:
+        """The store's figures asked now, and the bound taken from them (store thread,
+        before the bound refuses an offload, or after a lookup cut to it hit up to its
+        end): a store server restarted since the last answer may hold more. A store that
+        cannot answer now leaves the bound as it was."""
+        try:
+            self.figures.ask()
+        except Exception:  # the bound known stands (the figures kept)
+            log.debug("aiokv: store_stats() for the store's bound failed", exc_info=True)
+        self._note_capacity()
 
     def start(self) -> None:
         self._thread.start()
