@@ -719,3 +719,36 @@ def test_a_server_back_with_larger_tiers_takes_the_offloads_the_one_before_could
         kv.close()
         host.stop()
 
+
+
+def test_a_server_back_with_larger_tiers_answers_the_first_lookup_whole(
+        tmp_path: Path) -> None:
+    # The engine cut its lookups to what the smaller server before held (its figures
+    # from then): the first lookup after the restart found 80 of the 128 tokens that
+    # another engine had stored there, and loaded only those.
+    host = Host(tmp_path, ssd=False, cpu_cache_gb=0.00002)  # 20 blocks: 80 tokens
+    host.start()
+    config = {"store": {"backend": "shared", "socket": str(host.socket)}}
+    tables = caches()
+    kv = aiokv.run_in_background(aiokv.open_engine(config, kv_caches=tables))
+    try:
+        host.stop()
+        host.config = aiokv.StoreConfig(cpu_cache_gb=0.002)
+        host.start()
+        writer_tables = caches()
+        writer = aiokv.run_in_background(aiokv.open_engine(config, kv_caches=writer_tables))
+        try:
+            for cache, kv_5 in zip(writer_tables, user_kv(5, 32), strict=True):
+                cache[:32] = kv_5
+            assert writer.offload(5, torch.arange(32), 32 * PAGE_SIZE).stored_tokens == 128
+        finally:
+            writer.close()
+        held = kv.lookup(5, 32 * PAGE_SIZE)
+        assert held.cached_tokens == 32 * PAGE_SIZE
+        assert kv.load(held, torch.arange(32, 64)).loaded_tokens == 32 * PAGE_SIZE
+        assert all(torch.equal(cache[32:], kv_5)
+                   for cache, kv_5 in zip(tables, user_kv(5, 32), strict=True))
+    finally:
+        kv.close()
+        host.stop()
+

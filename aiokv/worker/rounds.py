@@ -43,7 +43,7 @@ from ..space import NO_TIMEOUT_WAIT_S
 from ..stores.base import Capabilities, MatchAnswers, Store
 from .calls import StoreCalls
 from .handoff import GilSlice
-from .plans import Move, Round, plan_load, plan_lookup, plan_offload, to_match
+from .plans import Answer, Move, Round, plan_load, plan_lookup, plan_offload, to_match
 
 _OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
 
@@ -91,15 +91,41 @@ class Rounds:
         many: Callable[..., MatchAnswers] | None = self._caps.get_match_many
         if many is not None and self._caps.bounds_lookups and wanted:
             many = functools.partial(many, deadline_s=self._lookup_deadline(requests, wanted))
-        answers = self._calls.match(
-            self._store.get_match, many, requests, wanted, self.capacity_tokens
-        )
+        limit = self.capacity_tokens
+        answers = self._calls.match(self._store.get_match, many, requests, wanted, limit)
+        if limit is not None:
+            self._past_the_bound(requests, answers, limit, many)
         outcomes, cancel, reserved = plan_lookup(requests, answers, self._release_one)
         outbox.extend(outcomes)
         self._reserved.update(reserved)
         self._held_keys.note(outcomes, self._reserved)
         if cancel:
             self._calls.cancel(cancel)
+
+    def _past_the_bound(self, requests: Sequence[Request], answers: list[Answer], limit: int,
+                        many: Callable[..., MatchAnswers] | None) -> None:
+        """Lookups cut to the bound (``limit``) that hit up to its end: the store may hold
+        more of them, as a store server restarted with larger tiers since the figures the
+        bound was taken from does. The bound is asked of the store again and, where it
+        grew, they are asked again with it; a new answer replaces the first (given back),
+        a failed one leaves it. Only a key that fills what the store held asks again."""
+        full = [i for i, a in enumerate(answers) if isinstance(a, tuple)
+                and requests[i].num_tokens > limit and len(a[1]) and a[1][-1]]
+        if not full:
+            return
+        self._renew_capacity()
+        if self.capacity_tokens is None or self.capacity_tokens <= limit:
+            return  # the same store (or one that no longer says: no key left unbounded)
+        again = self._calls.match(
+            self._store.get_match, many, requests, full, self.capacity_tokens)
+        given_back = []
+        for index in full:
+            answer, first = again[index], answers[index]
+            if isinstance(answer, tuple) and isinstance(first, tuple):
+                given_back.append(first[0])
+                answers[index] = answer
+        if given_back:
+            self._calls.cancel(given_back)
 
     def move(self, batch: Batch, outbox: Outbox) -> None:
         """Offload (put) or load (get) batch: one match call, one plan, one launch."""
