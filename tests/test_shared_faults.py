@@ -720,7 +720,6 @@ def test_a_server_back_with_larger_tiers_takes_the_offloads_the_one_before_could
         host.stop()
 
 
-
 def test_a_server_back_with_larger_tiers_answers_the_first_lookup_whole(
         tmp_path: Path) -> None:
     # The engine cut its lookups to what the smaller server before held (its figures
@@ -752,3 +751,27 @@ def test_a_server_back_with_larger_tiers_answers_the_first_lookup_whole(
         kv.close()
         host.stop()
 
+
+def test_an_offload_whose_full_pages_fill_the_server_is_stored_with_its_partial_page(
+        tmp_path: Path) -> None:
+    # 82 tokens on a server of 80: its 20 full pages fit (the partial page is never
+    # stored), yet the key's 82 tokens were refused as TooLarge (InvalidRequest).
+    host = Host(tmp_path, ssd=False, cpu_cache_gb=0.00002)  # 20 blocks: 80 tokens
+    host.start()
+    tables = caches()
+    kv = aiokv.run_in_background(aiokv.open_engine(
+        {"store": {"backend": "shared", "socket": str(host.socket)}}, kv_caches=tables))
+    try:
+        for cache, kv_1 in zip(tables, user_kv(1, 21), strict=True):
+            cache[:21] = kv_1
+        assert kv.offload(1, torch.arange(21), 20 * PAGE_SIZE + 2).stored_tokens == 80
+        held = kv.lookup(1, 20 * PAGE_SIZE + 2)
+        assert held.cached_tokens == 80
+        for cache in tables:
+            cache.zero_()
+        assert kv.load(held, torch.arange(40, 61)).loaded_tokens == 80
+        assert all(torch.equal(cache[40:60], kv_1[:20])
+                   for cache, kv_1 in zip(tables, user_kv(1, 21), strict=True))
+    finally:
+        kv.close()
+        host.stop()

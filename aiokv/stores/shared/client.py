@@ -219,14 +219,19 @@ class SharedStore:
         """A batch's matches asked of ``link``'s server (under the lock: the reply views
         the connection's buffer), none longer than it holds (``link.max_tokens``): it drops
         a peer that asks more, and a server restarted with smaller tiers holds less than
-        this engine's figures, from the one before, may still say. A longer get is asked
-        for that prefix (no more of it could be stored), its mask False past it; a longer
-        put is refused here, TooLarge, as its new pages could never be had."""
+        this engine's figures, from the one before, may still say. A longer key is asked
+        for that prefix (no more of it could be stored), its mask False past it; a put
+        whose full pages are more than that is refused here, TooLarge, as its new pages
+        could never be had (a partial page past the limit is never stored: no reason)."""
         limit, page_size = link.max_tokens, self.page_size
         asked = queries
+        refused: set[int] = set()
         if limit is not None and any(len(token_ids) > limit for token_ids, _ in queries):
-            asked = ([q for q in queries if len(q[0]) <= limit] if is_put
-                     else [(token_ids[:limit], space) for token_ids, space in queries])
+            if is_put:
+                refused = {i for i, (token_ids, _) in enumerate(queries)
+                           if len(token_ids) // page_size * page_size > limit}
+            asked = [(token_ids[:limit], space)
+                     for i, (token_ids, space) in enumerate(queries) if i not in refused]
         request = wire.encode_match(wire.PUT if is_put else wire.GET, asked, page_size,
                                     released, by)
         body = link.call(request, "put" if is_put else "get", wire.ANSWERS)
@@ -236,8 +241,8 @@ class SharedStore:
             return replies
         out: list[wire.ClientAnswer] = []
         answered = iter(replies)
-        for token_ids, _ in queries:
-            if is_put and limit is not None and len(token_ids) > limit:
+        for index, (token_ids, _) in enumerate(queries):
+            if index in refused:
                 out.append(TooLarge(f"a put of {len(token_ids)} tokens; the store server "
                                     f"at {self._path!r} holds at most {limit}"))
                 continue
