@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -648,11 +649,8 @@ def test_a_server_back_with_smaller_tiers_answers_longer_lookups_and_drops_no_en
     kv = aiokv.run_in_background(engine)
     try:
         assert kv.offload(1, torch.arange(2), 2 * PAGE_SIZE).stored_tokens == 2 * PAGE_SIZE
-        host.stop()
-        host.config = aiokv.StoreConfig(cpu_cache_gb=0.00002)  # 20 blocks: 80 tokens
-        host.start()
-        for cache, kv_1 in zip(tables, user_kv(1, 2), strict=True):
-            cache[:2] = kv_1
+        _restarted(host, 0.00002)  # 20 blocks: 80 tokens
+        kv_1 = _written(tables, 1, 2)
         assert kv.offload(1, torch.arange(2), 2 * PAGE_SIZE).stored_tokens == 2 * PAGE_SIZE
         held = kv.lookup(1, 2 * PAGE_SIZE)
         assert held.cached_tokens == 2 * PAGE_SIZE
@@ -661,14 +659,37 @@ def test_a_server_back_with_smaller_tiers_answers_longer_lookups_and_drops_no_en
         long.release()
         with pytest.raises(aiokv.InvalidRequest, match=r"num_tokens.*holds at most 80"):
             kv.offload(3, torch.arange(32), 32 * PAGE_SIZE)
-        for cache in tables:
-            cache.zero_()
-        assert kv.load(held, torch.arange(10, 12)).loaded_tokens == 2 * PAGE_SIZE
-        assert all(torch.equal(cache[10:12], kv_1)
-                   for cache, kv_1 in zip(tables, user_kv(1, 2), strict=True))
+        assert _loaded_exact(kv, held, tables, 10, kv_1)
     finally:
         kv.close()
         host.stop()
+
+
+def _restarted(host: Host, cpu_cache_gb: float) -> None:
+    """The server stopped and started again with a host tier of ``cpu_cache_gb``."""
+    host.stop()
+    host.config = aiokv.StoreConfig(cpu_cache_gb=cpu_cache_gb)
+    host.start()
+
+
+def _written(tables: list[torch.Tensor], user: int, pages: int) -> list[torch.Tensor]:
+    """``user``'s KV of ``pages`` pages written into the first pages of the caches."""
+    kv = user_kv(user, pages)
+    for cache, layer in zip(tables, kv, strict=True):
+        cache[:pages] = layer
+    return kv
+
+
+def _loaded_exact(kv: aiokv.BackgroundEngine, held: Any, tables: list[torch.Tensor],
+                  at: int, want: list[torch.Tensor]) -> bool:
+    """``held`` loaded whole into pages from ``at`` on of zeroed caches, bit for bit."""
+    pages = want[0].shape[0]
+    for cache in tables:
+        cache.zero_()
+    loaded = kv.load(held, torch.arange(at, at + pages)).loaded_tokens
+    return loaded == pages * PAGE_SIZE and all(
+        torch.equal(cache[at : at + pages], layer)
+        for cache, layer in zip(tables, want, strict=True))
 
 
 def test_caches_the_server_cannot_take_are_refused_naming_them_not_a_server_gone(
@@ -702,19 +723,12 @@ def test_a_server_back_with_larger_tiers_takes_the_offloads_the_one_before_could
     try:
         with pytest.raises(aiokv.InvalidRequest, match=r"num_tokens.*ever hold \(80"):
             kv.offload(1, torch.arange(32), 32 * PAGE_SIZE)
-        host.stop()
-        host.config = aiokv.StoreConfig(cpu_cache_gb=0.002)
-        host.start()
-        for cache, kv_1 in zip(tables, user_kv(1, 32), strict=True):
-            cache[:32] = kv_1
+        _restarted(host, 0.002)
+        kv_1 = _written(tables, 1, 32)
         assert kv.offload(1, torch.arange(32), 32 * PAGE_SIZE).stored_tokens == 32 * PAGE_SIZE
         held = kv.lookup(1, 32 * PAGE_SIZE)
         assert held.cached_tokens == 32 * PAGE_SIZE
-        for cache in tables:
-            cache.zero_()
-        assert kv.load(held, torch.arange(32, 64)).loaded_tokens == 32 * PAGE_SIZE
-        assert all(torch.equal(cache[32:], kv_1)
-                   for cache, kv_1 in zip(tables, user_kv(1, 32), strict=True))
+        assert _loaded_exact(kv, held, tables, 32, kv_1)
     finally:
         kv.close()
         host.stop()
@@ -731,22 +745,17 @@ def test_a_server_back_with_larger_tiers_answers_the_first_lookup_whole(
     tables = caches()
     kv = aiokv.run_in_background(aiokv.open_engine(config, kv_caches=tables))
     try:
-        host.stop()
-        host.config = aiokv.StoreConfig(cpu_cache_gb=0.002)
-        host.start()
+        _restarted(host, 0.002)
         writer_tables = caches()
         writer = aiokv.run_in_background(aiokv.open_engine(config, kv_caches=writer_tables))
         try:
-            for cache, kv_5 in zip(writer_tables, user_kv(5, 32), strict=True):
-                cache[:32] = kv_5
+            kv_5 = _written(writer_tables, 5, 32)
             assert writer.offload(5, torch.arange(32), 32 * PAGE_SIZE).stored_tokens == 128
         finally:
             writer.close()
         held = kv.lookup(5, 32 * PAGE_SIZE)
         assert held.cached_tokens == 32 * PAGE_SIZE
-        assert kv.load(held, torch.arange(32, 64)).loaded_tokens == 32 * PAGE_SIZE
-        assert all(torch.equal(cache[32:], kv_5)
-                   for cache, kv_5 in zip(tables, user_kv(5, 32), strict=True))
+        assert _loaded_exact(kv, held, tables, 32, kv_5)
     finally:
         kv.close()
         host.stop()
@@ -762,16 +771,15 @@ def test_an_offload_whose_full_pages_fill_the_server_is_stored_with_its_partial_
     kv = aiokv.run_in_background(aiokv.open_engine(
         {"store": {"backend": "shared", "socket": str(host.socket)}}, kv_caches=tables))
     try:
-        for cache, kv_1 in zip(tables, user_kv(1, 21), strict=True):
-            cache[:21] = kv_1
+        kv_1 = _written(tables, 1, 21)
         assert kv.offload(1, torch.arange(21), 20 * PAGE_SIZE + 2).stored_tokens == 80
         held = kv.lookup(1, 20 * PAGE_SIZE + 2)
         assert held.cached_tokens == 80
         for cache in tables:
             cache.zero_()
         assert kv.load(held, torch.arange(40, 61)).loaded_tokens == 80
-        assert all(torch.equal(cache[40:60], kv_1[:20])
-                   for cache, kv_1 in zip(tables, user_kv(1, 21), strict=True))
+        assert all(torch.equal(cache[40:60], layer[:20])
+                   for cache, layer in zip(tables, kv_1, strict=True))
     finally:
         kv.close()
         host.stop()
