@@ -783,3 +783,39 @@ def test_an_offload_whose_full_pages_fill_the_server_is_stored_with_its_partial_
     finally:
         kv.close()
         host.stop()
+
+
+def test_the_first_lookup_after_a_server_came_back_larger_counts_its_hit_once(
+        tmp_path: Path) -> None:
+    # The engine cut that lookup to what the smaller server before held (80 tokens),
+    # found all of them, then asked the key again whole and gave the first answer back:
+    # the server counted both, so engine.stats() showed 208 host-hit tokens for the 128
+    # that one lookup found and loaded.
+    host = Host(tmp_path, ssd=False, cpu_cache_gb=0.00002)  # 20 blocks: 80 tokens
+    host.start()
+    config = {"store": {"backend": "shared", "socket": str(host.socket)}}
+    tables = caches()
+    kv = aiokv.run_in_background(aiokv.open_engine(config, kv_caches=tables))
+    try:
+        host.stop()
+        host.config = aiokv.StoreConfig(cpu_cache_gb=0.002)
+        host.start()
+        writer_tables = caches()
+        writer = aiokv.run_in_background(aiokv.open_engine(config, kv_caches=writer_tables))
+        try:
+            for cache, kv_5 in zip(writer_tables, user_kv(5, 32), strict=True):
+                cache[:32] = kv_5
+            assert writer.offload(5, torch.arange(32), 32 * PAGE_SIZE).stored_tokens == 128
+        finally:
+            writer.close()
+        held = kv.lookup(5, 32 * PAGE_SIZE)
+        assert held.cached_tokens == 32 * PAGE_SIZE
+        assert kv.load(held, torch.arange(32, 64)).loaded_tokens == 32 * PAGE_SIZE
+        wait_for(lambda: kv.stats().host_hit_tokens >= 32 * PAGE_SIZE,
+                 "the lookup's hit in the figures")
+        assert kv.stats().host_hit_tokens == 32 * PAGE_SIZE
+        assert all(torch.equal(cache[32:], kv_5)
+                   for cache, kv_5 in zip(tables, user_kv(5, 32), strict=True))
+    finally:
+        kv.close()
+        host.stop()

@@ -43,7 +43,7 @@ from ..space import NO_TIMEOUT_WAIT_S
 from ..stores.base import Capabilities, MatchAnswers, Store
 from .calls import StoreCalls
 from .handoff import GilSlice
-from .plans import Answer, Move, Round, plan_load, plan_lookup, plan_offload, to_match
+from .plans import Move, Round, plan_load, plan_lookup, plan_offload, to_match
 
 _OFFLOAD = Kind.OFFLOAD  # a module global: read per batch
 
@@ -80,8 +80,8 @@ class Rounds:
         self._offset_s = clock_offset_s  # time.monotonic() - the loop's time
         self.page_size = 0  # the store's, set by the worker once it is registered
         # The most tokens the store can hold (stores.base.capacity_tokens), set with
-        # page_size; None: unknown. A lookup's key is cut to it (calls.key_ids), and a
-        # longer offload refused (_within_capacity) once renew_capacity has asked again.
+        # page_size; None: unknown. A lookup's key is cut to it (calls.key_ids) and a
+        # longer offload refused (_within_capacity), once renew_capacity has asked again.
         self.capacity_tokens: int | None = None
         self._renew_capacity = renew_capacity
 
@@ -91,10 +91,9 @@ class Rounds:
         many: Callable[..., MatchAnswers] | None = self._caps.get_match_many
         if many is not None and self._caps.bounds_lookups and wanted:
             many = functools.partial(many, deadline_s=self._lookup_deadline(requests, wanted))
-        limit = self.capacity_tokens
-        answers = self._calls.match(self._store.get_match, many, requests, wanted, limit)
-        if limit is not None:
-            self._past_the_bound(requests, answers, limit, many)
+        answers = self._calls.match(
+            self._store.get_match, many, requests, wanted, self._lookup_bound(requests, wanted)
+        )
         outcomes, cancel, reserved = plan_lookup(requests, answers, self._release_one)
         outbox.extend(outcomes)
         self._reserved.update(reserved)
@@ -102,30 +101,18 @@ class Rounds:
         if cancel:
             self._calls.cancel(cancel)
 
-    def _past_the_bound(self, requests: Sequence[Request], answers: list[Answer], limit: int,
-                        many: Callable[..., MatchAnswers] | None) -> None:
-        """Lookups cut to the bound (``limit``) that hit up to its end: the store may hold
-        more of them, as a store server restarted with larger tiers since the figures the
-        bound was taken from does. The bound is asked of the store again and, where it
-        grew, they are asked again with it; a new answer replaces the first (given back),
-        a failed one leaves it. Only a key that fills what the store held asks again."""
-        full = [i for i, a in enumerate(answers) if isinstance(a, tuple)
-                and requests[i].num_tokens > limit and len(a[1]) and a[1][-1]]
-        if not full:
-            return
+    def _lookup_bound(self, requests: Sequence[Request], wanted: list[int]) -> int | None:
+        """The most tokens of each key the store is asked about (``capacity_tokens``).
+        Where a lookup is longer, the bound is asked of the store again first: the figures
+        it was taken from may be those of a store server since restarted with larger
+        tiers, which holds more of the key. Asked before the match, not after a match cut
+        to the old bound hit to its end: a second match of the key, its first given back,
+        made the store count that lookup's hit twice (its host_hit_tokens)."""
+        limit = self.capacity_tokens
+        if limit is None or all(requests[i].num_tokens <= limit for i in wanted):
+            return limit
         self._renew_capacity()
-        if self.capacity_tokens is None or self.capacity_tokens <= limit:
-            return  # the same store (or one that no longer says: no key left unbounded)
-        again = self._calls.match(
-            self._store.get_match, many, requests, full, self.capacity_tokens)
-        given_back = []
-        for index in full:
-            answer, first = again[index], answers[index]
-            if isinstance(answer, tuple) and isinstance(first, tuple):
-                given_back.append(first[0])
-                answers[index] = answer
-        if given_back:
-            self._calls.cancel(given_back)
+        return self.capacity_tokens
 
     def move(self, batch: Batch, outbox: Outbox) -> None:
         """Offload (put) or load (get) batch: one match call, one plan, one launch."""

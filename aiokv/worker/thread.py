@@ -124,9 +124,9 @@ class StoreWorker:
 
     def _renew_capacity(self) -> None:
         """The store's figures asked now, and the bound taken from them (store thread,
-        before the bound refuses an offload, or after a lookup cut to it hit up to its
-        end): a store server restarted since the last answer may hold more. A store that
-        cannot answer now leaves the bound as it was."""
+        before the bound refuses an offload or cuts a lookup): a store server restarted
+        since the last answer may hold more. A store that cannot answer now leaves the
+        bound as it was."""
         try:
             self.figures.ask()
         except Exception:  # the bound known stands (the figures kept)
