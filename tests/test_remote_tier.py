@@ -981,6 +981,22 @@ def test_a_lookup_racing_another_hosts_evict_marker_put_is_a_miss_not_an_error(
             stats["remote_errors"]) == (0, 1, 0, 0)
 
 
+def _offloaded_into_hand(host: LocalHost, user: int) -> None:
+    """``user`` offloaded while the writer's put is held: its batch is checked and summed
+    beside that put (the writer's next batch in hand)."""
+    summed = host.stats()["remote_write_checksum_seconds"]
+    assert host.offload(user) == TOKENS
+    until(lambda: host.stats()["remote_write_checksum_seconds"] > summed)
+
+
+def _evicting(host: LocalHost, user: int) -> tuple[threading.Thread, list[int]]:
+    """An evict of ``user`` started on a thread; the list gets its answer."""
+    evicted: list[int] = []
+    evict = threading.Thread(target=lambda: evicted.append(host.kv.evict(user)))
+    evict.start()
+    return evict, evicted
+
+
 def test_an_evict_waits_for_its_users_put_while_the_next_batch_is_summed_beside_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
@@ -997,12 +1013,8 @@ def test_an_evict_waits_for_its_users_put_while_the_next_batch_is_summed_beside_
         try:
             assert a.offload(3301) == TOKENS
             assert gate.entered.wait(60), "the first batch never reached its put"
-            summed = a.stats()["remote_write_checksum_seconds"]
-            assert a.offload(3302) == TOKENS
-            until(lambda: a.stats()["remote_write_checksum_seconds"] > summed)  # in hand
-            evicted: list[int] = []
-            evict = threading.Thread(target=lambda: evicted.append(a.kv.evict(3301)))
-            evict.start()
+            _offloaded_into_hand(a, 3302)
+            evict, evicted = _evicting(a, 3301)
             time.sleep(0.2)
             gate.set()
             evict.join(30)
@@ -1039,12 +1051,8 @@ def test_an_evict_does_not_wait_for_another_users_put_its_batch_waits_behind(
     try:
         assert a.offload(3401) == TOKENS
         assert gate.entered.wait(60), "the first batch never reached its put"
-        summed = a.stats()["remote_write_checksum_seconds"]
-        assert a.offload(3402) == TOKENS
-        until(lambda: a.stats()["remote_write_checksum_seconds"] > summed)  # in hand
-        evicted: list[int] = []
-        evict = threading.Thread(target=lambda: evicted.append(a.kv.evict(3402)))
-        evict.start()
+        _offloaded_into_hand(a, 3402)
+        evict, evicted = _evicting(a, 3402)
         evict.join(4)  # 3401's put is held for 30 s; timeout_ms is 20 s
         assert evicted == [TOKENS], "the evict of 3402 waited for 3401's put"
         gate.set()
@@ -1076,9 +1084,7 @@ def test_a_batch_with_a_stale_users_write_beside_another_gives_every_block_back(
     try:
         assert a.offload(3501) == TOKENS
         assert gate.entered.wait(60), "the first batch never reached its put"
-        summed = a.stats()["remote_write_checksum_seconds"]
-        assert a.offload(3502) == TOKENS
-        until(lambda: a.stats()["remote_write_checksum_seconds"] > summed)  # in hand
+        _offloaded_into_hand(a, 3502)
         other = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
         try:
             other.kv.evict(3504)
@@ -1093,9 +1099,7 @@ def test_a_batch_with_a_stale_users_write_beside_another_gives_every_block_back(
         stats = a.stats()
         assert stats["remote_blocks_written"] == 3 * USER_PAGES
         assert stats["remote_dropped_stale"] == USER_PAGES
-        evicted: list[int] = []
-        evict = threading.Thread(target=lambda: evicted.append(a.kv.evict(3504)))
-        evict.start()
+        evict, evicted = _evicting(a, 3504)
         evict.join(4)  # timeout_ms is 20 s
         assert evicted == [TOKENS], "the evict of 3504 waited for a write long over"
     finally:
@@ -1127,9 +1131,7 @@ def test_the_writers_busy_time_counts_a_batch_put_while_the_next_one_waits(
         assert a.offload(3601) == TOKENS
         assert first.entered.wait(60), "3601's batch never reached its put"
         began = time.monotonic()
-        summed = a.stats()["remote_write_checksum_seconds"]
-        assert a.offload(3602) == TOKENS
-        until(lambda: a.stats()["remote_write_checksum_seconds"] > summed)  # in hand
+        _offloaded_into_hand(a, 3602)
         time.sleep(max(0.0, began + 0.3 - time.monotonic()))
         first.set()
         assert second.entered.wait(30), "3602's batch never reached its put"
@@ -1164,9 +1166,7 @@ def test_an_evict_does_not_wait_for_another_users_write(
         monkeypatch.setattr(Writer, "_write", held_write)
         assert a.offload(3202) == TOKENS  # its write is held under way
         assert writing.wait(60)
-        evicted: list[int] = []
-        evict = threading.Thread(target=lambda: evicted.append(a.kv.evict(3201)))
-        evict.start()
+        evict, evicted = _evicting(a, 3201)
         evict.join(10)  # the write of 3202 is held for 30 s; timeout_ms is 20 s
         assert evicted == [TOKENS], "the evict of 3201 waited for 3202's write"
         gate.set()
