@@ -665,6 +665,17 @@ def test_a_server_back_with_smaller_tiers_answers_longer_lookups_and_drops_no_en
         host.stop()
 
 
+def _small_server(tmp_path: Path) -> tuple[Host, dict[str, Any], list[torch.Tensor],
+                                            aiokv.BackgroundEngine]:
+    """A server of 20 blocks (80 tokens), its engines' config, and one engine on it."""
+    host = Host(tmp_path, ssd=False, cpu_cache_gb=0.00002)
+    host.start()
+    config = {"store": {"backend": "shared", "socket": str(host.socket)}}
+    tables = caches()
+    return host, config, tables, aiokv.run_in_background(
+        aiokv.open_engine(config, kv_caches=tables))
+
+
 def _restarted(host: Host, cpu_cache_gb: float) -> None:
     """The server stopped and started again with a host tier of ``cpu_cache_gb``."""
     host.stop()
@@ -714,12 +725,7 @@ def test_a_server_back_with_larger_tiers_takes_the_offloads_the_one_before_could
     # The engine's figures still said what the smaller server before held: an offload
     # longer than that was refused at submit (InvalidRequest) though the new server takes
     # it, and an engine making only such offloads never asked the store again.
-    host = Host(tmp_path, ssd=False, cpu_cache_gb=0.00002)  # 20 blocks: 80 tokens
-    host.start()
-    tables = caches()
-    engine = aiokv.open_engine({"store": {"backend": "shared", "socket": str(host.socket)}},
-                               kv_caches=tables)
-    kv = aiokv.run_in_background(engine)
+    host, _, tables, kv = _small_server(tmp_path)
     try:
         with pytest.raises(aiokv.InvalidRequest, match=r"num_tokens.*ever hold \(80"):
             kv.offload(1, torch.arange(32), 32 * PAGE_SIZE)
@@ -741,11 +747,7 @@ def test_a_server_back_with_larger_tiers_answers_the_first_lookup_whole(
     # another engine had stored there, and loaded only those. A first fix then asked the
     # key again whole and gave the first answer back: the server counted both, and
     # engine.stats() showed 208 host-hit tokens for the 128 one lookup found.
-    host = Host(tmp_path, ssd=False, cpu_cache_gb=0.00002)  # 20 blocks: 80 tokens
-    host.start()
-    config = {"store": {"backend": "shared", "socket": str(host.socket)}}
-    tables = caches()
-    kv = aiokv.run_in_background(aiokv.open_engine(config, kv_caches=tables))
+    host, config, tables, kv = _small_server(tmp_path)
     try:
         _restarted(host, 0.002)
         writer_tables = caches()
@@ -770,11 +772,7 @@ def test_an_offload_whose_full_pages_fill_the_server_is_stored_with_its_partial_
         tmp_path: Path) -> None:
     # 82 tokens on a server of 80: its 20 full pages fit (the partial page is never
     # stored), yet the key's 82 tokens were refused as TooLarge (InvalidRequest).
-    host = Host(tmp_path, ssd=False, cpu_cache_gb=0.00002)  # 20 blocks: 80 tokens
-    host.start()
-    tables = caches()
-    kv = aiokv.run_in_background(aiokv.open_engine(
-        {"store": {"backend": "shared", "socket": str(host.socket)}}, kv_caches=tables))
+    host, _, tables, kv = _small_server(tmp_path)
     try:
         kv_1 = _written(tables, 1, 21)
         assert kv.offload(1, torch.arange(21), 20 * PAGE_SIZE + 2).stored_tokens == 80
