@@ -163,8 +163,9 @@ def held(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str,
     return gate
 
 
-def offers_once_learned(monkeypatch: pytest.MonkeyPatch, ns: str) -> threading.Event:
-    """Puts' offers (``RemoteLink.offer``) wait (30 s at most) until a markers call
+def offers_once_learned(monkeypatch: pytest.MonkeyPatch, ns: str,
+                        wait_s: float = 30.0) -> threading.Event:
+    """Puts' offers (``RemoteLink.offer``) wait (``wait_s`` at most) until a markers call
     that asked for namespace ``ns`` (a tag) returned with its host past an evict of it
     (its generation past 0): a copy slower than that call. Not Mooncake's answer alone:
     the call moves the host's view after it, and an offer between would be of the view
@@ -179,7 +180,7 @@ def offers_once_learned(monkeypatch: pytest.MonkeyPatch, ns: str) -> threading.E
         return found
 
     def offer_once_learned(link: RemoteLink, tasks: Any) -> None:
-        learned.wait(30)
+        learned.wait(wait_s)
         offer(link, tasks)
 
     monkeypatch.setattr(Markers, "past", past_then_tell)

@@ -23,7 +23,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import exits_cleanly_never_closed, held, needs_mooncake, one_batch
+from conftest import (
+    exits_cleanly_never_closed,
+    held,
+    needs_mooncake,
+    offers_once_learned,
+    one_batch,
+)
 from pinning import pin_in_chunks
 from prometheus_client import CollectorRegistry
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, ChildHost
@@ -1109,6 +1115,44 @@ def test_a_batch_with_a_stale_users_write_beside_another_gives_every_block_back(
     try:
         assert b.load(3503) == (TOKENS, True)
         assert b.load(3504)[0] == 0
+    finally:
+        b.close()
+
+
+def test_a_put_started_while_two_batches_are_in_hand_is_written_after_another_hosts_evict(
+    mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Another host evicts 3704; this host, which never looked it up, then offloads it
+    # while its writer has two batches in hand (one in a put Mooncake holds, the next
+    # checked beside it). The put's start asks for the user's markers, but the writer's
+    # thread, idle until a batch ended, asked only then: the put was offered (a copy
+    # that takes 2 s here) under the generation the evict ended, its write dropped as
+    # stale, and no host found the user in Mooncake.
+    gate = held(monkeypatch, Values, "put")
+    a = LocalHost(mooncake.master, timeout_ms=20_000)
+    try:
+        assert a.offload(3701) == TOKENS
+        assert gate.entered.wait(60), "the first batch never reached its put"
+        _offloaded_into_hand(a, 3702)
+        other = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
+        try:
+            other.kv.evict(3704)
+            assert other.stats()["remote_invalidation_errors"] == 0
+        finally:
+            other.close()
+        offers_once_learned(monkeypatch, namespace_tag(["uid:3704"]), wait_s=2)
+        assert a.offload(3704) == TOKENS
+        gate.set()
+        until(lambda: a.stats()["remote_blocks_held"] == 0, 10)
+        stats = a.stats()
+        assert (stats["remote_blocks_written"], stats["remote_dropped_writes"]) == (
+            3 * USER_PAGES, 0)
+    finally:
+        gate.set()
+        a.close()
+    b = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
+    try:
+        assert b.load(3704) == (TOKENS, True)
     finally:
         b.close()
 

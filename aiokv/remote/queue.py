@@ -104,14 +104,20 @@ class WriteQueue:
         with self._cond:
             return bool(self._cond.wait_for(idle, timeout_s))
 
-    def next_batch(self, max_blocks: int) -> list[WriteJob] | None:
-        """Writer thread: block for the next jobs (about ``max_blocks`` blocks), or for
-        namespaces asked for (:meth:`asked`; then maybe none); None once closed with
+    def next_batch(self, max_blocks: int, room: Callable[[], bool]) -> list[WriteJob] | None:
+        """Writer thread: block for the next jobs (about ``max_blocks`` blocks) once
+        ``room()`` says the writer may take a batch (checked under this queue's lock,
+        which :meth:`done` takes after room is made), or for namespaces asked for
+        (:meth:`asked`; then none, also while there is no room: a put's offer is not to
+        wait for the batches in hand to learn its markers); None once closed with
         nothing queued."""
         with self._cond:
-            self._cond.wait_for(lambda: self._jobs or self._asked or self._closed)
+            self._cond.wait_for(lambda: self._asked or (self._closed and not self._jobs)
+                                or (self._jobs and room()))
             if not self._jobs:
                 return None if self._closed else []
+            if not room():
+                return []  # asked for: the markers first
             jobs: list[WriteJob] = []
             count = 0
             while self._jobs and count < max_blocks:

@@ -2,9 +2,10 @@
 markers of their namespaces first (at most once a second each), and puts the values under
 the master's boot id, epoch and generation their put was offered under, unless those ended
 meanwhile. Every job ends in :meth:`~.queue.WriteQueue.done`, written or dropped (counted
-by reason), so that the store thread gives its host blocks back. Between batches it asks
-for the markers of namespaces whose puts started and that no call asked for lately, so
-that those puts are offered under what is current.
+by reason), so that the store thread gives its host blocks back. Between batches (and
+while it waits for a batch in hand to end) it asks for the markers of namespaces whose
+puts started and that no call asked for lately, so that those puts are offered under
+what is current.
 
 Two threads, a batch each: the writer thread checks a batch, names its keys and sums its
 values while the put thread has the batch before it in Mooncake's put. Done in turn, the
@@ -91,10 +92,9 @@ class Writer:
         # timeout_ms, whichever it is.
         self._call_began: float | None = None
         self._put_began: float | None = None
-        # Batches taken from the queue and not done: one in Mooncake's put, the next
-        # checked and summed meanwhile. remote_write_seconds counts the time with one
-        # or two in hand (the writer's busy time, which its rate is of).
-        self._out = threading.Semaphore(2)
+        # Batches taken from the queue and not done (two at most: one in Mooncake's put,
+        # the next checked and summed meanwhile). remote_write_seconds counts the time
+        # with one or two in hand (the writer's busy time, which its rate is of).
         self._in_hand = 0
         self._busy_since = 0.0
         self._ready: queues.SimpleQueue[_Ready | None] = queues.SimpleQueue()
@@ -113,15 +113,17 @@ class Writer:
         self._put_thread.start()
         try:
             while True:
-                self._out.acquire()  # released once the batch is done (_finish)
-                jobs = queue.next_batch(_WRITE_BATCH)
+                # With two batches in hand this thread waits for one to end (_finish), but
+                # still asks for the markers that puts starting meanwhile want: else under
+                # a steady load they are asked for only after those puts were offered,
+                # under a generation another host's evict ended, and dropped as stale.
+                jobs = queue.next_batch(_WRITE_BATCH, lambda: self._in_hand < 2)
                 if jobs is None:
                     break
                 asked = queue.asked()
                 if asked:
                     self._learn(asked)
                 if not jobs:
-                    self._out.release()
                     continue
                 with self._stats_lock:
                     if not self._in_hand:
@@ -211,8 +213,7 @@ class Writer:
             now = time.monotonic()
             self.stats["remote_write_seconds"] += now - self._busy_since
             self._busy_since = now
-        self._queue.done(jobs)
-        self._out.release()
+        self._queue.done(jobs)  # after _in_hand: it wakes the writer thread for room
         self._wake()
 
     def in_call_s(self) -> float:
