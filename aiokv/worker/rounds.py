@@ -122,6 +122,13 @@ class Rounds:
             answers = self._calls.match(
                 self._store.put_match, self._caps.put_match_many, requests, wanted
             )
+            if any(isinstance(answer, InvalidRequest) for answer in answers):
+                # The store refused a put as more than it can ever hold (TooLarge): the
+                # figures the bound is from may be a store server's since restarted with
+                # a smaller host tier. Asked again before the refusal is answered, so
+                # that a caller who cuts its offloads to the figures (the recsys
+                # adapter) finds the new ones once it learns of it.
+                self._renew_capacity()
             plan = plan_offload(requests, answers, page_size)
         else:
             # Every load consumes its reservation here: launched or cancelled below,
