@@ -66,11 +66,12 @@ def _recsys() -> types.SimpleNamespace:
 @dataclass
 class Task:
     """What a task handle holds: the calls in flight, the users (int64), and the
-    page-aligned lengths the task stores or loads (int32)."""
+    page-aligned lengths the task stores or loads (an offload's calls set theirs as the
+    engine takes them: RecsysCore.offload)."""
 
     pending: PendingCalls
     user_ids: torch.Tensor
-    lengths: torch.Tensor
+    lengths: list[int]
     # An onboard's hits: given back once its loads are in (a no-op for a loaded one; a
     # load refused, Overloaded, left its hit held, and the manager never retries it).
     hits: Sequence[BackgroundLookup] = ()
@@ -128,7 +129,9 @@ class _HostStorage:
     that were not loaded. The handle's lengths stay the launch's: the pages revoked.
     An offload stores at most the host tier's blocks of a sequence (the store takes a
     put's new pages on that tier at once): a longer history stores its longest prefix
-    that fits, the length its handle reports, rather than fail its whole batch.
+    that fits, the length its handle reports, rather than fail its whole batch. The
+    host tier is the store's as the engine takes the offload (a store server may have
+    restarted with another since the storage started).
     ``cancel_task`` never aborts a copy (aiokv does not): the task's wait answers
     CANCELLED once its copies have ended, so that the manager reuses no page they touch.
     It returns False, and leaves the handle as it is, where the copies had all ended
@@ -231,7 +234,7 @@ class _HostStorage:
         return recsys.HostKVTaskHandle(
             backend="flexkv",
             user_ids=user_ids,
-            handle=Task(pending, user_ids, loaded, loading_hits),
+            handle=Task(pending, user_ids, [host[i] for i in chosen], loading_hits),
             status=recsys.HostKVTaskStatus.LAUNCHED,
             metadata={"onboard_start_indices": torch.zeros_like(loaded), "onboard_lengths": loaded},
         )
@@ -242,7 +245,7 @@ class _HostStorage:
         task: Task = task_handle.handle
         outcomes = task.pending.outcomes()
         self.core.release(task.hits)
-        return _wait_result(task, outcomes, task.lengths.tolist())
+        return _wait_result(task, outcomes, task.lengths)
 
     def offload_kvcache_launch(
         self,
@@ -276,14 +279,17 @@ class _HostStorage:
         pages = user_pages(kvcache_metadata.kv_indices, lengths, core.page_size)
         # A sequence longer than one offload can store stores its longest prefix that
         # fits (reported as the handle's length): refused whole, the manager would fail
-        # the batch's every user with it.
+        # the batch's every user with it. The core cuts each as the engine takes it, to
+        # the store's figures then (a store server may have restarted with another host
+        # tier since), and sets its entry of ``stored``; filled here with the cut that
+        # the figures now give, which the handle reports until then.
         stored = offload_lengths(lengths, core.page_size, core.max_offload_tokens)
-        pending = core.offload(index_meta.user_ids.tolist(), pages, stored)
+        pending = core.offload(index_meta.user_ids.tolist(), pages, lengths, stored)
         recsys = _recsys()
         return recsys.HostKVTaskHandle(
             backend="flexkv",
             user_ids=index_meta.user_ids,
-            handle=Task(pending, index_meta.user_ids, _int32(stored)),
+            handle=Task(pending, index_meta.user_ids, stored),
             status=recsys.HostKVTaskStatus.LAUNCHED,
         )
 
@@ -332,7 +338,8 @@ class _HostStorage:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(users, start indices (0), the page-aligned lengths the offload stores)."""
         task: Task = task_handle.handle
-        return task.user_ids, torch.zeros_like(task.lengths), task.lengths
+        lengths = _int32(task.lengths)
+        return task.user_ids, torch.zeros_like(lengths), lengths
 
 
 def _onboarded(index_meta: Any, lookup_result: Any, hits: list[Any]

@@ -28,12 +28,14 @@ import torch
 import yaml
 
 from ..engine import OffloadEngine
+from ..errors import InvalidRequest
 from ..handles import BackgroundLookup
 from ..open import ConfigSource, read_config
 from ..portal import outcome
 from ..requests import LoadResult, OffloadResult
 from ..stores import make_store
 from ..sync import BackgroundEngine, run_in_background
+from .recsys_math import offload_lengths
 
 log = logging.getLogger("aiokv")
 
@@ -96,12 +98,14 @@ class RecsysCore:
     def __init__(self, kv: BackgroundEngine) -> None:
         self.kv = kv
         self.page_size = kv.engine.page_size
-        # The most tokens one offload can store: the host tier's blocks x page_size. The
-        # engine refuses more than the tiers together hold (capacity_tokens), and the
-        # store more new pages than the host tier has blocks (it takes them at once; an
-        # SSD tier only adds room behind it). None where the store does not say (0).
-        blocks = kv.stats().host_blocks_total
-        self.max_offload_tokens: int | None = blocks * self.page_size if blocks > 0 else None
+        self._drops = _Drops()  # the evicts and clears made through this core
+
+    @property
+    def max_offload_tokens(self) -> int | None:
+        """The most tokens one offload can store now (None where the store does not say):
+        the host tier's blocks x page_size, from the store's latest figures (no store
+        call; see :func:`_host_bound`)."""
+        return _host_bound(self.kv.engine)
 
     @classmethod
     def open(
@@ -192,15 +196,33 @@ class RecsysCore:
         user_ids: Sequence[Hashable],
         page_ids: Sequence[torch.Tensor],
         num_tokens: Sequence[int],
+        stored: list[int] | None = None,
     ) -> PendingCalls:
         """Store each user's full pages of its first ``num_tokens`` tokens, held in its
         ``page_ids`` (``OffloadResult`` outcomes); does not wait. On a GPU the copies
         start after what this thread's current stream has queued now: the pages must
-        stay as they are until the outcomes are in."""
+        stay as they are until the outcomes are in.
+
+        A sequence longer than one offload can store (:attr:`max_offload_tokens` as the
+        engine takes the call) stores its longest prefix that fits. One the store refuses
+        all the same as more than it can ever hold (figures still of a store server since
+        restarted with a smaller host tier: the engine asks for them again before it
+        answers the refusal) is made again once, with the prefix the new figures allow,
+        unless an evict or clear was made through this core since this call: made after
+        the call, it must drop what the call stores, and the second try would come after
+        it. ``stored``: one entry per user, each set to the tokens that user's offload
+        was made with before its outcome is in (the length the store holds once it
+        succeeded)."""
+        if stored is None:
+            stored = [0] * len(user_ids)
+        elif len(stored) != len(user_ids):
+            raise InvalidRequest("stored", f"has {len(stored)} entries for {len(user_ids)} users")
         ready = self.kv.engine._caller_event()
+        made = self._drops.made
         calls: list[Call] = [
-            _offload_call(user, pages, tokens, ready)
-            for user, pages, tokens in zip(user_ids, page_ids, num_tokens, strict=True)
+            _offload_call(user, pages, tokens, ready, _Slot(stored, i, self._drops, made))
+            for i, (user, pages, tokens) in enumerate(
+                zip(user_ids, page_ids, num_tokens, strict=True))
         ]
         return self._hop("offload", calls)
 
@@ -214,6 +236,7 @@ class RecsysCore:
         """Drop what the store holds for these users (``engine.evict`` each, one hop);
         returns the tokens dropped. Raises the first error of a call that failed."""
         self.kv._refuse_on_loop("evict")  # before anything is dropped
+        self._drops.made += 1  # before it is handed over: see offload
         calls: list[Call] = [_evict_call(user) for user in user_ids]
         outcomes = self._hop("evict", calls).outcomes()
         for failed in outcomes:
@@ -223,6 +246,8 @@ class RecsysCore:
 
     def clear(self) -> int:
         """Drop everything the store holds; returns the tokens dropped."""
+        self.kv._refuse_on_loop("clear")  # before it counts as made
+        self._drops.made += 1  # before it is handed over: see offload
         return self.kv.clear()
 
     def close(self) -> None:
@@ -247,11 +272,62 @@ def _load_call(hit: BackgroundLookup, pages: torch.Tensor, ready: Any) -> Call:
     return call
 
 
-def _offload_call(user: Hashable, pages: torch.Tensor, tokens: int, ready: Any) -> Call:
+class _Drops:
+    """The evicts and clears made through a core, counted on the manager's thread before
+    each is handed over to the engine's loop."""
+
+    __slots__ = ("made",)
+
+    def __init__(self) -> None:
+        self.made = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Slot:
+    """One user's offload's entry in ``stored`` (written on the loop), and the evicts
+    and clears made when its manager call was."""
+
+    stored: list[int]
+    index: int
+    drops: _Drops
+    made: int
+
+
+def _offload_call(user: Hashable, pages: torch.Tensor, tokens: int, ready: Any, slot: _Slot
+                  ) -> Call:
     async def call(engine: OffloadEngine) -> OffloadResult:
-        return await engine.offload(user, pages, int(tokens), _ready_event=ready)
+        asked = slot.stored[slot.index] = _cut(int(tokens), engine)
+        try:
+            return await engine.offload(user, pages, asked, _ready_event=ready)
+        except InvalidRequest as refused:
+            again = _cut(int(tokens), engine)
+            # Checked and made again in one go on the loop: an evict or clear counted
+            # after this check reaches the engine after the second offload, and drops it.
+            if refused.field != "num_tokens" or again >= asked or slot.drops.made != slot.made:
+                raise
+        slot.stored[slot.index] = again
+        return await engine.offload(user, pages, again, _ready_event=ready)
 
     return call
+
+
+def _cut(tokens: int, engine: OffloadEngine) -> int:
+    """The full pages of ``tokens``, at most what one offload can store now."""
+    return offload_lengths([tokens], engine.page_size, _host_bound(engine))[0]
+
+
+def _host_bound(engine: OffloadEngine) -> int | None:
+    """The most tokens one offload can store now: the host tier's blocks x page_size, from
+    the store's latest figures (read from any thread, no store call; at most REFRESH_S
+    old while the store works, and asked again before the engine answers a put refused as
+    more than the store can ever hold), or None where the store does not say. The store
+    takes a put's new pages on the host tier at once (an SSD tier only adds room behind
+    it, and the engine's own bound, capacity_tokens, counts both), and a store server
+    may restart with another host tier (``store.backend: shared``), or pinning stop short
+    of the embedded store's."""
+    worker = engine._worker
+    blocks = int(worker.figures.latest.get("host_blocks_total", 0)) if worker else 0
+    return blocks * engine.page_size if blocks > 0 else None
 
 
 def _evict_call(user: Hashable) -> Call:
