@@ -1189,6 +1189,38 @@ def test_the_writers_busy_time_counts_a_batch_put_while_the_next_one_waits(
         a.close()
 
 
+def test_close_that_gives_up_on_a_held_put_counts_every_offered_block_once(
+    mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Mooncake holds 3801's put past timeout_ms while 3802's batch waits beside it: close
+    # gives up on the put and drops 3802's write. Its figures showed 8 of the 16 blocks
+    # offered dropped and none written: the held put's blocks were counted nowhere. Each
+    # is counted dropped ("down") at close, and the put ending later changes nothing.
+    gate = held(monkeypatch, Values, "put")
+    putting: list[threading.Thread] = []
+    put = Values.put
+
+    def put_seen(values: Values, *args: Any) -> Any:
+        putting.append(threading.current_thread())
+        return put(values, *args)
+
+    monkeypatch.setattr(Values, "put", put_seen)
+    a = LocalHost(mooncake.master, timeout_ms=300)
+    try:
+        assert a.offload(3801) == TOKENS
+        assert gate.entered.wait(60), "the first batch never reached its put"
+        _offloaded_into_hand(a, 3802)
+        closed = a.close()
+    finally:
+        gate.set()
+    figures = (closed["remote_blocks_written"], closed["remote_dropped_writes"],
+               closed["remote_dropped_down"])
+    assert figures == (0, 2 * USER_PAGES, 2 * USER_PAGES)
+    putting[0].join(30)  # the held put returned, and its thread counted what it saw
+    assert not putting[0].is_alive()
+    assert a.stats() == closed
+
+
 def test_an_evict_does_not_wait_for_another_users_write(
     mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
