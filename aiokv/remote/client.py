@@ -390,7 +390,9 @@ class RemoteIO:
                    and self._remover.join(max(0.0, deadline - time.monotonic()))
                    and not self._writer.thread.is_alive())
         # A thread left in a call goes on once it returns: from here on it calls Mooncake
-        # no more, and what it meets is not counted (close's figures are final).
+        # no more, and what it meets is not counted (close's figures are final); the
+        # write blocks it has in hand are counted dropped now, as the queued ones were.
+        abandoned_blocks = self._writer.give_up()
         self.connection.stop()
         waiting = sum(self.keys.unpublished().values())
         if waiting:
@@ -401,8 +403,9 @@ class RemoteIO:
                         "did not take them in time)", dropped_blocks)
         if not stopped:
             log.warning("aiokv: remote tier: Mooncake did not answer within %d ms of close; "
-                        "its calls under way are left to end by themselves",
-                        self.config.timeout_ms)
+                        "its calls under way are left to end by themselves (%d write "
+                        "blocks in them counted dropped)", self.config.timeout_ms,
+                        abandoned_blocks)
             return False
         self._checksums.close()
         self.connection.close()

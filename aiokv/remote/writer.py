@@ -25,7 +25,7 @@ import queue as queues
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,13 @@ class Writer:
             "remote_write_seconds", "remote_marker_seconds", "remote_write_checksum_seconds",
             "remote_put_seconds"), 0)
         self._stats_lock = threading.Lock()
+        # The blocks of the batch each thread has in hand whose end is not counted yet
+        # ("check": the writer thread's, until written, dropped or set aside; "put": the
+        # put thread's, in Mooncake's put), under the lock: close counts those of a call it
+        # gives up on as dropped (:meth:`give_up`), and after that nothing is counted, so
+        # each block offered is counted once, however late that call returns.
+        self._uncounted = {"check": 0, "put": 0}
+        self._final = False
         self.values = Values(layout, checksums, self.stats,
                              ("remote_put_seconds", "remote_write_checksum_seconds"))
         # Namespace -> when its markers need asking again before a write.
@@ -104,9 +111,41 @@ class Writer:
                                             daemon=True)
 
     def count(self, key: str, amount: float) -> None:
-        """Add to one of the writer's figures (any thread: its two threads count too)."""
+        """Add to one of the writer's figures (any thread: its two threads count too);
+        nothing once close gave up (:meth:`give_up`)."""
         with self._stats_lock:
-            self.stats[key] += amount
+            if not self._final:
+                self.stats[key] += amount
+
+    def _ended(self, hand: str, blocks: int, counts: Mapping[str, float]) -> None:
+        """``blocks`` of the batch in ``hand`` ended, counted as ``counts`` says."""
+        with self._stats_lock:
+            self._ended_locked(hand, blocks, counts)
+
+    def _ended_locked(self, hand: str, blocks: int, counts: Mapping[str, float]) -> None:
+        self._uncounted[hand] -= blocks
+        if not self._final:
+            for key, amount in counts.items():
+                self.stats[key] += amount
+
+    def _failed(self, hand: str) -> None:
+        """The batch in ``hand`` failed (a bug or the client's): its blocks not counted
+        yet are write errors."""
+        with self._stats_lock:
+            left = self._uncounted[hand]
+            self._ended_locked(hand, left, {"remote_write_errors": left})
+
+    def give_up(self) -> int:
+        """Close stops waiting for the threads (store thread): the blocks of the batches
+        they still have in hand (a call Mooncake holds) are counted dropped ("down"), and
+        from now on nothing more is counted: close's figures are final. How many."""
+        with self._stats_lock:
+            if self._final:
+                return 0
+            self._final = True
+            left = self._uncounted["check"] + self._uncounted["put"]
+            self.stats["remote_dropped_down"] += left
+        return left
 
     def _loop(self) -> None:
         queue = self._queue
@@ -129,6 +168,7 @@ class Writer:
                     if not self._in_hand:
                         self._busy_since = time.monotonic()
                     self._in_hand += 1
+                    self._uncounted["check"] = sum(len(job.blocks) for job in jobs)
                 ready: _Ready | None = None
                 self._call_began = time.monotonic()
                 try:
@@ -136,7 +176,7 @@ class Writer:
                 except Closed:  # close returned while it was in a call: its figures are final
                     pass
                 except Exception as exc:  # a bug or the client's: count it, keep the thread
-                    self.count("remote_write_errors", sum(len(j.blocks) for j in jobs))
+                    self._failed("check")
                     log.exception("aiokv: remote tier: a write failed: %s", exc)
                 finally:
                     self._call_began = None
@@ -164,12 +204,15 @@ class Writer:
                 dropped[why] += len(job.blocks)
             return why is None
 
-        kept = self._queue.set_aside([job for job, _ in ready.parts], keep)
+        with self._stats_lock:
+            # Under the lock: those set aside are the queue's from here on (an evict, a
+            # clear or close that takes them back counts them), never counted twice.
+            kept = self._queue.set_aside([job for job, _ in ready.parts], keep)
+            self._ended_locked("check", self._uncounted["check"], dropped)
         # Those dropped at the checks end too: their blocks back, their namespaces no
         # longer written (else they stay held for good, and each evict of theirs waits
         # timeout_ms for a write that never ends).
         self._queue.done(ready.dropped)
-        self._count_dropped(dropped)
         if (dropped or ready.dropped) and kept:
             self._wake()  # their blocks are back now, not after the put
         return _kept(ready, kept)
@@ -177,17 +220,18 @@ class Writer:
     def _put_loop(self) -> None:
         while (ready := self._ready.get()) is not None:
             # Those of its jobs that no evict, clear, restart or close took back meanwhile.
-            started = _kept(ready, self._queue.start([job for job, _ in ready.parts]))
+            with self._stats_lock:  # in hand from the queue's set aside, as one step
+                started = _kept(ready, self._queue.start([job for job, _ in ready.parts]))
+                jobs = [] if started is None else [job for job, _ in started.parts]
+                count = self._uncounted["put"] = sum(len(job.blocks) for job in jobs)
             if started is None:
                 self._finish([])
                 continue
-            jobs = [job for job, _ in started.parts]
-            count = sum(len(job.blocks) for job in jobs)
             if self._queue.closed:
                 # The interpreter exits, or close stopped waiting for the writes: a put
                 # not begun is not begun now (a daemon thread in Mooncake's call as the
                 # interpreter ends takes the process down).
-                self.count("remote_dropped_down", count)
+                self._ended("put", count, {"remote_dropped_down": count})
                 self._finish(jobs)
                 continue
             self._put_began = time.monotonic()
@@ -196,7 +240,7 @@ class Writer:
             except Closed:
                 pass
             except Exception as exc:
-                self.count("remote_write_errors", count)
+                self._failed("put")
                 log.exception("aiokv: remote tier: a write failed: %s", exc)
             finally:
                 self._put_began = None
@@ -206,12 +250,13 @@ class Writer:
         """A batch ended, written or dropped (either thread): ``jobs``, those of its jobs
         not given back yet."""
         with self._stats_lock:
-            self.stats["remote_write_batches"] += 1
             self._in_hand -= 1
             # Each batch's end adds the busy time so far, not only the writer's next idle
             # moment: a writer that never idles would show batches written in no time.
             now = time.monotonic()
-            self.stats["remote_write_seconds"] += now - self._busy_since
+            if not self._final:
+                self.stats["remote_write_batches"] += 1
+                self.stats["remote_write_seconds"] += now - self._busy_since
             self._busy_since = now
         self._queue.done(jobs)  # after _in_hand: it wakes the writer thread for room
         self._wake()
@@ -286,7 +331,7 @@ class Writer:
         count = sum(len(job.blocks) for job in jobs)
         client = self._connection.ready()
         if client is None:
-            self.count("remote_dropped_down", count)
+            self._ended("check", count, {"remote_dropped_down": count})
             return None
         now = time.monotonic()
         # The keys name the boot id: where it is not known (a restart seen just now), the
@@ -296,7 +341,7 @@ class Writer:
         refreshed = not stale or self._refresh(client, stale)
         self.count("remote_marker_seconds", time.monotonic() - now)
         if not refreshed:
-            self.count("remote_dropped_down", count)
+            self._ended("check", count, {"remote_dropped_down": count})
             return None
         parts: list[tuple[WriteJob, list[str]]] = []
         lifetime = self._keys.view("")[0]
@@ -312,7 +357,7 @@ class Writer:
             # after these checks, before the put, gets it where its hosts never look.
             parts.append((job, self._keys.blocks(boot, job.ns, job.view[1], job.view[2],
                                                  job.digests)))
-        self._count_dropped(dropped)
+        self._ended("check", sum(dropped.values()), dropped)
         if not parts:
             return None
         self.values.seal([key for _, keys in parts for key in keys], _blocks(parts))
@@ -339,11 +384,6 @@ class Writer:
             return "remote_dropped_stale"
         return None
 
-    def _count_dropped(self, dropped: Counter[str]) -> None:
-        with self._stats_lock:
-            for key, amount in dropped.items():
-                self.stats[key] += amount
-
     def _put(self, ready: _Ready, count: int) -> None:
         """Put a batch the writer thread readied (the put thread; ``count`` blocks), under
         the boot id its keys name, unless its master restarted meanwhile."""
@@ -352,7 +392,7 @@ class Writer:
         with self._boot_lock:
             putting = self._keys.boot_of(lifetime)  # its keys' boot, unless restarted since
             if putting is None or client is None:
-                self.count("remote_dropped_down", count)
+                self._ended("put", count, {"remote_dropped_down": count})
                 return
             self._putting = self._wrote_under = putting
         try:
@@ -367,22 +407,19 @@ class Writer:
         if crossed:  # seen while it was under way: removed after it (restarted left it)
             self._remove_boot(putting)
         if not self._connection.codes("batch_put_from", codes):
-            self.count("remote_dropped_down", count)
+            self._ended("put", count, {"remote_dropped_down": count})
             return
         if self._keys.boot_of(lifetime) is None:
             # The restart was seen meanwhile: what was put went with the old master, or
             # under its boot id into the new one, where nobody reads it. Dropped at the
             # restart, as the writes queued then; the LRU takes them.
-            self.count("remote_dropped_down", count)
+            self._ended("put", count, {"remote_dropped_down": count})
             return
         written = codes.count(0)
         full = codes.count(NO_SPACE)
-        with self._stats_lock:
-            stats = self.stats
-            stats["remote_blocks_written"] += written
-            stats["remote_bytes_written"] += written * self._block_bytes
-            stats["remote_dropped_full"] += full
-            stats["remote_write_errors"] += len(codes) - written - full
+        self._ended("put", count, {
+            "remote_blocks_written": written, "remote_bytes_written": written * self._block_bytes,
+            "remote_dropped_full": full, "remote_write_errors": len(codes) - written - full})
 
 
 def _blocks(parts: list[tuple[WriteJob, list[str]]]) -> list[int]:
