@@ -1221,6 +1221,23 @@ def test_close_that_gives_up_on_a_held_put_counts_every_offered_block_once(
     assert a.stats() == closed
 
 
+def test_close_that_gives_up_on_a_batchs_held_markers_check_counts_its_blocks_dropped(
+    mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Mooncake holds the markers call that checks 3901's batch before its put: close gives
+    # up on it, and its 8 blocks were counted neither written nor dropped.
+    gate = held(monkeypatch, Writer, "_refresh")
+    a = LocalHost(mooncake.master, timeout_ms=300)
+    try:
+        assert a.offload(3901) == TOKENS
+        assert gate.entered.wait(60), "the batch never reached its markers check"
+        closed = a.close()
+    finally:
+        gate.set()
+    assert (closed["remote_blocks_written"], closed["remote_dropped_writes"],
+            closed["remote_dropped_down"]) == (0, USER_PAGES, USER_PAGES)
+
+
 def test_an_evict_does_not_wait_for_another_users_write(
     mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
