@@ -1085,6 +1085,10 @@ def test_a_batch_with_a_stale_users_write_beside_another_gives_every_block_back(
     # learns of the evict: 3504's write is dropped as stale, 3503's goes on. The dropped
     # job's host blocks were never given back (remote_blocks_held stayed at 8) and its
     # user counted as being written for good: its next evict waited timeout_ms.
+    # The put's own ask for its markers is left out: answered before the offer (as the
+    # writer may, even with two batches in hand), it would offer 3504 under the
+    # generation after the evict; left out, the offer came first (the race the README
+    # names), which is the case here.
     gate = held(monkeypatch, Values, "put")
     a = LocalHost(mooncake.master, timeout_ms=20_000)
     try:
@@ -1098,7 +1102,9 @@ def test_a_batch_with_a_stale_users_write_beside_another_gives_every_block_back(
         finally:
             other.close()
         assert a.offload(3503) == TOKENS
-        assert a.offload(3504) == TOKENS
+        with monkeypatch.context() as patch:
+            patch.setattr(Writer, "expect", lambda self, ns: None)
+            assert a.offload(3504) == TOKENS
         until(lambda: a.stats()["remote_write_queue_blocks"] == 2 * USER_PAGES)  # one batch
         gate.set()
         until(lambda: a.stats()["remote_blocks_held"] == 0, 10)
