@@ -740,6 +740,30 @@ def test_a_server_back_with_larger_tiers_takes_the_offloads_the_one_before_could
         host.stop()
 
 
+def test_an_offload_longer_than_the_server_away_held_fails_as_a_server_away_not_too_large(
+        tmp_path: Path) -> None:
+    # While the server was away (restarting with larger tiers), an offload longer than
+    # the one before held was refused InvalidRequest, "more than the store can ever
+    # hold (80", from that server's last figures, though no store had been asked: a
+    # bad request to its caller, where a shorter one got StoreError, and the server back
+    # a moment later took it.
+    host, _, tables, kv = _small_server(tmp_path)
+    try:
+        host.stop()
+        with pytest.raises(aiokv.StoreError, match="not reachable"):
+            kv.offload(1, torch.arange(32), 32 * PAGE_SIZE)
+        host.config = aiokv.StoreConfig(cpu_cache_gb=0.002)
+        host.start()
+        kv_1 = _written(tables, 1, 32)
+        assert kv.offload(1, torch.arange(32), 32 * PAGE_SIZE).stored_tokens == 32 * PAGE_SIZE
+        held = kv.lookup(1, 32 * PAGE_SIZE)
+        assert held.cached_tokens == 32 * PAGE_SIZE
+        assert _loaded_exact(kv, held, tables, 32, kv_1)
+    finally:
+        kv.close()
+        host.stop()
+
+
 def test_a_server_back_with_larger_tiers_answers_the_first_lookup_whole(
         tmp_path: Path) -> None:
     # The engine cut its lookups to what the smaller server before held (its figures

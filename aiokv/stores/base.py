@@ -245,7 +245,8 @@ class ReportsStats(Protocol):
     leaves), ssd_full_drops (host blocks evicted with no SSD copy: every SSD slot in
     use), stage_waits (loads that waited for host room to stage their SSD pages),
     d2h_copies (device-to-host copies of page ids the store made for its launches:
-    FlexKV's fused slots, a store process's ids); the
+    FlexKV's fused slots, a store process's ids), server_up (0 where the figures are
+    the last a store server now away gave: ``shared``); the
     keys the store has; the engine reads them into EngineStats, aiokv.store_figures).
     Asked by the store thread now and then while it works, and once more after
     ``close()``: a closed store may answer (what its close finished counts then) or raise
@@ -384,11 +385,16 @@ def capacity_tokens(
 ) -> int | None:
     """The most tokens a registered store can ever hold: its tiers' blocks (host and SSD,
     from :class:`ReportsStats`) times ``page_size``; None where it does not say (no
-    ``store_stats``, no ``host_blocks_total``, or the call fails: FlexKV's adapter)."""
+    ``store_stats``, no ``host_blocks_total``, or the call fails: FlexKV's adapter), and
+    where its figures are those a store server now away gave last (``server_up`` 0):
+    the server that serves next may hold more, and until it is asked an offload that
+    one held too much of must not be refused as never storable."""
     if store_stats is None or page_size <= 0:
         return None
     try:
         stats = store_stats()
+        if stats.get("server_up", 1) == 0:
+            return None
         blocks = int(stats["host_blocks_total"]) + int(stats.get("ssd_blocks_total", 0))
     except Exception:  # a store that cannot say is bounded by the engine's config alone
         return None
