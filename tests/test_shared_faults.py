@@ -657,7 +657,10 @@ def test_a_server_back_with_smaller_tiers_answers_longer_lookups_and_drops_no_en
         long = kv.lookup(2, 4000)  # more than 80, less than the server before held
         assert long.cached_tokens == 0
         long.release()
-        with pytest.raises(aiokv.InvalidRequest, match=r"num_tokens.*holds at most 80"):
+        # Refused by the store's answer or, where the engine's figures are already the
+        # new server's (asked again 0.1 s after the last), by the engine: 80 either way.
+        with pytest.raises(aiokv.InvalidRequest,
+                           match=r"num_tokens.*(holds at most 80|can ever hold \(80)"):
             kv.offload(3, torch.arange(32), 32 * PAGE_SIZE)
         assert _loaded_exact(kv, held, tables, 10, kv_1)
     finally:
