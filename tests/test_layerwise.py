@@ -361,7 +361,7 @@ def test_run_in_background_hands_out_errors_and_cancels_before_the_launch() -> N
     # that (an error at submit, the caller cancelling it) still reaches it. Batches of two
     # and a 10 s window: the lone load waits there until its caller cancels it (a 0.3 s
     # window let a loaded host launch it first, and the cancel came too late); the
-    # other calls go in pairs.
+    # other calls go in pairs, so that none waits the window out.
     engine, caches = engine_over(LayeredStore(), window_us=10_000_000, max_batch_requests=2)
     with aiokv.run_in_background(engine) as kv:
         for stored in [kv.submit_offload(user, SOURCE, TOKENS) for user in (1, 2)]:
@@ -384,9 +384,11 @@ def test_run_in_background_hands_out_errors_and_cancels_before_the_launch() -> N
                 break
         stats = kv.stats()
         assert (stats.cancelled, stats.pending) == (1, 0)
-        # The handle still serves. The cancelled load keeps its place in the window until
-        # a batch is planned: this load fills it, and goes out alone.
-        load = kv.load_layerwise(other, TARGET)
+        # The handle still serves. The cancelled load no longer counts toward the pair
+        # (callers that left fill no window): an offload beside this load fills it.
+        loading = kv.submit_load_layerwise(other, TARGET)
+        assert kv.offload(3, SOURCE, TOKENS).stored_tokens == TOKENS
+        load = loading.result(timeout=30)
         load.wait_layer(LAYERS - 1)
         assert all(loaded(caches, i) for i in range(LAYERS))
         assert load.result(timeout=10) == aiokv.LoadResult(2, TOKENS)
