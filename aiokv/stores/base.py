@@ -255,6 +255,21 @@ class ReportsStats(Protocol):
     def store_stats(self) -> Mapping[str, int | float]: ...
 
 
+@runtime_checkable
+class ResumesFigures(Protocol):
+    """A store whose figures are not all its own counts (``shared``: the server's running
+    totals, every engine's), so that a store replacing it for the same engine (a new
+    store process, :class:`~aiokv.stores.process.ProcessStore`) cannot go on from them by
+    adding them to its own: ``figures_state()`` (picklable, asked with each
+    ``store_stats()``) is what that store's ``resume_figures`` needs to go on from the
+    figures as this one would have. A store without it counts everything it reports
+    itself, from 0: ProcessStore adds a dead child's last figures to the next one's."""
+
+    def figures_state(self) -> object: ...
+
+    def resume_figures(self, state: object) -> None: ...
+
+
 class AdvisesSlice(Protocol):
     """``store_slice_us``: the store's advice for ``EngineConfig.store_slice_us`` (used
     when the config leaves it None): how long the store thread may run, holding the

@@ -73,6 +73,18 @@ class _Task:
     detached: bool = False
 
 
+@dataclass(frozen=True)
+class FiguresState:
+    """SharedStore.figures_state(): this engine's own counts, the server that gave the
+    last figures (its hello's name), the counts of the servers before it, and its last
+    figures."""
+
+    own: dict[str, int | float]
+    server_named: str | None
+    servers_before: dict[str, int | float]
+    server_last: dict[str, int | float]
+
+
 class SharedStore:
     """``SharedStore(StoreConfig(backend="shared", socket=PATH))``. ``register`` connects
     (StoreError when no server listens there; ConfigError, naming what differs, when its
@@ -102,6 +114,9 @@ class SharedStore:
         self._server_stats: dict[str, int | float] = {}  # the server's last figures
         self._server_named: str | None = None  # the server that gave them (its hello's name)
         self._stats_before: dict[str, int | float] = {}  # the counts of servers before it
+        # This engine's own counts (bytes, d2h_copies) of the store this one took over
+        # from (resume_figures: a new store process).
+        self._own_before: dict[str, int | float] = {}
         self._block_bytes = 0
         self._closed = False
         self._seen = 0  # the notice word as last asked about
@@ -499,8 +514,7 @@ class SharedStore:
         engine's own bytes copied; while the server is away, those it gave last. A new
         server (another name in its hello) counts from 0: the counts of the one before are
         added, so that the engine's counters never fall."""
-        stats: dict[str, int | float] = dict(self._bytes)
-        stats["d2h_copies"] = 0 if self._conn is None else self._conn.d2h_copies
+        stats = self._own_counts()
         try:
             server = dict(self._call_json({"op": "stats"})["stats"])
         except StoreError:
@@ -515,6 +529,32 @@ class SharedStore:
             self._server_stats = server
         stats.update(carried(self._stats_before, server))
         return stats
+
+    def _own_counts(self) -> dict[str, int | float]:
+        """The counts of this engine's own copies, not the server's."""
+        own: dict[str, int | float] = dict(self._bytes)
+        own["d2h_copies"] = 0 if self._conn is None else self._conn.d2h_copies
+        return carried(self._own_before, own)
+
+    def figures_state(self) -> FiguresState:
+        """base.ResumesFigures: what a SharedStore taking this one's place for the same
+        engine (a new store process, after this one's died) needs to go on from these
+        figures. The server's are its running totals: a new store on the same server
+        finds in them what this one reported, and adding this one's figures to its own
+        would count them twice; on another server, those of this one's servers are
+        carried as this one would have."""
+        return FiguresState(self._own_counts(), self._server_named, dict(self._stats_before),
+                            dict(self._server_stats))
+
+    def resume_figures(self, state: object) -> None:
+        """base.ResumesFigures: go on from ``state`` (:meth:`figures_state`), before the
+        first store_stats()."""
+        if not isinstance(state, FiguresState):
+            raise TypeError(f"resume_figures: need a FiguresState, got {type(state).__name__}")
+        self._own_before = dict(state.own)
+        self._server_named = state.server_named
+        self._stats_before = dict(state.servers_before)
+        self._server_stats = dict(state.server_last)
 
     def ping(self) -> None:
         """One empty round trip to the server (what a batch's control messages cost
