@@ -69,7 +69,8 @@ RENAMED = {
 # store_stats() keys that are levels, not counts (and every "server_" one but the server's
 # counters): they may fall, and a new store's (a restarted child, a restarted store server)
 # are its own. MAXIMA carry as the larger. Every other key counts since the store opened,
-# and carries over to the store that replaces it.
+# and carries over to the store that replaces it (a store process's child whose store
+# resumes its figures, stores.base.ResumesFigures, goes on from them itself instead).
 GAUGES = frozenset({
     "host_blocks_used", "host_blocks_total", "host_blocks_ready", "ssd_blocks_used",
     "ssd_blocks_total", "remote_write_queue_blocks", "remote_blocks_held",

@@ -116,3 +116,93 @@ async def test_the_server_figures_stay_while_it_is_away_and_go_on_from_a_new_ser
             assert again.host_hit_tokens == up.host_hit_tokens + 8 * PAGE_SIZE
     finally:
         host.stop()
+
+
+async def offload_and_load_again(engine: aiokv.OffloadEngine, users: range) -> None:
+    """offload_and_load, tried again while the store's calls fail (a child or server that
+    went away: the call in flight fails; a new one serves)."""
+    for _ in range(200):
+        try:
+            await offload_and_load(engine, users, PAGE_SIZE)
+            return
+        except aiokv.StoreError:
+            await asyncio.sleep(0.05)
+    raise AssertionError("the store did not come back")
+
+
+async def host_bytes_copied(engine: aiokv.OffloadEngine, direction: str) -> float:
+    """aiokv_bytes_total{direction, tier="host"} as a scrape reads it."""
+    collector = EngineCollector(engine, store_timeout_s=60)
+    families = await asyncio.to_thread(lambda: list(collector.collect()))
+    return next(sample.value for family in families if family.name == "aiokv_bytes"
+                for sample in family.samples
+                if sample.labels == {"direction": direction, "tier": "host"})
+
+
+async def kill_child(store: ProcessStore) -> None:
+    pid = store.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    await asyncio.to_thread(wait_for_exit, pid)
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_store_process_on_a_shared_server_counts_the_server_hits_once(
+    tmp_path: Path,
+) -> None:
+    """The server's figures are its running totals: a new child finds the hits the dead
+    one reported already counted there, and must not have them added again."""
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    store = ProcessStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket),
+                                           own_process=True))
+    try:
+        async with aiokv.OffloadEngine(store, caches()) as engine:
+            await offload_and_load(engine, range(3), PAGE_SIZE)
+            before = await asked(engine)
+            assert before.host_hit_tokens == before.lookup_hit_tokens == 12 * PAGE_SIZE
+            await kill_child(store)
+            await offload_and_load_again(engine, range(10, 11))
+            after = await asked(engine)
+            # The engine's own copies, counted by each child: the dead one's go on.
+            written = await host_bytes_copied(engine, "d2h")
+            read = await host_bytes_copied(engine, "h2d")
+    finally:
+        host.stop()
+    assert after.store_restarts == 1
+    assert after.lookup_hit_tokens == 16 * PAGE_SIZE
+    assert after.host_hit_tokens == 16 * PAGE_SIZE
+    assert after.offloaded_tokens == after.loaded_tokens == 16 * PAGE_SIZE
+    assert (written, read) == (after.bytes_offloaded, after.bytes_loaded)
+
+
+@pytest.mark.asyncio
+async def test_a_store_process_on_a_restarted_server_counts_each_server_once_across_its_restart(
+    tmp_path: Path,
+) -> None:
+    """A new server counts from 0 (the old one's hits are carried); a new child after it
+    goes on from both servers' hits, counting neither twice nor dropping the first's."""
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    store = ProcessStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket),
+                                           own_process=True))
+    try:
+        async with aiokv.OffloadEngine(store, caches()) as engine:
+            await offload_and_load(engine, range(3), PAGE_SIZE)
+            assert (await asked(engine)).host_hit_tokens == 12 * PAGE_SIZE
+            assert host.server is not None
+            host.server.drain_timeout_s = 0.0
+            await asyncio.to_thread(host.stop)
+            host.start()  # a new server: it counts from 0
+            await offload_and_load_again(engine, range(5, 7))
+            served = await asked(engine)
+            assert served.store_restarts == 0  # the same child, on a new server
+            assert served.host_hit_tokens == 20 * PAGE_SIZE
+            await kill_child(store)
+            await offload_and_load_again(engine, range(10, 11))
+            after = await asked(engine)
+    finally:
+        host.stop()
+    assert after.store_restarts == 1
+    assert after.lookup_hit_tokens == 24 * PAGE_SIZE
+    assert after.host_hit_tokens == 24 * PAGE_SIZE

@@ -42,9 +42,9 @@ import torch.multiprocessing  # registers tensor reductions for Connection.recv
 from ..backends import backend
 from ..errors import StoreError
 from . import cache_fds, make_store
-from .base import NoSpace, Store, TaskResult, takes_deadline
+from .base import NoSpace, ResumesFigures, Store, TaskResult, takes_deadline
 from .detaches import DetachTable
-from .wire import launch_pages, pack_results, portable
+from .wire import FiguresAnswer, launch_pages, pack_results, portable
 
 log = logging.getLogger("aiokv")
 
@@ -176,6 +176,14 @@ def _invalidate(store: Any, namespace: tuple[str, ...] | None, by: float | None)
     return dropped
 
 
+def _stats(store: Any) -> FiguresAnswer:
+    """The store's figures, with what a store in a new child needs to go on from them
+    where they are not all its own counts (base.ResumesFigures; else None)."""
+    stats = dict(store.store_stats())
+    state = store.figures_state if isinstance(store, ResumesFigures) else None
+    return stats, None if state is None else state()
+
+
 _CALLS: dict[str, Callable[[Store, _Ends, Any], Any]] = {
     "put_match": lambda store, ends, args: store.put_match(*args),
     "put_match_many": lambda store, ends, args: _match_many(store, "put_match", args),
@@ -183,7 +191,8 @@ _CALLS: dict[str, Callable[[Store, _Ends, Any], Any]] = {
     "get_match_many": lambda store, ends, args: _match_many(store, "get_match", *args),
     "evict": lambda store, ends, args: _invalidate(store, *args),
     "clear": lambda store, ends, args: _invalidate(store, None, args),
-    "store_stats": lambda store, ends, args: dict(store.store_stats()),  # type: ignore[attr-defined]
+    "store_stats": lambda store, ends, args: _stats(store),
+    "resume_figures": lambda store, ends, args: store.resume_figures(args),  # type: ignore[attr-defined]
     "parked": lambda store, ends, args: store.parked(args),  # type: ignore[attr-defined]
     "launch": _launch,
     "cancel": lambda store, ends, args: store.cancel(args),

@@ -34,8 +34,12 @@ How:
   ids answer FAILED, and what it held (an SSD directory's lock) is released.
 - If the child dies, the calls in flight fail naming its exit; the next call starts a
   new, empty child (:mod:`.restarts`), unless the engine's close began (``closing``):
-  then its ids answer FAILED and the store's figures stay its last. If this process
-  dies, the child sees the socket close and closes its store.
+  then its ids answer FAILED and the store's figures stay its last. The new child's
+  figures go on from the dead one's: added to them, or, where they are not all the
+  store's own counts (``shared``: the server's running totals, which the new child finds
+  with the dead one's in them), its store is told where to go on from
+  (``resume_figures``). If this process dies, the child sees the socket close and closes
+  its store.
 """
 
 from __future__ import annotations
@@ -64,7 +68,17 @@ from .notices import Notices
 from .notices import no_notify as no_notify  # a public name of this module too
 from .restarts import Restarts
 from .spawn import forget_in_forks
-from .wire import MIRRORED, Op, PackedResults, launch_args, noted, portable, query, unpack_results
+from .wire import (
+    MIRRORED,
+    FiguresAnswer,
+    Op,
+    PackedResults,
+    launch_args,
+    noted,
+    portable,
+    query,
+    unpack_results,
+)
 
 log = logging.getLogger("aiokv")
 
@@ -122,6 +136,10 @@ class ProcessStore:
         self._restarting = False  # the store thread is starting a new child
         self._last_stats: dict[str, int | float] = {}  # the child's, for when none serves
         self._stats_before: dict[str, int | float] = {}  # the counts of children gone
+        # The child store's figures_state() with its last figures (base.ResumesFigures),
+        # for the next child's store to go on from: None where the store counts all it
+        # reports itself (then _stats_before carries the dead child's counts).
+        self._figures_state: object = None
         self._dying = False  # the child that served was lost but had not exited yet
         # One call on the socket at a time: the engine calls from its store thread only,
         # but close() may come from another thread (a store shared by several engines).
@@ -302,7 +320,8 @@ class ProcessStore:
         """The child's figures; while no child serves (it died, and no new one follows
         yet or ever), those it gave last."""
         try:
-            self._last_stats = dict(self._call("store_stats", None))
+            answer: FiguresAnswer = self._call("store_stats", None)
+            self._last_stats, self._figures_state = dict(answer[0]), answer[1]
         except StoreError:
             if self._broken is None:  # the child's own store raised it
                 raise
@@ -425,10 +444,26 @@ class ProcessStore:
     def _start_again(self) -> None:
         self._shutdown(restarting=True)
         # The new child counts from 0: the engine's counters go on from what the dead one
-        # last reported (what it counted after that is lost with it).
-        self._stats_before = carried(self._stats_before, self._last_stats)
-        self._last_stats = {}
+        # last reported (what it counted after that is lost with it). A store whose
+        # figures are not all its own (a shared server's running totals, which the new
+        # child finds with the dead one's in them) is told where to go on from instead:
+        # adding the dead child's figures to those would count them twice.
+        if self._figures_state is None:
+            self._stats_before = carried(self._stats_before, self._last_stats)
+            self._last_stats = {}
         self._start_child(self._caches)
+        if self._figures_state is not None:
+            self._resume_figures(self._figures_state)
+
+    def _resume_figures(self, state: object) -> None:
+        """The new child's store goes on from ``state`` (its figures_state()), before any
+        store_stats() asks it."""
+        what = f"resume_figures within {self._call_timeout_s:g} s"
+        self._send(("resume_figures", state), bound=(time.monotonic() + self._call_timeout_s,
+                                                     what))
+        ok, value = self._receive(time.monotonic() + self._call_timeout_s, what)
+        if not ok:
+            raise noted(value, self.pid)
 
     def _call(self, op: Op, args: object) -> Any:
         self._revive()  # before the lock: it takes it

@@ -27,7 +27,7 @@ from .base import BoolArray, Int64Array, TaskResult, TaskStatus
 
 Op = Literal[
     "put_match", "put_match_many", "get_match", "get_match_many", "launch", "cancel",
-    "try_wait", "evict", "clear", "store_stats", "parked", "close",
+    "try_wait", "evict", "clear", "store_stats", "parked", "resume_figures", "close",
 ]
 # Optional Store methods that cross to the child as calls of their own, where the child's
 # store class has them (ProcessStore offers the others itself).
@@ -36,6 +36,10 @@ FORWARDED = ("evict", "clear", "store_stats", "parked")
 # it): ProcessStore lacks each that the child's store class lacks.
 MIRRORED = (*FORWARDED, "set_deadlines")
 Call = tuple[Op, Any]
+# store_stats' answer: the figures, and the store's figures_state() where it has one
+# (base.ResumesFigures), which a new child's store is given ("resume_figures") if this
+# child dies.
+FiguresAnswer = tuple[dict[str, int | float], object]
 Reply = tuple[bool, Any]  # (True, value) or (False, the exception raised)
 # The config (own_process=False), the handover's payload, the detached puts' table
 # (:mod:`.detaches`).
