@@ -54,10 +54,30 @@ async def until_answered(engine: aiokv.OffloadEngine) -> None:
 
 
 async def hold_once_answered(
-    engine: aiokv.OffloadEngine, held: threading.Event, release: threading.Event
+    engine: aiokv.OffloadEngine,
+    handed: threading.Event,
+    held: threading.Event,
+    release: threading.Event,
 ) -> None:
-    """Block the loop's thread once the engine answered, before the call's task hands
-    the answer to the thread that made it, until ``release``."""
+    """Block the loop's thread in the iteration the engine answers the one call a thread
+    hands over after this coroutine (``handed`` once it did), before the call's task hands
+    the answer to that thread's future, until ``release``.
+
+    Handed over before the call, it takes its first step before the call's first step,
+    which accepts the call (both loops run hand-overs, and tasks' first steps, in order),
+    and blocks the loop there until the thread has handed the call over: it counts the
+    calls accepted before, then polls every iteration, however late the thread gets to
+    the call. Handed over after the call, it came too late where the thread was
+    descheduled in between: the call was answered and handed back by then, and an engine
+    with nothing unanswered looks the same before the call as after it."""
+    accepted_before = engine.stats().submitted
+    handed.wait(30)
+    for _ in range(1_000_000):
+        if engine.stats().submitted > accepted_before:
+            break
+        await asyncio.sleep(0)
+    else:
+        raise AssertionError("the engine never accepted the call")
     await until_answered(engine)
     held.set()
     release.wait(30)
@@ -124,14 +144,17 @@ def test_a_threads_call_cancelled_after_its_answer_came_counts_cancelled(loop_ki
             "load": lambda: kv.submit_load(hit, torch.arange(8, 12)),
         }
         for name, submit in calls.items():
-            held, release = threading.Event(), threading.Event()
-            call = submit()
-            # Taken by the loop after the call, whose first step accepts it before.
+            handed, held, release = threading.Event(), threading.Event(), threading.Event()
             holding = asyncio.run_coroutine_threadsafe(
-                hold_once_answered(engine, held, release), kv.loop)
-            assert held.wait(30), name
-            assert call.cancel()  # before the loop could hand the answer over
-            release.set()
+                hold_once_answered(engine, handed, held, release), kv.loop)
+            try:
+                call = submit()
+                handed.set()
+                assert held.wait(30), name
+                assert call.cancel(), name  # answered; the loop has not handed it over
+            finally:  # a failure above leaves the loop free for the close
+                handed.set()
+                release.set()
             holding.result(30)
             with pytest.raises(concurrent.futures.CancelledError):
                 call.result(30)
