@@ -137,14 +137,20 @@ class Writer:
 
     def give_up(self) -> int:
         """Close stops waiting for the threads (store thread): the blocks of the batches
-        they still have in hand (a call Mooncake holds) are counted dropped ("down"), and
-        from now on nothing more is counted: close's figures are final. How many."""
+        they still have in hand (a call Mooncake holds), and of the jobs set aside since
+        close took the queued ones back, are counted dropped ("down"), and from now on
+        nothing more is counted: close's figures are final. How many."""
         with self._stats_lock:
             if self._final:
                 return 0
             self._final = True
-            left = self._uncounted["check"] + self._uncounted["put"]
+            # A batch whose checks ended while close waited for the threads was set aside
+            # after close took the queued writes back: counted by neither, unless taken
+            # back here (under the lock, as the put thread starts them: one or the other).
+            aside = self._queue.cancel(None)
+            left = self._uncounted["check"] + self._uncounted["put"] + sum(map(len, aside))
             self.stats["remote_dropped_down"] += left
+        self._queue.give_back(aside)
         return left
 
     def _loop(self) -> None:
