@@ -1281,6 +1281,35 @@ def test_close_that_gives_up_on_a_held_put_counts_the_batch_checked_while_it_wai
             closed["remote_dropped_down"]) == (0, 2 * USER_PAGES, 2 * USER_PAGES)
 
 
+def test_close_that_gives_up_on_the_markers_asked_for_beside_a_batch_counts_its_blocks(
+    mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 4102's write is queued while the writer checks 4101's batch, and its put asked for
+    # its markers: the writer takes 4102's batch and asks for them, a call Mooncake
+    # holds past close's timeout_ms. Close's figures showed 4101's 8 blocks written and
+    # none dropped: 4102's batch, taken before the call, was counted nowhere.
+    first, second = namespace_tag(["uid:4101"]), namespace_tag(["uid:4102"])
+    check = held(monkeypatch, Writer, "_refresh",
+                 lambda writer, client, namespaces: first in namespaces)
+    asked = held(monkeypatch, Markers, "past",
+                 lambda markers, client, items: any(ns == second for ns, _ in items))
+    a = LocalHost(mooncake.master, timeout_ms=300)
+    try:
+        assert a.offload(4101) == TOKENS
+        assert check.entered.wait(60), "the first batch never reached its markers check"
+        assert a.offload(4102) == TOKENS
+        until(lambda: a.stats()["remote_write_queue_blocks"] == USER_PAGES)
+        check.set()
+        assert asked.entered.wait(60), "the second batch's markers were never asked for"
+        until(lambda: a.stats()["remote_blocks_written"] == USER_PAGES)
+        closed = a.close()
+    finally:
+        check.set()
+        asked.set()
+    assert (closed["remote_blocks_written"], closed["remote_dropped_writes"],
+            closed["remote_dropped_down"]) == (USER_PAGES, USER_PAGES, USER_PAGES)
+
+
 def test_an_evict_does_not_wait_for_another_users_write(
     mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

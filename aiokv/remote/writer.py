@@ -165,16 +165,19 @@ class Writer:
                 jobs = queue.next_batch(_WRITE_BATCH, lambda: self._in_hand < 2)
                 if jobs is None:
                     break
+                if jobs:
+                    # In hand from here, before the markers' call below: a close that
+                    # gives up on that call counts the batch (:meth:`give_up`).
+                    with self._stats_lock:
+                        if not self._in_hand:
+                            self._busy_since = time.monotonic()
+                        self._in_hand += 1
+                        self._uncounted["check"] = sum(len(job.blocks) for job in jobs)
                 asked = queue.asked()
                 if asked:
                     self._learn(asked)
                 if not jobs:
                     continue
-                with self._stats_lock:
-                    if not self._in_hand:
-                        self._busy_since = time.monotonic()
-                    self._in_hand += 1
-                    self._uncounted["check"] = sum(len(job.blocks) for job in jobs)
                 ready: _Ready | None = None
                 self._call_began = time.monotonic()
                 try:
