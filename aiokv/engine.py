@@ -254,6 +254,7 @@ class OffloadEngine:
         token_ids: Any = None,
         namespace: Sequence[str] | None = None,
         _ready_event: Any = None,
+        _again: bool = False,
     ) -> OffloadResult:
         """Store the full pages of a user's first ``num_tokens`` tokens, held in
         ``page_ids`` (in order). Pages already stored under the same key are skipped.
@@ -266,9 +267,12 @@ class OffloadEngine:
 
         ``_ready_event`` is internal (run_in_background, aiokv.integrations): a CUDA event
         that the calling thread recorded after its writes (:meth:`_caller_event`), waited
-        for instead of this thread's current stream.
+        for instead of this thread's current stream. ``_again`` is internal too (the
+        recsys adapter): a second try of an offload this engine accepted and the store
+        refused, taken while the engine drains as the first was: a drain close answers
+        what was accepted before it.
         """
-        self._check_running()
+        self._check_running(draining=_again)
         pages = validate.page_ids(page_ids, self._device)
         num_tokens = validate.num_tokens(num_tokens)
         if num_tokens > pages.numel() * self._page_size:  # 1-D: numel() is shape[0]
@@ -409,9 +413,11 @@ class OffloadEngine:
 
     # ---- validation (shapes and dtypes only: never reads GPU values) -------------------
 
-    def _check_running(self) -> None:
-        """Every public call that changes the engine starts here (evict and clear too)."""
-        if self._state is not _RUNNING:
+    def _check_running(self, draining: bool = False) -> None:
+        """Every public call that changes the engine starts here (evict and clear too).
+        ``draining``: taken while a drain close runs too (offload's ``_again``)."""
+        if self._state is not _RUNNING and not (
+                draining and self._state is EngineState.DRAINING):
             if self._forked:
                 assert self._pid is not None  # set by the start the fork copied
                 refuse_in_fork(self._pid, "engine", "store thread")

@@ -299,7 +299,12 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
             # what is queued, and the drain would wait its whole timeout for it.
             engine._batcher_task = loop.create_task(batcher.run(), name="aiokv-batcher")
         try:
+            # Until idle stays set: a request accepted while draining (an offload made
+            # again after the store refused it, offload's _again) clears it again, after
+            # the answer that set it and before this task wakes.
             await asyncio.wait_for(idle.wait(), timeout)
+            while not idle.is_set():
+                await asyncio.wait_for(idle.wait(), max(deadline - loop.time(), 0.0))
         except TimeoutError:
             log.warning("aiokv: drain timed out after %.1fs; closing now", timeout)
     space = engine._space  # offloads waiting for room (aiokv.space) go with the queue

@@ -171,3 +171,25 @@ def test_an_offload_after_the_embedded_host_tier_stopped_pinning_short_stores_wh
     finally:
         go_on.set()
         storage.close()
+
+
+def test_an_offload_launched_before_a_drain_close_after_a_smaller_restart_is_stored(
+        served: Any) -> None:
+    # The offload the smaller server refused was made again once the close had begun: the
+    # engine, draining, refused that second try ("engine is draining"), and the wait
+    # answered FAILED for an offload launched before the close, which a drain answers.
+    store = served(LARGE_GB)
+    store.restart(SMALL_GB)
+    meta = store.storage.build_index_meta(torch.tensor([2]), torch.tensor([LONG]))
+    handle = store.storage.offload_kvcache_launch(
+        meta.user_ids, i32(0), [], meta, types.SimpleNamespace(kv_indices=i32(*range(30))))
+    store.storage.close()
+    assert store.storage.offload_kvcache_wait(handle).status.value == "ready"
+    assert store.storage.finish_task(handle) == [1]
+    assert store.storage.get_offload_handle_metadata(handle)[2].tolist() == [80]
+    # The server holds it: a storage opened on it after the close onboards those tokens.
+    store.storage = recsys._HostStorage({
+        "engine": {"window_us": 0},
+        "store": {"backend": "shared", "socket": str(store.host.socket)}})
+    store.storage.register_gpu_cache_tables(store.tables)
+    assert store.onboarded_exact(2, LONG, 80)

@@ -306,7 +306,8 @@ def _offload_call(user: Hashable, pages: torch.Tensor, tokens: int, ready: Any, 
             if refused.field != "num_tokens" or again >= asked or slot.drops.made != slot.made:
                 raise
         slot.stored[slot.index] = again
-        return await engine.offload(user, pages, again, _ready_event=ready)
+        # _again: taken while a drain close runs, as the first try was (accepted before it).
+        return await engine.offload(user, pages, again, _ready_event=ready, _again=True)
 
     return call
 
