@@ -10,11 +10,13 @@ import random
 import re
 import signal
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import PAGE_SIZE, make_caches, wait_for_exit
+from shared_inprocess import Host
 
 import aiokv
 from aiokv.stores import ProcessStore
@@ -355,3 +357,36 @@ def test_exits_are_named_and_restarts_back_off() -> None:
 def test_store_restarts_must_be_a_count(bad: object) -> None:
     with pytest.raises(aiokv.ConfigError, match=r"store\.store_restarts"):
         aiokv.StoreConfig(store_restarts=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_a_child_killed_while_the_shared_server_is_away_serves_once_it_is_back(
+        tmp_path: Path) -> None:
+    """README (store server faults): while the server is away calls fail with StoreError,
+    then work again once it is back, without a restart of the client. A child that dies
+    meanwhile is no exception: its replacement must not spend the restart budget on a
+    server that is not there yet."""
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    caches = make_caches()
+    child = ProcessStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket),
+                                           own_process=True))
+    engine = aiokv.OffloadEngine(child, caches, aiokv.EngineConfig(window_us=0))
+    try:
+        async with engine:
+            assert (await engine.offload(0, pages(0), TOKENS)).stored_tokens == TOKENS
+            assert host.server is not None
+            host.server.drain_timeout_s = 0.0
+            await asyncio.to_thread(host.stop)
+            await kill(child)
+            with pytest.raises(aiokv.StoreError):  # the server is away: the call fails
+                await engine.offload(1, pages(1), TOKENS)
+            await asyncio.to_thread(host.start)
+            assert (await engine.offload(5, pages(5), TOKENS)).stored_tokens == TOKENS
+            async with await engine.lookup(5, TOKENS) as hit:
+                assert hit.cached_tokens == TOKENS
+                loaded = await engine.load(hit, torch.arange(200, 204))
+            assert loaded.loaded_tokens == TOKENS
+            assert all(torch.equal(c[200:204], c[20:24]) for c in caches)
+    finally:
+        await asyncio.to_thread(host.stop)

@@ -703,8 +703,9 @@ def _serve_in_thread(monkeypatch: pytest.MonkeyPatch, store: Any) -> tuple[Any, 
         target=child.serve, args=(Connection(theirs.detach()), ends_theirs), daemon=True
     )
     thread.start()
-    # The start message, as ProcessStore sends it: config, payload, detached puts' table.
-    cache_fds.send(conn, (None, None, DetachTable().tensor))
+    # The start message, as ProcessStore sends it: config, payload, detached puts' table,
+    # whether it is a restart.
+    cache_fds.send(conn, (None, None, DetachTable().tensor, False))
     assert conn.recv() == ("ready", PAGE_SIZE)
     ends_here.settimeout(60)
     return conn, ends_here, thread

@@ -270,6 +270,19 @@ class ResumesFigures(Protocol):
     def resume_figures(self, state: object) -> None: ...
 
 
+@runtime_checkable
+class StartsWhileAway(Protocol):
+    """A store whose ``register`` connects to a server (``shared``), which it reconnects to
+    at a later call once it lost it: ``start_while_away()``, before ``register``, makes a
+    server not there at ``register`` such a loss (StoreError at each call until it is back)
+    rather than ``register``'s StoreError. For a store replacing one that served the same
+    caches (a new store process, :class:`~aiokv.stores.process.ProcessStore`): the one
+    before would have served on once the server came back, and so must it, instead of
+    failing its start and spending the restart budget while the server is away."""
+
+    def start_while_away(self) -> None: ...
+
+
 class AdvisesSlice(Protocol):
     """``store_slice_us``: the store's advice for ``EngineConfig.store_slice_us`` (used
     when the config leaves it None): how long the store thread may run, holding the

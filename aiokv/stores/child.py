@@ -2,14 +2,15 @@
 
 ``python -m aiokv.stores.child FD ENDS_FD``: FD is this end of the socket, ENDS_FD that of
 the channel on which the child tells the parent that tasks have ended. The parent sends
-``(StoreConfig, payload)`` (:mod:`.wire`; its CPU caches' shared memory as descriptors
-over the socket, :mod:`.cache_fds`). The child
-builds the store, registers it as its backend's cache handover says (which may ask the
-parent to attach the caches) and answers ``("ready", page_size)`` or ``("failed",
-exception)``. Then
-it serves ``(op, args)`` requests one at a time, answering ``(True, value)`` or ``(False,
-exception)``, until ``("close", None)`` or until the socket closes (the parent is gone);
-either way it closes its store before it exits.
+``(StoreConfig, payload, detached puts' table, again)`` (:mod:`.wire`; its CPU caches'
+shared memory as descriptors over the socket, :mod:`.cache_fds`; ``again``: a restart,
+for which a store that connects to a server starts while it is away,
+base.StartsWhileAway). The child builds the store, registers it as its backend's cache
+handover says (which may ask the parent to attach the caches) and answers ``("ready",
+page_size)`` or ``("failed", exception)``. Then it serves ``(op, args)`` requests one at
+a time, answering ``(True, value)`` or ``(False, exception)``, until ``("close", None)``
+or until the socket closes (the parent is gone); either way it closes its store before it
+exits.
 
 Launched tasks are watched here (:class:`_Ends`): a store that notifies (LocalStore) says
 when a task may have ended; others (FlexKV) are polled here every ``_POLL_S`` while the
@@ -42,7 +43,14 @@ import torch.multiprocessing  # registers tensor reductions for Connection.recv
 from ..backends import backend
 from ..errors import StoreError
 from . import cache_fds, make_store
-from .base import NoSpace, ResumesFigures, Store, TaskResult, takes_deadline
+from .base import (
+    NoSpace,
+    ResumesFigures,
+    StartsWhileAway,
+    Store,
+    TaskResult,
+    takes_deadline,
+)
 from .detaches import DetachTable
 from .wire import FiguresAnswer, launch_pages, pack_results, portable
 
@@ -215,8 +223,10 @@ def _register(store: Store, config: Any, payload: Any, conn: Connection) -> None
 def serve(conn: Connection, ends_socket: socket.socket) -> int:
     store: Store | None = None
     try:
-        config, payload, detached = cache_fds.receive(conn)  # tensors: may fail to map here
+        config, payload, detached, again = cache_fds.receive(conn)  # tensors: may fail here
         store = make_store(config)  # e.g. FlexKV not importable from this process
+        if again and isinstance(store, StartsWhileAway):  # a restart: base.StartsWhileAway
+            store.start_while_away()
         _register(store, config, payload, conn)
         watch = getattr(store, "watch_detaches", None)
         if watch is not None:  # the engine marks its detached puts there (.detaches)

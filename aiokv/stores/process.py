@@ -33,7 +33,8 @@ How:
   (``terminate``) end with the child killed (SIGKILL), reaped and counted as dead: its
   ids answer FAILED, and what it held (an SSD directory's lock) is released.
 - If the child dies, the calls in flight fail naming its exit; the next call starts a
-  new, empty child (:mod:`.restarts`), unless the engine's close began (``closing``):
+  new, empty child (:mod:`.restarts`; a ``shared`` store's child starts while its server
+  is away, base.StartsWhileAway), unless the engine's close began (``closing``):
   then its ids answer FAILED and the store's figures stay its last. The new child's
   figures go on from the dead one's: added to them, or, where they are not all the
   store's own counts (``shared``: the server's running totals, which the new child finds
@@ -188,7 +189,10 @@ class ProcessStore:
         payload = handover.payload(caches)
         link = self._spawn()
         table = DetachTable()
-        self._send((self._config, payload, table.tensor), start=True)
+        # A restart (caches registered before) starts while the store's server is away
+        # (base.StartsWhileAway): as the child before it would, it serves once it is back.
+        again = bool(self._caches)
+        self._send((self._config, payload, table.tensor, again), start=True)
         self._detaching = (table, self._ids.base)
         deadline = time.monotonic() + self._start_timeout_s
         while True:

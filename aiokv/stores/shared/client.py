@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +53,8 @@ from . import link, wire
 from .link import Link
 from .reconnect import Reconnecting
 from .region import Geometry
+
+log = logging.getLogger("aiokv")
 
 _PING = wire.frame(wire.PING)
 _T = TypeVar("_T")
@@ -87,9 +90,10 @@ class FiguresState:
 
 class SharedStore:
     """``SharedStore(StoreConfig(backend="shared", socket=PATH))``. ``register`` connects
-    (StoreError when no server listens there; ConfigError, naming what differs, when its
-    caches have another geometry than the server's, and naming store.socket where the
-    path holds something other than a socket)."""
+    (StoreError when no server listens there, unless ``start_while_away()`` came first;
+    ConfigError, naming what differs, when its caches have another geometry than the
+    server's, and naming store.socket where the path holds something other than a
+    socket)."""
 
     def __init__(self, config: StoreConfig) -> None:
         if not config.socket:
@@ -123,6 +127,12 @@ class SharedStore:
         # Server ids of gets an evict or clear took back: "evicted" or "cleared".
         self._invalidated: dict[int, str] = {}
         self._invalidate_by: float | None = None  # set_invalidation_deadline's, for the next
+        self._start_while_away = False  # start_while_away() was called
+
+    def start_while_away(self) -> None:
+        """base.StartsWhileAway: ``register`` with no server listening leaves the connect
+        to the first call, as after the server went away."""
+        self._start_while_away = True
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -139,7 +149,13 @@ class SharedStore:
         self._conn = Reconnecting(self._path, self._caches, geometry, self._job_done,
                                   self._linked, self._lost)
         with self._conn.lock:
-            self._conn.connect()
+            try:
+                self._conn.connect()
+            except StoreError:  # a ConfigError still fails: no server will take that
+                if not self._start_while_away:
+                    raise
+                log.warning("aiokv: the store server at %s is away; calls fail until it "
+                            "is back", self._path)
 
     @property
     def _link(self) -> Link | None:
