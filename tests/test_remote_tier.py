@@ -1015,6 +1015,21 @@ def test_an_evict_waits_for_its_users_put_while_the_next_batch_is_summed_beside_
     # An evict of the first batch's user then waits for that put before its remove, or
     # the put lands after the remove and its blocks stay in Mooncake, read by nobody,
     # until its LRU; the second batch's user is written and loads bit-exact elsewhere.
+    # The put is held past a pass of the reader thread between its calls (about once a
+    # second), which publishes the markers not out yet: it published the evict's, and
+    # removed its blocks, before the put landed (a loaded 2-core CI's evict waited that
+    # long).
+    tended = threading.Event()
+    tend = RemoteIO._tend
+
+    def tend_then_tell(io: RemoteIO) -> float | None:
+        evicting = bool(io.keys.unpublished())
+        wait = tend(io)
+        if evicting:
+            tended.set()
+        return wait
+
+    monkeypatch.setattr(RemoteIO, "_tend", tend_then_tell)
     with MooncakeServers(16, log_dir=tmp_path) as servers:
         bare = import_store().MooncakeDistributedStore()
         assert bare.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
@@ -1026,7 +1041,7 @@ def test_an_evict_waits_for_its_users_put_while_the_next_batch_is_summed_beside_
             assert gate.entered.wait(60), "the first batch never reached its put"
             _offloaded_into_hand(a, 3302)
             evict, evicted = _evicting(a, 3301)
-            time.sleep(0.2)
+            assert tended.wait(10), "the reader thread never tended during the evict"
             gate.set()
             evict.join(30)
             assert evicted == [TOKENS]

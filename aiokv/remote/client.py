@@ -249,15 +249,16 @@ class RemoteIO:
 
     def _publish(self) -> bool:
         """End what is current now of each namespace (and the epoch) with invalidations
-        not out yet; then remove what ended. Whether they all are out."""
-        if not self.keys.unpublished():
+        not out yet, but for those of an evict still waiting for its write (its own
+        publish follows it); then remove what ended. Whether they all are out."""
+        if not self.keys.publishable():
             return True
         client = self.connection.ready()
         # Where the markers stand first: after a restart of the master there is nothing
         # left to end (and a marker would end what was written since).
         if client is None or self.markers.past(client, []) is None:
             return False
-        waiting = self.keys.unpublished()
+        waiting = self.keys.publishable()
         patterns = []
         for ns, count in waiting.items():
             pattern = self.markers.end(client, ns)
@@ -311,7 +312,7 @@ class RemoteIO:
             return max(0.05, self.connection.rest_left_s())
         answered = True
         try:
-            if self.keys.unpublished() and not self._publish_queued():
+            if self.keys.publishable() and not self._publish_queued():
                 answered = self._publish()
             if reader.closing:
                 return None

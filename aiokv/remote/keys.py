@@ -95,6 +95,9 @@ class Keys:
         # was answered (a lookup's, the writer's): puts ask for markers not asked lately.
         self._asked_at: dict[str, float] = {}
         self._unpublished: Counter[str | None] = Counter()  # namespace (None: all) -> evicts
+        # Of those, the evicts that wait for a write of theirs under way before their
+        # marker (:meth:`unpublish`, ``held``): not the marker's yet, nor so its removal's.
+        self._held: Counter[str | None] = Counter()
         self.boot: str | None = None  # the master's boot id, once learned
         self.lifetime = 0  # restarts of the master seen
         # The lifetime of views taken before the first boot id was learned (BLIND in
@@ -157,15 +160,32 @@ class Keys:
         with self._lock:
             return None not in self._unpublished and ns not in self._unpublished
 
-    def unpublish(self, ns: str | None) -> None:
-        """An evict of the namespace (None: a clear) whose marker is not out yet."""
+    def unpublish(self, ns: str | None, held: bool = False) -> None:
+        """An evict of the namespace (None: a clear) whose marker is not out yet.
+        ``held``: it waits for a write of the namespace under way first, and until
+        :meth:`release` its marker is not to be published (:meth:`publishable`): the
+        removal that follows the marker would come before that put lands, and leave its
+        blocks in Mooncake, read by nobody."""
         with self._lock:
             self._unpublished[ns] += 1
+            if held:
+                self._held[ns] += 1
+
+    def release(self, ns: str | None) -> None:
+        """A held evict (:meth:`unpublish`) of the namespace is done waiting."""
+        with self._lock:
+            self._held[ns] -= 1
+            self._held = +self._held  # drops the namespaces at 0
 
     def unpublished(self) -> dict[str | None, int]:
         """The invalidations whose markers are not out, per namespace (None: clears)."""
         with self._lock:
             return dict(self._unpublished)
+
+    def publishable(self) -> dict[str | None, int]:
+        """:meth:`unpublished`, but for the namespaces with an evict held."""
+        with self._lock:
+            return {ns: n for ns, n in self._unpublished.items() if ns not in self._held}
 
     def published(self, ns: str | None, count: int) -> None:
         """``count`` invalidations of the namespace (None: clears) are out."""

@@ -261,16 +261,22 @@ class RemoteLink:
         or its ``timeout_ms`` is up."""
         io = self.io
         ns = None if namespace is None else self._tag(namespace)
-        io.keys.unpublish(ns)
-        for blocks in io.queue.cancel(ns):
-            self._give_back(blocks)
-            self._evicted += len(blocks)  # dropped writes, as close counts those it takes
-        self.reads.invalidated(namespace)
-        self.reads.views.forget(namespace)
-        if wait:
-            # A write of the key still under way after this is no failure of the evict:
-            # the host tier buries its blocks, and the marker (counted) ends what it puts.
-            io.queue.wait_idle(self._timeout_s, ns)
+        # Held while it waits for the write: the reader thread publishes markers not out
+        # between its calls, and another evict's publish call those of every namespace.
+        io.keys.unpublish(ns, held=wait)
+        try:
+            for blocks in io.queue.cancel(ns):
+                self._give_back(blocks)
+                self._evicted += len(blocks)  # dropped writes, as close counts those it takes
+            self.reads.invalidated(namespace)
+            self.reads.views.forget(namespace)
+            if wait:
+                # A write of the key still under way after this is no failure of the evict:
+                # the host tier buries its blocks, and the marker (counted) ends what it puts.
+                io.queue.wait_idle(self._timeout_s, ns)
+        finally:
+            if wait:
+                io.keys.release(ns)
         self.drain()
         return self.reads.publish(wait)
 
