@@ -123,15 +123,22 @@ def test_an_offload_after_a_restart_with_a_larger_host_tier_stores_what_it_holds
     assert store.onboarded_exact(3, LONG, LONG)
 
 
-def test_an_evict_all_made_after_an_offload_launch_drops_it_after_a_smaller_restart_too(
-        served: Any) -> None:
-    # The offload refused by the smaller server is not made again after the evict_all the
-    # manager made after launching it: the host would hold that user's KV after it.
+def _launched_after_a_smaller_restart(served: Any) -> tuple[Any, Any, Any]:
+    """A storage on a server restarted smaller than its figures say, and the handle of
+    an offload of user 2's LONG tokens launched there (with its index meta)."""
     store = served(LARGE_GB)
     store.restart(SMALL_GB)
     meta = store.storage.build_index_meta(torch.tensor([2]), torch.tensor([LONG]))
     handle = store.storage.offload_kvcache_launch(
         meta.user_ids, i32(0), [], meta, types.SimpleNamespace(kv_indices=i32(*range(30))))
+    return store, meta, handle
+
+
+def test_an_evict_all_made_after_an_offload_launch_drops_it_after_a_smaller_restart_too(
+        served: Any) -> None:
+    # The offload refused by the smaller server is not made again after the evict_all the
+    # manager made after launching it: the host would hold that user's KV after it.
+    store, meta, handle = _launched_after_a_smaller_restart(served)
     store.storage.evict_all()
     handle.handle.pending.outcomes()
     found = store.storage.lookup_kvcache(meta)
@@ -178,11 +185,7 @@ def test_an_offload_launched_before_a_drain_close_after_a_smaller_restart_is_sto
     # The offload the smaller server refused was made again once the close had begun: the
     # engine, draining, refused that second try ("engine is draining"), and the wait
     # answered FAILED for an offload launched before the close, which a drain answers.
-    store = served(LARGE_GB)
-    store.restart(SMALL_GB)
-    meta = store.storage.build_index_meta(torch.tensor([2]), torch.tensor([LONG]))
-    handle = store.storage.offload_kvcache_launch(
-        meta.user_ids, i32(0), [], meta, types.SimpleNamespace(kv_indices=i32(*range(30))))
+    store, _, handle = _launched_after_a_smaller_restart(served)
     store.storage.close()
     assert store.storage.offload_kvcache_wait(handle).status.value == "ready"
     assert store.storage.finish_task(handle) == [1]

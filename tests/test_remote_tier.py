@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import (
+    Gate,
     exits_cleanly_never_closed,
     held,
     needs_mooncake,
@@ -1097,6 +1098,31 @@ def test_an_evict_does_not_wait_for_another_users_put_its_batch_waits_behind(
         b.close()
 
 
+def _two_in_hand_after_an_evict_elsewhere(
+    mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch, base: int,
+) -> tuple[Gate, LocalHost]:
+    """A host whose writer has two batches in hand (user ``base + 1``'s in a put held
+    until the gate returned is set, ``base + 2``'s checked beside it), after another host
+    evicted user ``base + 4``, which this one never looked up."""
+    gate = held(monkeypatch, Values, "put")
+    a = LocalHost(mooncake.master, timeout_ms=20_000)
+    try:
+        assert a.offload(base + 1) == TOKENS
+        assert gate.entered.wait(60), "the first batch never reached its put"
+        _offloaded_into_hand(a, base + 2)
+        other = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
+        try:
+            other.kv.evict(base + 4)
+            assert other.stats()["remote_invalidation_errors"] == 0
+        finally:
+            other.close()
+    except BaseException:
+        gate.set()
+        a.close()
+        raise
+    return gate, a
+
+
 def test_a_batch_with_a_stale_users_write_beside_another_gives_every_block_back(
     mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1109,18 +1135,8 @@ def test_a_batch_with_a_stale_users_write_beside_another_gives_every_block_back(
     # writer may, even with two batches in hand), it would offer 3504 under the
     # generation after the evict; left out, the offer came first (the race the README
     # names), which is the case here.
-    gate = held(monkeypatch, Values, "put")
-    a = LocalHost(mooncake.master, timeout_ms=20_000)
+    gate, a = _two_in_hand_after_an_evict_elsewhere(mooncake, monkeypatch, 3500)
     try:
-        assert a.offload(3501) == TOKENS
-        assert gate.entered.wait(60), "the first batch never reached its put"
-        _offloaded_into_hand(a, 3502)
-        other = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
-        try:
-            other.kv.evict(3504)
-            assert other.stats()["remote_invalidation_errors"] == 0
-        finally:
-            other.close()
         assert a.offload(3503) == TOKENS
         with monkeypatch.context() as patch:
             patch.setattr(Writer, "expect", lambda self, ns: None)
@@ -1154,18 +1170,8 @@ def test_a_put_started_while_two_batches_are_in_hand_is_written_after_another_ho
     # thread, idle until a batch ended, asked only then: the put was offered (a copy
     # that takes 2 s here) under the generation the evict ended, its write dropped as
     # stale, and no host found the user in Mooncake.
-    gate = held(monkeypatch, Values, "put")
-    a = LocalHost(mooncake.master, timeout_ms=20_000)
+    gate, a = _two_in_hand_after_an_evict_elsewhere(mooncake, monkeypatch, 3700)
     try:
-        assert a.offload(3701) == TOKENS
-        assert gate.entered.wait(60), "the first batch never reached its put"
-        _offloaded_into_hand(a, 3702)
-        other = LocalHost(mooncake.master, timeout_ms=FRESH_MS)
-        try:
-            other.kv.evict(3704)
-            assert other.stats()["remote_invalidation_errors"] == 0
-        finally:
-            other.close()
         offers_once_learned(monkeypatch, namespace_tag(["uid:3704"]), wait_s=2)
         assert a.offload(3704) == TOKENS
         gate.set()

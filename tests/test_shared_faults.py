@@ -723,6 +723,17 @@ def test_caches_the_server_cannot_take_are_refused_naming_them_not_a_server_gone
         host.stop()
 
 
+def _stored_and_loaded_whole(kv: aiokv.BackgroundEngine, tables: list[torch.Tensor]
+                             ) -> bool:
+    """User 1's 32 pages, written afresh, offloaded whole, found whole and loaded back
+    bit-exact into other pages."""
+    kv_1 = _written(tables, 1, 32)
+    assert kv.offload(1, torch.arange(32), 32 * PAGE_SIZE).stored_tokens == 32 * PAGE_SIZE
+    held = kv.lookup(1, 32 * PAGE_SIZE)
+    assert held.cached_tokens == 32 * PAGE_SIZE
+    return _loaded_exact(kv, held, tables, 32, kv_1)
+
+
 def test_a_server_back_with_larger_tiers_takes_the_offloads_the_one_before_could_not(
         tmp_path: Path) -> None:
     # The engine's figures still said what the smaller server before held: an offload
@@ -733,11 +744,7 @@ def test_a_server_back_with_larger_tiers_takes_the_offloads_the_one_before_could
         with pytest.raises(aiokv.InvalidRequest, match=r"num_tokens.*ever hold \(80"):
             kv.offload(1, torch.arange(32), 32 * PAGE_SIZE)
         _restarted(host, 0.002)
-        kv_1 = _written(tables, 1, 32)
-        assert kv.offload(1, torch.arange(32), 32 * PAGE_SIZE).stored_tokens == 32 * PAGE_SIZE
-        held = kv.lookup(1, 32 * PAGE_SIZE)
-        assert held.cached_tokens == 32 * PAGE_SIZE
-        assert _loaded_exact(kv, held, tables, 32, kv_1)
+        assert _stored_and_loaded_whole(kv, tables)
     finally:
         kv.close()
         host.stop()
@@ -757,11 +764,7 @@ def test_an_offload_longer_than_the_server_away_held_fails_as_a_server_away_not_
             kv.offload(1, torch.arange(32), 32 * PAGE_SIZE)
         host.config = aiokv.StoreConfig(cpu_cache_gb=0.002)
         host.start()
-        kv_1 = _written(tables, 1, 32)
-        assert kv.offload(1, torch.arange(32), 32 * PAGE_SIZE).stored_tokens == 32 * PAGE_SIZE
-        held = kv.lookup(1, 32 * PAGE_SIZE)
-        assert held.cached_tokens == 32 * PAGE_SIZE
-        assert _loaded_exact(kv, held, tables, 32, kv_1)
+        assert _stored_and_loaded_whole(kv, tables)
     finally:
         kv.close()
         host.stop()

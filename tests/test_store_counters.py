@@ -146,16 +146,21 @@ async def kill_child(store: ProcessStore) -> None:
     await asyncio.to_thread(wait_for_exit, pid)
 
 
+def _shared_in_a_child(tmp_path: Path) -> tuple[Host, ProcessStore]:
+    """A store server, started, and a shared store on it in a child process."""
+    host = Host(tmp_path, ssd=False)
+    host.start()
+    return host, ProcessStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket),
+                                                own_process=True))
+
+
 @pytest.mark.asyncio
 async def test_a_restarted_store_process_on_a_shared_server_counts_the_server_hits_once(
     tmp_path: Path,
 ) -> None:
     """The server's figures are its running totals: a new child finds the hits the dead
     one reported already counted there, and must not have them added again."""
-    host = Host(tmp_path, ssd=False)
-    host.start()
-    store = ProcessStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket),
-                                           own_process=True))
+    host, store = _shared_in_a_child(tmp_path)
     try:
         async with aiokv.OffloadEngine(store, caches()) as engine:
             await offload_and_load(engine, range(3), PAGE_SIZE)
@@ -182,10 +187,7 @@ async def test_a_store_process_on_a_restarted_server_counts_each_server_once_acr
 ) -> None:
     """A new server counts from 0 (the old one's hits are carried); a new child after it
     goes on from both servers' hits, counting neither twice nor dropping the first's."""
-    host = Host(tmp_path, ssd=False)
-    host.start()
-    store = ProcessStore(aiokv.StoreConfig(backend="shared", socket=str(host.socket),
-                                           own_process=True))
+    host, store = _shared_in_a_child(tmp_path)
     try:
         async with aiokv.OffloadEngine(store, caches()) as engine:
             await offload_and_load(engine, range(3), PAGE_SIZE)
