@@ -43,6 +43,7 @@ import aiokv
 from aiokv.remote import client as remote_client
 from aiokv.remote import writer as remote_writer
 from aiokv.remote.keys import namespace_tag
+from aiokv.remote.native import import_store
 from aiokv.remote.removals import Remover
 from aiokv.remote.servers import MooncakeServers
 from aiokv.remote.values import Values
@@ -756,3 +757,49 @@ def test_a_read_never_joins_a_put_that_trusted_its_markers_from_before_an_evict(
         finally:
             gate.set()
     assert versions == ["v2"]
+
+
+def test_an_evict_through_the_server_while_its_users_put_is_under_way_leaves_no_blocks(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Mooncake has the user's put in hand when another engine evicts the user: the
+    # evict's marker ends the generation, and its removal must come after the put
+    # lands, or the put's blocks stay in Mooncake, read by nobody, until its LRU (as an
+    # embedded store's evict, which waits for the put, already does).
+    put: list[str] = []
+
+    def keys_of(writer: Any, ready: Any, count: int) -> bool:
+        put.extend(key for _, keys in ready.parts for key in keys)
+        return True
+
+    gate = held(monkeypatch, Writer, "_put", when=keys_of)
+    bare = import_store().MooncakeDistributedStore()
+    assert bare.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
+                      mooncake.master) == 0
+    host = Host(tmp_path, ssd=False, remote={"master": mooncake.master,
+                                              "timeout_ms": 5_000})
+    host.start()
+    try:
+        engine, tables = host.engine()
+        offload(engine, tables, 1901)
+        assert gate.entered.wait(10), "the writer never reached its put"
+        other, _ = host.engine()
+        evicted: list[int] = []
+        evict = threading.Thread(target=lambda: evicted.append(other.evict(["user:1901"])))
+        evict.start()
+        evict.join(1.0)  # answered at once where it does not wait for the put
+        time.sleep(0.5)  # and the removal that followed its marker ran
+        gate.set()
+        evict.join(30)
+        assert evicted == [TOKENS.size]
+        wait_for(lambda: engine.store_stats()["remote_blocks_held"] == 0, "the put's end")
+        assert len(put) == PAGES
+        deadline = time.monotonic() + 3
+        while any(code == 1 for code in bare.batch_is_exist(put)):
+            assert time.monotonic() < deadline, "the evicted user's blocks stayed in Mooncake"
+            time.sleep(0.05)
+        engine.close()
+        other.close()
+    finally:
+        gate.set()
+        host.stop()
+        bare.close()

@@ -80,7 +80,7 @@ class RemoteIO:
         self.remove_stats = self._remover.stats
         self._writer = Writer(self.queue, self.connection, self.markers, layout,
                               writer_sums, wake,
-                              lambda boot: self._remover.submit(keys.boot_pattern(boot)))
+                              self._remover.submit)
         self.write_stats = self._writer.stats
         self._reads = Values(layout, self._checksums, self.read_stats,
                              ("remote_get_seconds", "remote_read_checksum_seconds"))

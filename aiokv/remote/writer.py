@@ -54,18 +54,19 @@ class _Ready:
 class Writer:
     """The two threads (``thread``, the writer's, ends after the put thread) and their
     figures (``stats``). ``wake`` is called after each batch, when its blocks can be given
-    back; ``remove_boot`` with a boot id whose master restarted, once this host's puts
-    under it are over (:meth:`restarted`)."""
+    back; ``remove`` with the pattern of blocks to remove: under a boot id whose master
+    restarted, once this host's puts under it are over (:meth:`restarted`), or those of a
+    put that landed under a generation ended meanwhile (:meth:`_remove_ended`)."""
 
     def __init__(self, queue: WriteQueue, connection: Connection, markers: Markers,
                  layout: Layout, checksums: Checksums,
-                 wake: Callable[[], None], remove_boot: Callable[[str], None]) -> None:
+                 wake: Callable[[], None], remove: Callable[[str], None]) -> None:
         self._queue = queue
         self._connection = connection
         self._markers = markers
         self._keys = markers.keys
         self._wake = wake
-        self._remove_boot = remove_boot
+        self._remove = remove  # a removal's pattern (.removals.Remover.submit)
         # The boot id of the latest batch put (None: none since the restart of its master
         # was seen), and of the one in Mooncake's put now, under this lock: a put under a
         # boot id whose master restarts lands in the new one, where nobody reads it.
@@ -332,7 +333,7 @@ class Writer:
             if self._wrote_under != boot or self._putting == boot:
                 return
             self._wrote_under = None
-        self._remove_boot(boot)
+        self._remove(self._keys.boot_pattern(boot))
 
     def _write(self, jobs: list[WriteJob]) -> _Ready | None:
         """Check a batch, name its keys and sum its values: what the put thread puts
@@ -414,7 +415,7 @@ class Writer:
                 if crossed:
                     self._wrote_under = None
         if crossed:  # seen while it was under way: removed after it (restarted left it)
-            self._remove_boot(putting)
+            self._remove(self._keys.boot_pattern(putting))
         if not self._connection.codes("batch_put_from", codes):
             self._ended("put", count, {"remote_dropped_down": count})
             return
@@ -424,11 +425,33 @@ class Writer:
             # restart, as the writes queued then; the LRU takes them.
             self._ended("put", count, {"remote_dropped_down": count})
             return
+        self._remove_ended(ready, lifetime)
         written = codes.count(0)
         full = codes.count(NO_SPACE)
         self._ended("put", count, {
             "remote_blocks_written": written, "remote_bytes_written": written * self._block_bytes,
             "remote_dropped_full": full, "remote_write_errors": len(codes) - written - full})
+
+    def _remove_ended(self, ready: _Ready, lifetime: int) -> None:
+        """The batch landed under a generation (or epoch) that an evict or clear ended
+        while it was in Mooncake's put: that marker's removal may have run before it
+        landed (an evict through a store server does not wait for the put), leaving its
+        blocks in Mooncake, read by nobody, until the LRU. Removed again now that they
+        are in; a marker that comes after this look removes them itself."""
+        patterns: dict[str, None] = {}
+        for job, keys in ready.parts:
+            if not keys:
+                continue
+            epoch, generation = map(int, keys[0].rsplit("/", 2)[1].split("."))
+            now, epoch_now, generation_now = self._keys.view(job.ns)
+            if now != lifetime:  # a restart: its own removal (restarted)
+                continue
+            if epoch_now > epoch:
+                patterns[self._keys.epoch_pattern(epoch)] = None
+            elif generation_now > generation:
+                patterns[self._keys.generation_pattern(job.ns, generation)] = None
+        for pattern in patterns:
+            self._remove(pattern)
 
 
 def _blocks(parts: list[tuple[WriteJob, list[str]]]) -> list[int]:
