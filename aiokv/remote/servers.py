@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -94,6 +95,9 @@ class MooncakeServers:
         self.master = f"127.0.0.1:{self._rpc_port}"
         self._master: subprocess.Popen[bytes] | None = None
         self._store: subprocess.Popen[bytes] | None = None
+        # wait_store_mounted's probe clients, closing: Mooncake's close takes most of a
+        # second, which nothing here needs to wait for until the master goes away.
+        self._probes_closing: list[threading.Thread] = []
         try:
             self.start_master()
             self._store = self._spawn("store", [
@@ -127,6 +131,7 @@ class MooncakeServers:
         _wait_port("mooncake_master", self._rpc_port, self._master, 15.0)
 
     def stop_master(self) -> None:
+        self._probes_closed()
         if self._master is not None:
             self._master.kill()
             self._master.wait()
@@ -137,6 +142,7 @@ class MooncakeServers:
         but does not answer, as a hung or partitioned master would (each call waits for
         Mooncake's own timeout, about 30 s). A stop returns once every thread of it is
         stopped (RuntimeError where it exited, or did not stop within 10 s)."""
+        self._probes_closed()  # a close waiting on a stopped master would never end
         _pause("mooncake_master", self._master, paused)
 
     @property
@@ -155,6 +161,7 @@ class MooncakeServers:
         but does not answer, as a stalled or swapping host would be. A stop returns once
         every thread of it is stopped (RuntimeError where it exited, or did not stop
         within 10 s): a call made after it gets no answer until the store continues."""
+        self._probes_closed()
         _pause("the store process", self._store, paused)
 
     def wait_store_mounted(self, timeout_s: float = 30.0) -> None:
@@ -174,18 +181,30 @@ class MooncakeServers:
                 time.sleep(0.05)
             client.remove("aiokv-servers-probe", True)
         finally:
-            client.close()
+            closing = threading.Thread(target=client.close, name="aiokv-probe-close",
+                                       daemon=True)
+            closing.start()
+            self._probes_closing.append(closing)
+
+    def _probes_closed(self) -> None:
+        """Join the probe clients' closes: a client must not outlive its master."""
+        while self._probes_closing:
+            self._probes_closing.pop().join()
 
     def close(self) -> None:
-        for process in (self._store, self._master):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(5)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        self._store = self._master = None
+        self._probes_closed()
+        # The store process first, while the master it unmounts from still answers.
+        if self._store is not None and self._store.poll() is None:
+            self._store.terminate()
+            try:
+                self._store.wait(5)
+            except subprocess.TimeoutExpired:
+                self._store.kill()
+                self._store.wait()
+        # A master without HA keeps nothing that outlives it (as stop_master assumes),
+        # and its exit on SIGTERM waits about a second on a thread of its own.
+        self.stop_master()
+        self._store = None
 
     def __enter__(self) -> MooncakeServers:
         return self
