@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
@@ -295,16 +296,32 @@ print("offloaded", flush=True)
 """
 
 
-def exits_cleanly_never_closed(scenario: str, device: str, store: dict[str, Any]) -> None:
-    """A process whose engine (``store`` its store section) is never closed exits in the
-    middle of its transfers, ``scenario`` "thread" or "asyncio": with status 0, no abort
-    and no traceback."""
+def exits_cleanly_never_closed(scenario: str, device: str, *stores: dict[str, Any]) -> None:
+    """Processes whose engine (``stores`` their store sections, one process each) is never
+    closed exit in the middle of their transfers, ``scenario`` "thread" or "asyncio": each
+    with status 0, no abort and no traceback. The processes run side by side: an abort
+    was a matter of chance per process (not of the others), and each is checked alone."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _NEVER_CLOSED, scenario, device,
-                           json.dumps(store)],
-                          capture_output=True, text=True, timeout=120, env=env, check=False)
-    assert "terminate called" not in done.stderr, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert done.stdout.split() == ["offloaded"], (done.stdout, done.stderr[-2000:])
+    with contextlib.ExitStack() as files:
+        # Files, not pipes: a process must not wait on a full pipe while another is read.
+        outputs = [(files.enter_context(tempfile.TemporaryFile("w+")),
+                    files.enter_context(tempfile.TemporaryFile("w+"))) for _ in stores]
+        processes = [subprocess.Popen([sys.executable, "-c", _NEVER_CLOSED, scenario, device,
+                                       json.dumps(store)],
+                                      stdout=out, stderr=err, text=True, env=env)
+                     for store, (out, err) in zip(stores, outputs, strict=True)]
+        try:
+            for process, (out, err) in zip(processes, outputs, strict=True):
+                process.wait(timeout=120)
+                out.seek(0)
+                err.seek(0)
+                stdout, stderr = out.read(), err.read()
+                assert "terminate called" not in stderr, stderr[-2000:]
+                assert "Traceback" not in stderr, stderr[-2000:]
+                assert process.returncode == 0, (process.returncode, stderr[-2000:])
+                assert stdout.split() == ["offloaded"], (stdout, stderr[-2000:])
+        finally:
+            for process in processes:  # one that hung, or left by a failed check
+                process.kill()
+                process.wait()

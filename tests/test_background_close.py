@@ -216,13 +216,15 @@ def test_a_process_exiting_mid_transfer_with_its_engine_never_closed_exits_clean
 ) -> None:
     # Its copy thread, a daemon inside torch's copy when the interpreter finalized, was
     # ended there by CPython: std::terminate, the process aborted (SIGABRT) 9 times in 10.
+    stores: list[dict[str, object]] = []
     for run in range(3):
         store: dict[str, object] = {"cpu_cache_gb": 0.05}
-        if scenario == "asyncio":  # the SSD tier's threads too
+        if scenario == "asyncio":  # the SSD tier's threads too, a directory each
             ssd_dir = tmp_path / f"ssd{run}"
             ssd_dir.mkdir()
             store.update(ssd_cache_gb=0.2, ssd_cache_dir=str(ssd_dir))
-        exits_cleanly_never_closed(scenario, device, store)
+        stores.append(store)
+    exits_cleanly_never_closed(scenario, device, *stores)
 
 
 # A child forked while a thread of its parent is in the middle of a submit (it holds the
