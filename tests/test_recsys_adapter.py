@@ -643,3 +643,47 @@ def test_offload_lengths_are_full_pages_at_most_what_one_offload_can_store() -> 
     assert offload_lengths([7, 100, 0], 4, 80) == [4, 80, 0]
     assert offload_lengths([7, 100], 4, 82) == [4, 80]
     assert offload_lengths([7, 100], 4, None) == [4, 100]
+
+
+def test_cancel_task_from_another_thread_as_the_task_ends_never_recants_its_answer(
+    storage_of: tuple[Any, list[torch.Tensor]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # cancel_task on a thread of its own (a request abort) found the copy still running
+    # and was descheduled; meanwhile the copy ended and the manager's finish_task answered
+    # [1] (stored). cancel_task then answered True and marked the handle CANCELLED: the
+    # same task's wait read CANCELLED and finish_task [0] after it had said stored.
+    storage, _ = storage_of
+    gate = offload_copies_held(monkeypatch)
+    meta = storage.build_index_meta(torch.tensor([3]), torch.tensor([8]))
+    handle = storage.offload_kvcache_launch(
+        meta.user_ids, i32(0), [], meta, types.SimpleNamespace(kv_indices=i32(0, 1)))
+    future = handle.handle.pending._futures[0]
+    checked, resume = threading.Event(), threading.Event()
+    real_done = future.done
+
+    def done_then_descheduled() -> bool:
+        answer = real_done()
+        if threading.current_thread().name == "canceller" and not checked.is_set():
+            checked.set()  # the canceller read the copy as running, and stops here
+            assert resume.wait(30)
+        return answer
+
+    future.done = done_then_descheduled
+    answers: list[bool] = []
+    canceller = threading.Thread(
+        target=lambda: answers.append(storage.cancel_task(handle)), name="canceller")
+    canceller.start()
+    try:
+        assert checked.wait(30)
+        gate.set()
+        assert storage.finish_task(handle) == [1]  # the manager saw the KV stored
+        seen = storage.offload_kvcache_wait(handle)
+        assert (seen.status.value, seen.ready) == ("ready", True)
+    finally:
+        gate.set()
+        resume.set()
+        canceller.join(30)
+    assert answers == [False]  # nothing was left to cancel by then
+    assert handle.status.value == "launched"
+    assert storage.offload_kvcache_wait(handle).status.value == "ready"
+    assert storage.finish_task(handle) == [1]

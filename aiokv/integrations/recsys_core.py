@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -54,7 +55,12 @@ class PendingCalls:
     ) -> None:
         self._futures = futures
         self._refuse = refuse
+        # The answer is decided once, under the lock: cancelled, or the calls' outcomes
+        # (given out). A cancel from another thread than the waiter's (a request abort)
+        # that saw a call running must not land after the waiter was given the outcomes.
+        self._lock = threading.Lock()
         self._cancelled = False
+        self._answered = False
 
     def poll(self, wait_s: float) -> list[Outcome] | None:
         """The outcomes if every call is done within ``wait_s`` seconds, else None. The
@@ -72,7 +78,10 @@ class PendingCalls:
         does not depend on timing)."""
         self._refuse()
         concurrent.futures.wait(self._futures)
-        if self._cancelled:
+        with self._lock:
+            cancelled = self._cancelled
+            self._answered = not cancelled
+        if cancelled:
             return [concurrent.futures.CancelledError() for _ in self._futures]
         return [outcome(future) for future in self._futures]
 
@@ -81,10 +90,14 @@ class PendingCalls:
         launched, and a cancelled call stops only its caller's wait: answered at once,
         the manager would reuse pages that copies still read or write. So the calls run
         to their end, and their outcomes then read as cancelled (an offload's KV may be
-        stored all the same). False once they are all done (nothing is cancelled)."""
+        stored all the same). False once they are all done (nothing is cancelled), and
+        once their outcomes were given out (from any thread): an answer is never recanted."""
         if all(future.done() for future in self._futures):
             return False
-        self._cancelled = True
+        with self._lock:  # a wait on another thread may have answered since the check
+            if self._answered:
+                return False
+            self._cancelled = True
         return True
 
 
