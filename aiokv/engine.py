@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -254,7 +254,7 @@ class OffloadEngine:
         token_ids: Any = None,
         namespace: Sequence[str] | None = None,
         _ready_event: Any = None,
-        _again: bool = False,
+        _again: Callable[[InvalidRequest], int | None] | None = None,
     ) -> OffloadResult:
         """Store the full pages of a user's first ``num_tokens`` tokens, held in
         ``page_ids`` (in order). Pages already stored under the same key are skipped.
@@ -268,11 +268,15 @@ class OffloadEngine:
         ``_ready_event`` is internal (run_in_background, aiokv.integrations): a CUDA event
         that the calling thread recorded after its writes (:meth:`_caller_event`), waited
         for instead of this thread's current stream. ``_again`` is internal too (the
-        recsys adapter): a second try of an offload this engine accepted and the store
-        refused, taken while the engine drains as the first was: a drain close answers
-        what was accepted before it.
+        recsys adapter): told, on the loop and before anything else runs there, of the
+        InvalidRequest with which the store refused this offload (a put more than it can
+        ever hold: the engine asked for its figures again before answering), it returns
+        the tokens of a second try (fewer) or None (the refusal is raised). That second
+        try is taken while the engine drains, as the first was (a drain close answers
+        what was accepted before it), and the two are one call in EngineStats: the
+        refused first try is not counted as failed where the second was accepted.
         """
-        self._check_running(draining=_again)
+        self._check_running()
         pages = validate.page_ids(page_ids, self._device)
         num_tokens = validate.num_tokens(num_tokens)
         if num_tokens > pages.numel() * self._page_size:  # 1-D: numel() is shape[0]
@@ -291,8 +295,54 @@ class OffloadEngine:
         request = self._new_request(
             _OFFLOAD, user_id, num_tokens, token_ids, namespace, pages, pages_used, _ready_event
         )
-        result: OffloadResult = await self._run(request)
+        if _again is None:
+            result: OffloadResult = await self._run(request)
+            return result
+        refused: list[Request] = []
+        try:
+            result = await self._run(request, refused)
+        except InvalidRequest as refusal:
+            if not refused:  # not the store's answer
+                raise
+            second = self._second_try(request, refusal, _again, pages, token_ids, namespace,
+                                      _ready_event)
+            try:
+                result = await self._run(second)
+            except BaseException as exc:
+                if second.first_try is not None:  # never accepted: the first's is the call's
+                    cancelled = isinstance(exc, asyncio.CancelledError)
+                    takers.count(self._stats.record_outcome, request,
+                                 None if cancelled else refusal)
+                raise
         return result
+
+    def _second_try(
+        self,
+        first: Request,
+        refusal: InvalidRequest,
+        again: Callable[[InvalidRequest], int | None],
+        pages: torch.Tensor,
+        token_ids: Any,
+        namespace: Sequence[str] | None,
+        ready_event: Any,
+    ) -> Request:
+        """The second try of an offload the store refused (offload's ``_again``), not yet
+        accepted; the refusal is counted and raised where none is made."""
+        try:
+            tokens = again(refusal)
+            if tokens is None:
+                raise refusal
+            self._check_running(draining=True)  # accepted before a drain close, as the first
+            second = self._new_request(
+                _OFFLOAD, first.user_id, tokens, token_ids, namespace, pages,
+                tokens // self._page_size, ready_event,
+            )
+        except BaseException:
+            takers.count(self._stats.record_outcome, first, refusal)
+            raise
+        second.first_try = first  # one call with it: _accept
+        second.submitted_at = first.submitted_at
+        return second
 
     async def lookup(
         self,
@@ -461,13 +511,14 @@ class OffloadEngine:
 
     # ---- admission, deadlines, resolution ----------------------------------------------
 
-    async def _run(self, request: Request) -> Any:
+    async def _run(self, request: Request, refused: list[Request] | None = None) -> Any:
         """Admit a request and await its outcome: at once when there is room, else per
         ``overload`` (admission.py). The outcome is counted here, as its caller takes it
         (:mod:`aiokv.loop.takers`), not as its future is resolved: a caller cancelled
         after the answer came, before its task ran again, gets CancelledError, and
         counting the answer then would say completed, with its tokens, for a call its
-        caller saw cancelled."""
+        caller saw cancelled. ``refused``: where given, a store's InvalidRequest answer
+        is not counted here but the request added to it (offload's ``_again``)."""
         future = request.future
         try:
             if self._admission.has_room():
@@ -491,15 +542,22 @@ class OffloadEngine:
             raise  # else never accepted (cancelled while waiting for room)
         except Exception as exc:
             if future.done():  # its answer (else admission's refusal, or a closed engine)
-                takers.count(self._stats.record_outcome, request, exc)
+                if refused is not None and isinstance(exc, InvalidRequest):
+                    refused.append(request)  # counted by offload, with its second try
+                else:
+                    takers.count(self._stats.record_outcome, request, exc)
             raise
         takers.count(self._stats.record_outcome, request, result)
         return result
 
     def _accept(self, request: Request, deadline: float | None = None) -> asyncio.Future[Any]:
         assert self._batcher is not None and self._idle is not None
-        request.submitted_at = time.perf_counter()  # latency; deadlines use the loop clock
-        self._stats.record_submit()
+        if request.first_try is not None:  # one call with the try the store refused
+            self._stats.record_again(request, request.first_try)
+            request.first_try = None
+        else:
+            request.submitted_at = time.perf_counter()  # latency; deadlines use the loop clock
+            self._stats.record_submit()
         self._admission.admit(request)
         self._idle.clear()
         if self._deadlines is not None:

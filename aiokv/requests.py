@@ -118,6 +118,9 @@ class Request:
     layers: LayerwiseLoad | None = None
     # Its own deadline timer (Deadlines.add, out of FIFO order), cancelled as it resolves.
     timer: asyncio.TimerHandle | None = None
+    # An offload's second try, until accepted: the first, which the store refused and
+    # which is one call with it in the counts (engine.offload's _again).
+    first_try: Request | None = None
 
 
 def new_request(

@@ -119,8 +119,8 @@ class Reading:
     def queued(self) -> int:
         """Accepted, not resolved and not at the store thread: in the batcher's queue, or
         held to match again after no room. Every request enters once at submit, an offload
-        once more per no-room answer (record_requeue); each entry ends in one dispatch or
-        one resolution while queued."""
+        once more per no-room answer (record_requeue) and per second try after a refusal
+        (record_again); each entry ends in one dispatch or one resolution while queued."""
         counts = self.counts
         return (
             counts[_SUBMITTED] + counts[_REQUEUED]
@@ -298,6 +298,15 @@ class StatsRecorder:
         self._counts[_BATCHES] += 1
         self._counts[_DISPATCHED] += size
         self._batch_sizes.append(size)
+
+    def record_again(self, request: Request, first: Request) -> None:
+        """An offload's second try accepted, after the store refused its first
+        (``first``, answered, its outcome never counted): one call with it, submitted
+        once, whose outcome is the second's. Queued once more, as a requeue is, and its
+        window is not observed again; its latency runs from the first's submit."""
+        request.held = True
+        self._untaken[_ROW[first.kind]] -= 1  # counted with the second's outcome
+        self._counts[_REQUEUED] += 1
 
     def record_requeue(self, requests: Sequence[Request]) -> None:
         """Offloads that found no room are held on the loop to match again: queued once

@@ -123,10 +123,11 @@ def test_an_offload_after_a_restart_with_a_larger_host_tier_stores_what_it_holds
     assert store.onboarded_exact(3, LONG, LONG)
 
 
-def _launched_after_a_smaller_restart(served: Any) -> tuple[Any, Any, Any]:
-    """A storage on a server restarted smaller than its figures say, and the handle of
-    an offload of user 2's LONG tokens launched there (with its index meta)."""
-    store = served(LARGE_GB)
+def _launched_after_a_smaller_restart(served: Any, store: Any = None) -> tuple[Any, Any, Any]:
+    """A storage on a server restarted smaller than its figures say (``store``, else a
+    new one), and the handle of an offload of user 2's LONG tokens launched there (with
+    its index meta)."""
+    store = store or served(LARGE_GB)
     store.restart(SMALL_GB)
     meta = store.storage.build_index_meta(torch.tensor([2]), torch.tensor([LONG]))
     handle = store.storage.offload_kvcache_launch(
@@ -196,3 +197,33 @@ def test_an_offload_launched_before_a_drain_close_after_a_smaller_restart_is_sto
         "store": {"backend": "shared", "socket": str(store.host.socket)}})
     store.storage.register_gpu_cache_tables(store.tables)
     assert store.onboarded_exact(2, LONG, 80)
+
+
+def test_an_offload_made_again_after_a_smaller_restart_counts_as_one_call_that_ended_well(
+        served: Any) -> None:
+    # The store refused the first try as more than the new host tier holds, and the
+    # storage made it again shorter, stored: EngineStats read submitted 2, failed 1 for
+    # an offload the manager saw ready, as if one of the users' offloads had failed.
+    store = served(LARGE_GB)
+    store.restart(SMALL_GB)
+    before = store.storage.core.kv.stats()
+    assert store.offload(2, LONG) == ("ready", [1], [80])
+    after = store.storage.core.kv.stats()
+    assert (after.failed - before.failed, after.rejected - before.rejected) == (0, 0)
+    assert (after.submitted - before.submitted, after.completed - before.completed) == (1, 1)
+    assert after.offloaded_tokens - before.offloaded_tokens == 80
+    assert after.pending == 0 and after.queued == 0
+
+
+def test_an_offload_refused_and_not_made_again_counts_as_one_failed_call(
+        served: Any) -> None:
+    # An evict_all made after the launch: the refused offload is not made again, and the
+    # call counts as it ended, failed, none left pending.
+    store = served(LARGE_GB)
+    before = store.storage.core.kv.stats()
+    store, _, handle = _launched_after_a_smaller_restart(served, store)
+    store.storage.evict_all()
+    assert store.storage.offload_kvcache_wait(handle).status.value == "failed"
+    after = store.storage.core.kv.stats()
+    assert (after.submitted - before.submitted, after.failed - before.failed) == (1, 1)
+    assert after.pending == 0 and after.queued == 0

@@ -310,17 +310,18 @@ def _offload_call(user: Hashable, pages: torch.Tensor, tokens: int, ready: Any, 
                   ) -> Call:
     async def call(engine: OffloadEngine) -> OffloadResult:
         asked = slot.stored[slot.index] = _cut(int(tokens), engine)
-        try:
-            return await engine.offload(user, pages, asked, _ready_event=ready)
-        except InvalidRequest as refused:
-            again = _cut(int(tokens), engine)
-            # Checked and made again in one go on the loop: an evict or clear counted
-            # after this check reaches the engine after the second offload, and drops it.
-            if refused.field != "num_tokens" or again >= asked or slot.drops.made != slot.made:
-                raise
-        slot.stored[slot.index] = again
-        # _again: taken while a drain close runs, as the first try was (accepted before it).
-        return await engine.offload(user, pages, again, _ready_event=ready, _again=True)
+
+        def again(refused: InvalidRequest) -> int | None:
+            # Told on the loop, the second try made at once after it (engine.offload's
+            # _again): an evict or clear counted after this check reaches the engine
+            # after the second offload, and drops it.
+            shorter = _cut(int(tokens), engine)
+            if refused.field != "num_tokens" or shorter >= asked or slot.drops.made != slot.made:
+                return None
+            slot.stored[slot.index] = shorter
+            return shorter
+
+        return await engine.offload(user, pages, asked, _ready_event=ready, _again=again)
 
     return call
 
