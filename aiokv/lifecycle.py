@@ -373,8 +373,15 @@ async def close_orphaned(engine: EngineParts, timeout: float) -> None:
         log.warning("aiokv: store thread still busy after %.1fs; left to end on its own", timeout)
     # After the join, as a close fails what it abandons: a wait that raises finds the
     # store's copies into the pages ended, unless the store thread was left behind.
-    for load in list(engine._layerwise_loads):
+    loads = list(engine._layerwise_loads)
+    for load in loads:
         load._end_orphaned()
+    # The engine's own tasks on that loop never run again, and what they held is settled
+    # above: asyncio would log each "Task was destroyed but it is pending!" (an error, as
+    # if work were lost) when it is collected.
+    for task in (engine._batcher_task, *(load._end for load in loads)):
+        if isinstance(task, asyncio.Task) and not task.done():
+            task._log_destroy_pending = False  # type: ignore[union-attr]
     _release_after(engine._worker, engine._store, stuck)
 
 
