@@ -298,6 +298,9 @@ class OffloadEngine:
         if _again is None:
             result: OffloadResult = await self._run(request)
             return result
+        # The store's refusal keeps this call's room for its second try (resolution.py):
+        # taken back by it below, or given back, before this task awaits anything else.
+        request.keeps_room = True
         refused: list[Request] = []
         try:
             result = await self._run(request, refused)
@@ -307,7 +310,7 @@ class OffloadEngine:
             second = self._second_try(request, refusal, _again, pages, token_ids, namespace,
                                       _ready_event)
             try:
-                result = await self._run(second)
+                result = await self._run(second, again=True)
             except BaseException as exc:
                 if second.first_try is not None:  # never accepted: the first's is the call's
                     cancelled = isinstance(exc, asyncio.CancelledError)
@@ -338,10 +341,13 @@ class OffloadEngine:
                 tokens // self._page_size, ready_event,
             )
         except BaseException:
+            self._admission.give_back_kept()
             takers.count(self._stats.record_outcome, first, refusal)
             raise
         second.first_try = first  # one call with it: _accept
         second.submitted_at = first.submitted_at
+        # Its deadline is the call's, from the first's accept (request_timeout_ms).
+        second.deadline = first.deadline
         return second
 
     async def lookup(
@@ -511,17 +517,25 @@ class OffloadEngine:
 
     # ---- admission, deadlines, resolution ----------------------------------------------
 
-    async def _run(self, request: Request, refused: list[Request] | None = None) -> Any:
+    async def _run(
+        self, request: Request, refused: list[Request] | None = None, again: bool = False
+    ) -> Any:
         """Admit a request and await its outcome: at once when there is room, else per
         ``overload`` (admission.py). The outcome is counted here, as its caller takes it
         (:mod:`aiokv.loop.takers`), not as its future is resolved: a caller cancelled
         after the answer came, before its task ran again, gets CancelledError, and
         counting the answer then would say completed, with its tokens, for a call its
         caller saw cancelled. ``refused``: where given, a store's InvalidRequest answer
-        is not counted here but the request added to it (offload's ``_again``)."""
+        is not counted here but the request added to it (offload's ``_again``).
+        ``again``: the second try of such a refused offload, which takes the room its
+        first kept and keeps its deadline: one call with it, accepted once already, that
+        neither waits for room (a drain close would fail it) nor is turned away."""
         future = request.future
         try:
-            if self._admission.has_room():
+            if again:
+                self._admission.take_kept()
+                result = await self._accept(request, request.deadline)
+            elif self._admission.has_room():
                 result = await self._accept(request)
             else:
                 result = await self._submit_when_room(request)
@@ -536,8 +550,11 @@ class OffloadEngine:
                 # Answered in the loop iteration its caller left in (asyncio.timeout's
                 # timer, say): the caller has CancelledError, not the answer, and so do
                 # the counts; nobody has the Lookup to release, so its hold goes now.
-                if future.exception() is None and isinstance(future.result(), Lookup):
+                error = future.exception()
+                if error is None and isinstance(future.result(), Lookup):
                     future.result().release()
+                elif request.keeps_room and isinstance(error, InvalidRequest):
+                    self._admission.give_back_kept()  # no second try will take it
                 self._stats.record_outcome(request, None)
             raise  # else never accepted (cancelled while waiting for room)
         except Exception as exc:

@@ -121,6 +121,9 @@ class Request:
     # An offload's second try, until accepted: the first, which the store refused and
     # which is one call with it in the counts (engine.offload's _again).
     first_try: Request | None = None
+    # An offload that may be made again after the store refuses it (engine.offload's
+    # _again): a refusal keeps its room for that second try (admission.Admission.leave).
+    keeps_room: bool = False
 
 
 def new_request(

@@ -58,17 +58,37 @@ class Admission:
         # look again (the engine is closing).
         self._waiters: deque[asyncio.Future[bool]] = deque()
         self._promised = 0  # rooms promised to woken waiters that have not run yet
+        # Rooms kept by offloads the store refused, for their second try (leave's keep):
+        # the same call, accepted once, which neither waits for room nor is turned away.
+        self._kept = 0
         self._waiting = 0  # callers inside wait_for_room, at most _max_waiting
         self._max_waiting = max_waiting(config.max_pending)
 
     def has_room(self) -> bool:
-        return len(self.live) + self._promised < self._config.max_pending
+        return len(self.live) + self._promised + self._kept < self._config.max_pending
 
     def admit(self, request: Request) -> None:
         self.live.add(request)
 
-    def leave(self, request: Request) -> None:
+    def leave(self, request: Request, keep: bool = False) -> None:
+        """``request`` is resolved. ``keep``: its room stays taken, for a second try of
+        the same call (an offload the store refused, engine.offload's ``_again``), until
+        :meth:`take_kept` or :meth:`give_back_kept`, which its caller calls as its task
+        runs again, before anything else it does."""
         self.live.discard(request)
+        if keep:
+            self._kept += 1
+        elif self._waiters:
+            self._wake_one()
+
+    def take_kept(self) -> None:
+        """The second try takes the room its first kept (:meth:`admit` follows at
+        once), whatever waits for room."""
+        self._kept -= 1
+
+    def give_back_kept(self) -> None:
+        """No second try came of a refusal that kept its room: free for anyone now."""
+        self._kept -= 1
         if self._waiters:
             self._wake_one()
 

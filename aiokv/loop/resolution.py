@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import EngineClosed, RequestTimeout, StoreError, StoreFull
+from ..errors import EngineClosed, InvalidRequest, RequestTimeout, StoreError, StoreFull
 from ..requests import TERMINAL, Kind, Lookup, LookupGrant, Request
 from ..space import SpaceWaits
 from ..stats import StatsRecorder
@@ -150,7 +150,8 @@ class Resolver:
             future.set_result(lookup)
         else:
             future.set_result(outcome)
-        self.finished(request)
+        # A refusal whose offload may be made again keeps its room for that second try.
+        self.finished(request, request.keeps_room and isinstance(outcome, InvalidRequest))
 
     def release_lookups(self) -> None:
         """The engine closes (it takes no more loads): each Lookup still held is given
@@ -233,11 +234,12 @@ class Resolver:
             self.dropped(request)
             self.resolve(request, error)
 
-    def finished(self, request: Request) -> None:
+    def finished(self, request: Request, keep_room: bool = False) -> None:
         """A request's future is done (resolved, or cancelled by its caller): it leaves
         the engine. Called once per accepted request, by resolve or by the engine on
         cancellation; not a done-callback, which would cost a loop callback. Its outcome
-        is counted where its caller takes it (the engine's ``_run``)."""
+        is counted where its caller takes it (the engine's ``_run``). ``keep_room``: its
+        room stays taken for a second try (admission.Admission.leave)."""
         if request.stage is not TERMINAL:  # (detach may have written it)
             request.stage = TERMINAL  # the store thread stops caring about it from now on
         if request.timer is not None:  # its own deadline timer: it must not keep it alive
@@ -246,7 +248,7 @@ class Resolver:
         space = self.space
         if space is not None and space.waits:
             space.forget(request)
-        self._admission.leave(request)
+        self._admission.leave(request, keep_room)
         self._stats.record_resolved(request)
         if not self._admission.live:
             self._idle.set()

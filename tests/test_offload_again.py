@@ -1,0 +1,163 @@
+"""An offload the store refused as more than it can ever hold, made again shorter by the
+engine (offload's internal ``_again``, the recsys adapter's): one call with its first
+try, accepted once, so its second try neither waits for room nor is turned away, and it
+keeps the call's deadline."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+from conftest import PAGE_SIZE
+
+import aiokv
+from aiokv.errors import InvalidRequest
+from aiokv.testing import FaultyStore
+
+HOST_BLOCKS = 8  # the store's tiers: an offload of 16 pages is refused, one of 8 fits
+LONG, SHORT = 16 * PAGE_SIZE, HOST_BLOCKS * PAGE_SIZE
+
+
+def pages(start: int, count: int) -> torch.Tensor:
+    return torch.arange(start, start + count)
+
+
+def engine_over(caches: list[torch.Tensor], **config: Any) -> tuple[FaultyStore, aiokv.OffloadEngine]:
+    block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
+    store = FaultyStore(aiokv.LocalStore(
+        aiokv.StoreConfig(cpu_cache_gb=HOST_BLOCKS * block_bytes / (1 << 30))))
+    return store, aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(**config))
+
+
+def shorter(refusal: InvalidRequest) -> int:
+    assert refusal.field == "num_tokens"
+    return SHORT
+
+
+async def outcome(call: Any) -> Any:
+    try:
+        return await call
+    except aiokv.AiokvError as error:
+        return error
+
+
+def figures(engine: aiokv.OffloadEngine) -> dict[str, int]:
+    stats = engine.stats()
+    return {name: getattr(stats, name) for name in (
+        "submitted", "completed", "failed", "cancelled", "rejected", "timed_out", "pending",
+        "queued", "offloaded_tokens")}
+
+
+@pytest.mark.asyncio
+async def test_a_second_try_is_not_turned_away_by_a_caller_that_took_the_room_meanwhile(
+    caches: list[torch.Tensor],
+) -> None:
+    # overload: reject, max_pending 1. Another caller, trying again and again, took the
+    # room the refused first try left before the offload's task ran again: the second
+    # try was refused with Overloaded, an accepted offload read rejected and failed both.
+    _, engine = engine_over(caches, window_us=0, max_pending=1, overload="reject")
+    async with engine:
+        call = asyncio.ensure_future(outcome(engine.offload("a", pages(0, 16), LONG,
+                                                            _again=shorter)))
+        await asyncio.sleep(0)  # accepted
+        turned_away = 0
+        other = None
+        while not call.done():
+            if other is None:
+                try:
+                    other = await engine.offload("b", pages(100, 2), 2 * PAGE_SIZE)
+                    continue
+                except aiokv.Overloaded:
+                    turned_away += 1
+            await asyncio.sleep(0)
+        result = call.result()
+        assert isinstance(result, aiokv.OffloadResult), result
+        assert result.stored_tokens == SHORT
+        seen = figures(engine)
+    assert turned_away > 0  # the other caller found the offload holding the room
+    assert seen == {
+        "submitted": 1 + (other is not None), "completed": 1 + (other is not None),
+        "failed": 0, "cancelled": 0, "rejected": turned_away, "timed_out": 0, "pending": 0,
+        "queued": 0, "offloaded_tokens": SHORT + (2 * PAGE_SIZE if other else 0)}
+
+
+@pytest.mark.asyncio
+async def test_a_second_try_behind_a_waiter_for_room_is_stored_by_a_drain_close(
+    caches: list[torch.Tensor],
+) -> None:
+    # overload: wait, max_pending 1: the refused first try's room went to a caller
+    # waiting for it, the second try waited behind, and the drain close sent it away with
+    # 'engine is draining' (failed) where the offload was accepted before the close.
+    store, engine = engine_over(caches, window_us=0, max_pending=1, overload="wait")
+    async with engine:
+        store.hold.clear()  # launched copies answer only once the close has begun
+        call = asyncio.ensure_future(outcome(engine.offload("a", pages(0, 16), LONG,
+                                                            _again=shorter)))
+        await asyncio.sleep(0)  # accepted
+        waiter = asyncio.ensure_future(outcome(engine.offload("w", pages(100, 2), 2 * PAGE_SIZE)))
+        assert await asyncio.to_thread(store.launched.wait, 10)
+        close = asyncio.ensure_future(engine.aclose())
+        await asyncio.sleep(0.05)
+        store.hold.set()
+        await close
+    result = call.result()
+    assert isinstance(result, aiokv.OffloadResult), result
+    assert result.stored_tokens == SHORT
+    if isinstance(waiter.result(), aiokv.OffloadResult):
+        others = 1  # accepted before the close
+    else:
+        assert isinstance(waiter.result(), aiokv.EngineClosed)  # still waiting for room
+        others = 0
+    seen = figures(engine)
+    assert (seen["failed"], seen["pending"], seen["queued"]) == (0, 0, 0)
+    assert (seen["submitted"], seen["completed"]) == (1 + others, 1 + others)
+
+
+@pytest.mark.asyncio
+async def test_a_second_try_keeps_the_calls_deadline(caches: list[torch.Tensor]) -> None:
+    # Each try waits out a batching window of 0.5 s; request_timeout_ms is 0.75 s. The
+    # second try had a deadline of its own, 0.75 s after it: the call returned stored
+    # after 1 s instead of its RequestTimeout at 0.75 s.
+    _, engine = engine_over(caches, window_us=500_000, max_batch_requests=64,
+                            request_timeout_ms=750)
+    async with engine:
+        result = await outcome(engine.offload("a", pages(0, 16), LONG, _again=shorter))
+        seen = figures(engine)
+    assert isinstance(result, aiokv.RequestTimeout), result
+    assert seen == {
+        "submitted": 1, "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0,
+        "timed_out": 1, "pending": 0, "queued": 0, "offloaded_tokens": 0}
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_whose_caller_left_before_a_second_try_frees_its_room(
+    caches: list[torch.Tensor],
+) -> None:
+    # Two refused offloads in one batch, the first answered first: its caller cancels the
+    # other's before that one runs again. No second try comes of it, and its room is
+    # free again: two later offloads fit max_pending 2.
+    _, engine = engine_over(caches, window_us=10_000_000, max_batch_requests=2,
+                            max_pending=2, overload="reject")
+    async with engine:
+        calls: list[asyncio.Task[Any]] = []
+
+        async def first() -> None:
+            with pytest.raises(InvalidRequest):
+                await engine.offload("b", pages(0, 16), LONG)
+            calls[1].cancel()
+
+        calls.append(asyncio.ensure_future(first()))
+        await asyncio.sleep(0)
+        calls.append(asyncio.ensure_future(
+            engine.offload("a", pages(20, 16), LONG, _again=shorter)))
+        await calls[0]
+        with pytest.raises(asyncio.CancelledError):
+            await calls[1]
+        later = await asyncio.gather(*(engine.offload(u, pages(40 + 4 * u, 4), 4 * PAGE_SIZE)
+                                       for u in range(2)))
+        seen = figures(engine)
+    assert [r.stored_tokens for r in later] == [4 * PAGE_SIZE] * 2
+    assert (seen["failed"], seen["cancelled"], seen["rejected"]) == (1, 1, 0)
+    assert (seen["pending"], seen["queued"]) == (0, 0)
