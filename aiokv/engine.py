@@ -123,6 +123,9 @@ class OffloadEngine:
         self._space: SpaceWaits | None = None  # offloads waiting for room, once started
         self._invalidations: Invalidations | None = None  # evict and clear, once started
         self._closed_figures: ClosedFigures | None = None  # the store thread's, at close
+        # A drain close dispatches what it finds and waits for it (lifecycle.close): only
+        # then is a second try of an offload accepted before it taken (offload's _again).
+        self._draining = False
         # Launched layerwise loads (weak): a close after the loop was closed ends those
         # that loop never ended (lifecycle.close_orphaned).
         self._layerwise_loads: weakref.WeakSet[layerwise.LayerwiseLoad] = weakref.WeakSet()
@@ -471,9 +474,10 @@ class OffloadEngine:
 
     def _check_running(self, draining: bool = False) -> None:
         """Every public call that changes the engine starts here (evict and clear too).
-        ``draining``: taken while a drain close runs too (offload's ``_again``)."""
-        if self._state is not _RUNNING and not (
-                draining and self._state is EngineState.DRAINING):
+        ``draining``: taken while a drain close waits for what it dispatches too
+        (offload's ``_again``), not once it gave up on that (drain=False, its timeout):
+        nothing would dispatch it, and the close would count it abandoned."""
+        if self._state is not _RUNNING and not (draining and self._draining):
             if self._forked:
                 assert self._pid is not None  # set by the start the fork copied
                 refuse_in_fork(self._pid, "engine", "store thread")

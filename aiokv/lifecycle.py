@@ -92,6 +92,7 @@ class EngineParts(Protocol):
     _invalidations: Invalidations | None
     _closed_figures: ClosedFigures | None
     _layerwise_loads: weakref.WeakSet[LayerwiseLoad]
+    _draining: bool  # a drain close waits for what it dispatches (OffloadEngine._check_running)
     _pid: int | None  # the process that started it
     _forked: bool  # this is a forked child of that process: the engine is the parent's
 
@@ -298,6 +299,7 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
             # Cancelled with every other task by a shutdown: nothing else would dispatch
             # what is queued, and the drain would wait its whole timeout for it.
             engine._batcher_task = loop.create_task(batcher.run(), name="aiokv-batcher")
+        engine._draining = True
         try:
             # Until idle stays set: a request accepted while draining (an offload made
             # again after the store refused it, offload's _again) clears it again, after
@@ -307,6 +309,8 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
                 await asyncio.wait_for(idle.wait(), max(deadline - loop.time(), 0.0))
         except TimeoutError:
             log.warning("aiokv: drain timed out after %.1fs; closing now", timeout)
+        finally:
+            engine._draining = False
     space = engine._space  # offloads waiting for room (aiokv.space) go with the queue
     queued = [*(space.close() if space is not None else ()), *batcher.take_queued()]
     for request in queued:

@@ -6,6 +6,8 @@ keeps the call's deadline."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from conftest import PAGE_SIZE
 
 import aiokv
 from aiokv.errors import InvalidRequest
+from aiokv.stores.base import BoolArray, Int64Array
 from aiokv.testing import FaultyStore
 
 HOST_BLOCKS = 8  # the store's tiers: an offload of 16 pages is refused, one of 8 fits
@@ -24,9 +27,25 @@ def pages(start: int, count: int) -> torch.Tensor:
     return torch.arange(start, start + count)
 
 
-def engine_over(caches: list[torch.Tensor], **config: Any) -> tuple[FaultyStore, aiokv.OffloadEngine]:
+class GatedMatch(FaultyStore):
+    """put_match waits while ``gate`` is clear (``entered`` set once one waits)."""
+
+    def __init__(self, inner: aiokv.LocalStore) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def put_match(self, token_ids: Int64Array, namespace: Any) -> tuple[int, BoolArray]:
+        if not self.gate.is_set():
+            self.entered.set()
+            self.gate.wait(10)
+        return super().put_match(token_ids, namespace)
+
+
+def engine_over(caches: list[torch.Tensor], **config: Any) -> tuple[GatedMatch, aiokv.OffloadEngine]:
     block_bytes = len(caches) * caches[0][0].numel() * caches[0].element_size()
-    store = FaultyStore(aiokv.LocalStore(
+    store = GatedMatch(aiokv.LocalStore(
         aiokv.StoreConfig(cpu_cache_gb=HOST_BLOCKS * block_bytes / (1 << 30))))
     return store, aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(**config))
 
@@ -160,4 +179,34 @@ async def test_a_refusal_whose_caller_left_before_a_second_try_frees_its_room(
         seen = figures(engine)
     assert [r.stored_tokens for r in later] == [4 * PAGE_SIZE] * 2
     assert (seen["failed"], seen["cancelled"], seen["rejected"]) == (1, 1, 0)
+    assert (seen["pending"], seen["queued"]) == (0, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_close_without_drain_takes_no_second_try(
+    caches: list[torch.Tensor], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The refusal came while aclose(drain=False) waited for the store thread: the second
+    # try was accepted by the closing engine, which dispatched nothing more, and the close
+    # counted it abandoned: 'closed with 1 requests unfinished' logged, and its caller told
+    # '1 requests abandoned at the close's timeout', where nothing had timed out.
+    store, engine = engine_over(caches, window_us=10_000_000, max_batch_requests=2)
+    await engine.start()
+    store.gate.clear()  # the batch's match waits, after the long offload's refusal
+    call = asyncio.ensure_future(outcome(engine.offload("a", pages(0, 16), LONG,
+                                                        _again=shorter)))
+    other = asyncio.ensure_future(outcome(engine.offload("b", pages(20, 2), 2 * PAGE_SIZE)))
+    assert await asyncio.to_thread(store.entered.wait, 10)
+    with caplog.at_level(logging.WARNING, logger="aiokv"):
+        close = asyncio.ensure_future(engine.aclose(drain=False, timeout=10))
+        await asyncio.sleep(0.05)  # the close waits for the store thread
+        store.gate.set()
+        await close
+    result = call.result()
+    assert isinstance(result, aiokv.EngineClosed), result
+    assert "abandoned" not in str(result)
+    assert isinstance(other.result(), aiokv.OffloadResult)
+    assert [r.getMessage() for r in caplog.records if "unfinished" in r.getMessage()] == []
+    seen = figures(engine)
+    assert (seen["submitted"], seen["completed"], seen["failed"]) == (2, 1, 1)
     assert (seen["pending"], seen["queued"]) == (0, 0)
