@@ -344,7 +344,8 @@ class OffloadEngine:
                 tokens // self._page_size, ready_event,
             )
         except BaseException:
-            self._admission.give_back_kept()
+            assert self._resolver is not None  # started: it took the first try
+            self._resolver.give_back_kept()
             takers.count(self._stats.record_outcome, first, refusal)
             raise
         second.first_try = first  # one call with it: _accept
@@ -558,7 +559,8 @@ class OffloadEngine:
                 if error is None and isinstance(future.result(), Lookup):
                     future.result().release()
                 elif request.keeps_room and isinstance(error, InvalidRequest):
-                    self._admission.give_back_kept()  # no second try will take it
+                    assert self._resolver is not None
+                    self._resolver.give_back_kept()  # no second try will take it
                 self._stats.record_outcome(request, None)
             raise  # else never accepted (cancelled while waiting for room)
         except Exception as exc:

@@ -301,12 +301,9 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
             engine._batcher_task = loop.create_task(batcher.run(), name="aiokv-batcher")
         engine._draining = True
         try:
-            # Until idle stays set: a request accepted while draining (an offload made
-            # again after the store refused it, offload's _again) clears it again, after
-            # the answer that set it and before this task wakes.
+            # Idle stays clear while a refusal keeps its room for a second try (offload's
+            # _again, accepted while draining): that call goes on, and is drained too.
             await asyncio.wait_for(idle.wait(), timeout)
-            while not idle.is_set():
-                await asyncio.wait_for(idle.wait(), max(deadline - loop.time(), 0.0))
         except TimeoutError:
             log.warning("aiokv: drain timed out after %.1fs; closing now", timeout)
         finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from typing import Any
 
@@ -16,6 +17,7 @@ from conftest import PAGE_SIZE
 
 import aiokv
 from aiokv.errors import InvalidRequest
+from aiokv.loop import resolution
 from aiokv.stores.base import BoolArray, Int64Array
 from aiokv.testing import FaultyStore
 
@@ -210,3 +212,47 @@ async def test_a_close_without_drain_takes_no_second_try(
     seen = figures(engine)
     assert (seen["submitted"], seen["completed"], seen["failed"]) == (2, 1, 1)
     assert (seen["pending"], seen["queued"]) == (0, 0)
+
+
+async def _wait_for_312(awaitable: Any, timeout: float | None) -> Any:
+    """asyncio.wait_for as Python 3.12 on makes it: a coroutine that need not wait (an
+    Event already set) returns without yielding to the loop (3.10 and 3.11 run it in a
+    task of its own, and yield)."""
+    async with asyncio.timeout(timeout):
+        return await awaitable
+
+
+@pytest.mark.asyncio
+async def test_a_drain_close_begun_as_the_refusal_came_stores_the_second_try(
+    caches: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two refused offloads in one batch, their answers resolved one loop iteration apart
+    # (a busy loop: RESOLVE_BUDGET_S); the first's caller closes the engine as it hears
+    # its refusal. The close ran after the second's refusal, before that offload's task
+    # ran again: no request was unresolved, and the drain (on Python 3.12 on, whose
+    # wait_for of an Event already set does not yield) ended at once. The second try was
+    # not taken, and the call, accepted before the close, failed with 'engine is
+    # draining'.
+    if sys.version_info < (3, 12):
+        monkeypatch.setattr(asyncio, "wait_for", _wait_for_312)
+    monkeypatch.setattr(resolution, "RESOLVE_BUDGET_S", 0.0)  # one answer per iteration
+    _, engine = engine_over(caches, window_us=10_000_000, max_batch_requests=2)
+    await engine.start()
+
+    async def first() -> None:
+        with pytest.raises(InvalidRequest):
+            await engine.offload("b", pages(0, 16), LONG)
+        await engine.aclose()
+
+    closer = asyncio.ensure_future(first())
+    await asyncio.sleep(0)
+    call = asyncio.ensure_future(outcome(engine.offload("a", pages(20, 16), LONG,
+                                                        _again=shorter)))
+    await closer
+    result = await call
+    assert isinstance(result, aiokv.OffloadResult), result
+    assert result.stored_tokens == SHORT
+    seen = figures(engine)
+    assert (seen["submitted"], seen["completed"], seen["failed"]) == (2, 1, 1)
+    assert (seen["pending"], seen["queued"]) == (0, 0)
+

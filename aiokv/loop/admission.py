@@ -67,6 +67,11 @@ class Admission:
     def has_room(self) -> bool:
         return len(self.live) + self._promised + self._kept < self._config.max_pending
 
+    def idle(self) -> bool:
+        """No call accepted and unfinished: none live, and no refusal's room kept for its
+        second try (a call that goes on, which a drain close must wait for)."""
+        return not self.live and not self._kept
+
     def admit(self, request: Request) -> None:
         self.live.add(request)
 

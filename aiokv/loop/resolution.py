@@ -250,7 +250,14 @@ class Resolver:
             space.forget(request)
         self._admission.leave(request, keep_room)
         self._stats.record_resolved(request)
-        if not self._admission.live:
+        if self._admission.idle():
+            self._idle.set()
+
+    def give_back_kept(self) -> None:
+        """No second try comes of a refusal that kept its room (Admission.give_back_kept):
+        that call is over, and a drain close may be waiting for it."""
+        self._admission.give_back_kept()
+        if self._admission.idle():
             self._idle.set()
 
 
