@@ -281,14 +281,7 @@ class OffloadEngine:
         """
         self._check_running()
         pages = validate.page_ids(page_ids, self._device)
-        num_tokens = validate.num_tokens(num_tokens)
-        if num_tokens > pages.numel() * self._page_size:  # 1-D: numel() is shape[0]
-            raise InvalidRequest(
-                "num_tokens",
-                f"{num_tokens} tokens do not fit in {pages.shape[0]} pages of {self._page_size}",
-            )
-        pages_used = num_tokens // self._page_size  # only full pages are stored
-        validate.offload_pages(num_tokens, pages_used, self._num_pages)
+        num_tokens, pages_used = self._offload_tokens(num_tokens, pages)
         # What the store's tiers hold is checked on the store thread, at the batch's match
         # (worker.rounds): the figures it is known from may be another store's by now (a
         # store server restarted with other tiers), and only a store call can tell.
@@ -322,6 +315,19 @@ class OffloadEngine:
                 raise
         return result
 
+    def _offload_tokens(self, num_tokens: object, pages: torch.Tensor) -> tuple[int, int]:
+        """An offload's ``num_tokens``, checked against its pages, and the full pages of
+        it that are stored."""
+        num_tokens = validate.num_tokens(num_tokens)
+        if num_tokens > pages.numel() * self._page_size:  # 1-D: numel() is shape[0]
+            raise InvalidRequest(
+                "num_tokens",
+                f"{num_tokens} tokens do not fit in {pages.shape[0]} pages of {self._page_size}",
+            )
+        pages_used = num_tokens // self._page_size  # only full pages are stored
+        validate.offload_pages(num_tokens, pages_used, self._num_pages)
+        return num_tokens, pages_used
+
     def _second_try(
         self,
         first: Request,
@@ -339,9 +345,12 @@ class OffloadEngine:
             if tokens is None:
                 raise refusal
             self._check_running(draining=True)  # accepted before a drain close, as the first
+            # Checked as the first's were: the store would take a negative count as a
+            # slice from the end, and one past the pages as a failure of its own.
+            tokens, pages_used = self._offload_tokens(tokens, pages)
             second = self._new_request(
-                _OFFLOAD, first.user_id, tokens, token_ids, namespace, pages,
-                tokens // self._page_size, ready_event,
+                _OFFLOAD, first.user_id, tokens, token_ids, namespace, pages, pages_used,
+                ready_event,
             )
         except BaseException:
             assert self._resolver is not None  # started: it took the first try

@@ -256,3 +256,34 @@ async def test_a_drain_close_begun_as_the_refusal_came_stores_the_second_try(
     assert (seen["submitted"], seen["completed"], seen["failed"]) == (2, 1, 1)
     assert (seen["pending"], seen["queued"]) == (0, 0)
 
+
+@pytest.mark.parametrize("tokens", [-PAGE_SIZE, 20 * PAGE_SIZE])
+@pytest.mark.asyncio
+async def test_a_second_try_of_a_count_its_pages_cannot_hold_is_refused_as_an_offload_is(
+    caches: list[torch.Tensor], tokens: int,
+) -> None:
+    # The store refused a page id; the second try's count went to the store unchecked: a
+    # negative one failed with StoreError ("the store's mask ... names page 1022 of a
+    # request of -1 pages"), one past the call's 16 pages with "store.launch failed",
+    # where an offload of that many tokens is InvalidRequest naming num_tokens.
+    engine = aiokv.OffloadEngine(
+        aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.01)), caches,  # holds them all
+        aiokv.EngineConfig(window_us=0, max_pending=1, overload="reject"))
+    bad = pages(0, 16)
+    bad[3] = 10_000  # outside the caches: the store refuses it at launch
+    refusals: list[InvalidRequest] = []
+
+    def again(refusal: InvalidRequest) -> int:
+        refusals.append(refusal)
+        return tokens
+
+    async with engine:
+        result = await outcome(engine.offload("a", bad, 4 * PAGE_SIZE, _again=again))
+        later = await engine.offload("b", pages(100, 2), 2 * PAGE_SIZE)
+        seen = figures(engine)
+    assert [r.field for r in refusals] == ["page_ids"]
+    assert isinstance(result, InvalidRequest), result
+    assert (result.field, str(tokens) in str(result)) == ("num_tokens", True), result
+    assert later.stored_tokens == 2 * PAGE_SIZE  # its room was given back
+    assert (seen["submitted"], seen["completed"], seen["failed"]) == (2, 1, 1)
+    assert (seen["pending"], seen["queued"]) == (0, 0)
