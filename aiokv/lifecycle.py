@@ -301,6 +301,11 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
             engine._batcher_task = loop.create_task(batcher.run(), name="aiokv-batcher")
         engine._draining = True
         try:
+            # A call that passed the running check before this close set DRAINING, and is
+            # accepted in a task of its own (load_layerwise's), was accepted before the
+            # close: that task, already scheduled, runs (and clears idle) before this one
+            # looks at idle, which on Python 3.12 on does not yield where idle is set.
+            await asyncio.sleep(0)
             # Idle stays clear while a refusal keeps its room for a second try (offload's
             # _again, accepted while draining): that call goes on, and is drained too.
             await asyncio.wait_for(idle.wait(), timeout)
