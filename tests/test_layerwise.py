@@ -767,14 +767,11 @@ async def test_no_wait_reports_a_layer_ready_once_the_load_is_cancelled(marks: b
             store.gate.release(LAYERS)  # a launched copy is never cancelled: it ends
 
 
-@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop],
-                         ids=["asyncio", "uvloop"])
-def test_a_close_after_the_loop_was_closed_wakes_a_thread_waiting_for_a_layer(
-        new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
-    """The engine's loop is closed without aclose (after which any loop may close the
-    engine) while a thread waits for a layer that only the load's end marks: that close
-    wakes it with EngineClosed, and every wait after raises it at once; no loop is left
-    to deliver the load's end."""
+def _launched_then_its_loop_closed(
+        new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> tuple[aiokv.OffloadEngine, LayeredStore, aiokv.LayerwiseLoad]:
+    """An engine with a layerwise load launched whose layers wait for the store's gate,
+    its loop then closed without aclose (the engine still open)."""
     store = LayeredStore(marks=False)
     engine, _ = engine_over(store)
     loop = new_loop()
@@ -786,7 +783,19 @@ def test_a_close_after_the_loop_was_closed_wakes_a_thread_waiting_for_a_layer(
     try:
         load = loop.run_until_complete(launch())
     finally:
-        loop.close()  # the engine's loop goes, the engine still open
+        loop.close()
+    return engine, store, load
+
+
+@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop],
+                         ids=["asyncio", "uvloop"])
+def test_a_close_after_the_loop_was_closed_wakes_a_thread_waiting_for_a_layer(
+        new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    """The engine's loop is closed without aclose (after which any loop may close the
+    engine) while a thread waits for a layer that only the load's end marks: that close
+    wakes it with EngineClosed, and every wait after raises it at once; no loop is left
+    to deliver the load's end."""
+    engine, store, load = _launched_then_its_loop_closed(new_loop)
     outcome: list[BaseException | None] = []
     # A daemon: without the fix it waits forever, and must not hold up the session.
     waiter = threading.Thread(target=lambda: outcome.append(raised(load.wait_layer, 0)),
@@ -825,18 +834,7 @@ def _closed_after_its_loop(
     """An engine whose loop was closed with a layerwise load in flight, closed from
     another loop, its load ended with EngineClosed: its batcher task, weakly (nothing
     else of it is left)."""
-    store = LayeredStore(marks=False)
-    engine, _ = engine_over(store)
-    loop = new_loop()
-
-    async def launch() -> aiokv.LayerwiseLoad:
-        await engine.start()
-        return await held(engine, store)
-
-    try:
-        load = loop.run_until_complete(launch())
-    finally:
-        loop.close()
+    engine, store, load = _launched_then_its_loop_closed(new_loop)
     store.gate.release(LAYERS)
     asyncio.run(engine.aclose(timeout=10))
     assert isinstance(raised(load.wait_layer, LAYERS - 1), aiokv.EngineClosed)

@@ -759,12 +759,10 @@ def test_a_read_never_joins_a_put_that_trusted_its_markers_from_before_an_evict(
     assert versions == ["v2"]
 
 
-def test_an_evict_through_the_server_while_its_users_put_is_under_way_leaves_no_blocks(
-        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Mooncake has the user's put in hand when another engine evicts the user: the
-    # evict's marker ends the generation, and its removal must come after the put
-    # lands, or the put's blocks stay in Mooncake, read by nobody, until its LRU (as an
-    # embedded store's evict, which waits for the put, already does).
+def _puts_held_and_a_bare_client(
+        mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], Any, Any]:
+    """The keys the writer puts (filled as each put starts), the gate that holds each
+    put in Mooncake's call until set, and a bare Mooncake client to look for them."""
     put: list[str] = []
 
     def keys_of(writer: Any, ready: Any, count: int) -> bool:
@@ -775,6 +773,25 @@ def test_an_evict_through_the_server_while_its_users_put_is_under_way_leaves_no_
     bare = import_store().MooncakeDistributedStore()
     assert bare.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
                       mooncake.master) == 0
+    return put, gate, bare
+
+
+def _gone_from_mooncake(bare: Any, put: list[str]) -> None:
+    """The one user's put keys leave Mooncake within 3 s."""
+    assert len(put) == PAGES
+    deadline = time.monotonic() + 3
+    while any(code == 1 for code in bare.batch_is_exist(put)):
+        assert time.monotonic() < deadline, "the evicted user's blocks stayed in Mooncake"
+        time.sleep(0.05)
+
+
+def test_an_evict_through_the_server_while_its_users_put_is_under_way_leaves_no_blocks(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Mooncake has the user's put in hand when another engine evicts the user: the
+    # evict's marker ends the generation, and its removal must come after the put
+    # lands, or the put's blocks stay in Mooncake, read by nobody, until its LRU (as an
+    # embedded store's evict, which waits for the put, already does).
+    put, gate, bare = _puts_held_and_a_bare_client(mooncake, monkeypatch)
     host = Host(tmp_path, ssd=False, remote={"master": mooncake.master,
                                               "timeout_ms": 5_000})
     host.start()
@@ -792,11 +809,7 @@ def test_an_evict_through_the_server_while_its_users_put_is_under_way_leaves_no_
         evict.join(30)
         assert evicted == [TOKENS.size]
         wait_for(lambda: engine.store_stats()["remote_blocks_held"] == 0, "the put's end")
-        assert len(put) == PAGES
-        deadline = time.monotonic() + 3
-        while any(code == 1 for code in bare.batch_is_exist(put)):
-            assert time.monotonic() < deadline, "the evicted user's blocks stayed in Mooncake"
-            time.sleep(0.05)
+        _gone_from_mooncake(bare, put)
         engine.close()
         other.close()
     finally:
@@ -811,16 +824,7 @@ def test_an_evict_by_another_host_while_a_servers_put_is_under_way_leaves_no_blo
     # user: its marker ends the generation and its removal runs before the put lands.
     # The server, which never looked the key up since, must remove what landed: nobody
     # reads it, and it holds Mooncake's room until its LRU.
-    put: list[str] = []
-
-    def keys_of(writer: Any, ready: Any, count: int) -> bool:
-        put.extend(key for _, keys in ready.parts for key in keys)
-        return True
-
-    gate = held(monkeypatch, Writer, "_put", when=keys_of)
-    bare = import_store().MooncakeDistributedStore()
-    assert bare.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "",
-                      mooncake.master) == 0
+    put, gate, bare = _puts_held_and_a_bare_client(mooncake, monkeypatch)
     host = Host(tmp_path, ssd=False, remote={"master": mooncake.master,
                                               "timeout_ms": 5_000})
     host.start()
@@ -833,11 +837,7 @@ def test_an_evict_by_another_host_while_a_servers_put_is_under_way_leaves_no_blo
         time.sleep(0.5)  # and the removal that followed it ran
         gate.set()
         wait_for(lambda: engine.store_stats()["remote_blocks_held"] == 0, "the put's end")
-        assert len(put) == PAGES
-        deadline = time.monotonic() + 3
-        while any(code == 1 for code in bare.batch_is_exist(put)):
-            assert time.monotonic() < deadline, "the evicted user's blocks stayed in Mooncake"
-            time.sleep(0.05)
+        _gone_from_mooncake(bare, put)
         engine.close()
     finally:
         gate.set()
