@@ -317,8 +317,7 @@ class Writer:
         answered."""
         if self._markers.past(client, [(ns, []) for ns in namespaces]) is None:
             return False
-        # A marker published meanwhile costs at most this long of writes nobody reads
-        # (removed again once they land: _remove_ended).
+        # A marker published meanwhile costs at most this long of writes nobody reads.
         until = time.monotonic() + _MARKERS_FRESH_S
         if len(self._checked) > 65536:
             self._checked.clear()
@@ -426,31 +425,19 @@ class Writer:
             # restart, as the writes queued then; the LRU takes them.
             self._ended("put", count, {"remote_dropped_down": count})
             return
-        self._remove_ended(client, ready, lifetime)
+        self._remove_ended(ready, lifetime)
         written = codes.count(0)
         full = codes.count(NO_SPACE)
         self._ended("put", count, {
             "remote_blocks_written": written, "remote_bytes_written": written * self._block_bytes,
             "remote_dropped_full": full, "remote_write_errors": len(codes) - written - full})
 
-    def _remove_ended(self, client: Any, ready: _Ready, lifetime: int) -> None:
+    def _remove_ended(self, ready: _Ready, lifetime: int) -> None:
         """The batch landed under a generation (or epoch) that an evict or clear ended
         while it was in Mooncake's put: that marker's removal may have run before it
-        landed (an evict through a store server, or on another host, does not wait for
-        the put), leaving its blocks in Mooncake, read by nobody, until the LRU. Removed
-        again now that they are in; a marker that comes after this look removes them
-        itself. Another host's marker is learned only by a call that asks for it: asked
-        now, after the put landed (one asked before might miss a marker put since)."""
-        namespaces = list(dict.fromkeys(job.ns for job, keys in ready.parts if keys))
-        began = time.monotonic()
-        try:
-            self._markers.past(client, [(ns, []) for ns in namespaces])
-        except Closed:  # close returned meanwhile: its figures are final
-            raise
-        except Exception as exc:  # the client raised: a failed call, the tier rests
-            self._connection.failed("asking for markers", exc)
-        finally:
-            self.count("remote_marker_seconds", time.monotonic() - began)
+        landed (an evict through a store server does not wait for the put), leaving its
+        blocks in Mooncake, read by nobody, until the LRU. Removed again now that they
+        are in; a marker that comes after this look removes them itself."""
         patterns: dict[str, None] = {}
         for job, keys in ready.parts:
             if not keys:
