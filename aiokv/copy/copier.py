@@ -138,6 +138,43 @@ class _Queued:
     taken: list[tuple[EventPool, list[DriverEvent]]]  # back to their pools once ended
 
 
+@dataclass(slots=True)
+class _Lane:
+    """What one thread at a time queues jobs with: its copy streams, the driver's queuer
+    (None: torch copies), its way to the host for page ids, and its event pools. The
+    copy thread has one; callers that queue their own jobs (:meth:`Copier.queue_here`)
+    take one from a free list, so that two never share a page id buffer."""
+
+    streams: list[Any]
+    queuer: Queuer | None
+    page_ids: PageIds
+    events: EventPool | None
+    ends: EventPool | None
+
+
+class Here:
+    """A job queued by its caller's thread (:meth:`Copier.queue_here`). :meth:`wait`
+    waits for its copies and reports it (``on_done``), once: the caller's wait or the
+    copier's close, whichever comes first."""
+
+    __slots__ = ("_copier", "_lock", "_queued", "job")
+
+    def __init__(self, copier: Copier, queued: _Queued) -> None:
+        self._copier = copier
+        self._queued: _Queued | None = queued
+        self._lock = threading.Lock()
+        self.job = queued.job
+
+    def wait(self) -> CopyJob:
+        """Wait for the job's copies (the GIL released) and report it; the job, with its
+        ``error`` and ``invalid`` set."""
+        with self._lock:  # a second waiter waits for the first's report
+            queued, self._queued = self._queued, None
+            if queued is not None:
+                self._copier._end_here(self, queued)
+        return self.job
+
+
 def paced_layers(pages: int, geometry: Geometry) -> int:
     """How many layers of an offload of ``pages`` pages (every layer of each) may wait on
     the copy engines at once (0: all): ``MAX_BYTES_AHEAD``'s worth, and never fewer than
@@ -183,6 +220,14 @@ class Copier:
         self._refused: dict[int, str] = {}  # split loads whose check job failed: why
         self._cuda = self._device.type == "cuda"
         self._exiting = False  # the interpreter exits (aiokv.exiting): no new job
+        # Jobs queued by their callers' threads (queue_here): their lanes, free or in
+        # use, and the jobs not yet reported; close waits for those.
+        self._here_lock = threading.Condition()
+        self._queuing_here = 0  # callers between their check of closed and their job's entry
+        self._free_lanes: list[_Lane] = []
+        self._lanes: list[_Lane] = []
+        self._here: set[Here] = set()
+        self._here_closed = False
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True)]
         if self._cuda:
             self._geometry = Geometry.of(self._caches, pool)
@@ -204,10 +249,85 @@ class Copier:
         self._jobs.put(job)
 
     def close(self) -> None:
-        """Finish the queued jobs, then stop the threads."""
+        """Finish the queued jobs (those their callers queued too), then stop the
+        threads."""
         self._jobs.put(None)
         for thread in self._threads:
             thread.join()
+        with self._here_lock:
+            self._here_closed = True
+            self._here_lock.wait_for(lambda: not self._queuing_here)
+            here = list(self._here)
+        for job in here:  # their callers may not wait (a recsys launch never waited)
+            job.wait()
+        for lane in self._lanes:
+            for pool in (lane.events, lane.ends):
+                if pool is not None:
+                    try:
+                        pool.close()
+                    except Exception:  # cleanup at the end: the events are lost
+                        log.exception("aiokv: destroying a lane's CUDA events failed")
+
+    # ---- jobs queued by their callers' threads -------------------------------------
+
+    def queue_here(self, job: CopyJob) -> Here | None:
+        """Run the job's steps 1-4 in the calling thread (CUDA; on the CPU, move it), so
+        that a caller that waits for its load anyway needs no other thread before its
+        copies start; None once the copier is closing (nothing queued). The caller then
+        :meth:`Here.wait` s, which reports the job as the done thread would."""
+        with self._here_lock:
+            if self._here_closed or self._exiting:
+                return None
+            lane = self._free_lanes.pop() if self._free_lanes else None
+            self._queuing_here += 1
+        queued: _Queued | None = None
+        try:
+            queued = self._queue_here(job, lane)
+        except Exception as exc:  # no lane (a broken context): reported FAILED, not lost
+            log.exception("aiokv copy job failed")
+            job.error = repr(exc)
+            queued = _Queued(job, [], None, [])
+        finally:
+            with self._here_lock:  # known to close before it stops waiting for callers
+                self._queuing_here -= 1
+                here = None if queued is None else Here(self, queued)
+                if here is not None:
+                    self._here.add(here)
+                self._here_lock.notify_all()
+        return here
+
+    def _queue_here(self, job: CopyJob, lane: _Lane | None) -> _Queued:
+        if not self._cuda:
+            try:
+                self._move_cpu(job)
+            except Exception as exc:  # reported as a FAILED task, never lost
+                log.exception("aiokv copy job failed")
+                job.error = repr(exc)
+            queued = _Queued(job, [], None, [])
+        else:
+            with torch.cuda.device(self._device):  # the caller's own device may differ
+                if lane is None:
+                    lane = self._lane()
+                    with self._here_lock:
+                        self._lanes.append(lane)
+                queued = self._queue_job(job, lane)
+            with self._here_lock:
+                self._free_lanes.append(lane)
+        return queued
+
+    def _end_here(self, here: Here, queued: _Queued) -> None:
+        try:
+            for event in queued.ends:
+                event.synchronize()  # releases the GIL while it waits
+        except Exception as exc:
+            log.exception("aiokv copy job failed on the GPU")
+            queued.job.error = repr(exc)
+        if queued.job.error is None or not queued.ends:
+            for pool, events in queued.taken:
+                pool.give(events)
+        with self._here_lock:
+            self._here.discard(here)
+        self._end(queued.job)
 
     def stop_at_exit(self) -> None:
         """The interpreter exits (:mod:`aiokv.exiting`): the copy thread ends after the job
@@ -254,53 +374,70 @@ class Copier:
                 job.error = f"the copy thread stopped: {stopped!r}"
                 self._end(job)
 
-    def _run_cuda(self) -> None:
-        torch.cuda.set_device(self._device)
+    def _lane(self) -> _Lane:
+        """A new lane, made on the thread that uses it first (the device current)."""
         streams = [torch.cuda.Stream(self._device) for _ in range(self._num_streams)]  # type: ignore[no-untyped-call]
         streams[0].synchronize()  # a runtime call: the context is current for the driver's
         batch: BatchCopy | None = None
         queuer: Queuer | None = None
+        events = ends = None
         try:
             batch = BatchCopy()
             queuer = Queuer(Entries.of_driver(), [s.cuda_stream for s in streams])
-            self._events = EventPool(CU_EVENT_DISABLE_TIMING)
-            self._ends = EventPool(CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC)
-            self._pools.extend((self._events, self._ends))
+            events = EventPool(CU_EVENT_DISABLE_TIMING)
+            ends = EventPool(CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC)
         except DriverError as exc:
             global _fallback_warned
+            queuer = None
             if not _fallback_warned:
                 _fallback_warned = True
                 log.warning("aiokv: copying page by page with torch copies, slower: %s", exc)
-        self._page_ids = page_ids = PageIds(self._device, batch)
-        ids_stream = page_ids.stream
+        return _Lane(streams, queuer, PageIds(self._device, batch), events, ends)
+
+    def _run_cuda(self) -> None:
+        torch.cuda.set_device(self._device)
+        lane = self._lane()
+        self._pools.extend(p for p in (lane.events, lane.ends) if p is not None)
+        self._page_ids = lane.page_ids
+        # One lane made now for the callers that queue their own jobs (queue_here): the
+        # first of them would otherwise pay for its streams, events and kernels' load.
+        spare = self._lane()
+        with self._here_lock:
+            self._lanes.append(spare)
+            self._free_lanes.append(spare)
         while (job := self._next_job()) is not None:
             self._slots.acquire()  # released by the done thread
-            taken: list[tuple[EventPool, list[DriverEvent]]] = []  # the job's events
-            counted = False  # in self._offloads (once per offload; the done thread's -1)
-            try:
-                ids = self._host_ids(job, page_ids)
-                if job.to_host:  # before its first bytes are queued: a paced job takes long
-                    self._offloads.add(1)
-                    counted = True
-                if queuer is not None:
-                    queued = self._queue_driver(job, ids, ids_stream, streams, queuer, taken)
-                else:
-                    queued = self._queue_torch(job, ids, streams)
-            except Exception as exc:
-                log.exception("aiokv copy job failed")
-                job.error = repr(exc)
-                # What was queued may still read or write blocks that go back once the
-                # job is reported: let it run first. (A broken context fails these too;
-                # the next jobs then fail in turn, each reported.)
-                for stream in (*streams, ids_stream):
-                    try:
-                        stream.synchronize()
-                    except Exception:
-                        log.exception("aiokv: synchronizing a copy stream failed")
-                queued = _Queued(job, [], None, taken)
-            if job.to_host and not counted:
-                self._offloads.add(1)  # taken off by the done thread once it ended
-            self._queued.put(queued)
+            self._queued.put(self._queue_job(job, lane))
+
+    def _queue_job(self, job: CopyJob, lane: _Lane) -> _Queued:
+        """Steps 1-4 of a job on ``lane``: what the done thread (or :class:`Here`)
+        waits for."""
+        taken: list[tuple[EventPool, list[DriverEvent]]] = []  # the job's events
+        counted = False  # in self._offloads (once per offload; the done thread's -1)
+        try:
+            ids = self._host_ids(job, lane.page_ids)
+            if job.to_host:  # before its first bytes are queued: a paced job takes long
+                self._offloads.add(1)
+                counted = True
+            if lane.queuer is not None:
+                queued = self._queue_driver(job, ids, lane, taken)
+            else:
+                queued = self._queue_torch(job, ids, lane.streams)
+        except Exception as exc:
+            log.exception("aiokv copy job failed")
+            job.error = repr(exc)
+            # What was queued may still read or write blocks that go back once the
+            # job is reported: let it run first. (A broken context fails these too;
+            # the next jobs then fail in turn, each reported.)
+            for stream in (*lane.streams, lane.page_ids.stream):
+                try:
+                    stream.synchronize()
+                except Exception:
+                    log.exception("aiokv: synchronizing a copy stream failed")
+            queued = _Queued(job, [], None, taken)
+        if job.to_host and not counted:
+            self._offloads.add(1)  # taken off by the done thread once it ended
+        return queued
 
     def _host_ids(self, job: CopyJob, page_ids: PageIds) -> Int64Array:
         """The job's page ids on the host, after its ready events (waits A and B)."""
@@ -346,8 +483,8 @@ class Copier:
         return [m for s, m in enumerate(job.marks) if m is not None and s not in job.invalid]
 
     def _queue_driver(
-        self, job: CopyJob, ids: Int64Array, ids_stream: Any, streams: list[Any],
-        queuer: Queuer, taken: list[tuple[EventPool, list[DriverEvent]]],
+        self, job: CopyJob, ids: Int64Array, lane: _Lane,
+        taken: list[tuple[EventPool, list[DriverEvent]]],
     ) -> _Queued:
         """Queue the job with the driver's calls from C (:mod:`.queueing`): a load with
         marks one call per layer, each layer marked once queued; else one call. The events
@@ -358,6 +495,8 @@ class Copier:
             taken.append((pool, events))
             return events
 
+        streams, queuer, ids_stream = lane.streams, lane.queuer, lane.page_ids.stream
+        assert queuer is not None and lane.events is not None and lane.ends is not None
         pages, blocks = self._checked(job, ids)
         copies = plan(self._geometry, pages, blocks, job.to_host, len(streams),
                       chunk_starts=self._chunk_starts)
@@ -367,15 +506,15 @@ class Copier:
         if any(event is not None for event in job.ready):
             # wait A for the copy streams: one event on the ids stream, which waited for
             # the callers' ready events (_host_ids), and which the copy streams wait for.
-            (mark,) = take(self._events, 1)
+            (mark,) = take(lane.events, 1)
             mark.record(ids_stream)
             ready = mark.handle
         ahead = paced_layers(len(pages), self._geometry) if job.to_host else 0
         # A paced offload's host waits for its layers' events (blocking ones: the copy
         # thread sleeps rather than spins while a layer runs).
-        layer_events = (take(self._events, layers * used) if marks
-                        else take(self._ends, layers * used) if ahead else [])
-        ends = take(self._ends, used)
+        layer_events = (take(lane.events, layers * used) if marks
+                        else take(lane.ends, layers * used) if ahead else [])
+        ends = take(lane.ends, used)
         prepared = queuer.prepare(copies, layers, ready,
                                   [e.handle for e in layer_events] if layer_events else None,
                                   [e.handle for e in ends], barrier=bool(marks), ahead=ahead)
