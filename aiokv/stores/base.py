@@ -408,6 +408,40 @@ class Detaches(Protocol):
     def detach(self, task_id: int) -> None: ...
 
 
+class TakenLoad(Protocol):
+    """A matched get its caller's thread took (:class:`TakesLoads`), its copies queued:
+    ``wait()`` blocks until they ran (into the caller's pages) and answers the task's
+    terminal result (SUCCESS, INVALID for page ids it refused, FAILED). Any thread; a
+    second call answers the same."""
+
+    def wait(self) -> TaskResult: ...
+
+
+@runtime_checkable
+class TakesLoads(Protocol):
+    """A store whose matched gets the calling thread may take from it and queue itself,
+    with no hop through the engine's loop or the store's thread (``run_in_background``'s
+    blocking ``load`` and the recsys adapter; any thread, while the engine runs):
+
+    - ``takes_load(task_id)``: whether ``take_loads`` would take this matched task (a get
+      whose pages are all on the host, in this process); a hint, read before the caller
+      consumes its Lookup;
+    - ``take_loads(task_ids, pages, ready)``: take them (the store's thread will neither
+      launch nor cancel them; an evict or clear keeps their blocks until their copies
+      ran) and queue their copies, in one job, into ``pages[i]`` (one id per block of
+      task i) after the CUDA event ``ready``; one answer per task, None where it was
+      given back meanwhile (an evict or clear: nothing to load). Raises EngineClosed once
+      the store's close began, ValueError (taking none) for a task that is not such a
+      get or a page count that is not its blocks'. The store's close waits for what was
+      taken, its copies run."""
+
+    def takes_load(self, task_id: int) -> bool: ...
+
+    def take_loads(
+        self, task_ids: Sequence[int], pages: Sequence[Any], ready: Any
+    ) -> list[TakenLoad | None]: ...
+
+
 def capacity_tokens(
     store_stats: Callable[[], Mapping[str, int | float]] | None, page_size: int
 ) -> int | None:

@@ -50,6 +50,9 @@ class Task:
     # A put's caller stopped waiting (LocalStore.detach, the loop thread): copied after
     # that, its pages may hold what the caller wrote since; its copy counts for nothing.
     detached: bool = False
+    # A get its caller's thread took and queued itself (LocalStore.take_load): it reads
+    # its outcome off its job, so nobody asks try_wait for its answer.
+    taken: bool = False
 
 
 def concat(arrays: list[Int64Array]) -> Int64Array:
@@ -143,7 +146,8 @@ class TaskEnds:
                 result = TaskResult(TaskStatus.EXPIRED, task.mask, expired)
             else:
                 result = TaskResult(TaskStatus.SUCCESS, task.mask)
-            self._finished[task.task_id] = result
+            if not task.taken:
+                self._finished[task.task_id] = result
 
     def expire(self, tasks: Sequence[Task]) -> None:
         """Get tasks launched past their deadline: they end EXPIRED now, nothing copied

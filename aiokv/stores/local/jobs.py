@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ...copy.copier import Copier, CopyJob
+from ...copy.copier import Copier, CopyJob, Here
 from ..base import Int64Array
 from .blocks import NO_BLOCKS
-from .completion import Task, TaskEnds
+from .completion import Task, TaskEnds, concat
 from .load import Load
 
 
@@ -50,6 +50,23 @@ class CopyJobs:
         self._ends.launched[id(job)] = (tasks, size)
         (self._out if is_put else self._in).submit(job)
         return job
+
+    def queue_here(self, tasks: list[Task], pages: Sequence[Any], ready: Any) -> Here | None:
+        """Gets queued as one job by the calling thread (:meth:`Copier.queue_here`),
+        known to the task ends before it can be reported; None once the copier stopped
+        taking them (the tasks are not known there then)."""
+        job = CopyJob(to_host=False, pages=pages,
+                      blocks=concat([task.blocks for task in tasks]),
+                      names=[task.task_id for task in tasks],
+                      ready=[] if ready is None else [ready], marks=[None] * len(tasks))
+        size = len(tasks[0].blocks)
+        if any(len(task.blocks) != size for task in tasks):
+            size = 0
+        self._ends.launched[id(job)] = (tasks, size)
+        here = self._in.queue_here(job)
+        if here is None:
+            del self._ends.launched[id(job)]
+        return here
 
     def chunk(
         self, tasks: list[Any], pages: Any, blocks: Int64Array | None, load: Load

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,10 +26,11 @@ import numpy as np
 import torch
 
 from ...config import StoreConfig, store_config
+from ...copy.copier import Here
 from ...copy.marks import LayerMarks
-from ...errors import ConfigError
+from ...errors import ConfigError, EngineClosed
 from ...remote.link import RemoteLink
-from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult
+from ..base import BoolArray, Int64Array, MatchAnswers, Queries, TaskResult, TaskStatus
 from .assembly import build
 from .blocks import NO_BLOCKS, READY, Tier
 from .completion import Task, TaskEnds, concat
@@ -86,6 +88,9 @@ class LocalStore:
         # The SSD and remote tiers' figures at their close: what they did stays readable.
         self._closed_stats: dict[str, int | float] = {}
         self._d2h_closed = 0  # the copiers' d2h_copies at close
+        # take_load (callers' threads) against close: nothing is taken once close began.
+        self._take_lock = threading.Lock()
+        self._closing = False
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -318,7 +323,11 @@ class LocalStore:
 
     def cancel(self, task_ids: Sequence[int]) -> None:
         """Roll back matched tasks. Launched tasks are left to finish; unknown ids are
-        ignored (they may have finished already)."""
+        ignored (they may have finished already, or a caller took them: take_load)."""
+        # A taken load's caller gives its reservation back once its copies ran: their
+        # end is taken in here, its blocks' reads ended, whether or not this thread
+        # polls for anything else.
+        self._ends.collect()
         for task_id in task_ids:
             task = self._tasks.pop(task_id, None)
             if task is None:
@@ -347,8 +356,62 @@ class LocalStore:
         if task is not None:
             task.detached = True
 
+    # ---- loads queued by their callers (stores.base.TakesLoads) ----------------------
+
+    def takes_load(self, task_id: int) -> bool:
+        """Any thread: whether :meth:`take_loads` would take this matched task (a get with
+        no SSD part: its blocks are in the pinned pool, read by no staging)."""
+        task = self._tasks.get(task_id)  # a dict read: atomic against the store thread
+        return task is not None and not task.is_put and task.load is None
+
+    def take_loads(
+        self, task_ids: Sequence[int], pages: Sequence[Any], ready: Any
+    ) -> list[_Taken | None]:
+        """Any thread (stores.base.TakesLoads): the matched gets ``task_ids`` taken out
+        of the store's hands (dict pops, atomic against the store thread, whose launch
+        and cancel then find nothing) and their copies queued by this thread, one job,
+        into ``pages`` after ``ready``; None for one given back meanwhile (an evict or
+        clear). Their blocks stay held as any launched get's do, so an evict keeps them
+        until the copies ran; the store thread ends the tasks (their reads) once they did.
+        Raises EngineClosed once close began (it waits for what was taken)."""
+        if len(task_ids) != len(pages):
+            raise ValueError(f"take_loads: {len(pages)} page id tensors for "
+                             f"{len(task_ids)} tasks")
+        with self._take_lock:  # close flips _closing under it, then closes the copiers
+            if self._closing or self._jobs is None:
+                raise EngineClosed("the store is closed")
+            found = [self._tasks.pop(task_id, None) for task_id in task_ids]
+            why = next((
+                f"task {task_id} is not a get of host pages"
+                if task.is_put or task.load is not None
+                else f"task {task_id} needs {len(task.blocks)} page ids, got {len(p)}"
+                for task_id, task, p in zip(task_ids, found, pages, strict=True)
+                if task is not None and (task.is_put or task.load is not None
+                                         or len(p) != len(task.blocks))), None)
+            taken = [(task_id, task, p) for task_id, task, p in zip(
+                task_ids, found, pages, strict=True) if task is not None]
+            here = None
+            if why is None and taken:
+                for task_id, task, _ in taken:
+                    task.task_id, task.taken = task_id, True
+                here = self._jobs.queue_here([t for _, t, _ in taken], [p for _, _, p in taken],
+                                             ready)
+            if here is None and taken:  # refused, or the interpreter exits: all go back
+                for task_id, task, _ in taken:
+                    task.taken = False
+                    self._tasks[task_id] = task
+                if why is not None:
+                    raise ValueError(f"take_loads: {why}")
+                raise EngineClosed("the store is closing: the interpreter exits")
+        segments = iter(range(len(taken)))
+        return [None if task is None else _Taken(here, task.mask, next(segments))
+                for task in found]
+
     def close(self) -> None:
-        """Finish queued copies (and SSD writes), then release the pool."""
+        """Finish queued copies (and SSD writes, and the loads callers took), then release
+        the pool."""
+        with self._take_lock:
+            self._closing = True
         if self._jobs is not None:
             self._jobs.close()
             self._d2h_closed = self._jobs.d2h_copies
@@ -386,6 +449,9 @@ class LocalStore:
 
     def _drop(self, namespace: tuple[str, ...] | None) -> int:
         host = self._require_host()
+        # Copies that ended before the call (a load its caller took, which nothing
+        # polls for) end their reads first: their blocks are idle, dropped now.
+        self._ends.collect()
         link = self._link
         if link is not None and namespace is None:
             link.ssd.begin_clear()  # first: where it fails, nothing is dropped
@@ -480,3 +546,22 @@ class LocalStore:
         if self._notify is not None:
             self._notify()
 
+
+class _Taken:
+    """A get its caller took (LocalStore.take_loads): segment ``segment`` of a copy job
+    queued by that caller."""
+
+    __slots__ = ("_here", "_mask", "_segment")
+
+    def __init__(self, here: Here | None, mask: BoolArray, segment: int) -> None:
+        assert here is not None
+        self._here, self._mask, self._segment = here, mask, segment
+
+    def wait(self) -> TaskResult:
+        job = self._here.wait()
+        why = job.invalid.get(self._segment)
+        if why is not None:
+            return TaskResult(TaskStatus.INVALID, self._mask, why)
+        if job.error is not None:
+            return TaskResult(TaskStatus.FAILED, self._mask, job.error)
+        return TaskResult(TaskStatus.SUCCESS, self._mask)
