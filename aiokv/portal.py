@@ -53,6 +53,8 @@ class Portal:
         self._lock = threading.Lock()
         self._closed = False  # close(): nothing more is handed over
         self.pid = os.getpid()  # the process whose loop thread takes the calls
+        # Calls handed over whose tasks have not taken their first step yet (in_hand).
+        self._in_hand = 0
 
     def start(self, calls: Sequence[Call]) -> list[concurrent.futures.Future[Any]]:
         """Start ``calls`` on the loop, after every call handed over before, in one loop
@@ -69,7 +71,18 @@ class Portal:
             if self._closed:
                 raise RuntimeError("the portal is closed")
             self.loop.call_soon_threadsafe(self._make_tasks, list(calls), futures)
+            self._in_hand += len(calls)
         return futures
+
+    def in_hand(self) -> bool:
+        """Whether calls handed over (by any thread) have not all taken their first step
+        on the loop yet: something a thread does itself, bypassing the loop (a load,
+        aiokv.direct), would overtake them (a release another thread made before, say)."""
+        return self._in_hand > 0  # an int read: atomic
+
+    def _taken_up(self, count: int) -> None:
+        with self._lock:
+            self._in_hand -= count
 
     def close(self) -> None:
         """Hand nothing more over: later start() calls raise RuntimeError."""
@@ -79,6 +92,14 @@ class Portal:
     def _make_tasks(
         self, calls: list[Call], futures: list[concurrent.futures.Future[Any]]
     ) -> None:
+        try:
+            self._make(calls, futures)
+        finally:
+            # Scheduled after the tasks' first steps were, run after them (FIFO): then
+            # the calls are taken up (in_hand).
+            self.loop.call_soon(self._taken_up, len(calls))
+
+    def _make(self, calls: list[Call], futures: list[concurrent.futures.Future[Any]]) -> None:
         # Each future is finished once: here, or by its task's end (_hand_back).
         loop, tasks = self.loop, self._tasks
         for call, future in zip(calls, futures, strict=True):

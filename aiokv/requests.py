@@ -24,6 +24,7 @@ import asyncio
 import enum
 import logging
 import os
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -178,6 +179,12 @@ class Reservation:
         if give_back is not None:
             give_back(self.task_id)
 
+    def detach(self) -> bool:
+        """Forget the way back, for a caller that gives many back in one call (the
+        worker's ``release``, aiokv.direct); whether it was still there."""
+        give_back, self._give_back = self._give_back, None
+        return give_back is not None
+
 
 @dataclass(frozen=True, slots=True)
 class LookupGrant:
@@ -223,6 +230,9 @@ class Lookup:
         # The engine's loop (whose call_later this is): release() belongs to it.
         self._loop: asyncio.AbstractEventLoop | None = getattr(call_later, "__self__", None)
         self._pid = os.getpid()  # the process whose store holds the reservation
+        # Every change of _state: the loop thread's, and a load its caller's thread runs
+        # itself (_take: aiokv.direct), which may consume it while the loop releases it.
+        self._lock = threading.Lock()
         if self._state == "held" and call_later is not None:
             self._ttl_handle = call_later(ttl_s, self._expire)
 
@@ -249,9 +259,12 @@ class Lookup:
     def _note_taken_back(self) -> str:
         """:meth:`_now`, kept (loop thread): a reservation given back by an evict or clear
         has no TTL left to run out."""
-        state = self._now()
-        if state != self._state:
-            self._state = state
+        with self._lock:
+            state = self._now()
+            changed = state != self._state
+            if changed:
+                self._state = state
+        if changed:
             self._cancel_ttl()
         return state
 
@@ -266,10 +279,18 @@ class Lookup:
         if self._now() == "held":
             if self._loop is not None and not self._loop.is_closed():
                 check_loop(self._loop)  # its TTL timer is the loop's to cancel
-            self._state = "released"
-            self._cancel_ttl()
-            if self._reservation is not None:
-                self._reservation.release()
+            self._end_hold("released")
+
+    def _end_hold(self, state: str) -> None:
+        """Held no more (loop thread): ``state``, the reservation given back; nothing
+        where a load consumed it first."""
+        with self._lock:
+            if self._now() != "held":
+                return
+            self._state = state
+        self._cancel_ttl()
+        if self._reservation is not None:
+            self._reservation.release()
 
     def _pages_needed(self, page_size: int) -> int:
         """Pages a load must be given: up to the page of the last position to load. O(1)
@@ -281,14 +302,23 @@ class Lookup:
     def _consume(self) -> Reservation:
         """Hand the reservation to a load (loop thread only). One an evict or clear gave
         back goes too: the store thread finds it gone, and the load loads 0 tokens."""
-        if self._note_taken_back() not in _LOADABLE or self._reservation is None:
-            raise InvalidRequest(
-                "hit", f"reservation is {self._state}; a Lookup can be loaded once, "
-                "before it is released or expires"
-            )
-        self._state = "loading"
+        reservation = self._take()
         self._cancel_ttl()
-        return self._reservation
+        return reservation
+
+    def _take(self) -> Reservation:
+        """:meth:`_consume` from any thread (a load its caller's thread queues itself:
+        aiokv.direct), which leaves the TTL timer to the loop: once it runs it finds the
+        Lookup consumed and does nothing."""
+        with self._lock:
+            state = self._now()
+            if state not in _LOADABLE or self._reservation is None:
+                raise InvalidRequest(
+                    "hit", f"reservation is {state}; a Lookup can be loaded once, "
+                    "before it is released or expires"
+                )
+            self._state = "loading"
+            return self._reservation
 
     def _hand_back(self) -> None:
         """The load that consumed it was never accepted (Overloaded): held again, its
@@ -299,10 +329,12 @@ class Lookup:
                 self._ttl_handle = self._call_later(self._ttl_s, self._expire)
 
     def _settle(self, loaded: bool) -> None:
-        """The load that consumed it ended (loop thread): loaded, or failed or cancelled,
-        in which case the store thread gave the reservation back."""
-        if self._state == "loading":
-            self._state = "loaded" if loaded else "released"
+        """The load that consumed it ended (the loop thread, or the caller's thread of a
+        load it queued itself): loaded, or failed or cancelled, in which case the
+        reservation went back."""
+        with self._lock:
+            if self._state == "loading":
+                self._state = "loaded" if loaded else "released"
 
     def _cancel_ttl(self) -> None:
         if self._ttl_handle is not None:
@@ -311,8 +343,7 @@ class Lookup:
 
     def _expire(self) -> None:
         if self._note_taken_back() == "held":
-            self.release()
-            self._state = "expired"
+            self._end_hold("expired")
 
     async def __aenter__(self) -> Lookup:
         return self

@@ -414,6 +414,24 @@ class StatsRecorder:
         counts[_ROW[Kind.LOAD] * _WIDTH + _OK] += 1
         counts[_EMPTY_LOADS] += 1
 
+    def record_direct_load(self, outcome: LoadResult | BaseException, latency_s: float) -> None:
+        """A load its caller's thread queued itself (:mod:`aiokv.direct`), counted once
+        it ended: submitted, never queued (resolved before any dispatch), and its outcome
+        with its latency, as :meth:`record_outcome` counts a load's."""
+        if self._settled:
+            return
+        counts = self._counts
+        counts[_SUBMITTED] += 1
+        counts[_RESOLVED_QUEUED] += 1
+        row = _ROW[Kind.LOAD]
+        if isinstance(outcome, BaseException):
+            counts[row * _WIDTH + _FAILED] += 1
+        else:
+            counts[row * _WIDTH] += 1  # _OK
+            counts[_LOADED_TOKENS] += outcome.loaded_tokens
+            self._latencies_s.append(latency_s)
+        self.latency.observe(latency_s, row)
+
     def read(self) -> Reading:
         """A copy of the counters and histograms (safe from any thread)."""
         return Reading(
