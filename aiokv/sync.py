@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from . import validate
+from . import direct, validate
 from .engine import EngineState, OffloadEngine
 from .errors import BlockingCallOnLoop, EngineClosed, InvalidRequest
 from .exiting import HandOverGate, stop_at_exit
@@ -360,6 +360,7 @@ class BackgroundEngine:
         self._refuse_in_fork()
         lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
         ready, ids = self._handed(page_ids)
+
         return self._submit(lambda: self.engine.load(lookup, ids, _ready_event=ready))
 
     def submit_load_layerwise(
@@ -429,8 +430,18 @@ class BackgroundEngine:
         ).result()
 
     def load(self, hit: BackgroundLookup | Lookup, page_ids: torch.Tensor) -> LoadResult:
-        """``await engine.load(...)``, blocking this thread."""
+        """``await engine.load(...)``, blocking this thread. Where the hit's pages are all
+        on the host of the embedded store, this thread queues the copies itself, with no
+        hop through the loop (:mod:`aiokv.direct`); the result is the same."""
         self._refuse_on_loop("load")
+        self._refuse_in_fork()
+        # Not while this thread's calls handed to the loop before wait for their first
+        # step there (a release, an evict): they go first, and so does this load then.
+        if self._closing is None and not self.portal.in_hand():
+            lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
+            result = direct.load(self.engine, lookup, page_ids)
+            if result is not None:
+                return result
         return self.submit_load(hit, page_ids).result()
 
     def load_layerwise(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -28,8 +29,9 @@ from typing import Any
 import torch
 import yaml
 
+from .. import direct
 from ..engine import OffloadEngine
-from ..errors import InvalidRequest
+from ..errors import EngineClosed, InvalidRequest
 from ..handles import BackgroundLookup
 from ..open import ConfigSource, read_config
 from ..portal import outcome
@@ -61,6 +63,44 @@ class PendingCalls:
         self._lock = threading.Lock()
         self._cancelled = False
         self._answered = False
+        self._taken: list[tuple[concurrent.futures.Future[Outcome], direct.Taken]] = []
+
+    def with_taken(self, taken: Mapping[int, direct.Taken | BaseException]) -> PendingCalls:
+        """These calls, with loads this thread queued itself (:mod:`aiokv.direct`; or the
+        error its start raised) at positions ``taken`` among them: each waited for (its
+        copies take milliseconds) in the thread that asks for the outcomes."""
+        if not taken:
+            return self
+        futures = iter(self._futures)
+        merged: list[concurrent.futures.Future[Outcome]] = []
+        for at in range(len(self._futures) + len(taken)):
+            entry = taken.get(at)
+            if entry is None:
+                merged.append(next(futures))
+                continue
+            future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
+            if isinstance(entry, BaseException):
+                future.set_exception(entry)
+            else:
+                self._taken.append((future, entry))
+            merged.append(future)
+        self._futures = merged
+        return self
+
+    def _wait_taken(self) -> None:
+        """The loads this thread queued: waited for, their futures set (once: a second
+        waiter finds them done, Taken.wait answers the same)."""
+        for future, taken in self._taken:
+            if future.done():
+                continue
+            try:
+                result: Outcome = taken.wait()
+            except Exception as exc:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    future.set_exception(exc)
+            else:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    future.set_result(result)
 
     def poll(self, wait_s: float) -> list[Outcome] | None:
         """The outcomes if every call is done within ``wait_s`` seconds, else None. The
@@ -69,6 +109,7 @@ class PendingCalls:
         BlockingCallOnLoop on the engine's loop thread (a poll there could never see
         them done)."""
         self._refuse()
+        self._wait_taken()
         _, waiting = concurrent.futures.wait(self._futures, timeout=wait_s)
         return None if waiting else self.outcomes()
 
@@ -77,6 +118,7 @@ class PendingCalls:
         thread, which would wait for itself forever (also when they are in: the refusal
         does not depend on timing)."""
         self._refuse()
+        self._wait_taken()
         concurrent.futures.wait(self._futures)
         with self._lock:
             cancelled = self._cancelled
@@ -92,6 +134,9 @@ class PendingCalls:
         to their end, and their outcomes then read as cancelled (an offload's KV may be
         stored all the same). False once they are all done (nothing is cancelled), and
         once their outcomes were given out (from any thread): an answer is never recanted."""
+        # Loads this thread queued end in milliseconds, and only a wait gives their
+        # reservations back: waited for here, as nothing may wait for them later.
+        self._wait_taken()
         if all(future.done() for future in self._futures):
             return False
         with self._lock:  # a wait on another thread may have answered since the check
@@ -198,11 +243,27 @@ class RecsysCore:
     ) -> PendingCalls:
         """Load each hit into its pages (``LoadResult`` outcomes); does not wait. On a GPU
         the copies start after what this thread's current stream has queued now."""
-        ready = self.kv.engine._caller_event()
-        calls: list[Call] = [
-            _load_call(hit, pages, ready) for hit, pages in zip(hits, page_ids, strict=True)
-        ]
-        return self._hop("load", calls)
+        engine = self.kv.engine
+        ready = engine._caller_event()
+        self.kv._refuse_on_loop("load")
+        if self.kv._closing is not None:  # as the hop refuses it: the whole call
+            raise EngineClosed("the background engine is closed")
+        taken: dict[int, direct.Taken | BaseException] = {}
+        calls: list[Call] = []
+        # Behind calls handed to the loop before that have not begun (a release), the
+        # loads go through the loop too: they must not overtake them.
+        # Queued by this thread, one job, where their pages are on the host
+        # (aiokv.direct); a user's error is its own outcome, as on the loop.
+        started = ([None] * len(hits) if self.kv.portal.in_hand() else
+                   direct.start_many(engine, [hit.lookup for hit in hits], page_ids, ready))
+        for at, (hit, pages, one) in enumerate(zip(hits, page_ids, started, strict=True)):
+            if one is None:
+                calls.append(_load_call(hit, pages, ready))
+            else:
+                taken[at] = one
+        pending = self._hop("load", calls) if calls else PendingCalls(
+            [], functools.partial(self.kv._refuse_on_loop, "load"))
+        return pending.with_taken(taken)
 
     def offload(
         self,

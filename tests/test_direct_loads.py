@@ -1,0 +1,211 @@
+"""A blocking load whose pages are all on the embedded store's host tier, queued by the
+calling thread itself (aiokv.direct): the same bytes, results, errors and counts as a load
+through the loop, with no batch of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import uvloop
+from conftest import PAGE_SIZE, make_caches, small_store
+
+import aiokv
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
+TOKENS = 8 * PAGE_SIZE
+
+
+def background(
+    caches: list[torch.Tensor], loop: str, store: aiokv.LocalStore | None = None, **config: int
+) -> aiokv.BackgroundEngine:
+    engine = aiokv.OffloadEngine(store or small_store(), caches,
+                                 aiokv.EngineConfig(window_us=0, **config))  # type: ignore[arg-type]
+    return aiokv.run_in_background(engine, loop_factory=LOOPS[loop])
+
+
+def source(user: int) -> torch.Tensor:
+    return torch.arange(user * 8, user * 8 + 8)
+
+
+def target(user: int) -> torch.Tensor:
+    return torch.arange(128 + user * 8, 128 + user * 8 + 8)
+
+
+def freed(kv: aiokv.BackgroundEngine) -> None:
+    """Every host block is free again, once the store's figures caught up (they may be
+    a refresh behind an evict's answer)."""
+    deadline = time.monotonic() + 30  # a loaded runner
+    while kv.stats().host_blocks_used:
+        assert time.monotonic() < deadline, f"{kv.stats().host_blocks_used} blocks held"
+        time.sleep(0.01)
+
+
+def same(caches: list[torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> bool:
+    return all(torch.equal(cache[a], cache[b]) for cache in caches)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_load_of_host_pages_is_bit_exact_counted_and_makes_no_batch(loop: str) -> None:
+    caches = make_caches()
+    with background(caches, loop) as kv:
+        for user in (1, 2):
+            kv.offload(user, source(user), TOKENS)
+        hits = [kv.lookup(user, TOKENS) for user in (1, 2)]
+        before = kv.stats()
+        results = [kv.load(hit, target(user)) for user, hit in zip((1, 2), hits, strict=True)]
+        after = kv.stats()
+        assert [(r.user_id, r.loaded_tokens) for r in results] == [(1, TOKENS), (2, TOKENS)]
+        assert same(caches, source(1), target(1)) and same(caches, source(2), target(2))
+        assert after.batches == before.batches  # neither went through the loop's batches
+        assert after.completed - before.completed == 2
+        assert after.loaded_tokens - before.loaded_tokens == 2 * TOKENS
+        assert after.pending == 0
+        assert [hit.held for hit in hits] == [False, False]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_hit_loads_once_whichever_way_the_second_load_goes(loop: str) -> None:
+    with background(make_caches(), loop) as kv:
+        kv.offload(3, source(3), TOKENS)
+        hit = kv.lookup(3, TOKENS)
+        assert kv.load(hit, target(3)).loaded_tokens == TOKENS
+        with pytest.raises(aiokv.InvalidRequest, match="hit: reservation is loaded"):
+            kv.load(hit, target(4))
+        with pytest.raises(aiokv.InvalidRequest, match="hit: reservation is loaded"):
+            kv.submit_load(hit, target(4)).result()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_released_or_expired_hit_is_refused_and_an_evicted_one_loads_nothing(
+        loop: str) -> None:
+    caches = make_caches()
+    with background(caches, loop, lookup_ttl_ms=50) as kv:
+        kv.offload(5, source(5), TOKENS)
+        hit = kv.lookup(5, TOKENS)
+        hit.release()
+        with pytest.raises(aiokv.InvalidRequest, match="reservation is released"):
+            kv.load(hit, target(5))
+        hit = kv.lookup(5, TOKENS)
+        time.sleep(0.3)
+        with pytest.raises(aiokv.InvalidRequest, match="reservation is expired"):
+            kv.load(hit, target(5))
+        hit = kv.lookup(5, TOKENS)
+        untouched = [cache[target(5)].clone() for cache in caches]
+        assert kv.evict(5) == TOKENS
+        assert kv.load(hit, target(5)).loaded_tokens == 0
+        assert all(torch.equal(cache[target(5)], was)
+                   for cache, was in zip(caches, untouched, strict=True))
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_bad_page_id_fails_naming_page_ids_and_leaves_the_blocks_to_the_next_load(
+        loop: str) -> None:
+    caches = make_caches()
+    with background(caches, loop) as kv:
+        kv.offload(6, source(6), TOKENS)
+        bad = target(6).clone()
+        bad[3] = 10_000
+        with pytest.raises(aiokv.InvalidRequest, match="page_ids: holds 10000, outside"):
+            kv.load(kv.lookup(6, TOKENS), bad)
+        twice = target(6).clone()
+        twice[1] = twice[0]
+        with pytest.raises(aiokv.InvalidRequest, match=r"page_ids: holds .* twice"):
+            kv.load(kv.lookup(6, TOKENS), twice)
+        with pytest.raises(aiokv.InvalidRequest, match="page_ids: has 2 pages"):
+            kv.load(kv.lookup(6, TOKENS), target(6)[:2])
+        assert kv.load(kv.lookup(6, TOKENS), target(6)).loaded_tokens == TOKENS
+        assert same(caches, source(6), target(6))
+        # Every read of the blocks ended: an evict drops them all, and nothing is left.
+        assert kv.evict(6) == TOKENS
+        assert kv.lookup(6, TOKENS).cached_tokens == 0
+        freed(kv)
+
+
+def race(kv: aiokv.BackgroundEngine, caches: list[torch.Tensor], user: int,
+         evicts: bool) -> None:
+    """One thread loads a hit while another releases it and a third evicts its key (or
+    not): the load brings the bytes, refuses (released first) or loads nothing (evicted
+    first); never a half, never a hang."""
+    kv.offload(user, source(user), TOKENS)
+    hit = kv.lookup(user, TOKENS)
+    outcome: list[object] = []
+    go = threading.Barrier(3)
+
+    def load() -> None:
+        go.wait()
+        try:
+            outcome.append(kv.load(hit, target(user)).loaded_tokens)
+        except aiokv.InvalidRequest as exc:
+            outcome.append(str(exc))
+
+    def release() -> None:
+        go.wait()
+        hit.release()
+
+    def evict() -> None:
+        go.wait()
+        if evicts:
+            kv.evict(user)
+
+    threads = [threading.Thread(target=f) for f in (load, release, evict)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert not any(thread.is_alive() for thread in threads)
+    (got,) = outcome
+    assert got in (TOKENS, 0) or "reservation is released" in str(got), got
+    if got == TOKENS:
+        assert same(caches, source(user), target(user))
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_threads_that_load_release_and_evict_the_same_hits_lose_nothing(loop: str) -> None:
+    caches = make_caches()
+    with background(caches, loop, lookup_ttl_ms=600_000) as kv:
+        for round_ in range(12):
+            user = 8 + round_ % 4
+            race(kv, caches, user, evicts=bool(round_ % 2))
+            kv.evict(user)
+        # Every read of the blocks ended: nothing is left held.
+        freed(kv)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_close_while_threads_load_answers_each_load_whole_or_refused(loop: str) -> None:
+    caches = make_caches()
+    kv = background(caches, loop)
+    for user in range(4):
+        kv.offload(user, source(user), TOKENS)
+    hits = [kv.lookup(user, TOKENS) for user in range(4)]
+    outcomes: list[object] = []
+    go = threading.Barrier(5)
+
+    def load(user: int) -> None:
+        go.wait()
+        try:
+            outcomes.append(kv.load(hits[user], target(user)).loaded_tokens)
+        except BaseException as exc:
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=load, args=(user,)) for user in range(4)]
+    for thread in threads:
+        thread.start()
+    go.wait()
+    kv.close()
+    for thread in threads:
+        thread.join(10)
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(outcomes) == 4
+    for got in outcomes:
+        assert got == TOKENS or isinstance(got, aiokv.EngineClosed), got
+    loaded = [u for u in range(4) if same(caches, source(u), target(u))]
+    assert len(loaded) >= sum(1 for got in outcomes if got == TOKENS)
