@@ -816,3 +816,31 @@ def test_an_evict_through_the_server_while_its_users_put_is_under_way_leaves_no_
         gate.set()
         host.stop()
         bare.close()
+
+
+def test_an_evict_by_another_host_while_a_servers_put_is_under_way_leaves_no_blocks(
+        mooncake: MooncakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Mooncake has the server's put of a user in hand when an embedded host evicts that
+    # user: its marker ends the generation and its removal runs before the put lands.
+    # The server, which never looked the key up since, must remove what landed: nobody
+    # reads it, and it holds Mooncake's room until its LRU.
+    put, gate, bare = _puts_held_and_a_bare_client(mooncake, monkeypatch)
+    host = Host(tmp_path, ssd=False, remote={"master": mooncake.master,
+                                              "timeout_ms": 5_000})
+    host.start()
+    evicting = EmbeddedHost(mooncake.master)
+    try:
+        engine, tables = host.engine()
+        offload(engine, tables, 1911)
+        assert gate.entered.wait(10), "the writer never reached its put"
+        assert evicting.kv.evict(1911, namespace=["user:1911"]) == 0  # its marker is out
+        time.sleep(0.5)  # and the removal that followed it ran
+        gate.set()
+        wait_for(lambda: engine.store_stats()["remote_blocks_held"] == 0, "the put's end")
+        _gone_from_mooncake(bare, put)
+        engine.close()
+    finally:
+        gate.set()
+        evicting.kv.close()
+        host.stop()
+        bare.close()

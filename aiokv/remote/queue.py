@@ -1,7 +1,8 @@
 """The remote tier's write queue: bounded in blocks, filled by the store thread, emptied
 by the writer thread a batch at a time, with an explicit end (closed: nothing more is
 taken) and a deque of finished writes whose held host blocks the store thread gives back;
-and the namespaces whose markers puts under way want asked for before they are offered.
+the namespaces whose markers puts under way want asked for before they are offered; and
+the puts that landed, whose markers the writer thread asks for after them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from ..stores.base import Int64Array
 
 _MOST_ASKED = 1024  # namespaces waiting for their markers' call; past it, puts ask none
+_MOST_LANDED = 1024  # puts landed waiting for their markers' call; past it, the LRU's
 
 
 @dataclass(slots=True)
@@ -29,6 +31,19 @@ class WriteJob:
     view: tuple[int, int, int] = (0, 0, 0)
 
 
+@dataclass(slots=True)
+class Landed:
+    """A put that landed (the put thread's, :meth:`WriteQueue.landed`): under the
+    lifetime ``lifetime``, at ``at`` (time.monotonic()), its keys of these (namespace,
+    epoch, generation). Another host's evict or clear may have ended them while the put
+    was in Mooncake's call, its removal run before the put landed: only a markers call
+    begun after ``at`` tells (:meth:`.writer.Writer._learn`)."""
+
+    lifetime: int
+    at: float
+    views: list[tuple[str, int, int]]
+
+
 class WriteQueue:
     def __init__(self, capacity_blocks: int) -> None:
         self._capacity = capacity_blocks
@@ -42,6 +57,7 @@ class WriteQueue:
         # rather than wait for another key's put.
         self._aside: list[WriteJob] = []
         self._asked: dict[str, None] = {}  # namespaces whose markers to ask for, in order
+        self._landed: list[Landed] = []  # puts landed, their markers to ask for after them
         self._closed = False
         self._cond = threading.Condition()
         self._finished: deque[Int64Array] = deque()  # written or dropped: to give back
@@ -73,11 +89,23 @@ class WriteQueue:
             self._asked[ns] = None
             self._cond.notify()
 
-    def asked(self) -> list[str]:
-        """Writer thread: the namespaces asked for since the last call."""
+    def landed(self, put: Landed) -> None:
+        """A put landed (put thread): the writer asks for its markers (:meth:`asked`).
+        None once closed: close does not wait for a markers call more (the LRU takes
+        what an evict ended meanwhile)."""
+        with self._cond:
+            if self._closed or len(self._landed) >= _MOST_LANDED:
+                return
+            self._landed.append(put)
+            self._cond.notify()
+
+    def asked(self) -> tuple[list[str], list[Landed]]:
+        """Writer thread: the namespaces asked for, and the puts landed, since the last
+        call."""
         with self._cond:
             asked, self._asked = list(self._asked), {}
-        return asked
+            landed, self._landed = self._landed, []
+        return asked, landed
 
     def cancel(self, ns: str | None) -> list[Int64Array]:
         """Take the queued writes of a namespace (None: all) back, and those set aside;
@@ -108,11 +136,12 @@ class WriteQueue:
         """Writer thread: block for the next jobs (about ``max_blocks`` blocks) once
         ``room()`` says the writer may take a batch (checked under this queue's lock,
         which :meth:`done` takes after room is made), or for namespaces asked for
-        (:meth:`asked`; then none, also while there is no room: a put's offer is not to
-        wait for the batches in hand to learn its markers); None once closed with
-        nothing queued."""
+        or puts landed (:meth:`asked`; then none, also while there is no room: a put's
+        offer is not to wait for the batches in hand to learn its markers); None once
+        closed with nothing queued."""
         with self._cond:
-            self._cond.wait_for(lambda: self._asked or (self._closed and not self._jobs)
+            self._cond.wait_for(lambda: self._asked or self._landed
+                                or (self._closed and not self._jobs)
                                 or (self._jobs and room()))
             if not self._jobs:
                 return None if self._closed else []

@@ -5,7 +5,8 @@ meanwhile. Every job ends in :meth:`~.queue.WriteQueue.done`, written or dropped
 by reason), so that the store thread gives its host blocks back. Between batches (and
 while it waits for a batch in hand to end) it asks for the markers of namespaces whose
 puts started and that no call asked for lately, so that those puts are offered under
-what is current.
+what is current, and for those of each put that landed, to remove what another host's
+evict or clear ended while it was in Mooncake's put (:meth:`Writer._learn`).
 
 Two threads, a batch each: the writer thread checks a batch, names its keys and sums its
 values while the put thread has the batch before it in Mooncake's put. Done in turn, the
@@ -32,7 +33,7 @@ from typing import Any
 from .checksums import Checksums
 from .connection import NO_SPACE, Closed, Connection
 from .markers import Markers
-from .queue import WriteJob, WriteQueue
+from .queue import Landed, WriteJob, WriteQueue
 from .values import Layout, Values
 
 log = logging.getLogger("aiokv")
@@ -174,9 +175,9 @@ class Writer:
                             self._busy_since = time.monotonic()
                         self._in_hand += 1
                         self._uncounted["check"] = sum(len(job.blocks) for job in jobs)
-                asked = queue.asked()
-                if asked:
-                    self._learn(asked)
+                asked, landed = queue.asked()
+                if asked or landed:
+                    self._learn(asked, landed)
                 if not jobs:
                     continue
                 ready: _Ready | None = None
@@ -283,18 +284,38 @@ class Writer:
         if not self._keys.asked_since(ns, time.monotonic() - _MARKERS_FRESH_S):
             self._queue.ask(ns)
 
-    def _learn(self, namespaces: list[str]) -> None:
+    def _learn(self, namespaces: list[str], landed: list[Landed]) -> None:
         """Ask for the markers of namespaces whose puts started (:meth:`.queue.WriteQueue.ask`),
         not asked for lately. A put offered after the answer is offered under the
         generation that follows an evict the answer told of (that evict came before the
         put ended); one offered before keeps its view, and its write is dropped as stale
         where that ended. Not the check before the write (:meth:`_refresh`): an evict
-        may come between."""
+        may come between.
+
+        And for those of the puts that landed (:meth:`.queue.WriteQueue.landed`) that no
+        call asked for since: an evict or clear by another host that ended them while
+        the put was in Mooncake's call ran its removal before the put landed, and this
+        host learns of its marker only by asking. Asked here, not on the put thread: a
+        call there waits on a master that restarts or a tier that rests, and holds the
+        put's blocks and the next put meanwhile."""
         began = time.monotonic()
         since = began - _MARKERS_FRESH_S
         namespaces = [ns for ns in namespaces if not self._keys.asked_since(ns, since)]
-        if not namespaces:
-            return
+        if self._queue.closed:
+            landed = []  # close waits for no markers call more: the LRU takes them
+        for put in landed:
+            if self._keys.boot_of(put.lifetime) is not None:  # else restarted removes it
+                namespaces += [ns for ns, _, _ in put.views
+                               if not self._keys.asked_since(ns, put.at)]
+        namespaces = list(dict.fromkeys(namespaces))
+        if namespaces and not self._ask(namespaces, began):
+            return  # close returned meanwhile: nothing more
+        for put in landed:
+            self._remove_ended(put.lifetime, put.views)
+
+    def _ask(self, namespaces: list[str], began: float) -> bool:
+        """Ask for the namespaces' markers (:meth:`_learn`); False where close returned
+        meanwhile (its figures are final)."""
         # Jobs may be queued behind this call: a master that stopped answering holds it
         # about 30 s, and close must see it as a call under way, as it sees a write's.
         self._call_began = began
@@ -303,12 +324,13 @@ class Writer:
             if client is not None:  # else the write is dropped, or asks then
                 self._markers.past(client, [(ns, []) for ns in namespaces])
         except Closed:  # close returned meanwhile: its figures are final
-            pass
+            return False
         except Exception as exc:  # the client raised: a failed call, the tier rests
             self._connection.failed("asking for markers", exc)
         finally:
             self._call_began = None
             self.count("remote_marker_seconds", time.monotonic() - began)
+        return True
 
     def _refresh(self, client: Any, namespaces: set[str]) -> bool:
         """Move past the markers of these namespaces (and of the epoch) that other hosts
@@ -414,6 +436,7 @@ class Writer:
                 crossed = self._keys.boot_of(lifetime) is None
                 if crossed:
                     self._wrote_under = None
+        landed_at = time.monotonic()
         if crossed:  # seen while it was under way: removed after it (restarted left it)
             self._remove(self._keys.boot_pattern(putting))
         if not self._connection.codes("batch_put_from", codes):
@@ -425,33 +448,53 @@ class Writer:
             # restart, as the writes queued then; the LRU takes them.
             self._ended("put", count, {"remote_dropped_down": count})
             return
-        self._remove_ended(ready, lifetime)
+        views = list(dict.fromkeys(_views(ready)))
+        left = self._remove_ended(lifetime, views)
         written = codes.count(0)
+        if left and written:
+            # Another host's marker is learned only by a call that asks for it after the
+            # put landed: the writer thread's (_learn), this thread moving on.
+            self._queue.landed(Landed(lifetime, landed_at, left))
         full = codes.count(NO_SPACE)
         self._ended("put", count, {
             "remote_blocks_written": written, "remote_bytes_written": written * self._block_bytes,
             "remote_dropped_full": full, "remote_write_errors": len(codes) - written - full})
 
-    def _remove_ended(self, ready: _Ready, lifetime: int) -> None:
-        """The batch landed under a generation (or epoch) that an evict or clear ended
-        while it was in Mooncake's put: that marker's removal may have run before it
-        landed (an evict through a store server does not wait for the put), leaving its
-        blocks in Mooncake, read by nobody, until the LRU. Removed again now that they
-        are in; a marker that comes after this look removes them itself."""
+    def _remove_ended(self, lifetime: int, views: list[tuple[str, int, int]]
+                      ) -> list[tuple[str, int, int]]:
+        """A batch landed under these (namespace, epoch, generation) of ``lifetime``:
+        those an evict or clear ended while it was in Mooncake's put (as far as this
+        host knows: through this host, or learned since) may have had that marker's
+        removal run before it landed (an evict through a store server, or on another
+        host, does not wait for the put), leaving its blocks in Mooncake, read by
+        nobody, until the LRU. Removed again now that they are in; a marker that comes
+        after this host learned it removes them itself. Those not ended (nor of a
+        lifetime that ended: its own removal, :meth:`restarted`)."""
         patterns: dict[str, None] = {}
-        for job, keys in ready.parts:
-            if not keys:
-                continue
-            epoch, generation = map(int, keys[0].rsplit("/", 2)[1].split("."))
-            now, epoch_now, generation_now = self._keys.view(job.ns)
+        left: list[tuple[str, int, int]] = []
+        for ns, epoch, generation in views:
+            now, epoch_now, generation_now = self._keys.view(ns)
             if now != lifetime:  # a restart: its own removal (restarted)
                 continue
             if epoch_now > epoch:
                 patterns[self._keys.epoch_pattern(epoch)] = None
             elif generation_now > generation:
-                patterns[self._keys.generation_pattern(job.ns, generation)] = None
+                patterns[self._keys.generation_pattern(ns, generation)] = None
+            else:
+                left.append((ns, epoch, generation))
         for pattern in patterns:
             self._remove(pattern)
+        return left
+
+
+def _views(ready: _Ready) -> list[tuple[str, int, int]]:
+    """The (namespace, epoch, generation) each of the batch's jobs' keys name."""
+    views = []
+    for job, keys in ready.parts:
+        if keys:
+            epoch, generation = map(int, keys[0].rsplit("/", 2)[1].split("."))
+            views.append((job.ns, epoch, generation))
+    return views
 
 
 def _blocks(parts: list[tuple[WriteJob, list[str]]]) -> list[int]:
