@@ -37,6 +37,9 @@ def run(args: argparse.Namespace) -> None:
 
     import aiokv
 
+    if args.engine_streams:
+        import aiokv.copy.copier
+        aiokv.copy.copier.STREAMS = args.engine_streams
     device = torch.device(args.device)
     layers, heads, dim, page, users, tokens = 3, 4, 128, 32, 8, args.tokens
     pages = tokens // page
@@ -62,7 +65,13 @@ def run(args: argparse.Namespace) -> None:
     load_ms: list[float] = []
     raw_ms: list[float] = []
     direct_ms: list[float] = []
-    direct = _direct(store, layers) if args.direct and device.type == "cuda" else None
+    direct = (_direct(store, layers, args.direct_streams)
+              if args.direct and device.type == "cuda" else None)
+    core_ms: list[float] = []
+    core = None
+    if args.core:  # the recsys core's loads: queued by this thread (aiokv.direct)
+        from aiokv.integrations.recsys_core import RecsysCore
+        core = RecsysCore(kv)
 
     def _rounds() -> None:  # the only main-thread frames the split counts
         for r in range(args.rounds + 5):
@@ -91,6 +100,14 @@ def run(args: argparse.Namespace) -> None:
                 direct_ms.append((time.perf_counter() - t4) * 1e3)
                 for hit in hits:
                     hit.release()
+            if core is not None:
+                hits = core.lookup(list(range(users)), [tokens] * users)
+                torch.cuda.synchronize() if device.type == "cuda" else None
+                t5 = time.perf_counter()
+                done = core.load(hits, targets).outcomes()
+                core_ms.append((time.perf_counter() - t5) * 1e3)
+                if any(getattr(d, "loaded_tokens", None) != tokens for d in done):
+                    raise RuntimeError(f"core loaded {done}")
             if r >= 5:
                 lookup_ms.append((t1 - t0) * 1e3)
                 load_ms.append((t2 - t1) * 1e3)
@@ -111,10 +128,12 @@ def run(args: argparse.Namespace) -> None:
     print(f"{users} x {tokens}, {layers} layers, {device.type}, median of {args.rounds}: "
           f"lookups {med(lookup_ms):.3f} ms, loads {med(load_ms):.3f} ms, "
           f"raw copy {med(raw_ms):.3f} ms"
-          + (f", direct {med(direct_ms[5:]):.3f} ms" if direct_ms else ""))
+          + (f", direct {med(direct_ms[5:]):.3f} ms" if direct_ms else "")
+          + (f", core (caller-queued) loads {med(core_ms[5:]):.3f} ms" if core_ms else ""))
 
 
-def _direct(store: object, layers: int) -> Callable[[list[object], list[object]], None]:
+def _direct(store: object, layers: int, streams: int = 1
+            ) -> Callable[[list[object], list[object]], None]:
     """A benchmark-only load, in the calling thread, with none of the engine's hops: the
     held reservations' host blocks read out of the store (unsafe anywhere else), the page
     ids fetched to the host (one device-to-host copy), planned and queued on one stream
@@ -127,20 +146,22 @@ def _direct(store: object, layers: int) -> Callable[[list[object], list[object]]
     from aiokv.copy.queueing import Entries, Queuer
 
     copier = store._require_jobs()._in  # type: ignore[attr-defined]
-    stream = torch.cuda.Stream()
-    queuer = Queuer(Entries.of_driver(), [stream.cuda_stream])
-    (end,) = EventPool(CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC).take(1)
+    copy_streams = [torch.cuda.Stream() for _ in range(streams)]
+    queuer = Queuer(Entries.of_driver(), [s.cuda_stream for s in copy_streams])
+    ends = EventPool(CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC).take(streams)
 
     def load(hits: list[object], targets: list[object]) -> None:
         ids = torch.cat(targets).cpu().numpy().astype(np.int64)  # type: ignore[call-overload]
         tasks = store._tasks  # type: ignore[attr-defined]
         blocks = np.concatenate([tasks[h.lookup._reservation.task_id].blocks  # type: ignore[attr-defined]
                                  for h in hits])
-        copies = plan(copier._geometry, ids, blocks, False, 1,
+        copies = plan(copier._geometry, ids, blocks, False, streams,
                       chunk_starts=copier._chunk_starts)
-        prepared = queuer.prepare(copies, layers, 0, None, [end.handle])
+        prepared = queuer.prepare(copies, layers, 0, None,
+                                  [e.handle for e in ends[: copies.streams]])
         queuer.queue(prepared, 0, layers, wait_ready=False, end=True)
-        end.synchronize()
+        for end in ends[: copies.streams]:
+            end.synchronize()
 
     return load
 
@@ -197,6 +218,11 @@ def main() -> None:
     r.add_argument("--rounds", type=int, default=400)
     r.add_argument("--tokens", type=int, default=1024)
     r.add_argument("--direct", action="store_true", help="also the caller-thread floor")
+    r.add_argument("--direct-streams", type=int, default=1, help="the floor's copy streams")
+    r.add_argument("--core", action="store_true",
+                   help="also the recsys core's loads (queued by the calling thread)")
+    r.add_argument("--engine-streams", type=int, default=0,
+                   help="the engine copier's streams (0: aiokv.copy.copier.STREAMS)")
     s = sub.add_parser("split")
     s.add_argument("raw")
     s.add_argument("--rounds", type=int, default=400)
