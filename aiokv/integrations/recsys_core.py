@@ -119,7 +119,8 @@ class PendingCalls:
         does not depend on timing)."""
         self._refuse()
         self._wait_taken()
-        concurrent.futures.wait(self._futures)
+        if not all(future.done() for future in self._futures):
+            concurrent.futures.wait(self._futures)
         with self._lock:
             cancelled = self._cancelled
             self._answered = not cancelled
