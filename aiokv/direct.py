@@ -5,23 +5,27 @@ store in this process (:class:`~aiokv.stores.base.TakesLoads`: the embedded stor
 Such a caller blocks until its load ended anyway. Through the loop, its load would go
 caller -> loop -> store thread -> copy thread before its first copy is queued, and back
 the same way after the last one ran: serial Python under one GIL, more time than the
-copies of a small batch take. Here the calling thread does it all itself:
+copies of a small batch take. Here the calling thread does it all itself, for all the
+loads of one call at once (:func:`start_many`):
 
 1. the checks ``engine.load`` makes (InvalidRequest, EngineClosed), before anything is
    consumed;
-2. the Lookup consumed (:meth:`aiokv.requests.Lookup._take`, under its lock: a second
+2. each Lookup consumed (:meth:`aiokv.requests.Lookup._take`, under its lock: a second
    load of it, or a release or TTL on the loop, finds it consumed);
-3. the store's matched get taken and its copies queued from this thread after its
-   current CUDA stream (``take_load``: page ids fetched, checked, planned and queued by
-   the copy plane's own code on streams of the copier's, :meth:`Copier.queue_here`);
-4. :meth:`Taken.wait`: the copies ran (into the pages), the reservation goes back to the
-   store thread (which then ends the get's reads: :meth:`LocalStore.cancel`), and the
-   engine's counts take the load in one notice to the loop.
+3. the store's matched gets taken and their copies queued from this thread, one job,
+   after its current CUDA stream (``take_loads``: page ids fetched, checked, planned and
+   queued by the copy plane's own code on a lane of the copier's,
+   :meth:`~aiokv.copy.copier.Copier.queue_here`);
+4. :meth:`Taken.wait`: the copies ran (into the pages); the reservations go back to the
+   store thread in one hand-over (which ends the gets' reads), and the engine's counts
+   take the loads in one notice to the loop.
 
 Anything else (a miss, pages on SSD, a mask with holes, another store) goes through the
-loop as before: :func:`start` answers None for it. A load taken here has no deadline
-(it is queued whole at its call, and waits for nothing but its copies) and takes no room
-in the engine's queue. A close waits for it: the store's close waits for what was taken.
+loop as before: :func:`start_many` answers None for it, and so do the callers while calls
+handed to the loop have not begun (``Portal.in_hand``: a release made before must not be
+overtaken). A load taken here has no deadline (it is queued whole at its call, and waits
+for nothing but its copies) and takes no room in the engine's queue. A close waits for
+it: the store's close waits for what was taken.
 """
 
 from __future__ import annotations

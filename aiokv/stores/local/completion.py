@@ -50,7 +50,7 @@ class Task:
     # A put's caller stopped waiting (LocalStore.detach, the loop thread): copied after
     # that, its pages may hold what the caller wrote since; its copy counts for nothing.
     detached: bool = False
-    # A get its caller's thread took and queued itself (LocalStore.take_load): it reads
+    # A get its caller's thread took and queued itself (LocalStore.take_loads): it reads
     # its outcome off its job, so nobody asks try_wait for its answer.
     taken: bool = False
 
