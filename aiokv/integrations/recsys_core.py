@@ -244,17 +244,18 @@ class RecsysCore:
     ) -> PendingCalls:
         """Load each hit into its pages (``LoadResult`` outcomes); does not wait. On a GPU
         the copies start after what this thread's current stream has queued now."""
-        engine = self.kv.engine
-        ready = engine._caller_event()
         self.kv._refuse_on_loop("load")
+        self.kv._refuse_in_fork()  # as the hop would: nothing of the parent's runs here
         if self.kv._closing is not None:  # as the hop refuses it: the whole call
             raise EngineClosed("the background engine is closed")
+        engine = self.kv.engine
+        ready = engine._caller_event()
         taken: dict[int, direct.Taken | BaseException] = {}
         calls: list[Call] = []
-        # Behind calls handed to the loop before that have not begun (a release), the
-        # loads go through the loop too: they must not overtake them.
         # Queued by this thread, one job, where their pages are on the host
-        # (aiokv.direct); a user's error is its own outcome, as on the loop.
+        # (aiokv.direct); a user's error is its own outcome, as on the loop. Behind
+        # calls handed to the loop that have not begun (a release), they go through the
+        # loop too: they must not overtake those.
         started = ([None] * len(hits) if self.kv.portal.in_hand() else
                    direct.start_many(engine, [hit.lookup for hit in hits], page_ids, ready))
         for at, (hit, pages, one) in enumerate(zip(hits, page_ids, started, strict=True)):
