@@ -8,15 +8,22 @@ calling thread itself.
         python benchmarks/results/spy_probe_1207z.py run --device cuda --rounds 150
     python benchmarks/results/spy_probe_1207z.py split RAW --rounds 155 --rate 400
 
+    python benchmarks/results/spy_probe_1207z.py run --device cuda --core --direct \
+        --direct-streams 4    # the twenty-seventh session's: the recsys core's loads too
+    python benchmarks/results/spy_probe_1207z.py split RAW --within onboard_kvcache_launch \
+        --rounds N            # only stacks inside that function (any process or thread)
+
 ``run``: recsys's geometry (3 layers, 4 heads x 128, page 32, bfloat16), 8 users x
 ``--tokens`` offloaded once, then per round: 8 lookups and 8 loads into scattered pages
 (int32 page ids on the GPU, as recsys gives them) through ``run_in_background`` (one
 thread submits, then waits), timed from the first load call to the last result; beside
 it a raw copy of the same bytes (one pinned buffer per layer to the device, then an
 ``index_copy_`` into the same pages). ``--direct``: also a benchmark-only load with none
-of the engine's hops (:func:`_direct`). Prints medians. ``split``: GIL-holding samples
-per thread and per round (ms), and each thread's functions with the most samples (self
-and inclusive), from py-spy's raw output (``h100_1207z_spy_1024.raw.gz``: gunzip first).
+of the engine's hops (:func:`_direct`; ``--direct-streams``: on that many streams).
+``--core``: also the recsys core's loads, queued by the calling thread (aiokv.direct).
+Prints medians. ``split``: GIL-holding samples per thread and per round (ms), and each
+thread's functions with the most samples (self and inclusive), from py-spy's raw output
+(``h100_1207z_spy_1024.raw.gz``: gunzip first).
 """
 from __future__ import annotations
 
@@ -189,7 +196,10 @@ def split(args: argparse.Namespace) -> None:
         head, *frames = stack.split(";")
         tid = head.split(": ", 1)[0]
         thread = names_by_tid.get(tid, tid)
-        if thread == "MainThread" and not any("_rounds" in f for f in frames):
+        if args.within:  # only the stacks inside that function, whichever the thread
+            if not any(args.within in f for f in frames):
+                continue
+        elif thread == "MainThread" and not any("_rounds" in f for f in frames):
             continue  # the probe's setup (imports, caches): not a round's
         names = [_FRAME.sub(r"\1 (\2)", f) for f in frames if f]
         per_thread[thread] += count
@@ -228,6 +238,8 @@ def main() -> None:
     s.add_argument("--rounds", type=int, default=400)
     s.add_argument("--rate", type=int, default=2000)
     s.add_argument("--top", type=int, default=12)
+    s.add_argument("--within", default="",
+                   help="count only stacks with a frame naming this (a function's name)")
     args = parser.parse_args()
     run(args) if args.mode == "run" else split(args)
 
