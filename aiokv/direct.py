@@ -172,6 +172,11 @@ def start_many(
             continue
         taken = Taken(group, hit, reservation, tokens)
         group._members.append(taken)
+        if reservation.taken_back is not None:
+            # An evict or clear gave it back on the store thread, which may not have
+            # cancelled its task yet: a miss, as on the loop, never the evicted KV.
+            answers[at] = taken
+            continue
         taking.append((at, taken, ids))
     if not taking:
         return answers

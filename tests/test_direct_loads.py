@@ -209,3 +209,41 @@ def test_a_close_while_threads_load_answers_each_load_whole_or_refused(loop: str
         assert got == TOKENS or isinstance(got, aiokv.EngineClosed), got
     loaded = [u for u in range(4) if same(caches, source(u), target(u))]
     assert len(loaded) >= sum(1 for got in outcomes if got == TOKENS)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_hit_that_reads_evicted_loads_nothing_while_the_store_gives_it_back(
+        loop: str) -> None:
+    # The store thread marks the key's reservations evicted, then gives them back to the
+    # store (its cancel): a load made in between, of a Lookup that already reads
+    # evicted, must load nothing (a miss, as through the loop), never the evicted KV.
+    store = small_store()
+    marked, loaded = threading.Event(), threading.Event()
+    armed = [True]
+    cancel = store.cancel
+
+    def slow_cancel(task_ids: list[int]) -> None:
+        if armed[0] and task_ids:
+            armed[0] = False
+            marked.set()
+            loaded.wait(10)
+        cancel(task_ids)
+
+    store.cancel = slow_cancel  # type: ignore[method-assign]
+    caches = make_caches()
+    with background(caches, loop, store=store) as kv:
+        kv.offload(5, source(5), TOKENS)
+        hit = kv.lookup(5, TOKENS)
+        untouched = [cache[target(5)].clone() for cache in caches]
+        evicted = kv.submit_evict(5)
+        assert marked.wait(10)
+        assert not hit.held
+        try:
+            got = kv.load(hit, target(5)).loaded_tokens
+        finally:
+            loaded.set()
+        assert got == 0
+        assert all(torch.equal(cache[target(5)], was)
+                   for cache, was in zip(caches, untouched, strict=True))
+        assert evicted.result(10) == TOKENS
+        freed(kv)
