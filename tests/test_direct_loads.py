@@ -5,6 +5,7 @@ through the loop, with no batch of its own."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
@@ -246,4 +247,46 @@ def test_a_hit_that_reads_evicted_loads_nothing_while_the_store_gives_it_back(
         assert all(torch.equal(cache[target(5)], was)
                    for cache, was in zip(caches, untouched, strict=True))
         assert evicted.result(10) == TOKENS
+        freed(kv)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_evict_while_a_load_copies_drops_the_key_whole_after_it(
+        loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A load whose copies are under way (as on a GPU, where they take milliseconds) was
+    # taken before the evict reached the store: the evict waits for it, as for a load
+    # the loop dispatched before it, and drops every block of the key.
+    from aiokv.copy.copier import Copier
+
+    copying, go = threading.Event(), threading.Event()
+    loaders: list[threading.Thread] = []
+    move = Copier._move_cpu
+
+    def slow_move(self: Copier, job: object) -> None:
+        if threading.current_thread() in loaders:
+            copying.set()
+            go.wait(10)
+        move(self, job)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Copier, "_move_cpu", slow_move)
+    caches = make_caches()
+    with background(caches, loop) as kv:
+        kv.offload(5, source(5), TOKENS)
+        hit = kv.lookup(5, TOKENS)
+        outcome: list[int] = []
+        loader = threading.Thread(
+            target=lambda: outcome.append(kv.load(hit, target(5)).loaded_tokens))
+        loaders.append(loader)
+        loader.start()
+        try:
+            assert copying.wait(10)
+            evicted = kv.submit_evict(5)
+            concurrent.futures.wait([evicted], timeout=1)
+        finally:
+            go.set()
+        loader.join(10)
+        assert outcome == [TOKENS]
+        assert same(caches, source(5), target(5))
+        assert evicted.result(10) == TOKENS
+        assert kv.lookup(5, TOKENS).cached_tokens == 0
         freed(kv)

@@ -270,6 +270,16 @@ class Copier:
 
     # ---- jobs queued by their callers' threads -------------------------------------
 
+    def wait_here(self) -> None:
+        """Wait for the jobs callers queued (or are queuing) now and report them: their
+        reads of host blocks end once the store takes their reports in (an evict must
+        find those blocks idle, as it finds a load's that the loop dispatched before it)."""
+        with self._here_lock:
+            self._here_lock.wait_for(lambda: not self._queuing_here)
+            here = list(self._here)
+        for job in here:
+            job.wait()
+
     def queue_here(self, job: CopyJob) -> Here | None:
         """Run the job's steps 1-4 in the calling thread (CUDA; on the CPU, move it), so
         that a caller that waits for its load anyway needs no other thread before its

@@ -68,6 +68,11 @@ class CopyJobs:
             del self._ends.launched[id(job)]
         return here
 
+    def wait_taken(self) -> None:
+        """Wait for the gets callers queued themselves (:meth:`queue_here`) and report
+        them (their ends reach the task ends' next collect)."""
+        self._in.wait_here()
+
     def chunk(
         self, tasks: list[Any], pages: Any, blocks: Int64Array | None, load: Load
     ) -> CopyJob:

@@ -449,8 +449,11 @@ class LocalStore:
 
     def _drop(self, namespace: tuple[str, ...] | None) -> int:
         host = self._require_host()
-        # Copies that ended before the call (a load its caller took, which nothing
-        # polls for) end their reads first: their blocks are idle, dropped now.
+        # Loads their callers took before the call (nothing polls for them) end their
+        # reads first, once their copies ran: a load taken before the evict comes before
+        # it, as one the loop dispatched does, and its blocks are idle, dropped now.
+        if self._jobs is not None:
+            self._jobs.wait_taken()
         self._ends.collect()
         link = self._link
         if link is not None and namespace is None:
