@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import uvloop
-from conftest import PAGE_SIZE, make_caches, small_store
+from conftest import PAGE_SIZE, make_caches, outcomes_in_a_forked_child, small_store
 
 import aiokv
 
@@ -290,3 +290,30 @@ def test_an_evict_while_a_load_copies_drops_the_key_whole_after_it(
         assert evicted.result(10) == TOKENS
         assert kv.lookup(5, TOKENS).cached_tokens == 0
         freed(kv)
+
+
+def test_a_forked_child_gets_engine_closed_from_the_recsys_load_as_from_its_offload() -> None:
+    # A child forked beside a recsys core: its load must be refused at the call, as every
+    # other call of the core is, saying why (the engine is its parent's), and the parent's
+    # hit stays loadable.
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    caches = make_caches(pages=64)
+    core = RecsysCore.open({"engine": {"window_us": 0}, "store": {"cpu_cache_gb": 0.01}},
+                           caches)
+    try:
+        tokens = 4 * core.page_size
+        core.offload([1], [torch.arange(0, 4)], [tokens]).outcomes()
+        hits = core.lookup([1], [tokens])
+        said, _ = outcomes_in_a_forked_child([
+            ("load", lambda: core.load(hits, [torch.arange(20, 24)]).outcomes()),
+            ("offload", lambda: core.offload([2], [torch.arange(4, 8)], [tokens]).outcomes()),
+        ])
+        for name in ("load", "offload"):
+            assert said[name].startswith("EngineClosed: "), (name, said[name])
+            assert "forked child must open an engine of its own" in said[name]
+        assert [r.loaded_tokens for r in core.load(hits, [torch.arange(20, 24)]).outcomes()
+                ] == [tokens]
+        assert all(torch.equal(c[20:24], c[0:4]) for c in caches)
+    finally:
+        core.close()
