@@ -147,6 +147,11 @@ def start_many(
     if engine._state is not EngineState.RUNNING or engine._loop is None:
         closed = EngineClosed(f"engine is {engine._state.value}")
         return [closed] * len(hits)
+    invalidations = engine._invalidations
+    if invalidations is not None and invalidations.unsettled.count:
+        # An evict or clear accepted before has not given its keys' reservations back
+        # yet: these loads come after it, through the loop, and miss its keys.
+        return [None] * len(hits)
     answers: list[Taken | BaseException | None] = []
     chosen: list[tuple[int, Lookup, torch.Tensor, int]] = []  # index, hit, view, tokens
     for at, (hit, page_ids) in enumerate(zip(hits, pages, strict=True)):

@@ -78,8 +78,8 @@ class Invalidation:
     """An evict (``namespace``) or a clear (``namespace`` None), as the store thread's
     inbox carries it. :meth:`answer` may be called from any thread, once."""
 
-    __slots__ = ("_dropped", "_future", "_lock", "_loop", "_state", "give_up_at",
-                 "namespace", "timeout_ms")
+    __slots__ = ("_dropped", "_future", "_lock", "_loop", "_state", "_unsettled",
+                 "give_up_at", "namespace", "timeout_ms")
 
     def __init__(
         self,
@@ -103,6 +103,23 @@ class Invalidation:
         self._dropped = dropped
         self._lock = threading.Lock()  # the loop's timer and the store thread race for it
         self._state = _WAITING
+        # Counted in (Invalidations.unsettled) until its reservations were given back on
+        # the store thread, or it will never give any back (given up, answered).
+        self._unsettled: Unsettled | None = None
+
+    def count_in(self, unsettled: Unsettled) -> None:
+        """Counted as unsettled from now until :meth:`settled` (the loop thread, before
+        it is submitted)."""
+        unsettled.add()
+        self._unsettled = unsettled
+
+    def settled(self) -> None:
+        """Its reservations were given back (the store thread), or never will be: counted
+        out, once (any thread)."""
+        with self._lock:
+            unsettled, self._unsettled = self._unsettled, None
+        if unsettled is not None:
+            unsettled.done()
 
     def expire(self) -> bool:
         """Give it up (either thread), unless the store was asked already: whether it is
@@ -112,7 +129,8 @@ class Invalidation:
             if self._state is _ASKED:
                 return False
             self._state = _EXPIRED
-            return True
+        self.settled()  # nothing more of it runs
+        return True
 
     def ask(self) -> bool:
         """The store thread is about to ask the store: False when it was given up (then
@@ -146,6 +164,7 @@ class Invalidation:
     def answer(self, outcome: int | BaseException) -> None:
         """Hand the outcome to the loop, which resolves the caller's future unless it is
         already done (cancelled, or failed at close)."""
+        self.settled()
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
             self._loop.call_soon_threadsafe(self._deliver, outcome)
 
@@ -159,6 +178,27 @@ class Invalidation:
         if self._dropped is not None and not isinstance(outcome, BaseException) and not failed:
             self._dropped(outcome)
         settle(future, outcome)
+
+
+class Unsettled:
+    """How many evicts and clears were accepted whose reservations the store thread has
+    not given back yet: while any is, a load its caller's thread would queue itself
+    (:mod:`aiokv.direct`) goes through the loop, behind them, as one accepted after them
+    must (it loads nothing of their keys)."""
+
+    __slots__ = ("_lock", "count")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0  # read from any thread without the lock: an int read
+
+    def add(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    def done(self) -> None:
+        with self._lock:
+            self.count -= 1
 
 
 class HeldKeys:
@@ -302,6 +342,7 @@ class Invalidations:
         self._stats = stats  # aiokv_requests_total{kind="evict"|"clear"}, EngineStats.evicts...
         self._timeout_s = timeout_s
         self._open: set[asyncio.Future[int]] = set()
+        self.unsettled = Unsettled()
 
     async def run(self, namespace: tuple[str, ...] | None) -> int:
         """Tokens the store dropped under ``namespace`` (None: everything). Counted once
@@ -322,7 +363,12 @@ class Invalidations:
                          time.perf_counter() - started)
             raise error
         self._dispatch_all(namespace)  # what was accepted before goes first (docstring)
-        self._submit(item)  # EngineClosed once the store thread stopped accepting
+        item.count_in(self.unsettled)
+        try:
+            self._submit(item)  # EngineClosed once the store thread stopped accepting
+        except BaseException:
+            item.settled()
+            raise
         self._open.add(future)
         # At the deadline, whatever the store thread is doing (module docstring).
         timer = self._loop.call_later(timeout_s, _give_up, item, future) if timeout_s else None

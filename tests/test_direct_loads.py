@@ -239,11 +239,16 @@ def test_a_hit_that_reads_evicted_loads_nothing_while_the_store_gives_it_back(
         evicted = kv.submit_evict(5)
         assert marked.wait(10)
         assert not hit.held
+        outcome: list[int] = []
+        loader = threading.Thread(
+            target=lambda: outcome.append(kv.load(hit, target(5)).loaded_tokens))
         try:
-            got = kv.load(hit, target(5)).loaded_tokens
+            loader.start()
+            loader.join(0.3)  # through the loop, it waits for the store thread
         finally:
             loaded.set()
-        assert got == 0
+        loader.join(10)
+        assert outcome == [0]
         assert all(torch.equal(cache[target(5)], was)
                    for cache, was in zip(caches, untouched, strict=True))
         assert evicted.result(10) == TOKENS
@@ -317,3 +322,51 @@ def test_a_forked_child_gets_engine_closed_from_the_recsys_load_as_from_its_offl
         assert all(torch.equal(c[20:24], c[0:4]) for c in caches)
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_load_made_after_an_evict_of_its_key_loads_nothing_while_the_evict_waits(
+        loop: str) -> None:
+    # The thread's evict was accepted (on the store thread's inbox, behind an offload the
+    # store is slow to launch), then the thread loads a hit of that key: the load comes
+    # after the evict, as through the loop, and loads nothing, never the evicted KV.
+    store = small_store()
+    blocked, go = threading.Event(), threading.Event()
+    armed = [False]
+    launch = store.launch
+
+    def slow_launch(*args: object, **kwargs: object) -> None:
+        if armed[0]:
+            armed[0] = False
+            blocked.set()
+            go.wait(10)
+        launch(*args, **kwargs)  # type: ignore[arg-type]
+
+    store.launch = slow_launch  # type: ignore[method-assign]
+    caches = make_caches()
+    with background(caches, loop, store=store) as kv:
+        kv.offload(5, source(5), TOKENS)
+        hit = kv.lookup(5, TOKENS)
+        untouched = [cache[target(5)].clone() for cache in caches]
+        armed[0] = True
+        offloaded = kv.submit_offload(9, source(9), TOKENS)
+        outcome: list[int] = []
+        try:
+            assert blocked.wait(10)
+            evicted = kv.submit_evict(5)
+            deadline = time.monotonic() + 10
+            while kv.portal.in_hand():  # the evict is on the store thread's inbox
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            loader = threading.Thread(
+                target=lambda: outcome.append(kv.load(hit, target(5)).loaded_tokens))
+            loader.start()
+            loader.join(0.3)
+        finally:
+            go.set()
+        loader.join(10)
+        assert outcome == [0]
+        assert all(torch.equal(cache[target(5)], was)
+                   for cache, was in zip(caches, untouched, strict=True))
+        assert evicted.result(10) == TOKENS
+        assert offloaded.result(10).stored_tokens == TOKENS

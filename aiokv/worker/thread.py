@@ -462,7 +462,10 @@ class StoreWorker:
         if item.expired:  # its caller heard RequestTimeout while it sat in the inbox
             return
         try:
-            give_back(item, self._calls, self._reserved, self._held_keys)
+            try:
+                give_back(item, self._calls, self._reserved, self._held_keys)
+            finally:
+                item.settled()  # loads of its keys accepted after it find them given back
             failure: StoreError | None = None
             while self._launched:
                 if self._exiting:  # its copies will not end: the evict stays unanswered
