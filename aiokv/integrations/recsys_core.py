@@ -263,8 +263,17 @@ class RecsysCore:
                 calls.append(_load_call(hit, pages, ready))
             else:
                 taken[at] = one
-        pending = self._hop("load", calls) if calls else PendingCalls(
-            [], functools.partial(self.kv._refuse_on_loop, "load"))
+        try:
+            pending = self._hop("load", calls) if calls else PendingCalls(
+                [], functools.partial(self.kv._refuse_on_loop, "load"))
+        except BaseException:
+            # The hop refused (a close began meanwhile): nothing will wait for the loads
+            # this thread queued, so it waits for them now (their reservations go back).
+            for one in taken.values():
+                if isinstance(one, direct.Taken):
+                    with contextlib.suppress(Exception):
+                        one.wait()
+            raise
         return pending.with_taken(taken)
 
     def offload(
