@@ -52,10 +52,37 @@ if TYPE_CHECKING:
     from .stats import StatsRecorder
 
 
+class TakenGroups:
+    """An engine's groups of loads that threads took and have not waited for yet (a
+    recsys launch returns before its wait). Its close finishes them (:meth:`finish_all`),
+    once the store's close ran their copies: their counts are in the final figures, as a
+    drain's would be, whenever (or whether) their callers wait."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[_Group] = set()
+
+    def add(self, group: _Group) -> None:
+        with self._lock:
+            self._open.add(group)
+
+    def discard(self, group: _Group) -> None:
+        with self._lock:
+            self._open.discard(group)
+
+    def finish_all(self) -> None:
+        """Any thread but the loop's (each waits for its copies): each group finished,
+        its counts handed to the loop."""
+        with self._lock:
+            groups = list(self._open)
+        for group in groups:
+            group.finish()
+
+
 class _Group:
     """The loads one call took together (:func:`start_many`): one copy job, finished
-    once, by whichever of them is waited for first: the reservations go back, and the
-    engine's counts take them in one notice to the loop."""
+    once, by whichever of them is waited for first (or the engine's close): the
+    reservations go back, and the engine's counts take them in one notice to the loop."""
 
     def __init__(self, engine: OffloadEngine, started: float) -> None:
         self._engine, self._started = engine, started
@@ -69,6 +96,7 @@ class _Group:
                 return
             self._finished = True
             outcomes = [member._finish() for member in self._members]
+        self._engine._taken_loads.discard(self)
         # The store thread forgets the reservations, and takes the copies' end in: one
         # hand-over for them all (one store call), not one each.
         worker = self._engine._worker
@@ -201,6 +229,7 @@ def start_many(
     for (at, taken, _), one in zip(taking, queued, strict=True):
         taken._taken = one
         answers[at] = taken
+    engine._taken_loads.add(group)  # the close finishes it where nobody waited first
     return answers
 
 

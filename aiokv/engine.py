@@ -25,6 +25,7 @@ import torch
 from . import layerwise, lifecycle, validate
 from .config import EngineConfig
 from .cuda import ReadyMarks, caller_event
+from .direct import TakenGroups
 from .errors import (
     ConfigError,
     EngineClosed,
@@ -129,6 +130,8 @@ class OffloadEngine:
         # Launched layerwise loads (weak): a close after the loop was closed ends those
         # that loop never ended (lifecycle.close_orphaned).
         self._layerwise_loads: weakref.WeakSet[layerwise.LayerwiseLoad] = weakref.WeakSet()
+        # Loads threads queued themselves (aiokv.direct), not yet waited for.
+        self._taken_loads = TakenGroups()
         self._pid: int | None = None  # the process that started it
         self._forked = False  # a forked child's copy (lifecycle._after_fork_in_child)
 

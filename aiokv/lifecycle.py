@@ -25,7 +25,7 @@ import math
 import os
 import threading
 import weakref
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -45,6 +45,9 @@ from .stats import StatsRecorder
 from .store_figures import ClosedFigures
 from .stores.base import Store
 from .worker.thread import StoreWorker
+
+if TYPE_CHECKING:
+    from .direct import TakenGroups
 
 # After store.terminate() (the close timed out), how long the store thread may take to
 # finish: its calls then fail at once, so this is a bound, not a wait.
@@ -92,6 +95,7 @@ class EngineParts(Protocol):
     _invalidations: Invalidations | None
     _closed_figures: ClosedFigures | None
     _layerwise_loads: weakref.WeakSet[LayerwiseLoad]
+    _taken_loads: TakenGroups  # loads threads queued themselves (aiokv.direct)
     _draining: bool  # a drain close waits for what it dispatches (OffloadEngine._check_running)
     _pid: int | None  # the process that started it
     _forked: bool  # this is a forked child of that process: the engine is the parent's
@@ -326,6 +330,13 @@ async def close(engine: EngineParts, drain: bool, timeout: float) -> int:
     worker.stop(give_up_s=left_s)  # a try_wait outage is waited through until the deadline
     stuck = not await _join(worker, left_s) and not await _terminate(worker)
     await asyncio.sleep(0)  # let outcomes posted before the join arrive
+    if not stuck:
+        # Loads threads queued themselves and have not waited for: the store's close
+        # ran their copies; finished now, they are counted before the figures are final.
+        # In a thread: a wait for copies (on a GPU) is no work for the loop. Their counts
+        # come to the loop before this task resumes.
+        await asyncio.to_thread(engine._taken_loads.finish_all)
+        await asyncio.sleep(0)
     if engine._invalidations is not None:
         engine._invalidations.close()  # an evict the store thread never answered
     resolver.resolve_outcomes(budget_s=math.inf)  # and resolve them, then fail the rest

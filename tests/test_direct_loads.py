@@ -370,3 +370,29 @@ def test_a_load_made_after_an_evict_of_its_key_loads_nothing_while_the_evict_wai
                    for cache, was in zip(caches, untouched, strict=True))
         assert evicted.result(10) == TOKENS
         assert offloaded.result(10).stored_tokens == TOKENS
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_loads_a_thread_queued_before_a_close_are_in_the_close_s_final_figures(
+    loop: str,
+) -> None:
+    # The recsys core's load returns before its loads are waited for; a close made
+    # then answers them LoadResults, and its final figures count them as the loop's
+    # drain would have.
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    caches = make_caches()
+    core = RecsysCore(background(caches, loop))
+    users = [1, 2]
+    core.offload(users, [source(u) for u in users], [TOKENS] * 2).outcomes()
+    hits = core.lookup(users, [TOKENS] * 2)
+    before = core.kv.stats()
+    pending = core.load(hits, [target(u) for u in users])
+    core.close()
+    outcomes = pending.outcomes()
+    assert [(r.user_id, r.loaded_tokens) for r in outcomes] == [(1, TOKENS), (2, TOKENS)]
+    assert same(caches, source(1), target(1)) and same(caches, source(2), target(2))
+    after = core.kv.stats()
+    assert after.completed - before.completed == 2
+    assert after.loaded_tokens - before.loaded_tokens == 2 * TOKENS
+    assert after.submitted - before.submitted == 2
