@@ -25,9 +25,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .errors import EngineClosed
+
+T = TypeVar("T")
 
 # How long the exit waits for the threads together. Each finishes the step it is in: a
 # copy job (its copies, on a GPU those queued ahead of it), a store call; well under a
@@ -115,6 +117,23 @@ class HandOverGate:
             self._handing += 1
         try:
             return take()
+        finally:
+            with self._lock:
+                self._handing -= 1
+                if self.exiting and not self._handing:
+                    self._hands_free.notify_all()
+
+    def counted(self, work: Callable[[], T]) -> tuple[bool, T | None]:
+        """``work()`` in the calling thread, counted for the exit to wait for as
+        :meth:`handed` counts its ``take``: a load this thread queues and copies itself
+        (:mod:`aiokv.direct`) runs torch's copies there. (False, None), not run, once the
+        interpreter exits."""
+        with self._lock:
+            if self.exiting:
+                return False, None
+            self._handing += 1
+        try:
+            return True, work()
         finally:
             with self._lock:
                 self._handing -= 1

@@ -439,7 +439,15 @@ class BackgroundEngine:
         # step there (a release, an evict): they go first, and so does this load then.
         if self._closing is None and not self.portal.in_hand():
             lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
-            result = direct.load(self.engine, lookup, page_ids)
+            # Counted for the interpreter's exit, which waits for it: this thread runs the
+            # load's torch copies, and one inside them as the interpreter finalizes aborts
+            # the process. Once the exit began, the hand-over answers (HandOverGate).
+            try:
+                _, result = self._gate.counted(lambda: direct.load(self.engine, lookup, page_ids))
+            except EngineClosed:
+                if not self._gate.exiting:
+                    raise
+                result = None  # the exit's refusal, not a close's: as a hand-over's
             if result is not None:
                 return result
         return self.submit_load(hit, page_ids).result()

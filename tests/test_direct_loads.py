@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "uvloop": uvloop.new_event_loop,
 }
 TOKENS = 8 * PAGE_SIZE
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def background(
@@ -396,3 +401,37 @@ def test_loads_a_thread_queued_before_a_close_are_in_the_close_s_final_figures(
     assert after.completed - before.completed == 2
     assert after.loaded_tokens - before.loaded_tokens == 2 * TOKENS
     assert after.submitted - before.submitted == 2
+
+
+# A daemon thread loading (128 MiB a load, its copies run by that thread) while the main
+# thread returns, the engine never closed.
+_EXIT_MID_LOAD = """
+import threading, time, torch, aiokv
+caches = [torch.randn(256, 2, 16, 8, 128) for _ in range(8)]
+store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.2))
+kv = aiokv.run_in_background(aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0)))
+kv.offload(1, torch.arange(0, 128), 128 * 16)
+loading = threading.Event()
+target = torch.arange(128, 256)  # made here: a torch call of its own in the thread could abort too
+def loads():
+    while True:
+        hit = kv.lookup(1, 128 * 16)
+        loading.set()
+        kv.load(hit, target)
+threading.Thread(target=loads, daemon=True).start()
+loading.wait(30)
+time.sleep(0.1)
+print("exits", flush=True)
+"""
+
+
+def test_a_process_exiting_while_a_thread_loads_exits_cleanly() -> None:
+    # The thread's load ran its torch copies in that thread (aiokv.direct), a daemon the
+    # exit did not wait for: inside them when the interpreter finalized, CPython ended
+    # it there, std::terminate, the process aborted (SIGABRT, 5 runs in 5).
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _EXIT_MID_LOAD], capture_output=True,
+                          text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["exits"], (done.stdout, done.stderr[-2000:])

@@ -342,15 +342,25 @@ class Copier:
     def stop_at_exit(self) -> None:
         """The interpreter exits (:mod:`aiokv.exiting`): the copy thread ends after the job
         it is copying; the jobs queued behind it are left undone, never reported. On a GPU
-        the done thread still waits for the jobs already queued on the device."""
-        self._exiting = True
+        the done thread still waits for the jobs already queued on the device. Callers
+        queue no job of their own any more (:meth:`queue_here` answers None), and the exit
+        waits for those queuing one now (:meth:`join_at_exit`)."""
+        with self._here_lock:  # no caller queues a job of its own from now on
+            self._exiting = True
         self._jobs.put(None)  # wakes an idle copy thread
 
     def join_at_exit(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
+        # Callers' threads queuing a job of their own (queue_here) run the same torch
+        # copies and CUDA calls as the copy thread, as daemons too (a user's loader): one
+        # inside them when the interpreter finalizes aborts the process just the same.
+        with self._here_lock:  # releases the GIL: their calls can return
+            self._here_lock.wait_for(lambda: not self._queuing_here,
+                                     max(0.0, deadline - time.monotonic()))
+            queuing = self._queuing_here
+        return not queuing and not any(thread.is_alive() for thread in self._threads)
 
     def _next_job(self) -> CopyJob | None:
         """The next job; None once closed, or once the interpreter exits."""

@@ -256,8 +256,15 @@ class RecsysCore:
         # (aiokv.direct); a user's error is its own outcome, as on the loop. Behind
         # calls handed to the loop that have not begun (a release), they go through the
         # loop too: they must not overtake those.
-        started = ([None] * len(hits) if self.kv.portal.in_hand() else
-                   direct.start_many(engine, [hit.lookup for hit in hits], page_ids, ready))
+        started: list[direct.Taken | BaseException | None] = [None] * len(hits)
+        if not self.kv.portal.in_hand():
+            # Counted for the interpreter's exit, which waits for it: this thread runs
+            # the copies' torch calls (HandOverGate.counted); once the exit began, the
+            # hop answers them.
+            ran, got = self.kv._gate.counted(lambda: direct.start_many(
+                engine, [hit.lookup for hit in hits], page_ids, ready))
+            if ran and got is not None:
+                started = got
         for at, (hit, pages, one) in enumerate(zip(hits, page_ids, started, strict=True)):
             if one is None:
                 calls.append(_load_call(hit, pages, ready))
