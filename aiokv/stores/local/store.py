@@ -415,6 +415,9 @@ class LocalStore:
         if self._jobs is not None:
             self._jobs.close()
             self._d2h_closed = self._jobs.d2h_copies
+            # The copiers' close reported the loads callers took and nobody waited for:
+            # taken in now (their bytes, their blocks' reads), as nothing polls after.
+            self._ends.collect()
         self._jobs = None
         self._ends.closed = True
         if self._remote is not None:
