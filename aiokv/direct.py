@@ -25,7 +25,10 @@ loop as before: :func:`start_many` answers None for it, and so do the callers wh
 handed to the loop have not begun (``Portal.in_hand``: a release made before must not be
 overtaken). A load taken here has no deadline (it is queued whole at its call, and waits
 for nothing but its copies) and takes no room in the engine's queue. A close waits for
-it: the store's close waits for what was taken.
+it: the store's close waits for what was taken, and the engine's close then finishes the
+loads nobody waited for yet (:class:`TakenGroups`), so that its final figures count them.
+The interpreter's exit waits for a thread queuing one (the handle's HandOverGate), which
+runs torch's copies there.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ exception"). So an ``atexit`` hook, which runs after the non-daemon threads were
 (a user's thread still offloading then works on as usual) and before finalization, has
 every live copier and store thread of this process (and the remote tier's writer and
 reader, which wait in Mooncake's C++ calls, and the shared region's page-table walk, in
-madvise) take no new work and joins it, with a bound.
+madvise) take no new work and joins it, with a bound; and it waits, with the same bound,
+for a user's thread running a load's copies itself (:mod:`aiokv.direct`).
 The engine is not drained (that is its close): jobs and batches not yet begun stay undone,
 and their callers' futures unresolved. ``threading._register_atexit`` would run too early:
 before the non-daemon threads are joined, which may still be using the engine.

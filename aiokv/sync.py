@@ -435,8 +435,9 @@ class BackgroundEngine:
         hop through the loop (:mod:`aiokv.direct`); the result is the same."""
         self._refuse_on_loop("load")
         self._refuse_in_fork()
-        # Not while this thread's calls handed to the loop before wait for their first
-        # step there (a release, an evict): they go first, and so does this load then.
+        # Not while calls handed to the loop before (by any thread: Portal.in_hand) wait
+        # for their first step there (a release, an evict): they go first, and so does
+        # this load then.
         if self._closing is None and not self.portal.in_hand():
             lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
             # Counted for the interpreter's exit, which waits for it: this thread runs the
