@@ -36,13 +36,19 @@ def rig() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     return caches, sources, targets
 
 
+def offloaded(kv: aiokv.BackgroundEngine, caches: list[torch.Tensor],
+              sources: list[torch.Tensor], tokens: int) -> list[list[torch.Tensor]]:
+    """Every user's pages offloaded: what each load must bring back, layer by layer."""
+    for u in range(USERS):
+        kv.offload(u, sources[u], tokens)
+    return [[cache[sources[u]].clone() for cache in caches] for u in range(USERS)]
+
+
 def test_a_load_has_landed_when_it_returns_and_the_callers_next_write_wins() -> None:
     caches, sources, targets = rig()
     tokens = USER_PAGES * PAGE_SIZE
     with aiokv.run_in_background(aiokv.open_engine(CONFIG, kv_caches=caches)) as kv:
-        for u in range(USERS):
-            kv.offload(u, sources[u], tokens)
-        expected = [[cache[sources[u]].clone() for cache in caches] for u in range(USERS)]
+        expected = offloaded(kv, caches, sources, tokens)
         for u in range(USERS):
             hit = kv.lookup(u, tokens)
             before = kv.stats().batches
@@ -63,9 +69,7 @@ def test_threads_loading_at_once_each_get_their_own_bytes() -> None:
     caches, sources, targets = rig()
     tokens = USER_PAGES * PAGE_SIZE
     with aiokv.run_in_background(aiokv.open_engine(CONFIG, kv_caches=caches)) as kv:
-        for u in range(USERS):
-            kv.offload(u, sources[u], tokens)
-        expected = [[cache[sources[u]].clone() for cache in caches] for u in range(USERS)]
+        expected = offloaded(kv, caches, sources, tokens)
         for cache in caches:
             for u in range(USERS):
                 cache[targets[u].long()] = 0

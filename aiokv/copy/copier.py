@@ -326,15 +326,7 @@ class Copier:
         return queued
 
     def _end_here(self, here: Here, queued: _Queued) -> None:
-        try:
-            for event in queued.ends:
-                event.synchronize()  # releases the GIL while it waits
-        except Exception as exc:
-            log.exception("aiokv copy job failed on the GPU")
-            queued.job.error = repr(exc)
-        if queued.job.error is None or not queued.ends:
-            for pool, events in queued.taken:
-                pool.give(events)
+        _ran(queued)
         with self._here_lock:
             self._here.discard(here)
         self._end(queued.job)
@@ -568,19 +560,10 @@ class Copier:
         """Report jobs in the order they were queued, each once it ran on every stream
         (wait D)."""
         while (item := self._queued.get()) is not None:
-            try:
-                for event in item.ends:
-                    event.synchronize()  # releases the GIL while it waits
-            except Exception as exc:
-                log.exception("aiokv copy job failed on the GPU")
-                item.job.error = repr(exc)
+            _ran(item)
             del item.keep
             if item.job.to_host:
                 self._offloads.add(-1)
-            if item.job.error is None or not item.ends:
-                # Ended (or the streams were synchronized): every record of them ran.
-                for pool, events in item.taken:
-                    pool.give(events)
             self._slots.release()
             self._end(item.job)
         # Every job ended and gave its events back (a caller's marks no longer use them).
@@ -622,6 +605,21 @@ class Copier:
                 cache.index_copy_(0, page_index, host.index_select(0, block_index))
                 for m in marks:
                     m.layer_done(layer)
+
+
+def _ran(queued: _Queued) -> None:
+    """Wait D for a queued job: its end events, on every stream (a failure fails the
+    job); then its events back to their pools, where every record of them ran (they
+    ended, or the streams were synchronized)."""
+    try:
+        for event in queued.ends:
+            event.synchronize()  # releases the GIL while it waits
+    except Exception as exc:
+        log.exception("aiokv copy job failed on the GPU")
+        queued.job.error = repr(exc)
+    if queued.job.error is None or not queued.ends:
+        for pool, events in queued.taken:
+            pool.give(events)
 
 
 # A dtype's bytes as a signed integer of its size: torch's CPU index ops lack some dtypes
