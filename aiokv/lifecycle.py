@@ -116,8 +116,7 @@ def claim_store(store: Store) -> None:
                 "store",
                 f"{type(store).__name__} at {id(store):#x} is already registered with a "
                 "running engine (or a closed one's store thread, left to end on its own, "
-                "still runs); give each engine a store of its own (or close the first "
-                "engine before starting the next on it)",
+                "still runs); give each engine a store of its own",
             )
         _in_use[id(store)] = store
 

@@ -510,6 +510,21 @@ async def test_one_store_handed_to_two_engines_is_refused(caches: list[torch.Ten
 
 
 @pytest.mark.asyncio
+async def test_an_embedded_store_closed_with_its_engine_is_refused_by_the_next(
+    caches: list[torch.Tensor],
+) -> None:
+    # The close released its tiers: a second engine on it stored, and every lookup then
+    # missed. It is refused at start instead, naming the store.
+    store = small_store()
+    async with aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0)) as first:
+        assert (await first.offload("u", pages(0), TOKENS)).stored_tokens == TOKENS
+    second = aiokv.OffloadEngine(store, make_caches(seed=1), aiokv.EngineConfig(window_us=0))
+    with pytest.raises(aiokv.ConfigError, match=r"store: LocalStore at .* was closed"):
+        await second.start()
+    await second.aclose()
+
+
+@pytest.mark.asyncio
 async def test_a_store_whose_closed_engine_left_its_thread_running_is_refused_until_it_ends(
     caches: list[torch.Tensor],
 ) -> None:

@@ -98,6 +98,12 @@ class LocalStore:
         if self._jobs is not None:
             # A second copy thread and pool would orphan every task of the first.
             raise RuntimeError("LocalStore.register() was already called")
+        if self._closing:
+            # Its tiers went with the close: a second engine would store into a pool
+            # whose ends it never takes in (it stored, and every lookup missed).
+            raise ConfigError(
+                "store", f"LocalStore at {id(self):#x} was closed (with the engine that "
+                "closed it): give the next engine a new store")
         first = kv_caches[0]
         page_size = int(first.shape[2])
         if self.page_size and self.page_size != page_size:
