@@ -62,21 +62,35 @@ class TakenGroups:
     drain's would be, whenever (or whether) their callers wait."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._open: set[_Group] = set()
+        # Threads queuing a group's copies now (take_loads called, the group not yet
+        # added): the close waits for them, or it would miss a group the store's close
+        # ran the copies of (its thread preempted before it added it).
+        self._opening = 0
 
-    def add(self, group: _Group) -> None:
+    def opening(self) -> None:
+        """A thread is about to queue a group's copies (before ``take_loads``)."""
         with self._lock:
-            self._open.add(group)
+            self._opening += 1
+
+    def opened(self, group: _Group | None) -> None:
+        """Its copies queued (``group``), or none were (None); once after :meth:`opening`."""
+        with self._lock:
+            self._opening -= 1
+            if group is not None:
+                self._open.add(group)
+            self._lock.notify_all()
 
     def discard(self, group: _Group) -> None:
         with self._lock:
             self._open.discard(group)
 
     def finish_all(self) -> None:
-        """Any thread but the loop's (each waits for its copies): each group finished,
-        its counts handed to the loop."""
+        """Any thread but the loop's (each waits for its copies), once the store's close
+        began (no more are taken): each group finished, its counts handed to the loop."""
         with self._lock:
+            self._lock.wait_for(lambda: not self._opening)
             groups = list(self._open)
         for group in groups:
             group.finish()
@@ -94,23 +108,27 @@ class _Group:
         self._finished = False
 
     def finish(self) -> None:
+        # All of it under the lock: a second finisher (the close's) returns only once the
+        # counts were handed to the loop, which the close's final figures take in next.
         with self._lock:
             if self._finished:
                 return
             self._finished = True
             outcomes = [member._finish() for member in self._members]
-        self._engine._taken_loads.discard(self)
-        # The store thread forgets the reservations, and takes the copies' end in: one
-        # hand-over for them all (one store call), not one each.
-        worker = self._engine._worker
-        back = [m._reservation.task_id for m in self._members if m._reservation.detach()]
-        if back and worker is not None:
-            worker.release(back)
-        latency_s = time.perf_counter() - self._started
-        loop, stats = self._engine._loop, self._engine._stats
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop closed: the counts are final
-                loop.call_soon_threadsafe(_count, stats, outcomes, latency_s)
+            # The store thread forgets the reservations, and takes the copies' end in:
+            # one hand-over for them all (one store call), not one each.
+            worker = self._engine._worker
+            back = [m._reservation.task_id for m in self._members
+                    if m._reservation.detach()]
+            if back and worker is not None:
+                worker.release(back)
+            latency_s = time.perf_counter() - self._started
+            loop, stats = self._engine._loop, self._engine._stats
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # a closed loop: the counts are final
+                    loop.call_soon_threadsafe(_count, stats, outcomes, latency_s)
+            # Last: the close's finish_all, which found it open, waits for all of the above.
+            self._engine._taken_loads.discard(self)
 
 
 def _count(stats: StatsRecorder, outcomes: list[LoadResult | BaseException],
@@ -218,10 +236,13 @@ def start_many(
         return answers
     if ready is None and engine._on_gpu:
         ready = caller_event(engine._device)
+    groups = engine._taken_loads
+    groups.opening()
     try:
         queued = store.take_loads([t._reservation.task_id for _, t, _ in taking],
                                   [ids for _, _, ids in taking], ready)
     except BaseException as exc:
+        groups.opened(None)
         for at, taken, _ in taking:
             taken._hit._settle(loaded=False)
             taken._reservation.release()
@@ -232,7 +253,7 @@ def start_many(
     for (at, taken, _), one in zip(taking, queued, strict=True):
         taken._taken = one
         answers[at] = taken
-    engine._taken_loads.add(group)  # the close finishes it where nobody waited first
+    groups.opened(group)  # the close finishes it where nobody waited first
     return answers
 
 

@@ -457,3 +457,98 @@ def test_bytes_a_thread_loaded_before_a_close_are_in_the_store_s_final_figures(
     assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS, TOKENS]
     block_bytes = sum(c[0].numel() * c.element_size() for c in caches)
     assert store.store_stats()["bytes_h2d"] == 2 * 8 * block_bytes
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_loads_a_thread_queued_as_a_close_began_are_in_the_close_s_final_figures(
+        loop: str) -> None:
+    # A recsys load whose copies were queued (take_loads returned) just before a close
+    # began, its thread not yet back in the engine: the close must still count it in its
+    # final figures, as it counts the loads queued before it (nobody else can: the loop
+    # is gone by the time that thread waits).
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    caches = make_caches()
+    store = small_store()
+    core = RecsysCore(background(caches, loop, store))
+    users = [1, 2]
+    core.offload(users, [source(u) for u in users], [TOKENS] * 2).outcomes()
+    hits = core.lookup(users, [TOKENS] * 2)
+    before = core.kv.stats()
+    queued, go = threading.Event(), threading.Event()
+    take_loads = store.take_loads
+
+    def take_then_pause(*args: object, **kwargs: object) -> object:
+        taken = take_loads(*args, **kwargs)  # type: ignore[arg-type]
+        queued.set()
+        go.wait(10)  # the thread is preempted here while the close runs
+        return taken
+
+    store.take_loads = take_then_pause  # type: ignore[method-assign, assignment]
+    got: list[object] = []
+    loader = threading.Thread(target=lambda: got.append(
+        core.load(hits, [target(u) for u in users]).outcomes()))
+    loader.start()
+    try:
+        assert queued.wait(10)
+        closer = threading.Thread(target=core.close)
+        closer.start()
+        closer.join(1.0)  # the close ends without that thread, or waits for it
+    finally:
+        go.set()
+    loader.join(10)
+    closer.join(10)
+    assert not loader.is_alive() and not closer.is_alive()
+    (outcomes,) = got
+    assert [r.loaded_tokens for r in outcomes] == [TOKENS, TOKENS]  # type: ignore[attr-defined]
+    assert same(caches, source(1), target(1)) and same(caches, source(2), target(2))
+    after = core.kv.stats()
+    assert after.completed - before.completed == 2
+    assert after.loaded_tokens - before.loaded_tokens == 2 * TOKENS
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_loads_a_thread_was_finishing_as_a_close_ran_are_in_the_close_s_final_figures(
+        loop: str) -> None:
+    # A thread waiting for its recsys loads as the close runs: the close finds them
+    # finished by that thread, whose counts must still reach the figures before they are
+    # final (the loop then takes no more).
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    caches = make_caches()
+    core = RecsysCore(background(caches, loop))
+    users = [1, 2]
+    core.offload(users, [source(u) for u in users], [TOKENS] * 2).outcomes()
+    hits = core.lookup(users, [TOKENS] * 2)
+    before = core.kv.stats()
+    pending = core.load(hits, [target(u) for u in users])
+    worker = core.kv.engine._worker
+    assert worker is not None
+    release = worker.release
+    finishing, go = threading.Event(), threading.Event()
+
+    def paused_release(task_ids: object) -> None:
+        if threading.current_thread() is loader:
+            finishing.set()
+            go.wait(10)  # the thread is preempted here while the close runs
+        release(task_ids)  # type: ignore[arg-type]
+
+    worker.release = paused_release  # type: ignore[method-assign, assignment]
+    got: list[object] = []
+    loader = threading.Thread(target=lambda: got.append(pending.outcomes()))
+    loader.start()
+    try:
+        assert finishing.wait(10)
+        closer = threading.Thread(target=core.close)
+        closer.start()
+        closer.join(1.0)  # the close ends without that thread, or waits for it
+    finally:
+        go.set()
+    loader.join(10)
+    closer.join(10)
+    assert not loader.is_alive() and not closer.is_alive()
+    (outcomes,) = got
+    assert [r.loaded_tokens for r in outcomes] == [TOKENS, TOKENS]  # type: ignore[attr-defined]
+    after = core.kv.stats()
+    assert after.completed - before.completed == 2
+    assert after.loaded_tokens - before.loaded_tokens == 2 * TOKENS
