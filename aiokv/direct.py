@@ -233,6 +233,11 @@ def start_many(
             continue
         taking.append((at, taken, ids))
     if not taking:
+        # Misses only (given back by an evict or clear): nothing to wait for, so they are
+        # finished and counted now, while the loop takes counts; a close would not find
+        # a group that queued no copies, and a wait after it could count them nowhere.
+        if group._members:
+            group.finish()
         return answers
     if ready is None and engine._on_gpu:
         ready = caller_event(engine._device)
@@ -247,6 +252,12 @@ def start_many(
             taken._hit._settle(loaded=False)
             taken._reservation.release()
             answers[at] = exc
+        # The misses among them (given back by an evict or clear) are answered and
+        # counted as such, now (as above).
+        failed = {id(taken) for _, taken, _ in taking}
+        group._members = [m for m in group._members if id(m) not in failed]
+        if group._members:
+            group.finish()
         if not isinstance(exc, Exception):
             raise
         return answers

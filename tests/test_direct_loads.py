@@ -552,3 +552,58 @@ def test_loads_a_thread_was_finishing_as_a_close_ran_are_in_the_close_s_final_fi
     after = core.kv.stats()
     assert after.completed - before.completed == 2
     assert after.loaded_tokens - before.loaded_tokens == 2 * TOKENS
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_recsys_load_an_evict_made_a_miss_meanwhile_is_in_the_close_s_final_figures(
+        loop: str) -> None:
+    # A recsys load that found its hit given back by an evict running meanwhile (marked
+    # on the store thread, not yet cancelled there) answers the miss it is; waited for
+    # only after a close, it must still be counted in the close's final figures, as a
+    # load the close found queued is.
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    caches = make_caches()
+    store = small_store()
+    marked, loaded = threading.Event(), threading.Event()
+    armed = [True]
+    cancel = store.cancel
+
+    def slow_cancel(task_ids: list[int]) -> None:
+        if armed[0] and task_ids:
+            armed[0] = False
+            marked.set()
+            loaded.wait(10)
+        cancel(task_ids)
+
+    takes_load = store.takes_load
+    checked = threading.Event()
+
+    def late_takes_load(task_id: int) -> bool:
+        # The loader passed the engine's checks before the evict was made; it goes on
+        # once the evict marked the hit.
+        checked.set()
+        assert marked.wait(10)
+        return takes_load(task_id)
+
+    core = RecsysCore(background(caches, loop, store))
+    core.offload([5], [source(5)], [TOKENS]).outcomes()
+    (hit,) = core.lookup([5], [TOKENS])
+    assert hit is not None
+    before = core.kv.stats()
+    store.cancel = slow_cancel  # type: ignore[method-assign]
+    store.takes_load = late_takes_load  # type: ignore[method-assign]
+    pendings: list[object] = []
+    loader = threading.Thread(target=lambda: pendings.append(core.load([hit], [target(5)])))
+    loader.start()
+    assert checked.wait(10)
+    evicted = core.kv.submit_evict(5)
+    loader.join(10)
+    loaded.set()
+    assert evicted.result(10) == TOKENS
+    core.close()
+    (pending,) = pendings
+    outcomes = pending.outcomes()  # type: ignore[attr-defined]
+    assert [r.loaded_tokens for r in outcomes] == [0]
+    after = core.kv.stats()
+    assert after.completed - before.completed == 1
