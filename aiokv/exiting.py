@@ -50,6 +50,12 @@ class StopsAtExit(Protocol):
 # Weak: an engine dropped (or closed) is no business of the exit.
 _live: weakref.WeakSet[StopsAtExit] = weakref.WeakSet()
 
+# The exit hook began: every HandOverGate refuses from then on, not only once its own
+# handle was told (the owners are told one after another, in no set order: a copier told
+# before the handle refuses a thread's own load with EngineClosed, which the thread, a
+# daemon, must not hear).
+_began = False
+
 
 def stop_at_exit(owner: StopsAtExit) -> None:
     """Have ``owner``'s threads stopped at the interpreter's exit, if still running."""
@@ -61,12 +67,16 @@ def _forget_in_child() -> None:
     # a thread gone with the fork may hold: stopping them at the child's exit could wait
     # for ever. The child's own engines (it must open its own) register anew.
     _live.clear()
+    global _began
+    _began = False  # the child's own exit, if this fork came from an exiting thread
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _at_exit() -> None:
+    global _began
+    _began = True  # before any owner is told: see _began
     owners = list(_live)
     for owner in owners:  # all told first: they stop together, not one after another
         owner.stop_at_exit()
@@ -88,15 +98,21 @@ class HandOverGate:
 
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
-        self.exiting = False
+        self._exiting = False
         self.parked = threading.Event()  # the loop thread runs nothing more
         self._handing = 0  # calls taking their ready event and page ids (torch work)
         self._hands_free = threading.Condition(lock)
         self._never_run: list[object] = []
 
+    @property
+    def exiting(self) -> bool:
+        """Whether the interpreter's exit began (this gate closed, or the exit hook began
+        telling the owners: see ``_began``)."""
+        return self._exiting or _began
+
     def close(self) -> None:
         with self._lock:
-            self.exiting = True
+            self._exiting = True
 
     def refused(self, calls: Sequence[object]) -> list[concurrent.futures.Future[Any]] | None:
         """Under the handle's lock: None while the interpreter runs on; else the futures

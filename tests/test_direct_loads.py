@@ -607,3 +607,47 @@ def test_a_recsys_load_an_evict_made_a_miss_meanwhile_is_in_the_close_s_final_fi
     assert [r.loaded_tokens for r in outcomes] == [0]
     after = core.kv.stats()
     assert after.completed - before.completed == 1
+
+
+# A daemon thread's recsys load made as the exit begins: its copier (the store's last)
+# stops taking jobs before the thread queues them.
+_EXIT_AS_RECSYS_LOADS = """
+import threading, torch, aiokv
+from aiokv.integrations.recsys_core import RecsysCore
+caches = [torch.randn(256, 2, 16, 8, 16) for _ in range(2)]
+store = aiokv.LocalStore(aiokv.StoreConfig(cpu_cache_gb=0.05))
+core = RecsysCore(aiokv.run_in_background(
+    aiokv.OffloadEngine(store, caches, aiokv.EngineConfig(window_us=0))))
+core.offload([1], [torch.arange(0, 8)], [8 * 16]).outcomes()
+(hit,) = core.lookup([1], [8 * 16])
+target = torch.arange(128, 136)
+copier = store._jobs._in
+stop_at_exit, takes_load = copier.stop_at_exit, store.takes_load
+checking, exiting = threading.Event(), threading.Event()
+def stopped() -> None:
+    stop_at_exit()
+    exiting.set()
+def late(task_id):
+    checking.set()
+    exiting.wait(30)
+    return takes_load(task_id)
+copier.stop_at_exit, store.takes_load = stopped, late
+def loads():
+    print("outcome", core.load([hit], [target]).outcomes(), flush=True)
+threading.Thread(target=loads, daemon=True).start()
+checking.wait(30)
+print("exits", flush=True)
+"""
+
+
+def test_a_recsys_load_made_as_the_process_exits_gets_no_error_in_its_daemon_thread() -> None:
+    # As the exit begins, a hand-over of a thread other than the main one gets a future
+    # that never resolves (exiting.HandOverGate): a daemon thread told an error might go
+    # on calling into torch while the interpreter finalizes. The recsys load whose thread
+    # queues the copies itself answered EngineClosed ("the interpreter exits") instead.
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _EXIT_AS_RECSYS_LOADS], capture_output=True,
+                          text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["exits"], (done.stdout, done.stderr[-2000:])

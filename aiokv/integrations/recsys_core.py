@@ -264,6 +264,10 @@ class RecsysCore:
             ran, got = self.kv._gate.counted(lambda: direct.start_many(
                 engine, [hit.lookup for hit in hits], page_ids, ready))
             if ran and got is not None:
+                if self.kv._gate.exiting:
+                    # The exit's refusal (the copier stopped taking jobs), not a close's:
+                    # the hop answers them as any hand-over once the exit began.
+                    got = [None if isinstance(one, EngineClosed) else one for one in got]
                 started = got
         for at, (hit, pages, one) in enumerate(zip(hits, page_ids, started, strict=True)):
             if one is None:
