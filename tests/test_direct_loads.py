@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -217,13 +218,10 @@ def test_a_close_while_threads_load_answers_each_load_whole_or_refused(loop: str
     assert len(loaded) >= sum(1 for got in outcomes if got == TOKENS)
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_a_hit_that_reads_evicted_loads_nothing_while_the_store_gives_it_back(
-        loop: str) -> None:
-    # The store thread marks the key's reservations evicted, then gives them back to the
-    # store (its cancel): a load made in between, of a Lookup that already reads
-    # evicted, must load nothing (a miss, as through the loop), never the evicted KV.
-    store = small_store()
+def held_cancel(store: aiokv.LocalStore) -> tuple[threading.Event, threading.Event]:
+    """The store's next cancel of some task (an evict giving its key's reservations
+    back, after it marked them) held: (``marked``, set once it is held; ``loaded``, set
+    by the test to let it go on)."""
     marked, loaded = threading.Event(), threading.Event()
     armed = [True]
     cancel = store.cancel
@@ -236,6 +234,17 @@ def test_a_hit_that_reads_evicted_loads_nothing_while_the_store_gives_it_back(
         cancel(task_ids)
 
     store.cancel = slow_cancel  # type: ignore[method-assign]
+    return marked, loaded
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_hit_that_reads_evicted_loads_nothing_while_the_store_gives_it_back(
+        loop: str) -> None:
+    # The store thread marks the key's reservations evicted, then gives them back to the
+    # store (its cancel): a load made in between, of a Lookup that already reads
+    # evicted, must load nothing (a miss, as through the loop), never the evicted KV.
+    store = small_store()
+    marked, loaded = held_cancel(store)
     caches = make_caches()
     with background(caches, loop, store=store) as kv:
         kv.offload(5, source(5), TOKENS)
@@ -425,16 +434,22 @@ print("exits", flush=True)
 """
 
 
+def exits_cleanly(script: str) -> None:
+    """``script`` in a process of its own: it exits with 0, having printed only "exits"
+    (no abort, no outcome its daemon thread should never have been told)."""
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["exits"], (done.stdout, done.stderr[-2000:])
+
+
 def test_a_process_exiting_while_a_thread_loads_exits_cleanly() -> None:
     # The thread's load ran its torch copies in that thread (aiokv.direct), a daemon the
     # exit did not wait for: inside them when the interpreter finalized, CPython ended
     # it there, std::terminate, the process aborted (SIGABRT, 5 runs in 5).
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _EXIT_MID_LOAD], capture_output=True,
-                          text=True, timeout=120, env=env, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["exits"], (done.stdout, done.stderr[-2000:])
+    exits_cleanly(_EXIT_MID_LOAD)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -457,6 +472,32 @@ def test_bytes_a_thread_loaded_before_a_close_are_in_the_store_s_final_figures(
     assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS, TOKENS]
     block_bytes = sum(c[0].numel() * c.element_size() for c in caches)
     assert store.store_stats()["bytes_h2d"] == 2 * 8 * block_bytes
+
+
+def closed_while_held(core: Any, loader: threading.Thread, held: threading.Event,
+                      go: threading.Event, got: list[Any]) -> Any:
+    """Start ``loader``; once it is ``held``, close ``core`` from a thread of its own,
+    then let the loader go on (``go``): neither hangs; the loader's outcomes."""
+    loader.start()
+    try:
+        assert held.wait(10)
+        closer = threading.Thread(target=core.close)
+        closer.start()
+        closer.join(1.0)  # the close ends without that thread, or waits for it
+    finally:
+        go.set()
+    loader.join(10)
+    closer.join(10)
+    assert not loader.is_alive() and not closer.is_alive()
+    (outcomes,) = got
+    return outcomes
+
+
+def counted(core: Any, before: aiokv.EngineStats, loads: int) -> None:
+    """The close's final figures hold ``loads`` more completed loads of TOKENS each."""
+    after = core.kv.stats()
+    assert after.completed - before.completed == loads
+    assert after.loaded_tokens - before.loaded_tokens == loads * TOKENS
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -488,23 +529,10 @@ def test_loads_a_thread_queued_as_a_close_began_are_in_the_close_s_final_figures
     got: list[object] = []
     loader = threading.Thread(target=lambda: got.append(
         core.load(hits, [target(u) for u in users]).outcomes()))
-    loader.start()
-    try:
-        assert queued.wait(10)
-        closer = threading.Thread(target=core.close)
-        closer.start()
-        closer.join(1.0)  # the close ends without that thread, or waits for it
-    finally:
-        go.set()
-    loader.join(10)
-    closer.join(10)
-    assert not loader.is_alive() and not closer.is_alive()
-    (outcomes,) = got
+    outcomes = closed_while_held(core, loader, queued, go, got)
     assert [r.loaded_tokens for r in outcomes] == [TOKENS, TOKENS]  # type: ignore[attr-defined]
     assert same(caches, source(1), target(1)) and same(caches, source(2), target(2))
-    after = core.kv.stats()
-    assert after.completed - before.completed == 2
-    assert after.loaded_tokens - before.loaded_tokens == 2 * TOKENS
+    counted(core, before, loads=2)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -536,22 +564,9 @@ def test_loads_a_thread_was_finishing_as_a_close_ran_are_in_the_close_s_final_fi
     worker.release = paused_release  # type: ignore[method-assign, assignment]
     got: list[object] = []
     loader = threading.Thread(target=lambda: got.append(pending.outcomes()))
-    loader.start()
-    try:
-        assert finishing.wait(10)
-        closer = threading.Thread(target=core.close)
-        closer.start()
-        closer.join(1.0)  # the close ends without that thread, or waits for it
-    finally:
-        go.set()
-    loader.join(10)
-    closer.join(10)
-    assert not loader.is_alive() and not closer.is_alive()
-    (outcomes,) = got
+    outcomes = closed_while_held(core, loader, finishing, go, got)
     assert [r.loaded_tokens for r in outcomes] == [TOKENS, TOKENS]  # type: ignore[attr-defined]
-    after = core.kv.stats()
-    assert after.completed - before.completed == 2
-    assert after.loaded_tokens - before.loaded_tokens == 2 * TOKENS
+    counted(core, before, loads=2)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -565,17 +580,6 @@ def test_a_recsys_load_an_evict_made_a_miss_meanwhile_is_in_the_close_s_final_fi
 
     caches = make_caches()
     store = small_store()
-    marked, loaded = threading.Event(), threading.Event()
-    armed = [True]
-    cancel = store.cancel
-
-    def slow_cancel(task_ids: list[int]) -> None:
-        if armed[0] and task_ids:
-            armed[0] = False
-            marked.set()
-            loaded.wait(10)
-        cancel(task_ids)
-
     takes_load = store.takes_load
     checked = threading.Event()
 
@@ -591,7 +595,7 @@ def test_a_recsys_load_an_evict_made_a_miss_meanwhile_is_in_the_close_s_final_fi
     (hit,) = core.lookup([5], [TOKENS])
     assert hit is not None
     before = core.kv.stats()
-    store.cancel = slow_cancel  # type: ignore[method-assign]
+    marked, loaded = held_cancel(store)
     store.takes_load = late_takes_load  # type: ignore[method-assign]
     pendings: list[object] = []
     loader = threading.Thread(target=lambda: pendings.append(core.load([hit], [target(5)])))
@@ -605,8 +609,7 @@ def test_a_recsys_load_an_evict_made_a_miss_meanwhile_is_in_the_close_s_final_fi
     (pending,) = pendings
     outcomes = pending.outcomes()  # type: ignore[attr-defined]
     assert [r.loaded_tokens for r in outcomes] == [0]
-    after = core.kv.stats()
-    assert after.completed - before.completed == 1
+    assert core.kv.stats().completed - before.completed == 1
 
 
 # A daemon thread's recsys load made as the exit begins: its copier (the store's last)
@@ -645,9 +648,4 @@ def test_a_recsys_load_made_as_the_process_exits_gets_no_error_in_its_daemon_thr
     # that never resolves (exiting.HandOverGate): a daemon thread told an error might go
     # on calling into torch while the interpreter finalizes. The recsys load whose thread
     # queues the copies itself answered EngineClosed ("the interpreter exits") instead.
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _EXIT_AS_RECSYS_LOADS], capture_output=True,
-                          text=True, timeout=120, env=env, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["exits"], (done.stdout, done.stderr[-2000:])
+    exits_cleanly(_EXIT_AS_RECSYS_LOADS)
