@@ -30,7 +30,8 @@ import torch
 from ..errors import InvalidRequest
 from ..handles import BackgroundLookup
 from ..open import ConfigSource
-from .recsys_core import PendingCalls, RecsysCore
+from .pending import PendingCalls
+from .recsys_core import RecsysCore
 from .recsys_math import (
     offload_lengths,
     succeeded,
