@@ -360,7 +360,6 @@ class BackgroundEngine:
         self._refuse_in_fork()
         lookup = hit.lookup if isinstance(hit, BackgroundLookup) else hit
         ready, ids = self._handed(page_ids)
-
         return self._submit(lambda: self.engine.load(lookup, ids, _ready_event=ready))
 
     def submit_load_layerwise(
@@ -432,7 +431,9 @@ class BackgroundEngine:
     def load(self, hit: BackgroundLookup | Lookup, page_ids: torch.Tensor) -> LoadResult:
         """``await engine.load(...)``, blocking this thread. Where the hit's pages are all
         on the host of the embedded store, this thread queues the copies itself, with no
-        hop through the loop (:mod:`aiokv.direct`); the result is the same."""
+        hop through the loop (:mod:`aiokv.direct`): the same bytes and result, but it
+        takes no room in the engine's queue and has no deadline (never Overloaded, never
+        RequestTimeout)."""
         self._refuse_on_loop("load")
         self._refuse_in_fork()
         # Not while calls handed to the loop before (by any thread: Portal.in_hand) wait
