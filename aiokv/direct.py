@@ -113,8 +113,10 @@ class _Group:
         with self._lock:
             if self._finished:
                 return
-            self._finished = True
+            # Finished once every member is: one interrupted (a KeyboardInterrupt in its
+            # wait) leaves the group to the next finisher, not finished with no results.
             outcomes = [member._finish() for member in self._members]
+            self._finished = True
             # The store thread forgets the reservations, and takes the copies' end in:
             # one hand-over for them all (one store call), not one each.
             worker = self._engine._worker
