@@ -64,13 +64,14 @@ class TakenGroups:
     def __init__(self) -> None:
         self._lock = threading.Condition()
         self._open: set[_Group] = set()
-        # Threads queuing a group's copies now (take_loads called, the group not yet
-        # added): the close waits for them, or it would miss a group the store's close
-        # ran the copies of (its thread preempted before it added it).
+        # Threads in start_many now (past its running check or about to be, a group's
+        # copies perhaps queued and not yet added, or its misses being counted): the
+        # close waits for them, or it would miss a group the store's close ran the copies
+        # of (its thread preempted before it added it), or misses counted after it.
         self._opening = 0
 
     def opening(self) -> None:
-        """A thread is about to queue a group's copies (before ``take_loads``)."""
+        """A thread enters start_many (before its running check)."""
         with self._lock:
             self._opening += 1
 
@@ -195,6 +196,22 @@ def start_many(
     store = engine._store
     if not isinstance(store, TakesLoads):
         return [None] * len(hits)
+    groups = engine._taken_loads
+    # Known to the close before the running check: its finish_all waits for this thread,
+    # whatever it queues or finishes here (misses an evict gave back are counted at the
+    # call), or the close's final figures would miss loads it answers afterwards.
+    groups.opening()
+    opened: list[_Group] = []  # the group whose copies were queued, for the close
+    try:
+        return _start_many(engine, store, hits, pages, ready, opened)
+    finally:
+        groups.opened(opened[0] if opened else None)
+
+
+def _start_many(
+    engine: OffloadEngine, store: TakesLoads, hits: Sequence[Lookup], pages: Sequence[Any],
+    ready: Any, opened: list[_Group],
+) -> list[Taken | BaseException | None]:
     if engine._state is not EngineState.RUNNING or engine._loop is None:
         closed = EngineClosed(f"engine is {engine._state.value}")
         return [closed] * len(hits)
@@ -243,13 +260,10 @@ def start_many(
         return answers
     if ready is None and engine._on_gpu:
         ready = caller_event(engine._device)
-    groups = engine._taken_loads
-    groups.opening()
     try:
         queued = store.take_loads([t._reservation.task_id for _, t, _ in taking],
                                   [ids for _, _, ids in taking], ready)
     except BaseException as exc:
-        groups.opened(None)
         for at, taken, _ in taking:
             taken._hit._settle(loaded=False)
             taken._reservation.release()
@@ -263,10 +277,10 @@ def start_many(
         if not isinstance(exc, Exception):
             raise
         return answers
+    opened.append(group)  # the close finishes it where nobody waited first
     for (at, taken, _), one in zip(taking, queued, strict=True):
         taken._taken = one
         answers[at] = taken
-    groups.opened(group)  # the close finishes it where nobody waited first
     return answers
 
 

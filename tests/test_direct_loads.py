@@ -649,3 +649,64 @@ def test_a_recsys_load_made_as_the_process_exits_gets_no_error_in_its_daemon_thr
     # on calling into torch while the interpreter finalizes. The recsys load whose thread
     # queues the copies itself answered EngineClosed ("the interpreter exits") instead.
     exits_cleanly(_EXIT_AS_RECSYS_LOADS)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_recsys_miss_its_thread_was_finishing_as_a_close_ran_is_in_its_final_figures(
+        loop: str) -> None:
+    # A recsys load whose hit an evict gave back meanwhile is a miss, finished and
+    # counted by its thread at the call; a close running while that thread finishes it
+    # must still count it in its final figures (the loop takes no counts after).
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    caches = make_caches()
+    store = small_store()
+    takes_load = store.takes_load
+    checked = threading.Event()
+
+    def late_takes_load(task_id: int) -> bool:
+        checked.set()
+        assert marked.wait(10)
+        return takes_load(task_id)
+
+    core = RecsysCore(background(caches, loop, store))
+    core.offload([5], [source(5)], [TOKENS]).outcomes()
+    (hit,) = core.lookup([5], [TOKENS])
+    assert hit is not None
+    before = core.kv.stats()
+    marked, loaded = held_cancel(store)
+    store.takes_load = late_takes_load  # type: ignore[method-assign]
+    worker = core.kv.engine._worker
+    assert worker is not None
+    release = worker.release
+    finishing, go = threading.Event(), threading.Event()
+
+    def paused_release(task_ids: object) -> None:
+        if threading.current_thread() is loader:
+            finishing.set()
+            go.wait(10)  # the thread is preempted here while the close runs
+        release(task_ids)  # type: ignore[arg-type]
+
+    worker.release = paused_release  # type: ignore[method-assign, assignment]
+    got: list[object] = []
+    loader = threading.Thread(target=lambda: got.append(
+        core.load([hit], [target(5)]).outcomes()))
+    loader.start()
+    try:
+        assert checked.wait(10)
+        evicted = core.kv.submit_evict(5)
+        assert finishing.wait(10)  # the miss is being finished by its thread
+        loaded.set()
+        assert evicted.result(10) == TOKENS
+        closer = threading.Thread(target=core.close)
+        closer.start()
+        closer.join(1.0)  # the close ends without that thread, or waits for it
+    finally:
+        loaded.set()
+        go.set()
+    loader.join(10)
+    closer.join(10)
+    assert not loader.is_alive() and not closer.is_alive()
+    (outcomes,) = got
+    assert [r.loaded_tokens for r in outcomes] == [0]  # type: ignore[attr-defined]
+    assert core.kv.stats().completed - before.completed == 1
