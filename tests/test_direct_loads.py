@@ -710,3 +710,43 @@ def test_a_recsys_miss_its_thread_was_finishing_as_a_close_ran_is_in_its_final_f
     (outcomes,) = got
     assert [r.loaded_tokens for r in outcomes] == [0]  # type: ignore[attr-defined]
     assert core.kv.stats().completed - before.completed == 1
+
+
+class Interrupted(BaseException):
+    """What a signal handler raises in the main thread, as KeyboardInterrupt does."""
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_recsys_wait_interrupted_in_its_copies_wait_leaves_the_load_to_the_next_wait(
+        loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A KeyboardInterrupt in the wait for a load's copies (on a GPU the long wait, the
+    # end events): the next wait must still report the load, so that the store ends its
+    # reads of the key's blocks, and an evict then drops them (it kept them for good).
+    from aiokv.copy import copier
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    caches = make_caches()
+    core = RecsysCore(background(caches, loop))
+    core.offload([5], [source(5)], [TOKENS]).outcomes()
+    hits = core.lookup([5], [TOKENS])
+    ran = copier._ran
+    armed = [True]
+
+    def interrupted_once(queued: Any) -> None:
+        if armed[0] and threading.current_thread() is threading.main_thread():
+            armed[0] = False
+            raise Interrupted
+        ran(queued)
+
+    monkeypatch.setattr(copier, "_ran", interrupted_once)
+    try:
+        pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
+        with pytest.raises(Interrupted):
+            pending.outcomes()
+        assert not armed[0]
+        assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
+        assert same(caches, source(5), target(5))
+        assert core.evict([5]) == TOKENS
+        freed(core.kv)
+    finally:
+        core.close()

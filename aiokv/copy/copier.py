@@ -169,9 +169,13 @@ class Here:
         """Wait for the job's copies (the GIL released) and report it; the job, with its
         ``error`` and ``invalid`` set."""
         with self._lock:  # a second waiter waits for the first's report
-            queued, self._queued = self._queued, None
+            queued = self._queued
             if queued is not None:
+                # Forgotten once reported: a wait interrupted in it (a KeyboardInterrupt
+                # as the end events are waited for) leaves the report to the next waiter
+                # (or the close), or the store would never end the job's reads.
                 self._copier._end_here(self, queued)
+                self._queued = None
         return self.job
 
 
@@ -618,7 +622,9 @@ def _ran(queued: _Queued) -> None:
         log.exception("aiokv copy job failed on the GPU")
         queued.job.error = repr(exc)
     if queued.job.error is None or not queued.ends:
-        for pool, events in queued.taken:
+        # Each list given once: a wait interrupted here is made again by the next one.
+        while queued.taken:
+            pool, events = queued.taken.pop(0)
             pool.give(events)
 
 
