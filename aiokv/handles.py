@@ -55,6 +55,11 @@ class BackgroundLookup:
         (a load submitted before the release, from any thread, consumes the hit first),
         once the engine's loop has stopped (closing the engine released it), and in a
         forked child (the reservation is the parent's)."""
+        if not self.lookup.held:
+            # Loaded, released, expired or given back: the loop's release would do
+            # nothing, and handed over it would hold back this engine's thread-queued
+            # loads until it began (aiokv.direct: they never overtake a call in hand).
+            return
         # The loop is closed, and so is the engine; or this is a forked child.
         with contextlib.suppress(RuntimeError):
             self._portal.start([self._release])

@@ -750,3 +750,24 @@ def test_a_recsys_wait_interrupted_in_its_copies_wait_leaves_the_load_to_the_nex
         freed(core.kv)
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_releasing_a_loaded_hit_leaves_the_next_load_to_its_thread(loop: str) -> None:
+    # A release of a hit a load consumed has nothing to give back; handed to the loop
+    # anyway, it would sit there as a call not begun, and a thread's load must not
+    # overtake one: the next load would go through the loop (busy here), a batch of its own.
+    caches = make_caches()
+    with background(caches, loop) as kv:
+        for user in (1, 2):
+            kv.offload(user, source(user), TOKENS)
+        first, second = (kv.lookup(user, TOKENS) for user in (1, 2))
+        kv.load(first, target(1))
+        before = kv.stats()
+        busy = threading.Event()
+        kv.loop.call_soon_threadsafe(lambda: (busy.set(), time.sleep(0.5)))
+        assert busy.wait(10)
+        first.release()  # loaded: nothing to give back
+        result = kv.load(second, target(2))
+        assert result.loaded_tokens == TOKENS and same(caches, source(2), target(2))
+        assert kv.stats().batches == before.batches
