@@ -41,6 +41,19 @@ pytestmark = needs_mooncake()
 SLOW_MS = 5000
 
 
+def short_rests(monkeypatch: pytest.MonkeyPatch, rest_s: float = 0.5) -> None:
+    """A tier that failed a call rests ``rest_s`` at most (timeout_ms, doubling, else):
+    a test that restarts the master waits for its hosts to see the new one, and how long
+    they rest is not what it checks."""
+    rest = remote_connection.Connection.rest
+
+    def shortened(self: remote_connection.Connection, what: str, detail: object) -> None:
+        rest(self, what, detail)
+        self._retry_at = min(self._retry_at, time.monotonic() + rest_s)
+
+    monkeypatch.setattr(remote_connection.Connection, "rest", shortened)
+
+
 def test_an_evict_from_a_host_that_missed_earlier_evicts_ends_what_is_served_now(
         mooncake: MooncakeServers, monkeypatch: pytest.MonkeyPatch) -> None:
     # A evicts the user once and offloads it again: those blocks belong to the generation
@@ -756,6 +769,7 @@ def test_a_write_offered_before_a_master_restart_never_serves_what_an_evict_ende
     # generation: every host read bytes from before B's evict, and B's offload of the key
     # after it (v2) could not replace them (a put keeps the first value).
     user = 1861
+    short_rests(monkeypatch)
     with MooncakeServers(16, log_dir=tmp_path) as servers:
         a = LocalHost(servers.master)
         b = LocalHost(servers.master, timeout_ms=SLOW_MS)
@@ -848,6 +862,7 @@ def test_a_write_that_crossed_a_master_restart_is_removed_from_the_new_master(
     user, other = 1901, 1902
     keys = Keys(geometry_tag((LAYERS, 2, PAGE_SIZE, HEADS, HEAD_DIM), torch.float32, PAGE_SIZE))
     digests = chain_digests(torch.arange(TOKENS).numpy(), PAGE_SIZE)
+    short_rests(monkeypatch)
     with MooncakeServers(16, log_dir=tmp_path) as servers:
         bare = _bare(servers.master)
         a = LocalHost(servers.master, timeout_ms=SLOW_MS)
