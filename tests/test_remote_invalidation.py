@@ -20,7 +20,7 @@ import torch
 from conftest import Gate, failing_first_call, held, needs_mooncake, offers_once_learned
 from prometheus_client import CollectorRegistry
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE
-from remote_local import TOKENS, USER_PAGES, LocalHost, until
+from remote_local import TOKENS, USER_PAGES, LocalHost, close_woken, until
 
 import aiokv.metrics
 from aiokv.remote import connection as remote_connection
@@ -464,7 +464,7 @@ def test_a_full_mooncake_keeps_the_boot_id_and_the_markers_an_evict_hides_old_by
                 c.close()
         finally:
             a.close()
-            bare.close()
+            close_woken(bare)
 
 
 def _versions(host: LocalHost, user: int, loaded: int) -> list[str]:
@@ -672,7 +672,7 @@ def test_an_evict_by_a_host_of_the_key_layout_before_the_boot_id_ends_the_key_he
         marker = f"aiokv1/{geometry}/{namespace_tag([f'uid:{user}'])}/evicted/0"
         assert bare.put(marker, b"1") == 0
     finally:
-        bare.close()
+        close_woken(bare)
     c = LocalHost(mooncake.master, timeout_ms=SLOW_MS)
     try:
         assert c.load(user)[0] == 0
@@ -876,7 +876,7 @@ def test_a_write_that_crossed_a_master_restart_is_removed_from_the_new_master(
             assert put.entered.wait(60), "the writer did not take the put"
             old_boot = bytes(bare.get(keys.boot_key())).decode()
             late = keys.blocks(old_boot, namespace_tag([f"uid:{user}"]), 0, 0, digests)
-            bare.close()  # a client of the old master does not answer for the new one
+            close_woken(bare)  # a client of the old master does not answer for the new one
             with caplog.at_level(logging.WARNING, logger="aiokv"):
                 servers.stop_master()
                 servers.start_master()
@@ -911,7 +911,7 @@ def test_a_write_that_crossed_a_master_restart_is_removed_from_the_new_master(
             restart.set()
             removal.set()
             stats = a.close()
-            bare.close()
+            close_woken(bare)
     assert (stats["remote_removals_dropped"], stats["remote_remove_errors"]) == (0, 0)
 
 

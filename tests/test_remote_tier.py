@@ -34,7 +34,7 @@ from conftest import (
 from pinning import pin_in_chunks
 from prometheus_client import CollectorRegistry
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, ChildHost
-from remote_local import TOKENS, USER_PAGES, LocalHost, until
+from remote_local import TOKENS, USER_PAGES, LocalHost, close_woken, until
 
 import aiokv
 import aiokv.metrics
@@ -543,7 +543,7 @@ def bare_client(mooncake: MooncakeServers) -> Iterator[Any]:
     client = import_store().MooncakeDistributedStore()
     assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", mooncake.master) == 0
     yield client
-    client.close()
+    close_woken(client)
 
 
 # Small blocks' values go through staging slots, large ones as two slices: both checked.
@@ -988,7 +988,7 @@ def test_a_lookup_racing_another_hosts_evict_marker_put_is_a_miss_not_an_error(
             assert marker_code() == NOT_READY  # so it was for B's read too
         finally:
             client.unregister_buffer(scratch.data_ptr())
-            client.close()
+            close_woken(client)
     assert (stats["remote_hits"], stats["remote_misses"], stats["remote_read_errors"],
             stats["remote_errors"]) == (0, 1, 0, 0)
 
@@ -1057,7 +1057,7 @@ def test_an_evict_waits_for_its_users_put_while_the_next_batch_is_summed_beside_
         finally:
             gate.set()
             a.close()
-            bare.close()
+            close_woken(bare)
         b = LocalHost(servers.master, timeout_ms=FRESH_MS)
         try:
             assert b.load(3302) == (TOKENS, True)
