@@ -4,13 +4,7 @@ tests/remote_host.py's (the child host's), so either can check the other's loads
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +12,7 @@ import torch
 from remote_host import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, user_kv
 
 import aiokv
+from aiokv.remote.servers import mooncake_closes_woken
 
 USER_PAGES = 8
 TOKENS = USER_PAGES * PAGE_SIZE
@@ -84,55 +79,6 @@ def close_woken(client: Any) -> None:
     """Closes a Mooncake client of the test's own (:func:`mooncake_closes_woken`)."""
     with mooncake_closes_woken():
         client.close()
-
-
-# Connects to each port given, every 50 ms, until killed; a refused port is left alone.
-_WAKER = """
-import socket, sys, time
-ports = {int(port) for port in sys.argv[1:]}
-while ports:
-    time.sleep(0.05)
-    for port in list(ports):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        except OSError:
-            ports.discard(port)
-"""
-
-
-def _listening_ports() -> list[int]:
-    """The TCP ports this process listens on (IPv4)."""
-    sockets = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith("socket:["):
-                sockets.add(target[len("socket:[") : -1])
-    with open("/proc/self/net/tcp", encoding="ascii") as table:
-        rows = [line.split() for line in table.readlines()[1:]]
-    return [int(row[1].rsplit(":", 1)[1], 16) for row in rows
-            if row[3] == "0A" and row[9] in sockets]  # 0A: LISTEN
-
-
-@contextlib.contextmanager
-def mooncake_closes_woken() -> Iterator[None]:
-    """Mooncake's client close joins its handshake listener, a thread in accept() that
-    sees the close only when its 1 s receive timeout ends, and holds the GIL meanwhile
-    (no thread of this process can wake it): another process connects to this
-    process's listening ports until the body returns. A connection that is no
-    handshake is refused by the listener and changes nothing the tests check."""
-    if not os.path.exists("/proc/self/net/tcp"):
-        yield
-        return
-    waker = subprocess.Popen([sys.executable, "-S", "-c", _WAKER,
-                              *map(str, _listening_ports())],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    try:
-        yield
-    finally:
-        waker.send_signal(signal.SIGKILL)
-        waker.wait()
 
 
 def until(condition: Any, timeout_s: float = 30.0) -> None:
