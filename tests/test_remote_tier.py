@@ -1475,7 +1475,9 @@ def test_an_evict_whose_marker_cannot_go_out_counts_each_failed_call_once(
         2, 2), seen
     assert seen["remote_errors"] == sum(seen[key] for key in calls), seen
     if master == "killed":  # close's one try at the markers, and the checks, fail too
-        assert seen["remote_call_errors"] >= 1 and seen["remote_timeouts"] == 0, seen
+        # (at once, mostly; on a loaded box a call to the dead master may run out its
+        # timeout_ms first: counted a timeout, once, all the same)
+        assert seen["remote_call_errors"] + seen["remote_timeouts"] >= 1, seen
     else:  # the one call, still waiting on the master: no other is made
         assert seen["remote_errors"] == seen["remote_timeouts"] == 1, seen
     assert engine.remote_errors == seen["remote_errors"]
