@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import subprocess
 import sys
@@ -771,3 +772,49 @@ def test_releasing_a_loaded_hit_leaves_the_next_load_to_its_thread(loop: str) ->
         result = kv.load(second, target(2))
         assert result.loaded_tokens == TOKENS and same(caches, source(2), target(2))
         assert kv.stats().batches == before.batches
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_recsys_wait_interrupted_after_its_report_reports_its_load_once(
+        loop: str, caplog: pytest.LogCaptureFixture) -> None:
+    # A KeyboardInterrupt as the report of a load's copies wakes the store (the report
+    # already handed over): the next wait reported the load again, and the store's next
+    # call failed on it (a StoreError: KeyError), logged, its work retried.
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    caches = make_caches()
+    store = small_store()
+    core = RecsysCore(background(caches, loop, store))
+    try:
+        core.offload([5, 6], [source(5), source(6)], [TOKENS] * 2).outcomes()
+        hits = core.lookup([5], [TOKENS])
+        block_bytes = sum(c[0].numel() * c.element_size() for c in caches)
+        before = store.store_stats()["bytes_h2d"]
+        wake = store._ends._wake
+        armed = [True]
+
+        def interrupted_once() -> None:
+            wake()
+            if armed[0] and threading.current_thread() is threading.main_thread():
+                armed[0] = False
+                raise Interrupted
+
+        store._ends._wake = interrupted_once  # type: ignore[method-assign]
+        pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
+        with pytest.raises(Interrupted):
+            pending.outcomes()
+        assert not armed[0]
+        assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
+        assert same(caches, source(5), target(5))
+        # The store goes on: a load of another key, and evicts that drop each key whole.
+        (r6,) = core.load(core.lookup([6], [TOKENS]), [target(6)]).outcomes()
+        assert r6.loaded_tokens == TOKENS  # type: ignore[union-attr]
+        assert same(caches, source(6), target(6))
+        assert core.evict([5]) == TOKENS
+        assert core.evict([6]) == TOKENS
+        freed(core.kv)
+        assert store.store_stats()["bytes_h2d"] - before == 2 * 8 * block_bytes
+        failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert failed == []
+    finally:
+        core.close()

@@ -154,8 +154,10 @@ class _Lane:
 
 class Here:
     """A job queued by its caller's thread (:meth:`Copier.queue_here`). :meth:`wait`
-    waits for its copies and reports it (``on_done``), once: the caller's wait or the
-    copier's close, whichever comes first."""
+    waits for its copies and reports it (``on_done``): the caller's wait or the
+    copier's close, whichever comes first; once, but where a wait is interrupted after
+    its report and before it forgets the job, the next wait reports it again (the store
+    takes a job in once)."""
 
     __slots__ = ("_copier", "_lock", "_queued", "job")
 

@@ -99,7 +99,13 @@ class TaskEnds:
         done, link = self._done_jobs, self.link
         while done:
             job = done.popleft()
-            tasks, size = self.launched.pop(id(job))
+            launched = self.launched.pop(id(job), None)
+            if launched is None:
+                # Reported again: a caller's wait interrupted after its report (a
+                # KeyboardInterrupt as it woke this thread) leaves it to the next wait,
+                # which reports it once more. Taken in once: its reads end once.
+                continue
+            tasks, size = launched
             moved = job.copied * self.block_bytes
             self.bytes["bytes_d2h" if job.to_host else "bytes_h2d"] += moved
             if link is not None and not self.closed:
