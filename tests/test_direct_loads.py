@@ -818,3 +818,40 @@ def test_a_recsys_wait_interrupted_after_its_report_reports_its_load_once(
         assert failed == []
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_evict_after_a_recsys_wait_interrupted_in_its_report_drops_the_key_whole(
+        loop: str) -> None:
+    # A KeyboardInterrupt as a load's copies are reported, before the store got the
+    # report: an evict of its key made before any other wait must still find the load
+    # (it waits for the loads callers queued), or it finds the blocks read and drops 0.
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    caches = make_caches()
+    store = small_store()
+    core = RecsysCore(background(caches, loop, store))
+    try:
+        core.offload([5], [source(5)], [TOKENS]).outcomes()
+        hits = core.lookup([5], [TOKENS])
+        copier = store._jobs._in  # type: ignore[union-attr]
+        job_done = copier._on_done
+        armed = [True]
+
+        def interrupted_once(job: Any) -> None:
+            if armed[0] and threading.current_thread() is threading.main_thread():
+                armed[0] = False
+                raise Interrupted
+            job_done(job)
+
+        copier._on_done = interrupted_once
+        pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
+        with pytest.raises(Interrupted):
+            pending.outcomes()
+        assert not armed[0]
+        assert same(caches, source(5), target(5))
+        assert core.evict([5]) == TOKENS
+        assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
+        freed(core.kv)
+    finally:
+        core.close()

@@ -333,9 +333,11 @@ class Copier:
 
     def _end_here(self, here: Here, queued: _Queued) -> None:
         _ran(queued)
+        self._end(queued.job)
+        # Known to wait_here and close until reported: a wait interrupted before its
+        # report leaves the job to them (an evict's wait_here, or its blocks stay read).
         with self._here_lock:
             self._here.discard(here)
-        self._end(queued.job)
 
     def stop_at_exit(self) -> None:
         """The interpreter exits (:mod:`aiokv.exiting`): the copy thread ends after the job
