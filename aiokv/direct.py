@@ -107,6 +107,12 @@ class _Group:
         self._members: list[Taken] = []
         self._lock = threading.Lock()
         self._finished = False
+        # Its steps done so far, each done once: a finish interrupted midway (a
+        # KeyboardInterrupt) leaves the rest to the next finisher, which must neither
+        # skip them (the counts never made) nor do them again.
+        self._outcomes: list[LoadResult | BaseException] | None = None
+        self._back: list[int] | None = None  # reservations detached, not yet handed back
+        self._counted = False
 
     def finish(self) -> None:
         # All of it under the lock: a second finisher (the close's) returns only once the
@@ -116,20 +122,26 @@ class _Group:
                 return
             # Finished once every member is: one interrupted (a KeyboardInterrupt in its
             # wait) leaves the group to the next finisher, not finished with no results.
-            outcomes = [member._finish() for member in self._members]
-            self._finished = True
+            if self._outcomes is None:
+                self._outcomes = [member._finish() for member in self._members]
+            outcomes = self._outcomes
             # The store thread forgets the reservations, and takes the copies' end in:
             # one hand-over for them all (one store call), not one each.
             worker = self._engine._worker
-            back = [m._reservation.task_id for m in self._members
-                    if m._reservation.detach()]
-            if back and worker is not None:
-                worker.release(back)
-            latency_s = time.perf_counter() - self._started
-            loop, stats = self._engine._loop, self._engine._stats
-            if loop is not None:
-                with contextlib.suppress(RuntimeError):  # a closed loop: the counts are final
-                    loop.call_soon_threadsafe(_count, stats, outcomes, latency_s)
+            if self._back is None:
+                self._back = [m._reservation.task_id for m in self._members
+                              if m._reservation.detach()]
+            if self._back and worker is not None:
+                worker.release(self._back)
+            self._back = []
+            if not self._counted:
+                latency_s = time.perf_counter() - self._started
+                loop, stats = self._engine._loop, self._engine._stats
+                if loop is not None:
+                    with contextlib.suppress(RuntimeError):  # a closed loop: counts are final
+                        loop.call_soon_threadsafe(_count, stats, outcomes, latency_s)
+                self._counted = True
+            self._finished = True
             # Last: the close's finish_all, which found it open, waits for all of the above.
             self._engine._taken_loads.discard(self)
 

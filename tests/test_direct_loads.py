@@ -855,3 +855,42 @@ def test_an_evict_after_a_recsys_wait_interrupted_in_its_report_drops_the_key_wh
         freed(core.kv)
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_recsys_wait_interrupted_as_its_load_is_given_back_counts_it_at_the_next_wait(
+        loop: str) -> None:
+    # A KeyboardInterrupt as a load's reservation goes back to the store thread (its
+    # copies ran, its result known): the next wait answers it, and it must still be
+    # counted (completed, loaded_tokens), as it is at a wait that was not interrupted.
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    caches = make_caches()
+    core = RecsysCore(background(caches, loop))
+    try:
+        core.offload([5], [source(5)], [TOKENS]).outcomes()
+        hits = core.lookup([5], [TOKENS])
+        before = core.kv.stats()
+        worker = core.kv.engine._worker
+        assert worker is not None
+        release = worker.release
+        armed = [True]
+
+        def interrupted_once(task_ids: object) -> None:
+            if armed[0] and threading.current_thread() is threading.main_thread():
+                armed[0] = False
+                raise Interrupted
+            release(task_ids)  # type: ignore[arg-type]
+
+        worker.release = interrupted_once  # type: ignore[method-assign, assignment]
+        pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
+        with pytest.raises(Interrupted):
+            pending.outcomes()
+        assert not armed[0]
+        assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
+        assert same(caches, source(5), target(5))
+        counted(core, before, loads=1)
+        assert core.evict([5]) == TOKENS
+        freed(core.kv)
+    finally:
+        core.close()
