@@ -247,22 +247,31 @@ def _start_many(
         return answers
     group = _Group(engine, time.perf_counter())
     taking: list[tuple[int, Taken, torch.Tensor]] = []
-    for at, hit, ids, tokens in chosen:
-        try:
-            reservation = hit._take()  # InvalidRequest where loaded, released or expired
-        except InvalidRequest as exc:
-            # A close released it meanwhile: the close's error, as on the loop.
-            answers[at] = (exc if engine._state is EngineState.RUNNING
-                           else EngineClosed(f"engine is {engine._state.value}"))
-            continue
-        taken = Taken(group, hit, reservation, tokens)
-        group._members.append(taken)
-        if reservation.taken_back is not None:
-            # An evict or clear gave it back on the store thread, which may not have
-            # cancelled its task yet: a miss, as on the loop, never the evicted KV.
-            answers[at] = taken
-            continue
-        taking.append((at, taken, ids))
+    try:
+        for at, hit, ids, tokens in chosen:
+            try:
+                reservation = hit._take()  # InvalidRequest where loaded, released, expired
+            except InvalidRequest as exc:
+                # A close released it meanwhile: the close's error, as on the loop.
+                answers[at] = (exc if engine._state is EngineState.RUNNING
+                               else EngineClosed(f"engine is {engine._state.value}"))
+                continue
+            taken = Taken(group, hit, reservation, tokens)
+            group._members.append(taken)
+            if reservation.taken_back is not None:
+                # An evict or clear gave it back on the store thread, which may not have
+                # cancelled its task yet: a miss, as on the loop, never the evicted KV.
+                answers[at] = taken
+                continue
+            taking.append((at, taken, ids))
+    except BaseException:
+        # Interrupted midway (a KeyboardInterrupt): the call raises, so nobody will load
+        # the hits it took; they go back, or their keys' blocks stay read for good (a
+        # release finds them consumed and does nothing).
+        for taken in group._members:
+            taken._hit._settle(loaded=False)
+            taken._reservation.release()
+        raise
     if not taking:
         # Misses only (given back by an evict or clear): nothing to wait for, so they are
         # finished and counted now, while the loop takes counts; a close would not find

@@ -894,3 +894,42 @@ def test_a_recsys_wait_interrupted_as_its_load_is_given_back_counts_it_at_the_ne
         freed(core.kv)
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_recsys_load_interrupted_as_it_takes_its_hits_gives_their_room_back(
+        loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A KeyboardInterrupt as a recsys load takes its hits one by one (the first taken,
+    # the second not yet): the call raises it, and the hit it took must go back to the
+    # store, or its key's blocks stay read for good (a release of the hits does nothing
+    # to it) and an offload that needs their room cannot have it.
+    from aiokv.integrations.recsys_core import RecsysCore
+    from aiokv.requests import Lookup
+
+    caches = make_caches()
+    store = small_store(cpu_cache_gb=16 * 1024 / 2**30)
+    core = RecsysCore(background(caches, loop, store))
+    try:
+        assert core.kv.stats().host_blocks_total == 16
+        core.offload([5, 6], [source(5), source(6)], [TOKENS] * 2).outcomes()
+        hits = core.lookup([5, 6], [TOKENS] * 2)
+        take = Lookup._take
+        calls = [0]
+
+        def interrupted_second(self: Lookup) -> object:
+            if threading.current_thread() is threading.main_thread():
+                calls[0] += 1
+                if calls[0] == 2:
+                    raise Interrupted
+            return take(self)
+
+        monkeypatch.setattr(Lookup, "_take", interrupted_second)
+        with pytest.raises(Interrupted):
+            core.load(hits, [target(5), target(6)])  # type: ignore[arg-type]
+        monkeypatch.setattr(Lookup, "_take", take)
+        core.release(hits)  # type: ignore[arg-type]
+        # Both keys' 16 blocks are free to go: a key of 16 pages is stored whole.
+        (stored,) = core.offload([7], [torch.arange(200, 216)], [2 * TOKENS]).outcomes()
+        assert stored.stored_tokens == 2 * TOKENS  # type: ignore[union-attr]
+    finally:
+        core.close()
