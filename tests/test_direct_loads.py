@@ -237,6 +237,33 @@ def held_cancel(store: aiokv.LocalStore) -> tuple[threading.Event, threading.Eve
     store.cancel = slow_cancel  # type: ignore[method-assign]
     return marked, loaded
 
+def recsys_hit_an_evict_will_mark(loop: str) -> tuple[Any, Any, aiokv.EngineStats,
+                                                       threading.Event, threading.Event]:
+    """A recsys core holding user 5's hit, whose next load passes the engine's checks,
+    says so (``checked``), then goes on only once an evict made meanwhile marked the hit
+    given back on the store thread; that evict's cancel is held until ``loaded`` is set.
+    Returns (core, hit, the stats before the load, checked, loaded)."""
+    from aiokv.integrations.recsys_core import RecsysCore
+
+    store = small_store()
+    takes_load = store.takes_load
+    checked = threading.Event()
+
+    def late_takes_load(task_id: int) -> bool:
+        checked.set()
+        assert marked.wait(10)
+        return takes_load(task_id)
+
+    core = RecsysCore(background(make_caches(), loop, store))
+    core.offload([5], [source(5)], [TOKENS]).outcomes()
+    (hit,) = core.lookup([5], [TOKENS])
+    assert hit is not None
+    before = core.kv.stats()
+    marked, loaded = held_cancel(store)
+    store.takes_load = late_takes_load  # type: ignore[method-assign]
+    return core, hit, before, checked, loaded
+
+
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_hit_that_reads_evicted_loads_nothing_while_the_store_gives_it_back(
@@ -577,27 +604,7 @@ def test_a_recsys_load_an_evict_made_a_miss_meanwhile_is_in_the_close_s_final_fi
     # on the store thread, not yet cancelled there) answers the miss it is; waited for
     # only after a close, it must still be counted in the close's final figures, as a
     # load the close found queued is.
-    from aiokv.integrations.recsys_core import RecsysCore
-
-    caches = make_caches()
-    store = small_store()
-    takes_load = store.takes_load
-    checked = threading.Event()
-
-    def late_takes_load(task_id: int) -> bool:
-        # The loader passed the engine's checks before the evict was made; it goes on
-        # once the evict marked the hit.
-        checked.set()
-        assert marked.wait(10)
-        return takes_load(task_id)
-
-    core = RecsysCore(background(caches, loop, store))
-    core.offload([5], [source(5)], [TOKENS]).outcomes()
-    (hit,) = core.lookup([5], [TOKENS])
-    assert hit is not None
-    before = core.kv.stats()
-    marked, loaded = held_cancel(store)
-    store.takes_load = late_takes_load  # type: ignore[method-assign]
+    core, hit, before, checked, loaded = recsys_hit_an_evict_will_mark(loop)
     pendings: list[object] = []
     loader = threading.Thread(target=lambda: pendings.append(core.load([hit], [target(5)])))
     loader.start()
@@ -658,25 +665,7 @@ def test_a_recsys_miss_its_thread_was_finishing_as_a_close_ran_is_in_its_final_f
     # A recsys load whose hit an evict gave back meanwhile is a miss, finished and
     # counted by its thread at the call; a close running while that thread finishes it
     # must still count it in its final figures (the loop takes no counts after).
-    from aiokv.integrations.recsys_core import RecsysCore
-
-    caches = make_caches()
-    store = small_store()
-    takes_load = store.takes_load
-    checked = threading.Event()
-
-    def late_takes_load(task_id: int) -> bool:
-        checked.set()
-        assert marked.wait(10)
-        return takes_load(task_id)
-
-    core = RecsysCore(background(caches, loop, store))
-    core.offload([5], [source(5)], [TOKENS]).outcomes()
-    (hit,) = core.lookup([5], [TOKENS])
-    assert hit is not None
-    before = core.kv.stats()
-    marked, loaded = held_cancel(store)
-    store.takes_load = late_takes_load  # type: ignore[method-assign]
+    core, hit, before, checked, loaded = recsys_hit_an_evict_will_mark(loop)
     worker = core.kv.engine._worker
     assert worker is not None
     release = worker.release
