@@ -263,6 +263,26 @@ def recsys_hit_an_evict_will_mark(loop: str) -> tuple[Any, Any, aiokv.EngineStat
     store.takes_load = late_takes_load  # type: ignore[method-assign]
     return core, hit, before, checked, loaded
 
+def pause_release_in(core: Any, loader: threading.Thread
+                     ) -> tuple[threading.Event, threading.Event]:
+    """The store's release hand-over that ``loader`` makes as it finishes its group pauses
+    there (as a preempted thread would): ``finishing`` is set as it begins, and it goes on
+    once ``go`` is. Returns (finishing, go)."""
+    worker = core.kv.engine._worker
+    assert worker is not None
+    release = worker.release
+    finishing, go = threading.Event(), threading.Event()
+
+    def paused_release(task_ids: object) -> None:
+        if threading.current_thread() is loader:
+            finishing.set()
+            go.wait(10)  # the thread is preempted here while the close runs
+        release(task_ids)  # type: ignore[arg-type]
+
+    worker.release = paused_release  # type: ignore[method-assign, assignment]
+    return finishing, go
+
+
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -578,20 +598,9 @@ def test_loads_a_thread_was_finishing_as_a_close_ran_are_in_the_close_s_final_fi
     hits = core.lookup(users, [TOKENS] * 2)
     before = core.kv.stats()
     pending = core.load(hits, [target(u) for u in users])
-    worker = core.kv.engine._worker
-    assert worker is not None
-    release = worker.release
-    finishing, go = threading.Event(), threading.Event()
-
-    def paused_release(task_ids: object) -> None:
-        if threading.current_thread() is loader:
-            finishing.set()
-            go.wait(10)  # the thread is preempted here while the close runs
-        release(task_ids)  # type: ignore[arg-type]
-
-    worker.release = paused_release  # type: ignore[method-assign, assignment]
     got: list[object] = []
     loader = threading.Thread(target=lambda: got.append(pending.outcomes()))
+    finishing, go = pause_release_in(core, loader)
     outcomes = closed_while_held(core, loader, finishing, go, got)
     assert [r.loaded_tokens for r in outcomes] == [TOKENS, TOKENS]  # type: ignore[attr-defined]
     counted(core, before, loads=2)
@@ -666,21 +675,10 @@ def test_a_recsys_miss_its_thread_was_finishing_as_a_close_ran_is_in_its_final_f
     # counted by its thread at the call; a close running while that thread finishes it
     # must still count it in its final figures (the loop takes no counts after).
     core, hit, before, checked, loaded = recsys_hit_an_evict_will_mark(loop)
-    worker = core.kv.engine._worker
-    assert worker is not None
-    release = worker.release
-    finishing, go = threading.Event(), threading.Event()
-
-    def paused_release(task_ids: object) -> None:
-        if threading.current_thread() is loader:
-            finishing.set()
-            go.wait(10)  # the thread is preempted here while the close runs
-        release(task_ids)  # type: ignore[arg-type]
-
-    worker.release = paused_release  # type: ignore[method-assign, assignment]
     got: list[object] = []
     loader = threading.Thread(target=lambda: got.append(
         core.load([hit], [target(5)]).outcomes()))
+    finishing, go = pause_release_in(core, loader)
     loader.start()
     try:
         assert checked.wait(10)
@@ -706,6 +704,23 @@ class Interrupted(BaseException):
     """What a signal handler raises in the main thread, as KeyboardInterrupt does."""
 
 
+class InterruptedOnce:
+    """``call`` in place, except that its first call made on the main thread raises
+    Interrupted (as a signal handler's KeyboardInterrupt would there): before ``call``
+    runs, or just after it (``after``). ``armed`` is False once it did."""
+
+    def __init__(self, call: Callable[..., Any], after: bool = False) -> None:
+        self.call, self.after, self.armed = call, after, True
+
+    def __call__(self, *args: Any) -> Any:
+        if not (self.armed and threading.current_thread() is threading.main_thread()):
+            return self.call(*args)
+        self.armed = False
+        if self.after:
+            self.call(*args)
+        raise Interrupted
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_recsys_wait_interrupted_in_its_copies_wait_leaves_the_load_to_the_next_wait(
         loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -719,21 +734,13 @@ def test_a_recsys_wait_interrupted_in_its_copies_wait_leaves_the_load_to_the_nex
     core = RecsysCore(background(caches, loop))
     core.offload([5], [source(5)], [TOKENS]).outcomes()
     hits = core.lookup([5], [TOKENS])
-    ran = copier._ran
-    armed = [True]
-
-    def interrupted_once(queued: Any) -> None:
-        if armed[0] and threading.current_thread() is threading.main_thread():
-            armed[0] = False
-            raise Interrupted
-        ran(queued)
-
-    monkeypatch.setattr(copier, "_ran", interrupted_once)
+    interrupted = InterruptedOnce(copier._ran)
+    monkeypatch.setattr(copier, "_ran", interrupted)
     try:
         pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
         with pytest.raises(Interrupted):
             pending.outcomes()
-        assert not armed[0]
+        assert not interrupted.armed
         assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
         assert same(caches, source(5), target(5))
         assert core.evict([5]) == TOKENS
@@ -779,20 +786,12 @@ def test_a_recsys_wait_interrupted_after_its_report_reports_its_load_once(
         hits = core.lookup([5], [TOKENS])
         block_bytes = sum(c[0].numel() * c.element_size() for c in caches)
         before = store.store_stats()["bytes_h2d"]
-        wake = store._ends._wake
-        armed = [True]
-
-        def interrupted_once() -> None:
-            wake()
-            if armed[0] and threading.current_thread() is threading.main_thread():
-                armed[0] = False
-                raise Interrupted
-
-        store._ends._wake = interrupted_once  # type: ignore[method-assign]
+        interrupted = InterruptedOnce(store._ends._wake, after=True)
+        store._ends._wake = interrupted  # type: ignore[method-assign]
         pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
         with pytest.raises(Interrupted):
             pending.outcomes()
-        assert not armed[0]
+        assert not interrupted.armed
         assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
         assert same(caches, source(5), target(5))
         # The store goes on: a load of another key, and evicts that drop each key whole.
@@ -824,20 +823,12 @@ def test_an_evict_after_a_recsys_wait_interrupted_in_its_report_drops_the_key_wh
         core.offload([5], [source(5)], [TOKENS]).outcomes()
         hits = core.lookup([5], [TOKENS])
         copier = store._jobs._in  # type: ignore[union-attr]
-        job_done = copier._on_done
-        armed = [True]
-
-        def interrupted_once(job: Any) -> None:
-            if armed[0] and threading.current_thread() is threading.main_thread():
-                armed[0] = False
-                raise Interrupted
-            job_done(job)
-
-        copier._on_done = interrupted_once
+        interrupted = InterruptedOnce(copier._on_done)
+        copier._on_done = interrupted
         pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
         with pytest.raises(Interrupted):
             pending.outcomes()
-        assert not armed[0]
+        assert not interrupted.armed
         assert same(caches, source(5), target(5))
         assert core.evict([5]) == TOKENS
         assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
@@ -862,20 +853,12 @@ def test_a_recsys_wait_interrupted_as_its_load_is_given_back_counts_it_at_the_ne
         before = core.kv.stats()
         worker = core.kv.engine._worker
         assert worker is not None
-        release = worker.release
-        armed = [True]
-
-        def interrupted_once(task_ids: object) -> None:
-            if armed[0] and threading.current_thread() is threading.main_thread():
-                armed[0] = False
-                raise Interrupted
-            release(task_ids)  # type: ignore[arg-type]
-
-        worker.release = interrupted_once  # type: ignore[method-assign, assignment]
+        interrupted = InterruptedOnce(worker.release)
+        worker.release = interrupted  # type: ignore[method-assign]
         pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
         with pytest.raises(Interrupted):
             pending.outcomes()
-        assert not armed[0]
+        assert not interrupted.armed
         assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
         assert same(caches, source(5), target(5))
         counted(core, before, loads=1)
