@@ -720,6 +720,16 @@ class InterruptedOnce:
             self.call(*args)
         raise Interrupted
 
+def load_interrupted(core: Any, hits: Any, interrupted: InterruptedOnce) -> Any:
+    """User 5's load into ``target(5)``, its first wait interrupted (by ``interrupted``,
+    which must have raised there); the load's calls, to wait for again."""
+    pending = core.load(hits, [target(5)])
+    with pytest.raises(Interrupted):
+        pending.outcomes()
+    assert not interrupted.armed
+    return pending
+
+
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_recsys_wait_interrupted_in_its_copies_wait_leaves_the_load_to_the_next_wait(
@@ -737,10 +747,7 @@ def test_a_recsys_wait_interrupted_in_its_copies_wait_leaves_the_load_to_the_nex
     interrupted = InterruptedOnce(copier._ran)
     monkeypatch.setattr(copier, "_ran", interrupted)
     try:
-        pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
-        with pytest.raises(Interrupted):
-            pending.outcomes()
-        assert not interrupted.armed
+        pending = load_interrupted(core, hits, interrupted)
         assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
         assert same(caches, source(5), target(5))
         assert core.evict([5]) == TOKENS
@@ -788,10 +795,7 @@ def test_a_recsys_wait_interrupted_after_its_report_reports_its_load_once(
         before = store.store_stats()["bytes_h2d"]
         interrupted = InterruptedOnce(store._ends._wake, after=True)
         store._ends._wake = interrupted  # type: ignore[method-assign]
-        pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
-        with pytest.raises(Interrupted):
-            pending.outcomes()
-        assert not interrupted.armed
+        pending = load_interrupted(core, hits, interrupted)
         assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
         assert same(caches, source(5), target(5))
         # The store goes on: a load of another key, and evicts that drop each key whole.
@@ -825,10 +829,7 @@ def test_an_evict_after_a_recsys_wait_interrupted_in_its_report_drops_the_key_wh
         copier = store._jobs._in  # type: ignore[union-attr]
         interrupted = InterruptedOnce(copier._on_done)
         copier._on_done = interrupted
-        pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
-        with pytest.raises(Interrupted):
-            pending.outcomes()
-        assert not interrupted.armed
+        pending = load_interrupted(core, hits, interrupted)
         assert same(caches, source(5), target(5))
         assert core.evict([5]) == TOKENS
         assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
@@ -855,10 +856,7 @@ def test_a_recsys_wait_interrupted_as_its_load_is_given_back_counts_it_at_the_ne
         assert worker is not None
         interrupted = InterruptedOnce(worker.release)
         worker.release = interrupted  # type: ignore[method-assign]
-        pending = core.load(hits, [target(5)])  # type: ignore[arg-type]
-        with pytest.raises(Interrupted):
-            pending.outcomes()
-        assert not interrupted.armed
+        pending = load_interrupted(core, hits, interrupted)
         assert [r.loaded_tokens for r in pending.outcomes()] == [TOKENS]
         assert same(caches, source(5), target(5))
         counted(core, before, loads=1)
